@@ -1,0 +1,47 @@
+"""Attention backends: which exist, which can run here, and how ``auto`` chooses."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from treedec.errors import BackendUnavailableError
+
+BACKENDS = ("reference", "torch", "triton", "cuda")
+
+
+def triton_status(device: torch.device) -> str | None:
+    """None if the triton backend can run on ``device``, else the reason it cannot."""
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed (pip install 'treedec[triton]')"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got device {device}"
+    return None
+
+
+def cuda_status(device: torch.device) -> str | None:
+    """None if the cuda backend can run on ``device``, else the reason it cannot."""
+    return "the cuda backend (CuTe block-sparse kernels) is not built yet; use 'triton' or 'torch'"
+
+
+def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
+    """Map a requested backend (or ``auto``) to one that runs on ``device``.
+
+    Returns ``(backend, reason)``. ``auto`` prefers cuda > triton > torch; an explicit
+    choice that cannot run raises BackendUnavailableError naming why.
+    """
+    statuses = {"reference": None, "torch": None,
+                "triton": triton_status(device), "cuda": cuda_status(device)}
+    if name == "auto":
+        if device.type == "cuda":
+            for candidate in ("cuda", "triton"):
+                if statuses[candidate] is None:
+                    return candidate, f"auto: {candidate} is the fastest backend available on {device}"
+        skipped = "; ".join(f"{b}: {statuses[b]}" for b in ("cuda", "triton") if statuses[b])
+        return "torch", f"auto: torch plan executor on {device} ({skipped})"
+    if name not in statuses:
+        raise BackendUnavailableError(f"backend must be 'auto' or one of {BACKENDS}, got {name!r}")
+    if statuses[name] is not None:
+        raise BackendUnavailableError(f"backend {name!r} cannot run: {statuses[name]}")
+    return name, f"requested {name!r}"

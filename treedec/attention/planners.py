@@ -1,0 +1,190 @@
+"""Planners: TreeLayout -> TreePlan, vectorized numpy (no per-token Python loops).
+
+All three share one core and differ only in where chunks are cut in the flattened KV:
+
+- ``flatten`` (DeFT-Flatten): even chunks of at most ``chunk_size`` tokens over the whole
+  flattened tree, crossing node borders.
+- ``node`` (DeFT-Node): one chunk per node, whatever its length.
+- ``node_chunk`` (DeFT-Node-Chunk): each node cut into even pieces of at most
+  ``chunk_size`` tokens.
+
+Only tokens that some query reads are flattened (a paused branch costs nothing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.errors import PlanError
+from treedec.tree.layout import TreeLayout
+
+PLANNERS = ("flatten", "node", "node_chunk")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to cut and tile. ``chunk_size`` is ignored by the ``node`` planner."""
+
+    planner: str = "flatten"
+    chunk_size: int = 256
+    query_tile: int = 16
+
+    def __post_init__(self):
+        if self.planner not in PLANNERS:
+            raise PlanError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
+        for name in ("chunk_size", "query_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise PlanError(f"{name} must be a positive int, got {value!r}")
+
+
+def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig()) -> TreePlan:
+    """Plan one step: see the module docstring for the planners."""
+    if layout.num_queries == 0:
+        raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
+    q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)
+    total = len(kv_slots)
+    if config.planner == "flatten":
+        num_chunks = -(-total // config.chunk_size)
+        step = -(-total // num_chunks)
+        bounds = np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
+    else:
+        piece = config.chunk_size if config.planner == "node_chunk" else None
+        bounds = _node_bounds(node_start, node_len, total, piece)
+    return _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds)
+
+
+def plan_flatten(layout: TreeLayout, chunk_size: int = 256, query_tile: int = 16) -> TreePlan:
+    return make_plan(layout, PlanConfig("flatten", chunk_size, query_tile))
+
+
+def plan_node(layout: TreeLayout, query_tile: int = 16) -> TreePlan:
+    return make_plan(layout, PlanConfig("node", 1, query_tile))
+
+
+def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int = 16) -> TreePlan:
+    return make_plan(layout, PlanConfig("node_chunk", chunk_size, query_tile))
+
+
+# ===================================================================== private
+
+
+def _query_intervals(layout: TreeLayout):
+    """Each query's read set as token intervals over the compacted flattened KV.
+
+    Returns ``q_idx, lo, hi`` (one row per (query, node on its path), empty ones dropped),
+    the compacted ``kv_slots`` and per-node compacted ``node_start``, ``node_len``
+    (0 for nodes no query reads).
+    """
+    kv_start, parent = layout.kv_start, layout.parent
+    num_q = layout.num_queries
+    q_parts, n_parts = [np.arange(num_q, dtype=np.int64)], [layout.query_node]
+    qs, cur = q_parts[0], parent[layout.query_node]
+    while len(cur):
+        alive = cur >= 0
+        qs, cur = qs[alive], cur[alive]
+        q_parts.append(qs)
+        n_parts.append(cur)
+        cur = parent[cur]
+    q_idx = np.concatenate(q_parts)
+    nodes = np.concatenate(n_parts)
+
+    lens = np.diff(kv_start)
+    needed = np.zeros(layout.num_nodes, dtype=bool)
+    needed[nodes] = True
+    node_len = np.where(needed, lens, 0)
+    node_start = np.concatenate([[0], np.cumsum(node_len)[:-1]])
+    kv_slots = layout.kv_slots[np.repeat(needed, lens)]
+
+    own = np.zeros(len(q_idx), dtype=bool)
+    own[:num_q] = True
+    read = np.where(own, np.concatenate([layout.query_offset + 1, np.zeros(len(q_idx) - num_q, np.int64)]),
+                    node_len[nodes])
+    keep = read > 0
+    lo = node_start[nodes][keep]
+    return q_idx[keep], lo, lo + read[keep], kv_slots, node_start, node_len
+
+
+def _node_bounds(node_start, node_len, total, piece):
+    """Chunk borders at node borders, each node optionally cut into even pieces <= piece."""
+    nonempty = node_len > 0
+    starts, lens = node_start[nonempty], node_len[nonempty]
+    if piece is None:
+        return np.append(starts, total).astype(np.int64)
+    pieces = -(-lens // piece)
+    step = -(-lens // pieces)
+    node_of = np.repeat(np.arange(len(lens)), pieces)
+    k = np.arange(len(node_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return np.append(starts[node_of] + k * step[node_of], total).astype(np.int64)
+
+
+def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePlan:
+    num_q = layout.num_queries
+    chunk_len = np.diff(bounds)
+    num_chunks = len(chunk_len)
+    words = -(-int(chunk_len.max()) // MASK_BITS)
+
+    # Split every interval into its pieces per chunk.
+    c0 = np.searchsorted(bounds, lo, side="right") - 1
+    c1 = np.searchsorted(bounds, hi - 1, side="right") - 1
+    span = c1 - c0 + 1
+    src = np.repeat(np.arange(len(lo)), span)
+    chunk = c0[src] + np.arange(len(src)) - np.repeat(np.cumsum(span) - span, span)
+    p_lo = np.maximum(lo[src], bounds[chunk]) - bounds[chunk]
+    p_hi = np.minimum(hi[src], bounds[chunk + 1]) - bounds[chunk]
+    query = q_idx[src]
+
+    # Entries: distinct (chunk, query), sorted by chunk then query.
+    keys, entry_of_piece = np.unique(chunk * num_q + query, return_inverse=True)
+    entry_chunk, entry_query = keys // num_q, keys % num_q
+    num_entries = len(keys)
+
+    # Masks: split pieces into 32-bit words and OR their bit runs. Runs of one entry are
+    # disjoint (a query reads each token once), so a float sum is an exact OR (< 2**53).
+    w0, w1 = p_lo // MASK_BITS, (p_hi - 1) // MASK_BITS
+    wspan = w1 - w0 + 1
+    wsrc = np.repeat(np.arange(len(p_lo)), wspan)
+    word = w0[wsrc] + np.arange(len(wsrc)) - np.repeat(np.cumsum(wspan) - wspan, wspan)
+    b_lo = np.maximum(p_lo[wsrc], word * MASK_BITS) - word * MASK_BITS
+    b_hi = np.minimum(p_hi[wsrc], word * MASK_BITS + MASK_BITS) - word * MASK_BITS
+    bits = ((np.uint64(1) << (b_hi - b_lo).astype(np.uint64)) - np.uint64(1)) << b_lo.astype(np.uint64)
+    mask = np.bincount(entry_of_piece[wsrc] * words + word, weights=bits.astype(np.float64),
+                       minlength=num_entries * words)
+    entry_mask = mask.astype(np.uint64).astype(np.uint32).view(np.int32).reshape(num_entries, words)
+
+    chunk_entry_start = np.zeros(num_chunks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(entry_chunk, minlength=num_chunks), out=chunk_entry_start[1:])
+    per_query = np.bincount(entry_query, minlength=num_q)
+    query_entry_start = np.zeros(num_q + 1, dtype=np.int64)
+    np.cumsum(per_query, out=query_entry_start[1:])
+    query_entries = np.argsort(entry_query, kind="stable")
+
+    # Work items: each chunk's entries in tiles of query_tile, heaviest first.
+    qt = config.query_tile
+    group = np.diff(chunk_entry_start)
+    tiles = -(-group // qt)
+    item_chunk = np.repeat(np.arange(num_chunks), tiles)
+    tile = np.arange(len(item_chunk)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    item_entry_start = chunk_entry_start[item_chunk] + tile * qt
+    item_num_entries = np.minimum(qt, group[item_chunk] - tile * qt)
+    order = np.argsort(-(item_num_entries + chunk_len[item_chunk]), kind="stable")
+
+    return TreePlan(
+        planner=config.planner,
+        num_queries=num_q,
+        kv_slots=kv_slots,
+        chunk_kv_start=bounds,
+        chunk_entry_start=chunk_entry_start,
+        entry_query=entry_query,
+        entry_mask=entry_mask,
+        query_entry_start=query_entry_start,
+        query_entries=query_entries,
+        entry_direct=per_query[entry_query] == 1,
+        item_chunk=item_chunk[order],
+        item_entry_start=item_entry_start[order],
+        item_num_entries=item_num_entries[order],
+        query_tile=qt,
+        layout=layout,
+    )

@@ -1,0 +1,53 @@
+"""Dense fp32 reference tree attention: the ground truth for every test.
+
+It ignores any plan: the mask comes straight from the layout's parent pointers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treedec.tree.layout import TreeLayout
+
+
+def dense_tree_mask(layout: TreeLayout) -> np.ndarray:
+    """[Q, T] bool: query i reads flattened token t (its ancestors' tokens, its own prefix)."""
+    mask = np.zeros((layout.num_queries, layout.num_tokens), dtype=bool)
+    start = layout.kv_start
+    for i, (node, offset) in enumerate(zip(layout.query_node.tolist(), layout.query_offset.tolist())):
+        mask[i, start[node]:start[node] + offset + 1] = True
+        node = layout.parent[node]
+        while node >= 0:
+            mask[i, start[node]:start[node + 1]] = True
+            node = layout.parent[node]
+    return mask
+
+
+def reference_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: TreeLayout,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention over the whole tree in fp32.
+
+    Parameters
+    ----------
+    q : [Q, Hq, D]; k_cache, v_cache : [num_pages, page_size, Hkv, D]
+
+    Returns
+    -------
+    out : [Q, Hq, D] float32, lse : [Q, Hq] float32 (natural log)
+    """
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    slots = torch.from_numpy(layout.kv_slots).to(q.device)
+    k = k_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
+    v = v_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,thd->qht", q.float(), k) * sm_scale
+    mask = torch.from_numpy(dense_tree_mask(layout)).to(q.device)
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("qht,thd->qhd", torch.softmax(scores, dim=-1), v)
+    return out, lse

@@ -1,0 +1,120 @@
+"""TreeAttention: plan once per step on the CPU, run for every layer."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from treedec.attention.backends import resolve_backend
+from treedec.attention.planners import PlanConfig, make_plan
+from treedec.attention.reference import reference_tree_attention
+from treedec.attention.torch_executor import run_plan_torch
+from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.tree.layout import TreeLayout
+from treedec.tree.sequence_tree import SequenceTree
+
+logger = logging.getLogger("treedec")
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+class TreeAttention:
+    """Tree attention for a fixed head configuration.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim:
+        ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA of any ratio).
+    backend:
+        "auto", "reference", "torch", "triton" or "cuda". The choice made is in
+        :attr:`backend` and :attr:`backend_reason` (and logged).
+    plan_config:
+        Planner and chunking (:class:`PlanConfig`).
+    sm_scale:
+        Softmax scale; default ``1 / sqrt(head_dim)``.
+    device:
+        Where ``run`` will get its tensors; default CUDA if available, else CPU.
+
+    Examples
+    --------
+    >>> attn = TreeAttention(32, 8, 128)
+    >>> plan = attn.plan(tree)                 # once per step
+    >>> out = attn.run(q, k_cache, v_cache, plan)  # per layer
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto",
+                 plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
+                 device: torch.device | str | None = None):
+        if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.plan_config = plan_config
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.backend, self.backend_reason = resolve_backend(backend, self.device)
+        logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
+
+    def plan(self, tree: SequenceTree | TreeLayout) -> DeviceTreePlan:
+        """Plan one step on the CPU and copy the index arrays to :attr:`device`.
+
+        The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order.
+        """
+        layout = tree.layout() if isinstance(tree, SequenceTree) else tree
+        return make_plan(layout, self.plan_config).to(self.device)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            return_lse: bool = False):
+        """Attention of every query over its root-to-itself path.
+
+        Parameters
+        ----------
+        q : [Q, num_qo_heads, head_dim], fp16/bf16/fp32
+        k_cache, v_cache : [num_pages, page_size, num_kv_heads, head_dim], same dtype as q
+        plan : from :meth:`plan`
+
+        Returns
+        -------
+        out : [Q, num_qo_heads, head_dim] in q's dtype; with ``return_lse`` also
+        lse : [Q, num_qo_heads] float32, natural log.
+        """
+        self._check_inputs(q, k_cache, v_cache, plan)
+        host_plan = plan.plan
+        if self.backend == "reference":
+            out, lse = reference_tree_attention(q, k_cache, v_cache, host_plan.layout, self.sm_scale)
+        elif self.backend == "torch":
+            out, lse = run_plan_torch(q, k_cache, v_cache, host_plan, self.sm_scale)
+        elif self.backend == "triton":
+            from treedec.kernels.triton_tree_attention import run_plan_triton
+            out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale)
+        else:  # resolve_backend only lets runnable backends through
+            raise AssertionError(f"backend {self.backend!r} has no runner")
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+        expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
+        if q.dim() != 3 or tuple(q.shape) != expected_q:
+            raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim] = {expected_q}, "
+                             f"got {tuple(q.shape)}")
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4 or cache.shape[2:] != (self.num_kv_heads, self.head_dim):
+                raise ValueError(f"{name} must have shape [num_pages, page_size, {self.num_kv_heads}, "
+                                 f"{self.head_dim}], got {tuple(cache.shape)}")
+            if cache.dtype != q.dtype:
+                raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+            if cache.device != q.device:
+                raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        if plan.plan.max_slot >= capacity:
+            raise ValueError(f"the plan reads slot {plan.plan.max_slot} but the cache holds {capacity} slots")

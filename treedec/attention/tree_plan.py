@@ -1,0 +1,141 @@
+"""TreePlan: the contract between the planner (CPU, once per step) and the kernels.
+
+The needed KV of the tree (every token some query reads), flattened depth-first, is cut
+into chunks. Each chunk is grouped with all the queries that read any of its tokens
+(KV-guided grouping): one *entry* per (chunk, query) pair, with a bit mask saying which
+of the chunk's tokens that query reads. An entry produces one partial attention state
+(O, LSE); each query's partials are merged in a fixed order (per-query CSR). A *work
+item* is a chunk with a tile of at most ``query_tile`` of its entries; kernels run one
+program per (work item, KV head), the query heads of a KV head fused into the rows.
+
+All arrays are numpy on the CPU; :meth:`TreePlan.to` copies them to a device as int32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from treedec.tree.layout import TreeLayout
+
+MASK_BITS = 32  # bits per mask word
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Attention metadata for one decode step, shared by all layers.
+
+    Attributes
+    ----------
+    planner : str
+        "flatten", "node" or "node_chunk".
+    num_queries : int
+        Q, the number of query tokens (rows of ``q`` in ``run``).
+    kv_slots : [T] int64
+        Pool slot of every needed token, in flattened (depth-first) order.
+    chunk_kv_start : [C + 1] int64
+        Chunk c covers ``kv_slots[chunk_kv_start[c]:chunk_kv_start[c + 1]]``.
+    chunk_entry_start : [C + 1] int64
+        Chunk c's entries are ``chunk_entry_start[c]:chunk_entry_start[c + 1]``.
+    entry_query : [E] int64
+        Query of each entry (entries sorted by (chunk, query)).
+    entry_mask : [E, W] int32
+        Bit ``t % 32`` of word ``t // 32`` is set when the entry's query reads token t
+        of its chunk (``W = ceil(max_chunk_len / 32)``; bits past the chunk are 0).
+    query_entry_start : [Q + 1] int64, query_entries : [E] int64
+        Per-query CSR of its entries, in chunk order: the fixed merge order.
+    entry_direct : [E] bool
+        True when the entry is its query's only partial: it may write the output directly.
+    item_chunk, item_entry_start, item_num_entries : [I] int64
+        Work items, heaviest first by the cost model ``rows + kv_tokens``.
+    query_tile : int
+        Most entries per work item.
+    layout : TreeLayout
+        The snapshot this plan was made from.
+    """
+
+    planner: str
+    num_queries: int
+    kv_slots: np.ndarray
+    chunk_kv_start: np.ndarray
+    chunk_entry_start: np.ndarray
+    entry_query: np.ndarray
+    entry_mask: np.ndarray
+    query_entry_start: np.ndarray
+    query_entries: np.ndarray
+    entry_direct: np.ndarray
+    item_chunk: np.ndarray
+    item_entry_start: np.ndarray
+    item_num_entries: np.ndarray
+    query_tile: int
+    layout: TreeLayout
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_kv_start) - 1
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entry_query)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_chunk)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.kv_slots)
+
+    @property
+    def max_chunk_len(self) -> int:
+        return int(np.diff(self.chunk_kv_start).max(initial=0))
+
+    @property
+    def mask_words(self) -> int:
+        return self.entry_mask.shape[1]
+
+    @property
+    def max_slot(self) -> int:
+        return int(self.kv_slots.max(initial=-1))
+
+    def kv_tokens_read(self) -> int:
+        """KV tokens loaded from memory per KV head: each chunk once per work item."""
+        return int(np.diff(self.chunk_kv_start)[self.item_chunk].sum())
+
+    def summary(self) -> dict:
+        """Sizes of the plan, for logs and benchmark reports."""
+        return {
+            "planner": self.planner, "queries": self.num_queries, "tree_tokens": self.num_tokens,
+            "chunks": self.num_chunks, "entries": self.num_entries, "work_items": self.num_items,
+            "max_chunk_len": self.max_chunk_len, "query_tile": self.query_tile,
+            "direct_queries": int(self.entry_direct.sum()),
+        }
+
+    def to(self, device: torch.device | str) -> "DeviceTreePlan":
+        """Copy the index arrays to ``device`` as int32 tensors (one transfer)."""
+        names = [f.name for f in fields(DeviceTreePlan) if f.name not in ("plan",)]
+        arrays = [np.ascontiguousarray(getattr(self, n)).astype(np.int32).reshape(-1) for n in names]
+        sizes = [a.size for a in arrays]
+        flat = torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)
+        parts = torch.split(flat, sizes)
+        tensors = {n: p.view(getattr(self, n).shape) for n, p in zip(names, parts)}
+        return DeviceTreePlan(plan=self, **tensors)
+
+
+@dataclass(frozen=True)
+class DeviceTreePlan:
+    """The int32 tensors of a :class:`TreePlan` on a device (same names and shapes)."""
+
+    plan: TreePlan
+    kv_slots: torch.Tensor
+    chunk_kv_start: torch.Tensor
+    chunk_entry_start: torch.Tensor
+    entry_query: torch.Tensor
+    entry_mask: torch.Tensor
+    query_entry_start: torch.Tensor
+    query_entries: torch.Tensor
+    entry_direct: torch.Tensor
+    item_chunk: torch.Tensor
+    item_entry_start: torch.Tensor
+    item_num_entries: torch.Tensor

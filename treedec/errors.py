@@ -1,0 +1,21 @@
+"""Exceptions raised by treedec for bad input.
+
+Every error says which argument was wrong, what was expected and what was given. An
+operation that raises leaves the tree and the KV pool exactly as they were.
+"""
+
+
+class TreeError(ValueError):
+    """An invalid tree operation: unknown node, cycle, extending a non-leaf, ..."""
+
+
+class PoolExhaustedError(RuntimeError):
+    """The paged KV pool has fewer free pages than an operation needs."""
+
+
+class PlanError(ValueError):
+    """A tree layout or planner configuration that cannot be planned."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """An attention backend was requested that cannot run on this machine."""

@@ -1,0 +1,1 @@
+"""Attention kernels: Triton (``triton`` backend); CUDA sources + JIT build (``cuda`` backend)."""

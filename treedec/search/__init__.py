@@ -1,0 +1,1 @@
+"""Search programs (branch controller, ToT, beam search, speculative verification)."""

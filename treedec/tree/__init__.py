@@ -1,0 +1,6 @@
+"""Decoding-tree topology and paged KV storage."""
+from treedec.tree.layout import TreeLayout
+from treedec.tree.paged_kv_pool import PagedKVPool
+from treedec.tree.sequence_tree import SequenceTree
+
+__all__ = ["PagedKVPool", "SequenceTree", "TreeLayout"]

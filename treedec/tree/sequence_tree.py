@@ -1,0 +1,360 @@
+"""SequenceTree: the topology and tokens of a forest of decoding trees over a PagedKVPool.
+
+Each node is a run of tokens that extends its parent's sequence. The tokens appended since
+the last :meth:`SequenceTree.commit_step` are *pending*: they are the queries of the step
+being run (their K/V are written by that step's forward pass). A node's tokens live in
+pool slots; a node never writes into a page that another node started (except the packed
+pages of a speculative token tree, see :meth:`add_token_tree`), so pruning a subtree frees
+exactly the pages no remaining node uses.
+
+Every operation validates its input first and changes nothing when it raises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from treedec.errors import PoolExhaustedError, TreeError
+from treedec.tree.layout import TreeLayout, depth_first_order
+from treedec.tree.paged_kv_pool import PagedKVPool
+
+
+@dataclass
+class _Node:
+    id: int
+    parent: int | None
+    tokens: list[int]
+    slots: np.ndarray                      # capacity buffer; the first len(tokens) are valid
+    pages: list[int]                       # distinct pages this node holds a reference on
+    tail_room: int = 0                     # free slots after the last token that this node may fill
+    pending: int = 0                       # trailing tokens not yet committed
+    paused: bool = False
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class SequenceTree:
+    """A forest of token trees whose KV lives in ``pool``.
+
+    Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,
+    :meth:`branch`, :meth:`add_token_tree`, :meth:`prune`, :meth:`pause`,
+    :meth:`resume`, :meth:`commit_step`, :meth:`layout`.
+    """
+
+    def __init__(self, pool: PagedKVPool):
+        self.pool = pool
+        self._nodes: dict[int, _Node] = {}
+        self._roots: list[int] = []
+        self._next_id = 0
+        self._preorder: list[int] | None = None
+
+    # ================================================================ queries
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n.length for n in self._nodes.values())
+
+    @property
+    def roots(self) -> list[int]:
+        return list(self._roots)
+
+    def __contains__(self, node_id: int) -> bool:
+        return node_id in self._nodes
+
+    def parent(self, node_id: int) -> int | None:
+        return self._get(node_id).parent
+
+    def children(self, node_id: int) -> list[int]:
+        return list(self._get(node_id).children)
+
+    def tokens(self, node_id: int) -> list[int]:
+        """The node's own tokens (not its ancestors')."""
+        return list(self._get(node_id).tokens)
+
+    def slots(self, node_id: int) -> np.ndarray:
+        """[len] int64 KV-pool slots of the node's own tokens."""
+        node = self._get(node_id)
+        return node.slots[: node.length].copy()
+
+    def sequence(self, node_id: int) -> list[int]:
+        """All tokens from the root down to the end of ``node_id``."""
+        return [t for nid in self.path(node_id) for t in self._nodes[nid].tokens]
+
+    def path(self, node_id: int) -> list[int]:
+        """Node ids from the root down to ``node_id``."""
+        out = []
+        nid: int | None = node_id
+        self._get(node_id)
+        while nid is not None:
+            out.append(nid)
+            nid = self._nodes[nid].parent
+        return out[::-1]
+
+    def is_paused(self, node_id: int) -> bool:
+        return self._get(node_id).paused
+
+    def live_leaves(self) -> list[int]:
+        """Leaves that are not paused, in depth-first order."""
+        return [i for i in self._order() if not self._nodes[i].children and not self._nodes[i].paused]
+
+    def pending_slots(self) -> np.ndarray:
+        """[Q] int64 slots of the pending tokens, in the order of :meth:`layout`'s queries."""
+        return self.layout().query_slot
+
+    def pending_tokens(self) -> np.ndarray:
+        """[Q] int64 token ids of the pending tokens, in query order."""
+        out = [t for i in self._order() for t in self._nodes[i].tokens[self._nodes[i].length - self._nodes[i].pending:]]
+        return np.asarray(out, dtype=np.int64)
+
+    def layout(self) -> TreeLayout:
+        """Snapshot of the forest for planning; the queries are the pending tokens."""
+        order = self._order()
+        nodes = [self._nodes[i] for i in order]
+        queries = [(n.id, off) for n in nodes for off in range(n.length - n.pending, n.length)]
+        return TreeLayout.from_preorder(
+            node_ids=order,
+            parent_ids=[n.parent for n in nodes],
+            node_slots=[n.slots[: n.length] for n in nodes],
+            queries=queries,
+        )
+
+    # ================================================================ operations
+
+    def add_prompt(self, tokens: Sequence[int]) -> int:
+        """Start a new tree (a new request of the forest) with ``tokens``; returns its root id."""
+        tokens = _as_token_list(tokens, "tokens")
+        if not tokens:
+            raise TreeError("a prompt needs at least one token, got 0")
+        node = self._new_node(parent=None)
+        self._fill(node, tokens)  # may raise before anything is registered
+        self._nodes[node.id] = node
+        self._roots.append(node.id)
+        self._next_id += 1
+        self._preorder = None
+        return node.id
+
+    def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` to leaf ``node_id``; returns their slots."""
+        return self.extend_many({node_id: tokens})[node_id]
+
+    def extend_many(self, tokens_by_node: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
+        """Append tokens to several leaves at once (all or nothing); returns slots per node."""
+        plan = {}
+        for nid, toks in tokens_by_node.items():
+            node = self._get(nid)
+            if node.children:
+                raise TreeError(f"cannot extend node {nid}: it has children {node.children}; only leaves grow")
+            plan[nid] = _as_token_list(toks, f"tokens for node {nid}")
+        need = sum(self._pages_to_extend(self._nodes[nid], len(t)) for nid, t in plan.items())
+        self._check_free(need)
+        return {nid: self._fill(self._nodes[nid], toks) for nid, toks in plan.items()}
+
+    def branch(self, node_id: int, children: int | Sequence[Sequence[int]]) -> list[int]:
+        """Give ``node_id`` new children.
+
+        ``children`` is a count k (k empty children, to be extended later) or a list of
+        token lists, one per child. Each child starts on fresh pages. Returns the ids.
+        """
+        parent = self._get(node_id)
+        if isinstance(children, (int, np.integer)):
+            if children <= 0:
+                raise TreeError(f"branch needs k >= 1 children, got k={children}")
+            token_lists = [[] for _ in range(int(children))]
+        else:
+            token_lists = [_as_token_list(t, f"children[{i}]") for i, t in enumerate(children)]
+            if not token_lists:
+                raise TreeError("branch needs at least one child, got an empty list")
+        self._check_free(sum(self.pool.pages_for(len(t)) for t in token_lists))
+        ids = []
+        for toks in token_lists:
+            child = self._new_node(parent=parent.id)
+            self._fill(child, toks)
+            self._nodes[child.id] = child
+            parent.children.append(child.id)
+            self._next_id += 1
+            ids.append(child.id)
+        self._preorder = None
+        return ids
+
+    def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+        """Hang a token tree (e.g. Medusa/EAGLE candidates) under ``node_id``, one node per token.
+
+        ``parents[i]`` is the index of token i's parent token, or -1 for a child of
+        ``node_id``; parents must come before their children. The tokens are packed
+        into ``ceil(len / page_size)`` fresh pages, shared by refcount. Returns node ids
+        in token order.
+        """
+        anchor = self._get(node_id)
+        tokens = _as_token_list(tokens, "tokens")
+        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        m = len(tokens)
+        if m == 0 or len(parents) != m:
+            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
+        for i, p in enumerate(parents.tolist()):
+            if p < -1 or p >= m:
+                raise TreeError(f"parents[{i}] = {p} is not a token index in [-1, {m})")
+            if p >= i:
+                kind = "a cycle" if _on_cycle(parents, i) else "a forward reference"
+                raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
+        pages = self.pool.allocate(self.pool.pages_for(m))  # raises before any change
+        slots = (pages[:, None] * self.pool.page_size + np.arange(self.pool.page_size)).reshape(-1)[:m]
+        ids = [self._next_id + i for i in range(m)]
+        for i in range(m):
+            page = int(slots[i] // self.pool.page_size)
+            parent_id = anchor.id if parents[i] < 0 else ids[parents[i]]
+            node = _Node(id=ids[i], parent=parent_id, tokens=[tokens[i]], slots=slots[i:i + 1].copy(),
+                         pages=[page], pending=1)
+            self._nodes[node.id] = node
+            self._nodes[parent_id].children.append(node.id)
+        # The pages are fresh with refcount 1: add the other nodes that hold each one.
+        held, holders = np.unique(slots // self.pool.page_size, return_counts=True)
+        self.pool.incref(np.repeat(held, holders - 1))
+        self._next_id += m
+        self._preorder = None
+        return ids
+
+    def prune(self, node_id: int) -> np.ndarray:
+        """Remove ``node_id`` and its whole subtree; returns the pages freed.
+
+        Pruning a root removes that request. A subtree that still has pending tokens
+        (queries of the step in flight) cannot be pruned until :meth:`commit_step`.
+        """
+        self._get(node_id)
+        subtree = self._subtree(node_id)
+        pending = [i for i in subtree if self._nodes[i].pending]
+        if pending:
+            raise TreeError(f"cannot prune node {node_id}: node(s) {pending[:5]} in its subtree have pending "
+                            f"tokens of the current step; call commit_step() first")
+        pages = [p for i in subtree for p in self._nodes[i].pages]
+        node = self._nodes[node_id]
+        if node.parent is None:
+            self._roots.remove(node_id)
+        else:
+            self._nodes[node.parent].children.remove(node_id)
+        for i in subtree:
+            del self._nodes[i]
+        self._preorder = None
+        return self.pool.decref(np.asarray(pages, dtype=np.int64))
+
+    def pause(self, node_id: int) -> None:
+        """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
+        self._get(node_id).paused = True
+
+    def resume(self, node_id: int) -> None:
+        self._get(node_id).paused = False
+
+    def commit_step(self) -> None:
+        """Mark every pending token as computed (call after the step's forward pass)."""
+        for node in self._nodes.values():
+            node.pending = 0
+
+    # ================================================================ debugging
+
+    def pretty_print(self) -> str:
+        """One line per node, indented by depth."""
+        lines = []
+        depth: dict[int, int] = {}
+        for i in self._order():
+            n = self._nodes[i]
+            depth[i] = 0 if n.parent is None else depth[n.parent] + 1
+            flags = (" paused" if n.paused else "") + (f" pending={n.pending}" if n.pending else "")
+            lines.append(f"{'  ' * depth[i]}node {i}: {n.length} tokens, pages {n.pages}{flags}")
+        return "\n".join(lines)
+
+    def check_invariants(self) -> None:
+        """Assert slots are unique, each node's pages match its slots, refcounts are exact."""
+        ps = self.pool.page_size
+        all_slots = [n.slots[: n.length] for n in self._nodes.values()]
+        flat = np.concatenate(all_slots) if all_slots else np.zeros(0, np.int64)
+        assert len(np.unique(flat)) == len(flat), "two tokens share a KV slot"
+        expected = np.zeros(self.pool.num_pages, dtype=np.int64)
+        for n in self._nodes.values():
+            pages_from_slots = set((n.slots[: n.length] // ps).tolist())
+            assert pages_from_slots <= set(n.pages), f"node {n.id}: slots in pages {pages_from_slots} not held {n.pages}"
+            assert len(set(n.pages)) == len(n.pages), f"node {n.id} holds a page twice: {n.pages}"
+            expected[n.pages] += 1
+        assert np.array_equal(expected, self.pool.refcount), (
+            f"refcounts differ at pages {np.flatnonzero(expected != self.pool.refcount)[:10]}")
+        self.pool.check_invariants()
+        assert len(self._order()) == len(self._nodes), "a node is unreachable from the roots"
+
+    # ================================================================ private
+
+    def _get(self, node_id: int) -> _Node:
+        try:
+            return self._nodes[node_id]
+        except (KeyError, TypeError):
+            raise TreeError(f"unknown node id {node_id!r} (pruned, or never created)") from None
+
+    def _new_node(self, parent: int | None) -> _Node:
+        return _Node(id=self._next_id, parent=parent, tokens=[], slots=np.zeros(0, np.int64), pages=[])
+
+    def _order(self) -> list[int]:
+        if self._preorder is None:
+            children = {i: n.children for i, n in self._nodes.items()}
+            self._preorder = depth_first_order(self._roots, children)
+        return self._preorder
+
+    def _subtree(self, node_id: int) -> list[int]:
+        return depth_first_order([node_id], {i: n.children for i, n in self._nodes.items()})
+
+    def _pages_to_extend(self, node: _Node, num_tokens: int) -> int:
+        return self.pool.pages_for(max(0, num_tokens - node.tail_room))
+
+    def _check_free(self, num_pages: int) -> None:
+        if num_pages > self.pool.num_free_pages:
+            raise PoolExhaustedError(
+                f"KV pool exhausted: the operation needs {num_pages} page(s) of {self.pool.page_size} tokens, "
+                f"{self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
+
+    def _fill(self, node: _Node, tokens: list[int]) -> np.ndarray:
+        """Give ``tokens`` slots (tail room first, then fresh pages) and append them."""
+        n = len(tokens)
+        if n == 0:
+            return np.zeros(0, np.int64)
+        ps = self.pool.page_size
+        use_tail = min(n, node.tail_room)
+        last = int(node.slots[node.length - 1]) if node.length else -1
+        tail_slots = np.arange(last + 1, last + 1 + use_tail, dtype=np.int64)
+        pages = self.pool.allocate(self.pool.pages_for(n - use_tail))
+        fresh = (pages[:, None] * ps + np.arange(ps)).reshape(-1)[: n - use_tail]
+        new_slots = np.concatenate([tail_slots, fresh])
+        start = node.length
+        if len(node.slots) < start + n:  # grow the buffer geometrically
+            buf = np.empty(max(2 * len(node.slots), start + n, 16), dtype=np.int64)
+            buf[:start] = node.slots[:start]
+            node.slots = buf
+        node.slots[start:start + n] = new_slots
+        node.tokens.extend(tokens)
+        node.pages.extend(pages.tolist())
+        node.tail_room = node.tail_room - use_tail if len(pages) == 0 else len(pages) * ps - (n - use_tail)
+        node.pending += n
+        return new_slots
+
+
+def _as_token_list(tokens: Iterable[int], name: str) -> list[int]:
+    try:
+        out = [int(t) for t in tokens]
+    except (TypeError, ValueError):
+        raise TreeError(f"{name} must be a sequence of int token ids, got {tokens!r:.80}") from None
+    if any(t < 0 for t in out):
+        raise TreeError(f"{name} must be non-negative token ids, got {[t for t in out if t < 0][:5]}")
+    return out
+
+
+def _on_cycle(parents: np.ndarray, start: int) -> bool:
+    seen = set()
+    i = start
+    while i >= 0 and i not in seen:
+        seen.add(i)
+        i = int(parents[i])
+    return i == start
