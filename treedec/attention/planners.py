@@ -21,6 +21,8 @@ from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
 
 PLANNERS = ("flatten", "node", "node_chunk")
+_LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
+_LOW_BITS.setflags(write=False)
 
 
 @dataclass(frozen=True)
@@ -137,22 +139,31 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
     query = q_idx[src]
 
     # Entries: distinct (chunk, query), sorted by chunk then query.
-    keys, entry_of_piece = np.unique(chunk * num_q + query, return_inverse=True)
+    keys, entry_of_piece = _unique_inverse(chunk * num_q + query)
     entry_chunk, entry_query = keys // num_q, keys % num_q
     num_entries = len(keys)
 
-    # Masks: split pieces into 32-bit words and OR their bit runs. Runs of one entry are
-    # disjoint (a query reads each token once), so a float sum is an exact OR (< 2**53).
-    w0, w1 = p_lo // MASK_BITS, (p_hi - 1) // MASK_BITS
-    wspan = w1 - w0 + 1
-    wsrc = np.repeat(np.arange(len(p_lo)), wspan)
-    word = w0[wsrc] + np.arange(len(wsrc)) - np.repeat(np.cumsum(wspan) - wspan, wspan)
-    b_lo = np.maximum(p_lo[wsrc], word * MASK_BITS) - word * MASK_BITS
-    b_hi = np.minimum(p_hi[wsrc], word * MASK_BITS + MASK_BITS) - word * MASK_BITS
-    bits = ((np.uint64(1) << (b_hi - b_lo).astype(np.uint64)) - np.uint64(1)) << b_lo.astype(np.uint64)
-    mask = np.bincount(entry_of_piece[wsrc] * words + word, weights=bits.astype(np.float64),
-                       minlength=num_entries * words)
-    entry_mask = mask.astype(np.uint64).astype(np.uint32).view(np.int32).reshape(num_entries, words)
+    # Masks. An entry that reads its whole chunk (the common case: a shared prefix) gets
+    # its chunk's full row; the others OR the bit runs of their pieces, word by word.
+    p_len = p_hi - p_lo
+    full = np.bincount(entry_of_piece, weights=p_len, minlength=num_entries) == chunk_len[entry_chunk]
+    col = np.arange(words, dtype=np.int64) * MASK_BITS
+    full_rows = _bit_runs(0, chunk_len[:, None], col[None, :])                    # [C, W]
+    entry_mask = np.take(full_rows, entry_chunk, axis=0)                            # [E, W]
+    part = ~full[entry_of_piece]
+    if part.any():
+        p_lo, p_hi, p_entry = p_lo[part], p_hi[part], entry_of_piece[part]
+        w0, w1 = p_lo // MASK_BITS, (p_hi - 1) // MASK_BITS
+        wspan = w1 - w0 + 1
+        wsrc = np.repeat(np.arange(len(p_lo)), wspan)
+        word = w0[wsrc] + np.arange(len(wsrc)) - np.repeat(np.cumsum(wspan) - wspan, wspan)
+        bits = _bit_runs(p_lo[wsrc], p_hi[wsrc], word * MASK_BITS)
+        # Runs of one entry are disjoint (a query reads a token once): a float sum is an exact OR.
+        sums = np.bincount(p_entry[wsrc] * words + word, weights=bits,
+                           minlength=num_entries * words).reshape(num_entries, words)
+        partial = np.flatnonzero(~full)
+        entry_mask[partial] = sums[partial]
+    entry_mask = entry_mask.astype(np.uint32).view(np.int32)
 
     chunk_entry_start = np.zeros(num_chunks + 1, dtype=np.int64)
     np.cumsum(np.bincount(entry_chunk, minlength=num_chunks), out=chunk_entry_start[1:])
@@ -188,3 +199,22 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
         query_tile=qt,
         layout=layout,
     )
+
+
+def _bit_runs(lo, hi, word_start):
+    """int64 words holding bits [lo, hi) clipped to the 32 bits that start at ``word_start``."""
+    b_lo = np.minimum(np.maximum(lo - word_start, 0), MASK_BITS)
+    b_hi = np.minimum(np.maximum(hi - word_start, 0), MASK_BITS)
+    return _LOW_BITS[np.maximum(b_hi - b_lo, 0)] << b_lo
+
+
+def _unique_inverse(keys):
+    """``np.unique(keys, return_inverse=True)`` by one stable sort (several times faster here)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    new_run = np.empty(len(keys), dtype=bool)
+    new_run[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new_run[1:])
+    inverse = np.empty(len(keys), dtype=np.int64)
+    inverse[order] = np.cumsum(new_run) - 1
+    return ordered[new_run], inverse

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from treedec import PlanError
+from treedec.attention import PlanConfig, make_plan
+from treedec.tree import TreeLayout
+from tests.trees import path_slots, random_forest
+
+
+def read_pairs_from_plan(plan):
+    """Set of (query, slot) pairs the plan's masks say are read."""
+    pairs = set()
+    for c in range(plan.num_chunks):
+        t0, t1 = plan.chunk_kv_start[c], plan.chunk_kv_start[c + 1]
+        for e in range(plan.chunk_entry_start[c], plan.chunk_entry_start[c + 1]):
+            bits = np.unpackbits(plan.entry_mask[e].view(np.uint8), bitorder="little")
+            assert not bits[t1 - t0:].any(), "mask bits set past the chunk's end"
+            assert bits.any(), "an entry that reads nothing"
+            for t in np.flatnonzero(bits):
+                pairs.add((int(plan.entry_query[e]), int(plan.kv_slots[t0 + t])))
+    return pairs
+
+
+def check_structure(plan, config):
+    assert plan.chunk_kv_start[0] == 0 and plan.chunk_kv_start[-1] == plan.num_tokens
+    assert np.all(np.diff(plan.chunk_kv_start) > 0)
+    # entries sorted by (chunk, query), one per pair
+    chunk_of_entry = np.repeat(np.arange(plan.num_chunks), np.diff(plan.chunk_entry_start))
+    key = chunk_of_entry * plan.num_queries + plan.entry_query
+    assert np.all(np.diff(key) > 0)
+    # per-query CSR lists each query's entries in chunk order
+    for q in range(plan.num_queries):
+        entries = plan.query_entries[plan.query_entry_start[q]:plan.query_entry_start[q + 1]]
+        assert len(entries) >= 1 and np.all(plan.entry_query[entries] == q)
+        assert np.all(np.diff(chunk_of_entry[entries]) > 0)
+        assert np.all(plan.entry_direct[entries] == (len(entries) == 1))
+    # work items tile every entry exactly once, at most query_tile at a time, within their chunk
+    covered = np.concatenate([np.arange(s, s + n) for s, n in zip(plan.item_entry_start, plan.item_num_entries)])
+    assert np.array_equal(np.sort(covered), np.arange(plan.num_entries))
+    assert plan.item_num_entries.max() <= config.query_tile
+    assert np.all(chunk_of_entry[plan.item_entry_start] == plan.item_chunk)
+    if config.planner == "flatten":
+        lens = np.diff(plan.chunk_kv_start)
+        assert lens.max() <= config.chunk_size and lens[:-1].min(initial=lens.max()) == lens.max()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 4, 16]),
+       planner=st.sampled_from(["flatten", "node", "node_chunk"]),
+       chunk_size=st.sampled_from([1, 5, 32, 64, 1000]), query_tile=st.sampled_from([1, 3, 16]))
+def test_plan_reads_exactly_each_query_path(seed, page_size, planner, chunk_size, query_tile):
+    rng = np.random.default_rng(seed)
+    tree = random_forest(rng, page_size)
+    layout = tree.layout()
+    config = PlanConfig(planner, chunk_size, query_tile)
+    plan = make_plan(layout, config)
+    check_structure(plan, config)
+    expected = set()
+    for q, (node, offset) in enumerate(zip(layout.query_node, layout.query_offset)):
+        expected |= {(q, int(s)) for s in path_slots(tree, int(layout.node_ids[node]), int(offset))}
+    assert read_pairs_from_plan(plan) == expected
+
+
+def test_kv_guided_grouping_reads_shared_prefix_once():
+    # 1000-token prompt, 8 branches of 10 with one query each: the prefix chunks hold all 8 queries
+    layout = TreeLayout.from_parents([-1] + [0] * 8, [1000] + [10] * 8, [(i, 9) for i in range(1, 9)])
+    plan = make_plan(layout, PlanConfig("flatten", 100, 16))
+    assert plan.num_tokens == 1080 and plan.num_chunks == 11
+    assert np.diff(plan.chunk_entry_start)[:10].tolist() == [8] * 10
+    assert plan.kv_tokens_read() == 1080  # each chunk once: one tile of 8 queries
+
+
+def test_unread_branches_are_not_flattened():
+    # a paused branch (no query below it) costs nothing
+    layout = TreeLayout.from_parents([-1, 0, 0], [10, 50, 5], [(2, 4)])
+    plan = make_plan(layout, PlanConfig("flatten", 8, 4))
+    assert plan.num_tokens == 15
+
+
+def test_node_planner_one_chunk_per_node_and_node_chunk_splits():
+    layout = TreeLayout.from_parents([-1, 0, 0], [100, 7, 3], [(1, 6), (2, 2)])
+    assert np.diff(make_plan(layout, PlanConfig("node", 1, 4)).chunk_kv_start).tolist() == [100, 7, 3]
+    assert np.diff(make_plan(layout, PlanConfig("node_chunk", 40, 4)).chunk_kv_start).tolist() == [34, 34, 32, 7, 3]
+
+
+def test_single_chunk_queries_are_direct():
+    layout = TreeLayout.from_parents([-1, 0, 0], [10, 2, 2], [(1, 1), (2, 1)])
+    assert make_plan(layout, PlanConfig("flatten", 64, 4)).entry_direct.all()
+    assert not make_plan(layout, PlanConfig("flatten", 4, 4)).entry_direct.any()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(planner="radix"), "planner must be one of"),
+    (dict(chunk_size=0), "chunk_size must be a positive int"),
+    (dict(query_tile=2.5), "query_tile must be a positive int"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        PlanConfig(**kwargs)
+
+
+def test_no_queries():
+    with pytest.raises(PlanError, match="no queries"):
+        make_plan(TreeLayout.from_parents([-1], [4], []))

@@ -1,0 +1,216 @@
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from treedec import PoolExhaustedError, TreeError
+from treedec.tree import PagedKVPool, SequenceTree
+
+
+def snapshot(tree: SequenceTree):
+    """Everything an operation could change."""
+    nodes = {i: (n.parent, list(n.children), list(n.tokens), n.slots[: n.length].tolist(), list(n.pages),
+                 n.tail_room, n.pending, n.paused) for i, n in tree._nodes.items()}
+    return nodes, list(tree._roots), tree._next_id, tree.pool.refcount.tolist(), list(tree.pool._free)
+
+
+def make_tree(num_pages=64, page_size=4):
+    return SequenceTree(PagedKVPool(num_pages, page_size, allocate_storage=False))
+
+
+def test_prompt_extend_fills_tail_page_first():
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt([1, 2, 3, 4, 5])
+    assert tree.slots(root).tolist() == [0, 1, 2, 3, 4]
+    slots = tree.extend(root, [6, 7, 8, 9])
+    assert slots.tolist() == [5, 6, 7, 8]  # 3 slots of page 1's tail, then a fresh page
+    assert tree.sequence(root) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    tree.check_invariants()
+
+
+def test_children_never_write_into_parent_pages():
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt([1, 2, 3])                 # page 0, one slot free
+    a, b = tree.branch(root, [[4], [5, 6]])
+    for child in (a, b):
+        assert not set(tree.slots(child) // 4) & set(tree.slots(root) // 4)
+    assert tree.sequence(b) == [1, 2, 3, 5, 6]
+    tree.check_invariants()
+
+
+def test_pending_tokens_are_the_step_queries():
+    tree = make_tree()
+    root = tree.add_prompt([1, 2, 3])
+    tree.commit_step()
+    a, b = tree.branch(root, 2)
+    tree.extend_many({a: [10], b: [20, 21]})
+    layout = tree.layout()
+    assert tree.pending_tokens().tolist() == [10, 20, 21]
+    assert layout.query_position.tolist() == [3, 3, 4]
+    assert layout.query_slot.tolist() == tree.pending_slots().tolist()
+    tree.commit_step()
+    assert tree.layout().num_queries == 0
+
+
+def test_token_tree_packs_pages_and_prune_frees_them():
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt([1] * 4)
+    tree.commit_step()
+    ids = tree.add_token_tree(root, [5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, -1, 4])
+    assert tree.parent(ids[3]) == ids[1] and tree.parent(ids[4]) == root
+    slots = np.concatenate([tree.slots(i) for i in ids])
+    assert len(set((slots // 4).tolist())) == 2          # 6 tokens in 2 shared pages
+    tree.check_invariants()
+    free_before = tree.pool.num_free_pages
+    tree.commit_step()
+    assert len(tree.prune(ids[3])) == 0                   # its page still holds tokens 0-2
+    assert len(tree.prune(ids[0])) == 1                   # tokens 0-2: the first page is free
+    assert len(tree.prune(ids[4])) == 1                   # tokens 4, 5: the second page
+    assert tree.pool.num_free_pages == free_before + 2
+    tree.check_invariants()
+
+
+def test_live_leaves_skip_paused():
+    tree = make_tree()
+    root = tree.add_prompt([1])
+    a, b, c = tree.branch(root, 3)
+    tree.pause(b)
+    assert tree.live_leaves() == [a, c]
+    tree.resume(b)
+    assert tree.live_leaves() == [a, b, c]
+
+
+@pytest.mark.parametrize("op,match", [
+    (lambda t, r: t.extend(99, [1]), "unknown node id 99"),
+    (lambda t, r: t.extend(r, [1]), "only leaves grow"),
+    (lambda t, r: t.branch(r, 0), "k >= 1"),
+    (lambda t, r: t.branch(r, []), "at least one child"),
+    (lambda t, r: t.add_prompt([]), "at least one token"),
+    (lambda t, r: t.add_prompt([1, -3]), "non-negative"),
+    (lambda t, r: t.add_prompt(["a"]), "sequence of int"),
+    (lambda t, r: t.add_token_tree(r, [1, 2], [1, 0]), "cycle"),
+    (lambda t, r: t.add_token_tree(r, [1, 2, 3], [-1, 2, -1]), "forward reference"),
+    (lambda t, r: t.add_token_tree(r, [1, 2], [-1]), "one parent per token"),
+    (lambda t, r: t.add_token_tree(r, [1, 2], [-1, -4]), r"parents\[1\] = -4"),
+    (lambda t, r: t.prune(t.children(r)[0]), "pending tokens"),
+])
+def test_bad_operations_raise_and_change_nothing(op, match):
+    tree = make_tree()
+    root = tree.add_prompt([1, 2, 3])
+    tree.commit_step()
+    tree.branch(root, [[4]])
+    before = snapshot(tree)
+    with pytest.raises(TreeError, match=match):
+        op(tree, root)
+    assert snapshot(tree) == before
+
+
+def test_prune_twice_is_an_unknown_node():
+    tree = make_tree()
+    root = tree.add_prompt([1])
+    (a,) = tree.branch(root, [[2]])
+    tree.commit_step()
+    tree.prune(a)
+    before = snapshot(tree)
+    with pytest.raises(TreeError, match=f"unknown node id {a}"):
+        tree.prune(a)
+    assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("op", [
+    lambda t, r, a: t.add_prompt(range(40)),
+    lambda t, r, a: t.extend(a, range(40)),
+    lambda t, r, a: t.branch(r, [range(20), range(20)]),
+    lambda t, r, a: t.add_token_tree(a, range(30), [-1] * 30),
+])
+def test_exhausted_pool_raises_and_changes_nothing(op):
+    tree = make_tree(num_pages=8, page_size=4)  # 32 slots
+    root = tree.add_prompt(range(6))
+    (a,) = tree.branch(root, [[1]])
+    tree.commit_step()
+    before = snapshot(tree)
+    with pytest.raises(PoolExhaustedError, match="exhausted"):
+        op(tree, root, a)
+    assert snapshot(tree) == before
+
+
+def test_extend_many_is_all_or_nothing():
+    tree = make_tree(num_pages=6, page_size=4)
+    root = tree.add_prompt([1])
+    a, b = tree.branch(root, [[2], [3]])
+    tree.commit_step()
+    before = snapshot(tree)
+    with pytest.raises(PoolExhaustedError):
+        tree.extend_many({a: range(8), b: range(8)})   # a fits alone, both do not
+    assert snapshot(tree) == before
+    with pytest.raises(TreeError, match="only leaves grow"):
+        tree.extend_many({a: [1], root: [1]})
+    assert snapshot(tree) == before
+
+
+class TreeOperations(RuleBasedStateMachine):
+    """Random operation sequences keep slots unique and refcounts exact; nothing leaks."""
+
+    def __init__(self):
+        super().__init__()
+        self.tree = make_tree(num_pages=48, page_size=3)
+
+    def _nodes(self):
+        return sorted(self.tree._nodes)
+
+    @rule(n=st.integers(1, 20))
+    def add_prompt(self, n):
+        try:
+            self.tree.add_prompt(range(n))
+        except PoolExhaustedError:
+            pass
+
+    @precondition(lambda self: self.tree.num_nodes)
+    @rule(data=st.data(), n=st.integers(1, 10))
+    def extend_leaf(self, data, n):
+        leaves = [i for i in self._nodes() if not self.tree.children(i)]
+        leaf = data.draw(st.sampled_from(leaves))
+        try:
+            self.tree.extend(leaf, range(n))
+        except PoolExhaustedError:
+            pass
+
+    @precondition(lambda self: self.tree.num_nodes)
+    @rule(data=st.data(), sizes=st.lists(st.integers(0, 7), min_size=1, max_size=3))
+    def branch(self, data, sizes):
+        node = data.draw(st.sampled_from(self._nodes()))
+        try:
+            self.tree.branch(node, [range(s) for s in sizes])
+        except PoolExhaustedError:
+            pass
+
+    @precondition(lambda self: self.tree.num_nodes)
+    @rule(data=st.data(), m=st.integers(1, 8))
+    def token_tree(self, data, m):
+        node = data.draw(st.sampled_from(self._nodes()))
+        parents = [data.draw(st.integers(-1, i - 1)) for i in range(m)]
+        try:
+            self.tree.add_token_tree(node, range(m), parents)
+        except PoolExhaustedError:
+            pass
+
+    @precondition(lambda self: self.tree.num_nodes)
+    @rule(data=st.data())
+    def prune(self, data):
+        self.tree.commit_step()
+        self.tree.prune(data.draw(st.sampled_from(self._nodes())))
+
+    @invariant()
+    def consistent(self):
+        self.tree.check_invariants()
+
+    def teardown(self):
+        self.tree.commit_step()
+        for root in self.tree.roots:
+            self.tree.prune(root)
+        assert self.tree.pool.num_free_pages == self.tree.pool.num_pages, "pages leaked"
+        assert not self.tree.pool.refcount.any()
+
+
+TestTreeOperations = TreeOperations.TestCase
+TestTreeOperations.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)

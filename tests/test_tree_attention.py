@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from treedec import BackendUnavailableError, PlanConfig, TreeAttention
+from treedec.attention import reference_tree_attention
+from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
+from tests.trees import path_slots, random_forest, rel_error
+
+
+def path_reference(tree, layout, q, k_cache, v_cache, sm_scale):
+    """Attention of each query over its own path, one query at a time (no masks at all)."""
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[2]
+    k_flat = k_cache.reshape(-1, hkv, d).float().repeat_interleave(hq // hkv, dim=1)
+    v_flat = v_cache.reshape(-1, hkv, d).float().repeat_interleave(hq // hkv, dim=1)
+    outs = []
+    for i, (node, offset) in enumerate(zip(layout.query_node, layout.query_offset)):
+        slots = torch.from_numpy(path_slots(tree, int(layout.node_ids[node]), int(offset)))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].float(), k_flat[slots]) * sm_scale, dim=-1)
+        outs.append(torch.einsum("ht,thd->hd", p, v_flat[slots]))
+    return torch.stack(outs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 3, 16]),
+       group=st.sampled_from([1, 2, 3, 4, 8]), head_dim=st.sampled_from([64, 128, 256]),
+       planner=st.sampled_from(["flatten", "node", "node_chunk"]), chunk_size=st.sampled_from([7, 32, 128]))
+def test_torch_executor_matches_references(seed, page_size, group, head_dim, planner, chunk_size):
+    rng = np.random.default_rng(seed)
+    hkv = int(rng.integers(1, 3))
+    tree = random_forest(rng, page_size, num_kv_heads=hkv, head_dim=head_dim)
+    attn = TreeAttention(hkv * group, hkv, head_dim, backend="torch", device="cpu",
+                         plan_config=PlanConfig(planner, chunk_size, int(rng.integers(1, 9))))
+    plan = attn.plan(tree)
+    q = torch.randn(plan.plan.num_queries, hkv * group, head_dim, generator=torch.Generator().manual_seed(seed))
+    k_cache, v_cache = tree.pool.layer(0)
+    out, lse = attn.run(q, k_cache, v_cache, plan, return_lse=True)
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    assert out.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
+    assert rel_error(out, ref) < 1e-5
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    assert rel_error(ref, path_reference(tree, plan.plan.layout, q, k_cache, v_cache, attn.sm_scale)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_half_precision_inputs(dtype, tol):
+    tree = random_forest(np.random.default_rng(1), 16, num_kv_heads=2, head_dim=128, dtype=dtype)
+    attn = TreeAttention(8, 2, 128, backend="torch", device="cpu", plan_config=PlanConfig("flatten", 32, 4))
+    plan = attn.plan(tree)
+    q = torch.randn(plan.plan.num_queries, 8, 128).to(dtype)
+    k_cache, v_cache = tree.pool.layer(0)
+    out = attn.run(q, k_cache, v_cache, plan)
+    ref, _ = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    assert out.dtype == dtype
+    assert rel_error(out, ref) < tol
+
+
+def test_reference_backend_and_layout_input():
+    layout = TreeLayout.from_parents([-1, 0, 0], [20, 3, 4], [(1, 2), (2, 3)])
+    k = torch.randn(27, 1, 2, 64)
+    v = torch.randn(27, 1, 2, 64)
+    q = torch.randn(2, 4, 64)
+    outs = [TreeAttention(4, 2, 64, backend=b, device="cpu").run(q, k, v, TreeAttention(4, 2, 64, device="cpu").plan(layout))
+            for b in ("reference", "torch")]
+    assert rel_error(outs[1], outs[0]) < 1e-5
+
+
+@pytest.fixture
+def small_step():
+    pool = PagedKVPool(16, 4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    tree = SequenceTree(pool)
+    tree.add_prompt(range(10))
+    attn = TreeAttention(4, 2, 64, backend="torch", device="cpu")
+    return attn, attn.plan(tree), pool
+
+
+@pytest.mark.parametrize("mutate,error,match", [
+    (lambda q, k, v: (q[:5], k, v), ValueError, r"q must have shape \[num_queries, num_qo_heads, head_dim\] = \(10, 4, 64\)"),
+    (lambda q, k, v: (q.int(), k, v), TypeError, "q must be one of"),
+    (lambda q, k, v: (q, k.float(), v), TypeError, "k_cache dtype torch.float32 differs"),
+    (lambda q, k, v: (q, k[:, :, :1], v), ValueError, r"k_cache must have shape \[num_pages, page_size, 2, 64\]"),
+    (lambda q, k, v: (q, k, v[:2]), ValueError, "differ in shape"),
+    (lambda q, k, v: (q, k[:2], v[:2]), ValueError, "the plan reads slot 9 but the cache holds 8 slots"),
+])
+def test_run_rejects_bad_inputs(small_step, mutate, error, match):
+    attn, plan, pool = small_step
+    q = torch.randn(10, 4, 64, dtype=torch.float16)
+    with pytest.raises(error, match=match):
+        attn.run(*mutate(q, *pool.layer(0)), plan)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TreeAttention(6, 4, 64)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        TreeAttention(4, 4, 96)
+
+
+def test_backend_choice_is_reported_and_explicit_failures_raise():
+    auto = TreeAttention(4, 2, 64, device="cpu")
+    assert auto.backend == "torch" and "auto" in auto.backend_reason
+    with pytest.raises(BackendUnavailableError, match="cuda backend"):
+        TreeAttention(4, 2, 64, backend="cuda", device="cpu")
+    with pytest.raises(BackendUnavailableError, match="must be 'auto' or one of"):
+        TreeAttention(4, 2, 64, backend="flash")

@@ -1,0 +1,55 @@
+"""Random trees for tests: built through SequenceTree so slots are really paged."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treedec.tree import PagedKVPool, SequenceTree
+
+
+def random_forest(rng: np.random.Generator, page_size: int, num_kv_heads: int = 2, head_dim: int = 64,
+                  dtype=torch.float32, max_requests: int = 3, max_nodes: int = 12) -> SequenceTree:
+    """A forest of 1..max_requests trees with one pending step.
+
+    Node lengths are random (1..40, prompts up to 90); some leaves get a pending decode
+    token, some requests a pending speculative token tree, some branches stay paused
+    (no query below them). Pool K/V are random normal.
+    """
+    pool = PagedKVPool(num_pages=4096 // page_size + 64, page_size=page_size, num_layers=1,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    tree = SequenceTree(pool)
+    roots = [tree.add_prompt(rng.integers(0, 1000, rng.integers(1, 90))) for _ in range(rng.integers(1, max_requests + 1))]
+    nodes = list(roots)
+    for _ in range(rng.integers(0, max_nodes)):
+        parent = nodes[rng.integers(len(nodes))]
+        if rng.random() < 0.3 and not tree.children(parent):
+            tree.extend(parent, rng.integers(0, 1000, rng.integers(1, 30)))
+        else:
+            nodes += tree.branch(parent, [rng.integers(0, 1000, rng.integers(1, 40))])
+    tree.commit_step()
+    leaves = [n for n in nodes if not tree.children(n)]
+    for leaf in leaves:
+        kind = rng.random()
+        if kind < 0.5:
+            tree.extend(leaf, [int(rng.integers(1000))])
+        elif kind < 0.75:
+            m = int(rng.integers(1, 12))
+            tree.add_token_tree(leaf, rng.integers(0, 1000, m), [int(rng.integers(-1, i)) for i in range(m)])
+        else:
+            tree.pause(leaf)
+    if not len(tree.pending_tokens()):
+        tree.extend(leaves[0], [7])
+    pool.k.normal_(generator=torch.Generator().manual_seed(int(rng.integers(2**31))))
+    pool.v.normal_(generator=torch.Generator().manual_seed(int(rng.integers(2**31))))
+    return tree
+
+
+def path_slots(tree: SequenceTree, node: int, offset: int) -> np.ndarray:
+    """Slots a query token reads, from the tree's own path API (independent of layouts)."""
+    path = tree.path(node)
+    parts = [tree.slots(n) for n in path[:-1]] + [tree.slots(node)[: offset + 1]]
+    return np.concatenate(parts)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.norm((out.float() - ref.float()).flatten()) / torch.linalg.norm(ref.float().flatten()))
