@@ -114,13 +114,16 @@ class TreePlan:
 
     def to(self, device: torch.device | str) -> "DeviceTreePlan":
         """Copy the index arrays to ``device`` as int32 tensors (one transfer)."""
-        names = [f.name for f in fields(DeviceTreePlan) if f.name not in ("plan",)]
-        arrays = [np.ascontiguousarray(getattr(self, n)).astype(np.int32).reshape(-1) for n in names]
+        names = _DEVICE_ARRAYS
+        arrays = [getattr(self, n) for n in names]
         sizes = [a.size for a in arrays]
-        flat = torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)
+        ends = np.cumsum(sizes)
+        host = np.empty(int(ends[-1]), dtype=np.int32)
+        for a, end, size in zip(arrays, ends.tolist(), sizes):
+            host[end - size:end] = a.reshape(-1)
+        flat = torch.from_numpy(host).to(device)
         parts = torch.split(flat, sizes)
-        tensors = {n: p.view(getattr(self, n).shape) for n, p in zip(names, parts)}
-        return DeviceTreePlan(plan=self, **tensors)
+        return DeviceTreePlan(self, *(p.view(a.shape) for p, a in zip(parts, arrays)))
 
 
 @dataclass(frozen=True)
@@ -139,3 +142,6 @@ class DeviceTreePlan:
     item_chunk: torch.Tensor
     item_entry_start: torch.Tensor
     item_num_entries: torch.Tensor
+
+
+_DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.name != "plan")

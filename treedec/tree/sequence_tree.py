@@ -51,7 +51,7 @@ class SequenceTree:
         self._nodes: dict[int, _Node] = {}
         self._roots: list[int] = []
         self._next_id = 0
-        self._preorder: list[int] | None = None
+        self._preorder: tuple[list[int], np.ndarray] | None = None
 
     # ================================================================ queries
 
@@ -117,15 +117,17 @@ class SequenceTree:
 
     def layout(self) -> TreeLayout:
         """Snapshot of the forest for planning; the queries are the pending tokens."""
-        order = self._order()
+        order, parent = self._structure()
         nodes = [self._nodes[i] for i in order]
-        queries = [(n.id, off) for n in nodes for off in range(n.length - n.pending, n.length)]
-        return TreeLayout.from_preorder(
-            node_ids=order,
-            parent_ids=[n.parent for n in nodes],
-            node_slots=[n.slots[: n.length] for n in nodes],
-            queries=queries,
-        )
+        lens = np.fromiter((n.length for n in nodes), dtype=np.int64, count=len(nodes))
+        pending = np.fromiter((n.pending for n in nodes), dtype=np.int64, count=len(nodes))
+        kv_start = np.zeros(len(nodes) + 1, dtype=np.int64)
+        np.cumsum(lens, out=kv_start[1:])
+        query_node = np.repeat(np.arange(len(nodes)), pending)
+        first = np.cumsum(pending) - pending
+        query_offset = (lens - pending)[query_node] + np.arange(len(query_node)) - first[query_node]
+        kv_slots = np.concatenate([n.slots[: n.length] for n in nodes]) if nodes else np.zeros(0, np.int64)
+        return TreeLayout(np.asarray(order, dtype=np.int64), parent, kv_start, kv_slots, query_node, query_offset)
 
     # ================================================================ operations
 
@@ -299,9 +301,16 @@ class SequenceTree:
         return _Node(id=self._next_id, parent=parent, tokens=[], slots=np.zeros(0, np.int64), pages=[])
 
     def _order(self) -> list[int]:
+        return self._structure()[0]
+
+    def _structure(self) -> tuple[list[int], np.ndarray]:
+        """Node ids in depth-first preorder and each one's parent index; cached until the topology changes."""
         if self._preorder is None:
-            children = {i: n.children for i, n in self._nodes.items()}
-            self._preorder = depth_first_order(self._roots, children)
+            order = depth_first_order(self._roots, {i: n.children for i, n in self._nodes.items()})
+            index = {nid: i for i, nid in enumerate(order)}
+            parent = np.array([-1 if self._nodes[i].parent is None else index[self._nodes[i].parent] for i in order],
+                              dtype=np.int64)
+            self._preorder = (order, parent)
         return self._preorder
 
     def _subtree(self, node_id: int) -> list[int]:

@@ -1,0 +1,104 @@
+"""How long does planning a step take on the CPU?
+
+Two cases from DESIGN.md's budget: the 64-token Medusa tree over a 4000-token prompt
+(<= 200 us) and a 1,000-node forest (<= 2 ms). Times the three parts of
+``TreeAttention.plan``: the tree snapshot (``SequenceTree.layout``), the planner
+(``make_plan``) and the index copy (``TreePlan.to``), each the median of many runs after
+warm-up, and writes ``bench/results/<date>-plan-cost-<host>.json``.
+
+    python bench/plan_cost.py [--repeats 300] [--planner flatten]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from treedec.attention import PLANNERS, PlanConfig, make_plan
+from treedec.tree import PagedKVPool, SequenceTree
+from treedec.workloads.deft import medusa_tree
+
+
+def medusa64_over_4k(page_size: int = 16) -> SequenceTree:
+    """A 4000-token prompt with the 64-token Medusa tree pending under it."""
+    tree = SequenceTree(PagedKVPool(1024, page_size, allocate_storage=False))
+    root = tree.add_prompt(np.zeros(4000, dtype=np.int64))
+    tree.commit_step()
+    parents = medusa_tree(64).parents  # token 0 (the root token) has parent -1: it hangs under the prompt
+    tree.add_token_tree(root, np.zeros(len(parents), dtype=np.int64), parents)
+    return tree
+
+
+def forest_1000_nodes(rng: np.random.Generator, page_size: int = 16) -> SequenceTree:
+    """20 requests x 50 nodes: a 500-token prompt and a random tree of 49 thoughts (20-100 tokens);
+    one pending decode token on every leaf."""
+    tree = SequenceTree(PagedKVPool(8192, page_size, allocate_storage=False))
+    for _ in range(20):
+        nodes = [tree.add_prompt(np.zeros(500, dtype=np.int64))]
+        for _ in range(49):
+            parent = nodes[rng.integers(len(nodes))]
+            nodes += tree.branch(parent, [np.zeros(rng.integers(20, 100), dtype=np.int64)])
+    tree.commit_step()
+    leaves = tree.live_leaves()
+    tree.extend_many({leaf: [1] for leaf in leaves})
+    return tree
+
+
+def time_us(fn, repeats: int) -> dict:
+    for _ in range(10):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    samples = np.array(samples) * 1e6
+    return {"median_us": round(float(np.median(samples)), 1), "min_us": round(float(samples.min()), 1)}
+
+
+def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int) -> dict:
+    layout = tree.layout()
+    plan = make_plan(layout, config)
+    row = {"case": name, "nodes": tree.num_nodes, **plan.summary()}
+    row["layout"] = time_us(tree.layout, repeats)
+    row["make_plan"] = time_us(lambda: make_plan(layout, config), repeats)
+    row["to_device_cpu"] = time_us(lambda: plan.to("cpu"), repeats)
+    row["total"] = time_us(lambda: make_plan(tree.layout(), config).to("cpu"), repeats)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--planner", default="flatten", choices=PLANNERS)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    config = PlanConfig(args.planner, args.chunk_size, 16)
+    rows = [
+        measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats),
+        measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats),
+    ]
+    budgets = {"medusa64_over_4k_prompt": 200.0, "forest_1000_nodes": 2000.0}
+    print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'layout':>9}{'plan':>9}{'copy':>8}{'total':>9}{'budget':>8}  (median us)")
+    for r in rows:
+        print(f"{r['case']:<26}{r['nodes']:>6}{r['queries']:>8}{r['tree_tokens']:>8}{r['layout']['median_us']:>9}"
+              f"{r['make_plan']['median_us']:>9}{r['to_device_cpu']['median_us']:>8}{r['total']['median_us']:>9}"
+              f"{budgets[r['case']]:>8.0f}")
+    result = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+              "cpu_count": os.cpu_count(), "numpy": np.__version__, "planner": args.planner, "chunk_size": args.chunk_size,
+              "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{result['date']}-plan-cost-cpu.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
