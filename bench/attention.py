@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Attention microbenchmark: treedec backends x planners and the peers on the suite of BENCH.md.
+
+For each workload: random fp16 q [Q, 32, 128] and K/V pool, an fp32 reference
+(``reference_tree_attention``); every method's output is checked (relative Frobenius error
+< 2e-3) before it is timed, a wrong one is marked FAIL and not timed. Results go to
+``<out>/<date>-<gpu>.json`` and a table into bench/README.md.
+
+    python bench/attention.py                                  # on a GPU: the whole suite
+    python bench/attention.py --smoke --backends torch         # CPU, tiny scale (CI)
+    python bench/attention.py --render bench/results/X.json [Y.json]  # rewrite the README table only
+
+See bench/README.md for the columns.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+from bench.peers import PEERS, PeerUnavailable  # noqa: E402
+from bench.report import print_summary, write_readme_table  # noqa: E402
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload, build_workload  # noqa: E402
+from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
+from treedec import PlanConfig, TreeAttention  # noqa: E402
+from treedec.attention import PLANNERS, dense_tree_mask, reference_tree_attention  # noqa: E402
+from treedec.attention.backends import cuda_status, triton_status  # noqa: E402
+from treedec.errors import BackendUnavailableError  # noqa: E402
+
+MAX_REL_ERR = 2e-3
+TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
+SMOKE_SCALE = 0.05
+GRAPH_KV_COPIES, GRAPH_CALLS = 8, 32
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TREEDEC_BACKENDS = ("torch", "triton", "cuda")
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.render:
+        parts = [json.loads(Path(p).read_text()) for p in args.render]
+        results = {**parts[0], "workloads": {n: w for part in parts for n, w in part["workloads"].items()}}
+        write_readme_table(results, Path(args.readme or REPO / "bench" / "README.md"))
+        print_summary(results)
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
+    configs = _treedec_configs(args, device)
+    peers = args.peers if args.peers is not None else list(PEERS)
+    for name in peers:
+        if name not in PEERS:
+            raise SystemExit(f"unknown peer {name!r}; peers: {list(PEERS)}")
+    for name in args.workloads:
+        if name not in SUITE:
+            raise SystemExit(f"unknown workload {name!r}; the suite: {list(SUITE)}")
+
+    bandwidth = copy_bandwidth(device)
+    results = {
+        "device": _device_name(device), "date": datetime.date.today().isoformat(),
+        "versions": _versions(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
+        "page_size": args.page_size, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
+        "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS, "workloads": {},
+    }
+    print(f"device {results['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"treedec configs {configs}, peers {peers}", file=sys.stderr)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tags = "".join(f"-{_slug(t)}" for t in (["smoke"] if args.smoke else []) + ([args.tag] if args.tag else []))
+    path = out_dir / f"{results['date']}-{_slug(results['device'])}{tags}.json"
+    progress = tqdm(total=len(args.workloads) * (len(configs) + len(peers)), desc="attention", file=sys.stderr)
+    for name in args.workloads:
+        workload = build_workload(name, page_size=args.page_size, scale=results["scale"])
+        results["workloads"][name] = _bench_workload(workload, configs, peers, device, dtype, bandwidth,
+                                                     graph=device.type == "cuda" and not args.no_graph,
+                                                     progress=progress)
+        path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
+    progress.close()
+    print(f"wrote {path}", file=sys.stderr)
+    readme = args.readme or (None if args.smoke else REPO / "bench" / "README.md")
+    if readme:
+        write_readme_table(results, Path(readme))
+        print(f"wrote the table into {readme}", file=sys.stderr)
+    print_summary(results)
+    return 0
+
+
+# ===================================================================== one workload
+
+
+def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress) -> dict:
+    layout = workload.layout
+    torch.manual_seed(0)
+    q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    cache_shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(cache_shape, dtype=dtype, device=device)
+    v = torch.randn(cache_shape, dtype=dtype, device=device)
+    sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+    ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
+
+    tokens_read = int(dense_tree_mask(layout).sum())
+    elt = q.element_size()
+    hbm_bytes = 2 * layout.num_tokens * NUM_KV_HEADS * HEAD_DIM * elt + 2 * q.numel() * elt
+    hbm_floor = hbm_bytes / bandwidth * 1e6
+    tc_floor = 4 * NUM_QO_HEADS * HEAD_DIM * tokens_read / TENSOR_CORE_FLOPS * 1e6
+    entry = {
+        "description": workload.description, "tree_tokens": layout.num_tokens, "queries": layout.num_queries,
+        "nodes": layout.num_nodes, "tokens_read": tokens_read, "pool_pages": workload.num_pages,
+        "hbm_bytes": hbm_bytes, "hbm_floor_us": hbm_floor, "tensor_core_floor_us": tc_floor,
+        "floor_us": max(hbm_floor, tc_floor), "methods": {},
+    }
+    makers = {}
+    for backend, planner, chunk_size in configs:
+        progress.set_postfix_str(f"{workload.name} treedec {backend}/{planner}")
+        method = f"treedec_{backend}_{planner}" + (f"_c{chunk_size}" if chunk_size else "")
+        entry["methods"][method], makers[method] = _bench_treedec(layout, backend, planner, chunk_size,
+                                                                  q, k, v, ref, device)
+        progress.update()
+    for name in peers:
+        progress.set_postfix_str(f"{workload.name} {name}")
+        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, sm_scale, ref, device)
+        progress.update()
+    for result in entry["methods"].values():
+        if result.get("us"):
+            result["TBps"] = hbm_bytes / result["us"] / 1e6
+            result["x_floor"] = result["us"] / entry["floor_us"]
+    if graph:
+        _add_graphed(entry, makers, layout, k, v)
+    return entry
+
+
+def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
+    """Returns (result dict, maker(k, v) -> run or None)."""
+    config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
+    try:
+        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=backend,
+                             plan_config=config, device=device)
+    except BackendUnavailableError as e:
+        return {"status": "unavailable", "reason": str(e)}, None
+    plan_us = time_us(lambda: attn.plan(layout), torch.device("cpu"))
+    plan = attn.plan(layout)
+    result = {"plan": plan.plan.summary(), "plan_us": plan_us}
+
+    def maker(k_i, v_i):
+        return lambda: attn.run(q, k_i, v_i, plan)
+    result.update(_check_and_time(maker(k, v), ref, device))
+    return result, maker if result["status"] == "ok" else None
+
+
+def _bench_peer(name, layout, q, k, v, sm_scale, ref, device):
+    """Returns (result dict, maker(k, v) -> run or None)."""
+    peer = PEERS[name]
+    reason = peer.unavailable(device)
+    if reason is not None:
+        return {"status": "unavailable", "reason": reason}, None
+
+    def maker(k_i, v_i):
+        return peer.make(layout, q, k_i, v_i, sm_scale)
+    try:
+        run = maker(k, v)
+    except PeerUnavailable as e:
+        return {"status": "unavailable", "reason": str(e)}, None
+    except Exception as e:
+        return {"status": "error", "reason": f"setup: {type(e).__name__}: {_first_line(e)}"}, None
+    result = _check_and_time(run, ref, device)
+    return result, maker if result["status"] == "ok" else None
+
+
+def _check_and_time(run, ref, device) -> dict:
+    """Check ``run()`` against the fp32 reference; time it only when it is right."""
+    try:
+        out = run()
+        rel = float((out.float() - ref).norm() / ref.norm())
+    except Exception as e:
+        return {"status": "error", "reason": f"run: {type(e).__name__}: {_first_line(e)}"}
+    if not rel < MAX_REL_ERR:  # catches NaN too
+        return {"status": "FAIL", "rel_err": rel, "reason": f"relative error {rel:.3g} >= {MAX_REL_ERR}"}
+    return {"status": "ok", "rel_err": rel, "us": time_us(run, device)}
+
+
+def _add_graphed(entry, makers, layout, k, v) -> None:
+    """Per-call time in a CUDA graph for the best treedec config and the FlashInfer custom-mask peer."""
+    methods = entry["methods"]
+    treedec_ok = [m for m in methods if m.startswith("treedec_") and methods[m]["status"] == "ok"]
+    chosen = [min(treedec_ok, key=lambda m: methods[m]["us"])] if treedec_ok else []
+    if methods.get("flashinfer_custom_mask", {}).get("status") == "ok":
+        chosen.append("flashinfer_custom_mask")
+    copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
+    for method in chosen:
+        try:
+            runs = [makers[method](k_i, v_i) for k_i, v_i in copies]
+            methods[method]["graphed_us"] = graphed_us(runs, GRAPH_CALLS)
+        except Exception as e:
+            methods[method]["graphed_reason"] = f"{type(e).__name__}: {_first_line(e)}"
+
+
+# ===================================================================== setup
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", type=_csv, default=[list(SUITE)],
+                        help=f"comma- or space-separated (default: all of {list(SUITE)})")
+    parser.add_argument("--backends", nargs="+", type=_csv, default=None,
+                        help="treedec backends among torch,triton,cuda (default: on a GPU the runnable "
+                             "ones of triton,cuda; on a CPU torch); 'none' for peers only")
+    parser.add_argument("--planners", nargs="+", type=_csv, default=None,
+                        help=f"planners among {','.join(PLANNERS)} (default: flatten, plus node and "
+                             f"node_chunk for the triton backend)")
+    parser.add_argument("--chunk-sizes", nargs="+", type=_csv, default=None,
+                        help="flatten/node_chunk chunk sizes to sweep (default: the PlanConfig default); "
+                             "each size is its own method, e.g. treedec_triton_flatten_c512")
+    parser.add_argument("--peers", nargs="+", type=_csv, default=None,
+                        help=f"peers among {','.join(PEERS)} (default: all); 'none' for none")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp16")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
+    parser.add_argument("--readme", default=None,
+                        help="markdown file whose table to rewrite (default: bench/README.md; none with --smoke)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"token counts x{SMOKE_SCALE}, CPU timers; for CI (the whole suite in seconds)")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph column")
+    parser.add_argument("--tag", default=None, help="appended to the results file name (e.g. part1)")
+    parser.add_argument("--render", metavar="JSON", nargs="+", default=None,
+                        help="only rewrite the README table (and print the summary) from results JSON "
+                             "file(s); several are merged (workloads of later files win)")
+    args = parser.parse_args(argv)
+    args.workloads = _flatten(args.workloads)
+    for name in ("backends", "planners", "peers", "chunk_sizes"):
+        value = getattr(args, name)
+        if value is not None:
+            value = _flatten(value)
+            setattr(args, name, [] if value == ["none"] else value)
+    return args
+
+
+def _treedec_configs(args, device) -> list[tuple[str, str]]:
+    backends = args.backends
+    if backends is None:
+        if device.type == "cuda":
+            backends = [b for b, status in (("triton", triton_status), ("cuda", cuda_status))
+                        if status(device) is None]
+        else:
+            backends = ["torch"]
+    for b in backends:
+        if b not in TREEDEC_BACKENDS:
+            raise SystemExit(f"unknown treedec backend {b!r}; backends: {list(TREEDEC_BACKENDS)}")
+    for p in args.planners or []:
+        if p not in PLANNERS:
+            raise SystemExit(f"unknown planner {p!r}; planners: {list(PLANNERS)}")
+    sizes = [int(c) for c in args.chunk_sizes] if args.chunk_sizes else [None]
+    configs = []
+    for b in backends:
+        planners = args.planners or (list(PLANNERS) if b == "triton" else ["flatten"])
+        for p in planners:
+            configs.extend((b, p, c) for c in (sizes if p != "node" else [None]))
+    return configs
+
+
+def _csv(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
+def _flatten(lists) -> list[str]:
+    return [x for part in lists for x in part]
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _versions() -> dict:
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    for module in ("triton", "flashinfer"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception as e:  # recorded, not fatal: the peer itself reports why it cannot run
+            versions[module] = f"unavailable ({type(e).__name__})"
+    return versions
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU tests and the attention benchmark on a GPU machine, in one command.
+#
+#   bash bench/gpu_check.sh [bench/attention.py arguments, e.g. --workloads tot_d5w10,fewshot_b30_p4k]
+#
+# Run from the repository root. Writes into $OUT (default /tmp/treedec-gpu-check): env.log,
+# pytest-gpu.log, attention.log, the results JSON and attention-table.md (the README table
+# rendered from that JSON). Wheels in .whl/ (flashinfer-python, apache-tvm-ffi; see
+# bench/README.md) are installed into /tmp/site first when present. The short table is last.
+# GPU_CHECK_TESTS=0 skips `pytest -m gpu` (e.g. a second call that only benchmarks).
+set -uo pipefail
+
+OUT=${OUT:-/tmp/treedec-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+
+{
+  nvidia-smi -L
+  python3 - <<'EOF'
+import platform, torch, triton
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
+print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device'}")
+try:
+    import flashinfer
+    print(f"flashinfer {flashinfer.__version__}")
+except Exception as e:
+    print(f"flashinfer unavailable: {type(e).__name__}: {e}")
+EOF
+} 2>&1 | tee "$OUT/env.log"
+
+test_rc=0
+if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
+  python3 -m pytest -m gpu -q 2>&1 | tee "$OUT/pytest-gpu.log"
+  test_rc=${PIPESTATUS[0]}
+  if [ "$test_rc" -eq 5 ]; then test_rc=0; fi   # 5: no GPU tests collected
+fi
+
+python3 bench/attention.py --out "$OUT" --readme "$OUT/attention-table.md" "$@" 2>&1 | tee "$OUT/attention.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo
+echo "pytest -m gpu exit code: $test_rc; bench/attention.py exit code: $bench_rc"
+if compgen -G "$OUT/*.json" >/dev/null; then
+  echo "results: $(cd "$OUT" && ls *.json) (copy into bench/results/, then: python bench/attention.py --render bench/results/<those files>)"
+  python3 bench/attention.py --render "$OUT"/*.json --readme "$OUT/attention-table.md"
+fi
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,0 +1,153 @@
+"""The benchmark suite (bench/suite.py), the peers' index arithmetic (bench/peers.py) and a CPU
+smoke run of bench/attention.py."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.peers import PEERS, cascade_levels, path_slots
+from bench.report import TABLE_END, TABLE_START, write_readme_table
+from bench.suite import SUITE, build_workload
+from treedec.attention import dense_tree_mask, reference_tree_attention
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (tree tokens, queries), from BENCH.md's table
+EXPECTED = {
+    "spec_medusa64_p4k": (4000 + 64, 64),
+    "spec_medusa256_p4k": (4000 + 256, 256),
+    "spec_medusa64_p32k": (32000 + 64, 64),
+    "fewshot_b30_p4k": (4000 + 30 * 200, 30),
+    "fewshot_b50_p16k": (16000 + 50 * 400, 50),
+    "tot_d5w10": (1000 + 5 * 300 + 10 * 150, 10),
+    "tot_sorting1": (4956, 9),
+    "tot_docmerge0": (6627, 10),
+}
+
+
+def test_suite_is_bench_md_table():
+    assert list(SUITE) == list(EXPECTED)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+@pytest.mark.parametrize("page_size", [16, 1, 7])
+def test_workload_sizes(name, page_size):
+    w = build_workload(name, page_size=page_size)
+    layout = w.layout
+    assert (layout.num_tokens, layout.num_queries) == EXPECTED[name]
+    assert w.page_size == page_size
+    # real paged slots: unique, inside a pool of exactly the pages the nodes need
+    assert len(np.unique(layout.kv_slots)) == layout.num_tokens
+    assert layout.kv_slots.max() < w.num_pages * page_size
+    assert len(np.unique(layout.kv_slots // page_size)) == w.num_pages, "the pool has unused pages"
+
+
+@pytest.mark.parametrize("name", ["spec_medusa64_p4k", "spec_medusa256_p4k"])
+def test_medusa_workload_reads(name):
+    layout = build_workload(name).layout
+    reads = dense_tree_mask(layout).sum(axis=1)
+    depth = layout.node_prefix_len[layout.query_node] - 4000   # tokens of the token tree above each query
+    assert np.array_equal(reads, 4000 + depth + 1)
+    assert reads.min() == 4001  # the root token reads the prompt and itself
+
+
+def test_branching_workload_reads():
+    assert np.all(dense_tree_mask(build_workload("fewshot_b30_p4k").layout).sum(axis=1) == 4200)
+    assert np.all(dense_tree_mask(build_workload("tot_d5w10").layout).sum(axis=1) == 1000 + 1500 + 150)
+
+
+def test_smoke_scale_shrinks_token_counts():
+    w = build_workload("fewshot_b50_p16k", scale=0.05)
+    assert (w.layout.num_tokens, w.layout.num_queries) == (800 + 50 * 20, 50)
+    assert build_workload("spec_medusa256_p4k", scale=0.05).layout.num_queries == 256
+
+
+def test_unknown_workload():
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        build_workload("nope")
+
+
+def _attend(q, k_flat, v_flat, slots, sm_scale):
+    """fp32 attention of q [Hq, D] over the tokens at ``slots`` of k_flat/v_flat [N, Hkv, D]."""
+    group = q.shape[0] // k_flat.shape[1]
+    k = k_flat[slots].float().repeat_interleave(group, 1)
+    v = v_flat[slots].float().repeat_interleave(group, 1)
+    s = torch.einsum("hd,thd->ht", q.float(), k) * sm_scale
+    return torch.einsum("ht,thd->hd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("name", ["spec_medusa64_p4k", "fewshot_b30_p4k", "tot_sorting1"])
+def test_path_and_cascade_slots_give_reference(name):
+    """The per-path and cascade peers' KV index lists, attended in fp32, equal the reference."""
+    w = build_workload(name, page_size=16, scale=0.05)
+    layout = w.layout
+    torch.manual_seed(0)
+    q = torch.randn(layout.num_queries, 32, 128)
+    k = torch.randn(w.num_pages, 16, 8, 128)
+    v = torch.randn_like(k)
+    kf, vf = k.view(-1, 8, 128), v.view(-1, 8, 128)
+    scale = 1 / math.sqrt(128)
+    ref, _ = reference_tree_attention(q, k, v, layout, scale)
+    indptr, slots = path_slots(layout)
+    shared, rest_indptr, rest = cascade_levels(layout)
+    assert len(shared) > 0
+    for i in range(layout.num_queries):
+        out, _ = _attend(q[i], kf, vf, torch.from_numpy(slots[indptr[i]:indptr[i + 1]]), scale)
+        torch.testing.assert_close(out, ref[i], atol=1e-5, rtol=1e-5)
+        o1, l1 = _attend(q[i], kf, vf, torch.from_numpy(shared), scale)
+        o2, l2 = _attend(q[i], kf, vf, torch.from_numpy(rest[rest_indptr[i]:rest_indptr[i + 1]]), scale)
+        lse = torch.logaddexp(l1, l2)
+        merged = o1 * torch.exp(l1 - lse)[:, None] + o2 * torch.exp(l2 - lse)[:, None]
+        torch.testing.assert_close(merged, ref[i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("peer", ["sdpa_dense_mask", "flex_attention"])
+def test_torch_peers_on_cpu(peer):
+    w = build_workload("tot_d5w10", scale=0.05)
+    torch.manual_seed(0)
+    q = torch.randn(w.layout.num_queries, 32, 128, dtype=torch.float16)
+    k = torch.randn(w.num_pages, 16, 8, 128, dtype=torch.float16)
+    v = torch.randn_like(k)
+    ref, _ = reference_tree_attention(q, k, v, w.layout, 1 / math.sqrt(128))
+    out = PEERS[peer].make(w.layout, q, k, v, 1 / math.sqrt(128))()
+    assert out.shape == ref.shape
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_flashinfer_peers_say_why_on_cpu():
+    for name in ("flashinfer_custom_mask", "flashinfer_per_path_decode", "flashinfer_cascade", "deft_triton"):
+        assert PEERS[name].unavailable(torch.device("cpu"))
+
+
+def test_attention_smoke_run(tmp_path):
+    """`bench/attention.py --smoke` runs the whole suite on the CPU and every result passes the check."""
+    readme = REPO / "bench" / "README.md"
+    before = readme.read_text()
+    cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--smoke", "--backends", "torch",
+           "--peers", "sdpa_dense_mask", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert readme.read_text() == before, "a --smoke run must not rewrite bench/README.md"
+    [path] = tmp_path.glob("*-smoke.json")
+    results = json.loads(path.read_text())
+    assert results["smoke"] and results["device"] and results["versions"]["torch"] == torch.__version__
+    assert list(results["workloads"]) == list(SUITE)
+    for name, w in results["workloads"].items():
+        assert set(w["methods"]) == {"treedec_torch_flatten", "sdpa_dense_mask"}
+        assert w["floor_us"] > 0
+        for method, r in w["methods"].items():
+            assert r["status"] == "ok", (name, method, r)
+            assert r["rel_err"] < 2e-3 and r["us"] > 0 and r["x_floor"] > 0
+    assert "spec_medusa64_p4k" in proc.stdout  # the summary table is printed
+
+    table = tmp_path / "README.md"
+    table.write_text(f"# x\n\nbefore\n{TABLE_START}\nold\n{TABLE_END}\nafter\n")
+    write_readme_table(results, table)
+    text = table.read_text()
+    assert "old" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{TABLE_END}\nafter\n")
+    assert "| tot_docmerge0 |" in text
