@@ -1,0 +1,350 @@
+"""The ``triton`` backend: DeFT-Flatten tree attention executing a :class:`TreePlan`.
+
+Algorithm
+---------
+Stage 1 (``_tree_attn_partial_kernel``), grid ``(num_items * subtiles, Hkv)``: one program
+per (work item, KV head). A work item is a KV chunk with a tile of the entries (queries)
+that read it. The query heads of the KV head are fused into the rows (GQA): row
+``r = j * G + g`` is entry ``j`` of the tile, query head ``h * G + g``, so every K/V tile
+is loaded once for all of them. The program walks the chunk's tokens in ``BLOCK_N``
+tiles: it gathers the slots from ``kv_slots`` and the K/V rows of head ``h`` through them
+(the cache viewed as ``[num_slots, Hkv, D]``, int64 offsets), expands each entry's bit
+mask into the tile in registers and runs an fp32 online softmax (base 2, the scale
+folded into ``qk_scale``) with ``tl.dot`` on fp16/bf16 operands. A tile no row of the
+program reads has its K/V loads predicated off: no memory traffic, and the loop stays
+straight-line code the software pipeliner can prefetch through. An entry that is its
+query's only partial (``entry_direct``) writes the final output and LSE directly; the
+others write a partial (O, LSE) to a workspace ``[E, Hq, D]`` / ``[E, Hq]``.
+
+Stage 2 (``_merge_partials_kernel``), grid ``(Q, Hkv)``, launched only when some query
+has several partials: each query merges its partials in the plan's CSR order with fp32
+math, no atomics, so results are bitwise reproducible. Queries with a single partial
+have nothing to do (their program runs no iteration and stores nothing).
+
+When the planner's ``query_tile * G`` exceeds the rows of one program (128 for fp16/bf16,
+64 for fp32), a work item is split over ``subtiles`` programs (each a different slice of
+its entries, the same chunk).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treedec.attention.tree_plan import DeviceTreePlan
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TARGET_ROWS = 64  # rows (entries x query heads) per program that default_query_tile aims at
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape and schedule of the stage-1 kernel."""
+
+    block_n: int      # KV tokens per tile (a multiple of 32: whole mask words)
+    num_warps: int
+    num_stages: int
+
+
+# fp16/bf16, keyed by (head_dim, BLOCK_M), sized for H100/H200: K+V tiles of BLOCK_N x D
+# per stage in shared memory, the BLOCK_M x D fp32 accumulator in registers (no spills
+# with ptxas for sm_90a).
+_LAUNCH_TABLE = {
+    **{(d, m): LaunchConfig(64, 4, 3) for d in (16, 32, 64, 128) for m in (16, 32, 64)},
+    **{(d, 128): LaunchConfig(64, 4, 3) for d in (16, 32)},
+    (64, 128): LaunchConfig(64, 8, 3), (128, 128): LaunchConfig(64, 8, 2),
+    (256, 16): LaunchConfig(32, 4, 2), (256, 32): LaunchConfig(32, 4, 2),
+    (256, 64): LaunchConfig(32, 8, 2), (256, 128): LaunchConfig(32, 8, 2),
+}
+# fp32 takes the exact ("ieee") dot, off the tensor cores: smaller tiles, so that it fits
+# sm_80's shared memory and does not spill.
+_FP32_CONFIG = LaunchConfig(32, 8, 2)
+_MAX_BLOCK_M = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
+
+
+def default_query_tile(group_size: int) -> int:
+    """Entries per work item so that a program has about ``TARGET_ROWS`` rows.
+
+    ``group_size`` is G = Hq / Hkv; e.g. 16 for G = 4, 8 for G = 8, 21 for G = 3 (63 rows).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return max(1, TARGET_ROWS // group_size)
+
+
+def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float16) -> LaunchConfig:
+    """The stage-1 launch configuration for ``head_dim``, ``block_m`` rows and input ``dtype``."""
+    if (head_dim, block_m) not in _LAUNCH_TABLE or block_m > _MAX_BLOCK_M.get(dtype, 0):
+        raise ValueError(f"no triton launch config for head_dim={head_dim}, block_m={block_m}, {dtype}; "
+                         f"head_dim must be a power of two in [16, 256], block_m one in [16, "
+                         f"{_MAX_BLOCK_M.get(dtype, 0)}]")
+    return _FP32_CONFIG if dtype == torch.float32 else _LAUNCH_TABLE[(head_dim, block_m)]
+
+
+def run_plan_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DeviceTreePlan,
+    sm_scale: float,
+    workspace_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree attention by executing ``plan`` with the Triton kernels.
+
+    Parameters
+    ----------
+    q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
+        One row per query of the plan, in the plan's query order.
+    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device
+        Paged KV of one layer; slot ``s`` is ``cache.view(-1, Hkv, D)[s]``. Every slot of
+        ``plan.kv_slots`` must be below ``num_pages * page_size`` (TreeAttention checks).
+    plan : DeviceTreePlan
+        int32 tensors on q's device.
+    sm_scale : float
+        Softmax scale.
+    workspace_dtype : torch.dtype, optional
+        dtype of the partial outputs ``[E, Hq, D]`` (default q's dtype, half the traffic
+        of float32 for fp16/bf16); partial LSEs are always float32.
+
+    Returns
+    -------
+    out : [Q, Hq, D] in q's dtype
+    lse : [Q, Hq] float32, natural log
+    """
+    k_flat, v_flat = _check_inputs(q, k_cache, v_cache, plan)
+    host = plan.plan
+    num_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    workspace_dtype = q.dtype if workspace_dtype is None else workspace_dtype
+    if workspace_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"workspace_dtype must be one of {SUPPORTED_DTYPES}, got {workspace_dtype}")
+
+    max_block_m = _MAX_BLOCK_M[q.dtype]
+    block_m = min(max(16, triton.next_power_of_2(host.query_tile * group)), max_block_m)
+    entries_per_prog = block_m // group
+    if entries_per_prog < 1:
+        raise ValueError(f"GQA group size {group} (= {hq} / {hkv} heads) exceeds the {max_block_m} "
+                         f"rows of one program for {q.dtype}")
+    subtiles = -(-host.query_tile // entries_per_prog)
+    cfg = launch_config(d, block_m, q.dtype)
+
+    out = torch.empty_like(q)
+    lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
+    num_entries = host.num_entries
+    o_ws = torch.empty(num_entries, hq, d, dtype=workspace_dtype, device=q.device)
+    lse_ws = torch.empty(num_entries, hq, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
+
+    _tree_attn_partial_kernel[(host.num_items * subtiles, hkv)](
+        q, k_flat, v_flat, out, lse, o_ws, lse_ws,
+        plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
+        plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
+        plan.entry_mask.stride(0),
+        sm_scale * math.log2(math.e),
+        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_entries > num_q:  # some query has several partials
+        _merge_partials_kernel[(num_q, hkv)](
+            out, lse, o_ws, lse_ws, plan.query_entry_start, plan.query_entries,
+            out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
+            GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=d,
+            num_warps=4 if d * triton.next_power_of_2(group) >= 512 else 1,
+        )
+    return out, lse
+
+
+# ===================================================================== private
+
+
+def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the inputs; returns the caches viewed as [num_slots, Hkv, D]."""
+    if not isinstance(plan, DeviceTreePlan):
+        raise TypeError(f"plan must be a DeviceTreePlan (TreePlan.to(device)), got {type(plan).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    num_q, hq, d = q.shape
+    if num_q != plan.plan.num_queries:
+        raise ValueError(f"q has {num_q} rows but the plan has {plan.plan.num_queries} queries")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be one of (16, 32, 64, 128, 256), got {d}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
+    flat = []
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.shape[3] != d:
+            raise ValueError(f"{name} must have shape [num_pages, page_size, num_kv_heads, {d}], "
+                             f"got {tuple(cache.shape)}")
+        if cache.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+        flat.append(_slot_view(name, cache))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    hkv = k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"q's {hq} heads must be a multiple of the caches' {hkv} KV heads")
+    # TreePlan.to makes all the index tensors in one transfer: checking one checks them all.
+    if plan.kv_slots.dtype != torch.int32 or plan.kv_slots.device != q.device:
+        raise ValueError(f"plan tensors must be int32 on q's device {q.device}, got "
+                         f"{plan.kv_slots.dtype} on {plan.kv_slots.device} (use TreePlan.to(q.device))")
+    return flat[0], flat[1]
+
+
+def _slot_view(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` [num_pages, page_size, Hkv, D] as [num_slots, Hkv, D], without a copy."""
+    if cache.stride(3) == 1:
+        try:
+            return cache.view(-1, cache.shape[2], cache.shape[3])
+        except RuntimeError:
+            pass
+    raise ValueError(f"{name} must be viewable as [num_slots, num_kv_heads, head_dim] with a contiguous "
+                     f"last dim, got strides {cache.stride()}")
+
+
+@triton.jit
+def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs,
+                    mask_rows, row_valid, qk_scale, offs_n, offs_d,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state."""
+    tok = n0 + offs_n
+    # Expand the rows' mask words over the tile's columns (n0 is a multiple of 32).
+    word_of_col = offs_n >> 5
+    words = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    live = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for w in tl.static_range(BLOCK_N // 32):
+        word = tl.load(mask_rows + ((n0 >> 5) + w), mask=row_valid & (n0 + 32 * w < chunk_len), other=0)
+        words = tl.where(word_of_col[None, :] == w, word[:, None], words)
+        live = live | word
+    tile_live = tl.max((live != 0).to(tl.int32), axis=0) > 0
+    kv_mask = (tok < chunk_len) & tile_live
+    slot = tl.load(slots_base + tok, mask=kv_mask, other=0).to(tl.int64)
+    k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    reads = ((words >> (offs_n & 31)[None, :]) & 1) != 0
+    qk = tl.where(reads, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing read yet
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+# The plan's tensors are slices of one buffer whose sizes change every step: specializing
+# on their alignment (or on the mask row length) would recompile the kernels step after step.
+_PLAN_POINTERS = ("kv_slots_ptr", "chunk_kv_start_ptr", "entry_query_ptr", "entry_mask_ptr", "entry_direct_ptr",
+                  "item_chunk_ptr", "item_entry_start_ptr", "item_num_entries_ptr")
+
+
+@triton.jit(do_not_specialize=["stride_me"], do_not_specialize_on_alignment=_PLAN_POINTERS)
+def _tree_attn_partial_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr,
+    kv_slots_ptr, chunk_kv_start_ptr, entry_query_ptr, entry_mask_ptr, entry_direct_ptr,
+    item_chunk_ptr, item_entry_start_ptr, item_num_entries_ptr,
+    stride_qq, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_oq, stride_oh, stride_lq, stride_we, stride_wh, stride_le, stride_me,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    item = pid // SUBTILES
+    first_local = (pid % SUBTILES) * ENTRIES_PER_PROG
+    chunk = tl.load(item_chunk_ptr + item)
+    first = tl.load(item_entry_start_ptr + item) + first_local
+    count = tl.minimum(tl.load(item_num_entries_ptr + item) - first_local, ENTRIES_PER_PROG)
+    kv_begin = tl.load(chunk_kv_start_ptr + chunk)
+    chunk_len = tl.load(chunk_kv_start_ptr + chunk + 1) - kv_begin
+    chunk_len = tl.where(count > 0, chunk_len, 0)  # an empty subtile runs no iteration
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    local = offs_m // GROUP
+    row_valid = local < count
+    entry = (first + local).to(tl.int64)
+    head = kv_head * GROUP + offs_m % GROUP
+    query = tl.load(entry_query_ptr + entry, mask=row_valid, other=0).to(tl.int64)
+    q = tl.load(q_ptr + query[:, None] * stride_qq + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    mask_rows = entry_mask_ptr + entry * stride_me
+    slots_base = kv_slots_ptr + kv_begin
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(0, chunk_len, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
+                                        stride_ks, stride_vs, mask_rows, row_valid, qk_scale, offs_n, offs_d,
+                                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+
+    # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * _LN2
+    direct = tl.load(entry_direct_ptr + entry, mask=row_valid, other=0) != 0
+    to_out = row_valid & direct
+    to_ws = row_valid & (direct == 0)
+    out_rows = out_ptr + query * stride_oq + head * stride_oh
+    tl.store(out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=to_out[:, None])
+    tl.store(lse_ptr + query * stride_lq + head, lse, mask=to_out)
+    ws_rows = o_ws_ptr + entry * stride_we + head * stride_wh
+    tl.store(ws_rows[:, None] + offs_d[None, :], o.to(o_ws_ptr.dtype.element_ty), mask=to_ws[:, None])
+    tl.store(lse_ws_ptr + entry * stride_le + head, lse, mask=to_ws)
+
+
+@triton.jit(do_not_specialize_on_alignment=["query_entry_start_ptr", "query_entries_ptr"])
+def _merge_partials_kernel(
+    out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, query_entry_start_ptr, query_entries_ptr,
+    stride_oq, stride_oh, stride_lq, stride_we, stride_wh, stride_le,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    query = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    begin = tl.load(query_entry_start_ptr + query)
+    count = tl.load(query_entry_start_ptr + query + 1) - begin
+    count = tl.where(count > 1, count, 0)  # a single partial was written by stage 1
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_valid = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for i in range(0, count):
+        e = tl.load(query_entries_ptr + begin + i).to(tl.int64)
+        lse_p = tl.load(lse_ws_ptr + e * stride_le + head, mask=head_valid, other=0.0) * _LOG2E
+        o_p = tl.load(o_ws_ptr + e * stride_we + head[:, None] * stride_wh + offs_d[None, :],
+                      mask=head_valid[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse_p)
+        scale = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse_p - m_new)
+        acc = acc * scale[:, None] + w[:, None] * o_p
+        s = s * scale + w
+        m = m_new
+
+    store = head_valid & (count > 0)
+    s_safe = tl.where(s == 0.0, 1.0, s)
+    out_rows = out_ptr + query.to(tl.int64) * stride_oq + head * stride_oh
+    tl.store(out_rows[:, None] + offs_d[None, :], (acc / s_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=store[:, None])
+    tl.store(lse_ptr + query.to(tl.int64) * stride_lq + head, (m + tl.math.log2(s_safe)) * _LN2, mask=store)
