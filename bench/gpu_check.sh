@@ -7,7 +7,8 @@
 # pytest-gpu.log, attention.log, the results JSON and attention-table.md (the README table
 # rendered from that JSON). Wheels in .whl/ (flashinfer-python, apache-tvm-ffi; see
 # bench/README.md) are installed into /tmp/site first when present. The short table is last.
-# GPU_CHECK_TESTS=0 skips `pytest -m gpu` (e.g. a second call that only benchmarks).
+# GPU_CHECK_TESTS=0 skips the GPU tests (`pytest -m "gpu or triton"`, compiled on the GPU),
+# e.g. for a second call that only benchmarks.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/treedec-gpu-check}
@@ -36,7 +37,7 @@ EOF
 
 test_rc=0
 if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
-  python3 -m pytest -m gpu -q 2>&1 | tee "$OUT/pytest-gpu.log"
+  python3 -m pytest -m "gpu or triton" -q 2>&1 | tee "$OUT/pytest-gpu.log"
   test_rc=${PIPESTATUS[0]}
   if [ "$test_rc" -eq 5 ]; then test_rc=0; fi   # 5: no GPU tests collected
 fi
@@ -45,7 +46,7 @@ python3 bench/attention.py --out "$OUT" --readme "$OUT/attention-table.md" "$@" 
 bench_rc=${PIPESTATUS[0]}
 
 echo
-echo "pytest -m gpu exit code: $test_rc; bench/attention.py exit code: $bench_rc"
+echo "GPU tests exit code: $test_rc; bench/attention.py exit code: $bench_rc"
 if compgen -G "$OUT/*.json" >/dev/null; then
   echo "results: $(cd "$OUT" && ls *.json) (copy into bench/results/, then: python bench/attention.py --render bench/results/<those files>)"
   python3 bench/attention.py --render "$OUT"/*.json --readme "$OUT/attention-table.md"

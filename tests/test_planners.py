@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
+from treedec.attention.planners import default_query_tile
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
 
@@ -103,3 +104,11 @@ def test_bad_config(kwargs, match):
 def test_no_queries():
     with pytest.raises(PlanError, match="no queries"):
         make_plan(TreeLayout.from_parents([-1], [4], []))
+
+
+def test_default_query_tile_aims_at_64_rows():
+    assert [default_query_tile(g) for g in (1, 2, 3, 4, 5, 8, 128)] == [64, 32, 21, 16, 12, 8, 1]
+    with pytest.raises(PlanError, match="group_size must be >= 1"):
+        default_query_tile(0)
+    layout = TreeLayout.from_parents([-1], [4], [(0, 3)])
+    assert make_plan(layout, PlanConfig(), group_size=4).query_tile == 16

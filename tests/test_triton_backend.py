@@ -178,10 +178,7 @@ def test_tree_attention_triton_backend(triton_device):
     check_against_references(out, lse, plan.plan, q, k_cache, v_cache, 2e-3)
 
 
-def test_default_query_tile_and_launch_table():
-    assert [triton_kernels.default_query_tile(g) for g in (1, 2, 3, 4, 5, 8, 128)] == [64, 32, 21, 16, 12, 8, 1]
-    with pytest.raises(ValueError, match="group_size must be >= 1"):
-        triton_kernels.default_query_tile(0)
+def test_launch_table():
     for head_dim in (16, 32, 64, 128, 256):
         for block_m in (16, 32, 64, 128):
             assert triton_kernels.launch_config(head_dim, block_m).block_n % 32 == 0

@@ -12,7 +12,7 @@ Only tokens that some query reads are flattened (a paused branch costs nothing).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,23 +27,42 @@ _LOW_BITS.setflags(write=False)
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """How to cut and tile. ``chunk_size`` is ignored by the ``node`` planner."""
+    """How to cut and tile.
+
+    ``chunk_size`` is ignored by the ``node`` planner. ``query_tile`` (entries per work
+    item) None means: chosen by TreeAttention from the GQA group size so that a program
+    has about 64 rows (query heads x queries).
+    """
 
     planner: str = "flatten"
     chunk_size: int = 256
-    query_tile: int = 16
+    query_tile: int | None = None
 
     def __post_init__(self):
         if self.planner not in PLANNERS:
             raise PlanError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
         for name in ("chunk_size", "query_tile"):
             value = getattr(self, name)
+            if value is None and name == "query_tile":
+                continue
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise PlanError(f"{name} must be a positive int, got {value!r}")
 
 
-def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig()) -> TreePlan:
-    """Plan one step: see the module docstring for the planners."""
+def default_query_tile(group_size: int, rows: int = 64) -> int:
+    """Entries per work item so that a program has about ``rows`` rows (``group_size`` = Hq / Hkv)."""
+    if group_size < 1:
+        raise PlanError(f"group_size must be >= 1, got {group_size}")
+    return max(1, rows // group_size)
+
+
+def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size: int = 1) -> TreePlan:
+    """Plan one step: see the module docstring for the planners.
+
+    ``group_size`` (Hq / Hkv) sizes the query tile when ``config.query_tile`` is None.
+    """
+    if config.query_tile is None:
+        config = replace(config, query_tile=default_query_tile(group_size))
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
     q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)

@@ -67,7 +67,7 @@ class TreeAttention:
         The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order.
         """
         layout = tree.layout() if isinstance(tree, SequenceTree) else tree
-        return make_plan(layout, self.plan_config).to(self.device)
+        return make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads).to(self.device)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):

@@ -37,7 +37,6 @@ import triton.language as tl
 from treedec.attention.tree_plan import DeviceTreePlan
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TARGET_ROWS = 64  # rows (entries x query heads) per program that default_query_tile aims at
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -65,16 +64,6 @@ _LAUNCH_TABLE = {
 # sm_80's shared memory and does not spill.
 _FP32_CONFIG = LaunchConfig(32, 8, 2)
 _MAX_BLOCK_M = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
-
-
-def default_query_tile(group_size: int) -> int:
-    """Entries per work item so that a program has about ``TARGET_ROWS`` rows.
-
-    ``group_size`` is G = Hq / Hkv; e.g. 16 for G = 4, 8 for G = 8, 21 for G = 3 (63 rows).
-    """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    return max(1, TARGET_ROWS // group_size)
 
 
 def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float16) -> LaunchConfig:
