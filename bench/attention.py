@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     for name in args.workloads:
         workload = build_workload(name, page_size=args.page_size, scale=results["scale"])
         results["workloads"][name] = _bench_workload(workload, configs, peers, device, dtype, bandwidth,
-                                                     graph=device.type == "cuda" and not args.no_graph,
+                                                     graph=device.type == "cuda" and not args.no_graph, graph_all=args.graph_all,
                                                      progress=progress)
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
     progress.close()
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
 # ===================================================================== one workload
 
 
-def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress) -> dict:
+def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress,
+                    graph_all=False) -> dict:
     layout = workload.layout
     torch.manual_seed(0)
     q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -136,7 +137,7 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
             result["TBps"] = hbm_bytes / result["us"] / 1e6
             result["x_floor"] = result["us"] / entry["floor_us"]
     if graph:
-        _add_graphed(entry, makers, layout, k, v)
+        _add_graphed(entry, makers, layout, k, v, graph_all)
     return entry
 
 
@@ -189,11 +190,14 @@ def _check_and_time(run, ref, device) -> dict:
     return {"status": "ok", "rel_err": rel, "us": time_us(run, device)}
 
 
-def _add_graphed(entry, makers, layout, k, v) -> None:
-    """Per-call time in a CUDA graph for the best treedec config and the FlashInfer custom-mask peer."""
+def _add_graphed(entry, makers, layout, k, v, graph_all=False) -> None:
+    """Per-call time in a CUDA graph for the best treedec config (or all) and the FlashInfer custom-mask peer."""
     methods = entry["methods"]
     treedec_ok = [m for m in methods if m.startswith("treedec_") and methods[m]["status"] == "ok"]
-    chosen = [min(treedec_ok, key=lambda m: methods[m]["us"])] if treedec_ok else []
+    if graph_all:
+        chosen = list(treedec_ok)
+    else:
+        chosen = [min(treedec_ok, key=lambda m: methods[m]["us"])] if treedec_ok else []
     if methods.get("flashinfer_custom_mask", {}).get("status") == "ok":
         chosen.append("flashinfer_custom_mask")
     copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
@@ -232,6 +236,8 @@ def _parse_args(argv):
     parser.add_argument("--smoke", action="store_true",
                         help=f"token counts x{SMOKE_SCALE}, CPU timers; for CI (the whole suite in seconds)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph column")
+    parser.add_argument("--graph-all", action="store_true",
+                        help="graph every treedec config, not only the fastest (for tuning chunk sizes)")
     parser.add_argument("--tag", default=None, help="appended to the results file name (e.g. part1)")
     parser.add_argument("--render", metavar="JSON", nargs="+", default=None,
                         help="only rewrite the README table (and print the summary) from results JSON "

@@ -83,6 +83,8 @@ def small_step():
     (lambda q, k, v: (q, k[:, :, :1], v), ValueError, r"k_cache must have shape \[num_pages, page_size, 2, 64\]"),
     (lambda q, k, v: (q, k, v[:2]), ValueError, "differ in shape"),
     (lambda q, k, v: (q, k[:2], v[:2]), ValueError, "the plan reads slot 9 but the cache holds 8 slots"),
+    (lambda q, k, v: (q, k.transpose(0, 1), v), ValueError, "k_cache must be contiguous"),
+    (lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError, "q must be contiguous in its last dim"),
 ])
 def test_run_rejects_bad_inputs(small_step, mutate, error, match):
     attn, plan, pool = small_step

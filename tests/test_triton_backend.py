@@ -143,7 +143,7 @@ def test_mixed_direct_and_merged_queries(triton_device):
 
 @pytest.mark.parametrize("group,query_tile,dtype,entries_per_program", [
     (2, 3, torch.float16, 3),      # several work items per chunk
-    (8, 20, torch.float16, 16),    # 160 rows: each work item split over two programs
+    (16, 20, torch.float16, 16),   # 320 rows: each work item split over two programs of 256
     (4, 20, torch.float32, 16),    # fp32 programs hold at most 64 rows
 ])
 def test_many_queries_per_chunk(triton_device, group, query_tile, dtype, entries_per_program):

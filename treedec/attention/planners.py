@@ -219,6 +219,7 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
         item_entry_start=item_entry_start[order],
         item_num_entries=item_num_entries[order],
         query_tile=qt,
+        max_slot=int(kv_slots.max()),
         layout=layout,
     )
 

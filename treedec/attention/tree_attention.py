@@ -92,7 +92,7 @@ class TreeAttention:
             out, lse = run_plan_torch(q, k_cache, v_cache, host_plan, self.sm_scale)
         elif self.backend == "triton":
             from treedec.kernels.triton_tree_attention import run_plan_triton
-            out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale)
+            out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
         else:  # resolve_backend only lets runnable backends through
             raise AssertionError(f"backend {self.backend!r} has no runner")
         out = out.to(q.dtype)
@@ -105,6 +105,11 @@ class TreeAttention:
                              f"got {tuple(q.shape)}")
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+        if q.stride(2) != 1:
+            raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
+        if plan.kv_slots.device != q.device:
+            raise ValueError(f"the plan is on {plan.kv_slots.device} but q is on {q.device}; "
+                             f"plan with a TreeAttention made for device={q.device}")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4 or cache.shape[2:] != (self.num_kv_heads, self.head_dim):
                 raise ValueError(f"{name} must have shape [num_pages, page_size, {self.num_kv_heads}, "
@@ -113,6 +118,8 @@ class TreeAttention:
                 raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
             if cache.device != q.device:
                 raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+            if not cache.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (as PagedKVPool.layer gives), got strides {cache.stride()}")
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
         capacity = k_cache.shape[0] * k_cache.shape[1]

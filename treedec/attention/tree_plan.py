@@ -12,7 +12,7 @@ All arrays are numpy on the CPU; :meth:`TreePlan.to` copies them to a device as 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ class TreePlan:
         Work items, heaviest first by the cost model ``rows + kv_tokens``.
     query_tile : int
         Most entries per work item.
+    max_slot : int
+        Largest pool slot the plan reads (checked against the cache size by ``run``).
     layout : TreeLayout
         The snapshot this plan was made from.
     """
@@ -69,6 +71,7 @@ class TreePlan:
     item_entry_start: np.ndarray
     item_num_entries: np.ndarray
     query_tile: int
+    max_slot: int
     layout: TreeLayout
 
     @property
@@ -94,10 +97,6 @@ class TreePlan:
     @property
     def mask_words(self) -> int:
         return self.entry_mask.shape[1]
-
-    @property
-    def max_slot(self) -> int:
-        return int(self.kv_slots.max(initial=-1))
 
     def kv_tokens_read(self) -> int:
         """KV tokens loaded from memory per KV head: each chunk once per work item."""
@@ -128,7 +127,11 @@ class TreePlan:
 
 @dataclass(frozen=True)
 class DeviceTreePlan:
-    """The int32 tensors of a :class:`TreePlan` on a device (same names and shapes)."""
+    """The int32 tensors of a :class:`TreePlan` on a device (same names and shapes).
+
+    ``cache`` holds what a backend derives from the plan once and reuses for every layer
+    of the step (launch parameters, the partial-state workspace).
+    """
 
     plan: TreePlan
     kv_slots: torch.Tensor
@@ -142,6 +145,7 @@ class DeviceTreePlan:
     item_chunk: torch.Tensor
     item_entry_start: torch.Tensor
     item_num_entries: torch.Tensor
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-_DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.name != "plan")
+_DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.name not in ("plan", "cache"))

@@ -16,9 +16,10 @@ straight-line code the software pipeliner can prefetch through. An entry that is
 query's only partial (``entry_direct``) writes the final output and LSE directly; the
 others write a partial (O, LSE) to a workspace ``[E, Hq, D]`` / ``[E, Hq]``.
 
-Stage 2 (``_merge_partials_kernel``), grid ``(Q, Hkv)``, launched only when some query
-has several partials: each query merges its partials in the plan's CSR order with fp32
-math, no atomics, so results are bitwise reproducible. Queries with a single partial
+Stage 2 (``_merge_partials_kernel``), grid ``(Q, Hq)``, launched only when some query
+has several partials: each (query, head) merges its partials in the plan's CSR order,
+``BLOCK_P`` of them per step (independent loads in flight), with fp32 math and no
+atomics, so results are bitwise reproducible. Queries with a single partial
 have nothing to do (their program runs no iteration and stores nothing).
 
 When the planner's ``query_tile * G`` exceeds the rows of one program (128 for fp16/bf16,
@@ -57,22 +58,42 @@ _LAUNCH_TABLE = {
     **{(d, m): LaunchConfig(64, 4, 3) for d in (16, 32, 64, 128) for m in (16, 32, 64)},
     **{(d, 128): LaunchConfig(64, 4, 3) for d in (16, 32)},
     (64, 128): LaunchConfig(64, 8, 3), (128, 128): LaunchConfig(64, 8, 2),
+    **{(d, 256): LaunchConfig(32, 8, 2) for d in (16, 32, 64, 128)},
     (256, 16): LaunchConfig(32, 4, 2), (256, 32): LaunchConfig(32, 4, 2),
     (256, 64): LaunchConfig(32, 8, 2), (256, 128): LaunchConfig(32, 8, 2),
 }
 # fp32 takes the exact ("ieee") dot, off the tensor cores: smaller tiles, so that it fits
 # sm_80's shared memory and does not spill.
 _FP32_CONFIG = LaunchConfig(32, 8, 2)
-_MAX_BLOCK_M = {torch.float16: 128, torch.bfloat16: 128, torch.float32: 64}
+_MERGE_BLOCK_P = 8  # partials loaded per step of the merge: independent loads in flight
+
+
+def max_block_m(head_dim: int, dtype: torch.dtype) -> int:
+    """Most rows (queries x heads of a group) one stage-1 program takes."""
+    if dtype == torch.float32:
+        return 64
+    return max((m for (d, m) in _LAUNCH_TABLE if d == head_dim), default=0)
 
 
 def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float16) -> LaunchConfig:
     """The stage-1 launch configuration for ``head_dim``, ``block_m`` rows and input ``dtype``."""
-    if (head_dim, block_m) not in _LAUNCH_TABLE or block_m > _MAX_BLOCK_M.get(dtype, 0):
+    limit = max_block_m(head_dim, dtype)
+    if (head_dim, block_m) not in _LAUNCH_TABLE or block_m > limit:
         raise ValueError(f"no triton launch config for head_dim={head_dim}, block_m={block_m}, {dtype}; "
-                         f"head_dim must be a power of two in [16, 256], block_m one in [16, "
-                         f"{_MAX_BLOCK_M.get(dtype, 0)}]")
+                         f"head_dim must be a power of two in [16, 256], block_m one in [16, {limit}]")
     return _FP32_CONFIG if dtype == torch.float32 else _LAUNCH_TABLE[(head_dim, block_m)]
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What run_plan_triton derives from a plan once, reused for every layer of the step."""
+
+    grid: tuple[int, int]
+    merge_grid: tuple[int, int] | None      # None: every query has a single partial
+    o_ws: torch.Tensor                      # [E, Hq, D] partial outputs
+    lse_ws: torch.Tensor                    # [E, Hq] partial LSEs, float32
+    constants: dict                         # constexpr kwargs of the stage-1 kernel
+    merge_constants: dict
 
 
 def run_plan_triton(
@@ -82,6 +103,8 @@ def run_plan_triton(
     plan: DeviceTreePlan,
     sm_scale: float,
     workspace_dtype: torch.dtype | None = None,
+    validate: bool = True,
+    launch: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree attention by executing ``plan`` with the Triton kernels.
 
@@ -93,44 +116,39 @@ def run_plan_triton(
         Paged KV of one layer; slot ``s`` is ``cache.view(-1, Hkv, D)[s]``. Every slot of
         ``plan.kv_slots`` must be below ``num_pages * page_size`` (TreeAttention checks).
     plan : DeviceTreePlan
-        int32 tensors on q's device.
+        int32 tensors on q's device. Launch parameters and the partial-state workspace
+        are cached on it at the first call, so the layers of a step (run one after
+        another on one stream) share them.
     sm_scale : float
         Softmax scale.
     workspace_dtype : torch.dtype, optional
         dtype of the partial outputs ``[E, Hq, D]`` (default q's dtype, half the traffic
         of float32 for fp16/bf16); partial LSEs are always float32.
+    validate : bool
+        Check the inputs (TreeAttention.run has checked them already and passes False).
+    launch : LaunchConfig, optional
+        Overrides the stage-1 table entry (for tuning: bench/triton_configs.py).
 
     Returns
     -------
     out : [Q, Hq, D] in q's dtype
     lse : [Q, Hq] float32, natural log
     """
-    k_flat, v_flat = _check_inputs(q, k_cache, v_cache, plan)
-    host = plan.plan
+    if validate:
+        _check_inputs(q, k_cache, v_cache, plan)
     num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
-    group = hq // hkv
     workspace_dtype = q.dtype if workspace_dtype is None else workspace_dtype
-    if workspace_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"workspace_dtype must be one of {SUPPORTED_DTYPES}, got {workspace_dtype}")
-
-    max_block_m = _MAX_BLOCK_M[q.dtype]
-    block_m = min(max(16, triton.next_power_of_2(host.query_tile * group)), max_block_m)
-    entries_per_prog = block_m // group
-    if entries_per_prog < 1:
-        raise ValueError(f"GQA group size {group} (= {hq} / {hkv} heads) exceeds the {max_block_m} "
-                         f"rows of one program for {q.dtype}")
-    subtiles = -(-host.query_tile // entries_per_prog)
-    cfg = launch_config(d, block_m, q.dtype)
-
+    key = (q.dtype, hq, hkv, d, workspace_dtype, q.device, launch)
+    prepared = plan.cache.get(key)
+    if prepared is None:
+        prepared = plan.cache[key] = _prepare_launch(plan, q.dtype, hq, hkv, d, workspace_dtype, q.device, launch)
+    k_flat = k_cache.view(-1, hkv, d)
+    v_flat = v_cache.view(-1, hkv, d)
     out = torch.empty_like(q)
     lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
-    num_entries = host.num_entries
-    o_ws = torch.empty(num_entries, hq, d, dtype=workspace_dtype, device=q.device)
-    lse_ws = torch.empty(num_entries, hq, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
-
-    _tree_attn_partial_kernel[(host.num_items * subtiles, hkv)](
+    o_ws, lse_ws = prepared.o_ws, prepared.lse_ws
+    _tree_attn_partial_kernel[prepared.grid](
         q, k_flat, v_flat, out, lse, o_ws, lse_ws,
         plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
         plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
@@ -138,25 +156,50 @@ def run_plan_triton(
         out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
         plan.entry_mask.stride(0),
         sm_scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **prepared.constants,
     )
-    if num_entries > num_q:  # some query has several partials
-        _merge_partials_kernel[(num_q, hkv)](
+    if prepared.merge_grid is not None:
+        _merge_partials_kernel[prepared.merge_grid](
             out, lse, o_ws, lse_ws, plan.query_entry_start, plan.query_entries,
             out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
-            GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=d,
-            num_warps=4 if d * triton.next_power_of_2(group) >= 512 else 1,
+            **prepared.merge_constants,
         )
     return out, lse
+
+
+def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, device,
+                    override: LaunchConfig | None) -> _Launch:
+    if workspace_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"workspace_dtype must be one of {SUPPORTED_DTYPES}, got {workspace_dtype}")
+    host = plan.plan
+    group = hq // hkv
+    limit = max_block_m(d, dtype)
+    block_m = min(max(16, triton.next_power_of_2(host.query_tile * group)), limit)
+    entries_per_prog = block_m // group
+    if entries_per_prog < 1:
+        raise ValueError(f"GQA group size {group} (= {hq} / {hkv} heads) exceeds the {limit} "
+                         f"rows of one program for {dtype}")
+    subtiles = -(-host.query_tile // entries_per_prog)
+    cfg = override or launch_config(d, block_m, dtype)
+    return _Launch(
+        grid=(host.num_items * subtiles, hkv),
+        merge_grid=(host.num_queries, hq) if host.num_entries > host.num_queries else None,
+        o_ws=torch.empty(host.num_entries, hq, d, dtype=workspace_dtype, device=device),
+        lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device),
+        constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                       ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
+                       # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
+                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P, num_warps=2 if d <= 128 else 4),
+    )
 
 
 # ===================================================================== private
 
 
-def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the inputs; returns the caches viewed as [num_slots, Hkv, D]."""
+def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+    """Raise a clear error for inputs the kernels cannot take."""
     if not isinstance(plan, DeviceTreePlan):
         raise TypeError(f"plan must be a DeviceTreePlan (TreePlan.to(device)), got {type(plan).__name__}")
     if q.dim() != 3:
@@ -170,7 +213,6 @@ def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> tuple[torch.Tens
         raise ValueError(f"head_dim must be one of (16, 32, 64, 128, 256), got {d}")
     if q.stride(2) != 1:
         raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
-    flat = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4 or cache.shape[3] != d:
             raise ValueError(f"{name} must have shape [num_pages, page_size, num_kv_heads, {d}], "
@@ -179,7 +221,7 @@ def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> tuple[torch.Tens
             raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
         if cache.device != q.device:
             raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
-        flat.append(_slot_view(name, cache))
+        _slot_view(name, cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
     hkv = k_cache.shape[2]
@@ -189,7 +231,6 @@ def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> tuple[torch.Tens
     if plan.kv_slots.dtype != torch.int32 or plan.kv_slots.device != q.device:
         raise ValueError(f"plan tensors must be int32 on q's device {q.device}, got "
                          f"{plan.kv_slots.dtype} on {plan.kv_slots.device} (use TreePlan.to(q.device))")
-    return flat[0], flat[1]
 
 
 def _slot_view(name: str, cache: torch.Tensor) -> torch.Tensor:
@@ -304,36 +345,36 @@ def _tree_attn_partial_kernel(
 def _merge_partials_kernel(
     out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, query_entry_start_ptr, query_entries_ptr,
     stride_oq, stride_oh, stride_lq, stride_we, stride_wh, stride_le,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Program (query, head): merge the query's partials, BLOCK_P of them per step, in CSR order."""
     query = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
     begin = tl.load(query_entry_start_ptr + query)
     count = tl.load(query_entry_start_ptr + query + 1) - begin
     count = tl.where(count > 1, count, 0)  # a single partial was written by stage 1
 
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
-    head_valid = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    for i in range(0, count):
-        e = tl.load(query_entries_ptr + begin + i).to(tl.int64)
-        lse_p = tl.load(lse_ws_ptr + e * stride_le + head, mask=head_valid, other=0.0) * _LOG2E
-        o_p = tl.load(o_ws_ptr + e * stride_we + head[:, None] * stride_wh + offs_d[None, :],
-                      mask=head_valid[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse_p)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for p0 in range(0, count, BLOCK_P):
+        valid = p0 + offs_p < count
+        e = tl.load(query_entries_ptr + begin + p0 + offs_p, mask=valid, other=0).to(tl.int64)
+        lse_p = tl.load(lse_ws_ptr + e * stride_le + head, mask=valid, other=float("-inf")) * _LOG2E
+        o_p = tl.load(o_ws_ptr + e[:, None] * stride_we + head * stride_wh + offs_d[None, :],
+                      mask=valid[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(lse_p, axis=0))          # finite: the block has a valid partial
         scale = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lse_p - m_new)
-        acc = acc * scale[:, None] + w[:, None] * o_p
-        s = s * scale + w
+        w = tl.math.exp2(lse_p - m_new)                       # 0 for padding
+        acc = acc * scale + tl.sum(w[:, None] * o_p, axis=0)
+        s = s * scale + tl.sum(w, axis=0)
         m = m_new
 
-    store = head_valid & (count > 0)
     s_safe = tl.where(s == 0.0, 1.0, s)
-    out_rows = out_ptr + query.to(tl.int64) * stride_oq + head * stride_oh
-    tl.store(out_rows[:, None] + offs_d[None, :], (acc / s_safe[:, None]).to(out_ptr.dtype.element_ty),
-             mask=store[:, None])
-    tl.store(lse_ptr + query.to(tl.int64) * stride_lq + head, (m + tl.math.log2(s_safe)) * _LN2, mask=store)
+    store = count > 0
+    out_row = out_ptr + query.to(tl.int64) * stride_oq + head * stride_oh
+    tl.store(out_row + offs_d, (acc / s_safe).to(out_ptr.dtype.element_ty), mask=store & (offs_d < HEAD_DIM))
+    tl.store(lse_ptr + query.to(tl.int64) * stride_lq + head + tl.arange(0, 1), (m + tl.math.log2(s_safe)) * _LN2,
+             mask=store)

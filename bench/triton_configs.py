@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Which stage-1 tile shape and chunk size make the triton backend fastest, per workload?
+
+Sweeps query tile (rows per program = query_tile x GQA group), the launch config
+(BLOCK_N, warps, stages) and the flatten chunk size over the suite of BENCH.md. Every
+config is checked against the fp32 reference, then timed per call inside a CUDA graph
+over 8 distinct KV copies (launch overhead amortized, no L2 reuse across calls). Writes
+``<out>/<date>-<gpu>-triton-configs.json`` and prints the best config per workload.
+
+    python bench/triton_configs.py [--workloads ...] [--chunk-sizes 256,512,1024,2048]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
+from bench.timing import graphed_us  # noqa: E402
+from treedec import PlanConfig, TreeAttention  # noqa: E402
+from treedec.attention import reference_tree_attention  # noqa: E402
+from treedec.kernels.triton_tree_attention import LaunchConfig, run_plan_triton  # noqa: E402
+
+# (query_tile, launch config) candidates for G = 4: 64, 128 and 256 rows per program.
+CANDIDATES = [
+    (16, LaunchConfig(64, 4, 3)), (16, LaunchConfig(64, 4, 4)), (16, LaunchConfig(32, 4, 3)),
+    (32, LaunchConfig(64, 8, 2)), (32, LaunchConfig(64, 8, 3)), (32, LaunchConfig(32, 8, 3)),
+    (64, LaunchConfig(32, 8, 2)),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(SUITE))
+    parser.add_argument("--chunk-sizes", default="256,512,1024,2048")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    sizes = [int(c) for c in args.chunk_sizes.split(",")]
+    names = args.workloads.split(",")
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    results = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+               "torch": torch.__version__, "workloads": {}}
+    progress = tqdm(total=len(names) * len(sizes) * len(CANDIDATES), desc="configs", file=sys.stderr)
+    for name in names:
+        workload = build_workload(name)
+        layout = workload.layout
+        torch.manual_seed(0)
+        q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
+        shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
+        copies = [(torch.randn(shape, dtype=torch.float16, device="cuda"),
+                   torch.randn(shape, dtype=torch.float16, device="cuda")) for _ in range(8)]
+        ref, _ = reference_tree_attention(q, *copies[0], layout, scale)
+        rows = []
+        for size in sizes:
+            for query_tile, launch in CANDIDATES:
+                progress.update()
+                attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend="triton",
+                                     plan_config=PlanConfig("flatten", size, query_tile))
+                plan = attn.plan(layout)
+                row = {"chunk_size": size, "query_tile": query_tile, "block_n": launch.block_n,
+                       "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                       "work_items": plan.plan.num_items, "entries": plan.plan.num_entries}
+                try:
+                    out, _ = run_plan_triton(q, *copies[0], plan, scale, launch=launch)
+                    row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+                    if row["rel_err"] < 2e-3:
+                        runs = [lambda k=k, v=v: run_plan_triton(q, k, v, plan, scale, validate=False, launch=launch)
+                                for k, v in copies]
+                        row["graphed_us"] = graphed_us(runs)
+                except Exception as e:  # a config that does not compile or launch on this GPU
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(row)
+        results["workloads"][name] = rows
+        ok = [r for r in rows if "graphed_us" in r]
+        best = min(ok, key=lambda r: r["graphed_us"]) if ok else None
+        progress.write(f"{name:20s} best {best}" if best else f"{name:20s} no config ran")
+    progress.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{results['date']}-{results['device'].lower().replace(' ', '-')}-triton-configs.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
