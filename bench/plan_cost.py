@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--planner", default="flatten", choices=PLANNERS)
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=None, help="default: the planner's automatic choice")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     config = PlanConfig(args.planner, args.chunk_size, 16)

@@ -4,7 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
-from treedec.attention.planners import default_query_tile
+from treedec.attention.planners import _query_intervals, _tiled_tokens, auto_chunk_size, default_query_tile
+from treedec.attention import dense_tree_mask
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
 
@@ -112,3 +113,23 @@ def test_default_query_tile_aims_at_64_rows():
         default_query_tile(0)
     layout = TreeLayout.from_parents([-1], [4], [(0, 3)])
     assert make_plan(layout, PlanConfig(), group_size=4).query_tile == 16
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), query_tile=st.sampled_from([1, 3, 16]))
+def test_tiled_tokens_counts_one_load_per_token_and_query_tile(seed, query_tile):
+    layout = random_forest(np.random.default_rng(seed), 16).layout()
+    _, lo, hi, *_ = _query_intervals(layout)
+    readers = dense_tree_mask(layout).sum(axis=0)
+    assert _tiled_tokens(lo, hi, query_tile) == int((-(-readers // query_tile)).sum())
+
+
+def test_auto_chunk_size_rule():
+    sizes = [auto_chunk_size(w) for w in (1, 10_000, 130_000, 550_000, 1_000_000, 10**9)]
+    assert sizes == [64, 128, 512, 1024, 2048, 4096]
+    assert auto_chunk_size(130_000, num_sms=33) == 1024  # a quarter of the SMs: fewer, longer chunks
+    # 4000-token prompt, 64 queries below it, 8 KV heads, 16 queries per tile: 4 tiles x 8 heads
+    layout = TreeLayout.from_parents([-1] + [0] * 64, [4000] + [1] * 64, [(i, 0) for i in range(1, 65)])
+    plan = make_plan(layout, PlanConfig(num_kv_heads=8), group_size=4)
+    assert plan.chunk_size == 512 and plan.num_chunks == 8
+    assert make_plan(layout, PlanConfig("node"), group_size=4).chunk_size is None

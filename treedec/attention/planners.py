@@ -12,6 +12,7 @@ Only tokens that some query reads are flattened (a paused branch costs nothing).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,21 +30,25 @@ _LOW_BITS.setflags(write=False)
 class PlanConfig:
     """How to cut and tile.
 
-    ``chunk_size`` is ignored by the ``node`` planner. ``query_tile`` (entries per work
-    item) None means: chosen by TreeAttention from the GQA group size so that a program
-    has about 64 rows (query heads x queries).
+    ``chunk_size`` (ignored by the ``node`` planner): None chooses it per step from the
+    tree (:func:`auto_chunk_size`). ``query_tile`` (entries per work item): None chooses
+    it from the GQA group size, so that a program has about 64 rows (queries x heads).
+    ``num_kv_heads`` and ``num_sms`` feed the automatic chunk size (programs run per KV
+    head, on that many multiprocessors).
     """
 
     planner: str = "flatten"
-    chunk_size: int = 256
+    chunk_size: int | None = None
     query_tile: int | None = None
+    num_kv_heads: int = 8
+    num_sms: int = 132
 
     def __post_init__(self):
         if self.planner not in PLANNERS:
             raise PlanError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
-        for name in ("chunk_size", "query_tile"):
+        for name in ("chunk_size", "query_tile", "num_kv_heads", "num_sms"):
             value = getattr(self, name)
-            if value is None and name == "query_tile":
+            if value is None and name in ("chunk_size", "query_tile"):
                 continue
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise PlanError(f"{name} must be a positive int, got {value!r}")
@@ -67,6 +72,9 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
     q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)
     total = len(kv_slots)
+    if config.chunk_size is None and config.planner != "node":
+        work = _tiled_tokens(lo, hi, config.query_tile) * config.num_kv_heads
+        config = replace(config, chunk_size=auto_chunk_size(work, config.num_sms))
     if config.planner == "flatten":
         num_chunks = -(-total // config.chunk_size)
         step = -(-total // num_chunks)
@@ -75,6 +83,20 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         piece = config.chunk_size if config.planner == "node_chunk" else None
         bounds = _node_bounds(node_start, node_len, total, piece)
     return _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds)
+
+
+def auto_chunk_size(work: int, num_sms: int = 132) -> int:
+    """Chunk size for ``work`` KV tokens streamed by all programs together.
+
+    ``work`` is the sum over KV heads, query tiles and tokens of one load each
+    (:func:`_tiled_tokens` x heads); it hardly depends on the chunk size. Larger chunks
+    mean fewer partial states to merge, smaller ones more programs to fill the GPU; the
+    best chunk, swept on an H200 (132 SMs) over the 8 workloads of BENCH.md
+    (bench/results/2026-11-21-nvidia-h200-triton-configs.json), is the power of two
+    nearest to sqrt(2.2 * work * 132 / num_sms), between 64 and 4096 tokens.
+    """
+    ideal = math.sqrt(2.2 * max(work, 1) * 132 / num_sms)
+    return int(min(4096, max(64, 2 ** round(math.log2(ideal)))))
 
 
 def plan_flatten(layout: TreeLayout, chunk_size: int = 256, query_tile: int = 16) -> TreePlan:
@@ -129,6 +151,19 @@ def _query_intervals(layout: TreeLayout):
     keep = read > 0
     lo = node_start[nodes][keep]
     return q_idx[keep], lo, lo + read[keep], kv_slots, node_start, node_len
+
+
+def _tiled_tokens(lo, hi, query_tile: int) -> int:
+    """Sum over flattened tokens of ceil(readers / query_tile): KV loads per KV head.
+
+    The read intervals [lo, hi) are swept once: between consecutive interval ends the
+    number of readers is constant.
+    """
+    ends = np.concatenate([lo, hi])
+    order = np.argsort(ends, kind="stable")
+    readers = np.cumsum(np.concatenate([np.ones(len(lo), np.int64), -np.ones(len(hi), np.int64)])[order])
+    span = np.diff(ends[order])
+    return int((span * -(-readers[:-1] // query_tile)).sum())
 
 
 def _node_bounds(node_start, node_len, total, piece):
@@ -218,6 +253,7 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
         item_chunk=item_chunk[order],
         item_entry_start=item_entry_start[order],
         item_num_entries=item_num_entries[order],
+        chunk_size=None if config.planner == "node" else config.chunk_size,
         query_tile=qt,
         max_slot=int(kv_slots.max()),
         layout=layout,

@@ -1,6 +1,7 @@
 """TreeAttention: plan once per step on the CPU, run for every layer."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -31,7 +32,8 @@ class TreeAttention:
         "auto", "reference", "torch", "triton" or "cuda". The choice made is in
         :attr:`backend` and :attr:`backend_reason` (and logged).
     plan_config:
-        Planner and chunking (:class:`PlanConfig`).
+        Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
+        are set from this object and the device.
     sm_scale:
         Softmax scale; default ``1 / sqrt(head_dim)``.
     device:
@@ -53,11 +55,15 @@ class TreeAttention:
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.plan_config = plan_config
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            num_sms = plan_config.num_sms
+        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 

@@ -49,6 +49,8 @@ class TreePlan:
         True when the entry is its query's only partial: it may write the output directly.
     item_chunk, item_entry_start, item_num_entries : [I] int64
         Work items, heaviest first by the cost model ``rows + kv_tokens``.
+    chunk_size : int or None
+        The chunk size the planner cut with (None for the ``node`` planner).
     query_tile : int
         Most entries per work item.
     max_slot : int
@@ -70,6 +72,7 @@ class TreePlan:
     item_chunk: np.ndarray
     item_entry_start: np.ndarray
     item_num_entries: np.ndarray
+    chunk_size: int | None
     query_tile: int
     max_slot: int
     layout: TreeLayout
@@ -107,7 +110,7 @@ class TreePlan:
         return {
             "planner": self.planner, "queries": self.num_queries, "tree_tokens": self.num_tokens,
             "chunks": self.num_chunks, "entries": self.num_entries, "work_items": self.num_items,
-            "max_chunk_len": self.max_chunk_len, "query_tile": self.query_tile,
+            "chunk_size": self.chunk_size, "max_chunk_len": self.max_chunk_len, "query_tile": self.query_tile,
             "direct_queries": int(self.entry_direct.sum()),
         }
 
