@@ -217,3 +217,21 @@ def test_bad_inputs_raise_clear_errors(small_step, mutate, error, match):
 def test_bad_workspace_dtype_raises(small_step):
     with pytest.raises(TypeError, match="workspace_dtype must be one of"):
         run_plan_triton(*small_step, 0.125, workspace_dtype=torch.int32)
+
+
+def test_repeated_runs_of_one_plan_take_fresh_inputs(triton_device):
+    """After the first launch of a plan, later ones (on a GPU: through the cached compiled
+    runner) must read the new q/K/V; a misaligned q view must get its own specialization."""
+    tree = two_request_forest(hkv=2)
+    plan = make_plan(tree.layout(), PlanConfig("flatten", 64, 4))
+    device_plan = plan.to(triton_device)
+    gen = torch.Generator().manual_seed(7)
+    shape = tree.pool.layer(0)[0].shape
+    for step in range(3):
+        k, v = (torch.randn(shape, generator=gen).half().to(triton_device) for _ in range(2))
+        q = torch.randn(plan.num_queries, 8, 64, generator=gen).half().to(triton_device)
+        if step == 2:  # a view whose data pointer is 2 bytes past a 16-byte boundary
+            q = torch.randn(plan.num_queries * 8 * 64 + 1, generator=gen).half().to(triton_device)[1:]
+            q = q.view(plan.num_queries, 8, 64)
+        out, lse = run_plan_triton(q, k, v, device_plan, 64 ** -0.5)
+        check_against_references(out, lse, plan, q, k, v, 2e-3)

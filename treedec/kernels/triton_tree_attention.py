@@ -29,11 +29,12 @@ its entries, the same chunk).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from treedec.attention.tree_plan import DeviceTreePlan
 
@@ -92,8 +93,31 @@ class _Launch:
     merge_grid: tuple[int, int] | None      # None: every query has a single partial
     o_ws: torch.Tensor                      # [E, Hq, D] partial outputs
     lse_ws: torch.Tensor                    # [E, Hq] partial LSEs, float32
-    constants: dict                         # constexpr kwargs of the stage-1 kernel
+    constants: dict                         # constexpr arguments of the stage-1 kernel, in order
+    options: dict                           # num_warps, num_stages
     merge_constants: dict
+    merge_options: dict
+    runners: dict = field(default_factory=dict)  # (kernel, specialization guard) -> compiled runner
+
+
+def _launch(kernel, grid, runners: dict, guard: tuple, args: tuple, constants: dict, options: dict) -> None:
+    """Launch ``kernel[grid](*args, **constants, **options)``, through its compiled runner when cached.
+
+    ``JITFunction`` re-binds and re-specializes every argument at each launch: tens of
+    microseconds of Python per launch, more than the kernels take on small trees. For a
+    fixed plan the grid, constexprs and options are fixed; what could select another
+    compiled variant is the caller's tensors' alignment and strides, which ``guard``
+    holds. The first launch under a guard takes the JIT path (compiling if needed) and
+    caches the compiled kernel's runner, which takes every parameter positionally.
+    """
+    key = (kernel, guard)
+    runner = runners.get(key)
+    if runner is None:
+        compiled = kernel[grid](*args, **constants, **options)
+        if isinstance(compiled, CompiledKernel):  # the interpreter (TRITON_INTERPRET=1) returns none
+            runners[key] = compiled[grid]
+    else:
+        runner(*args, *constants.values())
 
 
 def run_plan_triton(
@@ -148,22 +172,22 @@ def run_plan_triton(
     out = torch.empty_like(q)
     lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
     o_ws, lse_ws = prepared.o_ws, prepared.lse_ws
-    _tree_attn_partial_kernel[prepared.grid](
+    q_strides, k_strides, v_strides, out_strides = q.stride(), k_flat.stride(), v_flat.stride(), out.stride()
+    guard = (q.data_ptr() % 16, k_flat.data_ptr() % 16, v_flat.data_ptr() % 16, out.data_ptr() % 16,
+             q_strides, k_strides, v_strides, out_strides)
+    _launch(_tree_attn_partial_kernel, prepared.grid, prepared.runners, guard, (
         q, k_flat, v_flat, out, lse, o_ws, lse_ws,
         plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
         plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
-        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
-        plan.entry_mask.stride(0),
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
+        out_strides[0], out_strides[1], hq, hq * d, d, hq, plan.entry_mask.stride(0),
         sm_scale * math.log2(math.e),
-        **prepared.constants,
-    )
+    ), prepared.constants, prepared.options)
     if prepared.merge_grid is not None:
-        _merge_partials_kernel[prepared.merge_grid](
+        _launch(_merge_partials_kernel, prepared.merge_grid, prepared.runners, guard, (
             out, lse, o_ws, lse_ws, plan.query_entry_start, plan.query_entries,
-            out.stride(0), out.stride(1), lse.stride(0), o_ws.stride(0), o_ws.stride(1), lse_ws.stride(0),
-            **prepared.merge_constants,
-        )
+            out_strides[0], out_strides[1], hq, hq * d, d, hq,
+        ), prepared.merge_constants, prepared.merge_options)
     return out, lse
 
 
@@ -189,9 +213,10 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
         constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                        ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
                        # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
-                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P, num_warps=2 if d <= 128 else 4),
+                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P),
+        merge_options=dict(num_warps=2 if d <= 128 else 4),
     )
 
 
@@ -275,6 +300,21 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
     return acc, l_i, m_new
 
 
+@triton.jit
+def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_valid, qk_scale,
+                  offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Online softmax over the whole chunk; returns (acc, l, m) in base 2."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(0, chunk_len, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
+                                        stride_ks, stride_vs, mask_rows, row_valid, qk_scale, offs_n, offs_d,
+                                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
 # The plan's tensors are slices of one buffer whose sizes change every step: specializing
 # on their alignment (or on the mask row length) would recompile the kernels step after step.
 _PLAN_POINTERS = ("kv_slots_ptr", "chunk_kv_start_ptr", "entry_query_ptr", "entry_mask_ptr", "entry_direct_ptr",
@@ -318,13 +358,8 @@ def _tree_attn_partial_kernel(
     slots_base = kv_slots_ptr + kv_begin
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for n0 in range(0, chunk_len, BLOCK_N):
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
-                                        stride_ks, stride_vs, mask_rows, row_valid, qk_scale, offs_n, offs_d,
-                                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+    acc, l_i, m_i = _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows,
+                                  row_valid, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION)
 
     # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
