@@ -89,8 +89,8 @@ def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float1
 class _Launch:
     """What run_plan_triton derives from a plan once, reused for every layer of the step."""
 
-    grid: tuple[int, int]
-    merge_grid: tuple[int, int] | None      # None: every query has a single partial
+    grid: tuple[int, int, int]
+    merge_grid: tuple[int, int, int] | None  # None: every query has a single partial
     o_ws: torch.Tensor                      # [E, Hq, D] partial outputs
     lse_ws: torch.Tensor                    # [E, Hq] partial LSEs, float32
     constants: dict                         # constexpr arguments of the stage-1 kernel, in order
@@ -206,8 +206,8 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
     subtiles = -(-host.query_tile // entries_per_prog)
     cfg = override or launch_config(d, block_m, dtype)
     return _Launch(
-        grid=(host.num_items * subtiles, hkv),
-        merge_grid=(host.num_queries, hq) if host.num_entries > host.num_queries else None,
+        grid=(host.num_items * subtiles, hkv, 1),  # 3-D: the compiled runner reads grid[2]
+        merge_grid=(host.num_queries, hq, 1) if host.num_entries > host.num_queries else None,
         o_ws=torch.empty(host.num_entries, hq, d, dtype=workspace_dtype, device=device),
         lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device),
         constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
