@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from treedec.tree.layout import TreeLayout
+from treedec.tree.layout import TreeLayout, depth_first_order
 
 #: ``workloads/deft`` of this repository.
 DEFT_DIR = Path(__file__).resolve().parents[2] / "workloads" / "deft"
@@ -301,12 +301,5 @@ def _validate_tot_tree(tree, where: str) -> dict[int, dict]:
 
 
 def _preorder(nodes: dict[int, dict]) -> list[int]:
-    order, stack, seen = [], [0], set()
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        order.append(i)
-        stack.extend(reversed(nodes[i]["children"]))
-    return order
+    """Node ids reachable from the prompt (node 0), depth-first, children in file order."""
+    return depth_first_order([0], {i: node["children"] for i, node in nodes.items()})
