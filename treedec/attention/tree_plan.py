@@ -124,8 +124,8 @@ class TreePlan:
         for a, end, size in zip(arrays, ends.tolist(), sizes):
             host[end - size:end] = a.reshape(-1)
         flat = torch.from_numpy(host).to(device)
-        parts = torch.split(flat, sizes)
-        return DeviceTreePlan(self, *(p.view(a.shape) for p, a in zip(parts, arrays)))
+        parts = torch.split(flat, sizes)  # 1-D views; only the mask is 2-D
+        return DeviceTreePlan(self, *(p if a.ndim == 1 else p.view(a.shape) for p, a in zip(parts, arrays)))
 
 
 @dataclass(frozen=True)
