@@ -42,15 +42,22 @@ CANDIDATES = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(SUITE))
-    parser.add_argument("--chunk-sizes", default="256,512,1024,2048")
+    parser.add_argument("--chunk-sizes", default="256,512,1024,2048",
+                        help="comma-separated; 'auto' = the planner's own choice")
+    parser.add_argument("--candidates", default=None,
+                        help="query_tile:block_n:warps:stages[:maxnreg],... (default: the built-in list)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--tag", default="", help="appended to the results file name, e.g. -warps")
     args = parser.parse_args()
-    sizes = [int(c) for c in args.chunk_sizes.split(",")]
+    sizes = [None if c == "auto" else int(c) for c in args.chunk_sizes.split(",")]
+    candidates = CANDIDATES if args.candidates is None else [
+        (int(fields[0]), LaunchConfig(*(int(f) for f in fields[1:])))
+        for fields in (c.split(":") for c in args.candidates.split(","))]
     names = args.workloads.split(",")
     scale = 1.0 / math.sqrt(HEAD_DIM)
     results = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "workloads": {}}
-    progress = tqdm(total=len(names) * len(sizes) * len(CANDIDATES), desc="configs", file=sys.stderr)
+    progress = tqdm(total=len(names) * len(sizes) * len(candidates), desc="configs", file=sys.stderr)
     for name in names:
         workload = build_workload(name)
         layout = workload.layout
@@ -62,13 +69,13 @@ def main() -> int:
         ref, _ = reference_tree_attention(q, *copies[0], layout, scale)
         rows = []
         for size in sizes:
-            for query_tile, launch in CANDIDATES:
+            for query_tile, launch in candidates:
                 progress.update()
                 attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend="triton",
                                      plan_config=PlanConfig("flatten", size, query_tile))
                 plan = attn.plan(layout)
-                row = {"chunk_size": size, "query_tile": query_tile, "block_n": launch.block_n,
-                       "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+                row = {"chunk_size": plan.plan.chunk_size, "query_tile": query_tile, "block_n": launch.block_n,
+                       "num_warps": launch.num_warps, "num_stages": launch.num_stages, "maxnreg": launch.maxnreg,
                        "work_items": plan.plan.num_items, "entries": plan.plan.num_entries}
                 try:
                     out, _ = run_plan_triton(q, *copies[0], plan, scale, launch=launch)
@@ -86,7 +93,7 @@ def main() -> int:
         progress.write(f"{name:20s} best {best}" if best else f"{name:20s} no config ran")
     progress.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{results['date']}-{results['device'].lower().replace(' ', '-')}-triton-configs.json"
+    path = args.out / f"{results['date']}-{results['device'].lower().replace(' ', '-')}-triton-configs{args.tag}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return 0

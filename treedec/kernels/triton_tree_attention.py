@@ -50,6 +50,13 @@ class LaunchConfig:
     block_n: int      # KV tokens per tile (a multiple of 32: whole mask words)
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # register cap per thread: more programs resident per SM
+
+    def options(self) -> dict:
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 # fp16/bf16, keyed by (head_dim, BLOCK_M), sized for H100/H200: K+V tiles of BLOCK_N x D
@@ -214,7 +221,7 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
                        ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
                        # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
                        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        options=cfg.options(),
         merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P),
         merge_options=dict(num_warps=2 if d <= 128 else 4),
     )
