@@ -34,22 +34,20 @@ PLAN_ARGS = ("kv_slots_ptr", "chunk_kv_start_ptr", "entry_query_ptr", "entry_mas
              "item_chunk_ptr", "item_entry_start_ptr", "item_num_entries_ptr")
 
 
-def compile_stage1(dtype: str, head_dim: int, group: int, block_m: int, config,
-                   masked: bool = True) -> triton.compiler.CompiledKernel:
+def compile_stage1(dtype: str, head_dim: int, group: int, block_m: int, config) -> triton.compiler.CompiledKernel:
     sig = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     sig.update({"lse_ptr": "*fp32", "o_ws_ptr": f"*{dtype}", "lse_ws_ptr": "*fp32"})
     sig.update({n: "*i32" for n in PLAN_ARGS})
     sig.update({n: "i32" for n in INT_ARGS})
     sig["qk_scale"] = "fp32"
-    sig["item_base"] = "i32"
     const = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                 ENTRIES_PER_PROG=block_m // group, SUBTILES=1, DOT_PRECISION="tf32", MASKED=masked)
+                 ENTRIES_PER_PROG=block_m // group, SUBTILES=1, DOT_PRECISION="tf32")
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                if (n.endswith("_ptr") and n not in PLAN_ARGS) or (n.startswith("stride") and n != "stride_me")}
     source = ASTSource(kernels._tree_attn_partial_kernel, sig, const, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=config.options())
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
 def ptxas_report(ptx: str, workdir: Path) -> str:
@@ -67,16 +65,15 @@ def main() -> int:
     args = parser.parse_args()
     args.dump.mkdir(parents=True, exist_ok=True)
     for head_dim, group, block_m in [(128, 4, 64), (128, 4, 128), (128, 8, 64), (64, 4, 64), (256, 4, 64)]:
-        for masked in (True, False):
-            config = kernels.launch_config(head_dim, block_m, torch.float16)
-            k = compile_stage1("fp16", head_dim, group, block_m, config, masked)
-            ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
-            name = f"D{head_dim}_G{group}_M{block_m}_{'masked' if masked else 'full'}"
-            (args.dump / f"{name}.ttgir").write_text(ttgir)
-            print(f"{name} {config}: async copies {len(re.findall(r'async_copy_global_to_local', ttgir))}, "
-                  f"async waits {len(re.findall(r'async_wait', ttgir))}, "
-                  f"wgmma {len(re.findall(r'wgmma', ptx))}, mma.sync {len(re.findall(r'mma.sync', ptx))}, "
-                  f"smem {k.metadata.shared} B; {ptxas_report(ptx, args.dump)}")
+        config = kernels.launch_config(head_dim, block_m, torch.float16)
+        k = compile_stage1("fp16", head_dim, group, block_m, config)
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        name = f"D{head_dim}_G{group}_M{block_m}"
+        (args.dump / f"{name}.ttgir").write_text(ttgir)
+        print(f"{name} {config}: async copies {len(re.findall(r'async_copy_global_to_local', ttgir))}, "
+              f"async waits {len(re.findall(r'async_wait', ttgir))}, "
+              f"wgmma {len(re.findall(r'wgmma', ptx))}, mma.sync {len(re.findall(r'mma.sync', ptx))}, "
+              f"smem {k.metadata.shared} B; {ptxas_report(ptx, args.dump)}")
     print(f"TTGIR written to {args.dump}")
     return 0
 

@@ -224,7 +224,6 @@ def test_repeated_runs_of_one_plan_take_fresh_inputs(triton_device):
     runner) must read the new q/K/V; a misaligned q view must get its own specialization."""
     tree = two_request_forest(hkv=2)
     plan = make_plan(tree.layout(), PlanConfig("flatten", 64, 4))
-    assert 0 < plan.num_full_items < plan.num_items  # both stage-1 variants launch
     device_plan = plan.to(triton_device)
     gen = torch.Generator().manual_seed(7)
     shape = tree.pool.layer(0)[0].shape

@@ -237,10 +237,7 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
     tile = np.arange(len(item_chunk)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     item_entry_start = chunk_entry_start[item_chunk] + tile * qt
     item_num_entries = np.minimum(qt, group[item_chunk] - tile * qt)
-    # Items whose entries all read their whole chunk (a shared prefix) need no mask: they
-    # come first, so a kernel can run them with a mask-free variant; heaviest first in each.
-    item_full = np.minimum.reduceat(full, item_entry_start) if len(item_entry_start) else np.zeros(0, bool)
-    order = np.lexsort((-(item_num_entries + chunk_len[item_chunk]), ~item_full))
+    order = np.argsort(-(item_num_entries + chunk_len[item_chunk]), kind="stable")
 
     return TreePlan(
         planner=config.planner,
@@ -256,7 +253,6 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
         item_chunk=item_chunk[order],
         item_entry_start=item_entry_start[order],
         item_num_entries=item_num_entries[order],
-        num_full_items=int(item_full.sum()),
         chunk_size=None if config.planner == "node" else config.chunk_size,
         query_tile=qt,
         max_slot=int(kv_slots.max()),

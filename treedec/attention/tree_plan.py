@@ -48,10 +48,7 @@ class TreePlan:
     entry_direct : [E] bool
         True when the entry is its query's only partial: it may write the output directly.
     item_chunk, item_entry_start, item_num_entries : [I] int64
-        Work items. The first ``num_full_items`` have entries that all read their whole
-        chunk (no mask to apply); within both groups, heaviest first by the cost model
-        ``rows + kv_tokens``.
-    num_full_items : int
+        Work items, heaviest first by the cost model ``rows + kv_tokens``.
     chunk_size : int or None
         The chunk size the planner cut with (None for the ``node`` planner).
     query_tile : int
@@ -75,7 +72,6 @@ class TreePlan:
     item_chunk: np.ndarray
     item_entry_start: np.ndarray
     item_num_entries: np.ndarray
-    num_full_items: int
     chunk_size: int | None
     query_tile: int
     max_slot: int
@@ -115,7 +111,7 @@ class TreePlan:
             "planner": self.planner, "queries": self.num_queries, "tree_tokens": self.num_tokens,
             "chunks": self.num_chunks, "entries": self.num_entries, "work_items": self.num_items,
             "chunk_size": self.chunk_size, "max_chunk_len": self.max_chunk_len, "query_tile": self.query_tile,
-            "direct_queries": int(self.entry_direct.sum()), "full_items": self.num_full_items,
+            "direct_queries": int(self.entry_direct.sum()),
         }
 
     def to(self, device: torch.device | str) -> "DeviceTreePlan":

@@ -96,10 +96,11 @@ def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float1
 class _Launch:
     """What run_plan_triton derives from a plan once, reused for every layer of the step."""
 
-    stage1: tuple[tuple[tuple[int, int, int], int, dict], ...]  # (grid, first item, constexprs) per launch
+    grid: tuple[int, int, int]
     merge_grid: tuple[int, int, int] | None  # None: every query has a single partial
     o_ws: torch.Tensor                      # [E, Hq, D] partial outputs
     lse_ws: torch.Tensor                    # [E, Hq] partial LSEs, float32
+    constants: dict                         # constexpr arguments of the stage-1 kernel, in order
     options: dict                           # num_warps, num_stages
     merge_constants: dict
     merge_options: dict
@@ -114,10 +115,9 @@ def _launch(kernel, grid, runners: dict, guard: tuple, args: tuple, constants: d
     fixed plan the grid, constexprs and options are fixed; what could select another
     compiled variant is the caller's tensors' alignment and strides, which ``guard``
     holds. The first launch under a guard takes the JIT path (compiling if needed) and
-    caches the compiled kernel's runner (keyed by kernel, guard, grid and constexprs),
-    which takes every parameter positionally.
+    caches the compiled kernel's runner, which takes every parameter positionally.
     """
-    key = (kernel, guard, grid, tuple(constants.values()))
+    key = (kernel, guard)
     runner = runners.get(key)
     if runner is None:
         compiled = kernel[grid](*args, **constants, **options)
@@ -182,15 +182,14 @@ def run_plan_triton(
     q_strides, k_strides, v_strides, out_strides = q.stride(), k_flat.stride(), v_flat.stride(), out.stride()
     guard = (q.data_ptr() % 16, k_flat.data_ptr() % 16, v_flat.data_ptr() % 16, out.data_ptr() % 16,
              q_strides, k_strides, v_strides, out_strides)
-    args = (q, k_flat, v_flat, out, lse, o_ws, lse_ws,
-            plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
-            plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
-            q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
-            out_strides[0], out_strides[1], hq, hq * d, d, hq, plan.entry_mask.stride(0),
-            sm_scale * math.log2(math.e))
-    for grid, first_item, constants in prepared.stage1:
-        _launch(_tree_attn_partial_kernel, grid, prepared.runners, guard, args + (first_item,),
-                constants, prepared.options)
+    _launch(_tree_attn_partial_kernel, prepared.grid, prepared.runners, guard, (
+        q, k_flat, v_flat, out, lse, o_ws, lse_ws,
+        plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
+        plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
+        out_strides[0], out_strides[1], hq, hq * d, d, hq, plan.entry_mask.stride(0),
+        sm_scale * math.log2(math.e),
+    ), prepared.constants, prepared.options)
     if prepared.merge_grid is not None:
         _launch(_merge_partials_kernel, prepared.merge_grid, prepared.runners, guard, (
             out, lse, o_ws, lse_ws, plan.query_entry_start, plan.query_entries,
@@ -213,19 +212,15 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
                          f"rows of one program for {dtype}")
     subtiles = -(-host.query_tile // entries_per_prog)
     cfg = override or launch_config(d, block_m, dtype)
-    constants = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                     ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
-                     # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     return _Launch(
-        # Full items (no mask) first, with the mask-free variant; grids are 3-D because
-        # the compiled runner reads grid[2].
-        stage1=tuple(((n * subtiles, hkv, 1), first, {**constants, "MASKED": masked}) for n, first, masked in (
-            (host.num_full_items, 0, False), (host.num_items - host.num_full_items, host.num_full_items, True))
-            if n > 0),
+        grid=(host.num_items * subtiles, hkv, 1),  # 3-D: the compiled runner reads grid[2]
         merge_grid=(host.num_queries, hq, 1) if host.num_entries > host.num_queries else None,
         o_ws=torch.empty(host.num_entries, hq, d, dtype=workspace_dtype, device=device),
         lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device),
+        constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                       ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
+                       # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
+                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
         options=cfg.options(),
         merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P),
         merge_options=dict(num_warps=2 if d <= 128 else 4),
@@ -284,34 +279,23 @@ def _slot_view(name: str, cache: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs,
                     mask_rows, row_valid, qk_scale, offs_n, offs_d,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    MASKED: tl.constexpr):
-    """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state.
-
-    MASKED=False serves work items whose rows all read the whole chunk (a shared prefix):
-    no mask words are loaded or expanded, only the chunk's end is cut.
-    """
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state."""
     tok = n0 + offs_n
-    if MASKED:
-        # Expand the rows' mask words over the tile's columns (n0 is a multiple of 32).
-        word_of_col = offs_n >> 5
-        words = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        live = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for w in tl.static_range(BLOCK_N // 32):
-            word = tl.load(mask_rows + ((n0 >> 5) + w), mask=row_valid & (n0 + 32 * w < chunk_len), other=0)
-            words = tl.where(word_of_col[None, :] == w, word[:, None], words)
-            live = live | word
-        tile_live = tl.max((live != 0).to(tl.int32), axis=0) > 0
-        kv_mask = (tok < chunk_len) & tile_live
-    else:
-        kv_mask = tok < chunk_len
+    # Expand the rows' mask words over the tile's columns (n0 is a multiple of 32).
+    word_of_col = offs_n >> 5
+    words = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    live = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for w in tl.static_range(BLOCK_N // 32):
+        word = tl.load(mask_rows + ((n0 >> 5) + w), mask=row_valid & (n0 + 32 * w < chunk_len), other=0)
+        words = tl.where(word_of_col[None, :] == w, word[:, None], words)
+        live = live | word
+    tile_live = tl.max((live != 0).to(tl.int32), axis=0) > 0
+    kv_mask = (tok < chunk_len) & tile_live
     slot = tl.load(slots_base + tok, mask=kv_mask, other=0).to(tl.int64)
     k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if MASKED:
-        reads = ((words >> (offs_n & 31)[None, :]) & 1) != 0
-    else:
-        reads = kv_mask[None, :]
+    reads = ((words >> (offs_n & 31)[None, :]) & 1) != 0
     qk = tl.where(reads, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing read yet
@@ -326,7 +310,7 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
 @triton.jit
 def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_valid, qk_scale,
                   offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr):
     """Online softmax over the whole chunk; returns (acc, l, m) in base 2."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -334,7 +318,7 @@ def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs
     for n0 in range(0, chunk_len, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
                                         stride_ks, stride_vs, mask_rows, row_valid, qk_scale, offs_n, offs_d,
-                                        BLOCK_M, BLOCK_N, DOT_PRECISION, MASKED)
+                                        BLOCK_M, BLOCK_N, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -344,20 +328,20 @@ _PLAN_POINTERS = ("kv_slots_ptr", "chunk_kv_start_ptr", "entry_query_ptr", "entr
                   "item_chunk_ptr", "item_entry_start_ptr", "item_num_entries_ptr")
 
 
-@triton.jit(do_not_specialize=["stride_me", "item_base"], do_not_specialize_on_alignment=_PLAN_POINTERS)
+@triton.jit(do_not_specialize=["stride_me"], do_not_specialize_on_alignment=_PLAN_POINTERS)
 def _tree_attn_partial_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr,
     kv_slots_ptr, chunk_kv_start_ptr, entry_query_ptr, entry_mask_ptr, entry_direct_ptr,
     item_chunk_ptr, item_entry_start_ptr, item_num_entries_ptr,
     stride_qq, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_oq, stride_oh, stride_lq, stride_we, stride_wh, stride_le, stride_me,
-    qk_scale, item_base,
+    qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    item = item_base + pid // SUBTILES
+    item = pid // SUBTILES
     first_local = (pid % SUBTILES) * ENTRIES_PER_PROG
     chunk = tl.load(item_chunk_ptr + item)
     first = tl.load(item_entry_start_ptr + item) + first_local
@@ -382,8 +366,7 @@ def _tree_attn_partial_kernel(
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     acc, l_i, m_i = _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows,
-                                  row_valid, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                                  MASKED)
+                                  row_valid, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION)
 
     # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
