@@ -1,0 +1,254 @@
+"""Engine API: prefill/step contracts, errors that change nothing, pool sizing, the CUDA-graph padding."""
+import numpy as np
+import pytest
+import torch
+
+from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config, greedy
+from treedec.engine.cuda_graphs import PlanCapacity, StaticStep
+from treedec.attention import PlanConfig, make_plan
+from treedec.errors import PoolExhaustedError, TreeError
+from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
+from treedec.workloads.deft import medusa_tree
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return from_config("tiny", seed=0, dtype=torch.float32, device="cpu")
+
+
+def make_engine(model, **kw):
+    return Engine(model, **{"kv_tokens": 512, "page_size": 4, "backend": "torch", **kw})
+
+
+def test_step_without_pending_tokens(tiny):
+    engine = make_engine(tiny)
+    with pytest.raises(TreeError, match="needs pending tokens"):
+        engine.step()
+    engine.prefill([1, 2, 3])
+    with pytest.raises(TreeError, match="needs pending tokens"):
+        engine.step()
+
+
+def test_prefill_contracts(tiny):
+    engine = make_engine(tiny, kv_tokens=64)
+    root, logits = engine.prefill(list(range(10)))
+    assert logits.shape == (512,) and engine.tree.tokens(root) == list(range(10))
+    engine.tree.extend(root, [4])
+    with pytest.raises(TreeError, match="1 pending token"):
+        engine.prefill([1, 2])
+    engine.step()
+    with pytest.raises(TreeError, match="at least one prompt token"):
+        engine.prefill([])
+    with pytest.raises(TreeError, match="unknown parent"):
+        engine.prefill([1], parent=99)
+    with pytest.raises(ValueError, match=r"prompt_ids must be token ids in \[0, 512\), got \[512\]"):
+        engine.prefill([1, 512])
+    free, tokens = engine.pool.num_free_pages, engine.tree.num_tokens
+    with pytest.raises(PoolExhaustedError, match="nothing was changed"):
+        engine.prefill(list(range(60)))
+    assert (engine.pool.num_free_pages, engine.tree.num_tokens) == (free, tokens)
+    engine.tree.check_invariants()
+
+
+def test_chunked_prefill_equals_one_step(tiny):
+    prompt = np.random.default_rng(0).integers(0, 512, 37).tolist()
+    one, chunked = make_engine(tiny), make_engine(tiny, prefill_chunk=8)
+    results = []
+    for engine in (one, chunked):
+        root, logits = engine.prefill(prompt)
+        child, cont = engine.prefill([7, 8, 9, 10, 11], parent=root)   # a continuation under the prompt
+        engine.tree.extend(child, [3])
+        results.append((logits, cont, engine.step(), engine.tree.sequence(child)))
+    assert chunked.stats["steps"] == 5 + 1 + 1 and one.stats["steps"] == 3
+    for a, b in zip(results[0][:3], results[1][:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert results[0][3] == results[1][3] == prompt + [7, 8, 9, 10, 11, 3]
+    torch.testing.assert_close(one.pool.k, chunked.pool.k, atol=1e-5, rtol=0)
+
+
+def test_logits_rows_and_query_order(tiny):
+    engine = make_engine(tiny)
+    root, _ = engine.prefill([1, 2, 3, 4])
+    kids = engine.tree.branch(root, [[5, 6], [7]])
+    assert engine.pending_nodes().tolist() == [kids[0], kids[0], kids[1]]
+    assert engine.tree.pending_tokens().tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match=r"logits_rows must be query indices in \[0, 3\)"):
+        engine.step(logits_rows=[3])
+    full = make_engine(tiny)
+    full.prefill([1, 2, 3, 4])
+    full.tree.branch(0, [[5, 6], [7]])
+    all_rows = full.step()
+    some = engine.step(logits_rows=torch.tensor([2, 0]))
+    torch.testing.assert_close(some, all_rows[[2, 0]], atol=1e-6, rtol=0)
+    assert greedy(all_rows).tolist() == all_rows.argmax(-1).tolist()
+
+
+def test_pending_rows_give_token_order(tiny):
+    engine = make_engine(tiny)
+    root, _ = engine.prefill([1, 2, 3])
+    parents = [-1, 0, -1, 1, 0]
+    ids = engine.tree.add_token_tree(root, [10, 11, 12, 13, 14], parents)
+    rows = engine.pending_rows(ids)
+    assert engine.tree.pending_tokens()[rows].tolist() == [10, 11, 12, 13, 14]
+    assert sorted(rows.tolist()) == list(range(5)) and rows.tolist() != list(range(5))  # depth-first != token order
+    ordered = engine.step(logits_rows=rows)
+    engine.tree.prune(ids[0])
+    engine.tree.prune(ids[2])
+    ids = engine.tree.add_token_tree(root, [10, 11, 12, 13, 14], parents)
+    torch.testing.assert_close(engine.step()[rows], ordered, atol=1e-6, rtol=0)
+    engine.tree.extend(ids[3], [5])
+    with pytest.raises(TreeError, match=r"node\(s\) \[%d\] have no pending tokens" % ids[4]):
+        engine.pending_rows([ids[3], ids[4]])
+
+
+def test_pool_size(tiny):
+    engine = make_engine(tiny, kv_tokens=103, page_size=8)
+    assert engine.kv_capacity_tokens == 96 and engine.pool.num_pages == 12
+    assert "kv_tokens=103" in engine.kv_pool_reason
+    with pytest.raises(ValueError, match="kv_tokens is required on cpu"):
+        Engine(tiny, backend="torch")
+    with pytest.raises(ValueError, match="kv_tokens must be an int >= page_size"):
+        Engine(tiny, kv_tokens=3, page_size=4, backend="torch")
+
+
+def test_sliding_window_is_refused():
+    model = from_config(ModelConfig.from_name("tiny", sliding_window=8), dtype=torch.float32, device="cpu")
+    engine = make_engine(model)
+    with pytest.raises(NotImplementedError, match="past the model's sliding window of 8"):
+        engine.prefill(list(range(9)))
+    root, _ = engine.prefill(list(range(8)))
+    engine.tree.extend(root, [1])
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        engine.step()
+
+
+def test_cuda_graph_options_are_checked(tiny):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_engine(tiny, cuda_graphs=True)
+    with pytest.raises(ValueError, match="needs the triton attention backend"):
+        make_engine(tiny, cuda_graphs=CudaGraphConfig(capture=False))
+    with pytest.raises(ValueError, match="max_queries must be a positive int"):
+        CudaGraphConfig(max_queries=0)
+
+
+def _tree_plan():
+    tree = SequenceTree(PagedKVPool(64, 4, allocate_storage=False))
+    root = tree.add_prompt(list(range(30)))
+    tree.commit_step()
+    tree.branch(root, [[1], [2, 3], [4]])
+    return make_plan(tree.layout(), PlanConfig(chunk_size=8, query_tile=2), 2)
+
+
+def test_static_step_pads_the_plan():
+    plan = _tree_plan()
+    cap = PlanCapacity.for_plan(plan)
+    assert cap.fits(plan) and cap.queries == 4 and cap.entries > cap.queries
+    assert not PlanCapacity(2, 1024, 16, 64, 16, 1).fits(plan)
+    static = StaticStep(cap, torch.device("cpu"), scratch_slot=999)
+    static.load(plan, np.array([1, 2, 3, 4]), np.array([30, 30, 31, 30]), plan.layout.query_slot)
+    p = static.device_plan
+    assert p.plan.num_queries == 4 and p.plan.num_items == cap.items and p.plan.num_entries == cap.entries
+    q = plan.num_queries
+    assert static.inputs.tolist() == [[1, 2, 3, 4], [30, 30, 31, 30], plan.layout.query_slot.tolist()]
+    n_items, n_chunks = plan.num_items, plan.num_chunks
+    assert p.item_num_entries[n_items:].eq(0).all()
+    assert p.item_num_entries[:n_items].tolist() == plan.item_num_entries.tolist()
+    assert p.chunk_kv_start[n_chunks:].eq(int(plan.chunk_kv_start[-1])).all()
+    assert p.query_entry_start[q:].eq(int(plan.query_entry_start[-1])).all()
+    assert p.entry_mask[: plan.num_entries, : plan.mask_words].tolist() == plan.entry_mask.tolist()
+    assert p.entry_mask[:, plan.mask_words:].eq(0).all()
+    # a smaller plan in the same buffers: padded queries write to the scratch slot
+    tree_plan = make_plan(TreeLayout.from_parents([-1, 0], [30, 1], [(1, 0)]),
+                          PlanConfig(chunk_size=8, query_tile=2), 2)
+    static.load(tree_plan, np.array([5]), np.array([30]), np.array([30]))
+    assert static.inputs.tolist() == [[5, 0, 0, 0], [30, 0, 0, 0], [30, 999, 999, 999]]
+    assert p.query_entry_start[2:].eq(int(tree_plan.query_entry_start[-1])).all()
+
+
+@pytest.mark.triton
+def test_static_padded_steps_equal_eager(tiny, triton_device):
+    """The arithmetic of CUDA-graph steps (padded plans in static buffers, the Triton kernels),
+    run without capture: logits and the pool's K/V equal eager steps, over buckets that are
+    reused by other trees and grown."""
+    if triton_device.type == "cuda":
+        pytest.skip("covered by the GPU test with real capture")
+    eager = make_engine(tiny)
+    static = make_engine(tiny, backend="triton", cuda_graphs=CudaGraphConfig(max_queries=64, max_graphs=3,
+                                                                             capture=False))
+    medusa = medusa_tree(32)
+    results = []
+    for engine in (eager, static):
+        out = []
+        root, logits = engine.prefill(list(range(40, 77)))
+        out.append(logits[None])
+        kids = engine.tree.branch(root, [[1], [3], [4]])
+        out.append(engine.step())
+        engine.tree.add_token_tree(kids[0], list(range(32)), medusa.parents)
+        engine.tree.extend(kids[1], [9])
+        out.append(engine.step())                        # 33 queries: the 64 bucket, after the prefill
+        engine.tree.extend_many({leaf: [7] for leaf in engine.tree.live_leaves()})
+        out.append(engine.step(logits_rows=[0, 5]))
+        root2, logits = engine.prefill(list(range(100, 170)))   # 70 queries: past max_queries, eager
+        out.append(logits[None])
+        engine.tree.branch(root2, [[2]])
+        out.append(engine.step())                        # 1 query: a fourth bucket, past max_graphs
+        results.append(out)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    torch.testing.assert_close(eager.pool.k, static.pool.k, atol=2e-5, rtol=0)
+    torch.testing.assert_close(eager.pool.v, static.pool.v, atol=2e-5, rtol=0)
+    stats = static.graph_stats
+    assert stats["static_eager"] == 4
+    assert stats["eager: more than max_queries=64 queries"] == 1
+    assert stats["eager: max_graphs=3 graphs already captured"] == 1
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_steps_equal_eager_steps(compiled):
+    """Captured and replayed steps over changing trees give the eager steps' logits and K/V."""
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    if compiled:
+        model.compile_pointwise()
+    eager = Engine(model, kv_tokens=8192, page_size=16)
+    graphed = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True)
+    medusa = medusa_tree(64)
+    results = []
+    for engine in (eager, graphed):
+        gen = np.random.default_rng(1)
+        out = []
+        root, logits = engine.prefill(gen.integers(0, 512, 3000).tolist())
+        for step in range(12):   # a speculative loop: verify a token tree, keep one path, repeat
+            ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 64).tolist(), medusa.parents)
+            out.append(engine.step())
+            engine.tree.prune(ids[0])
+            engine.tree.extend(root, gen.integers(0, 512, int(gen.integers(1, 300))).tolist())
+            out.append(engine.step(logits_rows=[0]))
+        kids = engine.tree.branch(root, [[int(t)] for t in gen.integers(0, 512, 5)])
+        for _ in range(3):
+            out.append(engine.step())
+            engine.tree.extend_many({k: [int(gen.integers(0, 512))] for k in kids})
+        out.append(engine.step())
+        results.append(out)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(eager.pool.k.float(), graphed.pool.k.float(), atol=2e-2, rtol=2e-2)
+    assert graphed.graph_stats["replays"] > graphed.graph_stats["captures"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pool_sized_from_free_gpu_memory():
+    model = from_config("tiny", dtype=torch.bfloat16, device="cuda")
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = Engine(model, memory_fraction=0.5)
+    c = model.config
+    pool_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * engine.kv_capacity_tokens
+    assert 0 < pool_bytes <= 0.5 * free_before
+    assert "sized from free GPU memory" in engine.kv_pool_reason
+    root, logits = engine.prefill([1, 2, 3])
+    assert logits.shape == (c.vocab_size,) and logits.device.type == "cuda"

@@ -1,0 +1,189 @@
+"""ModelConfig: the shape of a Llama-family decoder, from a transformers config or a named size.
+
+Llama 2/3/3.1, Mistral and Qwen2/2.5 share one architecture here: RMSNorm, GQA attention with
+RoPE, SwiGLU MLP. They differ in RoPE scaling (Llama 3.1's ``llama3`` rule), projection
+biases (Qwen2 has q/k/v biases, Llama's ``attention_bias`` covers q/k/v/o) and sliding-window
+attention (Mistral v0.1), which :class:`ModelConfig` records.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+#: ``model_type`` of the transformers configs this decoder implements.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (transformers' ``rope_parameters`` / ``rope_scaling``).
+
+    ``kind`` "linear": every inverse frequency divided by ``factor``. ``kind`` "llama3"
+    (Llama 3.1): long wavelengths (> ``original_max_position / low_freq_factor``) divided
+    by ``factor``, short ones (< ``original_max_position / high_freq_factor``) kept, the
+    band between interpolated smoothly.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got "
+                             f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder.
+
+    ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases of the q/k/v projections, the output
+    projection and the MLP projections. ``sliding_window``: None for full attention; else the
+    model attends to the last ``sliding_window`` tokens only, which treedec's tree attention
+    does not implement (the engine refuses positions past the window).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    max_position: int = 8192
+    sliding_window: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, "
+                             f"got {self.model_type!r}")
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused q/k/v projection."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count (a tied embedding counted once)."""
+        d, hq, hd = self.hidden_size, self.num_heads, self.head_dim
+        attn = d * self.qkv_size + hq * hd * d + (self.qkv_size if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        mlp = 3 * d * self.intermediate_size + ((2 * self.intermediate_size + d) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelConfig":
+        """A named size of :data:`MODEL_SIZES` (random weights: benchmarks and tests), fields overridable."""
+        if name not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {name!r}; known: {sorted(MODEL_SIZES)}")
+        return dataclasses.replace(MODEL_SIZES[name], **overrides)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (4.x or 5.x attributes).
+
+        Raises NotImplementedError for what this decoder does not implement (another
+        architecture, an activation other than SiLU, partial rotary, RoPE types other than
+        default / linear / llama3).
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(f"model_type {model_type!r} is not supported; treedec's decoder implements "
+                                      f"{SUPPORTED_MODEL_TYPES}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        theta, scaling = _rope_from_hf(hf_config)
+        if model_type == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        elif model_type == "llama":
+            qkv_bias = o_bias = bool(getattr(hf_config, "attention_bias", False))
+            mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        else:
+            qkv_bias = o_bias = mlp_bias = False
+        window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "use_sliding_window", True) is False:  # Qwen2 keeps the size but turns it off
+            window = None
+        return cls(
+            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=float(theta),
+            rope_scaling=scaling, rms_norm_eps=float(hf_config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+            max_position=int(hf_config.max_position_embeddings),
+            sliding_window=None if window is None else int(window), model_type=model_type,
+        )
+
+
+def _rope_from_hf(hf_config) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling = params["rope_theta"], params
+    else:
+        theta = getattr(hf_config, "rope_theta", 10000.0)
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise NotImplementedError(f"RoPE type {kind!r} is not supported; treedec implements {ROPE_TYPES}")
+    if scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) not in (None, 1.0):
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    original = scaling.get("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                              float(scaling["high_freq_factor"]), int(original))
+
+
+_LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=8192)
+
+#: Named sizes (gpt-fast style). ``tiny`` is for tests: 2 layers, GQA 4:2, head dim 64.
+MODEL_SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=64, max_position=4096),
+    "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                             num_heads=32, num_kv_heads=32, head_dim=128, max_position=4096),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, max_position=131072,
+                                       rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+    "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position=32768,
+                              model_type="mistral"),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                              qkv_bias=True, max_position=32768, model_type="qwen2"),
+}

@@ -1,0 +1,291 @@
+"""Engine: a Llama-family model on a paged KV pool and a forest of decoding trees.
+
+    engine = Engine(from_pretrained("/models/Llama-3.1-8B"))   # KV pool from free GPU memory
+    root, logits = engine.prefill(prompt_ids)                   # a new tree of the forest
+    firsts = logits.topk(4).indices.tolist()
+    leaves = engine.tree.branch(root, [[t] for t in firsts])    # any tree edit ...
+    logits = engine.step()                                      # ... then one forward: [4, vocab]
+
+A step's queries are the tree's pending tokens (whatever :class:`~treedec.tree.SequenceTree`
+operations added since the last step: one token per live leaf, a speculative token tree, a
+prompt continuation under a node), in ``tree.layout()`` order; :meth:`Engine.pending_nodes`
+says which node each belongs to. The attention plan is made once per step and reused by
+every layer; the step commits the tokens (their K/V are in the pool) when it returns.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from treedec.attention import DeviceTreePlan, PlanConfig, TreeAttention, make_plan
+from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner, StaticStep
+from treedec.engine.llama import Llama
+from treedec.errors import PoolExhaustedError, TreeError
+from treedec.tree import PagedKVPool, SequenceTree
+
+logger = logging.getLogger("treedec")
+
+_GIB = 1 << 30
+
+
+class Engine:
+    """Runs tree steps of ``model`` over its own :class:`PagedKVPool`, :class:`SequenceTree` and :class:`TreeAttention`.
+
+    Parameters
+    ----------
+    model : Llama
+        From :func:`~treedec.engine.from_pretrained`, :func:`~treedec.engine.from_hf_model`
+        or :func:`~treedec.engine.from_config`; the pool takes its dtype and device.
+    kv_tokens : int, optional
+        KV pool capacity in tokens (rounded down to whole pages). Default on CUDA: what fits in
+        ``memory_fraction`` of the free GPU memory after the weights, less an activation
+        reserve; required on the CPU. The result is :attr:`kv_capacity_tokens`.
+    page_size : int
+        Tokens per KV page.
+    backend, plan_config :
+        Of the :class:`TreeAttention` (``auto``: triton on a GPU, torch on the CPU).
+    prefill_chunk : int
+        :meth:`prefill` runs a long prompt as steps of at most this many tokens.
+    cuda_graphs : bool or CudaGraphConfig
+        Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and
+        the triton backend); see :mod:`treedec.engine.cuda_graphs`.
+    """
+
+    def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
+                 plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
+                 cuda_graphs: bool | CudaGraphConfig = False):
+        c = model.config
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.model = model
+        self.device = model.device
+        self.prefill_chunk = prefill_chunk
+        self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
+                                  plan_config=plan_config, device=self.device)
+        num_pages, self.kv_pool_reason = self._pool_pages(kv_tokens, page_size, memory_fraction)
+        # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
+        # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
+        shape = (c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
+        self._k = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
+                                dtype=model.dtype, device=self.device, allocate_storage=False)
+        self.pool.k, self.pool.v = self._k[:, :num_pages], self._v[:, :num_pages]
+        self._k_slots = [self._k[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
+        self._v_slots = [self._v[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
+        self.tree = SequenceTree(self.pool)
+        self.stats: Counter = Counter()
+        logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
+        self._graphs = self._graph_runner(cuda_graphs)
+
+    # ================================================================ public API
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.pool.num_slots
+
+    def prefill(self, prompt_ids: Sequence[int], parent: int | None = None) -> tuple[int, torch.Tensor]:
+        """Add a prompt and run it; returns ``(node_id, logits [vocab] of its last token)``.
+
+        ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
+        ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
+        than ``prefill_chunk`` runs as several steps. The tree must have no pending tokens
+        (run :meth:`step` first); a pool too small for the prompt raises PoolExhaustedError
+        before anything changes.
+        """
+        tokens = [int(t) for t in prompt_ids]
+        if not tokens:
+            raise TreeError("prefill needs at least one prompt token, got 0")
+        self._check_token_ids(np.asarray(tokens), "prompt_ids")
+        pending = self.tree.layout().num_queries
+        if pending:
+            raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
+                            f"run step() first")
+        if parent is not None and parent not in self.tree:
+            raise TreeError(f"unknown parent node id {parent!r}")
+        first_position = 0 if parent is None else len(self.tree.sequence(parent))
+        self._check_window(first_position + len(tokens) - 1)
+        need = self.pool.pages_for(len(tokens))
+        if need > self.pool.num_free_pages:
+            raise PoolExhaustedError(
+                f"KV pool exhausted: the {len(tokens)}-token prompt needs {need} page(s) of {self.pool.page_size} "
+                f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
+        pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
+        node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
+        logits = None
+        for i, piece in enumerate(pieces):
+            if i:
+                self.tree.extend(node, piece)
+            logits = self.step(logits_rows=[len(piece) - 1])
+        return node, logits[0]
+
+    def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over the tree's pending tokens; commits them.
+
+        The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
+        order within a node (:meth:`pending_nodes` gives each one's node; for the nodes of a
+        token tree, which are not depth-first in general, :meth:`pending_rows` gives the rows
+        in the caller's order).
+
+        Parameters
+        ----------
+        logits_rows : [r] ints, optional
+            Which queries (row indices in that order) to return logits for; default all.
+
+        Returns
+        -------
+        logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device.
+        """
+        layout = self.tree.layout()
+        num_q = layout.num_queries
+        if num_q == 0:
+            raise TreeError("step() needs pending tokens: add some with tree.extend / extend_many / branch / "
+                            "add_token_tree (or use prefill) first")
+        rows = self._check_rows(logits_rows, num_q)
+        positions = layout.query_position
+        self._check_window(int(positions.max()))
+        tokens, slots = self.tree.pending_tokens(), layout.query_slot
+        self._check_token_ids(tokens, "the pending tokens")
+        if self._graphs is None:
+            plan = self.attn.plan(layout)
+        else:
+            host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
+            logits = self._graphs.run(host_plan, tokens, positions, slots)
+            plan = host_plan.to(self.device) if logits is None else None
+        if plan is not None:
+            logits = self._forward(plan, tokens, positions, slots, rows)
+        elif rows is not None:
+            logits = logits[torch.as_tensor(rows, device=logits.device)]
+        self.tree.commit_step()
+        self.stats["steps"] += 1
+        self.stats["queries"] += num_q
+        return logits
+
+    def pending_nodes(self) -> np.ndarray:
+        """[Q] int64 node id of each pending token, in step (query) order."""
+        layout = self.tree.layout()
+        return layout.node_ids[layout.query_node]
+
+    def pending_rows(self, node_ids: Sequence[int]) -> np.ndarray:
+        """[k] int64 query row of the last pending token of each node in ``node_ids``.
+
+        E.g. ``engine.step(logits_rows=engine.pending_rows(ids))`` for the ids that
+        ``tree.add_token_tree`` returned gives the logits in token order.
+        """
+        layout = self.tree.layout()
+        last = dict(zip(layout.node_ids[layout.query_node].tolist(), range(layout.num_queries)))
+        missing = [n for n in node_ids if n not in last]
+        if missing:
+            raise TreeError(f"node(s) {missing[:5]} have no pending tokens")
+        return np.fromiter((last[n] for n in node_ids), dtype=np.int64, count=len(node_ids))
+
+    @property
+    def graph_stats(self) -> Counter:
+        """CUDA-graph counters: captures, replays, and ``eager: <reason>`` for steps run eagerly."""
+        return Counter() if self._graphs is None else self._graphs.stats
+
+    # ================================================================ private
+
+    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows) -> torch.Tensor:
+        """The eager forward of a step."""
+        inputs = torch.from_numpy(np.stack([tokens, positions, slots])).to(self.device)  # one transfer
+        rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
+        return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t)
+
+    def _static_forward(self, static: StaticStep) -> torch.Tensor:
+        """The forward of a CUDA-graph step: everything read from ``static``'s device buffers."""
+        tokens, positions, slots = static.inputs
+        return self.model(tokens, positions, _TreeAttend(self, slots.long(), static.device_plan))
+
+    def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig) -> GraphRunner | None:
+        if cuda_graphs is False:
+            return None
+        config = CudaGraphConfig() if cuda_graphs is True else cuda_graphs
+        if not isinstance(config, CudaGraphConfig):
+            raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
+        if config.capture and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")
+        if self.attn.backend != "triton":
+            raise ValueError(f"cuda_graphs needs the triton attention backend (its kernels read the plan from "
+                             f"device memory only); this engine's backend is {self.attn.backend!r}")
+        scratch_slot = self.pool.num_pages * self.pool.page_size
+        return GraphRunner(config, self._static_forward, self.device, scratch_slot)
+
+    def _pool_pages(self, kv_tokens: int | None, page_size: int, memory_fraction: float) -> tuple[int, str]:
+        c = self.model.config
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.model.dtype.itemsize
+        if kv_tokens is not None:
+            if not isinstance(kv_tokens, int) or kv_tokens < page_size:
+                raise ValueError(f"kv_tokens must be an int >= page_size ({page_size}), got {kv_tokens!r}")
+            return kv_tokens // page_size, f"kv_tokens={kv_tokens} requested"
+        if self.device.type != "cuda":
+            raise ValueError(f"kv_tokens is required on {self.device} (only a CUDA pool is sized from free memory)")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserve = self._activation_reserve()
+        budget = int(free * memory_fraction) - reserve
+        pages = budget // (bytes_per_token * page_size)
+        if pages < 1:
+            raise PoolExhaustedError(f"no GPU memory left for a KV pool: {free / _GIB:.2f} GiB free after the "
+                                     f"weights, {reserve / _GIB:.2f} GiB kept for activations")
+        return pages, (f"sized from free GPU memory after the weights: {memory_fraction:.0%} of "
+                       f"{free / _GIB:.1f} GiB free, less {reserve / _GIB:.1f} GiB for activations, "
+                       f"{pages * page_size * bytes_per_token / _GIB:.1f} GiB at {bytes_per_token} B/token")
+
+    def _activation_reserve(self) -> int:
+        """Bytes kept free for a step's activations: a prefill chunk's largest tensors, its attention
+        workspace (up to 8 partials per query), the logits, and 1 GiB for the allocator and graphs."""
+        c, size = self.model.config, self.model.dtype.itemsize
+        rows = self.prefill_chunk
+        per_row = size * (8 * c.hidden_size + 2 * c.qkv_size + 3 * c.intermediate_size) + 8 * c.hidden_size
+        workspace = 8 * rows * c.num_heads * (c.head_dim * size + 4)
+        return 2 * rows * per_row + workspace + 256 * c.vocab_size * size + _GIB
+
+    def _check_window(self, max_position: int) -> None:
+        window = self.model.config.sliding_window
+        if window is not None and max_position >= window:
+            raise NotImplementedError(
+                f"position {max_position} is past the model's sliding window of {window} tokens; treedec's tree "
+                f"attention attends to whole paths (sliding-window attention is not implemented)")
+
+    def _check_token_ids(self, tokens: np.ndarray, name: str) -> None:
+        vocab = self.model.config.vocab_size
+        bad = tokens[(tokens < 0) | (tokens >= vocab)]
+        if len(bad):
+            raise ValueError(f"{name} must be token ids in [0, {vocab}), got {bad[:5].tolist()}")
+
+    @staticmethod
+    def _check_rows(rows, num_q: int) -> np.ndarray | None:
+        if rows is None:
+            return None
+        arr = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        if len(arr) and (arr.min() < 0 or arr.max() >= num_q):
+            raise ValueError(f"logits_rows must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
+        return arr
+
+
+class _TreeAttend:
+    """The :class:`~treedec.engine.llama.Attend` of one step: store K/V at ``slots``, run tree attention."""
+
+    def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan):
+        self.engine, self.slots, self.plan = engine, slots, plan
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        e = self.engine
+        e._k_slots[layer].index_copy_(0, self.slots, k)
+        e._v_slots[layer].index_copy_(0, self.slots, v)
+        k_cache, v_cache = e.pool.layer(layer)
+        return e.attn.run(q, k_cache, v_cache, self.plan)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling: ``[..., vocab]`` logits -> ``[...]`` int64 token ids (argmax)."""
+    return logits.argmax(dim=-1)

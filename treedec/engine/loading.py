@@ -1,0 +1,269 @@
+"""Building a :class:`~treedec.engine.llama.Llama`: from a local HF checkpoint, an in-memory
+transformers model, or random weights. Nothing here touches the network.
+
+Hugging Face tensor names map onto treedec's (fused) parameters:
+
+======================================================  =========================================
+HF name                                                 treedec parameter (rows)
+======================================================  =========================================
+``model.embed_tokens.weight``                           ``embed_tokens.weight``
+``model.layers.{i}.input_layernorm.weight``             ``layers.{i}.input_norm.weight``
+``model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}``  ``layers.{i}.qkv_proj.*`` (q, k, v rows)
+``model.layers.{i}.self_attn.o_proj.{weight,bias}``     ``layers.{i}.o_proj.*``
+``model.layers.{i}.post_attention_layernorm.weight``    ``layers.{i}.post_attention_norm.weight``
+``model.layers.{i}.mlp.{gate,up}_proj.{weight,bias}``   ``layers.{i}.gate_up_proj.*`` (gate, up rows)
+``model.layers.{i}.mlp.down_proj.{weight,bias}``        ``layers.{i}.down_proj.*``
+``model.norm.weight``                                   ``norm.weight``
+``lm_head.weight``                                      ``lm_head.weight`` (absent when tied)
+======================================================  =========================================
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from treedec.engine.config import ModelConfig
+from treedec.engine.llama import Llama
+from treedec.engine.rope import rope_inv_freq
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.o_proj.weight": "o_proj.weight", "self_attn.o_proj.bias": "o_proj.bias",
+    "mlp.down_proj.weight": "down_proj.weight", "mlp.down_proj.bias": "down_proj.bias",
+}
+_FUSED = {  # HF projection -> (treedec parameter, which part)
+    "self_attn.q_proj": ("qkv_proj", "q"), "self_attn.k_proj": ("qkv_proj", "k"),
+    "self_attn.v_proj": ("qkv_proj", "v"), "mlp.gate_proj": ("gate_up_proj", "gate"),
+    "mlp.up_proj": ("gate_up_proj", "up"),
+}
+# Tensors some checkpoints carry that the decoder recomputes or does not use.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> Llama:
+    """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+
+    Sharded checkpoints (``model.safetensors.index.json``) and single files
+    (``model.safetensors``) are read shard by shard straight onto ``device``.
+
+    Parameters
+    ----------
+    path : a local directory. A hub name with no local directory raises FileNotFoundError
+        (treedec never downloads: fetch it first, e.g. ``huggingface-cli download <name>``).
+    dtype : default the checkpoint config's ``dtype`` / ``torch_dtype``, else bfloat16.
+    device : default CUDA when available, else CPU.
+    """
+    from transformers import AutoConfig
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"from_pretrained needs a local checkpoint directory, got {str(path)!r}, which is not a directory; "
+            f"treedec never downloads weights: fetch a hub model first (e.g. `huggingface-cli download {path} "
+            f"--local-dir <dir>`) and pass that directory")
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
+    hf_config = AutoConfig.from_pretrained(root, local_files_only=True)
+    config = ModelConfig.from_hf(hf_config)
+    if dtype is None:
+        dtype = _config_dtype(hf_config)
+    model = _empty_model(config, dtype, _default_device(device))
+    _load_hf_tensors(model, _read_safetensors(root, model.device))
+    return model
+
+
+def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Llama:
+    """Copy the weights of an in-memory ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+
+    ``dtype`` and ``device`` default to those of the HF model's parameters.
+    """
+    config = ModelConfig.from_hf(hf_model.config)
+    first = next(hf_model.parameters())
+    model = _empty_model(config, dtype or first.dtype, device or first.device)
+    state = hf_model.state_dict()
+    if not any(name.startswith("model.") for name in state):
+        raise ValueError(f"expected a *ForCausalLM model (parameters named 'model.*' and 'lm_head.weight'), "
+                         f"got {type(hf_model).__name__} with names like {next(iter(state), None)!r}")
+    _load_hf_tensors(model, state.items())
+    return model
+
+
+def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str | None = None, std: float = 0.02) -> Llama:
+    """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms 1, biases 0.
+
+    ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.engine.config.MODEL_SIZES`.
+    The same seed gives the same weights on the same device.
+    """
+    if isinstance(config, str):
+        config = ModelConfig.from_name(config)
+    model = _empty_model(config, dtype, _default_device(device))
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model
+
+
+def to_hf_config(config: ModelConfig):
+    """The transformers config (``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``) of ``config``.
+
+    RoPE goes in as ``rope_theta`` + ``rope_scaling``, which transformers 4.x and 5.x both read.
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    c = config
+    scaling = None
+    if c.rope_scaling is not None and c.rope_scaling.kind == "linear":
+        scaling = {"rope_type": "linear", "factor": c.rope_scaling.factor}
+    elif c.rope_scaling is not None:
+        scaling = {"rope_type": "llama3", "factor": c.rope_scaling.factor,
+                   "low_freq_factor": c.rope_scaling.low_freq_factor,
+                   "high_freq_factor": c.rope_scaling.high_freq_factor,
+                   "original_max_position_embeddings": c.rope_scaling.original_max_position}
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                  head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                  max_position_embeddings=c.max_position, rope_theta=c.rope_theta, rope_scaling=scaling)
+    biases = (c.qkv_bias, c.o_bias, c.mlp_bias)
+    if c.model_type == "llama":
+        if c.qkv_bias != c.o_bias:
+            raise ValueError(f"LlamaConfig has one attention_bias for q/k/v/o; got qkv_bias={c.qkv_bias}, "
+                             f"o_bias={c.o_bias}")
+        return LlamaConfig(**common, attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+    if c.model_type == "qwen2":
+        if biases != (True, False, False):
+            raise ValueError(f"Qwen2 has q/k/v biases only; got (qkv, o, mlp) biases {biases}")
+        return Qwen2Config(**common, use_sliding_window=c.sliding_window is not None,
+                           sliding_window=c.sliding_window)
+    if any(biases):
+        raise ValueError(f"Mistral has no biases; got (qkv, o, mlp) biases {biases}")
+    return MistralConfig(**common, sliding_window=c.sliding_window)
+
+
+def to_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+    """``model``'s weights under Hugging Face names, as views (no copy): the inverse of loading.
+
+    ``transformers_model.load_state_dict(to_hf_state_dict(model), assign=True)`` makes a
+    transformers model that shares treedec's weight memory.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {hf: params[ours][rows] for hf, (ours, rows) in _hf_targets(model.config).items()}
+
+
+# ===================================================================== private
+
+
+def _default_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _config_dtype(hf_config) -> torch.dtype:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.bfloat16
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Llama:
+    """A Llama with uninitialized weights on ``device`` (built on the meta device: no init cost)."""
+    with torch.device("meta"):
+        model = Llama(config, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.inv_freq = rope_inv_freq(config, device=device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _read_safetensors(root: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint, one shard open at a time."""
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    elif (root / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in root.iterdir())[:20]
+        raise FileNotFoundError(f"{root} has neither model.safetensors nor model.safetensors.index.json "
+                                f"(only safetensors checkpoints are read); it holds {found}")
+    for shard in shards:
+        if not (root / shard).is_file():
+            raise FileNotFoundError(f"{root / shard} is listed in model.safetensors.index.json but missing")
+        with safe_open(str(root / shard), framework="pt", device=_safetensors_device(device)) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _safetensors_device(device: torch.device) -> str:
+    """safetensors opens tensors straight on "cpu" or "cuda:<index>" (no CPU copy for a GPU)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+    return str(device)
+
+
+def _hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """HF tensor name -> (treedec parameter name, rows of it) for every tensor the config needs."""
+    c = config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+             "gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+    full = slice(None)
+    out = {"model.embed_tokens.weight": ("embed_tokens.weight", full), "model.norm.weight": ("norm.weight", full)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head.weight", full)
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        for hf, ours in _LAYER_NAMES.items():
+            if hf.endswith(".bias") and not (c.o_bias if "o_proj" in hf else c.mlp_bias):
+                continue
+            out[pre + hf] = (f"layers.{i}.{ours}", full)
+        for hf, (ours, part) in _FUSED.items():
+            bias = c.qkv_bias if ours == "qkv_proj" else c.mlp_bias
+            for kind in ("weight", "bias") if bias else ("weight",):
+                out[f"{pre}{hf}.{kind}"] = (f"layers.{i}.{ours}.{kind}", parts[part])
+    return out
+
+
+def _load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into ``model``; every needed tensor exactly once, no unknown names."""
+    targets = _hf_targets(model.config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    unexpected = []
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if name not in targets:
+                if not _IGNORED.fullmatch(name) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    unexpected.append(name)
+                continue
+            param_name, rows = targets[name]
+            dst = params[param_name][rows]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dst.shape)} for the config {model.config}")
+            dst.copy_(tensor)
+            seen.add(name)
+    if unexpected:
+        raise ValueError(f"the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, e.g. "
+                         f"{unexpected[:5]} (a different architecture?)")
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:5]}")
