@@ -153,8 +153,8 @@ def run_plan_triton(
     sm_scale : float
         Softmax scale.
     workspace_dtype : torch.dtype, optional
-        dtype of the partial outputs ``[E, Hq, D]`` (default q's dtype, half the traffic
-        of float32 for fp16/bf16); partial LSEs are always float32.
+        dtype of the partial outputs ``[E, Hq, D]``: default fp16 for fp16 inputs (half the
+        traffic of float32), float32 for bf16 and fp32 inputs; partial LSEs are always float32.
     validate : bool
         Check the inputs (TreeAttention.run has checked them already and passes False).
     launch : LaunchConfig, optional
@@ -169,7 +169,8 @@ def run_plan_triton(
         _check_inputs(q, k_cache, v_cache, plan)
     num_q, hq, d = q.shape
     hkv = k_cache.shape[2]
-    workspace_dtype = q.dtype if workspace_dtype is None else workspace_dtype
+    if workspace_dtype is None:  # bf16's 8-bit mantissa would round every partial: keep those in fp32
+        workspace_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
     key = (q.dtype, hq, hkv, d, workspace_dtype, q.device, launch)
     prepared = plan.cache.get(key)
     if prepared is None:
