@@ -49,7 +49,7 @@ def check_structure(plan, config):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 4, 16]),
-       planner=st.sampled_from(["flatten", "node", "node_chunk"]),
+       planner=st.sampled_from(["flatten", "node", "node_chunk", "path"]),
        chunk_size=st.sampled_from([1, 5, 32, 64, 1000]), query_tile=st.sampled_from([1, 3, 16]))
 def test_plan_reads_exactly_each_query_path(seed, page_size, planner, chunk_size, query_tile):
     rng = np.random.default_rng(seed)
@@ -133,3 +133,14 @@ def test_auto_chunk_size_rule():
     plan = make_plan(layout, PlanConfig(num_kv_heads=8), group_size=4)
     assert plan.chunk_size == 512 and plan.num_chunks == 8
     assert make_plan(layout, PlanConfig("node"), group_size=4).chunk_size is None
+
+
+def test_path_planner_reads_each_shared_prefix_once_per_query():
+    # 1000-token prompt, 8 branches of 10 tokens, one query at the end of each branch
+    layout = TreeLayout.from_parents([-1] + [0] * 8, [1000] + [10] * 8, [(i, 9) for i in range(1, 9)])
+    path = make_plan(layout, PlanConfig("path", 256, 16))
+    flat = make_plan(layout, PlanConfig("flatten", 256, 16))
+    assert path.num_tokens == 8 * 1010 and path.kv_tokens_read() == 8 * 1010   # Q-guided
+    assert flat.kv_tokens_read() == 1080                                         # KV-guided
+    assert np.diff(path.chunk_entry_start).max() == 1                            # one query per chunk
+    assert path.chunk_size == 256 and np.diff(path.chunk_kv_start).max() <= 256

@@ -26,7 +26,7 @@ def path_reference(tree, layout, q, k_cache, v_cache, sm_scale):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 3, 16]),
        group=st.sampled_from([1, 2, 3, 4, 8]), head_dim=st.sampled_from([64, 128, 256]),
-       planner=st.sampled_from(["flatten", "node", "node_chunk"]), chunk_size=st.sampled_from([7, 32, 128]))
+       planner=st.sampled_from(["flatten", "node", "node_chunk", "path"]), chunk_size=st.sampled_from([7, 32, 128]))
 def test_torch_executor_matches_references(seed, page_size, group, head_dim, planner, chunk_size):
     rng = np.random.default_rng(seed)
     hkv = int(rng.integers(1, 3))

@@ -87,7 +87,7 @@ def test_matches_references_on_random_forests(triton_device, seed, page_size, hk
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 16]), group=st.sampled_from([1, 2, 3, 4, 8]),
-       dtype=st.sampled_from([torch.float16, torch.bfloat16]), planner=st.sampled_from(["flatten", "node", "node_chunk"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]), planner=st.sampled_from(["flatten", "node", "node_chunk", "path"]),
        chunk_size=st.sampled_from([16, 33, 100]), query_tile=st.integers(1, 24))
 def test_matches_reference_property(triton_device, seed, page_size, group, dtype, planner, chunk_size, query_tile):
     rng = np.random.default_rng(seed)

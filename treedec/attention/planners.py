@@ -7,6 +7,9 @@ All three share one core and differ only in where chunks are cut in the flattene
 - ``node`` (DeFT-Node): one chunk per node, whatever its length.
 - ``node_chunk`` (DeFT-Node-Chunk): each node cut into even pieces of at most
   ``chunk_size`` tokens.
+- ``path`` (the Radix-style baseline, Q-guided): every query reads its own root-to-query
+  path as chunks of its own, so a shared prefix is read once per query; the same kernels
+  run it, which makes it the side-by-side baseline of the DeFT paper's comparisons.
 
 Only tokens that some query reads are flattened (a paused branch costs nothing).
 """
@@ -21,7 +24,7 @@ from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
 
-PLANNERS = ("flatten", "node", "node_chunk")
+PLANNERS = ("flatten", "node", "node_chunk", "path")
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -71,6 +74,8 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
     q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)
+    if config.planner == "path":
+        return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
     if config.chunk_size is None and config.planner != "node":
         work = _tiled_tokens(lo, hi, config.query_tile) * config.num_kv_heads
@@ -164,6 +169,23 @@ def _tiled_tokens(lo, hi, query_tile: int) -> int:
     readers = np.cumsum(np.concatenate([np.ones(len(lo), np.int64), -np.ones(len(hi), np.int64)])[order])
     span = np.diff(ends[order])
     return int((span * -(-readers[:-1] // query_tile)).sum())
+
+
+def _plan_paths(layout, config, q_idx, lo, hi, kv_slots) -> TreePlan:
+    """The ``path`` planner: each query's path copied into its own segment, cut into chunks."""
+    order = np.lexsort((lo, q_idx))                       # per query, root to leaf
+    q_idx, lo, hi = q_idx[order], lo[order], hi[order]
+    span = hi - lo
+    starts = np.cumsum(span) - span
+    gather = np.repeat(lo - starts, span) + np.arange(int(span.sum()))
+    path_len = np.bincount(q_idx, weights=span, minlength=layout.num_queries).astype(np.int64)
+    path_start = np.cumsum(path_len) - path_len
+    if config.chunk_size is None:
+        config = replace(config, chunk_size=auto_chunk_size(int(path_len.sum()) * config.num_kv_heads,
+                                                            config.num_sms))
+    bounds = _node_bounds(path_start, path_len, int(path_len.sum()), config.chunk_size)
+    queries = np.arange(layout.num_queries, dtype=np.int64)
+    return _plan_from_bounds(layout, config, queries, path_start, path_start + path_len, kv_slots[gather], bounds)
 
 
 def _node_bounds(node_start, node_len, total, piece):
