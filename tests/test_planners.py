@@ -4,8 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
-from treedec.attention.planners import _query_intervals, _tiled_tokens, auto_chunk_size, default_query_tile
-from treedec.attention import dense_tree_mask
+from treedec.attention.planners import auto_chunk_size, default_query_tile
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
 
@@ -113,15 +112,6 @@ def test_default_query_tile_aims_at_64_rows():
         default_query_tile(0)
     layout = TreeLayout.from_parents([-1], [4], [(0, 3)])
     assert make_plan(layout, PlanConfig(), group_size=4).query_tile == 16
-
-
-@settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), query_tile=st.sampled_from([1, 3, 16]))
-def test_tiled_tokens_counts_one_load_per_token_and_query_tile(seed, query_tile):
-    layout = random_forest(np.random.default_rng(seed), 16).layout()
-    _, lo, hi, *_ = _query_intervals(layout)
-    readers = dense_tree_mask(layout).sum(axis=0)
-    assert _tiled_tokens(lo, hi, query_tile) == int((-(-readers // query_tile)).sum())
 
 
 def test_auto_chunk_size_rule():

@@ -78,8 +78,10 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
     if config.chunk_size is None and config.planner != "node":
-        work = _tiled_tokens(lo, hi, config.query_tile) * config.num_kv_heads
-        config = replace(config, chunk_size=auto_chunk_size(work, config.num_sms))
+        # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
+        # as readers / query_tile + 1/2 per token (the rule rounds to a power of two).
+        work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
+        config = replace(config, chunk_size=auto_chunk_size(int(work), config.num_sms))
     if config.planner == "flatten":
         num_chunks = -(-total // config.chunk_size)
         step = -(-total // num_chunks)
@@ -93,8 +95,9 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
 def auto_chunk_size(work: int, num_sms: int = 132) -> int:
     """Chunk size for ``work`` KV tokens streamed by all programs together.
 
-    ``work`` is the sum over KV heads, query tiles and tokens of one load each
-    (:func:`_tiled_tokens` x heads); it hardly depends on the chunk size. Larger chunks
+    ``work`` is the sum over KV heads, query tiles and tokens of one load each (KV
+    heads x sum over tokens of ceil(readers / query_tile)); it hardly depends on the
+    chunk size. Larger chunks
     mean fewer partial states to merge, smaller ones more programs to fill the GPU; the
     best chunk, swept on an H200 (132 SMs) over the 8 workloads of BENCH.md
     (bench/results/2026-11-21-nvidia-h200-triton-configs.json), is the power of two
@@ -156,19 +159,6 @@ def _query_intervals(layout: TreeLayout):
     keep = read > 0
     lo = node_start[nodes][keep]
     return q_idx[keep], lo, lo + read[keep], kv_slots, node_start, node_len
-
-
-def _tiled_tokens(lo, hi, query_tile: int) -> int:
-    """Sum over flattened tokens of ceil(readers / query_tile): KV loads per KV head.
-
-    The read intervals [lo, hi) are swept once: between consecutive interval ends the
-    number of readers is constant.
-    """
-    ends = np.concatenate([lo, hi])
-    order = np.argsort(ends, kind="stable")
-    readers = np.cumsum(np.concatenate([np.ones(len(lo), np.int64), -np.ones(len(hi), np.int64)])[order])
-    span = np.diff(ends[order])
-    return int((span * -(-readers[:-1] // query_tile)).sum())
 
 
 def _plan_paths(layout, config, q_idx, lo, hi, kv_slots) -> TreePlan:
