@@ -3,6 +3,10 @@
 ``treedec demo``: build a small forest (a speculative token tree and a few-shot branching
 request), plan one step, run tree attention with the chosen backend and check it against
 the dense fp32 reference.
+
+``treedec replay <workload>``: replay a recorded decoding tree (ToT, Medusa, few-shot or a
+schedule JSON file) through the engine and time every step; ``treedec plot``: chart the
+results (see :mod:`treedec.replay`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
+from treedec.replay.command import add_plot_parser, add_replay_parser, run_plot, run_replay
 from treedec.tree import PagedKVPool, SequenceTree
 
 
@@ -80,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--page-size", type=int, default=16)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_replay_parser(sub)
+    add_plot_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.command == "replay":
+        return run_replay(args)
+    if args.command == "plot":
+        return run_plot(args)
     summary = run_demo(args)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -1,0 +1,207 @@
+"""Applies a :class:`~treedec.workloads.Schedule`'s ops to a SequenceTree, with or without a model.
+
+With an :class:`~treedec.engine.Engine`, prompts are prefilled, every step with pending
+tokens runs one forward, and each node's next token is the model's greedy choice at its
+last computed token. Without one (a *dry run*) the same tree operations run on a
+bookkeeping-only pool: the exact page usage of a schedule, known before a model is touched.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from treedec.engine import Engine
+from treedec.tree import PagedKVPool, SequenceTree
+from treedec.workloads.schedule import (Accept, Branch, Extend, Handle, Op, Prompt, Prune, Schedule, TokenTree,
+                                        token_count)
+
+
+class ScheduleDriver:
+    """Runs ops of a schedule on ``engine`` (or on ``tree`` alone, token ids all 0).
+
+    Attributes
+    ----------
+    nodes : dict
+        Handle -> tree node id of every live handle.
+    generated : int
+        Tokens the model was asked for so far: tokens of ``extend`` ops and of accepted paths.
+    emitted : list of int
+        Every greedy choice of the model, in order (prefills' next tokens, then each
+        forward's next token per computed node, nodes by id).
+    layout_seconds : float
+        Host time of the last :meth:`forward` spent finding each node's last row.
+    """
+
+    def __init__(self, engine: Engine | None = None, tree: SequenceTree | None = None, vocab_size: int = 1,
+                 seed: int = 0):
+        if (engine is None) == (tree is None):
+            raise ValueError("give exactly one of engine (a replay) or tree (a dry run)")
+        self.engine = engine
+        self.tree = engine.tree if engine is not None else tree
+        self.vocab_size = engine.model.config.vocab_size if engine is not None else vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.nodes: dict[Handle, int] = {}
+        self._next_token: dict[int, int] = {}
+        self.generated = 0
+        self.pending = 0
+        self.emitted: list[int] = []
+        self.layout_seconds = 0.0
+
+    # ================================================================ ops
+
+    def apply(self, op: Op) -> None:
+        """Apply one op (validated by the Schedule: any error here is a bug or an exhausted pool)."""
+        tree = self.tree
+        if isinstance(op, Prompt):
+            self._prompt(op)
+        elif isinstance(op, Branch):
+            for h, nid in zip(op.ids, tree.branch(self.nodes[op.node], len(op.ids))):
+                self.nodes[h] = nid
+        elif isinstance(op, Extend):
+            nid = self.nodes[op.node]
+            tree.extend(nid, self._tokens(op.tokens, nid))
+            self.pending += token_count(op.tokens)
+            if isinstance(op.tokens, int):
+                self.generated += 1
+        elif isinstance(op, TokenTree):
+            anchor = self.nodes[op.node]
+            tokens = op.tokens
+            if tokens is None:
+                first, filler = self._next(anchor), self._filler(len(op.parents))
+                tokens = [first if p < 0 else t for p, t in zip(op.parents, filler)]
+            for h, nid in zip(op.ids, tree.add_token_tree(anchor, tokens, op.parents)):
+                self.nodes[h] = nid
+            self.pending += len(op.parents)
+        elif isinstance(op, Accept):
+            self._accept(op)
+        elif isinstance(op, Prune):
+            self._prune(self.nodes[op.node])
+        else:
+            raise AssertionError(f"unknown op {op!r}")
+
+    def forward(self) -> list[int] | None:
+        """Run the step's forward (or commit, in a dry run); returns the greedy next token per computed node."""
+        if not self.pending:
+            return None
+        self.pending = 0
+        if self.engine is None:
+            self.tree.commit_step()
+            return None
+        t0 = time.perf_counter()
+        layout = self.tree.layout()
+        row_node = layout.node_ids[layout.query_node]
+        # The last pending token of each node: its row is the last occurrence of the node.
+        last = len(row_node) - 1 - np.unique(row_node[::-1], return_index=True)[1]
+        nodes = row_node[last]
+        self.layout_seconds = time.perf_counter() - t0
+        logits = self.engine.step(logits_rows=last)
+        tokens = logits.argmax(dim=-1).tolist()  # the controller reads its tokens: a device sync
+        self._next_token.update(zip(nodes.tolist(), tokens))
+        self.emitted += tokens
+        return tokens
+
+    def release(self) -> None:
+        """Prune every remaining tree (commits first if a step is in flight)."""
+        if self.pending:
+            self.tree.commit_step()
+            self.pending = 0
+        for root in self.tree.roots:
+            self._prune(root)
+
+    # ================================================================ private
+
+    def _prompt(self, op: Prompt) -> None:
+        tokens = list(op.tokens) if not isinstance(op.tokens, int) else self._filler(op.tokens)
+        parent = None if op.parent is None else self.nodes[op.parent]
+        if self.engine is not None:
+            nid, logits = self.engine.prefill(tokens, parent=parent)
+            self._next_token[nid] = int(logits.argmax())
+            self.emitted.append(self._next_token[nid])
+        else:
+            nid = self.tree.add_prompt(tokens) if parent is None else self.tree.branch(parent, [tokens])[0]
+            self.tree.commit_step()
+        self.nodes[op.id] = nid
+
+    def _accept(self, op: Accept) -> None:
+        tree = self.tree
+        chain = [self.nodes[h] for h in op.ids]
+        anchor = tree.parent(chain[0])
+        tokens = [tree.tokens(n)[0] for n in chain]
+        old = np.concatenate([tree.slots(n) for n in chain])
+        saved = self._read_kv(old)
+        next_token = self._next_token.get(chain[-1])
+        for child in tree.children(anchor):
+            self._prune(child)
+        new = tree.extend(anchor, tokens)
+        self._write_kv(new, saved)
+        tree.commit_step()  # the path's K/V are in place: nothing to recompute
+        if next_token is not None:
+            self._next_token[anchor] = next_token
+        self.generated += len(chain)
+
+    def _prune(self, nid: int) -> None:
+        subtree, stack = [], [nid]
+        while stack:
+            x = stack.pop()
+            subtree.append(x)
+            stack.extend(self.tree.children(x))
+        self.tree.prune(nid)
+        dead = set(subtree)
+        for h in [h for h, n in self.nodes.items() if n in dead]:
+            del self.nodes[h]
+        for n in subtree:
+            self._next_token.pop(n, None)
+
+    def _tokens(self, tokens: int | tuple[int, ...], nid: int) -> list[int]:
+        if not isinstance(tokens, int):
+            return list(tokens)
+        return [self._next(nid)] + self._filler(tokens - 1)
+
+    def _next(self, nid: int | None) -> int:
+        """The model's next token at the end of ``nid`` (its parent's for a node with no tokens yet)."""
+        while nid is not None:
+            if nid in self._next_token:
+                return self._next_token[nid]
+            nid = self.tree.parent(nid)
+        return 0
+
+    def _filler(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab_size, n).tolist() if n > 0 else []
+
+    def _kv_views(self) -> list[torch.Tensor]:
+        pool = self.engine.pool
+        return [t.view(pool.num_layers, pool.num_slots, pool.num_kv_heads, pool.head_dim) for t in (pool.k, pool.v)]
+
+    def _read_kv(self, slots: np.ndarray) -> list[torch.Tensor] | None:
+        if self.engine is None:
+            return None
+        index = torch.as_tensor(slots, device=self.engine.device)
+        return [kv.index_select(1, index) for kv in self._kv_views()]
+
+    def _write_kv(self, slots: np.ndarray, saved: list[torch.Tensor] | None) -> None:
+        if saved is None:
+            return
+        index = torch.as_tensor(slots, device=self.engine.device)
+        for kv, data in zip(self._kv_views(), saved):
+            kv.index_copy_(1, index, data)
+
+
+def dry_run(schedule: Schedule, page_size: int) -> dict:
+    """Run ``schedule``'s tree operations on a bookkeeping-only pool.
+
+    Returns ``{"peak_pages", "peak_tokens", "final_free" (all pages free at the end)}``
+    for that page size (the pool is large enough for any schedule; it makes no K/V storage).
+    """
+    pool = PagedKVPool(schedule.stats.peak_tree_tokens + 1, page_size, allocate_storage=False)  # >= 1 token a page
+    driver = ScheduleDriver(tree=SequenceTree(pool))
+    peak_pages = peak_tokens = 0
+    for step in schedule.steps:
+        for op in step:
+            driver.apply(op)
+            peak_pages = max(peak_pages, pool.num_pages - pool.num_free_pages)
+            peak_tokens = max(peak_tokens, driver.tree.num_tokens)
+        driver.forward()
+    driver.release()
+    return {"peak_pages": peak_pages, "peak_tokens": peak_tokens, "final_free": pool.num_free_pages == pool.num_pages}

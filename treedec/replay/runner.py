@@ -1,0 +1,253 @@
+"""Replay a schedule through the real engine and measure every step.
+
+    model = from_config("tiny", dtype=torch.float32, device="cpu")
+    run = replay(model, workload_schedule("tot-sorting", iterations=20), ReplayConfig(planner="flatten"))
+    run.summary["decode_ms_mean"], run.steps[5]["kv_io_bytes"]
+
+Per step (results JSON ``runs[i].steps``):
+
+- ``total_ms``: wall time from the step's first op until its tokens are on the host (the
+  controller reads them: a device synchronisation ends every step, as in a decoding loop);
+- ``prefill_ms``: the prompts' prefills (a ``prompt`` op runs its own forwards);
+- ``bookkeeping_ms``: the tree operations (branch / extend / token tree / accept, with its
+  K/V move / prune) and finding each node's logits row;
+- ``plan_ms``: :meth:`TreeAttention.plan` of the step's forward (host planning + the copy of
+  the plan to the device);
+- ``attention_ms``: time inside :meth:`TreeAttention.run`, summed over the layers. On a
+  GPU only with ``profile_split`` (CUDA events around every call, which adds a little
+  launch overhead), else null; on the CPU always (wall time, nothing is asynchronous);
+- ``other_ms``: the rest of the forward (projections, MLP, norms, logits, launches, and
+  the attention when it is not measured);
+- ``kv_io_bytes``: K and V bytes the attention kernels load, from the plan: KV tokens read
+  per KV head (each chunk once per work item) x KV heads x head dim x 2 x dtype bytes x
+  layers;
+- ``kv_pages``: pages of the KV pool in use after the step's ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from treedec.attention import PlanConfig
+from treedec.engine import Engine, Llama
+from treedec.replay.driver import ScheduleDriver, dry_run
+from treedec.workloads.schedule import Prompt, Schedule
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How to replay.
+
+    ``kv_tokens`` None sizes the pool to the schedule's peak (from a dry run) plus one
+    page. ``warmup_steps`` replays that many steps after step 0 once, untimed, before the
+    timed run (kernel compilation, allocator warm-up).
+    """
+
+    planner: str = "flatten"
+    backend: str = "auto"
+    page_size: int = 16
+    kv_tokens: int | None = None
+    profile_split: bool = False
+    warmup_steps: int = 0
+    seed: int = 0
+    progress: bool = False
+
+
+@dataclass
+class ReplayRun:
+    """One replay: per-step measurements, a summary, and every token the model chose."""
+
+    planner: str
+    backend: str
+    steps: list[dict]
+    summary: dict
+    emitted: list[int] = field(repr=False)
+
+    def to_json(self) -> dict:
+        digest = hashlib.sha256(json.dumps(self.emitted).encode()).hexdigest()
+        return {"planner": self.planner, "backend": self.backend, "summary": self.summary,
+                "emitted_tokens_sha256": digest, "steps": self.steps}
+
+
+class AttentionTimer:
+    """Wraps an engine's :class:`TreeAttention`: times ``plan`` and (optionally) ``run``, counts KV reads.
+
+    Everything else is forwarded to the wrapped object.
+    """
+
+    def __init__(self, attn, time_run: bool):
+        self._attn = attn
+        self.time_run = time_run
+        self.cuda = attn.device.type == "cuda"
+        self.reset()
+
+    def __getattr__(self, name):
+        return getattr(self._attn, name)
+
+    def reset(self) -> None:
+        self.plan_seconds = 0.0
+        self.kv_tokens_read = 0
+        self._run_seconds = 0.0
+        self._events: list = []
+
+    def plan(self, tree):
+        t0 = time.perf_counter()
+        plan = self._attn.plan(tree)
+        self.plan_seconds += time.perf_counter() - t0
+        self.kv_tokens_read += plan.plan.kv_tokens_read()
+        return plan
+
+    def run(self, *args, **kwargs):
+        if not self.time_run:
+            return self._attn.run(*args, **kwargs)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._attn.run(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = self._attn.run(*args, **kwargs)
+        self._run_seconds += time.perf_counter() - t0
+        return out
+
+    def run_seconds(self) -> float | None:
+        """Attention time since :meth:`reset` (None when ``run`` is not timed)."""
+        if not self.time_run:
+            return None
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._run_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+
+
+def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:
+    """Replay ``schedule`` on ``model`` with a fresh :class:`Engine`; the tree is empty again at the end.
+
+    Everything that can be checked before a forward is (positions against a sliding
+    window, token ids against the vocabulary, the pool against the dry run's peak), so a
+    schedule that cannot run fails before its first step.
+    """
+    c = model.config
+    stats = schedule.stats
+    if stats.max_token_id >= c.vocab_size:
+        raise ValueError(f"{schedule.source}: token id {stats.max_token_id} is outside the model's vocabulary "
+                         f"of {c.vocab_size}")
+    if c.sliding_window is not None and stats.max_position >= c.sliding_window:
+        raise ValueError(f"{schedule.source}: reaches position {stats.max_position}, past the model's sliding "
+                         f"window of {c.sliding_window}")
+    sizing = dry_run(schedule, config.page_size)
+    need = (sizing["peak_pages"] + 1) * config.page_size
+    kv_tokens = config.kv_tokens or need
+    if kv_tokens < sizing["peak_pages"] * config.page_size:
+        raise ValueError(f"kv_tokens={kv_tokens} is too small: {schedule.source} holds up to "
+                         f"{sizing['peak_pages']} pages of {config.page_size} tokens")
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=config.page_size, backend=config.backend,
+                    plan_config=PlanConfig(planner=config.planner))
+    timer = AttentionTimer(engine.attn, time_run=config.profile_split or engine.device.type != "cuda")
+    engine.attn = timer
+    if config.warmup_steps:
+        warm = ScheduleDriver(engine, seed=config.seed)
+        for step in schedule.steps[:config.warmup_steps + 1]:
+            for op in step:
+                warm.apply(op)
+            warm.forward()
+        warm.release()
+    io_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize * c.num_layers
+    driver = ScheduleDriver(engine, seed=config.seed)
+    pool = engine.pool
+    steps = []
+    started = time.perf_counter()
+    for i, step in enumerate(_progress(schedule, config)):
+        timer.reset()
+        t0 = time.perf_counter()
+        prefill = 0.0
+        for op in step:
+            if isinstance(op, Prompt):
+                tp = time.perf_counter()
+                driver.apply(op)
+                prefill += time.perf_counter() - tp
+            else:
+                driver.apply(op)
+        t_ops = time.perf_counter()
+        kv_pages = pool.num_pages - pool.num_free_pages
+        queries = driver.pending
+        plan_prefill, io_prefill = timer.plan_seconds, timer.kv_tokens_read
+        attention_prefill = timer.run_seconds()
+        driver.layout_seconds = 0.0
+        ran = driver.forward() is not None
+        t1 = time.perf_counter()
+        plan = timer.plan_seconds - plan_prefill
+        attention = timer.run_seconds()
+        attention = None if attention is None else attention - attention_prefill
+        bookkeeping = (t_ops - t0 - prefill) + driver.layout_seconds
+        forward = (t1 - t_ops) - driver.layout_seconds
+        kind = "prefill" if any(isinstance(op, Prompt) for op in step) else "decode" if ran else "edit"
+        steps.append({
+            "step": i, "kind": kind, "queries": queries, "tree_tokens": engine.tree.num_tokens,
+            "kv_pages": kv_pages, "total_ms": 1e3 * (t1 - t0), "prefill_ms": 1e3 * prefill,
+            "bookkeeping_ms": 1e3 * bookkeeping, "plan_ms": 1e3 * plan,
+            "attention_ms": None if attention is None else 1e3 * attention,
+            "other_ms": 1e3 * (forward - plan - (attention or 0.0)) if ran else 0.0,
+            "kv_io_bytes": (timer.kv_tokens_read - io_prefill) * io_bytes_per_token,
+        })
+    wall = time.perf_counter() - started
+    driver.release()
+    engine.tree.check_invariants()
+    summary = _summary(steps, sizing)
+    summary.update(tokens_generated=driver.generated, wall_s=wall, kv_pool_pages=pool.num_pages,
+                   pages_free_at_end=pool.num_free_pages == pool.num_pages)
+    engine.attn = timer._attn
+    return ReplayRun(planner=config.planner, backend=engine.attn.backend, steps=steps, summary=summary,
+                     emitted=driver.emitted)
+
+
+def replay_results(model: Llama, schedule: Schedule, configs: list[ReplayConfig], model_name: str,
+                   workload: str) -> dict:
+    """Replay ``schedule`` once per config (e.g. one per planner) and gather the results JSON."""
+    runs = [replay(model, schedule, cfg) for cfg in configs]
+    device = model.device
+    return {
+        "workload": workload,
+        "schedule": {"name": schedule.name, "source": schedule.source, "steps": len(schedule),
+                     "meta": schedule.meta, "stats": dataclasses.asdict(schedule.stats)},
+        "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "page_size": configs[0].page_size, "profile_split": configs[0].profile_split,
+        "runs": [r.to_json() for r in runs],
+        "same_tokens": len({json.dumps(r.emitted) for r in runs}) == 1,
+    }
+
+
+def _summary(steps: list[dict], sizing: dict) -> dict:
+    decode = [s for s in steps if s["kind"] == "decode"]
+    total = [s["total_ms"] for s in decode]
+
+    def add(key):
+        values = [s[key] for s in decode]
+        return None if any(v is None for v in values) else sum(values)
+
+    return {
+        "decode_steps": len(decode), "decode_ms_total": sum(total),
+        "decode_ms_mean": statistics.fmean(total) if total else None,
+        "decode_ms_median": statistics.median(total) if total else None,
+        "attention_ms_total": add("attention_ms"), "plan_ms_total": add("plan_ms"),
+        "bookkeeping_ms_total": add("bookkeeping_ms"), "other_ms_total": add("other_ms"),
+        "kv_io_bytes_total": add("kv_io_bytes"), "queries": sum(s["queries"] for s in decode),
+        "prefill_ms_total": sum(s["prefill_ms"] for s in steps),
+        "peak_kv_pages": max((s["kv_pages"] for s in steps), default=0),
+        "dry_run_peak_pages": sizing["peak_pages"],
+    }
+
+
+def _progress(schedule: Schedule, config: ReplayConfig):
+    if not config.progress:
+        return schedule.steps
+    from tqdm import tqdm
+    return tqdm(schedule.steps, desc=f"{schedule.name} [{config.planner}]", unit="step")
