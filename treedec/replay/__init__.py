@@ -2,4 +2,5 @@
 from treedec.replay.driver import ScheduleDriver, dry_run
 from treedec.replay.runner import AttentionTimer, ReplayConfig, ReplayRun, replay, replay_results
 
-__all__ = ["AttentionTimer", "ReplayConfig", "ReplayRun", "ScheduleDriver", "dry_run", "replay", "replay_results"]
+__all__ = ["ScheduleRecorder", "AttentionTimer", "ReplayConfig", "ReplayRun", "ScheduleDriver", "dry_run", "replay", "replay_results"]
+from treedec.replay.recorder import ScheduleRecorder  # noqa: E402
