@@ -18,8 +18,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
-import re
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from bench.peers import PEERS, PeerUnavailable  # noqa: E402
 from bench.report import print_summary, write_readme_table  # noqa: E402
+from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload, build_workload  # noqa: E402
 from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
@@ -68,8 +67,8 @@ def main(argv=None) -> int:
 
     bandwidth = copy_bandwidth(device)
     results = {
-        "device": _device_name(device), "date": datetime.date.today().isoformat(),
-        "versions": _versions(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
+        "device": device_name(device), "date": datetime.date.today().isoformat(),
+        "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
         "page_size": args.page_size, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS, "workloads": {},
     }
@@ -77,8 +76,7 @@ def main(argv=None) -> int:
           f"treedec configs {configs}, peers {peers}", file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tags = "".join(f"-{_slug(t)}" for t in (["smoke"] if args.smoke else []) + ([args.tag] if args.tag else []))
-    path = out_dir / f"{results['date']}-{_slug(results['device'])}{tags}.json"
+    path = results_path(out_dir, results["device"], smoke=args.smoke, tag=args.tag)
     progress = tqdm(total=len(args.workloads) * (len(configs) + len(peers)), desc="attention", file=sys.stderr)
     for name in args.workloads:
         workload = build_workload(name, page_size=args.page_size, scale=results["scale"])
@@ -281,26 +279,6 @@ def _csv(text: str) -> list[str]:
 
 def _flatten(lists) -> list[str]:
     return [x for part in lists for x in part]
-
-
-def _device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}"
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def _versions() -> dict:
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for module in ("triton", "flashinfer"):
-        try:
-            versions[module] = __import__(module).__version__
-        except Exception as e:  # recorded, not fatal: the peer itself reports why it cannot run
-            versions[module] = f"unavailable ({type(e).__name__})"
-    return versions
 
 
 def _first_line(e: BaseException) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
+from bench.results_file import results_path  # noqa: E402
 from treedec.engine import from_config  # noqa: E402
 from treedec.replay import ReplayConfig, replay_results  # noqa: E402
 from treedec.workloads import workload_schedule  # noqa: E402
@@ -65,8 +65,7 @@ def main(argv=None) -> int:
                "speedups": {}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tags = "".join(f"-{_slug(t)}" for t in (["smoke"] if args.smoke else []) + ([args.tag] if args.tag else []))
-    path = out_dir / f"{results['date']}-{_slug(device_name)}-replay{tags}.json"
+    path = results_path(out_dir, device_name, "replay", smoke=args.smoke, tag=args.tag)
     started = time.perf_counter()
     for family in families:
         workload, gpu_iterations, smoke_iterations = FAMILIES[family]
@@ -131,10 +130,6 @@ def _report(family: str, timed: dict, split: dict, speedups: dict) -> None:
             print(f"{speedups['reference']} over {planner}: decode {s['decode_speedup_mean']:.2f}x (mean), "
                   f"{s['decode_speedup_median']:.2f}x (median); attention {attn}", file=sys.stderr)
     print(f"greedy tokens identical across planners: {'yes' if speedups['same_tokens'] else 'NO'}", file=sys.stderr)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def _parse_args(argv):

@@ -35,8 +35,6 @@ import argparse
 import datetime
 import gc
 import json
-import platform
-import re
 import statistics
 import sys
 import time
@@ -50,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
+from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import Engine, ModelConfig, from_config, to_hf_config, to_hf_state_dict  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
@@ -86,7 +85,8 @@ def main(argv=None) -> int:
     weight_bytes = model.weight_bytes()
     floor_ms = 1e3 * weight_bytes / bandwidth
     results = {
-        "device": _device_name(device), "date": datetime.date.today().isoformat(), "versions": _versions(),
+        "device": device_name(device), "date": datetime.date.today().isoformat(),
+        "versions": versions("transformers", "triton"),
         "smoke": args.smoke, "model": args.model, "dtype": args.dtype, "weight_bytes": weight_bytes,
         "copy_bandwidth_TBps": bandwidth / 1e12, "floor_ms": floor_ms, "tree": medusa.source,
         "tree_tokens": medusa.size, "reps": args.reps, "page_size": args.page_size, "prompts": {},
@@ -95,8 +95,7 @@ def main(argv=None) -> int:
           f"bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.2f} ms", file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tags = "".join(f"-{_slug(t)}" for t in (["smoke"] if args.smoke else []) + ([args.tag] if args.tag else []))
-    path = out_dir / f"{results['date']}-{_slug(results['device'])}-step{tags}.json"
+    path = results_path(out_dir, results["device"], "step", smoke=args.smoke, tag=args.tag)
 
     def save():
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every part: a cut-off run keeps its part
@@ -310,26 +309,6 @@ def _free(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}"
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def _versions() -> dict:
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for module in ("transformers", "triton"):
-        try:
-            versions[module] = __import__(module).__version__
-        except Exception as e:  # recorded, not fatal
-            versions[module] = f"unavailable ({type(e).__name__})"
-    return versions
 
 
 def _parse_args(argv):
