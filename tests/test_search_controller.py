@@ -1,0 +1,119 @@
+"""Branch controller (tiny model, CPU): DeFT's branch-every policy, no recompute, op validation."""
+import pytest
+import torch
+
+from treedec.engine import greedy
+from treedec.search.controller import (Branch, BranchEvery, ControllerError, Extend, Prune, Stop, TreeView,
+                                       run_controller)
+from tests.engines import make_engine, plain_greedy, tiny_model
+
+PROMPT = [5, 17, 300, 42, 9, 111, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+class Scripted:
+    """Returns the scripted op lists in turn, then []; records every view."""
+
+    def __init__(self, *scripts):
+        self.scripts, self.views = list(scripts), []
+
+    def decide(self, view: TreeView):
+        self.views.append(view)
+        return self.scripts.pop(0)(view) if self.scripts else []
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_branch_every_follows_the_policy(tiny, page_size):
+    engine = make_engine(tiny, page_size)
+    run = run_controller(engine, PROMPT, BranchEvery(every=3, k=2, max_leaves=8), max_steps=10)
+    tree = engine.tree
+    # iterations 0, 3, 6 branch (1 -> 2 -> 4 -> 8 leaves), iteration 9 would make 16 > 8
+    assert run.steps == 10 and run.queries_per_step == [2, 2, 2, 4, 4, 4, 8, 8, 8, 8]
+    leaves = tree.live_leaves()
+    assert len(leaves) == 8
+    for leaf in leaves:
+        path = tree.path(leaf)
+        assert len(path) == 4 and [len(tree.tokens(n)) for n in path] == [len(PROMPT), 3, 3, 4]
+        assert all(len(tree.children(n)) == 2 for n in path[:-1])
+    # Shared prefixes computed once: every tree token was a query exactly once.
+    assert engine.stats["queries"] == tree.num_tokens == len(PROMPT) + sum(run.queries_per_step)
+    # Always taking the first (top-1) child is plain greedy decoding.
+    node, first_path = run.root, []
+    while tree.children(node):
+        node = tree.children(node)[0]
+        first_path += tree.tokens(node)
+    assert first_path == plain_greedy(tiny, PROMPT, 10)
+    tree.check_invariants()
+    tree.prune(run.root)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_view_extend_prune_stop(tiny):
+    engine = make_engine(tiny)
+    controller = Scripted(
+        lambda v: [Branch(v.root, 3)],
+        lambda v: [Extend(v.leaves[0], (1, 2, 3)), Prune(v.leaves[1])],
+        lambda v: [Prune(v.leaves[0]), Prune(v.leaves[1])],     # the root is a leaf again: backtrack
+        lambda v: [Stop()],
+    )
+    run = run_controller(engine, PROMPT, controller, max_steps=10)
+    views, tree = controller.views, engine.tree
+    assert run.stopped and run.steps == 3 and run.queries_per_step == [3, 3 + 1, 1]
+    assert views[0].leaves == [run.root] and views[0].logits[run.root].shape == (512,)
+    assert len(views[1].leaves) == 3 and len(views[2].leaves) == 2
+    assert views[3].leaves == [run.root] and tree.children(run.root) == []
+    assert len(tree.tokens(run.root)) == len(PROMPT) + 1   # the backtracked root took one decoded token
+    assert tree.tokens(run.root)[-1] == plain_greedy(tiny, PROMPT, 1)[0]
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("ops, match", [
+    (lambda v: ["extend"], r"ops\[0\] = 'extend' is not an op"),
+    (lambda v: [Branch(v.leaves[0], 0)], r"k must be an int in \[1, 512\], got 0"),
+    (lambda v: [Branch(v.leaves[0], 2), Prune(999)], "node 999 is not in the tree"),
+    (lambda v: [Prune(v.root)], "cannot prune the prompt node"),
+    (lambda v: [Extend(v.leaves[0]), Branch(v.leaves[0], 2)], "named by an earlier op"),
+    (lambda v: [Extend(v.leaves[0], (600,))], r"ids in \[0, 512\)"),
+    (lambda v: [Branch(v.leaves[0], 2), Stop()], "Stop.. may come only with Prune"),
+    (lambda v: "ops", "must return a list of ops"),
+])
+def test_bad_ops_change_nothing(tiny, ops, match):
+    engine = make_engine(tiny)
+    controller = Scripted(lambda v: [Branch(v.root, 2)], lambda v: [], ops)
+    with pytest.raises(ControllerError, match=match):
+        run_controller(engine, PROMPT, controller, max_steps=5)
+    tree = engine.tree
+    assert len(tree.live_leaves()) == 2 and tree.layout().num_queries == 0
+    assert all(len(tree.tokens(n)) == 2 for n in tree.live_leaves())
+    tree.check_invariants()
+
+
+def test_non_live_leaf_and_pruned_node(tiny):
+    engine = make_engine(tiny)
+    state = {}
+
+    def prune_first(v):
+        state["gone"] = v.leaves[0]
+        return [Prune(v.leaves[0])]
+    controller = Scripted(lambda v: [Branch(v.root, 2)], prune_first, lambda v: [Prune(state["gone"])])
+    with pytest.raises(ControllerError, match="is not in the tree .pruned or never made."):
+        run_controller(engine, PROMPT, controller, max_steps=5)
+    controller = Scripted(lambda v: [Branch(v.root, 2)], lambda v: [Extend(v.root)])
+    with pytest.raises(ControllerError, match="is not a live leaf"):
+        run_controller(make_engine(tiny), PROMPT, controller, max_steps=5)
+
+
+def test_sampling_is_seeded(tiny):
+    runs = []
+    for _ in range(2):
+        engine = make_engine(tiny)
+        run_controller(engine, PROMPT, BranchEvery(every=2, k=2, max_leaves=4), max_steps=5, temperature=1.0,
+                       generator=torch.Generator().manual_seed(3))
+        runs.append([engine.tree.sequence(n) for n in engine.tree.live_leaves()])
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, temperature=-1.0)

@@ -1,0 +1,146 @@
+"""Speculative decoding (tiny model, CPU): every draft source emits exactly the plain greedy tokens."""
+import numpy as np
+import pytest
+import torch
+
+from treedec.engine import greedy
+from treedec.errors import TreeError
+from treedec.search.speculative import PromptLookupDraft, TreeDraft, speculative_generate, verify_greedy
+from treedec.search.token_tree import TokenTree
+from tests.engines import make_engine, plain_greedy, tiny_model
+
+NEW_TOKENS = 40
+MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def prompt_with_repeats(seed=0):
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(0, 512, 6).tolist()
+    return rng.integers(0, 512, 5).tolist() + phrase + rng.integers(0, 512, 4).tolist() + phrase
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    prompt = prompt_with_repeats()
+    return prompt, plain_greedy(tiny, prompt, NEW_TOKENS + 8)
+
+
+def oracle_draft(prompt, continuation, seed=0):
+    """Medusa tree whose all-zeros path is the model's own greedy continuation, the rest random."""
+    tree = TokenTree.from_medusa_choices(MEDUSA_CHOICES)
+    full = prompt + continuation
+    rng = np.random.default_rng(seed)
+
+    def tokens(seq):
+        ahead = full[len(seq):]
+        return [ahead[len(p) - 1] if not any(p) and len(p) <= len(ahead) else int(rng.integers(0, 512))
+                for p in tree.paths[1:]]
+    return TreeDraft(tree, tokens)
+
+
+def random_tree_draft(seed=0):
+    rng = np.random.default_rng(seed)
+    tree = TokenTree.from_medusa_choices(MEDUSA_CHOICES)
+    return TreeDraft(tree, rng.integers(0, 512, tree.size - 1).tolist())
+
+
+DRAFTS = {
+    "ngram": lambda prompt, ref: PromptLookupDraft(max_ngram=3, num_draft_tokens=5),
+    "ngram-branches": lambda prompt, ref: PromptLookupDraft(max_ngram=2, min_ngram=1, num_draft_tokens=4,
+                                                            max_matches=3),
+    "random-tree": lambda prompt, ref: random_tree_draft(),
+    "oracle": lambda prompt, ref: oracle_draft(prompt, ref),
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("name", list(DRAFTS))
+def test_speculative_equals_plain_greedy(tiny, reference, name, page_size):
+    prompt, ref = reference
+    engine = make_engine(tiny, page_size=page_size)
+    tokens, stats = speculative_generate(engine, prompt, DRAFTS[name](prompt, ref), NEW_TOKENS)
+    assert tokens == ref[:NEW_TOKENS]
+    assert stats.steps == len(stats.accepted) == len(stats.draft_sizes)
+    assert 1 + sum(a + 1 for a in stats.accepted) >= NEW_TOKENS   # the prefill's token + accepted+1 per step
+    assert engine.stats["steps"] == 1 + stats.steps
+    seq = engine.tree.sequence(stats.node)
+    assert seq[:len(prompt) + NEW_TOKENS - 1] == prompt + ref[:NEW_TOKENS - 1]
+    assert engine.tree.children(stats.node) == [] and engine.tree.layout().num_queries == 0
+    engine.tree.check_invariants()
+    engine.tree.prune(stats.node)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    if name == "oracle":
+        assert min(stats.accepted) > 0 and stats.tokens_per_step > 4
+    if name == "random-tree":
+        assert stats.tokens_per_step < 2
+
+
+def test_accepted_kv_equals_a_fresh_prefill(tiny, reference):
+    """After accepted paths were moved, the sequence's K/V equal those of a prefill of it."""
+    prompt, ref = reference
+    engine = make_engine(tiny)
+    speculative_generate(engine, prompt, oracle_draft(prompt, ref), 20)
+    node = engine.tree.roots[0]
+    seq, slots = engine.tree.sequence(node), engine.tree.slots(node)
+    fresh = make_engine(tiny)
+    fresh_node, _ = fresh.prefill(seq)
+    fresh_slots = fresh.tree.slots(fresh_node)
+    for a, b in ((engine.pool.k, fresh.pool.k), (engine.pool.v, fresh.pool.v)):
+        a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]
+        b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, torch.as_tensor(fresh_slots)]
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_prompt_lookup_draft():
+    draft = PromptLookupDraft(max_ngram=2, num_draft_tokens=3, max_matches=2)
+    tree, tokens = draft.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 7, 1, 2])
+    # bigram [1, 2] occurs at 5 (continues 5 6 7) and 0 (continues 3 4 9): most recent first
+    assert tokens == [2, 5, 6, 7, 3, 4, 9] and tree.parents == (-1, 0, 1, 2, 0, 4, 5)
+    tree, tokens = PromptLookupDraft(max_matches=3, num_draft_tokens=2).propose([4, 1, 5, 1, 6, 1, 5, 1])
+    # the trigram [1, 5, 1] occurs once before, at index 1
+    assert tokens == [1, 6, 1]
+    tree, tokens = PromptLookupDraft().propose([1, 2, 3])
+    assert tree.size == 1 and tokens == [3]
+    branches = PromptLookupDraft(max_ngram=1, num_draft_tokens=2, max_matches=3).propose([7, 1, 7, 1, 7, 2, 7])
+    # [7] at 4, 2, 0 continues [2, 7], [1, 7], [1, 7]: two distinct branches
+    assert branches[1] == [7, 2, 7, 1, 7] and branches[0].parents == (-1, 0, 1, 0, 3)
+    shared = PromptLookupDraft(max_ngram=1, num_draft_tokens=2, max_matches=2).propose([7, 1, 2, 7, 1, 3, 7])
+    assert shared[1] == [7, 1, 3, 2] and shared[0].parents == (-1, 0, 1, 1)   # [1, 3], [1, 2]: prefix [1] once
+    with pytest.raises(ValueError, match="min_ngram .3. must be <= max_ngram .2."):
+        PromptLookupDraft(max_ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="num_draft_tokens must be an int >= 1, got 0"):
+        PromptLookupDraft(num_draft_tokens=0)
+
+
+def test_verify_errors_change_nothing(tiny):
+    engine = make_engine(tiny)
+    node, _ = engine.prefill([1, 2, 3])
+    tree = TokenTree.chain(2)
+    before = (engine.tree.num_tokens, engine.pool.num_free_pages)
+    with pytest.raises(ValueError, match="one token per tree token .3., got 2"):
+        verify_greedy(engine, node, tree, [4, 5])
+    with pytest.raises(ValueError, match=r"token ids in \[0, 512\), got \[600\]"):
+        verify_greedy(engine, node, tree, [4, 5, 600])
+    with pytest.raises(TreeError, match="unknown node"):
+        verify_greedy(engine, 99, tree, [4, 5, 6])
+    engine.tree.branch(node, [[9]])
+    engine.step()
+    with pytest.raises(ValueError, match="must be a leaf"):
+        verify_greedy(engine, node, tree, [4, 5, 6])
+    assert (engine.tree.num_tokens, engine.pool.num_free_pages) == (before[0] + 1, before[1] - 1)
+    with pytest.raises(ValueError, match="tokens\\[0\\] == the last sequence token"):
+        speculative_generate(make_engine(tiny), [1, 2, 3], _BadRoot(), 5)
+    with pytest.raises(ValueError, match="needs 2 draft tokens"):
+        TreeDraft(tree, [1, 2, 3])
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        speculative_generate(make_engine(tiny), [1, 2], PromptLookupDraft(), 0)
+
+
+class _BadRoot:
+    def propose(self, sequence_tokens):
+        return TokenTree.chain(1), [0 if sequence_tokens[-1] else 1, 5]

@@ -1,0 +1,232 @@
+"""The branch-controller protocol: a policy decides, each step, how the decoding tree grows.
+
+Each iteration :func:`run_controller` shows the controller a :class:`TreeView` (the tree,
+its live leaves and each leaf's next-token logits) and applies the operations it returns:
+
+- :class:`Extend` ``(node, tokens=None)``: append one decoded token to a leaf (greedy,
+  or sampled with ``temperature > 0``), or the given tokens;
+- :class:`Branch` ``(node, k)``: give a leaf k children, each starting with one of its
+  k best (greedy) or k sampled next tokens;
+- :class:`Prune` ``(node)``: remove a node's subtree (its pages are freed);
+- :class:`Stop` ``()``: end the run (only Prune ops may come with it).
+
+A live leaf that no op names is extended by one decoded token, so a controller returns
+only what differs from plain decoding. Then one engine step computes every new token;
+shared prefixes stay in place and are never recomputed or copied. The ops of one
+iteration are checked together before any is applied: a bad list changes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from treedec.engine import Engine
+from treedec.tree import SequenceTree
+
+
+class ControllerError(ValueError):
+    """A controller returned an invalid operation list."""
+
+
+@dataclass(frozen=True)
+class Extend:
+    node: int
+    tokens: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Branch:
+    node: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Prune:
+    node: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Op = Extend | Branch | Prune | Stop
+
+
+@dataclass
+class TreeView:
+    """What a controller sees at one iteration.
+
+    Attributes
+    ----------
+    step : iterations run so far (0: right after the prefill).
+    root : the prompt's node.
+    tree : the engine's SequenceTree (read it; change it only through ops).
+    leaves : live leaves, depth-first.
+    logits : leaf -> [vocab] logits of its next token (model dtype, model device).
+    """
+
+    step: int
+    root: int
+    tree: SequenceTree
+    leaves: list[int]
+    logits: dict[int, torch.Tensor]
+
+
+class Controller(Protocol):
+    def decide(self, view: TreeView) -> list[Op]: ...
+
+
+@dataclass
+class ControllerRun:
+    """The record of :func:`run_controller`.
+
+    Attributes
+    ----------
+    root : the prompt's node (prune it to free the request).
+    steps : engine steps run after the prefill.
+    queries_per_step : tokens computed by each step.
+    stopped : True if the controller returned Stop (else max_steps or no live leaf ended it).
+    """
+
+    root: int
+    steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+
+@dataclass
+class BranchEvery:
+    """DeFT's example policy: every ``every`` iterations, branch each leaf into ``k``, while
+    that keeps the leaves at most ``max_leaves``; other iterations extend every leaf."""
+
+    every: int = 3
+    k: int = 2
+    max_leaves: int = 8
+
+    def decide(self, view: TreeView) -> list[Op]:
+        if view.step % self.every == 0 and len(view.leaves) * self.k <= self.max_leaves:
+            return [Branch(leaf, self.k) for leaf in view.leaves]
+        return []
+
+
+def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> ControllerRun:
+    """Prefill ``prompt_ids``, then up to ``max_steps`` iterations of decide / apply / step.
+
+    ``temperature == 0`` decodes greedily (Branch takes the top-k tokens); else tokens are
+    sampled from ``softmax(logits / temperature)`` (Branch: k without replacement) with
+    ``generator``. The run ends at ``max_steps``, on Stop, or when no live leaf is left.
+    The request stays in ``engine.tree`` under ``run.root``.
+    """
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
+        raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    root, first = engine.prefill(prompt_ids)
+    run = ControllerRun(root=root)
+    logits = {root: first}   # every node's next-token logits at its last token, while it lives
+    tree = engine.tree
+    while run.steps < max_steps:
+        leaves = tree.live_leaves()
+        ops = controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
+        plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
+        for node in plan.prune:
+            for dead in _subtree(tree, node):
+                logits.pop(dead, None)
+            tree.prune(node)
+        if plan.stop:
+            run.stopped = True
+            break
+        leaves = tree.live_leaves()   # a node whose children were all pruned is a leaf again (backtracking)
+        grow = {n: plan.extend.get(n) or [_decode(logits[n], 1, temperature, generator)[0]]
+                for n in leaves if n not in plan.branch}
+        tree.extend_many(grow)
+        new_leaves = list(grow)
+        for node, k in plan.branch.items():
+            new_leaves += tree.branch(node, [[t] for t in _decode(logits[node], k, temperature, generator)])
+        if not new_leaves:
+            break
+        queries = tree.layout().num_queries
+        out = engine.step(logits_rows=engine.pending_rows(new_leaves))
+        logits.update(zip(new_leaves, out))
+        run.steps += 1
+        run.queries_per_step.append(queries)
+    return run
+
+
+# ================================================================ private
+
+
+@dataclass
+class _Plan:
+    prune: list[int] = field(default_factory=list)
+    extend: dict[int, list[int]] = field(default_factory=dict)
+    branch: dict[int, int] = field(default_factory=dict)
+    stop: bool = False
+
+
+def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int) -> _Plan:
+    """Validate a whole op list against the tree; returns it grouped, or raises ControllerError."""
+    if not isinstance(ops, (list, tuple)):
+        raise ControllerError(f"decide() must return a list of ops, got {type(ops).__name__}")
+    plan, live, named = _Plan(), set(leaves), set()
+    for i, op in enumerate(ops):
+        if isinstance(op, Stop):
+            plan.stop = True
+            continue
+        if not isinstance(op, (Extend, Branch, Prune)):
+            raise ControllerError(f"ops[{i}] = {op!r:.80} is not an op (Extend, Branch, Prune or Stop)")
+        if op.node in named:
+            raise ControllerError(f"ops[{i}] = {op!r}: node {op.node} is named by an earlier op of this step")
+        named.add(op.node)
+        if isinstance(op, Prune):
+            if op.node not in tree:
+                raise ControllerError(f"ops[{i}] = {op!r}: node {op.node} is not in the tree (pruned or never made)")
+            if op.node == root:
+                raise ControllerError(f"ops[{i}] = {op!r}: cannot prune the prompt node {root}; return Stop()")
+            plan.prune.append(op.node)
+            continue
+        if op.node not in live:
+            raise ControllerError(f"ops[{i}] = {op!r}: node {op.node} is not a live leaf (live leaves: "
+                                  f"{sorted(live)[:8]})")
+        if isinstance(op, Branch):
+            if not isinstance(op.k, int) or isinstance(op.k, bool) or not 1 <= op.k <= vocab:
+                raise ControllerError(f"ops[{i}] = {op!r}: k must be an int in [1, {vocab}], got {op.k!r}")
+            plan.branch[op.node] = op.k
+        elif op.tokens is not None:
+            toks = list(op.tokens)
+            if not toks or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):
+                raise ControllerError(f"ops[{i}] = {op!r}: tokens must be a non-empty list of ids in [0, {vocab})")
+            plan.extend[op.node] = toks
+    if plan.stop and (plan.extend or plan.branch):
+        raise ControllerError("Stop() may come only with Prune ops, got Extend/Branch ops too")
+    doomed = set()
+    for node in plan.prune:
+        sub = _subtree(tree, node)
+        if doomed & set(sub):
+            raise ControllerError(f"Prune({node}) overlaps another Prune of this step")
+        doomed.update(sub)
+    clash = sorted(doomed & (set(plan.extend) | set(plan.branch)))
+    if clash:
+        raise ControllerError(f"node(s) {clash[:5]} are extended or branched and pruned in the same step")
+    return plan
+
+
+def _subtree(tree: SequenceTree, node: int) -> list[int]:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(tree.children(n))
+    return out
+
+
+def _decode(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None) -> list[int]:
+    """k distinct next tokens: the top-k (greedy), or k sampled without replacement."""
+    if temperature == 0:
+        return logits.topk(k).indices.tolist()
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, k, replacement=False, generator=generator).tolist()
