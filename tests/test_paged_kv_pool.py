@@ -55,3 +55,16 @@ def test_bookkeeping_only_pool_has_no_storage():
     pool = PagedKVPool(4, 2, allocate_storage=False)
     with pytest.raises(RuntimeError, match="allocate_storage=False"):
         pool.layer(0)
+
+
+def test_gather_scatter_moves_kv_of_every_layer():
+    pool = PagedKVPool(4, 2, num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    pool.k.normal_()
+    pool.v.normal_()
+    k, v = pool.gather(np.array([1, 6]))
+    assert k.shape == (3, 2, 2, 64)
+    pool.scatter(np.array([2, 3]), (k, v))
+    for layer in range(3):
+        lk, lv = pool.layer(layer)
+        assert torch.equal(lk.reshape(-1, 2, 64)[2], lk.reshape(-1, 2, 64)[1])
+        assert torch.equal(lv.reshape(-1, 2, 64)[3], lv.reshape(-1, 2, 64)[6])

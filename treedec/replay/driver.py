@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from treedec.engine import Engine
 from treedec.tree import PagedKVPool, SequenceTree
@@ -130,12 +129,13 @@ class ScheduleDriver:
         anchor = tree.parent(chain[0])
         tokens = [tree.tokens(n)[0] for n in chain]
         old = np.concatenate([tree.slots(n) for n in chain])
-        saved = self._read_kv(old)
+        saved = self.engine.pool.gather(old) if self.engine is not None else None
         next_token = self._next_token.get(chain[-1])
         for child in tree.children(anchor):
             self._prune(child)
         new = tree.extend(anchor, tokens)
-        self._write_kv(new, saved)
+        if saved is not None:
+            self.engine.pool.scatter(new, saved)
         tree.commit_step()  # the path's K/V are in place: nothing to recompute
         if next_token is not None:
             self._next_token[anchor] = next_token
@@ -169,23 +169,6 @@ class ScheduleDriver:
 
     def _filler(self, n: int) -> list[int]:
         return self.rng.integers(0, self.vocab_size, n).tolist() if n > 0 else []
-
-    def _kv_views(self) -> list[torch.Tensor]:
-        pool = self.engine.pool
-        return [t.view(pool.num_layers, pool.num_slots, pool.num_kv_heads, pool.head_dim) for t in (pool.k, pool.v)]
-
-    def _read_kv(self, slots: np.ndarray) -> list[torch.Tensor] | None:
-        if self.engine is None:
-            return None
-        index = torch.as_tensor(slots, device=self.engine.device)
-        return [kv.index_select(1, index) for kv in self._kv_views()]
-
-    def _write_kv(self, slots: np.ndarray, saved: list[torch.Tensor] | None) -> None:
-        if saved is None:
-            return
-        index = torch.as_tensor(slots, device=self.engine.device)
-        for kv, data in zip(self._kv_views(), saved):
-            kv.index_copy_(1, index, data)
 
 
 def dry_run(schedule: Schedule, page_size: int) -> dict:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
-import torch
 
 from treedec.engine import Engine, greedy
 from treedec.errors import PoolExhaustedError
@@ -173,11 +172,11 @@ def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[i
     bonus = choice[path[-1] if path else 0]
     accepted = [tokens[i] for i in path]
     if ids:
-        saved = _read_kv(engine, np.concatenate([t.slots(ids[i - 1]) for i in path]) if path else None)
+        saved = engine.pool.gather(np.concatenate([t.slots(ids[i - 1]) for i in path])) if path else None
         for child in t.children(node):
             t.prune(child)
         if path:
-            _write_kv(engine, t.extend(node, accepted), saved)
+            engine.pool.scatter(t.extend(node, accepted), saved)
             t.commit_step()   # their K/V are in place: nothing to recompute
     return accepted, bonus
 
@@ -225,21 +224,3 @@ def _trie(root: int, continuations: list[list[int]]) -> tuple[TokenTree, list[in
                 tokens.append(cont[d - 1])
                 index[key] = len(index)
     return TokenTree(tuple(parents)), tokens
-
-
-def _kv_views(engine: Engine) -> list[torch.Tensor]:
-    pool = engine.pool
-    return [x.view(pool.num_layers, pool.num_slots, pool.num_kv_heads, pool.head_dim) for x in (pool.k, pool.v)]
-
-
-def _read_kv(engine: Engine, slots: np.ndarray | None) -> list[torch.Tensor] | None:
-    if slots is None:
-        return None
-    index = torch.as_tensor(slots, device=engine.device)
-    return [kv.index_select(1, index) for kv in _kv_views(engine)]
-
-
-def _write_kv(engine: Engine, slots: np.ndarray, saved: list[torch.Tensor]) -> None:
-    index = torch.as_tensor(slots, device=engine.device)
-    for kv, data in zip(_kv_views(engine), saved):
-        kv.index_copy_(1, index, data)

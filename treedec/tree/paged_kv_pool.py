@@ -127,6 +127,19 @@ class PagedKVPool:
         k_layer.view(-1, self.num_kv_heads, self.head_dim)[slots] = k.to(k_layer.dtype)
         v_layer.view(-1, self.num_kv_heads, self.head_dim)[slots] = v.to(v_layer.dtype)
 
+    def gather(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` in every layer, each ``[num_layers, len(slots), num_kv_heads, head_dim]`` (a copy)."""
+        self._require_storage()
+        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.k.device)
+        return tuple(self._slot_view(t).index_select(1, index) for t in (self.k, self.v))
+
+    def scatter(self, slots: np.ndarray, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store what :meth:`gather` returned into ``slots`` (e.g. to move accepted tokens' K/V)."""
+        self._require_storage()
+        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.k.device)
+        for t, data in zip((self.k, self.v), kv):
+            self._slot_view(t).index_copy_(1, index, data)
+
     def check_invariants(self) -> None:
         """Assert the free list and refcounts agree (for tests and debugging)."""
         free = np.array(self._free, dtype=np.int64)
@@ -137,6 +150,9 @@ class PagedKVPool:
             f"{int((self.refcount == 0).sum())=} pages have refcount 0 but {len(free)=} are free")
 
     # ----------------------------------------------------------------- private
+
+    def _slot_view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
 
     def _require_storage(self) -> None:
         if self.k is None:
