@@ -6,7 +6,7 @@ import torch
 from treedec.engine import greedy
 from treedec.errors import TreeError
 from treedec.search.speculative import PromptLookupDraft, TreeDraft, speculative_generate, verify_greedy
-from treedec.search.token_tree import TokenTree
+from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 NEW_TOKENS = 40

@@ -1,6 +1,6 @@
 """Speculative decoding by token-tree verification: draft sources, greedy verification, the loop.
 
-Each step a :class:`DraftSource` proposes a :class:`~treedec.search.token_tree.TokenTree`
+Each step a :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree`
 whose root is the sequence's last token; one engine step computes the root and every
 draft token at once (tree attention: each token attends to its own path only). The
 longest path whose tokens equal the model's greedy choice at their parent is accepted;
@@ -18,7 +18,7 @@ import numpy as np
 
 from treedec.engine import Engine, greedy
 from treedec.errors import PoolExhaustedError
-from treedec.search.token_tree import TokenTree
+from treedec.tree.token_tree import TokenTree
 
 
 class DraftSource(Protocol):

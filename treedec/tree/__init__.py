@@ -2,5 +2,6 @@
 from treedec.tree.layout import TreeLayout
 from treedec.tree.paged_kv_pool import PagedKVPool
 from treedec.tree.sequence_tree import SequenceTree
+from treedec.tree.token_tree import TokenTree
 
-__all__ = ["PagedKVPool", "SequenceTree", "TreeLayout"]
+__all__ = ["PagedKVPool", "SequenceTree", "TokenTree", "TreeLayout"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from treedec.tree.layout import TreeLayout, depth_first_order
+from treedec.tree.token_tree import TokenTree
 
 #: ``workloads/deft`` of this repository.
 DEFT_DIR = Path(__file__).resolve().parents[2] / "workloads" / "deft"
@@ -84,24 +85,13 @@ def medusa_tree(path_or_size: str | Path | int) -> MedusaTree:
     size = _int_field(record, "Token_Tree_size", where)
     tree_id = _int_field(record, "Tree_ID", where)
 
-    paths = []
-    for i, p in enumerate(structure):
-        if (not isinstance(p, list) or not p
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)):
-            raise TraceFormatError(f"{where}: Tree_Structure[{i}] must be a non-empty list of "
-                                   f"non-negative ints, got {p!r:.80}")
-        paths.append(tuple(p))
-    paths.sort(key=lambda p: (len(p), p))
-    index = {(): 0}
-    parents = [-1]
-    for p in paths:
-        if p in index:
-            raise TraceFormatError(f"{where}: Tree_Structure lists path {list(p)} twice")
-        if p[:-1] not in index:
-            raise TraceFormatError(f"{where}: Tree_Structure path {list(p)} has no parent path "
-                                   f"{list(p[:-1])} in the file")
-        parents.append(index[p[:-1]])
-        index[p] = len(index)
+    try:
+        token_tree = TokenTree.from_medusa_choices(structure)
+    except ValueError as e:
+        # TokenTree names its argument "choices"; in this file that field is Tree_Structure
+        raise TraceFormatError(f"{where}: " + str(e).replace("choices", "Tree_Structure", 1)) from None
+    parents = list(token_tree.parents)
+    paths = sorted((tuple(p) for p in structure), key=lambda p: (len(p), p))
     if len(parents) != size:
         raise TraceFormatError(f"{where}: Token_Tree_size is {size} but Tree_Structure gives "
                                f"{len(paths)} paths + the root = {len(parents)} tokens")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from treedec.search.token_tree import TokenTree, expand_by_logprob
+from treedec.tree.token_tree import TokenTree, expand_by_logprob
 
 
 def test_medusa_choices_sorted_like_medusa():
