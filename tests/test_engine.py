@@ -83,6 +83,20 @@ def test_logits_rows_and_query_order(tiny):
     assert greedy(all_rows).tolist() == all_rows.argmax(-1).tolist()
 
 
+def test_return_hidden_gives_the_lm_head_input(tiny):
+    engine, plain = make_engine(tiny), make_engine(tiny)
+    root, logits, hidden = engine.prefill([1, 2, 3, 4], return_hidden=True)
+    assert hidden.shape == (tiny.config.hidden_size,)
+    torch.testing.assert_close(logits, plain.prefill([1, 2, 3, 4])[1], atol=0, rtol=0)
+    torch.testing.assert_close(tiny.lm_head(hidden), logits, atol=1e-5, rtol=0)
+    for e in (engine, plain):
+        e.tree.branch(root, [[5, 6], [7]])
+    some, some_hidden = engine.step(logits_rows=[2, 0], return_hidden=True)
+    assert some_hidden.shape == (2, tiny.config.hidden_size)
+    torch.testing.assert_close(some, plain.step()[[2, 0]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tiny.lm_head(some_hidden), some, atol=1e-5, rtol=0)
+
+
 def test_pending_rows_give_token_order(tiny):
     engine = make_engine(tiny)
     root, _ = engine.prefill([1, 2, 3])

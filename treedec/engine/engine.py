@@ -91,8 +91,12 @@ class Engine:
         """Tokens the KV pool holds."""
         return self.pool.num_slots
 
-    def prefill(self, prompt_ids: Sequence[int], parent: int | None = None) -> tuple[int, torch.Tensor]:
+    def prefill(self, prompt_ids: Sequence[int], parent: int | None = None, return_hidden: bool = False
+                ) -> tuple[int, torch.Tensor] | tuple[int, torch.Tensor, torch.Tensor]:
         """Add a prompt and run it; returns ``(node_id, logits [vocab] of its last token)``.
+
+        With ``return_hidden``: ``(node_id, logits, hidden [hidden_size])``, the last token's
+        final-norm hidden state (see :meth:`step`).
 
         ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
         ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
@@ -119,14 +123,15 @@ class Engine:
                 f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
         pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
         node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
-        logits = None
+        out = None
         for i, piece in enumerate(pieces):
             if i:
                 self.tree.extend(node, piece)
-            logits = self.step(logits_rows=[len(piece) - 1])
-        return node, logits[0]
+            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden)
+        return (node, out[0][0], out[1][0]) if return_hidden else (node, out[0])
 
-    def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+             return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -138,10 +143,15 @@ class Engine:
         ----------
         logits_rows : [r] ints, optional
             Which queries (row indices in that order) to return logits for; default all.
+        return_hidden : bool
+            Also return the same rows' last hidden states after the final norm (the
+            ``lm_head`` input, e.g. for Medusa heads). Such a step runs eagerly: the CUDA
+            graphs capture logits only.
 
         Returns
         -------
-        logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device.
+        logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device;
+        with ``return_hidden``, the tuple ``(logits, hidden [r, hidden_size])``.
         """
         layout = self.tree.layout()
         num_q = layout.num_queries
@@ -153,14 +163,14 @@ class Engine:
         self._check_window(int(positions.max()))
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         self._check_token_ids(tokens, "the pending tokens")
-        if self._graphs is None:
+        if self._graphs is None or return_hidden:
             plan = self.attn.plan(layout)
         else:
             host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
             logits = self._graphs.run(host_plan, tokens, positions, slots)
             plan = host_plan.to(self.device) if logits is None else None
         if plan is not None:
-            logits = self._forward(plan, tokens, positions, slots, rows)
+            logits = self._forward(plan, tokens, positions, slots, rows, return_hidden)
         elif rows is not None:
             logits = logits[torch.as_tensor(rows, device=logits.device)]
         self.tree.commit_step()
@@ -193,11 +203,11 @@ class Engine:
 
     # ================================================================ private
 
-    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows) -> torch.Tensor:
-        """The eager forward of a step."""
+    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows, return_hidden: bool = False):
+        """The eager forward of a step: logits, or ``(logits, hidden)`` with ``return_hidden``."""
         inputs = torch.from_numpy(np.stack([tokens, positions, slots])).to(self.device)  # one transfer
         rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
-        return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t)
+        return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
 
     def _static_forward(self, static: StaticStep) -> torch.Tensor:
         """The forward of a CUDA-graph step: everything read from ``static``'s device buffers."""

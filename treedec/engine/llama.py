@@ -151,8 +151,9 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of a step.
+                logits_rows: torch.Tensor | None = None, return_hidden: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits of a step (and, with ``return_hidden``, the hidden states they came from).
 
         Parameters
         ----------
@@ -164,10 +165,14 @@ class Llama(nn.Module):
             Stores each layer's k/v and attends its q (see :class:`Attend`).
         logits_rows : [r] int64, optional
             Rows whose logits to compute (default all n).
+        return_hidden : bool
+            Also return those rows' last hidden states, after the final norm (the input of
+            ``lm_head``, what Medusa heads read).
 
         Returns
         -------
-        logits : [r, vocab_size] in the model dtype.
+        logits : [r, vocab_size] in the model dtype; with ``return_hidden``, the tuple
+        ``(logits, hidden [r, hidden_size])``.
         """
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x = self.embed_tokens(tokens)
@@ -177,4 +182,4 @@ class Llama(nn.Module):
             x, h = layer(x, h, cos, sin, attend, next_norm, self.ops)
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.lm_head(h)
+        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
