@@ -89,3 +89,18 @@ def test_expand_by_logprob_errors():
         expand_by_logprob(0, lambda path: ([1, 1], [-1.0, -2.0]), depth=1, top_k=1, total_tokens=1)
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
         expand_by_logprob(0, lambda path: ([1, 2], [-1.0]), depth=1, top_k=1, total_tokens=1)
+
+
+def test_expand_by_logprob_batched_sees_whole_layers():
+    per_path = table_candidates(TABLE)
+    layers = []
+
+    def layer(paths):
+        layers.append(list(paths))
+        return [per_path(p) for p in paths]
+
+    assert (expand_by_logprob(7, layer, depth=3, top_k=2, total_tokens=5, batched=True)
+            == expand_by_logprob(7, per_path, depth=3, top_k=2, total_tokens=5))
+    assert layers == [[()], [(10,), (11,)], [(10, 20), (11, 23)]]   # one call per layer, best first
+    with pytest.raises(ValueError, match="gave 0 results for a layer of 1 token paths"):
+        expand_by_logprob(0, lambda paths: [], depth=1, top_k=1, total_tokens=1, batched=True)

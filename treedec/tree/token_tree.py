@@ -109,10 +109,11 @@ class TokenTree:
 
 
 Candidates = Callable[[tuple[int, ...]], tuple[Sequence[int], Sequence[float]]]
+LayerCandidates = Callable[[list[tuple[int, ...]]], Sequence[tuple[Sequence[int], Sequence[float]]]]
 
 
-def expand_by_logprob(root_token: int, candidates: Candidates, depth: int, top_k: int,
-                      total_tokens: int) -> tuple[TokenTree, list[int]]:
+def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates, depth: int, top_k: int,
+                      total_tokens: int, batched: bool = False) -> tuple[TokenTree, list[int]]:
     """EAGLE-2 dynamic expansion: grow a tree by cumulative log-prob, keep the best nodes.
 
     Layer by layer (``depth`` layers), the ``top_k`` nodes of the last layer with the
@@ -127,6 +128,9 @@ def expand_by_logprob(root_token: int, candidates: Candidates, depth: int, top_k
     root_token : the sequence's last token (token 0 of the result).
     candidates : token path -> (tokens [k], log-probs [k]); a pure function of its input.
     depth, top_k, total_tokens : ints >= 1; ``total_tokens`` counts draft tokens (not the root).
+    batched : if True, ``candidates`` takes one layer's token paths at once (the nodes to
+        expand, best first) and returns one ``(tokens, log-probs)`` per path, e.g. from one
+        draft-model step over the whole frontier. It is called ``depth`` times, first with ``[()]``.
 
     Returns
     -------
@@ -140,8 +144,11 @@ def expand_by_logprob(root_token: int, candidates: Candidates, depth: int, top_k
     frontier: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
     for d in range(1, depth + 1):
         layer = []
-        for score, path in frontier:
-            tokens, logprobs = candidates(path)
+        paths = [path for _, path in frontier]
+        results = list(candidates(paths)) if batched else [candidates(path) for path in paths]
+        if len(results) != len(paths):
+            raise ValueError(f"candidates gave {len(results)} results for a layer of {len(paths)} token paths")
+        for (score, path), (tokens, logprobs) in zip(frontier, results):
             tokens, logprobs = list(tokens), [float(x) for x in logprobs]
             if len(tokens) != len(logprobs):
                 raise ValueError(f"candidates({list(path)}) gave {len(tokens)} tokens but {len(logprobs)} log-probs")
