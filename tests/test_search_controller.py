@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from treedec.engine import greedy
+from treedec.engine import Engine, greedy
+from treedec.errors import PoolExhaustedError
 from treedec.search.controller import (Branch, BranchEvery, ControllerError, Extend, Prune, Stop, TreeView,
                                        run_controller)
 from tests.engines import make_engine, plain_greedy, tiny_model
@@ -117,3 +118,29 @@ def test_sampling_is_seeded(tiny):
     assert runs[0] == runs[1] and len(runs[0]) == 4
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, temperature=-1.0)
+
+
+def test_exhausted_pool_raises_before_any_op_and_prunes_count():
+    engine = Engine(tiny_model(), kv_tokens=4 * 12, page_size=4, backend="torch")   # 12 pages
+    pool, tree = engine.pool, engine.tree
+    state = {}
+
+    def too_big(v):   # prompt 2 pages + 3 leaves: 7 free, 8 after the prune; 2 x 5 fresh children need 10
+        state["before"] = ({n: tree.tokens(n) for n in v.leaves}, pool.num_free_pages, pool.refcount.tolist())
+        return [Prune(v.leaves[0]), Branch(v.leaves[1], 5), Branch(v.leaves[2], 5)]
+    controller = Scripted(lambda v: [Branch(v.root, 3)], too_big)
+    with pytest.raises(PoolExhaustedError, match="need 10 page.s. of 4 tokens, 8 of 12 would be free"):
+        run_controller(engine, PROMPT, controller, max_steps=5)
+    leaves = tree.live_leaves()
+    assert ({n: tree.tokens(n) for n in leaves}, pool.num_free_pages, pool.refcount.tolist()) == state["before"]
+    assert tree.layout().num_queries == 0
+    tree.check_invariants()
+
+    # 8 children fit only when the page the prune frees is counted.
+    engine = Engine(tiny_model(), kv_tokens=4 * 12, page_size=4, backend="torch")
+    controller = Scripted(lambda v: [Branch(v.root, 3)],
+                          lambda v: [Prune(v.leaves[0]), Branch(v.leaves[1], 5), Branch(v.leaves[2], 3)],
+                          lambda v: [Stop()])
+    run = run_controller(engine, PROMPT, controller, max_steps=5)
+    assert run.stopped and run.queries_per_step == [3, 8] and engine.pool.num_free_pages == 0
+    engine.tree.check_invariants()

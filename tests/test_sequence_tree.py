@@ -134,6 +134,25 @@ def test_exhausted_pool_raises_and_changes_nothing(op):
     assert snapshot(tree) == before
 
 
+def test_pages_to_extend_and_freed_by_prune():
+    tree = make_tree(num_pages=16, page_size=4)
+    root = tree.add_prompt(range(6))                 # 2 pages, 2 free slots in the second
+    a, b = tree.branch(root, [[1], [2, 3, 4, 5, 6]])
+    tree.commit_step()
+    assert tree.pages_to_extend(a, 3) == 0 and tree.pages_to_extend(a, 4) == 1
+    assert tree.pages_to_extend(b, 3) == 0 and tree.pages_to_extend(b, 4) == 1
+    tree.add_token_tree(a, [7, 8, 9], [-1, 0, 0])    # one packed page, held by 3 nodes
+    tree.commit_step()
+    (x, y, z) = tree.children(a)[0], *tree.children(tree.children(a)[0])
+    free = tree.pool.num_free_pages
+    assert tree.pages_freed_by_prune([y]) == 0                 # the packed page is still held by x and z
+    assert tree.pages_freed_by_prune([x]) == 1 and tree.pages_freed_by_prune([a]) == 2
+    assert tree.pages_freed_by_prune([a, b]) == 4 and tree.pages_freed_by_prune([root]) == 6
+    assert tree.pool.num_free_pages == free                    # nothing changed
+    with pytest.raises(TreeError, match="unknown node id 99"):
+        tree.pages_freed_by_prune([99])
+
+
 def test_extend_many_is_all_or_nothing():
     tree = make_tree(num_pages=6, page_size=4)
     root = tree.add_prompt([1])
@@ -170,10 +189,13 @@ class TreeOperations(RuleBasedStateMachine):
     def extend_leaf(self, data, n):
         leaves = [i for i in self._nodes() if not self.tree.children(i)]
         leaf = data.draw(st.sampled_from(leaves))
+        need, free = self.tree.pages_to_extend(leaf, n), self.tree.pool.num_free_pages
         try:
             self.tree.extend(leaf, range(n))
         except PoolExhaustedError:
-            pass
+            assert need > free
+            return
+        assert free - self.tree.pool.num_free_pages == need
 
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data(), sizes=st.lists(st.integers(0, 7), min_size=1, max_size=3))
@@ -198,7 +220,9 @@ class TreeOperations(RuleBasedStateMachine):
     @rule(data=st.data())
     def prune(self, data):
         self.tree.commit_step()
-        self.tree.prune(data.draw(st.sampled_from(self._nodes())))
+        node = data.draw(st.sampled_from(self._nodes()))
+        expected = self.tree.pages_freed_by_prune([node])
+        assert len(self.tree.prune(node)) == expected
 
     @invariant()
     def consistent(self):

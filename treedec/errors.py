@@ -19,3 +19,7 @@ class PlanError(ValueError):
 
 class BackendUnavailableError(RuntimeError):
     """An attention backend was requested that cannot run on this machine."""
+
+
+class ControllerError(ValueError):
+    """A branch controller returned an invalid operation list (see :mod:`treedec.search.controller`)."""

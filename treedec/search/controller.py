@@ -13,7 +13,9 @@ its live leaves and each leaf's next-token logits) and applies the operations it
 A live leaf that no op names is extended by one decoded token, so a controller returns
 only what differs from plain decoding. Then one engine step computes every new token;
 shared prefixes stay in place and are never recomputed or copied. The ops of one
-iteration are checked together before any is applied: a bad list changes nothing.
+iteration are checked together before any is applied: a bad list (ControllerError) or one
+that needs more KV pages than the pool has free, counting those its prunes free
+(PoolExhaustedError), changes nothing.
 """
 from __future__ import annotations
 
@@ -23,12 +25,11 @@ from typing import Protocol, Sequence
 import torch
 
 from treedec.engine import Engine
+from treedec.errors import ControllerError, PoolExhaustedError
 from treedec.tree import SequenceTree
 
-
-class ControllerError(ValueError):
-    """A controller returned an invalid operation list."""
-
+__all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerRun", "Extend", "Op", "Prune",
+           "Stop", "TreeView", "choose_tokens", "run_controller"]
 
 @dataclass(frozen=True)
 class Extend:
@@ -133,6 +134,7 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
         leaves = tree.live_leaves()
         ops = controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
         plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
+        _check_pool(tree, plan, leaves)
         for node in plan.prune:
             for dead in _subtree(tree, node):
                 logits.pop(dead, None)
@@ -141,12 +143,12 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
             run.stopped = True
             break
         leaves = tree.live_leaves()   # a node whose children were all pruned is a leaf again (backtracking)
-        grow = {n: plan.extend.get(n) or [_decode(logits[n], 1, temperature, generator)[0]]
+        grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
                 for n in leaves if n not in plan.branch}
         tree.extend_many(grow)
         new_leaves = list(grow)
         for node, k in plan.branch.items():
-            new_leaves += tree.branch(node, [[t] for t in _decode(logits[node], k, temperature, generator)])
+            new_leaves += tree.branch(node, [[t] for t in choose_tokens(logits[node], k, temperature, generator)])
         if not new_leaves:
             break
         queries = tree.layout().num_queries
@@ -155,6 +157,16 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
         run.steps += 1
         run.queries_per_step.append(queries)
     return run
+
+
+def choose_tokens(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None) -> list[int]:
+    """k distinct next tokens from ``logits`` [vocab]: the top-k (``temperature == 0``), or k
+    sampled without replacement from ``softmax(logits / temperature)`` with ``generator``
+    (which must be on the logits' device)."""
+    if temperature == 0:
+        return logits.topk(k).indices.tolist()
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, k, replacement=False, generator=generator).tolist()
 
 
 # ================================================================ private
@@ -215,6 +227,26 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int) ->
     return plan
 
 
+def _check_pool(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> None:
+    """Raise PoolExhaustedError, before any op is applied, if the plan's growth needs more pages
+    than are free once its prunes are done."""
+    if plan.stop:
+        return
+    doomed = {n for node in plan.prune for n in _subtree(tree, node)}
+    grow = [n for n in leaves if n not in doomed and n not in plan.branch]
+    for node in plan.prune:   # a parent whose children all go is a leaf again and takes a token
+        parent = tree.parent(node)
+        if parent is not None and parent not in grow and not tree.is_paused(parent) and all(c in doomed for c in tree.children(parent)):
+            grow.append(parent)
+    need = sum(tree.pages_to_extend(n, len(plan.extend.get(n, (0,)))) for n in grow)
+    need += sum(k * tree.pool.pages_for(1) for k in plan.branch.values())
+    free = tree.pool.num_free_pages + tree.pages_freed_by_prune(plan.prune)
+    if need > free:
+        raise PoolExhaustedError(f"KV pool exhausted: this iteration's ops need {need} page(s) of "
+                                 f"{tree.pool.page_size} tokens, {free} of {tree.pool.num_pages} would be free "
+                                 f"after its prunes; nothing was changed")
+
+
 def _subtree(tree: SequenceTree, node: int) -> list[int]:
     out, stack = [], [node]
     while stack:
@@ -222,11 +254,3 @@ def _subtree(tree: SequenceTree, node: int) -> list[int]:
         out.append(n)
         stack.extend(tree.children(n))
     return out
-
-
-def _decode(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None) -> list[int]:
-    """k distinct next tokens: the top-k (greedy), or k sampled without replacement."""
-    if temperature == 0:
-        return logits.topk(k).indices.tolist()
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, k, replacement=False, generator=generator).tolist()

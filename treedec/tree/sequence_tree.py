@@ -99,6 +99,22 @@ class SequenceTree:
             nid = self._nodes[nid].parent
         return out[::-1]
 
+    def pages_to_extend(self, node_id: int, num_tokens: int) -> int:
+        """Fresh pages that appending ``num_tokens`` tokens to ``node_id`` takes (0 while they fit in its last page)."""
+        return self._pages_to_extend(self._get(node_id), num_tokens)
+
+    def pages_freed_by_prune(self, node_ids: Iterable[int]) -> int:
+        """Pages that pruning the subtrees of ``node_ids`` would return to the pool (changes nothing).
+
+        A page is freed when every node holding it is in one of those subtrees.
+        """
+        doomed = {i for nid in node_ids for i in self._subtree(self._get(nid).id)}
+        pages = [p for i in doomed for p in self._nodes[i].pages]
+        if not pages:
+            return 0
+        held, holders = np.unique(np.asarray(pages, dtype=np.int64), return_counts=True)
+        return int((self.pool.refcount[held] == holders).sum())
+
     def is_paused(self, node_id: int) -> bool:
         return self._get(node_id).paused
 
