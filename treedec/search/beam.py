@@ -1,0 +1,230 @@
+"""Beam search on the tree engine: transformers' algorithm, each live beam a leaf of one tree.
+
+The prompt is prefilled once; each step computes the next-token logits of every live
+beam in ONE engine step (tree attention: each beam attends to its own path, the shared
+prefix is read in place). Candidate selection is that of transformers'
+``GenerationMixin._beam_search`` (greedy, ``do_sample=False``):
+
+1. every live beam's log-softmax plus its cumulative log-prob; the top
+   ``keep = max(2, 1 + len(eos)) * num_beams`` candidates over all beams, best first;
+2. a candidate *hits a stop* if its token is an EOS id or it reaches ``max_new_tokens``;
+   of the first ``num_beams`` candidates, those that hit a stop become finished
+   hypotheses scored ``sum_logprobs / new_tokens ** length_penalty`` (``new_tokens``
+   counts the EOS token); the best ``num_beams`` finished hypotheses are kept;
+3. the first ``num_beams`` candidates that hit no stop are the next live beams;
+4. the search ends when every candidate hits a stop (``max_new_tokens``), when
+   ``early_stopping is True`` and ``num_beams`` hypotheses are finished, or when the
+   heuristic says the best live beam cannot beat the worst finished hypothesis: its
+   score over ``length ** length_penalty``, with ``length`` the tokens generated so far,
+   or ``max_new_tokens`` when ``early_stopping == "never"`` and ``length_penalty > 0``.
+
+On the tree: a beam continued by one candidate grows in place (its leaf is extended); a
+beam continued by m > 1 candidates gets m children (they share its KV, nothing is
+copied); a beam not continued is pruned with every ancestor that leads only to it, so
+its pages are freed at once. When the search returns, the request's tree is pruned:
+every page it used is free again (the result keeps the tokens, not the KV).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from treedec.engine import Engine
+from treedec.search.request import discard_request, eos_token_ids, finite_float, pages_in_use, positive_int
+from treedec.tree import SequenceTree
+
+EARLY_STOPPING = (False, True, "never")
+
+
+@dataclass
+class BeamSearchStats:
+    """Counters of one :func:`beam_search` run.
+
+    Attributes
+    ----------
+    steps : engine steps after the prefill (one per generated position).
+    queries_per_step : live beams computed by each step.
+    peak_pages : the most KV pages the request held at once (prompt included).
+    """
+
+    steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    peak_pages: int = 0
+
+
+@dataclass
+class BeamSearchResult:
+    """The finished hypotheses of :func:`beam_search`, best first.
+
+    Attributes
+    ----------
+    sequences : ``num_beams`` lists of new tokens (the prompt not included); a hypothesis
+        that ended on an EOS id ends with that token.
+    scores : their scores, ``sum of token log-probs / len(sequence) ** length_penalty``
+        (float32 arithmetic, as transformers' ``sequences_scores``).
+    stats : :class:`BeamSearchStats`.
+    """
+
+    sequences: list[list[int]]
+    scores: list[float]
+    stats: BeamSearchStats
+
+
+def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
+                length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                early_stopping: bool | str = False) -> BeamSearchResult:
+    """Beam search of width ``num_beams`` after ``prompt_ids``; see the module docstring.
+
+    Returns the same hypotheses and scores as transformers'
+    ``model.generate(input_ids, num_beams=num_beams, do_sample=False, max_new_tokens=...,
+    length_penalty=..., eos_token_id=..., early_stopping=..., num_return_sequences=num_beams)``
+    (up to ties between equal float32 scores). ``num_beams=1`` runs this algorithm with
+    one beam, which is not transformers' greedy search when an EOS id is given.
+
+    Parameters
+    ----------
+    engine : the engine; the request is a new tree of ``engine.tree``, pruned on return
+        (also when the search raises).
+    prompt_ids : the prompt's token ids (at least one).
+    num_beams : int >= 1, with ``max(2, 1 + len(eos ids)) * num_beams <= vocab_size``.
+    max_new_tokens : int >= 1; hypotheses that reach it without EOS finish there.
+    length_penalty : exponent of the length in the finished score (> 0 favours long ones).
+    eos_token_id : an id, several ids, or None (hypotheses end only at ``max_new_tokens``).
+    early_stopping : False (stop when the heuristic says the best live beam cannot win),
+        True (also stop as soon as ``num_beams`` hypotheses are finished) or "never".
+
+    Raises
+    ------
+    ValueError : a bad argument, before the engine is touched.
+    """
+    positive_int("num_beams", num_beams)
+    positive_int("max_new_tokens", max_new_tokens)
+    length_penalty = finite_float("length_penalty", length_penalty)
+    vocab = engine.model.config.vocab_size
+    eos = eos_token_ids(eos_token_id, vocab)
+    if not any(early_stopping is v if isinstance(v, bool) else early_stopping == v for v in EARLY_STOPPING):
+        raise ValueError(f"early_stopping must be False, True or 'never', got {early_stopping!r}")
+    keep = max(2, 1 + len(eos)) * num_beams
+    if keep > vocab:
+        raise ValueError(f"num_beams={num_beams} with {len(eos)} EOS id(s) keeps {keep} candidates per step, more "
+                         f"than the vocabulary ({vocab}); use num_beams <= {vocab // max(2, 1 + len(eos))}")
+    held_before = pages_in_use(engine.pool)
+    root, logits = engine.prefill(prompt_ids)
+    try:
+        search = _BeamSearch(engine, root, num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep,
+                             held_before)
+        search.run(logits[None])
+    finally:
+        discard_request(engine.tree, root)
+    scores, sequences = zip(*search.finished)
+    return BeamSearchResult([list(s) for s in sequences], list(scores), search.stats)
+
+
+# ================================================================ private
+
+
+@dataclass
+class _Beam:
+    node: int            # the leaf whose last token is this beam's last token
+    tokens: list[int]    # new tokens so far
+
+
+class _BeamSearch:
+    """The state of one search: live beams (best first) with float32 scores, finished hypotheses."""
+
+    def __init__(self, engine: Engine, root: int, num_beams: int, max_new_tokens: int, length_penalty: float,
+                 eos: tuple[int, ...], early_stopping: bool | str, keep: int, held_before: int):
+        self.engine, self.tree = engine, engine.tree
+        self.num_beams, self.max_new_tokens, self.length_penalty = num_beams, max_new_tokens, length_penalty
+        self.eos = torch.tensor(eos, dtype=torch.int64)
+        self.early_stopping, self.keep = early_stopping, keep
+        self.beams = [_Beam(root, [])]
+        self.scores = torch.zeros(1, dtype=torch.float32)          # [live beams] cumulative log-probs
+        self.finished: list[tuple[float, list[int]]] = []         # (score, tokens), best first, <= num_beams
+        self.held_before = held_before                             # pages held by other requests
+        self.stats = BeamSearchStats()
+        self._note_pages()
+
+    def run(self, logits: torch.Tensor) -> None:
+        """Steps until a stop condition; ``logits`` [1, vocab]: the prompt's next-token logits."""
+        for generated in range(1, self.max_new_tokens + 1):    # tokens each candidate of this step has
+            vocab = logits.shape[-1]
+            cumulative = torch.log_softmax(logits.float(), dim=-1) + self.scores[:, None]
+            top_scores, top_index = cumulative.reshape(-1).topk(self.keep)
+            parent, token = (top_index // vocab).tolist(), (top_index % vocab).tolist()
+            stops = torch.isin(top_index % vocab, self.eos) | (generated >= self.max_new_tokens)
+            self._add_finished(top_scores, parent, token, stops, generated)
+            live = (~stops).nonzero().reshape(-1)[: self.num_beams].tolist()
+            if bool(stops.all()) or not self._continues(top_scores[live], generated):
+                return
+            logits = self._advance([(parent[i], token[i]) for i in live])
+            self.scores = top_scores[live]
+
+    def _add_finished(self, top_scores: torch.Tensor, parent: list[int], token: list[int], stops: torch.Tensor,
+                      generated: int) -> None:
+        """Candidates among the first ``num_beams`` that hit a stop join the finished hypotheses.
+
+        (transformers also refuses new hypotheses once its heuristic or ``early_stopping=True``
+        has closed a batch item; for one request that state has already ended the search.)
+        """
+        scores = (top_scores / (generated ** self.length_penalty)).tolist()   # float32, as transformers
+        new = [(scores[i], self.beams[parent[i]].tokens + [token[i]])
+               for i in range(self.num_beams) if stops[i]]
+        # A stable sort: on equal scores the older hypothesis stays first.
+        self.finished = sorted(self.finished + new, key=lambda h: -h[0])[: self.num_beams]
+
+    def _continues(self, live_scores: torch.Tensor, generated: int) -> bool:
+        """False when the search is over: ``num_beams`` hypotheses are finished and either
+        ``early_stopping is True`` or the best live beam cannot beat the worst of them."""
+        if len(self.finished) < self.num_beams:
+            return True
+        if self.early_stopping is True:
+            return False
+        if self.early_stopping == "never" and self.length_penalty > 0:
+            length = self.max_new_tokens
+        else:
+            length = generated
+        best_possible = float(live_scores[:1] / (length ** self.length_penalty))   # float32, as transformers
+        return best_possible > self.finished[-1][0]
+
+    def _advance(self, chosen: list[tuple[int, int]]) -> torch.Tensor:
+        """Make the chosen ``(parent beam, token)`` the live beams on the tree; run their step.
+
+        Returns their next-token logits [len(chosen), vocab].
+        """
+        by_parent: dict[int, list[int]] = {}
+        for p, t in chosen:
+            by_parent.setdefault(p, []).append(t)
+        for p, beam in enumerate(self.beams):
+            if p not in by_parent:
+                _prune_dead_branch(self.tree, beam.node)
+        grow = {self.beams[p].node: toks for p, toks in by_parent.items() if len(toks) == 1}
+        self.tree.extend_many(grow)
+        children = {p: iter(self.tree.branch(self.beams[p].node, [[t] for t in toks]))
+                    for p, toks in by_parent.items() if len(toks) > 1}
+        beams = []
+        for p, t in chosen:
+            node = next(children[p]) if p in children else self.beams[p].node
+            beams.append(_Beam(node, self.beams[p].tokens + [t]))
+        self.beams = beams
+        rows = self.engine.pending_rows([b.node for b in beams])
+        logits = self.engine.step(logits_rows=rows)
+        self.stats.steps += 1
+        self.stats.queries_per_step.append(len(beams))
+        self._note_pages()
+        return logits
+
+    def _note_pages(self) -> None:
+        self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
+
+
+def _prune_dead_branch(tree: SequenceTree, leaf: int) -> None:
+    """Prune ``leaf`` and every ancestor whose only remaining descendant it is."""
+    top = leaf
+    while (parent := tree.parent(top)) is not None and len(tree.children(parent)) == 1:
+        top = parent
+    assert tree.parent(top) is not None, f"pruning beam leaf {leaf} would remove the whole request (root {top})"
+    tree.prune(top)
+

@@ -1,0 +1,60 @@
+"""What the one-request search programs (beam search, parallel sampling) share: checks of
+their common arguments, the pages a request holds, and dropping a request.
+
+The checks raise ``ValueError`` naming the argument, the expected and the given value, so
+a search program can check everything before it touches the engine.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from treedec.tree import PagedKVPool, SequenceTree
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` if it is an int >= 1 (bools are not ints here), else ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def finite_float(name: str, value) -> float:
+    """``float(value)`` if it is a finite real number, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def eos_token_ids(value: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """The EOS ids as a tuple (empty for None); each must be a token id in ``[0, vocab_size)``."""
+    if value is None:
+        return ()
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise ValueError(f"eos_token_id must be a token id, a list of token ids or None, got {value!r}") from None
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad or not ids:
+        raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {value!r}")
+    return tuple(dict.fromkeys(ids))
+
+
+def pages_in_use(pool: PagedKVPool) -> int:
+    """Pages of ``pool`` held by any node (a request's share: the difference over its run)."""
+    return pool.num_pages - pool.num_free_pages
+
+
+def discard_request(tree: SequenceTree, root: int) -> None:
+    """Prune the request under ``root``, also after a failed step.
+
+    A step that raised leaves its pending tokens in the tree. The search programs start
+    with :meth:`Engine.prefill`, which needs a tree without pending tokens, and add pending
+    tokens only to their own request, so those tokens are all this request's: they are
+    marked computed (nothing reads them) and pruned with it.
+    """
+    if tree.layout().num_queries:
+        tree.commit_step()
+    if root in tree:
+        tree.prune(root)
