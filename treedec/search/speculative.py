@@ -1,23 +1,30 @@
-"""Speculative decoding by token-tree verification: draft sources, greedy verification, the loop.
+"""Speculative decoding by token-tree verification: draft sources, verification, the loop.
 
 Each step a :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree`
 whose root is the sequence's last token; one engine step computes the root and every
-draft token at once (tree attention: each token attends to its own path only). The
-longest path whose tokens equal the model's greedy choice at their parent is accepted;
-its K/V move onto the sequence node (no recompute), the rest of the tree is pruned, and
-the model's choice after the last accepted token (the *bonus* token) is the root of the
-next step's tree. So every step emits ``accepted + 1`` tokens, and greedy speculative
-decoding emits exactly the tokens of plain greedy decoding, whatever the draft.
+draft token at once (tree attention: each token attends to its own path only). An
+:class:`~treedec.search.acceptance.AcceptanceRule` picks the accepted path (greedy: the
+longest path whose tokens equal the model's greedy choice at their parent); its K/V move
+onto the sequence node (no recompute), the rest of the tree is pruned, and the token the
+rule draws after the last accepted token (the *bonus* token) is the root of the next
+step's tree. So every step emits ``accepted + 1`` tokens, and greedy speculative decoding
+emits exactly the tokens of plain greedy decoding, whatever the draft.
+
+Draft sources: :class:`PromptLookupDraft`, :class:`TreeDraft` (here),
+:class:`~treedec.search.medusa.MedusaDraft`, :class:`~treedec.search.draft_model.DraftModelDraft`.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+import torch
 
-from treedec.engine import Engine, greedy
+from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.tree.token_tree import TokenTree
 
 
@@ -26,9 +33,35 @@ class DraftSource(Protocol):
 
     ``propose`` returns ``(tree, tokens)`` with ``len(tokens) == tree.size`` and
     ``tokens[0] == sequence_tokens[-1]`` (the root: the last token, not yet computed).
+
+    Optional members, used by :func:`speculative_generate` when a draft has them (drafts
+    that condition on the target model, e.g. Medusa heads):
+
+    - ``start(engine)``: called once per request before the prefill; checks the draft
+      fits the target (vocabulary, hidden size) and resets per-request state. Raises,
+      changing nothing, when it does not fit.
+    - ``needs_hidden`` (bool): the target's hidden states are wanted in :class:`TargetOutput`.
+    - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
+      every verification step, before the next ``propose``.
     """
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]: ...
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What the target model computed up to the newest root, for drafts that read it.
+
+    Attributes
+    ----------
+    tokens : the sequence: prompt + every emitted token; ``tokens[-1]`` is the next root.
+    hidden : [hidden_size] the target's final-norm hidden state at ``tokens[-2]`` (the last
+        accepted token, or the prompt's last token after the prefill: the state the root
+        was drawn from); None unless the draft ``needs_hidden``.
+    """
+
+    tokens: list[int]
+    hidden: torch.Tensor | None
 
 
 # ================================================================ draft sources
@@ -113,6 +146,8 @@ class SpeculativeStats:
     steps : verification steps (engine steps after the prefill).
     accepted : draft tokens accepted at each step.
     draft_sizes : draft tokens verified at each step (the tree size less the root).
+    draft_seconds, verify_seconds : wall time of each step's proposal and verification.
+    prefill_seconds : wall time of the prefill and the first token.
     node : the request's sequence node (its tokens: prompt + every accepted token);
         prune it to free the request's pages.
     """
@@ -120,6 +155,9 @@ class SpeculativeStats:
     steps: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_sizes: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: float = 0.0
     node: int | None = None
 
     @property
@@ -128,17 +166,48 @@ class SpeculativeStats:
         return (sum(self.accepted) + self.steps) / self.steps if self.steps else 0.0
 
 
-def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int]) -> tuple[list[int], int]:
-    """Verify a token tree under leaf ``node`` in one engine step; keep the accepted path.
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of :func:`verify_tree`.
 
-    ``tokens[0]`` (the root) is appended to ``node`` and the draft tokens hang under it.
-    After the step, the longest root path whose every token equals the model's greedy
-    choice at its parent is accepted: its K/V are copied onto ``node`` (no recompute), the
-    rest is pruned. Checks its input first and changes nothing when it raises.
+    Attributes
+    ----------
+    accepted : the accepted draft tokens (now on the sequence node, K/V included).
+    bonus : the token drawn after the last accepted one: the next root (not yet computed).
+    hidden : [hidden_size] the target's final-norm hidden state at the last accepted token
+        (the root when none was accepted); None unless asked for.
+    """
+
+    accepted: list[int]
+    bonus: int
+    hidden: torch.Tensor | None = None
+
+
+def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int]) -> tuple[list[int], int]:
+    """Verify a token tree under leaf ``node`` with :class:`GreedyAcceptance` (see :func:`verify_tree`).
 
     Returns
     -------
     (accepted draft tokens, bonus token): the model's choice after the last accepted token.
+    """
+    result = verify_tree(engine, node, tree, tokens)
+    return result.accepted, result.bonus
+
+
+def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int],
+                acceptance: AcceptanceRule = GreedyAcceptance(), return_hidden: bool = False) -> VerifyResult:
+    """Verify a token tree under leaf ``node`` in one engine step; keep the accepted path.
+
+    ``tokens[0]`` (the root) is appended to ``node`` and the draft tokens hang under it.
+    After the step, ``acceptance`` picks the accepted path from the target's logits at
+    every tree token; its K/V are copied onto ``node`` (no recompute), the rest is pruned
+    (its pages freed). Checks its input first and changes nothing when it raises.
+
+    Parameters
+    ----------
+    tokens : [tree.size] token ids, ``tokens[0]`` the root.
+    return_hidden : also return the hidden state at the last accepted token (Medusa heads
+        read it).
     """
     t = engine.tree
     tokens = [int(x) for x in tokens]
@@ -158,18 +227,10 @@ def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[i
                                  f"{engine.pool.num_free_pages} free; nothing was changed")
     t.extend(node, tokens[:1])
     ids = t.add_token_tree(node, tokens[1:], tree.draft_parents()) if tree.size > 1 else []
-    choice = greedy(engine.step(logits_rows=engine.pending_rows([node] + ids))).tolist()
-
-    children: list[list[int]] = [[] for _ in range(tree.size)]
-    for i, p in enumerate(tree.parents[1:], start=1):
-        children[p].append(i)
-    path, cur = [], 0
-    while True:
-        cur = next((c for c in children[cur] if tokens[c] == choice[cur]), None) if children[cur] else None
-        if cur is None:
-            break
-        path.append(cur)
-    bonus = choice[path[-1] if path else 0]
+    out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden)
+    logits, hidden = out if return_hidden else (out, None)
+    path, bonus = acceptance.accept(tree, tokens, logits)
+    assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
     accepted = [tokens[i] for i in path]
     if ids:
         saved = engine.pool.gather(np.concatenate([t.slots(ids[i - 1]) for i in path])) if path else None
@@ -178,34 +239,67 @@ def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[i
         if path:
             engine.pool.scatter(t.extend(node, accepted), saved)
             t.commit_step()   # their K/V are in place: nothing to recompute
-    return accepted, bonus
+    return VerifyResult(accepted, int(bonus), None if hidden is None else hidden[path[-1] if path else 0])
 
 
-def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource,
-                         max_new_tokens: int) -> tuple[list[int], SpeculativeStats]:
-    """Greedy speculative decoding of one request: prefill, then verification steps.
+def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
+                         acceptance: AcceptanceRule | None = None,
+                         on_step: Callable[[SpeculativeStats, int], None] | None = None
+                         ) -> tuple[list[int], SpeculativeStats]:
+    """Speculative decoding of one request: prefill, then verification steps.
 
-    Returns ``(tokens, stats)``: the first ``max_new_tokens`` new tokens (exactly those of
-    plain greedy decoding) and the run's :class:`SpeculativeStats`. The request stays in
-    ``engine.tree`` as node ``stats.node`` (prompt and every accepted token; the last
-    step may have accepted past ``max_new_tokens``).
+    Parameters
+    ----------
+    draft : the draft source; its optional ``start`` / ``needs_hidden`` / ``observe``
+        members are used (see :class:`DraftSource`).
+    max_new_tokens : int >= 1.
+    acceptance : default :class:`GreedyAcceptance` (then the tokens are exactly those of
+        plain greedy decoding); :class:`~treedec.search.acceptance.TypicalAcceptance` or
+        :class:`~treedec.search.acceptance.RejectionSampling` for sampled decoding.
+    on_step : called as ``on_step(stats, emitted)`` after every verification step
+        (``emitted``: new tokens so far), e.g. to advance a progress bar.
+
+    Returns ``(tokens, stats)``: the first ``max_new_tokens`` new tokens and the run's
+    :class:`SpeculativeStats`. The request stays in ``engine.tree`` as node ``stats.node``
+    (prompt and every accepted token; the last step may have accepted past
+    ``max_new_tokens``).
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    acceptance = GreedyAcceptance() if acceptance is None else acceptance
+    if not isinstance(acceptance, AcceptanceRule):
+        raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
+                        f"got {type(acceptance).__name__}")
     prompt = [int(x) for x in prompt_ids]
-    node, logits = engine.prefill(prompt)
+    needs_hidden = bool(getattr(draft, "needs_hidden", False))
+    observe = getattr(draft, "observe", None)
+    if hasattr(draft, "start"):
+        draft.start(engine)
+    start = time.perf_counter()
+    node, logits, *hidden = engine.prefill(prompt, return_hidden=needs_hidden)
     stats = SpeculativeStats(node=node)
-    out = [int(greedy(logits))]
+    out = [acceptance.first_token(logits)]
+    stats.prefill_seconds = time.perf_counter() - start
+    if observe is not None:
+        observe(TargetOutput(prompt + out, hidden[0] if hidden else None))
     while len(out) < max_new_tokens:
+        start = time.perf_counter()
         tree, tokens = draft.propose(prompt + out)
         if not tokens or tokens[0] != out[-1]:
             raise ValueError(f"{type(draft).__name__}.propose must return tokens[0] == the last sequence token "
                              f"{out[-1]}, got {tokens[:1]}")
-        accepted, bonus = verify_greedy(engine, node, tree, tokens)
-        out += accepted + [bonus]
+        drafted = time.perf_counter()
+        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden)
+        out += result.accepted + [result.bonus]
         stats.steps += 1
-        stats.accepted.append(len(accepted))
+        stats.accepted.append(len(result.accepted))
         stats.draft_sizes.append(tree.size - 1)
+        stats.draft_seconds.append(drafted - start)
+        stats.verify_seconds.append(time.perf_counter() - drafted)
+        if observe is not None:
+            observe(TargetOutput(prompt + out, result.hidden))
+        if on_step is not None:
+            on_step(stats, min(len(out), max_new_tokens))
     return out[:max_new_tokens], stats
 
 

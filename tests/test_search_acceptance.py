@@ -1,0 +1,200 @@
+"""Acceptance rules: greedy, Medusa typical (hand-computed thresholds), lossless rejection sampling
+(chi-square against fixed target/draft tables, no model), and seeded end-to-end runs on the tiny model."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance, recursive_rejection
+from treedec.search.speculative import PromptLookupDraft, speculative_generate
+from treedec.tree.token_tree import TokenTree
+from tests.engines import make_engine, plain_greedy, tiny_model
+
+# chi-square critical values at significance 1e-3, by degrees of freedom
+CHI2_CRITICAL_1E3 = {3: 16.27, 5: 20.52}
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def logits_of(rows: list[list[float]]) -> torch.Tensor:
+    """Logits whose softmax at temperature 1 is each row (rows of probabilities)."""
+    return torch.log(torch.tensor(rows, dtype=torch.float64)).float()
+
+
+# ================================================================ greedy
+
+
+def test_greedy_accepts_the_longest_argmax_path():
+    # root -> 1 (tok 5), 2 (tok 6); 1 -> 3 (tok 7); 2 -> 4 (tok 8); 3 -> 5 (tok 9)
+    tree = TokenTree((-1, 0, 0, 1, 2, 3))
+    tokens = [0, 5, 6, 7, 8, 9]
+    argmax = [6, 7, 8, 3, 2, 1]     # the model's choice after each tree token
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).float()
+    assert GreedyAcceptance().accept(tree, tokens, logits) == ([2, 4], 2)
+    argmax[0] = 4                   # no root child matches
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).float()
+    assert GreedyAcceptance().accept(tree, tokens, logits) == ([], 4)
+    assert GreedyAcceptance().first_token(logits[1]) == 7
+
+
+# ================================================================ typical acceptance
+
+# vocab 4. Root row: p = [.7, .2, .05, .05]: H = 0.87, 0.3 * exp(-H) = 0.126, threshold 0.09.
+TYPICAL_TREE = TokenTree((-1, 0, 0, 0, 1, 2))    # root -> a, b, c; a -> e; b -> d
+TYPICAL_TOKENS = [0, 0, 1, 2, 2, 3]              # a=0 (.7), b=1 (.2), c=2 (.05); e=2, d=3
+TYPICAL_ROWS = [
+    [0.7, 0.2, 0.05, 0.05],     # root
+    [0.97, 0.01, 0.01, 0.01],   # after a: e (token 2) has .01 < threshold
+    [0.25, 0.25, 0.0, 0.5],     # after b: d (token 3) has .5
+    [0.25, 0.25, 0.25, 0.25],   # after c
+    [0.25, 0.25, 0.25, 0.25],   # after e
+    [1e-9, 1e-9, 1.0, 1e-9],    # after d: the bonus is token 2 (the only one above the threshold)
+]
+
+
+def test_typical_acceptance_hand_computed():
+    rule = TypicalAcceptance(temperature=1.0)
+    # accepted: a (.7), b (.2), d (.5 after b); rejected: c (.05), e (.01). Deepest: b -> d.
+    assert rule.accept(TYPICAL_TREE, TYPICAL_TOKENS, logits_of(TYPICAL_ROWS)) == ([2, 5], 2)
+
+
+def test_typical_threshold_to_zero_accepts_the_deepest_likeliest_path():
+    rule = TypicalAcceptance(temperature=1.0, posterior_threshold=1e-12)
+    # every token is accepted: e and d are both at depth 2; log(.7 * .01) < log(.2 * .5): d wins
+    assert rule.accept(TYPICAL_TREE, TYPICAL_TOKENS, logits_of(TYPICAL_ROWS))[0] == [2, 5]
+    rows = [list(r) for r in TYPICAL_ROWS]
+    rows[1] = [0.1, 0.1, 0.7, 0.1]                    # now e has .7: .7 * .7 > .2 * .5, e wins
+    assert rule.accept(TYPICAL_TREE, TYPICAL_TOKENS, logits_of(rows))[0] == [1, 4]
+
+
+def test_typical_strict_threshold_accepts_nothing():
+    rule = TypicalAcceptance(temperature=1.0, posterior_threshold=1.0, posterior_alpha=1e9)
+    # threshold 1: no token is accepted, and the bonus keeps the root's argmax only
+    assert rule.accept(TYPICAL_TREE, TYPICAL_TOKENS, logits_of(TYPICAL_ROWS)) == ([], 0)
+
+
+def test_typical_first_token_samples_above_the_threshold():
+    rule = TypicalAcceptance(temperature=1.0, seed=0)
+    root = logits_of(TYPICAL_ROWS)[0]
+    draws = [rule.first_token(root) for _ in range(400)]
+    assert set(draws) == {0, 1}                        # tokens 2 and 3 (.05 < .09) are never drawn
+    assert 0.6 < draws.count(0) / len(draws) < 0.95    # p(0 | kept) = .7 / .9
+
+
+def test_typical_acceptance_errors():
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0 .*GreedyAcceptance"):
+        TypicalAcceptance(temperature=0)
+    with pytest.raises(ValueError, match="posterior_threshold must be a finite number >= 0, got -0.1"):
+        TypicalAcceptance(posterior_threshold=-0.1)
+    with pytest.raises(ValueError, match="posterior_alpha must be a finite number >= 0, got nan"):
+        TypicalAcceptance(posterior_alpha=float("nan"))
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        RejectionSampling(seed=-1)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got inf"):
+        RejectionSampling(temperature=math.inf)
+
+
+# ================================================================ rejection sampling: lossless
+
+P_TABLE = np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+Q_TABLE = np.array([0.1, 0.4, 0.1, 0.3, 0.05, 0.05])
+TRIALS = 12000
+
+
+def sample_first_tokens(draft, trials=TRIALS, seed=0):
+    """Emitted token per trial: k draft tokens from ``draft(rng)`` -> (tokens, q or None)."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.tensor(P_TABLE, dtype=torch.float32)
+    counts = np.zeros(len(P_TABLE))
+    for _ in range(trials):
+        tokens, q = draft(rng)
+        _, token = recursive_rejection(p, tokens, q, gen)
+        counts[token] += 1
+    return counts
+
+
+def test_rejection_sampling_is_lossless_for_sampled_drafts():
+    q = torch.tensor(np.tile(Q_TABLE, (3, 1)), dtype=torch.float32)
+    counts = sample_first_tokens(lambda rng: (rng.choice(6, size=3, p=Q_TABLE).tolist(), q))
+    assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
+    # the test has power: taking the first draft token as is gives q, far from p
+    naive = np.bincount(np.random.default_rng(1).choice(6, size=TRIALS, p=Q_TABLE), minlength=6)
+    assert chi_square(naive, P_TABLE) > 50 * CHI2_CRITICAL_1E3[5]
+
+
+def test_rejection_sampling_is_lossless_for_deterministic_drafts():
+    # one-hot q (q=None): a fixed draft [1, 3, 1] (a repeated token is never accepted twice)
+    counts = sample_first_tokens(lambda rng: ([1, 3, 1], None))
+    assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
+    counts = sample_first_tokens(lambda rng: ([], None), trials=4000)
+    assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
+
+
+def test_rejection_sampling_over_a_tree_keeps_every_conditional():
+    """First emitted token ~ p(root); given it is draft child a, the second ~ p(a)."""
+    tree = TokenTree((-1, 0, 0, 1, 1))          # root -> a (tok 0), b (tok 2); a -> (tok 1), (tok 3)
+    tokens = [3, 0, 2, 1, 3]
+    rows = [[0.4, 0.1, 0.3, 0.2], [0.1, 0.5, 0.15, 0.25], [0.25] * 4, [0.25] * 4, [0.25] * 4]
+    logits = logits_of(rows)
+    rule = RejectionSampling(temperature=1.0, seed=0)
+    first, second_after_a = np.zeros(4), np.zeros(4)
+    for _ in range(8000):
+        path, bonus = rule.accept(tree, tokens, logits)
+        emitted = [tokens[i] for i in path] + [bonus]
+        first[emitted[0]] += 1
+        if path[:1] == [1]:
+            second_after_a[emitted[1]] += 1
+    assert chi_square(first, np.array(rows[0])) < CHI2_CRITICAL_1E3[3]
+    assert second_after_a.sum() > 2500         # p(a) = .4
+    assert chi_square(second_after_a, np.array(rows[1])) < CHI2_CRITICAL_1E3[3]
+
+
+def test_recursive_rejection_checks_q():
+    with pytest.raises(ValueError, match=r"q must have shape \[len\(draft_tokens\), vocab\] = \[2, 6\], got \[1, 6\]"):
+        recursive_rejection(torch.tensor(P_TABLE), [0, 1], torch.ones(1, 6) / 6)
+
+
+# ================================================================ end to end on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+PROMPT = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2]
+
+
+def run(tiny, rule, draft=None, n=24):
+    engine = make_engine(tiny)
+    tokens, stats = speculative_generate(engine, PROMPT, draft or PromptLookupDraft(num_draft_tokens=4), n, rule)
+    engine.tree.check_invariants()
+    engine.tree.prune(stats.node)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    return tokens, stats
+
+
+def test_sampled_runs_are_seeded(tiny):
+    a, stats = run(tiny, RejectionSampling(temperature=1.0, seed=3))
+    b, _ = run(tiny, RejectionSampling(temperature=1.0, seed=3))
+    c, _ = run(tiny, RejectionSampling(temperature=1.0, seed=4))
+    assert a == b and a != c and len(a) == 24 and all(0 <= t < 512 for t in a)
+    assert stats.steps == len(stats.accepted) and sum(stats.accepted) + stats.steps + 1 >= 24
+    t1, _ = run(tiny, TypicalAcceptance(seed=3))
+    t2, _ = run(tiny, TypicalAcceptance(seed=3))
+    assert t1 == t2
+
+
+@pytest.mark.parametrize("rule", [RejectionSampling(temperature=1e-4), TypicalAcceptance(temperature=1e-4)],
+                         ids=["sample", "typical"])
+def test_near_zero_temperature_is_greedy(tiny, rule):
+    # p is one-hot at the argmax: rejection sampling accepts exactly the argmax; the typical
+    # threshold is min(.09, .3 * exp(-0)) = .09, so only the argmax passes it too
+    tokens, stats = run(tiny, rule)
+    assert tokens == plain_greedy(tiny, PROMPT, 24)
+    assert sum(stats.accepted) > 0

@@ -1,0 +1,266 @@
+"""Acceptance rules of token-tree verification: greedy, Medusa typical, lossless rejection sampling.
+
+One engine step computes the target model's logits at every token of a draft
+:class:`~treedec.tree.token_tree.TokenTree` (token 0 the root: the sequence's last token).
+A rule then picks the accepted path, a root path of draft tokens each a child of the one
+before, and the next token (the *bonus*: the root of the next step's tree), drawn from the
+target's logits at the last accepted token. Every rule also draws the first token after
+the prefill (:meth:`AcceptanceRule.first_token`).
+
+- :class:`GreedyAcceptance`: the longest path whose every token is the target's argmax
+  at its parent. Greedy speculative decoding emits exactly plain greedy decoding's tokens.
+- :class:`TypicalAcceptance` (Medusa): a token is accepted when its target probability
+  exceeds ``min(posterior_threshold, posterior_alpha * exp(-entropy))`` of the target's
+  distribution at its parent; the deepest accepted node wins. Not lossless: it trades the
+  exact sampling distribution for longer accepted paths.
+- :class:`RejectionSampling` (SpecInfer / EAGLE recursive rule): samples exactly from the
+  target distribution (at a temperature), whatever the draft (:func:`recursive_rejection`).
+
+Randomness comes from a ``torch.Generator`` the rule object owns (seeded by ``seed``, on
+the logits' device): one rule object is one random stream; make a new object with the
+same seed to reproduce a run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from treedec.tree.token_tree import TokenTree
+
+
+@runtime_checkable
+class AcceptanceRule(Protocol):
+    """Picks the accepted path of a verified token tree and the next token."""
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        """The first new token after the prefill, from the prompt's last logits ``[vocab]``."""
+        ...
+
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        """``(path, bonus)`` for a verified tree.
+
+        ``tokens [tree.size]`` are the tree's tokens, ``logits [tree.size, vocab]`` the
+        target's logits at each (row i: the distribution of the token after token i).
+        ``path`` lists the accepted draft tokens' tree indices, root child first, each a
+        child of the one before; ``bonus`` is drawn from the row of ``path[-1]`` (the root's
+        row when ``path`` is empty).
+        """
+        ...
+
+
+# ================================================================ greedy
+
+
+@dataclass(frozen=True)
+class GreedyAcceptance:
+    """Accept the longest path whose tokens equal the target's argmax at their parent.
+
+    Among siblings that equal the argmax (a draft may repeat a token), the first wins.
+    """
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax(dim=-1))
+
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        choice = logits.argmax(dim=-1).tolist()
+        children = _children(tree)
+        path, cur = [], 0
+        while True:
+            cur = next((c for c in children[cur] if tokens[c] == choice[cur]), None)
+            if cur is None:
+                return path, choice[path[-1] if path else 0]
+            path.append(cur)
+
+
+# ================================================================ Medusa typical acceptance
+
+
+@dataclass
+class TypicalAcceptance:
+    """Medusa's typical acceptance (Cai et al. 2024, section 2.3.1).
+
+    With ``p = softmax(logits / temperature)`` at a token's parent, the token is accepted
+    when ``p[token] > min(posterior_threshold, posterior_alpha * exp(-H(p)))`` (``H`` the
+    entropy, computed as Medusa does with ``log(p + 1e-5)``) and its parent is accepted.
+    The deepest accepted node wins; among equally deep ones the one with the highest sum
+    of log-probabilities along its path, then the first. The first token after the
+    prefill and every bonus token are sampled, as Medusa does, from ``p`` with the tokens
+    below that threshold removed (the argmax is always kept).
+
+    ``posterior_threshold -> 0`` accepts every draft token whose probability is not zero:
+    the deepest path of the tree is accepted (ties: the likeliest). A threshold of 1 or
+    more with ``posterior_alpha >= 1`` accepts nothing. Medusa's defaults:
+    ``posterior_threshold=0.09``, ``posterior_alpha=0.3`` (about its square root).
+    Temperature 0 is greedy decoding: use :class:`GreedyAcceptance`.
+    """
+
+    temperature: float = 0.7
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    seed: int = 0
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _check_temperature(self.temperature, "TypicalAcceptance")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        _check_seed(self.seed)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return self._typical_sample(logits)
+
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)                     # [N, V]
+        threshold = self._thresholds(probs)                                                  # [N]
+        parents = torch.as_tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
+        drafts = torch.as_tensor(list(tokens[1:]), dtype=torch.long, device=probs.device)
+        p_token = probs[parents, drafts]                                                     # [N - 1]
+        ok = (p_token > threshold[parents]).tolist()
+        logp = torch.log(p_token).tolist()
+        # (depth, path log-prob) of every accepted node; the root is accepted
+        accepted: dict[int, tuple[int, float]] = {0: (0, 0.0)}
+        for i, p in enumerate(tree.parents[1:], start=1):
+            if ok[i - 1] and p in accepted:
+                accepted[i] = (accepted[p][0] + 1, accepted[p][1] + logp[i - 1])
+        best = max(accepted, key=lambda i: (accepted[i][0], accepted[i][1], -i))
+        path = []
+        while best:
+            path.append(best)
+            best = tree.parents[best]
+        path.reverse()
+        return path, self._typical_sample(logits[path[-1] if path else 0])
+
+    def _thresholds(self, probs: torch.Tensor) -> torch.Tensor:
+        entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)
+        return torch.clamp(self.posterior_alpha * torch.exp(-entropy), max=self.posterior_threshold)
+
+    def _typical_sample(self, logits: torch.Tensor) -> int:
+        """Medusa's ``get_typical_one_token``: sample from ``p`` without the tokens below the threshold."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        keep = probs >= self._thresholds(probs)
+        keep[probs.argmax()] = True
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        return int(torch.multinomial(probs, 1, generator=_generator(self, probs.device)))
+
+
+# ================================================================ rejection sampling
+
+
+@dataclass
+class RejectionSampling:
+    """Lossless speculative sampling over a token tree: EAGLE's / SpecInfer's recursive rule.
+
+    From the root down: at a node, with ``p = softmax(logits / temperature)`` there,
+    :func:`recursive_rejection` tries the node's children in order; an accepted child
+    becomes the next node, and if none is accepted the bonus token is drawn from the
+    residual of ``p`` (a leaf: from ``p``). Every emitted token is an exact sample of the
+    target at ``temperature``.
+
+    The draft distribution ``q`` used is one-hot at each child's token (``q(x) = 1``, as
+    in EAGLE's code): every draft source in treedec (n-gram lookup, fixed trees, Medusa
+    top-k, draft-model top-k) picks its tokens deterministically from the context, so a
+    child is a point mass. Then child ``x`` is accepted with probability ``p(x)``, and a
+    rejected ``x`` is removed from ``p`` (which is renormalised) before the next sibling.
+    """
+
+    temperature: float = 1.0
+    seed: int = 0
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _check_temperature(self.temperature, "RejectionSampling")
+        _check_seed(self.seed)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=_generator(self, probs.device)))
+
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        generator = _generator(self, logits.device)
+        children = _children(tree)
+        path, cur = [], 0
+        while True:
+            kids = children[cur]
+            probs = torch.softmax(logits[cur].float() / self.temperature, dim=-1)   # only the rows on the path
+            index, token = recursive_rejection(probs, [tokens[c] for c in kids], None, generator)
+            if index is None:
+                return path, token
+            cur = kids[index]
+            path.append(cur)
+
+
+def recursive_rejection(p: torch.Tensor, draft_tokens: Sequence[int], q: torch.Tensor | None,
+                        generator: torch.Generator | None = None) -> tuple[int | None, int]:
+    """One node of recursive rejection sampling (SpecInfer's multi-round speculative sampling).
+
+    For each draft token ``x_i`` in order: accept it with probability
+    ``min(1, p(x_i) / q_i(x_i))``; else ``p <- normalise(max(p - q_i, 0))`` and try the
+    next. If none is accepted, sample from the final ``p`` (the residual). The result is
+    an exact sample of the input ``p`` provided each ``x_i`` is an independent draw from
+    ``q_i`` (a deterministic draft: ``q_i`` one-hot at ``x_i``).
+
+    Parameters
+    ----------
+    p : [vocab] float, the target distribution (sums to 1).
+    draft_tokens : the k draft tokens (a node's children), k >= 0.
+    q : [k, vocab] float, the distribution each draft token was drawn from; None: one-hot
+        at each token (``q_i(x_i) = 1``; a rejected token is removed from ``p``).
+    generator : the random stream (on ``p``'s device).
+
+    Returns
+    -------
+    (i, token): draft ``i`` accepted (``token == draft_tokens[i]``), or ``(None, token)``
+    with ``token`` sampled from the residual.
+    """
+    if q is not None and q.shape != (len(draft_tokens), p.shape[-1]):
+        raise ValueError(f"q must have shape [len(draft_tokens), vocab] = {[len(draft_tokens), p.shape[-1]]}, "
+                         f"got {list(q.shape)}")
+    p = p.float().clone()
+    for i, x in enumerate(draft_tokens):
+        q_x = 1.0 if q is None else float(q[i, x])
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * q_x < float(p[x]):          # u < p(x) / q(x), without dividing by a zero q(x)
+            return i, int(x)
+        if q is None:
+            p[x] = 0.0
+        else:
+            p = torch.clamp(p - q[i].float(), min=0.0)
+        total = float(p.sum())
+        if total <= 0.0:
+            # p <= q everywhere means p == q: the acceptance probability was 1 (a rounding miss)
+            return i, int(x)
+        p /= total
+    return None, int(torch.multinomial(p, 1, generator=generator))
+
+
+# ================================================================ private
+
+
+def _children(tree: TokenTree) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in range(tree.size)]
+    for i, p in enumerate(tree.parents[1:], start=1):
+        children[p].append(i)
+    return children
+
+
+def _generator(rule, device: torch.device) -> torch.Generator:
+    """The rule's random stream, made on first use on the logits' device."""
+    if rule._generator is None or rule._generator.device != device:
+        rule._generator = torch.Generator(device=device).manual_seed(rule.seed)
+    return rule._generator
+
+
+def _check_temperature(value, rule: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{rule} temperature must be a finite number > 0, got {value!r} "
+                         f"(temperature 0 is greedy decoding: use GreedyAcceptance)")
+
+
+def _check_seed(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"seed must be an int >= 0, got {value!r}")
