@@ -1,0 +1,214 @@
+"""Medusa heads: the checkpoint layout, loader validation, the draft's token trees, and greedy
+speculative decoding with Medusa drafts (tiny model, CPU) equal to plain greedy decoding."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from treedec.engine import from_config, greedy
+from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative import TargetOutput, speculative_generate
+from tests.engines import make_engine, plain_greedy, tiny_model
+from tests.test_search_speculative import prompt_with_repeats
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    prompt = prompt_with_repeats()
+    return prompt, plain_greedy(tiny, prompt, NEW_TOKENS + 8)
+
+
+def random_heads(model, num_heads=3, num_layers=1, seed=0):
+    c = model.config
+    torch.manual_seed(seed)
+    return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, num_layers)
+
+
+# ================================================================ heads and checkpoints
+
+
+def test_heads_compute_medusa_resblocks(tiny):
+    heads = random_heads(tiny, num_heads=2, num_layers=2)
+    x = torch.randn(3, 128)
+    out = heads(x)
+    assert out.shape == (3, 2, 512)
+    sd = heads.medusa_head.state_dict()
+    for i in range(2):
+        h = x
+        for j in range(2):
+            h = h + F.silu(h @ sd[f"{i}.{j}.linear.weight"].T + sd[f"{i}.{j}.linear.bias"])
+        torch.testing.assert_close(out[:, i], h @ sd[f"{i}.2.weight"].T)
+
+
+def test_untrained_heads_start_as_lm_head(tiny):
+    heads = MedusaHeads.untrained(tiny, num_heads=2)
+    assert heads.num_heads == 2 and heads.num_layers == 1
+    for head in heads.medusa_head:
+        assert torch.equal(head[0].linear.weight, torch.zeros(128, 128))
+        assert torch.equal(head[1].weight, tiny.lm_head.weight)
+    assert torch.equal(MedusaHeads.untrained(tiny, seed=1).medusa_head[0][0].linear.bias,
+                       MedusaHeads.untrained(tiny, seed=1).medusa_head[0][0].linear.bias)
+
+
+@pytest.mark.parametrize("layout", ["pt-dir", "safetensors-dir", "pt-file", "prefixed-safetensors"])
+def test_checkpoint_round_trip(tiny, tmp_path, layout):
+    heads = random_heads(tiny, num_heads=3, num_layers=2)
+    state = heads.medusa_head.state_dict()      # Medusa's own layout: '0.0.linear.weight', ..., '0.2.weight'
+    assert sorted(state)[:3] == ["0.0.linear.bias", "0.0.linear.weight", "0.1.linear.bias"]
+    if layout == "pt-dir":
+        torch.save(state, tmp_path / "medusa_lm_head.pt")
+        path = tmp_path
+    elif layout == "safetensors-dir":
+        save_file(state, tmp_path / "medusa_lm_head.safetensors")
+        path = tmp_path
+    elif layout == "pt-file":
+        path = tmp_path / "heads.pt"
+        torch.save(state, path)
+    else:
+        path = tmp_path / "model.safetensors"
+        save_file(heads.state_dict(), path)     # keys under 'medusa_head.'
+    loaded = load_medusa_heads(path, tiny)
+    assert (loaded.num_heads, loaded.num_layers) == (3, 2)
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(loaded(x), heads(x), atol=0, rtol=0)
+
+
+def _save(state, tmp_path):
+    path = tmp_path / "medusa_lm_head.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_loader_errors(tiny, tmp_path):
+    good = random_heads(tiny, num_heads=2).medusa_head.state_dict()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_medusa_heads(tmp_path / "nope.pt", tiny)
+    with pytest.raises(FileNotFoundError, match="holds no Medusa head checkpoint"):
+        load_medusa_heads(tmp_path, tiny)
+    (tmp_path / "heads.txt").write_text("x")
+    with pytest.raises(ValueError, match="must be a .safetensors, .pt"):
+        load_medusa_heads(tmp_path / "heads.txt", tiny)
+    other = from_config("tiny", dtype=torch.float32, device="cpu").config
+    wide = MedusaHeads(other.hidden_size, 1000, 2).medusa_head.state_dict()
+    with pytest.raises(ValueError, match=r"'0.1.weight' has shape \[1000, 128\], expected \[512, 128\] for a model "
+                                         r"of hidden size 128 and vocabulary 512"):
+        load_medusa_heads(_save(wide, tmp_path), tiny)
+    narrow = MedusaHeads(64, 512, 2).medusa_head.state_dict()
+    with pytest.raises(ValueError, match=r"'0.0.linear.weight' has shape \[64, 64\], expected \[128, 128\]"):
+        load_medusa_heads(_save(narrow, tmp_path), tiny)
+    missing = {k: v for k, v in good.items() if k != "1.0.linear.bias"}
+    with pytest.raises(ValueError, match=r"missing \['1.0.linear.bias'\], unexpected \[\]"):
+        load_medusa_heads(_save(missing, tmp_path), tiny)
+    no_output = {k: v for k, v in good.items() if k != "1.1.weight"}
+    with pytest.raises(ValueError, match=r"every head 0..1 needs an output layer .* found it for heads \[0\]"):
+        load_medusa_heads(_save(no_output, tmp_path), tiny)
+    with pytest.raises(ValueError, match=r"not a Medusa head checkpoint: .* got \['lm_head.weight'\]"):
+        load_medusa_heads(_save({**good, "lm_head.weight": good["0.1.weight"]}, tmp_path), tiny)
+
+
+# ================================================================ the draft source
+
+
+class FixedHeads(MedusaHeads):
+    """Heads whose logits are a fixed table, whatever the hidden state."""
+
+    def __init__(self, table):
+        super().__init__(128, 512, len(table), num_layers=0)
+        self.table = torch.tensor(table, dtype=torch.float32)
+
+    def forward(self, hidden):
+        return self.table
+
+
+def test_draft_tokens_follow_the_choice_ranks():
+    table = np.zeros((3, 512), dtype=np.float32)
+    for head in range(3):
+        table[head, [10 * head + 1, 10 * head + 2, 10 * head + 3]] = [3.0, 2.0, 1.0]   # ranks 0, 1, 2
+    choices = [[0], [2], [0, 1], [2, 0], [0, 1, 2]]      # rank 1 of head 0 skipped
+    draft = MedusaDraft(FixedHeads(table.tolist()), choices)
+    draft.observe(TargetOutput([7, 8, 9], torch.zeros(128)))
+    tree, tokens = draft.propose([7, 8, 9])
+    assert tree.parents == (-1, 0, 0, 1, 2, 3)
+    # [0] -> head 0 rank 0; [2] -> head 0 rank 2; [0,1] -> head 1 rank 1; [2,0] -> head 1 rank 0; [0,1,2]
+    assert tokens == [9, 1, 3, 12, 11, 23]
+
+
+def test_draft_errors(tiny):
+    heads = MedusaHeads.untrained(tiny, num_heads=2)
+    with pytest.raises(ValueError, match=r"choices path \[0, 0, 0\] is 3 deep but there are 2 Medusa heads"):
+        MedusaDraft(heads, [[0], [0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match=r"choices path \[1, 0\] has no parent path \[1\]"):
+        MedusaDraft(heads, [[0], [1, 0]])
+    with pytest.raises(ValueError, match=r"choices path \[600\] asks for a candidate rank >= the vocabulary size 512"):
+        MedusaDraft(heads, [[600]])
+    with pytest.raises(TypeError, match="heads must be MedusaHeads"):
+        MedusaDraft(torch.nn.Linear(2, 2), [[0]])
+    draft = MedusaDraft(heads, [[0], [0, 0]])
+    with pytest.raises(ValueError, match="needs the target's hidden state for this sequence"):
+        draft.propose([1, 2, 3])
+    other = make_engine(from_config(tiny.config.__class__.from_name("tiny", vocab_size=256), dtype=torch.float32,
+                                    device="cpu"))
+    with pytest.raises(ValueError, match="heads are for hidden size 128 and vocabulary 512, the target model has "
+                                         "128 and 256"):
+        speculative_generate(other, [1, 2, 3], draft, 4)
+    assert other.tree.num_nodes == 0     # refused before the prefill
+
+
+# ================================================================ speculative decoding
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_medusa_speculative_equals_plain_greedy(tiny, reference, page_size):
+    prompt, ref = reference
+    engine = make_engine(tiny, page_size=page_size)
+    draft = MedusaDraft(MedusaHeads.untrained(tiny, num_heads=4))
+    tokens, stats = speculative_generate(engine, prompt, draft, NEW_TOKENS)
+    assert tokens == ref[:NEW_TOKENS]
+    assert stats.draft_sizes == [len(DEFAULT_MEDUSA_CHOICES)] * stats.steps
+    engine.tree.check_invariants()
+    engine.tree.prune(stats.node)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+class OracleHeads(MedusaHeads):
+    """Heads that know the greedy continuation: they find the position by its hidden state
+    (nearest of the reference run's) and predict the reference tokens after the root."""
+
+    def __init__(self, states, continuation, num_heads=4):
+        super().__init__(128, 512, num_heads, num_layers=0)
+        self.states, self.continuation = states, continuation
+
+    def forward(self, hidden):
+        k = int((self.states - hidden).norm(dim=-1).argmin())    # the root is continuation[k]
+        out = torch.zeros(self.num_heads, 512)
+        for i in range(self.num_heads):
+            if k + 1 + i < len(self.continuation):
+                out[i, self.continuation[k + 1 + i]] = 1.0
+        return out
+
+
+def test_medusa_reads_the_hidden_state_of_the_last_accepted_token(tiny, reference):
+    """With heads that are right whenever they get the right hidden state, every step
+    accepts a whole path of the deepest choice ([0, 0, 0, 0]): 4 draft tokens."""
+    prompt, ref = reference
+    engine = make_engine(tiny)
+    node, logits, hidden = engine.prefill(prompt, return_hidden=True)
+    states, out = [hidden], [int(greedy(logits))]
+    while len(out) < NEW_TOKENS + 8:
+        engine.tree.extend(node, out[-1:])
+        logits, hidden = engine.step(return_hidden=True)
+        states.append(hidden[0])
+        out.append(int(greedy(logits[0])))
+    assert out == ref
+    heads = OracleHeads(torch.stack(states), ref)
+    tokens, stats = speculative_generate(make_engine(tiny), prompt, MedusaDraft(heads), NEW_TOKENS)
+    assert tokens == ref[:NEW_TOKENS]
+    assert stats.accepted[:-1] == [4] * (stats.steps - 1) and stats.tokens_per_step > 4
