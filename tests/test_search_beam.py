@@ -105,6 +105,23 @@ def test_early_stopping_ends_the_search_before_max_new_tokens(hf, model):
     assert steps[True] < steps[False] < 11
 
 
+@pytest.mark.parametrize("prompt,num_beams,length_penalty,early_stopping,eos,max_new_tokens", [
+    ([145], 2, 0.0, "never", 144, 4),                    # an EOS candidate ranked below num_beams
+    ([118, 147, 102], 4, 0.5, True, 91, 8),              # ... must not finish (top_num_beam_mask)
+    ([128, 147], 4, 2.0, True, [141, 32], 12),
+    ([15, 60, 220], 2, 1.0, "never", 176, 8),            # "never": the heuristic uses max_new_tokens
+])
+def test_settings_where_a_detail_decides(hf, model, prompt, num_beams, length_penalty, early_stopping, eos,
+                                         max_new_tokens):
+    """Settings, found by comparing random ones with transformers, whose result changes if one
+    detail of the algorithm (commented) is done differently."""
+    kwargs = dict(length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos)
+    result = beam_search(make_engine(model), prompt, num_beams, max_new_tokens, **kwargs)
+    ref_sequences, ref_scores = hf_beam_search(hf, prompt, num_beams, max_new_tokens, **kwargs)
+    assert result.sequences == ref_sequences
+    torch.testing.assert_close(torch.tensor(result.scores), torch.tensor(ref_scores), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("prompt,max_new_tokens,page_size", [([7], 1, 1), ([7], 3, 16), ([9, 250, 3, 0, 0, 1], 5, 2)])
 def test_short_prompts_and_runs(hf, model, prompt, max_new_tokens, page_size):
     engine = make_engine(model, page_size)

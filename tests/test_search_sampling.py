@@ -1,0 +1,181 @@
+"""Parallel sampling and self-consistency on the tree engine (tiny random Llama, CPU)."""
+import pytest
+import torch
+
+from treedec.engine import Engine
+from treedec.search.sampling import (SamplingParams, majority_vote, parallel_sample, sample_tokens,
+                                     self_consistency)
+from tests.engines import make_engine, plain_greedy, tiny_model
+
+PROMPT = [5, 17, 99, 3, 42, 7, 300, 12, 64]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def tokens_of(result):
+    return [s.tokens for s in result.samples]
+
+
+def test_same_seed_same_samples(tiny):
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    runs = [parallel_sample(make_engine(tiny), PROMPT, 6, 8, params, generator=seeded(seed)) for seed in (3, 3, 4)]
+    assert tokens_of(runs[0]) == tokens_of(runs[1])
+    assert tokens_of(runs[0]) != tokens_of(runs[2])
+    assert len(set(map(tuple, tokens_of(runs[0])))) > 1          # the n samples differ from each other
+    assert all(len(s.tokens) == 8 and s.finish_reason == "length" and s.node is None for s in runs[0].samples)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=2.0, top_p=1e-6)])
+def test_greedy_limits_give_n_copies_of_greedy_decoding(tiny, params):
+    result = parallel_sample(make_engine(tiny), PROMPT, 4, 10, params, generator=seeded(0))
+    assert tokens_of(result) == [plain_greedy(tiny, PROMPT, 10)] * 4
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_samples_share_the_prompt_pages(tiny, page_size):
+    """Kept samples are children of the prompt's node: the request holds the prompt's pages
+    once plus each sample's own, never n copies of the prompt."""
+    prompt = list(range(100, 164))                       # 64 tokens
+    engine = make_engine(tiny, page_size)
+    pool = engine.pool
+    result = parallel_sample(engine, prompt, 5, 6, generator=seeded(1), keep=True)
+    prompt_pages = pool.pages_for(len(prompt))
+    own_pages = sum(pool.pages_for(len(s.tokens)) for s in result.samples)
+    assert pool.num_pages - pool.num_free_pages == prompt_pages + own_pages == result.stats.peak_pages
+    assert prompt_pages + own_pages < 5 * prompt_pages
+    tree = engine.tree
+    assert tree.children(result.root) == [s.node for s in result.samples]
+    for s in result.samples:
+        assert tree.sequence(s.node) == prompt + s.tokens
+    assert tree.layout().num_queries == 0                # every kept token is computed
+    tree.check_invariants()
+    tree.prune(result.root)
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_kept_samples_hold_their_computed_kv(tiny):
+    """A kept sample's node can be continued: greedy decoding under it equals greedy decoding
+    of the whole sequence from scratch."""
+    engine = make_engine(tiny)
+    result = parallel_sample(engine, PROMPT, 3, 5, SamplingParams(temperature=1.5), generator=seeded(2), keep=True)
+    node = result.samples[1].node
+    _, logits = engine.prefill([11], parent=node)
+    assert int(logits.argmax()) == plain_greedy(tiny, PROMPT + result.samples[1].tokens + [11], 1)[0]
+
+
+def test_eos_ends_samples_and_frees_them(tiny):
+    greedy = plain_greedy(tiny, PROMPT, 6)
+    eos = greedy[2]
+    first_eos = greedy.index(eos)
+    for keep in (False, True):
+        engine = make_engine(tiny)
+        result = parallel_sample(engine, PROMPT, 3, 6, SamplingParams(top_k=1), eos_token_id=[eos, 511], keep=keep)
+        for s in result.samples:
+            assert s.tokens == greedy[:first_eos + 1] and s.finish_reason == "eos"
+        assert result.stats.steps == first_eos + keep    # a kept sample's EOS token is computed too
+        assert (engine.pool.num_free_pages == engine.pool.num_pages) != keep
+
+
+def test_ended_samples_free_their_pages_while_others_run(tiny):
+    """Sampled at temperature 1 with a frequent token as EOS: samples end at different steps,
+    and a step computes only the samples still running."""
+    engine = make_engine(tiny)
+    probe = parallel_sample(engine, PROMPT, 8, 12, generator=seeded(5))
+    eos = max(set(t for s in probe.samples for t in s.tokens[:6]),
+              key=lambda t: sum(t in s.tokens[:6] for s in probe.samples))
+    result = parallel_sample(engine, PROMPT, 8, 12, generator=seeded(5), eos_token_id=eos)
+    lengths = [len(s.tokens) for s in result.samples]
+    assert len(set(lengths)) > 1 and any(s.finish_reason == "eos" for s in result.samples)
+    for s in result.samples:
+        assert (s.finish_reason == "eos") == (s.tokens[-1] == eos) and eos not in s.tokens[:-1]
+    # Step j computes the samples with more than j + 1 tokens (their token j + 1 is sampled from it).
+    assert result.stats.queries_per_step == [sum(n > j + 1 for n in lengths) for j in range(max(lengths) - 1)]
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+def test_sample_tokens_respects_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    gen = seeded(0)
+    assert set(sample_tokens(logits, SamplingParams(top_k=2), gen).tolist()) == {0, 1}
+    assert set(sample_tokens(logits, SamplingParams(top_p=0.45), gen).tolist()) == {0}
+    assert set(sample_tokens(logits, SamplingParams(top_p=0.75), gen).tolist()) == {0, 1}    # 0.5 + 0.3 reach 0.75
+    assert set(sample_tokens(logits, SamplingParams(top_p=0.85), gen).tolist()) == {0, 1, 2}
+    counts = torch.bincount(sample_tokens(logits, SamplingParams(), gen), minlength=4) / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    cold = torch.bincount(sample_tokens(logits, SamplingParams(temperature=0.25), gen), minlength=4) / 4000
+    assert cold[0] > 0.85                                # p ** 4, renormalized: 0.5 ** 4 / sum = 0.87
+
+
+def test_majority_vote_ignores_none_and_breaks_ties_by_first_appearance():
+    assert majority_vote(["7", None, "5", "7", "5", None]) == ("7", {"7": 2, "5": 2})
+    assert majority_vote(["5", "7", "7", "5"]) == ("5", {"5": 2, "7": 2})
+    assert majority_vote([None, 3, 4, 4]) == (4, {3: 1, 4: 2})
+    assert majority_vote([None, None]) == (None, {})
+    with pytest.raises(TypeError, match=r"answers\[1\] = \[1, 2\] is not hashable"):
+        majority_vote([1, [1, 2]])
+
+
+def test_self_consistency_votes_over_the_samples(tiny):
+    def parity_of_first_token_unless_zero(tokens):
+        return None if tokens[0] % 3 == 0 else ("even" if tokens[0] % 2 == 0 else "odd")
+
+    engine = make_engine(tiny)
+    result = self_consistency(engine, PROMPT, 12, parity_of_first_token_unless_zero, 4,
+                              SamplingParams(temperature=2.0), generator=seeded(7))
+    samples = result.samples.samples
+    assert result.answers == [parity_of_first_token_unless_zero(s.tokens) for s in samples]
+    assert None in result.answers and len(result.votes) == 2         # this seed exercises all three outcomes
+    assert sum(result.votes.values()) == sum(a is not None for a in result.answers)
+    assert (result.answer, result.votes) == majority_vote(result.answers)
+    assert result.votes[result.answer] == max(result.votes.values())
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: SamplingParams(top_k=0), "top_k must be an int >= 1, got 0"),
+    (lambda: SamplingParams(top_k=-3), "top_k must be an int >= 1, got -3"),
+    (lambda: SamplingParams(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
+    (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (lambda: SamplingParams(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+    (lambda: SamplingParams(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+    (lambda: SamplingParams(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
+])
+def test_bad_sampling_params_raise(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(n=0), "n must be an int >= 1, got 0"),
+    (dict(n=-1), "n must be an int >= 1, got -1"),
+    (dict(n=2.5), "n must be an int >= 1, got 2.5"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
+    (dict(params={"temperature": 0.5}), "params must be a SamplingParams, got dict"),
+    (dict(eos_token_id=512), r"eos_token_id must be token ids in \[0, 512\), got 512"),
+    (dict(keep="yes"), "keep must be a bool, got 'yes'"),
+])
+def test_bad_arguments_raise_and_change_nothing(tiny, kwargs, message):
+    engine = make_engine(tiny)
+    other, _ = engine.prefill([1, 2, 3])
+    free, steps = engine.pool.num_free_pages, engine.stats["steps"]
+    with pytest.raises(ValueError, match=message):
+        parallel_sample(engine, PROMPT, **(dict(n=2, max_new_tokens=3) | kwargs))
+    with pytest.raises(ValueError, match="extract_answer must be callable"):
+        self_consistency(engine, PROMPT, 2, "the answer", 3)
+    assert engine.tree.roots == [other] and engine.tree.num_nodes == 1
+    assert engine.pool.num_free_pages == free and engine.stats["steps"] == steps
+
+
+def test_a_failing_run_frees_the_request(tiny):
+    engine = Engine(tiny, kv_tokens=48, page_size=4, backend="torch")   # 12 pages: the prompt takes 8
+    with pytest.raises(Exception, match="KV pool exhausted"):
+        parallel_sample(engine, list(range(30)), 8, 4)
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

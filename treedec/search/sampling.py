@@ -1,0 +1,263 @@
+"""Parallel sampling and self-consistency: n samples of one prompt as n branches of its node.
+
+The prompt is prefilled once; sample i is a child node of the prompt's node, so every
+sample reads the prompt's KV in place (pages used: the prompt's, plus each sample's
+own). Each step samples the next token of every live sample from its logits and
+computes them all in ONE engine step. A sample ends on an EOS id or at
+``max_new_tokens``; an ended sample is pruned at once (its pages freed for the others),
+or kept as a node under the prompt's node with ``keep=True``.
+
+:func:`self_consistency` samples n answers, maps each to an answer with the caller's
+extractor, and takes the majority vote (:func:`majority_vote`).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from treedec.engine import Engine
+from treedec.search.request import discard_request, eos_token_ids, pages_in_use, positive_int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a next token is drawn from logits: ``softmax(logits / temperature)`` restricted to
+    the ``top_k`` most likely tokens, then to the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (the same order as transformers' warpers).
+
+    Attributes
+    ----------
+    temperature : >= 0; 0 is greedy (argmax: no randomness, top_k and top_p are moot).
+    top_k : int >= 1, or None for no top-k cut (ties with the k-th logit are kept).
+    top_p : in (0, 1]; 1 keeps every token. The most likely token is always kept.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None:
+            positive_int("top_k", self.top_k)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+                  ) -> torch.Tensor:
+    """Draw one token per row.
+
+    Parameters
+    ----------
+    logits : [m, vocab] any float dtype.
+    params : the :class:`SamplingParams`.
+    generator : torch.Generator on ``logits.device``, for reproducible draws.
+
+    Returns
+    -------
+    [m] int64 token ids, on ``logits.device``.
+    """
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < scores.shape[-1]:
+        kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= params.top_p)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).reshape(-1)
+
+
+@dataclass
+class Sample:
+    """One sample of :func:`parallel_sample`.
+
+    Attributes
+    ----------
+    tokens : its new tokens (the prompt not included); ends with the EOS id if it ended on one.
+    finish_reason : "eos" or "length" (``max_new_tokens`` reached).
+    node : with ``keep=True``, its node: a child of the prompt's node holding ``tokens``
+        (all computed); else None.
+    """
+
+    tokens: list[int]
+    finish_reason: str
+    node: int | None = None
+
+
+@dataclass
+class SamplingStats:
+    """Counters of one :func:`parallel_sample` run.
+
+    Attributes
+    ----------
+    steps : engine steps after the prefill.
+    queries_per_step : tokens computed by each step (one per live sample, plus each kept
+        sample's last token in the step after it ended).
+    peak_pages : the most KV pages the request held at once (prompt included).
+    """
+
+    steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    peak_pages: int = 0
+
+
+@dataclass
+class SamplingResult:
+    """The samples of :func:`parallel_sample`, in sample order.
+
+    Attributes
+    ----------
+    samples : the n :class:`Sample`.
+    root : with ``keep=True``, the prompt's node (prune it to free the request); else None
+        (every page of the request is free again).
+    stats : :class:`SamplingStats`.
+    """
+
+    samples: list[Sample]
+    root: int | None
+    stats: SamplingStats
+
+
+def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_tokens: int,
+                    params: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+                    generator: torch.Generator | None = None, keep: bool = False) -> SamplingResult:
+    """``n`` independent samples after ``prompt_ids``, as ``n`` branches of the prompt's node.
+
+    Parameters
+    ----------
+    engine : the engine; the request is a new tree of ``engine.tree``.
+    prompt_ids : the prompt's token ids (at least one).
+    n : samples, int >= 1.
+    max_new_tokens : int >= 1; a sample that reaches it without EOS ends there.
+    params : :class:`SamplingParams` (temperature, top_k, top_p).
+    eos_token_id : an id, several ids, or None.
+    generator : torch.Generator on the model's device: the same seed gives the same samples.
+    keep : False: each sample's node is pruned when it ends and the prompt's node at the
+        end (all pages free); True: every sample stays as a child of ``result.root``.
+
+    Raises
+    ------
+    ValueError : a bad argument, before the engine is touched. If the run itself fails
+        (e.g. PoolExhaustedError), the request is pruned before the error propagates.
+    """
+    positive_int("n", n)
+    positive_int("max_new_tokens", max_new_tokens)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep must be a bool, got {keep!r}")
+    eos = set(eos_token_ids(eos_token_id, engine.model.config.vocab_size))
+    tree, pool = engine.tree, engine.pool
+    held_before = pages_in_use(pool)
+    root, first = engine.prefill(prompt_ids)
+    stats = SamplingStats(peak_pages=pages_in_use(pool) - held_before)
+    samples = [Sample([], "") for _ in range(n)]
+    nodes: list[int | None] = [None] * n
+    live = list(range(n))
+    logits = first[None].expand(n, -1)       # [live, vocab]: row j belongs to sample live[j]
+    try:
+        while live:
+            drawn = sample_tokens(logits, params, generator).tolist()
+            grow, still = {}, []
+            for i, token in zip(live, drawn):
+                s = samples[i]
+                s.tokens.append(token)
+                ended = token in eos or len(s.tokens) == max_new_tokens
+                if ended:
+                    s.finish_reason = "eos" if token in eos else "length"
+                else:
+                    still.append(i)
+                if not ended or keep:
+                    grow[i] = token
+                elif nodes[i] is not None:
+                    tree.prune(nodes[i])
+            fresh = [i for i in grow if nodes[i] is None]      # first tokens: new children of the prompt
+            for i, node in zip(fresh, tree.branch(root, [[grow[i]] for i in fresh]) if fresh else []):
+                nodes[i] = node
+            tree.extend_many({nodes[i]: [t] for i, t in grow.items() if i not in fresh})
+            stats.peak_pages = max(stats.peak_pages, pages_in_use(pool) - held_before)
+            live = still
+            if grow:
+                # Kept samples that just ended ride along: their last token's K/V, no logits.
+                logits = engine.step(logits_rows=engine.pending_rows([nodes[i] for i in live]))
+                stats.steps += 1
+                stats.queries_per_step.append(len(grow))
+    except BaseException:
+        discard_request(tree, root)
+        raise
+    if keep:
+        for s, node in zip(samples, nodes):
+            s.node = node
+        return SamplingResult(samples, root, stats)
+    tree.prune(root)
+    return SamplingResult(samples, None, stats)
+
+
+# ================================================================ self-consistency
+
+
+@dataclass
+class SelfConsistencyResult:
+    """The vote of :func:`self_consistency`.
+
+    Attributes
+    ----------
+    answer : the majority answer, or None if no sample gave one.
+    votes : answer -> number of samples that gave it, in order of first appearance.
+    answers : each sample's extracted answer (None: no answer, not counted).
+    samples : the :class:`SamplingResult` (its pages are already free).
+    """
+
+    answer: Hashable | None
+    votes: dict[Hashable, int]
+    answers: list[Hashable | None]
+    samples: SamplingResult
+
+
+def majority_vote(answers: Sequence[Hashable | None]) -> tuple[Hashable | None, dict[Hashable, int]]:
+    """The most frequent non-None answer and the vote counts (in order of first appearance).
+
+    None answers are ignored; a tie goes to the tied answer that appears first in
+    ``answers``. No non-None answer: ``(None, {})``.
+    """
+    votes: dict[Hashable, int] = {}
+    for i, a in enumerate(answers):
+        if a is None:
+            continue
+        if not isinstance(a, Hashable):
+            raise TypeError(f"answers[{i}] = {a!r:.60} is not hashable; extract_answer must return a hashable "
+                            f"value (str, int, tuple, ...) or None")
+        votes[a] = votes.get(a, 0) + 1
+    best = max(votes, key=votes.__getitem__, default=None)   # max keeps the first of equal counts
+    return best, votes
+
+
+def self_consistency(engine: Engine, prompt_ids: Sequence[int], n: int,
+                     extract_answer: Callable[[list[int]], Hashable | None], max_new_tokens: int,
+                     params: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+                     generator: torch.Generator | None = None) -> SelfConsistencyResult:
+    """Self-consistency: ``n`` samples (:func:`parallel_sample`), one answer each, majority vote.
+
+    ``extract_answer(tokens)`` maps a sample's new tokens to a hashable answer, or None
+    when the sample has none (it then does not vote). Ties: :func:`majority_vote`. Every
+    page of the request is free when this returns.
+    """
+    if not callable(extract_answer):
+        raise ValueError(f"extract_answer must be callable (tokens -> answer or None), got {extract_answer!r:.60}")
+    result = parallel_sample(engine, prompt_ids, n, max_new_tokens, params, eos_token_id, generator, keep=False)
+    answers = [extract_answer(list(s.tokens)) for s in result.samples]
+    answer, votes = majority_vote(answers)
+    return SelfConsistencyResult(answer, votes, answers, result)
+
