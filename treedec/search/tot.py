@@ -1,0 +1,694 @@
+"""Tree-of-Thought search (Yao et al., 2023) on the engine's decoding tree: BFS and DFS.
+
+A search state is a node of ``engine.tree``: the task's prompt (the search root) and the
+thoughts so far, each thought a child node of the one before. Expanding a set of states:
+
+1. *step prompt*: ``task.step_prompt(thoughts)``, when not empty, becomes a child of each
+   state's node; one engine step computes all of them.
+2. *thoughts*: each state's node (or its step prompt) gets ``k`` children, each starting
+   with one of the k best (``temperature == 0``) or k sampled first tokens; then every
+   unfinished thought of every state takes one token per engine step, all in the same step,
+   until its text contains a string of ``task.thought_stop`` or it has
+   ``task.thought_max_tokens`` tokens (a random model never writes a stop string: the
+   token limit is what ends its thoughts).
+3. *evaluation*: ``task.value_prompt(thoughts)`` becomes a child of each thought's node, so
+   it reads the thought's KV where it lies; all of them run in one step (more when they
+   exceed ``engine.prefill_chunk`` tokens together). Each evaluation node then gets
+   ``value_samples`` outputs of up to ``task.value_max_tokens`` tokens, decoded together,
+   which ``task.parse_value`` turns into the thought's value; the evaluation nodes are pruned.
+
+Nothing shared is recomputed or copied: a thought's tokens are computed once and read in
+place by its evaluation and by every thought below it. :func:`tot_bfs` keeps the ``n`` best
+thoughts of each level (greedy, or sampled in proportion to their values) and prunes the
+others at once, with any state none of whose thoughts was kept (their pages are freed).
+:func:`tot_dfs` goes into the best thought first, prunes thoughts valued below a threshold,
+and backtracks (prunes the subtree) when a state's thoughts are used up. Both stop at the
+first thought ``task.is_solved`` accepts and free every page of the search at the end.
+"""
+from __future__ import annotations
+
+import abc
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.controller import choose_tokens
+
+__all__ = ["BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTResult", "ToTState", "ToTTask", "Tokenizer",
+           "tot_bfs", "tot_dfs"]
+
+SELECTIONS = ("greedy", "sample")
+
+
+# ================================================================ text
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids. ``bos_id``: a token put before the search prompt, or None."""
+
+    bos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, for random tiny models; ids >= 256 decode to U+FFFD."""
+
+    bos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
+        return raw.decode("utf-8", errors="replace")
+
+
+# ================================================================ task
+
+
+class ToTTask(abc.ABC):
+    """What a search solves: its prompts, how a value is read, when it is solved.
+
+    The hooks get ``thoughts``: the texts of a state's thoughts, the first one first (empty
+    for the root). A thought's text keeps the stop string that ended it.
+
+    Attributes
+    ----------
+    thought_stop : strings that end a thought; () for none.
+    thought_max_tokens : most tokens of one thought.
+    value_stop, value_max_tokens : the same for one output of an evaluation.
+    value_map : word -> value, read by the default :meth:`parse_value`.
+    """
+
+    thought_stop: tuple[str, ...] = ("\n",)
+    thought_max_tokens: int = 64
+    value_stop: tuple[str, ...] = ("\n",)
+    value_max_tokens: int = 8
+    value_map: Mapping[str, float] = MappingProxyType({"sure": 20.0, "likely": 1.0, "impossible": 0.001})
+
+    @abc.abstractmethod
+    def root_prompt(self) -> str:
+        """The search's prompt: the root node every thought descends from."""
+
+    def step_prompt(self, thoughts: tuple[str, ...]) -> str:
+        """Text put under a state before its thoughts are sampled ('' for none: they follow the last thought)."""
+        return ""
+
+    @abc.abstractmethod
+    def value_prompt(self, thoughts: tuple[str, ...]) -> str | None:
+        """Text put under the last thought's node to have the model judge the state; None to value
+        it by :meth:`parse_value` alone (with no outputs)."""
+
+    def parse_value(self, thoughts: tuple[str, ...], outputs: list[str]) -> float:
+        """The state's value from its evaluation outputs: the sum over outputs of the value of the
+        ``value_map`` word found first in the output's first line (0 for an output with none)."""
+        total = 0.0
+        for out in outputs:
+            line = (out.strip().splitlines() or [""])[0].lower()
+            found = [(line.find(word), value) for word, value in self.value_map.items() if word in line]
+            total += min(found)[1] if found else 0.0
+        return total
+
+    def is_solved(self, thoughts: tuple[str, ...]) -> bool:
+        """True if the state ending with these thoughts solves the task (the search stops)."""
+        return False
+
+
+# ================================================================ configuration
+
+
+def _require_int(owner: str, name: str, value, minimum: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _SearchConfig:
+    k: int = 3
+    depth: int = 3
+    temperature: float = 0.7
+    value_samples: int = 1
+    value_temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("k", "depth", "value_samples"):
+            _require_int(type(self).__name__, name, getattr(self, name), 1)
+        _require_int(type(self).__name__, "seed", self.seed, 0)
+        for name in ("temperature", "value_temperature"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"{type(self).__name__}.{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BFSConfig(_SearchConfig):
+    """Breadth-first ToT.
+
+    Attributes
+    ----------
+    k : thoughts sampled per kept state.
+    n : states kept per level (the breadth limit b of the paper).
+    depth : levels (thoughts on a path).
+    temperature : thoughts: 0 takes the top-k first tokens and then argmax; > 0 samples
+        (the first tokens without replacement, so the k thoughts differ).
+    value_samples, value_temperature : outputs per evaluation and how they are decoded.
+    selection : "greedy" (the n best values) or "sample" (n without replacement, in
+        proportion to the values).
+    seed : of the torch generator (token sampling) and of the selection's numpy generator.
+    """
+
+    n: int = 2
+    selection: str = "greedy"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _require_int("BFSConfig", "n", self.n, 1)
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"BFSConfig.selection must be one of {SELECTIONS}, got {self.selection!r}")
+
+
+@dataclass(frozen=True)
+class DFSConfig(_SearchConfig):
+    """Depth-first ToT with a value threshold and backtracking.
+
+    Attributes
+    ----------
+    k, depth, temperature, value_samples, value_temperature, seed : as in :class:`BFSConfig`.
+    threshold : thoughts valued below it are pruned at once and never expanded.
+    max_expansions : states expanded at most (the search's budget).
+    """
+
+    threshold: float = 0.5
+    max_expansions: int = 100
+
+    def __post_init__(self):
+        super().__post_init__()
+        t = self.threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+            raise ValueError(f"DFSConfig.threshold must be a finite number, got {t!r}")
+        _require_int("DFSConfig", "max_expansions", self.max_expansions, 1)
+
+
+# ================================================================ results
+
+
+@dataclass
+class ToTState:
+    """A search state: the prompt and the thoughts below it.
+
+    Attributes
+    ----------
+    index : each thought's rank among its siblings, root down: ``(2, 0)`` is the first
+        thought of the root's third thought; ``()`` is the root.
+    thoughts : the thoughts' texts, root down.
+    value : of the last thought (None for the root).
+    num_tokens : tokens of the last thought (of the prompt, for the root).
+    node : its node in ``engine.tree`` while the search ran (pruned by its end).
+    """
+
+    index: tuple[int, ...]
+    thoughts: tuple[str, ...]
+    value: float | None
+    num_tokens: int
+    node: int
+
+
+@dataclass
+class LevelStats:
+    """One BFS level, or one DFS expansion.
+
+    Attributes
+    ----------
+    depth : depth of the thoughts made (1: children of the prompt).
+    states : states expanded.
+    thoughts : thoughts made (states x k).
+    kept : thoughts kept (BFS: selected; DFS: valued at or above the threshold).
+    thought_tokens, value_tokens : tokens of the thoughts, of the evaluations' outputs.
+    prompt_tokens : tokens of the step and value prompts.
+    steps : engine steps run; queries : tokens those steps computed.
+    wall_s : wall time; tokens_per_s : (thought_tokens + value_tokens) / wall_s.
+    pages_peak, pages_after : KV pages in use at most, and after the level's pruning.
+    best_value : the best value of the thoughts made.
+    """
+
+    depth: int
+    states: int
+    thoughts: int
+    kept: int
+    thought_tokens: int
+    value_tokens: int
+    prompt_tokens: int
+    steps: int
+    queries: int
+    wall_s: float
+    tokens_per_s: float
+    pages_peak: int
+    pages_after: int
+    best_value: float
+
+
+@dataclass
+class ToTResult:
+    """What :func:`tot_bfs` / :func:`tot_dfs` return.
+
+    Attributes
+    ----------
+    algorithm : "bfs" or "dfs".
+    solved : the first state ``task.is_solved`` accepted, or None.
+    best : BFS: the states kept at the last level run; DFS: the states that reached
+        ``depth`` at or above the threshold; by value, best first.
+    levels : per BFS level / DFS expansion.
+    expanded : index of each expanded state, in order.
+    prompt_tokens : tokens of the search prompt; wall_s : the whole search, prefill included.
+    """
+
+    algorithm: str
+    solved: ToTState | None = None
+    best: list[ToTState] = field(default_factory=list)
+    levels: list[LevelStats] = field(default_factory=list)
+    expanded: list[tuple[int, ...]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def tokens_generated(self) -> int:
+        return sum(s.thought_tokens + s.value_tokens for s in self.levels)
+
+    def to_json(self) -> dict:
+        return {"algorithm": self.algorithm, "solved": None if self.solved is None else asdict(self.solved),
+                "best": [asdict(s) for s in self.best], "levels": [asdict(s) for s in self.levels],
+                "expanded": [list(i) for i in self.expanded], "prompt_tokens": self.prompt_tokens,
+                "tokens_generated": self.tokens_generated, "wall_s": self.wall_s}
+
+
+# ================================================================ the searches
+
+
+def tot_bfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConfig = BFSConfig(), *,
+            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None) -> ToTResult:
+    """Breadth-first ToT: ``config.depth`` levels of k thoughts per kept state, n kept per level.
+
+    Every level's thoughts decode together (one engine step per token for all of them) and
+    are evaluated together; the thoughts not kept are pruned right after the selection.
+    The search stops early at a level where ``task.is_solved`` accepts a thought. The
+    engine must have no pending tokens; its tree is left as it was found.
+
+    ``on_level(stats)`` is called after each level's pruning (the tree then holds the prompt
+    and the kept states' paths); ``progress`` shows a progress bar of engine steps.
+    """
+    if not isinstance(config, BFSConfig):
+        raise TypeError(f"config must be a BFSConfig, got {type(config).__name__}")
+    search = _Search(engine, task, tokenizer, config, progress, "ToT-BFS")
+    result = ToTResult("bfs")
+    rng = np.random.default_rng(config.seed)
+    t0 = time.perf_counter()
+    root = search.start()
+    result.prompt_tokens = root.num_tokens
+    try:
+        states = [root]
+        for depth in range(1, config.depth + 1):
+            mark = search.mark()
+            candidates = search.expand(states)
+            solved = [c for c in candidates if task.is_solved(c.thoughts)]
+            kept = _select(candidates, config.n, config.selection, rng)
+            keep = {c.node for c in kept}
+            for c in candidates:
+                if c.node not in keep:
+                    search.prune_dead_end(c.node, root.node)
+            result.expanded += [s.index for s in states]
+            result.levels.append(search.level_stats(mark, depth, len(states), candidates, len(kept)))
+            if on_level is not None:
+                on_level(result.levels[-1])
+            states = kept
+            if solved:
+                result.solved = max(solved, key=lambda c: c.value)
+                break
+        result.best = states
+    finally:
+        search.release(root.node)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def tot_dfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: DFSConfig = DFSConfig(), *,
+            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None) -> ToTResult:
+    """Depth-first ToT with a value threshold and backtracking.
+
+    Expanding a state makes its k thoughts (decoded and evaluated together). Thoughts valued
+    below ``config.threshold`` are pruned at once; the others are visited best first, each
+    one's subtree pruned when the search comes back from it (its siblings wait in the tree
+    with their KV, so backtracking recomputes nothing). Thoughts at ``config.depth`` are not
+    expanded: those at or above the threshold are the result's ``best``. The search stops
+    at the first thought ``task.is_solved`` accepts or after ``config.max_expansions``
+    expansions. ``on_level`` is called after each expansion's pruning.
+    """
+    if not isinstance(config, DFSConfig):
+        raise TypeError(f"config must be a DFSConfig, got {type(config).__name__}")
+    search = _Search(engine, task, tokenizer, config, progress, "ToT-DFS")
+    result = ToTResult("dfs")
+    t0 = time.perf_counter()
+    root = search.start()
+    result.prompt_tokens = root.num_tokens
+
+    def visit(state: ToTState) -> None:
+        if result.solved is not None or len(result.expanded) >= config.max_expansions:
+            return
+        depth = len(state.index) + 1
+        mark = search.mark()
+        candidates = search.expand([state])
+        result.expanded.append(state.index)
+        ranked = sorted(candidates, key=lambda c: -c.value)   # stable: ties keep the sampling order
+        result.solved = next((c for c in ranked if task.is_solved(c.thoughts)), None)
+        survivors = [] if result.solved is not None else [c for c in ranked if c.value >= config.threshold]
+        for c in candidates:
+            if all(c.node != s.node for s in survivors):
+                search.prune(c.node)
+        result.levels.append(search.level_stats(mark, depth, 1, candidates, len(survivors)))
+        if on_level is not None:
+            on_level(result.levels[-1])
+        for c in survivors:
+            if depth == config.depth:
+                result.best.append(c)
+            else:
+                visit(c)
+            search.prune(c.node)   # backtrack
+        for child in engine.tree.children(state.node):   # the step prompt, if there was one
+            search.prune(child)
+
+    try:
+        visit(root)
+    finally:
+        search.release(root.node)
+    result.best.sort(key=lambda c: -c.value)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+# ================================================================ private
+
+
+@dataclass
+class _Stream:
+    """One generated sequence: a thought, or one output of an evaluation."""
+
+    parent: int
+    tokens: list[int]
+    node: int | None = None   # its node, once a token of it is in the tree
+    done: bool = False
+
+
+class _Search:
+    """The engine-side machinery both searches share: prefill, expansion, pruning, counters."""
+
+    def __init__(self, engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig, progress: bool,
+                 label: str):
+        _check_task(task)
+        vocab = engine.model.config.vocab_size
+        for name in ("k", "value_samples"):
+            if getattr(config, name) > vocab:
+                raise ValueError(f"{type(config).__name__}.{name} must be at most the vocabulary size {vocab}, "
+                                 f"got {getattr(config, name)}")
+        self.engine, self.tree, self.pool = engine, engine.tree, engine.pool
+        self.task, self.tokenizer, self.config = task, tokenizer, config
+        self.generator = torch.Generator(device=engine.device).manual_seed(config.seed)
+        self.logits: dict[int, torch.Tensor] = {}   # node -> [vocab] next-token logits at its last token
+        self.counts: Counter = Counter()
+        self.pages_peak = 0
+        self.progress, self.label, self.bar = progress, label, None
+
+    # ---------------------------------------------------------------- search steps
+
+    def start(self) -> ToTState:
+        bos = getattr(self.tokenizer, "bos_id", None)
+        ids = ([] if bos is None else [bos]) + self._encode(self.task.root_prompt(), "root_prompt()")
+        node, logits = self.engine.prefill(ids)
+        self.logits[node] = logits
+        self._note_pages()
+        if self.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(desc=self.label, unit="step")
+        return ToTState((), (), None, len(ids), node)
+
+    def expand(self, states: list[ToTState]) -> list[ToTState]:
+        """The k evaluated thoughts of every state in ``states``, state by state."""
+        task, config = self.task, self.config
+        prompts = [(s.node, self._encode(text, "step_prompt()")) for s in states
+                   if (text := task.step_prompt(s.thoughts))]
+        heads = {s.node: s.node for s in states}
+        for (state_node, _), node in zip(prompts, self._append_prompts(prompts)):
+            heads[state_node] = node
+        streams = self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
+                                 task.thought_stop, config.temperature, append_last=True)
+        for node in heads.values():
+            if node not in (s.node for s in states):
+                self.logits.pop(node, None)
+        self.counts["thought_tokens"] += sum(len(s.tokens) for s in streams)
+        candidates = [ToTState(state.index + (i,), state.thoughts + (self._text(s.tokens, task.thought_stop),),
+                               None, len(s.tokens), s.node)
+                      for j, state in enumerate(states)
+                      for i, s in enumerate(streams[j * config.k:(j + 1) * config.k])]
+        self._evaluate(candidates)
+        return candidates
+
+    def prune(self, node: int) -> None:
+        self.tree.prune(node)
+        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
+
+    def prune_dead_end(self, node: int, root: int) -> None:
+        """Prune ``node``, then each ancestor below ``root`` left without children."""
+        parent = self.tree.parent(node)
+        self.tree.prune(node)
+        while parent != root and parent in self.tree and not self.tree.children(parent):
+            node, parent = parent, self.tree.parent(parent)
+            self.tree.prune(node)
+        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
+
+    def release(self, root: int) -> None:
+        """Free the search's pages (unless a failed step left tokens pending: then the tree stays as it is)."""
+        if self.bar is not None:
+            self.bar.close()
+        if root in self.tree and not self.tree.layout().num_queries:
+            self.tree.prune(root)
+        self.logits.clear()
+
+    # ---------------------------------------------------------------- stats
+
+    def mark(self) -> tuple[float, Counter]:
+        self.pages_peak = self._pages_in_use()
+        return time.perf_counter(), Counter(self.counts)
+
+    def level_stats(self, mark: tuple[float, Counter], depth: int, states: int, candidates: list[ToTState],
+                    kept: int) -> LevelStats:
+        wall = time.perf_counter() - mark[0]
+        d = Counter(self.counts)
+        d.subtract(mark[1])
+        generated = d["thought_tokens"] + d["value_tokens"]
+        stats = LevelStats(depth=depth, states=states, thoughts=len(candidates), kept=kept,
+                           thought_tokens=d["thought_tokens"], value_tokens=d["value_tokens"],
+                           prompt_tokens=d["prompt_tokens"], steps=d["steps"], queries=d["queries"], wall_s=wall,
+                           tokens_per_s=generated / wall if wall > 0 else 0.0, pages_peak=self.pages_peak,
+                           pages_after=self._pages_in_use(), best_value=max(c.value for c in candidates))
+        if self.bar is not None:
+            self.bar.set_postfix(depth=depth, tok_s=f"{stats.tokens_per_s:.0f}", pages=stats.pages_after)
+        return stats
+
+    # ---------------------------------------------------------------- engine work
+
+    def _evaluate(self, candidates: list[ToTState]) -> None:
+        """Set every candidate's value; compute their last tokens; leave no evaluation node behind."""
+        task = self.task
+        prompts = []
+        for c in candidates:
+            text = task.value_prompt(c.thoughts)
+            if text is not None and not text:
+                raise ValueError(f"{type(task).__name__}.value_prompt returned '' for {c.thoughts!r}; return None "
+                                 f"to value a state without the model")
+            prompts.append(None if text is None else self._encode(text, "value_prompt()"))
+        pending = set(self.engine.pending_nodes().tolist())
+        evals = self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts) if ids is not None],
+                                     also=[c.node for c in candidates if c.node in pending])
+        streams = self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
+                                 task.value_stop, self.config.value_temperature, append_last=False)
+        self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
+        outputs: dict[int, list[str]] = {e: [] for e in evals}
+        for s in streams:
+            outputs[s.parent].append(self._text(s.tokens, task.value_stop))
+        evaluated = iter(evals)
+        for c, ids in zip(candidates, prompts):
+            value = task.parse_value(c.thoughts, [] if ids is None else outputs[next(evaluated)])
+            if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise ValueError(f"{type(task).__name__}.parse_value must return a finite number, got {value!r}")
+            c.value = float(value)
+        for e in evals:
+            self.prune(e)
+
+    def _append_prompts(self, prompts: list[tuple[int, list[int]]], also: Sequence[int] = ()) -> list[int]:
+        """Add each ``(parent, ids)`` as a new child of ``parent`` and compute them; returns the new nodes.
+
+        Their last tokens' logits (and those of the nodes in ``also``, which must have
+        pending tokens) go to ``self.logits``. Prompts run together, in steps of at most
+        ``engine.prefill_chunk`` tokens (a longer prompt alone in its step).
+        """
+        self._require_pages(sum(self.pool.pages_for(len(ids)) for _, ids in prompts), "prompts")
+        groups, size = [[]], 0
+        for item in prompts:
+            if groups[-1] and size + len(item[1]) > self.engine.prefill_chunk:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += len(item[1])
+        nodes, extra = [], list(also)
+        for group in groups:
+            new = [self.tree.branch(parent, [ids])[0] for parent, ids in group]
+            self.counts["prompt_tokens"] += sum(len(ids) for _, ids in group)
+            if new or extra:
+                self._note_pages()
+                want = new + extra
+                self.logits.update(zip(want, self._step(want)))
+            nodes += new
+            extra = []
+        return nodes
+
+    def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], temperature: float,
+                  append_last: bool) -> list[_Stream]:
+        """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
+        decode all of them together until each has a stop string or ``max_tokens`` tokens.
+
+        ``append_last``: a finished sequence's last token still goes into the tree (thoughts:
+        their evaluation and children read it; it is computed by the next step, whose
+        caller gets its logits in ``self.logits`` if this call does not). Else it is only
+        recorded (evaluation outputs: nothing reads past them). Returns the streams in
+        head order.
+        """
+        streams = [_Stream(parent, [tok]) for parent, count in heads
+                   for tok in choose_tokens(self.logits[parent], count, temperature, self.generator)]
+        fresh = streams
+        while fresh:
+            for s in fresh:
+                s.done = len(s.tokens) >= max_tokens or self._stopped(s.tokens, stops)
+            placed = [s for s in fresh if append_last or not s.done]
+            self._place(placed)
+            active = [s for s in fresh if not s.done]
+            if not active:
+                break
+            out = self._step([s.node for s in placed])
+            row = {id(s): i for i, s in enumerate(placed)}
+            for s in placed:
+                if s.done:
+                    self.logits[s.node] = out[row[id(s)]]
+            picks = out[torch.tensor([row[id(s)] for s in active], device=out.device)]
+            for s, tok in zip(active, _next_tokens(picks, temperature, self.generator)):
+                s.tokens.append(tok)
+            fresh = active
+        return streams
+
+    def _place(self, streams: list[_Stream]) -> None:
+        """Put each stream's newest token into the tree: a new child of its parent, or appended to its node."""
+        new = [s for s in streams if s.node is None]
+        old = [s for s in streams if s.node is not None]
+        self._require_pages(len(new) * self.pool.pages_for(1)
+                            + sum(self.tree.pages_to_extend(s.node, 1) for s in old), "new tokens")
+        if old:
+            self.tree.extend_many({s.node: s.tokens[-1:] for s in old})
+        by_parent: dict[int, list[_Stream]] = {}
+        for s in new:
+            by_parent.setdefault(s.parent, []).append(s)
+        for parent, group in by_parent.items():
+            for s, node in zip(group, self.tree.branch(parent, [s.tokens[-1:] for s in group])):
+                s.node = node
+        self._note_pages()
+
+    def _step(self, nodes: list[int]) -> torch.Tensor:
+        """One engine step; returns ``[len(nodes), vocab]`` logits at each node's last pending token."""
+        before = self.engine.stats["queries"]
+        out = self.engine.step(logits_rows=self.engine.pending_rows(nodes))
+        self.counts["steps"] += 1
+        self.counts["queries"] += self.engine.stats["queries"] - before
+        if self.bar is not None:
+            self.bar.update(1)
+        return out
+
+    # ---------------------------------------------------------------- helpers
+
+    def _encode(self, text: str, what: str) -> list[int]:
+        ids = [int(i) for i in self.tokenizer.encode(text)]
+        vocab = self.engine.model.config.vocab_size
+        if not ids:
+            raise ValueError(f"{type(self.task).__name__}.{what} encodes to no tokens: {text!r:.80}")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"{type(self.task).__name__}.{what} encodes to ids outside the model's vocabulary "
+                             f"[0, {vocab}): {bad[:5]}")
+        return ids
+
+    def _text(self, tokens: list[int], stops: tuple[str, ...]) -> str:
+        """The decoded tokens, cut after the first stop string."""
+        text = self.tokenizer.decode(tokens)
+        ends = [text.find(s) + len(s) for s in stops if s in text]
+        return text[:min(ends)] if ends else text
+
+    def _stopped(self, tokens: list[int], stops: tuple[str, ...]) -> bool:
+        if not stops:
+            return False
+        text = self.tokenizer.decode(tokens)
+        return any(s in text for s in stops)
+
+    def _pages_in_use(self) -> int:
+        return self.pool.num_pages - self.pool.num_free_pages
+
+    def _note_pages(self) -> None:
+        self.pages_peak = max(self.pages_peak, self._pages_in_use())
+
+    def _require_pages(self, need: int, what: str) -> None:
+        if need > self.pool.num_free_pages:
+            raise PoolExhaustedError(f"KV pool exhausted: the search's {what} need {need} page(s) of "
+                                     f"{self.pool.page_size} tokens, {self.pool.num_free_pages} of "
+                                     f"{self.pool.num_pages} free; nothing was changed by this operation")
+
+
+def _select(candidates: list[ToTState], n: int, selection: str, rng: np.random.Generator) -> list[ToTState]:
+    """The n kept candidates, best value first: the n best, or n drawn without replacement with
+    probabilities proportional to their (clipped at 0) values."""
+    values = np.array([c.value for c in candidates], dtype=np.float64)
+    if len(candidates) <= n or selection == "greedy":
+        order = np.argsort(-values, kind="stable")[:n]
+    else:
+        weights = np.clip(values, 0, None)
+        weights += max(weights.sum(), 1.0) * 1e-9   # every candidate can be drawn, zero-valued ones last
+        drawn = rng.choice(len(candidates), size=n, replace=False, p=weights / weights.sum())
+        order = sorted(drawn.tolist(), key=lambda i: -values[i])
+    return [candidates[i] for i in order]
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> list[int]:
+    """One next token per row of ``logits`` [r, vocab]: argmax, or sampled from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1).tolist()
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).view(-1).tolist()
+
+
+def _check_task(task: ToTTask) -> None:
+    if not isinstance(task, ToTTask):
+        raise TypeError(f"task must be a ToTTask, got {type(task).__name__}")
+    name = type(task).__name__
+    for attr in ("thought_max_tokens", "value_max_tokens"):
+        _require_int(name, attr, getattr(task, attr), 1)
+    for attr in ("thought_stop", "value_stop"):
+        stops = getattr(task, attr)
+        if not isinstance(stops, tuple) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"{name}.{attr} must be a tuple of non-empty strings, got {stops!r}")
+
