@@ -7,6 +7,9 @@ the dense fp32 reference.
 ``treedec replay <workload>``: replay a recorded decoding tree (ToT, Medusa, few-shot or a
 schedule JSON file) through the engine and time every step; ``treedec plot``: chart the
 results (see :mod:`treedec.replay`).
+
+``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem (see
+:mod:`treedec.search.tot_command`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
 from treedec.replay.command import add_plot_parser, add_replay_parser, run_plot, run_replay
+from treedec.search.tot_command import add_tot_parser, run_tot
 from treedec.tree import PagedKVPool, SequenceTree
 
 
@@ -87,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_replay_parser(sub)
     add_plot_parser(sub)
+    add_tot_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "replay":
         return run_replay(args)
     if args.command == "plot":
         return run_plot(args)
+    if args.command == "tot":
+        return run_tot(args)
     summary = run_demo(args)
     if args.json:
         print(json.dumps(summary, indent=2))

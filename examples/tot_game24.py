@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Tree-of-Thought BFS on the Game of 24, then DFS on the same problem. Each level's thoughts are
+branches of the kept states' nodes and decode together, one engine step per token; each thought is
+judged by a value prompt under its own node (reading the thought's KV in place); the thoughts not
+kept are pruned and their pages freed.
+
+    python examples/tot_game24.py                                      # random tiny model, CPU
+    python examples/tot_game24.py --checkpoint /models/Llama-3.1-8B-Instruct --numbers 3 3 8 8
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from treedec.engine import Engine, from_config, from_pretrained
+from treedec.search.game24 import Game24Task, solve
+from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, tot_bfs, tot_dfs
+from treedec.search.tot_command import HFTokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (default: random tiny model)")
+    parser.add_argument("--numbers", type=int, nargs=4, default=[4, 9, 10, 13])
+    args = parser.parse_args()
+
+    if args.checkpoint:
+        from transformers import AutoTokenizer
+        model = from_pretrained(args.checkpoint)
+        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True))
+        task, threshold = Game24Task(tuple(args.numbers)), 1.0   # DFS goes on from 'likely' and 'sure' steps
+    else:   # random weights write no valid step: the model judges every thought anyway, all of them pass DFS
+        model = from_config("tiny", dtype=torch.float32, device="cpu")
+        tokenizer = ByteTokenizer()
+        task = Game24Task(tuple(args.numbers), check_steps=False, thought_max_tokens=12, value_max_tokens=4)
+        threshold = 0.0
+    engine = Engine(model, kv_tokens=None if model.device.type == "cuda" else 32768)
+    print(f"{args.numbers}: a solution is {solve(args.numbers)}")
+
+    for name, search, config in [("BFS", tot_bfs, BFSConfig(k=4, n=2, depth=4)),
+                                 ("DFS", tot_dfs, DFSConfig(k=3, depth=4, threshold=threshold, max_expansions=8))]:
+        result = search(engine, task, tokenizer, config)
+        print(f"\nToT-{name}: {len(result.levels)} expansions, {result.tokens_generated} tokens in "
+              f"{result.wall_s:.2f} s, solved: {result.solved is not None}")
+        for s in result.levels:
+            print(f"  depth {s.depth}: {s.thoughts} thoughts, {s.kept} kept, {s.steps} steps, "
+                  f"{s.tokens_per_s:.0f} tokens/s, {s.pages_peak} pages at most, {s.pages_after} after pruning")
+        for state in ([result.solved] if result.solved else result.best[:2]):
+            print(f"  value {state.value:.3g}: " + " | ".join(repr(t) for t in state.thoughts))
+        assert engine.pool.num_free_pages == engine.pool.num_pages   # the search freed every page
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem.
+
+    treedec tot                                        # tiny random model on the CPU, bytes as tokens
+    treedec tot --numbers 3 3 8 8 --algorithm dfs --threshold 1
+    treedec tot --model /models/Llama-3.1-8B-Instruct --k 5 --n 5 --out tot.json
+
+Prints one line per BFS level (DFS expansion): thoughts, tokens, engine steps, wall time,
+tokens/s and KV pages; then the best states. ``--out`` writes the results JSON: the run's
+settings and :meth:`ToTResult.to_json`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from treedec.search.game24 import Game24Task
+from treedec.search.tot import SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, tot_bfs, tot_dfs
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_KV_TOKENS = 32768
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def add_tot_parser(sub) -> None:
+    p = sub.add_parser("tot", help="Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem",
+                       description="Tree-of-Thought search on the Game of 24: each level's thoughts decode "
+                                   "together in one engine step per token and are judged together by value "
+                                   "prompts under their own nodes; the thoughts not kept are pruned.")
+    p.add_argument("--numbers", type=int, nargs=4, default=[4, 9, 10, 13], metavar="N",
+                   help="the four numbers (default 4 9 10 13)")
+    p.add_argument("--algorithm", choices=("bfs", "dfs"), default="bfs")
+    p.add_argument("--k", type=int, default=3, help="thoughts per expanded state (default 3)")
+    p.add_argument("--n", type=int, default=2, help="BFS: states kept per level (default 2)")
+    p.add_argument("--depth", type=int, default=4, help="thoughts on a path: three steps and the answer (default 4)")
+    p.add_argument("--selection", choices=SELECTIONS, default="greedy", help="BFS: how the n states are kept")
+    p.add_argument("--threshold", type=float, default=1.0,
+                   help="DFS: thoughts valued below it are pruned (default 1: 'likely' or better)")
+    p.add_argument("--max-expansions", type=int, default=20, help="DFS: states expanded at most (default 20)")
+    p.add_argument("--temperature", type=float, default=0.7, help="thought sampling; 0: top-k first tokens, argmax")
+    p.add_argument("--value-samples", type=int, default=1, help="outputs per evaluation (values summed)")
+    p.add_argument("--value-temperature", type=float, default=0.0)
+    p.add_argument("--thought-max-tokens", type=int, help="default the task's (48)")
+    p.add_argument("--value-max-tokens", type=int, help="default the task's (12)")
+    p.add_argument("--no-check-steps", action="store_true",
+                   help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", help="a local Hugging Face checkpoint directory (its tokenizer, if it has one)")
+    model.add_argument("--config", help="a named model size with random weights (default: tiny, on the CPU); "
+                                        "bytes as tokens")
+    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
+    p.add_argument("--planner", default="flatten", help="flatten, node, node_chunk or path")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free "
+                                                 f"memory on a GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_tot(args: argparse.Namespace) -> int:
+    from treedec.attention import PlanConfig
+    from treedec.engine import Engine
+
+    # Everything the user typed is checked before a model is loaded.
+    lengths = {name: value for name in ("thought_max_tokens", "value_max_tokens")
+               if (value := getattr(args, name)) is not None}
+    task = Game24Task(tuple(args.numbers), check_steps=not args.no_check_steps, **lengths)
+    common = dict(k=args.k, depth=args.depth, temperature=args.temperature, value_samples=args.value_samples,
+                  value_temperature=args.value_temperature, seed=args.seed)
+    if args.algorithm == "bfs":
+        config = BFSConfig(n=args.n, selection=args.selection, **common)
+    else:
+        config = DFSConfig(threshold=args.threshold, max_expansions=args.max_expansions, **common)
+    plan_config = PlanConfig(planner=args.planner)
+
+    model, model_name = _load_model(args)
+    tokenizer, tokenizer_name = _load_tokenizer(args.model, model.config.vocab_size)
+    kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
+                    plan_config=plan_config)
+    search = tot_bfs if args.algorithm == "bfs" else tot_dfs
+    result = search(engine, task, tokenizer, config, progress=not args.no_progress)
+    device = model.device
+    results = {
+        "command": "tot", "date": datetime.date.today().isoformat(),
+        "task": {"name": "game24", "numbers": list(task.numbers), "check_steps": task.check_steps,
+                 "thought_max_tokens": task.thought_max_tokens, "value_max_tokens": task.value_max_tokens},
+        "config": {"kind": type(config).__name__, **dataclasses.asdict(config)},
+        "model": model_name, "tokenizer": tokenizer_name, "dtype": str(model.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "backend": engine.attn.backend, "planner": args.planner, "page_size": args.page_size,
+        "kv_pool_tokens": engine.kv_capacity_tokens,
+        "pages_free_at_end": engine.pool.num_free_pages == engine.pool.num_pages,
+        "result": result.to_json(),
+    }
+    print_tot(results, result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {args.out}")
+    return 0
+
+
+def print_tot(results: dict, result: ToTResult, file=None) -> None:
+    """The run's settings, one line per level / expansion, and the best states."""
+    file = file or sys.stdout
+    name = "ToT-BFS" if result.algorithm == "bfs" else "ToT-DFS"
+    print(f"{name} on the Game of 24 {results['task']['numbers']}: {results['model']} {results['dtype']} on "
+          f"{results['device']}, {results['backend']} attention ({results['planner']}), page size "
+          f"{results['page_size']}; prompt {result.prompt_tokens} tokens", file=file)
+    header = ("depth", "states", "thoughts", "kept", "thought tok", "value tok", "steps", "wall s", "tok/s",
+              "peak pages", "pages after", "best value")
+    rows = [(str(s.depth), str(s.states), str(s.thoughts), str(s.kept), str(s.thought_tokens), str(s.value_tokens),
+             str(s.steps), f"{s.wall_s:.2f}", f"{s.tokens_per_s:.0f}", str(s.pages_peak), str(s.pages_after),
+             f"{s.best_value:.3g}") for s in result.levels]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)), file=file)
+    print(f"{result.tokens_generated} tokens generated in {result.wall_s:.2f} s (prefill included); "
+          f"solved: {'yes' if result.solved else 'no'}", file=file)
+    shown = ([result.solved] if result.solved else []) + result.best[:3]
+    for state in shown:
+        print(f"  value {state.value:.3g} {list(state.index)}: " + " | ".join(repr(t)[:60] for t in state.thoughts),
+              file=file)
+
+
+def _load_model(args: argparse.Namespace):
+    """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name."""
+    from treedec.engine import from_config, from_pretrained
+
+    default = args.model is None and args.config is None
+    device = torch.device(args.device or ("cpu" if default or not torch.cuda.is_available() else "cuda"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.model is not None:
+        return from_pretrained(args.model, dtype=dtype, device=device), args.model
+    name = args.config or "tiny"
+    return from_config(name, seed=args.seed, dtype=dtype, device=device), f"{name} (random weights)"
+
+
+def _load_tokenizer(model_dir: str | None, vocab_size: int):
+    """``model_dir``'s tokenizer when it has one, else :class:`ByteTokenizer` (which needs a vocabulary of >= 256)."""
+    if model_dir is not None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(model_dir, local_files_only=True)), model_dir
+    if vocab_size < 256:
+        raise ValueError(f"the byte tokenizer needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
+    return ByteTokenizer(), "bytes"
+
+
+class HFTokenizer:
+    """A transformers tokenizer as a :class:`~treedec.search.tot.Tokenizer`: no special tokens inside the
+    text; ``bos_id`` is the BOS token if the tokenizer puts one before a text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        bos = tokenizer.bos_token_id
+        self.bos_id = bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
