@@ -138,10 +138,10 @@ class _BeamSearch:
                  eos: tuple[int, ...], early_stopping: bool | str, keep: int, held_before: int):
         self.engine, self.tree = engine, engine.tree
         self.num_beams, self.max_new_tokens, self.length_penalty = num_beams, max_new_tokens, length_penalty
-        self.eos = torch.tensor(eos, dtype=torch.int64)
+        self.eos = torch.tensor(eos, dtype=torch.int64, device=engine.device)
         self.early_stopping, self.keep = early_stopping, keep
         self.beams = [_Beam(root, [])]
-        self.scores = torch.zeros(1, dtype=torch.float32)          # [live beams] cumulative log-probs
+        self.scores = torch.zeros(1, dtype=torch.float32, device=engine.device)   # [live beams] cumulative log-probs
         self.finished: list[tuple[float, list[int]]] = []         # (score, tokens), best first, <= num_beams
         self.held_before = held_before                             # pages held by other requests
         self.stats = BeamSearchStats()
@@ -152,17 +152,18 @@ class _BeamSearch:
         for generated in range(1, self.max_new_tokens + 1):    # tokens each candidate of this step has
             vocab = logits.shape[-1]
             cumulative = torch.log_softmax(logits.float(), dim=-1) + self.scores[:, None]
-            top_scores, top_index = cumulative.reshape(-1).topk(self.keep)
-            parent, token = (top_index // vocab).tolist(), (top_index % vocab).tolist()
-            stops = torch.isin(top_index % vocab, self.eos) | (generated >= self.max_new_tokens)
-            self._add_finished(top_scores, parent, token, stops, generated)
+            top_scores, top_index = cumulative.reshape(-1).topk(self.keep)   # [keep], best first
+            top_token = top_index % vocab
+            parent, token = (top_index // vocab).tolist(), top_token.tolist()
+            stops = torch.isin(top_token, self.eos) | (generated >= self.max_new_tokens)
+            self._add_finished(top_scores, parent, token, stops.tolist(), generated)
             live = (~stops).nonzero().reshape(-1)[: self.num_beams].tolist()
             if bool(stops.all()) or not self._continues(top_scores[live], generated):
                 return
             logits = self._advance([(parent[i], token[i]) for i in live])
             self.scores = top_scores[live]
 
-    def _add_finished(self, top_scores: torch.Tensor, parent: list[int], token: list[int], stops: torch.Tensor,
+    def _add_finished(self, top_scores: torch.Tensor, parent: list[int], token: list[int], stops: list[bool],
                       generated: int) -> None:
         """Candidates among the first ``num_beams`` that hit a stop join the finished hypotheses.
 
