@@ -8,6 +8,10 @@ the dense fp32 reference.
 schedule JSON file) through the engine and time every step; ``treedec plot``: chart the
 results (see :mod:`treedec.replay`).
 
+``treedec spec``: speculative decoding with a token-tree draft (n-gram, Medusa heads, a
+draft model or a fixed tree) and greedy, typical or rejection-sampling acceptance; per-step
+acceptance stats (see :mod:`treedec.search.spec_command`).
+
 ``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem (see
 :mod:`treedec.search.tot_command`).
 """
@@ -24,6 +28,7 @@ import torch
 
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
 from treedec.replay.command import add_plot_parser, add_replay_parser, run_plot, run_replay
+from treedec.search.spec_command import add_spec_parser, run_spec
 from treedec.search.tot_command import add_tot_parser, run_tot
 from treedec.tree import PagedKVPool, SequenceTree
 
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_replay_parser(sub)
     add_plot_parser(sub)
+    add_spec_parser(sub)
     add_tot_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -98,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay(args)
     if args.command == "plot":
         return run_plot(args)
+    if args.command == "spec":
+        return run_spec(args)
     if args.command == "tot":
         return run_tot(args)
     summary = run_demo(args)

@@ -92,7 +92,9 @@ class TypicalAcceptance:
 
     ``posterior_threshold -> 0`` accepts every draft token whose probability is not zero:
     the deepest path of the tree is accepted (ties: the likeliest). A threshold of 1 or
-    more with ``posterior_alpha >= 1`` accepts nothing. Medusa's defaults:
+    more with ``posterior_alpha >= 1`` accepts nothing. A flat distribution (high entropy,
+    e.g. random weights) lowers the threshold so far that almost every draft token passes.
+    Medusa's defaults:
     ``posterior_threshold=0.09``, ``posterior_alpha=0.3`` (about its square root).
     Temperature 0 is greedy decoding: use :class:`GreedyAcceptance`.
     """

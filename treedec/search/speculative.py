@@ -303,6 +303,19 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     return out[:max_new_tokens], stats
 
 
+def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding, one token per engine step: the reference that greedy
+    speculative decoding must equal. The request stays in ``engine.tree`` (its root node)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    node, logits = engine.prefill([int(x) for x in prompt_ids])
+    out = [int(logits.argmax())]
+    while len(out) < max_new_tokens:
+        engine.tree.extend(node, out[-1:])
+        out.append(int(engine.step()[0].argmax()))
+    return out
+
+
 # ================================================================ private
 
 

@@ -1,0 +1,307 @@
+"""``treedec spec``: speculative decoding with a token-tree draft, per-step acceptance stats.
+
+    treedec spec                                         # tiny random model, n-gram drafts, greedy, CPU
+    treedec spec --draft medusa --check                  # untrained Medusa heads; tokens == plain greedy?
+    treedec spec --draft draft-model --accept sample --temperature 0.8
+    treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
+        --prompt "Tell me a story" --json-out spec.json
+
+Prints the draft, the acceptance rule, tokens per verification step, the accepted-length
+histogram and tokens/s; ``--check`` (greedy acceptance) also decodes plainly and checks
+the tokens are the same. ``--json-out`` writes every step's accepted length, draft size
+and times. Without ``--model`` the target is the tiny random model (and Medusa heads,
+if not given, are untrained; the draft model, if not given, is the target's own weights).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from treedec.engine import Engine, from_config, from_pretrained
+from treedec.replay.command import DTYPES, load_model
+from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
+from treedec.search.draft_model import DraftModelDraft
+from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative import (PromptLookupDraft, SpeculativeStats, TreeDraft, greedy_generate,
+                                        speculative_generate)
+from treedec.tree.token_tree import TokenTree
+
+DRAFTS = ("ngram", "medusa", "draft-model", "tree")
+ACCEPTS = ("greedy", "typical", "sample")
+DEFAULT_TEXT = "Speculative decoding verifies a whole tree of draft tokens in one step. Speculative decoding"
+
+
+def add_spec_parser(sub) -> None:
+    p = sub.add_parser("spec", help="speculative decoding with a token-tree draft; acceptance stats per step",
+                       description="Speculative decoding: each step a draft source proposes a token tree, one "
+                                   "engine step verifies all of it, an acceptance rule keeps a path (its K/V "
+                                   "kept, the rest freed).")
+    p.add_argument("--draft", choices=DRAFTS, default="ngram", help="draft source (default ngram)")
+    p.add_argument("--accept", choices=ACCEPTS, default="greedy",
+                   help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
+                        "rejection sampling)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", help="a local Hugging Face checkpoint directory")
+    model.add_argument("--config", help="a named model size with random weights (default: tiny, on the CPU)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs --model with a tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (default for random weights: "
+                                             "random ids with a repeated phrase)")
+    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
+    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--kv-tokens", type=_positive_int,
+                   help="KV pool size (default on the CPU: prompt + max new tokens + 2048; on a GPU: free memory)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and sampling")
+    g = p.add_argument_group("acceptance")
+    g.add_argument("--temperature", type=float, help="typical / sample (default 0.7 / 1.0)")
+    g.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon (default 0.09)")
+    g.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta (default 0.3)")
+    g = p.add_argument_group("drafts")
+    g.add_argument("--medusa", help="Medusa head checkpoint (file or directory); default: untrained heads")
+    g.add_argument("--medusa-heads", type=_positive_int, default=4, help="untrained heads (default 4)")
+    g.add_argument("--medusa-choices", help="JSON list of index paths, e.g. '[[0],[1],[0,0]]' (medusa, tree); "
+                                            f"default {len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
+    g.add_argument("--draft-model", help="draft model checkpoint directory (same vocabulary as the target)")
+    g.add_argument("--draft-config", help="draft model: a named size with random weights (default with random "
+                                          "target weights: the target's size and seed, i.e. its own weights)")
+    g.add_argument("--draft-seed", type=int, help="seed of the random draft model (default --seed)")
+    g.add_argument("--depth", type=_positive_int, default=4, help="draft-model tree depth (default 4)")
+    g.add_argument("--top-k", type=_positive_int, default=4, help="draft-model expansion width (default 4)")
+    g.add_argument("--total-tokens", type=_positive_int, default=16, help="draft-model tree size (default 16)")
+    g.add_argument("--max-ngram", type=_positive_int, default=3, help="ngram: longest n-gram (default 3)")
+    g.add_argument("--num-draft-tokens", type=_positive_int, default=8, help="ngram: tokens per match (default 8)")
+    g.add_argument("--max-matches", type=_positive_int, default=2, help="ngram: continuations merged (default 2)")
+    g.add_argument("--tree-json", help="tree: JSON file with 'parents' or 'choices', and 'tokens' (the draft "
+                                       "tokens, replayed every step); default the --medusa-choices shape with "
+                                       "seeded random tokens")
+    p.add_argument("--check", action="store_true", help="greedy: also decode plainly and check the tokens are equal")
+    p.add_argument("--json-out", help="write the results JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_spec(args: argparse.Namespace) -> int:
+    """Run ``treedec spec``; returns the exit code (1 when ``--check`` finds a difference)."""
+    if args.check and args.accept != "greedy":
+        raise ValueError(f"--check compares with plain greedy decoding and needs --accept greedy, "
+                         f"got --accept {args.accept}")
+    choices = _choices(args.medusa_choices)
+    rule = _rule(args)                       # parameters checked before any model is loaded
+    model, model_name = load_model(args)
+    prompt, tokenizer = _prompt(args, model)
+    kv_tokens = args.kv_tokens
+    if kv_tokens is None and model.device.type != "cuda":
+        kv_tokens = len(prompt) + args.max_new_tokens + 2048
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+    draft, draft_note = _draft(args, model, choices, kv_tokens)
+    print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
+          f"{engine.attn.backend} backend, page size {args.page_size}; prompt {len(prompt)} tokens")
+    print(f"draft: {draft_note}")
+    print(f"acceptance: {rule}")
+
+    progress = _progress(args)
+    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule,
+                                         on_step=lambda s, n: progress(s, n))
+    progress(stats, len(tokens), close=True)
+    summary = summarize(stats, len(tokens))
+    check = _check(args, model, prompt, tokens, kv_tokens) if args.check else None
+    _print_summary(summary, check)
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(tokens)!r}")
+    if args.json_out:
+        results = {
+            "command": "spec", "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
+            "draft": {"kind": args.draft, "description": draft_note}, "acceptance": {"rule": args.accept,
+                                                                                     "repr": repr(rule)},
+            "prompt_ids": prompt, "tokens": tokens,
+            "text": None if tokenizer is None else tokenizer.decode(tokens),
+            "steps": [{"accepted": a, "draft_tokens": d, "draft_ms": round(ds * 1e3, 3),
+                       "verify_ms": round(vs * 1e3, 3)}
+                      for a, d, ds, vs in zip(stats.accepted, stats.draft_sizes, stats.draft_seconds,
+                                              stats.verify_seconds)],
+            "summary": summary, "check": check,
+        }
+        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {args.json_out}")
+    return 1 if check is not None and not check["equal"] else 0
+
+
+def summarize(stats: SpeculativeStats, num_tokens: int) -> dict:
+    """Run totals: steps, tokens per step, accepted-length mean and histogram, times, tokens/s."""
+    decode_s = sum(stats.draft_seconds) + sum(stats.verify_seconds)
+    return {
+        "new_tokens": num_tokens, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 3),
+        "accepted_mean": round(float(np.mean(stats.accepted)), 3) if stats.accepted else 0.0,
+        "accepted_histogram": {str(k): v for k, v in sorted(Counter(stats.accepted).items())},
+        "draft_tokens_mean": round(float(np.mean(stats.draft_sizes)), 3) if stats.draft_sizes else 0.0,
+        "prefill_ms": round(stats.prefill_seconds * 1e3, 3), "draft_ms": round(sum(stats.draft_seconds) * 1e3, 3),
+        "verify_ms": round(sum(stats.verify_seconds) * 1e3, 3),
+        # the first token comes from the prefill; the others from the verification steps
+        "decode_tokens_per_second": round((num_tokens - 1) / decode_s, 2) if decode_s > 0 else None,
+        "tokens_per_second": round(num_tokens / (stats.prefill_seconds + decode_s), 2),
+    }
+
+
+# ================================================================ private
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def _choices(text: str | None) -> list[list[int]]:
+    if text is None:
+        return [list(c) for c in DEFAULT_MEDUSA_CHOICES]
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--medusa-choices must be a JSON list of index paths, e.g. '[[0],[1],[0,0]]': {e}") from None
+    TokenTree.from_medusa_choices(choices)   # the tree's own checks, before anything is loaded
+    return choices
+
+
+def _rule(args: argparse.Namespace):
+    if args.accept == "greedy":
+        return GreedyAcceptance()
+    if args.accept == "typical":
+        return TypicalAcceptance(temperature=0.7 if args.temperature is None else args.temperature,
+                                 posterior_threshold=args.posterior_threshold,
+                                 posterior_alpha=args.posterior_alpha, seed=args.seed)
+    return RejectionSampling(temperature=1.0 if args.temperature is None else args.temperature, seed=args.seed)
+
+
+def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
+    """The prompt ids and the tokenizer (of ``--model``, when it has one)."""
+    vocab = model.config.vocab_size
+    tokenizer = None
+    if args.model is not None:
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}") from None
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if not ids or bad:
+            raise ValueError(f"--prompt-ids must be token ids in [0, {vocab}), got {args.prompt_ids!r}")
+        return ids, tokenizer
+    if args.prompt is not None or args.model is not None:
+        if tokenizer is None:
+            raise ValueError(f"--prompt needs a tokenizer: {args.model or 'random weights'} has none; "
+                             f"give --prompt-ids instead")
+        return tokenizer(args.prompt or DEFAULT_TEXT)["input_ids"], tokenizer
+    rng = np.random.default_rng(args.seed)
+    phrase = rng.integers(0, vocab, 6).tolist()
+    return rng.integers(0, vocab, 5).tolist() + phrase + rng.integers(0, vocab, 4).tolist() + phrase, None
+
+
+def _draft(args: argparse.Namespace, model, choices: list[list[int]], kv_tokens: int | None):
+    """The draft source and a line that says what it is."""
+    if args.draft == "ngram":
+        draft = PromptLookupDraft(max_ngram=args.max_ngram, num_draft_tokens=args.num_draft_tokens,
+                                  max_matches=args.max_matches)
+        return draft, f"prompt lookup {draft}"
+    if args.draft == "medusa":
+        if args.medusa is not None:
+            heads = load_medusa_heads(args.medusa, model)
+            note = f"Medusa heads from {args.medusa}"
+        else:
+            heads = MedusaHeads.untrained(model, num_heads=args.medusa_heads, seed=args.seed)
+            note = ("UNTRAINED Medusa heads (Medusa's initialisation: zero ResBlocks, lm_head copies), so "
+                    "acceptance is low; pass --medusa PATH for trained heads")
+        draft = MedusaDraft(heads, choices)
+        return draft, (f"{note}; {heads.num_heads} heads x {heads.num_layers} ResBlock(s), "
+                       f"{draft.tree.size - 1} draft tokens per step")
+    if args.draft == "draft-model":
+        draft_model, note = _draft_model(args, model)
+        engine = Engine(draft_model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+        return draft, f"draft model {note}; depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
+    return _tree_draft(args, model.config.vocab_size, choices)
+
+
+def _draft_model(args: argparse.Namespace, model):
+    if args.draft_model is not None:
+        return from_pretrained(args.draft_model, dtype=model.dtype, device=model.device), args.draft_model
+    if args.model is not None and args.draft_config is None:
+        raise ValueError("--draft draft-model with --model needs --draft-model PATH (a small model with the "
+                         "target's vocabulary) or --draft-config NAME (random weights)")
+    name = args.draft_config or args.config or "tiny"
+    seed = args.seed if args.draft_seed is None else args.draft_seed
+    same = args.draft_config in (None, args.config) and seed == args.seed and args.model is None
+    note = f"{name} (random weights, seed {seed})" + (": the target's own weights, so every draft token the "
+                                                       "tree holds along the greedy path is accepted" if same else "")
+    return from_config(name, seed=seed, dtype=model.dtype, device=model.device), note
+
+
+def _tree_draft(args: argparse.Namespace, vocab: int, choices: list[list[int]]):
+    if args.tree_json is None:
+        tree = TokenTree.from_medusa_choices(choices)
+        tokens = np.random.default_rng(args.seed).integers(0, vocab, tree.size - 1).tolist()
+        return TreeDraft(tree, tokens), (f"fixed tree of {tree.size - 1} seeded random draft tokens (the "
+                                         f"--medusa-choices shape), replayed every step")
+    spec = json.loads(Path(args.tree_json).read_text())
+    if not isinstance(spec, dict) or ("parents" in spec) == ("choices" in spec) or "tokens" not in spec:
+        raise ValueError(f"--tree-json {args.tree_json} must hold an object with 'parents' or 'choices' (one of "
+                         f"them) and 'tokens'")
+    tree = TokenTree(tuple(spec["parents"])) if "parents" in spec else TokenTree.from_medusa_choices(spec["choices"])
+    return TreeDraft(tree, spec["tokens"]), f"tree from {args.tree_json}: {tree.size - 1} draft tokens every step"
+
+
+def _progress(args: argparse.Namespace):
+    """``update(stats, emitted, close=False)`` for a tqdm bar over the new tokens (a no-op with --no-progress)."""
+    if args.no_progress:
+        return lambda stats, emitted, close=False: None
+    from tqdm import tqdm
+    bar = tqdm(total=args.max_new_tokens, desc=f"spec [{args.draft}/{args.accept}]", unit="tok")
+
+    def update(stats: SpeculativeStats, emitted: int, close: bool = False) -> None:
+        bar.update(emitted - bar.n)
+        if stats.steps:
+            bar.set_postfix(accepted=f"{np.mean(stats.accepted):.2f}", refresh=False)
+        if close:
+            bar.close()
+    return update
+
+
+def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int | None) -> dict:
+    """Plain greedy decoding of the same prompt: equal tokens? (and its speed, for comparison)."""
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+    start = time.perf_counter()
+    plain = greedy_generate(engine, prompt, len(tokens))
+    seconds = time.perf_counter() - start
+    first = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
+    return {"equal": plain == tokens, "first_difference": first,
+            "plain_tokens_per_second": round(len(plain) / seconds, 2)}
+
+
+def _print_summary(s: dict, check: dict | None) -> None:
+    print(f"{s['new_tokens']} new tokens in {s['steps']} verification steps: {s['tokens_per_step']:.2f} tokens/step "
+          f"(accepted {s['accepted_mean']:.2f} of {s['draft_tokens_mean']:.1f} draft tokens per step)")
+    print(f"accepted length histogram: {s['accepted_histogram']}")
+    rate = s["decode_tokens_per_second"]
+    print(f"time: prefill {s['prefill_ms']:.1f} ms, draft {s['draft_ms']:.1f} ms, verify {s['verify_ms']:.1f} ms; "
+          f"{s['tokens_per_second']:.1f} tokens/s ({'-' if rate is None else f'{rate:.1f}'} after the prefill)")
+    if check is not None:
+        print("check: equal to plain greedy decoding" if check["equal"] else
+              f"check: MISMATCH with plain greedy decoding at new token {check['first_difference']}")
+        print(f"plain greedy decoding: {check['plain_tokens_per_second']:.1f} tokens/s (prefill included)")
