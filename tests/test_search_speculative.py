@@ -5,7 +5,8 @@ import torch
 
 from treedec.engine import greedy
 from treedec.errors import TreeError
-from treedec.search.speculative import PromptLookupDraft, TreeDraft, speculative_generate, verify_greedy
+from treedec.search.speculative import (PromptLookupDraft, TreeDraft, greedy_generate, speculative_generate,
+                                        verify_greedy)
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 
@@ -144,3 +145,12 @@ def test_verify_errors_change_nothing(tiny):
 class _BadRoot:
     def propose(self, sequence_tokens):
         return TokenTree.chain(1), [0 if sequence_tokens[-1] else 1, 5]
+
+
+def test_greedy_generate_is_plain_greedy(tiny, reference):
+    prompt, ref = reference
+    engine = make_engine(tiny)
+    assert greedy_generate(engine, prompt, 12) == ref[:12]
+    assert engine.stats["steps"] == 12 and engine.tree.sequence(engine.tree.roots[0]) == prompt + ref[:11]
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
+        greedy_generate(make_engine(tiny), prompt, 0)

@@ -108,8 +108,7 @@ def run_spec(args: argparse.Namespace) -> int:
     print(f"acceptance: {rule}")
 
     progress = _progress(args)
-    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule,
-                                         on_step=lambda s, n: progress(s, n))
+    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule, on_step=progress)
     progress(stats, len(tokens), close=True)
     summary = summarize(stats, len(tokens))
     check = _check(args, model, prompt, tokens, kv_tokens) if args.check else None
