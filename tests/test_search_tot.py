@@ -12,6 +12,7 @@ from bench.tot import main as bench_tot_main
 from treedec.cli import main as cli_main
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.search.game24 import Game24Task
 from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_bfs, tot_dfs
 from tests.engines import tiny_model
 
@@ -264,6 +265,31 @@ def test_cli_tot_writes_results(tmp_path, capsys):
     assert "thought tok" in printed and "ToT-BFS on the Game of 24 [4, 9, 10, 13]" in printed
     with pytest.raises(ValueError, match="BFSConfig.k must be an int >= 1, got 0"):
         cli_main(["tot", "--k", "0", "--no-progress"])
+
+
+def test_cli_tot_with_a_checkpoint_and_its_tokenizer(tmp_path):
+    """``--model DIR`` loads the checkpoint and the tokenizer saved with it (BOS before the prompt only)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.test_engine_llama import tiny_hf
+
+    tiny_hf("llama", seed=3).save_pretrained(tmp_path)
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}, "<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")   # one token per character
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>").save_pretrained(tmp_path)
+    out = tmp_path / "tot.json"
+    assert cli_main(["tot", "--model", str(tmp_path), "--k", "2", "--n", "1", "--depth", "2", "--thought-max-tokens",
+                     "3", "--value-max-tokens", "2", "--no-check-steps", "--no-progress", "--kv-tokens", "4096",
+                     "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["tokenizer"] == str(tmp_path) and results["model"] == str(tmp_path)
+    root = Game24Task((4, 9, 10, 13)).root_prompt()
+    assert results["result"]["prompt_tokens"] == 1 + len(root)   # BOS + one token per character
+    assert [lv["thoughts"] for lv in results["result"]["levels"]] == [2, 2] and results["pages_free_at_end"]
 
 
 def test_bench_tot_smoke(tmp_path):
