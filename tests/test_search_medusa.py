@@ -96,6 +96,9 @@ def test_loader_errors(tiny, tmp_path):
     (tmp_path / "heads.txt").write_text("x")
     with pytest.raises(ValueError, match="must be a .safetensors, .pt"):
         load_medusa_heads(tmp_path / "heads.txt", tiny)
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")       # a pickled module, not a state dict
+    with pytest.raises(ValueError, match="could not be read as a state dict of tensors"):
+        load_medusa_heads(tmp_path / "module.pt", tiny)
     other = from_config("tiny", dtype=torch.float32, device="cpu").config
     wide = MedusaHeads(other.hidden_size, 1000, 2).medusa_head.state_dict()
     with pytest.raises(ValueError, match=r"'0.1.weight' has shape \[1000, 128\], expected \[512, 128\] for a model "

@@ -14,6 +14,7 @@ and ``{head}.{num_layers}.weight`` [vocab, hidden] (optionally under ``medusa_he
 """
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Sequence
@@ -222,7 +223,10 @@ def _read_state_dict(file: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
         return load_file(str(file), device="cpu")
     if file.suffix in (".pt", ".bin", ".pth"):
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            raise ValueError(f"{file} could not be read as a state dict of tensors: {e}") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise ValueError(f"{file} does not hold a state dict of tensors")
         return state

@@ -59,7 +59,8 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=_positive_int, default=16)
     p.add_argument("--kv-tokens", type=_positive_int,
-                   help="KV pool size (default on the CPU: prompt + max new tokens + 2048; on a GPU: free memory)")
+                   help="KV pool size of each engine (target, draft model, --check); default prompt + max new "
+                        "tokens + 2048 (room for the draft trees)")
     p.add_argument("--seed", type=int, default=0, help="random weights and sampling")
     g = p.add_argument_group("acceptance")
     g.add_argument("--temperature", type=float, help="typical / sample (default 0.7 / 1.0)")
@@ -97,9 +98,8 @@ def run_spec(args: argparse.Namespace) -> int:
     rule = _rule(args)                       # parameters checked before any model is loaded
     model, model_name = load_model(args)
     prompt, tokenizer = _prompt(args, model)
-    kv_tokens = args.kv_tokens
-    if kv_tokens is None and model.device.type != "cuda":
-        kv_tokens = len(prompt) + args.max_new_tokens + 2048
+    # a fixed size, not the GPU's free memory: the draft model and --check need engines too
+    kv_tokens = args.kv_tokens or len(prompt) + args.max_new_tokens + 2048
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
     draft, draft_note = _draft(args, model, choices, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
@@ -213,7 +213,7 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
     return rng.integers(0, vocab, 5).tolist() + phrase + rng.integers(0, vocab, 4).tolist() + phrase, None
 
 
-def _draft(args: argparse.Namespace, model, choices: list[list[int]], kv_tokens: int | None):
+def _draft(args: argparse.Namespace, model, choices: list[list[int]], kv_tokens: int):
     """The draft source and a line that says what it is."""
     if args.draft == "ngram":
         draft = PromptLookupDraft(max_ngram=args.max_ngram, num_draft_tokens=args.num_draft_tokens,
@@ -282,7 +282,7 @@ def _progress(args: argparse.Namespace):
     return update
 
 
-def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int | None) -> dict:
+def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int) -> dict:
     """Plain greedy decoding of the same prompt: equal tokens? (and its speed, for comparison)."""
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
     start = time.perf_counter()
