@@ -236,7 +236,9 @@ def _check_pool(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> None:
     grow = [n for n in leaves if n not in doomed and n not in plan.branch]
     for node in plan.prune:   # a parent whose children all go is a leaf again and takes a token
         parent = tree.parent(node)
-        if parent is not None and parent not in grow and not tree.is_paused(parent) and all(c in doomed for c in tree.children(parent)):
+        if parent is None or parent in grow or tree.is_paused(parent):
+            continue
+        if all(c in doomed for c in tree.children(parent)):
             grow.append(parent)
     need = sum(tree.pages_to_extend(n, len(plan.extend.get(n, (0,)))) for n in grow)
     need += sum(k * tree.pool.pages_for(1) for k in plan.branch.values())
