@@ -1,6 +1,5 @@
 """Draft-model drafts (tiny models, CPU): EAGLE-2-style trees from the draft's own tree steps,
 its K/V of the accepted path kept, and greedy speculative decoding equal to plain greedy."""
-import numpy as np
 import pytest
 import torch
 

@@ -21,7 +21,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from treedec.engine import Engine, from_config, from_pretrained
 from treedec.replay.command import DTYPES, load_model
