@@ -14,7 +14,7 @@ from treedec import PlanConfig, TreeAttention
 from treedec.attention import make_plan, reference_tree_attention
 from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree
-from tests.trees import random_forest, rel_error
+from tests.trees import poison_free_slots, random_forest, rel_error
 
 triton_kernels = pytest.importorskip("treedec.kernels.triton_tree_attention")
 run_plan_triton = triton_kernels.run_plan_triton
@@ -22,16 +22,6 @@ run_plan_triton = triton_kernels.run_plan_triton
 pytestmark = pytest.mark.triton
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-
-
-def poison_free_slots(tree: SequenceTree) -> None:
-    """NaN in every pool slot that no tree token owns: reading one would show in the output."""
-    used = torch.from_numpy(tree.layout().kv_slots)
-    for cache in (tree.pool.k, tree.pool.v):
-        flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
-        keep = flat[used].clone()
-        flat.fill_(float("nan"))
-        flat[used] = keep
 
 
 def run_both(tree, layout, config, group, dtype, device, seed=0, **kwargs):

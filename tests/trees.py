@@ -44,6 +44,16 @@ def random_forest(rng: np.random.Generator, page_size: int, num_kv_heads: int = 
     return tree
 
 
+def poison_free_slots(tree: SequenceTree) -> None:
+    """NaN in every pool slot that no tree token owns: reading one would show in the output."""
+    used = torch.from_numpy(tree.layout().kv_slots)
+    for cache in (tree.pool.k, tree.pool.v):
+        flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+        keep = flat[used].clone()
+        flat.fill_(float("nan"))
+        flat[used] = keep
+
+
 def path_slots(tree: SequenceTree, node: int, offset: int) -> np.ndarray:
     """Slots a query token reads, from the tree's own path API (independent of layouts)."""
     path = tree.path(node)

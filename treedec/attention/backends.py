@@ -21,8 +21,13 @@ def triton_status(device: torch.device) -> str | None:
 
 
 def cuda_status(device: torch.device) -> str | None:
-    """None if the cuda backend can run on ``device``, else the reason it cannot."""
-    return "the cuda backend (CuTe block-sparse kernels) is not built yet; use 'triton' or 'torch'"
+    """None if the cuda backend can be built and run on ``device``, else the reason it cannot.
+
+    Nothing is compiled here: the extension is built (or loaded from its disk cache) on
+    first use, and a build failure raises BackendUnavailableError then.
+    """
+    from treedec.kernels.cuda_build import build_problem
+    return build_problem(device)
 
 
 def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:

@@ -63,8 +63,13 @@ class TreeAttention:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             num_sms = plan_config.num_sms
-        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
+        query_tile = plan_config.query_tile
+        if query_tile is None and self.backend == "cuda":  # fill the cuda kernel's 128-row units
+            from treedec.kernels.cuda_tree_attention import default_query_tile
+            query_tile = default_query_tile(head_dim, num_qo_heads // num_kv_heads)
+        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms,
+                                               query_tile=query_tile)
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 
     def plan(self, tree: SequenceTree | TreeLayout) -> DeviceTreePlan:
@@ -99,6 +104,9 @@ class TreeAttention:
         elif self.backend == "triton":
             from treedec.kernels.triton_tree_attention import run_plan_triton
             out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
+        elif self.backend == "cuda":
+            from treedec.kernels.cuda_tree_attention import run_plan_cuda
+            out, lse = run_plan_cuda(q, k_cache, v_cache, plan, self.sm_scale)
         else:  # resolve_backend only lets runnable backends through
             raise AssertionError(f"backend {self.backend!r} has no runner")
         out = out.to(q.dtype)

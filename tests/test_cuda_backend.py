@@ -1,0 +1,202 @@
+"""The cuda backend (treedec/kernels/cuda/*, cuda_tree_attention.py, StaticTreeAttention).
+
+On the CPU: the kernel sources compile with this machine's nvcc for sm_90a. On a GPU
+(``-m gpu``): results match the dense fp32 reference and the torch plan executor on random
+forests, page sizes, dtypes, head dims and GQA ratios; runs are bitwise deterministic; a
+captured CUDA graph replays correctly for new trees planned into the same buffers.
+"""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from treedec import PlanConfig, TreeAttention
+from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
+from treedec.attention.torch_executor import run_plan_torch
+from treedec.errors import PlanError
+from treedec.kernels.cuda_build import compile_sources
+from treedec.tree import PagedKVPool, SequenceTree
+from treedec.workloads.deft import medusa_tree
+from tests.trees import poison_free_slots, random_forest, rel_error
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+def test_kernel_sources_compile_for_sm90(tmp_path):
+    objects = compile_sources("sm_90a", tmp_path)
+    assert [o.name for o in objects] == ["partial_fp16.sm_90a.o", "partial_bf16.sm_90a.o", "dispatch.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def run_cuda(tree, config, group, dtype, seed=0):
+    from treedec.kernels.cuda_tree_attention import run_plan_cuda
+    k_cache, v_cache = (c.cuda() for c in tree.pool.layer(0))
+    plan = make_plan(tree.layout(), config, group)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
+    out, lse = run_plan_cuda(q, k_cache, v_cache, plan.to("cuda"), d ** -0.5)
+    return out, lse, plan, q, k_cache, v_cache
+
+
+def check(out, lse, plan, q, k_cache, v_cache, tol):
+    sm_scale = q.shape[-1] ** -0.5
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, sm_scale)
+    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, sm_scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out.float()).all()
+    assert rel_error(out, ref) < tol, f"{rel_error(out, ref)=}"
+    assert rel_error(out, via_plan) < tol, f"{rel_error(out, via_plan)=}"
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile
+    (0, 16, 2, 4, 128, torch.float16, "flatten", 64, 16),
+    (1, 1, 1, 4, 128, torch.bfloat16, "flatten", 64, 16),
+    (2, 16, 2, 1, 64, torch.float16, "flatten", 128, 64),
+    (3, 4, 1, 3, 64, torch.bfloat16, "node_chunk", 96, 5),
+    (4, 16, 1, 8, 256, torch.float16, "flatten", 32, 8),
+    (5, 16, 2, 4, 256, torch.bfloat16, "node", None, 16),
+    (6, 1, 1, 80, 64, torch.float16, "flatten", 64, 3),     # more heads per KV head than rows per unit
+    (7, 16, 2, 2, 128, torch.bfloat16, "path", None, 32),
+    (8, 4, 3, 5, 128, torch.float16, "flatten", 4096, 16),
+    (9, 16, 1, 4, 64, torch.bfloat16, "flatten", 32, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seed,page_size,hkv,group,head_dim,dtype,planner,chunk_size,query_tile", CASES)
+def test_matches_references_on_random_forests(seed, page_size, hkv, group, head_dim, dtype, planner,
+                                              chunk_size, query_tile):
+    rng = np.random.default_rng(seed)
+    tree = random_forest(rng, page_size, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, max_nodes=12)
+    poison_free_slots(tree)
+    check(*run_cuda(tree, PlanConfig(planner, chunk_size=chunk_size, query_tile=query_tile), group, dtype, seed),
+          TOLERANCE[dtype])
+
+
+def prompt_with_token_tree(prompt_len: int, tree_size: int, page_size=16, hkv=8, d=128, dtype=torch.bfloat16):
+    pool = PagedKVPool(num_pages=(prompt_len + tree_size) // page_size + 8, page_size=page_size, num_layers=1,
+                       num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(np.arange(prompt_len) % 1000)
+    tree.commit_step()
+    medusa = medusa_tree(tree_size)
+    tree.add_token_tree(root, np.arange(tree_size), medusa.parents)
+    pool.k.normal_(generator=torch.Generator().manual_seed(1))
+    pool.v.normal_(generator=torch.Generator().manual_seed(2))
+    return tree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prompt_len,tree_size,planner,chunk_size", [
+    (4000, 64, "flatten", None), (3000, 256, "flatten", 256), (10000, 64, "node", None)])
+def test_medusa_tree_over_long_prompt(prompt_len, tree_size, planner, chunk_size):
+    """Many entries per chunk, auto chunk sizes, and (node planner) chunks longer than one live-tile segment."""
+    tree = prompt_with_token_tree(prompt_len, tree_size)
+    check(*run_cuda(tree, PlanConfig(planner, chunk_size=chunk_size), 4, torch.bfloat16), TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_runs_are_bitwise_deterministic():
+    tree = prompt_with_token_tree(3000, 64)
+    first = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
+    second = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tree_attention_auto_picks_cuda_and_rejects_fp32():
+    attn = TreeAttention(8, 2, 64, backend="auto", device="cuda")
+    assert attn.backend == "cuda" and "cuda" in attn.backend_reason
+    tree = random_forest(np.random.default_rng(0), 16, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    plan = attn.plan(tree)
+    k, v = (c.cuda() for c in tree.pool.layer(0))
+    with pytest.raises(TypeError, match="fp32|float32"):
+        attn.run(torch.randn(plan.plan.num_queries, 8, 64, device="cuda"), k, v, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graph_replays_new_trees():
+    """Capture run() once; plan() other trees into the same buffers; replay == reference."""
+    hkv, group, d, dtype = 2, 4, 128, torch.float16
+    pool = PagedKVPool(num_pages=1024, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                       device="cuda")
+    pool.k.normal_()
+    pool.v.normal_()
+    bounds = PlanBounds(max_queries=128, max_tokens=8192)
+    attn = StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, PlanConfig("flatten"))
+    q_static = torch.zeros(bounds.max_queries, hkv * group, d, dtype=dtype, device="cuda")
+    k_cache, v_cache = pool.layer(0)
+    rng = np.random.default_rng(0)
+
+    def new_tree():
+        tree = SequenceTree(pool)
+        root = tree.add_prompt(rng.integers(0, 100, int(rng.integers(100, 3000))))
+        tree.commit_step()
+        kids = tree.branch(root, [rng.integers(0, 100, int(rng.integers(1, 200))) for _ in range(rng.integers(1, 6))])
+        tree.commit_step()
+        for kid in kids:
+            m = int(rng.integers(1, 20))
+            tree.add_token_tree(kid, rng.integers(0, 100, m), [int(rng.integers(-1, i)) for i in range(m)])
+        return tree
+
+    tree = new_tree()
+    attn.plan(tree)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (builds, sets kernel attributes) outside the capture
+        attn.run(q_static, k_cache, v_cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attn.run(q_static, k_cache, v_cache)
+    for step in range(4):
+        if step:
+            tree.commit_step()
+            for root in list(tree.roots):
+                tree.prune(root)
+            tree = new_tree()
+        host = attn.plan(tree)
+        n = host.num_queries
+        q_static[:n] = torch.randn(n, hkv * group, d, device="cuda", dtype=dtype)
+        graph.replay()
+        ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
+        assert rel_error(out[:n], ref) < TOLERANCE[dtype]
+        torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_plan_over_bounds_raises_and_keeps_the_previous_plan():
+    pool = PagedKVPool(num_pages=256, page_size=16, num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float16,
+                       device="cuda")
+    attn = StaticTreeAttention(4, 1, 64, torch.float16, PlanBounds(max_queries=8, max_tokens=1024))
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(np.arange(100))
+    tree.commit_step()
+    tree.extend(root, [1])
+    first = attn.plan(tree)
+    tree.commit_step()
+    tree.add_token_tree(root, np.arange(16), [-1] + list(range(15)))
+    with pytest.raises(PlanError, match="max_queries"):
+        attn.plan(tree)
+    assert attn.current is first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_python_rows_table_matches_the_kernels():
+    from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, extension
+    ext = extension(torch.device("cuda"))
+    for bf16 in (False, True):
+        assert {d: ext.rows_per_unit(bf16, d) for d in ROWS_PER_UNIT} == ROWS_PER_UNIT
+        assert all(ext.ctas_per_sm(bf16, d) >= 1 for d in ROWS_PER_UNIT)

@@ -1,0 +1,77 @@
+"""treedec/attention/persistent_schedule.py: units cover the plan's work once, balanced over CTAs."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from treedec import PlanConfig
+from treedec.attention import make_plan, schedule_units
+from treedec.attention.persistent_schedule import COST_PER_UNIT, live_kv_tokens
+from tests.trees import random_forest
+
+
+def plan_for(seed: int, chunk_size: int = 32, query_tile: int = 4):
+    tree = random_forest(np.random.default_rng(seed), page_size=4, num_kv_heads=1, max_nodes=10)
+    return make_plan(tree.layout(), PlanConfig("flatten", chunk_size=chunk_size, query_tile=query_tile))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), group=st.sampled_from([1, 3, 4, 8, 80]), hkv=st.integers(1, 3),
+       ctas=st.integers(1, 40), rows=st.sampled_from([16, 64]))
+def test_units_cover_every_item_head_and_row_once(seed, group, hkv, ctas, rows):
+    plan = plan_for(seed)
+    s = schedule_units(plan, group, hkv, ctas, rows)
+    assert s.cta_unit_start[0] == 0 and s.cta_unit_start[-1] == s.num_units
+    assert np.all(np.diff(s.cta_unit_start) >= 0)
+    chunk, head, entry_start, row_begin, row_end = s.unit_info.T
+    assert np.all(row_end - row_begin <= rows) and np.all(row_end > row_begin)
+    covered = set()
+    for c, h, e, b, end in s.unit_info.tolist():
+        for r in range(b, end):
+            key = (c, h, e, r)
+            assert key not in covered
+            covered.add(key)
+    expected = {(int(plan.item_chunk[i]), h, int(plan.item_entry_start[i]), r)
+                for i in range(plan.num_items) for h in range(hkv)
+                for r in range(int(plan.item_num_entries[i]) * group)}
+    assert covered == expected
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 64))
+def test_greedy_assignment_is_within_the_list_scheduling_bound(seed, ctas):
+    """Loads add up to the units' costs; no CTA carries more than the mean load plus the heaviest unit."""
+    plan = plan_for(seed, chunk_size=16, query_tile=2)
+    s = schedule_units(plan, 4, 2, ctas)
+    costs = unit_costs(plan, s)
+    assert s.cta_cost.sum() == pytest.approx(costs.sum())
+    cta_of_unit = np.repeat(np.arange(ctas), np.diff(s.cta_unit_start))
+    per_cta = np.bincount(cta_of_unit, weights=costs, minlength=ctas)
+    np.testing.assert_allclose(per_cta, s.cta_cost)
+    assert s.cta_cost.max() <= costs.sum() / ctas + costs.max() + 1e-9
+    assert s.imbalance() >= 1.0
+
+
+def unit_costs(plan, s) -> np.ndarray:
+    """Each unit's cost from the cost model, recomputed from its fields."""
+    live = dict(zip(zip(plan.item_chunk.tolist(), plan.item_entry_start.tolist()), live_kv_tokens(plan).tolist()))
+    return np.array([COST_PER_UNIT + (end - begin) + live[(c, e)] for c, _, e, begin, end in s.unit_info.tolist()])
+
+
+def test_live_tokens_count_only_tiles_some_entry_reads():
+    plan = plan_for(3, chunk_size=256, query_tile=64)
+    live = live_kv_tokens(plan)
+    chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
+    assert np.all(live <= chunk_len) and np.all(live > 0)
+    for i in range(plan.num_items):
+        e0, n = plan.item_entry_start[i], plan.item_num_entries[i]
+        words = np.bitwise_or.reduce(plan.entry_mask[e0:e0 + n], axis=0)
+        tiles = {t // 64 for t in range(int(chunk_len[i])) if (words[t // 32] >> (t % 32)) & 1}
+        assert live[i] == min(len(tiles) * 64, chunk_len[i])
+
+
+@pytest.mark.parametrize("name,value", [("group", 0), ("num_kv_heads", -1), ("num_ctas", 0), ("rows_per_unit", 0)])
+def test_bad_arguments_raise(name, value):
+    args = dict(group=4, num_kv_heads=2, num_ctas=8, rows_per_unit=64)
+    args[name] = value
+    with pytest.raises(ValueError, match=name):
+        schedule_units(plan_for(0), **args)

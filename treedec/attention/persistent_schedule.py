@@ -1,0 +1,126 @@
+"""Load-balanced schedule of a TreePlan's work on a persistent grid (the ``cuda`` backend).
+
+The cuda kernel runs a fixed grid of CTAs (about the GPU's resident capacity); each CTA
+loops over its list of *units*. A unit is one work item's chunk for one KV head and at
+most ``rows_per_unit`` of the item's rows (row ``r = local_entry * group + g``: entry
+``local_entry`` of the item, query head ``kv_head * group + g``), so any GQA ratio fits.
+
+Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
+longest-processing-time first; FlashInfer paper section 3.3.1): here the KV tokens are the
+*live* ones, the 64-token tiles that some entry of the item reads (the kernel skips the
+others), and every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas``
+units (vectorized): the heaviest remaining units go to the least-loaded CTAs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from treedec.attention.tree_plan import MASK_BITS, TreePlan
+
+UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end")
+TILE_TOKENS = 64          # cost granularity: the kernel's KV tile for head dims 64/128
+COST_PER_ROW = 1.0        # a: per query row of a unit
+COST_PER_KV_TOKEN = 1.0   # b: per live KV token
+COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, live-tile scan)
+
+
+@dataclass(frozen=True)
+class PersistentSchedule:
+    """Units and their CTA assignment.
+
+    Attributes
+    ----------
+    cta_unit_start : [num_ctas + 1] int32
+        CTA b runs units ``cta_unit_start[b]:cta_unit_start[b + 1]`` in order.
+    unit_info : [U, 5] int32
+        Per unit, the :data:`UNIT_FIELDS`.
+    cta_cost : [num_ctas] float64
+        Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
+    """
+
+    cta_unit_start: np.ndarray
+    unit_info: np.ndarray
+    cta_cost: np.ndarray
+
+    @property
+    def num_ctas(self) -> int:
+        return len(self.cta_unit_start) - 1
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_info)
+
+    def imbalance(self) -> float:
+        """Heaviest CTA's cost over the mean (1.0 is perfect)."""
+        busy = self.cta_cost[self.cta_cost > 0]
+        return float(busy.max() / busy.mean()) if busy.size else 1.0
+
+
+def live_kv_tokens(plan: TreePlan) -> np.ndarray:
+    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads."""
+    if plan.num_items == 0:
+        return np.zeros(0, dtype=np.int64)
+    ored = np.bitwise_or.reduceat(plan.entry_mask, plan.item_entry_start, axis=0)  # [I, W]
+    words_per_tile = TILE_TOKENS // MASK_BITS
+    w = ored.shape[1]
+    padded = np.zeros((ored.shape[0], -(-w // words_per_tile) * words_per_tile), dtype=ored.dtype)
+    padded[:, :w] = ored
+    live_tiles = (padded.reshape(len(ored), -1, words_per_tile) != 0).any(axis=2).sum(axis=1)
+    chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
+    return np.minimum(live_tiles * TILE_TOKENS, chunk_len)
+
+
+def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
+                   rows_per_unit: int = 64) -> PersistentSchedule:
+    """Cut ``plan``'s work items into units and assign them to ``num_ctas`` CTAs.
+
+    Parameters
+    ----------
+    plan : TreePlan
+    group : int
+        Query heads per KV head (GQA ratio).
+    num_kv_heads : int
+    num_ctas : int
+        Size of the persistent grid; CTAs left without units exit at once.
+    rows_per_unit : int
+        Rows one CTA computes at a time (the kernel's 64).
+    """
+    for name, value in (("group", group), ("num_kv_heads", num_kv_heads), ("num_ctas", num_ctas),
+                        ("rows_per_unit", rows_per_unit)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    rows = plan.item_num_entries.astype(np.int64) * group                   # [I]
+    blocks = -(-rows // rows_per_unit)                                      # [I]
+    item_of_block = np.repeat(np.arange(plan.num_items), blocks)            # [B]
+    block_in_item = np.arange(len(item_of_block)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    row_begin = block_in_item * rows_per_unit
+    row_end = np.minimum(row_begin + rows_per_unit, rows[item_of_block])
+    block_cost = (COST_PER_UNIT + COST_PER_ROW * (row_end - row_begin)
+                  + COST_PER_KV_TOKEN * live_kv_tokens(plan)[item_of_block])
+    # Units: every block for every KV head (block-major, so equal costs stay adjacent).
+    num_blocks = len(item_of_block)
+    unit_block = np.repeat(np.arange(num_blocks), num_kv_heads)
+    unit_head = np.tile(np.arange(num_kv_heads), num_blocks)
+    info = np.stack([plan.item_chunk[item_of_block][unit_block], unit_head,
+                     plan.item_entry_start[item_of_block][unit_block],
+                     row_begin[unit_block], row_end[unit_block]], axis=1).astype(np.int32)
+    cost = block_cost[unit_block]
+
+    order = np.argsort(-cost, kind="stable")
+    cta_of_unit = np.empty(len(order), dtype=np.int64)
+    loads = np.zeros(num_ctas, dtype=np.float64)
+    for start in range(0, len(order), num_ctas):
+        batch = order[start:start + num_ctas]                   # heaviest remaining first
+        targets = np.argsort(loads, kind="stable")[:len(batch)]  # least-loaded CTAs first
+        cta_of_unit[batch] = targets
+        loads[targets] += cost[batch]
+    # Each CTA runs its units in assignment order (heaviest first).
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    run_order = np.lexsort((position, cta_of_unit))
+    counts = np.bincount(cta_of_unit, minlength=num_ctas)
+    cta_unit_start = np.zeros(num_ctas + 1, dtype=np.int32)
+    np.cumsum(counts, out=cta_unit_start[1:])
+    return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), loads)

@@ -1,0 +1,130 @@
+// torch binding of the treedec CUDA kernels. Python (treedec/kernels/cuda_tree_attention.py)
+// validates user inputs; the checks here guard the kernels' own assumptions.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "launch.h"
+
+namespace {
+
+treedec::DType dtype_of(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kHalf) return treedec::DType::kFloat16;
+  if (t.scalar_type() == torch::kBFloat16) return treedec::DType::kBFloat16;
+  TORCH_CHECK(false, "treedec cuda kernels take float16 or bfloat16, got ", t.scalar_type());
+}
+
+void check_rows(const torch::Tensor& t, const char* name, int64_t head_dim) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == 3 && t.size(2) == head_dim && t.stride(2) == 1, name,
+              " must be [rows, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0,
+              name, " rows must be 16-byte aligned (data pointer and strides multiples of 8 elements)");
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CUDA tensor");
+}
+
+const int* iptr(const torch::Tensor& t) { return t.data_ptr<int>(); }
+
+void partial(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
+             torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
+             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
+             torch::Tensor cta_unit_start, torch::Tensor unit_info, int64_t group, int64_t mask_stride,
+             double qk_scale_log2) {
+  const int64_t d = q.size(2);
+  check_rows(q, "q", d);
+  check_rows(k, "k", d);
+  check_rows(v, "v", d);
+  check_rows(out, "out", d);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, k, v and out must share a dtype");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.stride(1) == 1, "lse must be float32 [Q, Hq]");
+  TORCH_CHECK(o_ws.scalar_type() == torch::kFloat && o_ws.is_contiguous() && lse_ws.scalar_type() == torch::kFloat &&
+              lse_ws.is_contiguous(), "o_ws and lse_ws must be contiguous float32");
+  TORCH_CHECK(o_ws.dim() == 3 && o_ws.size(1) == q.size(1) && o_ws.size(2) == d, "o_ws must be [E, Hq, D]");
+  for (auto* t : {&kv_slots, &chunk_kv_start, &entry_query, &entry_mask, &entry_direct, &cta_unit_start, &unit_info})
+    check_index(*t, "plan arrays");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) == group, "group must be Hq / Hkv");
+  const c10::cuda::CUDAGuard guard(q.device());
+  treedec::PartialParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.o_ws = o_ws.data_ptr<float>();
+  p.lse_ws = lse_ws.data_ptr<float>();
+  p.kv_slots = iptr(kv_slots);
+  p.chunk_kv_start = iptr(chunk_kv_start);
+  p.entry_query = iptr(entry_query);
+  p.entry_mask = iptr(entry_mask);
+  p.entry_direct = iptr(entry_direct);
+  p.cta_unit_start = iptr(cta_unit_start);
+  p.unit_info = iptr(unit_info);
+  p.q_stride_q = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_stride_s = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.v_stride_s = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.out_stride_q = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.lse_stride_q = lse.stride(0);
+  p.num_qo_heads = static_cast<int>(q.size(1));
+  p.group = static_cast<int>(group);
+  p.mask_stride = static_cast<int>(mask_stride);
+  p.num_ctas = static_cast<int>(cta_unit_start.numel() - 1);
+  p.qk_scale_log2 = static_cast<float>(qk_scale_log2);
+  const cudaError_t err = treedec::launch_partial(dtype_of(q), static_cast<int>(d), p,
+                                                  c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "treedec partial-attention launch failed: ", cudaGetErrorString(err));
+}
+
+void merge(torch::Tensor out, torch::Tensor lse, torch::Tensor o_ws, torch::Tensor lse_ws,
+           torch::Tensor query_entry_start, torch::Tensor query_entries) {
+  const int64_t d = out.size(2);
+  check_rows(out, "out", d);
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.stride(1) == 1, "lse must be float32 [Q, Hq]");
+  TORCH_CHECK(o_ws.scalar_type() == torch::kFloat && o_ws.is_contiguous() && lse_ws.is_contiguous(),
+              "o_ws and lse_ws must be contiguous float32");
+  check_index(query_entry_start, "query_entry_start");
+  check_index(query_entries, "query_entries");
+  const c10::cuda::CUDAGuard guard(out.device());
+  treedec::MergeParams p{};
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.o_ws = o_ws.data_ptr<float>();
+  p.lse_ws = lse_ws.data_ptr<float>();
+  p.query_entry_start = iptr(query_entry_start);
+  p.query_entries = iptr(query_entries);
+  p.out_stride_q = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.lse_stride_q = lse.stride(0);
+  p.num_queries = static_cast<int>(query_entry_start.numel() - 1);
+  p.num_qo_heads = static_cast<int>(out.size(1));
+  const cudaError_t err = treedec::launch_merge(dtype_of(out), static_cast<int>(d), p,
+                                                c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "treedec merge launch failed: ", cudaGetErrorString(err));
+}
+
+int64_t ctas_per_sm(bool bf16, int64_t head_dim) {
+  return treedec::partial_ctas_per_sm(bf16 ? treedec::DType::kBFloat16 : treedec::DType::kFloat16,
+                                      static_cast<int>(head_dim));
+}
+
+int64_t rows_per_unit(bool bf16, int64_t head_dim) {
+  return treedec::partial_rows_per_unit(bf16 ? treedec::DType::kBFloat16 : treedec::DType::kFloat16,
+                                        static_cast<int>(head_dim));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("partial", &partial, "stage 1: partial tree attention over the persistent schedule");
+  m.def("merge", &merge, "stage 2: deterministic per-query merge of partial states");
+  m.def("ctas_per_sm", &ctas_per_sm, "resident stage-1 CTAs per SM (bf16, head_dim)");
+  m.def("rows_per_unit", &rows_per_unit, "rows of one stage-1 unit (bf16, head_dim)");
+}

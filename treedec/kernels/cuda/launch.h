@@ -1,0 +1,63 @@
+// Host-side interface of the treedec CUDA kernels (no torch, no CuTe): parameter structs and
+// launch functions. Kernels live in tree_attention.cuh; binding.cpp calls these from torch.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace treedec {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Stage 1: partial attention of every work unit, one persistent CTA loops over its units.
+//
+// A unit is (chunk, KV head, a range of rows of one work item). Rows of a work item are
+// r = local_entry * group + g (entry local_entry of the item, query head kv_head * group + g).
+// unit_info[u] = {chunk, kv_head, item_entry_start, row_begin, row_end}; CTA b runs the units
+// cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
+struct PartialParams {
+  const void* q;        // [Q, Hq, D]     (strides q_stride_q, q_stride_h, 1)
+  const void* k;        // [slots, Hkv, D] (k_stride_s, k_stride_h, 1)
+  const void* v;        // [slots, Hkv, D]
+  void* out;            // [Q, Hq, D] q's dtype: entries that are their query's only partial
+  float* lse;           // [Q, Hq]
+  float* o_ws;          // [E, Hq, D] fp32 partial outputs (contiguous)
+  float* lse_ws;        // [E, Hq]    fp32 partial LSEs, natural log (contiguous)
+  const int* kv_slots;        // [T]
+  const int* chunk_kv_start;  // [C + 1]
+  const int* entry_query;     // [E]
+  const int* entry_mask;      // [E, mask_stride] bit t%32 of word t/32: the entry reads chunk token t
+  const int* entry_direct;    // [E] 1: write out/lse directly
+  const int* cta_unit_start;  // [num_ctas + 1]
+  const int* unit_info;       // [U, 5]
+  int64_t q_stride_q, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h;
+  int64_t out_stride_q, out_stride_h, lse_stride_q;
+  int num_qo_heads;
+  int group;            // query heads per KV head
+  int mask_stride;      // int32 words per entry_mask row
+  int num_ctas;
+  float qk_scale_log2;  // softmax scale * log2(e)
+};
+
+// Stage 2: per (query, head), merge the query's partials in CSR order (deterministic).
+// Queries with one partial were written by stage 1 and are skipped.
+struct MergeParams {
+  void* out;                       // [Q, Hq, D]
+  float* lse;                      // [Q, Hq]
+  const float* o_ws;               // [E, Hq, D]
+  const float* lse_ws;             // [E, Hq]
+  const int* query_entry_start;    // [Q + 1]
+  const int* query_entries;        // [E]
+  int64_t out_stride_q, out_stride_h, lse_stride_q;
+  int num_queries;                 // rows of query_entry_start - 1 (a capacity for graphs)
+  int num_qo_heads;
+};
+
+// Returns a CUDA error code (cudaSuccess on success). head_dim: 64, 128 or 256.
+cudaError_t launch_partial(DType dtype, int head_dim, const PartialParams& p, cudaStream_t stream);
+cudaError_t launch_merge(DType dtype, int head_dim, const MergeParams& p, cudaStream_t stream);
+// Resident stage-1 CTAs per SM for this configuration (0 if it cannot launch).
+int partial_ctas_per_sm(DType dtype, int head_dim);
+// Rows (query x head pairs) one stage-1 unit covers (16 per warp of the CTA).
+int partial_rows_per_unit(DType dtype, int head_dim);
+
+}  // namespace treedec

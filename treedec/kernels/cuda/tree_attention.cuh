@@ -1,0 +1,480 @@
+// treedec CUDA tree attention: DeFT-Flatten stage 1 (partial attention per work unit, on a
+// persistent grid) and stage 2 (deterministic per-query merge). sm_80+ (mma.sync m16n8k16).
+//
+// Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
+//   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
+//   2. the chunk is walked in segments of up to kSegTiles tiles of BN tokens: the OR of the
+//      unit's mask words over the segment gives the *live* tiles (some row reads a token), and
+//      only those are loaded and computed (dead tiles cost nothing);
+//   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
+//      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
+//      mask words beside them; slots of the tile after next are prefetched into registers;
+//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), bit mask in registers
+//      (skipped when the warp's rows read the whole tile; the whole tile skipped when they read
+//      none of it), online softmax in base 2, O += P V (P re-packed from the S accumulators);
+//   5. O / l and the LSE go to the output (the entry is its query's only partial) or to the
+//      fp32 partial workspace.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "launch.h"
+
+namespace treedec {
+
+constexpr int kMergeWarps = 4;
+constexpr int kSegTiles = 128;       // live-tile list capacity per segment
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <typename T> struct TypeTraits;
+template <> struct TypeTraits<__half> {
+  using Mma = cute::SM80_16x8x16_F32F16F16F32_TN;
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct TypeTraits<__nv_bfloat16> {
+  using Mma = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// Element offset of (row, col) in a [rows][D] 16-bit tile whose 16-byte vectors are XOR-swizzled
+// by the row (so that ldmatrix's 8 row addresses hit 8 different bank groups).
+template <int D>
+__device__ __forceinline__ int swz(int row, int col) {
+  return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// Tile shape per head dim: KV tokens per tile, pipeline stages, warps (16 rows each).
+template <int D> struct PartialConfig;
+// One CTA per SM, deep pipelines: a gathered tile's load latency (~1-2 us under load) is
+// hidden only with several tiles in flight per SM.
+template <> struct PartialConfig<64> { static constexpr int kBN = 64, kStages = 8, kWarps = 8; };
+template <> struct PartialConfig<128> { static constexpr int kBN = 64, kStages = 5, kWarps = 8; };
+template <> struct PartialConfig<256> { static constexpr int kBN = 32, kStages = 5, kWarps = 4; };
+
+template <int D, int BN, int STAGES, int WARPS>
+struct SmemLayout {
+  static constexpr int kRows = WARPS * 16;
+  static constexpr int kQ = kRows * D;                 // elements
+  static constexpr int kKV = BN * D;                   // elements per stage per K or V
+  static constexpr int kMaskWords = BN / 32;           // per row per tile
+  static constexpr int kBytes16 = 2 * (kQ + 2 * STAGES * kKV);
+  static constexpr int kBytes = kBytes16
+      + 4 * STAGES * kRows * kMaskWords   // masks
+      + 4 * kSegTiles * kMaskWords        // live words of the segment
+      + 4 * kSegTiles                     // live tile list
+      + 4 * (3 * kRows + 4);              // row entry/query/head, counters
+};
+
+template <typename T, int D, int BN, int STAGES, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+tree_attn_partial_kernel(const PartialParams p) {
+  using L = SmemLayout<D, BN, STAGES, WARPS>;
+  constexpr int kThreads = WARPS * 32;
+  constexpr int kRows = L::kRows;
+  using Mma = typename TypeTraits<T>::Mma;
+  constexpr int kVecPerRow = D / 8;                       // 16-byte vectors per row
+  constexpr int kRowsPerPass = kThreads / kVecPerRow;     // rows one pass of all threads copies
+  constexpr int kKVPasses = BN / kRowsPerPass;            // >= 1 for every instantiation
+  constexpr int kMW = L::kMaskWords;
+  static_assert(BN % kRowsPerPass == 0 && BN % 32 == 0, "tile shape");
+
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + L::kQ;
+  T* sV = sK + STAGES * L::kKV;
+  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem_raw + L::kBytes16);   // [STAGES][kRows][kMW]
+  uint32_t* sLive = sMask + STAGES * kRows * kMW;                          // [kSegTiles * kMW]
+  int* sTiles = reinterpret_cast<int*>(sLive + kSegTiles * kMW);           // [kSegTiles]
+  int* sRowEntry = sTiles + kSegTiles;                                     // [kRows], -1: padding
+  int* sRowQuery = sRowEntry + kRows;
+  int* sRowHead = sRowQuery + kRows;
+  int* sCount = sRowHead + kRows;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+
+  // The copy role of this thread: one 16-byte column `cp_vec` of rows cp_row0 + i * kRowsPerPass.
+  const int cp_vec = tid % kVecPerRow;
+  const int cp_row0 = tid / kVecPerRow;
+
+  const int unit_begin = p.cta_unit_start[blockIdx.x];
+  const int unit_end = p.cta_unit_start[blockIdx.x + 1];
+  for (int u = unit_begin; u < unit_end; ++u) {
+    const int* info = p.unit_info + 5 * u;
+    const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
+    const int kv_begin = p.chunk_kv_start[chunk];
+    const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
+    const int first_entry = item_entry + row_begin / p.group;
+    const int num_unit_entries = item_entry + (row_end - 1) / p.group - first_entry + 1;
+
+    if (tid < kRows) {
+      const int r = row_begin + tid;
+      int entry = -1, query = 0, head = 0;
+      if (r < row_end) {
+        entry = item_entry + r / p.group;
+        query = p.entry_query[entry];
+        head = kv_head * p.group + r % p.group;
+      }
+      sRowEntry[tid] = entry;
+      sRowQuery[tid] = query;
+      sRowHead[tid] = head;
+    }
+    __syncthreads();
+
+    // Q rows into shared memory (first cp.async group of the unit).
+    #pragma unroll
+    for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+      const int r = cp_row0 + i * kRowsPerPass;
+      const bool valid = sRowEntry[r] >= 0;
+      const T* src = valid ? q + sRowQuery[r] * p.q_stride_q + sRowHead[r] * p.q_stride_h + cp_vec * 8 : q;
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(src),
+          *reinterpret_cast<cute::uint128_t*>(sQ + swz<D>(r, cp_vec * 8)), valid);
+    }
+
+    // This thread's two fragment rows (r0 = warp * 16 + lane / 4, r1 = r0 + 8).
+    const int r0 = warp * 16 + (lane >> 2);
+    const int r1 = r0 + 8;
+    const int entry0 = sRowEntry[r0], entry1 = sRowEntry[r1];
+
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int seg0 = 0; seg0 < chunk_len; seg0 += kSegTiles * BN) {
+      const int seg_len = min(kSegTiles * BN, chunk_len - seg0);
+      const int seg_words = (seg_len + 31) / 32;
+      const int seg_tiles = (seg_len + BN - 1) / BN;
+      // -- live tiles of the segment: OR of the unit's entries' mask words.
+      for (int w = tid; w < kSegTiles * kMW; w += kThreads) sLive[w] = 0u;
+      __syncthreads();
+      const int word0 = seg0 / 32;
+      for (int idx = tid; idx < num_unit_entries * seg_words; idx += kThreads) {
+        const int e = first_entry + idx / seg_words;
+        const int w = idx % seg_words;
+        const uint32_t bits = static_cast<uint32_t>(p.entry_mask[static_cast<int64_t>(e) * p.mask_stride + word0 + w]);
+        if (bits) atomicOr(&sLive[w], bits);
+      }
+      __syncthreads();
+      if (warp == 0) {
+        int count = 0;
+        for (int t0 = 0; t0 < seg_tiles; t0 += 32) {
+          const int t = t0 + lane;
+          bool live = false;
+          if (t < seg_tiles) {
+            #pragma unroll
+            for (int w = 0; w < kMW; ++w) live |= sLive[t * kMW + w] != 0u;
+          }
+          const unsigned ballot = __ballot_sync(0xffffffffu, live);
+          if (live) sTiles[count + __popc(ballot & ((1u << lane) - 1u))] = t;
+          count += __popc(ballot);
+        }
+        if (lane == 0) *sCount = count;
+      }
+      __syncthreads();
+      const int num_live = *sCount;
+
+      // -- cp.async pipeline over the live tiles.
+      int slots[kKVPasses];
+      auto fetch_slots = [&](int i) {  // slot of each of this thread's rows of live tile i (-1: none)
+        #pragma unroll
+        for (int pass = 0; pass < kKVPasses; ++pass) {
+          const int tok = i < num_live ? seg0 + sTiles[i] * BN + cp_row0 + pass * kRowsPerPass : chunk_len;
+          slots[pass] = tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+        }
+      };
+      auto issue_tile = [&](int i) {  // loads of live tile i into stage i % STAGES, one commit group
+        if (i < num_live) {
+          const int stage = i % STAGES;
+          T* dK = sK + stage * L::kKV;
+          T* dV = sV + stage * L::kKV;
+          #pragma unroll
+          for (int pass = 0; pass < kKVPasses; ++pass) {
+            const int r = cp_row0 + pass * kRowsPerPass;
+            const bool valid = slots[pass] >= 0;
+            const int64_t slot = valid ? slots[pass] : 0;
+            const T* srcK = k + slot * p.k_stride_s + kv_head * p.k_stride_h + cp_vec * 8;
+            const T* srcV = v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8;
+            cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+                *reinterpret_cast<const cute::uint128_t*>(srcK),
+                *reinterpret_cast<cute::uint128_t*>(dK + swz<D>(r, cp_vec * 8)), valid);
+            cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+                *reinterpret_cast<const cute::uint128_t*>(srcV),
+                *reinterpret_cast<cute::uint128_t*>(dV + swz<D>(r, cp_vec * 8)), valid);
+          }
+          const int word = (seg0 + sTiles[i] * BN) / 32;
+          for (int idx = tid; idx < kRows * kMW; idx += kThreads) {
+            const int r = idx / kMW, w = idx % kMW;
+            const int e = sRowEntry[r];
+            const bool valid = e >= 0 && (word + w) * 32 < chunk_len;
+            const int* src = valid ? p.entry_mask + static_cast<int64_t>(e) * p.mask_stride + word + w : p.entry_mask;
+            cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
+                *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + r) * kMW + w], valid);
+          }
+        }
+        cute::cp_async_fence();
+      };
+
+      fetch_slots(0);
+      #pragma unroll
+      for (int i = 0; i < STAGES - 1; ++i) {
+        issue_tile(i);
+        fetch_slots(i + 1);
+      }
+      for (int i = 0; i < num_live; ++i) {
+        cute::cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        issue_tile(i + STAGES - 1);
+        fetch_slots(i + STAGES);
+        const int stage = i % STAGES;
+        const T* cK = sK + stage * L::kKV;
+        const T* cV = sV + stage * L::kKV;
+        const uint32_t* cMask = sMask + stage * kRows * kMW;
+
+        uint32_t mw0[kMW], mw1[kMW];
+        uint32_t any = 0u, all = 0xffffffffu;
+        #pragma unroll
+        for (int w = 0; w < kMW; ++w) {
+          mw0[w] = cMask[r0 * kMW + w];
+          mw1[w] = cMask[r1 * kMW + w];
+          any |= mw0[w] | mw1[w];
+          all &= mw0[w] & mw1[w];
+        }
+        if (!__any_sync(0xffffffffu, any != 0u)) continue;  // no row of this warp reads the tile
+        const bool full = __all_sync(0xffffffffu, all == 0xffffffffu);
+
+        // S = Q K^T for the warp's 16 rows and the tile's BN tokens.
+        float s[BN / 8][4];
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[4];
+          cute::SM75_U32x4_LDSM_N::copy(
+              *reinterpret_cast<const cute::uint128_t*>(sQ + swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)),
+              a[0], a[1], a[2], a[3]);
+          #pragma unroll
+          for (int nn = 0; nn < BN / 16; ++nn) {
+            uint32_t b[4];
+            cute::SM75_U32x4_LDSM_N::copy(
+                *reinterpret_cast<const cute::uint128_t*>(
+                    cK + swz<D>(nn * 16 + (lane >> 4) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8)),
+                b[0], b[1], b[2], b[3]);
+            Mma::fma(s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3], a[0], a[1], a[2], a[3], b[0], b[1],
+                     s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3]);
+            Mma::fma(s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3], a[0], a[1], a[2], a[3],
+                     b[2], b[3], s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3]);
+          }
+        }
+
+        // Scale to base 2, mask, row max. Column of s[j][e] (e = 0,1) is j * 8 + (lane % 4) * 2 + e.
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x0 = s[j][e] * p.qk_scale_log2;
+            float x1 = s[j][2 + e] * p.qk_scale_log2;
+            if (!full) {
+              const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
+              if (!((mw0[j >> 2] >> bit) & 1u)) x0 = -INFINITY;
+              if (!((mw1[j >> 2] >> bit) & 1u)) x1 = -INFINITY;
+            }
+            s[j][e] = x0;
+            s[j][2 + e] = x1;
+            mx0 = fmaxf(mx0, x0);
+            mx1 = fmaxf(mx1, x1);
+          }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // rows with nothing read yet
+        const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float alpha0 = exp2f(m0 - ms0), alpha1 = exp2f(m1 - ms1);
+        m0 = mn0;
+        m1 = mn1;
+        float sum0 = 0.f, sum1 = 0.f;
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          s[j][0] = exp2f(s[j][0] - ms0);
+          s[j][1] = exp2f(s[j][1] - ms0);
+          s[j][2] = exp2f(s[j][2] - ms1);
+          s[j][3] = exp2f(s[j][3] - ms1);
+          sum0 += s[j][0] + s[j][1];
+          sum1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * alpha0 + sum0;
+        l1 = l1 * alpha1 + sum1;
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          acc[j][0] *= alpha0;
+          acc[j][1] *= alpha0;
+          acc[j][2] *= alpha1;
+          acc[j][3] *= alpha1;
+        }
+
+        // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans.
+        #pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          uint32_t a[4];
+          a[0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+          a[1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+          a[2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          a[3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          #pragma unroll
+          for (int dn = 0; dn < D / 16; ++dn) {
+            uint32_t b[4];
+            cute::SM75_U16x8_LDSM_T::copy(
+                *reinterpret_cast<const cute::uint128_t*>(
+                    cV + swz<D>(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dn * 16 + (lane >> 4) * 8)),
+                b[0], b[1], b[2], b[3]);
+            Mma::fma(acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3], a[0], a[1], a[2], a[3],
+                     b[0], b[1], acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3]);
+            Mma::fma(acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3],
+                     a[0], a[1], a[2], a[3], b[2], b[3],
+                     acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3]);
+          }
+        }
+      }
+      cute::cp_async_wait<0>();
+      __syncthreads();  // the next segment / unit overwrites the stages and the live list
+    }
+
+    // Epilogue: rows of this thread; the quad (4 lanes) shares a row.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = half ? r1 : r0;
+      const int entry = half ? entry1 : entry0;
+      const float l = half ? l1 : l0;
+      const float m = half ? m1 : m0;
+      if (entry < 0 || l == 0.f) continue;  // padding row (every real entry reads >= 1 token)
+      const float inv = 1.f / l;
+      const int query = sRowQuery[r];
+      const int head = sRowHead[r];
+      const float lse = (m + __log2f(l)) * kLn2;
+      const int col0 = (lane & 3) * 2;
+      if (p.entry_direct[entry]) {
+        T* dst = static_cast<T*>(p.out) + query * p.out_stride_q + head * p.out_stride_h + col0;
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          const uint32_t packed = TypeTraits<T>::pack(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
+          *reinterpret_cast<uint32_t*>(dst + j * 8) = packed;
+        }
+        if ((lane & 3) == 0) p.lse[query * p.lse_stride_q + head] = lse;
+      } else {
+        float* dst = p.o_ws + (static_cast<int64_t>(entry) * p.num_qo_heads + head) * D + col0;
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
+        if ((lane & 3) == 0) p.lse_ws[static_cast<int64_t>(entry) * p.num_qo_heads + head] = lse;
+      }
+    }
+    __syncthreads();  // the next unit rewrites the row tables and sQ
+  }
+}
+
+// Stage 2: one warp per (query, head); lane l holds columns [l * D/32, (l+1) * D/32).
+template <typename T, int D>
+__global__ void __launch_bounds__(kMergeWarps * 32)
+merge_partials_kernel(const MergeParams p) {
+  constexpr int kPer = D / 32;
+  const int pair = blockIdx.x * kMergeWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (pair >= p.num_queries * p.num_qo_heads) return;
+  const int query = pair / p.num_qo_heads;
+  const int head = pair % p.num_qo_heads;
+  const int begin = p.query_entry_start[query];
+  const int end = p.query_entry_start[query + 1];
+  if (end - begin <= 1) return;  // stage 1 wrote it (or a padded query of a graph's capacity)
+  float acc[kPer];
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) acc[i] = 0.f;
+  float m = -INFINITY, s = 0.f;
+  constexpr float kLog2e = 1.4426950408889634f;
+  for (int idx = begin; idx < end; ++idx) {
+    const int64_t e = p.query_entries[idx];
+    const float lse = p.lse_ws[e * p.num_qo_heads + head] * kLog2e;
+    const float* src = p.o_ws + (e * p.num_qo_heads + head) * D + lane * kPer;
+    float o[kPer];
+    #pragma unroll
+    for (int i = 0; i < kPer; i += 2) {
+      const float2 x = *reinterpret_cast<const float2*>(src + i);
+      o[i] = x.x;
+      o[i + 1] = x.y;
+    }
+    const float mn = fmaxf(m, lse);
+    const float scale = exp2f(m - mn);
+    const float w = exp2f(lse - mn);
+    #pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * scale + w * o[i];
+    s = s * scale + w;
+    m = mn;
+  }
+  const float inv = 1.f / s;
+  T* dst = static_cast<T*>(p.out) + query * p.out_stride_q + head * p.out_stride_h + lane * kPer;
+  #pragma unroll
+  for (int i = 0; i < kPer; i += 2)
+    *reinterpret_cast<uint32_t*>(dst + i) = TypeTraits<T>::pack(acc[i] * inv, acc[i + 1] * inv);
+  if (lane == 0) p.lse[query * p.lse_stride_q + head] = (m + __log2f(s)) * kLn2;
+}
+
+template <typename T, int D>
+cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
+  using C = PartialConfig<D>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps>;
+  constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
+  static bool configured = false;  // the attribute is per function, set once per process
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  if (p.num_ctas > 0) kernel<<<p.num_ctas, C::kWarps * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D>
+constexpr int rows_per_unit() { return PartialConfig<D>::kWarps * 16; }
+
+template <typename T, int D>
+int partial_ctas_per_sm_typed() {
+  using C = PartialConfig<D>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps>;
+  constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 0;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, C::kWarps * 32, smem) != cudaSuccess) return 0;
+  return blocks;
+}
+
+template <typename T, int D>
+cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
+  const int pairs = p.num_queries * p.num_qo_heads;
+  if (pairs > 0) merge_partials_kernel<T, D><<<(pairs + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace treedec

@@ -1,0 +1,124 @@
+"""Building the ``cuda`` backend: JIT on first use, cached on disk, for the GPU's own arch.
+
+:func:`load_extension` compiles ``treedec/kernels/cuda/*`` with
+``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into
+``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
+the sources or flags change. The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
+CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``).
+
+:func:`compile_sources` compiles the torch-free kernel sources with nvcc alone (no GPU
+needed): the CPU test that keeps the CUDA code building in CI.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from treedec.errors import BackendUnavailableError
+
+SOURCE_DIR = Path(__file__).parent / "cuda"
+KERNEL_SOURCES = ("partial_fp16.cu", "partial_bf16.cu", "dispatch.cu")  # torch-free
+BINDING_SOURCE = "binding.cpp"
+NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr")
+MIN_CAPABILITY = (8, 0)
+
+
+def cutlass_include_dir() -> Path:
+    """The CUTLASS/CuTe headers of the ``nvidia-cutlass`` package, or BackendUnavailableError."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or spec.origin is None:
+        raise BackendUnavailableError("the cuda backend needs the CUTLASS headers: pip install nvidia-cutlass")
+    include = Path(spec.origin).parent / "source" / "include"
+    if not (include / "cute" / "arch" / "mma_sm80.hpp").is_file():
+        raise BackendUnavailableError(f"nvidia-cutlass is installed but its headers are missing under {include}")
+    return include
+
+
+def nvcc_path() -> str:
+    """The nvcc that torch's extension builder will use, or BackendUnavailableError."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    candidates = [Path(CUDA_HOME) / "bin" / "nvcc"] if CUDA_HOME else []
+    found = shutil.which("nvcc")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    raise BackendUnavailableError("the cuda backend is built on first use and needs nvcc "
+                                  "(install the CUDA toolkit or set CUDA_HOME)")
+
+
+def arch_flag(capability: tuple[int, int]) -> str:
+    """nvcc -gencode for a compute capability (sm_90 -> sm_90a)."""
+    if capability < MIN_CAPABILITY:
+        raise BackendUnavailableError(f"the cuda backend needs compute capability >= 8.0 (mma.sync, cp.async), "
+                                      f"got {capability[0]}.{capability[1]}")
+    major, minor = capability
+    suffix = "a" if (major, minor) == (9, 0) else ""
+    return f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
+
+
+def build_problem(device: torch.device) -> str | None:
+    """None if the extension can be built and run on ``device``, else why not (nothing is built)."""
+    if device.type != "cuda":
+        return f"the cuda backend needs a CUDA device, got {device}"
+    if not torch.cuda.is_available():
+        return "torch reports no CUDA device"
+    try:
+        arch_flag(torch.cuda.get_device_capability(device))
+        cutlass_include_dir()
+        nvcc_path()
+    except BackendUnavailableError as err:
+        return str(err)
+    if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
+        return "the cuda backend is built with ninja: pip install ninja"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(capability: tuple[int, int]):
+    """Build (or load the cached build of) the extension for ``capability``; returns the module."""
+    flag = arch_flag(capability)
+    include = cutlass_include_dir()
+    nvcc_path()
+    from torch.utils.cpp_extension import load
+    name = f"treedec_cuda_sm{capability[0]}{capability[1]}"
+    build_dir = Path(os.environ.get("TREEDEC_CACHE_DIR", Path.home() / ".cache" / "treedec")) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))
+    sources = [str(SOURCE_DIR / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)]
+    try:
+        return load(name=name, sources=sources, extra_include_paths=[str(include), str(SOURCE_DIR)],
+                    extra_cuda_cflags=[*NVCC_FLAGS, flag], extra_cflags=["-O3", "-std=c++17"],
+                    build_directory=str(build_dir), verbose=os.environ.get("TREEDEC_VERBOSE_BUILD") == "1")
+    except (RuntimeError, subprocess.CalledProcessError) as err:
+        raise BackendUnavailableError(f"building the cuda backend in {build_dir} failed "
+                                      f"(TREEDEC_VERBOSE_BUILD=1 shows the compiler output): {err}") from err
+
+
+def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None) -> list[Path]:
+    """Compile the torch-free kernel sources with nvcc for ``arch`` (object files, no GPU needed).
+
+    Returns the object files; raises BackendUnavailableError without nvcc or CUTLASS, and
+    RuntimeError with nvcc's output when a source does not compile.
+    """
+    include = cutlass_include_dir()
+    nvcc = nvcc_path()
+    compute = arch.replace("sm_", "compute_")
+    out_dir = Path(out_dir) if out_dir is not None else Path.cwd()
+    objects = []
+    for source in KERNEL_SOURCES:
+        obj = out_dir / (Path(source).stem + f".{arch}.o")
+        cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", "-I", str(include), "-I", str(SOURCE_DIR),
+               "-c", str(SOURCE_DIR / source), "-o", str(obj)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {source} for {arch}:\n{result.stderr[-4000:]}")
+        objects.append(obj)
+    return objects

@@ -1,0 +1,150 @@
+"""The ``cuda`` backend: CuTe/mma.sync tree attention on a persistent, load-balanced grid.
+
+Stage 1 (``tree_attention.cuh``) runs a fixed grid of CTAs, each looping over the units a
+:class:`~treedec.attention.persistent_schedule.PersistentSchedule` gave it: one work item's
+chunk x one KV head x up to 64 rows (queries x heads of the GQA group). Dead 64-token tiles
+(no row reads them) are neither loaded nor computed; entries that are their query's only
+partial write the output directly, the rest write fp32 partial states. Stage 2 merges each
+query's partials in the plan's CSR order (deterministic, no atomics).
+
+Two ways in:
+
+- :func:`run_plan_cuda` executes a :class:`DeviceTreePlan` (what ``TreeAttention(backend="cuda")``
+  does); the schedule and workspace are derived once per plan and cached on it.
+- :class:`~treedec.attention.static_tree_attention.StaticTreeAttention` keeps every plan array
+  in buffers of fixed address and size (from stated bounds), so a captured CUDA graph of
+  ``run()`` replays correctly for any new tree within the bounds.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treedec.attention.persistent_schedule import schedule_units
+from treedec.attention.planners import default_query_tile as planner_query_tile
+from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.kernels.cuda_build import load_extension
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Rows (query x head pairs) of one stage-1 unit per head dim: the kernel's warps x 16
+# (PartialConfig in tree_attention.cuh; a GPU test checks the two agree).
+ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
+
+
+def default_query_tile(head_dim: int, group: int) -> int:
+    """Entries per work item that fill one unit's rows: the planner's query tile for this backend."""
+    return planner_query_tile(group, ROWS_PER_UNIT[head_dim])
+
+
+def extension(device: torch.device):
+    """The compiled extension for ``device``'s arch (built on first use)."""
+    return load_extension(torch.cuda.get_device_capability(device))
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_grid_size(device_index: int, dtype: torch.dtype, head_dim: int) -> int:
+    """CTAs of the persistent stage-1 grid: SMs x resident CTAs per SM."""
+    device = torch.device("cuda", device_index)
+    per_sm = extension(device).ctas_per_sm(dtype == torch.bfloat16, head_dim)
+    if per_sm < 1:
+        raise RuntimeError(f"the cuda stage-1 kernel cannot be resident on {torch.cuda.get_device_name(device)} "
+                           f"for {dtype}, head_dim={head_dim} (shared memory or registers)")
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise a clear error for inputs the cuda kernels cannot take (beyond TreeAttention's checks)."""
+    if q.device.type != "cuda":
+        raise ValueError(f"the cuda backend needs CUDA tensors, got q on {q.device}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the cuda backend takes {SUPPORTED_DTYPES}, got {q.dtype} (use 'triton' or 'torch' for fp32)")
+    if q.dim() != 3 or q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"the cuda backend needs q [Q, Hq, D] with D in {SUPPORTED_HEAD_DIMS}, got {tuple(q.shape)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+            raise ValueError(f"the cuda backend needs 16-byte aligned rows: {name} must have a contiguous last dim, "
+                             f"a 16-byte aligned data pointer and strides that are multiples of 8, "
+                             f"got strides {t.stride()}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+
+
+def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
+           sm_scale: float, merge: bool) -> None:
+    """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
+
+    ``arrays`` holds the plan's int32 tensors by :class:`DeviceTreePlan` field name;
+    ``q`` [>=Q, Hq, D], ``k_flat``/``v_flat`` [slots, Hkv, D], ``out`` like q, ``lse`` [rows of q, Hq].
+    """
+    ext = extension(q.device)
+    group = q.shape[1] // k_flat.shape[1]
+    ext.partial(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
+                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], cta_unit_start, unit_info,
+                group, mask_stride, sm_scale * math.log2(math.e))
+    if merge:
+        ext.merge(out, lse, o_ws, lse_ws, arrays["query_entry_start"], arrays["query_entries"])
+
+
+@dataclass(frozen=True)
+class _EagerLaunch:
+    """What run_plan_cuda derives from a plan once, reused by every layer of the step."""
+
+    cta_unit_start: torch.Tensor
+    unit_info: torch.Tensor
+    o_ws: torch.Tensor
+    lse_ws: torch.Tensor
+    merge: bool
+
+
+def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                  sm_scale: float, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree attention by executing ``plan`` with the cuda kernels.
+
+    Parameters
+    ----------
+    q : [Q, Hq, D] fp16/bf16, D in (64, 128, 256)
+    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype, contiguous
+    plan : DeviceTreePlan on q's device (int32 arrays)
+    sm_scale : float
+
+    Returns
+    -------
+    out : [Q, Hq, D] in q's dtype
+    lse : [Q, Hq] float32, natural log
+    """
+    if validate:
+        check_inputs(q, k_cache, v_cache)
+    num_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    key = ("cuda", q.dtype, hq, hkv, d)
+    prepared = plan.cache.get(key)
+    if prepared is None:
+        prepared = plan.cache[key] = _prepare(plan, q.dtype, hq, hkv, d, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
+    arrays = {name: getattr(plan, name) for name in ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask",
+                                                     "entry_direct", "query_entry_start", "query_entries")}
+    launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws, prepared.lse_ws, arrays,
+           prepared.cta_unit_start, prepared.unit_info, plan.entry_mask.stride(0), sm_scale, prepared.merge)
+    return out, lse
+
+
+def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: torch.device) -> _EagerLaunch:
+    host = plan.plan
+    grid = persistent_grid_size(device.index if device.index is not None else torch.cuda.current_device(), dtype, d)
+    schedule = schedule_units(host, hq // hkv, hkv, grid, ROWS_PER_UNIT[d])
+    used = int((schedule.cta_unit_start[1:] > schedule.cta_unit_start[:-1]).sum())
+    starts = schedule.cta_unit_start[:max(used, 1) + 1]  # CTAs are filled in order: trailing ones are empty
+    flat = torch.from_numpy(np.concatenate([starts, schedule.unit_info.reshape(-1)])).to(device)
+    needs_merge = host.num_entries > host.num_queries
+    partials = host.num_entries if needs_merge else 0
+    return _EagerLaunch(
+        cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
+        o_ws=torch.empty(max(partials, 1), hq, d, dtype=torch.float32, device=device),
+        lse_ws=torch.empty(max(partials, 1), hq, dtype=torch.float32, device=device),
+        merge=needs_merge)
