@@ -106,11 +106,12 @@ def main(argv=None) -> int:
 
     model = from_config(args.model, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
     engines = {p: Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
-                         plan_config=PlanConfig(planner=p)) for p in planners}
+                         plan_config=PlanConfig(planner=p), cuda_graphs=args.cuda_graphs) for p in planners}
     tokenizer = ByteTokenizer()
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(),
                "versions": versions("triton"), "smoke": args.smoke, "model": args.model, "dtype": args.dtype,
-               "backend": engines[planners[0]].attn.backend, "page_size": args.page_size, "kv_tokens": kv_tokens,
+               "backend": engines[planners[0]].attn.backend, "cuda_graphs": args.cuda_graphs,
+               "page_size": args.page_size, "kv_tokens": kv_tokens,
                "planners": planners, "reps": args.reps, "search": {**shape, "temperature": 0.0, "selection": "greedy"},
                "runs": {p: {"search_s": []} for p in planners}, "speedup": {}}
     out_dir = Path(args.out)
@@ -147,6 +148,7 @@ def _record(run: dict, result: ToTResult, seconds: float, engine: Engine) -> Non
     run["levels"] = [asdict(level) for level in result.levels]
     run["best_thoughts_sha256"] = hashlib.sha256(json.dumps([s.thoughts for s in result.best]).encode()).hexdigest()
     run["pages_free_at_end"] = engine.pool.num_free_pages == engine.pool.num_pages
+    run["graph_stats"] = dict(engine.graph_stats)  # captures / replays / eager steps and why
 
 
 def _report(results: dict) -> None:
@@ -183,6 +185,8 @@ def _parse_args(argv):
     p.add_argument("--thought-tokens", type=int, help="tokens per thought (default 300)")
     p.add_argument("--value-prompt-tokens", type=int, help="default 16")
     p.add_argument("--value-tokens", type=int, help="tokens of an evaluation's answer (default 4)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay captured CUDA graphs for the engine steps (GPU, triton backend)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine (default twice the search's peak)")
     p.add_argument("--reps", type=int, default=3, help="timed searches per planner (default 3; --smoke 1)")

@@ -58,9 +58,9 @@ __device__ __forceinline__ int swz(int row, int col) {
 template <int D> struct PartialConfig;
 // One CTA per SM, deep pipelines: a gathered tile's load latency (~1-2 us under load) is
 // hidden only with several tiles in flight per SM.
-template <> struct PartialConfig<64> { static constexpr int kBN = 64, kStages = 8, kWarps = 8; };
-template <> struct PartialConfig<128> { static constexpr int kBN = 64, kStages = 5, kWarps = 8; };
-template <> struct PartialConfig<256> { static constexpr int kBN = 32, kStages = 5, kWarps = 4; };
+template <> struct PartialConfig<64> { static constexpr int kBN = 32, kStages = 4, kWarps = 8, kMinBlocks = 2; };
+template <> struct PartialConfig<128> { static constexpr int kBN = 32, kStages = 3, kWarps = 8, kMinBlocks = 2; };
+template <> struct PartialConfig<256> { static constexpr int kBN = 32, kStages = 5, kWarps = 4, kMinBlocks = 1; };
 
 template <int D, int BN, int STAGES, int WARPS>
 struct SmemLayout {
@@ -76,8 +76,8 @@ struct SmemLayout {
       + 4 * (3 * kRows + 4);              // row entry/query/head, counters
 };
 
-template <typename T, int D, int BN, int STAGES, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32)
+template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
   using L = SmemLayout<D, BN, STAGES, WARPS>;
   constexpr int kThreads = WARPS * 32;
@@ -324,12 +324,15 @@ tree_attn_partial_kernel(const PartialParams p) {
         }
         l0 = l0 * alpha0 + sum0;
         l1 = l1 * alpha1 + sum1;
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          acc[j][0] *= alpha0;
-          acc[j][1] *= alpha0;
-          acc[j][2] *= alpha1;
-          acc[j][3] *= alpha1;
+        // Rescale O only when some row's max moved (after the first tiles it rarely does).
+        if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+          #pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            acc[j][0] *= alpha0;
+            acc[j][1] *= alpha0;
+            acc[j][2] *= alpha1;
+            acc[j][3] *= alpha1;
+          }
         }
 
         // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans.
@@ -444,7 +447,7 @@ merge_partials_kernel(const MergeParams p) {
 template <typename T, int D>
 cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
   using C = PartialConfig<D>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
   constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   static bool configured = false;  // the attribute is per function, set once per process
   if (!configured) {
@@ -462,7 +465,7 @@ constexpr int rows_per_unit() { return PartialConfig<D>::kWarps * 16; }
 template <typename T, int D>
 int partial_ctas_per_sm_typed() {
   using C = PartialConfig<D>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
   constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 0;
   int blocks = 0;
