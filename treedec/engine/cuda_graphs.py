@@ -187,11 +187,12 @@ class GraphRunner:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
         need = PlanCapacity.for_plan(plan)
         entry = self._graphs.get(need.queries)
+        replaced = None  # kept alive until the new graph is captured (see below)
         if entry is None or not entry.static.capacity.fits(plan):
             if entry is None and len(self._graphs) >= self.config.max_graphs:
                 return self._eager(f"max_graphs={self.config.max_graphs} graphs already captured")
             capacity = need if entry is None else entry.static.capacity.union(need)
-            self._graphs.pop(need.queries, None)  # a replaced graph's memory returns to the shared pool
+            replaced = self._graphs.pop(need.queries, None)
             entry = self._graphs[need.queries] = _Graph(StaticStep(capacity, self.device, self._scratch_slot))
         entry.static.load(plan, tokens, positions, slots)
         if not self.config.capture:
@@ -199,6 +200,9 @@ class GraphRunner:
             return self._forward(entry.static)[: plan.num_queries]
         if entry.graph is None:
             self._capture(entry)
+        # Only now may a replaced graph go: its memory returns to the shared pool, and a
+        # private pool whose last graph died cannot be captured into again (allocator assert).
+        del replaced
         entry.graph.replay()
         self.stats["replays"] += 1
         return entry.logits[: plan.num_queries].clone()
