@@ -54,14 +54,15 @@ def nvcc_path() -> str:
                                   "(install the CUDA toolkit or set CUDA_HOME)")
 
 
-def arch_flag(capability: tuple[int, int]) -> str:
-    """nvcc -gencode for a compute capability (sm_90 -> sm_90a)."""
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    """nvcc flags for a compute capability: sm_90 builds sm_90a with the wgmma kernels (-DTREEDEC_SM90A)."""
     if capability < MIN_CAPABILITY:
         raise BackendUnavailableError(f"the cuda backend needs compute capability >= 8.0 (mma.sync, cp.async), "
                                       f"got {capability[0]}.{capability[1]}")
     major, minor = capability
-    suffix = "a" if (major, minor) == (9, 0) else ""
-    return f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"
+    if (major, minor) == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a", "-DTREEDEC_SM90A"]
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
 def build_problem(device: torch.device) -> str | None:
@@ -71,7 +72,7 @@ def build_problem(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "torch reports no CUDA device"
     try:
-        arch_flag(torch.cuda.get_device_capability(device))
+        arch_flags(torch.cuda.get_device_capability(device))
         cutlass_include_dir()
         nvcc_path()
     except BackendUnavailableError as err:
@@ -84,7 +85,7 @@ def build_problem(device: torch.device) -> str | None:
 @functools.lru_cache(maxsize=None)
 def load_extension(capability: tuple[int, int]):
     """Build (or load the cached build of) the extension for ``capability``; returns the module."""
-    flag = arch_flag(capability)
+    flags = arch_flags(capability)
     include = cutlass_include_dir()
     nvcc_path()
     from torch.utils.cpp_extension import load
@@ -95,7 +96,7 @@ def load_extension(capability: tuple[int, int]):
     sources = [str(SOURCE_DIR / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)]
     try:
         return load(name=name, sources=sources, extra_include_paths=[str(include), str(SOURCE_DIR)],
-                    extra_cuda_cflags=[*NVCC_FLAGS, flag], extra_cflags=["-O3", "-std=c++17"],
+                    extra_cuda_cflags=[*NVCC_FLAGS, *flags], extra_cflags=["-O3", "-std=c++17"],
                     build_directory=str(build_dir), verbose=os.environ.get("TREEDEC_VERBOSE_BUILD") == "1")
     except (RuntimeError, subprocess.CalledProcessError) as err:
         raise BackendUnavailableError(f"building the cuda backend in {build_dir} failed "
@@ -111,11 +112,12 @@ def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None) -> list[P
     include = cutlass_include_dir()
     nvcc = nvcc_path()
     compute = arch.replace("sm_", "compute_")
+    defines = ["-DTREEDEC_SM90A"] if arch == "sm_90a" else []
     out_dir = Path(out_dir) if out_dir is not None else Path.cwd()
     objects = []
     for source in KERNEL_SOURCES:
         obj = out_dir / (Path(source).stem + f".{arch}.o")
-        cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", "-I", str(include), "-I", str(SOURCE_DIR),
+        cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", *defines, "-I", str(include), "-I", str(SOURCE_DIR),
                "-c", str(SOURCE_DIR / source), "-o", str(obj)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:

@@ -22,6 +22,10 @@
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <type_traits>
+#include <utility>
 
 #include "launch.h"
 
@@ -54,13 +58,70 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-// Tile shape per head dim: KV tokens per tile, pipeline stages, warps (16 rows each).
-template <int D> struct PartialConfig;
-// One CTA per SM, deep pipelines: a gathered tile's load latency (~1-2 us under load) is
-// hidden only with several tiles in flight per SM.
-template <> struct PartialConfig<64> { static constexpr int kBN = 32, kStages = 4, kWarps = 8, kMinBlocks = 2; };
-template <> struct PartialConfig<128> { static constexpr int kBN = 32, kStages = 3, kWarps = 8, kMinBlocks = 2; };
-template <> struct PartialConfig<256> { static constexpr int kBN = 32, kStages = 5, kWarps = 4, kMinBlocks = 1; };
+// Tile shape per head dim: KV tokens per tile, pipeline stages, warps (16 rows each), and
+// resident CTAs per SM asked of the compiler (2: 16 warps per SM to hide latency).
+template <int D, bool WGMMA> struct PartialConfig;
+// mma.sync (sm_80+)
+template <> struct PartialConfig<64, false> { static constexpr int kBN = 32, kStages = 4, kWarps = 8, kMinBlocks = 2; };
+template <> struct PartialConfig<128, false> { static constexpr int kBN = 32, kStages = 3, kWarps = 8, kMinBlocks = 2; };
+template <> struct PartialConfig<256, false> { static constexpr int kBN = 32, kStages = 5, kWarps = 4, kMinBlocks = 1; };
+// wgmma (sm_90a): two warpgroups of 64 rows share each K/V tile; BN = 64 (the N of S's wgmma).
+template <> struct PartialConfig<64, true> { static constexpr int kBN = 64, kStages = 4, kWarps = 8, kMinBlocks = 2; };
+template <> struct PartialConfig<128, true> { static constexpr int kBN = 64, kStages = 2, kWarps = 8, kMinBlocks = 2; };
+#if defined(TREEDEC_SM90A)
+constexpr bool kUseWgmma = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
+#else
+constexpr bool kUseWgmma = false;
+#endif
+template <int D> constexpr bool use_wgmma() { return kUseWgmma && D <= 128; }
+
+// Offset of (row, col) in a [rows][D] tile stored the way wgmma reads a 128-byte-swizzled
+// operand: D/64 column blocks of [rows][64], each 8-row x 128-byte atom XOR-swizzled
+// (16-byte chunk c of row r at c ^ (r % 8)). Buffers start 1024-byte aligned.
+__device__ __forceinline__ int swz128(int row, int col, int rows) {
+  return (col >> 6) * (rows * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle: 8-row (K-major) or 8-token (MN-major)
+// groups 1024 bytes apart; `lbo_bytes` apart are the 64-column blocks of an MN-major operand.
+__device__ __forceinline__ uint64_t gmma_desc(const void* smem, uint32_t lbo_bytes) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo_bytes >> 4);
+  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return desc.desc_;
+}
+
+namespace gmma = cute::SM90::GMMA;
+template <typename T> struct Gmma;
+template <> struct Gmma<__half> {
+  using SS64 = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+  template <int N> using RS = std::conditional_t<N == 64,
+      gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;
+};
+template <> struct Gmma<__nv_bfloat16> {
+  using SS64 = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  template <int N> using RS = std::conditional_t<N == 64,
+      gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
+};
+
+// S[64 x 64] of a warpgroup (s[8][4] per thread: the mma.sync C layout per n8 block).
+template <class Atom, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&s)[8][4], bool accumulate,
+                                        std::index_sequence<I...>) {
+  Atom::fma(da, db, s[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+}
+
+// O[64 x N] += P (registers: the mma.sync A layout, 16 x 16 per warp) V (descriptor); acc[N/8][4].
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&acc)[N / 8][4],
+                                        std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, acc[I / 4][I % 4]..., gmma::ScaleOut::One);
+}
 
 template <int D, int BN, int STAGES, int WARPS>
 struct SmemLayout {
@@ -76,9 +137,10 @@ struct SmemLayout {
       + 4 * (3 * kRows + 4);              // row entry/query/head, counters
 };
 
-template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS>
+template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, bool WGMMA>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
+  static_assert(!WGMMA || (BN == 64 && WARPS % 4 == 0 && D <= 128), "wgmma tile shape");
   using L = SmemLayout<D, BN, STAGES, WARPS>;
   constexpr int kThreads = WARPS * 32;
   constexpr int kRows = L::kRows;
@@ -101,6 +163,14 @@ tree_attn_partial_kernel(const PartialParams p) {
   int* sRowHead = sRowQuery + kRows;
   int* sCount = sRowHead + kRows;
 
+  // Element offset of (row, col) in a [rows][D] smem tile: the ldmatrix layout or wgmma's.
+  auto tile_offset = [](int row, int col, int rows) {
+    if constexpr (WGMMA) return swz128(row, col, rows);
+    else return swz<D>(row, col);
+  };
+  if constexpr (WGMMA) {  // descriptors address 1 KiB swizzle atoms
+    if (threadIdx.x == 0 && (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u)) __trap();
+  }
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -144,7 +214,7 @@ tree_attn_partial_kernel(const PartialParams p) {
       const T* src = valid ? q + sRowQuery[r] * p.q_stride_q + sRowHead[r] * p.q_stride_h + cp_vec * 8 : q;
       cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
           *reinterpret_cast<const cute::uint128_t*>(src),
-          *reinterpret_cast<cute::uint128_t*>(sQ + swz<D>(r, cp_vec * 8)), valid);
+          *reinterpret_cast<cute::uint128_t*>(sQ + tile_offset(r, cp_vec * 8, kRows)), valid);
     }
 
     // This thread's two fragment rows (r0 = warp * 16 + lane / 4, r1 = r0 + 8).
@@ -213,10 +283,10 @@ tree_attn_partial_kernel(const PartialParams p) {
             const T* srcV = v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8;
             cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
                 *reinterpret_cast<const cute::uint128_t*>(srcK),
-                *reinterpret_cast<cute::uint128_t*>(dK + swz<D>(r, cp_vec * 8)), valid);
+                *reinterpret_cast<cute::uint128_t*>(dK + tile_offset(r, cp_vec * 8, BN)), valid);
             cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
                 *reinterpret_cast<const cute::uint128_t*>(srcV),
-                *reinterpret_cast<cute::uint128_t*>(dV + swz<D>(r, cp_vec * 8)), valid);
+                *reinterpret_cast<cute::uint128_t*>(dV + tile_offset(r, cp_vec * 8, BN)), valid);
           }
           const int word = (seg0 + sTiles[i] * BN) / 32;
           for (int idx = tid; idx < kRows * kMW; idx += kThreads) {
@@ -239,6 +309,7 @@ tree_attn_partial_kernel(const PartialParams p) {
       }
       for (int i = 0; i < num_live; ++i) {
         cute::cp_async_wait<STAGES - 2>();
+        if constexpr (WGMMA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async -> wgmma
         __syncthreads();
         issue_tile(i + STAGES - 1);
         fetch_slots(i + STAGES);
@@ -256,13 +327,34 @@ tree_attn_partial_kernel(const PartialParams p) {
           any |= mw0[w] | mw1[w];
           all &= mw0[w] & mw1[w];
         }
-        if (!__any_sync(0xffffffffu, any != 0u)) continue;  // no row of this warp reads the tile
+        // No row of this warp reads the tile: skip it (mma.sync only; wgmma needs the whole warpgroup).
+        if (!WGMMA && !__any_sync(0xffffffffu, any != 0u)) continue;
         const bool full = __all_sync(0xffffffffu, all == 0xffffffffu);
 
         // S = Q K^T for the warp's 16 rows and the tile's BN tokens.
         float s[BN / 8][4];
         #pragma unroll
         for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        if constexpr (WGMMA) {
+          // Warpgroup wg owns rows 64 wg .. 64 wg + 63: S = Q K^T, both operands in shared memory.
+          const int wg = warp / 4;
+          #pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+          cute::warpgroup_arrive();
+          #pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+            const T* q_k = sQ + (kk / 4) * (kRows * 64) + wg * 64 * 64 + (kk % 4) * 16;
+            const T* k_k = cK + (kk / 4) * (BN * 64) + (kk % 4) * 16;
+            gmma_ss<typename Gmma<T>::SS64>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0,
+                                            std::make_index_sequence<32>{});
+          }
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          #pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+        } else {
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           uint32_t a[4];
@@ -282,6 +374,8 @@ tree_attn_partial_kernel(const PartialParams p) {
                      b[2], b[3], s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3]);
           }
         }
+
+        }  // mma.sync
 
         // Scale to base 2, mask, row max. Column of s[j][e] (e = 0,1) is j * 8 + (lane % 4) * 2 + e.
         float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -335,7 +429,31 @@ tree_attn_partial_kernel(const PartialParams p) {
           }
         }
 
-        // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans.
+        // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans
+        // (mma.sync) or straight from shared memory (wgmma: V is an MN-major B operand).
+        if constexpr (WGMMA) {
+          uint32_t pa[BN / 16][4];
+          #pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          }
+          #pragma unroll
+          for (int j = 0; j < D / 8; ++j)
+            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+          cute::warpgroup_arrive();
+          #pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk)
+            gmma_rs<typename Gmma<T>::template RS<D>, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc,
+                                                         std::make_index_sequence<D / 2>{});
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          #pragma unroll
+          for (int j = 0; j < D / 8; ++j)
+            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+        } else
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
           uint32_t a[4];
@@ -446,8 +564,8 @@ merge_partials_kernel(const MergeParams p) {
 
 template <typename T, int D>
 cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
-  using C = PartialConfig<D>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
+  using C = PartialConfig<D, use_wgmma<D>()>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
   constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   static bool configured = false;  // the attribute is per function, set once per process
   if (!configured) {
@@ -460,12 +578,12 @@ cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
 }
 
 template <int D>
-constexpr int rows_per_unit() { return PartialConfig<D>::kWarps * 16; }
+constexpr int rows_per_unit() { return PartialConfig<D, use_wgmma<D>()>::kWarps * 16; }
 
 template <typename T, int D>
 int partial_ctas_per_sm_typed() {
-  using C = PartialConfig<D>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
+  using C = PartialConfig<D, use_wgmma<D>()>;
+  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
   constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 0;
   int blocks = 0;
