@@ -43,7 +43,7 @@ TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
 SMOKE_SCALE = 0.05
 GRAPH_KV_COPIES, GRAPH_CALLS = 8, 32
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-TREEDEC_BACKENDS = ("torch", "triton", "cuda")
+TREEDEC_BACKENDS = ("torch", "triton", "cuda", "auto")  # auto: what TreeAttention picks (hybrid on H100/H200)
 
 
 def main(argv=None) -> int:
@@ -149,7 +149,7 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
         return {"status": "unavailable", "reason": str(e)}, None
     plan_us = time_us(lambda: attn.plan(layout), torch.device("cpu"))
     plan = attn.plan(layout)
-    result = {"plan": plan.plan.summary(), "plan_us": plan_us}
+    result = {"plan": plan.plan.summary(), "plan_us": plan_us, "kernel_backend": plan.cache.get("backend")}
 
     def maker(k_i, v_i):
         return lambda: attn.run(q, k_i, v_i, plan)
@@ -216,8 +216,8 @@ def _parse_args(argv):
     parser.add_argument("--workloads", nargs="+", type=_csv, default=[list(SUITE)],
                         help=f"comma- or space-separated (default: all of {list(SUITE)})")
     parser.add_argument("--backends", nargs="+", type=_csv, default=None,
-                        help="treedec backends among torch,triton,cuda (default: on a GPU the runnable "
-                             "ones of triton,cuda; on a CPU torch); 'none' for peers only")
+                        help="treedec backends among torch,triton,cuda,auto (default: on a GPU the runnable "
+                             "ones of triton,cuda, and auto; on a CPU torch); 'none' for peers only")
     parser.add_argument("--planners", nargs="+", type=_csv, default=None,
                         help=f"planners among {','.join(PLANNERS)} (default: flatten, plus node and "
                              f"node_chunk for the triton backend)")
@@ -255,7 +255,7 @@ def _treedec_configs(args, device) -> list[tuple[str, str]]:
     if backends is None:
         if device.type == "cuda":
             backends = [b for b, status in (("triton", triton_status), ("cuda", cuda_status))
-                        if status(device) is None]
+                        if status(device) is None] + ["auto"]
         else:
             backends = ["torch"]
     for b in backends:

@@ -113,7 +113,6 @@ def test_runs_are_bitwise_deterministic():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tree_attention_runs_cuda_when_asked_and_rejects_fp32():
-    assert TreeAttention(8, 2, 64, backend="auto", device="cuda").backend == "triton"  # measured faster
     attn = TreeAttention(8, 2, 64, backend="cuda", device="cuda")
     assert attn.backend == "cuda" and attn.plan_config.query_tile == 32  # 128-row units
     tree = random_forest(np.random.default_rng(0), 16, num_kv_heads=2, head_dim=64, dtype=torch.float32)
@@ -201,3 +200,24 @@ def test_python_rows_table_matches_the_kernels():
     for bf16 in (False, True):
         assert {d: ext.rows_per_unit(bf16, d) for d in ROWS_PER_UNIT} == ROWS_PER_UNIT
         assert all(ext.ctas_per_sm(bf16, d) >= 1 for d in ROWS_PER_UNIT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
+    """auto on an H100/H200: steps with >= 256 query rows per KV head run cuda, smaller ones triton."""
+    attn = TreeAttention(32, 8, 128, backend="auto", device="cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert attn.backend == "triton"
+        return
+    assert attn.backend == "hybrid" and "256" in attn.backend_reason
+    for tree_size, expected in ((16, "triton"), (64, "cuda")):   # x4 heads per KV head: 64 / 256 rows
+        tree = prompt_with_token_tree(2000, tree_size)
+        plan = attn.plan(tree)
+        assert plan.cache["backend"] == expected
+        k, v = (c.cuda() for c in tree.pool.layer(0))
+        q = torch.randn(plan.plan.num_queries, 32, 128, device="cuda", dtype=torch.bfloat16)
+        out, lse = attn.run(q, k, v, plan, return_lse=True)
+        ref, ref_lse = reference_tree_attention(q, k, v, plan.plan.layout, 128 ** -0.5)
+        assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)

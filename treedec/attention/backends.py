@@ -9,7 +9,8 @@ import torch
 from treedec.errors import BackendUnavailableError
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
-AUTO_ORDER = ("triton", "cuda")  # on a CUDA device, fastest first (measured; see resolve_backend)
+AUTO_ORDER = ("triton", "cuda")  # on a CUDA device without the hybrid, fastest first (measured)
+HYBRID_MIN_ROWS = 256  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
 
 
 def triton_status(device: torch.device) -> str | None:
@@ -34,15 +35,22 @@ def cuda_status(device: torch.device) -> str | None:
 def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
     """Map a requested backend (or ``auto``) to one that runs on ``device``.
 
-    Returns ``(backend, reason)``. ``auto`` prefers triton > cuda > torch: on the H200
-    benchmark suite (bench/results/2026-11-22-nvidia-h200-cuda-vs-triton.json) the triton
-    kernels are faster than the current cuda (mma.sync) kernels on every workload. An explicit
-    choice that cannot run raises BackendUnavailableError naming why.
+    Returns ``(backend, reason)``. On a CUDA device ``auto`` is ``hybrid`` where both triton
+    and the wgmma (sm_90a) cuda kernels run: each step takes cuda when it has at least
+    :data:`HYBRID_MIN_ROWS` query rows per KV head and triton below, the crossover measured on
+    the H200 suite (bench/results/2026-11-22-nvidia-h200-cuda-wgmma-vs-triton.json: cuda wins on
+    Medusa-256 and on 64 queries over 32k tokens, triton on the small trees). Otherwise ``auto``
+    prefers triton > cuda > torch. An explicit choice that cannot run raises
+    BackendUnavailableError naming why.
     """
     statuses = {"reference": None, "torch": None,
                 "triton": triton_status(device), "cuda": cuda_status(device)}
     if name == "auto":
         if device.type == "cuda":
+            if statuses["triton"] is None and statuses["cuda"] is None \
+                    and torch.cuda.get_device_capability(device) == (9, 0):
+                return "hybrid", (f"auto: hybrid on {device}: per step, cuda (wgmma) for steps with >= "
+                                  f"{HYBRID_MIN_ROWS} query rows per KV head, triton below (measured crossover)")
             for candidate in AUTO_ORDER:
                 if statuses[candidate] is None:
                     return candidate, f"auto: {candidate} is the fastest backend available on {device}"

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from treedec.attention.backends import resolve_backend
+from treedec.attention.backends import HYBRID_MIN_ROWS, resolve_backend
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.reference import reference_tree_attention
 from treedec.attention.torch_executor import run_plan_torch
@@ -30,7 +30,9 @@ class TreeAttention:
         ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA of any ratio).
     backend:
         "auto", "reference", "torch", "triton" or "cuda". The choice made is in
-        :attr:`backend` and :attr:`backend_reason` (and logged).
+        :attr:`backend` and :attr:`backend_reason` (and logged). ``auto`` may resolve to
+        ``hybrid`` (H100/H200 with both kernel backends): each plan then names its kernel
+        backend in ``plan.cache["backend"]`` (see :meth:`step_backend`).
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
         are set from this object and the device.
@@ -64,21 +66,44 @@ class TreeAttention:
         else:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
-        query_tile = plan_config.query_tile
-        if query_tile is None and self.backend == "cuda":  # fill the cuda kernel's 128-row units
-            from treedec.kernels.cuda_tree_attention import default_query_tile
-            query_tile = default_query_tile(head_dim, num_qo_heads // num_kv_heads)
-        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms,
-                                               query_tile=query_tile)
+        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
+        # Per kernel backend, the planner settings it runs best with (cuda: 128-row units).
+        self._configs = {b: self._config_for(b, plan_config) for b in self._kernel_backends()}
+        if self.backend != "hybrid":
+            self.plan_config = self._configs[self.backend]
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 
     def plan(self, tree: SequenceTree | TreeLayout) -> DeviceTreePlan:
         """Plan one step on the CPU and copy the index arrays to :attr:`device`.
 
-        The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order.
+        The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order. The
+        kernel backend that will run the plan is ``plan.cache["backend"]`` (with ``hybrid``,
+        chosen here per step).
         """
         layout = tree.layout() if isinstance(tree, SequenceTree) else tree
-        return make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads).to(self.device)
+        group = self.num_qo_heads // self.num_kv_heads
+        backend = self.step_backend(layout.num_queries)
+        device_plan = make_plan(layout, self._configs[backend], group).to(self.device)
+        device_plan.cache["backend"] = backend
+        return device_plan
+
+    def step_backend(self, num_queries: int) -> str:
+        """The backend a step of ``num_queries`` queries runs on (``hybrid`` picks by rows per KV head)."""
+        if self.backend != "hybrid":
+            return self.backend
+        rows = num_queries * (self.num_qo_heads // self.num_kv_heads)
+        return "cuda" if rows >= HYBRID_MIN_ROWS else "triton"
+
+    def _kernel_backends(self) -> tuple[str, ...]:
+        return ("triton", "cuda") if self.backend == "hybrid" else (self.backend,)
+
+    def _config_for(self, backend: str, config: PlanConfig) -> PlanConfig:
+        config = dataclasses.replace(config, num_kv_heads=self.num_kv_heads, num_sms=self.plan_config.num_sms)
+        if config.query_tile is None and backend == "cuda":  # fill the cuda kernel's 128-row units
+            from treedec.kernels.cuda_tree_attention import default_query_tile
+            config = dataclasses.replace(config, query_tile=default_query_tile(
+                self.head_dim, self.num_qo_heads // self.num_kv_heads))
+        return config
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):
@@ -97,14 +122,20 @@ class TreeAttention:
         """
         self._check_inputs(q, k_cache, v_cache, plan)
         host_plan = plan.plan
-        if self.backend == "reference":
+        backend = self.backend
+        if backend == "hybrid":
+            backend = plan.cache.get("backend")
+            if backend not in self._configs:
+                raise ValueError("this plan was not made by this hybrid TreeAttention's plan(): "
+                                 "it does not say which kernel backend runs it")
+        if backend == "reference":
             out, lse = reference_tree_attention(q, k_cache, v_cache, host_plan.layout, self.sm_scale)
-        elif self.backend == "torch":
+        elif backend == "torch":
             out, lse = run_plan_torch(q, k_cache, v_cache, host_plan, self.sm_scale)
-        elif self.backend == "triton":
+        elif backend == "triton":
             from treedec.kernels.triton_tree_attention import run_plan_triton
             out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
-        elif self.backend == "cuda":
+        elif backend == "cuda":
             from treedec.kernels.cuda_tree_attention import run_plan_cuda
             out, lse = run_plan_cuda(q, k_cache, v_cache, plan, self.sm_scale)
         else:  # resolve_backend only lets runnable backends through

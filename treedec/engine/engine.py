@@ -68,6 +68,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                                   plan_config=plan_config, device=self.device)
+        if cuda_graphs is not False and self.attn.backend == "hybrid":
+            # Graph replays pad plans for the triton kernels; a hybrid step could switch kernels.
+            self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend="triton",
+                                      plan_config=plan_config, device=self.device)
+            self.attn.backend_reason = "auto with cuda_graphs: triton (graph replays pad plans for its kernels)"
         num_pages, self.kv_pool_reason = self._pool_pages(kv_tokens, page_size, memory_fraction)
         # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
         # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).

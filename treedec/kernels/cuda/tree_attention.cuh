@@ -317,6 +317,9 @@ tree_attn_partial_kernel(const PartialParams p) {
         const T* cK = sK + stage * L::kKV;
         const T* cV = sV + stage * L::kKV;
         const uint32_t* cMask = sMask + stage * kRows * kMW;
+        if constexpr (WGMMA) {  // a warpgroup whose 64 rows are all padding has nothing to compute
+          if (row_end - row_begin <= (warp / 4) * 64) continue;
+        }
 
         uint32_t mw0[kMW], mw1[kMW];
         uint32_t any = 0u, all = 0xffffffffu;
