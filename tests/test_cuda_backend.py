@@ -211,7 +211,7 @@ def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
         assert attn.backend == "triton"
         return
     assert attn.backend == "hybrid" and "256" in attn.backend_reason
-    for tree_size, expected in ((16, "triton"), (64, "cuda")):   # x4 heads per KV head: 64 / 256 rows
+    for tree_size, expected in ((32, "triton"), (64, "cuda")):   # x4 heads per KV head: 128 / 256 rows
         tree = prompt_with_token_tree(2000, tree_size)
         plan = attn.plan(tree)
         assert plan.cache["backend"] == expected

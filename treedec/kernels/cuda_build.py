@@ -3,7 +3,8 @@
 :func:`load_extension` compiles ``treedec/kernels/cuda/*`` with
 ``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into
 ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
-the sources or flags change. The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
+the sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
+``-DTREEDEC_WGMMA128_STAGES=5``). The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
 CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``).
 
 :func:`compile_sources` compiles the torch-free kernel sources with nvcc alone (no GPU
@@ -85,7 +86,7 @@ def build_problem(device: torch.device) -> str | None:
 @functools.lru_cache(maxsize=None)
 def load_extension(capability: tuple[int, int]):
     """Build (or load the cached build of) the extension for ``capability``; returns the module."""
-    flags = arch_flags(capability)
+    flags = arch_flags(capability) + os.environ.get("TREEDEC_CUDA_FLAGS", "").split()  # tuning knobs
     include = cutlass_include_dir()
     nvcc_path()
     from torch.utils.cpp_extension import load

@@ -67,7 +67,16 @@ template <> struct PartialConfig<128, false> { static constexpr int kBN = 32, kS
 template <> struct PartialConfig<256, false> { static constexpr int kBN = 32, kStages = 5, kWarps = 4, kMinBlocks = 1; };
 // wgmma (sm_90a): two warpgroups of 64 rows share each K/V tile; BN = 64 (the N of S's wgmma).
 template <> struct PartialConfig<64, true> { static constexpr int kBN = 64, kStages = 4, kWarps = 8, kMinBlocks = 2; };
-template <> struct PartialConfig<128, true> { static constexpr int kBN = 64, kStages = 2, kWarps = 8, kMinBlocks = 2; };
+#ifndef TREEDEC_WGMMA128_STAGES  // tuning knobs (TREEDEC_CUDA_FLAGS="-DTREEDEC_WGMMA128_STAGES=5 ...")
+#define TREEDEC_WGMMA128_STAGES 2
+#endif
+#ifndef TREEDEC_WGMMA128_MIN_BLOCKS
+#define TREEDEC_WGMMA128_MIN_BLOCKS 2
+#endif
+template <> struct PartialConfig<128, true> {
+  static constexpr int kBN = 64, kStages = TREEDEC_WGMMA128_STAGES, kWarps = 8,
+                       kMinBlocks = TREEDEC_WGMMA128_MIN_BLOCKS;
+};
 #if defined(TREEDEC_SM90A)
 constexpr bool kUseWgmma = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
 #else
