@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import pstats
 import sys
 import time

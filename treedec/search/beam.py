@@ -26,32 +26,22 @@ every page it used is free again (the result keeps the tokens, not the KV).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import discard_request, eos_token_ids, finite_float, pages_in_use, positive_int
+from treedec.search.request import RequestStats, discard_request, eos_token_ids, finite_float, pages_in_use, positive_int
 from treedec.tree import SequenceTree
 
 EARLY_STOPPING = (False, True, "never")
 
 
 @dataclass
-class BeamSearchStats:
-    """Counters of one :func:`beam_search` run.
-
-    Attributes
-    ----------
-    steps : engine steps after the prefill (one per generated position).
-    queries_per_step : live beams computed by each step.
-    peak_pages : the most KV pages the request held at once (prompt included).
-    """
-
-    steps: int = 0
-    queries_per_step: list[int] = field(default_factory=list)
-    peak_pages: int = 0
+class BeamSearchStats(RequestStats):
+    """Counters of one :func:`beam_search` run: one step per generated position, its
+    queries the live beams (see :class:`~treedec.search.request.RequestStats`)."""
 
 
 @dataclass

@@ -7,9 +7,27 @@ a search program can check everything before it touches the engine.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from treedec.tree import PagedKVPool, SequenceTree
+
+
+
+@dataclass
+class RequestStats:
+    """Counters of one request's decoding run (beam search, parallel sampling).
+
+    Attributes
+    ----------
+    steps : engine steps after the prefill.
+    queries_per_step : tokens computed by each step.
+    peak_pages : the most KV pages the request held at once (prompt included).
+    """
+
+    steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    peak_pages: int = 0
 
 
 def positive_int(name: str, value) -> int:

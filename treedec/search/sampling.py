@@ -13,13 +13,13 @@ extractor, and takes the majority vote (:func:`majority_vote`).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import discard_request, eos_token_ids, pages_in_use, positive_int
+from treedec.search.request import RequestStats, discard_request, eos_token_ids, pages_in_use, positive_int
 
 
 @dataclass(frozen=True)
@@ -97,20 +97,10 @@ class Sample:
 
 
 @dataclass
-class SamplingStats:
-    """Counters of one :func:`parallel_sample` run.
-
-    Attributes
-    ----------
-    steps : engine steps after the prefill.
-    queries_per_step : tokens computed by each step (one per live sample, plus each kept
-        sample's last token in the step after it ended).
-    peak_pages : the most KV pages the request held at once (prompt included).
-    """
-
-    steps: int = 0
-    queries_per_step: list[int] = field(default_factory=list)
-    peak_pages: int = 0
+class SamplingStats(RequestStats):
+    """Counters of one :func:`parallel_sample` run: a step's queries are one token per live
+    sample, plus each kept sample's last token in the step after it ended
+    (see :class:`~treedec.search.request.RequestStats`)."""
 
 
 @dataclass

@@ -611,3 +611,58 @@ cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
 }
 
 }  // namespace treedec
+
+namespace treedec {
+
+// The launch functions of one input dtype, switching on the head dim. Members are defined
+// out of class (not inline), so that partial_<dtype>.cu instantiates them (and the kernels)
+// once and dispatch.cu, declaring them extern, compiles none.
+template <typename T>
+struct DtypeFunctions {
+  static cudaError_t launch_partial(int head_dim, const PartialParams& p, cudaStream_t stream);
+  static cudaError_t launch_merge(int head_dim, const MergeParams& p, cudaStream_t stream);
+  static int ctas_per_sm(int head_dim);
+  static int rows_per_unit(int head_dim);
+};
+
+template <typename T>
+cudaError_t DtypeFunctions<T>::launch_partial(int head_dim, const PartialParams& p, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch_partial_typed<T, 64>(p, stream);
+    case 128: return launch_partial_typed<T, 128>(p, stream);
+    case 256: return launch_partial_typed<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t DtypeFunctions<T>::launch_merge(int head_dim, const MergeParams& p, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return launch_merge_typed<T, 64>(p, stream);
+    case 128: return launch_merge_typed<T, 128>(p, stream);
+    case 256: return launch_merge_typed<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+int DtypeFunctions<T>::ctas_per_sm(int head_dim) {
+  switch (head_dim) {
+    case 64: return partial_ctas_per_sm_typed<T, 64>();
+    case 128: return partial_ctas_per_sm_typed<T, 128>();
+    case 256: return partial_ctas_per_sm_typed<T, 256>();
+    default: return 0;
+  }
+}
+
+template <typename T>
+int DtypeFunctions<T>::rows_per_unit(int head_dim) {
+  switch (head_dim) {
+    case 64: return treedec::rows_per_unit<64>();
+    case 128: return treedec::rows_per_unit<128>();
+    case 256: return treedec::rows_per_unit<256>();
+    default: return 0;
+  }
+}
+
+}  // namespace treedec
