@@ -266,3 +266,27 @@ def test_pool_sized_from_free_gpu_memory():
     assert "sized from free GPU memory" in engine.kv_pool_reason
     root, logits = engine.prefill([1, 2, 3])
     assert logits.shape == (c.vocab_size,) and logits.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_backend_steps_equal_triton_steps():
+    """An eager engine on auto (hybrid on H100/H200: cuda kernels for the 128-token tree, triton for
+    the decode step) computes the logits of an engine pinned to triton."""
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    engines = [Engine(model, kv_tokens=8192, page_size=16, backend=b) for b in ("auto", "triton")]
+    if torch.cuda.get_device_capability() == (9, 0):   # tiny: 2 query heads per KV head
+        assert engines[0].attn.backend == "hybrid"
+        assert engines[0].attn.step_backend(128) == "cuda" and engines[0].attn.step_backend(1) == "triton"
+    medusa = medusa_tree(128)
+    results = []
+    for engine in engines:
+        gen = np.random.default_rng(3)
+        root, _ = engine.prefill(gen.integers(0, 512, 2500).tolist())
+        ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 128).tolist(), medusa.parents)
+        verify = engine.step()
+        engine.tree.prune(ids[0])
+        engine.tree.extend(root, [int(gen.integers(0, 512))])  # a decode step under the same prompt
+        results.append((verify, engine.step(logits_rows=[0])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

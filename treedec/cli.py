@@ -52,29 +52,43 @@ def build_demo_forest(pool: PagedKVPool, rng: np.random.Generator) -> SequenceTr
     return tree
 
 
+DEMO_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DEMO_TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}  # max abs error vs the fp32 reference
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_demo(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     heads, kv_heads, head_dim = 8, 2, 64
-    pool = PagedKVPool(num_pages=-(-1024 // args.page_size) + 64, page_size=args.page_size, num_layers=1, num_kv_heads=kv_heads,
-                       head_dim=head_dim, dtype=torch.float32)
+    dtype = DEMO_DTYPES[args.dtype]
+    pool = PagedKVPool(num_pages=-(-1024 // args.page_size) + 64, page_size=args.page_size, num_layers=1,
+                       num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=args.device)
     tree = build_demo_forest(pool, rng)
     pool.k.normal_()
     pool.v.normal_()
     attn = TreeAttention(heads, kv_heads, head_dim, backend=args.backend,
-                         plan_config=PlanConfig(args.planner, args.chunk_size, args.query_tile), device="cpu")
+                         plan_config=PlanConfig(args.planner, args.chunk_size, args.query_tile), device=args.device)
     attn.plan(tree)  # warm-up: the first call pays for imports and caches
     t0 = time.perf_counter()
     plan = attn.plan(tree)
     plan_us = (time.perf_counter() - t0) * 1e6
-    q = torch.randn(plan.plan.num_queries, heads, head_dim)
+    q = torch.randn(plan.plan.num_queries, heads, head_dim).to(dtype=dtype, device=args.device)
     k_cache, v_cache = pool.layer(0)
+    attn.run(q, k_cache, v_cache, plan)  # warm-up: kernel compiles and builds
+    _synchronize(attn.device)
     t0 = time.perf_counter()
     out, lse = attn.run(q, k_cache, v_cache, plan, return_lse=True)
+    _synchronize(attn.device)
     run_ms = (time.perf_counter() - t0) * 1e3
     ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
     return {
         "backend": attn.backend, "backend_reason": attn.backend_reason,
+        "kernel_backend": plan.cache.get("backend"), "device": str(attn.device), "dtype": args.dtype,
         "requests": len(tree.roots), "nodes": tree.num_nodes, "forest_tokens": tree.num_tokens,
         "pages_used": pool.num_pages - pool.num_free_pages, "page_size": pool.page_size,
         **plan.plan.summary(), "plan_us": round(plan_us, 1), "run_ms": round(run_ms, 2),
@@ -93,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--query-tile", type=int, default=None, help="default: about 64 rows per program")
     demo.add_argument("--page-size", type=int, default=16)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", default="cpu", help="cpu or cuda (the triton and cuda backends need cuda)")
+    demo.add_argument("--dtype", default="fp32", choices=sorted(DEMO_DTYPES),
+                      help="K/V and q dtype (the cuda backend takes fp16 or bf16)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_replay_parser(sub)
     add_plot_parser(sub)
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         width = max(map(len, summary))
         for key, value in summary.items():
             print(f"{key:<{width}}  {value}")
-    ok = summary["max_abs_err_vs_reference"] < 1e-4
+    ok = summary["max_abs_err_vs_reference"] < DEMO_TOLERANCE[args.dtype]
     print("OK: matches the dense fp32 reference" if ok else "MISMATCH against the dense fp32 reference")
     return 0 if ok else 1
 
