@@ -1,8 +1,10 @@
-"""The ``cuda`` backend: CuTe/mma.sync tree attention on a persistent, load-balanced grid.
+"""The ``cuda`` backend: CuTe tree attention (wgmma on sm_90a, mma.sync on sm_80+) on a
+persistent, load-balanced grid.
 
 Stage 1 (``tree_attention.cuh``) runs a fixed grid of CTAs, each looping over the units a
 :class:`~treedec.attention.persistent_schedule.PersistentSchedule` gave it: one work item's
-chunk x one KV head x up to 64 rows (queries x heads of the GQA group). Dead 64-token tiles
+chunk x one KV head x up to :data:`ROWS_PER_UNIT` rows (queries x heads of the GQA group;
+128 for head dims 64/128: two warpgroups on sm_90a, 8 warps of mma.sync elsewhere). Dead tiles
 (no row reads them) are neither loaded nor computed; entries that are their query's only
 partial write the output directly, the rest write fp32 partial states. Stage 2 merges each
 query's partials in the plan's CSR order (deterministic, no atomics).

@@ -1,5 +1,6 @@
 // treedec CUDA tree attention: DeFT-Flatten stage 1 (partial attention per work unit, on a
-// persistent grid) and stage 2 (deterministic per-query merge). sm_80+ (mma.sync m16n8k16).
+// persistent grid) and stage 2 (deterministic per-query merge). sm_80+: mma.sync m16n8k16;
+// built for sm_90a (-DTREEDEC_SM90A), head dims 64/128 run wgmma instead (step 4 below).
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
@@ -9,9 +10,11 @@
 //   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
 //      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
 //      mask words beside them; slots of the tile after next are prefetched into registers;
-//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), bit mask in registers
-//      (skipped when the warp's rows read the whole tile; the whole tile skipped when they read
-//      none of it), online softmax in base 2, O += P V (P re-packed from the S accumulators);
+//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate; or per warpgroup of 64 rows
+//      one wgmma batch reading Q and K from 128-byte-swizzled smem), bit mask in registers
+//      (skipped when the warp's rows read the whole tile; with mma.sync the whole tile skipped
+//      when they read none of it), online softmax in base 2, O += P V (P re-packed from the S
+//      accumulators into A fragments; V through ldmatrix.trans or as wgmma's MN-major B);
 //   5. O / l and the LSE go to the output (the entry is its query's only partial) or to the
 //      fp32 partial workspace.
 #pragma once
