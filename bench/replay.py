@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench.results_file import results_path  # noqa: E402
+from bench.results_file import add_run_arguments, results_path  # noqa: E402
 from treedec.engine import from_config  # noqa: E402
 from treedec.replay import ReplayConfig, replay_results  # noqa: E402
 from treedec.workloads import workload_schedule  # noqa: E402
@@ -146,10 +146,7 @@ def _parse_args(argv):
     p.add_argument("--branches", type=int, default=30, help="few-shot branches (default 30; --smoke at most 4)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each run (default 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", action="store_true", help="progress bars")
-    p.add_argument("--out", default=str(REPO / "bench" / "results"))
-    p.add_argument("--tag", default="")
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 

@@ -1,6 +1,7 @@
 """Where and under what name the benchmarks write their results, and what they record about the run."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import re
@@ -35,3 +36,11 @@ def results_path(out_dir: Path, device: str, kind: str = "", smoke: bool = False
     """``<out_dir>/<date>-<device>[-kind][-smoke][-tag].json``."""
     parts = [datetime.date.today().isoformat(), slug(device)] + [slug(p) for p in (kind, "smoke" if smoke else "", tag or "") if p]
     return Path(out_dir) / ("-".join(parts) + ".json")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every end-to-end benchmark shares: --seed, --progress, --out, --tag."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress", action="store_true", help="progress bars")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--tag", default="")

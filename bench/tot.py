@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.results_file import add_run_arguments, device_name, results_path, versions  # noqa: E402
 from treedec.attention import PlanConfig  # noqa: E402
 from treedec.engine import Engine, from_config  # noqa: E402
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTResult, ToTTask, tot_bfs  # noqa: E402
@@ -190,10 +190,7 @@ def _parse_args(argv):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, help="KV pool per engine (default twice the search's peak)")
     p.add_argument("--reps", type=int, default=3, help="timed searches per planner (default 3; --smoke 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", action="store_true", help="progress bars")
-    p.add_argument("--out", default=str(REPO / "bench" / "results"))
-    p.add_argument("--tag", default="")
+    add_run_arguments(p)
     return p.parse_args(argv)
 
 

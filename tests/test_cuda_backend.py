@@ -13,12 +13,11 @@ import torch
 
 from treedec import PlanConfig, TreeAttention
 from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
-from treedec.attention.torch_executor import run_plan_torch
 from treedec.errors import PlanError
 from treedec.kernels.cuda_build import compile_sources
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.workloads.deft import medusa_tree
-from tests.trees import poison_free_slots, random_forest, rel_error
+from tests.trees import check_against_references, poison_free_slots, random_forest, rel_error
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -40,16 +39,6 @@ def run_cuda(tree, config, group, dtype, seed=0):
     q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
     out, lse = run_plan_cuda(q, k_cache, v_cache, plan.to("cuda"), d ** -0.5)
     return out, lse, plan, q, k_cache, v_cache
-
-
-def check(out, lse, plan, q, k_cache, v_cache, tol):
-    sm_scale = q.shape[-1] ** -0.5
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, sm_scale)
-    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, sm_scale)
-    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out.float()).all()
-    assert rel_error(out, ref) < tol, f"{rel_error(out, ref)=}"
-    assert rel_error(out, via_plan) < tol, f"{rel_error(out, via_plan)=}"
-    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
 
 
 CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile
@@ -74,8 +63,8 @@ def test_matches_references_on_random_forests(seed, page_size, hkv, group, head_
     rng = np.random.default_rng(seed)
     tree = random_forest(rng, page_size, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, max_nodes=12)
     poison_free_slots(tree)
-    check(*run_cuda(tree, PlanConfig(planner, chunk_size=chunk_size, query_tile=query_tile), group, dtype, seed),
-          TOLERANCE[dtype])
+    config = PlanConfig(planner, chunk_size=chunk_size, query_tile=query_tile)
+    check_against_references(*run_cuda(tree, config, group, dtype, seed), TOLERANCE[dtype])
 
 
 def prompt_with_token_tree(prompt_len: int, tree_size: int, page_size=16, hkv=8, d=128, dtype=torch.bfloat16):
@@ -98,7 +87,8 @@ def prompt_with_token_tree(prompt_len: int, tree_size: int, page_size=16, hkv=8,
 def test_medusa_tree_over_long_prompt(prompt_len, tree_size, planner, chunk_size):
     """Many entries per chunk, auto chunk sizes, and (node planner) chunks longer than one live-tile segment."""
     tree = prompt_with_token_tree(prompt_len, tree_size)
-    check(*run_cuda(tree, PlanConfig(planner, chunk_size=chunk_size), 4, torch.bfloat16), TOLERANCE[torch.bfloat16])
+    check_against_references(*run_cuda(tree, PlanConfig(planner, chunk_size=chunk_size), 4, torch.bfloat16),
+                             TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -11,10 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import make_plan, reference_tree_attention
-from treedec.attention.torch_executor import run_plan_torch
+from treedec.attention import make_plan
 from treedec.tree import PagedKVPool, SequenceTree
-from tests.trees import poison_free_slots, random_forest, rel_error
+from tests.trees import check_against_references, poison_free_slots, random_forest
 
 triton_kernels = pytest.importorskip("treedec.kernels.triton_tree_attention")
 run_plan_triton = triton_kernels.run_plan_triton
@@ -33,18 +32,6 @@ def run_both(tree, layout, config, group, dtype, device, seed=0, **kwargs):
     q = torch.randn(plan.num_queries, hkv * group, d, generator=gen).to(dtype).to(device)
     out, lse = run_plan_triton(q, k_cache, v_cache, plan.to(device), d ** -0.5, **kwargs)
     return out, lse, plan, q, k_cache, v_cache
-
-
-def check_against_references(out, lse, plan, q, k_cache, v_cache, tol):
-    sm_scale = q.shape[-1] ** -0.5
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, sm_scale)
-    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, sm_scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
-    assert torch.isfinite(out.float()).all()
-    assert rel_error(out, ref) < tol, f"{rel_error(out, ref)=}"
-    assert rel_error(out, via_plan) < tol, f"{rel_error(out, via_plan)=}"
-    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-4), f"{(lse - ref_lse).abs().max()=}"
 
 
 CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treedec.attention import reference_tree_attention
+from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree
 
 
@@ -52,6 +54,18 @@ def poison_free_slots(tree: SequenceTree) -> None:
         keep = flat[used].clone()
         flat.fill_(float("nan"))
         flat[used] = keep
+
+
+def check_against_references(out, lse, plan, q, k_cache, v_cache, tol):
+    sm_scale = q.shape[-1] ** -0.5
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, sm_scale)
+    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, sm_scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+    assert torch.isfinite(out.float()).all()
+    assert rel_error(out, ref) < tol, f"{rel_error(out, ref)=}"
+    assert rel_error(out, via_plan) < tol, f"{rel_error(out, via_plan)=}"
+    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-4), f"{(lse - ref_lse).abs().max()=}"
 
 
 def path_slots(tree: SequenceTree, node: int, offset: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 
 UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end")
-TILE_TOKENS = 64          # cost granularity: the kernel's KV tile for head dims 64/128
+TILE_TOKENS = 64          # cost granularity: the wgmma kernel's KV tile (mma.sync's is 32)
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, live-tile scan)
@@ -85,7 +85,7 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     num_ctas : int
         Size of the persistent grid; CTAs left without units exit at once.
     rows_per_unit : int
-        Rows one CTA computes at a time (the kernel's 64).
+        Rows one CTA computes at a time (``cuda_tree_attention.ROWS_PER_UNIT`` of the head dim).
     """
     for name, value in (("group", group), ("num_kv_heads", num_kv_heads), ("num_ctas", num_ctas),
                         ("rows_per_unit", rows_per_unit)):

@@ -28,7 +28,7 @@ import torch
 from treedec.attention.persistent_schedule import schedule_units
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
-from treedec.errors import PlanError
+from treedec.errors import BackendUnavailableError, PlanError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
 
@@ -105,7 +105,6 @@ class StaticTreeAttention:
         if self.device.type != "cuda":
             raise ValueError(f"StaticTreeAttention runs the cuda backend and needs a CUDA device, got {self.device}")
         from treedec.kernels.cuda_build import build_problem
-        from treedec.errors import BackendUnavailableError
         problem = build_problem(self.device)
         if problem is not None:
             raise BackendUnavailableError(problem)

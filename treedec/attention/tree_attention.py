@@ -68,7 +68,7 @@ class TreeAttention:
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
         # Per kernel backend, the planner settings it runs best with (cuda: 128-row units).
-        self._configs = {b: self._config_for(b, plan_config) for b in self._kernel_backends()}
+        self._configs = {b: self._config_for(b) for b in self._kernel_backends()}
         if self.backend != "hybrid":
             self.plan_config = self._configs[self.backend]
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
@@ -97,8 +97,8 @@ class TreeAttention:
     def _kernel_backends(self) -> tuple[str, ...]:
         return ("triton", "cuda") if self.backend == "hybrid" else (self.backend,)
 
-    def _config_for(self, backend: str, config: PlanConfig) -> PlanConfig:
-        config = dataclasses.replace(config, num_kv_heads=self.num_kv_heads, num_sms=self.plan_config.num_sms)
+    def _config_for(self, backend: str) -> PlanConfig:
+        config = self.plan_config
         if config.query_tile is None and backend == "cuda":  # fill the cuda kernel's 128-row units
             from treedec.kernels.cuda_tree_attention import default_query_tile
             config = dataclasses.replace(config, query_tile=default_query_tile(
