@@ -5,6 +5,10 @@ loops over its list of *units*. A unit is one work item's chunk for one KV head 
 most ``rows_per_unit`` of the item's rows (row ``r = local_entry * group + g``: entry
 ``local_entry`` of the item, query head ``kv_head * group + g``), so any GQA ratio fits.
 
+Each work item's *live tiles* (the TILE_TOKENS-token tiles of its chunk that some entry of the
+item reads; the kernel loads and computes only those) are listed here on the CPU, once per
+item, and the unit records point into the list (:meth:`PersistentSchedule.device_array`).
+
 Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
 longest-processing-time first; FlashInfer paper section 3.3.1): here the KV tokens are the
 *live* ones, the 64-token tiles that some entry of the item reads (the kernel skips the
@@ -19,8 +23,8 @@ import numpy as np
 
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 
-UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end")
-TILE_TOKENS = 64          # cost granularity: the wgmma kernel's KV tile (mma.sync's is 32)
+UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end")
+TILE_TOKENS = 64          # tile of the live lists and the cost model: the sm_90a kernel's KV tile
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, live-tile scan)
@@ -34,14 +38,17 @@ class PersistentSchedule:
     ----------
     cta_unit_start : [num_ctas + 1] int32
         CTA b runs units ``cta_unit_start[b]:cta_unit_start[b + 1]`` in order.
-    unit_info : [U, 5] int32
-        Per unit, the :data:`UNIT_FIELDS`.
+    unit_info : [U, 7] int32
+        Per unit, the :data:`UNIT_FIELDS`; the unit's live tiles are ``tiles[tile_begin:tile_end]``.
+    tiles : [N] int32
+        Live tiles (index of the tile in its chunk, ascending) of every work item, item by item.
     cta_cost : [num_ctas] float64
         Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
     """
 
     cta_unit_start: np.ndarray
     unit_info: np.ndarray
+    tiles: np.ndarray
     cta_cost: np.ndarray
 
     @property
@@ -52,24 +59,52 @@ class PersistentSchedule:
     def num_units(self) -> int:
         return len(self.unit_info)
 
+    def device_array(self) -> np.ndarray:
+        """[7 U + N] int32: the unit records, then the tile lists (``tile_begin``/``tile_end`` index
+        this array), as the kernels read them (``PartialParams::unit_info``)."""
+        records = self.unit_info.copy()
+        records[:, 5:] += records.size
+        return np.concatenate([records.reshape(-1), self.tiles]).astype(np.int32)
+
     def imbalance(self) -> float:
         """Heaviest CTA's cost over the mean (1.0 is perfect)."""
         busy = self.cta_cost[self.cta_cost > 0]
         return float(busy.max() / busy.mean()) if busy.size else 1.0
 
 
-def live_kv_tokens(plan: TreePlan) -> np.ndarray:
-    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads."""
+def live_tiles(plan: TreePlan) -> tuple[np.ndarray, np.ndarray]:
+    """Live tiles of every work item, as CSR.
+
+    Returns
+    -------
+    item_tile_start : [I + 1] int64
+        Item i's live tiles are ``tiles[item_tile_start[i]:item_tile_start[i + 1]]``.
+    tiles : [N] int32
+        Index (tile t covers chunk tokens ``t * TILE_TOKENS ...``) of each tile that some entry of
+        the item reads, ascending per item.
+    """
     if plan.num_items == 0:
-        return np.zeros(0, dtype=np.int64)
-    ored = np.bitwise_or.reduceat(plan.entry_mask, plan.item_entry_start, axis=0)  # [I, W]
+        return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
+    counts = plan.item_num_entries.astype(np.int64)
+    offsets = np.cumsum(counts) - counts                          # items' rows in `rows` below
+    rows = np.repeat(plan.item_entry_start - offsets, counts) + np.arange(counts.sum())  # entries, item by item
+    ored = np.bitwise_or.reduceat(plan.entry_mask[rows], offsets, axis=0)  # [I, W] (items need not be in entry order)
     words_per_tile = TILE_TOKENS // MASK_BITS
     w = ored.shape[1]
     padded = np.zeros((ored.shape[0], -(-w // words_per_tile) * words_per_tile), dtype=ored.dtype)
     padded[:, :w] = ored
-    live_tiles = (padded.reshape(len(ored), -1, words_per_tile) != 0).any(axis=2).sum(axis=1)
+    live = (padded.reshape(len(ored), -1, words_per_tile) != 0).any(axis=2)     # [I, tiles]
+    _, tiles = np.nonzero(live)                                                  # item-major, ascending
+    item_tile_start = np.zeros(plan.num_items + 1, dtype=np.int64)
+    np.cumsum(live.sum(axis=1), out=item_tile_start[1:])
+    return item_tile_start, tiles.astype(np.int32)
+
+
+def live_kv_tokens(plan: TreePlan) -> np.ndarray:
+    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads."""
+    item_tile_start, _ = live_tiles(plan)
     chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
-    return np.minimum(live_tiles * TILE_TOKENS, chunk_len)
+    return np.minimum(np.diff(item_tile_start) * TILE_TOKENS, chunk_len)
 
 
 def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
@@ -97,15 +132,19 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     block_in_item = np.arange(len(item_of_block)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
     row_begin = block_in_item * rows_per_unit
     row_end = np.minimum(row_begin + rows_per_unit, rows[item_of_block])
+    item_tile_start, tiles = live_tiles(plan)
+    live_tokens = np.minimum(np.diff(item_tile_start) * TILE_TOKENS, np.diff(plan.chunk_kv_start)[plan.item_chunk])
     block_cost = (COST_PER_UNIT + COST_PER_ROW * (row_end - row_begin)
-                  + COST_PER_KV_TOKEN * live_kv_tokens(plan)[item_of_block])
+                  + COST_PER_KV_TOKEN * live_tokens[item_of_block])
     # Units: every block for every KV head (block-major, so equal costs stay adjacent).
     num_blocks = len(item_of_block)
     unit_block = np.repeat(np.arange(num_blocks), num_kv_heads)
     unit_head = np.tile(np.arange(num_kv_heads), num_blocks)
     info = np.stack([plan.item_chunk[item_of_block][unit_block], unit_head,
                      plan.item_entry_start[item_of_block][unit_block],
-                     row_begin[unit_block], row_end[unit_block]], axis=1).astype(np.int32)
+                     row_begin[unit_block], row_end[unit_block],
+                     item_tile_start[:-1][item_of_block][unit_block],
+                     item_tile_start[1:][item_of_block][unit_block]], axis=1).astype(np.int32)
     cost = block_cost[unit_block]
 
     order = np.argsort(-cost, kind="stable")
@@ -123,4 +162,4 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     counts = np.bincount(cta_of_unit, minlength=num_ctas)
     cta_unit_start = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(counts, out=cta_unit_start[1:])
-    return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), loads)
+    return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), tiles, loads)

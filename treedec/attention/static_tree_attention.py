@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treedec.attention.persistent_schedule import schedule_units
+from treedec.attention.persistent_schedule import TILE_TOKENS, UNIT_FIELDS, schedule_units
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import BackendUnavailableError, PlanError
@@ -121,9 +121,10 @@ class StaticTreeAttention:
         self.num_ctas = ck.persistent_grid_size(index, dtype, head_dim)
         e, mw = bounds.entries, bounds.mask_words
         max_units = num_kv_heads * (e + -(-e * self.group // self.rows_per_unit))
+        max_tiles = e * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists: <= one per item
         self._sizes = {"kv_slots": bounds.max_tokens, "chunk_kv_start": bounds.chunks + 1, "entry_query": e,
                        "entry_mask": e * mw, "entry_direct": e, "query_entry_start": bounds.max_queries + 1,
-                       "query_entries": e, "cta_unit_start": self.num_ctas + 1, "unit_info": 5 * max_units}
+                       "query_entries": e, "cta_unit_start": self.num_ctas + 1, "unit_info": len(UNIT_FIELDS) * max_units + max_tiles}
         offsets = np.cumsum([0, *self._sizes.values()])
         self._offsets = dict(zip(_SECTIONS, offsets[:-1].tolist()))
         total = int(offsets[-1])
@@ -148,9 +149,10 @@ class StaticTreeAttention:
         host = make_plan(layout, self.plan_config, self.group)
         self._check_bounds(host)
         schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, self.rows_per_unit)
-        if schedule.unit_info.size > self._sizes["unit_info"]:
-            raise PlanError(f"the schedule has {schedule.num_units} units, more than the buffers hold "
-                            f"({self._sizes['unit_info'] // 5}); raise PlanBounds.max_entries")
+        units = schedule.device_array()
+        if units.size > self._sizes["unit_info"]:
+            raise PlanError(f"the schedule has {schedule.num_units} units and {schedule.tiles.size} live tiles, more "
+                            f"than the buffers hold ({self._sizes['unit_info']} words); raise PlanBounds.max_entries")
         self._copied.synchronize()  # the previous plan's copies have read the pinned buffer
         mw = self.bounds.mask_words
         words = host.mask_words
@@ -161,7 +163,7 @@ class StaticTreeAttention:
         values = {"kv_slots": host.kv_slots, "chunk_kv_start": host.chunk_kv_start, "entry_query": host.entry_query,
                   "entry_mask": mask.reshape(-1), "entry_direct": host.entry_direct,
                   "query_entry_start": padded_qstart, "query_entries": host.query_entries,
-                  "cta_unit_start": schedule.cta_unit_start, "unit_info": schedule.unit_info.reshape(-1)}
+                  "cta_unit_start": schedule.cta_unit_start, "unit_info": units}
         for name, value in values.items():
             start = self._offsets[name]
             self._host_np[start:start + len(value)] = value

@@ -101,6 +101,7 @@ class _EagerLaunch:
     o_ws: torch.Tensor
     lse_ws: torch.Tensor
     merge: bool
+    schedule: object  # the PersistentSchedule (for reports)
 
 
 def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
@@ -142,11 +143,11 @@ def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: tor
     schedule = schedule_units(host, hq // hkv, hkv, grid, ROWS_PER_UNIT[d])
     used = int((schedule.cta_unit_start[1:] > schedule.cta_unit_start[:-1]).sum())
     starts = schedule.cta_unit_start[:max(used, 1) + 1]  # CTAs are filled in order: trailing ones are empty
-    flat = torch.from_numpy(np.concatenate([starts, schedule.unit_info.reshape(-1)])).to(device)
+    flat = torch.from_numpy(np.concatenate([starts, schedule.device_array()])).to(device)
     needs_merge = host.num_entries > host.num_queries
     partials = host.num_entries if needs_merge else 0
     return _EagerLaunch(
         cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
         o_ws=torch.empty(max(partials, 1), hq, d, dtype=torch.float32, device=device),
         lse_ws=torch.empty(max(partials, 1), hq, dtype=torch.float32, device=device),
-        merge=needs_merge)
+        merge=needs_merge, schedule=schedule)

@@ -135,6 +135,116 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, flo
   Atom::fma(a[0], a[1], a[2], a[3], db, acc[I / 4][I % 4]..., gmma::ScaleOut::One);
 }
 
+// One online-softmax step for the thread's two fragment rows (r0 = lane / 4 of its 16-row
+// slice, r1 = r0 + 8) over a BN-token tile of S (the mma.sync C layout per n8 block: column of
+// s[j][e], e = 0,1, is j * 8 + (lane % 4) * 2 + e; e = 2,3 are row r1). S is scaled to base 2,
+// masked by the rows' mask words unless `full` (every row reads the whole tile), and becomes
+// P = exp2(S - max); the running max m and sum l move on. Returns the rows' O rescale factors.
+template <int BN>
+__device__ __forceinline__ float2 online_softmax(float (&s)[BN / 8][4], const uint32_t* mw0, const uint32_t* mw1,
+                                                 bool full, float scale_log2, int lane,
+                                                 float& m0, float& m1, float& l0, float& l1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  #pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float x0 = s[j][e] * scale_log2;
+      float x1 = s[j][2 + e] * scale_log2;
+      if (!full) {
+        const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
+        if (!((mw0[j >> 2] >> bit) & 1u)) x0 = -INFINITY;
+        if (!((mw1[j >> 2] >> bit) & 1u)) x1 = -INFINITY;
+      }
+      s[j][e] = x0;
+      s[j][2 + e] = x1;
+      mx0 = fmaxf(mx0, x0);
+      mx1 = fmaxf(mx1, x1);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // rows with nothing read yet
+  const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+  const float2 alpha = make_float2(exp2f(m0 - ms0), exp2f(m1 - ms1));
+  m0 = mn0;
+  m1 = mn1;
+  float sum0 = 0.f, sum1 = 0.f;
+  #pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    s[j][0] = exp2f(s[j][0] - ms0);
+    s[j][1] = exp2f(s[j][1] - ms0);
+    s[j][2] = exp2f(s[j][2] - ms1);
+    s[j][3] = exp2f(s[j][3] - ms1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  l0 = l0 * alpha.x + sum0;
+  l1 = l1 * alpha.y + sum1;
+  return alpha;
+}
+
+// O *= alpha per row, skipped when no row of the warp moved its max (after the first tiles
+// it rarely does).
+template <int D>
+__device__ __forceinline__ void rescale_o(float (&acc)[D / 8][4], float2 alpha) {
+  if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][0] *= alpha.x;
+      acc[j][1] *= alpha.x;
+      acc[j][2] *= alpha.y;
+      acc[j][3] *= alpha.y;
+    }
+  }
+}
+
+// P (fp32, the S layout) as wgmma/mma.sync A fragments: 16 x 16 blocks of two S n8 tiles.
+template <typename T, int BN>
+__device__ __forceinline__ void pack_p(const float (&s)[BN / 8][4], uint32_t (&pa)[BN / 16][4]) {
+  #pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    pa[kk][0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// Epilogue of the thread's fragment rows: O / l and the LSE to the output (the entry is its
+// query's only partial) or to the fp32 partial workspace. `half` 0: row r0 (acc[j][0..1]),
+// 1: row r1; l is the row's full sum (quad-reduced). Padding rows (entry < 0) write nothing.
+template <typename T, int D>
+__device__ __forceinline__ void store_row(const PartialParams& p, const float (&acc)[D / 8][4], int half,
+                                          int entry, int query, int head, float m, float l, int lane) {
+  if (entry < 0 || l == 0.f) return;  // padding row (every real entry reads >= 1 token)
+  const float inv = 1.f / l;
+  const float lse = (m + __log2f(l)) * kLn2;
+  const int col0 = (lane & 3) * 2;
+  if (p.entry_direct[entry]) {
+    T* dst = static_cast<T*>(p.out) + query * p.out_stride_q + head * p.out_stride_h + col0;
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + j * 8) = TypeTraits<T>::pack(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
+    if ((lane & 3) == 0) p.lse[query * p.lse_stride_q + head] = lse;
+  } else {
+    float* dst = p.o_ws + (static_cast<int64_t>(entry) * p.num_qo_heads + head) * D + col0;
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<float2*>(dst + j * 8) = make_float2(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
+    if ((lane & 3) == 0) p.lse_ws[static_cast<int64_t>(entry) * p.num_qo_heads + head] = lse;
+  }
+}
+
+// Sum of a row's l over the quad (4 lanes) that holds it.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 template <int D, int BN, int STAGES, int WARPS>
 struct SmemLayout {
   static constexpr int kRows = WARPS * 16;
@@ -197,7 +307,7 @@ tree_attn_partial_kernel(const PartialParams p) {
   const int unit_begin = p.cta_unit_start[blockIdx.x];
   const int unit_end = p.cta_unit_start[blockIdx.x + 1];
   for (int u = unit_begin; u < unit_end; ++u) {
-    const int* info = p.unit_info + 5 * u;
+    const int* info = p.unit_info + kUnitFields * u;
     const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
     const int kv_begin = p.chunk_kv_start[chunk];
     const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
@@ -392,69 +502,14 @@ tree_attn_partial_kernel(const PartialParams p) {
 
         }  // mma.sync
 
-        // Scale to base 2, mask, row max. Column of s[j][e] (e = 0,1) is j * 8 + (lane % 4) * 2 + e.
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-        #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x0 = s[j][e] * p.qk_scale_log2;
-            float x1 = s[j][2 + e] * p.qk_scale_log2;
-            if (!full) {
-              const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
-              if (!((mw0[j >> 2] >> bit) & 1u)) x0 = -INFINITY;
-              if (!((mw1[j >> 2] >> bit) & 1u)) x1 = -INFINITY;
-            }
-            s[j][e] = x0;
-            s[j][2 + e] = x1;
-            mx0 = fmaxf(mx0, x0);
-            mx1 = fmaxf(mx1, x1);
-          }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // rows with nothing read yet
-        const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-        const float alpha0 = exp2f(m0 - ms0), alpha1 = exp2f(m1 - ms1);
-        m0 = mn0;
-        m1 = mn1;
-        float sum0 = 0.f, sum1 = 0.f;
-        #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          s[j][0] = exp2f(s[j][0] - ms0);
-          s[j][1] = exp2f(s[j][1] - ms0);
-          s[j][2] = exp2f(s[j][2] - ms1);
-          s[j][3] = exp2f(s[j][3] - ms1);
-          sum0 += s[j][0] + s[j][1];
-          sum1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * alpha0 + sum0;
-        l1 = l1 * alpha1 + sum1;
-        // Rescale O only when some row's max moved (after the first tiles it rarely does).
-        if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
-          #pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            acc[j][0] *= alpha0;
-            acc[j][1] *= alpha0;
-            acc[j][2] *= alpha1;
-            acc[j][3] *= alpha1;
-          }
-        }
+        const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        rescale_o<D>(acc, alpha);
 
         // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans
         // (mma.sync) or straight from shared memory (wgmma: V is an MN-major B operand).
         if constexpr (WGMMA) {
           uint32_t pa[BN / 16][4];
-          #pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-          }
+          pack_p<T, BN>(s, pa);
           #pragma unroll
           for (int j = 0; j < D / 8; ++j)
             for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
@@ -496,41 +551,17 @@ tree_attn_partial_kernel(const PartialParams p) {
     }
 
     // Epilogue: rows of this thread; the quad (4 lanes) shares a row.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = half ? r1 : r0;
-      const int entry = half ? entry1 : entry0;
-      const float l = half ? l1 : l0;
-      const float m = half ? m1 : m0;
-      if (entry < 0 || l == 0.f) continue;  // padding row (every real entry reads >= 1 token)
-      const float inv = 1.f / l;
-      const int query = sRowQuery[r];
-      const int head = sRowHead[r];
-      const float lse = (m + __log2f(l)) * kLn2;
-      const int col0 = (lane & 3) * 2;
-      if (p.entry_direct[entry]) {
-        T* dst = static_cast<T*>(p.out) + query * p.out_stride_q + head * p.out_stride_h + col0;
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          const uint32_t packed = TypeTraits<T>::pack(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
-          *reinterpret_cast<uint32_t*>(dst + j * 8) = packed;
-        }
-        if ((lane & 3) == 0) p.lse[query * p.lse_stride_q + head] = lse;
-      } else {
-        float* dst = p.o_ws + (static_cast<int64_t>(entry) * p.num_qo_heads + head) * D + col0;
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(acc[j][2 * half] * inv, acc[j][2 * half + 1] * inv);
-        if ((lane & 3) == 0) p.lse_ws[static_cast<int64_t>(entry) * p.num_qo_heads + head] = lse;
-      }
-    }
+    store_row<T, D>(p, acc, 0, entry0, sRowQuery[r0], sRowHead[r0], m0, quad_sum(l0), lane);
+    store_row<T, D>(p, acc, 1, entry1, sRowQuery[r1], sRowHead[r1], m1, quad_sum(l1), lane);
     __syncthreads();  // the next unit rewrites the row tables and sQ
   }
 }
+
+}  // namespace treedec
+
+#include "tree_attention_ws.cuh"
+
+namespace treedec {
 
 // Stage 2: one warp per (query, head); lane l holds columns [l * D/32, (l+1) * D/32).
 template <typename T, int D>
@@ -577,32 +608,55 @@ merge_partials_kernel(const MergeParams p) {
   if (lane == 0) p.lse[query * p.lse_stride_q + head] = (m + __log2f(s)) * kLn2;
 }
 
+#ifndef TREEDEC_WARP_SPECIALIZED  // 0: sm_90a runs the single-role wgmma kernel above (for comparisons)
+#define TREEDEC_WARP_SPECIALIZED 1
+#endif
+
+// The stage-1 kernel of (T, D) on the build's arch: the warp-specialized wgmma kernel on sm_90a
+// (head dims 64/128), else tree_attn_partial_kernel with PartialConfig's shape.
+template <typename T, int D, bool WS = use_wgmma<D>() && TREEDEC_WARP_SPECIALIZED>
+struct Stage1 {
+  using C = PartialConfig<D, use_wgmma<D>()>;
+  static constexpr int kThreads = C::kWarps * 32;
+  static constexpr int kRows = C::kWarps * 16;
+  static constexpr int kSmem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
+  static constexpr auto kernel() {
+    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
+  }
+};
+#if defined(TREEDEC_SM90A)
+template <typename T, int D>
+struct Stage1<T, D, true> {
+  using C = ws::Config<D>;
+  static constexpr int kThreads = ws::kThreads;
+  static constexpr int kRows = ws::kRows;
+  static constexpr int kSmem = ws::Smem<D, C::kBN, C::kStages>::kBytes;
+  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, C::kBN, C::kStages>; }
+};
+#endif
+
 template <typename T, int D>
 cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
-  using C = PartialConfig<D, use_wgmma<D>()>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
-  constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
+  using S = Stage1<T, D>;
   static bool configured = false;  // the attribute is per function, set once per process
   if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(S::kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem);
     if (err != cudaSuccess) return err;
     configured = true;
   }
-  if (p.num_ctas > 0) kernel<<<p.num_ctas, C::kWarps * 32, smem, stream>>>(p);
+  if (p.num_ctas > 0) S::kernel()<<<p.num_ctas, S::kThreads, S::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int D>
-constexpr int rows_per_unit() { return PartialConfig<D, use_wgmma<D>()>::kWarps * 16; }
+template <typename T, int D>
+constexpr int rows_per_unit() { return Stage1<T, D>::kRows; }
 
 template <typename T, int D>
 int partial_ctas_per_sm_typed() {
-  using C = PartialConfig<D, use_wgmma<D>()>;
-  auto kernel = tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
-  constexpr int smem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 0;
+  using S = Stage1<T, D>;
+  if (cudaFuncSetAttribute(S::kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem) != cudaSuccess) return 0;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, C::kWarps * 32, smem) != cudaSuccess) return 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, S::kernel(), S::kThreads, S::kSmem) != cudaSuccess) return 0;
   return blocks;
 }
 
@@ -661,9 +715,9 @@ int DtypeFunctions<T>::ctas_per_sm(int head_dim) {
 template <typename T>
 int DtypeFunctions<T>::rows_per_unit(int head_dim) {
   switch (head_dim) {
-    case 64: return treedec::rows_per_unit<64>();
-    case 128: return treedec::rows_per_unit<128>();
-    case 256: return treedec::rows_per_unit<256>();
+    case 64: return treedec::rows_per_unit<T, 64>();
+    case 128: return treedec::rows_per_unit<T, 128>();
+    case 256: return treedec::rows_per_unit<T, 256>();
     default: return 0;
   }
 }

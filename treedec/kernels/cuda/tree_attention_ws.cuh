@@ -1,0 +1,319 @@
+// Warp-specialized stage 1 for sm_90a (head dims 64/128): one persistent CTA per SM of three
+// warpgroups, FlashAttention-3's structure with cp.async gathers in place of TMA.
+//
+//   warpgroup 0, the producer: for each live tile of a unit (the list the CPU schedule made) it
+//     waits for a free stage of the STAGES-deep ring, gathers K/V rows from the pages with
+//     cp.async into 128-byte-swizzled smem (the unit's Q rows ride with its first tile, into one
+//     of two Q buffers) plus the rows' mask words, and moves on: the stage's mbarrier completes
+//     when the copies land (cp.async.mbarrier.arrive.noinc), so many tiles are in flight. After a
+//     unit's last tile an END item (no data) tells the consumers to write the unit's rows.
+//   warpgroups 1 and 2, the consumers: 64 rows each. Per tile, S = Q K^T (wgmma SS) and, in the
+//     same turn, O += P V of the previous tile (wgmma RS); the softmax of this tile runs while
+//     that PV is in flight (FA3's intra-warpgroup overlap), and the two consumers take turns to
+//     issue their wgmmas (named barriers), so one's softmax overlaps the other's matmuls. A stage
+//     is released once its PV has completed.
+//
+// Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
+// 64 rows are all padding computes zeros (a branch around wgmmas would serialize them all).
+#pragma once
+#if defined(TREEDEC_SM90A)
+#include <cutlass/arch/barrier.h>
+
+namespace treedec {
+namespace ws {
+
+constexpr int kProducerThreads = 128;
+constexpr int kConsumers = 2;                       // consumer warpgroups, 64 rows each
+constexpr int kThreads = kProducerThreads + 128 * kConsumers;
+constexpr int kRows = 64 * kConsumers;              // rows of a unit
+constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
+constexpr int kItemEnd = 0, kItemTile = 1;
+
+template <int D> struct Config { static constexpr int kBN = 64, kStages = 4; };
+
+// Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
+template <int D, int BN, int STAGES>
+struct Smem {
+  static constexpr int kMW = BN / 32;                            // mask words per row per tile
+  static constexpr int kQBytes = kRows * D * 2;                  // one Q buffer
+  static constexpr int kKVBytes = BN * D * 2;                    // one stage of K (or V)
+  static constexpr int kQ = 0;                                   // [2] Q buffers
+  static constexpr int kK = kQ + 2 * kQBytes;                    // [STAGES]
+  static constexpr int kV = kK + STAGES * kKVBytes;              // [STAGES]
+  static constexpr int kMask = kV + STAGES * kKVBytes;           // u32 [STAGES][kRows][kMW]
+  static constexpr int kItem = kMask + 4 * STAGES * kRows * kMW; // int [STAGES]: kItemEnd / kItemTile
+  static constexpr int kBar = (kItem + 4 * STAGES + 7) / 8 * 8;  // u64 full[STAGES], empty[STAGES], q_free[2]
+  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2);
+};
+
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+using Barrier = cutlass::arch::ClusterBarrier;
+
+template <typename T, int D, int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1)
+tree_attn_partial_ws_kernel(const PartialParams p) {
+  static_assert(BN == 64 && (D == 64 || D == 128), "wgmma tile shape");
+  using L = Smem<D, BN, STAGES>;
+  constexpr int kMW = L::kMW;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (threadIdx.x == 0 && (cute::cast_smem_ptr_to_uint(smem) & 1023u)) __trap();  // descriptors need 1 KiB
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + L::kMask);
+  int* sItem = reinterpret_cast<int*>(smem + L::kItem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + STAGES;
+  uint64_t* q_free = empty + STAGES;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      Barrier::init(&full[s], kProducerThreads + 1);  // async arrives + thread 0's plain one
+      Barrier::init(&empty[s], 128 * kConsumers);
+    }
+    Barrier::init(&q_free[0], 128 * kConsumers);
+    Barrier::init(&q_free[1], 128 * kConsumers);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int unit_begin = p.cta_unit_start[blockIdx.x];
+  const int unit_end = p.cta_unit_start[blockIdx.x + 1];
+  const int lane = threadIdx.x & 31;
+
+  if (threadIdx.x < kProducerThreads) {
+    // ------------------------------------------------------------------ producer
+    const int tid = threadIdx.x;
+    constexpr int kVecPerRow = D / 8;
+    constexpr int kRowsPerPass = kProducerThreads / kVecPerRow;
+    constexpr int kKVPasses = BN / kRowsPerPass;
+    constexpr int kQPasses = kRows / kRowsPerPass;
+    static_assert(kRows == kProducerThreads, "one mask row per producer thread");
+    const int cp_vec = tid % kVecPerRow;
+    const int cp_row0 = tid / kVecPerRow;
+    const T* __restrict__ q = static_cast<const T*>(p.q);
+    const T* __restrict__ k = static_cast<const T*>(p.k);
+    const T* __restrict__ v = static_cast<const T*>(p.v);
+
+    int item = 0;  // items issued so far: stage item % STAGES, ring pass item / STAGES
+    auto acquire = [&]() {  // the next stage, once the consumers released its previous item
+      const int stage = item % STAGES;
+      if (item >= STAGES) Barrier::wait(&empty[stage], ((item / STAGES) + 1) & 1);
+      return stage;
+    };
+    // Announce the item in `stage`: every thread's arrive fires when its copies so far have
+    // landed (cp.async.mbarrier.arrive.noinc), thread 0's plain arrive publishes sItem.
+    auto announce = [&](int stage, int kind) {
+      if (tid == 0) sItem[stage] = kind;
+      cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+      if (tid == 0) Barrier::arrive(&full[stage]);
+      ++item;
+    };
+
+    for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
+      const int* info = p.unit_info + kUnitFields * u;
+      const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
+      const int tile_begin = info[5], num_tiles = info[6] - tile_begin;
+      const int kv_begin = p.chunk_kv_start[chunk];
+      const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
+      const int mask_row = row_begin + tid;  // this thread copies the mask words of unit row tid
+      const int mask_entry = mask_row < row_end ? item_entry + mask_row / p.group : -1;
+
+      int slots[kKVPasses];
+      auto fetch_slots = [&](int i) {  // slot of each of this thread's rows of live tile i (-1: none)
+        const int tile = i < num_tiles ? p.unit_info[tile_begin + i] : 0;
+        #pragma unroll
+        for (int pass = 0; pass < kKVPasses; ++pass) {
+          const int tok = i < num_tiles ? tile * BN + cp_row0 + pass * kRowsPerPass : chunk_len;
+          slots[pass] = tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+        }
+        return tile;
+      };
+      int tile = fetch_slots(0);
+      if (local >= 2) Barrier::wait(&q_free[local & 1], ((local >> 1) + 1) & 1);  // unit local-2 is done with it
+      T* dQ = sQ + (local & 1) * kRows * D;
+      #pragma unroll
+      for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
+        const int r = row_begin + cp_row0 + pass * kRowsPerPass;
+        const bool valid = r < row_end;
+        const int entry = item_entry + r / p.group;
+        const T* src = valid ? q + p.entry_query[entry] * p.q_stride_q + (kv_head * p.group + r % p.group) * p.q_stride_h
+                                   + cp_vec * 8
+                             : q;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(src),
+            *reinterpret_cast<cute::uint128_t*>(dQ + swz128(cp_row0 + pass * kRowsPerPass, cp_vec * 8, kRows)), valid);
+      }
+
+      for (int i = 0; i < num_tiles; ++i) {
+        const int stage = acquire();
+        T* dK = sK + stage * BN * D;
+        T* dV = sV + stage * BN * D;
+        #pragma unroll
+        for (int pass = 0; pass < kKVPasses; ++pass) {
+          const int r = cp_row0 + pass * kRowsPerPass;
+          const bool valid = slots[pass] >= 0;
+          const int64_t slot = valid ? slots[pass] : 0;
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(k + slot * p.k_stride_s + kv_head * p.k_stride_h + cp_vec * 8),
+              *reinterpret_cast<cute::uint128_t*>(dK + swz128(r, cp_vec * 8, BN)), valid);
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8),
+              *reinterpret_cast<cute::uint128_t*>(dV + swz128(r, cp_vec * 8, BN)), valid);
+        }
+        #pragma unroll
+        for (int w = 0; w < kMW; ++w) {
+          const int word = tile * kMW + w;
+          const bool valid = mask_entry >= 0 && word * 32 < chunk_len;
+          const int* src = valid ? p.entry_mask + static_cast<int64_t>(mask_entry) * p.mask_stride + word : p.entry_mask;
+          cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
+              *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + tid) * kMW + w], valid);
+        }
+        announce(stage, kItemTile);
+        tile = fetch_slots(i + 1);
+      }
+      announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
+    }
+    cute::cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  const int c = threadIdx.x / 128 - 1;          // consumer index: rows 64 c .. 64 c + 63 of a unit
+  const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
+  const int r0 = 64 * c + warp * 16 + (lane >> 2);
+  const int r1 = r0 + 8;
+  using SS = typename Gmma<T>::SS64;
+  using RS = typename Gmma<T>::template RS<D>;
+  if (c == 1) bar_arrive(kBarTurn + 0, 256);    // consumer 0 takes the first turn
+
+  int item = 0;
+  for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
+    const int* info = p.unit_info + kUnitFields * u;
+    const int kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
+    int entry[2], query[2], head[2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_begin + (h ? r1 : r0);
+      entry[h] = r < row_end ? item_entry + r / p.group : -1;
+      query[h] = entry[h] >= 0 ? p.entry_query[entry[h]] : 0;
+      head[h] = kv_head * p.group + r % p.group;
+    }
+    const T* q_wg = sQ + (local & 1) * kRows * D + c * 64 * 64;
+
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float s[BN / 8][4];        // S, then P, of the current tile
+    uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
+    uint32_t mw0[kMW], mw1[kMW];
+    bool full_tile = false;
+
+    // Wait for the next item; false at the unit's END. Reads the tile's mask words.
+    auto next_tile = [&](int& stage) {
+      stage = item % STAGES;
+      Barrier::wait(&full[stage], (item / STAGES) & 1);
+      if (sItem[stage] == kItemEnd) return false;
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+      uint32_t all = 0xffffffffu;
+      const uint32_t* cMask = sMask + stage * kRows * kMW;
+      #pragma unroll
+      for (int w = 0; w < kMW; ++w) {
+        mw0[w] = cMask[r0 * kMW + w];
+        mw1[w] = cMask[r1 * kMW + w];
+        all &= mw0[w] & mw1[w];
+      }
+      full_tile = __all_sync(0xffffffffu, all == 0xffffffffu);
+      return true;
+    };
+    auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
+      #pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+      cute::warpgroup_arrive();
+      const T* cK = sK + stage * BN * D;
+      #pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* q_k = q_wg + (kk / 4) * (kRows * 64) + (kk % 4) * 16;
+        const T* k_k = cK + (kk / 4) * (BN * 64) + (kk % 4) * 16;
+        gmma_ss<SS>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0, std::make_index_sequence<32>{});
+      }
+      cute::warpgroup_commit_batch();
+    };
+    auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
+      const T* cV = sV + stage * BN * D;
+      #pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+      cute::warpgroup_arrive();
+      #pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        gmma_rs<RS, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc, std::make_index_sequence<D / 2>{});
+      cute::warpgroup_commit_batch();
+    };
+    auto fence_s = [&]() {
+      #pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+    };
+    auto fence_acc = [&]() {
+      #pragma unroll
+      for (int j = 0; j < D / 8; ++j)
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+    };
+
+    // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma): a
+    // consumer whose rows are all padding computes too (zero Q rows, all-zero masks: P = 0).
+    int stage;
+    if (next_tile(stage)) {
+      // First tile: S, softmax, P.
+      bar_sync(kBarTurn + c, 256);
+      issue_qk(stage);
+      bar_arrive(kBarTurn + (1 - c), 256);
+      cute::warpgroup_wait<0>();
+      fence_s();
+      online_softmax<BN>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+      pack_p<T, BN>(s, pa);
+      int prev = stage;
+      ++item;
+      // Later tiles: S of this tile and PV of the previous one in one turn; this tile's softmax
+      // runs while that PV is in flight.
+      while (next_tile(stage)) {
+        bar_sync(kBarTurn + c, 256);
+        issue_qk(stage);
+        issue_pv(prev);
+        bar_arrive(kBarTurn + (1 - c), 256);
+        cute::warpgroup_wait<1>();
+        fence_s();
+        const float2 alpha = online_softmax<BN>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        cute::warpgroup_wait<0>();
+        fence_acc();
+        rescale_o<D>(acc, alpha);
+        pack_p<T, BN>(s, pa);
+        Barrier::arrive(&empty[prev]);
+        prev = stage;
+        ++item;
+      }
+      issue_pv(prev);  // the last tile's
+      cute::warpgroup_wait<0>();
+      fence_acc();
+      Barrier::arrive(&empty[prev]);
+    }
+    // END item in `stage`: release it and the Q buffer, write the unit's rows.
+    Barrier::arrive(&empty[stage]);
+    Barrier::arrive(&q_free[local & 1]);
+    ++item;
+    store_row<T, D>(p, acc, 0, entry[0], query[0], head[0], m0, quad_sum(l0), lane);
+    store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);
+  }
+  if (c == 0) bar_sync(kBarTurn + 0, 256);     // consumer 1's last hand-over
+}
+
+}  // namespace ws
+}  // namespace treedec
+#endif  // TREEDEC_SM90A
