@@ -125,6 +125,15 @@ def test_auto_chunk_size_rule():
     assert make_plan(layout, PlanConfig("node"), group_size=4).chunk_size is None
 
 
+def test_auto_chunk_size_for_a_persistent_grid_gives_each_cta_about_one_unit():
+    # medusa64 over 4k / 32k tokens and the cuda kernel's 132-CTA grid (H200): 512 and 4096
+    assert auto_chunk_size(80_000, persistent_ctas=132) == 512
+    assert auto_chunk_size(640_000, persistent_ctas=132) == 4096
+    assert auto_chunk_size(10**9, persistent_ctas=132) == 4096 and auto_chunk_size(1, persistent_ctas=132) == 64
+    with pytest.raises(PlanError, match="persistent_ctas"):
+        PlanConfig(persistent_ctas=0)
+
+
 def test_path_planner_reads_each_shared_prefix_once_per_query():
     # 1000-token prompt, 8 branches of 10 tokens, one query at the end of each branch
     layout = TreeLayout.from_parents([-1] + [0] * 8, [1000] + [10] * 8, [(i, 9) for i in range(1, 9)])

@@ -37,7 +37,9 @@ class PlanConfig:
     tree (:func:`auto_chunk_size`). ``query_tile`` (entries per work item): None chooses
     it from the GQA group size, so that a program has about 64 rows (queries x heads).
     ``num_kv_heads`` and ``num_sms`` feed the automatic chunk size (programs run per KV
-    head, on that many multiprocessors).
+    head, on that many multiprocessors). ``persistent_ctas`` (the cuda backend's persistent
+    grid) switches the automatic chunk size to one that spreads the work evenly over that many
+    CTAs (fewer, longer chunks: fewer partial states to write and merge).
     """
 
     planner: str = "flatten"
@@ -45,13 +47,14 @@ class PlanConfig:
     query_tile: int | None = None
     num_kv_heads: int = 8
     num_sms: int = 132
+    persistent_ctas: int | None = None
 
     def __post_init__(self):
         if self.planner not in PLANNERS:
             raise PlanError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
-        for name in ("chunk_size", "query_tile", "num_kv_heads", "num_sms"):
+        for name in ("chunk_size", "query_tile", "num_kv_heads", "num_sms", "persistent_ctas"):
             value = getattr(self, name)
-            if value is None and name in ("chunk_size", "query_tile"):
+            if value is None and name in ("chunk_size", "query_tile", "persistent_ctas"):
                 continue
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise PlanError(f"{name} must be a positive int, got {value!r}")
@@ -81,7 +84,7 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
         # as readers / query_tile + 1/2 per token (the rule rounds to a power of two).
         work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
-        config = replace(config, chunk_size=auto_chunk_size(int(work), config.num_sms))
+        config = replace(config, chunk_size=auto_chunk_size(int(work), config.num_sms, config.persistent_ctas))
     if config.planner == "flatten":
         num_chunks = -(-total // config.chunk_size)
         step = -(-total // num_chunks)
@@ -92,7 +95,7 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     return _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds)
 
 
-def auto_chunk_size(work: int, num_sms: int = 132) -> int:
+def auto_chunk_size(work: int, num_sms: int = 132, persistent_ctas: int | None = None) -> int:
     """Chunk size for ``work`` KV tokens streamed by all programs together.
 
     ``work`` is the sum over KV heads, query tiles and tokens of one load each (KV
@@ -102,8 +105,15 @@ def auto_chunk_size(work: int, num_sms: int = 132) -> int:
     best chunk, swept on an H200 (132 SMs) over the 8 workloads of BENCH.md
     (bench/results/2026-11-21-nvidia-h200-triton-configs.json), is the power of two
     nearest to sqrt(2.2 * work * 132 / num_sms), between 64 and 4096 tokens.
+
+    With ``persistent_ctas`` (a persistent grid that balances units itself), the power of two
+    nearest to ``work / persistent_ctas``: about one unit per CTA (swept on an H200:
+    bench/results/2026-11-22-nvidia-h200-cuda-chunk-sweep.json).
     """
-    ideal = math.sqrt(2.2 * max(work, 1) * 132 / num_sms)
+    if persistent_ctas is not None:
+        ideal = max(work, 1) / persistent_ctas
+    else:
+        ideal = math.sqrt(2.2 * max(work, 1) * 132 / num_sms)
     return int(min(4096, max(64, 2 ** round(math.log2(ideal)))))
 
 
@@ -172,7 +182,7 @@ def _plan_paths(layout, config, q_idx, lo, hi, kv_slots) -> TreePlan:
     path_start = np.cumsum(path_len) - path_len
     if config.chunk_size is None:
         config = replace(config, chunk_size=auto_chunk_size(int(path_len.sum()) * config.num_kv_heads,
-                                                            config.num_sms))
+                                                            config.num_sms, config.persistent_ctas))
     bounds = _node_bounds(path_start, path_len, int(path_len.sum()), config.chunk_size)
     queries = np.arange(layout.num_queries, dtype=np.int64)
     return _plan_from_bounds(layout, config, queries, path_start, path_start + path_len, kv_slots[gather], bounds)
