@@ -13,6 +13,7 @@ import torch
 
 from treedec import PlanConfig, TreeAttention
 from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
+from treedec.attention.backends import HYBRID_MIN_ROWS
 from treedec.errors import PlanError
 from treedec.kernels.cuda_build import compile_sources
 from treedec.tree import PagedKVPool, SequenceTree
@@ -195,12 +196,13 @@ def test_python_rows_table_matches_the_kernels():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
-    """auto on an H100/H200: steps with >= 256 query rows per KV head run cuda, smaller ones triton."""
+    """auto on an H100/H200: steps with >= HYBRID_MIN_ROWS query rows per KV head run cuda, smaller ones triton."""
     attn = TreeAttention(32, 8, 128, backend="auto", device="cuda")
     if torch.cuda.get_device_capability() != (9, 0):
         assert attn.backend == "triton"
         return
-    assert attn.backend == "hybrid" and "256" in attn.backend_reason
+    assert attn.backend == "hybrid" and str(HYBRID_MIN_ROWS) in attn.backend_reason
+    assert 128 < HYBRID_MIN_ROWS <= 256
     for tree_size, expected in ((32, "triton"), (64, "cuda")):   # x4 heads per KV head: 128 / 256 rows
         tree = prompt_with_token_tree(2000, tree_size)
         plan = attn.plan(tree)

@@ -129,7 +129,7 @@ def test_auto_chunk_size_for_a_persistent_grid_gives_each_cta_about_one_unit():
     # medusa64 over 4k / 32k tokens and the cuda kernel's 132-CTA grid (H200): 512 and 4096
     assert auto_chunk_size(80_000, persistent_ctas=132) == 512
     assert auto_chunk_size(640_000, persistent_ctas=132) == 4096
-    assert auto_chunk_size(10**9, persistent_ctas=132) == 4096 and auto_chunk_size(1, persistent_ctas=132) == 64
+    assert auto_chunk_size(10**9, persistent_ctas=132) == 4096 and auto_chunk_size(1, persistent_ctas=132) == 256
     with pytest.raises(PlanError, match="persistent_ctas"):
         PlanConfig(persistent_ctas=0)
 

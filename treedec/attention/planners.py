@@ -25,6 +25,7 @@ from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
 
 PLANNERS = ("flatten", "node", "node_chunk", "path")
+PERSISTENT_MIN_CHUNK = 256  # smallest automatic chunk for a persistent grid (auto_chunk_size)
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -108,10 +109,12 @@ def auto_chunk_size(work: int, num_sms: int = 132, persistent_ctas: int | None =
 
     With ``persistent_ctas`` (a persistent grid that balances units itself), the power of two
     nearest to ``work / persistent_ctas``: about one unit per CTA (swept on an H200:
-    bench/results/2026-11-22-nvidia-h200-cuda-chunk-sweep.json).
+    bench/results/2026-11-22-nvidia-h200-cuda-chunk-sweep.json), and at least
+    PERSISTENT_MIN_CHUNK tokens: below that a unit's fixed cost (Q rows, pipeline fill, partial
+    state) buys little parallelism, and small trees would multiply their partial states.
     """
     if persistent_ctas is not None:
-        ideal = max(work, 1) / persistent_ctas
+        ideal = max(work / persistent_ctas, PERSISTENT_MIN_CHUNK)
     else:
         ideal = math.sqrt(2.2 * max(work, 1) * 132 / num_sms)
     return int(min(4096, max(64, 2 ** round(math.log2(ideal)))))

@@ -4,7 +4,8 @@ persistent, load-balanced grid.
 Stage 1 (``tree_attention.cuh``) runs a fixed grid of CTAs, each looping over the units a
 :class:`~treedec.attention.persistent_schedule.PersistentSchedule` gave it: one work item's
 chunk x one KV head x up to :data:`ROWS_PER_UNIT` rows (queries x heads of the GQA group;
-128 for head dims 64/128: two warpgroups on sm_90a, 8 warps of mma.sync elsewhere). Dead tiles
+128 for head dims 64/128: two consumer warpgroups of the warp-specialized wgmma kernel on sm_90a,
+8 warps of mma.sync elsewhere). Dead tiles
 (no row reads them) are neither loaded nor computed; entries that are their query's only
 partial write the output directly, the rest write fp32 partial states. Stage 2 merges each
 query's partials in the plan's CSR order (deterministic, no atomics).

@@ -1,6 +1,8 @@
 // treedec CUDA tree attention: DeFT-Flatten stage 1 (partial attention per work unit, on a
-// persistent grid) and stage 2 (deterministic per-query merge). sm_80+: mma.sync m16n8k16;
-// built for sm_90a (-DTREEDEC_SM90A), head dims 64/128 run wgmma instead (step 4 below).
+// persistent grid) and stage 2 (deterministic per-query merge). sm_80+: mma.sync m16n8k16.
+// Built for sm_90a (-DTREEDEC_SM90A), head dims 64/128 run the warp-specialized wgmma kernel of
+// tree_attention_ws.cuh (Stage1 below picks); the single-role wgmma variant of this kernel
+// (step 4) stays for comparisons (TREEDEC_CUDA_FLAGS=-DTREEDEC_WARP_SPECIALIZED=0).
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
