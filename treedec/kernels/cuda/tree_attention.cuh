@@ -247,6 +247,21 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Issue O[64 x D] += P[64 x BN] V[BN x D] for a warpgroup as one wgmma commit group (no wait):
+// P in registers (pack_p), V an MN-major operand in 128-byte-swizzled smem at cV.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void issue_wgmma_pv(const uint32_t (&pa)[BN / 16][4], const T* cV, float (&acc)[D / 8][4]) {
+  #pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+  cute::warpgroup_arrive();
+  #pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    gmma_rs<typename Gmma<T>::template RS<D>, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc,
+                                                 std::make_index_sequence<D / 2>{});
+  cute::warpgroup_commit_batch();
+}
+
 template <int D, int BN, int STAGES, int WARPS>
 struct SmemLayout {
   static constexpr int kRows = WARPS * 16;
@@ -512,15 +527,7 @@ tree_attn_partial_kernel(const PartialParams p) {
         if constexpr (WGMMA) {
           uint32_t pa[BN / 16][4];
           pack_p<T, BN>(s, pa);
-          #pragma unroll
-          for (int j = 0; j < D / 8; ++j)
-            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
-          cute::warpgroup_arrive();
-          #pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk)
-            gmma_rs<typename Gmma<T>::template RS<D>, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc,
-                                                         std::make_index_sequence<D / 2>{});
-          cute::warpgroup_commit_batch();
+          issue_wgmma_pv<T, D, BN>(pa, cV, acc);
           cute::warpgroup_wait<0>();
           #pragma unroll
           for (int j = 0; j < D / 8; ++j)

@@ -188,7 +188,6 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
   const int r1 = r0 + 8;
   using SS = typename Gmma<T>::SS64;
-  using RS = typename Gmma<T>::template RS<D>;
   if (c == 1) bar_arrive(kBarTurn + 0, 256);    // consumer 0 takes the first turn
 
   int item = 0;
@@ -246,15 +245,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       cute::warpgroup_commit_batch();
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
-      const T* cV = sV + stage * BN * D;
-      #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
-      cute::warpgroup_arrive();
-      #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        gmma_rs<RS, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc, std::make_index_sequence<D / 2>{});
-      cute::warpgroup_commit_batch();
+      issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
     };
     auto fence_s = [&]() {
       #pragma unroll
