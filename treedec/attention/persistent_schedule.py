@@ -27,7 +27,7 @@ UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "
 TILE_TOKENS = 64          # tile of the live lists and the cost model: the sm_90a kernel's KV tile
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
-COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, live-tile scan)
+COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, pipeline fill, partial state)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class PersistentSchedule:
         """[7 U + N] int32: the unit records, then the tile lists (``tile_begin``/``tile_end`` index
         this array), as the kernels read them (``PartialParams::unit_info``)."""
         records = self.unit_info.copy()
-        records[:, 5:] += records.size
+        records[:, UNIT_FIELDS.index("tile_begin"):] += records.size
         return np.concatenate([records.reshape(-1), self.tiles]).astype(np.int32)
 
     def imbalance(self) -> float:
@@ -100,9 +100,11 @@ def live_tiles(plan: TreePlan) -> tuple[np.ndarray, np.ndarray]:
     return item_tile_start, tiles.astype(np.int32)
 
 
-def live_kv_tokens(plan: TreePlan) -> np.ndarray:
-    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads."""
-    item_tile_start, _ = live_tiles(plan)
+def live_kv_tokens(plan: TreePlan, item_tile_start: np.ndarray | None = None) -> np.ndarray:
+    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads
+    (``item_tile_start`` of :func:`live_tiles`, computed when not given)."""
+    if item_tile_start is None:
+        item_tile_start, _ = live_tiles(plan)
     chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
     return np.minimum(np.diff(item_tile_start) * TILE_TOKENS, chunk_len)
 
@@ -133,9 +135,8 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     row_begin = block_in_item * rows_per_unit
     row_end = np.minimum(row_begin + rows_per_unit, rows[item_of_block])
     item_tile_start, tiles = live_tiles(plan)
-    live_tokens = np.minimum(np.diff(item_tile_start) * TILE_TOKENS, np.diff(plan.chunk_kv_start)[plan.item_chunk])
     block_cost = (COST_PER_UNIT + COST_PER_ROW * (row_end - row_begin)
-                  + COST_PER_KV_TOKEN * live_tokens[item_of_block])
+                  + COST_PER_KV_TOKEN * live_kv_tokens(plan, item_tile_start)[item_of_block])
     # Units: every block for every KV head (block-major, so equal costs stay adjacent).
     num_blocks = len(item_of_block)
     unit_block = np.repeat(np.arange(num_blocks), num_kv_heads)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treedec.attention.persistent_schedule import schedule_units
+from treedec.attention.persistent_schedule import PersistentSchedule, schedule_units
 from treedec.attention.planners import default_query_tile as planner_query_tile
 from treedec.attention.tree_plan import DeviceTreePlan
 from treedec.kernels.cuda_build import load_extension
@@ -102,7 +102,7 @@ class _EagerLaunch:
     o_ws: torch.Tensor
     lse_ws: torch.Tensor
     merge: bool
-    schedule: object  # the PersistentSchedule (for reports)
+    schedule: PersistentSchedule  # for reports
 
 
 def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,

@@ -7,7 +7,8 @@
 namespace treedec {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
-constexpr int kUnitFields = 7;  // persistent_schedule.UNIT_FIELDS
+constexpr int kUnitFields = 7;        // persistent_schedule.UNIT_FIELDS
+constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles of the live lists
 
 // Stage 1: partial attention of every work unit, one persistent CTA loops over its units.
 //

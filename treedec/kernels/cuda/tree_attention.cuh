@@ -6,9 +6,8 @@
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
-//   2. the chunk is walked in segments of up to kSegTiles tiles of BN tokens: the OR of the
-//      unit's mask words over the segment gives the *live* tiles (some row reads a token), and
-//      only those are loaded and computed (dead tiles cost nothing);
+//   2. only the unit's *live* tiles (some row reads a token; the CPU schedule lists them, in
+//      kListTileTokens-token tiles) are loaded and computed (dead tiles cost nothing);
 //   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
 //      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
 //      mask words beside them; slots of the tile after next are prefetched into registers;
@@ -37,7 +36,6 @@
 namespace treedec {
 
 constexpr int kMergeWarps = 4;
-constexpr int kSegTiles = 128;       // live-tile list capacity per segment
 constexpr float kLn2 = 0.6931471805599453f;
 
 template <typename T> struct TypeTraits;
@@ -247,6 +245,23 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Issue S[64 x 64] = Q K^T for a warpgroup as one wgmma commit group (no wait): q_wg its 64 Q rows
+// in a [ROWS][D] 128-byte-swizzled tile (swz128), cK a [64][D] K tile laid out the same way.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float (&s)[8][4]) {
+  #pragma unroll
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+  cute::warpgroup_arrive();
+  #pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const T* q_k = q_wg + (kk / 4) * (ROWS * 64) + (kk % 4) * 16;
+    const T* k_k = cK + (kk / 4) * (64 * 64) + (kk % 4) * 16;
+    gmma_ss<typename Gmma<T>::SS64>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0, std::make_index_sequence<32>{});
+  }
+  cute::warpgroup_commit_batch();
+}
+
 // Issue O[64 x D] += P[64 x BN] V[BN x D] for a warpgroup as one wgmma commit group (no wait):
 // P in registers (pack_p), V an MN-major operand in 128-byte-swizzled smem at cV.
 template <typename T, int D, int BN>
@@ -271,9 +286,7 @@ struct SmemLayout {
   static constexpr int kBytes16 = 2 * (kQ + 2 * STAGES * kKV);
   static constexpr int kBytes = kBytes16
       + 4 * STAGES * kRows * kMaskWords   // masks
-      + 4 * kSegTiles * kMaskWords        // live words of the segment
-      + 4 * kSegTiles                     // live tile list
-      + 4 * (3 * kRows + 4);              // row entry/query/head, counters
+      + 4 * 3 * kRows;                    // row entry/query/head
 };
 
 template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, bool WGMMA>
@@ -288,19 +301,16 @@ tree_attn_partial_kernel(const PartialParams p) {
   constexpr int kRowsPerPass = kThreads / kVecPerRow;     // rows one pass of all threads copies
   constexpr int kKVPasses = BN / kRowsPerPass;            // >= 1 for every instantiation
   constexpr int kMW = L::kMaskWords;
-  static_assert(BN % kRowsPerPass == 0 && BN % 32 == 0, "tile shape");
+  static_assert(BN % kRowsPerPass == 0 && BN % 32 == 0 && kListTileTokens % BN == 0, "tile shape");
 
   extern __shared__ __align__(128) uint8_t smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + L::kQ;
   T* sV = sK + STAGES * L::kKV;
   uint32_t* sMask = reinterpret_cast<uint32_t*>(smem_raw + L::kBytes16);   // [STAGES][kRows][kMW]
-  uint32_t* sLive = sMask + STAGES * kRows * kMW;                          // [kSegTiles * kMW]
-  int* sTiles = reinterpret_cast<int*>(sLive + kSegTiles * kMW);           // [kSegTiles]
-  int* sRowEntry = sTiles + kSegTiles;                                     // [kRows], -1: padding
+  int* sRowEntry = reinterpret_cast<int*>(sMask + STAGES * kRows * kMW);   // [kRows], -1: padding
   int* sRowQuery = sRowEntry + kRows;
   int* sRowHead = sRowQuery + kRows;
-  int* sCount = sRowHead + kRows;
 
   // Element offset of (row, col) in a [rows][D] smem tile: the ldmatrix layout or wgmma's.
   auto tile_offset = [](int row, int col, int rows) {
@@ -328,9 +338,6 @@ tree_attn_partial_kernel(const PartialParams p) {
     const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
     const int kv_begin = p.chunk_kv_start[chunk];
     const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
-    const int first_entry = item_entry + row_begin / p.group;
-    const int num_unit_entries = item_entry + (row_end - 1) / p.group - first_entry + 1;
-
     if (tid < kRows) {
       const int r = row_begin + tid;
       int entry = -1, query = 0, head = 0;
@@ -366,198 +373,160 @@ tree_attn_partial_kernel(const PartialParams p) {
     for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int seg0 = 0; seg0 < chunk_len; seg0 += kSegTiles * BN) {
-      const int seg_len = min(kSegTiles * BN, chunk_len - seg0);
-      const int seg_words = (seg_len + 31) / 32;
-      const int seg_tiles = (seg_len + BN - 1) / BN;
-      // -- live tiles of the segment: OR of the unit's entries' mask words.
-      for (int w = tid; w < kSegTiles * kMW; w += kThreads) sLive[w] = 0u;
-      __syncthreads();
-      const int word0 = seg0 / 32;
-      for (int idx = tid; idx < num_unit_entries * seg_words; idx += kThreads) {
-        const int e = first_entry + idx / seg_words;
-        const int w = idx % seg_words;
-        const uint32_t bits = static_cast<uint32_t>(p.entry_mask[static_cast<int64_t>(e) * p.mask_stride + word0 + w]);
-        if (bits) atomicOr(&sLive[w], bits);
-      }
-      __syncthreads();
-      if (warp == 0) {
-        int count = 0;
-        for (int t0 = 0; t0 < seg_tiles; t0 += 32) {
-          const int t = t0 + lane;
-          bool live = false;
-          if (t < seg_tiles) {
-            #pragma unroll
-            for (int w = 0; w < kMW; ++w) live |= sLive[t * kMW + w] != 0u;
-          }
-          const unsigned ballot = __ballot_sync(0xffffffffu, live);
-          if (live) sTiles[count + __popc(ballot & ((1u << lane) - 1u))] = t;
-          count += __popc(ballot);
-        }
-        if (lane == 0) *sCount = count;
-      }
-      __syncthreads();
-      const int num_live = *sCount;
+    // Live tiles of the unit: the CPU schedule's list of 64-token tiles, kSub of ours each.
+    constexpr int kSub = kListTileTokens / BN;
+    const int tile_begin = info[5];
+    const int num_live = (info[6] - tile_begin) * kSub;
+    auto tile_token = [&](int i) {  // first chunk token of live tile i
+      return p.unit_info[tile_begin + i / kSub] * kListTileTokens + (i % kSub) * BN;
+    };
 
-      // -- cp.async pipeline over the live tiles.
-      int slots[kKVPasses];
-      auto fetch_slots = [&](int i) {  // slot of each of this thread's rows of live tile i (-1: none)
+    // -- cp.async pipeline over the live tiles.
+    int slots[kKVPasses];
+    auto fetch_slots = [&](int i) {  // slot of each of this thread's rows of live tile i (-1: none)
+      #pragma unroll
+      for (int pass = 0; pass < kKVPasses; ++pass) {
+        const int tok = i < num_live ? tile_token(i) + cp_row0 + pass * kRowsPerPass : chunk_len;
+        slots[pass] = tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+      }
+    };
+    auto issue_tile = [&](int i) {  // loads of live tile i into stage i % STAGES, one commit group
+      if (i < num_live) {
+        const int stage = i % STAGES;
+        T* dK = sK + stage * L::kKV;
+        T* dV = sV + stage * L::kKV;
         #pragma unroll
         for (int pass = 0; pass < kKVPasses; ++pass) {
-          const int tok = i < num_live ? seg0 + sTiles[i] * BN + cp_row0 + pass * kRowsPerPass : chunk_len;
-          slots[pass] = tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+          const int r = cp_row0 + pass * kRowsPerPass;
+          const bool valid = slots[pass] >= 0;
+          const int64_t slot = valid ? slots[pass] : 0;
+          const T* srcK = k + slot * p.k_stride_s + kv_head * p.k_stride_h + cp_vec * 8;
+          const T* srcV = v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8;
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(srcK),
+              *reinterpret_cast<cute::uint128_t*>(dK + tile_offset(r, cp_vec * 8, BN)), valid);
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(srcV),
+              *reinterpret_cast<cute::uint128_t*>(dV + tile_offset(r, cp_vec * 8, BN)), valid);
         }
-      };
-      auto issue_tile = [&](int i) {  // loads of live tile i into stage i % STAGES, one commit group
-        if (i < num_live) {
-          const int stage = i % STAGES;
-          T* dK = sK + stage * L::kKV;
-          T* dV = sV + stage * L::kKV;
-          #pragma unroll
-          for (int pass = 0; pass < kKVPasses; ++pass) {
-            const int r = cp_row0 + pass * kRowsPerPass;
-            const bool valid = slots[pass] >= 0;
-            const int64_t slot = valid ? slots[pass] : 0;
-            const T* srcK = k + slot * p.k_stride_s + kv_head * p.k_stride_h + cp_vec * 8;
-            const T* srcV = v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8;
-            cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-                *reinterpret_cast<const cute::uint128_t*>(srcK),
-                *reinterpret_cast<cute::uint128_t*>(dK + tile_offset(r, cp_vec * 8, BN)), valid);
-            cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-                *reinterpret_cast<const cute::uint128_t*>(srcV),
-                *reinterpret_cast<cute::uint128_t*>(dV + tile_offset(r, cp_vec * 8, BN)), valid);
-          }
-          const int word = (seg0 + sTiles[i] * BN) / 32;
-          for (int idx = tid; idx < kRows * kMW; idx += kThreads) {
-            const int r = idx / kMW, w = idx % kMW;
-            const int e = sRowEntry[r];
-            const bool valid = e >= 0 && (word + w) * 32 < chunk_len;
-            const int* src = valid ? p.entry_mask + static_cast<int64_t>(e) * p.mask_stride + word + w : p.entry_mask;
-            cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
-                *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + r) * kMW + w], valid);
-          }
-        }
-        cute::cp_async_fence();
-      };
-
-      fetch_slots(0);
-      #pragma unroll
-      for (int i = 0; i < STAGES - 1; ++i) {
-        issue_tile(i);
-        fetch_slots(i + 1);
-      }
-      for (int i = 0; i < num_live; ++i) {
-        cute::cp_async_wait<STAGES - 2>();
-        if constexpr (WGMMA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async -> wgmma
-        __syncthreads();
-        issue_tile(i + STAGES - 1);
-        fetch_slots(i + STAGES);
-        const int stage = i % STAGES;
-        const T* cK = sK + stage * L::kKV;
-        const T* cV = sV + stage * L::kKV;
-        const uint32_t* cMask = sMask + stage * kRows * kMW;
-        if constexpr (WGMMA) {  // a warpgroup whose 64 rows are all padding has nothing to compute
-          if (row_end - row_begin <= (warp / 4) * 64) continue;
-        }
-
-        uint32_t mw0[kMW], mw1[kMW];
-        uint32_t any = 0u, all = 0xffffffffu;
-        #pragma unroll
-        for (int w = 0; w < kMW; ++w) {
-          mw0[w] = cMask[r0 * kMW + w];
-          mw1[w] = cMask[r1 * kMW + w];
-          any |= mw0[w] | mw1[w];
-          all &= mw0[w] & mw1[w];
-        }
-        // No row of this warp reads the tile: skip it (mma.sync only; wgmma needs the whole warpgroup).
-        if (!WGMMA && !__any_sync(0xffffffffu, any != 0u)) continue;
-        const bool full = __all_sync(0xffffffffu, all == 0xffffffffu);
-
-        // S = Q K^T for the warp's 16 rows and the tile's BN tokens.
-        float s[BN / 8][4];
-        #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        if constexpr (WGMMA) {
-          // Warpgroup wg owns rows 64 wg .. 64 wg + 63: S = Q K^T, both operands in shared memory.
-          const int wg = warp / 4;
-          #pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
-          cute::warpgroup_arrive();
-          #pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const T* q_k = sQ + (kk / 4) * (kRows * 64) + wg * 64 * 64 + (kk % 4) * 16;
-            const T* k_k = cK + (kk / 4) * (BN * 64) + (kk % 4) * 16;
-            gmma_ss<typename Gmma<T>::SS64>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0,
-                                            std::make_index_sequence<32>{});
-          }
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-          #pragma unroll
-          for (int j = 0; j < BN / 8; ++j)
-            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
-        } else {
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t a[4];
-          cute::SM75_U32x4_LDSM_N::copy(
-              *reinterpret_cast<const cute::uint128_t*>(sQ + swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)),
-              a[0], a[1], a[2], a[3]);
-          #pragma unroll
-          for (int nn = 0; nn < BN / 16; ++nn) {
-            uint32_t b[4];
-            cute::SM75_U32x4_LDSM_N::copy(
-                *reinterpret_cast<const cute::uint128_t*>(
-                    cK + swz<D>(nn * 16 + (lane >> 4) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8)),
-                b[0], b[1], b[2], b[3]);
-            Mma::fma(s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3], a[0], a[1], a[2], a[3], b[0], b[1],
-                     s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3]);
-            Mma::fma(s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3], a[0], a[1], a[2], a[3],
-                     b[2], b[3], s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3]);
-          }
-        }
-
-        }  // mma.sync
-
-        const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
-        rescale_o<D>(acc, alpha);
-
-        // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans
-        // (mma.sync) or straight from shared memory (wgmma: V is an MN-major B operand).
-        if constexpr (WGMMA) {
-          uint32_t pa[BN / 16][4];
-          pack_p<T, BN>(s, pa);
-          issue_wgmma_pv<T, D, BN>(pa, cV, acc);
-          cute::warpgroup_wait<0>();
-          #pragma unroll
-          for (int j = 0; j < D / 8; ++j)
-            for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
-        } else
-        #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[4];
-          a[0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-          a[1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-          a[2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          a[3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-          #pragma unroll
-          for (int dn = 0; dn < D / 16; ++dn) {
-            uint32_t b[4];
-            cute::SM75_U16x8_LDSM_T::copy(
-                *reinterpret_cast<const cute::uint128_t*>(
-                    cV + swz<D>(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dn * 16 + (lane >> 4) * 8)),
-                b[0], b[1], b[2], b[3]);
-            Mma::fma(acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3], a[0], a[1], a[2], a[3],
-                     b[0], b[1], acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3]);
-            Mma::fma(acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3],
-                     a[0], a[1], a[2], a[3], b[2], b[3],
-                     acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3]);
-          }
+        const int word = tile_token(i) / 32;
+        for (int idx = tid; idx < kRows * kMW; idx += kThreads) {
+          const int r = idx / kMW, w = idx % kMW;
+          const int e = sRowEntry[r];
+          const bool valid = e >= 0 && (word + w) * 32 < chunk_len;
+          const int* src = valid ? p.entry_mask + static_cast<int64_t>(e) * p.mask_stride + word + w : p.entry_mask;
+          cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
+              *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + r) * kMW + w], valid);
         }
       }
-      cute::cp_async_wait<0>();
-      __syncthreads();  // the next segment / unit overwrites the stages and the live list
+      cute::cp_async_fence();
+    };
+
+    fetch_slots(0);
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      issue_tile(i);
+      fetch_slots(i + 1);
     }
+    for (int i = 0; i < num_live; ++i) {
+      cute::cp_async_wait<STAGES - 2>();
+      if constexpr (WGMMA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async -> wgmma
+      __syncthreads();
+      issue_tile(i + STAGES - 1);
+      fetch_slots(i + STAGES);
+      const int stage = i % STAGES;
+      const T* cK = sK + stage * L::kKV;
+      const T* cV = sV + stage * L::kKV;
+      const uint32_t* cMask = sMask + stage * kRows * kMW;
+      if constexpr (WGMMA) {  // a warpgroup whose 64 rows are all padding has nothing to compute
+        if (row_end - row_begin <= (warp / 4) * 64) continue;
+      }
+
+      uint32_t mw0[kMW], mw1[kMW];
+      uint32_t any = 0u, all = 0xffffffffu;
+      #pragma unroll
+      for (int w = 0; w < kMW; ++w) {
+        mw0[w] = cMask[r0 * kMW + w];
+        mw1[w] = cMask[r1 * kMW + w];
+        any |= mw0[w] | mw1[w];
+        all &= mw0[w] & mw1[w];
+      }
+      // No row of this warp reads the tile: skip it (mma.sync only; wgmma needs the whole warpgroup).
+      if (!WGMMA && !__any_sync(0xffffffffu, any != 0u)) continue;
+      const bool full = __all_sync(0xffffffffu, all == 0xffffffffu);
+
+      // S = Q K^T for the warp's 16 rows and the tile's BN tokens.
+      float s[BN / 8][4];
+      #pragma unroll
+      for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      if constexpr (WGMMA) {
+        // Warpgroup wg owns rows 64 wg .. 64 wg + 63: S = Q K^T, both operands in shared memory.
+        issue_wgmma_qk<T, D, kRows>(sQ + (warp / 4) * 64 * 64, cK, s);
+        cute::warpgroup_wait<0>();
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+      } else {
+      #pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        cute::SM75_U32x4_LDSM_N::copy(
+            *reinterpret_cast<const cute::uint128_t*>(sQ + swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)),
+            a[0], a[1], a[2], a[3]);
+        #pragma unroll
+        for (int nn = 0; nn < BN / 16; ++nn) {
+          uint32_t b[4];
+          cute::SM75_U32x4_LDSM_N::copy(
+              *reinterpret_cast<const cute::uint128_t*>(
+                  cK + swz<D>(nn * 16 + (lane >> 4) * 8 + (lane & 7), kk * 16 + ((lane >> 3) & 1) * 8)),
+              b[0], b[1], b[2], b[3]);
+          Mma::fma(s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3], a[0], a[1], a[2], a[3], b[0], b[1],
+                   s[2 * nn][0], s[2 * nn][1], s[2 * nn][2], s[2 * nn][3]);
+          Mma::fma(s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3], a[0], a[1], a[2], a[3],
+                   b[2], b[3], s[2 * nn + 1][0], s[2 * nn + 1][1], s[2 * nn + 1][2], s[2 * nn + 1][3]);
+        }
+      }
+
+      }  // mma.sync
+
+      const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
+      rescale_o<D>(acc, alpha);
+
+      // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans
+      // (mma.sync) or straight from shared memory (wgmma: V is an MN-major B operand).
+      if constexpr (WGMMA) {
+        uint32_t pa[BN / 16][4];
+        pack_p<T, BN>(s, pa);
+        issue_wgmma_pv<T, D, BN>(pa, cV, acc);
+        cute::warpgroup_wait<0>();
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+      } else
+      #pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = TypeTraits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = TypeTraits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = TypeTraits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = TypeTraits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        #pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t b[4];
+          cute::SM75_U16x8_LDSM_T::copy(
+              *reinterpret_cast<const cute::uint128_t*>(
+                  cV + swz<D>(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dn * 16 + (lane >> 4) * 8)),
+              b[0], b[1], b[2], b[3]);
+          Mma::fma(acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3], a[0], a[1], a[2], a[3],
+                   b[0], b[1], acc[2 * dn][0], acc[2 * dn][1], acc[2 * dn][2], acc[2 * dn][3]);
+          Mma::fma(acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3],
+                   a[0], a[1], a[2], a[3], b[2], b[3],
+                   acc[2 * dn + 1][0], acc[2 * dn + 1][1], acc[2 * dn + 1][2], acc[2 * dn + 1][3]);
+        }
+      }
+    }
+    cute::cp_async_wait<0>();
+    __syncthreads();  // the next unit overwrites the stages
 
     // Epilogue: rows of this thread; the quad (4 lanes) shares a row.
     store_row<T, D>(p, acc, 0, entry0, sRowQuery[r0], sRowHead[r0], m0, quad_sum(l0), lane);

@@ -187,7 +187,6 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
   const int r1 = r0 + 8;
-  using SS = typename Gmma<T>::SS64;
   if (c == 1) bar_arrive(kBarTurn + 0, 256);    // consumer 0 takes the first turn
 
   int item = 0;
@@ -231,18 +230,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
-      #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
-      cute::warpgroup_arrive();
-      const T* cK = sK + stage * BN * D;
-      #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const T* q_k = q_wg + (kk / 4) * (kRows * 64) + (kk % 4) * 16;
-        const T* k_k = cK + (kk / 4) * (BN * 64) + (kk % 4) * 16;
-        gmma_ss<SS>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0, std::make_index_sequence<32>{});
-      }
-      cute::warpgroup_commit_batch();
+      issue_wgmma_qk<T, D, kRows>(q_wg, sK + stage * BN * D, s);
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
       issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
