@@ -106,6 +106,12 @@ __device__ __forceinline__ uint64_t gmma_desc(const void* smem, uint32_t lbo_byt
   return desc.desc_;
 }
 
+// The descriptor of the operand `bytes` further on (16-byte aligned, inside the same smem
+// window): the start address is the low field, so this is one add, not a rebuild.
+__device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, int bytes) {
+  return desc + static_cast<uint64_t>(bytes >> 4);
+}
+
 namespace gmma = cute::SM90::GMMA;
 template <typename T> struct Gmma;
 template <> struct Gmma<__half> {
@@ -144,29 +150,27 @@ template <int BN>
 __device__ __forceinline__ float2 online_softmax(float (&s)[BN / 8][4], const uint32_t* mw0, const uint32_t* mw1,
                                                  bool full, float scale_log2, int lane,
                                                  float& m0, float& m1, float& l0, float& l1) {
+  // The max runs over raw scores (scale_log2 > 0 keeps the order); each P element is then one
+  // FFMA and one EX2: exp2(s * scale - max * scale).
   float mx0 = -INFINITY, mx1 = -INFINITY;
   #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float x0 = s[j][e] * scale_log2;
-      float x1 = s[j][2 + e] * scale_log2;
       if (!full) {
         const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
-        if (!((mw0[j >> 2] >> bit) & 1u)) x0 = -INFINITY;
-        if (!((mw1[j >> 2] >> bit) & 1u)) x1 = -INFINITY;
+        if (!((mw0[j >> 2] >> bit) & 1u)) s[j][e] = -INFINITY;
+        if (!((mw1[j >> 2] >> bit) & 1u)) s[j][2 + e] = -INFINITY;
       }
-      s[j][e] = x0;
-      s[j][2 + e] = x1;
-      mx0 = fmaxf(mx0, x0);
-      mx1 = fmaxf(mx1, x1);
+      mx0 = fmaxf(mx0, s[j][e]);
+      mx1 = fmaxf(mx1, s[j][2 + e]);
     }
   }
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float mn0 = fmaxf(m0, mx0 * scale_log2), mn1 = fmaxf(m1, mx1 * scale_log2);
   const float ms0 = mn0 == -INFINITY ? 0.f : mn0;  // rows with nothing read yet
   const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
   const float2 alpha = make_float2(exp2f(m0 - ms0), exp2f(m1 - ms1));
@@ -175,10 +179,10 @@ __device__ __forceinline__ float2 online_softmax(float (&s)[BN / 8][4], const ui
   float sum0 = 0.f, sum1 = 0.f;
   #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    s[j][0] = exp2f(s[j][0] - ms0);
-    s[j][1] = exp2f(s[j][1] - ms0);
-    s[j][2] = exp2f(s[j][2] - ms1);
-    s[j][3] = exp2f(s[j][3] - ms1);
+    s[j][0] = exp2f(fmaf(s[j][0], scale_log2, -ms0));
+    s[j][1] = exp2f(fmaf(s[j][1], scale_log2, -ms0));
+    s[j][2] = exp2f(fmaf(s[j][2], scale_log2, -ms1));
+    s[j][3] = exp2f(fmaf(s[j][3], scale_log2, -ms1));
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }
@@ -252,12 +256,14 @@ __device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float
   #pragma unroll
   for (int j = 0; j < 8; ++j)
     for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+  const uint64_t dq = gmma_desc(q_wg, 16), dk = gmma_desc(cK, 16);  // k steps: constant offsets
   cute::warpgroup_arrive();
   #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const T* q_k = q_wg + (kk / 4) * (ROWS * 64) + (kk % 4) * 16;
-    const T* k_k = cK + (kk / 4) * (64 * 64) + (kk % 4) * 16;
-    gmma_ss<typename Gmma<T>::SS64>(gmma_desc(q_k, 16), gmma_desc(k_k, 16), s, kk > 0, std::make_index_sequence<32>{});
+    const int q_k = (kk / 4) * (ROWS * 64) + (kk % 4) * 16;  // elements
+    const int k_k = (kk / 4) * (64 * 64) + (kk % 4) * 16;
+    gmma_ss<typename Gmma<T>::SS64>(gmma_desc_add(dq, q_k * 2), gmma_desc_add(dk, k_k * 2), s, kk > 0,
+                                    std::make_index_sequence<32>{});
   }
   cute::warpgroup_commit_batch();
 }
@@ -269,10 +275,11 @@ __device__ __forceinline__ void issue_wgmma_pv(const uint32_t (&pa)[BN / 16][4],
   #pragma unroll
   for (int j = 0; j < D / 8; ++j)
     for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
+  const uint64_t dv = gmma_desc(cV, BN * 128);
   cute::warpgroup_arrive();
   #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
-    gmma_rs<typename Gmma<T>::template RS<D>, D>(pa[kk], gmma_desc(cV + kk * 16 * 64, BN * 128), acc,
+    gmma_rs<typename Gmma<T>::template RS<D>, D>(pa[kk], gmma_desc_add(dv, kk * 16 * 64 * 2), acc,
                                                  std::make_index_sequence<D / 2>{});
   cute::warpgroup_commit_batch();
 }
@@ -542,6 +549,12 @@ tree_attn_partial_kernel(const PartialParams p) {
 namespace treedec {
 
 // Stage 2: one warp per (query, head); lane l holds columns [l * D/32, (l+1) * D/32).
+// Entries go in batches of 32: each lane loads one entry's index and LSE (one round trip for the
+// batch, not one per entry), the batch's weights come from a warp max, and the partial rows are
+// then read kMergeUnroll at a time, so their loads overlap. The order of every sum is fixed by
+// the plan's CSR: deterministic.
+constexpr int kMergeUnroll = 4;
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
 merge_partials_kernel(const MergeParams p) {
@@ -557,26 +570,46 @@ merge_partials_kernel(const MergeParams p) {
   float acc[kPer];
   #pragma unroll
   for (int i = 0; i < kPer; ++i) acc[i] = 0.f;
-  float m = -INFINITY, s = 0.f;
+  float m = -INFINITY, s = 0.f;  // running max (log2 units) and weight sum, equal in every lane
   constexpr float kLog2e = 1.4426950408889634f;
-  for (int idx = begin; idx < end; ++idx) {
-    const int64_t e = p.query_entries[idx];
-    const float lse = p.lse_ws[e * p.num_qo_heads + head] * kLog2e;
-    const float* src = p.o_ws + (e * p.num_qo_heads + head) * D + lane * kPer;
-    float o[kPer];
+  for (int base = begin; base < end; base += 32) {
+    const int n = min(32, end - base);
+    const int64_t my_e = lane < n ? p.query_entries[base + lane] : 0;
+    const float my_lse = lane < n ? p.lse_ws[my_e * p.num_qo_heads + head] * kLog2e : -INFINITY;
+    float mb = my_lse;
     #pragma unroll
-    for (int i = 0; i < kPer; i += 2) {
-      const float2 x = *reinterpret_cast<const float2*>(src + i);
-      o[i] = x.x;
-      o[i + 1] = x.y;
-    }
-    const float mn = fmaxf(m, lse);
-    const float scale = exp2f(m - mn);
-    const float w = exp2f(lse - mn);
+    for (int off = 16; off > 0; off >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
+    const float mn = fmaxf(m, mb);
+    const float scale = m == -INFINITY ? 0.f : exp2f(m - mn);  // 0 on the first batch
+    const float my_w = lane < n && mn != -INFINITY ? exp2f(my_lse - mn) : 0.f;
     #pragma unroll
-    for (int i = 0; i < kPer; ++i) acc[i] = acc[i] * scale + w * o[i];
-    s = s * scale + w;
+    for (int i = 0; i < kPer; ++i) acc[i] *= scale;
+    float wsum = my_w;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    s = s * scale + wsum;
     m = mn;
+    for (int j0 = 0; j0 < n; j0 += kMergeUnroll) {
+      float o[kMergeUnroll][kPer];
+      float w[kMergeUnroll];
+      #pragma unroll
+      for (int u = 0; u < kMergeUnroll; ++u) {  // issue every load of the group first
+        const int j = min(j0 + u, n - 1);
+        const int64_t e = __shfl_sync(0xffffffffu, my_e, j);
+        w[u] = j0 + u < n ? __shfl_sync(0xffffffffu, my_w, j) : 0.f;
+        const float* src = p.o_ws + (e * p.num_qo_heads + head) * D + lane * kPer;
+        #pragma unroll
+        for (int i = 0; i < kPer; i += 2) {
+          const float2 x = *reinterpret_cast<const float2*>(src + i);
+          o[u][i] = x.x;
+          o[u][i + 1] = x.y;
+        }
+      }
+      #pragma unroll
+      for (int u = 0; u < kMergeUnroll; ++u)
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[i] += w[u] * o[u][i];
+    }
   }
   const float inv = 1.f / s;
   T* dst = static_cast<T*>(p.out) + query * p.out_stride_q + head * p.out_stride_h + lane * kPer;

@@ -95,6 +95,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     static_assert(kRows == kProducerThreads, "one mask row per producer thread");
     const int cp_vec = tid % kVecPerRow;
     const int cp_row0 = tid / kVecPerRow;
+    // A thread's rows of a tile are cp_row0 + pass * kRowsPerPass: as kRowsPerPass is a multiple
+    // of the swizzle's 8 rows, their smem offsets differ by constants (hoisted out of the loops).
+    static_assert(kRowsPerPass % 8 == 0, "rows of one pass keep their swizzle phase");
+    const int kv_dst = swz128(cp_row0, cp_vec * 8, BN);
     const T* __restrict__ q = static_cast<const T*>(p.q);
     const T* __restrict__ k = static_cast<const T*>(p.k);
     const T* __restrict__ v = static_cast<const T*>(p.v);
@@ -120,20 +124,28 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       const int tile_begin = info[5], num_tiles = info[6] - tile_begin;
       const int kv_begin = p.chunk_kv_start[chunk];
       const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
+      const T* k_head = k + kv_head * p.k_stride_h + cp_vec * 8;  // + slot * stride: the thread's 16 bytes
+      const T* v_head = v + kv_head * p.v_stride_h + cp_vec * 8;
       const int mask_row = row_begin + tid;  // this thread copies the mask words of unit row tid
       const int mask_entry = mask_row < row_end ? item_entry + mask_row / p.group : -1;
 
-      int slots[kKVPasses];
-      auto fetch_slots = [&](int i) {  // slot of each of this thread's rows of live tile i (-1: none)
-        const int tile = i < num_tiles ? p.unit_info[tile_begin + i] : 0;
+      // Address pipeline: a tile's copies need its id (the live list) and then its rows' slots,
+      // two dependent loads. Two buffers (A: even tiles, B: odd) hold the slots two tiles ahead
+      // of the copies and the ids four ahead, so those loads overlap earlier tiles' copies
+      // instead of stalling every tile (no register copies of in-flight loads: the loop is
+      // unrolled by two).
+      auto tile_id = [&](int i) { return i < num_tiles ? p.unit_info[tile_begin + i] : -1; };
+      auto load_slots = [&](int tile, int (&slots)[kKVPasses]) {  // -1: no row
         #pragma unroll
         for (int pass = 0; pass < kKVPasses; ++pass) {
-          const int tok = i < num_tiles ? tile * BN + cp_row0 + pass * kRowsPerPass : chunk_len;
-          slots[pass] = tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+          const int tok = tile * BN + cp_row0 + pass * kRowsPerPass;
+          slots[pass] = tile >= 0 && tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
         }
-        return tile;
       };
-      int tile = fetch_slots(0);
+      int tile_a = tile_id(0), tile_b = tile_id(1), next_a = tile_id(2), next_b = tile_id(3);
+      int slots_a[kKVPasses], slots_b[kKVPasses];
+      load_slots(tile_a, slots_a);
+      load_slots(tile_b, slots_b);
       if (local >= 2) Barrier::wait(&q_free[local & 1], ((local >> 1) + 1) & 1);  // unit local-2 is done with it
       T* dQ = sQ + (local & 1) * kRows * D;
       #pragma unroll
@@ -149,21 +161,20 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
             *reinterpret_cast<cute::uint128_t*>(dQ + swz128(cp_row0 + pass * kRowsPerPass, cp_vec * 8, kRows)), valid);
       }
 
-      for (int i = 0; i < num_tiles; ++i) {
+      auto issue_tile = [&](int tile, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
         const int stage = acquire();
-        T* dK = sK + stage * BN * D;
-        T* dV = sV + stage * BN * D;
+        T* dK = sK + stage * BN * D + kv_dst;
+        T* dV = sV + stage * BN * D + kv_dst;
         #pragma unroll
         for (int pass = 0; pass < kKVPasses; ++pass) {
-          const int r = cp_row0 + pass * kRowsPerPass;
           const bool valid = slots[pass] >= 0;
           const int64_t slot = valid ? slots[pass] : 0;
           cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-              *reinterpret_cast<const cute::uint128_t*>(k + slot * p.k_stride_s + kv_head * p.k_stride_h + cp_vec * 8),
-              *reinterpret_cast<cute::uint128_t*>(dK + swz128(r, cp_vec * 8, BN)), valid);
+              *reinterpret_cast<const cute::uint128_t*>(k_head + slot * p.k_stride_s),
+              *reinterpret_cast<cute::uint128_t*>(dK + pass * kRowsPerPass * 64), valid);
           cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-              *reinterpret_cast<const cute::uint128_t*>(v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8),
-              *reinterpret_cast<cute::uint128_t*>(dV + swz128(r, cp_vec * 8, BN)), valid);
+              *reinterpret_cast<const cute::uint128_t*>(v_head + slot * p.v_stride_s),
+              *reinterpret_cast<cute::uint128_t*>(dV + pass * kRowsPerPass * 64), valid);
         }
         #pragma unroll
         for (int w = 0; w < kMW; ++w) {
@@ -174,7 +185,17 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
               *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + tid) * kMW + w], valid);
         }
         announce(stage, kItemTile);
-        tile = fetch_slots(i + 1);
+      };
+      for (int i = 0; i < num_tiles; i += 2) {
+        issue_tile(tile_a, slots_a);
+        tile_a = next_a;
+        load_slots(tile_a, slots_a);
+        next_a = tile_id(i + 4);
+        if (i + 1 == num_tiles) break;
+        issue_tile(tile_b, slots_b);
+        tile_b = next_b;
+        load_slots(tile_b, slots_b);
+        next_b = tile_id(i + 5);
       }
       announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
     }
