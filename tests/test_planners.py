@@ -1,10 +1,13 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
-from treedec.attention.planners import auto_chunk_size, default_query_tile
+from treedec.attention.planners import (_flatten_bounds, _query_intervals, _units_per_kv_head, auto_chunk_size,
+                                        default_query_tile)
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
 
@@ -132,6 +135,30 @@ def test_auto_chunk_size_for_a_persistent_grid_gives_each_cta_about_one_unit():
     assert auto_chunk_size(10**9, persistent_ctas=132) == 4096 and auto_chunk_size(1, persistent_ctas=132) == 256
     with pytest.raises(PlanError, match="persistent_ctas"):
         PlanConfig(persistent_ctas=0)
+
+
+def test_persistent_flatten_doubles_the_chunk_until_one_round_of_units_fits_the_grid():
+    # 5000-token prompt, 9 branches of 20 tokens with a query each: 256-token chunks would make
+    # 20 chunks x 8 KV heads = 160 units for 132 CTAs; 512-token chunks 10 x 8 = 80
+    layout = TreeLayout.from_parents([-1] + [0] * 9, [4820] + [20] * 9, [(i, 19) for i in range(1, 10)])
+    config = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132)
+    plan = make_plan(layout, config)
+    assert plan.chunk_size == 512 and plan.num_items * 8 <= 132
+    assert make_plan(layout, PlanConfig(chunk_size=256, query_tile=32)).num_items * 8 > 132
+    # enough CTAs for one round at 256: the rule leaves it
+    assert make_plan(layout, replace(config, persistent_ctas=160)).chunk_size == 256
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([64, 256, 1024]), st.integers(1, 8))
+@settings(max_examples=25, deadline=None)
+def test_unit_estimate_matches_the_flatten_plan(seed, chunk_size, query_tile):
+    tree = random_forest(np.random.default_rng(seed), page_size=4)
+    layout = tree.layout()
+    plan = make_plan(layout, PlanConfig("flatten", chunk_size, query_tile))
+    q_idx, lo, hi, *_ = _query_intervals(layout)
+    bounds = _flatten_bounds(len(plan.kv_slots), chunk_size)
+    assert np.array_equal(bounds, plan.chunk_kv_start)
+    assert _units_per_kv_head(bounds, layout.num_queries, q_idx, lo, hi, query_tile) == plan.num_items
 
 
 def test_path_planner_reads_each_shared_prefix_once_per_query():

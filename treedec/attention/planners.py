@@ -85,11 +85,12 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
         # as readers / query_tile + 1/2 per token (the rule rounds to a power of two).
         work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
-        config = replace(config, chunk_size=auto_chunk_size(int(work), config.num_sms, config.persistent_ctas))
+        chunk_size = auto_chunk_size(int(work), config.num_sms, config.persistent_ctas)
+        if config.persistent_ctas is not None and config.planner == "flatten":
+            chunk_size = _one_round_chunk_size(chunk_size, config, layout.num_queries, q_idx, lo, hi, total)
+        config = replace(config, chunk_size=chunk_size)
     if config.planner == "flatten":
-        num_chunks = -(-total // config.chunk_size)
-        step = -(-total // num_chunks)
-        bounds = np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
+        bounds = _flatten_bounds(total, config.chunk_size)
     else:
         piece = config.chunk_size if config.planner == "node_chunk" else None
         bounds = _node_bounds(node_start, node_len, total, piece)
@@ -111,13 +112,15 @@ def auto_chunk_size(work: int, num_sms: int = 132, persistent_ctas: int | None =
     nearest to ``work / persistent_ctas``: about one unit per CTA (swept on an H200:
     bench/results/2026-11-22-nvidia-h200-cuda-chunk-sweep.json), and at least
     PERSISTENT_MIN_CHUNK tokens: below that a unit's fixed cost (Q rows, pipeline fill, partial
-    state) buys little parallelism, and small trees would multiply their partial states.
+    state) buys little parallelism, and small trees would multiply their partial states. The
+    ``flatten`` planner then doubles it while the step would need more than one round of units
+    (``make_plan``).
     """
     if persistent_ctas is not None:
         ideal = max(work / persistent_ctas, PERSISTENT_MIN_CHUNK)
     else:
         ideal = math.sqrt(2.2 * max(work, 1) * 132 / num_sms)
-    return int(min(4096, max(64, 2 ** round(math.log2(ideal)))))
+    return int(min(PERSISTENT_MAX_CHUNK, max(64, 2 ** round(math.log2(ideal)))))
 
 
 def plan_flatten(layout: TreeLayout, chunk_size: int = 256, query_tile: int = 16) -> TreePlan:
@@ -133,6 +136,42 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 
 
 # ===================================================================== private
+
+
+PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
+
+
+def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:
+    """[C + 1] token bounds of ``flatten``'s even chunks of at most ``chunk_size`` tokens."""
+    num_chunks = -(-total // chunk_size)
+    step = -(-total // num_chunks)
+    return np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
+
+
+def _units_per_kv_head(bounds: np.ndarray, num_queries: int, q_idx, lo, hi, query_tile: int) -> int:
+    """Work items a flatten plan with these chunk ``bounds`` would have: per chunk, the distinct
+    queries reading it, ``query_tile`` to an item (one persistent unit per KV head when an item's
+    rows fit a unit, as the cuda backend's query tile makes them)."""
+    first = np.searchsorted(bounds, lo, side="right") - 1
+    last = np.searchsorted(bounds, hi - 1, side="right") - 1
+    span = last - first + 1
+    offsets = np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span)
+    pairs = np.unique((np.repeat(first, span) + offsets) * num_queries + np.repeat(q_idx, span))
+    readers = np.bincount(pairs // num_queries, minlength=len(bounds) - 1)
+    return int((-(-readers // query_tile)).sum())
+
+
+def _one_round_chunk_size(chunk_size: int, config: PlanConfig, num_queries: int, q_idx, lo, hi, total: int) -> int:
+    """Double ``chunk_size`` (up to PERSISTENT_MAX_CHUNK) while the step has more units than the
+    persistent grid has CTAs: a few CTAs running a second unit each set the step's time (H200,
+    bench/results/2026-11-22-nvidia-h200-small-chunks.json: tot_sorting1 160 units on 132 CTAs
+    29.9 us at 256 tokens, 80 units 24.3 us at 512)."""
+    while chunk_size < PERSISTENT_MAX_CHUNK:
+        units = _units_per_kv_head(_flatten_bounds(total, chunk_size), num_queries, q_idx, lo, hi, config.query_tile)
+        if units * config.num_kv_heads <= config.persistent_ctas:
+            break
+        chunk_size *= 2
+    return chunk_size
 
 
 def _query_intervals(layout: TreeLayout):

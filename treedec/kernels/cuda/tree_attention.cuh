@@ -94,6 +94,19 @@ __device__ __forceinline__ int swz128(int row, int col, int rows) {
   return (col >> 6) * (rows * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
 }
 
+// Programmatic dependent launch (sm_90): stage 1 lets the merge kernel launch at once; the
+// merge reads its plan arrays, then waits for stage 1's memory (no-ops before sm_90).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // wgmma shared-memory descriptor, 128-byte swizzle: 8-row (K-major) or 8-token (MN-major)
 // groups 1024 bytes apart; `lbo_bytes` apart are the 64-column blocks of an MN-major operand.
 __device__ __forceinline__ uint64_t gmma_desc(const void* smem, uint32_t lbo_bytes) {
@@ -299,6 +312,7 @@ struct SmemLayout {
 template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, bool WGMMA>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
+  launch_dependents();
   static_assert(!WGMMA || (BN == 64 && WARPS % 4 == 0 && D <= 128), "wgmma tile shape");
   using L = SmemLayout<D, BN, STAGES, WARPS>;
   constexpr int kThreads = WARPS * 32;
@@ -572,9 +586,12 @@ merge_partials_kernel(const MergeParams p) {
   for (int i = 0; i < kPer; ++i) acc[i] = 0.f;
   float m = -INFINITY, s = 0.f;  // running max (log2 units) and weight sum, equal in every lane
   constexpr float kLog2e = 1.4426950408889634f;
+  int64_t next_e = lane < end - begin ? p.query_entries[begin + lane] : 0;  // plan data: before the wait
+  wait_for_primary();
   for (int base = begin; base < end; base += 32) {
     const int n = min(32, end - base);
-    const int64_t my_e = lane < n ? p.query_entries[base + lane] : 0;
+    const int64_t my_e = next_e;
+    if (base + 32 < end) next_e = lane < end - base - 32 ? p.query_entries[base + 32 + lane] : 0;
     const float my_lse = lane < n ? p.lse_ws[my_e * p.num_qo_heads + head] * kLog2e : -INFINITY;
     float mb = my_lse;
     #pragma unroll
@@ -674,8 +691,19 @@ int partial_ctas_per_sm_typed() {
 template <typename T, int D>
 cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int pairs = p.num_queries * p.num_qo_heads;
-  if (pairs > 0) merge_partials_kernel<T, D><<<(pairs + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (pairs == 0) return cudaSuccess;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3((pairs + kMergeWarps - 1) / kMergeWarps);
+  config.blockDim = dim3(kMergeWarps * 32);
+  config.stream = stream;
+#if defined(TREEDEC_SM90A)
+  cudaLaunchAttribute attr{};  // launched while stage 1 runs; waits for it in wait_for_primary()
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+#endif
+  return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D>, p);
 }
 
 }  // namespace treedec

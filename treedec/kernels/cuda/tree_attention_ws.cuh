@@ -57,6 +57,7 @@ using Barrier = cutlass::arch::ClusterBarrier;
 template <typename T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
+  launch_dependents();
   static_assert(BN == 64 && (D == 64 || D == 128), "wgmma tile shape");
   using L = Smem<D, BN, STAGES>;
   constexpr int kMW = L::kMW;
