@@ -48,6 +48,8 @@ void partial(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ou
   for (auto* t : {&kv_slots, &chunk_kv_start, &entry_query, &entry_mask, &entry_direct, &cta_unit_start, &unit_info})
     check_index(*t, "plan arrays");
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) == group, "group must be Hq / Hkv");
+  TORCH_CHECK(k.stride(0) * k.element_size() < (int64_t{1} << 31) && v.stride(0) * v.element_size() < (int64_t{1} << 31),
+              "k and v rows (slots) must be less than 2 GiB apart");
   const c10::cuda::CUDAGuard guard(q.device());
   treedec::PartialParams p{};
   p.q = q.data_ptr();

@@ -122,7 +122,9 @@ __device__ __forceinline__ uint64_t gmma_desc(const void* smem, uint32_t lbo_byt
 // The descriptor of the operand `bytes` further on (16-byte aligned, inside the same smem
 // window): the start address is the low field, so this is one add, not a rebuild.
 __device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, int bytes) {
-  return desc + static_cast<uint64_t>(bytes >> 4);
+  // a 32-bit add on the low word (no carry into the high word: addresses < 256 KiB)
+  const uint32_t lo = static_cast<uint32_t>(desc) + static_cast<uint32_t>(bytes >> 4);
+  return (desc & 0xffffffff00000000ull) | lo;
 }
 
 namespace gmma = cute::SM90::GMMA;
@@ -159,24 +161,44 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, flo
 // s[j][e], e = 0,1, is j * 8 + (lane % 4) * 2 + e; e = 2,3 are row r1). S is scaled to base 2,
 // masked by the rows' mask words unless `full` (every row reads the whole tile), and becomes
 // P = exp2(S - max); the running max m and sum l move on. Returns the rows' O rescale factors.
-template <int BN>
+//
+// BRANCH_FREE (the warp-specialized kernel): the mask is applied to every tile with selects,
+// `full` ignored. A branch between a wgmma's issue and its wait makes ptxas move the wait up
+// (the SASS had the PV wait above this softmax), which costs more than the selects.
+template <int BN, bool BRANCH_FREE = false>
 __device__ __forceinline__ float2 online_softmax(float (&s)[BN / 8][4], const uint32_t* mw0, const uint32_t* mw1,
                                                  bool full, float scale_log2, int lane,
                                                  float& m0, float& m1, float& l0, float& l1) {
   // The max runs over raw scores (scale_log2 > 0 keeps the order); each P element is then one
   // FFMA and one EX2: exp2(s * scale - max * scale).
   float mx0 = -INFINITY, mx1 = -INFINITY;
-  #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
+  if constexpr (BRANCH_FREE) {
+    const int shift = (lane & 3) * 2;  // then column j * 8 + (lane % 4) * 2 + e is bit (j % 4) * 8 + e
     #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (!full) {
-        const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
-        if (!((mw0[j >> 2] >> bit) & 1u)) s[j][e] = -INFINITY;
-        if (!((mw1[j >> 2] >> bit) & 1u)) s[j][2 + e] = -INFINITY;
+    for (int j = 0; j < BN / 8; ++j) {
+      const uint32_t w0 = mw0[j >> 2] >> shift, w1 = mw1[j >> 2] >> shift;
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t bit = 1u << ((j & 3) * 8 + e);
+        s[j][e] = (w0 & bit) ? s[j][e] : -INFINITY;
+        s[j][2 + e] = (w1 & bit) ? s[j][2 + e] : -INFINITY;
+        mx0 = fmaxf(mx0, s[j][e]);
+        mx1 = fmaxf(mx1, s[j][2 + e]);
       }
-      mx0 = fmaxf(mx0, s[j][e]);
-      mx1 = fmaxf(mx1, s[j][2 + e]);
+    }
+  } else {
+    #pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (!full) {
+          const int bit = (j & 3) * 8 + (lane & 3) * 2 + e;
+          if (!((mw0[j >> 2] >> bit) & 1u)) s[j][e] = -INFINITY;
+          if (!((mw1[j >> 2] >> bit) & 1u)) s[j][2 + e] = -INFINITY;
+        }
+        mx0 = fmaxf(mx0, s[j][e]);
+        mx1 = fmaxf(mx1, s[j][2 + e]);
+      }
     }
   }
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));

@@ -18,6 +18,7 @@
 #pragma once
 #if defined(TREEDEC_SM90A)
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 namespace treedec {
 namespace ws {
@@ -28,6 +29,16 @@ constexpr int kThreads = kProducerThreads + 128 * kConsumers;
 constexpr int kRows = 64 * kConsumers;              // rows of a unit
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1;
+// Registers per thread after setmaxnreg (128 x 56 + 256 x 224 <= 64 K): the consumers keep S, P
+// and O in flight at once, and with the 168 of an even split ptxas moved the PV wait above the
+// softmax (no overlap) to free registers.
+constexpr int kProducerRegs = 88, kConsumerRegs = 208;
+#ifndef TREEDEC_WS_SETMAXNREG
+#define TREEDEC_WS_SETMAXNREG 1
+#endif
+#ifndef TREEDEC_WS_BRANCH_FREE_MASK
+#define TREEDEC_WS_BRANCH_FREE_MASK 1
+#endif
 
 template <int D> struct Config { static constexpr int kBN = 64, kStages = 4; };
 
@@ -53,6 +64,11 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 using Barrier = cutlass::arch::ClusterBarrier;
+
+// 16-byte cp.async (cached in L2 only) to a shared-memory address; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 
 template <typename T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -88,6 +104,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 
   if (threadIdx.x < kProducerThreads) {
     // ------------------------------------------------------------------ producer
+#if TREEDEC_WS_SETMAXNREG
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+#endif
     const int tid = threadIdx.x;
     constexpr int kVecPerRow = D / 8;
     constexpr int kRowsPerPass = kProducerThreads / kVecPerRow;
@@ -100,6 +119,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     // of the swizzle's 8 rows, their smem offsets differ by constants (hoisted out of the loops).
     static_assert(kRowsPerPass % 8 == 0, "rows of one pass keep their swizzle phase");
     const int kv_dst = swz128(cp_row0, cp_vec * 8, BN);
+    const uint32_t kv_dst_k = cute::cast_smem_ptr_to_uint(sK + kv_dst);  // + stage and pass offsets
+    const uint32_t kv_dst_v = cute::cast_smem_ptr_to_uint(sV + kv_dst);
+    const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_s * sizeof(T));  // < 2^31 (binding)
+    const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_s * sizeof(T));
     const T* __restrict__ q = static_cast<const T*>(p.q);
     const T* __restrict__ k = static_cast<const T*>(p.k);
     const T* __restrict__ v = static_cast<const T*>(p.v);
@@ -125,8 +148,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       const int tile_begin = info[5], num_tiles = info[6] - tile_begin;
       const int kv_begin = p.chunk_kv_start[chunk];
       const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
-      const T* k_head = k + kv_head * p.k_stride_h + cp_vec * 8;  // + slot * stride: the thread's 16 bytes
-      const T* v_head = v + kv_head * p.v_stride_h + cp_vec * 8;
+      // The thread's 16 bytes of a slot's K (V) row: k_head + slot * k_row_bytes (one IMAD.WIDE).
+      const char* k_head = reinterpret_cast<const char*>(k + kv_head * p.k_stride_h + cp_vec * 8);
+      const char* v_head = reinterpret_cast<const char*>(v + kv_head * p.v_stride_h + cp_vec * 8);
       const int mask_row = row_begin + tid;  // this thread copies the mask words of unit row tid
       const int mask_entry = mask_row < row_end ? item_entry + mask_row / p.group : -1;
 
@@ -164,18 +188,15 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 
       auto issue_tile = [&](int tile, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
         const int stage = acquire();
-        T* dK = sK + stage * BN * D + kv_dst;
-        T* dV = sV + stage * BN * D + kv_dst;
+        const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
+        const uint32_t dV = kv_dst_v + stage * (BN * D * 2);
         #pragma unroll
         for (int pass = 0; pass < kKVPasses; ++pass) {
-          const bool valid = slots[pass] >= 0;
-          const int64_t slot = valid ? slots[pass] : 0;
-          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-              *reinterpret_cast<const cute::uint128_t*>(k_head + slot * p.k_stride_s),
-              *reinterpret_cast<cute::uint128_t*>(dK + pass * kRowsPerPass * 64), valid);
-          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-              *reinterpret_cast<const cute::uint128_t*>(v_head + slot * p.v_stride_s),
-              *reinterpret_cast<cute::uint128_t*>(dV + pass * kRowsPerPass * 64), valid);
+          // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
+          const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
+          const int bytes = (~slots[pass] >> 31) & 16;
+          cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
+          cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
         }
         #pragma unroll
         for (int w = 0; w < kMW; ++w) {
@@ -205,6 +226,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   }
 
   // -------------------------------------------------------------------- consumers
+#if TREEDEC_WS_SETMAXNREG
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+#endif
   const int c = threadIdx.x / 128 - 1;          // consumer index: rows 64 c .. 64 c + 63 of a unit
   const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
@@ -232,7 +256,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     float s[BN / 8][4];        // S, then P, of the current tile
     uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
     uint32_t mw0[kMW], mw1[kMW];
-    bool full_tile = false;
+    bool full_tile = false;  // every row reads the whole tile (only read without the branch-free mask)
 
     // Wait for the next item; false at the unit's END. Reads the tile's mask words.
     auto next_tile = [&](int& stage) {
@@ -240,15 +264,15 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       Barrier::wait(&full[stage], (item / STAGES) & 1);
       if (sItem[stage] == kItemEnd) return false;
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-      uint32_t all = 0xffffffffu;
       const uint32_t* cMask = sMask + stage * kRows * kMW;
+      uint32_t all = 0xffffffffu;
       #pragma unroll
       for (int w = 0; w < kMW; ++w) {
         mw0[w] = cMask[r0 * kMW + w];
         mw1[w] = cMask[r1 * kMW + w];
         all &= mw0[w] & mw1[w];
       }
-      full_tile = __all_sync(0xffffffffu, all == 0xffffffffu);
+      if (!TREEDEC_WS_BRANCH_FREE_MASK) full_tile = __all_sync(0xffffffffu, all == 0xffffffffu);
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
@@ -278,7 +302,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       bar_arrive(kBarTurn + (1 - c), 256);
       cute::warpgroup_wait<0>();
       fence_s();
-      online_softmax<BN>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+      online_softmax<BN, TREEDEC_WS_BRANCH_FREE_MASK>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
       pack_p<T, BN>(s, pa);
       int prev = stage;
       ++item;
@@ -291,7 +315,12 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         bar_arrive(kBarTurn + (1 - c), 256);
         cute::warpgroup_wait<1>();
         fence_s();
-        const float2 alpha = online_softmax<BN>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        float2 alpha = online_softmax<BN, TREEDEC_WS_BRANCH_FREE_MASK>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        // Pin the softmax before the PV wait: the compiler may otherwise sink it below the wait
+        // (seen in the SASS: the max reductions after WARPGROUP.DEPBAR 0), losing the overlap.
+        fence_s();
+        cute::warpgroup_fence_operand(alpha.x);
+        cute::warpgroup_fence_operand(alpha.y);
         cute::warpgroup_wait<0>();
         fence_acc();
         rescale_o<D>(acc, alpha);
