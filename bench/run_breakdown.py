@@ -66,7 +66,8 @@ def kernel_times_us(fn, calls: int = 20) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="spec_medusa64_p4k,fewshot_b50_p16k,tot_d5w10")
-    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--chunk-size", type=int, default=None, help="flatten chunk size (default: the automatic rule)")
+    parser.add_argument("--backend", default="cuda", choices=("triton", "cuda", "auto"))
     parser.add_argument("--planner", default="flatten")
     parser.add_argument("--out", type=Path, default=None, help="write the numbers as JSON here")
     args = parser.parse_args()
@@ -74,7 +75,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         workload = build_workload(name)
         layout = workload.layout
-        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend="triton",
+        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=args.backend,
                              plan_config=PlanConfig(args.planner, args.chunk_size))
         plan = attn.plan(layout)
         q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
@@ -84,7 +85,7 @@ def main() -> int:
         run = lambda: attn.run(q, k, v, plan)  # noqa: E731
         host = host_us_per_call(run)
         kernels = kernel_times_us(run)
-        results[name] = {"host_us_per_call": host, "kernels_us": kernels, "plan": plan.plan.summary()}
+        results[name] = {"backend": args.backend, "host_us_per_call": host, "kernels_us": kernels, "plan": plan.plan.summary()}
         print(f"== {name}: {plan.plan.summary()}")
         print(f"host wall per run() call: {host:.1f} us; device time per call: "
               + ", ".join(f"{k} {v:.1f} us" for k, v in kernels.items()))

@@ -68,14 +68,16 @@ def test_matches_references_on_random_forests(seed, page_size, hkv, group, head_
     check_against_references(*run_cuda(tree, config, group, dtype, seed), TOLERANCE[dtype])
 
 
-def prompt_with_token_tree(prompt_len: int, tree_size: int, page_size=16, hkv=8, d=128, dtype=torch.bfloat16):
+def prompt_with_token_tree(prompt_len: int, tree_size: int, page_size=16, hkv=8, d=128, dtype=torch.bfloat16,
+                           flat: bool = False):
+    """A prompt and a Medusa token tree of ``tree_size`` (or, ``flat``, that many sibling tokens) below it."""
     pool = PagedKVPool(num_pages=(prompt_len + tree_size) // page_size + 8, page_size=page_size, num_layers=1,
                        num_kv_heads=hkv, head_dim=d, dtype=dtype)
     tree = SequenceTree(pool)
     root = tree.add_prompt(np.arange(prompt_len) % 1000)
     tree.commit_step()
-    medusa = medusa_tree(tree_size)
-    tree.add_token_tree(root, np.arange(tree_size), medusa.parents)
+    parents = [-1] * tree_size if flat else medusa_tree(tree_size).parents
+    tree.add_token_tree(root, np.arange(tree_size), parents)
     pool.k.normal_(generator=torch.Generator().manual_seed(1))
     pool.v.normal_(generator=torch.Generator().manual_seed(2))
     return tree
@@ -202,9 +204,9 @@ def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
         assert attn.backend == "triton"
         return
     assert attn.backend == "hybrid" and str(HYBRID_MIN_ROWS) in attn.backend_reason
-    assert 128 < HYBRID_MIN_ROWS <= 256
-    for tree_size, expected in ((32, "triton"), (64, "cuda")):   # x4 heads per KV head: 128 / 256 rows
-        tree = prompt_with_token_tree(2000, tree_size)
+    assert 16 < HYBRID_MIN_ROWS <= 64
+    for tree_size, expected in ((4, "triton"), (16, "cuda")):   # x4 heads per KV head: 16 / 64 rows
+        tree = prompt_with_token_tree(2000, tree_size, flat=True)
         plan = attn.plan(tree)
         assert plan.cache["backend"] == expected
         k, v = (c.cuda() for c in tree.pool.layer(0))

@@ -10,7 +10,7 @@ from treedec.errors import BackendUnavailableError
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
 AUTO_ORDER = ("triton", "cuda")  # on a CUDA device without the hybrid, fastest first (measured)
-HYBRID_MIN_ROWS = 160  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
+HYBRID_MIN_ROWS = 32  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
 
 
 def triton_status(device: torch.device) -> str | None:
@@ -37,10 +37,11 @@ def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
 
     Returns ``(backend, reason)``. On a CUDA device ``auto`` is ``hybrid`` where both triton
     and the wgmma (sm_90a) cuda kernels run: each step takes cuda when it has at least
-    :data:`HYBRID_MIN_ROWS` query rows per KV head and triton below, the crossover measured on
-    the H200 suite (bench/results/2026-11-22-nvidia-h200-suite.json, warp-specialized kernel:
-    cuda wins from 200 rows (fewshot_b50: 122 vs 131 us) up, triton at 120 rows and below
-    (fewshot_b30: 38 vs 43 us; the ToT trees). Otherwise ``auto``
+    :data:`HYBRID_MIN_ROWS` query rows per KV head and triton below. On the H200 suite of
+    2026-11-22 (bench/results/2026-11-22-nvidia-h200-small-triton-vs-cuda.json and
+    ...-suite-final.json) cuda is faster on all eight workloads, eagerly and in CUDA graphs, down
+    to the smallest step measured (tot_sorting1: 36 rows, 22.5 vs 26.1 us eager); steps below 32
+    rows (a few decoding sequences) were not measured and keep triton. Otherwise ``auto``
     prefers triton > cuda > torch. An explicit choice that cannot run raises
     BackendUnavailableError naming why.
     """

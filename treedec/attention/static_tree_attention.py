@@ -117,6 +117,7 @@ class StaticTreeAttention:
         self.rows_per_unit = ck.ROWS_PER_UNIT[head_dim]
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.num_ctas = ck.persistent_grid_size(index, dtype, head_dim)
+        self._ext = ck.extension(self.device)
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, query_tile=query_tile,
                                                num_sms=props.multi_processor_count,
                                                persistent_ctas=plan_config.persistent_ctas or self.num_ctas)
@@ -209,7 +210,8 @@ class StaticTreeAttention:
         arrays["query_entry_start"] = arrays["query_entry_start"][:rows + 1]  # the merge grid covers q's rows
         hkv, d = self.num_kv_heads, self.head_dim
         ck.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, self.o_ws, self.lse_ws, arrays,
-                  arrays["cta_unit_start"], arrays["unit_info"], self.bounds.mask_words, self.sm_scale, merge=True)
+                  arrays["cta_unit_start"], arrays["unit_info"], self.bounds.mask_words, self.sm_scale, merge=True,
+                  ext=self._ext)
         return out, lse
 
     def _check_bounds(self, plan: TreePlan) -> None:

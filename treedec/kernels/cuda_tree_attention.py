@@ -78,25 +78,27 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
-           sm_scale: float, merge: bool) -> None:
+           sm_scale: float, merge: bool, ext=None) -> None:
     """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
 
     ``arrays`` holds the plan's int32 tensors by :class:`DeviceTreePlan` field name;
-    ``q`` [>=Q, Hq, D], ``k_flat``/``v_flat`` [slots, Hkv, D], ``out`` like q, ``lse`` [rows of q, Hq].
+    ``q`` [>=Q, Hq, D], ``k_flat``/``v_flat`` [slots, Hkv, D], ``out`` like q, ``lse`` [rows of q, Hq];
+    ``ext`` the compiled extension when the caller holds it (else looked up for q's device).
     """
-    ext = extension(q.device)
+    ext = ext or extension(q.device)
     group = q.shape[1] // k_flat.shape[1]
-    ext.partial(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
-                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], cta_unit_start, unit_info,
-                group, mask_stride, sm_scale * math.log2(math.e))
-    if merge:
-        ext.merge(out, lse, o_ws, lse_ws, arrays["query_entry_start"], arrays["query_entries"])
+    ext.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
+               arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], arrays["query_entry_start"],
+               arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, sm_scale * math.log2(math.e),
+               merge)
 
 
 @dataclass(frozen=True)
 class _EagerLaunch:
     """What run_plan_cuda derives from a plan once, reused by every layer of the step."""
 
+    ext: object   # the compiled extension for the plan's device
+    arrays: dict  # the plan's int32 tensors by DeviceTreePlan field name (what launch() takes)
     cta_unit_start: torch.Tensor
     unit_info: torch.Tensor
     o_ws: torch.Tensor
@@ -131,10 +133,9 @@ def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         prepared = plan.cache[key] = _prepare(plan, q.dtype, hq, hkv, d, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
-    arrays = {name: getattr(plan, name) for name in ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask",
-                                                     "entry_direct", "query_entry_start", "query_entries")}
-    launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws, prepared.lse_ws, arrays,
-           prepared.cta_unit_start, prepared.unit_info, plan.entry_mask.stride(0), sm_scale, prepared.merge)
+    launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws, prepared.lse_ws,
+           prepared.arrays, prepared.cta_unit_start, prepared.unit_info, plan.entry_mask.stride(0), sm_scale,
+           prepared.merge, prepared.ext)
     return out, lse
 
 
@@ -147,8 +148,10 @@ def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: tor
     flat = torch.from_numpy(np.concatenate([starts, schedule.device_array()])).to(device)
     needs_merge = host.num_entries > host.num_queries
     partials = host.num_entries if needs_merge else 0
+    arrays = {name: getattr(plan, name) for name in ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask",
+                                                     "entry_direct", "query_entry_start", "query_entries")}
     return _EagerLaunch(
-        cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
+        ext=extension(device), arrays=arrays, cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
         o_ws=torch.empty(max(partials, 1), hq, d, dtype=torch.float32, device=device),
         lse_ws=torch.empty(max(partials, 1), hq, dtype=torch.float32, device=device),
         merge=needs_merge, schedule=schedule)

@@ -29,11 +29,13 @@ void check_index(const torch::Tensor& t, const char* name) {
 
 const int* iptr(const torch::Tensor& t) { return t.data_ptr<int>(); }
 
-void partial(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
-             torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
-             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
-             torch::Tensor cta_unit_start, torch::Tensor unit_info, int64_t group, int64_t mask_stride,
-             double qk_scale_log2) {
+// Stage 1 (and stage 2 when `merge`) in one call: no host time between the two launches (the
+// merge is launched programmatically behind stage 1 on sm_90).
+void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
+            torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
+            torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
+            torch::Tensor query_entry_start, torch::Tensor query_entries, torch::Tensor cta_unit_start,
+            torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, bool merge) {
   const int64_t d = q.size(2);
   check_rows(q, "q", d);
   check_rows(k, "k", d);
@@ -45,12 +47,14 @@ void partial(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ou
   TORCH_CHECK(o_ws.scalar_type() == torch::kFloat && o_ws.is_contiguous() && lse_ws.scalar_type() == torch::kFloat &&
               lse_ws.is_contiguous(), "o_ws and lse_ws must be contiguous float32");
   TORCH_CHECK(o_ws.dim() == 3 && o_ws.size(1) == q.size(1) && o_ws.size(2) == d, "o_ws must be [E, Hq, D]");
-  for (auto* t : {&kv_slots, &chunk_kv_start, &entry_query, &entry_mask, &entry_direct, &cta_unit_start, &unit_info})
+  for (auto* t : {&kv_slots, &chunk_kv_start, &entry_query, &entry_mask, &entry_direct, &query_entry_start,
+                  &query_entries, &cta_unit_start, &unit_info})
     check_index(*t, "plan arrays");
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) == group, "group must be Hq / Hkv");
   TORCH_CHECK(k.stride(0) * k.element_size() < (int64_t{1} << 31) && v.stride(0) * v.element_size() < (int64_t{1} << 31),
               "k and v rows (slots) must be less than 2 GiB apart");
   const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   treedec::PartialParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -80,35 +84,22 @@ void partial(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ou
   p.mask_stride = static_cast<int>(mask_stride);
   p.num_ctas = static_cast<int>(cta_unit_start.numel() - 1);
   p.qk_scale_log2 = static_cast<float>(qk_scale_log2);
-  const cudaError_t err = treedec::launch_partial(dtype_of(q), static_cast<int>(d), p,
-                                                  c10::cuda::getCurrentCUDAStream().stream());
+  cudaError_t err = treedec::launch_partial(dtype_of(q), static_cast<int>(d), p, stream);
   TORCH_CHECK(err == cudaSuccess, "treedec partial-attention launch failed: ", cudaGetErrorString(err));
-}
-
-void merge(torch::Tensor out, torch::Tensor lse, torch::Tensor o_ws, torch::Tensor lse_ws,
-           torch::Tensor query_entry_start, torch::Tensor query_entries) {
-  const int64_t d = out.size(2);
-  check_rows(out, "out", d);
-  TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.stride(1) == 1, "lse must be float32 [Q, Hq]");
-  TORCH_CHECK(o_ws.scalar_type() == torch::kFloat && o_ws.is_contiguous() && lse_ws.is_contiguous(),
-              "o_ws and lse_ws must be contiguous float32");
-  check_index(query_entry_start, "query_entry_start");
-  check_index(query_entries, "query_entries");
-  const c10::cuda::CUDAGuard guard(out.device());
-  treedec::MergeParams p{};
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.o_ws = o_ws.data_ptr<float>();
-  p.lse_ws = lse_ws.data_ptr<float>();
-  p.query_entry_start = iptr(query_entry_start);
-  p.query_entries = iptr(query_entries);
-  p.out_stride_q = out.stride(0);
-  p.out_stride_h = out.stride(1);
-  p.lse_stride_q = lse.stride(0);
-  p.num_queries = static_cast<int>(query_entry_start.numel() - 1);
-  p.num_qo_heads = static_cast<int>(out.size(1));
-  const cudaError_t err = treedec::launch_merge(dtype_of(out), static_cast<int>(d), p,
-                                                c10::cuda::getCurrentCUDAStream().stream());
+  if (!merge) return;
+  treedec::MergeParams m{};
+  m.out = p.out;
+  m.lse = p.lse;
+  m.o_ws = p.o_ws;
+  m.lse_ws = p.lse_ws;
+  m.query_entry_start = iptr(query_entry_start);
+  m.query_entries = iptr(query_entries);
+  m.out_stride_q = p.out_stride_q;
+  m.out_stride_h = p.out_stride_h;
+  m.lse_stride_q = p.lse_stride_q;
+  m.num_queries = static_cast<int>(query_entry_start.numel() - 1);
+  m.num_qo_heads = p.num_qo_heads;
+  err = treedec::launch_merge(dtype_of(q), static_cast<int>(d), m, stream);
   TORCH_CHECK(err == cudaSuccess, "treedec merge launch failed: ", cudaGetErrorString(err));
 }
 
@@ -125,8 +116,8 @@ int64_t rows_per_unit(bool bf16, int64_t head_dim) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("partial", &partial, "stage 1: partial tree attention over the persistent schedule");
-  m.def("merge", &merge, "stage 2: deterministic per-query merge of partial states");
+  m.def("attend", &attend, "stage 1 (partial tree attention over the persistent schedule), then, with merge, "
+        "stage 2 (deterministic per-query merge of the partial states)");
   m.def("ctas_per_sm", &ctas_per_sm, "resident stage-1 CTAs per SM (bf16, head_dim)");
   m.def("rows_per_unit", &rows_per_unit, "rows of one stage-1 unit (bf16, head_dim)");
 }
