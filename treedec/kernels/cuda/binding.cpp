@@ -118,6 +118,8 @@ int64_t rows_per_unit(bool bf16, int64_t head_dim) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "stage 1 (partial tree attention over the persistent schedule), then, with merge, "
         "stage 2 (deterministic per-query merge of the partial states)");
+  m.def("list_tile_tokens", []() { return int64_t{treedec::kListTileTokens}; },
+        "tokens per tile of the schedule's live-tile lists (persistent_schedule.TILE_TOKENS)");
   m.def("ctas_per_sm", &ctas_per_sm, "resident stage-1 CTAs per SM (bf16, head_dim)");
   m.def("rows_per_unit", &rows_per_unit, "rows of one stage-1 unit (bf16, head_dim)");
 }

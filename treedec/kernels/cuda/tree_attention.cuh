@@ -130,21 +130,25 @@ __device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, int bytes) {
 namespace gmma = cute::SM90::GMMA;
 template <typename T> struct Gmma;
 template <> struct Gmma<__half> {
-  using SS64 = gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+  template <int N> using SS = std::conditional_t<N == 64,
+      gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>>;
   template <int N> using RS = std::conditional_t<N == 64,
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;
 };
 template <> struct Gmma<__nv_bfloat16> {
-  using SS64 = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+  template <int N> using SS = std::conditional_t<N == 64,
+      gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>;
   template <int N> using RS = std::conditional_t<N == 64,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
 };
 
-// S[64 x 64] of a warpgroup (s[8][4] per thread: the mma.sync C layout per n8 block).
-template <class Atom, size_t... I>
-__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&s)[8][4], bool accumulate,
+// S[64 x N] of a warpgroup (s[N/8][4] per thread: the mma.sync C layout per n8 block).
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&s)[N / 8][4], bool accumulate,
                                         std::index_sequence<I...>) {
   Atom::fma(da, db, s[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
 }
@@ -284,21 +288,21 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Issue S[64 x 64] = Q K^T for a warpgroup as one wgmma commit group (no wait): q_wg its 64 Q rows
-// in a [ROWS][D] 128-byte-swizzled tile (swz128), cK a [64][D] K tile laid out the same way.
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float (&s)[8][4]) {
+// Issue S[64 x BN] = Q K^T for a warpgroup as one wgmma commit group (no wait): q_wg its 64 Q rows
+// in a [ROWS][D] 128-byte-swizzled tile (swz128), cK a [BN][D] K tile laid out the same way.
+template <typename T, int D, int ROWS, int BN = 64>
+__device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float (&s)[BN / 8][4]) {
   #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < BN / 8; ++j)
     for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
   const uint64_t dq = gmma_desc(q_wg, 16), dk = gmma_desc(cK, 16);  // k steps: constant offsets
   cute::warpgroup_arrive();
   #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int q_k = (kk / 4) * (ROWS * 64) + (kk % 4) * 16;  // elements
-    const int k_k = (kk / 4) * (64 * 64) + (kk % 4) * 16;
-    gmma_ss<typename Gmma<T>::SS64>(gmma_desc_add(dq, q_k * 2), gmma_desc_add(dk, k_k * 2), s, kk > 0,
-                                    std::make_index_sequence<32>{});
+    const int k_k = (kk / 4) * (BN * 64) + (kk % 4) * 16;
+    gmma_ss<typename Gmma<T>::template SS<BN>, BN>(gmma_desc_add(dq, q_k * 2), gmma_desc_add(dk, k_k * 2), s,
+                                                   kk > 0, std::make_index_sequence<BN / 2>{});
   }
   cute::warpgroup_commit_batch();
 }

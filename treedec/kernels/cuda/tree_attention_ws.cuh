@@ -29,9 +29,9 @@ constexpr int kThreads = kProducerThreads + 128 * kConsumers;
 constexpr int kRows = 64 * kConsumers;              // rows of a unit
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1;
-// Registers per thread after setmaxnreg (128 x 56 + 256 x 224 <= 64 K): the consumers keep S, P
-// and O in flight at once, and with the 168 of an even split ptxas moved the PV wait above the
-// softmax (no overlap) to free registers.
+// Registers per thread after setmaxnreg (128 x 88 + 256 x 208 <= 64 K): the consumers hold S, P
+// and O of a tile at once (32 + 16 + 64 per thread with 64-token tiles, 64 + 32 + 64 with 128),
+// the producer needs about 80 without spills.
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 #ifndef TREEDEC_WS_SETMAXNREG
 #define TREEDEC_WS_SETMAXNREG 1
@@ -40,6 +40,10 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 #define TREEDEC_WS_BRANCH_FREE_MASK 1
 #endif
 
+// KV tile (tokens) and ring depth. 64-token tiles: 128-token ones (the kernel takes BN = 128 with
+// list tiles of 128) ran 20-27% slower on the large trees (H200, ...-ws-bn128-vs-64-bn*.json): with
+// K and V in one ring only two 128-token stages fit beside two Q buffers, too shallow to cover the
+// gathers; FA3 frees K and V separately for that.
 template <int D> struct Config { static constexpr int kBN = 64, kStages = 4; };
 
 // Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
@@ -74,7 +78,8 @@ template <typename T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
-  static_assert(BN == 64 && (D == 64 || D == 128), "wgmma tile shape");
+  static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128), "wgmma tile shape");
+  static_assert(BN == 64 || TREEDEC_WS_SETMAXNREG, "128-token tiles need the consumers' 208 registers (setmaxnreg)");
   using L = Smem<D, BN, STAGES>;
   constexpr int kMW = L::kMW;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -145,7 +150,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
       const int* info = p.unit_info + kUnitFields * u;
       const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
-      const int tile_begin = info[5], num_tiles = info[6] - tile_begin;
+      // Live tiles: the schedule lists kListTileTokens-token tiles, kSub of ours each.
+      constexpr int kSub = kListTileTokens / BN;
+      static_assert(kListTileTokens % BN == 0, "list tiles hold whole kernel tiles");
+      const int tile_begin = info[5], num_tiles = (info[6] - tile_begin) * kSub;
       const int kv_begin = p.chunk_kv_start[chunk];
       const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
       // The thread's 16 bytes of a slot's K (V) row: k_head + slot * k_row_bytes (one IMAD.WIDE).
@@ -154,17 +162,19 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       const int mask_row = row_begin + tid;  // this thread copies the mask words of unit row tid
       const int mask_entry = mask_row < row_end ? item_entry + mask_row / p.group : -1;
 
-      // Address pipeline: a tile's copies need its id (the live list) and then its rows' slots,
-      // two dependent loads. Two buffers (A: even tiles, B: odd) hold the slots two tiles ahead
+      // Address pipeline: a tile's copies need its first token (the live list) and then its rows'
+      // slots, two dependent loads. Two buffers (A: even tiles, B: odd) hold the slots two tiles ahead
       // of the copies and the ids four ahead, so those loads overlap earlier tiles' copies
       // instead of stalling every tile (no register copies of in-flight loads: the loop is
       // unrolled by two).
-      auto tile_id = [&](int i) { return i < num_tiles ? p.unit_info[tile_begin + i] : -1; };
-      auto load_slots = [&](int tile, int (&slots)[kKVPasses]) {  // -1: no row
+      auto tile_id = [&](int i) {  // first chunk token of live tile i, -1 past the last
+        return i < num_tiles ? p.unit_info[tile_begin + i / kSub] * kListTileTokens + (i % kSub) * BN : -1;
+      };
+      auto load_slots = [&](int first, int (&slots)[kKVPasses]) {  // -1: no row
         #pragma unroll
         for (int pass = 0; pass < kKVPasses; ++pass) {
-          const int tok = tile * BN + cp_row0 + pass * kRowsPerPass;
-          slots[pass] = tile >= 0 && tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
+          const int tok = first + cp_row0 + pass * kRowsPerPass;
+          slots[pass] = first >= 0 && tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
         }
       };
       int tile_a = tile_id(0), tile_b = tile_id(1), next_a = tile_id(2), next_b = tile_id(3);
@@ -186,7 +196,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
             *reinterpret_cast<cute::uint128_t*>(dQ + swz128(cp_row0 + pass * kRowsPerPass, cp_vec * 8, kRows)), valid);
       }
 
-      auto issue_tile = [&](int tile, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
+      auto issue_tile = [&](int first, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
         const int stage = acquire();
         const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
         const uint32_t dV = kv_dst_v + stage * (BN * D * 2);
@@ -200,7 +210,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         }
         #pragma unroll
         for (int w = 0; w < kMW; ++w) {
-          const int word = tile * kMW + w;
+          const int word = first / 32 + w;
           const bool valid = mask_entry >= 0 && word * 32 < chunk_len;
           const int* src = valid ? p.entry_mask + static_cast<int64_t>(mask_entry) * p.mask_stride + word : p.entry_mask;
           cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
@@ -276,7 +286,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
-      issue_wgmma_qk<T, D, kRows>(q_wg, sK + stage * BN * D, s);
+      issue_wgmma_qk<T, D, kRows, BN>(q_wg, sK + stage * BN * D, s);
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
       issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
