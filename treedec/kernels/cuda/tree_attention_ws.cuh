@@ -36,8 +36,8 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 #ifndef TREEDEC_WS_SETMAXNREG
 #define TREEDEC_WS_SETMAXNREG 1
 #endif
-#ifndef TREEDEC_WS_BRANCH_FREE_MASK
-#define TREEDEC_WS_BRANCH_FREE_MASK 1
+#ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole run a mask-free copy of the turn
+#define TREEDEC_WS_TILE_VERSIONS 1
 #endif
 
 // KV tile (tokens) and ring depth. 64-token tiles: 128-token ones (the kernel takes BN = 128 with
@@ -266,7 +266,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     float s[BN / 8][4];        // S, then P, of the current tile
     uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
     uint32_t mw0[kMW], mw1[kMW];
-    bool full_tile = false;  // every row reads the whole tile (only read without the branch-free mask)
+    bool full_tile = false;  // every row of the warpgroup's warps reads the whole tile
 
     // Wait for the next item; false at the unit's END. Reads the tile's mask words.
     auto next_tile = [&](int& stage) {
@@ -282,7 +282,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         mw1[w] = cMask[r1 * kMW + w];
         all &= mw0[w] & mw1[w];
       }
-      if (!TREEDEC_WS_BRANCH_FREE_MASK) full_tile = __all_sync(0xffffffffu, all == 0xffffffffu);
+      if (TREEDEC_WS_TILE_VERSIONS) full_tile = __all_sync(0xffffffffu, all == 0xffffffffu);
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
@@ -312,22 +312,25 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       bar_arrive(kBarTurn + (1 - c), 256);
       cute::warpgroup_wait<0>();
       fence_s();
-      online_softmax<BN, TREEDEC_WS_BRANCH_FREE_MASK>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
+      online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
       pack_p<T, BN>(s, pa);
       int prev = stage;
       ++item;
       // Later tiles: S of this tile and PV of the previous one in one turn; this tile's softmax
       // runs while that PV is in flight.
-      while (next_tile(stage)) {
+      // One turn, straight-line from the wgmma issues to their waits (a branch in between makes
+      // ptxas move the waits): FULL tiles (every row reads every token) skip the mask.
+      auto later_tile = [&](auto full_c) {
+        constexpr bool kFull = decltype(full_c)::value;
         bar_sync(kBarTurn + c, 256);
         issue_qk(stage);
         issue_pv(prev);
         bar_arrive(kBarTurn + (1 - c), 256);
         cute::warpgroup_wait<1>();
         fence_s();
-        float2 alpha = online_softmax<BN, TREEDEC_WS_BRANCH_FREE_MASK>(s, mw0, mw1, full_tile, p.qk_scale_log2, lane, m0, m1, l0, l1);
-        // Pin the softmax before the PV wait: the compiler may otherwise sink it below the wait
-        // (seen in the SASS: the max reductions after WARPGROUP.DEPBAR 0), losing the overlap.
+        float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
+                             : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        // Pin the softmax before the PV wait in the PTX (ptxas still hoists the wait, see above).
         fence_s();
         cute::warpgroup_fence_operand(alpha.x);
         cute::warpgroup_fence_operand(alpha.y);
@@ -336,6 +339,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         rescale_o<D>(acc, alpha);
         pack_p<T, BN>(s, pa);
         Barrier::arrive(&empty[prev]);
+      };
+      while (next_tile(stage)) {
+        if (TREEDEC_WS_TILE_VERSIONS && full_tile) later_tile(std::true_type{});
+        else later_tile(std::false_type{});
         prev = stage;
         ++item;
       }
