@@ -7,11 +7,14 @@
 //     of two Q buffers) plus the rows' mask words, and moves on: the stage's mbarrier completes
 //     when the copies land (cp.async.mbarrier.arrive.noinc), so many tiles are in flight. After a
 //     unit's last tile an END item (no data) tells the consumers to write the unit's rows.
-//   warpgroups 1 and 2, the consumers: 64 rows each. Per tile, S = Q K^T (wgmma SS) and, in the
-//     same turn, O += P V of the previous tile (wgmma RS); the softmax of this tile runs while
-//     that PV is in flight (FA3's intra-warpgroup overlap), and the two consumers take turns to
-//     issue their wgmmas (named barriers), so one's softmax overlaps the other's matmuls. A stage
-//     is released once its PV has completed.
+//   warpgroups 1 and 2, the consumers: 64 rows each (setmaxnreg gives them the registers the
+//     producer does not need). Per tile, S = Q K^T (wgmma SS) and, in the same turn, O += P V of
+//     the previous tile (wgmma RS); the source waits for that PV only after this tile's softmax
+//     (FA3's intra-warpgroup overlap), but ptxas places the wait before the softmax's reductions
+//     (seen in cuobjdump, with any register budget), so the overlap that works is the one between
+//     the two consumers: they take turns to issue their wgmmas (named barriers), one's softmax
+//     running under the other's matmuls. Tiles every row reads whole run a mask-free copy of the
+//     turn. A stage is released once its PV has completed.
 //
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
 // 64 rows are all padding computes zeros (a branch around wgmmas would serialize them all).
@@ -316,8 +319,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       pack_p<T, BN>(s, pa);
       int prev = stage;
       ++item;
-      // Later tiles: S of this tile and PV of the previous one in one turn; this tile's softmax
-      // runs while that PV is in flight.
+      // Later tiles: S of this tile and PV of the previous one in one turn.
       // One turn, straight-line from the wgmma issues to their waits (a branch in between makes
       // ptxas move the waits): FULL tiles (every row reads every token) skip the mask.
       auto later_tile = [&](auto full_c) {
@@ -330,7 +332,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         fence_s();
         float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
                              : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
-        // Pin the softmax before the PV wait in the PTX (ptxas still hoists the wait, see above).
+        // Keeps the softmax before the PV wait in the PTX (ptxas still moves the wait up: see the top).
         fence_s();
         cute::warpgroup_fence_operand(alpha.x);
         cute::warpgroup_fence_operand(alpha.y);
