@@ -39,6 +39,9 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 #ifndef TREEDEC_WS_SETMAXNREG
 #define TREEDEC_WS_SETMAXNREG 1
 #endif
+#ifndef TREEDEC_WS_IDLE_PADDING  // 1: a consumer whose rows are all padding skips the unit's tiles
+#define TREEDEC_WS_IDLE_PADDING 1
+#endif
 #ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole run a mask-free copy of the turn
 #define TREEDEC_WS_TILE_VERSIONS 1
 #endif
@@ -308,7 +311,16 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma): a
     // consumer whose rows are all padding computes too (zero Q rows, all-zero masks: P = 0).
     int stage;
-    if (next_tile(stage)) {
+    if (TREEDEC_WS_IDLE_PADDING && row_begin + 64 * c >= row_end) {
+      // Every row of this consumer is padding (a unit of <= 64 rows): keep the turns and release
+      // the stages, compute nothing, so the other consumer's turns do not wait behind zeros.
+      while (next_tile(stage)) {
+        bar_sync(kBarTurn + c, 256);
+        bar_arrive(kBarTurn + (1 - c), 256);
+        Barrier::arrive(&empty[stage]);
+        ++item;
+      }
+    } else if (next_tile(stage)) {
       // First tile: S, softmax, P.
       bar_sync(kBarTurn + c, 256);
       issue_qk(stage);
