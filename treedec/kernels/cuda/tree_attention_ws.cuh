@@ -17,7 +17,8 @@
 //     turn. A stage is released once its PV has completed.
 //
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
-// 64 rows are all padding computes zeros (a branch around wgmmas would serialize them all).
+// 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
+// unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
 #pragma once
 #if defined(TREEDEC_SM90A)
 #include <cutlass/arch/barrier.h>
@@ -308,8 +309,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
     };
 
-    // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma): a
-    // consumer whose rows are all padding computes too (zero Q rows, all-zero masks: P = 0).
+    // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma); the
+    // branches below choose whole loops or whole turns.
     int stage;
     if (TREEDEC_WS_IDLE_PADDING && row_begin + 64 * c >= row_end) {
       // Every row of this consumer is padding (a unit of <= 64 rows): keep the turns and release
