@@ -19,7 +19,7 @@ from treedec.errors import PlanError
 from treedec.kernels.cuda_build import compile_sources
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.workloads.deft import medusa_tree
-from tests.trees import check_against_references, poison_free_slots, random_forest, rel_error
+from tests.trees import check_against_references, poison_free_slots, random_forest, rel_error, run_on_random_q
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -35,12 +35,7 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
 
 def run_cuda(tree, config, group, dtype, seed=0):
     from treedec.kernels.cuda_tree_attention import run_plan_cuda
-    k_cache, v_cache = (c.cuda() for c in tree.pool.layer(0))
-    plan = make_plan(tree.layout(), config, group)
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
-    out, lse = run_plan_cuda(q, k_cache, v_cache, plan.to("cuda"), d ** -0.5)
-    return out, lse, plan, q, k_cache, v_cache
+    return run_on_random_q(run_plan_cuda, tree, make_plan(tree.layout(), config, group), group, dtype, "cuda", seed)
 
 
 CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile

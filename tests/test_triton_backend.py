@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from treedec import PlanConfig, TreeAttention
 from treedec.attention import make_plan
 from treedec.tree import PagedKVPool, SequenceTree
-from tests.trees import check_against_references, poison_free_slots, random_forest
+from tests.trees import check_against_references, poison_free_slots, random_forest, run_on_random_q
 
 triton_kernels = pytest.importorskip("treedec.kernels.triton_tree_attention")
 run_plan_triton = triton_kernels.run_plan_triton
@@ -25,13 +25,7 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 def run_both(tree, layout, config, group, dtype, device, seed=0, **kwargs):
     """(triton out, triton lse, plan, q, k, v) for one step of ``tree``."""
-    k_cache, v_cache = (c.to(device) for c in tree.pool.layer(0))
-    plan = make_plan(layout, config)
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(plan.num_queries, hkv * group, d, generator=gen).to(dtype).to(device)
-    out, lse = run_plan_triton(q, k_cache, v_cache, plan.to(device), d ** -0.5, **kwargs)
-    return out, lse, plan, q, k_cache, v_cache
+    return run_on_random_q(run_plan_triton, tree, make_plan(layout, config), group, dtype, device, seed, **kwargs)
 
 
 CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile

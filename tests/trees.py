@@ -77,3 +77,15 @@ def path_slots(tree: SequenceTree, node: int, offset: int) -> np.ndarray:
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.norm((out.float() - ref.float()).flatten()) / torch.linalg.norm(ref.float().flatten()))
+
+
+def run_on_random_q(runner, tree: SequenceTree, plan, group: int, dtype, device, seed: int = 0, **kwargs):
+    """``runner`` (run_plan_triton / run_plan_cuda) on seeded random q for ``plan`` over ``tree``'s layer 0.
+
+    Returns ``(out, lse, plan, q, k_cache, v_cache)``, what :func:`check_against_references` takes.
+    """
+    k_cache, v_cache = (c.to(device) for c in tree.pool.layer(0))
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    out, lse = runner(q, k_cache, v_cache, plan.to(device), d ** -0.5, **kwargs)
+    return out, lse, plan, q, k_cache, v_cache

@@ -26,6 +26,7 @@ from treedec.tree.layout import TreeLayout
 
 PLANNERS = ("flatten", "node", "node_chunk", "path")
 PERSISTENT_MIN_CHUNK = 256  # smallest automatic chunk for a persistent grid (auto_chunk_size)
+PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -137,8 +138,6 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 
 # ===================================================================== private
 
-
-PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
 
 
 def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:

@@ -143,10 +143,7 @@ class TreeAttention:
             out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
         elif backend == "cuda":
             from treedec.kernels import cuda_tree_attention as ck
-            if q.dtype not in ck.SUPPORTED_DTYPES:
-                raise TypeError(f"the cuda backend takes {ck.SUPPORTED_DTYPES}, got {q.dtype} "
-                                f"(use 'triton' or 'torch' for fp32)")
-            # shapes, devices and contiguity are checked above, row alignment by the extension
+            ck.check_dtype(q)  # shapes, devices and contiguity are checked above, row alignment by the extension
             out, lse = ck.run_plan_cuda(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
         else:  # resolve_backend only lets runnable backends through
             raise AssertionError(f"backend {self.backend!r} has no runner")

@@ -60,12 +60,17 @@ def persistent_grid_size(device_index: int, dtype: torch.dtype, head_dim: int) -
     return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
 
 
+def check_dtype(q: torch.Tensor) -> None:
+    """TypeError unless q's dtype is one the cuda kernels take."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the cuda backend takes {SUPPORTED_DTYPES}, got {q.dtype} (use 'triton' or 'torch' for fp32)")
+
+
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Raise a clear error for inputs the cuda kernels cannot take (beyond TreeAttention's checks)."""
     if q.device.type != "cuda":
         raise ValueError(f"the cuda backend needs CUDA tensors, got q on {q.device}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the cuda backend takes {SUPPORTED_DTYPES}, got {q.dtype} (use 'triton' or 'torch' for fp32)")
+    check_dtype(q)
     if q.dim() != 3 or q.shape[2] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the cuda backend needs q [Q, Hq, D] with D in {SUPPORTED_HEAD_DIMS}, got {tuple(q.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

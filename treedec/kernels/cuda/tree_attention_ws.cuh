@@ -170,11 +170,11 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       const int mask_entry = mask_row < row_end ? item_entry + mask_row / p.group : -1;
 
       // Address pipeline: a tile's copies need its first token (the live list) and then its rows'
-      // slots, two dependent loads. Two buffers (A: even tiles, B: odd) hold the slots two tiles ahead
-      // of the copies and the ids four ahead, so those loads overlap earlier tiles' copies
-      // instead of stalling every tile (no register copies of in-flight loads: the loop is
+      // slots, two dependent loads. Two buffers (A: even tiles, B: odd) hold the slots two tiles
+      // ahead of the copies and the first tokens four ahead, so those loads overlap earlier tiles'
+      // copies instead of stalling every tile (no register copies of in-flight loads: the loop is
       // unrolled by two).
-      auto tile_id = [&](int i) {  // first chunk token of live tile i, -1 past the last
+      auto tile_first = [&](int i) {  // first chunk token of live tile i, -1 past the last
         return i < num_tiles ? p.unit_info[tile_begin + i / kSub] * kListTileTokens + (i % kSub) * BN : -1;
       };
       auto load_slots = [&](int first, int (&slots)[kKVPasses]) {  // -1: no row
@@ -184,10 +184,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
           slots[pass] = first >= 0 && tok < chunk_len ? p.kv_slots[kv_begin + tok] : -1;
         }
       };
-      int tile_a = tile_id(0), tile_b = tile_id(1), next_a = tile_id(2), next_b = tile_id(3);
+      int first_a = tile_first(0), first_b = tile_first(1), next_a = tile_first(2), next_b = tile_first(3);
       int slots_a[kKVPasses], slots_b[kKVPasses];
-      load_slots(tile_a, slots_a);
-      load_slots(tile_b, slots_b);
+      load_slots(first_a, slots_a);
+      load_slots(first_b, slots_b);
       if (local >= 2) Barrier::wait(&q_free[local & 1], ((local >> 1) + 1) & 1);  // unit local-2 is done with it
       T* dQ = sQ + (local & 1) * kRows * D;
       #pragma unroll
@@ -226,15 +226,15 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         announce(stage, kItemTile);
       };
       for (int i = 0; i < num_tiles; i += 2) {
-        issue_tile(tile_a, slots_a);
-        tile_a = next_a;
-        load_slots(tile_a, slots_a);
-        next_a = tile_id(i + 4);
+        issue_tile(first_a, slots_a);
+        first_a = next_a;
+        load_slots(first_a, slots_a);
+        next_a = tile_first(i + 4);
         if (i + 1 == num_tiles) break;
-        issue_tile(tile_b, slots_b);
-        tile_b = next_b;
-        load_slots(tile_b, slots_b);
-        next_b = tile_id(i + 5);
+        issue_tile(first_b, slots_b);
+        first_b = next_b;
+        load_slots(first_b, slots_b);
+        next_b = tile_first(i + 5);
       }
       announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
     }
