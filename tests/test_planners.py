@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
-from treedec.attention.planners import (_flatten_bounds, _query_intervals, _units_per_kv_head, auto_chunk_size,
-                                        default_query_tile)
+from treedec.attention.planners import (PERSISTENT_MAX_CHUNK, _flatten_bounds, _query_intervals, _sorted_runs,
+                                        _units_per_kv_head, auto_chunk_size, default_query_tile)
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
 
@@ -137,28 +137,38 @@ def test_auto_chunk_size_for_a_persistent_grid_gives_each_cta_about_one_unit():
         PlanConfig(persistent_ctas=0)
 
 
-def test_persistent_flatten_doubles_the_chunk_until_one_round_of_units_fits_the_grid():
-    # 5000-token prompt, 9 branches of 20 tokens with a query each: 256-token chunks would make
-    # 20 chunks x 8 KV heads = 160 units for 132 CTAs; 512-token chunks 10 x 8 = 80
-    layout = TreeLayout.from_parents([-1] + [0] * 9, [4820] + [20] * 9, [(i, 19) for i in range(1, 10)])
+def test_persistent_flatten_chunks_fit_one_round_of_units():
+    # A prompt, 9 branches of 20 tokens with a query each, 8 KV heads, 132 CTAs.
+    def layout(prompt):
+        return TreeLayout.from_parents([-1] + [0] * 9, [prompt] + [20] * 9, [(i, 19) for i in range(1, 10)])
     config = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132)
-    plan = make_plan(layout, config)
-    assert plan.chunk_size == 512 and plan.num_items * 8 <= 132
-    assert make_plan(layout, PlanConfig(chunk_size=256, query_tile=32)).num_items * 8 > 132
+    # 5000 tokens: 256-token chunks make 20 chunks x 8 KV heads = 160 units, 512-token ones 80
+    plan = make_plan(layout(4820), config)
+    assert plan.chunk_size == 512 and plan.num_items * 8 == 80
+    assert make_plan(layout(4820), PlanConfig(chunk_size=256, query_tile=32)).num_items * 8 > 132
     # enough CTAs for one round at 256: the rule leaves it
-    assert make_plan(layout, replace(config, persistent_ctas=160)).chunk_size == 256
+    assert make_plan(layout(4820), replace(config, persistent_ctas=160)).chunk_size == 256
+    # 20000 tokens, chunks >= PERSISTENT_REFINE_CHUNK: the finest even chunking that fits, 16 x 8
+    # units (17 chunks would make 136), not a power of two
+    plan = make_plan(layout(19820), config)
+    assert plan.chunk_size == 1250 and plan.num_chunks == 16 and plan.num_items * 8 == 128
+    assert make_plan(layout(19820), PlanConfig(chunk_size=-(-20000 // 17), query_tile=32)).num_items * 8 > 132
+    # 64 queries (two items per chunk) over 40000 tokens: even PERSISTENT_MAX_CHUNK makes two rounds
+    wide = TreeLayout.from_parents([-1] + [0] * 64, [40000] + [1] * 64, [(i, 0) for i in range(1, 65)])
+    plan = make_plan(wide, config)
+    assert plan.chunk_size == PERSISTENT_MAX_CHUNK and plan.num_items * 8 == 160
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([64, 256, 1024]), st.integers(1, 8))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 def test_unit_estimate_matches_the_flatten_plan(seed, chunk_size, query_tile):
     tree = random_forest(np.random.default_rng(seed), page_size=4)
     layout = tree.layout()
     plan = make_plan(layout, PlanConfig("flatten", chunk_size, query_tile))
     q_idx, lo, hi, *_ = _query_intervals(layout)
-    bounds = _flatten_bounds(len(plan.kv_slots), chunk_size)
-    assert np.array_equal(bounds, plan.chunk_kv_start)
-    assert _units_per_kv_head(bounds, layout.num_queries, q_idx, lo, hi, query_tile) == plan.num_items
+    total = len(plan.kv_slots)
+    assert np.array_equal(_flatten_bounds(total, chunk_size), plan.chunk_kv_start)
+    assert _units_per_kv_head(total, chunk_size, _sorted_runs(q_idx, lo, hi), query_tile) == plan.num_items
 
 
 def test_path_planner_reads_each_shared_prefix_once_per_query():

@@ -27,6 +27,7 @@ from treedec.tree.layout import TreeLayout
 PLANNERS = ("flatten", "node", "node_chunk", "path")
 PERSISTENT_MIN_CHUNK = 256  # smallest automatic chunk for a persistent grid (auto_chunk_size)
 PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
+PERSISTENT_REFINE_CHUNK = 1024  # from here on flatten's one-round chunk is searched between powers of two
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -41,7 +42,7 @@ class PlanConfig:
     ``num_kv_heads`` and ``num_sms`` feed the automatic chunk size (programs run per KV
     head, on that many multiprocessors). ``persistent_ctas`` (the cuda backend's persistent
     grid) switches the automatic chunk size to one that spreads the work evenly over that many
-    CTAs (fewer, longer chunks: fewer partial states to write and merge).
+    CTAs (for ``flatten``, so that its units, work items x KV heads, fit one round of them).
     """
 
     planner: str = "flatten"
@@ -88,7 +89,7 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
         chunk_size = auto_chunk_size(int(work), config.num_sms, config.persistent_ctas)
         if config.persistent_ctas is not None and config.planner == "flatten":
-            chunk_size = _one_round_chunk_size(chunk_size, config, layout.num_queries, q_idx, lo, hi, total)
+            chunk_size = _one_round_chunk_size(chunk_size, config, q_idx, lo, hi, total)
         config = replace(config, chunk_size=chunk_size)
     if config.planner == "flatten":
         bounds = _flatten_bounds(total, config.chunk_size)
@@ -114,8 +115,8 @@ def auto_chunk_size(work: int, num_sms: int = 132, persistent_ctas: int | None =
     bench/results/2026-11-22-nvidia-h200-cuda-chunk-sweep.json), and at least
     PERSISTENT_MIN_CHUNK tokens: below that a unit's fixed cost (Q rows, pipeline fill, partial
     state) buys little parallelism, and small trees would multiply their partial states. The
-    ``flatten`` planner then doubles it while the step would need more than one round of units
-    (``make_plan``).
+    ``flatten`` planner then counts the units it would make and coarsens (or, for long units,
+    refines) it to one round of them (``_one_round_chunk_size``).
     """
     if persistent_ctas is not None:
         ideal = max(work / persistent_ctas, PERSISTENT_MIN_CHUNK)
@@ -147,30 +148,69 @@ def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:
     return np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
 
 
-def _units_per_kv_head(bounds: np.ndarray, num_queries: int, q_idx, lo, hi, query_tile: int) -> int:
-    """Work items a flatten plan with these chunk ``bounds`` would have: per chunk, the distinct
-    queries reading it, ``query_tile`` to an item (one persistent unit per KV head when an item's
-    rows fit a unit, as the cuda backend's query tile makes them)."""
-    first = np.searchsorted(bounds, lo, side="right") - 1
-    last = np.searchsorted(bounds, hi - 1, side="right") - 1
-    span = last - first + 1
-    offsets = np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span)
-    pairs = np.unique((np.repeat(first, span) + offsets) * num_queries + np.repeat(q_idx, span))
-    readers = np.bincount(pairs // num_queries, minlength=len(bounds) - 1)
+def _units_per_kv_head(total: int, chunk_size: int, runs, query_tile: int) -> int:
+    """Work items a flatten plan of ``chunk_size`` over ``total`` tokens would have: per chunk, the
+    distinct queries reading it, ``query_tile`` to an item (one persistent unit per KV head when an
+    item's rows fit a unit, as the cuda backend's query tile makes them). ``runs`` are the read
+    intervals sorted by query, then start (:func:`_sorted_runs`).
+
+    O(intervals), no sort: each interval adds one reader to its chunks ``lo // step .. (hi - 1) //
+    step``; an interval starting in the chunk where its query's previous one ended takes that
+    chunk's reader back (a query's intervals are disjoint, so only neighbours share a chunk)."""
+    q, lo, hi = runs
+    step = int(_flatten_bounds(total, chunk_size)[1]) if total else 1
+    num_chunks = -(-total // step) if total else 0
+    first, last = lo // step, (hi - 1) // step
+    shared = np.zeros(len(q), dtype=bool)
+    shared[1:] = (q[1:] == q[:-1]) & (first[1:] == last[:-1])
+    taken = first[shared]
+    bins = num_chunks + 1
+    delta = (np.bincount(first, minlength=bins) - np.bincount(last + 1, minlength=bins)     # a difference array
+             - np.bincount(taken, minlength=bins) + np.bincount(taken + 1, minlength=bins))
+    readers = np.cumsum(delta[:num_chunks])
     return int((-(-readers // query_tile)).sum())
 
 
-def _one_round_chunk_size(chunk_size: int, config: PlanConfig, num_queries: int, q_idx, lo, hi, total: int) -> int:
+def _sorted_runs(q_idx, lo, hi):
+    """The read intervals ``(q_idx, lo, hi)`` sorted by query, then start."""
+    order = np.lexsort((lo, q_idx))
+    return q_idx[order], lo[order], hi[order]
+
+
+def _one_round_chunk_size(chunk_size: int, config: PlanConfig, q_idx, lo, hi, total: int) -> int:
     """Double ``chunk_size`` (up to PERSISTENT_MAX_CHUNK) while the step has more units than the
     persistent grid has CTAs: a few CTAs running a second unit each set the step's time (H200,
     bench/results/2026-11-22-nvidia-h200-small-chunks.json: tot_sorting1 160 units on 132 CTAs
-    29.9 us at 256 tokens, 80 units 24.3 us at 512)."""
-    while chunk_size < PERSISTENT_MAX_CHUNK:
-        units = _units_per_kv_head(_flatten_bounds(total, chunk_size), num_queries, q_idx, lo, hi, config.query_tile)
-        if units * config.num_kv_heads <= config.persistent_ctas:
-            break
+    29.9 us at 256 tokens, 80 units 24.3 us at 512).
+
+    From PERSISTENT_REFINE_CHUNK tokens on, units are long enough that their length sets the
+    step's time, and the chunk becomes the finest even one between that power of two and half of
+    it whose units still fit one round (a binary search: units grow with the chunk count; each
+    chunk has a unit per KV head). H200, one run (...-planner-ab-*.json): fewshot_b50_p16k 90.4 ->
+    78.7 us (4096 -> 3273 tokens), fewshot_b30_p4k 34.5 -> 30.1 (1024 -> 625); below it finer
+    chunks lost (tot_sorting1 21.2 -> 23.6 us at 512 -> 310 tokens: units of a few tiles wait on
+    latency, not tiles, and every chunk adds a partial state per query to merge)."""
+    runs = _sorted_runs(q_idx, lo, hi)
+
+    def fits(n: int) -> bool:  # n even chunks
+        units = _units_per_kv_head(total, -(-total // n), runs, config.query_tile)
+        return units * config.num_kv_heads <= config.persistent_ctas
+
+    while chunk_size < PERSISTENT_MAX_CHUNK and not fits(-(-total // chunk_size)):
         chunk_size *= 2
-    return chunk_size
+    if chunk_size < PERSISTENT_REFINE_CHUNK:
+        return chunk_size
+    fewest = -(-total // chunk_size)
+    if not fits(fewest):
+        return chunk_size
+    most = max(fewest, min(-(-total // (chunk_size // 2)), config.persistent_ctas // config.num_kv_heads))
+    while fewest < most:  # invariant: fits(fewest)
+        mid = (fewest + most + 1) // 2
+        if fits(mid):
+            fewest = mid
+        else:
+            most = mid - 1
+    return -(-total // fewest)
 
 
 def _query_intervals(layout: TreeLayout):
