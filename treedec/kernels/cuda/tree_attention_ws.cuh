@@ -51,7 +51,17 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 // list tiles of 128) ran 20-27% slower on the large trees (H200, ...-ws-bn128-vs-64-bn*.json): with
 // K and V in one ring only two 128-token stages fit beside two Q buffers, too shallow to cover the
 // gathers; FA3 frees K and V separately for that.
-template <int D> struct Config { static constexpr int kBN = 64, kStages = 4; };
+// Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit). One Q
+// buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
+#ifndef TREEDEC_WS_STAGES
+#define TREEDEC_WS_STAGES 4
+#endif
+#ifndef TREEDEC_WS_Q_BUFFERS
+#define TREEDEC_WS_Q_BUFFERS 2
+#endif
+constexpr int kQBuffers = TREEDEC_WS_Q_BUFFERS;
+static_assert(kQBuffers == 1 || kQBuffers == 2, "one or two Q buffers");
+template <int D> struct Config { static constexpr int kBN = 64, kStages = TREEDEC_WS_STAGES; };
 
 // Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
 template <int D, int BN, int STAGES>
@@ -59,8 +69,8 @@ struct Smem {
   static constexpr int kMW = BN / 32;                            // mask words per row per tile
   static constexpr int kQBytes = kRows * D * 2;                  // one Q buffer
   static constexpr int kKVBytes = BN * D * 2;                    // one stage of K (or V)
-  static constexpr int kQ = 0;                                   // [2] Q buffers
-  static constexpr int kK = kQ + 2 * kQBytes;                    // [STAGES]
+  static constexpr int kQ = 0;                                   // [kQBuffers] Q buffers
+  static constexpr int kK = kQ + kQBuffers * kQBytes;            // [STAGES]
   static constexpr int kV = kK + STAGES * kKVBytes;              // [STAGES]
   static constexpr int kMask = kV + STAGES * kKVBytes;           // u32 [STAGES][kRows][kMW]
   static constexpr int kItem = kMask + 4 * STAGES * kRows * kMW; // int [STAGES]: kItemEnd / kItemTile
@@ -104,8 +114,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       Barrier::init(&full[s], kProducerThreads + 1);  // async arrives + thread 0's plain one
       Barrier::init(&empty[s], 128 * kConsumers);
     }
-    Barrier::init(&q_free[0], 128 * kConsumers);
-    Barrier::init(&q_free[1], 128 * kConsumers);
+    for (int b = 0; b < kQBuffers; ++b) Barrier::init(&q_free[b], 128 * kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -188,8 +197,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       int slots_a[kKVPasses], slots_b[kKVPasses];
       load_slots(first_a, slots_a);
       load_slots(first_b, slots_b);
-      if (local >= 2) Barrier::wait(&q_free[local & 1], ((local >> 1) + 1) & 1);  // unit local-2 is done with it
-      T* dQ = sQ + (local & 1) * kRows * D;
+      const int qb = local % kQBuffers;
+      if (local >= kQBuffers) Barrier::wait(&q_free[qb], ((local / kQBuffers) + 1) & 1);  // unit local-kQBuffers is done with it
+      T* dQ = sQ + qb * kRows * D;
       #pragma unroll
       for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
         const int r = row_begin + cp_row0 + pass * kRowsPerPass;
@@ -264,7 +274,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       query[h] = entry[h] >= 0 ? p.entry_query[entry[h]] : 0;
       head[h] = kv_head * p.group + r % p.group;
     }
-    const T* q_wg = sQ + (local & 1) * kRows * D + c * 64 * 64;
+    const T* q_wg = sQ + (local % kQBuffers) * kRows * D + c * 64 * 64;
 
     float acc[D / 8][4];
     #pragma unroll
@@ -368,7 +378,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     }
     // END item in `stage`: release it and the Q buffer, write the unit's rows.
     Barrier::arrive(&empty[stage]);
-    Barrier::arrive(&q_free[local & 1]);
+    Barrier::arrive(&q_free[local % kQBuffers]);
     ++item;
     store_row<T, D>(p, acc, 0, entry[0], query[0], head[0], m0, quad_sum(l0), lane);
     store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);
