@@ -92,6 +92,31 @@ def test_medusa_tree_over_long_prompt(prompt_len, tree_size, planner, chunk_size
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prompt_len,branches,group,head_dim,dtype", [
+    (40, 3, 4, 128, torch.float16),      # 145 tokens: 3 tiles
+    (200, 2, 4, 128, torch.bfloat16),    # 253 tokens: 4 tiles
+    (10, 1, 4, 64, torch.float16),       # 28 tokens: 1 tile
+    (1000, 4, 16, 64, torch.bfloat16)])  # 64 rows, 19 tiles
+def test_units_of_at_most_64_rows(prompt_len, branches, group, head_dim, dtype):
+    """One chunk, a query per branch, <= 64 rows: on sm_90a the second consumer's rows are all
+    padding and it only keeps the turns (odd and even tile counts, a single tile)."""
+    hkv = 2
+    pool = PagedKVPool(num_pages=128, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(np.arange(prompt_len) % 100)
+    tree.commit_step()
+    kids = tree.branch(root, [np.arange(17 * (i + 1)) % 100 for i in range(branches)])
+    tree.commit_step()
+    for kid in kids:
+        tree.add_token_tree(kid, [1], [-1])
+    pool.k.normal_(generator=torch.Generator().manual_seed(3))
+    pool.v.normal_(generator=torch.Generator().manual_seed(4))
+    config = PlanConfig("flatten", chunk_size=4096, query_tile=64 // group)
+    check_against_references(*run_cuda(tree, config, group, dtype), TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_runs_are_bitwise_deterministic():
     tree = prompt_with_token_tree(3000, 64)
     first = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
