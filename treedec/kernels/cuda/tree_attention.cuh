@@ -136,6 +136,9 @@ template <> struct Gmma<__half> {
   template <int N> using RS = std::conditional_t<N == 64,
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;
+  template <int N> using RSK = std::conditional_t<N == 64,  // B K-major (S = Q K^T, Q in registers)
+      gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 template <> struct Gmma<__nv_bfloat16> {
   template <int N> using SS = std::conditional_t<N == 64,
@@ -144,6 +147,9 @@ template <> struct Gmma<__nv_bfloat16> {
   template <int N> using RS = std::conditional_t<N == 64,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
+  template <int N> using RSK = std::conditional_t<N == 64,
+      gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 
 // S[64 x N] of a warpgroup (s[N/8][4] per thread: the mma.sync C layout per n8 block).
@@ -153,11 +159,12 @@ __device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&s)[N /
   Atom::fma(da, db, s[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
 }
 
-// O[64 x N] += P (registers: the mma.sync A layout, 16 x 16 per warp) V (descriptor); acc[N/8][4].
+// C[64 x N] (+)= A (registers: the mma.sync A layout, 16 x 16 per warp) B (descriptor); acc[N/8][4]:
+// O += P V, or S = Q K^T with Q in registers.
 template <class Atom, int N, size_t... I>
 __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&acc)[N / 8][4],
-                                        std::index_sequence<I...>) {
-  Atom::fma(a[0], a[1], a[2], a[3], db, acc[I / 4][I % 4]..., gmma::ScaleOut::One);
+                                        std::index_sequence<I...>, bool accumulate = true) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, acc[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
 }
 
 // One online-softmax step for the thread's two fragment rows (r0 = lane / 4 of its 16-row
@@ -305,6 +312,33 @@ __device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float
                                                    kk > 0, std::make_index_sequence<BN / 2>{});
   }
   cute::warpgroup_commit_batch();
+}
+
+// Issue S[64 x BN] = Q K^T as issue_wgmma_qk does, with the warpgroup's Q rows in registers (qa: per
+// 16-column step the mma.sync A fragment, load_q_fragments): the wgmma reads only K from smem.
+template <typename T, int D, int BN = 64>
+__device__ __forceinline__ void issue_wgmma_qk_rs(const uint32_t (&qa)[D / 16][4], const T* cK, float (&s)[BN / 8][4]) {
+  #pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+  const uint64_t dk = gmma_desc(cK, 16);
+  cute::warpgroup_arrive();
+  #pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    gmma_rs<typename Gmma<T>::template RSK<BN>, BN>(qa[kk], gmma_desc_add(dk, ((kk / 4) * (BN * 64) + (kk % 4) * 16) * 2),
+                                                    s, std::make_index_sequence<BN / 2>{}, kk > 0);
+  cute::warpgroup_commit_batch();
+}
+
+// A warp's 16 Q rows (row0 ..) of a [ROWS][D] 128-byte-swizzled smem tile (swz128) as the A fragments
+// of issue_wgmma_qk_rs, through ldmatrix.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_q_fragments(const T* sQ, int row0, int lane, uint32_t (&qa)[D / 16][4]) {
+  #pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    cute::SM75_U32x4_LDSM_N::copy(
+        *reinterpret_cast<const cute::uint128_t*>(sQ + swz128(row0 + (lane & 15), kk * 16 + (lane >> 4) * 8, ROWS)),
+        qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
 }
 
 // Issue O[64 x D] += P[64 x BN] V[BN x D] for a warpgroup as one wgmma commit group (no wait):

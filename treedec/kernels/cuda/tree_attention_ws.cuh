@@ -8,13 +8,16 @@
 //     when the copies land (cp.async.mbarrier.arrive.noinc), so many tiles are in flight. After a
 //     unit's last tile an END item (no data) tells the consumers to write the unit's rows.
 //   warpgroups 1 and 2, the consumers: 64 rows each (setmaxnreg gives them the registers the
-//     producer does not need). Per tile, S = Q K^T (wgmma SS) and, in the same turn, O += P V of
-//     the previous tile (wgmma RS); the source waits for that PV only after this tile's softmax
-//     (FA3's intra-warpgroup overlap), but ptxas places the wait before the softmax's reductions
-//     (seen in cuobjdump, with any register budget), so the overlap that works is the one between
-//     the two consumers: they take turns to issue their wgmmas (named barriers), one's softmax
-//     running under the other's matmuls. Tiles every row reads whole run a mask-free copy of the
-//     turn. A stage is released once its PV has completed.
+//     producer does not need). A unit's Q rows go from smem to registers once (ldmatrix), so
+//     S = Q K^T (wgmma RS) reads only K from smem: with both operands from smem the 64 x 64 QK
+//     wgmmas ask for the whole smem bandwidth (H200: 3-5% faster on the large trees,
+//     ...-q-in-registers-*.json). Per tile, S = Q K^T and, in the same turn, O += P V of the
+//     previous tile (wgmma RS); this tile's softmax runs before the wait for that PV (FA3's
+//     intra-warpgroup overlap; the wait sits inside the O-rescale branch, since ptxas hoisted it
+//     above the softmax's reductions from straight-line code, as cuobjdump showed). The two
+//     consumers take turns to issue their wgmmas (named barriers), one's softmax running under
+//     the other's matmuls. Tiles every row reads whole run a mask-free copy of the turn. A stage
+//     is released once its PV has completed.
 //
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
@@ -42,6 +45,12 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 #endif
 #ifndef TREEDEC_WS_IDLE_PADDING  // 1: a consumer whose rows are all padding skips the unit's tiles
 #define TREEDEC_WS_IDLE_PADDING 1
+#endif
+#ifndef TREEDEC_WS_Q_IN_REGISTERS  // 1: S = Q K^T reads Q from registers (loaded once a unit), K from smem
+#define TREEDEC_WS_Q_IN_REGISTERS 1
+#endif
+#ifndef TREEDEC_WS_LATE_PV_WAIT  // 1: the PV wait sits in the rescale branch, after the softmax
+#define TREEDEC_WS_LATE_PV_WAIT 1
 #endif
 #ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole run a mask-free copy of the turn
 #define TREEDEC_WS_TILE_VERSIONS 1
@@ -283,6 +292,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     float s[BN / 8][4];        // S, then P, of the current tile
     uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
     uint32_t mw0[kMW], mw1[kMW];
+    uint32_t qa[D / 16][4];  // the warp's Q rows (TREEDEC_WS_Q_IN_REGISTERS)
     bool full_tile = false;  // every row of the warpgroup's warps reads the whole tile
 
     // Wait for the next item; false at the unit's END. Reads the tile's mask words.
@@ -303,7 +313,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
-      issue_wgmma_qk<T, D, kRows, BN>(q_wg, sK + stage * BN * D, s);
+      if constexpr (TREEDEC_WS_Q_IN_REGISTERS) issue_wgmma_qk_rs<T, D, BN>(qa, sK + stage * BN * D, s);
+      else issue_wgmma_qk<T, D, kRows, BN>(q_wg, sK + stage * BN * D, s);
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
       issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
@@ -332,7 +343,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         ++item;
       }
     } else if (next_tile(stage)) {
-      // First tile: S, softmax, P.
+      // First tile (its Q rows landed with it): S, softmax, P.
+      if constexpr (TREEDEC_WS_Q_IN_REGISTERS)
+        load_q_fragments<T, D, kRows>(sQ + (local % kQBuffers) * kRows * D, 64 * c + warp * 16, lane, qa);
       bar_sync(kBarTurn + c, 256);
       issue_qk(stage);
       bar_arrive(kBarTurn + (1 - c), 256);
@@ -355,13 +368,33 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         fence_s();
         float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
                              : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
-        // Keeps the softmax before the PV wait in the PTX (ptxas still moves the wait up: see the top).
+        // Keeps the softmax before the PV wait in the PTX.
         fence_s();
         cute::warpgroup_fence_operand(alpha.x);
         cute::warpgroup_fence_operand(alpha.y);
+#if TREEDEC_WS_LATE_PV_WAIT
+        // The wait inside both arms of the rescale branch: ptxas does not hoist it out of them (from
+        // straight-line code it put it above the softmax; H200: no faster either way so far,
+        // ...-late-pv-wait-*.json, the matmuls of the other consumer already hide the softmax).
+        if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+          cute::warpgroup_wait<0>();
+          fence_acc();
+          #pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            acc[j][0] *= alpha.x;
+            acc[j][1] *= alpha.x;
+            acc[j][2] *= alpha.y;
+            acc[j][3] *= alpha.y;
+          }
+        } else {
+          cute::warpgroup_wait<0>();
+          fence_acc();
+        }
+#else
         cute::warpgroup_wait<0>();
         fence_acc();
         rescale_o<D>(acc, alpha);
+#endif
         pack_p<T, BN>(s, pa);
         Barrier::arrive(&empty[prev]);
       };
