@@ -237,19 +237,27 @@ __device__ __forceinline__ float2 online_softmax(float (&s)[BN / 8][4], const ui
   return alpha;
 }
 
-// O *= alpha per row, skipped when no row of the warp moved its max (after the first tiles
-// it rarely does).
+// O *= alpha per row (alpha.x: the thread's row r0, alpha.y: r1).
+template <int D>
+__device__ __forceinline__ void scale_o(float (&acc)[D / 8][4], float2 alpha) {
+  #pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    acc[j][0] *= alpha.x;
+    acc[j][1] *= alpha.x;
+    acc[j][2] *= alpha.y;
+    acc[j][3] *= alpha.y;
+  }
+}
+
+// Whether some row of the warp moved its max (after the first tiles it rarely does).
+__device__ __forceinline__ bool any_rescale(float2 alpha) {
+  return __any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f);
+}
+
+// O *= alpha per row, skipped when no row of the warp moved its max.
 template <int D>
 __device__ __forceinline__ void rescale_o(float (&acc)[D / 8][4], float2 alpha) {
-  if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
-    #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      acc[j][0] *= alpha.x;
-      acc[j][1] *= alpha.x;
-      acc[j][2] *= alpha.y;
-      acc[j][3] *= alpha.y;
-    }
-  }
+  if (any_rescale(alpha)) scale_o<D>(acc, alpha);
 }
 
 // P (fp32, the S layout) as wgmma/mma.sync A fragments: 16 x 16 blocks of two S n8 tiles.

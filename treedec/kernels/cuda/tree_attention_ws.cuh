@@ -376,16 +376,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         // The wait inside both arms of the rescale branch: ptxas does not hoist it out of them (from
         // straight-line code it put it above the softmax; H200: no faster either way so far,
         // ...-late-pv-wait-*.json, the matmuls of the other consumer already hide the softmax).
-        if (__any_sync(0xffffffffu, alpha.x != 1.f || alpha.y != 1.f)) {
+        if (any_rescale(alpha)) {
           cute::warpgroup_wait<0>();
           fence_acc();
-          #pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            acc[j][0] *= alpha.x;
-            acc[j][1] *= alpha.x;
-            acc[j][2] *= alpha.y;
-            acc[j][3] *= alpha.y;
-          }
+          scale_o<D>(acc, alpha);
         } else {
           cute::warpgroup_wait<0>();
           fence_acc();
