@@ -27,3 +27,14 @@ def plain_greedy(model, prompt, n):
         engine.tree.extend(node, out[-1:])
         out.append(int(greedy(engine.step()[0])))
     return out
+
+
+def assert_kv_equals_fresh_prefill(engine, node, fresh_engine):
+    """``node``'s K/V in ``engine`` equal those a prefill of its sequence writes into ``fresh_engine``."""
+    seq, slots = engine.tree.sequence(node), engine.tree.slots(node)
+    fresh_node, _ = fresh_engine.prefill(seq)
+    fresh_slots = fresh_engine.tree.slots(fresh_node)
+    for a, b in ((engine.pool.k, fresh_engine.pool.k), (engine.pool.v, fresh_engine.pool.v)):
+        a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]
+        b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, torch.as_tensor(fresh_slots)]
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -6,7 +6,7 @@ import torch
 from treedec.engine import Engine, ModelConfig, from_config
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.speculative import speculative_generate
-from tests.engines import make_engine, plain_greedy, tiny_model
+from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 from tests.test_search_speculative import prompt_with_repeats
 
 NEW_TOKENS = 32
@@ -60,14 +60,7 @@ def test_draft_kv_equals_a_fresh_prefill(tiny, other_tiny, reference):
     draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10)
     # drafts from the other model, verified by the same model: a path is accepted every step
     speculative_generate(draft_engine(other_tiny), prompt, draft, 20)
-    seq, slots = d_engine.tree.sequence(draft.node), d_engine.tree.slots(draft.node)
-    fresh = draft_engine(other_tiny)
-    fresh_node, _ = fresh.prefill(seq)
-    fresh_slots = fresh.tree.slots(fresh_node)
-    for a, b in ((d_engine.pool.k, fresh.pool.k), (d_engine.pool.v, fresh.pool.v)):
-        a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]
-        b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, torch.as_tensor(fresh_slots)]
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert_kv_equals_fresh_prefill(d_engine, draft.node, draft_engine(other_tiny))
 
 
 def test_one_draft_step_per_layer_and_no_recompute(tiny):

@@ -1,14 +1,12 @@
 """Speculative decoding (tiny model, CPU): every draft source emits exactly the plain greedy tokens."""
 import numpy as np
 import pytest
-import torch
 
-from treedec.engine import greedy
 from treedec.errors import TreeError
 from treedec.search.speculative import (PromptLookupDraft, TreeDraft, greedy_generate, speculative_generate,
                                         verify_greedy)
 from treedec.tree.token_tree import TokenTree
-from tests.engines import make_engine, plain_greedy, tiny_model
+from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 
 NEW_TOKENS = 40
 MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -86,15 +84,7 @@ def test_accepted_kv_equals_a_fresh_prefill(tiny, reference):
     prompt, ref = reference
     engine = make_engine(tiny)
     speculative_generate(engine, prompt, oracle_draft(prompt, ref), 20)
-    node = engine.tree.roots[0]
-    seq, slots = engine.tree.sequence(node), engine.tree.slots(node)
-    fresh = make_engine(tiny)
-    fresh_node, _ = fresh.prefill(seq)
-    fresh_slots = fresh.tree.slots(fresh_node)
-    for a, b in ((engine.pool.k, fresh.pool.k), (engine.pool.v, fresh.pool.v)):
-        a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]
-        b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, torch.as_tensor(fresh_slots)]
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert_kv_equals_fresh_prefill(engine, engine.tree.roots[0], make_engine(tiny))
 
 
 def test_prompt_lookup_draft():

@@ -20,11 +20,7 @@ def add_replay_parser(sub) -> None:
                                    "the tokens are the model's greedy choices) and report per-step latency, its "
                                    "split, KV IO and KV pages.")
     p.add_argument("workload", help=f"one of {', '.join(WORKLOADS)}, or a schedule JSON file")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", help="a local Hugging Face checkpoint directory")
-    model.add_argument("--config", help="a named model size with random weights (default: tiny, on the CPU)")
-    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    add_model_arguments(p)
     p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--planner", default="flatten", help="flatten, node, node_chunk or path")
     p.add_argument("--compare", help="comma-separated planners replayed one after another (overrides --planner)")
@@ -85,6 +81,16 @@ def run_plot(args: argparse.Namespace) -> int:
     plot_results(results, args.out)
     print(f"figure: {args.out}")
     return 0
+
+
+def add_model_arguments(p, model_help: str = "a local Hugging Face checkpoint directory",
+                        config_help: str = "a named model size with random weights (default: tiny, on the CPU)") -> None:
+    """``--model`` or ``--config``, ``--device`` and ``--dtype``: what :func:`load_model` reads."""
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", help=model_help)
+    model.add_argument("--config", help=config_help)
+    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
 
 
 def load_model(args: argparse.Namespace):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from treedec.engine import Engine, from_config, from_pretrained
-from treedec.replay.command import DTYPES, load_model
+from treedec.replay.command import add_model_arguments, load_model
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
@@ -46,15 +46,11 @@ def add_spec_parser(sub) -> None:
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", help="a local Hugging Face checkpoint directory")
-    model.add_argument("--config", help="a named model size with random weights (default: tiny, on the CPU)")
+    add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs --model with a tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (default for random weights: "
                                              "random ids with a repeated phrase)")
-    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=_positive_int, default=16)
     p.add_argument("--kv-tokens", type=_positive_int,

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from treedec.replay.command import add_model_arguments, load_model
 from treedec.search.game24 import Game24Task
 from treedec.search.tot import SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, tot_bfs, tot_dfs
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_KV_TOKENS = 32768
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -49,12 +49,9 @@ def add_tot_parser(sub) -> None:
     p.add_argument("--value-max-tokens", type=int, help="default the task's (12)")
     p.add_argument("--no-check-steps", action="store_true",
                    help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", help="a local Hugging Face checkpoint directory (its tokenizer, if it has one)")
-    model.add_argument("--config", help="a named model size with random weights (default: tiny, on the CPU); "
-                                        "bytes as tokens")
-    p.add_argument("--device", help="default: cpu for the tiny default, else cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    add_model_arguments(p, model_help="a local Hugging Face checkpoint directory (its tokenizer, if it has one)",
+                        config_help="a named model size with random weights (default: tiny, on the CPU); "
+                                    "bytes as tokens")
     p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--planner", default="flatten", help="flatten, node, node_chunk or path")
     p.add_argument("--page-size", type=int, default=16)
@@ -81,7 +78,7 @@ def run_tot(args: argparse.Namespace) -> int:
         config = DFSConfig(threshold=args.threshold, max_expansions=args.max_expansions, **common)
     plan_config = PlanConfig(planner=args.planner)
 
-    model, model_name = _load_model(args)
+    model, model_name = load_model(args)
     tokenizer, tokenizer_name = _load_tokenizer(args.model, model.config.vocab_size)
     kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
@@ -129,19 +126,6 @@ def print_tot(results: dict, result: ToTResult, file=None) -> None:
     for state in shown:
         print(f"  value {state.value:.3g} {list(state.index)}: " + " | ".join(repr(t)[:60] for t in state.thoughts),
               file=file)
-
-
-def _load_model(args: argparse.Namespace):
-    """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name."""
-    from treedec.engine import from_config, from_pretrained
-
-    default = args.model is None and args.config is None
-    device = torch.device(args.device or ("cpu" if default or not torch.cuda.is_available() else "cuda"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.model is not None:
-        return from_pretrained(args.model, dtype=dtype, device=device), args.model
-    name = args.config or "tiny"
-    return from_config(name, seed=args.seed, dtype=dtype, device=device), f"{name} (random weights)"
 
 
 def _load_tokenizer(model_dir: str | None, vocab_size: int):
