@@ -36,10 +36,14 @@ constexpr int kThreads = kProducerThreads + 128 * kConsumers;
 constexpr int kRows = 64 * kConsumers;              // rows of a unit
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1;
-// Registers per thread after setmaxnreg (128 x 88 + 256 x 208 <= 64 K): the consumers hold S, P
+// Registers per thread after setmaxnreg (128 x 88 + 256 x 208 = 384 x 168): the consumers hold S, P
 // and O of a tile at once (32 + 16 + 64 per thread with 64-token tiles, 64 + 32 + 64 with 128),
 // the producer needs about 80 without spills.
+// The CTA keeps the registers the launch gave it (384 x 168): setmaxnreg.inc waits until the
+// producer's dealloc freed enough, so asking for more than that hangs the kernel (96 / 208 did).
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
+static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+              "setmaxnreg cannot hand out more registers than the launch gave the CTA");
 #ifndef TREEDEC_WS_SETMAXNREG
 #define TREEDEC_WS_SETMAXNREG 1
 #endif
@@ -59,7 +63,10 @@ constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 // KV tile (tokens) and ring depth. 64-token tiles: 128-token ones (the kernel takes BN = 128 with
 // list tiles of 128) ran 20-27% slower on the large trees (H200, ...-ws-bn128-vs-64-bn*.json): with
 // K and V in one ring only two 128-token stages fit beside two Q buffers, too shallow to cover the
-// gathers; FA3 frees K and V separately for that.
+// gathers. FA3's separate K and V rings (a K stage freed once S is computed; 2 + 2 128-token
+// stages with Q from smem, or 3 + 2 with one Q buffer) did not help either: 128-token tiles ran
+// from 1% faster to 5% slower than this kernel on the large trees, 4 + 4 64-token stages 2-3%
+// slower (H200, one run: ...-separate-rings-*.json and .patch), so the ring stays one.
 // Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit). One Q
 // buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
 #ifndef TREEDEC_WS_STAGES
