@@ -22,10 +22,10 @@ def test_units_cover_every_item_head_and_row_once(seed, group, hkv, ctas, rows):
     s = schedule_units(plan, group, hkv, ctas, rows)
     assert s.cta_unit_start[0] == 0 and s.cta_unit_start[-1] == s.num_units
     assert np.all(np.diff(s.cta_unit_start) >= 0)
-    chunk, head, entry_start, row_begin, row_end, _, _ = s.unit_info.T
+    chunk, head, entry_start, row_begin, row_end = s.unit_info.T[:5]
     assert np.all(row_end - row_begin <= rows) and np.all(row_end > row_begin)
     covered = set()
-    for c, h, e, b, end, _, _ in s.unit_info.tolist():
+    for c, h, e, b, end in s.unit_info[:, :5].tolist():
         for r in range(b, end):
             key = (c, h, e, r)
             assert key not in covered
@@ -54,7 +54,7 @@ def test_greedy_assignment_is_within_the_list_scheduling_bound(seed, ctas):
 def unit_costs(plan, s) -> np.ndarray:
     """Each unit's cost from the cost model, recomputed from its fields."""
     live = dict(zip(zip(plan.item_chunk.tolist(), plan.item_entry_start.tolist()), live_kv_tokens(plan).tolist()))
-    return np.array([COST_PER_UNIT + (end - begin) + live[(c, e)] for c, _, e, begin, end, _, _ in s.unit_info.tolist()])
+    return np.array([COST_PER_UNIT + (end - begin) + live[(c, e)] for c, _, e, begin, end in s.unit_info[:, :5].tolist()])
 
 
 def test_live_tokens_count_only_tiles_some_entry_reads():
@@ -81,7 +81,8 @@ def test_bad_arguments_raise(name, value):
 @given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16))
 def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas):
     """The kernels' tile lists: tiles[tile_begin:tile_end] are the item's live tiles, ascending;
-    device_array() holds the records, then the lists at the offsets the records name."""
+    device_array() holds the records, then the lists at the offsets the records name; each record
+    carries its chunk's first slot index and length and its first live tile."""
     plan = plan_for(seed, chunk_size=200, query_tile=3)
     s = schedule_units(plan, 2, 2, ctas)
     flat = s.device_array()
@@ -89,10 +90,12 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas):
     records = flat[:s.unit_info.size].reshape(-1, len(UNIT_FIELDS))
     item_of = {(int(c), int(e)): i for i, (c, e) in enumerate(zip(plan.item_chunk, plan.item_entry_start))}
     for rec in records.tolist():
-        chunk, _, entry_start, _, _, begin, end = rec
+        chunk, _, entry_start, _, _, begin, end, kv_begin, chunk_len, first_tile = rec
         i = item_of[(chunk, entry_start)]
         e0, n = plan.item_entry_start[i], plan.item_num_entries[i]
         words = np.bitwise_or.reduce(plan.entry_mask[e0:e0 + n], axis=0)
-        chunk_len = int(plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk])
+        assert kv_begin == plan.chunk_kv_start[chunk]
+        assert chunk_len == plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk]
         expected = sorted({t // TILE_TOKENS for t in range(chunk_len) if (words[t // 32] >> (t % 32)) & 1})
         assert flat[begin:end].tolist() == expected
+        assert first_tile == (expected[0] if expected else 0)

@@ -7,7 +7,9 @@ most ``rows_per_unit`` of the item's rows (row ``r = local_entry * group + g``: 
 
 Each work item's *live tiles* (the TILE_TOKENS-token tiles of its chunk that some entry of the
 item reads; the kernel loads and computes only those) are listed here on the CPU, once per
-item, and the unit records point into the list (:meth:`PersistentSchedule.device_array`).
+item, and the unit records point into the list (:meth:`PersistentSchedule.device_array`). A
+record also carries what the kernel's first K/V gathers need (the chunk's first slot index and
+length, the first live tile), so those start one load after the record, not three.
 
 Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
 longest-processing-time first; FlashInfer paper section 3.3.1): here the KV tokens are the
@@ -23,7 +25,9 @@ import numpy as np
 
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 
-UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end")
+UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end",
+               "kv_begin", "chunk_len", "first_tile")
+_LIST_FIELDS = [UNIT_FIELDS.index("tile_begin"), UNIT_FIELDS.index("tile_end")]  # offsets into device_array()
 TILE_TOKENS = 64          # tile of the live lists and the cost model: the sm_90a kernel's KV tile
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
@@ -38,8 +42,10 @@ class PersistentSchedule:
     ----------
     cta_unit_start : [num_ctas + 1] int32
         CTA b runs units ``cta_unit_start[b]:cta_unit_start[b + 1]`` in order.
-    unit_info : [U, 7] int32
-        Per unit, the :data:`UNIT_FIELDS`; the unit's live tiles are ``tiles[tile_begin:tile_end]``.
+    unit_info : [U, len(UNIT_FIELDS)] int32
+        Per unit, the :data:`UNIT_FIELDS`; the unit's live tiles are ``tiles[tile_begin:tile_end]``,
+        the first of them ``first_tile`` (0 if none); ``kv_begin`` and ``chunk_len`` are its chunk's
+        ``chunk_kv_start[chunk]`` and length.
     tiles : [N] int32
         Live tiles (index of the tile in its chunk, ascending) of every work item, item by item.
     cta_cost : [num_ctas] float64
@@ -60,10 +66,10 @@ class PersistentSchedule:
         return len(self.unit_info)
 
     def device_array(self) -> np.ndarray:
-        """[7 U + N] int32: the unit records, then the tile lists (``tile_begin``/``tile_end`` index
-        this array), as the kernels read them (``PartialParams::unit_info``)."""
+        """[len(UNIT_FIELDS) U + N] int32: the unit records, then the tile lists (``tile_begin``/
+        ``tile_end`` index this array), as the kernels read them (``PartialParams::unit_info``)."""
         records = self.unit_info.copy()
-        records[:, UNIT_FIELDS.index("tile_begin"):] += records.size
+        records[:, _LIST_FIELDS] += records.size
         return np.concatenate([records.reshape(-1), self.tiles]).astype(np.int32)
 
     def imbalance(self) -> float:
@@ -141,11 +147,14 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     num_blocks = len(item_of_block)
     unit_block = np.repeat(np.arange(num_blocks), num_kv_heads)
     unit_head = np.tile(np.arange(num_kv_heads), num_blocks)
-    info = np.stack([plan.item_chunk[item_of_block][unit_block], unit_head,
-                     plan.item_entry_start[item_of_block][unit_block],
-                     row_begin[unit_block], row_end[unit_block],
-                     item_tile_start[:-1][item_of_block][unit_block],
-                     item_tile_start[1:][item_of_block][unit_block]], axis=1).astype(np.int32)
+    chunk = plan.item_chunk[item_of_block][unit_block]
+    tile_begin = item_tile_start[:-1][item_of_block][unit_block]
+    tile_end = item_tile_start[1:][item_of_block][unit_block]
+    first_tile = np.where(tile_end > tile_begin, np.append(tiles, 0)[np.minimum(tile_begin, len(tiles))], 0)
+    info = np.stack([chunk, unit_head, plan.item_entry_start[item_of_block][unit_block],
+                     row_begin[unit_block], row_end[unit_block], tile_begin, tile_end,
+                     plan.chunk_kv_start[chunk], np.diff(plan.chunk_kv_start)[chunk], first_tile],
+                    axis=1).astype(np.int32)
     cost = block_cost[unit_block]
 
     order = np.argsort(-cost, kind="stable")

@@ -70,6 +70,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   p.entry_direct = iptr(entry_direct);
   p.cta_unit_start = iptr(cta_unit_start);
   p.unit_info = iptr(unit_info);
+  TORCH_CHECK(unit_info.numel() < (int64_t{1} << 31), "unit_info must have fewer than 2^31 elements");
+  p.unit_info_len = static_cast<int>(unit_info.numel());
   p.q_stride_q = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.k_stride_s = k.stride(0);
@@ -120,6 +122,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stage 2 (deterministic per-query merge of the partial states)");
   m.def("list_tile_tokens", []() { return int64_t{treedec::kListTileTokens}; },
         "tokens per tile of the schedule's live-tile lists (persistent_schedule.TILE_TOKENS)");
+  m.def("unit_fields", []() { return int64_t{treedec::kUnitFields}; },
+        "int32 fields per unit record (persistent_schedule.UNIT_FIELDS)");
   m.def("ctas_per_sm", &ctas_per_sm, "resident stage-1 CTAs per SM (bf16, head_dim)");
   m.def("rows_per_unit", &rows_per_unit, "rows of one stage-1 unit (bf16, head_dim)");
 }

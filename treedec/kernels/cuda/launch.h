@@ -7,14 +7,16 @@
 namespace treedec {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
-constexpr int kUnitFields = 7;        // persistent_schedule.UNIT_FIELDS
+constexpr int kUnitFields = 10;       // persistent_schedule.UNIT_FIELDS
 constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles of the live lists
 
 // Stage 1: partial attention of every work unit, one persistent CTA loops over its units.
 //
 // A unit is (chunk, KV head, a range of rows of one work item). Rows of a work item are
 // r = local_entry * group + g (entry local_entry of the item, query head kv_head * group + g).
-// unit_info[7 u ...] = {chunk, kv_head, item_entry_start, row_begin, row_end, tile_begin, tile_end}:
+// unit_info[10 u ...] = {chunk, kv_head, item_entry_start, row_begin, row_end, tile_begin, tile_end,
+// kv_begin, chunk_len, first_tile} (kv_begin = chunk_kv_start[chunk], chunk_len the chunk's tokens,
+// first_tile = the first live tile, 0 if none: the first gathers need no other lookup):
 // the unit's live tiles (64-token tiles of the chunk some row reads, ascending) are
 // unit_info[tile_begin .. tile_end - 1], stored after the records. CTA b runs the units
 // cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
@@ -33,6 +35,7 @@ struct PartialParams {
   const int* entry_direct;    // [E] 1: write out/lse directly
   const int* cta_unit_start;  // [num_ctas + 1]
   const int* unit_info;       // [U, kUnitFields] records, then the live-tile lists
+  int unit_info_len;          // int32 elements readable at unit_info (records, lists, any capacity)
   int64_t q_stride_q, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h;
   int64_t out_stride_q, out_stride_h, lse_stride_q;
   int num_qo_heads;

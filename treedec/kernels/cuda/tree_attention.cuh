@@ -297,6 +297,12 @@ __device__ __forceinline__ void store_row(const PartialParams& p, const float (&
   }
 }
 
+// Unit u's record (PartialParams::unit_info) into registers; zeros for u < 0.
+__device__ __forceinline__ void load_record(const PartialParams& p, int u, int (&rec)[kUnitFields]) {
+  #pragma unroll
+  for (int f = 0; f < kUnitFields; ++f) rec[f] = u >= 0 ? p.unit_info[kUnitFields * u + f] : 0;
+}
+
 // Sum of a row's l over the quad (4 lanes) that holds it.
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

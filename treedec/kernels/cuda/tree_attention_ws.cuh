@@ -125,6 +125,22 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
   uint64_t* empty = full + STAGES;
   uint64_t* q_free = empty + STAGES;
+  // The CTA's units, and a guess at its first unit's record loaded alongside: CTA b runs unit b
+  // first when every CTA before it runs one unit (a one-round schedule, as small trees get). A
+  // right guess saves a dependent global load on the way to the first K/V gathers.
+  const int unit_begin = p.cta_unit_start[blockIdx.x];
+  const int unit_end = p.cta_unit_start[blockIdx.x + 1];
+  int guess[kUnitFields];
+  load_record(p, kUnitFields * (blockIdx.x + 1) <= p.unit_info_len ? blockIdx.x : -1, guess);
+  // Unit u's record: the guess if it was u's, else loaded now.
+  auto record = [&](int u, int (&rec)[kUnitFields]) {
+    if (u == blockIdx.x) {
+      #pragma unroll
+      for (int f = 0; f < kUnitFields; ++f) rec[f] = guess[f];
+    } else {
+      load_record(p, u, rec);
+    }
+  };
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       Barrier::init(&full[s], kProducerThreads + 1);  // async arrives + thread 0's plain one
@@ -134,9 +150,6 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-
-  const int unit_begin = p.cta_unit_start[blockIdx.x];
-  const int unit_end = p.cta_unit_start[blockIdx.x + 1];
   const int lane = threadIdx.x & 31;
 
   if (threadIdx.x < kProducerThreads) {
@@ -180,14 +193,14 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     };
 
     for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
-      const int* info = p.unit_info + kUnitFields * u;
-      const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
+      int info[kUnitFields];
+      record(u, info);
+      const int kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
       // Live tiles: the schedule lists kListTileTokens-token tiles, kSub of ours each.
       constexpr int kSub = kListTileTokens / BN;
       static_assert(kListTileTokens % BN == 0, "list tiles hold whole kernel tiles");
       const int tile_begin = info[5], num_tiles = (info[6] - tile_begin) * kSub;
-      const int kv_begin = p.chunk_kv_start[chunk];
-      const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
+      const int kv_begin = info[7], chunk_len = info[8], first_tile = info[9];
       // The thread's 16 bytes of a slot's K (V) row: k_head + slot * k_row_bytes (one IMAD.WIDE).
       const char* k_head = reinterpret_cast<const char*>(k + kv_head * p.k_stride_h + cp_vec * 8);
       const char* v_head = reinterpret_cast<const char*>(v + kv_head * p.v_stride_h + cp_vec * 8);
@@ -200,7 +213,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       // copies instead of stalling every tile (no register copies of in-flight loads: the loop is
       // unrolled by two).
       auto tile_first = [&](int i) {  // first chunk token of live tile i, -1 past the last
-        return i < num_tiles ? p.unit_info[tile_begin + i / kSub] * kListTileTokens + (i % kSub) * BN : -1;
+        const int list_tile = i / kSub == 0 ? first_tile : p.unit_info[tile_begin + i / kSub];  // the first: in the record
+        return i < num_tiles ? list_tile * kListTileTokens + (i % kSub) * BN : -1;
       };
       auto load_slots = [&](int first, int (&slots)[kKVPasses]) {  // -1: no row
         #pragma unroll
@@ -280,7 +294,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 
   int item = 0;
   for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
-    const int* info = p.unit_info + kUnitFields * u;
+    int info[kUnitFields];
+    record(u, info);
     const int kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
     int entry[2], query[2], head[2];
     #pragma unroll
