@@ -21,6 +21,14 @@ int partial_ctas_per_sm(DType dtype, int head_dim) {
                                   : DtypeFunctions<__nv_bfloat16>::ctas_per_sm(head_dim);
 }
 
+bool trace_compiled() {
+#if defined(TREEDEC_SM90A)
+  return TREEDEC_WS_TRACE != 0;
+#else
+  return false;
+#endif
+}
+
 int partial_rows_per_unit(DType dtype, int head_dim) {
   return dtype == DType::kFloat16 ? DtypeFunctions<__half>::rows_per_unit(head_dim)
                                   : DtypeFunctions<__nv_bfloat16>::rows_per_unit(head_dim);

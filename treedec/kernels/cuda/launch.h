@@ -36,6 +36,7 @@ struct PartialParams {
   const int* cta_unit_start;  // [num_ctas + 1]
   const int* unit_info;       // [U, kUnitFields] records, then the live-tile lists
   int unit_info_len;          // int32 elements readable at unit_info (records, lists, any capacity)
+  unsigned long long* trace;  // TREEDEC_WS_TRACE builds: [grid][kTraceSlots] %globaltimer stamps (null: none)
   int64_t q_stride_q, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h;
   int64_t out_stride_q, out_stride_h, lse_stride_q;
   int num_qo_heads;
@@ -44,6 +45,11 @@ struct PartialParams {
   int num_ctas;
   float qk_scale_log2;  // softmax scale * log2(e)
 };
+
+// Stamps per CTA of a TREEDEC_WS_TRACE build (tree_attention_ws.cuh names the slots).
+constexpr int kTraceSlots = 16;
+// Whether the kernels were built with TREEDEC_WS_TRACE=1 (they then stamp PartialParams::trace).
+bool trace_compiled();
 
 // Stage 2: per (query, head), merge the query's partials in CSR order (deterministic).
 // Queries with one partial were written by stage 1 and are skipped.

@@ -36,12 +36,16 @@ constexpr int kThreads = kProducerThreads + 128 * kConsumers;
 constexpr int kRows = 64 * kConsumers;              // rows of a unit
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1;
+#ifndef TREEDEC_WS_TRACE  // 1: stamp %globaltimer at fixed points of each CTA (bench/stage1_trace.py)
+#define TREEDEC_WS_TRACE 0
+#endif
 // Registers per thread after setmaxnreg (128 x 88 + 256 x 208 = 384 x 168): the consumers hold S, P
 // and O of a tile at once (32 + 16 + 64 per thread with 64-token tiles, 64 + 32 + 64 with 128),
 // the producer needs about 80 without spills.
 // The CTA keeps the registers the launch gave it (384 x 168): setmaxnreg.inc waits until the
 // producer's dealloc freed enough, so asking for more than that hangs the kernel (96 / 208 did).
-constexpr int kProducerRegs = 88, kConsumerRegs = 208;
+// A TREEDEC_WS_TRACE build's producer needs 8 more (it spilled at 88), taken from the consumers.
+constexpr int kProducerRegs = TREEDEC_WS_TRACE ? 96 : 88, kConsumerRegs = TREEDEC_WS_TRACE ? 200 : 208;
 static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the launch gave the CTA");
 #ifndef TREEDEC_WS_SETMAXNREG
@@ -59,6 +63,28 @@ static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerReg
 #ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole run a mask-free copy of the turn
 #define TREEDEC_WS_TILE_VERSIONS 1
 #endif
+
+// Trace slots (PartialParams::trace[CTA][kTraceSlots]; stamps of TREEDEC_WS_TRACE builds, in ns):
+enum TraceSlot : int {
+  kTraceStart = 0,        // the CTA began (thread 0)
+  kTraceRecord = 1,       // producer: the first unit's record arrived
+  kTraceSlots0 = 2,       // producer: the first tile's slot indices arrived
+  kTraceIssued0 = 3,      // producer: the first tile's copies were issued
+  kTraceLastEnd = 4,      // producer: the last unit's END was announced
+  kTraceItem0 = 5,        // consumer 0: items 0 .. 9 (tiles and ENDs, across units) landed: slots 5 .. 14
+  kTraceStored = 15,      // consumer 0: its last unit's rows were stored
+};
+static_assert(kTraceStored < kTraceSlots, "trace slots");
+// Stamp `slot` of this CTA's trace row once `after` (a loaded value) has arrived: the branch on it
+// makes the stamp wait for the load.
+__device__ __forceinline__ void trace_stamp(const PartialParams& p, int slot, int after = 0) {
+#if TREEDEC_WS_TRACE
+  if (after == 0x7fffffff) asm volatile("trap;");
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (p.trace) p.trace[blockIdx.x * kTraceSlots + slot] = t;
+#endif
+}
 
 // KV tile (tokens) and ring depth. 64-token tiles: 128-token ones (the kernel takes BN = 128 with
 // list tiles of 128) ran 20-27% slower on the large trees (H200, ...-ws-bn128-vs-64-bn*.json): with
@@ -111,6 +137,7 @@ template <typename T, int D, int BN, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
+  if (threadIdx.x == 0) trace_stamp(p, kTraceStart);
   static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128), "wgmma tile shape");
   static_assert(BN == 64 || TREEDEC_WS_SETMAXNREG, "128-token tiles need the consumers' 208 registers (setmaxnreg)");
   using L = Smem<D, BN, STAGES>;
@@ -227,6 +254,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       int slots_a[kKVPasses], slots_b[kKVPasses];
       load_slots(first_a, slots_a);
       load_slots(first_b, slots_b);
+      if (local == 0 && tid == 0) {
+        trace_stamp(p, kTraceRecord, info[7]);
+        trace_stamp(p, kTraceSlots0, slots_a[0]);
+      }
       const int qb = local % kQBuffers;
       if (local >= kQBuffers) Barrier::wait(&q_free[qb], ((local / kQBuffers) + 1) & 1);  // unit local-kQBuffers is done with it
       T* dQ = sQ + qb * kRows * D;
@@ -267,6 +298,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       };
       for (int i = 0; i < num_tiles; i += 2) {
         issue_tile(first_a, slots_a);
+        if (i == 0 && local == 0 && tid == 0) trace_stamp(p, kTraceIssued0);
         first_a = next_a;
         load_slots(first_a, slots_a);
         next_a = tile_first(i + 4);
@@ -278,6 +310,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       }
       announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
     }
+    if (tid == 0) trace_stamp(p, kTraceLastEnd);
     cute::cp_async_wait<0>();  // leave no copy in flight behind an exited thread
     return;
   }
@@ -321,6 +354,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     auto next_tile = [&](int& stage) {
       stage = item % STAGES;
       Barrier::wait(&full[stage], (item / STAGES) & 1);
+      if (TREEDEC_WS_TRACE && threadIdx.x == kProducerThreads && item < kTraceStored - kTraceItem0)
+        trace_stamp(p, kTraceItem0 + item);
       if (sItem[stage] == kItemEnd) return false;
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
       const uint32_t* cMask = sMask + stage * kRows * kMW;
@@ -432,6 +467,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     store_row<T, D>(p, acc, 0, entry[0], query[0], head[0], m0, quad_sum(l0), lane);
     store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);
   }
+  if (threadIdx.x == kProducerThreads) trace_stamp(p, kTraceStored);
   if (c == 0) bar_sync(kBarTurn + 0, 256);     // consumer 1's last hand-over
 }
 
