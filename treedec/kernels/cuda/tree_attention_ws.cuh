@@ -155,13 +155,14 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   // The CTA's units, and a guess at its first unit's record loaded alongside: CTA b runs unit b
   // first when every CTA before it runs one unit (a one-round schedule, as small trees get). A
   // right guess saves a dependent global load on the way to the first K/V gathers.
-  const int unit_begin = p.cta_unit_start[blockIdx.x];
-  const int unit_end = p.cta_unit_start[blockIdx.x + 1];
+  const int cta = static_cast<int>(blockIdx.x);
+  const int unit_begin = p.cta_unit_start[cta];
+  const int unit_end = p.cta_unit_start[cta + 1];
   int guess[kUnitFields];
-  load_record(p, kUnitFields * (blockIdx.x + 1) <= p.unit_info_len ? blockIdx.x : -1, guess);
+  load_record(p, kUnitFields * (cta + 1) <= p.unit_info_len ? cta : -1, guess);
   // Unit u's record: the guess if it was u's, else loaded now.
   auto record = [&](int u, int (&rec)[kUnitFields]) {
-    if (u == blockIdx.x) {
+    if (u == cta) {
       #pragma unroll
       for (int f = 0; f < kUnitFields; ++f) rec[f] = guess[f];
     } else {
