@@ -100,11 +100,7 @@ def main(argv=None) -> int:
 def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress,
                     graph_all=False) -> dict:
     layout = workload.layout
-    torch.manual_seed(0)
-    q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    cache_shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
-    k = torch.randn(cache_shape, dtype=dtype, device=device)
-    v = torch.randn(cache_shape, dtype=dtype, device=device)
+    q, k, v = workload.random_inputs(device, dtype)
     sm_scale = 1.0 / math.sqrt(HEAD_DIM)
     ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
 

@@ -40,11 +40,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown workload {name!r}; workloads: {list(SUITE)}")
         workload = build_workload(name)
         layout = workload.layout
-        torch.manual_seed(0)
-        q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=torch.float16, device=device)
-        shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
-        k = torch.randn(shape, dtype=torch.float16, device=device)
-        v = torch.randn(shape, dtype=torch.float16, device=device)
+        q, k, v = workload.random_inputs(device)
         config = PlanConfig("flatten", args.chunk_size)
         attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=args.backend, plan_config=config,
                              device=device)

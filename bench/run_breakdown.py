@@ -78,10 +78,7 @@ def main() -> int:
         attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=args.backend,
                              plan_config=PlanConfig(args.planner, args.chunk_size))
         plan = attn.plan(layout)
-        q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
-        shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
-        k = torch.randn(shape, dtype=torch.float16, device="cuda")
-        v = torch.randn(shape, dtype=torch.float16, device="cuda")
+        q, k, v = workload.random_inputs("cuda", seed=None)
         run = lambda: attn.run(q, k, v, plan)  # noqa: E731
         host = host_us_per_call(run)
         kernels = kernel_times_us(run)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
 from treedec import PagedKVPool, SequenceTree, TreeLayout
 from treedec.workloads import DEFT_DIR, medusa_tree, tot_snapshot
@@ -40,6 +41,22 @@ class Workload:
     layout: TreeLayout
     num_pages: int
     page_size: int
+
+    def random_inputs(self, device, dtype=None, seed: int | None = 0):
+        """Random q [queries, NUM_QO_HEADS, HEAD_DIM] and K/V caches [num_pages, page_size,
+        NUM_KV_HEADS, HEAD_DIM] (standard normal, ``dtype`` default fp16) on ``device``, drawn
+        after ``torch.manual_seed(seed)`` unless ``seed`` is None."""
+        dtype = dtype or torch.float16
+        if seed is not None:
+            torch.manual_seed(seed)
+        q = torch.randn(self.layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        return q, *self.random_kv(device, dtype)
+
+    def random_kv(self, device, dtype=None):
+        """One random K and V cache pair [num_pages, page_size, NUM_KV_HEADS, HEAD_DIM]."""
+        shape = (self.num_pages, self.page_size, NUM_KV_HEADS, HEAD_DIM)
+        dtype = dtype or torch.float16
+        return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
 
 
 def spec_medusa(name: str, tree_size: int, prompt: int, page_size: int = 16, scale: float = 1.0) -> Workload:

@@ -61,11 +61,8 @@ def main() -> int:
     for name in names:
         workload = build_workload(name)
         layout = workload.layout
-        torch.manual_seed(0)
-        q = torch.randn(layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
-        shape = (workload.num_pages, workload.page_size, NUM_KV_HEADS, HEAD_DIM)
-        copies = [(torch.randn(shape, dtype=torch.float16, device="cuda"),
-                   torch.randn(shape, dtype=torch.float16, device="cuda")) for _ in range(8)]
+        q, *first = workload.random_inputs("cuda")
+        copies = [tuple(first)] + [workload.random_kv("cuda") for _ in range(7)]
         ref, _ = reference_tree_attention(q, *copies[0], layout, scale)
         rows = []
         for size in sizes:
