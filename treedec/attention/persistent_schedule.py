@@ -150,7 +150,7 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     chunk = plan.item_chunk[item_of_block][unit_block]
     tile_begin = item_tile_start[:-1][item_of_block][unit_block]
     tile_end = item_tile_start[1:][item_of_block][unit_block]
-    first_tile = np.where(tile_end > tile_begin, np.append(tiles, 0)[np.minimum(tile_begin, len(tiles))], 0)
+    first_tile = np.where(tile_end > tile_begin, np.append(tiles, 0)[tile_begin], 0)  # tile_begin <= len(tiles)
     info = np.stack([chunk, unit_head, plan.item_entry_start[item_of_block][unit_block],
                      row_begin[unit_block], row_end[unit_block], tile_begin, tile_end,
                      plan.chunk_kv_start[chunk], np.diff(plan.chunk_kv_start)[chunk], first_tile],

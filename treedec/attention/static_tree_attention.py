@@ -126,7 +126,8 @@ class StaticTreeAttention:
         max_tiles = e * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists: <= one per item
         self._sizes = {"kv_slots": bounds.max_tokens, "chunk_kv_start": bounds.chunks + 1, "entry_query": e,
                        "entry_mask": e * mw, "entry_direct": e, "query_entry_start": bounds.max_queries + 1,
-                       "query_entries": e, "cta_unit_start": self.num_ctas + 1, "unit_info": len(UNIT_FIELDS) * max_units + max_tiles}
+                       "query_entries": e, "cta_unit_start": self.num_ctas + 1,
+                       "unit_info": len(UNIT_FIELDS) * max_units + max_tiles}
         offsets = np.cumsum([0, *self._sizes.values()])
         self._offsets = dict(zip(_SECTIONS, offsets[:-1].tolist()))
         total = int(offsets[-1])
