@@ -5,10 +5,11 @@ Builds the kernels with ``-DTREEDEC_WS_TRACE=1`` (its own build cache), runs eac
 workload with the cuda backend, and records, per CTA, when it began, when the producer had the
 first record and the first tile's slot indices, when it issued the first copies and the last
 END, when consumer 0 saw items 0-9 land and when it had stored its rows (slot names in
-``tree_attention_ws.cuh``, ``TraceSlot``). Times are microseconds from the earliest CTA start;
-``--flush`` runs each call after an L2 flush (as bench/attention.py's eager timings), else the
-plan arrays stay L2-hot (as in a CUDA graph). Prints the median and the slowest CTA per stamp
-and writes ``<date>-<device>-stage1-trace.json`` to ``--out``.
+``tree_attention_ws.cuh``, ``TraceSlot``). Times are microseconds from the earliest CTA start
+of a call, in three modes: each call after an L2 flush (as bench/attention.py's eager timings),
+each call with the plan arrays L2-hot, and the last of 8 calls captured back to back in a CUDA
+graph. Prints the median and the slowest CTA per stamp and writes
+``<date>-<device>-stage1-trace.json`` to ``--out``.
 
     python bench/stage1_trace.py --workloads tot_d5w10,spec_medusa64_p32k --out bench/results
 """
@@ -29,6 +30,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
+
+GRAPH_CALLS = 8  # calls per captured graph in the "graphed" mode
 
 SLOTS = ["start", "record", "slots0", "issued0", "last_end"] + [f"item{i}" for i in range(10)] + ["stored"]
 
@@ -55,6 +58,26 @@ def summarize(stamps: np.ndarray) -> dict:
         out[name] = {"median_cta_us": float(np.nanmedian(np.nanmedian(col, axis=1))),
                      "slowest_cta_us": float(np.nanmedian(np.nanmax(col, axis=1)))}
     return out
+
+
+def graphed_stamps(run, ext, trace: torch.Tensor, reps: int, calls: int = GRAPH_CALLS) -> np.ndarray:
+    """Stamps of the last of ``calls`` back-to-back calls captured in one CUDA graph, per replay:
+    [reps, CTAs, slots] (each call of the graph stamps the same buffer; the last one's stay)."""
+    ext.set_trace(trace)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                run()
+    finally:
+        ext.set_trace(None)
+    stamps = []
+    for _ in range(reps):
+        trace.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        stamps.append(trace.cpu().numpy())
+    return np.stack(stamps)
 
 
 def main(argv=None) -> int:
@@ -104,6 +127,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 stamps.append(trace.cpu().numpy())
             by_mode[mode] = summarize(np.stack(stamps))
+        by_mode["graphed"] = summarize(graphed_stamps(lambda: attn.run(q, k, v, plan), ext, trace, args.reps))
         schedule = prepared.schedule
         results[name] = {"plan": plan.plan.summary(), "ctas": ctas, "units": schedule.num_units, **by_mode}
         print(f"{name}: {schedule.num_units} units on {ctas} CTAs; us from the first CTA start "
