@@ -640,7 +640,8 @@ namespace treedec {
 // Entries go in batches of 32: each lane loads one entry's index and LSE (one round trip for the
 // batch, not one per entry), the batch's weights come from a warp max, and the partial rows are
 // then read kMergeUnroll at a time, so their loads overlap. The order of every sum is fixed by
-// the plan's CSR: deterministic.
+// the plan's CSR: deterministic. (Merging in stage 1's own tail behind a grid barrier measured
+// even over the suite on an H200: bench/README.md, ...-fused-grid-merge.patch.)
 constexpr int kMergeUnroll = 4;
 
 template <typename T, int D>
