@@ -141,10 +141,15 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 
 
 
+def _flatten_step(total: int, chunk_size: int) -> tuple[int, int]:
+    """``(chunks, step)`` of ``flatten``'s even chunks of at most ``chunk_size`` over ``total`` > 0 tokens."""
+    num_chunks = -(-total // chunk_size)
+    return num_chunks, -(-total // num_chunks)
+
+
 def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:
     """[C + 1] token bounds of ``flatten``'s even chunks of at most ``chunk_size`` tokens."""
-    num_chunks = -(-total // chunk_size)
-    step = -(-total // num_chunks)
+    num_chunks, step = _flatten_step(total, chunk_size)
     return np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
 
 
@@ -158,8 +163,7 @@ def _units_per_kv_head(total: int, chunk_size: int, runs, query_tile: int) -> in
     step``; an interval starting in the chunk where its query's previous one ended takes that
     chunk's reader back (a query's intervals are disjoint, so only neighbours share a chunk)."""
     q, lo, hi = runs
-    step = int(_flatten_bounds(total, chunk_size)[1]) if total else 1
-    num_chunks = -(-total // step) if total else 0
+    num_chunks, step = _flatten_step(total, chunk_size) if total else (0, 1)
     first, last = lo // step, (hi - 1) // step
     shared = np.zeros(len(q), dtype=bool)
     shared[1:] = (q[1:] == q[:-1]) & (first[1:] == last[:-1])
