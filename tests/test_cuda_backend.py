@@ -126,6 +126,41 @@ def test_runs_are_bitwise_deterministic():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chained_calls_see_the_kernels_before_them():
+    """Stage 1 starts while the kernel before it drains (programmatic launch) and reads only plan
+    arrays before its wait: q and K/V written by the kernel just before a call, and a previous
+    call's merge still reading the shared partial workspace, must not leak into any result.
+    (A check of the chain's results, not a race detector: on an H200 a build without the waits
+    passed it too, the window being shorter than the kernels before it take to drain.)"""
+    hkv, group, d, dtype = 2, 4, 128, torch.float16
+    tree = prompt_with_token_tree(3000, 64, hkv=hkv, d=d, dtype=dtype)
+    attn = TreeAttention(hkv * group, hkv, d, backend="cuda", device="cuda", plan_config=PlanConfig("flatten", 256))
+    plan = attn.plan(tree)
+    n = plan.plan.num_queries
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k_pool, v_pool = (c.cuda() for c in tree.pool.layer(0))
+    calls = 6
+    qs = [torch.randn(n, hkv * group, d, device="cuda", dtype=dtype, generator=gen) for _ in range(calls)]
+    ks = [torch.randn(k_pool.shape, device="cuda", dtype=dtype, generator=gen) for _ in range(calls)]
+    vs = [torch.randn(v_pool.shape, device="cuda", dtype=dtype, generator=gen) for _ in range(calls)]
+    q, k, v = torch.empty_like(qs[0]), torch.empty_like(k_pool), torch.empty_like(v_pool)
+    outs = []
+    torch.cuda.synchronize()
+    for i in range(calls):  # no synchronization in between: each call right behind kernels writing its inputs
+        torch.mul(qs[i], 1.0, out=q)
+        torch.mul(ks[i], 1.0, out=k)
+        torch.mul(vs[i], 1.0, out=v)
+        outs.append(attn.run(q, k, v, plan))
+        outs.append(attn.run(qs[i], ks[i], vs[i], plan))  # back to back with the call before
+    torch.cuda.synchronize()
+    for i in range(calls):
+        ref, _ = reference_tree_attention(qs[i], ks[i], vs[i], plan.plan.layout, d ** -0.5)
+        assert rel_error(outs[2 * i], ref) < TOLERANCE[dtype], f"call {2 * i}"
+        assert torch.equal(outs[2 * i], outs[2 * i + 1]), f"call {2 * i + 1}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tree_attention_runs_cuda_when_asked_and_rejects_fp32():
     attn = TreeAttention(8, 2, 64, backend="cuda", device="cuda")
     assert attn.backend == "cuda" and attn.plan_config.query_tile == 32  # 128-row units

@@ -10,7 +10,9 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 constexpr int kUnitFields = 10;       // persistent_schedule.UNIT_FIELDS
 constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles of the live lists
 
-// Stage 1: partial attention of every work unit, one persistent CTA loops over its units.
+// Stage 1: partial attention of every work unit, one persistent CTA loops over its units. On sm_90a
+// it is launched as a programmatic dependent of the kernel before it: it reads the plan arrays
+// (which only host copies write) early, and q, k, v and its outputs only after that kernel.
 //
 // A unit is (chunk, KV head, a range of rows of one work item). Rows of a work item are
 // r = local_entry * group + g (entry local_entry of the item, query head kv_head * group + g).

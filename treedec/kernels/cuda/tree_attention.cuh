@@ -96,6 +96,18 @@ __device__ __forceinline__ int swz128(int row, int col, int rows) {
 
 // Programmatic dependent launch (sm_90): stage 1 lets the merge kernel launch at once; the
 // merge reads its plan arrays, then waits for stage 1's memory (no-ops before sm_90).
+// TREEDEC_PDL_STAGE1 (sm_90a builds): stage 1 itself is launched as a programmatic dependent of the
+// kernel before it in the stream (the model's, or the previous call's merge), so its CTAs start
+// and read their plan arrays while that kernel drains; wait_for_primary() then stands before its
+// first read of q, k, v and its first write. Plan arrays are written by host copies (plan()),
+// never by a kernel, so reading them early is safe. TREEDEC_MERGE_TRIGGER: the merge kernel lets
+// the next stage 1 launch as soon as all of its blocks run.
+#ifndef TREEDEC_PDL_STAGE1
+#define TREEDEC_PDL_STAGE1 1
+#endif
+#ifndef TREEDEC_MERGE_TRIGGER
+#define TREEDEC_MERGE_TRIGGER 1
+#endif
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -387,6 +399,7 @@ template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, bool
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
   launch_dependents();
+  wait_for_primary();  // reads q, k, v and writes only after the kernel before it (TREEDEC_PDL_STAGE1)
   static_assert(!WGMMA || (BN == 64 && WARPS % 4 == 0 && D <= 128), "wgmma tile shape");
   using L = SmemLayout<D, BN, STAGES, WARPS>;
   constexpr int kThreads = WARPS * 32;
@@ -648,6 +661,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kMergeWarps * 32)
 merge_partials_kernel(const MergeParams p) {
   constexpr int kPer = D / 32;
+  if (TREEDEC_MERGE_TRIGGER) launch_dependents();  // the next stage 1 waits for this grid before its data
   const int pair = blockIdx.x * kMergeWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (pair >= p.num_queries * p.num_qo_heads) return;
@@ -747,8 +761,21 @@ cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     configured = true;
   }
-  if (p.num_ctas > 0) S::kernel()<<<p.num_ctas, S::kThreads, S::kSmem, stream>>>(p);
-  return cudaGetLastError();
+  if (p.num_ctas == 0) return cudaSuccess;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.num_ctas);
+  config.blockDim = dim3(S::kThreads);
+  config.dynamicSmemBytes = S::kSmem;
+  config.stream = stream;
+#if defined(TREEDEC_SM90A)
+  cudaLaunchAttribute attr{};  // starts while the kernel before it drains (TREEDEC_PDL_STAGE1)
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  // Trace builds keep plain stream order: their first stamps are written before the wait.
+  config.numAttrs = TREEDEC_PDL_STAGE1 && !TREEDEC_WS_TRACE ? 1 : 0;
+#endif
+  return cudaLaunchKernelEx(&config, S::kernel(), p);
 }
 
 template <typename T, int D>

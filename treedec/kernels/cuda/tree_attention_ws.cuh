@@ -19,6 +19,11 @@
 //     the other's matmuls. Tiles every row reads whole run a mask-free copy of the turn. A stage
 //     is released once its PV has completed.
 //
+// Launched as a programmatic dependent (TREEDEC_PDL_STAGE1, tree_attention.cuh): the producer loads
+// the first unit's record, slots and row queries (plan data) before its griddepcontrol.wait, the
+// consumers wait before any store; inside CUDA graphs a call's stage 1 so starts while the previous
+// call's merge drains (H200: 1.3-2.1 us per graphed call on the small trees, ...-stage1-pdl-*.json).
+//
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
 // unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
@@ -34,6 +39,7 @@ constexpr int kProducerThreads = 128;
 constexpr int kConsumers = 2;                       // consumer warpgroups, 64 rows each
 constexpr int kThreads = kProducerThreads + 128 * kConsumers;
 constexpr int kRows = 64 * kConsumers;              // rows of a unit
+constexpr int kBarProducer = 1;                     // the producer warpgroup's own barrier
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1;
 #ifndef TREEDEC_WS_TRACE  // 1: stamp %globaltimer at fixed points of each CTA (bench/stage1_trace.py)
@@ -116,7 +122,8 @@ struct Smem {
   static constexpr int kV = kK + STAGES * kKVBytes;              // [STAGES]
   static constexpr int kMask = kV + STAGES * kKVBytes;           // u32 [STAGES][kRows][kMW]
   static constexpr int kItem = kMask + 4 * STAGES * kRows * kMW; // int [STAGES]: kItemEnd / kItemTile
-  static constexpr int kBar = (kItem + 4 * STAGES + 7) / 8 * 8;  // u64 full[STAGES], empty[STAGES], q_free[2]
+  static constexpr int kQuery = kItem + 4 * STAGES;              // int [2][kRows]: a unit's query per row (-1: padding)
+  static constexpr int kBar = (kQuery + 4 * 2 * kRows + 7) / 8 * 8;  // u64 full[STAGES], empty[STAGES], q_free[2]
   static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2);
 };
 
@@ -149,6 +156,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   uint32_t* sMask = reinterpret_cast<uint32_t*>(smem + L::kMask);
   int* sItem = reinterpret_cast<int*>(smem + L::kItem);
+  int* sQuery = reinterpret_cast<int*>(smem + L::kQuery);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
   uint64_t* empty = full + STAGES;
   uint64_t* q_free = empty + STAGES;
@@ -262,12 +270,19 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       const int qb = local % kQBuffers;
       if (local >= kQBuffers) Barrier::wait(&q_free[qb], ((local / kQBuffers) + 1) & 1);  // unit local-kQBuffers is done with it
       T* dQ = sQ + qb * kRows * D;
+      // Each thread loads the query of unit row tid (one load, not one per Q pass), shared through
+      // smem (two buffers: a thread writes unit local + 1's only after every producer thread passed
+      // this barrier for unit local, i.e. finished unit local - 1's reads).
+      int* q_rows = sQuery + (local & 1) * kRows;
+      q_rows[tid] = mask_entry >= 0 ? p.entry_query[mask_entry] : -1;
+      bar_sync(kBarProducer, kProducerThreads);
+      if (local == 0) wait_for_primary();  // q, k, v come from the kernel before (TREEDEC_PDL_STAGE1)
       #pragma unroll
       for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
         const int r = row_begin + cp_row0 + pass * kRowsPerPass;
-        const bool valid = r < row_end;
-        const int entry = item_entry + r / p.group;
-        const T* src = valid ? q + p.entry_query[entry] * p.q_stride_q + (kv_head * p.group + r % p.group) * p.q_stride_h
+        const int query = q_rows[cp_row0 + pass * kRowsPerPass];
+        const bool valid = query >= 0;
+        const T* src = valid ? q + query * p.q_stride_q + (kv_head * p.group + r % p.group) * p.q_stride_h
                                    + cp_vec * 8
                              : q;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
@@ -325,6 +340,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
   const int r1 = r0 + 8;
   if (c == 1) bar_arrive(kBarTurn + 0, 256);    // consumer 0 takes the first turn
+  wait_for_primary();  // the rows' stores come after the kernel before this one (TREEDEC_PDL_STAGE1)
 
   int item = 0;
   for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
