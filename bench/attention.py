@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -70,7 +71,9 @@ def main(argv=None) -> int:
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
         "page_size": args.page_size, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
-        "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS, "workloads": {},
+        "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
+        "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
+        "workloads": {},
     }
     print(f"device {results['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"treedec configs {configs}, peers {peers}", file=sys.stderr)
