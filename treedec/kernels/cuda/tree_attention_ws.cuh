@@ -134,6 +134,16 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 using Barrier = cutlass::arch::ClusterBarrier;
+#ifndef TREEDEC_WS_TURNS  // 1: the consumers take turns to issue their wgmmas; 0: each issues when ready
+#define TREEDEC_WS_TURNS 1  // (0 ran the large trees 0.5-0.8 us slower on an H200: ...-ws-turns-*.json)
+#endif
+// Consumer c waits for its turn / hands the turn to the other consumer (no-ops without turns).
+__device__ __forceinline__ void turn_wait(int c) {
+  if (TREEDEC_WS_TURNS) bar_sync(kBarTurn + c, 256);
+}
+__device__ __forceinline__ void turn_pass(int c) {
+  if (TREEDEC_WS_TURNS) bar_arrive(kBarTurn + (1 - c), 256);
+}
 
 // 16-byte cp.async (cached in L2 only) to a shared-memory address; src_bytes 0 zero-fills.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
@@ -339,7 +349,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
   const int r1 = r0 + 8;
-  if (c == 1) bar_arrive(kBarTurn + 0, 256);    // consumer 0 takes the first turn
+  if (c == 1) turn_pass(1);                     // consumer 0 takes the first turn
   wait_for_primary();  // the rows' stores come after the kernel before this one (TREEDEC_PDL_STAGE1)
 
   int item = 0;
@@ -411,8 +421,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       // Every row of this consumer is padding (a unit of <= 64 rows): keep the turns and release
       // the stages, compute nothing, so the other consumer's turns do not wait behind zeros.
       while (next_tile(stage)) {
-        bar_sync(kBarTurn + c, 256);
-        bar_arrive(kBarTurn + (1 - c), 256);
+        turn_wait(c);
+        turn_pass(c);
         Barrier::arrive(&empty[stage]);
         ++item;
       }
@@ -420,9 +430,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       // First tile (its Q rows landed with it): S, softmax, P.
       if constexpr (TREEDEC_WS_Q_IN_REGISTERS)
         load_q_fragments<T, D, kRows>(sQ + (local % kQBuffers) * kRows * D, 64 * c + warp * 16, lane, qa);
-      bar_sync(kBarTurn + c, 256);
+      turn_wait(c);
       issue_qk(stage);
-      bar_arrive(kBarTurn + (1 - c), 256);
+      turn_pass(c);
       cute::warpgroup_wait<0>();
       fence_s();
       online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
@@ -434,10 +444,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       // ptxas move the waits): FULL tiles (every row reads every token) skip the mask.
       auto later_tile = [&](auto full_c) {
         constexpr bool kFull = decltype(full_c)::value;
-        bar_sync(kBarTurn + c, 256);
+        turn_wait(c);
         issue_qk(stage);
         issue_pv(prev);
-        bar_arrive(kBarTurn + (1 - c), 256);
+        turn_pass(c);
         cute::warpgroup_wait<1>();
         fence_s();
         float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
@@ -485,7 +495,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);
   }
   if (threadIdx.x == kProducerThreads) trace_stamp(p, kTraceStored);
-  if (c == 0) bar_sync(kBarTurn + 0, 256);     // consumer 1's last hand-over
+  if (c == 0) turn_wait(0);                     // consumer 1's last hand-over
 }
 
 }  // namespace ws
