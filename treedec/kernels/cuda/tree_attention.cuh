@@ -752,6 +752,34 @@ struct Stage1<T, D, true> {
 };
 #endif
 
+// Programmatic dependent launches need sm_90 (the sm_90a build); elsewhere kernels launch in plain order.
+// Stage 1 launches so unless TREEDEC_PDL_STAGE1=0 or in trace builds (their first stamps are
+// written before the wait).
+#if defined(TREEDEC_SM90A)
+constexpr bool kProgrammaticLaunch = true;
+constexpr bool kProgrammaticStage1 = TREEDEC_PDL_STAGE1 && !TREEDEC_WS_TRACE;
+#else
+constexpr bool kProgrammaticLaunch = false;
+constexpr bool kProgrammaticStage1 = false;
+#endif
+inline cudaLaunchAttribute programmatic_launch() {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
+}
+// A cudaLaunchKernelEx configuration with the given attribute (or none).
+struct LaunchConfig : cudaLaunchConfig_t {
+  LaunchConfig(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) : cudaLaunchConfig_t{} {
+    gridDim = grid;
+    blockDim = block;
+    dynamicSmemBytes = smem;
+    this->stream = stream;
+    attrs = attr;
+    numAttrs = attr ? 1 : 0;
+  }
+};
+
 template <typename T, int D>
 cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
   using S = Stage1<T, D>;
@@ -762,19 +790,8 @@ cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
     configured = true;
   }
   if (p.num_ctas == 0) return cudaSuccess;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(p.num_ctas);
-  config.blockDim = dim3(S::kThreads);
-  config.dynamicSmemBytes = S::kSmem;
-  config.stream = stream;
-#if defined(TREEDEC_SM90A)
-  cudaLaunchAttribute attr{};  // starts while the kernel before it drains (TREEDEC_PDL_STAGE1)
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  // Trace builds keep plain stream order: their first stamps are written before the wait.
-  config.numAttrs = TREEDEC_PDL_STAGE1 && !TREEDEC_WS_TRACE ? 1 : 0;
-#endif
+  cudaLaunchAttribute attr = programmatic_launch();  // starts while the kernel before it drains
+  LaunchConfig config(dim3(p.num_ctas), dim3(S::kThreads), S::kSmem, stream, kProgrammaticStage1 ? &attr : nullptr);
   return cudaLaunchKernelEx(&config, S::kernel(), p);
 }
 
@@ -794,17 +811,9 @@ template <typename T, int D>
 cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int pairs = p.num_queries * p.num_qo_heads;
   if (pairs == 0) return cudaSuccess;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((pairs + kMergeWarps - 1) / kMergeWarps);
-  config.blockDim = dim3(kMergeWarps * 32);
-  config.stream = stream;
-#if defined(TREEDEC_SM90A)
-  cudaLaunchAttribute attr{};  // launched while stage 1 runs; waits for it in wait_for_primary()
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-#endif
+  cudaLaunchAttribute attr = programmatic_launch();  // launched while stage 1 runs; waits in wait_for_primary()
+  LaunchConfig config(dim3((pairs + kMergeWarps - 1) / kMergeWarps), dim3(kMergeWarps * 32), 0, stream,
+                      kProgrammaticLaunch ? &attr : nullptr);
   return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D>, p);
 }
 
