@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from treedec.attention.balanced_chunks import balanced_flatten_bounds, longest_unit_cost, units_per_kv_head
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
@@ -28,6 +29,7 @@ PLANNERS = ("flatten", "node", "node_chunk", "path")
 PERSISTENT_MIN_CHUNK = 256  # smallest automatic chunk for a persistent grid (auto_chunk_size)
 PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
 PERSISTENT_REFINE_CHUNK = 1024  # from here on flatten's one-round chunk is searched between powers of two
+BALANCED_MIN_GAIN = 0.9  # balanced chunks replace even ones when their modeled longest unit is <= this of the even one's
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -43,6 +45,11 @@ class PlanConfig:
     head, on that many multiprocessors). ``persistent_ctas`` (the cuda backend's persistent
     grid) switches the automatic chunk size to one that spreads the work evenly over that many
     CTAs (for ``flatten``, so that its units, work items x KV heads, fit one round of them).
+    ``light_tile_cost`` (in (0, 1]; None means 1 unless the cuda backend fills it in for its
+    sm_90a kernel): what a KV tile costs a unit whose rows fill at most half of it, relative to a
+    fuller unit's. Below 1, ``flatten`` on a persistent grid with long units cuts chunks that
+    balance unit time instead of tokens (:mod:`~treedec.attention.balanced_chunks`): chunks that
+    few queries read grow longer.
     """
 
     planner: str = "flatten"
@@ -51,6 +58,7 @@ class PlanConfig:
     num_kv_heads: int = 8
     num_sms: int = 132
     persistent_ctas: int | None = None
+    light_tile_cost: float | None = None
 
     def __post_init__(self):
         if self.planner not in PLANNERS:
@@ -61,6 +69,9 @@ class PlanConfig:
                 continue
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise PlanError(f"{name} must be a positive int, got {value!r}")
+        cost = self.light_tile_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 < cost <= 1.0):
+            raise PlanError(f"light_tile_cost must be a number in (0, 1], got {self.light_tile_cost!r}")
 
 
 def default_query_tile(group_size: int, rows: int = 64) -> int:
@@ -83,7 +94,8 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     if config.planner == "path":
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
-    if config.chunk_size is None and config.planner != "node":
+    auto_chunk = config.chunk_size is None
+    if auto_chunk and config.planner != "node":
         # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
         # as readers / query_tile + 1/2 per token (the rule rounds to a power of two).
         work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
@@ -93,6 +105,9 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         config = replace(config, chunk_size=chunk_size)
     if config.planner == "flatten":
         bounds = _flatten_bounds(total, config.chunk_size)
+        if auto_chunk and _balances_unit_time(config):
+            bounds, chunk_size = _balanced_or_even(bounds, config, q_idx, lo, hi, total)
+            config = replace(config, chunk_size=chunk_size)
     else:
         piece = config.chunk_size if config.planner == "node_chunk" else None
         bounds = _node_bounds(node_start, node_len, total, piece)
@@ -157,22 +172,8 @@ def _units_per_kv_head(total: int, chunk_size: int, runs, query_tile: int) -> in
     """Work items a flatten plan of ``chunk_size`` over ``total`` tokens would have: per chunk, the
     distinct queries reading it, ``query_tile`` to an item (one persistent unit per KV head when an
     item's rows fit a unit, as the cuda backend's query tile makes them). ``runs`` are the read
-    intervals sorted by query, then start (:func:`_sorted_runs`).
-
-    O(intervals), no sort: each interval adds one reader to its chunks ``lo // step .. (hi - 1) //
-    step``; an interval starting in the chunk where its query's previous one ended takes that
-    chunk's reader back (a query's intervals are disjoint, so only neighbours share a chunk)."""
-    q, lo, hi = runs
-    num_chunks, step = _flatten_step(total, chunk_size) if total else (0, 1)
-    first, last = lo // step, (hi - 1) // step
-    shared = np.zeros(len(q), dtype=bool)
-    shared[1:] = (q[1:] == q[:-1]) & (first[1:] == last[:-1])
-    taken = first[shared]
-    bins = num_chunks + 1
-    delta = (np.bincount(first, minlength=bins) - np.bincount(last + 1, minlength=bins)     # a difference array
-             - np.bincount(taken, minlength=bins) + np.bincount(taken + 1, minlength=bins))
-    readers = np.cumsum(delta[:num_chunks])
-    return int((-(-readers // query_tile)).sum())
+    intervals sorted by query, then start (:func:`_sorted_runs`)."""
+    return units_per_kv_head(_flatten_bounds(total, chunk_size), runs, query_tile) if total else 0
 
 
 def _sorted_runs(q_idx, lo, hi):
@@ -215,6 +216,29 @@ def _one_round_chunk_size(chunk_size: int, config: PlanConfig, q_idx, lo, hi, to
         else:
             most = mid - 1
     return -(-total // fewest)
+
+
+def _balances_unit_time(config: PlanConfig) -> bool:
+    """Whether ``flatten``'s automatic chunks balance unit time: on a persistent grid, with light units
+    cheaper, and only for chunks the one-round rule refined (> PERSISTENT_REFINE_CHUNK / 2 tokens):
+    shorter units wait on latency, not tiles (see :func:`_one_round_chunk_size`)."""
+    return (config.persistent_ctas is not None and (config.light_tile_cost or 1.0) < 1.0
+            and config.chunk_size > PERSISTENT_REFINE_CHUNK // 2)
+
+
+def _balanced_or_even(even, config: PlanConfig, q_idx, lo, hi, total: int):
+    """``(bounds, chunk_size)``: the balanced chunks of :mod:`~treedec.attention.balanced_chunks` when their
+    longest unit is at most BALANCED_MIN_GAIN of the even chunks' (``even``) under its cost model, else the
+    even ones. The model leaves out what more or longer chunks add (partial states, mask words): on an
+    H200 a 16% shorter modeled unit ran fewshot_b30_p4k 7% faster, a 4% shorter one fewshot_b50_p16k
+    no faster (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json)."""
+    runs = _sorted_runs(q_idx, lo, hi)
+    balanced = balanced_flatten_bounds(runs, total, config.query_tile, config.num_kv_heads, config.persistent_ctas,
+                                       config.light_tile_cost, PERSISTENT_MAX_CHUNK)
+    if balanced is None or (longest_unit_cost(balanced, runs, config.query_tile, config.light_tile_cost)
+                            > BALANCED_MIN_GAIN * longest_unit_cost(even, runs, config.query_tile, config.light_tile_cost)):
+        return even, config.chunk_size
+    return balanced, int(np.diff(balanced).max())
 
 
 def _query_intervals(layout: TreeLayout):
