@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from treedec.attention.persistent_schedule import TILE_TOKENS, UNIT_FIELDS, schedule_units
-from treedec.attention.planners import PlanConfig, make_plan
+from treedec.attention.planners import PERSISTENT_MAX_CHUNK, PlanConfig, make_plan
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.tree.layout import TreeLayout
@@ -113,14 +113,15 @@ class StaticTreeAttention:
         self.bounds = bounds
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         props = torch.cuda.get_device_properties(self.device)
-        query_tile = plan_config.query_tile or ck.default_query_tile(head_dim, self.group)
         self.rows_per_unit = ck.ROWS_PER_UNIT[head_dim]
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.num_ctas = ck.persistent_grid_size(index, dtype, head_dim)
         self._ext = ck.extension(self.device)
-        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, query_tile=query_tile,
-                                               num_sms=props.multi_processor_count,
-                                               persistent_ctas=plan_config.persistent_ctas or self.num_ctas)
+        if bounds.max_chunk_tokens < PERSISTENT_MAX_CHUNK and plan_config.light_tile_cost is None:
+            plan_config = dataclasses.replace(plan_config, light_tile_cost=1.0)  # balanced chunks reach that length
+        self.plan_config = ck.cuda_plan_config(
+            dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=props.multi_processor_count),
+            self.device, head_dim, self.group)
         e, mw = bounds.entries, bounds.mask_words
         max_units = num_kv_heads * (e + -(-e * self.group // self.rows_per_unit))
         max_tiles = e * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists: <= one per item

@@ -101,14 +101,7 @@ class TreeAttention:
         config = self.plan_config
         if backend == "cuda":  # fill the cuda kernel's 128-row units; chunks sized for its persistent grid
             from treedec.kernels import cuda_tree_attention as ck
-            if config.query_tile is None:
-                config = dataclasses.replace(config, query_tile=ck.default_query_tile(
-                    self.head_dim, self.num_qo_heads // self.num_kv_heads))
-            if config.persistent_ctas is None:
-                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                # fp16 and bf16 kernels have one shape, so one grid size
-                config = dataclasses.replace(config, persistent_ctas=ck.persistent_grid_size(
-                    index, torch.float16, self.head_dim))
+            config = ck.cuda_plan_config(config, self.device, self.head_dim, self.num_qo_heads // self.num_kv_heads)
         return config
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,

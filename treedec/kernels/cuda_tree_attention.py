@@ -20,6 +20,7 @@ Two ways in:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from treedec.attention.persistent_schedule import PersistentSchedule, schedule_units
-from treedec.attention.planners import default_query_tile as planner_query_tile
+from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
 from treedec.attention.tree_plan import DeviceTreePlan
 from treedec.kernels.cuda_build import load_extension
 
@@ -39,9 +40,34 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
 
 
+# What a KV tile costs a unit of at most half its rows (one of the sm_90a kernel's two consumer
+# warpgroups computes) relative to a fuller unit's, for the planner's balanced chunks
+# (PlanConfig.light_tile_cost). Measured per tile on an H200: 0.76-0.84 of a full unit's
+# (bench/results/2026-11-22-nvidia-h200-tile-pace*.json); of the values A/B'd on the suite, 0.7
+# ran fewshot_b30_p4k fastest and changed no other workload's chunks
+# (bench/results/2026-11-22-nvidia-h200-balanced-chunks*.json).
+LIGHT_TILE_COST = 0.7
+
+
 def default_query_tile(head_dim: int, group: int) -> int:
     """Entries per work item that fill one unit's rows: the planner's query tile for this backend."""
     return planner_query_tile(group, ROWS_PER_UNIT[head_dim])
+
+
+def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, group: int) -> PlanConfig:
+    """``config`` with what the cuda kernels run best with filled in where it is None: the query tile
+    (:func:`default_query_tile`), the persistent grid's CTAs (:func:`persistent_grid_size`; fp16 and
+    bf16 kernels have one shape, so one grid size) and, where the warp-specialized sm_90a kernel runs
+    (head dims 64 and 128), :data:`LIGHT_TILE_COST`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fill = {}
+    if config.query_tile is None:
+        fill["query_tile"] = default_query_tile(head_dim, group)
+    if config.persistent_ctas is None:
+        fill["persistent_ctas"] = persistent_grid_size(index, torch.float16, head_dim)
+    if config.light_tile_cost is None and torch.cuda.get_device_capability(index) == (9, 0) and head_dim <= 128:
+        fill["light_tile_cost"] = LIGHT_TILE_COST
+    return dataclasses.replace(config, **fill)
 
 
 def extension(device: torch.device):
