@@ -66,6 +66,14 @@ static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerReg
 #ifndef TREEDEC_WS_LATE_PV_WAIT  // 1: the PV wait sits in the rescale branch, after the softmax
 #define TREEDEC_WS_LATE_PV_WAIT 1
 #endif
+// Diagnostics only (wrong results; bench/tile_pace.py): the producer gathers no K/V rows (the
+// consumers' pace alone), or the consumers compute nothing (the gathers' pace alone).
+#ifndef TREEDEC_WS_DIAG_NO_COPY
+#define TREEDEC_WS_DIAG_NO_COPY 0
+#endif
+#ifndef TREEDEC_WS_DIAG_NO_COMPUTE
+#define TREEDEC_WS_DIAG_NO_COMPUTE 0
+#endif
 #ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole run a mask-free copy of the turn
 #define TREEDEC_WS_TILE_VERSIONS 1
 #endif
@@ -309,8 +317,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
           // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
           const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
           const int bytes = (~slots[pass] >> 31) & 16;
-          cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
-          cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
+          if (!TREEDEC_WS_DIAG_NO_COPY) {
+            cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
+            cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
+          }
         }
         #pragma unroll
         for (int w = 0; w < kMW; ++w) {
@@ -417,7 +427,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma); the
     // branches below choose whole loops or whole turns.
     int stage;
-    if (TREEDEC_WS_IDLE_PADDING && row_begin + 64 * c >= row_end) {
+    if (TREEDEC_WS_DIAG_NO_COMPUTE || (TREEDEC_WS_IDLE_PADDING && row_begin + 64 * c >= row_end)) {
       // Every row of this consumer is padding (a unit of <= 64 rows): keep the turns and release
       // the stages, compute nothing, so the other consumer's turns do not wait behind zeros.
       while (next_tile(stage)) {
