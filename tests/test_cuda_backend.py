@@ -117,6 +117,33 @@ def test_units_of_at_most_64_rows(prompt_len, branches, group, head_dim, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_balanced_chunks_on_hopper_match_the_reference():
+    """fewshot_b30_p4k's shape through TreeAttention("cuda"): on sm_90a the planner gets
+    LIGHT_TILE_COST and cuts the branches into longer chunks than the prompt."""
+    from treedec.kernels.cuda_tree_attention import LIGHT_TILE_COST
+    pool = PagedKVPool(num_pages=700, page_size=16, num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(np.arange(4000) % 100)
+    tree.commit_step()
+    kids = tree.branch(root, [np.arange(199) % 100] * 30)
+    tree.commit_step()
+    for kid in kids:
+        tree.extend(kid, [1])
+    pool.k.normal_(generator=torch.Generator().manual_seed(5))
+    pool.v.normal_(generator=torch.Generator().manual_seed(6))
+    attn = TreeAttention(32, 8, 128, backend="cuda", device="cuda")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert attn.plan_config.light_tile_cost == (LIGHT_TILE_COST if hopper else None)
+    plan = attn.plan(tree)
+    lens = np.diff(plan.plan.chunk_kv_start)
+    assert (len(set(lens[:-1].tolist())) > 1) == hopper
+    q = torch.randn(plan.plan.num_queries, 32, 128, dtype=torch.float16, device="cuda")
+    out, lse = attn.run(q, pool.layer(0)[0], pool.layer(0)[1], plan, return_lse=True)
+    check_against_references(out, lse, plan.plan, q, *pool.layer(0), TOLERANCE[torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_runs_are_bitwise_deterministic():
     tree = prompt_with_token_tree(3000, 64)
     first = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
