@@ -121,7 +121,8 @@ def test_balanced_chunks_on_hopper_match_the_reference():
     """fewshot_b30_p4k's shape through TreeAttention("cuda"): on sm_90a the planner gets
     LIGHT_TILE_COST and cuts the branches into longer chunks than the prompt."""
     from treedec.kernels.cuda_tree_attention import LIGHT_TILE_COST
-    pool = PagedKVPool(num_pages=700, page_size=16, num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+    pool = PagedKVPool(num_pages=700, page_size=16, num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float16,
+                       device="cuda")
     tree = SequenceTree(pool)
     root = tree.add_prompt(np.arange(4000) % 100)
     tree.commit_step()
@@ -129,8 +130,9 @@ def test_balanced_chunks_on_hopper_match_the_reference():
     tree.commit_step()
     for kid in kids:
         tree.extend(kid, [1])
-    pool.k.normal_(generator=torch.Generator().manual_seed(5))
-    pool.v.normal_(generator=torch.Generator().manual_seed(6))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
     attn = TreeAttention(32, 8, 128, backend="cuda", device="cuda")
     hopper = torch.cuda.get_device_capability() == (9, 0)
     assert attn.plan_config.light_tile_cost == (LIGHT_TILE_COST if hopper else None)
