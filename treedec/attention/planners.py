@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from treedec.attention.balanced_chunks import balanced_flatten_bounds, longest_unit_cost, units_per_kv_head
+from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_unit_cost, readers_per_chunk,
+                                               units_per_kv_head)
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
@@ -233,6 +234,8 @@ def _balanced_or_even(even, config: PlanConfig, q_idx, lo, hi, total: int):
     H200 a 16% shorter modeled unit ran fewshot_b30_p4k 7% faster, a 4% shorter one fewshot_b50_p16k
     no faster (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json)."""
     runs = _sorted_runs(q_idx, lo, hi)
+    if (readers_per_chunk(even, runs) > config.query_tile // 2).all():
+        return even, config.chunk_size  # no light chunk to lengthen (saves the search: ~0.5 ms a step)
     balanced = balanced_flatten_bounds(runs, total, config.query_tile, config.num_kv_heads, config.persistent_ctas,
                                        config.light_tile_cost, PERSISTENT_MAX_CHUNK)
     if balanced is None or (longest_unit_cost(balanced, runs, config.query_tile, config.light_tile_cost)
