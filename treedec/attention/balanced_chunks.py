@@ -76,7 +76,7 @@ def balanced_flatten_bounds(runs, total: int, query_tile: int, num_kv_heads: int
     """[C + 1] int64 token borders (multiples of ``TILE_TOKENS`` but the last) whose longest unit, with tiles
     of chunks read by at most ``query_tile // 2`` queries costing ``light_tile_cost`` and the others 1, is
     about the shortest with ``units_per_kv_head * num_kv_heads <= ctas`` and chunks of at most ``max_chunk``
-    tokens (at most ``max_chunk`` tokens each); None when no cut fits (or the tree is over :data:`MAX_QUERY_TILE_PAIRS`)."""
+    tokens; None when no cut fits (or the tree is over :data:`MAX_QUERY_TILE_PAIRS`)."""
     num_tiles = -(-total // TILE_TOKENS)
     num_queries = len(np.unique(runs[0]))
     if num_queries * num_tiles > MAX_QUERY_TILE_PAIRS:

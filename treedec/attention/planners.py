@@ -96,18 +96,20 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
     auto_chunk = config.chunk_size is None
+    persistent_flatten = config.persistent_ctas is not None and config.planner == "flatten"
+    runs = _sorted_runs(q_idx, lo, hi) if auto_chunk and persistent_flatten else None  # the unit counts' input
     if auto_chunk and config.planner != "node":
         # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
         # as readers / query_tile + 1/2 per token (the rule rounds to a power of two).
         work = ((hi - lo).sum() / config.query_tile + 0.5 * total) * config.num_kv_heads
         chunk_size = auto_chunk_size(int(work), config.num_sms, config.persistent_ctas)
-        if config.persistent_ctas is not None and config.planner == "flatten":
-            chunk_size = _one_round_chunk_size(chunk_size, config, q_idx, lo, hi, total)
+        if persistent_flatten:
+            chunk_size = _one_round_chunk_size(chunk_size, config, runs, total)
         config = replace(config, chunk_size=chunk_size)
     if config.planner == "flatten":
         bounds = _flatten_bounds(total, config.chunk_size)
         if auto_chunk and _balances_unit_time(config):
-            bounds, chunk_size = _balanced_or_even(bounds, config, q_idx, lo, hi, total)
+            bounds, chunk_size = _balanced_or_even(bounds, config, runs, total)
             config = replace(config, chunk_size=chunk_size)
     else:
         piece = config.chunk_size if config.planner == "node_chunk" else None
@@ -157,15 +159,10 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 
 
 
-def _flatten_step(total: int, chunk_size: int) -> tuple[int, int]:
-    """``(chunks, step)`` of ``flatten``'s even chunks of at most ``chunk_size`` over ``total`` > 0 tokens."""
-    num_chunks = -(-total // chunk_size)
-    return num_chunks, -(-total // num_chunks)
-
-
 def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:
     """[C + 1] token bounds of ``flatten``'s even chunks of at most ``chunk_size`` tokens."""
-    num_chunks, step = _flatten_step(total, chunk_size)
+    num_chunks = -(-total // chunk_size)
+    step = -(-total // num_chunks)
     return np.minimum(np.arange(num_chunks + 1, dtype=np.int64) * step, total)
 
 
@@ -183,7 +180,7 @@ def _sorted_runs(q_idx, lo, hi):
     return q_idx[order], lo[order], hi[order]
 
 
-def _one_round_chunk_size(chunk_size: int, config: PlanConfig, q_idx, lo, hi, total: int) -> int:
+def _one_round_chunk_size(chunk_size: int, config: PlanConfig, runs, total: int) -> int:
     """Double ``chunk_size`` (up to PERSISTENT_MAX_CHUNK) while the step has more units than the
     persistent grid has CTAs: a few CTAs running a second unit each set the step's time (H200,
     bench/results/2026-11-22-nvidia-h200-small-chunks.json: tot_sorting1 160 units on 132 CTAs
@@ -195,8 +192,8 @@ def _one_round_chunk_size(chunk_size: int, config: PlanConfig, q_idx, lo, hi, to
     chunk has a unit per KV head). H200, one run (...-planner-ab-*.json): fewshot_b50_p16k 90.4 ->
     78.7 us (4096 -> 3273 tokens), fewshot_b30_p4k 34.5 -> 30.1 (1024 -> 625); below it finer
     chunks lost (tot_sorting1 21.2 -> 23.6 us at 512 -> 310 tokens: units of a few tiles wait on
-    latency, not tiles, and every chunk adds a partial state per query to merge)."""
-    runs = _sorted_runs(q_idx, lo, hi)
+    latency, not tiles, and every chunk adds a partial state per query to merge). ``runs``: the read
+    intervals of :func:`_sorted_runs`."""
 
     def fits(n: int) -> bool:  # n even chunks
         units = _units_per_kv_head(total, -(-total // n), runs, config.query_tile)
@@ -227,13 +224,12 @@ def _balances_unit_time(config: PlanConfig) -> bool:
             and config.chunk_size > PERSISTENT_REFINE_CHUNK // 2)
 
 
-def _balanced_or_even(even, config: PlanConfig, q_idx, lo, hi, total: int):
+def _balanced_or_even(even, config: PlanConfig, runs, total: int):
     """``(bounds, chunk_size)``: the balanced chunks of :mod:`~treedec.attention.balanced_chunks` when their
     longest unit is at most BALANCED_MIN_GAIN of the even chunks' (``even``) under its cost model, else the
     even ones. The model leaves out what more or longer chunks add (partial states, mask words): on an
     H200 a 16% shorter modeled unit ran fewshot_b30_p4k 7% faster, a 4% shorter one fewshot_b50_p16k
     no faster (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json)."""
-    runs = _sorted_runs(q_idx, lo, hi)
     if (readers_per_chunk(even, runs) > config.query_tile // 2).all():
         return even, config.chunk_size  # no light chunk to lengthen (saves the search: ~0.5 ms a step)
     balanced = balanced_flatten_bounds(runs, total, config.query_tile, config.num_kv_heads, config.persistent_ctas,
