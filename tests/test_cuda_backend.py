@@ -14,7 +14,7 @@ import torch
 from treedec import PlanConfig, TreeAttention
 from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
 from treedec.attention.backends import HYBRID_MIN_ROWS
-from treedec.attention.persistent_schedule import TILE_TOKENS, UNIT_FIELDS
+from treedec.attention.persistent_schedule import FULL_TILE_FLAG, TILE_TOKENS, UNIT_FIELDS
 from treedec.errors import PlanError
 from treedec.kernels.cuda_build import compile_sources
 from treedec.tree import PagedKVPool, SequenceTree
@@ -276,6 +276,7 @@ def test_python_rows_and_tile_tables_match_the_kernels():
     from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, extension
     ext = extension(torch.device("cuda"))
     assert ext.list_tile_tokens() == TILE_TOKENS
+    assert ext.full_tile_flag() == FULL_TILE_FLAG
     assert ext.unit_fields() == len(UNIT_FIELDS)
     for bf16 in (False, True):
         assert {d: ext.rows_per_unit(bf16, d) for d in ROWS_PER_UNIT} == ROWS_PER_UNIT

@@ -5,7 +5,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec import PlanConfig
 from treedec.attention import make_plan, schedule_units
-from treedec.attention.persistent_schedule import COST_PER_UNIT, TILE_TOKENS, UNIT_FIELDS, live_kv_tokens
+from treedec.attention.persistent_schedule import (COST_PER_UNIT, FULL_TILE_FLAG, TILE_TOKENS, UNIT_FIELDS,
+                                                   live_kv_tokens, live_tiles)
 from tests.trees import random_forest
 
 
@@ -93,9 +94,22 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas):
         chunk, _, entry_start, _, _, begin, end, kv_begin, chunk_len, first_tile = rec
         i = item_of[(chunk, entry_start)]
         e0, n = plan.item_entry_start[i], plan.item_num_entries[i]
-        words = np.bitwise_or.reduce(plan.entry_mask[e0:e0 + n], axis=0)
+        reads = [[bool((m[t // 32] >> (t % 32)) & 1) for t in range(chunk_len)] for m in plan.entry_mask[e0:e0 + n]]
         assert kv_begin == plan.chunk_kv_start[chunk]
         assert chunk_len == plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk]
-        expected = sorted({t // TILE_TOKENS for t in range(chunk_len) if (words[t // 32] >> (t % 32)) & 1})
+        live = sorted({t // TILE_TOKENS for t in range(chunk_len) if any(r[t] for r in reads)})
+        full = {i for i in live if (i + 1) * TILE_TOKENS <= chunk_len
+                and all(all(r[i * TILE_TOKENS:(i + 1) * TILE_TOKENS]) for r in reads)}
+        expected = [i | (FULL_TILE_FLAG if i in full else 0) for i in live]
         assert flat[begin:end].tolist() == expected
         assert first_tile == (expected[0] if expected else 0)
+
+
+def test_tiles_every_query_reads_whole_are_flagged_full():
+    """A 300-token prompt read by 3 branch queries, one 360-token chunk: the prompt's four whole
+    tiles are full, the tile where the prompt ends and the branches' tiles are not."""
+    from bench.suite import fewshot
+    plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
+    _, tiles = live_tiles(plan)
+    assert plan.num_chunks == 1 and tiles.tolist() == [0 | FULL_TILE_FLAG, 1 | FULL_TILE_FLAG, 2 | FULL_TILE_FLAG,
+                                                       3 | FULL_TILE_FLAG, 4, 5]

@@ -32,6 +32,10 @@ TILE_TOKENS = 64          # tile of the live lists and the cost model: the sm_90
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, pipeline fill, partial state)
+# Set on a listed tile when every entry of its item reads every token of the tile: the sm_90a kernel
+# then copies no mask words for it and runs its softmax without a mask. The tile index is
+# ``listed & ~FULL_TILE_FLAG`` (tile indices stay far below 2^30: a chunk has < 2^31 tokens).
+FULL_TILE_FLAG = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class PersistentSchedule:
         the first of them ``first_tile`` (0 if none); ``kv_begin`` and ``chunk_len`` are its chunk's
         ``chunk_kv_start[chunk]`` and length.
     tiles : [N] int32
-        Live tiles (index of the tile in its chunk, ascending) of every work item, item by item.
+        Live tiles (index of the tile in its chunk, ascending) of every work item, item by item,
+        each with :data:`FULL_TILE_FLAG` set where every entry of the item reads the whole tile.
     cta_cost : [num_ctas] float64
         Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
     """
@@ -87,23 +92,32 @@ def live_tiles(plan: TreePlan) -> tuple[np.ndarray, np.ndarray]:
         Item i's live tiles are ``tiles[item_tile_start[i]:item_tile_start[i + 1]]``.
     tiles : [N] int32
         Index (tile t covers chunk tokens ``t * TILE_TOKENS ...``) of each tile that some entry of
-        the item reads, ascending per item.
+        the item reads, ascending per item, plus :data:`FULL_TILE_FLAG` where every entry of the
+        item reads all ``TILE_TOKENS`` tokens of the tile (so never a chunk's short last tile).
     """
     if plan.num_items == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
     counts = plan.item_num_entries.astype(np.int64)
     offsets = np.cumsum(counts) - counts                          # items' rows in `rows` below
     rows = np.repeat(plan.item_entry_start - offsets, counts) + np.arange(counts.sum())  # entries, item by item
-    ored = np.bitwise_or.reduceat(plan.entry_mask[rows], offsets, axis=0)  # [I, W] (items need not be in entry order)
-    words_per_tile = TILE_TOKENS // MASK_BITS
-    w = ored.shape[1]
-    padded = np.zeros((ored.shape[0], -(-w // words_per_tile) * words_per_tile), dtype=ored.dtype)
-    padded[:, :w] = ored
-    live = (padded.reshape(len(ored), -1, words_per_tile) != 0).any(axis=2)     # [I, tiles]
-    _, tiles = np.nonzero(live)                                                  # item-major, ascending
+    masks = plan.entry_mask[rows]                                   # [entries, W], item by item
+    ored = np.bitwise_or.reduceat(masks, offsets, axis=0)           # [I, W] (items need not be in entry order)
+    anded = np.bitwise_and.reduceat(masks, offsets, axis=0)
+    live = _by_tile(ored != 0).any(axis=2)                          # [I, tiles]
+    full = _by_tile(anded == -1).all(axis=2)                        # every bit of every word (int32 -1)
+    items, tiles = np.nonzero(live)                                 # item-major, ascending
     item_tile_start = np.zeros(plan.num_items + 1, dtype=np.int64)
     np.cumsum(live.sum(axis=1), out=item_tile_start[1:])
-    return item_tile_start, tiles.astype(np.int32)
+    return item_tile_start, (tiles | np.where(full[items, tiles], FULL_TILE_FLAG, 0)).astype(np.int32)
+
+
+def _by_tile(word_flags: np.ndarray) -> np.ndarray:
+    """[I, W] bool per mask word -> [I, tiles, words per tile], the words past W False."""
+    words_per_tile = TILE_TOKENS // MASK_BITS
+    num_items, w = word_flags.shape
+    padded = np.zeros((num_items, -(-w // words_per_tile) * words_per_tile), dtype=bool)
+    padded[:, :w] = word_flags
+    return padded.reshape(num_items, -1, words_per_tile)
 
 
 def live_kv_tokens(plan: TreePlan, item_tile_start: np.ndarray | None = None) -> np.ndarray:

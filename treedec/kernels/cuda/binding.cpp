@@ -147,6 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(None: stop)");
   m.def("trace_slots", []() { return int64_t{treedec::kTraceSlots}; }, "stamps per CTA of a trace");
   m.def("trace_compiled", &treedec::trace_compiled, "whether the kernels were built with TREEDEC_WS_TRACE=1");
+  m.def("full_tile_flag", []() { return int64_t{treedec::kFullTileFlag}; },
+        "bit of a live-tile entry: every row of the item reads the whole tile (persistent_schedule.FULL_TILE_FLAG)");
   m.def("unit_fields", []() { return int64_t{treedec::kUnitFields}; },
         "int32 fields per unit record (persistent_schedule.UNIT_FIELDS)");
   m.def("ctas_per_sm", &ctas_per_sm, "resident stage-1 CTAs per SM (bf16, head_dim)");

@@ -9,6 +9,7 @@ namespace treedec {
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 constexpr int kUnitFields = 10;       // persistent_schedule.UNIT_FIELDS
 constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles of the live lists
+constexpr int kFullTileFlag = 1 << 30;  // persistent_schedule.FULL_TILE_FLAG: every row of the item reads the whole tile
 
 // Stage 1: partial attention of every work unit, one persistent CTA loops over its units. On sm_90a
 // it is launched as a programmatic dependent of the kernel before it: it reads the plan arrays
@@ -19,8 +20,9 @@ constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles 
 // unit_info[10 u ...] = {chunk, kv_head, item_entry_start, row_begin, row_end, tile_begin, tile_end,
 // kv_begin, chunk_len, first_tile} (kv_begin = chunk_kv_start[chunk], chunk_len the chunk's tokens,
 // first_tile = the first live tile, 0 if none: the first gathers need no other lookup):
-// the unit's live tiles (64-token tiles of the chunk some row reads, ascending) are
-// unit_info[tile_begin .. tile_end - 1], stored after the records. CTA b runs the units
+// the unit's live tiles (64-token tiles of the chunk some row reads, ascending; kFullTileFlag is set
+// on those every row of the item reads whole) are unit_info[tile_begin .. tile_end - 1], stored
+// after the records. CTA b runs the units
 // cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
 struct PartialParams {
   const void* q;        // [Q, Hq, D]     (strides q_stride_q, q_stride_h, 1)

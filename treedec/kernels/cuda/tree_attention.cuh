@@ -486,7 +486,7 @@ tree_attn_partial_kernel(const PartialParams p) {
     const int tile_begin = info[5];
     const int num_live = (info[6] - tile_begin) * kSub;
     auto tile_token = [&](int i) {  // first chunk token of live tile i
-      return p.unit_info[tile_begin + i / kSub] * kListTileTokens + (i % kSub) * BN;
+      return (p.unit_info[tile_begin + i / kSub] & ~kFullTileFlag) * kListTileTokens + (i % kSub) * BN;
     };
 
     // -- cp.async pipeline over the live tiles.
