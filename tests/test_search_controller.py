@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from treedec.engine import Engine, greedy
+from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.controller import (Branch, BranchEvery, ControllerError, Extend, Prune, Stop, TreeView,
                                        run_controller)

@@ -146,6 +146,7 @@ def test_pages_to_extend_and_freed_by_prune():
     (x, y, z) = tree.children(a)[0], *tree.children(tree.children(a)[0])
     free = tree.pool.num_free_pages
     assert tree.pages_freed_by_prune([y]) == 0                 # the packed page is still held by x and z
+    assert tree.pages_freed_by_prune([y, z]) == 0              # ... and by x alone
     assert tree.pages_freed_by_prune([x]) == 1 and tree.pages_freed_by_prune([a]) == 2
     assert tree.pages_freed_by_prune([a, b]) == 4 and tree.pages_freed_by_prune([root]) == 6
     assert tree.pool.num_free_pages == free                    # nothing changed
