@@ -22,8 +22,7 @@ constexpr int kFullTileFlag = 1 << 30;  // persistent_schedule.FULL_TILE_FLAG: e
 // first_tile = the first live tile, 0 if none: the first gathers need no other lookup):
 // the unit's live tiles (64-token tiles of the chunk some row reads, ascending; kFullTileFlag is set
 // on those every row of the item reads whole) are unit_info[tile_begin .. tile_end - 1], stored
-// after the records. CTA b runs the units
-// cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
+// after the records. CTA b runs the units cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
 struct PartialParams {
   const void* q;        // [Q, Hq, D]     (strides q_stride_q, q_stride_h, 1)
   const void* k;        // [slots, Hkv, D] (k_stride_s, k_stride_h, 1)
