@@ -38,6 +38,7 @@ from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import PLANNERS, dense_tree_mask, reference_tree_attention  # noqa: E402
 from treedec.attention.backends import cuda_status, triton_status  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
+from treedec.kernels.cuda_tree_attention import plan_schedule  # noqa: E402
 
 MAX_REL_ERR = 2e-3
 TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
@@ -153,6 +154,9 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
     def maker(k_i, v_i):
         return lambda: attn.run(q, k_i, v_i, plan)
     result.update(_check_and_time(maker(k, v), ref, device))
+    if backend == "cuda" and result["status"] == "ok":
+        schedule = plan_schedule(plan)  # what the backend chose for this plan
+        result["plan"].update(kv_tile_tokens=schedule.tile_tokens, cta_imbalance=schedule.imbalance())
     return result, maker if result["status"] == "ok" else None
 
 

@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import reference_tree_attention  # noqa: E402
+from treedec.kernels.cuda_tree_attention import plan_schedule  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,11 +51,10 @@ def main(argv=None) -> int:
         ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
         rel = float((out.float() - ref).norm() / ref.norm())
         print(f"{name}: {plan.plan.summary()}; rel err {rel:.2e}")
-        prepared = plan.cache.get(("cuda", torch.float16, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM))
-        if prepared is not None:
-            schedule = prepared.schedule
+        schedule = plan_schedule(plan)
+        if schedule is not None:
             print(f"  schedule: {schedule.num_units} units on {schedule.num_ctas} CTAs, "
-                  f"imbalance {schedule.imbalance():.3f}")
+                  f"{schedule.tile_tokens}-token KV tiles, imbalance {schedule.imbalance():.3f}")
         for _ in range(args.iters):
             attn.run(q, k, v, plan)
         torch.cuda.synchronize()

@@ -129,7 +129,8 @@ def main(argv=None) -> int:
             by_mode[mode] = summarize(np.stack(stamps))
         by_mode["graphed"] = summarize(graphed_stamps(lambda: attn.run(q, k, v, plan), ext, trace, args.reps))
         schedule = prepared.schedule
-        results[name] = {"plan": plan.plan.summary(), "ctas": ctas, "units": schedule.num_units, **by_mode}
+        results[name] = {"plan": plan.plan.summary(), "ctas": ctas, "units": schedule.num_units,
+                         "kv_tile_tokens": schedule.tile_tokens, **by_mode}
         print(f"{name}: {schedule.num_units} units on {ctas} CTAs; us from the first CTA start "
               f"(median CTA / slowest CTA)")
         print("  stamp        " + "".join(f"{m:>22}" for m in by_mode))

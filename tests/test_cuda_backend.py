@@ -14,7 +14,7 @@ import torch
 from treedec import PlanConfig, TreeAttention
 from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
 from treedec.attention.backends import HYBRID_MIN_ROWS
-from treedec.attention.persistent_schedule import FULL_TILE_FLAG, TILE_TOKENS, UNIT_FIELDS
+from treedec.attention.persistent_schedule import FULL_TILE_FLAG, SCHEDULE_HEADER, TILE_SIZES, TILE_TOKENS, UNIT_FIELDS
 from treedec.errors import PlanError
 from treedec.kernels.cuda_build import compile_sources
 from treedec.tree import PagedKVPool, SequenceTree
@@ -38,6 +38,17 @@ def run_cuda(tree, config, group, dtype, seed=0):
     return run_on_random_q(run_plan_cuda, tree, make_plan(tree.layout(), config, group), group, dtype, "cuda", seed)
 
 
+def kernel_takes_tile(tile: int, dtype, head_dim: int) -> bool:
+    from treedec.kernels.cuda_tree_attention import extension
+    return extension(torch.device("cuda")).takes_tile(dtype == torch.bfloat16, head_dim, tile)
+
+
+def force_tile(monkeypatch, tile: int) -> None:
+    """Every later schedule lists ``tile``-token tiles (cuda_tree_attention.TILE_TOKENS_ENV)."""
+    from treedec.kernels.cuda_tree_attention import TILE_TOKENS_ENV
+    monkeypatch.setenv(TILE_TOKENS_ENV, str(tile))
+
+
 CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chunk_size, query_tile
     (0, 16, 2, 4, 128, torch.float16, "flatten", 64, 16),
     (1, 1, 1, 4, 128, torch.bfloat16, "flatten", 64, 16),
@@ -54,13 +65,21 @@ CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tile", TILE_SIZES)
 @pytest.mark.parametrize("seed,page_size,hkv,group,head_dim,dtype,planner,chunk_size,query_tile", CASES)
 def test_matches_references_on_random_forests(seed, page_size, hkv, group, head_dim, dtype, planner,
-                                              chunk_size, query_tile):
+                                              chunk_size, query_tile, tile, monkeypatch):
+    """With each KV tile size; a size the kernel does not take (96 with head dim 256 or off sm_90a) is refused."""
     rng = np.random.default_rng(seed)
     tree = random_forest(rng, page_size, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, max_nodes=12)
     poison_free_slots(tree)
     config = PlanConfig(planner, chunk_size=chunk_size, query_tile=query_tile)
+    force_tile(monkeypatch, tile)
+    if not kernel_takes_tile(tile, dtype, head_dim):
+        assert tile != TILE_TOKENS
+        with pytest.raises(ValueError, match=f"TREEDEC_TILE_TOKENS='{tile}'.*take tiles of \\[64\\]"):
+            run_cuda(tree, config, group, dtype, seed)
+        return
     check_against_references(*run_cuda(tree, config, group, dtype, seed), TOLERANCE[dtype])
 
 
@@ -97,9 +116,14 @@ def test_medusa_tree_over_long_prompt(prompt_len, tree_size, planner, chunk_size
     (200, 2, 4, 128, torch.bfloat16),    # 253 tokens: 4 tiles
     (10, 1, 4, 64, torch.float16),       # 28 tokens: 1 tile
     (1000, 4, 16, 64, torch.bfloat16)])  # 64 rows, 19 tiles
-def test_units_of_at_most_64_rows(prompt_len, branches, group, head_dim, dtype):
+@pytest.mark.parametrize("tile", TILE_SIZES)
+def test_units_of_at_most_64_rows(prompt_len, branches, group, head_dim, dtype, tile, monkeypatch):
     """One chunk, a query per branch, <= 64 rows: on sm_90a the second consumer's rows are all
-    padding and it only keeps the turns (odd and even tile counts, a single tile)."""
+    padding and it only keeps the turns (odd and even tile counts, a single tile; both tile sizes)."""
+    if not kernel_takes_tile(tile, dtype, head_dim):
+        pytest.skip(f"the kernel takes no {tile}-token tiles here (test_matches_references_on_random_forests "
+                    f"checks the refusal)")
+    force_tile(monkeypatch, tile)
     hkv = 2
     pool = PagedKVPool(num_pages=128, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype)
     tree = SequenceTree(pool)
@@ -142,6 +166,26 @@ def test_balanced_chunks_on_hopper_match_the_reference():
     q = torch.randn(plan.plan.num_queries, 32, 128, dtype=torch.float16, device="cuda")
     out, lse = attn.run(q, pool.layer(0)[0], pool.layer(0)[1], plan, return_lse=True)
     check_against_references(out, lse, plan.plan, q, *pool.layer(0), TOLERANCE[torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_long_chunks_choose_96_token_tiles_on_hopper():
+    """choose_tile_tokens: 96 where the longest chunk has >= LONG_CHUNK_TOKENS tokens and the kernel
+    takes 96 (sm_90a, head dims 64/128), else 64; the schedule heads its device array with the size."""
+    from treedec.kernels.cuda_tree_attention import LONG_CHUNK_TOKENS, plan_schedule
+    tree = prompt_with_token_tree(3000, 64)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for chunk_size, expected in ((2 * LONG_CHUNK_TOKENS, 96 if hopper else 64), (LONG_CHUNK_TOKENS // 2, 64)):
+        attn = TreeAttention(32, 8, 128, backend="cuda", device="cuda", plan_config=PlanConfig("flatten", chunk_size))
+        plan = attn.plan(tree)
+        assert plan_schedule(plan) is None
+        q = torch.randn(plan.plan.num_queries, 32, 128, dtype=torch.bfloat16, device="cuda")
+        out, lse = attn.run(q, *(c.cuda() for c in tree.pool.layer(0)), plan, return_lse=True)
+        schedule = plan_schedule(plan)
+        assert schedule.tile_tokens == expected and schedule.device_array()[0] == expected
+        check_against_references(out, lse, plan.plan, q, *(c.cuda() for c in tree.pool.layer(0)),
+                                 TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu
@@ -228,15 +272,8 @@ def test_captured_graph_replays_new_trees():
 
     tree = new_tree()
     attn.plan(tree)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (builds, sets kernel attributes) outside the capture
-        attn.run(q_static, k_cache, v_cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = attn.run(q_static, k_cache, v_cache)
+    graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
+    out, lse = graph.outputs
     for step in range(4):
         if step:
             tree.commit_step()
@@ -250,6 +287,69 @@ def test_captured_graph_replays_new_trees():
         ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
         assert rel_error(out[:n], ref) < TOLERANCE[dtype]
         torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graph_replays_new_trees_with_96_token_tiles():
+    """StaticTreeAttention(tile_tokens=96): every plan lists 96-token tiles and the graph, holding that
+    tile's kernel, replays trees of short and long chunks; where no kernel takes 96 it is refused."""
+    hkv, group, d, dtype = 2, 4, 64, torch.bfloat16
+    pool = PagedKVPool(num_pages=1024, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                       device="cuda")
+    pool.k.normal_()
+    pool.v.normal_()
+    bounds = PlanBounds(max_queries=64, max_tokens=8192)
+    config = PlanConfig("flatten", chunk_size=2048)
+    if not kernel_takes_tile(96, dtype, d):
+        with pytest.raises(ValueError, match="take tiles of \\[64\\]"):
+            StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=96)
+        return
+    with pytest.raises(ValueError, match="tile_tokens"):
+        StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=128)
+    attn = StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=96)
+    q_static = torch.zeros(bounds.max_queries, hkv * group, d, dtype=dtype, device="cuda")
+    k_cache, v_cache = pool.layer(0)
+    trees = [prompt_in(pool, n, 5) for n in (600, 5000, 300, 4000)]
+    attn.plan(trees[0])
+    graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
+    out, lse = graph.outputs
+    for tree in trees:
+        host = attn.plan(tree)
+        assert attn.schedule.tile_tokens == 96
+        n = host.num_queries
+        q_static[:n] = torch.randn(n, hkv * group, d, device="cuda", dtype=dtype)
+        graph.replay()
+        ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
+        assert rel_error(out[:n], ref) < TOLERANCE[dtype]
+        torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
+
+
+def prompt_in(pool, prompt_len: int, branches: int) -> SequenceTree:
+    """A new tree in ``pool``: a prompt and ``branches`` one-token branches pending."""
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(np.arange(prompt_len) % 100)
+    tree.commit_step()
+    for b in range(branches):
+        tree.add_token_tree(root, [b], [-1])
+    return tree
+
+
+class capture:
+    """A CUDA graph of ``fn()`` (warmed up on a side stream first); its return value in ``outputs``."""
+
+    def __init__(self, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # builds, sets kernel attributes outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn()
+
+    def replay(self):
+        self.graph.replay()
 
 
 @pytest.mark.gpu
@@ -275,7 +375,12 @@ def test_static_plan_over_bounds_raises_and_keeps_the_previous_plan():
 def test_python_rows_and_tile_tables_match_the_kernels():
     from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, extension
     ext = extension(torch.device("cuda"))
-    assert ext.list_tile_tokens() == TILE_TOKENS
+    assert ext.default_tile_tokens() == TILE_TOKENS and ext.schedule_header() == SCHEDULE_HEADER
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for bf16 in (False, True):
+        assert [d for d in ROWS_PER_UNIT if ext.takes_tile(bf16, d, 96)] == ([64, 128] if hopper else [])
+        assert all(ext.takes_tile(bf16, d, TILE_TOKENS) for d in ROWS_PER_UNIT)
+        assert not any(ext.takes_tile(bf16, d, t) for d in ROWS_PER_UNIT for t in (32, 128))
     assert ext.full_tile_flag() == FULL_TILE_FLAG
     assert ext.unit_fields() == len(UNIT_FIELDS)
     for bf16 in (False, True):

@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec import PlanConfig
 from treedec.attention import make_plan, schedule_units
-from treedec.attention.persistent_schedule import (COST_PER_UNIT, FULL_TILE_FLAG, TILE_TOKENS, UNIT_FIELDS,
-                                                   live_kv_tokens, live_tiles)
+from treedec.attention.persistent_schedule import (COST_PER_UNIT, FULL_TILE_FLAG, SCHEDULE_HEADER, TILE_SIZES,
+                                                   UNIT_FIELDS, live_kv_tokens, live_tiles)
 from tests.trees import random_forest
 
 
@@ -38,11 +38,11 @@ def test_units_cover_every_item_head_and_row_once(seed, group, hkv, ctas, rows):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 64))
-def test_greedy_assignment_is_within_the_list_scheduling_bound(seed, ctas):
+@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 64), tile=st.sampled_from(TILE_SIZES))
+def test_greedy_assignment_is_within_the_list_scheduling_bound(seed, ctas, tile):
     """Loads add up to the units' costs; no CTA carries more than the mean load plus the heaviest unit."""
     plan = plan_for(seed, chunk_size=16, query_tile=2)
-    s = schedule_units(plan, 4, 2, ctas)
+    s = schedule_units(plan, 4, 2, ctas, tile_tokens=tile)
     costs = unit_costs(plan, s)
     assert s.cta_cost.sum() == pytest.approx(costs.sum())
     cta_of_unit = np.repeat(np.arange(ctas), np.diff(s.cta_unit_start))
@@ -54,23 +54,26 @@ def test_greedy_assignment_is_within_the_list_scheduling_bound(seed, ctas):
 
 def unit_costs(plan, s) -> np.ndarray:
     """Each unit's cost from the cost model, recomputed from its fields."""
-    live = dict(zip(zip(plan.item_chunk.tolist(), plan.item_entry_start.tolist()), live_kv_tokens(plan).tolist()))
+    live = dict(zip(zip(plan.item_chunk.tolist(), plan.item_entry_start.tolist()),
+                    live_kv_tokens(plan, tile_tokens=s.tile_tokens).tolist()))
     return np.array([COST_PER_UNIT + (end - begin) + live[(c, e)] for c, _, e, begin, end in s.unit_info[:, :5].tolist()])
 
 
-def test_live_tokens_count_only_tiles_some_entry_reads():
+@pytest.mark.parametrize("tile", TILE_SIZES)
+def test_live_tokens_count_only_tiles_some_entry_reads(tile):
     plan = plan_for(3, chunk_size=256, query_tile=64)
-    live = live_kv_tokens(plan)
+    live = live_kv_tokens(plan, tile_tokens=tile)
     chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
     assert np.all(live <= chunk_len) and np.all(live > 0)
     for i in range(plan.num_items):
         e0, n = plan.item_entry_start[i], plan.item_num_entries[i]
         words = np.bitwise_or.reduce(plan.entry_mask[e0:e0 + n], axis=0)
-        tiles = {t // 64 for t in range(int(chunk_len[i])) if (words[t // 32] >> (t % 32)) & 1}
-        assert live[i] == min(len(tiles) * 64, chunk_len[i])
+        tiles = {t // tile for t in range(int(chunk_len[i])) if (words[t // 32] >> (t % 32)) & 1}
+        assert live[i] == min(len(tiles) * tile, chunk_len[i])
 
 
-@pytest.mark.parametrize("name,value", [("group", 0), ("num_kv_heads", -1), ("num_ctas", 0), ("rows_per_unit", 0)])
+@pytest.mark.parametrize("name,value", [("group", 0), ("num_kv_heads", -1), ("num_ctas", 0), ("rows_per_unit", 0),
+                                        ("tile_tokens", 32), ("tile_tokens", 128)])
 def test_bad_arguments_raise(name, value):
     args = dict(group=4, num_kv_heads=2, num_ctas=8, rows_per_unit=64)
     args[name] = value
@@ -79,16 +82,17 @@ def test_bad_arguments_raise(name, value):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16))
-def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas):
+@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16), tile=st.sampled_from(TILE_SIZES))
+def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile):
     """The kernels' tile lists: tiles[tile_begin:tile_end] are the item's live tiles, ascending;
-    device_array() holds the records, then the lists at the offsets the records name; each record
-    carries its chunk's first slot index and length and its first live tile."""
+    device_array() holds the header (tile size, 0), the records, then the lists at the offsets the
+    records name; each record carries its chunk's first slot index and length and its first live tile."""
     plan = plan_for(seed, chunk_size=200, query_tile=3)
-    s = schedule_units(plan, 2, 2, ctas)
+    s = schedule_units(plan, 2, 2, ctas, tile_tokens=tile)
     flat = s.device_array()
-    assert flat.dtype == np.int32 and len(flat) == s.unit_info.size + len(s.tiles)
-    records = flat[:s.unit_info.size].reshape(-1, len(UNIT_FIELDS))
+    assert s.tile_tokens == tile and flat[:SCHEDULE_HEADER].tolist() == [tile, 0]
+    assert flat.dtype == np.int32 and len(flat) == SCHEDULE_HEADER + s.unit_info.size + len(s.tiles)
+    records = flat[SCHEDULE_HEADER:SCHEDULE_HEADER + s.unit_info.size].reshape(-1, len(UNIT_FIELDS))
     item_of = {(int(c), int(e)): i for i, (c, e) in enumerate(zip(plan.item_chunk, plan.item_entry_start))}
     for rec in records.tolist():
         chunk, _, entry_start, _, _, begin, end, kv_begin, chunk_len, first_tile = rec
@@ -97,9 +101,8 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas):
         reads = [[bool((m[t // 32] >> (t % 32)) & 1) for t in range(chunk_len)] for m in plan.entry_mask[e0:e0 + n]]
         assert kv_begin == plan.chunk_kv_start[chunk]
         assert chunk_len == plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk]
-        live = sorted({t // TILE_TOKENS for t in range(chunk_len) if any(r[t] for r in reads)})
-        full = {i for i in live if (i + 1) * TILE_TOKENS <= chunk_len
-                and all(all(r[i * TILE_TOKENS:(i + 1) * TILE_TOKENS]) for r in reads)}
+        live = sorted({t // tile for t in range(chunk_len) if any(r[t] for r in reads)})
+        full = {i for i in live if (i + 1) * tile <= chunk_len and all(all(r[i * tile:(i + 1) * tile]) for r in reads)}
         expected = [i | (FULL_TILE_FLAG if i in full else 0) for i in live]
         assert flat[begin:end].tolist() == expected
         assert first_tile == (expected[0] if expected else 0)
@@ -113,3 +116,5 @@ def test_tiles_every_query_reads_whole_are_flagged_full():
     _, tiles = live_tiles(plan)
     assert plan.num_chunks == 1 and tiles.tolist() == [0 | FULL_TILE_FLAG, 1 | FULL_TILE_FLAG, 2 | FULL_TILE_FLAG,
                                                        3 | FULL_TILE_FLAG, 4, 5]
+    _, tiles96 = live_tiles(plan, 96)  # tokens 0-287 in three whole tiles, 288-359 in a short one
+    assert tiles96.tolist() == [0 | FULL_TILE_FLAG, 1 | FULL_TILE_FLAG, 2 | FULL_TILE_FLAG, 3]

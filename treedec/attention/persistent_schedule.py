@@ -5,16 +5,18 @@ loops over its list of *units*. A unit is one work item's chunk for one KV head 
 most ``rows_per_unit`` of the item's rows (row ``r = local_entry * group + g``: entry
 ``local_entry`` of the item, query head ``kv_head * group + g``), so any GQA ratio fits.
 
-Each work item's *live tiles* (the TILE_TOKENS-token tiles of its chunk that some entry of the
-item reads; the kernel loads and computes only those) are listed here on the CPU, once per
+Each work item's *live tiles* (the ``tile_tokens``-token tiles of its chunk that some entry of
+the item reads; the kernel loads and computes only those) are listed here on the CPU, once per
 item, and the unit records point into the list (:meth:`PersistentSchedule.device_array`). A
 record also carries what the kernel's first K/V gathers need (the chunk's first slot index and
-length, the first live tile), so those start one load after the record, not three.
+length, the first live tile), so those start one load after the record, not three. The tile size
+is the KV tile the kernel runs: :data:`TILE_TOKENS` (every kernel) or 96 (the sm_90a kernel, for
+long units: the backend chooses, ``cuda_tree_attention.choose_tile_tokens``); it heads the device
+array, so a captured graph replays schedules of either size.
 
 Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
 longest-processing-time first; FlashInfer paper section 3.3.1): here the KV tokens are the
-*live* ones, the 64-token tiles that some entry of the item reads (the kernel skips the
-others), and every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas``
+*live* ones, in the tiles that some entry of the item reads (the kernel skips the others), and every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas``
 units (vectorized): the heaviest remaining units go to the least-loaded CTAs.
 """
 from __future__ import annotations
@@ -28,7 +30,9 @@ from treedec.attention.tree_plan import MASK_BITS, TreePlan
 UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end",
                "kv_begin", "chunk_len", "first_tile")
 _LIST_FIELDS = [UNIT_FIELDS.index("tile_begin"), UNIT_FIELDS.index("tile_end")]  # offsets into device_array()
-TILE_TOKENS = 64          # tile of the live lists and the cost model: the sm_90a kernel's KV tile
+TILE_TOKENS = 64          # default tile of the live lists and the cost model (every kernel takes it)
+TILE_SIZES = (64, 96)     # tiles a schedule may list (multiples of MASK_BITS); the kernel must take them
+SCHEDULE_HEADER = 2       # int32 words before the records in device_array(): tile tokens, 0
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, pipeline fill, partial state)
@@ -55,12 +59,15 @@ class PersistentSchedule:
         each with :data:`FULL_TILE_FLAG` set where every entry of the item reads the whole tile.
     cta_cost : [num_ctas] float64
         Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
+    tile_tokens : int
+        Tokens per listed tile (one of :data:`TILE_SIZES`): the KV tile the kernel runs.
     """
 
     cta_unit_start: np.ndarray
     unit_info: np.ndarray
     tiles: np.ndarray
     cta_cost: np.ndarray
+    tile_tokens: int = TILE_TOKENS
 
     @property
     def num_ctas(self) -> int:
@@ -71,11 +78,13 @@ class PersistentSchedule:
         return len(self.unit_info)
 
     def device_array(self) -> np.ndarray:
-        """[len(UNIT_FIELDS) U + N] int32: the unit records, then the tile lists (``tile_begin``/
-        ``tile_end`` index this array), as the kernels read them (``PartialParams::unit_info``)."""
+        """[SCHEDULE_HEADER + len(UNIT_FIELDS) U + N] int32, as the kernels read it
+        (``PartialParams::unit_info``): the header (``tile_tokens``, 0), the unit records, then the
+        tile lists (``tile_begin``/``tile_end`` index this array)."""
         records = self.unit_info.copy()
-        records[:, _LIST_FIELDS] += records.size
-        return np.concatenate([records.reshape(-1), self.tiles]).astype(np.int32)
+        records[:, _LIST_FIELDS] += SCHEDULE_HEADER + records.size
+        header = np.array([self.tile_tokens, 0], dtype=np.int32)
+        return np.concatenate([header, records.reshape(-1), self.tiles]).astype(np.int32)
 
     def imbalance(self) -> float:
         """Heaviest CTA's cost over the mean (1.0 is perfect)."""
@@ -83,18 +92,19 @@ class PersistentSchedule:
         return float(busy.max() / busy.mean()) if busy.size else 1.0
 
 
-def live_tiles(plan: TreePlan) -> tuple[np.ndarray, np.ndarray]:
-    """Live tiles of every work item, as CSR.
+def live_tiles(plan: TreePlan, tile_tokens: int = TILE_TOKENS) -> tuple[np.ndarray, np.ndarray]:
+    """Live tiles of every work item, as CSR (tiles of ``tile_tokens``, one of :data:`TILE_SIZES`).
 
     Returns
     -------
     item_tile_start : [I + 1] int64
         Item i's live tiles are ``tiles[item_tile_start[i]:item_tile_start[i + 1]]``.
     tiles : [N] int32
-        Index (tile t covers chunk tokens ``t * TILE_TOKENS ...``) of each tile that some entry of
+        Index (tile t covers chunk tokens ``t * tile_tokens ...``) of each tile that some entry of
         the item reads, ascending per item, plus :data:`FULL_TILE_FLAG` where every entry of the
-        item reads all ``TILE_TOKENS`` tokens of the tile (so never a chunk's short last tile).
+        item reads all ``tile_tokens`` tokens of the tile (so never a chunk's short last tile).
     """
+    _check_tile_tokens(tile_tokens)
     if plan.num_items == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
     counts = plan.item_num_entries.astype(np.int64)
@@ -103,34 +113,40 @@ def live_tiles(plan: TreePlan) -> tuple[np.ndarray, np.ndarray]:
     masks = plan.entry_mask[rows]                                   # [entries, W], item by item
     ored = np.bitwise_or.reduceat(masks, offsets, axis=0)           # [I, W] (items need not be in entry order)
     anded = np.bitwise_and.reduceat(masks, offsets, axis=0)
-    live = _by_tile(ored != 0).any(axis=2)                          # [I, tiles]
-    full = _by_tile(anded == -1).all(axis=2)                        # every bit of every word (int32 -1)
+    live = _by_tile(ored != 0, tile_tokens).any(axis=2)             # [I, tiles]
+    full = _by_tile(anded == -1, tile_tokens).all(axis=2)           # every bit of every word (int32 -1)
     items, tiles = np.nonzero(live)                                 # item-major, ascending
     item_tile_start = np.zeros(plan.num_items + 1, dtype=np.int64)
     np.cumsum(live.sum(axis=1), out=item_tile_start[1:])
     return item_tile_start, (tiles | np.where(full[items, tiles], FULL_TILE_FLAG, 0)).astype(np.int32)
 
 
-def _by_tile(word_flags: np.ndarray) -> np.ndarray:
+def _check_tile_tokens(tile_tokens) -> None:
+    if tile_tokens not in TILE_SIZES:
+        raise ValueError(f"tile_tokens must be one of {TILE_SIZES}, got {tile_tokens!r}")
+
+
+def _by_tile(word_flags: np.ndarray, tile_tokens: int) -> np.ndarray:
     """[I, W] bool per mask word -> [I, tiles, words per tile], the words past W False."""
-    words_per_tile = TILE_TOKENS // MASK_BITS
+    words_per_tile = tile_tokens // MASK_BITS
     num_items, w = word_flags.shape
     padded = np.zeros((num_items, -(-w // words_per_tile) * words_per_tile), dtype=bool)
     padded[:, :w] = word_flags
     return padded.reshape(num_items, -1, words_per_tile)
 
 
-def live_kv_tokens(plan: TreePlan, item_tile_start: np.ndarray | None = None) -> np.ndarray:
-    """[I] int64: tokens of each work item's chunk in tiles some entry of the item reads
-    (``item_tile_start`` of :func:`live_tiles`, computed when not given)."""
+def live_kv_tokens(plan: TreePlan, item_tile_start: np.ndarray | None = None,
+                   tile_tokens: int = TILE_TOKENS) -> np.ndarray:
+    """[I] int64: tokens of each work item's chunk in tiles of ``tile_tokens`` some entry of the
+    item reads (``item_tile_start`` of :func:`live_tiles` with that tile, computed when not given)."""
     if item_tile_start is None:
-        item_tile_start, _ = live_tiles(plan)
+        item_tile_start, _ = live_tiles(plan, tile_tokens)
     chunk_len = np.diff(plan.chunk_kv_start)[plan.item_chunk]
-    return np.minimum(np.diff(item_tile_start) * TILE_TOKENS, chunk_len)
+    return np.minimum(np.diff(item_tile_start) * tile_tokens, chunk_len)
 
 
 def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
-                   rows_per_unit: int = 64) -> PersistentSchedule:
+                   rows_per_unit: int = 64, tile_tokens: int = TILE_TOKENS) -> PersistentSchedule:
     """Cut ``plan``'s work items into units and assign them to ``num_ctas`` CTAs.
 
     Parameters
@@ -143,20 +159,23 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
         Size of the persistent grid; CTAs left without units exit at once.
     rows_per_unit : int
         Rows one CTA computes at a time (``cuda_tree_attention.ROWS_PER_UNIT`` of the head dim).
+    tile_tokens : int
+        Tokens per tile of the live lists, the kernel's KV tile (one of :data:`TILE_SIZES`).
     """
     for name, value in (("group", group), ("num_kv_heads", num_kv_heads), ("num_ctas", num_ctas),
                         ("rows_per_unit", rows_per_unit)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_tile_tokens(tile_tokens)
     rows = plan.item_num_entries.astype(np.int64) * group                   # [I]
     blocks = -(-rows // rows_per_unit)                                      # [I]
     item_of_block = np.repeat(np.arange(plan.num_items), blocks)            # [B]
     block_in_item = np.arange(len(item_of_block)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
     row_begin = block_in_item * rows_per_unit
     row_end = np.minimum(row_begin + rows_per_unit, rows[item_of_block])
-    item_tile_start, tiles = live_tiles(plan)
+    item_tile_start, tiles = live_tiles(plan, tile_tokens)
     block_cost = (COST_PER_UNIT + COST_PER_ROW * (row_end - row_begin)
-                  + COST_PER_KV_TOKEN * live_kv_tokens(plan, item_tile_start)[item_of_block])
+                  + COST_PER_KV_TOKEN * live_kv_tokens(plan, item_tile_start, tile_tokens)[item_of_block])
     # Units: every block for every KV head (block-major, so equal costs stay adjacent).
     num_blocks = len(item_of_block)
     unit_block = np.repeat(np.arange(num_blocks), num_kv_heads)
@@ -186,4 +205,4 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     counts = np.bincount(cta_of_unit, minlength=num_ctas)
     cta_unit_start = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(counts, out=cta_unit_start[1:])
-    return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), tiles, loads)
+    return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), tiles, loads, tile_tokens)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treedec.attention.persistent_schedule import TILE_TOKENS, UNIT_FIELDS, schedule_units
+from treedec.attention.persistent_schedule import SCHEDULE_HEADER, TILE_TOKENS, UNIT_FIELDS, schedule_units
 from treedec.attention.planners import PERSISTENT_MAX_CHUNK, PlanConfig, make_plan
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import BackendUnavailableError, PlanError
@@ -89,11 +89,15 @@ class StaticTreeAttention:
     sm_scale : float, optional
         Default ``1 / sqrt(head_dim)``.
     device : CUDA device, default the current one.
+    tile_tokens : int, optional
+        The KV tile of every plan (a graph replays one stage-1 kernel): 64 (default; every kernel) or
+        96 where a kernel takes it (sm_90a, head dims 64/128), faster when the trees' chunks are long
+        (``cuda_tree_attention.LONG_CHUNK_TOKENS`` and more: prompts of many thousand tokens).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, bounds: PlanBounds,
                  plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, tile_tokens: int = TILE_TOKENS):
         from treedec.kernels import cuda_tree_attention as ck
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
@@ -117,6 +121,7 @@ class StaticTreeAttention:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.num_ctas = ck.persistent_grid_size(index, dtype, head_dim)
         self._ext = ck.extension(self.device)
+        self.tile_tokens = ck.check_tile_tokens(tile_tokens, dtype, head_dim, self._ext)
         if bounds.max_chunk_tokens < PERSISTENT_MAX_CHUNK and plan_config.light_tile_cost is None:
             plan_config = dataclasses.replace(plan_config, light_tile_cost=1.0)  # balanced chunks reach that length
         self.plan_config = ck.cuda_plan_config(
@@ -124,11 +129,11 @@ class StaticTreeAttention:
             self.device, head_dim, self.group)
         e, mw = bounds.entries, bounds.mask_words
         max_units = num_kv_heads * (e + -(-e * self.group // self.rows_per_unit))
-        max_tiles = e * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists: <= one per item
+        max_tiles = e * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists: <= one per item (tiles >= 64)
         self._sizes = {"kv_slots": bounds.max_tokens, "chunk_kv_start": bounds.chunks + 1, "entry_query": e,
                        "entry_mask": e * mw, "entry_direct": e, "query_entry_start": bounds.max_queries + 1,
                        "query_entries": e, "cta_unit_start": self.num_ctas + 1,
-                       "unit_info": len(UNIT_FIELDS) * max_units + max_tiles}
+                       "unit_info": SCHEDULE_HEADER + len(UNIT_FIELDS) * max_units + max_tiles}
         offsets = np.cumsum([0, *self._sizes.values()])
         self._offsets = dict(zip(_SECTIONS, offsets[:-1].tolist()))
         total = int(offsets[-1])
@@ -143,6 +148,7 @@ class StaticTreeAttention:
         self._copied = torch.cuda.Event()
         self._copied.record()
         self.current: TreePlan | None = None
+        self.schedule = None  # the current plan's PersistentSchedule
 
     def plan(self, tree: SequenceTree | TreeLayout) -> TreePlan:
         """Plan one step on the CPU and write it into the device buffers (asynchronous copy).
@@ -152,7 +158,8 @@ class StaticTreeAttention:
         layout = tree.layout() if isinstance(tree, SequenceTree) else tree
         host = make_plan(layout, self.plan_config, self.group)
         self._check_bounds(host)
-        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, self.rows_per_unit)
+        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, self.rows_per_unit,
+                                  self.tile_tokens)
         units = schedule.device_array()
         if units.size > self._sizes["unit_info"]:
             raise PlanError(f"the schedule has {schedule.num_units} units and {schedule.tiles.size} live tiles, more "
@@ -174,7 +181,7 @@ class StaticTreeAttention:
             # only the used prefix travels; the kernels never read past it
             self._dev[start:start + len(value)].copy_(self._host[start:start + len(value)], non_blocking=True)
         self._copied.record()
-        self.current = host
+        self.current, self.schedule = host, schedule
         return host
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +220,7 @@ class StaticTreeAttention:
         hkv, d = self.num_kv_heads, self.head_dim
         ck.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, self.o_ws, self.lse_ws, arrays,
                   arrays["cta_unit_start"], arrays["unit_info"], self.bounds.mask_words, self.sm_scale, merge=True,
-                  ext=self._ext)
+                  tile_tokens=self.tile_tokens, ext=self._ext)
         return out, lse
 
     def _check_bounds(self, plan: TreePlan) -> None:

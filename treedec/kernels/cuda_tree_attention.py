@@ -8,7 +8,9 @@ chunk x one KV head x up to :data:`ROWS_PER_UNIT` rows (queries x heads of the G
 8 warps of mma.sync elsewhere). Dead tiles
 (no row reads them) are neither loaded nor computed; entries that are their query's only
 partial write the output directly, the rest write fp32 partial states. Stage 2 merges each
-query's partials in the plan's CSR order (deterministic, no atomics).
+query's partials in the plan's CSR order (deterministic, no atomics). The KV tile is chosen per
+plan (:func:`choose_tile_tokens`: 96 tokens for long chunks on sm_90a, else 64; each size has its
+own stage-1 kernel).
 
 Two ways in:
 
@@ -22,16 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from treedec.attention.persistent_schedule import PersistentSchedule, schedule_units
+from treedec.attention.persistent_schedule import TILE_SIZES, TILE_TOKENS, PersistentSchedule, schedule_units
 from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
-from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.kernels.cuda_build import load_extension
+
+logger = logging.getLogger("treedec")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -47,6 +53,15 @@ ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
 # ran fewshot_b30_p4k fastest and changed no other workload's chunks
 # (bench/results/2026-11-22-nvidia-h200-balanced-chunks*.json).
 LIGHT_TILE_COST = 0.7
+
+# Plans whose longest chunk has at least LONG_CHUNK_TOKENS tokens run 96-token KV tiles where the
+# kernel takes them (sm_90a, head dims 64/128), the rest 64-token ones. Measured over the suite on
+# an H200 (bench/results/2026-11-22-nvidia-h200-ws-bn96-over-full-tile-ab.json): 96 ran the trees of
+# 2128-4008-token chunks 1.1-3.2 us faster (medusa256_p4k, fewshot_b50_p16k, medusa64_p32k), the
+# 768-token chunks of fewshot_b30_p4k even, and the trees of <= 512-token chunks 0.4-0.9 us slower.
+LONG_CHUNK_TOKENS = 1024
+LONG_CHUNK_TILE_TOKENS = 96
+TILE_TOKENS_ENV = "TREEDEC_TILE_TOKENS"  # forces one tile size (benchmarks, A/B runs)
 
 
 def default_query_tile(head_dim: int, group: int) -> int:
@@ -68,6 +83,32 @@ def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, gr
     if config.light_tile_cost is None and torch.cuda.get_device_capability(index) == (9, 0) and head_dim <= 128:
         fill["light_tile_cost"] = LIGHT_TILE_COST
     return dataclasses.replace(config, **fill)
+
+
+def choose_tile_tokens(plan: TreePlan, dtype: torch.dtype, head_dim: int, ext) -> int:
+    """Tokens per KV tile for ``plan``'s schedule: :data:`LONG_CHUNK_TILE_TOKENS` when its longest
+    chunk has at least :data:`LONG_CHUNK_TOKENS` tokens and a kernel (``ext``, for ``dtype`` and
+    ``head_dim``) takes that tile, else the 64 every kernel takes. ``TREEDEC_TILE_TOKENS`` (64 or 96)
+    forces a size; ValueError when no kernel takes it."""
+    forced = os.environ.get(TILE_TOKENS_ENV, "").strip()
+    if forced:
+        return check_tile_tokens(int(forced) if forced.isdigit() else forced, dtype, head_dim, ext,
+                                 f"{TILE_TOKENS_ENV}={forced!r}")
+    if plan.max_chunk_len >= LONG_CHUNK_TOKENS and ext.takes_tile(dtype == torch.bfloat16, head_dim,
+                                                                   LONG_CHUNK_TILE_TOKENS):
+        return LONG_CHUNK_TILE_TOKENS
+    return TILE_TOKENS
+
+
+def check_tile_tokens(tile_tokens, dtype: torch.dtype, head_dim: int, ext, what: str = "tile_tokens") -> int:
+    """``tile_tokens`` if a stage-1 kernel of ``ext`` takes tiles of that size for ``dtype`` and
+    ``head_dim``, else ValueError naming ``what`` and the sizes it takes."""
+    bf16 = dtype == torch.bfloat16
+    if tile_tokens not in TILE_SIZES or not ext.takes_tile(bf16, head_dim, tile_tokens):
+        supported = [t for t in TILE_SIZES if ext.takes_tile(bf16, head_dim, t)]
+        raise ValueError(f"{what}: the cuda kernels for {dtype}, head_dim={head_dim} on this GPU take tiles of "
+                         f"{supported} tokens")
+    return int(tile_tokens)
 
 
 def extension(device: torch.device):
@@ -109,11 +150,12 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
-           sm_scale: float, merge: bool, ext=None) -> None:
+           sm_scale: float, merge: bool, tile_tokens: int, ext=None) -> None:
     """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
 
     ``arrays`` holds the plan's int32 tensors by :class:`DeviceTreePlan` field name;
     ``q`` [>=Q, Hq, D], ``k_flat``/``v_flat`` [slots, Hkv, D], ``out`` like q, ``lse`` [rows of q, Hq];
+    ``unit_info`` a schedule's device array of ``tile_tokens``-token tiles (the kernel of that tile runs);
     ``ext`` the compiled extension when the caller holds it (else looked up for q's device).
     """
     ext = ext or extension(q.device)
@@ -121,7 +163,7 @@ def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_sta
     ext.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], arrays["query_entry_start"],
                arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, sm_scale * math.log2(math.e),
-               merge)
+               merge, tile_tokens)
 
 
 @dataclass(frozen=True)
@@ -166,14 +208,25 @@ def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
     launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws, prepared.lse_ws,
            prepared.arrays, prepared.cta_unit_start, prepared.unit_info, plan.entry_mask.stride(0), sm_scale,
-           prepared.merge, prepared.ext)
+           prepared.merge, prepared.schedule.tile_tokens, prepared.ext)
     return out, lse
+
+
+def plan_schedule(plan: DeviceTreePlan) -> PersistentSchedule | None:
+    """The persistent schedule :func:`run_plan_cuda` derived for ``plan`` (its KV tile is
+    ``tile_tokens``), None before the plan's first cuda run."""
+    prepared = [v for key, v in plan.cache.items() if isinstance(key, tuple) and key[0] == "cuda"]
+    return prepared[0].schedule if prepared else None
 
 
 def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: torch.device) -> _EagerLaunch:
     host = plan.plan
     grid = persistent_grid_size(device.index if device.index is not None else torch.cuda.current_device(), dtype, d)
-    schedule = schedule_units(host, hq // hkv, hkv, grid, ROWS_PER_UNIT[d])
+    ext = extension(device)
+    tile = choose_tile_tokens(host, dtype, d, ext)
+    schedule = schedule_units(host, hq // hkv, hkv, grid, ROWS_PER_UNIT[d], tile)
+    logger.debug("cuda schedule: %d units on %d CTAs, %d-token KV tiles (longest chunk %d tokens)",
+                 schedule.num_units, grid, tile, host.max_chunk_len)
     used = int((schedule.cta_unit_start[1:] > schedule.cta_unit_start[:-1]).sum())
     starts = schedule.cta_unit_start[:max(used, 1) + 1]  # CTAs are filled in order: trailing ones are empty
     flat = torch.from_numpy(np.concatenate([starts, schedule.device_array()])).to(device)
@@ -182,7 +235,7 @@ def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: tor
     arrays = {name: getattr(plan, name) for name in ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask",
                                                      "entry_direct", "query_entry_start", "query_entries")}
     return _EagerLaunch(
-        ext=extension(device), arrays=arrays, cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
+        ext=ext, arrays=arrays, cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
         o_ws=torch.empty(max(partials, 1), hq, d, dtype=torch.float32, device=device),
         lse_ws=torch.empty(max(partials, 1), hq, dtype=torch.float32, device=device),
         merge=needs_merge, schedule=schedule)

@@ -50,7 +50,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
             torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
             torch::Tensor query_entry_start, torch::Tensor query_entries, torch::Tensor cta_unit_start,
-            torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, bool merge) {
+            torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, bool merge,
+            int64_t tile_tokens) {
   const int64_t d = q.size(2);
   check_rows(q, "q", d);
   check_rows(k, "k", d);
@@ -68,6 +69,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(1) / k.size(1) == group, "group must be Hq / Hkv");
   TORCH_CHECK(k.stride(0) * k.element_size() < (int64_t{1} << 31) && v.stride(0) * v.element_size() < (int64_t{1} << 31),
               "k and v rows (slots) must be less than 2 GiB apart");
+  TORCH_CHECK(treedec::partial_takes_tile(dtype_of(q), static_cast<int>(d), static_cast<int>(tile_tokens)),
+              "no stage-1 kernel of ", tile_tokens, "-token tiles for this dtype and head_dim ", d, " on this build");
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   treedec::PartialParams p{};
@@ -105,6 +108,7 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   p.group = static_cast<int>(group);
   p.mask_stride = static_cast<int>(mask_stride);
   p.num_ctas = static_cast<int>(cta_unit_start.numel() - 1);
+  p.tile_tokens = static_cast<int>(tile_tokens);
   p.qk_scale_log2 = static_cast<float>(qk_scale_log2);
   cudaError_t err = treedec::launch_partial(dtype_of(q), static_cast<int>(d), p, stream);
   TORCH_CHECK(err == cudaSuccess, "treedec partial-attention launch failed: ", cudaGetErrorString(err));
@@ -140,8 +144,14 @@ int64_t rows_per_unit(bool bf16, int64_t head_dim) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "stage 1 (partial tree attention over the persistent schedule), then, with merge, "
         "stage 2 (deterministic per-query merge of the partial states)");
-  m.def("list_tile_tokens", []() { return int64_t{treedec::kListTileTokens}; },
-        "tokens per tile of the schedule's live-tile lists (persistent_schedule.TILE_TOKENS)");
+  m.def("takes_tile", [](bool bf16, int64_t head_dim, int64_t tile_tokens) {
+          return treedec::partial_takes_tile(bf16 ? treedec::DType::kBFloat16 : treedec::DType::kFloat16,
+                                             static_cast<int>(head_dim), static_cast<int>(tile_tokens));
+        }, "whether stage 1 (bf16, head_dim) runs schedules whose live lists have tiles of tile_tokens tokens");
+  m.def("default_tile_tokens", []() { return int64_t{treedec::kListTileTokens}; },
+        "tokens per tile every stage-1 kernel takes (persistent_schedule.TILE_TOKENS)");
+  m.def("schedule_header", []() { return int64_t{treedec::kScheduleHeader}; },
+        "int32 words before the unit records (persistent_schedule.SCHEDULE_HEADER)");
   m.def("set_trace", &set_trace, py::arg("trace"),
         "TREEDEC_WS_TRACE builds: stamp %globaltimer into trace [CTAs, trace_slots()] int64 on every later call "
         "(None: stop)");

@@ -34,4 +34,9 @@ int partial_rows_per_unit(DType dtype, int head_dim) {
                                   : DtypeFunctions<__nv_bfloat16>::rows_per_unit(head_dim);
 }
 
+bool partial_takes_tile(DType dtype, int head_dim, int tile_tokens) {
+  return dtype == DType::kFloat16 ? DtypeFunctions<__half>::takes_tile(head_dim, tile_tokens)
+                                  : DtypeFunctions<__nv_bfloat16>::takes_tile(head_dim, tile_tokens);
+}
+
 }  // namespace treedec

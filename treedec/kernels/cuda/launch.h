@@ -8,7 +8,8 @@ namespace treedec {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 constexpr int kUnitFields = 10;       // persistent_schedule.UNIT_FIELDS
-constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: tiles of the live lists
+constexpr int kScheduleHeader = 2;    // persistent_schedule.SCHEDULE_HEADER: {tile tokens, 0} before the records
+constexpr int kListTileTokens = 64;   // persistent_schedule.TILE_TOKENS: the default tile of the live lists
 constexpr int kFullTileFlag = 1 << 30;  // persistent_schedule.FULL_TILE_FLAG: every row of the item reads the whole tile
 
 // Stage 1: partial attention of every work unit, one persistent CTA loops over its units. On sm_90a
@@ -17,12 +18,14 @@ constexpr int kFullTileFlag = 1 << 30;  // persistent_schedule.FULL_TILE_FLAG: e
 //
 // A unit is (chunk, KV head, a range of rows of one work item). Rows of a work item are
 // r = local_entry * group + g (entry local_entry of the item, query head kv_head * group + g).
-// unit_info[10 u ...] = {chunk, kv_head, item_entry_start, row_begin, row_end, tile_begin, tile_end,
+// unit_info starts with a header: unit_info[0] is the tokens per tile of the live lists (the KV tile
+// the kernel runs: tile_tokens below, checked), unit_info[1] is 0. Then the records,
+// unit_info[2 + 10 u ...] = {chunk, kv_head, item_entry_start, row_begin, row_end, tile_begin, tile_end,
 // kv_begin, chunk_len, first_tile} (kv_begin = chunk_kv_start[chunk], chunk_len the chunk's tokens,
 // first_tile = the first live tile, 0 if none: the first gathers need no other lookup):
-// the unit's live tiles (64-token tiles of the chunk some row reads, ascending; kFullTileFlag is set
-// on those every row of the item reads whole) are unit_info[tile_begin .. tile_end - 1], stored
-// after the records. CTA b runs the units cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
+// the unit's live tiles (tiles of the chunk some row reads, ascending; kFullTileFlag is set on those
+// every row of the item reads whole) are unit_info[tile_begin .. tile_end - 1], stored after the
+// records. CTA b runs the units cta_unit_start[b] .. cta_unit_start[b + 1] - 1 in order.
 struct PartialParams {
   const void* q;        // [Q, Hq, D]     (strides q_stride_q, q_stride_h, 1)
   const void* k;        // [slots, Hkv, D] (k_stride_s, k_stride_h, 1)
@@ -46,6 +49,7 @@ struct PartialParams {
   int group;            // query heads per KV head
   int mask_stride;      // int32 words per entry_mask row
   int num_ctas;
+  int tile_tokens;      // tokens per listed tile: 64, or 96 where partial_takes_tile says so (= unit_info[0])
   float qk_scale_log2;  // softmax scale * log2(e)
 };
 
@@ -68,12 +72,16 @@ struct MergeParams {
   int num_qo_heads;
 };
 
-// Returns a CUDA error code (cudaSuccess on success). head_dim: 64, 128 or 256.
+// Returns a CUDA error code (cudaSuccess on success; cudaErrorInvalidValue for a head dim or tile size
+// without a kernel). head_dim: 64, 128 or 256.
 cudaError_t launch_partial(DType dtype, int head_dim, const PartialParams& p, cudaStream_t stream);
 cudaError_t launch_merge(DType dtype, int head_dim, const MergeParams& p, cudaStream_t stream);
 // Resident stage-1 CTAs per SM for this configuration (0 if it cannot launch).
 int partial_ctas_per_sm(DType dtype, int head_dim);
 // Rows (query x head pairs) one stage-1 unit covers (16 per warp of the CTA).
 int partial_rows_per_unit(DType dtype, int head_dim);
+// Whether stage 1 of this configuration runs live-list tiles of tile_tokens tokens (64 always; 96
+// with the warp-specialized sm_90a kernel, head dims 64 and 128).
+bool partial_takes_tile(DType dtype, int head_dim, int tile_tokens);
 
 }  // namespace treedec

@@ -141,26 +141,35 @@ __device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, int bytes) {
 
 namespace gmma = cute::SM90::GMMA;
 template <typename T> struct Gmma;
+// The wgmma atom of width N (64, 96 or 128) among the three given.
+template <int N, class A64, class A96, class A128>
+using GmmaOfWidth = std::conditional_t<N == 64, A64, std::conditional_t<N == 96, A96, A128>>;
 template <> struct Gmma<__half> {
-  template <int N> using SS = std::conditional_t<N == 64,
+  template <int N> using SS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>>;
-  template <int N> using RS = std::conditional_t<N == 64,
+  template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x96x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;
-  template <int N> using RSK = std::conditional_t<N == 64,  // B K-major (S = Q K^T, Q in registers)
+  template <int N> using RSK = GmmaOfWidth<N,  // B K-major (S = Q K^T, Q in registers)
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 template <> struct Gmma<__nv_bfloat16> {
-  template <int N> using SS = std::conditional_t<N == 64,
+  template <int N> using SS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>;
-  template <int N> using RS = std::conditional_t<N == 64,
+  template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x96x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
-  template <int N> using RSK = std::conditional_t<N == 64,
+  template <int N> using RSK = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 
@@ -312,7 +321,7 @@ __device__ __forceinline__ void store_row(const PartialParams& p, const float (&
 // Unit u's record (PartialParams::unit_info) into registers; zeros for u < 0.
 __device__ __forceinline__ void load_record(const PartialParams& p, int u, int (&rec)[kUnitFields]) {
   #pragma unroll
-  for (int f = 0; f < kUnitFields; ++f) rec[f] = u >= 0 ? p.unit_info[kUnitFields * u + f] : 0;
+  for (int f = 0; f < kUnitFields; ++f) rec[f] = u >= 0 ? p.unit_info[kScheduleHeader + kUnitFields * u + f] : 0;
 }
 
 // Sum of a row's l over the quad (4 lanes) that holds it.
@@ -441,8 +450,9 @@ tree_attn_partial_kernel(const PartialParams p) {
 
   const int unit_begin = p.cta_unit_start[blockIdx.x];
   const int unit_end = p.cta_unit_start[blockIdx.x + 1];
+  if (tid == 0 && p.unit_info[0] != kListTileTokens) __trap();  // a schedule for another kernel (the host checks first)
   for (int u = unit_begin; u < unit_end; ++u) {
-    const int* info = p.unit_info + kUnitFields * u;
+    const int* info = p.unit_info + kScheduleHeader + kUnitFields * u;
     const int chunk = info[0], kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
     const int kv_begin = p.chunk_kv_start[chunk];
     const int chunk_len = p.chunk_kv_start[chunk + 1] - kv_begin;
@@ -729,11 +739,15 @@ merge_partials_kernel(const MergeParams p) {
 #define TREEDEC_WARP_SPECIALIZED 1
 #endif
 
-// The stage-1 kernel of (T, D) on the build's arch: the warp-specialized wgmma kernel on sm_90a
-// (head dims 64/128), else tree_attn_partial_kernel with PartialConfig's shape.
-template <typename T, int D, bool WS = use_wgmma<D>() && TREEDEC_WARP_SPECIALIZED>
+// The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch: the warp-specialized
+// wgmma kernel of that tile on sm_90a (head dims 64/128; tiles of 64 or 96 tokens), else
+// tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens). kTakes: whether
+// such a kernel exists.
+constexpr bool kWarpSpecialized = kUseWgmma && TREEDEC_WARP_SPECIALIZED;
+template <typename T, int D, int TILE, bool WS = kWarpSpecialized && D <= 128>
 struct Stage1 {
   using C = PartialConfig<D, use_wgmma<D>()>;
+  static constexpr bool kTakes = TILE == kListTileTokens;
   static constexpr int kThreads = C::kWarps * 32;
   static constexpr int kRows = C::kWarps * 16;
   static constexpr int kSmem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
@@ -742,13 +756,14 @@ struct Stage1 {
   }
 };
 #if defined(TREEDEC_SM90A)
-template <typename T, int D>
-struct Stage1<T, D, true> {
-  using C = ws::Config<D>;
+template <typename T, int D, int TILE>
+struct Stage1<T, D, TILE, true> {
+  static constexpr bool kTakes = TILE == 64 || TILE == 96;
+  static constexpr int kBN = kTakes ? TILE : 64;
   static constexpr int kThreads = ws::kThreads;
   static constexpr int kRows = ws::kRows;
-  static constexpr int kSmem = ws::Smem<D, C::kBN, C::kStages>::kBytes;
-  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, C::kBN, C::kStages>; }
+  static constexpr int kSmem = ws::Smem<D, kBN, ws::Tile<kBN>::kStages>::kBytes;
+  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN>; }
 };
 #endif
 
@@ -780,9 +795,10 @@ struct LaunchConfig : cudaLaunchConfig_t {
   }
 };
 
-template <typename T, int D>
-cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
-  using S = Stage1<T, D>;
+template <typename T, int D, int TILE>
+cudaError_t launch_partial_tile(const PartialParams& p, cudaStream_t stream) {
+  using S = Stage1<T, D, TILE>;
+  if (!S::kTakes) return cudaErrorInvalidValue;
   static bool configured = false;  // the attribute is per function, set once per process
   if (!configured) {
     cudaError_t err = cudaFuncSetAttribute(S::kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem);
@@ -796,15 +812,37 @@ cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int D>
-constexpr int rows_per_unit() { return Stage1<T, D>::kRows; }
+cudaError_t launch_partial_typed(const PartialParams& p, cudaStream_t stream) {
+  switch (p.tile_tokens) {
+    case 64: return launch_partial_tile<T, D, 64>(p, stream);
+    case 96: return launch_partial_tile<T, D, 96>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 template <typename T, int D>
-int partial_ctas_per_sm_typed() {
-  using S = Stage1<T, D>;
+constexpr int rows_per_unit() { return Stage1<T, D, kListTileTokens>::kRows; }
+
+template <typename T, int D>
+constexpr bool takes_tile(int tile_tokens) {
+  return tile_tokens == 64 ? Stage1<T, D, 64>::kTakes : tile_tokens == 96 && Stage1<T, D, 96>::kTakes;
+}
+
+template <typename T, int D, int TILE>
+int partial_ctas_per_sm_tile() {
+  using S = Stage1<T, D, TILE>;
   if (cudaFuncSetAttribute(S::kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem) != cudaSuccess) return 0;
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, S::kernel(), S::kThreads, S::kSmem) != cudaSuccess) return 0;
   return blocks;
+}
+
+// Resident CTAs per SM of every tile's kernel (the persistent grid must fit each of them).
+template <typename T, int D>
+int partial_ctas_per_sm_typed() {
+  const int b64 = partial_ctas_per_sm_tile<T, D, 64>();
+  const int b96 = Stage1<T, D, 96>::kTakes ? partial_ctas_per_sm_tile<T, D, 96>() : b64;
+  return b64 < b96 ? b64 : b96;
 }
 
 template <typename T, int D>
@@ -830,6 +868,7 @@ struct DtypeFunctions {
   static cudaError_t launch_merge(int head_dim, const MergeParams& p, cudaStream_t stream);
   static int ctas_per_sm(int head_dim);
   static int rows_per_unit(int head_dim);
+  static bool takes_tile(int head_dim, int tile_tokens);
 };
 
 template <typename T>
@@ -869,6 +908,16 @@ int DtypeFunctions<T>::rows_per_unit(int head_dim) {
     case 128: return treedec::rows_per_unit<T, 128>();
     case 256: return treedec::rows_per_unit<T, 256>();
     default: return 0;
+  }
+}
+
+template <typename T>
+bool DtypeFunctions<T>::takes_tile(int head_dim, int tile_tokens) {
+  switch (head_dim) {
+    case 64: return treedec::takes_tile<T, 64>(tile_tokens);
+    case 128: return treedec::takes_tile<T, 128>(tile_tokens);
+    case 256: return treedec::takes_tile<T, 256>(tile_tokens);
+    default: return false;
   }
 }
 

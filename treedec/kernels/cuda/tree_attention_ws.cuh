@@ -102,24 +102,36 @@ __device__ __forceinline__ void trace_stamp(const PartialParams& p, int slot, in
 #endif
 }
 
-// KV tile (tokens) and ring depth. 64-token tiles: 128-token ones (the kernel takes BN = 128 with
-// list tiles of 128) ran 20-27% slower on the large trees (H200, ...-ws-bn128-vs-64-bn*.json): with
-// K and V in one ring only two 128-token stages fit beside two Q buffers, too shallow to cover the
-// gathers. FA3's separate K and V rings (a K stage freed once S is computed; 2 + 2 128-token
-// stages with Q from smem, or 3 + 2 with one Q buffer) did not help either: 128-token tiles ran
-// from 1% faster to 5% slower than this kernel on the large trees, 4 + 4 64-token stages 2-3%
-// slower (H200, one run: ...-separate-rings-*.json and .patch), so the ring stays one.
-// Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit). One Q
-// buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
+// KV tiles (tokens) and ring depths: a kernel of 64-token tiles in a 4-deep ring and one of 96-token
+// tiles in a 3-deep ring; the host launches the one the schedule lists (PartialParams::tile_tokens:
+// the plan picks, cuda_tree_attention.choose_tile_tokens). 96-token tiles pay where units are long
+// (fewer turns, barriers and softmax reductions per token: H200, medusa64_p32k 86.7 -> 83.4 us) and
+// lose 0.4-0.9 us on trees of short units, whose last tile is more often part padding
+// (...-ws-bn96-over-full-tile-ab.json, ...-tile-choice-ab.json). Two kernels, not one branching on
+// the tile size in device memory (which would let one graph replay plans of either): in such a
+// kernel the body laid out second in the code ran 1.5-2 us slower per call, whichever it was (H200,
+// ...-one-kernel-ab.json). 128-token tiles (BN = 128) ran 20-27% slower on the large trees (H200,
+// ...-ws-bn128-vs-64-bn*.json): with K and V in one ring only two 128-token stages fit beside two Q
+// buffers, too shallow to cover the gathers. FA3's separate K and V rings (a K stage freed once S
+// is computed; 2 + 2 128-token stages with Q from smem, or 3 + 2 with one Q buffer) did not help
+// either: 128-token tiles ran from 1% faster to 5% slower than this kernel on the large trees,
+// 4 + 4 64-token stages 2-3% slower (H200, one run: ...-separate-rings-*.json and .patch), so the
+// ring stays one. Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit).
+// One Q buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
 #ifndef TREEDEC_WS_STAGES
 #define TREEDEC_WS_STAGES 4
+#endif
+#ifndef TREEDEC_WS96_STAGES  // ring depth of 96-token tiles
+#define TREEDEC_WS96_STAGES 3
 #endif
 #ifndef TREEDEC_WS_Q_BUFFERS
 #define TREEDEC_WS_Q_BUFFERS 2
 #endif
 constexpr int kQBuffers = TREEDEC_WS_Q_BUFFERS;
 static_assert(kQBuffers == 1 || kQBuffers == 2, "one or two Q buffers");
-template <int D> struct Config { static constexpr int kBN = 64, kStages = TREEDEC_WS_STAGES; };
+template <int BN> struct Tile;
+template <> struct Tile<64> { static constexpr int kStages = TREEDEC_WS_STAGES; };
+template <> struct Tile<96> { static constexpr int kStages = TREEDEC_WS96_STAGES; };
 
 // Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
 template <int D, int BN, int STAGES>
@@ -160,13 +172,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-template <typename T, int D, int BN, int STAGES>
+// The kernel of BN-token tiles (the host launches the one the schedule's tile size names).
+template <typename T, int D, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
   if (threadIdx.x == 0) trace_stamp(p, kTraceStart);
-  static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128), "wgmma tile shape");
-  static_assert(BN == 64 || TREEDEC_WS_SETMAXNREG, "128-token tiles need the consumers' 208 registers (setmaxnreg)");
+  constexpr int STAGES = Tile<BN>::kStages;
+  static_assert((BN == 64 || BN == 96) && (D == 64 || D == 128), "wgmma tile shape");
+  static_assert(BN == 64 || TREEDEC_WS_SETMAXNREG, "96-token tiles need the consumers' 208 registers (setmaxnreg)");
   using L = Smem<D, BN, STAGES>;
   constexpr int kMW = L::kMW;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -187,7 +201,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   const int unit_begin = p.cta_unit_start[cta];
   const int unit_end = p.cta_unit_start[cta + 1];
   int guess[kUnitFields];
-  load_record(p, kUnitFields * (cta + 1) <= p.unit_info_len ? cta : -1, guess);
+  load_record(p, kScheduleHeader + kUnitFields * (cta + 1) <= p.unit_info_len ? cta : -1, guess);
   // Unit u's record: the guess if it was u's, else loaded now.
   auto record = [&](int u, int (&rec)[kUnitFields]) {
     if (u == cta) {
@@ -252,11 +266,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       int info[kUnitFields];
       record(u, info);
       const int kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
-      // Live tiles: the schedule lists kListTileTokens-token tiles, kSub of ours each; kFullTileFlag
-      // rides on a tile's first token (tokens of a chunk stay below it) to issue_tile.
-      constexpr int kSub = kListTileTokens / BN;
-      static_assert(kListTileTokens % BN == 0, "list tiles hold whole kernel tiles");
-      const int tile_begin = info[5], num_tiles = (info[6] - tile_begin) * kSub;
+      // Live tiles: the schedule lists BN-token tiles; kFullTileFlag rides on a tile's first token
+      // (tokens of a chunk stay below it) to issue_tile.
+      const int tile_begin = info[5], num_tiles = info[6] - tile_begin;
       const int kv_begin = info[7], chunk_len = info[8], first_tile = info[9];
       // The thread's 16 bytes of a slot's K (V) row: k_head + slot * k_row_bytes (one IMAD.WIDE).
       const char* k_head = reinterpret_cast<const char*>(k + kv_head * p.k_stride_h + cp_vec * 8);
@@ -270,9 +282,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       // copies instead of stalling every tile (no register copies of in-flight loads: the loop is
       // unrolled by two).
       auto tile_first = [&](int i) {  // first chunk token of live tile i, -1 past the last
-        const int list_tile = i / kSub == 0 ? first_tile : p.unit_info[tile_begin + i / kSub];  // the first: in the record
-        return i < num_tiles ? ((list_tile & ~kFullTileFlag) * kListTileTokens + (i % kSub) * BN) | (list_tile & kFullTileFlag)
-                             : -1;
+        const int list_tile = i == 0 ? first_tile : p.unit_info[tile_begin + i];  // the first: in the record
+        return i < num_tiles ? ((list_tile & ~kFullTileFlag) * BN) | (list_tile & kFullTileFlag) : -1;
       };
       auto load_slots = [&](int first, int (&slots)[kKVPasses]) {  // -1: no row
         #pragma unroll
@@ -361,6 +372,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 #if TREEDEC_WS_SETMAXNREG
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
 #endif
+  // A schedule of another tile size is a host bug: stop loudly. Checked here, off the producer's path
+  // to its first gathers (in thread 0 before the barrier setup it ran the 64-token plans 0.1-0.4 us
+  // slower, H200: ...-tile-choice-early-check-ab.json).
+  if (threadIdx.x == kProducerThreads && p.unit_info[0] != BN) __trap();
   const int c = threadIdx.x / 128 - 1;          // consumer index: rows 64 c .. 64 c + 63 of a unit
   const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
