@@ -30,7 +30,7 @@ PLANNERS = ("flatten", "node", "node_chunk", "path")
 PERSISTENT_MIN_CHUNK = 256  # smallest automatic chunk for a persistent grid (auto_chunk_size)
 PERSISTENT_MAX_CHUNK = 4096  # largest automatic chunk (auto_chunk_size's cap)
 PERSISTENT_REFINE_CHUNK = 1024  # from here on flatten's one-round chunk is searched between powers of two
-BALANCED_MIN_GAIN = 0.9  # balanced chunks replace even ones when their modeled longest unit is <= this of the even one's
+BALANCED_MIN_GAIN = 1.0  # balanced chunks replace even ones when their modeled longest unit is <= this of the even one's
 _LOW_BITS = (np.int64(1) << np.arange(MASK_BITS + 1, dtype=np.int64)) - 1  # _LOW_BITS[n]: n low bits set
 _LOW_BITS.setflags(write=False)
 
@@ -227,9 +227,10 @@ def _balances_unit_time(config: PlanConfig) -> bool:
 def _balanced_or_even(even, config: PlanConfig, runs, total: int):
     """``(bounds, chunk_size)``: the balanced chunks of :mod:`~treedec.attention.balanced_chunks` when their
     longest unit is at most BALANCED_MIN_GAIN of the even chunks' (``even``) under its cost model, else the
-    even ones. The model leaves out what more or longer chunks add (partial states, mask words): on an
-    H200 a 16% shorter modeled unit ran fewshot_b30_p4k 7% faster, a 4% shorter one fewshot_b50_p16k
-    no faster (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json)."""
+    even ones. On an H200 a 16% shorter modeled unit ran fewshot_b30_p4k 7% faster
+    (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json); a 4% shorter one ran fewshot_b50_p16k
+    0.5 us slower with 64-token KV tiles (ibid.: a margin of 10% kept it even) but 2.0 us faster (72.2 ->
+    70.1 us) with the 96-token tiles its long chunks now run (...-balanced-96-ab.json), so no margin."""
     if (readers_per_chunk(even, runs) > config.query_tile // 2).all():
         return even, config.chunk_size  # no light chunk to lengthen (saves the search: ~0.5 ms a step)
     balanced = balanced_flatten_bounds(runs, total, config.query_tile, config.num_kv_heads, config.persistent_ctas,
