@@ -31,6 +31,37 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     assert all(o.stat().st_size > 0 for o in objects)
 
 
+class Sm90aTiles:
+    """An extension's ``takes_tile`` as the sm_90a build answers it: 64 always, 96 for head dims 64/128."""
+
+    @staticmethod
+    def takes_tile(bf16: bool, head_dim: int, tile_tokens: int) -> bool:
+        return tile_tokens == 64 or (tile_tokens == 96 and head_dim <= 128)
+
+
+def test_long_chunks_choose_96_token_tiles_where_a_kernel_takes_them(monkeypatch):
+    from treedec.kernels.cuda_tree_attention import LONG_CHUNK_TOKENS, TILE_TOKENS_ENV, choose_tile_tokens
+    monkeypatch.delenv(TILE_TOKENS_ENV, raising=False)
+    tree = prompt_with_token_tree(3000, 16, hkv=2, d=64, flat=True)
+    long_plan = make_plan(tree.layout(), PlanConfig("flatten", chunk_size=2 * LONG_CHUNK_TOKENS), 4)
+    short_plan = make_plan(tree.layout(), PlanConfig("flatten", chunk_size=LONG_CHUNK_TOKENS // 2), 4)
+    assert long_plan.max_chunk_len >= LONG_CHUNK_TOKENS > short_plan.max_chunk_len
+    ext = Sm90aTiles()
+    assert choose_tile_tokens(long_plan, torch.bfloat16, 128, ext) == 96
+    assert choose_tile_tokens(long_plan, torch.float16, 256, ext) == 64   # no 96-token kernel for head dim 256
+    assert choose_tile_tokens(short_plan, torch.float16, 128, ext) == 64
+    monkeypatch.setenv(TILE_TOKENS_ENV, "64")
+    assert choose_tile_tokens(long_plan, torch.bfloat16, 128, ext) == 64
+    monkeypatch.setenv(TILE_TOKENS_ENV, "96")
+    assert choose_tile_tokens(short_plan, torch.bfloat16, 64, ext) == 96
+    with pytest.raises(ValueError, match=r"TREEDEC_TILE_TOKENS='96'.*head_dim=256.*take tiles of \[64\]"):
+        choose_tile_tokens(short_plan, torch.float16, 256, ext)
+    for bad in ("128", "sixty-four"):
+        monkeypatch.setenv(TILE_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=f"TREEDEC_TILE_TOKENS='{bad}'"):
+            choose_tile_tokens(long_plan, torch.float16, 128, ext)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 def run_cuda(tree, config, group, dtype, seed=0):
