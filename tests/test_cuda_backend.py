@@ -280,10 +280,7 @@ def test_tree_attention_runs_cuda_when_asked_and_rejects_fp32():
 def test_captured_graph_replays_new_trees():
     """Capture run() once; plan() other trees into the same buffers; replay == reference."""
     hkv, group, d, dtype = 2, 4, 128, torch.float16
-    pool = PagedKVPool(num_pages=1024, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-                       device="cuda")
-    pool.k.normal_()
-    pool.v.normal_()
+    pool = random_cuda_pool(hkv, d, dtype)
     bounds = PlanBounds(max_queries=128, max_tokens=8192)
     attn = StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, PlanConfig("flatten"))
     q_static = torch.zeros(bounds.max_queries, hkv * group, d, dtype=dtype, device="cuda")
@@ -304,20 +301,13 @@ def test_captured_graph_replays_new_trees():
     tree = new_tree()
     attn.plan(tree)
     graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
-    out, lse = graph.outputs
     for step in range(4):
         if step:
             tree.commit_step()
             for root in list(tree.roots):
                 tree.prune(root)
             tree = new_tree()
-        host = attn.plan(tree)
-        n = host.num_queries
-        q_static[:n] = torch.randn(n, hkv * group, d, device="cuda", dtype=dtype)
-        graph.replay()
-        ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
-        assert rel_error(out[:n], ref) < TOLERANCE[dtype]
-        torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
+        check_replay(graph, q_static, attn.plan(tree), k_cache, v_cache)
 
 
 @pytest.mark.gpu
@@ -326,10 +316,7 @@ def test_captured_graph_replays_new_trees_with_96_token_tiles():
     """StaticTreeAttention(tile_tokens=96): every plan lists 96-token tiles and the graph, holding that
     tile's kernel, replays trees of short and long chunks; where no kernel takes 96 it is refused."""
     hkv, group, d, dtype = 2, 4, 64, torch.bfloat16
-    pool = PagedKVPool(num_pages=1024, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-                       device="cuda")
-    pool.k.normal_()
-    pool.v.normal_()
+    pool = random_cuda_pool(hkv, d, dtype)
     bounds = PlanBounds(max_queries=64, max_tokens=8192)
     config = PlanConfig("flatten", chunk_size=2048)
     if not kernel_takes_tile(96, dtype, d):
@@ -344,16 +331,31 @@ def test_captured_graph_replays_new_trees_with_96_token_tiles():
     trees = [prompt_in(pool, n, 5) for n in (600, 5000, 300, 4000)]
     attn.plan(trees[0])
     graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
-    out, lse = graph.outputs
     for tree in trees:
         host = attn.plan(tree)
         assert attn.schedule.tile_tokens == 96
-        n = host.num_queries
-        q_static[:n] = torch.randn(n, hkv * group, d, device="cuda", dtype=dtype)
-        graph.replay()
-        ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
-        assert rel_error(out[:n], ref) < TOLERANCE[dtype]
-        torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
+        check_replay(graph, q_static, host, k_cache, v_cache)
+
+
+def random_cuda_pool(hkv: int, d: int, dtype, num_pages: int = 1024) -> PagedKVPool:
+    """A one-layer CUDA pool of 16-token pages filled with standard normal K and V."""
+    pool = PagedKVPool(num_pages=num_pages, page_size=16, num_layers=1, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                       device="cuda")
+    pool.k.normal_()
+    pool.v.normal_()
+    return pool
+
+
+def check_replay(graph, q_static, host, k_cache, v_cache) -> None:
+    """Random q for the planned tree ``host``'s queries, replay ``graph`` (a :class:`capture` of a
+    StaticTreeAttention's run, outputs (out, lse)), compare with the fp32 reference."""
+    n, d = host.num_queries, q_static.shape[2]
+    q_static[:n] = torch.randn(n, *q_static.shape[1:], device="cuda", dtype=q_static.dtype)
+    graph.replay()
+    out, lse = graph.outputs
+    ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
+    assert rel_error(out[:n], ref) < TOLERANCE[q_static.dtype]
+    torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
 
 
 def prompt_in(pool, prompt_len: int, branches: int) -> SequenceTree:
