@@ -11,13 +11,14 @@ item, and the unit records point into the list (:meth:`PersistentSchedule.device
 record also carries what the kernel's first K/V gathers need (the chunk's first slot index and
 length, the first live tile), so those start one load after the record, not three. The tile size
 is the KV tile the kernel runs: :data:`TILE_TOKENS` (every kernel) or 96 (the sm_90a kernel, for
-long units: the backend chooses, ``cuda_tree_attention.choose_tile_tokens``); it heads the device
-array, so a captured graph replays schedules of either size.
+long units: the backend chooses, ``cuda_tree_attention.choose_tile_tokens``, and launches that
+tile's kernel); it heads the device array, where the kernel checks it.
 
 Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
 longest-processing-time first; FlashInfer paper section 3.3.1): here the KV tokens are the
-*live* ones, in the tiles that some entry of the item reads (the kernel skips the others), and every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas``
-units (vectorized): the heaviest remaining units go to the least-loaded CTAs.
+*live* ones, in the tiles that some entry of the item reads (the kernel skips the others), and
+every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas`` units (vectorized):
+the heaviest remaining units go to the least-loaded CTAs.
 """
 from __future__ import annotations
 
