@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Attention microbenchmark: treedec backends x planners and the peers on the suite of BENCH.md.
 
-For each workload: random fp16 q [Q, 32, 128] and K/V pool, an fp32 reference
+For each workload: random fp16 q [Q, 32, 128] (``--head-dim``: 64, 128 or 256) and K/V pool, an fp32 reference
 (``reference_tree_attention``); every method's output is checked (relative Frobenius error
 < 2e-3) before it is timed, a wrong one is marked FAIL and not timed. Results go to
 ``<out>/<date>-<gpu>.json`` and a table into bench/README.md.
@@ -45,6 +45,7 @@ TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
 SMOKE_SCALE = 0.05
 GRAPH_KV_COPIES, GRAPH_CALLS = 8, 32
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HEAD_DIMS = (64, 128, 256)       # the head dims the cuda backend builds; the suite's is HEAD_DIM (Llama-3-8B)
 TREEDEC_BACKENDS = ("torch", "triton", "cuda", "auto")  # auto: what TreeAttention picks (hybrid on H100/H200)
 
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
-        "page_size": args.page_size, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
+        "page_size": args.page_size, "head_dim": args.head_dim, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
         "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
         "workloads": {},
@@ -86,11 +87,12 @@ def main(argv=None) -> int:
         workload = build_workload(name, page_size=args.page_size, scale=results["scale"])
         results["workloads"][name] = _bench_workload(workload, configs, peers, device, dtype, bandwidth,
                                                      graph=device.type == "cuda" and not args.no_graph, graph_all=args.graph_all,
-                                                     progress=progress)
+                                                     progress=progress, head_dim=args.head_dim)
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
     progress.close()
     print(f"wrote {path}", file=sys.stderr)
-    readme = args.readme or (None if args.smoke else REPO / "bench" / "README.md")
+    # The README's table is the suite's shape at full scale: other runs write it only when asked.
+    readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM else REPO / "bench" / "README.md")
     if readme:
         write_readme_table(results, Path(readme))
         print(f"wrote the table into {readme}", file=sys.stderr)
@@ -102,17 +104,17 @@ def main(argv=None) -> int:
 
 
 def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress,
-                    graph_all=False) -> dict:
+                    graph_all=False, head_dim=HEAD_DIM) -> dict:
     layout = workload.layout
-    q, k, v = workload.random_inputs(device, dtype)
-    sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+    q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim)
+    sm_scale = 1.0 / math.sqrt(head_dim)
     ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
 
     tokens_read = int(dense_tree_mask(layout).sum())
     elt = q.element_size()
-    hbm_bytes = 2 * layout.num_tokens * NUM_KV_HEADS * HEAD_DIM * elt + 2 * q.numel() * elt
+    hbm_bytes = 2 * layout.num_tokens * NUM_KV_HEADS * head_dim * elt + 2 * q.numel() * elt
     hbm_floor = hbm_bytes / bandwidth * 1e6
-    tc_floor = 4 * NUM_QO_HEADS * HEAD_DIM * tokens_read / TENSOR_CORE_FLOPS * 1e6
+    tc_floor = 4 * NUM_QO_HEADS * head_dim * tokens_read / TENSOR_CORE_FLOPS * 1e6
     entry = {
         "description": workload.description, "tree_tokens": layout.num_tokens, "queries": layout.num_queries,
         "nodes": layout.num_nodes, "tokens_read": tokens_read, "pool_pages": workload.num_pages,
@@ -140,10 +142,10 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
 
 
 def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
-    """Returns (result dict, maker(k, v) -> run or None)."""
+    """Returns (result dict, maker(k, v) -> run or None); the head dim is q's."""
     config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
     try:
-        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=backend,
+        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, q.shape[-1], backend=backend,
                              plan_config=config, device=device)
     except BackendUnavailableError as e:
         return {"status": "unavailable", "reason": str(e)}, None
@@ -231,6 +233,9 @@ def _parse_args(argv):
                         help=f"peers among {','.join(PEERS)} (default: all); 'none' for none")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16")
+    parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=HEAD_DIM,
+                        help=f"head dim of q, k and v (default {HEAD_DIM}, the suite's; other dims do not "
+                             f"rewrite bench/README.md's table unless --readme names a file)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--readme", default=None,
                         help="markdown file whose table to rewrite (default: bench/README.md; none with --smoke)")

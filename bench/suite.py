@@ -33,7 +33,8 @@ class Workload:
     layout : TreeLayout
         Slots are slots of a pool of ``num_pages`` pages of ``page_size`` tokens.
     num_pages, page_size : int
-        The pool the K/V cache must have: ``[num_pages, page_size, NUM_KV_HEADS, HEAD_DIM]``.
+        The pool the K/V cache must have: ``[num_pages, page_size, NUM_KV_HEADS, head_dim]``
+        (HEAD_DIM, Llama-3-8B's, unless a benchmark asks for another).
     """
 
     name: str
@@ -42,19 +43,19 @@ class Workload:
     num_pages: int
     page_size: int
 
-    def random_inputs(self, device, dtype=None, seed: int | None = 0):
-        """Random q [queries, NUM_QO_HEADS, HEAD_DIM] and K/V caches [num_pages, page_size,
-        NUM_KV_HEADS, HEAD_DIM] (standard normal, ``dtype`` default fp16) on ``device``, drawn
+    def random_inputs(self, device, dtype=None, seed: int | None = 0, head_dim: int = HEAD_DIM):
+        """Random q [queries, NUM_QO_HEADS, head_dim] and K/V caches [num_pages, page_size,
+        NUM_KV_HEADS, head_dim] (standard normal, ``dtype`` default fp16) on ``device``, drawn
         after ``torch.manual_seed(seed)`` unless ``seed`` is None."""
         dtype = dtype or torch.float16
         if seed is not None:
             torch.manual_seed(seed)
-        q = torch.randn(self.layout.num_queries, NUM_QO_HEADS, HEAD_DIM, dtype=dtype, device=device)
-        return q, *self.random_kv(device, dtype)
+        q = torch.randn(self.layout.num_queries, NUM_QO_HEADS, head_dim, dtype=dtype, device=device)
+        return q, *self.random_kv(device, dtype, head_dim)
 
-    def random_kv(self, device, dtype=None):
-        """One random K and V cache pair [num_pages, page_size, NUM_KV_HEADS, HEAD_DIM]."""
-        shape = (self.num_pages, self.page_size, NUM_KV_HEADS, HEAD_DIM)
+    def random_kv(self, device, dtype=None, head_dim: int = HEAD_DIM):
+        """One random K and V cache pair [num_pages, page_size, NUM_KV_HEADS, head_dim]."""
+        shape = (self.num_pages, self.page_size, NUM_KV_HEADS, head_dim)
         dtype = dtype or torch.float16
         return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
 

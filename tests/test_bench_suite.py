@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.peers import PEERS, cascade_levels, path_slots
-from bench.report import TABLE_END, TABLE_START, write_readme_table
+from bench.report import TABLE_END, TABLE_START, render_table, write_readme_table
 from bench.suite import SUITE, build_workload
 from treedec.attention import dense_tree_mask, reference_tree_attention
 
@@ -122,6 +122,30 @@ def test_torch_peers_on_cpu(peer):
 def test_flashinfer_peers_say_why_on_cpu():
     for name in ("flashinfer_custom_mask", "flashinfer_per_path_decode", "flashinfer_cascade", "deft_triton"):
         assert PEERS[name].unavailable(torch.device("cpu"))
+
+
+def test_attention_head_dim_option(tmp_path):
+    """`--head-dim 64` runs q, k, v of that dim, its floors halve, and the README table is left alone."""
+    readme = REPO / "bench" / "README.md"
+    before = readme.read_text()
+    results = {}
+    for head_dim in (64, 128):
+        out = tmp_path / str(head_dim)
+        cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--smoke", "--backends", "torch", "--peers",
+               "sdpa_dense_mask", "--workloads", "tot_d5w10", "--head-dim", str(head_dim), "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [path] = out.glob("*-smoke.json")
+        results[head_dim] = json.loads(path.read_text())
+    assert readme.read_text() == before
+    small, full = results[64], results[128]
+    assert small["head_dim"] == 64 and full["head_dim"] == 128
+    w64, w128 = small["workloads"]["tot_d5w10"], full["workloads"]["tot_d5w10"]
+    assert w64["tensor_core_floor_us"] == pytest.approx(w128["tensor_core_floor_us"] / 2)
+    assert w64["hbm_bytes"] == w128["hbm_bytes"] // 2
+    for r in w64["methods"].values():
+        assert r["status"] == "ok" and r["rel_err"] < 2e-3, r
+    assert "head dim 64" in render_table(small)
 
 
 def test_attention_smoke_run(tmp_path):
