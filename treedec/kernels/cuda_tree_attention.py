@@ -59,6 +59,7 @@ LIGHT_TILE_COST = 0.7
 # an H200 (bench/results/2026-11-22-nvidia-h200-ws-bn96-over-full-tile-ab.json): 96 ran the trees of
 # 2128-4008-token chunks 1.1-3.2 us faster (medusa256_p4k, fewshot_b50_p16k, medusa64_p32k), the
 # 768-token chunks of fewshot_b30_p4k even, and the trees of <= 512-token chunks 0.4-0.9 us slower.
+# With head dim 64 (...-tile-rule-d64-ab.json) 96 ran those three long-chunk trees 2.5-3.4 us faster too.
 LONG_CHUNK_TOKENS = 1024
 LONG_CHUNK_TILE_TOKENS = 96
 TILE_TOKENS_ENV = "TREEDEC_TILE_TOKENS"  # forces one tile size (benchmarks, A/B runs)
