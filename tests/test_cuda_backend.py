@@ -5,6 +5,7 @@ On the CPU: the kernel sources compile with this machine's nvcc for sm_90a. On a
 forests, page sizes, dtypes, head dims and GQA ratios; runs are bitwise deterministic; a
 captured CUDA graph replays correctly for new trees planned into the same buffers.
 """
+import dataclasses
 import shutil
 
 import numpy as np
@@ -226,6 +227,27 @@ def test_runs_are_bitwise_deterministic():
     first = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
     second = run_cuda(tree, PlanConfig("flatten", chunk_size=128), 4, torch.bfloat16)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_merge_kernel_gives_the_same_bits(head_dim):
+    """The merge kernel loading the most partial rows at once (a plan with over 8 partials a query: 16, 8 with
+    head dim 256) and those loading 8 and 4 sum in the same order: the same bits. Here over 32 partials
+    a query, so the merge's batches of 32 are crossed too."""
+    from treedec.kernels.cuda_tree_attention import run_plan_cuda
+    tree = prompt_with_token_tree(2500, 64, hkv=2, d=head_dim)
+    out, lse, plan, q, k_cache, v_cache = run_cuda(tree, PlanConfig("flatten", chunk_size=64), 4, torch.bfloat16)
+    check_against_references(out, lse, plan, q, k_cache, v_cache, TOLERANCE[torch.bfloat16])
+    device_plan = plan.to("cuda")
+    run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)
+    [key] = [key for key in device_plan.cache if isinstance(key, tuple) and key[0] == "cuda"]
+    assert device_plan.cache[key].max_query_entries > 32
+    for forced in (8, 4):  # the bound the launch picks its kernel by
+        device_plan.cache[key] = dataclasses.replace(device_plan.cache[key], max_query_entries=forced)
+        other_out, other_lse = run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)
+        assert torch.equal(out, other_out) and torch.equal(lse, other_lse), forced
 
 
 @pytest.mark.gpu

@@ -93,6 +93,9 @@ class StaticTreeAttention:
         The KV tile of every plan (a graph replays one stage-1 kernel): 64 (default; every kernel) or
         96 where a kernel takes it (sm_90a, head dims 64/128), faster when the trees' chunks are long
         (``cuda_tree_attention.LONG_CHUNK_TOKENS`` and more: prompts of many thousand tokens).
+
+    The merge kernel is fixed per graph too: the one for ``bounds.chunks`` partials a query (the bound;
+    it loads up to 16 partial rows at once where that is over 8).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, bounds: PlanBounds,
@@ -220,7 +223,7 @@ class StaticTreeAttention:
         hkv, d = self.num_kv_heads, self.head_dim
         ck.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, self.o_ws, self.lse_ws, arrays,
                   arrays["cta_unit_start"], arrays["unit_info"], self.bounds.mask_words, self.sm_scale, merge=True,
-                  tile_tokens=self.tile_tokens, ext=self._ext)
+                  tile_tokens=self.tile_tokens, max_query_entries=self.bounds.chunks, ext=self._ext)
         return out, lse
 
     def _check_bounds(self, plan: TreePlan) -> None:

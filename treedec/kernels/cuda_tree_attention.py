@@ -151,12 +151,14 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
-           sm_scale: float, merge: bool, tile_tokens: int, ext=None) -> None:
+           sm_scale: float, merge: bool, tile_tokens: int, max_query_entries: int, ext=None) -> None:
     """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
 
     ``arrays`` holds the plan's int32 tensors by :class:`DeviceTreePlan` field name;
     ``q`` [>=Q, Hq, D], ``k_flat``/``v_flat`` [slots, Hkv, D], ``out`` like q, ``lse`` [rows of q, Hq];
     ``unit_info`` a schedule's device array of ``tile_tokens``-token tiles (the kernel of that tile runs);
+    ``max_query_entries`` the most partial entries of any query, or a bound on it (it picks the merge
+    kernel: partial rows loaded 4, 8 or 16 at a time; the result is the same);
     ``ext`` the compiled extension when the caller holds it (else looked up for q's device).
     """
     ext = ext or extension(q.device)
@@ -164,7 +166,7 @@ def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_sta
     ext.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], arrays["query_entry_start"],
                arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, sm_scale * math.log2(math.e),
-               merge, tile_tokens)
+               merge, tile_tokens, max_query_entries)
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class _EagerLaunch:
     o_ws: torch.Tensor
     lse_ws: torch.Tensor
     merge: bool
+    max_query_entries: int  # the most partial entries of any query (picks the merge kernel)
     schedule: PersistentSchedule  # for reports
 
 
@@ -209,7 +212,7 @@ def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
     launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws, prepared.lse_ws,
            prepared.arrays, prepared.cta_unit_start, prepared.unit_info, plan.entry_mask.stride(0), sm_scale,
-           prepared.merge, prepared.schedule.tile_tokens, prepared.ext)
+           prepared.merge, prepared.schedule.tile_tokens, prepared.max_query_entries, prepared.ext)
     return out, lse
 
 
@@ -239,4 +242,4 @@ def _prepare(plan: DeviceTreePlan, dtype, hq: int, hkv: int, d: int, device: tor
         ext=ext, arrays=arrays, cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
         o_ws=torch.empty(max(partials, 1), hq, d, dtype=torch.float32, device=device),
         lse_ws=torch.empty(max(partials, 1), hq, dtype=torch.float32, device=device),
-        merge=needs_merge, schedule=schedule)
+        merge=needs_merge, max_query_entries=int(np.diff(host.query_entry_start).max(initial=0)), schedule=schedule)

@@ -1,5 +1,8 @@
 // torch binding of the treedec CUDA kernels. Python (treedec/kernels/cuda_tree_attention.py)
 // validates user inputs; the checks here guard the kernels' own assumptions.
+#include <algorithm>
+#include <cstdint>
+
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -45,13 +48,14 @@ void set_trace(c10::optional<torch::Tensor> trace) {
 }
 
 // Stage 1 (and stage 2 when `merge`) in one call: no host time between the two launches (the
-// merge is launched programmatically behind stage 1 on sm_90).
+// merge is launched programmatically behind stage 1 on sm_90). max_query_entries: the most partials
+// of any query, or a bound on it (it picks the merge kernel; any value gives the same result).
 void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor lse,
             torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
             torch::Tensor query_entry_start, torch::Tensor query_entries, torch::Tensor cta_unit_start,
             torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, bool merge,
-            int64_t tile_tokens) {
+            int64_t tile_tokens, int64_t max_query_entries) {
   const int64_t d = q.size(2);
   check_rows(q, "q", d);
   check_rows(k, "k", d);
@@ -125,6 +129,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   m.lse_stride_q = p.lse_stride_q;
   m.num_queries = static_cast<int>(query_entry_start.numel() - 1);
   m.num_qo_heads = p.num_qo_heads;
+  TORCH_CHECK(max_query_entries >= 0, "max_query_entries must be >= 0, got ", max_query_entries);
+  m.max_query_entries = static_cast<int>(std::min<int64_t>(max_query_entries, INT32_MAX));
   err = treedec::launch_merge(dtype_of(q), static_cast<int>(d), m, stream);
   TORCH_CHECK(err == cudaSuccess, "treedec merge launch failed: ", cudaGetErrorString(err));
 }

@@ -70,6 +70,7 @@ struct MergeParams {
   int64_t out_stride_q, out_stride_h, lse_stride_q;
   int num_queries;                 // rows of query_entry_start - 1 (a capacity for graphs)
   int num_qo_heads;
+  int max_query_entries;           // the most partials of any query (a bound is fine): picks the merge kernel
 };
 
 // Returns a CUDA error code (cudaSuccess on success; cudaErrorInvalidValue for a head dim or tile size

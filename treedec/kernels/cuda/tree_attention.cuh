@@ -662,12 +662,19 @@ namespace treedec {
 // Stage 2: one warp per (query, head); lane l holds columns [l * D/32, (l+1) * D/32).
 // Entries go in batches of 32: each lane loads one entry's index and LSE (one round trip for the
 // batch, not one per entry), the batch's weights come from a warp max, and the partial rows are
-// then read kMergeUnroll at a time, so their loads overlap. The order of every sum is fixed by
-// the plan's CSR: deterministic. (Merging in stage 1's own tail behind a grid barrier measured
-// even over the suite on an H200: bench/README.md, ...-fused-grid-merge.patch.)
-constexpr int kMergeUnroll = 4;
+// then read UNROLL at a time, so their loads overlap. The order of every sum is fixed by the
+// plan's CSR: deterministic. (Merging in stage 1's own tail behind a grid barrier measured even
+// over the suite on an H200: bench/README.md, ...-fused-grid-merge.patch.)
+//
+// The merge kernel of a launch loads up to 4, 8 or 16 rows at once (16 with head dim 256 would not
+// fit in registers: 8), the fewest that take the plan's most partials of a query in one round. On an
+// H200 (head dim 128; ...-merge-unroll-ab.json, ...-merge-rounds-ab.json) one round ran the graphed
+// call of tot_d5w10 (12 partials a query) 1.7 us faster than rounds of 4 and fewshot_b30 (10) 1.5 us,
+// while 16 at once for medusa256's 2 partials (8192 (query, head) pairs) ran 2.9 us slower: 108
+// registers a thread, under half the resident warps of the 4-row kernel.
+template <int D> constexpr int merge_unroll_max() { return D == 256 ? 8 : 16; }
 
-template <typename T, int D>
+template <typename T, int D, int UNROLL>
 __global__ void __launch_bounds__(kMergeWarps * 32)
 merge_partials_kernel(const MergeParams p) {
   constexpr int kPer = D / 32;
@@ -705,14 +712,18 @@ merge_partials_kernel(const MergeParams p) {
     for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
     s = s * scale + wsum;
     m = mn;
-    for (int j0 = 0; j0 < n; j0 += kMergeUnroll) {
-      float o[kMergeUnroll][kPer];
-      float w[kMergeUnroll];
+    for (int j0 = 0; j0 < n; j0 += UNROLL) {
+      float o[UNROLL][kPer];
+      float w[UNROLL];
       #pragma unroll
-      for (int u = 0; u < kMergeUnroll; ++u) {  // issue every load of the group first
-        const int j = min(j0 + u, n - 1);
+      for (int u = 0; u < UNROLL; ++u) {  // issue every load of the group first
+        w[u] = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kPer; ++i) o[u][i] = 0.f;
+        const int j = j0 + u;
+        if (j >= n) continue;  // past the batch (warp-uniform): no load
         const int64_t e = __shfl_sync(0xffffffffu, my_e, j);
-        w[u] = j0 + u < n ? __shfl_sync(0xffffffffu, my_w, j) : 0.f;
+        w[u] = __shfl_sync(0xffffffffu, my_w, j);
         const float* src = p.o_ws + (e * p.num_qo_heads + head) * D + lane * kPer;
         #pragma unroll
         for (int i = 0; i < kPer; i += 2) {
@@ -722,7 +733,7 @@ merge_partials_kernel(const MergeParams p) {
         }
       }
       #pragma unroll
-      for (int u = 0; u < kMergeUnroll; ++u)
+      for (int u = 0; u < UNROLL; ++u)
         #pragma unroll
         for (int i = 0; i < kPer; ++i) acc[i] += w[u] * o[u][i];
     }
@@ -852,7 +863,10 @@ cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attr = programmatic_launch();  // launched while stage 1 runs; waits in wait_for_primary()
   LaunchConfig config(dim3((pairs + kMergeWarps - 1) / kMergeWarps), dim3(kMergeWarps * 32), 0, stream,
                       kProgrammaticLaunch ? &attr : nullptr);
-  return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D>, p);
+  if (p.max_query_entries <= 4) return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, 4>, p);
+  if (p.max_query_entries <= 8 || merge_unroll_max<D>() == 8)
+    return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, 8>, p);
+  return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, merge_unroll_max<D>()>, p);
 }
 
 }  // namespace treedec
