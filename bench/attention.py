@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
-        "page_size": args.page_size, "head_dim": args.head_dim, "smoke": args.smoke, "scale": SMOKE_SCALE if args.smoke else 1.0,
+        "page_size": args.page_size, "head_dim": args.head_dim, "smoke": args.smoke,
+        "scale": SMOKE_SCALE if args.smoke else 1.0,
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
         "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
         "workloads": {},

@@ -15,7 +15,8 @@ def render_table(results: dict) -> str:
     v = results["versions"]
     lines = [
         f"Measured {results['date']} on {results['device']} (copy bandwidth "
-        f"{results['copy_bandwidth_TBps']:.2f} TB/s), {results['dtype']}, head dim {results.get('head_dim', 128)}, page size {results['page_size']}"
+        f"{results['copy_bandwidth_TBps']:.2f} TB/s), {results['dtype']}, head dim {results.get('head_dim', 128)}, "
+        f"page size {results['page_size']}"
         f"{', SMOKE scale x' + str(results['scale']) if not full_scale else ''}; torch {v.get('torch')}, "
         f"triton {v.get('triton')}, flashinfer {v.get('flashinfer')}. Microseconds per call, median, L2 "
         f"flushed; every number passed the check against the fp32 reference (rel. error < "

@@ -241,7 +241,7 @@ def test_every_merge_kernel_gives_the_same_bits(head_dim):
     out, lse, plan, q, k_cache, v_cache = run_cuda(tree, PlanConfig("flatten", chunk_size=64), 4, torch.bfloat16)
     check_against_references(out, lse, plan, q, k_cache, v_cache, TOLERANCE[torch.bfloat16])
     device_plan = plan.to("cuda")
-    run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)
+    run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)  # fills the plan's launch cache
     [key] = [key for key in device_plan.cache if isinstance(key, tuple) and key[0] == "cuda"]
     assert device_plan.cache[key].max_query_entries > 32
     for forced in (8, 4):  # the bound the launch picks its kernel by
