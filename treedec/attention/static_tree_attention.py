@@ -94,8 +94,9 @@ class StaticTreeAttention:
         96 where a kernel takes it (sm_90a, head dims 64/128), faster when the trees' chunks are long
         (``cuda_tree_attention.LONG_CHUNK_TOKENS`` and more: prompts of many thousand tokens).
 
-    The merge kernel is fixed per graph too: the one for ``bounds.chunks`` partials a query (the bound;
-    it loads up to 16 partial rows at once where that is over 8).
+    The merge kernel is fixed per graph too: the one for ``bounds.chunks`` partials a query (the bound)
+    and the graph's rows of q (16 partial rows at once where that is over 8 and the (query, head) pairs
+    fit one wave of that kernel, else up to 8).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, bounds: PlanBounds,

@@ -667,7 +667,8 @@ namespace treedec {
 // over the suite on an H200: bench/README.md, ...-fused-grid-merge.patch.)
 //
 // The merge kernel of a launch loads up to 4, 8 or 16 rows at once (16 with head dim 256 would not
-// fit in registers: 8), the fewest that take the plan's most partials of a query in one round. On an
+// fit in registers: 8), the fewest that take the plan's most partials of a query in one round (16
+// only while the (query, head) pairs fit one wave of its warps: merge_wave_pairs). On an
 // H200 (head dim 128; ...-merge-unroll-ab.json, ...-merge-rounds-ab.json) one round ran the graphed
 // call of tot_d5w10 (12 partials a query) 1.7 us faster than rounds of 4 and fewshot_b30 (10) 1.5 us,
 // while 16 at once for medusa256's 2 partials (8192 (query, head) pairs) ran 2.9 us slower: 108
@@ -856,6 +857,32 @@ int partial_ctas_per_sm_typed() {
   return b64 < b96 ? b64 : b96;
 }
 
+// (query, head) pairs one wave of the widest merge kernel holds on the current device (its warps
+// resident at once, one pair each). Past that the 8-row kernel runs: 16 rows at once take 108
+// registers a thread (head dim 128), and for a merge of many pairs the resident warps count more
+// (H200, medusa256's 8192 pairs: 16 rows 2.9 us slower than 4 or 8, ...-merge-unroll-ab.json).
+template <typename T, int D>
+cudaError_t merge_wave_pairs(int& pairs) {
+  constexpr int kDevices = 64;
+  static int cached[kDevices] = {};  // 0: not computed yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kDevices && cached[device] > 0) {
+    pairs = cached[device];
+    return cudaSuccess;
+  }
+  int sms = 0, blocks = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, merge_partials_kernel<T, D, merge_unroll_max<D>()>,
+                                                        kMergeWarps * 32, 0);
+  if (err != cudaSuccess) return err;
+  pairs = sms * blocks * kMergeWarps;
+  if (device < kDevices) cached[device] = pairs;
+  return cudaSuccess;
+}
+
 template <typename T, int D>
 cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int pairs = p.num_queries * p.num_qo_heads;
@@ -864,8 +891,12 @@ cudaError_t launch_merge_typed(const MergeParams& p, cudaStream_t stream) {
   LaunchConfig config(dim3((pairs + kMergeWarps - 1) / kMergeWarps), dim3(kMergeWarps * 32), 0, stream,
                       kProgrammaticLaunch ? &attr : nullptr);
   if (p.max_query_entries <= 4) return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, 4>, p);
-  if (p.max_query_entries <= 8 || merge_unroll_max<D>() == 8)
-    return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, 8>, p);
+  int wave = 0;
+  if (merge_unroll_max<D>() > 8 && p.max_query_entries > 8) {
+    cudaError_t err = merge_wave_pairs<T, D>(wave);
+    if (err != cudaSuccess) return err;
+  }
+  if (pairs > wave) return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, 8>, p);
   return cudaLaunchKernelEx(&config, merge_partials_kernel<T, D, merge_unroll_max<D>()>, p);
 }
 
