@@ -118,8 +118,10 @@ def balanced_flatten_bounds(runs, total: int, query_tile: int, num_kv_heads: int
     return best
 
 
-def longest_unit_cost(bounds: np.ndarray, runs, query_tile: int, light_tile_cost: float) -> float:
-    """The cost model of :func:`balanced_flatten_bounds` for any chunks: the longest unit's tiles, weighted."""
-    readers = readers_per_chunk(bounds, runs)
+def longest_unit_cost(bounds: np.ndarray, runs, query_tile: int, light_tile_cost: float,
+                      readers: np.ndarray | None = None) -> float:
+    """The cost model of :func:`balanced_flatten_bounds` for any chunks: the longest unit's tiles, weighted
+    (``readers``: :func:`readers_per_chunk` of ``bounds`` when the caller has it)."""
+    readers = readers_per_chunk(bounds, runs) if readers is None else readers
     tiles = -(-np.diff(bounds) // TILE_TOKENS)
     return float((tiles * np.where(readers <= query_tile // 2, light_tile_cost, 1.0)).max())

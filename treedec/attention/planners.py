@@ -231,12 +231,14 @@ def _balanced_or_even(even, config: PlanConfig, runs, total: int):
     (bench/results/2026-11-22-nvidia-h200-balanced-chunks-ab.json); a 4% shorter one ran fewshot_b50_p16k
     0.5 us slower with 64-token KV tiles (ibid.: a margin of 10% kept it even) but 2.0 us faster (72.2 ->
     70.1 us) with the 96-token tiles its long chunks now run (...-balanced-96-ab.json), so no margin."""
-    if (readers_per_chunk(even, runs) > config.query_tile // 2).all():
+    even_readers = readers_per_chunk(even, runs)
+    if (even_readers > config.query_tile // 2).all():
         return even, config.chunk_size  # no light chunk to lengthen (saves the search: ~0.5 ms a step)
     balanced = balanced_flatten_bounds(runs, total, config.query_tile, config.num_kv_heads, config.persistent_ctas,
                                        config.light_tile_cost, PERSISTENT_MAX_CHUNK)
+    even_cost = longest_unit_cost(even, runs, config.query_tile, config.light_tile_cost, even_readers)
     if balanced is None or (longest_unit_cost(balanced, runs, config.query_tile, config.light_tile_cost)
-                            > BALANCED_MIN_GAIN * longest_unit_cost(even, runs, config.query_tile, config.light_tile_cost)):
+                            > BALANCED_MIN_GAIN * even_cost):
         return even, config.chunk_size
     return balanced, int(np.diff(balanced).max())
 
