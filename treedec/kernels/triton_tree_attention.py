@@ -213,6 +213,10 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
                          f"rows of one program for {dtype}")
     subtiles = -(-host.query_tile // entries_per_prog)
     cfg = override or launch_config(d, block_m, dtype)
+    # On the CPU the kernels run in Triton's interpreter, whose dot multiplies bfloat16 bit
+    # patterns as integers (triton-lang/triton#11584): widening to fp32 there is exact, as the
+    # GPU's bf16 products are exact in fp32 too. On a GPU the constexpr compiles it away.
+    widen_dot = device.type == "cpu" and dtype == torch.bfloat16
     return _Launch(
         grid=(host.num_items * subtiles, hkv, 1),  # 3-D: the compiled runner reads grid[2]
         merge_grid=(host.num_queries, hq, 1) if host.num_entries > host.num_queries else None,
@@ -221,7 +225,8 @@ def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, de
         constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                        ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
                        # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
-                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+                       DOT_PRECISION="ieee" if dtype == torch.float32 or widen_dot else "tf32",
+                       WIDEN_DOT=widen_dot),
         options=cfg.options(),
         merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P),
         merge_options=dict(num_warps=2 if d <= 128 else 4),
@@ -279,22 +284,31 @@ def _slot_view(name: str, cache: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs,
-                    mask_rows, row_valid, qk_scale, offs_n, offs_d,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state."""
+                    mask_rows, row_len, qk_scale, offs_n, offs_d,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WIDEN_DOT: tl.constexpr):
+    """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state.
+
+    ``row_len`` [BLOCK_M] is the chunk's length for valid rows and 0 for padding rows.
+    Masks are built from integer comparisons only, never ``vector & scalar`` of booleans:
+    the Triton 3.9 interpreter widens such a broadcast to int32 and then rejects it as a
+    load mask, while a comparison gives a boolean on every backend.
+    """
     tok = n0 + offs_n
     # Expand the rows' mask words over the tile's columns (n0 is a multiple of 32).
     word_of_col = offs_n >> 5
     words = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     live = tl.zeros([BLOCK_M], dtype=tl.int32)
     for w in tl.static_range(BLOCK_N // 32):
-        word = tl.load(mask_rows + ((n0 >> 5) + w), mask=row_valid & (n0 + 32 * w < chunk_len), other=0)
+        word = tl.load(mask_rows + ((n0 >> 5) + w), mask=n0 + 32 * w < row_len, other=0)
         words = tl.where(word_of_col[None, :] == w, word[:, None], words)
         live = live | word
     tile_live = tl.max((live != 0).to(tl.int32), axis=0) > 0
-    kv_mask = (tok < chunk_len) & tile_live
+    kv_mask = tok < tl.where(tile_live, chunk_len, 0)
     slot = tl.load(slots_base + tok, mask=kv_mask, other=0).to(tl.int64)
     k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    if WIDEN_DOT:
+        k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     reads = ((words >> (offs_n & 31)[None, :]) & 1) != 0
     qk = tl.where(reads, qk * qk_scale, float("-inf"))
@@ -304,22 +318,24 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    if WIDEN_DOT:
+        v = v.to(tl.float32)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit
-def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_valid, qk_scale,
+def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_len, qk_scale,
                   offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr):
     """Online softmax over the whole chunk; returns (acc, l, m) in base 2."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n0 in range(0, chunk_len, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
-                                        stride_ks, stride_vs, mask_rows, row_valid, qk_scale, offs_n, offs_d,
-                                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+                                        stride_ks, stride_vs, mask_rows, row_len, qk_scale, offs_n, offs_d,
+                                        BLOCK_M, BLOCK_N, DOT_PRECISION, WIDEN_DOT)
     return acc, l_i, m_i
 
 
@@ -339,6 +355,7 @@ def _tree_attn_partial_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -361,13 +378,17 @@ def _tree_attn_partial_kernel(
     query = tl.load(entry_query_ptr + entry, mask=row_valid, other=0).to(tl.int64)
     q = tl.load(q_ptr + query[:, None] * stride_qq + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None], other=0.0)
+    if WIDEN_DOT:
+        q = q.to(tl.float32)
 
     mask_rows = entry_mask_ptr + entry * stride_me
     slots_base = kv_slots_ptr + kv_begin
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    row_len = tl.where(row_valid, chunk_len, 0)
     acc, l_i, m_i = _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows,
-                                  row_valid, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                                  row_len, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                                  WIDEN_DOT)
 
     # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -416,8 +437,11 @@ def _merge_partials_kernel(
         m = m_new
 
     s_safe = tl.where(s == 0.0, 1.0, s)
-    store = count > 0
+    # Store masks come from integer comparisons: a broadcast scalar boolean is int32 in the
+    # Triton 3.9 interpreter, which then rejects it as a mask.
+    stored = tl.where(count > 0, 1, 0)
     out_row = out_ptr + query.to(tl.int64) * stride_oq + head * stride_oh
-    tl.store(out_row + offs_d, (acc / s_safe).to(out_ptr.dtype.element_ty), mask=store & (offs_d < HEAD_DIM))
-    tl.store(lse_ptr + query.to(tl.int64) * stride_lq + head + tl.arange(0, 1), (m + tl.math.log2(s_safe)) * _LN2,
-             mask=store)
+    tl.store(out_row + offs_d, (acc / s_safe).to(out_ptr.dtype.element_ty), mask=offs_d < stored * HEAD_DIM)
+    one = tl.arange(0, 1)
+    tl.store(lse_ptr + query.to(tl.int64) * stride_lq + head + one, (m + tl.math.log2(s_safe)) * _LN2,
+             mask=one < stored)
