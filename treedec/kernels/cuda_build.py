@@ -5,7 +5,8 @@
 ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
 the sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
 ``-DTREEDEC_WGMMA128_STAGES=5``). The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
-CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``).
+CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``);
+both come with the ``cuda`` extra: ``pip install 'treedec[cuda]'``.
 
 :func:`compile_sources` compiles the torch-free kernel sources with nvcc alone (no GPU
 needed): the CPU test that keeps the CUDA code building in CI.
@@ -34,7 +35,8 @@ def cutlass_include_dir() -> Path:
     """The CUTLASS/CuTe headers of the ``nvidia-cutlass`` package, or BackendUnavailableError."""
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or spec.origin is None:
-        raise BackendUnavailableError("the cuda backend needs the CUTLASS headers: pip install nvidia-cutlass")
+        raise BackendUnavailableError("the cuda backend needs the CUTLASS headers of nvidia-cutlass: "
+                                      "pip install 'treedec[cuda]'")
     include = Path(spec.origin).parent / "source" / "include"
     if not (include / "cute" / "arch" / "mma_sm80.hpp").is_file():
         raise BackendUnavailableError(f"nvidia-cutlass is installed but its headers are missing under {include}")
@@ -79,7 +81,7 @@ def build_problem(device: torch.device) -> str | None:
     except BackendUnavailableError as err:
         return str(err)
     if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
-        return "the cuda backend is built with ninja: pip install ninja"
+        return "the cuda backend is built with ninja: pip install 'treedec[cuda]'"
     return None
 
 
