@@ -107,3 +107,24 @@ def test_backend_choice_is_reported_and_explicit_failures_raise():
         TreeAttention(4, 2, 64, backend="cuda", device="cpu")
     with pytest.raises(BackendUnavailableError, match="must be 'auto' or one of"):
         TreeAttention(4, 2, 64, backend="flash")
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, fails", [
+    ("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.1", False), ("3.9.0", "2.4.6", False),
+])
+def test_triton_interpreter_versions_that_break_are_named(monkeypatch, triton_version, numpy_version, fails):
+    """The CPU interpreter of Triton < 3.7 cannot run the kernels under numpy >= 2.4: say so, with the fix."""
+    triton = pytest.importorskip("triton")
+    import numpy as np
+
+    from treedec.attention import backends
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(np, "__version__", numpy_version)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    problem = backends.triton_status(torch.device("cpu"))
+    if fails:
+        assert "triton-lang/triton#9171" in problem and "triton>=3.7" in problem
+        with pytest.raises(BackendUnavailableError, match="numpy"):
+            TreeAttention(8, 2, 64, backend="triton", device="cpu")
+    else:
+        assert problem is None

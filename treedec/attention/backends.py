@@ -17,9 +17,32 @@ def triton_status(device: torch.device) -> str | None:
     """None if the triton backend can run on ``device``, else the reason it cannot."""
     if importlib.util.find_spec("triton") is None:
         return "the 'triton' package is not installed (pip install 'treedec[triton]')"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got device {device}"
+    if device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return f"triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got device {device}"
+        return triton_interpreter_problem()
     return None
+
+
+def triton_interpreter_problem() -> str | None:
+    """None if the installed Triton interpreter runs the kernels on the CPU, else why not.
+
+    Triton's interpreter before 3.7 turns a loaded loop bound into a Python int in a way
+    numpy 2.4 rejects (triton-lang/triton#9171), so every kernel launch fails there. Compiled
+    GPU kernels are not affected, which is why the ``triton`` extra carries no version bound
+    (CUDA builds of torch pin their own triton).
+    """
+    import numpy as np
+    import triton
+    if _version(triton.__version__) < (3, 7) and _version(np.__version__) >= (2, 4):
+        return (f"the Triton {triton.__version__} interpreter fails with numpy {np.__version__} "
+                f"(triton-lang/triton#9171): pip install 'triton>=3.7' or 'numpy<2.4' to run triton on the CPU")
+    return None
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def cuda_status(device: torch.device) -> str | None:
