@@ -53,6 +53,19 @@ def test_branch_every_follows_the_policy(tiny, page_size):
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
+def test_other_requests_in_the_forest_are_left_alone(tiny):
+    """A controller run sees and grows only its own request's leaves, whatever else the forest holds."""
+    engine = make_engine(tiny)
+    other, _ = engine.prefill([3, 1, 4, 1, 5])
+    engine.tree.branch(other, [[9], [2]])
+    engine.step()
+    before = {n: engine.tree.tokens(n) for n in engine.tree.children(other)}
+    run = run_controller(engine, PROMPT, BranchEvery(every=3, k=2, max_leaves=8), max_steps=4)
+    assert run.queries_per_step == [2, 2, 2, 4]
+    assert {n: engine.tree.tokens(n) for n in engine.tree.children(other)} == before
+    engine.tree.check_invariants()
+
+
 def test_view_extend_prune_stop(tiny):
     engine = make_engine(tiny)
     controller = Scripted(

@@ -113,6 +113,11 @@ class BranchEvery:
         return []
 
 
+def _request_leaves(tree, root: int) -> list[int]:
+    """The live leaves of ``root``'s tree only: the forest may hold other requests."""
+    return [n for n in tree.live_leaves() if tree.path(n)[0] == root]
+
+
 def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> ControllerRun:
     """Prefill ``prompt_ids``, then up to ``max_steps`` iterations of decide / apply / step.
@@ -131,7 +136,7 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
     logits = {root: first}   # every node's next-token logits at its last token, while it lives
     tree = engine.tree
     while run.steps < max_steps:
-        leaves = tree.live_leaves()
+        leaves = _request_leaves(tree, root)
         ops = controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
         plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
         _check_pool(tree, plan, leaves)
@@ -142,7 +147,7 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
         if plan.stop:
             run.stopped = True
             break
-        leaves = tree.live_leaves()   # a node whose children were all pruned is a leaf again (backtracking)
+        leaves = _request_leaves(tree, root)   # a node whose children were all pruned is a leaf again (backtracking)
         grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
                 for n in leaves if n not in plan.branch}
         tree.extend_many(grow)
