@@ -201,7 +201,9 @@ def test_static_padded_steps_equal_eager(tiny, triton_device):
         engine.tree.extend(kids[1], [9])
         out.append(engine.step())                        # 33 queries: the 64 bucket, after the prefill
         engine.tree.extend_many({leaf: [7] for leaf in engine.tree.live_leaves()})
-        out.append(engine.step(logits_rows=[0, 5]))
+        out.extend(engine.step(logits_rows=[0, 5], return_hidden=True))   # a Medusa-heads step: graphed too
+        engine.tree.extend_many({leaf: [8] for leaf in engine.tree.live_leaves()})
+        out.extend(engine.step(return_hidden=True))
         root2, logits = engine.prefill(list(range(100, 170)))   # 70 queries: past max_queries, eager
         out.append(logits[None])
         engine.tree.branch(root2, [[2]])
@@ -212,7 +214,7 @@ def test_static_padded_steps_equal_eager(tiny, triton_device):
     torch.testing.assert_close(eager.pool.k, static.pool.k, atol=2e-5, rtol=0)
     torch.testing.assert_close(eager.pool.v, static.pool.v, atol=2e-5, rtol=0)
     stats = static.graph_stats
-    assert stats["static_eager"] == 4
+    assert stats["static_eager"] == 5
     assert stats["eager: more than max_queries=64 queries"] == 1
     assert stats["eager: max_graphs=3 graphs already captured"] == 1
 
@@ -238,7 +240,7 @@ def test_cuda_graph_steps_equal_eager_steps(compiled):
         root, logits = engine.prefill(gen.integers(0, 512, 3000).tolist())
         for step in range(12):   # a speculative loop: verify a token tree, keep one path, repeat
             ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 64).tolist(), medusa.parents)
-            out.append(engine.step())
+            out.extend(engine.step(return_hidden=True) if step % 2 else (engine.step(),))
             engine.tree.prune(ids[0])
             engine.tree.extend(root, gen.integers(0, 512, int(gen.integers(1, 300))).tolist())
             out.append(engine.step(logits_rows=[0]))
@@ -252,6 +254,8 @@ def test_cuda_graph_steps_equal_eager_steps(compiled):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(eager.pool.k.float(), graphed.pool.k.float(), atol=2e-2, rtol=2e-2)
     assert graphed.graph_stats["replays"] > graphed.graph_stats["captures"] > 0
+    eager = {key for key in graphed.graph_stats if key.startswith("eager")}
+    assert eager <= {"eager: more than max_queries=256 queries"}, graphed.graph_stats   # long prompt pieces only
 
 
 @pytest.mark.gpu

@@ -160,14 +160,17 @@ class StaticStep:
 class _Graph:
     static: StaticStep
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None    # [queries, vocab]: the captured graph's output
+    logits: torch.Tensor | None = None    # [queries, vocab]: the captured graph's outputs
+    hidden: torch.Tensor | None = None    # [queries, hidden_size]
 
 
 class GraphRunner:
     """Runs steps from padded static buffers, replaying one captured graph per query bucket.
 
-    ``forward(static) -> logits [capacity.queries, vocab]`` is the model forward over a
-    :class:`StaticStep`'s buffers (the engine provides it).
+    ``forward(static) -> (logits [capacity.queries, vocab], hidden [capacity.queries,
+    hidden_size])`` is the model forward over a :class:`StaticStep`'s buffers (the engine
+    provides it). Every graph keeps both outputs, so steps that need hidden states (Medusa
+    heads, draft models) replay the same graphs as steps that need logits only.
     """
 
     def __init__(self, config: CudaGraphConfig, forward: Callable[[StaticStep], torch.Tensor],
@@ -181,8 +184,10 @@ class GraphRunner:
         self.stats: Counter = Counter()
 
     def run(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray
-            ) -> torch.Tensor | None:
-        """Logits ``[Q, vocab]`` of the step, or None when it must run eagerly (reason counted in :attr:`stats`)."""
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(logits [Q, vocab], hidden [Q, hidden_size])`` of the step, or None when it must run
+        eagerly (the reason counted in :attr:`stats`). The tensors are views of the graph's
+        outputs: valid until the next :meth:`run`."""
         if plan.num_queries > self.config.max_queries:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
         need = PlanCapacity.for_plan(plan)
@@ -197,7 +202,8 @@ class GraphRunner:
         entry.static.load(plan, tokens, positions, slots)
         if not self.config.capture:
             self.stats["static_eager"] += 1
-            return self._forward(entry.static)[: plan.num_queries]
+            logits, hidden = self._forward(entry.static)
+            return logits[: plan.num_queries], hidden[: plan.num_queries]
         if entry.graph is None:
             self._capture(entry)
         # Only now may a replaced graph go: its memory returns to the shared pool, and a
@@ -205,7 +211,7 @@ class GraphRunner:
         del replaced
         entry.graph.replay()
         self.stats["replays"] += 1
-        return entry.logits[: plan.num_queries].clone()
+        return entry.logits[: plan.num_queries], entry.hidden[: plan.num_queries]
 
     def _capture(self, entry: _Graph) -> None:
         """Warm up on a side stream (Triton compiles; launch parameters and the workspace are cached
@@ -218,7 +224,7 @@ class GraphRunner:
         current.wait_stream(side)
         entry.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(entry.graph, pool=self._pool):
-            entry.logits = self._forward(entry.static)
+            entry.logits, entry.hidden = self._forward(entry.static)
         self.stats["captures"] += 1
         logger.info("captured a CUDA graph for %s", entry.static.capacity)
 

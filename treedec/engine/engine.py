@@ -150,8 +150,8 @@ class Engine:
             Which queries (row indices in that order) to return logits for; default all.
         return_hidden : bool
             Also return the same rows' last hidden states after the final norm (the
-            ``lm_head`` input, e.g. for Medusa heads). Such a step runs eagerly: the CUDA
-            graphs capture logits only.
+            ``lm_head`` input, e.g. for Medusa heads); such steps replay the same CUDA
+            graphs as the others.
 
         Returns
         -------
@@ -168,16 +168,17 @@ class Engine:
         self._check_window(int(positions.max()))
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         self._check_token_ids(tokens, "the pending tokens")
-        if self._graphs is None or return_hidden:
+        if self._graphs is None:
             plan = self.attn.plan(layout)
         else:
             host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
-            logits = self._graphs.run(host_plan, tokens, positions, slots)
-            plan = host_plan.to(self.device) if logits is None else None
+            outputs = self._graphs.run(host_plan, tokens, positions, slots)
+            plan = host_plan.to(self.device) if outputs is None else None
         if plan is not None:
             logits = self._forward(plan, tokens, positions, slots, rows, return_hidden)
-        elif rows is not None:
-            logits = logits[torch.as_tensor(rows, device=logits.device)]
+        else:  # copies: the graph's output buffers are overwritten by its next replay
+            index = torch.arange(num_q, device=self.device) if rows is None else torch.as_tensor(rows, device=self.device)
+            logits = tuple(t[index] for t in outputs) if return_hidden else outputs[0][index]
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
@@ -214,10 +215,10 @@ class Engine:
         rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
         return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
 
-    def _static_forward(self, static: StaticStep) -> torch.Tensor:
-        """The forward of a CUDA-graph step: everything read from ``static``'s device buffers."""
+    def _static_forward(self, static: StaticStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden)."""
         tokens, positions, slots = static.inputs
-        return self.model(tokens, positions, _TreeAttend(self, slots.long(), static.device_plan))
+        return self.model(tokens, positions, _TreeAttend(self, slots.long(), static.device_plan), None, True)
 
     def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig) -> GraphRunner | None:
         if cuda_graphs is False:
