@@ -38,7 +38,7 @@ from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import PLANNERS, dense_tree_mask, reference_tree_attention  # noqa: E402
 from treedec.attention.backends import cuda_status, triton_status  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
-from treedec.kernels.cuda_tree_attention import plan_schedule  # noqa: E402
+from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
 
 MAX_REL_ERR = 2e-3
 TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
@@ -147,12 +147,12 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
     config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
     try:
         attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, q.shape[-1], backend=backend,
-                             plan_config=config, device=device)
+                             plan_config=config, device=device, dtype=q.dtype)
     except BackendUnavailableError as e:
         return {"status": "unavailable", "reason": str(e)}, None
     plan_us = time_us(lambda: attn.plan(layout), torch.device("cpu"))
     plan = attn.plan(layout)
-    result = {"plan": plan.plan.summary(), "plan_us": plan_us, "kernel_backend": plan.cache.get("backend")}
+    result = {"plan": plan.plan.summary(), "plan_us": plan_us, "kernel_backend": plan.backend}
 
     def maker(k_i, v_i):
         return lambda: attn.run(q, k_i, v_i, plan)

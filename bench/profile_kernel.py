@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import reference_tree_attention  # noqa: E402
-from treedec.kernels.cuda_tree_attention import plan_schedule  # noqa: E402
+from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
 
 
 def main(argv=None) -> int:

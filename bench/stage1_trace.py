@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         plan = attn.plan(layout)
         for _ in range(3):
             attn.run(q, k, v, plan)
-        prepared = plan.cache[("cuda", torch.float16, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM)]
+        prepared = plan.prepared
         ctas = len(prepared.cta_unit_start) - 1
         trace = torch.zeros(ctas, ext.trace_slots(), dtype=torch.int64, device=device)
         by_mode = {}

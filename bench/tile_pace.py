@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         os.environ["TREEDEC_CUDA_FLAGS"] = (os.environ.get("TREEDEC_CUDA_FLAGS", "") + " " + args.flags).strip()
         os.environ.setdefault("TREEDEC_CACHE_DIR", str(Path.home() / ".cache" / ("treedec-" + (args.tag or "flags"))))
     from treedec.attention import PlanConfig, make_plan, reference_tree_attention
-    from treedec.kernels.cuda_tree_attention import run_plan_cuda
+    from treedec.attention.backends.cuda_backend import CudaBackend, run_plan_cuda
 
     device = torch.device("cuda")
     sm_scale = 1.0 / math.sqrt(HEAD_DIM)
@@ -75,16 +75,18 @@ def main(argv=None) -> int:
                 if plan.num_chunks != chunks:
                     raise AssertionError(f"{plan.num_chunks=} != {chunks=}")
                 device_plan = plan.to(device)
-                out, _ = run_plan_cuda(q, k, v, device_plan, sm_scale)
+                prepared = CudaBackend(q.shape[1], k.shape[2], q.shape[2], q.dtype, sm_scale, device).prepare(device_plan)
+                out, _ = run_plan_cuda(q, k, v, device_plan, sm_scale, prepared=prepared)
                 if not args.flags:
                     ref, _ = reference_tree_attention(q, k, v, workload.layout, sm_scale)
                     rel = float((out.float() - ref).norm() / ref.norm())
                     if not rel < 2e-3:
                         raise AssertionError(f"{queries} queries, {tokens} tokens: relative error {rel:.3g}")
                 copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
-                row[f"eager_us_{tokens}"] = time_us(lambda: run_plan_cuda(q, k, v, device_plan, sm_scale, False), device)
+                row[f"eager_us_{tokens}"] = time_us(lambda: run_plan_cuda(q, k, v, device_plan, sm_scale, False, prepared),
+                                                  device)
                 row[f"graphed_us_{tokens}"] = graphed_us(
-                    [lambda k_i=k_i, v_i=v_i: run_plan_cuda(q, k_i, v_i, device_plan, sm_scale, False)
+                    [lambda k_i=k_i, v_i=v_i: run_plan_cuda(q, k_i, v_i, device_plan, sm_scale, False, prepared)
                      for k_i, v_i in copies], GRAPH_CALLS)
             for mode in ("eager", "graphed"):
                 row[f"{mode}_us_per_tile"] = per_tile_us(row[f"{mode}_us_{TOKENS[0]}"], row[f"{mode}_us_{TOKENS[1]}"],

@@ -29,7 +29,8 @@ from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workl
 from bench.timing import graphed_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import reference_tree_attention  # noqa: E402
-from treedec.kernels.triton_tree_attention import LaunchConfig, run_plan_triton  # noqa: E402
+from treedec.attention.backends.triton_backend import TritonBackend, run_plan_triton  # noqa: E402
+from treedec.kernels.triton_tree_attention import LaunchConfig  # noqa: E402
 
 # (query_tile, launch config) candidates for G = 4: 64, 128 and 256 rows per program.
 CANDIDATES = [
@@ -75,10 +76,12 @@ def main() -> int:
                        "num_warps": launch.num_warps, "num_stages": launch.num_stages, "maxnreg": launch.maxnreg,
                        "work_items": plan.plan.num_items, "entries": plan.plan.num_entries}
                 try:
-                    out, _ = run_plan_triton(q, *copies[0], plan, scale, launch=launch)
+                    prepared = TritonBackend(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, q.dtype, scale,
+                                             launch=launch).prepare(plan)
+                    out, _ = run_plan_triton(q, *copies[0], plan, scale, prepared=prepared)
                     row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
                     if row["rel_err"] < 2e-3:
-                        runs = [lambda k=k, v=v: run_plan_triton(q, k, v, plan, scale, validate=False, launch=launch)
+                        runs = [lambda k=k, v=v: run_plan_triton(q, k, v, plan, scale, validate=False, prepared=prepared)
                                 for k, v in copies]
                         row["graphed_us"] = graphed_us(runs)
                 except Exception as e:  # a config that does not compile or launch on this GPU

@@ -1,4 +1,4 @@
-"""The cuda backend (treedec/kernels/cuda/*, cuda_tree_attention.py, StaticTreeAttention).
+"""The cuda backend (treedec/kernels/cuda/*, attention/backends/cuda_backend.py, its static plans).
 
 On the CPU: the kernel sources compile with this machine's nvcc for sm_90a. On a GPU
 (``-m gpu``): results match the dense fp32 reference and the torch plan executor on random
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import PlanBounds, StaticTreeAttention, make_plan, reference_tree_attention
+from treedec.attention import PlanBounds, make_plan, reference_tree_attention
 from treedec.attention.backends import HYBRID_MIN_ROWS
 from treedec.attention.persistent_schedule import FULL_TILE_FLAG, SCHEDULE_HEADER, TILE_SIZES, TILE_TOKENS, UNIT_FIELDS
 from treedec.errors import BackendUnavailableError, PlanError
@@ -50,7 +50,7 @@ class Sm90aTiles:
 
 
 def test_long_chunks_choose_96_token_tiles_where_a_kernel_takes_them(monkeypatch):
-    from treedec.kernels.cuda_tree_attention import LONG_CHUNK_TOKENS, TILE_TOKENS_ENV, choose_tile_tokens
+    from treedec.attention.backends.cuda_backend import LONG_CHUNK_TOKENS, TILE_TOKENS_ENV, choose_tile_tokens
     monkeypatch.delenv(TILE_TOKENS_ENV, raising=False)
     tree = prompt_with_token_tree(3000, 16, hkv=2, d=64, flat=True)
     long_plan = make_plan(tree.layout(), PlanConfig("flatten", chunk_size=2 * LONG_CHUNK_TOKENS), 4)
@@ -75,7 +75,7 @@ def test_long_chunks_choose_96_token_tiles_where_a_kernel_takes_them(monkeypatch
 # ----------------------------------------------------------------------------- GPU
 
 def run_cuda(tree, config, group, dtype, seed=0):
-    from treedec.kernels.cuda_tree_attention import run_plan_cuda
+    from treedec.attention.backends.cuda_backend import run_plan_cuda
     return run_on_random_q(run_plan_cuda, tree, make_plan(tree.layout(), config, group), group, dtype, "cuda", seed)
 
 
@@ -86,7 +86,7 @@ def kernel_takes_tile(tile: int, dtype, head_dim: int) -> bool:
 
 def force_tile(monkeypatch, tile: int) -> None:
     """Every later schedule lists ``tile``-token tiles (cuda_tree_attention.TILE_TOKENS_ENV)."""
-    from treedec.kernels.cuda_tree_attention import TILE_TOKENS_ENV
+    from treedec.attention.backends.cuda_backend import TILE_TOKENS_ENV
     monkeypatch.setenv(TILE_TOKENS_ENV, str(tile))
 
 
@@ -185,7 +185,7 @@ def test_units_of_at_most_64_rows(prompt_len, branches, group, head_dim, dtype, 
 def test_balanced_chunks_on_hopper_match_the_reference():
     """fewshot_b30_p4k's shape through TreeAttention("cuda"): on sm_90a the planner gets
     LIGHT_TILE_COST and cuts the branches into longer chunks than the prompt."""
-    from treedec.kernels.cuda_tree_attention import LIGHT_TILE_COST
+    from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST
     pool = PagedKVPool(num_pages=700, page_size=16, num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float16,
                        device="cuda")
     tree = SequenceTree(pool)
@@ -214,16 +214,16 @@ def test_balanced_chunks_on_hopper_match_the_reference():
 def test_long_chunks_choose_96_token_tiles_on_hopper():
     """choose_tile_tokens: 96 where the longest chunk has >= LONG_CHUNK_TOKENS tokens and the kernel
     takes 96 (sm_90a, head dims 64/128), else 64; the schedule heads its device array with the size."""
-    from treedec.kernels.cuda_tree_attention import LONG_CHUNK_TOKENS, plan_schedule
+    from treedec.attention.backends.cuda_backend import LONG_CHUNK_TOKENS, plan_schedule
     tree = prompt_with_token_tree(3000, 64)
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for chunk_size, expected in ((2 * LONG_CHUNK_TOKENS, 96 if hopper else 64), (LONG_CHUNK_TOKENS // 2, 64)):
-        attn = TreeAttention(32, 8, 128, backend="cuda", device="cuda", plan_config=PlanConfig("flatten", chunk_size))
+        attn = TreeAttention(32, 8, 128, backend="cuda", device="cuda", plan_config=PlanConfig("flatten", chunk_size),
+                             dtype=torch.bfloat16)
         plan = attn.plan(tree)
-        assert plan_schedule(plan) is None
+        schedule = plan_schedule(plan)   # made at plan time: run() only launches
         q = torch.randn(plan.plan.num_queries, 32, 128, dtype=torch.bfloat16, device="cuda")
         out, lse = attn.run(q, *(c.cuda() for c in tree.pool.layer(0)), plan, return_lse=True)
-        schedule = plan_schedule(plan)
         assert schedule.tile_tokens == expected and schedule.device_array()[0] == expected
         check_against_references(out, lse, plan.plan, q, *(c.cuda() for c in tree.pool.layer(0)),
                                  TOLERANCE[torch.bfloat16])
@@ -245,17 +245,16 @@ def test_every_merge_kernel_gives_the_same_bits(head_dim):
     """The merge kernel loading the most partial rows at once (a plan with over 8 partials a query: 16, 8 with
     head dim 256) and those loading 8 and 4 sum in the same order: the same bits. Here over 32 partials
     a query, so the merge's batches of 32 are crossed too."""
-    from treedec.kernels.cuda_tree_attention import run_plan_cuda
+    from treedec.attention.backends.cuda_backend import CudaBackend, run_plan_cuda
     tree = prompt_with_token_tree(2500, 64, hkv=2, d=head_dim)
     out, lse, plan, q, k_cache, v_cache = run_cuda(tree, PlanConfig("flatten", chunk_size=64), 4, torch.bfloat16)
     check_against_references(out, lse, plan, q, k_cache, v_cache, TOLERANCE[torch.bfloat16])
     device_plan = plan.to("cuda")
-    run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)  # fills the plan's launch cache
-    [key] = [key for key in device_plan.cache if isinstance(key, tuple) and key[0] == "cuda"]
-    assert device_plan.cache[key].max_query_entries > 32
+    prepared = CudaBackend(q.shape[1], k_cache.shape[2], head_dim, q.dtype, head_dim ** -0.5, q.device).prepare(device_plan)
+    assert prepared.max_query_entries > 32
     for forced in (8, 4):  # the bound the launch picks its kernel by
-        device_plan.cache[key] = dataclasses.replace(device_plan.cache[key], max_query_entries=forced)
-        other_out, other_lse = run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5)
+        other_out, other_lse = run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5,
+                                             prepared=dataclasses.replace(prepared, max_query_entries=forced))
         assert torch.equal(out, other_out) and torch.equal(lse, other_lse), forced
 
 
@@ -313,7 +312,9 @@ def test_captured_graph_replays_new_trees():
     hkv, group, d, dtype = 2, 4, 128, torch.float16
     pool = random_cuda_pool(hkv, d, dtype)
     bounds = PlanBounds(max_queries=128, max_tokens=8192)
-    attn = StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, PlanConfig("flatten"))
+    attn = TreeAttention(hkv * group, hkv, d, backend="cuda", device="cuda", plan_config=PlanConfig("flatten"),
+                         dtype=dtype)
+    static = attn.static_plan(bounds)
     q_static = torch.zeros(bounds.max_queries, hkv * group, d, dtype=dtype, device="cuda")
     k_cache, v_cache = pool.layer(0)
     rng = np.random.default_rng(0)
@@ -330,42 +331,44 @@ def test_captured_graph_replays_new_trees():
         return tree
 
     tree = new_tree()
-    attn.plan(tree)
-    graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
+    plan = attn.plan(tree, into=static)
+    graph = capture(lambda: attn.run(q_static, k_cache, v_cache, plan, return_lse=True))
     for step in range(4):
         if step:
             tree.commit_step()
             for root in list(tree.roots):
                 tree.prune(root)
             tree = new_tree()
-        check_replay(graph, q_static, attn.plan(tree), k_cache, v_cache)
+        assert attn.plan(tree, into=static) is plan
+        check_replay(graph, q_static, static.current, k_cache, v_cache)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_graph_replays_new_trees_with_96_token_tiles():
-    """StaticTreeAttention(tile_tokens=96): every plan lists 96-token tiles and the graph, holding that
+    """static_plan(tile_tokens=96): every plan lists 96-token tiles and the graph, holding that
     tile's kernel, replays trees of short and long chunks; where no kernel takes 96 it is refused."""
     hkv, group, d, dtype = 2, 4, 64, torch.bfloat16
     pool = random_cuda_pool(hkv, d, dtype)
     bounds = PlanBounds(max_queries=64, max_tokens=8192)
-    config = PlanConfig("flatten", chunk_size=2048)
+    attn = TreeAttention(hkv * group, hkv, d, backend="cuda", device="cuda",
+                         plan_config=PlanConfig("flatten", chunk_size=2048), dtype=dtype)
     if not kernel_takes_tile(96, dtype, d):
         with pytest.raises(ValueError, match="take tiles of \\[64\\]"):
-            StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=96)
+            attn.static_plan(bounds, tile_tokens=96)
         return
     with pytest.raises(ValueError, match="tile_tokens"):
-        StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=128)
-    attn = StaticTreeAttention(hkv * group, hkv, d, dtype, bounds, config, tile_tokens=96)
+        attn.static_plan(bounds, tile_tokens=128)
+    static = attn.static_plan(bounds, tile_tokens=96)
     q_static = torch.zeros(bounds.max_queries, hkv * group, d, dtype=dtype, device="cuda")
     k_cache, v_cache = pool.layer(0)
     trees = [prompt_in(pool, n, 5) for n in (600, 5000, 300, 4000)]
-    attn.plan(trees[0])
-    graph = capture(lambda: attn.run(q_static, k_cache, v_cache))
+    plan = attn.plan(trees[0], into=static)
+    graph = capture(lambda: attn.run(q_static, k_cache, v_cache, plan, return_lse=True))
     for tree in trees:
-        host = attn.plan(tree)
-        assert attn.schedule.tile_tokens == 96
-        check_replay(graph, q_static, host, k_cache, v_cache)
+        attn.plan(tree, into=static)
+        assert plan.prepared.schedule.tile_tokens == 96
+        check_replay(graph, q_static, static.current, k_cache, v_cache)
 
 
 def random_cuda_pool(hkv: int, d: int, dtype, num_pages: int = 1024) -> PagedKVPool:
@@ -379,7 +382,7 @@ def random_cuda_pool(hkv: int, d: int, dtype, num_pages: int = 1024) -> PagedKVP
 
 def check_replay(graph, q_static, host, k_cache, v_cache) -> None:
     """Random q for the planned tree ``host``'s queries, replay ``graph`` (a :class:`capture` of a
-    StaticTreeAttention's run, outputs (out, lse)), compare with the fp32 reference."""
+    static plan's run, outputs (out, lse)), compare with the fp32 reference."""
     n, d = host.num_queries, q_static.shape[2]
     q_static[:n] = torch.randn(n, *q_static.shape[1:], device="cuda", dtype=q_static.dtype)
     graph.replay()
@@ -421,17 +424,19 @@ class capture:
 def test_static_plan_over_bounds_raises_and_keeps_the_previous_plan():
     pool = PagedKVPool(num_pages=256, page_size=16, num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float16,
                        device="cuda")
-    attn = StaticTreeAttention(4, 1, 64, torch.float16, PlanBounds(max_queries=8, max_tokens=1024))
+    attn = TreeAttention(4, 1, 64, backend="cuda", device="cuda")
+    static = attn.static_plan(PlanBounds(max_queries=8, max_tokens=1024))
     tree = SequenceTree(pool)
     root = tree.add_prompt(np.arange(100))
     tree.commit_step()
     tree.extend(root, [1])
-    first = attn.plan(tree)
+    attn.plan(tree, into=static)
+    first = static.current
     tree.commit_step()
     tree.add_token_tree(root, np.arange(16), [-1] + list(range(15)))
     with pytest.raises(PlanError, match="max_queries"):
-        attn.plan(tree)
-    assert attn.current is first
+        attn.plan(tree, into=static)
+    assert static.current is first
 
 
 @pytest.mark.gpu
@@ -456,7 +461,7 @@ def test_python_rows_and_tile_tables_match_the_kernels():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
     """auto on an H100/H200: steps with >= HYBRID_MIN_ROWS query rows per KV head run cuda, smaller ones triton."""
-    attn = TreeAttention(32, 8, 128, backend="auto", device="cuda")
+    attn = TreeAttention(32, 8, 128, backend="auto", device="cuda", dtype=torch.bfloat16)
     if torch.cuda.get_device_capability() != (9, 0):
         assert attn.backend == "triton"
         return
@@ -465,7 +470,7 @@ def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
     for tree_size, expected in ((4, "triton"), (16, "cuda")):   # x4 heads per KV head: 16 / 64 rows
         tree = prompt_with_token_tree(2000, tree_size, flat=True)
         plan = attn.plan(tree)
-        assert plan.cache["backend"] == expected
+        assert plan.backend == expected
         k, v = (c.cuda() for c in tree.pool.layer(0))
         q = torch.randn(plan.plan.num_queries, 32, 128, device="cuda", dtype=torch.bfloat16)
         out, lse = attn.run(q, k, v, plan, return_lse=True)

@@ -4,10 +4,8 @@ import pytest
 import torch
 
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config, greedy
-from treedec.engine.cuda_graphs import PlanCapacity, StaticStep
-from treedec.attention import PlanConfig, make_plan
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
+
 from treedec.workloads.deft import medusa_tree
 
 
@@ -139,44 +137,10 @@ def test_sliding_window_is_refused():
 def test_cuda_graph_options_are_checked(tiny):
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_engine(tiny, cuda_graphs=True)
-    with pytest.raises(ValueError, match="needs the triton attention backend"):
+    with pytest.raises(ValueError, match="needs a kernel attention backend"):
         make_engine(tiny, cuda_graphs=CudaGraphConfig(capture=False))
     with pytest.raises(ValueError, match="max_queries must be a positive int"):
         CudaGraphConfig(max_queries=0)
-
-
-def _tree_plan():
-    tree = SequenceTree(PagedKVPool(64, 4, allocate_storage=False))
-    root = tree.add_prompt(list(range(30)))
-    tree.commit_step()
-    tree.branch(root, [[1], [2, 3], [4]])
-    return make_plan(tree.layout(), PlanConfig(chunk_size=8, query_tile=2), 2)
-
-
-def test_static_step_pads_the_plan():
-    plan = _tree_plan()
-    cap = PlanCapacity.for_plan(plan)
-    assert cap.fits(plan) and cap.queries == 4 and cap.entries > cap.queries
-    assert not PlanCapacity(2, 1024, 16, 64, 16, 1).fits(plan)
-    static = StaticStep(cap, torch.device("cpu"), scratch_slot=999)
-    static.load(plan, np.array([1, 2, 3, 4]), np.array([30, 30, 31, 30]), plan.layout.query_slot)
-    p = static.device_plan
-    assert p.plan.num_queries == 4 and p.plan.num_items == cap.items and p.plan.num_entries == cap.entries
-    q = plan.num_queries
-    assert static.inputs.tolist() == [[1, 2, 3, 4], [30, 30, 31, 30], plan.layout.query_slot.tolist()]
-    n_items, n_chunks = plan.num_items, plan.num_chunks
-    assert p.item_num_entries[n_items:].eq(0).all()
-    assert p.item_num_entries[:n_items].tolist() == plan.item_num_entries.tolist()
-    assert p.chunk_kv_start[n_chunks:].eq(int(plan.chunk_kv_start[-1])).all()
-    assert p.query_entry_start[q:].eq(int(plan.query_entry_start[-1])).all()
-    assert p.entry_mask[: plan.num_entries, : plan.mask_words].tolist() == plan.entry_mask.tolist()
-    assert p.entry_mask[:, plan.mask_words:].eq(0).all()
-    # a smaller plan in the same buffers: padded queries write to the scratch slot
-    tree_plan = make_plan(TreeLayout.from_parents([-1, 0], [30, 1], [(1, 0)]),
-                          PlanConfig(chunk_size=8, query_tile=2), 2)
-    static.load(tree_plan, np.array([5]), np.array([30]), np.array([30]))
-    assert static.inputs.tolist() == [[5, 0, 0, 0], [30, 0, 0, 0], [30, 999, 999, 999]]
-    assert p.query_entry_start[2:].eq(int(tree_plan.query_entry_start[-1])).all()
 
 
 @pytest.mark.triton

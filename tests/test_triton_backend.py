@@ -1,4 +1,4 @@
-"""The triton backend (treedec/kernels/triton_tree_attention.py) against the references.
+"""The triton backend (attention/backends/triton_backend.py, kernels/triton_tree_attention.py) against the references.
 
 On a machine without CUDA the kernels run in the Triton interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1), so the shapes are small: few heads, short trees.
@@ -16,7 +16,7 @@ from treedec.tree import PagedKVPool, SequenceTree
 from tests.trees import check_against_references, poison_free_slots, random_forest, run_on_random_q
 
 triton_kernels = pytest.importorskip("treedec.kernels.triton_tree_attention")
-run_plan_triton = triton_kernels.run_plan_triton
+from treedec.attention.backends.triton_backend import run_plan_triton  # noqa: E402  (needs triton)
 
 pytestmark = pytest.mark.triton
 

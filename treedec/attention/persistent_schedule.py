@@ -11,7 +11,7 @@ item, and the unit records point into the list (:meth:`PersistentSchedule.device
 record also carries what the kernel's first K/V gathers need (the chunk's first slot index and
 length, the first live tile), so those start one load after the record, not three. The tile size
 is the KV tile the kernel runs: :data:`TILE_TOKENS` (every kernel) or 96 (the sm_90a kernel, for
-long units: the backend chooses, ``cuda_tree_attention.choose_tile_tokens``, and launches that
+long units: the backend chooses, ``cuda_backend.choose_tile_tokens``, and launches that
 tile's kernel); it heads the device array, where the kernel checks it.
 
 Units are assigned with FlashInfer's cost model (a*rows + b*kv_tokens, greedy
@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.kernels.cuda_tree_attention import TILE_SIZES, TILE_TOKENS
 
 UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end",
                "kv_begin", "chunk_len", "first_tile")
 _LIST_FIELDS = [UNIT_FIELDS.index("tile_begin"), UNIT_FIELDS.index("tile_end")]  # offsets into device_array()
-TILE_TOKENS = 64          # default tile of the live lists and the cost model (every kernel takes it)
-TILE_SIZES = (64, 96)     # tiles a schedule may list (multiples of MASK_BITS); the kernel must take them
 SCHEDULE_HEADER = 2       # int32 words before the records in device_array(): tile tokens, 0
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token

@@ -1,4 +1,4 @@
-"""TreeAttention: plan once per step on the CPU, run for every layer."""
+"""TreeAttention: plan (and prepare the launch) once per step on the CPU, run for every layer."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +8,9 @@ import math
 import torch
 
 from treedec.attention.backends import HYBRID_MIN_ROWS, resolve_backend
+from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
 from treedec.attention.planners import PlanConfig, make_plan
-from treedec.attention.reference import reference_tree_attention
-from treedec.attention.torch_executor import run_plan_torch
+from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
@@ -22,7 +22,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 class TreeAttention:
-    """Tree attention for a fixed head configuration.
+    """Tree attention for a fixed head configuration and dtype.
 
     Parameters
     ----------
@@ -32,7 +32,7 @@ class TreeAttention:
         "auto", "reference", "torch", "triton" or "cuda". The choice made is in
         :attr:`backend` and :attr:`backend_reason` (and logged). ``auto`` may resolve to
         ``hybrid`` (H100/H200 with both kernel backends): each plan then names its kernel
-        backend in ``plan.cache["backend"]`` (see :meth:`step_backend`).
+        backend in ``plan.backend`` (see :meth:`step_backend`).
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
         are set from this object and the device.
@@ -40,23 +40,29 @@ class TreeAttention:
         Softmax scale; default ``1 / sqrt(head_dim)``.
     device:
         Where ``run`` will get its tensors; default CUDA if available, else CPU.
+    dtype:
+        Of q, K and V (fp16 by default, as FlashInfer's ``plan``): the kernel backends prepare
+        their launches for it at plan time, and ``run`` checks q against it.
 
     Examples
     --------
     >>> attn = TreeAttention(32, 8, 128)
-    >>> plan = attn.plan(tree)                 # once per step
-    >>> out = attn.run(q, k_cache, v_cache, plan)  # per layer
+    >>> plan = attn.plan(tree)                 # once per step: plan and prepare the launch
+    >>> out = attn.run(q, k_cache, v_cache, plan)  # per layer: launch only
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float16):
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of "
                              f"num_kv_heads ({num_kv_heads})")
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype = dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,25 +73,63 @@ class TreeAttention:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
+        kernel_backends = ("triton", "cuda") if self.backend == "hybrid" else (self.backend,)
+        self._backends = {b: self._make_backend(b) for b in kernel_backends}
         # Per kernel backend, the planner settings it runs best with (cuda: 128-row units).
-        self._configs = {b: self._config_for(b) for b in self._kernel_backends()}
+        self._configs = {b: self._config_for(b) for b in kernel_backends}
         if self.backend != "hybrid":
             self.plan_config = self._configs[self.backend]
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 
-    def plan(self, tree: SequenceTree | TreeLayout) -> DeviceTreePlan:
-        """Plan one step on the CPU and copy the index arrays to :attr:`device`.
+    def plan(self, tree: SequenceTree | TreeLayout, into: StaticPlan | None = None) -> DeviceTreePlan:
+        """Plan one step on the CPU, copy the index arrays to :attr:`device` and prepare the launch.
 
         The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order. The
-        kernel backend that will run the plan is ``plan.cache["backend"]`` (with ``hybrid``,
-        chosen here per step).
+        kernel backend that runs the plan is ``plan.backend`` (with ``hybrid``, chosen here
+        per step) and what it launches with is ``plan.prepared``.
+
+        ``into``: a :meth:`static_plan` to write the plan into instead (for CUDA graphs): the
+        same prepared :class:`DeviceTreePlan` over its buffers is returned for every tree; a
+        tree over its bounds raises PlanError and changes nothing.
         """
         layout = tree.layout() if isinstance(tree, SequenceTree) else tree
-        group = self.num_qo_heads // self.num_kv_heads
-        backend = self.step_backend(layout.num_queries)
-        device_plan = make_plan(layout, self._configs[backend], group).to(self.device)
-        device_plan.cache["backend"] = backend
-        return device_plan
+        backend = self.step_backend(layout.num_queries) if into is None else into.backend_name
+        host = make_plan(layout, self._configs[backend], self.num_qo_heads // self.num_kv_heads)
+        if into is not None:
+            return into.write(host)
+        return self.prepare(host.to(self.device), backend)
+
+    def static_plan(self, bounds: PlanBounds, backend: str | None = None, tile_tokens: int | None = None,
+                    extra: dict[str, tuple[int, ...]] | None = None) -> StaticPlan:
+        """Device buffers of fixed address for plans within ``bounds``: see :mod:`treedec.attention.static_plan`.
+
+        ``backend``: the kernel backend its plans run on; default :meth:`step_backend` of
+        ``bounds.max_queries`` (with ``hybrid``: the measured rule, per bucket). ``tile_tokens``:
+        the cuda backend's KV tile for every plan (default: its rule, applied to the first plan).
+        ``extra``: caller-owned int32 sections written with each plan (:meth:`StaticPlan.write`).
+        """
+        backend = self.step_backend(bounds.max_queries) if backend is None else backend
+        if backend not in ("triton", "cuda"):
+            raise ValueError(f"static plans (CUDA graphs) run on the triton or cuda kernels; this TreeAttention's "
+                             f"backend is {self.backend!r} (the torch and reference backends index on the host)")
+        if backend not in self._backends:
+            raise ValueError(f"backend {backend!r} is not one of this TreeAttention's {sorted(self._backends)}")
+        runner = self._backends[backend]
+        if backend == "cuda":
+            runner = runner.with_static_tile(tile_tokens)
+        elif tile_tokens is not None:
+            raise ValueError("tile_tokens is a cuda backend setting; the triton kernels tile by their launch table")
+        return StaticPlan(bounds, runner, self.device, extra)
+
+    def prepare(self, plan: DeviceTreePlan, backend: str | None = None) -> DeviceTreePlan:
+        """``plan`` (e.g. one whose arrays live in static buffers) with ``backend``'s launch prepared.
+
+        ``backend`` defaults to :meth:`step_backend` of the plan's queries.
+        """
+        backend = self.step_backend(plan.plan.num_queries) if backend is None else backend
+        if backend not in self._backends:
+            raise ValueError(f"backend {backend!r} is not one of this TreeAttention's {sorted(self._backends)}")
+        return dataclasses.replace(plan, backend=backend, prepared=self._backends[backend].prepare(plan))
 
     def step_backend(self, num_queries: int) -> str:
         """The backend a step of ``num_queries`` queries runs on (``hybrid`` picks by rows per KV head)."""
@@ -94,62 +138,69 @@ class TreeAttention:
         rows = num_queries * (self.num_qo_heads // self.num_kv_heads)
         return "cuda" if rows >= HYBRID_MIN_ROWS else "triton"
 
-    def _kernel_backends(self) -> tuple[str, ...]:
-        return ("triton", "cuda") if self.backend == "hybrid" else (self.backend,)
-
-    def _config_for(self, backend: str) -> PlanConfig:
-        config = self.plan_config
-        if backend == "cuda":  # fill the cuda kernel's 128-row units; chunks sized for its persistent grid
-            from treedec.kernels import cuda_tree_attention as ck
-            config = ck.cuda_plan_config(config, self.device, self.head_dim, self.num_qo_heads // self.num_kv_heads)
-        return config
+    def plan_config_for(self, backend: str) -> PlanConfig:
+        """The planner settings of ``backend`` (one of this object's kernel backends)."""
+        return self._configs[backend]
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):
-        """Attention of every query over its root-to-itself path.
+        """Attention of every query over its root-to-itself path; launches only.
 
         Parameters
         ----------
-        q : [Q, num_qo_heads, head_dim], fp16/bf16/fp32
+        q : [Q, num_qo_heads, head_dim], :attr:`dtype` (any float dtype on the torch and reference backends)
         k_cache, v_cache : [num_pages, page_size, num_kv_heads, head_dim], same dtype as q
-        plan : from :meth:`plan`
+        plan : from :meth:`plan` (or :meth:`prepare`)
 
         Returns
         -------
         out : [Q, num_qo_heads, head_dim] in q's dtype; with ``return_lse`` also
         lse : [Q, num_qo_heads] float32, natural log.
         """
-        self._check_inputs(q, k_cache, v_cache, plan)
-        host_plan = plan.plan
-        backend = self.backend
-        if backend == "hybrid":
-            backend = plan.cache.get("backend")
-            if backend not in self._configs:
-                raise ValueError("this plan was not made by this hybrid TreeAttention's plan(): "
-                                 "it does not say which kernel backend runs it")
-        if backend == "reference":
-            out, lse = reference_tree_attention(q, k_cache, v_cache, host_plan.layout, self.sm_scale)
-        elif backend == "torch":
-            out, lse = run_plan_torch(q, k_cache, v_cache, host_plan, self.sm_scale)
-        elif backend == "triton":
-            from treedec.kernels.triton_tree_attention import run_plan_triton
-            out, lse = run_plan_triton(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
-        elif backend == "cuda":
-            from treedec.kernels import cuda_tree_attention as ck
-            ck.check_dtype(q)  # shapes, devices and contiguity are checked above, row alignment by the extension
-            out, lse = ck.run_plan_cuda(q, k_cache, v_cache, plan, self.sm_scale, validate=False)
-        else:  # resolve_backend only lets runnable backends through
-            raise AssertionError(f"backend {self.backend!r} has no runner")
+        backend = self._check_inputs(q, k_cache, v_cache, plan)
+        out, lse = self._backends[backend].run(q, k_cache, v_cache, plan)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
-    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+    def _make_backend(self, name: str):
+        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        if name == "reference":
+            return ReferenceBackend(self.sm_scale)
+        if name == "torch":
+            return TorchBackend(self.sm_scale)
+        if name == "triton":
+            from treedec.attention.backends.triton_backend import TritonBackend
+            return TritonBackend(*heads, self.dtype, self.sm_scale)
+        if name == "cuda":
+            from treedec.attention.backends.cuda_backend import CudaBackend
+            return CudaBackend(*heads, self.dtype, self.sm_scale, self.device)
+        raise AssertionError(f"backend {name!r} has no runner")  # resolve_backend lets only these through
+
+    def _config_for(self, backend: str) -> PlanConfig:
+        if backend == "cuda":  # fill the cuda kernel's 128-row units; chunks sized for its persistent grid
+            return self._backends["cuda"].plan_config(self.plan_config)
+        return self.plan_config
+
+    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> str:
+        """Raise a clear error for inputs ``run`` cannot take; else the backend that runs ``plan``."""
+        if not isinstance(plan, DeviceTreePlan):
+            raise TypeError(f"plan must come from TreeAttention.plan(), got {type(plan).__name__}")
+        # torch and reference execute any plan; the kernel backends need their own launch prepared.
+        backend = self.backend if self.backend in ("torch", "reference") else plan.backend
+        if backend not in self._backends:
+            raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not one of this TreeAttention's "
+                             f"{sorted(self._backends)}: make it with this object's plan() or prepare()")
         expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
         if q.dim() != 3 or tuple(q.shape) != expected_q:
             raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim] = {expected_q}, "
                              f"got {tuple(q.shape)}")
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+        if backend in ("triton", "cuda") and plan.prepared is None:
+            raise ValueError(f"this plan has no {backend} launch prepared: make it with plan() or prepare()")
+        if backend in ("triton", "cuda") and q.dtype != plan.prepared.dtype:
+            raise TypeError(f"q is {q.dtype} but the plan was prepared for {plan.prepared.dtype}: "
+                            f"make the TreeAttention with dtype={q.dtype}")
         if q.stride(2) != 1:
             raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
         if plan.kv_slots.device != q.device:
@@ -170,3 +221,7 @@ class TreeAttention:
         capacity = k_cache.shape[0] * k_cache.shape[1]
         if plan.plan.max_slot >= capacity:
             raise ValueError(f"the plan reads slot {plan.plan.max_slot} but the cache holds {capacity} slots")
+        if backend == "cuda":
+            from treedec.kernels.cuda_tree_attention import check_inputs
+            check_inputs(q, k_cache, v_cache)  # 16-byte aligned rows
+        return backend

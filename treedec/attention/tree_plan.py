@@ -116,7 +116,7 @@ class TreePlan:
 
     def to(self, device: torch.device | str) -> "DeviceTreePlan":
         """Copy the index arrays to ``device`` as int32 tensors (one transfer)."""
-        names = _DEVICE_ARRAYS
+        names = DEVICE_ARRAYS
         arrays = [getattr(self, n) for n in names]
         sizes = [a.size for a in arrays]
         ends = np.cumsum(sizes)
@@ -132,8 +132,10 @@ class TreePlan:
 class DeviceTreePlan:
     """The int32 tensors of a :class:`TreePlan` on a device (same names and shapes).
 
-    ``cache`` holds what a backend derives from the plan once and reuses for every layer
-    of the step (launch parameters, the partial-state workspace).
+    ``backend`` names the kernel backend that runs the plan and ``prepared`` holds what that
+    backend derived from it at plan time (launch parameters, work schedule, workspace; e.g.
+    ``TritonPrepared``, ``CudaPrepared``): ``TreeAttention.plan`` fills both, and every layer of
+    the step launches with them. A plan straight from :meth:`TreePlan.to` has neither.
     """
 
     plan: TreePlan
@@ -148,7 +150,8 @@ class DeviceTreePlan:
     item_chunk: torch.Tensor
     item_entry_start: torch.Tensor
     item_num_entries: torch.Tensor
-    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    backend: str | None = None
+    prepared: object = field(default=None, repr=False, compare=False)
 
 
-_DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.name not in ("plan", "cache"))
+DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")

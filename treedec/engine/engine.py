@@ -21,8 +21,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from treedec.attention import DeviceTreePlan, PlanConfig, TreeAttention, make_plan
-from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner, StaticStep
+from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention, make_plan
+from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
@@ -47,12 +47,13 @@ class Engine:
     page_size : int
         Tokens per KV page.
     backend, plan_config :
-        Of the :class:`TreeAttention` (``auto``: triton on a GPU, torch on the CPU).
+        Of the :class:`TreeAttention` (``auto``: hybrid or triton on a GPU, torch on the CPU).
     prefill_chunk : int
         :meth:`prefill` runs a long prompt as steps of at most this many tokens.
     cuda_graphs : bool or CudaGraphConfig
-        Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and
-        the triton backend); see :mod:`treedec.engine.cuda_graphs`.
+        Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and a
+        kernel backend: triton, cuda, or auto's hybrid, whose rule then picks the kernel of each
+        graph); see :mod:`treedec.engine.cuda_graphs`.
     """
 
     def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
@@ -67,12 +68,7 @@ class Engine:
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
-                                  plan_config=plan_config, device=self.device)
-        if cuda_graphs is not False and self.attn.backend == "hybrid":
-            # Graph replays pad plans for the triton kernels; a hybrid step could switch kernels.
-            self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend="triton",
-                                      plan_config=plan_config, device=self.device)
-            self.attn.backend_reason = "auto with cuda_graphs: triton (graph replays pad plans for its kernels)"
+                                  plan_config=plan_config, device=self.device, dtype=model.dtype)
         num_pages, self.kv_pool_reason = self._pool_pages(kv_tokens, page_size, memory_fraction)
         # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
         # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
@@ -171,9 +167,11 @@ class Engine:
         if self._graphs is None:
             plan = self.attn.plan(layout)
         else:
-            host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
-            outputs = self._graphs.run(host_plan, tokens, positions, slots)
-            plan = host_plan.to(self.device) if outputs is None else None
+            backend = self.attn.step_backend(num_q)
+            host_plan = make_plan(layout, self.attn.plan_config_for(backend),
+                                  self.attn.num_qo_heads // self.attn.num_kv_heads)
+            outputs = self._graphs.run(backend, host_plan, tokens, positions, slots)
+            plan = self.attn.prepare(host_plan.to(self.device), backend) if outputs is None else None
         if plan is not None:
             logits = self._forward(plan, tokens, positions, slots, rows, return_hidden)
         else:  # copies: the graph's output buffers are overwritten by its next replay
@@ -215,9 +213,9 @@ class Engine:
         rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
         return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
 
-    def _static_forward(self, static: StaticStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _static_forward(self, static: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden)."""
-        tokens, positions, slots = static.inputs
+        tokens, positions, slots = static.extra["inputs"]
         return self.model(tokens, positions, _TreeAttend(self, slots.long(), static.device_plan), None, True)
 
     def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig) -> GraphRunner | None:
@@ -228,11 +226,11 @@ class Engine:
             raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
         if config.capture and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")
-        if self.attn.backend != "triton":
-            raise ValueError(f"cuda_graphs needs the triton attention backend (its kernels read the plan from "
-                             f"device memory only); this engine's backend is {self.attn.backend!r}")
+        if self.attn.backend not in ("triton", "cuda", "hybrid"):
+            raise ValueError(f"cuda_graphs needs a kernel attention backend (triton, cuda or auto's hybrid: their "
+                             f"kernels read the plan from device memory only); this engine's is {self.attn.backend!r}")
         scratch_slot = self.pool.num_pages * self.pool.page_size
-        return GraphRunner(config, self._static_forward, self.device, scratch_slot)
+        return GraphRunner(config, self._static_forward, self.attn, scratch_slot)
 
     def _pool_pages(self, kv_tokens: int | None, page_size: int, memory_fraction: float) -> tuple[int, str]:
         c = self.model.config

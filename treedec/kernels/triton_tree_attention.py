@@ -1,4 +1,4 @@
-"""The ``triton`` backend: DeFT-Flatten tree attention executing a :class:`TreePlan`.
+"""The ``triton`` kernels: DeFT-Flatten tree attention over a plan's arrays (``TreePlan``).
 
 Algorithm
 ---------
@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
-from treedec.attention.tree_plan import DeviceTreePlan
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -93,18 +92,87 @@ def launch_config(head_dim: int, block_m: int, dtype: torch.dtype = torch.float1
 
 
 @dataclass(frozen=True)
-class _Launch:
-    """What run_plan_triton derives from a plan once, reused for every layer of the step."""
+class TritonLaunch:
+    """Grids, constexprs and options of the two kernels for one plan shape (from :func:`plan_launch`).
+
+    ``runners`` caches each kernel's compiled runner per specialization guard (see :func:`attend`),
+    so the layers of a step and the replays of a static plan skip the JIT's argument binding.
+    """
 
     grid: tuple[int, int, int]
     merge_grid: tuple[int, int, int] | None  # None: every query has a single partial
-    o_ws: torch.Tensor                      # [E, Hq, D] partial outputs
-    lse_ws: torch.Tensor                    # [E, Hq] partial LSEs, float32
     constants: dict                         # constexpr arguments of the stage-1 kernel, in order
     options: dict                           # num_warps, num_stages
     merge_constants: dict
     merge_options: dict
-    runners: dict = field(default_factory=dict)  # (kernel, specialization guard) -> compiled runner
+    runners: dict = field(default_factory=dict, compare=False)
+
+
+def plan_launch(num_items: int, num_queries: int, num_entries: int, query_tile: int, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, dtype: torch.dtype, cpu: bool,
+                override: LaunchConfig | None = None) -> TritonLaunch:
+    """The launch of a plan of these sizes: ``num_items`` work items of at most ``query_tile``
+    entries, ``num_entries`` entries over ``num_queries`` queries; ``cpu`` when the kernels run
+    in Triton's interpreter. ``override`` replaces the stage-1 table entry (tuning)."""
+    group = num_qo_heads // num_kv_heads
+    limit = max_block_m(head_dim, dtype)
+    block_m = min(max(16, triton.next_power_of_2(query_tile * group)), limit)
+    entries_per_prog = block_m // group
+    if entries_per_prog < 1:
+        raise ValueError(f"GQA group size {group} (= {num_qo_heads} / {num_kv_heads} heads) exceeds the {limit} "
+                         f"rows of one program for {dtype}")
+    subtiles = -(-query_tile // entries_per_prog)
+    cfg = override or launch_config(head_dim, block_m, dtype)
+    # On the CPU the kernels run in Triton's interpreter, whose dot multiplies bfloat16 bit
+    # patterns as integers (triton-lang/triton#11584): widening to fp32 there is exact, as the
+    # GPU's bf16 products are exact in fp32 too. On a GPU the constexpr compiles it away.
+    widen_dot = cpu and dtype == torch.bfloat16
+    return TritonLaunch(
+        grid=(num_items * subtiles, num_kv_heads, 1),  # 3-D: the compiled runner reads grid[2]
+        merge_grid=(num_queries, num_qo_heads, 1) if num_entries > num_queries else None,
+        constants=dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                       ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
+                       # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
+                       DOT_PRECISION="ieee" if dtype == torch.float32 or widen_dot else "tf32",
+                       WIDEN_DOT=widen_dot),
+        options=cfg.options(),
+        merge_constants=dict(HEAD_DIM=head_dim, BLOCK_P=_MERGE_BLOCK_P),
+        merge_options=dict(num_warps=2 if head_dim <= 128 else 4),
+    )
+
+
+def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+           o_ws: torch.Tensor, lse_ws: torch.Tensor, arrays: dict, sm_scale: float, launch: TritonLaunch) -> None:
+    """Launch stage 1 (and the merge where ``launch`` has one) on the current stream.
+
+    Parameters
+    ----------
+    q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
+    k_flat, v_flat : [num_slots, Hkv, D], q's dtype (the paged cache viewed slot by slot)
+    out : [Q, Hq, D] q's dtype; lse : [Q, Hq] float32 (natural log)
+    o_ws, lse_ws : [E, Hq, D] (fp16 or float32) and [E, Hq] float32 partial states (E >= the plan's entries)
+    arrays : the plan's int32 tensors by name (``kv_slots``, ``chunk_kv_start``, ``entry_query``,
+        ``entry_mask`` [E, W], ``entry_direct``, ``item_chunk``, ``item_entry_start``,
+        ``item_num_entries``, ``query_entry_start``, ``query_entries``; see ``TreePlan``)
+    """
+    q_strides, k_strides, v_strides, out_strides = q.stride(), k_flat.stride(), v_flat.stride(), out.stride()
+    guard = (q.data_ptr() % 16, k_flat.data_ptr() % 16, v_flat.data_ptr() % 16, out.data_ptr() % 16,
+             q_strides, k_strides, v_strides, out_strides)
+    hq, d = q.shape[1], q.shape[2]
+    mask = arrays["entry_mask"]
+    _launch(_tree_attn_partial_kernel, launch.grid, launch.runners, guard, (
+        q, k_flat, v_flat, out, lse, o_ws, lse_ws,
+        arrays["kv_slots"], arrays["chunk_kv_start"], arrays["entry_query"], mask, arrays["entry_direct"],
+        arrays["item_chunk"], arrays["item_entry_start"], arrays["item_num_entries"],
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
+        out_strides[0], out_strides[1], hq, hq * d, d, hq, mask.stride(0),
+        sm_scale * math.log2(math.e),
+    ), launch.constants, launch.options)
+    if launch.merge_grid is not None:
+        _launch(_merge_partials_kernel, launch.merge_grid, launch.runners, guard, (
+            out, lse, o_ws, lse_ws, arrays["query_entry_start"], arrays["query_entries"],
+            out_strides[0], out_strides[1], hq, hq * d, d, hq,
+        ), launch.merge_constants, launch.merge_options)
 
 
 def _launch(kernel, grid, runners: dict, guard: tuple, args: tuple, constants: dict, options: dict) -> None:
@@ -125,161 +193,6 @@ def _launch(kernel, grid, runners: dict, guard: tuple, args: tuple, constants: d
             runners[key] = compiled[grid]
     else:
         runner(*args, *constants.values())
-
-
-def run_plan_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: DeviceTreePlan,
-    sm_scale: float,
-    workspace_dtype: torch.dtype | None = None,
-    validate: bool = True,
-    launch: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tree attention by executing ``plan`` with the Triton kernels.
-
-    Parameters
-    ----------
-    q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
-        One row per query of the plan, in the plan's query order.
-    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device
-        Paged KV of one layer; slot ``s`` is ``cache.view(-1, Hkv, D)[s]``. Every slot of
-        ``plan.kv_slots`` must be below ``num_pages * page_size`` (TreeAttention checks).
-    plan : DeviceTreePlan
-        int32 tensors on q's device. Launch parameters and the partial-state workspace
-        are cached on it at the first call, so the layers of a step (run one after
-        another on one stream) share them.
-    sm_scale : float
-        Softmax scale.
-    workspace_dtype : torch.dtype, optional
-        dtype of the partial outputs ``[E, Hq, D]``: default fp16 for fp16 inputs (half the
-        traffic of float32), float32 for bf16 and fp32 inputs; partial LSEs are always float32.
-    validate : bool
-        Check the inputs (TreeAttention.run has checked them already and passes False).
-    launch : LaunchConfig, optional
-        Overrides the stage-1 table entry (for tuning: bench/triton_configs.py).
-
-    Returns
-    -------
-    out : [Q, Hq, D] in q's dtype
-    lse : [Q, Hq] float32, natural log
-    """
-    if validate:
-        _check_inputs(q, k_cache, v_cache, plan)
-    num_q, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    if workspace_dtype is None:  # bf16's 8-bit mantissa would round every partial: keep those in fp32
-        workspace_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-    key = (q.dtype, hq, hkv, d, workspace_dtype, q.device, launch)
-    prepared = plan.cache.get(key)
-    if prepared is None:
-        prepared = plan.cache[key] = _prepare_launch(plan, q.dtype, hq, hkv, d, workspace_dtype, q.device, launch)
-    k_flat = k_cache.view(-1, hkv, d)
-    v_flat = v_cache.view(-1, hkv, d)
-    out = torch.empty_like(q)
-    lse = torch.empty(num_q, hq, dtype=torch.float32, device=q.device)
-    o_ws, lse_ws = prepared.o_ws, prepared.lse_ws
-    q_strides, k_strides, v_strides, out_strides = q.stride(), k_flat.stride(), v_flat.stride(), out.stride()
-    guard = (q.data_ptr() % 16, k_flat.data_ptr() % 16, v_flat.data_ptr() % 16, out.data_ptr() % 16,
-             q_strides, k_strides, v_strides, out_strides)
-    _launch(_tree_attn_partial_kernel, prepared.grid, prepared.runners, guard, (
-        q, k_flat, v_flat, out, lse, o_ws, lse_ws,
-        plan.kv_slots, plan.chunk_kv_start, plan.entry_query, plan.entry_mask, plan.entry_direct,
-        plan.item_chunk, plan.item_entry_start, plan.item_num_entries,
-        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
-        out_strides[0], out_strides[1], hq, hq * d, d, hq, plan.entry_mask.stride(0),
-        sm_scale * math.log2(math.e),
-    ), prepared.constants, prepared.options)
-    if prepared.merge_grid is not None:
-        _launch(_merge_partials_kernel, prepared.merge_grid, prepared.runners, guard, (
-            out, lse, o_ws, lse_ws, plan.query_entry_start, plan.query_entries,
-            out_strides[0], out_strides[1], hq, hq * d, d, hq,
-        ), prepared.merge_constants, prepared.merge_options)
-    return out, lse
-
-
-def _prepare_launch(plan: DeviceTreePlan, dtype, hq, hkv, d, workspace_dtype, device,
-                    override: LaunchConfig | None) -> _Launch:
-    if workspace_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"workspace_dtype must be one of {SUPPORTED_DTYPES}, got {workspace_dtype}")
-    host = plan.plan
-    group = hq // hkv
-    limit = max_block_m(d, dtype)
-    block_m = min(max(16, triton.next_power_of_2(host.query_tile * group)), limit)
-    entries_per_prog = block_m // group
-    if entries_per_prog < 1:
-        raise ValueError(f"GQA group size {group} (= {hq} / {hkv} heads) exceeds the {limit} "
-                         f"rows of one program for {dtype}")
-    subtiles = -(-host.query_tile // entries_per_prog)
-    cfg = override or launch_config(d, block_m, dtype)
-    # On the CPU the kernels run in Triton's interpreter, whose dot multiplies bfloat16 bit
-    # patterns as integers (triton-lang/triton#11584): widening to fp32 there is exact, as the
-    # GPU's bf16 products are exact in fp32 too. On a GPU the constexpr compiles it away.
-    widen_dot = device.type == "cpu" and dtype == torch.bfloat16
-    return _Launch(
-        grid=(host.num_items * subtiles, hkv, 1),  # 3-D: the compiled runner reads grid[2]
-        merge_grid=(host.num_queries, hq, 1) if host.num_entries > host.num_queries else None,
-        o_ws=torch.empty(host.num_entries, hq, d, dtype=workspace_dtype, device=device),
-        lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device),
-        constants=dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                       ENTRIES_PER_PROG=entries_per_prog, SUBTILES=subtiles,
-                       # tf32 is moot for 16-bit operands; fp32 inputs take the exact dot
-                       DOT_PRECISION="ieee" if dtype == torch.float32 or widen_dot else "tf32",
-                       WIDEN_DOT=widen_dot),
-        options=cfg.options(),
-        merge_constants=dict(HEAD_DIM=d, BLOCK_P=_MERGE_BLOCK_P),
-        merge_options=dict(num_warps=2 if d <= 128 else 4),
-    )
-
-
-# ===================================================================== private
-
-
-def _check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
-    """Raise a clear error for inputs the kernels cannot take."""
-    if not isinstance(plan, DeviceTreePlan):
-        raise TypeError(f"plan must be a DeviceTreePlan (TreePlan.to(device)), got {type(plan).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim], got {tuple(q.shape)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    num_q, hq, d = q.shape
-    if num_q != plan.plan.num_queries:
-        raise ValueError(f"q has {num_q} rows but the plan has {plan.plan.num_queries} queries")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim must be one of (16, 32, 64, 128, 256), got {d}")
-    if q.stride(2) != 1:
-        raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[3] != d:
-            raise ValueError(f"{name} must have shape [num_pages, page_size, num_kv_heads, {d}], "
-                             f"got {tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
-        if cache.device != q.device:
-            raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
-        _slot_view(name, cache)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
-    hkv = k_cache.shape[2]
-    if hq % hkv:
-        raise ValueError(f"q's {hq} heads must be a multiple of the caches' {hkv} KV heads")
-    # TreePlan.to makes all the index tensors in one transfer: checking one checks them all.
-    if plan.kv_slots.dtype != torch.int32 or plan.kv_slots.device != q.device:
-        raise ValueError(f"plan tensors must be int32 on q's device {q.device}, got "
-                         f"{plan.kv_slots.dtype} on {plan.kv_slots.device} (use TreePlan.to(q.device))")
-
-
-def _slot_view(name: str, cache: torch.Tensor) -> torch.Tensor:
-    """``cache`` [num_pages, page_size, Hkv, D] as [num_slots, Hkv, D], without a copy."""
-    if cache.stride(3) == 1:
-        try:
-            return cache.view(-1, cache.shape[2], cache.shape[3])
-        except RuntimeError:
-            pass
-    raise ValueError(f"{name} must be viewable as [num_slots, num_kv_heads, head_dim] with a contiguous "
-                     f"last dim, got strides {cache.stride()}")
 
 
 @triton.jit

@@ -1,0 +1,41 @@
+"""The package's layers depend only downwards (DESIGN.md), function-local imports included."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
+# Top to bottom; a module may import its own layer and those below it. errors, versions and
+# workloads (recorded data and its builders) sit beside tree at the bottom.
+LAYERS = ["cli", "search", "replay", "engine", "attention", "kernels", "tree"]
+BOTTOM = {"errors", "versions", "workloads", "tree"}
+RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
+
+
+def _layer(parts: tuple[str, ...]) -> str:
+    """The layer of a module, from its path parts inside treedec/ (top-level modules are the cli layer)."""
+    top = parts[0].removesuffix(".py")
+    return top if top in RANK else "cli"
+
+
+def _imported_layers(path: Path) -> set[str]:
+    layers = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            if name.startswith("treedec."):
+                layers.add(_layer(tuple(name.split(".")[1:2])))
+    return layers
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path):
+    own = _layer(path.relative_to(PACKAGE).parts)
+    if path.parent == PACKAGE and path.stem in ("__init__", "__main__", "cli"):
+        return  # the package's front door re-exports and dispatches to every layer
+    above = sorted(layer for layer in _imported_layers(path) if RANK[layer] > RANK[own])
+    assert not above, f"{path.relative_to(PACKAGE)} ({own} layer) imports from higher layers {above}"

@@ -1,0 +1,230 @@
+"""The ``cuda`` backend: what the CuTe kernels run with, decided at plan time; launch-only runs.
+
+:meth:`CudaBackend.prepare` turns a :class:`DeviceTreePlan` into a :class:`CudaPrepared`: the
+persistent schedule of its units over the grid (``persistent_schedule.schedule_units``, the
+KV tile of :func:`choose_tile_tokens`), copied to the device, the partial-state workspace and
+the merge kernel's row count. :meth:`CudaBackend.run` launches
+``treedec.kernels.cuda_tree_attention.launch`` with them, for every layer of the step.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treedec.attention.persistent_schedule import SCHEDULE_HEADER, UNIT_FIELDS, PersistentSchedule, schedule_units
+from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
+from treedec.attention.static_plan import PlanBounds
+from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.errors import PlanError
+from treedec.kernels import cuda_tree_attention as kernels
+from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
+
+logger = logging.getLogger("treedec")
+
+# What a KV tile costs a unit of at most half its rows (one of the sm_90a kernel's two consumer
+# warpgroups computes) relative to a fuller unit's, for the planner's balanced chunks
+# (PlanConfig.light_tile_cost). Measured per tile on an H200: 0.76-0.84 of a full unit's
+# (bench/results/2026-11-22-nvidia-h200-tile-pace*.json); of the values A/B'd on the suite, 0.7
+# ran fewshot_b30_p4k fastest and changed no other workload's chunks
+# (bench/results/2026-11-22-nvidia-h200-balanced-chunks*.json).
+LIGHT_TILE_COST = 0.7
+
+# Plans whose longest chunk has at least LONG_CHUNK_TOKENS tokens run 96-token KV tiles where the
+# kernel takes them (sm_90a, head dims 64/128), the rest 64-token ones. Measured over the suite on
+# an H200 (bench/results/2026-11-22-nvidia-h200-ws-bn96-over-full-tile-ab.json): 96 ran the trees of
+# 2128-4008-token chunks 1.1-3.2 us faster (medusa256_p4k, fewshot_b50_p16k, medusa64_p32k), the
+# 768-token chunks of fewshot_b30_p4k even, and the trees of <= 512-token chunks 0.4-0.9 us slower.
+# With head dim 64 (...-tile-rule-d64-ab.json) 96 ran those three long-chunk trees 2.5-3.4 us faster too.
+LONG_CHUNK_TOKENS = 1024
+LONG_CHUNK_TILE_TOKENS = 96
+TILE_TOKENS_ENV = "TREEDEC_TILE_TOKENS"  # forces one tile size (benchmarks, A/B runs)
+# The plan arrays the kernels read, by name.
+KERNEL_ARRAYS = ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask", "entry_direct", "query_entry_start",
+                 "query_entries")
+
+
+def default_query_tile(head_dim: int, group: int) -> int:
+    """Entries per work item that fill one unit's rows: the planner's query tile for this backend."""
+    return planner_query_tile(group, ROWS_PER_UNIT[head_dim])
+
+
+def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, group: int) -> PlanConfig:
+    """``config`` with what the cuda kernels run best with filled in where it is None: the query tile
+    (:func:`default_query_tile`), the persistent grid's CTAs (``persistent_grid_size``; fp16 and
+    bf16 kernels have one shape, so one grid size) and, where the warp-specialized sm_90a kernel runs
+    (head dims 64 and 128), :data:`LIGHT_TILE_COST`."""
+    index = _device_index(device)
+    fill = {}
+    if config.query_tile is None:
+        fill["query_tile"] = default_query_tile(head_dim, group)
+    if config.persistent_ctas is None:
+        fill["persistent_ctas"] = kernels.persistent_grid_size(index, torch.float16, head_dim)
+    if config.light_tile_cost is None and torch.cuda.get_device_capability(index) == (9, 0) and head_dim <= 128:
+        fill["light_tile_cost"] = LIGHT_TILE_COST
+    return dataclasses.replace(config, **fill)
+
+
+def choose_tile_tokens(plan: TreePlan, dtype: torch.dtype, head_dim: int, ext) -> int:
+    """Tokens per KV tile for ``plan``'s schedule: :data:`LONG_CHUNK_TILE_TOKENS` when its longest
+    chunk has at least :data:`LONG_CHUNK_TOKENS` tokens and a kernel (``ext``, for ``dtype`` and
+    ``head_dim``) takes that tile, else the 64 every kernel takes. ``TREEDEC_TILE_TOKENS`` (64 or 96)
+    forces a size; ValueError when no kernel takes it."""
+    forced = os.environ.get(TILE_TOKENS_ENV, "").strip()
+    if forced:
+        return kernels.check_tile_tokens(int(forced) if forced.isdigit() else forced, dtype, head_dim, ext,
+                                         f"{TILE_TOKENS_ENV}={forced!r}")
+    if plan.max_chunk_len >= LONG_CHUNK_TOKENS and ext.takes_tile(dtype == torch.bfloat16, head_dim,
+                                                                   LONG_CHUNK_TILE_TOKENS):
+        return LONG_CHUNK_TILE_TOKENS
+    return TILE_TOKENS
+
+
+@dataclass
+class CudaPrepared:
+    """A plan's launch on the cuda kernels, made at plan time and reused by every layer.
+
+    For a static plan it is made once at the bounds and its schedule sections are rewritten
+    for every plan (``schedule`` is then the last plan's).
+    """
+
+    arrays: dict                  # the plan's int32 tensors the kernels read, by name
+    cta_unit_start: torch.Tensor  # [used CTAs + 1] int32 (static: [num_ctas + 1])
+    unit_info: torch.Tensor       # the schedule's device array (PersistentSchedule.device_array)
+    o_ws: torch.Tensor            # [max(E, 1), Hq, D] float32 partial outputs
+    lse_ws: torch.Tensor          # [max(E, 1), Hq] float32 partial LSEs
+    merge: bool                   # some query has several partials (static: always launched)
+    max_query_entries: int        # the most partial entries of any query, or a bound (picks the merge kernel)
+    tile_tokens: int              # the KV tile: which stage-1 kernel runs
+    schedule: PersistentSchedule | None  # for reports
+    dtype: torch.dtype            # of q, K and V
+
+
+class CudaBackend:
+    """Prepares and runs plans on the cuda kernels for one head configuration and dtype on ``device``."""
+
+    name = "cuda"
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
+                 device: torch.device):
+        if dtype not in kernels.SUPPORTED_DTYPES:
+            raise TypeError(f"the cuda backend takes {kernels.SUPPORTED_DTYPES}, got {dtype} "
+                            f"(use 'triton' or 'torch' for fp32)")
+        if head_dim not in kernels.SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {kernels.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype, self.sm_scale, self.device = dtype, sm_scale, device
+        self.group = num_qo_heads // num_kv_heads
+        self.ext = kernels.extension(device)
+        self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim)
+        self.static_tile_tokens: int | None = None  # fixed tile of static plans (None: the rule, first plan)
+
+    def with_static_tile(self, tile_tokens: int | None) -> "CudaBackend":
+        """This backend whose static plans run ``tile_tokens``-token tiles (a graph holds one stage-1 kernel)."""
+        if tile_tokens is None:
+            return self
+        other = copy.copy(self)
+        other.static_tile_tokens = kernels.check_tile_tokens(tile_tokens, self.dtype, self.head_dim, self.ext)
+        return other
+
+    def plan_config(self, config: PlanConfig) -> PlanConfig:
+        """``config`` with this backend's query tile, grid and tile cost filled in (see :func:`cuda_plan_config`)."""
+        return cuda_plan_config(config, self.device, self.head_dim, self.group)
+
+    def prepare(self, plan: DeviceTreePlan) -> CudaPrepared:
+        """Schedule ``plan``'s units over the persistent grid and copy the schedule to the device."""
+        host, device = plan.plan, plan.kv_slots.device
+        tile = choose_tile_tokens(host, self.dtype, self.head_dim, self.ext)
+        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+                                  tile)
+        logger.debug("cuda schedule: %d units on %d CTAs, %d-token KV tiles (longest chunk %d tokens)",
+                     schedule.num_units, self.num_ctas, tile, host.max_chunk_len)
+        used = int((schedule.cta_unit_start[1:] > schedule.cta_unit_start[:-1]).sum())
+        starts = schedule.cta_unit_start[:max(used, 1) + 1]  # CTAs are filled in order: trailing ones are empty
+        flat = torch.from_numpy(np.concatenate([starts, schedule.device_array()])).to(device)
+        merge = host.num_entries > host.num_queries
+        partials = max(host.num_entries if merge else 0, 1)
+        hq, d = self.num_qo_heads, self.head_dim
+        return CudaPrepared(
+            arrays={name: getattr(plan, name) for name in KERNEL_ARRAYS},
+            cta_unit_start=flat[:len(starts)], unit_info=flat[len(starts):],
+            o_ws=torch.empty(partials, hq, d, dtype=torch.float32, device=device),
+            lse_ws=torch.empty(partials, hq, dtype=torch.float32, device=device), merge=merge,
+            max_query_entries=int(np.diff(host.query_entry_start).max(initial=0)), tile_tokens=tile,
+            schedule=schedule, dtype=self.dtype)
+
+    # Static plans (CUDA graphs): the grid is persistent anyway; the schedule of each plan is
+    # written into fixed sections, the workspace is sized by the bounds' entries, the merge
+    # always runs (with the kernel for the bound on partials per query, a query's chunks).
+
+    def static_sections(self, bounds: PlanBounds) -> dict[str, int]:
+        e = bounds.entries
+        max_units = self.num_kv_heads * (e + -(-e * self.group // ROWS_PER_UNIT[self.head_dim]))
+        max_tiles = bounds.items * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists, per item
+        return {"cta_unit_start": self.num_ctas + 1,
+                "unit_info": SCHEDULE_HEADER + len(UNIT_FIELDS) * max_units + max_tiles}
+
+    def prepare_static(self, plan: DeviceTreePlan, bounds: PlanBounds, sections: dict[str, torch.Tensor]
+                       ) -> CudaPrepared:
+        tile = self.static_tile_tokens or choose_tile_tokens(plan.plan, self.dtype, self.head_dim, self.ext)
+        hq, d, device = self.num_qo_heads, self.head_dim, plan.kv_slots.device
+        return CudaPrepared(
+            arrays={name: getattr(plan, name) for name in KERNEL_ARRAYS}, cta_unit_start=sections["cta_unit_start"],
+            unit_info=sections["unit_info"],
+            o_ws=torch.empty(bounds.entries, hq, d, dtype=torch.float32, device=device),
+            lse_ws=torch.empty(bounds.entries, hq, dtype=torch.float32, device=device), merge=True,
+            max_query_entries=bounds.chunks, tile_tokens=tile, schedule=None, dtype=self.dtype)
+
+    def static_values(self, plan: TreePlan, prepared: CudaPrepared) -> dict[str, np.ndarray]:
+        schedule = schedule_units(plan, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+                                  prepared.tile_tokens)
+        units = schedule.device_array()
+        if units.size > prepared.unit_info.numel():
+            raise PlanError(f"the schedule has {schedule.num_units} units and {schedule.tiles.size} live tiles, more "
+                            f"than the static plan holds ({prepared.unit_info.numel()} words); raise "
+                            f"PlanBounds.max_entries")
+        prepared.schedule = schedule
+        return {"cta_unit_start": schedule.cta_unit_start, "unit_info": units}
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
+        float32 (natural log)."""
+        prepared: CudaPrepared = plan.prepared
+        hkv, d = self.num_kv_heads, self.head_dim
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        kernels.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws,
+                       prepared.lse_ws, prepared.arrays, prepared.cta_unit_start, prepared.unit_info,
+                       prepared.arrays["entry_mask"].stride(0), self.sm_scale, prepared.merge,
+                       prepared.tile_tokens, prepared.max_query_entries, self.ext)
+        return out, lse
+
+
+def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                  sm_scale: float, validate: bool = True, prepared: CudaPrepared | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
+
+    q : [Q, Hq, D] fp16/bf16, D in (64, 128, 256); k_cache, v_cache : [num_pages, page_size, Hkv, D],
+    q's dtype, contiguous; plan : DeviceTreePlan on q's device. Returns ``(out, lse)``.
+    """
+    if validate:
+        kernels.check_inputs(q, k_cache, v_cache)
+    backend = CudaBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, sm_scale, q.device)
+    prepared = prepared or backend.prepare(plan)
+    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def plan_schedule(plan: DeviceTreePlan) -> PersistentSchedule | None:
+    """The persistent schedule prepared for ``plan`` (its KV tile is ``tile_tokens``), None unless a cuda plan."""
+    return plan.prepared.schedule if plan.backend == "cuda" and plan.prepared is not None else None

@@ -1,0 +1,170 @@
+"""The ``triton`` backend: prepare a plan's launch at plan time, then launch the Triton kernels.
+
+:meth:`TritonBackend.prepare` derives from a :class:`DeviceTreePlan` everything the kernels
+need (grids, constexprs, the partial-state workspace) once per step; :meth:`TritonBackend.run`
+only launches (``treedec.kernels.triton_tree_attention``), for every layer. A plan in static
+buffers (CUDA graphs) is prepared once at its capacity and replayed for any plan loaded into
+them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treedec.attention.static_plan import PlanBounds
+from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.kernels import triton_tree_attention as kernels
+from treedec.kernels.triton_tree_attention import LaunchConfig, TritonLaunch
+
+SUPPORTED_DTYPES = kernels.SUPPORTED_DTYPES
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# The plan arrays the kernels read, by name.
+KERNEL_ARRAYS = ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask", "entry_direct", "item_chunk",
+                 "item_entry_start", "item_num_entries", "query_entry_start", "query_entries")
+
+
+@dataclass(frozen=True)
+class TritonPrepared:
+    """A plan's launch on the triton kernels, made at plan time and reused by every layer."""
+
+    launch: TritonLaunch
+    arrays: dict              # the plan's int32 tensors the kernels read, by name
+    o_ws: torch.Tensor        # [E, Hq, D] partial outputs (workspace dtype)
+    lse_ws: torch.Tensor      # [E, Hq] float32 partial LSEs
+    dtype: torch.dtype        # of q, K and V
+
+
+class TritonBackend:
+    """Prepares and runs plans on the Triton kernels for one head configuration and dtype.
+
+    ``workspace_dtype``: of the partial outputs; default fp16 for fp16 inputs (half the traffic
+    of float32), float32 for bf16 (its 8-bit mantissa would round every partial) and fp32.
+    ``launch``: overrides the stage-1 launch table (tuning: bench/triton_configs.py).
+    """
+
+    name = "triton"
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 sm_scale: float, workspace_dtype: torch.dtype | None = None, launch: LaunchConfig | None = None):
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"the triton backend takes {SUPPORTED_DTYPES}, got {dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if workspace_dtype is None:
+            workspace_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        if workspace_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"workspace_dtype must be one of {SUPPORTED_DTYPES}, got {workspace_dtype}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype, self.sm_scale, self.workspace_dtype, self.launch_override = dtype, sm_scale, workspace_dtype, launch
+
+    def prepare(self, plan: DeviceTreePlan) -> TritonPrepared:
+        """The launch of ``plan`` (its sizes: a static plan's are its capacity's)."""
+        host, device = plan.plan, plan.kv_slots.device
+        if plan.kv_slots.dtype != torch.int32:
+            raise ValueError(f"plan tensors must be int32, got {plan.kv_slots.dtype} (use TreePlan.to(device))")
+        hq, d = self.num_qo_heads, self.head_dim
+        launch = kernels.plan_launch(host.num_items, host.num_queries, host.num_entries, host.query_tile, hq,
+                                     self.num_kv_heads, d, self.dtype, device.type == "cpu", self.launch_override)
+        return TritonPrepared(
+            launch=launch, arrays={name: getattr(plan, name) for name in KERNEL_ARRAYS},
+            o_ws=torch.empty(host.num_entries, hq, d, dtype=self.workspace_dtype, device=device),
+            lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device), dtype=self.dtype)
+
+    # Static plans (CUDA graphs): the launch prepared at the bounds runs any padded plan, so the
+    # backend writes nothing of its own per plan.
+
+    def static_sections(self, bounds: PlanBounds) -> dict[str, int]:
+        return {}
+
+    def prepare_static(self, plan: DeviceTreePlan, bounds: PlanBounds, sections: dict[str, torch.Tensor]
+                       ) -> TritonPrepared:
+        return self.prepare(plan)
+
+    def static_values(self, plan: TreePlan, prepared: TritonPrepared) -> dict[str, np.ndarray]:
+        return {}
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
+        float32 (natural log)."""
+        prepared: TritonPrepared = plan.prepared
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws,
+                       prepared.lse_ws, prepared.arrays, self.sm_scale, prepared.launch)
+        return out, lse
+
+
+def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                    sm_scale: float, workspace_dtype: torch.dtype | None = None, validate: bool = True,
+                    launch: LaunchConfig | None = None, prepared: TritonPrepared | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
+
+    Parameters
+    ----------
+    q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
+    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device
+    plan : DeviceTreePlan with int32 tensors on q's device
+    sm_scale : softmax scale
+    workspace_dtype, launch : as :class:`TritonBackend`
+    validate : check the inputs (TreeAttention.run has checked them and passes False)
+
+    Returns ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32, natural log.
+    """
+    if validate:
+        check_inputs(q, k_cache, v_cache, plan)
+    backend = TritonBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, sm_scale, workspace_dtype, launch)
+    prepared = prepared or backend.prepare(plan)
+    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
+
+
+def check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+    """Raise a clear error for inputs the kernels cannot take."""
+    if not isinstance(plan, DeviceTreePlan):
+        raise TypeError(f"plan must be a DeviceTreePlan (TreePlan.to(device)), got {type(plan).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    num_q, hq, d = q.shape
+    if num_q != plan.plan.num_queries:
+        raise ValueError(f"q has {num_q} rows but the plan has {plan.plan.num_queries} queries")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.shape[3] != d:
+            raise ValueError(f"{name} must have shape [num_pages, page_size, num_kv_heads, {d}], "
+                             f"got {tuple(cache.shape)}")
+        if cache.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+        _check_slot_view(name, cache)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    hkv = k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"q's {hq} heads must be a multiple of the caches' {hkv} KV heads")
+    # TreePlan.to makes all the index tensors in one transfer: checking one checks them all.
+    if plan.kv_slots.dtype != torch.int32 or plan.kv_slots.device != q.device:
+        raise ValueError(f"plan tensors must be int32 on q's device {q.device}, got "
+                         f"{plan.kv_slots.dtype} on {plan.kv_slots.device} (use TreePlan.to(q.device))")
+
+
+def _check_slot_view(name: str, cache: torch.Tensor) -> None:
+    """ValueError unless ``cache`` [num_pages, page_size, Hkv, D] views as [num_slots, Hkv, D] without a copy."""
+    if cache.stride(3) == 1:
+        try:
+            cache.view(-1, cache.shape[2], cache.shape[3])
+            return
+        except RuntimeError:
+            pass
+    raise ValueError(f"{name} must be viewable as [num_slots, num_kv_heads, head_dim] with a contiguous "
+                     f"last dim, got strides {cache.stride()}")
