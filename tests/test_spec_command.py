@@ -1,6 +1,7 @@
 """``treedec spec`` on the tiny random default (CPU): every draft source with --check, sampled
 rules, the results JSON, and bad inputs refused before a model is loaded."""
 import json
+import re
 
 import pytest
 import torch
@@ -58,24 +59,59 @@ def test_medusa_checkpoint_and_tree_json(tmp_path, capsys):
 @pytest.mark.parametrize("argv, error, match", [
     (["--check", "--accept", "sample"], ValueError, "--check compares with plain greedy decoding and needs "
                                                     "--accept greedy, got --accept sample"),
-    (["--medusa-choices", "[[0],[1,0]]"], ValueError, r"choices path \[1, 0\] has no parent path \[1\]"),
-    (["--medusa-choices", "[[0],"], ValueError, "--medusa-choices must be a JSON list of index paths"),
-    (["--accept", "typical", "--temperature", "0"], ValueError, "temperature must be a finite number > 0, got 0"),
-    (["--accept", "typical", "--posterior-alpha", "-1"], ValueError, "posterior_alpha must be a finite number >= 0"),
-    (["--prompt-ids", "1,2,x"], ValueError, "--prompt-ids must be comma-separated ints"),
-    (["--prompt-ids", "1,600"], ValueError, r"--prompt-ids must be token ids in \[0, 512\)"),
+    (["--prompt-ids", "1,600"], ValueError, r"--prompt-ids must be token ids in \[0, 512\) for random weights"),
     (["--prompt", "hello"], ValueError, "--prompt needs a tokenizer"),
-    (["--draft", "medusa", "--medusa", "/nonexistent/heads.pt"], FileNotFoundError, "does not exist"),
     (["--draft", "medusa", "--medusa-choices", "[[0],[0,0],[0,0,0]]", "--medusa-heads", "2"], ValueError,
      r"is 3 deep but there are 2 Medusa heads"),
+    (["--draft", "medusa", "--medusa-choices", "[[600]]"], ValueError, r"candidate rank >= the vocabulary size 512"),
 ])
-def test_bad_inputs_raise_clear_errors(argv, error, match):
+def test_bad_inputs_raise_clear_errors(argv, error, match, capsys):
+    """One line and exit code 2; with --debug the exception itself."""
+    assert main(["spec", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("treedec spec: error: ") and re.search(match, err), err
     with pytest.raises(error, match=match):
-        main(["spec", *argv, *FAST])
+        main(["--debug", "spec", *argv, *FAST])
 
 
-@pytest.mark.parametrize("flag", ["--max-new-tokens", "--top-k", "--depth", "--page-size"])
-def test_non_positive_counts_are_refused(flag, capsys):
-    with pytest.raises(SystemExit):
-        main(["spec", flag, "0"])
-    assert f"argument {flag}: must be an int >= 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, match", [
+    (["--medusa-choices", "[[0],[1,0]]"], r"argument --medusa-choices: .*choices path \[1, 0\] has no parent path"),
+    (["--medusa-choices", "[[0],"], "argument --medusa-choices: must be a non-empty JSON list of index paths"),
+    (["--accept", "typical", "--temperature", "0"], "argument --temperature: must be a finite number > 0, got '0'"),
+    (["--accept", "typical", "--posterior-alpha", "-1"], "argument --posterior-alpha: must be a finite number >= 0"),
+    (["--prompt-ids", "1,2,x"], "argument --prompt-ids: must be comma-separated token ids"),
+    (["--draft", "medusa", "--medusa", "/nonexistent/heads.pt"], "argument --medusa: '/nonexistent/heads.pt' does "
+                                                                 "not exist"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+    (["--top-k", "0"], "argument --top-k: must be an int >= 1, got 0"),
+    (["--depth", "0"], "argument --depth: must be an int >= 1, got 0"),
+    (["--page-size", "0"], "argument --page-size: must be an int >= 1, got 0"),
+])
+def test_bad_arguments_are_refused_when_parsed(argv, match, capsys, monkeypatch):
+    monkeypatch.setattr("treedec.commands.spec.load_model", lambda args: pytest.fail("loaded a model"))
+    assert main(["spec", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"parents": [-1, 0], "tokens": [5, 6]}, "TreeDraft needs 1 draft tokens"),
+    ({"parents": [-1, 0], "tokens": "ab"}, "'tokens' must be a list of ints"),
+    ({"parents": 5, "tokens": [5]}, "'parents' must be a list of ints"),
+    ({"parents": [-1, 0], "tokens": [-5]}, "'tokens' must be token ids >= 0"),
+    ({"choices": [[0]], "parents": [-1, 0], "tokens": [5]}, "must hold an object with 'parents' or 'choices' (one"),
+])
+def test_bad_tree_json_is_refused_before_a_model_is_loaded(spec, match, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("treedec.commands.spec.load_model", lambda args: pytest.fail("loaded a model"))
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(spec))
+    assert main(["spec", "--draft", "tree", "--tree-json", str(path), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tree-json {path}" in err and match in err, err
+
+
+def test_tree_json_token_past_the_vocabulary_is_refused(tmp_path, capsys):
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps({"parents": [-1, 0], "tokens": [512]}))
+    assert main(["spec", "--draft", "tree", "--tree-json", str(path), *FAST]) == 2
+    assert "'tokens' must be token ids in [0, 512), got 512" in capsys.readouterr().err

@@ -10,10 +10,25 @@ results (see :mod:`treedec.replay`).
 
 ``treedec spec``: speculative decoding with a token-tree draft (n-gram, Medusa heads, a
 draft model or a fixed tree) and greedy, typical or rejection-sampling acceptance; per-step
-acceptance stats (see :mod:`treedec.search.spec_command`).
+acceptance stats (see :mod:`treedec.commands.spec`).
 
 ``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem (see
-:mod:`treedec.search.tot_command`).
+:mod:`treedec.commands.tot`).
+
+``treedec env``: the installed versions of treedec's dependencies (:mod:`treedec.versions`).
+
+Errors and exit codes. Every argument is checked when it is parsed (counts, sizes, seeds,
+names, devices, input files), and the rest before a model is loaded where it can be. An
+output file's folder must exist and be writable when the command starts (it is not
+created: a mistyped path fails at once, not after the run). A mistake prints one line to
+stderr, ``treedec <command>: error: <what was wrong and what to do>``, and exits 2: bad
+arguments, and the exceptions the library raises for bad input (ValueError and its
+subclasses, e.g. treedec.errors' TreeError and PlanError, json.JSONDecodeError; TypeError;
+OSError, e.g. a missing file; BackendUnavailableError; PoolExhaustedError; out of memory).
+Any other exception is unexpected (a bug, or a failure in torch): one line naming it and
+"rerun with --debug for the traceback", exit 1. Ctrl-C exits 130. ``--debug``, before or
+after the command, lets every exception through with its traceback. ``treedec demo`` exits
+1 when its result does not match the reference.
 """
 from __future__ import annotations
 
@@ -27,10 +42,13 @@ import numpy as np
 import torch
 
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
-from treedec.replay.command import add_plot_parser, add_replay_parser, run_plot, run_replay
-from treedec.search.spec_command import add_spec_parser, run_spec
-from treedec.search.tot_command import add_tot_parser, run_tot
+from treedec.errors import BackendUnavailableError, PoolExhaustedError
+from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, seed_int
+from treedec.commands.replay import add_plot_parser, add_replay_parser, run_plot, run_replay
+from treedec.commands.spec import add_spec_parser, run_spec
+from treedec.commands.tot import add_tot_parser, run_tot
 from treedec.tree import PagedKVPool, SequenceTree
+from treedec.versions import format_versions
 
 
 def build_demo_forest(pool: PagedKVPool, rng: np.random.Generator) -> SequenceTree:
@@ -62,6 +80,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> dict:
+    """Plan and run one step on :func:`build_demo_forest`; the summary, with the error against the reference,
+    the tolerance of ``args.dtype`` and ``matches_reference``."""
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     heads, kv_heads, head_dim = 8, 2, 64
@@ -72,7 +92,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     pool.k.normal_()
     pool.v.normal_()
     attn = TreeAttention(heads, kv_heads, head_dim, backend=args.backend,
-                         plan_config=PlanConfig(args.planner, args.chunk_size, args.query_tile), device=args.device)
+                         plan_config=PlanConfig(args.planner, args.chunk_size, args.query_tile), device=args.device,
+                         dtype=dtype)
     attn.plan(tree)  # warm-up: the first call pays for imports and caches
     t0 = time.perf_counter()
     plan = attn.plan(tree)
@@ -86,55 +107,134 @@ def run_demo(args: argparse.Namespace) -> dict:
     _synchronize(attn.device)
     run_ms = (time.perf_counter() - t0) * 1e3
     ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    max_err = float((out.float() - ref).abs().max())
     return {
         "backend": attn.backend, "backend_reason": attn.backend_reason,
-        "kernel_backend": plan.cache.get("backend"), "device": str(attn.device), "dtype": args.dtype,
+        "kernel_backend": plan.backend, "device": str(attn.device), "dtype": args.dtype,
         "requests": len(tree.roots), "nodes": tree.num_nodes, "forest_tokens": tree.num_tokens,
         "pages_used": pool.num_pages - pool.num_free_pages, "page_size": pool.page_size,
         **plan.plan.summary(), "plan_us": round(plan_us, 1), "run_ms": round(run_ms, 2),
-        "max_abs_err_vs_reference": float((out.float() - ref).abs().max()),
-        "max_lse_err_vs_reference": float((lse - ref_lse).abs().max()),
+        "max_abs_err_vs_reference": max_err, "max_lse_err_vs_reference": float((lse - ref_lse).abs().max()),
+        "tolerance": DEMO_TOLERANCE[args.dtype], "matches_reference": max_err < DEMO_TOLERANCE[args.dtype],
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="treedec", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+DEMO_MAX_PAGE_SIZE = 1024  # the demo's pool holds 1024 tokens (+ 64 pages); larger pages only waste memory
+
+#: Exceptions that mean the input was wrong (see the module docstring); anything else is a bug.
+USER_ERRORS = (ValueError, TypeError, OSError, BackendUnavailableError, PoolExhaustedError, MemoryError,
+               torch.cuda.OutOfMemoryError)
+
+
+class UsageError(Exception):
+    """A command line argparse refused; ``prog`` is the (sub)command it was parsed for."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises :class:`UsageError` instead of printing usage and exiting.
+
+    Subparsers are made with the parser's own class, so every subcommand raises it too.
+    """
+
+    def error(self, message: str):
+        raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> Parser:
+    """The ``treedec`` parser: ``--debug`` and the demo, replay, plot, spec and tot subcommands."""
+    parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,replay,plot,spec,tot,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
-    demo.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
+    demo.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     demo.add_argument("--planner", default="flatten", choices=PLANNERS)
-    demo.add_argument("--chunk-size", type=int, default=None, help="default: chosen per step by the planner")
-    demo.add_argument("--query-tile", type=int, default=None, help="default: about 64 rows per program")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--device", default="cpu", help="cpu or cuda (the triton and cuda backends need cuda)")
+    demo.add_argument("--chunk-size", type=positive_int, default=None,
+                      help="default: chosen per step by the planner")
+    demo.add_argument("--query-tile", type=positive_int, default=None, help="default: about 64 rows per program")
+    demo.add_argument("--page-size", type=int_arg(1, DEMO_MAX_PAGE_SIZE), default=16,
+                      help=f"tokens per KV page, 1 to {DEMO_MAX_PAGE_SIZE} (default 16)")
+    demo.add_argument("--seed", type=seed_int, default=0)
+    demo.add_argument("--device", type=device_arg, default="cpu",
+                      help="cpu or cuda[:N] (the triton and cuda backends need cuda)")
     demo.add_argument("--dtype", default="fp32", choices=sorted(DEMO_DTYPES),
                       help="K/V and q dtype (the cuda backend takes fp16 or bf16)")
-    demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    demo.add_argument("--json", action="store_true",
+                      help="print the summary as JSON, and nothing else, on stdout")
     add_replay_parser(sub)
     add_plot_parser(sub)
     add_spec_parser(sub)
     add_tot_parser(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    if args.command == "replay":
-        return run_replay(args)
-    if args.command == "plot":
-        return run_plot(args)
-    if args.command == "spec":
-        return run_spec(args)
-    if args.command == "tot":
-        return run_tot(args)
+    sub.add_parser("env", help="print the installed versions of what treedec uses (for bug reports)")
+    for command in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``treedec`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    ``--help`` exits through SystemExit(0), as argparse does.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug (abbreviations too)
+    prog = "treedec"
+    try:
+        args = build_parser().parse_args(argv)
+        debug, prog = args.debug, f"treedec {args.command}"
+        logging.basicConfig(level=logging.WARNING)
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        if debug:
+            raise
+        return _fail(e.prog, str(e), 2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return _fail(prog, "interrupted", 130)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        return _fail(prog, str(e) or type(e).__name__, 2)
+    except Exception as e:
+        if debug:
+            raise
+        return _fail(prog, f"{type(e).__name__}: {e} (unexpected; rerun with --debug for the traceback)", 1)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """``treedec demo``: the summary on stdout (a table, or JSON only with ``--json``); 1 on a mismatch."""
     summary = run_demo(args)
     if args.json:
         print(json.dumps(summary, indent=2))
+        if not summary["matches_reference"]:
+            print("MISMATCH against the dense fp32 reference", file=sys.stderr)
     else:
         width = max(map(len, summary))
         for key, value in summary.items():
             print(f"{key:<{width}}  {value}")
-    ok = summary["max_abs_err_vs_reference"] < DEMO_TOLERANCE[args.dtype]
-    print("OK: matches the dense fp32 reference" if ok else "MISMATCH against the dense fp32 reference")
-    return 0 if ok else 1
+        print("OK: matches the dense fp32 reference" if summary["matches_reference"] else
+              "MISMATCH against the dense fp32 reference")
+    return 0 if summary["matches_reference"] else 1
+
+
+def run_env_command(args: argparse.Namespace) -> int:
+    """``treedec env``: Python, torch (and its CUDA), triton, numpy, transformers, ... as installed."""
+    print(format_versions())
+    return 0
+
+
+COMMANDS = {"demo": run_demo_command, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
+            "env": run_env_command}
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -5,6 +5,64 @@ from pathlib import Path
 
 PARTS = (("plan_ms", "planning"), ("bookkeeping_ms", "tree bookkeeping"), ("attention_ms", "attention"),
          ("other_ms", "other (forward)"))
+#: What :func:`plot_results` reads from a results document, a run and a step.
+RESULTS_FIELDS = ("workload", "schedule", "model", "device", "runs")
+RUN_FIELDS = ("planner", "steps")
+STEP_FIELDS = ("kind", "step", "total_ms") + tuple(key for key, _ in PARTS)
+
+
+def results_documents(data, source: str) -> list[dict]:
+    """The replay results documents of one loaded results file, checked to hold what :func:`plot_results` reads.
+
+    ``data`` is a ``treedec replay --out`` document, or a ``bench/replay.py`` one holding a
+    document per workload family under ``"families"``. Anything else raises ValueError
+    naming ``source`` and the first field that is missing or of the wrong kind.
+    """
+    def refuse(detail: str):
+        raise ValueError(f"{source} is not a treedec replay results file ({detail}); write one with "
+                         f"`treedec replay <workload> --out FILE`")
+
+    def check(doc, fields: tuple[str, ...], where: str) -> None:
+        if not isinstance(doc, dict):
+            refuse(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        missing = [f for f in fields if f not in doc]
+        if missing:
+            refuse(f"{where} has no {', '.join(repr(f) for f in missing)}")
+
+    if isinstance(data, dict) and "families" in data:
+        if not isinstance(data["families"], dict) or not data["families"]:
+            refuse("'families' must be a non-empty JSON object")
+        docs = [(f"families[{name!r}]", doc) for name, doc in data["families"].items()]
+    else:
+        docs = [("the top level", data)]
+    for where, doc in docs:
+        check(doc, RESULTS_FIELDS, where)
+        check(doc["schedule"], ("name",), f"{where} 'schedule'")
+        if not isinstance(doc["runs"], list):
+            refuse(f"{where} 'runs' must be a list")
+        for i, run in enumerate(doc["runs"]):
+            check(run, RUN_FIELDS, f"{where} runs[{i}]")
+            if not isinstance(run["steps"], list):
+                refuse(f"{where} runs[{i}] 'steps' must be a list")
+            if not isinstance(run["planner"], str):
+                refuse(f"{where} runs[{i}] 'planner' must be a string")
+            for j, step in enumerate(run["steps"]):
+                check(step, STEP_FIELDS, f"{where} runs[{i}] steps[{j}]")
+                numbers = [step["step"], step["total_ms"]] + [step[key] for key, _ in PARTS if step[key] is not None]
+                if not isinstance(step["kind"], str) or not all(_is_number(v) for v in numbers):
+                    refuse(f"{where} runs[{i}] steps[{j}]: 'kind' must be a string, 'step' and the times numbers")
+    return [doc for _, doc in docs]
+
+
+def check_image_format(out: str | Path) -> None:
+    """Raise ValueError unless ``out`` ends with an image extension matplotlib writes (.png, .pdf, .svg, ...)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    ext = Path(out).suffix.lower().removeprefix(".")
+    if ext not in formats:
+        raise ValueError(f"--out {str(out)!r} must end with an image extension, one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def plot_results(results: list[dict], out: str | Path) -> None:
@@ -47,6 +105,10 @@ def plot_results(results: list[dict], out: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _label(results: dict, run: dict, several: bool) -> str:

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from treedec.engine import Engine, from_config, from_pretrained
-from treedec.replay.command import add_model_arguments, load_model
+from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_dir, existing_file,
+                                    existing_path, load_model, model_size, nonnegative_float, output_file,
+                                    positive_float, positive_int, read_json, seed_int)
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
@@ -45,42 +47,48 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--accept", choices=ACCEPTS, default="greedy",
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs --model with a tokenizer)")
-    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (default for random weights: "
-                                             "random ids with a repeated phrase)")
-    p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
-    p.add_argument("--page-size", type=_positive_int, default=16)
-    p.add_argument("--kv-tokens", type=_positive_int,
+    prompt.add_argument("--prompt-ids", type=_token_ids,
+                        help="comma-separated prompt token ids (default for random weights: random ids with a "
+                             "repeated phrase)")
+    p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--kv-tokens", type=positive_int,
                    help="KV pool size of each engine (target, draft model, --check); default prompt + max new "
                         "tokens + 2048 (room for the draft trees)")
-    p.add_argument("--seed", type=int, default=0, help="random weights and sampling")
+    p.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling")
     g = p.add_argument_group("acceptance")
-    g.add_argument("--temperature", type=float, help="typical / sample (default 0.7 / 1.0)")
-    g.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon (default 0.09)")
-    g.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta (default 0.3)")
+    g.add_argument("--temperature", type=positive_float, help="typical / sample (default 0.7 / 1.0)")
+    g.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09,
+                   help="typical: epsilon (default 0.09)")
+    g.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical: delta (default 0.3)")
     g = p.add_argument_group("drafts")
-    g.add_argument("--medusa", help="Medusa head checkpoint (file or directory); default: untrained heads")
-    g.add_argument("--medusa-heads", type=_positive_int, default=4, help="untrained heads (default 4)")
-    g.add_argument("--medusa-choices", help="JSON list of index paths, e.g. '[[0],[1],[0,0]]' (medusa, tree); "
-                                            f"default {len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
-    g.add_argument("--draft-model", help="draft model checkpoint directory (same vocabulary as the target)")
-    g.add_argument("--draft-config", help="draft model: a named size with random weights (default with random "
-                                          "target weights: the target's size and seed, i.e. its own weights)")
-    g.add_argument("--draft-seed", type=int, help="seed of the random draft model (default --seed)")
-    g.add_argument("--depth", type=_positive_int, default=4, help="draft-model tree depth (default 4)")
-    g.add_argument("--top-k", type=_positive_int, default=4, help="draft-model expansion width (default 4)")
-    g.add_argument("--total-tokens", type=_positive_int, default=16, help="draft-model tree size (default 16)")
-    g.add_argument("--max-ngram", type=_positive_int, default=3, help="ngram: longest n-gram (default 3)")
-    g.add_argument("--num-draft-tokens", type=_positive_int, default=8, help="ngram: tokens per match (default 8)")
-    g.add_argument("--max-matches", type=_positive_int, default=2, help="ngram: continuations merged (default 2)")
-    g.add_argument("--tree-json", help="tree: JSON file with 'parents' or 'choices', and 'tokens' (the draft "
-                                       "tokens, replayed every step); default the --medusa-choices shape with "
-                                       "seeded random tokens")
+    g.add_argument("--medusa", type=existing_path,
+                   help="Medusa head checkpoint (file or directory); default: untrained heads")
+    g.add_argument("--medusa-heads", type=positive_int, default=4, help="untrained heads (default 4)")
+    g.add_argument("--medusa-choices", type=_medusa_choices,
+                   help=f"JSON list of index paths, e.g. '[[0],[1],[0,0]]' (medusa, tree); default "
+                        f"{len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
+    g.add_argument("--draft-model", type=existing_dir,
+                   help="draft model checkpoint directory (same vocabulary as the target)")
+    g.add_argument("--draft-config", type=model_size,
+                   help="draft model: a named size with random weights (default with random target weights: the "
+                        "target's size and seed, i.e. its own weights)")
+    g.add_argument("--draft-seed", type=seed_int, help="seed of the random draft model (default --seed)")
+    g.add_argument("--depth", type=positive_int, default=4, help="draft-model tree depth (default 4)")
+    g.add_argument("--top-k", type=positive_int, default=4, help="draft-model expansion width (default 4)")
+    g.add_argument("--total-tokens", type=positive_int, default=16, help="draft-model tree size (default 16)")
+    g.add_argument("--max-ngram", type=positive_int, default=3, help="ngram: longest n-gram (default 3)")
+    g.add_argument("--num-draft-tokens", type=positive_int, default=8, help="ngram: tokens per match (default 8)")
+    g.add_argument("--max-matches", type=positive_int, default=2, help="ngram: continuations merged (default 2)")
+    g.add_argument("--tree-json", type=existing_file,
+                   help="tree: JSON file with 'parents' or 'choices', and 'tokens' (the draft tokens, replayed every "
+                        "step); default the --medusa-choices shape with seeded random tokens")
     p.add_argument("--check", action="store_true", help="greedy: also decode plainly and check the tokens are equal")
-    p.add_argument("--json-out", help="write the results JSON here")
+    p.add_argument("--json-out", type=output_file, help="write the results JSON here (its folder must exist)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -89,14 +97,17 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.check and args.accept != "greedy":
         raise ValueError(f"--check compares with plain greedy decoding and needs --accept greedy, "
                          f"got --accept {args.accept}")
-    choices = _choices(args.medusa_choices)
-    rule = _rule(args)                       # parameters checked before any model is loaded
+    # everything the user typed is checked before any model is loaded
+    choices = [list(c) for c in DEFAULT_MEDUSA_CHOICES] if args.medusa_choices is None else args.medusa_choices
+    rule = _rule(args)
+    tree_json = _tree_json(args.tree_json)
+    check_backend(args)
     model, model_name = load_model(args)
     prompt, tokenizer = _prompt(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
     kv_tokens = args.kv_tokens or len(prompt) + args.max_new_tokens + 2048
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
-    draft, draft_note = _draft(args, model, choices, kv_tokens)
+    draft, draft_note = _draft(args, model, choices, tree_json, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
           f"{engine.attn.backend} backend, page size {args.page_size}; prompt {len(prompt)} tokens")
     print(f"draft: {draft_note}")
@@ -148,24 +159,27 @@ def summarize(stats: SpeculativeStats, num_tokens: int) -> dict:
 # ================================================================ private
 
 
-def _positive_int(text: str) -> int:
+def _token_ids(text: str) -> list[int]:
+    """An argparse ``type``: comma- (or space-) separated token ids, at least one, each >= 0."""
     try:
-        value = int(text)
+        ids = [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids (ints >= 0), got {text!r}")
+    return ids
 
 
-def _choices(text: str | None) -> list[list[int]]:
-    if text is None:
-        return [list(c) for c in DEFAULT_MEDUSA_CHOICES]
+def _medusa_choices(text: str) -> list[list[int]]:
+    """An argparse ``type``: a JSON list of index paths that make a token tree."""
+    expected = "must be a non-empty JSON list of index paths, e.g. '[[0],[1],[0,0]]'"
     try:
         choices = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--medusa-choices must be a JSON list of index paths, e.g. '[[0],[1],[0,0]]': {e}") from None
-    TokenTree.from_medusa_choices(choices)   # the tree's own checks, before anything is loaded
+        TokenTree.from_medusa_choices(choices)   # the tree's own checks
+    except ValueError as e:                      # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(f"{expected}: {e}") from None
+    if not choices:                              # a tree with no draft tokens drafts nothing
+        raise argparse.ArgumentTypeError(f"{expected}, got []")
     return choices
 
 
@@ -190,14 +204,10 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
         except (OSError, ValueError):
             tokenizer = None
     if args.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}") from None
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if not ids or bad:
-            raise ValueError(f"--prompt-ids must be token ids in [0, {vocab}), got {args.prompt_ids!r}")
-        return ids, tokenizer
+        if max(args.prompt_ids) >= vocab:
+            raise ValueError(f"--prompt-ids must be token ids in [0, {vocab}) for {args.model or 'random weights'}, "
+                             f"got {max(args.prompt_ids)}")
+        return args.prompt_ids, tokenizer
     if args.prompt is not None or args.model is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer: {args.model or 'random weights'} has none; "
@@ -208,7 +218,7 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
     return rng.integers(0, vocab, 5).tolist() + phrase + rng.integers(0, vocab, 4).tolist() + phrase, None
 
 
-def _draft(args: argparse.Namespace, model, choices: list[list[int]], kv_tokens: int):
+def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json, kv_tokens: int):
     """The draft source and a line that says what it is."""
     if args.draft == "ngram":
         draft = PromptLookupDraft(max_ngram=args.max_ngram, num_draft_tokens=args.num_draft_tokens,
@@ -230,7 +240,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], kv_tokens:
         engine = Engine(draft_model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
         draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
         return draft, f"draft model {note}; depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
-    return _tree_draft(args, model.config.vocab_size, choices)
+    return _tree_draft(args, model.config.vocab_size, choices, tree_json)
 
 
 def _draft_model(args: argparse.Namespace, model):
@@ -247,18 +257,40 @@ def _draft_model(args: argparse.Namespace, model):
     return from_config(name, seed=seed, dtype=model.dtype, device=model.device), note
 
 
-def _tree_draft(args: argparse.Namespace, vocab: int, choices: list[list[int]]):
-    if args.tree_json is None:
+def _tree_json(path: str | None) -> tuple[TokenTree, list[int]] | None:
+    """``--tree-json``'s tree and draft tokens (None without it); the token ids are checked against the
+    vocabulary once the model is loaded."""
+    if path is None:
+        return None
+    spec = read_json(path, "--tree-json")
+    if not isinstance(spec, dict) or ("parents" in spec) == ("choices" in spec) or "tokens" not in spec:
+        raise ValueError(f"--tree-json {path} must hold an object with 'parents' or 'choices' (one of them) and "
+                         f"'tokens'")
+    for name in ("parents", "tokens"):
+        ids = spec.get(name, [])
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"--tree-json {path}: '{name}' must be a list of ints, got {ids!r:.60}")
+    if any(t < 0 for t in spec["tokens"]):
+        raise ValueError(f"--tree-json {path}: 'tokens' must be token ids >= 0, got {spec['tokens']!r:.60}")
+    try:
+        tree = (TokenTree(tuple(spec["parents"])) if "parents" in spec
+                else TokenTree.from_medusa_choices(spec["choices"]))
+        TreeDraft(tree, spec["tokens"])   # one token per draft position
+    except ValueError as e:
+        raise ValueError(f"--tree-json {path}: {e}") from None
+    return tree, spec["tokens"]
+
+
+def _tree_draft(args: argparse.Namespace, vocab: int, choices: list[list[int]], tree_json):
+    if tree_json is None:
         tree = TokenTree.from_medusa_choices(choices)
         tokens = np.random.default_rng(args.seed).integers(0, vocab, tree.size - 1).tolist()
         return TreeDraft(tree, tokens), (f"fixed tree of {tree.size - 1} seeded random draft tokens (the "
                                          f"--medusa-choices shape), replayed every step")
-    spec = json.loads(Path(args.tree_json).read_text())
-    if not isinstance(spec, dict) or ("parents" in spec) == ("choices" in spec) or "tokens" not in spec:
-        raise ValueError(f"--tree-json {args.tree_json} must hold an object with 'parents' or 'choices' (one of "
-                         f"them) and 'tokens'")
-    tree = TokenTree(tuple(spec["parents"])) if "parents" in spec else TokenTree.from_medusa_choices(spec["choices"])
-    return TreeDraft(tree, spec["tokens"]), f"tree from {args.tree_json}: {tree.size - 1} draft tokens every step"
+    tree, tokens = tree_json
+    if tokens and max(tokens) >= vocab:
+        raise ValueError(f"--tree-json {args.tree_json}: 'tokens' must be token ids in [0, {vocab}), got {max(tokens)}")
+    return TreeDraft(tree, tokens), f"tree from {args.tree_json}: {tree.size - 1} draft tokens every step"
 
 
 def _progress(args: argparse.Namespace):

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from treedec.replay.command import add_model_arguments, load_model
+from treedec.attention import PLANNERS
+from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, finite_float, load_model,
+                                    nonnegative_float, output_file, positive_int, seed_int)
 from treedec.search.game24 import Game24Task
 from treedec.search.tot import SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, tot_bfs, tot_dfs
 
@@ -32,33 +34,35 @@ def add_tot_parser(sub) -> None:
                        description="Tree-of-Thought search on the Game of 24: each level's thoughts decode "
                                    "together in one engine step per token and are judged together by value "
                                    "prompts under their own nodes; the thoughts not kept are pruned.")
-    p.add_argument("--numbers", type=int, nargs=4, default=[4, 9, 10, 13], metavar="N",
+    p.add_argument("--numbers", type=positive_int, nargs=4, default=[4, 9, 10, 13], metavar="N",
                    help="the four numbers (default 4 9 10 13)")
     p.add_argument("--algorithm", choices=("bfs", "dfs"), default="bfs")
-    p.add_argument("--k", type=int, default=3, help="thoughts per expanded state (default 3)")
-    p.add_argument("--n", type=int, default=2, help="BFS: states kept per level (default 2)")
-    p.add_argument("--depth", type=int, default=4, help="thoughts on a path: three steps and the answer (default 4)")
+    p.add_argument("--k", type=positive_int, default=3, help="thoughts per expanded state (default 3)")
+    p.add_argument("--n", type=positive_int, default=2, help="BFS: states kept per level (default 2)")
+    p.add_argument("--depth", type=positive_int, default=4,
+                   help="thoughts on a path: three steps and the answer (default 4)")
     p.add_argument("--selection", choices=SELECTIONS, default="greedy", help="BFS: how the n states are kept")
-    p.add_argument("--threshold", type=float, default=1.0,
+    p.add_argument("--threshold", type=finite_float, default=1.0,
                    help="DFS: thoughts valued below it are pruned (default 1: 'likely' or better)")
-    p.add_argument("--max-expansions", type=int, default=20, help="DFS: states expanded at most (default 20)")
-    p.add_argument("--temperature", type=float, default=0.7, help="thought sampling; 0: top-k first tokens, argmax")
-    p.add_argument("--value-samples", type=int, default=1, help="outputs per evaluation (values summed)")
-    p.add_argument("--value-temperature", type=float, default=0.0)
-    p.add_argument("--thought-max-tokens", type=int, help="default the task's (48)")
-    p.add_argument("--value-max-tokens", type=int, help="default the task's (12)")
+    p.add_argument("--max-expansions", type=positive_int, default=20, help="DFS: states expanded at most (default 20)")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.7,
+                   help="thought sampling; 0: top-k first tokens, argmax")
+    p.add_argument("--value-samples", type=positive_int, default=1, help="outputs per evaluation (values summed)")
+    p.add_argument("--value-temperature", type=nonnegative_float, default=0.0)
+    p.add_argument("--thought-max-tokens", type=positive_int, help="default the task's (48)")
+    p.add_argument("--value-max-tokens", type=positive_int, help="default the task's (12)")
     p.add_argument("--no-check-steps", action="store_true",
                    help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
     add_model_arguments(p, model_help="a local Hugging Face checkpoint directory (its tokenizer, if it has one)",
                         config_help="a named model size with random weights (default: tiny, on the CPU); "
                                     "bytes as tokens")
-    p.add_argument("--backend", default="auto", help="auto, reference, torch, triton or cuda")
-    p.add_argument("--planner", default="flatten", help="flatten, node, node_chunk or path")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free "
-                                                 f"memory on a GPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results JSON here")
+    p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
+    p.add_argument("--planner", default="flatten", choices=PLANNERS, help="default flatten")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--kv-tokens", type=positive_int,
+                   help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free memory on a GPU)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--out", type=output_file, help="write the results JSON here (its folder must exist)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -77,6 +81,7 @@ def run_tot(args: argparse.Namespace) -> int:
     else:
         config = DFSConfig(threshold=args.threshold, max_expansions=args.max_expansions, **common)
     plan_config = PlanConfig(planner=args.planner)
+    check_backend(args)
 
     model, model_name = load_model(args)
     tokenizer, tokenizer_name = _load_tokenizer(args.model, model.config.vocab_size)

@@ -1,0 +1,227 @@
+"""Argument types and model options every ``treedec`` subcommand shares.
+
+Each type turns a bad value into an ``argparse.ArgumentTypeError`` that names what was
+expected (counts, seeds, finite floats, devices, backends, planners, model sizes, input and
+output paths), so a mistake is reported when the arguments are parsed, before anything is
+loaded or run. Output paths are checked up front too: their folder must exist and be
+writable (no folder is created, so a mistyped path fails at once instead of after a long
+run or into a stray new tree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from treedec.attention import PLANNERS
+from treedec.attention.backends import BACKENDS
+from treedec.engine.config import MODEL_SIZES
+from treedec.workloads import WORKLOADS
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INT_MAX = 2**31 - 1  # counts and sizes above this are mistakes (and overflow C longs in numpy / torch)
+SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
+
+
+# ================================================================ argument types
+
+
+def int_arg(minimum: int, maximum: int = INT_MAX, expected: str | None = None):
+    """An argparse ``type``: an int in ``[minimum, maximum]``; ``expected`` says so in an error (default
+    "an int >= minimum", or "an int in [minimum, maximum]")."""
+    if expected is None:
+        expected = f"an int >= {minimum}" if maximum == INT_MAX else f"an int in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_arg(1)
+nonnegative_int = int_arg(0)
+seed_int = int_arg(0, SEED_MAX, "an int in [0, 2**63)")
+
+
+def float_arg(minimum: float = -math.inf, strictly_above: bool = False):
+    """An argparse ``type``: a finite float ``>= minimum`` (``> minimum`` with ``strictly_above``)."""
+    op = ">" if strictly_above else ">="
+    expected = "a finite number" + ("" if minimum == -math.inf else f" {op} {minimum:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strictly_above and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+finite_float = float_arg()
+nonnegative_float = float_arg(0.0)
+positive_float = float_arg(0.0, strictly_above=True)
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``, where that device exists."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} needs CUDA, but the installed torch {torch.__version__} is a CPU build; use --device cpu, "
+                f"or install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is visible to torch "
+                                             f"(torch.cuda.is_available() is False); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r} does not exist: {torch.cuda.device_count()} CUDA "
+                                             f"device(s) visible")
+    return text
+
+
+def backend_arg(text: str) -> str:
+    """An argparse ``type``: ``auto`` or one of :data:`~treedec.attention.backends.BACKENDS`."""
+    if text not in ("auto", *BACKENDS):
+        raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(BACKENDS)}, got {text!r}")
+    return text
+
+
+def planner_list(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated planner names, at least one, each of :data:`PLANNERS`."""
+    planners = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in planners if p not in PLANNERS]
+    if not planners or unknown:
+        raise argparse.ArgumentTypeError(f"must be comma-separated planners from {', '.join(PLANNERS)}, got {text!r}")
+    return planners
+
+
+def model_size(text: str) -> str:
+    """An argparse ``type``: a named size of :data:`~treedec.engine.config.MODEL_SIZES`."""
+    if text not in MODEL_SIZES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(MODEL_SIZES)}, got {text!r}")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """An argparse ``type``: a directory that exists (a local checkpoint: treedec never downloads)."""
+    if not text or not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local checkpoint directory "
+                                         f"(treedec never downloads: fetch a hub model first)")
+    return text
+
+
+def existing_path(text: str) -> str:
+    """An argparse ``type``: a file or directory that exists."""
+    if not text or not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """An argparse ``type``: a readable file."""
+    path = Path(text)
+    if not text or not path.exists():
+        raise argparse.ArgumentTypeError(f"file {text!r} does not exist")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"file {text!r} is not readable")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file path that can be written: its folder exists and is writable.
+
+    Checked when the arguments are parsed, so a bad path fails before the run, not after it.
+    """
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file path, got ''")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path (e.g. {str(path / 'out.json')!r})")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(folder)!r} of {text!r} does not exist; create it first "
+                                         f"(mkdir -p {folder}) or write somewhere else")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
+
+
+def workload_arg(text: str) -> str:
+    """An argparse ``type``: a name of :data:`~treedec.workloads.WORKLOADS` or a schedule JSON file."""
+    if text not in WORKLOADS:
+        path = Path(text)
+        if not path.exists():
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(WORKLOADS)} or a schedule JSON file, "
+                                             f"got {text!r} (no such workload or file)")
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{text!r} is not a file (give a schedule JSON file or one of "
+                                             f"{', '.join(WORKLOADS)})")
+    return text
+
+
+def read_json(path: str, what: str):
+    """The JSON document in ``path``; a file that is not JSON raises ValueError naming it as ``what``."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path} is not JSON ({e})") from None
+
+
+# ================================================================ model options
+
+
+def add_model_arguments(p, model_help: str = "a local Hugging Face checkpoint directory",
+                        config_help: str = "a named model size with random weights (default: tiny, on the CPU)") -> None:
+    """``--model`` or ``--config``, ``--device`` and ``--dtype``: what :func:`load_model` reads."""
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", type=existing_dir, help=model_help)
+    model.add_argument("--config", type=model_size, help=f"{config_help}; one of {', '.join(MODEL_SIZES)}")
+    p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default: cpu for the tiny default, else "
+                                                     "cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+
+
+def model_device(args: argparse.Namespace) -> torch.device:
+    """The device :func:`load_model` puts the model on."""
+    if args.model is None and args.config is None:
+        return torch.device(args.device or "cpu")
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def check_backend(args: argparse.Namespace) -> None:
+    """Raise BackendUnavailableError now, before a model is loaded, if ``--backend`` cannot run on its device."""
+    from treedec.attention.backends import resolve_backend
+
+    resolve_backend(args.backend, model_device(args))
+
+
+def load_model(args: argparse.Namespace):
+    """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name."""
+    from treedec.engine import from_config, from_pretrained
+
+    device = model_device(args)
+    name = "tiny" if args.model is None and args.config is None else args.model or args.config
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.model is not None:
+        return from_pretrained(args.model, dtype=dtype, device=device), args.model
+    return from_config(name, seed=args.seed, dtype=dtype, device=device), f"{name} (random weights)"
