@@ -1,0 +1,80 @@
+"""Every code block of README.md runs here, so that none of them can rot.
+
+The Python blocks run in order in one namespace (later blocks use the engine and prompt of
+earlier ones) on the CPU; the one placeholder, the checkpoint folder, is filled with a tiny
+random Llama saved in the Hugging Face layout. The two install commands are the ones
+`.ci/run` runs (installing is CI's part), and the main job they end with runs here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from treedec.engine import MODEL_SIZES, from_config, to_hf_config, to_hf_state_dict
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+CHECKPOINT_PLACEHOLDER = "/models/Llama-3.1-8B"
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The README's fenced code blocks of ``language``, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+
+
+def save_tiny_checkpoint(folder: Path) -> None:
+    """A tiny random Llama with a 32000-token vocabulary (the README's token ids), as from_pretrained reads it."""
+    config = dataclasses.replace(MODEL_SIZES["tiny"], vocab_size=32000)
+    model = from_config(config, seed=0, dtype=torch.float32, device="cpu")
+    to_hf_config(model.config).save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, folder / "model.safetensors")
+
+
+def test_readme_has_the_blocks_this_test_knows():
+    assert len(readme_blocks("python")) == 3
+    assert len(readme_blocks("bash")) == 2
+    assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
+
+
+def test_python_blocks_run_in_order(tmp_path, capsys):
+    save_tiny_checkpoint(tmp_path)
+    namespace: dict = {"__name__": "readme"}
+    torch.manual_seed(0)
+    for i, block in enumerate(readme_blocks("python")):
+        code = compile(block.replace(CHECKPOINT_PLACEHOLDER, str(tmp_path)), f"README.md python block {i + 1}", "exec")
+        exec(code, namespace)
+    assert namespace["out"].shape == (4, 32, 128) and torch.isfinite(namespace["out"]).all()
+    assert namespace["logits"].shape == (4, 32000)
+    assert len(namespace["tokens"]) >= 64 and namespace["stats"] is not None
+    assert len(namespace["vote"].answers) == 8
+    assert "torch" in capsys.readouterr().out  # the backend line block 1 prints
+
+
+def _commands(block: str) -> list[str]:
+    return [c.strip() for c in block.strip().split("&&")]
+
+
+def test_install_commands_are_what_ci_runs():
+    main_job, tests = (_commands(b) for b in readme_blocks("bash"))
+    ci = (REPO / ".ci" / "run").read_text()
+    for command in tests:
+        if not command.startswith((". ", "python3 -m venv")):  # CI makes its own virtual environment
+            assert command in ci, f"README test command part {command!r} is not in .ci/run"
+    assert main_job[:3] == tests[:3], "both commands start the same way (fresh venv, the same torch)"
+
+
+def test_main_job_command_runs(tmp_path):
+    main_job = _commands(readme_blocks("bash")[0])[-1]
+    argv = shlex.split(main_job)
+    assert argv[0] == "treedec"
+    result = subprocess.run([sys.executable, "-m", "treedec", *argv[1:], "--out", str(tmp_path / "replay.json")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "flatten" in result.stdout and (tmp_path / "replay.json").is_file()
