@@ -8,9 +8,9 @@ import torch
 
 from treedec.attention import PLANNERS
 from treedec.cli import main
-from treedec.engine import Engine, from_config
+from treedec.engine import Engine, ModelConfig, from_config
 from treedec.replay import ReplayConfig, ScheduleDriver, replay, replay_results
-from treedec.workloads import ScheduleError, fewshot_schedule, workload_schedule
+from treedec.workloads import Schedule, ScheduleError, fewshot_schedule, workload_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_PLANNERS = ("flatten", "node", "node_chunk", "path")
@@ -96,10 +96,71 @@ def test_replay_measurements(tiny, schedules):
     assert run.summary["tokens_generated"] == 15 and run.summary["pages_free_at_end"]
 
 
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fail the test if replay gets as far as a dry run or an engine."""
+    monkeypatch.setattr("treedec.replay.runner.dry_run", lambda *a, **k: pytest.fail("ran a dry run"))
+    monkeypatch.setattr("treedec.replay.runner.Engine", lambda *a, **k: pytest.fail("built an engine"))
+
+
 def test_replay_checks_before_running(tiny):
-    schedule = fewshot_schedule(prompt_tokens=30, branches=2, iterations=2)
-    with pytest.raises(ValueError, match="kv_tokens=16 is too small"):
+    schedule = fewshot_schedule(prompt_tokens=30, branches=2, iterations=2)   # 34 tokens in 10 pages of 4
+    with pytest.raises(ScheduleError, match=r"fewshot: step 0, op 0 \(prompt\): node 'prompt' grows the tree to 30 "
+                                            r"tokens, more than kv_tokens = 16"):
         replay(tiny, schedule, ReplayConfig(kv_tokens=16, page_size=4))
+    with pytest.raises(ValueError, match="kv_tokens=36 is too small: fewshot holds up to 10 pages of 4 tokens"):
+        replay(tiny, schedule, ReplayConfig(kv_tokens=36, page_size=4))
+    with pytest.raises(ValueError, match="needs a KV pool of 44 tokens .* more than max_kv_tokens=40"):
+        replay(tiny, schedule, ReplayConfig(max_kv_tokens=40, page_size=4))
+
+
+def test_replay_sizes_the_pool_for_wide_branches(tiny):
+    schedule = Schedule.from_json({"format": "treedec-schedule", "version": 1, "steps": [
+        [{"op": "prompt", "id": "p", "tokens": 1}], [{"op": "branch", "node": "p", "ids": list("abcde")}],
+        [{"op": "extend", "node": "a", "tokens": 1}], [{"op": "prune", "node": "p"}]]}, "wide.json")
+    run = replay(tiny, schedule, ReplayConfig(page_size=4))
+    assert run.summary["kv_pool_pages"] == 6 and run.summary["pages_free_at_end"]
+    with pytest.raises(ValueError, match=r"kv_tokens=16 is too small: wide.json holds up to 2 pages of 4 tokens and "
+                                         r"branches into up to 5 children"):
+        replay(tiny, schedule, ReplayConfig(kv_tokens=16, page_size=4))
+
+
+def huge_schedule(tokens):
+    return Schedule.from_json({"format": "treedec-schedule", "version": 1, "steps": [
+        [{"op": "prompt", "id": "p", "tokens": tokens}], [{"op": "extend", "node": "p", "tokens": 1}]]}, "huge.json")
+
+
+@pytest.mark.parametrize("schedule, config, message", [
+    (huge_schedule(10**9), ReplayConfig(), r"huge.json: step 0, op 0 \(prompt\): node 'p' grows the tree to "
+                                           r"1000000000 tokens, more than max_kv_tokens = 1048576"),
+    (huge_schedule(10**9), ReplayConfig(kv_tokens=4096), "grows the tree to 1000000000 tokens, more than kv_tokens"),
+    (huge_schedule(100), ReplayConfig(max_kv_tokens=100), r"step 1, op 0 \(extend\): node 'p' grows the tree to 101 "
+                                                          r"tokens, more than max_kv_tokens = 100"),
+    (huge_schedule(4096), ReplayConfig(), r"step 1, op 0 \(extend\): node 'p' reaches position 4096 \(sequence length "
+                                          r"4097\), past the model's max_position \(max_position_embeddings\) = 4096"),
+    (huge_schedule(10**9), ReplayConfig(kv_tokens=2 * 10**9), r"step 0, op 0 \(prompt\): node 'p' reaches position "
+                                                              r"999999999 .* past the model's max_position"),
+    (Schedule.from_json({"format": "treedec-schedule", "version": 1, "steps": [
+        [{"op": "prompt", "id": "p", "tokens": [1, 2, 512]}]]}, "v.json"), ReplayConfig(),
+     r"v.json: step 0, op 0 \(prompt\): field 'tokens\[2\]' = 512 is outside the model's vocabulary of 512"),
+])
+def test_replay_refuses_what_does_not_fit_before_allocating(tiny, no_allocation, schedule, config, message):
+    with pytest.raises(ScheduleError, match=message):
+        replay(tiny, schedule, config)
+
+
+def test_replay_checks_the_sliding_window(no_allocation):
+    model = from_config(ModelConfig.from_name("tiny", sliding_window=16), dtype=torch.float32, device="cpu")
+    with pytest.raises(ScheduleError, match=r"step 1, op 0 \(extend\): node 'p' reaches position 16 .* past the "
+                                            r"model's sliding window = 16"):
+        replay(model, huge_schedule(16), ReplayConfig(page_size=4))
+
+
+@pytest.mark.parametrize("field, value, minimum", [("page_size", 0, 1), ("kv_tokens", -5, 1), ("max_kv_tokens", 0, 1),
+                                                   ("warmup_steps", -1, 0), ("page_size", 4.0, 1)])
+def test_replay_config_is_validated(field, value, minimum):
+    with pytest.raises(ValueError, match=f"ReplayConfig.{field} must be an int >= {minimum}, got {value!r}"):
+        ReplayConfig(**{field: value})
 
 
 def test_cli_replay_and_plot(tmp_path, capsys):
@@ -118,14 +179,16 @@ def test_cli_replay_and_plot(tmp_path, capsys):
     assert fig.stat().st_size > 10_000
 
 
-def test_cli_rejects_a_bad_schedule_before_loading_a_model(tmp_path, monkeypatch):
+def test_cli_rejects_a_bad_schedule_before_loading_a_model(tmp_path, monkeypatch, capsys):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": "treedec-schedule", "version": 1, "steps": [
         [{"op": "prompt", "id": "p", "tokens": 5}], [{"op": "extend", "node": "p", "tokens": 1}],
         [{"op": "extend", "node": "q", "tokens": 1}]]}))
-    monkeypatch.setattr("treedec.replay.command.load_model", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr("treedec.commands.replay.load_model", lambda args: pytest.fail("loaded a model"))
+    assert main(["replay", str(path)]) == 2   # a user error: one line on stderr
+    assert f"{path}: step 2, op 0 (extend): field 'node' names unknown node 'q'" in capsys.readouterr().err
     with pytest.raises(ScheduleError, match=f"{path}: step 2, op 0 \\(extend\\): field 'node' names unknown node 'q'"):
-        main(["replay", str(path)])
+        main(["replay", str(path), "--debug"])
 
 
 def test_saved_schedule_replays_identically(tiny, tmp_path, schedules):

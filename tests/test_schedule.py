@@ -9,6 +9,7 @@ from treedec.tree import PagedKVPool, SequenceTree
 from treedec.workloads import (DEFT_DIR, WORKLOADS, Accept, Extend, Prompt, Prune, Schedule, ScheduleError,
                                TokenTree, TraceFormatError, fewshot_schedule, load_schedule, medusa_schedule,
                                medusa_tree, tot_schedule, tot_snapshot, workload_schedule)
+from treedec.workloads.schedule import DEFAULT_MAX_TREE_TOKENS
 
 KEYWORD = DEFT_DIR / "reasoning" / "keywordToT.json"
 
@@ -106,6 +107,15 @@ def test_fewshot_schedule_shape():
         fewshot_schedule(branches=0)
 
 
+def test_fewshot_schedule_is_sized_before_it_is_built(monkeypatch):
+    monkeypatch.setattr("treedec.workloads.builders.Extend", lambda *a: pytest.fail("built an op"))
+    with pytest.raises(ValueError, match=r"prompt_tokens=4000, branches=2000, iterations=1000 holds "
+                                         r"2004000 tokens, more than max_tree_tokens=1048576"):
+        fewshot_schedule(branches=2000, iterations=1000)
+    with pytest.raises(ValueError, match="holds 4010 tokens, more than max_tree_tokens=4009"):
+        fewshot_schedule(4000, 10, 1, max_tree_tokens=4009)
+
+
 @pytest.mark.parametrize("fraction", [0.05, 0.3, 0.6, 1.0])
 def test_tot_schedule_matches_tot_snapshot(fraction):
     """After iteration it, the replayed tree is tot_snapshot's tree at it: nodes, lengths, order."""
@@ -154,3 +164,104 @@ def test_truncated_appends_release_and_builders_validate():
     assert t.steps[-1] == (Prune("p"),) and t.stats.live_roots == ()
     with pytest.raises(ScheduleError, match=r"step 1, op 0 \(extend\): field 'node' names unknown node 'q'"):
         Schedule.from_steps([[Prompt("p", 4)], [Extend("q", 1)]])
+
+
+# ================================================================ sizes and hostile input
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 100_000 + "]" * 100_000, r"not valid JSON \(RecursionError"),
+    ('{"format": "treedec-schedule", "version": 1, "steps": [[{"op": "prompt", "id": "p", "tokens": 1'
+     + "0" * 5000 + "}]]}", r"not valid JSON \(ValueError: Exceeds the limit"),
+    (b'{"format": "treedec-schedule", "name": "\xff\xfe"}', r"not valid JSON \(UnicodeDecodeError"),
+    (json.dumps(doc([{"op": ["prompt"], "id": "p", "tokens": 3}])), r"step 0, op 0: field 'op' must be one of"),
+    (json.dumps(doc([{"op": {"x": 1}, "id": "p", "tokens": 3}])), r"step 0, op 0: field 'op' must be one of"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": [1, 2**63]}])),
+     r"step 0, op 0 \(prompt\): field 'tokens\[1\]' must be an int < 2147483648, got 9223372036854775808"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3}],
+                    [{"op": "token_tree", "node": "p", "parents": [-1], "ids": ["t"], "tokens": [2**31]}])),
+     r"step 1, op 0 \(token_tree\): field 'tokens\[0\]' must be an int < 2147483648"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": -10**30}])), "field 'tokens' must be a count >= 1"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3, "parent": "p"}])),
+     r"field 'parent' names unknown node 'p'"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3}],
+                    [{"op": "token_tree", "node": "p", "parents": [-1, -2], "ids": ["a", "b"]}])),
+     r"field 'parents\[1\]' must be an int >= -1, got -2"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3}],
+                    [{"op": "token_tree", "node": "p", "parents": [1, 0], "ids": ["a", "b"]}])),
+     r"field 'parents\[0\]' = 1: parents must come before their children \(a cycle\)"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3}], [{"op": "branch", "node": "p", "ids": ["a", "a"]}])),
+     "field 'ids' lists a handle twice"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3}], [{"op": "accept", "ids": ["p"]}])),
+     r"field 'ids\[0\]': node 'p' is not a token-tree node"),
+    (json.dumps({"format": "treedec-schedule", "version": 1}), "field 'steps' must be a list of steps, got NoneType"),
+    (json.dumps([1, 2]), "the top level must be a JSON object"),
+    (json.dumps(doc([{"op": "prompt", "id": None, "tokens": 3}])), "field 'id' must be a node handle"),
+    (json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 3.0}])), "field 'tokens' must be a list of ints"),
+    (json.dumps(doc([{"op": "prune", "node": "p"}])), "field 'node' names unknown node 'p'"),
+    (json.dumps({**doc(), "name": 5}), "field 'name' must be a string, got int"),
+    (json.dumps({**doc(), "meta": []}), "field 'meta' must be an object, got list"),
+])
+def test_hostile_files_raise_schedule_errors(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(ScheduleError, match=message) as e:
+        load_schedule(path)
+    assert str(e.value).startswith(str(path))
+
+
+def test_unknown_non_string_field_in_memory():
+    with pytest.raises(ScheduleError, match=r"step 0, op 0 \(prune\): unknown field '3'"):
+        Schedule.from_json(doc([{"op": "prune", "node": "p", 3: 1}]))
+
+
+def test_huge_counts_are_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    """A 177-byte file asking for 10^9 tokens loads (a count is a number) but never reaches an allocation."""
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(doc([{"op": "prompt", "id": "p", "tokens": 10**9}],
+                                   [{"op": "extend", "node": "p", "tokens": 1}], [{"op": "prune", "node": "p"}]),
+                               separators=(",", ":")))
+    assert path.stat().st_size < 200
+    s = load_schedule(path)
+    assert s.stats.peak_tree_tokens == 10**9 + 1
+    monkeypatch.setattr("treedec.replay.driver.PagedKVPool", lambda *a, **k: pytest.fail("allocated a pool"))
+    with pytest.raises(ScheduleError, match=rf"{path}: step 0, op 0 \(prompt\): node 'p' grows the tree to "
+                                            rf"1000000000 tokens, more than max_tree_tokens = "
+                                            rf"{DEFAULT_MAX_TREE_TOKENS}"):
+        dry_run(s, page_size=16)
+    with pytest.raises(ScheduleError, match="more than max_tree_tokens = 10$"):
+        dry_run(Schedule.from_json(doc([{"op": "prompt", "id": "p", "tokens": 11}])), 16, max_tree_tokens=10)
+
+
+@pytest.mark.parametrize("limits, message", [
+    (dict(max_tree_tokens=13), r"step 2, op 1 \(token_tree\): node 't2' grows the tree to 14 tokens, more than "
+                               r"max_tree_tokens = 13"),
+    (dict(max_tree_tokens=12, tokens_limit="kv_tokens"), r"step 1, op 2 \(extend\): node 'b' grows the tree to 13 "
+                                                         r"tokens, more than kv_tokens = 12"),
+    (dict(max_position=12), r"step 2, op 1 \(token_tree\): node 't1' reaches position 12 \(sequence length 13\), "
+                            r"past max_position = 12"),
+    (dict(max_position=10, position_limit="the model's sliding window"),
+     r"step 1, op 1 \(extend\): node 'a' reaches position 10 \(sequence length 11\), past the model's sliding "
+     r"window = 10"),
+    (dict(vocab_size=6), r"step 1, op 2 \(extend\): field 'tokens\[1\]' = 6 is outside the model's vocabulary of 6"),
+])
+def test_check_fits_names_the_first_op_past_a_limit(limits, message):
+    s = Schedule.from_json(GOOD, source="good.json")
+    s.check_fits(max_tree_tokens=14, max_position=14, vocab_size=7)   # exactly the schedule's needs
+    with pytest.raises(ScheduleError, match=f"good.json: {message}"):
+        s.check_fits(**limits)
+
+
+@pytest.mark.parametrize("name, value", [("max_tree_tokens", 0), ("max_position", -1), ("vocab_size", 2.5),
+                                         ("max_tree_tokens", True)])
+def test_check_fits_validates_its_limits(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a positive int or None, got {value!r}"):
+        Schedule.from_json(GOOD).check_fits(**{name: value})
+
+
+def test_wide_branch_of_empty_children_is_sized():
+    """A branch of k empty children needs k pages in a pool (the tree's rule), tokens or not."""
+    s = Schedule.from_json(doc([{"op": "prompt", "id": "p", "tokens": 1}],
+                               [{"op": "branch", "node": "p", "ids": list("abcde")}], [{"op": "prune", "node": "p"}]))
+    assert s.stats.widest_branch == 5 and s.stats.peak_tree_tokens == 1
+    assert dry_run(s, page_size=16) == {"peak_pages": 1, "peak_tokens": 1, "final_free": True}

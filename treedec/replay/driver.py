@@ -13,8 +13,8 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.tree import PagedKVPool, SequenceTree
-from treedec.workloads.schedule import (Accept, Branch, Extend, Handle, Op, Prompt, Prune, Schedule, TokenTree,
-                                        token_count)
+from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Extend, Handle, Op, Prompt, Prune,
+                                        Schedule, TokenTree, token_count)
 
 
 class ScheduleDriver:
@@ -171,13 +171,21 @@ class ScheduleDriver:
         return self.rng.integers(0, self.vocab_size, n).tolist() if n > 0 else []
 
 
-def dry_run(schedule: Schedule, page_size: int) -> dict:
+def dry_run(schedule: Schedule, page_size: int, max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS) -> dict:
     """Run ``schedule``'s tree operations on a bookkeeping-only pool.
 
     Returns ``{"peak_pages", "peak_tokens", "final_free" (all pages free at the end)}``
     for that page size (the pool is large enough for any schedule; it makes no K/V storage).
+    The run's host memory grows with the tree's tokens: a schedule whose tree holds more
+    than ``max_tree_tokens`` tokens at once raises :class:`ScheduleError` (naming the op)
+    before anything is allocated.
     """
-    pool = PagedKVPool(schedule.stats.peak_tree_tokens + 1, page_size, allocate_storage=False)  # >= 1 token a page
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    schedule.check_fits(max_tree_tokens=max_tree_tokens)
+    # a page holds >= 1 token; a branch of k empty children needs k pages in the pool
+    stats = schedule.stats
+    pool = PagedKVPool(max(stats.peak_tree_tokens + 1, stats.widest_branch), page_size, allocate_storage=False)
     driver = ScheduleDriver(tree=SequenceTree(pool))
     peak_pages = peak_tokens = 0
     for step in schedule.steps:

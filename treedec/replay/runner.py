@@ -37,7 +37,7 @@ import torch
 from treedec.attention import PlanConfig
 from treedec.engine import Engine, Llama
 from treedec.replay.driver import ScheduleDriver, dry_run
-from treedec.workloads.schedule import Prompt, Schedule
+from treedec.workloads.schedule import DEFAULT_MAX_TREE_TOKENS, Prompt, Schedule
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,29 @@ class ReplayConfig:
     """How to replay.
 
     ``kv_tokens`` None sizes the pool to the schedule's peak (from a dry run) plus one
-    page. ``warmup_steps`` replays that many steps after step 0 once, untimed, before the
-    timed run (kernel compilation, allocator warm-up).
+    page, at most ``max_kv_tokens`` (a schedule needing more is refused before anything is
+    allocated: its counts can ask for any number of tokens). ``warmup_steps`` replays that
+    many steps after step 0 once, untimed, before the timed run (kernel compilation,
+    allocator warm-up).
     """
 
     planner: str = "flatten"
     backend: str = "auto"
     page_size: int = 16
     kv_tokens: int | None = None
+    max_kv_tokens: int = DEFAULT_MAX_TREE_TOKENS
     profile_split: bool = False
     warmup_steps: int = 0
     seed: int = 0
     progress: bool = False
+
+    def __post_init__(self):
+        for name, minimum in (("page_size", 1), ("kv_tokens", 1), ("max_kv_tokens", 1), ("warmup_steps", 0)):
+            value = getattr(self, name)
+            if name == "kv_tokens" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"ReplayConfig.{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -130,24 +141,32 @@ class AttentionTimer:
 def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:
     """Replay ``schedule`` on ``model`` with a fresh :class:`Engine`; the tree is empty again at the end.
 
-    Everything that can be checked before a forward is (positions against a sliding
-    window, token ids against the vocabulary, the pool against the dry run's peak), so a
-    schedule that cannot run fails before its first step.
+    Everything that can be checked before a forward is, and before anything is allocated
+    (the tree's tokens against the KV pool's capacity, positions against the model's
+    ``max_position`` and sliding window, token ids against the vocabulary: a
+    :class:`~treedec.workloads.ScheduleError` naming the op; then the pool against the
+    dry run's peak pages: a ValueError), so a schedule that cannot run fails before its
+    first step.
     """
     c = model.config
-    stats = schedule.stats
-    if stats.max_token_id >= c.vocab_size:
-        raise ValueError(f"{schedule.source}: token id {stats.max_token_id} is outside the model's vocabulary "
-                         f"of {c.vocab_size}")
-    if c.sliding_window is not None and stats.max_position >= c.sliding_window:
-        raise ValueError(f"{schedule.source}: reaches position {stats.max_position}, past the model's sliding "
-                         f"window of {c.sliding_window}")
-    sizing = dry_run(schedule, config.page_size)
-    need = (sizing["peak_pages"] + 1) * config.page_size
+    capacity = config.kv_tokens or config.max_kv_tokens
+    positions, position_limit = c.max_position, "the model's max_position (max_position_embeddings)"
+    if c.sliding_window is not None and c.sliding_window < c.max_position:
+        positions, position_limit = c.sliding_window, "the model's sliding window"
+    schedule.check_fits(max_tree_tokens=capacity, max_position=positions, vocab_size=c.vocab_size,
+                        tokens_limit="kv_tokens" if config.kv_tokens else "max_kv_tokens",
+                        position_limit=position_limit)
+    sizing = dry_run(schedule, config.page_size, max_tree_tokens=capacity)
+    pages = max(sizing["peak_pages"], schedule.stats.widest_branch)   # a branch of k children needs k pages
+    need = (pages + 1) * config.page_size
+    if config.kv_tokens is None and need > config.max_kv_tokens:
+        raise ValueError(f"{schedule.source} needs a KV pool of {need} tokens ({pages} pages of "
+                         f"{config.page_size}, one page spare), more than max_kv_tokens={config.max_kv_tokens}")
     kv_tokens = config.kv_tokens or need
-    if kv_tokens < sizing["peak_pages"] * config.page_size:
+    if kv_tokens < pages * config.page_size:
         raise ValueError(f"kv_tokens={kv_tokens} is too small: {schedule.source} holds up to "
-                         f"{sizing['peak_pages']} pages of {config.page_size} tokens")
+                         f"{sizing['peak_pages']} pages of {config.page_size} tokens and branches into up to "
+                         f"{schedule.stats.widest_branch} children (a page each)")
     engine = Engine(model, kv_tokens=kv_tokens, page_size=config.page_size, backend=config.backend,
                     plan_config=PlanConfig(planner=config.planner))
     timer = AttentionTimer(engine.attn, time_run=config.profile_split or engine.device.type != "cuda")

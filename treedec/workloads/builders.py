@@ -26,7 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from treedec.workloads.deft import DEFT_DIR, TraceFormatError, _load_json, _preorder, load_tot_trees, medusa_tree
-from treedec.workloads.schedule import Accept, Branch, Extend, Prompt, Prune, Schedule, TokenTree, load_schedule
+from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Extend, Prompt, Prune, Schedule,
+                                        TokenTree, load_schedule)
 
 #: ``treedec replay`` workload names -> what they build.
 TOT_FILES = {"tot-docmerge": "docmergeToT.json", "tot-keyword": "keywordToT.json",
@@ -150,11 +151,21 @@ def medusa_schedule(path_or_size: str | Path | int, record: int = 0, prompt_toke
                                      "accept_lengths_clamped_to_depth": clamped})
 
 
-def fewshot_schedule(prompt_tokens: int = 4000, branches: int = 20, iterations: int = 400) -> Schedule:
-    """A prompt of ``prompt_tokens`` tokens, ``branches`` branches, ``iterations`` tokens per branch."""
-    for name, value in (("prompt_tokens", prompt_tokens), ("branches", branches), ("iterations", iterations)):
+def fewshot_schedule(prompt_tokens: int = 4000, branches: int = 20, iterations: int = 400,
+                     max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS) -> Schedule:
+    """A prompt of ``prompt_tokens`` tokens, ``branches`` branches, ``iterations`` tokens per branch.
+
+    The schedule holds ``prompt_tokens + branches * iterations`` tokens at its peak; more
+    than ``max_tree_tokens`` raises ValueError before any op is built.
+    """
+    for name, value in (("prompt_tokens", prompt_tokens), ("branches", branches), ("iterations", iterations),
+                        ("max_tree_tokens", max_tree_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    peak = prompt_tokens + branches * iterations
+    if peak > max_tree_tokens:
+        raise ValueError(f"a few-shot schedule of prompt_tokens={prompt_tokens}, branches={branches}, "
+                         f"iterations={iterations} holds {peak} tokens, more than max_tree_tokens={max_tree_tokens}")
     ids = tuple(f"b{i}" for i in range(branches))
     grow = tuple(Extend(b, 1) for b in ids)
     steps = [(Prompt("prompt", prompt_tokens),), (Branch("prompt", ids),) + grow]

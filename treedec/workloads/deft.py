@@ -214,12 +214,13 @@ def tot_snapshot(path: str | Path, tree_index: int, fraction: float) -> TotSnaps
 
 def _load_json(path: Path):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"workload file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{path}: not valid JSON ({e})") from None
+    # ValueError: bad JSON, bad UTF-8, or an int literal past Python's digit limit; RecursionError: deep nesting
+    except (ValueError, RecursionError) as e:
+        raise TraceFormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _field(record: dict, name: str, kind: type, where: str):

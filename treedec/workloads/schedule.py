@@ -42,7 +42,13 @@ Within a step, ``prompt``, ``accept`` and ``prune`` ops come before ``extend`` a
 
 :func:`load_schedule` / :meth:`Schedule.from_json` validate the whole schedule before
 anything runs (a symbolic replay of every op); an error is a :class:`ScheduleError` that
-names the file, the step, the op and the field.
+names the file, the step, the op and the field. Token ids are ints in [0, 2**31).
+
+Sizes are checked before anything is allocated: a count is only a number in the JSON, so
+a few bytes can ask for 10^9 tokens. :meth:`Schedule.check_fits` replays the schedule
+symbolically against a token capacity (the KV pool's), a position limit (the model's
+``max_position``) and a vocabulary, and names the first op that goes past one; the replay
+(:func:`treedec.replay.replay`, :func:`treedec.replay.dry_run`) calls it first.
 """
 from __future__ import annotations
 
@@ -57,6 +63,12 @@ FORMAT = "treedec-schedule"
 VERSION = 1
 
 Handle = Union[str, int]
+
+#: Explicit token ids must be below this (an int32 holds them; every vocabulary is smaller).
+TOKEN_ID_LIMIT = 2**31
+#: Default cap on the tokens a schedule's tree may hold at once, where no KV pool size is given
+#: (the DeFT workloads peak below 30k; a replay can raise it with an explicit pool size).
+DEFAULT_MAX_TREE_TOKENS = 1 << 20
 
 
 class ScheduleError(TraceFormatError):
@@ -138,6 +150,9 @@ class ScheduleStats:
         Largest explicit token id in the schedule (-1 if none): must be < the model's vocab.
     live_roots : tuple
         Handles of the prompts still alive after the last step.
+    widest_branch : int
+        Most children one ``branch`` op creates (0 if none): a KV pool needs at least that
+        many pages, as each child's first token starts a page of its own.
     """
 
     forward_steps: int
@@ -145,6 +160,7 @@ class ScheduleStats:
     peak_tree_tokens: int
     max_token_id: int
     live_roots: tuple
+    widest_branch: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,7 +186,11 @@ class Schedule:
 
     @classmethod
     def from_json(cls, data, source: str = "<memory>") -> "Schedule":
-        """Parse and validate a decoded JSON document (see the module docstring)."""
+        """Parse and validate a decoded JSON document (see the module docstring).
+
+        Raises :class:`ScheduleError` (naming ``source``, the step, the op and the field) for
+        anything that does not follow the format; nothing is sized beyond the document.
+        """
         if not isinstance(data, dict):
             raise ScheduleError(f"{source}: the top level must be a JSON object with 'format' and 'steps', "
                                 f"got {type(data).__name__}")
@@ -214,13 +234,48 @@ class Schedule:
         return Schedule.from_steps(steps, name=self.name, source=f"{self.source}[:{num_steps}]",
                                    meta={**self.meta, "truncated_to_steps": num_steps})
 
+    def check_fits(self, max_tree_tokens: int | None = None, max_position: int | None = None,
+                   vocab_size: int | None = None, *, tokens_limit: str = "max_tree_tokens",
+                   position_limit: str = "max_position") -> None:
+        """Raise :class:`ScheduleError` at the first op that goes past a limit; allocates nothing.
+
+        Parameters
+        ----------
+        max_tree_tokens : int, optional
+            Most tokens the tree may hold at once (a KV pool's capacity in tokens).
+        max_position : int, optional
+            Positions must be ``< max_position`` (a model's ``max_position_embeddings``, or
+            its sliding window).
+        vocab_size : int, optional
+            Explicit token ids must be ``< vocab_size``.
+        tokens_limit, position_limit : str
+            What the limits are, for the message (e.g. ``"kv_tokens"``).
+        """
+        for name, value in (("max_tree_tokens", max_tree_tokens), ("max_position", max_position),
+                            ("vocab_size", vocab_size)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        _check(self.steps, self.source, _Limits(max_tree_tokens, max_position, vocab_size, tokens_limit,
+                                                position_limit))
+
 
 def load_schedule(path: str | Path) -> Schedule:
-    """Read and validate a schedule file; errors name the file, step, op and field."""
+    """Read and validate a schedule file; errors name the file, step, op and field.
+
+    Raises
+    ------
+    ScheduleError
+        (a ValueError) The file is not JSON, does not follow the format, or its ops are
+        invalid in sequence (unknown or reused handles, a cycle, a non-leaf extended, ...).
+    FileNotFoundError, OSError
+        The file is missing or cannot be read.
+
+    Nothing is sized here beyond the file itself: check a schedule against a model and a
+    KV pool with :meth:`Schedule.check_fits` before running it.
+    """
     path = Path(path)
-    data = _load_json(path)
     try:
-        return Schedule.from_json(data, source=str(path))
+        return Schedule.from_json(_load_json(path), source=str(path))
     except TraceFormatError as e:
         if isinstance(e, ScheduleError):
             raise
@@ -244,16 +299,16 @@ def _parse_op(raw, where: str) -> Op:
     if not isinstance(raw, dict):
         raise ScheduleError(f"{where}: an op must be a JSON object, got {type(raw).__name__} {raw!r:.60}")
     kind = raw.get("op")
-    if kind not in _OP_FIELDS:
+    if not isinstance(kind, str) or kind not in _OP_FIELDS:
         raise ScheduleError(f"{where}: field 'op' must be one of {sorted(_OP_FIELDS)}, got {kind!r:.60}")
     where = f"{where} ({kind})"
     required, optional = _OP_FIELDS[kind]
     missing = sorted(required - set(raw))
     if missing:
         raise ScheduleError(f"{where}: missing field '{missing[0]}'")
-    extra = sorted(set(raw) - required - optional - {"op"})
+    extra = [k for k in raw if k not in required and k not in optional and k != "op"]
     if extra:
-        raise ScheduleError(f"{where}: unknown field '{extra[0]}' (fields: {sorted(required | optional)})")
+        raise ScheduleError(f"{where}: unknown field '{extra[0]!s:.60}' (fields: {sorted(required | optional)})")
     if kind == "prompt":
         parent = raw.get("parent")
         return Prompt(_handle(raw["id"], where, "id"), _tokens(raw["tokens"], where),
@@ -266,7 +321,7 @@ def _parse_op(raw, where: str) -> Op:
         tokens = raw.get("tokens")
         return TokenTree(_handle(raw["node"], where, "node"), _int_list(raw["parents"], where, "parents", -1),
                          _handles(raw["ids"], where, "ids"),
-                         None if tokens is None else _int_list(tokens, where, "tokens", 0))
+                         None if tokens is None else _int_list(tokens, where, "tokens", 0, TOKEN_ID_LIMIT))
     if kind == "accept":
         return Accept(_handles(raw["ids"], where, "ids"))
     return Prune(_handle(raw["node"], where, "node"))
@@ -289,12 +344,14 @@ def _handles(x, where: str, name: str) -> tuple[Handle, ...]:
     return tuple(_handle(h, where, f"{name}[{i}]") for i, h in enumerate(x))
 
 
-def _int_list(x, where: str, name: str, minimum: int) -> tuple[int, ...]:
+def _int_list(x, where: str, name: str, minimum: int, limit: int | None = None) -> tuple[int, ...]:
     if not isinstance(x, list):
         raise ScheduleError(f"{where}: field '{name}' must be a list of ints, got {type(x).__name__} {x!r:.60}")
     for i, v in enumerate(x):
         if not _is_int(v) or v < minimum:
             raise ScheduleError(f"{where}: field '{name}[{i}]' must be an int >= {minimum}, got {v!r:.60}")
+        if limit is not None and v >= limit:
+            raise ScheduleError(f"{where}: field '{name}[{i}]' must be an int < {limit}, got {v!r:.60}")
     return tuple(x)
 
 
@@ -303,7 +360,7 @@ def _tokens(x, where: str) -> int | tuple[int, ...]:
         if x < 1:
             raise ScheduleError(f"{where}: field 'tokens' must be a count >= 1 or a list of token ids, got {x}")
         return x
-    ids = _int_list(x, where, "tokens", 0)
+    ids = _int_list(x, where, "tokens", 0, TOKEN_ID_LIMIT)
     if not ids:
         raise ScheduleError(f"{where}: field 'tokens' must not be an empty list")
     return ids
@@ -321,17 +378,30 @@ def _op_json(op: Op) -> dict:
 # ================================================================ symbolic replay
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """What :meth:`Schedule.check_fits` checks each op against (None: no limit); names for the messages."""
+
+    max_tree_tokens: int | None = None
+    max_position: int | None = None
+    vocab_size: int | None = None
+    tokens_limit: str = "max_tree_tokens"
+    position_limit: str = "max_position"
+
+
 class _Shape:
     """The tree as handles only: enough to check every op and size the run."""
 
-    def __init__(self):
+    def __init__(self, limits: _Limits):
+        self.limits = limits
         self.parent: dict[Handle, Handle | None] = {}
-        self.children: dict[Handle, list[Handle]] = {}
+        # children and roots are insertion-ordered dicts (as sets): removing one is O(1)
+        self.children: dict[Handle, dict[Handle, None]] = {}
         self.length: dict[Handle, int] = {}
         self.end: dict[Handle, int] = {}           # sequence length up to the end of the node
         self.in_token_tree: set[Handle] = set()
         self.used: dict[Handle, str] = {}          # every handle ever created -> where
-        self.roots: list[Handle] = []
+        self.roots: dict[Handle, None] = {}
         self.tokens = 0
         self.peak_tokens = 0
         self.max_position = -1
@@ -349,29 +419,36 @@ class _Shape:
                                 f"handles are never reused")
         self.used[h] = where.split(" (")[0]
         self.parent[h] = parent
-        self.children[h] = []
+        self.children[h] = {}
         self.length[h] = 0
         self.end[h] = 0 if parent is None else self.end[parent]
         if parent is None:
-            self.roots.append(h)
+            self.roots[h] = None
         else:
-            self.children[parent].append(h)
-        self.grow(h, length)
+            self.children[parent][h] = None
+        self.grow(h, length, where)
 
-    def grow(self, h: Handle, n: int) -> None:
+    def grow(self, h: Handle, n: int, where: str) -> None:
         self.length[h] += n
         self.end[h] += n
         self.tokens += n
         self.peak_tokens = max(self.peak_tokens, self.tokens)
         self.max_position = max(self.max_position, self.end[h] - 1)
+        limits = self.limits
+        if limits.max_tree_tokens is not None and self.tokens > limits.max_tree_tokens:
+            raise ScheduleError(f"{where}: node {h!r} grows the tree to {self.tokens} tokens, more than "
+                                f"{limits.tokens_limit} = {limits.max_tree_tokens}")
+        if limits.max_position is not None and self.end[h] > limits.max_position:
+            raise ScheduleError(f"{where}: node {h!r} reaches position {self.end[h] - 1} (sequence length "
+                                f"{self.end[h]}), past {limits.position_limit} = {limits.max_position}")
 
     def remove(self, h: Handle) -> None:
         stack = [h]
         parent = self.parent[h]
         if parent is None:
-            self.roots.remove(h)
+            del self.roots[h]
         else:
-            self.children[parent].remove(h)
+            del self.children[parent][h]
         while stack:
             x = stack.pop()
             stack.extend(self.children.pop(x))
@@ -380,10 +457,11 @@ class _Shape:
             self.in_token_tree.discard(x)
 
 
-def _check(steps: tuple[tuple[Op, ...], ...], source: str) -> ScheduleStats:
-    shape = _Shape()
+def _check(steps: tuple[tuple[Op, ...], ...], source: str, limits: _Limits = _Limits()) -> ScheduleStats:
+    shape = _Shape(limits)
     forward_steps = 0
     max_token_id = -1
+    widest_branch = 0
     for i, step in enumerate(steps):
         adds = False
         for j, op in enumerate(step):
@@ -392,13 +470,20 @@ def _check(steps: tuple[tuple[Op, ...], ...], source: str) -> ScheduleStats:
                 raise ScheduleError(f"{where}: field 'op': a '{op.op}' op must come before the step's extend and "
                                     f"token_tree ops (they add the step's pending tokens)")
             if isinstance(op, (Prompt, Extend, TokenTree)) and op.tokens is not None and not isinstance(op.tokens, int):
-                max_token_id = max(max_token_id, max(op.tokens, default=-1))
+                top = max(op.tokens, default=-1)
+                max_token_id = max(max_token_id, top)
+                if limits.vocab_size is not None and top >= limits.vocab_size:
+                    k = op.tokens.index(top)
+                    raise ScheduleError(f"{where}: field 'tokens[{k}]' = {top} is outside the model's vocabulary "
+                                        f"of {limits.vocab_size}")
             _apply(shape, op, where)
+            if isinstance(op, Branch):
+                widest_branch = max(widest_branch, len(op.ids))
             adds = adds or isinstance(op, _ADDS_PENDING)
         forward_steps += adds
     return ScheduleStats(forward_steps=forward_steps, max_position=shape.max_position,
                          peak_tree_tokens=shape.peak_tokens, max_token_id=max_token_id,
-                         live_roots=tuple(shape.roots))
+                         live_roots=tuple(shape.roots), widest_branch=widest_branch)
 
 
 def _apply(shape: _Shape, op: Op, where: str) -> None:
@@ -418,8 +503,8 @@ def _apply(shape: _Shape, op: Op, where: str) -> None:
         shape.alive(op.node, where, "node")
         if shape.children[op.node]:
             raise ScheduleError(f"{where}: field 'node': node {op.node!r} has children "
-                                f"{shape.children[op.node][:5]!r}; only leaves are extended")
-        shape.grow(op.node, token_count(op.tokens))
+                                f"{list(shape.children[op.node])[:5]!r}; only leaves are extended")
+        shape.grow(op.node, token_count(op.tokens), where)
     elif isinstance(op, TokenTree):
         _apply_token_tree(shape, op, where)
     elif isinstance(op, Accept):
@@ -471,7 +556,7 @@ def _apply_accept(shape: _Shape, op: Accept, where: str) -> None:
                             f"{others[:5]!r}, which accept would remove; prune them first")
     for child in list(shape.children[anchor]):
         shape.remove(child)
-    shape.grow(anchor, len(op.ids))
+    shape.grow(anchor, len(op.ids), where)
 
 
 def _on_cycle(parents: tuple[int, ...], start: int) -> bool:
