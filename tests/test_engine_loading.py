@@ -1,7 +1,11 @@
 """Loading the decoder: saved HF checkpoints (single file, sharded), in-memory models, random weights."""
 import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
+import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -9,6 +13,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from tests.test_engine_llama import hf_logits, tiny_hf
 from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_hf_model, from_pretrained,
                             to_hf_config, to_hf_state_dict)
+from treedec.engine.loading import CheckpointError, checkpoint_shards
 
 
 def run_steps(model) -> list[torch.Tensor]:
@@ -54,13 +59,14 @@ def test_checkpoint_problems_are_named(tmp_path):
     state = load_file(weights)
 
     save_file({k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}, weights)
-    with pytest.raises(ValueError, match="lacks 1 tensor.*layers.1.mlp.up_proj"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: the checkpoint lacks 1 tensor.*layers.1.mlp.up_proj"):
         from_pretrained(tmp_path, device="cpu")
     save_file({**state, "model.layers.0.self_attn.extra.weight": torch.zeros(2)}, weights)
-    with pytest.raises(ValueError, match="does not use.*extra"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: .*does not use.*extra"):
         from_pretrained(tmp_path, device="cpu")
     save_file({**state, "model.norm.weight": torch.zeros(3)}, weights)
-    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\), expected \(128,\)"):
+    with pytest.raises(CheckpointError, match=f"{weights}: checkpoint tensor model.norm.weight has shape "
+                                              r"\(3,\), expected \(128,\)"):
         from_pretrained(tmp_path, device="cpu")
     weights.unlink()
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
@@ -117,3 +123,196 @@ def test_transformers_model_sharing_treedec_weights():
     engine = Engine(model, kv_tokens=64, backend="torch")
     _, logits = engine.prefill([3, 1, 4, 1, 5])
     torch.testing.assert_close(logits, hf_logits(hf.eval(), [3, 1, 4, 1, 5]), atol=1e-4, rtol=0)
+
+
+# ================================================================ malformed checkpoints
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    """A tiny Llama saved in several shards (read-only: tests copy it)."""
+    path = tmp_path_factory.mktemp("sharded")
+    tiny_hf("llama", seed=10).save_pretrained(path, max_shard_size="200KB")
+    return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path, sharded_checkpoint):
+    """A fresh copy of the sharded checkpoint at tmp_path/ckpt, and a valid shard outside it."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(sharded_checkpoint, root)
+    shutil.copy(next(root.glob("*.safetensors")), tmp_path / "outside.safetensors")
+    return root
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every path safetensors is asked to open during the test."""
+    paths = []
+    real = safetensors.safe_open
+
+    def recording_safe_open(path, *args, **kwargs):
+        paths.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", recording_safe_open)
+    return paths
+
+
+def set_shard(root, tensor, shard):
+    index = root / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][tensor] = shard
+    index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("shard, message", [
+    ("/etc/passwd", "is an absolute path"),
+    ("{outside}", "is an absolute path"),
+    ("../outside.safetensors", "resolves outside the checkpoint directory"),
+    ("sub/../../outside.safetensors", "resolves outside the checkpoint directory"),
+    ("linked_dir/outside.safetensors", "outside the checkpoint directory .* symlinked directory"),
+    ("linked_file.safetensors", "is a symlink to .*outside.safetensors, outside the checkpoint directory"),
+    ("sub", "is not a regular file"),
+    (".", "resolves outside the checkpoint directory"),
+    ("", "must be a non-empty shard file name"),
+    ("a\0b.safetensors", "NUL byte"),
+    (7, "must be a non-empty shard file name, got int 7"),
+    (None, "must be a non-empty shard file name, got NoneType"),
+    ("x" * 5000, "cannot resolve"),
+])
+def test_shard_paths_stay_inside_the_checkpoint(checkpoint, opened, shard, message):
+    (checkpoint / "sub").mkdir()
+    (checkpoint / "linked_dir").symlink_to(checkpoint.parent)
+    (checkpoint / "linked_file.safetensors").symlink_to(checkpoint.parent / "outside.safetensors")
+    if shard == "{outside}":
+        shard = str(checkpoint.parent / "outside.safetensors")
+    set_shard(checkpoint, "model.norm.weight", shard)
+    with pytest.raises(CheckpointError, match=message) as e:
+        from_pretrained(checkpoint, device="cpu")
+    assert str(e.value).startswith(str(checkpoint / "model.safetensors.index.json"))
+    assert opened == []   # refused before any shard is opened
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint_shards(checkpoint)
+
+
+def test_shard_names_are_normalized_and_missing_shards_named(checkpoint, opened):
+    shard = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    set_shard(checkpoint, "model.norm.weight", f"./sub/../{shard}")
+    from_pretrained(checkpoint, device="cpu")
+    assert len(opened) == len(set(opened)) and all(p.parent == checkpoint for p in opened)
+    set_shard(checkpoint, "model.norm.weight", "gone.safetensors")
+    with pytest.raises(FileNotFoundError, match="gone.safetensors is listed in model.safetensors.index.json"):
+        from_pretrained(checkpoint, device="cpu")
+
+
+def test_hugging_face_cache_snapshot_symlinks_are_followed(tmp_path, sharded_checkpoint):
+    """A hub cache snapshot holds symlinks to ../../blobs: those load, a symlink elsewhere does not."""
+    repo = tmp_path / "models--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sharded_checkpoint.iterdir():
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"blob-{f.name}"))
+    assert from_pretrained(snapshot, device="cpu").config.num_layers == 2
+    shard = next(snapshot.glob("*.safetensors"))
+    shutil.copy(repo / "blobs" / f"blob-{shard.name}", tmp_path / "elsewhere.safetensors")
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="is a symlink to .*elsewhere.safetensors, outside"):
+        from_pretrained(snapshot, device="cpu")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    ("[1, 2]", "the top level must be a JSON object, got list"),
+    ('{"metadata": {}}', "field 'weight_map' must be a non-empty object .* got NoneType"),
+    ('{"weight_map": ["model.safetensors"]}', "field 'weight_map' must be a non-empty object .* got list"),
+    ('{"weight_map": {}}', "field 'weight_map' must be a non-empty object"),
+    ('{"weight_map": {"model.norm.weight": ["a.safetensors"]}}', r"weight_map\['model.norm.weight'\]' must be"),
+    ('{"weight_map": ' + "[" * 5000 + "]" * 5000 + "}", "not valid JSON"),
+    ('{"weight_map": {"a": 1' + "0" * 5000 + "}}", "not valid JSON"),
+])
+def test_malformed_index_is_named(checkpoint, text, message):
+    index = checkpoint / "model.safetensors.index.json"
+    index.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError, match=message) as e:
+        from_pretrained(checkpoint, device="cpu")
+    assert str(e.value).startswith(str(index))
+
+
+@pytest.mark.parametrize("keep", [0, 7, 60, -1000, -1])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_truncated_shard_is_named(tmp_path, sharded_checkpoint, keep, sharded):
+    if sharded:
+        shutil.copytree(sharded_checkpoint, tmp_path, dirs_exist_ok=True)
+        shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    else:
+        tiny_hf("llama", seed=10).save_pretrained(tmp_path)
+        shard = tmp_path / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file") as e:
+        from_pretrained(tmp_path, device="cpu")
+    assert str(e.value).startswith(str(shard))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.int64, torch.bool])
+def test_tensor_of_an_unsupported_dtype_is_named(tmp_path, dtype):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    state["model.layers.1.self_attn.k_proj.weight"] = state["model.layers.1.self_attn.k_proj.weight"].to(dtype)
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match=f"{weights}: tensor model.layers.1.self_attn.k_proj.weight has dtype "
+                                              f"{dtype}, expected one of"):
+        from_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "int8", "field 'dtype' must be one of"),
+    ("dtype", "float64", "field 'dtype' must be one of"),
+    ("dtype", "no_such_dtype", "field 'dtype' must be one of .* got 'no_such_dtype'"),
+    ("dtype", 3, "field 'dtype' must be one of .* got 3"),
+    ("torch_dtype", "Tensor", "field 'torch_dtype' must be one of"),
+])
+def test_unsupported_config_dtype_is_named(tmp_path, field, value, message):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    data = json.loads(config.read_text())
+    data.pop("dtype", None)
+    data.pop("torch_dtype", None)
+    config.write_text(json.dumps({**data, field: value}))
+    with pytest.raises(CheckpointError, match=message) as e:
+        from_pretrained(tmp_path, device="cpu")
+    assert str(e.value).startswith(str(config))
+    if value in ("int8", "float64"):   # an explicit, supported dtype overrides the config's
+        assert from_pretrained(tmp_path, dtype=torch.float32, device="cpu").dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype must be one of torch.float32, torch.float16, torch.bfloat16"):
+        from_pretrained(tmp_path, dtype=torch.int8, device="cpu")
+
+
+def test_config_that_is_not_json_is_named(tmp_path):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'config.json'}: not valid JSON"):
+        from_pretrained(tmp_path, device="cpu")
+
+
+def test_tensor_stored_twice_is_named(checkpoint):
+    first, second = sorted(checkpoint.glob("*.safetensors"))[:2]
+    extra = load_file(first)
+    name = next(iter(extra))
+    save_file({**load_file(second), name: extra[name]}, second)
+    with pytest.raises(CheckpointError, match=f"tensor {re.escape(name)} is stored twice"):
+        from_pretrained(checkpoint, device="cpu")
+
+
+def test_config_with_a_bad_size_is_named(tmp_path):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 0}))
+    with pytest.raises(CheckpointError, match=f"{config}: ModelConfig.num_layers must be a positive int, got 0"):
+        from_pretrained(tmp_path, device="cpu")

@@ -3,7 +3,8 @@ from treedec.engine.config import MODEL_SIZES, ModelConfig, RopeScaling
 from treedec.engine.cuda_graphs import CudaGraphConfig
 from treedec.engine.engine import Engine, greedy
 from treedec.engine.llama import Llama
-from treedec.engine.loading import from_config, from_hf_model, from_pretrained, to_hf_config, to_hf_state_dict
+from treedec.engine.loading import (CheckpointError, checkpoint_shards, from_config, from_hf_model, from_pretrained,
+                                    to_hf_config, to_hf_state_dict)
 
-__all__ = ["MODEL_SIZES", "CudaGraphConfig", "Engine", "Llama", "ModelConfig", "RopeScaling", "from_config",
+__all__ = ["MODEL_SIZES", "CheckpointError", "CudaGraphConfig", "Engine", "Llama", "ModelConfig", "RopeScaling", "checkpoint_shards", "from_config",
            "from_hf_model", "from_pretrained", "greedy", "to_hf_config", "to_hf_state_dict"]

@@ -16,10 +16,16 @@ HF name                                                 treedec parameter (rows)
 ``model.norm.weight``                                   ``norm.weight``
 ``lm_head.weight``                                      ``lm_head.weight`` (absent when tied)
 ======================================================  =========================================
+
+A checkpoint directory is input like any other: the shard paths of
+``model.safetensors.index.json`` must name files inside the directory (see
+:func:`checkpoint_shards`), and a malformed index, config, shard or tensor raises
+:class:`CheckpointError` naming the file (and the tensor) before the model is used.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -44,6 +50,17 @@ _FUSED = {  # HF projection -> (treedec parameter, which part)
 }
 # Tensors some checkpoints carry that the decoder recomputes or does not use.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+#: Weight dtypes a checkpoint may hold and a model may be built in.
+SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A malformed checkpoint directory: config, index, shard path, shard file, tensor dtype or shape.
+
+    The message names the file (and the tensor).
+    """
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
@@ -57,8 +74,20 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     ----------
     path : a local directory. A hub name with no local directory raises FileNotFoundError
         (treedec never downloads: fetch it first, e.g. ``huggingface-cli download <name>``).
-    dtype : default the checkpoint config's ``dtype`` / ``torch_dtype``, else bfloat16.
+    dtype : float32, float16 or bfloat16; default the checkpoint config's ``dtype`` /
+        ``torch_dtype``, else bfloat16.
     device : default CUDA when available, else CPU.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such directory, no ``config.json``, no weights, or a shard the index lists is missing.
+    CheckpointError
+        (a ValueError) A malformed ``config.json`` or index, a shard path outside the
+        directory, a truncated or corrupt shard, a tensor of another dtype than
+        :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor.
+    NotImplementedError
+        An architecture or feature the decoder does not implement.
     """
     from transformers import AutoConfig
 
@@ -70,13 +99,61 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
             f"--local-dir <dir>`) and pass that directory")
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
-    hf_config = AutoConfig.from_pretrained(root, local_files_only=True)
-    config = ModelConfig.from_hf(hf_config)
+    if dtype is not None and dtype not in SUPPORTED_DTYPES.values():
+        raise ValueError(f"dtype must be one of torch.{', torch.'.join(SUPPORTED_DTYPES)} or None, got {dtype!r}")
+    raw_config = _read_json_object(root / "config.json")
     if dtype is None:
-        dtype = _config_dtype(hf_config)
+        dtype = _config_dtype(raw_config, root / "config.json")
+    shards = checkpoint_shards(root)  # before the model is built: a bad index costs no allocation
+    try:
+        hf_config = AutoConfig.from_pretrained(root, local_files_only=True)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{root / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
+                              f"{str(e)[:200]})") from None
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
+        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
     model = _empty_model(config, dtype, _default_device(device))
-    _load_hf_tensors(model, _read_safetensors(root, model.device))
+    _load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
+                     source=str(root))
     return model
+
+
+def checkpoint_shards(root: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in the order they are read.
+
+    With ``model.safetensors.index.json``: the distinct files of its ``weight_map`` (a
+    JSON object of tensor name -> file name). Each file name must be relative, must not
+    leave the directory (no absolute path, no ``..`` past it, no directory symlinked to
+    elsewhere) and must name a regular file. A file that is itself a symlink must resolve
+    inside the directory, or, for a Hugging Face cache snapshot
+    (``.../snapshots/<revision>/``), into that cache's ``blobs/`` folder. Without an index:
+    ``model.safetensors``.
+
+    Raises CheckpointError for a malformed index or a path that breaks these rules (nothing
+    outside the directory is opened), FileNotFoundError for a missing file.
+    """
+    root = Path(root)
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: field 'weight_map' must be a non-empty object of tensor name -> "
+                                  f"shard file, got {type(weight_map).__name__} {weight_map!r:.80}")
+        names = {}
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: field 'weight_map[{tensor!r:.80}]' must be a non-empty shard file "
+                                      f"name, got {type(shard).__name__} {shard!r:.80}")
+            names.setdefault(os.path.normpath(shard), shard)
+        return [_shard_path(root, normal, f"{index}: field 'weight_map' shard {shard!r:.120}")
+                for normal, shard in sorted(names.items())]
+    if (root / SINGLE_FILE).is_file():
+        return [_shard_path(root, SINGLE_FILE, str(root / SINGLE_FILE))]
+    found = sorted(p.name for p in root.iterdir())[:20]
+    raise FileNotFoundError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE} "
+                            f"(only safetensors checkpoints are read); it holds {found}")
 
 
 def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Llama:
@@ -91,7 +168,8 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
     if not any(name.startswith("model.") for name in state):
         raise ValueError(f"expected a *ForCausalLM model (parameters named 'model.*' and 'lm_head.weight'), "
                          f"got {type(hf_model).__name__} with names like {next(iter(state), None)!r}")
-    _load_hf_tensors(model, state.items())
+    _load_hf_tensors(model, ((name, tensor, type(hf_model).__name__) for name, tensor in state.items()),
+                     source=type(hf_model).__name__)
     return model
 
 
@@ -172,11 +250,55 @@ def _default_device(device) -> torch.device:
     return torch.device(device)
 
 
-def _config_dtype(hf_config) -> torch.dtype:
-    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else torch.bfloat16
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long int literal, deep nesting
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _config_dtype(raw_config: dict, path: Path) -> torch.dtype:
+    """The dtype a config.json asks for (``dtype``, or transformers 4's ``torch_dtype``); bfloat16 if none."""
+    name = "dtype" if raw_config.get("dtype") is not None else "torch_dtype"
+    value = raw_config.get(name)
+    if value is None:
+        return torch.bfloat16
+    if not isinstance(value, str) or value not in SUPPORTED_DTYPES:
+        raise CheckpointError(f"{path}: field '{name}' must be one of {list(SUPPORTED_DTYPES)}, got {value!r:.60} "
+                              f"(pass dtype= to load the weights in a supported dtype)")
+    return SUPPORTED_DTYPES[value]
+
+
+def _shard_path(root: Path, name: str, where: str) -> Path:
+    """``root / name`` after checking it stays inside ``root`` (see :func:`checkpoint_shards`)."""
+    if "\0" in name:
+        raise CheckpointError(f"{where}: a file name cannot contain a NUL byte")
+    if os.path.isabs(name):
+        raise CheckpointError(f"{where}: is an absolute path; shard files must be relative to {root}")
+    if name == os.curdir or name.split(os.sep)[0] == os.pardir:  # name is normalized: ".." leads or is gone
+        raise CheckpointError(f"{where}: resolves outside the checkpoint directory {root}")
+    path = root / name
+    try:
+        base = root.resolve(strict=True)
+        parent = path.parent.resolve()
+        if not parent.is_relative_to(base):
+            raise CheckpointError(f"{where}: its folder resolves to {parent}, outside the checkpoint directory "
+                                  f"{base} (a symlinked directory)")
+        exists, regular = path.exists(), path.is_file()
+        target = path.resolve(strict=True) if regular else None
+    except (OSError, RuntimeError) as e:  # a name too long, a symlink loop, ...
+        raise CheckpointError(f"{where}: cannot resolve {path} ({type(e).__name__}: {str(e)[:200]})") from None
+    if not exists:
+        raise FileNotFoundError(f"{path} is listed in {INDEX_FILE} but missing")
+    if not regular:
+        raise CheckpointError(f"{where}: {path} is not a regular file")
+    blobs = base.parent.parent / "blobs" if base.parent.name == "snapshots" else None
+    if not (target.is_relative_to(base) or (blobs is not None and target.is_relative_to(blobs))):
+        raise CheckpointError(f"{where}: {path} is a symlink to {target}, outside the checkpoint directory {base}")
+    return path
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Llama:
@@ -190,26 +312,24 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device |
     return model.eval()
 
 
-def _read_safetensors(root: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the checkpoint, one shard open at a time."""
-    from safetensors import safe_open
+def _read_safetensors(shards: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) of every tensor of the checked shard files, one shard open at a time."""
+    import safetensors
 
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
-    elif (root / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in root.iterdir())[:20]
-        raise FileNotFoundError(f"{root} has neither model.safetensors nor model.safetensors.index.json "
-                                f"(only safetensors checkpoints are read); it holds {found}")
     for shard in shards:
-        if not (root / shard).is_file():
-            raise FileNotFoundError(f"{root / shard} is listed in model.safetensors.index.json but missing")
-        with safe_open(str(root / shard), framework="pt", device=_safetensors_device(device)) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safetensors.safe_open(str(shard), framework="pt", device=_safetensors_device(device)) as f:
+                names = list(f.keys())
+                for name in names:
+                    try:
+                        tensor = f.get_tensor(name)
+                    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
+                        raise CheckpointError(f"{shard}: tensor {name} cannot be read ({type(e).__name__}: "
+                                              f"{str(e)[:200]})") from None
+                    yield name, tensor, str(shard)
+        except (safetensors.SafetensorError, OSError) as e:  # a truncated or corrupt file
+            raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
 
 
 def _safetensors_device(device: torch.device) -> str:
@@ -242,28 +362,38 @@ def _hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
     return out
 
 
-def _load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into ``model``; every needed tensor exactly once, no unknown names."""
+def _load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
+                     dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
+
+    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts).
+    """
     targets = _hf_targets(model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     unexpected = []
     with torch.no_grad():
-        for name, tensor in tensors:
+        for name, tensor, file in tensors:
             if name not in targets:
                 if not _IGNORED.fullmatch(name) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                     unexpected.append(name)
                 continue
+            if name in seen:
+                raise CheckpointError(f"{file}: tensor {name} is stored twice (also in {seen[name]})")
+            if dtypes is not None and tensor.dtype not in dtypes:
+                raise CheckpointError(f"{file}: tensor {name} has dtype {tensor.dtype}, expected one of "
+                                      f"{[str(d) for d in dtypes]}")
             param_name, rows = targets[name]
             dst = params[param_name][rows]
             if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(dst.shape)} for the config {model.config}")
+                raise CheckpointError(f"{file}: checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
+                                      f"{tuple(dst.shape)} for the config {model.config}")
             dst.copy_(tensor)
-            seen.add(name)
+            seen[name] = file
     if unexpected:
-        raise ValueError(f"the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, e.g. "
-                         f"{unexpected[:5]} (a different architecture?)")
-    missing = sorted(set(targets) - seen)
+        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                              f"e.g. {unexpected[:5]} (a different architecture?)")
+    missing = sorted(set(targets) - set(seen))
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:5]}")
+        raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
+                              f"{missing[:5]}")
