@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# GPU tests and the attention benchmark on a GPU machine, in one command.
+# GPU tests, the attention benchmark and the program benchmark on a GPU machine, in one command.
 #
 #   bash bench/gpu_check.sh [bench/attention.py arguments, e.g. --workloads tot_d5w10,fewshot_b30_p4k]
 #
 # Run from the repository root. Writes into $OUT (default /tmp/treedec-gpu-check): env.log,
-# pytest-gpu.log, attention.log, the results JSON and attention-table.md (the README table
-# rendered from that JSON). Wheels in .whl/ (flashinfer-python, apache-tvm-ffi; see
-# bench/README.md) are installed into /tmp/site first when present. The short table is last.
-# GPU_CHECK_TESTS=0 skips the GPU tests (`pytest -m "gpu or triton"`, compiled on the GPU),
-# e.g. for a second call that only benchmarks.
+# pytest-gpu.log, attention.log, programs.log, the results JSON and attention-table.md (the
+# README table rendered from that JSON). Wheels in .whl/ (flashinfer-python, apache-tvm-ffi,
+# nvidia-cutlass; see bench/README.md) are installed into /tmp/site first when present. The
+# short tables are last. GPU_CHECK_TESTS=0 skips the GPU tests (`pytest -m "gpu or triton"`,
+# compiled on the GPU), GPU_CHECK_ATTENTION=0 the attention suite, GPU_CHECK_PROGRAMS=0 the
+# programs (`bench/programs.py --hf`; GPU_CHECK_PROGRAMS_ARGS adds arguments), e.g. to split
+# the work over calls of a 10-minute limit.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/treedec-gpu-check}
@@ -44,13 +46,28 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
   if [ "$test_rc" -eq 5 ]; then test_rc=0; fi   # 5: no GPU tests collected
 fi
 
-python3 bench/attention.py --out "$OUT" --readme "$OUT/attention-table.md" "$@" 2>&1 | tee "$OUT/attention.log"
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if [ "${GPU_CHECK_ATTENTION:-1}" != 0 ]; then
+  python3 bench/attention.py --out "$OUT" --readme "$OUT/attention-table.md" "$@" 2>&1 | tee "$OUT/attention.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
+programs_rc=0
+if [ "${GPU_CHECK_PROGRAMS:-1}" != 0 ]; then
+  # shellcheck disable=SC2086  # extra arguments are split on purpose
+  python3 bench/programs.py --hf --out "$OUT" ${GPU_CHECK_PROGRAMS_ARGS:-} 2>&1 | tee "$OUT/programs.log"
+  programs_rc=${PIPESTATUS[0]}
+fi
 
 echo
-echo "GPU tests exit code: $test_rc; bench/attention.py exit code: $bench_rc"
+echo "GPU tests exit code: $test_rc; bench/attention.py: $bench_rc; bench/programs.py: $programs_rc"
 if compgen -G "$OUT/*.json" >/dev/null; then
   echo "results: $(cd "$OUT" && ls *.json) (copy into bench/results/, then: python bench/attention.py --render bench/results/<those files>)"
-  python3 bench/attention.py --render "$OUT"/*.json --readme "$OUT/attention-table.md"
 fi
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+mapfile -t attention_json < <(ls "$OUT"/*.json 2>/dev/null | grep -v -- '-programs' || true)
+if [ "${#attention_json[@]}" -gt 0 ]; then
+  python3 bench/attention.py --render "${attention_json[@]}" --readme "$OUT/attention-table.md"
+fi
+if [ -f "$OUT/programs.log" ]; then
+  sed -n '/^| program/,$p' "$OUT/programs.log"
+fi
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$programs_rc" -eq 0 ]

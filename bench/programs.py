@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""Programs end to end (BENCH.md section 3): wall time per step of the programs users call.
+
+Each program runs through its public function on a fresh :class:`~treedec.engine.Engine`
+(Llama-3-8B shape, random bf16 weights by default), after a prompt of each ``--prompts`` length:
+
+- ``greedy``: ``speculative.greedy_generate``, one token per step;
+- ``tree_verify``: ``speculative_generate`` with a ``TreeDraft`` of the fixed Medusa-64 tree
+  (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens;
+- ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
+  random Medusa heads (one per tree level), the heads' drafting included in the step;
+- ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1.
+
+A step is everything between the ends of two consecutive engine steps of the program: its
+host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
+engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` after a
+``torch.cuda.synchronize()`` (the programs read each step's logits on the host right away,
+so the synchronisation costs nothing extra). The first ``--warmup`` steps (CUDA-graph
+captures) are dropped; the median of the next ``--steps`` is reported. Only
+``speculative_generate`` has a per-step hook (``on_step``); ``greedy_generate`` and
+``parallel_sample`` have none, hence the wrapper.
+
+Step floor = (weight bytes + KV bytes the step reads) / device copy bandwidth
+(``bench/timing.copy_bandwidth``, read + write): the model's ``weight_bytes()`` (plus the
+Medusa heads' for ``medusa_heads``) and, per step, every token of the tree it attends to
+(prompt, tokens so far, the step's own tokens) at 2 * layers * kv_heads * head_dim * dtype
+bytes, averaged over the timed steps. ``eager steps``: steps of the program (the prefill's
+long chunks excluded) that the CUDA-graph methods ran eagerly, with their reasons in the JSON;
+within the graph limits there must be none.
+
+Methods: ``eager``, ``graphs`` (``Engine(cuda_graphs=True)``), and both again after
+``model.compile_pointwise()`` (``*_compiled``; they run last: the fusion is for good).
+``--hf`` adds ``hf_sdpa``: transformers (sdpa, 4D tree mask, on views of the same weights,
+``bench/step.py``'s helpers) running the same *step* as ``greedy`` (a one-token decode) and
+``tree_verify`` (a Medusa-64 verify), repeated over a cropped cache rather than as a program;
+it has no counterpart for ``medusa_heads`` or ``parallel_sample``. A run that fails is recorded
+under ``errors`` and the others still run.
+
+    python bench/programs.py                      # GPU: llama3-8b bf16, prompts 4000,32000, eager/graphs/compiled
+    python bench/programs.py --hf --prompts 4000 --programs greedy,tree_verify
+    python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
+
+``--smoke`` runs on the CPU; its ``graphs`` method runs the padded static buffers without
+capture (``CudaGraphConfig(capture=False)``, Triton kernels under ``TRITON_INTERPRET=1``),
+for ``greedy`` only: the interpreter takes ~10 s for the 200-token prefill alone.
+Results go to ``<out>/<date>-<device>-programs[-smoke][-<tag>].json`` (written after every
+run); the table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.timing import copy_bandwidth  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
+from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
+from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
+from treedec.search.speculative import TreeDraft, greedy_generate, speculative_generate  # noqa: E402
+from treedec.tree.token_tree import TokenTree  # noqa: E402
+from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample"]
+# In this order: the *_compiled methods fuse the model's pointwise ops for good.
+METHODS = ["hf_sdpa", "eager", "graphs", "eager_compiled", "graphs_compiled"]
+HF_STEPS = {"greedy": "decode", "tree_verify": "verify"}   # bench/step.py's step that matches each program
+SMOKE_GRAPH_PROGRAMS = ["greedy"]
+
+
+@dataclass
+class Workload:
+    """What every run of one process shares: the model, the tree, the heads, the draft tokens."""
+
+    model: Llama
+    medusa: MedusaTree
+    heads: MedusaHeads
+    draft_tokens: list[int]
+    samples: int
+    seed: int
+
+
+@dataclass
+class ProgramRun:
+    """What a program reports back: its engine steps after the prefill, the KV tokens each read."""
+
+    steps: int
+    kv_tokens: list[int]
+    extra: dict
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.smoke:
+        args.model, args.dtype = "tiny", "fp32"
+        args.prompts = args.prompts or [200]
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+        if not torch.cuda.is_available():   # where there is a GPU the kernels are compiled for it instead
+            # The kernels read it when they are first imported (lazily, by the first triton engine).
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    args.prompts = args.prompts or [4000, 32000]
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    methods = args.methods or (["eager", "graphs", "graphs_compiled"] if device.type == "cuda" else ["eager"])
+    if args.smoke and not args.methods:
+        methods = ["eager", "graphs"]
+    if args.hf and "hf_sdpa" not in methods:
+        methods = ["hf_sdpa"] + methods
+    for name, given, known in (("method", methods, METHODS), ("program", args.programs, PROGRAMS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise SystemExit(f"unknown {name}(s) {unknown}; choose from {','.join(known)}")
+    if device.type != "cuda" and not args.smoke and any(m.startswith("graphs") for m in methods):
+        raise SystemExit("the graphs methods need a CUDA device (or --smoke, which runs them uncaptured on the CPU)")
+
+    config = ModelConfig.from_name(args.model)
+    rng = np.random.default_rng(args.seed)
+    prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
+    medusa = medusa_tree(args.tree)
+    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
+    work = Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), args.seed),
+                    rng.integers(0, config.vocab_size, medusa.size - 1).tolist(), args.samples, args.seed)
+    bandwidth = copy_bandwidth(device)
+    heads_bytes = sum(p.numel() * p.element_size() for p in work.heads.parameters())
+    results = {
+        "device": device_name(device), "date": datetime.date.today().isoformat(),
+        "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
+        "dtype": args.dtype, "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
+        "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
+        "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
+        "tree_tokens": medusa.size,
+        "medusa_heads": work.heads.num_heads, "samples": args.samples, "steps": args.steps, "warmup": args.warmup,
+        "page_size": args.page_size, "runs": [],
+    }
+    print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
+          f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = results_path(out_dir, results["device"], "programs", smoke=args.smoke, tag=args.tag)
+
+    def record(run: dict) -> None:
+        results["runs"].append(run)
+        path.write_text(json.dumps(results, indent=1) + "\n")  # after every run: a cut-off run keeps its part
+        print(f"{run['program']} p{run['prompt']} {run['method']}: {run['ms']:.2f} ms/step, "
+              f"{run['x_floor']:.2f}x floor, eager steps {run.get('eager_steps')}", file=sys.stderr)
+
+    def fail(key: str, e: Exception) -> None:
+        traceback.print_exc()
+        results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:2000]
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+    if "hf_sdpa" in methods:
+        try:
+            for run in _bench_hf(work, prompt_ids, args, bandwidth, results["kv_bytes_per_token"]):
+                record(run)
+        except Exception as e:  # recorded, and the other methods still run
+            fail("hf_sdpa", e)
+        _free(device)
+    compiled = False
+    for method in [m for m in METHODS if m in methods and m != "hf_sdpa"]:
+        if method.endswith("_compiled") and not compiled:
+            model.compile_pointwise()
+            compiled = True
+        programs = args.programs
+        if args.smoke and method.startswith("graphs"):
+            programs = [p for p in programs if p in SMOKE_GRAPH_PROGRAMS]
+        for program in programs:
+            for p in args.prompts:
+                try:
+                    record(_bench_program(program, method, work, prompt_ids[p], args, bandwidth,
+                                          results["kv_bytes_per_token"], heads_bytes))
+                except Exception as e:
+                    fail(f"{method}/{program}/{p}", e)
+                _free(device)
+    print(f"wrote {path}", file=sys.stderr)
+    print(render_table(results))
+    return 0
+
+
+# ===================================================================== programs
+
+
+def _greedy(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
+    greedy_generate(engine, prompt, max_new_tokens=steps + 1)
+    return ProgramRun(steps, [len(prompt) + i + 1 for i in range(steps)], {})
+
+
+def _tree_verify(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
+    draft = TreeDraft(TokenTree(tuple(work.medusa.parents.tolist())), work.draft_tokens)
+    return _speculative(engine, prompt, steps, draft)
+
+
+def _medusa_heads(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
+    return _speculative(engine, prompt, steps, MedusaDraft(work.heads, work.medusa.paths))
+
+
+def _parallel_sample(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
+    generator = torch.Generator(engine.device).manual_seed(work.seed)
+    result = parallel_sample(engine, prompt, work.samples, max_new_tokens=steps + 1,
+                             params=SamplingParams(temperature=1.0), generator=generator)
+    n = result.stats.steps
+    return ProgramRun(n, [len(prompt) + work.samples * (i + 1) for i in range(n)], {})
+
+
+def _speculative(engine: Engine, prompt: list[int], steps: int, draft) -> ProgramRun:
+    """``steps`` verification steps when nothing is accepted (random weights: nearly so); fewer otherwise."""
+    _, stats = speculative_generate(engine, prompt, draft, max_new_tokens=steps + 1)
+    # Before step i the sequence holds the prompt and (accepted + bonus) of every earlier step;
+    # step i adds its root and draft tokens.
+    before = np.cumsum([0] + [a + 1 for a in stats.accepted[:-1]])
+    kv = [len(prompt) + int(b) + d + 1 for b, d in zip(before, stats.draft_sizes)]
+    return ProgramRun(stats.steps, kv, {"accepted": stats.accepted,
+                                        "draft_ms": [1e3 * s for s in stats.draft_seconds],
+                                        "verify_ms": [1e3 * s for s in stats.verify_seconds]})
+
+
+PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_heads": _medusa_heads,
+                     "parallel_sample": _parallel_sample}
+
+
+# ===================================================================== timing
+
+
+class StepClock:
+    """Stamps the end of every step of ``engine`` (after a device synchronisation) and its graph counters.
+
+    Wraps ``engine.step`` on the instance for the ``with`` block: the programs and
+    ``Engine.prefill`` call it through the attribute.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.ends: list[float] = []
+        self.graph_stats: list[Counter] = []
+        self.start = 0.0
+
+    def __enter__(self) -> "StepClock":
+        step, engine = self.engine.step, self.engine
+
+        def timed_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            _sync(engine.device)
+            self.ends.append(time.perf_counter())
+            self.graph_stats.append(Counter(engine.graph_stats))
+            return out
+
+        self.engine.step = timed_step
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step
+
+
+def _bench_program(program: str, method: str, work: Workload, prompt: list[int], args, bandwidth: float,
+                   kv_bytes_per_token: int, heads_bytes: int) -> dict:
+    """One program on a fresh engine: the median step after warm-up, its floor, the steps run eagerly."""
+    model, device = work.model, work.model.device
+    if method.startswith("graphs"):
+        graphs = CudaGraphConfig(capture=device.type == "cuda")
+        backend = "triton" if device.type != "cuda" else args.backend
+    else:
+        graphs, backend = False, args.backend
+    kv_tokens = None if device.type == "cuda" else 2 * len(prompt) + 4096
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=backend, cuda_graphs=graphs)
+    prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
+    with StepClock(engine) as clock:
+        run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
+    assert len(clock.ends) == prefill_steps + run.steps, f"{len(clock.ends)=}, {prefill_steps=}, {run.steps=}"
+    intervals = 1e3 * np.diff(clock.ends[prefill_steps - 1:])           # [run.steps] ms
+    timed = slice(min(args.warmup, run.steps - 1), run.steps)
+    ms = intervals[timed]
+    kv = float(np.mean(run.kv_tokens[timed]))
+    weight_bytes = model.weight_bytes() + (heads_bytes if program == "medusa_heads" else 0)
+    floor_ms = 1e3 * (weight_bytes + kv * kv_bytes_per_token) / bandwidth
+    out = {"program": program, "prompt": len(prompt), "method": method, "ms": float(np.median(ms)),
+           "mean_ms": float(ms.mean()), "min_ms": float(ms.min()), "steps": len(ms),
+           "warmup": timed.start, "step_ms": [round(float(x), 3) for x in intervals],
+           "prefill_s": clock.ends[prefill_steps - 1] - clock.start, "kv_tokens": kv, "weight_bytes": weight_bytes,
+           "floor_ms": floor_ms, "x_floor": float(np.median(ms)) / floor_ms,
+           "attention_backend": engine.attn.backend, "kv_pool_tokens": engine.kv_capacity_tokens}
+    if graphs is not False:
+        program_stats = clock.graph_stats[-1] - clock.graph_stats[prefill_steps - 1]   # the prefill's excluded
+        out["graph_stats"] = dict(program_stats)
+        out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
+    if "accepted" in run.extra:
+        accepted = run.extra["accepted"][timed]
+        out["accepted_per_step"] = float(statistics.mean(accepted))
+        out["tokens_per_step"] = out["accepted_per_step"] + 1
+        out["draft_ms"] = statistics.median(run.extra["draft_ms"][timed])
+        out["verify_ms"] = statistics.median(run.extra["verify_ms"][timed])
+    return out
+
+
+def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes_per_token: int) -> list[dict]:
+    """transformers sdpa: bench/step.py's decode and Medusa verify steps, repeated over a cropped cache."""
+    from bench.step import _bench_hf as bench_hf_steps, _hf_model
+
+    model = work.model
+    hf = _hf_model(model, model.device)
+    rng = np.random.default_rng(args.seed + 1)
+    tree_ids = [int(rng.integers(0, model.config.vocab_size))] + work.draft_tokens
+    runs = []
+    for p in args.prompts:
+        steps, _ = bench_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
+                                  model.device)
+        for program, step in HF_STEPS.items():
+            if program not in args.programs:
+                continue
+            kv = p + (1 if step == "decode" else work.medusa.size)
+            floor_ms = 1e3 * (model.weight_bytes() + kv * kv_bytes_per_token) / bandwidth
+            ms = steps[step]["wall_ms"]
+            runs.append({"program": program, "prompt": p, "method": "hf_sdpa", "ms": ms,
+                         "device_ms": steps[step]["ms"], "steps": args.steps, "prefill_s": steps["prefill_s"],
+                         "kv_tokens": kv, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
+                         "note": f"bench/step.py's {step} step, repeated over a cropped DynamicCache"})
+    return runs
+
+
+# ===================================================================== report
+
+
+def render_table(results: dict) -> str:
+    """Markdown table: per program, prompt and method, the median step time and its floor."""
+    lines = [
+        f"{results['date']}, {results['device']}, {results['model']} {results['dtype']}"
+        f"{' (SMOKE)' if results['smoke'] else ''}: weights {results['weight_bytes'] / 1e9:.2f} GB, copy bandwidth "
+        f"{results['copy_bandwidth_TBps']:.2f} TB/s; medians of {results['steps']} steps after {results['warmup']} "
+        f"warm-up steps, host work included.",
+        "",
+        "| program | prompt | method | ms/step | floor ms | x floor | eager steps | tokens/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {name: i for i, name in enumerate(PROGRAMS)} | {name: 10 + i for i, name in enumerate(METHODS)}
+    for r in sorted(results["runs"], key=lambda r: (order[r["program"]], r["prompt"], order[r["method"]])):
+        eager = r.get("eager_steps", "-")
+        tokens = r.get("tokens_per_step")
+        lines.append(f"| {r['program']} | {r['prompt']} | {r['method']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | "
+                     f"{r['x_floor']:.2f} | {eager} | {'' if tokens is None else f'{tokens:.2f}'} |")
+    for name, error in results.get("errors", {}).items():
+        lines.append(f"\n{name} failed: {error.splitlines()[0] if error else ''}")
+    return "\n".join(lines)
+
+
+# ===================================================================== helpers
+
+
+def _random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
+    """Medusa heads with PyTorch's default random init (one ResBlock each), in the model's dtype and device."""
+    c = model.config
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if model.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, dtype=model.dtype, device=model.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _parse_args(argv):
+    def ints(s):
+        return [int(x) for x in s.split(",")]
+
+    def names(s):
+        return s.split(",")
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.engine.MODEL_SIZES")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
+    parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")
+    parser.add_argument("--methods", type=names, default=None,
+                        help=f"subset of {','.join(METHODS)} (default eager,graphs,graphs_compiled on a GPU; "
+                             f"smoke eager,graphs)")
+    parser.add_argument("--hf", action="store_true", help="add hf_sdpa (transformers) for greedy and tree_verify")
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per run (smoke: at most 3)")
+    parser.add_argument("--warmup", type=int, default=4, help="steps dropped first (smoke: at most 1)")
+    parser.add_argument("--samples", type=int, default=16, help="parallel_sample's n")
+    parser.add_argument("--tree", type=int, default=64, help="Medusa tree size (workloads/deft/speculative)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--backend", default="auto", help="the engine's attention backend on a GPU (auto, triton, cuda)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
+    parser.add_argument("--tag", default=None, help="appended to the results file name")
+    parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU, for CI")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

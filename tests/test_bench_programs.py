@@ -1,0 +1,48 @@
+"""A CPU smoke run of bench/programs.py, in-process: every program and method is timed and the table printed last."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from bench.programs import PROGRAMS, main
+
+SMOKE_METHODS = {"eager": PROGRAMS, "hf_sdpa": ["greedy", "tree_verify"]}
+
+
+def test_programs_bench_smoke_run(tmp_path, capsys):
+    # Uncaptured graph steps run the Triton kernels in the CPU interpreter (conftest sets it
+    # where there is no GPU); elsewhere the graphs method may fail and is then not required.
+    graphs = importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+    assert main(["--smoke", "--hf", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    [path] = tmp_path.glob("*-programs-smoke.json")
+    results = json.loads(path.read_text())
+    assert results["smoke"] and results["model"] == "tiny" and results["tree_tokens"] == 64
+    assert results["copy_bandwidth_TBps"] > 0 and results["medusa_heads"] == 4
+    expected = {(m, p) for m, programs in SMOKE_METHODS.items() for p in programs}
+    if graphs:
+        expected.add(("graphs", "greedy"))
+        assert not results.get("errors"), results.get("errors")
+    runs = {(r["method"], r["program"]): r for r in results["runs"]}
+    assert expected <= set(runs), expected - set(runs)
+    for key, r in runs.items():
+        assert r["prompt"] == 200 and r["ms"] > 0 and r["floor_ms"] > 0 and r["x_floor"] > 0, key
+        assert r["kv_tokens"] > 200, key
+        assert f"| {r['program']} | 200 | {r['method']} | {r['ms']:.2f} |" in out, key
+    for program in PROGRAMS:
+        r = runs["eager", program]
+        assert r["steps"] == 3 and len(r["step_ms"]) == 4 and r["prefill_s"] > 0, program
+    for program in ("tree_verify", "medusa_heads"):
+        r = runs["eager", program]
+        assert r["kv_tokens"] >= 200 + 64 and r["tokens_per_step"] >= 1 and r["verify_ms"] > 0, program
+    assert runs["eager", "medusa_heads"]["weight_bytes"] > runs["eager", "greedy"]["weight_bytes"]
+    if graphs:
+        r = runs["graphs", "greedy"]
+        assert r["eager_steps"] == 0 and r["graph_stats"]["static_eager"] == 4, r["graph_stats"]
+    assert out.rstrip().splitlines()[-1].startswith("| parallel_sample | 200 | eager |")   # the table comes last
+
+
+def test_unknown_program_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="unknown program"):
+        main(["--smoke", "--programs", "greedy,beam", "--out", str(tmp_path)])
