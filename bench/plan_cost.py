@@ -1,12 +1,16 @@
-"""How long does planning a step take on the CPU?
+"""How long does planning a step take on the host?
 
-Two cases from DESIGN.md's budget: the 64-token Medusa tree over a 4000-token prompt
-(<= 200 us) and a 1,000-node forest (<= 2 ms). Times the three parts of
-``TreeAttention.plan``: the tree snapshot (``SequenceTree.layout``), the planner
-(``make_plan``) and the index copy (``TreePlan.to``), each the median of many runs after
-warm-up, and writes ``bench/results/<date>-plan-cost-<host>.json``.
+Cases from DESIGN.md's and the issues' budgets: the 64-token Medusa tree over a 4000-token
+prompt (<= 0.3 ms with the launch prepared and copied), a forest of 8 requests each with
+its own 4000-token prompt and 64-token Medusa tree (<= 1 ms), and a 1,000-node forest
+(<= 2 ms). Times the parts of ``TreeAttention.plan``: the tree snapshot
+(``SequenceTree.layout``), the planner (``make_plan``) and the index copy (``TreePlan.to``),
+each the median of many runs after warm-up. With ``--device cuda`` it also times the whole
+``TreeAttention.plan`` per kernel backend (plan, copy, prepare: the cuda backend's schedule
+included) and the write of a plan into a static plan (what a graphed step pays), and writes
+``bench/results/<date>-plan-cost-<device>.json``.
 
-    python bench/plan_cost.py [--repeats 300] [--planner flatten]
+    python bench/plan_cost.py [--repeats 300] [--planner flatten] [--device cuda]
 """
 from __future__ import annotations
 
@@ -32,6 +36,17 @@ def medusa64_over_4k(page_size: int = 16) -> SequenceTree:
     tree.commit_step()
     parents = medusa_tree(64).parents  # token 0 (the root token) has parent -1: it hangs under the prompt
     tree.add_token_tree(root, np.zeros(len(parents), dtype=np.int64), parents)
+    return tree
+
+
+def forest_8x_medusa64(page_size: int = 16) -> SequenceTree:
+    """8 requests, each a 4000-token prompt with the 64-token Medusa tree pending under it."""
+    tree = SequenceTree(PagedKVPool(4096, page_size, allocate_storage=False))
+    parents = medusa_tree(64).parents
+    roots = [tree.add_prompt(np.zeros(4000, dtype=np.int64)) for _ in range(8)]
+    tree.commit_step()
+    for root in roots:
+        tree.add_token_tree(root, np.zeros(len(parents), dtype=np.int64), parents)
     return tree
 
 
@@ -62,7 +77,7 @@ def time_us(fn, repeats: int) -> dict:
     return {"median_us": round(float(np.median(samples)), 1), "min_us": round(float(samples.min()), 1)}
 
 
-def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int) -> dict:
+def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, device: str) -> dict:
     layout = tree.layout()
     plan = make_plan(layout, config)
     row = {"case": name, "nodes": tree.num_nodes, **plan.summary()}
@@ -70,7 +85,30 @@ def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int) -> 
     row["make_plan"] = time_us(lambda: make_plan(layout, config), repeats)
     row["to_device_cpu"] = time_us(lambda: plan.to("cpu"), repeats)
     row["total"] = time_us(lambda: make_plan(tree.layout(), config).to("cpu"), repeats)
+    if device == "cuda":
+        row.update(measure_on_gpu(tree, repeats))
     return row
+
+
+def measure_on_gpu(tree: SequenceTree, repeats: int) -> dict:
+    """TreeAttention.plan per kernel backend (Llama-3-8B heads, bf16), eagerly and into a static plan."""
+    import torch
+
+    from treedec import TreeAttention
+    from treedec.attention import PlanBounds
+    from treedec.attention.backends import cuda_status
+
+    out = {}
+    for backend in ("triton", "cuda"):
+        if backend == "cuda" and cuda_status(torch.device("cuda")) is not None:
+            out[f"plan_{backend}"] = out[f"plan_into_static_{backend}"] = None
+            continue
+        attn = TreeAttention(32, 8, 128, backend=backend, device="cuda", dtype=torch.bfloat16)
+        out[f"plan_{backend}"] = time_us(lambda: attn.plan(tree), repeats)
+        static = attn.static_plan(PlanBounds.for_plan(make_plan(tree.layout(), attn.plan_config, 4)))
+        out[f"plan_into_static_{backend}"] = time_us(lambda: attn.plan(tree, into=static), repeats)
+        torch.cuda.synchronize()
+    return out
 
 
 def main() -> None:
@@ -79,23 +117,33 @@ def main() -> None:
     parser.add_argument("--planner", default="flatten", choices=PLANNERS)
     parser.add_argument("--chunk-size", type=int, default=None, help="default: the planner's automatic choice")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: also time TreeAttention.plan per kernel backend, eager and into a static plan")
     args = parser.parse_args()
     config = PlanConfig(args.planner, args.chunk_size, 16)
     rows = [
-        measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats),
-        measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats),
+        measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats, args.device),
+        measure("forest_8x_medusa64", forest_8x_medusa64(), config, args.repeats, args.device),
+        measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats, args.device),
     ]
-    budgets = {"medusa64_over_4k_prompt": 200.0, "forest_1000_nodes": 2000.0}
+    budgets = {"medusa64_over_4k_prompt": 300.0, "forest_8x_medusa64": 1000.0, "forest_1000_nodes": 2000.0}
     print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'layout':>9}{'plan':>9}{'copy':>8}{'total':>9}{'budget':>8}  (median us)")
     for r in rows:
         print(f"{r['case']:<26}{r['nodes']:>6}{r['queries']:>8}{r['tree_tokens']:>8}{r['layout']['median_us']:>9}"
               f"{r['make_plan']['median_us']:>9}{r['to_device_cpu']['median_us']:>8}{r['total']['median_us']:>9}"
               f"{budgets[r['case']]:>8.0f}")
+        for key in ("plan_triton", "plan_into_static_triton", "plan_cuda", "plan_into_static_cuda"):
+            if key in r:
+                print(f"    {key:<26}{'n/a' if r[key] is None else r[key]['median_us']:>9}")
     result = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "numpy": np.__version__, "planner": args.planner, "chunk_size": args.chunk_size,
               "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{result['date']}-plan-cost-cpu.json"
+    result["device"] = args.device
+    if args.device == "cuda":
+        import torch
+        result["gpu"], result["torch"] = torch.cuda.get_device_name(), torch.__version__
+    path = args.out / f"{result['date']}-plan-cost-{args.device}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
 
