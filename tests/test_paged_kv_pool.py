@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from treedec import PoolExhaustedError
 from treedec.tree import PagedKVPool
@@ -68,3 +69,226 @@ def test_gather_scatter_moves_kv_of_every_layer():
         lk, lv = pool.layer(layer)
         assert torch.equal(lk.reshape(-1, 2, 64)[2], lk.reshape(-1, 2, 64)[1])
         assert torch.equal(lv.reshape(-1, 2, 64)[3], lv.reshape(-1, 2, 64)[6])
+
+
+# ================================================================ bad page ids and slots
+
+def pool_state(pool):
+    """Everything a pool operation could change."""
+    kv = () if pool.k is None else (pool.k.clone(), pool.v.clone())
+    return pool.refcount.tolist(), list(pool._free), kv
+
+
+def assert_same_state(pool, before):
+    refcount, free, kv = pool_state(pool)
+    assert (refcount, free) == before[:2]
+    assert all(torch.equal(a, b) for a, b in zip(kv, before[2]))
+
+
+# (value, exception, message) for a pool of 8 pages of 4 slots whose pages 0-3 are in use
+BAD_PAGES = [
+    ([-1], ValueError, r"pages\[0\] = -1"),            # used to wrap to page 7 (numpy negative index)
+    (np.array([2, -8]), ValueError, r"pages\[1\] = -8"),
+    ([8], ValueError, r"pages must be in \[0, 7\], got pages\[0\] = 8"),
+    ([2**63], ValueError, "pages"),
+    ([2**64], ValueError, "pages"),
+    (np.array([2**64 - 1], dtype=np.uint64), ValueError, "pages"),
+    ([1.0], TypeError, r"pages\[0\] must be an integer, got float 1.0"),
+    (np.array([1.0]), TypeError, "pages must be integers, got a float64 array"),
+    (torch.tensor([1.5]), TypeError, "pages must be integers, got a torch.float32 tensor"),
+    ([True], TypeError, r"pages\[0\] must be an integer, got bool True"),
+    (np.array([True]), TypeError, "bool array"),
+    ("1", TypeError, "pages must be a sequence of integers, got str '1'"),
+    (b"\x01", TypeError, "got bytes"),
+    ([None], TypeError, "got NoneType"),
+    (None, TypeError, "got NoneType"),
+    (1, TypeError, "got int 1"),
+    ([[1]], TypeError, r"pages\[0\] must be an integer, got list \[1\]"),
+    (np.array([[1]]), ValueError, r"pages must be 1-D, got an array of shape \(1, 1\)"),
+    ({1: 1}, TypeError, "got dict"),
+    ([1, "2"], TypeError, r"pages\[1\] must be an integer, got str '2'"),
+    ([5], ValueError, r"pages must be in use, but pages \[5\] are free"),
+]
+
+
+def pool_in_use():
+    pool = PagedKVPool(8, 4, num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    pool.allocate(4)
+    pool.k.normal_()
+    pool.v.normal_()
+    return pool
+
+
+@pytest.mark.parametrize("op", ["incref", "decref"])
+@pytest.mark.parametrize("pages, error, match", BAD_PAGES)
+def test_bad_page_ids_raise_and_change_nothing(op, pages, error, match):
+    pool = pool_in_use()
+    before = pool_state(pool)
+    with pytest.raises(error, match=match):
+        getattr(pool, op)(pages)
+    assert_same_state(pool, before)
+    pool.check_invariants()
+
+
+def test_decref_more_often_than_held_changes_nothing():
+    pool = pool_in_use()
+    pool.incref([1])
+    before = pool_state(pool)
+    with pytest.raises(ValueError, match=r"pages \[0\] are listed \[2\] times but have only \[1\] holder"):
+        pool.decref([1, 0, 0])   # page 1 would be fine; page 0 would go to -1
+    assert_same_state(pool, before)
+    assert pool.decref([1, 1, 0]).tolist() == [0, 1]
+
+
+def test_negative_page_id_cannot_alias_a_live_page():
+    """decref([-1]) used to free page 7, the last live page: the next allocation got its K/V."""
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    live = pool.allocate(8)
+    with pytest.raises(ValueError, match="pages"):
+        pool.decref([-1])
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(1)
+    assert pool.refcount[live].tolist() == [1] * 8
+
+
+# (value, exception, message) for 32 slots
+BAD_SLOTS = [
+    ([-1], ValueError, r"slots\[0\] = -1"),            # used to overwrite slot 31, a live token's K/V
+    ([0, 32], ValueError, r"slots must be in \[0, 31\], got slots\[1\] = 32"),
+    (torch.tensor([3, -2]), ValueError, r"slots\[1\] = -2"),
+    ([2**64], ValueError, "slots"),
+    ([0.0], TypeError, r"slots\[0\] must be an integer, got float 0.0"),
+    (np.array([0.0]), TypeError, "float64 array"),
+    (torch.tensor([0.0]), TypeError, "torch.float32 tensor"),
+    ([False], TypeError, "bool"),
+    (torch.tensor([True]), TypeError, "torch.bool tensor"),
+    ("0", TypeError, "slots must be a sequence of integers, got str '0'"),
+    ([[0]], TypeError, r"slots\[0\] must be an integer"),
+    (torch.tensor([[0]]), ValueError, "slots must be 1-D"),
+    ([None], TypeError, "NoneType"),
+]
+
+
+@pytest.mark.parametrize("op", ["write", "gather", "scatter"])
+@pytest.mark.parametrize("slots, error, match", BAD_SLOTS)
+def test_bad_slots_raise_and_change_nothing(op, slots, error, match):
+    pool = pool_in_use()
+    before = pool_state(pool)
+    kv = torch.ones(1, 1, 8)
+    with pytest.raises(error, match=match):
+        if op == "write":
+            pool.write(0, slots, kv, kv)
+        elif op == "gather":
+            pool.gather(slots)
+        else:
+            pool.scatter(slots, (torch.ones(2, 1, 1, 8), torch.ones(2, 1, 1, 8)))
+    assert_same_state(pool, before)
+
+
+def test_scatter_checks_both_tensors_before_writing():
+    pool = pool_in_use()
+    before = pool_state(pool)
+    good, bad = torch.ones(2, 1, 1, 8), torch.ones(2, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"kv\[1\] must be a tensor of shape \(2, 1, 1, 8\), got \(2, 1, 2, 8\)"):
+        pool.scatter([0], (good, bad))   # k used to be written before v failed
+    assert_same_state(pool, before)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got list"):
+        pool.write(0, [0], [[0.0] * 8], torch.ones(1, 1, 8))
+    assert_same_state(pool, before)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p: p.layer(True), TypeError, "layer must be an int, got bool True"),
+    (lambda p: p.layer(0.0), TypeError, "layer must be an int, got float 0.0"),
+    (lambda p: p.layer(-1), IndexError, r"layer must be in \[0, 2\)"),
+    (lambda p: p.allocate(1.5), TypeError, "num_pages must be an integer, got float 1.5"),
+    (lambda p: p.allocate(True), TypeError, "num_pages must be an integer, got bool"),
+    (lambda p: p.allocate("2"), TypeError, "num_pages must be an integer, got str '2'"),
+    (lambda p: p.allocate(-1), ValueError, "num_pages must be >= 0"),
+    (lambda p: p.pages_for(-5), ValueError, "num_tokens must be >= 0"),
+    (lambda p: p.pages_for(2.5), TypeError, "num_tokens must be an integer, got float 2.5"),
+    (lambda p: PagedKVPool(True, 4), ValueError, "num_pages must be a positive int, got bool True"),
+])
+def test_bad_scalars_raise_and_change_nothing(call, error, match):
+    pool = pool_in_use()
+    before = pool_state(pool)
+    with pytest.raises(error, match=match):
+        call(pool)
+    assert_same_state(pool, before)
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda p: p.refcount.__setitem__(6, 1), r"free pages \[6\] have refcounts \[1\], expected 0"),
+    (lambda p: p._free.append(7), r"pages \[7\] are on the free list twice"),
+    (lambda p: p._free.append(-1), r"free list holds page ids outside \[0, 8\): \[-1\]"),
+    (lambda p: p.refcount.__setitem__(2, -1), r"pages \[2\] have negative refcounts \[-1\]"),
+    (lambda p: p._free.remove(7), "5 pages have refcount 0 but 4 are on the free list"),
+])
+def test_check_invariants_names_the_broken_invariant(corrupt, match):
+    """(That these checks also run under ``python -O`` is tested in test_sequence_tree.py, one subprocess for both.)"""
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    pool.allocate(3)
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(RuntimeError, match=match):
+        pool.check_invariants()
+
+
+def _junk_pages():
+    """Page-id arguments, most of them bad: ints out of range, floats, bools, strings, None, arrays."""
+    item = st.one_of(st.integers(-2, 7), st.integers(), st.booleans(), st.floats(), st.text(max_size=2), st.none())
+    return st.one_of(
+        st.lists(st.integers(0, 5), max_size=4),
+        st.lists(item, max_size=4),
+        st.lists(st.integers(-2, 7), max_size=4).map(np.array),
+        st.lists(st.floats(0, 5), min_size=1, max_size=3).map(np.array),
+        st.lists(st.integers(0, 5), max_size=3).map(lambda x: torch.tensor(x, dtype=torch.int32)),
+        item,
+    )
+
+
+def _valid_pages(arg, refcount, op):
+    """The oracle: would a correct pool accept ``op(arg)``?"""
+    if isinstance(arg, torch.Tensor):
+        arg = arg.numpy()
+    if isinstance(arg, np.ndarray):
+        if arg.dtype.kind not in "iu":
+            return False
+        arg = arg.tolist()
+    if not isinstance(arg, list) or not all(type(x) is int and 0 <= x < len(refcount) for x in arg):
+        return False
+    counts = np.bincount(np.asarray(arg, dtype=np.int64), minlength=len(refcount))
+    return bool(np.all(refcount[counts > 0] > 0) and (op == "incref" or np.all(counts <= refcount)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.one_of(st.tuples(st.just("allocate"), st.one_of(st.integers(-1, 3), st.floats(0, 3),
+                                                                         st.booleans(), st.text(max_size=1))),
+                              st.tuples(st.sampled_from(["incref", "decref"]), _junk_pages())),
+                    max_size=25))
+def test_random_pool_operations_with_bad_arguments(ops):
+    """Random incref/decref/allocate sequences, bad arguments mixed in: a rejected call changes nothing,
+    an accepted one does exactly what a refcount model says."""
+    pool = PagedKVPool(6, 2, allocate_storage=False)
+    model = np.zeros(6, dtype=np.int64)
+    for op, arg in ops:
+        before = pool_state(pool)
+        expect_ok = _valid_pages(arg, model, op) if op != "allocate" else (
+            type(arg) is int and 0 <= arg <= pool.num_free_pages)
+        try:
+            result = getattr(pool, op)(arg)
+        except (TypeError, ValueError, PoolExhaustedError):
+            assert not expect_ok, f"{op}({arg!r}) was rejected"
+            assert_same_state(pool, before)
+            continue
+        assert expect_ok, f"{op}({arg!r}) was accepted"
+        if op == "allocate":
+            assert np.all(model[result] == 0)
+            model[result] = 1
+        else:
+            pages = np.asarray(torch.as_tensor(arg) if isinstance(arg, torch.Tensor) else arg, dtype=np.int64)
+            np.add.at(model, pages, 1 if op == "incref" else -1)
+            if op == "decref":
+                assert result.tolist() == sorted(set(pages.tolist()) & set(np.flatnonzero(model == 0).tolist()))
+        assert pool.refcount.tolist() == model.tolist()
+        pool.check_invariants()

@@ -4,6 +4,10 @@ A *slot* is one token's place in the pool: ``slot = page * page_size + offset``.
 :class:`~treedec.tree.SequenceTree` hold slots, never memory; the pool counts, for every
 page, how many nodes hold slots in it, and a page returns to the free list when that
 count drops to zero.
+
+Every method that takes page ids or slots checks them all (integers, in range, pages in
+use) before it changes anything: a bad id raises ``TypeError`` / ``ValueError`` naming the
+argument, never wraps around as a negative numpy index.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy as np
 import torch
 
 from treedec.errors import PoolExhaustedError
+from treedec.tree.validate import describe, int_array, int_value, is_int, show_int
 
 
 class PagedKVPool:
@@ -48,8 +53,8 @@ class PagedKVPool:
         for name, value in [("num_pages", num_pages), ("page_size", page_size),
                             ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)]:
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {describe(value)}")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.num_layers = int(num_layers)
@@ -77,15 +82,17 @@ class PagedKVPool:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens from the start of a fresh page."""
-        return -(-int(num_tokens) // self.page_size)
+        if type(num_tokens) is not int or num_tokens < 0:  # the check inlined: called per leaf and step
+            num_tokens = int_value(num_tokens, "num_tokens", low=0)
+        return -(-num_tokens // self.page_size)
 
     def allocate(self, num_pages: int) -> np.ndarray:
         """Take ``num_pages`` free pages with refcount 1. Returns int64 page ids.
 
         Raises PoolExhaustedError (and takes nothing) if fewer pages are free.
         """
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if type(num_pages) is not int or num_pages < 0:  # the check inlined, as in pages_for
+            num_pages = int_value(num_pages, "num_pages", low=0)
         if num_pages > len(self._free):
             raise PoolExhaustedError(
                 f"KV pool exhausted: need {num_pages} page(s) of {self.page_size} tokens, "
@@ -95,64 +102,111 @@ class PagedKVPool:
         return pages
 
     def incref(self, pages: np.ndarray) -> None:
-        """One more holder for each page in ``pages`` (each must be in use)."""
-        pages = np.asarray(pages, dtype=np.int64)
-        assert np.all(self.refcount[pages] > 0), f"incref of free page(s) {pages[self.refcount[pages] <= 0]}"
+        """One more holder for each page in ``pages`` (``[n]`` ints; each must be in use)."""
+        pages = self._pages_in_use(pages, "incref")
         np.add.at(self.refcount, pages, 1)
 
     def decref(self, pages: np.ndarray) -> np.ndarray:
-        """One holder fewer for each page; returns the pages that became free."""
-        pages = np.asarray(pages, dtype=np.int64)
-        assert np.all(self.refcount[pages] > 0), f"decref of free page(s) {pages[self.refcount[pages] <= 0]}"
+        """One holder fewer for each page in ``pages`` (``[n]`` ints, a page at most as often as
+        it has holders); returns the int64 pages that became free."""
+        pages = self._pages_in_use(pages, "decref")
+        held, times = np.unique(pages, return_counts=True)
+        over = times > self.refcount[held]
+        if np.any(over):
+            raise ValueError(f"decref: pages {held[over][:10].tolist()} are listed {times[over][:10].tolist()} "
+                             f"times but have only {self.refcount[held[over]][:10].tolist()} holder(s)")
         np.subtract.at(self.refcount, pages, 1)
-        freed = np.unique(pages[self.refcount[pages] == 0])
+        freed = held[self.refcount[held] == 0]
         self._free.extend(int(p) for p in freed[::-1])
         return freed
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``."""
         self._require_storage()
+        if not is_int(layer):
+            raise TypeError(f"layer must be an int, got {describe(layer)}")
         if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {show_int(int(layer))}")
         return self.k[layer], self.v[layer]
 
     def write(self, layer: int, slots: torch.Tensor | np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V: ``k``, ``v`` are ``[n, num_kv_heads, head_dim]``, ``slots`` ``[n]``."""
+        """Store new tokens' K/V: ``k``, ``v`` are ``[n, num_kv_heads, head_dim]``, ``slots`` ``[n]`` ints."""
         k_layer, v_layer = self.layer(layer)
-        slots = torch.as_tensor(slots, dtype=torch.long, device=k_layer.device)
-        expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        slots = self._slots(slots, "slots")
+        expected = (len(slots), self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-        k_layer.view(-1, self.num_kv_heads, self.head_dim)[slots] = k.to(k_layer.dtype)
-        v_layer.view(-1, self.num_kv_heads, self.head_dim)[slots] = v.to(v_layer.dtype)
+        index = torch.as_tensor(slots, device=k_layer.device)
+        k_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = k.to(k_layer.dtype)
+        v_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = v.to(v_layer.dtype)
 
     def gather(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` in every layer, each ``[num_layers, len(slots), num_kv_heads, head_dim]`` (a copy)."""
+        """K and V of ``slots`` (``[n]`` ints) in every layer, each ``[num_layers, n, num_kv_heads, head_dim]``
+        (a copy)."""
         self._require_storage()
-        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.k.device)
+        index = torch.as_tensor(self._slots(slots, "slots"), device=self.k.device)
         return tuple(self._slot_view(t).index_select(1, index) for t in (self.k, self.v))
 
     def scatter(self, slots: np.ndarray, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Store what :meth:`gather` returned into ``slots`` (e.g. to move accepted tokens' K/V)."""
         self._require_storage()
-        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.k.device)
+        slots = self._slots(slots, "slots")
+        expected = (self.num_layers, len(slots), self.num_kv_heads, self.head_dim)
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+            raise TypeError(f"kv must be a (k, v) pair of tensors, got {type(kv).__name__}")
+        for name, t in zip(("kv[0]", "kv[1]"), kv):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a tensor of shape {expected}, got {got}")
+        index = torch.as_tensor(slots, device=self.k.device)
         for t, data in zip((self.k, self.v), kv):
-            self._slot_view(t).index_copy_(1, index, data)
+            self._slot_view(t).index_copy_(1, index, data.to(device=t.device, dtype=t.dtype))
 
     def check_invariants(self) -> None:
-        """Assert the free list and refcounts agree (for tests and debugging)."""
+        """Check that the free list and refcounts agree; raises RuntimeError naming the broken invariant.
+
+        Real checks, not ``assert``: they also run under ``python -O``.
+        """
         free = np.array(self._free, dtype=np.int64)
-        assert len(np.unique(free)) == len(free), "a page is on the free list twice"
-        assert np.all(self.refcount[free] == 0), f"free page(s) with refcount > 0: {free[self.refcount[free] != 0]}"
-        assert np.all(self.refcount >= 0), "negative refcount"
-        assert int((self.refcount == 0).sum()) == len(free), (
-            f"{int((self.refcount == 0).sum())=} pages have refcount 0 but {len(free)=} are free")
+        if np.any((free < 0) | (free >= self.num_pages)):
+            raise RuntimeError(f"pool invariant broken: free list holds page ids outside [0, {self.num_pages}): "
+                               f"{free[(free < 0) | (free >= self.num_pages)][:10].tolist()}")
+        pages, times = np.unique(free, return_counts=True)
+        if np.any(times > 1):
+            raise RuntimeError(f"pool invariant broken: pages {pages[times > 1][:10].tolist()} are on the free "
+                               f"list twice")
+        if np.any(self.refcount[free] != 0):
+            bad = free[self.refcount[free] != 0][:10]
+            raise RuntimeError(f"pool invariant broken: free pages {bad.tolist()} have refcounts "
+                               f"{self.refcount[bad].tolist()}, expected 0")
+        if np.any(self.refcount < 0):
+            bad = np.flatnonzero(self.refcount < 0)[:10]
+            raise RuntimeError(f"pool invariant broken: pages {bad.tolist()} have negative refcounts "
+                               f"{self.refcount[bad].tolist()}")
+        unused = int((self.refcount == 0).sum())
+        if unused != len(free):
+            raise RuntimeError(f"pool invariant broken: {unused} pages have refcount 0 but {len(free)} are on "
+                               f"the free list")
 
     # ----------------------------------------------------------------- private
 
     def _slot_view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def _pages_in_use(self, pages, op: str) -> np.ndarray:
+        """``pages`` as int64 page ids, checked to be in ``[0, num_pages)`` and in use."""
+        pages = int_array(pages, "pages", low=0, high=self.num_pages - 1)
+        free = self.refcount[pages] <= 0
+        if np.any(free):
+            raise ValueError(f"{op}: pages must be in use, but pages {np.unique(pages[free])[:10].tolist()} are free")
+        return pages
+
+    def _slots(self, slots, name: str) -> np.ndarray:
+        """``slots`` as int64, checked to be in ``[0, num_slots)``."""
+        return int_array(slots, name, low=0, high=self.num_slots - 1)
 
     def _require_storage(self) -> None:
         if self.k is None:
