@@ -1,7 +1,9 @@
 """TokenTree: Medusa choices (order, validation) and EAGLE-2 expansion by cumulative log-prob."""
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from treedec.tree.token_tree import TokenTree, expand_by_logprob
 
@@ -104,3 +106,90 @@ def test_expand_by_logprob_batched_sees_whole_layers():
     assert layers == [[()], [(10,), (11,)], [(10, 20), (11, 23)]]   # one call per layer, best first
     with pytest.raises(ValueError, match="gave 0 results for a layer of 1 token paths"):
         expand_by_logprob(0, lambda paths: [], depth=1, top_k=1, total_tokens=1, batched=True)
+
+
+# ================================================================ bad parents, token ids and choices
+
+@pytest.mark.parametrize("parents, error, match", [
+    ("-1", TypeError, r"parents must be a sequence of integers, got str '-1'"),
+    ((-1, 0.0), TypeError, r"parents\[1\] must be an integer, got float 0.0"),
+    ((-1, True), TypeError, r"parents\[1\] must be an integer, got bool True"),
+    (np.array([-1.0, 0.0]), TypeError, "parents must be integers, got a float64 array"),
+    (torch.tensor([-1.0, 0.5]), TypeError, "parents must be integers, got a torch.float32 tensor"),
+    ((-1, None), TypeError, r"parents\[1\] must be an integer, got NoneType"),
+    (None, TypeError, "parents must be a sequence of integers, got NoneType"),
+    (5, TypeError, "parents must be a sequence of integers, got int 5"),
+    ({-1: 0}, TypeError, "parents must be a sequence of integers, got dict"),
+    (((-1,), (0,)), TypeError, r"parents\[0\] must be an integer, got tuple"),
+    (np.array([[-1, 0]]), ValueError, "parents must be 1-D"),
+    ((-1, 2**64), ValueError, r"parents\[1\] = 18446744073709551616"),
+    ((-1, -2), ValueError, r"parents\[1\] = -2"),
+    ((-1, -1), ValueError, r"parents\[1\] must be an int index in \[0, 1\)"),
+    ((), ValueError, "must start with -1"),
+])
+def test_token_tree_rejects_bad_parents(parents, error, match):
+    with pytest.raises(error, match=match):
+        TokenTree(parents)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1], np.array([-1, 0, 0, 1], dtype=np.int16),
+                                     torch.tensor([-1, 0, 0, 1]), (-1, np.int64(0), 0, 1)])
+def test_token_tree_takes_integer_parents_of_any_kind(parents):
+    tree = TokenTree(parents)
+    assert tree.parents == (-1, 0, 0, 1) and all(type(p) is int for p in tree.parents)
+    assert tree == TokenTree((-1, 0, 0, 1))
+
+
+@pytest.mark.parametrize("num_draft, error", [(True, TypeError), (1.0, TypeError), ("2", TypeError), (-1, ValueError)])
+def test_chain_rejects_non_int_lengths(num_draft, error):
+    with pytest.raises(error, match="num_draft"):
+        TokenTree.chain(num_draft)
+
+
+@pytest.mark.parametrize("choices, match", [
+    ([[0], [0, np.int64(1)]], None),                  # numpy ints are ints
+    ([[0], [0, 2**70]], None),                        # a huge candidate index is still an index
+    ([[0], [[0]]], r"choices\[1\] must be a non-empty list of non-negative ints, got list \[\[0\]\]"),
+    ([[0], "0"], r"choices\[1\]"),
+    ([[0], bytearray(b"\x00")], r"choices\[1\]"),
+    ([[0], None], r"choices\[1\] must be .*, got NoneType None"),
+    ([[0], {0: 0}], r"choices\[1\]"),
+    ([[0], [None]], r"choices\[1\]"),
+    ({(0,): 1}, "choices must be a list of index paths"),
+    (None, "choices must be a list of index paths"),
+    (np.array([[0]]), "choices must be a list of index paths"),
+])
+def test_medusa_choices_odd_inputs(choices, match):
+    if match is None:
+        assert TokenTree.from_medusa_choices(choices).parents == (-1, 0, 1)
+    else:
+        with pytest.raises(ValueError, match=match):
+            TokenTree.from_medusa_choices(choices)
+
+
+def test_medusa_choices_deep_nesting_is_a_value_error_not_a_recursion_error():
+    deep = [0]
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ValueError, match=r"choices\[1\] must be a non-empty list of non-negative ints"):
+        TokenTree.from_medusa_choices([[0], deep])   # the message used to repr() the whole nesting
+
+
+@pytest.mark.parametrize("root_token, candidates, error, match", [
+    ("7", lambda path: ([1], [-1.0]), TypeError, "root_token must be an integer, got str '7'"),
+    (7.0, lambda path: ([1], [-1.0]), TypeError, "root_token must be an integer, got float"),
+    (-1, lambda path: ([1], [-1.0]), ValueError, "root_token must be >= 0"),
+    (7, lambda path: ([1.0], [-1.0]), TypeError, r"candidates\(\[\]\) tokens\[0\] must be an integer, got float"),
+    (7, lambda path: ("12", [-1.0, -2.0]), TypeError, r"candidates\(\[\]\) tokens must be a sequence of integers"),
+    (7, lambda path: ([2**64], [-1.0]), ValueError, r"candidates\(\[\]\) tokens must be >= 0 and fit in int64"),
+    (7, lambda path: ([-3], [-1.0]), ValueError, r"candidates\(\[\]\) tokens must be >= 0"),
+])
+def test_expand_by_logprob_rejects_bad_token_ids(root_token, candidates, error, match):
+    with pytest.raises(error, match=match):
+        expand_by_logprob(root_token, candidates, depth=1, top_k=1, total_tokens=1)
+
+
+def test_expand_by_logprob_takes_numpy_and_torch_token_ids():
+    tree, tokens = expand_by_logprob(np.int64(7), lambda path: (torch.tensor([3, 4]), [-0.1, -0.2]),
+                                     depth=1, top_k=1, total_tokens=2)
+    assert tokens == [7, 3, 4] and all(type(t) is int for t in tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from treedec.errors import TreeError
+from treedec.tree.validate import describe, int_array, rows
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,14 @@ class TreeLayout:
             in the given node order (a contiguous pool with page size 1).
         node_ids : sequence of int, optional
             Default: ``range(N)``.
+
+        Raises
+        ------
+        TypeError : an argument holds something other than integers (strings, floats, bools, ...).
+        TreeError : the integers do not describe a forest and its queries.
         """
-        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
-        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        parents = int_array(parents, "parents")
+        lengths = int_array(lengths, "lengths")
         n = len(parents)
         if len(lengths) != n:
             raise TreeError(f"parents and lengths must have the same length, got {n} and {len(lengths)}")
@@ -123,13 +129,15 @@ class TreeLayout:
             starts = np.concatenate([[0], np.cumsum(lengths)])
             slots = [np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in range(n)]
         else:
-            slots = [np.asarray(s, dtype=np.int64).reshape(-1) for s in slots]
+            slots = [int_array(s, f"slots[{i}]") for i, s in enumerate(rows(slots, "slots"))]
             if len(slots) != n:
                 raise TreeError(f"slots must have one array per node ({n}), got {len(slots)}")
             for i, s in enumerate(slots):
                 if len(s) != lengths[i]:
                     raise TreeError(f"slots[{i}] has {len(s)} slots but lengths[{i}] = {int(lengths[i])}")
-        node_ids = np.arange(n, dtype=np.int64) if node_ids is None else np.asarray(node_ids, dtype=np.int64)
+        node_ids = np.arange(n, dtype=np.int64) if node_ids is None else int_array(node_ids, "node_ids")
+        if len(node_ids) != n or len(np.unique(node_ids)) != n:
+            raise TreeError(f"node_ids must be {n} distinct ints (one per node), got {describe(node_ids)}")
         children: list[list[int]] = [[] for _ in range(n)]
         roots = []
         for i, p in enumerate(parents.tolist()):
@@ -138,7 +146,7 @@ class TreeLayout:
         if len(order) != n:
             unreached = sorted(set(range(n)) - set(order))
             raise TreeError(f"nodes {unreached[:10]} are not reachable from a root: the parents form a cycle")
-        queries = np.asarray(queries, dtype=np.int64).reshape(-1, 2)
+        queries = _query_pairs(queries)
         if len(queries) and (np.any(queries[:, 0] < 0) or np.any(queries[:, 0] >= n)):
             raise TreeError(f"query nodes must be in [0, {n}), got {queries[:, 0].tolist()[:10]}")
         if len(queries) and (np.any(queries[:, 1] < 0) or np.any(queries[:, 1] >= lengths[queries[:, 0]])):
@@ -185,3 +193,12 @@ def depth_first_order(roots: list[int], children: list[list[int]]) -> list[int]:
         order.append(i)
         stack.extend(reversed(children[i]))
     return order
+
+
+def _query_pairs(queries) -> np.ndarray:
+    """``queries`` as a ``[Q, 2]`` int64 array of (node, offset) pairs."""
+    pairs = [int_array(q, f"queries[{i}]") for i, q in enumerate(rows(queries, "queries"))]
+    wrong = [i for i, q in enumerate(pairs) if len(q) != 2]
+    if wrong:
+        raise TreeError(f"queries[{wrong[0]}] must be a (node, offset) pair, got {len(pairs[wrong[0]])} values")
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2)

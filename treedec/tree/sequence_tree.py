@@ -7,18 +7,23 @@ pool slots; a node never writes into a page that another node started (except th
 pages of a speculative token tree, see :meth:`add_token_tree`), so pruning a subtree frees
 exactly the pages no remaining node uses.
 
-Every operation validates its input first and changes nothing when it raises.
+Every operation validates its input first and changes nothing when it raises: token ids
+and parent indices that are not integers (strings, floats, bools, ...) raise ``TypeError``,
+out-of-range ones ``ValueError`` (see :mod:`treedec.tree.validate`), an impossible tree
+operation :class:`~treedec.errors.TreeError`, a full pool
+:class:`~treedec.errors.PoolExhaustedError`.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree.layout import TreeLayout, depth_first_order
 from treedec.tree.paged_kv_pool import PagedKVPool
+from treedec.tree.validate import describe, int_array, int_list, int_value, is_int, rows, show_int
 
 
 @dataclass
@@ -68,7 +73,7 @@ class SequenceTree:
         return list(self._roots)
 
     def __contains__(self, node_id: int) -> bool:
-        return node_id in self._nodes
+        return is_int(node_id) and node_id in self._nodes
 
     def parent(self, node_id: int) -> int | None:
         return self._get(node_id).parent
@@ -101,7 +106,7 @@ class SequenceTree:
 
     def pages_to_extend(self, node_id: int, num_tokens: int) -> int:
         """Fresh pages that appending ``num_tokens`` tokens to ``node_id`` takes (0 while they fit in its last page)."""
-        return self._pages_to_extend(self._get(node_id), num_tokens)
+        return self._pages_to_extend(self._get(node_id), int_value(num_tokens, "num_tokens", low=0))
 
     def pages_freed_by_prune(self, node_ids: Iterable[int]) -> int:
         """Pages that pruning the subtrees of ``node_ids`` would return to the pool (changes nothing).
@@ -148,9 +153,9 @@ class SequenceTree:
     # ================================================================ operations
 
     def add_prompt(self, tokens: Sequence[int]) -> int:
-        """Start a new tree (a new request of the forest) with ``tokens``; returns its root id."""
-        tokens = _as_token_list(tokens, "tokens")
-        if not tokens:
+        """Start a new tree (a new request of the forest) with ``tokens`` (``[n]`` ints >= 0); returns its root id."""
+        tokens = int_list(tokens, "tokens", low=0)
+        if len(tokens) == 0:
             raise TreeError("a prompt needs at least one token, got 0")
         node = self._new_node(parent=None)
         self._fill(node, tokens)  # may raise before anything is registered
@@ -161,17 +166,22 @@ class SequenceTree:
         return node.id
 
     def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
-        """Append ``tokens`` to leaf ``node_id``; returns their slots."""
+        """Append ``tokens`` (``[n]`` ints >= 0) to leaf ``node_id``; returns their ``[n]`` int64 slots."""
         return self.extend_many({node_id: tokens})[node_id]
 
     def extend_many(self, tokens_by_node: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
-        """Append tokens to several leaves at once (all or nothing); returns slots per node."""
+        """Append tokens to several leaves at once (all or nothing); returns slots per node.
+
+        ``tokens_by_node`` maps leaf ids to their new tokens (each ``[n]`` ints >= 0).
+        """
+        if not isinstance(tokens_by_node, Mapping):
+            raise TypeError(f"tokens_by_node must be a dict {{leaf id: tokens}}, got {describe(tokens_by_node)}")
         plan = {}
         for nid, toks in tokens_by_node.items():
             node = self._get(nid)
             if node.children:
                 raise TreeError(f"cannot extend node {nid}: it has children {node.children}; only leaves grow")
-            plan[nid] = _as_token_list(toks, f"tokens for node {nid}")
+            plan[nid] = int_list(toks, f"tokens for node {nid}", low=0)
         need = sum(self._pages_to_extend(self._nodes[nid], len(t)) for nid, t in plan.items())
         self._check_free(need)
         return {nid: self._fill(self._nodes[nid], toks) for nid, toks in plan.items()}
@@ -180,15 +190,17 @@ class SequenceTree:
         """Give ``node_id`` new children.
 
         ``children`` is a count k (k empty children, to be extended later) or a list of
-        token lists, one per child. Each child starts on fresh pages. Returns the ids.
+        token lists (each ``[n]`` ints >= 0), one per child. Each child starts on fresh
+        pages. Returns the ids.
         """
         parent = self._get(node_id)
-        if isinstance(children, (int, np.integer)):
-            if children <= 0:
-                raise TreeError(f"branch needs k >= 1 children, got k={children}")
+        if is_int(children):
+            if not 1 <= children <= self.pool.num_pages:   # each child needs a page of its own for its first token
+                raise TreeError(f"branch needs 1 <= k <= {self.pool.num_pages} (the pool's pages) children, "
+                                f"got k={show_int(int(children))}")
             token_lists = [[] for _ in range(int(children))]
         else:
-            token_lists = [_as_token_list(t, f"children[{i}]") for i, t in enumerate(children)]
+            token_lists = [int_list(t, f"children[{i}]", low=0) for i, t in enumerate(rows(children, "children"))]
             if not token_lists:
                 raise TreeError("branch needs at least one child, got an empty list")
         self._check_free(sum(self.pool.pages_for(len(t)) for t in token_lists))
@@ -206,31 +218,34 @@ class SequenceTree:
     def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
         """Hang a token tree (e.g. Medusa/EAGLE candidates) under ``node_id``, one node per token.
 
-        ``parents[i]`` is the index of token i's parent token, or -1 for a child of
-        ``node_id``; parents must come before their children. The tokens are packed
-        into ``ceil(len / page_size)`` fresh pages, shared by refcount. Returns node ids
-        in token order.
+        ``tokens`` is ``[m]`` ints >= 0; ``parents[i]`` is the index of token i's parent
+        token, or -1 for a child of ``node_id``: ints in ``[-1, i)``, so parents come
+        before their children. The tokens are packed into ``ceil(m / page_size)`` fresh
+        pages, shared by refcount. Returns node ids in token order.
         """
         anchor = self._get(node_id)
-        tokens = _as_token_list(tokens, "tokens")
-        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        tokens = int_list(tokens, "tokens", low=0)
+        parents = int_array(parents, "parents", low=-1)
         m = len(tokens)
         if m == 0 or len(parents) != m:
             raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
-        for i, p in enumerate(parents.tolist()):
-            if p < -1 or p >= m:
-                raise TreeError(f"parents[{i}] = {p} is not a token index in [-1, {m})")
-            if p >= i:
-                kind = "a cycle" if _on_cycle(parents, i) else "a forward reference"
-                raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
+        outside = np.flatnonzero(parents >= m)
+        if len(outside):   # before the cycle check, which follows parents
+            i = int(outside[0])
+            raise TreeError(f"parents[{i}] = {int(parents[i])} is not a token index in [-1, {m})")
+        late = np.flatnonzero(parents >= np.arange(m))
+        if len(late):
+            i, p = int(late[0]), int(parents[late[0]])
+            kind = "a cycle" if _on_cycle(parents, i) else "a forward reference"
+            raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
         pages = self.pool.allocate(self.pool.pages_for(m))  # raises before any change
         slots = (pages[:, None] * self.pool.page_size + np.arange(self.pool.page_size)).reshape(-1)[:m]
         ids = [self._next_id + i for i in range(m)]
+        parent_list, page_list = parents.tolist(), (slots // self.pool.page_size).tolist()
         for i in range(m):
-            page = int(slots[i] // self.pool.page_size)
-            parent_id = anchor.id if parents[i] < 0 else ids[parents[i]]
+            parent_id = anchor.id if parent_list[i] < 0 else ids[parent_list[i]]
             node = _Node(id=ids[i], parent=parent_id, tokens=[tokens[i]], slots=slots[i:i + 1].copy(),
-                         pages=[page], pending=1)
+                         pages=[page_list[i]], pending=1)
             self._nodes[node.id] = node
             self._nodes[parent_id].children.append(node.id)
         # The pages are fresh with refcount 1: add the other nodes that hold each one.
@@ -253,6 +268,7 @@ class SequenceTree:
             raise TreeError(f"cannot prune node {node_id}: node(s) {pending[:5]} in its subtree have pending "
                             f"tokens of the current step; call commit_step() first")
         pages = [p for i in subtree for p in self._nodes[i].pages]
+        freed = self.pool.decref(np.asarray(pages, dtype=np.int64))  # checks before it changes anything
         node = self._nodes[node_id]
         if node.parent is None:
             self._roots.remove(node_id)
@@ -261,7 +277,7 @@ class SequenceTree:
         for i in subtree:
             del self._nodes[i]
         self._preorder = None
-        return self.pool.decref(np.asarray(pages, dtype=np.int64))
+        return freed
 
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
@@ -289,29 +305,48 @@ class SequenceTree:
         return "\n".join(lines)
 
     def check_invariants(self) -> None:
-        """Assert slots are unique, each node's pages match its slots, refcounts are exact."""
-        ps = self.pool.page_size
+        """Check slots are unique and in the pool, each node's pages match its slots, refcounts are exact.
+
+        Raises RuntimeError naming the broken invariant and the values; real checks, not
+        ``assert``, so they also run under ``python -O``.
+        """
+        ps, num_pages = self.pool.page_size, self.pool.num_pages
         all_slots = [n.slots[: n.length] for n in self._nodes.values()]
         flat = np.concatenate(all_slots) if all_slots else np.zeros(0, np.int64)
-        assert len(np.unique(flat)) == len(flat), "two tokens share a KV slot"
-        expected = np.zeros(self.pool.num_pages, dtype=np.int64)
+        if np.any((flat < 0) | (flat >= self.pool.num_slots)):
+            raise _broken(f"slots {flat[(flat < 0) | (flat >= self.pool.num_slots)][:10].tolist()} are outside "
+                          f"the pool's [0, {self.pool.num_slots})")
+        shared, times = np.unique(flat, return_counts=True)
+        if np.any(times > 1):
+            raise _broken(f"tokens share KV slots {shared[times > 1][:10].tolist()}")
+        expected = np.zeros(num_pages, dtype=np.int64)
         for n in self._nodes.values():
+            if any(not 0 <= p < num_pages for p in n.pages):
+                raise _broken(f"node {n.id} holds pages {n.pages} outside [0, {num_pages})")
+            if len(set(n.pages)) != len(n.pages):
+                raise _broken(f"node {n.id} holds a page twice: {n.pages}")
             pages_from_slots = set((n.slots[: n.length] // ps).tolist())
-            assert pages_from_slots <= set(n.pages), f"node {n.id}: slots in pages {pages_from_slots} not held {n.pages}"
-            assert len(set(n.pages)) == len(n.pages), f"node {n.id} holds a page twice: {n.pages}"
+            if not pages_from_slots <= set(n.pages):
+                raise _broken(f"node {n.id} has slots in pages {sorted(pages_from_slots)} but holds {n.pages}")
             expected[n.pages] += 1
-        assert np.array_equal(expected, self.pool.refcount), (
-            f"refcounts differ at pages {np.flatnonzero(expected != self.pool.refcount)[:10]}")
+        if not np.array_equal(expected, self.pool.refcount):
+            bad = np.flatnonzero(expected != self.pool.refcount)[:10]
+            raise _broken(f"pages {bad.tolist()} have refcounts {self.pool.refcount[bad].tolist()} but are held by "
+                          f"{expected[bad].tolist()} nodes")
         self.pool.check_invariants()
-        assert len(self._order()) == len(self._nodes), "a node is unreachable from the roots"
+        if len(self._order()) != len(self._nodes):
+            unreachable = sorted(set(self._nodes) - set(self._order()))
+            raise _broken(f"nodes {unreachable[:10]} are unreachable from the roots {self._roots}")
 
     # ================================================================ private
 
     def _get(self, node_id: int) -> _Node:
+        if type(node_id) is not int and not is_int(node_id):
+            raise TypeError(f"node id must be an int, got {describe(node_id)}")
         try:
             return self._nodes[node_id]
-        except (KeyError, TypeError):
-            raise TreeError(f"unknown node id {node_id!r} (pruned, or never created)") from None
+        except KeyError:
+            raise TreeError(f"unknown node id {show_int(int(node_id))} (pruned, or never created)") from None
 
     def _new_node(self, parent: int | None) -> _Node:
         return _Node(id=self._next_id, parent=parent, tokens=[], slots=np.zeros(0, np.int64), pages=[])
@@ -366,16 +401,6 @@ class SequenceTree:
         return new_slots
 
 
-def _as_token_list(tokens: Iterable[int], name: str) -> list[int]:
-    try:
-        out = [int(t) for t in tokens]
-    except (TypeError, ValueError):
-        raise TreeError(f"{name} must be a sequence of int token ids, got {tokens!r:.80}") from None
-    if any(t < 0 for t in out):
-        raise TreeError(f"{name} must be non-negative token ids, got {[t for t in out if t < 0][:5]}")
-    return out
-
-
 def _on_cycle(parents: np.ndarray, start: int) -> bool:
     seen = set()
     i = start
@@ -383,3 +408,7 @@ def _on_cycle(parents: np.ndarray, start: int) -> bool:
         seen.add(i)
         i = int(parents[i])
     return i == start
+
+
+def _broken(what: str) -> RuntimeError:
+    return RuntimeError(f"SequenceTree invariant broken: {what}")

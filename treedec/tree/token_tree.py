@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
+from treedec.tree.validate import describe, int_array, int_value, is_int
+
 
 @dataclass(frozen=True)
 class TokenTree:
@@ -18,28 +22,35 @@ class TokenTree:
     Attributes
     ----------
     parents : tuple of int, length N
-        ``parents[0] == -1`` (the root); ``parents[i] < i`` for every other token.
+        ``parents[0] == -1`` (the root); ``parents[i]`` in ``[0, i)`` for every other token.
+        Given as any 1-D collection of integers (list, tuple, numpy or torch integer array);
+        stored as a tuple of Python ints.
+
+    Raises
+    ------
+    TypeError : ``parents`` is not a 1-D collection of integers (strings, floats, bools, None, ...).
+    ValueError : ``parents`` do not describe a tree of that shape.
     """
 
     parents: tuple[int, ...]
 
     def __post_init__(self):
-        parents = tuple(self.parents)
-        if not parents or parents[0] != -1:
-            raise ValueError(f"parents must start with -1 (the root token), got {list(parents)[:8]}")
-        for i, p in enumerate(parents[1:], start=1):
-            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < i:
-                raise ValueError(f"parents[{i}] must be an int index in [0, {i}) (parents come first), got {p!r}")
-        object.__setattr__(self, "parents", parents)
+        parents = int_array(self.parents, "parents", low=-1)
+        if len(parents) == 0 or parents[0] != -1:
+            raise ValueError(f"parents must start with -1 (the root token), got {parents[:8].tolist()}")
+        bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= np.arange(1, len(parents)))) + 1
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"parents[{i}] must be an int index in [0, {i}) (parents come first), "
+                             f"got {int(parents[i])}")
+        object.__setattr__(self, "parents", tuple(parents.tolist()))
 
     # ================================================================ constructors
 
     @classmethod
     def chain(cls, num_draft: int) -> TokenTree:
         """The root and ``num_draft`` tokens in a line (a single draft continuation)."""
-        if not isinstance(num_draft, int) or num_draft < 0:
-            raise ValueError(f"num_draft must be an int >= 0, got {num_draft!r}")
-        return cls(tuple(range(-1, num_draft)))
+        return cls(tuple(range(-1, int_value(num_draft, "num_draft", low=0))))
 
     @classmethod
     def from_medusa_choices(cls, choices: Sequence[Sequence[int]]) -> TokenTree:
@@ -48,16 +59,19 @@ class TokenTree:
         Path ``[a, b]`` is the b-th candidate (of the second head) after the a-th candidate
         (of the first head). Paths are sorted by ``(len, path)``, as Medusa does, so token
         ``i + 1`` is the i-th path in that order; every proper prefix of a path must be a
-        path too. Raises ValueError naming the offending path.
+        path too.
+
+        Raises ValueError (only, whatever ``choices`` holds: callers turn it into their own
+        format errors) naming the offending path.
         """
-        if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-            raise ValueError(f"choices must be a list of index paths (lists of ints), got {choices!r:.80}")
+        if isinstance(choices, (str, bytes, bytearray)) or not isinstance(choices, Sequence):
+            raise ValueError(f"choices must be a list of index paths (lists of ints), got {describe(choices)}")
         paths = []
         for i, p in enumerate(choices):
-            if (isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)):
-                raise ValueError(f"choices[{i}] must be a non-empty list of non-negative ints, got {p!r:.80}")
-            paths.append(tuple(p))
+            if (isinstance(p, (str, bytes, bytearray)) or not isinstance(p, Sequence) or not p
+                    or not all(is_int(x) and x >= 0 for x in p)):
+                raise ValueError(f"choices[{i}] must be a non-empty list of non-negative ints, got {describe(p)}")
+            paths.append(tuple(int(x) for x in p))
         paths.sort(key=lambda p: (len(p), p))
         index: dict[tuple[int, ...], int] = {(): 0}
         parents = [-1]
@@ -125,8 +139,8 @@ def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates,
 
     Parameters
     ----------
-    root_token : the sequence's last token (token 0 of the result).
-    candidates : token path -> (tokens [k], log-probs [k]); a pure function of its input.
+    root_token : the sequence's last token (token 0 of the result), an int >= 0.
+    candidates : token path -> (tokens [k] ints >= 0, log-probs [k]); a pure function of its input.
     depth, top_k, total_tokens : ints >= 1; ``total_tokens`` counts draft tokens (not the root).
     batched : if True, ``candidates`` takes one layer's token paths at once (the nodes to
         expand, best first) and returns one ``(tokens, log-probs)`` per path, e.g. from one
@@ -135,10 +149,16 @@ def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates,
     Returns
     -------
     (tree, tokens) with ``tokens[0] == root_token``; nodes sorted by depth, then score.
+
+    Raises
+    ------
+    TypeError : ``root_token`` or a candidate token is not an integer.
+    ValueError : any other bad argument or candidate.
     """
     for name, value in [("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    root_token = int_value(root_token, "root_token", low=0)
     # node: (score, depth, creation order, token path)
     made: list[tuple[float, int, int, tuple[int, ...]]] = []
     frontier: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
@@ -149,14 +169,13 @@ def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates,
         if len(results) != len(paths):
             raise ValueError(f"candidates gave {len(results)} results for a layer of {len(paths)} token paths")
         for (score, path), (tokens, logprobs) in zip(frontier, results):
-            tokens, logprobs = list(tokens), [float(x) for x in logprobs]
+            tokens = int_array(tokens, f"candidates({list(path)}) tokens", low=0).tolist()
+            logprobs = [float(x) for x in logprobs]
             if len(tokens) != len(logprobs):
                 raise ValueError(f"candidates({list(path)}) gave {len(tokens)} tokens but {len(logprobs)} log-probs")
             if len(set(tokens)) != len(tokens):
                 raise ValueError(f"candidates({list(path)}) gave a token twice: {tokens}")
             for t, lp in zip(tokens, logprobs):
-                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                    raise ValueError(f"candidates({list(path)}) gave token {t!r}, expected a non-negative int")
                 if math.isnan(lp) or lp > 0:
                     raise ValueError(f"candidates({list(path)}) gave log-prob {lp} for token {t}, expected <= 0")
                 layer.append((score + lp, d, len(made) + len(layer), path + (t,)))
@@ -166,7 +185,7 @@ def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates,
     kept = sorted(made, key=lambda n: (-n[0], n[1], n[2]))[:total_tokens]
     kept.sort(key=lambda n: (n[1], -n[0], n[2]))
     index: dict[tuple[int, ...], int] = {(): 0}
-    parents, tokens = [-1], [int(root_token)]
+    parents, tokens = [-1], [root_token]
     for _, _, _, path in kept:
         assert path[:-1] in index, f"kept node {path} without its parent"
         parents.append(index[path[:-1]])
