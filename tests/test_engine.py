@@ -48,6 +48,30 @@ def test_prefill_contracts(tiny):
     engine.tree.check_invariants()
 
 
+@pytest.mark.parametrize("prompt,error,match", [
+    ("123", TypeError, "prompt_ids must be a sequence of integers, got str"),   # was [1, 2, 3]
+    ([1.5, 2], TypeError, r"prompt_ids\[0\] must be an integer, got float"),  # was truncated to 1
+    ([True], TypeError, "got bool"),
+    ([2**70], ValueError, "fit in int64"),
+])
+def test_prompt_ids_are_integers_or_rejected(tiny, prompt, error, match):
+    engine = make_engine(tiny, kv_tokens=64)
+    with pytest.raises(error, match=match):
+        engine.prefill(prompt)
+    assert engine.tree.num_tokens == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+@pytest.mark.parametrize("rows,error", [([0.5], TypeError), ([2], ValueError), (["a"], TypeError), ([-1], ValueError)])
+def test_bad_logits_rows_change_nothing(tiny, rows, error):
+    engine = make_engine(tiny, kv_tokens=64)
+    root, _ = engine.prefill([1, 2, 3])
+    engine.tree.extend(root, [4, 5])
+    with pytest.raises(error, match="logits_rows"):
+        engine.step(logits_rows=rows)
+    assert engine.tree.layout().num_queries == 2   # still pending: nothing ran
+    engine.step(logits_rows=[1])
+
+
 def test_chunked_prefill_equals_one_step(tiny):
     prompt = np.random.default_rng(0).integers(0, 512, 37).tolist()
     one, chunked = make_engine(tiny), make_engine(tiny, prefill_chunk=8)

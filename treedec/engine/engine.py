@@ -26,6 +26,7 @@ from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
+from treedec.tree.validate import int_array, int_list
 
 logger = logging.getLogger("treedec")
 
@@ -105,7 +106,7 @@ class Engine:
         (run :meth:`step` first); a pool too small for the prompt raises PoolExhaustedError
         before anything changes.
         """
-        tokens = [int(t) for t in prompt_ids]
+        tokens = int_list(prompt_ids, "prompt_ids", low=0)
         if not tokens:
             raise TreeError("prefill needs at least one prompt token, got 0")
         self._check_token_ids(np.asarray(tokens), "prompt_ids")
@@ -280,7 +281,7 @@ class Engine:
     def _check_rows(rows, num_q: int) -> np.ndarray | None:
         if rows is None:
             return None
-        arr = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, "logits_rows")
         if len(arr) and (arr.min() < 0 or arr.max() >= num_q):
             raise ValueError(f"logits_rows must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
         return arr
