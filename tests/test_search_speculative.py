@@ -117,6 +117,11 @@ def test_verify_errors_change_nothing(tiny):
         verify_greedy(engine, node, tree, [4, 5])
     with pytest.raises(ValueError, match=r"token ids in \[0, 512\), got \[600\]"):
         verify_greedy(engine, node, tree, [4, 5, 600])
+    with pytest.raises(TypeError, match=r"tokens\[2\] must be an integer, got float"):   # was truncated to 5
+        verify_greedy(engine, node, tree, [4, 5, 5.7])
+    with pytest.raises(TypeError, match="tokens must be a sequence of integers, got str"):   # was [4, 5, 6]
+        verify_greedy(engine, node, tree, "456")
+    assert (engine.tree.num_tokens, engine.pool.num_free_pages) == before
     with pytest.raises(TreeError, match="unknown node"):
         verify_greedy(engine, 99, tree, [4, 5, 6])
     engine.tree.branch(node, [[9]])

@@ -26,6 +26,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.tree.token_tree import TokenTree
+from treedec.tree.validate import int_list
 
 
 class DraftSource(Protocol):
@@ -210,7 +211,7 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
         read it).
     """
     t = engine.tree
-    tokens = [int(x) for x in tokens]
+    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
     if len(tokens) != tree.size:
         raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
     vocab = engine.model.config.vocab_size
