@@ -9,12 +9,13 @@ RecursionError, OverflowError, ...
 import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import precondition, rule
 
 from tests.test_sequence_tree import make_tree, snapshot
 from treedec import PoolExhaustedError
 from treedec.tree import TreeLayout
 from treedec.tree.token_tree import TokenTree
+from tests.trees import ConsistentTreeMachine
 
 FUZZ = settings(max_examples=150, deadline=None)
 
@@ -133,7 +134,7 @@ TOKENS = st.one_of(GOOD_TOKENS, GOOD_TOKENS, GOOD_TOKENS, JUNK)   # mostly good:
 DOCUMENTED = (TypeError, ValueError, PoolExhaustedError)
 
 
-class TreeOperationsWithBadArguments(RuleBasedStateMachine):
+class TreeOperationsWithBadArguments(ConsistentTreeMachine):
     """Good operations keep the tree consistent; a rejected one changes nothing."""
 
     def __init__(self):
@@ -207,15 +208,6 @@ class TreeOperationsWithBadArguments(RuleBasedStateMachine):
         self._attempt(lambda: self.tree.pages_to_extend(node, num_tokens))
         self._attempt(lambda: self.tree.pages_freed_by_prune([node]))
 
-    @invariant()
-    def consistent(self):
-        self.tree.check_invariants()
-
-    def teardown(self):
-        self.tree.commit_step()
-        for root in self.tree.roots:
-            self.tree.prune(root)
-        assert self.tree.pool.num_free_pages == self.tree.pool.num_pages, "pages leaked"
 
 
 TestTreeOperationsWithBadArguments = TreeOperationsWithBadArguments.TestCase

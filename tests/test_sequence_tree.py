@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import precondition, rule
 
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
+from tests.trees import ConsistentTreeMachine
 
 
 def snapshot(tree: SequenceTree):
@@ -384,7 +385,7 @@ expect_broken(pool.check_invariants)
     assert "caught: pool invariant broken: free pages [5] have refcounts [1], expected 0" in out.stdout
 
 
-class TreeOperations(RuleBasedStateMachine):
+class TreeOperations(ConsistentTreeMachine):
     """Random operation sequences keep slots unique and refcounts exact; nothing leaks."""
 
     def __init__(self):
@@ -441,16 +442,6 @@ class TreeOperations(RuleBasedStateMachine):
         expected = self.tree.pages_freed_by_prune([node])
         assert len(self.tree.prune(node)) == expected
 
-    @invariant()
-    def consistent(self):
-        self.tree.check_invariants()
-
-    def teardown(self):
-        self.tree.commit_step()
-        for root in self.tree.roots:
-            self.tree.prune(root)
-        assert self.tree.pool.num_free_pages == self.tree.pool.num_pages, "pages leaked"
-        assert not self.tree.pool.refcount.any()
 
 
 TestTreeOperations = TreeOperations.TestCase

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hypothesis.stateful import RuleBasedStateMachine, invariant
+
 from treedec.attention import reference_tree_attention
 from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree
@@ -89,3 +91,21 @@ def run_on_random_q(runner, tree: SequenceTree, plan, group: int, dtype, device,
     q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
     out, lse = runner(q, k_cache, v_cache, plan.to(device), d ** -0.5, **kwargs)
     return out, lse, plan, q, k_cache, v_cache
+
+
+class ConsistentTreeMachine(RuleBasedStateMachine):
+    """A hypothesis state machine over ``self.tree``: its invariants hold after every step, and
+    pruning every request at the end frees every page."""
+
+    tree: SequenceTree
+
+    @invariant()
+    def consistent(self):
+        self.tree.check_invariants()
+
+    def teardown(self):
+        self.tree.commit_step()
+        for root in self.tree.roots:
+            self.tree.prune(root)
+        assert self.tree.pool.num_free_pages == self.tree.pool.num_pages, "pages leaked"
+        assert not self.tree.pool.refcount.any()
