@@ -13,6 +13,7 @@ planner over the others (decode latency, attention time).
 
     python bench/replay.py                    # GPU: llama3-8b, bf16, triton; about 4 minutes on an H100
     python bench/replay.py --families medusa --iterations 50
+    python bench/replay.py --cuda-graphs --backend auto   # timed runs from CUDA graphs, as programs run
     python bench/replay.py --smoke            # CPU: tiny config, fp32, torch backend, a few steps (CI)
 
 Results go to ``<out>/<date>-<device>-replay[-smoke][-<tag>].json`` (written after every
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown families {unknown}; families: {sorted(FAMILIES)}")
     model = from_config(args.model, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results = {"device": device_name, "date": datetime.date.today().isoformat(), "smoke": args.smoke,
+    results = {"cuda_graphs": args.cuda_graphs, "device": device_name, "date": datetime.date.today().isoformat(), "smoke": args.smoke,
                "model": args.model, "dtype": args.dtype, "backend": args.backend, "planners": planners,
                "page_size": args.page_size, "versions": {"torch": torch.__version__}, "families": {},
                "speedups": {}}
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
         split = replay_results(model, schedule, [ReplayConfig(planner=p, warmup_steps=args.warmup,
                                                               profile_split=True, **common) for p in planners],
                                args.model, workload)
-        timed = replay_results(model, schedule, [ReplayConfig(planner=p, warmup_steps=args.warmup, **common)
+        timed = replay_results(model, schedule, [ReplayConfig(planner=p, warmup_steps=args.warmup,
+                                                              cuda_graphs=args.cuda_graphs, **common)
                                                  for p in planners], args.model, workload)
         results["families"][family] = timed
         results["families"][family + "-split"] = split
@@ -146,6 +148,8 @@ def _parse_args(argv):
     p.add_argument("--branches", type=int, default=30, help="few-shot branches (default 30; --smoke at most 4)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each run (default 3)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the timed runs replay CUDA graphs (the attention-split runs stay eager)")
     add_run_arguments(p)
     return p.parse_args(argv)
 

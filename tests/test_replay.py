@@ -214,3 +214,21 @@ def test_bench_replay_smoke(tmp_path):
     for family, s in results["speedups"].items():
         other = planners.split(",")[1]
         assert s["same_tokens"] and s[other]["decode_speedup_mean"] > 0 and s[other]["attention_speedup"] > 0
+
+
+def test_cuda_graph_replays_exclude_the_attention_split():
+    with pytest.raises(ValueError, match="choose one of cuda_graphs and profile_split"):
+        ReplayConfig(cuda_graphs=True, profile_split=True)
+
+
+def test_engine_counts_planning_time_and_kv_reads():
+    """Replay's plan_ms and KV IO come from engine.stats, which eager and graphed steps both fill."""
+    from tests.engines import make_engine, tiny_model
+    engine = make_engine(tiny_model())
+    root, _ = engine.prefill(list(range(20)))
+    engine.tree.branch(root, [[1], [2]])
+    before = dict(engine.stats)
+    engine.step()
+    assert engine.stats["plan_seconds"] > before["plan_seconds"] > 0
+    read = engine.stats["kv_tokens_read"] - before["kv_tokens_read"]
+    assert 20 + 2 <= read < 2 * 20   # the prompt is read once for both branches (one chunk, one work item)

@@ -46,6 +46,8 @@ def add_replay_parser(sub) -> None:
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps replayed first (default 2)")
     p.add_argument("--profile-split", action="store_true",
                    help="on a GPU, time the attention with CUDA events around every layer's call")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="on a GPU, replay the engine's steps from CUDA graphs (not with --profile-split)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--out", type=output_file, help="write the results JSON here (its folder must exist)")
     p.add_argument("--save-schedule", type=output_file,
@@ -76,7 +78,7 @@ def run_replay(args: argparse.Namespace) -> int:
     model, model_name = load_model(args)
     configs = [ReplayConfig(planner=p, backend=args.backend, page_size=args.page_size, kv_tokens=args.kv_tokens,
                             profile_split=args.profile_split, warmup_steps=args.warmup, seed=args.seed,
-                            progress=not args.no_progress) for p in planners]
+                            progress=not args.no_progress, cuda_graphs=args.cuda_graphs) for p in planners]
     results = replay_results(model, schedule, configs, model_name, args.workload)
     print_results(results)
     if args.out:

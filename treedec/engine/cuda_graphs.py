@@ -78,11 +78,10 @@ class GraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
 
-    def run(self, backend: str, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(logits [Q, vocab], hidden [Q, hidden_size])`` of the step planned by ``plan`` for
-        ``backend``, or None when it must run eagerly (the reason counted in :attr:`stats`). The
-        tensors are views of the graph's outputs: valid until the next :meth:`run`."""
+    def load(self, backend: str, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray
+             ) -> _Graph | None:
+        """Write the step planned by ``plan`` for ``backend`` into its bucket's static plan (the host
+        side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`)."""
         if plan.num_queries > self.config.max_queries:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
         need = PlanBounds.for_plan(plan)
@@ -100,18 +99,24 @@ class GraphRunner:
         inputs[2] = self._scratch_slot
         inputs[:, :plan.num_queries] = (tokens, positions, slots)
         entry.static.write(plan, extra={"inputs": inputs})
-        if not self.config.capture:
-            self.stats["static_eager"] += 1
-            logits, hidden = self._forward(entry.static)
-            return logits[: plan.num_queries], hidden[: plan.num_queries]
-        if entry.graph is None:
+        if self.config.capture and entry.graph is None:
             self._capture(entry)
         # Only now may a replaced graph go: its memory returns to the shared pool, and a
         # private pool whose last graph died cannot be captured into again (allocator assert).
         del replaced
+        return entry
+
+    def run(self, entry: _Graph, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [num_queries, vocab], hidden [num_queries, hidden_size])`` of the step
+        :meth:`load` wrote into ``entry``: its graph replayed (or, with ``capture`` off, the same
+        forward over the static buffers). Views of the graph's outputs: valid until the next run."""
+        if not self.config.capture:
+            self.stats["static_eager"] += 1
+            logits, hidden = self._forward(entry.static)
+            return logits[:num_queries], hidden[:num_queries]
         entry.graph.replay()
         self.stats["replays"] += 1
-        return entry.logits[: plan.num_queries], entry.hidden[: plan.num_queries]
+        return entry.logits[:num_queries], entry.hidden[:num_queries]
 
     def _capture(self, entry: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, the cuda extension loads), then capture

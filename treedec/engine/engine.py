@@ -15,6 +15,7 @@ every layer; the step commits the tokens (their K/V are in the pool) when it ret
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Sequence
 
@@ -55,6 +56,13 @@ class Engine:
         Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and a
         kernel backend: triton, cuda, or auto's hybrid, whose rule then picks the kernel of each
         graph); see :mod:`treedec.engine.cuda_graphs`.
+
+    Attributes
+    ----------
+    stats : Counter
+        ``steps``, ``queries``, ``plan_seconds`` (host time from a step's layout to its plan
+        prepared, or written into its graph's static plan) and ``kv_tokens_read`` (per KV
+        head, by every layer's attention: each chunk once per work item).
     """
 
     def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
@@ -165,17 +173,23 @@ class Engine:
         self._check_window(int(positions.max()))
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         self._check_token_ids(tokens, "the pending tokens")
+        started = time.perf_counter()
+        graph = None
         if self._graphs is None:
             plan = self.attn.plan(layout)
+            host_plan = plan.plan
         else:
             backend = self.attn.step_backend(num_q)
             host_plan = make_plan(layout, self.attn.plan_config_for(backend),
                                   self.attn.num_qo_heads // self.attn.num_kv_heads)
-            outputs = self._graphs.run(backend, host_plan, tokens, positions, slots)
-            plan = self.attn.prepare(host_plan.to(self.device), backend) if outputs is None else None
+            graph = self._graphs.load(backend, host_plan, tokens, positions, slots)
+            plan = self.attn.prepare(host_plan.to(self.device), backend) if graph is None else None
+        self.stats["plan_seconds"] += time.perf_counter() - started
+        self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
             logits = self._forward(plan, tokens, positions, slots, rows, return_hidden)
         else:  # copies: the graph's output buffers are overwritten by its next replay
+            outputs = self._graphs.run(graph, num_q)
             index = torch.arange(num_q, device=self.device) if rows is None else torch.as_tensor(rows, device=self.device)
             logits = tuple(t[index] for t in outputs) if return_hidden else outputs[0][index]
         self.tree.commit_step()

@@ -48,7 +48,9 @@ class ReplayConfig:
     page, at most ``max_kv_tokens`` (a schedule needing more is refused before anything is
     allocated: its counts can ask for any number of tokens). ``warmup_steps`` replays that
     many steps after step 0 once, untimed, before the timed run (kernel compilation,
-    allocator warm-up).
+    allocator warm-up, graph captures). ``cuda_graphs`` replays the engine's steps from
+    CUDA graphs (a GPU and a kernel backend); attention is then not timed on its own, so it
+    excludes ``profile_split``.
     """
 
     planner: str = "flatten"
@@ -60,8 +62,12 @@ class ReplayConfig:
     warmup_steps: int = 0
     seed: int = 0
     progress: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self):
+        if self.cuda_graphs and self.profile_split:
+            raise ValueError("ReplayConfig: profile_split times attention alone, which a CUDA graph cannot; "
+                             "choose one of cuda_graphs and profile_split")
         for name, minimum in (("page_size", 1), ("kv_tokens", 1), ("max_kv_tokens", 1), ("warmup_steps", 0)):
             value = getattr(self, name)
             if name == "kv_tokens" and value is None:
@@ -87,7 +93,7 @@ class ReplayRun:
 
 
 class AttentionTimer:
-    """Wraps an engine's :class:`TreeAttention`: times ``plan`` and (optionally) ``run``, counts KV reads.
+    """Wraps an engine's :class:`TreeAttention` to time ``run`` (planning and KV reads are in ``engine.stats``).
 
     Everything else is forwarded to the wrapped object.
     """
@@ -102,17 +108,8 @@ class AttentionTimer:
         return getattr(self._attn, name)
 
     def reset(self) -> None:
-        self.plan_seconds = 0.0
-        self.kv_tokens_read = 0
         self._run_seconds = 0.0
         self._events: list = []
-
-    def plan(self, tree):
-        t0 = time.perf_counter()
-        plan = self._attn.plan(tree)
-        self.plan_seconds += time.perf_counter() - t0
-        self.kv_tokens_read += plan.plan.kv_tokens_read()
-        return plan
 
     def run(self, *args, **kwargs):
         if not self.time_run:
@@ -168,7 +165,7 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
                          f"{sizing['peak_pages']} pages of {config.page_size} tokens and branches into up to "
                          f"{schedule.stats.widest_branch} children (a page each)")
     engine = Engine(model, kv_tokens=kv_tokens, page_size=config.page_size, backend=config.backend,
-                    plan_config=PlanConfig(planner=config.planner))
+                    plan_config=PlanConfig(planner=config.planner), cuda_graphs=config.cuda_graphs)
     timer = AttentionTimer(engine.attn, time_run=config.profile_split or engine.device.type != "cuda")
     engine.attn = timer
     if config.warmup_steps:
@@ -197,12 +194,12 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
         t_ops = time.perf_counter()
         kv_pages = pool.num_pages - pool.num_free_pages
         queries = driver.pending
-        plan_prefill, io_prefill = timer.plan_seconds, timer.kv_tokens_read
+        plan_prefill, io_prefill = engine.stats["plan_seconds"], engine.stats["kv_tokens_read"]
         attention_prefill = timer.run_seconds()
         driver.layout_seconds = 0.0
         ran = driver.forward() is not None
         t1 = time.perf_counter()
-        plan = timer.plan_seconds - plan_prefill
+        plan = engine.stats["plan_seconds"] - plan_prefill
         attention = timer.run_seconds()
         attention = None if attention is None else attention - attention_prefill
         bookkeeping = (t_ops - t0 - prefill) + driver.layout_seconds
@@ -214,7 +211,7 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
             "bookkeeping_ms": 1e3 * bookkeeping, "plan_ms": 1e3 * plan,
             "attention_ms": None if attention is None else 1e3 * attention,
             "other_ms": 1e3 * (forward - plan - (attention or 0.0)) if ran else 0.0,
-            "kv_io_bytes": (timer.kv_tokens_read - io_prefill) * io_bytes_per_token,
+            "kv_io_bytes": (engine.stats["kv_tokens_read"] - io_prefill) * io_bytes_per_token,
         })
     wall = time.perf_counter() - started
     driver.release()
@@ -239,6 +236,7 @@ def replay_results(model: Llama, schedule: Schedule, configs: list[ReplayConfig]
         "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "page_size": configs[0].page_size, "profile_split": configs[0].profile_split,
+        "cuda_graphs": configs[0].cuda_graphs,
         "runs": [r.to_json() for r in runs],
         "same_tokens": len({json.dumps(r.emitted) for r in runs}) == 1,
     }
