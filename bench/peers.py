@@ -229,7 +229,7 @@ def cascade_levels(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def _gather(layout: TreeLayout, cache: torch.Tensor) -> torch.Tensor:
     """``[1, Hkv, T, D]`` contiguous copy of the tree's tokens in flattened order."""
     hkv, d = cache.shape[2], cache.shape[3]
-    slots = torch.from_numpy(layout.kv_slots).to(cache.device)
+    slots = torch.tensor(layout.kv_slots, device=cache.device)   # a copy: layout arrays are read-only
     return cache.reshape(-1, hkv, d)[slots].transpose(0, 1).unsqueeze(0).contiguous()
 
 

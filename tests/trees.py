@@ -50,7 +50,7 @@ def random_forest(rng: np.random.Generator, page_size: int, num_kv_heads: int = 
 
 def poison_free_slots(tree: SequenceTree) -> None:
     """NaN in every pool slot that no tree token owns: reading one would show in the output."""
-    used = torch.from_numpy(tree.layout().kv_slots)
+    used = torch.tensor(tree.layout().kv_slots)   # a copy: layout arrays are read-only
     for cache in (tree.pool.k, tree.pool.v):
         flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
         keep = flat[used].clone()

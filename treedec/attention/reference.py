@@ -42,7 +42,7 @@ def reference_tree_attention(
     """
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
-    slots = torch.from_numpy(layout.kv_slots).to(q.device)
+    slots = torch.tensor(layout.kv_slots, device=q.device)   # a copy: layout arrays are read-only
     k = k_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
     v = v_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,thd->qht", q.float(), k) * sm_scale

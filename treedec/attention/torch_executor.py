@@ -44,10 +44,10 @@ def run_plan_torch(
         e0, e1 = plan.chunk_entry_start[c], plan.chunk_entry_start[c + 1]
         if e0 == e1:
             continue
-        slots = torch.from_numpy(plan.kv_slots[t0:t1]).to(q.device)
+        slots = torch.tensor(plan.kv_slots[t0:t1], device=q.device)   # a copy: plan arrays are read-only
         k = k_flat[slots].float()                                              # [L, Hkv, D]
         v = v_flat[slots].float()
-        rows = torch.from_numpy(plan.entry_query[e0:e1]).to(q.device)
+        rows = torch.tensor(plan.entry_query[e0:e1], device=q.device)
         qg = q[rows].float().view(-1, hkv, group, d)                           # [g, Hkv, G, D]
         scores = torch.einsum("gkjd,lkd->gkjl", qg, k) * sm_scale
         words = torch.from_numpy(np.ascontiguousarray(plan.entry_mask[e0:e1])).to(q.device)

@@ -57,6 +57,7 @@ class SequenceTree:
         self._roots: list[int] = []
         self._next_id = 0
         self._preorder: tuple[list[int], np.ndarray] | None = None
+        self._layout: TreeLayout | None = None   # until the next operation: a step asks for it several times
 
     # ================================================================ queries
 
@@ -137,7 +138,15 @@ class SequenceTree:
         return np.asarray(out, dtype=np.int64)
 
     def layout(self) -> TreeLayout:
-        """Snapshot of the forest for planning; the queries are the pending tokens."""
+        """Snapshot of the forest for planning; the queries are the pending tokens.
+
+        The same (read-only) object until the next operation changes the forest.
+        """
+        if self._layout is None:
+            self._layout = self._make_layout()
+        return self._layout
+
+    def _make_layout(self) -> TreeLayout:
         order, parent = self._structure()
         nodes = [self._nodes[i] for i in order]
         lens = np.fromiter((n.length for n in nodes), dtype=np.int64, count=len(nodes))
@@ -148,7 +157,10 @@ class SequenceTree:
         first = np.cumsum(pending) - pending
         query_offset = (lens - pending)[query_node] + np.arange(len(query_node)) - first[query_node]
         kv_slots = np.concatenate([n.slots[: n.length] for n in nodes]) if nodes else np.zeros(0, np.int64)
-        return TreeLayout(np.asarray(order, dtype=np.int64), parent, kv_start, kv_slots, query_node, query_offset)
+        arrays = (np.asarray(order, dtype=np.int64), parent.copy(), kv_start, kv_slots, query_node, query_offset)
+        for a in arrays:
+            a.setflags(write=False)   # shared by every caller until the forest changes
+        return TreeLayout(*arrays)
 
     # ================================================================ operations
 
@@ -162,7 +174,7 @@ class SequenceTree:
         self._nodes[node.id] = node
         self._roots.append(node.id)
         self._next_id += 1
-        self._preorder = None
+        self._preorder = self._layout = None
         return node.id
 
     def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
@@ -212,7 +224,7 @@ class SequenceTree:
             parent.children.append(child.id)
             self._next_id += 1
             ids.append(child.id)
-        self._preorder = None
+        self._preorder = self._layout = None
         return ids
 
     def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
@@ -252,7 +264,7 @@ class SequenceTree:
         held, holders = np.unique(slots // self.pool.page_size, return_counts=True)
         self.pool.incref(np.repeat(held, holders - 1))
         self._next_id += m
-        self._preorder = None
+        self._preorder = self._layout = None
         return ids
 
     def prune(self, node_id: int) -> np.ndarray:
@@ -276,7 +288,7 @@ class SequenceTree:
             self._nodes[node.parent].children.remove(node_id)
         for i in subtree:
             del self._nodes[i]
-        self._preorder = None
+        self._preorder = self._layout = None
         return freed
 
     def pause(self, node_id: int) -> None:
@@ -290,6 +302,7 @@ class SequenceTree:
         """Mark every pending token as computed (call after the step's forward pass)."""
         for node in self._nodes.values():
             node.pending = 0
+        self._layout = None
 
     # ================================================================ debugging
 
@@ -381,6 +394,7 @@ class SequenceTree:
         n = len(tokens)
         if n == 0:
             return np.zeros(0, np.int64)
+        self._layout = None
         ps = self.pool.page_size
         use_tail = min(n, node.tail_room)
         last = int(node.slots[node.length - 1]) if node.length else -1
