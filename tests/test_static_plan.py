@@ -50,6 +50,9 @@ def test_write_pads_the_plan_and_copies_extra_sections():
     assert p.entry_mask[: plan.num_entries, plan.mask_words:].eq(0).all()
     # a smaller plan in the same buffers: the same prepared DeviceTreePlan, empty rows past its queries
     small = make_plan(TreeLayout.from_parents([-1, 0], [30, 1], [(1, 0)]), PlanConfig(chunk_size=8, query_tile=2), 2)
+    with pytest.raises(ValueError, match=r"extra sections \['nope'\]"):
+        static.write(small, extra={"nope": np.zeros(1, dtype=np.int32)})
+    assert static.current is plan
     assert static.write(small) is p and static.current is small
     assert p.query_entry_start[2:].eq(int(small.query_entry_start[-1])).all()
     assert p.item_num_entries[small.num_items:].eq(0).all()

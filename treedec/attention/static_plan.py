@@ -192,21 +192,17 @@ class StaticPlan:
             problem = f"the plan's query tile {plan.query_tile} differs from this static plan's {self.current.query_tile}"
         if problem is not None:
             raise PlanError(problem)
-        padded = self._padded(plan)
-        device_plan = self.device_plan or self._prepare(plan, padded)
-        values = {**padded, **self.backend.static_values(plan, device_plan.prepared)}
-        for name, value in (extra or {}).items():
-            if name not in self.extra:
-                raise ValueError(f"extra section {name!r} is not one of this static plan's {sorted(self.extra)}")
-            values[name] = np.asarray(value)
+        device_plan = self.device_plan or self._prepare(plan, self._padded(plan))
+        backend_values = self.backend.static_values(plan, device_plan.prepared)
+        unknown = sorted(set(extra or {}) - set(self.extra))
+        if unknown:
+            raise ValueError(f"extra sections {unknown} are not this static plan's {sorted(self.extra)}")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffer
-        used = []
-        for name, value in values.items():
-            view = self._host_views[name]
-            if name in padded and name not in _READ_TO_BOUNDS:
-                value = value[:len(getattr(plan, name))]   # rows of the plan (the mask at the bounds' width)
-            view[tuple(slice(0, n) for n in value.shape)] = value
+        used = [self._write_array(name, getattr(plan, name)) for name in DEVICE_ARRAYS]
+        for name, value in {**backend_values, **(extra or {})}.items():
+            value = np.asarray(value)
+            self._host_views[name][tuple(slice(0, n) for n in value.shape)] = value
             start = self._span[name][0]
             used.append((start, start + value.size))
         for start, end in _coalesce(sorted(used)):
@@ -215,6 +211,21 @@ class StaticPlan:
             self._copied.record()
         self.device_plan, self.current = device_plan, plan
         return device_plan
+
+    def _write_array(self, name: str, src: np.ndarray) -> tuple[int, int]:
+        """Write one plan array into its host section, padded where the launch reads to the bounds;
+        returns the span of words to copy (the rest of the section is never read)."""
+        view, start = self._host_views[name], self._span[name][0]
+        n = len(src)
+        if src.ndim == 2:   # entry_mask: the plan's rows at the bounds' width, words past its width 0
+            view[:n, :src.shape[1]] = src
+            view[:n, src.shape[1]:] = 0
+            return start, start + n * view.shape[1]
+        view[:n] = src
+        if name not in _READ_TO_BOUNDS:
+            return start, start + n
+        view[n:] = src[-1] if name in _EDGE_PADDED else 0
+        return start, start + view.size
 
     def _padded(self, plan: TreePlan) -> dict[str, np.ndarray]:
         """``plan``'s arrays padded to the bounds' shapes (int32): what the launch prepared at the bounds reads."""

@@ -122,7 +122,8 @@ class TreeAttention:
         return StaticPlan(bounds, runner, self.device, extra)
 
     def prepare(self, plan: DeviceTreePlan, backend: str | None = None) -> DeviceTreePlan:
-        """``plan`` (e.g. one whose arrays live in static buffers) with ``backend``'s launch prepared.
+        """``plan`` (from :meth:`TreePlan.to`, e.g. a plan made with its own planner settings) with
+        ``backend``'s launch prepared.
 
         ``backend`` defaults to :meth:`step_backend` of the plan's queries.
         """
