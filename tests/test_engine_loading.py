@@ -14,6 +14,7 @@ from tests.test_engine_llama import hf_logits, tiny_hf
 from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_hf_model, from_pretrained,
                             to_hf_config, to_hf_state_dict)
 from treedec.engine.loading import CheckpointError, checkpoint_shards
+from treedec.search.speculative import PromptLookupDraft, greedy_generate, speculative_generate
 
 
 def run_steps(model) -> list[torch.Tensor]:
@@ -315,4 +316,51 @@ def test_config_with_a_bad_size_is_named(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 0}))
     with pytest.raises(CheckpointError, match=f"{config}: ModelConfig.num_layers must be a positive int, got 0"):
+        from_pretrained(tmp_path, device="cpu")
+
+
+# ================================================================ EOS ids
+
+
+def test_speculative_decoding_stops_at_the_checkpoint_s_eos_by_default(tmp_path):
+    """generation_config.json's EOS list is the model's; speculative decoding stops at it by default."""
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    prompt = [5, 9, 2, 7, 1, 3]
+    free = greedy_generate(Engine(from_pretrained(tmp_path, device="cpu"), kv_tokens=256, backend="torch"), prompt,
+                           24, eos_token_id=None)
+    p = next(i for i in range(3, 24) if free[i] not in free[:i])
+    eos = [min(set(range(256)) - set(free)), free[p]]
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": eos}))
+    model = from_pretrained(tmp_path, device="cpu")
+    assert model.eos_token_ids == tuple(eos)
+    tokens, stats = speculative_generate(Engine(model, kv_tokens=256, backend="torch"), prompt, PromptLookupDraft(), 24)
+    assert tokens == free[:p + 1] and stats.stop_reason == "eos"
+
+
+def test_eos_ids_fall_back_to_the_config(tmp_path):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    gen, config = tmp_path / "generation_config.json", tmp_path / "config.json"
+    assert json.loads(gen.read_text())["eos_token_id"] == 2   # transformers' LlamaConfig default
+    assert from_pretrained(tmp_path, device="cpu").eos_token_ids == (2,)
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": None}))
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": [7, 9, 7]}))
+    assert from_pretrained(tmp_path, device="cpu").eos_token_ids == (7, 9)
+    gen.unlink()
+    assert from_pretrained(tmp_path, device="cpu").eos_token_ids == (7, 9)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": None}))
+    assert from_pretrained(tmp_path, device="cpu").eos_token_ids == ()
+    assert from_config("tiny", device="cpu").eos_token_ids == ()
+
+
+@pytest.mark.parametrize("value", ["2", 256, [3, -1], [True], {"id": 2}])
+def test_bad_eos_ids_are_named(tmp_path, value):
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": value}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{gen}: field 'eos_token_id' must be a token id in [0, 256) "
+                                                        f"or a list of them, got {value!r}")):
+        from_pretrained(tmp_path, device="cpu")
+    gen.write_text("{")
+    with pytest.raises(CheckpointError, match=f"{gen}: not valid JSON"):
         from_pretrained(tmp_path, device="cpu")

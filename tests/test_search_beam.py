@@ -151,6 +151,19 @@ def test_other_requests_are_left_alone(model):
     engine.tree.check_invariants()
 
 
+def test_default_eos_is_the_model_s(model, monkeypatch):
+    assert model.eos_token_ids == ()   # from_hf_model: none
+    free = beam_search(make_engine(model), PROMPT, 3, NEW_TOKENS)
+    eos = frequent_token(model, PROMPT, 3)
+    explicit = beam_search(make_engine(model), PROMPT, 3, NEW_TOKENS, eos_token_id=eos)
+    monkeypatch.setattr(model, "eos_token_ids", (eos,))
+    default = beam_search(make_engine(model), PROMPT, 3, NEW_TOKENS)
+    assert (default.sequences, default.scores) == (explicit.sequences, explicit.scores)
+    assert any(seq[-1] == eos for seq in default.sequences)
+    off = beam_search(make_engine(model), PROMPT, 3, NEW_TOKENS, eos_token_id=None)
+    assert (off.sequences, off.scores) == (free.sequences, free.scores) != (default.sequences, default.scores)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(num_beams=0), "num_beams must be an int >= 1, got 0"),
     (dict(num_beams=-2), "num_beams must be an int >= 1, got -2"),
@@ -162,6 +175,7 @@ def test_other_requests_are_left_alone(model):
     (dict(eos_token_id=256), r"eos_token_id must be token ids in \[0, 256\), got 256"),
     (dict(eos_token_id=[3, -1]), r"eos_token_id must be token ids in \[0, 256\), got \[3, -1\]"),
     (dict(eos_token_id=[]), r"eos_token_id must be token ids"),
+    (dict(eos_token_id="eos"), r"eos_token_id must be 'model' \(the model's own EOS ids\), a token id"),
     (dict(early_stopping="always"), "early_stopping must be False, True or 'never', got 'always'"),
     (dict(early_stopping=1), "early_stopping must be False, True or 'never', got 1"),
     (dict(num_beams=129), "keeps 258 candidates per step, more than the vocabulary"),

@@ -157,3 +157,40 @@ def test_exhausted_pool_raises_before_any_op_and_prunes_count():
     run = run_controller(engine, PROMPT, controller, max_steps=5)
     assert run.stopped and run.queries_per_step == [3, 8] and engine.pool.num_free_pages == 0
     engine.tree.check_invariants()
+
+
+def test_a_leaf_that_emits_eos_is_paused(tiny, monkeypatch):
+    """Three branches decode greedily; each stops on its first EOS id (kept, computed), paused, while the
+    others go on; the run ends when none is left. The default EOS ids are the model's."""
+    free_engine = make_engine(tiny)
+    free = run_controller(free_engine, PROMPT, Scripted(lambda v: [Branch(v.root, 3)]), max_steps=8,
+                          eos_token_id=None)
+    leaves = free_engine.tree.children(free.root)
+    branches = [free_engine.tree.tokens(n) for n in leaves]
+    assert free.finished == [] and all(len(b) == 8 for b in branches)
+    eos = {branches[0][4], branches[1][5]}
+    ends = [next((i + 1 for i, t in enumerate(b) if t in eos), None) for b in branches]   # tokens kept per branch
+    assert ends == [5, 6, None], (branches, eos)
+
+    monkeypatch.setattr(tiny, "eos_token_ids", tuple(eos))
+    engine = make_engine(tiny)
+    run = run_controller(engine, PROMPT, Scripted(lambda v: [Branch(v.root, 3)]), max_steps=8)
+    tree = engine.tree
+    assert [tree.tokens(n) for n in tree.children(run.root)] == [b[:e] for b, e in zip(branches, ends)]
+    assert sorted(run.finished, key=leaves.index) == [n for n, e in zip(leaves, ends) if e is not None]
+    assert all(tree.is_paused(n) for n in run.finished) and tree.live_leaves() == [n for n, e in zip(leaves, ends)
+                                                                                   if e is None]
+    assert run.queries_per_step == [sum(e is None or e > i for e in ends) for i in range(8)]
+    assert engine.stats["queries"] == tree.num_tokens and tree.layout().num_queries == 0
+    tree.check_invariants()
+
+    # Every branch finished: the run ends there; a finished leaf cannot grow.
+    engine = make_engine(tiny)
+    run = run_controller(engine, PROMPT, Scripted(lambda v: [Branch(v.root, 3)]), max_steps=8,
+                         eos_token_id=[b[1] for b in branches])
+    assert run.steps == 2 and len(run.finished) == 3 and engine.tree.live_leaves() == []
+    controller = Scripted(lambda v: [Branch(v.root, 3)], lambda v: [Extend(v.tree.children(v.root)[0])])
+    with pytest.raises(ControllerError, match="is not a live leaf"):
+        run_controller(make_engine(tiny), PROMPT, controller, max_steps=5, eos_token_id=branches[0][0])
+    with pytest.raises(ValueError, match="eos_token_id must be token ids in"):
+        run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, eos_token_id=512)

@@ -84,6 +84,17 @@ def test_eos_ends_samples_and_frees_them(tiny):
         assert (engine.pool.num_free_pages == engine.pool.num_pages) != keep
 
 
+def test_default_eos_is_the_model_s(tiny, monkeypatch):
+    greedy = plain_greedy(tiny, PROMPT, 6)
+    eos = greedy[2]
+    monkeypatch.setattr(tiny, "eos_token_ids", (eos,))
+    result = parallel_sample(make_engine(tiny), PROMPT, 2, 6, SamplingParams(top_k=1))
+    assert tokens_of(result) == [greedy[:greedy.index(eos) + 1]] * 2
+    assert [s.finish_reason for s in result.samples] == ["eos", "eos"]
+    result = parallel_sample(make_engine(tiny), PROMPT, 2, 6, SamplingParams(top_k=1), eos_token_id=None)
+    assert tokens_of(result) == [greedy] * 2 and result.samples[0].finish_reason == "length"
+
+
 def test_ended_samples_free_their_pages_while_others_run(tiny):
     """Sampled at temperature 1 with a frequent token as EOS: samples end at different steps,
     and a step computes only the samples still running."""
@@ -160,6 +171,7 @@ def test_bad_sampling_params_raise(make, message):
     (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
     (dict(params={"temperature": 0.5}), "params must be a SamplingParams, got dict"),
     (dict(eos_token_id=512), r"eos_token_id must be token ids in \[0, 512\), got 512"),
+    (dict(eos_token_id="eos"), r"eos_token_id must be 'model' \(the model's own EOS ids\), a token id"),
     (dict(keep="yes"), "keep must be a bool, got 'yes'"),
 ])
 def test_bad_arguments_raise_and_change_nothing(tiny, kwargs, message):

@@ -1,8 +1,12 @@
-"""Speculative decoding (tiny model, CPU): every draft source emits exactly the plain greedy tokens."""
+"""Speculative decoding (tiny model, CPU): every draft source emits exactly the plain greedy
+tokens, and stops on an EOS id exactly where plain greedy decoding does."""
 import numpy as np
 import pytest
 
+from treedec.engine import Engine
 from treedec.errors import TreeError
+from treedec.search.draft_model import DraftModelDraft
+from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.speculative import (PromptLookupDraft, TreeDraft, greedy_generate, speculative_generate,
                                         verify_greedy)
 from treedec.tree.token_tree import TokenTree
@@ -147,5 +151,123 @@ def test_greedy_generate_is_plain_greedy(tiny, reference):
     engine = make_engine(tiny)
     assert greedy_generate(engine, prompt, 12) == ref[:12]
     assert engine.stats["steps"] == 12 and engine.tree.sequence(engine.tree.roots[0]) == prompt + ref[:11]
+    eos = first_occurrence(ref, 8)    # stops on it: returned, not computed
+    engine = make_engine(tiny)
+    assert greedy_generate(engine, prompt, 12, eos_token_id=[eos, 511]) == ref[:9]
+    assert engine.stats["steps"] == 9 and engine.tree.sequence(engine.tree.roots[0]) == prompt + ref[:8]
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
         greedy_generate(make_engine(tiny), prompt, 0)
+
+
+# ================================================================ EOS
+
+
+EOS_DRAFTS = {
+    **DRAFTS,
+    "medusa-untrained": lambda prompt, ref: MedusaDraft(MedusaHeads.untrained(tiny_model(), num_heads=4)),
+    "draft-model-self": lambda prompt, ref: DraftModelDraft(Engine(tiny_model(), kv_tokens=1024, page_size=4,
+                                                                   backend="torch"), depth=3, top_k=2, total_tokens=10),
+}
+# Positions of the reference continuation whose token first occurs there (asserted below):
+# 0 is the prefill's token, 2 lies inside the oracle's and the self draft model's first
+# accepted path, 38 is the n-gram draft's bonus after 3 accepted tokens; 40 is past
+# NEW_TOKENS (the run ends on the length).
+EOS_POSITIONS = [0, 2, 20, 38, 40]
+
+
+def first_occurrence(tokens, p):
+    assert tokens[p] not in tokens[:p], f"token {tokens[p]} at {p} occurs before, at {tokens.index(tokens[p])}"
+    return tokens[p]
+
+
+def assert_stopped_like_greedy(engine, prompt, tokens, stats, eos, page_size=4):
+    """The tokens, the stop reason, the request's node and the pages held are those plain greedy decoding
+    with the same EOS ids leaves behind; pruning the node frees every page."""
+    plain = make_engine(tiny_model(), page_size=page_size)
+    expected = greedy_generate(plain, prompt, NEW_TOKENS, eos_token_id=eos)
+    assert tokens == expected
+    ended = tokens[-1] in (eos if isinstance(eos, list) else [eos])
+    assert stats.stop_reason == ("eos" if ended else "length")
+    seq = engine.tree.sequence(stats.node)
+    if ended:   # the EOS is returned, not computed; nothing after it is kept
+        assert seq == plain.tree.sequence(plain.tree.roots[0]) == prompt + tokens[:-1]
+        assert engine.pool.num_free_pages == plain.pool.num_free_pages
+    else:
+        assert seq[:len(prompt) + NEW_TOKENS - 1] == prompt + tokens[:-1]
+    assert engine.tree.children(stats.node) == [] and engine.tree.layout().num_queries == 0
+    engine.tree.check_invariants()
+    engine.tree.prune(stats.node)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+@pytest.mark.parametrize("position", EOS_POSITIONS)
+@pytest.mark.parametrize("name", list(EOS_DRAFTS))
+def test_speculative_stops_at_eos_like_greedy(tiny, reference, name, position):
+    prompt, ref = reference
+    eos = first_occurrence(ref, position)
+    engine = make_engine(tiny)
+    tokens, stats = speculative_generate(engine, prompt, EOS_DRAFTS[name](prompt, ref), NEW_TOKENS,
+                                         eos_token_id=eos)
+    assert tokens == ref[:min(position + 1, NEW_TOKENS)]
+    assert stats.steps == len(stats.accepted) and (stats.steps == 0) == (position == 0)
+    assert_stopped_like_greedy(engine, prompt, tokens, stats, eos)
+
+
+def test_eos_inside_the_accepted_path_ends_it(tiny, reference):
+    """The oracle accepts 5 draft tokens a step; an EOS as the 2nd of them is the step's last token:
+    the node keeps the one accepted token before it, K/V equal to a fresh prefill's."""
+    prompt, ref = reference
+    _, free = speculative_generate(make_engine(tiny), prompt, oracle_draft(prompt, ref), NEW_TOKENS, eos_token_id=None)
+    assert free.accepted[0] == 5 and free.stop_reason == "length"   # positions 1-5 accepted, 6 the bonus
+    eos = first_occurrence(ref, 2)
+    engine = make_engine(tiny)
+    tokens, stats = speculative_generate(engine, prompt, oracle_draft(prompt, ref), NEW_TOKENS, eos_token_id=eos)
+    assert tokens == ref[:3] and stats.accepted == [1] and stats.draft_sizes == free.draft_sizes[:1]
+    assert_kv_equals_fresh_prefill(engine, stats.node, make_engine(tiny))
+    assert_stopped_like_greedy(engine, prompt, tokens, stats, eos)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_eos_inside_an_accepted_prompt_lookup_path(tiny, page_size):
+    """A prompt P + C + P, C greedy's own continuation of P: after the second P the n-gram draft
+    proposes C again and greedy accepts two of its tokens; an EOS on the first of them ends the
+    path before the second and the bonus."""
+    P = np.random.default_rng(0).integers(0, 512, 8).tolist()
+    prompt = P + plain_greedy(tiny, P, 8) + P
+    draft = PromptLookupDraft(max_ngram=3, num_draft_tokens=5)
+    free_engine = make_engine(tiny, page_size)
+    free, free_stats = speculative_generate(free_engine, prompt, draft, NEW_TOKENS, eos_token_id=None)
+    assert free_stats.accepted[0] == 2           # new tokens 1 and 2 accepted, 3 the bonus
+    eos = first_occurrence(free, 1)
+    engine = make_engine(tiny, page_size)
+    tokens, stats = speculative_generate(engine, prompt, draft, NEW_TOKENS, eos_token_id=[511, eos])
+    assert tokens == free[:2] and stats.accepted == [0] and stats.stop_reason == "eos"
+    assert_kv_equals_fresh_prefill(engine, stats.node, make_engine(tiny))
+    assert_stopped_like_greedy(engine, prompt, tokens, stats, [511, eos], page_size)
+
+
+def test_default_eos_is_the_model_s(tiny, reference, monkeypatch):
+    prompt, ref = reference
+    eos = first_occurrence(ref, 8)
+    assert tiny.eos_token_ids == ()   # random weights: no EOS
+    monkeypatch.setattr(tiny, "eos_token_ids", (eos,))
+    tokens, stats = speculative_generate(make_engine(tiny), prompt, PromptLookupDraft(), NEW_TOKENS)
+    assert tokens == ref[:9] == greedy_generate(make_engine(tiny), prompt, NEW_TOKENS) and stats.stop_reason == "eos"
+    tokens, stats = speculative_generate(make_engine(tiny), prompt, PromptLookupDraft(), NEW_TOKENS, eos_token_id=None)
+    assert tokens == ref[:NEW_TOKENS] == greedy_generate(make_engine(tiny), prompt, NEW_TOKENS, eos_token_id=None)
+    assert stats.stop_reason == "length"
+
+
+@pytest.mark.parametrize("eos, match", [
+    ("eos", "eos_token_id must be 'model'"),
+    (512, r"eos_token_id must be token ids in \[0, 512\), got 512"),
+    ([3, -1], r"eos_token_id must be token ids in \[0, 512\), got \[3, -1\]"),
+    ([], "eos_token_id must be token ids"),
+])
+def test_bad_eos_raises_before_the_prefill(tiny, eos, match):
+    for run in (lambda e: speculative_generate(e, [1, 2, 3], PromptLookupDraft(), 4, eos_token_id=eos),
+                lambda e: greedy_generate(e, [1, 2, 3], 4, eos_token_id=eos)):
+        engine = make_engine(tiny)
+        with pytest.raises(ValueError, match=match):
+            run(engine)
+        assert engine.tree.num_nodes == 0

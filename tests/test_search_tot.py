@@ -202,6 +202,25 @@ def test_thought_ends_at_a_stop_string():
     assert other.thoughts[0].endswith(stop) or other.num_tokens == 6
 
 
+def test_thought_ends_at_an_eos_id(monkeypatch):
+    """A thought ends on an EOS id (the model's by default), kept as its last token; the others go on."""
+    engine = make_engine()
+    config = BFSConfig(k=2, n=2, depth=1, temperature=0)
+    free = tot_bfs(engine, ScriptedTask(thought_max_tokens=6), CharTokenizer(), config, eos_token_id=None)
+    first = next(s.thoughts[0] for s in free.best if s.index == (0,))
+    eos = first[3]
+    monkeypatch.setattr(tiny_model(), "eos_token_ids", (ord(eos),))
+    task = ScriptedTask(thought_max_tokens=6)
+    cut = tot_bfs(engine, task, CharTokenizer(), config)
+    by_index = {s.index: s for s in cut.best}
+    assert by_index[(0,)].thoughts == (first[:first.index(eos) + 1],)
+    assert by_index[(0,)].num_tokens == first.index(eos) + 1
+    other = by_index[(1,)]
+    assert eos not in other.thoughts[0][:-1] and (other.thoughts[0].endswith(eos) or other.num_tokens == 6)
+    assert all(eos not in out[:-1] and len(out) <= 2 for _, outputs in task.evaluated for out in outputs)
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
 def test_default_value_map_parse():
     task = ScriptedTask()
     outputs = [" sure\nimpossible", "likely", "no idea", "not impossible, sure"]

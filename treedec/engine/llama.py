@@ -109,11 +109,16 @@ class Llama(nn.Module):
     Parameter names: ``embed_tokens``, ``layers[i].{input_norm, qkv_proj, o_proj,
     post_attention_norm, gate_up_proj, down_proj}``, ``norm``, ``lm_head`` (the embedding
     when ``tie_word_embeddings``).
+
+    ``eos_token_ids``: the token ids that end a generation by default (the search programs'
+    ``eos_token_id="model"``); :func:`~treedec.engine.from_pretrained` reads them from the
+    checkpoint, other builders leave them empty.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
+        self.eos_token_ids: tuple[int, ...] = ()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

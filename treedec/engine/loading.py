@@ -52,6 +52,7 @@ _FUSED = {  # HF projection -> (treedec parameter, which part)
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
 #: Weight dtypes a checkpoint may hold and a model may be built in.
 SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,7 +69,10 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
 
     Sharded checkpoints (``model.safetensors.index.json``) and single files
-    (``model.safetensors``) are read shard by shard straight onto ``device``.
+    (``model.safetensors``) are read shard by shard straight onto ``device``. The model's
+    ``eos_token_ids`` (where the search programs stop by default) are the ``eos_token_id``
+    (an id or a list) of ``generation_config.json``, as transformers' ``generate`` uses
+    them, else of ``config.json``; empty when neither names one.
 
     Parameters
     ----------
@@ -83,7 +87,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     FileNotFoundError
         No such directory, no ``config.json``, no weights, or a shard the index lists is missing.
     CheckpointError
-        (a ValueError) A malformed ``config.json`` or index, a shard path outside the
+        (a ValueError) A malformed ``config.json``, ``generation_config.json`` (its
+        ``eos_token_id`` not token ids of the vocabulary) or index, a shard path outside the
         directory, a truncated or corrupt shard, a tensor of another dtype than
         :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor.
     NotImplementedError
@@ -114,7 +119,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         config = ModelConfig.from_hf(hf_config)
     except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
         raise CheckpointError(f"{root / 'config.json'}: {e}") from None
+    eos = _checkpoint_eos(root, raw_config, config.vocab_size)
     model = _empty_model(config, dtype, _default_device(device))
+    model.eos_token_ids = eos
     _load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
                      source=str(root))
     return model
@@ -270,6 +277,24 @@ def _config_dtype(raw_config: dict, path: Path) -> torch.dtype:
         raise CheckpointError(f"{path}: field '{name}' must be one of {list(SUPPORTED_DTYPES)}, got {value!r:.60} "
                               f"(pass dtype= to load the weights in a supported dtype)")
     return SUPPORTED_DTYPES[value]
+
+
+def _checkpoint_eos(root: Path, raw_config: dict, vocab_size: int) -> tuple[int, ...]:
+    """The EOS ids of a checkpoint: ``eos_token_id`` of its generation config, else of its config."""
+    sources = [(root / "config.json", raw_config)]
+    if (root / GENERATION_CONFIG_FILE).is_file():
+        sources.insert(0, (root / GENERATION_CONFIG_FILE, _read_json_object(root / GENERATION_CONFIG_FILE)))
+    for path, data in sources:
+        value = data.get("eos_token_id")
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else value
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                                for t in ids):
+            raise CheckpointError(f"{path}: field 'eos_token_id' must be a token id in [0, {vocab_size}) or a list "
+                                  f"of them, got {value!r:.80}")
+        return tuple(dict.fromkeys(ids))
+    return ()
 
 
 def _shard_path(root: Path, name: str, where: str) -> Path:

@@ -32,7 +32,8 @@ from typing import Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import RequestStats, discard_request, eos_token_ids, finite_float, pages_in_use, positive_int
+from treedec.search.request import (MODEL_EOS, RequestStats, discard_request, eos_token_ids, finite_float,
+                                    pages_in_use, positive_int)
 from treedec.tree import SequenceTree
 
 EARLY_STOPPING = (False, True, "never")
@@ -63,7 +64,7 @@ class BeamSearchResult:
 
 
 def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
-                length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
                 early_stopping: bool | str = False) -> BeamSearchResult:
     """Beam search of width ``num_beams`` after ``prompt_ids``; see the module docstring.
 
@@ -81,7 +82,9 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
     num_beams : int >= 1, with ``max(2, 1 + len(eos ids)) * num_beams <= vocab_size``.
     max_new_tokens : int >= 1; hypotheses that reach it without EOS finish there.
     length_penalty : exponent of the length in the finished score (> 0 favours long ones).
-    eos_token_id : an id, several ids, or None (hypotheses end only at ``max_new_tokens``).
+    eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's, as
+        transformers' default), an id, several ids, or None (hypotheses end only at
+        ``max_new_tokens``).
     early_stopping : False (stop when the heuristic says the best live beam cannot win),
         True (also stop as soon as ``num_beams`` hypotheses are finished) or "never".
 
@@ -93,7 +96,7 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
     positive_int("max_new_tokens", max_new_tokens)
     length_penalty = finite_float("length_penalty", length_penalty)
     vocab = engine.model.config.vocab_size
-    eos = eos_token_ids(eos_token_id, vocab)
+    eos = eos_token_ids(eos_token_id, engine.model)
     if not any(early_stopping is v if isinstance(v, bool) else early_stopping == v for v in EARLY_STOPPING):
         raise ValueError(f"early_stopping must be False, True or 'never', got {early_stopping!r}")
     keep = max(2, 1 + len(eos)) * num_beams

@@ -12,7 +12,9 @@ its live leaves and each leaf's next-token logits) and applies the operations it
 
 A live leaf that no op names is extended by one decoded token, so a controller returns
 only what differs from plain decoding. Then one engine step computes every new token;
-shared prefixes stay in place and are never recomputed or copied. The ops of one
+shared prefixes stay in place and are never recomputed or copied. A leaf whose newest
+token is an EOS id is *finished*: after that step it is paused (its K/V stay, it is no
+longer a live leaf, so it does not grow; the controller may still prune it). The ops of one
 iteration are checked together before any is applied: a bad list (ControllerError) or one
 that needs more KV pages than the pool has free, counting those its prunes free
 (PoolExhaustedError), changes nothing.
@@ -26,6 +28,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import ControllerError, PoolExhaustedError
+from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.tree import SequenceTree
 
 __all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerRun", "Extend", "Op", "Prune",
@@ -90,12 +93,15 @@ class ControllerRun:
     steps : engine steps run after the prefill.
     queries_per_step : tokens computed by each step.
     stopped : True if the controller returned Stop (else max_steps or no live leaf ended it).
+    finished : the leaves paused because their newest token is an EOS id, in the order
+        they finished (a pruned one stays listed).
     """
 
     root: int
     steps: int = 0
     queries_per_step: list[int] = field(default_factory=list)
     stopped: bool = False
+    finished: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -119,18 +125,22 @@ def _request_leaves(tree, root: int) -> list[int]:
 
 
 def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> ControllerRun:
+                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> ControllerRun:
     """Prefill ``prompt_ids``, then up to ``max_steps`` iterations of decide / apply / step.
 
     ``temperature == 0`` decodes greedily (Branch takes the top-k tokens); else tokens are
     sampled from ``softmax(logits / temperature)`` (Branch: k without replacement) with
-    ``generator``. The run ends at ``max_steps``, on Stop, or when no live leaf is left.
-    The request stays in ``engine.tree`` under ``run.root``.
+    ``generator``. A leaf whose newest token is an EOS id (``eos_token_id``: ``"model"``,
+    the default, for ``engine.model.eos_token_ids``; an id, several ids, or None) is
+    paused and listed in ``run.finished``. The run ends at ``max_steps``, on Stop, or when
+    no live leaf is left. The request stays in ``engine.tree`` under ``run.root``.
     """
     if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
         raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
     root, first = engine.prefill(prompt_ids)
     run = ControllerRun(root=root)
     logits = {root: first}   # every node's next-token logits at its last token, while it lives
@@ -151,9 +161,11 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
         grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
                 for n in leaves if n not in plan.branch}
         tree.extend_many(grow)
-        new_leaves = list(grow)
+        last = {n: tokens[-1] for n, tokens in grow.items()}   # each new leaf's newest token
         for node, k in plan.branch.items():
-            new_leaves += tree.branch(node, [[t] for t in choose_tokens(logits[node], k, temperature, generator)])
+            tokens = choose_tokens(logits[node], k, temperature, generator)
+            last.update(zip(tree.branch(node, [[t] for t in tokens]), tokens))
+        new_leaves = list(last)
         if not new_leaves:
             break
         queries = tree.layout().num_queries
@@ -161,6 +173,10 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
         logits.update(zip(new_leaves, out))
         run.steps += 1
         run.queries_per_step.append(queries)
+        for leaf, token in last.items():
+            if token in eos:
+                tree.pause(leaf)
+                run.finished.append(leaf)
     return run
 
 

@@ -1,5 +1,6 @@
-"""What the one-request search programs (beam search, parallel sampling) share: checks of
-their common arguments, the pages a request holds, and dropping a request.
+"""What the one-request search programs (beam search, parallel sampling, speculative
+decoding, ...) share: checks of their common arguments (EOS ids included), the pages a
+request holds, and dropping a request.
 
 The checks raise ``ValueError`` naming the argument, the expected and the given value, so
 a search program can check everything before it touches the engine.
@@ -10,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from treedec.engine import Llama
 from treedec.tree import PagedKVPool, SequenceTree
-
 
 
 @dataclass
@@ -44,15 +45,31 @@ def finite_float(name: str, value) -> float:
     return float(value)
 
 
-def eos_token_ids(value: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
-    """The EOS ids as a tuple (empty for None); each must be a token id in ``[0, vocab_size)``."""
+#: The default ``eos_token_id`` of every program: the model's own EOS ids (``model.eos_token_ids``:
+#: what its checkpoint's ``generation_config.json`` or ``config.json`` names; none for random weights).
+MODEL_EOS = "model"
+
+
+def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tuple[int, ...]:
+    """The EOS ids a program stops at, as a tuple.
+
+    ``value``: :data:`MODEL_EOS` (``"model"``) for ``model.eos_token_ids``, None for none
+    (an empty tuple), or an id or several ids, each a token id in ``[0, vocab_size)``.
+    """
+    vocab_size = model.config.vocab_size
+    if isinstance(value, str):
+        if value != MODEL_EOS:
+            raise ValueError(f"eos_token_id must be {MODEL_EOS!r} (the model's own EOS ids), a token id, a list of "
+                             f"token ids or None, got {value!r}")
+        return tuple(model.eos_token_ids)
     if value is None:
         return ()
     ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     try:
         ids = list(ids)
     except TypeError:
-        raise ValueError(f"eos_token_id must be a token id, a list of token ids or None, got {value!r}") from None
+        raise ValueError(f"eos_token_id must be {MODEL_EOS!r} (the model's own EOS ids), a token id, a list of "
+                         f"token ids or None, got {value!r}") from None
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad or not ids:
         raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {value!r}")

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import RequestStats, discard_request, eos_token_ids, pages_in_use, positive_int
+from treedec.search.request import MODEL_EOS, RequestStats, discard_request, eos_token_ids, pages_in_use, positive_int
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class SamplingResult:
 
 
 def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_tokens: int,
-                    params: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+                    params: SamplingParams = SamplingParams(),
+                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
                     generator: torch.Generator | None = None, keep: bool = False) -> SamplingResult:
     """``n`` independent samples after ``prompt_ids``, as ``n`` branches of the prompt's node.
 
@@ -132,7 +133,8 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
     n : samples, int >= 1.
     max_new_tokens : int >= 1; a sample that reaches it without EOS ends there.
     params : :class:`SamplingParams` (temperature, top_k, top_p).
-    eos_token_id : an id, several ids, or None.
+    eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's), an
+        id, several ids, or None.
     generator : torch.Generator on the model's device: the same seed gives the same samples.
     keep : False: each sample's node is pruned when it ends and the prompt's node at the
         end (all pages free); True: every sample stays as a child of ``result.root``.
@@ -148,7 +150,7 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not isinstance(keep, bool):
         raise ValueError(f"keep must be a bool, got {keep!r}")
-    eos = set(eos_token_ids(eos_token_id, engine.model.config.vocab_size))
+    eos = set(eos_token_ids(eos_token_id, engine.model))
     tree, pool = engine.tree, engine.pool
     held_before = pages_in_use(pool)
     root, first = engine.prefill(prompt_ids)
@@ -236,7 +238,8 @@ def majority_vote(answers: Sequence[Hashable | None]) -> tuple[Hashable | None, 
 
 def self_consistency(engine: Engine, prompt_ids: Sequence[int], n: int,
                      extract_answer: Callable[[list[int]], Hashable | None], max_new_tokens: int,
-                     params: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+                     params: SamplingParams = SamplingParams(),
+                     eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
                      generator: torch.Generator | None = None) -> SelfConsistencyResult:
     """Self-consistency: ``n`` samples (:func:`parallel_sample`), one answer each, majority vote.
 

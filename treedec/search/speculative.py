@@ -8,7 +8,9 @@ longest path whose tokens equal the model's greedy choice at their parent); its 
 onto the sequence node (no recompute), the rest of the tree is pruned, and the token the
 rule draws after the last accepted token (the *bonus* token) is the root of the next
 step's tree. So every step emits ``accepted + 1`` tokens, and greedy speculative decoding
-emits exactly the tokens of plain greedy decoding, whatever the draft.
+emits exactly the tokens of plain greedy decoding, whatever the draft. An EOS id on the
+accepted path ends it there, as the bonus token: generation stops on it, and no K/V past
+it is kept.
 
 Draft sources: :class:`PromptLookupDraft`, :class:`TreeDraft` (here),
 :class:`~treedec.search.medusa.MedusaDraft`, :class:`~treedec.search.draft_model.DraftModelDraft`.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
+from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.tree.token_tree import TokenTree
 from treedec.tree.validate import int_list
 
@@ -151,6 +154,9 @@ class SpeculativeStats:
     prefill_seconds : wall time of the prefill and the first token.
     node : the request's sequence node (its tokens: prompt + every accepted token);
         prune it to free the request's pages.
+    stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
+        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s
+        ``finish_reason``.
     """
 
     steps: int = 0
@@ -160,6 +166,7 @@ class SpeculativeStats:
     verify_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
     node: int | None = None
+    stop_reason: str = ""
 
     @property
     def tokens_per_step(self) -> float:
@@ -196,7 +203,8 @@ def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[i
 
 
 def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int],
-                acceptance: AcceptanceRule = GreedyAcceptance(), return_hidden: bool = False) -> VerifyResult:
+                acceptance: AcceptanceRule = GreedyAcceptance(), return_hidden: bool = False,
+                stop_ids: Collection[int] = ()) -> VerifyResult:
     """Verify a token tree under leaf ``node`` in one engine step; keep the accepted path.
 
     ``tokens[0]`` (the root) is appended to ``node`` and the draft tokens hang under it.
@@ -209,6 +217,9 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     tokens : [tree.size] token ids, ``tokens[0]`` the root.
     return_hidden : also return the hidden state at the last accepted token (Medusa heads
         read it).
+    stop_ids : token ids (EOS) that end the accepted path: the first path token among them
+        is returned as the bonus (it was drawn after the tokens before it), so neither it
+        nor anything after it is kept on ``node``.
     """
     t = engine.tree
     tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
@@ -232,6 +243,9 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     logits, hidden = out if return_hidden else (out, None)
     path, bonus = acceptance.accept(tree, tokens, logits)
     assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
+    stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
+    if stop is not None:
+        path, bonus = path[:stop], tokens[path[stop]]
     accepted = [tokens[i] for i in path]
     if ids:
         saved = engine.pool.gather(np.concatenate([t.slots(ids[i - 1]) for i in path])) if path else None
@@ -245,7 +259,8 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
                          acceptance: AcceptanceRule | None = None,
-                         on_step: Callable[[SpeculativeStats, int], None] | None = None
+                         on_step: Callable[[SpeculativeStats, int], None] | None = None,
+                         eos_token_id: int | Sequence[int] | str | None = MODEL_EOS
                          ) -> tuple[list[int], SpeculativeStats]:
     """Speculative decoding of one request: prefill, then verification steps.
 
@@ -259,11 +274,15 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         :class:`~treedec.search.acceptance.RejectionSampling` for sampled decoding.
     on_step : called as ``on_step(stats, emitted)`` after every verification step
         (``emitted``: new tokens so far), e.g. to advance a progress bar.
+    eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's),
+        an id, several ids, or None (no EOS stop).
 
-    Returns ``(tokens, stats)``: the first ``max_new_tokens`` new tokens and the run's
-    :class:`SpeculativeStats`. The request stays in ``engine.tree`` as node ``stats.node``
-    (prompt and every accepted token; the last step may have accepted past
-    ``max_new_tokens``).
+    Returns ``(tokens, stats)``: the new tokens up to and including the first EOS id, at
+    most ``max_new_tokens`` of them, and the run's :class:`SpeculativeStats`
+    (``stats.stop_reason`` says which limit ended it). The request stays in
+    ``engine.tree`` as node ``stats.node``: prompt and every accepted token, the last
+    token not included (it is not computed), as plain greedy decoding leaves it; the last
+    step may have accepted past ``max_new_tokens``, never past an EOS.
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -271,6 +290,7 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     if not isinstance(acceptance, AcceptanceRule):
         raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
                         f"got {type(acceptance).__name__}")
+    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
     prompt = [int(x) for x in prompt_ids]
     needs_hidden = bool(getattr(draft, "needs_hidden", False))
     observe = getattr(draft, "observe", None)
@@ -283,14 +303,14 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     stats.prefill_seconds = time.perf_counter() - start
     if observe is not None:
         observe(TargetOutput(prompt + out, hidden[0] if hidden else None))
-    while len(out) < max_new_tokens:
+    while len(out) < max_new_tokens and out[-1] not in eos:
         start = time.perf_counter()
         tree, tokens = draft.propose(prompt + out)
         if not tokens or tokens[0] != out[-1]:
             raise ValueError(f"{type(draft).__name__}.propose must return tokens[0] == the last sequence token "
                              f"{out[-1]}, got {tokens[:1]}")
         drafted = time.perf_counter()
-        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden)
+        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden, stop_ids=eos)
         out += result.accepted + [result.bonus]
         stats.steps += 1
         stats.accepted.append(len(result.accepted))
@@ -301,17 +321,26 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
             observe(TargetOutput(prompt + out, result.hidden))
         if on_step is not None:
             on_step(stats, min(len(out), max_new_tokens))
-    return out[:max_new_tokens], stats
+    out = out[:max_new_tokens]
+    stats.stop_reason = "eos" if out[-1] in eos else "length"
+    return out, stats
 
 
-def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> list[int]:
     """Plain greedy decoding, one token per engine step: the reference that greedy
-    speculative decoding must equal. The request stays in ``engine.tree`` (its root node)."""
+    speculative decoding must equal.
+
+    Returns the new tokens up to and including the first EOS id (``eos_token_id`` as in
+    :func:`speculative_generate`), at most ``max_new_tokens``. The request stays in
+    ``engine.tree`` (its root node): the prompt and every new token but the last.
+    """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
     node, logits = engine.prefill([int(x) for x in prompt_ids])
     out = [int(logits.argmax())]
-    while len(out) < max_new_tokens:
+    while len(out) < max_new_tokens and out[-1] not in eos:
         engine.tree.extend(node, out[-1:])
         out.append(int(engine.step()[0].argmax()))
     return out

@@ -8,9 +8,9 @@ thoughts so far, each thought a child node of the one before. Expanding a set of
 2. *thoughts*: each state's node (or its step prompt) gets ``k`` children, each starting
    with one of the k best (``temperature == 0``) or k sampled first tokens; then every
    unfinished thought of every state takes one token per engine step, all in the same step,
-   until its text contains a string of ``task.thought_stop`` or it has
-   ``task.thought_max_tokens`` tokens (a random model never writes a stop string: the
-   token limit is what ends its thoughts).
+   until its text contains a string of ``task.thought_stop``, its newest token is an EOS
+   id, or it has ``task.thought_max_tokens`` tokens (a random model never writes a stop
+   string: the token limit is what ends its thoughts).
 3. *evaluation*: ``task.value_prompt(thoughts)`` becomes a child of each thought's node, so
    it reads the thought's KV where it lies; all of them run in one step (more when they
    exceed ``engine.prefill_chunk`` tokens together). Each evaluation node then gets
@@ -41,6 +41,7 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.controller import choose_tokens
+from treedec.search.request import MODEL_EOS, eos_token_ids
 
 __all__ = ["BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTResult", "ToTState", "ToTTask", "Tokenizer",
            "tot_bfs", "tot_dfs"]
@@ -298,7 +299,8 @@ class ToTResult:
 
 
 def tot_bfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConfig = BFSConfig(), *,
-            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None) -> ToTResult:
+            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None,
+            eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> ToTResult:
     """Breadth-first ToT: ``config.depth`` levels of k thoughts per kept state, n kept per level.
 
     Every level's thoughts decode together (one engine step per token for all of them) and
@@ -307,11 +309,13 @@ def tot_bfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConf
     engine must have no pending tokens; its tree is left as it was found.
 
     ``on_level(stats)`` is called after each level's pruning (the tree then holds the prompt
-    and the kept states' paths); ``progress`` shows a progress bar of engine steps.
+    and the kept states' paths); ``progress`` shows a progress bar of engine steps. A thought
+    or value output also ends on an EOS id (kept as its last token): ``eos_token_id`` is
+    ``"model"`` (default: ``engine.model.eos_token_ids``), an id, several ids, or None.
     """
     if not isinstance(config, BFSConfig):
         raise TypeError(f"config must be a BFSConfig, got {type(config).__name__}")
-    search = _Search(engine, task, tokenizer, config, progress, "ToT-BFS")
+    search = _Search(engine, task, tokenizer, config, progress, "ToT-BFS", eos_token_id)
     result = ToTResult("bfs")
     rng = np.random.default_rng(config.seed)
     t0 = time.perf_counter()
@@ -344,7 +348,8 @@ def tot_bfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConf
 
 
 def tot_dfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: DFSConfig = DFSConfig(), *,
-            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None) -> ToTResult:
+            progress: bool = False, on_level: Callable[[LevelStats], None] | None = None,
+            eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> ToTResult:
     """Depth-first ToT with a value threshold and backtracking.
 
     Expanding a state makes its k thoughts (decoded and evaluated together). Thoughts valued
@@ -353,11 +358,12 @@ def tot_dfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: DFSConf
     with their KV, so backtracking recomputes nothing). Thoughts at ``config.depth`` are not
     expanded: those at or above the threshold are the result's ``best``. The search stops
     at the first thought ``task.is_solved`` accepts or after ``config.max_expansions``
-    expansions. ``on_level`` is called after each expansion's pruning.
+    expansions. ``on_level`` is called after each expansion's pruning; ``eos_token_id`` as
+    in :func:`tot_bfs`.
     """
     if not isinstance(config, DFSConfig):
         raise TypeError(f"config must be a DFSConfig, got {type(config).__name__}")
-    search = _Search(engine, task, tokenizer, config, progress, "ToT-DFS")
+    search = _Search(engine, task, tokenizer, config, progress, "ToT-DFS", eos_token_id)
     result = ToTResult("dfs")
     t0 = time.perf_counter()
     root = search.start()
@@ -414,8 +420,9 @@ class _Search:
     """The engine-side machinery both searches share: prefill, expansion, pruning, counters."""
 
     def __init__(self, engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig, progress: bool,
-                 label: str):
+                 label: str, eos_token_id: int | Sequence[int] | str | None):
         _check_task(task)
+        self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         vocab = engine.model.config.vocab_size
         for name in ("k", "value_samples"):
             if getattr(config, name) > vocab:
@@ -565,7 +572,7 @@ class _Search:
     def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], temperature: float,
                   append_last: bool) -> list[_Stream]:
         """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
-        decode all of them together until each has a stop string or ``max_tokens`` tokens.
+        decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens.
 
         ``append_last``: a finished sequence's last token still goes into the tree (thoughts:
         their evaluation and children read it; it is computed by the next step, whose
@@ -578,7 +585,7 @@ class _Search:
         fresh = streams
         while fresh:
             for s in fresh:
-                s.done = len(s.tokens) >= max_tokens or self._stopped(s.tokens, stops)
+                s.done = len(s.tokens) >= max_tokens or s.tokens[-1] in self.eos or self._stopped(s.tokens, stops)
             placed = [s for s in fresh if append_last or not s.done]
             self._place(placed)
             active = [s for s in fresh if not s.done]
