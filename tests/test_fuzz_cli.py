@@ -97,6 +97,7 @@ OPTIONS = {
     "plot": {"--out": st.one_of(OUTS, st.sampled_from(["fig.docx", "fig"]))},
     "spec": {**MODEL, "--draft": names("ngram", "medusa", "draft-model", "tree"),
              "--accept": names("greedy", "typical", "sample"), "--max-new-tokens": ints(1, 64),
+             "--eos": names("1,2", "none", "NONE", "600", "1,-2", ",", "x"),
              "--prompt": JUNK, "--prompt-ids": names("1,2,3", "1,-2", ",", "5 6", "x"), "--backend": BACKENDS,
              "--page-size": ints(1, 64), "--kv-tokens": ints(1, 10**6), "--seed": SEEDS, "--temperature": FLOATS,
              "--posterior-threshold": FLOATS, "--posterior-alpha": FLOATS, "--medusa": FILES,

@@ -61,6 +61,7 @@ def test_medusa_checkpoint_and_tree_json(tmp_path, capsys):
                                                     "--accept greedy, got --accept sample"),
     (["--prompt-ids", "1,600"], ValueError, r"--prompt-ids must be token ids in \[0, 512\) for random weights"),
     (["--prompt", "hello"], ValueError, "--prompt needs a tokenizer"),
+    (["--eos", "3,600"], ValueError, r"--eos must be token ids in \[0, 512\) for random weights, got 600"),
     (["--draft", "medusa", "--medusa-choices", "[[0],[0,0],[0,0,0]]", "--medusa-heads", "2"], ValueError,
      r"is 3 deep but there are 2 Medusa heads"),
     (["--draft", "medusa", "--medusa-choices", "[[600]]"], ValueError, r"candidate rank >= the vocabulary size 512"),
@@ -80,6 +81,8 @@ def test_bad_inputs_raise_clear_errors(argv, error, match, capsys):
     (["--accept", "typical", "--temperature", "0"], "argument --temperature: must be a finite number > 0, got '0'"),
     (["--accept", "typical", "--posterior-alpha", "-1"], "argument --posterior-alpha: must be a finite number >= 0"),
     (["--prompt-ids", "1,2,x"], "argument --prompt-ids: must be comma-separated token ids"),
+    (["--eos", "eos"], "argument --eos: must be comma-separated token ids .ints >= 0. or 'none', got 'eos'"),
+    (["--eos", "-1"], "argument --eos: must be comma-separated token ids"),
     (["--draft", "medusa", "--medusa", "/nonexistent/heads.pt"], "argument --medusa: '/nonexistent/heads.pt' does "
                                                                  "not exist"),
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
@@ -115,3 +118,47 @@ def test_tree_json_token_past_the_vocabulary_is_refused(tmp_path, capsys):
     path.write_text(json.dumps({"parents": [-1, 0], "tokens": [512]}))
     assert main(["spec", "--draft", "tree", "--tree-json", str(path), *FAST]) == 2
     assert "'tokens' must be token ids in [0, 512), got 512" in capsys.readouterr().err
+
+
+def first_new_token(tokens, start):
+    """A position >= start whose token occurs there first, and that token."""
+    p = next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+    return p, tokens[p]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "draft-model"])
+def test_eos_stops_the_run_and_the_check(draft, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["spec", "--draft", draft, "--json-out", str(out), *FAST]) == 0
+    free = json.loads(out.read_text())
+    assert free["summary"]["stop_reason"] == "length" and free["eos_token_ids"] == []
+    assert "eos: none" in capsys.readouterr().out    # random weights: no EOS ids of their own
+    p, eos = first_new_token(free["tokens"], 5)
+    assert main(["spec", "--draft", draft, "--eos", f"511,{eos}", "--check", "--json-out", str(out), *FAST]) == 0
+    results = json.loads(out.read_text())
+    assert results["tokens"] == free["tokens"][:p + 1] and results["summary"]["new_tokens"] == p + 1
+    assert results["summary"]["stop_reason"] == "eos" and results["eos_token_ids"] == [511, eos]
+    assert results["check"]["equal"]
+    printed = capsys.readouterr().out
+    assert f"eos: [511, {eos}]" in printed and "stopped: eos" in printed
+    assert "check: equal to plain greedy decoding" in printed
+
+
+def test_eos_defaults_to_the_checkpoint_s(tmp_path, capsys):
+    from tests.test_engine_llama import tiny_hf
+
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    argv = ["spec", "--model", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--prompt-ids", "5,9,2,7,1,3",
+            "--check", "--json-out", str(tmp_path / "spec.json"), *FAST]
+    assert main([*argv, "--eos", "none"]) == 0
+    free = json.loads((tmp_path / "spec.json").read_text())
+    assert free["summary"]["stop_reason"] == "length" and free["eos_token_ids"] == []
+    p, eos = first_new_token(free["tokens"], 3)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": [eos, 255]}))
+    capsys.readouterr()
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "spec.json").read_text())
+    assert results["tokens"] == free["tokens"][:p + 1] and results["summary"]["stop_reason"] == "eos"
+    assert results["eos_token_ids"] == [eos, 255] and results["check"]["equal"]
+    assert f"eos: [{eos}, 255]" in capsys.readouterr().out

@@ -7,10 +7,12 @@
         --prompt "Tell me a story" --json-out spec.json
 
 Prints the draft, the acceptance rule, tokens per verification step, the accepted-length
-histogram and tokens/s; ``--check`` (greedy acceptance) also decodes plainly and checks
-the tokens are the same. ``--json-out`` writes every step's accepted length, draft size
-and times. Without ``--model`` the target is the tiny random model (and Medusa heads,
-if not given, are untrained; the draft model, if not given, is the target's own weights).
+histogram, tokens/s and why generation stopped (an EOS id, ``--eos``, default the
+model's own; or ``--max-new-tokens``); ``--check`` (greedy acceptance) also decodes
+plainly and checks the tokens are the same. ``--json-out`` writes every step's accepted
+length, draft size and times. Without ``--model`` the target is the tiny random model
+(and Medusa heads, if not given, are untrained; the draft model, if not given, is the
+target's own weights).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.speculative import (PromptLookupDraft, SpeculativeStats, TreeDraft, greedy_generate,
                                         speculative_generate)
 from treedec.tree.token_tree import TokenTree
@@ -48,6 +51,9 @@ def add_spec_parser(sub) -> None:
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--eos", type=_eos_ids,
+                   help="comma-separated EOS token ids that end the generation, or 'none'; default: the model's "
+                        "(its checkpoint's generation_config.json or config.json; none for random weights)")
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs --model with a tokenizer)")
@@ -104,6 +110,7 @@ def run_spec(args: argparse.Namespace) -> int:
     check_backend(args)
     model, model_name = load_model(args)
     prompt, tokenizer = _prompt(args, model)
+    eos = _eos(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
     kv_tokens = args.kv_tokens or len(prompt) + args.max_new_tokens + 2048
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
@@ -112,12 +119,14 @@ def run_spec(args: argparse.Namespace) -> int:
           f"{engine.attn.backend} backend, page size {args.page_size}; prompt {len(prompt)} tokens")
     print(f"draft: {draft_note}")
     print(f"acceptance: {rule}")
+    print(f"eos: {list(eos) if eos else 'none'}")
 
     progress = _progress(args)
-    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule, on_step=progress)
+    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule, on_step=progress,
+                                         eos_token_id=list(eos) or None)
     progress(stats, len(tokens), close=True)
     summary = summarize(stats, len(tokens))
-    check = _check(args, model, prompt, tokens, kv_tokens) if args.check else None
+    check = _check(args, model, prompt, tokens, kv_tokens, eos) if args.check else None
     _print_summary(summary, check)
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(tokens)!r}")
@@ -127,7 +136,7 @@ def run_spec(args: argparse.Namespace) -> int:
             "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
             "draft": {"kind": args.draft, "description": draft_note}, "acceptance": {"rule": args.accept,
                                                                                      "repr": repr(rule)},
-            "prompt_ids": prompt, "tokens": tokens,
+            "eos_token_ids": list(eos), "prompt_ids": prompt, "tokens": tokens,
             "text": None if tokenizer is None else tokenizer.decode(tokens),
             "steps": [{"accepted": a, "draft_tokens": d, "draft_ms": round(ds * 1e3, 3),
                        "verify_ms": round(vs * 1e3, 3)}
@@ -141,10 +150,11 @@ def run_spec(args: argparse.Namespace) -> int:
 
 
 def summarize(stats: SpeculativeStats, num_tokens: int) -> dict:
-    """Run totals: steps, tokens per step, accepted-length mean and histogram, times, tokens/s."""
+    """Run totals: steps, stop reason, tokens per step, accepted-length mean and histogram, times, tokens/s."""
     decode_s = sum(stats.draft_seconds) + sum(stats.verify_seconds)
     return {
-        "new_tokens": num_tokens, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 3),
+        "new_tokens": num_tokens, "stop_reason": stats.stop_reason, "steps": stats.steps,
+        "tokens_per_step": round(stats.tokens_per_step, 3),
         "accepted_mean": round(float(np.mean(stats.accepted)), 3) if stats.accepted else 0.0,
         "accepted_histogram": {str(k): v for k, v in sorted(Counter(stats.accepted).items())},
         "draft_tokens_mean": round(float(np.mean(stats.draft_sizes)), 3) if stats.draft_sizes else 0.0,
@@ -168,6 +178,28 @@ def _token_ids(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"must be comma-separated token ids (ints >= 0), got {text!r}")
     return ids
+
+
+def _eos_ids(text: str) -> list[int]:
+    """An argparse ``type``: comma- (or space-) separated EOS token ids, or ``none`` (no EOS stop: [])."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return _token_ids(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids (ints >= 0) or 'none', got {text!r}") \
+            from None
+
+
+def _eos(args: argparse.Namespace, model) -> tuple[int, ...]:
+    """The EOS ids of the run: ``--eos``'s, checked against the vocabulary, else the model's own."""
+    if args.eos is None:
+        return eos_token_ids(MODEL_EOS, model)
+    vocab = model.config.vocab_size
+    if args.eos and max(args.eos) >= vocab:
+        raise ValueError(f"--eos must be token ids in [0, {vocab}) for {args.model or 'random weights'}, "
+                         f"got {max(args.eos)}")
+    return tuple(dict.fromkeys(args.eos))
 
 
 def _medusa_choices(text: str) -> list[list[int]]:
@@ -309,11 +341,12 @@ def _progress(args: argparse.Namespace):
     return update
 
 
-def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int) -> dict:
-    """Plain greedy decoding of the same prompt: equal tokens? (and its speed, for comparison)."""
+def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int,
+           eos: tuple[int, ...]) -> dict:
+    """Plain greedy decoding of the same prompt and EOS ids: equal tokens? (and its speed, for comparison)."""
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
     start = time.perf_counter()
-    plain = greedy_generate(engine, prompt, len(tokens))
+    plain = greedy_generate(engine, prompt, args.max_new_tokens, eos_token_id=list(eos) or None)
     seconds = time.perf_counter() - start
     first = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
     return {"equal": plain == tokens, "first_difference": first,
@@ -322,7 +355,8 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
 
 def _print_summary(s: dict, check: dict | None) -> None:
     print(f"{s['new_tokens']} new tokens in {s['steps']} verification steps: {s['tokens_per_step']:.2f} tokens/step "
-          f"(accepted {s['accepted_mean']:.2f} of {s['draft_tokens_mean']:.1f} draft tokens per step)")
+          f"(accepted {s['accepted_mean']:.2f} of {s['draft_tokens_mean']:.1f} draft tokens per step); "
+          f"stopped: {s['stop_reason']}")
     print(f"accepted length histogram: {s['accepted_histogram']}")
     rate = s["decode_tokens_per_second"]
     print(f"time: prefill {s['prefill_ms']:.1f} ms, draft {s['draft_ms']:.1f} ms, verify {s['verify_ms']:.1f} ms; "
