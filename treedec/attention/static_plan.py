@@ -45,7 +45,7 @@ _EDGE_PADDED = ("chunk_kv_start", "chunk_entry_start", "query_entry_start")
 # Arrays a launch reads to the bounds (the triton grid covers every item, the merge every query);
 # of the others only what the plan's own items point at is read, so only that prefix is copied.
 _READ_TO_BOUNDS = ("item_chunk", "item_entry_start", "item_num_entries", "query_entry_start")
-_COALESCE_GAP = 4096  # int32 words: copying a gap this small beats another copy launch
+_COALESCE_GAP = 16384  # int32 words (64 KiB): copying a gap this small beats another copy launch
 
 
 @dataclass(frozen=True)
