@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from treedec.attention.backends import HYBRID_MIN_ROWS, resolve_backend
+from treedec.attention.backends import HYBRID_MIN_ROWS, check_kv_caches, resolve_backend
 from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
@@ -19,6 +19,11 @@ logger = logging.getLogger("treedec")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def _check_contiguous(name: str, cache: torch.Tensor) -> None:
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (as PagedKVPool.layer gives), got strides {cache.stride()}")
 
 
 class TreeAttention:
@@ -207,18 +212,8 @@ class TreeAttention:
         if plan.kv_slots.device != q.device:
             raise ValueError(f"the plan is on {plan.kv_slots.device} but q is on {q.device}; "
                              f"plan with a TreeAttention made for device={q.device}")
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if cache.dim() != 4 or cache.shape[2:] != (self.num_kv_heads, self.head_dim):
-                raise ValueError(f"{name} must have shape [num_pages, page_size, {self.num_kv_heads}, "
-                                 f"{self.head_dim}], got {tuple(cache.shape)}")
-            if cache.dtype != q.dtype:
-                raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
-            if cache.device != q.device:
-                raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
-            if not cache.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (as PagedKVPool.layer gives), got strides {cache.stride()}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+        check_kv_caches(q, k_cache, v_cache, f"[num_pages, page_size, {self.num_kv_heads}, {self.head_dim}]",
+                        lambda cache: cache.shape[2:] == (self.num_kv_heads, self.head_dim), _check_contiguous)
         capacity = k_cache.shape[0] * k_cache.shape[1]
         if plan.plan.max_slot >= capacity:
             raise ValueError(f"the plan reads slot {plan.plan.max_slot} but the cache holds {capacity} slots")

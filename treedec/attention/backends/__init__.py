@@ -13,6 +13,27 @@ AUTO_ORDER = ("triton", "cuda")  # on a CUDA device without the hybrid, fastest 
 HYBRID_MIN_ROWS = 32  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
 
 
+def check_kv_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: str,
+                    shape_ok, layout_ok=None) -> None:
+    """Raise a clear error unless ``k_cache`` and ``v_cache`` are 4-D caches of one shape, q's dtype and device.
+
+    ``shape_ok(cache)`` says whether a cache's shape is what the caller takes, ``shape`` words it
+    (e.g. ``"[num_pages, page_size, 8, 128]"``); ``layout_ok(name, cache)``, if given, raises for
+    a memory layout the caller cannot take.
+    """
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or not shape_ok(cache):
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(cache.shape)}")
+        if cache.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
+        if layout_ok is not None:
+            layout_ok(name, cache)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+
+
 def triton_status(device: torch.device) -> str | None:
     """None if the triton backend can run on ``device``, else the reason it cannot."""
     if importlib.util.find_spec("triton") is None:

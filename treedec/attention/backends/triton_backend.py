@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treedec.attention.backends import check_kv_caches
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.kernels import triton_tree_attention as kernels
@@ -138,17 +139,8 @@ def check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
     if q.stride(2) != 1:
         raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[3] != d:
-            raise ValueError(f"{name} must have shape [num_pages, page_size, num_kv_heads, {d}], "
-                             f"got {tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
-        if cache.device != q.device:
-            raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
-        _check_slot_view(name, cache)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    check_kv_caches(q, k_cache, v_cache, f"[num_pages, page_size, num_kv_heads, {d}]",
+                    lambda cache: cache.shape[3] == d, _check_slot_view)
     hkv = k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"q's {hq} heads must be a multiple of the caches' {hkv} KV heads")
