@@ -351,6 +351,59 @@ def test_check_invariants_names_the_broken_invariant(corrupt, match):
         tree.check_invariants()
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_accept_keeps_the_path_and_its_kv_and_frees_the_rest(page_size):
+    pool = PagedKVPool(64, page_size, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(list(range(10)))
+    tree.commit_step()
+    ids = tree.add_token_tree(root, [20, 21, 22, 23, 24], [-1, 0, 1, 0, -1])   # chains 20-21-22 and 20-23, and 24
+    pool.k.normal_()
+    pool.v.normal_()
+    tree.commit_step()   # as a verify step does
+    path = [ids[0], ids[1], ids[2]]
+    kv = pool.gather(np.concatenate([tree.slots(n) for n in path]))
+    free_before = pool.num_free_pages
+    slots = tree.accept(root, path)
+    assert tree.sequence(root) == list(range(10)) + [20, 21, 22] and tree.children(root) == []
+    assert tree.layout().num_queries == 0   # moved, not pending: nothing to recompute
+    for a, b in zip(pool.gather(slots), kv):
+        assert torch.equal(a, b)
+    assert pool.num_free_pages >= free_before   # the token tree's pages went back
+    tree.check_invariants()
+    tree.prune(root)
+    assert pool.num_free_pages == pool.num_pages
+
+
+@pytest.mark.parametrize("path,error,match", [
+    (lambda ids: [ids[1]], TreeError, "path must be a chain under node 0"),         # skips the first token
+    (lambda ids: [ids[0], ids[2]], TreeError, "path must be a chain"),             # 22 hangs under 21, not 20
+    (lambda ids: [99], TreeError, "unknown node id 99"),
+    (lambda ids: [float(ids[0])], TypeError, "path"),
+])
+def test_bad_accepts_change_nothing(path, error, match):
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt(list(range(10)))
+    tree.commit_step()
+    ids = tree.add_token_tree(root, [20, 21, 22], [-1, 0, 1])
+    tree.commit_step()
+    before = snapshot(tree)
+    with pytest.raises(error, match=match):
+        tree.accept(root, path(ids))
+    assert snapshot(tree) == before
+
+
+def test_accept_waits_for_the_step():
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt(list(range(10)))
+    tree.commit_step()
+    ids = tree.add_token_tree(root, [20, 21], [-1, 0])   # pending: not computed yet
+    before = snapshot(tree)
+    with pytest.raises(TreeError, match="pending tokens"):
+        tree.accept(root, ids)
+    assert snapshot(tree) == before
+
+
 def test_checks_still_run_under_python_O():
     """The pool's and the tree's checks are exceptions, not asserts: ``python -O`` strips asserts."""
     script = """

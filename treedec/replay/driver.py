@@ -127,31 +127,32 @@ class ScheduleDriver:
         tree = self.tree
         chain = [self.nodes[h] for h in op.ids]
         anchor = tree.parent(chain[0])
-        tokens = [tree.tokens(n)[0] for n in chain]
-        old = np.concatenate([tree.slots(n) for n in chain])
-        saved = self.engine.pool.gather(old) if self.engine is not None else None
         next_token = self._next_token.get(chain[-1])
-        for child in tree.children(anchor):
-            self._prune(child)
-        new = tree.extend(anchor, tokens)
-        if saved is not None:
-            self.engine.pool.scatter(new, saved)
-        tree.commit_step()  # the path's K/V are in place: nothing to recompute
+        dead = {n for child in tree.children(anchor) for n in self._subtree(child)}
+        tree.accept(anchor, chain)   # the path's K/V move onto anchor; the rest is freed
+        self._forget(dead)
         if next_token is not None:
             self._next_token[anchor] = next_token
         self.generated += len(chain)
 
     def _prune(self, nid: int) -> None:
+        dead = set(self._subtree(nid))
+        self.tree.prune(nid)
+        self._forget(dead)
+
+    def _subtree(self, nid: int) -> list[int]:
         subtree, stack = [], [nid]
         while stack:
             x = stack.pop()
             subtree.append(x)
             stack.extend(self.tree.children(x))
-        self.tree.prune(nid)
-        dead = set(subtree)
+        return subtree
+
+    def _forget(self, dead: set[int]) -> None:
+        """Drop the schedule's handles and next tokens of pruned nodes."""
         for h in [h for h, n in self.nodes.items() if n in dead]:
             del self.nodes[h]
-        for n in subtree:
+        for n in dead:
             self._next_token.pop(n, None)
 
     def _tokens(self, tokens: int | tuple[int, ...], nid: int) -> list[int]:

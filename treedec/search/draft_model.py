@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from treedec.engine import Engine
@@ -99,12 +98,7 @@ class DraftModelDraft:
         while keep < len(rest) - 1 and tuple(rest[:keep + 1]) in self._computed:
             keep += 1
         ids = [self._computed[tuple(rest[:i + 1])] for i in range(keep)]
-        saved = e.pool.gather(np.concatenate([t.slots(i) for i in ids])) if ids else None
-        for child in t.children(self._node):
-            t.prune(child)
-        if ids:
-            e.pool.scatter(t.extend(self._node, rest[:keep]), saved)
-            t.commit_step()   # their K/V are in place
+        t.accept(self._node, ids)   # their K/V move onto the node; the rest of the last tree is freed
         t.extend(self._node, rest[keep:])
         return e.step(logits_rows=e.pending_rows([self._node]))[0]
 

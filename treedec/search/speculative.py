@@ -248,12 +248,7 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
         path, bonus = path[:stop], tokens[path[stop]]
     accepted = [tokens[i] for i in path]
     if ids:
-        saved = engine.pool.gather(np.concatenate([t.slots(ids[i - 1]) for i in path])) if path else None
-        for child in t.children(node):
-            t.prune(child)
-        if path:
-            engine.pool.scatter(t.extend(node, accepted), saved)
-            t.commit_step()   # their K/V are in place: nothing to recompute
+        t.accept(node, [ids[i - 1] for i in path])   # their K/V move onto node; the rest is freed
     return VerifyResult(accepted, int(bonus), None if hidden is None else hidden[path[-1] if path else 0])
 
 

@@ -47,7 +47,7 @@ class SequenceTree:
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,
-    :meth:`branch`, :meth:`add_token_tree`, :meth:`prune`, :meth:`pause`,
+    :meth:`branch`, :meth:`add_token_tree`, :meth:`accept`, :meth:`prune`, :meth:`pause`,
     :meth:`resume`, :meth:`commit_step`, :meth:`layout`.
     """
 
@@ -290,6 +290,42 @@ class SequenceTree:
             del self._nodes[i]
         self._preorder = self._layout = None
         return freed
+
+    def accept(self, anchor: int, path: Sequence[int]) -> np.ndarray:
+        """Keep a verified path of a speculative tree under leaf ``anchor``; free the rest.
+
+        ``path`` lists committed nodes from a child of ``anchor`` downwards, each the parent
+        of the next (e.g. the accepted tokens of a verified token tree). Their tokens are
+        appended to ``anchor`` with their K/V moved along (no recompute, nothing pending),
+        then every child subtree of ``anchor`` is pruned, pages freed. Checks everything first
+        and changes nothing when it raises. Returns the ``[n]`` slots the tokens now hold.
+        """
+        node = self._get(anchor)
+        path = int_list(path, "path", low=0)
+        chain = [self._get(n) for n in path]
+        for parent, child in zip([node] + chain, chain):
+            if child.parent != parent.id:
+                raise TreeError(f"path must be a chain under node {anchor}: node {child.id}'s parent is "
+                                f"{child.parent}, not {parent.id}")
+        busy = [n for c in node.children for n in self._subtree(c) if self._nodes[n].pending]
+        if busy:
+            raise TreeError(f"cannot accept under node {anchor}: node(s) {busy[:5]} below it have pending tokens "
+                            f"of the current step; call commit_step() first")
+        tokens = [t for c in chain for t in c.tokens]
+        need = self._pages_to_extend(node, len(tokens))
+        if need > self.pool.num_free_pages + self.pages_freed_by_prune(node.children):
+            raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
+                                     f"page(s); nothing was changed")
+        saved = None
+        if tokens and self.pool.k is not None:
+            saved = self.pool.gather(np.concatenate([c.slots[:c.length] for c in chain]))
+        for child in list(node.children):
+            self.prune(child)
+        slots = self._fill(node, tokens)
+        node.pending -= len(tokens)   # their K/V are in place: nothing to compute
+        if saved is not None:
+            self.pool.scatter(slots, saved)
+        return slots
 
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
