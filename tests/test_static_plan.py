@@ -104,3 +104,25 @@ def test_runs_from_one_static_plan_match_the_reference_for_new_trees(triton_devi
         assert rel_error(out[:n].cpu(), ref) < 2e-3
         torch.testing.assert_close(lse[:n].cpu(), ref_lse, atol=2e-3, rtol=1e-4)
     assert all(p is plans[0] for p in plans)
+
+
+@pytest.mark.triton
+def test_run_checks_the_current_plans_slots_against_the_cache(triton_device):
+    """A static plan's DeviceTreePlan carries its bounds' sizes; the slot check uses the plan it holds now."""
+    attn = TreeAttention(4, 1, 64, backend="triton", device=triton_device, plan_config=PlanConfig("flatten", 32, 4))
+    pool = PagedKVPool(64, 4, num_kv_heads=1, head_dim=64, dtype=torch.float16)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(list(range(8)))
+    tree.commit_step()
+    tree.extend(root, [1])
+    static = attn.static_plan(PlanBounds(max_queries=4, max_tokens=256, max_chunk_tokens=64))
+    plan = attn.plan(tree, into=static)
+    tree.commit_step()
+    tree.extend(root, list(range(39)))
+    tree.commit_step()
+    tree.extend(root, [2])   # one query that reads slots past the small cache below
+    attn.plan(tree, into=static)
+    q = torch.zeros(4, 4, 64, dtype=torch.float16, device=triton_device)
+    k, v = (c[:4].to(triton_device) for c in pool.layer(0))   # 4 pages: 16 slots
+    with pytest.raises(ValueError, match="the plan reads slot 48 but the cache holds 16 slots"):
+        attn.run(q, k, v, plan)

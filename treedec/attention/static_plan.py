@@ -250,7 +250,7 @@ class StaticPlan:
         arrays["entry_direct"] = arrays["entry_direct"].astype(bool)
         host = dataclasses.replace(first, num_queries=self.bounds.max_queries, **arrays)
         device_plan = DeviceTreePlan(host, **{name: self._dev_views[name] for name in DEVICE_ARRAYS},
-                                     backend=self.backend.name)
+                                     backend=self.backend.name, static=self)
         sections = {n: self._dev_views[n] for n in self._backend_sections}
         return dataclasses.replace(device_plan, prepared=self.backend.prepare_static(device_plan, self.bounds,
                                                                                       sections))

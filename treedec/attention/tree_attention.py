@@ -215,8 +215,9 @@ class TreeAttention:
         check_kv_caches(q, k_cache, v_cache, f"[num_pages, page_size, {self.num_kv_heads}, {self.head_dim}]",
                         lambda cache: cache.shape[2:] == (self.num_kv_heads, self.head_dim), _check_contiguous)
         capacity = k_cache.shape[0] * k_cache.shape[1]
-        if plan.plan.max_slot >= capacity:
-            raise ValueError(f"the plan reads slot {plan.plan.max_slot} but the cache holds {capacity} slots")
+        max_slot = (plan.plan if plan.static is None else plan.static.current).max_slot
+        if max_slot >= capacity:
+            raise ValueError(f"the plan reads slot {max_slot} but the cache holds {capacity} slots")
         if backend == "cuda":
             from treedec.kernels.cuda_tree_attention import check_inputs
             check_inputs(q, k_cache, v_cache)  # 16-byte aligned rows

@@ -135,7 +135,9 @@ class DeviceTreePlan:
     ``backend`` names the kernel backend that runs the plan and ``prepared`` holds what that
     backend derived from it at plan time (launch parameters, work schedule, workspace; e.g.
     ``TritonPrepared``, ``CudaPrepared``): ``TreeAttention.plan`` fills both, and every layer of
-    the step launches with them. A plan straight from :meth:`TreePlan.to` has neither.
+    the step launches with them. A plan straight from :meth:`TreePlan.to` has neither. ``static``
+    is the :class:`~treedec.attention.StaticPlan` whose buffers hold the arrays, if any: its
+    ``current`` plan is what they hold (``plan`` then only carries the bounds' sizes).
     """
 
     plan: TreePlan
@@ -152,6 +154,7 @@ class DeviceTreePlan:
     item_num_entries: torch.Tensor
     backend: str | None = None
     prepared: object = field(default=None, repr=False, compare=False)
+    static: object = field(default=None, repr=False, compare=False)  # the StaticPlan holding these arrays
 
 
 DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")
