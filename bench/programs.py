@@ -70,7 +70,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.timing import copy_bandwidth  # noqa: E402
+from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
@@ -173,11 +173,7 @@ def main(argv=None) -> int:
         except Exception as e:  # recorded, and the other methods still run
             fail("hf_sdpa", e)
         _free(device)
-    compiled = False
-    for method in [m for m in METHODS if m in methods and m != "hf_sdpa"]:
-        if method.endswith("_compiled") and not compiled:
-            model.compile_pointwise()
-            compiled = True
+    for method in methods_in_order(model, METHODS, methods):
         programs = args.programs
         if args.smoke and method.startswith("graphs"):
             programs = [p for p in programs if p in SMOKE_GRAPH_PROGRAMS]

@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.timing import copy_bandwidth  # noqa: E402
+from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import Engine, ModelConfig, from_config, to_hf_config, to_hf_state_dict  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
 
@@ -112,11 +112,7 @@ def main(argv=None) -> int:
         del hf
         _free(device)
 
-    compiled = False
-    for method in [m for m in METHODS if m in methods and m != "hf_sdpa"]:
-        if method.endswith("_compiled") and not compiled:
-            model.compile_pointwise()
-            compiled = True
+    for method in methods_in_order(model, METHODS, methods):
         engine = None
         try:
             engine = Engine(model, kv_tokens=None if device.type == "cuda" else 2 * max(prompts) + 1024,

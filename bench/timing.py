@@ -53,3 +53,14 @@ def graphed_us(runs: Sequence[Callable[[], object]], calls: int = 32) -> float:
         for i in range(calls):
             runs[i % len(runs)]()
     return time_us(graph.replay, torch.device("cuda")) / calls
+
+
+def methods_in_order(model, all_methods: Sequence[str], chosen: Sequence[str]):
+    """The engine methods of ``chosen`` in ``all_methods``' order (``hf_sdpa`` excluded); before the
+    first ``*_compiled`` one, ``model.compile_pointwise()`` runs (it cannot be undone, hence the order)."""
+    compiled = False
+    for method in [m for m in all_methods if m in chosen and m != "hf_sdpa"]:
+        if method.endswith("_compiled") and not compiled:
+            model.compile_pointwise()
+            compiled = True
+        yield method
