@@ -5,7 +5,7 @@ Builds the kernels with ``-DTREEDEC_WS_TRACE=1`` (its own build cache), runs eac
 workload with the cuda backend, and records, per CTA, when it began, when the producer had the
 first record and the first tile's slot indices, when it issued the first copies and the last
 END, when consumer 0 saw items 0-9 land and when it had stored its rows (slot names in
-``tree_attention_ws.cuh``, ``TraceSlot``). Times are microseconds from the earliest CTA start
+``ws_trace.cuh``, ``TraceSlot``). Times are microseconds from the earliest CTA start
 of a call, in three modes: each call after an L2 flush (as bench/attention.py's eager timings),
 each call with the plan arrays L2-hot, and the last of 8 calls captured back to back in a CUDA
 graph. Prints the median and the slowest CTA per stamp and writes

@@ -1,8 +1,8 @@
 """The ``cuda`` kernels: CuTe tree attention (wgmma on sm_90a, mma.sync on sm_80+) on a
 persistent, load-balanced grid, launched from tensors and plain parameters.
 
-Stage 1 (``cuda/tree_attention.cuh``) runs a fixed grid of CTAs, each looping over the units a
-persistent schedule gave it: one work item's chunk x one KV head x up to
+Stage 1 (``cuda/partial_ws_kernel.cuh``, ``cuda/partial_kernel.cuh``) runs a fixed grid of CTAs,
+each looping over the units a persistent schedule gave it: one work item's chunk x one KV head x up to
 :data:`ROWS_PER_UNIT` rows (queries x heads of the GQA group; 128 for head dims 64/128: two
 consumer warpgroups of the warp-specialized wgmma kernel on sm_90a, 8 warps of mma.sync
 elsewhere). Dead tiles (no row reads them) are neither loaded nor computed; entries that are
@@ -25,7 +25,7 @@ from treedec.kernels.cuda_build import load_extension
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Rows (query x head pairs) of one stage-1 unit per head dim: the kernel's warps x 16
-# (PartialConfig in tree_attention.cuh; a GPU test checks the two agree).
+# (PartialConfig in cuda/tile_sizes.cuh; a GPU test checks the two agree).
 ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
 TILE_TOKENS = 64          # the KV tile every stage-1 kernel takes
 TILE_SIZES = (64, 96)     # KV tiles some stage-1 kernel takes (multiples of 32: whole mask words)

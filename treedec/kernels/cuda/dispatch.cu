@@ -1,5 +1,11 @@
 // Dtype dispatch of the launch functions declared in launch.h.
-#include "tree_attention.cuh"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "launch.h"
+#include "launch_template.cuh"
+#include "ws_config.cuh"  // TREEDEC_WS_TRACE
 
 namespace treedec {
 

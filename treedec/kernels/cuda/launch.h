@@ -1,5 +1,6 @@
 // Host-side interface of the treedec CUDA kernels (no torch, no CuTe): parameter structs and
-// launch functions. Kernels live in tree_attention.cuh; binding.cpp calls these from torch.
+// launch functions. Kernels live in partial_kernel.cuh, partial_ws_kernel.cuh and merge_kernel.cuh,
+// launched from launch_template.cuh; binding.cpp calls these from torch.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -53,7 +54,7 @@ struct PartialParams {
   float qk_scale_log2;  // softmax scale * log2(e)
 };
 
-// Stamps per CTA of a TREEDEC_WS_TRACE build (tree_attention_ws.cuh names the slots).
+// Stamps per CTA of a TREEDEC_WS_TRACE build (ws_trace.cuh names the slots).
 constexpr int kTraceSlots = 16;
 // Whether the kernels were built with TREEDEC_WS_TRACE=1 (they then stamp PartialParams::trace).
 bool trace_compiled();

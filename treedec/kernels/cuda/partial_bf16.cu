@@ -1,4 +1,6 @@
 // The kernels for bf16 inputs (one translation unit per dtype: parallel builds).
-#include "tree_attention.cuh"
+#include <cuda_bf16.h>
+
+#include "launch_template.cuh"
 
 template struct treedec::DtypeFunctions<__nv_bfloat16>;

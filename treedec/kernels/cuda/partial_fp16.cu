@@ -1,4 +1,6 @@
 // The kernels for fp16 inputs (one translation unit per dtype: parallel builds).
-#include "tree_attention.cuh"
+#include <cuda_fp16.h>
+
+#include "launch_template.cuh"
 
 template struct treedec::DtypeFunctions<__half>;

@@ -1,3 +1,32 @@
+// The warp-specialized stage-1 kernel for sm_90a: a cp.async producer warpgroup and two wgmma
+// consumer warpgroups around a ring of K/V stages.
+#pragma once
+#if defined(TREEDEC_SM90A)
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/util.hpp>
+#include <cute/numeric/int.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "epilogue.cuh"
+#include "launch.h"
+#include "pdl.cuh"
+#include "scheduler.cuh"
+#include "softmax.cuh"
+#include "swizzle.cuh"
+#include "wgmma.cuh"
+#include "ws_config.cuh"
+#include "ws_pipeline.cuh"
+#include "ws_trace.cuh"
+
+namespace treedec {
+namespace ws {
+
 // Warp-specialized stage 1 for sm_90a (head dims 64/128): one persistent CTA per SM of three
 // warpgroups, FlashAttention-3's structure with cp.async gathers in place of TMA.
 //
@@ -21,7 +50,7 @@
 //     1-3% faster than loading every tile's words and voting per warp, ...-full-tile-flag-ab.json).
 //     A stage is released once its PV has completed.
 //
-// Launched as a programmatic dependent (TREEDEC_PDL_STAGE1, tree_attention.cuh): the producer loads
+// Launched as a programmatic dependent (TREEDEC_PDL_STAGE1, pdl.cuh): the producer loads
 // the first unit's record, slots and row queries (plan data) before its griddepcontrol.wait, the
 // consumers wait before any store; inside CUDA graphs a call's stage 1 so starts while the previous
 // call's merge drains (H200: 1.3-2.1 us per graphed call on the small trees, ...-stage1-pdl-*.json).
@@ -29,149 +58,7 @@
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
 // unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
-#pragma once
-#if defined(TREEDEC_SM90A)
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
-
-namespace treedec {
-namespace ws {
-
-constexpr int kProducerThreads = 128;
-constexpr int kConsumers = 2;                       // consumer warpgroups, 64 rows each
-constexpr int kThreads = kProducerThreads + 128 * kConsumers;
-constexpr int kRows = 64 * kConsumers;              // rows of a unit
-constexpr int kBarProducer = 1;                     // the producer warpgroup's own barrier
-constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
-constexpr int kItemEnd = 0, kItemTile = 1, kItemFullTile = 2;  // kinds of ring items (FULL: no mask words)
-#ifndef TREEDEC_WS_TRACE  // 1: stamp %globaltimer at fixed points of each CTA (bench/stage1_trace.py)
-#define TREEDEC_WS_TRACE 0
-#endif
-// Registers per thread after setmaxnreg (128 x 88 + 256 x 208 = 384 x 168): the consumers hold S, P
-// and O of a tile at once (32 + 16 + 64 per thread with 64-token tiles, 64 + 32 + 64 with 128),
-// the producer needs about 80 without spills.
-// The CTA keeps the registers the launch gave it (384 x 168): setmaxnreg.inc waits until the
-// producer's dealloc freed enough, so asking for more than that hangs the kernel (96 / 208 did).
-// A TREEDEC_WS_TRACE build's producer needs 8 more (it spilled at 88), taken from the consumers.
-constexpr int kProducerRegs = TREEDEC_WS_TRACE ? 96 : 88, kConsumerRegs = TREEDEC_WS_TRACE ? 200 : 208;
-static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
-              "setmaxnreg cannot hand out more registers than the launch gave the CTA");
-#ifndef TREEDEC_WS_SETMAXNREG
-#define TREEDEC_WS_SETMAXNREG 1
-#endif
-#ifndef TREEDEC_WS_IDLE_PADDING  // 1: a consumer whose rows are all padding skips the unit's tiles
-#define TREEDEC_WS_IDLE_PADDING 1
-#endif
-#ifndef TREEDEC_WS_Q_IN_REGISTERS  // 1: S = Q K^T reads Q from registers (loaded once a unit), K from smem
-#define TREEDEC_WS_Q_IN_REGISTERS 1
-#endif
-#ifndef TREEDEC_WS_LATE_PV_WAIT  // 1: the PV wait sits in the rescale branch, after the softmax
-#define TREEDEC_WS_LATE_PV_WAIT 1
-#endif
-// Diagnostics only (wrong results; bench/tile_pace.py): the producer gathers no K/V rows (the
-// consumers' pace alone), or the consumers compute nothing (the gathers' pace alone).
-#ifndef TREEDEC_WS_DIAG_NO_COPY
-#define TREEDEC_WS_DIAG_NO_COPY 0
-#endif
-#ifndef TREEDEC_WS_DIAG_NO_COMPUTE
-#define TREEDEC_WS_DIAG_NO_COMPUTE 0
-#endif
-#ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole (the schedule's kFullTileFlag) run a
-#define TREEDEC_WS_TILE_VERSIONS 1    // mask-free copy of the turn and copy no mask words
-#endif
-
-// Trace slots (PartialParams::trace[CTA][kTraceSlots]; stamps of TREEDEC_WS_TRACE builds, in ns):
-enum TraceSlot : int {
-  kTraceStart = 0,        // the CTA began (thread 0)
-  kTraceRecord = 1,       // producer: the first unit's record arrived
-  kTraceSlots0 = 2,       // producer: the first tile's slot indices arrived
-  kTraceIssued0 = 3,      // producer: the first tile's copies were issued
-  kTraceLastEnd = 4,      // producer: the last unit's END was announced
-  kTraceItem0 = 5,        // consumer 0: items 0 .. 9 (tiles and ENDs, across units) landed: slots 5 .. 14
-  kTraceStored = 15,      // consumer 0: its last unit's rows were stored
-};
-static_assert(kTraceStored < kTraceSlots, "trace slots");
-// Stamp `slot` of this CTA's trace row once `after` (a loaded value) has arrived: the branch on it
-// makes the stamp wait for the load.
-__device__ __forceinline__ void trace_stamp(const PartialParams& p, int slot, int after = 0) {
-#if TREEDEC_WS_TRACE
-  if (after == 0x7fffffff) asm volatile("trap;");
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (p.trace) p.trace[blockIdx.x * kTraceSlots + slot] = t;
-#endif
-}
-
-// KV tiles (tokens) and ring depths: a kernel of 64-token tiles in a 4-deep ring and one of 96-token
-// tiles in a 3-deep ring; the host launches the one the schedule lists (PartialParams::tile_tokens:
-// the plan picks, cuda_tree_attention.choose_tile_tokens). 96-token tiles pay where units are long
-// (fewer turns, barriers and softmax reductions per token: H200, medusa64_p32k 86.7 -> 83.4 us) and
-// lose 0.4-0.9 us on trees of short units, whose last tile is more often part padding
-// (...-ws-bn96-over-full-tile-ab.json, ...-tile-choice-ab.json). Two kernels, not one branching on
-// the tile size in device memory (which would let one graph replay plans of either): in such a
-// kernel the body laid out second in the code ran 1.5-2 us slower per call, whichever it was (H200,
-// ...-one-kernel-ab.json). 128-token tiles (BN = 128) ran 20-27% slower on the large trees (H200,
-// ...-ws-bn128-vs-64-bn*.json): with K and V in one ring only two 128-token stages fit beside two Q
-// buffers, too shallow to cover the gathers. FA3's separate K and V rings (a K stage freed once S
-// is computed; 2 + 2 128-token stages with Q from smem, or 3 + 2 with one Q buffer) did not help
-// either: 128-token tiles ran from 1% faster to 5% slower than this kernel on the large trees,
-// 4 + 4 64-token stages 2-3% slower (H200, one run: ...-separate-rings-*.json and .patch), so the
-// ring stays one. Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit).
-// One Q buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
-#ifndef TREEDEC_WS_STAGES
-#define TREEDEC_WS_STAGES 4
-#endif
-#ifndef TREEDEC_WS96_STAGES  // ring depth of 96-token tiles
-#define TREEDEC_WS96_STAGES 3
-#endif
-#ifndef TREEDEC_WS_Q_BUFFERS
-#define TREEDEC_WS_Q_BUFFERS 2
-#endif
-constexpr int kQBuffers = TREEDEC_WS_Q_BUFFERS;
-static_assert(kQBuffers == 1 || kQBuffers == 2, "one or two Q buffers");
-template <int BN> struct Tile;
-template <> struct Tile<64> { static constexpr int kStages = TREEDEC_WS_STAGES; };
-template <> struct Tile<96> { static constexpr int kStages = TREEDEC_WS96_STAGES; };
-
-// Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
-template <int D, int BN, int STAGES>
-struct Smem {
-  static constexpr int kMW = BN / 32;                            // mask words per row per tile
-  static constexpr int kQBytes = kRows * D * 2;                  // one Q buffer
-  static constexpr int kKVBytes = BN * D * 2;                    // one stage of K (or V)
-  static constexpr int kQ = 0;                                   // [kQBuffers] Q buffers
-  static constexpr int kK = kQ + kQBuffers * kQBytes;            // [STAGES]
-  static constexpr int kV = kK + STAGES * kKVBytes;              // [STAGES]
-  static constexpr int kMask = kV + STAGES * kKVBytes;           // u32 [STAGES][kRows][kMW]
-  static constexpr int kItem = kMask + 4 * STAGES * kRows * kMW; // int [STAGES]: kItemEnd / kItemTile
-  static constexpr int kQuery = kItem + 4 * STAGES;              // int [2][kRows]: a unit's query per row (-1: padding)
-  static constexpr int kBar = (kQuery + 4 * 2 * kRows + 7) / 8 * 8;  // u64 full[STAGES], empty[STAGES], q_free[2]
-  static constexpr int kBytes = kBar + 8 * (2 * STAGES + 2);
-};
-
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-using Barrier = cutlass::arch::ClusterBarrier;
-#ifndef TREEDEC_WS_TURNS  // 1: the consumers take turns to issue their wgmmas; 0: each issues when ready
-#define TREEDEC_WS_TURNS 1  // (0 ran the large trees 0.5-0.8 us slower on an H200: ...-ws-turns-*.json)
-#endif
-// Consumer c waits for its turn / hands the turn to the other consumer (no-ops without turns).
-__device__ __forceinline__ void turn_wait(int c) {
-  if (TREEDEC_WS_TURNS) bar_sync(kBarTurn + c, 256);
-}
-__device__ __forceinline__ void turn_pass(int c) {
-  if (TREEDEC_WS_TURNS) bar_arrive(kBarTurn + (1 - c), 256);
-}
-
-// 16-byte cp.async (cached in L2 only) to a shared-memory address; src_bytes 0 zero-fills.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
+//
 // The kernel of BN-token tiles (the host launches the one the schedule's tile size names).
 template <typename T, int D, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
