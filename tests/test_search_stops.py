@@ -1,0 +1,297 @@
+"""treedec.search.stops: EOS ids, stop strings and token budgets on one output.
+
+Stop strings are matched on real detokenized text: the tokenizers of tests/tokenizers_local.py
+(byte-level BPE and SentencePiece-style with byte fallback) and treedec's ByteTokenizer.
+"""
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treedec.engine.text import IncrementalDetokenizer, load_tokenizer
+from treedec.search.stops import STOP_REASONS, StopChecker, StopDecision, StopRule
+from treedec.search.tot import ByteTokenizer
+from tests.tokenizers_local import KINDS, build_tokenizer
+
+EOS = 2
+REPLACEMENT = "\ufffd"
+TEXT = "Hello world! Stop here, then go on."
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: load_tokenizer(build_tokenizer(root / kind, kind)) for kind in KINDS}
+
+
+def checker(tokenizer, max_new_tokens=100, eos=(), stop=(), include=False, prompt_ids=()):
+    rule = StopRule(max_new_tokens, eos, stop, include)
+    return StopChecker(rule, IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None)
+
+
+def output_ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def first_token_completing(tokenizer, ids, stop):
+    """The shortest prefix of ``ids`` whose (one-shot) text holds ``stop``: how many tokens a stop keeps."""
+    return next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+
+
+# ================================================================ StopRule
+
+
+def test_rule_normalizes_ids_and_strings():
+    rule = StopRule(8, eos_token_ids=[2, 7, 2], stop_strings=["\n", "###", "\n"])
+    assert rule.eos_token_ids == (2, 7) and rule.stop_strings == ("\n", "###")
+    assert StopRule(8, 2, "###") == StopRule(8, (2,), ("###",))       # one id, one string
+    assert StopRule(4).eos_token_ids == () and StopRule(4).include_stop_str is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.max_new_tokens = 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an int >= 1, got 2.0"),
+    (dict(max_new_tokens=4, eos_token_ids=-1), r"eos_token_ids must be token ids \(ints >= 0\), got int -1"),
+    (dict(max_new_tokens=4, eos_token_ids=[1, "2"]), r"eos_token_ids must be token ids .*got str '2'"),
+    (dict(max_new_tokens=4, eos_token_ids=[True]), r"eos_token_ids must be token ids .*got bool True"),
+    (dict(max_new_tokens=4, eos_token_ids="2"), "eos_token_ids must be a token id or a sequence of token ids"),
+    (dict(max_new_tokens=4, eos_token_ids=None), "eos_token_ids must be a token id or a sequence"),
+    (dict(max_new_tokens=4, stop_strings=""), "stop_strings must be non-empty strings, got str ''"),
+    (dict(max_new_tokens=4, stop_strings=["ok", ""]), "stop_strings must be non-empty strings"),
+    (dict(max_new_tokens=4, stop_strings=[3]), "stop_strings must be non-empty strings, got int 3"),
+    (dict(max_new_tokens=4, stop_strings=b"\n"), "stop_strings must be a string or a sequence of strings"),
+    (dict(max_new_tokens=4, stop_strings=None), "stop_strings must be a string or a sequence of strings"),
+    (dict(max_new_tokens=4, include_stop_str=1), "include_stop_str must be a bool, got int 1"),
+])
+def test_rule_rejects_bad_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StopRule(**kwargs)
+
+
+def test_checker_construction_errors(tokenizers):
+    tok = tokenizers["byte_bpe"]
+    with pytest.raises(TypeError, match="rule must be a StopRule, got dict"):
+        StopChecker({"max_new_tokens": 4})
+    with pytest.raises(TypeError, match="detokenizer must be an IncrementalDetokenizer"):
+        StopChecker(StopRule(4), tok)
+    with pytest.raises(ValueError, match="need a detokenizer"):
+        StopChecker(StopRule(4, stop_strings=["\n"]))
+    used = IncrementalDetokenizer(tok)
+    used.feed(5)
+    with pytest.raises(ValueError, match="detokenizer must be fresh.*1 output ids"):
+        StopChecker(StopRule(4), used)
+    done = IncrementalDetokenizer(tok)
+    done.finish()
+    with pytest.raises(ValueError, match="is finished"):
+        StopChecker(StopRule(4), done)
+
+
+# ================================================================ EOS and length
+
+
+def test_eos_inside_an_accepted_path_truncates_after_it():
+    """A speculative step accepts [5, 6, EOS, 7] + bonus 8: the output keeps 5, 6, EOS."""
+    stops = checker(None, eos=[EOS, 9])
+    assert stops.accept([3, 4]) == StopDecision(2, None)
+    assert stops.accept([5, 6, EOS, 7, 8]) == StopDecision(3, "eos")
+    assert stops.token_ids == [3, 4, 5, 6, EOS] and stops.stop_reason == "eos" and stops.stopped
+    assert stops.text is None and stops.remaining == 0
+    with pytest.raises(RuntimeError, match="already ended \\('eos'\\)"):
+        stops.accept([1])
+
+
+def test_eos_as_first_token_and_on_the_last_allowed_token():
+    assert checker(None, eos=EOS).accept([EOS, 5]) == (1, "eos")
+    last = checker(None, max_new_tokens=3, eos=EOS)
+    assert last.accept([4, 5, EOS, 6]) == (3, "eos")                  # EOS is checked before the budget
+
+
+def test_max_new_tokens_caps_a_path():
+    stops = checker(None, max_new_tokens=5, eos=EOS)
+    assert stops.accept([]) == (0, None) and stops.remaining == 5
+    assert stops.accept([1, 3]) == (2, None) and stops.remaining == 3
+    assert stops.accept([4, 5, 6, 7, 8]) == (3, "length")
+    assert stops.token_ids == [1, 3, 4, 5, 6] and stops.stop_reason == "length"
+
+
+def test_eos_text_is_skipped_and_held_bytes_are_flushed(tokenizers):
+    tok = tokenizers["byte_bpe"]
+    stops = checker(tok, eos=tok.eos_token_id)
+    ids = output_ids(tok, "done 日本")
+    assert stops.accept(ids + [tok.eos_token_id, 7]) == (len(ids) + 1, "eos")
+    assert stops.text == "done 日本"
+    cut = checker(ByteTokenizer(), max_new_tokens=3)
+    assert cut.accept(list("aé".encode()) + [0x61]) == (3, "length")
+    assert cut.text == "aé"
+    half = checker(ByteTokenizer(), max_new_tokens=2)
+    half.accept(list("a日".encode()))
+    assert half.text == "a\ufffd"                           # as a one-shot decode of the kept bytes shows them
+
+
+def test_accept_checks_ids_first():
+    stops = checker(ByteTokenizer(), stop=["x"])
+    with pytest.raises(TypeError, match="token_ids"):
+        stops.accept("ab")
+    with pytest.raises(ValueError, match=r"token_ids must be >= 0"):
+        stops.accept([97, -1])
+    assert stops.token_ids == [] and stops.text == "" and not stops.stopped
+
+
+def test_accept_checks_ids_against_the_vocabulary(tokenizers):
+    tok = tokenizers["byte_bpe"]
+    stops = checker(tok, stop=["x"])
+    with pytest.raises(ValueError, match=r"token_ids must be in \[0, 399\]"):
+        stops.accept([5, 400])
+    assert stops.token_ids == []
+
+
+# ================================================================ stop strings
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_stop_string_spanning_tokens(tokenizers, kind, chunk):
+    tok = tokenizers[kind]
+    ids = output_ids(tok, TEXT)
+    stop = "Stop here"
+    keep = first_token_completing(tok, ids, stop)
+    assert not any(stop in tok.decode([i]) for i in ids) and keep > 1      # it spans several tokens
+    stops = checker(tok, stop=[stop])
+    decisions = [stops.accept(ids[i:i + chunk]) for i in range(0, keep + chunk - 1, chunk) if not stops.stopped]
+    assert sum(d.keep for d in decisions) == keep and decisions[-1].reason == "stop_string"
+    assert all(d.reason is None and d.keep == chunk for d in decisions[:-1])
+    assert stops.token_ids == ids[:keep] and stops.stop_string == stop
+    assert stops.text == "Hello world! "
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_include_stop_str_ends_the_text_with_it(tokenizers, kind):
+    tok = tokenizers[kind]
+    ids = output_ids(tok, TEXT)
+    stops = checker(tok, stop=["Stop here"], include=True)
+    keep, reason = stops.accept(ids)
+    assert reason == "stop_string" and keep == first_token_completing(tok, ids, "Stop here")
+    assert stops.text == "Hello world! Stop here"
+
+
+@pytest.mark.parametrize("include, text", [(False, "Hello world! Stop "), (True, "Hello world! Stop he")])
+def test_stop_string_ending_inside_a_token_drops_the_rest_of_it(tokenizers, include, text):
+    tok = tokenizers["byte_bpe"]
+    ids = output_ids(tok, TEXT)
+    keep = first_token_completing(tok, ids, "he")
+    assert tok.decode(ids[keep - 1:keep]) == " here"             # the token " here" completes "he"
+    stops = checker(tok, stop=["he"], include=include)
+    assert stops.accept(ids) == (keep, "stop_string") and stops.text == text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_string_of_multibyte_characters_stops_at_the_byte_completing_it(tokenizers, kind):
+    """日本 is several tokens ending inside characters: the output stops at the token that
+    completes 日's last byte, not at a later one that happens to end on a character boundary."""
+    tok = tokenizers[kind]
+    ids = output_ids(tok, "go 日本語 🎉 now")
+    keep = first_token_completing(tok, ids, "日")
+    stops = checker(tok, stop=["日"])
+    assert stops.accept(ids) == (keep, "stop_string") and stops.text == "go "
+    emoji = checker(tok, stop="🎉", include=True)
+    assert emoji.accept(ids).keep == first_token_completing(tok, ids, "🎉")
+    assert emoji.text == "go 日本語 🎉"
+
+
+def test_several_stop_strings_completed_by_one_token():
+    """At 'b' both "ab" and "b" complete: the one starting first wins, so no stop string shows."""
+    stops = checker(ByteTokenizer(), stop=["b", "ab", "xab"])
+    assert stops.accept(list(b"xxabc")) == (4, "stop_string")
+    assert stops.stop_string == "xab" and stops.text == "x"
+    tie = checker(ByteTokenizer(), stop=["abc", "ab"], include=True)
+    assert tie.accept(list(b"zabc")) == (3, "stop_string") and tie.text == "zab"
+
+
+def test_stop_string_in_the_prompt_does_not_stop(tokenizers):
+    tok = tokenizers["byte_bpe"]
+    prompt = tok.encode("Stop here, then")
+    stops = checker(tok, max_new_tokens=4, stop=["Stop", "then"], prompt_ids=prompt)
+    ids = output_ids(tok, " go on.")
+    assert stops.accept(ids) == (len(ids), None) and stops.text == " go on." and len(ids) < 4
+
+
+def test_stop_string_found_as_eos_stops_with_eos():
+    """The EOS check comes first: an EOS whose text completes a stop string stops as "eos",
+    and the text is still cut before the stop string."""
+    stops = checker(ByteTokenizer(), eos=ord("!"), stop=["!"])
+    assert stops.accept(list(b"hi!!")) == (3, "eos")
+    assert stops.text == "hi" and stops.stop_string == "!"
+
+
+def test_stop_reasons_are_the_documented_ones():
+    assert STOP_REASONS == ("eos", "stop_string", "length")
+
+
+# ================================================================ properties
+
+ALPHABET = "ab 日本é\n🎉"
+
+
+def reference(tok, ids, eos, stops, max_new_tokens, include):
+    """(keep, reason, text) by brute force: one-shot decodes of every prefix."""
+    decode = tok.decode if isinstance(tok, ByteTokenizer) else lambda x: tok.decode(x, skip_special_tokens=True)
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        whole = text.rstrip(REPLACEMENT)                      # characters not yet complete do not count
+        if ids[k - 1] in eos:
+            reason = "eos"
+        elif any(s in whole for s in stops):
+            reason = "stop_string"
+        elif k == max_new_tokens:
+            reason = "length"
+        else:
+            continue
+        found = [(text.find(s), len(s)) for s in stops if s in text]
+        if found:
+            start, length = min(found)
+            text = text[:start + length] if include else text[:start]
+        return k, reason, text
+    return len(ids), None, decode(ids).rstrip(REPLACEMENT)
+
+
+@given(text=st.text(alphabet=ALPHABET, max_size=30), data=st.data())
+@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("kind", KINDS + ("bytes",))
+def test_any_chunking_matches_the_brute_force_reference(tokenizers, kind, text, data):
+    """Random text, stop strings, EOS and budget; the output's tokens fed in random chunks:
+    the checker keeps what the shortest stopping prefix holds, and its text is that prefix's
+    one-shot decode cut at the first stop string."""
+    tok = ByteTokenizer() if kind == "bytes" else tokenizers[kind]
+    ids = tok.encode(text) if kind == "bytes" else output_ids(tok, text)
+    stops = data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), max_size=3))
+    eos = data.draw(st.lists(st.sampled_from(sorted(set(ids)) or [0]), max_size=1))
+    max_new_tokens = data.draw(st.integers(1, 40))
+    include = data.draw(st.booleans())
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=5)))
+    rule = StopRule(max_new_tokens, eos, stops, include)
+    check = StopChecker(rule, IncrementalDetokenizer(tok))
+    kept = 0
+    reason = None
+    for a, b in zip([0] + cuts, cuts + [len(ids)]):
+        if reason is None and a < b:
+            decision = check.accept(ids[a:b])
+            kept, reason = kept + decision.keep, decision.reason
+            assert reason is not None or decision.keep == b - a
+    keep, want_reason, want_text = reference(tok, ids, set(eos), rule.stop_strings, max_new_tokens, include)
+    assert (kept, reason) == (keep, want_reason)
+    assert check.token_ids == ids[:keep] and check.stop_reason == want_reason
+    if kind == "sentencepiece" and want_text.endswith(REPLACEMENT):
+        # Byte fallback shows an unfinished byte run, whole characters before it included, as one
+        # U+FFFD per byte; the stream had shown those characters already (see IncrementalDetokenizer).
+        whole = keep
+        while tok.decode(ids[:whole]).endswith(REPLACEMENT):
+            whole -= 1
+        assert check.text.rstrip(REPLACEMENT) == tok.decode(ids[:whole]) and check.text.endswith(REPLACEMENT)
+    else:
+        assert check.text == want_text
+    if not include:
+        assert not any(s in check.text for s in rule.stop_strings)

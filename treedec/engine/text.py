@@ -1,0 +1,298 @@
+"""Text in and out of a checkpoint: its tokenizer, its chat template, streaming detokenization.
+
+Nothing here touches the network: :func:`load_tokenizer` reads a local checkpoint folder
+only. Token-id APIs stay: every program takes token ids; this module turns text (or chat
+messages) into prompt ids and output ids back into text.
+
+:class:`IncrementalDetokenizer` streams output text the way vLLM does: each new token's
+text is the decoding of a short window of recent tokens less the decoding of the window's
+head (the *prefix* and *read* offsets), so tokenizers whose tokens decode differently at the
+start of a text (SentencePiece's leading space) stream the same text as a one-shot decode,
+and a multi-byte character split over several tokens is emitted whole, once its last byte
+has arrived: the stream never shows a U+FFFD that the one-shot decode would not.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from treedec.engine.loading import CheckpointError
+from treedec.tree.validate import describe, int_list, is_int
+
+__all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "encode_prompt", "load_tokenizer"]
+
+#: Files of which a checkpoint folder holds at least one when it has a tokenizer that
+#: transformers can load (besides ``*.tiktoken`` vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode shows for bytes that are not (yet) a whole character
+# Tokens before the first output token that the first window holds: enough context for a
+# tokenizer to decode the first output token as it decodes it inside the whole text (vLLM's value).
+_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local checkpoint folder: ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+
+    Parameters
+    ----------
+    path : a local checkpoint directory (treedec never downloads).
+
+    Returns
+    -------
+    A transformers tokenizer (a ``PreTrainedTokenizerBase``), with the checkpoint's chat
+    template when it has one.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` is not a directory.
+    CheckpointError
+        (a ValueError) The folder has none of :data:`TOKENIZER_FILES` (nor a ``*.tiktoken``
+        file), or transformers cannot build a tokenizer from what it has (the message names
+        the folder and transformers' reason).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"load_tokenizer needs a local checkpoint directory, got {str(path)!r}, which is not "
+                                f"a directory; treedec never downloads: fetch the model first (e.g. "
+                                f"`huggingface-cli download <name> --local-dir <dir>`) and pass that directory")
+    if not any((root / name).is_file() for name in TOKENIZER_FILES) and not any(root.glob("*.tiktoken")):
+        raise CheckpointError(f"{root} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
+                              f"tokenizer files into it, or give prompts as token ids")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    # The tokenizers library raises a bare Exception for a tokenizer.json it cannot read, and
+    # transformers raises OSError / ValueError / TypeError / KeyError / ImportError by case.
+    except Exception as e:
+        raise CheckpointError(f"{root}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_template: bool) -> list[int]:
+    """The token ids of a prompt, as a plain text or through the tokenizer's chat template.
+
+    Parameters
+    ----------
+    tokenizer : a transformers tokenizer (:func:`load_tokenizer`); for plain text also any
+        object with ``encode(text) -> list[int]``, such as
+        :class:`~treedec.search.tot.ByteTokenizer`.
+    prompt : a text, or chat messages: a non-empty list of mappings, each with a string
+        ``"role"`` and a string ``"content"`` (other keys go to the template as they are).
+    chat_template : False: ``prompt`` must be a text, encoded with the tokenizer's special
+        tokens (the BOS its checkpoint puts before a text). True: the messages (a text is
+        one ``{"role": "user"}`` message) are rendered by the tokenizer's chat template with
+        ``add_generation_prompt=True`` and the rendered text is encoded without adding
+        special tokens (the template writes its own BOS), as transformers'
+        ``apply_chat_template(..., tokenize=True)`` does.
+
+    Returns
+    -------
+    [n] token ids, n >= 1.
+
+    Raises
+    ------
+    TypeError
+        ``chat_template`` is not a bool; with ``chat_template=False``, a prompt that is
+        neither a text nor chat messages.
+    ValueError
+        Messages with ``chat_template=False``; malformed messages (see :func:`check_messages`);
+        a tokenizer without a chat template; a template that refuses the messages (its own
+        message); a prompt that encodes to no tokens.
+    """
+    if not isinstance(chat_template, bool):
+        raise TypeError(f"chat_template must be a bool, got {describe(chat_template)}")
+    if not chat_template:
+        if not isinstance(prompt, str):
+            if _is_message_list(prompt):
+                raise ValueError("prompt is a list of chat messages: they need chat_template=True")
+            raise TypeError(f"prompt must be a text (or chat messages with chat_template=True), got {describe(prompt)}")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = check_messages(prompt, "prompt")
+        if not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ValueError(f"the tokenizer of {name} has no chat template; encode the prompt as plain text "
+                             f"(chat_template=False) or use a checkpoint with one (an instruct / chat model)")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja2's TemplateError (e.g. raise_exception in the template) and its kin
+            raise ValueError(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:300]})") from e
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise ValueError(f"prompt {prompt!r:.80} encodes to no tokens; a request needs at least one prompt token")
+    return ids
+
+
+def check_messages(messages, name: str = "messages") -> list[dict]:
+    """Chat messages as a new list of dicts, after checking them; ValueError naming ``name`` otherwise.
+
+    ``messages`` must be a non-empty list (or tuple) of mappings, each with a string ``"role"``
+    and a string ``"content"``; other keys are kept (a template may read them).
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{name} must be a list of chat messages ({{'role': ..., 'content': ...}}), got "
+                         f"{describe(messages)}")
+    if not messages:
+        raise ValueError(f"{name} is an empty list of chat messages; give at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{name}[{i}] must be a chat message ({{'role': ..., 'content': ...}}), got "
+                             f"{describe(message)}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"{name}[{i}][{key!r}] must be a string, got "
+                                 f"{describe(message[key]) if key in message else 'nothing'}")
+        out.append(dict(message))
+    return out
+
+
+class IncrementalDetokenizer:
+    """Output token ids to text, a few tokens at a time, never showing half a character.
+
+    Feed each new token (or several) to :meth:`feed`; it returns the text they add. A token
+    that ends inside a multi-byte UTF-8 character adds the text up to that character; the
+    character comes with the token that completes it. :meth:`finish` adds what is still held
+    back (the lossy decoding of trailing bytes that never became a character). The text
+    streamed then equals ``tokenizer.decode(prompt_ids + output_ids)`` less the prompt's
+    text, for byte-level BPE and SentencePiece (byte-fallback) tokenizers. Two exceptions,
+    both from how a one-shot decode rewrites text after the fact: a tokenizer that cleans up
+    spaces around punctuation (``clean_up_tokenization_spaces``) cleans each window, which
+    may differ from cleaning the whole text; and a byte-fallback decoder shows a run of
+    ``<0x..>`` tokens that is not valid UTF-8 as one U+FFFD per byte, while the stream has
+    already shown the characters that were whole (output of valid text is never affected).
+
+    Feeding several ids at once is the same as feeding them one by one (the text after each
+    token is what :class:`~treedec.search.stops.StopChecker` looks for stop strings in).
+
+    Parameters
+    ----------
+    tokenizer : a transformers tokenizer, or any object with ``decode(ids) -> str`` (such as
+        :class:`~treedec.search.tot.ByteTokenizer`). Ids are checked against ``len(tokenizer)``
+        where it has a length.
+    prompt_ids : the request's prompt; its last tokens are the context the first output
+        token is decoded in (so a leading space comes out as in the whole text). Its text is
+        not part of the output.
+    skip_special_tokens : drop special tokens (BOS, EOS, ...) from the text, as
+        ``decode(..., skip_special_tokens=True)``: the default, as in vLLM. Only a tokenizer
+        that has special tokens (an ``all_special_ids`` attribute, as transformers' have) is
+        asked to skip them; other decoders are called as ``decode(ids)``.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode(ids) method, got {describe(tokenizer)}")
+        if not isinstance(skip_special_tokens, bool):
+            raise TypeError(f"skip_special_tokens must be a bool, got {describe(skip_special_tokens)}")
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens and hasattr(tokenizer, "all_special_ids")
+        self._vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+        self._ids = self._checked(prompt_ids, "prompt_ids")
+        self._num_prompt = len(self._ids)
+        # The window: text is emitted as decode(ids[prefix:]) less decode(ids[prefix:read]) less
+        # the `held` characters already emitted from a token whose last character was incomplete.
+        self._read = self._num_prompt
+        self._prefix, self._prefix_text = self._context_window()
+        self._held = 0
+        self._parts: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All the text emitted so far (the concatenation of the deltas)."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """``len(tokenizer)``: ids fed must be below it; None for a tokenizer without a length."""
+        return self._vocab_size
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The ids fed so far (the prompt not included); a copy."""
+        return self._ids[self._num_prompt:]
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` was called (no more ids can be fed)."""
+        return self._finished
+
+    def feed(self, token_ids: int | Sequence[int]) -> str:
+        """Add one output token id or several; return the text they add (maybe '').
+
+        Raises TypeError / ValueError for ids that are not token ids of the tokenizer (nothing
+        is fed then), RuntimeError after :meth:`finish`.
+        """
+        if self._finished:
+            raise RuntimeError("this IncrementalDetokenizer is finished; start a new one for another output")
+        ids = [int(token_ids)] if is_int(token_ids) else token_ids
+        ids = self._checked(ids, "token_ids")
+        return "".join([self._feed_one(token) for token in ids])
+
+    def finish(self) -> str:
+        """End the output: return the text still held back (trailing bytes that are not a whole
+        character, decoded lossily, as a one-shot decode shows them); '' when none."""
+        if self._finished:
+            return ""
+        self._finished = True
+        window = self._decode(self._ids[self._prefix:])
+        delta = window[len(self._prefix_text) + self._held:]
+        self._parts.append(delta)
+        return delta
+
+    # ------------------------------------------------------------ private
+
+    def _feed_one(self, token: int) -> str:
+        self._ids.append(token)
+        window = self._decode(self._ids[self._prefix:])
+        start = len(self._prefix_text) + self._held
+        if window.endswith(_REPLACEMENT):
+            # The last token ends inside a character: emit the whole characters before it now,
+            # keep the window (its bytes are completed by a later token).
+            delta = window.rstrip(_REPLACEMENT)[start:]
+            self._held += len(delta)
+        else:
+            delta = window[start:]
+            if len(window) > len(self._prefix_text):  # a token that decodes to nothing does not move the window
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+                self._held = 0
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def _context_window(self) -> tuple[int, str]:
+        """(start, text) of the prompt tokens the first window holds: the last few, started
+        at a character boundary. A window that starts inside a character does not decode to
+        the text's tail: byte fallback turns the whole broken byte run into U+FFFD, so no
+        output byte that joins the run would ever decode."""
+        start = max(self._num_prompt - _CONTEXT_TOKENS, 0)
+        text = self._decode(self._ids[start:self._read])
+        for _ in range(3):  # a character is at most 4 bytes: 3 steps back reach its first
+            if start == 0 or _REPLACEMENT not in text:
+                break
+            start -= 1
+            text = self._decode(self._ids[start:self._read])
+        return start, text
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        if self._skip_special:
+            return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids)
+
+    def _checked(self, ids, name: str) -> list[int]:
+        high = self._vocab_size - 1 if self._vocab_size is not None else 2**63 - 1
+        return int_list(ids, name, low=0, high=high)
+
+
+def _is_message_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(m, Mapping) for m in value)

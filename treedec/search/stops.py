@@ -1,0 +1,251 @@
+"""When a request's output ends: EOS ids, stop strings, a token budget.
+
+A :class:`StopRule` says when (the same fields for every program); a :class:`StopChecker`
+applies it to one output as its tokens are accepted, one at a time (plain decoding) or
+several at once (a speculative path, a chunk of replayed tokens). For every new token, in
+order:
+
+1. *EOS*: the token is one of ``eos_token_ids`` -> stop with reason ``"eos"``. The EOS token
+   is **kept** as the output's last token, as every treedec program returns it ("the new
+   tokens up to and including the first EOS id"); its text is what the detokenizer makes of
+   it (nothing for a special token, which is skipped by default). An EOS in the middle of a
+   speculative path cuts the path right after it.
+2. *stop string*: the output's text now contains one of ``stop_strings`` -> stop with reason
+   ``"stop_string"``. The tokens are kept up to and including the token that completed the
+   stop string (tokens are never split); the *text* is cut before the stop string, or after
+   it with ``include_stop_str`` (vLLM's ``include_stop_str_in_output``), and whatever that
+   token wrote after the stop string is dropped. A stop string may span several tokens and
+   may end anywhere inside a token; when several are completed by the same token, the one
+   that starts first in the text wins (the shorter on a tie), so the text never contains a
+   whole stop string, however the tokens fall.
+3. *length*: the output has ``max_new_tokens`` tokens -> stop with reason ``"length"``.
+
+Stop strings are matched on the detokenized text (:class:`~treedec.engine.text.IncrementalDetokenizer`),
+so they need the checkpoint's tokenizer; a character is matched once its last byte has
+arrived, never against half of it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from treedec.engine.text import IncrementalDetokenizer
+from treedec.search.request import positive_int
+from treedec.tree.validate import describe, int_list, is_int
+
+__all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_tuple"]
+
+#: The reasons a :class:`StopChecker` stops for, in the order it checks them for each token.
+STOP_REASONS = ("eos", "stop_string", "length")
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When one output ends. Checked on construction (a ValueError names the field).
+
+    Attributes
+    ----------
+    max_new_tokens : int >= 1; the output's token budget (EOS included).
+    eos_token_ids : ids that end the output (kept as its last token); an id or a sequence of
+        ids >= 0, stored as a tuple without repeats. Empty: no EOS stop. Programs give the
+        checkpoint's EOS ids here (``model.eos_token_ids``) plus a request's extra stop ids.
+    stop_strings : texts that end the output; a string or a sequence of non-empty strings,
+        stored as a tuple without repeats. They need a detokenizer (see :class:`StopChecker`).
+    include_stop_str : keep the stop string at the end of the text (default False: the text
+        ends before it).
+    """
+
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False
+
+    def __post_init__(self):
+        positive_int("max_new_tokens", self.max_new_tokens)
+        object.__setattr__(self, "eos_token_ids", token_id_tuple(self.eos_token_ids, "eos_token_ids"))
+        object.__setattr__(self, "stop_strings", stop_string_tuple(self.stop_strings, "stop_strings"))
+        if not isinstance(self.include_stop_str, bool):
+            raise ValueError(f"include_stop_str must be a bool, got {describe(self.include_stop_str)}")
+
+
+class StopDecision(NamedTuple):
+    """What :meth:`StopChecker.accept` decided about the tokens it was given.
+
+    Attributes
+    ----------
+    keep : how many of the given tokens belong to the output (a prefix of them).
+    reason : ``"eos"``, ``"stop_string"`` or ``"length"`` when the output ended with the
+        last kept token; None when it goes on (then every token was kept).
+    """
+
+    keep: int
+    reason: str | None
+
+
+class StopChecker:
+    """Applies a :class:`StopRule` to one output, as its tokens are accepted.
+
+    Parameters
+    ----------
+    rule : the :class:`StopRule`.
+    detokenizer : a fresh :class:`~treedec.engine.text.IncrementalDetokenizer` of the request
+        (made with its prompt ids, nothing fed yet); the checker feeds it every kept token
+        and finishes it when the output ends. Needed for stop strings; without one the
+        checker works on token ids only (``text`` is None).
+
+    Raises
+    ------
+    TypeError
+        ``rule`` is not a StopRule, or ``detokenizer`` not an IncrementalDetokenizer.
+    ValueError
+        ``rule`` has stop strings but there is no detokenizer, or the detokenizer was fed.
+    """
+
+    def __init__(self, rule: StopRule, detokenizer: IncrementalDetokenizer | None = None):
+        if not isinstance(rule, StopRule):
+            raise TypeError(f"rule must be a StopRule, got {describe(rule)}")
+        if detokenizer is not None and not isinstance(detokenizer, IncrementalDetokenizer):
+            raise TypeError(f"detokenizer must be an IncrementalDetokenizer or None, got {describe(detokenizer)}")
+        if rule.stop_strings and detokenizer is None:
+            raise ValueError(f"stop strings {list(rule.stop_strings)!r:.80} are matched on the output text and need "
+                             f"a detokenizer (IncrementalDetokenizer(tokenizer, prompt_ids)); without the checkpoint's "
+                             f"tokenizer, stop on token ids (eos_token_ids) instead")
+        if detokenizer is not None and (detokenizer.output_ids or detokenizer.finished):
+            finished = " and is finished" if detokenizer.finished else ""
+            raise ValueError(f"detokenizer must be fresh (no output ids fed, not finished), it has "
+                             f"{len(detokenizer.output_ids)} output ids{finished}")
+        self.rule = rule
+        self._detok = detokenizer
+        self._eos = frozenset(rule.eos_token_ids)
+        self._longest = max(map(len, rule.stop_strings), default=0)
+        self._ids: list[int] = []
+        self._reason: str | None = None
+        self._stop_string: str | None = None
+        self._cut: int | None = None  # where the text ends when a stop string was found
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output's tokens so far (kept ones only); a copy."""
+        return list(self._ids)
+
+    @property
+    def text(self) -> str | None:
+        """The output's text so far, cut at the stop string; None without a detokenizer."""
+        if self._detok is None:
+            return None
+        text = self._detok.text
+        return text if self._cut is None else text[:self._cut]
+
+    @property
+    def stop_reason(self) -> str | None:
+        """``"eos"``, ``"stop_string"`` or ``"length"`` once the output ended; None before."""
+        return self._reason
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the output ended (:meth:`accept` takes no more tokens)."""
+        return self._reason is not None
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the text was cut at, if any."""
+        return self._stop_string
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the output may still take (0 once it ended): a bound for a speculative draft."""
+        return 0 if self.stopped else self.rule.max_new_tokens - len(self._ids)
+
+    def accept(self, token_ids: int | Sequence[int]) -> StopDecision:
+        """Take newly accepted tokens (one or several, in order); say how many to keep and why the output ended.
+
+        Parameters
+        ----------
+        token_ids : an id or a sequence of ids (e.g. a verified speculative path and its bonus
+            token). Checked first (ints >= 0, below the detokenizer's vocabulary): nothing is
+            taken when they are not.
+
+        Returns
+        -------
+        :class:`StopDecision`: ``keep`` (the first ``keep`` of ``token_ids`` are the output's,
+        the rest are to be dropped) and ``reason`` (None: the output goes on, all were kept).
+
+        Raises
+        ------
+        RuntimeError
+            The output already ended.
+        """
+        if self._reason is not None:
+            raise RuntimeError(f"the output already ended ({self._reason!r}); it takes no more tokens")
+        high = 2**63 - 1
+        if self._detok is not None and self._detok.vocab_size is not None:
+            high = self._detok.vocab_size - 1
+        ids = int_list([int(token_ids)] if is_int(token_ids) else token_ids, "token_ids", low=0, high=high)
+        for i, token in enumerate(ids):
+            self._ids.append(token)
+            before = 0
+            if self._detok is not None:
+                before = len(self._detok.text)
+                self._detok.feed(token)
+            if token in self._eos:
+                reason = "eos"
+            elif self._longest and self._first_stop(before) is not None:
+                reason = "stop_string"
+            elif len(self._ids) >= self.rule.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            self._end(reason, before)
+            return StopDecision(i + 1, reason)
+        return StopDecision(len(ids), None)
+
+    # ------------------------------------------------------------ private
+
+    def _end(self, reason: str, before: int) -> None:
+        """Stop for ``reason``; ``before``: the text's length before the last token."""
+        self._reason = reason
+        if self._detok is None:
+            return
+        self._detok.finish()  # the output is whole: bytes still held back are shown as a one-shot decode shows them
+        match = self._first_stop(before) if self._longest else None
+        if match is not None:
+            start, self._stop_string = match
+            self._cut = start + len(self._stop_string) if self.rule.include_stop_str else start
+        assert reason != "stop_string" or match is not None, f"{reason=} without a stop string in {self.text!r:.80}"
+
+    def _first_stop(self, before: int) -> tuple[int, str] | None:
+        """(start, stop string) of the first stop string in the text that ends after ``before``
+        characters (the text before had none), or None."""
+        text = self._detok.text
+        lo = max(before - self._longest + 1, 0)
+        best = None
+        for s in self.rule.stop_strings:
+            start = text.find(s, lo)
+            if start >= 0 and (best is None or (start, len(s)) < (best[0], len(best[1]))):
+                best = (start, s)
+        return best
+
+
+def token_id_tuple(value, name: str) -> tuple[int, ...]:
+    """An id or a sequence of ids >= 0 as a tuple without repeats (the first of each kept, in order);
+    ValueError naming ``name`` otherwise."""
+    ids = [value] if is_int(value) else value
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{name} must be a token id or a sequence of token ids, got {describe(value)}")
+    ids = list(ids)
+    bad = [t for t in ids if not is_int(t) or t < 0]
+    if bad:
+        raise ValueError(f"{name} must be token ids (ints >= 0), got {describe(bad[0])} in {describe(value)}")
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def stop_string_tuple(value, name: str) -> tuple[str, ...]:
+    """A string or a sequence of non-empty strings as a tuple without repeats; ValueError naming ``name`` otherwise."""
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, Sequence) or isinstance(strings, bytes):
+        raise ValueError(f"{name} must be a string or a sequence of strings, got {describe(value)}")
+    bad = [s for s in strings if not isinstance(s, str) or not s]
+    if bad:
+        raise ValueError(f"{name} must be non-empty strings, got {describe(bad[0])} in {describe(value)}")
+    return tuple(dict.fromkeys(strings))
