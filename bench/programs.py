@@ -43,6 +43,14 @@ under ``errors`` and the others still run.
 ``--smoke`` runs on the CPU; its ``graphs`` method runs the padded static buffers without
 capture (``CudaGraphConfig(capture=False)``, Triton kernels under ``TRITON_INTERPRET=1``),
 for ``greedy`` only: the interpreter takes ~10 s for the 200-token prefill alone.
+``--profile K`` adds to every engine run a breakdown of its last K steps from
+``torch.profiler`` (a separate, untimed pass of the same program): per step, the GPU time of
+GEMMs, attention and other kernels, the GPU idle time (the step's wall time less its busy
+time: host work the GPU waits for) and the host time of ``Engine.step`` (planning, graph
+loading, launching, and any wait for the device inside it). The kinds sum kernel durations:
+the cuda backend's merge starts as a programmatic dependent of stage 1 and waits inside, so
+attention can sum to more than its share of the busy time.
+
 Results go to ``<out>/<date>-<device>-programs[-smoke][-<tag>].json`` (written after every
 run); the table is printed last.
 """
@@ -160,6 +168,8 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every run: a cut-off run keeps its part
         print(f"{run['program']} p{run['prompt']} {run['method']}: {run['ms']:.2f} ms/step, "
               f"{run['x_floor']:.2f}x floor, eager steps {run.get('eager_steps')}", file=sys.stderr)
+        if "profile" in run:
+            print(f"  profile: {json.dumps(run['profile'])}", file=sys.stderr)
 
     def fail(key: str, e: Exception) -> None:
         traceback.print_exc()
@@ -238,23 +248,30 @@ class StepClock:
     """Stamps the end of every step of ``engine`` (after a device synchronisation) and its graph counters.
 
     Wraps ``engine.step`` on the instance for the ``with`` block: the programs and
-    ``Engine.prefill`` call it through the attribute.
+    ``Engine.prefill`` call it through the attribute. ``on_step`` is called after each stamp
+    (the profiler's ``step``).
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_step=None):
         self.engine = engine
         self.ends: list[float] = []
+        self.host_seconds: list[float] = []   # inside Engine.step before its synchronisation
         self.graph_stats: list[Counter] = []
         self.start = 0.0
+        self.on_step = on_step
 
     def __enter__(self) -> "StepClock":
         step, engine = self.engine.step, self.engine
 
         def timed_step(*args, **kwargs):
+            began = time.perf_counter()
             out = step(*args, **kwargs)
+            self.host_seconds.append(time.perf_counter() - began)
             _sync(engine.device)
             self.ends.append(time.perf_counter())
             self.graph_stats.append(Counter(engine.graph_stats))
+            if self.on_step is not None:
+                self.on_step()
             return out
 
         self.engine.step = timed_step
@@ -274,8 +291,7 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         backend = "triton" if device.type != "cuda" else args.backend
     else:
         graphs, backend = False, args.backend
-    kv_tokens = None if device.type == "cuda" else 2 * len(prompt) + 4096
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=backend, cuda_graphs=graphs)
+    engine = Engine(model, kv_tokens=_pool_tokens(device, prompt), page_size=args.page_size, backend=backend, cuda_graphs=graphs)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
@@ -296,6 +312,8 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         program_stats = clock.graph_stats[-1] - clock.graph_stats[prefill_steps - 1]   # the prefill's excluded
         out["graph_stats"] = dict(program_stats)
         out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
+    if args.profile:
+        out["profile"] = _profile_program(program, work, prompt, args, backend, graphs)
     if "accepted" in run.extra:
         accepted = run.extra["accepted"][timed]
         out["accepted_per_step"] = float(statistics.mean(accepted))
@@ -303,6 +321,54 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         out["draft_ms"] = statistics.median(run.extra["draft_ms"][timed])
         out["verify_ms"] = statistics.median(run.extra["verify_ms"][timed])
     return out
+
+
+#: Kernel name pieces of each category of :func:`_profile_program` (first match wins).
+KERNEL_KINDS = (("attention", ("tree_attention", "tree_attn", "_stage1", "_merge", "attend", "flash")),
+                ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")))
+
+
+def _profile_program(program: str, work: Workload, prompt: list[int], args, backend: str, graphs) -> dict:
+    """Where the time of a step goes: the program again on a fresh engine under ``torch.profiler``
+    over its last ``args.profile`` steps; per step (ms): GPU busy time by kernel kind, GPU idle time
+    (wall time less the union of kernel intervals) and host time inside ``Engine.step``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    model = work.model
+    engine = Engine(model, kv_tokens=_pool_tokens(model.device, prompt), page_size=args.page_size, backend=backend,
+                    cuda_graphs=graphs)
+    prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
+    total = args.warmup + args.steps
+    active = min(args.profile, args.steps)
+    wait = prefill_steps + total - active - 1  # the profiler records the last `active` steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities,
+                 schedule=schedule(wait=wait, warmup=1, active=active, repeat=1)) as prof:
+        with StepClock(engine, on_step=prof.step) as clock:
+            PROGRAM_FUNCTIONS[program](engine, prompt, total, work)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.time_range.end > e.time_range.start and not e.name.startswith("ProfilerStep")]
+    by_kind: Counter = Counter()
+    names: Counter = Counter()
+    for e in kernels:
+        name = e.name.lower()
+        kind = next((k for k, pieces in KERNEL_KINDS if any(p in name for p in pieces)), "other")
+        by_kind[kind] += e.time_range.elapsed_us()
+        names[e.name[:80]] += e.time_range.elapsed_us()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, -math.inf
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    steps = len(clock.ends)
+    wall_ms = 1e3 * (clock.ends[-1] - clock.ends[-1 - active]) if steps > active else float("nan")
+    return {"steps": active, "wall_ms": wall_ms / active, "gpu_busy_ms": busy / 1e3 / active,
+            "gpu_idle_ms": (wall_ms - busy / 1e3) / active,
+            "kernel_ms": {k: v / 1e3 / active for k, v in sorted(by_kind.items())},
+            "kernels_per_step": len(kernels) / active,
+            "engine_step_host_ms": 1e3 * statistics.median(clock.host_seconds[-active:]),
+            "top_kernels_ms": {k: round(v / 1e3 / active, 4) for k, v in names.most_common(12)}}
 
 
 def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes_per_token: int) -> list[dict]:
@@ -366,6 +432,11 @@ def _random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
         return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, dtype=model.dtype, device=model.device)
 
 
+def _pool_tokens(device: torch.device, prompt: list[int]) -> int | None:
+    """The engines' KV pool: sized from free memory on a GPU; on the CPU enough for the prompt and the steps."""
+    return None if device.type == "cuda" else 2 * len(prompt) + 4096
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -403,6 +474,8 @@ def _parse_args(argv):
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--tag", default=None, help="appended to the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU, for CI")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also profile the last K steps of each run (a separate pass; GPU kernel kinds, idle time)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")

@@ -46,3 +46,23 @@ def test_programs_bench_smoke_run(tmp_path, capsys):
 def test_unknown_program_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown program"):
         main(["--smoke", "--programs", "greedy,beam", "--out", str(tmp_path)])
+
+
+def test_profile_breaks_a_step_down(tmp_path):
+    """--profile K: a separate profiled pass whose last K steps are summarised (on the CPU, host times only)."""
+    assert main(["--smoke", "--methods", "eager", "--programs", "greedy", "--profile", "2", "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-programs-smoke.json")
+    [run] = json.loads(path.read_text())["runs"]
+    profile = run["profile"]
+    assert profile["steps"] == 2 and profile["wall_ms"] > 0 and profile["engine_step_host_ms"] > 0
+    assert profile["gpu_busy_ms"] == 0 and profile["gpu_idle_ms"] == pytest.approx(profile["wall_ms"])
+
+
+def test_host_cost_runs_every_program(capsys):
+    """bench/host_cost.py: the programs' host work per step with the forward stubbed out."""
+    from bench.host_cost import main as host_cost
+    assert host_cost(["--model", "tiny", "--prompt", "40", "--steps", "3", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for program in PROGRAMS:
+        [line] = [x for x in lines if x.startswith(f"{program}: ")]
+        assert float(line.split()[1]) > 0, line

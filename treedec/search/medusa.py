@@ -199,8 +199,8 @@ class MedusaDraft:
         if self._hidden is None or seq != self._tokens:
             raise ValueError("MedusaDraft.propose needs the target's hidden state for this sequence: run it through "
                              "speculative_generate, or call observe(TargetOutput(sequence, hidden)) first")
-        logits = self.heads(self._hidden)                                       # [num_heads, vocab]
-        top = [logits[d].topk(k).indices.tolist() for d, k in enumerate(self._top_k)]
+        logits = self.heads(self._hidden)[:len(self._top_k)]                    # [depth, vocab]
+        top = logits.topk(max(self._top_k), dim=-1).indices.tolist()            # one transfer for every head
         return self.tree, [seq[-1]] + [top[len(p) - 1][p[-1]] for p in self._paths]
 
 

@@ -279,17 +279,7 @@ class SequenceTree:
         if pending:
             raise TreeError(f"cannot prune node {node_id}: node(s) {pending[:5]} in its subtree have pending "
                             f"tokens of the current step; call commit_step() first")
-        pages = [p for i in subtree for p in self._nodes[i].pages]
-        freed = self.pool.decref(np.asarray(pages, dtype=np.int64))  # checks before it changes anything
-        node = self._nodes[node_id]
-        if node.parent is None:
-            self._roots.remove(node_id)
-        else:
-            self._nodes[node.parent].children.remove(node_id)
-        for i in subtree:
-            del self._nodes[i]
-        self._preorder = self._layout = None
-        return freed
+        return self._remove_subtrees([node_id], subtree)
 
     def accept(self, anchor: int, path: Sequence[int]) -> np.ndarray:
         """Keep a verified path of a speculative tree under leaf ``anchor``; free the rest.
@@ -307,20 +297,21 @@ class SequenceTree:
             if child.parent != parent.id:
                 raise TreeError(f"path must be a chain under node {anchor}: node {child.id}'s parent is "
                                 f"{child.parent}, not {parent.id}")
-        busy = [n for c in node.children for n in self._subtree(c) if self._nodes[n].pending]
+        doomed = [n for c in node.children for n in self._subtree(c)]
+        busy = [n for n in doomed if self._nodes[n].pending]
         if busy:
             raise TreeError(f"cannot accept under node {anchor}: node(s) {busy[:5]} below it have pending tokens "
                             f"of the current step; call commit_step() first")
         tokens = [t for c in chain for t in c.tokens]
         need = self._pages_to_extend(node, len(tokens))
-        if need > self.pool.num_free_pages + self.pages_freed_by_prune(node.children):
+        if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self.pages_freed_by_prune(node.children):
             raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
                                      f"page(s); nothing was changed")
         saved = None
         if tokens and self.pool.k is not None:
             saved = self.pool.gather(np.concatenate([c.slots[:c.length] for c in chain]))
-        for child in list(node.children):
-            self.prune(child)
+        if node.children:
+            self._remove_subtrees(list(node.children), doomed)
         slots = self._fill(node, tokens)
         node.pending -= len(tokens)   # their K/V are in place: nothing to compute
         if saved is not None:
@@ -414,7 +405,29 @@ class SequenceTree:
         return self._preorder
 
     def _subtree(self, node_id: int) -> list[int]:
-        return depth_first_order([node_id], {i: n.children for i, n in self._nodes.items()})
+        """``node_id`` and its descendants, depth-first (the tree has no cycles: ops build it top-down)."""
+        order, stack = [], [node_id]
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(reversed(self._nodes[i].children))
+        return order
+
+    def _remove_subtrees(self, tops: list[int], nodes: list[int]) -> np.ndarray:
+        """Remove the subtrees under ``tops`` (``nodes``: all their nodes), freeing their pages in one
+        :meth:`PagedKVPool.decref`, which checks before it changes anything; returns the pages freed."""
+        pages = [p for i in nodes for p in self._nodes[i].pages]
+        freed = self.pool.decref(np.asarray(pages, dtype=np.int64))
+        for top in tops:
+            parent = self._nodes[top].parent
+            if parent is None:
+                self._roots.remove(top)
+            else:
+                self._nodes[parent].children.remove(top)
+        for i in nodes:
+            del self._nodes[i]
+        self._preorder = self._layout = None
+        return freed
 
     def _pages_to_extend(self, node: _Node, num_tokens: int) -> int:
         return self.pool.pages_for(max(0, num_tokens - node.tail_room))
