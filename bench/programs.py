@@ -28,8 +28,10 @@ bytes, averaged over the timed steps. ``eager steps``: steps of the program (the
 long chunks excluded) that the CUDA-graph methods ran eagerly, with their reasons in the JSON;
 within the graph limits there must be none.
 
-Methods: ``eager``, ``graphs`` (``Engine(cuda_graphs=True)``), and both again after
-``model.compile_pointwise()`` (``*_compiled``; they run last: the fusion is for good).
+Methods: ``eager``, ``graphs`` (``Engine(cuda_graphs=True)``), ``graphs_model`` (``Engine(cuda_graphs=True,
+compile_model=True)``: the whole graphed forward through ``torch.compile``, attention as a custom op),
+and ``eager``/``graphs`` again after ``model.compile_pointwise()`` (``*_compiled``; they run last:
+the fusion is for good).
 ``--hf`` adds ``hf_sdpa``: transformers (sdpa, 4D tree mask, on views of the same weights,
 ``bench/step.py``'s helpers) running the same *step* as ``greedy`` (a one-token decode) and
 ``tree_verify`` (a Medusa-64 verify), repeated over a cropped cache rather than as a program;
@@ -89,7 +91,7 @@ from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample"]
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
-METHODS = ["hf_sdpa", "eager", "graphs", "eager_compiled", "graphs_compiled"]
+METHODS = ["hf_sdpa", "eager", "graphs", "graphs_model", "eager_compiled", "graphs_compiled"]
 HF_STEPS = {"greedy": "decode", "tree_verify": "verify"}   # bench/step.py's step that matches each program
 SMOKE_GRAPH_PROGRAMS = ["greedy"]
 
@@ -291,7 +293,8 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         backend = "triton" if device.type != "cuda" else args.backend
     else:
         graphs, backend = False, args.backend
-    engine = Engine(model, kv_tokens=_pool_tokens(device, prompt), page_size=args.page_size, backend=backend, cuda_graphs=graphs)
+    engine = Engine(model, kv_tokens=_pool_tokens(device, prompt), page_size=args.page_size, backend=backend,
+                    compile_model=method == "graphs_model", cuda_graphs=graphs)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
@@ -313,7 +316,7 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         out["graph_stats"] = dict(program_stats)
         out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
     if args.profile:
-        out["profile"] = _profile_program(program, work, prompt, args, backend, graphs)
+        out["profile"] = _profile_program(program, work, prompt, args, backend, graphs, method == "graphs_model")
     if "accepted" in run.extra:
         accepted = run.extra["accepted"][timed]
         out["accepted_per_step"] = float(statistics.mean(accepted))
@@ -328,7 +331,8 @@ KERNEL_KINDS = (("attention", ("tree_attention", "tree_attn", "_stage1", "_merge
                 ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")))
 
 
-def _profile_program(program: str, work: Workload, prompt: list[int], args, backend: str, graphs) -> dict:
+def _profile_program(program: str, work: Workload, prompt: list[int], args, backend: str, graphs,
+                     compile_model: bool) -> dict:
     """Where the time of a step goes: the program again on a fresh engine under ``torch.profiler``
     over its last ``args.profile`` steps; per step (ms): GPU busy time by kernel kind, GPU idle time
     (wall time less the union of kernel intervals) and host time inside ``Engine.step``."""
@@ -336,7 +340,7 @@ def _profile_program(program: str, work: Workload, prompt: list[int], args, back
 
     model = work.model
     engine = Engine(model, kv_tokens=_pool_tokens(model.device, prompt), page_size=args.page_size, backend=backend,
-                    cuda_graphs=graphs)
+                    cuda_graphs=graphs, compile_model=compile_model)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     total = args.warmup + args.steps
     active = min(args.profile, args.steps)

@@ -1,4 +1,5 @@
-"""Tree attention: planners (TreeLayout -> TreePlan), backends, the LSE merge."""
+"""Tree attention: planners (TreeLayout -> TreePlan), backends, the LSE merge, the custom ops."""
+from treedec.attention.custom_ops import store_kv, tree_attention as tree_attention_op  # registers torch.ops.treedec.*
 from treedec.attention.merge import merge_states
 from treedec.attention.planners import PLANNERS, PlanConfig, make_plan, plan_flatten, plan_node, plan_node_chunk
 from treedec.attention.persistent_schedule import PersistentSchedule, schedule_units
@@ -10,4 +11,4 @@ from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 __all__ = ["PLANNERS", "DeviceTreePlan", "PersistentSchedule", "PlanBounds", "PlanConfig", "StaticPlan",
            "TreeAttention", "schedule_units", "TreePlan", "dense_tree_mask",
            "make_plan", "merge_states", "plan_flatten", "plan_node", "plan_node_chunk",
-           "reference_tree_attention"]
+           "reference_tree_attention", "store_kv", "tree_attention_op"]

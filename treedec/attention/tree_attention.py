@@ -168,6 +168,25 @@ class TreeAttention:
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
+    def op_args(self, plan: DeviceTreePlan) -> tuple[list[torch.Tensor], list[int]]:
+        """``plan`` (prepared for a kernel backend) as ``torch.ops.treedec.tree_attention`` takes it:
+        ``(tensors, sizes)``; see :mod:`treedec.attention.custom_ops`."""
+        if plan.backend not in ("triton", "cuda") or plan.prepared is None:
+            raise ValueError(f"the custom op runs plans prepared for the triton or cuda kernels, this one is for "
+                             f"{plan.backend!r}: make it with plan() on a TreeAttention of a kernel backend")
+        return plan.prepared.op_args()
+
+    def run_op(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+               ) -> torch.Tensor:
+        """:meth:`run` through ``torch.ops.treedec.tree_attention`` (what ``torch.compile`` traces):
+        ``out [Q, num_qo_heads, head_dim]``. Outside a compiled region the inputs are checked as by
+        :meth:`run`; inside one they are not (the checks read per-step values, which would become
+        guards and recompile every step): the caller owns them, as the engine's static forward does."""
+        if not torch.compiler.is_compiling():
+            self._check_inputs(q, k_cache, v_cache, plan)
+        tensors, sizes = self.op_args(plan)
+        return torch.ops.treedec.tree_attention(q, k_cache, v_cache, tensors, sizes, plan.backend, self.sm_scale)
+
     def _make_backend(self, name: str):
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         if name == "reference":

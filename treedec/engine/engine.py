@@ -14,6 +14,7 @@ every layer; the step commits the tokens (their K/V are in the pool) when it ret
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -56,6 +57,12 @@ class Engine:
         Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and a
         kernel backend: triton, cuda, or auto's hybrid, whose rule then picks the kernel of each
         graph); see :mod:`treedec.engine.cuda_graphs`.
+    compile_model : bool or dict
+        With ``cuda_graphs``: compile the whole forward of the graphed steps with ``torch.compile``
+        (``fullgraph=True``; a dict gives more ``torch.compile`` arguments), attention and the K/V
+        store running as the custom ops of :mod:`treedec.attention.custom_ops`, so Inductor fuses
+        everything between the GEMMs; the compiled forward is then captured. One compile per
+        graph bucket, at its first step. Eager steps (past the graphs' bounds) stay uncompiled.
 
     Attributes
     ----------
@@ -67,7 +74,7 @@ class Engine:
 
     def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
-                 cuda_graphs: bool | CudaGraphConfig = False):
+                 cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False):
         c = model.config
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
@@ -92,7 +99,7 @@ class Engine:
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
-        self._graphs = self._graph_runner(cuda_graphs)
+        self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
     # ================================================================ public API
 
@@ -228,12 +235,20 @@ class Engine:
         rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
         return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
 
-    def _static_forward(self, static: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden)."""
+    def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden).
+        ``ops``: attention and the K/V store as custom ops (what ``torch.compile`` traces)."""
         tokens, positions, slots = static.extra["inputs"]
-        return self.model(tokens, positions, _TreeAttend(self, slots.long(), static.device_plan), None, True)
+        attend = _TreeAttend(self, slots.long(), static.device_plan, ops)
+        if ops:
+            return self.model.forward_graph(tokens, positions, attend, None, True)
+        return self.model(tokens, positions, attend, None, True)
 
-    def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig) -> GraphRunner | None:
+    def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig, compile_model: bool | dict) -> GraphRunner | None:
+        if compile_model is not False and cuda_graphs is False:
+            raise ValueError("compile_model compiles the forward of graphed steps: it needs cuda_graphs")
+        if not isinstance(compile_model, (bool, dict)):
+            raise TypeError(f"compile_model must be a bool or a dict of torch.compile arguments, got {compile_model!r}")
         if cuda_graphs is False:
             return None
         config = CudaGraphConfig() if cuda_graphs is True else cuda_graphs
@@ -245,7 +260,16 @@ class Engine:
             raise ValueError(f"cuda_graphs needs a kernel attention backend (triton, cuda or auto's hybrid: their "
                              f"kernels read the plan from device memory only); this engine's is {self.attn.backend!r}")
         scratch_slot = self.pool.num_pages * self.pool.page_size
-        return GraphRunner(config, self._static_forward, self.attn, scratch_slot)
+        if compile_model is False:
+            return GraphRunner(config, self._static_forward, self.attn, scratch_slot)
+        options = {"fullgraph": True, "dynamic": False, **(compile_model if isinstance(compile_model, dict) else {})}
+        compiled = torch.compile(functools.partial(self._static_forward, ops=True), **options)
+
+        def compiled_forward(static: StaticPlan):
+            # One compile per static plan (graph bucket): allow as many as there are graphs.
+            with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
+                return compiled(static)
+        return GraphRunner(config, compiled_forward, self.attn, scratch_slot)
 
     def _pool_pages(self, kv_tokens: int | None, page_size: int, memory_fraction: float) -> tuple[int, str]:
         c = self.model.config
@@ -302,16 +326,20 @@ class Engine:
 
 
 class _TreeAttend:
-    """The :class:`~treedec.engine.llama.Attend` of one step: store K/V at ``slots``, run tree attention."""
+    """The :class:`~treedec.engine.llama.Attend` of one step: store K/V at ``slots``, run tree attention
+    (with ``ops``, both as the custom ops of :mod:`treedec.attention.custom_ops`)."""
 
-    def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan):
-        self.engine, self.slots, self.plan = engine, slots, plan
+    def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan, ops: bool = False):
+        self.engine, self.slots, self.plan, self.ops = engine, slots, plan, ops
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         e = self.engine
+        k_cache, v_cache = e.pool.layer(layer)
+        if self.ops:
+            torch.ops.treedec.store_kv(e._k_slots[layer], e._v_slots[layer], self.slots, k, v)
+            return e.attn.run_op(q, k_cache, v_cache, self.plan)
         e._k_slots[layer].index_copy_(0, self.slots, k)
         e._v_slots[layer].index_copy_(0, self.slots, v)
-        k_cache, v_cache = e.pool.layer(layer)
         return e.attn.run(q, k_cache, v_cache, self.plan)
 
 

@@ -179,6 +179,13 @@ class Llama(nn.Module):
         logits : [r, vocab_size] in the model dtype; with ``return_hidden``, the tuple
         ``(logits, hidden [r, hidden_size])``.
         """
+        return self.forward_graph(tokens, positions, attend, logits_rows, return_hidden)
+
+    def forward_graph(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                      logits_rows: torch.Tensor | None = None, return_hidden: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` without its inference mode, for ``torch.compile`` to trace (under
+        ``torch.no_grad``: AOTAutograd cannot take views of the caller's tensors made in inference mode)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x = self.embed_tokens(tokens)
         h = self.ops.rms_norm(x, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)

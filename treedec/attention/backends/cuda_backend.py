@@ -104,6 +104,11 @@ class CudaPrepared:
     schedule: PersistentSchedule | None  # for reports
     dtype: torch.dtype            # of q, K and V
 
+    def op_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The plan as ``torch.ops.treedec.tree_attention`` takes it: its tensors and sizes."""
+        tensors = [self.arrays[name] for name in KERNEL_ARRAYS] + [self.cta_unit_start, self.unit_info]
+        return tensors, [self.o_ws.shape[0], int(self.merge), self.tile_tokens, self.max_query_entries]
+
 
 class CudaBackend:
     """Prepares and runs plans on the cuda kernels for one head configuration and dtype on ``device``."""

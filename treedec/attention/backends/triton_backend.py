@@ -36,6 +36,15 @@ class TritonPrepared:
     o_ws: torch.Tensor        # [E, Hq, D] partial outputs (workspace dtype)
     lse_ws: torch.Tensor      # [E, Hq] float32 partial LSEs
     dtype: torch.dtype        # of q, K and V
+    # (items, queries, entries, query tile, fp32 workspace): what the launch was made for; None
+    # under a launch override (tuning), which the custom op does not take
+    sizes: tuple[int, ...] | None
+
+    def op_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The plan as ``torch.ops.treedec.tree_attention`` takes it: its tensors and sizes."""
+        if self.sizes is None:
+            raise ValueError("a plan prepared with a triton launch override (tuning) cannot run as the custom op")
+        return [self.arrays[name] for name in KERNEL_ARRAYS], list(self.sizes)
 
 
 class TritonBackend:
@@ -72,7 +81,9 @@ class TritonBackend:
         return TritonPrepared(
             launch=launch, arrays={name: getattr(plan, name) for name in KERNEL_ARRAYS},
             o_ws=torch.empty(host.num_entries, hq, d, dtype=self.workspace_dtype, device=device),
-            lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device), dtype=self.dtype)
+            lse_ws=torch.empty(host.num_entries, hq, dtype=torch.float32, device=device), dtype=self.dtype,
+            sizes=None if self.launch_override else (host.num_items, host.num_queries, host.num_entries,
+                                                     host.query_tile, int(self.workspace_dtype == torch.float32)))
 
     # Static plans (CUDA graphs): the launch prepared at the bounds runs any padded plan, so the
     # backend writes nothing of its own per plan.
