@@ -338,22 +338,14 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
     p_len = p_hi - p_lo
     full = np.bincount(entry_of_piece, weights=p_len, minlength=num_entries) == chunk_len[entry_chunk]
     col = np.arange(words, dtype=np.int64) * MASK_BITS
-    full_rows = _bit_runs(0, chunk_len[:, None], col[None, :])                    # [C, W]
+    full_rows = _bit_runs(0, chunk_len[:, None], col[None, :]).astype(np.uint32)  # [C, W]
     entry_mask = np.take(full_rows, entry_chunk, axis=0)                            # [E, W]
     part = ~full[entry_of_piece]
     if part.any():
-        p_lo, p_hi, p_entry = p_lo[part], p_hi[part], entry_of_piece[part]
-        w0, w1 = p_lo // MASK_BITS, (p_hi - 1) // MASK_BITS
-        wspan = w1 - w0 + 1
-        wsrc = np.repeat(np.arange(len(p_lo)), wspan)
-        word = w0[wsrc] + np.arange(len(wsrc)) - np.repeat(np.cumsum(wspan) - wspan, wspan)
-        bits = _bit_runs(p_lo[wsrc], p_hi[wsrc], word * MASK_BITS)
-        # Runs of one entry are disjoint (a query reads a token once): a float sum is an exact OR.
-        sums = np.bincount(p_entry[wsrc] * words + word, weights=bits,
-                           minlength=num_entries * words).reshape(num_entries, words)
         partial = np.flatnonzero(~full)
-        entry_mask[partial] = sums[partial]
-    entry_mask = entry_mask.astype(np.uint32).view(np.int32)
+        row = np.searchsorted(partial, entry_of_piece[part])   # each piece's row among the partial entries
+        entry_mask[partial] = _run_masks(p_lo[part], p_hi[part], row, len(partial), words)
+    entry_mask = entry_mask.view(np.int32)
 
     chunk_entry_start = np.zeros(num_chunks + 1, dtype=np.int64)
     np.cumsum(np.bincount(entry_chunk, minlength=num_chunks), out=chunk_entry_start[1:])
@@ -391,6 +383,34 @@ def _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds) -> TreePl
         max_slot=int(kv_slots.max()),
         layout=layout,
     )
+
+
+def _run_masks(lo, hi, row, num_rows: int, words: int) -> np.ndarray:
+    """[num_rows, words] masks (float64 holding 32-bit words exactly), row ``row[i]`` with bits
+    ``[lo[i], hi[i])`` set (runs of a row disjoint).
+
+    Each run sets its first and last word bit by bit; the words strictly between them are whole
+    (all 32 bits), found as the words a difference array over each row counts as covered. So
+    the cost is a few passes over the output plus two words per run, not one word per covered word.
+    """
+    w0, w1 = lo // MASK_BITS, (hi - 1) // MASK_BITS
+    # Boundary words: the run's bits in its first and (when different) last word. Runs of one row
+    # are disjoint (a query reads a token once), so a float sum of their bits is an exact OR.
+    last = w1 > w0
+    ends = np.concatenate([w0, w1[last]])
+    end_rows = np.concatenate([row, row[last]])
+    end_bits = _bit_runs(np.concatenate([lo, lo[last]]), np.concatenate([hi, hi[last]]), ends * MASK_BITS)
+    masks = np.bincount(end_rows * words + ends, weights=end_bits, minlength=num_rows * words)
+    inner = w1 > w0 + 1
+    if inner.any():
+        # +1 after a run's first word, -1 at its last: each row's deltas sum to 0, so one flat
+        # cumsum over all rows counts each row's covered words.
+        stride = words + 1
+        delta = np.bincount(np.concatenate([row[inner] * stride + w0[inner] + 1, row[inner] * stride + w1[inner]]),
+                            weights=np.repeat([1.0, -1.0], int(inner.sum())), minlength=num_rows * stride)
+        covered = np.cumsum(delta).reshape(num_rows, stride)[:, :words] > 0
+        masks[covered.reshape(-1)] = float(_LOW_BITS[MASK_BITS])
+    return masks.reshape(num_rows, words)
 
 
 def _bit_runs(lo, hi, word_start):
