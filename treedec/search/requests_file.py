@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 from treedec.engine.text import check_messages
 from treedec.search.request import positive_int
-from treedec.search.stops import StopRule, stop_string_tuple, token_id_tuple
+from treedec.search.stops import StopRule, stop_string_tuple, token_id_list, token_id_tuple
 from treedec.tree.validate import describe, is_int
 
 __all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "RequestSpec", "RequestsFileError",
@@ -114,7 +114,7 @@ class RequestSpec:
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(check_messages(self.messages, "messages")))
         if self.prompt_ids is not None:
-            ids = _token_id_list(self.prompt_ids, "prompt_ids")
+            ids = token_id_list(self.prompt_ids, "prompt_ids")
             if not ids:
                 raise ValueError("prompt_ids must hold at least one token id, got []")
             object.__setattr__(self, "prompt_ids", tuple(ids))
@@ -322,17 +322,6 @@ def _json_value(value):
     if callable(getattr(value, "tolist", None)):
         return value.tolist()
     raise TypeError(f"{describe(value)} is not JSON serializable")
-
-
-def _token_id_list(value, name: str) -> list[int]:
-    """A list of token ids (ints >= 0, in order, repeats kept); ValueError naming ``name`` otherwise."""
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise ValueError(f"{name} must be a list of token ids, got {describe(value)}")
-    ids = list(value)
-    bad = [t for t in ids if not is_int(t) or t < 0]
-    if bad:
-        raise ValueError(f"{name} must be token ids (ints >= 0), got {describe(bad[0])}")
-    return [int(t) for t in ids]
 
 
 def _is_real(value) -> bool:

@@ -34,7 +34,8 @@ from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.request import positive_int
 from treedec.tree.validate import describe, int_list, is_int
 
-__all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_tuple"]
+__all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_list",
+           "token_id_tuple"]
 
 #: The reasons a :class:`StopChecker` stops for, in the order it checks them for each token.
 STOP_REASONS = ("eos", "stop_string", "length")
@@ -233,11 +234,19 @@ def token_id_tuple(value, name: str) -> tuple[int, ...]:
     ids = [value] if is_int(value) else value
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
         raise ValueError(f"{name} must be a token id or a sequence of token ids, got {describe(value)}")
-    ids = list(ids)
+    return tuple(dict.fromkeys(token_id_list(ids, name)))
+
+
+def token_id_list(value, name: str) -> list[int]:
+    """A sequence of token ids (ints >= 0, in order, repeats kept) as a list; ValueError naming ``name``
+    otherwise."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list of token ids, got {describe(value)}")
+    ids = list(value)
     bad = [t for t in ids if not is_int(t) or t < 0]
     if bad:
         raise ValueError(f"{name} must be token ids (ints >= 0), got {describe(bad[0])} in {describe(value)}")
-    return tuple(dict.fromkeys(int(t) for t in ids))
+    return [int(t) for t in ids]
 
 
 def stop_string_tuple(value, name: str) -> tuple[str, ...]:
