@@ -39,3 +39,15 @@ def test_imports_point_down(path):
         return  # the package's front door re-exports and dispatches to every layer
     above = sorted(layer for layer in _imported_layers(path) if RANK[layer] > RANK[own])
     assert not above, f"{path.relative_to(PACKAGE)} ({own} layer) imports from higher layers {above}"
+
+
+def test_package_imports_without_triton():
+    """`pip install treedec` has no triton (it is the `triton` extra): every layer imports without it,
+    the custom ops included (their kernels are imported when an op runs)."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import treedec, treedec.attention, treedec.engine, treedec.search, treedec.replay, treedec.cli\n"
+            "import torch; assert hasattr(torch.ops.treedec, 'tree_attention')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

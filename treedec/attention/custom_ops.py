@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from treedec.attention.backends.cuda_backend import KERNEL_ARRAYS as CUDA_ARRAYS
-from treedec.attention.backends.triton_backend import KERNEL_ARRAYS as TRITON_ARRAYS
-
 OP_BACKENDS = ("triton", "cuda")
 
 
@@ -38,7 +35,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    # The kernel modules import triton / the CUDA build only when an op runs: registering the ops
+    # must work where neither is installed.
     if backend == "triton":
+        from treedec.attention.backends.triton_backend import KERNEL_ARRAYS as TRITON_ARRAYS
         from treedec.kernels import triton_tree_attention as kernels
         num_items, num_queries, num_entries, query_tile, fp32_workspace = sizes
         launch = kernels.plan_launch(num_items, num_queries, num_entries, query_tile, q.shape[1], hkv, d, q.dtype,
@@ -49,6 +49,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         kernels.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, dict(zip(TRITON_ARRAYS, tensors)), sm_scale,
                        launch)
     elif backend == "cuda":
+        from treedec.attention.backends.cuda_backend import KERNEL_ARRAYS as CUDA_ARRAYS
         from treedec.kernels import cuda_tree_attention as kernels
         partials, merge, tile_tokens, max_query_entries = sizes
         arrays = dict(zip(CUDA_ARRAYS, tensors))
