@@ -287,14 +287,8 @@ class StepClock:
 def _bench_program(program: str, method: str, work: Workload, prompt: list[int], args, bandwidth: float,
                    kv_bytes_per_token: int, heads_bytes: int) -> dict:
     """One program on a fresh engine: the median step after warm-up, its floor, the steps run eagerly."""
-    model, device = work.model, work.model.device
-    if method.startswith("graphs"):
-        graphs = CudaGraphConfig(capture=device.type == "cuda")
-        backend = "triton" if device.type != "cuda" else args.backend
-    else:
-        graphs, backend = False, args.backend
-    engine = Engine(model, kv_tokens=_pool_tokens(device, prompt), page_size=args.page_size, backend=backend,
-                    compile_model=method == "graphs_model", cuda_graphs=graphs)
+    model = work.model
+    engine = _engine(method, work, prompt, args)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
@@ -311,12 +305,12 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
            "prefill_s": clock.ends[prefill_steps - 1] - clock.start, "kv_tokens": kv, "weight_bytes": weight_bytes,
            "floor_ms": floor_ms, "x_floor": float(np.median(ms)) / floor_ms,
            "attention_backend": engine.attn.backend, "kv_pool_tokens": engine.kv_capacity_tokens}
-    if graphs is not False:
+    if method.startswith("graphs"):
         program_stats = clock.graph_stats[-1] - clock.graph_stats[prefill_steps - 1]   # the prefill's excluded
         out["graph_stats"] = dict(program_stats)
         out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
     if args.profile:
-        out["profile"] = _profile_program(program, work, prompt, args, backend, graphs, method == "graphs_model")
+        out["profile"] = _profile_program(program, method, work, prompt, args)
     if "accepted" in run.extra:
         accepted = run.extra["accepted"][timed]
         out["accepted_per_step"] = float(statistics.mean(accepted))
@@ -331,16 +325,14 @@ KERNEL_KINDS = (("attention", ("tree_attention", "tree_attn", "_stage1", "_merge
                 ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")))
 
 
-def _profile_program(program: str, work: Workload, prompt: list[int], args, backend: str, graphs,
-                     compile_model: bool) -> dict:
+def _profile_program(program: str, method: str, work: Workload, prompt: list[int], args) -> dict:
     """Where the time of a step goes: the program again on a fresh engine under ``torch.profiler``
     over its last ``args.profile`` steps; per step (ms): GPU busy time by kernel kind, GPU idle time
     (wall time less the union of kernel intervals) and host time inside ``Engine.step``."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     model = work.model
-    engine = Engine(model, kv_tokens=_pool_tokens(model.device, prompt), page_size=args.page_size, backend=backend,
-                    cuda_graphs=graphs, compile_model=compile_model)
+    engine = _engine(method, work, prompt, args)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     total = args.warmup + args.steps
     active = min(args.profile, args.steps)
@@ -436,9 +428,18 @@ def _random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
         return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, dtype=model.dtype, device=model.device)
 
 
-def _pool_tokens(device: torch.device, prompt: list[int]) -> int | None:
-    """The engines' KV pool: sized from free memory on a GPU; on the CPU enough for the prompt and the steps."""
-    return None if device.type == "cuda" else 2 * len(prompt) + 4096
+def _engine(method: str, work: Workload, prompt: list[int], args) -> Engine:
+    """A fresh engine for ``method``: graphs (uncaptured on the CPU, where they run the triton kernels),
+    ``compile_model`` for ``graphs_model``; the KV pool sized from free memory on a GPU, on the CPU
+    big enough for the prompt and the steps."""
+    device = work.model.device
+    graphs, backend = False, args.backend
+    if method.startswith("graphs"):
+        graphs = CudaGraphConfig(capture=device.type == "cuda")
+        backend = "triton" if device.type != "cuda" else args.backend
+    return Engine(work.model, kv_tokens=None if device.type == "cuda" else 2 * len(prompt) + 4096,
+                  page_size=args.page_size, backend=backend, cuda_graphs=graphs,
+                  compile_model=method == "graphs_model")
 
 
 def _sync(device: torch.device) -> None:

@@ -31,35 +31,28 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ``q`` [Q, Hq, D]; ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D]; ``tensors`` and
     ``sizes`` from :meth:`TreeAttention.op_args` for ``backend`` ("triton" or "cuda").
     """
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    # The kernel modules import triton / the CUDA build only when an op runs: registering the ops
-    # must work where neither is installed.
+    hq, d = q.shape[1], q.shape[2]
+    # The backend modules import triton / the CUDA build: only when an op runs, since registering
+    # the ops must work where neither is installed.
     if backend == "triton":
-        from treedec.attention.backends.triton_backend import KERNEL_ARRAYS as TRITON_ARRAYS
-        from treedec.kernels import triton_tree_attention as kernels
+        from treedec.attention.backends import triton_backend
+        from treedec.kernels.triton_tree_attention import plan_launch
         num_items, num_queries, num_entries, query_tile, fp32_workspace = sizes
-        launch = kernels.plan_launch(num_items, num_queries, num_entries, query_tile, q.shape[1], hkv, d, q.dtype,
-                                     q.device.type == "cpu")
-        ws_dtype = torch.float32 if fp32_workspace else q.dtype
-        o_ws = torch.empty(num_entries, q.shape[1], d, dtype=ws_dtype, device=q.device)
-        lse_ws = torch.empty(num_entries, q.shape[1], dtype=torch.float32, device=q.device)
-        kernels.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, dict(zip(TRITON_ARRAYS, tensors)), sm_scale,
-                       launch)
-    elif backend == "cuda":
-        from treedec.attention.backends.cuda_backend import KERNEL_ARRAYS as CUDA_ARRAYS
-        from treedec.kernels import cuda_tree_attention as kernels
+        launch = plan_launch(num_items, num_queries, num_entries, query_tile, hq, k_cache.shape[2], d, q.dtype,
+                             q.device.type == "cpu")
+        o_ws = torch.empty(num_entries, hq, d, dtype=torch.float32 if fp32_workspace else q.dtype, device=q.device)
+        lse_ws = torch.empty(num_entries, hq, dtype=torch.float32, device=q.device)
+        arrays = dict(zip(triton_backend.KERNEL_ARRAYS, tensors))
+        return triton_backend.launch_prepared(q, k_cache, v_cache, arrays, o_ws, lse_ws, launch, sm_scale)[0]
+    if backend == "cuda":
+        from treedec.attention.backends import cuda_backend
         partials, merge, tile_tokens, max_query_entries = sizes
-        arrays = dict(zip(CUDA_ARRAYS, tensors))
-        o_ws = torch.empty(partials, q.shape[1], d, dtype=torch.float32, device=q.device)
-        lse_ws = torch.empty(partials, q.shape[1], dtype=torch.float32, device=q.device)
-        kernels.launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays, tensors[-2], tensors[-1],
-                       arrays["entry_mask"].stride(0), sm_scale, bool(merge), tile_tokens, max_query_entries)
-    else:
-        raise ValueError(f"treedec::tree_attention runs the {OP_BACKENDS} kernels, got backend {backend!r}")
-    return out
+        o_ws = torch.empty(partials, hq, d, dtype=torch.float32, device=q.device)
+        lse_ws = torch.empty(partials, hq, dtype=torch.float32, device=q.device)
+        arrays = dict(zip(cuda_backend.KERNEL_ARRAYS, tensors))
+        return cuda_backend.launch_prepared(q, k_cache, v_cache, arrays, tensors[-2], tensors[-1], o_ws, lse_ws,
+                                            bool(merge), tile_tokens, max_query_entries, sm_scale)[0]
+    raise ValueError(f"treedec::tree_attention runs the {OP_BACKENDS} kernels, got backend {backend!r}")
 
 
 @tree_attention.register_fake

@@ -114,12 +114,7 @@ class SequenceTree:
 
         A page is freed when every node holding it is in one of those subtrees.
         """
-        doomed = {i for nid in node_ids for i in self._subtree(self._get(nid).id)}
-        pages = [p for i in doomed for p in self._nodes[i].pages]
-        if not pages:
-            return 0
-        held, holders = np.unique(np.asarray(pages, dtype=np.int64), return_counts=True)
-        return int((self.pool.refcount[held] == holders).sum())
+        return self._pages_freed({i for nid in node_ids for i in self._subtree(self._get(nid).id)})
 
     def is_paused(self, node_id: int) -> bool:
         return self._get(node_id).paused
@@ -304,7 +299,7 @@ class SequenceTree:
                             f"of the current step; call commit_step() first")
         tokens = [t for c in chain for t in c.tokens]
         need = self._pages_to_extend(node, len(tokens))
-        if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self.pages_freed_by_prune(node.children):
+        if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self._pages_freed(doomed):
             raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
                                      f"page(s); nothing was changed")
         saved = None
@@ -412,6 +407,14 @@ class SequenceTree:
             order.append(i)
             stack.extend(reversed(self._nodes[i].children))
         return order
+
+    def _pages_freed(self, nodes) -> int:
+        """Pages that removing ``nodes`` (whole subtrees, each node once) would return to the pool."""
+        pages = [p for i in nodes for p in self._nodes[i].pages]
+        if not pages:
+            return 0
+        held, holders = np.unique(np.asarray(pages, dtype=np.int64), return_counts=True)
+        return int((self.pool.refcount[held] == holders).sum())
 
     def _remove_subtrees(self, tops: list[int], nodes: list[int]) -> np.ndarray:
         """Remove the subtrees under ``tops`` (``nodes``: all their nodes), freeing their pages in one

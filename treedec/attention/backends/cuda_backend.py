@@ -200,15 +200,25 @@ class CudaBackend:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
         float32 (natural log)."""
-        prepared: CudaPrepared = plan.prepared
-        hkv, d = self.num_kv_heads, self.head_dim
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        kernels.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws,
-                       prepared.lse_ws, prepared.arrays, prepared.cta_unit_start, prepared.unit_info,
-                       prepared.arrays["entry_mask"].stride(0), self.sm_scale, prepared.merge,
-                       prepared.tile_tokens, prepared.max_query_entries, self.ext)
-        return out, lse
+        p: CudaPrepared = plan.prepared
+        return launch_prepared(q, k_cache, v_cache, p.arrays, p.cta_unit_start, p.unit_info, p.o_ws, p.lse_ws, p.merge,
+                               p.tile_tokens, p.max_query_entries, self.sm_scale, self.ext)
+
+
+def launch_prepared(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict,
+                    cta_unit_start: torch.Tensor, unit_info: torch.Tensor, o_ws: torch.Tensor, lse_ws: torch.Tensor,
+                    merge: bool, tile_tokens: int, max_query_entries: int, sm_scale: float, ext=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernels of a prepared plan (its arrays, schedule, workspace and launch choices, as
+    :class:`CudaPrepared` holds them) over the paged caches: ``out [Q, Hq, D]`` in q's dtype and
+    ``lse [Q, Hq]`` float32 (natural log)."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    kernels.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays,
+                   cta_unit_start, unit_info, arrays["entry_mask"].stride(0), sm_scale, merge, tile_tokens,
+                   max_query_entries, ext)
+    return out, lse
 
 
 def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,

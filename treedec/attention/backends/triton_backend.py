@@ -103,12 +103,20 @@ class TritonBackend:
         """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
         float32 (natural log)."""
         prepared: TritonPrepared = plan.prepared
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, prepared.o_ws,
-                       prepared.lse_ws, prepared.arrays, self.sm_scale, prepared.launch)
-        return out, lse
+        return launch_prepared(q, k_cache, v_cache, prepared.arrays, prepared.o_ws, prepared.lse_ws, prepared.launch,
+                               self.sm_scale)
+
+
+def launch_prepared(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict, o_ws: torch.Tensor,
+                    lse_ws: torch.Tensor, launch: TritonLaunch, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernels of a prepared plan (``arrays``, workspace, ``launch``) over the paged caches:
+    ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32 (natural log)."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays, sm_scale,
+                   launch)
+    return out, lse
 
 
 def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
