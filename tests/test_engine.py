@@ -1,4 +1,6 @@
 """Engine API: prefill/step contracts, errors that change nothing, pool sizing, the CUDA-graph padding."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -282,3 +284,21 @@ def test_auto_backend_steps_equal_triton_steps():
         results.append((verify, engine.step(logits_rows=[0])))
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_step_reads_device_tokens_instead_of_placeholders(tiny, graphs):
+    """step(tokens=...): the pending tokens' ids come from a tensor (pipelined decoding), eagerly and
+    through the static buffers of a graphed step; bad tensors are refused before anything runs."""
+    if graphs and (importlib.util.find_spec("triton") is None or torch.cuda.is_available()):
+        pytest.skip("the uncaptured static path runs the triton kernels in the CPU interpreter")
+    options = dict(backend="triton", cuda_graphs=CudaGraphConfig(capture=False)) if graphs else {}
+    real, placeholders = make_engine(tiny, **options), make_engine(tiny, **options)
+    for engine in (real, placeholders):
+        root, _ = engine.prefill(list(range(30, 50)))
+        engine.tree.branch(root, [[7], [0]] if engine is real else [[0], [0]])
+    expected = real.step()
+    for bad, error in [(torch.tensor([7]), ValueError), (torch.tensor([7.0, 0.0]), TypeError), ([7, 0], TypeError)]:
+        with pytest.raises(error, match="tokens must"):
+            placeholders.step(tokens=bad)
+    torch.testing.assert_close(placeholders.step(tokens=torch.tensor([7, 0])), expected, atol=1e-5, rtol=0)

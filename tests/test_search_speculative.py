@@ -271,3 +271,18 @@ def test_bad_eos_raises_before_the_prefill(tiny, eos, match):
         with pytest.raises(ValueError, match=match):
             run(engine)
         assert engine.tree.num_nodes == 0
+
+
+def test_pipelined_greedy_equals_plain_greedy(tiny, reference):
+    """Each step planned and launched before the previous token is read back (the engine reads it on
+    the device): the same tokens and tree; after an EOS one more step ran and its token was dropped."""
+    prompt, ref = reference
+    engine = make_engine(tiny)
+    assert greedy_generate(engine, prompt, 12, pipeline=True) == ref[:12]
+    assert engine.stats["steps"] == 12 and engine.tree.sequence(engine.tree.roots[0]) == prompt + ref[:11]
+    eos = first_occurrence(ref, 8)
+    engine = make_engine(tiny)
+    assert greedy_generate(engine, prompt, 12, eos_token_id=[eos, 511], pipeline=True) == ref[:9]
+    assert engine.stats["steps"] == 10 and engine.tree.sequence(engine.tree.roots[0]) == prompt + ref[:8]
+    engine.tree.check_invariants()
+    assert greedy_generate(make_engine(tiny), prompt, 1, pipeline=True) == ref[:1]

@@ -499,3 +499,34 @@ class TreeOperations(ConsistentTreeMachine):
 
 TestTreeOperations = TreeOperations.TestCase
 TestTreeOperations.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+
+
+def test_set_tokens_and_truncate():
+    """set_tokens rewrites ids only; truncate drops a leaf's computed tail and frees the pages only it held."""
+    tree = make_tree(num_pages=16, page_size=4)
+    root = tree.add_prompt(list(range(6)))          # pages: 2 (slots 0-5 of 8)
+    tree.commit_step()
+    tree.extend(root, [0, 0, 0, 0, 0])              # 11 tokens: a third page
+    tree.set_tokens(root, 6, [60, 61])
+    assert tree.sequence(root)[6:8] == [60, 61] and tree.pending_tokens().tolist() == [60, 61, 0, 0, 0]
+    with pytest.raises(TreeError, match="pending"):
+        tree.truncate(root, 7)
+    tree.commit_step()
+    free = tree.pool.num_free_pages
+    assert len(tree.truncate(root, 7)) == 1 and tree.pool.num_free_pages == free + 1
+    assert tree.sequence(root) == [0, 1, 2, 3, 4, 5, 60]
+    tree.check_invariants()
+    tree.extend(root, [9])                          # never refills the kept page's dropped slots
+    tree.commit_step()
+    tree.check_invariants()
+    before = snapshot(tree)
+    for op, match in [(lambda: tree.set_tokens(root, 7, [1, 2]), "cannot set tokens 7..8"),
+                      (lambda: tree.truncate(root, 9), "to 9")]:
+        with pytest.raises(TreeError, match=match):
+            op()
+    with pytest.raises(ValueError, match="length"):
+        tree.truncate(root, 0)
+    assert snapshot(tree) == before
+    tree.branch(root, [[1]])
+    with pytest.raises(TreeError, match="children"):
+        tree.truncate(root, 2)

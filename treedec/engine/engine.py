@@ -148,7 +148,8 @@ class Engine:
         return (node, out[0][0], out[1][0]) if return_hidden else (node, out[0])
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-             return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             return_hidden: bool = False, tokens: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -164,6 +165,12 @@ class Engine:
             Also return the same rows' last hidden states after the final norm (the
             ``lm_head`` input, e.g. for Medusa heads); such steps replay the same CUDA
             graphs as the others.
+        tokens : [Q] int64 tensor on the engine's device, optional
+            The pending tokens' ids, read on the device instead of the tree's (which then hold
+            placeholders): the previous step's sampled tokens, not yet read back, so that this
+            step is planned and launched while that one still runs (pipelined decoding; record
+            the real ids with :meth:`SequenceTree.set_tokens`). They must be ids in
+            ``[0, vocab)``: a device tensor is not checked (that would wait for it).
 
         Returns
         -------
@@ -178,6 +185,7 @@ class Engine:
         rows = self._check_rows(logits_rows, num_q)
         positions = layout.query_position
         self._check_window(int(positions.max()))
+        device_tokens = self._check_device_tokens(tokens, num_q)
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         self._check_token_ids(tokens, "the pending tokens")
         started = time.perf_counter()
@@ -194,8 +202,10 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
-            logits = self._forward(plan, tokens, positions, slots, rows, return_hidden)
+            logits = self._forward(plan, tokens, positions, slots, rows, return_hidden, device_tokens)
         else:  # copies: the graph's output buffers are overwritten by its next replay
+            if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
+                graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q)
             index = torch.arange(num_q, device=self.device) if rows is None else torch.as_tensor(rows, device=self.device)
             logits = tuple(t[index] for t in outputs) if return_hidden else outputs[0][index]
@@ -229,11 +239,23 @@ class Engine:
 
     # ================================================================ private
 
-    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows, return_hidden: bool = False):
+    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows, return_hidden: bool = False,
+                 device_tokens: torch.Tensor | None = None):
         """The eager forward of a step: logits, or ``(logits, hidden)`` with ``return_hidden``."""
         inputs = torch.from_numpy(np.stack([tokens, positions, slots])).to(self.device)  # one transfer
         rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
-        return self.model(inputs[0], inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
+        token_ids = inputs[0] if device_tokens is None else device_tokens
+        return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
+
+    def _check_device_tokens(self, tokens: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
+        if tokens is None:
+            return None
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"tokens must be an int64 or int32 tensor, got {describe_tensor(tokens)}")
+        if tuple(tokens.shape) != (num_q,) or tokens.device != self.device:
+            raise ValueError(f"tokens must have shape [{num_q}] (one per pending token) on {self.device}, got "
+                             f"{describe_tensor(tokens)}")
+        return tokens.long()
 
     def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden).
@@ -341,6 +363,13 @@ class _TreeAttend:
         e._k_slots[layer].index_copy_(0, self.slots, k)
         e._v_slots[layer].index_copy_(0, self.slots, v)
         return e.attn.run(q, k_cache, v_cache, self.plan)
+
+
+def describe_tensor(value) -> str:
+    """A tensor's shape, dtype and device (or the value's type) for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
+    return type(value).__name__
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

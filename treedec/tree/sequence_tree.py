@@ -313,6 +313,46 @@ class SequenceTree:
             self.pool.scatter(slots, saved)
         return slots
 
+    def set_tokens(self, node_id: int, start: int, tokens: Sequence[int]) -> None:
+        """Overwrite the ids of ``node_id``'s tokens ``start .. start + len(tokens) - 1`` (``[n]`` ints >= 0).
+
+        Slots and K/V stay as they are. For pipelined decoding: a step is planned with a
+        placeholder token while the previous step still runs, its forward reads the real token on
+        the device (``Engine.step(tokens=...)``), and the real id is recorded here once it is
+        read back.
+        """
+        node = self._get(node_id)
+        tokens = int_list(tokens, "tokens", low=0)
+        start = int_value(start, "start", low=0)
+        if start + len(tokens) > node.length:
+            raise TreeError(f"node {node_id} has {node.length} tokens; cannot set tokens {start}.."
+                            f"{start + len(tokens) - 1}")
+        node.tokens[start:start + len(tokens)] = tokens
+
+    def truncate(self, node_id: int, length: int) -> np.ndarray:
+        """Keep the first ``length`` (>= 1) tokens of leaf ``node_id``; free the pages only the rest held.
+
+        The dropped tokens must be computed (no pending tokens): e.g. a step run past an EOS by
+        pipelined decoding. Returns the pages freed.
+        """
+        node = self._get(node_id)
+        length = int_value(length, "length", low=1)
+        if node.children:
+            raise TreeError(f"cannot truncate node {node_id}: it has children {node.children[:5]}")
+        if node.pending:
+            raise TreeError(f"cannot truncate node {node_id}: it has {node.pending} pending token(s); "
+                            f"call commit_step() first")
+        if length > node.length:
+            raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
+        kept_pages = set((node.slots[:length] // self.pool.page_size).tolist())
+        dropped = [p for p in node.pages if p not in kept_pages]
+        freed = self.pool.decref(np.asarray(dropped, dtype=np.int64))
+        del node.tokens[length:]
+        node.pages = [p for p in node.pages if p in kept_pages]
+        node.tail_room = 0   # the kept last page's free slots may follow another node's: never refill them
+        self._layout = None
+        return freed
+
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
         self._get(node_id).paused = True
