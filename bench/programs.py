@@ -11,11 +11,13 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
   random Medusa heads (one per tree level), the heads' drafting included in the step;
 - ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1.
 
-A step is everything between the ends of two consecutive engine steps of the program: its
+A step is the time between the returns of two consecutive engine steps of the program: its
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
-engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` after a
-``torch.cuda.synchronize()`` (the programs read each step's logits on the host right away,
-so the synchronisation costs nothing extra). The first ``--warmup`` steps (CUDA-graph
+engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` when it returns,
+without synchronising: a program that reads each step's outputs waits for the device there
+anyway, and a pipelined one (``greedy_generate`` on a GPU launches step i + 1 before it reads
+step i's token) would lose its overlap to a synchronisation; in the steady state the interval
+between returns is the time per step either way. The first ``--warmup`` steps (CUDA-graph
 captures) are dropped; the median of the next ``--steps`` is reported. Only
 ``speculative_generate`` has a per-step hook (``on_step``); ``greedy_generate`` and
 ``parallel_sample`` have none, hence the wrapper.
@@ -247,7 +249,7 @@ PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_hea
 
 
 class StepClock:
-    """Stamps the end of every step of ``engine`` (after a device synchronisation) and its graph counters.
+    """Stamps the return of every step of ``engine`` (no device synchronisation) and its graph counters.
 
     Wraps ``engine.step`` on the instance for the ``with`` block: the programs and
     ``Engine.prefill`` call it through the attribute. ``on_step`` is called after each stamp
@@ -257,7 +259,7 @@ class StepClock:
     def __init__(self, engine: Engine, on_step=None):
         self.engine = engine
         self.ends: list[float] = []
-        self.host_seconds: list[float] = []   # inside Engine.step before its synchronisation
+        self.host_seconds: list[float] = []   # inside Engine.step
         self.graph_stats: list[Counter] = []
         self.start = 0.0
         self.on_step = on_step
@@ -268,9 +270,8 @@ class StepClock:
         def timed_step(*args, **kwargs):
             began = time.perf_counter()
             out = step(*args, **kwargs)
-            self.host_seconds.append(time.perf_counter() - began)
-            _sync(engine.device)
             self.ends.append(time.perf_counter())
+            self.host_seconds.append(self.ends[-1] - began)
             self.graph_stats.append(Counter(engine.graph_stats))
             if self.on_step is not None:
                 self.on_step()
@@ -440,11 +441,6 @@ def _engine(method: str, work: Workload, prompt: list[int], args) -> Engine:
     return Engine(work.model, kv_tokens=None if device.type == "cuda" else 2 * len(prompt) + 4096,
                   page_size=args.page_size, backend=backend, cuda_graphs=graphs,
                   compile_model=method == "graphs_model")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
