@@ -4,7 +4,8 @@
 Each program runs through its public function on a fresh :class:`~treedec.engine.Engine`
 (Llama-3-8B shape, random bf16 weights by default), after a prompt of each ``--prompts`` length:
 
-- ``greedy``: ``speculative.greedy_generate``, one token per step;
+- ``greedy``: ``speculative.greedy_generate``, one token per step (pipelined on a GPU unless
+  ``--no-pipeline``);
 - ``tree_verify``: ``speculative_generate`` with a ``TreeDraft`` of the fixed Medusa-64 tree
   (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens;
 - ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
@@ -108,6 +109,7 @@ class Workload:
     draft_tokens: list[int]
     samples: int
     seed: int
+    pipeline: bool | None = None   # greedy_generate's (None: its default, on for a GPU)
 
 
 @dataclass
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
     medusa = medusa_tree(args.tree)
     model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
     work = Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), args.seed),
-                    rng.integers(0, config.vocab_size, medusa.size - 1).tolist(), args.samples, args.seed)
+                    rng.integers(0, config.vocab_size, medusa.size - 1).tolist(), args.samples, args.seed,
+                    False if args.no_pipeline else None)
     bandwidth = copy_bandwidth(device)
     heads_bytes = sum(p.numel() * p.element_size() for p in work.heads.parameters())
     results = {
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
-        "medusa_heads": work.heads.num_heads, "samples": args.samples, "steps": args.steps, "warmup": args.warmup,
+        "medusa_heads": work.heads.num_heads, "samples": args.samples, "greedy_pipeline": not args.no_pipeline, "steps": args.steps, "warmup": args.warmup,
         "page_size": args.page_size, "runs": [],
     }
     print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
 
 
 def _greedy(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    greedy_generate(engine, prompt, max_new_tokens=steps + 1)
+    greedy_generate(engine, prompt, max_new_tokens=steps + 1, pipeline=work.pipeline)
     return ProgramRun(steps, [len(prompt) + i + 1 for i in range(steps)], {})
 
 
@@ -475,6 +478,8 @@ def _parse_args(argv):
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--tag", default=None, help="appended to the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU, for CI")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="greedy: read each token back before planning the next step (greedy_generate(pipeline=False))")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile the last K steps of each run (a separate pass; GPU kernel kinds, idle time)")
     args = parser.parse_args(argv)
