@@ -161,7 +161,8 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
-        "medusa_heads": work.heads.num_heads, "samples": args.samples, "greedy_pipeline": not args.no_pipeline, "steps": args.steps, "warmup": args.warmup,
+        "medusa_heads": work.heads.num_heads, "samples": args.samples, "greedy_pipeline": not args.no_pipeline,
+        "steps": args.steps, "warmup": args.warmup,
         "page_size": args.page_size, "runs": [],
     }
     print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
