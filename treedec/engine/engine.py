@@ -251,10 +251,10 @@ class Engine:
         if tokens is None:
             return None
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"tokens must be an int64 or int32 tensor, got {describe_tensor(tokens)}")
+            raise TypeError(f"tokens must be an int64 or int32 tensor, got {_describe_tensor(tokens)}")
         if tuple(tokens.shape) != (num_q,) or tokens.device != self.device:
             raise ValueError(f"tokens must have shape [{num_q}] (one per pending token) on {self.device}, got "
-                             f"{describe_tensor(tokens)}")
+                             f"{_describe_tensor(tokens)}")
         return tokens.long()
 
     def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,8 +365,9 @@ class _TreeAttend:
         return e.attn.run(q, k_cache, v_cache, self.plan)
 
 
-def describe_tensor(value) -> str:
-    """A tensor's shape, dtype and device (or the value's type) for error messages."""
+def _describe_tensor(value) -> str:
+    """A tensor's shape, dtype and device (or the value's type) for error messages: not its values,
+    whose repr would wait for the device."""
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
     return type(value).__name__
