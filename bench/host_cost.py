@@ -55,7 +55,7 @@ def stub_forwards(engine: Engine) -> None:
     def outputs(rows: int):
         return torch.zeros(rows, c.vocab_size, dtype=dtype), torch.zeros(rows, c.hidden_size, dtype=dtype)
 
-    def eager(plan, tokens, positions, slots, rows, return_hidden=False):
+    def eager(plan, tokens, positions, slots, rows, return_hidden=False, device_tokens=None):
         logits, hidden = outputs(len(tokens) if rows is None else len(rows))
         return (logits, hidden) if return_hidden else logits
 
