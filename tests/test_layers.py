@@ -5,10 +5,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
-# Top to bottom; a module may import its own layer and those below it. errors, versions and
-# workloads (recorded data and its builders) sit beside tree at the bottom.
+# Top to bottom; a module may import its own layer and those below it. errors, versions,
+# transfer (host <-> device copies) and workloads (recorded data and its builders) sit beside
+# tree at the bottom.
 LAYERS = ["cli", "search", "replay", "engine", "attention", "kernels", "tree"]
-BOTTOM = {"errors", "versions", "workloads", "tree"}
+BOTTOM = {"errors", "versions", "transfer", "workloads", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 
 MASK_BITS = 32  # bits per mask word
@@ -123,7 +124,7 @@ class TreePlan:
         host = np.empty(int(ends[-1]), dtype=np.int32)
         for a, end, size in zip(arrays, ends.tolist(), sizes):
             host[end - size:end] = a.reshape(-1)
-        flat = torch.from_numpy(host).to(device)
+        flat = to_device(host, device)
         parts = torch.split(flat, sizes)  # 1-D views; only the mask is 2-D
         return DeviceTreePlan(self, *(p if a.ndim == 1 else p.view(a.shape) for p, a in zip(parts, arrays)))
 

@@ -27,6 +27,7 @@ from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttent
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.errors import PoolExhaustedError, TreeError
+from treedec.transfer import to_device
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.tree.validate import int_array, int_list
 
@@ -207,7 +208,7 @@ class Engine:
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q)
-            index = torch.arange(num_q, device=self.device) if rows is None else torch.as_tensor(rows, device=self.device)
+            index = torch.arange(num_q, device=self.device) if rows is None else to_device(rows, self.device)
             logits = tuple(t[index] for t in outputs) if return_hidden else outputs[0][index]
         self.tree.commit_step()
         self.stats["steps"] += 1
@@ -242,8 +243,8 @@ class Engine:
     def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows, return_hidden: bool = False,
                  device_tokens: torch.Tensor | None = None):
         """The eager forward of a step: logits, or ``(logits, hidden)`` with ``return_hidden``."""
-        inputs = torch.from_numpy(np.stack([tokens, positions, slots])).to(self.device)  # one transfer
-        rows_t = None if rows is None else torch.as_tensor(rows, device=self.device)
+        inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
+        rows_t = None if rows is None else to_device(rows, self.device)
         token_ids = inputs[0] if device_tokens is None else device_tokens
         return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
 

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 from treedec.engine import Llama
 from treedec.tree import PagedKVPool, SequenceTree
 
@@ -76,25 +74,6 @@ def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tupl
     if bad or not ids:
         raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {value!r}")
     return tuple(dict.fromkeys(ids))
-
-
-class HostCopy:
-    """A device tensor's copy to the host, started without waiting: :meth:`result` waits for that copy
-    only, not for the work queued after it (e.g. the next step, launched meanwhile)."""
-
-    def __init__(self, value: torch.Tensor):
-        if value.device.type == "cuda":
-            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            self._host.copy_(value, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        else:
-            self._host, self._done = value, None
-
-    def result(self) -> list:
-        if self._done is not None:
-            self._done.synchronize()
-        return self._host.tolist()
 
 
 def pages_in_use(pool: PagedKVPool) -> int:

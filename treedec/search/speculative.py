@@ -27,7 +27,8 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
-from treedec.search.request import MODEL_EOS, HostCopy, eos_token_ids
+from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
 from treedec.tree.validate import int_list
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from treedec.errors import PoolExhaustedError
+from treedec.transfer import to_device
 from treedec.tree.validate import describe, int_array, int_value, is_int, show_int
 
 
@@ -139,7 +140,7 @@ class PagedKVPool:
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-        index = torch.as_tensor(slots, device=k_layer.device)
+        index = to_device(slots, k_layer.device)
         k_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = k.to(k_layer.dtype)
         v_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = v.to(v_layer.dtype)
 
@@ -147,7 +148,7 @@ class PagedKVPool:
         """K and V of ``slots`` (``[n]`` ints) in every layer, each ``[num_layers, n, num_kv_heads, head_dim]``
         (a copy)."""
         self._require_storage()
-        index = torch.as_tensor(self._slots(slots, "slots"), device=self.k.device)
+        index = to_device(self._slots(slots, "slots"), self.k.device)
         return tuple(self._slot_view(t).index_select(1, index) for t in (self.k, self.v))
 
     def scatter(self, slots: np.ndarray, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -161,7 +162,7 @@ class PagedKVPool:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name} must be a tensor of shape {expected}, got {got}")
-        index = torch.as_tensor(slots, device=self.k.device)
+        index = to_device(slots, self.k.device)
         for t, data in zip((self.k, self.v), kv):
             self._slot_view(t).index_copy_(1, index, data.to(device=t.device, dtype=t.dtype))
 

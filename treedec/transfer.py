@@ -1,0 +1,53 @@
+"""Host <-> device copies that do not make the host wait for the device's queued work.
+
+A copy from ordinary (pageable) host memory to a CUDA device first waits for every kernel
+already queued on the stream (CUDA's rule for pageable transfers), and a copy to the host
+followed by ``.tolist()`` waits for the whole stream. Between engine steps both would make
+the host wait for the step it just launched, so the host's work for the next step could not
+overlap the device's work for this one. These helpers go through pinned memory:
+
+- :func:`to_device`: a host array's copy, queued in stream order; returns at once.
+- :class:`HostCopy`: a device tensor's copy to the host, started at once; :meth:`HostCopy.result`
+  waits for that copy only, not for work queued after it.
+
+On the CPU both are plain conversions.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(array: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``array`` as a tensor on ``device``; on a CUDA device copied from pinned memory without waiting.
+
+    PyTorch's pinned-memory cache keeps the pinned block until the copy has read it.
+    """
+    host = torch.as_tensor(np.ascontiguousarray(array), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy to the host, started without waiting: :meth:`result` waits for that copy
+    only, not for the work queued after it (e.g. the next step, launched meanwhile)."""
+
+    def __init__(self, value: torch.Tensor):
+        if value.device.type == "cuda":
+            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = value, None
+
+    def tensor(self) -> torch.Tensor:
+        """The copy on the host, once it has arrived."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
+
+    def result(self) -> list:
+        """The copy as (nested) Python numbers."""
+        return self.tensor().tolist()
