@@ -10,14 +10,15 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
   (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens;
 - ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
   random Medusa heads (one per tree level), the heads' drafting included in the step;
-- ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1.
+- ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1
+  (pipelined on a GPU unless ``--no-pipeline``).
 
 A step is the time between the returns of two consecutive engine steps of the program: its
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
 engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` when it returns,
 without synchronising: a program that reads each step's outputs waits for the device there
-anyway, and a pipelined one (``greedy_generate`` on a GPU launches step i + 1 before it reads
-step i's token) would lose its overlap to a synchronisation; in the steady state the interval
+anyway, and a pipelined one (``greedy_generate`` and ``parallel_sample`` on a GPU launch step
+i + 1 before they read step i's tokens) would lose its overlap to a synchronisation; in the steady state the interval
 between returns is the time per step either way. The first ``--warmup`` steps (CUDA-graph
 captures) are dropped; the median of the next ``--steps`` is reported. Only
 ``speculative_generate`` has a per-step hook (``on_step``); ``greedy_generate`` and
@@ -109,7 +110,7 @@ class Workload:
     draft_tokens: list[int]
     samples: int
     seed: int
-    pipeline: bool | None = None   # greedy_generate's (None: its default, on for a GPU)
+    pipeline: bool | None = None   # greedy_generate's and parallel_sample's (None: on for a GPU)
 
 
 @dataclass
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
-        "medusa_heads": work.heads.num_heads, "samples": args.samples, "greedy_pipeline": not args.no_pipeline,
+        "medusa_heads": work.heads.num_heads, "samples": args.samples, "pipeline": not args.no_pipeline,
         "steps": args.steps, "warmup": args.warmup,
         "page_size": args.page_size, "runs": [],
     }
@@ -228,7 +229,7 @@ def _medusa_heads(engine: Engine, prompt: list[int], steps: int, work: Workload)
 def _parallel_sample(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
     generator = torch.Generator(engine.device).manual_seed(work.seed)
     result = parallel_sample(engine, prompt, work.samples, max_new_tokens=steps + 1,
-                             params=SamplingParams(temperature=1.0), generator=generator)
+                             params=SamplingParams(temperature=1.0), generator=generator, pipeline=work.pipeline)
     n = result.stats.steps
     return ProgramRun(n, [len(prompt) + work.samples * (i + 1) for i in range(n)], {})
 
@@ -480,7 +481,7 @@ def _parse_args(argv):
     parser.add_argument("--tag", default=None, help="appended to the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU, for CI")
     parser.add_argument("--no-pipeline", action="store_true",
-                        help="greedy: read each token back before planning the next step (greedy_generate(pipeline=False))")
+                        help="greedy, parallel_sample: read each step's tokens back before planning the next (pipeline=False)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile the last K steps of each run (a separate pass; GPU kernel kinds, idle time)")
     args = parser.parse_args(argv)

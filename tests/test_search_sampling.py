@@ -112,6 +112,46 @@ def test_ended_samples_free_their_pages_while_others_run(tiny):
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
 
 
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 12])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pipelined_sampling_gives_the_same_samples_and_tree(tiny, keep, max_new_tokens, temperature):
+    """A pipelined run (each step launched before the draw before it is read) draws sample i's
+    token with the same random number as an unpipelined one: same samples, same tree left."""
+    probe = parallel_sample(make_engine(tiny), PROMPT, 8, 12, SamplingParams(temperature), generator=seeded(5))
+    eos = max(set(t for s in probe.samples for t in s.tokens[:6]),     # a frequent token: samples end apart
+              key=lambda t: sum(t in s.tokens[:6] for s in probe.samples))
+    runs = []
+    for pipeline in (False, True):
+        engine = make_engine(tiny)
+        result = parallel_sample(engine, PROMPT, 8, max_new_tokens, SamplingParams(temperature), eos_token_id=eos,
+                                 generator=seeded(5), keep=keep, pipeline=pipeline)
+        tree = engine.tree
+        tree.check_invariants()
+        left = None if result.root is None else [tree.sequence(s.node) for s in result.samples]
+        assert tree.layout().num_queries == 0
+        runs.append((tokens_of(result), [s.finish_reason for s in result.samples], left,
+                     engine.pool.num_free_pages))
+        if keep:   # kept nodes hold computed K/V: greedy under one equals greedy from scratch
+            s = max(result.samples, key=lambda s: len(s.tokens))
+            _, logits = engine.prefill([11], parent=s.node)
+            assert int(logits.argmax()) == plain_greedy(tiny, PROMPT + s.tokens + [11], 1)[0]
+    assert runs[0] == runs[1]
+    if max_new_tokens == 12 and temperature > 0:
+        assert len({len(t) for t in runs[0][0]}) > 1 and "eos" in runs[0][1]
+
+
+def test_sample_tokens_inverse_cdf_draws_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.0, 0.2]])).expand(4000, 4)
+    uniform = torch.rand(4000, generator=seeded(0))
+    drawn = sample_tokens(logits, SamplingParams(), uniform=uniform)
+    torch.testing.assert_close(torch.bincount(drawn, minlength=4) / 4000, torch.tensor([0.5, 0.3, 0.0, 0.2]),
+                               atol=0.03, rtol=0)
+    edges = torch.tensor([0.0, 0.4999, 0.5, 0.7999, 0.8, 1 - 2 ** -24])
+    assert sample_tokens(logits[:6], SamplingParams(), uniform=edges).tolist() == [0, 0, 1, 1, 3, 3]
+    assert set(sample_tokens(logits, SamplingParams(top_k=1), uniform=uniform).tolist()) == {0}
+
+
 def test_sample_tokens_respects_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
     gen = seeded(0)
@@ -173,6 +213,7 @@ def test_bad_sampling_params_raise(make, message):
     (dict(eos_token_id=512), r"eos_token_id must be token ids in \[0, 512\), got 512"),
     (dict(eos_token_id="eos"), r"eos_token_id must be 'model' \(the model's own EOS ids\), a token id"),
     (dict(keep="yes"), "keep must be a bool, got 'yes'"),
+    (dict(pipeline=1), r"pipeline must be a bool or None \(on for a CUDA engine\), got 1"),
 ])
 def test_bad_arguments_raise_and_change_nothing(tiny, kwargs, message):
     engine = make_engine(tiny)

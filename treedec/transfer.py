@@ -34,6 +34,7 @@ class HostCopy:
     only, not for the work queued after it (e.g. the next step, launched meanwhile)."""
 
     def __init__(self, value: torch.Tensor):
+        self.source = value   # the device tensor, for work queued before the copy is read
         if value.device.type == "cuda":
             self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             self._host.copy_(value, non_blocking=True)

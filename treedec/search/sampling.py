@@ -20,6 +20,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.search.request import MODEL_EOS, RequestStats, discard_request, eos_token_ids, pages_in_use, positive_int
+from treedec.transfer import HostCopy, to_device
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-                  ) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                  uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row.
 
     Parameters
@@ -59,6 +60,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     logits : [m, vocab] any float dtype.
     params : the :class:`SamplingParams`.
     generator : torch.Generator on ``logits.device``, for reproducible draws.
+    uniform : [m] floats in [0, 1) on ``logits.device``, optional: row i draws the token at
+        ``uniform[i]`` of its distribution's cumulative sum (inverse CDF) instead of from
+        ``generator``, so that a caller decides which random number each row gets.
 
     Returns
     -------
@@ -76,7 +80,15 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
         drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= params.top_p)
         scores = scores.masked_fill(drop, float("-inf"))
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).reshape(-1)
+    probs = scores.softmax(dim=-1)
+    if uniform is None:
+        return torch.multinomial(probs, 1, generator=generator).reshape(-1)
+    # The first token whose cumulative mass passes u * total: a token of zero probability never
+    # is (its cumulative sum equals its predecessor's). In float64, u < 1 (a float32) times the
+    # total stays below the total, so some token always passes it.
+    cdf = probs.double().cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (uniform.double() * cdf[:, -1]).unsqueeze(-1), right=True)
+    return picked.reshape(-1)
 
 
 @dataclass
@@ -123,7 +135,8 @@ class SamplingResult:
 def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_tokens: int,
                     params: SamplingParams = SamplingParams(),
                     eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
-                    generator: torch.Generator | None = None, keep: bool = False) -> SamplingResult:
+                    generator: torch.Generator | None = None, keep: bool = False,
+                    pipeline: bool | None = None) -> SamplingResult:
     """``n`` independent samples after ``prompt_ids``, as ``n`` branches of the prompt's node.
 
     Parameters
@@ -136,8 +149,15 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's), an
         id, several ids, or None.
     generator : torch.Generator on the model's device: the same seed gives the same samples.
+        Each draw takes ``n`` uniform numbers from it (one per sample, live or not) and sample
+        i's token is drawn with number i, so the samples do not depend on ``pipeline``.
     keep : False: each sample's node is pruned when it ends and the prompt's node at the
         end (all pages free); True: every sample stays as a child of ``result.root``.
+    pipeline : default on for a CUDA engine (off on the CPU, where nothing would overlap):
+        each step is planned and launched before the previous draw is read back (the step
+        reads the drawn tokens on the device), so the host's work overlaps the device's. A
+        sample that ended at that draw then computed one token more, which is dropped; the
+        samples and the tree left are the same, ``stats`` may count one step more.
 
     Raises
     ------
@@ -150,20 +170,61 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not isinstance(keep, bool):
         raise ValueError(f"keep must be a bool, got {keep!r}")
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     eos = set(eos_token_ids(eos_token_id, engine.model))
+    pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
     tree, pool = engine.tree, engine.pool
     held_before = pages_in_use(pool)
     root, first = engine.prefill(prompt_ids)
     stats = SamplingStats(peak_pages=pages_in_use(pool) - held_before)
     samples = [Sample([], "") for _ in range(n)]
     nodes: list[int | None] = [None] * n
-    live = list(range(n))
-    logits = first[None].expand(n, -1)       # [live, vocab]: row j belongs to sample live[j]
+
+    def draw(logits: torch.Tensor, rows: list[int]) -> HostCopy:
+        """The next token of each sample in ``rows`` (one per logits row), its copy to the host started."""
+        uniform = None
+        if params.temperature > 0:
+            uniform = torch.rand(n, generator=generator, device=logits.device)[to_device(rows, logits.device)]
+        drawn = sample_tokens(logits, params, uniform=uniform)
+        return HostCopy(drawn)
+
+    def step(grow: dict[int, int], rows: list[int], device_tokens: torch.Tensor | None = None):
+        """Append ``grow``'s tokens (sample -> token; placeholders if ``device_tokens`` [len(grow)],
+        in ``grow``'s order, hold the real ones) and run one step; logits of ``rows``' samples."""
+        fresh = [i for i in grow if nodes[i] is None]      # first tokens: new children of the prompt
+        for i, node in zip(fresh, tree.branch(root, [[grow[i]] for i in fresh]) if fresh else []):
+            nodes[i] = node
+        tree.extend_many({nodes[i]: [t] for i, t in grow.items() if i not in fresh})
+        stats.peak_pages = max(stats.peak_pages, pages_in_use(pool) - held_before)
+        if device_tokens is not None:   # the step's queries are in layout order: gather them so
+            order = {node: j for j, node in enumerate(nodes[i] for i in grow)}
+            index = [order[node] for node in engine.pending_nodes().tolist()]
+            device_tokens = device_tokens[to_device(index, device_tokens.device)]
+        # Kept samples that just ended ride along: their last token's K/V, no logits.
+        logits = engine.step(logits_rows=engine.pending_rows([nodes[i] for i in rows]), tokens=device_tokens)
+        stats.steps += 1
+        stats.queries_per_step.append(len(grow))
+        return logits
+
+    live = list(range(n))                    # samples not known to have ended
+    rows = list(live)                        # the samples of the pending draw's rows
+    pending = draw(first[None].expand(n, -1), rows)
     try:
-        while live:
-            drawn = sample_tokens(logits, params, generator).tolist()
+        while True:
+            drawn_index = len(samples[live[0]].tokens) + 1   # every live sample has as many tokens
+            ahead = None                     # a step launched before `pending` is read
+            if pipeline and (drawn_index < max_new_tokens or keep):
+                position = {i: j for j, i in enumerate(rows)}
+                index = to_device([position[i] for i in live], engine.device)
+                last = drawn_index == max_new_tokens
+                logits = step({i: 0 for i in live}, [] if last else live, pending.source[index])
+                ahead = None if last else (list(live), draw(logits, live))
+            tokens = pending.result()
             grow, still = {}, []
-            for i, token in zip(live, drawn):
+            for i, token in zip(rows, tokens):
+                if i not in live:           # a row of a sample that ended at the draw before
+                    continue
                 s = samples[i]
                 s.tokens.append(token)
                 ended = token in eos or len(s.tokens) == max_new_tokens
@@ -171,21 +232,28 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
                     s.finish_reason = "eos" if token in eos else "length"
                 else:
                     still.append(i)
-                if not ended or keep:
+                if pipeline:
+                    if ended and not keep:
+                        if nodes[i] is not None:
+                            tree.prune(nodes[i])     # with the token computed meanwhile, if any
+                    elif drawn_index < max_new_tokens or keep:
+                        tree.set_tokens(nodes[i], len(s.tokens) - 1, [token])
+                elif not ended or keep:
                     grow[i] = token
                 elif nodes[i] is not None:
                     tree.prune(nodes[i])
-            fresh = [i for i in grow if nodes[i] is None]      # first tokens: new children of the prompt
-            for i, node in zip(fresh, tree.branch(root, [[grow[i]] for i in fresh]) if fresh else []):
-                nodes[i] = node
-            tree.extend_many({nodes[i]: [t] for i, t in grow.items() if i not in fresh})
-            stats.peak_pages = max(stats.peak_pages, pages_in_use(pool) - held_before)
             live = still
-            if grow:
-                # Kept samples that just ended ride along: their last token's K/V, no logits.
-                logits = engine.step(logits_rows=engine.pending_rows([nodes[i] for i in live]))
-                stats.steps += 1
-                stats.queries_per_step.append(len(grow))
+            if pipeline:
+                if ahead is None or not live:
+                    break
+                rows, pending = ahead
+            else:
+                if not grow:
+                    break
+                logits = step(grow, live)
+                if not live:
+                    break
+                rows, pending = list(live), draw(logits, live)
     except BaseException:
         discard_request(tree, root)
         raise
