@@ -265,3 +265,20 @@ def test_wide_branch_of_empty_children_is_sized():
                                [{"op": "branch", "node": "p", "ids": list("abcde")}], [{"op": "prune", "node": "p"}]))
     assert s.stats.widest_branch == 5 and s.stats.peak_tree_tokens == 1
     assert dry_run(s, page_size=16) == {"peak_pages": 1, "peak_tokens": 1, "final_free": True}
+
+
+def test_accepting_extended_token_tree_nodes_counts_all_their_tokens():
+    """The loader's sizing of an accept counts every token of the accepted nodes (a token-tree node
+    may have been extended since), as the tree's accept keeps them (found by the schedule fuzzer)."""
+    doc = {"format": "treedec-schedule", "version": 1, "steps": [
+        [{"op": "prompt", "id": "n0", "tokens": 1},
+         {"op": "token_tree", "node": "n0", "parents": [-1, 0, -1, 0], "ids": ["n1", "n2", 3, "n4"]},
+         {"op": "extend", "node": "n2", "tokens": 1},
+         {"op": "branch", "node": "n1", "ids": ["n5"]}],
+        [{"op": "extend", "node": "n2", "tokens": 1}],
+        [{"op": "accept", "ids": ["n1", "n2"]}],
+        [{"op": "extend", "node": "n0", "tokens": 4}]]}
+    schedule = Schedule.from_json(doc)
+    assert schedule.stats.peak_tree_tokens == 9 and schedule.stats.max_position == 8   # 1 + (1 + 3) + 4
+    for page_size in (1, 16):
+        assert dry_run(schedule, page_size=page_size)["peak_tokens"] == 9

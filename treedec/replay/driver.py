@@ -129,11 +129,12 @@ class ScheduleDriver:
         anchor = tree.parent(chain[0])
         next_token = self._next_token.get(chain[-1])
         dead = {n for child in tree.children(anchor) for n in self._subtree(child)}
+        accepted = sum(len(tree.tokens(n)) for n in chain)   # a token-tree node may have been extended
         tree.accept(anchor, chain)   # the path's K/V move onto anchor; the rest is freed
         self._forget(dead)
         if next_token is not None:
             self._next_token[anchor] = next_token
-        self.generated += len(chain)
+        self.generated += accepted
 
     def _prune(self, nid: int) -> None:
         dead = set(self._subtree(nid))

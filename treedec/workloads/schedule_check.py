@@ -224,9 +224,10 @@ def _apply_accept(shape: _Shape, op: Accept, where: str) -> None:
     if others:
         raise ScheduleError(f"{where}: field 'ids': the anchor {anchor!r} also has non-token-tree child(ren) "
                             f"{others[:5]!r}, which accept would remove; prune them first")
+    accepted = sum(shape.length[h] for h in op.ids)   # a token-tree node may have been extended since
     for child in list(shape.children[anchor]):
         shape.remove(child)
-    shape.grow(anchor, len(op.ids), where)
+    shape.grow(anchor, accepted, where)
 
 
 def _on_cycle(parents: tuple[int, ...], start: int) -> bool:
