@@ -49,18 +49,23 @@ from treedec.workloads.deft import medusa_tree  # noqa: E402
 
 def stub_forwards(engine: Engine) -> None:
     """Replace the engine's forwards (eager, e.g. the prefill's chunks, and over a static plan) by
-    ones that return zero ``(logits, hidden)`` of the right shapes."""
+    ones that return zero ``(logits, hidden)`` of the right shapes (and the row heads' outputs
+    over those, which the graphed forward computes too)."""
     c, dtype = engine.model.config, engine.model.dtype
 
     def outputs(rows: int):
         return torch.zeros(rows, c.vocab_size, dtype=dtype), torch.zeros(rows, c.hidden_size, dtype=dtype)
+
+    def static_outputs(rows: int):
+        logits, hidden = outputs(rows)
+        return (logits, hidden, *(engine.row_head(name)(hidden) for name in engine.row_heads))
 
     def eager(plan, tokens, positions, slots, rows, return_hidden=False, device_tokens=None):
         logits, hidden = outputs(len(tokens) if rows is None else len(rows))
         return (logits, hidden) if return_hidden else logits
 
     engine._forward = eager
-    engine._graphs._forward = lambda static: outputs(static.bounds.max_queries)
+    engine._graphs._forward = lambda static: static_outputs(static.bounds.max_queries)
 
 
 def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:

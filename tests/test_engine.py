@@ -121,6 +121,63 @@ def test_return_hidden_gives_the_lm_head_input(tiny):
     torch.testing.assert_close(tiny.lm_head(some_hidden), some, atol=1e-5, rtol=0)
 
 
+def _two_heads(hidden):
+    """A row head: [rows, hidden] -> [rows, 2] (sum and first feature)."""
+    return torch.stack([hidden.sum(-1), hidden[:, 0]], dim=-1)
+
+
+def _row_head_run(engine):
+    """Steps with a row head: prefill, a branched step, a token tree; each step's (logits, hidden, heads)."""
+    engine.add_row_head("two", _two_heads)
+    out = [engine.prefill([1, 2, 3, 4], return_hidden=True, return_heads=True)[1:]]
+    root = engine.tree.roots[0]
+    engine.tree.branch(root, [[5, 6], [7]])
+    out.append(engine.step(logits_rows=[2, 0], return_hidden=True, return_heads=True))
+    leaf = engine.tree.live_leaves()[0]
+    engine.tree.add_token_tree(leaf, [9, 10, 11], [-1, 0, 0])
+    logits, heads = engine.step(return_heads=True)
+    out.append((logits, None, heads))
+    return out
+
+
+def test_row_heads_run_at_the_step_rows(tiny):
+    plain = make_engine(tiny)
+    for logits, hidden, heads in _row_head_run(plain):
+        assert list(heads) == ["two"]
+        if hidden is not None:
+            torch.testing.assert_close(heads["two"], _two_heads(hidden.reshape(-1, hidden.shape[-1])).reshape(
+                heads["two"].shape), atol=1e-5, rtol=0)
+        assert heads["two"].shape[:-1] == logits.shape[:-1]
+    assert plain.row_heads == ("two",) and plain.row_head("two") is _two_heads
+    with pytest.raises(ValueError, match="a row head named 'two' is already added"):
+        plain.add_row_head("two", _two_heads)
+    with pytest.raises(TypeError, match="head must be callable"):
+        plain.add_row_head("other", 3)
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        plain.add_row_head("", _two_heads)
+    plain.remove_row_head("two")
+    with pytest.raises(ValueError, match=r"no row head named 'two'; the engine has \[\]"):
+        plain.remove_row_head("two")
+    assert plain.row_heads == ()
+
+
+@pytest.mark.triton
+def test_row_heads_in_static_steps_equal_eager(tiny, triton_device):
+    """A row head computed in the graphed (static, uncaptured here) forward over every row equals
+    the eager step's at the asked rows."""
+    if triton_device.type == "cuda":
+        pytest.skip("covered by the GPU test with real capture")
+    eager = _row_head_run(make_engine(tiny))
+    static_engine = make_engine(tiny, backend="triton", cuda_graphs=CudaGraphConfig(max_queries=64, capture=False))
+    static = _row_head_run(static_engine)
+    assert static_engine.graph_stats["static_eager"] == 3      # every step, the prefill's too, in a bucket
+    for a, b in zip(eager, static):
+        for x, y in zip(a[:2], b[:2]):
+            if x is not None:
+                torch.testing.assert_close(x, y, atol=2e-5, rtol=0)
+        torch.testing.assert_close(a[2]["two"], b[2]["two"], atol=2e-4, rtol=0)
+
+
 def test_pending_rows_give_token_order(tiny):
     engine = make_engine(tiny)
     root, _ = engine.prefill([1, 2, 3])

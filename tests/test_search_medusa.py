@@ -128,7 +128,7 @@ class FixedHeads(MedusaHeads):
         self.table = torch.tensor(table, dtype=torch.float32)
 
     def forward(self, hidden):
-        return self.table
+        return self.table.expand(*hidden.shape[:-1], *self.table.shape)
 
 
 def test_draft_tokens_follow_the_choice_ranks():
@@ -190,12 +190,14 @@ class OracleHeads(MedusaHeads):
         self.states, self.continuation = states, continuation
 
     def forward(self, hidden):
-        k = int((self.states - hidden).norm(dim=-1).argmin())    # the root is continuation[k]
-        out = torch.zeros(self.num_heads, 512)
-        for i in range(self.num_heads):
-            if k + 1 + i < len(self.continuation):
-                out[i, self.continuation[k + 1 + i]] = 1.0
-        return out
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        out = torch.zeros(len(rows), self.num_heads, 512)
+        for r, state in enumerate(rows):
+            k = int((self.states - state).norm(dim=-1).argmin())    # the root is continuation[k]
+            for i in range(self.num_heads):
+                if k + 1 + i < len(self.continuation):
+                    out[r, i, self.continuation[k + 1 + i]] = 1.0
+        return out.reshape(*hidden.shape[:-1], self.num_heads, 512)
 
 
 def test_medusa_reads_the_hidden_state_of_the_last_accepted_token(tiny, reference):
@@ -212,6 +214,33 @@ def test_medusa_reads_the_hidden_state_of_the_last_accepted_token(tiny, referenc
         out.append(int(greedy(logits[0])))
     assert out == ref
     heads = OracleHeads(torch.stack(states), ref)
-    tokens, stats = speculative_generate(make_engine(tiny), prompt, MedusaDraft(heads), NEW_TOKENS)
-    assert tokens == ref[:NEW_TOKENS]
-    assert stats.accepted[:-1] == [4] * (stats.steps - 1) and stats.tokens_per_step > 4
+    for in_step in (True, False):   # the heads inside the verification step, or after it
+        engine = make_engine(tiny)
+        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, in_step=in_step), NEW_TOKENS)
+        assert tokens == ref[:NEW_TOKENS]
+        assert stats.accepted[:-1] == [4] * (stats.steps - 1) and stats.tokens_per_step > 4
+        assert engine.row_heads == (("draft",) if in_step else ())
+        assert engine.stats["steps"] == stats.steps + 1      # the prefill and the verification steps only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_medusa_heads_in_the_captured_step_equal_heads_after_it(compile_model):
+    """Medusa heads inside the verification step's CUDA graph (and its torch.compile) draft the
+    same tokens as heads run after the step; every verification step is a graph replay."""
+    from treedec.engine import Engine
+    from treedec.workloads.deft import medusa_tree
+
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, 4, dtype=torch.bfloat16, device="cuda")
+    prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 1000).tolist()
+    choices = medusa_tree(64).paths
+    runs = []
+    for in_step in (False, True):
+        engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True, compile_model=compile_model)
+        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, choices, in_step=in_step), 40)
+        assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
+        assert engine.graph_stats["replays"] >= stats.steps
+        runs.append(tokens)
+    assert runs[0] == runs[1]

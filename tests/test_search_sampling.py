@@ -232,3 +232,22 @@ def test_a_failing_run_frees_the_request(tiny):
     with pytest.raises(Exception, match="KV pool exhausted"):
         parallel_sample(engine, list(range(30)), 8, 4)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pipelined_sampling_on_a_graphed_gpu_engine_equals_unpipelined():
+    """On a GPU the draws are read back while the next step runs: same samples, same tree."""
+    from treedec.engine import from_config
+
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    prompt = list(range(3, 700))
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True)
+        result = parallel_sample(engine, prompt, 16, 24, generator=torch.Generator("cuda").manual_seed(7),
+                                 eos_token_id=[int(t) for t in range(0, 512, 9)], keep=True, pipeline=pipeline)
+        runs.append(([s.tokens for s in result.samples], [engine.tree.sequence(s.node) for s in result.samples]))
+        assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
+    assert runs[0] == runs[1]
+    assert len({len(t) for t in runs[0][0]}) > 1     # the EOS ids ended samples at different steps

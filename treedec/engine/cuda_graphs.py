@@ -54,21 +54,21 @@ class CudaGraphConfig:
 class _Graph:
     static: StaticPlan
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None    # [queries, vocab]: the captured graph's outputs
-    hidden: torch.Tensor | None = None    # [queries, hidden_size]
+    outputs: tuple[torch.Tensor, ...] = ()   # the captured graph's outputs, [queries, ...] each
 
 
 class GraphRunner:
     """Runs steps from static plans, replaying one captured graph per (backend, query bucket).
 
     ``forward(static) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
-    hidden_size])`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
+    hidden_size], ...)`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
     ``static.extra["inputs"]`` ([3, max_queries] int32: token ids, positions, slots; the engine
-    provides it). Every graph keeps both outputs, so steps that need hidden states (Medusa
-    heads, draft models) replay the same graphs as steps that need logits only.
+    provides it), returning a tuple of per-row outputs. Every graph keeps all of them, so steps
+    that need hidden states (Medusa heads, draft models) replay the same graphs as steps that
+    need logits only.
     """
 
-    def __init__(self, config: CudaGraphConfig, forward: Callable[[StaticPlan], tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, config: CudaGraphConfig, forward: Callable[[StaticPlan], tuple[torch.Tensor, ...]],
                  attn: TreeAttention, scratch_slot: int):
         self.config = config
         self.attn = attn
@@ -106,17 +106,24 @@ class GraphRunner:
         del replaced
         return entry
 
-    def run(self, entry: _Graph, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [num_queries, vocab], hidden [num_queries, hidden_size])`` of the step
-        :meth:`load` wrote into ``entry``: its graph replayed (or, with ``capture`` off, the same
-        forward over the static buffers). Views of the graph's outputs: valid until the next run."""
+    def run(self, entry: _Graph, num_queries: int) -> tuple[torch.Tensor, ...]:
+        """The forward's outputs (``logits [num_queries, vocab], hidden [num_queries, hidden_size],
+        ...``) for the step :meth:`load` wrote into ``entry``: its graph replayed (or, with
+        ``capture`` off, the same forward over the static buffers). Views of the graph's outputs:
+        valid until the next run."""
         if not self.config.capture:
             self.stats["static_eager"] += 1
-            logits, hidden = self._forward(entry.static)
-            return logits[:num_queries], hidden[:num_queries]
+            return tuple(t[:num_queries] for t in self._forward(entry.static))
         entry.graph.replay()
         self.stats["replays"] += 1
-        return entry.logits[:num_queries], entry.hidden[:num_queries]
+        return tuple(t[:num_queries] for t in entry.outputs)
+
+    def reset(self) -> None:
+        """Drop every captured graph (the forward's outputs changed); the next steps capture anew,
+        into a new memory pool (a pool whose graphs all died cannot be captured into again)."""
+        self._graphs.clear()
+        if self.config.capture:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _capture(self, entry: _Graph) -> None:
         """Warm up on a side stream (Triton compiles, the cuda extension loads), then capture
@@ -130,7 +137,7 @@ class GraphRunner:
         current.wait_stream(side)
         entry.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(entry.graph, pool=self._pool):
-            entry.logits, entry.hidden = self._forward(entry.static)
+            entry.outputs = tuple(self._forward(entry.static))
         self.stats["captures"] += 1
         logger.info("captured a CUDA graph for %s on %s", entry.static.bounds, entry.static.backend_name)
 

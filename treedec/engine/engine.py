@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -99,6 +99,7 @@ class Engine:
         self._v_slots = [self._v[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
+        self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
@@ -109,12 +110,13 @@ class Engine:
         """Tokens the KV pool holds."""
         return self.pool.num_slots
 
-    def prefill(self, prompt_ids: Sequence[int], parent: int | None = None, return_hidden: bool = False
-                ) -> tuple[int, torch.Tensor] | tuple[int, torch.Tensor, torch.Tensor]:
+    def prefill(self, prompt_ids: Sequence[int], parent: int | None = None, return_hidden: bool = False,
+                return_heads: bool = False) -> tuple:
         """Add a prompt and run it; returns ``(node_id, logits [vocab] of its last token)``.
 
         With ``return_hidden``: ``(node_id, logits, hidden [hidden_size])``, the last token's
-        final-norm hidden state (see :meth:`step`).
+        final-norm hidden state; with ``return_heads`` a dict ``{name: output}`` of the row heads'
+        outputs at the last token follows (see :meth:`step`).
 
         ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
         ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
@@ -145,12 +147,15 @@ class Engine:
         for i, piece in enumerate(pieces):
             if i:
                 self.tree.extend(node, piece)
-            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden)
-        return (node, out[0][0], out[1][0]) if return_hidden else (node, out[0])
+            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
+        if not (return_hidden or return_heads):
+            return node, out[0]
+        *tensors, heads = out if return_heads else (*out, None)
+        return (node, *(t[0] for t in tensors)) + (({k: v[0] for k, v in heads.items()},) if return_heads else ())
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-             return_hidden: bool = False, tokens: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False
+             ) -> torch.Tensor | tuple:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -172,11 +177,15 @@ class Engine:
             step is planned and launched while that one still runs (pipelined decoding; record
             the real ids with :meth:`SequenceTree.set_tokens`). They must be ids in
             ``[0, vocab)``: a device tensor is not checked (that would wait for it).
+        return_heads : bool
+            Also return the row heads' outputs (:meth:`add_row_head`) at the same rows, as a
+            dict ``{name: [r, ...] tensor}`` after the other outputs.
 
         Returns
         -------
         logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device;
-        with ``return_hidden``, the tuple ``(logits, hidden [r, hidden_size])``.
+        with ``return_hidden``, the tuple ``(logits, hidden [r, hidden_size])``; with
+        ``return_heads``, ``(logits, heads)`` or ``(logits, hidden, heads)``.
         """
         layout = self.tree.layout()
         num_q = layout.num_queries
@@ -203,17 +212,63 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
-            logits = self._forward(plan, tokens, positions, slots, rows, return_hidden, device_tokens)
+            logits, hidden = self._forward(plan, tokens, positions, slots, rows, True, device_tokens)
+            heads = None
+            if return_heads:
+                with torch.no_grad():
+                    heads = {name: head(hidden) for name, head in self._row_heads.items()}
         else:  # copies: the graph's output buffers are overwritten by its next replay
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q)
             index = torch.arange(num_q, device=self.device) if rows is None else to_device(rows, self.device)
-            logits = tuple(t[index] for t in outputs) if return_hidden else outputs[0][index]
+            logits = outputs[0][index]
+            hidden = outputs[1][index] if return_hidden else None
+            heads = dict(zip(self._row_heads, (t[index] for t in outputs[2:]))) if return_heads else None
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
-        return logits
+        out = (logits,) + ((hidden,) if return_hidden else ()) + ((heads,) if return_heads else ())
+        return out if len(out) > 1 else logits
+
+    def add_row_head(self, name: str, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Compute ``head(hidden)`` at every query row of every step from now on, inside the step's
+        CUDA graph (and its ``torch.compile``): ``hidden`` is ``[rows, hidden_size]`` (after the
+        final norm, as :meth:`step`'s ``return_hidden``), the result ``[rows, ...]``.
+
+        :meth:`step` with ``return_heads`` returns the outputs. E.g. Medusa heads' top-k
+        candidates at every verified token, computed in the verification step's graph rather than
+        in a step of their own after it. Every graphed step pays for the head, whether its output
+        is asked for or not; captured graphs are dropped (and recaptured at their next step).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        if not callable(head):
+            raise TypeError(f"head must be callable (hidden [rows, hidden_size] -> [rows, ...]), got {head!r:.60}")
+        if name in self._row_heads:
+            raise ValueError(f"a row head named {name!r} is already added; remove_row_head({name!r}) first")
+        self._row_heads[name] = head
+        if self._graphs is not None:
+            self._graphs.reset()
+
+    def remove_row_head(self, name: str) -> None:
+        """Stop computing the row head ``name`` (see :meth:`add_row_head`)."""
+        if name not in self._row_heads:
+            raise ValueError(f"no row head named {name!r}; the engine has {sorted(self._row_heads)}")
+        del self._row_heads[name]
+        if self._graphs is not None:
+            self._graphs.reset()
+
+    def row_head(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function of the row head ``name`` (see :meth:`add_row_head`)."""
+        if name not in self._row_heads:
+            raise ValueError(f"no row head named {name!r}; the engine has {sorted(self._row_heads)}")
+        return self._row_heads[name]
+
+    @property
+    def row_heads(self) -> tuple[str, ...]:
+        """The names of the row heads added (:meth:`add_row_head`), in their order."""
+        return tuple(self._row_heads)
 
     def pending_nodes(self) -> np.ndarray:
         """[Q] int64 node id of each pending token, in step (query) order."""
@@ -258,14 +313,18 @@ class Engine:
                              f"{_describe_tensor(tokens)}")
         return tokens.long()
 
-    def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden).
-        ``ops``: attention and the K/V store as custom ops (what ``torch.compile`` traces)."""
+    def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, ...]:
+        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden,
+        each row head's output). ``ops``: attention and the K/V store as custom ops (what
+        ``torch.compile`` traces)."""
         tokens, positions, slots = static.extra["inputs"]
         attend = _TreeAttend(self, slots.long(), static.device_plan, ops)
         if ops:
-            return self.model.forward_graph(tokens, positions, attend, None, True)
-        return self.model(tokens, positions, attend, None, True)
+            logits, hidden = self.model.forward_graph(tokens, positions, attend, None, True)
+        else:
+            logits, hidden = self.model(tokens, positions, attend, None, True)
+        with torch.no_grad():
+            return (logits, hidden, *(head(hidden) for head in self._row_heads.values()))
 
     def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig, compile_model: bool | dict) -> GraphRunner | None:
         if compile_model is not False and cuda_graphs is False:

@@ -88,10 +88,10 @@ class MedusaHeads(nn.Module):
                 head[-1].weight.copy_(model.lm_head.weight)
         return heads.to(dtype=model.dtype, device=model.device)
 
-    @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [..., hidden_size]`` -> logits ``[..., num_heads, vocab_size]``."""
-        return torch.stack([head(hidden) for head in self.medusa_head], dim=-2)
+        with torch.no_grad():   # not inference_mode: the engine may call it inside torch.compile
+            return torch.stack([head(hidden) for head in self.medusa_head], dim=-2)
 
 
 def load_medusa_heads(path: str | Path, model: Llama) -> MedusaHeads:
@@ -148,8 +148,11 @@ class MedusaDraft:
     sorted by logit, highest first), read from the target's hidden state at the token
     before the root; a path's candidate does not depend on its parent, as in Medusa.
 
-    A draft source for :func:`~treedec.search.speculative.speculative_generate`, which
-    passes it the hidden states it needs (``needs_hidden``, ``observe``).
+    A draft source for :func:`~treedec.search.speculative.speculative_generate`. As in
+    Medusa, the heads run inside the target's verification step, at every verified token
+    (:meth:`row_head`, the engine's row head: in the step's CUDA graph on a GPU), and the
+    next draft takes the candidates at the last accepted token; ``in_step=False`` runs them
+    after the step instead, on that token's hidden state alone (less compute, one step more).
 
     Parameters
     ----------
@@ -157,11 +160,11 @@ class MedusaDraft:
     choices : index paths, one per draft token (see
         :meth:`~treedec.tree.token_tree.TokenTree.from_medusa_choices`); a path may be at
         most ``heads.num_heads`` long. Default :data:`DEFAULT_MEDUSA_CHOICES`.
+    in_step : run the heads inside the verification step (default) or after it.
     """
 
-    needs_hidden = True
-
-    def __init__(self, heads: MedusaHeads, choices: Sequence[Sequence[int]] = DEFAULT_MEDUSA_CHOICES):
+    def __init__(self, heads: MedusaHeads, choices: Sequence[Sequence[int]] = DEFAULT_MEDUSA_CHOICES,
+                 in_step: bool = True):
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"heads must be MedusaHeads, got {type(heads).__name__}")
         self.tree = TokenTree.from_medusa_choices(choices)   # validates the paths
@@ -174,11 +177,31 @@ class MedusaDraft:
         if wide:
             raise ValueError(f"choices path {wide[0]} asks for a candidate rank >= the vocabulary size "
                              f"{heads.vocab_size}")
+        if not isinstance(in_step, bool):
+            raise ValueError(f"in_step must be a bool, got {in_step!r}")
         self.heads = heads
+        self.in_step = in_step
         self._paths = paths
         self._top_k = [1 + max(p[-1] for p in paths if len(p) == d) for d in range(1, max(map(len, paths)) + 1)]
         self._tokens: list[int] | None = None
         self._hidden: torch.Tensor | None = None
+        self._top: torch.Tensor | None = None   # [depth, max top-k] candidates, from the step
+
+    @property
+    def needs_hidden(self) -> bool:
+        """The target's hidden state is wanted (heads run after the step: ``in_step=False``)."""
+        return not self.in_step
+
+    @property
+    def row_head(self):
+        """The target's row head (:meth:`Engine.add_row_head`) with ``in_step``: hidden states
+        ``[rows, hidden_size]`` -> each row's candidates ``[rows, depth, max top-k]`` (token ids,
+        best first, per head); else None."""
+        return self._candidates if self.in_step else None
+
+    def _candidates(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.heads(hidden)[..., :len(self._top_k), :]                 # [..., depth, vocab]
+        return logits.topk(max(self._top_k), dim=-1).indices
 
     def start(self, engine: Engine) -> None:
         """Check the heads fit the target model; forget the previous request."""
@@ -186,21 +209,23 @@ class MedusaDraft:
         if (self.heads.hidden_size, self.heads.vocab_size) != (c.hidden_size, c.vocab_size):
             raise ValueError(f"the Medusa heads are for hidden size {self.heads.hidden_size} and vocabulary "
                              f"{self.heads.vocab_size}, the target model has {c.hidden_size} and {c.vocab_size}")
-        self._tokens = self._hidden = None
+        self._tokens = self._hidden = self._top = None
 
     def observe(self, output: TargetOutput) -> None:
-        """Keep the target's hidden state at the token before the root of ``output.tokens``."""
-        if output.hidden is None:
-            raise ValueError("MedusaDraft needs the target's hidden states (TargetOutput.hidden is None)")
-        self._tokens, self._hidden = list(output.tokens), output.hidden
+        """Keep the heads' candidates (``output.head``) or the target's hidden state at the token
+        before the root of ``output.tokens``."""
+        if output.head is None and output.hidden is None:
+            raise ValueError("MedusaDraft needs the heads' candidates or the target's hidden state (TargetOutput.head "
+                             "and TargetOutput.hidden are None)")
+        self._tokens, self._hidden, self._top = list(output.tokens), output.hidden, output.head
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         seq = [int(x) for x in sequence_tokens]
-        if self._hidden is None or seq != self._tokens:
+        if (self._top is None and self._hidden is None) or seq != self._tokens:
             raise ValueError("MedusaDraft.propose needs the target's hidden state for this sequence: run it through "
                              "speculative_generate, or call observe(TargetOutput(sequence, hidden)) first")
-        logits = self.heads(self._hidden)[:len(self._top_k)]                    # [depth, vocab]
-        top = logits.topk(max(self._top_k), dim=-1).indices.tolist()            # one transfer for every head
+        top = self._candidates(self._hidden) if self._top is None else self._top
+        top = top.tolist()                                                       # one transfer for every head
         return self.tree, [seq[-1]] + [top[len(p) - 1][p[-1]] for p in self._paths]
 
 

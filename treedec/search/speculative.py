@@ -46,6 +46,13 @@ class DraftSource(Protocol):
       fits the target (vocabulary, hidden size) and resets per-request state. Raises,
       changing nothing, when it does not fit.
     - ``needs_hidden`` (bool): the target's hidden states are wanted in :class:`TargetOutput`.
+    - ``row_head``: a function of the target's final-norm hidden states ``[rows, hidden_size]``
+      -> ``[rows, ...]`` that the target computes at every verified token inside the
+      verification step (:meth:`Engine.add_row_head`, as ``"draft"``): e.g. Medusa heads' top-k
+      candidates, so the next draft needs no step of its own. Its output at the last accepted
+      token reaches ``observe`` as :attr:`TargetOutput.head`. The head stays on the engine after
+      the request (removing it would drop the engine's captured graphs), for the next request
+      with the same draft; ``engine.remove_row_head("draft")`` takes it off.
     - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
       every verification step, before the next ``propose``.
     """
@@ -63,10 +70,13 @@ class TargetOutput:
     hidden : [hidden_size] the target's final-norm hidden state at ``tokens[-2]`` (the last
         accepted token, or the prompt's last token after the prefill: the state the root
         was drawn from); None unless the draft ``needs_hidden``.
+    head : the draft's ``row_head`` output at that same token, on the host; None unless the
+        draft has a ``row_head``.
     """
 
     tokens: list[int]
     hidden: torch.Tensor | None
+    head: torch.Tensor | None = None
 
 
 # ================================================================ draft sources
@@ -185,11 +195,14 @@ class VerifyResult:
     bonus : the token drawn after the last accepted one: the next root (not yet computed).
     hidden : [hidden_size] the target's final-norm hidden state at the last accepted token
         (the root when none was accepted); None unless asked for.
+    head : the engine's row head ``head_name``'s output at that token, on the host; None
+        unless asked for.
     """
 
     accepted: list[int]
     bonus: int
     hidden: torch.Tensor | None = None
+    head: torch.Tensor | None = None
 
 
 def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int]) -> tuple[list[int], int]:
@@ -205,7 +218,7 @@ def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[i
 
 def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int],
                 acceptance: AcceptanceRule = GreedyAcceptance(), return_hidden: bool = False,
-                stop_ids: Collection[int] = ()) -> VerifyResult:
+                stop_ids: Collection[int] = (), head_name: str | None = None) -> VerifyResult:
     """Verify a token tree under leaf ``node`` in one engine step; keep the accepted path.
 
     ``tokens[0]`` (the root) is appended to ``node`` and the draft tokens hang under it.
@@ -221,8 +234,13 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     stop_ids : token ids (EOS) that end the accepted path: the first path token among them
         is returned as the bonus (it was drawn after the tokens before it), so neither it
         nor anything after it is kept on ``node``.
+    head_name : a row head of the engine (:meth:`Engine.add_row_head`) whose output at the
+        last accepted token to return; its rows are copied to the host while the acceptance
+        reads the logits (one wait for both).
     """
     t = engine.tree
+    if head_name is not None and head_name not in engine.row_heads:
+        raise ValueError(f"head_name {head_name!r} is not a row head of the engine {engine.row_heads}")
     tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
     if len(tokens) != tree.size:
         raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
@@ -240,8 +258,11 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
                                  f"{engine.pool.num_free_pages} free; nothing was changed")
     t.extend(node, tokens[:1])
     ids = t.add_token_tree(node, tokens[1:], tree.draft_parents()) if tree.size > 1 else []
-    out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden)
-    logits, hidden = out if return_hidden else (out, None)
+    out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
+                      return_heads=head_name is not None)
+    logits, *rest = out if isinstance(out, tuple) else (out,)
+    hidden = rest.pop(0) if return_hidden else None
+    heads = HostCopy(rest[0][head_name]) if head_name is not None else None
     path, bonus = acceptance.accept(tree, tokens, logits)
     assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
     stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
@@ -250,7 +271,9 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     accepted = [tokens[i] for i in path]
     if ids:
         t.accept(node, [ids[i - 1] for i in path])   # their K/V move onto node; the rest is freed
-    return VerifyResult(accepted, int(bonus), None if hidden is None else hidden[path[-1] if path else 0])
+    last = path[-1] if path else 0
+    return VerifyResult(accepted, int(bonus), None if hidden is None else hidden[last],
+                        None if heads is None else heads.tensor()[last])
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
@@ -292,13 +315,16 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     observe = getattr(draft, "observe", None)
     if hasattr(draft, "start"):
         draft.start(engine)
+    head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
     start = time.perf_counter()
-    node, logits, *hidden = engine.prefill(prompt, return_hidden=needs_hidden)
+    node, logits, *rest = engine.prefill(prompt, return_hidden=needs_hidden, return_heads=head_name is not None)
+    hidden = rest.pop(0) if needs_hidden else None
+    head = rest[0][head_name].cpu() if head_name is not None else None
     stats = SpeculativeStats(node=node)
     out = [acceptance.first_token(logits)]
     stats.prefill_seconds = time.perf_counter() - start
     if observe is not None:
-        observe(TargetOutput(prompt + out, hidden[0] if hidden else None))
+        observe(TargetOutput(prompt + out, hidden, head))
     while len(out) < max_new_tokens and out[-1] not in eos:
         start = time.perf_counter()
         tree, tokens = draft.propose(prompt + out)
@@ -306,7 +332,8 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
             raise ValueError(f"{type(draft).__name__}.propose must return tokens[0] == the last sequence token "
                              f"{out[-1]}, got {tokens[:1]}")
         drafted = time.perf_counter()
-        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden, stop_ids=eos)
+        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden, stop_ids=eos,
+                             head_name=head_name)
         out += result.accepted + [result.bonus]
         stats.steps += 1
         stats.accepted.append(len(result.accepted))
@@ -314,7 +341,7 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         stats.draft_seconds.append(drafted - start)
         stats.verify_seconds.append(time.perf_counter() - drafted)
         if observe is not None:
-            observe(TargetOutput(prompt + out, result.hidden))
+            observe(TargetOutput(prompt + out, result.hidden, result.head))
         if on_step is not None:
             on_step(stats, min(len(out), max_new_tokens))
     out = out[:max_new_tokens]
@@ -372,6 +399,23 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
 
 
 # ================================================================ private
+
+
+#: The row head name (:meth:`Engine.add_row_head`) of a draft source's ``row_head``.
+DRAFT_HEAD = "draft"
+
+
+def _add_draft_head(engine: Engine, row_head) -> str | None:
+    """Put the draft's ``row_head`` on the engine as :data:`DRAFT_HEAD` (replacing another draft's);
+    its name, or None for a draft without one."""
+    if row_head is None:
+        return None
+    if DRAFT_HEAD in engine.row_heads:
+        if engine.row_head(DRAFT_HEAD) == row_head:   # bound methods of one draft compare equal
+            return DRAFT_HEAD
+        engine.remove_row_head(DRAFT_HEAD)
+    engine.add_row_head(DRAFT_HEAD, row_head)
+    return DRAFT_HEAD
 
 
 def _trie(root: int, continuations: list[list[int]]) -> tuple[TokenTree, list[int]]:
