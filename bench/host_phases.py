@@ -26,6 +26,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, Workload, _random_heads  # noqa: E402
+from treedec.attention import StaticPlan  # noqa: E402
+from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search import acceptance, medusa, speculative  # noqa: E402
@@ -44,6 +46,8 @@ PHASES = [
     (Engine, "pending_rows", "Engine.pending_rows"),
     (engine_module, "make_plan", "  make_plan"),
     (GraphRunner, "load", "  GraphRunner.load"),
+    (StaticPlan, "write", "    StaticPlan.write"),
+    (cuda_backend, "schedule_units", "      schedule_units (cuda backend)"),
     (GraphRunner, "run", "  GraphRunner.run"),
     (SequenceTree, "layout", "SequenceTree.layout"),
     (SequenceTree, "add_token_tree", "SequenceTree.add_token_tree"),
