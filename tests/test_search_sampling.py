@@ -245,7 +245,7 @@ def test_pipelined_sampling_on_a_graphed_gpu_engine():
     from treedec.engine import from_config
 
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
-    prompt = list(range(3, 700))
+    prompt = [(7 * i + 3) % 512 for i in range(700)]
     eos = list(range(0, 512, 9))
 
     def run(pipeline, params, seed=7):
