@@ -323,11 +323,12 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     stats = SpeculativeStats(node=node)
     out = [acceptance.first_token(logits)]
     stats.prefill_seconds = time.perf_counter() - start
+    sequence = prompt + out   # built once a step: O(sequence) for the draft's observe and propose
     if observe is not None:
-        observe(TargetOutput(prompt + out, hidden, head))
+        observe(TargetOutput(sequence, hidden, head))
     while len(out) < max_new_tokens and out[-1] not in eos:
         start = time.perf_counter()
-        tree, tokens = draft.propose(prompt + out)
+        tree, tokens = draft.propose(sequence)
         if not tokens or tokens[0] != out[-1]:
             raise ValueError(f"{type(draft).__name__}.propose must return tokens[0] == the last sequence token "
                              f"{out[-1]}, got {tokens[:1]}")
@@ -335,13 +336,14 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden, stop_ids=eos,
                              head_name=head_name)
         out += result.accepted + [result.bonus]
+        sequence = prompt + out
         stats.steps += 1
         stats.accepted.append(len(result.accepted))
         stats.draft_sizes.append(tree.size - 1)
         stats.draft_seconds.append(drafted - start)
         stats.verify_seconds.append(time.perf_counter() - drafted)
         if observe is not None:
-            observe(TargetOutput(prompt + out, result.hidden, result.head))
+            observe(TargetOutput(sequence, result.hidden, result.head))
         if on_step is not None:
             on_step(stats, min(len(out), max_new_tokens))
     out = out[:max_new_tokens]
