@@ -39,8 +39,11 @@ the fusion is for good).
 ``--hf`` adds ``hf_sdpa``: transformers (sdpa, 4D tree mask, on views of the same weights,
 ``bench/step.py``'s helpers) running the same *step* as ``greedy`` (a one-token decode) and
 ``tree_verify`` (a Medusa-64 verify), repeated over a cropped cache rather than as a program;
-it has no counterpart for ``medusa_heads`` or ``parallel_sample``. A run that fails is recorded
-under ``errors`` and the others still run.
+it has no counterpart for ``medusa_heads`` or ``parallel_sample``. Its rows carry the yardstick
+for treedec-vs-transformers differences, ``verify_logits_rel_err``: the relative difference of
+one verify step's logits between transformers sdpa and transformers eager attention, and
+between treedec (a graphed engine) and each. A run that fails is recorded under ``errors``
+and the others still run.
 
     python bench/programs.py                      # GPU: llama3-8b bf16, prompts 4000,32000, eager/graphs/compiled
     python bench/programs.py --hf --prompts 4000 --programs greedy,tree_verify
@@ -374,7 +377,8 @@ def _profile_program(program: str, method: str, work: Workload, prompt: list[int
 
 
 def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes_per_token: int) -> list[dict]:
-    """transformers sdpa: bench/step.py's decode and Medusa verify steps, repeated over a cropped cache."""
+    """transformers sdpa: bench/step.py's decode and Medusa verify steps, repeated over a cropped cache; with
+    each prompt's logits yardstick (:func:`_logits_yardstick`)."""
     from bench.step import _bench_hf as bench_hf_steps, _hf_model
 
     model = work.model
@@ -383,8 +387,11 @@ def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes
     tree_ids = [int(rng.integers(0, model.config.vocab_size))] + work.draft_tokens
     runs = []
     for p in args.prompts:
-        steps, _ = bench_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
-                                  model.device)
+        steps, hf_logits = bench_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
+                                          model.device)
+        yardstick = _logits_yardstick(work, hf, prompt_ids[p], tree_ids, hf_logits, args)
+        print(f"verify logits, {p}-token prompt, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in
+                                                                                yardstick.items()), file=sys.stderr)
         for program, step in HF_STEPS.items():
             if program not in args.programs:
                 continue
@@ -394,8 +401,33 @@ def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes
             runs.append({"program": program, "prompt": p, "method": "hf_sdpa", "ms": ms,
                          "device_ms": steps[step]["ms"], "steps": args.steps, "prefill_s": steps["prefill_s"],
                          "kv_tokens": kv, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
+                         "verify_logits_rel_err": yardstick,
                          "note": f"bench/step.py's {step} step, repeated over a cropped DynamicCache"})
     return runs
+
+
+@torch.inference_mode()
+def _logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int], hf_sdpa: torch.Tensor,
+                      args) -> dict:
+    """Relative (Frobenius) differences of one Medusa-64 verify step's logits in the model dtype: transformers
+    sdpa vs transformers eager attention (how far two correct implementations of the same step drift apart:
+    the yardstick), and treedec (a graphed engine, as the programs run) vs each."""
+    from bench.step import _bench_hf as bench_hf_steps, _rel_err
+
+    hf.config._attn_implementation = "eager"   # LlamaAttention reads it at every call
+    try:
+        _, hf_eager = bench_hf_steps(hf, prompt, tree_ids, work.medusa, tree_ids[0], 1, work.model.device)
+    finally:
+        hf.config._attn_implementation = "sdpa"
+    engine = Engine(work.model, kv_tokens=len(prompt) + 4 * work.medusa.size, page_size=args.page_size,
+                    backend=args.backend, cuda_graphs=work.model.device.type == "cuda")
+    root, _ = engine.prefill(prompt)
+    ids = engine.tree.add_token_tree(root, tree_ids, work.medusa.parents)
+    ours = engine.step(logits_rows=engine.pending_rows(ids)).float().cpu()
+    del engine
+    _free(work.model.device)
+    return {"hf_sdpa_vs_hf_eager": _rel_err(hf_sdpa, hf_eager), "treedec_vs_hf_sdpa": _rel_err(ours, hf_sdpa),
+            "treedec_vs_hf_eager": _rel_err(ours, hf_eager)}
 
 
 # ===================================================================== report

@@ -37,6 +37,10 @@ def test_programs_bench_smoke_run(tmp_path, capsys):
         r = runs["eager", program]
         assert r["kv_tokens"] >= 200 + 64 and r["tokens_per_step"] >= 1 and r["verify_ms"] > 0, program
     assert runs["eager", "medusa_heads"]["weight_bytes"] > runs["eager", "greedy"]["weight_bytes"]
+    for program in ("greedy", "tree_verify"):   # the yardstick: fp32 here, so all three agree closely
+        errors = runs["hf_sdpa", program]["verify_logits_rel_err"]
+        assert set(errors) == {"hf_sdpa_vs_hf_eager", "treedec_vs_hf_sdpa", "treedec_vs_hf_eager"}
+        assert all(0 <= e < 1e-4 for e in errors.values()), errors
     if graphs:
         r = runs["graphs", "greedy"]
         assert r["eager_steps"] == 0 and r["graph_stats"]["static_eager"] == 4, r["graph_stats"]
