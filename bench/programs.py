@@ -411,14 +411,23 @@ def _logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int]
                       args) -> dict:
     """Relative (Frobenius) differences of one Medusa-64 verify step's logits in the model dtype: transformers
     sdpa vs transformers eager attention (how far two correct implementations of the same step drift apart:
-    the yardstick), and treedec (a graphed engine, as the programs run) vs each."""
-    from bench.step import _bench_hf as bench_hf_steps, _rel_err
+    the yardstick; the prompt's cache is prefilled with sdpa either way: eager attention over a 32000-token
+    prompt would need 61 GiB), and treedec (a graphed engine, as the programs run) vs each."""
+    from transformers import DynamicCache
 
+    from bench.step import _rel_err, hf_tree_inputs
+
+    device = work.model.device
+    cache = DynamicCache()
+    hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)  # sdpa
+    tree_input, positions, mask = hf_tree_inputs(len(prompt), tree_ids, work.medusa, work.model.dtype, device)
     hf.config._attn_implementation = "eager"   # LlamaAttention reads it at every call
     try:
-        _, hf_eager = bench_hf_steps(hf, prompt, tree_ids, work.medusa, tree_ids[0], 1, work.model.device)
+        hf_eager = hf(tree_input, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                      use_cache=True).logits[0].float().cpu()
     finally:
         hf.config._attn_implementation = "sdpa"
+    del cache
     engine = Engine(work.model, kv_tokens=len(prompt) + 4 * work.medusa.size, page_size=args.page_size,
                     backend=args.backend, cuda_graphs=work.model.device.type == "cuda")
     root, _ = engine.prefill(prompt)

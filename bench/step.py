@@ -197,12 +197,7 @@ def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[di
     hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     _sync(device)
     prefill_s = time.perf_counter() - t0
-    dtype = next(hf.parameters()).dtype
-    tree_input = torch.tensor([tree_ids], device=device)
-    positions = torch.from_numpy(n + medusa.depth)[None].to(device)
-    mask = torch.full((1, 1, medusa.size, n + medusa.size), torch.finfo(dtype).min, dtype=dtype, device=device)
-    mask[..., :n] = 0
-    mask[0, 0, :, n:][torch.from_numpy(_ancestor_or_self(medusa.parents)).to(device)] = 0
+    tree_input, positions, mask = hf_tree_inputs(n, tree_ids, medusa, next(hf.parameters()).dtype, device)
     decode_input = torch.tensor([[decode_id]], device=device)
     decode_position = torch.tensor([[n]], device=device)
     captured = {}
@@ -221,6 +216,17 @@ def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[di
 
     out = {"prefill_s": prefill_s, "verify": _time(verify, reps, device), "decode": _time(decode, reps, device)}
     return out, captured["logits"].float().cpu()
+
+
+def hf_tree_inputs(n: int, tree_ids, medusa, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """transformers inputs of a token tree after ``n`` cached tokens: ids [1, t], positions [1, t] and the
+    additive 4D mask [1, 1, t, n + t] (the prefix, then each token's ancestors and itself)."""
+    tree_input = torch.tensor([tree_ids], device=device)
+    positions = torch.from_numpy(n + medusa.depth)[None].to(device)
+    mask = torch.full((1, 1, medusa.size, n + medusa.size), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[..., :n] = 0
+    mask[0, 0, :, n:][torch.from_numpy(_ancestor_or_self(medusa.parents)).to(device)] = 0
+    return tree_input, positions, mask
 
 
 def _ancestor_or_self(parents: np.ndarray) -> np.ndarray:
