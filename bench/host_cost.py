@@ -40,11 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, Workload, _random_heads  # noqa: E402
+from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UNIT, default_query_tile  # noqa: E402
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
-from treedec.workloads.deft import medusa_tree  # noqa: E402
 
 
 def stub_forwards(engine: Engine) -> None:
@@ -109,9 +108,7 @@ def main(argv=None) -> int:
     config = dataclasses.replace(config, num_layers=1, vocab_size=1024, intermediate_size=256)
     model = from_config(config, seed=0, dtype=torch.bfloat16, device="cpu")
     rng = np.random.default_rng(0)
-    medusa = medusa_tree(64)
-    work = Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), 0),
-                    rng.integers(0, config.vocab_size, medusa.size - 1).tolist(), 16, 0)
+    work = random_workload(model, rng)
     prompt = rng.integers(0, config.vocab_size, args.prompt).tolist()
     print(f"host work per step, forward stubbed, {args.model} heads, {args.prompt}-token prompt, "
           f"{args.config} planner settings")

@@ -25,14 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, Workload, _random_heads  # noqa: E402
+from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention import StaticPlan  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search import acceptance, medusa, speculative  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
-from treedec.workloads.deft import medusa_tree  # noqa: E402
 
 engine_module = importlib.import_module("treedec.engine.engine")
 
@@ -86,9 +85,7 @@ def main(argv=None) -> int:
     config = ModelConfig.from_name(args.model)
     model = from_config(config, seed=0, dtype=torch.bfloat16, device="cuda")
     rng = np.random.default_rng(0)
-    tree = medusa_tree(64)
-    work = Workload(model, tree, _random_heads(model, int(tree.depth.max()), 0),
-                    rng.integers(0, config.vocab_size, tree.size - 1).tolist(), 16, 0)
+    work = random_workload(model, rng)
     prompt = rng.integers(0, config.vocab_size, args.prompt).tolist()
     totals: dict[str, float] = defaultdict(float)
     wrap_phases(totals)

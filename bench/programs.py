@@ -151,11 +151,9 @@ def main(argv=None) -> int:
     config = ModelConfig.from_name(args.model)
     rng = np.random.default_rng(args.seed)
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
-    medusa = medusa_tree(args.tree)
     model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
-    work = Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), args.seed),
-                    rng.integers(0, config.vocab_size, medusa.size - 1).tolist(), args.samples, args.seed,
-                    False if args.no_pipeline else None)
+    work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
+    medusa = work.medusa
     bandwidth = copy_bandwidth(device)
     heads_bytes = sum(p.numel() * p.element_size() for p in work.heads.parameters())
     results = {
@@ -465,6 +463,15 @@ def render_table(results: dict) -> str:
 
 
 # ===================================================================== helpers
+
+
+def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64, samples: int = 16, seed: int = 0,
+                    pipeline: bool | None = None) -> Workload:
+    """The programs' inputs for ``model``: the Medusa tree of ``tree_size`` tokens, random heads (one per
+    tree level, seeded by ``seed``), random draft tokens from ``rng``."""
+    medusa = medusa_tree(tree_size)
+    return Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), seed),
+                    rng.integers(0, model.config.vocab_size, medusa.size - 1).tolist(), samples, seed, pipeline)
 
 
 def _random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
