@@ -1,0 +1,137 @@
+"""Batched generation over the forest (tiny random Llama, CPU): batched == alone, continuous
+admission under a small pool, stops, text, pages."""
+import pytest
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.batch import generate_batch
+from treedec.search.requests_file import RequestSpec
+from tests.engines import make_engine, plain_greedy, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def prompt(k, length=9):
+    return tuple((37 * k + 11 * i + 5) % 512 for i in range(length))
+
+
+def requests():
+    """Mixed requests: greedy and seeded sampling, several outputs, EOS ids that end outputs early."""
+    return [
+        RequestSpec(0, prompt_ids=prompt(0), max_new_tokens=7, temperature=0.0),
+        RequestSpec("b", prompt_ids=prompt(1, 30), max_new_tokens=12, temperature=1.0, seed=3, n=3),
+        RequestSpec(2, prompt_ids=prompt(2, 5), max_new_tokens=10, temperature=0.8, top_k=40, seed=9, n=2,
+                    stop_token_ids=tuple(range(0, 512, 7))),
+        RequestSpec(3, prompt_ids=prompt(3, 17), max_new_tokens=4, temperature=1.2, top_p=0.9, seed=1),
+        RequestSpec(4, prompt_ids=prompt(4, 3), max_new_tokens=9, temperature=0.0, n=2,
+                    stop_token_ids=tuple(range(1, 512, 5))),
+    ]
+
+
+def outputs(results):
+    return [(r.id, r.index, r.output_ids, r.stop_reason) for r in results]
+
+
+@pytest.mark.parametrize("kv_tokens", [4096, 160])
+def test_batched_equals_each_request_alone(tiny, kv_tokens):
+    """Every request's outputs are those of the request run alone on a fresh engine, with a pool
+    large enough for all at once and with one so small that requests wait for pages."""
+    engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
+    batched, stats = generate_batch(engine, requests())
+    alone = []
+    for spec in requests():
+        alone += generate_batch(make_engine(tiny), [spec])[0]
+    assert outputs(batched) == outputs(alone)
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+    assert [r.id for r in batched] == [0, "b", "b", "b", 2, 2, 3, 4, 4]
+    assert {r.stop_reason for r in batched} >= {"eos", "length"}
+    if kv_tokens == 160:
+        assert stats.waits > 0 and max(stats.requests_per_step) < 5 and stats.peak_pages <= 40
+    else:
+        assert stats.waits == 0 and max(stats.requests_per_step) == 5
+    assert sum(stats.queries_per_step) == sum(len(r.output_ids) - 1 for r in batched)   # the last token is not computed
+
+
+def test_greedy_outputs_are_plain_greedy_decoding(tiny):
+    specs = [RequestSpec(k, prompt_ids=prompt(k, 6 + k), max_new_tokens=8, temperature=0.0, n=2) for k in range(3)]
+    results, _ = generate_batch(make_engine(tiny), specs)
+    for r in results:
+        assert r.output_ids == plain_greedy(tiny, list(prompt(r.id, 6 + r.id)), 8) and r.stop_reason == "length"
+
+
+class LetterTokenizer:
+    """Token id i is the letter chr(65 + i % 26): every output has a text, one character a token."""
+
+    def encode(self, text):
+        return [ord(c) - 65 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+def test_text_prompts_stop_strings_and_the_model_eos(tiny, monkeypatch):
+    tokenizer = LetterTokenizer()
+    greedy = RequestSpec(0, prompt="HELLO", max_new_tokens=12, temperature=0.0)
+    [probe], _ = generate_batch(make_engine(tiny), [greedy], tokenizer=tokenizer)
+    ids, text = probe.output_ids, probe.text
+    assert probe.prompt_ids == [7, 4, 11, 11, 14] and probe.prompt == "HELLO" and text == tokenizer.decode(ids)
+    stop = text[4:6]
+    cut = text.index(stop)
+    eos_at = next(i for i in range(6, 12) if ids[i] not in ids[:i])
+    monkeypatch.setattr(tiny, "eos_token_ids", (ids[eos_at],))
+    specs = [RequestSpec(0, prompt="HELLO", max_new_tokens=12, temperature=0.0, stop=(stop,)),
+             RequestSpec(1, prompt="HELLO", max_new_tokens=12, temperature=0.0, stop=(stop,), include_stop_str=True),
+             RequestSpec(2, prompt="HELLO", max_new_tokens=12, temperature=0.0)]
+    results, _ = generate_batch(make_engine(tiny), specs, tokenizer=tokenizer)
+    assert results[0].stop_reason == "stop_string" and results[0].text == text[:cut]
+    assert results[0].output_ids == ids[:cut + len(stop)]       # tokens up to the one completing the stop
+    assert results[1].text == text[:cut + len(stop)]
+    assert results[2].stop_reason == "eos" and results[2].output_ids == ids[:eos_at + 1]
+
+
+def test_results_reach_the_callback_as_requests_retire(tiny):
+    seen = []
+    results, stats = generate_batch(make_engine(tiny), requests(), on_request_done=lambda done: seen.append(done))
+    assert sorted(str(r.id) for done in seen for r in done if r.index == 0) == ["0", "2", "3", "4", "b"]
+    assert all(len({r.id for r in done}) == 1 for done in seen)
+    assert all(r.stats["steps"] >= 1 and r.stats["prompt_tokens"] > 0 for r in results)
+    assert stats.steps == len(stats.queries_per_step) and stats.seconds > 0
+
+
+@pytest.mark.parametrize("specs,kwargs,error,message", [
+    ([RequestSpec(0, prompt="hi")], {}, ValueError, "needs the checkpoint's tokenizer"),
+    ([RequestSpec(0, prompt_ids=(1,)), RequestSpec(0, prompt_ids=(2,))], {}, ValueError, "request id 0 is used twice"),
+    ([RequestSpec(0, prompt_ids=(600,))], {}, ValueError, r"token ids must be in \[0, 512\), got \[600\]"),
+    ([RequestSpec(0, prompt_ids=(1,), stop=("x",))], {}, ValueError, "stop strings .* need the checkpoint's tokenizer"),
+    ([RequestSpec(0, prompt_ids=(1,), max_new_tokens=100, n=8)], {}, PoolExhaustedError,
+     "request 0 may need 201 KV pages .* the pool has 63 free"),
+    (RequestSpec(0, prompt_ids=(1,)), {}, TypeError, "requests must be a sequence of RequestSpec"),
+    ([{"prompt_ids": [1]}], {}, TypeError, r"requests\[0\] must be a RequestSpec, got dict"),
+    ([RequestSpec(0, prompt_ids=(1,))], {"chat_template": "yes"}, TypeError, "chat_template must be a bool"),
+])
+def test_bad_requests_raise_before_anything_runs(tiny, specs, kwargs, error, message):
+    engine = Engine(tiny, kv_tokens=256, page_size=4, backend="torch")
+    other, _ = engine.prefill([1, 2, 3])
+    free = engine.pool.num_free_pages
+    with pytest.raises(error, match=message):
+        generate_batch(engine, specs, **kwargs)
+    assert engine.tree.roots == [other] and engine.pool.num_free_pages == free and engine.stats["steps"] == 1
+
+
+def test_a_failing_step_frees_the_live_requests(tiny, monkeypatch):
+    engine = make_engine(tiny)
+    step, calls = engine.step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("device lost")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        generate_batch(engine, requests())
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

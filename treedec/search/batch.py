@@ -1,0 +1,287 @@
+"""Many generation requests at once: one forest, one engine step per iteration for all of them.
+
+:func:`generate_batch` is the offline batch API (vLLM's ``LLM.generate`` over a list of
+requests): each :class:`~treedec.search.requests_file.RequestSpec` is a prompt and its ``n``
+outputs, sampled (or greedy at temperature 0) under its own stop rule. The requests wait in
+a queue; every iteration the scheduler
+
+1. admits the next requests while their worst cases fit the KV pool (the prompt's pages plus
+   ``n`` outputs of ``max_new_tokens`` tokens each, summed over the live requests), prefills
+   them (each prompt a new tree of the engine's forest; its ``n`` outputs become children of
+   the prompt's node, so the prompt's K/V is stored once),
+2. draws the next token of every live output from its row of the last step, applies the
+   output's stop rule (EOS ids, stop strings, ``max_new_tokens``:
+   :class:`~treedec.search.stops.StopChecker`), and grows the outputs that go on,
+3. runs ONE engine step over the pending tokens of every live request (one plan, one forward),
+4. retires the requests whose outputs all ended, pruning their trees (pages freed for the
+   next admissions).
+
+Admission never over-commits: a request waits until its worst case fits (no preemption), so
+the pool cannot run out mid-run; a request whose worst case exceeds the whole pool raises
+before anything runs.
+
+Randomness: a request with a ``seed`` draws from its own generator, one uniform number per
+output per draw (:func:`~treedec.search.sampling.sample_tokens` by inverse CDF), so its outputs
+do not depend on which other requests share its steps: batched == alone (tested). Requests
+without a seed draw from the batch's ``generator`` in admission order.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from treedec.engine import Engine
+from treedec.engine.text import IncrementalDetokenizer, encode_prompt
+from treedec.errors import PoolExhaustedError
+from treedec.search.request import pages_in_use
+from treedec.search.requests_file import RequestResult, RequestSpec
+from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.stops import StopChecker
+from treedec.transfer import to_device
+
+__all__ = ["BatchStats", "generate_batch"]
+
+
+@dataclass
+class BatchStats:
+    """Counters of one :func:`generate_batch` run.
+
+    Attributes
+    ----------
+    steps : engine steps after the prefills (each computes every live request's new tokens).
+    queries_per_step : tokens computed by each step.
+    requests_per_step : requests with tokens in each step.
+    waits : iterations in which the next queued request waited for pages.
+    peak_pages : the most KV pages the batch held at once.
+    seconds : wall time of the run.
+    """
+
+    steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    requests_per_step: list[int] = field(default_factory=list)
+    waits: int = 0
+    peak_pages: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Output:
+    checker: StopChecker
+    node: int | None = None      # a child of the prompt's node, from the output's first token on
+
+
+@dataclass
+class _Request:
+    spec: RequestSpec
+    order: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    worst_pages: int
+    outputs: list[_Output] = field(default_factory=list)
+    root: int | None = None
+    logits: torch.Tensor | None = None     # [live outputs, vocab]: the rows of the last step
+    rows: list[int] = field(default_factory=list)   # the outputs those rows belong to
+    steps: int = 0
+    started: float = 0.0
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, o in enumerate(self.outputs) if not o.checker.stopped]
+
+
+def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
+                   generator: torch.Generator | None = None,
+                   on_request_done: Callable[[list[RequestResult]], None] | None = None
+                   ) -> tuple[list[RequestResult], BatchStats]:
+    """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
+
+    Parameters
+    ----------
+    engine : the engine; its other trees are left alone (their pages are not the batch's).
+    requests : the :class:`RequestSpec` of each request (``prompt`` and ``messages`` need a
+        ``tokenizer``; ``prompt_ids`` are used as they are).
+    tokenizer : the checkpoint's tokenizer (:func:`~treedec.engine.text.load_tokenizer`): prompts
+        are encoded with it, outputs detokenized (``RequestResult.text``), stop strings matched.
+    chat_template : encode ``prompt`` / ``messages`` through the tokenizer's chat template.
+    generator : draws of the requests without a ``seed`` (on the engine's device).
+    on_request_done : called with a request's results when it retires (e.g. a progress bar).
+
+    Returns
+    -------
+    ``(results, stats)``: every output's :class:`RequestResult`, in request order then output
+    index, and the run's :class:`BatchStats`. Each result's ``stats`` holds the request's
+    ``steps``, ``prompt_tokens`` and ``seconds`` (admission to retirement).
+
+    Raises
+    ------
+    ValueError, TypeError : a bad request or argument, before the engine is touched.
+    PoolExhaustedError : a request's worst case does not fit the pool's free pages, before
+        anything runs.
+    """
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+    queue = deque(_prepare(engine, requests, tokenizer, chat_template, generator))
+    budget = engine.pool.num_free_pages
+    too_big = next((r for r in queue if r.worst_pages > budget), None)
+    if too_big is not None:
+        raise PoolExhaustedError(
+            f"request {too_big.spec.id!r} may need {too_big.worst_pages} KV pages (prompt {len(too_big.prompt_ids)} "
+            f"tokens + {too_big.spec.n} x {too_big.spec.max_new_tokens} new tokens), the pool has {budget} free; "
+            f"lower max_new_tokens or n, or give the engine more kv_tokens; nothing was run")
+    stats = BatchStats()
+    held_before = pages_in_use(engine.pool)
+    results: dict[int, list[RequestResult]] = {}
+    live: list[_Request] = []
+    start = time.perf_counter()
+    try:
+        while queue or live:
+            committed = sum(r.worst_pages for r in live)
+            admitted = False
+            while queue and committed + queue[0].worst_pages <= budget:
+                request = queue.popleft()
+                _admit(engine, request, tokenizer)
+                committed += request.worst_pages
+                live.append(request)
+                admitted = True
+            if queue and not admitted:
+                stats.waits += 1
+            for request in live:
+                _draw_and_grow(engine, request)
+            stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
+            stepping = [r for r in live if r.live]
+            if stepping:
+                nodes = [r.outputs[i].node for r in stepping for i in r.live]
+                logits = engine.step(logits_rows=engine.pending_rows(nodes))
+                stats.steps += 1
+                stats.queries_per_step.append(len(nodes))
+                stats.requests_per_step.append(len(stepping))
+                offset = 0
+                for r in stepping:
+                    r.rows = r.live
+                    r.logits = logits[offset:offset + len(r.rows)]
+                    offset += len(r.rows)
+                    r.steps += 1
+            for request in [r for r in live if not r.live]:
+                live.remove(request)
+                engine.tree.prune(request.root)
+                done = _results(request, tokenizer)
+                results[request.order] = done
+                if on_request_done is not None:
+                    on_request_done(done)
+    except BaseException:
+        for request in live:
+            _discard(engine, request)
+        raise
+    stats.seconds = time.perf_counter() - start
+    return [res for order in sorted(results) for res in results[order]], stats
+
+
+# ================================================================ private
+
+
+def _prepare(engine: Engine, requests, tokenizer, chat_template: bool, generator) -> list[_Request]:
+    """Check and encode every request before the engine is touched."""
+    if isinstance(requests, RequestSpec) or not isinstance(requests, Sequence):
+        raise TypeError(f"requests must be a sequence of RequestSpec, got {type(requests).__name__}")
+    if not isinstance(chat_template, bool):
+        raise TypeError(f"chat_template must be a bool, got {chat_template!r}")
+    vocab = engine.model.config.vocab_size
+    out, ids = [], set()
+    for k, spec in enumerate(requests):
+        if not isinstance(spec, RequestSpec):
+            raise TypeError(f"requests[{k}] must be a RequestSpec, got {type(spec).__name__}")
+        if spec.id in ids:
+            raise ValueError(f"requests[{k}]: request id {spec.id!r} is used twice")
+        ids.add(spec.id)
+        if spec.prompt_ids is not None:
+            prompt_ids = list(spec.prompt_ids)
+        elif tokenizer is None:
+            raise ValueError(f"request {spec.id!r} gives its prompt as text: it needs the checkpoint's tokenizer "
+                             f"(or give prompt_ids)")
+        else:
+            prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
+                                       chat_template or spec.messages is not None)
+        bad = [t for t in prompt_ids + list(spec.stop_token_ids) if t >= vocab]
+        if bad:
+            raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        if spec.stop and tokenizer is None:
+            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.stop)!r:.60}: they are matched on the "
+                             f"output text and need the checkpoint's tokenizer")
+        pool = engine.pool
+        worst = pool.pages_for(len(prompt_ids)) + spec.n * pool.pages_for(spec.max_new_tokens)
+        own = None
+        if spec.seed is not None and spec.temperature > 0:
+            own = torch.Generator(engine.device).manual_seed(spec.seed)
+        params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
+        out.append(_Request(spec, k, prompt_ids, params, own if spec.seed is not None else generator, worst))
+    return out
+
+
+def _admit(engine: Engine, request: _Request, tokenizer) -> None:
+    """Prefill the request's prompt as a new tree; its first logits serve all ``n`` outputs."""
+    spec = request.spec
+    request.started = time.perf_counter()
+    rule = spec.stop_rule(engine.model.eos_token_ids)
+    for _ in range(spec.n):
+        detok = IncrementalDetokenizer(tokenizer, request.prompt_ids) if tokenizer is not None else None
+        request.outputs.append(_Output(StopChecker(rule, detok)))
+    request.root, first = engine.prefill(request.prompt_ids)
+    request.rows = list(range(spec.n))
+    request.logits = first[None].expand(spec.n, -1)
+
+
+def _draw_and_grow(engine: Engine, request: _Request) -> None:
+    """Draw the next token of each output with a row in the last step; stop or grow each."""
+    if request.logits is None:
+        return
+    uniform = None
+    if request.params.temperature > 0:
+        # One number per output per draw, whichever outputs are live: a request's stream does
+        # not depend on when its outputs end, nor on the other requests.
+        drawn = torch.rand(request.spec.n, generator=request.generator, device=request.logits.device)
+        uniform = drawn[to_device(request.rows, drawn.device)]
+    tokens = sample_tokens(request.logits, request.params, uniform=uniform).tolist()
+    request.logits = None
+    tree = engine.tree
+    fresh: dict[int, int] = {}
+    grow: dict[int, list[int]] = {}
+    for i, token in zip(request.rows, tokens):
+        output = request.outputs[i]
+        decision = output.checker.accept(token)
+        if decision.reason is not None:
+            if output.node is not None:
+                tree.prune(output.node)
+                output.node = None
+        elif output.node is None:
+            fresh[i] = token
+        else:
+            grow[output.node] = [token]
+    if fresh:
+        for i, node in zip(fresh, tree.branch(request.root, [[t] for t in fresh.values()])):
+            request.outputs[i].node = node
+    if grow:
+        tree.extend_many(grow)
+
+
+def _results(request: _Request, tokenizer) -> list[RequestResult]:
+    spec = request.spec
+    prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
+    seconds = time.perf_counter() - request.started
+    return [RequestResult(spec.id, i, prompt, list(request.prompt_ids), o.checker.token_ids, o.checker.text,
+                          o.checker.stop_reason, {"steps": request.steps, "prompt_tokens": len(request.prompt_ids),
+                                                  "seconds": seconds})
+            for i, o in enumerate(request.outputs)]
+
+
+def _discard(engine: Engine, request: _Request) -> None:
+    """Free a live request's tree after a failed iteration (its pending tokens included)."""
+    tree = engine.tree
+    if tree.layout().num_queries:
+        tree.commit_step()
+    if request.root is not None and request.root in tree:
+        tree.prune(request.root)
