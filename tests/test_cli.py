@@ -350,3 +350,33 @@ def test_env_prints_the_installed_versions(capsys):
     out = capsys.readouterr().out
     lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines() if line.strip())
     assert lines["torch"] == torch.__version__ and lines["numpy"] == importlib.metadata.version("numpy")
+
+
+def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
+    prompts = tmp_path / "requests.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3, 4, 5], "max_new_tokens": 6, "n": 2, "seed": 1}\n'
+                       '\n'
+                       '{"id": "g", "prompt_ids": [9, 8, 7], "temperature": 0, "stop_token_ids": [511]}\n')
+    out = tmp_path / "results.jsonl"
+    assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "5"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["index"]) for r in lines] == [(1, 0), (1, 1), ("g", 0)]
+    assert [len(r["output_ids"]) for r in lines] == [6, 6, 5] or lines[2]["stop_reason"] == "eos"
+    assert lines[0]["output_ids"] != lines[1]["output_ids"] and lines[0]["prompt_ids"] == [1, 2, 3, 4, 5]
+    err = capsys.readouterr().err
+    assert "2 requests, 3 outputs" in err and f"results in {out}" in err
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ('{"prompt": "hi"}', "request 1 gives its prompt as text: it needs the checkpoint's tokenizer"),
+    ('{"prompt_ids": [1], "temperature": -1}', "requests.jsonl:1: "),
+    ('{"prompt_ids": [1], "max_new_tokens": 100000}', "request 1 may need"),
+])
+def test_generate_errors_are_one_line(line, fragment, tmp_path, capsys):
+    prompts = tmp_path / "requests.jsonl"
+    prompts.write_text(line + "\n")
+    assert main(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "r.jsonl"), "--kv-tokens",
+                 "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treedec generate: error: ") and fragment in err and "\n" not in err
+    assert not (tmp_path / "r.jsonl").exists()

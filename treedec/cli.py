@@ -4,6 +4,9 @@
 request), plan one step, run tree attention with the chosen backend and check it against
 the dense fp32 reference.
 
+``treedec generate --prompts FILE --out FILE``: a prompts JSONL file run as one batch over
+the forest, one results line per output (see :mod:`treedec.commands.generate`).
+
 ``treedec replay <workload>``: replay a recorded decoding tree (ToT, Medusa, few-shot or a
 schedule JSON file) through the engine and time every step; ``treedec plot``: chart the
 results (see :mod:`treedec.replay`).
@@ -44,6 +47,7 @@ import torch
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
 from treedec.errors import BackendUnavailableError, PoolExhaustedError
 from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, seed_int
+from treedec.commands.generate import add_generate_parser, run_generate
 from treedec.commands.replay import add_plot_parser, add_replay_parser, run_plot, run_replay
 from treedec.commands.spec import add_spec_parser, run_spec
 from treedec.commands.tot import add_tot_parser, run_tot
@@ -145,10 +149,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    """The ``treedec`` parser: ``--debug`` and the demo, replay, plot, spec and tot subcommands."""
+    """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec and tot subcommands."""
     parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,replay,plot,spec,tot,env}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
     demo.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     demo.add_argument("--planner", default="flatten", choices=PLANNERS)
@@ -164,6 +168,7 @@ def build_parser() -> Parser:
                       help="K/V and q dtype (the cuda backend takes fp16 or bf16)")
     demo.add_argument("--json", action="store_true",
                       help="print the summary as JSON, and nothing else, on stdout")
+    add_generate_parser(sub)
     add_replay_parser(sub)
     add_plot_parser(sub)
     add_spec_parser(sub)
@@ -228,7 +233,7 @@ def run_env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": run_demo_command, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
+COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
             "env": run_env_command}
 
 
