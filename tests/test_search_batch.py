@@ -1,6 +1,7 @@
 """Batched generation over the forest (tiny random Llama, CPU): batched == alone, continuous
 admission under a small pool, stops, text, pages."""
 import pytest
+import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
@@ -135,3 +136,23 @@ def test_a_failing_step_frees_the_live_requests(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         generate_batch(engine, requests())
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_generation_on_a_graphed_gpu_engine():
+    """On a GPU (graphed steps): every step a graph replay, outputs stopped by their rules, pages all
+    freed; a greedy request's first token (from its own prefill) is the one it gets alone."""
+    from treedec.engine import from_config
+
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True)
+    results, stats = generate_batch(engine, requests())
+    assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
+    assert engine.graph_stats["replays"] >= stats.steps > 0
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+    for r, spec in zip([r for r in results if r.index == 0], requests()):
+        assert 1 <= len(r.output_ids) <= spec.max_new_tokens
+        assert r.stop_reason == "length" or r.output_ids[-1] in spec.stop_token_ids
+    alone, _ = generate_batch(Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True), [requests()[0]])
+    assert alone[0].output_ids[0] == results[0].output_ids[0]
