@@ -150,8 +150,13 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 admitted = True
             if queue and not admitted:
                 stats.waits += 1
-            for request in live:
-                _draw_and_grow(engine, request)
+            drawing = [r for r in live if r.logits is not None]
+            drawn = [_draw(r) for r in drawing]
+            if drawn:   # one transfer for every request's tokens
+                flat = torch.cat(drawn).tolist()
+                for request, n in zip(drawing, [len(d) for d in drawn]):
+                    _grow(engine, request, flat[:n])
+                    flat = flat[n:]
             stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
             stepping = [r for r in live if r.live]
             if stepping:
@@ -235,18 +240,21 @@ def _admit(engine: Engine, request: _Request, tokenizer) -> None:
     request.logits = first[None].expand(spec.n, -1)
 
 
-def _draw_and_grow(engine: Engine, request: _Request) -> None:
-    """Draw the next token of each output with a row in the last step; stop or grow each."""
-    if request.logits is None:
-        return
+def _draw(request: _Request) -> torch.Tensor:
+    """The next token (on the device) of each output with a row in the last step."""
     uniform = None
     if request.params.temperature > 0:
         # One number per output per draw, whichever outputs are live: a request's stream does
         # not depend on when its outputs end, nor on the other requests.
-        drawn = torch.rand(request.spec.n, generator=request.generator, device=request.logits.device)
-        uniform = drawn[to_device(request.rows, drawn.device)]
-    tokens = sample_tokens(request.logits, request.params, uniform=uniform).tolist()
+        numbers = torch.rand(request.spec.n, generator=request.generator, device=request.logits.device)
+        uniform = numbers[to_device(request.rows, numbers.device)]
+    tokens = sample_tokens(request.logits, request.params, uniform=uniform)
     request.logits = None
+    return tokens
+
+
+def _grow(engine: Engine, request: _Request, tokens: list[int]) -> None:
+    """Give each drawn token to its output's stop rule; grow the outputs that go on, prune the others."""
     tree = engine.tree
     fresh: dict[int, int] = {}
     grow: dict[int, list[int]] = {}
