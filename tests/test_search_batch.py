@@ -156,3 +156,41 @@ def test_batched_generation_on_a_graphed_gpu_engine():
         assert r.stop_reason == "length" or r.output_ids[-1] in spec.stop_token_ids
     alone, _ = generate_batch(Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True), [requests()[0]])
     assert alone[0].output_ids[0] == results[0].output_ids[0]
+
+
+def shared_prompt_requests():
+    """Two groups sharing a system prompt each (one member's prompt is its whole system prompt),
+    and one request sharing nothing."""
+    system_a, system_b = list(prompt(7, 40)), list(prompt(8, 23))
+    specs = [RequestSpec(k, prompt_ids=tuple(system_a + list(prompt(20 + k, 5))), max_new_tokens=6, temperature=0.9,
+                         seed=k, n=1 + k % 2) for k in range(4)]
+    specs.append(RequestSpec(4, prompt_ids=tuple(system_a), max_new_tokens=5, temperature=0.0))
+    specs += [RequestSpec(5 + k, prompt_ids=tuple(system_b + list(prompt(30 + k, 3 + k))), max_new_tokens=4,
+                          temperature=0.0) for k in range(2)]
+    specs.append(RequestSpec(7, prompt_ids=prompt(9, 12), max_new_tokens=5, temperature=0.0))
+    return specs
+
+
+@pytest.mark.parametrize("kv_tokens", [4096, 100])
+def test_shared_prompt_prefixes_are_stored_once(tiny, kv_tokens):
+    """Requests that start with the same system prompt read one copy of its K/V: fewer pages, the
+    same outputs as each request alone (and as the batch without sharing)."""
+    shared_engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
+    shared, stats = generate_batch(shared_engine, shared_prompt_requests())
+    unshared, plain = generate_batch(Engine(tiny, kv_tokens=4096, page_size=4, backend="torch"),
+                                     shared_prompt_requests(), min_shared_prefix=0)
+    alone = []
+    for spec in shared_prompt_requests():
+        alone += generate_batch(make_engine(tiny), [spec])[0]
+    assert outputs(shared) == outputs(alone) == outputs(unshared)
+    assert stats.shared_prefix_tokens == 40 * 4 + 23 * 1 and plain.shared_prefix_tokens == 0
+    if kv_tokens == 4096:   # every request at once: the two system prompts' pages once, not 5 and 2 times
+        assert plain.peak_pages - stats.peak_pages == 4 * 10 + 1 * 6
+    else:
+        assert stats.waits > 0
+    assert shared_engine.pool.num_free_pages == shared_engine.pool.num_pages and shared_engine.tree.num_nodes == 0
+
+
+def test_min_shared_prefix_is_checked(tiny):
+    with pytest.raises(ValueError, match=r"min_shared_prefix must be an int >= 0 \(0: no sharing\) or None, got -1"):
+        generate_batch(make_engine(tiny), requests(), min_shared_prefix=-1)

@@ -9,7 +9,8 @@ its own ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``temperature``, ``top
 ``top_k``, ``seed``, ``n``: see :mod:`treedec.search.requests_file`); the flags give the
 defaults for what a line leaves out. All requests run batched
 (:func:`~treedec.search.batch.generate_batch`): admitted while the KV pool holds their worst
-case, one engine step per iteration for every live request. The results file has one line per
+case, one engine step per iteration for every live request, prompts that start alike sharing
+one copy of their common prefix. The results file has one line per
 output (``id``, ``index``, ``output_ids``, ``text``, ``stop_reason``, ...), in request order.
 Text prompts, text outputs and stop strings need ``--model`` (its tokenizer); the tiny random
 default takes ``prompt_ids`` only.

@@ -16,6 +16,13 @@ a queue; every iteration the scheduler
 4. retires the requests whose outputs all ended, pruning their trees (pages freed for the
    next admissions).
 
+Shared prompt prefixes: requests whose prompts start with the same tokens (a system prompt,
+few-shot examples; at least ``min_shared_prefix`` tokens) read one copy of that prefix's K/V.
+Before the run the prompts are matched against each other (sorted, neighbours' longest
+common prefix); each group's common prefix is prefilled once, as a root node, when its first
+request is admitted, and every member's own rest of the prompt is prefilled under it. The
+prefix node is pruned when its last member retires.
+
 Admission never over-commits: a request waits until its worst case fits (no preemption), so
 the pool cannot run out mid-run; a request whose worst case exceeds the whole pool raises
 before anything runs.
@@ -32,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from treedec.engine import Engine
@@ -56,6 +64,9 @@ class BatchStats:
     queries_per_step : tokens computed by each step.
     requests_per_step : requests with tokens in each step.
     waits : iterations in which the next queued request waited for pages.
+    shared_prefix_tokens : prompt tokens whose K/V was not stored again because another request
+        of the batch shares them (a prefix of ``t`` tokens shared by ``m`` requests counts
+        ``t * (m - 1)``).
     peak_pages : the most KV pages the batch held at once.
     seconds : wall time of the run.
     """
@@ -64,6 +75,7 @@ class BatchStats:
     queries_per_step: list[int] = field(default_factory=list)
     requests_per_step: list[int] = field(default_factory=list)
     waits: int = 0
+    shared_prefix_tokens: int = 0
     peak_pages: int = 0
     seconds: float = 0.0
 
@@ -75,15 +87,26 @@ class _Output:
 
 
 @dataclass
+class _Prefix:
+    tokens: list[int]
+    members: int                  # requests of the batch that read it and have not retired
+    pages: int
+    node: int | None = None       # its root node, from its first member's admission on
+    logits: torch.Tensor | None = None   # [vocab] at its last token: a member whose whole prompt it is
+
+
+@dataclass
 class _Request:
     spec: RequestSpec
     order: int
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    worst_pages: int
+    worst_pages: int              # its own: the prompt past a shared prefix, and the outputs
+    prefix: _Prefix | None = None
     outputs: list[_Output] = field(default_factory=list)
-    root: int | None = None
+    root: int | None = None       # the node the outputs hang under
+    own: int | None = None        # the request's own prompt node (None: its prompt is the shared prefix)
     logits: torch.Tensor | None = None     # [live outputs, vocab]: the rows of the last step
     rows: list[int] = field(default_factory=list)   # the outputs those rows belong to
     steps: int = 0
@@ -96,8 +119,8 @@ class _Request:
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
                    generator: torch.Generator | None = None,
-                   on_request_done: Callable[[list[RequestResult]], None] | None = None
-                   ) -> tuple[list[RequestResult], BatchStats]:
+                   on_request_done: Callable[[list[RequestResult]], None] | None = None,
+                   min_shared_prefix: int | None = None) -> tuple[list[RequestResult], BatchStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -110,6 +133,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     chat_template : encode ``prompt`` / ``messages`` through the tokenizer's chat template.
     generator : draws of the requests without a ``seed`` (on the engine's device).
     on_request_done : called with a request's results when it retires (e.g. a progress bar).
+    min_shared_prefix : the fewest common prompt tokens that requests share as one prefix node
+        (default: the pool's page size; 0 turns sharing off).
 
     Returns
     -------
@@ -125,27 +150,31 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     """
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+    min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
+    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
+        raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
     queue = deque(_prepare(engine, requests, tokenizer, chat_template, generator))
+    prefixes = _share_prefixes(engine, list(queue), min_shared) if min_shared else []
     budget = engine.pool.num_free_pages
-    too_big = next((r for r in queue if r.worst_pages > budget), None)
+    too_big = next((r for r in queue if r.worst_pages + (r.prefix.pages if r.prefix else 0) > budget), None)
     if too_big is not None:
         raise PoolExhaustedError(
             f"request {too_big.spec.id!r} may need {too_big.worst_pages} KV pages (prompt {len(too_big.prompt_ids)} "
             f"tokens + {too_big.spec.n} x {too_big.spec.max_new_tokens} new tokens), the pool has {budget} free; "
             f"lower max_new_tokens or n, or give the engine more kv_tokens; nothing was run")
-    stats = BatchStats()
+    stats = BatchStats(shared_prefix_tokens=sum(len(p.tokens) * (p.members - 1) for p in prefixes))
     held_before = pages_in_use(engine.pool)
     results: dict[int, list[RequestResult]] = {}
     live: list[_Request] = []
     start = time.perf_counter()
     try:
         while queue or live:
-            committed = sum(r.worst_pages for r in live)
+            committed = sum(r.worst_pages for r in live) + sum(p.pages for p in prefixes if p.node is not None)
             admitted = False
-            while queue and committed + queue[0].worst_pages <= budget:
+            while queue and committed + _admission_pages(queue[0]) <= budget:
                 request = queue.popleft()
+                committed += _admission_pages(request)
                 _admit(engine, request, tokenizer)
-                committed += request.worst_pages
                 live.append(request)
                 admitted = True
             if queue and not admitted:
@@ -173,7 +202,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                     r.steps += 1
             for request in [r for r in live if not r.live]:
                 live.remove(request)
-                engine.tree.prune(request.root)
+                _retire(engine, request)
                 done = _results(request, tokenizer)
                 results[request.order] = done
                 if on_request_done is not None:
@@ -181,6 +210,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     except BaseException:
         for request in live:
             _discard(engine, request)
+        for prefix in prefixes:
+            if prefix.node is not None and prefix.node in engine.tree:
+                engine.tree.prune(prefix.node)
         raise
     stats.seconds = time.perf_counter() - start
     return [res for order in sorted(results) for res in results[order]], stats
@@ -227,15 +259,68 @@ def _prepare(engine: Engine, requests, tokenizer, chat_template: bool, generator
     return out
 
 
+def _share_prefixes(engine: Engine, requests: list[_Request], min_tokens: int) -> list[_Prefix]:
+    """Group requests whose prompts share at least ``min_tokens`` leading tokens: prompts sorted,
+    runs of neighbours whose common prefix is that long form a group, its prefix the run's
+    shortest common one. Each member's ``prefix`` and own ``worst_pages`` are set."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_ids)
+    groups, run, shared = [], [order[0]] if order else [], None
+    for a, b in zip(order, order[1:]):
+        common = _common_prefix(requests[a].prompt_ids, requests[b].prompt_ids)
+        if common >= min_tokens:
+            run.append(b)
+            shared = common if shared is None else min(shared, common)
+        else:
+            if len(run) > 1:
+                groups.append((run, shared))
+            run, shared = [b], None
+    if len(run) > 1:
+        groups.append((run, shared))
+    pool, prefixes = engine.pool, []
+    for members, length in groups:
+        prefix = _Prefix(requests[members[0]].prompt_ids[:length], len(members), pool.pages_for(length))
+        prefixes.append(prefix)
+        for i in members:
+            r = requests[i]
+            r.prefix = prefix
+            r.worst_pages = pool.pages_for(len(r.prompt_ids) - length) + r.spec.n * pool.pages_for(r.spec.max_new_tokens)
+    return prefixes
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def _admission_pages(request: _Request) -> int:
+    """Pages admitting ``request`` commits: its worst case, and its shared prefix if not prefilled yet."""
+    prefix = request.prefix
+    return request.worst_pages + (prefix.pages if prefix is not None and prefix.node is None else 0)
+
+
 def _admit(engine: Engine, request: _Request, tokenizer) -> None:
-    """Prefill the request's prompt as a new tree; its first logits serve all ``n`` outputs."""
+    """Prefill the request's prompt (past its shared prefix, which is prefilled first if it is
+    not yet); the prompt's last logits serve all ``n`` outputs."""
     spec = request.spec
     request.started = time.perf_counter()
     rule = spec.stop_rule(engine.model.eos_token_ids)
     for _ in range(spec.n):
         detok = IncrementalDetokenizer(tokenizer, request.prompt_ids) if tokenizer is not None else None
         request.outputs.append(_Output(StopChecker(rule, detok)))
-    request.root, first = engine.prefill(request.prompt_ids)
+    prefix = request.prefix
+    if prefix is None:
+        request.root, first = engine.prefill(request.prompt_ids)
+        request.own = request.root
+    else:
+        if prefix.node is None:
+            prefix.node, prefix.logits = engine.prefill(prefix.tokens)
+        rest = request.prompt_ids[len(prefix.tokens):]
+        if rest:
+            request.own, first = engine.prefill(rest, parent=prefix.node)
+            request.root = request.own
+        else:
+            request.root, first = prefix.node, prefix.logits
     request.rows = list(range(spec.n))
     request.logits = first[None].expand(spec.n, -1)
 
@@ -286,10 +371,26 @@ def _results(request: _Request, tokenizer) -> list[RequestResult]:
             for i, o in enumerate(request.outputs)]
 
 
+def _retire(engine: Engine, request: _Request) -> None:
+    """Prune the request's own nodes, and its shared prefix after its last member."""
+    if request.own is not None:
+        engine.tree.prune(request.own)
+    prefix = request.prefix
+    if prefix is not None:
+        prefix.members -= 1
+        if prefix.members == 0:
+            engine.tree.prune(prefix.node)
+            prefix.node = prefix.logits = None
+
+
 def _discard(engine: Engine, request: _Request) -> None:
-    """Free a live request's tree after a failed iteration (its pending tokens included)."""
+    """Free a live request's own nodes after a failed iteration (pending tokens included); its
+    shared prefix is the caller's to prune."""
     tree = engine.tree
     if tree.layout().num_queries:
         tree.commit_step()
-    if request.root is not None and request.root in tree:
-        tree.prune(request.root)
+    if request.own is not None and request.own in tree:
+        tree.prune(request.own)
+    for output in request.outputs:   # outputs of a request whose prompt is its shared prefix
+        if output.node is not None and output.node in tree:
+            tree.prune(output.node)
