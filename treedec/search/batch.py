@@ -108,6 +108,7 @@ class _Request:
     root: int | None = None       # the node the outputs hang under
     own: int | None = None        # the request's own prompt node (None: its prompt is the shared prefix)
     logits: torch.Tensor | None = None     # [live outputs, vocab]: the rows of the last step
+    greedy: torch.Tensor | None = None     # their argmax, when the step drew it for every greedy request
     rows: list[int] = field(default_factory=list)   # the outputs those rows belong to
     steps: int = 0
     started: float = 0.0
@@ -181,16 +182,21 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 stats.waits += 1
             drawing = [r for r in live if r.logits is not None]
             drawn = [_draw(r) for r in drawing]
-            if drawn:   # one transfer for every request's tokens
+            if drawn:   # one transfer for every request's tokens, one extend for every output's
                 flat = torch.cat(drawn).tolist()
+                grow: dict[int, list[int]] = {}
                 for request, n in zip(drawing, [len(d) for d in drawn]):
-                    _grow(engine, request, flat[:n])
+                    _grow(engine, request, flat[:n], grow)
                     flat = flat[n:]
+                if grow:
+                    engine.tree.extend_many(grow)
             stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
             stepping = [r for r in live if r.live]
             if stepping:
                 nodes = [r.outputs[i].node for r in stepping for i in r.live]
                 logits = engine.step(logits_rows=engine.pending_rows(nodes))
+                # The greedy requests' tokens in one argmax over the step's rows.
+                greedy = logits.argmax(dim=-1) if any(r.params.temperature == 0 for r in stepping) else None
                 stats.steps += 1
                 stats.queries_per_step.append(len(nodes))
                 stats.requests_per_step.append(len(stepping))
@@ -198,6 +204,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 for r in stepping:
                     r.rows = r.live
                     r.logits = logits[offset:offset + len(r.rows)]
+                    if r.params.temperature == 0:
+                        r.greedy = greedy[offset:offset + len(r.rows)]
                     offset += len(r.rows)
                     r.steps += 1
             for request in [r for r in live if not r.live]:
@@ -327,6 +335,9 @@ def _admit(engine: Engine, request: _Request, tokenizer) -> None:
 
 def _draw(request: _Request) -> torch.Tensor:
     """The next token (on the device) of each output with a row in the last step."""
+    if request.greedy is not None:
+        tokens, request.greedy, request.logits = request.greedy, None, None
+        return tokens
     uniform = None
     if request.params.temperature > 0:
         # One number per output per draw, whichever outputs are live: a request's stream does
@@ -338,11 +349,11 @@ def _draw(request: _Request) -> torch.Tensor:
     return tokens
 
 
-def _grow(engine: Engine, request: _Request, tokens: list[int]) -> None:
-    """Give each drawn token to its output's stop rule; grow the outputs that go on, prune the others."""
+def _grow(engine: Engine, request: _Request, tokens: list[int], grow: dict[int, list[int]]) -> None:
+    """Give each drawn token to its output's stop rule; prune the outputs that ended, start the new
+    ones, and add ``node: [token]`` to ``grow`` for the others (the caller extends them all at once)."""
     tree = engine.tree
     fresh: dict[int, int] = {}
-    grow: dict[int, list[int]] = {}
     for i, token in zip(request.rows, tokens):
         output = request.outputs[i]
         decision = output.checker.accept(token)
@@ -357,8 +368,6 @@ def _grow(engine: Engine, request: _Request, tokens: list[int]) -> None:
     if fresh:
         for i, node in zip(fresh, tree.branch(request.root, [[t] for t in fresh.values()])):
             request.outputs[i].node = node
-    if grow:
-        tree.extend_many(grow)
 
 
 def _results(request: _Request, tokenizer) -> list[RequestResult]:

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Batched greedy decoding through ``generate_batch``: requests that share a system prompt.
+
+Each request is a ``--system``-token system prompt (the same for all) and a ``--question``-token
+question of its own, greedy, ``--new`` tokens. For each ``--requests`` count the batch runs
+with prefix sharing (the system prompt's K/V stored once) and, with ``--compare-unshared``,
+without it. Reported per run: the median wall time of the last decode steps (host work
+included: drawing, stop rules, tree edits, planning), the step floor (weights + the KV the step
+reads, over the measured copy bandwidth), KV pages at the peak, prompt tokens shared.
+
+    python bench/batch.py                                  # GPU: llama3-8b bf16, 1/8/32/64 requests
+    python bench/batch.py --smoke                          # CPU: tiny model (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.timing import copy_bandwidth  # noqa: E402
+from treedec.engine import Engine, ModelConfig, from_config  # noqa: E402
+from treedec.search.batch import generate_batch  # noqa: E402
+from treedec.search.requests_file import RequestSpec  # noqa: E402
+
+
+def run_batch(model, specs, share: bool, page_size: int, timed_steps: int) -> dict:
+    """One batch on a fresh graphed (GPU) engine: step times from the returns of its engine steps."""
+    cuda = model.device.type == "cuda"
+    kv = None if cuda else sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size for s in specs)
+    engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=cuda)
+    ends, step = [], engine.step
+
+    def timed(*args, **kwargs):
+        out = step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return out
+
+    engine.step = timed
+    results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0)
+    decode = stats.steps
+    gaps = np.diff(ends[-min(timed_steps, decode - 1) - 1:]) * 1e3
+    out = {"requests": len(specs), "shared": share, "step_ms": float(statistics.median(gaps)),
+           "decode_steps": decode, "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
+           "waits": stats.waits, "eager": {k: v for k, v in engine.graph_stats.items() if k.startswith("eager")},
+           "outputs": [r.output_ids for r in results]}
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--requests", default="1,8,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--system", type=int, default=2000, help="system prompt tokens (shared)")
+    parser.add_argument("--question", type=int, default=50, help="each request's own prompt tokens")
+    parser.add_argument("--new", type=int, default=40, help="new tokens per request")
+    parser.add_argument("--timed-steps", type=int, default=30, help="the last decode steps timed")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--compare-unshared", action="store_true", help="also run every batch without sharing")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.requests, args.system, args.question, args.new, args.timed_steps = "tiny", "1,4", 40, 5, 6, 3
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    config = ModelConfig.from_name(args.model)
+    model = from_config(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, config.vocab_size, args.system).tolist()
+    bandwidth = copy_bandwidth(device)
+    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+    runs = []
+    for count in [int(x) for x in args.requests.split(",")]:
+        specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
+                             max_new_tokens=args.new, temperature=0.0) for i in range(count)]
+        for share in ([True, False] if args.compare_unshared else [True]):
+            run = run_batch(model, specs, share, args.page_size, args.timed_steps)
+            # The KV a late decode step reads: the system prompt once (shared) or per request, and
+            # every request's own tokens.
+            own = args.question + args.new
+            kv = (args.system + count * own) if share else count * (args.system + own)
+            run["floor_ms"] = 1e3 * (model.weight_bytes() + kv * kv_bytes) / bandwidth
+            run["x_floor"] = run["step_ms"] / run["floor_ms"]
+            runs.append(run)
+            print(f"{count} requests, {'shared' if share else 'unshared'} system prompt: {run['step_ms']:.2f} ms per "
+                  f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages", flush=True)
+    if args.compare_unshared:
+        for a, b in zip(runs[::2], runs[1::2]):
+            same = a["outputs"] == b["outputs"]
+            print(f"{a['requests']} requests: shared and unshared outputs {'equal' if same else 'DIFFER'}")
+    results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
+               "model": args.model, "smoke": args.smoke, "system_tokens": args.system,
+               "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
+               "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
+    path = results_path(Path(args.out), results["device"], "batch", args.smoke, args.tag)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
