@@ -7,7 +7,7 @@ from bench.batch import main
 def test_batch_bench_smoke_run(tmp_path, capsys):
     assert main(["--smoke", "--compare-unshared", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "4 requests: shared and unshared outputs equal" in out
+    assert "4 requests: shared and unshared outputs equal (4 of 4 equal" in out
     [path] = tmp_path.glob("*-batch-smoke.json")
     runs = json.loads(path.read_text())["runs"]
     assert [(r["requests"], r["shared"]) for r in runs] == [(1, True), (1, False), (4, True), (4, False)]
