@@ -112,6 +112,7 @@ def test_results_reach_the_callback_as_requests_retire(tiny):
     (RequestSpec(0, prompt_ids=(1,)), {}, TypeError, "requests must be a sequence of RequestSpec"),
     ([{"prompt_ids": [1]}], {}, TypeError, r"requests\[0\] must be a RequestSpec, got dict"),
     ([RequestSpec(0, prompt_ids=(1,))], {"chat_template": "yes"}, TypeError, "chat_template must be a bool"),
+    ([RequestSpec(0, prompt_ids=(1,))], {"pipeline": 1}, ValueError, r"pipeline must be a bool or None"),
 ])
 def test_bad_requests_raise_before_anything_runs(tiny, specs, kwargs, error, message):
     engine = Engine(tiny, kv_tokens=256, page_size=4, backend="torch")
@@ -194,3 +195,30 @@ def test_shared_prompt_prefixes_are_stored_once(tiny, kv_tokens):
 def test_min_shared_prefix_is_checked(tiny):
     with pytest.raises(ValueError, match=r"min_shared_prefix must be an int >= 0 \(0: no sharing\) or None, got -1"):
         generate_batch(make_engine(tiny), requests(), min_shared_prefix=-1)
+
+
+@pytest.mark.parametrize("make", [requests, shared_prompt_requests])
+@pytest.mark.parametrize("kv_tokens", [4096, 100])
+def test_pipelined_batches_give_the_same_outputs(tiny, make, kv_tokens):
+    """Pipelined (each step launched before its tokens are read back, as on a GPU), the outputs,
+    the pages freed and the requests' waits for pages are those of the unpipelined run."""
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
+        results, stats = generate_batch(engine, make(), pipeline=pipeline)
+        assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+        runs.append((outputs(results), stats.waits > 0))
+    assert runs[0] == runs[1]
+
+
+def test_pipelined_text_and_stop_strings(tiny, monkeypatch):
+    tokenizer = LetterTokenizer()
+    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO", max_new_tokens=12, temperature=0.0)],
+                                tokenizer=tokenizer)
+    stop = probe.text[4:6]
+    specs = [RequestSpec(k, prompt="HELLO" + "AB"[k % 2] * k, max_new_tokens=12, temperature=0.5 * (k % 3), seed=k,
+                         stop=(stop,), n=1 + k % 2) for k in range(6)]
+    runs = [generate_batch(make_engine(tiny), specs, tokenizer=tokenizer, pipeline=p)[0] for p in (False, True)]
+    assert [(r.output_ids, r.text, r.stop_reason) for r in runs[0]] == [(r.output_ids, r.text, r.stop_reason)
+                                                                        for r in runs[1]]
+    assert any(r.stop_reason == "stop_string" for r in runs[0])

@@ -49,7 +49,7 @@ from treedec.search.request import pages_in_use
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.stops import StopChecker
-from treedec.transfer import to_device
+from treedec.transfer import HostCopy, to_device
 
 __all__ = ["BatchStats", "generate_batch"]
 
@@ -121,7 +121,8 @@ class _Request:
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
                    generator: torch.Generator | None = None,
                    on_request_done: Callable[[list[RequestResult]], None] | None = None,
-                   min_shared_prefix: int | None = None) -> tuple[list[RequestResult], BatchStats]:
+                   min_shared_prefix: int | None = None, pipeline: bool | None = None
+                   ) -> tuple[list[RequestResult], BatchStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -136,6 +137,10 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     on_request_done : called with a request's results when it retires (e.g. a progress bar).
     min_shared_prefix : the fewest common prompt tokens that requests share as one prefix node
         (default: the pool's page size; 0 turns sharing off).
+    pipeline : default on for a CUDA engine (off on the CPU, where nothing would overlap): each
+        step is launched before the tokens drawn for it are read back (the step reads them on the
+        device); an output that those tokens end computed one token more, which is pruned with it.
+        The outputs are the same either way (tested); ``stats`` may count steps differently.
 
     Returns
     -------
@@ -151,6 +156,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     """
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
+    pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
     min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
     if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
         raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
@@ -181,33 +189,24 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
             if queue and not admitted:
                 stats.waits += 1
             drawing = [r for r in live if r.logits is not None]
-            drawn = [_draw(r) for r in drawing]
-            if drawn:   # one transfer for every request's tokens, one extend for every output's
-                flat = torch.cat(drawn).tolist()
+            if drawing:
+                read_rows = [list(r.rows) for r in drawing]
+                drawn = [_draw(r) for r in drawing]
+                everything = torch.cat(drawn)
+                copy = HostCopy(everything)   # one transfer for every request's tokens
+                if pipeline:   # the next step runs while the host reads and checks these tokens
+                    _launch_unread(engine, drawing, read_rows, everything, stats)
+                flat = copy.result()
                 grow: dict[int, list[int]] = {}
-                for request, n in zip(drawing, [len(d) for d in drawn]):
-                    _grow(engine, request, flat[:n], grow)
-                    flat = flat[n:]
+                for request, rows in zip(drawing, read_rows):
+                    _take(engine, request, rows, flat[:len(rows)], grow, pipeline)
+                    flat = flat[len(rows):]
                 if grow:
                     engine.tree.extend_many(grow)
             stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
-            stepping = [r for r in live if r.live]
-            if stepping:
-                nodes = [r.outputs[i].node for r in stepping for i in r.live]
-                logits = engine.step(logits_rows=engine.pending_rows(nodes))
-                # The greedy requests' tokens in one argmax over the step's rows.
-                greedy = logits.argmax(dim=-1) if any(r.params.temperature == 0 for r in stepping) else None
-                stats.steps += 1
-                stats.queries_per_step.append(len(nodes))
-                stats.requests_per_step.append(len(stepping))
-                offset = 0
-                for r in stepping:
-                    r.rows = r.live
-                    r.logits = logits[offset:offset + len(r.rows)]
-                    if r.params.temperature == 0:
-                        r.greedy = greedy[offset:offset + len(r.rows)]
-                    offset += len(r.rows)
-                    r.steps += 1
+            stepping = [(r, r.live) for r in live if r.live]
+            if not pipeline and stepping:
+                _step(engine, stepping, stats)
             for request in [r for r in live if not r.live]:
                 live.remove(request)
                 _retire(engine, request)
@@ -349,18 +348,78 @@ def _draw(request: _Request) -> torch.Tensor:
     return tokens
 
 
-def _grow(engine: Engine, request: _Request, tokens: list[int], grow: dict[int, list[int]]) -> None:
-    """Give each drawn token to its output's stop rule; prune the outputs that ended, start the new
-    ones, and add ``node: [token]`` to ``grow`` for the others (the caller extends them all at once)."""
+def _step(engine: Engine, entries: list[tuple[_Request, list[int]]], stats: BatchStats,
+          tokens: torch.Tensor | None = None) -> None:
+    """One engine step over the pending tokens of ``entries`` (each request with its outputs that have
+    one); each request keeps its rows' logits (and, greedy, their argmax: one for the whole step)."""
+    nodes = [r.outputs[i].node for r, outputs in entries for i in outputs]
+    logits = engine.step(logits_rows=engine.pending_rows(nodes), tokens=tokens)
+    greedy = logits.argmax(dim=-1) if any(r.params.temperature == 0 for r, _ in entries) else None
+    stats.steps += 1
+    stats.queries_per_step.append(len(nodes))
+    stats.requests_per_step.append(len(entries))
+    offset = 0
+    for r, outputs in entries:
+        r.rows = list(outputs)
+        r.logits = logits[offset:offset + len(outputs)]
+        if r.params.temperature == 0:
+            r.greedy = greedy[offset:offset + len(outputs)]
+        offset += len(outputs)
+        r.steps += 1
+
+
+def _launch_unread(engine: Engine, drawing: list[_Request], read_rows: list[list[int]], drawn: torch.Tensor,
+                   stats: BatchStats) -> None:
+    """Pipelined: append a placeholder for each drawn token that may be computed (its output has not
+    ended and the token is not its last allowed one) and run the step on the drawn tokens on the
+    device. An output the token ends is pruned when it is read, the token computed meanwhile with it."""
+    tree = engine.tree
+    entries, grow, source = [], {}, {}
+    offset = 0
+    for request, rows in zip(drawing, read_rows):
+        outputs, fresh = [], []
+        for k, i in enumerate(rows):
+            output = request.outputs[i]
+            if output.checker.stopped or len(output.checker.token_ids) + 1 >= request.spec.max_new_tokens:
+                continue
+            outputs.append(i)
+            if output.node is None:
+                fresh.append((i, offset + k))
+            else:
+                grow[output.node] = [0]
+                source[output.node] = offset + k
+        if fresh:
+            for (i, at), node in zip(fresh, tree.branch(request.root, [[0]] * len(fresh))):
+                request.outputs[i].node = node
+                source[node] = at
+        if outputs:
+            entries.append((request, outputs))
+        offset += len(rows)
+    if grow:
+        tree.extend_many(grow)
+    if entries:
+        order = to_device([source[n] for n in engine.pending_nodes().tolist()], drawn.device)
+        _step(engine, entries, stats, drawn[order])
+
+
+def _take(engine: Engine, request: _Request, rows: list[int], tokens: list[int], grow: dict[int, list[int]],
+          pipelined: bool) -> None:
+    """Give each drawn token to its output's stop rule and prune the outputs that ended. Pipelined, the
+    others' placeholders get the real ids; else the new outputs start and ``node: [token]`` goes into
+    ``grow`` for the others (the caller extends them all at once)."""
     tree = engine.tree
     fresh: dict[int, int] = {}
-    for i, token in zip(request.rows, tokens):
+    for i, token in zip(rows, tokens):
         output = request.outputs[i]
+        if output.checker.stopped:      # ended at an earlier draw; this row ran in flight (pipelined)
+            continue
         decision = output.checker.accept(token)
         if decision.reason is not None:
             if output.node is not None:
                 tree.prune(output.node)
                 output.node = None
+        elif pipelined:
+            tree.set_tokens(output.node, len(output.checker.token_ids) - 1, [token])   # the node holds its tokens
         elif output.node is None:
             fresh[i] = token
         else:
