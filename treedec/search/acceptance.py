@@ -65,14 +65,19 @@ class GreedyAcceptance:
         return int(logits.argmax(dim=-1))
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
-        choice = logits.argmax(dim=-1).tolist()
-        children = _children(tree)
-        path, cur = [], 0
-        while True:
-            cur = next((c for c in children[cur] if tokens[c] == choice[cur]), None)
-            if cur is None:
-                return path, choice[path[-1] if path else 0]
-            path.append(cur)
+        return greedy_path(tree, tokens, logits.argmax(dim=-1).tolist())
+
+
+def greedy_path(tree: TokenTree, tokens: Sequence[int], choice: Sequence[int]) -> tuple[list[int], int]:
+    """:class:`GreedyAcceptance`'s ``(path, bonus)`` from the target's argmax at each tree token
+    (``choice [tree.size]``, on the host: a batch reads every request's in one transfer)."""
+    children = _children(tree)
+    path, cur = [], 0
+    while True:
+        cur = next((c for c in children[cur] if tokens[c] == choice[cur]), None)
+        if cur is None:
+            return path, int(choice[path[-1] if path else 0])
+        path.append(cur)
 
 
 # ================================================================ Medusa typical acceptance

@@ -1,0 +1,120 @@
+"""Greedy speculative decoding of many requests in one forest (tiny random Llama, CPU)."""
+import numpy as np
+import pytest
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.requests_file import RequestSpec
+from treedec.search.speculative import PromptLookupDraft, TreeDraft
+from treedec.search.speculative_batch import speculative_batch
+from treedec.tree.token_tree import TokenTree
+from treedec.workloads.deft import medusa_tree
+from tests.engines import make_engine, plain_greedy, tiny_model
+from tests.test_search_batch import LetterTokenizer
+
+
+def medusa_token_tree():
+    return TokenTree(tuple(medusa_tree(32).parents.tolist()))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def repeating_prompt(k, length=24):
+    """A prompt with a repeated phrase, so that prompt-lookup drafts get accepted now and then."""
+    phrase = [(13 * k + 7 * i + 3) % 512 for i in range(6)]
+    return tuple((phrase * 5)[:length // 2] + [(k * 31 + i) % 512 for i in range(length // 2)])
+
+
+def specs(count=5):
+    return [RequestSpec(k, prompt_ids=repeating_prompt(k, 12 + 4 * k), max_new_tokens=10 + 3 * k, temperature=0.0)
+            for k in range(count)]
+
+
+@pytest.mark.parametrize("kv_tokens", [8192, 240])
+@pytest.mark.parametrize("make_draft", [lambda spec: PromptLookupDraft(num_draft_tokens=5, max_matches=2),
+                                        lambda spec: TreeDraft(medusa_token_tree(),
+                                                               [(spec.id * 7 + i) % 512 for i in range(31)])])
+def test_batched_speculative_tokens_are_plain_greedy(tiny, kv_tokens, make_draft):
+    engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
+    results, stats = speculative_batch(engine, specs(), make_draft, max_draft_tokens=32)
+    for r, spec in zip(results, specs()):
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert r.stop_reason == "length" and len(r.stats["accepted"]) == r.stats["steps"]
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+    assert (stats.waits > 0) == (kv_tokens == 240) and max(stats.requests_per_step) <= 5
+
+
+def test_stops_cut_accepted_paths(tiny):
+    tokenizer = LetterTokenizer()
+    greedy = plain_greedy(tiny, tokenizer.encode("HELLOHELLO"), 16)
+    text = tokenizer.decode(greedy)
+    stop = text[5:7]
+    eos = greedy[9] if greedy[9] not in greedy[:9] else None
+    requests = [RequestSpec(0, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop=(stop,)),
+                RequestSpec(1, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0,
+                            stop_token_ids=() if eos is None else (eos,))]
+    results, _ = speculative_batch(make_engine(tiny), requests, lambda spec: PromptLookupDraft(num_draft_tokens=6),
+                                   tokenizer=tokenizer)
+    cut = text.index(stop)
+    assert results[0].stop_reason == "stop_string" and results[0].text == text[:cut]
+    assert results[0].output_ids == greedy[:cut + len(stop)]
+    if eos is not None:
+        assert results[1].stop_reason == "eos" and results[1].output_ids == greedy[:10]
+
+
+@pytest.mark.parametrize("requests,kwargs,error,message", [
+    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.5)], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, n=2)], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, max_new_tokens=400)], {}, PoolExhaustedError,
+     "may need .* KV pages, the pool has"),
+    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0)], {"max_draft_tokens": 0}, ValueError,
+     "max_draft_tokens must be an int >= 1"),
+])
+def test_bad_requests_raise_before_anything_runs(tiny, requests, kwargs, error, message):
+    engine = Engine(tiny, kv_tokens=512, page_size=4, backend="torch")
+    with pytest.raises(error, match=message):
+        speculative_batch(engine, requests, lambda spec: PromptLookupDraft(), **kwargs)
+    assert engine.tree.num_nodes == 0 and engine.stats["steps"] == 0
+
+
+def test_drafts_that_read_hidden_states_are_refused_and_change_nothing(tiny):
+    engine = make_engine(tiny)
+    heads = MedusaHeads.untrained(tiny, num_heads=2)
+    with pytest.raises(ValueError, match="MedusaDraft reads the target's hidden states"):
+        speculative_batch(engine, specs(2), lambda spec: MedusaDraft(heads, [[0], [0, 0]]))
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_a_draft_that_breaks_the_protocol_frees_everything(tiny):
+    class Wrong:
+        def propose(self, tokens):
+            return medusa_token_tree(), list(np.zeros(32, dtype=int))   # root 0, not the last token
+
+    engine = make_engine(tiny)
+    with pytest.raises(ValueError, match="must return tokens\\[0\\] == the last sequence token"):
+        speculative_batch(engine, specs(2), lambda spec: Wrong())
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_oracle_drafts_are_accepted_whole(tiny):
+    """Chain drafts that know each request's greedy continuation: every step accepts all 4 draft
+    tokens (the batch moves accepted K/V per request), and the tokens stay plain greedy's."""
+    continuations = {spec.id: plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens + 8) for spec in specs()}
+
+    def oracle(spec):
+        prompt, future = list(spec.prompt_ids), continuations[spec.id]
+
+        def next_four(sequence):
+            done = len(sequence) - len(prompt)          # sequence[-1] is future[done - 1]
+            return future[done:done + 4]
+        return TreeDraft(TokenTree.chain(4), next_four)
+
+    results, stats = speculative_batch(make_engine(tiny), specs(), oracle)
+    for r, spec in zip(results, specs()):
+        assert r.output_ids == continuations[spec.id][:spec.max_new_tokens]
+        assert r.stats["accepted"][:-1] == [4] * (len(r.stats["accepted"]) - 1)
+    assert stats.steps < max(spec.max_new_tokens for spec in specs()) / 4 + 2
