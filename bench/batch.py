@@ -9,7 +9,13 @@ included: drawing, stop rules, tree edits, planning), the step floor (weights + 
 reads, over the measured copy bandwidth), KV pages at the peak, prompt tokens shared.
 
     python bench/batch.py                                  # GPU: llama3-8b bf16, 1/8/32/64 requests
+    python bench/batch.py --speculative --requests 1,8,32 --system 0 --question 4000
     python bench/batch.py --smoke                          # CPU: tiny model (CI)
+
+``--speculative``: each request (no system prompt shared unless ``--system``) runs greedy
+speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
+``speculative_batch``), every request's tree verified in one step; the floor counts each
+request's prompt and tree.
 """
 from __future__ import annotations
 
@@ -31,16 +37,23 @@ if str(REPO) not in sys.path:
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
-from treedec.engine import Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
+from treedec.search.speculative import TreeDraft  # noqa: E402
+from treedec.search.speculative_batch import speculative_batch  # noqa: E402
+from treedec.tree.token_tree import TokenTree  # noqa: E402
+from treedec.workloads.deft import medusa_tree  # noqa: E402
 from treedec.search.requests_file import RequestSpec  # noqa: E402
 
 
-def run_batch(model, specs, share: bool, page_size: int, timed_steps: int) -> dict:
+def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft=None) -> dict:
     """One batch on a fresh graphed (GPU) engine: step times from the returns of its engine steps."""
     cuda = model.device.type == "cuda"
-    kv = None if cuda else sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size for s in specs)
-    engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=cuda)
+    tree_room = 0 if draft is None else 2 * 64 + 4 * page_size   # a tree of up to 64 tokens, and its pages
+    kv = None if cuda else sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size + tree_room for s in specs)
+    # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
+    graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
+    engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
     ends, step = [], engine.step
 
     def timed(*args, **kwargs):
@@ -49,7 +62,10 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int) -> di
         return out
 
     engine.step = timed
-    results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0)
+    if draft is None:
+        results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0)
+    else:
+        results, stats = speculative_batch(engine, specs, draft)
     decode = stats.steps
     gaps = np.diff(ends[-min(timed_steps, decode - 1) - 1:]) * 1e3
     out = {"requests": len(specs), "shared": share, "step_ms": float(statistics.median(gaps)),
@@ -73,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timed-steps", type=int, default=30, help="the last decode steps timed")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--compare-unshared", action="store_true", help="also run every batch without sharing")
+    parser.add_argument("--speculative", action="store_true",
+                        help="greedy speculative decoding with a fixed Medusa-64 tree draft (speculative_batch)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -91,16 +109,22 @@ def main(argv=None) -> int:
     for count in [int(x) for x in args.requests.split(",")]:
         specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
                              max_new_tokens=args.new, temperature=0.0) for i in range(count)]
-        for share in ([True, False] if args.compare_unshared else [True]):
-            run = run_batch(model, specs, share, args.page_size, args.timed_steps)
-            # The KV a late decode step reads: the system prompt once (shared) or per request, and
-            # every request's own tokens.
-            own = args.question + args.new
-            kv = (args.system + count * own) if share else count * (args.system + own)
+        draft = None
+        if args.speculative:
+            tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
+            draft_tokens = rng.integers(0, config.vocab_size, tree.size - 1).tolist()
+            draft = lambda spec: TreeDraft(tree, draft_tokens)  # noqa: E731
+        for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
+            run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft)
+            # The KV a late step reads: the system prompt once (shared) or per request, and every
+            # request's own tokens (and its draft tree).
+            own = args.question + args.new + (64 if args.speculative else 0)
+            kv = (args.system + count * own) if share and not args.speculative else count * (args.system + own)
             run["floor_ms"] = 1e3 * (model.weight_bytes() + kv * kv_bytes) / bandwidth
             run["x_floor"] = run["step_ms"] / run["floor_ms"]
             runs.append(run)
-            print(f"{count} requests, {'shared' if share else 'unshared'} system prompt: {run['step_ms']:.2f} ms per "
+            kind = "speculative (Medusa-64 tree)" if args.speculative else f"{'shared' if share else 'unshared'} system prompt"
+            print(f"{count} requests, {kind}: {run['step_ms']:.2f} ms per "
                   f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages", flush=True)
     if args.compare_unshared:
         # In bf16 the shared prefix's K/V (prefilled alone) differs in its last bits from the same
@@ -116,7 +140,7 @@ def main(argv=None) -> int:
                   f" ({equal} of {len(pairs)} equal; {np.mean(agree):.1f} of {args.new} tokens agree before the "
                   f"first difference)")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
-               "model": args.model, "smoke": args.smoke, "system_tokens": args.system,
+               "model": args.model, "smoke": args.smoke, "speculative": args.speculative, "system_tokens": args.system,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
                "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
     path = results_path(Path(args.out), results["device"], "batch", args.smoke, args.tag)

@@ -15,3 +15,11 @@ def test_batch_bench_smoke_run(tmp_path, capsys):
     assert shared["shared_prefix_tokens"] == 40 * 3 and unshared["shared_prefix_tokens"] == 0
     assert shared["peak_pages"] < unshared["peak_pages"] and shared["floor_ms"] < unshared["floor_ms"]
     assert all(r["step_ms"] > 0 and r["decode_steps"] == 5 for r in runs)
+
+
+def test_batch_bench_speculative_smoke_run(tmp_path, capsys):
+    assert main(["--smoke", "--speculative", "--out", str(tmp_path)]) == 0
+    assert "4 requests, speculative (Medusa-64 tree):" in capsys.readouterr().out
+    [path] = tmp_path.glob("*-batch-smoke.json")
+    results = json.loads(path.read_text())
+    assert results["speculative"] and [r["requests"] for r in results["runs"]] == [1, 4]
