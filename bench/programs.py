@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -87,6 +86,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.programs_hf import bench_hf  # noqa: E402
+from bench.step import _free  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
@@ -99,7 +100,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample"]
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
 METHODS = ["hf_sdpa", "eager", "graphs", "graphs_model", "eager_compiled", "graphs_compiled"]
-HF_STEPS = {"greedy": "decode", "tree_verify": "verify"}   # bench/step.py's step that matches each program
 SMOKE_GRAPH_PROGRAMS = ["greedy"]
 
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
 
     if "hf_sdpa" in methods:
         try:
-            for run in _bench_hf(work, prompt_ids, args, bandwidth, results["kv_bytes_per_token"]):
+            for run in bench_hf(work, prompt_ids, args, bandwidth, results["kv_bytes_per_token"]):
                 record(run)
         except Exception as e:  # recorded, and the other methods still run
             fail("hf_sdpa", e)
@@ -374,69 +374,6 @@ def _profile_program(program: str, method: str, work: Workload, prompt: list[int
             "top_kernels_ms": {k: round(v / 1e3 / active, 4) for k, v in names.most_common(12)}}
 
 
-def _bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes_per_token: int) -> list[dict]:
-    """transformers sdpa: bench/step.py's decode and Medusa verify steps, repeated over a cropped cache; with
-    each prompt's logits yardstick (:func:`_logits_yardstick`)."""
-    from bench.step import _bench_hf as bench_hf_steps, _hf_model
-
-    model = work.model
-    hf = _hf_model(model, model.device)
-    rng = np.random.default_rng(args.seed + 1)
-    tree_ids = [int(rng.integers(0, model.config.vocab_size))] + work.draft_tokens
-    runs = []
-    for p in args.prompts:
-        steps, hf_logits = bench_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
-                                          model.device)
-        yardstick = _logits_yardstick(work, hf, prompt_ids[p], tree_ids, hf_logits, args)
-        print(f"verify logits, {p}-token prompt, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in
-                                                                                yardstick.items()), file=sys.stderr)
-        for program, step in HF_STEPS.items():
-            if program not in args.programs:
-                continue
-            kv = p + (1 if step == "decode" else work.medusa.size)
-            floor_ms = 1e3 * (model.weight_bytes() + kv * kv_bytes_per_token) / bandwidth
-            ms = steps[step]["wall_ms"]
-            runs.append({"program": program, "prompt": p, "method": "hf_sdpa", "ms": ms,
-                         "device_ms": steps[step]["ms"], "steps": args.steps, "prefill_s": steps["prefill_s"],
-                         "kv_tokens": kv, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
-                         "verify_logits_rel_err": yardstick,
-                         "note": f"bench/step.py's {step} step, repeated over a cropped DynamicCache"})
-    return runs
-
-
-@torch.inference_mode()
-def _logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int], hf_sdpa: torch.Tensor,
-                      args) -> dict:
-    """Relative (Frobenius) differences of one Medusa-64 verify step's logits in the model dtype: transformers
-    sdpa vs transformers eager attention (how far two correct implementations of the same step drift apart:
-    the yardstick; the prompt's cache is prefilled with sdpa either way: eager attention over a 32000-token
-    prompt would need 61 GiB), and treedec (a graphed engine, as the programs run) vs each."""
-    from transformers import DynamicCache
-
-    from bench.step import _rel_err, hf_tree_inputs
-
-    device = work.model.device
-    cache = DynamicCache()
-    hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)  # sdpa
-    tree_input, positions, mask = hf_tree_inputs(len(prompt), tree_ids, work.medusa, work.model.dtype, device)
-    hf.config._attn_implementation = "eager"   # LlamaAttention reads it at every call
-    try:
-        hf_eager = hf(tree_input, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True).logits[0].float().cpu()
-    finally:
-        hf.config._attn_implementation = "sdpa"
-    del cache
-    engine = Engine(work.model, kv_tokens=len(prompt) + 4 * work.medusa.size, page_size=args.page_size,
-                    backend=args.backend, cuda_graphs=work.model.device.type == "cuda")
-    root, _ = engine.prefill(prompt)
-    ids = engine.tree.add_token_tree(root, tree_ids, work.medusa.parents)
-    ours = engine.step(logits_rows=engine.pending_rows(ids)).float().cpu()
-    del engine
-    _free(work.model.device)
-    return {"hf_sdpa_vs_hf_eager": _rel_err(hf_sdpa, hf_eager), "treedec_vs_hf_sdpa": _rel_err(ours, hf_sdpa),
-            "treedec_vs_hf_eager": _rel_err(ours, hf_eager)}
-
-
 # ===================================================================== report
 
 
@@ -494,12 +431,6 @@ def _engine(method: str, work: Workload, prompt: list[int], args) -> Engine:
     return Engine(work.model, kv_tokens=None if device.type == "cuda" else 2 * len(prompt) + 4096,
                   page_size=args.page_size, backend=backend, cuda_graphs=graphs,
                   compile_model=method == "graphs_model")
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _parse_args(argv):
