@@ -24,7 +24,7 @@ from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree.layout import TreeLayout, depth_first_order
 from treedec.tree.paged_kv_pool import PagedKVPool
 from treedec.tree.tree_debugging import TreeDebugging
-from treedec.tree.validate import describe, int_array, int_list, int_value, is_int, rows, show_int
+from treedec.tree.validate import describe, int_array, int_list, int_value, is_int, on_cycle, rows, show_int
 
 
 @dataclass
@@ -244,7 +244,7 @@ class SequenceTree(TreeDebugging):
         late = np.flatnonzero(parents >= np.arange(m))
         if len(late):
             i, p = int(late[0]), int(parents[late[0]])
-            kind = "a cycle" if _on_cycle(parents, i) else "a forward reference"
+            kind = "a cycle" if on_cycle(parents, i) else "a forward reference"
             raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
         pages = self.pool.allocate(self.pool.pages_for(m))  # raises before any change
         slots = (pages[:, None] * self.pool.page_size + np.arange(self.pool.page_size)).reshape(-1)[:m]
@@ -459,12 +459,3 @@ class SequenceTree(TreeDebugging):
         node.tail_room = node.tail_room - use_tail if len(pages) == 0 else len(pages) * ps - (n - use_tail)
         node.pending += n
         return new_slots
-
-
-def _on_cycle(parents: np.ndarray, start: int) -> bool:
-    seen = set()
-    i = start
-    while i >= 0 and i not in seen:
-        seen.add(i)
-        i = int(parents[i])
-    return i == start

@@ -164,3 +164,13 @@ def _bounds(low: int, high: int) -> str:
         return "int64 values" if low == INT64_MIN else f">= {low} and fit in int64"
     return f"in [{low}, {high}]"
 
+
+def on_cycle(parents, start: int) -> bool:
+    """Whether following ``parents`` (indices; -1 or out of range ends the walk) from ``start``
+    comes back to ``start``: tells a cycle from a forward reference in an error message."""
+    seen = set()
+    i = start
+    while 0 <= i < len(parents) and i not in seen:
+        seen.add(i)
+        i = int(parents[i])
+    return i == start

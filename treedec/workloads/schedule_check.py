@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treedec.tree.validate import on_cycle
 from treedec.workloads.schedule_ops import (Accept, Branch, Extend, Handle, Op, Prompt, Prune, ScheduleError,
                                             TokenTree, token_count)
 
@@ -200,7 +201,7 @@ def _apply_token_tree(shape: _Shape, op: TokenTree, where: str) -> None:
         if not -1 <= p < m:
             raise ScheduleError(f"{where}: field 'parents[{k}]' = {p} is not a token index in [-1, {m})")
         if p >= k:
-            kind = "a cycle" if _on_cycle(op.parents, k) else "a forward reference"
+            kind = "a cycle" if on_cycle(op.parents, k) else "a forward reference"
             raise ScheduleError(f"{where}: field 'parents[{k}]' = {p}: parents must come before their "
                                 f"children ({kind})")
     for k, (h, p) in enumerate(zip(op.ids, op.parents)):
@@ -228,12 +229,3 @@ def _apply_accept(shape: _Shape, op: Accept, where: str) -> None:
     for child in list(shape.children[anchor]):
         shape.remove(child)
     shape.grow(anchor, accepted, where)
-
-
-def _on_cycle(parents: tuple[int, ...], start: int) -> bool:
-    seen = set()
-    i = start
-    while 0 <= i < len(parents) and i not in seen:
-        seen.add(i)
-        i = parents[i]
-    return i == start
