@@ -36,10 +36,11 @@ def outputs(results):
     return [(r.id, r.index, r.output_ids, r.stop_reason) for r in results]
 
 
-@pytest.mark.parametrize("kv_tokens", [4096, 160])
+@pytest.mark.parametrize("kv_tokens", [4096, 100, 72])
 def test_batched_equals_each_request_alone(tiny, kv_tokens):
     """Every request's outputs are those of the request run alone on a fresh engine, with a pool
-    large enough for all at once and with one so small that requests wait for pages."""
+    large enough for all at once and with ones so small that requests wait for pages, or are
+    preempted and run again."""
     engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
     batched, stats = generate_batch(engine, requests())
     alone = []
@@ -49,11 +50,13 @@ def test_batched_equals_each_request_alone(tiny, kv_tokens):
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
     assert [r.id for r in batched] == [0, "b", "b", "b", 2, 2, 3, 4, 4]
     assert {r.stop_reason for r in batched} >= {"eos", "length"}
-    if kv_tokens == 160:
-        assert stats.waits > 0 and max(stats.requests_per_step) < 5 and stats.peak_pages <= 40
+    if kv_tokens == 4096:
+        assert stats.waits == 0 and max(stats.programs_per_step) == 5 and stats.preemptions == 0
+        # The prompts, and every output token but the last (nothing reads it).
+        assert sum(stats.queries_per_step) == sum(len(s.prompt_ids) for s in requests()) \
+            + sum(len(r.output_ids) - 1 for r in batched)
     else:
-        assert stats.waits == 0 and max(stats.requests_per_step) == 5
-    assert sum(stats.queries_per_step) == sum(len(r.output_ids) - 1 for r in batched)   # the last token is not computed
+        assert stats.waits > 0 and stats.peak_pages <= kv_tokens // 4
 
 
 def test_greedy_outputs_are_plain_greedy_decoding(tiny):
@@ -184,9 +187,12 @@ def test_shared_prompt_prefixes_are_stored_once(tiny, kv_tokens):
     for spec in shared_prompt_requests():
         alone += generate_batch(make_engine(tiny), [spec])[0]
     assert outputs(shared) == outputs(alone) == outputs(unshared)
-    assert stats.shared_prefix_tokens == 40 * 4 + 23 * 1 and plain.shared_prefix_tokens == 0
-    if kv_tokens == 4096:   # every request at once: the two system prompts' pages once, not 5 and 2 times
-        assert plain.peak_pages - stats.peak_pages == 4 * 10 + 1 * 6
+    # Group a's prefix stops one token short of request 4's prompt (all of system prompt a): every member
+    # keeps a node of its own.
+    assert stats.shared_prefix_tokens == 39 * 4 + 23 * 1 and plain.shared_prefix_tokens == 0
+    if kv_tokens == 4096:   # every request at once: the two system prompts' pages once, not 5 and 2 times,
+        # less the page of request 4's own last prompt token
+        assert plain.peak_pages - stats.peak_pages == 4 * 10 + 1 * 6 - 1
     else:
         assert stats.waits > 0
     assert shared_engine.pool.num_free_pages == shared_engine.pool.num_pages and shared_engine.tree.num_nodes == 0
@@ -222,3 +228,16 @@ def test_pipelined_text_and_stop_strings(tiny, monkeypatch):
     assert [(r.output_ids, r.text, r.stop_reason) for r in runs[0]] == [(r.output_ids, r.text, r.stop_reason)
                                                                         for r in runs[1]]
     assert any(r.stop_reason == "stop_string" for r in runs[0])
+
+
+def test_requests_that_outgrow_the_pool_are_preempted_and_run_again(tiny):
+    """Two long requests both admitted (their prompts fit) outgrow a 16-page pool together: when both
+    wait for pages the newer one is preempted (its pages freed) and run again after the other; a
+    seeded request's outputs are the same as alone."""
+    specs = [RequestSpec(k, prompt_ids=prompt(k, 4), max_new_tokens=40, temperature=0.9, seed=k) for k in range(2)]
+    engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
+    batched, stats = generate_batch(engine, specs)
+    alone = [generate_batch(make_engine(tiny), [spec])[0][0] for spec in specs]
+    assert outputs(batched) == outputs(alone)
+    assert stats.preemptions >= 1 and stats.peak_pages <= 16
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0

@@ -84,6 +84,6 @@ def run_generate(args: argparse.Namespace) -> int:
     reasons = {reason: sum(r.stop_reason == reason for r in results) for reason in ("eos", "stop_string", "length")}
     print(f"{name}: {len(specs)} requests, {len(results)} outputs, {tokens} tokens in {stats.seconds:.2f} s "
           f"({tokens / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.steps} batched steps (up to "
-          f"{max(stats.requests_per_step, default=0)} requests a step), {stats.waits} waits for pages, stop reasons "
+          f"{max(stats.programs_per_step, default=0)} requests a step), {stats.waits} waits for pages, stop reasons "
           f"{reasons}; results in {args.out}", file=sys.stderr)
     return 0

@@ -2,127 +2,50 @@
 
 :func:`generate_batch` is the offline batch API (vLLM's ``LLM.generate`` over a list of
 requests): each :class:`~treedec.search.requests_file.RequestSpec` is a prompt and its ``n``
-outputs, sampled (or greedy at temperature 0) under its own stop rule. The requests wait in
-a queue; every iteration the scheduler
+outputs, sampled (or greedy at temperature 0) under its own stop rule (EOS ids, stop strings,
+``max_new_tokens``: :class:`~treedec.search.stops.StopChecker`). Each request is a
+:class:`GenerateProgram` run by the scheduler (:func:`~treedec.search.scheduler.run_programs`):
+its prompt is prefilled as a new tree of the engine's forest (past a prefix it shares with
+other requests, which is stored once), its ``n`` outputs become children of the prompt's node
+(the prompt's K/V is stored once), and every iteration ONE engine step computes the next token
+of every live output of every request. A request retires when all its outputs ended, pruning
+its tree (pages freed for the next admissions).
 
-1. admits the next requests while their worst cases fit the KV pool (the prompt's pages plus
-   ``n`` outputs of ``max_new_tokens`` tokens each, summed over the live requests), prefills
-   them (each prompt a new tree of the engine's forest; its ``n`` outputs become children of
-   the prompt's node, so the prompt's K/V is stored once),
-2. draws the next token of every live output from its row of the last step, applies the
-   output's stop rule (EOS ids, stop strings, ``max_new_tokens``:
-   :class:`~treedec.search.stops.StopChecker`), and grows the outputs that go on,
-3. runs ONE engine step over the pending tokens of every live request (one plan, one forward),
-4. retires the requests whose outputs all ended, pruning their trees (pages freed for the
-   next admissions).
-
-Shared prompt prefixes: requests whose prompts start with the same tokens (a system prompt,
-few-shot examples; at least ``min_shared_prefix`` tokens) read one copy of that prefix's K/V.
-Before the run the prompts are matched against each other (sorted, neighbours' longest
-common prefix); each group's common prefix is prefilled once, as a root node, when its first
-request is admitted, and every member's own rest of the prompt is prefilled under it. The
-prefix node is pruned when its last member retires.
-
-Admission never over-commits: a request waits until its worst case fits (no preemption), so
-the pool cannot run out mid-run; a request whose worst case exceeds the whole pool raises
-before anything runs.
+Admission and pool pressure are the scheduler's: a request is admitted when its prompt and
+the next step of every live request fit; an output that cannot grow waits, and when all wait
+the newest request is preempted and run again (:mod:`treedec.search.scheduler`). A request
+whose worst case (prompt and ``n`` outputs of ``max_new_tokens``) exceeds the whole pool
+raises before anything runs.
 
 Randomness: a request with a ``seed`` draws from its own generator, one uniform number per
 output per draw (:func:`~treedec.search.sampling.sample_tokens` by inverse CDF), so its outputs
-do not depend on which other requests share its steps: batched == alone (tested). Requests
-without a seed draw from the batch's ``generator`` in admission order.
+do not depend on which other requests share its steps, nor on a preemption: batched == alone
+(tested). Requests without a seed draw from the batch's ``generator`` as they run.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from treedec.engine import Engine
 from treedec.engine.text import IncrementalDetokenizer, encode_prompt
 from treedec.errors import PoolExhaustedError
-from treedec.search.request import pages_in_use
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.scheduler import Program, ProgramContext, SchedulerStats, StepRequest, run_programs
 from treedec.search.stops import StopChecker
 from treedec.transfer import HostCopy, to_device
 
-__all__ = ["BatchStats", "generate_batch"]
-
-
-@dataclass
-class BatchStats:
-    """Counters of one :func:`generate_batch` run.
-
-    Attributes
-    ----------
-    steps : engine steps after the prefills (each computes every live request's new tokens).
-    queries_per_step : tokens computed by each step.
-    requests_per_step : requests with tokens in each step.
-    waits : iterations in which the next queued request waited for pages.
-    shared_prefix_tokens : prompt tokens whose K/V was not stored again because another request
-        of the batch shares them (a prefix of ``t`` tokens shared by ``m`` requests counts
-        ``t * (m - 1)``).
-    peak_pages : the most KV pages the batch held at once.
-    seconds : wall time of the run.
-    """
-
-    steps: int = 0
-    queries_per_step: list[int] = field(default_factory=list)
-    requests_per_step: list[int] = field(default_factory=list)
-    waits: int = 0
-    shared_prefix_tokens: int = 0
-    peak_pages: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _Output:
-    checker: StopChecker
-    node: int | None = None      # a child of the prompt's node, from the output's first token on
-
-
-@dataclass
-class _Prefix:
-    tokens: list[int]
-    members: int                  # requests of the batch that read it and have not retired
-    pages: int
-    node: int | None = None       # its root node, from its first member's admission on
-    logits: torch.Tensor | None = None   # [vocab] at its last token: a member whose whole prompt it is
-
-
-@dataclass
-class _Request:
-    spec: RequestSpec
-    order: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    worst_pages: int              # its own: the prompt past a shared prefix, and the outputs
-    prefix: _Prefix | None = None
-    outputs: list[_Output] = field(default_factory=list)
-    root: int | None = None       # the node the outputs hang under
-    own: int | None = None        # the request's own prompt node (None: its prompt is the shared prefix)
-    logits: torch.Tensor | None = None     # [live outputs, vocab]: the rows of the last step
-    greedy: torch.Tensor | None = None     # their argmax, when the step drew it for every greedy request
-    rows: list[int] = field(default_factory=list)   # the outputs those rows belong to
-    steps: int = 0
-    started: float = 0.0
-
-    @property
-    def live(self) -> list[int]:
-        return [i for i, o in enumerate(self.outputs) if not o.checker.stopped]
+__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results"]
 
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
                    generator: torch.Generator | None = None,
                    on_request_done: Callable[[list[RequestResult]], None] | None = None,
                    min_shared_prefix: int | None = None, pipeline: bool | None = None
-                   ) -> tuple[list[RequestResult], BatchStats]:
+                   ) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -145,8 +68,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     Returns
     -------
     ``(results, stats)``: every output's :class:`RequestResult`, in request order then output
-    index, and the run's :class:`BatchStats`. Each result's ``stats`` holds the request's
-    ``steps``, ``prompt_tokens`` and ``seconds`` (admission to retirement).
+    index, and the run's :class:`~treedec.search.scheduler.SchedulerStats`. Each result's
+    ``stats`` holds the request's ``steps``, ``prompt_tokens`` and ``seconds`` (admission to
+    retirement).
 
     Raises
     ------
@@ -159,77 +83,23 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
-    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
-        raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
-    queue = deque(_prepare(engine, requests, tokenizer, chat_template, generator))
-    prefixes = _share_prefixes(engine, list(queue), min_shared) if min_shared else []
+    prepared = prepare_requests(engine, requests, tokenizer, chat_template)
     budget = engine.pool.num_free_pages
-    too_big = next((r for r in queue if r.worst_pages + (r.prefix.pages if r.prefix else 0) > budget), None)
-    if too_big is not None:
-        raise PoolExhaustedError(
-            f"request {too_big.spec.id!r} may need {too_big.worst_pages} KV pages (prompt {len(too_big.prompt_ids)} "
-            f"tokens + {too_big.spec.n} x {too_big.spec.max_new_tokens} new tokens), the pool has {budget} free; "
-            f"lower max_new_tokens or n, or give the engine more kv_tokens; nothing was run")
-    stats = BatchStats(shared_prefix_tokens=sum(len(p.tokens) * (p.members - 1) for p in prefixes))
-    held_before = pages_in_use(engine.pool)
-    results: dict[int, list[RequestResult]] = {}
-    live: list[_Request] = []
-    start = time.perf_counter()
-    try:
-        while queue or live:
-            committed = sum(r.worst_pages for r in live) + sum(p.pages for p in prefixes if p.node is not None)
-            admitted = False
-            while queue and committed + _admission_pages(queue[0]) <= budget:
-                request = queue.popleft()
-                committed += _admission_pages(request)
-                _admit(engine, request, tokenizer)
-                live.append(request)
-                admitted = True
-            if queue and not admitted:
-                stats.waits += 1
-            drawing = [r for r in live if r.logits is not None]
-            if drawing:
-                read_rows = [list(r.rows) for r in drawing]
-                drawn = [_draw(r) for r in drawing]
-                everything = torch.cat(drawn)
-                copy = HostCopy(everything)   # one transfer for every request's tokens
-                if pipeline:   # the next step runs while the host reads and checks these tokens
-                    _launch_unread(engine, drawing, read_rows, everything, stats)
-                flat = copy.result()
-                grow: dict[int, list[int]] = {}
-                for request, rows in zip(drawing, read_rows):
-                    _take(engine, request, rows, flat[:len(rows)], grow, pipeline)
-                    flat = flat[len(rows):]
-                if grow:
-                    engine.tree.extend_many(grow)
-            stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
-            stepping = [(r, r.live) for r in live if r.live]
-            if not pipeline and stepping:
-                _step(engine, stepping, stats)
-            for request in [r for r in live if not r.live]:
-                live.remove(request)
-                _retire(engine, request)
-                done = _results(request, tokenizer)
-                results[request.order] = done
-                if on_request_done is not None:
-                    on_request_done(done)
-    except BaseException:
-        for request in live:
-            _discard(engine, request)
-        for prefix in prefixes:
-            if prefix.node is not None and prefix.node in engine.tree:
-                engine.tree.prune(prefix.node)
-        raise
-    stats.seconds = time.perf_counter() - start
-    return [res for order in sorted(results) for res in results[order]], stats
+    for spec, prompt_ids in prepared:
+        worst = engine.pool.pages_for(len(prompt_ids)) + spec.n * engine.pool.pages_for(spec.max_new_tokens)
+        if worst > budget:
+            raise PoolExhaustedError(
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.n} x "
+                f"{spec.max_new_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
+                f"give the engine more kv_tokens; nothing was run")
+    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline) for spec, ids in prepared]
+    done = None if on_request_done is None else (lambda index, results: on_request_done(results))
+    results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done)
+    return [r for request in results for r in request], stats
 
 
-# ================================================================ private
-
-
-def _prepare(engine: Engine, requests, tokenizer, chat_template: bool, generator) -> list[_Request]:
-    """Check and encode every request before the engine is touched."""
+def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
+    """Check every request and encode its prompt, before the engine is touched: ``(spec, prompt_ids)`` each."""
     if isinstance(requests, RequestSpec) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of RequestSpec, got {type(requests).__name__}")
     if not isinstance(chat_template, bool):
@@ -256,209 +126,118 @@ def _prepare(engine: Engine, requests, tokenizer, chat_template: bool, generator
         if spec.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.stop)!r:.60}: they are matched on the "
                              f"output text and need the checkpoint's tokenizer")
-        pool = engine.pool
-        worst = pool.pages_for(len(prompt_ids)) + spec.n * pool.pages_for(spec.max_new_tokens)
-        own = None
-        if spec.seed is not None and spec.temperature > 0:
-            own = torch.Generator(engine.device).manual_seed(spec.seed)
-        params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
-        out.append(_Request(spec, k, prompt_ids, params, own if spec.seed is not None else generator, worst))
+        out.append((spec, prompt_ids))
     return out
 
 
-def _share_prefixes(engine: Engine, requests: list[_Request], min_tokens: int) -> list[_Prefix]:
-    """Group requests whose prompts share at least ``min_tokens`` leading tokens: prompts sorted,
-    runs of neighbours whose common prefix is that long form a group, its prefix the run's
-    shortest common one. Each member's ``prefix`` and own ``worst_pages`` are set."""
-    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_ids)
-    groups, run, shared = [], [order[0]] if order else [], None
-    for a, b in zip(order, order[1:]):
-        common = _common_prefix(requests[a].prompt_ids, requests[b].prompt_ids)
-        if common >= min_tokens:
-            run.append(b)
-            shared = common if shared is None else min(shared, common)
-        else:
-            if len(run) > 1:
-                groups.append((run, shared))
-            run, shared = [b], None
-    if len(run) > 1:
-        groups.append((run, shared))
-    pool, prefixes = engine.pool, []
-    for members, length in groups:
-        prefix = _Prefix(requests[members[0]].prompt_ids[:length], len(members), pool.pages_for(length))
-        prefixes.append(prefix)
-        for i in members:
-            r = requests[i]
-            r.prefix = prefix
-            r.worst_pages = pool.pages_for(len(r.prompt_ids) - length) + r.spec.n * pool.pages_for(r.spec.max_new_tokens)
-    return prefixes
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
-
-
-def _admission_pages(request: _Request) -> int:
-    """Pages admitting ``request`` commits: its worst case, and its shared prefix if not prefilled yet."""
-    prefix = request.prefix
-    return request.worst_pages + (prefix.pages if prefix is not None and prefix.node is None else 0)
-
-
-def _admit(engine: Engine, request: _Request, tokenizer) -> None:
-    """Prefill the request's prompt (past its shared prefix, which is prefilled first if it is
-    not yet); the prompt's last logits serve all ``n`` outputs."""
-    spec = request.spec
-    request.started = time.perf_counter()
-    rule = spec.stop_rule(engine.model.eos_token_ids)
-    for _ in range(spec.n):
-        detok = IncrementalDetokenizer(tokenizer, request.prompt_ids) if tokenizer is not None else None
-        request.outputs.append(_Output(StopChecker(rule, detok)))
-    prefix = request.prefix
-    if prefix is None:
-        request.root, first = engine.prefill(request.prompt_ids)
-        request.own = request.root
-    else:
-        if prefix.node is None:
-            prefix.node, prefix.logits = engine.prefill(prefix.tokens)
-        rest = request.prompt_ids[len(prefix.tokens):]
-        if rest:
-            request.own, first = engine.prefill(rest, parent=prefix.node)
-            request.root = request.own
-        else:
-            request.root, first = prefix.node, prefix.logits
-    request.rows = list(range(spec.n))
-    request.logits = first[None].expand(spec.n, -1)
-
-
-def _draw(request: _Request) -> torch.Tensor:
-    """The next token (on the device) of each output with a row in the last step."""
-    if request.greedy is not None:
-        tokens, request.greedy, request.logits = request.greedy, None, None
-        return tokens
-    uniform = None
-    if request.params.temperature > 0:
-        # One number per output per draw, whichever outputs are live: a request's stream does
-        # not depend on when its outputs end, nor on the other requests.
-        numbers = torch.rand(request.spec.n, generator=request.generator, device=request.logits.device)
-        uniform = numbers[to_device(request.rows, numbers.device)]
-    tokens = sample_tokens(request.logits, request.params, uniform=uniform)
-    request.logits = None
-    return tokens
-
-
-def _step(engine: Engine, entries: list[tuple[_Request, list[int]]], stats: BatchStats,
-          tokens: torch.Tensor | None = None) -> None:
-    """One engine step over the pending tokens of ``entries`` (each request with its outputs that have
-    one); each request keeps its rows' logits (and, greedy, their argmax: one for the whole step)."""
-    nodes = [r.outputs[i].node for r, outputs in entries for i in outputs]
-    logits = engine.step(logits_rows=engine.pending_rows(nodes), tokens=tokens)
-    greedy = logits.argmax(dim=-1) if any(r.params.temperature == 0 for r, _ in entries) else None
-    stats.steps += 1
-    stats.queries_per_step.append(len(nodes))
-    stats.requests_per_step.append(len(entries))
-    offset = 0
-    for r, outputs in entries:
-        r.rows = list(outputs)
-        r.logits = logits[offset:offset + len(outputs)]
-        if r.params.temperature == 0:
-            r.greedy = greedy[offset:offset + len(outputs)]
-        offset += len(outputs)
-        r.steps += 1
-
-
-def _launch_unread(engine: Engine, drawing: list[_Request], read_rows: list[list[int]], drawn: torch.Tensor,
-                   stats: BatchStats) -> None:
-    """Pipelined: append a placeholder for each drawn token that may be computed (its output has not
-    ended and the token is not its last allowed one) and run the step on the drawn tokens on the
-    device. An output the token ends is pruned when it is read, the token computed meanwhile with it."""
-    tree = engine.tree
-    entries, grow, source = [], {}, {}
-    offset = 0
-    for request, rows in zip(drawing, read_rows):
-        outputs, fresh = [], []
-        for k, i in enumerate(rows):
-            output = request.outputs[i]
-            if output.checker.stopped or len(output.checker.token_ids) + 1 >= request.spec.max_new_tokens:
-                continue
-            outputs.append(i)
-            if output.node is None:
-                fresh.append((i, offset + k))
-            else:
-                grow[output.node] = [0]
-                source[output.node] = offset + k
-        if fresh:
-            for (i, at), node in zip(fresh, tree.branch(request.root, [[0]] * len(fresh))):
-                request.outputs[i].node = node
-                source[node] = at
-        if outputs:
-            entries.append((request, outputs))
-        offset += len(rows)
-    if grow:
-        tree.extend_many(grow)
-    if entries:
-        order = to_device([source[n] for n in engine.pending_nodes().tolist()], drawn.device)
-        _step(engine, entries, stats, drawn[order])
-
-
-def _take(engine: Engine, request: _Request, rows: list[int], tokens: list[int], grow: dict[int, list[int]],
-          pipelined: bool) -> None:
-    """Give each drawn token to its output's stop rule and prune the outputs that ended. Pipelined, the
-    others' placeholders get the real ids; else the new outputs start and ``node: [token]`` goes into
-    ``grow`` for the others (the caller extends them all at once)."""
-    tree = engine.tree
-    fresh: dict[int, int] = {}
-    for i, token in zip(rows, tokens):
-        output = request.outputs[i]
-        if output.checker.stopped:      # ended at an earlier draw; this row ran in flight (pipelined)
-            continue
-        decision = output.checker.accept(token)
-        if decision.reason is not None:
-            if output.node is not None:
-                tree.prune(output.node)
-                output.node = None
-        elif pipelined:
-            tree.set_tokens(output.node, len(output.checker.token_ids) - 1, [token])   # the node holds its tokens
-        elif output.node is None:
-            fresh[i] = token
-        else:
-            grow[output.node] = [token]
-    if fresh:
-        for i, node in zip(fresh, tree.branch(request.root, [[t] for t in fresh.values()])):
-            request.outputs[i].node = node
-
-
-def _results(request: _Request, tokenizer) -> list[RequestResult]:
-    spec = request.spec
+def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[StopChecker], steps: int,
+                    seconds: float) -> list[RequestResult]:
+    """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement)."""
     prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
-    seconds = time.perf_counter() - request.started
-    return [RequestResult(spec.id, i, prompt, list(request.prompt_ids), o.checker.token_ids, o.checker.text,
-                          o.checker.stop_reason, {"steps": request.steps, "prompt_tokens": len(request.prompt_ids),
-                                                  "seconds": seconds})
-            for i, o in enumerate(request.outputs)]
+    stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "seconds": seconds}
+    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason, dict(stats))
+            for i, c in enumerate(checkers)]
 
 
-def _retire(engine: Engine, request: _Request) -> None:
-    """Prune the request's own nodes, and its shared prefix after its last member."""
-    if request.own is not None:
-        engine.tree.prune(request.own)
-    prefix = request.prefix
-    if prefix is not None:
-        prefix.members -= 1
-        if prefix.members == 0:
-            engine.tree.prune(prefix.node)
-            prefix.node = prefix.logits = None
+class GenerateProgram(Program):
+    """One request's ``n`` outputs, sampled (greedy at temperature 0) until each one's stop rule ends it.
 
+    Its result is the list of its outputs' :class:`RequestResult`. ``pipeline``: each step is
+    launched with the drawn tokens still on the device (placeholders in the tree), and the host
+    reads them while it runs.
+    """
 
-def _discard(engine: Engine, request: _Request) -> None:
-    """Free a live request's own nodes after a failed iteration (pending tokens included); its
-    shared prefix is the caller's to prune."""
-    tree = engine.tree
-    if tree.layout().num_queries:
-        tree.commit_step()
-    if request.own is not None and request.own in tree:
-        tree.prune(request.own)
-    for output in request.outputs:   # outputs of a request whose prompt is its shared prefix
-        if output.node is not None and output.node in tree:
-            tree.prune(output.node)
+    def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None,
+                 generator: torch.Generator | None = None, pipeline: bool = False):
+        self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
+        self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
+        self.generator, self.pipeline = generator, pipeline
+
+    def step_pages(self, pool) -> int:
+        return self.spec.n   # each output may start a page
+
+    def run(self, ctx: ProgramContext):
+        engine, spec, n = ctx.engine, self.spec, self.spec.n
+        tree = engine.tree
+        started = time.perf_counter()
+        generator = self.generator
+        if spec.seed is not None and spec.temperature > 0:   # made here, so a re-run draws the same numbers
+            generator = torch.Generator(engine.device).manual_seed(spec.seed)
+        rule = spec.stop_rule(engine.model.eos_token_ids)
+        checkers = [StopChecker(rule, None if self.tokenizer is None
+                                else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
+        nodes: list[int | None] = [None] * n   # each output's node: a child of the prompt's, from its first token
+        root, steps = None, 0
+        try:
+            root, out = yield from ctx.prompt(self.prompt_ids)
+            logits, argmax, rows = out.logits.expand(n, -1), None, list(range(n))
+            drawn = self._draw(logits, argmax, rows, generator)
+            while True:
+                if self.pipeline:   # placeholders for the drawn tokens; the step reads the ids on the device
+                    going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.max_new_tokens]
+                    yield from ctx.reserve(self._pages(tree, [rows[k] for k in going], nodes))
+                    self._place(tree, root, nodes, {rows[k]: 0 for k in going})
+                    out = yield StepRequest([nodes[rows[k]] for k in going], argmax=self.params.temperature == 0,
+                                            tokens=drawn[to_device(going, drawn.device)] if going else None,
+                                            read=drawn)
+                    tokens, stepped = out.read, [rows[k] for k in going]
+                else:
+                    tokens, stepped = HostCopy(drawn).result(), None
+                ended = self._accept(tree, checkers, nodes, rows, tokens, placed=stepped is not None)
+                live = [i for i in range(n) if not checkers[i].stopped]
+                if not live:
+                    break
+                if stepped is None:
+                    yield from ctx.reserve(self._pages(tree, live, nodes))
+                    self._place(tree, root, nodes, {i: checkers[i].token_ids[-1] for i in live})
+                    out = yield StepRequest([nodes[i] for i in live], argmax=self.params.temperature == 0)
+                    stepped = live
+                steps += 1
+                keep = [k for k, i in enumerate(stepped) if i not in ended]
+                index = to_device(keep, out.logits.device)
+                rows = [stepped[k] for k in keep]
+                drawn = self._draw(out.logits[index], None if out.argmax is None else out.argmax[index], rows,
+                                   generator)
+            return request_results(spec, self.prompt_ids, checkers, steps, time.perf_counter() - started)
+        finally:
+            ctx.free(root)
+
+    def _draw(self, logits, argmax, rows, generator) -> torch.Tensor:
+        """The next token (on the device) of each output in ``rows``, from its row of ``logits``."""
+        if self.params.temperature == 0:
+            return logits.argmax(dim=-1) if argmax is None else argmax
+        # One number per output per draw, whichever outputs are live: a request's stream does not
+        # depend on when its outputs end, nor on the other requests.
+        numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
+        return sample_tokens(logits, self.params, uniform=numbers[to_device(rows, numbers.device)])
+
+    @staticmethod
+    def _pages(tree, outputs: list[int], nodes) -> int:
+        return sum(1 if nodes[i] is None else tree.pages_to_extend(nodes[i], 1) for i in outputs)
+
+    @staticmethod
+    def _place(tree, root: int, nodes, tokens: dict[int, int]) -> None:
+        """Append each output's token: its node's next, or a new child of the prompt's node."""
+        grow = {nodes[i]: [t] for i, t in tokens.items() if nodes[i] is not None}
+        if grow:
+            tree.extend_many(grow)
+        fresh = [i for i in tokens if nodes[i] is None]
+        if fresh:
+            for i, node in zip(fresh, tree.branch(root, [[tokens[i]] for i in fresh])):
+                nodes[i] = node
+
+    @staticmethod
+    def _accept(tree, checkers, nodes, rows, tokens, placed: bool) -> set[int]:
+        """Give each drawn token to its output's stop rule; prune the outputs that ended (with a
+        placeholder computed meanwhile). ``placed``: the tokens are in the tree as placeholders."""
+        ended = set()
+        for i, token in zip(rows, tokens):
+            checker = checkers[i]
+            if checker.accept(token).reason is not None:
+                ended.add(i)
+                if nodes[i] is not None:
+                    tree.prune(nodes[i])
+                    nodes[i] = None
+            elif placed:
+                tree.set_tokens(nodes[i], len(checker.token_ids) - 1, [token])
+        return ended

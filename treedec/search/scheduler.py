@@ -1,0 +1,466 @@
+"""One loop for every program: programs say what to add to the tree, the scheduler steps them all.
+
+A *program* (greedy or sampled generation, beam search, speculative decoding, Tree-of-Thought,
+a branch controller) is a Python generator, made by its :meth:`Program.run`. It edits the
+engine's tree (adds the tokens it wants computed: new leaves, a prompt continuation, a
+speculative token tree) and then *yields* a :class:`StepRequest` naming the nodes whose last
+pending tokens' outputs it reads; it is resumed with a :class:`StepOutput` holding those rows
+(logits, and on request hidden states and row heads) once the step has run. When it returns,
+its return value is its result. So a program is a small state machine whose state is its
+suspended code, and the engine step is made in one place only, here.
+
+:func:`run_programs` runs many programs over one engine's forest. Each iteration it
+
+1. admits queued programs while the pool holds their prompts plus headroom for the next step
+   of every live program (:meth:`Program.start_pages`, :meth:`Program.step_pages`); requests
+   whose prompts share a prefix read one copy of it (:mod:`treedec.search.prefixes`): the
+   prefix is prefilled once, when its first member is admitted, and pruned after its last;
+2. resumes the live programs, which edit the tree and yield; a program that needs more free
+   pages than there are yields :class:`Wait` instead and is retried next iteration;
+3. runs ONE engine step over every program's pending tokens (one plan, one forward) and
+   hands each program its rows;
+4. retires the programs that returned (each frees its own pages when it ends).
+
+Pool pressure never crashes a run: a program that cannot grow waits while others run; when
+every live program waits, the most recently admitted one is *preempted* (closed, which frees
+its pages, and queued again at the front, to run again from its start: a seeded program gives
+the same result; :attr:`SchedulerStats.preemptions` counts them). Only a program that cannot
+run alone in the whole pool raises :class:`~treedec.errors.PoolExhaustedError`.
+
+Pipelining (no host wait between steps): a program may yield placeholder tokens whose ids are
+on the device (``StepRequest.tokens``: drawn from the last step's logits, not read back) and
+ask for a device tensor to be read (``StepRequest.read``); the step is launched first and the
+program gets the values read in its next :class:`StepOutput`, copied for all programs at once.
+
+:func:`run_program` runs a single program (the one-request functions of :mod:`treedec.search`
+are that); there a :class:`Wait` raises at once, as there is nothing to wait for.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.prefixes import SharedPrefix, share_prefixes
+from treedec.search.request import pages_in_use
+from treedec.transfer import HostCopy, to_device
+
+__all__ = ["Program", "ProgramContext", "SchedulerStats", "StepOutput", "StepRequest", "Wait", "run_program",
+           "run_programs", "step"]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What a program yields after adding its pending tokens to the tree.
+
+    Attributes
+    ----------
+    nodes : node ids; the program gets one output row per node, at the node's last pending
+        token (a node may appear more than once). May be empty (then only ``read`` is done).
+    hidden : also return those rows' final-norm hidden states.
+    heads : also return the engine's row heads at those rows.
+    argmax : also return the rows' argmax (computed once for the whole step).
+    tokens : [len(nodes)] int64 device tensor, optional: the ids of the nodes' last pending
+        tokens, which the tree holds as placeholders (read on the device; pipelining).
+    read : a device tensor to read back; its values come in the next :class:`StepOutput`'s
+        ``read``, after the step is launched.
+    prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
+        :attr:`SchedulerStats.prompt_steps`).
+    """
+
+    nodes: Sequence[int]
+    hidden: bool = False
+    heads: bool = False
+    argmax: bool = False
+    tokens: torch.Tensor | None = None
+    read: torch.Tensor | None = None
+    prompt: bool = False
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Yielded by a program that needs ``pages`` free KV pages before it can go on (it changed nothing)."""
+
+    pages: int
+
+
+@dataclass
+class StepOutput:
+    """A program's rows of a step (``None`` for what it did not ask for).
+
+    Attributes
+    ----------
+    logits : [len(nodes), vocab] in the model dtype.
+    hidden : [len(nodes), hidden_size] or None.
+    heads : {name: [len(nodes), ...]} or None.
+    argmax : [len(nodes)] int64 device tensor or None.
+    read : the values of the request's ``read`` tensor as (nested) Python numbers, or None.
+    """
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    heads: dict[str, torch.Tensor] | None = None
+    argmax: torch.Tensor | None = None
+    read: list | None = None
+
+
+class Program:
+    """A request as a resumable program; subclasses define :meth:`run`.
+
+    Attributes
+    ----------
+    prompt_ids : the prompt's token ids when the program starts from a prompt (requests with a
+        common prefix then share its K/V), else None.
+    """
+
+    prompt_ids: list[int] | None = None
+
+    def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepOutput | None, Any]:
+        """The program: edits ``ctx.engine.tree``, yields requests, returns its result. It frees its
+        own nodes before it returns, and in a ``finally`` (it may be closed at any yield)."""
+        raise NotImplementedError(f"{type(self).__name__} must define run(ctx)")
+
+    def start_pages(self, pool) -> int:
+        """KV pages its start takes (the prompt past a shared prefix): admission waits for them."""
+        return pool.pages_for(len(self.prompt_ids)) if self.prompt_ids else 0
+
+    def step_pages(self, pool) -> int:
+        """Pages one of its steps may add, at most (headroom kept for it while it runs)."""
+        return 1
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of one :func:`run_programs` run.
+
+    Attributes
+    ----------
+    steps : engine steps run by the scheduler (shared-prefix prefills not included).
+    prompt_steps : those of them that computed a prompt chunk (the others only decode).
+    queries_per_step : tokens computed by each step.
+    programs_per_step : programs with rows in each step.
+    waits : times a program waited for pages (a :class:`Wait`) or a queued program for admission.
+    preemptions : programs closed to free pages and run again.
+    shared_prefix_tokens : prompt tokens not stored again because another request shares them
+        (a prefix of ``t`` tokens read by ``m`` requests counts ``t * (m - 1)``).
+    peak_pages : the most KV pages the run held at once.
+    seconds : wall time.
+    """
+
+    steps: int = 0
+    prompt_steps: int = 0
+    queries_per_step: list[int] = field(default_factory=list)
+    programs_per_step: list[int] = field(default_factory=list)
+    waits: int = 0
+    preemptions: int = 0
+    shared_prefix_tokens: int = 0
+    peak_pages: int = 0
+    seconds: float = 0.0
+
+
+class ProgramContext:
+    """What a running program sees: the engine, its prompt and page helpers, and ``step_queries``
+    (the tokens it added for its last step)."""
+
+    def __init__(self, engine: Engine, prefix: SharedPrefix | None = None):
+        self.engine = engine
+        self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
+        self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
+
+    def reserve(self, pages: int) -> Generator[Wait, Any, None]:
+        """Wait until ``pages`` KV pages are free (``yield from ctx.reserve(n)`` before growing)."""
+        pool = self.engine.pool
+        if pages > pool.num_pages:
+            raise PoolExhaustedError(f"KV pool exhausted: a step needs {pages} pages of {pool.page_size} tokens, the "
+                                     f"pool has {pool.num_pages} in all; give the engine more kv_tokens")
+        while pool.num_free_pages < pages:
+            yield Wait(pages)
+
+    def free(self, node: int | None) -> None:
+        """Prune ``node``'s subtree if it is still in the tree (a program's ``finally``). After an error
+        that left tokens of that subtree pending (the run ends with it) the step's tokens are marked
+        computed first: nothing reads them, and the scheduler closes every program."""
+        tree = self.engine.tree
+        if node is None or node not in tree:
+            return
+        if any(node in tree.path(p) for p in set(self.engine.pending_nodes().tolist())):
+            tree.commit_step()
+        tree.prune(node)
+
+    def prompt(self, ids: Sequence[int], parent: int | None = None, hidden: bool = False, heads: bool = False
+               ) -> Generator[StepRequest | Wait, Any, tuple[int, StepOutput]]:
+        """Add a prompt (a new tree, or a child of ``parent``) and compute it in steps of at most
+        ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``.
+
+        A root prompt that starts with the context's shared prefix becomes a child of the
+        prefix's node, holding the rest of the prompt (never empty: see
+        :func:`~treedec.search.prefixes.share_prefixes`).
+        """
+        engine, ids = self.engine, [int(t) for t in ids]
+        if parent is None and self.prefix is not None:
+            assert ids[:len(self.prefix.tokens)] == self.prefix.tokens, "the prompt does not start with its prefix"
+            parent, ids = self.prefix.node, ids[len(self.prefix.tokens):]
+        if not ids:
+            raise ValueError("a prompt needs at least one token, got 0")
+        engine._check_token_ids(np.asarray(ids), "prompt_ids")
+        first = 0 if parent is None else len(engine.tree.sequence(parent))
+        engine._check_window(first + len(ids) - 1)
+        yield from self.reserve(engine.pool.pages_for(len(ids)))
+        chunk = engine.prefill_chunk
+        pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+        tree = engine.tree
+        node = tree.add_prompt(pieces[0]) if parent is None else tree.branch(parent, [pieces[0]])[0]
+        try:
+            out = yield StepRequest([node], hidden=hidden, heads=heads, prompt=True)
+            for piece in pieces[1:]:
+                tree.extend(node, piece)
+                out = yield StepRequest([node], hidden=hidden, heads=heads, prompt=True)
+        except BaseException:   # closed or failed before the caller has the node: free it here
+            self.free(node)
+            raise
+        return node, out
+
+
+def step(nodes: Sequence[int], **options) -> Generator[StepRequest, StepOutput, StepOutput]:
+    """``out = yield from step(nodes)``: one :class:`StepRequest`, its :class:`StepOutput` back."""
+    out = yield StepRequest(list(nodes), **options)
+    return out
+
+
+def run_program(engine: Engine, program: Program) -> Any:
+    """Run one program alone on ``engine``; returns its result. A :class:`Wait` raises
+    :class:`~treedec.errors.PoolExhaustedError` (nothing else would free pages)."""
+    results, _ = run_programs(engine, [program], preempt=False)
+    return results[0]
+
+
+def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens: int | None = None,
+                 min_shared_prefix: int | None = None, preempt: bool = True,
+                 on_done: Callable[[int, Any], None] | None = None) -> tuple[list[Any], SchedulerStats]:
+    """Run ``programs`` batched over ``engine``'s forest (see the module docstring).
+
+    Parameters
+    ----------
+    engine : the engine; its tree must have no pending tokens. Its other trees are left alone.
+    programs : the programs, admitted in this order.
+    max_step_tokens : resume no more programs in an iteration once this many tokens are pending
+        (default ``engine.prefill_chunk``; a program's own step may exceed it); the others go on
+        in the next step, first.
+    min_shared_prefix : the fewest common leading prompt tokens requests share as one prefix node
+        (default: the pool's page size; 0 turns sharing off).
+    preempt : when every live program waits for pages, close the newest and queue it again
+        (else raise PoolExhaustedError).
+    on_done : called as ``on_done(index, result)`` when a program returns.
+
+    Returns ``(results, stats)``: each program's result, in the order given, and the run's
+    :class:`SchedulerStats`. A program that raises ends the run: the others are closed (their
+    pages freed) and the error propagates.
+    """
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
+    programs = list(programs)
+    bad = next((p for p in programs if not isinstance(p, Program)), None)
+    if bad is not None:
+        raise TypeError(f"programs must be Program instances, got {type(bad).__name__}")
+    budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"max_step_tokens must be an int >= 1, got {max_step_tokens!r}")
+    min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
+    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
+        raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
+    pending = engine.tree.layout().num_queries
+    if pending:
+        raise ValueError(f"the engine's tree has {pending} pending token(s): run engine.step() first")
+    return _Scheduler(engine, programs, budget, min_shared, preempt, on_done).run()
+
+
+# ================================================================ private
+
+
+@dataclass(eq=False)
+class _Live:
+    index: int
+    gen: Generator
+    ctx: ProgramContext
+    order: int                          # admission order (newest preempted first)
+    send: Any = None                    # what it is resumed with next
+    request: StepRequest | None = None  # its request in the step being gathered
+    waiting: Wait | None = None
+    started: bool = False               # resumed at least once (its prompt is placed)
+
+
+class _Scheduler:
+    def __init__(self, engine, programs, budget, min_shared, preempt, on_done):
+        self.engine, self.programs, self.budget = engine, programs, budget
+        self.preempt, self.on_done = preempt, on_done
+        self.prefixes = share_prefixes([p.prompt_ids for p in programs], min_shared) if min_shared \
+            else [None] * len(programs)
+        self.stats = SchedulerStats()
+        self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1)
+                                              for p in {id(p): p for p in self.prefixes if p is not None}.values())
+        self.queue = deque(range(len(programs)))
+        self.live: list[_Live] = []
+        self.results: dict[int, Any] = {}
+        self.admitted = 0
+
+    def run(self) -> tuple[list[Any], SchedulerStats]:
+        engine, stats = self.engine, self.stats
+        held_before = pages_in_use(engine.pool)
+        start = time.perf_counter()
+        try:
+            while self.queue or self.live:
+                self._admit()
+                gathered = self._resume()
+                stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
+                if gathered:
+                    self._step(gathered)
+                elif self.live and all(lv.waiting is not None for lv in self.live):
+                    self._relieve()
+        except BaseException:
+            tree = engine.tree
+            if tree.layout().num_queries:   # a failed step: its tokens were never computed, nothing reads them
+                tree.commit_step()
+            for lv in self.live:
+                lv.gen.close()
+            for prefix in {id(p): p for p in self.prefixes if p is not None}.values():
+                prefix.release(tree, all_members=True)
+            raise
+        stats.seconds = time.perf_counter() - start
+        return [self.results[i] for i in range(len(self.programs))], stats
+
+    def _admit(self) -> None:
+        pool = self.engine.pool
+        if any(lv.waiting is not None for lv in self.live):
+            return   # the pages freed go to the programs that wait first
+        # The next step of every live program, and the prompts of those not resumed yet.
+        headroom = sum(self.programs[lv.index].step_pages(pool)
+                       + (0 if lv.started else self.programs[lv.index].start_pages(pool)) for lv in self.live)
+        while self.queue:
+            index = self.queue[0]
+            program, prefix = self.programs[index], self.prefixes[index]
+            need = program.start_pages(pool) + program.step_pages(pool)
+            if prefix is not None:
+                need += prefix.admission_pages(pool)
+            if self.live and pool.num_free_pages - headroom < need:
+                self.stats.waits += 1
+                return
+            self.queue.popleft()
+            if prefix is not None:
+                prefix.acquire(self.engine)
+            ctx = ProgramContext(self.engine, prefix)
+            self.live.append(_Live(index, program.run(ctx), ctx, self.admitted))
+            self.admitted += 1
+            headroom += program.step_pages(pool) + program.start_pages(pool)
+
+    def _resume(self) -> list[_Live]:
+        """Resume the live programs (those not stepped last time first) until the budget is pending."""
+        tree, gathered = self.engine.tree, []
+        for lv in list(self.live):
+            if gathered and tree.layout().num_queries >= self.budget:
+                break
+            self.live.remove(lv)
+            lv.started = True
+            before = tree.layout().num_queries
+            try:
+                out = lv.gen.send(lv.send)
+            except StopIteration as done:
+                self._retire(lv, done.value)
+                continue
+            lv.send = None
+            if isinstance(out, Wait):
+                if lv.waiting is None:
+                    self.stats.waits += 1
+                lv.waiting = out
+                self.live.append(lv)
+            elif isinstance(out, StepRequest):
+                lv.waiting, lv.request = None, out
+                lv.ctx.step_queries = tree.layout().num_queries - before
+                gathered.append(lv)
+            else:
+                raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
+                                f"not a StepRequest or Wait")
+        # Stepped programs go last, so the ones held back by the budget are resumed first next time.
+        self.live += gathered
+        return gathered
+
+    def _step(self, gathered: list[_Live]) -> None:
+        engine = self.engine
+        requests = [lv.request for lv in gathered]
+        reads = [r.read for r in requests if r.read is not None]
+        copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
+        nodes = [n for r in requests for n in r.nodes]
+        out = None
+        if nodes:
+            rows = engine.pending_rows(nodes)
+            hidden = any(r.hidden for r in requests)
+            heads = any(r.heads for r in requests)
+            queries = engine.tree.layout().num_queries
+            out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads,
+                              tokens=self._device_tokens(requests))
+            logits, *rest = out if isinstance(out, tuple) else (out,)
+            states = rest.pop(0) if hidden else None
+            head_out = rest[0] if heads else None
+            argmax = logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
+            self.stats.steps += 1
+            self.stats.prompt_steps += any(r.prompt for r in requests)
+            self.stats.queries_per_step.append(queries)
+            self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes))
+        flat = copy.result() if copy is not None else None
+        offset, read_at = 0, 0
+        for lv, r in zip(gathered, requests):
+            k = len(r.nodes)
+            part = slice(offset, offset + k)
+            value = StepOutput()
+            if k:
+                value.logits = logits[part]
+                value.hidden = states[part] if r.hidden else None
+                value.heads = {name: t[part] for name, t in head_out.items()} if r.heads else None
+                value.argmax = argmax[part] if r.argmax else None
+            if r.read is not None:
+                size = r.read.numel()
+                value.read = torch.tensor(flat[read_at:read_at + size]).reshape(r.read.shape).tolist()
+                read_at += size
+            lv.send, lv.request = value, None
+            offset += k
+
+    def _device_tokens(self, requests: list[StepRequest]) -> torch.Tensor | None:
+        """All pending token ids on the device, placeholders replaced by the programs' device ids."""
+        given = [r for r in requests if r.tokens is not None]
+        if not given:
+            return None
+        engine = self.engine
+        ids = to_device(engine.tree.pending_tokens(), engine.device)
+        rows = to_device(engine.pending_rows([n for r in given for n in r.nodes]), engine.device)
+        ids[rows] = torch.cat([r.tokens.reshape(-1) for r in given]).to(torch.int64)
+        return ids
+
+    def _relieve(self) -> None:
+        """Every live program waits for pages: preempt the newest, or raise if that cannot help."""
+        pool = self.engine.pool
+        if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
+            return   # programs that retired after it asked freed enough: it goes on next iteration
+        if not self.preempt or len(self.live) == 1:
+            wait = max(lv.waiting.pages for lv in self.live)
+            raise PoolExhaustedError(
+                f"KV pool exhausted: a program needs {wait} free pages of {pool.page_size} tokens, "
+                f"{pool.num_free_pages} of {pool.num_pages} are free and nothing else can free pages; "
+                f"give the engine more kv_tokens")
+        victim = max(self.live, key=lambda lv: lv.order)
+        self.live.remove(victim)
+        victim.gen.close()
+        self.queue.appendleft(victim.index)
+        self.stats.preemptions += 1
+
+    def _retire(self, lv: _Live, result: Any) -> None:
+        self.results[lv.index] = result
+        prefix = self.prefixes[lv.index]
+        if prefix is not None:
+            prefix.release(self.engine.tree)
+        if self.on_done is not None:
+            self.on_done(lv.index, result)
