@@ -14,7 +14,8 @@ from tests.test_engine_llama import hf_logits, tiny_hf
 from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_hf_model, from_pretrained,
                             to_hf_config, to_hf_state_dict)
 from treedec.engine.loading import CheckpointError, checkpoint_shards
-from treedec.search.speculative import PromptLookupDraft, greedy_generate, speculative_generate
+from treedec.search.drafts import PromptLookupDraft
+from treedec.search.speculative import greedy_generate, speculative_generate
 
 
 def run_steps(model) -> list[torch.Tensor]:

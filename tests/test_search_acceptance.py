@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance, recursive_rejection
-from treedec.search.speculative import PromptLookupDraft, speculative_generate
+from treedec.search.drafts import PromptLookupDraft
+from treedec.search.speculative import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 

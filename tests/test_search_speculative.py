@@ -7,8 +7,8 @@ from treedec.engine import Engine
 from treedec.errors import TreeError
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
-from treedec.search.speculative import (PromptLookupDraft, TreeDraft, greedy_generate, speculative_generate,
-                                        verify_greedy)
+from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative import greedy_generate, speculative_generate, verify_greedy
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 

@@ -6,7 +6,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative import PromptLookupDraft, TreeDraft
+from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.speculative_batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
@@ -45,7 +45,7 @@ def test_batched_speculative_tokens_are_plain_greedy(tiny, kv_tokens, make_draft
         assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
         assert r.stop_reason == "length" and len(r.stats["accepted"]) == r.stats["steps"]
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
-    assert (stats.waits > 0) == (kv_tokens == 240) and max(stats.requests_per_step) <= 5
+    assert (stats.waits > 0) == (kv_tokens == 240) and max(stats.programs_per_step) <= 5
 
 
 def test_stops_cut_accepted_paths(tiny):
@@ -69,7 +69,7 @@ def test_stops_cut_accepted_paths(tiny):
 @pytest.mark.parametrize("requests,kwargs,error,message", [
     ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.5)], {}, ValueError, "needs temperature=0 and n=1"),
     ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, n=2)], {}, ValueError, "needs temperature=0 and n=1"),
-    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, max_new_tokens=400)], {}, PoolExhaustedError,
+    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, max_new_tokens=500)], {}, PoolExhaustedError,
      "may need .* KV pages, the pool has"),
     ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0)], {"max_draft_tokens": 0}, ValueError,
      "max_draft_tokens must be an int >= 1"),
@@ -81,11 +81,24 @@ def test_bad_requests_raise_before_anything_runs(tiny, requests, kwargs, error, 
     assert engine.tree.num_nodes == 0 and engine.stats["steps"] == 0
 
 
-def test_drafts_that_read_hidden_states_are_refused_and_change_nothing(tiny):
+@pytest.mark.parametrize("in_step", [True, False])
+def test_medusa_head_drafts_batch(tiny, in_step):
+    """Drafts that read the target's hidden states (Medusa heads, inside the shared step or after it)
+    batch: every request's tokens are plain greedy's."""
     engine = make_engine(tiny)
     heads = MedusaHeads.untrained(tiny, num_heads=2)
-    with pytest.raises(ValueError, match="MedusaDraft reads the target's hidden states"):
-        speculative_batch(engine, specs(2), lambda spec: MedusaDraft(heads, [[0], [0, 0]]))
+    results, stats = speculative_batch(engine, specs(4), lambda spec: MedusaDraft(heads, [[0], [1], [0, 0]], in_step))
+    for r, spec in zip(results, specs(4)):
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+    assert max(stats.programs_per_step) == 4
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_drafts_with_different_row_heads_are_refused_and_change_nothing(tiny):
+    engine = make_engine(tiny)
+    heads = [MedusaHeads.untrained(tiny, num_heads=2, seed=s) for s in (0, 1)]
+    with pytest.raises(ValueError, match="requests 0 and 1 have drafts with different row heads"):
+        speculative_batch(engine, specs(2), lambda spec: MedusaDraft(heads[spec.id], [[0], [0, 0]]))
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
 

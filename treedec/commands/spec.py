@@ -32,8 +32,8 @@ from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, Typic
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.speculative import (PromptLookupDraft, SpeculativeStats, TreeDraft, greedy_generate,
-                                        speculative_generate)
+from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative import SpeculativeStats, greedy_generate, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 DRAFTS = ("ngram", "medusa", "draft-model", "tree")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treedec.engine import Engine, Llama
-from treedec.search.speculative import TargetOutput
+from treedec.search.drafts import TargetOutput
 from treedec.tree.token_tree import TokenTree
 
 #: A small Medusa tree (10 draft tokens, depth 4): top-3 of head 0, top-2 after the best, ...
@@ -183,6 +183,7 @@ class MedusaDraft:
         self.in_step = in_step
         self._paths = paths
         self._top_k = [1 + max(p[-1] for p in paths if len(p) == d) for d in range(1, max(map(len, paths)) + 1)]
+        self._candidates = _Candidates(heads, len(self._top_k), max(self._top_k))
         self._observed: tuple[int, int] | None = None   # (length, last token) of the sequence observed
         self._hidden: torch.Tensor | None = None
         self._top: torch.Tensor | None = None   # [depth, max top-k] candidates, from the step
@@ -196,12 +197,9 @@ class MedusaDraft:
     def row_head(self):
         """The target's row head (:meth:`Engine.add_row_head`) with ``in_step``: hidden states
         ``[rows, hidden_size]`` -> each row's candidates ``[rows, depth, max top-k]`` (token ids,
-        best first, per head); else None."""
+        best first, per head); else None. Drafts with the same heads and tree depth and width
+        have equal row heads: the requests of a batch share one."""
         return self._candidates if self.in_step else None
-
-    def _candidates(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.heads(hidden)[..., :len(self._top_k), :]                 # [..., depth, vocab]
-        return logits.topk(max(self._top_k), dim=-1).indices
 
     def start(self, engine: Engine) -> None:
         """Check the heads fit the target model; forget the previous request."""
@@ -233,6 +231,24 @@ class MedusaDraft:
 
 
 # ================================================================ private
+
+
+class _Candidates:
+    """Hidden states ``[..., hidden_size]`` -> the heads' top-k token ids ``[..., depth, k]``.
+    Equal for the same heads, depth and k (the engine keeps one row head for such drafts)."""
+
+    def __init__(self, heads: MedusaHeads, depth: int, k: int):
+        self.heads, self.depth, self.k = heads, depth, k
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.heads(hidden)[..., :self.depth, :]                        # [..., depth, vocab]
+        return logits.topk(self.k, dim=-1).indices
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Candidates) and (other.heads, other.depth, other.k) == (self.heads, self.depth, self.k)
+
+    def __hash__(self) -> int:
+        return hash((id(self.heads), self.depth, self.k))
 
 
 def _checkpoint_file(path: Path) -> Path:

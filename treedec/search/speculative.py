@@ -10,143 +10,34 @@ rule draws after the last accepted token (the *bonus* token) is the root of the 
 step's tree. So every step emits ``accepted + 1`` tokens, and greedy speculative decoding
 emits exactly the tokens of plain greedy decoding, whatever the draft. An EOS id on the
 accepted path ends it there, as the bonus token: generation stops on it, and no K/V past
-it is kept.
+it is kept; a stop string or ``max_new_tokens`` inside the path cuts it there too.
 
-Draft sources: :class:`PromptLookupDraft`, :class:`TreeDraft` (here),
-:class:`~treedec.search.medusa.MedusaDraft`, :class:`~treedec.search.draft_model.DraftModelDraft`.
+:class:`SpeculativeProgram` is one request's loop as a program of the scheduler
+(:mod:`treedec.search.scheduler`): batched, every live request's tree is verified in the same
+engine step. :func:`speculative_generate` runs one request.
+
+Draft sources are in :mod:`treedec.search.drafts`, :mod:`treedec.search.medusa` and
+:mod:`treedec.search.draft_model`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Sequence
 
-import numpy as np
 import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
+from treedec.engine.text import IncrementalDetokenizer
+from treedec.search.drafts import DraftSource, TargetOutput
 from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
+from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
 from treedec.tree.validate import int_list
-
-
-class DraftSource(Protocol):
-    """Proposes a token tree to verify after ``sequence_tokens`` (prompt + tokens so far).
-
-    ``propose`` returns ``(tree, tokens)`` with ``len(tokens) == tree.size`` and
-    ``tokens[0] == sequence_tokens[-1]`` (the root: the last token, not yet computed).
-
-    Optional members, used by :func:`speculative_generate` when a draft has them (drafts
-    that condition on the target model, e.g. Medusa heads):
-
-    - ``start(engine)``: called once per request before the prefill; checks the draft
-      fits the target (vocabulary, hidden size) and resets per-request state. Raises,
-      changing nothing, when it does not fit.
-    - ``needs_hidden`` (bool): the target's hidden states are wanted in :class:`TargetOutput`.
-    - ``row_head``: a function of the target's final-norm hidden states ``[rows, hidden_size]``
-      -> ``[rows, ...]`` that the target computes at every verified token inside the
-      verification step (:meth:`Engine.add_row_head`, as ``"draft"``): e.g. Medusa heads' top-k
-      candidates, so the next draft needs no step of its own. Its output at the last accepted
-      token reaches ``observe`` as :attr:`TargetOutput.head`. The head stays on the engine after
-      the request (removing it would drop the engine's captured graphs), for the next request
-      with the same draft; ``engine.remove_row_head("draft")`` takes it off.
-    - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
-      every verification step, before the next ``propose``.
-    """
-
-    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]: ...
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    """What the target model computed up to the newest root, for drafts that read it.
-
-    Attributes
-    ----------
-    tokens : the sequence: prompt + every emitted token; ``tokens[-1]`` is the next root.
-    hidden : [hidden_size] the target's final-norm hidden state at ``tokens[-2]`` (the last
-        accepted token, or the prompt's last token after the prefill: the state the root
-        was drawn from); None unless the draft ``needs_hidden``.
-    head : the draft's ``row_head`` output at that same token, on the host; None unless the
-        draft has a ``row_head``.
-    """
-
-    tokens: list[int]
-    hidden: torch.Tensor | None
-    head: torch.Tensor | None = None
-
-
-# ================================================================ draft sources
-
-
-@dataclass
-class PromptLookupDraft:
-    """Prompt-lookup (n-gram) drafts: continue the sequence as it continued after an earlier
-    occurrence of its last n-gram.
-
-    The longest n in ``[min_ngram, max_ngram]`` with a match wins; matches are taken most
-    recent first, up to ``max_matches`` distinct continuations of up to
-    ``num_draft_tokens`` tokens each, merged into one tree (shared prefixes once).
-    No match: the tree is the root alone (the step is a plain decoding step).
-    """
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-    num_draft_tokens: int = 8
-    max_matches: int = 1
-
-    def __post_init__(self):
-        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_matches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.min_ngram > self.max_ngram:
-            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
-
-    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
-        seq = np.asarray(sequence_tokens, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)   # n-grams that have a next token
-            starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]
-            continuations: list[list[int]] = []
-            for s in starts.tolist():
-                cont = seq[s + n: s + n + self.num_draft_tokens].tolist()
-                if cont not in continuations:
-                    continuations.append(cont)
-                if len(continuations) == self.max_matches:
-                    break
-            if continuations:
-                return _trie(int(seq[-1]), continuations)
-        return TokenTree.chain(0), [int(seq[-1])]
-
-
-class TreeDraft:
-    """A fixed tree shape with caller-given draft tokens (a replayed or scripted draft).
-
-    Parameters
-    ----------
-    tree : the shape, e.g. ``TokenTree.from_medusa_choices(...)``.
-    tokens : the ``tree.size - 1`` draft tokens (token 1 onwards), or a function of the
-        sequence so far that returns them each step.
-    """
-
-    def __init__(self, tree: TokenTree, tokens: Sequence[int] | Callable[[list[int]], Sequence[int]]):
-        self.tree = tree
-        self.tokens = tokens
-        if not callable(tokens):
-            self._check(list(tokens))
-
-    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
-        draft = list(self.tokens(list(sequence_tokens)) if callable(self.tokens) else self.tokens)
-        self._check(draft)
-        return self.tree, [int(sequence_tokens[-1])] + draft
-
-    def _check(self, draft: list[int]) -> None:
-        if len(draft) != self.tree.size - 1:
-            raise ValueError(f"TreeDraft needs {self.tree.size - 1} draft tokens (tree.size - 1), got {len(draft)}")
 
 
 # ================================================================ verification
@@ -238,42 +129,106 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
         last accepted token to return; its rows are copied to the host while the acceptance
         reads the logits (one wait for both).
     """
-    t = engine.tree
     if head_name is not None and head_name not in engine.row_heads:
         raise ValueError(f"head_name {head_name!r} is not a row head of the engine {engine.row_heads}")
-    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
-    if len(tokens) != tree.size:
-        raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
-    vocab = engine.model.config.vocab_size
-    bad = [x for x in tokens if not 0 <= x < vocab]
-    if bad:
-        raise ValueError(f"draft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
-    if t.children(node):
-        raise ValueError(f"node {node} must be a leaf to verify a token tree under it, it has children "
-                         f"{t.children(node)[:5]}")
-    # The root may start a fresh page and the drafts take fresh pages of their own.
+    tokens = _check_tree(engine, node, tree, tokens)
     need = 1 + engine.pool.pages_for(tree.size - 1)
     if need > engine.pool.num_free_pages:
         raise PoolExhaustedError(f"KV pool exhausted: verifying a {tree.size}-token tree may need {need} pages, "
                                  f"{engine.pool.num_free_pages} free; nothing was changed")
-    t.extend(node, tokens[:1])
-    ids = t.add_token_tree(node, tokens[1:], tree.draft_parents()) if tree.size > 1 else []
+    ids = _add_tree(engine, node, tree, tokens)
     out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
                       return_heads=head_name is not None)
     logits, *rest = out if isinstance(out, tuple) else (out,)
     hidden = rest.pop(0) if return_hidden else None
-    heads = HostCopy(rest[0][head_name]) if head_name is not None else None
-    path, bonus = acceptance.accept(tree, tokens, logits)
-    assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
-    stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
-    if stop is not None:
-        path, bonus = path[:stop], tokens[path[stop]]
-    accepted = [tokens[i] for i in path]
-    if ids:
-        t.accept(node, [ids[i - 1] for i in path])   # their K/V move onto node; the rest is freed
-    last = path[-1] if path else 0
-    return VerifyResult(accepted, int(bonus), None if hidden is None else hidden[last],
-                        None if heads is None else heads.tensor()[last])
+    heads = rest[0] if head_name is not None else None
+    return _settle(engine, node, tree, tokens, ids, acceptance, logits, hidden, heads, head_name, stop_ids)
+
+
+class SpeculativeProgram(Program):
+    """One request's speculative decoding as a scheduler program (see the module docstring).
+
+    Its result is ``(checker, stats)``: the :class:`~treedec.search.stops.StopChecker` that took the
+    new tokens under ``rule`` (EOS ids, stop strings, ``max_new_tokens``: its ``token_ids``,
+    ``text``, ``stop_reason``) and :class:`SpeculativeStats`.
+
+    Parameters
+    ----------
+    prompt_ids : the prompt.
+    draft : the request's draft source (its optional members: :class:`~treedec.search.drafts.DraftSource`).
+    rule : the request's :class:`~treedec.search.stops.StopRule`.
+    tokenizer : detokenizes the output (stop strings need it).
+    acceptance : default :class:`GreedyAcceptance`.
+    keep_node : leave the request's node in the tree at the end (``stats.node``), else prune it.
+    on_step : called as ``on_step(stats, emitted)`` after every verification step.
+    max_draft_tokens : the largest tree (root included) the draft may propose; its pages are the
+        headroom the scheduler keeps for the request's steps.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
+                 acceptance: AcceptanceRule | None = None, keep_node: bool = False,
+                 on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64):
+        if not callable(getattr(draft, "propose", None)):
+            raise TypeError(f"draft must be a draft source (a propose method), got {type(draft).__name__}")
+        acceptance = GreedyAcceptance() if acceptance is None else acceptance
+        if not isinstance(acceptance, AcceptanceRule):
+            raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
+                            f"got {type(acceptance).__name__}")
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        self.prompt_ids = [int(x) for x in prompt_ids]
+        self.draft, self.rule, self.tokenizer, self.acceptance = draft, rule, tokenizer, acceptance
+        self.keep_node, self.on_step, self.max_draft_tokens = keep_node, on_step, max_draft_tokens
+
+    def step_pages(self, pool) -> int:
+        return 1 + pool.pages_for(self.max_draft_tokens - 1)
+
+    def run(self, ctx: ProgramContext):
+        engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
+        checker = StopChecker(self.rule, None if self.tokenizer is None
+                              else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
+        needs_hidden = bool(getattr(draft, "needs_hidden", False))
+        observe = getattr(draft, "observe", None)
+        if hasattr(draft, "start"):
+            draft.start(engine)
+        head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
+        stop_ids = checker.rule.eos_token_ids
+        node, done = None, False
+        try:
+            start = time.perf_counter()
+            node, out = yield from ctx.prompt(self.prompt_ids, hidden=needs_hidden, heads=head_name is not None)
+            stats = SpeculativeStats(node=node)
+            checker.accept(acceptance.first_token(out.logits[0]))
+            stats.prefill_seconds = time.perf_counter() - start
+            if observe is not None:
+                observe(TargetOutput(self.prompt_ids + checker.token_ids, None if out.hidden is None else out.hidden[0],
+                                     None if head_name is None else out.heads[head_name][0].cpu()))
+            while not checker.stopped:
+                start = time.perf_counter()
+                sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
+                tree, tokens = draft.propose(sequence)
+                tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
+                drafted = time.perf_counter()
+                yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
+                ids = _add_tree(engine, node, tree, tokens)
+                out = yield StepRequest([node] + ids, hidden=needs_hidden, heads=head_name is not None)
+                result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
+                                 head_name, stop_ids, checker)
+                stats.steps += 1
+                stats.accepted.append(len(result.accepted))
+                stats.draft_sizes.append(tree.size - 1)
+                stats.draft_seconds.append(drafted - start)
+                stats.verify_seconds.append(time.perf_counter() - drafted)
+                if observe is not None and not checker.stopped:
+                    observe(TargetOutput(self.prompt_ids + checker.token_ids, result.hidden, result.head))
+                if self.on_step is not None:
+                    self.on_step(stats, len(checker.token_ids))
+            stats.stop_reason = checker.stop_reason
+            done = True
+            return checker, stats
+        finally:
+            if not (done and self.keep_node):
+                ctx.free(node)
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
@@ -285,8 +240,8 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
 
     Parameters
     ----------
-    draft : the draft source; its optional ``start`` / ``needs_hidden`` / ``observe``
-        members are used (see :class:`DraftSource`).
+    draft : the draft source; its optional ``start`` / ``needs_hidden`` / ``row_head`` /
+        ``observe`` members are used (see :class:`~treedec.search.drafts.DraftSource`).
     max_new_tokens : int >= 1.
     acceptance : default :class:`GreedyAcceptance` (then the tokens are exactly those of
         plain greedy decoding); :class:`~treedec.search.acceptance.TypicalAcceptance` or
@@ -299,57 +254,16 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     Returns ``(tokens, stats)``: the new tokens up to and including the first EOS id, at
     most ``max_new_tokens`` of them, and the run's :class:`SpeculativeStats`
     (``stats.stop_reason`` says which limit ended it). The request stays in
-    ``engine.tree`` as node ``stats.node``: prompt and every accepted token, the last
-    token not included (it is not computed), as plain greedy decoding leaves it; the last
-    step may have accepted past ``max_new_tokens``, never past an EOS.
+    ``engine.tree`` as node ``stats.node``: the prompt and the accepted tokens (a bonus
+    token, not computed, is not on it).
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    acceptance = GreedyAcceptance() if acceptance is None else acceptance
-    if not isinstance(acceptance, AcceptanceRule):
-        raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
-                        f"got {type(acceptance).__name__}")
-    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
-    prompt = [int(x) for x in prompt_ids]
-    needs_hidden = bool(getattr(draft, "needs_hidden", False))
-    observe = getattr(draft, "observe", None)
-    if hasattr(draft, "start"):
-        draft.start(engine)
-    head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
-    start = time.perf_counter()
-    node, logits, *rest = engine.prefill(prompt, return_hidden=needs_hidden, return_heads=head_name is not None)
-    hidden = rest.pop(0) if needs_hidden else None
-    head = rest[0][head_name].cpu() if head_name is not None else None
-    stats = SpeculativeStats(node=node)
-    out = [acceptance.first_token(logits)]
-    stats.prefill_seconds = time.perf_counter() - start
-    sequence = prompt + out   # built once a step: O(sequence) for the draft's observe and propose
-    if observe is not None:
-        observe(TargetOutput(sequence, hidden, head))
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        start = time.perf_counter()
-        tree, tokens = draft.propose(sequence)
-        if not tokens or tokens[0] != out[-1]:
-            raise ValueError(f"{type(draft).__name__}.propose must return tokens[0] == the last sequence token "
-                             f"{out[-1]}, got {tokens[:1]}")
-        drafted = time.perf_counter()
-        result = verify_tree(engine, node, tree, tokens, acceptance, return_hidden=needs_hidden, stop_ids=eos,
-                             head_name=head_name)
-        out += result.accepted + [result.bonus]
-        sequence = prompt + out
-        stats.steps += 1
-        stats.accepted.append(len(result.accepted))
-        stats.draft_sizes.append(tree.size - 1)
-        stats.draft_seconds.append(drafted - start)
-        stats.verify_seconds.append(time.perf_counter() - drafted)
-        if observe is not None:
-            observe(TargetOutput(sequence, result.hidden, result.head))
-        if on_step is not None:
-            on_step(stats, min(len(out), max_new_tokens))
-    out = out[:max_new_tokens]
-    stats.stop_reason = "eos" if out[-1] in eos else "length"
-    return out, stats
-
+    rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
+    program = SpeculativeProgram(prompt_ids, draft, rule, acceptance=acceptance, keep_node=True, on_step=on_step,
+                                 max_draft_tokens=engine.pool.num_pages * engine.pool.page_size)
+    checker, stats = run_program(engine, program)
+    return checker.token_ids, stats
 
 def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, pipeline: bool | None = None
@@ -420,15 +334,52 @@ def _add_draft_head(engine: Engine, row_head) -> str | None:
     return DRAFT_HEAD
 
 
-def _trie(root: int, continuations: list[list[int]]) -> tuple[TokenTree, list[int]]:
-    """The token tree of ``continuations`` after ``root``, shared prefixes merged."""
-    index: dict[tuple[int, ...], int] = {(): 0}
-    parents, tokens = [-1], [root]
-    for cont in continuations:
-        for d in range(1, len(cont) + 1):
-            key = tuple(cont[:d])
-            if key not in index:
-                parents.append(index[key[:-1]])
-                tokens.append(cont[d - 1])
-                index[key] = len(index)
-    return TokenTree(tuple(parents)), tokens
+def _check_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,
+                max_tokens: int | None = None) -> list[int]:
+    """The draft's tokens as ints, checked against the tree, the vocabulary and the leaf ``node``."""
+    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
+    if len(tokens) != tree.size:
+        raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
+    if last is not None and tokens[0] != last:
+        raise ValueError(f"the draft's propose must return tokens[0] == the last sequence token {last}, "
+                         f"got {tokens[:1]}")
+    if max_tokens is not None and tree.size > max_tokens:
+        raise ValueError(f"the draft proposed a {tree.size}-token tree; at most max_draft_tokens={max_tokens}")
+    vocab = engine.model.config.vocab_size
+    bad = [x for x in tokens if not 0 <= x < vocab]
+    if bad:
+        raise ValueError(f"draft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
+    t = engine.tree
+    if t.children(node):
+        raise ValueError(f"node {node} must be a leaf to verify a token tree under it, it has children "
+                         f"{t.children(node)[:5]}")
+    return tokens
+
+
+def _add_tree(engine: Engine, node: int, tree: TokenTree, tokens: list[int]) -> list[int]:
+    """Append the root to ``node`` and hang the draft tokens under it; their node ids.
+    (The root may start a fresh page and the drafts take fresh pages of their own.)"""
+    engine.tree.extend(node, tokens[:1])
+    return engine.tree.add_token_tree(node, tokens[1:], tree.draft_parents()) if tree.size > 1 else []
+
+
+def _settle(engine: Engine, node: int, tree: TokenTree, tokens: list[int], ids: list[int],
+            acceptance: AcceptanceRule, logits: torch.Tensor, hidden: torch.Tensor | None,
+            heads: dict | None, head_name: str | None, stop_ids: Collection[int],
+            checker: StopChecker | None = None) -> VerifyResult:
+    """After the step: the accepted path (cut at an EOS, and where ``checker`` ends the output) moves
+    onto ``node``, the rest of the tree is freed."""
+    head = HostCopy(heads[head_name]) if head_name is not None else None
+    path, bonus = acceptance.accept(tree, tokens, logits)
+    assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
+    stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
+    if stop is not None:
+        path, bonus = path[:stop], tokens[path[stop]]
+    if checker is not None:   # a stop string or the token budget inside the path
+        decision = checker.accept([tokens[i] for i in path] + [int(bonus)])
+        path = path[:min(decision.keep, len(path))]
+    if ids:
+        engine.tree.accept(node, [ids[i - 1] for i in path])   # their K/V move onto node; the rest is freed
+    last = path[-1] if path else 0
+    return VerifyResult([tokens[i] for i in path], int(bonus), None if hidden is None else hidden[last],
+                        None if head is None else head.tensor()[last])

@@ -1,0 +1,150 @@
+"""Draft sources for speculative decoding: what proposes the token tree a step verifies.
+
+A :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree` whose root is
+the sequence's last token (see :mod:`treedec.search.speculative` for the verification).
+Here: the protocol, :class:`TargetOutput` (what a draft that reads the target sees),
+:class:`PromptLookupDraft` (n-grams of the sequence) and :class:`TreeDraft` (a fixed shape
+with given tokens); :class:`~treedec.search.medusa.MedusaDraft` and
+:class:`~treedec.search.draft_model.DraftModelDraft` live in their own modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from treedec.tree.token_tree import TokenTree
+
+__all__ = ["DraftSource", "PromptLookupDraft", "TargetOutput", "TreeDraft"]
+
+
+class DraftSource(Protocol):
+    """Proposes a token tree to verify after ``sequence_tokens`` (prompt + tokens so far).
+
+    ``propose`` returns ``(tree, tokens)`` with ``len(tokens) == tree.size`` and
+    ``tokens[0] == sequence_tokens[-1]`` (the root: the last token, not yet computed).
+
+    Optional members, used by :func:`speculative_generate` when a draft has them (drafts
+    that condition on the target model, e.g. Medusa heads):
+
+    - ``start(engine)``: called once per request before the prefill; checks the draft
+      fits the target (vocabulary, hidden size) and resets per-request state. Raises,
+      changing nothing, when it does not fit.
+    - ``needs_hidden`` (bool): the target's hidden states are wanted in :class:`TargetOutput`.
+    - ``row_head``: a function of the target's final-norm hidden states ``[rows, hidden_size]``
+      -> ``[rows, ...]`` that the target computes at every verified token inside the
+      verification step (:meth:`Engine.add_row_head`, as ``"draft"``): e.g. Medusa heads' top-k
+      candidates, so the next draft needs no step of its own. Its output at the last accepted
+      token reaches ``observe`` as :attr:`TargetOutput.head`. The head stays on the engine after
+      the request (removing it would drop the engine's captured graphs), for the next request
+      with the same draft; ``engine.remove_row_head("draft")`` takes it off.
+    - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
+      every verification step, before the next ``propose``.
+    """
+
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]: ...
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What the target model computed up to the newest root, for drafts that read it.
+
+    Attributes
+    ----------
+    tokens : the sequence: prompt + every emitted token; ``tokens[-1]`` is the next root.
+    hidden : [hidden_size] the target's final-norm hidden state at ``tokens[-2]`` (the last
+        accepted token, or the prompt's last token after the prefill: the state the root
+        was drawn from); None unless the draft ``needs_hidden``.
+    head : the draft's ``row_head`` output at that same token, on the host; None unless the
+        draft has a ``row_head``.
+    """
+
+    tokens: list[int]
+    hidden: torch.Tensor | None
+    head: torch.Tensor | None = None
+
+
+@dataclass
+class PromptLookupDraft:
+    """Prompt-lookup (n-gram) drafts: continue the sequence as it continued after an earlier
+    occurrence of its last n-gram.
+
+    The longest n in ``[min_ngram, max_ngram]`` with a match wins; matches are taken most
+    recent first, up to ``max_matches`` distinct continuations of up to
+    ``num_draft_tokens`` tokens each, merged into one tree (shared prefixes once).
+    No match: the tree is the root alone (the step is a plain decoding step).
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_draft_tokens: int = 8
+    max_matches: int = 1
+
+    def __post_init__(self):
+        for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_matches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        seq = np.asarray(sequence_tokens, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)   # n-grams that have a next token
+            starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]
+            continuations: list[list[int]] = []
+            for s in starts.tolist():
+                cont = seq[s + n: s + n + self.num_draft_tokens].tolist()
+                if cont not in continuations:
+                    continuations.append(cont)
+                if len(continuations) == self.max_matches:
+                    break
+            if continuations:
+                return _trie(int(seq[-1]), continuations)
+        return TokenTree.chain(0), [int(seq[-1])]
+
+
+class TreeDraft:
+    """A fixed tree shape with caller-given draft tokens (a replayed or scripted draft).
+
+    Parameters
+    ----------
+    tree : the shape, e.g. ``TokenTree.from_medusa_choices(...)``.
+    tokens : the ``tree.size - 1`` draft tokens (token 1 onwards), or a function of the
+        sequence so far that returns them each step.
+    """
+
+    def __init__(self, tree: TokenTree, tokens: Sequence[int] | Callable[[list[int]], Sequence[int]]):
+        self.tree = tree
+        self.tokens = tokens
+        if not callable(tokens):
+            self._check(list(tokens))
+
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        draft = list(self.tokens(list(sequence_tokens)) if callable(self.tokens) else self.tokens)
+        self._check(draft)
+        return self.tree, [int(sequence_tokens[-1])] + draft
+
+    def _check(self, draft: list[int]) -> None:
+        if len(draft) != self.tree.size - 1:
+            raise ValueError(f"TreeDraft needs {self.tree.size - 1} draft tokens (tree.size - 1), got {len(draft)}")
+
+
+# ================================================================ private
+
+
+def _trie(root: int, continuations: list[list[int]]) -> tuple[TokenTree, list[int]]:
+    """The token tree of ``continuations`` after ``root``, shared prefixes merged."""
+    index: dict[tuple[int, ...], int] = {(): 0}
+    parents, tokens = [-1], [root]
+    for cont in continuations:
+        for d in range(1, len(cont) + 1):
+            key = tuple(cont[:d])
+            if key not in index:
+                parents.append(index[key[:-1]])
+                tokens.append(cont[d - 1])
+                index[key] = len(index)
+    return TokenTree(tuple(parents)), tokens
