@@ -15,7 +15,8 @@ reads, over the measured copy bandwidth), KV pages at the peak, prompt tokens sh
 ``--speculative``: each request (no system prompt shared unless ``--system``) runs greedy
 speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
 ``speculative_batch``), every request's tree verified in one step; the floor counts each
-request's prompt and tree.
+request's prompt and tree. ``--medusa-heads``: the same tree drafted by random Medusa heads,
+which run inside the shared step at every request's rows (one row head for the batch).
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
-from treedec.search.speculative import TreeDraft  # noqa: E402
+from bench.programs import random_heads  # noqa: E402
+from treedec.search.drafts import TreeDraft  # noqa: E402
+from treedec.search.medusa import MedusaDraft  # noqa: E402
 from treedec.search.speculative_batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
@@ -66,7 +69,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
         results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0)
     else:
         results, stats = speculative_batch(engine, specs, draft)
-    decode = stats.steps
+    decode = stats.steps - stats.prompt_steps
     gaps = np.diff(ends[-min(timed_steps, decode - 1) - 1:]) * 1e3
     out = {"requests": len(specs), "shared": share, "step_ms": float(statistics.median(gaps)),
            "decode_steps": decode, "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-unshared", action="store_true", help="also run every batch without sharing")
     parser.add_argument("--speculative", action="store_true",
                         help="greedy speculative decoding with a fixed Medusa-64 tree draft (speculative_batch)")
+    parser.add_argument("--medusa-heads", action="store_true",
+                        help="with --speculative: draft the tree with random Medusa heads (in the step)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -110,7 +115,11 @@ def main(argv=None) -> int:
         specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
                              max_new_tokens=args.new, temperature=0.0) for i in range(count)]
         draft = None
-        if args.speculative:
+        if args.speculative and args.medusa_heads:
+            medusa = medusa_tree(64)
+            heads = random_heads(model, int(medusa.depth.max()), 0)
+            draft = lambda spec: MedusaDraft(heads, medusa.paths)  # noqa: E731
+        elif args.speculative:
             tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
             draft_tokens = rng.integers(0, config.vocab_size, tree.size - 1).tolist()
             draft = lambda spec: TreeDraft(tree, draft_tokens)  # noqa: E731
@@ -123,7 +132,8 @@ def main(argv=None) -> int:
             run["floor_ms"] = 1e3 * (model.weight_bytes() + kv * kv_bytes) / bandwidth
             run["x_floor"] = run["step_ms"] / run["floor_ms"]
             runs.append(run)
-            kind = "speculative (Medusa-64 tree)" if args.speculative else f"{'shared' if share else 'unshared'} system prompt"
+            kind = (f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})" if args.speculative
+                    else f"{'shared' if share else 'unshared'} system prompt")
             print(f"{count} requests, {kind}: {run['step_ms']:.2f} ms per "
                   f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages", flush=True)
     if args.compare_unshared:
@@ -140,7 +150,8 @@ def main(argv=None) -> int:
                   f" ({equal} of {len(pairs)} equal; {np.mean(agree):.1f} of {args.new} tokens agree before the "
                   f"first difference)")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
-               "model": args.model, "smoke": args.smoke, "speculative": args.speculative, "system_tokens": args.system,
+               "model": args.model, "smoke": args.smoke, "speculative": args.speculative,
+               "medusa_heads": args.medusa_heads, "system_tokens": args.system,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
                "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
     path = results_path(Path(args.out), results["device"], "batch", args.smoke, args.tag)

@@ -9,8 +9,10 @@
 # nvidia-cutlass; see bench/README.md) are installed into /tmp/site first when present. The
 # short tables are last. GPU_CHECK_TESTS=0 skips the GPU tests (`pytest -m "gpu or triton"`,
 # compiled on the GPU), GPU_CHECK_ATTENTION=0 the attention suite, GPU_CHECK_PROGRAMS=0 the
-# programs (`bench/programs.py --hf`; GPU_CHECK_PROGRAMS_ARGS adds arguments), e.g. to split
-# the work over calls of a 10-minute limit.
+# programs (`bench/programs.py --hf`; GPU_CHECK_PROGRAMS_ARGS adds arguments), GPU_CHECK_BATCH=0
+# the batched programs (bench/batch.py: greedy with a shared system prompt, speculative with tree
+# and Medusa-head drafts; bench/tot_batch.py: 16 ToT tasks), e.g. to split the work over calls
+# of a 10-minute limit.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/treedec-gpu-check}
@@ -57,17 +59,31 @@ if [ "${GPU_CHECK_PROGRAMS:-1}" != 0 ]; then
   python3 bench/programs.py --hf --out "$OUT" ${GPU_CHECK_PROGRAMS_ARGS:-} 2>&1 | tee "$OUT/programs.log"
   programs_rc=${PIPESTATUS[0]}
 fi
+batch_rc=0
+if [ "${GPU_CHECK_BATCH:-1}" != 0 ]; then
+  {
+    python3 bench/batch.py --requests 1,64 --compare-unshared --out "$OUT" &&
+    python3 bench/batch.py --speculative --requests 1,8,32 --system 0 --question 4000 --out "$OUT" --tag tree &&
+    python3 bench/batch.py --speculative --medusa-heads --requests 1,8,32 --system 0 --question 4000 --out "$OUT" \
+      --tag heads &&
+    python3 bench/tot_batch.py --out "$OUT"
+  } 2>&1 | tee "$OUT/batch.log"
+  batch_rc=${PIPESTATUS[0]}
+fi
 
 echo
-echo "GPU tests exit code: $test_rc; bench/attention.py: $bench_rc; bench/programs.py: $programs_rc"
+echo "GPU tests exit code: $test_rc; bench/attention.py: $bench_rc; bench/programs.py: $programs_rc; batch: $batch_rc"
 if compgen -G "$OUT/*.json" >/dev/null; then
   echo "results: $(cd "$OUT" && ls *.json) (copy into bench/results/, then: python bench/attention.py --render bench/results/<those files>)"
 fi
-mapfile -t attention_json < <(ls "$OUT"/*.json 2>/dev/null | grep -v -- '-programs' || true)
+mapfile -t attention_json < <(ls "$OUT"/*.json 2>/dev/null | grep -v -- '-programs\|-batch\|-tot-batch' || true)
 if [ "${#attention_json[@]}" -gt 0 ]; then
   python3 bench/attention.py --render "${attention_json[@]}" --readme "$OUT/attention-table.md"
 fi
 if [ -f "$OUT/programs.log" ]; then
   sed -n '/^| program/,$p' "$OUT/programs.log"
 fi
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$programs_rc" -eq 0 ]
+if [ -f "$OUT/batch.log" ]; then
+  grep -E "^[0-9]+ (requests|ToT)" "$OUT/batch.log"
+fi
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$programs_rc" -eq 0 ] && [ "$batch_rc" -eq 0 ]

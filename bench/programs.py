@@ -92,7 +92,8 @@ from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
-from treedec.search.speculative import TreeDraft, greedy_generate, speculative_generate  # noqa: E402
+from treedec.search.drafts import TreeDraft  # noqa: E402
+from treedec.search.speculative import greedy_generate, speculative_generate  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 
@@ -407,11 +408,11 @@ def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64,
     """The programs' inputs for ``model``: the Medusa tree of ``tree_size`` tokens, random heads (one per
     tree level, seeded by ``seed``), random draft tokens from ``rng``."""
     medusa = medusa_tree(tree_size)
-    return Workload(model, medusa, _random_heads(model, int(medusa.depth.max()), seed),
+    return Workload(model, medusa, random_heads(model, int(medusa.depth.max()), seed),
                     rng.integers(0, model.config.vocab_size, medusa.size - 1).tolist(), samples, seed, pipeline)
 
 
-def _random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
+def random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
     """Medusa heads with PyTorch's default random init (one ResBlock each), in the model's dtype and device."""
     c = model.config
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if model.device.type == "cuda" else []):

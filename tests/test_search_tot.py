@@ -13,7 +13,7 @@ from treedec.cli import main as cli_main
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.game24 import Game24Task
-from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_bfs, tot_dfs
+from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_batch, tot_bfs, tot_dfs
 from tests.engines import tiny_model
 
 VALUE_PROMPT = "\nV:"
@@ -322,3 +322,34 @@ def test_bench_tot_smoke(tmp_path):
         assert len(run["search_s"]) == results["reps"] and all(t > 0 for t in run["search_s"])
         assert run["pages_free_at_end"] and run["levels"][0]["thoughts"] == results["search"]["k"]
     assert results["speedup"]["path"] > 0
+
+
+def summary(result):
+    """A search's decisions and outputs (not its timings)."""
+    levels = [(lv.depth, lv.states, lv.thoughts, lv.kept, lv.thought_tokens, lv.value_tokens, lv.best_value)
+              for lv in result.levels]
+    best = [(s.index, s.thoughts, s.value) for s in result.best]
+    return levels, best, result.expanded, None if result.solved is None else result.solved.index
+
+
+@pytest.mark.parametrize("config", [BFSConfig(k=2, n=2, depth=2, temperature=0.8, seed=5),
+                                    DFSConfig(k=2, depth=2, threshold=0.0, max_expansions=3, temperature=0.8)])
+@pytest.mark.parametrize("kv_tokens", [8192, 4 * 400])
+def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
+    """Game-of-24 searches over different numbers, all in one forest (one engine step for every live
+    search), give each search's result alone; with a small pool some wait for pages. Pages all freed."""
+    tasks = [Game24Task(numbers, check_steps=False, thought_max_tokens=5, value_max_tokens=2)
+             for numbers in ([4, 9, 10, 13], [1, 1, 4, 6], [2, 3, 5, 12], [6, 6, 6, 6])]
+    engine = make_engine(kv_tokens=kv_tokens)
+    seen = []
+    results, stats = tot_batch(engine, tasks, ByteTokenizer(), config, on_task_done=lambda i, r: seen.append(i))
+    search = tot_bfs if isinstance(config, BFSConfig) else tot_dfs
+    alone = [search(make_engine(), task, ByteTokenizer(), config) for task in tasks]
+    assert [summary(r) for r in results] == [summary(r) for r in alone]
+    assert sorted(seen) == [0, 1, 2, 3]
+    if kv_tokens == 8192:
+        assert max(stats.programs_per_step) == 4 and stats.waits == 0
+        assert stats.steps < sum(lv.steps for r in alone for lv in r.levels)   # the searches share steps
+    else:   # one search's peak (about 260 pages) fits the 400 pages, four do not
+        assert stats.waits > 0 and stats.peak_pages <= 400
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0

@@ -40,14 +40,14 @@ import numpy as np
 import torch
 
 from treedec.engine import Engine
-from treedec.errors import PoolExhaustedError
 from treedec.search.controller import choose_tokens
 from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.scheduler import Program, ProgramContext, SchedulerStats, StepRequest, run_program, run_programs
 from treedec.search.tot_task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
                                      ToTTask, Tokenizer, _check_task, _SearchConfig)
 
-__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTResult", "ToTState", "ToTTask",
-           "Tokenizer", "tot_bfs", "tot_dfs"]
+__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTProgram", "ToTResult", "ToTState",
+           "ToTTask", "Tokenizer", "tot_batch", "tot_bfs", "tot_dfs"]
 
 
 # ================================================================ the searches
@@ -70,36 +70,8 @@ def tot_bfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConf
     """
     if not isinstance(config, BFSConfig):
         raise TypeError(f"config must be a BFSConfig, got {type(config).__name__}")
-    search = _Search(engine, task, tokenizer, config, progress, "ToT-BFS", eos_token_id)
-    result = ToTResult("bfs")
-    rng = np.random.default_rng(config.seed)
-    t0 = time.perf_counter()
-    root = search.start()
-    result.prompt_tokens = root.num_tokens
-    try:
-        states = [root]
-        for depth in range(1, config.depth + 1):
-            mark = search.mark()
-            candidates = search.expand(states)
-            solved = [c for c in candidates if task.is_solved(c.thoughts)]
-            kept = _select(candidates, config.n, config.selection, rng)
-            keep = {c.node for c in kept}
-            for c in candidates:
-                if c.node not in keep:
-                    search.prune_dead_end(c.node, root.node)
-            result.expanded += [s.index for s in states]
-            result.levels.append(search.level_stats(mark, depth, len(states), candidates, len(kept)))
-            if on_level is not None:
-                on_level(result.levels[-1])
-            states = kept
-            if solved:
-                result.solved = max(solved, key=lambda c: c.value)
-                break
-        result.best = states
-    finally:
-        search.release(root.node)
-    result.wall_s = time.perf_counter() - t0
-    return result
+    return run_program(engine, ToTProgram(engine, task, tokenizer, config, progress=progress, on_level=on_level,
+                                          eos_token_id=eos_token_id))
 
 
 def tot_dfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: DFSConfig = DFSConfig(), *,
@@ -118,44 +90,136 @@ def tot_dfs(engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: DFSConf
     """
     if not isinstance(config, DFSConfig):
         raise TypeError(f"config must be a DFSConfig, got {type(config).__name__}")
-    search = _Search(engine, task, tokenizer, config, progress, "ToT-DFS", eos_token_id)
-    result = ToTResult("dfs")
-    t0 = time.perf_counter()
-    root = search.start()
-    result.prompt_tokens = root.num_tokens
+    return run_program(engine, ToTProgram(engine, task, tokenizer, config, progress=progress, on_level=on_level,
+                                          eos_token_id=eos_token_id))
 
-    def visit(state: ToTState) -> None:
-        if result.solved is not None or len(result.expanded) >= config.max_expansions:
-            return
-        depth = len(state.index) + 1
-        mark = search.mark()
-        candidates = search.expand([state])
-        result.expanded.append(state.index)
-        ranked = sorted(candidates, key=lambda c: -c.value)   # stable: ties keep the sampling order
-        result.solved = next((c for c in ranked if task.is_solved(c.thoughts)), None)
-        survivors = [] if result.solved is not None else [c for c in ranked if c.value >= config.threshold]
-        for c in candidates:
-            if all(c.node != s.node for s in survivors):
-                search.prune(c.node)
-        result.levels.append(search.level_stats(mark, depth, 1, candidates, len(survivors)))
-        if on_level is not None:
-            on_level(result.levels[-1])
-        for c in survivors:
-            if depth == config.depth:
-                result.best.append(c)
-            else:
-                visit(c)
-            search.prune(c.node)   # backtrack
-        for child in engine.tree.children(state.node):   # the step prompt, if there was one
-            search.prune(child)
+
+def tot_batch(engine: Engine, tasks: Sequence[ToTTask], tokenizer: Tokenizer,
+              config: BFSConfig | DFSConfig = BFSConfig(), *, progress: bool = False,
+              eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
+              on_task_done: Callable[[int, ToTResult], None] | None = None
+              ) -> tuple[list[ToTResult], SchedulerStats]:
+    """One ToT search per task, all in the engine's forest at once (:mod:`treedec.search.scheduler`):
+    every engine step computes the thoughts, evaluations and prompts of every live search.
+
+    Each search is the one :func:`tot_bfs` (a :class:`BFSConfig`) or :func:`tot_dfs` (a
+    :class:`DFSConfig`) runs alone: the same thoughts, values and result (each search draws from
+    its own generator, seeded by ``config.seed``). Returns the results in task order and the
+    scheduler's counters; ``progress`` shows a progress bar over the tasks, ``on_task_done(index,
+    result)`` is called as each search ends.
+    """
+    programs = [ToTProgram(engine, task, tokenizer, config, eos_token_id=eos_token_id) for task in tasks]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(programs), desc="ToT tasks", unit="task")
+
+    def done(index: int, result: ToTResult) -> None:
+        if bar is not None:
+            bar.update(1)
+        if on_task_done is not None:
+            on_task_done(index, result)
 
     try:
-        visit(root)
+        return run_programs(engine, programs, on_done=done)
     finally:
-        search.release(root.node)
-    result.best.sort(key=lambda c: -c.value)
-    result.wall_s = time.perf_counter() - t0
-    return result
+        if bar is not None:
+            bar.close()
+
+
+class ToTProgram(Program):
+    """One Tree-of-Thought search as a scheduler program (:mod:`treedec.search.scheduler`): BFS for a
+    :class:`BFSConfig`, DFS for a :class:`DFSConfig`. Its result is the :class:`ToTResult`.
+    Checks the task and configuration on construction."""
+
+    def __init__(self, engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: BFSConfig | DFSConfig, *,
+                 progress: bool = False, on_level: Callable[[LevelStats], None] | None = None,
+                 eos_token_id: int | Sequence[int] | str | None = MODEL_EOS):
+        if not isinstance(config, (BFSConfig, DFSConfig)):
+            raise TypeError(f"config must be a BFSConfig or a DFSConfig, got {type(config).__name__}")
+        _check_task(task)
+        vocab = engine.model.config.vocab_size
+        for name in ("k", "value_samples"):
+            if getattr(config, name) > vocab:
+                raise ValueError(f"{type(config).__name__}.{name} must be at most the vocabulary size {vocab}, "
+                                 f"got {getattr(config, name)}")
+        self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
+        self.task, self.tokenizer, self.config = task, tokenizer, config
+        self.progress, self.on_level = progress, on_level
+
+    def step_pages(self, pool) -> int:
+        # A level's thoughts each take a page per step; the evaluations' prompts wait for theirs.
+        return self.config.k * getattr(self.config, "n", 1) * self.config.value_samples
+
+    def run(self, ctx: ProgramContext):
+        bfs = isinstance(self.config, BFSConfig)
+        search = _Search(ctx, self.task, self.tokenizer, self.config, self.progress, "ToT-BFS" if bfs else "ToT-DFS",
+                         self.eos)
+        result = ToTResult("bfs" if bfs else "dfs")
+        t0 = time.perf_counter()
+        root = None
+        try:
+            root = yield from search.start()
+            result.prompt_tokens = root.num_tokens
+            yield from (self._bfs(search, root, result) if bfs else self._dfs(search, root, result))
+        finally:
+            search.release(None if root is None else root.node)
+        result.wall_s = time.perf_counter() - t0
+        return result
+
+    def _bfs(self, search: "_Search", root: ToTState, result: ToTResult):
+        task, config = self.task, self.config
+        rng = np.random.default_rng(config.seed)
+        states = [root]
+        for depth in range(1, config.depth + 1):
+            mark = search.mark()
+            candidates = yield from search.expand(states)
+            solved = [c for c in candidates if task.is_solved(c.thoughts)]
+            kept = _select(candidates, config.n, config.selection, rng)
+            keep = {c.node for c in kept}
+            for c in candidates:
+                if c.node not in keep:
+                    search.prune_dead_end(c.node, root.node)
+            result.expanded += [s.index for s in states]
+            result.levels.append(search.level_stats(mark, depth, len(states), candidates, len(kept)))
+            if self.on_level is not None:
+                self.on_level(result.levels[-1])
+            states = kept
+            if solved:
+                result.solved = max(solved, key=lambda c: c.value)
+                break
+        result.best = states
+
+    def _dfs(self, search: "_Search", root: ToTState, result: ToTResult):
+        task, config, tree = self.task, self.config, search.tree
+
+        def visit(state: ToTState):
+            if result.solved is not None or len(result.expanded) >= config.max_expansions:
+                return
+            depth = len(state.index) + 1
+            mark = search.mark()
+            candidates = yield from search.expand([state])
+            result.expanded.append(state.index)
+            ranked = sorted(candidates, key=lambda c: -c.value)   # stable: ties keep the sampling order
+            result.solved = next((c for c in ranked if task.is_solved(c.thoughts)), None)
+            survivors = [] if result.solved is not None else [c for c in ranked if c.value >= config.threshold]
+            for c in candidates:
+                if all(c.node != s.node for s in survivors):
+                    search.prune(c.node)
+            result.levels.append(search.level_stats(mark, depth, 1, candidates, len(survivors)))
+            if self.on_level is not None:
+                self.on_level(result.levels[-1])
+            for c in survivors:
+                if depth == config.depth:
+                    result.best.append(c)
+                else:
+                    yield from visit(c)
+                search.prune(c.node)   # backtrack
+            for child in tree.children(state.node):   # the step prompt, if there was one
+                search.prune(child)
+
+        yield from visit(root)
+        result.best.sort(key=lambda c: -c.value)
 
 
 # ================================================================ private
@@ -174,15 +238,10 @@ class _Stream:
 class _Search:
     """The engine-side machinery both searches share: prefill, expansion, pruning, counters."""
 
-    def __init__(self, engine: Engine, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig, progress: bool,
-                 label: str, eos_token_id: int | Sequence[int] | str | None):
-        _check_task(task)
-        self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
-        vocab = engine.model.config.vocab_size
-        for name in ("k", "value_samples"):
-            if getattr(config, name) > vocab:
-                raise ValueError(f"{type(config).__name__}.{name} must be at most the vocabulary size {vocab}, "
-                                 f"got {getattr(config, name)}")
+    def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig,
+                 progress: bool, label: str, eos: frozenset[int]):
+        engine = ctx.engine
+        self.ctx, self.eos = ctx, eos
         self.engine, self.tree, self.pool = engine, engine.tree, engine.pool
         self.task, self.tokenizer, self.config = task, tokenizer, config
         self.generator = torch.Generator(device=engine.device).manual_seed(config.seed)
@@ -193,27 +252,28 @@ class _Search:
 
     # ---------------------------------------------------------------- search steps
 
-    def start(self) -> ToTState:
+    def start(self):
+        """Prefill the task's prompt; returns the search's root state (a generator: ``yield from``)."""
         bos = getattr(self.tokenizer, "bos_id", None)
         ids = ([] if bos is None else [bos]) + self._encode(self.task.root_prompt(), "root_prompt()")
-        node, logits = self.engine.prefill(ids)
-        self.logits[node] = logits
+        node, out = yield from self.ctx.prompt(ids)
+        self.logits[node] = out.logits[0]
         self._note_pages()
         if self.progress:
             from tqdm import tqdm
             self.bar = tqdm(desc=self.label, unit="step")
         return ToTState((), (), None, len(ids), node)
 
-    def expand(self, states: list[ToTState]) -> list[ToTState]:
-        """The k evaluated thoughts of every state in ``states``, state by state."""
+    def expand(self, states: list[ToTState]):
+        """The k evaluated thoughts of every state in ``states``, state by state (a generator)."""
         task, config = self.task, self.config
         prompts = [(s.node, self._encode(text, "step_prompt()")) for s in states
                    if (text := task.step_prompt(s.thoughts))]
         heads = {s.node: s.node for s in states}
-        for (state_node, _), node in zip(prompts, self._append_prompts(prompts)):
+        for (state_node, _), node in zip(prompts, (yield from self._append_prompts(prompts))):
             heads[state_node] = node
-        streams = self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
-                                 task.thought_stop, config.temperature, append_last=True)
+        streams = yield from self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
+                                            task.thought_stop, config.temperature, append_last=True)
         for node in heads.values():
             if node not in (s.node for s in states):
                 self.logits.pop(node, None)
@@ -222,7 +282,7 @@ class _Search:
                                None, len(s.tokens), s.node)
                       for j, state in enumerate(states)
                       for i, s in enumerate(streams[j * config.k:(j + 1) * config.k])]
-        self._evaluate(candidates)
+        yield from self._evaluate(candidates)
         return candidates
 
     def prune(self, node: int) -> None:
@@ -238,12 +298,11 @@ class _Search:
             self.tree.prune(node)
         self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
-    def release(self, root: int) -> None:
-        """Free the search's pages (unless a failed step left tokens pending: then the tree stays as it is)."""
+    def release(self, root: int | None) -> None:
+        """Free the search's pages."""
         if self.bar is not None:
             self.bar.close()
-        if root in self.tree and not self.tree.layout().num_queries:
-            self.tree.prune(root)
+        self.ctx.free(root)
         self.logits.clear()
 
     # ---------------------------------------------------------------- stats
@@ -269,8 +328,9 @@ class _Search:
 
     # ---------------------------------------------------------------- engine work
 
-    def _evaluate(self, candidates: list[ToTState]) -> None:
-        """Set every candidate's value; compute their last tokens; leave no evaluation node behind."""
+    def _evaluate(self, candidates: list[ToTState]):
+        """Set every candidate's value; compute their last tokens; leave no evaluation node behind
+        (a generator)."""
         task = self.task
         prompts = []
         for c in candidates:
@@ -280,10 +340,11 @@ class _Search:
                                  f"to value a state without the model")
             prompts.append(None if text is None else self._encode(text, "value_prompt()"))
         pending = set(self.engine.pending_nodes().tolist())
-        evals = self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts) if ids is not None],
-                                     also=[c.node for c in candidates if c.node in pending])
-        streams = self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
-                                 task.value_stop, self.config.value_temperature, append_last=False)
+        evals = yield from self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts)
+                                                 if ids is not None],
+                                                also=[c.node for c in candidates if c.node in pending])
+        streams = yield from self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
+                                            task.value_stop, self.config.value_temperature, append_last=False)
         self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
         outputs: dict[int, list[str]] = {e: [] for e in evals}
         for s in streams:
@@ -297,14 +358,14 @@ class _Search:
         for e in evals:
             self.prune(e)
 
-    def _append_prompts(self, prompts: list[tuple[int, list[int]]], also: Sequence[int] = ()) -> list[int]:
+    def _append_prompts(self, prompts: list[tuple[int, list[int]]], also: Sequence[int] = ()):
         """Add each ``(parent, ids)`` as a new child of ``parent`` and compute them; returns the new nodes.
 
         Their last tokens' logits (and those of the nodes in ``also``, which must have
         pending tokens) go to ``self.logits``. Prompts run together, in steps of at most
-        ``engine.prefill_chunk`` tokens (a longer prompt alone in its step).
+        ``engine.prefill_chunk`` tokens (a longer prompt alone in its step). A generator.
         """
-        self._require_pages(sum(self.pool.pages_for(len(ids)) for _, ids in prompts), "prompts")
+        yield from self.ctx.reserve(sum(self.pool.pages_for(len(ids)) for _, ids in prompts))
         groups, size = [[]], 0
         for item in prompts:
             if groups[-1] and size + len(item[1]) > self.engine.prefill_chunk:
@@ -319,13 +380,13 @@ class _Search:
             if new or extra:
                 self._note_pages()
                 want = new + extra
-                self.logits.update(zip(want, self._step(want)))
+                self.logits.update(zip(want, (yield from self._step(want))))
             nodes += new
             extra = []
         return nodes
 
     def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], temperature: float,
-                  append_last: bool) -> list[_Stream]:
+                  append_last: bool):
         """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
         decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens.
 
@@ -333,7 +394,7 @@ class _Search:
         their evaluation and children read it; it is computed by the next step, whose
         caller gets its logits in ``self.logits`` if this call does not). Else it is only
         recorded (evaluation outputs: nothing reads past them). Returns the streams in
-        head order.
+        head order (a generator).
         """
         streams = [_Stream(parent, [tok]) for parent, count in heads
                    for tok in choose_tokens(self.logits[parent], count, temperature, self.generator)]
@@ -342,11 +403,12 @@ class _Search:
             for s in fresh:
                 s.done = len(s.tokens) >= max_tokens or s.tokens[-1] in self.eos or self._stopped(s.tokens, stops)
             placed = [s for s in fresh if append_last or not s.done]
-            self._place(placed)
             active = [s for s in fresh if not s.done]
             if not active:
+                yield from self._place(placed)
                 break
-            out = self._step([s.node for s in placed])
+            yield from self._place(placed)
+            out = yield from self._step([s.node for s in placed])
             row = {id(s): i for i, s in enumerate(placed)}
             for s in placed:
                 if s.done:
@@ -357,12 +419,13 @@ class _Search:
             fresh = active
         return streams
 
-    def _place(self, streams: list[_Stream]) -> None:
-        """Put each stream's newest token into the tree: a new child of its parent, or appended to its node."""
+    def _place(self, streams: list[_Stream]):
+        """Put each stream's newest token into the tree: a new child of its parent, or appended to its
+        node (a generator: it waits for the pages)."""
         new = [s for s in streams if s.node is None]
         old = [s for s in streams if s.node is not None]
-        self._require_pages(len(new) * self.pool.pages_for(1)
-                            + sum(self.tree.pages_to_extend(s.node, 1) for s in old), "new tokens")
+        yield from self.ctx.reserve(len(new) * self.pool.pages_for(1)
+                                    + sum(self.tree.pages_to_extend(s.node, 1) for s in old))
         if old:
             self.tree.extend_many({s.node: s.tokens[-1:] for s in old})
         by_parent: dict[int, list[_Stream]] = {}
@@ -373,15 +436,14 @@ class _Search:
                 s.node = node
         self._note_pages()
 
-    def _step(self, nodes: list[int]) -> torch.Tensor:
-        """One engine step; returns ``[len(nodes), vocab]`` logits at each node's last pending token."""
-        before = self.engine.stats["queries"]
-        out = self.engine.step(logits_rows=self.engine.pending_rows(nodes))
+    def _step(self, nodes: list[int]):
+        """One step (a generator); returns ``[len(nodes), vocab]`` logits at each node's last pending token."""
+        out = yield StepRequest(nodes)
         self.counts["steps"] += 1
-        self.counts["queries"] += self.engine.stats["queries"] - before
+        self.counts["queries"] += self.ctx.step_queries
         if self.bar is not None:
             self.bar.update(1)
-        return out
+        return out.logits
 
     # ---------------------------------------------------------------- helpers
 
@@ -414,11 +476,6 @@ class _Search:
     def _note_pages(self) -> None:
         self.pages_peak = max(self.pages_peak, self._pages_in_use())
 
-    def _require_pages(self, need: int, what: str) -> None:
-        if need > self.pool.num_free_pages:
-            raise PoolExhaustedError(f"KV pool exhausted: the search's {what} need {need} page(s) of "
-                                     f"{self.pool.page_size} tokens, {self.pool.num_free_pages} of "
-                                     f"{self.pool.num_pages} free; nothing was changed by this operation")
 
 
 def _select(candidates: list[ToTState], n: int, selection: str, rng: np.random.Generator) -> list[ToTState]:
