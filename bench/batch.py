@@ -53,7 +53,9 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     """One batch on a fresh graphed (GPU) engine: step times from the returns of its engine steps."""
     cuda = model.device.type == "cuda"
     tree_room = 0 if draft is None else 2 * 64 + 4 * page_size   # a tree of up to 64 tokens, and its pages
-    kv = None if cuda else sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size + tree_room for s in specs)
+    # The pool sized to the requests (on a GPU too: memory past it stays free for the row heads' and the
+    # large steps' activations).
+    kv = sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size + tree_room for s in specs)
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)

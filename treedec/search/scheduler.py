@@ -274,7 +274,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
     min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
     if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
         raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
-    pending = engine.tree.layout().num_queries
+    pending = engine.tree.num_pending
     if pending:
         raise ValueError(f"the engine's tree has {pending} pending token(s): run engine.step() first")
     return _Scheduler(engine, programs, budget, min_shared, preempt, on_done).run()
@@ -324,7 +324,7 @@ class _Scheduler:
                     self._relieve()
         except BaseException:
             tree = engine.tree
-            if tree.layout().num_queries:   # a failed step: its tokens were never computed, nothing reads them
+            if tree.num_pending:   # a failed step: its tokens were never computed, nothing reads them
                 tree.commit_step()
             for lv in self.live:
                 lv.gen.close()
@@ -362,11 +362,11 @@ class _Scheduler:
         """Resume the live programs (those not stepped last time first) until the budget is pending."""
         tree, gathered = self.engine.tree, []
         for lv in list(self.live):
-            if gathered and tree.layout().num_queries >= self.budget:
+            if gathered and tree.num_pending >= self.budget:
                 break
             self.live.remove(lv)
             lv.started = True
-            before = tree.layout().num_queries
+            before = tree.num_pending
             try:
                 out = lv.gen.send(lv.send)
             except StopIteration as done:
@@ -380,7 +380,7 @@ class _Scheduler:
                 self.live.append(lv)
             elif isinstance(out, StepRequest):
                 lv.waiting, lv.request = None, out
-                lv.ctx.step_queries = tree.layout().num_queries - before
+                lv.ctx.step_queries = tree.num_pending - before
                 gathered.append(lv)
             else:
                 raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
@@ -400,7 +400,7 @@ class _Scheduler:
             rows = engine.pending_rows(nodes)
             hidden = any(r.hidden for r in requests)
             heads = any(r.heads for r in requests)
-            queries = engine.tree.layout().num_queries
+            queries = engine.tree.num_pending
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads,
                               tokens=self._device_tokens(requests))
             logits, *rest = out if isinstance(out, tuple) else (out,)

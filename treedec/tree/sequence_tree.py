@@ -59,6 +59,7 @@ class SequenceTree(TreeDebugging):
         self._next_id = 0
         self._preorder: tuple[list[int], np.ndarray] | None = None
         self._layout: TreeLayout | None = None   # until the next operation: a step asks for it several times
+        self._num_pending = 0                    # a count kept, as programs ask for it after every edit
 
     # ================================================================ queries
 
@@ -123,6 +124,11 @@ class SequenceTree(TreeDebugging):
     def live_leaves(self) -> list[int]:
         """Leaves that are not paused, in depth-first order."""
         return [i for i in self._order() if not self._nodes[i].children and not self._nodes[i].paused]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens pending (the next step's queries), without building the layout."""
+        return self._num_pending
 
     def pending_slots(self) -> np.ndarray:
         """[Q] int64 slots of the pending tokens, in the order of :meth:`layout`'s queries."""
@@ -260,6 +266,7 @@ class SequenceTree(TreeDebugging):
         held, holders = np.unique(slots // self.pool.page_size, return_counts=True)
         self.pool.incref(np.repeat(held, holders - 1))
         self._next_id += m
+        self._num_pending += m
         self._preorder = self._layout = None
         return ids
 
@@ -310,6 +317,7 @@ class SequenceTree(TreeDebugging):
             self._remove_subtrees(list(node.children), doomed)
         slots = self._fill(node, tokens)
         node.pending -= len(tokens)   # their K/V are in place: nothing to compute
+        self._num_pending -= len(tokens)
         if saved is not None:
             self.pool.scatter(slots, saved)
         return slots
@@ -365,6 +373,7 @@ class SequenceTree(TreeDebugging):
         """Mark every pending token as computed (call after the step's forward pass)."""
         for node in self._nodes.values():
             node.pending = 0
+        self._num_pending = 0
         self._layout = None
 
     # ================================================================ private
@@ -458,4 +467,5 @@ class SequenceTree(TreeDebugging):
         node.pages.extend(pages.tolist())
         node.tail_room = node.tail_room - use_tail if len(pages) == 0 else len(pages) * ps - (n - use_tail)
         node.pending += n
+        self._num_pending += n
         return new_slots

@@ -30,6 +30,9 @@ class TreeDebugging:
         ``assert``, so they also run under ``python -O``.
         """
         ps, num_pages = self.pool.page_size, self.pool.num_pages
+        pending = sum(n.pending for n in self._nodes.values())
+        if pending != self._num_pending:
+            raise _broken(f"{self._num_pending=} but the nodes have {pending} pending tokens")
         all_slots = [n.slots[: n.length] for n in self._nodes.values()]
         flat = np.concatenate(all_slots) if all_slots else np.zeros(0, np.int64)
         if np.any((flat < 0) | (flat >= self.pool.num_slots)):
