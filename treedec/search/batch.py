@@ -177,9 +177,11 @@ class GenerateProgram(Program):
                     going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.max_new_tokens]
                     yield from ctx.reserve(self._pages(tree, [rows[k] for k in going], nodes))
                     self._place(tree, root, nodes, {rows[k]: 0 for k in going})
+                    placed = None
+                    if going:
+                        placed = drawn if len(going) == len(rows) else drawn[to_device(going, drawn.device)]
                     out = yield StepRequest([nodes[rows[k]] for k in going], argmax=self.params.temperature == 0,
-                                            tokens=drawn[to_device(going, drawn.device)] if going else None,
-                                            read=drawn)
+                                            tokens=placed, read=drawn)
                     tokens, stepped = out.read, [rows[k] for k in going]
                 else:
                     tokens, stepped = HostCopy(drawn).result(), None
@@ -194,10 +196,13 @@ class GenerateProgram(Program):
                     stepped = live
                 steps += 1
                 keep = [k for k, i in enumerate(stepped) if i not in ended]
-                index = to_device(keep, out.logits.device)
                 rows = [stepped[k] for k in keep]
-                drawn = self._draw(out.logits[index], None if out.argmax is None else out.argmax[index], rows,
-                                   generator)
+                logits, argmax = out.logits, out.argmax
+                if len(keep) < len(stepped):   # (most steps keep every row: no indexing kernels then)
+                    index = to_device(keep, logits.device)
+                    argmax = None if argmax is None else argmax[index]
+                    logits = logits if argmax is not None else logits[index]   # greedy reads the argmax only
+                drawn = self._draw(logits, argmax, rows, generator)
             return request_results(spec, self.prompt_ids, checkers, steps, time.perf_counter() - started)
         finally:
             ctx.free(root)

@@ -424,7 +424,8 @@ class _Scheduler:
                 value.argmax = argmax[part] if r.argmax else None
             if r.read is not None:
                 size = r.read.numel()
-                value.read = torch.tensor(flat[read_at:read_at + size]).reshape(r.read.shape).tolist()
+                part_read = flat[read_at:read_at + size]
+                value.read = part_read if r.read.dim() == 1 else torch.tensor(part_read).reshape(r.read.shape).tolist()
                 read_at += size
             lv.send, lv.request = value, None
             offset += k
