@@ -34,9 +34,9 @@ from treedec.engine.text import IncrementalDetokenizer, encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
-from treedec.search.scheduler import Program, ProgramContext, SchedulerStats, StepRequest, run_programs
+from treedec.search.scheduler import Program, ProgramContext, Read, SchedulerStats, StepRequest, run_programs
 from treedec.search.stops import StopChecker
-from treedec.transfer import HostCopy, to_device
+from treedec.transfer import to_device
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results"]
 
@@ -184,7 +184,7 @@ class GenerateProgram(Program):
                                             tokens=placed, read=drawn)
                     tokens, stepped = out.read, [rows[k] for k in going]
                 else:
-                    tokens, stepped = HostCopy(drawn).result(), None
+                    tokens, stepped = (yield Read(drawn)), None
                 ended = self._accept(tree, checkers, nodes, rows, tokens, placed=stepped is not None)
                 live = [i for i in range(n) if not checkers[i].stopped]
                 if not live:

@@ -7,7 +7,9 @@ speculative token tree) and then *yields* a :class:`StepRequest` naming the node
 pending tokens' outputs it reads; it is resumed with a :class:`StepOutput` holding those rows
 (logits, and on request hidden states and row heads) once the step has run. When it returns,
 its return value is its result. So a program is a small state machine whose state is its
-suspended code, and the engine step is made in one place only, here.
+suspended code, and the engine step is made in one place only, here. A program that needs a
+device tensor's values on the host (the tokens it drew) yields :class:`Read`: the reads of all
+programs are copied back together, one wait for all instead of one each.
 
 :func:`run_programs` runs many programs over one engine's forest. Each iteration it
 
@@ -51,7 +53,7 @@ from treedec.search.prefixes import SharedPrefix, share_prefixes
 from treedec.search.request import pages_in_use
 from treedec.transfer import HostCopy, to_device
 
-__all__ = ["Program", "ProgramContext", "SchedulerStats", "StepOutput", "StepRequest", "Wait", "run_program",
+__all__ = ["Program", "ProgramContext", "Read", "SchedulerStats", "StepOutput", "StepRequest", "Wait", "run_program",
            "run_programs", "step"]
 
 
@@ -81,6 +83,14 @@ class StepRequest:
     tokens: torch.Tensor | None = None
     read: torch.Tensor | None = None
     prompt: bool = False
+
+
+@dataclass(frozen=True)
+class Read:
+    """Yielded by a program for an integer device tensor's values: it is resumed with them as (nested)
+    lists of ints. The reads of all the programs resumed together go back in one copy (one wait)."""
+
+    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -293,6 +303,8 @@ class _Live:
     request: StepRequest | None = None  # its request in the step being gathered
     waiting: Wait | None = None
     started: bool = False               # resumed at least once (its prompt is placed)
+    before: int = 0                     # tokens pending when it was resumed this iteration
+    read: torch.Tensor | None = None    # what its Read asks for
 
 
 class _Scheduler:
@@ -359,35 +371,59 @@ class _Scheduler:
             headroom += program.step_pages(pool) + program.start_pages(pool)
 
     def _resume(self) -> list[_Live]:
-        """Resume the live programs (those not stepped last time first) until the budget is pending."""
+        """Resume the live programs (those not stepped last time first) until the budget is pending;
+        the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
         tree, gathered = self.engine.tree, []
+        batch = []
         for lv in list(self.live):
             if gathered and tree.num_pending >= self.budget:
                 break
             self.live.remove(lv)
             lv.started = True
-            before = tree.num_pending
-            try:
-                out = lv.gen.send(lv.send)
-            except StopIteration as done:
-                self._retire(lv, done.value)
-                continue
-            lv.send = None
-            if isinstance(out, Wait):
-                if lv.waiting is None:
-                    self.stats.waits += 1
-                lv.waiting = out
-                self.live.append(lv)
-            elif isinstance(out, StepRequest):
-                lv.waiting, lv.request = None, out
-                lv.ctx.step_queries = tree.num_pending - before
-                gathered.append(lv)
-            else:
-                raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
-                                f"not a StepRequest or Wait")
+            lv.before = tree.num_pending
+            batch.append(lv)
+        while batch:
+            reading = []
+            for lv in batch:
+                self._advance(lv, gathered, reading)
+            if reading:
+                copy = HostCopy(torch.cat([lv.read.reshape(-1).to(torch.int64) for lv in reading]))
+                flat, at = copy.result(), 0
+                for lv in reading:
+                    size = lv.read.numel()
+                    lv.send = flat[at:at + size] if lv.read.dim() <= 1 else \
+                        torch.tensor(flat[at:at + size]).reshape(lv.read.shape).tolist()
+                    lv.read = None
+                    at += size
+            batch = reading
         # Stepped programs go last, so the ones held back by the budget are resumed first next time.
         self.live += gathered
         return gathered
+
+    def _advance(self, lv: _Live, gathered: list[_Live], reading: list[_Live]) -> None:
+        """Resume one program until it yields; file it by what it yielded."""
+        tree = self.engine.tree
+        try:
+            out = lv.gen.send(lv.send)
+        except StopIteration as done:
+            self._retire(lv, done.value)
+            return
+        lv.send = None
+        if isinstance(out, Read):
+            lv.read = out.tensor
+            reading.append(lv)
+        elif isinstance(out, Wait):
+            if lv.waiting is None:
+                self.stats.waits += 1
+            lv.waiting = out
+            self.live.append(lv)
+        elif isinstance(out, StepRequest):
+            lv.waiting, lv.request = None, out
+            lv.ctx.step_queries = tree.num_pending - lv.before
+            gathered.append(lv)
+        else:
+            raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
+                            f"not a StepRequest, Read or Wait")
 
     def _step(self, gathered: list[_Live]) -> None:
         engine = self.engine

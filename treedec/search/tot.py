@@ -42,7 +42,9 @@ import torch
 from treedec.engine import Engine
 from treedec.search.controller import choose_tokens
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.scheduler import Program, ProgramContext, SchedulerStats, StepRequest, run_program, run_programs
+from treedec.search.scheduler import (Program, ProgramContext, Read, SchedulerStats, StepRequest, run_program,
+                                      run_programs)
+from treedec.transfer import to_device
 from treedec.search.tot_task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
                                      ToTTask, Tokenizer, _check_task, _SearchConfig)
 
@@ -413,8 +415,8 @@ class _Search:
             for s in placed:
                 if s.done:
                     self.logits[s.node] = out[row[id(s)]]
-            picks = out[torch.tensor([row[id(s)] for s in active], device=out.device)]
-            for s, tok in zip(active, _next_tokens(picks, temperature, self.generator)):
+            picks = out if len(active) == len(placed) else out[to_device([row[id(s)] for s in active], out.device)]
+            for s, tok in zip(active, (yield Read(_next_tokens(picks, temperature, self.generator)))):
                 s.tokens.append(tok)
             fresh = active
         return streams
@@ -492,9 +494,10 @@ def _select(candidates: list[ToTState], n: int, selection: str, rng: np.random.G
     return [candidates[i] for i in order]
 
 
-def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> list[int]:
-    """One next token per row of ``logits`` [r, vocab]: argmax, or sampled from softmax(logits / T)."""
+def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One next token per row of ``logits`` [r, vocab], on the device: argmax, or sampled from
+    softmax(logits / T)."""
     if temperature == 0:
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).view(-1).tolist()
+    return torch.multinomial(probs, 1, generator=generator).view(-1)
