@@ -261,7 +261,8 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
     programs : the programs, admitted in this order.
     max_step_tokens : resume no more programs in an iteration once this many tokens are pending
         (default ``engine.prefill_chunk``; a program's own step may exceed it); the others go on
-        in the next step, first.
+        in the next step, first. Running programs are resumed before newly admitted ones (whose
+        prompts fill the budget).
     min_shared_prefix : the fewest common leading prompt tokens requests share as one prefix node
         (default: the pool's page size; 0 turns sharing off).
     preempt : when every live program waits for pages, close the newest and queue it again
@@ -303,7 +304,7 @@ class _Live:
     request: StepRequest | None = None  # its request in the step being gathered
     waiting: Wait | None = None
     started: bool = False               # resumed at least once (its prompt is placed)
-    before: int = 0                     # tokens pending when it was resumed this iteration
+    added: int = 0                      # tokens it added this iteration
     read: torch.Tensor | None = None    # what its Read asks for
 
 
@@ -373,29 +374,25 @@ class _Scheduler:
     def _resume(self) -> list[_Live]:
         """Resume the live programs (those not stepped last time first) until the budget is pending;
         the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
-        tree, gathered = self.engine.tree, []
-        batch = []
-        for lv in list(self.live):
+        tree, gathered, reading = self.engine.tree, [], []
+        # Running programs first (their decode steps are small), then the new ones' prompts.
+        for lv in sorted(self.live, key=lambda lv: not lv.started):
             if gathered and tree.num_pending >= self.budget:
                 break
             self.live.remove(lv)
-            lv.started = True
-            lv.before = tree.num_pending
-            batch.append(lv)
-        while batch:
-            reading = []
+            lv.started, lv.added = True, 0
+            self._advance(lv, gathered, reading)
+        while reading:
+            batch, reading = reading, []
+            flat, at = HostCopy(torch.cat([lv.read.reshape(-1).to(torch.int64) for lv in batch])).result(), 0
+            for lv in batch:
+                size = lv.read.numel()
+                lv.send = flat[at:at + size] if lv.read.dim() <= 1 else \
+                    torch.tensor(flat[at:at + size]).reshape(lv.read.shape).tolist()
+                lv.read = None
+                at += size
             for lv in batch:
                 self._advance(lv, gathered, reading)
-            if reading:
-                copy = HostCopy(torch.cat([lv.read.reshape(-1).to(torch.int64) for lv in reading]))
-                flat, at = copy.result(), 0
-                for lv in reading:
-                    size = lv.read.numel()
-                    lv.send = flat[at:at + size] if lv.read.dim() <= 1 else \
-                        torch.tensor(flat[at:at + size]).reshape(lv.read.shape).tolist()
-                    lv.read = None
-                    at += size
-            batch = reading
         # Stepped programs go last, so the ones held back by the budget are resumed first next time.
         self.live += gathered
         return gathered
@@ -403,12 +400,13 @@ class _Scheduler:
     def _advance(self, lv: _Live, gathered: list[_Live], reading: list[_Live]) -> None:
         """Resume one program until it yields; file it by what it yielded."""
         tree = self.engine.tree
+        before = tree.num_pending
         try:
             out = lv.gen.send(lv.send)
         except StopIteration as done:
             self._retire(lv, done.value)
             return
-        lv.send = None
+        lv.send, lv.added = None, lv.added + tree.num_pending - before
         if isinstance(out, Read):
             lv.read = out.tensor
             reading.append(lv)
@@ -419,7 +417,7 @@ class _Scheduler:
             self.live.append(lv)
         elif isinstance(out, StepRequest):
             lv.waiting, lv.request = None, out
-            lv.ctx.step_queries = tree.num_pending - lv.before
+            lv.ctx.step_queries = lv.added
             gathered.append(lv)
         else:
             raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
