@@ -6,6 +6,8 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.batch import GenerateProgram
+from treedec.search.beam import BeamProgram
+from treedec.search.controller import BranchEvery, ControllerProgram
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.game24 import Game24Task
 from treedec.search.requests_file import RequestSpec
@@ -136,31 +138,31 @@ def test_a_wait_is_retried_once_pages_are_free(tiny):
 
 
 def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
-    """Sampled generation, greedy speculative decoding and a ToT search share the engine's steps; each
-    result is the program's alone (fp32, the CPU)."""
+    """Sampled generation, greedy speculative decoding, a ToT search, beam search and a branch
+    controller share the engine's steps; each result is the program's alone (fp32, the CPU)."""
     def programs():
         spec = RequestSpec("s", prompt_ids=tuple(prompt(1, 9)), max_new_tokens=9, temperature=0.9, seed=4, n=2)
+        model_engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")   # for construction-time checks
         return [GenerateProgram(spec, list(spec.prompt_ids)),
                 SpeculativeProgram(prompt(2, 12) * 2, PromptLookupDraft(num_draft_tokens=4), StopRule(10)),
-                ToTProgram(tiny_engine_for(tiny), Game24Task([4, 9, 10, 13], check_steps=False,
-                                                             thought_max_tokens=3, value_max_tokens=2),
-                           ByteTokenizer(), BFSConfig(k=2, n=1, depth=2, temperature=0.5, seed=1))]
+                ToTProgram(model_engine, Game24Task([4, 9, 10, 13], check_steps=False, thought_max_tokens=3,
+                                                    value_max_tokens=2),
+                           ByteTokenizer(), BFSConfig(k=2, n=1, depth=2, temperature=0.5, seed=1)),
+                BeamProgram(prompt(3, 7), num_beams=3, max_new_tokens=6, length_penalty=1.0, eos=(), early_stopping=False,
+                            keep=6),
+                ControllerProgram(model_engine, prompt(4, 5), BranchEvery(every=2, k=2, max_leaves=4), max_steps=6)]
 
     def view(results):
-        (sampled, (checker, stats), tot) = results
+        sampled, (checker, _), tot, beams, run = results
         return ([r.output_ids for r in sampled], checker.token_ids,
-                [(s.index, s.thoughts, s.value) for s in tot.best], [lv.thoughts for lv in tot.levels])
+                [(s.index, s.thoughts, s.value) for s in tot.best], [lv.thoughts for lv in tot.levels],
+                beams.sequences, beams.scores, run.steps, run.queries_per_step)
 
     engine = Engine(tiny, kv_tokens=1 << 14, page_size=4, backend="torch")
     together, stats = run_programs(engine, programs())
     alone = [run_program(Engine(tiny, kv_tokens=1 << 14, page_size=4, backend="torch"), p) for p in programs()]
     assert view(together) == view(alone)
     assert together[1][0].token_ids == plain_greedy(tiny, prompt(2, 12) * 2, 10)
-    assert max(stats.programs_per_step) == 3
+    assert max(stats.programs_per_step) == 5
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
-
-
-def tiny_engine_for(tiny):
-    """An engine of the model, for the programs' construction-time checks (vocabulary, EOS ids)."""
-    return Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
 

@@ -32,9 +32,10 @@ from typing import Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import (MODEL_EOS, RequestStats, discard_request, eos_token_ids, finite_float,
-                                    pages_in_use, positive_int)
+from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids, finite_float, pages_in_use, positive_int
+from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
 from treedec.tree import SequenceTree
+from treedec.tree.validate import int_list
 
 EARLY_STOPPING = (False, True, "never")
 
@@ -77,7 +78,8 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
     Parameters
     ----------
     engine : the engine; the request is a new tree of ``engine.tree``, pruned on return
-        (also when the search raises).
+        (also when the search raises). :class:`BeamProgram` runs the same search batched with
+        other programs (:func:`~treedec.search.scheduler.run_programs`).
     prompt_ids : the prompt's token ids (at least one).
     num_beams : int >= 1, with ``max(2, 1 + len(eos ids)) * num_beams <= vocab_size``.
     max_new_tokens : int >= 1; hypotheses that reach it without EOS finish there.
@@ -103,16 +105,34 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
     if keep > vocab:
         raise ValueError(f"num_beams={num_beams} with {len(eos)} EOS id(s) keeps {keep} candidates per step, more "
                          f"than the vocabulary ({vocab}); use num_beams <= {vocab // max(2, 1 + len(eos))}")
-    held_before = pages_in_use(engine.pool)
-    root, logits = engine.prefill(prompt_ids)
-    try:
-        search = _BeamSearch(engine, root, num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep,
-                             held_before)
-        search.run(logits[None])
-    finally:
-        discard_request(engine.tree, root)
-    scores, sequences = zip(*search.finished)
-    return BeamSearchResult([list(s) for s in sequences], list(scores), search.stats)
+    prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
+    return run_program(engine, BeamProgram(prompt_ids, num_beams, max_new_tokens, length_penalty, eos, early_stopping,
+                                           keep))
+
+
+class BeamProgram(Program):
+    """One beam search as a scheduler program (:mod:`treedec.search.scheduler`); its result is the
+    :class:`BeamSearchResult`. Made by :func:`beam_search` (which checks the arguments) or directly,
+    with ``eos`` the EOS ids and ``keep`` the candidates kept per step."""
+
+    def __init__(self, prompt_ids: list[int], num_beams: int, max_new_tokens: int, length_penalty: float,
+                 eos: tuple[int, ...], early_stopping: bool | str, keep: int):
+        self.prompt_ids = list(prompt_ids)
+        self.args = (num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep)
+
+    def step_pages(self, pool) -> int:
+        return self.args[0]   # each live beam may start a page
+
+    def run(self, ctx: ProgramContext):
+        root = None
+        try:
+            root, out = yield from ctx.prompt(self.prompt_ids)
+            search = _BeamSearch(ctx, root, *self.args)
+            yield from search.run(out.logits[:1])
+        finally:
+            ctx.free(root)
+        scores, sequences = zip(*search.finished)
+        return BeamSearchResult([list(s) for s in sequences], list(scores), search.stats)
 
 
 # ================================================================ private
@@ -127,21 +147,23 @@ class _Beam:
 class _BeamSearch:
     """The state of one search: live beams (best first) with float32 scores, finished hypotheses."""
 
-    def __init__(self, engine: Engine, root: int, num_beams: int, max_new_tokens: int, length_penalty: float,
-                 eos: tuple[int, ...], early_stopping: bool | str, keep: int, held_before: int):
-        self.engine, self.tree = engine, engine.tree
+    def __init__(self, ctx: ProgramContext, root: int, num_beams: int, max_new_tokens: int, length_penalty: float,
+                 eos: tuple[int, ...], early_stopping: bool | str, keep: int):
+        engine = ctx.engine
+        self.ctx, self.engine, self.tree, self.root = ctx, engine, engine.tree, root
         self.num_beams, self.max_new_tokens, self.length_penalty = num_beams, max_new_tokens, length_penalty
         self.eos = torch.tensor(eos, dtype=torch.int64, device=engine.device)
         self.early_stopping, self.keep = early_stopping, keep
         self.beams = [_Beam(root, [])]
         self.scores = torch.zeros(1, dtype=torch.float32, device=engine.device)   # [live beams] cumulative log-probs
         self.finished: list[tuple[float, list[int]]] = []         # (score, tokens), best first, <= num_beams
-        self.held_before = held_before                             # pages held by other requests
+        # The pages the search does not hold (the prompt's are its own).
+        self.held_before = pages_in_use(engine.pool) - self.tree.pages_freed_by_prune([root])
         self.stats = BeamSearchStats()
         self._note_pages()
 
-    def run(self, logits: torch.Tensor) -> None:
-        """Steps until a stop condition; ``logits`` [1, vocab]: the prompt's next-token logits."""
+    def run(self, logits: torch.Tensor):
+        """Steps until a stop condition (a generator); ``logits`` [1, vocab]: the prompt's next-token logits."""
         for generated in range(1, self.max_new_tokens + 1):    # tokens each candidate of this step has
             vocab = logits.shape[-1]
             cumulative = torch.log_softmax(logits.float(), dim=-1) + self.scores[:, None]
@@ -153,7 +175,7 @@ class _BeamSearch:
             live = (~stops).nonzero().reshape(-1)[: self.num_beams].tolist()
             if bool(stops.all()) or not self._continues(top_scores[live], generated):
                 return
-            logits = self._advance([(parent[i], token[i]) for i in live])
+            logits = yield from self._advance([(parent[i], token[i]) for i in live])
             self.scores = top_scores[live]
 
     def _add_finished(self, top_scores: torch.Tensor, parent: list[int], token: list[int], stops: list[bool],
@@ -183,8 +205,8 @@ class _BeamSearch:
         best_possible = float(live_scores[:1] / (length ** self.length_penalty))   # float32, as transformers
         return best_possible > self.finished[-1][0]
 
-    def _advance(self, chosen: list[tuple[int, int]]) -> torch.Tensor:
-        """Make the chosen ``(parent beam, token)`` the live beams on the tree; run their step.
+    def _advance(self, chosen: list[tuple[int, int]]):
+        """Make the chosen ``(parent beam, token)`` the live beams on the tree; run their step (a generator).
 
         Returns their next-token logits [len(chosen), vocab].
         """
@@ -193,7 +215,9 @@ class _BeamSearch:
             by_parent.setdefault(p, []).append(t)
         for p, beam in enumerate(self.beams):
             if p not in by_parent:
-                _prune_dead_branch(self.tree, beam.node)
+                _prune_dead_branch(self.tree, beam.node, self.root)
+        yield from self.ctx.reserve(sum(self.tree.pages_to_extend(self.beams[p].node, 1) if len(toks) == 1
+                                        else len(toks) for p, toks in by_parent.items()))
         grow = {self.beams[p].node: toks for p, toks in by_parent.items() if len(toks) == 1}
         self.tree.extend_many(grow)
         children = {p: iter(self.tree.branch(self.beams[p].node, [[t] for t in toks]))
@@ -203,8 +227,7 @@ class _BeamSearch:
             node = next(children[p]) if p in children else self.beams[p].node
             beams.append(_Beam(node, self.beams[p].tokens + [t]))
         self.beams = beams
-        rows = self.engine.pending_rows([b.node for b in beams])
-        logits = self.engine.step(logits_rows=rows)
+        logits = (yield StepRequest([b.node for b in beams])).logits
         self.stats.steps += 1
         self.stats.queries_per_step.append(len(beams))
         self._note_pages()
@@ -214,11 +237,11 @@ class _BeamSearch:
         self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
 
 
-def _prune_dead_branch(tree: SequenceTree, leaf: int) -> None:
-    """Prune ``leaf`` and every ancestor whose only remaining descendant it is."""
+def _prune_dead_branch(tree: SequenceTree, leaf: int, root: int) -> None:
+    """Prune ``leaf`` and every ancestor below ``root`` whose only remaining descendant it is."""
     top = leaf
-    while (parent := tree.parent(top)) is not None and len(tree.children(parent)) == 1:
+    while top != root and (parent := tree.parent(top)) != root and len(tree.children(parent)) == 1:
         top = parent
-    assert tree.parent(top) is not None, f"pruning beam leaf {leaf} would remove the whole request (root {top})"
+    assert top != root, f"pruning beam leaf {leaf} would remove the whole request (root {root})"
     tree.prune(top)
 

@@ -15,9 +15,10 @@ only what differs from plain decoding. Then one engine step computes every new t
 shared prefixes stay in place and are never recomputed or copied. A leaf whose newest
 token is an EOS id is *finished*: after that step it is paused (its K/V stay, it is no
 longer a live leaf, so it does not grow; the controller may still prune it). The ops of one
-iteration are checked together before any is applied: a bad list (ControllerError) or one
-that needs more KV pages than the pool has free, counting those its prunes free
-(PoolExhaustedError), changes nothing.
+iteration are checked together before any is applied: a bad list (ControllerError) changes
+nothing; one that needs more KV pages than the pool has free, counting those its prunes free,
+waits for them (batched with other programs, :class:`ControllerProgram`), or raises
+PoolExhaustedError having changed nothing (run alone).
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from typing import Protocol, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.errors import ControllerError, PoolExhaustedError
+from treedec.errors import ControllerError
 from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
 from treedec.tree import SequenceTree
+from treedec.tree.validate import int_list
 
-__all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerRun", "Extend", "Op", "Prune",
-           "Stop", "TreeView", "choose_tokens", "run_controller"]
+__all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerProgram", "ControllerRun", "Extend", "Op",
+           "Prune", "Stop", "TreeView", "choose_tokens", "run_controller"]
 
 @dataclass(frozen=True)
 class Extend:
@@ -134,50 +137,80 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
     ``generator``. A leaf whose newest token is an EOS id (``eos_token_id``: ``"model"``,
     the default, for ``engine.model.eos_token_ids``; an id, several ids, or None) is
     paused and listed in ``run.finished``. The run ends at ``max_steps``, on Stop, or when
-    no live leaf is left. The request stays in ``engine.tree`` under ``run.root``.
+    no live leaf is left. The request stays in ``engine.tree`` under ``run.root`` (also
+    when the run raises). :class:`ControllerProgram` runs it batched with other programs.
     """
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
-        raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
-    root, first = engine.prefill(prompt_ids)
-    run = ControllerRun(root=root)
-    logits = {root: first}   # every node's next-token logits at its last token, while it lives
-    tree = engine.tree
-    while run.steps < max_steps:
-        leaves = _request_leaves(tree, root)
-        ops = controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
-        plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
-        _check_pool(tree, plan, leaves)
-        for node in plan.prune:
-            for dead in _subtree(tree, node):
-                logits.pop(dead, None)
-            tree.prune(node)
-        if plan.stop:
-            run.stopped = True
-            break
-        leaves = _request_leaves(tree, root)   # a node whose children were all pruned is a leaf again (backtracking)
-        grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
-                for n in leaves if n not in plan.branch}
-        tree.extend_many(grow)
-        last = {n: tokens[-1] for n, tokens in grow.items()}   # each new leaf's newest token
-        for node, k in plan.branch.items():
-            tokens = choose_tokens(logits[node], k, temperature, generator)
-            last.update(zip(tree.branch(node, [[t] for t in tokens]), tokens))
-        new_leaves = list(last)
-        if not new_leaves:
-            break
-        queries = tree.layout().num_queries
-        out = engine.step(logits_rows=engine.pending_rows(new_leaves))
-        logits.update(zip(new_leaves, out))
-        run.steps += 1
-        run.queries_per_step.append(queries)
-        for leaf, token in last.items():
-            if token in eos:
-                tree.pause(leaf)
-                run.finished.append(leaf)
-    return run
+    program = ControllerProgram(engine, prompt_ids, controller, max_steps, temperature, generator, eos_token_id,
+                                keep_tree=True)
+    return run_program(engine, program)
+
+
+class ControllerProgram(Program):
+    """A controller's run (:func:`run_controller`) as a scheduler program; its result is the
+    :class:`ControllerRun`. ``keep_tree``: the request stays in the tree (the caller prunes
+    ``run.root``), else it is freed when the program ends. Checks its arguments on construction."""
+
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
+                 temperature: float = 0.0, generator: torch.Generator | None = None,
+                 eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, keep_tree: bool = False):
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
+            raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
+        self.prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
+        self.controller, self.max_steps, self.temperature, self.generator = controller, max_steps, temperature, generator
+        self.keep_tree = keep_tree
+
+    def run(self, ctx: ProgramContext):
+        engine, root = ctx.engine, None
+        try:
+            root, out = yield from ctx.prompt(self.prompt_ids)
+            run = ControllerRun(root=root)
+            yield from self._iterate(engine, ctx, run, {root: out.logits[0]})
+            return run
+        finally:
+            if not self.keep_tree:
+                ctx.free(root)
+
+    def _iterate(self, engine: Engine, ctx: ProgramContext, run: ControllerRun, logits: dict[int, torch.Tensor]):
+        """``logits``: every node's next-token logits at its last token, while it lives."""
+        tree, root, temperature, generator = engine.tree, run.root, self.temperature, self.generator
+        while run.steps < self.max_steps:
+            leaves = _request_leaves(tree, root)
+            ops = self.controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
+            plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
+            need, freed = _pool_need(tree, plan, leaves)
+            if need:   # waits before any op is applied
+                yield from ctx.reserve(need - freed, f"this iteration's ops need {need} page(s) of "
+                                                     f"{tree.pool.page_size} tokens, {tree.pool.num_free_pages + freed}"
+                                                     f" of {tree.pool.num_pages} would be free after its prunes")
+            for node in plan.prune:
+                for dead in _subtree(tree, node):
+                    logits.pop(dead, None)
+                tree.prune(node)
+            if plan.stop:
+                run.stopped = True
+                break
+            leaves = _request_leaves(tree, root)   # a node whose children were all pruned is a leaf again
+            grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
+                    for n in leaves if n not in plan.branch}
+            tree.extend_many(grow)
+            last = {n: tokens[-1] for n, tokens in grow.items()}   # each new leaf's newest token
+            for node, k in plan.branch.items():
+                tokens = choose_tokens(logits[node], k, temperature, generator)
+                last.update(zip(tree.branch(node, [[t] for t in tokens]), tokens))
+            new_leaves = list(last)
+            if not new_leaves:
+                break
+            out = yield StepRequest(new_leaves)
+            logits.update(zip(new_leaves, out.logits))
+            run.steps += 1
+            run.queries_per_step.append(ctx.step_queries)
+            for leaf, token in last.items():
+                if token in self.eos:
+                    tree.pause(leaf)
+                    run.finished.append(leaf)
 
 
 def choose_tokens(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None) -> list[int]:
@@ -248,11 +281,10 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int) ->
     return plan
 
 
-def _check_pool(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> None:
-    """Raise PoolExhaustedError, before any op is applied, if the plan's growth needs more pages
-    than are free once its prunes are done."""
+def _pool_need(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> tuple[int, int]:
+    """The pages the plan's growth needs and those its prunes free (0, 0 for a stop)."""
     if plan.stop:
-        return
+        return 0, 0
     doomed = {n for node in plan.prune for n in _subtree(tree, node)}
     grow = [n for n in leaves if n not in doomed and n not in plan.branch]
     for node in plan.prune:   # a parent whose children all go is a leaf again and takes a token
@@ -263,11 +295,7 @@ def _check_pool(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> None:
             grow.append(parent)
     need = sum(tree.pages_to_extend(n, len(plan.extend.get(n, (0,)))) for n in grow)
     need += sum(k * tree.pool.pages_for(1) for k in plan.branch.values())
-    free = tree.pool.num_free_pages + tree.pages_freed_by_prune(plan.prune)
-    if need > free:
-        raise PoolExhaustedError(f"KV pool exhausted: this iteration's ops need {need} page(s) of "
-                                 f"{tree.pool.page_size} tokens, {free} of {tree.pool.num_pages} would be free "
-                                 f"after its prunes; nothing was changed")
+    return need, tree.pages_freed_by_prune(plan.prune)
 
 
 def _subtree(tree: SequenceTree, node: int) -> list[int]:

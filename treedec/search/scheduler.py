@@ -95,9 +95,11 @@ class Read:
 
 @dataclass(frozen=True)
 class Wait:
-    """Yielded by a program that needs ``pages`` free KV pages before it can go on (it changed nothing)."""
+    """Yielded by a program that needs ``pages`` free KV pages before it can go on (it changed nothing);
+    ``reason`` says for what (the error's words when nothing can free them)."""
 
     pages: int
+    reason: str | None = None
 
 
 @dataclass
@@ -183,14 +185,15 @@ class ProgramContext:
         self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
 
-    def reserve(self, pages: int) -> Generator[Wait, Any, None]:
-        """Wait until ``pages`` KV pages are free (``yield from ctx.reserve(n)`` before growing)."""
+    def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:
+        """Wait until ``pages`` KV pages are free (``yield from ctx.reserve(n)`` before growing);
+        ``reason``: what needs them, for the error when nothing can free them."""
         pool = self.engine.pool
         if pages > pool.num_pages:
             raise PoolExhaustedError(f"KV pool exhausted: a step needs {pages} pages of {pool.page_size} tokens, the "
                                      f"pool has {pool.num_pages} in all; give the engine more kv_tokens")
         while pool.num_free_pages < pages:
-            yield Wait(pages)
+            yield Wait(pages, reason)
 
     def free(self, node: int | None) -> None:
         """Prune ``node``'s subtree if it is still in the tree (a program's ``finally``). After an error
@@ -481,11 +484,11 @@ class _Scheduler:
         if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
             return   # programs that retired after it asked freed enough: it goes on next iteration
         if not self.preempt or len(self.live) == 1:
-            wait = max(lv.waiting.pages for lv in self.live)
-            raise PoolExhaustedError(
-                f"KV pool exhausted: a program needs {wait} free pages of {pool.page_size} tokens, "
-                f"{pool.num_free_pages} of {pool.num_pages} are free and nothing else can free pages; "
-                f"give the engine more kv_tokens")
+            wait = max((lv.waiting for lv in self.live), key=lambda w: w.pages)
+            need = wait.reason or (f"a program needs {wait.pages} free pages of {pool.page_size} tokens, "
+                                   f"{pool.num_free_pages} of {pool.num_pages} are free")
+            raise PoolExhaustedError(f"KV pool exhausted: {need}; nothing else can free pages: give the engine "
+                                     f"more kv_tokens")
         victim = max(self.live, key=lambda lv: lv.order)
         self.live.remove(victim)
         victim.gen.close()
