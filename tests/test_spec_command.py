@@ -162,3 +162,55 @@ def test_eos_defaults_to_the_checkpoint_s(tmp_path, capsys):
     assert results["tokens"] == free["tokens"][:p + 1] and results["summary"]["stop_reason"] == "eos"
     assert results["eos_token_ids"] == [eos, 255] and results["check"]["equal"]
     assert f"eos: [{eos}, 255]" in capsys.readouterr().out
+
+
+def write_prompts(path, count=3):
+    lines = [json.dumps({"id": f"r{k}", "prompt_ids": [(13 * k + 5 * i) % 512 for i in range(8)] * 2,
+                         "max_new_tokens": 10 + k}) for k in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
+def test_a_prompts_file_runs_batched_with_every_draft(draft, tmp_path, capsys):
+    """Every request's tokens are plain greedy decoding's (greedy acceptance), whatever the draft."""
+    from tests.engines import plain_greedy
+
+    requests = write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "r.jsonl"
+    assert main(["spec", "--draft", draft, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+    assert "3 requests" in capsys.readouterr().err
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    model = from_config("tiny", seed=0)
+    for request, result in zip(requests, results):
+        assert result["id"] == request["id"] and result["stop_reason"] == "length"
+        assert result["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_new_tokens"])
+        assert len(result["stats"]["accepted"]) == result["stats"]["steps"]
+
+
+@pytest.mark.parametrize("accept", ["typical", "sample"])
+def test_a_prompts_file_with_sampled_acceptance(accept, tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "r.jsonl"
+    argv = ["spec", "--accept", accept, "--temperature", "0.8", "--prompts", str(tmp_path / "p.jsonl"), "--out"]
+    assert main([*argv, str(out)]) == 0
+    first = out.read_text()
+    assert main([*argv, str(tmp_path / "again.jsonl")]) == 0   # seeded: the same tokens again
+    assert (tmp_path / "again.jsonl").read_text().count("output_ids") == 2
+    assert [json.loads(x)["output_ids"] for x in first.splitlines()] == \
+        [json.loads(x)["output_ids"] for x in (tmp_path / "again.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--out", "r.jsonl", "--check"], "--check goes with a single prompt, not with --prompts"),
+    (["--out", "r.jsonl", "--eos", "3"], "--eos goes with a single prompt, not with --prompts .give each request's "
+                                         "stop_token_ids"),
+    ([], "--prompts needs --out results.jsonl"),
+])
+def test_prompts_file_conflicts_are_one_line_errors(extra, match, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_prompts(tmp_path / "p.jsonl", 1)
+    assert main(["spec", "--prompts", "p.jsonl", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err
+    assert not (tmp_path / "r.jsonl").exists()

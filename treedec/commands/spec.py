@@ -5,6 +5,7 @@
     treedec spec --draft draft-model --accept sample --temperature 0.8
     treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
         --prompt "Tell me a story" --json-out spec.json
+    treedec spec --prompts requests.jsonl --out results.jsonl   # many requests batched (spec_batch.py)
 
 Prints the draft, the acceptance rule, tokens per verification step, the accepted-length
 histogram, tokens/s and why generation stopped (an EOS id, ``--eos``, default the
@@ -28,6 +29,7 @@ from treedec.engine import Engine, from_config, from_pretrained
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_dir, existing_file,
                                     existing_path, load_model, model_size, nonnegative_float, output_file,
                                     positive_float, positive_int, read_json, seed_int)
+from treedec.commands.spec_batch import run_spec_batch
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
@@ -60,6 +62,12 @@ def add_spec_parser(sub) -> None:
     prompt.add_argument("--prompt-ids", type=_token_ids,
                         help="comma-separated prompt token ids (default for random weights: random ids with a "
                              "repeated phrase)")
+    prompt.add_argument("--prompts", type=existing_file,
+                        help="a prompts file (JSONL, one request per line, as treedec generate's), run batched; "
+                             "with --out")
+    p.add_argument("--out", type=output_file, help="--prompts: the results JSONL, one line per request")
+    p.add_argument("--chat-template", action="store_true",
+                   help="--prompts: render text prompts through the tokenizer's chat template")
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
@@ -107,6 +115,11 @@ def run_spec(args: argparse.Namespace) -> int:
     choices = [list(c) for c in DEFAULT_MEDUSA_CHOICES] if args.medusa_choices is None else args.medusa_choices
     rule = _rule(args)
     tree_json = _tree_json(args.tree_json)
+    if args.prompts is not None:
+        check_backend(args)
+        return run_spec_batch(args, choices, tree_json, load_model, _draft)
+    if args.out is not None or args.chat_template:
+        raise ValueError("--out and --chat-template go with --prompts (a single prompt's results: --json-out)")
     check_backend(args)
     model, model_name = load_model(args)
     prompt, tokenizer = _prompt(args, model)

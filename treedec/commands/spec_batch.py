@@ -1,0 +1,99 @@
+"""``treedec spec --prompts FILE --out FILE``: a prompts file's requests decoded speculatively, batched.
+
+    treedec spec --prompts requests.jsonl --out results.jsonl                   # tiny random model, n-grams
+    treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
+        --chat-template --prompts requests.jsonl --out results.jsonl
+
+Every request of the prompts file (:mod:`treedec.search.requests_file`; one output each) gets
+its own draft source of the ``--draft`` kind (Medusa drafts share the heads, draft-model drafts
+the draft engine), and all requests' token trees are verified in one engine step per iteration
+(:func:`~treedec.search.speculative_batch.speculative_batch`). Greedy acceptance (the default)
+gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
+at each request's ``temperature`` (default ``--temperature``), seeded by its ``seed`` (default
+``--seed``). The results file has one line per request, its ``stats`` with the accepted draft
+tokens of each step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from tqdm import tqdm
+
+from treedec.engine import Engine
+from treedec.engine.text import load_tokenizer
+from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
+from treedec.search.draft_model import DraftModelDraft
+from treedec.search.drafts import PromptLookupDraft
+from treedec.search.medusa import MedusaDraft
+from treedec.search.requests_file import read_requests, write_results_jsonl
+from treedec.search.speculative_batch import speculative_batch
+
+CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model's engine gets as many)
+
+
+def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json, load_model, make_draft) -> int:
+    """Run the prompts file; ``load_model`` and ``make_draft`` are ``treedec spec``'s (one draft, then one per
+    request like it)."""
+    for flag, value in [("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids), ("--json-out", args.json_out),
+                        ("--eos", args.eos)]:
+        if value is not None:
+            hint = " (give each request's stop_token_ids in the prompts file)" if flag == "--eos" else ""
+            raise ValueError(f"{flag} goes with a single prompt, not with --prompts{hint}")
+    if args.check:
+        raise ValueError("--check goes with a single prompt, not with --prompts (greedy acceptance gives each "
+                         "request plain greedy's tokens: tested)")
+    if args.out is None:
+        raise ValueError("--prompts needs --out results.jsonl")
+    defaults = {"max_new_tokens": args.max_new_tokens}
+    if args.accept == "greedy":
+        defaults["temperature"] = 0.0
+    elif args.temperature is not None:
+        defaults["temperature"] = args.temperature
+    specs = read_requests(args.prompts, defaults)
+    model, name = load_model(args)
+    tokenizer = load_tokenizer(args.model) if args.model is not None else None
+    kv_tokens = args.kv_tokens or (None if model.device.type == "cuda" else CPU_KV_TOKENS)
+    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
+                    cuda_graphs=model.device.type == "cuda")
+    draft, note = make_draft(args, model, choices, tree_json, kv_tokens or CPU_KV_TOKENS)
+    factory = _draft_factory(draft, choices)
+    acceptance = None if args.accept == "greedy" else (lambda spec: _acceptance(args, spec))
+    print(f"spec: {name}, {len(specs)} requests; draft: {note}; acceptance: {args.accept}", file=sys.stderr)
+    with tqdm(total=len(specs), unit="request", desc="spec", disable=None, file=sys.stderr) as bar:
+        results, stats = speculative_batch(engine, specs, factory, tokenizer, args.chat_template,
+                                           acceptance=acceptance, on_request_done=lambda done: bar.update(1))
+    write_results_jsonl(args.out, results)
+    tokens = sum(len(r.output_ids) for r in results)
+    verify_steps = sum(r.stats["steps"] for r in results)
+    accepted = sum(sum(r.stats["accepted"]) for r in results)
+    per_step = (accepted + verify_steps) / verify_steps if verify_steps else 0.0
+    print(f"{name}: {len(specs)} requests, {tokens} tokens in {stats.seconds:.2f} s "
+          f"({tokens / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.steps} batched steps (up to "
+          f"{max(stats.programs_per_step, default=0)} requests a step), {per_step:.2f} tokens per request step; "
+          f"results in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _draft_factory(draft, choices: list[list[int]]):
+    """Each request's draft source, like ``draft``: stateful ones new, sharing heads or the draft engine."""
+    if isinstance(draft, PromptLookupDraft):
+        return lambda spec: dataclasses.replace(draft)
+    if isinstance(draft, MedusaDraft):
+        return lambda spec: MedusaDraft(draft.heads, choices)
+    if isinstance(draft, DraftModelDraft):
+        return lambda spec: DraftModelDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens)
+    return lambda spec: draft   # a TreeDraft: the same tree and tokens every step, no state
+
+
+def _acceptance(args: argparse.Namespace, spec):
+    """A sampled request's acceptance rule, at its temperature and seed."""
+    seed = args.seed if spec.seed is None else spec.seed
+    if spec.temperature == 0:
+        raise ValueError(f"request {spec.id!r}: --accept {args.accept} samples and needs a temperature > 0 "
+                         f"(the request's or --temperature), got 0")
+    if args.accept == "typical":
+        return TypicalAcceptance(temperature=spec.temperature, posterior_threshold=args.posterior_threshold,
+                                 posterior_alpha=args.posterior_alpha, seed=seed)
+    return RejectionSampling(temperature=spec.temperature, seed=seed)
