@@ -5,6 +5,7 @@ search keeps is decided by the test, not by what the random model writes.
 """
 import json
 import math
+import re
 
 import pytest
 
@@ -353,3 +354,73 @@ def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
     else:   # one search's peak (about 260 pages) fits the 400 pages, four do not
         assert stats.waits > 0 and stats.peak_pages <= 400
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+TASK_MODULE = '''
+from treedec.search.tot import ToTTask
+
+
+class Countdown(ToTTask):
+    """A user task: the model's values come from the prompt, no parsing."""
+
+    thought_max_tokens = 3
+    value_max_tokens = 2
+
+    def __init__(self, start):
+        self.start = start
+
+    def root_prompt(self):
+        return f"Count down from {self.start}:"
+
+    def step_prompt(self, thoughts):
+        return ""
+
+    def value_prompt(self, thoughts):
+        return "ok?"
+
+    def parse_value(self, thoughts, outputs):
+        return float(len(thoughts))
+'''
+
+
+def test_cli_tot_runs_a_tasks_file_batched_and_a_user_task(tmp_path, capsys, monkeypatch):
+    tasks = tmp_path / "puzzles.jsonl"
+    tasks.write_text('{"id": "a", "numbers": [4, 9, 10, 13]}\n{"numbers": [1, 1, 4, 6]}\n')
+    out = tmp_path / "results.jsonl"
+    common = ["--k", "2", "--n", "1", "--depth", "2", "--thought-max-tokens", "3", "--value-max-tokens", "2",
+              "--no-progress", "--kv-tokens", "16384"]
+    assert cli_main(["tot", "--tasks", str(tasks), "--no-check-steps", "--out", str(out), *common]) == 0
+    printed = capsys.readouterr().out
+    assert "2 tasks (BFSConfig)" in printed and "all free at the end: True" in printed
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["a", "1"] and lines[1]["task"]["numbers"] == [1, 1, 4, 6]
+    assert all(len(line["result"]["levels"]) == 2 for line in lines)
+    # The same searches one at a time give the same results (fp32 CPU).
+    alone = tot_bfs(make_engine(kv_tokens=16384), Game24Task([1, 1, 4, 6], check_steps=False, thought_max_tokens=3,
+                                                            value_max_tokens=2), ByteTokenizer(),
+                    BFSConfig(k=2, n=1, depth=2, temperature=0.7, seed=0))
+    assert [(b["index"], b["thoughts"], b["value"]) for b in lines[1]["result"]["best"]] == \
+        [(list(c.index), list(c.thoughts), c.value) for c in alone.best]
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mytasks.py").write_text(TASK_MODULE)
+    (tmp_path / "counts.jsonl").write_text('{"start": 5}\n{"start": 9}\n')
+    assert cli_main(["tot", "--task", "mytasks:Countdown", "--tasks", "counts.jsonl", *common]) == 0
+    assert "2 tasks (BFSConfig)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--task", "nosuchmodule:Task"], "--task nosuchmodule:Task: cannot import module 'nosuchmodule'"),
+    (["--task", "treedec.search.game24:INSTRUCTION"], "'INSTRUCTION' .str."),
+    (["--task", "Game24Task"], "--task must be module:Class"),
+    (["--tasks", "TASKS", "--numbers", "1", "2", "3", "4"], "--numbers goes with a single Game-of-24 search"),
+    (["--tasks", "BAD"], r"bad.jsonl:2: Game24Task\(\*\*\{\"numbers\": \[1, 2\]\}\): Game24Task.numbers must be four"),
+])
+def test_cli_tot_task_errors_are_one_line(argv, match, tmp_path, capsys):
+    (tmp_path / "tasks.jsonl").write_text('{"numbers": [4, 9, 10, 13]}\n')
+    (tmp_path / "bad.jsonl").write_text('{"numbers": [4, 9, 10, 13]}\n{"numbers": [1, 2]}\n')
+    argv = [str(tmp_path / "tasks.jsonl") if a == "TASKS" else str(tmp_path / "bad.jsonl") if a == "BAD" else a
+            for a in argv]
+    assert cli_main(["tot", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err

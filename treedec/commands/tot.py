@@ -1,12 +1,16 @@
-"""``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem.
+"""``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem, or on many tasks batched.
 
     treedec tot                                        # tiny random model on the CPU, bytes as tokens
     treedec tot --numbers 3 3 8 8 --algorithm dfs --threshold 1
     treedec tot --model /models/Llama-3.1-8B-Instruct --k 5 --n 5 --out tot.json
+    treedec tot --tasks puzzles.jsonl --out results.jsonl            # every task's search in one forest
+    treedec tot --task mytasks:Crossword --tasks grids.jsonl --out results.jsonl
 
 Prints one line per BFS level (DFS expansion): thoughts, tokens, engine steps, wall time,
 tokens/s and KV pages; then the best states. ``--out`` writes the results JSON: the run's
-settings and :meth:`ToTResult.to_json`.
+settings and :meth:`ToTResult.to_json`. With ``--tasks`` (a JSONL file of task arguments, see
+:mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.search.tot.tot_batch`),
+one line each is printed and ``--out`` is a JSONL file, one result per task.
 """
 from __future__ import annotations
 
@@ -20,10 +24,13 @@ from pathlib import Path
 import torch
 
 from treedec.attention import PLANNERS
-from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, finite_float, load_model,
-                                    nonnegative_float, output_file, positive_int, seed_int)
+from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, finite_float,
+                                    load_model, nonnegative_float, output_file, positive_int, seed_int)
+from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
 from treedec.search.game24 import Game24Task
-from treedec.search.tot import SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, tot_bfs, tot_dfs
+from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, ToTTask, tot_batch, tot_bfs,
+                                tot_dfs)
+from treedec.search.tot_task import check_task
 
 CPU_KV_TOKENS = 32768
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -34,8 +41,13 @@ def add_tot_parser(sub) -> None:
                        description="Tree-of-Thought search on the Game of 24: each level's thoughts decode "
                                    "together in one engine step per token and are judged together by value "
                                    "prompts under their own nodes; the thoughts not kept are pruned.")
-    p.add_argument("--numbers", type=positive_int, nargs=4, default=[4, 9, 10, 13], metavar="N",
-                   help="the four numbers (default 4 9 10 13)")
+    p.add_argument("--numbers", type=positive_int, nargs=4, metavar="N",
+                   help="the four numbers of the Game of 24 (default 4 9 10 13)")
+    p.add_argument("--tasks", type=existing_file,
+                   help="JSONL, one search per line: the task's arguments, e.g. {\"id\": \"p1\", \"numbers\": "
+                        "[4, 9, 10, 13]}; all searched in one forest")
+    p.add_argument("--task", default=DEFAULT_TASK, metavar="MODULE:CLASS",
+                   help="the task class, a ToTTask subclass (default the Game of 24)")
     p.add_argument("--algorithm", choices=("bfs", "dfs"), default="bfs")
     p.add_argument("--k", type=positive_int, default=3, help="thoughts per expanded state (default 3)")
     p.add_argument("--n", type=positive_int, default=2, help="BFS: states kept per level (default 2)")
@@ -62,7 +74,8 @@ def add_tot_parser(sub) -> None:
     p.add_argument("--kv-tokens", type=positive_int,
                    help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free memory on a GPU)")
     p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--out", type=output_file, help="write the results JSON here (its folder must exist)")
+    p.add_argument("--out", type=output_file,
+                   help="write the results JSON here (with --tasks: JSONL, one line per task; its folder must exist)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -71,9 +84,8 @@ def run_tot(args: argparse.Namespace) -> int:
     from treedec.engine import Engine
 
     # Everything the user typed is checked before a model is loaded.
-    lengths = {name: value for name in ("thought_max_tokens", "value_max_tokens")
-               if (value := getattr(args, name)) is not None}
-    task = Game24Task(tuple(args.numbers), check_steps=not args.no_check_steps, **lengths)
+    cls = load_task_class(args.task)
+    tasks = _tasks(args, cls)
     common = dict(k=args.k, depth=args.depth, temperature=args.temperature, value_samples=args.value_samples,
                   value_temperature=args.value_temperature, seed=args.seed)
     if args.algorithm == "bfs":
@@ -88,24 +100,85 @@ def run_tot(args: argparse.Namespace) -> int:
     kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
                     plan_config=plan_config)
-    search = tot_bfs if args.algorithm == "bfs" else tot_dfs
-    result = search(engine, task, tokenizer, config, progress=not args.no_progress)
     device = model.device
-    results = {
-        "command": "tot", "date": datetime.date.today().isoformat(),
-        "task": {"name": "game24", "numbers": list(task.numbers), "check_steps": task.check_steps,
-                 "thought_max_tokens": task.thought_max_tokens, "value_max_tokens": task.value_max_tokens},
+    settings = {
+        "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,
         "config": {"kind": type(config).__name__, **dataclasses.asdict(config)},
         "model": model_name, "tokenizer": tokenizer_name, "dtype": str(model.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": engine.attn.backend, "planner": args.planner, "page_size": args.page_size,
         "kv_pool_tokens": engine.kv_capacity_tokens,
-        "pages_free_at_end": engine.pool.num_free_pages == engine.pool.num_pages,
-        "result": result.to_json(),
     }
+    if args.tasks is not None:
+        return _run_tasks(args, engine, tasks, tokenizer, config, settings)
+    [(_, task, arguments)] = tasks
+    search = tot_bfs if args.algorithm == "bfs" else tot_dfs
+    result = search(engine, task, tokenizer, config, progress=not args.no_progress)
+    results = {**settings, "task": _describe(task, arguments),
+               "pages_free_at_end": engine.pool.num_free_pages == engine.pool.num_pages, "result": result.to_json()}
     print_tot(results, result)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {args.out}")
+    return 0
+
+
+def _tasks(args: argparse.Namespace, cls) -> list[tuple[str, ToTTask, dict]]:
+    """The searches' ``(id, task, arguments)``: the tasks file's, or one task from the flags."""
+    lengths = {name: value for name in ("thought_max_tokens", "value_max_tokens")
+               if (value := getattr(args, name)) is not None}
+
+    def configure(task: ToTTask) -> None:
+        for name, value in lengths.items():
+            setattr(task, name, value)
+        if args.no_check_steps:
+            if not hasattr(task, "check_steps"):
+                raise ValueError(f"--no-check-steps: {type(task).__name__} has no check_steps setting")
+            task.check_steps = False
+        check_task(task)
+
+    if args.tasks is not None:
+        if args.numbers is not None:
+            raise ValueError("--numbers goes with a single Game-of-24 search; with --tasks give each line's numbers")
+        return read_tasks(args.tasks, cls, configure)
+    if cls is Game24Task:
+        arguments = {"numbers": list(args.numbers or (4, 9, 10, 13))}
+    elif args.numbers is not None:
+        raise ValueError(f"--numbers is the Game of 24's; --task {args.task} takes its arguments from --tasks")
+    else:
+        arguments = {}
+    task = cls(**arguments)
+    configure(task)
+    return [("0", task, arguments)]
+
+
+def _describe(task: ToTTask, arguments: dict) -> dict:
+    out = {"name": "game24" if isinstance(task, Game24Task) else type(task).__name__, **arguments,
+           "thought_max_tokens": task.thought_max_tokens, "value_max_tokens": task.value_max_tokens}
+    if isinstance(task, Game24Task):
+        out["check_steps"] = task.check_steps
+    return out
+
+
+def _run_tasks(args: argparse.Namespace, engine, tasks: list, tokenizer, config, settings: dict) -> int:
+    """Every task's search in one forest; a line per task, the results JSONL."""
+    results, stats = tot_batch(engine, [task for _, task, _ in tasks], tokenizer, config,
+                               progress=not args.no_progress)
+    solved = 0
+    lines = []
+    for (task_id, task, arguments), result in zip(tasks, results):
+        solved += result.solved is not None
+        best = result.solved or (result.best[0] if result.best else None)
+        print(f"{task_id}: {'solved' if result.solved else 'not solved'}, {len(result.levels)} levels, "
+              f"{result.tokens_generated} tokens, best value {best.value if best else float('nan'):.3g}"
+              + (f": {' | '.join(repr(t)[:40] for t in best.thoughts)}" if best else ""))
+        lines.append(json.dumps({"id": task_id, "task": _describe(task, arguments), "result": result.to_json()}))
+    print(f"{len(tasks)} tasks ({settings['config']['kind']}) in {stats.seconds:.2f} s "
+          f"({len(tasks) / max(stats.seconds, 1e-9):.2f} tasks/s), {stats.steps} batched steps (up to "
+          f"{max(stats.programs_per_step, default=0)} searches a step), {solved} solved; peak {stats.peak_pages} KV "
+          f"pages, all free at the end: {engine.pool.num_free_pages == engine.pool.num_pages}")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"results: {args.out}")
     return 0
 
@@ -114,7 +187,9 @@ def print_tot(results: dict, result: ToTResult, file=None) -> None:
     """The run's settings, one line per level / expansion, and the best states."""
     file = file or sys.stdout
     name = "ToT-BFS" if result.algorithm == "bfs" else "ToT-DFS"
-    print(f"{name} on the Game of 24 {results['task']['numbers']}: {results['model']} {results['dtype']} on "
+    task = results["task"]
+    what = f"the Game of 24 {task['numbers']}" if task["name"] == "game24" else task["name"]
+    print(f"{name} on {what}: {results['model']} {results['dtype']} on "
           f"{results['device']}, {results['backend']} attention ({results['planner']}), page size "
           f"{results['page_size']}; prompt {result.prompt_tokens} tokens", file=file)
     header = ("depth", "states", "thoughts", "kept", "thought tok", "value tok", "steps", "wall s", "tok/s",

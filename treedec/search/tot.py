@@ -46,7 +46,7 @@ from treedec.search.scheduler import (Program, ProgramContext, Read, SchedulerSt
                                       run_programs)
 from treedec.transfer import to_device
 from treedec.search.tot_task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
-                                     ToTTask, Tokenizer, _check_task, _SearchConfig)
+                                     ToTTask, Tokenizer, _SearchConfig, check_task)
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTProgram", "ToTResult", "ToTState",
            "ToTTask", "Tokenizer", "tot_batch", "tot_bfs", "tot_dfs"]
@@ -139,7 +139,7 @@ class ToTProgram(Program):
                  eos_token_id: int | Sequence[int] | str | None = MODEL_EOS):
         if not isinstance(config, (BFSConfig, DFSConfig)):
             raise TypeError(f"config must be a BFSConfig or a DFSConfig, got {type(config).__name__}")
-        _check_task(task)
+        check_task(task)
         vocab = engine.model.config.vocab_size
         for name in ("k", "value_samples"):
             if getattr(config, name) > vocab:

@@ -101,7 +101,7 @@ class ToTTask(abc.ABC):
         return False
 
 
-def _check_task(task: ToTTask) -> None:
+def check_task(task: ToTTask) -> None:
     if not isinstance(task, ToTTask):
         raise TypeError(f"task must be a ToTTask, got {type(task).__name__}")
     name = type(task).__name__
