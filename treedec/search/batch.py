@@ -35,7 +35,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.scheduler import Program, ProgramContext, Read, SchedulerStats, StepRequest, run_programs
-from treedec.search.stops import StopChecker
+from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import to_device
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results"]
@@ -142,60 +142,82 @@ def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[Sto
 class GenerateProgram(Program):
     """One request's ``n`` outputs, sampled (greedy at temperature 0) until each one's stop rule ends it.
 
-    Its result is the list of its outputs' :class:`RequestResult`. ``pipeline``: each step is
-    launched with the drawn tokens still on the device (placeholders in the tree), and the host
-    reads them while it runs.
+    Its result is the list of its outputs' :class:`RequestResult` (their ``stats`` also hold the
+    request's ``queries_per_step``). ``pipeline``: each step is launched with the drawn tokens
+    still on the device (placeholders in the tree), and the host reads them while it runs.
+
+    Parameters
+    ----------
+    spec, prompt_ids : the request and its encoded prompt.
+    tokenizer : detokenizes the outputs (stop strings need it).
+    generator : draws of a request without a ``seed``.
+    pipeline : see above.
+    rule : the outputs' :class:`~treedec.search.stops.StopRule`; default the request's, after the
+        model's EOS ids.
+    keep : an ended output's node stays in the tree (a child of the prompt's node) with every token
+        computed, its last one in the step after it ended; the result's ``stats["nodes"]`` lists
+        them and ``stats["root"]`` is the prompt's node, which the caller prunes. Else ended
+        outputs are pruned at once and the request's tree when it returns.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None,
-                 generator: torch.Generator | None = None, pipeline: bool = False):
+                 generator: torch.Generator | None = None, pipeline: bool = False, rule: StopRule | None = None,
+                 keep: bool = False):
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
-        self.generator, self.pipeline = generator, pipeline
+        self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
 
     def step_pages(self, pool) -> int:
         return self.spec.n   # each output may start a page
 
     def run(self, ctx: ProgramContext):
         engine, spec, n = ctx.engine, self.spec, self.spec.n
-        tree = engine.tree
         started = time.perf_counter()
         generator = self.generator
         if spec.seed is not None and spec.temperature > 0:   # made here, so a re-run draws the same numbers
             generator = torch.Generator(engine.device).manual_seed(spec.seed)
-        rule = spec.stop_rule(engine.model.eos_token_ids)
+        rule = self.rule if self.rule is not None else spec.stop_rule(engine.model.eos_token_ids)
         checkers = [StopChecker(rule, None if self.tokenizer is None
                                 else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
-        nodes: list[int | None] = [None] * n   # each output's node: a child of the prompt's, from its first token
-        root, steps = None, 0
+        state = _Outputs(engine.tree, checkers, self.keep)
+        queries: list[int] = []
+        done = False
         try:
-            root, out = yield from ctx.prompt(self.prompt_ids)
+            state.root, out = yield from ctx.prompt(self.prompt_ids)
             logits, argmax, rows = out.logits.expand(n, -1), None, list(range(n))
             drawn = self._draw(logits, argmax, rows, generator)
             while True:
                 if self.pipeline:   # placeholders for the drawn tokens; the step reads the ids on the device
                     going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.max_new_tokens]
-                    yield from ctx.reserve(self._pages(tree, [rows[k] for k in going], nodes))
-                    self._place(tree, root, nodes, {rows[k]: 0 for k in going})
-                    placed = None
-                    if going:
-                        placed = drawn if len(going) == len(rows) else drawn[to_device(going, drawn.device)]
-                    out = yield StepRequest([nodes[rows[k]] for k in going], argmax=self.params.temperature == 0,
-                                            tokens=placed, read=drawn)
-                    tokens, stepped = out.read, [rows[k] for k in going]
+                    placed = list(range(len(rows))) if self.keep else going   # kept: every token is computed
+                    yield from ctx.reserve(state.pages([rows[k] for k in placed]))
+                    state.place({rows[k]: 0 for k in placed})
+                    ids = None
+                    if placed:
+                        ids = drawn if len(placed) == len(rows) else drawn[to_device(placed, drawn.device)]
+                    out = yield StepRequest([state.nodes[rows[k]] for k in going],
+                                            argmax=self.params.temperature == 0, tokens=ids,
+                                            placed=[state.nodes[rows[k]] for k in placed], read=drawn)
+                    stepped = [rows[k] for k in going]
+                    state.accept(rows, out.read, placed=True)
+                    if placed:
+                        queries.append(ctx.step_queries)
+                    if not any(not c.stopped for c in checkers):
+                        break
                 else:
-                    tokens, stepped = (yield Read(drawn)), None
-                ended = self._accept(tree, checkers, nodes, rows, tokens, placed=stepped is not None)
-                live = [i for i in range(n) if not checkers[i].stopped]
-                if not live:
-                    break
-                if stepped is None:
-                    yield from ctx.reserve(self._pages(tree, live, nodes))
-                    self._place(tree, root, nodes, {i: checkers[i].token_ids[-1] for i in live})
-                    out = yield StepRequest([nodes[i] for i in live], argmax=self.params.temperature == 0)
+                    ended = state.accept(rows, (yield Read(drawn)), placed=False)
+                    live = [i for i in range(n) if not checkers[i].stopped]
+                    grow = {i: checkers[i].token_ids[-1] for i in live + (ended if self.keep else [])}
+                    if not grow:
+                        break
+                    yield from ctx.reserve(state.pages(list(grow)))
+                    state.place(grow)
+                    out = yield StepRequest([state.nodes[i] for i in live], argmax=self.params.temperature == 0)
+                    queries.append(ctx.step_queries)
+                    if not live:
+                        break
                     stepped = live
-                steps += 1
-                keep = [k for k, i in enumerate(stepped) if i not in ended]
+                keep = [k for k, i in enumerate(stepped) if not checkers[i].stopped]
                 rows = [stepped[k] for k in keep]
                 logits, argmax = out.logits, out.argmax
                 if len(keep) < len(stepped):   # (most steps keep every row: no indexing kernels then)
@@ -203,9 +225,16 @@ class GenerateProgram(Program):
                     argmax = None if argmax is None else argmax[index]
                     logits = logits if argmax is not None else logits[index]   # greedy reads the argmax only
                 drawn = self._draw(logits, argmax, rows, generator)
-            return request_results(spec, self.prompt_ids, checkers, steps, time.perf_counter() - started)
+            results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started)
+            for r in results:
+                r.stats["queries_per_step"] = list(queries)
+                if self.keep:
+                    r.stats.update(root=state.root, nodes=list(state.nodes))
+            done = True
+            return results
         finally:
-            ctx.free(root)
+            if not (done and self.keep):
+                ctx.free(state.root)
 
     def _draw(self, logits, argmax, rows, generator) -> torch.Tensor:
         """The next token (on the device) of each output in ``rows``, from its row of ``logits``."""
@@ -216,33 +245,44 @@ class GenerateProgram(Program):
         numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
         return sample_tokens(logits, self.params, uniform=numbers[to_device(rows, numbers.device)])
 
-    @staticmethod
-    def _pages(tree, outputs: list[int], nodes) -> int:
-        return sum(1 if nodes[i] is None else tree.pages_to_extend(nodes[i], 1) for i in outputs)
 
-    @staticmethod
-    def _place(tree, root: int, nodes, tokens: dict[int, int]) -> None:
+class _Outputs:
+    """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token)."""
+
+    def __init__(self, tree, checkers: list[StopChecker], keep: bool):
+        self.tree, self.checkers, self.keep = tree, checkers, keep
+        self.root: int | None = None
+        self.nodes: list[int | None] = [None] * len(checkers)
+
+    def pages(self, outputs: list[int]) -> int:
+        """Pages that appending a token to each of ``outputs`` may take."""
+        return sum(1 if self.nodes[i] is None else self.tree.pages_to_extend(self.nodes[i], 1) for i in outputs)
+
+    def place(self, tokens: dict[int, int]) -> None:
         """Append each output's token: its node's next, or a new child of the prompt's node."""
-        grow = {nodes[i]: [t] for i, t in tokens.items() if nodes[i] is not None}
+        grow = {self.nodes[i]: [t] for i, t in tokens.items() if self.nodes[i] is not None}
         if grow:
-            tree.extend_many(grow)
-        fresh = [i for i in tokens if nodes[i] is None]
+            self.tree.extend_many(grow)
+        fresh = [i for i in tokens if self.nodes[i] is None]
         if fresh:
-            for i, node in zip(fresh, tree.branch(root, [[tokens[i]] for i in fresh])):
-                nodes[i] = node
+            for i, node in zip(fresh, self.tree.branch(self.root, [[tokens[i]] for i in fresh])):
+                self.nodes[i] = node
 
-    @staticmethod
-    def _accept(tree, checkers, nodes, rows, tokens, placed: bool) -> set[int]:
-        """Give each drawn token to its output's stop rule; prune the outputs that ended (with a
-        placeholder computed meanwhile). ``placed``: the tokens are in the tree as placeholders."""
-        ended = set()
+    def accept(self, rows: list[int], tokens: list[int], placed: bool) -> list[int]:
+        """Give each drawn token to its output's stop rule; returns the outputs that ended. ``placed``: the
+        tokens are in the tree as placeholders (their real ids are set; an output that ended is pruned
+        with its placeholder unless kept). Unplaced, an ended output is pruned unless kept."""
+        ended = []
         for i, token in zip(rows, tokens):
-            checker = checkers[i]
-            if checker.accept(token).reason is not None:
-                ended.add(i)
-                if nodes[i] is not None:
-                    tree.prune(nodes[i])
-                    nodes[i] = None
+            checker, node = self.checkers[i], self.nodes[i]
+            stopped = checker.accept(token).reason is not None
+            if stopped:
+                ended.append(i)
+            at = len(checker.token_ids) - 1
+            if stopped and not self.keep:
+                if node is not None:
+                    self.tree.prune(node)
+                    self.nodes[i] = None
             elif placed:
-                tree.set_tokens(nodes[i], len(checker.token_ids) - 1, [token])
+                self.tree.set_tokens(node, at, [token])
         return ended

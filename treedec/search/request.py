@@ -1,6 +1,6 @@
 """What the one-request search programs (beam search, parallel sampling, speculative
-decoding, ...) share: checks of their common arguments (EOS ids included), the pages a
-request holds, and dropping a request.
+decoding, ...) share: checks of their common arguments (EOS ids included) and the pages a
+request holds.
 
 The checks raise ``ValueError`` naming the argument, the expected and the given value, so
 a search program can check everything before it touches the engine.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from treedec.engine import Llama
-from treedec.tree import PagedKVPool, SequenceTree
+from treedec.tree import PagedKVPool
 
 
 @dataclass
@@ -79,17 +79,3 @@ def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tupl
 def pages_in_use(pool: PagedKVPool) -> int:
     """Pages of ``pool`` held by any node (a request's share: the difference over its run)."""
     return pool.num_pages - pool.num_free_pages
-
-
-def discard_request(tree: SequenceTree, root: int) -> None:
-    """Prune the request under ``root``, also after a failed step.
-
-    A step that raised leaves its pending tokens in the tree. The search programs start
-    with :meth:`Engine.prefill`, which needs a tree without pending tokens, and add pending
-    tokens only to their own request, so those tokens are all this request's: they are
-    marked computed (nothing reads them) and pruned with it.
-    """
-    if tree.layout().num_queries:
-        tree.commit_step()
-    if root in tree:
-        tree.prune(root)

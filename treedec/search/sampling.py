@@ -5,7 +5,9 @@ sample reads the prompt's KV in place (pages used: the prompt's, plus each sampl
 own). Each step samples the next token of every live sample from its logits and
 computes them all in ONE engine step. A sample ends on an EOS id or at
 ``max_new_tokens``; an ended sample is pruned at once (its pages freed for the others),
-or kept as a node under the prompt's node with ``keep=True``.
+or kept as a node under the prompt's node with ``keep=True``. The loop is
+:class:`~treedec.search.batch.GenerateProgram`'s, run alone (:func:`~treedec.search.batch.generate_batch`
+runs it for many requests at once).
 
 :func:`self_consistency` samples n answers, maps each to an answer with the caller's
 extractor, and takes the majority vote (:func:`majority_vote`).
@@ -19,8 +21,11 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import MODEL_EOS, RequestStats, discard_request, eos_token_ids, pages_in_use, positive_int
-from treedec.transfer import HostCopy, to_device
+from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids, positive_int
+from treedec.search.requests_file import RequestSpec
+from treedec.search.scheduler import run_programs
+from treedec.search.stops import StopRule
+from treedec.tree.validate import int_list
 
 
 @dataclass(frozen=True)
@@ -172,97 +177,19 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
         raise ValueError(f"keep must be a bool, got {keep!r}")
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
-    eos = set(eos_token_ids(eos_token_id, engine.model))
+    eos = eos_token_ids(eos_token_id, engine.model)
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    tree, pool = engine.tree, engine.pool
-    held_before = pages_in_use(pool)
-    root, first = engine.prefill(prompt_ids)
-    stats = SamplingStats(peak_pages=pages_in_use(pool) - held_before)
-    samples = [Sample([], "") for _ in range(n)]
-    nodes: list[int | None] = [None] * n
-
-    def draw(logits: torch.Tensor, rows: list[int]) -> HostCopy:
-        """The next token of each sample in ``rows`` (one per logits row), its copy to the host started."""
-        uniform = None
-        if params.temperature > 0:
-            uniform = torch.rand(n, generator=generator, device=logits.device)[to_device(rows, logits.device)]
-        drawn = sample_tokens(logits, params, uniform=uniform)
-        return HostCopy(drawn)
-
-    def step(grow: dict[int, int], rows: list[int], device_tokens: torch.Tensor | None = None):
-        """Append ``grow``'s tokens (sample -> token; placeholders if ``device_tokens`` [len(grow)],
-        in ``grow``'s order, hold the real ones) and run one step; logits of ``rows``' samples."""
-        fresh = [i for i in grow if nodes[i] is None]      # first tokens: new children of the prompt
-        for i, node in zip(fresh, tree.branch(root, [[grow[i]] for i in fresh]) if fresh else []):
-            nodes[i] = node
-        tree.extend_many({nodes[i]: [t] for i, t in grow.items() if i not in fresh})
-        stats.peak_pages = max(stats.peak_pages, pages_in_use(pool) - held_before)
-        if device_tokens is not None:   # the step's queries are in layout order: gather them so
-            order = {node: j for j, node in enumerate(nodes[i] for i in grow)}
-            index = [order[node] for node in engine.pending_nodes().tolist()]
-            device_tokens = device_tokens[to_device(index, device_tokens.device)]
-        # Kept samples that just ended ride along: their last token's K/V, no logits.
-        logits = engine.step(logits_rows=engine.pending_rows([nodes[i] for i in rows]), tokens=device_tokens)
-        stats.steps += 1
-        stats.queries_per_step.append(len(grow))
-        return logits
-
-    live = list(range(n))                    # samples not known to have ended
-    rows = list(live)                        # the samples of the pending draw's rows
-    pending = draw(first[None].expand(n, -1), rows)
-    try:
-        while True:
-            drawn_index = len(samples[live[0]].tokens) + 1   # every live sample has as many tokens
-            ahead = None                     # a step launched before `pending` is read
-            if pipeline and (drawn_index < max_new_tokens or keep):
-                position = {i: j for j, i in enumerate(rows)}
-                index = to_device([position[i] for i in live], engine.device)
-                last = drawn_index == max_new_tokens
-                logits = step({i: 0 for i in live}, [] if last else live, pending.source[index])
-                ahead = None if last else (list(live), draw(logits, live))
-            tokens = pending.result()
-            grow, still = {}, []
-            for i, token in zip(rows, tokens):
-                if i not in live:           # a row of a sample that ended at the draw before
-                    continue
-                s = samples[i]
-                s.tokens.append(token)
-                ended = token in eos or len(s.tokens) == max_new_tokens
-                if ended:
-                    s.finish_reason = "eos" if token in eos else "length"
-                else:
-                    still.append(i)
-                if pipeline:
-                    if ended and not keep:
-                        if nodes[i] is not None:
-                            tree.prune(nodes[i])     # with the token computed meanwhile, if any
-                    elif drawn_index < max_new_tokens or keep:
-                        tree.set_tokens(nodes[i], len(s.tokens) - 1, [token])
-                elif not ended or keep:
-                    grow[i] = token
-                elif nodes[i] is not None:
-                    tree.prune(nodes[i])
-            live = still
-            if pipeline:
-                if ahead is None or not live:
-                    break
-                rows, pending = ahead
-            else:
-                if not grow:
-                    break
-                logits = step(grow, live)
-                if not live:
-                    break
-                rows, pending = list(live), draw(logits, live)
-    except BaseException:
-        discard_request(tree, root)
-        raise
-    if keep:
-        for s, node in zip(samples, nodes):
-            s.node = node
-        return SamplingResult(samples, root, stats)
-    tree.prune(root)
-    return SamplingResult(samples, None, stats)
+    prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
+    from treedec.search.batch import GenerateProgram   # batch.py builds on this module's sample_tokens
+    spec = RequestSpec(0, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens, temperature=params.temperature,
+                       top_k=params.top_k, top_p=params.top_p, n=n)
+    program = GenerateProgram(spec, prompt_ids, generator=generator, pipeline=pipeline,
+                              rule=StopRule(max_new_tokens, eos), keep=keep)
+    [outputs], run = run_programs(engine, [program], preempt=False, min_shared_prefix=0)
+    first = outputs[0].stats
+    stats = SamplingStats(steps=first["steps"], queries_per_step=first["queries_per_step"], peak_pages=run.peak_pages)
+    samples = [Sample(r.output_ids, r.stop_reason, r.stats["nodes"][r.index] if keep else None) for r in outputs]
+    return SamplingResult(samples, first["root"] if keep else None, stats)
 
 
 # ================================================================ self-consistency

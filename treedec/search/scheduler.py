@@ -68,8 +68,11 @@ class StepRequest:
     hidden : also return those rows' final-norm hidden states.
     heads : also return the engine's row heads at those rows.
     argmax : also return the rows' argmax (computed once for the whole step).
-    tokens : [len(nodes)] int64 device tensor, optional: the ids of the nodes' last pending
-        tokens, which the tree holds as placeholders (read on the device; pipelining).
+    tokens : int64 device tensor, optional: the ids of the last pending tokens of the nodes in
+        ``placed`` (default ``nodes``), which the tree holds as placeholders (read on the device;
+        pipelining).
+    placed : the nodes whose placeholders ``tokens`` fills, when not ``nodes`` (e.g. a node whose
+        token is computed but whose output row is not wanted).
     read : a device tensor to read back; its values come in the next :class:`StepOutput`'s
         ``read``, after the step is launched.
     prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
@@ -81,6 +84,7 @@ class StepRequest:
     heads: bool = False
     argmax: bool = False
     tokens: torch.Tensor | None = None
+    placed: Sequence[int] | None = None
     read: torch.Tensor | None = None
     prompt: bool = False
 
@@ -433,7 +437,7 @@ class _Scheduler:
         copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
         nodes = [n for r in requests for n in r.nodes]
         out = None
-        if nodes:
+        if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
             hidden = any(r.hidden for r in requests)
             heads = any(r.heads for r in requests)
@@ -474,7 +478,8 @@ class _Scheduler:
             return None
         engine = self.engine
         ids = to_device(engine.tree.pending_tokens(), engine.device)
-        rows = to_device(engine.pending_rows([n for r in given for n in r.nodes]), engine.device)
+        rows = to_device(engine.pending_rows([n for r in given for n in (r.nodes if r.placed is None else r.placed)]),
+                         engine.device)
         ids[rows] = torch.cat([r.tokens.reshape(-1) for r in given]).to(torch.int64)
         return ids
 
