@@ -38,7 +38,7 @@ def save_tiny_checkpoint(folder: Path) -> None:
 
 
 def test_readme_has_the_blocks_this_test_knows():
-    assert len(readme_blocks("python")) == 4
+    assert len(readme_blocks("python")) == 5
     assert len(readme_blocks("bash")) == 2
     assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
 
@@ -55,6 +55,8 @@ def test_python_blocks_run_in_order(tmp_path, capsys):
     assert len(namespace["tokens"]) >= 64 and namespace["stats"] is not None
     assert len(namespace["vote"].answers) == 8
     assert len(namespace["results"]) == 16 and namespace["batch_stats"].steps >= 15
+    assert len(namespace["first"].sequences) == 3 and len(namespace["others"]) == 3
+    assert max(namespace["run_stats"].programs_per_step) == 4   # the four searches share their steps
     assert "torch" in capsys.readouterr().out  # the backend line block 1 prints
 
 
