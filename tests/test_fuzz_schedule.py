@@ -167,7 +167,9 @@ def mutated_docs(draw, base=GOOD):
         elif action == "duplicate" and isinstance(container, list):
             container.insert(key, copy.deepcopy(container[key]))
         else:
-            container[key] = draw(json_values)
+            # A copy: a later mutation edits the doc in place, and must not edit a value Hypothesis
+            # may hand out again (its data generation then differs between runs: FlakyStrategyDefinition).
+            container[key] = copy.deepcopy(draw(json_values))
     return doc
 
 
