@@ -59,22 +59,31 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
-    ends, step = [], engine.step
+    ends, queries, step = [], [], engine.step
 
     def timed(*args, **kwargs):
+        queries.append(engine.tree.num_pending)
         out = step(*args, **kwargs)
         ends.append(time.perf_counter())
         return out
 
     engine.step = timed
+    # Prompts enter 16 chunks a step (the scheduler's default, one chunk, lets the first requests
+    # finish before the last ones start): the timed steps below are those with every request live.
+    budget = 16 * engine.prefill_chunk
     if draft is None:
-        results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0)
+        results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0, max_step_tokens=budget)
     else:
-        results, stats = speculative_batch(engine, specs, draft)
+        results, stats = speculative_batch(engine, specs, draft, max_step_tokens=budget)
     decode = stats.steps - stats.prompt_steps
-    gaps = np.diff(ends[-min(timed_steps, decode - 1) - 1:]) * 1e3
+    # Steps that decode every request (one token each, or each request's whole tree).
+    full = len(specs) * (1 if draft is None else 64)
+    steady = [i for i in range(1, len(ends)) if queries[i] == full and queries[i - 1] == full]
+    if not steady:
+        raise RuntimeError(f"no step decoded all {len(specs)} requests together; raise --new")
+    gaps = (np.asarray(ends)[steady] - np.asarray(ends)[[i - 1 for i in steady]])[-timed_steps:] * 1e3
     out = {"requests": len(specs), "shared": share, "step_ms": float(statistics.median(gaps)),
-           "decode_steps": decode, "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
+           "decode_steps": decode, "timed_steps": len(gaps), "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
            "waits": stats.waits, "eager": {k: v for k, v in engine.graph_stats.items() if k.startswith("eager")},
            "outputs": [r.output_ids for r in results]}
     del engine

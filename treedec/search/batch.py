@@ -44,8 +44,8 @@ __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_res
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
                    generator: torch.Generator | None = None,
                    on_request_done: Callable[[list[RequestResult]], None] | None = None,
-                   min_shared_prefix: int | None = None, pipeline: bool | None = None
-                   ) -> tuple[list[RequestResult], SchedulerStats]:
+                   min_shared_prefix: int | None = None, pipeline: bool | None = None,
+                   max_step_tokens: int | None = None) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -64,6 +64,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         step is launched before the tokens drawn for it are read back (the step reads them on the
         device); an output that those tokens end computed one token more, which is pruned with it.
         The outputs are the same either way (tested); ``stats`` may count steps differently.
+    max_step_tokens : prompt tokens (with the decode tokens) a step takes at most: see
+        :func:`~treedec.search.scheduler.run_programs` (default ``engine.prefill_chunk``).
 
     Returns
     -------
@@ -94,7 +96,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"give the engine more kv_tokens; nothing was run")
     programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline) for spec, ids in prepared]
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
-    results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done)
+    results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
+                                  max_step_tokens=max_step_tokens)
     return [r for request in results for r in request], stats
 
 

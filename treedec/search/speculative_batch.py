@@ -34,8 +34,8 @@ __all__ = ["speculative_batch"]
 def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Callable[[RequestSpec], DraftSource],
                       tokenizer=None, chat_template: bool = False, max_draft_tokens: int = 64,
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
-                      on_request_done: Callable[[list[RequestResult]], None] | None = None
-                      ) -> tuple[list[RequestResult], SchedulerStats]:
+                      on_request_done: Callable[[list[RequestResult]], None] | None = None,
+                      max_step_tokens: int | None = None) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
@@ -47,6 +47,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
         ``lambda spec: RejectionSampling(spec.temperature, seed=spec.seed)``.
+    max_step_tokens : as :func:`~treedec.search.batch.generate_batch`.
 
     Returns
     -------
@@ -99,5 +100,5 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         if on_request_done is not None:
             on_request_done(outputs[index])
 
-    _, stats = run_programs(engine, programs, on_done=done)
+    _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens)
     return [r for index in sorted(outputs) for r in outputs[index]], stats
