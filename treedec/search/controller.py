@@ -35,7 +35,7 @@ from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 
 __all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerProgram", "ControllerRun", "Extend", "Op",
-           "Prune", "Stop", "TreeView", "choose_tokens", "run_controller"]
+           "Prune", "Stop", "TreeView", "choose_token_ids", "choose_tokens", "run_controller"]
 
 @dataclass(frozen=True)
 class Extend:
@@ -217,10 +217,16 @@ def choose_tokens(logits: torch.Tensor, k: int, temperature: float, generator: t
     """k distinct next tokens from ``logits`` [vocab]: the top-k (``temperature == 0``), or k
     sampled without replacement from ``softmax(logits / temperature)`` with ``generator``
     (which must be on the logits' device)."""
+    return choose_token_ids(logits, k, temperature, generator).tolist()
+
+
+def choose_token_ids(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None
+                     ) -> torch.Tensor:
+    """:func:`choose_tokens` as a [k] int64 tensor on the logits' device (not read back)."""
     if temperature == 0:
-        return logits.topk(k).indices.tolist()
+        return logits.topk(k).indices
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, k, replacement=False, generator=generator).tolist()
+    return torch.multinomial(probs, k, replacement=False, generator=generator)
 
 
 # ================================================================ private

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from treedec.engine import Engine
-from treedec.search.controller import choose_tokens
+from treedec.search.controller import choose_token_ids
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.scheduler import (Program, ProgramContext, Read, SchedulerStats, StepRequest, run_program,
                                       run_programs)
@@ -398,8 +398,12 @@ class _Search:
         recorded (evaluation outputs: nothing reads past them). Returns the streams in
         head order (a generator).
         """
-        streams = [_Stream(parent, [tok]) for parent, count in heads
-                   for tok in choose_tokens(self.logits[parent], count, temperature, self.generator)]
+        if not heads:
+            return []
+        firsts = yield Read(torch.cat([choose_token_ids(self.logits[parent], count, temperature, self.generator)
+                                       for parent, count in heads]))   # one wait for every head's tokens
+        parents = [parent for parent, count in heads for _ in range(count)]
+        streams = [_Stream(parent, [tok]) for parent, tok in zip(parents, firsts)]
         fresh = streams
         while fresh:
             for s in fresh:
