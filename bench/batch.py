@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.results_file import device_name, versions, write_results  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
@@ -59,10 +58,10 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
-    ends, queries, step = [], [], engine.step
+    ends, queries, step, tree = [], [], engine.step, engine.tree
 
     def timed(*args, **kwargs):
-        queries.append(engine.tree.num_pending)
+        queries.append(tree.num_pending)
         out = step(*args, **kwargs)
         ends.append(time.perf_counter())
         return out
@@ -165,9 +164,7 @@ def main(argv=None) -> int:
                "medusa_heads": args.medusa_heads, "system_tokens": args.system,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
                "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
-    path = results_path(Path(args.out), results["device"], "batch", args.smoke, args.tag)
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_results(results, args.out, "batch", args.smoke, args.tag)
     return 0
 
 

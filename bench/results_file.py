@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import re
 from pathlib import Path
@@ -36,6 +37,14 @@ def results_path(out_dir: Path, device: str, kind: str = "", smoke: bool = False
     """``<out_dir>/<date>-<device>[-kind][-smoke][-tag].json``."""
     parts = [datetime.date.today().isoformat(), slug(device)] + [slug(p) for p in (kind, "smoke" if smoke else "", tag or "") if p]
     return Path(out_dir) / ("-".join(parts) + ".json")
+
+
+def write_results(results: dict, out_dir: str | Path, kind: str, smoke: bool = False, tag: str | None = None) -> Path:
+    """Write ``results`` (with its ``"device"``) as JSON to :func:`results_path`; say where."""
+    path = results_path(Path(out_dir), results["device"], kind, smoke, tag)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return path
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

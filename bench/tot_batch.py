@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.results_file import device_name, versions, write_results  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.search.game24 import Game24Task  # noqa: E402
 from treedec.search.tot import BFSConfig, ByteTokenizer, tot_batch, tot_bfs  # noqa: E402
@@ -105,9 +104,7 @@ def main(argv=None) -> int:
                "one_at_a_time": {"seconds": alone_s, "tasks_per_s": args.tasks / alone_s, "steps": alone_steps},
                "speedup": speedup, "searches_agreeing": agree,
                "eager_steps": {k: v for k, v in engine.graph_stats.items() if k.startswith("eager")}}
-    path = results_path(Path(args.out), results["device"], "tot-batch", args.smoke, args.tag)
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_results(results, args.out, "tot-batch", args.smoke, args.tag)
     return 0
 
 

@@ -1,7 +1,6 @@
 """The scheduler (tiny random Llama, CPU): the step budget, reads, waits, failures, and programs of
 every kind in one run giving what each gives alone."""
 import pytest
-import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
