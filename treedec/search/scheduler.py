@@ -383,10 +383,10 @@ class _Scheduler:
         the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
         tree, gathered, reading = self.engine.tree, [], []
         # Running programs first (their decode steps are small), then the new ones' prompts.
+        # (self.live keeps every program until it returns, so a failure closes them all.)
         for lv in sorted(self.live, key=lambda lv: not lv.started):
             if gathered and tree.num_pending >= self.budget:
                 break
-            self.live.remove(lv)
             lv.started, lv.added = True, 0
             self._advance(lv, gathered, reading)
         while reading:
@@ -401,7 +401,8 @@ class _Scheduler:
             for lv in batch:
                 self._advance(lv, gathered, reading)
         # Stepped programs go last, so the ones held back by the budget are resumed first next time.
-        self.live += gathered
+        stepped = set(map(id, gathered))
+        self.live = [lv for lv in self.live if id(lv) not in stepped] + gathered
         return gathered
 
     def _advance(self, lv: _Live, gathered: list[_Live], reading: list[_Live]) -> None:
@@ -421,7 +422,6 @@ class _Scheduler:
             if lv.waiting is None:
                 self.stats.waits += 1
             lv.waiting = out
-            self.live.append(lv)
         elif isinstance(out, StepRequest):
             lv.waiting, lv.request = None, out
             lv.ctx.step_queries = lv.added
@@ -501,6 +501,7 @@ class _Scheduler:
         self.stats.preemptions += 1
 
     def _retire(self, lv: _Live, result: Any) -> None:
+        self.live.remove(lv)
         self.results[lv.index] = result
         prefix = self.prefixes[lv.index]
         if prefix is not None:
