@@ -241,3 +241,27 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_run_again(tiny):
     assert outputs(batched) == outputs(alone)
     assert stats.preemptions >= 1 and stats.peak_pages <= 16
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_streamed_text_joins_to_each_output_s_text(tiny, pipeline):
+    """on_text streams each output's text as tokens are accepted; a tail that may start a stop string is
+    held back, so the deltas join to the final text (cut before the stop string) and never pass it."""
+    tokenizer = LetterTokenizer()
+    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO", max_new_tokens=12,
+                                                                temperature=0.0)], tokenizer=tokenizer)
+    stop = probe.text[5:8]   # three letters: the first one or two are held back while they may start it
+    specs = [RequestSpec(0, prompt="HELLO", max_new_tokens=12, temperature=0.0, stop=(stop,)),
+             RequestSpec(1, prompt="WORLD", max_new_tokens=9, temperature=0.9, seed=2, n=2)]
+    streamed: dict = {}
+    results, _ = generate_batch(make_engine(tiny), specs, tokenizer=tokenizer, pipeline=pipeline,
+                                on_text=lambda spec, i, delta: streamed.setdefault((spec.id, i), []).append(delta))
+    for r in results:
+        assert "".join(streamed.get((r.id, r.index), [])) == r.text
+    assert results[0].stop_reason == "stop_string" and results[0].text == probe.text[:probe.text.index(stop)]
+    assert all(delta for deltas in streamed.values() for delta in deltas)
+
+
+def test_streaming_needs_a_tokenizer(tiny):
+    with pytest.raises(ValueError, match="on_text streams detokenized text: it must be callable and needs"):
+        generate_batch(make_engine(tiny), requests(), on_text=print)

@@ -45,7 +45,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                    generator: torch.Generator | None = None,
                    on_request_done: Callable[[list[RequestResult]], None] | None = None,
                    min_shared_prefix: int | None = None, pipeline: bool | None = None,
-                   max_step_tokens: int | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                   max_step_tokens: int | None = None,
+                   on_text: Callable[[RequestSpec, int, str], None] | None = None
+                   ) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -66,6 +68,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         The outputs are the same either way (tested); ``stats`` may count steps differently.
     max_step_tokens : prompt tokens (with the decode tokens) a step takes at most: see
         :func:`~treedec.search.scheduler.run_programs` (default ``engine.prefill_chunk``).
+    on_text : streaming: called as ``on_text(spec, index, delta)`` with each output's new text as
+        its tokens are accepted (needs ``tokenizer``). Text that may be the start of a stop string
+        is held back until it is not, so the deltas of an output join to its final ``text``.
 
     Returns
     -------
@@ -85,6 +90,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
+    if on_text is not None and (tokenizer is None or not callable(on_text)):
+        raise ValueError("on_text streams detokenized text: it must be callable and needs the checkpoint's tokenizer")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
     budget = engine.pool.num_free_pages
     for spec, prompt_ids in prepared:
@@ -94,7 +101,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.n} x "
                 f"{spec.max_new_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
                 f"give the engine more kv_tokens; nothing was run")
-    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline) for spec, ids in prepared]
+    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline, on_text=on_text) for spec, ids in prepared]
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
                                   max_step_tokens=max_step_tokens)
@@ -161,14 +168,16 @@ class GenerateProgram(Program):
         computed, its last one in the step after it ended; the result's ``stats["nodes"]`` lists
         them and ``stats["root"]`` is the prompt's node, which the caller prunes. Else ended
         outputs are pruned at once and the request's tree when it returns.
+    on_text : streaming, as :func:`generate_batch`'s.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None,
                  generator: torch.Generator | None = None, pipeline: bool = False, rule: StopRule | None = None,
-                 keep: bool = False):
+                 keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None):
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
         self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
+        self.on_text = on_text
 
     def step_pages(self, pool) -> int:
         return self.spec.n   # each output may start a page
@@ -182,7 +191,8 @@ class GenerateProgram(Program):
         rule = self.rule if self.rule is not None else spec.stop_rule(engine.model.eos_token_ids)
         checkers = [StopChecker(rule, None if self.tokenizer is None
                                 else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
-        state = _Outputs(engine.tree, checkers, self.keep)
+        stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
+        state = _Outputs(engine.tree, checkers, self.keep, stream)
         queries: list[int] = []
         done = False
         try:
@@ -252,10 +262,11 @@ class GenerateProgram(Program):
 class _Outputs:
     """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token)."""
 
-    def __init__(self, tree, checkers: list[StopChecker], keep: bool):
-        self.tree, self.checkers, self.keep = tree, checkers, keep
+    def __init__(self, tree, checkers: list[StopChecker], keep: bool, stream=None):
+        self.tree, self.checkers, self.keep, self.stream = tree, checkers, keep, stream
         self.root: int | None = None
         self.nodes: list[int | None] = [None] * len(checkers)
+        self.shown = [0] * len(checkers)   # characters of each output's text streamed so far
 
     def pages(self, outputs: list[int]) -> int:
         """Pages that appending a token to each of ``outputs`` may take."""
@@ -288,4 +299,20 @@ class _Outputs:
                     self.nodes[i] = None
             elif placed:
                 self.tree.set_tokens(node, at, [token])
+            if self.stream is not None:
+                text = _streamable(checker)
+                if len(text) > self.shown[i]:
+                    self.stream(i, text[self.shown[i]:])
+                    self.shown[i] = len(text)
         return ended
+
+
+def _streamable(checker: StopChecker) -> str:
+    """The output's text that can be shown: all of it once it ended, else without a tail that may
+    still become a stop string (it would then be cut)."""
+    text = checker.text
+    if checker.stopped:
+        return text
+    hold = max((k for stop in checker.rule.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
+               default=0)
+    return text[:len(text) - hold]
