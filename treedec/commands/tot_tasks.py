@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,12 +30,17 @@ def load_task_class(spec: str) -> type[ToTTask]:
     module_name, colon, class_name = spec.partition(":")
     if not colon or not module_name or not class_name:
         raise ValueError(f"--task must be module:Class (e.g. mytasks:Crossword), got {spec!r}")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")   # a task module in the current directory, as `python -m` finds it
+    here = os.getcwd()   # a task module in the current directory, as `python -m` finds it
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"--task {spec}: cannot import module {module_name!r}: {e}") from None
+    finally:
+        if added:
+            sys.path.remove(here)
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, ToTTask):
         what = "has no" if cls is None else "is not a ToTTask subclass:"
