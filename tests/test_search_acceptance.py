@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance, recursive_rejection
+from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.search.acceptance import (GreedyAcceptance, RejectionSampling, TypicalAcceptance, recursive_rejection,
+                                       without_replacement)
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.speculative import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 # chi-square critical values at significance 1e-3, by degrees of freedom
-CHI2_CRITICAL_1E3 = {3: 16.27, 5: 20.52}
+CHI2_CRITICAL_1E3 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}   # p-value 0.001
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -153,6 +155,65 @@ def test_rejection_sampling_over_a_tree_keeps_every_conditional():
     assert chi_square(first, np.array(rows[0])) < CHI2_CRITICAL_1E3[3]
     assert second_after_a.sum() > 2500         # p(a) = .4
     assert chi_square(second_after_a, np.array(rows[1])) < CHI2_CRITICAL_1E3[3]
+
+
+def passes_chi_square(counts: np.ndarray, probs: np.ndarray) -> bool:
+    """chi-square over the tokens of nonzero probability below the 0.001 critical value; a token of
+    zero probability must never appear."""
+    assert counts[probs == 0].sum() == 0, f"tokens outside the support drawn: {counts[probs == 0]}"
+    keep = probs > 0
+    return chi_square(counts[keep], probs[keep] / probs[keep].sum()) < CHI2_CRITICAL_1E3[int(keep.sum()) - 1]
+
+
+def test_rejection_sampling_is_lossless_for_drafts_sampled_without_replacement():
+    """Three distinct draft tokens drawn one after another from q without replacement, each tested
+    against q without the ones before it: the emitted token is an exact sample of p."""
+    q = torch.tensor(Q_TABLE, dtype=torch.float32)
+
+    def draft(rng):
+        tokens = rng.choice(6, size=3, replace=False, p=Q_TABLE).tolist()
+        return tokens, without_replacement(q, tokens)
+
+    counts = sample_first_tokens(draft)
+    assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
+    # the test has power: treating the draws as independent draws from q (the i.i.d. rule) is biased
+    biased = sample_first_tokens(lambda rng: (rng.choice(6, size=3, replace=False, p=Q_TABLE).tolist(),
+                                              q.repeat(3, 1)))
+    assert chi_square(biased, P_TABLE) > 5 * CHI2_CRITICAL_1E3[5]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, 1.0), (4, 1.0), (None, 0.7), (5, 0.8)])
+def test_tree_rejection_sampling_with_sampled_drafts_emits_the_processed_target(top_k, top_p):
+    """A tree whose children were sampled without replacement from the draft's processed q (same
+    temperature, top-k, top-p as the rule): the first emitted token follows the target's processed p,
+    and the second, after an accepted first child, the target's processed p there."""
+    params = SamplingParams(0.8, top_k, top_p)
+    target = logits_of([[0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05]] + [[0.1, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]] * 3)
+    draft_logits = logits_of([[0.1, 0.15, 0.3, 0.2, 0.1, 0.1, 0.05], [0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1],
+                              [1 / 7] * 7, [1 / 7] * 7])
+    q = sampling_probs(draft_logits, params)                          # [4, vocab]: rows of root, a, b, c
+    p_root = sampling_probs(target[0], params).double().numpy()
+    p_after = sampling_probs(target[1], params).double().numpy()
+    tree = TokenTree((-1, 0, 0, 1))                                   # root -> a, b; a -> c
+    rule = RejectionSampling(temperature=0.8, top_k=top_k, top_p=top_p, seed=1)
+    rng = torch.Generator().manual_seed(2)
+    first, second = np.zeros(7), np.zeros(7)
+    for _ in range(8000):
+        a, b = torch.multinomial(q[0], 2, replacement=False, generator=rng).tolist()
+        c = int(torch.multinomial(q[1], 1, generator=rng))
+        tokens = [6, a, b, c]
+        path, bonus = rule.accept(tree, tokens, target, q)
+        emitted = [tokens[i] for i in path] + [bonus]
+        first[emitted[0]] += 1
+        if path[:1] == [1]:
+            second[emitted[1]] += 1
+    assert passes_chi_square(first, p_root)
+    assert second.sum() > 500 and passes_chi_square(second, p_after)
+
+
+def test_draft_probs_must_match_the_tree():
+    with pytest.raises(ValueError, match=r"draft_probs must have shape \[tree.size, vocab\] = \[2, 4\], got \[1, 4\]"):
+        RejectionSampling().accept(TokenTree((-1, 0)), [0, 1], torch.zeros(2, 4), torch.ones(1, 4) / 4)
 
 
 def test_recursive_rejection_checks_q():

@@ -28,6 +28,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
 
@@ -39,14 +40,17 @@ class AcceptanceRule(Protocol):
         """The first new token after the prefill, from the prompt's last logits ``[vocab]``."""
         ...
 
-    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
         """``(path, bonus)`` for a verified tree.
 
         ``tokens [tree.size]`` are the tree's tokens, ``logits [tree.size, vocab]`` the
         target's logits at each (row i: the distribution of the token after token i).
         ``path`` lists the accepted draft tokens' tree indices, root child first, each a
         child of the one before; ``bonus`` is drawn from the row of ``path[-1]`` (the root's
-        row when ``path`` is empty).
+        row when ``path`` is empty). ``draft_probs [tree.size, vocab]`` (optional): the
+        distributions a sampling draft drew each node's children from (see
+        :meth:`RejectionSampling.accept`); rules for deterministic drafts ignore it.
         """
         ...
 
@@ -64,7 +68,8 @@ class GreedyAcceptance:
     def first_token(self, logits: torch.Tensor) -> int:
         return int(logits.argmax(dim=-1))
 
-    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
         return greedy_path(tree, tokens, logits.argmax(dim=-1).tolist())
 
 
@@ -121,7 +126,8 @@ class TypicalAcceptance:
     def first_token(self, logits: torch.Tensor) -> int:
         return self._typical_sample(logits)
 
-    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)                     # [N, V]
         threshold = self._thresholds(probs)                                                  # [N]
         parents = torch.as_tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
@@ -162,43 +168,68 @@ class TypicalAcceptance:
 class RejectionSampling:
     """Lossless speculative sampling over a token tree: EAGLE's / SpecInfer's recursive rule.
 
-    From the root down: at a node, with ``p = softmax(logits / temperature)`` there,
-    :func:`recursive_rejection` tries the node's children in order; an accepted child
+    From the root down: at a node, with ``p`` the target's distribution there (its logits
+    at ``temperature``, cut to ``top_k`` / ``top_p`` as :func:`~treedec.search.sampling.sampling_probs`
+    does), :func:`recursive_rejection` tries the node's children in order; an accepted child
     becomes the next node, and if none is accepted the bonus token is drawn from the
     residual of ``p`` (a leaf: from ``p``). Every emitted token is an exact sample of the
-    target at ``temperature``.
+    target's processed distribution (tested by chi-square on fixed tables).
 
-    The draft distribution ``q`` used is one-hot at each child's token (``q(x) = 1``, as
-    in EAGLE's code): every draft source in treedec (n-gram lookup, fixed trees, Medusa
-    top-k, draft-model top-k) picks its tokens deterministically from the context, so a
-    child is a point mass. Then child ``x`` is accepted with probability ``p(x)``, and a
-    rejected ``x`` is removed from ``p`` (which is renormalised) before the next sibling.
+    Drafts: a deterministic draft (n-gram lookup, fixed trees, Medusa top-k, draft-model
+    top-k) makes each child a point mass, ``q`` one-hot at its token (as in EAGLE's code):
+    child ``x`` is accepted with probability ``p(x)`` and a rejected ``x`` is removed from
+    ``p`` before the next sibling. A draft that *samples* a node's children without
+    replacement from a distribution ``q`` (processed with the same temperature, top-k and
+    top-p) passes those rows as ``draft_probs``: sibling i was drawn from ``q`` with the
+    siblings before it removed, which is the ``q_i`` it is tested against (recursive
+    rejection sampling without replacement, Jeon et al. 2024).
     """
 
     temperature: float = 1.0
     seed: int = 0
+    top_k: int | None = None
+    top_p: float = 1.0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_temperature(self.temperature, "RejectionSampling")
         _check_seed(self.seed)
+        self._params = SamplingParams(self.temperature, self.top_k, self.top_p)   # checks top_k, top_p
 
     def first_token(self, logits: torch.Tensor) -> int:
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        probs = sampling_probs(logits, self._params)
         return int(torch.multinomial(probs, 1, generator=_generator(self, probs.device)))
 
-    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
+        """As :meth:`AcceptanceRule.accept`; ``draft_probs [tree.size, vocab]``, optional: row j is the
+        distribution node j's children were sampled from, without replacement, in child order."""
+        if draft_probs is not None and tuple(draft_probs.shape) != (tree.size, logits.shape[-1]):
+            raise ValueError(f"draft_probs must have shape [tree.size, vocab] = {[tree.size, logits.shape[-1]]}, "
+                             f"got {list(draft_probs.shape)}")
         generator = _generator(self, logits.device)
         children = _children(tree)
         path, cur = [], 0
         while True:
             kids = children[cur]
-            probs = torch.softmax(logits[cur].float() / self.temperature, dim=-1)   # only the rows on the path
-            index, token = recursive_rejection(probs, [tokens[c] for c in kids], None, generator)
+            probs = sampling_probs(logits[cur], self._params)   # only the rows on the path
+            draft = [tokens[c] for c in kids]
+            q = None if draft_probs is None or not kids else without_replacement(draft_probs[cur], draft)
+            index, token = recursive_rejection(probs, draft, q, generator)
             if index is None:
                 return path, token
             cur = kids[index]
             path.append(cur)
+
+
+def without_replacement(q: torch.Tensor, drawn: Sequence[int]) -> torch.Tensor:
+    """``[len(drawn), vocab]``: the distribution each of ``drawn`` was sampled from when they were drawn
+    one after another from ``q [vocab]`` without replacement (row i: ``q`` without ``drawn[:i]``,
+    renormalised)."""
+    rows = q.float().unsqueeze(0).repeat(len(drawn), 1)
+    for i, x in enumerate(drawn[:-1]):
+        rows[i + 1:, x] = 0.0
+    return rows / rows.sum(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
 def recursive_rejection(p: torch.Tensor, draft_tokens: Sequence[int], q: torch.Tensor | None,

@@ -42,6 +42,11 @@ class DraftSource(Protocol):
       with the same draft; ``engine.remove_row_head("draft")`` takes it off.
     - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
       every verification step, before the next ``propose``.
+    - ``draft_probs``: for a draft that samples its tokens, after each ``propose`` the
+      ``[tree.size, vocab]`` distributions it drew each node's children from (without
+      replacement, in child order), processed with the acceptance rule's temperature, top-k and
+      top-p (:func:`~treedec.search.sampling.sampling_probs`); the acceptance rule gets them
+      (:class:`~treedec.search.acceptance.RejectionSampling` is then lossless for such drafts).
     """
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]: ...

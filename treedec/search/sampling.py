@@ -56,6 +56,29 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample_tokens` draws from: ``softmax(logits / temperature)`` restricted
+    to the ``top_k`` most likely tokens, then to the top-``top_p`` mass; float32, ``[..., vocab]``.
+
+    ``params.temperature`` must be > 0. A speculative draft that samples its tokens and the
+    acceptance rule that verifies them both use it, so the target's ``p`` and the draft's ``q``
+    are processed alike (lossless sampling needs that).
+    """
+    if params.temperature <= 0:
+        raise ValueError(f"sampling_probs needs a temperature > 0, got {params.temperature} (0 is argmax)")
+    scores = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < scores.shape[-1]:
+        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= params.top_p)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
                   uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row.
@@ -75,17 +98,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     """
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    scores = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < scores.shape[-1]:
-        kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1:
-        ordered, order = scores.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= params.top_p)
-        scores = scores.masked_fill(drop, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    probs = sampling_probs(logits, params)
     if uniform is None:
         return torch.multinomial(probs, 1, generator=generator).reshape(-1)
     # The first token whose cumulative mass passes u * total: a token of zero probability never

@@ -213,7 +213,7 @@ class SpeculativeProgram(Program):
                 ids = _add_tree(engine, node, tree, tokens)
                 out = yield StepRequest([node] + ids, hidden=needs_hidden, heads=head_name is not None)
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker)
+                                 head_name, stop_ids, checker, getattr(draft, "draft_probs", None))
                 stats.steps += 1
                 stats.accepted.append(len(result.accepted))
                 stats.draft_sizes.append(tree.size - 1)
@@ -366,11 +366,12 @@ def _add_tree(engine: Engine, node: int, tree: TokenTree, tokens: list[int]) -> 
 def _settle(engine: Engine, node: int, tree: TokenTree, tokens: list[int], ids: list[int],
             acceptance: AcceptanceRule, logits: torch.Tensor, hidden: torch.Tensor | None,
             heads: dict | None, head_name: str | None, stop_ids: Collection[int],
-            checker: StopChecker | None = None) -> VerifyResult:
+            checker: StopChecker | None = None, draft_probs: torch.Tensor | None = None) -> VerifyResult:
     """After the step: the accepted path (cut at an EOS, and where ``checker`` ends the output) moves
     onto ``node``, the rest of the tree is freed."""
     head = HostCopy(heads[head_name]) if head_name is not None else None
-    path, bonus = acceptance.accept(tree, tokens, logits)
+    path, bonus = (acceptance.accept(tree, tokens, logits) if draft_probs is None
+                   else acceptance.accept(tree, tokens, logits, draft_probs))
     assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
     stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
     if stop is not None:
