@@ -110,3 +110,28 @@ def test_errors(tiny):
     assert target.tree.num_nodes == 0
     with pytest.raises(ValueError, match="at least the root token"):
         DraftModelDraft(d_engine).propose([])
+
+
+def test_sampled_trees_keep_children_in_draw_order_and_report_their_distributions(tiny):
+    """sample=SamplingParams: each expanded node's children are distinct draws from its processed
+    distribution (their row of draft_probs), the tree cut to total_tokens; the same seed, the same tree."""
+    from treedec.search.sampling import SamplingParams, sampling_probs
+
+    params = SamplingParams(0.9, 5)
+    trees = []
+    for _ in range(2):
+        engine = Engine(tiny, kv_tokens=1024, page_size=4, backend="torch")
+        draft = DraftModelDraft(engine, depth=3, top_k=2, total_tokens=5, sample=params, seed=7)
+        tree, tokens = draft.propose([5, 9, 2, 7])
+        trees.append((tree.parents, tokens))
+    parents, tokens = trees[0]
+    assert trees[0] == trees[1] and len(tokens) == 6 and tokens[0] == 7
+    probs = draft.draft_probs
+    _, root_logits = Engine(tiny, kv_tokens=64, page_size=4, backend="torch").prefill([5, 9, 2, 7])
+    assert torch.allclose(probs[0], sampling_probs(root_logits, params), atol=1e-5)
+    for node in range(len(tokens)):
+        kids = [i for i, p in enumerate(parents) if p == node]
+        assert len({tokens[i] for i in kids}) == len(kids)                   # without replacement
+        assert all(probs[node][tokens[i]] > 0 for i in kids)                # inside the top-5 support
+    with pytest.raises(ValueError, match="sample must be SamplingParams with a temperature > 0"):
+        DraftModelDraft(engine, sample=SamplingParams(0.0))

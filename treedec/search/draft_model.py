@@ -24,6 +24,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree, expand_by_logprob
 
 
@@ -37,12 +38,22 @@ class DraftModelDraft:
     depth : tree layers (draft tokens per path), >= 1.
     top_k : nodes expanded per layer and children per expanded node, >= 1.
     total_tokens : draft tokens in the proposed tree (the best by cumulative log-prob), >= 1.
+    sample : None (default): each expanded node's children are the draft's ``top_k`` most likely
+        tokens, and the tree the ``total_tokens`` best nodes (EAGLE-2). A
+        :class:`~treedec.search.sampling.SamplingParams`: the children are *sampled* without
+        replacement from the draft's distribution processed by it (give the acceptance rule the
+        same temperature, top-k and top-p), kept in draw order, and the tree is cut to
+        ``total_tokens`` by dropping whole last draws, never by value (so verification by
+        :class:`~treedec.search.acceptance.RejectionSampling` stays lossless); the
+        distributions drawn from are :attr:`draft_probs` after each proposal.
+    seed : of the sampling draws.
 
     A new sequence that does not extend the draft's own (a new request) is prefilled from
     scratch; :meth:`reset` frees the draft's request.
     """
 
-    def __init__(self, engine: Engine, depth: int = 4, top_k: int = 4, total_tokens: int = 16):
+    def __init__(self, engine: Engine, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
+                 sample: SamplingParams | None = None, seed: int = 0):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be the draft model's Engine, got {type(engine).__name__}")
         for name, value in [("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)]:
@@ -50,7 +61,13 @@ class DraftModelDraft:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if top_k > engine.model.config.vocab_size:
             raise ValueError(f"top_k ({top_k}) must be <= the draft vocabulary ({engine.model.config.vocab_size})")
+        if sample is not None and (not isinstance(sample, SamplingParams) or sample.temperature == 0):
+            raise ValueError(f"sample must be SamplingParams with a temperature > 0 (or None: top-k drafts), "
+                             f"got {sample!r}")
         self.engine, self.depth, self.top_k, self.total_tokens = engine, depth, top_k, total_tokens
+        self.sample, self.seed = sample, seed
+        self.draft_probs: torch.Tensor | None = None     # with sample: [tree.size, vocab] of the last proposal
+        self._generator: torch.Generator | None = None
         self._node: int | None = None                    # the draft's sequence node: computed tokens only
         self._computed: dict[tuple[int, ...], int] = {}  # token path after the root -> draft node (computed)
 
@@ -80,10 +97,46 @@ class DraftModelDraft:
             raise ValueError("sequence_tokens must hold at least the root token, got none")
         root_logits = self._sync(seq)
         self._computed = {}
+        if self.sample is not None:
+            return self._sampled_tree(seq[-1], root_logits)
         return expand_by_logprob(seq[-1], lambda paths: self._layer(paths, root_logits), self.depth, self.top_k,
                                  self.total_tokens, batched=True)
 
     # ================================================================ private
+
+    def _sampled_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
+        """Layer by layer: the ``top_k`` frontier nodes with the best cumulative log-prob (which nodes
+        grow may depend on values) each draw ``top_k`` children without replacement from their
+        processed distribution, all kept in draw order; the last draws past ``total_tokens`` are
+        dropped. Sets :attr:`draft_probs`."""
+        if self._generator is None or self._generator.device != root_logits.device:
+            self._generator = torch.Generator(device=root_logits.device).manual_seed(self.seed)
+        paths: list[tuple[int, ...]] = [()]                      # node i's token path (root: ())
+        parents, scores = [-1], [0.0]
+        probs = {(): sampling_probs(root_logits, self.sample)}   # path -> distribution of its children
+        frontier = [0]
+        for d in range(self.depth):
+            new = []
+            for i in frontier:
+                q = probs[paths[i]]
+                k = min(self.top_k, int((q > 0).sum()), self.total_tokens + 1 - len(paths))
+                if k <= 0:
+                    break
+                drawn = torch.multinomial(q, k, replacement=False, generator=self._generator)
+                for token, lp in zip(drawn.tolist(), torch.log(q[drawn]).tolist()):
+                    paths.append(paths[i] + (token,))
+                    parents.append(i)
+                    scores.append(scores[i] + lp)
+                    new.append(len(paths) - 1)
+            frontier = sorted(new, key=lambda j: -scores[j])[:self.top_k]
+            if d + 1 == self.depth or not frontier:
+                break
+            logits = self.engine.step(logits_rows=self.engine.pending_rows(self._add_frontier(
+                [paths[j] for j in frontier])))
+            probs.update(zip((paths[j] for j in frontier), sampling_probs(logits, self.sample)))
+        vocab = root_logits.shape[-1]
+        self.draft_probs = torch.stack([probs.get(p, torch.zeros(vocab, device=root_logits.device)) for p in paths])
+        return TokenTree(tuple(parents)), [root] + [p[-1] for p in paths[1:]]
 
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Bring the draft's node to ``seq`` (the accepted path's K/V kept); the root's logits [vocab]."""
