@@ -214,3 +214,24 @@ def test_prompts_file_conflicts_are_one_line_errors(extra, match, tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(match, err), err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
+    out = tmp_path / "spec.json"
+    argv = ["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
+            "--sample-top-k", "8", "--sample-top-p", "0.95", "--json-out", str(out), *FAST]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())
+    assert "top_k=8" in results["acceptance"]["repr"] and len(results["tokens"]) == 16
+    assert sum(step["accepted"] for step in results["steps"]) > 0   # the draft model is the target's own weights
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--draft-sample"], "--draft-sample samples a draft model's trees for --accept sample, got --draft ngram"),
+    (["--sample-top-k", "4"], "--sample-top-k / --sample-top-p shape --accept sample's distribution"),
+    (["--accept", "sample", "--sample-top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
+])
+def test_sampling_flags_are_checked(argv, match, capsys):
+    assert main(["spec", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err

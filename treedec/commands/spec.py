@@ -31,6 +31,7 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
                                     positive_float, positive_int, read_json, seed_int)
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
+from treedec.search.sampling import SamplingParams
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.request import MODEL_EOS, eos_token_ids
@@ -79,6 +80,10 @@ def add_spec_parser(sub) -> None:
     g.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09,
                    help="typical: epsilon (default 0.09)")
     g.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical: delta (default 0.3)")
+    g.add_argument("--sample-top-k", type=positive_int,
+                   help="sample: the target's distribution cut to its top-k tokens (and a --draft-sample draft's)")
+    g.add_argument("--sample-top-p", type=positive_float,
+                   help="sample: the target's distribution cut to its top-p mass (and a --draft-sample draft's)")
     g = p.add_argument_group("drafts")
     g.add_argument("--medusa", type=existing_path,
                    help="Medusa head checkpoint (file or directory); default: untrained heads")
@@ -93,6 +98,9 @@ def add_spec_parser(sub) -> None:
                         "target's size and seed, i.e. its own weights)")
     g.add_argument("--draft-seed", type=seed_int, help="seed of the random draft model (default --seed)")
     g.add_argument("--depth", type=positive_int, default=4, help="draft-model tree depth (default 4)")
+    g.add_argument("--draft-sample", action="store_true",
+                   help="draft-model with --accept sample: sample the tree's tokens from the draft's distribution "
+                        "(at the acceptance's temperature, top-k, top-p) instead of taking its top-k; still lossless")
     g.add_argument("--top-k", type=positive_int, default=4, help="draft-model expansion width (default 4)")
     g.add_argument("--total-tokens", type=positive_int, default=16, help="draft-model tree size (default 16)")
     g.add_argument("--max-ngram", type=positive_int, default=3, help="ngram: longest n-gram (default 3)")
@@ -112,6 +120,12 @@ def run_spec(args: argparse.Namespace) -> int:
         raise ValueError(f"--check compares with plain greedy decoding and needs --accept greedy, "
                          f"got --accept {args.accept}")
     # everything the user typed is checked before any model is loaded
+    if args.draft_sample and (args.draft != "draft-model" or args.accept != "sample"):
+        raise ValueError(f"--draft-sample samples a draft model's trees for --accept sample, got --draft {args.draft} "
+                         f"--accept {args.accept}")
+    if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
+        raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
+                         f"got --accept {args.accept}")
     choices = [list(c) for c in DEFAULT_MEDUSA_CHOICES] if args.medusa_choices is None else args.medusa_choices
     rule = _rule(args)
     tree_json = _tree_json(args.tree_json)
@@ -235,7 +249,8 @@ def _rule(args: argparse.Namespace):
         return TypicalAcceptance(temperature=0.7 if args.temperature is None else args.temperature,
                                  posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=args.seed)
-    return RejectionSampling(temperature=1.0 if args.temperature is None else args.temperature, seed=args.seed)
+    return RejectionSampling(temperature=1.0 if args.temperature is None else args.temperature, seed=args.seed,
+                             top_k=args.sample_top_k, top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
 
 
 def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
@@ -283,7 +298,12 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
         engine = Engine(draft_model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
-        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+        sample = None
+        if args.draft_sample:
+            rule = _rule(args)
+            sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
+        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
+                                sample=sample, seed=args.seed)
         return draft, f"draft model {note}; depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
     return _tree_draft(args, model.config.vocab_size, choices, tree_json)
 
