@@ -1,0 +1,111 @@
+"""A real checkpoint (SmolLM2-135M-Instruct, from its GGUF file; see tests/real_checkpoint.py): treedec's
+greedy decoding and beam search give transformers' tokens, every draft source's greedy speculative
+decoding gives plain greedy's, and the model's EOS stops generation. fp32 on the CPU, both sides
+reading the same de-quantized tensors, so the comparisons are exact."""
+import pytest
+import torch
+
+from tests.real_checkpoint import smollm2_checkpoint
+from treedec.engine import Engine, from_pretrained
+from treedec.engine.text import encode_prompt, load_tokenizer
+from treedec.search.batch import generate_batch
+from treedec.search.beam import beam_search
+from treedec.search.draft_model import DraftModelDraft
+from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.requests_file import RequestSpec
+from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.tree.token_tree import TokenTree
+
+CHATS = [[{"role": "user", "content": "What is 2+2?"}],
+         [{"role": "user", "content": "Name three colors of the rainbow."}],
+         [{"role": "system", "content": "You answer in one short sentence."},
+          {"role": "user", "content": "Why is the sky blue? Explain why the sky is blue."}]]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return from_pretrained(checkpoint, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return load_tokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [encode_prompt(tokenizer, chat, True) for chat in CHATS]
+
+
+def engine(model, page_size=16):
+    return Engine(model, kv_tokens=4096, page_size=page_size, backend="torch")
+
+
+def hf_generate(hf_model, prompt, **kwargs):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
+    return out
+
+
+def test_the_checkpoint_is_smollm2(model, tokenizer):
+    c = model.config
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
+    assert model.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_equals_transformers_generate(model, hf_model, prompts, page_size):
+    for prompt in prompts:
+        ours = greedy_generate(engine(model, page_size), prompt, NEW_TOKENS)
+        theirs = hf_generate(hf_model, prompt, max_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        assert ours == theirs
+
+
+def test_eos_stops_generation(model, tokenizer, prompts):
+    """The first chat's answer is short: it ends with <|im_end|>, the checkpoint's EOS, well before the limit."""
+    [result], _ = generate_batch(engine(model), [RequestSpec(0, messages=tuple(CHATS[0]), max_new_tokens=64,
+                                                             temperature=0.0)], tokenizer)
+    assert result.stop_reason == "eos" and len(result.output_ids) < 64
+    assert result.output_ids[-1] == model.eos_token_ids[0] and "4" in result.text
+
+
+def test_beam_search_equals_transformers(model, hf_model, prompts):
+    prompt = prompts[1]
+    ours = beam_search(engine(model), prompt, num_beams=3, max_new_tokens=10)
+    out = hf_model.generate(torch.tensor([prompt]), num_beams=3, do_sample=False, max_new_tokens=10,
+                            num_return_sequences=3, output_scores=True, return_dict_in_generate=True)
+    theirs = [[t for t in row[len(prompt):].tolist() if t != hf_model.generation_config.pad_token_id]
+              for row in out.sequences]
+    assert ours.sequences == theirs
+    assert ours.scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
+def test_every_draft_source_gives_plain_greedy(model, prompts, draft):
+    prompt = prompts[2]
+    expected = greedy_generate(engine(model), prompt, NEW_TOKENS)
+    if draft == "ngram":
+        source = PromptLookupDraft(num_draft_tokens=6)
+    elif draft == "medusa":
+        source = MedusaDraft(MedusaHeads.untrained(model, num_heads=3), [[0], [1], [0, 0], [0, 0, 0]])
+    elif draft == "draft-model":
+        source = DraftModelDraft(engine(model), depth=3, top_k=2, total_tokens=6)   # the model drafting for itself
+    else:
+        source = TreeDraft(TokenTree.chain(4), lambda sequence: [sequence[-1]] * 4)
+    tokens, stats = speculative_generate(engine(model), prompt, source, NEW_TOKENS)
+    assert tokens == expected
+    if draft == "draft-model":
+        assert sum(stats.accepted) >= len(tokens) // 2   # its own drafts: most are accepted
