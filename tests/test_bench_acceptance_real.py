@@ -1,0 +1,19 @@
+import json
+
+import pytest
+
+from bench.acceptance_real import main
+from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
+
+
+def test_acceptance_bench_smoke_run(tmp_path):
+    try:
+        smollm2_checkpoint()
+    except CheckpointUnavailable as e:
+        pytest.skip(str(e))
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-acceptance-real-smoke.json")
+    results = json.loads(path.read_text())
+    [row] = results["prompts"]
+    assert set(row["sources"]) == {"ngram", "draft-model", "medusa-untrained"}
+    assert all(s["tokens_per_step"] >= 1 for s in row["sources"].values())
