@@ -235,3 +235,14 @@ def test_sampling_flags_are_checked(argv, match, capsys):
     assert main(["spec", *argv, *FAST]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(match, err), err
+
+
+def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
+    """--draft-sample and --sample-top-k reach every request's draft and rule in batch mode."""
+    write_prompts(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "r.jsonl"
+    assert main(["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
+                 "--sample-top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [len(r["output_ids"]) for r in results] == [10, 11]
+    assert sum(sum(r["stats"]["accepted"]) for r in results) > 0   # the draft model is the target's own weights

@@ -83,7 +83,8 @@ def _draft_factory(draft, choices: list[list[int]]):
     if isinstance(draft, MedusaDraft):
         return lambda spec: MedusaDraft(draft.heads, choices)
     if isinstance(draft, DraftModelDraft):
-        return lambda spec: DraftModelDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens)
+        return lambda spec: DraftModelDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
+                                            draft.seed if spec.seed is None else spec.seed)
     return lambda spec: draft   # a TreeDraft: the same tree and tokens every step, no state
 
 
@@ -96,4 +97,5 @@ def _acceptance(args: argparse.Namespace, spec):
     if args.accept == "typical":
         return TypicalAcceptance(temperature=spec.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    return RejectionSampling(temperature=spec.temperature, seed=seed)
+    return RejectionSampling(temperature=spec.temperature, seed=seed, top_k=args.sample_top_k,
+                             top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
