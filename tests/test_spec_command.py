@@ -246,3 +246,16 @@ def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [len(r["output_ids"]) for r in results] == [10, 11]
     assert sum(sum(r["stats"]["accepted"]) for r in results) > 0   # the draft model is the target's own weights
+
+
+def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path, capsys):
+    """Tokenizer files that transformers cannot read are reported, not silently dropped."""
+    from tests.test_engine_llama import tiny_hf
+
+    tiny_hf("llama", seed=9).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    capsys.readouterr()   # save_pretrained's progress bar
+    argv = ["spec", "--model", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--prompt-ids", "5,9,2", *FAST]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot load its tokenizer" in err, err

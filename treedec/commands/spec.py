@@ -30,6 +30,7 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
                                     existing_path, load_model, model_size, nonnegative_float, output_file,
                                     positive_float, positive_int, read_json, seed_int)
 from treedec.commands.spec_batch import run_spec_batch
+from treedec.engine.text import has_tokenizer, load_tokenizer
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
 from treedec.search.draft_model import DraftModelDraft
@@ -254,15 +255,12 @@ def _rule(args: argparse.Namespace):
 
 
 def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
-    """The prompt ids and the tokenizer (of ``--model``, when it has one)."""
+    """The prompt ids and the tokenizer (of ``--model``, when it has tokenizer files: one that does not
+    load is an error, not a silent fallback to token ids)."""
     vocab = model.config.vocab_size
     tokenizer = None
-    if args.model is not None:
-        try:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
+    if args.model is not None and has_tokenizer(args.model):
+        tokenizer = load_tokenizer(args.model)
     if args.prompt_ids is not None:
         if max(args.prompt_ids) >= vocab:
             raise ValueError(f"--prompt-ids must be token ids in [0, {vocab}) for {args.model or 'random weights'}, "

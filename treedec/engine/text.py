@@ -31,6 +31,12 @@ _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode shows for bytes that are no
 _CONTEXT_TOKENS = 5
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the folder ``path`` holds tokenizer files (one of :data:`TOKENIZER_FILES` or a ``*.tiktoken``)."""
+    root = Path(path)
+    return any((root / name).is_file() for name in TOKENIZER_FILES) or any(root.glob("*.tiktoken"))
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer of a local checkpoint folder: ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
 
@@ -57,7 +63,7 @@ def load_tokenizer(path: str | Path):
         raise FileNotFoundError(f"load_tokenizer needs a local checkpoint directory, got {str(path)!r}, which is not "
                                 f"a directory; treedec never downloads: fetch the model first (e.g. "
                                 f"`huggingface-cli download <name> --local-dir <dir>`) and pass that directory")
-    if not any((root / name).is_file() for name in TOKENIZER_FILES) and not any(root.glob("*.tiktoken")):
+    if not has_tokenizer(root):
         raise CheckpointError(f"{root} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
                               f"tokenizer files into it, or give prompts as token ids")
     from transformers import AutoTokenizer
