@@ -8,12 +8,10 @@ chunks). Each tree is timed at 8192 and 16384 tokens; the difference over the ad
 unit is the time per tile, without the fixed start, store and merge. Eager (L2 flushed) and
 CUDA-graph times, as bench/attention.py takes them.
 
-``--flags=...`` builds the kernels with extra TREEDEC_CUDA_FLAGS in their own cache dir: the
-diagnostic knobs ``-DTREEDEC_WS_DIAG_NO_COPY=1`` (no K/V gathers: the consumers' pace) and
-``-DTREEDEC_WS_DIAG_NO_COMPUTE=1`` (no compute: the gathers' pace) give wrong outputs, so
-the check against the reference is skipped for them.
+``--flags=...`` builds the kernels with extra TREEDEC_CUDA_FLAGS (the ring knobs of
+``ws_config.cuh``) in their own cache dir. Every output is checked against the reference.
 
-    python bench/tile_pace.py --out bench/results [--flags=-DTREEDEC_WS_DIAG_NO_COPY=1 --tag no-copy]
+    python bench/tile_pace.py --out bench/results [--flags=-DTREEDEC_WS_STAGES=5 --tag stages5]
 """
 from __future__ import annotations
 
@@ -77,11 +75,10 @@ def main(argv=None) -> int:
                 device_plan = plan.to(device)
                 prepared = CudaBackend(q.shape[1], k.shape[2], q.shape[2], q.dtype, sm_scale, device).prepare(device_plan)
                 out, _ = run_plan_cuda(q, k, v, device_plan, sm_scale, prepared=prepared)
-                if not args.flags:
-                    ref, _ = reference_tree_attention(q, k, v, workload.layout, sm_scale)
-                    rel = float((out.float() - ref).norm() / ref.norm())
-                    if not rel < 2e-3:
-                        raise AssertionError(f"{queries} queries, {tokens} tokens: relative error {rel:.3g}")
+                ref, _ = reference_tree_attention(q, k, v, workload.layout, sm_scale)
+                rel = float((out.float() - ref).norm() / ref.norm())
+                if not rel < 2e-3:
+                    raise AssertionError(f"{queries} queries, {tokens} tokens: relative error {rel:.3g}")
                 copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
                 row[f"eager_us_{tokens}"] = time_us(lambda: run_plan_cuda(q, k, v, device_plan, sm_scale, False, prepared),
                                                   device)

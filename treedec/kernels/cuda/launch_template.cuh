@@ -14,24 +14,24 @@
 
 namespace treedec {
 
-#ifndef TREEDEC_WARP_SPECIALIZED  // 0: sm_90a runs the single-role wgmma kernel of partial_kernel.cuh (comparisons)
-#define TREEDEC_WARP_SPECIALIZED 1
-#endif
-
 // The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch: the warp-specialized
 // wgmma kernel of that tile on sm_90a (head dims 64/128; tiles of 64 or 96 tokens), else
 // tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens). kTakes: whether
 // such a kernel exists.
-constexpr bool kWarpSpecialized = kUseWgmma && TREEDEC_WARP_SPECIALIZED;
+#if defined(TREEDEC_SM90A)
+constexpr bool kWarpSpecialized = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
+#else
+constexpr bool kWarpSpecialized = false;
+#endif
 template <typename T, int D, int TILE, bool WS = kWarpSpecialized && D <= 128>
 struct Stage1 {
-  using C = PartialConfig<D, use_wgmma<D>()>;
+  using C = PartialConfig<D>;
   static constexpr bool kTakes = TILE == kListTileTokens;
   static constexpr int kThreads = C::kWarps * 32;
   static constexpr int kRows = C::kWarps * 16;
   static constexpr int kSmem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   static constexpr auto kernel() {
-    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, use_wgmma<D>()>;
+    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
   }
 };
 #if defined(TREEDEC_SM90A)
@@ -47,11 +47,10 @@ struct Stage1<T, D, TILE, true> {
 #endif
 
 // Programmatic dependent launches need sm_90 (the sm_90a build); elsewhere kernels launch in plain order.
-// Stage 1 launches so unless TREEDEC_PDL_STAGE1=0 or in trace builds (their first stamps are
-// written before the wait).
+// Stage 1 launches so except in trace builds (their first stamps are written before the wait).
 #if defined(TREEDEC_SM90A)
 constexpr bool kProgrammaticLaunch = true;
-constexpr bool kProgrammaticStage1 = TREEDEC_PDL_STAGE1 && !TREEDEC_WS_TRACE;
+constexpr bool kProgrammaticStage1 = !TREEDEC_WS_TRACE;
 #else
 constexpr bool kProgrammaticLaunch = false;
 constexpr bool kProgrammaticStage1 = false;
@@ -126,8 +125,7 @@ int partial_ctas_per_sm_typed() {
 
 // (query, head) pairs one wave of the widest merge kernel holds on the current device (its warps
 // resident at once, one pair each). Past that the 8-row kernel runs: 16 rows at once take 108
-// registers a thread (head dim 128), and for a merge of many pairs the resident warps count more
-// (H200, medusa256's 8192 pairs: 16 rows 2.9 us slower than 4 or 8, ...-merge-unroll-ab.json).
+// registers a thread (head dim 128), and for a merge of many pairs the resident warps count more.
 template <typename T, int D>
 cudaError_t merge_wave_pairs(int& pairs) {
   constexpr int kDevices = 64;

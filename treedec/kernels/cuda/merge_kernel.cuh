@@ -16,23 +16,19 @@ constexpr int kMergeWarps = 4;
 // Entries go in batches of 32: each lane loads one entry's index and LSE (one round trip for the
 // batch, not one per entry), the batch's weights come from a warp max, and the partial rows are
 // then read UNROLL at a time, so their loads overlap. The order of every sum is fixed by the
-// plan's CSR: deterministic. (Merging in stage 1's own tail behind a grid barrier measured even
-// over the suite on an H200: bench/README.md, ...-fused-grid-merge.patch.)
+// plan's CSR: deterministic.
 //
 // The merge kernel of a launch loads up to 4, 8 or 16 rows at once (16 with head dim 256 would not
-// fit in registers: 8), the fewest that take the plan's most partials of a query in one round (16
-// only while the (query, head) pairs fit one wave of its warps: merge_wave_pairs). On an
-// H200 (head dim 128; ...-merge-unroll-ab.json, ...-merge-rounds-ab.json) one round ran the graphed
-// call of tot_d5w10 (12 partials a query) 1.7 us faster than rounds of 4 and fewshot_b30 (10) 1.5 us,
-// while 16 at once for medusa256's 2 partials (8192 (query, head) pairs) ran 2.9 us slower: 108
-// registers a thread, under half the resident warps of the 4-row kernel.
+// fit in registers: 8), the fewest that take the plan's most partials of a query in one round: each
+// round is an L2 round trip. 16 only while the (query, head) pairs fit one wave of its warps
+// (merge_wave_pairs): its registers halve the resident warps, which many pairs need more.
 template <int D> constexpr int merge_unroll_max() { return D == 256 ? 8 : 16; }
 
 template <typename T, int D, int UNROLL>
 __global__ void __launch_bounds__(kMergeWarps * 32)
 merge_partials_kernel(const MergeParams p) {
   constexpr int kPer = D / 32;
-  if (TREEDEC_MERGE_TRIGGER) launch_dependents();  // the next stage 1 waits for this grid before its data
+  launch_dependents();  // the next stage 1 waits for this grid before its data
   const int pair = blockIdx.x * kMergeWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (pair >= p.num_queries * p.num_qo_heads) return;

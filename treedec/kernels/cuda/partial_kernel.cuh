@@ -1,12 +1,11 @@
-// The single-role stage-1 kernel: every warp gathers and computes (mma.sync on sm_80+; wgmma on
-// sm_90a only for comparisons with the warp-specialized kernel).
+// The single-role stage-1 kernel: every warp gathers and computes with mma.sync (sm_80+; on sm_90a
+// the kernel of head dim 256, which the warp-specialized kernel does not take).
 #pragma once
 #include <cmath>
 #include <cstdint>
 
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/arch/util.hpp>
 #include <cute/numeric/int.hpp>
 
@@ -17,15 +16,13 @@
 #include "softmax.cuh"
 #include "swizzle.cuh"
 #include "tile_sizes.cuh"
-#include "wgmma.cuh"
 
 namespace treedec {
 
 // Stage 1 of DeFT-Flatten (partial attention per work unit, on a persistent grid), every warp
-// loading and computing. sm_80+: mma.sync m16n8k16.
-// Built for sm_90a (-DTREEDEC_SM90A), head dims 64/128 run the warp-specialized wgmma kernel of
-// partial_ws_kernel.cuh (Stage1 in launch_template.cuh picks); the single-role wgmma variant of this
-// kernel (step 4) stays for comparisons (TREEDEC_CUDA_FLAGS=-DTREEDEC_WARP_SPECIALIZED=0).
+// loading and computing with mma.sync m16n8k16. Built for sm_90a (-DTREEDEC_SM90A), head dims
+// 64/128 run the warp-specialized wgmma kernel of partial_ws_kernel.cuh instead (Stage1 in
+// launch_template.cuh picks).
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
@@ -34,19 +31,17 @@ namespace treedec {
 //   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
 //      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
 //      mask words beside them; slots of the tile after next are prefetched into registers;
-//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate; or per warpgroup of 64 rows
-//      one wgmma batch reading Q and K from 128-byte-swizzled smem), bit mask in registers
-//      (skipped when the warp's rows read the whole tile; with mma.sync the whole tile skipped
-//      when they read none of it), online softmax in base 2, O += P V (P re-packed from the S
-//      accumulators into A fragments; V through ldmatrix.trans or as wgmma's MN-major B);
+//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), bit mask in registers
+//      (skipped when the warp's rows read the whole tile; the whole tile skipped when they read
+//      none of it), online softmax in base 2, O += P V (P re-packed from the S accumulators into
+//      A fragments; V through ldmatrix.trans);
 //   5. O / l and the LSE go to the output (the entry is its query's only partial) or to the
 //      fp32 partial workspace.
-template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, bool WGMMA>
+template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
   launch_dependents();
-  wait_for_primary();  // reads q, k, v and writes only after the kernel before it (TREEDEC_PDL_STAGE1)
-  static_assert(!WGMMA || (BN == 64 && WARPS % 4 == 0 && D <= 128), "wgmma tile shape");
+  wait_for_primary();  // reads q, k, v and writes only after the kernel before it (pdl.cuh)
   using L = SmemLayout<D, BN, STAGES, WARPS>;
   constexpr int kThreads = WARPS * 32;
   constexpr int kRows = L::kRows;
@@ -66,14 +61,6 @@ tree_attn_partial_kernel(const PartialParams p) {
   int* sRowQuery = sRowEntry + kRows;
   int* sRowHead = sRowQuery + kRows;
 
-  // Element offset of (row, col) in a [rows][D] smem tile: the ldmatrix layout or wgmma's.
-  auto tile_offset = [](int row, int col, int rows) {
-    if constexpr (WGMMA) return swz128(row, col, rows);
-    else return swz<D>(row, col);
-  };
-  if constexpr (WGMMA) {  // descriptors address 1 KiB swizzle atoms
-    if (threadIdx.x == 0 && (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u)) __trap();
-  }
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -115,7 +102,7 @@ tree_attn_partial_kernel(const PartialParams p) {
       const T* src = valid ? q + sRowQuery[r] * p.q_stride_q + sRowHead[r] * p.q_stride_h + cp_vec * 8 : q;
       cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
           *reinterpret_cast<const cute::uint128_t*>(src),
-          *reinterpret_cast<cute::uint128_t*>(sQ + tile_offset(r, cp_vec * 8, kRows)), valid);
+          *reinterpret_cast<cute::uint128_t*>(sQ + swz<D>(r, cp_vec * 8)), valid);
     }
 
     // This thread's two fragment rows (r0 = warp * 16 + lane / 4, r1 = r0 + 8).
@@ -159,10 +146,10 @@ tree_attn_partial_kernel(const PartialParams p) {
           const T* srcV = v + slot * p.v_stride_s + kv_head * p.v_stride_h + cp_vec * 8;
           cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
               *reinterpret_cast<const cute::uint128_t*>(srcK),
-              *reinterpret_cast<cute::uint128_t*>(dK + tile_offset(r, cp_vec * 8, BN)), valid);
+              *reinterpret_cast<cute::uint128_t*>(dK + swz<D>(r, cp_vec * 8)), valid);
           cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
               *reinterpret_cast<const cute::uint128_t*>(srcV),
-              *reinterpret_cast<cute::uint128_t*>(dV + tile_offset(r, cp_vec * 8, BN)), valid);
+              *reinterpret_cast<cute::uint128_t*>(dV + swz<D>(r, cp_vec * 8)), valid);
         }
         const int word = tile_token(i) / 32;
         for (int idx = tid; idx < kRows * kMW; idx += kThreads) {
@@ -185,7 +172,6 @@ tree_attn_partial_kernel(const PartialParams p) {
     }
     for (int i = 0; i < num_live; ++i) {
       cute::cp_async_wait<STAGES - 2>();
-      if constexpr (WGMMA) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async -> wgmma
       __syncthreads();
       issue_tile(i + STAGES - 1);
       fetch_slots(i + STAGES);
@@ -193,9 +179,6 @@ tree_attn_partial_kernel(const PartialParams p) {
       const T* cK = sK + stage * L::kKV;
       const T* cV = sV + stage * L::kKV;
       const uint32_t* cMask = sMask + stage * kRows * kMW;
-      if constexpr (WGMMA) {  // a warpgroup whose 64 rows are all padding has nothing to compute
-        if (row_end - row_begin <= (warp / 4) * 64) continue;
-      }
 
       uint32_t mw0[kMW], mw1[kMW];
       uint32_t any = 0u, all = 0xffffffffu;
@@ -206,22 +189,14 @@ tree_attn_partial_kernel(const PartialParams p) {
         any |= mw0[w] | mw1[w];
         all &= mw0[w] & mw1[w];
       }
-      // No row of this warp reads the tile: skip it (mma.sync only; wgmma needs the whole warpgroup).
-      if (!WGMMA && !__any_sync(0xffffffffu, any != 0u)) continue;
+      // No row of this warp reads the tile: skip it.
+      if (!__any_sync(0xffffffffu, any != 0u)) continue;
       const bool full = __all_sync(0xffffffffu, all == 0xffffffffu);
 
       // S = Q K^T for the warp's 16 rows and the tile's BN tokens.
       float s[BN / 8][4];
       #pragma unroll
       for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      if constexpr (WGMMA) {
-        // Warpgroup wg owns rows 64 wg .. 64 wg + 63: S = Q K^T, both operands in shared memory.
-        issue_wgmma_qk<T, D, kRows>(sQ + (warp / 4) * 64 * 64, cK, s);
-        cute::warpgroup_wait<0>();
-        #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
-      } else {
       #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4];
@@ -242,22 +217,10 @@ tree_attn_partial_kernel(const PartialParams p) {
         }
       }
 
-      }  // mma.sync
-
       const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
       rescale_o<D>(acc, alpha);
 
-      // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans
-      // (mma.sync) or straight from shared memory (wgmma: V is an MN-major B operand).
-      if constexpr (WGMMA) {
-        uint32_t pa[BN / 16][4];
-        pack_p<T, BN>(s, pa);
-        issue_wgmma_pv<T, D, BN>(pa, cV, acc);
-        cute::warpgroup_wait<0>();
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(acc[j][e]);
-      } else
+      // O += P V: P's A fragments are two adjacent S accumulator tiles; V through ldmatrix.trans.
       #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[4];

@@ -38,22 +38,17 @@ namespace ws {
 //     unit's last tile an END item (no data) tells the consumers to write the unit's rows.
 //   warpgroups 1 and 2, the consumers: 64 rows each (setmaxnreg gives them the registers the
 //     producer does not need). A unit's Q rows go from smem to registers once (ldmatrix), so
-//     S = Q K^T (wgmma RS) reads only K from smem: with both operands from smem the 64 x 64 QK
-//     wgmmas ask for the whole smem bandwidth (H200: 3-5% faster on the large trees,
-//     ...-q-in-registers-*.json). Per tile, S = Q K^T and, in the same turn, O += P V of the
-//     previous tile (wgmma RS); this tile's softmax runs before the wait for that PV (FA3's
-//     intra-warpgroup overlap; the wait sits inside the O-rescale branch, since ptxas hoisted it
-//     above the softmax's reductions from straight-line code, as cuobjdump showed). The two
-//     consumers take turns to issue their wgmmas (named barriers), one's softmax running under
-//     the other's matmuls. Tiles the schedule flags full (kFullTileFlag: every row of the item
-//     reads the whole tile) come without mask words and run a mask-free copy of the turn (H200:
-//     1-3% faster than loading every tile's words and voting per warp, ...-full-tile-flag-ab.json).
-//     A stage is released once its PV has completed.
+//     S = Q K^T (wgmma RS) reads only K from smem: with both operands from smem the QK wgmmas
+//     would take the whole smem bandwidth. Per tile, S = Q K^T and, in the same turn, O += P V of
+//     the previous tile (wgmma RS); this tile's softmax runs before the wait for that PV (FA3's
+//     intra-warpgroup overlap). The two consumers take turns to issue their wgmmas (named
+//     barriers), one's softmax running under the other's matmuls. Tiles the schedule flags full
+//     (kFullTileFlag: every row of the item reads the whole tile) come without mask words and run
+//     a mask-free copy of the turn. A stage is released once its PV has completed.
 //
-// Launched as a programmatic dependent (TREEDEC_PDL_STAGE1, pdl.cuh): the producer loads
-// the first unit's record, slots and row queries (plan data) before its griddepcontrol.wait, the
-// consumers wait before any store; inside CUDA graphs a call's stage 1 so starts while the previous
-// call's merge drains (H200: 1.3-2.1 us per graphed call on the small trees, ...-stage1-pdl-*.json).
+// Launched as a programmatic dependent (pdl.cuh): the producer loads the first unit's record,
+// slots and row queries (plan data) before its griddepcontrol.wait, the consumers wait before any
+// store; inside CUDA graphs a call's stage 1 so starts while the previous call's merge drains.
 //
 // Every item (tile or END) goes through both consumers, so the two stay in step; a consumer whose
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
@@ -67,7 +62,6 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   if (threadIdx.x == 0) trace_stamp(p, kTraceStart);
   constexpr int STAGES = Tile<BN>::kStages;
   static_assert((BN == 64 || BN == 96) && (D == 64 || D == 128), "wgmma tile shape");
-  static_assert(BN == 64 || TREEDEC_WS_SETMAXNREG, "96-token tiles need the consumers' 208 registers (setmaxnreg)");
   using L = Smem<D, BN, STAGES>;
   constexpr int kMW = L::kMW;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -111,9 +105,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 
   if (threadIdx.x < kProducerThreads) {
     // ------------------------------------------------------------------ producer
-#if TREEDEC_WS_SETMAXNREG
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-#endif
     const int tid = threadIdx.x;
     constexpr int kVecPerRow = D / 8;
     constexpr int kRowsPerPass = kProducerThreads / kVecPerRow;
@@ -196,7 +188,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       int* q_rows = sQuery + (local & 1) * kRows;
       q_rows[tid] = mask_entry >= 0 ? p.entry_query[mask_entry] : -1;
       bar_sync(kBarProducer, kProducerThreads);
-      if (local == 0) wait_for_primary();  // q, k, v come from the kernel before (TREEDEC_PDL_STAGE1)
+      if (local == 0) wait_for_primary();  // q, k, v come from the kernel before (pdl.cuh)
       #pragma unroll
       for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
         const int r = row_begin + cp_row0 + pass * kRowsPerPass;
@@ -211,7 +203,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       }
 
       auto issue_tile = [&](int first, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
-        const bool full = TREEDEC_WS_TILE_VERSIONS && (first & kFullTileFlag);
+        const bool full = first & kFullTileFlag;
         first &= ~kFullTileFlag;
         const int stage = acquire();
         const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
@@ -221,10 +213,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
           // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
           const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
           const int bytes = (~slots[pass] >> 31) & 16;
-          if (!TREEDEC_WS_DIAG_NO_COPY) {
-            cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
-            cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
-          }
+          cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
+          cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
         }
         #pragma unroll
         for (int w = 0; w < kMW && !full; ++w) {
@@ -256,19 +246,16 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   }
 
   // -------------------------------------------------------------------- consumers
-#if TREEDEC_WS_SETMAXNREG
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-#endif
   // A schedule of another tile size is a host bug: stop loudly. Checked here, off the producer's path
-  // to its first gathers (in thread 0 before the barrier setup it ran the 64-token plans 0.1-0.4 us
-  // slower, H200: ...-tile-choice-early-check-ab.json).
+  // to its first gathers.
   if (threadIdx.x == kProducerThreads && p.unit_info[0] != BN) __trap();
   const int c = threadIdx.x / 128 - 1;          // consumer index: rows 64 c .. 64 c + 63 of a unit
   const int warp = (threadIdx.x / 32) % 4;      // warp of the warpgroup: 16 rows each
   const int r0 = 64 * c + warp * 16 + (lane >> 2);
   const int r1 = r0 + 8;
   if (c == 1) turn_pass(1);                     // consumer 0 takes the first turn
-  wait_for_primary();  // the rows' stores come after the kernel before this one (TREEDEC_PDL_STAGE1)
+  wait_for_primary();  // the rows' stores come after the kernel before this one (pdl.cuh)
 
   int item = 0;
   for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
@@ -283,7 +270,6 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       query[h] = entry[h] >= 0 ? p.entry_query[entry[h]] : 0;
       head[h] = kv_head * p.group + r % p.group;
     }
-    const T* q_wg = sQ + (local % kQBuffers) * kRows * D + c * 64 * 64;
 
     float acc[D / 8][4];
     #pragma unroll
@@ -292,7 +278,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     float s[BN / 8][4];        // S, then P, of the current tile
     uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
     uint32_t mw0[kMW], mw1[kMW];
-    uint32_t qa[D / 16][4];  // the warp's Q rows (TREEDEC_WS_Q_IN_REGISTERS)
+    uint32_t qa[D / 16][4];  // the warp's Q rows (A fragments of S = Q K^T)
     bool full_tile = false;  // every row of the unit reads the whole tile (kItemFullTile: no mask words)
 
     // Wait for the next item; false at the unit's END. Reads the mask words of a tile that has them.
@@ -314,8 +300,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
-      if constexpr (TREEDEC_WS_Q_IN_REGISTERS) issue_wgmma_qk_rs<T, D, BN>(qa, sK + stage * BN * D, s);
-      else issue_wgmma_qk<T, D, kRows, BN>(q_wg, sK + stage * BN * D, s);
+      issue_wgmma_qk_rs<T, D, BN>(qa, sK + stage * BN * D, s);
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
       issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
@@ -334,7 +319,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     // No branch may separate a wgmma from its wait (ptxas would serialize every wgmma); the
     // branches below choose whole loops or whole turns.
     int stage;
-    if (TREEDEC_WS_DIAG_NO_COMPUTE || (TREEDEC_WS_IDLE_PADDING && row_begin + 64 * c >= row_end)) {
+    if (row_begin + 64 * c >= row_end) {
       // Every row of this consumer is padding (a unit of <= 64 rows): keep the turns and release
       // the stages, compute nothing, so the other consumer's turns do not wait behind zeros.
       while (next_tile(stage)) {
@@ -345,8 +330,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       }
     } else if (next_tile(stage)) {
       // First tile (its Q rows landed with it): S, softmax, P.
-      if constexpr (TREEDEC_WS_Q_IN_REGISTERS)
-        load_q_fragments<T, D, kRows>(sQ + (local % kQBuffers) * kRows * D, 64 * c + warp * 16, lane, qa);
+      load_q_fragments<T, D, kRows>(sQ + (local % kQBuffers) * kRows * D, 64 * c + warp * 16, lane, qa);
       turn_wait(c);
       issue_qk(stage);
       turn_pass(c);
@@ -373,10 +357,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         fence_s();
         cute::warpgroup_fence_operand(alpha.x);
         cute::warpgroup_fence_operand(alpha.y);
-#if TREEDEC_WS_LATE_PV_WAIT
-        // The wait inside both arms of the rescale branch: ptxas does not hoist it out of them (from
-        // straight-line code it put it above the softmax; H200: no faster either way so far,
-        // ...-late-pv-wait-*.json, the matmuls of the other consumer already hide the softmax).
+        // The wait inside both arms of the rescale branch: from straight-line code ptxas hoists it
+        // above the softmax, out of the branch it does not.
         if (any_rescale(alpha)) {
           cute::warpgroup_wait<0>();
           fence_acc();
@@ -385,16 +367,11 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
           cute::warpgroup_wait<0>();
           fence_acc();
         }
-#else
-        cute::warpgroup_wait<0>();
-        fence_acc();
-        rescale_o<D>(acc, alpha);
-#endif
         pack_p<T, BN>(s, pa);
         Barrier::arrive(&empty[prev]);
       };
       while (next_tile(stage)) {
-        if (TREEDEC_WS_TILE_VERSIONS && full_tile) later_tile(std::true_type{});
+        if (full_tile) later_tile(std::true_type{});
         else later_tile(std::false_type{});
         prev = stage;
         ++item;

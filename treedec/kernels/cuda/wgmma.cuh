@@ -1,5 +1,5 @@
-// wgmma (sm_90a) building blocks of the stage-1 mainloops: shared-memory descriptors, the atoms
-// per dtype and width, and a warpgroup's S = Q K^T and O += P V issues.
+// wgmma (sm_90a) building blocks of the warp-specialized mainloop: shared-memory descriptors, the
+// atoms per dtype and width, and a warpgroup's S = Q K^T and O += P V issues.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,10 +44,6 @@ template <typename T> struct Gmma;
 template <int N, class A64, class A96, class A128>
 using GmmaOfWidth = std::conditional_t<N == 64, A64, std::conditional_t<N == 96, A96, A128>>;
 template <> struct Gmma<__half> {
-  template <int N> using SS = GmmaOfWidth<N,
-      gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
-      gmma::MMA_64x96x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
-      gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>>;
   template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x96x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
@@ -58,10 +54,6 @@ template <> struct Gmma<__half> {
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 template <> struct Gmma<__nv_bfloat16> {
-  template <int N> using SS = GmmaOfWidth<N,
-      gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
-      gmma::MMA_64x96x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
-      gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>;
   template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x96x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
@@ -72,13 +64,6 @@ template <> struct Gmma<__nv_bfloat16> {
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>>;
 };
 
-// S[64 x N] of a warpgroup (s[N/8][4] per thread: the mma.sync C layout per n8 block).
-template <class Atom, int N, size_t... I>
-__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&s)[N / 8][4], bool accumulate,
-                                        std::index_sequence<I...>) {
-  Atom::fma(da, db, s[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
-}
-
 // C[64 x N] (+)= A (registers: the mma.sync A layout, 16 x 16 per warp) B (descriptor); acc[N/8][4]:
 // O += P V, or S = Q K^T with Q in registers.
 template <class Atom, int N, size_t... I>
@@ -87,27 +72,9 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, flo
   Atom::fma(a[0], a[1], a[2], a[3], db, acc[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
 }
 
-// Issue S[64 x BN] = Q K^T for a warpgroup as one wgmma commit group (no wait): q_wg its 64 Q rows
-// in a [ROWS][D] 128-byte-swizzled tile (swz128), cK a [BN][D] K tile laid out the same way.
-template <typename T, int D, int ROWS, int BN = 64>
-__device__ __forceinline__ void issue_wgmma_qk(const T* q_wg, const T* cK, float (&s)[BN / 8][4]) {
-  #pragma unroll
-  for (int j = 0; j < BN / 8; ++j)
-    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
-  const uint64_t dq = gmma_desc(q_wg, 16), dk = gmma_desc(cK, 16);  // k steps: constant offsets
-  cute::warpgroup_arrive();
-  #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int q_k = (kk / 4) * (ROWS * 64) + (kk % 4) * 16;  // elements
-    const int k_k = (kk / 4) * (BN * 64) + (kk % 4) * 16;
-    gmma_ss<typename Gmma<T>::template SS<BN>, BN>(gmma_desc_add(dq, q_k * 2), gmma_desc_add(dk, k_k * 2), s,
-                                                   kk > 0, std::make_index_sequence<BN / 2>{});
-  }
-  cute::warpgroup_commit_batch();
-}
-
-// Issue S[64 x BN] = Q K^T as issue_wgmma_qk does, with the warpgroup's Q rows in registers (qa: per
-// 16-column step the mma.sync A fragment, load_q_fragments): the wgmma reads only K from smem.
+// Issue S[64 x BN] = Q K^T for a warpgroup as one wgmma commit group (no wait), its Q rows in
+// registers (qa: per 16-column step the mma.sync A fragment, load_q_fragments) and cK a [BN][D] K
+// tile in 128-byte-swizzled smem (swz128): the wgmma reads only K from smem.
 template <typename T, int D, int BN = 64>
 __device__ __forceinline__ void issue_wgmma_qk_rs(const uint32_t (&qa)[D / 16][4], const T* cK, float (&s)[BN / 8][4]) {
   #pragma unroll

@@ -1,5 +1,5 @@
 // Configuration of the warp-specialized sm_90a stage-1 kernel: warpgroup roles, register split,
-// tuning knobs, tile sizes and ring depths, shared-memory layout.
+// ring depths, shared-memory layout.
 #pragma once
 #if defined(TREEDEC_SM90A)
 
@@ -25,49 +25,14 @@ constexpr int kItemEnd = 0, kItemTile = 1, kItemFullTile = 2;  // kinds of ring 
 constexpr int kProducerRegs = TREEDEC_WS_TRACE ? 96 : 88, kConsumerRegs = TREEDEC_WS_TRACE ? 200 : 208;
 static_assert(kProducerThreads * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the launch gave the CTA");
-#ifndef TREEDEC_WS_SETMAXNREG
-#define TREEDEC_WS_SETMAXNREG 1
-#endif
-#ifndef TREEDEC_WS_IDLE_PADDING  // 1: a consumer whose rows are all padding skips the unit's tiles
-#define TREEDEC_WS_IDLE_PADDING 1
-#endif
-#ifndef TREEDEC_WS_Q_IN_REGISTERS  // 1: S = Q K^T reads Q from registers (loaded once a unit), K from smem
-#define TREEDEC_WS_Q_IN_REGISTERS 1
-#endif
-#ifndef TREEDEC_WS_LATE_PV_WAIT  // 1: the PV wait sits in the rescale branch, after the softmax
-#define TREEDEC_WS_LATE_PV_WAIT 1
-#endif
-// Diagnostics only (wrong results; bench/tile_pace.py): the producer gathers no K/V rows (the
-// consumers' pace alone), or the consumers compute nothing (the gathers' pace alone).
-#ifndef TREEDEC_WS_DIAG_NO_COPY
-#define TREEDEC_WS_DIAG_NO_COPY 0
-#endif
-#ifndef TREEDEC_WS_DIAG_NO_COMPUTE
-#define TREEDEC_WS_DIAG_NO_COMPUTE 0
-#endif
-#ifndef TREEDEC_WS_TILE_VERSIONS  // 1: tiles every row reads whole (the schedule's kFullTileFlag) run a
-#define TREEDEC_WS_TILE_VERSIONS 1    // mask-free copy of the turn and copy no mask words
-#endif
-#ifndef TREEDEC_WS_TURNS  // 1: the consumers take turns to issue their wgmmas; 0: each issues when ready
-#define TREEDEC_WS_TURNS 1  // (0 ran the large trees 0.5-0.8 us slower on an H200: ...-ws-turns-*.json)
-#endif
 
 // KV tiles (tokens) and ring depths: a kernel of 64-token tiles in a 4-deep ring and one of 96-token
-// tiles in a 3-deep ring; the host launches the one the schedule lists (PartialParams::tile_tokens:
-// the plan picks, attention/backends/cuda_backend.py: choose_tile_tokens). 96-token tiles pay where units are long
-// (fewer turns, barriers and softmax reductions per token: H200, medusa64_p32k 86.7 -> 83.4 us) and
-// lose 0.4-0.9 us on trees of short units, whose last tile is more often part padding
-// (...-ws-bn96-over-full-tile-ab.json, ...-tile-choice-ab.json). Two kernels, not one branching on
-// the tile size in device memory (which would let one graph replay plans of either): in such a
-// kernel the body laid out second in the code ran 1.5-2 us slower per call, whichever it was (H200,
-// ...-one-kernel-ab.json). 128-token tiles (BN = 128) ran 20-27% slower on the large trees (H200,
-// ...-ws-bn128-vs-64-bn*.json): with K and V in one ring only two 128-token stages fit beside two Q
-// buffers, too shallow to cover the gathers. FA3's separate K and V rings (a K stage freed once S
-// is computed; 2 + 2 128-token stages with Q from smem, or 3 + 2 with one Q buffer) did not help
-// either: 128-token tiles ran from 1% faster to 5% slower than this kernel on the large trees,
-// 4 + 4 64-token stages 2-3% slower (H200, one run: ...-separate-rings-*.json and .patch), so the
-// ring stays one. Tuning knobs: ring depth, and Q buffers (2: a unit's Q loads under the previous unit).
-// One Q buffer leaves room for a fifth stage; neither was faster on an H200 (...-ws-ring-*.json).
+// tiles in a 3-deep ring; the host launches the one the schedule names (PartialParams::tile_tokens,
+// chosen by attention/backends/cuda_backend.py: choose_tile_tokens). 96-token tiles pay where units
+// are long (fewer turns per token), 64 where units are short (less padding in the last tile). Two
+// kernels, not one branching on the tile size: the body laid out second ran slower, whichever it was.
+// Tuning knobs (TREEDEC_CUDA_FLAGS): the ring depths, and the Q buffers (2: a unit's Q rows load
+// under the previous unit's tiles; 1 leaves room for another stage).
 #ifndef TREEDEC_WS_STAGES
 #define TREEDEC_WS_STAGES 4
 #endif

@@ -19,13 +19,10 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
 }
 using Barrier = cutlass::arch::ClusterBarrier;
 
-// Consumer c waits for its turn / hands the turn to the other consumer (no-ops without turns).
-__device__ __forceinline__ void turn_wait(int c) {
-  if (TREEDEC_WS_TURNS) bar_sync(kBarTurn + c, 256);
-}
-__device__ __forceinline__ void turn_pass(int c) {
-  if (TREEDEC_WS_TURNS) bar_arrive(kBarTurn + (1 - c), 256);
-}
+// Consumer c waits for its turn / hands the turn to the other consumer: one consumer's wgmmas are
+// issued at a time, so its softmax runs under the other's matmuls.
+__device__ __forceinline__ void turn_wait(int c) { bar_sync(kBarTurn + c, 256); }
+__device__ __forceinline__ void turn_pass(int c) { bar_arrive(kBarTurn + (1 - c), 256); }
 
 // 16-byte cp.async (cached in L2 only) to a shared-memory address; src_bytes 0 zero-fills.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
