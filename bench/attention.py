@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Attention microbenchmark: treedec backends x planners and the peers on the suite of BENCH.md.
+"""Attention microbenchmark: treedec backends x planners and the peers on the suite of BENCH.md
+and the families of its section 2 (bench/families.py: unshared decode batches, long sequences,
+forests of many requests' trees).
 
 For each workload: random fp16 q [Q, 32, 128] (``--head-dim``: 64, 128 or 256) and K/V pool, an fp32 reference
-(``reference_tree_attention``); every method's output is checked (relative Frobenius error
+(``reference_tree_attention``, tree by tree); every method's output is checked (relative Frobenius error
 < 2e-3) before it is timed, a wrong one is marked FAIL and not timed. Results go to
-``<out>/<date>-<gpu>.json`` and a table into bench/README.md.
+``<out>/<date>-<gpu>.json`` and, for the suite, a table into bench/README.md.
 
     python bench/attention.py                                  # on a GPU: the whole suite
+    python bench/attention.py --families unshared,long         # on a GPU: those families, their peers
     python bench/attention.py --smoke --backends torch         # CPU, tiny scale (CI)
     python bench/attention.py --render bench/results/X.json [Y.json]  # rewrite the README table only
 
@@ -29,13 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench.peers import PEERS, PeerUnavailable  # noqa: E402
+from bench.families import FAMILIES, FAMILY_PEERS, WORKLOADS, family_of, tokens_read  # noqa: E402
+from bench.peers import PEERS, PeerUnavailable, split_by_root  # noqa: E402
 from bench.report import print_summary, write_readme_table  # noqa: E402
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload, build_workload  # noqa: E402
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload  # noqa: E402
 from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
-from treedec.attention import PLANNERS, dense_tree_mask, reference_tree_attention  # noqa: E402
+from treedec.attention import PLANNERS, reference_tree_attention  # noqa: E402
 from treedec.attention.backends import cuda_status, triton_status  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
 from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
@@ -44,6 +48,8 @@ MAX_REL_ERR = 2e-3
 TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
 SMOKE_SCALE = 0.05
 GRAPH_KV_COPIES, GRAPH_CALLS = 8, 32
+GRAPH_KV_BUDGET_BYTES = 16 << 30  # fewer K/V copies for the graph where 8 would not fit (each is far beyond L2)
+GRAPHED_PEERS = ("flashinfer_custom_mask", "flashinfer_batch_decode")  # graphed beside the best treedec method
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 128, 256)       # the head dims the cuda backend builds; the suite's is HEAD_DIM (Llama-3-8B)
 TREEDEC_BACKENDS = ("torch", "triton", "cuda", "auto")  # auto: what TreeAttention picks (hybrid on H100/H200)
@@ -60,13 +66,14 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype]
     configs = _treedec_configs(args, device)
-    peers = args.peers if args.peers is not None else list(PEERS)
-    for name in peers:
+    for name in args.peers or []:
         if name not in PEERS:
             raise SystemExit(f"unknown peer {name!r}; peers: {list(PEERS)}")
     for name in args.workloads:
-        if name not in SUITE:
-            raise SystemExit(f"unknown workload {name!r}; the suite: {list(SUITE)}")
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; the suite: {list(SUITE)}; the families "
+                             f"(--families {','.join(FAMILIES)}): {[n for f in FAMILIES.values() for n in f]}")
+    peers = {name: _peers_of(name, args.peers) for name in args.workloads}
 
     bandwidth = copy_bandwidth(device)
     results = {
@@ -79,21 +86,24 @@ def main(argv=None) -> int:
         "workloads": {},
     }
     print(f"device {results['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
-          f"treedec configs {configs}, peers {peers}", file=sys.stderr)
+          f"treedec configs {configs}, peers {sorted(set(p for ps in peers.values() for p in ps))}", file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = results_path(out_dir, results["device"], smoke=args.smoke, tag=args.tag)
-    progress = tqdm(total=len(args.workloads) * (len(configs) + len(peers)), desc="attention", file=sys.stderr)
+    progress = tqdm(total=sum(len(configs) + len(p) for p in peers.values()), desc="attention", file=sys.stderr)
     for name in args.workloads:
-        workload = build_workload(name, page_size=args.page_size, scale=results["scale"])
-        results["workloads"][name] = _bench_workload(workload, configs, peers, device, dtype, bandwidth,
+        workload = WORKLOADS[name](page_size=args.page_size, scale=results["scale"])
+        results["workloads"][name] = _bench_workload(workload, configs, peers[name], device, dtype, bandwidth,
                                                      graph=device.type == "cuda" and not args.no_graph, graph_all=args.graph_all,
                                                      progress=progress, head_dim=args.head_dim)
+        results["workloads"][name]["family"] = family_of(name)
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
     progress.close()
     print(f"wrote {path}", file=sys.stderr)
     # The README's table is the suite's shape at full scale: other runs write it only when asked.
-    readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM else REPO / "bench" / "README.md")
+    suite_only = all(name in SUITE for name in args.workloads)
+    readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM or not suite_only
+                             else REPO / "bench" / "README.md")
     if readme:
         write_readme_table(results, Path(readme))
         print(f"wrote the table into {readme}", file=sys.stderr)
@@ -109,16 +119,17 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
     layout = workload.layout
     q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim)
     sm_scale = 1.0 / math.sqrt(head_dim)
-    ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
+    ref = _reference(q, k, v, layout, sm_scale)
 
-    tokens_read = int(dense_tree_mask(layout).sum())
+    read = tokens_read(layout)
     elt = q.element_size()
     hbm_bytes = 2 * layout.num_tokens * NUM_KV_HEADS * head_dim * elt + 2 * q.numel() * elt
     hbm_floor = hbm_bytes / bandwidth * 1e6
-    tc_floor = 4 * NUM_QO_HEADS * head_dim * tokens_read / TENSOR_CORE_FLOPS * 1e6
+    tc_floor = 4 * NUM_QO_HEADS * head_dim * read / TENSOR_CORE_FLOPS * 1e6
     entry = {
         "description": workload.description, "tree_tokens": layout.num_tokens, "queries": layout.num_queries,
-        "nodes": layout.num_nodes, "tokens_read": tokens_read, "pool_pages": workload.num_pages,
+        "nodes": layout.num_nodes, "trees": int((layout.parent < 0).sum()), "tokens_read": read,
+        "pool_pages": workload.num_pages,
         "hbm_bytes": hbm_bytes, "hbm_floor_us": hbm_floor, "tensor_core_floor_us": tc_floor,
         "floor_us": max(hbm_floor, tc_floor), "methods": {},
     }
@@ -140,6 +151,26 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
     if graph:
         _add_graphed(entry, makers, layout, k, v, graph_all)
     return entry
+
+
+def _reference(q, k, v, layout, sm_scale) -> torch.Tensor:
+    """fp32 reference output [Q, Hq, D], one tree at a time (a forest's dense [Q, Hq, T] scores would not fit)."""
+    parts = split_by_root(layout)
+    if len(parts) == 1:
+        return reference_tree_attention(q, k, v, layout, sm_scale)[0]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for queries, sub in parts:
+        index = torch.from_numpy(queries).to(q.device)
+        out[index] = reference_tree_attention(q[index], k, v, sub, sm_scale)[0]
+    return out
+
+
+def _peers_of(workload: str, chosen: list[str] | None) -> list[str]:
+    """The peers run on ``workload``: those chosen (--peers), else every peer for the suite, the family's for a family."""
+    if chosen is not None:
+        return chosen
+    family = family_of(workload)
+    return list(PEERS) if family == "suite" else list(FAMILY_PEERS[family])
 
 
 def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
@@ -195,16 +226,18 @@ def _check_and_time(run, ref, device) -> dict:
 
 
 def _add_graphed(entry, makers, layout, k, v, graph_all=False) -> None:
-    """Per-call time in a CUDA graph for the best treedec config (or all) and the FlashInfer custom-mask peer."""
+    """Per-call time in a CUDA graph for the best treedec config (or all) and the FlashInfer peers that ran
+    (custom mask, batch decode). K/V copies: 8, fewer where 8 would not fit GRAPH_KV_BUDGET_BYTES."""
     methods = entry["methods"]
     treedec_ok = [m for m in methods if m.startswith("treedec_") and methods[m]["status"] == "ok"]
     if graph_all:
         chosen = list(treedec_ok)
     else:
         chosen = [min(treedec_ok, key=lambda m: methods[m]["us"])] if treedec_ok else []
-    if methods.get("flashinfer_custom_mask", {}).get("status") == "ok":
-        chosen.append("flashinfer_custom_mask")
-    copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
+    chosen += [m for m in GRAPHED_PEERS if methods.get(m, {}).get("status") == "ok"]
+    kv_bytes = 2 * k.numel() * k.element_size()
+    entry["graph_kv_copies"] = max(2, min(GRAPH_KV_COPIES, GRAPH_KV_BUDGET_BYTES // kv_bytes))
+    copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(entry["graph_kv_copies"])]
     for method in chosen:
         try:
             runs = [makers[method](k_i, v_i) for k_i, v_i in copies]
@@ -219,8 +252,11 @@ def _add_graphed(entry, makers, layout, k, v, graph_all=False) -> None:
 def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", type=_csv, default=[list(SUITE)],
-                        help=f"comma- or space-separated (default: all of {list(SUITE)})")
+    parser.add_argument("--workloads", nargs="+", type=_csv, default=None,
+                        help=f"comma- or space-separated (default: all of {list(SUITE)} unless --families)")
+    parser.add_argument("--families", nargs="+", type=_csv, default=None,
+                        help=f"run every workload of these families too, among suite,{','.join(FAMILIES)} "
+                             f"(bench/families.py); each family's default peers: {FAMILY_PEERS}")
     parser.add_argument("--backends", nargs="+", type=_csv, default=None,
                         help="treedec backends among torch,triton,cuda,auto (default: on a GPU the runnable "
                              "ones of triton,cuda, and auto; on a CPU torch); 'none' for peers only")
@@ -231,7 +267,8 @@ def _parse_args(argv):
                         help="flatten/node_chunk chunk sizes to sweep (default: the PlanConfig default); "
                              "each size is its own method, e.g. treedec_triton_flatten_c512")
     parser.add_argument("--peers", nargs="+", type=_csv, default=None,
-                        help=f"peers among {','.join(PEERS)} (default: all); 'none' for none")
+                        help=f"peers among {','.join(PEERS)} (default: all for the suite, the family's own "
+                             f"for a family's workloads); 'none' for none")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16")
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=HEAD_DIM,
@@ -250,7 +287,14 @@ def _parse_args(argv):
                         help="only rewrite the README table (and print the summary) from results JSON "
                              "file(s); several are merged (workloads of later files win)")
     args = parser.parse_args(argv)
-    args.workloads = _flatten(args.workloads)
+    families = _flatten(args.families or [])
+    for family in families:
+        if family != "suite" and family not in FAMILIES:
+            raise SystemExit(f"unknown family {family!r}; families: suite, {', '.join(FAMILIES)}")
+    workloads = _flatten(args.workloads) if args.workloads is not None else ([] if families else list(SUITE))
+    for family in families:
+        workloads += [n for n in (SUITE if family == "suite" else FAMILIES[family]) if n not in workloads]
+    args.workloads = workloads
     for name in ("backends", "planners", "peers", "chunk_sizes"):
         value = getattr(args, name)
         if value is not None:

@@ -104,17 +104,19 @@ def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float
 
 
 def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
-    """One prefill request holding all Q queries over the flattened tree, boolean ``custom_mask`` [Q * T]."""
+    """One prefill request per tree of the layout (one for a single tree): its queries over its
+    flattened tokens, boolean ``custom_mask`` (each request's [Q_r * T_r], concatenated)."""
     flashinfer = _import_flashinfer()
-    dev, num_q, num_t = q.device, layout.num_queries, layout.num_tokens
+    dev = q.device
+    qo_indptr, kv_indptr, masks = request_masks(layout)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(dev), "NHD")
     wrapper.plan(
-        _i32([0, num_q], dev),                       # qo_indptr
-        _i32([0, num_t], dev),                       # paged_kv_indptr
+        _i32(qo_indptr, dev),                        # qo_indptr
+        _i32(kv_indptr, dev),                        # paged_kv_indptr
         _i32(layout.kv_slots, dev),                  # paged_kv_indices: one-token pages = slots
-        _i32([1], dev),                              # paged_kv_last_page_len
+        _i32(np.ones(len(qo_indptr) - 1), dev),      # paged_kv_last_page_len
         q.shape[1], k_cache.shape[2], q.shape[2], 1,  # num_qo_heads, num_kv_heads, head_dim_qk, page_size
-        custom_mask=_dense_mask(layout, dev).reshape(-1),
+        custom_mask=torch.from_numpy(masks).to(dev),
         causal=False,
         sm_scale=sm_scale,
         q_data_type=q.dtype,
@@ -141,6 +143,29 @@ def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, sm_
     )
     kv = _one_token_pages(k_cache, v_cache)
     return lambda: wrapper.run(q, kv)
+
+
+def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
+    """``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) as a serving engine runs unshared decoding:
+    one request per query over its sequence's own pages, at the pool's page size.
+
+    Unavailable where a query's path is not whole pages (tree nodes that start mid-page):
+    ``flashinfer_per_path_decode`` runs those with one-token pages.
+    """
+    flashinfer = _import_flashinfer()
+    dev, page_size = q.device, k_cache.shape[1]
+    indptr, pages, last_page_len = path_pages(layout, page_size)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(dev), "NHD", use_tensor_cores=True)
+    wrapper.plan(
+        _i32(indptr, dev),                           # indptr
+        _i32(pages, dev),                            # indices: the pool's pages
+        _i32(last_page_len, dev),                    # last_page_len
+        q.shape[1], k_cache.shape[2], q.shape[2], page_size,  # num_qo_heads, num_kv_heads, head_dim, page_size
+        sm_scale=sm_scale,
+        q_data_type=q.dtype,
+        kv_data_type=k_cache.dtype,
+    )
+    return lambda: wrapper.run(q, (k_cache, v_cache))
 
 
 def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
@@ -196,16 +221,85 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          _flashinfer_status, make_flashinfer_custom_mask),
     Peer("flashinfer_per_path_decode", "FlashInfer batch decode, one request per query over its path",
          _flashinfer_status, make_flashinfer_per_path_decode),
+    Peer("flashinfer_batch_decode", "FlashInfer batch decode (tensor cores), one request per query over its "
+                                    "sequence's pages", _flashinfer_status, make_flashinfer_batch_decode),
     Peer("flashinfer_cascade", "FlashInfer 2-level cascade: shared prefix + per-query rest",
          _flashinfer_status, make_flashinfer_cascade),
 ]}
 
 
 def path_slots(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Every query's root-to-query path as CSR: ``indptr [Q + 1]``, ``slots [sum of path lengths]``."""
-    mask = dense_tree_mask(layout)
-    indptr = np.concatenate([[0], np.cumsum(mask.sum(axis=1))]).astype(np.int64)
-    return indptr, layout.kv_slots[np.nonzero(mask)[1]]   # row-major: grouped by query, root first
+    """Every query's root-to-query path as CSR: ``indptr [Q + 1]``, ``slots [sum of path lengths]``
+    (root first: the rows of ``dense_tree_mask``, walked up the parents instead of built densely)."""
+    start, parts, lengths = layout.kv_start, [], []
+    for node, offset in zip(layout.query_node.tolist(), layout.query_offset.tolist()):
+        ranges = [(start[node], start[node] + offset + 1)]
+        node = layout.parent[node]
+        while node >= 0:
+            ranges.append((start[node], start[node + 1]))
+            node = layout.parent[node]
+        path = np.concatenate([layout.kv_slots[a:b] for a, b in reversed(ranges)])
+        parts.append(path)
+        lengths.append(len(path))
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return indptr, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def path_pages(layout: TreeLayout, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every query's path as pages of ``page_size`` slots: ``indptr [Q + 1]``, ``pages``, ``last_page_len [Q]``.
+
+    Raises PeerUnavailable when a path is not a run of whole pages (its slots t = 0, 1, ... at
+    page[t // page_size] * page_size + t % page_size), as in a tree whose nodes start mid-page.
+    """
+    indptr, slots = path_slots(layout)
+    page_indptr, pages, last = [0], [], []
+    for i in range(layout.num_queries):
+        path = slots[indptr[i]:indptr[i + 1]]
+        own = path[::page_size] // page_size
+        t = np.arange(len(path))
+        if np.any(path[::page_size] % page_size) or np.any(path != own[t // page_size] * page_size + t % page_size):
+            raise PeerUnavailable(f"n/a: query {i}'s path is not whole pages of {page_size} slots")
+        pages.append(own)
+        page_indptr.append(page_indptr[-1] + len(own))
+        last.append(len(path) - (len(own) - 1) * page_size)
+    return (np.asarray(page_indptr, dtype=np.int64), np.concatenate(pages) if pages else np.zeros(0, dtype=np.int64),
+            np.asarray(last, dtype=np.int64))
+
+
+def request_masks(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layout's trees as prefill requests with custom masks: ``qo_indptr [R + 1]``, ``kv_indptr [R + 1]``
+    (into the flattened tokens) and the requests' [Q_r, T_r] masks flattened and concatenated.
+
+    Raises PeerUnavailable when the queries are not grouped by tree in tree order (the requests
+    would need q permuted).
+    """
+    parts = split_by_root(layout)
+    if not np.array_equal(np.concatenate([queries for queries, _ in parts]), np.arange(layout.num_queries)):
+        raise PeerUnavailable("n/a: the queries are not grouped by tree")
+    qo_indptr = np.cumsum([0] + [sub.num_queries for _, sub in parts])
+    kv_indptr = np.cumsum([0] + [sub.num_tokens for _, sub in parts])
+    masks = np.concatenate([dense_tree_mask(sub).reshape(-1) for _, sub in parts])
+    return qo_indptr.astype(np.int64), kv_indptr.astype(np.int64), masks
+
+
+def split_by_root(layout: TreeLayout) -> list[tuple[np.ndarray, TreeLayout]]:
+    """The layout's trees, one per root: (indices of its queries in ``layout``, its own layout).
+
+    Nodes are in preorder, so a tree is a contiguous range of nodes and of tokens.
+    """
+    roots = np.flatnonzero(layout.parent < 0)
+    bounds = np.append(roots, layout.num_nodes)
+    parts = []
+    for r0, r1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        t0, t1 = int(layout.kv_start[r0]), int(layout.kv_start[r1])
+        queries = np.flatnonzero((layout.query_node >= r0) & (layout.query_node < r1))
+        parent = layout.parent[r0:r1].copy()
+        parent[parent >= 0] -= r0
+        sub = TreeLayout(node_ids=layout.node_ids[r0:r1], parent=parent, kv_start=layout.kv_start[r0:r1 + 1] - t0,
+                         kv_slots=layout.kv_slots[t0:t1], query_node=layout.query_node[queries] - r0,
+                         query_offset=layout.query_offset[queries])
+        parts.append((queries, sub))
+    return parts
 
 
 def cascade_levels(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ def render_table(results: dict) -> str:
         "",
         "| workload | tokens / queries | floor | " + " | ".join(methods)
         + " | best peer / floor | best treedec / floor | best peer / best treedec "
-          "| graphed: best treedec | graphed: FlashInfer mask |",
+          "| graphed: best treedec | graphed: FlashInfer mask (or batch decode) |",
         "|---" * (len(methods) + 8) + "|",
     ]
     notes: dict[tuple[str, str], list[str]] = {}
@@ -36,7 +36,7 @@ def render_table(results: dict) -> str:
             if r is not None and r["status"] != "ok" and m != "deft_triton":
                 notes.setdefault((m, f"{r['status']}: {r.get('reason', '')}"), []).append(name)
         treedec, peer = best(w, "treedec"), best(w, "peer")
-        fi = w["methods"].get("flashinfer_custom_mask", {})
+        fi = w["methods"].get("flashinfer_custom_mask") or w["methods"].get("flashinfer_batch_decode", {})
         lines.append(
             f"| {name} | {w['tree_tokens']} / {w['queries']} | {w['floor_us']:.1f} | " + " | ".join(cells)
             + f" | {_best_cell(w, peer)} | {_best_cell(w, treedec)} | {_ratio(peer, treedec, w)} "
