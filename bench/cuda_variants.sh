@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants of the cuda kernels on a GPU machine, in one command.
 #
-#   bash bench/cuda_variants.sh "" "-DTREEDEC_WS_SETMAXNREG=0" ...   [-- bench/attention.py arguments]
+#   bash bench/cuda_variants.sh "" "-DTREEDEC_WS_STAGES=5" ...   [-- bench/attention.py arguments]
 #
 # Each argument before `--` is one variant's TREEDEC_CUDA_FLAGS ("" = the defaults); each is built
 # into its own cache dir and runs bench/attention.py (cuda backend, flatten, no peers) with results

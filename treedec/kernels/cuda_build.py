@@ -4,7 +4,7 @@
 ``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into
 ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
 the sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
-``-DTREEDEC_WGMMA128_STAGES=5``). The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
+``-DTREEDEC_WS_STAGES=5``). The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
 CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``);
 both come with the ``cuda`` extra: ``pip install 'treedec[cuda]'``.
 
