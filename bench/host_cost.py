@@ -44,6 +44,7 @@ from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa:
 from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UNIT, default_query_tile  # noqa: E402
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine.llama import ForwardOutput  # noqa: E402
 
 
 def stub_forwards(engine: Engine) -> None:
@@ -59,12 +60,12 @@ def stub_forwards(engine: Engine) -> None:
         logits, hidden = outputs(rows)
         return (logits, hidden, *(engine.row_head(name)(hidden) for name in engine.row_heads))
 
-    def eager(plan, tokens, positions, slots, rows, return_hidden=False, device_tokens=None):
-        logits, hidden = outputs(len(tokens) if rows is None else len(rows))
-        return (logits, hidden) if return_hidden else logits
+    def eager(plan, tokens, positions, slots, rows, device_tokens=None, features=None):
+        logits, _ = outputs(len(tokens) if rows is None else len(rows))
+        return ForwardOutput(logits, outputs(len(tokens))[1])
 
     engine._forward = eager
-    engine._graphs._forward = lambda static: static_outputs(static.bounds.max_queries)
+    engine._graphs._forward = lambda static, row_inputs: static_outputs(static.bounds.max_queries)
 
 
 def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:

@@ -53,6 +53,7 @@ class CudaGraphConfig:
 @dataclass
 class _Graph:
     static: StaticPlan
+    row_inputs: dict[str, torch.Tensor]      # per-row float inputs (a drafter's features), [max_queries, width]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] = ()   # the captured graph's outputs, [queries, ...] each
 
@@ -60,20 +61,24 @@ class _Graph:
 class GraphRunner:
     """Runs steps from static plans, replaying one captured graph per (backend, query bucket).
 
-    ``forward(static) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
+    ``forward(static, row_inputs) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
     hidden_size], ...)`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
     ``static.extra["inputs"]`` ([3, max_queries] int32: token ids, positions, slots; the engine
-    provides it), returning a tuple of per-row outputs. Every graph keeps all of them, so steps
-    that need hidden states (Medusa heads, draft models) replay the same graphs as steps that
-    need logits only.
+    provides it) and ``row_inputs`` (one ``[max_queries, width]`` buffer per name of the
+    constructor's ``row_inputs``, e.g. a drafter's features), returning a tuple of per-row outputs.
+    Every graph keeps all of them, so steps that need hidden states (Medusa heads, draft models)
+    replay the same graphs as steps that need logits only.
     """
 
-    def __init__(self, config: CudaGraphConfig, forward: Callable[[StaticPlan], tuple[torch.Tensor, ...]],
-                 attn: TreeAttention, scratch_slot: int):
+    def __init__(self, config: CudaGraphConfig,
+                 forward: Callable[[StaticPlan, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
+                 attn: TreeAttention, scratch_slot: int,
+                 row_inputs: dict[str, tuple[int, torch.dtype]] | None = None):
         self.config = config
         self.attn = attn
         self._forward = forward
         self._scratch_slot = scratch_slot
+        self._row_inputs = dict(row_inputs or {})
         self._graphs: dict[tuple[str, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
@@ -94,7 +99,9 @@ class GraphRunner:
             bounds = need if entry is None else entry.static.bounds.union(need)
             replaced = self._graphs.pop(key, None)
             static = self.attn.static_plan(bounds, backend, extra={"inputs": (3, bounds.max_queries)})
-            entry = self._graphs[key] = _Graph(static)
+            buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
+                       for name, (width, dtype) in self._row_inputs.items()}
+            entry = self._graphs[key] = _Graph(static, buffers)
         inputs = np.zeros((3, entry.static.bounds.max_queries), dtype=np.int32)
         inputs[2] = self._scratch_slot
         inputs[:, :plan.num_queries] = (tokens, positions, slots)
@@ -106,14 +113,21 @@ class GraphRunner:
         del replaced
         return entry
 
-    def run(self, entry: _Graph, num_queries: int) -> tuple[torch.Tensor, ...]:
+    def run(self, entry: _Graph, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, ...]:
         """The forward's outputs (``logits [num_queries, vocab], hidden [num_queries, hidden_size],
         ...``) for the step :meth:`load` wrote into ``entry``: its graph replayed (or, with
-        ``capture`` off, the same forward over the static buffers). Views of the graph's outputs:
-        valid until the next run."""
+        ``capture`` off, the same forward over the static buffers). ``row_inputs``: this step's
+        ``[num_queries, width]`` values of the runner's per-row inputs (all of them, when it has
+        any). Views of the graph's outputs: valid until the next run."""
+        given = row_inputs or {}
+        if set(given) != set(entry.row_inputs):
+            raise ValueError(f"a step of this graph needs row inputs {sorted(entry.row_inputs)}, got {sorted(given)}")
+        for name, value in given.items():
+            entry.row_inputs[name][:num_queries].copy_(value)
         if not self.config.capture:
             self.stats["static_eager"] += 1
-            return tuple(t[:num_queries] for t in self._forward(entry.static))
+            return tuple(t[:num_queries] for t in self._forward(entry.static, entry.row_inputs))
         entry.graph.replay()
         self.stats["replays"] += 1
         return tuple(t[:num_queries] for t in entry.outputs)
@@ -133,11 +147,11 @@ class GraphRunner:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._forward(entry.static)
+            self._forward(entry.static, entry.row_inputs)
         current.wait_stream(side)
         entry.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(entry.graph, pool=self._pool):
-            entry.outputs = tuple(self._forward(entry.static))
+            entry.outputs = tuple(self._forward(entry.static, entry.row_inputs))
         self.stats["captures"] += 1
         logger.info("captured a CUDA graph for %s on %s", entry.static.bounds, entry.static.backend_name)
 

@@ -100,6 +100,7 @@ class Engine:
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._hidden_layers: tuple[int, ...] = ()
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
@@ -154,8 +155,9 @@ class Engine:
         return (node, *(t[0] for t in tensors)) + (({k: v[0] for k, v in heads.items()},) if return_heads else ())
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-             return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False
-             ) -> torch.Tensor | tuple:
+             return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
+             hidden_rows: Sequence[int] | np.ndarray | None = None, return_aux: bool = False,
+             features: torch.Tensor | None = None) -> torch.Tensor | tuple:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -168,9 +170,8 @@ class Engine:
         logits_rows : [r] ints, optional
             Which queries (row indices in that order) to return logits for; default all.
         return_hidden : bool
-            Also return the same rows' last hidden states after the final norm (the
-            ``lm_head`` input, e.g. for Medusa heads); such steps replay the same CUDA
-            graphs as the others.
+            Also return hidden states after the final norm (the ``lm_head`` input, e.g. for
+            Medusa heads) at ``hidden_rows``; such steps replay the same CUDA graphs as the others.
         tokens : [Q] int64 tensor on the engine's device, optional
             The pending tokens' ids, read on the device instead of the tree's (which then hold
             placeholders): the previous step's sampled tokens, not yet read back, so that this
@@ -178,14 +179,23 @@ class Engine:
             the real ids with :meth:`SequenceTree.set_tokens`). They must be ids in
             ``[0, vocab)``: a device tensor is not checked (that would wait for it).
         return_heads : bool
-            Also return the row heads' outputs (:meth:`add_row_head`) at the same rows, as a
+            Also return the row heads' outputs (:meth:`add_row_head`) at ``logits_rows``, as a
             dict ``{name: [r, ...] tensor}`` after the other outputs.
+        hidden_rows : [h] ints, optional
+            The rows of the hidden states and ``aux`` outputs, when not ``logits_rows`` (e.g. every
+            prompt token's hidden state but the last token's logits only).
+        return_aux : bool
+            Also return the residual stream entering each layer of :attr:`hidden_layers` at
+            ``hidden_rows`` (what EAGLE-3 drafters read), ``[h, len(hidden_layers), hidden_size]``.
+        features : [Q, feature_size] tensor on the engine's device, optional
+            Per-query input features, for models that read them (EAGLE drafters: the target's
+            hidden state paired with each token), in query order.
 
         Returns
         -------
         logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device;
-        with ``return_hidden``, the tuple ``(logits, hidden [r, hidden_size])``; with
-        ``return_heads``, ``(logits, heads)`` or ``(logits, hidden, heads)``.
+        followed, each when asked for and in this order, by ``hidden [h, hidden_size]``, ``aux``
+        and the row heads' dict: ``(logits, hidden)``, ``(logits, hidden, aux, heads)``, ...
         """
         layout = self.tree.layout()
         num_q = layout.num_queries
@@ -193,6 +203,10 @@ class Engine:
             raise TreeError("step() needs pending tokens: add some with tree.extend / extend_many / branch / "
                             "add_token_tree (or use prefill) first")
         rows = self._check_rows(logits_rows, num_q)
+        hrows = rows if hidden_rows is None else self._check_rows(hidden_rows, num_q, "hidden_rows")
+        if return_aux and not self._hidden_layers:
+            raise ValueError("return_aux needs hidden-state layers: call engine.capture_hidden_layers(layers) first")
+        features = self._check_features(features, num_q)
         positions = layout.query_position
         self._check_window(int(positions.max()))
         device_tokens = self._check_device_tokens(tokens, num_q)
@@ -212,24 +226,47 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
-            logits, hidden = self._forward(plan, tokens, positions, slots, rows, True, device_tokens)
+            out = self._forward(plan, tokens, positions, slots, rows, device_tokens, features)
+            logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
             heads = None
             if return_heads:
                 with torch.no_grad():
-                    heads = {name: head(hidden) for name, head in self._row_heads.items()}
+                    picked = _take(hidden_all, rows, self.device)
+                    heads = {name: head(picked) for name, head in self._row_heads.items()}
         else:  # copies: the graph's output buffers are overwritten by its next replay
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
-            outputs = self._graphs.run(graph, num_q)
-            index = torch.arange(num_q, device=self.device) if rows is None else to_device(rows, self.device)
-            logits = outputs[0][index]
-            hidden = outputs[1][index] if return_hidden else None
-            heads = dict(zip(self._row_heads, (t[index] for t in outputs[2:]))) if return_heads else None
+            outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
+            logits = _take(outputs[0], rows, self.device)
+            hidden_all = outputs[1]
+            aux_all = outputs[2] if self._hidden_layers else None
+            first_head = 3 if self._hidden_layers else 2
+            heads = dict(zip(self._row_heads, (_take(t, rows, self.device) for t in outputs[first_head:]))) \
+                if return_heads else None
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
-        out = (logits,) + ((hidden,) if return_hidden else ()) + ((heads,) if return_heads else ())
+        out = ((logits,) + ((_take(hidden_all, hrows, self.device),) if return_hidden else ())
+               + ((_take(aux_all, hrows, self.device),) if return_aux else ()) + ((heads,) if return_heads else ()))
         return out if len(out) > 1 else logits
+
+    def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s
+        ``return_aux``), inside its CUDA graph. Layers add to those already captured (several drafters
+        may read different ones); returns :attr:`hidden_layers`, whose order ``aux`` follows. Captured
+        graphs are dropped when the set grows (and recaptured at their next step)."""
+        wanted = self.model.check_aux_layers(layers)
+        merged = tuple(sorted(set(self._hidden_layers) | set(wanted)))
+        if merged != self._hidden_layers:
+            self._hidden_layers = merged
+            if self._graphs is not None:
+                self._graphs.reset()
+        return self._hidden_layers
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The layers whose input :meth:`step` returns as ``aux`` (:meth:`capture_hidden_layers`), ascending."""
+        return self._hidden_layers
 
     def add_row_head(self, name: str, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Compute ``head(hidden)`` at every query row of every step from now on, inside the step's
@@ -288,6 +325,17 @@ class Engine:
             raise TreeError(f"node(s) {missing[:5]} have no pending tokens")
         return np.fromiter((last[n] for n in node_ids), dtype=np.int64, count=len(node_ids))
 
+    def pending_token_rows(self, node_ids: Sequence[int]) -> np.ndarray:
+        """[k] int64 query rows of EVERY pending token of each node in ``node_ids``, node by node in
+        token order (e.g. the hidden states of a whole prompt chunk: ``step(hidden_rows=...)``)."""
+        layout = self.tree.layout()
+        owner = layout.node_ids[layout.query_node]
+        parts = [np.flatnonzero(owner == n) for n in node_ids]
+        missing = [n for n, p in zip(node_ids, parts) if not len(p)]
+        if missing:
+            raise TreeError(f"node(s) {missing[:5]} have no pending tokens")
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     @property
     def graph_stats(self) -> Counter:
         """CUDA-graph counters: captures, replays, and ``eager: <reason>`` for steps run eagerly."""
@@ -295,13 +343,35 @@ class Engine:
 
     # ================================================================ private
 
-    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows, return_hidden: bool = False,
-                 device_tokens: torch.Tensor | None = None):
-        """The eager forward of a step: logits, or ``(logits, hidden)`` with ``return_hidden``."""
+    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows,
+                 device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None):
+        """The eager forward of a step: the model's ``ForwardOutput`` (logits at ``rows``)."""
         inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
         rows_t = None if rows is None else to_device(rows, self.device)
         token_ids = inputs[0] if device_tokens is None else device_tokens
-        return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, return_hidden)
+        return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, self._hidden_layers,
+                          features)
+
+    def _check_features(self, features: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
+        width = self.feature_size
+        if features is None:
+            if width is not None:
+                raise ValueError(f"this engine's model reads per-query features: step() needs features "
+                                 f"[{num_q}, {width}]")
+            return None
+        if width is None:
+            raise ValueError("features are for models that read per-query features (EAGLE drafters); this "
+                             "engine's model reads token ids only")
+        if not isinstance(features, torch.Tensor) or tuple(features.shape) != (num_q, width) \
+                or features.device != self.device or not features.is_floating_point():
+            raise ValueError(f"features must be a float tensor of shape [{num_q}, {width}] (one row per pending "
+                             f"token) on {self.device}, got {_describe_tensor(features)}")
+        return features.to(self.model.dtype)
+
+    @property
+    def feature_size(self) -> int | None:
+        """Width of the per-query features the model reads (:meth:`step`'s ``features``), or None."""
+        return getattr(self.model, "feature_size", None)
 
     def _check_device_tokens(self, tokens: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
         if tokens is None:
@@ -313,18 +383,19 @@ class Engine:
                              f"{_describe_tensor(tokens)}")
         return tokens.long()
 
-    def _static_forward(self, static: StaticPlan, ops: bool = False) -> tuple[torch.Tensor, ...]:
-        """The forward of a CUDA-graph step, read from ``static``'s device buffers: (logits, hidden,
-        each row head's output). ``ops``: attention and the K/V store as custom ops (what
+    def _static_forward(self, static: StaticPlan, row_inputs: dict[str, torch.Tensor], ops: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
+        """The forward of a CUDA-graph step, read from ``static``'s device buffers and ``row_inputs``
+        (the per-row features of a drafter): (logits, hidden, aux when :attr:`hidden_layers`, each row
+        head's output), every row. ``ops``: attention and the K/V store as custom ops (what
         ``torch.compile`` traces)."""
         tokens, positions, slots = static.extra["inputs"]
         attend = _TreeAttend(self, slots.long(), static.device_plan, ops)
-        if ops:
-            logits, hidden = self.model.forward_graph(tokens, positions, attend, None, True)
-        else:
-            logits, hidden = self.model(tokens, positions, attend, None, True)
+        forward = self.model.forward_graph if ops else self.model
+        out = forward(tokens, positions, attend, None, self._hidden_layers, row_inputs.get("features"))
         with torch.no_grad():
-            return (logits, hidden, *(head(hidden) for head in self._row_heads.values()))
+            return (out.logits, out.hidden, *((out.aux,) if self._hidden_layers else ()),
+                    *(head(out.hidden) for head in self._row_heads.values()))
 
     def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig, compile_model: bool | dict) -> GraphRunner | None:
         if compile_model is not False and cuda_graphs is False:
@@ -342,16 +413,17 @@ class Engine:
             raise ValueError(f"cuda_graphs needs a kernel attention backend (triton, cuda or auto's hybrid: their "
                              f"kernels read the plan from device memory only); this engine's is {self.attn.backend!r}")
         scratch_slot = self.pool.num_pages * self.pool.page_size
+        row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
         if compile_model is False:
-            return GraphRunner(config, self._static_forward, self.attn, scratch_slot)
+            return GraphRunner(config, self._static_forward, self.attn, scratch_slot, row_inputs)
         options = {"fullgraph": True, "dynamic": False, **(compile_model if isinstance(compile_model, dict) else {})}
         compiled = torch.compile(functools.partial(self._static_forward, ops=True), **options)
 
-        def compiled_forward(static: StaticPlan):
+        def compiled_forward(static: StaticPlan, inputs: dict[str, torch.Tensor]):
             # One compile per static plan (graph bucket): allow as many as there are graphs.
             with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
-                return compiled(static)
-        return GraphRunner(config, compiled_forward, self.attn, scratch_slot)
+                return compiled(static, inputs)
+        return GraphRunner(config, compiled_forward, self.attn, scratch_slot, row_inputs)
 
     def _pool_pages(self, kv_tokens: int | None, page_size: int, memory_fraction: float) -> tuple[int, str]:
         c = self.model.config
@@ -398,12 +470,12 @@ class Engine:
             raise ValueError(f"{name} must be token ids in [0, {vocab}), got {bad[:5].tolist()}")
 
     @staticmethod
-    def _check_rows(rows, num_q: int) -> np.ndarray | None:
+    def _check_rows(rows, num_q: int, name: str = "logits_rows") -> np.ndarray | None:
         if rows is None:
             return None
-        arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, "logits_rows")
+        arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, name)
         if len(arr) and (arr.min() < 0 or arr.max() >= num_q):
-            raise ValueError(f"logits_rows must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
+            raise ValueError(f"{name} must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
         return arr
 
 
@@ -431,6 +503,11 @@ def _describe_tensor(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
     return type(value).__name__
+
+
+def _take(t: torch.Tensor, rows: np.ndarray | None, device: torch.device) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` (all of them for None)."""
+    return t if rows is None else t[to_device(rows, device)]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

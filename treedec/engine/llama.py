@@ -14,7 +14,7 @@ each, which matters when a step has few queries and streams all the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -156,9 +156,9 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                logits_rows: torch.Tensor | None = None, return_hidden: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits of a step (and, with ``return_hidden``, the hidden states they came from).
+                logits_rows: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                features: torch.Tensor | None = None) -> ForwardOutput:
+        """Logits of a step, the hidden states they came from, and (optionally) inner layers' inputs.
 
         Parameters
         ----------
@@ -170,28 +170,54 @@ class Llama(nn.Module):
             Stores each layer's k/v and attends its q (see :class:`Attend`).
         logits_rows : [r] int64, optional
             Rows whose logits to compute (default all n).
-        return_hidden : bool
-            Also return those rows' last hidden states, after the final norm (the input of
-            ``lm_head``, what Medusa heads read).
+        aux_layers : layer indices
+            Also return the residual stream entering each of these layers (what EAGLE-3
+            drafters read: ``aux[:, j]`` is the input of layer ``aux_layers[j]``).
+        features : must be None: per-row input features are for drafter models
+            (:class:`~treedec.engine.eagle.EagleDrafter`), which share this signature.
 
         Returns
         -------
-        logits : [r, vocab_size] in the model dtype; with ``return_hidden``, the tuple
-        ``(logits, hidden [r, hidden_size])``.
+        :class:`ForwardOutput`: ``logits [r, vocab_size]``, ``hidden [n, hidden_size]`` (every
+        row's state after the final norm: the input of ``lm_head``, what Medusa heads read), and
+        ``aux [n, len(aux_layers), hidden_size]`` (None without ``aux_layers``), in the model dtype.
         """
-        return self.forward_graph(tokens, positions, attend, logits_rows, return_hidden)
+        return self.forward_graph(tokens, positions, attend, logits_rows, aux_layers, features)
 
     def forward_graph(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                      logits_rows: torch.Tensor | None = None, return_hidden: bool = False
-                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      logits_rows: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                      features: torch.Tensor | None = None) -> ForwardOutput:
         """:meth:`forward` without its inference mode, for ``torch.compile`` to trace (under
         ``torch.no_grad``: AOTAutograd cannot take views of the caller's tensors made in inference mode)."""
+        if features is not None:
+            raise ValueError("a Llama target takes no per-row features (they are for EAGLE drafters)")
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x = self.embed_tokens(tokens)
         h = self.ops.rms_norm(x, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, h = layer(x, h, cos, sin, attend, next_norm, self.ops)
-        if logits_rows is not None:
-            h = h[logits_rows]
-        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
+        logits = self.lm_head(h if logits_rows is None else h[logits_rows])
+        return ForwardOutput(logits, h, torch.stack([aux[sorted(aux_layers).index(i)] for i in aux_layers], dim=1)
+                             if aux_layers else None)
+
+    def check_aux_layers(self, layers) -> tuple[int, ...]:
+        """``layers`` as a tuple of distinct layer indices of this model (ValueError naming the bad one)."""
+        out = tuple(layers)
+        bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layers)]
+        if bad or len(set(out)) != len(out):
+            raise ValueError(f"hidden-state layers must be distinct layer indices in [0, {len(self.layers)}), "
+                             f"got {list(out)}")
+        return out
+
+
+class ForwardOutput(NamedTuple):
+    """A step's outputs: ``logits [r, vocab]`` at the asked rows, ``hidden [n, hidden_size]`` at every
+    row (the ``lm_head`` input), ``aux [n, k, hidden_size]`` (inner layers' inputs) or None."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux: torch.Tensor | None = None

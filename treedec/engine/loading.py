@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -249,6 +250,23 @@ def to_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
 
 
 # ===================================================================== private
+
+
+def read_state_dict(file: Path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` or ``torch.save``d (``.pt``/``.pth``/``.bin``, read with
+    ``weights_only``) state dict, on the CPU; ValueError naming ``file`` when it is not one."""
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(file), device="cpu")
+    if file.suffix in (".pt", ".bin", ".pth"):
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            raise ValueError(f"{file} could not be read as a state dict of tensors: {e}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{file} does not hold a state dict of tensors")
+        return state
+    raise ValueError(f"{what} {file} must be a .safetensors, .pt, .pth or .bin file")
 
 
 def _default_device(device) -> torch.device:

@@ -14,7 +14,6 @@ and ``{head}.{num_layers}.weight`` [vocab, hidden] (optionally under ``medusa_he
 """
 from __future__ import annotations
 
-import pickle
 import re
 from pathlib import Path
 from typing import Sequence
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treedec.engine import Engine, Llama
+from treedec.engine.loading import read_state_dict
 from treedec.search.drafts import TargetOutput
 from treedec.tree.token_tree import TokenTree
 
@@ -103,7 +103,7 @@ def load_medusa_heads(path: str | Path, model: Llama) -> MedusaHeads:
     FileNotFoundError or ValueError naming the file, key, expected and actual shape.
     """
     file = _checkpoint_file(Path(path))
-    state = _read_state_dict(file)
+    state = read_state_dict(file, "Medusa head checkpoint")
     if state and all(k.startswith("medusa_head.") for k in state):
         state = {k[len("medusa_head."):]: v for k, v in state.items()}
     parsed, unknown = {}, []
@@ -260,18 +260,3 @@ def _checkpoint_file(path: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"Medusa head checkpoint {str(path)!r} does not exist")
     return path
-
-
-def _read_state_dict(file: Path) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(str(file), device="cpu")
-    if file.suffix in (".pt", ".bin", ".pth"):
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-            raise ValueError(f"{file} could not be read as a state dict of tensors: {e}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{file} does not hold a state dict of tensors")
-        return state
-    raise ValueError(f"Medusa head checkpoint {file} must be a .safetensors, .pt, .pth or .bin file")

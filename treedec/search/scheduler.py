@@ -66,6 +66,9 @@ class StepRequest:
     nodes : node ids; the program gets one output row per node, at the node's last pending
         token (a node may appear more than once). May be empty (then only ``read`` is done).
     hidden : also return those rows' final-norm hidden states.
+    aux : also return those rows' inner-layer states (:meth:`Engine.capture_hidden_layers`).
+    all_rows : the hidden states and ``aux`` at EVERY pending token of ``nodes`` (node by node, in
+        token order) instead of the last (e.g. a whole prompt chunk's, for an EAGLE drafter).
     heads : also return the engine's row heads at those rows.
     argmax : also return the rows' argmax (computed once for the whole step).
     tokens : int64 device tensor, optional: the ids of the last pending tokens of the nodes in
@@ -81,6 +84,8 @@ class StepRequest:
 
     nodes: Sequence[int]
     hidden: bool = False
+    aux: bool = False
+    all_rows: bool = False
     heads: bool = False
     argmax: bool = False
     tokens: torch.Tensor | None = None
@@ -113,7 +118,8 @@ class StepOutput:
     Attributes
     ----------
     logits : [len(nodes), vocab] in the model dtype.
-    hidden : [len(nodes), hidden_size] or None.
+    hidden : [len(nodes), hidden_size] (with ``all_rows``: [the nodes' pending tokens, hidden_size]) or None.
+    aux : [as hidden, len(engine.hidden_layers), hidden_size] or None.
     heads : {name: [len(nodes), ...]} or None.
     argmax : [len(nodes)] int64 device tensor or None.
     read : the values of the request's ``read`` tensor as (nested) Python numbers, or None.
@@ -121,6 +127,7 @@ class StepOutput:
 
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
     heads: dict[str, torch.Tensor] | None = None
     argmax: torch.Tensor | None = None
     read: list | None = None
@@ -132,10 +139,12 @@ class Program:
     Attributes
     ----------
     prompt_ids : the prompt's token ids when the program starts from a prompt (requests with a
-        common prefix then share its K/V), else None.
+        common prefix then share its K/V, unless ``shares_prompt`` is False), else None.
+    shares_prompt : whether its prompt may start with a prefix computed for several requests.
     """
 
     prompt_ids: list[int] | None = None
+    shares_prompt: bool = True
 
     def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepOutput | None, Any]:
         """The program: edits ``ctx.engine.tree``, yields requests, returns its result. It frees its
@@ -210,10 +219,12 @@ class ProgramContext:
             tree.commit_step()
         tree.prune(node)
 
-    def prompt(self, ids: Sequence[int], parent: int | None = None, hidden: bool = False, heads: bool = False
+    def prompt(self, ids: Sequence[int], parent: int | None = None, hidden: bool = False, heads: bool = False,
+               aux: bool = False, all_rows: bool = False
                ) -> Generator[StepRequest | Wait, Any, tuple[int, StepOutput]]:
         """Add a prompt (a new tree, or a child of ``parent``) and compute it in steps of at most
-        ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``.
+        ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``. With
+        ``all_rows`` the output's ``hidden`` / ``aux`` hold every prompt token's (the chunks' joined).
 
         A root prompt that starts with the context's shared prefix becomes a child of the
         prefix's node, holding the rest of the prompt (never empty: see
@@ -233,14 +244,21 @@ class ProgramContext:
         pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
         tree = engine.tree
         node = tree.add_prompt(pieces[0]) if parent is None else tree.branch(parent, [pieces[0]])[0]
+        request = StepRequest([node], hidden=hidden, heads=heads, aux=aux, all_rows=all_rows, prompt=True)
+        states: list[StepOutput] = []
         try:
-            out = yield StepRequest([node], hidden=hidden, heads=heads, prompt=True)
+            out = yield request
+            states.append(out)
             for piece in pieces[1:]:
                 tree.extend(node, piece)
-                out = yield StepRequest([node], hidden=hidden, heads=heads, prompt=True)
+                out = yield request
+                states.append(out)
         except BaseException:   # closed or failed before the caller has the node: free it here
             self.free(node)
             raise
+        if all_rows and len(states) > 1:
+            out.hidden = torch.cat([o.hidden for o in states]) if hidden else None
+            out.aux = torch.cat([o.aux for o in states]) if aux else None
         return node, out
 
 
@@ -319,8 +337,8 @@ class _Scheduler:
     def __init__(self, engine, programs, budget, min_shared, preempt, on_done):
         self.engine, self.programs, self.budget = engine, programs, budget
         self.preempt, self.on_done = preempt, on_done
-        self.prefixes = share_prefixes([p.prompt_ids for p in programs], min_shared) if min_shared \
-            else [None] * len(programs)
+        self.prefixes = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared) \
+            if min_shared else [None] * len(programs)
         self.stats = SchedulerStats()
         self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1)
                                               for p in {id(p): p for p in self.prefixes if p is not None}.values())
@@ -437,15 +455,33 @@ class _Scheduler:
         copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
         nodes = [n for r in requests for n in r.nodes]
         out = None
+        hidden_parts: list[slice] = []
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
             hidden = any(r.hidden for r in requests)
+            aux = any(r.aux for r in requests)
             heads = any(r.heads for r in requests)
+            hidden_rows, at = None, 0
+            if (hidden or aux) and any(r.all_rows for r in requests):
+                hidden_rows = []   # each request's: its output rows, or every pending token of its nodes
+                for r in requests:
+                    part = (engine.pending_token_rows(r.nodes) if r.all_rows else engine.pending_rows(r.nodes)) \
+                        if r.nodes else np.zeros(0, dtype=np.int64)
+                    hidden_rows.append(part)
+                    hidden_parts.append(slice(at, at + len(part)))
+                    at += len(part)
+                hidden_rows = np.concatenate(hidden_rows)
+            else:
+                for r in requests:
+                    hidden_parts.append(slice(at, at + len(r.nodes)))
+                    at += len(r.nodes)
             queries = engine.tree.num_pending
-            out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads,
+            out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
+                              hidden_rows=hidden_rows,
                               tokens=self._device_tokens(requests))
             logits, *rest = out if isinstance(out, tuple) else (out,)
             states = rest.pop(0) if hidden else None
+            aux_out = rest.pop(0) if aux else None
             head_out = rest[0] if heads else None
             argmax = logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
@@ -454,13 +490,14 @@ class _Scheduler:
             self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes))
         flat = copy.result() if copy is not None else None
         offset, read_at = 0, 0
-        for lv, r in zip(gathered, requests):
+        for i, (lv, r) in enumerate(zip(gathered, requests)):
             k = len(r.nodes)
             part = slice(offset, offset + k)
             value = StepOutput()
             if k:
                 value.logits = logits[part]
-                value.hidden = states[part] if r.hidden else None
+                value.hidden = states[hidden_parts[i]] if r.hidden else None
+                value.aux = aux_out[hidden_parts[i]] if r.aux else None
                 value.heads = {name: t[part] for name, t in head_out.items()} if r.heads else None
                 value.argmax = argmax[part] if r.argmax else None
             if r.read is not None:
