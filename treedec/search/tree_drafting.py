@@ -1,0 +1,151 @@
+"""Token trees drafted by a network on an engine of its own, layer by layer (EAGLE-2's dynamic trees).
+
+:class:`EngineTreeDraft` is what :class:`~treedec.search.draft_model.DraftModelDraft` and
+:class:`~treedec.search.eagle.EagleDraft` share: each proposal first brings the drafter up to
+the sequence (``_sync``: the root's logits), then grows the tree ``depth`` layers deep, one
+drafter step per layer over the layer's frontier (``_frontier_logits``), and keeps the best
+``total_tokens`` nodes by cumulative log-prob; or, with ``sample``, draws each expanded node's
+children without replacement and reports the distributions drawn from (:attr:`draft_probs`).
+A drafter whose vocabulary differs from the target's maps its ids (``_to_target``,
+``_target_probs``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.tree.token_tree import TokenTree, expand_by_logprob
+
+
+class EngineTreeDraft:
+    """The tree growth of drafts that run on their own :class:`~treedec.engine.Engine`; subclasses
+    define ``_sync`` and ``_frontier_logits`` (see the module docstring). Parameters as
+    :class:`~treedec.search.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
+
+    def __init__(self, engine: Engine, what: str, depth: int, top_k: int, total_tokens: int,
+                 sample: SamplingParams | None, seed: int):
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be {what} Engine, got {type(engine).__name__}")
+        for name, value in [("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        vocab = self._draft_vocab_size(engine)
+        if top_k > vocab:
+            raise ValueError(f"top_k ({top_k}) must be <= the draft vocabulary ({vocab})")
+        if sample is not None and (not isinstance(sample, SamplingParams) or sample.temperature == 0):
+            raise ValueError(f"sample must be SamplingParams with a temperature > 0 (or None: top-k drafts), "
+                             f"got {sample!r}")
+        self.engine, self.depth, self.top_k, self.total_tokens = engine, depth, top_k, total_tokens
+        self.sample, self.seed = sample, seed
+        self.draft_probs: torch.Tensor | None = None     # with sample: [tree.size, vocab] of the last proposal
+        self._generator: torch.Generator | None = None
+        self._node: int | None = None                    # the drafter's sequence node
+        self._computed: dict[tuple[int, ...], int] = {}  # token path after the root -> drafter node (computed)
+
+    @property
+    def node(self) -> int | None:
+        """The draft engine's sequence node of the current request (None before the first proposal)."""
+        return self._node
+
+    def reset(self) -> None:
+        """Free the draft's request (its KV pages)."""
+        if self._node is not None:
+            self.engine.tree.prune(self._node)
+        self._node, self._computed = None, {}
+
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        seq = [int(x) for x in sequence_tokens]
+        if not seq:
+            raise ValueError("sequence_tokens must hold at least the root token, got none")
+        root_logits = self._sync(seq)
+        self._computed = {}
+        if self.sample is not None:
+            return self._sampled_tree(seq[-1], root_logits)
+        return expand_by_logprob(seq[-1], lambda paths: self._layer(paths, root_logits), self.depth, self.top_k,
+                                 self.total_tokens, batched=True)
+
+    # ================================================================ hooks
+
+    def _sync(self, seq: list[int]) -> torch.Tensor:
+        """Bring the drafter to ``seq`` (its last token the root); the logits [draft vocab] of the root's children."""
+        raise NotImplementedError(f"{type(self).__name__} must define _sync")
+
+    def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        """One drafter step over a layer's frontier (token paths after the root, target ids; each
+        path's parent computed): their logits ``[len(paths), draft vocab]``."""
+        raise NotImplementedError(f"{type(self).__name__} must define _frontier_logits")
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> the target's ids."""
+        return draft_ids
+
+    def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """Distributions over the draft vocabulary ``[..., draft vocab]`` -> over the target's."""
+        return probs
+
+    @staticmethod
+    def _draft_vocab_size(engine: Engine) -> int:
+        return getattr(engine.model, "draft_vocab_size", engine.model.config.vocab_size)
+
+    # ================================================================ private
+
+    def _layer(self, paths: list[tuple[int, ...]], root_logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """Candidates (top-k target tokens, log-probs) of one layer's frontier ``paths``: one drafter step."""
+        logits = root_logits[None] if paths == [()] else self._frontier_logits(paths)
+        top = torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        return list(zip(self._to_target(top.indices).tolist(), top.values.tolist()))
+
+    def _sampled_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
+        """Layer by layer: the ``top_k`` frontier nodes with the best cumulative log-prob (which nodes
+        grow may depend on values) each draw ``top_k`` children without replacement from their
+        processed distribution, all kept in draw order; the last draws past ``total_tokens`` are
+        dropped. Sets :attr:`draft_probs`."""
+        if self._generator is None or self._generator.device != root_logits.device:
+            self._generator = torch.Generator(device=root_logits.device).manual_seed(self.seed)
+        paths: list[tuple[int, ...]] = [()]                      # node i's token path (root: ())
+        parents, scores = [-1], [0.0]
+        probs = {(): self._target_probs(sampling_probs(root_logits, self.sample))}   # path -> children's distribution
+        frontier = [0]
+        for d in range(self.depth):
+            new = []
+            for i in frontier:
+                q = probs[paths[i]]
+                k = min(self.top_k, int((q > 0).sum()), self.total_tokens + 1 - len(paths))
+                if k <= 0:
+                    break
+                drawn = torch.multinomial(q, k, replacement=False, generator=self._generator)
+                for token, lp in zip(drawn.tolist(), torch.log(q[drawn]).tolist()):
+                    paths.append(paths[i] + (token,))
+                    parents.append(i)
+                    scores.append(scores[i] + lp)
+                    new.append(len(paths) - 1)
+            frontier = sorted(new, key=lambda j: -scores[j])[:self.top_k]
+            if d + 1 == self.depth or not frontier:
+                break
+            logits = self._frontier_logits([paths[j] for j in frontier])
+            probs.update(zip((paths[j] for j in frontier), self._target_probs(sampling_probs(logits, self.sample))))
+        vocab = next(iter(probs.values())).shape[-1]
+        self.draft_probs = torch.stack([probs.get(p, torch.zeros(vocab, device=root_logits.device)) for p in paths])
+        return TokenTree(tuple(parents)), [root] + [p[-1] for p in paths[1:]]
+
+    def _add_frontier(self, paths: list[tuple[int, ...]]) -> list[int]:
+        """Hang the frontier nodes under their (computed) parents, pending; their ids in ``paths`` order."""
+        t = self.engine.tree
+        groups: dict[int, list[int]] = {}
+        for i, path in enumerate(paths):
+            parent = self._node if len(path) == 1 else self._computed[path[:-1]]
+            groups.setdefault(parent, []).append(i)
+        need = sum(self.engine.pool.pages_for(len(g)) for g in groups.values())
+        if need > self.engine.pool.num_free_pages:
+            raise PoolExhaustedError(f"draft KV pool exhausted: a tree layer needs {need} pages, "
+                                     f"{self.engine.pool.num_free_pages} free")
+        ids = [0] * len(paths)
+        for parent, members in groups.items():
+            for i, node in zip(members, t.add_token_tree(parent, [paths[i][-1] for i in members], [-1] * len(members))):
+                ids[i] = node
+                self._computed[paths[i]] = node
+        return ids
