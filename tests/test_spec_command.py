@@ -227,7 +227,7 @@ def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--draft-sample"], "--draft-sample samples a draft model's trees for --accept sample, got --draft ngram"),
+    (["--draft-sample"], "--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got --draft ngram"),
     (["--sample-top-k", "4"], "--sample-top-k / --sample-top-p shape --accept sample's distribution"),
     (["--accept", "sample", "--sample-top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
 ])
@@ -259,3 +259,39 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot load its tokenizer" in err, err
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_drafter_checkpoint(kind, tmp_path, capsys):
+    """``--draft eagle|eagle3 --drafter PATH``: a drafter saved in the EAGLE reference layout for a
+    6-layer checkpoint (EAGLE-3 reads three of its layers); greedy, single prompt and prompts file."""
+    from tests.engines import plain_greedy
+    from tests.test_engine_llama import tiny_hf
+    from treedec.engine import from_pretrained
+    from treedec.engine.eagle import EagleDrafter, save_eagle
+
+    tiny_hf("llama", seed=9, num_hidden_layers=6).save_pretrained(tmp_path / "model")
+    model = from_pretrained(tmp_path / "model", dtype=torch.float32, device="cpu")
+    save_eagle(EagleDrafter.random(model, kind, seed=2), tmp_path / "eagle")
+    argv = ["spec", "--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "fp32", "--draft", kind,
+            "--drafter", str(tmp_path / "eagle"), "--eos", "none"]
+    capsys.readouterr()
+    assert main([*argv, "--prompt-ids", "5,9,2,7,1,3", "--check", *FAST]) == 0
+    printed = capsys.readouterr().out
+    assert f"{kind} drafter from {tmp_path / 'eagle'}" in printed and "check: equal" in printed
+    if kind == "eagle3":
+        assert "target layers [0, 3, 5]" in printed
+    requests = write_prompts(tmp_path / "p.jsonl", 2)
+    argv.remove("--eos"), argv.remove("none")
+    assert main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "r.jsonl")]) == 0
+    for request, line in zip(requests, (tmp_path / "r.jsonl").read_text().splitlines()):
+        assert json.loads(line)["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_new_tokens"])
+
+
+def test_eagle_flags_are_checked(tmp_path, capsys):
+    assert main(["spec", "--draft", "ngram", "--drafter", str(tmp_path)]) == 2
+    assert "--drafter is an EAGLE checkpoint for --draft eagle / eagle3" in capsys.readouterr().err
+    assert main(["spec", "--draft", "eagle3", *FAST]) == 2     # the 2-layer default model
+    assert "a 2-layer target has fewer" in capsys.readouterr().err
+    assert main(["spec", "--draft", "eagle", "--drafter", str(tmp_path), *FAST]) == 2
+    assert "has no config.json" in capsys.readouterr().err

@@ -31,16 +31,18 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
                                     positive_float, positive_int, read_json, seed_int)
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.engine.text import has_tokenizer, load_tokenizer
+from treedec.engine.eagle import EagleDrafter, load_eagle
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
 from treedec.search.draft_model import DraftModelDraft
+from treedec.search.eagle import EagleDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.speculative import SpeculativeStats, greedy_generate, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
-DRAFTS = ("ngram", "medusa", "draft-model", "tree")
+DRAFTS = ("ngram", "medusa", "draft-model", "eagle", "eagle3", "tree")
 ACCEPTS = ("greedy", "typical", "sample")
 DEFAULT_TEXT = "Speculative decoding verifies a whole tree of draft tokens in one step. Speculative decoding"
 
@@ -98,12 +100,17 @@ def add_spec_parser(sub) -> None:
                    help="draft model: a named size with random weights (default with random target weights: the "
                         "target's size and seed, i.e. its own weights)")
     g.add_argument("--draft-seed", type=seed_int, help="seed of the random draft model (default --seed)")
-    g.add_argument("--depth", type=positive_int, default=4, help="draft-model tree depth (default 4)")
+    g.add_argument("--drafter", type=existing_dir,
+                   help="eagle / eagle3: an EAGLE checkpoint folder in the EAGLE reference layout (config.json and "
+                        "pytorch_model.bin or model.safetensors) for the target; default: random drafter weights")
+    g.add_argument("--depth", type=positive_int, default=4, help="draft-model / eagle tree depth (default 4)")
     g.add_argument("--draft-sample", action="store_true",
-                   help="draft-model with --accept sample: sample the tree's tokens from the draft's distribution "
-                        "(at the acceptance's temperature, top-k, top-p) instead of taking its top-k; still lossless")
-    g.add_argument("--top-k", type=positive_int, default=4, help="draft-model expansion width (default 4)")
-    g.add_argument("--total-tokens", type=positive_int, default=16, help="draft-model tree size (default 16)")
+                   help="draft-model / eagle with --accept sample: sample the tree's tokens from the draft's "
+                        "distribution (at the acceptance's temperature, top-k, top-p) instead of taking its top-k; "
+                        "still lossless")
+    g.add_argument("--top-k", type=positive_int, default=4, help="draft-model / eagle expansion width (default 4)")
+    g.add_argument("--total-tokens", type=positive_int, default=16,
+                   help="draft-model / eagle tree size (default 16)")
     g.add_argument("--max-ngram", type=positive_int, default=3, help="ngram: longest n-gram (default 3)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=8, help="ngram: tokens per match (default 8)")
     g.add_argument("--max-matches", type=positive_int, default=2, help="ngram: continuations merged (default 2)")
@@ -121,9 +128,11 @@ def run_spec(args: argparse.Namespace) -> int:
         raise ValueError(f"--check compares with plain greedy decoding and needs --accept greedy, "
                          f"got --accept {args.accept}")
     # everything the user typed is checked before any model is loaded
-    if args.draft_sample and (args.draft != "draft-model" or args.accept != "sample"):
-        raise ValueError(f"--draft-sample samples a draft model's trees for --accept sample, got --draft {args.draft} "
-                         f"--accept {args.accept}")
+    if args.draft_sample and (args.draft not in ("draft-model", "eagle", "eagle3") or args.accept != "sample"):
+        raise ValueError(f"--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got "
+                         f"--draft {args.draft} --accept {args.accept}")
+    if args.drafter is not None and args.draft not in ("eagle", "eagle3"):
+        raise ValueError(f"--drafter is an EAGLE checkpoint for --draft eagle / eagle3, got --draft {args.draft}")
     if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
         raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
                          f"got --accept {args.accept}")
@@ -293,16 +302,30 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
         draft = MedusaDraft(heads, choices)
         return draft, (f"{note}; {heads.num_heads} heads x {heads.num_layers} ResBlock(s), "
                        f"{draft.tree.size - 1} draft tokens per step")
+    sample = None
+    if args.draft_sample:
+        rule = _rule(args)
+        sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
+    shape = f"depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
         engine = Engine(draft_model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
-        sample = None
-        if args.draft_sample:
-            rule = _rule(args)
-            sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
         draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
                                 sample=sample, seed=args.seed)
-        return draft, f"draft model {note}; depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
+        return draft, f"draft model {note}; {shape}"
+    if args.draft in ("eagle", "eagle3"):
+        if args.drafter is not None:
+            drafter = load_eagle(args.drafter, model, args.draft)
+            note = f"{args.draft} drafter from {args.drafter}"
+        else:
+            drafter = EagleDrafter.random(model, args.draft, seed=args.seed)
+            note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
+                    f"trained one")
+        engine = Engine(drafter, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+        draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
+                           sample=sample, seed=args.seed)
+        layers = f", target layers {list(drafter.aux_layers)}" if drafter.aux_layers else ""
+        return draft, f"{note}{layers}; {shape}"
     return _tree_draft(args, model.config.vocab_size, choices, tree_json)
 
 

@@ -22,9 +22,10 @@ import sys
 from tqdm import tqdm
 
 from treedec.engine import Engine
-from treedec.engine.text import load_tokenizer
+from treedec.engine.text import has_tokenizer, load_tokenizer
 from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
+from treedec.search.eagle import EagleDraft
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.medusa import MedusaDraft
 from treedec.search.requests_file import read_requests, write_results_jsonl
@@ -53,7 +54,8 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
         defaults["temperature"] = args.temperature
     specs = read_requests(args.prompts, defaults)
     model, name = load_model(args)
-    tokenizer = load_tokenizer(args.model) if args.model is not None else None
+    # A checkpoint without tokenizer files still runs prompt_ids requests; text ones then say what they need.
+    tokenizer = load_tokenizer(args.model) if args.model is not None and has_tokenizer(args.model) else None
     kv_tokens = args.kv_tokens or (None if model.device.type == "cuda" else CPU_KV_TOKENS)
     engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
                     cuda_graphs=model.device.type == "cuda")
@@ -85,6 +87,9 @@ def _draft_factory(draft, choices: list[list[int]]):
     if isinstance(draft, DraftModelDraft):
         return lambda spec: DraftModelDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
                                             draft.seed if spec.seed is None else spec.seed)
+    if isinstance(draft, EagleDraft):
+        return lambda spec: EagleDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
+                                       draft.seed if spec.seed is None else spec.seed)
     return lambda spec: draft   # a TreeDraft: the same tree and tokens every step, no state
 
 

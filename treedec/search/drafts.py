@@ -42,6 +42,11 @@ class DraftSource(Protocol):
       with the same draft; ``engine.remove_row_head("draft")`` takes it off.
     - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
       every verification step, before the next ``propose``.
+    - ``target_states``: ``"hidden"`` (the target's final-norm hidden states) or a tuple of
+      layer indices (the residual stream entering them: :meth:`Engine.capture_hidden_layers`):
+      the draft reads them at *every* token the target computes, in :attr:`TargetOutput.states`
+      (EAGLE drafters). Its requests then compute their whole prompt themselves (no shared prefix:
+      a shared prefix's states are not computed for each request).
     - ``draft_probs``: for a draft that samples its tokens, after each ``propose`` the
       ``[tree.size, vocab]`` distributions it drew each node's children from (without
       replacement, in child order), processed with the acceptance rule's temperature, top-k and
@@ -64,11 +69,17 @@ class TargetOutput:
         was drawn from); None unless the draft ``needs_hidden``.
     head : the draft's ``row_head`` output at that same token, on the host; None unless the
         draft has a ``row_head``.
+    states : the target states the draft reads at every token (its ``target_states``), at the
+        tokens computed since the last observation, ``tokens[-1 - n:-1]`` for ``n = len(states)``:
+        the whole prompt after the prefill, the root and the accepted tokens after a step. Final-norm
+        hidden states ``[n, hidden_size]``, or the inputs of the draft's layers ``[n, k, hidden_size]``;
+        None unless the draft has ``target_states``.
     """
 
     tokens: list[int]
     hidden: torch.Tensor | None
     head: torch.Tensor | None = None
+    states: torch.Tensor | None = None
 
 
 @dataclass

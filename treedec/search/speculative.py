@@ -88,12 +88,14 @@ class VerifyResult:
         (the root when none was accepted); None unless asked for.
     head : the engine's row head ``head_name``'s output at that token, on the host; None
         unless asked for.
+    path : the accepted tokens' indices in the token tree (each the child of the one before).
     """
 
     accepted: list[int]
     bonus: int
     hidden: torch.Tensor | None = None
     head: torch.Tensor | None = None
+    path: list[int] = field(default_factory=list)
 
 
 def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int]) -> tuple[list[int], int]:
@@ -159,7 +161,8 @@ class SpeculativeProgram(Program):
     rule : the request's :class:`~treedec.search.stops.StopRule`.
     tokenizer : detokenizes the output (stop strings need it).
     acceptance : default :class:`GreedyAcceptance`.
-    keep_node : leave the request's node in the tree at the end (``stats.node``), else prune it.
+    keep_node : leave the request's node in the tree at the end (``stats.node``), and the draft's state (its
+        drafter's pages); else prune it and ``reset`` the draft.
     on_step : called as ``on_step(stats, emitted)`` after every verification step.
     max_draft_tokens : the largest tree (root included) the draft may propose; its pages are the
         headroom the scheduler keeps for the request's steps.
@@ -179,6 +182,9 @@ class SpeculativeProgram(Program):
         self.prompt_ids = [int(x) for x in prompt_ids]
         self.draft, self.rule, self.tokenizer, self.acceptance = draft, rule, tokenizer, acceptance
         self.keep_node, self.on_step, self.max_draft_tokens = keep_node, on_step, max_draft_tokens
+        self.target_states = _target_states(draft)
+        # A draft that reads the target's states at every token needs them for the whole prompt.
+        self.shares_prompt = self.target_states is None
 
     def step_pages(self, pool) -> int:
         return 1 + pool.pages_for(self.max_draft_tokens - 1)
@@ -188,21 +194,28 @@ class SpeculativeProgram(Program):
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
         needs_hidden = bool(getattr(draft, "needs_hidden", False))
+        states = self.target_states
         observe = getattr(draft, "observe", None)
         if hasattr(draft, "start"):
             draft.start(engine)
+        if isinstance(states, tuple):
+            engine.capture_hidden_layers(states)
         head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
         stop_ids = checker.rule.eos_token_ids
+        want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
+                "heads": head_name is not None}
         node, done = None, False
         try:
             start = time.perf_counter()
-            node, out = yield from ctx.prompt(self.prompt_ids, hidden=needs_hidden, heads=head_name is not None)
+            node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
             stats = SpeculativeStats(node=node)
             checker.accept(acceptance.first_token(out.logits[0]))
             stats.prefill_seconds = time.perf_counter() - start
             if observe is not None:
-                observe(TargetOutput(self.prompt_ids + checker.token_ids, None if out.hidden is None else out.hidden[0],
-                                     None if head_name is None else out.heads[head_name][0].cpu()))
+                observe(TargetOutput(self.prompt_ids + checker.token_ids,
+                                     out.hidden[-1] if needs_hidden else None,
+                                     None if head_name is None else out.heads[head_name][0].cpu(),
+                                     _states(engine, states, out, None)))
             while not checker.stopped:
                 start = time.perf_counter()
                 sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
@@ -211,7 +224,7 @@ class SpeculativeProgram(Program):
                 drafted = time.perf_counter()
                 yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
                 ids = _add_tree(engine, node, tree, tokens)
-                out = yield StepRequest([node] + ids, hidden=needs_hidden, heads=head_name is not None)
+                out = yield StepRequest([node] + ids, **want)
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
                                  head_name, stop_ids, checker, getattr(draft, "draft_probs", None))
                 stats.steps += 1
@@ -220,7 +233,8 @@ class SpeculativeProgram(Program):
                 stats.draft_seconds.append(drafted - start)
                 stats.verify_seconds.append(time.perf_counter() - drafted)
                 if observe is not None and not checker.stopped:
-                    observe(TargetOutput(self.prompt_ids + checker.token_ids, result.hidden, result.head))
+                    observe(TargetOutput(self.prompt_ids + checker.token_ids, result.hidden if needs_hidden else None,
+                                         result.head, _states(engine, states, out, [0] + result.path)))
                 if self.on_step is not None:
                     self.on_step(stats, len(checker.token_ids))
             stats.stop_reason = checker.stop_reason
@@ -229,6 +243,8 @@ class SpeculativeProgram(Program):
         finally:
             if not (done and self.keep_node):
                 ctx.free(node)
+                if hasattr(draft, "reset"):   # a drafter's own pages (its engine may serve other requests)
+                    draft.reset()
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
@@ -334,6 +350,28 @@ def _add_draft_head(engine: Engine, row_head) -> str | None:
     return DRAFT_HEAD
 
 
+def _target_states(draft) -> str | tuple[int, ...] | None:
+    """The draft's ``target_states`` member, checked: None, "hidden" or a tuple of layer indices."""
+    states = getattr(draft, "target_states", None)
+    if states is None or states == "hidden":
+        return states
+    if isinstance(states, (tuple, list)) and states and all(isinstance(i, int) and not isinstance(i, bool)
+                                                            for i in states):
+        return tuple(states)
+    raise ValueError(f"a draft's target_states must be None, 'hidden' or a tuple of layer indices, got {states!r}")
+
+
+def _states(engine: Engine, states, out, rows: list[int] | None) -> torch.Tensor | None:
+    """The target states a draft reads (:func:`_target_states`) from a step's output, at ``rows`` of it
+    (None: all)."""
+    if states is None:
+        return None
+    if states == "hidden":
+        return out.hidden if rows is None else out.hidden[rows]
+    aux = out.aux[:, [engine.hidden_layers.index(i) for i in states]]
+    return aux if rows is None else aux[rows]
+
+
 def _check_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,
                 max_tokens: int | None = None) -> list[int]:
     """The draft's tokens as ints, checked against the tree, the vocabulary and the leaf ``node``."""
@@ -383,4 +421,4 @@ def _settle(engine: Engine, node: int, tree: TokenTree, tokens: list[int], ids: 
         engine.tree.accept(node, [ids[i - 1] for i in path])   # their K/V move onto node; the rest is freed
     last = path[-1] if path else 0
     return VerifyResult([tokens[i] for i in path], int(bonus), None if hidden is None else hidden[last],
-                        None if head is None else head.tensor()[last])
+                        None if head is None else head.tensor()[last], list(path))

@@ -1,0 +1,153 @@
+"""EAGLE speculative decoding: token trees drafted from the target's own hidden states.
+
+:class:`EagleDraft` is a draft source (:mod:`treedec.search.drafts`) over an
+:class:`~treedec.engine.eagle.EagleDrafter` (EAGLE-1/2 or EAGLE-3) running on an engine of its own.
+The target hands it its states at every token it computes (its ``target_states``: the final-norm
+hidden states for EAGLE-1, the three layers' inputs for EAGLE-3, returned from inside the
+verification step's CUDA graph). The drafter's query at position ``t`` pairs the state at ``t``
+with the token at ``t + 1``; each proposal is
+
+1. *sync*, one drafter step: the queries of the tokens the target computed since the last
+   proposal (the prompt, then the root and the accepted tokens), paired with the target's own
+   states, up to the new root; its output at the root gives the root's children. As the EAGLE
+   reference does, the drafter's K/V of accepted tokens are computed here from the target's
+   states (exact), not kept from the drafting (made from the drafter's guesses of them); the step
+   runs anyway for the root, so this costs rows, not a step. The last proposal's tree is freed
+   through the tree's ``accept`` (no path kept);
+2. ``depth - 1`` drafter steps, one per tree layer, as EAGLE-2: the ``top_k`` frontier nodes with
+   the best cumulative log-prob are computed together, each query pairing its parent's *output*
+   (the drafter runs ahead at the feature level) with its token, giving its ``top_k`` children;
+   the ``total_tokens`` best nodes form the tree (or, with ``sample``, children drawn without
+   replacement, whose distributions go to the acceptance rule: see
+   :class:`~treedec.search.tree_drafting.EngineTreeDraft`).
+
+EAGLE-3's draft vocabulary is mapped to the target's (``d2t``): its tokens and, when sampling, its
+distributions (zero outside the draft vocabulary) are the target's.
+"""
+from __future__ import annotations
+
+import torch
+
+from treedec.engine import Engine
+from treedec.engine.eagle import EagleDrafter
+from treedec.errors import PoolExhaustedError
+from treedec.search.drafts import TargetOutput
+from treedec.search.sampling import SamplingParams
+from treedec.search.tree_drafting import EngineTreeDraft
+
+__all__ = ["EagleDraft"]
+
+
+class EagleDraft(EngineTreeDraft):
+    """EAGLE-2 dynamic token trees from an EAGLE-1/2 or EAGLE-3 drafter.
+
+    Parameters
+    ----------
+    engine : an Engine of the :class:`~treedec.engine.eagle.EagleDrafter` (its own pool; graphs
+        welcome: ``cuda_graphs=True``). The drafts of a batch's requests may share it: each keeps its
+        own sequence in its tree, and proposals run one at a time.
+    depth : tree layers (draft tokens per path), >= 1 (EAGLE-2: 5).
+    top_k : nodes expanded per layer and children per expanded node (EAGLE-2: 8).
+    total_tokens : draft tokens in the proposed tree (EAGLE-2: 63, a 64-token tree with the root).
+    sample, seed : as :class:`~treedec.search.draft_model.DraftModelDraft` (sampled drafts for
+        :class:`~treedec.search.acceptance.RejectionSampling`).
+    """
+
+    def __init__(self, engine: Engine, depth: int = 5, top_k: int = 8, total_tokens: int = 63,
+                 sample: SamplingParams | None = None, seed: int = 0):
+        if isinstance(engine, Engine) and not isinstance(engine.model, EagleDrafter):
+            raise TypeError(f"engine must run an EagleDrafter, it runs a {type(engine.model).__name__}")
+        super().__init__(engine, "the EAGLE drafter's", depth, top_k, total_tokens, sample, seed)
+        self.drafter: EagleDrafter = engine.model
+        self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
+        self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
+        self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # token path -> the drafter's output feature
+
+    @property
+    def target_states(self) -> str | tuple[int, ...]:
+        """What the drafter reads from the target at every token: ``"hidden"`` (EAGLE-1) or its layers (EAGLE-3)."""
+        return self.drafter.aux_layers if self.drafter.kind == "eagle3" else "hidden"
+
+    def start(self, engine: Engine) -> None:
+        """Check the drafter fits the target; free the previous request."""
+        if engine is self.engine:
+            raise ValueError("the EAGLE drafter needs its own Engine, not the target's")
+        t, d = engine.model.config, self.drafter
+        if (t.vocab_size, t.hidden_size) != (d.config.vocab_size, d.target_hidden_size):
+            raise ValueError(f"the EAGLE drafter is for a target of vocabulary {d.config.vocab_size} and hidden size "
+                             f"{d.target_hidden_size}, this target has {t.vocab_size} and {t.hidden_size}")
+        if d.kind == "eagle3" and max(d.aux_layers) >= t.num_layers:
+            raise ValueError(f"the EAGLE-3 drafter reads target layers {list(d.aux_layers)}; the target has "
+                             f"{t.num_layers}")
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._states, self._observed, self._outputs = None, None, {}
+
+    def observe(self, output: TargetOutput) -> None:
+        """Take the target's states at the tokens it computed since the last observation."""
+        if output.states is None:
+            raise ValueError("EagleDraft needs the target's states (TargetOutput.states); run it through "
+                             "speculative_generate / speculative_batch, which provide them")
+        fused = self.drafter.fuse(output.states)
+        self._states = fused if self._states is None else torch.cat([self._states, fused])
+        self._observed = (len(output.tokens), int(output.tokens[-1]))
+
+    # ================================================================ private
+
+    def _sync(self, seq: list[int]) -> torch.Tensor:
+        """Add the queries of the observed tokens to the drafter's sequence (tokens ``seq[1:]``, query ``i``
+        pairing the target's state at ``i`` with ``seq[i + 1]``) in one step (chunked for long prompts);
+        the root's children's logits."""
+        if self._observed != (len(seq), seq[-1]) or self._states is None:
+            raise ValueError("EagleDraft.propose needs the target's states for this sequence: run it through "
+                             "speculative_generate, or call observe(TargetOutput(...)) first")
+        e, t = self.engine, self.engine.tree
+        have = len(t.sequence(self._node)) if self._node is not None else 0
+        states, self._states = self._states, None
+        if have + len(states) != len(seq) - 1:
+            raise ValueError(f"EagleDraft holds {have} tokens and was given the target's states at {len(states)} "
+                             f"more, but the sequence has {len(seq)} (every token but the root needs one): observe "
+                             f"each output of the target once")
+        tokens = seq[have + 1:]
+        if self._node is not None:
+            t.accept(self._node, [])   # the last proposal's tree: freed
+        need = e.pool.pages_for(len(tokens) + (have % e.pool.page_size)) + 1
+        if need > e.pool.num_free_pages:
+            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {len(tokens)} tokens need up to {need} "
+                                     f"pages, {e.pool.num_free_pages} free")
+        chunk = e.prefill_chunk
+        for at in range(0, len(tokens), chunk):
+            piece = tokens[at:at + chunk]
+            if self._node is None:
+                self._node = t.add_prompt(piece)
+            else:
+                t.extend(self._node, piece)
+            last = len(piece) - 1
+            logits, hidden = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
+        self._outputs = {(): hidden[0]}
+        return logits[0]
+
+    def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
+        e = self.engine
+        rows = e.pending_rows(self._add_frontier(paths))
+        rows_t = torch.as_tensor(rows, device=e.device)
+        parents = torch.stack([self._outputs[p[:-1]] for p in paths])
+        features = torch.empty_like(parents)
+        features[rows_t] = parents            # query order
+        logits, hidden = e.step(logits_rows=rows, return_hidden=True, features=features)
+        self._outputs.update(zip(paths, hidden))
+        return logits
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.to_target_ids(draft_ids)
+
+    def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        if d.kind == "eagle":
+            return probs
+        out = probs.new_zeros(*probs.shape[:-1], d.config.vocab_size)
+        ids = d.to_target_ids(torch.arange(d.draft_vocab_size, device=probs.device))
+        out[..., ids] = probs
+        return out
