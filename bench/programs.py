@@ -11,7 +11,12 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
 - ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
   random Medusa heads (one per tree level), the heads' drafting included in the step;
 - ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1
-  (pipelined on a GPU unless ``--no-pipeline``).
+  (pipelined on a GPU unless ``--no-pipeline``);
+- ``eagle`` / ``eagle3``: ``speculative_generate`` with an ``EagleDraft`` over a random EAGLE-1 / EAGLE-3
+  drafter (EAGLE-3: a 32000-token draft vocabulary, as the EAGLE-3 Llama-3.1 release) on an engine of
+  its own (graphed with the target's method), EAGLE-2 trees of ``--eagle-depth`` (5) layers, top-k
+  ``--eagle-top-k`` (8), ``--tree - 1`` draft tokens: a step is the drafting (one drafter step to take
+  the target's states, one per further tree layer) and the verification.
 
 A step is the time between the returns of two consecutive engine steps of the program: its
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
@@ -26,7 +31,8 @@ captures) are dropped; the median of the next ``--steps`` is reported. Only
 
 Step floor = (weight bytes + KV bytes the step reads) / device copy bandwidth
 (``bench/timing.copy_bandwidth``, read + write): the model's ``weight_bytes()`` (plus the
-Medusa heads' for ``medusa_heads``) and, per step, every token of the tree it attends to
+Medusa heads' for ``medusa_heads``; plus, for ``eagle*``, the drafter's ``weight_bytes()`` once per
+drafter step of a proposal, ``--eagle-depth`` of them) and, per step, every token of the tree it attends to
 (prompt, tokens so far, the step's own tokens) at 2 * layers * kv_heads * head_dim * dtype
 bytes, averaged over the timed steps. ``eager steps``: steps of the program (the prefill's
 long chunks excluded) that the CUDA-graph methods ran eagerly, with their reasons in the JSON;
@@ -90,6 +96,8 @@ from bench.programs_hf import bench_hf  # noqa: E402
 from bench.step import _free  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
+from treedec.engine.eagle import EagleDrafter  # noqa: E402
+from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
 from treedec.search.drafts import TreeDraft  # noqa: E402
@@ -98,7 +106,9 @@ from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample"]
+PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample", "eagle", "eagle3"]
+EAGLE_PROGRAMS = {"eagle": "eagle", "eagle3": "eagle3"}
+EAGLE3_DRAFT_VOCAB = 32000
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
 METHODS = ["hf_sdpa", "eager", "graphs", "graphs_model", "eager_compiled", "graphs_compiled"]
 SMOKE_GRAPH_PROGRAMS = ["greedy"]
@@ -115,6 +125,17 @@ class Workload:
     samples: int
     seed: int
     pipeline: bool | None = None   # greedy_generate's and parallel_sample's (None: on for a GPU)
+    eagle_depth: int = 5
+    eagle_top_k: int = 8
+    drafters: dict = None          # kind -> EagleDrafter, made at first use
+    drafter_engine: dict = None    # the Engine options of the run's method (set per run)
+
+    def drafter(self, kind: str) -> EagleDrafter:
+        self.drafters = self.drafters or {}
+        if kind not in self.drafters:
+            self.drafters[kind] = EagleDrafter.random(self.model, kind, seed=self.seed, draft_vocab_size=min(
+                EAGLE3_DRAFT_VOCAB, self.model.config.vocab_size) if kind == "eagle3" else None)
+        return self.drafters[kind]
 
 
 @dataclass
@@ -130,6 +151,8 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.smoke:
         args.model, args.dtype = "tiny", "fp32"
+        if args.programs == PROGRAMS:   # EAGLE-3 reads three distinct target layers; tiny has two
+            args.programs = [p for p in PROGRAMS if p != "eagle3"]
         args.prompts = args.prompts or [200]
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
         if not torch.cuda.is_available():   # where there is a GPU the kernels are compiled for it instead
@@ -154,6 +177,7 @@ def main(argv=None) -> int:
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
     model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
     work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
+    work.eagle_depth, work.eagle_top_k = args.eagle_depth, args.eagle_top_k
     medusa = work.medusa
     bandwidth = copy_bandwidth(device)
     heads_bytes = sum(p.numel() * p.element_size() for p in work.heads.parameters())
@@ -248,8 +272,18 @@ def _speculative(engine: Engine, prompt: list[int], steps: int, draft) -> Progra
                                         "verify_ms": [1e3 * s for s in stats.verify_seconds]})
 
 
+def _eagle(kind: str):
+    def run(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
+        drafter = Engine(work.drafter(kind), **work.drafter_engine)
+        draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k, total_tokens=work.medusa.size - 1)
+        out = _speculative(engine, prompt, steps, draft)
+        out.extra["drafter_graph_stats"] = dict(drafter.graph_stats)
+        return out
+    return run
+
+
 PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_heads": _medusa_heads,
-                     "parallel_sample": _parallel_sample}
+                     "parallel_sample": _parallel_sample, **{p: _eagle(k) for p, k in EAGLE_PROGRAMS.items()}}
 
 
 # ===================================================================== timing
@@ -296,7 +330,7 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
                    kv_bytes_per_token: int, heads_bytes: int) -> dict:
     """One program on a fresh engine: the median step after warm-up, its floor, the steps run eagerly."""
     model = work.model
-    engine = _engine(method, work, prompt, args)
+    engine = _engine(method, work, prompt, args, program)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
@@ -306,6 +340,8 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
     ms = intervals[timed]
     kv = float(np.mean(run.kv_tokens[timed]))
     weight_bytes = model.weight_bytes() + (heads_bytes if program == "medusa_heads" else 0)
+    if program in EAGLE_PROGRAMS:
+        weight_bytes += work.eagle_depth * work.drafter(EAGLE_PROGRAMS[program]).weight_bytes()
     floor_ms = 1e3 * (weight_bytes + kv * kv_bytes_per_token) / bandwidth
     out = {"program": program, "prompt": len(prompt), "method": method, "ms": float(np.median(ms)),
            "mean_ms": float(ms.mean()), "min_ms": float(ms.min()), "steps": len(ms),
@@ -325,6 +361,8 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         out["tokens_per_step"] = out["accepted_per_step"] + 1
         out["draft_ms"] = statistics.median(run.extra["draft_ms"][timed])
         out["verify_ms"] = statistics.median(run.extra["verify_ms"][timed])
+    if "drafter_graph_stats" in run.extra:
+        out["drafter_graph_stats"] = run.extra["drafter_graph_stats"]
     return out
 
 
@@ -340,7 +378,7 @@ def _profile_program(program: str, method: str, work: Workload, prompt: list[int
     from torch.profiler import ProfilerActivity, profile, schedule
 
     model = work.model
-    engine = _engine(method, work, prompt, args)
+    engine = _engine(method, work, prompt, args, program)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     total = args.warmup + args.steps
     active = min(args.profile, args.steps)
@@ -420,16 +458,19 @@ def random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
         return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, dtype=model.dtype, device=model.device)
 
 
-def _engine(method: str, work: Workload, prompt: list[int], args) -> Engine:
+def _engine(method: str, work: Workload, prompt: list[int], args, program: str = "") -> Engine:
     """A fresh engine for ``method``: graphs (uncaptured on the CPU, where they run the triton kernels),
     ``compile_model`` for ``graphs_model``; the KV pool sized from free memory on a GPU, on the CPU
-    big enough for the prompt and the steps."""
+    big enough for the prompt and the steps. An EAGLE program's pools (the target's and its drafter's,
+    whose options go to ``work.drafter_engine``) are sized for the prompt and the steps everywhere."""
     device = work.model.device
     graphs, backend = False, args.backend
     if method.startswith("graphs"):
         graphs = CudaGraphConfig(capture=device.type == "cuda")
         backend = "triton" if device.type != "cuda" else args.backend
-    return Engine(work.model, kv_tokens=None if device.type == "cuda" else 2 * len(prompt) + 4096,
+    sized = 2 * len(prompt) + 4096
+    work.drafter_engine = {"kv_tokens": sized, "page_size": args.page_size, "backend": backend, "cuda_graphs": graphs}
+    return Engine(work.model, kv_tokens=sized if device.type != "cuda" or program in EAGLE_PROGRAMS else None,
                   page_size=args.page_size, backend=backend, cuda_graphs=graphs,
                   compile_model=method == "graphs_model")
 
@@ -454,6 +495,8 @@ def _parse_args(argv):
     parser.add_argument("--warmup", type=int, default=4, help="steps dropped first (smoke: at most 1)")
     parser.add_argument("--samples", type=int, default=16, help="parallel_sample's n")
     parser.add_argument("--tree", type=int, default=64, help="Medusa tree size (workloads/deft/speculative)")
+    parser.add_argument("--eagle-depth", type=int, default=5, help="eagle*: tree layers (EAGLE-2's 5)")
+    parser.add_argument("--eagle-top-k", type=int, default=8, help="eagle*: nodes expanded per layer (EAGLE-2's 8)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--backend", default="auto", help="the engine's attention backend on a GPU (auto, triton, cuda)")
     parser.add_argument("--seed", type=int, default=0)

@@ -405,3 +405,37 @@ def test_eagle_draft_errors(target):
     with pytest.raises(ValueError, match="hidden size 128, this target has 512 and 64"):
         speculative_generate(engine(other), [1, 2], draft, 3)
     assert t.tree.num_pending == 0 and t.tree.num_nodes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_eagle_in_captured_graphs_equals_eager(kind, compile_model):
+    """Target and drafter both in CUDA graphs (the target's aux states and the drafter's features
+    through the graphs' buffers, optionally torch.compile'd): the same tokens and accepted lengths as
+    eager engines, greedy == plain greedy, and every verification and drafter step a graph replay."""
+    model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():   # a bigram target (see the fixture) so that drafts are accepted
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+    drafter = (bigram_eagle if kind == "eagle" else bigram_eagle3)(model)   # (logits depend on the last token only)
+    prompt = np.random.default_rng(3).integers(0, 512, 600).tolist()
+    want = greedy_generate(Engine(model, kv_tokens=4096, page_size=16), prompt, 40, eos_token_id=None)
+    runs = []
+    for graphs in (False, True):
+        kw = {"kv_tokens": 4096, "page_size": 16, "cuda_graphs": graphs,
+              "compile_model": compile_model and graphs}
+        target, draft_engine = Engine(model, **kw), Engine(drafter, **kw)
+        tokens, stats = speculative_generate(target, prompt, EagleDraft(draft_engine, depth=4, top_k=2,
+                                                                        total_tokens=14), 40, eos_token_id=None)
+        if graphs:
+            for e in (target, draft_engine):
+                assert not [k for k in e.graph_stats if k.startswith("eager") and "max_queries" not in k], \
+                    e.graph_stats
+            assert target.graph_stats["replays"] >= stats.steps
+            assert draft_engine.graph_stats["replays"] >= 3 * stats.steps
+        runs.append((tokens, stats.accepted))
+    assert runs[0][0] == runs[1][0] == want
+    assert sum(runs[1][1]) > 20
