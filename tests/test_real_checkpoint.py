@@ -1,17 +1,20 @@
 """A real checkpoint (SmolLM2-135M-Instruct, from its GGUF file; see bench/real_checkpoint.py): treedec's
 greedy decoding and beam search give transformers' tokens, every draft source's greedy speculative
-decoding gives plain greedy's, and the model's EOS stops generation. fp32 on the CPU, both sides
+decoding gives plain greedy's (EAGLE-1 and EAGLE-3 drafters too, saved in the reference layouts and
+loaded back), and the model's EOS stops generation. fp32 on the CPU, both sides
 reading the same de-quantized tensors, so the comparisons are exact."""
 import pytest
 import torch
 
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
 from treedec.engine import Engine, from_pretrained
+from treedec.engine.eagle import EagleDrafter, load_eagle, save_eagle
 from treedec.engine.text import encode_prompt, load_tokenizer
 from treedec.search.batch import generate_batch
 from treedec.search.beam import beam_search
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.eagle import EagleDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
 from treedec.search.speculative import greedy_generate, speculative_generate
@@ -22,6 +25,7 @@ CHATS = [[{"role": "user", "content": "What is 2+2?"}],
          [{"role": "system", "content": "You answer in one short sentence."},
           {"role": "user", "content": "Why is the sky blue? Explain why the sky is blue."}]]
 NEW_TOKENS = 24
+EAGLE_NEW_TOKENS = 8   # on all three prompts: several drafted and verified trees, a few seconds per drafter
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +116,25 @@ def test_every_draft_source_gives_plain_greedy(model, prompts, draft):
     assert tokens == expected
     if draft == "draft-model":
         assert sum(stats.accepted) >= len(tokens) // 2   # its own drafts: most are accepted
+
+
+@pytest.fixture(scope="module")
+def eagle_references(model, prompts):
+    return [greedy_generate(engine(model), prompt, EAGLE_NEW_TOKENS) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_drafters_give_plain_greedy(model, prompts, eagle_references, kind, tmp_path):
+    """Random EAGLE-1 and EAGLE-3 drafters for SmolLM2 (EAGLE-3: its default layers 2, 15, 27 and a
+    draft vocabulary of 8192 of the 49152 tokens), saved in the EAGLE reference layouts and loaded
+    back as users load a released drafter: greedy speculative decoding emits plain greedy's tokens."""
+    vocab = 8192 if kind == "eagle3" else None
+    folder = save_eagle(EagleDrafter.random(model, kind, seed=0, draft_vocab_size=vocab), tmp_path / kind)
+    drafter = load_eagle(folder, model, kind)
+    assert drafter.aux_layers == ((2, 15, 27) if kind == "eagle3" else ())
+    assert drafter.draft_vocab_size == (vocab or model.config.vocab_size)
+    draft = EagleDraft(engine(drafter), depth=3, top_k=2, total_tokens=6)
+    for prompt, expected in zip(prompts, eagle_references):
+        tokens, stats = speculative_generate(engine(model), prompt, draft, EAGLE_NEW_TOKENS)
+        assert tokens == expected
+        assert max(stats.draft_sizes) == 6   # whole trees were drafted (random drafters: few accepted)
