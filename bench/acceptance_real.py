@@ -10,9 +10,12 @@ tokens per step differ:
 - ``draft-model``: the model drafting for itself (``DraftModelDraft``, depth 4, top-k 4, 16
   tokens): the ceiling a perfect draft model reaches with these tree sizes;
 - ``medusa-untrained``: untrained Medusa heads (Medusa's initialisation: every head predicts the
-  next token), the floor of head-based drafts; EAGLE heads are not built yet.
+  next token), the floor of head-based drafts;
+- ``eagle-untrained``, ``eagle3-untrained``: EAGLE-1 and EAGLE-3 drafters with random weights
+  (``EagleDrafter.random``; EAGLE-3 reads layers 2, 15, 27 and drafts over 8192 random tokens of
+  the 49152), on the draft model's tree sizes: the floor of EAGLE drafts, before any training.
 
-    python bench/acceptance_real.py              # about two minutes on 2 CPU cores
+    python bench/acceptance_real.py              # about two and a half minutes on 2 CPU cores
     python bench/acceptance_real.py --new 64 --out bench/results
     python bench/acceptance_real.py --smoke     # one prompt, 6 tokens (CI)
 
@@ -35,9 +38,11 @@ if str(REPO) not in sys.path:
 from bench.results_file import versions, write_results  # noqa: E402
 from bench.real_checkpoint import smollm2_checkpoint  # noqa: E402
 from treedec.engine import Engine, from_pretrained  # noqa: E402
+from treedec.engine.eagle import EagleDrafter  # noqa: E402
 from treedec.engine.text import encode_prompt, load_tokenizer  # noqa: E402
 from treedec.search.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.drafts import PromptLookupDraft  # noqa: E402
+from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.speculative import greedy_generate, speculative_generate  # noqa: E402
 
@@ -65,13 +70,18 @@ def main(argv=None) -> int:
     model = from_pretrained(folder, dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer(folder)
 
-    def engine() -> Engine:
-        return Engine(model, kv_tokens=8192, page_size=16, backend="torch")
+    def engine(of=model) -> Engine:
+        return Engine(of, kv_tokens=8192, page_size=16, backend="torch")
+
+    eagle = EagleDrafter.random(model, "eagle", seed=0)
+    eagle3 = EagleDrafter.random(model, "eagle3", seed=0, draft_vocab_size=8192)
 
     sources = {
         "ngram": lambda: PromptLookupDraft(num_draft_tokens=8, max_matches=2),
         "draft-model": lambda: DraftModelDraft(engine(), depth=4, top_k=4, total_tokens=16),
         "medusa-untrained": lambda: MedusaDraft(MedusaHeads.untrained(model, num_heads=4)),
+        "eagle-untrained": lambda: EagleDraft(engine(eagle), depth=4, top_k=4, total_tokens=16),
+        "eagle3-untrained": lambda: EagleDraft(engine(eagle3), depth=4, top_k=4, total_tokens=16),
     }
     rows = []
     for text in chats:

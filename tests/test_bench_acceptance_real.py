@@ -15,5 +15,5 @@ def test_acceptance_bench_smoke_run(tmp_path):
     [path] = tmp_path.glob("*-acceptance-real-smoke.json")
     results = json.loads(path.read_text())
     [row] = results["prompts"]
-    assert set(row["sources"]) == {"ngram", "draft-model", "medusa-untrained"}
+    assert set(row["sources"]) == {"ngram", "draft-model", "medusa-untrained", "eagle-untrained", "eagle3-untrained"}
     assert all(s["tokens_per_step"] >= 1 for s in row["sources"].values())
