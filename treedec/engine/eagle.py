@@ -240,7 +240,8 @@ class EagleDrafter(nn.Module):
         config = dataclasses.replace(t, num_layers=1)
         layers = default_aux_layers(t.num_layers) if kind == "eagle3" else ()
         vocab = draft_vocab_size if kind == "eagle3" else None
-        drafter = cls(config, kind, target, vocab, layers, dtype=target.dtype, device=target.device)
+        # (the norms' weights are made on the CPU; the target's shared modules are on its device already)
+        drafter = cls(config, kind, target, vocab, layers, dtype=target.dtype, device=target.device).to(target.device)
         gen = torch.Generator(device=target.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in drafter.named_parameters():

@@ -87,6 +87,9 @@ class Engine:
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                                   plan_config=plan_config, device=self.device, dtype=model.dtype)
         num_pages, self.kv_pool_reason = self._pool_pages(kv_tokens, page_size, memory_fraction)
+        tp = getattr(model, "tensor_parallel", None)
+        if tp is not None:  # one pool size on every rank: the programs' page decisions must agree
+            num_pages = min(tp.gather_objects(num_pages))
         # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
         # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
         shape = (c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
@@ -237,12 +240,16 @@ class Engine:
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
-            logits = _take(outputs[0], rows, self.device)
+            logits = _take(outputs[0], rows, self.device, copy=True)
             hidden_all = outputs[1]
             aux_all = outputs[2] if self._hidden_layers else None
             first_head = 3 if self._hidden_layers else 2
-            heads = dict(zip(self._row_heads, (_take(t, rows, self.device) for t in outputs[first_head:]))) \
-                if return_heads else None
+            heads = dict(zip(self._row_heads, (_take(t, rows, self.device, copy=True)
+                                               for t in outputs[first_head:]))) if return_heads else None
+            if return_hidden or return_aux:   # copies too (the views would change at the next replay)
+                hidden_all = _take(hidden_all, hrows, self.device, copy=True)
+                aux_all = None if aux_all is None else _take(aux_all, hrows, self.device, copy=True)
+                hrows = None
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
@@ -505,9 +512,11 @@ def _describe_tensor(value) -> str:
     return type(value).__name__
 
 
-def _take(t: torch.Tensor, rows: np.ndarray | None, device: torch.device) -> torch.Tensor:
-    """Rows ``rows`` of ``t`` (all of them for None)."""
-    return t if rows is None else t[to_device(rows, device)]
+def _take(t: torch.Tensor, rows: np.ndarray | None, device: torch.device, copy: bool = False) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` (all of them for None; ``copy``: never a view of ``t``)."""
+    if rows is None:
+        return t.clone() if copy else t
+    return t[to_device(rows, device)]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
