@@ -66,7 +66,7 @@ class CheckpointError(ValueError):
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> Llama:
+                    device: torch.device | str | None = None, tensor_parallel=None) -> Llama:
     """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
 
     Sharded checkpoints (``model.safetensors.index.json``) and single files
@@ -82,6 +82,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     dtype : float32, float16 or bfloat16; default the checkpoint config's ``dtype`` /
         ``torch_dtype``, else bfloat16.
     device : default CUDA when available, else CPU.
+    tensor_parallel : a :class:`~treedec.engine.tensor_parallel.TensorParallel`: build this rank's
+        :class:`~treedec.engine.tensor_parallel.TensorParallelLlama`, reading only its slices.
 
     Raises
     ------
@@ -121,8 +123,12 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
         raise CheckpointError(f"{root / 'config.json'}: {e}") from None
     eos = _checkpoint_eos(root, raw_config, config.vocab_size)
-    model = _empty_model(config, dtype, _default_device(device))
+    model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
     model.eos_token_ids = eos
+    if tensor_parallel is not None:
+        from treedec.engine.tensor_parallel import load_checkpoint
+        load_checkpoint(model, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
+        return model
     _load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
                      source=str(root))
     return model
@@ -182,15 +188,20 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
 
 
 def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = None, std: float = 0.02) -> Llama:
+                device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None) -> Llama:
     """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms 1, biases 0.
 
     ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.engine.config.MODEL_SIZES`.
-    The same seed gives the same weights on the same device.
+    The same seed gives the same weights on the same device. ``tensor_parallel``: this rank's
+    slices of those same weights (see :func:`from_pretrained`).
     """
     if isinstance(config, str):
         config = ModelConfig.from_name(config)
-    model = _empty_model(config, dtype, _default_device(device))
+    model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
+    if tensor_parallel is not None:
+        from treedec.engine.tensor_parallel import load_random
+        load_random(model, seed, std)
+        return model
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -344,10 +355,15 @@ def _shard_path(root: Path, name: str, where: str) -> Path:
     return path
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Llama:
-    """A Llama with uninitialized weights on ``device`` (built on the meta device: no init cost)."""
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel=None) -> Llama:
+    """A Llama (this rank's part of one, with ``tensor_parallel``) with uninitialized weights on ``device``
+    (built on the meta device: no init cost)."""
     with torch.device("meta"):
-        model = Llama(config, dtype=dtype)
+        if tensor_parallel is None:
+            model = Llama(config, dtype=dtype)
+        else:
+            from treedec.engine.tensor_parallel import build_model
+            model = build_model(config, tensor_parallel, dtype)
     model.to_empty(device=device)
     model.tie_weights()
     model.inv_freq = rope_inv_freq(config, device=device)
@@ -406,12 +422,14 @@ def _hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
 
 
 def _load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
-                     dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+                     dtypes: tuple[torch.dtype, ...] | None = None,
+                     targets: dict[str, tuple[str, slice]] | None = None) -> None:
     """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
 
-    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts).
+    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts). ``targets``: HF name ->
+    (parameter, rows), default :func:`_hf_targets` of the model's config.
     """
-    targets = _hf_targets(model.config)
+    targets = _hf_targets(model.config) if targets is None else targets
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: dict[str, str] = {}
     unexpected = []

@@ -1,0 +1,362 @@
+"""Tensor parallelism over torch.distributed: one Llama split Megatron-style across the ranks of a group.
+
+    tp = init_tensor_parallel()                                   # under torchrun: NCCL on GPUs, gloo on CPUs
+    model = from_pretrained(path, tensor_parallel=tp)             # each rank reads its slices only
+    engine = Engine(model)                                        # every rank runs the same program
+    tokens = greedy_generate(engine, prompt_ids, 64)              # the same tokens on every rank
+
+What each of ``N`` ranks holds (:class:`TensorParallelLlama`):
+
+- ``qkv_proj``: column-parallel by heads, rank r's ``num_heads / N`` query heads and the
+  ``num_kv_heads / N`` KV heads they read (GQA groups stay whole), fused as ``[q_r | k_r | v_r]``;
+  its KV pool holds those KV heads only. ``o_proj``: the matching input columns, one all-reduce.
+- ``gate_up_proj``: rank r's ``intermediate_size / N`` columns of gate and of up, fused as
+  ``[gate_r | up_r]``; ``down_proj``: the matching input columns, one all-reduce.
+- ``lm_head``: vocab-parallel (rank r's ``ceil(vocab / N)`` rows), its logits all-gathered, so
+  every rank holds the whole ``[rows, vocab]`` logits; a tied head is a view of the embedding.
+  Gathered rather than replicated: a replicated head would make each rank stream all of it every
+  step (1 GB of Llama-3-8B's 16), which is worth more than the gather of a step's logits.
+- The embedding, the norms and the biases after a row-parallel GEMM: whole on every rank (the
+  embedding is read a row per token, so a vocab-parallel one would save memory but cost an
+  all-reduce; those biases are added once, after the sum).
+
+The collectives are functional (``torch.ops._c10d_functional``): ``torch.compile`` traces them
+and a CUDA graph captures them with the rest of the step.
+
+Programs' decisions are computed on every rank, not on rank 0 and broadcast. After the
+all-reduces and the all-gather every rank holds the same bits (a collective's result is one
+value copied to all ranks), so the tree, the plans, the greedy choices and the draws of
+identically seeded generators agree without a host round trip or a collective per step, and the
+search programs run unchanged. :func:`init_tensor_parallel` seeds the global generators alike
+(programs that take no generator draw from them); :meth:`TensorParallel.check_replicated`
+verifies a result is the same everywhere. Not supported: fewer KV heads than ranks (no KV-head
+replication), an ``intermediate_size`` not divisible by the ranks, ``from_hf_model``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from treedec.engine.config import ModelConfig
+from treedec.engine.llama import Llama
+from treedec.engine.loading import CheckpointError, _hf_targets, _load_hf_tensors, _safetensors_device
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# HF projections split across ranks: (which projection, weight or bias)
+_SPLIT = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.(weight|bias)")
+
+
+class TensorParallel:
+    """This process's place in a tensor-parallel group (a torch.distributed process group).
+
+    Parameters
+    ----------
+    group : the ranks that split one model (default: the world). Its backend runs the collectives:
+        NCCL for CUDA tensors, gloo for CPU tensors.
+
+    Attributes
+    ----------
+    rank, size : this rank's index in the group and the group's size.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("TensorParallel needs torch.distributed initialized: call dist.init_process_group "
+                               "first, or init_tensor_parallel() under torchrun")
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self._name = self.group.group_name
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)!r})"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (same shape), as a functional collective."""
+        if self.size == 1:
+            return x
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", self._name))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., w]`` from every rank -> ``[..., size * w]``, rank 0's columns first."""
+        if self.size == 1:
+            return x
+        ops = torch.ops._c10d_functional
+        out = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), self.size, self._name))
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def all_gather_first(self, x: torch.Tensor) -> torch.Tensor:
+        """``[w, ...]`` from every rank -> ``[size * w, ...]``, rank 0's rows first."""
+        if self.size == 1:
+            return x
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), self.size, self._name))
+
+    def gather_objects(self, value) -> list:
+        """Every rank's ``value`` (picklable), in rank order."""
+        out = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def check_replicated(self, tensor: torch.Tensor, what: str = "tensor") -> None:
+        """Raise RuntimeError unless ``tensor`` has the same shape, dtype and bits on every rank."""
+        t = tensor.detach().contiguous().cpu()
+        digest = (tuple(t.shape), str(t.dtype), hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest())
+        digests = self.gather_objects(digest)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise RuntimeError(f"{what} differs across the {self.size} tensor-parallel ranks: rank(s) {differ} "
+                               f"hold {[digests[r][:2] for r in differ]} (shape, dtype) or other values than rank 0's "
+                               f"{digests[0][:2]}")
+
+    def seed_alike(self, seed: int | None = None) -> int:
+        """Seed the global torch generators (CPU and CUDA) with the same seed on every rank: ``seed``
+        if given (on rank 0), else rank 0's ``torch.initial_seed()``. Returns the seed."""
+        chosen = self.gather_objects(torch.initial_seed() if seed is None else int(seed))[0]
+        torch.manual_seed(chosen)
+        return chosen
+
+
+def init_tensor_parallel(backend: str | None = None, seed: int | None = None) -> TensorParallel:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) unless one is initialized, and return the world's
+    :class:`TensorParallel`.
+
+    ``backend``: default NCCL when CUDA is available (each process then uses GPU ``LOCAL_RANK``),
+    else gloo. The global generators are seeded alike on every rank (:meth:`TensorParallel.seed_alike`).
+    """
+    if not dist.is_initialized():
+        missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+        if missing:
+            raise RuntimeError(f"init_tensor_parallel reads torchrun's environment, but {missing} are not set: "
+                               f"launch with `torchrun --nproc-per-node N ...`")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+    tp = TensorParallel()
+    tp.seed_alike(seed)
+    return tp
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shape one of ``size`` ranks computes: ``num_heads / size`` query heads, ``num_kv_heads / size``
+    KV heads, ``intermediate_size / size`` MLP columns; hidden size and vocabulary whole.
+
+    Raises ValueError, naming the values, when they do not divide.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"the tensor-parallel size must be a positive int, got {size!r}")
+    if config.num_kv_heads % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs num_kv_heads ({config.num_kv_heads}) divisible "
+                         f"by {size}: each rank holds whole KV heads and the query heads that read them "
+                         f"(replicating KV heads over more ranks than heads is not supported)")
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs intermediate_size ({config.intermediate_size}) "
+                         f"divisible by {size}")
+    return dataclasses.replace(config, num_heads=config.num_heads // size, num_kv_heads=config.num_kv_heads // size,
+                               intermediate_size=config.intermediate_size // size)
+
+
+def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)``: the vocabulary rows of ``rank``'s ``lm_head`` shard (``ceil(vocab / size)`` rows,
+    fewer on the last ranks when it does not divide)."""
+    shard = -(-vocab_size // size)
+    start = min(rank * shard, vocab_size)
+    return start, min(start + shard, vocab_size)
+
+
+def rank_slice(name: str, config: ModelConfig, size: int, rank: int) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the part of the Hugging Face tensor ``name`` (of the whole model
+    ``config``) that ``rank`` of ``size`` holds; None for a tensor every rank holds whole."""
+    if name == "lm_head.weight":
+        return (0, *vocab_range(config.vocab_size, size, rank))
+    match = _SPLIT.fullmatch(name)
+    if match is None:
+        return None
+    proj, kind = match.groups()
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    width = {"q": q, "k": kv, "v": kv, "o": q, "gate": inter, "up": inter, "down": inter}[proj] // size
+    if proj in ("o", "down"):   # row-parallel: the input columns; the bias is added once, whole
+        return None if kind == "bias" else (1, rank * width, (rank + 1) * width)
+    return 0, rank * width, (rank + 1) * width
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = sum over ranks (x_r @ W_r.T) + b``: this rank's input columns ``W_r``, one all-reduce,
+    the bias (whole on every rank) added once after it. ``x [..., in_features / size]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head split by vocabulary rows: ``hidden [..., hidden_size]`` -> logits ``[..., vocab_size]``,
+    every rank's ``weight_shard`` ([stop - start, hidden_size], rows of :func:`vocab_range`) applied, the
+    shards' logits all-gathered."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.start, self.stop = vocab_range(vocab_size, tp.size, tp.rank)
+        self.shard_rows = -(-vocab_size // tp.size)
+        self.weight_shard = nn.Parameter(torch.empty(self.stop - self.start, hidden_size, dtype=dtype))
+
+    def tie(self, embedding: torch.Tensor) -> None:
+        """Make the shard a view of the embedding's rows (not a parameter of its own: counted once)."""
+        if "weight_shard" in self._parameters:
+            del self.weight_shard
+        self.weight_shard = embedding[self.start:self.stop]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight_shard)
+        if logits.shape[-1] < self.shard_rows:   # the last ranks' shorter shards, padded for the gather
+            logits = F.pad(logits, (0, self.shard_rows - logits.shape[-1]))
+        return self.tp.all_gather_last(logits)[..., :self.vocab_size]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole head ``[vocab_size, hidden_size]``, all-gathered (a collective: every rank must read it,
+        as code that runs alike on every rank does, e.g. ``MedusaHeads.untrained``)."""
+        shard = self.weight_shard.detach()
+        shard = F.pad(shard, (0, 0, 0, self.shard_rows - shard.shape[0]))
+        return self.tp.all_gather_first(shard)[:self.vocab_size]
+
+
+class TensorParallelLlama(Llama):
+    """This rank's part of a :class:`~treedec.engine.llama.Llama` split over ``tp`` (see the module doc).
+
+    Build it with ``from_pretrained(..., tensor_parallel=tp)`` or ``from_config(..., tensor_parallel=tp)``.
+    ``config`` is the shape this rank computes (:func:`shard_config`: its heads, KV heads and MLP
+    columns; the :class:`~treedec.engine.Engine` sizes its attention and KV pool from it),
+    ``full_config`` the whole model's. The forward's inputs and outputs are the whole model's, the
+    same on every rank. After moving the model, call :meth:`tie_weights` again (a tied head is a view).
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype | None = None):
+        super().__init__(shard_config(config, tp.size), dtype)
+        self.full_config = config
+        self.tensor_parallel = tp
+        for layer in self.layers:
+            for name, bias in (("o_proj", config.o_bias), ("down_proj", config.mlp_bias)):
+                old = getattr(layer, name)
+                setattr(layer, name, RowParallelLinear(old.in_features, old.out_features, bias, tp, dtype))
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp, dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, VocabParallelHead):
+            self.lm_head.tie(self.embed_tokens.weight)
+
+
+# ===================================================================== loading (treedec.engine.loading calls these)
+
+
+def build_model(config: ModelConfig, tp: TensorParallel, dtype: torch.dtype | None) -> TensorParallelLlama:
+    """This rank's :class:`TensorParallelLlama` of ``config`` (``tp`` checked)."""
+    if not isinstance(tp, TensorParallel):
+        raise TypeError(f"tensor_parallel must be a TensorParallel (e.g. init_tensor_parallel()), got {tp!r:.80}")
+    return TensorParallelLlama(config, tp, dtype)
+
+
+def load_checkpoint(model: TensorParallelLlama, shards: list[Path], source: str, dtypes: tuple[torch.dtype, ...]
+                    ) -> None:
+    """Copy this rank's slices of the safetensors ``shards`` into ``model`` (only those slices are read),
+    with the checks of the single-GPU loader."""
+    _load_hf_tensors(model, _read_rank_slices(shards, model), source, dtypes, targets=_local_targets(model))
+
+
+def load_random(model: TensorParallelLlama, seed: int, std: float) -> None:
+    """Fill ``model`` with its slices of the weights ``from_config(full_config, seed, std)`` draws:
+    every parameter drawn whole, in the same order from the same generator, then cut, so that TP=N
+    computes what TP=1 does. One whole parameter is in memory at a time."""
+    _load_hf_tensors(model, _random_rank_slices(model, seed, std), "random weights", targets=_local_targets(model))
+
+
+def _local_targets(model: TensorParallelLlama) -> dict[str, tuple[str, slice]]:
+    """HF name -> (this rank's parameter, rows of it): the fused layouts of the shard's config."""
+    return {hf: ("lm_head.weight_shard" if param == "lm_head.weight" else param, rows)
+            for hf, (param, rows) in _hf_targets(model.config).items()}
+
+
+def _read_rank_slices(shards: list[Path], model: TensorParallelLlama) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, this rank's part of the tensor, file) for every tensor of ``shards``, read with
+    ``safe_open(...).get_slice``; each tensor's whole shape is checked first."""
+    import safetensors
+
+    c, tp = model.full_config, model.tensor_parallel
+    shapes = _full_shapes(c)
+    for shard in shards:
+        try:
+            with safetensors.safe_open(str(shard), framework="pt", device=_safetensors_device(model.device)) as f:
+                for name in list(f.keys()):
+                    if name not in shapes:   # unknown or unused: reported (or ignored) by the loader, not read
+                        yield name, torch.empty(0), str(shard)
+                        continue
+                    try:
+                        piece = f.get_slice(name)
+                        shape = tuple(piece.get_shape())
+                        cut = rank_slice(name, c, tp.size, tp.rank)
+                        if shape != shapes[name]:
+                            tensor = None
+                        elif cut is None:
+                            tensor = f.get_tensor(name)
+                        else:
+                            dim, start, stop = cut
+                            tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+                    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
+                        raise CheckpointError(f"{shard}: tensor {name} cannot be read ({type(e).__name__}: "
+                                              f"{str(e)[:200]})") from None
+                    if tensor is None:
+                        raise CheckpointError(f"{shard}: checkpoint tensor {name} has shape {shape}, expected "
+                                              f"{shapes[name]} for the config {c}")
+                    yield name, tensor, str(shard)
+        except (safetensors.SafetensorError, OSError) as e:   # a truncated or corrupt file
+            raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
+
+
+def _random_rank_slices(model: TensorParallelLlama, seed: int, std: float) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, this rank's part, "random weights") of the weights from_config draws (see :func:`load_random`)."""
+    c, tp = model.full_config, model.tensor_parallel
+    with torch.device("meta"):
+        full = Llama(c, dtype=model.dtype)
+    parts = defaultdict(list)
+    for hf, (param, rows) in _hf_targets(c).items():
+        parts[param].append((hf, rows))
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, p in full.named_parameters():   # from_config's order (a tied head once)
+        whole = torch.empty(p.shape, dtype=model.dtype, device=model.device)
+        if name.endswith("norm.weight"):
+            whole.fill_(1.0)
+        elif name.endswith(".bias"):
+            whole.zero_()
+        else:
+            whole.normal_(0.0, std, generator=gen)
+        for hf, rows in parts[name]:
+            piece, cut = whole[rows], rank_slice(hf, c, tp.size, tp.rank)
+            yield hf, piece if cut is None else piece.narrow(cut[0], cut[1], cut[2] - cut[1]), "random weights"
+
+
+def _full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> its shape in the whole model."""
+    with torch.device("meta"):
+        params = dict(Llama(config).named_parameters(remove_duplicate=False))
+    return {hf: tuple(params[param][rows].shape) for hf, (param, rows) in _hf_targets(config).items()}
