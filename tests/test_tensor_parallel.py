@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from treedec.engine import ModelConfig
 from treedec.engine.tensor_parallel import TensorParallel, init_tensor_parallel, rank_slice, shard_config, vocab_range
@@ -65,6 +66,13 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     results["kv_rel"] = max(_rel(parallel.pool.k, plain.pool.k.narrow(*mine)),
                             _rel(parallel.pool.v, plain.pool.v.narrow(*mine)))
     results["full_head"] = _rel(split.lm_head.weight, full.lm_head.weight)   # the gathered head
+    # torch.compile traces the collectives into one graph (fullgraph: no break), as compile_model needs.
+    rows = torch.arange(7)
+    with torch.no_grad():
+        eager = split.forward_graph(rows, rows, _dense_attend).logits
+        compiled = torch.compile(lambda t: split.forward_graph(t, t, _dense_attend).logits, fullgraph=True,
+                                 backend="aot_eager")(rows)
+    results["compiled"] = _rel(compiled, eager)
 
     # A checkpoint with biases everywhere, a tied head and a vocabulary that 2 does not divide.
     config = ModelConfig.from_name("tiny", vocab_size=509, tie_word_embeddings=True, qkv_bias=True, o_bias=True,
@@ -148,6 +156,13 @@ def _compare_trees(plain, parallel, tp) -> dict:
             "replicated": True}
 
 
+def _dense_attend(layer, q, k, v):
+    """Causal attention over the step's own rows (no cache): enough for a model's forward to trace."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.transpose(0, 1) for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -187,6 +202,7 @@ def test_tp2_logits_equal_tp1(ranks):
             assert r[key]["rel"] < TOL and r[key]["replicated"] and r[key]["steps"] == 7, (key, r[key])
         assert r["kv_rel"] < TOL
         assert r["full_head"] == 0.0
+        assert r["compiled"] < TOL
 
 
 def test_programs_on_tp_equal_tp1_and_agree_across_ranks(ranks):
