@@ -21,16 +21,18 @@ What each of ``N`` ranks holds (:class:`TensorParallelLlama`):
   all-reduce; those biases are added once, after the sum).
 
 The collectives are functional (``torch.ops._c10d_functional``): ``torch.compile`` traces them
-and a CUDA graph captures them with the rest of the step.
+(tested on the CPU) and a CUDA graph captures them with the rest of the step (NCCL; to be
+measured on a machine with several GPUs, ``bench/tp_step.py``).
 
 Programs' decisions are computed on every rank, not on rank 0 and broadcast. After the
 all-reduces and the all-gather every rank holds the same bits (a collective's result is one
 value copied to all ranks), so the tree, the plans, the greedy choices and the draws of
 identically seeded generators agree without a host round trip or a collective per step, and the
-search programs run unchanged. :func:`init_tensor_parallel` seeds the global generators alike
+search programs run unchanged (each rank does the host work, planning included, itself). :func:`init_tensor_parallel` seeds the global generators alike
 (programs that take no generator draw from them); :meth:`TensorParallel.check_replicated`
-verifies a result is the same everywhere. Not supported: fewer KV heads than ranks (no KV-head
-replication), an ``intermediate_size`` not divisible by the ranks, ``from_hf_model``.
+verifies a result is the same everywhere. Not supported: a ``num_kv_heads`` or ``intermediate_size``
+the number of ranks does not divide (no KV-head replication over more ranks than KV heads),
+``from_hf_model``.
 """
 from __future__ import annotations
 
