@@ -77,6 +77,18 @@ def test_token_tree_packs_pages_and_prune_frees_them():
     tree.check_invariants()
 
 
+def test_add_children_hangs_one_token_under_each_node_in_shared_pages():
+    tree = make_tree(page_size=4)
+    root = tree.add_prompt([1] * 4)
+    a, b = tree.add_token_tree(root, [5, 6], [-1, -1])
+    tree.commit_step()
+    ids = tree.add_children([a, b, a, root, b], [7, 8, 9, 10, 11])
+    assert [tree.parent(i) for i in ids] == [a, b, a, root, b] and tree.children(a) == [ids[0], ids[2]]
+    assert tree.num_pending == 5 and [tree.tokens(i) for i in ids] == [[7], [8], [9], [10], [11]]
+    assert len({int(tree.slots(i)[0]) // 4 for i in ids}) == 2     # 5 tokens in 2 shared pages
+    tree.check_invariants()
+
+
 def test_live_leaves_skip_paused():
     tree = make_tree()
     root = tree.add_prompt([1])
@@ -99,6 +111,8 @@ def test_live_leaves_skip_paused():
     (lambda t, r: t.add_token_tree(r, [1, 2], [-1]), "one parent per token"),
     (lambda t, r: t.add_token_tree(r, [1, 2], [-1, 2]), r"parents\[1\] = 2 is not a token index in \[-1, 2\)"),
     (lambda t, r: t.prune(t.children(r)[0]), "pending tokens"),
+    (lambda t, r: t.add_children([r, 99], [1, 2]), "unknown node id 99"),
+    (lambda t, r: t.add_children([r], [1, 2]), "one node per token"),
 ])
 def test_bad_operations_raise_and_change_nothing(op, match):
     tree = make_tree()

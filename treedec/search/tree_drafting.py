@@ -97,7 +97,9 @@ class EngineTreeDraft:
         """Candidates (top-k target tokens, log-probs) of one layer's frontier ``paths``: one drafter step."""
         logits = root_logits[None] if paths == [()] else self._frontier_logits(paths)
         top = torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-        return list(zip(self._to_target(top.indices).tolist(), top.values.tolist()))
+        # one copy back (one wait): ids as float64 are exact
+        both = torch.stack([self._to_target(top.indices).double(), top.values.double()]).tolist()
+        return list(zip(([int(t) for t in row] for row in both[0]), both[1]))
 
     def _sampled_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
         """Layer by layer: the ``top_k`` frontier nodes with the best cumulative log-prob (which nodes
@@ -133,19 +135,14 @@ class EngineTreeDraft:
         return TokenTree(tuple(parents)), [root] + [p[-1] for p in paths[1:]]
 
     def _add_frontier(self, paths: list[tuple[int, ...]]) -> list[int]:
-        """Hang the frontier nodes under their (computed) parents, pending; their ids in ``paths`` order."""
-        t = self.engine.tree
-        groups: dict[int, list[int]] = {}
-        for i, path in enumerate(paths):
-            parent = self._node if len(path) == 1 else self._computed[path[:-1]]
-            groups.setdefault(parent, []).append(i)
-        need = sum(self.engine.pool.pages_for(len(g)) for g in groups.values())
-        if need > self.engine.pool.num_free_pages:
+        """Hang the frontier nodes under their (computed) parents, pending, in one tree operation; their
+        ids in ``paths`` order."""
+        e = self.engine
+        need = e.pool.pages_for(len(paths))
+        if need > e.pool.num_free_pages:
             raise PoolExhaustedError(f"draft KV pool exhausted: a tree layer needs {need} pages, "
-                                     f"{self.engine.pool.num_free_pages} free")
-        ids = [0] * len(paths)
-        for parent, members in groups.items():
-            for i, node in zip(members, t.add_token_tree(parent, [paths[i][-1] for i in members], [-1] * len(members))):
-                ids[i] = node
-                self._computed[paths[i]] = node
+                                     f"{e.pool.num_free_pages} free")
+        parents = [self._node if len(p) == 1 else self._computed[p[:-1]] for p in paths]
+        ids = e.tree.add_children(parents, [p[-1] for p in paths])
+        self._computed.update(zip(paths, ids))
         return ids

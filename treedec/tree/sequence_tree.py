@@ -252,12 +252,31 @@ class SequenceTree(TreeDebugging):
             i, p = int(late[0]), int(parents[late[0]])
             kind = "a cycle" if on_cycle(parents, i) else "a forward reference"
             raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
+        return self._hang([anchor.id] * m, tokens, parents.tolist())
+
+    def add_children(self, node_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Give each node ``node_ids[i]`` a new child holding the one token ``tokens[i]`` (a node may be
+        named several times: several children), pending; e.g. one layer of a draft tree whose nodes
+        have different parents. The tokens are packed into ``ceil(m / page_size)`` fresh pages, as
+        :meth:`add_token_tree` packs its tokens. Returns the new node ids in order; checks everything
+        first and changes nothing when it raises."""
+        tokens = int_list(tokens, "tokens", low=0)
+        anchors = [self._get(n).id for n in int_list(node_ids, "node_ids", low=0)]
+        if not tokens or len(anchors) != len(tokens):
+            raise TreeError(f"need one node per token and at least one token, got {len(tokens)} tokens and "
+                            f"{len(anchors)} nodes")
+        return self._hang(anchors, tokens, [-1] * len(tokens))
+
+    def _hang(self, anchors: list[int], tokens: list[int], parents: list[int]) -> list[int]:
+        """New one-token pending nodes: token ``i`` under ``anchors[i]`` when ``parents[i] < 0``, else under
+        new node ``parents[i]``; packed into fresh shared pages (checked input)."""
+        m = len(tokens)
         pages = self.pool.allocate(self.pool.pages_for(m))  # raises before any change
         slots = (pages[:, None] * self.pool.page_size + np.arange(self.pool.page_size)).reshape(-1)[:m]
         ids = [self._next_id + i for i in range(m)]
-        parent_list, page_list = parents.tolist(), (slots // self.pool.page_size).tolist()
+        page_list = (slots // self.pool.page_size).tolist()
         for i in range(m):
-            parent_id = anchor.id if parent_list[i] < 0 else ids[parent_list[i]]
+            parent_id = anchors[i] if parents[i] < 0 else ids[parents[i]]
             node = _Node(id=ids[i], parent=parent_id, tokens=[tokens[i]], slots=slots[i:i + 1].copy(),
                          pages=[page_list[i]], pending=1)
             self._nodes[node.id] = node
