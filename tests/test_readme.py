@@ -53,6 +53,7 @@ def test_python_blocks_run_in_order(tmp_path, capsys):
     assert namespace["out"].shape == (4, 32, 128) and torch.isfinite(namespace["out"]).all()
     assert namespace["logits"].shape == (4, 32000)
     assert len(namespace["tokens"]) >= 64 and namespace["stats"] is not None
+    assert len(namespace["eagle_tokens"]) == 16 and namespace["eagle_stats"].steps >= 1
     assert len(namespace["vote"].answers) == 8
     assert len(namespace["results"]) == 16 and namespace["batch_stats"].steps >= 15
     assert len(namespace["first"].sequences) == 3 and len(namespace["others"]) == 3
