@@ -48,7 +48,7 @@ from torch import nn
 
 from treedec.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from treedec.engine.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
-from treedec.engine.loading import CheckpointError, read_state_dict
+from treedec.engine.loading import CheckpointError, init_random_, read_state_dict
 from treedec.engine.rope import rope_cos_sin, rope_inv_freq
 
 KINDS = ("eagle", "eagle3")
@@ -245,14 +245,8 @@ class EagleDrafter(nn.Module):
         gen = torch.Generator(device=target.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in drafter.named_parameters():
-                if name.startswith("embed_tokens") or (kind == "eagle" and name.startswith("lm_head")):
-                    continue   # the target's
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, std, generator=gen)
+                if not (name.startswith("embed_tokens") or (kind == "eagle" and name.startswith("lm_head"))):
+                    init_random_(name, p, std, gen)   # (else the target's)
             if kind == "eagle3":
                 ids = torch.randperm(t.vocab_size, generator=gen, device=target.device)[:drafter.draft_vocab_size]
                 ids = ids.sort().values

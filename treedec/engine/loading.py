@@ -205,13 +205,18 @@ def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = t
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
+            init_random_(name, p, std, gen)
     return model
+
+
+def init_random_(name: str, param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Fill ``param`` (named ``name``) as :func:`from_config` does: norms 1, biases 0, the rest ~ N(0, std)."""
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+    elif name.endswith(".bias"):
+        param.zero_()
+    else:
+        param.normal_(0.0, std, generator=generator)
 
 
 def to_hf_config(config: ModelConfig):

@@ -51,7 +51,7 @@ from torch import nn
 
 from treedec.engine.config import ModelConfig
 from treedec.engine.llama import Llama
-from treedec.engine.loading import CheckpointError, _hf_targets, _load_hf_tensors, _safetensors_device
+from treedec.engine.loading import CheckpointError, _hf_targets, init_random_, _load_hf_tensors, _safetensors_device
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # HF projections split across ranks: (which projection, weight or bias)
@@ -346,12 +346,7 @@ def _random_rank_slices(model: TensorParallelLlama, seed: int, std: float) -> It
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in full.named_parameters():   # from_config's order (a tied head once)
         whole = torch.empty(p.shape, dtype=model.dtype, device=model.device)
-        if name.endswith("norm.weight"):
-            whole.fill_(1.0)
-        elif name.endswith(".bias"):
-            whole.zero_()
-        else:
-            whole.normal_(0.0, std, generator=gen)
+        init_random_(name, whole, std, gen)
         for hf, rows in parts[name]:
             piece, cut = whole[rows], rank_slice(hf, c, tp.size, tp.rank)
             yield hf, piece if cut is None else piece.narrow(cut[0], cut[1], cut[2] - cut[1]), "random weights"
