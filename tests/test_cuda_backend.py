@@ -460,14 +460,17 @@ def test_python_rows_and_tile_tables_match_the_kernels():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_is_hybrid_on_hopper_and_each_plan_names_its_kernels():
-    """auto on an H100/H200: steps with >= HYBRID_MIN_ROWS query rows per KV head run cuda, smaller ones triton."""
+    """auto on an H100/H200: steps with >= HYBRID_MIN_ROWS query rows per KV head run cuda, smaller ones
+    triton (a model without GQA: one query, one row)."""
     attn = TreeAttention(32, 8, 128, backend="auto", device="cuda", dtype=torch.bfloat16)
+    mha = TreeAttention(8, 8, 128, backend="auto", device="cuda", dtype=torch.bfloat16)
     if torch.cuda.get_device_capability() != (9, 0):
         assert attn.backend == "triton"
         return
     assert attn.backend == "hybrid" and str(HYBRID_MIN_ROWS) in attn.backend_reason
-    assert 16 < HYBRID_MIN_ROWS <= 64
-    for tree_size, expected in ((4, "triton"), (16, "cuda")):   # x4 heads per KV head: 16 / 64 rows
+    assert HYBRID_MIN_ROWS == 4   # one query of a GQA-4 model already runs cuda (measured faster)
+    assert mha.step_backend(3) == "triton" and mha.step_backend(4) == "cuda" and attn.step_backend(1) == "cuda"
+    for tree_size, expected in ((1, "cuda"), (16, "cuda")):   # x4 heads per KV head: 4 / 64 rows
         tree = prompt_with_token_tree(2000, tree_size, flat=True)
         plan = attn.plan(tree)
         assert plan.backend == expected

@@ -10,7 +10,7 @@ from treedec.errors import BackendUnavailableError
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
 AUTO_ORDER = ("triton", "cuda")  # on a CUDA device without the hybrid, fastest first (measured)
-HYBRID_MIN_ROWS = 32  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
+HYBRID_MIN_ROWS = 4  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
 
 
 def check_kv_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: str,
@@ -83,10 +83,13 @@ def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
     and the wgmma (sm_90a) cuda kernels run: each step takes cuda when it has at least
     :data:`HYBRID_MIN_ROWS` query rows per KV head and triton below. On the H200 suite of
     2026-11-22 (bench/results/2026-11-22-nvidia-h200-small-triton-vs-cuda.json and
-    ...-suite-final.json) cuda is faster on all eight workloads, eagerly and in CUDA graphs, down
-    to the smallest step measured (tot_sorting1: 36 rows, 22.5 vs 26.1 us eager); steps below 32
-    rows (a few decoding sequences) were not measured and keep triton. Otherwise ``auto``
-    prefers triton > cuda > torch. An explicit choice that cannot run raises
+    ...-suite-final.json) cuda is faster on all eight workloads, eagerly and in CUDA graphs; on
+    an H100 on 2026-11-24 (...-families.json, ...-small-rows.json) it is also faster on every
+    unshared-decode and long-sequence step down to one query of a GQA-4 model (4 rows: 16.2 vs
+    18.6 us at 2k tokens, 66.8 vs 73.1 at 32k) and a graphed greedy decode step with cuda took
+    6.65 / 7.94 ms at 4000 / 32000 tokens against 6.78 / 8.43 with triton for it
+    (...-programs-backend-{cuda,auto}.json). Steps below 4 rows (a query or three of a model
+    without GQA) were not measured and keep triton. Otherwise ``auto`` prefers triton > cuda > torch. An explicit choice that cannot run raises
     BackendUnavailableError naming why.
     """
     statuses = {"reference": None, "torch": None,
