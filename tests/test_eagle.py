@@ -165,6 +165,8 @@ def test_step_input_errors(target):
         d_engine.step()
     with pytest.raises(ValueError, match="shape \\[3, 128\\]"):
         d_engine.step(features=torch.zeros(2, 128))
+    with pytest.raises(ValueError, match="1-D of one length"):
+        e.copy_kv(torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
     assert e.tree.num_pending == 3 and d_engine.tree.num_pending == 3   # nothing ran
 
 
@@ -317,6 +319,33 @@ def test_greedy_eagle_equals_greedy(target, bigram, name, page_size):
         assert stats.tokens_per_step >= 4.0 and max(stats.accepted) == 4
     elif name == "eagle3-bigram":                  # right at depth 1 unless the answer is not a draft token
         assert stats.tokens_per_step >= 2.0
+
+
+@pytest.mark.parametrize("kind,depth", [("eagle", 4), ("eagle3", 5), ("eagle3", 1)])
+def test_chained_drafting_grows_the_tree_layer_by_layer_drafting_grows(target, kind, depth):
+    """The chained drafter steps (launched without a wait, frontier chosen on the device, chains'
+    K/V regathered) propose the tree that expand_by_logprob grows one read-back layer at a time."""
+    from treedec.search.drafts import TargetOutput
+    from treedec.search.tree_drafting import EngineTreeDraft
+
+    d = EagleDrafter.random(target, kind, seed=3, draft_vocab_size=300 if kind == "eagle3" else None, std=0.2)
+    t = engine(target)
+    if kind == "eagle3":
+        t.capture_hidden_layers(d.aux_layers)
+    t.tree.add_prompt(PROMPT)
+    _, hidden, aux = t.step(logits_rows=[0], hidden_rows=list(range(len(PROMPT))), return_hidden=True,
+                            return_aux=True) if kind == "eagle3" else (*t.step(logits_rows=[0], hidden_rows=list(
+                                range(len(PROMPT))), return_hidden=True), None)
+    seq = PROMPT + [17]
+    proposals = []
+    for propose in (EagleDraft.propose, EngineTreeDraft.propose):
+        draft = EagleDraft(engine(d), depth=depth, top_k=3, total_tokens=10)
+        draft.start(t)
+        draft.observe(TargetOutput(seq, None, None, aux if kind == "eagle3" else hidden))
+        tree, tokens = propose(draft, seq)
+        proposals.append((tree.parents, tokens))
+        assert draft.engine.tree.num_pending == 0
+    assert proposals[0] == proposals[1] and len(proposals[0][1]) == (4 if depth == 1 else 11)
 
 
 def test_drafter_kv_equals_one_pass_over_the_target_states(bigram):

@@ -257,6 +257,18 @@ class Engine:
                + ((_take(aux_all, hrows, self.device),) if return_aux else ()) + ((heads,) if return_heads else ()))
         return out if len(out) > 1 else logits
 
+    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the K/V held at KV-pool slots ``src_slots`` to ``dst_slots``, in every layer, on the device
+        (int64 tensors of one length on the engine's device; ``src`` is read whole before anything is
+        written). The tree's bookkeeping does not change: for callers that rearrange the computed
+        tokens of sibling nodes whose token ids they rewrite too (an EAGLE draft's chains)."""
+        if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
+            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {_describe_tensor(src_slots)} "
+                             f"and {_describe_tensor(dst_slots)}")
+        for k, v in zip(self._k_slots, self._v_slots):
+            k[dst_slots] = k[src_slots]
+            v[dst_slots] = v[src_slots]
+
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s
         ``return_aux``), inside its CUDA graph. Layers add to those already captured (several drafters

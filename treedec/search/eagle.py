@@ -17,9 +17,18 @@ with the token at ``t + 1``; each proposal is
 2. ``depth - 1`` drafter steps, one per tree layer, as EAGLE-2: the ``top_k`` frontier nodes with
    the best cumulative log-prob are computed together, each query pairing its parent's *output*
    (the drafter runs ahead at the feature level) with its token, giving its ``top_k`` children;
-   the ``total_tokens`` best nodes form the tree (or, with ``sample``, children drawn without
-   replacement, whose distributions go to the acceptance rule: see
-   :class:`~treedec.search.tree_drafting.EngineTreeDraft`).
+   the ``total_tokens`` best nodes form the tree.
+
+   Without ``sample`` these steps never wait for the device: the frontier lives in ``top_k``
+   *chains*, sibling nodes under the drafter's sequence that each hold one frontier node's path.
+   Their shape does not depend on the values (each grows by one token a layer), so every step is
+   planned and launched at once; which frontier node extends which path is chosen on the device
+   (top-k of the cumulative scores), the chains' K/V are regathered to match
+   (:meth:`Engine.copy_kv`) and the tokens and features are device tensors
+   (:meth:`Engine.step`'s ``tokens`` / ``features``). One copy back at the end gives every layer's
+   candidates, and the tree is the one :func:`~treedec.tree.token_tree.expand_by_logprob` grows from
+   them (tested). With ``sample``, children are drawn without replacement layer by layer and their
+   distributions go to the acceptance rule (:class:`~treedec.search.tree_drafting.EngineTreeDraft`).
 
 EAGLE-3's draft vocabulary is mapped to the target's (``d2t``): its tokens and, when sampling, its
 distributions (zero outside the draft vocabulary) are the target's.
@@ -28,12 +37,18 @@ from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
+import numpy as np
+
 from treedec.engine import Engine
 from treedec.engine.eagle import EagleDrafter
 from treedec.errors import PoolExhaustedError
 from treedec.search.drafts import TargetOutput
 from treedec.search.sampling import SamplingParams
 from treedec.search.tree_drafting import EngineTreeDraft
+from treedec.transfer import to_device
+from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleDraft"]
 
@@ -94,7 +109,56 @@ class EagleDraft(EngineTreeDraft):
         self._states = fused if self._states is None else torch.cat([self._states, fused])
         self._observed = (len(output.tokens), int(output.tokens[-1]))
 
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        if self.sample is not None:
+            return super().propose(sequence_tokens)
+        seq = [int(x) for x in sequence_tokens]
+        if not seq:
+            raise ValueError("sequence_tokens must hold at least the root token, got none")
+        return self._chain_tree(seq[-1], self._sync(seq))
+
     # ================================================================ private
+
+    def _chain_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
+        """The EAGLE-2 tree from ``depth - 1`` chained drafter steps, launched without a wait (see the
+        module docstring)."""
+        e, k = self.engine, self.top_k
+        top = torch.log_softmax(root_logits.float(), dim=-1).topk(k)
+        first = (self._to_target(top.indices), top.values)                  # layer 1: every node is frontier
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []               # layers 2..: [k, k] ids, log-probs
+        links: list[torch.Tensor] = []                                     # each frontier's candidate index
+        if self.depth > 1:
+            need = e.pool.pages_for(k) + k * e.pool.pages_for(self.depth - 2)
+            if need > e.pool.num_free_pages:
+                raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {k} chains of {self.depth - 1} tokens "
+                                         f"need up to {need} pages, {e.pool.num_free_pages} free")
+            chains = e.tree.add_children([self._node] * k, [0] * k)        # placeholders: ids come on the device
+            scores, tokens = top.values, first[0]
+            features = self._outputs[()].expand(k, -1)
+            for d in range(2, self.depth + 1):
+                rows = e.pending_rows(chains)
+                at = to_device(rows, e.device)
+                q_tokens = torch.empty_like(tokens)
+                q_tokens[at] = tokens
+                q_features = torch.empty_like(features)
+                q_features[at] = features
+                logits, hidden = e.step(logits_rows=rows, return_hidden=True, tokens=q_tokens, features=q_features)
+                top = torch.log_softmax(logits.float(), dim=-1).topk(k)    # [k chains, k children]
+                layers.append((self._to_target(top.indices), top.values))
+                if d == self.depth:
+                    break
+                pick = (scores[:, None] + top.values).flatten().topk(k).indices   # the next frontier, best first
+                links.append(pick)
+                parent = pick // k
+                scores = scores[parent] + top.values.flatten()[pick]
+                tokens, features = layers[-1][0].flatten()[pick], hidden[parent]
+                slots = to_device(np.stack([e.tree.slots(c) for c in chains]), e.device)   # [k, d - 1]
+                e.copy_kv(slots[parent].flatten(), slots.flatten())       # chain j takes its new parent's path
+                e.tree.extend_many({c: [0] for c in chains})
+        parts = [first[0].double(), first[1].double()] + [t.double().flatten() for layer in layers for t in layer] \
+            + [p.double() for p in links]
+        flat = torch.cat(parts).tolist()                                   # the one wait of the proposal
+        return _grown_tree(root, flat, k, len(layers), self.total_tokens)
 
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Add the queries of the observed tokens to the drafter's sequence (tokens ``seq[1:]``, query ``i``
@@ -151,3 +215,40 @@ class EagleDraft(EngineTreeDraft):
         ids = d.to_target_ids(torch.arange(d.draft_vocab_size, device=probs.device))
         out[..., ids] = probs
         return out
+
+
+def _grown_tree(root: int, flat: list[float], k: int, deeper: int, total_tokens: int) -> tuple[TokenTree, list[int]]:
+    """The tree of :meth:`EagleDraft._chain_tree`'s candidates (read back as ``flat``: layer 1's ids and
+    log-probs, each deeper layer's ``[k, k]`` ids and log-probs, each frontier's candidate index), kept as
+    :func:`~treedec.tree.token_tree.expand_by_logprob` keeps them: the ``total_tokens`` best by cumulative
+    log-prob (ties: shallower, then made first), ordered by depth then score."""
+    at = 0
+
+    def take(n: int) -> list[float]:
+        nonlocal at
+        at += n
+        return flat[at - n:at]
+
+    ids, lps = take(k), take(k)
+    # node: (score, depth, made, parent node index or -1 for the root, token)
+    nodes = [(lp, 1, i, -1, int(t)) for i, (t, lp) in enumerate(zip(ids, lps))]
+    frontier = list(range(k))
+    grids = [(take(k * k), take(k * k)) for _ in range(deeper)]
+    picks = [take(k) for _ in range(deeper - 1)] if deeper else []
+    for d, (ids, lps) in enumerate(grids):
+        base = len(nodes)
+        for j, node in enumerate(frontier):
+            for c in range(k):
+                nodes.append((nodes[node][0] + lps[j * k + c], d + 2, len(nodes), node, int(ids[j * k + c])))
+        if d < len(picks):
+            frontier = [base + int(p) for p in picks[d]]
+    kept = sorted(nodes, key=lambda n: (-n[0], n[1], n[2]))[:total_tokens]
+    kept.sort(key=lambda n: (n[1], -n[0], n[2]))
+    index = {-1: 0}
+    parents, tokens = [-1], [root]
+    for _, _, made, parent, token in kept:
+        assert parent in index, f"kept node {made} without its parent {parent}"
+        parents.append(index[parent])
+        tokens.append(token)
+        index[made] = len(index)
+    return TokenTree(tuple(parents)), tokens
