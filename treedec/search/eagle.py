@@ -112,10 +112,10 @@ class EagleDraft(EngineTreeDraft):
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         if self.sample is not None:
             return super().propose(sequence_tokens)
-        seq = [int(x) for x in sequence_tokens]
-        if not seq:
+        if not len(sequence_tokens):
             raise ValueError("sequence_tokens must hold at least the root token, got none")
-        return self._chain_tree(seq[-1], self._sync(seq))
+        # (not a copy of the whole sequence: _sync reads its length and its new tail only)
+        return self._chain_tree(int(sequence_tokens[-1]), self._sync(sequence_tokens))
 
     # ================================================================ private
 
@@ -160,11 +160,11 @@ class EagleDraft(EngineTreeDraft):
         flat = torch.cat(parts).tolist()                                   # the one wait of the proposal
         return _grown_tree(root, flat, k, len(layers), self.total_tokens)
 
-    def _sync(self, seq: list[int]) -> torch.Tensor:
+    def _sync(self, seq: Sequence[int]) -> torch.Tensor:
         """Add the queries of the observed tokens to the drafter's sequence (tokens ``seq[1:]``, query ``i``
         pairing the target's state at ``i`` with ``seq[i + 1]``) in one step (chunked for long prompts);
         the root's children's logits."""
-        if self._observed != (len(seq), seq[-1]) or self._states is None:
+        if self._observed != (len(seq), int(seq[-1])) or self._states is None:
             raise ValueError("EagleDraft.propose needs the target's states for this sequence: run it through "
                              "speculative_generate, or call observe(TargetOutput(...)) first")
         e, t = self.engine, self.engine.tree
@@ -174,7 +174,7 @@ class EagleDraft(EngineTreeDraft):
             raise ValueError(f"EagleDraft holds {have} tokens and was given the target's states at {len(states)} "
                              f"more, but the sequence has {len(seq)} (every token but the root needs one): observe "
                              f"each output of the target once")
-        tokens = seq[have + 1:]
+        tokens = [int(x) for x in seq[have + 1:]]
         if self._node is not None:
             t.accept(self._node, [])   # the last proposal's tree: freed
         need = e.pool.pages_for(len(tokens) + (have % e.pool.page_size)) + 1
