@@ -55,6 +55,11 @@ and the others still run.
     python bench/programs.py --hf --prompts 4000 --programs greedy,tree_verify
     python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
 
+``--tensor-parallel N`` splits the model over the N ranks of ``torchrun --nproc-per-node N
+bench/programs.py ...`` (:mod:`treedec.engine.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
+rank runs every program, the floors count each rank's own weights and KV heads, rank 0 writes
+``...-programs[-<tag>]-tpN.json``; not with ``--hf`` or the EAGLE programs.
+
 ``--smoke`` runs on the CPU; its ``graphs`` method runs the padded static buffers without
 capture (``CudaGraphConfig(capture=False)``, Triton kernels under ``TRITON_INTERPRET=1``),
 for ``greedy`` only: the interpreter takes ~10 s for the 200-token prefill alone.
@@ -171,11 +176,16 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown {name}(s) {unknown}; choose from {','.join(known)}")
     if device.type != "cuda" and not args.smoke and any(m.startswith("graphs") for m in methods):
         raise SystemExit("the graphs methods need a CUDA device (or --smoke, which runs them uncaptured on the CPU)")
+    tp = _tensor_parallel(args, methods)
+    if tp is not None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lead = tp is None or tp.rank == 0   # the one rank that prints and writes (every rank runs everything)
 
     config = ModelConfig.from_name(args.model)
     rng = np.random.default_rng(args.seed)
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
-    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
+    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp)
+    config = model.config   # with tensor parallelism: this rank's heads and columns (its floors are per rank)
     work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
     work.eagle_depth, work.eagle_top_k = args.eagle_depth, args.eagle_top_k
     medusa = work.medusa
@@ -190,16 +200,22 @@ def main(argv=None) -> int:
         "tree_tokens": medusa.size,
         "medusa_heads": work.heads.num_heads, "samples": args.samples, "pipeline": not args.no_pipeline,
         "steps": args.steps, "warmup": args.warmup,
-        "page_size": args.page_size, "runs": [],
+        "page_size": args.page_size, "tensor_parallel": args.tensor_parallel, "runs": [],
     }
-    print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
-          f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    tp_note = f", tensor parallel over {tp.size} ranks (this rank's weights)" if tp is not None else ""
+    if lead:
+        print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
+              f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
+              file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = results_path(out_dir, results["device"], "programs", smoke=args.smoke, tag=args.tag)
+    tag = args.tag if tp is None else "-".join(filter(None, [args.tag, f"tp{tp.size}"]))
+    path = results_path(out_dir, results["device"], "programs", smoke=args.smoke, tag=tag)
 
     def record(run: dict) -> None:
         results["runs"].append(run)
+        if not lead:
+            return
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every run: a cut-off run keeps its part
         print(f"{run['program']} p{run['prompt']} {run['method']}: {run['ms']:.2f} ms/step, "
               f"{run['x_floor']:.2f}x floor, eager steps {run.get('eager_steps')}", file=sys.stderr)
@@ -209,7 +225,8 @@ def main(argv=None) -> int:
     def fail(key: str, e: Exception) -> None:
         traceback.print_exc()
         results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:2000]
-        path.write_text(json.dumps(results, indent=1) + "\n")
+        if lead:
+            path.write_text(json.dumps(results, indent=1) + "\n")
 
     if "hf_sdpa" in methods:
         try:
@@ -230,9 +247,28 @@ def main(argv=None) -> int:
                 except Exception as e:
                     fail(f"{method}/{program}/{p}", e)
                 _free(device)
-    print(f"wrote {path}", file=sys.stderr)
-    print(render_table(results))
+    if lead:
+        print(f"wrote {path}", file=sys.stderr)
+        print(render_table(results))
     return 0
+
+
+def _tensor_parallel(args, methods):
+    """``--tensor-parallel N``: this process's rank of the torchrun group (None for 1), after checking
+    that the run can split (no transformers peer, no EAGLE drafter: they hold the whole model)."""
+    if args.tensor_parallel == 1:
+        return None
+    if "hf_sdpa" in methods:
+        raise SystemExit("--tensor-parallel runs treedec's engine only: drop --hf / hf_sdpa")
+    eagle = [p for p in args.programs if p in EAGLE_PROGRAMS]
+    if eagle:
+        raise SystemExit(f"--tensor-parallel: the EAGLE programs {eagle} are not supported (the drafter is not split)")
+    from treedec.engine import init_tensor_parallel
+    tp = init_tensor_parallel(seed=args.seed)
+    if tp.size != args.tensor_parallel:
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel} needs `torchrun --nproc-per-node "
+                         f"{args.tensor_parallel}`; this run has {tp.size} process(es)")
+    return tp
 
 
 # ===================================================================== programs
@@ -495,6 +531,9 @@ def _parse_args(argv):
     parser.add_argument("--warmup", type=int, default=4, help="steps dropped first (smoke: at most 1)")
     parser.add_argument("--samples", type=int, default=16, help="parallel_sample's n")
     parser.add_argument("--tree", type=int, default=64, help="Medusa tree size (workloads/deft/speculative)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the model over N ranks (run under `torchrun --nproc-per-node N`; NCCL on "
+                             "GPUs, gloo on CPUs); floors are per rank; rank 0 writes the results")
     parser.add_argument("--eagle-depth", type=int, default=5, help="eagle*: tree layers (EAGLE-2's 5)")
     parser.add_argument("--eagle-top-k", type=int, default=8, help="eagle*: nodes expanded per layer (EAGLE-2's 8)")
     parser.add_argument("--page-size", type=int, default=16)
@@ -508,6 +547,8 @@ def _parse_args(argv):
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile the last K steps of each run (a separate pass; GPU kernel kinds, idle time)")
     args = parser.parse_args(argv)
+    if args.tensor_parallel < 1:
+        parser.error(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     return args

@@ -125,6 +125,12 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     args = tp_step.parse_args(["--smoke", "--reps", "1", "--prompt", "40", "--out", str(out)])
     results["bench"] = tp_step.measure(tp, args)
 
+    # bench/programs.py --tensor-parallel 2 on these two ranks (rank 0 writes the results)
+    from bench import programs
+    results["out"] = str(out)
+    results["programs_rc"] = programs.main(["--smoke", "--methods", "eager", "--programs", "greedy,tree_verify",
+                                            "--steps", "2", "--tensor-parallel", "2", "--out", str(out / "programs")])
+
 
 def _compare_trees(plain, parallel, tp) -> dict:
     """The same edits on both engines: the largest relative error of the TP engine's logits and hidden
@@ -232,6 +238,15 @@ def test_tp_step_bench_runs_on_gloo(ranks):
 
 
 # ===================================================================== bad configurations (no group)
+
+
+def test_programs_bench_runs_split(ranks):
+    """bench/programs.py --tensor-parallel 2: both ranks ran every program; rank 0 wrote the per-rank floors."""
+    assert [r["programs_rc"] for r in ranks] == [0, 0]
+    [path] = Path(ranks[0]["out"]).glob("programs/*-programs-smoke-tp2.json")
+    results = json.loads(path.read_text())
+    assert results["tensor_parallel"] == 2 and {r["program"] for r in results["runs"]} == {"greedy", "tree_verify"}
+    assert results["kv_bytes_per_token"] == 2 * 2 * 1 * 64 * 4   # tiny: 2 layers, 1 of 2 KV heads a rank, fp32
 
 
 @pytest.mark.parametrize("overrides, size, match", [
