@@ -119,6 +119,17 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
                           for m in (split, full)]
     # Unseeded draws come from the global generator, which seed_alike seeded alike.
     results["sampled_global"] = [s.tokens for s in parallel_sample(engine(split), prompt, 4, 12, params).samples]
+    # Tree of thought (sampled thoughts, greedy values) and a replayed recorded tree, split and whole.
+    from tests.test_search_tot import CharTokenizer, ScriptedTask
+    from treedec.replay import ReplayConfig, replay
+    from treedec.search.tot import BFSConfig, tot_bfs
+    from treedec.workloads import workload_schedule
+    config = BFSConfig(k=2, n=2, depth=2, temperature=0.8, seed=3)
+    results["tot"] = [[(s.thoughts, s.value) for s in tot_bfs(engine(m), ScriptedTask(values=[0.5, 0.9, 0.2, 0.7]),
+                                                               CharTokenizer(), config).best] for m in (split, full)]
+    schedule = workload_schedule("medusa-32", iterations=3, prompt_tokens=40)
+    results["replay"] = [replay(m, schedule, ReplayConfig(planner="flatten", page_size=4, backend="torch")).emitted
+                         for m in (split, full)]
 
     # The launcher-level benchmark, on these two ranks.
     from bench import tp_step
@@ -223,6 +234,9 @@ def test_programs_on_tp_equal_tp1_and_agree_across_ranks(ranks):
         assert r["sampled"][0] == r["sampled"][1]
     assert ranks[0]["sampled"] == ranks[1]["sampled"]
     assert ranks[0]["sampled_global"] == ranks[1]["sampled_global"]
+    for r in ranks:
+        assert r["tot"][0] == r["tot"][1] and r["replay"][0] == r["replay"][1] and len(r["replay"][0]) > 0
+    assert ranks[0]["tot"] == ranks[1]["tot"] and ranks[0]["replay"] == ranks[1]["replay"]
     assert ranks[0]["seed"] == ranks[1]["seed"]
 
 
