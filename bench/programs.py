@@ -263,7 +263,9 @@ def _tensor_parallel(args, methods):
     eagle = [p for p in args.programs if p in EAGLE_PROGRAMS]
     if eagle:
         raise SystemExit(f"--tensor-parallel: the EAGLE programs {eagle} are not supported (the drafter is not split)")
+    from bench.tp_step import NCCL_ENV
     from treedec.engine import init_tensor_parallel
+    os.environ.update(NCCL_ENV)   # NVLink multicast off, as the lent GPU machines require
     tp = init_tensor_parallel(seed=args.seed)
     if tp.size != args.tensor_parallel:
         raise SystemExit(f"--tensor-parallel {args.tensor_parallel} needs `torchrun --nproc-per-node "
