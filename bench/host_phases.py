@@ -6,7 +6,7 @@ passes through wrapped in timers; prints the mean milliseconds per step of each 
 phases overlap: ``Engine.step`` contains ``make_plan``, ``GraphRunner.load``, ...). A phase that
 reads the device's results (acceptance, drafting) includes the wait for the device.
 
-    python bench/host_phases.py [--programs tree_verify,medusa_heads] [--prompt 4000] [--steps 24]
+    python bench/host_phases.py [--programs tree_verify,medusa_heads,eagle] [--prompt 4000] [--steps 24]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from treedec.attention import StaticPlan  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
-from treedec.search import acceptance, medusa, speculative  # noqa: E402
+from treedec.search import acceptance, drafts, eagle, medusa, speculative, tree_drafting  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
 
 engine_module = importlib.import_module("treedec.engine.engine")
@@ -38,8 +38,12 @@ engine_module = importlib.import_module("treedec.engine.engine")
 #: (owner, attribute name, label) of every timed function.
 PHASES = [
     (speculative, "verify_tree", "verify_tree"),
-    (speculative.TreeDraft, "propose", "TreeDraft.propose"),
+    (drafts.TreeDraft, "propose", "TreeDraft.propose"),
     (medusa.MedusaDraft, "propose", "MedusaDraft.propose"),
+    (eagle.EagleDraft, "propose", "EagleDraft.propose (drafter steps inside)"),
+    (eagle.EagleDraft, "_sync", "  EagleDraft._sync (one drafter step)"),
+    (eagle, "_grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
+    (tree_drafting.EngineTreeDraft, "_layer", "  EngineTreeDraft._layer (sampled / layered drafts)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
     (Engine, "step", "Engine.step"),
     (Engine, "pending_rows", "Engine.pending_rows"),
@@ -50,6 +54,9 @@ PHASES = [
     (GraphRunner, "run", "  GraphRunner.run"),
     (SequenceTree, "layout", "SequenceTree.layout"),
     (SequenceTree, "add_token_tree", "SequenceTree.add_token_tree"),
+    (SequenceTree, "add_children", "SequenceTree.add_children"),
+    (SequenceTree, "extend_many", "SequenceTree.extend_many"),
+    (Engine, "copy_kv", "Engine.copy_kv"),
     (SequenceTree, "accept", "SequenceTree.accept"),
     (SequenceTree, "extend", "SequenceTree.extend"),
 ]
@@ -90,7 +97,10 @@ def main(argv=None) -> int:
     totals: dict[str, float] = defaultdict(float)
     wrap_phases(totals)
     for program in args.programs.split(","):
-        engine = Engine(model, kv_tokens=2 * args.prompt + 16384, page_size=16, cuda_graphs=CudaGraphConfig())
+        kv_tokens = 2 * args.prompt + 16384
+        # (the EAGLE programs' drafter engines: graphed as the target's)
+        work.drafter_engine = {"kv_tokens": kv_tokens, "page_size": 16, "cuda_graphs": CudaGraphConfig()}
+        engine = Engine(model, kv_tokens=kv_tokens, page_size=16, cuda_graphs=CudaGraphConfig())
         PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup, work)   # captures, compiles
         # Two runs of different lengths: their difference is `--steps` steps without the prefill.
         measured = []

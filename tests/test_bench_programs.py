@@ -72,3 +72,10 @@ def test_host_cost_runs_every_program(capsys):
     for program in (p for p in PROGRAMS if p not in EAGLE_PROGRAMS):   # (their drafter forwards are not stubbed)
         [line] = [x for x in lines if x.startswith(f"{program}: ")]
         assert float(line.split()[1]) > 0, line
+
+
+def test_host_phases_names_functions_that_exist():
+    """bench/host_phases.py (GPU only) wraps functions by name: a move or a rename must show here, on the CPU."""
+    from bench.host_phases import PHASES
+    missing = [label for owner, name, label in PHASES if not callable(getattr(owner, name, None))]
+    assert not missing, missing
