@@ -10,7 +10,8 @@ from treedec.search.controller import BranchEvery, ControllerProgram
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.game24 import Game24Task
 from treedec.search.requests_file import RequestSpec
-from treedec.search.scheduler import Program, Read, StepRequest, Wait, run_program, run_programs
+from treedec.search.program import Program, Read, StepRequest, Wait
+from treedec.search.scheduler import run_program, run_programs
 from treedec.search.speculative import SpeculativeProgram
 from treedec.search.stops import StopRule
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTProgram

@@ -29,6 +29,14 @@ def to_device(array: np.ndarray | list, device: torch.device, dtype: torch.dtype
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def take_rows(tensor: torch.Tensor, rows: np.ndarray | None, device: torch.device, copy: bool = False) -> torch.Tensor:
+    """Rows ``rows`` (host indices, sent with :func:`to_device`) of a device ``tensor``; all of them for None
+    (``copy``: never a view of ``tensor``, e.g. of a CUDA graph's output buffer)."""
+    if rows is None:
+        return tensor.clone() if copy else tensor
+    return tensor[to_device(rows, device)]
+
+
 class HostCopy:
     """A device tensor's copy to the host, started without waiting: :meth:`result` waits for that copy
     only, not for the work queued after it (e.g. the next step, launched meanwhile)."""

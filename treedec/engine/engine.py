@@ -26,15 +26,13 @@ import torch
 from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention, make_plan
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
+from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.transfer import to_device
+from treedec.transfer import take_rows, to_device
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.tree.validate import int_array, int_list
 
 logger = logging.getLogger("treedec")
-
-_GIB = 1 << 30
-
 
 class Engine:
     """Runs tree steps of ``model`` over its own :class:`PagedKVPool`, :class:`SequenceTree` and :class:`TreeAttention`.
@@ -86,10 +84,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                                   plan_config=plan_config, device=self.device, dtype=model.dtype)
-        num_pages, self.kv_pool_reason = self._pool_pages(kv_tokens, page_size, memory_fraction)
-        tp = getattr(model, "tensor_parallel", None)
-        if tp is not None:  # one pool size on every rank: the programs' page decisions must agree
-            num_pages = min(tp.gather_objects(num_pages))
+        num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
         # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
         # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
         shape = (c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
@@ -234,27 +229,27 @@ class Engine:
             heads = None
             if return_heads:
                 with torch.no_grad():
-                    picked = _take(hidden_all, rows, self.device)
+                    picked = take_rows(hidden_all, rows, self.device)
                     heads = {name: head(picked) for name, head in self._row_heads.items()}
         else:  # copies: the graph's output buffers are overwritten by its next replay
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
-            logits = _take(outputs[0], rows, self.device, copy=True)
+            logits = take_rows(outputs[0], rows, self.device, copy=True)
             hidden_all = outputs[1]
             aux_all = outputs[2] if self._hidden_layers else None
             first_head = 3 if self._hidden_layers else 2
-            heads = dict(zip(self._row_heads, (_take(t, rows, self.device, copy=True)
+            heads = dict(zip(self._row_heads, (take_rows(t, rows, self.device, copy=True)
                                                for t in outputs[first_head:]))) if return_heads else None
             if return_hidden or return_aux:   # copies too (the views would change at the next replay)
-                hidden_all = _take(hidden_all, hrows, self.device, copy=True)
-                aux_all = None if aux_all is None else _take(aux_all, hrows, self.device, copy=True)
+                hidden_all = take_rows(hidden_all, hrows, self.device, copy=True)
+                aux_all = None if aux_all is None else take_rows(aux_all, hrows, self.device, copy=True)
                 hrows = None
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
-        out = ((logits,) + ((_take(hidden_all, hrows, self.device),) if return_hidden else ())
-               + ((_take(aux_all, hrows, self.device),) if return_aux else ()) + ((heads,) if return_heads else ()))
+        out = ((logits,) + ((take_rows(hidden_all, hrows, self.device),) if return_hidden else ())
+               + ((take_rows(aux_all, hrows, self.device),) if return_aux else ()) + ((heads,) if return_heads else ()))
         return out if len(out) > 1 else logits
 
     def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -444,37 +439,6 @@ class Engine:
                 return compiled(static, inputs)
         return GraphRunner(config, compiled_forward, self.attn, scratch_slot, row_inputs)
 
-    def _pool_pages(self, kv_tokens: int | None, page_size: int, memory_fraction: float) -> tuple[int, str]:
-        c = self.model.config
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.model.dtype.itemsize
-        if kv_tokens is not None:
-            if not isinstance(kv_tokens, int) or kv_tokens < page_size:
-                raise ValueError(f"kv_tokens must be an int >= page_size ({page_size}), got {kv_tokens!r}")
-            return kv_tokens // page_size, f"kv_tokens={kv_tokens} requested"
-        if self.device.type != "cuda":
-            raise ValueError(f"kv_tokens is required on {self.device} (only a CUDA pool is sized from free memory)")
-        free, _ = torch.cuda.mem_get_info(self.device)
-        reserve = self._activation_reserve()
-        budget = int(free * memory_fraction) - reserve
-        pages = budget // (bytes_per_token * page_size)
-        if pages < 1:
-            raise PoolExhaustedError(f"no GPU memory left for a KV pool: {free / _GIB:.2f} GiB free after the "
-                                     f"weights, {reserve / _GIB:.2f} GiB kept for activations")
-        return pages, (f"sized from free GPU memory after the weights: {memory_fraction:.0%} of "
-                       f"{free / _GIB:.1f} GiB free, less {reserve / _GIB:.1f} GiB for activations, "
-                       f"{pages * page_size * bytes_per_token / _GIB:.1f} GiB at {bytes_per_token} B/token")
-
-    def _activation_reserve(self) -> int:
-        """Bytes kept free for a step's activations: a prefill chunk's largest tensors, its attention
-        workspace (up to 8 partials per query), the logits, and 1 GiB for the allocator and graphs."""
-        c, size = self.model.config, self.model.dtype.itemsize
-        rows = self.prefill_chunk
-        per_row = size * (8 * c.hidden_size + 2 * c.qkv_size + 3 * c.intermediate_size) + 8 * c.hidden_size
-        workspace = 8 * rows * c.num_heads * (c.head_dim * size + 4)
-        return 2 * rows * per_row + workspace + 256 * c.vocab_size * size + _GIB
-
     def _check_window(self, max_position: int) -> None:
         window = self.model.config.sliding_window
         if window is not None and max_position >= window:
@@ -522,13 +486,6 @@ def _describe_tensor(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
     return type(value).__name__
-
-
-def _take(t: torch.Tensor, rows: np.ndarray | None, device: torch.device, copy: bool = False) -> torch.Tensor:
-    """Rows ``rows`` of ``t`` (all of them for None; ``copy``: never a view of ``t``)."""
-    if rows is None:
-        return t.clone() if copy else t
-    return t[to_device(rows, device)]
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

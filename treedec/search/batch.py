@@ -34,7 +34,8 @@ from treedec.engine.text import IncrementalDetokenizer, encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
-from treedec.search.scheduler import Program, ProgramContext, Read, SchedulerStats, StepRequest, run_programs
+from treedec.search.program import Program, ProgramContext, Read, StepRequest
+from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import to_device
 

@@ -33,7 +33,8 @@ import torch
 
 from treedec.engine import Engine
 from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids, finite_float, pages_in_use, positive_int
-from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
+from treedec.search.program import Program, ProgramContext, StepRequest
+from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 

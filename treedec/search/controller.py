@@ -30,7 +30,8 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import ControllerError
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
+from treedec.search.program import Program, ProgramContext, StepRequest
+from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 

@@ -33,7 +33,8 @@ from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.drafts import DraftSource, TargetOutput
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.scheduler import Program, ProgramContext, StepRequest, run_program
+from treedec.search.program import Program, ProgramContext, StepRequest
+from treedec.search.scheduler import run_program
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree

@@ -30,23 +30,18 @@ The task, tokenizer, configurations and results are defined in :mod:`treedec.sea
 """
 from __future__ import annotations
 
-import math
 import time
-from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from treedec.engine import Engine
-from treedec.search.controller import choose_token_ids
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.scheduler import (Program, ProgramContext, Read, SchedulerStats, StepRequest, run_program,
-                                      run_programs)
-from treedec.transfer import to_device
+from treedec.search.program import Program, ProgramContext
+from treedec.search.scheduler import SchedulerStats, run_program, run_programs
+from treedec.search.tot_search import ToTSearch
 from treedec.search.tot_task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
-                                     ToTTask, Tokenizer, _SearchConfig, check_task)
+                                     ToTTask, Tokenizer, check_task)
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTProgram", "ToTResult", "ToTState",
            "ToTTask", "Tokenizer", "tot_batch", "tot_bfs", "tot_dfs"]
@@ -155,7 +150,7 @@ class ToTProgram(Program):
 
     def run(self, ctx: ProgramContext):
         bfs = isinstance(self.config, BFSConfig)
-        search = _Search(ctx, self.task, self.tokenizer, self.config, self.progress, "ToT-BFS" if bfs else "ToT-DFS",
+        search = ToTSearch(ctx, self.task, self.tokenizer, self.config, self.progress, "ToT-BFS" if bfs else "ToT-DFS",
                          self.eos)
         result = ToTResult("bfs" if bfs else "dfs")
         t0 = time.perf_counter()
@@ -169,7 +164,7 @@ class ToTProgram(Program):
         result.wall_s = time.perf_counter() - t0
         return result
 
-    def _bfs(self, search: "_Search", root: ToTState, result: ToTResult):
+    def _bfs(self, search: ToTSearch, root: ToTState, result: ToTResult):
         task, config = self.task, self.config
         rng = np.random.default_rng(config.seed)
         states = [root]
@@ -192,7 +187,7 @@ class ToTProgram(Program):
                 break
         result.best = states
 
-    def _dfs(self, search: "_Search", root: ToTState, result: ToTResult):
+    def _dfs(self, search: ToTSearch, root: ToTState, result: ToTResult):
         task, config, tree = self.task, self.config, search.tree
 
         def visit(state: ToTState):
@@ -227,263 +222,6 @@ class ToTProgram(Program):
 # ================================================================ private
 
 
-@dataclass
-class _Stream:
-    """One generated sequence: a thought, or one output of an evaluation."""
-
-    parent: int
-    tokens: list[int]
-    node: int | None = None   # its node, once a token of it is in the tree
-    done: bool = False
-
-
-class _Search:
-    """The engine-side machinery both searches share: prefill, expansion, pruning, counters."""
-
-    def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig,
-                 progress: bool, label: str, eos: frozenset[int]):
-        engine = ctx.engine
-        self.ctx, self.eos = ctx, eos
-        self.engine, self.tree, self.pool = engine, engine.tree, engine.pool
-        self.task, self.tokenizer, self.config = task, tokenizer, config
-        self.generator = torch.Generator(device=engine.device).manual_seed(config.seed)
-        self.logits: dict[int, torch.Tensor] = {}   # node -> [vocab] next-token logits at its last token
-        self.counts: Counter = Counter()
-        self.pages_peak = 0
-        self.progress, self.label, self.bar = progress, label, None
-
-    # ---------------------------------------------------------------- search steps
-
-    def start(self):
-        """Prefill the task's prompt; returns the search's root state (a generator: ``yield from``)."""
-        bos = getattr(self.tokenizer, "bos_id", None)
-        ids = ([] if bos is None else [bos]) + self._encode(self.task.root_prompt(), "root_prompt()")
-        node, out = yield from self.ctx.prompt(ids)
-        self.logits[node] = out.logits[0]
-        self._note_pages()
-        if self.progress:
-            from tqdm import tqdm
-            self.bar = tqdm(desc=self.label, unit="step")
-        return ToTState((), (), None, len(ids), node)
-
-    def expand(self, states: list[ToTState]):
-        """The k evaluated thoughts of every state in ``states``, state by state (a generator)."""
-        task, config = self.task, self.config
-        prompts = [(s.node, self._encode(text, "step_prompt()")) for s in states
-                   if (text := task.step_prompt(s.thoughts))]
-        heads = {s.node: s.node for s in states}
-        for (state_node, _), node in zip(prompts, (yield from self._append_prompts(prompts))):
-            heads[state_node] = node
-        streams = yield from self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
-                                            task.thought_stop, config.temperature, append_last=True)
-        for node in heads.values():
-            if node not in (s.node for s in states):
-                self.logits.pop(node, None)
-        self.counts["thought_tokens"] += sum(len(s.tokens) for s in streams)
-        candidates = [ToTState(state.index + (i,), state.thoughts + (self._text(s.tokens, task.thought_stop),),
-                               None, len(s.tokens), s.node)
-                      for j, state in enumerate(states)
-                      for i, s in enumerate(streams[j * config.k:(j + 1) * config.k])]
-        yield from self._evaluate(candidates)
-        return candidates
-
-    def prune(self, node: int) -> None:
-        self.tree.prune(node)
-        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
-
-    def prune_dead_end(self, node: int, root: int) -> None:
-        """Prune ``node``, then each ancestor below ``root`` left without children."""
-        parent = self.tree.parent(node)
-        self.tree.prune(node)
-        while parent != root and parent in self.tree and not self.tree.children(parent):
-            node, parent = parent, self.tree.parent(parent)
-            self.tree.prune(node)
-        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
-
-    def release(self, root: int | None) -> None:
-        """Free the search's pages."""
-        if self.bar is not None:
-            self.bar.close()
-        self.ctx.free(root)
-        self.logits.clear()
-
-    # ---------------------------------------------------------------- stats
-
-    def mark(self) -> tuple[float, Counter]:
-        self.pages_peak = self._pages_in_use()
-        return time.perf_counter(), Counter(self.counts)
-
-    def level_stats(self, mark: tuple[float, Counter], depth: int, states: int, candidates: list[ToTState],
-                    kept: int) -> LevelStats:
-        wall = time.perf_counter() - mark[0]
-        d = Counter(self.counts)
-        d.subtract(mark[1])
-        generated = d["thought_tokens"] + d["value_tokens"]
-        stats = LevelStats(depth=depth, states=states, thoughts=len(candidates), kept=kept,
-                           thought_tokens=d["thought_tokens"], value_tokens=d["value_tokens"],
-                           prompt_tokens=d["prompt_tokens"], steps=d["steps"], queries=d["queries"], wall_s=wall,
-                           tokens_per_s=generated / wall if wall > 0 else 0.0, pages_peak=self.pages_peak,
-                           pages_after=self._pages_in_use(), best_value=max(c.value for c in candidates))
-        if self.bar is not None:
-            self.bar.set_postfix(depth=depth, tok_s=f"{stats.tokens_per_s:.0f}", pages=stats.pages_after)
-        return stats
-
-    # ---------------------------------------------------------------- engine work
-
-    def _evaluate(self, candidates: list[ToTState]):
-        """Set every candidate's value; compute their last tokens; leave no evaluation node behind
-        (a generator)."""
-        task = self.task
-        prompts = []
-        for c in candidates:
-            text = task.value_prompt(c.thoughts)
-            if text is not None and not text:
-                raise ValueError(f"{type(task).__name__}.value_prompt returned '' for {c.thoughts!r}; return None "
-                                 f"to value a state without the model")
-            prompts.append(None if text is None else self._encode(text, "value_prompt()"))
-        pending = set(self.engine.pending_nodes().tolist())
-        evals = yield from self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts)
-                                                 if ids is not None],
-                                                also=[c.node for c in candidates if c.node in pending])
-        streams = yield from self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
-                                            task.value_stop, self.config.value_temperature, append_last=False)
-        self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
-        outputs: dict[int, list[str]] = {e: [] for e in evals}
-        for s in streams:
-            outputs[s.parent].append(self._text(s.tokens, task.value_stop))
-        evaluated = iter(evals)
-        for c, ids in zip(candidates, prompts):
-            value = task.parse_value(c.thoughts, [] if ids is None else outputs[next(evaluated)])
-            if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-                raise ValueError(f"{type(task).__name__}.parse_value must return a finite number, got {value!r}")
-            c.value = float(value)
-        for e in evals:
-            self.prune(e)
-
-    def _append_prompts(self, prompts: list[tuple[int, list[int]]], also: Sequence[int] = ()):
-        """Add each ``(parent, ids)`` as a new child of ``parent`` and compute them; returns the new nodes.
-
-        Their last tokens' logits (and those of the nodes in ``also``, which must have
-        pending tokens) go to ``self.logits``. Prompts run together, in steps of at most
-        ``engine.prefill_chunk`` tokens (a longer prompt alone in its step). A generator.
-        """
-        yield from self.ctx.reserve(sum(self.pool.pages_for(len(ids)) for _, ids in prompts))
-        groups, size = [[]], 0
-        for item in prompts:
-            if groups[-1] and size + len(item[1]) > self.engine.prefill_chunk:
-                groups.append([])
-                size = 0
-            groups[-1].append(item)
-            size += len(item[1])
-        nodes, extra = [], list(also)
-        for group in groups:
-            new = [self.tree.branch(parent, [ids])[0] for parent, ids in group]
-            self.counts["prompt_tokens"] += sum(len(ids) for _, ids in group)
-            if new or extra:
-                self._note_pages()
-                want = new + extra
-                self.logits.update(zip(want, (yield from self._step(want))))
-            nodes += new
-            extra = []
-        return nodes
-
-    def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], temperature: float,
-                  append_last: bool):
-        """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
-        decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens.
-
-        ``append_last``: a finished sequence's last token still goes into the tree (thoughts:
-        their evaluation and children read it; it is computed by the next step, whose
-        caller gets its logits in ``self.logits`` if this call does not). Else it is only
-        recorded (evaluation outputs: nothing reads past them). Returns the streams in
-        head order (a generator).
-        """
-        if not heads:
-            return []
-        firsts = yield Read(torch.cat([choose_token_ids(self.logits[parent], count, temperature, self.generator)
-                                       for parent, count in heads]))   # one wait for every head's tokens
-        parents = [parent for parent, count in heads for _ in range(count)]
-        streams = [_Stream(parent, [tok]) for parent, tok in zip(parents, firsts)]
-        fresh = streams
-        while fresh:
-            for s in fresh:
-                s.done = len(s.tokens) >= max_tokens or s.tokens[-1] in self.eos or self._stopped(s.tokens, stops)
-            placed = [s for s in fresh if append_last or not s.done]
-            active = [s for s in fresh if not s.done]
-            if not active:
-                yield from self._place(placed)
-                break
-            yield from self._place(placed)
-            out = yield from self._step([s.node for s in placed])
-            row = {id(s): i for i, s in enumerate(placed)}
-            for s in placed:
-                if s.done:
-                    self.logits[s.node] = out[row[id(s)]]
-            picks = out if len(active) == len(placed) else out[to_device([row[id(s)] for s in active], out.device)]
-            for s, tok in zip(active, (yield Read(_next_tokens(picks, temperature, self.generator)))):
-                s.tokens.append(tok)
-            fresh = active
-        return streams
-
-    def _place(self, streams: list[_Stream]):
-        """Put each stream's newest token into the tree: a new child of its parent, or appended to its
-        node (a generator: it waits for the pages)."""
-        new = [s for s in streams if s.node is None]
-        old = [s for s in streams if s.node is not None]
-        yield from self.ctx.reserve(len(new) * self.pool.pages_for(1)
-                                    + sum(self.tree.pages_to_extend(s.node, 1) for s in old))
-        if old:
-            self.tree.extend_many({s.node: s.tokens[-1:] for s in old})
-        by_parent: dict[int, list[_Stream]] = {}
-        for s in new:
-            by_parent.setdefault(s.parent, []).append(s)
-        for parent, group in by_parent.items():
-            for s, node in zip(group, self.tree.branch(parent, [s.tokens[-1:] for s in group])):
-                s.node = node
-        self._note_pages()
-
-    def _step(self, nodes: list[int]):
-        """One step (a generator); returns ``[len(nodes), vocab]`` logits at each node's last pending token."""
-        out = yield StepRequest(nodes)
-        self.counts["steps"] += 1
-        self.counts["queries"] += self.ctx.step_queries
-        if self.bar is not None:
-            self.bar.update(1)
-        return out.logits
-
-    # ---------------------------------------------------------------- helpers
-
-    def _encode(self, text: str, what: str) -> list[int]:
-        ids = [int(i) for i in self.tokenizer.encode(text)]
-        vocab = self.engine.model.config.vocab_size
-        if not ids:
-            raise ValueError(f"{type(self.task).__name__}.{what} encodes to no tokens: {text!r:.80}")
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"{type(self.task).__name__}.{what} encodes to ids outside the model's vocabulary "
-                             f"[0, {vocab}): {bad[:5]}")
-        return ids
-
-    def _text(self, tokens: list[int], stops: tuple[str, ...]) -> str:
-        """The decoded tokens, cut after the first stop string."""
-        text = self.tokenizer.decode(tokens)
-        ends = [text.find(s) + len(s) for s in stops if s in text]
-        return text[:min(ends)] if ends else text
-
-    def _stopped(self, tokens: list[int], stops: tuple[str, ...]) -> bool:
-        if not stops:
-            return False
-        text = self.tokenizer.decode(tokens)
-        return any(s in text for s in stops)
-
-    def _pages_in_use(self) -> int:
-        return self.pool.num_pages - self.pool.num_free_pages
-
-    def _note_pages(self) -> None:
-        self.pages_peak = max(self.pages_peak, self._pages_in_use())
-
-
-
 def _select(candidates: list[ToTState], n: int, selection: str, rng: np.random.Generator) -> list[ToTState]:
     """The n kept candidates, best value first: the n best, or n drawn without replacement with
     probabilities proportional to their (clipped at 0) values."""
@@ -496,12 +234,3 @@ def _select(candidates: list[ToTState], n: int, selection: str, rng: np.random.G
         drawn = rng.choice(len(candidates), size=n, replace=False, p=weights / weights.sum())
         order = sorted(drawn.tolist(), key=lambda i: -values[i])
     return [candidates[i] for i in order]
-
-
-def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """One next token per row of ``logits`` [r, vocab], on the device: argmax, or sampled from
-    softmax(logits / T)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).view(-1)

@@ -1,0 +1,198 @@
+"""A request as a program of the scheduler (:mod:`treedec.search.scheduler`): what a program is, what it
+yields and what it is resumed with.
+
+A program is a Python generator made by :meth:`Program.run`: it edits the engine's tree, then yields a
+:class:`StepRequest` (the nodes whose outputs it reads after the next engine step), a :class:`Read` (device
+values it needs on the host) or a :class:`Wait` (KV pages it needs first), and is resumed with a
+:class:`StepOutput`, the values, or nothing. :class:`ProgramContext` is what it sees of the run: the engine, its
+prompt (a shared prefix included) and page helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, Sequence
+
+import numpy as np
+import torch
+
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.search.prefixes import SharedPrefix
+
+__all__ = ["Program", "ProgramContext", "Read", "StepOutput", "StepRequest", "Wait"]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What a program yields after adding its pending tokens to the tree.
+
+    Attributes
+    ----------
+    nodes : node ids; the program gets one output row per node, at the node's last pending
+        token (a node may appear more than once). May be empty (then only ``read`` is done).
+    hidden : also return those rows' final-norm hidden states.
+    aux : also return those rows' inner-layer states (:meth:`Engine.capture_hidden_layers`).
+    all_rows : the hidden states and ``aux`` at EVERY pending token of ``nodes`` (node by node, in
+        token order) instead of the last (e.g. a whole prompt chunk's, for an EAGLE drafter).
+    heads : also return the engine's row heads at those rows.
+    argmax : also return the rows' argmax (computed once for the whole step).
+    tokens : int64 device tensor, optional: the ids of the last pending tokens of the nodes in
+        ``placed`` (default ``nodes``), which the tree holds as placeholders (read on the device;
+        pipelining).
+    placed : the nodes whose placeholders ``tokens`` fills, when not ``nodes`` (e.g. a node whose
+        token is computed but whose output row is not wanted).
+    read : a device tensor to read back; its values come in the next :class:`StepOutput`'s
+        ``read``, after the step is launched.
+    prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
+        :attr:`SchedulerStats.prompt_steps`).
+    """
+
+    nodes: Sequence[int]
+    hidden: bool = False
+    aux: bool = False
+    all_rows: bool = False
+    heads: bool = False
+    argmax: bool = False
+    tokens: torch.Tensor | None = None
+    placed: Sequence[int] | None = None
+    read: torch.Tensor | None = None
+    prompt: bool = False
+
+
+@dataclass(frozen=True)
+class Read:
+    """Yielded by a program for an integer device tensor's values: it is resumed with them as (nested)
+    lists of ints. The reads of all the programs resumed together go back in one copy (one wait)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Yielded by a program that needs ``pages`` free KV pages before it can go on (it changed nothing);
+    ``reason`` says for what (the error's words when nothing can free them)."""
+
+    pages: int
+    reason: str | None = None
+
+
+@dataclass
+class StepOutput:
+    """A program's rows of a step (``None`` for what it did not ask for).
+
+    Attributes
+    ----------
+    logits : [len(nodes), vocab] in the model dtype.
+    hidden : [len(nodes), hidden_size] (with ``all_rows``: [the nodes' pending tokens, hidden_size]) or None.
+    aux : [as hidden, len(engine.hidden_layers), hidden_size] or None.
+    heads : {name: [len(nodes), ...]} or None.
+    argmax : [len(nodes)] int64 device tensor or None.
+    read : the values of the request's ``read`` tensor as (nested) Python numbers, or None.
+    """
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+    heads: dict[str, torch.Tensor] | None = None
+    argmax: torch.Tensor | None = None
+    read: list | None = None
+
+
+class Program:
+    """A request as a resumable program; subclasses define :meth:`run`.
+
+    Attributes
+    ----------
+    prompt_ids : the prompt's token ids when the program starts from a prompt (requests with a
+        common prefix then share its K/V, unless ``shares_prompt`` is False), else None.
+    shares_prompt : whether its prompt may start with a prefix computed for several requests.
+    """
+
+    prompt_ids: list[int] | None = None
+    shares_prompt: bool = True
+
+    def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepOutput | None, Any]:
+        """The program: edits ``ctx.engine.tree``, yields requests, returns its result. It frees its
+        own nodes before it returns, and in a ``finally`` (it may be closed at any yield)."""
+        raise NotImplementedError(f"{type(self).__name__} must define run(ctx)")
+
+    def start_pages(self, pool) -> int:
+        """KV pages its start takes (the prompt past a shared prefix): admission waits for them."""
+        return pool.pages_for(len(self.prompt_ids)) if self.prompt_ids else 0
+
+    def step_pages(self, pool) -> int:
+        """Pages one of its steps may add, at most (headroom kept for it while it runs)."""
+        return 1
+
+
+class ProgramContext:
+    """What a running program sees: the engine, its prompt and page helpers, and ``step_queries``
+    (the tokens it added for its last step)."""
+
+    def __init__(self, engine: Engine, prefix: SharedPrefix | None = None):
+        self.engine = engine
+        self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
+        self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
+
+    def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:
+        """Wait until ``pages`` KV pages are free (``yield from ctx.reserve(n)`` before growing);
+        ``reason``: what needs them, for the error when nothing can free them."""
+        pool = self.engine.pool
+        if pages > pool.num_pages:
+            raise PoolExhaustedError(f"KV pool exhausted: a step needs {pages} pages of {pool.page_size} tokens, the "
+                                     f"pool has {pool.num_pages} in all; give the engine more kv_tokens")
+        while pool.num_free_pages < pages:
+            yield Wait(pages, reason)
+
+    def free(self, node: int | None) -> None:
+        """Prune ``node``'s subtree if it is still in the tree (a program's ``finally``). After an error
+        that left tokens of that subtree pending (the run ends with it) the step's tokens are marked
+        computed first: nothing reads them, and the scheduler closes every program."""
+        tree = self.engine.tree
+        if node is None or node not in tree:
+            return
+        if any(node in tree.path(p) for p in set(self.engine.pending_nodes().tolist())):
+            tree.commit_step()
+        tree.prune(node)
+
+    def prompt(self, ids: Sequence[int], parent: int | None = None, hidden: bool = False, heads: bool = False,
+               aux: bool = False, all_rows: bool = False
+               ) -> Generator[StepRequest | Wait, Any, tuple[int, StepOutput]]:
+        """Add a prompt (a new tree, or a child of ``parent``) and compute it in steps of at most
+        ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``. With
+        ``all_rows`` the output's ``hidden`` / ``aux`` hold every prompt token's (the chunks' joined).
+
+        A root prompt that starts with the context's shared prefix becomes a child of the
+        prefix's node, holding the rest of the prompt (never empty: see
+        :func:`~treedec.search.prefixes.share_prefixes`).
+        """
+        engine, ids = self.engine, [int(t) for t in ids]
+        if parent is None and self.prefix is not None:
+            assert ids[:len(self.prefix.tokens)] == self.prefix.tokens, "the prompt does not start with its prefix"
+            parent, ids = self.prefix.node, ids[len(self.prefix.tokens):]
+        if not ids:
+            raise ValueError("a prompt needs at least one token, got 0")
+        engine._check_token_ids(np.asarray(ids), "prompt_ids")
+        first = 0 if parent is None else len(engine.tree.sequence(parent))
+        engine._check_window(first + len(ids) - 1)
+        yield from self.reserve(engine.pool.pages_for(len(ids)))
+        chunk = engine.prefill_chunk
+        pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+        tree = engine.tree
+        node = tree.add_prompt(pieces[0]) if parent is None else tree.branch(parent, [pieces[0]])[0]
+        request = StepRequest([node], hidden=hidden, heads=heads, aux=aux, all_rows=all_rows, prompt=True)
+        states: list[StepOutput] = []
+        try:
+            out = yield request
+            states.append(out)
+            for piece in pieces[1:]:
+                tree.extend(node, piece)
+                out = yield request
+                states.append(out)
+        except BaseException:   # closed or failed before the caller has the node: free it here
+            self.free(node)
+            raise
+        if all_rows and len(states) > 1:
+            out.hidden = torch.cat([o.hidden for o in states]) if hidden else None
+            out.aux = torch.cat([o.aux for o in states]) if aux else None
+        return node, out
