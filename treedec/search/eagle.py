@@ -196,7 +196,7 @@ class EagleDraft(EngineTreeDraft):
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine
         rows = e.pending_rows(self._add_frontier(paths))
-        rows_t = torch.as_tensor(rows, device=e.device)
+        rows_t = to_device(rows, e.device)   # (pinned, in stream order: no wait for the queued steps)
         parents = torch.stack([self._outputs[p[:-1]] for p in paths])
         features = torch.empty_like(parents)
         features[rows_t] = parents            # query order
