@@ -317,7 +317,7 @@ def _treedec_configs(args, device) -> list[tuple[str, str]]:
     for p in args.planners or []:
         if p not in PLANNERS:
             raise SystemExit(f"unknown planner {p!r}; planners: {list(PLANNERS)}")
-    sizes = [int(c) for c in args.chunk_sizes] if args.chunk_sizes else [None]
+    sizes = [None if c == "auto" else int(c) for c in args.chunk_sizes] if args.chunk_sizes else [None]
     configs = []
     for b in backends:
         planners = args.planners or (list(PLANNERS) if b == "triton" else ["flatten"])

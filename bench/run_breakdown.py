@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, build_workload  # noqa: E402
+from bench.families import WORKLOADS  # noqa: E402
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
 
 
@@ -65,15 +66,20 @@ def kernel_times_us(fn, calls: int = 20) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="spec_medusa64_p4k,fewshot_b50_p16k,tot_d5w10")
+    parser.add_argument("--workloads", default="spec_medusa64_p4k,fewshot_b50_p16k,tot_d5w10",
+                        help="comma-separated, of the suite and the families (bench/families.py)")
     parser.add_argument("--chunk-size", type=int, default=None, help="flatten chunk size (default: the automatic rule)")
     parser.add_argument("--backend", default="cuda", choices=("triton", "cuda", "auto"))
     parser.add_argument("--planner", default="flatten")
     parser.add_argument("--out", type=Path, default=None, help="write the numbers as JSON here")
     args = parser.parse_args()
     results = {}
-    for name in args.workloads.split(","):
-        workload = build_workload(name)
+    names = args.workloads.split(",")
+    for name in names:
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; workloads: {list(WORKLOADS)}")
+    for name in names:
+        workload = WORKLOADS[name]()
         layout = workload.layout
         attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=args.backend,
                              plan_config=PlanConfig(args.planner, args.chunk_size))

@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
+from bench.families import WORKLOADS  # noqa: E402
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS  # noqa: E402
 
 GRAPH_CALLS = 8  # calls per captured graph in the "graphed" mode
 
@@ -82,7 +83,9 @@ def graphed_stamps(run, ext, trace: torch.Tensor, reps: int, calls: int = GRAPH_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="tot_d5w10,spec_medusa64_p32k", help=f"comma-separated, of {list(SUITE)}")
+    parser.add_argument("--workloads", default="tot_d5w10,spec_medusa64_p32k", help="comma-separated, of the suite and the families (bench/families.py)")
+    parser.add_argument("--planner", default="flatten", help="the planner (default flatten)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="chunk size (default: the automatic rule)")
     parser.add_argument("--reps", type=int, default=20, help="traced calls per workload and mode")
     parser.add_argument("--out", default=None, help="folder for the results JSON")
     args = parser.parse_args(argv)
@@ -90,8 +93,8 @@ def main(argv=None) -> int:
         raise SystemExit("stage1_trace.py needs a CUDA device")
     names = args.workloads.split(",")
     for name in names:
-        if name not in SUITE:
-            raise SystemExit(f"unknown workload {name!r}; workloads: {list(SUITE)}")
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; workloads: {list(WORKLOADS)}")
     trace_build_env()
     from treedec import PlanConfig, TreeAttention
     from treedec.kernels.cuda_tree_attention import extension
@@ -103,11 +106,11 @@ def main(argv=None) -> int:
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
     results = {}
     for name in names:
-        workload = build_workload(name)
+        workload = WORKLOADS[name]()
         layout = workload.layout
         q, k, v = workload.random_inputs(device)
-        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend="cuda", plan_config=PlanConfig("flatten"),
-                             device=device)
+        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend="cuda",
+                             plan_config=PlanConfig(args.planner, args.chunk_size), device=device)
         plan = attn.plan(layout)
         for _ in range(3):
             attn.run(q, k, v, plan)
