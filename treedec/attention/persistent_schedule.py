@@ -189,15 +189,7 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
                      plan.chunk_kv_start[chunk], np.diff(plan.chunk_kv_start)[chunk], first_tile],
                     axis=1).astype(np.int32)
     cost = block_cost[unit_block]
-
-    order = np.argsort(-cost, kind="stable")
-    cta_of_unit = np.empty(len(order), dtype=np.int64)
-    loads = np.zeros(num_ctas, dtype=np.float64)
-    for start in range(0, len(order), num_ctas):
-        batch = order[start:start + num_ctas]                   # heaviest remaining first
-        targets = np.argsort(loads, kind="stable")[:len(batch)]  # least-loaded CTAs first
-        cta_of_unit[batch] = targets
-        loads[targets] += cost[batch]
+    order, cta_of_unit, loads = assign_units(cost, num_ctas)
     # Each CTA runs its units in assignment order (heaviest first).
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
@@ -206,3 +198,20 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     cta_unit_start = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(counts, out=cta_unit_start[1:])
     return PersistentSchedule(cta_unit_start, np.ascontiguousarray(info[run_order]), tiles, loads, tile_tokens)
+
+
+def assign_units(cost: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy longest-processing-time assignment of units of ``cost`` to ``num_ctas`` CTAs, in rounds
+    of ``num_ctas`` units (vectorized): the heaviest remaining units go to the least-loaded CTAs.
+
+    Returns ``order`` (units, heaviest first: the assignment order), ``cta_of_unit`` [U] and the
+    CTAs' summed costs ``loads`` [num_ctas]."""
+    order = np.argsort(-cost, kind="stable")
+    cta_of_unit = np.empty(len(order), dtype=np.int64)
+    loads = np.zeros(num_ctas, dtype=np.float64)
+    for start in range(0, len(order), num_ctas):
+        batch = order[start:start + num_ctas]                   # heaviest remaining first
+        targets = np.argsort(loads, kind="stable")[:len(batch)]  # least-loaded CTAs first
+        cta_of_unit[batch] = targets
+        loads[targets] += cost[batch]
+    return order, cta_of_unit, loads

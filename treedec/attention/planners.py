@@ -22,6 +22,7 @@ import numpy as np
 
 from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_unit_cost, readers_per_chunk,
                                                units_per_kv_head)
+from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
@@ -97,6 +98,13 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     total = len(kv_slots)
     auto_chunk = config.chunk_size is None
     persistent_flatten = config.persistent_ctas is not None and config.planner == "flatten"
+    if auto_chunk and persistent_flatten:
+        segments = unshared_segments(q_idx, lo, hi, total)
+        if segments is not None:  # no KV shared: split-KV pieces of each query's own tokens
+            bounds = split_kv_bounds(segments, config.num_kv_heads, config.persistent_ctas, group_size,
+                                     PERSISTENT_MIN_CHUNK, PERSISTENT_MAX_CHUNK)
+            config = replace(config, chunk_size=int(np.diff(bounds).max()))
+            return _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds)
     runs = _sorted_runs(q_idx, lo, hi) if auto_chunk and persistent_flatten else None  # the unit counts' input
     if auto_chunk and config.planner != "node":
         # KV loads per KV head: sum over tokens of ceil(readers / query_tile), estimated
