@@ -11,7 +11,10 @@ All three share one core and differ only in where chunks are cut in the flattene
   path as chunks of its own, so a shared prefix is read once per query; the same kernels
   run it, which makes it the side-by-side baseline of the DeFT paper's comparisons.
 
-Only tokens that some query reads are flattened (a paused branch costs nothing).
+Only tokens that some query reads are flattened (a paused branch costs nothing). On a persistent
+grid (the cuda backend) with automatic chunks, a step whose queries share no KV token (an unshared
+decode batch) is cut by :mod:`~treedec.attention.split_kv` instead: chunks within each query's own
+tokens.
 """
 from __future__ import annotations
 
@@ -100,9 +103,10 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     persistent_flatten = config.persistent_ctas is not None and config.planner == "flatten"
     if auto_chunk and persistent_flatten:
         segments = unshared_segments(q_idx, lo, hi, total)
-        if segments is not None:  # no KV shared: split-KV pieces of each query's own tokens
-            bounds = split_kv_bounds(segments, config.num_kv_heads, config.persistent_ctas, group_size,
-                                     PERSISTENT_MIN_CHUNK, PERSISTENT_MAX_CHUNK)
+        bounds = None if segments is None else split_kv_bounds(  # no KV shared: pieces of each query's own tokens
+            segments, config.num_kv_heads, config.persistent_ctas, group_size, PERSISTENT_MIN_CHUNK,
+            PERSISTENT_MAX_CHUNK)
+        if bounds is not None:
             config = replace(config, chunk_size=int(np.diff(bounds).max()))
             return _plan_from_bounds(layout, config, q_idx, lo, hi, kv_slots, bounds)
     runs = _sorted_runs(q_idx, lo, hi) if auto_chunk and persistent_flatten else None  # the unit counts' input
