@@ -129,7 +129,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         from treedec.engine.tensor_parallel import load_checkpoint
         load_checkpoint(model, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
         return model
-    _load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
+    load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
                      source=str(root))
     return model
 
@@ -182,7 +182,7 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
     if not any(name.startswith("model.") for name in state):
         raise ValueError(f"expected a *ForCausalLM model (parameters named 'model.*' and 'lm_head.weight'), "
                          f"got {type(hf_model).__name__} with names like {next(iter(state), None)!r}")
-    _load_hf_tensors(model, ((name, tensor, type(hf_model).__name__) for name, tensor in state.items()),
+    load_hf_tensors(model, ((name, tensor, type(hf_model).__name__) for name, tensor in state.items()),
                      source=type(hf_model).__name__)
     return model
 
@@ -262,10 +262,76 @@ def to_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
     transformers model that shares treedec's weight memory.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {hf: params[ours][rows] for hf, (ours, rows) in _hf_targets(model.config).items()}
+    return {hf: params[ours][rows] for hf, (ours, rows) in hf_targets(model.config).items()}
 
 
-# ===================================================================== private
+def safetensors_device(device: torch.device) -> str:
+    """safetensors opens tensors straight on "cpu" or "cuda:<index>" (no CPU copy for a GPU)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+    return str(device)
+
+
+def hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """HF tensor name -> (treedec parameter name, rows of it) for every tensor the config needs."""
+    c = config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+             "gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+    full = slice(None)
+    out = {"model.embed_tokens.weight": ("embed_tokens.weight", full), "model.norm.weight": ("norm.weight", full)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head.weight", full)
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        for hf, ours in _LAYER_NAMES.items():
+            if hf.endswith(".bias") and not (c.o_bias if "o_proj" in hf else c.mlp_bias):
+                continue
+            out[pre + hf] = (f"layers.{i}.{ours}", full)
+        for hf, (ours, part) in _FUSED.items():
+            bias = c.qkv_bias if ours == "qkv_proj" else c.mlp_bias
+            for kind in ("weight", "bias") if bias else ("weight",):
+                out[f"{pre}{hf}.{kind}"] = (f"layers.{i}.{ours}.{kind}", parts[part])
+    return out
+
+
+def load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
+                     dtypes: tuple[torch.dtype, ...] | None = None,
+                     targets: dict[str, tuple[str, slice]] | None = None) -> None:
+    """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
+
+    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts). ``targets``: HF name ->
+    (parameter, rows), default :func:`hf_targets` of the model's config.
+    """
+    targets = hf_targets(model.config) if targets is None else targets
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: dict[str, str] = {}
+    unexpected = []
+    with torch.no_grad():
+        for name, tensor, file in tensors:
+            if name not in targets:
+                if not _IGNORED.fullmatch(name) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    unexpected.append(name)
+                continue
+            if name in seen:
+                raise CheckpointError(f"{file}: tensor {name} is stored twice (also in {seen[name]})")
+            if dtypes is not None and tensor.dtype not in dtypes:
+                raise CheckpointError(f"{file}: tensor {name} has dtype {tensor.dtype}, expected one of "
+                                      f"{[str(d) for d in dtypes]}")
+            param_name, rows = targets[name]
+            dst = params[param_name][rows]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise CheckpointError(f"{file}: checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
+                                      f"{tuple(dst.shape)} for the config {model.config}")
+            dst.copy_(tensor)
+            seen[name] = file
+    if unexpected:
+        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                              f"e.g. {unexpected[:5]} (a different architecture?)")
+    missing = sorted(set(targets) - set(seen))
+    if missing:
+        raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
+                              f"{missing[:5]}")
 
 
 def read_state_dict(file: Path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -283,6 +349,9 @@ def read_state_dict(file: Path, what: str = "checkpoint") -> dict[str, torch.Ten
             raise ValueError(f"{file} does not hold a state dict of tensors")
         return state
     raise ValueError(f"{what} {file} must be a .safetensors, .pt, .pth or .bin file")
+
+
+# ===================================================================== private
 
 
 def _default_device(device) -> torch.device:
@@ -382,7 +451,7 @@ def _read_safetensors(shards: list[Path], device: torch.device) -> Iterator[tupl
 
     for shard in shards:
         try:
-            with safetensors.safe_open(str(shard), framework="pt", device=_safetensors_device(device)) as f:
+            with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(device)) as f:
                 names = list(f.keys())
                 for name in names:
                     try:
@@ -394,72 +463,3 @@ def _read_safetensors(shards: list[Path], device: torch.device) -> Iterator[tupl
         except (safetensors.SafetensorError, OSError) as e:  # a truncated or corrupt file
             raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
                                   f"{str(e)[:200]})") from None
-
-
-def _safetensors_device(device: torch.device) -> str:
-    """safetensors opens tensors straight on "cpu" or "cuda:<index>" (no CPU copy for a GPU)."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
-    return str(device)
-
-
-def _hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
-    """HF tensor name -> (treedec parameter name, rows of it) for every tensor the config needs."""
-    c = config
-    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
-             "gate": slice(0, inter), "up": slice(inter, 2 * inter)}
-    full = slice(None)
-    out = {"model.embed_tokens.weight": ("embed_tokens.weight", full), "model.norm.weight": ("norm.weight", full)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = ("lm_head.weight", full)
-    for i in range(c.num_layers):
-        pre = f"model.layers.{i}."
-        for hf, ours in _LAYER_NAMES.items():
-            if hf.endswith(".bias") and not (c.o_bias if "o_proj" in hf else c.mlp_bias):
-                continue
-            out[pre + hf] = (f"layers.{i}.{ours}", full)
-        for hf, (ours, part) in _FUSED.items():
-            bias = c.qkv_bias if ours == "qkv_proj" else c.mlp_bias
-            for kind in ("weight", "bias") if bias else ("weight",):
-                out[f"{pre}{hf}.{kind}"] = (f"layers.{i}.{ours}.{kind}", parts[part])
-    return out
-
-
-def _load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
-                     dtypes: tuple[torch.dtype, ...] | None = None,
-                     targets: dict[str, tuple[str, slice]] | None = None) -> None:
-    """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
-
-    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts). ``targets``: HF name ->
-    (parameter, rows), default :func:`_hf_targets` of the model's config.
-    """
-    targets = _hf_targets(model.config) if targets is None else targets
-    params = dict(model.named_parameters(remove_duplicate=False))
-    seen: dict[str, str] = {}
-    unexpected = []
-    with torch.no_grad():
-        for name, tensor, file in tensors:
-            if name not in targets:
-                if not _IGNORED.fullmatch(name) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-                    unexpected.append(name)
-                continue
-            if name in seen:
-                raise CheckpointError(f"{file}: tensor {name} is stored twice (also in {seen[name]})")
-            if dtypes is not None and tensor.dtype not in dtypes:
-                raise CheckpointError(f"{file}: tensor {name} has dtype {tensor.dtype}, expected one of "
-                                      f"{[str(d) for d in dtypes]}")
-            param_name, rows = targets[name]
-            dst = params[param_name][rows]
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise CheckpointError(f"{file}: checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
-                                      f"{tuple(dst.shape)} for the config {model.config}")
-            dst.copy_(tensor)
-            seen[name] = file
-    if unexpected:
-        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
-                              f"e.g. {unexpected[:5]} (a different architecture?)")
-    missing = sorted(set(targets) - set(seen))
-    if missing:
-        raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
-                              f"{missing[:5]}")

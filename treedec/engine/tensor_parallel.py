@@ -51,7 +51,7 @@ from torch import nn
 
 from treedec.engine.config import ModelConfig
 from treedec.engine.llama import Llama
-from treedec.engine.loading import CheckpointError, _hf_targets, init_random_, _load_hf_tensors, _safetensors_device
+from treedec.engine.loading import CheckpointError, hf_targets, init_random_, load_hf_tensors, safetensors_device
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # HF projections split across ranks: (which projection, weight or bias)
@@ -282,20 +282,20 @@ def load_checkpoint(model: TensorParallelLlama, shards: list[Path], source: str,
                     ) -> None:
     """Copy this rank's slices of the safetensors ``shards`` into ``model`` (only those slices are read),
     with the checks of the single-GPU loader."""
-    _load_hf_tensors(model, _read_rank_slices(shards, model), source, dtypes, targets=_local_targets(model))
+    load_hf_tensors(model, _read_rank_slices(shards, model), source, dtypes, targets=_local_targets(model))
 
 
 def load_random(model: TensorParallelLlama, seed: int, std: float) -> None:
     """Fill ``model`` with its slices of the weights ``from_config(full_config, seed, std)`` draws:
     every parameter drawn whole, in the same order from the same generator, then cut, so that TP=N
     computes what TP=1 does. One whole parameter is in memory at a time."""
-    _load_hf_tensors(model, _random_rank_slices(model, seed, std), "random weights", targets=_local_targets(model))
+    load_hf_tensors(model, _random_rank_slices(model, seed, std), "random weights", targets=_local_targets(model))
 
 
 def _local_targets(model: TensorParallelLlama) -> dict[str, tuple[str, slice]]:
     """HF name -> (this rank's parameter, rows of it): the fused layouts of the shard's config."""
     return {hf: ("lm_head.weight_shard" if param == "lm_head.weight" else param, rows)
-            for hf, (param, rows) in _hf_targets(model.config).items()}
+            for hf, (param, rows) in hf_targets(model.config).items()}
 
 
 def _read_rank_slices(shards: list[Path], model: TensorParallelLlama) -> Iterator[tuple[str, torch.Tensor, str]]:
@@ -307,7 +307,7 @@ def _read_rank_slices(shards: list[Path], model: TensorParallelLlama) -> Iterato
     shapes = _full_shapes(c)
     for shard in shards:
         try:
-            with safetensors.safe_open(str(shard), framework="pt", device=_safetensors_device(model.device)) as f:
+            with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(model.device)) as f:
                 for name in list(f.keys()):
                     if name not in shapes:   # unknown or unused: reported (or ignored) by the loader, not read
                         yield name, torch.empty(0), str(shard)
@@ -341,7 +341,7 @@ def _random_rank_slices(model: TensorParallelLlama, seed: int, std: float) -> It
     with torch.device("meta"):
         full = Llama(c, dtype=model.dtype)
     parts = defaultdict(list)
-    for hf, (param, rows) in _hf_targets(c).items():
+    for hf, (param, rows) in hf_targets(c).items():
         parts[param].append((hf, rows))
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in full.named_parameters():   # from_config's order (a tied head once)
@@ -356,4 +356,4 @@ def _full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> its shape in the whole model."""
     with torch.device("meta"):
         params = dict(Llama(config).named_parameters(remove_duplicate=False))
-    return {hf: tuple(params[param][rows].shape) for hf, (param, rows) in _hf_targets(config).items()}
+    return {hf: tuple(params[param][rows].shape) for hf, (param, rows) in hf_targets(config).items()}
