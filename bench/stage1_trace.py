@@ -83,7 +83,8 @@ def graphed_stamps(run, ext, trace: torch.Tensor, reps: int, calls: int = GRAPH_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="tot_d5w10,spec_medusa64_p32k", help="comma-separated, of the suite and the families (bench/families.py)")
+    parser.add_argument("--workloads", default="tot_d5w10,spec_medusa64_p32k",
+                        help="comma-separated, of the suite and the families (bench/families.py)")
     parser.add_argument("--planner", default="flatten", help="the planner (default flatten)")
     parser.add_argument("--chunk-size", type=int, default=None, help="chunk size (default: the automatic rule)")
     parser.add_argument("--reps", type=int, default=20, help="traced calls per workload and mode")

@@ -54,7 +54,8 @@ def test_few_sequences_keep_flattens_even_chunks():
     layout = unshared_layout(lengths)
     plan = make_plan(layout, grid(132), group_size=4)
     q_idx, lo, hi, kv_slots, *_ = _query_intervals(layout)
-    assert split_kv_bounds(unshared_segments(q_idx, lo, hi, len(kv_slots)), 8, 132, 4, 256, PERSISTENT_MAX_CHUNK) is None
+    segments = unshared_segments(q_idx, lo, hi, len(kv_slots))
+    assert split_kv_bounds(segments, 8, 132, 4, 256, PERSISTENT_MAX_CHUNK) is None
     lens = np.diff(plan.chunk_kv_start)
     assert lens[:-1].min() == lens.max() and not set(plan.chunk_kv_start.tolist()) >= set(np.cumsum(lengths).tolist())
 

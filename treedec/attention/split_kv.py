@@ -13,11 +13,11 @@ more; the one whose longest CTA is shortest under the schedule's greedy
 Where whole segments make fewer units than CTAs (a few sequences) there is nothing to keep whole:
 ``flatten``'s one round of even chunks balances better, and the planner keeps it.
 
-Measured on an H100 against FlashInfer's batch decode (graphed, us;
-bench/results/2026-11-24-nvidia-h100-unshared-planner-diag.json, ...-split-kv-new.json): 32 x 2k
-tokens 98.6 (flatten 146.5, FlashInfer 104.7), 128 x 2k 369.6 (415.7, 381.4), 4 x 96k 578.0
-(587.8, 569.3); 8 x 2k cut into two rounds of pieces ran 34.1 against flatten's one round 31.3,
-hence the rule above.
+Measured on an H100 against FlashInfer's batch decode (graphed, us; bench/results/
+2026-11-24-nvidia-h100-families-split-kv.json, flatten's chunks from ...-unshared-planner-diag.json and
+...-80gb-hbm3-families.json): 32 x 2k tokens 98.6 (flatten 146.5, FlashInfer 104.8), 128 x 2k 372.4
+(415.7, 381.3), 4 x 96k 570.2 (587.8, 569.5); 8 x 2k cut into two rounds of pieces ran 34.1 against
+flatten's one round 31.3 (...-split-kv-new.json), hence the rule above.
 """
 from __future__ import annotations
 

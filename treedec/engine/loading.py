@@ -130,7 +130,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         load_checkpoint(model, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
         return model
     load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
-                     source=str(root))
+                    source=str(root))
     return model
 
 
@@ -183,7 +183,7 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
         raise ValueError(f"expected a *ForCausalLM model (parameters named 'model.*' and 'lm_head.weight'), "
                          f"got {type(hf_model).__name__} with names like {next(iter(state), None)!r}")
     load_hf_tensors(model, ((name, tensor, type(hf_model).__name__) for name, tensor in state.items()),
-                     source=type(hf_model).__name__)
+                    source=type(hf_model).__name__)
     return model
 
 
@@ -296,8 +296,8 @@ def hf_targets(config: ModelConfig) -> dict[str, tuple[str, slice]]:
 
 
 def load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
-                     dtypes: tuple[torch.dtype, ...] | None = None,
-                     targets: dict[str, tuple[str, slice]] | None = None) -> None:
+                    dtypes: tuple[torch.dtype, ...] | None = None,
+                    targets: dict[str, tuple[str, slice]] | None = None) -> None:
     """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
 
     ``dtypes``: the tensor dtypes accepted (None: any; a copy converts). ``targets``: HF name ->
