@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bench.step import _bench_hf as bench_hf_steps, _free, _hf_model, _rel_err, hf_tree_inputs
+from bench.step import _bench_hf as bench_hf_steps, _free, _hf_model, _rel_err, hf_cache_kwargs, hf_tree_inputs
 from treedec.engine import Engine
 
 if TYPE_CHECKING:
@@ -61,11 +61,11 @@ def logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int],
 
     device = work.model.device
     cache = DynamicCache()
-    hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)  # sdpa
+    hf(torch.tensor([prompt], device=device), **hf_cache_kwargs(hf, cache), use_cache=True, logits_to_keep=1)  # sdpa
     tree_input, positions, mask = hf_tree_inputs(len(prompt), tree_ids, work.medusa, work.model.dtype, device)
     hf.config._attn_implementation = "eager"   # LlamaAttention reads it at every call
     try:
-        hf_eager = hf(tree_input, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        hf_eager = hf(tree_input, attention_mask=mask, position_ids=positions, **hf_cache_kwargs(hf, cache),
                       use_cache=True).logits[0].float().cpu()
     finally:
         hf.config._attn_implementation = "sdpa"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import statistics
 import sys
@@ -187,6 +188,12 @@ def _hf_model(model, device):
 
 
 @torch.inference_mode()
+def hf_cache_kwargs(hf, cache) -> dict:
+    """The keyword that hands ``hf``'s forward its KV cache: ``cache`` where the forward takes it
+    (transformers >= 5.24, where ``past_key_values`` warns and is to go in 5.40), else ``past_key_values``."""
+    return {"cache": cache} if "cache" in inspect.signature(hf.forward).parameters else {"past_key_values": cache}
+
+
 def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[dict, torch.Tensor]:
     """Prefill a DynamicCache with the prompt, then verify / decode steps cropped back after each."""
     from transformers import DynamicCache
@@ -194,7 +201,7 @@ def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[di
     n = len(prompt)
     t0 = time.perf_counter()
     cache = DynamicCache()
-    hf(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    hf(torch.tensor([prompt], device=device), **hf_cache_kwargs(hf, cache), use_cache=True, logits_to_keep=1)
     _sync(device)
     prefill_s = time.perf_counter() - t0
     tree_input, positions, mask = hf_tree_inputs(n, tree_ids, medusa, next(hf.parameters()).dtype, device)
@@ -206,12 +213,12 @@ def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[di
         cache.crop(n - cache.get_seq_length())
 
     def verify():
-        captured["logits"] = hf(tree_input, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                use_cache=True).logits[0]
+        captured["logits"] = hf(tree_input, attention_mask=mask, position_ids=positions,
+                                **hf_cache_kwargs(hf, cache), use_cache=True).logits[0]
         rollback()
 
     def decode():
-        hf(decode_input, position_ids=decode_position, past_key_values=cache, use_cache=True)
+        hf(decode_input, position_ids=decode_position, **hf_cache_kwargs(hf, cache), use_cache=True)
         rollback()
 
     out = {"prefill_s": prefill_s, "verify": _time(verify, reps, device), "decode": _time(decode, reps, device)}
