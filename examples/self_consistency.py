@@ -62,7 +62,7 @@ def main() -> None:
     print(f"{args.n} samples, {stats.steps + 1} steps in {elapsed:.2f} s; peak {stats.peak_pages} KV pages "
           f"(the prompt's {engine.pool.pages_for(len(prompt_ids))} once, not {args.n} times)")
     for i, (sample, answer) in enumerate(zip(result.samples.samples, result.answers)):
-        print(f"sample {i:2d} ({sample.finish_reason}, {len(sample.tokens)} tokens): answer {answer}")
+        print(f"sample {i:2d} ({sample.stop_reason}, {len(sample.tokens)} tokens): answer {answer}")
     print(f"votes: {result.votes}")
     print(f"majority answer: {result.answer}")
 

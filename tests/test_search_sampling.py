@@ -29,7 +29,7 @@ def test_same_seed_same_samples(tiny):
     assert tokens_of(runs[0]) == tokens_of(runs[1])
     assert tokens_of(runs[0]) != tokens_of(runs[2])
     assert len(set(map(tuple, tokens_of(runs[0])))) > 1          # the n samples differ from each other
-    assert all(len(s.tokens) == 8 and s.finish_reason == "length" and s.node is None for s in runs[0].samples)
+    assert all(len(s.tokens) == 8 and s.stop_reason == "length" and s.node is None for s in runs[0].samples)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(temperature=0.0),
@@ -79,7 +79,7 @@ def test_eos_ends_samples_and_frees_them(tiny):
         engine = make_engine(tiny)
         result = parallel_sample(engine, PROMPT, 3, 6, SamplingParams(top_k=1), eos_token_id=[eos, 511], keep=keep)
         for s in result.samples:
-            assert s.tokens == greedy[:first_eos + 1] and s.finish_reason == "eos"
+            assert s.tokens == greedy[:first_eos + 1] and s.stop_reason == "eos"
         assert result.stats.steps == first_eos + keep    # a kept sample's EOS token is computed too
         assert (engine.pool.num_free_pages == engine.pool.num_pages) != keep
 
@@ -90,9 +90,9 @@ def test_default_eos_is_the_model_s(tiny, monkeypatch):
     monkeypatch.setattr(tiny, "eos_token_ids", (eos,))
     result = parallel_sample(make_engine(tiny), PROMPT, 2, 6, SamplingParams(top_k=1))
     assert tokens_of(result) == [greedy[:greedy.index(eos) + 1]] * 2
-    assert [s.finish_reason for s in result.samples] == ["eos", "eos"]
+    assert [s.stop_reason for s in result.samples] == ["eos", "eos"]
     result = parallel_sample(make_engine(tiny), PROMPT, 2, 6, SamplingParams(top_k=1), eos_token_id=None)
-    assert tokens_of(result) == [greedy] * 2 and result.samples[0].finish_reason == "length"
+    assert tokens_of(result) == [greedy] * 2 and result.samples[0].stop_reason == "length"
 
 
 def test_ended_samples_free_their_pages_while_others_run(tiny):
@@ -104,9 +104,9 @@ def test_ended_samples_free_their_pages_while_others_run(tiny):
               key=lambda t: sum(t in s.tokens[:6] for s in probe.samples))
     result = parallel_sample(engine, PROMPT, 8, 12, generator=seeded(5), eos_token_id=eos)
     lengths = [len(s.tokens) for s in result.samples]
-    assert len(set(lengths)) > 1 and any(s.finish_reason == "eos" for s in result.samples)
+    assert len(set(lengths)) > 1 and any(s.stop_reason == "eos" for s in result.samples)
     for s in result.samples:
-        assert (s.finish_reason == "eos") == (s.tokens[-1] == eos) and eos not in s.tokens[:-1]
+        assert (s.stop_reason == "eos") == (s.tokens[-1] == eos) and eos not in s.tokens[:-1]
     # Step j computes the samples with more than j + 1 tokens (their token j + 1 is sampled from it).
     assert result.stats.queries_per_step == [sum(n > j + 1 for n in lengths) for j in range(max(lengths) - 1)]
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
@@ -130,7 +130,7 @@ def test_pipelined_sampling_gives_the_same_samples_and_tree(tiny, keep, max_new_
         tree.check_invariants()
         left = None if result.root is None else [tree.sequence(s.node) for s in result.samples]
         assert tree.layout().num_queries == 0
-        runs.append((tokens_of(result), [s.finish_reason for s in result.samples], left,
+        runs.append((tokens_of(result), [s.stop_reason for s in result.samples], left,
                      engine.pool.num_free_pages))
         if keep:   # kept nodes hold computed K/V: greedy under one equals greedy from scratch
             s = max(result.samples, key=lambda s: len(s.tokens))
@@ -255,7 +255,7 @@ def test_pipelined_sampling_on_a_graphed_gpu_engine():
         assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
         for s in result.samples:
             assert engine.tree.sequence(s.node) == prompt + s.tokens
-            assert (s.finish_reason == "eos") == (s.tokens[-1] in eos) and not set(s.tokens[:-1]) & set(eos)
+            assert (s.stop_reason == "eos") == (s.tokens[-1] in eos) and not set(s.tokens[:-1]) & set(eos)
         engine.tree.check_invariants()
         return [s.tokens for s in result.samples]
 

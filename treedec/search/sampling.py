@@ -116,13 +116,13 @@ class Sample:
     Attributes
     ----------
     tokens : its new tokens (the prompt not included); ends with the EOS id if it ended on one.
-    finish_reason : "eos" or "length" (``max_new_tokens`` reached).
+    stop_reason : "eos" or "length" (``max_new_tokens`` reached).
     node : with ``keep=True``, its node: a child of the prompt's node holding ``tokens``
         (all computed); else None.
     """
 
     tokens: list[int]
-    finish_reason: str
+    stop_reason: str
     node: int | None = None
 
 

@@ -58,8 +58,7 @@ class SpeculativeStats:
     node : the request's sequence node (its tokens: prompt + every accepted token);
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
-        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s
-        ``finish_reason``.
+        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s.
     """
 
     steps: int = 0
