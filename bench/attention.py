@@ -48,6 +48,7 @@ MAX_REL_ERR = 2e-3
 TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
 SMOKE_SCALE = 0.05
 GRAPH_KV_COPIES, GRAPH_CALLS = 8, 32
+KV_HEAD_CHOICES = (1, 2, 4, 8, 16, 32)  # divisors of the 32 query heads
 GRAPH_KV_BUDGET_BYTES = 16 << 30  # fewer K/V copies for the graph where 8 would not fit (each is far beyond L2)
 GRAPHED_PEERS = ("flashinfer_custom_mask", "flashinfer_batch_decode")  # graphed beside the best treedec method
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
-        "page_size": args.page_size, "head_dim": args.head_dim, "smoke": args.smoke,
+        "page_size": args.page_size, "head_dim": args.head_dim, "kv_heads": args.kv_heads, "smoke": args.smoke,
         "scale": SMOKE_SCALE if args.smoke else 1.0,
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
         "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
@@ -95,14 +96,16 @@ def main(argv=None) -> int:
         workload = WORKLOADS[name](page_size=args.page_size, scale=results["scale"])
         results["workloads"][name] = _bench_workload(workload, configs, peers[name], device, dtype, bandwidth,
                                                      graph=device.type == "cuda" and not args.no_graph, graph_all=args.graph_all,
-                                                     progress=progress, head_dim=args.head_dim)
+                                                     progress=progress, head_dim=args.head_dim,
+                                                     kv_heads=args.kv_heads)
         results["workloads"][name]["family"] = family_of(name)
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
     progress.close()
     print(f"wrote {path}", file=sys.stderr)
     # The README's table is the suite's shape at full scale: other runs write it only when asked.
     suite_only = all(name in SUITE for name in args.workloads)
-    readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM or not suite_only
+    readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM or args.kv_heads != NUM_KV_HEADS
+                             or not suite_only
                              else REPO / "bench" / "README.md")
     if readme:
         write_readme_table(results, Path(readme))
@@ -115,15 +118,15 @@ def main(argv=None) -> int:
 
 
 def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress,
-                    graph_all=False, head_dim=HEAD_DIM) -> dict:
+                    graph_all=False, head_dim=HEAD_DIM, kv_heads=NUM_KV_HEADS) -> dict:
     layout = workload.layout
-    q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim)
+    q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim, kv_heads=kv_heads)
     sm_scale = 1.0 / math.sqrt(head_dim)
     ref = _reference(q, k, v, layout, sm_scale)
 
     read = tokens_read(layout)
     elt = q.element_size()
-    hbm_bytes = 2 * layout.num_tokens * NUM_KV_HEADS * head_dim * elt + 2 * q.numel() * elt
+    hbm_bytes = 2 * layout.num_tokens * kv_heads * head_dim * elt + 2 * q.numel() * elt
     hbm_floor = hbm_bytes / bandwidth * 1e6
     tc_floor = 4 * NUM_QO_HEADS * head_dim * read / TENSOR_CORE_FLOPS * 1e6
     entry = {
@@ -174,10 +177,10 @@ def _peers_of(workload: str, chosen: list[str] | None) -> list[str]:
 
 
 def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
-    """Returns (result dict, maker(k, v) -> run or None); the head dim is q's."""
+    """Returns (result dict, maker(k, v) -> run or None); the head dim is q's, the KV heads k's."""
     config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
     try:
-        attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, q.shape[-1], backend=backend,
+        attn = TreeAttention(NUM_QO_HEADS, k.shape[2], q.shape[-1], backend=backend,
                              plan_config=config, device=device, dtype=q.dtype)
     except BackendUnavailableError as e:
         return {"status": "unavailable", "reason": str(e)}, None
@@ -274,6 +277,9 @@ def _parse_args(argv):
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=HEAD_DIM,
                         help=f"head dim of q, k and v (default {HEAD_DIM}, the suite's; other dims do not "
                              f"rewrite bench/README.md's table unless --readme names a file)")
+    parser.add_argument("--kv-heads", type=int, choices=KV_HEAD_CHOICES, default=NUM_KV_HEADS,
+                        help=f"KV heads beside the {NUM_QO_HEADS} query heads (default {NUM_KV_HEADS}, Llama-3's "
+                             f"GQA group of 4; 32: no GQA, one query row per KV head; the README table as --head-dim)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--readme", default=None,
                         help="markdown file whose table to rewrite (default: bench/README.md; none with --smoke)")

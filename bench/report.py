@@ -16,6 +16,7 @@ def render_table(results: dict) -> str:
     lines = [
         f"Measured {results['date']} on {results['device']} (copy bandwidth "
         f"{results['copy_bandwidth_TBps']:.2f} TB/s), {results['dtype']}, head dim {results.get('head_dim', 128)}, "
+        f"{results.get('kv_heads', 8)} KV heads, "
         f"page size {results['page_size']}"
         f"{', SMOKE scale x' + str(results['scale']) if not full_scale else ''}; torch {v.get('torch')}, "
         f"triton {v.get('triton')}, flashinfer {v.get('flashinfer')}. Microseconds per call, median, L2 "

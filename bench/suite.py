@@ -43,19 +43,20 @@ class Workload:
     num_pages: int
     page_size: int
 
-    def random_inputs(self, device, dtype=None, seed: int | None = 0, head_dim: int = HEAD_DIM):
+    def random_inputs(self, device, dtype=None, seed: int | None = 0, head_dim: int = HEAD_DIM,
+                      kv_heads: int = NUM_KV_HEADS):
         """Random q [queries, NUM_QO_HEADS, head_dim] and K/V caches [num_pages, page_size,
-        NUM_KV_HEADS, head_dim] (standard normal, ``dtype`` default fp16) on ``device``, drawn
+        kv_heads, head_dim] (standard normal, ``dtype`` default fp16) on ``device``, drawn
         after ``torch.manual_seed(seed)`` unless ``seed`` is None."""
         dtype = dtype or torch.float16
         if seed is not None:
             torch.manual_seed(seed)
         q = torch.randn(self.layout.num_queries, NUM_QO_HEADS, head_dim, dtype=dtype, device=device)
-        return q, *self.random_kv(device, dtype, head_dim)
+        return q, *self.random_kv(device, dtype, head_dim, kv_heads)
 
-    def random_kv(self, device, dtype=None, head_dim: int = HEAD_DIM):
-        """One random K and V cache pair [num_pages, page_size, NUM_KV_HEADS, head_dim]."""
-        shape = (self.num_pages, self.page_size, NUM_KV_HEADS, head_dim)
+    def random_kv(self, device, dtype=None, head_dim: int = HEAD_DIM, kv_heads: int = NUM_KV_HEADS):
+        """One random K and V cache pair [num_pages, page_size, kv_heads, head_dim]."""
+        shape = (self.num_pages, self.page_size, kv_heads, head_dim)
         dtype = dtype or torch.float16
         return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
 

@@ -148,6 +148,29 @@ def test_attention_head_dim_option(tmp_path):
     assert "head dim 64" in render_table(small)
 
 
+def test_attention_kv_heads_option(tmp_path):
+    """`--kv-heads 32` (no GQA) gives K/V caches of 32 heads: its K/V bytes are 4x the default 8 heads', treedec
+    and the peer check against the reference, the results name it, and the README table is left alone."""
+    readme = REPO / "bench" / "README.md"
+    before = readme.read_text()
+    results = {}
+    for kv_heads in (8, 32):
+        out = tmp_path / str(kv_heads)
+        cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--smoke", "--backends", "torch", "--peers",
+               "sdpa_dense_mask", "--workloads", "tot_d5w10", "--kv-heads", str(kv_heads), "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [path] = out.glob("*-smoke.json")
+        results[kv_heads] = json.loads(path.read_text())
+    assert readme.read_text() == before
+    w8, w32 = results[8]["workloads"]["tot_d5w10"], results[32]["workloads"]["tot_d5w10"]
+    q_bytes = 2 * w8["queries"] * 32 * 128 * 2
+    assert w32["hbm_bytes"] - q_bytes == 4 * (w8["hbm_bytes"] - q_bytes)
+    assert results[32]["kv_heads"] == 32 and "32 KV heads" in render_table(results[32])
+    for r in w32["methods"].values():
+        assert r["status"] == "ok" and r["rel_err"] < 2e-3, r
+
+
 def test_attention_smoke_run(tmp_path):
     """`bench/attention.py --smoke` runs the whole suite on the CPU and every result passes the check."""
     readme = REPO / "bench" / "README.md"
