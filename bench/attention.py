@@ -53,7 +53,7 @@ GRAPH_KV_BUDGET_BYTES = 16 << 30  # fewer K/V copies for the graph where 8 would
 GRAPHED_PEERS = ("flashinfer_custom_mask", "flashinfer_batch_decode")  # graphed beside the best treedec method
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (64, 128, 256)       # the head dims the cuda backend builds; the suite's is HEAD_DIM (Llama-3-8B)
-TREEDEC_BACKENDS = ("torch", "triton", "cuda", "auto")  # auto: what TreeAttention picks (hybrid on H100/H200)
+TREEDEC_BACKENDS = ("torch", "triton", "cuda", "auto")  # auto: what TreeAttention picks (cuda on H100/H200)
 
 
 def main(argv=None) -> int:

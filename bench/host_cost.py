@@ -11,7 +11,7 @@ runs while the device waits (the programs read every step's logits), so it adds 
 
 The ``cuda`` backend cannot be made without a GPU; ``--config cuda`` plans with its planner
 settings (persistent grid of ``--ctas`` CTAs, 128-row units) and adds its host-side schedule
-(``schedule_units``) to every step, which is what the hybrid backend's graphed tree steps pay.
+(``schedule_units``) to every step, which is what graphed steps pay on an H100/H200 (auto: cuda).
 
     python bench/host_cost.py [--programs tree_verify] [--prompt 4000] [--steps 50] [--profile 25]
 
@@ -76,7 +76,7 @@ def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:
         c = model.config
         group = c.num_heads // c.num_kv_heads
         # what cuda_plan_config fills in on an H100/H200 (it asks the device for the grid size)
-        engine.attn._configs["triton"] = dataclasses.replace(
+        engine.attn.plan_config = dataclasses.replace(
             engine.attn.plan_config, query_tile=default_query_tile(c.head_dim, group), persistent_ctas=ctas,
             light_tile_cost=LIGHT_TILE_COST)
         write = engine._graphs.load

@@ -98,7 +98,7 @@ def test_compiled_graph_steps_equal_eager(triton_device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_compiled_captured_steps_equal_eager_on_gpu(backend):
-    """Inductor-compiled, captured steps (both kernel backends; auto is the hybrid on an H100/H200)
+    """Inductor-compiled, captured steps (both kernel backends; auto is cuda on an H100/H200)
     equal eager steps over trees of changing shapes."""
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     eager = Engine(model, kv_tokens=8192, page_size=16, backend=backend)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from treedec.attention.backends import HYBRID_MIN_ROWS, check_kv_caches, resolve_backend
+from treedec.attention.backends import check_kv_caches, resolve_backend
 from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
@@ -35,9 +35,8 @@ class TreeAttention:
         ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA of any ratio).
     backend:
         "auto", "reference", "torch", "triton" or "cuda". The choice made is in
-        :attr:`backend` and :attr:`backend_reason` (and logged). ``auto`` may resolve to
-        ``hybrid`` (H100/H200 with both kernel backends): each plan then names its kernel
-        backend in ``plan.backend`` (see :meth:`step_backend`).
+        :attr:`backend` and :attr:`backend_reason` (and logged); each plan names it in
+        ``plan.backend``.
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
         are set from this object and the device.
@@ -78,42 +77,36 @@ class TreeAttention:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
-        kernel_backends = ("triton", "cuda") if self.backend == "hybrid" else (self.backend,)
-        self._backends = {b: self._make_backend(b) for b in kernel_backends}
-        # Per kernel backend, the planner settings it runs best with (cuda: 128-row units).
-        self._configs = {b: self._config_for(b) for b in kernel_backends}
-        if self.backend != "hybrid":
-            self.plan_config = self._configs[self.backend]
+        self._backends = {self.backend: self._make_backend(self.backend)}
+        self.plan_config = self._config_for(self.backend)  # what the backend runs best with (cuda: 128-row units)
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 
     def plan(self, tree: SequenceTree | TreeLayout, into: StaticPlan | None = None) -> DeviceTreePlan:
         """Plan one step on the CPU, copy the index arrays to :attr:`device` and prepare the launch.
 
         The queries are the tree's pending tokens, in :meth:`SequenceTree.layout` order. The
-        kernel backend that runs the plan is ``plan.backend`` (with ``hybrid``, chosen here
-        per step) and what it launches with is ``plan.prepared``.
+        kernel backend that runs the plan is ``plan.backend`` and what it launches with is
+        ``plan.prepared``.
 
         ``into``: a :meth:`static_plan` to write the plan into instead (for CUDA graphs): the
         same prepared :class:`DeviceTreePlan` over its buffers is returned for every tree; a
         tree over its bounds raises PlanError and changes nothing.
         """
         layout = tree.layout() if isinstance(tree, SequenceTree) else tree
-        backend = self.step_backend(layout.num_queries) if into is None else into.backend_name
-        host = make_plan(layout, self._configs[backend], self.num_qo_heads // self.num_kv_heads)
+        host = make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads)
         if into is not None:
             return into.write(host)
-        return self.prepare(host.to(self.device), backend)
+        return self.prepare(host.to(self.device))
 
     def static_plan(self, bounds: PlanBounds, backend: str | None = None, tile_tokens: int | None = None,
                     extra: dict[str, tuple[int, ...]] | None = None) -> StaticPlan:
         """Device buffers of fixed address for plans within ``bounds``: see :mod:`treedec.attention.static_plan`.
 
-        ``backend``: the kernel backend its plans run on; default :meth:`step_backend` of
-        ``bounds.max_queries`` (with ``hybrid``: the measured rule, per bucket). ``tile_tokens``:
+        ``backend``: the kernel backend its plans run on; default :attr:`backend`. ``tile_tokens``:
         the cuda backend's KV tile for every plan (default: its rule, applied to the first plan).
         ``extra``: caller-owned int32 sections written with each plan (:meth:`StaticPlan.write`).
         """
-        backend = self.step_backend(bounds.max_queries) if backend is None else backend
+        backend = self.backend if backend is None else backend
         if backend not in ("triton", "cuda"):
             raise ValueError(f"static plans (CUDA graphs) run on the triton or cuda kernels; this TreeAttention's "
                              f"backend is {self.backend!r} (the torch and reference backends index on the host)")
@@ -130,23 +123,12 @@ class TreeAttention:
         """``plan`` (from :meth:`TreePlan.to`, e.g. a plan made with its own planner settings) with
         ``backend``'s launch prepared.
 
-        ``backend`` defaults to :meth:`step_backend` of the plan's queries.
+        ``backend`` defaults to :attr:`backend`.
         """
-        backend = self.step_backend(plan.plan.num_queries) if backend is None else backend
+        backend = self.backend if backend is None else backend
         if backend not in self._backends:
             raise ValueError(f"backend {backend!r} is not one of this TreeAttention's {sorted(self._backends)}")
         return dataclasses.replace(plan, backend=backend, prepared=self._backends[backend].prepare(plan))
-
-    def step_backend(self, num_queries: int) -> str:
-        """The backend a step of ``num_queries`` queries runs on (``hybrid`` picks by rows per KV head)."""
-        if self.backend != "hybrid":
-            return self.backend
-        rows = num_queries * (self.num_qo_heads // self.num_kv_heads)
-        return "cuda" if rows >= HYBRID_MIN_ROWS else "triton"
-
-    def plan_config_for(self, backend: str) -> PlanConfig:
-        """The planner settings of ``backend`` (one of this object's kernel backends)."""
-        return self._configs[backend]
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):

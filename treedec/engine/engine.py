@@ -49,13 +49,13 @@ class Engine:
     page_size : int
         Tokens per KV page.
     backend, plan_config :
-        Of the :class:`TreeAttention` (``auto``: hybrid or triton on a GPU, torch on the CPU).
+        Of the :class:`TreeAttention` (``auto``: cuda on an H100/H200, else triton on a GPU; torch
+        on the CPU).
     prefill_chunk : int
         :meth:`prefill` runs a long prompt as steps of at most this many tokens.
     cuda_graphs : bool or CudaGraphConfig
         Replay captured CUDA graphs for steps of up to ``max_queries`` queries (needs CUDA and a
-        kernel backend: triton, cuda, or auto's hybrid, whose rule then picks the kernel of each
-        graph); see :mod:`treedec.engine.cuda_graphs`.
+        kernel backend: triton or cuda); see :mod:`treedec.engine.cuda_graphs`.
     compile_model : bool or dict
         With ``cuda_graphs``: compile the whole forward of the graphed steps with ``torch.compile``
         (``fullgraph=True``; a dict gives more ``torch.compile`` arguments), attention and the K/V
@@ -216,11 +216,9 @@ class Engine:
             plan = self.attn.plan(layout)
             host_plan = plan.plan
         else:
-            backend = self.attn.step_backend(num_q)
-            host_plan = make_plan(layout, self.attn.plan_config_for(backend),
-                                  self.attn.num_qo_heads // self.attn.num_kv_heads)
-            graph = self._graphs.load(backend, host_plan, tokens, positions, slots)
-            plan = self.attn.prepare(host_plan.to(self.device), backend) if graph is None else None
+            host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
+            graph = self._graphs.load(self.attn.backend, host_plan, tokens, positions, slots)
+            plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
@@ -423,9 +421,9 @@ class Engine:
             raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
         if config.capture and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")
-        if self.attn.backend not in ("triton", "cuda", "hybrid"):
-            raise ValueError(f"cuda_graphs needs a kernel attention backend (triton, cuda or auto's hybrid: their "
-                             f"kernels read the plan from device memory only); this engine's is {self.attn.backend!r}")
+        if self.attn.backend not in ("triton", "cuda"):
+            raise ValueError(f"cuda_graphs needs a kernel attention backend (triton or cuda: their kernels read the "
+                             f"plan from device memory only); this engine's is {self.attn.backend!r}")
         scratch_slot = self.pool.num_pages * self.pool.page_size
         row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
         if compile_model is False:

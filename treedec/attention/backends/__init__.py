@@ -9,8 +9,7 @@ import torch
 from treedec.errors import BackendUnavailableError
 
 BACKENDS = ("reference", "torch", "triton", "cuda")
-AUTO_ORDER = ("triton", "cuda")  # on a CUDA device without the hybrid, fastest first (measured)
-HYBRID_MIN_ROWS = 4  # query rows (queries x GQA group) per KV head from which hybrid takes cuda
+AUTO_ORDER = ("triton", "cuda")  # on a CUDA device other than an H100/H200, fastest first (measured)
 
 
 def check_kv_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: str,
@@ -79,27 +78,23 @@ def cuda_status(device: torch.device) -> str | None:
 def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
     """Map a requested backend (or ``auto``) to one that runs on ``device``.
 
-    Returns ``(backend, reason)``. On a CUDA device ``auto`` is ``hybrid`` where both triton
-    and the wgmma (sm_90a) cuda kernels run: each step takes cuda when it has at least
-    :data:`HYBRID_MIN_ROWS` query rows per KV head and triton below. On the H200 suite of
-    2026-11-22 (bench/results/2026-11-22-nvidia-h200-small-triton-vs-cuda.json and
-    ...-suite-final.json) cuda is faster on all eight workloads, eagerly and in CUDA graphs; on
-    an H100 on 2026-11-24 (...-families.json, ...-small-rows.json) it is also faster on every
-    unshared-decode and long-sequence step down to one query of a GQA-4 model (4 rows: 16.2 vs
-    18.6 us at 2k tokens, 66.8 vs 73.1 at 32k) and a graphed greedy decode step with cuda took
-    6.65 / 7.94 ms at 4000 / 32000 tokens against 6.78 / 8.43 with triton for it
-    (...-programs-backend-{cuda,auto}.json). Steps below 4 rows (a query or three of a model
-    without GQA) were not measured and keep triton. Otherwise ``auto`` prefers triton > cuda > torch. An explicit choice that cannot run raises
-    BackendUnavailableError naming why.
+    Returns ``(backend, reason)``. On an H100/H200 (sm_90) where the wgmma (sm_90a) cuda kernels
+    build, ``auto`` is ``cuda``: it was faster than triton on every step measured, eagerly and in
+    CUDA graphs: the eight suite trees (H200, 2026-11-22, bench/results/2026-11-22-nvidia-h200-
+    suite-final.json; H100, 2026-11-24, ...-suite-part{1,2}.json), every unshared-decode and
+    long-sequence step of a GQA-4 model (H100, ...-families-split-kv.json) and, on 2026-11-25, one
+    query of a model of 16 or 32 KV heads for 32 query heads, 1-2 rows per KV head
+    (...-kv-heads-{16,32}.json: 16.6 vs 20.3 us graphed at 2k tokens, 183.0 vs 200.0 at 32k, no
+    GQA). Elsewhere ``auto`` prefers triton > cuda > torch. An explicit choice that cannot run
+    raises BackendUnavailableError naming why.
     """
     statuses = {"reference": None, "torch": None,
                 "triton": triton_status(device), "cuda": cuda_status(device)}
     if name == "auto":
         if device.type == "cuda":
-            if statuses["triton"] is None and statuses["cuda"] is None \
-                    and torch.cuda.get_device_capability(device) == (9, 0):
-                return "hybrid", (f"auto: hybrid on {device}: per step, cuda (wgmma) for steps with >= "
-                                  f"{HYBRID_MIN_ROWS} query rows per KV head, triton below (measured crossover)")
+            if statuses["cuda"] is None and torch.cuda.get_device_capability(device) == (9, 0):
+                return "cuda", (f"auto: cuda (wgmma) on {device}, faster than triton on every tree, unshared "
+                                f"batch and long sequence measured on an H100/H200")
             for candidate in AUTO_ORDER:
                 if statuses[candidate] is None:
                     return candidate, f"auto: {candidate} is the fastest backend available on {device}"
