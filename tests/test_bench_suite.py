@@ -124,20 +124,27 @@ def test_flashinfer_peers_say_why_on_cpu():
         assert PEERS[name].unavailable(torch.device("cpu"))
 
 
-def test_attention_head_dim_option(tmp_path):
-    """`--head-dim 64` runs q, k, v of that dim, its floors halve, and the README table is left alone."""
+def smoke_tot_d5w10(tmp_path, option: str, values) -> dict:
+    """``bench/attention.py --smoke`` on tot_d5w10 (torch backend, the sdpa peer) once per value of ``option``:
+    each run's results JSON by value; the README table must be left alone."""
     readme = REPO / "bench" / "README.md"
     before = readme.read_text()
     results = {}
-    for head_dim in (64, 128):
-        out = tmp_path / str(head_dim)
+    for value in values:
+        out = tmp_path / str(value)
         cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--smoke", "--backends", "torch", "--peers",
-               "sdpa_dense_mask", "--workloads", "tot_d5w10", "--head-dim", str(head_dim), "--out", str(out)]
+               "sdpa_dense_mask", "--workloads", "tot_d5w10", option, str(value), "--out", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         [path] = out.glob("*-smoke.json")
-        results[head_dim] = json.loads(path.read_text())
+        results[value] = json.loads(path.read_text())
     assert readme.read_text() == before
+    return results
+
+
+def test_attention_head_dim_option(tmp_path):
+    """`--head-dim 64` runs q, k, v of that dim, its floors halve, and the README table is left alone."""
+    results = smoke_tot_d5w10(tmp_path, "--head-dim", (64, 128))
     small, full = results[64], results[128]
     assert small["head_dim"] == 64 and full["head_dim"] == 128
     w64, w128 = small["workloads"]["tot_d5w10"], full["workloads"]["tot_d5w10"]
@@ -151,18 +158,7 @@ def test_attention_head_dim_option(tmp_path):
 def test_attention_kv_heads_option(tmp_path):
     """`--kv-heads 32` (no GQA) gives K/V caches of 32 heads: its K/V bytes are 4x the default 8 heads', treedec
     and the peer check against the reference, the results name it, and the README table is left alone."""
-    readme = REPO / "bench" / "README.md"
-    before = readme.read_text()
-    results = {}
-    for kv_heads in (8, 32):
-        out = tmp_path / str(kv_heads)
-        cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--smoke", "--backends", "torch", "--peers",
-               "sdpa_dense_mask", "--workloads", "tot_d5w10", "--kv-heads", str(kv_heads), "--out", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        [path] = out.glob("*-smoke.json")
-        results[kv_heads] = json.loads(path.read_text())
-    assert readme.read_text() == before
+    results = smoke_tot_d5w10(tmp_path, "--kv-heads", (8, 32))
     w8, w32 = results[8]["workloads"]["tot_d5w10"], results[32]["workloads"]["tot_d5w10"]
     q_bytes = 2 * w8["queries"] * 32 * 128 * 2
     assert w32["hbm_bytes"] - q_bytes == 4 * (w8["hbm_bytes"] - q_bytes)
