@@ -81,9 +81,9 @@ def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:
             light_tile_cost=LIGHT_TILE_COST)
         write = engine._graphs.load
 
-        def load(backend, plan, *args):   # add the cuda backend's per-step host schedule
+        def load(plan, *args):   # add the cuda backend's per-step host schedule
             schedule_units(plan, group, c.num_kv_heads, ctas, ROWS_PER_UNIT[c.head_dim], 64)
-            return write(backend, plan, *args)
+            return write(plan, *args)
 
         engine._graphs.load = load
     return engine

@@ -77,7 +77,7 @@ class TreeAttention:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
-        self._backends = {self.backend: self._make_backend(self.backend)}
+        self._runner = self._make_backend(self.backend)
         self.plan_config = self._config_for(self.backend)  # what the backend runs best with (cuda: 128-row units)
         logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
 
@@ -98,37 +98,28 @@ class TreeAttention:
             return into.write(host)
         return self.prepare(host.to(self.device))
 
-    def static_plan(self, bounds: PlanBounds, backend: str | None = None, tile_tokens: int | None = None,
+    def static_plan(self, bounds: PlanBounds, tile_tokens: int | None = None,
                     extra: dict[str, tuple[int, ...]] | None = None) -> StaticPlan:
         """Device buffers of fixed address for plans within ``bounds``: see :mod:`treedec.attention.static_plan`.
 
-        ``backend``: the kernel backend its plans run on; default :attr:`backend`. ``tile_tokens``:
-        the cuda backend's KV tile for every plan (default: its rule, applied to the first plan).
-        ``extra``: caller-owned int32 sections written with each plan (:meth:`StaticPlan.write`).
+        ``tile_tokens``: the cuda backend's KV tile for every plan (default: its rule, applied to
+        the first plan). ``extra``: caller-owned int32 sections written with each plan
+        (:meth:`StaticPlan.write`).
         """
-        backend = self.backend if backend is None else backend
-        if backend not in ("triton", "cuda"):
+        if self.backend not in ("triton", "cuda"):
             raise ValueError(f"static plans (CUDA graphs) run on the triton or cuda kernels; this TreeAttention's "
                              f"backend is {self.backend!r} (the torch and reference backends index on the host)")
-        if backend not in self._backends:
-            raise ValueError(f"backend {backend!r} is not one of this TreeAttention's {sorted(self._backends)}")
-        runner = self._backends[backend]
-        if backend == "cuda":
+        runner = self._runner
+        if self.backend == "cuda":
             runner = runner.with_static_tile(tile_tokens)
         elif tile_tokens is not None:
             raise ValueError("tile_tokens is a cuda backend setting; the triton kernels tile by their launch table")
         return StaticPlan(bounds, runner, self.device, extra)
 
-    def prepare(self, plan: DeviceTreePlan, backend: str | None = None) -> DeviceTreePlan:
+    def prepare(self, plan: DeviceTreePlan) -> DeviceTreePlan:
         """``plan`` (from :meth:`TreePlan.to`, e.g. a plan made with its own planner settings) with
-        ``backend``'s launch prepared.
-
-        ``backend`` defaults to :attr:`backend`.
-        """
-        backend = self.backend if backend is None else backend
-        if backend not in self._backends:
-            raise ValueError(f"backend {backend!r} is not one of this TreeAttention's {sorted(self._backends)}")
-        return dataclasses.replace(plan, backend=backend, prepared=self._backends[backend].prepare(plan))
+        this object's backend's launch prepared."""
+        return dataclasses.replace(plan, backend=self.backend, prepared=self._runner.prepare(plan))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):
@@ -145,8 +136,8 @@ class TreeAttention:
         out : [Q, num_qo_heads, head_dim] in q's dtype; with ``return_lse`` also
         lse : [Q, num_qo_heads] float32, natural log.
         """
-        backend = self._check_inputs(q, k_cache, v_cache, plan)
-        out, lse = self._backends[backend].run(q, k_cache, v_cache, plan)
+        self._check_inputs(q, k_cache, v_cache, plan)
+        out, lse = self._runner.run(q, k_cache, v_cache, plan)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
@@ -185,24 +176,24 @@ class TreeAttention:
 
     def _config_for(self, backend: str) -> PlanConfig:
         if backend == "cuda":  # fill the cuda kernel's 128-row units; chunks sized for its persistent grid
-            return self._backends["cuda"].plan_config(self.plan_config)
+            return self._runner.plan_config(self.plan_config)
         return self.plan_config
 
-    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> str:
-        """Raise a clear error for inputs ``run`` cannot take; else the backend that runs ``plan``."""
+    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+        """Raise a clear error for inputs ``run`` cannot take."""
         if not isinstance(plan, DeviceTreePlan):
             raise TypeError(f"plan must come from TreeAttention.plan(), got {type(plan).__name__}")
         # torch and reference execute any plan; the kernel backends need their own launch prepared.
-        backend = self.backend if self.backend in ("torch", "reference") else plan.backend
-        if backend not in self._backends:
-            raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not one of this TreeAttention's "
-                             f"{sorted(self._backends)}: make it with this object's plan() or prepare()")
+        if self.backend not in ("torch", "reference") and plan.backend != self.backend:
+            raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not this TreeAttention's "
+                             f"{self.backend!r}: make it with this object's plan() or prepare()")
         expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
         if q.dim() != 3 or tuple(q.shape) != expected_q:
             raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim] = {expected_q}, "
                              f"got {tuple(q.shape)}")
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+        backend = self.backend
         if backend in ("triton", "cuda") and plan.prepared is None:
             raise ValueError(f"this plan has no {backend} launch prepared: make it with plan() or prepare()")
         if backend in ("triton", "cuda") and q.dtype != plan.prepared.dtype:
@@ -222,4 +213,3 @@ class TreeAttention:
         if backend == "cuda":
             from treedec.kernels.cuda_tree_attention import check_inputs
             check_inputs(q, k_cache, v_cache)  # 16-byte aligned rows
-        return backend

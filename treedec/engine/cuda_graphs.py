@@ -1,4 +1,4 @@
-"""CUDA graphs for engine steps: one captured forward per (kernel backend, query bucket).
+"""CUDA graphs for engine steps: one captured forward per query bucket.
 
 A step's plan is written into a :class:`~treedec.attention.StaticPlan` of its bucket (the
 attention layer's one static-plan mechanism, for every kernel backend; see
@@ -58,7 +58,7 @@ class _Graph:
 
 
 class GraphRunner:
-    """Runs steps from static plans, replaying one captured graph per (backend, query bucket).
+    """Runs steps from static plans, replaying one captured graph per query bucket.
 
     ``forward(static, row_inputs) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
     hidden_size], ...)`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
@@ -78,18 +78,17 @@ class GraphRunner:
         self._forward = forward
         self._scratch_slot = scratch_slot
         self._row_inputs = dict(row_inputs or {})
-        self._graphs: dict[tuple[str, int], _Graph] = {}
+        self._graphs: dict[int, _Graph] = {}  # by the bucket's max_queries
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
 
-    def load(self, backend: str, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray
-             ) -> _Graph | None:
-        """Write the step planned by ``plan`` for ``backend`` into its bucket's static plan (the host
+    def load(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> _Graph | None:
+        """Write the step planned by ``plan`` into its bucket's static plan (the host
         side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`)."""
         if plan.num_queries > self.config.max_queries:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
         need = PlanBounds.for_plan(plan)
-        key = (backend, need.max_queries)
+        key = need.max_queries
         entry = self._graphs.get(key)
         replaced = None  # kept alive until the new graph is captured (see below)
         if entry is None or not entry.static.bounds.fits(plan) or entry.static.current.query_tile != plan.query_tile:
@@ -97,7 +96,7 @@ class GraphRunner:
                 return self._eager(f"max_graphs={self.config.max_graphs} graphs already captured")
             bounds = need if entry is None else entry.static.bounds.union(need)
             replaced = self._graphs.pop(key, None)
-            static = self.attn.static_plan(bounds, backend, extra={"inputs": (3, bounds.max_queries)})
+            static = self.attn.static_plan(bounds, extra={"inputs": (3, bounds.max_queries)})
             buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
                        for name, (width, dtype) in self._row_inputs.items()}
             entry = self._graphs[key] = _Graph(static, buffers)

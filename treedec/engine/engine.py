@@ -217,7 +217,7 @@ class Engine:
             host_plan = plan.plan
         else:
             host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
-            graph = self._graphs.load(self.attn.backend, host_plan, tokens, positions, slots)
+            graph = self._graphs.load(host_plan, tokens, positions, slots)
             plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
