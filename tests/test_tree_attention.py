@@ -100,6 +100,44 @@ def test_constructor_validation():
         TreeAttention(4, 4, 96)
 
 
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    ((8.0, 8, 128), {}, TypeError, r"num_qo_heads must be an int, got 8\.0"),
+    ((8, True, 128), {}, TypeError, "num_kv_heads must be an int, got True"),
+    ((8, 8, "128"), {}, TypeError, "head_dim must be an int"),
+    ((8, 8, 128), {"sm_scale": float("nan")}, ValueError, "sm_scale must be a finite number > 0"),
+    ((8, 8, 128), {"sm_scale": float("inf")}, ValueError, "sm_scale must be a finite number > 0"),
+    ((8, 8, 128), {"sm_scale": -0.1}, ValueError, "sm_scale must be a finite number > 0"),
+    ((8, 8, 128), {"sm_scale": "0.1"}, ValueError, "sm_scale must be a finite number > 0"),
+    ((8, 8, 128), {"device": "tpu"}, ValueError, "device must be a torch.device or a device string"),
+    ((8, 8, 128), {"device": 3.5}, ValueError, "device must be a torch.device or a device string"),
+    ((8, 8, 128), {"device": "meta"}, ValueError, "device must be a CPU or CUDA device"),
+    ((8, 8, 128), {"plan_config": {"planner": "flatten"}}, TypeError, "plan_config must be a PlanConfig"),
+])
+def test_constructor_names_the_bad_argument(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TreeAttention(*args, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CPU-only torch")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(BackendUnavailableError, match="device 'cuda' asked for, but this machine has"):
+        TreeAttention(8, 8, 128, device="cuda")
+
+
+@pytest.mark.parametrize("tree", [None, 3, [0, 1], "tree"])
+def test_plan_takes_a_tree_or_layout(tree):
+    with pytest.raises(TypeError, match="plan\\(\\) takes a SequenceTree or its TreeLayout, got"):
+        TreeAttention(4, 2, 64, device="cpu").plan(tree)
+
+
+def test_plan_into_must_be_a_static_plan(small_step):
+    attn, _, pool = small_step
+    tree = SequenceTree(pool)
+    tree.add_prompt(range(3))
+    with pytest.raises(TypeError, match="into must be a StaticPlan"):
+        attn.plan(tree, into={})
+
+
 def test_backend_choice_is_reported_and_explicit_failures_raise():
     auto = TreeAttention(4, 2, 64, device="cpu")
     assert auto.backend == "torch" and "auto" in auto.backend_reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 
 import torch
 
@@ -12,6 +13,7 @@ from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBack
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
 
@@ -19,6 +21,35 @@ logger = logging.getLogger("treedec")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def _check_sm_scale(sm_scale) -> float:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
+            or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be a finite number > 0 (default 1/sqrt(head_dim)), got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def _resolve_device(device) -> torch.device:
+    """The device ``run`` gets its tensors on (default: CUDA where available); a CUDA device on a torch
+    without CUDA is refused here rather than by torch's assertion at the first use."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}: {error}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no visible CUDA GPU"
+            raise BackendUnavailableError(f"device {device!r} asked for, but this machine has {build} "
+                                          f"(torch {torch.__version__}): use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif resolved.type != "cpu":
+        raise ValueError(f"device must be a CPU or CUDA device, got {device!r}")
+    return resolved
 
 
 def _check_contiguous(name: str, cache: torch.Tensor) -> None:
@@ -58,6 +89,10 @@ class TreeAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float16):
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of "
                              f"num_kv_heads ({num_kv_heads})")
@@ -65,12 +100,12 @@ class TreeAttention:
             raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if not isinstance(plan_config, PlanConfig):
+            raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype
-        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _check_sm_scale(sm_scale)
+        self.device = _resolve_device(device)
         if self.device.type == "cuda":
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -92,7 +127,14 @@ class TreeAttention:
         same prepared :class:`DeviceTreePlan` over its buffers is returned for every tree; a
         tree over its bounds raises PlanError and changes nothing.
         """
-        layout = tree.layout() if isinstance(tree, SequenceTree) else tree
+        if isinstance(tree, SequenceTree):
+            layout = tree.layout()
+        elif isinstance(tree, TreeLayout):
+            layout = tree
+        else:
+            raise TypeError(f"plan() takes a SequenceTree or its TreeLayout, got {type(tree).__name__}")
+        if into is not None and not isinstance(into, StaticPlan):
+            raise TypeError(f"into must be a StaticPlan from static_plan(), got {type(into).__name__}")
         host = make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads)
         if into is not None:
             return into.write(host)
