@@ -23,3 +23,7 @@ class BackendUnavailableError(RuntimeError):
 
 class ControllerError(ValueError):
     """A branch controller returned an invalid operation list (see :mod:`treedec.search.controller`)."""
+
+
+class ConcurrentUseError(RuntimeError):
+    """A second thread entered an engine or tree that another thread is using (one engine per thread)."""

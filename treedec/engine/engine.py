@@ -30,6 +30,7 @@ from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
 from treedec.tree import PagedKVPool, SequenceTree
+from treedec.tree.thread_guard import ThreadGuard
 from treedec.tree.validate import int_array, int_list
 
 logger = logging.getLogger("treedec")
@@ -63,8 +64,17 @@ class Engine:
         everything between the GEMMs; the compiled forward is then captured. One compile per
         graph bucket, at its first step. Eager steps (past the graphs' bounds) stay uncompiled.
 
+    One thread drives an engine: a second thread entering :meth:`step`, :meth:`prefill` or a
+    scheduler run (``with engine.guard``) while the first is inside raises
+    :class:`~treedec.errors.ConcurrentUseError` instead of corrupting the tree's refcounts.
+
     Attributes
     ----------
+    guard : ThreadGuard
+        Held by the thread inside the engine (re-entrant); see :mod:`treedec.tree.thread_guard`.
+    vocab_limit : int or None
+        Token ids at or past it are never produced: their logits are -inf in every step's output
+        (:meth:`restrict_vocab`; e.g. a checkpoint whose embedding is padded past its tokenizer).
     stats : Counter
         ``steps``, ``queries``, ``plan_seconds`` (host time from a step's layout to its plan
         prepared, or written into its graph's static plan) and ``kv_tokens_read`` (per KV
@@ -97,6 +107,8 @@ class Engine:
         self._v_slots = [self._v[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
+        self.guard = ThreadGuard("this Engine")
+        self.vocab_limit: int | None = None
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._hidden_layers: tuple[int, ...] = ()
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
@@ -108,6 +120,20 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV pool holds."""
         return self.pool.num_slots
+
+    def restrict_vocab(self, size: int) -> None:
+        """Never produce token ids ``>= size``: every step's logits there are -inf from now on, so greedy
+        picks, sampling and speculative acceptance all skip them. For a model whose vocabulary (the
+        embedding, often padded to a multiple of 64 or 128) is larger than its tokenizer's
+        (``len(tokenizer)``): an id past the tokenizer cannot be decoded. The batch functions call it
+        when they are given a tokenizer. A later, larger ``size`` does not widen an earlier limit."""
+        vocab = self.model.config.vocab_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 1 <= size <= vocab:
+            raise ValueError(f"size must be an int in [1, {vocab}] (the model's vocab_size), got {size!r}")
+        size = int(size)
+        if size < vocab and (self.vocab_limit is None or size < self.vocab_limit):
+            self.vocab_limit = size
+            logger.info("token ids >= %d are never produced (the model's vocabulary has %d)", size, vocab)
 
     def prefill(self, prompt_ids: Sequence[int], parent: int | None = None, return_hidden: bool = False,
                 return_heads: bool = False) -> tuple:
@@ -123,34 +149,8 @@ class Engine:
         (run :meth:`step` first); a pool too small for the prompt raises PoolExhaustedError
         before anything changes.
         """
-        tokens = int_list(prompt_ids, "prompt_ids", low=0)
-        if not tokens:
-            raise TreeError("prefill needs at least one prompt token, got 0")
-        self._check_token_ids(np.asarray(tokens), "prompt_ids")
-        pending = self.tree.layout().num_queries
-        if pending:
-            raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
-                            f"run step() first")
-        if parent is not None and parent not in self.tree:
-            raise TreeError(f"unknown parent node id {parent!r}")
-        first_position = 0 if parent is None else len(self.tree.sequence(parent))
-        self._check_window(first_position + len(tokens) - 1)
-        need = self.pool.pages_for(len(tokens))
-        if need > self.pool.num_free_pages:
-            raise PoolExhaustedError(
-                f"KV pool exhausted: the {len(tokens)}-token prompt needs {need} page(s) of {self.pool.page_size} "
-                f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
-        pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
-        node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
-        out = None
-        for i, piece in enumerate(pieces):
-            if i:
-                self.tree.extend(node, piece)
-            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
-        if not (return_hidden or return_heads):
-            return node, out[0]
-        *tensors, heads = out if return_heads else (*out, None)
-        return (node, *(t[0] for t in tensors)) + (({k: v[0] for k, v in heads.items()},) if return_heads else ())
+        with self.guard:
+            return self._prefill(prompt_ids, parent, return_hidden, return_heads)
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
@@ -195,6 +195,41 @@ class Engine:
         followed, each when asked for and in this order, by ``hidden [h, hidden_size]``, ``aux``
         and the row heads' dict: ``(logits, hidden)``, ``(logits, hidden, aux, heads)``, ...
         """
+        with self.guard:
+            return self._step(logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features)
+
+    def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> tuple:
+        tokens = int_list(prompt_ids, "prompt_ids", low=0)
+        if not tokens:
+            raise TreeError("prefill needs at least one prompt token, got 0")
+        self._check_token_ids(np.asarray(tokens), "prompt_ids")
+        pending = self.tree.layout().num_queries
+        if pending:
+            raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
+                            f"run step() first")
+        if parent is not None and parent not in self.tree:
+            raise TreeError(f"unknown parent node id {parent!r}")
+        first_position = 0 if parent is None else len(self.tree.sequence(parent))
+        self._check_window(first_position + len(tokens) - 1)
+        need = self.pool.pages_for(len(tokens))
+        if need > self.pool.num_free_pages:
+            raise PoolExhaustedError(
+                f"KV pool exhausted: the {len(tokens)}-token prompt needs {need} page(s) of {self.pool.page_size} "
+                f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
+        pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
+        node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
+        out = None
+        for i, piece in enumerate(pieces):
+            if i:
+                self.tree.extend(node, piece)
+            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
+        if not (return_hidden or return_heads):
+            return node, out[0]
+        *tensors, heads = out if return_heads else (*out, None)
+        return (node, *(t[0] for t in tensors)) + (({k: v[0] for k, v in heads.items()},) if return_heads else ())
+
+    def _step(self, logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features
+              ) -> torch.Tensor | tuple:
         layout = self.tree.layout()
         num_q = layout.num_queries
         if num_q == 0:
@@ -243,6 +278,9 @@ class Engine:
                 hidden_all = take_rows(hidden_all, hrows, self.device, copy=True)
                 aux_all = None if aux_all is None else take_rows(aux_all, hrows, self.device, copy=True)
                 hrows = None
+        if self.vocab_limit is not None:
+            with torch.inference_mode():   # the eager forward's logits are inference tensors
+                logits[..., self.vocab_limit:] = float("-inf")
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
@@ -258,9 +296,10 @@ class Engine:
         if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
             raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {_describe_tensor(src_slots)} "
                              f"and {_describe_tensor(dst_slots)}")
-        for k, v in zip(self._k_slots, self._v_slots):
-            k[dst_slots] = k[src_slots]
-            v[dst_slots] = v[src_slots]
+        with self.guard:
+            for k, v in zip(self._k_slots, self._v_slots):
+                k[dst_slots] = k[src_slots]
+                v[dst_slots] = v[src_slots]
 
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s

@@ -1,0 +1,107 @@
+"""Two threads in one engine raise instead of corrupting it; a vocabulary limit keeps ids the
+tokenizer lacks out of every output (#34 items 4 and 11)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engines import make_engine, tiny_model
+from treedec.errors import ConcurrentUseError
+from treedec.tree.thread_guard import ThreadGuard
+
+
+def test_guard_is_reentrant_for_one_thread_and_refuses_another():
+    guard = ThreadGuard("this Engine")
+    errors: list[BaseException] = []
+
+    def other():
+        try:
+            with guard:
+                pass
+        except BaseException as error:   # collected for the main thread to check
+            errors.append(error)
+
+    with guard:
+        with guard:   # re-entry (run_programs -> step) is fine
+            thread = threading.Thread(target=other, name="intruder")
+            thread.start()
+            thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
+    assert "thread 'MainThread'" in str(errors[0]) and "'intruder'" in str(errors[0])
+    other()   # released: another thread may now enter
+    assert len(errors) == 1
+
+
+def test_a_second_thread_stepping_the_engine_raises_and_changes_nothing():
+    engine = make_engine(tiny_model())
+    node, _ = engine.prefill([1, 2, 3])
+    engine.tree.extend(node, [4])
+    free_before, pending_before = engine.pool.num_free_pages, engine.tree.num_pending
+    errors: list[BaseException] = []
+
+    def step_from_another_thread():
+        try:
+            engine.step()
+        except BaseException as error:
+            errors.append(error)
+
+    with engine.guard:   # the engine's own thread is inside it (as a scheduler run is)
+        thread = threading.Thread(target=step_from_another_thread)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError), errors
+    assert engine.tree.num_pending == pending_before and engine.pool.num_free_pages == free_before
+    engine.step()   # the owner goes on: nothing was half-done
+    assert engine.tree.num_pending == 0
+
+
+def test_threads_taking_turns_are_fine():
+    engine = make_engine(tiny_model())
+    results = []
+
+    def run(prompt):
+        node, logits = engine.prefill(prompt)
+        results.append(int(logits.argmax()))
+        engine.tree.prune(node)
+
+    for prompt in ([1, 2, 3], [4, 5]):
+        thread = threading.Thread(target=run, args=(prompt,))
+        thread.start()
+        thread.join()
+    assert len(results) == 2 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_restrict_vocab_masks_every_output_row():
+    model = tiny_model()
+    engine = make_engine(model)
+    vocab = model.config.vocab_size
+    node, logits = engine.prefill([1, 2, 3])
+    top = int(logits.argmax())
+    engine.restrict_vocab(top)   # the id greedy would take is now out of range
+    assert engine.vocab_limit == top
+    engine.tree.extend(node, [top - 1])
+    out = engine.step()
+    assert out.shape[-1] == vocab
+    assert torch.isneginf(out[..., top:]).all() and torch.isfinite(out[..., :top]).all()
+    assert int(out.argmax()) < top
+    engine.restrict_vocab(vocab)   # a larger size does not widen it
+    assert engine.vocab_limit == top
+
+
+@pytest.mark.parametrize("size", [0, -1, 10**9, 2.5, True, "8", None])
+def test_restrict_vocab_names_a_bad_size(size):
+    engine = make_engine(tiny_model())
+    with pytest.raises(ValueError, match=r"size must be an int in \[1, \d+\]"):
+        engine.restrict_vocab(size)
+    assert engine.vocab_limit is None
+
+
+def test_restrict_vocab_to_the_whole_vocabulary_changes_nothing():
+    model = tiny_model()
+    engine = make_engine(model)
+    engine.restrict_vocab(model.config.vocab_size)
+    assert engine.vocab_limit is None
+    node, logits = engine.prefill([1, 2, 3])
+    assert torch.isfinite(logits).all()
