@@ -12,7 +12,7 @@ from treedec.attention.backends import check_kv_caches, resolve_backend
 from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
-from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
@@ -127,18 +127,24 @@ class TreeAttention:
         same prepared :class:`DeviceTreePlan` over its buffers is returned for every tree; a
         tree over its bounds raises PlanError and changes nothing.
         """
+        if into is not None and not isinstance(into, StaticPlan):
+            raise TypeError(f"into must be a StaticPlan from static_plan(), got {type(into).__name__}")
+        host = self.plan_host(tree)
+        if into is not None:
+            return into.write(host)
+        return self.prepare(host.to(self.device))
+
+    def plan_host(self, tree: SequenceTree | TreeLayout) -> TreePlan:
+        """The host half of :meth:`plan`: the step's :class:`TreePlan` with this object's planner settings
+        (what a caller that picks the static plan from the plan's sizes writes itself, as the engine's
+        CUDA graphs do). Every plan of a step is made here."""
         if isinstance(tree, SequenceTree):
             layout = tree.layout()
         elif isinstance(tree, TreeLayout):
             layout = tree
         else:
             raise TypeError(f"plan() takes a SequenceTree or its TreeLayout, got {type(tree).__name__}")
-        if into is not None and not isinstance(into, StaticPlan):
-            raise TypeError(f"into must be a StaticPlan from static_plan(), got {type(into).__name__}")
-        host = make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads)
-        if into is not None:
-            return into.write(host)
-        return self.prepare(host.to(self.device))
+        return make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads)
 
     def static_plan(self, bounds: PlanBounds, tile_tokens: int | None = None,
                     extra: dict[str, tuple[int, ...]] | None = None) -> StaticPlan:

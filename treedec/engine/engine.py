@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention, make_plan
+from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
@@ -251,7 +251,7 @@ class Engine:
             plan = self.attn.plan(layout)
             host_plan = plan.plan
         else:
-            host_plan = make_plan(layout, self.attn.plan_config, self.attn.num_qo_heads // self.attn.num_kv_heads)
+            host_plan = self.attn.plan_host(layout)
             graph = self._graphs.load(host_plan, tokens, positions, slots)
             plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
         self.stats["plan_seconds"] += time.perf_counter() - started
