@@ -3,12 +3,13 @@ from treedec.attention.custom_ops import store_kv, tree_attention as tree_attent
 from treedec.attention.merge import merge_states
 from treedec.attention.planners import PLANNERS, PlanConfig, make_plan, plan_flatten, plan_node, plan_node_chunk
 from treedec.attention.persistent_schedule import PersistentSchedule, schedule_units
+from treedec.attention.planner_choice import PlannerImpl, planner_impl
 from treedec.attention.reference import dense_tree_mask, reference_tree_attention
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_attention import TreeAttention
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 
-__all__ = ["PLANNERS", "DeviceTreePlan", "PersistentSchedule", "PlanBounds", "PlanConfig", "StaticPlan",
+__all__ = ["PLANNERS", "DeviceTreePlan", "PersistentSchedule", "PlanBounds", "PlanConfig", "PlannerImpl", "StaticPlan",
            "TreeAttention", "schedule_units", "TreePlan", "dense_tree_mask",
-           "make_plan", "merge_states", "plan_flatten", "plan_node", "plan_node_chunk",
+           "make_plan", "merge_states", "plan_flatten", "plan_node", "plan_node_chunk", "planner_impl",
            "reference_tree_attention", "store_kv", "tree_attention_op"]

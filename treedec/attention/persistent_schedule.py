@@ -19,13 +19,17 @@ longest-processing-time first; FlashInfer paper section 3.3.1): here the KV toke
 *live* ones, in the tiles that some entry of the item reads (the kernel skips the others), and
 every unit pays a fixed overhead. The greedy runs in rounds of ``num_ctas`` units (vectorized):
 the heaviest remaining units go to the least-loaded CTAs.
+
+:func:`schedule_units` runs the compiled port of this module (``treedec/kernels/planner/schedule.h``,
+the same schedule bit for bit) where :func:`~treedec.attention.planner_choice.planner_impl` says so.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.kernels.cuda_tree_attention import TILE_SIZES, TILE_TOKENS
 
@@ -68,6 +72,7 @@ class PersistentSchedule:
     tiles: np.ndarray
     cta_cost: np.ndarray
     tile_tokens: int = TILE_TOKENS
+    _device: np.ndarray | None = field(default=None, repr=False, compare=False)  # the compiled planner's device_array()
 
     @property
     def num_ctas(self) -> int:
@@ -80,7 +85,9 @@ class PersistentSchedule:
     def device_array(self) -> np.ndarray:
         """[SCHEDULE_HEADER + len(UNIT_FIELDS) U + N] int32, as the kernels read it
         (``PartialParams::unit_info``): the header (``tile_tokens``, 0), the unit records, then the
-        tile lists (``tile_begin``/``tile_end`` index this array)."""
+        tile lists (``tile_begin``/``tile_end`` index this array). Read-only where the compiled planner made it."""
+        if self._device is not None:
+            return self._device
         records = self.unit_info.copy()
         records[:, _LIST_FIELDS] += SCHEDULE_HEADER + records.size
         header = np.array([self.tile_tokens, 0], dtype=np.int32)
@@ -167,6 +174,13 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check_tile_tokens(tile_tokens)
+    module = planner_impl().module
+    if module is not None:  # the compiled port of the code below (treedec/kernels/planner/schedule.h)
+        cta_unit_start, unit_info, tiles, cta_cost, device = module.schedule_units(
+            plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask,
+            group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens)
+        device.setflags(write=False)
+        return PersistentSchedule(cta_unit_start, unit_info, tiles, cta_cost, tile_tokens, device)
     rows = plan.item_num_entries.astype(np.int64) * group                   # [I]
     blocks = -(-rows // rows_per_unit)                                      # [I]
     item_of_block = np.repeat(np.arange(plan.num_items), blocks)            # [B]

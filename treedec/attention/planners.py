@@ -15,6 +15,10 @@ Only tokens that some query reads are flattened (a paused branch costs nothing).
 grid (the cuda backend) with automatic chunks, a step whose queries share no KV token (an unshared
 decode batch) is cut by :mod:`~treedec.attention.split_kv` instead: chunks within each query's own
 tokens.
+
+This module is the reference; :func:`make_plan` runs the compiled port of it
+(``treedec/kernels/planner``) where :func:`~treedec.attention.planner_choice.planner_impl` says so,
+which gives the same plans bit for bit.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 
 from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_unit_cost, readers_per_chunk,
                                                units_per_kv_head)
+from treedec.attention.planner_choice import planner_impl
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.errors import PlanError
@@ -89,12 +94,23 @@ def default_query_tile(group_size: int, rows: int = 64) -> int:
 def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size: int = 1) -> TreePlan:
     """Plan one step: see the module docstring for the planners.
 
-    ``group_size`` (Hq / Hkv) sizes the query tile when ``config.query_tile`` is None.
+    ``group_size`` (Hq / Hkv) sizes the query tile when ``config.query_tile`` is None. The compiled
+    planner or the numpy reference runs, as :func:`~treedec.attention.planner_choice.planner_impl`
+    reports; both give the same plan.
     """
-    if config.query_tile is None:
-        config = replace(config, query_tile=default_query_tile(group_size))
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+        raise PlanError(f"group_size must be a positive int, got {group_size!r}")
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
+    query_tile = default_query_tile(group_size) if config.query_tile is None else config.query_tile
+    module = planner_impl().module
+    if module is not None:
+        return _compiled_plan(module, layout, config, query_tile, group_size)
+    return _numpy_plan(layout, replace(config, query_tile=query_tile), group_size)
+
+
+def _numpy_plan(layout: TreeLayout, config: PlanConfig, group_size: int) -> TreePlan:
+    """The reference planner (``config.query_tile`` resolved)."""
     q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)
     if config.planner == "path":
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
@@ -169,6 +185,20 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 
 # ===================================================================== private
 
+
+def _compiled_plan(module, layout: TreeLayout, config: PlanConfig, query_tile: int, group_size: int) -> TreePlan:
+    """:func:`make_plan` by the compiled planner (``treedec/kernels/planner/make_plan.h``)."""
+    (kv_slots, chunk_kv_start, chunk_entry_start, entry_query, entry_mask, query_entry_start, query_entries,
+     entry_direct, item_chunk, item_entry_start, item_num_entries, chunk_size, max_slot) = module.make_plan(
+        layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset,
+        PLANNERS.index(config.planner), config.chunk_size or 0, query_tile, config.num_kv_heads, config.num_sms,
+        config.persistent_ctas or 0, float(config.light_tile_cost or 1.0), group_size)
+    return TreePlan(planner=config.planner, num_queries=layout.num_queries,
+                    kv_slots=layout.kv_slots if kv_slots is None else kv_slots, chunk_kv_start=chunk_kv_start,
+                    chunk_entry_start=chunk_entry_start, entry_query=entry_query, entry_mask=entry_mask,
+                    query_entry_start=query_entry_start, query_entries=query_entries, entry_direct=entry_direct,
+                    item_chunk=item_chunk, item_entry_start=item_entry_start, item_num_entries=item_num_entries,
+                    chunk_size=chunk_size, query_tile=query_tile, max_slot=max_slot, layout=layout)
 
 
 def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:

@@ -37,9 +37,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import DEVICE_ARRAYS, MASK_BITS, DeviceTreePlan, TreePlan
 from treedec.errors import PlanError
 
+# How a section is padded, as the compiled planner's stage_sections takes it (kernels/planner/static_write.h):
+# only the values, zeros to the bounds, the last value repeated to the bounds, a 2-D section's rows zero
+# past the values' width.
+_PREFIX, _ZEROS, _EDGE, _ZERO_TAILS = range(4)
 # Arrays padded by repeating their last value (CSR starts: empty rows); the rest with zeros.
 _EDGE_PADDED = ("chunk_kv_start", "chunk_entry_start", "query_entry_start")
 # Arrays a launch reads to the bounds (the triton grid covers every item, the merge every query);
@@ -172,6 +177,11 @@ class StaticPlan:
         self._dev_views = {n: self._dev[a:b].view(shapes[n]) for n, (a, b) in self._span.items()}
         self.extra = {n: self._dev_views[n] for n in (extra or {})}
         self._backend_sections = [n for n in shapes if n not in bounds.array_shapes() and n not in self.extra]
+        # Where and how the compiled planner's stage_sections writes each section: (offset, rows, cols or 0
+        # for 1-D, padding) as the numpy path below pads (_write_array).
+        self._host_flat = host_np
+        self._placement = {n: (start, shapes[n][0], shapes[n][1] if len(shapes[n]) == 2 else 0, _padding(n))
+                           for n, (start, _) in self._span.items()}
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.device_plan: DeviceTreePlan | None = None  # prepared at the first write
         self.current: TreePlan | None = None            # the plan last written
@@ -187,6 +197,19 @@ class StaticPlan:
         plan, has another query tile: the launch is prepared for one). The copy is asynchronous
         on the current stream; the pinned buffer is reused only after the previous copy read it.
         """
+        device_plan, used = self._stage(plan, extra)
+        for start, end in used:
+            self._dev[start:end].copy_(self._host[start:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.device_plan, self.current = device_plan, plan
+        return device_plan
+
+    def _stage(self, plan: TreePlan, extra: dict[str, np.ndarray] | None
+               ) -> tuple[DeviceTreePlan, list[tuple[int, int]]]:
+        """The host work of :meth:`write` (bench/plan_cost.py times it on the CPU): the checks, raising before
+        any change, then ``plan``, its backend's values and ``extra`` in the pinned buffer. Returns the
+        prepared plan and the word ranges to copy."""
         problem = self.bounds.problem(plan)
         if problem is None and self.current is not None and plan.query_tile != self.current.query_tile:
             problem = f"the plan's query tile {plan.query_tile} differs from this static plan's {self.current.query_tile}"
@@ -197,20 +220,24 @@ class StaticPlan:
         unknown = sorted(set(extra or {}) - set(self.extra))
         if unknown:
             raise ValueError(f"extra sections {unknown} are not this static plan's {sorted(self.extra)}")
+        module = planner_impl().module
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffer
+        values = {**backend_values, **(extra or {})}
+        if module is not None:  # the compiled port of the code below (treedec/kernels/planner/static_write.h)
+            sections = [(getattr(plan, name), *self._placement[name]) for name in DEVICE_ARRAYS]
+            sections += [(value, *self._placement[name]) for name, value in values.items()]
+            return device_plan, module.stage_sections(self._host_flat, sections)
         used = [self._write_array(name, getattr(plan, name)) for name in DEVICE_ARRAYS]
-        for name, value in {**backend_values, **(extra or {})}.items():
-            value = np.asarray(value)
-            self._host_views[name][tuple(slice(0, n) for n in value.shape)] = value
+        for name, value in values.items():
+            value, view = np.asarray(value), self._host_views[name]
+            view[tuple(slice(0, n) for n in value.shape)] = value
             start = self._span[name][0]
-            used.append((start, start + value.size))
-        for start, end in _coalesce(sorted(used)):
-            self._dev[start:end].copy_(self._host[start:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        self.device_plan, self.current = device_plan, plan
-        return device_plan
+            end = start + value.size
+            if value.ndim == 2 and value.size:  # a 2-D prefix: its rows lie a section row apart
+                end = start + (value.shape[0] - 1) * view.shape[1] + value.shape[1]
+            used.append((start, end))
+        return device_plan, _coalesce(sorted(used))
 
     def _write_array(self, name: str, src: np.ndarray) -> tuple[int, int]:
         """Write one plan array into its host section, padded where the launch reads to the bounds;
@@ -254,6 +281,15 @@ class StaticPlan:
         sections = {n: self._dev_views[n] for n in self._backend_sections}
         return dataclasses.replace(device_plan, prepared=self.backend.prepare_static(device_plan, self.bounds,
                                                                                       sections))
+
+
+def _padding(name: str) -> int:
+    """How :meth:`StaticPlan._write_array` pads section ``name`` (the other sections: values only)."""
+    if name == "entry_mask":
+        return _ZERO_TAILS
+    if name in _READ_TO_BOUNDS:
+        return _EDGE if name in _EDGE_PADDED else _ZEROS
+    return _PREFIX
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from treedec.attention.persistent_schedule import SCHEDULE_HEADER, UNIT_FIELDS, 
 from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
-from treedec.errors import PlanError
+from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import cuda_tree_attention as kernels
 from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
 
@@ -129,6 +129,24 @@ class CudaBackend:
         self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim)
         self.static_tile_tokens: int | None = None  # fixed tile of static plans (None: the rule, first plan)
 
+    @classmethod
+    def without_kernels(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_ctas: int,
+                        tile_tokens: int, device: torch.device | str = "cpu") -> "CudaBackend":
+        """This backend's host work for static plans (their sections, the schedule written per plan) on any
+        device, without building or loading the kernels: for CPU tests and benchmarks of that host work.
+        ``num_ctas`` is the persistent grid, ``tile_tokens`` (one of ``TILE_SIZES``) the KV tile of every
+        plan; :meth:`run` and :meth:`prepare` raise."""
+        if tile_tokens not in kernels.TILE_SIZES:
+            raise ValueError(f"tile_tokens must be one of {kernels.TILE_SIZES}, got {tile_tokens!r}")
+        if not isinstance(num_ctas, int) or num_ctas < 1:
+            raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
+        backend = cls.__new__(cls)
+        backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = num_qo_heads, num_kv_heads, head_dim
+        backend.dtype, backend.sm_scale, backend.device = dtype, head_dim ** -0.5, torch.device(device)
+        backend.group, backend.ext, backend.num_ctas = num_qo_heads // num_kv_heads, None, num_ctas
+        backend.static_tile_tokens = tile_tokens
+        return backend
+
     def with_static_tile(self, tile_tokens: int | None) -> "CudaBackend":
         """This backend whose static plans run ``tile_tokens``-token tiles (a graph holds one stage-1 kernel)."""
         if tile_tokens is None:
@@ -143,6 +161,7 @@ class CudaBackend:
 
     def prepare(self, plan: DeviceTreePlan) -> CudaPrepared:
         """Schedule ``plan``'s units over the persistent grid and copy the schedule to the device."""
+        self._check_kernels()
         host, device = plan.plan, plan.kv_slots.device
         tile = choose_tile_tokens(host, self.dtype, self.head_dim, self.ext)
         schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
@@ -200,9 +219,15 @@ class CudaBackend:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
         float32 (natural log)."""
+        self._check_kernels()
         p: CudaPrepared = plan.prepared
         return launch_prepared(q, k_cache, v_cache, p.arrays, p.cta_unit_start, p.unit_info, p.o_ws, p.lse_ws, p.merge,
                                p.tile_tokens, p.max_query_entries, self.sm_scale, self.ext)
+
+    def _check_kernels(self) -> None:
+        if self.ext is None:
+            raise BackendUnavailableError("this CudaBackend was made without_kernels: it writes static plans' host "
+                                          "side only")
 
 
 def launch_prepared(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict,

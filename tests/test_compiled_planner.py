@@ -1,0 +1,352 @@
+"""The compiled planner (treedec/kernels/planner) gives the numpy planner's plans, schedules and static-plan
+writes bit for bit; which one runs is chosen by TREEDEC_PLANNER and reported, never switched silently."""
+import contextlib
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from treedec.attention import PLANNERS, PlanBounds, PlanConfig, StaticPlan, make_plan, planners, schedule_units
+from treedec.attention import balanced_chunks, persistent_schedule, planner_choice, split_kv, static_plan, tree_plan
+from treedec.attention.backends.cuda_backend import CudaBackend
+from treedec.attention.persistent_schedule import TILE_SIZES, PersistentSchedule
+from treedec.attention.planner_choice import PLANNER_ENV, planner_impl
+from treedec.errors import BackendUnavailableError, PlanError
+from treedec.kernels import planner_build
+from treedec.tree import TreeLayout
+from treedec.workloads.deft import medusa_tree
+
+BUILD_PROBLEM = planner_build.build_problem()
+needs_compiled = pytest.mark.skipif(BUILD_PROBLEM is not None, reason=f"no compiled planner here: {BUILD_PROBLEM}")
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@contextlib.contextmanager
+def using(impl: str):
+    """TREEDEC_PLANNER=impl inside the block (hypothesis tests cannot take the monkeypatch fixture)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PLANNER_ENV, impl)
+        yield
+
+
+def both(fn):
+    """``fn()`` under the numpy planner, then the compiled one."""
+    with using("numpy"):
+        reference = fn()
+    with using("compiled"):
+        return reference, fn()
+
+
+def assert_same(a, b):
+    """Every compared field of two plans or schedules equal: arrays bitwise, with dtype and shape."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), (f.name, x.dtype, y.dtype, x.shape, y.shape)
+            assert x.tobytes() == y.tobytes(), f.name
+        elif f.name == "layout":
+            assert x is y
+        elif f.compare:
+            assert (type(x), x) == (type(y), y), (f.name, x, y)
+    if isinstance(a, PersistentSchedule):
+        assert_same_array(a.device_array(), b.device_array())
+
+
+def assert_same_array(x, y):
+    assert (x.dtype, x.shape) == (y.dtype, y.shape) and x.tobytes() == y.tobytes()
+
+
+def paged_slots(rng, lengths, page_size: int) -> list[np.ndarray]:
+    """Each node's tokens in pages of ``page_size`` slots, the pages of the pool in random order."""
+    pages = rng.permutation(sum(-(-n // page_size) for n in lengths) + 8)
+    out, used = [], 0
+    for n in lengths:
+        count = -(-n // page_size)
+        slots = (pages[used:used + count, None] * page_size + np.arange(page_size)).reshape(-1)[:n]
+        out.append(slots.astype(np.int64))
+        used += count
+    return out
+
+
+def random_layout(rng, page_size: int, decode_batch: bool) -> TreeLayout:
+    """A forest with one step pending: requests of a prompt, branches (some empty) and token trees, queries on
+    some leaves' tails and token-tree nodes, other leaves paused; or (``decode_batch``) independent sequences,
+    one query at each end (a step whose queries share no KV)."""
+    if decode_batch:
+        lengths = rng.integers(1, rng.choice([300, 3000]), rng.integers(1, 40)).tolist()
+        return TreeLayout.from_parents([-1] * len(lengths), lengths, [(i, n - 1) for i, n in enumerate(lengths)],
+                                       paged_slots(rng, lengths, page_size))
+    parents, lengths, queries = [], [], []
+    for _ in range(rng.integers(1, 5)):
+        nodes = [len(parents)]
+        parents.append(-1)
+        lengths.append(int(rng.integers(1, rng.choice([100, 700, 5000]))))
+        for _ in range(rng.integers(0, 12)):
+            nodes.append(len(parents))
+            parents.append(int(rng.choice(nodes[:-1])))
+            lengths.append(0 if rng.random() < 0.1 else int(rng.integers(1, 60)))
+        for leaf in [n for n in nodes if n not in parents and lengths[n] > 0]:
+            kind = rng.random()
+            if kind < 0.5:
+                queries += [(leaf, lengths[leaf] - 1 - k) for k in range(min(lengths[leaf], rng.integers(1, 4)))]
+            elif kind < 0.8:  # a token tree: nodes of one token, each a query
+                tree = [leaf]
+                for _ in range(rng.integers(1, 12)):
+                    tree.append(len(parents))
+                    parents.append(int(rng.choice(tree[:-1])))
+                    lengths.append(1)
+                    queries.append((tree[-1], 0))
+    if not queries:
+        queries.append((0, lengths[0] - 1))
+    return TreeLayout.from_parents(parents, lengths, [queries[i] for i in rng.permutation(len(queries))],
+                                   paged_slots(rng, lengths, page_size))
+
+
+configs = st.one_of(
+    st.builds(PlanConfig, planner=st.sampled_from(PLANNERS), chunk_size=st.sampled_from([None, None, 16, 64, 300]),
+              query_tile=st.sampled_from([None, 1, 4, 16, 32]), num_kv_heads=st.sampled_from([1, 2, 8]),
+              num_sms=st.sampled_from([132, 16]), persistent_ctas=st.sampled_from([None, 8, 132]),
+              light_tile_cost=st.sampled_from([None, 0.5, 0.7, 1.0])),
+    # the cuda backend's: automatic flatten chunks on a persistent grid (split-KV, one round, balanced chunks)
+    st.builds(PlanConfig, query_tile=st.sampled_from([8, 16, 32]), num_kv_heads=st.sampled_from([1, 2, 8]),
+              persistent_ctas=st.sampled_from([8, 32, 132]), light_tile_cost=st.sampled_from([None, 0.5, 0.7])))
+
+
+@needs_compiled
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 4, 16]), decode_batch=st.booleans(),
+       config=configs, group=st.sampled_from([1, 4, 8]))
+def test_plans_are_bitwise_the_numpy_planners(seed, page_size, decode_batch, config, group):
+    layout = random_layout(np.random.default_rng(seed), page_size, decode_batch)
+    assert_same(*both(lambda: make_plan(layout, config, group)))
+
+
+@needs_compiled
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), decode_batch=st.booleans(), config=configs, group=st.sampled_from([1, 4, 5]),
+       kv_heads=st.sampled_from([1, 3, 8]), ctas=st.sampled_from([1, 7, 132]), rows=st.sampled_from([16, 64, 128]),
+       tile=st.sampled_from(TILE_SIZES))
+def test_schedules_are_bitwise_the_numpy_ones(seed, decode_batch, config, group, kv_heads, ctas, rows, tile):
+    with using("numpy"):
+        plan = make_plan(random_layout(np.random.default_rng(seed), 4, decode_batch), config, group)
+    assert_same(*both(lambda: schedule_units(plan, group, kv_heads, ctas, rows, tile)))
+
+
+def fewshot(prompt: int, branches: int, branch_len: int) -> TreeLayout:
+    return TreeLayout.from_parents([-1] + [0] * branches, [prompt] + [branch_len] * branches,
+                                   [(i, branch_len - 1) for i in range(1, branches + 1)])
+
+
+def medusa_forest(requests: int, prompt: int = 4000) -> TreeLayout:
+    """bench/plan_cost.py's trees: requests of a prompt with the 64-token Medusa tree pending under it."""
+    tree = medusa_tree(64).parents
+    parents, lengths, queries = [], [], []
+    for _ in range(requests):
+        root = len(parents)
+        parents.append(-1)
+        lengths.append(prompt)
+        for p in tree:
+            queries.append((len(parents), 0))
+            parents.append(root if p < 0 else root + 1 + int(p))
+            lengths.append(1)
+    return TreeLayout.from_parents(parents, lengths, queries)
+
+
+CUDA_LIKE = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132, light_tile_cost=0.7)
+
+
+@needs_compiled
+@pytest.mark.parametrize("name, layout, config, shows", [
+    # each case drives one branch of the planner; `shows` checks that the numpy planner took it, from its plan and
+    # what its split-KV and balanced-chunk searches returned
+    ("balanced chunks", fewshot(4000, 30, 200), CUDA_LIKE, lambda p, found: found["balanced"] == [p.chunk_kv_start.tolist()]),
+    ("even: short chunks", fewshot(1500, 10, 100), CUDA_LIKE, lambda p, found: p.chunk_size == 256),
+    ("even: no balanced cut fits", fewshot(4000, 10, 200), dataclasses.replace(CUDA_LIKE, persistent_ctas=8),
+     lambda p, found: found["balanced"] == [None]),
+    ("split-KV", TreeLayout.from_parents([-1] * 40, [1000] * 40, [(i, 999) for i in range(40)]), CUDA_LIKE,
+     lambda p, found: found["split"] == [p.chunk_kv_start.tolist()]),
+    ("few sequences: one round of even chunks", TreeLayout.from_parents([-1] * 3, [900] * 3, [(i, 899) for i in range(3)]),
+     CUDA_LIKE, lambda p, found: found["split"] == [None]),
+    ("one round, refined", medusa_forest(8), CUDA_LIKE, lambda p, found: p.chunk_size == 4064),
+    ("medusa 64 over 4k", medusa_forest(1), CUDA_LIKE, lambda p, found: p.chunk_size == 512),
+    ("paused branch", TreeLayout.from_parents([-1, 0, 0], [50, 30, 20], [(2, 19)]), PlanConfig(chunk_size=16),
+     lambda p, found: p.num_tokens == 70),
+    ("path", medusa_forest(2, 300), PlanConfig("path", query_tile=4), lambda p, found: p.num_tokens > 600),
+])
+def test_every_branch_of_the_planner_matches(name, layout, config, shows, monkeypatch):
+    found = {"split": [], "balanced": []}
+    for key, fn in (("split", "split_kv_bounds"), ("balanced", "balanced_flatten_bounds")):
+        original = getattr(planners, fn)
+        monkeypatch.setattr(planners, fn, lambda *a, _f=original, _k=key: found[_k].append(_f(*a)) or found[_k][-1])
+    reference, compiled = both(lambda: make_plan(layout, config, 4))
+    assert shows(reference, {k: [None if v is None else v.tolist() for v in values] for k, values in found.items()}), name
+    assert_same(reference, compiled)
+    tile = 96 if reference.max_chunk_len >= 1024 else 64
+    assert_same(*both(lambda: schedule_units(reference, 4, 8, 132, 128, tile)))
+
+
+def static_plans(plan, tile):
+    """Two static plans of the cuda backend's host side on the CPU, with an extra section (as the engine's)."""
+    bounds = PlanBounds.for_plan(plan)
+    backend = CudaBackend.without_kernels(32, 8, 128, torch.bfloat16, 132, tile)
+    return [StaticPlan(bounds, backend, torch.device("cpu"), extra={"inputs": (3, bounds.max_queries)})
+            for _ in range(2)]
+
+
+@needs_compiled
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from(TILE_SIZES))
+def test_static_writes_fill_the_same_buffers(seed, tile):
+    rng = np.random.default_rng(seed)
+    with using("numpy"):
+        plans = [make_plan(random_layout(rng, 4, False), CUDA_LIKE, 4) for _ in range(3)]
+    big = max(plans, key=lambda p: (p.num_queries, p.num_tokens))
+    reference, compiled = static_plans(big, tile)
+    for plan in [big] + [p for p in plans if reference.bounds.fits(p)]:  # a big plan, then smaller ones over it
+        inputs = rng.integers(0, 1000, (3, max(1, plan.num_queries // 2)))  # narrower than the section
+        with using("numpy"):
+            reference.write(plan, extra={"inputs": inputs})
+        with using("compiled"):
+            compiled.write(plan, extra={"inputs": inputs})
+        assert torch.equal(reference._host, compiled._host) and torch.equal(reference._dev, compiled._dev)
+        assert_same(reference.device_plan.prepared.schedule, compiled.device_plan.prepared.schedule)
+
+
+@pytest.mark.parametrize("impl", ["numpy", pytest.param("compiled", marks=needs_compiled)])
+def test_an_extra_section_narrower_than_its_rows_reaches_the_device(impl, monkeypatch):
+    """A 2-D extra section written narrower than its rows: every row's values are copied, the last row's too
+    (the copy once ended at start + values.size, short of the last row when it is the buffer's last section)."""
+    monkeypatch.setenv(PLANNER_ENV, impl)
+    plan = make_plan(fewshot(100, 3, 5), PlanConfig(chunk_size=32, query_tile=2), 1)
+    static = static_plans(plan, 64)[0]
+    values = np.arange(1, 7).reshape(3, 2)
+    static.write(plan, extra={"inputs": values})
+    assert static.extra["inputs"][:, :2].tolist() == values.tolist()
+
+
+@needs_compiled
+def test_the_compiled_constants_are_the_numpy_planners():
+    expected = {"MASK_BITS": tree_plan.MASK_BITS, "PERSISTENT_MIN_CHUNK": planners.PERSISTENT_MIN_CHUNK,
+                "PERSISTENT_MAX_CHUNK": planners.PERSISTENT_MAX_CHUNK,
+                "PERSISTENT_REFINE_CHUNK": planners.PERSISTENT_REFINE_CHUNK,
+                "BALANCED_MIN_GAIN": planners.BALANCED_MIN_GAIN, "TILE_TOKENS": balanced_chunks.TILE_TOKENS,
+                "MAX_QUERY_TILE_PAIRS": balanced_chunks.MAX_QUERY_TILE_PAIRS, "SPLIT_UNIT_COST": split_kv.SPLIT_UNIT_COST,
+                "COST_PER_ROW": persistent_schedule.COST_PER_ROW,
+                "COST_PER_KV_TOKEN": persistent_schedule.COST_PER_KV_TOKEN,
+                "COST_PER_UNIT": persistent_schedule.COST_PER_UNIT, "FULL_TILE_FLAG": persistent_schedule.FULL_TILE_FLAG,
+                "UNIT_FIELDS": len(persistent_schedule.UNIT_FIELDS), "SCHEDULE_HEADER": persistent_schedule.SCHEDULE_HEADER,
+                "COALESCE_GAP": static_plan._COALESCE_GAP}
+    assert planner_build.load_planner().constants() == expected
+
+
+@needs_compiled
+def test_bad_arrays_raise_value_errors_not_crashes():
+    module = planner_build.load_planner()
+    layout = fewshot(50, 2, 3)
+    args = [layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset]
+    sizes = [0, 0, 4, 8, 132, 0, 1.0, 1]
+    bad = {
+        "kv_start must have one more": [args[0], args[1][:-1], *args[2:]],
+        "query_offset and query_node differ": [*args[:4], args[4][:1]],
+        "query_node out of range": [*args[:3], np.array([7, 1]), args[4]],
+        "query_offset out of range": [*args[:4], np.array([3, 0])],
+        "parents form a cycle": [np.array([-1, 2, 1]), *args[1:]],
+        "parent index out of range": [np.array([-1, 0, 9]), *args[1:]],
+        "must be a 1-D integer array": [args[0].astype(np.float64), *args[1:]],
+    }
+    for message, arrays in bad.items():
+        with pytest.raises(ValueError, match=message):
+            module.make_plan(*arrays, *sizes)
+    with pytest.raises(ValueError, match="no queries"):
+        module.make_plan(*args[:3], np.zeros(0, np.int64), np.zeros(0, np.int64), *sizes)
+    plan = make_plan(layout, PlanConfig(chunk_size=16, query_tile=2), 1)
+    items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
+    with pytest.raises(ValueError, match="points outside"):
+        module.schedule_units(plan.item_chunk, plan.item_entry_start + 100, *items[2:], 1, 1, 4, 64, 64)
+    with pytest.raises(ValueError, match="size is out of range"):
+        module.schedule_units(*items, 1, 1, 4, 64, 48)
+    host = np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        module.stage_sections(host, [(np.arange(20), 0, 20, 0, 0)])
+    with pytest.raises(ValueError, match="bad padding"):
+        module.stage_sections(host, [(np.arange(4), 0, 8, 0, 3)])
+    with pytest.raises(ValueError, match="host must be"):
+        module.stage_sections(host.astype(np.int64), [])
+
+
+# ---- which implementation runs, and why
+
+
+@pytest.fixture
+def fresh_choice():
+    """planner_impl() decides again in the test, and again after it."""
+    planner_choice._resolve.cache_clear()
+    yield
+    planner_choice._resolve.cache_clear()
+
+
+def test_numpy_is_forced_by_the_environment_and_plans_with_the_reference(fresh_choice, monkeypatch, caplog):
+    monkeypatch.setenv(PLANNER_ENV, "numpy")
+    calls = []
+    reference = planners._numpy_plan
+    monkeypatch.setattr(planners, "_numpy_plan", lambda *a: calls.append(a) or reference(*a))
+    with caplog.at_level(logging.INFO, logger="treedec"):
+        impl = planner_impl()
+        make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16), 1)
+        planner_impl()
+    assert (impl.name, impl.reason, impl.module) == ("numpy", "TREEDEC_PLANNER=numpy", None) and len(calls) == 1
+    assert [r.getMessage() for r in caplog.records] == ["treedec planner: numpy (TREEDEC_PLANNER=numpy)"]
+
+
+@needs_compiled
+def test_auto_is_compiled_where_it_builds(fresh_choice, monkeypatch, caplog):
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="treedec"):
+        impl = planner_impl()
+    assert impl.name == "compiled" and impl.module is not None and impl.reason.startswith("auto: compiled")
+    assert "treedec planner: compiled" in caplog.text
+
+
+def test_auto_without_a_compiler_plans_with_numpy_and_says_why(fresh_choice, monkeypatch, caplog):
+    monkeypatch.setenv(PLANNER_ENV, "auto")
+    monkeypatch.setattr(planner_build, "build_problem", lambda: "no C++ compiler: 'c++' is not on PATH")
+    with caplog.at_level(logging.INFO, logger="treedec"):
+        impl = planner_impl()
+    assert impl.name == "numpy" and "no C++ compiler" in impl.reason and "no C++ compiler" in caplog.text
+    assert make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16), 1).num_queries == 2
+    monkeypatch.setenv(PLANNER_ENV, "compiled")  # asked for by name: an error, not numpy
+    with pytest.raises(BackendUnavailableError, match="TREEDEC_PLANNER=compiled .* no C\\+\\+ compiler"):
+        planner_impl()
+
+
+def test_a_failed_build_raises_at_every_plan_never_a_silent_switch(fresh_choice, monkeypatch):
+    monkeypatch.setenv(PLANNER_ENV, "auto")
+    monkeypatch.setattr(planner_build, "build_problem", lambda: None)
+    attempts = []
+
+    def broken():
+        attempts.append(1)
+        raise BackendUnavailableError("building the compiled planner in /cache failed: c++ exited with 1")
+
+    monkeypatch.setattr(planner_build, "load_planner", broken)
+    for _ in range(2):
+        with pytest.raises(BackendUnavailableError, match="failed: c\\+\\+ exited with 1; set TREEDEC_PLANNER=numpy"):
+            make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16), 1)
+    assert len(attempts) == 1  # built once: the failure is kept, not retried at every step
+
+
+@pytest.mark.parametrize("value", ["cpp", "NUMPY2", "1"])
+def test_an_unknown_setting_is_named(fresh_choice, monkeypatch, value):
+    monkeypatch.setenv(PLANNER_ENV, value)
+    with pytest.raises(ValueError, match=f"TREEDEC_PLANNER must be one of .* got '{value.lower()}'"):
+        planner_impl()
+
+
+@pytest.mark.parametrize("group", [0, -1, 1.5, True])
+def test_group_size_is_checked_before_either_planner(group):
+    with pytest.raises(PlanError, match="group_size must be a positive int"):
+        make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16, query_tile=2), group)

@@ -1,0 +1,67 @@
+"""Building the compiled planner: a C++ extension (no CUDA), JIT on first use, cached on disk.
+
+:func:`load_planner` compiles ``treedec/kernels/planner/binding.cpp`` (one translation unit; the
+headers beside it hold the planner) with ``torch.utils.cpp_extension.load`` (ninja) into
+``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/planner-<python>-<numpy ABI>; torch rebuilds
+only when the sources or flags change (ninja tracks the headers). The module takes and returns
+numpy arrays through the CPython and numpy C APIs (no torch or pybind11 headers: a build of a
+few seconds). :func:`build_problem` says, without building, why it cannot be built here (no C++
+compiler, no ninja, no Python headers).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from treedec.errors import BackendUnavailableError
+
+SOURCE_DIR = Path(__file__).parent / "planner"
+BINDING_SOURCE = "binding.cpp"
+MODULE_NAME = "treedec_planner"
+CXX_FLAGS = ("-O3",)
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached: one build per Python and numpy ABI (the module links
+    against both; torch's rebuild check does not see their versions)."""
+    abi = f"py{sys.version_info[0]}{sys.version_info[1]}-np{np.__version__.split('.')[0]}"
+    return Path(os.environ.get("TREEDEC_CACHE_DIR", Path.home() / ".cache" / "treedec")) / f"planner-{abi}"
+
+
+def build_problem() -> str | None:
+    """None if the compiled planner can be built here, else why not (nothing is built)."""
+    from torch.utils.cpp_extension import is_ninja_available
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang, or set CXX)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        return f"the Python headers are missing ({headers}; install python3-dev)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load_planner():
+    """Build (or load the cached build of) the compiled planner; returns the module.
+
+    Raises BackendUnavailableError naming the build directory when the build fails.
+    """
+    from torch.utils.cpp_extension import load
+    directory = build_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return load(name=MODULE_NAME, sources=[str(SOURCE_DIR / BINDING_SOURCE)], extra_cflags=list(CXX_FLAGS),
+                    extra_include_paths=[str(SOURCE_DIR), np.get_include()], build_directory=str(directory),
+                    verbose=os.environ.get("TREEDEC_VERBOSE_BUILD") == "1")
+    except (OSError, RuntimeError, subprocess.CalledProcessError, ImportError) as err:
+        raise BackendUnavailableError(f"building the compiled planner in {directory} failed "
+                                      f"(TREEDEC_VERBOSE_BUILD=1 shows the compiler output): {err}") from err
