@@ -1,20 +1,24 @@
 """How long does planning a step take on the host?
 
-Cases from DESIGN.md's and the issues' budgets: the 64-token Medusa tree over a 4000-token
-prompt (<= 0.3 ms with the launch prepared and copied), a forest of 8 requests each with
-its own 4000-token prompt and 64-token Medusa tree (<= 1 ms), and a 1,000-node forest
-(<= 2 ms). Times the parts of ``TreeAttention.plan``: the tree snapshot
-(``SequenceTree.layout``), the planner (``make_plan``) and the index copy (``TreePlan.to``),
-each the median of many runs after warm-up. With ``--device cuda`` it also times the whole
-``TreeAttention.plan`` per kernel backend (plan, copy, prepare: the cuda backend's schedule
-included) and the write of a plan into a static plan (what a graphed step pays), and writes
-``bench/results/<date>-plan-cost-<device>.json``.
+Cases from issue 35's budgets for plan + static write + schedule on the GPU host: the 64-token
+Medusa tree over a 4000-token prompt (<= 0.1 ms), a forest of 8 requests each with its own
+4000-token prompt and 64-token Medusa tree (<= 0.3 ms), and a 1,000-node forest (<= 0.6 ms).
+Times the parts of ``TreeAttention.plan``: the tree snapshot (``SequenceTree.layout``), the
+planner (``make_plan``) and the index copy (``TreePlan.to``), each the median of many runs after
+warm-up; and, on any machine, the cuda backend's host work of a graphed step per planner
+implementation (numpy, compiled: ``treedec.attention.planner_impl``): ``make_plan`` with the
+backend's settings on an H100/H200 (Llama-3-8B heads, 132 CTAs), ``schedule_units`` and the host
+side of ``StaticPlan.write`` (padding and the schedule; the device copies excluded). With
+``--device cuda`` it also times the whole ``TreeAttention.plan`` per kernel backend (plan, copy,
+prepare: the cuda backend's schedule included) and the write of a plan into a static plan (what a
+graphed step pays), and writes ``bench/results/<date>-plan-cost-<device>.json``.
 
     python bench/plan_cost.py [--repeats 300] [--planner flatten] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -23,8 +27,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from treedec.attention import PLANNERS, PlanConfig, make_plan
+from treedec.attention import PLANNERS, PlanBounds, PlanConfig, StaticPlan, make_plan, planner_impl, schedule_units
+from treedec.attention.backends.cuda_backend import (LIGHT_TILE_COST, LONG_CHUNK_TILE_TOKENS, LONG_CHUNK_TOKENS,
+                                                     CudaBackend, default_query_tile)
+from treedec.attention.planner_choice import PLANNER_ENV
+from treedec.errors import BackendUnavailableError
+from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.workloads.deft import medusa_tree
 
@@ -77,6 +87,54 @@ def time_us(fn, repeats: int) -> dict:
     return {"median_us": round(float(np.median(samples)), 1), "min_us": round(float(samples.min()), 1)}
 
 
+# The cuda backend on an H100/H200 with Llama-3-8B heads (bf16): what cuda_plan_config fills in on sm_90a.
+HEADS, KV_HEADS, HEAD_DIM, CTAS = 32, 8, 128, 132
+CUDA_CONFIG = PlanConfig(query_tile=default_query_tile(HEAD_DIM, HEADS // KV_HEADS), num_kv_heads=KV_HEADS,
+                         persistent_ctas=CTAS, light_tile_cost=LIGHT_TILE_COST)
+BUDGETS_US = {"medusa64_over_4k_prompt": 100.0, "forest_8x_medusa64": 300.0, "forest_1000_nodes": 600.0}  # issue 35
+
+
+@contextlib.contextmanager
+def planner_implementation(name: str):
+    """TREEDEC_PLANNER=name inside the block."""
+    before = os.environ.get(PLANNER_ENV)
+    os.environ[PLANNER_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PLANNER_ENV]
+        else:
+            os.environ[PLANNER_ENV] = before
+
+
+def measure_cuda_host(tree: SequenceTree, repeats: int) -> dict:
+    """The cuda backend's host work of a graphed step, per planner implementation (None where it cannot run,
+    with why): ``make_plan`` (CUDA_CONFIG), ``schedule_units``, the host side of ``StaticPlan.write`` into the
+    plan's bucket (the schedule included) and plan + write (``total``), medians in us."""
+    layout, group = tree.layout(), HEADS // KV_HEADS
+    out = {}
+    for impl in ("numpy", "compiled"):
+        with planner_implementation(impl):
+            try:
+                planner_impl()
+            except BackendUnavailableError as err:
+                out[impl] = {"unavailable": str(err)}
+                continue
+            plan = make_plan(layout, CUDA_CONFIG, group)
+            tile = LONG_CHUNK_TILE_TOKENS if plan.max_chunk_len >= LONG_CHUNK_TOKENS else TILE_TOKENS  # sm_90a's rule
+            backend = CudaBackend.without_kernels(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, CTAS, tile)
+            static = StaticPlan(PlanBounds.for_plan(plan), backend, torch.device("cpu"))
+            static.write(plan)
+            out[impl] = {
+                "make_plan": time_us(lambda: make_plan(layout, CUDA_CONFIG, group), repeats),
+                "schedule": time_us(lambda: schedule_units(plan, group, KV_HEADS, CTAS, ROWS_PER_UNIT[HEAD_DIM], tile),
+                                    repeats),
+                "static_write": time_us(lambda: static._stage(plan, None), repeats),
+                "total": time_us(lambda: static._stage(make_plan(layout, CUDA_CONFIG, group), None), repeats)}
+    return out
+
+
 def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, device: str) -> dict:
     layout = tree.layout()
     plan = make_plan(layout, config)
@@ -86,6 +144,7 @@ def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, dev
     row["make_plan"] = time_us(lambda: make_plan(layout, config), repeats)
     row["to_device_cpu"] = time_us(lambda: plan.to("cpu"), repeats)
     row["total"] = time_us(lambda: make_plan(tree._make_layout(), config).to("cpu"), repeats)
+    row["cuda_host"] = measure_cuda_host(tree, repeats)
     if device == "cuda":
         row.update(measure_on_gpu(tree, repeats))
     return row
@@ -93,8 +152,6 @@ def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, dev
 
 def measure_on_gpu(tree: SequenceTree, repeats: int) -> dict:
     """TreeAttention.plan per kernel backend (Llama-3-8B heads, bf16), eagerly and into a static plan."""
-    import torch
-
     from treedec import TreeAttention
     from treedec.attention import PlanBounds
     from treedec.attention.backends import cuda_status
@@ -129,22 +186,31 @@ def main() -> None:
         measure("forest_8x_medusa64", forest_8x_medusa64(), config, args.repeats, args.device),
         measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats, args.device),
     ]
-    budgets = {"medusa64_over_4k_prompt": 300.0, "forest_8x_medusa64": 1000.0, "forest_1000_nodes": 2000.0}
-    print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'layout':>9}{'plan':>9}{'copy':>8}{'total':>9}{'budget':>8}  (median us)")
+    impl = planner_impl()
+    print(f"planner: {impl.name} ({impl.reason})")
+    print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'layout':>9}{'plan':>9}{'copy':>8}{'total':>9}  (median us)")
     for r in rows:
         print(f"{r['case']:<26}{r['nodes']:>6}{r['queries']:>8}{r['tree_tokens']:>8}{r['layout']['median_us']:>9}"
-              f"{r['make_plan']['median_us']:>9}{r['to_device_cpu']['median_us']:>8}{r['total']['median_us']:>9}"
-              f"{budgets[r['case']]:>8.0f}")
+              f"{r['make_plan']['median_us']:>9}{r['to_device_cpu']['median_us']:>8}{r['total']['median_us']:>9}")
         for key in ("plan_triton", "plan_into_static_triton", "plan_cuda", "plan_into_static_cuda"):
             if key in r:
                 print(f"    {key:<26}{'n/a' if r[key] is None else r[key]['median_us']:>9}")
+    print(f"\ncuda host work of a graphed step (median us; budget on the GPU host: issue 35)\n"
+          f"{'case':<26}{'planner':>10}{'plan':>9}{'schedule':>10}{'write':>9}{'total':>9}{'budget':>8}")
+    for r in rows:
+        for name, parts in r["cuda_host"].items():
+            if "unavailable" in parts:
+                print(f"{r['case']:<26}{name:>10}  unavailable: {parts['unavailable']}")
+                continue
+            print(f"{r['case']:<26}{name:>10}" + "".join(f"{parts[k]['median_us']:>{w}}" for k, w in
+                                                         (("make_plan", 9), ("schedule", 10), ("static_write", 9),
+                                                          ("total", 9))) + f"{BUDGETS_US[r['case']]:>8.0f}")
     result = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "numpy": np.__version__, "planner": args.planner, "chunk_size": args.chunk_size,
-              "rows": rows}
+              "planner_impl": {"name": impl.name, "reason": impl.reason}, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     result["device"] = args.device
     if args.device == "cuda":
-        import torch
         result["gpu"], result["torch"] = torch.cuda.get_device_name(), torch.__version__
     path = args.out / f"{result['date']}-plan-cost-{args.device}.json"
     path.write_text(json.dumps(result, indent=2))
