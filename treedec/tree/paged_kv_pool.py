@@ -62,6 +62,7 @@ class PagedKVPool:
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         self.refcount = np.zeros(self.num_pages, dtype=np.int32)
+        self._offsets = np.arange(self.page_size)   # of the slots in a page
         # A stack: the most recently freed page is reused first (warm in cache).
         self._free = list(range(self.num_pages - 1, -1, -1))
         self.k: torch.Tensor | None = None
@@ -94,31 +95,53 @@ class PagedKVPool:
         """
         if type(num_pages) is not int or num_pages < 0:  # the check inlined, as in pages_for
             num_pages = int_value(num_pages, "num_pages", low=0)
-        if num_pages > len(self._free):
-            raise PoolExhaustedError(
-                f"KV pool exhausted: need {num_pages} page(s) of {self.page_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} free")
-        pages = np.array([self._free.pop() for _ in range(num_pages)], dtype=np.int64)
+        pages = self._take(num_pages)
         self.refcount[pages] = 1
         return pages
+
+    def allocate_slots(self, num_slots: int) -> np.ndarray:
+        """Take ``ceil(num_slots / page_size)`` free pages and return their first ``num_slots`` slots
+        (``[num_slots]`` int64, in page order), each page holding one reference per slot returned:
+        for one-token nodes packed page by page (a speculative token tree).
+
+        Raises PoolExhaustedError (and takes nothing) if fewer pages are free.
+        """
+        if type(num_slots) is not int or num_slots < 0:
+            num_slots = int_value(num_slots, "num_slots", low=0)
+        ps = self.page_size
+        pages = self._take(-(-num_slots // ps))
+        if len(pages):
+            self.refcount[pages] = ps
+            self.refcount[pages[-1]] = num_slots - (len(pages) - 1) * ps
+        return (pages[:, None] * ps + self._offsets).reshape(-1)[:num_slots]
 
     def incref(self, pages: np.ndarray) -> None:
         """One more holder for each page in ``pages`` (``[n]`` ints; each must be in use)."""
         pages = self._pages_in_use(pages, "incref")
         np.add.at(self.refcount, pages, 1)
 
-    def decref(self, pages: np.ndarray) -> np.ndarray:
-        """One holder fewer for each page in ``pages`` (``[n]`` ints, a page at most as often as
-        it has holders); returns the int64 pages that became free."""
+    def decref(self, pages: np.ndarray, times: np.ndarray | None = None) -> np.ndarray:
+        """One holder fewer for each page in ``pages`` (``[n]`` ints, a page at most as often as it has
+        holders); or, given ``times`` (``[n]`` ints >= 1, ``pages`` then distinct), ``times[i]`` holders
+        fewer for ``pages[i]``. Returns the int64 pages that became free, ascending."""
         pages = self._pages_in_use(pages, "decref")
-        held, times = np.unique(pages, return_counts=True)
-        over = times > self.refcount[held]
-        if np.any(over):
-            raise ValueError(f"decref: pages {held[over][:10].tolist()} are listed {times[over][:10].tolist()} "
-                             f"times but have only {self.refcount[held[over]][:10].tolist()} holder(s)")
-        np.subtract.at(self.refcount, pages, 1)
-        freed = held[self.refcount[held] == 0]
-        self._free.extend(int(p) for p in freed[::-1])
+        if times is None:
+            pages, times = np.unique(pages, return_counts=True)
+        else:
+            times = int_array(times, "times", low=1)
+            if len(times) != len(pages):
+                raise ValueError(f"decref: times must hold one count per page ({len(pages)}), got {len(times)}")
+            if len(set(pages.tolist())) != len(pages):
+                raise ValueError(f"decref: pages must be distinct when times are given, got {describe(pages)}")
+        left = self.refcount[pages] - times
+        over = left < 0
+        if over.any():
+            raise ValueError(f"decref: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
+                             f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
+        self.refcount[pages] = left
+        freed = pages[left == 0]
+        freed.sort()   # (np.unique's pages are sorted already)
+        self._free += freed[::-1].tolist()
         return freed
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +217,18 @@ class PagedKVPool:
 
     # ----------------------------------------------------------------- private
 
+    def _take(self, num_pages: int) -> np.ndarray:
+        """Pop ``num_pages`` pages off the free list (the most recently freed first), or raise and take none."""
+        if num_pages > len(self._free):
+            raise PoolExhaustedError(
+                f"KV pool exhausted: need {num_pages} page(s) of {self.page_size} tokens, "
+                f"{len(self._free)} of {self.num_pages} free")
+        if num_pages == 0:
+            return np.zeros(0, dtype=np.int64)
+        pages = np.array(self._free[-num_pages:][::-1], dtype=np.int64)
+        del self._free[-num_pages:]
+        return pages
+
     def _slot_view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
 
@@ -201,7 +236,7 @@ class PagedKVPool:
         """``pages`` as int64 page ids, checked to be in ``[0, num_pages)`` and in use."""
         pages = int_array(pages, "pages", low=0, high=self.num_pages - 1)
         free = self.refcount[pages] <= 0
-        if np.any(free):
+        if free.any():
             raise ValueError(f"{op}: pages must be in use, but pages {np.unique(pages[free])[:10].tolist()} are free")
         return pages
 

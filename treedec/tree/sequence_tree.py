@@ -12,54 +12,48 @@ and parent indices that are not integers (strings, floats, bools, ...) raise ``T
 out-of-range ones ``ValueError`` (see :mod:`treedec.tree.validate`), an impossible tree
 operation :class:`~treedec.errors.TreeError`, a full pool
 :class:`~treedec.errors.PoolExhaustedError`.
+
+The operations run on every decode step, so the forest's depth-first order is kept up to date
+by each edit (:class:`~treedec.tree.preorder.Preorder`) rather than rebuilt, and a subtree is
+found as a range of it; the speculative edits live in :mod:`treedec.tree.token_tree_edits`.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.tree.layout import TreeLayout, depth_first_order
+from treedec.tree.layout import TreeLayout
 from treedec.tree.paged_kv_pool import PagedKVPool
+from treedec.tree.preorder import Preorder
+from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
-from treedec.tree.validate import describe, int_array, int_list, int_value, is_int, on_cycle, rows, show_int
+from treedec.tree.tree_node import TreeNode
+from treedec.tree.validate import describe, int_list, int_value, is_int, rows, show_int
+
+FEW_PAGES = 256   # up to this many held pages are counted in Python (numpy's fixed cost is higher)
 
 
-@dataclass
-class _Node:
-    id: int
-    parent: int | None
-    tokens: list[int]
-    slots: np.ndarray                      # capacity buffer; the first len(tokens) are valid
-    pages: list[int]                       # distinct pages this node holds a reference on
-    tail_room: int = 0                     # free slots after the last token that this node may fill
-    pending: int = 0                       # trailing tokens not yet committed
-    paused: bool = False
-    children: list[int] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-class SequenceTree(TreeDebugging):
+class SequenceTree(TokenTreeEdits, TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,
-    :meth:`branch`, :meth:`add_token_tree`, :meth:`accept`, :meth:`prune`, :meth:`pause`,
-    :meth:`resume`, :meth:`commit_step`, :meth:`layout`.
+    :meth:`branch`, :meth:`add_token_tree`, :meth:`add_children`, :meth:`accept`, :meth:`prune`,
+    :meth:`pause`, :meth:`resume`, :meth:`commit_step`, :meth:`layout`.
     """
 
     def __init__(self, pool: PagedKVPool):
         self.pool = pool
-        self._nodes: dict[int, _Node] = {}
+        self._nodes: dict[int, TreeNode] = {}
         self._roots: list[int] = []
         self._next_id = 0
-        self._preorder: tuple[list[int], np.ndarray] | None = None
+        self._preorder: Preorder | None = None   # once built, every edit keeps it up to date
         self._layout: TreeLayout | None = None   # until the next operation: a step asks for it several times
         self._num_pending = 0                    # a count kept, as programs ask for it after every edit
+        self._pending_nodes: list[TreeNode] = []  # every node with pending tokens (and maybe some without)
+        self._token_trees: dict = {}             # checked token-tree parents -> their preorder (TokenTreeEdits)
 
     # ================================================================ queries
 
@@ -69,7 +63,7 @@ class SequenceTree(TreeDebugging):
 
     @property
     def num_tokens(self) -> int:
-        return sum(n.length for n in self._nodes.values())
+        return sum(len(n.tokens) for n in self._nodes.values())
 
     @property
     def roots(self) -> list[int]:
@@ -91,7 +85,7 @@ class SequenceTree(TreeDebugging):
     def slots(self, node_id: int) -> np.ndarray:
         """[len] int64 KV-pool slots of the node's own tokens."""
         node = self._get(node_id)
-        return node.slots[: node.length].copy()
+        return node.slots[: len(node.tokens)].copy()
 
     def sequence(self, node_id: int) -> list[int]:
         """All tokens from the root down to the end of ``node_id``."""
@@ -116,7 +110,8 @@ class SequenceTree(TreeDebugging):
 
         A page is freed when every node holding it is in one of those subtrees.
         """
-        return self._pages_freed({i for nid in node_ids for i in self._subtree(self._get(nid).id)})
+        nodes = {i: self._nodes[i] for nid in node_ids for i in self._subtree(self._get(nid).id)}
+        return self._pages_freed(self._holds(nodes.values()))
 
     def is_paused(self, node_id: int) -> bool:
         return self._get(node_id).paused
@@ -136,8 +131,14 @@ class SequenceTree(TreeDebugging):
 
     def pending_tokens(self) -> np.ndarray:
         """[Q] int64 token ids of the pending tokens, in query order."""
-        out = [t for i in self._order() for t in self._nodes[i].tokens[self._nodes[i].length - self._nodes[i].pending:]]
-        return np.asarray(out, dtype=np.int64)
+        layout = self.layout()
+        queried = np.zeros(layout.num_nodes, dtype=bool)
+        queried[layout.query_node] = True
+        out = []
+        for nid in layout.node_ids[queried].tolist():   # the nodes with queries, in order
+            node = self._nodes[nid]
+            out += node.tokens[len(node.tokens) - node.pending:]
+        return np.array(out, dtype=np.int64)
 
     def layout(self) -> TreeLayout:
         """Snapshot of the forest for planning; the queries are the pending tokens.
@@ -149,20 +150,24 @@ class SequenceTree(TreeDebugging):
         return self._layout
 
     def _make_layout(self) -> TreeLayout:
-        order, parent = self._structure()
-        nodes = [self._nodes[i] for i in order]
-        lens = np.fromiter((n.length for n in nodes), dtype=np.int64, count=len(nodes))
-        pending = np.fromiter((n.pending for n in nodes), dtype=np.int64, count=len(nodes))
-        kv_start = np.zeros(len(nodes) + 1, dtype=np.int64)
+        order = self._structure()   # its arrays are read-only and replaced, never changed, by edits
+        lens, pending, parts = [], [], []
+        for n in map(self._nodes.__getitem__, order.ids.tolist()):
+            k = len(n.tokens)
+            lens.append(k)
+            pending.append(n.pending)
+            parts.append(n.slots if len(n.slots) == k else n.slots[:k])   # (a token tree's buffers are exact)
+        kv_slots = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        lens = np.array(lens, dtype=np.int64)
+        kv_start = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=kv_start[1:])
-        query_node = np.repeat(np.arange(len(nodes)), pending)
-        first = np.cumsum(pending) - pending
-        query_offset = (lens - pending)[query_node] + np.arange(len(query_node)) - first[query_node]
-        kv_slots = np.concatenate([n.slots[: n.length] for n in nodes]) if nodes else np.zeros(0, np.int64)
-        arrays = (np.asarray(order, dtype=np.int64), parent.copy(), kv_start, kv_slots, query_node, query_offset)
-        for a in arrays:
+        pending = np.array(pending, dtype=np.int64)
+        query_node = np.repeat(np.arange(len(lens)), pending)
+        # query q of node i is its token lens[i] - pending[i] + (q - the node's first query)
+        query_offset = np.arange(len(query_node)) + np.repeat(lens - np.cumsum(pending), pending)
+        for a in (kv_start, kv_slots, query_node, query_offset):
             a.setflags(write=False)   # shared by every caller until the forest changes
-        return TreeLayout(*arrays)
+        return TreeLayout(order.ids, order.parent, kv_start, kv_slots, query_node, query_offset)
 
     # ================================================================ operations
 
@@ -176,7 +181,9 @@ class SequenceTree(TreeDebugging):
         self._nodes[node.id] = node
         self._roots.append(node.id)
         self._next_id += 1
-        self._preorder = self._layout = None
+        if self._preorder is not None:
+            n = len(self._preorder)
+            self._preorder = self._preorder.insert(np.array([n]), np.array([node.id]), np.array([-1]), np.array([-1]))
         return node.id
 
     def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
@@ -190,15 +197,19 @@ class SequenceTree(TreeDebugging):
         """
         if not isinstance(tokens_by_node, Mapping):
             raise TypeError(f"tokens_by_node must be a dict {{leaf id: tokens}}, got {describe(tokens_by_node)}")
-        plan = {}
+        plan = []
+        need = 0
+        ps = self.pool.page_size
         for nid, toks in tokens_by_node.items():
             node = self._get(nid)
             if node.children:
                 raise TreeError(f"cannot extend node {nid}: it has children {node.children}; only leaves grow")
-            plan[nid] = int_list(toks, f"tokens for node {nid}", low=0)
-        need = sum(self._pages_to_extend(self._nodes[nid], len(t)) for nid, t in plan.items())
+            toks = int_list(toks, f"tokens for node {nid}", low=0)
+            if len(toks) > node.tail_room:
+                need += -(-(len(toks) - node.tail_room) // ps)
+            plan.append((nid, node, toks))
         self._check_free(need)
-        return {nid: self._fill(self._nodes[nid], toks) for nid, toks in plan.items()}
+        return {nid: self._fill(node, toks) for nid, node, toks in plan}
 
     def branch(self, node_id: int, children: int | Sequence[Sequence[int]]) -> list[int]:
         """Give ``node_id`` new children.
@@ -223,70 +234,15 @@ class SequenceTree(TreeDebugging):
             child = self._new_node(parent=parent.id)
             self._fill(child, toks)
             self._nodes[child.id] = child
-            parent.children.append(child.id)
             self._next_id += 1
             ids.append(child.id)
-        self._preorder = self._layout = None
-        return ids
-
-    def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
-        """Hang a token tree (e.g. Medusa/EAGLE candidates) under ``node_id``, one node per token.
-
-        ``tokens`` is ``[m]`` ints >= 0; ``parents[i]`` is the index of token i's parent
-        token, or -1 for a child of ``node_id``: ints in ``[-1, i)``, so parents come
-        before their children. The tokens are packed into ``ceil(m / page_size)`` fresh
-        pages, shared by refcount. Returns node ids in token order.
-        """
-        anchor = self._get(node_id)
-        tokens = int_list(tokens, "tokens", low=0)
-        parents = int_array(parents, "parents", low=-1)
-        m = len(tokens)
-        if m == 0 or len(parents) != m:
-            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
-        outside = np.flatnonzero(parents >= m)
-        if len(outside):   # before the cycle check, which follows parents
-            i = int(outside[0])
-            raise TreeError(f"parents[{i}] = {int(parents[i])} is not a token index in [-1, {m})")
-        late = np.flatnonzero(parents >= np.arange(m))
-        if len(late):
-            i, p = int(late[0]), int(parents[late[0]])
-            kind = "a cycle" if on_cycle(parents, i) else "a forward reference"
-            raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
-        return self._hang([anchor.id] * m, tokens, parents.tolist())
-
-    def add_children(self, node_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
-        """Give each node ``node_ids[i]`` a new child holding the one token ``tokens[i]`` (a node may be
-        named several times: several children), pending; e.g. one layer of a draft tree whose nodes
-        have different parents. The tokens are packed into ``ceil(m / page_size)`` fresh pages, as
-        :meth:`add_token_tree` packs its tokens. Returns the new node ids in order; checks everything
-        first and changes nothing when it raises."""
-        tokens = int_list(tokens, "tokens", low=0)
-        anchors = [self._get(n).id for n in int_list(node_ids, "node_ids", low=0)]
-        if not tokens or len(anchors) != len(tokens):
-            raise TreeError(f"need one node per token and at least one token, got {len(tokens)} tokens and "
-                            f"{len(anchors)} nodes")
-        return self._hang(anchors, tokens, [-1] * len(tokens))
-
-    def _hang(self, anchors: list[int], tokens: list[int], parents: list[int]) -> list[int]:
-        """New one-token pending nodes: token ``i`` under ``anchors[i]`` when ``parents[i] < 0``, else under
-        new node ``parents[i]``; packed into fresh shared pages (checked input)."""
-        m = len(tokens)
-        pages = self.pool.allocate(self.pool.pages_for(m))  # raises before any change
-        slots = (pages[:, None] * self.pool.page_size + np.arange(self.pool.page_size)).reshape(-1)[:m]
-        ids = [self._next_id + i for i in range(m)]
-        page_list = (slots // self.pool.page_size).tolist()
-        for i in range(m):
-            parent_id = anchors[i] if parents[i] < 0 else ids[parents[i]]
-            node = _Node(id=ids[i], parent=parent_id, tokens=[tokens[i]], slots=slots[i:i + 1].copy(),
-                         pages=[page_list[i]], pending=1)
-            self._nodes[node.id] = node
-            self._nodes[parent_id].children.append(node.id)
-        # The pages are fresh with refcount 1: add the other nodes that hold each one.
-        held, holders = np.unique(slots // self.pool.page_size, return_counts=True)
-        self.pool.incref(np.repeat(held, holders - 1))
-        self._next_id += m
-        self._num_pending += m
-        self._preorder = self._layout = None
+        if self._preorder is not None:   # the children go after the parent's subtree (as it was), in order
+            at = self._preorder.position(parent.id)
+            k = len(ids)
+            self._preorder = self._preorder.insert(np.full(k, self._preorder.subtree_end(at)), np.array(ids),
+                                                   np.full(k, at), np.full(k, -1))
+        parent.children += ids
+        self._layout = None
         return ids
 
     def prune(self, node_id: int) -> np.ndarray:
@@ -295,51 +251,21 @@ class SequenceTree(TreeDebugging):
         Pruning a root removes that request. A subtree that still has pending tokens
         (queries of the step in flight) cannot be pruned until :meth:`commit_step`.
         """
-        self._get(node_id)
-        subtree = self._subtree(node_id)
-        pending = [i for i in subtree if self._nodes[i].pending]
+        top = self._get(node_id)
+        order = self._structure()
+        start = order.position(top.id)
+        stop = order.subtree_end(start)
+        subtree = list(map(self._nodes.__getitem__, order.ids[start:stop].tolist()))
+        pending = [n.id for n in subtree if n.pending]
         if pending:
             raise TreeError(f"cannot prune node {node_id}: node(s) {pending[:5]} in its subtree have pending "
                             f"tokens of the current step; call commit_step() first")
-        return self._remove_subtrees([node_id], subtree)
-
-    def accept(self, anchor: int, path: Sequence[int]) -> np.ndarray:
-        """Keep a verified path of a speculative tree under leaf ``anchor``; free the rest.
-
-        ``path`` lists committed nodes from a child of ``anchor`` downwards, each the parent
-        of the next (e.g. the accepted tokens of a verified token tree). Their tokens are
-        appended to ``anchor`` with their K/V moved along (no recompute, nothing pending),
-        then every child subtree of ``anchor`` is pruned, pages freed. Checks everything first
-        and changes nothing when it raises. Returns the ``[n]`` slots the tokens now hold.
-        """
-        node = self._get(anchor)
-        path = int_list(path, "path", low=0)
-        chain = [self._get(n) for n in path]
-        for parent, child in zip([node] + chain, chain):
-            if child.parent != parent.id:
-                raise TreeError(f"path must be a chain under node {anchor}: node {child.id}'s parent is "
-                                f"{child.parent}, not {parent.id}")
-        doomed = [n for c in node.children for n in self._subtree(c)]
-        busy = [n for n in doomed if self._nodes[n].pending]
-        if busy:
-            raise TreeError(f"cannot accept under node {anchor}: node(s) {busy[:5]} below it have pending tokens "
-                            f"of the current step; call commit_step() first")
-        tokens = [t for c in chain for t in c.tokens]
-        need = self._pages_to_extend(node, len(tokens))
-        if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self._pages_freed(doomed):
-            raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
-                                     f"page(s); nothing was changed")
-        saved = None
-        if tokens and self.pool.k is not None:
-            saved = self.pool.gather(np.concatenate([c.slots[:c.length] for c in chain]))
-        if node.children:
-            self._remove_subtrees(list(node.children), doomed)
-        slots = self._fill(node, tokens)
-        node.pending -= len(tokens)   # their K/V are in place: nothing to compute
-        self._num_pending -= len(tokens)
-        if saved is not None:
-            self.pool.scatter(slots, saved)
-        return slots
+        freed = self._cut(start, stop, subtree)
+        if top.parent is None:
+            self._roots.remove(top.id)
+        else:
+            self._nodes[top.parent].children.remove(top.id)
+        return freed
 
     def set_tokens(self, node_id: int, start: int, tokens: Sequence[int]) -> None:
         """Overwrite the ids of ``node_id``'s tokens ``start .. start + len(tokens) - 1`` (``[n]`` ints >= 0).
@@ -390,14 +316,15 @@ class SequenceTree(TreeDebugging):
 
     def commit_step(self) -> None:
         """Mark every pending token as computed (call after the step's forward pass)."""
-        for node in self._nodes.values():
+        for node in self._pending_nodes:
             node.pending = 0
+        self._pending_nodes = []
         self._num_pending = 0
         self._layout = None
 
     # ================================================================ private
 
-    def _get(self, node_id: int) -> _Node:
+    def _get(self, node_id: int) -> TreeNode:
         if type(node_id) is not int and not is_int(node_id):
             raise TypeError(f"node id must be an int, got {describe(node_id)}")
         try:
@@ -405,56 +332,57 @@ class SequenceTree(TreeDebugging):
         except KeyError:
             raise TreeError(f"unknown node id {show_int(int(node_id))} (pruned, or never created)") from None
 
-    def _new_node(self, parent: int | None) -> _Node:
-        return _Node(id=self._next_id, parent=parent, tokens=[], slots=np.zeros(0, np.int64), pages=[])
+    def _new_node(self, parent: int | None) -> TreeNode:
+        return TreeNode(self._next_id, parent, [], np.zeros(0, np.int64), [])
 
     def _order(self) -> list[int]:
-        return self._structure()[0]
+        return self._structure().ids.tolist()
 
-    def _structure(self) -> tuple[list[int], np.ndarray]:
-        """Node ids in depth-first preorder and each one's parent index; cached until the topology changes."""
+    def _structure(self) -> Preorder:
+        """The forest in depth-first preorder: built on first use, then kept up to date by every edit."""
         if self._preorder is None:
-            order = depth_first_order(self._roots, {i: n.children for i, n in self._nodes.items()})
-            index = {nid: i for i, nid in enumerate(order)}
-            parent = np.array([-1 if self._nodes[i].parent is None else index[self._nodes[i].parent] for i in order],
-                              dtype=np.int64)
-            self._preorder = (order, parent)
+            self._preorder = self._fresh_preorder()
         return self._preorder
 
+    def _fresh_preorder(self) -> Preorder:
+        return Preorder.build(self._roots, {i: n.children for i, n in self._nodes.items()})
+
     def _subtree(self, node_id: int) -> list[int]:
-        """``node_id`` and its descendants, depth-first (the tree has no cycles: ops build it top-down)."""
-        order, stack = [], [node_id]
-        while stack:
-            i = stack.pop()
-            order.append(i)
-            stack.extend(reversed(self._nodes[i].children))
-        return order
+        """``node_id`` and its descendants, depth-first."""
+        order = self._structure()
+        start = order.position(node_id)
+        return order.ids[start:order.subtree_end(start)].tolist()
 
-    def _pages_freed(self, nodes) -> int:
-        """Pages that removing ``nodes`` (whole subtrees, each node once) would return to the pool."""
-        pages = [p for i in nodes for p in self._nodes[i].pages]
-        if not pages:
-            return 0
-        held, holders = np.unique(np.asarray(pages, dtype=np.int64), return_counts=True)
-        return int((self.pool.refcount[held] == holders).sum())
+    @staticmethod
+    def _holds(nodes: Iterable[TreeNode]) -> tuple[np.ndarray, np.ndarray]:
+        """The pages ``nodes`` hold (``[k]`` int64, distinct) and how many of them hold each (``[k]`` int64)."""
+        pages: list[int] = []
+        for n in nodes:
+            pages += n.pages
+        if len(pages) > FEW_PAGES:   # a whole request: numpy's sort counts faster
+            return np.unique(np.array(pages, dtype=np.int64), return_counts=True)
+        count = Counter(pages)       # a speculative tree's nodes, a few per page
+        return (np.fromiter(count, dtype=np.int64, count=len(count)),
+                np.fromiter(count.values(), dtype=np.int64, count=len(count)))
 
-    def _remove_subtrees(self, tops: list[int], nodes: list[int]) -> np.ndarray:
-        """Remove the subtrees under ``tops`` (``nodes``: all their nodes), freeing their pages in one
-        :meth:`PagedKVPool.decref`, which checks before it changes anything; returns the pages freed."""
-        pages = [p for i in nodes for p in self._nodes[i].pages]
-        freed = self.pool.decref(np.asarray(pages, dtype=np.int64))
-        for top in tops:
-            parent = self._nodes[top].parent
-            if parent is None:
-                self._roots.remove(top)
-            else:
-                self._nodes[parent].children.remove(top)
-        for i in nodes:
-            del self._nodes[i]
-        self._preorder = self._layout = None
+    def _pages_freed(self, holds: tuple[np.ndarray, np.ndarray]) -> int:
+        """Pages that dropping ``holds`` (as :meth:`_holds` gives them) would return to the pool."""
+        pages, times = holds
+        return int((self.pool.refcount[pages] == times).sum())
+
+    def _cut(self, start: int, stop: int, nodes: list[TreeNode],
+             holds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Remove ``nodes``, the whole subtrees at preorder positions ``start .. stop - 1``, freeing their
+        pages in one :meth:`PagedKVPool.decref`, which checks before it changes anything; the caller
+        unlinks the subtrees' tops from their parents. Returns the pages freed."""
+        freed = self.pool.decref(*(self._holds(nodes) if holds is None else holds))
+        for n in nodes:
+            del self._nodes[n.id]
+        self._preorder = self._structure().cut(start, stop)
+        self._layout = None
         return freed
 
-    def _pages_to_extend(self, node: _Node, num_tokens: int) -> int:
+    def _pages_to_extend(self, node: TreeNode, num_tokens: int) -> int:
         return self.pool.pages_for(max(0, num_tokens - node.tail_room))
 
     def _check_free(self, num_pages: int) -> None:
@@ -463,28 +391,37 @@ class SequenceTree(TreeDebugging):
                 f"KV pool exhausted: the operation needs {num_pages} page(s) of {self.pool.page_size} tokens, "
                 f"{self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
 
-    def _fill(self, node: _Node, tokens: list[int]) -> np.ndarray:
-        """Give ``tokens`` slots (tail room first, then fresh pages) and append them."""
+    def _fill(self, node: TreeNode, tokens: list[int]) -> np.ndarray:
+        """Give ``tokens`` slots (tail room first, then fresh pages) and append them, pending."""
         n = len(tokens)
         if n == 0:
             return np.zeros(0, np.int64)
-        self._layout = None
-        ps = self.pool.page_size
-        use_tail = min(n, node.tail_room)
-        last = int(node.slots[node.length - 1]) if node.length else -1
-        tail_slots = np.arange(last + 1, last + 1 + use_tail, dtype=np.int64)
-        pages = self.pool.allocate(self.pool.pages_for(n - use_tail))
-        fresh = (pages[:, None] * ps + np.arange(ps)).reshape(-1)[: n - use_tail]
-        new_slots = np.concatenate([tail_slots, fresh])
-        start = node.length
+        start = len(node.tokens)
+        if n <= node.tail_room:   # the common decode step: the node's last page has room
+            last = node.slots[start - 1]
+            new_slots = np.arange(last + 1, last + 1 + n, dtype=np.int64)
+            node.tail_room -= n
+        else:
+            ps = self.pool.page_size
+            use_tail = node.tail_room
+            pages = self.pool.allocate(-(-(n - use_tail) // ps))   # raises before any change
+            fresh = (pages[:, None] * ps + np.arange(ps)).reshape(-1)[: n - use_tail]
+            if use_tail:
+                last = node.slots[start - 1]
+                new_slots = np.concatenate([np.arange(last + 1, last + 1 + use_tail, dtype=np.int64), fresh])
+            else:
+                new_slots = fresh
+            node.pages += pages.tolist()
+            node.tail_room = len(pages) * ps - (n - use_tail)
         if len(node.slots) < start + n:  # grow the buffer geometrically
             buf = np.empty(max(2 * len(node.slots), start + n, 16), dtype=np.int64)
             buf[:start] = node.slots[:start]
             node.slots = buf
         node.slots[start:start + n] = new_slots
-        node.tokens.extend(tokens)
-        node.pages.extend(pages.tolist())
-        node.tail_room = node.tail_room - use_tail if len(pages) == 0 else len(pages) * ps - (n - use_tail)
+        node.tokens += tokens
+        if not node.pending:
+            self._pending_nodes.append(node)
         node.pending += n
         self._num_pending += n
+        self._layout = None
         return new_slots

@@ -10,7 +10,7 @@ import numpy as np
 
 class TreeDebugging:
     """:meth:`pretty_print` and :meth:`check_invariants` of a :class:`~treedec.tree.SequenceTree`
-    (they read its nodes, roots and pool)."""
+    (they read its nodes, roots, pool and kept preorder)."""
 
     def pretty_print(self) -> str:
         """One line per node, indented by depth."""
@@ -24,7 +24,8 @@ class TreeDebugging:
         return "\n".join(lines)
 
     def check_invariants(self) -> None:
-        """Check slots are unique and in the pool, each node's pages match its slots, refcounts are exact.
+        """Check slots are unique and in the pool, each node's pages match its slots, refcounts are exact,
+        pending counts add up, and the preorder the edits keep is the one a fresh walk finds.
 
         Raises RuntimeError naming the broken invariant and the values; real checks, not
         ``assert``, so they also run under ``python -O``.
@@ -33,6 +34,10 @@ class TreeDebugging:
         pending = sum(n.pending for n in self._nodes.values())
         if pending != self._num_pending:
             raise _broken(f"{self._num_pending=} but the nodes have {pending} pending tokens")
+        listed = {id(n) for n in self._pending_nodes}
+        unlisted = [n.id for n in self._nodes.values() if n.pending and id(n) not in listed]
+        if unlisted:
+            raise _broken(f"nodes {unlisted[:10]} have pending tokens but are not in _pending_nodes")
         all_slots = [n.slots[: n.length] for n in self._nodes.values()]
         flat = np.concatenate(all_slots) if all_slots else np.zeros(0, np.int64)
         if np.any((flat < 0) | (flat >= self.pool.num_slots)):
@@ -56,9 +61,14 @@ class TreeDebugging:
             raise _broken(f"pages {bad.tolist()} have refcounts {self.pool.refcount[bad].tolist()} but are held by "
                           f"{expected[bad].tolist()} nodes")
         self.pool.check_invariants()
-        if len(self._order()) != len(self._nodes):
-            unreachable = sorted(set(self._nodes) - set(self._order()))
+        fresh = self._fresh_preorder()
+        if len(fresh) != len(self._nodes):
+            unreachable = sorted(set(self._nodes) - set(fresh.ids.tolist()))
             raise _broken(f"nodes {unreachable[:10]} are unreachable from the roots {self._roots}")
+        kept = self._preorder
+        if kept is not None and kept != fresh:
+            raise _broken(f"the kept preorder (ids {kept.ids[:10].tolist()}, parents {kept.parent[:10].tolist()}) "
+                          f"is not the tree's (ids {fresh.ids[:10].tolist()}, parents {fresh.parent[:10].tolist()})")
 
 
 def _broken(what: str) -> RuntimeError:

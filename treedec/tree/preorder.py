@@ -1,0 +1,139 @@
+"""Preorder: a forest's depth-first order and parent positions, updated by each edit rather than rebuilt.
+
+:class:`~treedec.tree.SequenceTree` keeps one for :meth:`~treedec.tree.SequenceTree.layout` (its
+``node_ids`` and ``parent`` arrays) and to find subtrees: in preorder a subtree is the contiguous
+range from its top to the first later node whose parent lies before the top. A speculative step
+hangs a token tree under a leaf and then cuts it off again; updating the order costs a few numpy
+calls per edit, where a rebuild walks every node of the forest in Python.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Preorder:
+    """The nodes of a forest in depth-first preorder (children in list order).
+
+    Attributes
+    ----------
+    ids : [N] int64, read-only
+        Node ids in preorder.
+    parent : [N] int64, read-only
+        Position (in ``ids``) of each node's parent; -1 for roots. Always smaller than the node's own.
+
+    Every update returns a new object with new arrays, so a snapshot holding these arrays
+    (a :class:`~treedec.tree.TreeLayout`) never changes under its reader.
+    """
+
+    ids: np.ndarray
+    parent: np.ndarray
+
+    def __post_init__(self):
+        self.ids.setflags(write=False)
+        self.parent.setflags(write=False)
+
+    @classmethod
+    def build(cls, roots: Sequence[int], children: Mapping[int, Sequence[int]]) -> Preorder:
+        """Walk the forest from ``roots``; ``children[i]`` lists node ``i``'s children in order.
+
+        Nodes on a cycle or not reachable from a root are left out (the caller compares counts).
+        """
+        ids: list[int] = []
+        parent: list[int] = []
+        stack = [(r, -1) for r in reversed(roots)]
+        seen = set()
+        while stack:
+            i, p = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            stack.extend((c, len(ids)) for c in reversed(children[i]))
+            ids.append(i)
+            parent.append(p)
+        return cls(np.array(ids, dtype=np.int64), np.array(parent, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Preorder) and np.array_equal(self.ids, other.ids)
+                and np.array_equal(self.parent, other.parent))
+
+    def position(self, node_id: int) -> int:
+        """Where ``node_id`` (a node of the forest) is in the order."""
+        at = int((self.ids == node_id).argmax())
+        assert self.ids[at] == node_id, f"node {node_id} is not in the preorder"
+        return at
+
+    def positions(self, node_ids: Sequence[int]) -> np.ndarray:
+        """[k] int64 positions of ``node_ids`` (nodes of the forest)."""
+        by_id = np.argsort(self.ids)
+        at = by_id[np.searchsorted(self.ids, node_ids, sorter=by_id)]
+        assert np.array_equal(self.ids[at], node_ids), f"{node_ids=} are not all in the preorder"
+        return at
+
+    def subtree_end(self, at: int) -> int:
+        """One past the last position of the subtree whose top is at position ``at``."""
+        outside = self.parent[at + 1:] < at
+        if not len(outside):
+            return at + 1
+        j = int(outside.argmax())
+        return at + 1 + j if outside[j] else len(self.ids)
+
+    def subtree_ends(self, at: np.ndarray) -> np.ndarray:
+        """[k] int64: :meth:`subtree_end` of each position in ``at`` (``[k]`` int64)."""
+        n = len(self.ids)
+        end = at + 1
+        inner = np.flatnonzero(end < n)
+        inner = inner[self.parent[end[inner]] == at[inner]]   # a node has children iff the next one is its child
+        for j in inner.tolist():
+            end[j] = self.subtree_end(int(at[j]))
+        return end
+
+    def insert(self, at: np.ndarray, ids: np.ndarray, old_parent: np.ndarray, new_parent: np.ndarray) -> Preorder:
+        """The order with new nodes inserted.
+
+        Parameters
+        ----------
+        at : [m] int64, non-decreasing
+            New node ``j`` goes right before the old node at position ``at[j]`` (``N``: at the end).
+        ids : [m] int64
+            The new nodes' ids, in the order they take among themselves.
+        old_parent, new_parent : [m] int64
+            Each new node's parent: the old position ``old_parent[j]``, or the new node
+            ``new_parent[j]`` (< j), the other -1; both -1 for a new root.
+        """
+        n, m = len(self.ids), len(ids)
+        if at[0] == at[-1]:   # one place, as for a token tree or a node's new children: splice them in
+            q = int(at[0])
+            parent = np.concatenate((self.parent[:q], np.where(new_parent >= 0, new_parent + q, old_parent),
+                                     self.parent[q:]))
+            after = parent[q + m:]
+            after[after >= q] += m   # (the new nodes' old parents lie before q)
+            return Preorder(np.concatenate((self.ids[:q], ids, self.ids[q:])), parent)
+        # The maps of old and new positions end in -1, so that indexing them with -1 gives -1.
+        old_to = np.empty(n + 1, dtype=np.int64)
+        old_to[:n] = np.arange(n) + np.searchsorted(at, np.arange(n), side="right")
+        old_to[n] = -1
+        new_to = np.empty(m + 1, dtype=np.int64)
+        new_to[:m] = at + np.arange(m)
+        new_to[m] = -1
+        out_ids = np.empty(n + m, dtype=np.int64)
+        out_ids[old_to[:n]] = self.ids
+        out_ids[new_to[:m]] = ids
+        out_parent = np.empty(n + m, dtype=np.int64)
+        out_parent[old_to[:n]] = old_to[self.parent]
+        out_parent[new_to[:m]] = np.where(new_parent >= 0, new_to[new_parent], old_to[old_parent])
+        return Preorder(out_ids, out_parent)
+
+    def cut(self, start: int, stop: int) -> Preorder:
+        """The order without positions ``start .. stop - 1``, which must be whole subtrees."""
+        ids = np.concatenate((self.ids[:start], self.ids[stop:]))
+        parent = np.concatenate((self.parent[:start], self.parent[stop:]))
+        after = parent[start:]
+        after[after >= stop] -= stop - start   # no node left has its parent inside the cut
+        return Preorder(ids, parent)
