@@ -140,6 +140,42 @@ def test_decref_more_often_than_held_changes_nothing():
     assert pool.decref([1, 1, 0]).tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("pages, times, error, match", [
+    ([0, 1], [1], ValueError, r"times must hold one count per page \(2\), got 1"),
+    ([0, 0], [1, 1], ValueError, "pages must be distinct when times are given"),
+    ([0, 1], [1, 0], ValueError, r"times must be >= 1 .*times\[1\] = 0"),
+    ([0, 1], [1, 1.0], TypeError, r"times\[1\] must be an integer, got float"),
+    ([0, 1], [1, 3], ValueError, r"pages \[1\] are listed \[3\] times but have only \[2\] holder"),
+    ([0, 5], [1, 1], ValueError, r"pages must be in use, but pages \[5\] are free"),
+])
+def test_decref_by_counts_checks_them_and_changes_nothing(pages, times, error, match):
+    pool = pool_in_use()
+    pool.incref([1])
+    before = pool_state(pool)
+    with pytest.raises(error, match=match):
+        pool.decref(pages, times)
+    assert_same_state(pool, before)
+    assert pool.decref([3, 1, 0], [1, 2, 1]).tolist() == [0, 1, 3]   # ascending, as without counts
+    assert pool.decref(np.array([2]), np.array([1])).tolist() == [2] and pool.num_free_pages == 8
+    pool.check_invariants()
+
+
+def test_allocate_slots_packs_pages_with_a_holder_per_slot():
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    slots = pool.allocate_slots(6)
+    pages = sorted(set((slots // 4).tolist()))
+    assert slots.tolist() == [pages[0] * 4 + i for i in range(4)] + [pages[1] * 4, pages[1] * 4 + 1]
+    assert pool.refcount[pages].tolist() == [4, 2] and pool.num_free_pages == 6
+    assert len(pool.allocate_slots(0)) == 0
+    before = pool_state(pool)
+    for bad, error in [(25, PoolExhaustedError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]:
+        with pytest.raises(error):
+            pool.allocate_slots(bad)
+        assert_same_state(pool, before)
+    assert pool.decref(pages, [4, 2]).tolist() == pages
+    pool.check_invariants()
+
+
 def test_negative_page_id_cannot_alias_a_live_page():
     """decref([-1]) used to free page 7, the last live page: the next allocation got its K/V."""
     pool = PagedKVPool(8, 4, allocate_storage=False)
