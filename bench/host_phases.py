@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import sys
 import time
 from collections import defaultdict
@@ -26,14 +25,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
-from treedec.attention import StaticPlan  # noqa: E402
+from treedec.attention import StaticPlan, TreeAttention  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search import acceptance, drafts, eagle, medusa, speculative, tree_drafting  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
-
-engine_module = importlib.import_module("treedec.engine.engine")
 
 #: (owner, attribute name, label) of every timed function.
 PHASES = [
@@ -47,7 +44,7 @@ PHASES = [
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
     (Engine, "step", "Engine.step"),
     (Engine, "pending_rows", "Engine.pending_rows"),
-    (engine_module, "make_plan", "  make_plan"),
+    (TreeAttention, "plan_host", "  TreeAttention.plan_host (make_plan)"),
     (GraphRunner, "load", "  GraphRunner.load"),
     (StaticPlan, "write", "    StaticPlan.write"),
     (cuda_backend, "schedule_units", "      schedule_units (cuda backend)"),
