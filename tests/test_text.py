@@ -158,6 +158,27 @@ def test_encode_prompt_argument_errors(tokenizers):
         encode_prompt(tok, "hi", chat_template="yes")
 
 
+SURROGATES = [  # (prompt, chat_template, where the error says the surrogate is)
+    ("\ud800", False, r"prompt is not text: a lone surrogate \(U\+D800\) at character 0"),
+    ("caf\udce9 au lait", False, r"prompt is not text: a lone surrogate \(U\+DCE9\) at character 3"),
+    ("\udfff", True, r"prompt is not text: a lone surrogate \(U\+DFFF\)"),
+    ([{"role": "user", "content": "ok"}, {"role": "user", "content": "x\ud83d"}], True,
+     r"prompt\[1\]\['content'\] is not text: a lone surrogate \(U\+D83D\) at character 1"),
+    ([{"role": "user", "content": "ok", "name": "\udc80"}], True, r"prompt\[0\]\['name'\] is not text"),
+]
+
+
+@pytest.mark.parametrize("kind, prompt, chat, where", [(kind, *case) for kind in KINDS + ("bytes",)
+                                                       for case in SURROGATES
+                                                       if kind != "bytes" or not case[1]])   # bytes: no template
+def test_a_lone_surrogate_is_not_a_prompt(tokenizers, kind, prompt, chat, where):
+    """Tokenizers raise a TypeError naming nothing for a lone surrogate (a JSON "\\ud800" escape, an argv
+    byte that was not UTF-8): encode_prompt says which text, where, and what it is, before encoding."""
+    tok = ByteTokenizer() if kind == "bytes" else tokenizers[kind]
+    with pytest.raises(ValueError, match=where):
+        encode_prompt(tok, prompt, chat_template=chat)
+
+
 def test_byte_tokenizer_plain_text_only():
     tok = ByteTokenizer()
     assert encode_prompt(tok, "é!", chat_template=False) == [0xC3, 0xA9, 0x21]

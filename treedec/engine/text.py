@@ -19,7 +19,8 @@ from pathlib import Path
 from treedec.engine.loading import CheckpointError
 from treedec.tree.validate import describe, int_list, is_int
 
-__all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "encode_prompt", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "check_text", "encode_prompt",
+           "load_tokenizer"]
 
 #: Files of which a checkpoint folder holds at least one when it has a tokenizer that
 #: transformers can load (besides ``*.tiktoken`` vocabularies).
@@ -104,8 +105,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
         neither a text nor chat messages.
     ValueError
         Messages with ``chat_template=False``; malformed messages (see :func:`check_messages`);
-        a tokenizer without a chat template; a template that refuses the messages (its own
-        message); a prompt that encodes to no tokens.
+        a text that is not Unicode text (a lone surrogate, see :func:`check_text`); a tokenizer
+        without a chat template; a template that refuses the messages (its own message); a
+        prompt that encodes to no tokens.
     """
     if not isinstance(chat_template, bool):
         raise TypeError(f"chat_template must be a bool, got {describe(chat_template)}")
@@ -114,12 +116,15 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
             if _is_message_list(prompt):
                 raise ValueError("prompt is a list of chat messages: they need chat_template=True")
             raise TypeError(f"prompt must be a text (or chat messages with chat_template=True), got {describe(prompt)}")
+        check_text(prompt, "prompt")
         ids = list(tokenizer.encode(prompt))
     else:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = check_messages(prompt, "prompt")
+            check_text(messages, "prompt")
         if not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise ValueError(f"the tokenizer of {name} has no chat template; encode the prompt as plain text "
@@ -128,10 +133,37 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja2's TemplateError (e.g. raise_exception in the template) and its kin
             raise ValueError(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:300]})") from e
+        check_text(text, "the chat template's rendering of the prompt")
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise ValueError(f"prompt {prompt!r:.80} encodes to no tokens; a request needs at least one prompt token")
     return ids
+
+
+def check_text(value, name: str) -> None:
+    """Raise ValueError naming ``name`` if a string in ``value`` is not Unicode text.
+
+    ``value`` is a string, or lists / tuples / mappings holding strings (chat messages, a
+    request's stop strings) at any depth. A string is text when UTF-8 can encode it: a lone
+    surrogate (``"\\ud800"`` from a JSON escape, or a byte that was not UTF-8 in a command
+    line argument, which Python keeps as ``"\\udcff"``) is not, and tokenizers refuse it with
+    a TypeError that names nothing. Other values are left alone.
+    """
+    stack = [(value, name)]
+    while stack:   # a loop, not recursion: JSON can nest deeper than Python's stack
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where} is not text: a lone surrogate (U+{ord(item[e.start]):04X}) at character "
+                                 f"{e.start}, which UTF-8 cannot encode (an unpaired \\ud800-\\udfff JSON escape, "
+                                 f"or bytes that were not UTF-8); fix the input's encoding") from None
+        elif isinstance(item, Mapping):
+            for k, v in reversed(list(item.items())):
+                stack += [(v, f"{where}[{k!r}]"), (k, f"a key of {where}")]
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
 
 
 def check_messages(messages, name: str = "messages") -> list[dict]:
