@@ -360,9 +360,10 @@ def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
     out = tmp_path / "results.jsonl"
     assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "5"]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["id"], r["index"]) for r in lines] == [(1, 0), (1, 1), ("g", 0)]
-    assert [len(r["output_ids"]) for r in lines] == [6, 6, 5] or lines[2]["stop_reason"] == "eos"
-    assert lines[0]["output_ids"] != lines[1]["output_ids"] and lines[0]["prompt_ids"] == [1, 2, 3, 4, 5]
+    # each request's lines as it finishes: "g" (5 tokens, or fewer at its stop id) before request 1 (6 tokens)
+    assert [(r["id"], r["index"]) for r in lines] == [("g", 0), (1, 0), (1, 1)]
+    assert [len(r["output_ids"]) for r in lines] == [5, 6, 6] or lines[0]["stop_reason"] == "eos"
+    assert lines[1]["output_ids"] != lines[2]["output_ids"] and lines[1]["prompt_ids"] == [1, 2, 3, 4, 5]
     err = capsys.readouterr().err
     assert "2 requests, 3 outputs" in err and f"results in {out}" in err
 
@@ -370,7 +371,7 @@ def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
 @pytest.mark.parametrize("line,fragment", [
     ('{"prompt": "hi"}', "request 1 gives its prompt as text: it needs the checkpoint's tokenizer"),
     ('{"prompt_ids": [1], "temperature": -1}', "requests.jsonl:1: "),
-    ('{"prompt_ids": [1], "max_new_tokens": 100000}', "request 1 may need"),
+    ('{"prompt_ids": [1], "max_new_tokens": 1000, "n": 8}', "request 1 may need"),
 ])
 def test_generate_errors_are_one_line(line, fragment, tmp_path, capsys):
     prompts = tmp_path / "requests.jsonl"

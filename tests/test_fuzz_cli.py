@@ -2,8 +2,10 @@
 
 Values are drawn per option from valid ones, near misses (0, -1, 2**31, nan, unknown names, a
 folder for a file, a missing folder) and junk text. ``demo`` runs for real (its forest is small;
-chunk and tile sizes stay >= 16 so a run takes milliseconds). ``replay``, ``spec`` and ``tot``
-stop where their model would load, so only their checks run: an example costs milliseconds.
+chunk and tile sizes stay >= 16 so a run takes milliseconds). ``generate``, ``replay``, ``spec``
+and ``tot`` stop where their model would load, so only their checks run: an example costs
+milliseconds. Files include prompts files with a lone surrogate or JSON nested too deeply, and
+outputs may name an input file (refused).
 """
 import contextlib
 import io
@@ -36,6 +38,8 @@ def files(tmp_path_factory):
         "not.json": "not json", "list.json": "[1, 2]", "empty.json": "",
         "tree.json": json.dumps({"parents": [-1, 0, 0], "tokens": [1, 2]}),
         "bad_tree.json": json.dumps({"parents": [-1, 5], "tokens": [1]}),
+        "prompts.jsonl": '{"prompt_ids": [1, 2, 3]}\n{"prompt": "hi", "stop": ["\\n"]}\n',
+        "surrogate.jsonl": '{"prompt": "a\\ud800"}\n', "deep.jsonl": "[" * 5000 + "]" * 5000 + "\n",
     }
     for name, text in contents.items():
         (root / name).write_text(text)
@@ -47,7 +51,8 @@ def files(tmp_path_factory):
                  out=str(root / "out.json"), png=str(root / "fig.png"))
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)  # what a run writes to a relative path (plot's default --out, a junk path) lands here
-        for module in ("treedec.commands.args", "treedec.commands.replay", "treedec.commands.spec", "treedec.commands.tot"):
+        for module in ("treedec.commands.args", "treedec.commands.generate", "treedec.commands.replay",
+                       "treedec.commands.spec", "treedec.commands.tot"):
             mp.setattr(f"{module}.load_model", _stop)
         yield paths
 
@@ -78,8 +83,10 @@ DEVICES = names("cpu", "cuda", "cuda:0", "cuda:7", "cpu:0", "CPU", "mps", "meta"
 BACKENDS = names("auto", "reference", "torch", "cuda", "hybrid", "")  # triton: interpreted here, too slow to fuzz
 FLAG = None
 FILES = st.sampled_from(["results.json", "not.json", "list.json", "empty.json", "binary.json", "tree.json",
-                         "bad_tree.json", "schedule.json", "folder", "missing", "out"])
-OUTS = st.one_of(st.sampled_from(["out", "folder", "missing", "results.json", "png"]), st.just(""))
+                         "bad_tree.json", "schedule.json", "folder", "missing", "out", "prompts.jsonl",
+                         "surrogate.jsonl", "deep.jsonl"])
+OUTS = st.one_of(st.sampled_from(["out", "folder", "missing", "results.json", "png", "prompts.jsonl", "tree.json",
+                                  "schedule.json"]), st.just(""))
 
 MODEL = {"--model": st.sampled_from(["folder", "missing"]), "--config": names(*MODEL_SIZES), "--device": DEVICES,
          "--dtype": names("bf16", "fp16", "fp32")}
@@ -95,6 +102,10 @@ OPTIONS = {
                "--branches": ints(1, 50), "--warmup": ints(0, 5), "--profile-split": FLAG, "--seed": SEEDS,
                "--out": OUTS, "--save-schedule": OUTS, "--no-progress": FLAG},
     "plot": {"--out": st.one_of(OUTS, st.sampled_from(["fig.docx", "fig"]))},
+    "generate": {**MODEL, "--prompts": FILES, "--out": OUTS, "--chat-template": FLAG, "--max-new-tokens": ints(1, 64),
+                 "--temperature": FLOATS, "--top-p": FLOATS, "--top-k": ints(1, 50), "--n": ints(1, 4),
+                 "--stop": JUNK, "--backend": BACKENDS, "--page-size": ints(1, 64), "--kv-tokens": ints(1, 10**6),
+                 "--seed": SEEDS},
     "spec": {**MODEL, "--draft": names("ngram", "medusa", "draft-model", "tree"),
              "--accept": names("greedy", "typical", "sample"), "--max-new-tokens": ints(1, 64),
              "--eos": names("1,2", "none", "NONE", "600", "1,-2", ",", "x"),
@@ -107,7 +118,8 @@ OPTIONS = {
              "--draft-model": st.sampled_from(["folder", "missing"]), "--draft-config": names(*MODEL_SIZES),
              "--draft-seed": SEEDS, "--depth": ints(1, 8), "--top-k": ints(1, 8), "--total-tokens": ints(1, 32),
              "--max-ngram": ints(1, 5), "--num-draft-tokens": ints(1, 16), "--max-matches": ints(1, 4),
-             "--tree-json": FILES, "--check": FLAG, "--json-out": OUTS, "--no-progress": FLAG},
+             "--tree-json": FILES, "--check": FLAG, "--json-out": OUTS, "--no-progress": FLAG,
+             "--prompts": FILES, "--out": OUTS},
     "tot": {**MODEL, "--algorithm": names("bfs", "dfs"), "--k": ints(1, 5), "--n": ints(1, 5),
             "--depth": ints(1, 5), "--selection": names("greedy", "sample"), "--threshold": FLOATS,
             "--max-expansions": ints(1, 50), "--temperature": FLOATS, "--value-samples": ints(1, 3),

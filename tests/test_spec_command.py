@@ -2,6 +2,7 @@
 rules, the results JSON, and bad inputs refused before a model is loaded."""
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +165,13 @@ def test_eos_defaults_to_the_checkpoint_s(tmp_path, capsys):
     assert f"eos: [{eos}, 255]" in capsys.readouterr().out
 
 
+def read_results(path) -> dict:
+    """A results JSONL file's lines by request id (lines come in the order requests finish)."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert len({r["id"] for r in lines}) == len(lines)
+    return {r["id"]: r for r in lines}
+
+
 def write_prompts(path, count=3):
     lines = [json.dumps({"id": f"r{k}", "prompt_ids": [(13 * k + 5 * i) % 512 for i in range(8)] * 2,
                          "max_new_tokens": 10 + k}) for k in range(count)]
@@ -180,10 +188,12 @@ def test_a_prompts_file_runs_batched_with_every_draft(draft, tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     assert main(["spec", "--draft", draft, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
     assert "3 requests" in capsys.readouterr().err
-    results = [json.loads(line) for line in out.read_text().splitlines()]
+    results = read_results(out)
     model = from_config("tiny", seed=0)
-    for request, result in zip(requests, results):
-        assert result["id"] == request["id"] and result["stop_reason"] == "length"
+    assert list(sorted(results)) == [r["id"] for r in requests]
+    for request in requests:
+        result = results[request["id"]]
+        assert result["stop_reason"] == "length"
         assert result["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_new_tokens"])
         assert len(result["stats"]["accepted"]) == result["stats"]["steps"]
 
@@ -197,8 +207,9 @@ def test_a_prompts_file_with_sampled_acceptance(accept, tmp_path):
     first = out.read_text()
     assert main([*argv, str(tmp_path / "again.jsonl")]) == 0   # seeded: the same tokens again
     assert (tmp_path / "again.jsonl").read_text().count("output_ids") == 2
-    assert [json.loads(x)["output_ids"] for x in first.splitlines()] == \
-        [json.loads(x)["output_ids"] for x in (tmp_path / "again.jsonl").read_text().splitlines()]
+    again = read_results(tmp_path / "again.jsonl")
+    assert {r["id"]: r["output_ids"] for r in map(json.loads, first.splitlines())} == \
+        {i: r["output_ids"] for i, r in again.items()}
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -243,9 +254,9 @@ def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
     out = tmp_path / "r.jsonl"
     assert main(["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
                  "--sample-top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [len(r["output_ids"]) for r in results] == [10, 11]
-    assert sum(sum(r["stats"]["accepted"]) for r in results) > 0   # the draft model is the target's own weights
+    results = read_results(out)
+    assert {i: len(r["output_ids"]) for i, r in results.items()} == {"r0": 10, "r1": 11}
+    assert sum(sum(r["stats"]["accepted"]) for r in results.values()) > 0   # the draft model is the target's own weights
 
 
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path, capsys):
@@ -284,8 +295,10 @@ def test_eagle_drafter_checkpoint(kind, tmp_path, capsys):
     requests = write_prompts(tmp_path / "p.jsonl", 2)
     argv.remove("--eos"), argv.remove("none")
     assert main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "r.jsonl")]) == 0
-    for request, line in zip(requests, (tmp_path / "r.jsonl").read_text().splitlines()):
-        assert json.loads(line)["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_new_tokens"])
+    results = read_results(tmp_path / "r.jsonl")
+    for request in requests:
+        assert results[request["id"]]["output_ids"] == plain_greedy(model, request["prompt_ids"],
+                                                                    request["max_new_tokens"])
 
 
 def test_eagle_flags_are_checked(tmp_path, capsys):

@@ -23,13 +23,18 @@ acceptance stats (see :mod:`treedec.commands.spec`).
 Errors and exit codes. Every argument is checked when it is parsed (counts, sizes, seeds,
 names, devices, input files), and the rest before a model is loaded where it can be. An
 output file's folder must exist and be writable when the command starts (it is not
-created: a mistyped path fails at once, not after the run). A mistake prints one line to
+created: a mistyped path fails at once, not after the run), and an output that is one of the
+command's input files (or another of its outputs) is refused before anything runs. A
+``--kv-tokens`` pool larger than the memory available is refused before it is allocated (an
+allocation that fails anyway is reported the same way). A mistake prints one line to
 stderr, ``treedec <command>: error: <what was wrong and what to do>``, and exits 2: bad
 arguments, and the exceptions the library raises for bad input (ValueError and its
 subclasses, e.g. treedec.errors' TreeError and PlanError, json.JSONDecodeError; TypeError;
 OSError, e.g. a missing file; BackendUnavailableError; PoolExhaustedError; out of memory).
 Any other exception is unexpected (a bug, or a failure in torch): one line naming it and
-"rerun with --debug for the traceback", exit 1. Ctrl-C exits 130. ``--debug``, before or
+"rerun with --debug for the traceback", exit 1. Ctrl-C exits 130. The line ends with the
+exception's notes in parentheses: a batch command's says which requests finished (their
+results are in the results file) and which did not. ``--debug``, before or
 after the command, lets every exception through with its traceback. ``treedec demo`` exits
 1 when its result does not match the reference.
 """
@@ -46,7 +51,7 @@ import torch
 
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
 from treedec.errors import BackendUnavailableError, PoolExhaustedError
-from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, seed_int
+from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, refuse_overwrites, seed_int
 from treedec.commands.generate import add_generate_parser, run_generate
 from treedec.commands.replay import add_plot_parser, add_replay_parser, run_plot, run_replay
 from treedec.commands.spec import add_spec_parser, run_spec
@@ -142,7 +147,12 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UsageError` instead of printing usage and exiting.
 
     Subparsers are made with the parser's own class, so every subcommand raises it too.
+    ``commands`` maps each subcommand's name to its parser (set by :func:`build_parser`).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, Parser] = {}
 
     def error(self, message: str):
         raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
@@ -177,6 +187,7 @@ def build_parser() -> Parser:
     for command in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show the traceback of an error")
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -189,26 +200,28 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug (abbreviations too)
     prog = "treedec"
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         debug, prog = args.debug, f"treedec {args.command}"
+        refuse_overwrites(parser.commands[args.command], args)
         logging.basicConfig(level=logging.WARNING)
         return COMMANDS[args.command](args)
     except UsageError as e:
         if debug:
             raise
         return _fail(e.prog, str(e), 2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        return _fail(prog, "interrupted", 130)
+        return _fail(prog, "interrupted" + _notes(e), 130)
     except USER_ERRORS as e:
         if debug:
             raise
-        return _fail(prog, str(e) or type(e).__name__, 2)
+        return _fail(prog, (str(e) or type(e).__name__) + _notes(e), 2)
     except Exception as e:
         if debug:
             raise
-        return _fail(prog, f"{type(e).__name__}: {e} (unexpected; rerun with --debug for the traceback)", 1)
+        return _fail(prog, f"{type(e).__name__}: {e}{_notes(e)} (unexpected; rerun with --debug for the traceback)", 1)
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -235,6 +248,11 @@ def run_env_command(args: argparse.Namespace) -> int:
 
 COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
             "env": run_env_command}
+
+
+def _notes(error: BaseException) -> str:
+    """The exception's notes (``add_note``), each in parentheses after its message."""
+    return "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
 
 
 def _fail(prog: str, message: str, code: int) -> int:

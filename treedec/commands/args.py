@@ -5,7 +5,8 @@ expected (counts, seeds, finite floats, devices, backends, planners, model sizes
 output paths), so a mistake is reported when the arguments are parsed, before anything is
 loaded or run. Output paths are checked up front too: their folder must exist and be
 writable (no folder is created, so a mistyped path fails at once instead of after a long
-run or into a stray new tree).
+run or into a stray new tree), and :func:`refuse_overwrites` refuses an output that is one of
+the command's input files or another of its outputs.
 """
 from __future__ import annotations
 
@@ -180,11 +181,52 @@ def workload_arg(text: str) -> str:
 
 
 def read_json(path: str, what: str):
-    """The JSON document in ``path``; a file that is not JSON raises ValueError naming it as ``what``."""
+    """The JSON document in ``path``; a file that is not JSON (not UTF-8, malformed, nested deeper than
+    Python's stack, an integer of more digits than Python converts) raises ValueError naming it as ``what``."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{what} {path} is not JSON this reader takes (nested too deeply)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{what} {path} is not JSON ({e})") from None
+    except ValueError as e:   # an integer of more digits than Python converts (its advice is for programmers)
+        raise ValueError(f"{what} {path} is not JSON this reader takes ({str(e).split(';')[0]})") from None
+
+
+#: The argument types that name a file the command reads (a workload name is not a file).
+INPUT_TYPES = (existing_file, existing_path, workload_arg)
+
+
+def refuse_overwrites(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Raise ValueError, before anything runs, when an output path of the command (an ``output_file``
+    argument) is one of its input files or another output: the same resolved path, or the same file
+    (``os.path.samefile``: a hard or symbolic link) where both exist."""
+    inputs, outputs = [], []
+    for action in parser._actions:   # argparse keeps no public list of a parser's arguments
+        values = getattr(args, action.dest, None)
+        if values is None or action.type not in (*INPUT_TYPES, output_file):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        for value in values if isinstance(values, list) else [values]:
+            if action.type is output_file:
+                outputs.append((name, value))
+            elif not (action.type is workload_arg and value in WORKLOADS):
+                inputs.append((name, value))
+    for i, (name, path) in enumerate(outputs):
+        for other_name, other in inputs + outputs[:i]:
+            if _same_file(path, other):
+                if (other_name, other) in inputs:
+                    raise ValueError(f"{name} {path!r} is the file of {other_name} {other!r}: writing it would "
+                                     f"overwrite the command's input; write to another file")
+                raise ValueError(f"{other_name} {other!r} and {name} {path!r} are the same file: one would overwrite "
+                                 f"the other; give them different paths")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:   # one of them does not exist (yet): compare where they would be
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 # ================================================================ model options

@@ -10,14 +10,16 @@ its own ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``temperature``, ``top
 defaults for what a line leaves out. All requests run batched
 (:func:`~treedec.search.batch.generate_batch`): admitted while the KV pool holds their worst
 case, one engine step per iteration for every live request, prompts that start alike sharing
-one copy of their common prefix. The results file has one line per
-output (``id``, ``index``, ``output_ids``, ``text``, ``stop_reason``, ...), in request order.
-Text prompts, text outputs and stop strings need ``--model`` (its tokenizer); the tiny random
-default takes ``prompt_ids`` only.
+one copy of their common prefix. The results file (JSONL) has one line per output (``id``,
+``index``, ``output_ids``, ``text``, ``stop_reason``, ...), each request's lines appended as it
+finishes, so the order is the order the requests finish and a run that fails keeps every
+finished request's results (:mod:`treedec.commands.batch_io`). Text prompts, text outputs and
+stop strings need ``--model`` (its tokenizer); the tiny random default takes ``prompt_ids`` only.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -25,10 +27,10 @@ from tqdm import tqdm
 
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
                                    nonnegative_float, output_file, positive_float, positive_int, seed_int)
-from treedec.engine import Engine
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
+from treedec.commands.kv_memory import build_engine
 from treedec.engine.text import load_tokenizer
 from treedec.search.batch import generate_batch
-from treedec.search.requests_file import read_requests, write_results_jsonl
 
 CPU_KV_TOKENS = 32768  # the CPU pool's default size in tokens (no free-memory query there)
 
@@ -40,7 +42,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--prompts", type=existing_file, required=True,
                    help="JSONL, one request per line: {\"prompt\" | \"messages\" | \"prompt_ids\": ..., "
                         "\"max_new_tokens\": 32, \"stop\": [...], \"temperature\": 0.7, \"n\": 2, ...}")
-    p.add_argument("--out", type=output_file, required=True, help="results JSONL: one line per output")
+    p.add_argument("--out", type=output_file, required=True,
+                   help="results JSONL: one line per output, each request's written as it finishes")
     add_model_arguments(p)
     p.add_argument("--chat-template", action="store_true",
                    help="render text prompts through the tokenizer's chat template (messages always are)")
@@ -66,20 +69,24 @@ def run_generate(args: argparse.Namespace) -> int:
                 if getattr(args, name) is not None}
     if args.stop:
         defaults["stop"] = args.stop
-    specs = read_requests(args.prompts, defaults)
+    specs = read_prompts(args.prompts, defaults)
     check_backend(args)
     model, name = load_model(args)
     tokenizer = load_tokenizer(args.model) if args.model is not None else None
     kv_tokens = args.kv_tokens
     if kv_tokens is None and model.device.type != "cuda":
         kv_tokens = CPU_KV_TOKENS
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
-                    cuda_graphs=model.device.type == "cuda")
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
+                          cuda_graphs=model.device.type == "cuda")
     generator = torch.Generator(model.device).manual_seed(args.seed)
-    with tqdm(total=len(specs), unit="request", desc="generate", disable=None, file=sys.stderr) as bar:
-        results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator,
-                                        on_request_done=lambda done: bar.update(1))
-    write_results_jsonl(args.out, results)
+
+    def done(outputs) -> None:
+        writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
+        bar.update(1)
+
+    with (tqdm(total=len(specs), unit="request", desc="generate", disable=None, file=sys.stderr) as bar,
+          ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
+        results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done)
     tokens = sum(len(r.output_ids) for r in results)
     reasons = {reason: sum(r.stop_reason == reason for r in results) for reason in ("eos", "stop_string", "length")}
     print(f"{name}: {len(specs)} requests, {len(results)} outputs, {tokens} tokens in {stats.seconds:.2f} s "

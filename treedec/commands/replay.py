@@ -19,6 +19,7 @@ SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
                                    nonnegative_int, output_file, planner_list, positive_int, read_json, seed_int,
                                    workload_arg)
+from treedec.commands.kv_memory import check_kv_pool, out_of_memory_as_error
 
 # ================================================================ replay and plot
 
@@ -76,10 +77,13 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.save_schedule:
         schedule.save(args.save_schedule)
     model, model_name = load_model(args)
+    pool = ("the KV pool of the schedule's peak" if args.kv_tokens is None else
+            check_kv_pool(model, args.kv_tokens, args.page_size))
     configs = [ReplayConfig(planner=p, backend=args.backend, page_size=args.page_size, kv_tokens=args.kv_tokens,
                             profile_split=args.profile_split, warmup_steps=args.warmup, seed=args.seed,
                             progress=not args.no_progress, cuda_graphs=args.cuda_graphs) for p in planners]
-    results = replay_results(model, schedule, configs, model_name, args.workload)
+    with out_of_memory_as_error(f"replaying {args.workload} ({pool})", "lower --kv-tokens, or use a smaller --dtype"):
+        results = replay_results(model, schedule, configs, model_name, args.workload)
     print_results(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from treedec.engine import Engine, from_config, from_pretrained
+from treedec.engine import from_config, from_pretrained
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_dir, existing_file,
                                     existing_path, load_model, model_size, nonnegative_float, output_file,
                                     positive_float, positive_int, read_json, seed_int)
+from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
-from treedec.engine.text import has_tokenizer, load_tokenizer
+from treedec.engine.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
 from treedec.engine.eagle import EagleDrafter, load_eagle
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
@@ -136,6 +137,10 @@ def run_spec(args: argparse.Namespace) -> int:
     if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
         raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
                          f"got --accept {args.accept}")
+    if args.prompt is not None:
+        if not args.prompt:
+            raise ValueError("--prompt is empty; give a text (or leave --prompt out for the default text)")
+        check_text(args.prompt, "--prompt")
     choices = [list(c) for c in DEFAULT_MEDUSA_CHOICES] if args.medusa_choices is None else args.medusa_choices
     rule = _rule(args)
     tree_json = _tree_json(args.tree_json)
@@ -150,7 +155,7 @@ def run_spec(args: argparse.Namespace) -> int:
     eos = _eos(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
     kv_tokens = args.kv_tokens or len(prompt) + args.max_new_tokens + 2048
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
     draft, draft_note = _draft(args, model, choices, tree_json, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
           f"{engine.attn.backend} backend, page size {args.page_size}; prompt {len(prompt)} tokens")
@@ -247,6 +252,8 @@ def _medusa_choices(text: str) -> list[list[int]]:
         TokenTree.from_medusa_choices(choices)   # the tree's own checks
     except ValueError as e:                      # json.JSONDecodeError is one
         raise argparse.ArgumentTypeError(f"{expected}: {e}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{expected}: nested too deeply") from None
     if not choices:                              # a tree with no draft tokens drafts nothing
         raise argparse.ArgumentTypeError(f"{expected}, got []")
     return choices
@@ -279,7 +286,7 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer: {args.model or 'random weights'} has none; "
                              f"give --prompt-ids instead")
-        return tokenizer(args.prompt or DEFAULT_TEXT)["input_ids"], tokenizer
+        return encode_prompt(tokenizer, args.prompt or DEFAULT_TEXT, chat_template=False), tokenizer
     rng = np.random.default_rng(args.seed)
     phrase = rng.integers(0, vocab, 6).tolist()
     return rng.integers(0, vocab, 5).tolist() + phrase + rng.integers(0, vocab, 4).tolist() + phrase, None
@@ -309,7 +316,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
     shape = f"depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
-        engine = Engine(draft_model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+        engine = build_engine(draft_model, kv_tokens, args.page_size, backend=args.backend)
         draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
                                 sample=sample, seed=args.seed)
         return draft, f"draft model {note}; {shape}"
@@ -321,7 +328,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
             drafter = EagleDrafter.random(model, args.draft, seed=args.seed)
             note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
                     f"trained one")
-        engine = Engine(drafter, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+        engine = build_engine(drafter, kv_tokens, args.page_size, backend=args.backend)
         draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
                            sample=sample, seed=args.seed)
         layers = f", target layers {list(drafter.aux_layers)}" if drafter.aux_layers else ""
@@ -398,7 +405,7 @@ def _progress(args: argparse.Namespace):
 def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int,
            eos: tuple[int, ...]) -> dict:
     """Plain greedy decoding of the same prompt and EOS ids: equal tokens? (and its speed, for comparison)."""
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend)
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
     start = time.perf_counter()
     plain = greedy_generate(engine, prompt, args.max_new_tokens, eos_token_id=list(eos) or None)
     seconds = time.perf_counter() - start

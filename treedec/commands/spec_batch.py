@@ -10,8 +10,9 @@ the draft engine), and all requests' token trees are verified in one engine step
 (:func:`~treedec.search.speculative_batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
 at each request's ``temperature`` (default ``--temperature``), seeded by its ``seed`` (default
-``--seed``). The results file has one line per request, its ``stats`` with the accepted draft
-tokens of each step.
+``--seed``). The results file (JSONL) has one line per request, its ``stats`` with the accepted
+draft tokens of each step, each appended as its request finishes (so in the order they finish;
+a run that fails keeps every finished request's line: :mod:`treedec.commands.batch_io`).
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import sys
 
 from tqdm import tqdm
 
-from treedec.engine import Engine
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
+from treedec.commands.kv_memory import build_engine
 from treedec.engine.text import has_tokenizer, load_tokenizer
 from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.eagle import EagleDraft
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.medusa import MedusaDraft
-from treedec.search.requests_file import read_requests, write_results_jsonl
 from treedec.search.speculative_batch import speculative_batch
 
 CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model's engine gets as many)
@@ -52,21 +53,26 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
         defaults["temperature"] = 0.0
     elif args.temperature is not None:
         defaults["temperature"] = args.temperature
-    specs = read_requests(args.prompts, defaults)
+    specs = read_prompts(args.prompts, defaults)
     model, name = load_model(args)
     # A checkpoint without tokenizer files still runs prompt_ids requests; text ones then say what they need.
     tokenizer = load_tokenizer(args.model) if args.model is not None and has_tokenizer(args.model) else None
     kv_tokens = args.kv_tokens or (None if model.device.type == "cuda" else CPU_KV_TOKENS)
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
-                    cuda_graphs=model.device.type == "cuda")
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
+                          cuda_graphs=model.device.type == "cuda")
     draft, note = make_draft(args, model, choices, tree_json, kv_tokens or CPU_KV_TOKENS)
     factory = _draft_factory(draft, choices)
     acceptance = None if args.accept == "greedy" else (lambda spec: _acceptance(args, spec))
     print(f"spec: {name}, {len(specs)} requests; draft: {note}; acceptance: {args.accept}", file=sys.stderr)
-    with tqdm(total=len(specs), unit="request", desc="spec", disable=None, file=sys.stderr) as bar:
+
+    def done(outputs) -> None:
+        writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
+        bar.update(1)
+
+    with (tqdm(total=len(specs), unit="request", desc="spec", disable=None, file=sys.stderr) as bar,
+          ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = speculative_batch(engine, specs, factory, tokenizer, args.chat_template,
-                                           acceptance=acceptance, on_request_done=lambda done: bar.update(1))
-    write_results_jsonl(args.out, results)
+                                           acceptance=acceptance, on_request_done=done)
     tokens = sum(len(r.output_ids) for r in results)
     verify_steps = sum(r.stats["steps"] for r in results)
     accepted = sum(sum(r.stats["accepted"]) for r in results)

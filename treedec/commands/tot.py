@@ -10,11 +10,17 @@ Prints one line per BFS level (DFS expansion): thoughts, tokens, engine steps, w
 tokens/s and KV pages; then the best states. ``--out`` writes the results JSON: the run's
 settings and :meth:`ToTResult.to_json`. With ``--tasks`` (a JSONL file of task arguments, see
 :mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.search.tot.tot_batch`),
-one line each is printed and ``--out`` is a JSONL file, one result per task.
+one line each is printed and ``--out`` is a JSONL file, one result per task, each appended as
+its search finishes (so in the order they finish; a run that fails keeps every finished
+search's line: :mod:`treedec.commands.batch_io`).
+
+``--task module:Class`` imports that module, which runs its code: see
+:mod:`treedec.commands.tot_tasks` for the trust model and the import path.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -26,6 +32,8 @@ import torch
 from treedec.attention import PLANNERS
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, finite_float,
                                     load_model, nonnegative_float, output_file, positive_int, seed_int)
+from treedec.commands.batch_io import ResultsWriter, request_name
+from treedec.commands.kv_memory import build_engine
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
 from treedec.search.game24 import Game24Task
 from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, ToTTask, tot_batch, tot_bfs,
@@ -47,7 +55,8 @@ def add_tot_parser(sub) -> None:
                    help="JSONL, one search per line: the task's arguments, e.g. {\"id\": \"p1\", \"numbers\": "
                         "[4, 9, 10, 13]}; all searched in one forest")
     p.add_argument("--task", default=DEFAULT_TASK, metavar="MODULE:CLASS",
-                   help="the task class, a ToTTask subclass (default the Game of 24)")
+                   help="the task class, a ToTTask subclass (default the Game of 24); importing MODULE runs its "
+                        "code (the current directory is searched after the installed modules)")
     p.add_argument("--algorithm", choices=("bfs", "dfs"), default="bfs")
     p.add_argument("--k", type=positive_int, default=3, help="thoughts per expanded state (default 3)")
     p.add_argument("--n", type=positive_int, default=2, help="BFS: states kept per level (default 2)")
@@ -81,7 +90,6 @@ def add_tot_parser(sub) -> None:
 
 def run_tot(args: argparse.Namespace) -> int:
     from treedec.attention import PlanConfig
-    from treedec.engine import Engine
 
     # Everything the user typed is checked before a model is loaded.
     cls = load_task_class(args.task)
@@ -98,8 +106,7 @@ def run_tot(args: argparse.Namespace) -> int:
     model, model_name = load_model(args)
     tokenizer, tokenizer_name = _load_tokenizer(args.model, model.config.vocab_size)
     kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
-    engine = Engine(model, kv_tokens=kv_tokens, page_size=args.page_size, backend=args.backend,
-                    plan_config=plan_config)
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, plan_config=plan_config)
     device = model.device
     settings = {
         "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,
@@ -161,24 +168,29 @@ def _describe(task: ToTTask, arguments: dict) -> dict:
 
 
 def _run_tasks(args: argparse.Namespace, engine, tasks: list, tokenizer, config, settings: dict) -> int:
-    """Every task's search in one forest; a line per task, the results JSONL."""
-    results, stats = tot_batch(engine, [task for _, task, _ in tasks], tokenizer, config,
-                               progress=not args.no_progress)
+    """Every task's search in one forest; a line per task, each task's results line appended as it finishes."""
+    def done(index: int, result: ToTResult) -> None:
+        task_id, task, arguments = tasks[index]
+        if writer is not None:
+            writer.write(task_id, [{"id": task_id, "task": _describe(task, arguments), "result": result.to_json()}])
+
+    writer = None if args.out is None else ResultsWriter(args.out, {task_id: request_name(task_id)
+                                                                    for task_id, _, _ in tasks}, noun="task")
+    with writer or contextlib.nullcontext():
+        results, stats = tot_batch(engine, [task for _, task, _ in tasks], tokenizer, config,
+                                   progress=not args.no_progress, on_task_done=done)
     solved = 0
-    lines = []
     for (task_id, task, arguments), result in zip(tasks, results):
         solved += result.solved is not None
         best = result.solved or (result.best[0] if result.best else None)
         print(f"{task_id}: {'solved' if result.solved else 'not solved'}, {len(result.levels)} levels, "
               f"{result.tokens_generated} tokens, best value {best.value if best else float('nan'):.3g}"
               + (f": {' | '.join(repr(t)[:40] for t in best.thoughts)}" if best else ""))
-        lines.append(json.dumps({"id": task_id, "task": _describe(task, arguments), "result": result.to_json()}))
     print(f"{len(tasks)} tasks ({settings['config']['kind']}) in {stats.seconds:.2f} s "
           f"({len(tasks) / max(stats.seconds, 1e-9):.2f} tasks/s), {stats.steps} batched steps (up to "
           f"{max(stats.programs_per_step, default=0)} searches a step), {solved} solved; peak {stats.peak_pages} KV "
           f"pages, all free at the end: {engine.pool.num_free_pages == engine.pool.num_pages}")
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"results: {args.out}")
     return 0
 

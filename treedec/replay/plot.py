@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from treedec.tree.validate import describe
+
 PARTS = (("plan_ms", "planning"), ("bookkeeping_ms", "tree bookkeeping"), ("attention_ms", "attention"),
          ("other_ms", "other (forward)"))
 #: What :func:`plot_results` reads from a results document, a run and a step.
 RESULTS_FIELDS = ("workload", "schedule", "model", "device", "runs")
 RUN_FIELDS = ("planner", "steps")
 STEP_FIELDS = ("kind", "step", "total_ms") + tuple(key for key, _ in PARTS)
+#: The largest magnitude of a step number or time a chart takes (ms: over 30,000 years).
+MAX_VALUE = 1e15
 
 
 def results_documents(data, source: str) -> list[dict]:
@@ -16,7 +20,9 @@ def results_documents(data, source: str) -> list[dict]:
 
     ``data`` is a ``treedec replay --out`` document, or a ``bench/replay.py`` one holding a
     document per workload family under ``"families"``. Anything else raises ValueError
-    naming ``source`` and the first field that is missing or of the wrong kind.
+    naming ``source`` and the first field that is missing or of the wrong kind: the names a
+    chart shows (workload, model, device, schedule name, planner, step kind) must be text, a
+    step's number and times numbers of magnitude at most :data:`MAX_VALUE` (NaN: not measured).
     """
     def refuse(detail: str):
         raise ValueError(f"{source} is not a treedec replay results file ({detail}); write one with "
@@ -35,22 +41,34 @@ def results_documents(data, source: str) -> list[dict]:
         docs = [(f"families[{name!r}]", doc) for name, doc in data["families"].items()]
     else:
         docs = [("the top level", data)]
+    def text(value, where: str) -> None:
+        if not isinstance(value, str):
+            refuse(f"{where} must be a string, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")   # a lone surrogate is not text: the chart's font cannot draw it
+        except UnicodeEncodeError as e:
+            refuse(f"{where} is not text (a lone surrogate at character {e.start})")
+
     for where, doc in docs:
         check(doc, RESULTS_FIELDS, where)
         check(doc["schedule"], ("name",), f"{where} 'schedule'")
+        for key in ("workload", "model", "device"):
+            text(doc[key], f"{where} {key!r}")
+        text(doc["schedule"]["name"], f"{where} 'schedule' 'name'")
         if not isinstance(doc["runs"], list):
             refuse(f"{where} 'runs' must be a list")
         for i, run in enumerate(doc["runs"]):
             check(run, RUN_FIELDS, f"{where} runs[{i}]")
             if not isinstance(run["steps"], list):
                 refuse(f"{where} runs[{i}] 'steps' must be a list")
-            if not isinstance(run["planner"], str):
-                refuse(f"{where} runs[{i}] 'planner' must be a string")
+            text(run["planner"], f"{where} runs[{i}] 'planner'")
             for j, step in enumerate(run["steps"]):
                 check(step, STEP_FIELDS, f"{where} runs[{i}] steps[{j}]")
-                numbers = [step["step"], step["total_ms"]] + [step[key] for key, _ in PARTS if step[key] is not None]
-                if not isinstance(step["kind"], str) or not all(_is_number(v) for v in numbers):
-                    refuse(f"{where} runs[{i}] steps[{j}]: 'kind' must be a string, 'step' and the times numbers")
+                text(step["kind"], f"{where} runs[{i}] steps[{j}] 'kind'")
+                for key in ("step", "total_ms") + tuple(key for key, _ in PARTS if step[key] is not None):
+                    if not _is_number(step[key]):
+                        refuse(f"{where} runs[{i}] steps[{j}] {key!r} must be a number of magnitude at most "
+                               f"{MAX_VALUE:g}, got {describe(step[key])}")
     return [doc for _, doc in docs]
 
 
@@ -108,7 +126,9 @@ def plot_results(results: list[dict], out: str | Path) -> None:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A JSON number a chart can hold: not a bool, NaN or at most MAX_VALUE in magnitude (an axis
+    spanning -1e308..1e308 overflows, an int of 400 digits has no float)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not abs(value) > MAX_VALUE
 
 
 def _label(results: dict, run: dict, several: bool) -> str:
