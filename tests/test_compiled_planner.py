@@ -163,14 +163,16 @@ CUDA_LIKE = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132, light
 @pytest.mark.parametrize("name, layout, config, shows", [
     # each case drives one branch of the planner; `shows` checks that the numpy planner took it, from its plan and
     # what its split-KV and balanced-chunk searches returned
-    ("balanced chunks", fewshot(4000, 30, 200), CUDA_LIKE, lambda p, found: found["balanced"] == [p.chunk_kv_start.tolist()]),
+    ("balanced chunks", fewshot(4000, 30, 200), CUDA_LIKE,
+     lambda p, found: found["balanced"] == [p.chunk_kv_start.tolist()]),
     ("even: short chunks", fewshot(1500, 10, 100), CUDA_LIKE, lambda p, found: p.chunk_size == 256),
     ("even: no balanced cut fits", fewshot(4000, 10, 200), dataclasses.replace(CUDA_LIKE, persistent_ctas=8),
      lambda p, found: found["balanced"] == [None]),
     ("split-KV", TreeLayout.from_parents([-1] * 40, [1000] * 40, [(i, 999) for i in range(40)]), CUDA_LIKE,
      lambda p, found: found["split"] == [p.chunk_kv_start.tolist()]),
-    ("few sequences: one round of even chunks", TreeLayout.from_parents([-1] * 3, [900] * 3, [(i, 899) for i in range(3)]),
-     CUDA_LIKE, lambda p, found: found["split"] == [None]),
+    ("few sequences: one round of even chunks",
+     TreeLayout.from_parents([-1] * 3, [900] * 3, [(i, 899) for i in range(3)]), CUDA_LIKE,
+     lambda p, found: found["split"] == [None]),
     ("one round, refined", medusa_forest(8), CUDA_LIKE, lambda p, found: p.chunk_size == 4064),
     ("medusa 64 over 4k", medusa_forest(1), CUDA_LIKE, lambda p, found: p.chunk_size == 512),
     ("paused branch", TreeLayout.from_parents([-1, 0, 0], [50, 30, 20], [(2, 19)]), PlanConfig(chunk_size=16),
@@ -183,7 +185,8 @@ def test_every_branch_of_the_planner_matches(name, layout, config, shows, monkey
         original = getattr(planners, fn)
         monkeypatch.setattr(planners, fn, lambda *a, _f=original, _k=key: found[_k].append(_f(*a)) or found[_k][-1])
     reference, compiled = both(lambda: make_plan(layout, config, 4))
-    assert shows(reference, {k: [None if v is None else v.tolist() for v in values] for k, values in found.items()}), name
+    found = {k: [None if v is None else v.tolist() for v in values] for k, values in found.items()}
+    assert shows(reference, found), name
     assert_same(reference, compiled)
     tile = 96 if reference.max_chunk_len >= 1024 else 64
     assert_same(*both(lambda: schedule_units(reference, 4, 8, 132, 128, tile)))
@@ -234,10 +237,12 @@ def test_the_compiled_constants_are_the_numpy_planners():
                 "PERSISTENT_MAX_CHUNK": planners.PERSISTENT_MAX_CHUNK,
                 "PERSISTENT_REFINE_CHUNK": planners.PERSISTENT_REFINE_CHUNK,
                 "BALANCED_MIN_GAIN": planners.BALANCED_MIN_GAIN, "TILE_TOKENS": balanced_chunks.TILE_TOKENS,
-                "MAX_QUERY_TILE_PAIRS": balanced_chunks.MAX_QUERY_TILE_PAIRS, "SPLIT_UNIT_COST": split_kv.SPLIT_UNIT_COST,
+                "MAX_QUERY_TILE_PAIRS": balanced_chunks.MAX_QUERY_TILE_PAIRS,
+                "SPLIT_UNIT_COST": split_kv.SPLIT_UNIT_COST,
                 "COST_PER_ROW": persistent_schedule.COST_PER_ROW,
                 "COST_PER_KV_TOKEN": persistent_schedule.COST_PER_KV_TOKEN,
-                "COST_PER_UNIT": persistent_schedule.COST_PER_UNIT, "FULL_TILE_FLAG": persistent_schedule.FULL_TILE_FLAG,
+                "COST_PER_UNIT": persistent_schedule.COST_PER_UNIT,
+                "FULL_TILE_FLAG": persistent_schedule.FULL_TILE_FLAG,
                 "UNIT_FIELDS": len(persistent_schedule.UNIT_FIELDS), "SCHEDULE_HEADER": persistent_schedule.SCHEDULE_HEADER,
                 "COALESCE_GAP": static_plan._COALESCE_GAP}
     assert planner_build.load_planner().constants() == expected
@@ -350,3 +355,12 @@ def test_an_unknown_setting_is_named(fresh_choice, monkeypatch, value):
 def test_group_size_is_checked_before_either_planner(group):
     with pytest.raises(PlanError, match="group_size must be a positive int"):
         make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16, query_tile=2), group)
+
+
+def test_build_problems_are_named_without_building(monkeypatch, tmp_path):
+    monkeypatch.setattr(planner_build, "SOURCE_DIR", tmp_path)  # an install without the C++ sources
+    assert planner_build.build_problem().startswith("its C++ sources are not installed")
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert planner_build.build_problem() == "no C++ compiler: 'no-such-compiler-here' is not on PATH (install g++ or " \
+                                            "clang, or set CXX)"

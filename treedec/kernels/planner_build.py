@@ -5,8 +5,8 @@ headers beside it hold the planner) with ``torch.utils.cpp_extension.load`` (nin
 ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/planner-<python>-<numpy ABI>; torch rebuilds
 only when the sources or flags change (ninja tracks the headers). The module takes and returns
 numpy arrays through the CPython and numpy C APIs (no torch or pybind11 headers: a build of a
-few seconds). :func:`build_problem` says, without building, why it cannot be built here (no C++
-compiler, no ninja, no Python headers).
+few seconds). :func:`build_problem` says, without building, why it cannot be built here (no sources,
+no C++ compiler, no ninja, no Python headers).
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def build_dir() -> Path:
 def build_problem() -> str | None:
     """None if the compiled planner can be built here, else why not (nothing is built)."""
     from torch.utils.cpp_extension import is_ninja_available
+    if not (SOURCE_DIR / BINDING_SOURCE).is_file():
+        return f"its C++ sources are not installed ({SOURCE_DIR / BINDING_SOURCE} is missing)"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang, or set CXX)"

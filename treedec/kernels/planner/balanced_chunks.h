@@ -82,7 +82,8 @@ inline std::optional<Vec> balanced_flatten_bounds(const Intervals& runs, i64 tot
   auto fits = [&](const Vec& bounds) {
     const i64 num_chunks = static_cast<i64>(bounds.size()) - 1;
     for (i64 c = 0; c < num_chunks; ++c) {
-      std::fill(tile_chunk.begin() + bounds[c] / kTileTokens, tile_chunk.begin() + ceil_div(bounds[c + 1], kTileTokens), c);
+      std::fill(tile_chunk.begin() + bounds[c] / kTileTokens,
+                tile_chunk.begin() + ceil_div(bounds[c + 1], kTileTokens), c);
     }
     return units_per_kv_head(TileChunks{tile_chunk, num_chunks}, runs, query_tile) * num_kv_heads <= ctas;
   };

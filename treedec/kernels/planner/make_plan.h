@@ -55,7 +55,9 @@ inline void check_layout(const LayoutView& L) {
   for (i64 q = 0; q < L.num_queries; ++q) {
     const i64 n = L.query_node[q];
     if (n < 0 || n >= L.num_nodes) fail("query_node out of range");
-    if (L.query_offset[q] < 0 || L.query_offset[q] >= L.kv_start[n + 1] - L.kv_start[n]) fail("query_offset out of range");
+    if (L.query_offset[q] < 0 || L.query_offset[q] >= L.kv_start[n + 1] - L.kv_start[n]) {
+      fail("query_offset out of range");
+    }
   }
 }
 

@@ -43,7 +43,9 @@ inline PlanArrays plan_from_bounds(i64 num_queries, const Intervals& iv, Vec bou
   // Pass 1: entries in (query, chunk) order, their pieces, and entries per chunk.
   const Chunks chunks(bounds);
   Vec q_entry_query, q_entry_chunk, piece_entry, piece_lo, piece_hi, per_chunk(num_chunks + 1, 0);
-  for (Vec* v : {&q_entry_query, &q_entry_chunk, &piece_entry, &piece_lo, &piece_hi}) v->reserve(iv.size() + num_chunks);
+  for (Vec* v : {&q_entry_query, &q_entry_chunk, &piece_entry, &piece_lo, &piece_hi}) {
+    v->reserve(iv.size() + num_chunks);
+  }
   for (i64 i = 0; i < iv.size(); ++i) {
     const i64 q = iv.q[i], c0 = chunks(iv.lo[i]), c1 = chunks(iv.hi[i] - 1);
     for (i64 c = c0; c <= c1; ++c) {

@@ -31,7 +31,8 @@ struct Schedule {
 
 // persistent_schedule.live_tiles: per item, the tiles some entry reads (OR of its masks) and, flagged,
 // those every entry reads whole (AND of its masks all ones over the tile's words, all of them in the row).
-inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_start, std::vector<std::int32_t>& tiles) {
+inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_start,
+                       std::vector<std::int32_t>& tiles) {
   const i64 words = in.mask_words, per_tile = tile_tokens / kMaskBits, num_tiles = ceil_div(words, per_tile);
   std::vector<std::uint32_t> ored(words), anded(words);
   item_tile_start.assign(in.num_items + 1, 0);
@@ -88,7 +89,8 @@ inline Schedule schedule_units(const ScheduleInput& in, i64 group, i64 num_kv_he
   out.cta_unit_start.assign(start.begin(), start.end());
   out.unit_info.resize(info.size());
   for (i64 u : a.order) {  // by CTA, then assignment order
-    std::copy_n(info.begin() + u * kUnitFields, kUnitFields, out.unit_info.begin() + start[a.cta_of_unit[u]]++ * kUnitFields);
+    const i64 slot = start[a.cta_of_unit[u]]++;
+    std::copy_n(info.begin() + u * kUnitFields, kUnitFields, out.unit_info.begin() + slot * kUnitFields);
   }
   out.cta_cost = a.loads;
   // The device array: the records' tile_begin/tile_end point into it, past the header and the records.
