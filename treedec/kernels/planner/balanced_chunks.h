@@ -2,18 +2,10 @@
 // longest_unit_cost.
 #pragma once
 
-#include "chunk_sizes.h"
 #include "common.h"
+#include "readers.h"
 
 namespace treedec::planner {
-
-// A chunk lookup (chunk_sizes.h) for borders at whole tiles but the last: a table over the tiles.
-struct TileChunks {
-  const Vec& tile_chunk;
-  i64 count;
-  i64 num_chunks() const { return count; }
-  i64 operator()(i64 token) const { return tile_chunk[token / kTileTokens]; }
-};
 
 // balanced_chunks.light_ends: per kTileTokens-token tile s, the first tile up to which a chunk starting
 // at s has at most light_readers distinct readers (num_tiles when never more). The (light_readers + 1)-th
@@ -58,8 +50,9 @@ inline double longest_unit_cost(const Vec& bounds, const Vec& readers, i64 query
 
 // balanced_chunks.balanced_flatten_bounds: tile-aligned chunks cut greedily under a time budget, the
 // budget bisected down to the smallest whose units fit the grid; nullopt when none fits.
-inline std::optional<Vec> balanced_flatten_bounds(const Intervals& runs, i64 total, i64 num_queries, i64 query_tile,
+inline std::optional<Vec> balanced_flatten_bounds(const Readers& readers, i64 total, i64 num_queries, i64 query_tile,
                                                   i64 num_kv_heads, i64 ctas, double light_tile_cost, i64 max_chunk) {
+  const Intervals& runs = readers.runs;
   const i64 num_tiles = ceil_div(total, kTileTokens);
   if (num_queries * num_tiles > kMaxQueryTilePairs) return std::nullopt;
   const Vec ends = light_ends(runs, total, query_tile / 2, num_queries);
@@ -78,15 +71,7 @@ inline std::optional<Vec> balanced_flatten_bounds(const Intervals& runs, i64 tot
     for (i64& b : borders) b = std::min(b * kTileTokens, total);
     return borders;
   };
-  Vec tile_chunk(num_tiles);  // the chunk of every tile: cut's borders are whole tiles but the last
-  auto fits = [&](const Vec& bounds) {
-    const i64 num_chunks = static_cast<i64>(bounds.size()) - 1;
-    for (i64 c = 0; c < num_chunks; ++c) {
-      std::fill(tile_chunk.begin() + bounds[c] / kTileTokens,
-                tile_chunk.begin() + ceil_div(bounds[c + 1], kTileTokens), c);
-    }
-    return units_per_kv_head(TileChunks{tile_chunk, num_chunks}, runs, query_tile) * num_kv_heads <= ctas;
-  };
+  auto fits = [&](const Vec& bounds) { return readers.units(bounds, query_tile) * num_kv_heads <= ctas; };
 
   // The budgets at which a cut changes (np.unique of whole tiles and multiples of the light cost).
   std::vector<double> budgets;

@@ -43,18 +43,30 @@ inline i64 chunk_of(const Vec& bounds, i64 x) {
   return static_cast<i64>(std::upper_bound(bounds.begin(), bounds.end(), x) - bounds.begin()) - 1;
 }
 
-// The largest of x[0:n] (n > 0); four accumulators, so the loop is not one chain of compares.
-inline i64 max_of(const i64* x, i64 n) {
-  i64 m0 = x[0], m1 = x[0], m2 = x[0], m3 = x[0], i = 0;
-  for (; i + 4 <= n; i += 4) {
-    m0 = std::max(m0, x[i]);
-    m1 = std::max(m1, x[i + 1]);
-    m2 = std::max(m2, x[i + 2]);
-    m3 = std::max(m3, x[i + 3]);
+// The largest of x[0:n] (n > 0): a TreePlan's max_slot, over every slot of the step. Vectorized with AVX2
+// where the CPU has it (x86-64's baseline SSE2 has no 64-bit compare; numpy's max dispatches the same way).
+template <int Lanes>
+inline i64 max_lanes(const i64* x, i64 n) {
+  i64 m[Lanes];
+  std::fill(m, m + Lanes, x[0]);
+  i64 i = 0;
+  for (; i + Lanes <= n; i += Lanes) {
+    for (int k = 0; k < Lanes; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
   }
-  for (; i < n; ++i) m0 = std::max(m0, x[i]);
-  return std::max(std::max(m0, m1), std::max(m2, m3));
+  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+  return *std::max_element(m, m + Lanes);
 }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2"))) inline i64 max_avx2(const i64* x, i64 n) { return max_lanes<8>(x, n); }
+
+inline i64 max_of(const i64* x, i64 n) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 ? max_avx2(x, n) : max_lanes<4>(x, n);
+}
+#else
+inline i64 max_of(const i64* x, i64 n) { return max_lanes<4>(x, n); }
+#endif
 
 // np.argsort(key, kind="stable") for a key read through `less` (ties keep index order).
 template <class Less>

@@ -89,6 +89,7 @@ inline QueryIntervals query_intervals(const LayoutView& L) {
     }
   }
   std::vector<std::pair<i64, i64>> reads;  // one query's (lo, hi) pairs
+  for (Vec* v : {&out.iv.q, &out.iv.lo, &out.iv.hi}) v->reserve(4 * L.num_queries);
   for (i64 q = 0; q < L.num_queries; ++q) {
     reads.clear();
     const i64 own = L.query_node[q];
@@ -145,21 +146,22 @@ inline i64 longest_chunk(const Vec& bounds) {
 
 // planners._balances_unit_time and _balanced_or_even: the balanced chunks when their modeled longest unit
 // is at most kBalancedMinGain of the even chunks', else the even ones; returns the chunk size.
-inline i64 balance_flatten(Vec& bounds, i64 chunk_size, const PlanOptions& o, const Intervals& runs, i64 total) {
+inline i64 balance_flatten(Vec& bounds, i64 chunk_size, const PlanOptions& o, const Readers& readers, i64 total) {
   if (o.persistent_ctas <= 0 || !(o.light_tile_cost < 1.0) || chunk_size <= kPersistentRefineChunk / 2) {
     return chunk_size;
   }
-  const Vec even_readers = readers_per_chunk(bounds, runs);
+  const Intervals& runs = readers.runs;
+  const Vec even_readers = readers(bounds);
   if (std::all_of(even_readers.begin(), even_readers.end(), [&](i64 r) { return r > o.query_tile / 2; })) {
     return chunk_size;  // no light chunk to lengthen
   }
   i64 num_queries = 0;  // distinct queries of the runs (sorted by query)
   for (i64 i = 0; i < runs.size(); ++i) num_queries += i == 0 || runs.q[i] != runs.q[i - 1];
-  std::optional<Vec> balanced = balanced_flatten_bounds(runs, total, num_queries, o.query_tile, o.num_kv_heads,
+  std::optional<Vec> balanced = balanced_flatten_bounds(readers, total, num_queries, o.query_tile, o.num_kv_heads,
                                                         o.persistent_ctas, o.light_tile_cost, kPersistentMaxChunk);
   const double even_cost = longest_unit_cost(bounds, even_readers, o.query_tile, o.light_tile_cost);
-  if (!balanced || longest_unit_cost(*balanced, readers_per_chunk(*balanced, runs), o.query_tile,
-                                     o.light_tile_cost) > kBalancedMinGain * even_cost) {
+  if (!balanced || longest_unit_cost(*balanced, readers(*balanced), o.query_tile, o.light_tile_cost) >
+                       kBalancedMinGain * even_cost) {
     return chunk_size;
   }
   bounds = std::move(*balanced);
@@ -186,6 +188,10 @@ inline Plan make_plan(const LayoutView& L, const PlanOptions& o) {
       }
     }
     if (!bounds) {
+      const Readers readers{qi.iv, persistent_flatten && auto_chunk
+                                       ? TreeOrder::of(L.parent, qi.node_start, qi.node_len, L.query_node,
+                                                       L.query_offset, L.num_queries)
+                                       : std::nullopt};
       if (auto_chunk && o.planner != kNode) {
         i64 read = 0;
         for (i64 i = 0; i < qi.iv.size(); ++i) read += qi.iv.hi[i] - qi.iv.lo[i];
@@ -193,12 +199,12 @@ inline Plan make_plan(const LayoutView& L, const PlanOptions& o) {
                              0.5 * static_cast<double>(total)) * static_cast<double>(o.num_kv_heads);
         chunk_size = auto_chunk_size(static_cast<i64>(work), o.num_sms, o.persistent_ctas);
         if (persistent_flatten) {
-          chunk_size = one_round_chunk_size(chunk_size, o.query_tile, o.num_kv_heads, o.persistent_ctas, qi.iv, total);
+          chunk_size = one_round_chunk_size(chunk_size, o.query_tile, o.num_kv_heads, o.persistent_ctas, readers, total);
         }
       }
       if (o.planner == kFlatten) {
         bounds = flatten_bounds(total, chunk_size);
-        if (auto_chunk) chunk_size = balance_flatten(*bounds, chunk_size, o, qi.iv, total);
+        if (auto_chunk) chunk_size = balance_flatten(*bounds, chunk_size, o, readers, total);
       } else {
         bounds = node_bounds(qi.node_start, qi.node_len, total, o.planner == kNodeChunk ? chunk_size : 0);
       }

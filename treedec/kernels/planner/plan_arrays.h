@@ -1,8 +1,8 @@
 // A plan's arrays from its chunk borders: planners._plan_from_bounds.
 #pragma once
 
-#include "chunk_sizes.h"
 #include "common.h"
+#include "readers.h"
 
 namespace treedec::planner {
 
