@@ -54,6 +54,7 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         self._num_pending = 0                    # a count kept, as programs ask for it after every edit
         self._pending_nodes: list[TreeNode] = []  # every node with pending tokens (and maybe some without)
         self._token_trees: dict = {}             # checked token-tree parents -> their preorder (TokenTreeEdits)
+        self._page_offsets = np.arange(pool.page_size)
 
     # ================================================================ queries
 
@@ -205,11 +206,16 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
             if node.children:
                 raise TreeError(f"cannot extend node {nid}: it has children {node.children}; only leaves grow")
             toks = int_list(toks, f"tokens for node {nid}", low=0)
-            if len(toks) > node.tail_room:
-                need += -(-(len(toks) - node.tail_room) // ps)
-            plan.append((nid, node, toks))
+            k = -(-(len(toks) - node.tail_room) // ps) if len(toks) > node.tail_room else 0
+            plan.append((nid, node, toks, k))
+            need += k
         self._check_free(need)
-        return {nid: self._fill(node, toks) for nid, node, toks in plan}
+        fresh = self.pool.allocate(need)   # every node's fresh pages in one call, in the order they ask
+        out, used = {}, 0
+        for nid, node, toks, k in plan:
+            out[nid] = self._fill(node, toks, fresh[used:used + k])
+            used += k
+        return out
 
     def branch(self, node_id: int, children: int | Sequence[Sequence[int]]) -> list[int]:
         """Give ``node_id`` new children.
@@ -391,26 +397,25 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
                 f"KV pool exhausted: the operation needs {num_pages} page(s) of {self.pool.page_size} tokens, "
                 f"{self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
 
-    def _fill(self, node: TreeNode, tokens: list[int]) -> np.ndarray:
-        """Give ``tokens`` slots (tail room first, then fresh pages) and append them, pending."""
+    def _fill(self, node: TreeNode, tokens: list[int], pages: np.ndarray | None = None) -> np.ndarray:
+        """Give ``tokens`` slots (tail room first, then fresh pages) and append them, pending. ``pages``: the
+        fresh pages they need, taken already (as :meth:`extend_many` takes them for all its nodes at once)."""
         n = len(tokens)
         if n == 0:
             return np.zeros(0, np.int64)
         start = len(node.tokens)
-        if n <= node.tail_room:   # the common decode step: the node's last page has room
-            last = node.slots[start - 1]
-            new_slots = np.arange(last + 1, last + 1 + n, dtype=np.int64)
+        use_tail = min(n, node.tail_room)
+        if use_tail:
+            last = int(node.slots[start - 1])
+            new_slots = np.arange(last + 1, last + 1 + use_tail, dtype=np.int64)
+        if use_tail == n:   # the common decode step: the node's last page has room
             node.tail_room -= n
         else:
             ps = self.pool.page_size
-            use_tail = node.tail_room
-            pages = self.pool.allocate(-(-(n - use_tail) // ps))   # raises before any change
-            fresh = (pages[:, None] * ps + np.arange(ps)).reshape(-1)[: n - use_tail]
-            if use_tail:
-                last = node.slots[start - 1]
-                new_slots = np.concatenate([np.arange(last + 1, last + 1 + use_tail, dtype=np.int64), fresh])
-            else:
-                new_slots = fresh
+            if pages is None:
+                pages = self.pool.allocate(-(-(n - use_tail) // ps))   # raises before any change
+            fresh = (pages[:, None] * ps + self._page_offsets).reshape(-1)[: n - use_tail]
+            new_slots = np.concatenate((new_slots, fresh)) if use_tail else fresh
             node.pages += pages.tolist()
             node.tail_room = len(pages) * ps - (n - use_tail)
         if len(node.slots) < start + n:  # grow the buffer geometrically
