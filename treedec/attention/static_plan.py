@@ -108,12 +108,14 @@ class PlanBounds:
 
     def problem(self, plan: TreePlan) -> str | None:
         """None if ``plan`` fits, else which bound it exceeds (a sentence)."""
+        # The mask's width bounds the longest chunk: only a plan near max_chunk_tokens has its chunks scanned.
+        longest = 0 if MASK_BITS * plan.mask_words <= self.max_chunk_tokens else plan.max_chunk_len
         checks = (("queries", plan.num_queries, self.max_queries, "max_queries"),
                   ("needed KV tokens", plan.num_tokens, self.max_tokens, "max_tokens"),
                   ("chunks", plan.num_chunks, self.chunks, "max_chunks"),
                   ("entries", plan.num_entries, self.entries, "max_entries"),
                   ("work items", plan.num_items, self.items, "max_items"),
-                  ("tokens in its longest chunk", plan.max_chunk_len, self.max_chunk_tokens, "max_chunk_tokens"))
+                  ("tokens in its longest chunk", longest, self.max_chunk_tokens, "max_chunk_tokens"))
         for what, value, bound, name in checks:
             if value > bound:
                 return f"the tree's plan has {value} {what}, over PlanBounds.{name}={bound}"

@@ -36,8 +36,15 @@ struct GilReleased {  // RAII for Py_BEGIN/END_ALLOW_THREADS, so that an excepti
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("compiled planner: " + what); }
 
-// A C-contiguous array of `obj` with numpy dtype `typenum` (a copy only when it is not one already).
+// A C-contiguous array of `obj` with numpy dtype `typenum` (a copy only when it is not one already). The
+// plan's own arrays are: they are taken as they are, without PyArray_FROMANY's checks (a step passes a dozen).
 PyArrayObject* array_of(PyObject* obj, int typenum, int ndim, const char* name, Ref& holder) {
+  if (PyArray_Check(obj)) {
+    auto* a = reinterpret_cast<PyArrayObject*>(obj);
+    if (PyArray_TYPE(a) == typenum && PyArray_NDIM(a) == ndim && PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+      return a;  // borrowed: the caller's arguments keep it alive
+    }
+  }
   holder.p = PyArray_FROMANY(obj, typenum, ndim, ndim, NPY_ARRAY_IN_ARRAY);
   if (holder.p == nullptr) {
     PyErr_Clear();
@@ -227,18 +234,22 @@ PyObject* stage_sections_py(PyObject*, PyObject* args) {
       Ref holder;
       PyArrayObject* values = nullptr;
       const int ndim = s.cols == 0 ? 1 : 2;
-      if (PyArray_Check(values_obj)) {
-        const int type = PyArray_TYPE(reinterpret_cast<PyArrayObject*>(values_obj));
-        if (type == NPY_INT64 || type == NPY_INT32 || type == NPY_BOOL) {
-          holder.p = PyArray_FROMANY(values_obj, type, ndim, ndim, NPY_ARRAY_IN_ARRAY);  // no copy when contiguous
+      if (PyArray_Check(values_obj)) {  // the plan's arrays: int64, int32 (the mask) or bool, contiguous
+        auto* a = reinterpret_cast<PyArrayObject*>(values_obj);
+        const int type = PyArray_TYPE(a);
+        if ((type == NPY_INT64 || type == NPY_INT32 || type == NPY_BOOL) && PyArray_NDIM(a) == ndim &&
+            PyArray_ISCARRAY_RO(a) && PyArray_ISNOTSWAPPED(a)) {
+          values = a;  // borrowed: `sections` keeps it alive
         }
       }
-      if (holder.p == nullptr) holder.p = PyArray_FROMANY(values_obj, NPY_INT64, ndim, ndim, NPY_ARRAY_IN_ARRAY);
-      if (holder.p == nullptr) {
-        PyErr_Clear();
-        fail("section " + std::to_string(k) + "'s values must be a " + std::to_string(ndim) + "-D integer array");
+      if (values == nullptr) {
+        holder.p = PyArray_FROMANY(values_obj, NPY_INT64, ndim, ndim, NPY_ARRAY_IN_ARRAY);
+        if (holder.p == nullptr) {
+          PyErr_Clear();
+          fail("section " + std::to_string(k) + "'s values must be a " + std::to_string(ndim) + "-D integer array");
+        }
+        values = reinterpret_cast<PyArrayObject*>(holder.p);
       }
-      values = reinterpret_cast<PyArrayObject*>(holder.p);
       s.value_rows = PyArray_DIM(values, 0);
       s.value_cols = ndim == 2 ? PyArray_DIM(values, 1) : 0;
       const bool fits = s.value_rows <= s.rows && s.value_cols <= s.cols && s.offset >= 0 &&
