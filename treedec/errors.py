@@ -27,3 +27,10 @@ class ControllerError(ValueError):
 
 class ConcurrentUseError(RuntimeError):
     """A second thread entered an engine or tree that another thread is using (one engine per thread)."""
+
+
+class CheckpointError(ValueError):
+    """A malformed checkpoint (a folder's config, index, shard or tensor; an EAGLE checkpoint; a GGUF file).
+
+    The message names the file (and the key or tensor), the expected and the actual value.
+    """

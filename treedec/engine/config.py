@@ -8,7 +8,14 @@ attention (Mistral v0.1), which :class:`ModelConfig` records.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from dataclasses import dataclass
+from typing import Callable
+
+from treedec.errors import CheckpointError
+
+logger = logging.getLogger("treedec")
 
 #: ``model_type`` of the transformers configs this decoder implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -34,8 +41,9 @@ class RopeScaling:
     def __post_init__(self):
         if self.kind not in ("linear", "llama3"):
             raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
-        if self.factor <= 0:
-            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not _positive_finite(getattr(self, name)):
+                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {getattr(self, name)!r}")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}")
@@ -75,6 +83,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):   # 0, < 0 or NaN make every logit NaN
+            if not _positive_finite(getattr(self, name)):
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -166,6 +177,97 @@ def _rope_from_hf(hf_config) -> tuple[float, RopeScaling | None]:
     original = scaling.get("original_max_position_embeddings", hf_config.max_position_embeddings)
     return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
                               float(scaling["high_freq_factor"]), int(original))
+
+
+def config_field(key: str) -> str:
+    """How a message names a transformers config field: ``field 'hidden_size'``."""
+    return f"field '{key}'"
+
+
+def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_field) -> None:
+    """Check the fields of a transformers config (a ``config.json`` object, or GGUF metadata under
+    transformers' names) before anything is built from them.
+
+    Absent fields are not checked (transformers' defaults fill them). ``where`` (the file) leads
+    each message; ``name(key)`` names a field in it (GGUF metadata keys have other names).
+
+    Raises
+    ------
+    CheckpointError : ``{where}: {name(key)} must be {expected}, got {type} {value}``, for a size
+        that is not a positive int, a flag that is not a bool, an ``rms_norm_eps`` or ``rope_theta``
+        that is not a finite number > 0 (RMSNorm and RoPE would make NaN), head counts that do not
+        divide, an odd head dim.
+    """
+    def fail(key, expected, value):
+        raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
+
+    for key in _POSITIVE_INT_FIELDS:
+        if key in raw and not _positive_int(raw[key]):
+            fail(key, "a positive int", raw[key])
+    for key in ("num_key_value_heads", "head_dim", "sliding_window"):
+        if raw.get(key) is not None and not _positive_int(raw[key]):
+            fail(key, "a positive int or null", raw[key])
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        if key in raw and not isinstance(raw[key], bool):
+            fail(key, "true or false", raw[key])
+    for key in ("hidden_act", "model_type"):
+        if key in raw and not isinstance(raw[key], str):
+            fail(key, "a string", raw[key])
+    for key in ("rms_norm_eps", "rope_theta"):
+        if key in raw and not _positive_finite(raw[key]):
+            fail(key, "a finite number > 0", raw[key])
+    for group in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(group)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            fail(group, "an object or null", rope)
+        for key, value in rope.items():
+            if key in _ROPE_NUMBERS and not _positive_finite(value):
+                fail(f"{group}.{key}", "a finite number > 0", value)
+            if key == "original_max_position_embeddings" and not _positive_int(value):
+                fail(f"{group}.{key}", "a positive int", value)
+            if key in ("rope_type", "type") and not isinstance(value, str):
+                fail(f"{group}.{key}", "a string", value)
+    heads, kv_heads, head_dim = raw.get("num_attention_heads"), raw.get("num_key_value_heads"), raw.get("head_dim")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise CheckpointError(f"{where}: {name('num_attention_heads')} ({heads}) must be a multiple of "
+                              f"{name('num_key_value_heads')} ({kv_heads})")
+    if head_dim is not None and head_dim % 2:
+        raise CheckpointError(f"{where}: {name('head_dim')} must be even (RoPE rotates pairs), got {head_dim}")
+    hidden = raw.get("hidden_size")
+    if head_dim is None and hidden is not None and heads is not None:
+        if hidden % heads:
+            raise CheckpointError(f"{where}: {name('hidden_size')} ({hidden}) must be a multiple of "
+                                  f"{name('num_attention_heads')} ({heads}) when {name('head_dim')} is not given")
+        if hidden // heads % 2:
+            raise CheckpointError(f"{where}: {name('hidden_size')} / {name('num_attention_heads')} (the head dim, "
+                                  f"{hidden // heads}) must be even (RoPE rotates pairs)")
+
+
+def warn_hf_defaults(raw: dict, config: ModelConfig, where: str, name: Callable[[str], str] = config_field) -> None:
+    """Log a warning for each of ``rms_norm_eps`` and ``rope_theta`` that ``raw`` lacks, naming the
+    default transformers filled in (``config``'s value): a checkpoint that relies on it may have
+    been trained with another."""
+    rope = raw.get("rope_parameters")
+    has_theta = "rope_theta" in raw or (isinstance(rope, dict) and "rope_theta" in rope)
+    for key, present, value in (("rms_norm_eps", "rms_norm_eps" in raw, config.rms_norm_eps),
+                                ("rope_theta", has_theta, config.rope_theta)):
+        if not present:
+            logger.warning(f"{where}: no {name(key)}; using transformers' default {value}")
+
+
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "max_position_embeddings")
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 _LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

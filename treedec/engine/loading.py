@@ -20,24 +20,26 @@ HF name                                                 treedec parameter (rows)
 A checkpoint directory is input like any other: the shard paths of
 ``model.safetensors.index.json`` must name files inside the directory (see
 :func:`checkpoint_shards`), and a malformed index, config, shard or tensor raises
-:class:`CheckpointError` naming the file (and the tensor) before the model is used.
+:class:`CheckpointError` naming the file (and the key or tensor) before the model is allocated:
+the config's fields and every tensor's name, dtype and shape (from the safetensors headers) are
+checked first (:mod:`treedec.engine.checkpoint_headers`).
 """
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from treedec.engine.config import ModelConfig
+from treedec.engine.checkpoint_headers import IGNORED_TENSORS, check_tensor_headers, safetensors_headers
+from treedec.engine.config import ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.engine.llama import Llama
 from treedec.engine.rope import rope_inv_freq
+from treedec.errors import CheckpointError
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -49,20 +51,11 @@ _FUSED = {  # HF projection -> (treedec parameter, which part)
     "self_attn.v_proj": ("qkv_proj", "v"), "mlp.gate_proj": ("gate_up_proj", "gate"),
     "mlp.up_proj": ("gate_up_proj", "up"),
 }
-# Tensors some checkpoints carry that the decoder recomputes or does not use.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: Weight dtypes a checkpoint may hold and a model may be built in.
 SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class CheckpointError(ValueError):
-    """A malformed checkpoint directory: config, index, shard path, shard file, tensor dtype or shape.
-
-    The message names the file (and the tensor).
-    """
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
@@ -74,6 +67,10 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     ``eos_token_ids`` (where the search programs stop by default) are the ``eos_token_id``
     (an id or a list) of ``generation_config.json``, as transformers' ``generate`` uses
     them, else of ``config.json``; empty when neither names one.
+
+    Nothing is allocated before the config's fields and every tensor's name, dtype and shape
+    (read from the safetensors headers) are checked. A config without ``rms_norm_eps`` or
+    ``rope_theta`` takes transformers' default, with a warning (logger ``treedec``) naming it.
 
     Parameters
     ----------
@@ -90,7 +87,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     FileNotFoundError
         No such directory, no ``config.json``, no weights, or a shard the index lists is missing.
     CheckpointError
-        (a ValueError) A malformed ``config.json``, ``generation_config.json`` (its
+        (a ValueError) A malformed ``config.json`` (a size that is not a positive int, head
+        counts that do not divide, an ``rms_norm_eps`` or ``rope_theta`` that is not a finite
+        number > 0, ...), ``generation_config.json`` (its
         ``eos_token_id`` not token ids of the vocabulary) or index, a shard path outside the
         directory, a truncated or corrupt shard, a tensor of another dtype than
         :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor.
@@ -109,20 +108,27 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
     if dtype is not None and dtype not in SUPPORTED_DTYPES.values():
         raise ValueError(f"dtype must be one of torch.{', torch.'.join(SUPPORTED_DTYPES)} or None, got {dtype!r}")
-    raw_config = _read_json_object(root / "config.json")
+    config_file = root / "config.json"
+    raw_config = read_json_object(config_file)
     if dtype is None:
-        dtype = _config_dtype(raw_config, root / "config.json")
-    shards = checkpoint_shards(root)  # before the model is built: a bad index costs no allocation
+        dtype = _config_dtype(raw_config, config_file)
+    shards = checkpoint_shards(root)
+    check_hf_fields(raw_config, str(config_file))
     try:
         hf_config = AutoConfig.from_pretrained(root, local_files_only=True)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{root / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
-                              f"{str(e)[:200]})") from None
+    except Exception as e:  # transformers 5's config classes raise their own errors (StrictDataclassError)
+        raise CheckpointError(f"{config_file}: transformers cannot read it ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
     try:
         config = ModelConfig.from_hf(hf_config)
     except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
-        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
+        raise CheckpointError(f"{config_file}: {e}") from None
+    warn_hf_defaults(raw_config, config, str(config_file))
     eos = _checkpoint_eos(root, raw_config, config.vocab_size)
+    # every tensor's name, dtype and shape from the headers first: a config larger than its weights
+    # (or a bad index, a truncated shard) costs no allocation
+    check_tensor_headers(safetensors_headers(shards), config, tuple(str(d) for d in SUPPORTED_DTYPES.values()),
+                         str(root))
     model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
     model.eos_token_ids = eos
     if tensor_parallel is not None:
@@ -151,7 +157,7 @@ def checkpoint_shards(root: str | Path) -> list[Path]:
     root = Path(root)
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: field 'weight_map' must be a non-empty object of tensor name -> "
                                   f"shard file, got {type(weight_map).__name__} {weight_map!r:.80}")
@@ -310,7 +316,8 @@ def load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str
     with torch.no_grad():
         for name, tensor, file in tensors:
             if name not in targets:
-                if not _IGNORED.fullmatch(name) and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+                if not IGNORED_TENSORS.fullmatch(name) and not tied_head:
                     unexpected.append(name)
                 continue
             if name in seen:
@@ -336,19 +343,48 @@ def load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str
 
 def read_state_dict(file: Path, what: str = "checkpoint") -> dict[str, torch.Tensor]:
     """The tensors of a ``.safetensors`` or ``torch.save``d (``.pt``/``.pth``/``.bin``, read with
-    ``weights_only``) state dict, on the CPU; ValueError naming ``file`` when it is not one."""
+    ``weights_only``) state dict, on the CPU.
+
+    Raises ValueError for another file suffix; CheckpointError naming ``file`` for a file that is
+    truncated, corrupt, holds pickled objects other than tensors, or is not a dict of name -> tensor.
+    """
     if file.suffix == ".safetensors":
+        import safetensors
         from safetensors.torch import load_file
-        return load_file(str(file), device="cpu")
+        try:
+            return load_file(str(file), device="cpu")
+        except (safetensors.SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
     if file.suffix in (".pt", ".bin", ".pth"):
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-            raise ValueError(f"{file} could not be read as a state dict of tensors: {e}") from None
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{file} does not hold a state dict of tensors")
+        except pickle.UnpicklingError as e:
+            if "weights only load failed" in str(e).lower():   # (torch's text goes on to advise weights_only=False)
+                raise CheckpointError(f"{file} could not be read as a state dict of tensors: it holds pickled "
+                                      f"objects other than tensors, which treedec does not unpickle") from None
+            raise CheckpointError(f"{file} could not be read as a state dict of tensors (UnpicklingError: "
+                                  f"{' '.join(str(e).split())[:200]})") from None
+        except (RuntimeError, EOFError, OSError, ValueError) as e:   # a truncated or corrupt archive
+            raise CheckpointError(f"{file} could not be read as a state dict of tensors ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:200]})") from None
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items())):
+            raise CheckpointError(f"{file} does not hold a state dict of tensors (a dict of name -> tensor), got "
+                                  f"{type(state).__name__} {str(state)[:80]}")
         return state
     raise ValueError(f"{what} {file} must be a .safetensors, .pt, .pth or .bin file")
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; CheckpointError naming it for bad JSON or UTF-8 or another top-level value."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long int literal, deep nesting
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
+    return data
 
 
 # ===================================================================== private
@@ -358,16 +394,6 @@ def _default_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _read_json_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long int literal, deep nesting
-        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _config_dtype(raw_config: dict, path: Path) -> torch.dtype:
@@ -386,7 +412,7 @@ def _checkpoint_eos(root: Path, raw_config: dict, vocab_size: int) -> tuple[int,
     """The EOS ids of a checkpoint: ``eos_token_id`` of its generation config, else of its config."""
     sources = [(root / "config.json", raw_config)]
     if (root / GENERATION_CONFIG_FILE).is_file():
-        sources.insert(0, (root / GENERATION_CONFIG_FILE, _read_json_object(root / GENERATION_CONFIG_FILE)))
+        sources.insert(0, (root / GENERATION_CONFIG_FILE, read_json_object(root / GENERATION_CONFIG_FILE)))
     for path, data in sources:
         value = data.get("eos_token_id")
         if value is None:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.engine.checkpoint_headers import hf_tensor_shapes
 from treedec.engine.config import ModelConfig
 from treedec.engine.llama import Llama
 from treedec.engine.loading import CheckpointError, hf_targets, init_random_, load_hf_tensors, safetensors_device
@@ -304,7 +305,7 @@ def _read_rank_slices(shards: list[Path], model: TensorParallelLlama) -> Iterato
     import safetensors
 
     c, tp = model.full_config, model.tensor_parallel
-    shapes = _full_shapes(c)
+    shapes = dict(hf_tensor_shapes(c))
     for shard in shards:
         try:
             with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(model.device)) as f:
@@ -350,10 +351,3 @@ def _random_rank_slices(model: TensorParallelLlama, seed: int, std: float) -> It
         for hf, rows in parts[name]:
             piece, cut = whole[rows], rank_slice(hf, c, tp.size, tp.rank)
             yield hf, piece if cut is None else piece.narrow(cut[0], cut[1], cut[2] - cut[1]), "random weights"
-
-
-def _full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> its shape in the whole model."""
-    with torch.device("meta"):
-        params = dict(Llama(config).named_parameters(remove_duplicate=False))
-    return {hf: tuple(params[param][rows].shape) for hf, (param, rows) in hf_targets(config).items()}

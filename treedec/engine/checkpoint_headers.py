@@ -1,0 +1,146 @@
+"""A checkpoint's tensors checked against its config from the files' headers, before a model is allocated.
+
+The config says how large the model is; the files hold its tensors. Building the model first
+lets a config larger than its tensors (``num_hidden_layers: 100000``, a 7B config beside tiny
+weights) reserve that size before the first tensor is read. Here every tensor's name, shape and
+dtype, as the safetensors headers (or a GGUF file's tensor infos) give them, is checked against
+the config first, at a cost that grows with the tensors in the files, not with the config.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from treedec.engine.config import ModelConfig
+from treedec.errors import CheckpointError
+
+#: Tensors some checkpoints carry that the decoder recomputes or does not use.
+IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
+# safetensors' dtype names, as torch names them in messages
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+                       "U16": "uint16", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+                       "F8_E5M2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """A tensor as its file describes it: ``shape`` (rows first, as transformers reads it), ``dtype``
+    as messages show it (``torch.bfloat16``, GGUF's ``Q4_K``), and the ``file``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+
+
+def hf_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor ``config``'s checkpoint holds, layer by layer.
+
+    A generator: a config of a billion layers costs nothing until it is iterated that far.
+    """
+    yield from _global_shapes(config).items()
+    layer = _layer_shapes(config)
+    for i in range(config.num_layers):
+        for suffix, shape in layer.items():
+            yield f"model.layers.{i}.{suffix}", shape
+
+
+def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, dtypes: tuple[str, ...],
+                         source: str, shown: Callable[[str], str] = str) -> None:
+    """Check ``headers`` (Hugging Face name -> header) against ``config``: every tensor it needs once,
+    of its shape and one of ``dtypes``; none it does not use (but :data:`IGNORED_TENSORS` and a tied
+    ``lm_head.weight``).
+
+    ``source`` (the checkpoint) leads the messages about the whole set; ``shown(name)`` is how the
+    file names a tensor (GGUF's names differ).
+
+    Raises
+    ------
+    CheckpointError : naming the file, the tensor, the expected and the actual dtype or shape; or
+        the tensors missing or not used (the first five).
+    """
+    unexpected, found = [], 0
+    for name, header in headers.items():
+        shape = _tensor_shape(config, name)
+        if shape is None:
+            if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
+                unexpected.append(shown(name))
+            continue
+        if header.dtype not in dtypes:
+            raise CheckpointError(f"{header.file}: tensor {shown(name)} has dtype {header.dtype}, expected one of "
+                                  f"{list(dtypes)}")
+        if header.shape != shape:
+            raise CheckpointError(f"{header.file}: checkpoint tensor {shown(name)} has shape {header.shape}, "
+                                  f"expected {shape} for the config {config}")
+        found += 1
+    if unexpected:
+        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                              f"e.g. {unexpected[:5]} (a different architecture?)")
+    needed = len(_global_shapes(config)) + config.num_layers * len(_layer_shapes(config))
+    if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
+        missing = itertools.islice((shown(n) for n, _ in hf_tensor_shapes(config) if n not in headers), 5)
+        raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
+                              f"{list(missing)}")
+
+
+def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
+    """Name -> :class:`TensorHeader` of every tensor of the safetensors ``shards`` (headers only: no
+    tensor is read). CheckpointError names a file that is not safetensors, or a tensor stored twice."""
+    import safetensors
+
+    headers: dict[str, TensorHeader] = {}
+    for shard in shards:
+        try:
+            with safetensors.safe_open(str(shard), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name in headers:
+                        raise CheckpointError(f"{shard}: tensor {name} is stored twice (also in "
+                                              f"{headers[name].file})")
+                    piece = f.get_slice(name)
+                    dtype = piece.get_dtype()
+                    headers[name] = TensorHeader(tuple(piece.get_shape()),
+                                                 f"torch.{_SAFETENSORS_DTYPES[dtype]}"
+                                                 if dtype in _SAFETENSORS_DTYPES else dtype, str(shard))
+        except (safetensors.SafetensorError, OSError) as e:   # a truncated or corrupt file
+            raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from None
+    return headers
+
+
+# ===================================================================== private
+
+
+def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``name`` in ``config``'s checkpoint; None for a name it does not hold."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return _global_shapes(config).get(name)
+    return _layer_shapes(config).get(m[2]) if int(m[1]) < config.num_layers else None
+
+
+def _global_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    out = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return out
+
+
+def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    out = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+        out[f"self_attn.{proj}_proj.weight"] = (rows, d)
+        if c.qkv_bias:
+            out[f"self_attn.{proj}_proj.bias"] = (rows,)
+    out["self_attn.o_proj.weight"] = (d, q)
+    if c.o_bias:
+        out["self_attn.o_proj.bias"] = (d,)
+    for proj, shape in (("gate", (inter, d)), ("up", (inter, d)), ("down", (d, inter))):
+        out[f"mlp.{proj}_proj.weight"] = shape
+        if c.mlp_bias:
+            out[f"mlp.{proj}_proj.bias"] = shape[:1]
+    return out
