@@ -46,9 +46,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treedec.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from treedec.engine.config import ModelConfig
+from treedec.engine.eagle_config import default_aux_layers, read_eagle_config
 from treedec.engine.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
-from treedec.engine.loading import CheckpointError, init_random_, read_state_dict
+from treedec.engine.loading import SUPPORTED_DTYPES, CheckpointError, init_random_, read_json_object, read_state_dict
 from treedec.engine.rope import rope_cos_sin, rope_inv_freq
 
 KINDS = ("eagle", "eagle3")
@@ -155,7 +156,7 @@ class EagleDrafter(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
         else:
             self.lm_head = target.lm_head                    # EAGLE-1 drafts through the target's head
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(device or "cpu"), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config, device=device or "cpu"), persistent=False)
         self.ops = PointwiseOps()
 
     # ---------------------------------------------------------------- properties
@@ -254,16 +255,6 @@ class EagleDrafter(nn.Module):
         return drafter
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default target layers: the inputs of layers 2, L // 2 and L - 3 (low, middle, high);
-    for targets of 3 to 6 layers (test models), of the first, middle and last layer."""
-    if num_layers >= 7:
-        return 2, num_layers // 2, num_layers - 3
-    if num_layers >= 3:
-        return 0, num_layers // 2, num_layers - 1
-    raise ValueError(f"EAGLE-3 reads three distinct target layers; a {num_layers}-layer target has fewer")
-
-
 # ================================================================ checkpoints
 
 
@@ -271,9 +262,14 @@ def load_eagle(path: str | Path, target: Llama, kind: str | None = None) -> Eagl
     """Load an EAGLE reference checkpoint folder for ``target`` (its dtype and device).
 
     ``kind``: "eagle" or "eagle3", checked against the checkpoint; None: read from it (EAGLE-3
-    checkpoints have ``d2t`` / ``midlayer.*``). Every tensor is checked; CheckpointError names the
-    file, the tensor, the expected and the actual shape; FileNotFoundError a missing file.
+    checkpoints have ``d2t`` / ``midlayer.*``). The config's fields (as :func:`from_pretrained
+    <treedec.engine.from_pretrained>` checks them, and ``draft_vocab_size``, ``bias``, the aux
+    layer ids), every tensor's dtype and shape, and the ``d2t`` / ``t2d`` draft vocabulary map
+    (integer / bool, each draft id to its own target id) are checked: CheckpointError names the
+    file, the key or tensor, the expected and the actual value; FileNotFoundError a missing file.
     """
+    if kind not in (None, *KINDS):
+        raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"EAGLE checkpoint folder {str(root)!r} does not exist")
@@ -284,7 +280,7 @@ def load_eagle(path: str | Path, target: Llama, kind: str | None = None) -> Eagl
     file = next((root / n for n in CHECKPOINT_NAMES if (root / n).is_file()), None)
     if file is None:
         raise FileNotFoundError(f"{root} holds no EAGLE weights (looked for {', '.join(CHECKPOINT_NAMES)})")
-    raw = json.loads(config_file.read_text(encoding="utf-8"))
+    raw = read_json_object(config_file)
     state = read_state_dict(file, "EAGLE checkpoint")
     t = target.config
     fc = state.get("fc.weight")
@@ -293,24 +289,22 @@ def load_eagle(path: str | Path, target: Llama, kind: str | None = None) -> Eagl
     found = "eagle3" if eagle3 else "eagle"
     if kind is not None and kind != found:
         names = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3"}
-        raise CheckpointError(f"{root} holds an {names[found]} drafter, not {names.get(kind, kind)} "
+        raise CheckpointError(f"{root} holds an {names[found]} drafter, not {names[kind]} "
                               f"(tensors {sorted(state)[:4]} ...)")
     if eagle3:   # exports that name the layer as the EAGLE-1 layout does
         state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
-    config = _drafter_config(raw, config_file)
-    draft_vocab = int(raw.get("draft_vocab_size") or t.vocab_size) if eagle3 else None
-    if eagle3 and "d2t" not in state and "t2d" not in state and draft_vocab == t.vocab_size:
-        state["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)        # the same vocabulary: no mapping
-        state["t2d"] = torch.ones(draft_vocab, dtype=torch.bool)
-    layers = _aux_layers(raw, t.num_layers) if eagle3 else ()
-    fc_bias = bool(raw.get("bias", True)) and not eagle3
-    try:
-        drafter = EagleDrafter(config, found, target, draft_vocab, layers, fc_bias,
-                               own_embedding="embed_tokens.weight" in state, dtype=target.dtype, device="meta")
+    c = read_eagle_config(raw, config_file, eagle3, t)
+    if eagle3 and "d2t" not in state and "t2d" not in state and c.draft_vocab_size == t.vocab_size:
+        state["d2t"] = torch.zeros(t.vocab_size, dtype=torch.int64)        # the same vocabulary: no mapping
+        state["t2d"] = torch.ones(t.vocab_size, dtype=torch.bool)
+    try:   # on the meta device, norms included: nothing of the config's size is allocated before the check
+        with torch.device("meta"):
+            drafter = EagleDrafter(c.config, found, target, c.draft_vocab_size, c.aux_layers, c.fc_bias,
+                                   own_embedding="embed_tokens.weight" in state, dtype=target.dtype, device="meta")
     except ValueError as e:
         raise CheckpointError(f"{config_file}: {e}") from None
     drafter.load_state_dict(_to_treedec(state, drafter, file), strict=False, assign=True)
-    drafter.inv_freq = rope_inv_freq(config)   # (not in the checkpoint: made on the meta device)
+    drafter.inv_freq = rope_inv_freq(c.config)   # (not in the checkpoint: made on the meta device)
     return drafter.to(target.device)
 
 
@@ -342,28 +336,6 @@ def save_eagle(drafter: EagleDrafter, path: str | Path, file_name: str | None = 
 
 
 # ================================================================ private
-
-
-def _drafter_config(raw: dict, file: Path) -> ModelConfig:
-    from transformers import LlamaConfig
-    layers = raw.get("num_hidden_layers", 1)
-    if layers != 1:
-        raise NotImplementedError(f"{file}: EAGLE drafters of {layers} layers are not supported (one layer)")
-    fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
-    try:
-        hf = LlamaConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: not a Llama config ({e})") from None
-    # EAGLE configs name the target's family, or "llama" (their own code is Llama's whatever the target)
-    hf.model_type = raw["model_type"] if raw.get("model_type") in SUPPORTED_MODEL_TYPES else "llama"
-    return ModelConfig.from_hf(hf)
-
-
-def _aux_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        return default_aux_layers(num_layers)
-    return tuple(int(i) + 1 for i in ids)   # the reference names layer outputs: the input of the next layer
 
 
 def _reference_shapes(d: EagleDrafter) -> dict[str, tuple[int, ...]]:
@@ -401,7 +373,16 @@ def _to_treedec(state: dict[str, torch.Tensor], d: EagleDrafter, file: Path) -> 
     if missing or unknown:
         raise CheckpointError(f"{file}: an {d.kind} drafter for this target expects other tensors: missing "
                               f"{missing[:6]}, unexpected {unknown[:6]}")
+    floats = tuple(SUPPORTED_DTYPES.values())
     for key, shape in {**shapes, **{k: v for k, v in optional.items() if k in state}}.items():
+        dtype = state[key].dtype
+        if key == "d2t" and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            raise CheckpointError(f"{file}: 'd2t' has dtype {dtype}, expected an integer dtype (target id - draft id)")
+        if key == "t2d" and dtype != torch.bool:
+            raise CheckpointError(f"{file}: 't2d' has dtype {dtype}, expected torch.bool (the target ids drafted)")
+        if key not in ("d2t", "t2d") and dtype not in floats:
+            raise CheckpointError(f"{file}: '{key}' has dtype {dtype}, expected one of "
+                                  f"[{', '.join(str(d) for d in floats)}]")
         if tuple(state[key].shape) != shape:
             raise CheckpointError(f"{file}: '{key}' has shape {list(state[key].shape)}, expected {list(shape)} "
                                   f"(drafter hidden size {d.config.hidden_size}, target hidden size "
@@ -422,10 +403,16 @@ def _to_treedec(state: dict[str, torch.Tensor], d: EagleDrafter, file: Path) -> 
     if "embed_tokens.weight" in state:
         out["embed_tokens.weight"] = state["embed_tokens.weight"].to(dt)
     if d.kind == "eagle3":
-        d2t, t2d = state["d2t"].to(torch.int64), state["t2d"].to(torch.bool)
+        d2t, t2d = state["d2t"].to(torch.int64), state["t2d"]
         target_ids = d2t + torch.arange(len(d2t))
-        if len(d2t) and (target_ids.min() < 0 or target_ids.max() >= d.config.vocab_size
-                         or not bool(t2d[target_ids].all()) or int(t2d.sum()) != len(d2t)):
+        in_range = not len(d2t) or (target_ids.min() >= 0 and target_ids.max() < d.config.vocab_size)
+        if in_range and len(torch.unique(target_ids)) != len(target_ids):
+            ordered = target_ids.sort()
+            twice = int((ordered.values[1:] == ordered.values[:-1]).nonzero()[0])
+            first, second = sorted(int(i) for i in ordered.indices[twice:twice + 2])
+            raise CheckpointError(f"{file}: 'd2t' maps draft ids {first} and {second} both to target id "
+                                  f"{int(ordered.values[twice])}: each draft id must draft its own target token")
+        if len(d2t) and (not in_range or not bool(t2d[target_ids].all()) or int(t2d.sum()) != len(d2t)):
             raise CheckpointError(f"{file}: 'd2t' and 't2d' disagree: d2t must map each draft id i to a target id "
                                   f"i + d2t[i] < {d.config.vocab_size} that t2d marks, one for each of its "
                                   f"{int(t2d.sum())} marks")
