@@ -157,6 +157,9 @@ def test_preorder_insert_and_cut():
     assert [grown.subtree_end(i) for i in range(10)] == [8, 4, 4, 4, 8, 7, 7, 8, 9, 10]
     assert grown.subtree_ends(np.array([4, 0, 9])).tolist() == [8, 8, 10]
     assert grown.positions(np.array([23, 10, 23])).tolist() == [7, 0, 7] and grown.position(24) == 9
+    spliced = order.splice(3, np.array([30, 31]), np.array([2, 3]))   # a chain under 12, before 13
+    assert spliced.ids.tolist() == [10, 11, 12, 30, 31, 13, 14] and spliced.parent.tolist() == [-1, 0, 1, 2, 3, 0, -1]
+    assert order.insert(np.array([3, 3]), np.array([30, 31]), np.array([2, -1]), np.array([-1, 0])) == spliced
     cut = grown.cut(4, 8)   # node 13's subtree
     assert cut.ids.tolist() == [10, 11, 12, 20, 14, 24] and cut.parent.tolist() == [-1, 0, 1, 2, -1, -1]
     with pytest.raises(ValueError, match="read-only"):

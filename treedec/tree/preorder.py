@@ -94,8 +94,18 @@ class Preorder:
             end[j] = self.subtree_end(int(at[j]))
         return end
 
+    def splice(self, at: int, ids: np.ndarray, parent: np.ndarray) -> Preorder:
+        """The order with new nodes ``ids`` (``[m]`` int64, in their order) inserted right before position
+        ``at`` (``N``: at the end); ``parent`` (``[m]`` int64) gives their parents' positions in the result:
+        before ``at`` (it does not move), or ``at + j`` for the new node ``j``, or -1 for a new root."""
+        m = len(ids)
+        out = np.concatenate((self.parent[:at], parent, self.parent[at:]))
+        after = out[at + m:]
+        after[after >= at] += m
+        return Preorder(np.concatenate((self.ids[:at], ids, self.ids[at:])), out)
+
     def insert(self, at: np.ndarray, ids: np.ndarray, old_parent: np.ndarray, new_parent: np.ndarray) -> Preorder:
-        """The order with new nodes inserted.
+        """The order with new nodes inserted in several places.
 
         Parameters
         ----------
@@ -107,14 +117,10 @@ class Preorder:
             Each new node's parent: the old position ``old_parent[j]``, or the new node
             ``new_parent[j]`` (< j), the other -1; both -1 for a new root.
         """
-        n, m = len(self.ids), len(ids)
-        if at[0] == at[-1]:   # one place, as for a token tree or a node's new children: splice them in
+        if at[0] == at[-1]:
             q = int(at[0])
-            parent = np.concatenate((self.parent[:q], np.where(new_parent >= 0, new_parent + q, old_parent),
-                                     self.parent[q:]))
-            after = parent[q + m:]
-            after[after >= q] += m   # (the new nodes' old parents lie before q)
-            return Preorder(np.concatenate((self.ids[:q], ids, self.ids[q:])), parent)
+            return self.splice(q, ids, np.where(new_parent >= 0, new_parent + q, old_parent))
+        n, m = len(self.ids), len(ids)
         # The maps of old and new positions end in -1, so that indexing them with -1 gives -1.
         old_to = np.empty(n + 1, dtype=np.int64)
         old_to[:n] = np.arange(n) + np.searchsorted(at, np.arange(n), side="right")

@@ -34,6 +34,8 @@ from treedec.tree.tree_node import TreeNode
 from treedec.tree.validate import describe, int_list, int_value, is_int, rows, show_int
 
 FEW_PAGES = 256   # up to this many held pages are counted in Python (numpy's fixed cost is higher)
+NO_SLOTS = np.zeros(0, dtype=np.int64)   # an empty node's slot buffer, shared (read-only)
+NO_SLOTS.setflags(write=False)
 
 
 class SequenceTree(TokenTreeEdits, TreeDebugging):
@@ -183,8 +185,7 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         self._roots.append(node.id)
         self._next_id += 1
         if self._preorder is not None:
-            n = len(self._preorder)
-            self._preorder = self._preorder.insert(np.array([n]), np.array([node.id]), np.array([-1]), np.array([-1]))
+            self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
         return node.id
 
     def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
@@ -234,19 +235,22 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
             token_lists = [int_list(t, f"children[{i}]", low=0) for i, t in enumerate(rows(children, "children"))]
             if not token_lists:
                 raise TreeError("branch needs at least one child, got an empty list")
-        self._check_free(sum(self.pool.pages_for(len(t)) for t in token_lists))
-        ids = []
-        for toks in token_lists:
+        need = [self.pool.pages_for(len(t)) for t in token_lists]
+        self._check_free(sum(need))
+        fresh = self.pool.allocate(sum(need))   # as extend_many: one call, in the order the children ask
+        ids, used = [], 0
+        for toks, k in zip(token_lists, need):
             child = self._new_node(parent=parent.id)
-            self._fill(child, toks)
+            self._fill(child, toks, fresh[used:used + k])
+            used += k
             self._nodes[child.id] = child
             self._next_id += 1
             ids.append(child.id)
-        if self._preorder is not None:   # the children go after the parent's subtree (as it was), in order
-            at = self._preorder.position(parent.id)
-            k = len(ids)
-            self._preorder = self._preorder.insert(np.full(k, self._preorder.subtree_end(at)), np.array(ids),
-                                                   np.full(k, at), np.full(k, -1))
+        if self._preorder is not None:   # the children go after the parent's subtree, in order
+            order = self._preorder
+            at = order.position(parent.id)
+            self._preorder = order.splice(order.subtree_end(at) if parent.children else at + 1, np.array(ids),
+                                          np.full(len(ids), at))
         parent.children += ids
         self._layout = None
         return ids
@@ -339,7 +343,7 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
             raise TreeError(f"unknown node id {show_int(int(node_id))} (pruned, or never created)") from None
 
     def _new_node(self, parent: int | None) -> TreeNode:
-        return TreeNode(self._next_id, parent, [], np.zeros(0, np.int64), [])
+        return TreeNode(self._next_id, parent, [], NO_SLOTS, [])   # (the first fill gives it a buffer)
 
     def _order(self) -> list[int]:
         return self._structure().ids.tolist()

@@ -40,11 +40,12 @@ class TokenTreeEdits:
         perm, inner = self._token_tree_order(parents)
         first = self._next_id
         order = self._preorder
-        self._hang([anchor] * m, tokens, parents)
         if order is not None:   # the tree goes after the anchor's subtree, in its own preorder
             at = order.position(anchor.id)
-            self._preorder = order.insert(np.full(m, order.subtree_end(at)), perm + first,
-                                          np.where(inner < 0, at, -1), inner)
+            end = order.subtree_end(at) if anchor.children else at + 1
+        self._hang([anchor] * m, tokens, parents)
+        if order is not None:
+            self._preorder = order.splice(end, perm + first, np.where(inner < 0, at, inner + end))
         return list(range(first, first + m))
 
     def add_children(self, node_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
