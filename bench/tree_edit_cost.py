@@ -273,7 +273,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "device": f"CPU {platform.processor() or platform.machine()}",
               "cpu_count": os.cpu_count(), "host": platform.node(),
               "versions": {"python": platform.python_version(), "numpy": np.__version__},
-              "treedec": str(Path(treedec.__file__).resolve().parent), "prompt_tokens": PROMPT,
+              "treedec": str(Path(treedec.__file__).resolve().parent), "tag": args.tag, "prompt_tokens": PROMPT,
               "clock_overhead_ns": EditTimer.overhead_ns, "steps": args.steps, "warmup": args.warmup,
               "argv": sys.argv[1:], "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
