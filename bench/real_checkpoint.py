@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,9 +34,10 @@ def smollm2_checkpoint() -> Path:
                                     "test extra)")
     from treedec.engine.gguf import convert_gguf
 
-    partial = cache_dir() / "hf.partial"
-    convert_gguf(_gguf_file(), partial)
-    partial.rename(folder)   # a whole folder or none: an interrupted conversion is redone
+    for stale in (folder, cache_dir() / "hf.partial"):   # left by an older treedec's interrupted conversion
+        if stale.exists():
+            shutil.rmtree(stale)
+    convert_gguf(_gguf_file(), folder)   # writes a temporary folder and renames it: the whole folder or none
     return folder
 
 
