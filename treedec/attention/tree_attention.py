@@ -10,6 +10,7 @@ import torch
 
 from treedec.attention.backends import check_kv_caches, resolve_backend
 from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
+from treedec.attention.planner_choice import PlannerImpl, planner_impl
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
@@ -114,7 +115,15 @@ class TreeAttention:
         self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
         self._runner = self._make_backend(self.backend)
         self.plan_config = self._config_for(self.backend)  # what the backend runs best with (cuda: 128-row units)
-        logger.info("TreeAttention backend: %s (%s)", self.backend, self.backend_reason)
+        planner = planner_impl()   # built or loaded here, not inside the first step
+        logger.info("TreeAttention backend: %s (%s); planner: %s (%s)", self.backend, self.backend_reason,
+                    planner.name, planner.reason)
+
+    @property
+    def planner(self) -> PlannerImpl:
+        """The planner implementation :meth:`plan` runs (the compiled C++ planner or the numpy reference) and
+        why (``TREEDEC_PLANNER``; :mod:`treedec.attention.planner_choice`)."""
+        return planner_impl()
 
     def plan(self, tree: SequenceTree | TreeLayout, into: StaticPlan | None = None) -> DeviceTreePlan:
         """Plan one step on the CPU, copy the index arrays to :attr:`device` and prepare the launch.
