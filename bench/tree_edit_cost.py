@@ -24,7 +24,7 @@ Page sizes 1 and 16. Each edit's cost per step (the sum over its calls in the st
 (the table shows ``--clock``); a shared or loaded machine moves these numbers, so compare versions in
 one session. Writes ``bench/results/<date>-tree-edit-cost-cpu[-tag].json``.
 
-    python bench/tree_edit_cost.py [--steps 400] [--page-sizes 1 16] [--cases medusa_verify ...]
+    python bench/tree_edit_cost.py [--steps 400] [--rounds 3] [--page-sizes 1 16] [--cases medusa_verify ...]
     python bench/tree_edit_cost.py --profile medusa_verify --page-sizes 16   # cProfile: own time per function
 """
 from __future__ import annotations
@@ -232,6 +232,18 @@ def summarize(timer: EditTimer) -> dict:
     return out
 
 
+def lowest(rows: tuple[dict, ...]) -> dict:
+    """One case's results over several rounds: per clock and edit, the round with the lowest median (a shared
+    machine's other work only adds time), with every round's median beside it."""
+    out = {"case": rows[0]["case"], "page_size": rows[0]["page_size"], "edits": {}}
+    for clock, edits in rows[0]["edits"].items():
+        out["edits"][clock] = {}
+        for name in edits:
+            best = min((r["edits"][clock][name] for r in rows), key=lambda e: e["median_us"])
+            out["edits"][clock][name] = {**best, "round_medians_us": [r["edits"][clock][name]["median_us"] for r in rows]}
+    return out
+
+
 def profile(case: str, page_size: int, steps: int, warmup: int, top: int) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -245,6 +257,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every case this many times and keep, per edit, the lowest median")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     parser.add_argument("--profile", choices=sorted(CASES), help="cProfile one case (no results file)")
     parser.add_argument("--top", type=int, default=25, help="functions shown by --profile")
@@ -259,14 +273,13 @@ def main() -> None:
             print(f"== {args.profile}, page size {ps}")
             profile(args.profile, ps, args.steps, args.warmup, args.top)
         return
-    rows = []
-    for case in args.cases:
-        for ps in args.page_sizes:
-            rows.append({"case": case, "page_size": ps, "edits": summarize(CASES[case](ps, args.steps, args.warmup))})
+    rounds = [[{"case": case, "page_size": ps, "edits": summarize(CASES[case](ps, args.steps, args.warmup))}
+               for case in args.cases for ps in args.page_sizes] for _ in range(args.rounds)]
+    rows = [lowest(same) for same in zip(*rounds)]
     table = [(r["case"], r["page_size"], r["edits"][args.clock]) for r in rows]
     edits = list(dict.fromkeys(e for _, _, t in table for e in t if e != "step_total")) + ["step_total"]
     print(f"median us per step ({args.clock} time; the sum over the step's calls of each edit); "
-          f"{args.steps} steps after {args.warmup}")
+          f"{args.steps} steps after {args.warmup}" + (f", the lowest of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"{'case':<18}{'page':>5}" + "".join(f"{e:>15}" for e in edits))
     for case, ps, t in table:
         print(f"{case:<18}{ps:>5}" + "".join(f"{t[e]['median_us']:>15.1f}" if e in t else f"{'':>15}" for e in edits))
@@ -275,6 +288,7 @@ def main() -> None:
               "versions": {"python": platform.python_version(), "numpy": np.__version__},
               "treedec": str(Path(treedec.__file__).resolve().parent), "tag": args.tag, "prompt_tokens": PROMPT,
               "clock_overhead_ns": EditTimer.overhead_ns, "steps": args.steps, "warmup": args.warmup,
+              "rounds": args.rounds,
               "argv": sys.argv[1:], "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{result['date']}-tree-edit-cost-cpu{'-' + args.tag if args.tag else ''}.json"
