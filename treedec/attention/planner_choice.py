@@ -46,16 +46,17 @@ def planner_impl() -> PlannerImpl:
     Raises ValueError for an unknown ``TREEDEC_PLANNER`` and BackendUnavailableError when the compiled
     planner is asked for (or could be built) but its build failed.
     """
-    setting = os.environ.get(PLANNER_ENV, "auto").strip().lower() or "auto"
-    choice = _resolve(setting)
+    choice = _resolve(os.environ.get(PLANNER_ENV))   # called a few times a step: the raw value is the cache key
     if isinstance(choice, Exception):
         raise type(choice)(*choice.args)
     return choice
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(setting: str) -> PlannerImpl | Exception:
-    """The choice for one setting, made (and logged) once; a failure is kept and raised at every call."""
+def _resolve(raw: str | None) -> PlannerImpl | Exception:
+    """The choice for one value of the variable, made (and logged) once; a failure is kept and raised at every
+    call."""
+    setting = (raw or "auto").strip().lower() or "auto"
     if setting not in PLANNER_IMPLS:
         return ValueError(f"{PLANNER_ENV} must be one of {PLANNER_IMPLS}, got {setting!r}")
     if setting == "numpy":

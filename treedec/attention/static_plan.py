@@ -83,12 +83,17 @@ class PlanBounds:
     @classmethod
     def for_plan(cls, plan: TreePlan) -> "PlanBounds":
         """Power-of-two bounds that hold ``plan``: a bucket that plans of similar steps share."""
-        q = _pow2(plan.num_queries)
+        q = cls.query_bucket(plan.num_queries)
         return cls(max_queries=q, max_tokens=_pow2(max(plan.num_tokens, 1024)),
                    max_chunks=_pow2(max(plan.num_chunks, 16)),
                    # more entries than queries, so that the merge is part of every launch
                    max_entries=_pow2(max(plan.num_entries, 2 * q, 64)), max_items=_pow2(max(plan.num_items, 16)),
                    max_chunk_tokens=MASK_BITS * _pow2(plan.mask_words))
+
+    @staticmethod
+    def query_bucket(num_queries: int) -> int:
+        """The ``max_queries`` of :meth:`for_plan` for a plan of ``num_queries`` queries (the power of two)."""
+        return _pow2(num_queries)
 
     @property
     def chunks(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -26,6 +26,8 @@ import torch
 from treedec.attention import PlanBounds, StaticPlan, TreeAttention, TreePlan
 
 logger = logging.getLogger("treedec")
+
+GATHERS = 2  # row-index arrays a step sends with its inputs (the engine's logits rows and hidden rows)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class _Graph:
     row_inputs: dict[str, torch.Tensor]      # per-row float inputs (a drafter's features), [max_queries, width]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] = ()   # the captured graph's outputs, [queries, ...] each
+    gathered: list[int | None] = field(default_factory=lambda: [None] * GATHERS)  # the last load's gather lengths
 
 
 class GraphRunner:
@@ -62,8 +65,8 @@ class GraphRunner:
 
     ``forward(static, row_inputs) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
     hidden_size], ...)`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
-    ``static.extra["inputs"]`` ([3, max_queries] int32: token ids, positions, slots; the engine
-    provides it) and ``row_inputs`` (one ``[max_queries, width]`` buffer per name of the
+    ``static.extra["inputs"]`` ([3 + GATHERS, max_queries] int32: token ids, positions, slots, then
+    :meth:`load`'s gathers; the engine provides it) and ``row_inputs`` (one ``[max_queries, width]`` buffer per name of the
     constructor's ``row_inputs``, e.g. a drafter's features), returning a tuple of per-row outputs.
     Every graph keeps all of them, so steps that need hidden states (Medusa heads, draft models)
     replay the same graphs as steps that need logits only.
@@ -82,27 +85,40 @@ class GraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
 
-    def load(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> _Graph | None:
+    def load(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+             gathers: tuple[np.ndarray | None, ...] = ()) -> _Graph | None:
         """Write the step planned by ``plan`` into its bucket's static plan (the host
-        side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`)."""
+        side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`).
+
+        ``gathers``: up to :data:`GATHERS` arrays of output rows (e.g. the rows whose logits the step
+        returns), sent to the device in the same copy as the step's inputs; :meth:`gather_index` gives
+        each one's device indices."""
+        if len(gathers) > GATHERS:
+            raise ValueError(f"at most {GATHERS} gathers, got {len(gathers)}")
         if plan.num_queries > self.config.max_queries:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
-        need = PlanBounds.for_plan(plan)
-        key = need.max_queries
+        key = PlanBounds.query_bucket(plan.num_queries)
         entry = self._graphs.get(key)
         replaced = None  # kept alive until the new graph is captured (see below)
         if entry is None or not entry.static.bounds.fits(plan) or entry.static.current.query_tile != plan.query_tile:
             if entry is None and len(self._graphs) >= self.config.max_graphs:
                 return self._eager(f"max_graphs={self.config.max_graphs} graphs already captured")
+            need = PlanBounds.for_plan(plan)
             bounds = need if entry is None else entry.static.bounds.union(need)
             replaced = self._graphs.pop(key, None)
-            static = self.attn.static_plan(bounds, extra={"inputs": (3, bounds.max_queries)})
+            static = self.attn.static_plan(bounds, extra={"inputs": (3 + GATHERS, bounds.max_queries)})
             buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
                        for name, (width, dtype) in self._row_inputs.items()}
             entry = self._graphs[key] = _Graph(static, buffers)
-        inputs = np.zeros((3, entry.static.bounds.max_queries), dtype=np.int32)
+        width = entry.static.bounds.max_queries
+        inputs = np.zeros((3 + GATHERS, width), dtype=np.int32)
         inputs[2] = self._scratch_slot
-        inputs[:, :plan.num_queries] = (tokens, positions, slots)
+        inputs[:3, :plan.num_queries] = (tokens, positions, slots)
+        entry.gathered = [None] * GATHERS
+        for i, rows in enumerate(gathers):
+            if rows is not None and len(rows) <= width:   # more rows (repeats) go by a copy of their own
+                inputs[3 + i, :len(rows)] = rows
+                entry.gathered[i] = len(rows)
         entry.static.write(plan, extra={"inputs": inputs})
         if self.config.capture and entry.graph is None:
             self._capture(entry)
@@ -110,6 +126,12 @@ class GraphRunner:
         # private pool whose last graph died cannot be captured into again (allocator assert).
         del replaced
         return entry
+
+    def gather_index(self, entry: _Graph, which: int) -> torch.Tensor | None:
+        """The device indices (int32) of the step's gather ``which`` (:meth:`load`'s ``gathers``), None when
+        it was None or too long for the inputs section."""
+        count = entry.gathered[which]
+        return None if count is None else entry.static.extra["inputs"][3 + which, :count]
 
     def run(self, entry: _Graph, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, ...]:

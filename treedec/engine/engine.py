@@ -111,6 +111,7 @@ class Engine:
         self.vocab_limit: int | None = None
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._hidden_layers: tuple[int, ...] = ()
+        self._feature_size: int | None = getattr(model, "feature_size", None)   # read every step
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
@@ -252,7 +253,9 @@ class Engine:
             host_plan = plan.plan
         else:
             host_plan = self.attn.plan_host(layout)
-            graph = self._graphs.load(host_plan, tokens, positions, slots)
+            # The rows to gather travel with the step's inputs (no copy of their own after the replay).
+            gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
+            graph = self._graphs.load(host_plan, tokens, positions, slots, gathers)
             plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
@@ -268,15 +271,16 @@ class Engine:
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
             outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
-            logits = take_rows(outputs[0], rows, self.device, copy=True)
+            logits = self._gather(graph, outputs[0], rows, 0)
             hidden_all = outputs[1]
             aux_all = outputs[2] if self._hidden_layers else None
             first_head = 3 if self._hidden_layers else 2
-            heads = dict(zip(self._row_heads, (take_rows(t, rows, self.device, copy=True)
+            heads = dict(zip(self._row_heads, (self._gather(graph, t, rows, 0)
                                                for t in outputs[first_head:]))) if return_heads else None
             if return_hidden or return_aux:   # copies too (the views would change at the next replay)
-                hidden_all = take_rows(hidden_all, hrows, self.device, copy=True)
-                aux_all = None if aux_all is None else take_rows(aux_all, hrows, self.device, copy=True)
+                which = 0 if hidden_rows is None else 1
+                hidden_all = self._gather(graph, hidden_all, hrows, which)
+                aux_all = None if aux_all is None else self._gather(graph, aux_all, hrows, which)
                 hrows = None
         if self.vocab_limit is not None:
             with torch.inference_mode():   # the eager forward's logits are inference tensors
@@ -403,6 +407,14 @@ class Engine:
         return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, self._hidden_layers,
                           features)
 
+    def _gather(self, graph, output: torch.Tensor, rows: np.ndarray | None, which: int) -> torch.Tensor:
+        """A copy of ``output``'s ``rows`` (all for None) of a graphed step, indexed by the step's gather
+        ``which`` already on the device where :meth:`GraphRunner.load` sent it."""
+        index = None if rows is None else self._graphs.gather_index(graph, which)
+        if index is None:
+            return take_rows(output, rows, self.device, copy=True)
+        return output.index_select(0, index)
+
     def _check_features(self, features: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
         width = self.feature_size
         if features is None:
@@ -422,7 +434,7 @@ class Engine:
     @property
     def feature_size(self) -> int | None:
         """Width of the per-query features the model reads (:meth:`step`'s ``features``), or None."""
-        return getattr(self.model, "feature_size", None)
+        return self._feature_size
 
     def _check_device_tokens(self, tokens: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
         if tokens is None:
@@ -440,7 +452,7 @@ class Engine:
         (the per-row features of a drafter): (logits, hidden, aux when :attr:`hidden_layers`, each row
         head's output), every row. ``ops``: attention and the K/V store as custom ops (what
         ``torch.compile`` traces)."""
-        tokens, positions, slots = static.extra["inputs"]
+        tokens, positions, slots = static.extra["inputs"][:3]
         attend = _TreeAttend(self, slots.long(), static.device_plan, ops)
         forward = self.model.forward_graph if ops else self.model
         out = forward(tokens, positions, attend, None, self._hidden_layers, row_inputs.get("features"))
