@@ -71,10 +71,8 @@ class Preorder:
 
     def positions(self, node_ids: Sequence[int]) -> np.ndarray:
         """[k] int64 positions of ``node_ids`` (nodes of the forest)."""
-        by_id = np.argsort(self.ids)
-        at = by_id[np.searchsorted(self.ids, node_ids, sorter=by_id)]
-        assert np.array_equal(self.ids[at], node_ids), f"{node_ids=} are not all in the preorder"
-        return at
+        by_id = self.ids.argsort()
+        return by_id[self.ids.searchsorted(node_ids, sorter=by_id)]
 
     def subtree_end(self, at: int) -> int:
         """One past the last position of the subtree whose top is at position ``at``."""
@@ -123,7 +121,8 @@ class Preorder:
         n, m = len(self.ids), len(ids)
         # The maps of old and new positions end in -1, so that indexing them with -1 gives -1.
         old_to = np.empty(n + 1, dtype=np.int64)
-        old_to[:n] = np.arange(n) + np.searchsorted(at, np.arange(n), side="right")
+        old = np.arange(n)
+        old_to[:n] = old + at.searchsorted(old, side="right")
         old_to[n] = -1
         new_to = np.empty(m + 1, dtype=np.int64)
         new_to[:m] = at + np.arange(m)

@@ -64,8 +64,12 @@ class TokenTreeEdits:
         order = self._preorder
         if order is not None:   # each child goes after its anchor's subtree (as it was), children in order
             at = order.positions(np.array([a.id for a in anchors], dtype=np.int64))
-            end = order.subtree_ends(at) if any(a.children for a in anchors) else at + 1
-            rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
+            if any(a.children for a in anchors):
+                end = order.subtree_ends(at)
+                rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
+            else:   # leaves: each child right after its anchor
+                end = at + 1
+                rank = end.argsort(kind="stable")
         self._hang(anchors, tokens, [-1] * m)
         if order is not None:
             self._preorder = order.insert(end[rank], rank + first, at[rank], np.full(m, -1))
