@@ -51,7 +51,10 @@ class Preorder:
             if i in seen:
                 continue
             seen.add(i)
-            stack.extend((c, len(ids)) for c in reversed(children[i]))
+            kids = children[i]
+            if kids:
+                at = len(ids)
+                stack += [(c, at) for c in reversed(kids)]
             ids.append(i)
             parent.append(p)
         return cls(np.array(ids, dtype=np.int64), np.array(parent, dtype=np.int64))
