@@ -13,8 +13,8 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.tree import PagedKVPool, SequenceTree
-from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Extend, Handle, Op, Prompt, Prune,
-                                        Schedule, TokenTree, token_count)
+from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Children, Extend, Handle, Op, Prompt,
+                                        Prune, Schedule, TokenTree, Truncate, token_count)
 
 
 class ScheduleDriver:
@@ -73,8 +73,18 @@ class ScheduleDriver:
             for h, nid in zip(op.ids, tree.add_token_tree(anchor, tokens, op.parents)):
                 self.nodes[h] = nid
             self.pending += len(op.parents)
+        elif isinstance(op, Children):
+            parents = [self.nodes[h] for h in op.nodes]
+            tokens = list(op.tokens) if op.tokens is not None else [self._next(p) for p in parents]
+            for h, nid in zip(op.ids, tree.add_children(parents, tokens)):
+                self.nodes[h] = nid
+            self.pending += len(parents)
         elif isinstance(op, Accept):
             self._accept(op)
+        elif isinstance(op, Truncate):
+            nid = self.nodes[op.node]
+            tree.truncate(nid, op.length)
+            self._next_token.pop(nid, None)   # it was the choice after the dropped tokens
         elif isinstance(op, Prune):
             self._prune(self.nodes[op.node])
         else:
@@ -114,6 +124,11 @@ class ScheduleDriver:
     def _prompt(self, op: Prompt) -> None:
         tokens = list(op.tokens) if not isinstance(op.tokens, int) else self._filler(op.tokens)
         parent = None if op.parent is None else self.nodes[op.parent]
+        if op.pending:   # computed by the step's forward, with its other tokens
+            tree = self.tree
+            self.nodes[op.id] = tree.add_prompt(tokens) if parent is None else tree.branch(parent, [tokens])[0]
+            self.pending += len(tokens)
+            return
         if self.engine is not None:
             nid, logits = self.engine.prefill(tokens, parent=parent)
             self._next_token[nid] = int(logits.argmax())

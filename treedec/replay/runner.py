@@ -8,7 +8,8 @@ Per step (results JSON ``runs[i].steps``):
 
 - ``total_ms``: wall time from the step's first op until its tokens are on the host (the
   controller reads them: a device synchronisation ends every step, as in a decoding loop);
-- ``prefill_ms``: the prompts' prefills (a ``prompt`` op runs its own forwards);
+- ``prefill_ms``: the prompts' prefills (a ``prompt`` op runs its own forwards, unless it is
+  pending: then the step's forward computes it, and the step's kind is still ``prefill``);
 - ``bookkeeping_ms``: the tree operations (branch / extend / token tree / accept, with its
   K/V move / prune) and finding each node's logits row;
 - ``plan_ms``: :meth:`TreeAttention.plan` of the step's forward (host planning + the copy of
@@ -185,7 +186,7 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
         t0 = time.perf_counter()
         prefill = 0.0
         for op in step:
-            if isinstance(op, Prompt):
+            if isinstance(op, Prompt) and not op.pending:   # a pending prompt is computed by the step's forward
                 tp = time.perf_counter()
                 driver.apply(op)
                 prefill += time.perf_counter() - tp

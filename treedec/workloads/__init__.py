@@ -3,10 +3,10 @@ from treedec.workloads.builders import (MEDUSA_SIZES, TOT_FILES, WORKLOADS, fews
                                         tot_schedule, workload_schedule)
 from treedec.workloads.deft import (DEFT_DIR, MedusaTree, TotSnapshot, TraceFormatError, load_tot_trees,
                                     medusa_tree, tot_snapshot)
-from treedec.workloads.schedule import (Accept, Branch, Extend, Prompt, Prune, Schedule, ScheduleError,
-                                        ScheduleStats, TokenTree, load_schedule)
+from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Prompt, Prune, Schedule, ScheduleError,
+                                        ScheduleStats, TokenTree, Truncate, load_schedule)
 
-__all__ = ["DEFT_DIR", "MEDUSA_SIZES", "TOT_FILES", "WORKLOADS", "Accept", "Branch", "Extend", "MedusaTree",
-           "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree", "TotSnapshot",
-           "TraceFormatError", "fewshot_schedule", "load_schedule", "load_tot_trees", "medusa_tree",
+__all__ = ["DEFT_DIR", "MEDUSA_SIZES", "TOT_FILES", "WORKLOADS", "Accept", "Branch", "Children", "Extend",
+           "MedusaTree", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree", "TotSnapshot",
+           "TraceFormatError", "Truncate", "fewshot_schedule", "load_schedule", "load_tot_trees", "medusa_tree",
            "medusa_schedule", "tot_schedule", "tot_snapshot", "workload_schedule"]

@@ -1,8 +1,9 @@
 """Replay schedules: a decoding tree's history as JSON steps of tree operations on node handles.
 
 A schedule forces the *shape* of a decoding run (which node branches, grows, is verified,
-is pruned, at which step); the tokens are whatever the model emits. The shipped workloads
-are turned into schedules by :mod:`treedec.workloads.builders`; users can write their own.
+is pruned, at which step); the tokens are whatever the model emits, unless an op gives their
+ids (a recorded run can give them all: :class:`~treedec.replay.ScheduleRecorder`). The shipped
+workloads are turned into schedules by :mod:`treedec.workloads.builders`; users can write their own.
 This module holds the schedule document (:class:`Schedule`, :func:`load_schedule`); its ops
 are defined in :mod:`treedec.workloads.schedule_ops` and checked in sequence by the symbolic
 replay of :mod:`treedec.workloads.schedule_check` (their public names import from here too).
@@ -16,10 +17,13 @@ A step applies its ops in order, then runs **one forward** over the tokens they 
 step that adds none runs no forward). Node handles are JSON strings or ints chosen by the
 schedule; each names one node for its lifetime and is never reused after it is pruned.
 
-``{"op": "prompt", "id": H, "tokens": n | [ids], "parent": H}``
+``{"op": "prompt", "id": H, "tokens": n | [ids], "parent": H, "pending": true}``
     Prefill a new prompt of ``n`` tokens (ids drawn from a seeded RNG) or of the given
     ids. Without ``parent`` it starts a new tree of the forest; with it, the prompt is a
-    continuation under node ``parent``. The prefill runs its own forward(s) at once.
+    continuation under node ``parent``. The prefill runs its own forward(s) at once;
+    with ``"pending": true`` the tokens are computed by the step's forward instead, with
+    the step's other tokens (as a scheduler computes a prompt chunk beside other
+    requests' decoding; later chunks are ``extend`` ops).
 ``{"op": "branch", "node": H, "ids": [H, ...]}``
     Give ``node`` one new, empty child per handle in ``ids``.
 ``{"op": "extend", "node": H, "tokens": n | [ids]}``
@@ -31,17 +35,27 @@ schedule; each names one node for its lifetime and is never reused after it is p
     the index of token i's parent token (-1: a child of ``node``), parents before
     children. Without ``tokens``, tokens with parent -1 are the model's next token for
     ``node`` and the others RNG filler (the candidates of a draft model).
+``{"op": "children", "nodes": [H, ...], "ids": [H, ...], "tokens": [ids]}``
+    Give each node ``nodes[i]`` a new one-token child ``ids[i]`` (a node may be named
+    several times), packed into shared pages as a token tree's tokens are: one layer of a
+    draft tree whose nodes have different parents. Without ``tokens``, each token is the
+    model's next token for its parent. The children are token-tree nodes (``accept``
+    keeps a chain of them).
 ``{"op": "accept", "ids": [H, ...]}``
     Keep the accepted path of a verified token tree: ``ids`` is a chain of token-tree
     nodes from a child of the anchor (the node the tree hangs under) downwards. The
     anchor's token-tree children are all removed and the chain's tokens (their K/V
     included, no recompute) are appended to the anchor, which continues the sequence.
+``{"op": "truncate", "node": H, "length": n}``
+    Keep the first ``n`` (>= 1) of leaf ``node``'s own tokens, freeing the pages only the
+    rest held (e.g. a pipelined step run past an end of sequence).
 ``{"op": "prune", "node": H}``
     Remove ``node`` and its subtree, freeing the KV pages no other node uses.
 
-Within a step, ``prompt``, ``accept`` and ``prune`` ops come before ``extend`` and
-``token_tree`` ops (those add the step's pending tokens, which cannot be pruned, and which
-``prompt``/``accept`` would otherwise commit before their forward).
+The tokens that ``extend``, ``token_tree``, ``children`` and pending ``prompt`` ops add are
+the step's *pending* tokens, computed by its forward. A prefilled ``prompt`` (which runs its
+own forward over a tree without pending tokens) comes before them; a ``prune``, ``accept``
+or ``truncate`` may come anywhere in the step but may not remove or change them.
 
 :func:`load_schedule` / :meth:`Schedule.from_json` validate the whole schedule before
 anything runs (a symbolic replay of every op); an error is a :class:`ScheduleError` that
@@ -61,12 +75,13 @@ from pathlib import Path
 
 from treedec.workloads.deft import TraceFormatError, _load_json
 from treedec.workloads.schedule_check import ScheduleStats, _check, _Limits
-from treedec.workloads.schedule_ops import (TOKEN_ID_LIMIT, Accept, Branch, Extend, Handle, Op, Prompt, Prune,
-                                            ScheduleError, TokenTree, _is_int, _op_json, _parse_op, token_count)
+from treedec.workloads.schedule_ops import (TOKEN_ID_LIMIT, Accept, Branch, Children, Extend, Handle, Op, Prompt,
+                                            Prune, ScheduleError, TokenTree, Truncate, _is_int, _op_json, _parse_op,
+                                            token_count)
 
-__all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Extend", "Handle",
-           "Op", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree", "load_schedule",
-           "token_count"]
+__all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Children", "Extend",
+           "Handle", "Op", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree", "Truncate",
+           "load_schedule", "token_count"]
 
 FORMAT = "treedec-schedule"
 VERSION = 1

@@ -1,20 +1,18 @@
 """Symbolic replay of a schedule: its ops applied in order to a tree of handles only.
 
 ``_check`` validates a whole schedule before anything runs (unknown, pruned or reused
-handles, extended non-leaves, token-tree parents, accepted chains, the order of ops within
-a step) and sizes it (:class:`ScheduleStats`); given ``_Limits`` it also names the first op
-that goes past a token capacity, a position limit or a vocabulary. Nothing is allocated.
+handles, extended non-leaves, token-tree parents, accepted chains, truncations, the step's
+pending tokens: a prefill needs none, and a prune, accept or truncate may not touch them)
+and sizes it (:class:`ScheduleStats`); given ``_Limits`` it also names the first op that
+goes past a token capacity, a position limit or a vocabulary. Nothing is allocated.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from treedec.tree.validate import on_cycle
-from treedec.workloads.schedule_ops import (Accept, Branch, Extend, Handle, Op, Prompt, Prune, ScheduleError,
-                                            TokenTree, token_count)
-
-_ADDS_PENDING = (Extend, TokenTree)
-_MUST_COME_FIRST = (Prompt, Accept, Prune)
+from treedec.workloads.schedule_ops import (Accept, Branch, Children, Extend, Handle, Op, Prompt, Prune,
+                                            ScheduleError, TokenTree, Truncate, token_count)
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,7 @@ class _Shape:
         self.length: dict[Handle, int] = {}
         self.end: dict[Handle, int] = {}           # sequence length up to the end of the node
         self.in_token_tree: set[Handle] = set()
+        self.pending: set[Handle] = set()          # nodes holding tokens of the step's forward
         self.used: dict[Handle, str] = {}          # every handle ever created -> where
         self.roots: dict[Handle, None] = {}
         self.tokens = 0
@@ -127,6 +126,21 @@ class _Shape:
             del self.parent[x], self.end[x]
             self.in_token_tree.discard(x)
 
+    def subtree(self, h: Handle) -> list[Handle]:
+        out, stack = [], [h]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(self.children[x])
+        return out
+
+    def not_pending(self, nodes: list[Handle], where: str, what: str) -> None:
+        """Refuse an op that would change tokens the step's forward has not computed yet."""
+        busy = [x for x in nodes if x in self.pending]
+        if busy:
+            raise ScheduleError(f"{where}: {what} node(s) {busy[:5]!r}, whose tokens an earlier op of this step "
+                                f"added for the step's forward; do it before those ops, or in a later step")
+
 
 def _check(steps: tuple[tuple[Op, ...], ...], source: str, limits: _Limits = _Limits()) -> ScheduleStats:
     shape = _Shape(limits)
@@ -134,13 +148,14 @@ def _check(steps: tuple[tuple[Op, ...], ...], source: str, limits: _Limits = _Li
     max_token_id = -1
     widest_branch = 0
     for i, step in enumerate(steps):
-        adds = False
         for j, op in enumerate(step):
             where = f"{source}: step {i}, op {j} ({op.op})"
-            if isinstance(op, _MUST_COME_FIRST) and adds:
-                raise ScheduleError(f"{where}: field 'op': a '{op.op}' op must come before the step's extend and "
-                                    f"token_tree ops (they add the step's pending tokens)")
-            if isinstance(op, (Prompt, Extend, TokenTree)) and op.tokens is not None and not isinstance(op.tokens, int):
+            if isinstance(op, Prompt) and not op.pending and shape.pending:
+                raise ScheduleError(f"{where}: field 'op': a prefilled 'prompt' op must come before the step's ops "
+                                    f"that add tokens for its forward (extend, token_tree, children, pending "
+                                    f"prompts): a prefill runs its own forward over a tree with no pending tokens")
+            if isinstance(op, (Prompt, Extend, TokenTree, Children)) and op.tokens is not None \
+                    and not isinstance(op.tokens, int):
                 top = max(op.tokens, default=-1)
                 max_token_id = max(max_token_id, top)
                 if limits.vocab_size is not None and top >= limits.vocab_size:
@@ -150,8 +165,8 @@ def _check(steps: tuple[tuple[Op, ...], ...], source: str, limits: _Limits = _Li
             _apply(shape, op, where)
             if isinstance(op, Branch):
                 widest_branch = max(widest_branch, len(op.ids))
-            adds = adds or isinstance(op, _ADDS_PENDING)
-        forward_steps += adds
+        forward_steps += bool(shape.pending)
+        shape.pending.clear()   # the step's forward computes them
     return ScheduleStats(forward_steps=forward_steps, max_position=shape.max_position,
                          peak_tree_tokens=shape.peak_tokens, max_token_id=max_token_id,
                          live_roots=tuple(shape.roots), widest_branch=widest_branch)
@@ -164,6 +179,8 @@ def _apply(shape: _Shape, op: Op, where: str) -> None:
         if op.parent is not None:
             shape.alive(op.parent, where, "parent")
         shape.create(op.id, op.parent, token_count(op.tokens), where, "id")
+        if op.pending:
+            shape.pending.add(op.id)
     elif isinstance(op, Branch):
         shape.alive(op.node, where, "node")
         if len(set(op.ids)) != len(op.ids):
@@ -176,12 +193,18 @@ def _apply(shape: _Shape, op: Op, where: str) -> None:
             raise ScheduleError(f"{where}: field 'node': node {op.node!r} has children "
                                 f"{list(shape.children[op.node])[:5]!r}; only leaves are extended")
         shape.grow(op.node, token_count(op.tokens), where)
+        shape.pending.add(op.node)
     elif isinstance(op, TokenTree):
         _apply_token_tree(shape, op, where)
+    elif isinstance(op, Children):
+        _apply_children(shape, op, where)
     elif isinstance(op, Accept):
         _apply_accept(shape, op, where)
+    elif isinstance(op, Truncate):
+        _apply_truncate(shape, op, where)
     elif isinstance(op, Prune):
         shape.alive(op.node, where, "node")
+        shape.not_pending(shape.subtree(op.node), where, f"field 'node': pruning {op.node!r} would remove")
         shape.remove(op.node)
     else:  # _parse_op and the dataclasses admit nothing else
         raise AssertionError(f"unknown op {op!r}")
@@ -207,6 +230,38 @@ def _apply_token_tree(shape: _Shape, op: TokenTree, where: str) -> None:
     for k, (h, p) in enumerate(zip(op.ids, op.parents)):
         shape.create(h, op.node if p < 0 else op.ids[p], 1, where, f"ids[{k}]")
         shape.in_token_tree.add(h)
+        shape.pending.add(h)
+
+
+def _apply_children(shape: _Shape, op: Children, where: str) -> None:
+    m = len(op.nodes)
+    if len(op.ids) != m:
+        raise ScheduleError(f"{where}: field 'ids' must have one handle per node: {len(op.ids)} ids for {m} nodes")
+    if op.tokens is not None and len(op.tokens) != m:
+        raise ScheduleError(f"{where}: field 'tokens' must have one id per node: {len(op.tokens)} for {m} nodes")
+    if len(set(op.ids)) != m:
+        raise ScheduleError(f"{where}: field 'ids' lists a handle twice")
+    for k, h in enumerate(op.nodes):
+        shape.alive(h, where, f"nodes[{k}]")
+    for k, (h, parent) in enumerate(zip(op.ids, op.nodes)):
+        shape.create(h, parent, 1, where, f"ids[{k}]")
+        shape.in_token_tree.add(h)   # draft nodes, as a token tree's: an accept may keep a chain of them
+        shape.pending.add(h)
+
+
+def _apply_truncate(shape: _Shape, op: Truncate, where: str) -> None:
+    shape.alive(op.node, where, "node")
+    if shape.children[op.node]:
+        raise ScheduleError(f"{where}: field 'node': node {op.node!r} has children "
+                            f"{list(shape.children[op.node])[:5]!r}; only leaves are truncated")
+    if op.length > shape.length[op.node]:
+        raise ScheduleError(f"{where}: field 'length' = {op.length}: node {op.node!r} holds "
+                            f"{shape.length[op.node]} token(s); a truncate keeps at most all of them")
+    shape.not_pending([op.node], where, "field 'node': truncate would drop tokens of")
+    dropped = shape.length[op.node] - op.length
+    shape.length[op.node] -= dropped
+    shape.end[op.node] -= dropped
+    shape.tokens -= dropped
 
 
 def _apply_accept(shape: _Shape, op: Accept, where: str) -> None:
@@ -221,6 +276,7 @@ def _apply_accept(shape: _Shape, op: Accept, where: str) -> None:
     if anchor in shape.in_token_tree:
         raise ScheduleError(f"{where}: field 'ids[0]': node {op.ids[0]!r} is not a root of its token tree "
                             f"(its parent {anchor!r} is a token-tree node too)")
+    shape.not_pending(shape.subtree(anchor), where, "field 'ids': the accept would change")
     others = [c for c in shape.children[anchor] if c not in shape.in_token_tree]
     if others:
         raise ScheduleError(f"{where}: field 'ids': the anchor {anchor!r} also has non-token-tree child(ren) "

@@ -1,7 +1,8 @@
 """The ops of a replay schedule: one frozen dataclass per op kind, and their JSON objects.
 
 Each op is a tree operation on node handles (:class:`Prompt`, :class:`Branch`,
-:class:`Extend`, :class:`TokenTree`, :class:`Accept`, :class:`Prune`); ``_parse_op`` reads
+:class:`Extend`, :class:`TokenTree`, :class:`Children`, :class:`Accept`, :class:`Truncate`,
+:class:`Prune`); ``_parse_op`` reads
 one from its JSON object, checking every field on its own, and ``_op_json`` writes it back;
 :class:`ScheduleError` is what every check of a schedule raises.
 The file format they belong to is described in :mod:`treedec.workloads.schedule`; whether
@@ -33,6 +34,7 @@ class Prompt:
     id: Handle
     tokens: int | tuple[int, ...]
     parent: Handle | None = None
+    pending: bool = False   # computed by the step's forward with its other tokens, not prefilled at once
     op = "prompt"
 
 
@@ -60,9 +62,24 @@ class TokenTree:
 
 
 @dataclass(frozen=True)
+class Children:
+    nodes: tuple[Handle, ...]
+    ids: tuple[Handle, ...]
+    tokens: tuple[int, ...] | None = None
+    op = "children"
+
+
+@dataclass(frozen=True)
 class Accept:
     ids: tuple[Handle, ...]
     op = "accept"
+
+
+@dataclass(frozen=True)
+class Truncate:
+    node: Handle
+    length: int
+    op = "truncate"
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,7 @@ class Prune:
     op = "prune"
 
 
-Op = Union[Prompt, Branch, Extend, TokenTree, Accept, Prune]
+Op = Union[Prompt, Branch, Extend, TokenTree, Children, Accept, Truncate, Prune]
 
 
 def token_count(tokens: int | tuple[int, ...]) -> int:
@@ -83,11 +100,13 @@ def token_count(tokens: int | tuple[int, ...]) -> int:
 
 
 _OP_FIELDS = {
-    "prompt": ({"id", "tokens"}, {"parent"}),
+    "prompt": ({"id", "tokens"}, {"parent", "pending"}),
     "branch": ({"node", "ids"}, set()),
     "extend": ({"node", "tokens"}, set()),
     "token_tree": ({"node", "parents", "ids"}, {"tokens"}),
+    "children": ({"nodes", "ids"}, {"tokens"}),
     "accept": ({"ids"}, set()),
+    "truncate": ({"node", "length"}, set()),
     "prune": ({"node"}, set()),
 }
 
@@ -108,8 +127,11 @@ def _parse_op(raw, where: str) -> Op:
         raise ScheduleError(f"{where}: unknown field '{extra[0]!s:.60}' (fields: {sorted(required | optional)})")
     if kind == "prompt":
         parent = raw.get("parent")
+        pending = raw.get("pending", False)
+        if not isinstance(pending, bool):
+            raise ScheduleError(f"{where}: field 'pending' must be true or false, got {pending!r:.60}")
         return Prompt(_handle(raw["id"], where, "id"), _tokens(raw["tokens"], where),
-                      None if parent is None else _handle(parent, where, "parent"))
+                      None if parent is None else _handle(parent, where, "parent"), pending)
     if kind == "branch":
         return Branch(_handle(raw["node"], where, "node"), _handles(raw["ids"], where, "ids"))
     if kind == "extend":
@@ -119,8 +141,18 @@ def _parse_op(raw, where: str) -> Op:
         return TokenTree(_handle(raw["node"], where, "node"), _int_list(raw["parents"], where, "parents", -1),
                          _handles(raw["ids"], where, "ids"),
                          None if tokens is None else _int_list(tokens, where, "tokens", 0, TOKEN_ID_LIMIT))
+    if kind == "children":
+        tokens = raw.get("tokens")
+        return Children(_handles(raw["nodes"], where, "nodes"), _handles(raw["ids"], where, "ids"),
+                        None if tokens is None else _int_list(tokens, where, "tokens", 0, TOKEN_ID_LIMIT))
     if kind == "accept":
         return Accept(_handles(raw["ids"], where, "ids"))
+    if kind == "truncate":
+        length = raw["length"]
+        if not _is_int(length) or length < 1:
+            raise ScheduleError(f"{where}: field 'length' must be an int >= 1 (the tokens the node keeps), "
+                                f"got {length!r:.60}")
+        return Truncate(_handle(raw["node"], where, "node"), length)
     return Prune(_handle(raw["node"], where, "node"))
 
 
@@ -166,7 +198,7 @@ def _tokens(x, where: str) -> int | tuple[int, ...]:
 def _op_json(op: Op) -> dict:
     out: dict = {"op": op.op}
     for name, value in op.__dict__.items():
-        if value is None:
+        if value is None or value is False:   # an absent optional field (a prompt is not pending by default)
             continue
         out[name] = list(value) if isinstance(value, tuple) else value
     return out
