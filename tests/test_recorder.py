@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from treedec.engine import Engine, from_config
+from treedec.errors import PoolExhaustedError, TreeError
 from treedec.replay.driver import ScheduleDriver
 from treedec.replay.recorder import ScheduleRecorder
 from treedec.tree import PagedKVPool, SequenceTree
@@ -85,3 +86,49 @@ def test_recorder_needs_an_empty_tree(tiny):
     engine.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="empty tree"):
         ScheduleRecorder(engine)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"engine": "engine"}, TypeError, "engine must be an Engine, got str"),
+    ({"name": 3}, TypeError, "name must be a string, got int"),
+    ({"prompt_ids": "yes"}, TypeError, "prompt_ids must be a bool, got 'yes'"),
+    ({"token_ids": 1}, TypeError, "token_ids must be a bool, got 1"),
+])
+def test_bad_arguments(tiny, kwargs, error, message):
+    engine = Engine(tiny, kv_tokens=256, page_size=4, backend="torch")
+    with pytest.raises(error, match=message):
+        ScheduleRecorder(**{"engine": engine, **kwargs})
+    assert "step" not in vars(engine) and "prune" not in vars(engine.tree)   # nothing wrapped
+
+
+def test_a_failed_call_raises_its_own_error_and_records_nothing(tiny):
+    engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
+    recorder = ScheduleRecorder(engine, token_ids=True)
+    root, _ = engine.prefill([1, 2, 3])
+    tree = engine.tree
+    failing = [
+        (lambda: tree.extend(99, [1]), TreeError, "unknown node id 99"),
+        (lambda: tree.prune("x"), TypeError, "node id must be an int"),
+        (lambda: tree.extend(root, [1] * 100), PoolExhaustedError, "KV pool exhausted"),
+        (lambda: tree.accept(root, [5]), TreeError, "unknown node id 5"),
+        (lambda: tree.branch(root, 0), TreeError, "branch needs 1 <= k"),
+        (lambda: tree.add_token_tree(root, [1, 2], [-1, 1]), TreeError, "parents must come before children"),
+        (lambda: tree.truncate(root, 9), TreeError, "cannot truncate node 0 of 3 tokens to 9"),
+        (lambda: tree.extend(root, node_id=root), TypeError, "multiple values for argument 'node_id'"),
+        (lambda: engine.step(), TreeError, "step\\(\\) needs pending tokens"),
+        (lambda: engine.prefill([]), TreeError, "prefill needs at least one prompt token"),
+    ]
+    for call, error, message in failing:
+        with pytest.raises(error, match=message):
+            call()
+    tree.extend(root, [0])   # a placeholder: the step reads the token on the device
+    for tokens, error, message in (([4], TypeError, "tokens must be an int64 or int32 tensor"),
+                                   (torch.tensor([4, 5]), ValueError, r"tokens must have shape \[1\]")):
+        with pytest.raises(error, match=message):
+            engine.step(tokens=tokens)
+    engine.step(tokens=torch.tensor([4]))
+    schedule = recorder.close()
+    assert [[op.op for op in step] for step in schedule.steps] == [["prompt"], ["extend"]]
+    assert schedule.steps[1][0].tokens == (4,)
+    assert recorder.close().steps == schedule.steps   # closing again changes nothing
+    assert "step" not in vars(engine) and "extend" not in vars(tree)
