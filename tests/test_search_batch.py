@@ -187,12 +187,12 @@ def test_shared_prompt_prefixes_are_stored_once(tiny, kv_tokens):
     for spec in shared_prompt_requests():
         alone += generate_batch(make_engine(tiny), [spec])[0]
     assert outputs(shared) == outputs(alone) == outputs(unshared)
-    # Group a's prefix stops one token short of request 4's prompt (all of system prompt a): every member
-    # keeps a node of its own.
-    assert stats.shared_prefix_tokens == 39 * 4 + 23 * 1 and plain.shared_prefix_tokens == 0
-    if kv_tokens == 4096:   # every request at once: the two system prompts' pages once, not 5 and 2 times,
-        # less the page of request 4's own last prompt token
-        assert plain.peak_pages - stats.peak_pages == 4 * 10 + 1 * 6 - 1
+    # Group a's prefix stops one token short of request 4's prompt (all of system prompt a: every member
+    # keeps a node of its own), rounded down to whole pages: 36 tokens; group b's 23 tokens round to 20.
+    assert stats.shared_prefix_tokens == 36 * 4 + 20 * 1 and plain.shared_prefix_tokens == 0
+    if kv_tokens == 4096:   # every request at once: the two prefixes' pages once, not 5 and 2 times (a member
+        # with its prefix holds the pages it holds alone)
+        assert plain.peak_pages - stats.peak_pages == 4 * 9 + 1 * 5
     else:
         assert stats.waits > 0
     assert shared_engine.pool.num_free_pages == shared_engine.pool.num_pages and shared_engine.tree.num_nodes == 0

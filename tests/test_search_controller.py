@@ -4,8 +4,9 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.controller import (Branch, BranchEvery, ControllerError, Extend, Prune, Stop, TreeView,
-                                       run_controller)
+from treedec.search.controller import (Branch, BranchEvery, ControllerError, ControllerProgram, Extend, Prune, Stop,
+                                       TreeView, run_controller)
+from treedec.search.scheduler import run_program, run_programs
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 PROMPT = [5, 17, 300, 42, 9, 111, 7]
@@ -194,3 +195,19 @@ def test_a_leaf_that_emits_eos_is_paused(tiny, monkeypatch):
         run_controller(make_engine(tiny), PROMPT, controller, max_steps=5, eos_token_id=branches[0][0])
     with pytest.raises(ValueError, match="eos_token_id must be token ids in"):
         run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, eos_token_id=512)
+
+
+def test_requests_sharing_a_prompt_prefix_run_as_alone(tiny):
+    """Batched, prompts with a common prefix continue under one shared prefix node: each controller still
+    sees (and grows) the leaves under its own prompt (before, it found none and stopped at once)."""
+    system = [(29 * i + 11) % 512 for i in range(16)]
+
+    def programs():
+        return [ControllerProgram(make_engine(tiny), system + [k + 1, 2 * k + 3],
+                                  BranchEvery(every=2, k=2, max_leaves=4), max_steps=4) for k in range(2)]
+
+    results, stats = run_programs(make_engine(tiny), programs())
+    alone = [run_program(make_engine(tiny), p) for p in programs()]
+    assert stats.shared_prefix_tokens == 16
+    assert [(r.steps, r.queries_per_step) for r in results] == [(r.steps, r.queries_per_step) for r in alone] \
+        == [(4, [2, 2, 4, 4])] * 2

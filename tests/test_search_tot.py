@@ -295,7 +295,8 @@ def test_cli_tot_with_a_checkpoint_and_its_tokenizer(tmp_path):
 
     from tests.test_engine_llama import tiny_hf
 
-    tiny_hf("llama", seed=3).save_pretrained(tmp_path)
+    # (positions for the 960-character root prompt and the search below it)
+    tiny_hf("llama", seed=3, max_position_embeddings=1024).save_pretrained(tmp_path)
     chars = [chr(i) for i in range(32, 127)] + ["\n"]
     tok = Tokenizer(models.WordLevel({"<s>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}, "<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")   # one token per character

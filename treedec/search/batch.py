@@ -35,6 +35,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
+from treedec.search.request import Positions, check_positions
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import to_device
@@ -62,7 +63,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     generator : draws of the requests without a ``seed`` (on the engine's device).
     on_request_done : called with a request's results when it retires (e.g. a progress bar).
     min_shared_prefix : the fewest common prompt tokens that requests share as one prefix node
-        (default: the pool's page size; 0 turns sharing off).
+        (default: the pool's page size; 0 turns sharing off; a prefix is whole pages: its length is rounded
+        down to a multiple of the page size).
     pipeline : default on for a CUDA engine (off on the CPU, where nothing would overlap): each
         step is launched before the tokens drawn for it are read back (the step reads them on the
         device); an output that those tokens end computed one token more, which is pruned with it.
@@ -82,7 +84,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
 
     Raises
     ------
-    ValueError, TypeError : a bad request or argument, before the engine is touched.
+    ValueError, TypeError : a bad request or argument (a prompt and ``max_new_tokens`` past the model's
+        positions included), before the engine is touched.
     PoolExhaustedError : a request's worst case does not fit the pool's free pages, before
         anything runs.
     """
@@ -94,6 +97,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     if on_text is not None and (tokenizer is None or not callable(on_text)):
         raise ValueError("on_text streams detokenized text: it must be callable and needs the checkpoint's tokenizer")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
+    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline, on_text=on_text) for spec, ids in prepared]
+    for program in programs:   # (run_programs checks this too, after the pages below)
+        check_positions(engine.model, program.positions(), program.name, before_run=True)
     budget = engine.pool.num_free_pages
     for spec, prompt_ids in prepared:
         worst = engine.pool.pages_for(len(prompt_ids)) + spec.n * engine.pool.pages_for(spec.max_new_tokens)
@@ -102,7 +108,6 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.n} x "
                 f"{spec.max_new_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
                 f"give the engine more kv_tokens; nothing was run")
-    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline, on_text=on_text) for spec, ids in prepared]
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
                                   max_step_tokens=max_step_tokens)
@@ -179,6 +184,11 @@ class GenerateProgram(Program):
         self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
         self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
         self.on_text = on_text
+        self.name = spec.name
+
+    def positions(self) -> Positions:
+        m = self.spec.max_new_tokens
+        return Positions(len(self.prompt_ids) + m, f"a {len(self.prompt_ids)}-token prompt + max_new_tokens {m}")
 
     def step_pages(self, pool) -> int:
         return self.spec.n   # each output may start a page

@@ -32,7 +32,8 @@ from typing import Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids, finite_float, pages_in_use, positive_int
+from treedec.search.request import (MODEL_EOS, Positions, RequestStats, eos_token_ids, finite_float, pages_in_use,
+                                    positive_int)
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
@@ -93,7 +94,8 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
 
     Raises
     ------
-    ValueError : a bad argument, before the engine is touched.
+    ValueError : a bad argument (a prompt and ``max_new_tokens`` past the model's positions included),
+        before the engine is touched.
     """
     positive_int("num_beams", num_beams)
     positive_int("max_new_tokens", max_new_tokens)
@@ -123,6 +125,10 @@ class BeamProgram(Program):
 
     def step_pages(self, pool) -> int:
         return self.args[0]   # each live beam may start a page
+
+    def positions(self) -> Positions:
+        p, m = len(self.prompt_ids), self.args[1]
+        return Positions(p + m, f"a {p}-token prompt + max_new_tokens {m}")
 
     def run(self, ctx: ProgramContext):
         root = None

@@ -29,7 +29,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import ControllerError
-from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.request import MODEL_EOS, Positions, eos_token_ids, position_limit
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
@@ -124,8 +124,9 @@ class BranchEvery:
 
 
 def _request_leaves(tree, root: int) -> list[int]:
-    """The live leaves of ``root``'s tree only: the forest may hold other requests."""
-    return [n for n in tree.live_leaves() if tree.path(n)[0] == root]
+    """The live leaves under ``root`` only: the forest may hold other requests (and ``root`` may be the child
+    of a prompt prefix shared with them)."""
+    return [n for n in tree.live_leaves() if root in tree.path(n)]
 
 
 def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
@@ -163,6 +164,11 @@ class ControllerProgram(Program):
         self.controller, self.max_steps, self.temperature, self.generator = controller, max_steps, temperature, generator
         self.keep_tree = keep_tree
 
+    def positions(self) -> Positions:
+        # One token a leaf per iteration (an Extend op's longer token list is checked when it comes).
+        p = len(self.prompt_ids)
+        return Positions(p + self.max_steps, f"a {p}-token prompt + max_steps {self.max_steps}")
+
     def run(self, ctx: ProgramContext):
         engine, root = ctx.engine, None
         try:
@@ -180,7 +186,7 @@ class ControllerProgram(Program):
         while run.steps < self.max_steps:
             leaves = _request_leaves(tree, root)
             ops = self.controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
-            plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size)
+            plan = _check(ops, tree, root, leaves, engine.model.config.vocab_size, position_limit(engine.model))
             need, freed = _pool_need(tree, plan, leaves)
             if need:   # waits before any op is applied
                 yield from ctx.reserve(need - freed, f"this iteration's ops need {need} page(s) of "
@@ -241,8 +247,9 @@ class _Plan:
     stop: bool = False
 
 
-def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int) -> _Plan:
-    """Validate a whole op list against the tree; returns it grouped, or raises ControllerError."""
+def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int, positions: int) -> _Plan:
+    """Validate a whole op list against the tree and the model's ``positions``; returns it grouped, or raises
+    ControllerError."""
     if not isinstance(ops, (list, tuple)):
         raise ControllerError(f"decide() must return a list of ops, got {type(ops).__name__}")
     plan, live, named = _Plan(), set(leaves), set()
@@ -273,6 +280,10 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int) ->
             toks = list(op.tokens)
             if not toks or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):
                 raise ControllerError(f"ops[{i}] = {op!r}: tokens must be a non-empty list of ids in [0, {vocab})")
+            length = len(tree.sequence(op.node))
+            if length + len(toks) > positions:
+                raise ControllerError(f"ops[{i}] = {op!r:.80}: {length} + {len(toks)} tokens would run past the "
+                                      f"model's {positions} positions")
             plan.extend[op.node] = toks
     if plan.stop and (plan.extend or plan.branch):
         raise ControllerError("Stop() may come only with Prune ops, got Extend/Branch ops too")

@@ -47,6 +47,9 @@ class DraftSource(Protocol):
       the draft reads them at *every* token the target computes, in :attr:`TargetOutput.states`
       (EAGLE drafters). Its requests then compute their whole prompt themselves (no shared prefix:
       a shared prefix's states are not computed for each request).
+    - ``max_depth`` (int): the depth (the root's 0) of the deepest token of any tree it proposes:
+      a request's prompt + ``max_new_tokens`` + ``max_depth - 1`` positions are checked against the
+      model's before it runs (without it, the request's own tokens are, and each tree as it comes).
     - ``draft_probs``: for a draft that samples its tokens, after each ``propose`` the
       ``[tree.size, vocab]`` distributions it drew each node's children from (without
       replacement, in child order), processed with the acceptance rule's temperature, top-k and
@@ -106,6 +109,11 @@ class PromptLookupDraft:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft token: a continuation's last."""
+        return self.num_draft_tokens
+
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         seq = np.asarray(sequence_tokens, dtype=np.int64)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
@@ -138,6 +146,11 @@ class TreeDraft:
         self.tokens = tokens
         if not callable(tokens):
             self._check(list(tokens))
+
+    @property
+    def max_depth(self) -> int:
+        """The depth of the tree's deepest token."""
+        return max(self.tree.depth)
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         draft = list(self.tokens(list(sequence_tokens)) if callable(self.tokens) else self.tokens)

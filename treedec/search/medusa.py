@@ -189,6 +189,11 @@ class MedusaDraft:
         self._top: torch.Tensor | None = None   # [depth, max top-k] candidates, from the step
 
     @property
+    def max_depth(self) -> int:
+        """The depth of the tree's deepest token (its longest choice path)."""
+        return max(self.tree.depth)
+
+    @property
     def needs_hidden(self) -> bool:
         """The target's hidden state is wanted (heads run after the step: ``in_step=False``)."""
         return not self.in_step

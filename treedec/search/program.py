@@ -18,6 +18,7 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import SharedPrefix
+from treedec.search.request import Positions, check_positions
 
 __all__ = ["Program", "ProgramContext", "Read", "StepOutput", "StepRequest", "Wait"]
 
@@ -106,19 +107,29 @@ class Program:
     prompt_ids : the prompt's token ids when the program starts from a prompt (requests with a
         common prefix then share its K/V, unless ``shares_prompt`` is False), else None.
     shares_prompt : whether its prompt may start with a prefix computed for several requests.
+    name : how errors name it (e.g. ``"request 'b' (line 3)"``); None: by its index in the run.
     """
 
     prompt_ids: list[int] | None = None
     shares_prompt: bool = True
+    name: str | None = None
 
     def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepOutput | None, Any]:
         """The program: edits ``ctx.engine.tree``, yields requests, returns its result. It frees its
         own nodes before it returns, and in a ``finally`` (it may be closed at any yield)."""
         raise NotImplementedError(f"{type(self).__name__} must define run(ctx)")
 
-    def start_pages(self, pool) -> int:
-        """KV pages its start takes (the prompt past a shared prefix): admission waits for them."""
-        return pool.pages_for(len(self.prompt_ids)) if self.prompt_ids else 0
+    def positions(self) -> Positions | None:
+        """The most positions one of its sequences may reach (its prompt and token budget), when known
+        before it runs; None when not (then only the tokens it adds are checked, as it adds them).
+        :func:`~treedec.search.scheduler.run_programs` refuses, before anything runs, a program whose
+        count exceeds the model's (:func:`~treedec.search.request.position_limit`)."""
+        return None
+
+    def start_pages(self, pool, shared: int = 0) -> int:
+        """KV pages its start takes (the prompt past the first ``shared`` tokens, a shared prefix's, which
+        is whole pages): admission waits for them."""
+        return pool.pages_for(len(self.prompt_ids) - shared) if self.prompt_ids else 0
 
     def step_pages(self, pool) -> int:
         """Pages one of its steps may add, at most (headroom kept for it while it runs)."""
@@ -126,13 +137,14 @@ class Program:
 
 
 class ProgramContext:
-    """What a running program sees: the engine, its prompt and page helpers, and ``step_queries``
-    (the tokens it added for its last step)."""
+    """What a running program sees: the engine, its prompt and page helpers, ``step_queries``
+    (the tokens it added for its last step) and ``name`` (how errors name the program)."""
 
-    def __init__(self, engine: Engine, prefix: SharedPrefix | None = None):
+    def __init__(self, engine: Engine, prefix: SharedPrefix | None = None, name: str = "the program"):
         self.engine = engine
         self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
+        self.name = name
 
     def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:
         """Wait until ``pages`` KV pages are free (``yield from ctx.reserve(n)`` before growing);
@@ -174,7 +186,8 @@ class ProgramContext:
             raise ValueError("a prompt needs at least one token, got 0")
         engine._check_token_ids(np.asarray(ids), "prompt_ids")
         first = 0 if parent is None else len(engine.tree.sequence(parent))
-        engine._check_window(first + len(ids) - 1)
+        check_positions(engine.model, Positions(first + len(ids), f"{first} tokens before a {len(ids)}-token prompt"
+                                                if first else f"a {len(ids)}-token prompt"), self.name)
         yield from self.reserve(engine.pool.pages_for(len(ids)))
         chunk = engine.prefill_chunk
         pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]

@@ -1,6 +1,6 @@
 """What the one-request search programs (beam search, parallel sampling, speculative
-decoding, ...) share: checks of their common arguments (EOS ids included) and the pages a
-request holds.
+decoding, ...) share: checks of their common arguments (EOS ids included), the positions a
+request may reach against the model's, and the pages a request holds.
 
 The checks raise ``ValueError`` naming the argument, the expected and the given value, so
 a search program can check everything before it touches the engine.
@@ -74,6 +74,40 @@ def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tupl
     if bad or not ids:
         raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {value!r}")
     return tuple(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class Positions:
+    """The most positions one of a program's sequences may reach, known before it runs.
+
+    Attributes
+    ----------
+    count : positions (a sequence of ``count`` tokens reaches position ``count - 1``).
+    how : how they add up, for the error (e.g. ``"a 5000-token prompt + max_new_tokens 5000"``).
+    """
+
+    count: int
+    how: str
+
+
+def position_limit(model: Llama) -> int:
+    """The most positions a sequence may have on ``model``: its ``max_position`` (the checkpoint's
+    ``max_position_embeddings``), or its sliding window when smaller (treedec's tree attention attends
+    to whole paths: past the window the model would attend differently)."""
+    config = model.config
+    return config.max_position if config.sliding_window is None else min(config.max_position, config.sliding_window)
+
+
+def check_positions(model: Llama, need: Positions, name: str, before_run: bool = False) -> None:
+    """Raise ValueError naming ``name`` (e.g. ``"request 'b' (line 3)"``) if ``need`` exceeds the model's
+    positions (:func:`position_limit`); ``before_run``: the message says nothing was run."""
+    limit = position_limit(model)
+    if need.count > limit:
+        config = model.config
+        has = (f"its sliding window of {limit} tokens (treedec attends to whole paths)" if limit < config.max_position
+               else f"max_position {limit} (the checkpoint's max_position_embeddings)")
+        raise ValueError(f"{name} may reach {need.count} positions ({need.how}), more than the model's {has}; "
+                         f"shorten the prompt or lower the token budget" + ("; nothing was run" if before_run else ""))
 
 
 def pages_in_use(pool: PagedKVPool) -> int:

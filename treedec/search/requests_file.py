@@ -123,6 +123,11 @@ class RequestSpec:
         if self.line is not None:
             positive_int("line", self.line)
 
+    @property
+    def name(self) -> str:
+        """How errors name the request: ``request 'b'``, with ``(line 3)`` when it came from a file."""
+        return f"request {self.id!r}" + ("" if self.line is None else f" (line {self.line})")
+
     def stop_rule(self, eos_token_ids=()) -> StopRule:
         """The request's :class:`~treedec.search.stops.StopRule`: ``eos_token_ids`` (the
         checkpoint's, e.g. ``model.eos_token_ids``) and then its ``stop_token_ids``."""

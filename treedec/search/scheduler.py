@@ -17,7 +17,8 @@ programs are copied back together, one wait for all instead of one each. Those t
 1. admits queued programs while the pool holds their prompts plus headroom for the next step
    of every live program (:meth:`Program.start_pages`, :meth:`Program.step_pages`); requests
    whose prompts share a prefix read one copy of it (:mod:`treedec.search.prefixes`): the
-   prefix is prefilled once, when its first member is admitted, and pruned after its last;
+   prefix is prefilled when a member is admitted and none holds it, its pages counted in that
+   member's admission, and pruned after its last member;
 2. resumes the live programs, which edit the tree and yield; a program that needs more free
    pages than there are yields :class:`Wait` instead and is retried next iteration;
 3. runs ONE engine step over every program's pending tokens (one plan, one forward) and
@@ -25,10 +26,18 @@ programs are copied back together, one wait for all instead of one each. Those t
 4. retires the programs that returned (each frees its own pages when it ends).
 
 Pool pressure never crashes a run: a program that cannot grow waits while others run; when
-every live program waits, the most recently admitted one is *preempted* (closed, which frees
-its pages, and queued again at the front, to run again from its start: a seeded program gives
-the same result; :attr:`SchedulerStats.preemptions` counts them). Only a program that cannot
-run alone in the whole pool raises :class:`~treedec.errors.PoolExhaustedError`.
+every live program waits, the pages of shared prefixes that no running program reads are
+taken back first, then the most recently admitted program is *preempted* (closed, which frees
+its pages, and its prefix's when no other member runs; queued again at the front, to run again
+from its start: a seeded program gives the same result; :attr:`SchedulerStats.preemptions`
+counts them). Only a program that cannot run alone in the pool raises
+:class:`~treedec.errors.PoolExhaustedError` (a shared prefix holds whole pages, so a member
+takes the pages it takes alone).
+
+Before anything runs, every program whose length is known up front (:meth:`Program.positions`:
+its prompt and token budget) is checked against the model's positions
+(:func:`~treedec.search.request.position_limit`); one that may run past them raises
+``ValueError`` naming it, and nothing runs.
 
 Pipelining (no host wait between steps): a program may yield placeholder tokens whose ids are
 on the device (``StepRequest.tokens``: drawn from the last step's logits, not read back) and
@@ -52,7 +61,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import share_prefixes
 from treedec.search.program import Program, ProgramContext, Read, StepOutput, StepRequest, Wait
-from treedec.search.request import pages_in_use
+from treedec.search.request import check_positions, pages_in_use
 from treedec.transfer import HostCopy, to_device
 
 __all__ = ["SchedulerStats", "run_program", "run_programs"]
@@ -108,14 +117,21 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         in the next step, first. Running programs are resumed before newly admitted ones (whose
         prompts fill the budget).
     min_shared_prefix : the fewest common leading prompt tokens requests share as one prefix node
-        (default: the pool's page size; 0 turns sharing off).
+        (default: the pool's page size; 0 turns sharing off; a prefix is whole pages: its length is rounded
+        down to a multiple of the page size).
     preempt : when every live program waits for pages, close the newest and queue it again
         (else raise PoolExhaustedError).
     on_done : called as ``on_done(index, result)`` when a program returns.
 
     Returns ``(results, stats)``: each program's result, in the order given, and the run's
     :class:`SchedulerStats`. A program that raises ends the run: the others are closed (their
-    pages freed) and the error propagates.
+    pages freed) and the error propagates; the results given to ``on_done`` before stay given.
+
+    Raises
+    ------
+    ValueError : a program may run past the model's positions (:meth:`Program.positions`), before
+        anything runs; it is named by :attr:`Program.name`, else as ``programs[i]``.
+    PoolExhaustedError : a program cannot run alone in the pool (the run's other programs closed).
     """
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
@@ -132,6 +148,10 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
     pending = engine.tree.num_pending
     if pending:
         raise ValueError(f"the engine's tree has {pending} pending token(s): run engine.step() first")
+    for i, program in enumerate(programs):
+        need = program.positions()
+        if need is not None:
+            check_positions(engine.model, need, _name(program, i), before_run=True)
     return _Scheduler(engine, programs, budget, min_shared, preempt, on_done).run()
 
 
@@ -156,11 +176,11 @@ class _Scheduler:
     def __init__(self, engine, programs, budget, min_shared, preempt, on_done):
         self.engine, self.programs, self.budget = engine, programs, budget
         self.preempt, self.on_done = preempt, on_done
-        self.prefixes = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared) \
-            if min_shared else [None] * len(programs)
+        self.prefixes = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
+                                       engine.pool.page_size) if min_shared else [None] * len(programs)
+        self.groups = list({id(p): p for p in self.prefixes if p is not None}.values())   # each prefix once
         self.stats = SchedulerStats()
-        self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1)
-                                              for p in {id(p): p for p in self.prefixes if p is not None}.values())
+        self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1) for p in self.groups)
         self.queue = deque(range(len(programs)))
         self.live: list[_Live] = []
         self.results: dict[int, Any] = {}
@@ -185,8 +205,8 @@ class _Scheduler:
                 tree.commit_step()
             for lv in self.live:
                 lv.gen.close()
-            for prefix in {id(p): p for p in self.prefixes if p is not None}.values():
-                prefix.release(tree, all_members=True)
+            for prefix in self.groups:
+                prefix.evict(tree)
             raise
         stats.seconds = time.perf_counter() - start
         return [self.results[i] for i in range(len(self.programs))], stats
@@ -196,24 +216,43 @@ class _Scheduler:
         if any(lv.waiting is not None for lv in self.live):
             return   # the pages freed go to the programs that wait first
         # The next step of every live program, and the prompts of those not resumed yet.
-        headroom = sum(self.programs[lv.index].step_pages(pool)
-                       + (0 if lv.started else self.programs[lv.index].start_pages(pool)) for lv in self.live)
+        headroom = sum(self._pages(lv.index, started=lv.started) for lv in self.live)
         while self.queue:
             index = self.queue[0]
-            program, prefix = self.programs[index], self.prefixes[index]
-            need = program.start_pages(pool) + program.step_pages(pool)
-            if prefix is not None:
-                need += prefix.admission_pages(pool)
-            if self.live and pool.num_free_pages - headroom < need:
-                self.stats.waits += 1
-                return
+            prefix = self.prefixes[index]
+            need = self._pages(index) + (0 if prefix is None else prefix.admission_pages(pool))
+            short = need - (pool.num_free_pages - headroom)
+            if short > 0:
+                # Idle prefixes (no member running) give their pages back if that admits it; with nothing
+                # live it is admitted anyway (and raises if it cannot run alone in the pool).
+                if self.live and short > sum(p.pages(pool) for p in self.groups if p.idle and p is not prefix):
+                    self.stats.waits += 1
+                    return
+                self._evict_idle(short, keep=prefix)
             self.queue.popleft()
             if prefix is not None:
                 prefix.acquire(self.engine)
-            ctx = ProgramContext(self.engine, prefix)
+            program = self.programs[index]
+            ctx = ProgramContext(self.engine, prefix, _name(program, index))
             self.live.append(_Live(index, program.run(ctx), ctx, self.admitted))
             self.admitted += 1
-            headroom += program.step_pages(pool) + program.start_pages(pool)
+            headroom += self._pages(index)
+
+    def _pages(self, index: int, started: bool = False) -> int:
+        """The pages kept for a live program: its next step's, and its prompt's (past its shared prefix)
+        until it is resumed."""
+        program, prefix, pool = self.programs[index], self.prefixes[index], self.engine.pool
+        start = 0 if started else program.start_pages(pool, 0 if prefix is None else len(prefix.tokens))
+        return program.step_pages(pool) + start
+
+    def _evict_idle(self, pages: int, keep=None) -> None:
+        """Prune idle shared prefixes (but ``keep``) until ``pages`` more pages are free, or none is left."""
+        free = self.engine.pool.num_free_pages
+        for prefix in self.groups:
+            if self.engine.pool.num_free_pages - free >= pages:
+                return
+            if prefix.idle and prefix is not keep:
+                prefix.evict(self.engine.tree)
 
     def _resume(self) -> list[_Live]:
         """Resume the live programs (those not stepped last time first) until the budget is pending;
@@ -340,10 +379,14 @@ class _Scheduler:
         return ids
 
     def _relieve(self) -> None:
-        """Every live program waits for pages: preempt the newest, or raise if that cannot help."""
+        """Every live program waits for pages: take back idle prefixes' pages, else preempt the newest, or
+        raise if that cannot help."""
         pool = self.engine.pool
         if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
             return   # programs that retired after it asked freed enough: it goes on next iteration
+        self._evict_idle(min(lv.waiting.pages for lv in self.live) - pool.num_free_pages)
+        if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
+            return
         if not self.preempt or len(self.live) == 1:
             wait = max((lv.waiting for lv in self.live), key=lambda w: w.pages)
             need = wait.reason or (f"a program needs {wait.pages} free pages of {pool.page_size} tokens, "
@@ -353,6 +396,9 @@ class _Scheduler:
         victim = max(self.live, key=lambda lv: lv.order)
         self.live.remove(victim)
         victim.gen.close()
+        prefix = self.prefixes[victim.index]
+        if prefix is not None:
+            prefix.leave(self.engine.tree, retired=False)
         self.queue.appendleft(victim.index)
         self.stats.preemptions += 1
 
@@ -361,6 +407,11 @@ class _Scheduler:
         self.results[lv.index] = result
         prefix = self.prefixes[lv.index]
         if prefix is not None:
-            prefix.release(self.engine.tree)
+            prefix.leave(self.engine.tree, retired=True)
         if self.on_done is not None:
             self.on_done(lv.index, result)
+
+
+def _name(program: Program, index: int) -> str:
+    """How errors name a program of the run."""
+    return program.name if program.name is not None else f"programs[{index}] ({type(program).__name__})"

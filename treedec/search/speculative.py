@@ -32,7 +32,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.drafts import DraftSource, TargetOutput
-from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.search.stops import StopChecker, StopRule
@@ -189,6 +189,16 @@ class SpeculativeProgram(Program):
     def step_pages(self, pool) -> int:
         return 1 + pool.pages_for(self.max_draft_tokens - 1)
 
+    def positions(self) -> Positions:
+        # While it runs, the sequence (bonus root included) has at most prompt + max_new_tokens - 1 tokens,
+        # and a tree hangs its deepest token max_depth positions past the root.
+        p, m = len(self.prompt_ids), self.rule.max_new_tokens
+        depth = getattr(self.draft, "max_depth", None)
+        if not depth:
+            return Positions(p + m, f"a {p}-token prompt + max_new_tokens {m}")
+        return Positions(p + m + depth - 1, f"a {p}-token prompt + max_new_tokens {m} + the draft's max_depth "
+                                            f"{depth} - 1")
+
     def run(self, ctx: ProgramContext):
         engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
         checker = StopChecker(self.rule, None if self.tokenizer is None
@@ -202,6 +212,7 @@ class SpeculativeProgram(Program):
             engine.capture_hidden_layers(states)
         head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
         stop_ids = checker.rule.eos_token_ids
+        max_depth = getattr(draft, "max_depth", None)
         want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
                 "heads": head_name is not None}
         node, done = None, False
@@ -221,6 +232,11 @@ class SpeculativeProgram(Program):
                 sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
                 tree, tokens = draft.propose(sequence)
                 tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
+                deepest = max(tree.depth)
+                if max_depth is not None and deepest > max_depth:
+                    raise ValueError(f"the draft proposed a tree {deepest} tokens deep, past its max_depth {max_depth}")
+                check_positions(engine.model, Positions(len(sequence) + deepest, f"{len(sequence)} tokens so far + a "
+                                                        f"draft tree {deepest} deep"), ctx.name)
                 drafted = time.perf_counter()
                 yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
                 ids = _add_tree(engine, node, tree, tokens)

@@ -24,6 +24,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule
 from treedec.search.batch import prepare_requests, request_results
 from treedec.search.drafts import DraftSource
+from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.speculative import SpeculativeProgram
@@ -69,12 +70,6 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
             raise ValueError(f"request {spec.id!r}: speculative_batch gives one output a request, accepted greedily "
                              f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
                              f"temperature={spec.temperature}, n={spec.n}")
-        # The sequence (prompt, new tokens) and one draft tree.
-        worst = pool.pages_for(len(prompt_ids) + spec.max_new_tokens) + 1 + pool.pages_for(max_draft_tokens)
-        if worst > pool.num_free_pages:
-            raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
-                                     f"{pool.num_free_pages} free; lower max_new_tokens or max_draft_tokens, or give "
-                                     f"the engine more kv_tokens; nothing was run")
         source = draft(spec)
         if not callable(getattr(source, "propose", None)):
             raise TypeError(f"draft(spec) must return a draft source (a propose method), got {type(source).__name__}")
@@ -89,6 +84,14 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
                                            None if acceptance is None else acceptance(spec),
                                            max_draft_tokens=max_draft_tokens))
+        programs[-1].name = spec.name
+        check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
+        # The sequence (prompt, new tokens) and one draft tree.
+        worst = pool.pages_for(len(prompt_ids) + spec.max_new_tokens) + 1 + pool.pages_for(max_draft_tokens)
+        if worst > pool.num_free_pages:
+            raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
+                                     f"{pool.num_free_pages} free; lower max_new_tokens or max_draft_tokens, or give "
+                                     f"the engine more kv_tokens; nothing was run")
     outputs: dict[int, list[RequestResult]] = {}
 
     def done(index: int, result) -> None:

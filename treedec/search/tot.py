@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from treedec.engine import Engine
-from treedec.search.request import MODEL_EOS, eos_token_ids
+from treedec.search.request import MODEL_EOS, Positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs
 from treedec.search.tot_search import ToTSearch
@@ -143,6 +143,15 @@ class ToTProgram(Program):
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         self.task, self.tokenizer, self.config = task, tokenizer, config
         self.progress, self.on_level = progress, on_level
+
+    def positions(self) -> Positions:
+        # The step and value prompts are the task's, made from the thoughts: they are checked as they come.
+        task, depth = self.task, self.config.depth
+        bos = getattr(self.tokenizer, "bos_id", None)
+        root = len(self.tokenizer.encode(task.root_prompt())) + (bos is not None)
+        return Positions(root + depth * task.thought_max_tokens + task.value_max_tokens,
+                         f"a {root}-token root prompt + depth {depth} x thought_max_tokens {task.thought_max_tokens} "
+                         f"+ value_max_tokens {task.value_max_tokens}")
 
     def step_pages(self, pool) -> int:
         # A level's thoughts each take a page per step; the evaluations' prompts wait for theirs.

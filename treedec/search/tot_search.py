@@ -13,6 +13,7 @@ import torch
 
 from treedec.search.controller import choose_token_ids
 from treedec.search.program import ProgramContext, Read, StepRequest
+from treedec.search.request import Positions, check_positions
 from treedec.search.tot_task import LevelStats, ToTState, ToTTask, Tokenizer, _SearchConfig
 from treedec.transfer import to_device
 
@@ -160,7 +161,10 @@ class ToTSearch:
         pending tokens) go to ``self.logits``. Prompts run together, in steps of at most
         ``engine.prefill_chunk`` tokens (a longer prompt alone in its step). A generator.
         """
-        yield from self.ctx.reserve(sum(self.pool.pages_for(len(ids)) for _, ids in prompts))
+        for parent, ids in prompts:
+            length = len(self.tree.sequence(parent))
+            check_positions(self.engine.model, Positions(length + len(ids), f"{length} tokens + a {len(ids)}-token "
+                                                         f"prompt of {type(self.task).__name__}"), self.ctx.name)
         groups, size = [[]], 0
         for item in prompts:
             if groups[-1] and size + len(item[1]) > self.engine.prefill_chunk:
@@ -170,6 +174,12 @@ class ToTSearch:
             size += len(item[1])
         nodes, extra = [], list(also)
         for group in groups:
+            need = sum(self.pool.pages_for(len(ids)) for _, ids in group)
+            if extra and need > self.pool.num_free_pages:   # a program that waits has no pending tokens
+                self.logits.update(zip(extra, (yield from self._step(extra))))
+                extra = []
+            # Each group's pages just before it takes them: others may take free pages while it steps.
+            yield from self.ctx.reserve(need)
             new = [self.tree.branch(parent, [ids])[0] for parent, ids in group]
             self.counts["prompt_tokens"] += sum(len(ids) for _, ids in group)
             if new or extra:
@@ -193,6 +203,9 @@ class ToTSearch:
         """
         if not heads:
             return []
+        length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
+        check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
+                        self.ctx.name)
         firsts = yield Read(torch.cat([choose_token_ids(self.logits[parent], count, temperature, self.generator)
                                        for parent, count in heads]))   # one wait for every head's tokens
         parents = [parent for parent, count in heads for _ in range(count)]

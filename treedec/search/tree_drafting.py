@@ -47,6 +47,11 @@ class EngineTreeDraft:
         self._computed: dict[tuple[int, ...], int] = {}  # token path after the root -> drafter node (computed)
 
     @property
+    def max_depth(self) -> int:
+        """The deepest draft token of a proposal: ``depth``."""
+        return self.depth
+
+    @property
     def node(self) -> int | None:
         """The draft engine's sequence node of the current request (None before the first proposal)."""
         return self._node
