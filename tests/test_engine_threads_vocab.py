@@ -105,3 +105,38 @@ def test_restrict_vocab_to_the_whole_vocabulary_changes_nothing():
     assert engine.vocab_limit is None
     node, logits = engine.prefill([1, 2, 3])
     assert torch.isfinite(logits).all()
+
+
+class _PaddedTokenizer:
+    """A tokenizer that knows only the first ``size`` ids of a model whose embedding is larger."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def encode(self, text):
+        return [ord(c) % self.size for c in text]
+
+    def decode(self, ids):
+        if any(int(i) >= self.size for i in ids):
+            raise ValueError(f"ids past the tokenizer's {self.size}: {list(ids)}")
+        return "".join(chr(65 + int(i) % 26) for i in ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_batch_with_a_smaller_tokenizer_never_samples_ids_it_cannot_decode(temperature):
+    from treedec.search.batch import generate_batch
+    from treedec.search.requests_file import RequestSpec
+    model = tiny_model()
+    engine = make_engine(model)
+    prompt = [1, 2, 3]
+    node, logits = engine.prefill(prompt)
+    size = int(logits.argmax())   # greedy's first pick lies past the tokenizer
+    engine.tree.prune(node)
+    tokenizer = _PaddedTokenizer(size)
+    specs = [RequestSpec(0, prompt_ids=prompt, max_new_tokens=8, temperature=temperature, seed=1)]
+    [result], _ = generate_batch(engine, specs, tokenizer=tokenizer)
+    assert engine.vocab_limit == size and len(result.output_ids) == 8
+    assert max(result.output_ids) < size and result.text == tokenizer.decode(result.output_ids)

@@ -25,6 +25,7 @@ do not depend on which other requests share its steps, nor on a preemption: batc
 from __future__ import annotations
 
 import time
+from collections.abc import Sized
 from typing import Callable, Sequence
 
 import torch
@@ -115,7 +116,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
 
 
 def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
-    """Check every request and encode its prompt, before the engine is touched: ``(spec, prompt_ids)`` each."""
+    """Check every request and encode its prompt, before the engine is touched: ``(spec, prompt_ids)`` each.
+    With a tokenizer smaller than the model's vocabulary (a padded embedding), the engine never produces ids
+    past it from then on (:meth:`Engine.restrict_vocab`): they could not be decoded."""
     if isinstance(requests, RequestSpec) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of RequestSpec, got {type(requests).__name__}")
     if not isinstance(chat_template, bool):
@@ -143,6 +146,8 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.stop)!r:.60}: they are matched on the "
                              f"output text and need the checkpoint's tokenizer")
         out.append((spec, prompt_ids))
+    if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
+        engine.restrict_vocab(len(tokenizer))   # a padded embedding: ids past the tokenizer are never sampled
     return out
 
 
