@@ -411,8 +411,9 @@ def test_cli_tot_runs_a_tasks_file_batched_and_a_user_task(tmp_path, capsys, mon
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--task", "nosuchmodule:Task"], "--task nosuchmodule:Task: cannot import module 'nosuchmodule'"),
-    (["--task", "treedec.search.game24:INSTRUCTION"], "'INSTRUCTION' .str."),
+    (["--task", "nosuchmodule:Task"], "--task nosuchmodule:Task: no module named 'nosuchmodule'"),
+    (["--task", "treedec.search.game24:INSTRUCTION"],
+     r"'INSTRUCTION' of module .* is not a ToTTask subclass \(it is of type str\)"),
     (["--task", "Game24Task"], "--task must be module:Class"),
     (["--tasks", "TASKS", "--numbers", "1", "2", "3", "4"], "--numbers goes with a single Game-of-24 search"),
     (["--tasks", "BAD"], r"bad.jsonl:2: Game24Task\(\*\*\{\"numbers\": \[1, 2\]\}\): Game24Task.numbers must be four"),
