@@ -116,9 +116,9 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
 
 
 def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
-    """Check every request and encode its prompt, before the engine is touched: ``(spec, prompt_ids)`` each.
-    With a tokenizer smaller than the model's vocabulary (a padded embedding), the engine never produces ids
-    past it from then on (:meth:`Engine.restrict_vocab`): they could not be decoded."""
+    """Check every request and encode its prompt before anything runs: ``(spec, prompt_ids)`` each. Once all
+    are valid, a tokenizer smaller than the model's vocabulary (a padded embedding) restricts the engine to
+    it from then on (:meth:`Engine.restrict_vocab`: ids past it could not be decoded); nothing else changes."""
     if isinstance(requests, RequestSpec) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of RequestSpec, got {type(requests).__name__}")
     if not isinstance(chat_template, bool):
