@@ -100,16 +100,39 @@ class GraphRunner:
         key = PlanBounds.query_bucket(plan.num_queries)
         entry = self._graphs.get(key)
         replaced = None  # kept alive until the new graph is captured (see below)
-        if entry is None or not entry.static.bounds.fits(plan) or entry.static.current.query_tile != plan.query_tile:
+        if entry is None or not self.holds(entry, plan):
             if entry is None and len(self._graphs) >= self.config.max_graphs:
                 return self._eager(f"max_graphs={self.config.max_graphs} graphs already captured")
-            need = PlanBounds.for_plan(plan)
-            bounds = need if entry is None else entry.static.bounds.union(need)
             replaced = self._graphs.pop(key, None)
-            static = self.attn.static_plan(bounds, extra={"inputs": (3 + GATHERS, bounds.max_queries)})
-            buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
-                       for name, (width, dtype) in self._row_inputs.items()}
-            entry = self._graphs[key] = _Graph(static, buffers)
+            entry = self._graphs[key] = self.new_entry(plan, None if replaced is None else replaced.static.bounds)
+        self.write(entry, plan, tokens, positions, slots, gathers)
+        if self.config.capture and entry.graph is None:
+            entry.graph, entry.outputs = self.capture(lambda: self._forward(entry.static, entry.row_inputs))
+        # Only now may a replaced graph go: its memory returns to the shared pool, and a
+        # private pool whose last graph died cannot be captured into again (allocator assert).
+        del replaced
+        return entry
+
+    @staticmethod
+    def holds(entry: _Graph, plan: TreePlan) -> bool:
+        """Whether ``plan`` can be written into ``entry``'s static plan (within its bounds, same query tile)."""
+        return entry.static.bounds.fits(plan) and entry.static.current.query_tile == plan.query_tile
+
+    def new_entry(self, plan: TreePlan, grow: PlanBounds | None = None,
+                  extra: dict[str, tuple[int, ...]] | None = None) -> _Graph:
+        """Static buffers (plan, inputs, per-row inputs; ``extra``: more int32 sections) for plans like ``plan``:
+        the bounds :meth:`PlanBounds.for_plan` gives, joined with ``grow`` (the bounds of an entry it replaces)."""
+        need = PlanBounds.for_plan(plan)
+        bounds = need if grow is None else grow.union(need)
+        static = self.attn.static_plan(bounds, extra={"inputs": (3 + GATHERS, bounds.max_queries), **(extra or {})})
+        buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
+                   for name, (width, dtype) in self._row_inputs.items()}
+        return _Graph(static, buffers)
+
+    def write(self, entry: _Graph, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+              gathers: tuple[np.ndarray | None, ...] = (), extra: dict[str, np.ndarray] | None = None) -> None:
+        """Write a step (its plan, token ids, positions, slots, gathers and ``extra`` sections) into ``entry``'s
+        buffers, padded (see the module docstring); one asynchronous copy."""
         width = entry.static.bounds.max_queries
         inputs = np.zeros((3 + GATHERS, width), dtype=np.int32)
         inputs[2] = self._scratch_slot
@@ -119,13 +142,25 @@ class GraphRunner:
             if rows is not None and len(rows) <= width:   # more rows (repeats) go by a copy of their own
                 inputs[3 + i, :len(rows)] = rows
                 entry.gathered[i] = len(rows)
-        entry.static.write(plan, extra={"inputs": inputs})
-        if self.config.capture and entry.graph is None:
-            self._capture(entry)
-        # Only now may a replaced graph go: its memory returns to the shared pool, and a
-        # private pool whose last graph died cannot be captured into again (allocator assert).
-        del replaced
-        return entry
+        entry.static.write(plan, extra={"inputs": inputs, **(extra or {})})
+
+    def capture(self, forward: Callable[[], tuple[torch.Tensor, ...]]
+                ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """Warm ``forward`` up on a side stream (Triton compiles, the cuda extension loads), then capture it
+        into the runner's memory pool: the graph and the outputs it writes at every replay."""
+        device = self.attn.device
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            forward()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = tuple(forward())
+        self.stats["captures"] += 1
+        logger.info("captured a CUDA graph (%d outputs) on %s", len(outputs), self.attn.backend)
+        return graph, outputs
 
     def gather_index(self, entry: _Graph, which: int) -> torch.Tensor | None:
         """The device indices (int32) of the step's gather ``which`` (:meth:`load`'s ``gathers``), None when
@@ -158,22 +193,6 @@ class GraphRunner:
         self._graphs.clear()
         if self.config.capture:
             self._pool = torch.cuda.graph_pool_handle()
-
-    def _capture(self, entry: _Graph) -> None:
-        """Warm up on a side stream (Triton compiles, the cuda extension loads), then capture
-        the forward over the static buffers."""
-        device = entry.static.device
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._forward(entry.static, entry.row_inputs)
-        current.wait_stream(side)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self._pool):
-            entry.outputs = tuple(self._forward(entry.static, entry.row_inputs))
-        self.stats["captures"] += 1
-        logger.info("captured a CUDA graph for %s on %s", entry.static.bounds, entry.static.backend_name)
 
     def _eager(self, reason: str) -> None:
         key = f"eager: {reason}"

@@ -43,6 +43,7 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.engine.eagle import EagleDrafter
+from treedec.engine.step_chain import ChainContext, ChainStep, StepChain
 from treedec.errors import PoolExhaustedError
 from treedec.search.drafts import TargetOutput
 from treedec.search.sampling import SamplingParams
@@ -77,6 +78,8 @@ class EagleDraft(EngineTreeDraft):
         self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
         self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # token path -> the drafter's output feature
+        self._chain: StepChain | None = None              # the drafting chain (its graph), made at the first proposal
+        self._chains: list[int] = []                      # the chain nodes of the proposal being drafted
 
     @property
     def target_states(self) -> str | tuple[int, ...]:
@@ -120,45 +123,62 @@ class EagleDraft(EngineTreeDraft):
     # ================================================================ private
 
     def _chain_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
-        """The EAGLE-2 tree from ``depth - 1`` chained drafter steps, launched without a wait (see the
-        module docstring)."""
+        """The EAGLE-2 tree from ``depth - 1`` chained drafter steps, run as one :class:`StepChain` (one CUDA
+        graph on a graphed engine; see the module docstring)."""
         e, k = self.engine, self.top_k
-        top = torch.log_softmax(root_logits.float(), dim=-1).topk(k)
-        first = (self._to_target(top.indices), top.values)                  # layer 1: every node is frontier
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []               # layers 2..: [k, k] ids, log-probs
-        links: list[torch.Tensor] = []                                     # each frontier's candidate index
-        if self.depth > 1:
+        root_hidden = self._outputs[()]
+        if self.depth == 1:
+            (flat,) = self._chain_body(None, {"root_logits": root_logits, "root_hidden": root_hidden})
+        else:
             need = e.pool.pages_for(k) + k * e.pool.pages_for(self.depth - 2)
             if need > e.pool.num_free_pages:
                 raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {k} chains of {self.depth - 1} tokens "
                                          f"need up to {need} pages, {e.pool.num_free_pages} free")
-            chains = e.tree.add_children([self._node] * k, [0] * k)        # placeholders: ids come on the device
-            scores, tokens = top.values, first[0]
-            features = self._outputs[()].expand(k, -1)
-            for d in range(2, self.depth + 1):
-                rows = e.pending_rows(chains)
-                at = to_device(rows, e.device)
-                q_tokens = torch.empty_like(tokens)
-                q_tokens[at] = tokens
-                q_features = torch.empty_like(features)
-                q_features[at] = features
-                logits, hidden = e.step(logits_rows=rows, return_hidden=True, tokens=q_tokens, features=q_features)
-                top = torch.log_softmax(logits.float(), dim=-1).topk(k)    # [k chains, k children]
-                layers.append((self._to_target(top.indices), top.values))
-                if d == self.depth:
-                    break
-                pick = (scores[:, None] + top.values).flatten().topk(k).indices   # the next frontier, best first
-                links.append(pick)
-                parent = pick // k
-                scores = scores[parent] + top.values.flatten()[pick]
-                tokens, features = layers[-1][0].flatten()[pick], hidden[parent]
-                slots = to_device(np.stack([e.tree.slots(c) for c in chains]), e.device)   # [k, d - 1]
-                e.copy_kv(slots[parent].flatten(), slots.flatten())       # chain j takes its new parent's path
-                e.tree.extend_many({c: [0] for c in chains})
-        parts = [first[0].double(), first[1].double()] + [t.double().flatten() for layer in layers for t in layer] \
-            + [p.double() for p in links]
-        flat = torch.cat(parts).tolist()                                   # the one wait of the proposal
-        return _grown_tree(root, flat, k, len(layers), self.total_tokens)
+            if self._chain is None:
+                inputs = {"root_logits": (tuple(root_logits.shape), root_logits.dtype),
+                          "root_hidden": (tuple(root_hidden.shape), root_hidden.dtype)}
+                self._chain = StepChain(e, self.depth - 1, self._chain_edit, self._chain_body, inputs)
+            (flat,) = self._chain.run({"root_logits": root_logits, "root_hidden": root_hidden})
+        return _grown_tree(root, flat.tolist(), k, self.depth - 1, self.total_tokens)   # the one wait
+
+    def _chain_edit(self, i: int) -> ChainStep:
+        """Step ``i`` of the chain: the ``top_k`` chains (placeholder tokens: ids come on the device) start
+        under the drafter's sequence, then each grows by one token; the chains' slots for the K/V regather
+        that follows every step but the last."""
+        e, k = self.engine, self.top_k
+        if i == 0:
+            self._chains = e.tree.add_children([self._node] * k, [0] * k)
+        else:
+            e.tree.extend_many({c: [0] for c in self._chains})
+        slots = np.stack([e.tree.slots(c) for c in self._chains]) if i < self.depth - 2 else None
+        return ChainStep(e.pending_rows(self._chains), slots)
+
+    def _chain_body(self, ctx: ChainContext | None, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """The chain's device work: layer 1's candidates from the root's logits, then per chain step the
+        ``top_k`` chains' children; the next frontier (the ``top_k`` best children by cumulative log-prob) is
+        picked on the device, each chain taking its new parent's path (tokens, features, K/V). One flat
+        float64 tensor: layer 1's ids and log-probs, each deeper layer's ``[k, k]`` ids and log-probs, each
+        frontier's candidate index (what :func:`_grown_tree` reads)."""
+        k = self.top_k
+        top = torch.log_softmax(inputs["root_logits"].float(), dim=-1).topk(k)
+        tokens, scores = self._to_target(top.indices), top.values         # layer 1: every node is frontier
+        parts, links = [tokens.double(), scores.double()], []
+        features = inputs["root_hidden"].expand(k, -1)
+        for i in range(self.depth - 1):
+            out = ctx.forward(i, tokens, features)
+            top = torch.log_softmax(out.logits.float(), dim=-1).topk(k)   # [k chains, k children]
+            ids = self._to_target(top.indices)
+            parts += [ids.double().flatten(), top.values.double().flatten()]
+            if i == self.depth - 2:
+                break
+            pick = (scores[:, None] + top.values).flatten().topk(k).indices   # the next frontier, best first
+            links.append(pick.double())
+            parent = pick // k
+            scores = scores[parent] + top.values.flatten()[pick]
+            tokens, features = ids.flatten()[pick], out.hidden[parent]
+            slots = ctx.ints(i)                                             # [k, i + 1]
+            ctx.copy_kv(slots[parent].flatten(), slots.flatten())          # chain j takes its new parent's path
+        return (torch.cat(parts + links),)
 
     def _sync(self, seq: Sequence[int]) -> torch.Tensor:
         """Add the queries of the observed tokens to the drafter's sequence (tokens ``seq[1:]``, query ``i``

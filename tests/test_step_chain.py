@@ -1,0 +1,128 @@
+"""Step chains (treedec.engine.step_chain): several steps planned at once and run as one graph.
+
+On the CPU the graphed chain runs its static plans eagerly (``CudaGraphConfig(capture=False)``, the
+triton kernels under ``TRITON_INTERPRET``): the same buffers and padding a captured graph replays.
+Both the graphed and the step-by-step chain must equal each other (greedy decoding chained on the
+device; EAGLE's drafting chains, whose K/V are regathered between steps), and bad chains are refused.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
+from treedec.engine.step_chain import ChainStep, StepChain
+from treedec.search.eagle import EagleDraft
+from treedec.search.speculative import greedy_generate, speculative_generate
+from tests.test_eagle import bigram_eagle, bigram_eagle3
+
+STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    model = from_config(dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=3), seed=4, dtype=torch.float32, device="cpu")
+    with torch.no_grad():   # the next token depends on the current token only (see tests/test_eagle.py)
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+    return model
+
+
+def engines(model, graphed: bool):
+    kw = {"backend": "triton", "cuda_graphs": STATIC} if graphed else {"backend": "torch"}
+    return Engine(model, kv_tokens=1024, page_size=4, **kw)
+
+
+class GreedyChain:
+    """``length`` greedy steps of ``leaves`` chained on the device: each step's argmax is the next
+    step's token; every step's logits are returned."""
+
+    def __init__(self, engine, leaves, length):
+        self.engine, self.leaves = engine, leaves
+        self.chain = StepChain(engine, length, self.edit, self.body, {"first": ((len(leaves),), torch.long)})
+
+    def edit(self, i):
+        self.engine.tree.extend_many({leaf: [0] for leaf in self.leaves})
+        return ChainStep(self.engine.pending_rows(self.leaves))
+
+    def body(self, ctx, inputs):
+        tokens, out = inputs["first"], []
+        for i in range(self.chain.length):
+            logits = ctx.forward(i, tokens).logits
+            out.append(logits.float())
+            tokens = logits.argmax(-1)
+        return (torch.stack(out),)
+
+
+@pytest.mark.triton
+def test_graphed_chain_equals_steps_one_by_one(bigram, triton_device):
+    """Three leaves decoded greedily for four steps as chains, twice in a row (the second run rewrites
+    the static plans): the graphed chain's logits equal the step-by-step chain's, and the tokens are
+    plain greedy decoding's."""
+    if triton_device.type == "cuda":
+        pytest.skip("the GPU tests capture real graphs")
+    prompts = [[5, 9, 2, 7], [1, 2, 3], [8, 8]]
+    runs = []
+    for graphed in (False, True):
+        e = engines(bigram, graphed)
+        leaves = [e.prefill(p)[0] for p in prompts]
+        chain = GreedyChain(e, leaves, 4)
+        first = torch.tensor([p[-1] + 1 for p in prompts])
+        runs.append([chain.chain.run({"first": first})[0].clone() for _ in range(2)])
+        seqs = [e.tree.sequence(leaf) for leaf in leaves]
+        assert all(len(s) == len(p) + 8 for s, p in zip(seqs, prompts)) and e.tree.num_pending == 0
+        if graphed:
+            assert e.graph_stats["chain_static_eager"] == 2
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_graphed_eagle_drafting_equals_eager(bigram, triton_device, kind):
+    """Greedy EAGLE speculation with the drafter's chains as one graphed chain (static plans, K/V regathered
+    inside) emits plain greedy decoding's tokens, with the step-by-step chain's accepted lengths."""
+    if triton_device.type == "cuda":
+        pytest.skip("the GPU tests capture real graphs")
+    drafter = (bigram_eagle if kind == "eagle" else bigram_eagle3)(bigram)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 30, 31, 32]
+    want = greedy_generate(engines(bigram, False), prompt, 8, eos_token_id=None)
+    runs = []
+    for graphed in (False, True):
+        d_engine = engines(drafter, graphed)
+        draft = EagleDraft(d_engine, depth=3, top_k=3, total_tokens=8)
+        tokens, stats = speculative_generate(engines(bigram, graphed), prompt, draft, 8, eos_token_id=None)
+        runs.append((tokens, stats.accepted))
+        if graphed:
+            assert d_engine.graph_stats["chain_static_eager"] == stats.steps
+    assert runs[0] == runs[1] and runs[0][0] == want
+
+
+def test_chain_errors(bigram):
+    """Bad chains raise naming the problem."""
+    e = engines(bigram, False)
+    leaf = e.prefill([1, 2, 3])[0]
+    with pytest.raises(ValueError, match="length must be a positive int"):
+        StepChain(e, 0, lambda i: None, lambda ctx, x: (), {})
+    chain = GreedyChain(e, [leaf], 2)
+    with pytest.raises(ValueError, match=r"needs inputs \['first'\], got \['other'\]"):
+        chain.chain.run({"other": torch.zeros(1, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"'first' must be a tensor of shape \[1\]"):
+        chain.chain.run({"first": torch.zeros(2, dtype=torch.long)})
+    assert e.tree.num_pending == 0 and len(e.tree.sequence(leaf)) == 3   # nothing changed
+
+
+def test_graphed_chain_errors(bigram, triton_device):
+    if triton_device.type == "cuda":
+        pytest.skip("the GPU tests capture real graphs")
+    e = engines(bigram, True)
+    leaf = e.prefill([1, 2, 3])[0]
+    bad = StepChain(e, 1, lambda i: (0,), lambda ctx, x: (), {})
+    with pytest.raises(TypeError, match="must return a ChainStep, got tuple"):
+        bad.run({})
+    out_of_range = StepChain(e, 1, lambda i: (e.tree.extend(leaf, [0]), ChainStep(np.array([3])))[1],
+                             lambda ctx, x: (), {})
+    with pytest.raises(ValueError, match=r"rows in \[0, 1\), got \[3\]"):
+        out_of_range.run({})
