@@ -28,6 +28,7 @@ from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa:
 from treedec.attention import StaticPlan, TreeAttention  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search import acceptance, drafts, eagle, medusa, speculative, tree_drafting  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
@@ -39,6 +40,8 @@ PHASES = [
     (medusa.MedusaDraft, "propose", "MedusaDraft.propose"),
     (eagle.EagleDraft, "propose", "EagleDraft.propose (drafter steps inside)"),
     (eagle.EagleDraft, "_sync", "  EagleDraft._sync (one drafter step)"),
+    (step_chain.StepChain, "run", "  StepChain.run (the drafting chain: host plans, one graph)"),
+    (step_chain.StepChain, "_plan_step", "    StepChain._plan_step (edit, layout, plan_host)"),
     (eagle, "_grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
     (tree_drafting.EngineTreeDraft, "_layer", "  EngineTreeDraft._layer (sampled / layered drafts)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
