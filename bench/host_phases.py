@@ -41,7 +41,7 @@ PHASES = [
     (eagle.EagleDraft, "propose", "EagleDraft.propose (drafter steps inside)"),
     (eagle.EagleDraft, "_sync", "  EagleDraft._sync (one drafter step)"),
     (step_chain.StepChain, "run", "  StepChain.run (the drafting chain: host plans, one graph)"),
-    (step_chain.StepChain, "_plan_step", "    StepChain._plan_step (edit, layout, plan_host)"),
+    (step_chain.StepChain, "_step", "    StepChain._step (a chain step's layout)"),
     (eagle, "_grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
     (tree_drafting.EngineTreeDraft, "_layer", "  EngineTreeDraft._layer (sampled / layered drafts)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),

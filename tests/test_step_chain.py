@@ -13,6 +13,7 @@ import torch
 
 from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
+from treedec.tree.layout import TreeLayout
 from treedec.search.eagle import EagleDraft
 from treedec.search.speculative import greedy_generate, speculative_generate
 from tests.test_eagle import bigram_eagle, bigram_eagle3
@@ -36,16 +37,21 @@ def engines(model, graphed: bool):
 
 
 class GreedyChain:
-    """``length`` greedy steps of ``leaves`` chained on the device: each step's argmax is the next
-    step's token; every step's logits are returned."""
+    """``length`` greedy steps of ``prompts`` (one node each, computed) chained on the device in scratch
+    slots: each step's argmax is the next step's token; every step's logits are returned."""
 
-    def __init__(self, engine, leaves, length):
-        self.engine, self.leaves = engine, leaves
-        self.chain = StepChain(engine, length, self.edit, self.body, {"first": ((len(leaves),), torch.long)})
+    def __init__(self, engine, nodes, length):
+        self.engine, self.nodes = engine, nodes
+        self.scratch = engine.pool.allocate_slots(len(nodes) * length).reshape(len(nodes), length)
+        self.chain = StepChain(engine, length, self.layout, self.body, {"first": ((len(nodes),), torch.long)})
 
-    def edit(self, i):
-        self.engine.tree.extend_many({leaf: [0] for leaf in self.leaves})
-        return ChainStep(self.engine.pending_rows(self.leaves))
+    def layout(self, i):
+        t, n = self.engine.tree, len(self.nodes)
+        lengths = [len(t.slots(x)) for x in self.nodes]
+        parents = [-1] * n + list(range(n))          # each prompt, then its continuation of i + 1 tokens
+        slots = [t.slots(x) for x in self.nodes] + [self.scratch[j, :i + 1] for j in range(n)]
+        layout = TreeLayout.from_parents(parents, lengths + [i + 1] * n, [(n + j, i) for j in range(n)], slots)
+        return ChainStep(layout, np.arange(n))
 
     def body(self, ctx, inputs):
         tokens, out = inputs["first"], []
@@ -58,22 +64,24 @@ class GreedyChain:
 
 @pytest.mark.triton
 def test_graphed_chain_equals_steps_one_by_one(bigram, triton_device):
-    """Three leaves decoded greedily for four steps as chains, twice in a row (the second run rewrites
-    the static plans): the graphed chain's logits equal the step-by-step chain's, and the tokens are
-    plain greedy decoding's."""
+    """Three prompts decoded greedily for four steps as chains, twice in a row (the second run rewrites
+    the static plans): the graphed chain's logits equal the step-by-step chain's, whose tokens are plain
+    greedy decoding's; the tree is not changed."""
     if triton_device.type == "cuda":
         pytest.skip("the GPU tests capture real graphs")
     prompts = [[5, 9, 2, 7], [1, 2, 3], [8, 8]]
     runs = []
     for graphed in (False, True):
         e = engines(bigram, graphed)
-        leaves = [e.prefill(p)[0] for p in prompts]
-        chain = GreedyChain(e, leaves, 4)
-        first = torch.tensor([p[-1] + 1 for p in prompts])
+        nodes = [e.prefill(p[:-1])[0] for p in prompts]
+        chain = GreedyChain(e, nodes, 4)
+        first = torch.tensor([p[-1] for p in prompts])
         runs.append([chain.chain.run({"first": first})[0].clone() for _ in range(2)])
-        seqs = [e.tree.sequence(leaf) for leaf in leaves]
-        assert all(len(s) == len(p) + 8 for s, p in zip(seqs, prompts)) and e.tree.num_pending == 0
-        if graphed:
+        assert [e.tree.sequence(x) for x in nodes] == [p[:-1] for p in prompts] and e.tree.num_pending == 0
+        if not graphed:
+            chained = [runs[-1][0][:, j].argmax(-1).tolist() for j in range(len(prompts))]
+            assert chained == [greedy_generate(engines(bigram, False), p, 4, eos_token_id=None) for p in prompts]
+        else:
             assert e.graph_stats["chain_static_eager"] == 2
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
@@ -101,28 +109,21 @@ def test_graphed_eagle_drafting_equals_eager(bigram, triton_device, kind):
 
 
 def test_chain_errors(bigram):
-    """Bad chains raise naming the problem."""
+    """Bad chains raise naming the problem, changing nothing."""
     e = engines(bigram, False)
-    leaf = e.prefill([1, 2, 3])[0]
+    node = e.prefill([1, 2, 3])[0]
     with pytest.raises(ValueError, match="length must be a positive int"):
         StepChain(e, 0, lambda i: None, lambda ctx, x: (), {})
-    chain = GreedyChain(e, [leaf], 2)
+    chain = GreedyChain(e, [node], 2)
     with pytest.raises(ValueError, match=r"needs inputs \['first'\], got \['other'\]"):
         chain.chain.run({"other": torch.zeros(1, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"'first' must be a tensor of shape \[1\]"):
         chain.chain.run({"first": torch.zeros(2, dtype=torch.long)})
-    assert e.tree.num_pending == 0 and len(e.tree.sequence(leaf)) == 3   # nothing changed
-
-
-def test_graphed_chain_errors(bigram, triton_device):
-    if triton_device.type == "cuda":
-        pytest.skip("the GPU tests capture real graphs")
-    e = engines(bigram, True)
-    leaf = e.prefill([1, 2, 3])[0]
     bad = StepChain(e, 1, lambda i: (0,), lambda ctx, x: (), {})
-    with pytest.raises(TypeError, match="must return a ChainStep, got tuple"):
+    with pytest.raises(TypeError, match="must return a ChainStep of a TreeLayout, got"):
         bad.run({})
-    out_of_range = StepChain(e, 1, lambda i: (e.tree.extend(leaf, [0]), ChainStep(np.array([3])))[1],
-                             lambda ctx, x: (), {})
+    good = chain.layout(0).layout
+    out_of_range = StepChain(e, 1, lambda i: ChainStep(good, np.array([3])), lambda ctx, x: (), {})
     with pytest.raises(ValueError, match=r"rows in \[0, 1\), got \[3\]"):
         out_of_range.run({})
+    assert e.tree.num_pending == 0 and e.tree.sequence(node) == [1, 2, 3] and e.stats["steps"] == 1

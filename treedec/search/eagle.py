@@ -20,12 +20,13 @@ with the token at ``t + 1``; each proposal is
    the ``total_tokens`` best nodes form the tree.
 
    Without ``sample`` these steps never wait for the device: the frontier lives in ``top_k``
-   *chains*, sibling nodes under the drafter's sequence that each hold one frontier node's path.
-   Their shape does not depend on the values (each grows by one token a layer), so every step is
-   planned and launched at once; which frontier node extends which path is chosen on the device
-   (top-k of the cumulative scores), the chains' K/V are regathered to match
-   (:meth:`Engine.copy_kv`) and the tokens and features are device tensors
-   (:meth:`Engine.step`'s ``tokens`` / ``features``). One copy back at the end gives every layer's
+   *chains*, each holding one frontier node's path in scratch KV slots of the draft's own (reserved
+   at its first proposal, freed by :meth:`~EagleDraft.reset`), read under the drafter's sequence.
+   Their shape does not depend on the values (each grows by one token a layer), so the steps form one
+   :class:`~treedec.engine.step_chain.StepChain`: planned at once on the host and, on a graphed
+   engine, replayed as ONE CUDA graph; which frontier node extends which path is chosen on the device
+   (top-k of the cumulative scores), and the chains' K/V are regathered to match
+   (:meth:`Engine.copy_kv`) inside it. One copy back at the end gives every layer's
    candidates, and the tree is the one :func:`~treedec.tree.token_tree.expand_by_logprob` grows from
    them (tested). With ``sample``, children are drawn without replacement layer by layer and their
    distributions go to the acceptance rule (:class:`~treedec.search.tree_drafting.EngineTreeDraft`).
@@ -49,6 +50,7 @@ from treedec.search.drafts import TargetOutput
 from treedec.search.sampling import SamplingParams
 from treedec.search.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
+from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleDraft"]
@@ -79,7 +81,10 @@ class EagleDraft(EngineTreeDraft):
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
         self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # token path -> the drafter's output feature
         self._chain: StepChain | None = None              # the drafting chain (its graph), made at the first proposal
-        self._chains: list[int] = []                      # the chain nodes of the proposal being drafted
+        self._scratch: np.ndarray | None = None           # [top_k, depth - 1] the chains' KV slots (see reset)
+        self._scratch_pages: np.ndarray | None = None
+        self._scratch_device: torch.Tensor | None = None
+        self._prefix_slots: np.ndarray | None = None      # the drafter sequence's slots, at this proposal
 
     @property
     def target_states(self) -> str | tuple[int, ...]:
@@ -100,7 +105,11 @@ class EagleDraft(EngineTreeDraft):
         self.reset()
 
     def reset(self) -> None:
+        """Free the request: the drafter's sequence and the chains' scratch pages."""
         super().reset()
+        if self._scratch_pages is not None:
+            self.engine.pool.decref(self._scratch_pages)
+        self._scratch = self._scratch_pages = self._scratch_device = self._prefix_slots = None
         self._states, self._observed, self._outputs = None, None, {}
 
     def observe(self, output: TargetOutput) -> None:
@@ -125,33 +134,45 @@ class EagleDraft(EngineTreeDraft):
     def _chain_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
         """The EAGLE-2 tree from ``depth - 1`` chained drafter steps, run as one :class:`StepChain` (one CUDA
         graph on a graphed engine; see the module docstring)."""
-        e, k = self.engine, self.top_k
+        e = self.engine
         root_hidden = self._outputs[()]
         if self.depth == 1:
             (flat,) = self._chain_body(None, {"root_logits": root_logits, "root_hidden": root_hidden})
         else:
-            need = e.pool.pages_for(k) + k * e.pool.pages_for(self.depth - 2)
-            if need > e.pool.num_free_pages:
-                raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {k} chains of {self.depth - 1} tokens "
-                                         f"need up to {need} pages, {e.pool.num_free_pages} free")
+            if self._scratch is None:
+                self._reserve_scratch()
+            path = e.tree.path(self._node)
+            self._prefix_slots = np.concatenate([e.tree.slots(n) for n in path]) if len(path) > 1 \
+                else e.tree.slots(self._node)
             if self._chain is None:
                 inputs = {"root_logits": (tuple(root_logits.shape), root_logits.dtype),
                           "root_hidden": (tuple(root_hidden.shape), root_hidden.dtype)}
-                self._chain = StepChain(e, self.depth - 1, self._chain_edit, self._chain_body, inputs)
+                self._chain = StepChain(e, self.depth - 1, self._chain_layout, self._chain_body, inputs)
             (flat,) = self._chain.run({"root_logits": root_logits, "root_hidden": root_hidden})
-        return _grown_tree(root, flat.tolist(), k, self.depth - 1, self.total_tokens)   # the one wait
+        return _grown_tree(root, flat.tolist(), self.top_k, self.depth - 1, self.total_tokens)   # the one wait
 
-    def _chain_edit(self, i: int) -> ChainStep:
-        """Step ``i`` of the chain: the ``top_k`` chains (placeholder tokens: ids come on the device) start
-        under the drafter's sequence, then each grows by one token; the chains' slots for the K/V regather
-        that follows every step but the last."""
-        e, k = self.engine, self.top_k
-        if i == 0:
-            self._chains = e.tree.add_children([self._node] * k, [0] * k)
-        else:
-            e.tree.extend_many({c: [0] for c in self._chains})
-        slots = np.stack([e.tree.slots(c) for c in self._chains]) if i < self.depth - 2 else None
-        return ChainStep(e.pending_rows(self._chains), slots)
+    def _reserve_scratch(self) -> None:
+        """The chains' KV slots, ``[top_k, depth - 1]``: pages of the drafter's pool held until :meth:`reset`."""
+        e, k, n = self.engine, self.top_k, self.depth - 1
+        pages = e.pool.pages_for(k * n)
+        if pages > e.pool.num_free_pages:
+            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {k} chains of {n} tokens need {pages} "
+                                     f"pages, {e.pool.num_free_pages} free")
+        self._scratch_pages = e.pool.allocate(pages)
+        slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
+        self._scratch = slots[:k * n].reshape(k, n)
+        self._scratch_device = to_device(self._scratch, e.device)
+
+    def _chain_layout(self, i: int) -> ChainStep:
+        """Step ``i`` of the chain: chain ``j``'s token ``i`` (its tokens ``0..i`` in its scratch slots) under the
+        drafter's sequence."""
+        k, prefix = self.top_k, self._prefix_slots
+        lengths = np.full(k, i + 1, dtype=np.int64)
+        kv_start = np.concatenate([[0], len(prefix) + np.cumsum(np.concatenate([[0], lengths]))])
+        layout = TreeLayout(np.arange(k + 1, dtype=np.int64), np.array([-1] + [0] * k, dtype=np.int64), kv_start,
+                            np.concatenate([prefix, self._scratch[:, :i + 1].reshape(-1)]),
+                            np.arange(1, k + 1, dtype=np.int64), np.full(k, i, dtype=np.int64))
+        return ChainStep(layout, np.arange(k))
 
     def _chain_body(self, ctx: ChainContext | None, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         """The chain's device work: layer 1's candidates from the root's logits, then per chain step the
@@ -176,7 +197,7 @@ class EagleDraft(EngineTreeDraft):
             parent = pick // k
             scores = scores[parent] + top.values.flatten()[pick]
             tokens, features = ids.flatten()[pick], out.hidden[parent]
-            slots = ctx.ints(i)                                             # [k, i + 1]
+            slots = self._scratch_device[:, :i + 1]
             ctx.copy_kv(slots[parent].flatten(), slots.flatten())          # chain j takes its new parent's path
         return (torch.cat(parts + links),)
 
