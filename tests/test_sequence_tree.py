@@ -41,6 +41,7 @@ def test_children_never_write_into_parent_pages():
     for child in (a, b):
         assert not set(tree.slots(child) // 4) & set(tree.slots(root) // 4)
     assert tree.sequence(b) == [1, 2, 3, 5, 6]
+    assert [tree.sequence_length(n) for n in (root, b)] == [len(tree.sequence(root)), 5]
     tree.check_invariants()
 
 

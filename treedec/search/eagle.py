@@ -209,7 +209,7 @@ class EagleDraft(EngineTreeDraft):
             raise ValueError("EagleDraft.propose needs the target's states for this sequence: run it through "
                              "speculative_generate, or call observe(TargetOutput(...)) first")
         e, t = self.engine, self.engine.tree
-        have = len(t.sequence(self._node)) if self._node is not None else 0
+        have = t.sequence_length(self._node) if self._node is not None else 0
         states, self._states = self._states, None
         if have + len(states) != len(seq) - 1:
             raise ValueError(f"EagleDraft holds {have} tokens and was given the target's states at {len(states)} "

@@ -94,6 +94,10 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         """All tokens from the root down to the end of ``node_id``."""
         return [t for nid in self.path(node_id) for t in self._nodes[nid].tokens]
 
+    def sequence_length(self, node_id: int) -> int:
+        """``len(sequence(node_id))`` without building the sequence (the hot path's per-step question)."""
+        return sum(len(self._nodes[nid].tokens) for nid in self.path(node_id))
+
     def path(self, node_id: int) -> list[int]:
         """Node ids from the root down to ``node_id``."""
         out = []
