@@ -142,8 +142,8 @@ class EagleDraft(EngineTreeDraft):
                 q_tokens[at] = tokens
                 q_features = torch.empty_like(features)
                 q_features[at] = features
-                logits, hidden = e.step(logits_rows=rows, return_hidden=True, tokens=q_tokens, features=q_features)
-                top = torch.log_softmax(logits.float(), dim=-1).topk(k)    # [k chains, k children]
+                out = e.step(logits_rows=rows, return_hidden=True, tokens=q_tokens, features=q_features)
+                top = torch.log_softmax(out.logits.float(), dim=-1).topk(k)    # [k chains, k children]
                 layers.append((self._to_target(top.indices), top.values))
                 if d == self.depth:
                     break
@@ -151,7 +151,7 @@ class EagleDraft(EngineTreeDraft):
                 links.append(pick)
                 parent = pick // k
                 scores = scores[parent] + top.values.flatten()[pick]
-                tokens, features = layers[-1][0].flatten()[pick], hidden[parent]
+                tokens, features = layers[-1][0].flatten()[pick], out.hidden[parent]
                 slots = to_device(np.stack([e.tree.slots(c) for c in chains]), e.device)   # [k, d - 1]
                 e.copy_kv(slots[parent].flatten(), slots.flatten())       # chain j takes its new parent's path
                 e.tree.extend_many({c: [0] for c in chains})
@@ -189,9 +189,9 @@ class EagleDraft(EngineTreeDraft):
             else:
                 t.extend(self._node, piece)
             last = len(piece) - 1
-            logits, hidden = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
-        self._outputs = {(): hidden[0]}
-        return logits[0]
+            out = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
+        self._outputs = {(): out.hidden[0]}
+        return out.logits[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine
@@ -200,9 +200,9 @@ class EagleDraft(EngineTreeDraft):
         parents = torch.stack([self._outputs[p[:-1]] for p in paths])
         features = torch.empty_like(parents)
         features[rows_t] = parents            # query order
-        logits, hidden = e.step(logits_rows=rows, return_hidden=True, features=features)
-        self._outputs.update(zip(paths, hidden))
-        return logits
+        out = e.step(logits_rows=rows, return_hidden=True, features=features)
+        self._outputs.update(zip(paths, out.hidden))
+        return out.logits
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.drafter.to_target_ids(draft_ids)

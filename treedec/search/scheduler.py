@@ -337,11 +337,7 @@ class _Scheduler:
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
                               hidden_rows=hidden_rows,
                               tokens=self._device_tokens(requests))
-            logits, *rest = out if isinstance(out, tuple) else (out,)
-            states = rest.pop(0) if hidden else None
-            aux_out = rest.pop(0) if aux else None
-            head_out = rest[0] if heads else None
-            argmax = logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
+            argmax = out.logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += any(r.prompt for r in requests)
             self.stats.queries_per_step.append(queries)
@@ -353,10 +349,10 @@ class _Scheduler:
             part = slice(offset, offset + k)
             value = StepOutput()
             if k:
-                value.logits = logits[part]
-                value.hidden = states[hidden_parts[i]] if r.hidden else None
-                value.aux = aux_out[hidden_parts[i]] if r.aux else None
-                value.heads = {name: t[part] for name, t in head_out.items()} if r.heads else None
+                value.logits = out.logits[part]
+                value.hidden = out.hidden[hidden_parts[i]] if r.hidden else None
+                value.aux = out.aux[hidden_parts[i]] if r.aux else None
+                value.heads = {name: t[part] for name, t in out.heads.items()} if r.heads else None
                 value.argmax = argmax[part] if r.argmax else None
             if r.read is not None:
                 size = r.read.numel()

@@ -141,10 +141,7 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     ids = _add_tree(engine, node, tree, tokens)
     out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
                       return_heads=head_name is not None)
-    logits, *rest = out if isinstance(out, tuple) else (out,)
-    hidden = rest.pop(0) if return_hidden else None
-    heads = rest[0] if head_name is not None else None
-    return _settle(engine, node, tree, tokens, ids, acceptance, logits, hidden, heads, head_name, stop_ids)
+    return _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads, head_name, stop_ids)
 
 
 class SpeculativeProgram(Program):
@@ -318,22 +315,23 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     eos = frozenset(eos_token_ids(eos_token_id, engine.model))
     prompt = [int(x) for x in prompt_ids]
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    node, logits = engine.prefill(prompt)
+    prefilled = engine.prefill(prompt)
+    node = prefilled.node
     if not pipeline:
-        out = [int(logits.argmax())]
+        out = [int(prefilled.logits.argmax())]
         while len(out) < max_new_tokens and out[-1] not in eos:
             engine.tree.extend(node, out[-1:])
-            out.append(int(engine.step()[0].argmax()))
+            out.append(int(engine.step().logits[0].argmax()))
         return out
     tree = engine.tree
-    pending = logits.argmax().reshape(1)
+    pending = prefilled.logits.argmax().reshape(1)
     read = HostCopy(pending)
     out: list[int] = []
     while True:
         launched = None
         if len(out) + 1 < max_new_tokens:
             tree.extend(node, [0])    # a placeholder: the step reads `pending` on the device
-            launched = engine.step(tokens=pending)[0].argmax().reshape(1)
+            launched = engine.step(tokens=pending).logits[0].argmax().reshape(1)
             next_read = HostCopy(launched)
         token = read.result()[0]
         if launched is not None:
