@@ -114,7 +114,7 @@ def test_prompt_lookup_draft():
 
 def test_verify_errors_change_nothing(tiny):
     engine = make_engine(tiny)
-    node, _ = engine.prefill([1, 2, 3])
+    node = engine.prefill([1, 2, 3]).node
     tree = TokenTree.chain(2)
     before = (engine.tree.num_tokens, engine.pool.num_free_pages)
     with pytest.raises(ValueError, match="one token per tree token .3., got 2"):
