@@ -72,9 +72,9 @@ def logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int],
     del cache
     engine = Engine(work.model, kv_tokens=len(prompt) + 4 * work.medusa.size, page_size=args.page_size,
                     backend=args.backend, cuda_graphs=work.model.device.type == "cuda")
-    root, _ = engine.prefill(prompt)
+    root = engine.prefill(prompt).node
     ids = engine.tree.add_token_tree(root, tree_ids, work.medusa.parents)
-    ours = engine.step(logits_rows=engine.pending_rows(ids)).float().cpu()
+    ours = engine.step(logits_rows=engine.pending_rows(ids)).logits.float().cpu()
     del engine
     _free(work.model.device)
     return {"hf_sdpa_vs_hf_eager": _rel_err(hf_sdpa, hf_eager), "treedec_vs_hf_sdpa": _rel_err(ours, hf_sdpa),

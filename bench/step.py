@@ -145,14 +145,14 @@ def main(argv=None) -> int:
 def _bench_treedec(engine: Engine, prompt, tree_ids, medusa, decode_id, reps, device, hf_logits) -> dict:
     tree = engine.tree
     t0 = time.perf_counter()
-    root, _ = engine.prefill(prompt)
+    root = engine.prefill(prompt).node
     _sync(device)
     prefill_s = time.perf_counter() - t0
     captured = {}
 
     def verify():
         ids = tree.add_token_tree(root, tree_ids, medusa.parents)
-        captured["logits"] = engine.step(logits_rows=engine.pending_rows(ids))  # rows in token order
+        captured["logits"] = engine.step(logits_rows=engine.pending_rows(ids)).logits  # rows in token order
         tree.prune(ids[0])
 
     def decode():

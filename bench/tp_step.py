@@ -133,12 +133,12 @@ def _run(model, method: str, prompt, tree_ids, medusa, args, device) -> tuple[di
     engine = Engine(model, kv_tokens=len(prompt) + 2 * medusa.size + 4 * args.page_size, page_size=args.page_size,
                     cuda_graphs=method.startswith("graph"), compile_model=method == "graph_compiled")
     tree = engine.tree
-    root, _ = engine.prefill(prompt)
+    root = engine.prefill(prompt).node
     captured = {}
 
     def verify():
         ids = tree.add_token_tree(root, tree_ids, medusa.parents)
-        captured["logits"] = engine.step(logits_rows=engine.pending_rows(ids))
+        captured["logits"] = engine.step(logits_rows=engine.pending_rows(ids)).logits
         tree.prune(ids[0])
 
     timing = _time(verify, args.reps, device)

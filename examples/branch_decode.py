@@ -38,13 +38,13 @@ def main() -> None:
     engine = Engine(model, kv_tokens=None if cuda else 8192, cuda_graphs=args.cuda_graphs and cuda)
     print(f"KV pool: {engine.kv_capacity_tokens} tokens ({engine.kv_pool_reason}); attention: {engine.attn.backend}")
 
-    root, logits = engine.prefill(prompt_ids)
-    firsts = logits.topk(args.branches).indices.tolist()
-    leaves = engine.tree.branch(root, [[t] for t in firsts])
+    root = engine.prefill(prompt_ids)
+    firsts = root.logits.topk(args.branches).indices.tolist()
+    leaves = engine.tree.branch(root.node, [[t] for t in firsts])
     t0 = time.perf_counter()
     for _ in range(args.steps):
         nodes = engine.pending_nodes()                     # one pending token per leaf: the step's queries
-        next_tokens = greedy(engine.step()).tolist()
+        next_tokens = greedy(engine.step().logits).tolist()
         engine.tree.extend_many({int(n): [t] for n, t in zip(nodes, next_tokens)})
     engine.step()                                          # the last tokens' K/V (their logits unused)
     if cuda:

@@ -20,11 +20,11 @@ def main() -> None:
     tokens, stats = speculative_generate(engine, prompt, PromptLookupDraft(max_ngram=3, num_draft_tokens=6,
                                                                            max_matches=2), 64)
     plain = Engine(model, kv_tokens=2048, page_size=16, backend="torch")
-    node, logits = plain.prefill(prompt)
-    ref = [int(greedy(logits))]
+    prefilled = plain.prefill(prompt)
+    ref = [int(greedy(prefilled.logits))]
     while len(ref) < len(tokens):
-        plain.tree.extend(node, ref[-1:])
-        ref.append(int(greedy(plain.step()[0])))
+        plain.tree.extend(prefilled.node, ref[-1:])
+        ref.append(int(greedy(plain.step().logits[0])))
     print(f"{len(tokens)} tokens in {stats.steps} verification steps ({stats.tokens_per_step:.2f} tokens/step); "
           f"accepted per step: {stats.accepted}")
     print(f"equal to plain greedy decoding: {tokens == ref}")

@@ -21,18 +21,18 @@ def make_engine(model, page_size=4):
 def plain_greedy(model, prompt, n):
     """The first ``n`` greedy tokens after ``prompt``, one token per step."""
     engine = make_engine(model)
-    node, logits = engine.prefill(prompt)
-    out = [int(greedy(logits))]
+    prefilled = engine.prefill(prompt)
+    out = [int(greedy(prefilled.logits))]
     while len(out) < n:
-        engine.tree.extend(node, out[-1:])
-        out.append(int(greedy(engine.step()[0])))
+        engine.tree.extend(prefilled.node, out[-1:])
+        out.append(int(greedy(engine.step().logits[0])))
     return out
 
 
 def assert_kv_equals_fresh_prefill(engine, node, fresh_engine):
     """``node``'s K/V in ``engine`` equal those a prefill of its sequence writes into ``fresh_engine``."""
     seq, slots = engine.tree.sequence(node), engine.tree.slots(node)
-    fresh_node, _ = fresh_engine.prefill(seq)
+    fresh_node = fresh_engine.prefill(seq).node
     fresh_slots = fresh_engine.tree.slots(fresh_node)
     for a, b in ((engine.pool.k, fresh_engine.pool.k), (engine.pool.v, fresh_engine.pool.v)):
         a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]

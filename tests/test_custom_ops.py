@@ -77,15 +77,16 @@ def test_compiled_graph_steps_equal_eager(triton_device):
     results = []
     for engine in engines:
         out = []
-        root, logits = engine.prefill(list(range(40, 70)))
-        out.append(logits[None])
-        kids = engine.tree.branch(root, [[1], [3]])
-        out.append(engine.step())
+        root = engine.prefill(list(range(40, 70)))
+        out.append(root.logits[None])
+        kids = engine.tree.branch(root.node, [[1], [3]])
+        out.append(engine.step().logits)
         engine.tree.add_token_tree(kids[0], list(range(32)), medusa.parents)
         engine.tree.extend(kids[1], [9])
-        out.extend(engine.step(return_hidden=True))       # 33 queries: a second bucket
+        step = engine.step(return_hidden=True)       # 33 queries: a second bucket
+        out += [step.logits, step.hidden]
         engine.tree.extend_many({leaf: [7] for leaf in engine.tree.live_leaves()})
-        out.append(engine.step())
+        out.append(engine.step().logits)
         results.append(out)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
@@ -108,13 +109,14 @@ def test_compiled_captured_steps_equal_eager_on_gpu(backend):
     for engine in (eager, compiled):
         gen = np.random.default_rng(2)
         out = []
-        root, _ = engine.prefill(gen.integers(0, 512, 1500).tolist())
-        for step in range(6):
+        root = engine.prefill(gen.integers(0, 512, 1500).tolist()).node
+        for _ in range(6):
             ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 64).tolist(), medusa.parents)
-            out.extend(engine.step(return_hidden=True))
+            verified = engine.step(return_hidden=True)
+            out += [verified.logits, verified.hidden]
             engine.tree.accept(root, [ids[0]])
             engine.tree.extend(root, gen.integers(0, 512, int(gen.integers(1, 40))).tolist())
-            out.append(engine.step(logits_rows=[0]))
+            out.append(engine.step(logits_rows=[0]).logits)
         results.append(out)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

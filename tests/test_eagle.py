@@ -114,11 +114,11 @@ def test_aux_states_are_transformers_hidden_states(target):
     e = engine(target)
     assert e.capture_hidden_layers([4, 1]) == (1, 4) and e.capture_hidden_layers([4]) == (1, 4)
     e.tree.add_prompt(ids)
-    logits, hidden, aux = e.step(logits_rows=[19], hidden_rows=list(range(20)), return_hidden=True, return_aux=True)
-    assert logits.shape == (1, 512) and aux.shape == (20, 2, 128)
+    out = e.step(logits_rows=[19], hidden_rows=list(range(20)), return_hidden=True, return_aux=True)
+    assert out.logits.shape == (1, 512) and out.aux.shape == (20, 2, 128) and out.heads is None
     for j, layer in enumerate((1, 4)):
-        torch.testing.assert_close(aux[:, j], states[layer][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hidden[-1], states[-1][0, -1], atol=1e-5, rtol=1e-5)   # (normed, in transformers)
+        torch.testing.assert_close(out.aux[:, j], states[layer][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.hidden[-1], states[-1][0, -1], atol=1e-5, rtol=1e-5)   # (normed, in transformers)
 
 
 def test_aux_and_features_in_static_graph_steps(target, triton_device):
@@ -134,16 +134,16 @@ def test_aux_and_features_in_static_graph_steps(target, triton_device):
         d_engine = Engine(d, kv_tokens=512, page_size=4, **kw)
         t_engine.capture_hidden_layers(d.aux_layers)
         root = t_engine.tree.add_prompt(list(range(40, 60)))
-        _, aux = t_engine.step(logits_rows=[19], return_aux=True, hidden_rows=list(range(20)))
+        aux = t_engine.step(logits_rows=[19], return_aux=True, hidden_rows=list(range(20))).aux
         node = d_engine.tree.add_prompt(list(range(41, 61)))
-        out = list(d_engine.step(logits_rows=[19], return_hidden=True, features=d.fuse(aux)))
+        steps = [d_engine.step(logits_rows=[19], return_hidden=True, features=d.fuse(aux))]
         kids = d_engine.tree.add_token_tree(node, [1, 2, 3], [-1, -1, 0])
         rows = d_engine.pending_rows(kids)
-        out += d_engine.step(logits_rows=rows, return_hidden=True, features=torch.randn(
-            3, 128, generator=torch.Generator().manual_seed(0)))
+        steps.append(d_engine.step(logits_rows=rows, return_hidden=True, features=torch.randn(
+            3, 128, generator=torch.Generator().manual_seed(0))))
         t_engine.tree.extend(root, [7])
-        out += t_engine.step(return_aux=True)
-        results.append([aux] + out)
+        last = t_engine.step(return_aux=True)
+        results.append([aux] + [t for s in steps for t in (s.logits, s.hidden)] + [last.logits, last.aux])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
 
@@ -254,14 +254,14 @@ def test_drafter_equals_the_dense_reference_network(target, tmp_path, kind):
     if kind == "eagle3":
         t.capture_hidden_layers(d.aux_layers)
     t.tree.add_prompt(ids)
-    _, hidden, aux = t.step(return_hidden=True, return_aux=True) if kind == "eagle3" else (*t.step(return_hidden=True), None)
-    states = aux if kind == "eagle3" else hidden
+    target_out = t.step(return_hidden=True, return_aux=kind == "eagle3")
+    states = target_out.aux if kind == "eagle3" else target_out.hidden
     de = engine(load_eagle(tmp_path, target))
     de.tree.add_prompt(ids[1:])
-    logits, out = de.step(return_hidden=True, features=de.model.fuse(states[:-1]))
+    out = de.step(return_hidden=True, features=de.model.fuse(states[:-1]))
     ref_logits, ref_out = dense_reference(state, kind, d.config, target, ids[1:], states[:-1])
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.hidden, ref_out, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_checkpoints_name_the_problem(target, tmp_path):
@@ -333,15 +333,14 @@ def test_chained_drafting_grows_the_tree_layer_by_layer_drafting_grows(target, k
     if kind == "eagle3":
         t.capture_hidden_layers(d.aux_layers)
     t.tree.add_prompt(PROMPT)
-    _, hidden, aux = t.step(logits_rows=[0], hidden_rows=list(range(len(PROMPT))), return_hidden=True,
-                            return_aux=True) if kind == "eagle3" else (*t.step(logits_rows=[0], hidden_rows=list(
-                                range(len(PROMPT))), return_hidden=True), None)
+    target_out = t.step(logits_rows=[0], hidden_rows=list(range(len(PROMPT))), return_hidden=True,
+                        return_aux=kind == "eagle3")
     seq = PROMPT + [17]
     proposals = []
     for propose in (EagleDraft.propose, EngineTreeDraft.propose):
         draft = EagleDraft(engine(d), depth=depth, top_k=3, total_tokens=10)
         draft.start(t)
-        draft.observe(TargetOutput(seq, None, None, aux if kind == "eagle3" else hidden))
+        draft.observe(TargetOutput(seq, None, None, target_out.aux if kind == "eagle3" else target_out.hidden))
         tree, tokens = propose(draft, seq)
         proposals.append((tree.parents, tokens))
         assert draft.engine.tree.num_pending == 0
@@ -364,7 +363,7 @@ def test_drafter_kv_equals_one_pass_over_the_target_states(bigram):
     fresh_t = engine(bigram)
     fresh_t.capture_hidden_layers(d.aux_layers)
     fresh_t.tree.add_prompt(seq[:len(mine)])
-    _, aux = fresh_t.step(logits_rows=[0], hidden_rows=list(range(len(mine))), return_aux=True)
+    aux = fresh_t.step(logits_rows=[0], hidden_rows=list(range(len(mine))), return_aux=True).aux
     fresh = engine(d)
     node = fresh.tree.add_prompt(mine)
     fresh.step(logits_rows=[0], features=d.fuse(aux))
@@ -411,11 +410,11 @@ def test_sampled_eagle_speculation_emits_the_target_distribution(bigram):
         runs.append(tokens)
         accepted += sum(stats.accepted)
     assert accepted > 200 and draft.draft_probs.shape[1] == 512
-    _, logits = t.prefill(PROMPT)
+    logits = t.prefill(PROMPT).logits
     first = np.bincount([r[0] for r in runs], minlength=512).astype(float)
     assert passes_chi_square(first, sampling_probs(logits, params).double().numpy())
     a, count = collections.Counter(r[0] for r in runs).most_common(1)[0]
-    _, logits = t.prefill(PROMPT + [a])
+    logits = t.prefill(PROMPT + [a]).logits
     second = np.bincount([r[1] for r in runs if r[0] == a], minlength=512).astype(float)
     assert count > 100 and passes_chi_square(second, sampling_probs(logits, params).double().numpy())
 

@@ -1,11 +1,12 @@
 """Engine API: prefill/step contracts, errors that change nothing, pool sizing, the CUDA-graph padding."""
+import dataclasses
 import importlib.util
 
 import numpy as np
 import pytest
 import torch
 
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config, greedy
+from treedec.engine import CudaGraphConfig, Engine, ModelConfig, PrefillOutput, StepOutput, from_config, greedy
 from treedec.errors import PoolExhaustedError, TreeError
 
 from treedec.workloads.deft import medusa_tree
@@ -31,9 +32,9 @@ def test_step_without_pending_tokens(tiny):
 
 def test_prefill_contracts(tiny):
     engine = make_engine(tiny, kv_tokens=64)
-    root, logits = engine.prefill(list(range(10)))
-    assert logits.shape == (512,) and engine.tree.tokens(root) == list(range(10))
-    engine.tree.extend(root, [4])
+    root = engine.prefill(list(range(10)))
+    assert root.logits.shape == (512,) and engine.tree.tokens(root.node) == list(range(10))
+    engine.tree.extend(root.node, [4])
     with pytest.raises(TreeError, match="1 pending token"):
         engine.prefill([1, 2])
     engine.step()
@@ -66,7 +67,7 @@ def test_prompt_ids_are_integers_or_rejected(tiny, prompt, error, match):
 @pytest.mark.parametrize("rows,error", [([0.5], TypeError), ([2], ValueError), (["a"], TypeError), ([-1], ValueError)])
 def test_bad_logits_rows_change_nothing(tiny, rows, error):
     engine = make_engine(tiny, kv_tokens=64)
-    root, _ = engine.prefill([1, 2, 3])
+    root = engine.prefill([1, 2, 3]).node
     engine.tree.extend(root, [4, 5])
     with pytest.raises(error, match="logits_rows"):
         engine.step(logits_rows=rows)
@@ -79,10 +80,10 @@ def test_chunked_prefill_equals_one_step(tiny):
     one, chunked = make_engine(tiny), make_engine(tiny, prefill_chunk=8)
     results = []
     for engine in (one, chunked):
-        root, logits = engine.prefill(prompt)
-        child, cont = engine.prefill([7, 8, 9, 10, 11], parent=root)   # a continuation under the prompt
-        engine.tree.extend(child, [3])
-        results.append((logits, cont, engine.step(), engine.tree.sequence(child)))
+        root = engine.prefill(prompt)
+        child = engine.prefill([7, 8, 9, 10, 11], parent=root.node)   # a continuation under the prompt
+        engine.tree.extend(child.node, [3])
+        results.append((root.logits, child.logits, engine.step().logits, engine.tree.sequence(child.node)))
     assert chunked.stats["steps"] == 5 + 1 + 1 and one.stats["steps"] == 3
     for a, b in zip(results[0][:3], results[1][:3]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -92,7 +93,7 @@ def test_chunked_prefill_equals_one_step(tiny):
 
 def test_logits_rows_and_query_order(tiny):
     engine = make_engine(tiny)
-    root, _ = engine.prefill([1, 2, 3, 4])
+    root = engine.prefill([1, 2, 3, 4]).node
     kids = engine.tree.branch(root, [[5, 6], [7]])
     assert engine.pending_nodes().tolist() == [kids[0], kids[0], kids[1]]
     assert engine.tree.pending_tokens().tolist() == [5, 6, 7]
@@ -101,24 +102,43 @@ def test_logits_rows_and_query_order(tiny):
     full = make_engine(tiny)
     full.prefill([1, 2, 3, 4])
     full.tree.branch(0, [[5, 6], [7]])
-    all_rows = full.step()
-    some = engine.step(logits_rows=torch.tensor([2, 0]))
+    all_rows = full.step().logits
+    some = engine.step(logits_rows=torch.tensor([2, 0])).logits
     torch.testing.assert_close(some, all_rows[[2, 0]], atol=1e-6, rtol=0)
     assert greedy(all_rows).tolist() == all_rows.argmax(-1).tolist()
 
 
 def test_return_hidden_gives_the_lm_head_input(tiny):
     engine, plain = make_engine(tiny), make_engine(tiny)
-    root, logits, hidden = engine.prefill([1, 2, 3, 4], return_hidden=True)
-    assert hidden.shape == (tiny.config.hidden_size,)
-    torch.testing.assert_close(logits, plain.prefill([1, 2, 3, 4])[1], atol=0, rtol=0)
-    torch.testing.assert_close(tiny.lm_head(hidden), logits, atol=1e-5, rtol=0)
+    root = engine.prefill([1, 2, 3, 4], return_hidden=True)
+    assert root.hidden.shape == (tiny.config.hidden_size,)
+    torch.testing.assert_close(root.logits, plain.prefill([1, 2, 3, 4]).logits, atol=0, rtol=0)
+    torch.testing.assert_close(tiny.lm_head(root.hidden), root.logits, atol=1e-5, rtol=0)
     for e in (engine, plain):
-        e.tree.branch(root, [[5, 6], [7]])
-    some, some_hidden = engine.step(logits_rows=[2, 0], return_hidden=True)
-    assert some_hidden.shape == (2, tiny.config.hidden_size)
-    torch.testing.assert_close(some, plain.step()[[2, 0]], atol=1e-6, rtol=0)
-    torch.testing.assert_close(tiny.lm_head(some_hidden), some, atol=1e-5, rtol=0)
+        e.tree.branch(root.node, [[5, 6], [7]])
+    some = engine.step(logits_rows=[2, 0], return_hidden=True)
+    assert some.hidden.shape == (2, tiny.config.hidden_size)
+    torch.testing.assert_close(some.logits, plain.step().logits[[2, 0]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tiny.lm_head(some.hidden), some.logits, atol=1e-5, rtol=0)
+
+
+def test_step_and_prefill_return_their_typed_outputs_with_unasked_fields_none(tiny):
+    engine = make_engine(tiny)
+    engine.capture_hidden_layers([0])
+    engine.add_row_head("two", _two_heads)
+    root = engine.prefill([1, 2, 3, 4])
+    assert isinstance(root, PrefillOutput) and isinstance(root.node, int) and root.node in engine.tree
+    assert root.logits.shape == (tiny.config.vocab_size,) and root.hidden is None and root.heads is None
+    engine.tree.branch(root.node, [[5, 6], [7]])
+    plain = engine.step(logits_rows=[2, 0])
+    assert isinstance(plain, StepOutput) and plain.logits.shape == (2, tiny.config.vocab_size)
+    assert plain.hidden is None and plain.aux is None and plain.heads is None
+    engine.tree.extend_many({leaf: [8] for leaf in engine.tree.live_leaves()})
+    every = engine.step(logits_rows=[1], hidden_rows=[0, 1], return_hidden=True, return_aux=True, return_heads=True)
+    assert every.hidden.shape == (2, tiny.config.hidden_size) and every.aux.shape == (2, 1, tiny.config.hidden_size)
+    assert list(every.heads) == ["two"] and every.heads["two"].shape == (1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        every.logits = None
 
 
 def _two_heads(hidden):
@@ -129,14 +149,15 @@ def _two_heads(hidden):
 def _row_head_run(engine):
     """Steps with a row head: prefill, a branched step, a token tree; each step's (logits, hidden, heads)."""
     engine.add_row_head("two", _two_heads)
-    out = [engine.prefill([1, 2, 3, 4], return_hidden=True, return_heads=True)[1:]]
-    root = engine.tree.roots[0]
-    engine.tree.branch(root, [[5, 6], [7]])
-    out.append(engine.step(logits_rows=[2, 0], return_hidden=True, return_heads=True))
+    root = engine.prefill([1, 2, 3, 4], return_hidden=True, return_heads=True)
+    out = [(root.logits, root.hidden, root.heads)]
+    engine.tree.branch(root.node, [[5, 6], [7]])
+    step = engine.step(logits_rows=[2, 0], return_hidden=True, return_heads=True)
+    out.append((step.logits, step.hidden, step.heads))
     leaf = engine.tree.live_leaves()[0]
     engine.tree.add_token_tree(leaf, [9, 10, 11], [-1, 0, 0])
-    logits, heads = engine.step(return_heads=True)
-    out.append((logits, None, heads))
+    step = engine.step(return_heads=True)
+    out.append((step.logits, step.hidden, step.heads))
     return out
 
 
@@ -180,17 +201,17 @@ def test_row_heads_in_static_steps_equal_eager(tiny, triton_device):
 
 def test_pending_rows_give_token_order(tiny):
     engine = make_engine(tiny)
-    root, _ = engine.prefill([1, 2, 3])
+    root = engine.prefill([1, 2, 3]).node
     parents = [-1, 0, -1, 1, 0]
     ids = engine.tree.add_token_tree(root, [10, 11, 12, 13, 14], parents)
     rows = engine.pending_rows(ids)
     assert engine.tree.pending_tokens()[rows].tolist() == [10, 11, 12, 13, 14]
     assert sorted(rows.tolist()) == list(range(5)) and rows.tolist() != list(range(5))  # depth-first != token order
-    ordered = engine.step(logits_rows=rows)
+    ordered = engine.step(logits_rows=rows).logits
     engine.tree.prune(ids[0])
     engine.tree.prune(ids[2])
     ids = engine.tree.add_token_tree(root, [10, 11, 12, 13, 14], parents)
-    torch.testing.assert_close(engine.step()[rows], ordered, atol=1e-6, rtol=0)
+    torch.testing.assert_close(engine.step().logits[rows], ordered, atol=1e-6, rtol=0)
     engine.tree.extend(ids[3], [5])
     with pytest.raises(TreeError, match=r"node\(s\) \[%d\] have no pending tokens" % ids[4]):
         engine.pending_rows([ids[3], ids[4]])
@@ -211,7 +232,7 @@ def test_sliding_window_is_refused():
     engine = make_engine(model)
     with pytest.raises(NotImplementedError, match="past the model's sliding window of 8"):
         engine.prefill(list(range(9)))
-    root, _ = engine.prefill(list(range(8)))
+    root = engine.prefill(list(range(8))).node
     engine.tree.extend(root, [1])
     with pytest.raises(NotImplementedError, match="sliding window"):
         engine.step()
@@ -240,21 +261,23 @@ def test_static_padded_steps_equal_eager(tiny, triton_device):
     results = []
     for engine in (eager, static):
         out = []
-        root, logits = engine.prefill(list(range(40, 77)))
-        out.append(logits[None])
-        kids = engine.tree.branch(root, [[1], [3], [4]])
-        out.append(engine.step())
+        root = engine.prefill(list(range(40, 77)))
+        out.append(root.logits[None])
+        kids = engine.tree.branch(root.node, [[1], [3], [4]])
+        out.append(engine.step().logits)
         engine.tree.add_token_tree(kids[0], list(range(32)), medusa.parents)
         engine.tree.extend(kids[1], [9])
-        out.append(engine.step())                        # 33 queries: the 64 bucket, after the prefill
+        out.append(engine.step().logits)                 # 33 queries: the 64 bucket, after the prefill
         engine.tree.extend_many({leaf: [7] for leaf in engine.tree.live_leaves()})
-        out.extend(engine.step(logits_rows=[0, 5], return_hidden=True))   # a Medusa-heads step: graphed too
+        step = engine.step(logits_rows=[0, 5], return_hidden=True)   # a Medusa-heads step: graphed too
+        out += [step.logits, step.hidden]
         engine.tree.extend_many({leaf: [8] for leaf in engine.tree.live_leaves()})
-        out.extend(engine.step(return_hidden=True))
-        root2, logits = engine.prefill(list(range(100, 170)))   # 70 queries: past max_queries, eager
-        out.append(logits[None])
-        engine.tree.branch(root2, [[2]])
-        out.append(engine.step())                        # 1 query: a fourth bucket, past max_graphs
+        step = engine.step(return_hidden=True)
+        out += [step.logits, step.hidden]
+        root2 = engine.prefill(list(range(100, 170)))   # 70 queries: past max_queries, eager
+        out.append(root2.logits[None])
+        engine.tree.branch(root2.node, [[2]])
+        out.append(engine.step().logits)                 # 1 query: a fourth bucket, past max_graphs
         results.append(out)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
@@ -284,18 +307,19 @@ def test_cuda_graph_steps_equal_eager_steps(compiled):
     for engine in (eager, graphed):
         gen = np.random.default_rng(1)
         out = []
-        root, logits = engine.prefill(gen.integers(0, 512, 3000).tolist())
+        root = engine.prefill(gen.integers(0, 512, 3000).tolist()).node
         for step in range(12):   # a speculative loop: verify a token tree, keep one path, repeat
             ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 64).tolist(), medusa.parents)
-            out.extend(engine.step(return_hidden=True) if step % 2 else (engine.step(),))
+            verified = engine.step(return_hidden=bool(step % 2))
+            out += [verified.logits] + ([verified.hidden] if step % 2 else [])
             engine.tree.prune(ids[0])
             engine.tree.extend(root, gen.integers(0, 512, int(gen.integers(1, 300))).tolist())
-            out.append(engine.step(logits_rows=[0]))
+            out.append(engine.step(logits_rows=[0]).logits)
         kids = engine.tree.branch(root, [[int(t)] for t in gen.integers(0, 512, 5)])
         for _ in range(3):
-            out.append(engine.step())
+            out.append(engine.step().logits)
             engine.tree.extend_many({k: [int(gen.integers(0, 512))] for k in kids})
-        out.append(engine.step())
+        out.append(engine.step().logits)
         results.append(out)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
@@ -315,7 +339,7 @@ def test_pool_sized_from_free_gpu_memory():
     pool_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * engine.kv_capacity_tokens
     assert 0 < pool_bytes <= 0.5 * free_before
     assert "sized from free GPU memory" in engine.kv_pool_reason
-    root, logits = engine.prefill([1, 2, 3])
+    logits = engine.prefill([1, 2, 3]).logits
     assert logits.shape == (c.vocab_size,) and logits.device.type == "cuda"
 
 
@@ -332,12 +356,12 @@ def test_auto_backend_steps_equal_triton_steps():
     results = []
     for engine in engines:
         gen = np.random.default_rng(3)
-        root, _ = engine.prefill(gen.integers(0, 512, 2500).tolist())
+        root = engine.prefill(gen.integers(0, 512, 2500).tolist()).node
         ids = engine.tree.add_token_tree(root, gen.integers(0, 512, 128).tolist(), medusa.parents)
-        verify = engine.step()
+        verify = engine.step().logits
         engine.tree.prune(ids[0])
         engine.tree.extend(root, [int(gen.integers(0, 512))])  # a decode step under the same prompt
-        results.append((verify, engine.step(logits_rows=[0])))
+        results.append((verify, engine.step(logits_rows=[0]).logits))
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
@@ -351,10 +375,10 @@ def test_step_reads_device_tokens_instead_of_placeholders(tiny, graphs):
     options = dict(backend="triton", cuda_graphs=CudaGraphConfig(capture=False)) if graphs else {}
     real, placeholders = make_engine(tiny, **options), make_engine(tiny, **options)
     for engine in (real, placeholders):
-        root, _ = engine.prefill(list(range(30, 50)))
+        root = engine.prefill(list(range(30, 50))).node
         engine.tree.branch(root, [[7], [0]] if engine is real else [[0], [0]])
-    expected = real.step()
+    expected = real.step().logits
     for bad, error in [(torch.tensor([7]), ValueError), (torch.tensor([7.0, 0.0]), TypeError), ([7, 0], TypeError)]:
         with pytest.raises(error, match="tokens must"):
             placeholders.step(tokens=bad)
-    torch.testing.assert_close(placeholders.step(tokens=torch.tensor([7, 0])), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(placeholders.step(tokens=torch.tensor([7, 0])).logits, expected, atol=1e-5, rtol=0)

@@ -19,7 +19,7 @@ def tiny():
 def _steps(engine: Engine) -> list:
     """Steps over a branch of 5 tokens with logits, hidden and aux rows of every kind."""
     engine.capture_hidden_layers([1])
-    root, _ = engine.prefill(list(range(20, 33)))
+    root = engine.prefill(list(range(20, 33))).node
     cases = [dict(logits_rows=[4, 0, 4]),                                        # fewer rows, in any order
              dict(logits_rows=[1] * 40, return_hidden=True),                      # more rows than the bucket
              dict(logits_rows=[2], hidden_rows=[0, 1, 2, 3, 4], return_hidden=True, return_aux=True),
@@ -29,7 +29,7 @@ def _steps(engine: Engine) -> list:
     for case in cases:
         leaf = engine.tree.branch(root, [[5, 6, 7, 8, 9]])[0]
         result = engine.step(**case)
-        out.append(result if isinstance(result, tuple) else (result,))
+        out.append(tuple(t for t in (result.logits, result.hidden, result.aux) if t is not None))
         engine.tree.prune(leaf)
         engine.tree.commit_step()
     return out

@@ -50,7 +50,7 @@ def check_step(engine: Engine, hf_model, logits_rows=None) -> int:
     nodes, positions = layout.node_ids[layout.query_node], layout.query_position
     rows = np.arange(layout.num_queries) if logits_rows is None else np.asarray(logits_rows)
     sequences = [engine.tree.sequence(int(nodes[r]))[: positions[r] + 1] for r in rows]
-    logits = engine.step(logits_rows=logits_rows)
+    logits = engine.step(logits_rows=logits_rows).logits
     assert logits.shape == (len(rows), hf_model.config.vocab_size)
     for i, seq in enumerate(sequences):
         torch.testing.assert_close(logits[i], hf_logits(hf_model, seq), atol=ATOL, rtol=0)
@@ -73,9 +73,9 @@ def test_tree_steps_match_transformers_per_path(seed, page_size):
     prompts = [toks(int(rng.integers(5, 40))), toks(int(rng.integers(3, 10)))]
     roots = []
     for p in prompts:
-        root, logits = engine.prefill(p)
-        torch.testing.assert_close(logits, hf_logits(hf, p), atol=ATOL, rtol=0)
-        roots.append(root)
+        prefilled = engine.prefill(p)
+        torch.testing.assert_close(prefilled.logits, hf_logits(hf, p), atol=ATOL, rtol=0)
+        roots.append(prefilled.node)
 
     # step 1: branch the first request, extend the second
     kids = tree.branch(roots[0], [toks(int(rng.integers(1, 4))) for _ in range(3)])
@@ -107,9 +107,9 @@ def test_other_architectures_match_transformers(kind):
     """Qwen2 (q/k/v biases, tied embeddings) and Mistral run as Llama does."""
     hf = tiny_hf(kind, seed=3)
     engine = Engine(from_hf_model(hf), kv_tokens=256, page_size=8, backend="torch")
-    root, logits = engine.prefill(list(range(3, 20)))
-    torch.testing.assert_close(logits, hf_logits(hf, list(range(3, 20))), atol=ATOL, rtol=0)
-    engine.tree.branch(root, [[5], [6, 7]])
+    prefilled = engine.prefill(list(range(3, 20)))
+    torch.testing.assert_close(prefilled.logits, hf_logits(hf, list(range(3, 20))), atol=ATOL, rtol=0)
+    engine.tree.branch(prefilled.node, [[5], [6, 7]])
     check_step(engine, hf)
 
 
@@ -118,7 +118,7 @@ def test_llama_attention_and_mlp_bias():
     config = ModelConfig.from_hf(hf.config)
     assert config.qkv_bias and config.o_bias and config.mlp_bias
     engine = Engine(from_hf_model(hf), kv_tokens=256, backend="torch")
-    root, _ = engine.prefill([1, 2, 3, 4])
+    root = engine.prefill([1, 2, 3, 4]).node
     engine.tree.branch(root, [[9], [8]])
     check_step(engine, hf)
 
@@ -126,7 +126,7 @@ def test_llama_attention_and_mlp_bias():
 def test_reference_backend_agrees():
     hf = tiny_hf("llama", seed=5)
     engine = Engine(from_hf_model(hf), kv_tokens=256, backend="reference")
-    root, _ = engine.prefill([1, 2, 3, 4, 5])
+    root = engine.prefill([1, 2, 3, 4, 5]).node
     engine.tree.add_token_tree(root, [6, 7, 8, 9], [-1, 0, 0, 1])
     check_step(engine, hf)
 

@@ -21,9 +21,9 @@ from treedec.search.speculative import greedy_generate, speculative_generate
 def run_steps(model) -> list[torch.Tensor]:
     """Prefill + a branching step; all logits."""
     engine = Engine(model, kv_tokens=256, page_size=4, backend="torch")
-    root, first = engine.prefill([5, 9, 2, 7, 1, 3])
-    engine.tree.branch(root, [[4], [8, 6]])
-    return [first, engine.step()]
+    root = engine.prefill([5, 9, 2, 7, 1, 3])
+    engine.tree.branch(root.node, [[4], [8, 6]])
+    return [root.logits, engine.step().logits]
 
 
 @pytest.mark.parametrize("kind,shard", [("llama", None), ("llama", "200KB"), ("qwen2", "200KB")])
@@ -123,7 +123,7 @@ def test_transformers_model_sharing_treedec_weights():
     assert attn.q_proj.weight.data_ptr() == qkv.data_ptr()
     assert attn.k_proj.weight.data_ptr() == qkv[q_rows:].data_ptr()
     engine = Engine(model, kv_tokens=64, backend="torch")
-    _, logits = engine.prefill([3, 1, 4, 1, 5])
+    logits = engine.prefill([3, 1, 4, 1, 5]).logits
     torch.testing.assert_close(logits, hf_logits(hf.eval(), [3, 1, 4, 1, 5]), atol=1e-4, rtol=0)
 
 

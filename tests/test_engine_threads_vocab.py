@@ -36,7 +36,7 @@ def test_guard_is_reentrant_for_one_thread_and_refuses_another():
 
 def test_a_second_thread_stepping_the_engine_raises_and_changes_nothing():
     engine = make_engine(tiny_model())
-    node, _ = engine.prefill([1, 2, 3])
+    node = engine.prefill([1, 2, 3]).node
     engine.tree.extend(node, [4])
     free_before, pending_before = engine.pool.num_free_pages, engine.tree.num_pending
     errors: list[BaseException] = []
@@ -62,9 +62,9 @@ def test_threads_taking_turns_are_fine():
     results = []
 
     def run(prompt):
-        node, logits = engine.prefill(prompt)
-        results.append(int(logits.argmax()))
-        engine.tree.prune(node)
+        prefilled = engine.prefill(prompt)
+        results.append(int(prefilled.logits.argmax()))
+        engine.tree.prune(prefilled.node)
 
     for prompt in ([1, 2, 3], [4, 5]):
         thread = threading.Thread(target=run, args=(prompt,))
@@ -77,12 +77,12 @@ def test_restrict_vocab_masks_every_output_row():
     model = tiny_model()
     engine = make_engine(model)
     vocab = model.config.vocab_size
-    node, logits = engine.prefill([1, 2, 3])
-    top = int(logits.argmax())
+    prefilled = engine.prefill([1, 2, 3])
+    top = int(prefilled.logits.argmax())
     engine.restrict_vocab(top)   # the id greedy would take is now out of range
     assert engine.vocab_limit == top
-    engine.tree.extend(node, [top - 1])
-    out = engine.step()
+    engine.tree.extend(prefilled.node, [top - 1])
+    out = engine.step().logits
     assert out.shape[-1] == vocab
     assert torch.isneginf(out[..., top:]).all() and torch.isfinite(out[..., :top]).all()
     assert int(out.argmax()) < top
@@ -103,8 +103,7 @@ def test_restrict_vocab_to_the_whole_vocabulary_changes_nothing():
     engine = make_engine(model)
     engine.restrict_vocab(model.config.vocab_size)
     assert engine.vocab_limit is None
-    node, logits = engine.prefill([1, 2, 3])
-    assert torch.isfinite(logits).all()
+    assert torch.isfinite(engine.prefill([1, 2, 3]).logits).all()
 
 
 class _PaddedTokenizer:
@@ -132,9 +131,9 @@ def test_generate_batch_with_a_smaller_tokenizer_never_samples_ids_it_cannot_dec
     model = tiny_model()
     engine = make_engine(model)
     prompt = [1, 2, 3]
-    node, logits = engine.prefill(prompt)
-    size = int(logits.argmax())   # greedy's first pick lies past the tokenizer
-    engine.tree.prune(node)
+    prefilled = engine.prefill(prompt)
+    size = int(prefilled.logits.argmax())   # greedy's first pick lies past the tokenizer
+    engine.tree.prune(prefilled.node)
     tokenizer = _PaddedTokenizer(size)
     specs = [RequestSpec(0, prompt_ids=prompt, max_new_tokens=8, temperature=temperature, seed=1)]
     [result], _ = generate_batch(engine, specs, tokenizer=tokenizer)

@@ -33,9 +33,10 @@ def test_recorded_run_replays_to_the_same_tree_after_every_step(tiny):
         engine.step()
         shapes.append(shape_of(engine.tree))
 
-    root, logits = engine.prefill(range(12))
+    prefilled = engine.prefill(range(12))
+    root = prefilled.node
     shapes.append(shape_of(engine.tree))
-    a, b, c = engine.tree.branch(root, [[int(logits.argmax())]] * 3)   # branch into 3
+    a, b, c = engine.tree.branch(root, [[int(prefilled.logits.argmax())]] * 3)   # branch into 3
     step()
     for _ in range(2):                                                  # decode all leaves
         engine.tree.extend_many({leaf: [1] for leaf in engine.tree.live_leaves()})
@@ -70,7 +71,7 @@ def test_recorded_run_replays_to_the_same_tree_after_every_step(tiny):
 def test_round_trip_through_json(tiny, tmp_path):
     engine = Engine(tiny, kv_tokens=256, page_size=4, backend="torch")
     recorder = ScheduleRecorder(engine, prompt_ids=True)
-    root, _ = engine.prefill([3, 1, 4, 1, 5])
+    root = engine.prefill([3, 1, 4, 1, 5]).node
     engine.tree.branch(root, [[9], [2]])
     engine.step()
     path = tmp_path / "run.json"
@@ -104,7 +105,7 @@ def test_bad_arguments(tiny, kwargs, error, message):
 def test_a_failed_call_raises_its_own_error_and_records_nothing(tiny):
     engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
     recorder = ScheduleRecorder(engine, token_ids=True)
-    root, _ = engine.prefill([1, 2, 3])
+    root = engine.prefill([1, 2, 3]).node
     tree = engine.tree
     failing = [
         (lambda: tree.extend(99, [1]), TreeError, "unknown node id 99"),

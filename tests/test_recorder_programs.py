@@ -298,7 +298,7 @@ def test_recorded_scheduler_run_replays_from_its_file(tmp_path):
 def test_children_accept_truncate_pause_and_an_accept_of_plain_nodes():
     def run(engine):
         tree = engine.tree
-        root, _ = engine.prefill(prompt(12, 9))
+        root = engine.prefill(prompt(12, 9)).node
         a, b = tree.branch(root, [[5], [6, 7]])
         engine.step()
         tree.pause(b)
@@ -324,7 +324,7 @@ def test_children_accept_truncate_pause_and_an_accept_of_plain_nodes():
 def test_a_prune_after_the_steps_tokens_is_recorded_in_place():
     def run(engine):
         tree = engine.tree
-        root, _ = engine.prefill(prompt(13, 6))
+        root = engine.prefill(prompt(13, 6)).node
         a, b = tree.branch(root, [[1], [2]])
         engine.step()
         tree.extend(a, [3])

@@ -60,9 +60,9 @@ def test_medusa_accept_moves_kv_like_a_prefill(tiny):
     accepted = engine.tree.sequence(seq)
     assert len(accepted) == 20 + sum(len(s[0].ids) for s in schedule.steps[2:5])
     engine.tree.extend(seq, [7])
-    logits = engine.step()[0]
+    logits = engine.step().logits[0]
     fresh = Engine(tiny, kv_tokens=512, page_size=4, backend="torch")
-    _, expected = fresh.prefill(accepted + [7])
+    expected = fresh.prefill(accepted + [7]).logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     engine.tree.check_invariants()
 
@@ -225,7 +225,7 @@ def test_engine_counts_planning_time_and_kv_reads():
     """Replay's plan_ms and KV IO come from engine.stats, which eager and graphed steps both fill."""
     from tests.engines import make_engine, tiny_model
     engine = make_engine(tiny_model())
-    root, _ = engine.prefill(list(range(20)))
+    root = engine.prefill(list(range(20))).node
     engine.tree.branch(root, [[1], [2]])
     before = dict(engine.stats)
     engine.step()

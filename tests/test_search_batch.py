@@ -119,7 +119,7 @@ def test_results_reach_the_callback_as_requests_retire(tiny):
 ])
 def test_bad_requests_raise_before_anything_runs(tiny, specs, kwargs, error, message):
     engine = Engine(tiny, kv_tokens=256, page_size=4, backend="torch")
-    other, _ = engine.prefill([1, 2, 3])
+    other = engine.prefill([1, 2, 3]).node
     free = engine.pool.num_free_pages
     with pytest.raises(error, match=message):
         generate_batch(engine, specs, **kwargs)

@@ -144,7 +144,7 @@ def test_beams_share_the_prompt_and_prefixes(model):
 
 def test_other_requests_are_left_alone(model):
     engine = make_engine(model)
-    other, _ = engine.prefill([1, 2, 3, 4, 5])
+    other = engine.prefill([1, 2, 3, 4, 5]).node
     free = engine.pool.num_free_pages
     beam_search(engine, PROMPT, 2, 4)
     assert engine.tree.roots == [other] and engine.pool.num_free_pages == free

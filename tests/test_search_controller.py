@@ -57,7 +57,7 @@ def test_branch_every_follows_the_policy(tiny, page_size):
 def test_other_requests_in_the_forest_are_left_alone(tiny):
     """A controller run sees and grows only its own request's leaves, whatever else the forest holds."""
     engine = make_engine(tiny)
-    other, _ = engine.prefill([3, 1, 4, 1, 5])
+    other = engine.prefill([3, 1, 4, 1, 5]).node
     engine.tree.branch(other, [[9], [2]])
     engine.step()
     before = {n: engine.tree.tokens(n) for n in engine.tree.children(other)}

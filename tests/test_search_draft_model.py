@@ -127,7 +127,7 @@ def test_sampled_trees_keep_children_in_draw_order_and_report_their_distribution
     parents, tokens = trees[0]
     assert trees[0] == trees[1] and len(tokens) == 6 and tokens[0] == 7
     probs = draft.draft_probs
-    _, root_logits = Engine(tiny, kv_tokens=64, page_size=4, backend="torch").prefill([5, 9, 2, 7])
+    root_logits = Engine(tiny, kv_tokens=64, page_size=4, backend="torch").prefill([5, 9, 2, 7]).logits
     assert torch.allclose(probs[0], sampling_probs(root_logits, params), atol=1e-5)
     for node in range(len(tokens)):
         kids = [i for i, p in enumerate(parents) if p == node]

@@ -206,13 +206,13 @@ def test_medusa_reads_the_hidden_state_of_the_last_accepted_token(tiny, referenc
     accepts a whole path of the deepest choice ([0, 0, 0, 0]): 4 draft tokens."""
     prompt, ref = reference
     engine = make_engine(tiny)
-    node, logits, hidden = engine.prefill(prompt, return_hidden=True)
-    states, out = [hidden], [int(greedy(logits))]
+    prefilled = engine.prefill(prompt, return_hidden=True)
+    states, out = [prefilled.hidden], [int(greedy(prefilled.logits))]
     while len(out) < NEW_TOKENS + 8:
-        engine.tree.extend(node, out[-1:])
-        logits, hidden = engine.step(return_hidden=True)
-        states.append(hidden[0])
-        out.append(int(greedy(logits[0])))
+        engine.tree.extend(prefilled.node, out[-1:])
+        step = engine.step(return_hidden=True)
+        states.append(step.hidden[0])
+        out.append(int(greedy(step.logits[0])))
     assert out == ref
     heads = OracleHeads(torch.stack(states), ref)
     for in_step in (True, False):   # the heads inside the verification step, or after it

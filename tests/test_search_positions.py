@@ -11,7 +11,7 @@ from treedec.engine import Engine, ModelConfig, from_config
 from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, beam_search
 from treedec.search.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.scheduler import run_programs
 from treedec.search.speculative import speculative_generate
@@ -116,7 +116,7 @@ def test_speculative_decoding_counts_the_draft_s_depth():
     assert len(tokens) == 12
 
 
-class DeepDraft:
+class DeepDraft(DraftSource):
     """A chain draft ``depth`` tokens deep that declares ``max_depth`` (or nothing)."""
 
     def __init__(self, depth, max_depth=None):

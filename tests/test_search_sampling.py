@@ -67,7 +67,7 @@ def test_kept_samples_hold_their_computed_kv(tiny):
     engine = make_engine(tiny)
     result = parallel_sample(engine, PROMPT, 3, 5, SamplingParams(temperature=1.5), generator=seeded(2), keep=True)
     node = result.samples[1].node
-    _, logits = engine.prefill([11], parent=node)
+    logits = engine.prefill([11], parent=node).logits
     assert int(logits.argmax()) == plain_greedy(tiny, PROMPT + result.samples[1].tokens + [11], 1)[0]
 
 
@@ -134,7 +134,7 @@ def test_pipelined_sampling_gives_the_same_samples_and_tree(tiny, keep, max_new_
                      engine.pool.num_free_pages))
         if keep:   # kept nodes hold computed K/V: greedy under one equals greedy from scratch
             s = max(result.samples, key=lambda s: len(s.tokens))
-            _, logits = engine.prefill([11], parent=s.node)
+            logits = engine.prefill([11], parent=s.node).logits
             assert int(logits.argmax()) == plain_greedy(tiny, PROMPT + s.tokens + [11], 1)[0]
     assert runs[0] == runs[1]
     if max_new_tokens == 12 and temperature > 0:
@@ -217,7 +217,7 @@ def test_bad_sampling_params_raise(make, message):
 ])
 def test_bad_arguments_raise_and_change_nothing(tiny, kwargs, message):
     engine = make_engine(tiny)
-    other, _ = engine.prefill([1, 2, 3])
+    other = engine.prefill([1, 2, 3]).node
     free, steps = engine.pool.num_free_pages, engine.stats["steps"]
     with pytest.raises(ValueError, match=message):
         parallel_sample(engine, PROMPT, **(dict(n=2, max_new_tokens=3) | kwargs))

@@ -102,7 +102,7 @@ class Failing(Program):
                                               ("yield", TypeError, "Failing.run yielded str, not a StepRequest")])
 def test_a_failing_program_ends_the_run_and_frees_every_program(tiny, what, error, match):
     engine = make_engine(tiny)
-    other, _ = engine.prefill([1, 2, 3])   # not the run's: left alone
+    other = engine.prefill([1, 2, 3]).node   # not the run's: left alone
     free = engine.pool.num_free_pages
     with pytest.raises(error, match=match):
         run_programs(engine, [Greedy(prompt(0), 8), Failing(2, what), Greedy(prompt(1), 8)])
@@ -115,7 +115,7 @@ def test_run_programs_checks_its_arguments(tiny):
         run_programs(engine, [[1, 2]])
     with pytest.raises(ValueError, match="max_step_tokens must be an int >= 1, got 0"):
         run_programs(engine, [], max_step_tokens=0)
-    root, _ = engine.prefill([1, 2])
+    root = engine.prefill([1, 2]).node
     engine.tree.extend(root, [3])
     with pytest.raises(ValueError, match="the engine's tree has 1 pending token"):
         run_programs(engine, [Greedy(prompt(0), 1)])

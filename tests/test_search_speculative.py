@@ -7,7 +7,7 @@ from treedec.engine import Engine
 from treedec.errors import TreeError
 from treedec.search.draft_model import DraftModelDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.speculative import greedy_generate, speculative_generate, verify_greedy
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
@@ -114,7 +114,7 @@ def test_prompt_lookup_draft():
 
 def test_verify_errors_change_nothing(tiny):
     engine = make_engine(tiny)
-    node, _ = engine.prefill([1, 2, 3])
+    node = engine.prefill([1, 2, 3]).node
     tree = TokenTree.chain(2)
     before = (engine.tree.num_tokens, engine.pool.num_free_pages)
     with pytest.raises(ValueError, match="one token per tree token .3., got 2"):
@@ -141,7 +141,7 @@ def test_verify_errors_change_nothing(tiny):
         speculative_generate(make_engine(tiny), [1, 2], PromptLookupDraft(), 0)
 
 
-class _BadRoot:
+class _BadRoot(DraftSource):
     def propose(self, sequence_tokens):
         return TokenTree.chain(1), [0 if sequence_tokens[-1] else 1, 5]
 

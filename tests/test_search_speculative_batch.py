@@ -6,7 +6,8 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.search.speculative import speculative_generate
 from treedec.search.speculative_batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
@@ -103,13 +104,33 @@ def test_drafts_with_different_row_heads_are_refused_and_change_nothing(tiny):
 
 
 def test_a_draft_that_breaks_the_protocol_frees_everything(tiny):
-    class Wrong:
+    class Wrong(DraftSource):
         def propose(self, tokens):
             return medusa_token_tree(), list(np.zeros(32, dtype=int))   # root 0, not the last token
 
     engine = make_engine(tiny)
     with pytest.raises(ValueError, match="must return tokens\\[0\\] == the last sequence token"):
         speculative_batch(engine, specs(2), lambda spec: Wrong())
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+class _DuckDraft:
+    """A propose method but no DraftSource: refused by its type, not probed for members."""
+
+    def propose(self, tokens):
+        return TokenTree.chain(0), [int(tokens[-1])]
+
+
+@pytest.mark.parametrize("value", [_DuckDraft(), None, "ngram", PromptLookupDraft], ids=["duck", "none", "str", "class"])
+def test_a_draft_that_is_not_a_draft_source_is_refused_by_its_type(tiny, value):
+    engine = make_engine(tiny)
+    name = type(value).__name__
+    with pytest.raises(TypeError, match=rf"^draft must be a draft source, got {name}: subclass "
+                                        rf"treedec\.search\.drafts\.DraftSource"):
+        speculative_generate(engine, [1, 2, 3], value, 4)
+    with pytest.raises(TypeError, match=rf"^request 1: draft\(spec\) must be a draft source, got {name}: subclass "
+                                        rf"treedec\.search\.drafts\.DraftSource"):
+        speculative_batch(engine, specs(2), lambda spec: PromptLookupDraft() if spec.id == 0 else value)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
 

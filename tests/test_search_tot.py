@@ -262,7 +262,7 @@ def test_bad_configs_raise(make, match):
 ])
 def test_bad_input_raises_and_leaves_the_engine_as_it_was(run, error, match):
     engine = make_engine(page_size=4, kv_tokens=4 * 40)
-    other, _ = engine.prefill([1, 2, 3])   # another request of the forest, untouched
+    other = engine.prefill([1, 2, 3]).node   # another request of the forest, untouched
     before = (engine.tree.num_nodes, engine.pool.num_free_pages)
     with pytest.raises(error, match=match):
         run(engine)

@@ -73,7 +73,7 @@ def test_graphed_chain_equals_steps_one_by_one(bigram, triton_device):
     runs = []
     for graphed in (False, True):
         e = engines(bigram, graphed)
-        nodes = [e.prefill(p[:-1])[0] for p in prompts]
+        nodes = [e.prefill(p[:-1]).node for p in prompts]
         chain = GreedyChain(e, nodes, 4)
         first = torch.tensor([p[-1] for p in prompts])
         runs.append([chain.chain.run({"first": first})[0].clone() for _ in range(2)])
@@ -111,7 +111,7 @@ def test_graphed_eagle_drafting_equals_eager(bigram, triton_device, kind):
 def test_chain_errors(bigram):
     """Bad chains raise naming the problem, changing nothing."""
     e = engines(bigram, False)
-    node = e.prefill([1, 2, 3])[0]
+    node = e.prefill([1, 2, 3]).node
     with pytest.raises(ValueError, match="length must be a positive int"):
         StepChain(e, 0, lambda i: None, lambda ctx, x: (), {})
     chain = GreedyChain(e, [node], 2)

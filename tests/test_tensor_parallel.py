@@ -156,15 +156,16 @@ def _compare_trees(plain, parallel, tp) -> dict:
     outputs = []
     for engine in (plain, parallel):
         out = []
-        root, logits = engine.prefill(prompt)
-        other, logits2 = engine.prefill(second)    # a forest of two prompts
-        out += [logits, logits2]
-        branches = engine.tree.branch(root, kids)
-        out.extend(engine.step(return_hidden=True))
-        engine.tree.extend_many({**dict(zip(branches, more)), other: [t for [t] in tail]})
-        out.append(engine.step())
-        ids = engine.tree.add_token_tree(root, tree_tokens, medusa.parents)   # a speculative token tree
-        out.extend(engine.step(logits_rows=engine.pending_rows(ids), return_hidden=True))
+        root, other = engine.prefill(prompt), engine.prefill(second)    # a forest of two prompts
+        out += [root.logits, other.logits]
+        branches = engine.tree.branch(root.node, kids)
+        step = engine.step(return_hidden=True)
+        out += [step.logits, step.hidden]
+        engine.tree.extend_many({**dict(zip(branches, more)), other.node: [t for [t] in tail]})
+        out.append(engine.step().logits)
+        ids = engine.tree.add_token_tree(root.node, tree_tokens, medusa.parents)   # a speculative token tree
+        step = engine.step(logits_rows=engine.pending_rows(ids), return_hidden=True)
+        out += [step.logits, step.hidden]
         engine.tree.prune(ids[0])
         outputs.append(out)
     for t in outputs[1]:

@@ -1,10 +1,10 @@
 """Engine: a Llama-family model on a paged KV pool and a forest of decoding trees.
 
     engine = Engine(from_pretrained("/models/Llama-3.1-8B"))   # KV pool from free GPU memory
-    root, logits = engine.prefill(prompt_ids)                   # a new tree of the forest
-    firsts = logits.topk(4).indices.tolist()
-    leaves = engine.tree.branch(root, [[t] for t in firsts])    # any tree edit ...
-    logits = engine.step()                                      # ... then one forward: [4, vocab]
+    root = engine.prefill(prompt_ids)                           # a new tree of the forest
+    firsts = root.logits.topk(4).indices.tolist()
+    leaves = engine.tree.branch(root.node, [[t] for t in firsts])   # any tree edit ...
+    logits = engine.step().logits                               # ... then one forward: [4, vocab]
 
 A step's queries are the tree's pending tokens (whatever :class:`~treedec.tree.SequenceTree`
 operations added since the last step: one token per live leaf, a speculative token tree, a
@@ -27,6 +27,7 @@ from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttent
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
+from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
 from treedec.tree import PagedKVPool, SequenceTree
@@ -137,12 +138,11 @@ class Engine:
             logger.info("token ids >= %d are never produced (the model's vocabulary has %d)", size, vocab)
 
     def prefill(self, prompt_ids: Sequence[int], parent: int | None = None, return_hidden: bool = False,
-                return_heads: bool = False) -> tuple:
-        """Add a prompt and run it; returns ``(node_id, logits [vocab] of its last token)``.
-
-        With ``return_hidden``: ``(node_id, logits, hidden [hidden_size])``, the last token's
-        final-norm hidden state; with ``return_heads`` a dict ``{name: output}`` of the row heads'
-        outputs at the last token follows (see :meth:`step`).
+                return_heads: bool = False) -> PrefillOutput:
+        """Add a prompt and run it; returns a :class:`PrefillOutput`: the prompt's node and its last
+        token's ``logits [vocab]``; with ``return_hidden`` also its ``hidden [hidden_size]`` (the
+        final-norm hidden state), with ``return_heads`` the row heads' outputs ``{name: output}`` at
+        that token (see :meth:`step`). The fields not asked for are None.
 
         ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
         ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
@@ -156,7 +156,7 @@ class Engine:
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
              hidden_rows: Sequence[int] | np.ndarray | None = None, return_aux: bool = False,
-             features: torch.Tensor | None = None) -> torch.Tensor | tuple:
+             features: torch.Tensor | None = None) -> StepOutput:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -179,7 +179,7 @@ class Engine:
             ``[0, vocab)``: a device tensor is not checked (that would wait for it).
         return_heads : bool
             Also return the row heads' outputs (:meth:`add_row_head`) at ``logits_rows``, as a
-            dict ``{name: [r, ...] tensor}`` after the other outputs.
+            dict ``{name: [r, ...] tensor}``.
         hidden_rows : [h] ints, optional
             The rows of the hidden states and ``aux`` outputs, when not ``logits_rows`` (e.g. every
             prompt token's hidden state but the last token's logits only).
@@ -192,14 +192,15 @@ class Engine:
 
         Returns
         -------
-        logits : [r, vocab] (default [Q, vocab]) in the model dtype, on the model's device;
-        followed, each when asked for and in this order, by ``hidden [h, hidden_size]``, ``aux``
-        and the row heads' dict: ``(logits, hidden)``, ``(logits, hidden, aux, heads)``, ...
+        StepOutput
+            ``logits [r, vocab]`` (default ``[Q, vocab]``) in the model dtype, on the model's device;
+            ``hidden [h, hidden_size]``, ``aux`` and the row heads' dict ``heads`` when asked for
+            (else None).
         """
         with self.guard:
             return self._step(logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features)
 
-    def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> tuple:
+    def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
         tokens = int_list(prompt_ids, "prompt_ids", low=0)
         if not tokens:
             raise TreeError("prefill needs at least one prompt token, got 0")
@@ -224,13 +225,11 @@ class Engine:
             if i:
                 self.tree.extend(node, piece)
             out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
-        if not (return_hidden or return_heads):
-            return node, out[0]
-        *tensors, heads = out if return_heads else (*out, None)
-        return (node, *(t[0] for t in tensors)) + (({k: v[0] for k, v in heads.items()},) if return_heads else ())
+        return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
+                             None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
 
     def _step(self, logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features
-              ) -> torch.Tensor | tuple:
+              ) -> StepOutput:
         layout = self.tree.layout()
         num_q = layout.num_queries
         if num_q == 0:
@@ -288,9 +287,8 @@ class Engine:
         self.tree.commit_step()
         self.stats["steps"] += 1
         self.stats["queries"] += num_q
-        out = ((logits,) + ((take_rows(hidden_all, hrows, self.device),) if return_hidden else ())
-               + ((take_rows(aux_all, hrows, self.device),) if return_aux else ()) + ((heads,) if return_heads else ()))
-        return out if len(out) > 1 else logits
+        return StepOutput(logits, take_rows(hidden_all, hrows, self.device) if return_hidden else None,
+                          take_rows(aux_all, hrows, self.device) if return_aux else None, heads)
 
     def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy the K/V held at KV-pool slots ``src_slots`` to ``dst_slots``, in every layer, on the device
@@ -328,7 +326,7 @@ class Engine:
         CUDA graph (and its ``torch.compile``): ``hidden`` is ``[rows, hidden_size]`` (after the
         final norm, as :meth:`step`'s ``return_hidden``), the result ``[rows, ...]``.
 
-        :meth:`step` with ``return_heads`` returns the outputs. E.g. Medusa heads' top-k
+        :meth:`step` with ``return_heads`` returns the outputs (its ``heads``). E.g. Medusa heads' top-k
         candidates at every verified token, computed in the verification step's graph rather than
         in a step of their own after it. Every graphed step pays for the head, whether its output
         is asked for or not; captured graphs are dropped (and recaptured at their next step).

@@ -29,11 +29,12 @@ import numpy as np
 import torch
 
 from treedec.engine.cuda_graphs import GraphRunner, _Graph
+from treedec.engine.step_output import StepOutput
 from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 from treedec.tree.validate import int_array
 
-__all__ = ["ChainContext", "ChainOutput", "ChainStep", "StepChain"]
+__all__ = ["ChainContext", "ChainStep", "StepChain"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,6 @@ class ChainStep:
 
     layout: TreeLayout
     rows: np.ndarray
-
-
-@dataclass(frozen=True)
-class ChainOutput:
-    """One step's outputs at its :attr:`ChainStep.rows`, in their order: logits ``[r, vocab]`` and the
-    final-norm hidden states ``[r, hidden_size]``."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
 
 
 class StepChain:
@@ -185,8 +177,9 @@ class ChainContext:
     def __init__(self, chain: StepChain):
         self.chain, self.engine = chain, chain.engine
 
-    def forward(self, i: int, tokens: torch.Tensor, features: torch.Tensor | None = None) -> ChainOutput:
-        """Step ``i`` on ``tokens`` ``[r]`` (and ``features [r, feature_size]``) at its rows."""
+    def forward(self, i: int, tokens: torch.Tensor, features: torch.Tensor | None = None) -> StepOutput:
+        """Step ``i`` on ``tokens`` ``[r]`` (and ``features [r, feature_size]``) at its rows: the step's logits and
+        final-norm hidden states at its rows, in their order."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
 
     def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -211,7 +204,7 @@ class _GraphedSteps(ChainContext):
             buffer = entry.row_inputs["features"]
             buffer.index_copy_(0, rows, features.to(buffer.dtype))
         out = self.engine._graphs._forward(entry.static, entry.row_inputs)
-        return ChainOutput(self._mask_vocab(out[0].index_select(0, rows)), out[1].index_select(0, rows))
+        return StepOutput(self._mask_vocab(out[0].index_select(0, rows)), out[1].index_select(0, rows))
 
 
 class _EagerSteps(ChainContext):
@@ -235,4 +228,4 @@ class _EagerSteps(ChainContext):
         e.stats["kv_tokens_read"] += plan.plan.kv_tokens_read()
         out = e._forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
                          step.rows, q_tokens, q_features)
-        return ChainOutput(self._mask_vocab(out.logits), out.hidden[at])
+        return StepOutput(self._mask_vocab(out.logits), out.hidden[at])

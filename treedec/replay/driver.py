@@ -105,7 +105,7 @@ class ScheduleDriver:
         last = len(row_node) - 1 - np.unique(row_node[::-1], return_index=True)[1]
         nodes = row_node[last]
         self.layout_seconds = time.perf_counter() - t0
-        logits = self.engine.step(logits_rows=last)
+        logits = self.engine.step(logits_rows=last).logits
         tokens = logits.argmax(dim=-1).tolist()  # the controller reads its tokens: a device sync
         self._next_token.update(zip(nodes.tolist(), tokens))
         self.emitted += tokens
@@ -130,8 +130,9 @@ class ScheduleDriver:
             self.pending += len(tokens)
             return
         if self.engine is not None:
-            nid, logits = self.engine.prefill(tokens, parent=parent)
-            self._next_token[nid] = int(logits.argmax())
+            prefilled = self.engine.prefill(tokens, parent=parent)
+            nid = prefilled.node
+            self._next_token[nid] = int(prefilled.logits.argmax())
             self.emitted.append(self._next_token[nid])
         else:
             nid = self.tree.add_prompt(tokens) if parent is None else self.tree.branch(parent, [tokens])[0]

@@ -141,7 +141,7 @@ class ScheduleRecorder:
     # ================================================================ engine calls
 
     def _prefilled(self, result, arguments, _) -> None:
-        node = int(result[0])
+        node = result.node
         tokens = self.tree.tokens(node)
         parent = arguments["parent"]
         self._ops.append(Prompt(node, tuple(tokens) if self.prompt_ids else len(tokens),

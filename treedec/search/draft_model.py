@@ -70,8 +70,9 @@ class DraftModelDraft(EngineTreeDraft):
         base = t.sequence(self._node) if self._node is not None else []
         if not base or len(seq) <= len(base) or seq[:len(base)] != base:
             self.reset()
-            self._node, logits = e.prefill(seq)
-            return logits
+            prefilled = e.prefill(seq)
+            self._node = prefilled.node
+            return prefilled.logits
         rest = seq[len(base):]
         keep = 0          # leading tokens of rest whose K/V the draft computed in its last tree
         while keep < len(rest) - 1 and tuple(rest[:keep + 1]) in self._computed:
@@ -79,7 +80,7 @@ class DraftModelDraft(EngineTreeDraft):
         ids = [self._computed[tuple(rest[:i + 1])] for i in range(keep)]
         t.accept(self._node, ids)   # their K/V move onto the node; the rest of the last tree is freed
         t.extend(self._node, rest[keep:])
-        return e.step(logits_rows=e.pending_rows([self._node]))[0]
+        return e.step(logits_rows=e.pending_rows([self._node])).logits[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
-        return self.engine.step(logits_rows=self.engine.pending_rows(self._add_frontier(paths)))
+        return self.engine.step(logits_rows=self.engine.pending_rows(self._add_frontier(paths))).logits

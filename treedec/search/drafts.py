@@ -2,7 +2,7 @@
 
 A :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree` whose root is
 the sequence's last token (see :mod:`treedec.search.speculative` for the verification).
-Here: the protocol, :class:`TargetOutput` (what a draft that reads the target sees),
+Here: the base class, :class:`TargetOutput` (what a draft that reads the target sees),
 :class:`PromptLookupDraft` (n-grams of the sequence) and :class:`TreeDraft` (a fixed shape
 with given tokens); :class:`~treedec.search.medusa.MedusaDraft` and
 :class:`~treedec.search.draft_model.DraftModelDraft` live in their own modules.
@@ -10,54 +10,83 @@ with given tokens); :class:`~treedec.search.medusa.MedusaDraft` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from treedec.engine import Engine
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["DraftSource", "PromptLookupDraft", "TargetOutput", "TreeDraft"]
 
 
-class DraftSource(Protocol):
-    """Proposes a token tree to verify after ``sequence_tokens`` (prompt + tokens so far).
+class DraftSource:
+    """Proposes a token tree to verify after ``sequence_tokens`` (prompt + tokens so far): the base
+    class of every draft source.
 
-    ``propose`` returns ``(tree, tokens)`` with ``len(tokens) == tree.size`` and
-    ``tokens[0] == sequence_tokens[-1]`` (the root: the last token, not yet computed).
-
-    Optional members, used by :func:`speculative_generate` when a draft has them (drafts
-    that condition on the target model, e.g. Medusa heads):
-
-    - ``start(engine)``: called once per request before the prefill; checks the draft
-      fits the target (vocabulary, hidden size) and resets per-request state. Raises,
-      changing nothing, when it does not fit.
-    - ``needs_hidden`` (bool): the target's hidden states are wanted in :class:`TargetOutput`.
-    - ``row_head``: a function of the target's final-norm hidden states ``[rows, hidden_size]``
-      -> ``[rows, ...]`` that the target computes at every verified token inside the
-      verification step (:meth:`Engine.add_row_head`, as ``"draft"``): e.g. Medusa heads' top-k
-      candidates, so the next draft needs no step of its own. Its output at the last accepted
-      token reaches ``observe`` as :attr:`TargetOutput.head`. The head stays on the engine after
-      the request (removing it would drop the engine's captured graphs), for the next request
-      with the same draft; ``engine.remove_row_head("draft")`` takes it off.
-    - ``observe(output)``: called with a :class:`TargetOutput` after the prefill and after
-      every verification step, before the next ``propose``.
-    - ``target_states``: ``"hidden"`` (the target's final-norm hidden states) or a tuple of
-      layer indices (the residual stream entering them: :meth:`Engine.capture_hidden_layers`):
-      the draft reads them at *every* token the target computes, in :attr:`TargetOutput.states`
-      (EAGLE drafters). Its requests then compute their whole prompt themselves (no shared prefix:
-      a shared prefix's states are not computed for each request).
-    - ``max_depth`` (int): the depth (the root's 0) of the deepest token of any tree it proposes:
-      a request's prompt + ``max_new_tokens`` + ``max_depth - 1`` positions are checked against the
-      model's before it runs (without it, the request's own tokens are, and each tree as it comes).
-    - ``draft_probs``: for a draft that samples its tokens, after each ``propose`` the
-      ``[tree.size, vocab]`` distributions it drew each node's children from (without
-      replacement, in child order), processed with the acceptance rule's temperature, top-k and
-      top-p (:func:`~treedec.search.sampling.sampling_probs`); the acceptance rule gets them
-      (:class:`~treedec.search.acceptance.RejectionSampling` is then lossless for such drafts).
+    A subclass defines :meth:`propose`; the other members have defaults that fit a draft that does
+    not read the target model (n-gram lookup, fixed trees), and drafts that condition on the target
+    (Medusa heads, EAGLE, a draft model) override those they need. :func:`speculative_generate`
+    and :func:`speculative_batch` use every member.
     """
 
-    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]: ...
+    needs_hidden: bool = False
+    """The target's final-norm hidden state at the token before each root is wanted, in
+    :attr:`TargetOutput.hidden`."""
+
+    row_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """A function of the target's final-norm hidden states ``[rows, hidden_size]`` -> ``[rows, ...]``
+    that the target computes at every verified token inside the verification step
+    (:meth:`Engine.add_row_head`, as ``"draft"``): e.g. Medusa heads' top-k candidates, so the next
+    draft needs no step of its own. Its output at the last accepted token reaches :meth:`observe` as
+    :attr:`TargetOutput.head`. The head stays on the engine after the request (removing it would
+    drop the engine's captured graphs), for the next request with the same draft;
+    ``engine.remove_row_head("draft")`` takes it off. None: no row head."""
+
+    target_states: str | tuple[int, ...] | None = None
+    """``"hidden"`` (the target's final-norm hidden states) or a tuple of layer indices (the residual
+    stream entering them: :meth:`Engine.capture_hidden_layers`): the draft reads them at *every*
+    token the target computes, in :attr:`TargetOutput.states` (EAGLE drafters). Its requests then
+    compute their whole prompt themselves (no shared prefix: a shared prefix's states are not
+    computed for each request). None: no states."""
+
+    max_depth: int | None = None
+    """The depth (the root's 0) of the deepest token of any tree it proposes: a request's prompt +
+    ``max_new_tokens`` + ``max_depth - 1`` positions are checked against the model's before it runs.
+    None: unknown (the request's own tokens are checked, and each tree as it comes)."""
+
+    draft_probs: torch.Tensor | None = None
+    """For a draft that samples its tokens, after each :meth:`propose` the ``[tree.size, vocab]``
+    distributions it drew each node's children from (without replacement, in child order),
+    processed with the acceptance rule's temperature, top-k and top-p
+    (:func:`~treedec.search.sampling.sampling_probs`); the acceptance rule gets them
+    (:class:`~treedec.search.acceptance.RejectionSampling` is then lossless for such drafts).
+    None: the draft's tokens are not sampled."""
+
+    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        """The token tree to verify after ``sequence_tokens``.
+
+        Returns
+        -------
+        (tree, tokens) : a :class:`~treedec.tree.token_tree.TokenTree` and its ``tree.size`` token
+            ids, ``tokens[0] == sequence_tokens[-1]`` (the root: the last token, not yet computed).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define propose(sequence_tokens)")
+
+    def start(self, engine: Engine) -> None:
+        """Called once per request before its prefill, with the target's engine: check the draft fits the
+        target (vocabulary, hidden size) and reset per-request state; raise, changing nothing, when it does
+        not fit. Default: nothing to check."""
+
+    def observe(self, output: TargetOutput) -> None:
+        """Called with a :class:`TargetOutput` after the prefill and after every verification step that
+        does not end the request, before the next :meth:`propose`. Default: ignored."""
+
+    def reset(self) -> None:
+        """Called when a request ends without keeping its node (and after a failure): free the draft's
+        per-request state (a drafter's KV pages: its engine may serve other requests). Default: nothing
+        to free."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +115,7 @@ class TargetOutput:
 
 
 @dataclass
-class PromptLookupDraft:
+class PromptLookupDraft(DraftSource):
     """Prompt-lookup (n-gram) drafts: continue the sequence as it continued after an earlier
     occurrence of its last n-gram.
 
@@ -131,7 +160,7 @@ class PromptLookupDraft:
         return TokenTree.chain(0), [int(seq[-1])]
 
 
-class TreeDraft:
+class TreeDraft(DraftSource):
     """A fixed tree shape with caller-given draft tokens (a replayed or scripted draft).
 
     Parameters
@@ -160,6 +189,13 @@ class TreeDraft:
     def _check(self, draft: list[int]) -> None:
         if len(draft) != self.tree.size - 1:
             raise ValueError(f"TreeDraft needs {self.tree.size - 1} draft tokens (tree.size - 1), got {len(draft)}")
+
+
+def check_draft_source(value, what: str) -> None:
+    """Raise a TypeError naming ``what`` and the type of ``value`` unless it is a :class:`DraftSource`."""
+    if not isinstance(value, DraftSource):
+        raise TypeError(f"{what} must be a draft source, got {type(value).__name__}: subclass "
+                        f"treedec.search.drafts.DraftSource (it declares every member a draft may define)")
 
 
 # ================================================================ private

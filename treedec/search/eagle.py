@@ -230,9 +230,9 @@ class EagleDraft(EngineTreeDraft):
             else:
                 t.extend(self._node, piece)
             last = len(piece) - 1
-            logits, hidden = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
-        self._outputs = {(): hidden[0]}
-        return logits[0]
+            out = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
+        self._outputs = {(): out.hidden[0]}
+        return out.logits[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine
@@ -241,9 +241,9 @@ class EagleDraft(EngineTreeDraft):
         parents = torch.stack([self._outputs[p[:-1]] for p in paths])
         features = torch.empty_like(parents)
         features[rows_t] = parents            # query order
-        logits, hidden = e.step(logits_rows=rows, return_hidden=True, features=features)
-        self._outputs.update(zip(paths, hidden))
-        return logits
+        out = e.step(logits_rows=rows, return_hidden=True, features=features)
+        self._outputs.update(zip(paths, out.hidden))
+        return out.logits
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.drafter.to_target_ids(draft_ids)

@@ -24,7 +24,7 @@ from torch import nn
 
 from treedec.engine import Engine, Llama
 from treedec.engine.loading import read_state_dict
-from treedec.search.drafts import TargetOutput
+from treedec.search.drafts import DraftSource, TargetOutput
 from treedec.tree.token_tree import TokenTree
 
 #: A small Medusa tree (10 draft tokens, depth 4): top-3 of head 0, top-2 after the best, ...
@@ -142,7 +142,7 @@ def load_medusa_heads(path: str | Path, model: Llama) -> MedusaHeads:
     return heads.to(model.device)
 
 
-class MedusaDraft:
+class MedusaDraft(DraftSource):
     """Token trees from Medusa heads: the draft token of choice path ``[a, b, c]`` is the
     a-th candidate of head 0, the b-th of head 1 and the c-th of head 2 (candidates
     sorted by logit, highest first), read from the target's hidden state at the token

@@ -66,7 +66,7 @@ class SharedPrefix:
     def acquire(self, engine) -> None:
         """A member starts: prefill the prefix unless it is held (the tree must have no pending tokens)."""
         if self.node is None:
-            self.node, _ = engine.prefill(self.tokens)
+            self.node = engine.prefill(self.tokens).node
         self.live += 1
 
     def leave(self, tree: SequenceTree, retired: bool) -> None:

@@ -4,7 +4,7 @@ yields and what it is resumed with.
 A program is a Python generator made by :meth:`Program.run`: it edits the engine's tree, then yields a
 :class:`StepRequest` (the nodes whose outputs it reads after the next engine step), a :class:`Read` (device
 values it needs on the host) or a :class:`Wait` (KV pages it needs first), and is resumed with a
-:class:`StepOutput`, the values, or nothing. :class:`ProgramContext` is what it sees of the run: the engine, its
+:class:`StepRows`, the values, or nothing. :class:`ProgramContext` is what it sees of the run: the engine, its
 prompt (a shared prefix included) and page helpers.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import SharedPrefix
 from treedec.search.request import Positions, check_positions
 
-__all__ = ["Program", "ProgramContext", "Read", "StepOutput", "StepRequest", "Wait"]
+__all__ = ["Program", "ProgramContext", "Read", "StepRequest", "StepRows", "Wait"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class StepRequest:
         pipelining).
     placed : the nodes whose placeholders ``tokens`` fills, when not ``nodes`` (e.g. a node whose
         token is computed but whose output row is not wanted).
-    read : a device tensor to read back; its values come in the next :class:`StepOutput`'s
+    read : a device tensor to read back; its values come in the next :class:`StepRows`'s
         ``read``, after the step is launched.
     prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
         :attr:`SchedulerStats.prompt_steps`).
@@ -78,7 +78,7 @@ class Wait:
 
 
 @dataclass
-class StepOutput:
+class StepRows:
     """A program's rows of a step (``None`` for what it did not ask for).
 
     Attributes
@@ -114,7 +114,7 @@ class Program:
     shares_prompt: bool = True
     name: str | None = None
 
-    def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepOutput | None, Any]:
+    def run(self, ctx: "ProgramContext") -> Generator[StepRequest | Wait, StepRows | None, Any]:
         """The program: edits ``ctx.engine.tree``, yields requests, returns its result. It frees its
         own nodes before it returns, and in a ``finally`` (it may be closed at any yield)."""
         raise NotImplementedError(f"{type(self).__name__} must define run(ctx)")
@@ -169,7 +169,7 @@ class ProgramContext:
 
     def prompt(self, ids: Sequence[int], parent: int | None = None, hidden: bool = False, heads: bool = False,
                aux: bool = False, all_rows: bool = False
-               ) -> Generator[StepRequest | Wait, Any, tuple[int, StepOutput]]:
+               ) -> Generator[StepRequest | Wait, Any, tuple[int, StepRows]]:
         """Add a prompt (a new tree, or a child of ``parent``) and compute it in steps of at most
         ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``. With
         ``all_rows`` the output's ``hidden`` / ``aux`` hold every prompt token's (the chunks' joined).
@@ -194,7 +194,7 @@ class ProgramContext:
         tree = engine.tree
         node = tree.add_prompt(pieces[0]) if parent is None else tree.branch(parent, [pieces[0]])[0]
         request = StepRequest([node], hidden=hidden, heads=heads, aux=aux, all_rows=all_rows, prompt=True)
-        states: list[StepOutput] = []
+        states: list[StepRows] = []
         try:
             out = yield request
             states.append(out)

@@ -4,7 +4,7 @@ A *program* (greedy or sampled generation, beam search, speculative decoding, Tr
 a branch controller) is a Python generator, made by its :meth:`Program.run`. It edits the
 engine's tree (adds the tokens it wants computed: new leaves, a prompt continuation, a
 speculative token tree) and then *yields* a :class:`StepRequest` naming the nodes whose last
-pending tokens' outputs it reads; it is resumed with a :class:`StepOutput` holding those rows
+pending tokens' outputs it reads; it is resumed with a :class:`StepRows` holding those rows
 (logits, and on request hidden states and row heads) once the step has run. When it returns,
 its return value is its result. So a program is a small state machine whose state is its
 suspended code, and the engine step is made in one place only, here. A program that needs a
@@ -42,7 +42,7 @@ its prompt and token budget) is checked against the model's positions
 Pipelining (no host wait between steps): a program may yield placeholder tokens whose ids are
 on the device (``StepRequest.tokens``: drawn from the last step's logits, not read back) and
 ask for a device tensor to be read (``StepRequest.read``); the step is launched first and the
-program gets the values read in its next :class:`StepOutput`, copied for all programs at once.
+program gets the values read in its next :class:`StepRows`, copied for all programs at once.
 
 :func:`run_program` runs a single program (the one-request functions of :mod:`treedec.search`
 are that); there a :class:`Wait` raises at once, as there is nothing to wait for.
@@ -60,7 +60,7 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import share_prefixes
-from treedec.search.program import Program, ProgramContext, Read, StepOutput, StepRequest, Wait
+from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
 from treedec.search.request import check_positions, pages_in_use
 from treedec.transfer import HostCopy, to_device
 
@@ -337,11 +337,7 @@ class _Scheduler:
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
                               hidden_rows=hidden_rows,
                               tokens=self._device_tokens(requests))
-            logits, *rest = out if isinstance(out, tuple) else (out,)
-            states = rest.pop(0) if hidden else None
-            aux_out = rest.pop(0) if aux else None
-            head_out = rest[0] if heads else None
-            argmax = logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
+            argmax = out.logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += any(r.prompt for r in requests)
             self.stats.queries_per_step.append(queries)
@@ -351,12 +347,12 @@ class _Scheduler:
         for i, (lv, r) in enumerate(zip(gathered, requests)):
             k = len(r.nodes)
             part = slice(offset, offset + k)
-            value = StepOutput()
+            value = StepRows()
             if k:
-                value.logits = logits[part]
-                value.hidden = states[hidden_parts[i]] if r.hidden else None
-                value.aux = aux_out[hidden_parts[i]] if r.aux else None
-                value.heads = {name: t[part] for name, t in head_out.items()} if r.heads else None
+                value.logits = out.logits[part]
+                value.hidden = out.hidden[hidden_parts[i]] if r.hidden else None
+                value.aux = out.aux[hidden_parts[i]] if r.aux else None
+                value.heads = {name: t[part] for name, t in out.heads.items()} if r.heads else None
                 value.argmax = argmax[part] if r.argmax else None
             if r.read is not None:
                 size = r.read.numel()

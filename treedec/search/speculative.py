@@ -31,7 +31,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.engine.text import IncrementalDetokenizer
-from treedec.search.drafts import DraftSource, TargetOutput
+from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
@@ -141,10 +141,7 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     ids = _add_tree(engine, node, tree, tokens)
     out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
                       return_heads=head_name is not None)
-    logits, *rest = out if isinstance(out, tuple) else (out,)
-    hidden = rest.pop(0) if return_hidden else None
-    heads = rest[0] if head_name is not None else None
-    return _settle(engine, node, tree, tokens, ids, acceptance, logits, hidden, heads, head_name, stop_ids)
+    return _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads, head_name, stop_ids)
 
 
 class SpeculativeProgram(Program):
@@ -157,7 +154,7 @@ class SpeculativeProgram(Program):
     Parameters
     ----------
     prompt_ids : the prompt.
-    draft : the request's draft source (its optional members: :class:`~treedec.search.drafts.DraftSource`).
+    draft : the request's draft source, a :class:`~treedec.search.drafts.DraftSource` (else TypeError).
     rule : the request's :class:`~treedec.search.stops.StopRule`.
     tokenizer : detokenizes the output (stop strings need it).
     acceptance : default :class:`GreedyAcceptance`.
@@ -171,8 +168,7 @@ class SpeculativeProgram(Program):
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64):
-        if not callable(getattr(draft, "propose", None)):
-            raise TypeError(f"draft must be a draft source (a propose method), got {type(draft).__name__}")
+        check_draft_source(draft, "draft")
         acceptance = GreedyAcceptance() if acceptance is None else acceptance
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
@@ -193,7 +189,7 @@ class SpeculativeProgram(Program):
         # While it runs, the sequence (bonus root included) has at most prompt + max_new_tokens - 1 tokens,
         # and a tree hangs its deepest token max_depth positions past the root.
         p, m = len(self.prompt_ids), self.rule.max_new_tokens
-        depth = getattr(self.draft, "max_depth", None)
+        depth = self.draft.max_depth
         if not depth:
             return Positions(p + m, f"a {p}-token prompt + max_new_tokens {m}")
         return Positions(p + m + depth - 1, f"a {p}-token prompt + max_new_tokens {m} + the draft's max_depth "
@@ -203,16 +199,14 @@ class SpeculativeProgram(Program):
         engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
-        needs_hidden = bool(getattr(draft, "needs_hidden", False))
+        needs_hidden = bool(draft.needs_hidden)
         states = self.target_states
-        observe = getattr(draft, "observe", None)
-        if hasattr(draft, "start"):
-            draft.start(engine)
+        draft.start(engine)
         if isinstance(states, tuple):
             engine.capture_hidden_layers(states)
-        head_name = _add_draft_head(engine, getattr(draft, "row_head", None))
+        head_name = _add_draft_head(engine, draft.row_head)
         stop_ids = checker.rule.eos_token_ids
-        max_depth = getattr(draft, "max_depth", None)
+        max_depth = draft.max_depth
         want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
                 "heads": head_name is not None}
         node, done = None, False
@@ -222,11 +216,10 @@ class SpeculativeProgram(Program):
             stats = SpeculativeStats(node=node)
             checker.accept(acceptance.first_token(out.logits[0]))
             stats.prefill_seconds = time.perf_counter() - start
-            if observe is not None:
-                observe(TargetOutput(self.prompt_ids + checker.token_ids,
-                                     out.hidden[-1] if needs_hidden else None,
-                                     None if head_name is None else out.heads[head_name][0].cpu(),
-                                     _states(engine, states, out, None)))
+            draft.observe(TargetOutput(self.prompt_ids + checker.token_ids,
+                                       out.hidden[-1] if needs_hidden else None,
+                                       None if head_name is None else out.heads[head_name][0].cpu(),
+                                       _states(engine, states, out, None)))
             while not checker.stopped:
                 start = time.perf_counter()
                 sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
@@ -242,15 +235,16 @@ class SpeculativeProgram(Program):
                 ids = _add_tree(engine, node, tree, tokens)
                 out = yield StepRequest([node] + ids, **want)
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker, getattr(draft, "draft_probs", None))
+                                 head_name, stop_ids, checker, draft.draft_probs)
                 stats.steps += 1
                 stats.accepted.append(len(result.accepted))
                 stats.draft_sizes.append(tree.size - 1)
                 stats.draft_seconds.append(drafted - start)
                 stats.verify_seconds.append(time.perf_counter() - drafted)
-                if observe is not None and not checker.stopped:
-                    observe(TargetOutput(self.prompt_ids + checker.token_ids, result.hidden if needs_hidden else None,
-                                         result.head, _states(engine, states, out, [0] + result.path)))
+                if not checker.stopped:
+                    draft.observe(TargetOutput(self.prompt_ids + checker.token_ids,
+                                               result.hidden if needs_hidden else None, result.head,
+                                               _states(engine, states, out, [0] + result.path)))
                 if self.on_step is not None:
                     self.on_step(stats, len(checker.token_ids))
             stats.stop_reason = checker.stop_reason
@@ -259,8 +253,7 @@ class SpeculativeProgram(Program):
         finally:
             if not (done and self.keep_node):
                 ctx.free(node)
-                if hasattr(draft, "reset"):   # a drafter's own pages (its engine may serve other requests)
-                    draft.reset()
+                draft.reset()   # a drafter's own pages (its engine may serve other requests)
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
@@ -272,8 +265,8 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
 
     Parameters
     ----------
-    draft : the draft source; its optional ``start`` / ``needs_hidden`` / ``row_head`` /
-        ``observe`` members are used (see :class:`~treedec.search.drafts.DraftSource`).
+    draft : the draft source, a :class:`~treedec.search.drafts.DraftSource` (else TypeError); its
+        ``start`` / ``needs_hidden`` / ``row_head`` / ``observe`` / ... members are used.
     max_new_tokens : int >= 1.
     acceptance : default :class:`GreedyAcceptance` (then the tokens are exactly those of
         plain greedy decoding); :class:`~treedec.search.acceptance.TypicalAcceptance` or
@@ -318,22 +311,23 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     eos = frozenset(eos_token_ids(eos_token_id, engine.model))
     prompt = [int(x) for x in prompt_ids]
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    node, logits = engine.prefill(prompt)
+    prefilled = engine.prefill(prompt)
+    node = prefilled.node
     if not pipeline:
-        out = [int(logits.argmax())]
+        out = [int(prefilled.logits.argmax())]
         while len(out) < max_new_tokens and out[-1] not in eos:
             engine.tree.extend(node, out[-1:])
-            out.append(int(engine.step()[0].argmax()))
+            out.append(int(engine.step().logits[0].argmax()))
         return out
     tree = engine.tree
-    pending = logits.argmax().reshape(1)
+    pending = prefilled.logits.argmax().reshape(1)
     read = HostCopy(pending)
     out: list[int] = []
     while True:
         launched = None
         if len(out) + 1 < max_new_tokens:
             tree.extend(node, [0])    # a placeholder: the step reads `pending` on the device
-            launched = engine.step(tokens=pending)[0].argmax().reshape(1)
+            launched = engine.step(tokens=pending).logits[0].argmax().reshape(1)
             next_read = HostCopy(launched)
         token = read.result()[0]
         if launched is not None:
@@ -368,7 +362,7 @@ def _add_draft_head(engine: Engine, row_head) -> str | None:
 
 def _target_states(draft) -> str | tuple[int, ...] | None:
     """The draft's ``target_states`` member, checked: None, "hidden" or a tuple of layer indices."""
-    states = getattr(draft, "target_states", None)
+    states = draft.target_states
     if states is None or states == "hidden":
         return states
     if isinstance(states, (tuple, list)) and states and all(isinstance(i, int) and not isinstance(i, bool)

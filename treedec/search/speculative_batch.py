@@ -23,7 +23,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule
 from treedec.search.batch import prepare_requests, request_results
-from treedec.search.drafts import DraftSource
+from treedec.search.drafts import DraftSource, check_draft_source
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
@@ -71,9 +71,8 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                              f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
                              f"temperature={spec.temperature}, n={spec.n}")
         source = draft(spec)
-        if not callable(getattr(source, "propose", None)):
-            raise TypeError(f"draft(spec) must return a draft source (a propose method), got {type(source).__name__}")
-        head = getattr(source, "row_head", None)
+        check_draft_source(source, f"request {spec.id!r}: draft(spec)")
+        head = source.row_head
         if head is not None:
             heads.setdefault(head, spec.id)
             if len(heads) > 1:

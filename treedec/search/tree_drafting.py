@@ -17,11 +17,12 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.search.drafts import DraftSource
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree, expand_by_logprob
 
 
-class EngineTreeDraft:
+class EngineTreeDraft(DraftSource):
     """The tree growth of drafts that run on their own :class:`~treedec.engine.Engine`; subclasses
     define ``_sync`` and ``_frontier_logits`` (see the module docstring). Parameters as
     :class:`~treedec.search.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
