@@ -15,6 +15,9 @@ from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
 from treedec.tree.layout import TreeLayout
 from treedec.search.eagle import EagleDraft
+from treedec.search.eagle_batch import EagleGroup
+from treedec.search.requests_file import RequestSpec
+from treedec.search.speculative_batch import speculative_batch
 from treedec.search.speculative import greedy_generate, speculative_generate
 from tests.test_eagle import bigram_eagle, bigram_eagle3
 
@@ -127,3 +130,25 @@ def test_chain_errors(bigram):
     with pytest.raises(ValueError, match=r"rows in \[0, 1\), got \[3\]"):
         out_of_range.run({})
     assert e.tree.num_pending == 0 and e.tree.sequence(node) == [1, 2, 3] and e.stats["steps"] == 1
+
+
+@pytest.mark.triton
+def test_graphed_batched_eagle_drafting_equals_alone(bigram, triton_device):
+    """Three EAGLE-3 requests in one speculative batch, their drafts sharing one graphed drafter engine:
+    drafted together (the chains of all three in one chain of 3 * top_k queries a layer, smaller ones as
+    requests finish), each emits its plain greedy tokens."""
+    if triton_device.type == "cuda":
+        pytest.skip("the GPU tests capture real graphs")
+    drafter = bigram_eagle3(bigram)
+    prompts = [[5, 9, 2, 7, 30], [1, 2, 3, 4], [8, 8, 9]]
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=4 + 2 * i, temperature=0.0)
+             for i, p in enumerate(prompts)]
+    d_engine = engines(drafter, True)
+    results, _ = speculative_batch(engines(bigram, True), specs,
+                                   lambda spec: EagleDraft(d_engine, depth=3, top_k=2, total_tokens=6))
+    for spec, result in zip(specs, results):
+        assert result.output_ids == greedy_generate(engines(bigram, False), spec.prompt_ids, spec.max_new_tokens,
+                                                    eos_token_id=None)
+    group = EagleGroup.of(d_engine)
+    assert group.stats["requests"] > group.stats["flushes"] and (3, 3, 2) in group._chains
+    assert d_engine.pool.num_free_pages == d_engine.pool.num_pages and d_engine.tree.num_nodes == 0

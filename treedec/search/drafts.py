@@ -64,6 +64,23 @@ class DraftSource:
     (:class:`~treedec.search.acceptance.RejectionSampling` is then lossless for such drafts).
     None: the draft's tokens are not sampled."""
 
+    drafts_together: bool = False
+    """True for drafts that draft for many requests at once (EAGLE's, on a shared drafter engine): a
+    speculative program then calls :meth:`submit`, lets every other program of the scheduler pass submit
+    too (:meth:`~treedec.search.program.ProgramContext.together`), and :meth:`collect` s its tree;
+    :meth:`propose` is both, alone."""
+
+    def submit(self, sequence_tokens: Sequence[int]) -> None:
+        """Queue the proposal after ``sequence_tokens`` (drafts with :attr:`drafts_together` only)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft together (drafts_together is False): "
+                                  f"call propose()")
+
+    def collect(self) -> tuple[TokenTree, list[int]]:
+        """The submitted proposal's ``(tree, tokens)``, as :meth:`propose` returns them (drafts with
+        :attr:`drafts_together` only)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft together (drafts_together is False): "
+                                  f"call propose()")
+
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         """The token tree to verify after ``sequence_tokens``.
 

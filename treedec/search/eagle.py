@@ -44,13 +44,12 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.engine.eagle import EagleDrafter
-from treedec.engine.step_chain import ChainContext, ChainStep, StepChain
 from treedec.errors import PoolExhaustedError
 from treedec.search.drafts import TargetOutput
+from treedec.search.eagle_batch import EagleGroup
 from treedec.search.sampling import SamplingParams
 from treedec.search.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
-from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleDraft"]
@@ -80,11 +79,8 @@ class EagleDraft(EngineTreeDraft):
         self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
         self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # token path -> the drafter's output feature
-        self._chain: StepChain | None = None              # the drafting chain (its graph), made at the first proposal
         self._scratch: np.ndarray | None = None           # [top_k, depth - 1] the chains' KV slots (see reset)
         self._scratch_pages: np.ndarray | None = None
-        self._scratch_device: torch.Tensor | None = None
-        self._prefix_slots: np.ndarray | None = None      # the drafter sequence's slots, at this proposal
 
     @property
     def target_states(self) -> str | tuple[int, ...]:
@@ -109,7 +105,8 @@ class EagleDraft(EngineTreeDraft):
         super().reset()
         if self._scratch_pages is not None:
             self.engine.pool.decref(self._scratch_pages)
-        self._scratch = self._scratch_pages = self._scratch_device = self._prefix_slots = None
+        EagleGroup.of(self.engine).drop(self)
+        self._scratch = self._scratch_pages = None
         self._states, self._observed, self._outputs = None, None, {}
 
     def observe(self, output: TargetOutput) -> None:
@@ -121,35 +118,30 @@ class EagleDraft(EngineTreeDraft):
         self._states = fused if self._states is None else torch.cat([self._states, fused])
         self._observed = (len(output.tokens), int(output.tokens[-1]))
 
+    @property
+    def drafts_together(self) -> bool:
+        """Greedy (top-k) EAGLE drafts draft together with the other requests on their drafter engine (its
+        :class:`~treedec.search.eagle_batch.EagleGroup`); sampled ones propose alone."""
+        return self.sample is None
+
+    def submit(self, sequence_tokens: Sequence[int]) -> None:
+        """Queue this request's proposal in its drafter engine's group (see :attr:`drafts_together`)."""
+        if self.sample is not None:
+            raise ValueError("a sampled EagleDraft proposes alone: call propose()")
+        # (not a copy of the whole sequence: the sync reads its length and its new tail only)
+        EagleGroup.of(self.engine).submit(self, sequence_tokens)
+
+    def collect(self) -> tuple[TokenTree, list[int]]:
+        """The tree of the submitted sequence: drafted together with every request submitted since."""
+        return EagleGroup.of(self.engine).collect(self)
+
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
         if self.sample is not None:
             return super().propose(sequence_tokens)
-        if not len(sequence_tokens):
-            raise ValueError("sequence_tokens must hold at least the root token, got none")
-        # (not a copy of the whole sequence: _sync reads its length and its new tail only)
-        return self._chain_tree(int(sequence_tokens[-1]), self._sync(sequence_tokens))
+        self.submit(sequence_tokens)
+        return self.collect()
 
     # ================================================================ private
-
-    def _chain_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
-        """The EAGLE-2 tree from ``depth - 1`` chained drafter steps, run as one :class:`StepChain` (one CUDA
-        graph on a graphed engine; see the module docstring)."""
-        e = self.engine
-        root_hidden = self._outputs[()]
-        if self.depth == 1:
-            (flat,) = self._chain_body(None, {"root_logits": root_logits, "root_hidden": root_hidden})
-        else:
-            if self._scratch is None:
-                self._reserve_scratch()
-            path = e.tree.path(self._node)
-            self._prefix_slots = np.concatenate([e.tree.slots(n) for n in path]) if len(path) > 1 \
-                else e.tree.slots(self._node)
-            if self._chain is None:
-                inputs = {"root_logits": (tuple(root_logits.shape), root_logits.dtype),
-                          "root_hidden": (tuple(root_hidden.shape), root_hidden.dtype)}
-                self._chain = StepChain(e, self.depth - 1, self._chain_layout, self._chain_body, inputs)
-            (flat,) = self._chain.run({"root_logits": root_logits, "root_hidden": root_hidden})
-        return _grown_tree(root, flat.tolist(), self.top_k, self.depth - 1, self.total_tokens)   # the one wait
 
     def _reserve_scratch(self) -> None:
         """The chains' KV slots, ``[top_k, depth - 1]``: pages of the drafter's pool held until :meth:`reset`."""
@@ -161,78 +153,28 @@ class EagleDraft(EngineTreeDraft):
         self._scratch_pages = e.pool.allocate(pages)
         slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
         self._scratch = slots[:k * n].reshape(k, n)
-        self._scratch_device = to_device(self._scratch, e.device)
 
-    def _chain_layout(self, i: int) -> ChainStep:
-        """Step ``i`` of the chain: chain ``j``'s token ``i`` (its tokens ``0..i`` in its scratch slots) under the
-        drafter's sequence."""
-        k, prefix = self.top_k, self._prefix_slots
-        lengths = np.full(k, i + 1, dtype=np.int64)
-        kv_start = np.concatenate([[0], len(prefix) + np.cumsum(np.concatenate([[0], lengths]))])
-        layout = TreeLayout(np.arange(k + 1, dtype=np.int64), np.array([-1] + [0] * k, dtype=np.int64), kv_start,
-                            np.concatenate([prefix, self._scratch[:, :i + 1].reshape(-1)]),
-                            np.arange(1, k + 1, dtype=np.int64), np.full(k, i, dtype=np.int64))
-        return ChainStep(layout, np.arange(k))
-
-    def _chain_body(self, ctx: ChainContext | None, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """The chain's device work: layer 1's candidates from the root's logits, then per chain step the
-        ``top_k`` chains' children; the next frontier (the ``top_k`` best children by cumulative log-prob) is
-        picked on the device, each chain taking its new parent's path (tokens, features, K/V). One flat
-        float64 tensor: layer 1's ids and log-probs, each deeper layer's ``[k, k]`` ids and log-probs, each
-        frontier's candidate index (what :func:`_grown_tree` reads)."""
-        k = self.top_k
-        top = torch.log_softmax(inputs["root_logits"].float(), dim=-1).topk(k)
-        tokens, scores = self._to_target(top.indices), top.values         # layer 1: every node is frontier
-        parts, links = [tokens.double(), scores.double()], []
-        features = inputs["root_hidden"].expand(k, -1)
-        for i in range(self.depth - 1):
-            out = ctx.forward(i, tokens, features)
-            top = torch.log_softmax(out.logits.float(), dim=-1).topk(k)   # [k chains, k children]
-            ids = self._to_target(top.indices)
-            parts += [ids.double().flatten(), top.values.double().flatten()]
-            if i == self.depth - 2:
-                break
-            pick = (scores[:, None] + top.values).flatten().topk(k).indices   # the next frontier, best first
-            links.append(pick.double())
-            parent = pick // k
-            scores = scores[parent] + top.values.flatten()[pick]
-            tokens, features = ids.flatten()[pick], out.hidden[parent]
-            slots = self._scratch_device[:, :i + 1]
-            ctx.copy_kv(slots[parent].flatten(), slots.flatten())          # chain j takes its new parent's path
-        return (torch.cat(parts + links),)
-
-    def _sync(self, seq: Sequence[int]) -> torch.Tensor:
-        """Add the queries of the observed tokens to the drafter's sequence (tokens ``seq[1:]``, query ``i``
-        pairing the target's state at ``i`` with ``seq[i + 1]``) in one step (chunked for long prompts);
-        the root's children's logits."""
+    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """The drafter's new queries for ``seq`` (its tokens ``seq[1:]``; query ``i`` pairs the target's state
+        at ``i`` with ``seq[i + 1]``): the tokens past those it holds and the target's fused states at them.
+        Frees the last proposal's tree (a sampled one's nodes)."""
         if self._observed != (len(seq), int(seq[-1])) or self._states is None:
             raise ValueError("EagleDraft.propose needs the target's states for this sequence: run it through "
                              "speculative_generate, or call observe(TargetOutput(...)) first")
-        e, t = self.engine, self.engine.tree
+        t = self.engine.tree
         have = t.sequence_length(self._node) if self._node is not None else 0
         states, self._states = self._states, None
         if have + len(states) != len(seq) - 1:
             raise ValueError(f"EagleDraft holds {have} tokens and was given the target's states at {len(states)} "
                              f"more, but the sequence has {len(seq)} (every token but the root needs one): observe "
                              f"each output of the target once")
-        tokens = [int(x) for x in seq[have + 1:]]
-        if self._node is not None:
-            t.accept(self._node, [])   # the last proposal's tree: freed
-        need = e.pool.pages_for(len(tokens) + (have % e.pool.page_size)) + 1
-        if need > e.pool.num_free_pages:
-            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {len(tokens)} tokens need up to {need} "
-                                     f"pages, {e.pool.num_free_pages} free")
-        chunk = e.prefill_chunk
-        for at in range(0, len(tokens), chunk):
-            piece = tokens[at:at + chunk]
-            if self._node is None:
-                self._node = t.add_prompt(piece)
-            else:
-                t.extend(self._node, piece)
-            last = len(piece) - 1
-            out = e.step(logits_rows=[last], return_hidden=True, features=states[at:at + chunk])
-        self._outputs = {(): out.hidden[0]}
-        return out.logits[0]
+        if self._node is not None and t.children(self._node):
+            t.accept(self._node, [])   # the last sampled proposal's tree: freed
+        return [int(x) for x in seq[have + 1:]], states
+
+    def _sync(self, seq: Sequence[int]) -> torch.Tensor:
+        """Bring the drafter to ``seq`` alone (sampled drafts): the root's children's logits."""
+        return EagleGroup.of(self.engine).sync([(self, *self._sync_inputs(seq))])[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine
@@ -257,39 +199,3 @@ class EagleDraft(EngineTreeDraft):
         out[..., ids] = probs
         return out
 
-
-def _grown_tree(root: int, flat: list[float], k: int, deeper: int, total_tokens: int) -> tuple[TokenTree, list[int]]:
-    """The tree of :meth:`EagleDraft._chain_tree`'s candidates (read back as ``flat``: layer 1's ids and
-    log-probs, each deeper layer's ``[k, k]`` ids and log-probs, each frontier's candidate index), kept as
-    :func:`~treedec.tree.token_tree.expand_by_logprob` keeps them: the ``total_tokens`` best by cumulative
-    log-prob (ties: shallower, then made first), ordered by depth then score."""
-    at = 0
-
-    def take(n: int) -> list[float]:
-        nonlocal at
-        at += n
-        return flat[at - n:at]
-
-    ids, lps = take(k), take(k)
-    # node: (score, depth, made, parent node index or -1 for the root, token)
-    nodes = [(lp, 1, i, -1, int(t)) for i, (t, lp) in enumerate(zip(ids, lps))]
-    frontier = list(range(k))
-    grids = [(take(k * k), take(k * k)) for _ in range(deeper)]
-    picks = [take(k) for _ in range(deeper - 1)] if deeper else []
-    for d, (ids, lps) in enumerate(grids):
-        base = len(nodes)
-        for j, node in enumerate(frontier):
-            for c in range(k):
-                nodes.append((nodes[node][0] + lps[j * k + c], d + 2, len(nodes), node, int(ids[j * k + c])))
-        if d < len(picks):
-            frontier = [base + int(p) for p in picks[d]]
-    kept = sorted(nodes, key=lambda n: (-n[0], n[1], n[2]))[:total_tokens]
-    kept.sort(key=lambda n: (n[1], -n[0], n[2]))
-    index = {-1: 0}
-    parents, tokens = [-1], [root]
-    for _, _, made, parent, token in kept:
-        assert parent in index, f"kept node {made} without its parent {parent}"
-        parents.append(index[parent])
-        tokens.append(token)
-        index[made] = len(index)
-    return TokenTree(tuple(parents)), tokens

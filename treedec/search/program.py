@@ -156,6 +156,13 @@ class ProgramContext:
         while pool.num_free_pages < pages:
             yield Wait(pages, reason)
 
+    def together(self) -> Generator[Read, Any, None]:
+        """Yield once, to be resumed after every other program resumed in the same scheduler pass has yielded
+        (``yield from ctx.together()``): what they queued before it is queued when this program goes on (e.g.
+        every request's EAGLE proposal, drafted for all at the first collect). An empty :class:`Read`: the
+        pass's reads go back in one copy, then its programs are resumed."""
+        yield Read(torch.zeros(0, dtype=torch.int64, device=self.engine.device))
+
     def free(self, node: int | None) -> None:
         """Prune ``node``'s subtree if it is still in the tree (a program's ``finally``). After an error
         that left tokens of that subtree pending (the run ends with it) the step's tokens are marked

@@ -223,7 +223,12 @@ class SpeculativeProgram(Program):
             while not checker.stopped:
                 start = time.perf_counter()
                 sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
-                tree, tokens = draft.propose(sequence)
+                if draft.drafts_together:   # with the other requests' drafts of this pass (one drafter step each layer)
+                    draft.submit(sequence)
+                    yield from ctx.together()
+                    tree, tokens = draft.collect()
+                else:
+                    tree, tokens = draft.propose(sequence)
                 tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
                 deepest = max(tree.depth)
                 if max_depth is not None and deepest > max_depth:
