@@ -62,7 +62,8 @@ class EagleDraft(EngineTreeDraft):
     ----------
     engine : an Engine of the :class:`~treedec.engine.eagle.EagleDrafter` (its own pool; graphs
         welcome: ``cuda_graphs=True``). The drafts of a batch's requests may share it: each keeps its
-        own sequence in its tree, and proposals run one at a time.
+        own sequence in its tree, and greedy drafts draft together, one drafter step per tree layer for
+        every request of a scheduler pass (:mod:`treedec.search.eagle_batch`).
     depth : tree layers (draft tokens per path), >= 1 (EAGLE-2: 5).
     top_k : nodes expanded per layer and children per expanded node (EAGLE-2: 8).
     total_tokens : draft tokens in the proposed tree (EAGLE-2: 63, a 64-token tree with the root).
