@@ -17,16 +17,28 @@ speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
 ``speculative_batch``), every request's tree verified in one step; the floor counts each
 request's prompt and tree. ``--medusa-heads``: the same tree drafted by random Medusa heads,
 which run inside the shared step at every request's rows (one row head for the batch).
+``--eagle eagle|eagle3``: every request drafts with an ``EagleDraft`` (EAGLE-2 trees of
+``--eagle-depth`` layers, top-k ``--eagle-top-k``, 63 draft tokens, or every candidate if fewer)
+over ONE random EAGLE-1 / EAGLE-3 drafter (``bench/programs.py``'s: EAGLE-3 with a 32000-token
+draft vocabulary) on ONE drafter engine shared by the batch (graphed as the target's; its pool
+holds every request's prompt, new tokens and chains: EAGLE requests compute their whole prompt on
+the drafter too). Its floor adds the drafter's weights once per drafter step of a proposal
+(``--eagle-depth`` of them), as ``bench/programs.py`` does: what one drafter step for all requests
+per layer would read. ``--smoke --eagle eagle3`` runs
+the tiny model with 3 layers (EAGLE-3 reads three distinct target layers; tiny has two).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -39,8 +51,10 @@ from bench.results_file import device_name, versions, write_results  # noqa: E40
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
-from bench.programs import random_heads  # noqa: E402
-from treedec.search.drafts import TreeDraft  # noqa: E402
+from bench.programs import random_drafter, random_heads  # noqa: E402
+from treedec.engine.eagle import EagleDrafter  # noqa: E402
+from treedec.search.drafts import DraftSource, TreeDraft  # noqa: E402
+from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft  # noqa: E402
 from treedec.search.speculative_batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
@@ -48,16 +62,67 @@ from treedec.workloads.deft import medusa_tree  # noqa: E402
 from treedec.search.requests_file import RequestSpec  # noqa: E402
 
 
-def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft=None) -> dict:
-    """One batch on a fresh graphed (GPU) engine: step times from the returns of its engine steps."""
+TREE_TOKENS = 64   # the Medusa-64 tree; EAGLE's 63 draft tokens and the root
+
+
+@dataclass
+class BatchDraft:
+    """What every request of a ``--speculative`` batch drafts with."""
+
+    kind: str                  # "tree", "medusa_heads", "eagle" or "eagle3"
+    tree_tokens: int           # tokens of each proposed tree, its root included
+    depth: int
+    source: Callable[[RequestSpec, Engine | None], DraftSource]   # (request, the drafter engine) -> its draft
+    top_k: int | None = None
+    drafter: EagleDrafter | None = None   # EAGLE: the one drafter of the batch
+
+    def record(self) -> dict:
+        """The draft as the results JSON names it."""
+        out = {"kind": self.kind, "tree_tokens": self.tree_tokens, "depth": self.depth, "top_k": self.top_k}
+        if self.drafter is not None:
+            out |= {"drafter_weight_bytes": self.drafter.weight_bytes(),
+                    "draft_vocab_size": self.drafter.draft_vocab_size}
+        return out
+
+
+def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | None) -> BatchDraft:
+    """The ``--speculative`` draft of ``args`` for ``model`` (a fixed tree's random tokens from ``rng``)."""
+    if args.eagle:
+        k, depth = args.eagle_top_k, args.eagle_depth
+        # EAGLE-2 keeps the best of the top_k + (depth - 1) * top_k^2 candidates its chains make.
+        tokens = 1 + min(TREE_TOKENS - 1, k + (depth - 1) * k * k)
+        return BatchDraft(args.eagle, tokens, depth, lambda spec, engine: EagleDraft(
+            engine, depth=depth, top_k=k, total_tokens=tokens - 1), k, drafter)
+    medusa = medusa_tree(TREE_TOKENS)
+    if args.medusa_heads:
+        heads = random_heads(model, int(medusa.depth.max()), 0)
+        return BatchDraft("medusa_heads", medusa.size, int(medusa.depth.max()),
+                          lambda spec, engine: MedusaDraft(heads, medusa.paths))
+    tree = TokenTree(tuple(medusa.parents.tolist()))
+    draft_tokens = rng.integers(0, model.config.vocab_size, tree.size - 1).tolist()
+    return BatchDraft("tree", tree.size, int(medusa.depth.max()), lambda spec, engine: TreeDraft(tree, draft_tokens))
+
+
+def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None) -> dict:
+    """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
+    from the returns of the target engine's steps."""
     cuda = model.device.type == "cuda"
-    tree_room = 0 if draft is None else 2 * 64 + 4 * page_size   # a tree of up to 64 tokens, and its pages
+    # a tree of up to its tree_tokens, and its pages
+    tree_room = 0 if draft is None else 2 * draft.tree_tokens + 4 * page_size
     # The pool sized to the requests (on a GPU too: memory past it stays free for the row heads' and the
     # large steps' activations).
     kv = sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size + tree_room for s in specs)
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
+    drafter = None
+    if draft is not None and draft.drafter is not None:
+        # Every request's sequence on the drafter (its whole prompt, new tokens, a tree's overshoot)
+        # and its chains' scratch slots (top_k chains of depth - 1 tokens), with their partial pages.
+        chains = draft.top_k * (draft.depth - 1)
+        drafter_kv = sum(len(s.prompt_ids) + s.max_new_tokens + draft.tree_tokens + chains + 4 * page_size
+                         for s in specs)
+        drafter = Engine(draft.drafter, kv_tokens=drafter_kv, page_size=page_size, cuda_graphs=graphs)
     ends, queries, step, tree = [], [], engine.step, engine.tree
 
     def timed(*args, **kwargs):
@@ -73,10 +138,11 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     if draft is None:
         results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0, max_step_tokens=budget)
     else:
-        results, stats = speculative_batch(engine, specs, draft, max_step_tokens=budget)
+        results, stats = speculative_batch(engine, specs, lambda spec: draft.source(spec, drafter),
+                                           max_step_tokens=budget)
     decode = stats.steps - stats.prompt_steps
     # Steps that decode every request (one token each, or each request's whole tree).
-    full = len(specs) * (1 if draft is None else 64)
+    full = len(specs) * (1 if draft is None else draft.tree_tokens)
     steady = [i for i in range(1, len(ends)) if queries[i] == full and queries[i - 1] == full]
     if not steady:
         raise RuntimeError(f"no step decoded all {len(specs)} requests together; raise --new")
@@ -85,7 +151,9 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
            "decode_steps": decode, "timed_steps": len(gaps), "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
            "waits": stats.waits, "eager": {k: v for k, v in engine.graph_stats.items() if k.startswith("eager")},
            "outputs": [r.output_ids for r in results]}
-    del engine
+    if drafter is not None:
+        out["drafter_eager"] = {k: v for k, v in drafter.graph_stats.items() if k.startswith("eager")}
+    del engine, drafter
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -106,16 +174,38 @@ def main(argv=None) -> int:
                         help="greedy speculative decoding with a fixed Medusa-64 tree draft (speculative_batch)")
     parser.add_argument("--medusa-heads", action="store_true",
                         help="with --speculative: draft the tree with random Medusa heads (in the step)")
+    parser.add_argument("--eagle", choices=["eagle", "eagle3"], default=None,
+                        help="with --speculative: EAGLE-2 trees from one random EAGLE-1 / EAGLE-3 drafter")
+    parser.add_argument("--eagle-depth", type=int, default=None, help="--eagle: tree layers (default EAGLE-2's 5)")
+    parser.add_argument("--eagle-top-k", type=int, default=None,
+                        help="--eagle: nodes expanded per layer (default EAGLE-2's 8)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
+    if args.eagle and (not args.speculative or args.medusa_heads):
+        parser.error(f"--eagle {args.eagle} is a --speculative draft, in place of --medusa-heads: give "
+                     f"--speculative and drop --medusa-heads (got --speculative={args.speculative}, "
+                     f"--medusa-heads={args.medusa_heads})")
+    if not args.eagle and (args.eagle_depth, args.eagle_top_k) != (None, None):
+        parser.error(f"--eagle-depth and --eagle-top-k shape EAGLE drafts: give --eagle eagle|eagle3 with them "
+                     f"(got --eagle-depth {args.eagle_depth}, --eagle-top-k {args.eagle_top_k})")
+    args.eagle_depth = 5 if args.eagle_depth is None else args.eagle_depth
+    args.eagle_top_k = 8 if args.eagle_top_k is None else args.eagle_top_k
+    if args.eagle_depth < 1 or args.eagle_top_k < 1:
+        parser.error(f"--eagle-depth and --eagle-top-k must be >= 1, got {args.eagle_depth} and {args.eagle_top_k}")
     if args.smoke:
         args.model, args.requests, args.system, args.question, args.new, args.timed_steps = "tiny", "1,4", 40, 5, 6, 3
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     config = ModelConfig.from_name(args.model)
+    if args.eagle == "eagle3" and config.num_layers < 3:
+        if not args.smoke:
+            parser.error(f"--eagle eagle3 reads three distinct target layers; --model {args.model} has "
+                         f"{config.num_layers}: pick a larger model or --eagle eagle")
+        config = dataclasses.replace(config, num_layers=3)   # the smoke's tiny model, one layer more
     model = from_config(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    drafter = random_drafter(model, args.eagle, 0) if args.eagle else None
     rng = np.random.default_rng(0)
     system = rng.integers(0, config.vocab_size, args.system).tolist()
     bandwidth = copy_bandwidth(device)
@@ -124,26 +214,26 @@ def main(argv=None) -> int:
     for count in [int(x) for x in args.requests.split(",")]:
         specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
                              max_new_tokens=args.new, temperature=0.0) for i in range(count)]
-        draft = None
-        if args.speculative and args.medusa_heads:
-            medusa = medusa_tree(64)
-            heads = random_heads(model, int(medusa.depth.max()), 0)
-            draft = lambda spec: MedusaDraft(heads, medusa.paths)  # noqa: E731
-        elif args.speculative:
-            tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
-            draft_tokens = rng.integers(0, config.vocab_size, tree.size - 1).tolist()
-            draft = lambda spec: TreeDraft(tree, draft_tokens)  # noqa: E731
+        draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft)
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
-            own = args.question + args.new + (64 if args.speculative else 0)
+            own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
             kv = (args.system + count * own) if share and not args.speculative else count * (args.system + own)
-            run["floor_ms"] = 1e3 * (model.weight_bytes() + kv * kv_bytes) / bandwidth
+            # The drafter's weights once per drafter step of a proposal (one step for all requests per layer).
+            weights = model.weight_bytes() + (0 if drafter is None else draft.depth * drafter.weight_bytes())
+            run["weight_bytes"] = weights
+            run["floor_ms"] = 1e3 * (weights + kv * kv_bytes) / bandwidth
             run["x_floor"] = run["step_ms"] / run["floor_ms"]
             runs.append(run)
-            kind = (f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})" if args.speculative
-                    else f"{'shared' if share else 'unshared'} system prompt")
+            if args.eagle:
+                kind = (f"speculative ({'EAGLE-3' if args.eagle == 'eagle3' else 'EAGLE-1'} depth {draft.depth}, "
+                        f"top-k {draft.top_k}, {draft.tree_tokens}-token trees)")
+            elif args.speculative:
+                kind = f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})"
+            else:
+                kind = f"{'shared' if share else 'unshared'} system prompt"
             print(f"{count} requests, {kind}: {run['step_ms']:.2f} ms per "
                   f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages", flush=True)
     if args.compare_unshared:
@@ -161,7 +251,9 @@ def main(argv=None) -> int:
                   f"first difference)")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
                "model": args.model, "smoke": args.smoke, "speculative": args.speculative,
-               "medusa_heads": args.medusa_heads, "system_tokens": args.system,
+               "medusa_heads": args.medusa_heads, "draft": None if draft is None else draft.record(),
+               "model_layers": config.num_layers, "target_weight_bytes": model.weight_bytes(),
+               "system_tokens": args.system,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
                "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
     write_results(results, args.out, "batch", args.smoke, args.tag)

@@ -138,8 +138,7 @@ class Workload:
     def drafter(self, kind: str) -> EagleDrafter:
         self.drafters = self.drafters or {}
         if kind not in self.drafters:
-            self.drafters[kind] = EagleDrafter.random(self.model, kind, seed=self.seed, draft_vocab_size=min(
-                EAGLE3_DRAFT_VOCAB, self.model.config.vocab_size) if kind == "eagle3" else None)
+            self.drafters[kind] = random_drafter(self.model, kind, self.seed)
         return self.drafters[kind]
 
 
@@ -486,6 +485,14 @@ def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64,
     medusa = medusa_tree(tree_size)
     return Workload(model, medusa, random_heads(model, int(medusa.depth.max()), seed),
                     rng.integers(0, model.config.vocab_size, medusa.size - 1).tolist(), samples, seed, pipeline)
+
+
+def random_drafter(model: Llama, kind: str, seed: int) -> EagleDrafter:
+    """A random EAGLE-1 (``kind="eagle"``) or EAGLE-3 (``"eagle3"``: a draft vocabulary of
+    ``EAGLE3_DRAFT_VOCAB`` tokens, as the EAGLE-3 Llama-3.1 release, or the whole vocabulary if smaller)
+    drafter for ``model``, seeded by ``seed``."""
+    vocab = min(EAGLE3_DRAFT_VOCAB, model.config.vocab_size) if kind == "eagle3" else None
+    return EagleDrafter.random(model, kind, seed=seed, draft_vocab_size=vocab)
 
 
 def random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:

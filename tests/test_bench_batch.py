@@ -1,5 +1,9 @@
-"""A CPU smoke run of bench/batch.py: shared and unshared system prompts give the same outputs."""
+"""CPU smoke runs of bench/batch.py: shared and unshared system prompts give the same outputs; speculative
+batches with a fixed tree and with EAGLE-3 drafts (one drafter engine for the batch) run and record their
+draft; bad EAGLE options are one-line usage errors."""
 import json
+
+import pytest
 
 from bench.batch import main
 
@@ -24,3 +28,39 @@ def test_batch_bench_speculative_smoke_run(tmp_path, capsys):
     [path] = tmp_path.glob("*-batch-smoke.json")
     results = json.loads(path.read_text())
     assert results["speculative"] and [r["requests"] for r in results["runs"]] == [1, 4]
+    assert results["draft"] == {"kind": "tree", "tree_tokens": 64, "depth": 4, "top_k": None}
+
+
+def test_batch_bench_eagle3_smoke_run(tmp_path, capsys):
+    """EAGLE-3 drafts over one drafter engine shared by the batch (the smoke's tiny target with 3 layers);
+    the floor counts the drafter's weights once per drafter step (depth of them)."""
+    assert main(["--smoke", "--speculative", "--eagle", "eagle3", "--eagle-depth", "2", "--eagle-top-k", "4",
+                 "--out", str(tmp_path)]) == 0
+    # EAGLE-2 keeps the best of top_k + (depth - 1) * top_k^2 = 20 candidates: 21-token trees with the root
+    assert "4 requests, speculative (EAGLE-3 depth 2, top-k 4, 21-token trees):" in capsys.readouterr().out
+    [path] = tmp_path.glob("*-batch-smoke.json")
+    results = json.loads(path.read_text())
+    draft = results["draft"]
+    assert {k: draft[k] for k in ("kind", "tree_tokens", "depth", "top_k")} == \
+        {"kind": "eagle3", "tree_tokens": 21, "depth": 2, "top_k": 4}
+    assert results["model_layers"] == 3 and [r["requests"] for r in results["runs"]] == [1, 4]
+    for r in results["runs"]:
+        assert r["weight_bytes"] == results["target_weight_bytes"] + 2 * draft["drafter_weight_bytes"]
+        assert r["step_ms"] > 0 and r["drafter_eager"] == {} and r["decode_steps"] >= 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eagle", "eagle3"], "--eagle eagle3 is a --speculative draft"),
+    (["--speculative", "--medusa-heads", "--eagle", "eagle"], "drop --medusa-heads"),
+    (["--speculative", "--eagle", "eagle", "--eagle-depth", "0"],
+     "--eagle-depth and --eagle-top-k must be >= 1, got 0"),
+    (["--speculative", "--eagle", "eagle", "--eagle-top-k", "-1"], "must be >= 1, got 5 and -1"),
+    (["--model", "tiny", "--speculative", "--eagle", "eagle3"], "--model tiny has 2"),
+    (["--speculative", "--eagle-depth", "3"], "give --eagle eagle|eagle3 with them (got --eagle-depth 3"),
+])
+def test_batch_bench_rejects_bad_eagle_arguments(tmp_path, capsys, argv, message):
+    """A bad EAGLE option is a one-line usage error (exit 2) before any model is made; nothing is written."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
