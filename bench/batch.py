@@ -17,6 +17,9 @@ speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
 ``speculative_batch``), every request's tree verified in one step; the floor counts each
 request's prompt and tree. ``--medusa-heads``: the same tree drafted by random Medusa heads,
 which run inside the shared step at every request's rows (one row head for the batch).
+Speculative batches verify each step at most ``--draft-budget`` draft tokens in all (default ``auto``:
+256 on a GPU), shared among the requests by their measured acceptance (``treedec.search.draft_budget``);
+the results record the budget, the mean queries of the timed steps and the emitted tokens a second.
 ``--eagle eagle|eagle3``: every request drafts with an ``EagleDraft`` (EAGLE-2 trees of
 ``--eagle-depth`` layers, top-k ``--eagle-top-k``, 63 draft tokens, or every candidate if fewer)
 over ONE random EAGLE-1 / EAGLE-3 drafter (``bench/programs.py``'s: EAGLE-3 with a 32000-token
@@ -56,6 +59,7 @@ from treedec.engine.eagle import EagleDrafter  # noqa: E402
 from treedec.search.drafts import DraftSource, TreeDraft  # noqa: E402
 from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft  # noqa: E402
+from treedec.search.draft_budget import DraftBudget  # noqa: E402
 from treedec.search.speculative_batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
@@ -103,7 +107,8 @@ def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | No
     return BatchDraft("tree", tree.size, int(medusa.depth.max()), lambda spec, engine: TreeDraft(tree, draft_tokens))
 
 
-def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None) -> dict:
+def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None,
+              draft_budget: int | str | None = "auto") -> dict:
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
     from the returns of the target engine's steps."""
     cuda = model.device.type == "cuda"
@@ -138,12 +143,17 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     if draft is None:
         results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0, max_step_tokens=budget)
     else:
+        budgeting = DraftBudget(step_tokens=draft_budget)
         results, stats = speculative_batch(engine, specs, lambda spec: draft.source(spec, drafter),
-                                           max_step_tokens=budget)
+                                           max_step_tokens=budget, draft_budget=budgeting)
     decode = stats.steps - stats.prompt_steps
-    # Steps that decode every request (one token each, or each request's whole tree).
-    full = len(specs) * (1 if draft is None else draft.tree_tokens)
-    steady = [i for i in range(1, len(ends)) if queries[i] == full and queries[i - 1] == full]
+    # Steps that decode every request (one token each, or a tree each, cut to the draft budget): every
+    # request in the step, no prompt chunk in it.
+    full, most = len(specs), len(specs) * (1 if draft is None else draft.tree_tokens)
+    # (the scheduler's steps are the engine's last ones: a shared prefix's prefill comes before them)
+    live = [0] * (len(ends) - len(stats.programs_per_step)) + stats.programs_per_step
+    steady = [i for i in range(1, len(ends)) if live[i] == live[i - 1] == full and full <= queries[i] <= most
+              and full <= queries[i - 1] <= most]
     if not steady:
         raise RuntimeError(f"no step decoded all {len(specs)} requests together; raise --new")
     gaps = (np.asarray(ends)[steady] - np.asarray(ends)[[i - 1 for i in steady]])[-timed_steps:] * 1e3
@@ -151,6 +161,13 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
            "decode_steps": decode, "timed_steps": len(gaps), "peak_pages": stats.peak_pages, "shared_prefix_tokens": stats.shared_prefix_tokens,
            "waits": stats.waits, "eager": {k: v for k, v in engine.graph_stats.items() if k.startswith("eager")},
            "outputs": [r.output_ids for r in results]}
+    if draft is not None:
+        timed = [queries[i] for i in steady][-timed_steps:]
+        accepted = [a for r in results for a in r.stats["accepted"]]
+        out |= {"draft_budget": budgeting.resolve(model.device), "mean_step_queries": float(np.mean(timed)),
+                "mean_accepted": float(np.mean(accepted)),
+                # emitted tokens a second in the timed steps: each request's accepted tokens and its bonus token
+                "tokens_per_s": len(specs) * (1 + float(np.mean(accepted))) / (out["step_ms"] / 1e3)}
     if drafter is not None:
         out["drafter_eager"] = {k: v for k, v in drafter.graph_stats.items() if k.startswith("eager")}
     del engine, drafter
@@ -158,6 +175,15 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def _budget(text: str) -> int | str | None:
+    """``--draft-budget``: 'auto', 'none' or a positive int."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto', 'none' or a positive int, got {text!r}")
+    return int(text)
 
 
 def main(argv=None) -> int:
@@ -179,6 +205,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle-depth", type=int, default=None, help="--eagle: tree layers (default EAGLE-2's 5)")
     parser.add_argument("--eagle-top-k", type=int, default=None,
                         help="--eagle: nodes expanded per layer (default EAGLE-2's 8)")
+    parser.add_argument("--draft-budget", default="auto", type=_budget,
+                        help="--speculative: draft tokens a step for the whole batch (treedec.search.draft_budget): "
+                             "'auto' (256 on a GPU, no limit on the CPU), 'none' or an int")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -216,7 +245,8 @@ def main(argv=None) -> int:
                              max_new_tokens=args.new, temperature=0.0) for i in range(count)]
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
-            run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft)
+            run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
+                            args.draft_budget)
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
@@ -234,8 +264,11 @@ def main(argv=None) -> int:
                 kind = f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})"
             else:
                 kind = f"{'shared' if share else 'unshared'} system prompt"
+            extra = "" if draft is None else (f", budget {run['draft_budget'] or 'none'}, {run['mean_step_queries']:.0f} "
+                                              f"queries a step, {run['tokens_per_s']:.0f} tokens/s")
             print(f"{count} requests, {kind}: {run['step_ms']:.2f} ms per "
-                  f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages", flush=True)
+                  f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages{extra}",
+                  flush=True)
     if args.compare_unshared:
         # In bf16 the shared prefix's K/V (prefilled alone) differs in its last bits from the same
         # tokens prefilled with each question, and a random model's near-ties then flip argmaxes:

@@ -29,6 +29,17 @@ def test_batch_bench_speculative_smoke_run(tmp_path, capsys):
     results = json.loads(path.read_text())
     assert results["speculative"] and [r["requests"] for r in results["runs"]] == [1, 4]
     assert results["draft"] == {"kind": "tree", "tree_tokens": 64, "depth": 4, "top_k": None}
+    assert [r["draft_budget"] for r in results["runs"]] == [None, None]   # auto on the CPU: no limit
+
+
+def test_batch_bench_draft_budget_cuts_the_steps(tmp_path, capsys):
+    """--draft-budget 8: four requests' steps verify their roots and 8 draft tokens in all."""
+    assert main(["--smoke", "--speculative", "--draft-budget", "8", "--out", str(tmp_path)]) == 0
+    assert "budget 8, 12 queries a step" in capsys.readouterr().out
+    [path] = tmp_path.glob("*-batch-smoke.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [(r["draft_budget"], r["mean_step_queries"]) for r in runs] == [(8, 9.0), (8, 12.0)]
+    assert all(r["tokens_per_s"] > 0 for r in runs)
 
 
 def test_batch_bench_eagle3_smoke_run(tmp_path, capsys):

@@ -31,6 +31,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
 from treedec.engine.text import IncrementalDetokenizer
+from treedec.search.draft_budget import DraftBudget, cut_tree
 from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, StepRequest
@@ -163,11 +164,14 @@ class SpeculativeProgram(Program):
     on_step : called as ``on_step(stats, emitted)`` after every verification step.
     max_draft_tokens : the largest tree (root included) the draft may propose; its pages are the
         headroom the scheduler keeps for the request's steps.
+    budget : the batch's :class:`~treedec.search.draft_budget.DraftBudget` (shared by its programs): each
+        proposal is cut to this request's share of the step's draft tokens.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
-                 on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64):
+                 on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
+                 budget: DraftBudget | None = None):
         check_draft_source(draft, "draft")
         acceptance = GreedyAcceptance() if acceptance is None else acceptance
         if not isinstance(acceptance, AcceptanceRule):
@@ -178,6 +182,9 @@ class SpeculativeProgram(Program):
         self.prompt_ids = [int(x) for x in prompt_ids]
         self.draft, self.rule, self.tokenizer, self.acceptance = draft, rule, tokenizer, acceptance
         self.keep_node, self.on_step, self.max_draft_tokens = keep_node, on_step, max_draft_tokens
+        if budget is not None and not isinstance(budget, DraftBudget):
+            raise TypeError(f"budget must be a DraftBudget or None, got {type(budget).__name__}")
+        self.budget = budget
         self.target_states = _target_states(draft)
         # A draft that reads the target's states at every token needs them for the whole prompt.
         self.shares_prompt = self.target_states is None
@@ -210,6 +217,8 @@ class SpeculativeProgram(Program):
         want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
                 "heads": head_name is not None}
         node, done = None, False
+        if self.budget is not None:
+            self.budget.join(self)
         try:
             start = time.perf_counter()
             node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
@@ -230,6 +239,10 @@ class SpeculativeProgram(Program):
                 else:
                     tree, tokens = draft.propose(sequence)
                 tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
+                probs = draft.draft_probs
+                if self.budget is not None:
+                    tree, tokens, probs = cut_tree(tree, tokens, self.budget.tokens(self, engine.device, tree.size - 1),
+                                                   probs)
                 deepest = max(tree.depth)
                 if max_depth is not None and deepest > max_depth:
                     raise ValueError(f"the draft proposed a tree {deepest} tokens deep, past its max_depth {max_depth}")
@@ -240,9 +253,11 @@ class SpeculativeProgram(Program):
                 ids = _add_tree(engine, node, tree, tokens)
                 out = yield StepRequest([node] + ids, **want)
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker, draft.draft_probs)
+                                 head_name, stop_ids, checker, probs)
                 stats.steps += 1
                 stats.accepted.append(len(result.accepted))
+                if self.budget is not None:
+                    self.budget.observe(self, len(result.accepted))
                 stats.draft_sizes.append(tree.size - 1)
                 stats.draft_seconds.append(drafted - start)
                 stats.verify_seconds.append(time.perf_counter() - drafted)
@@ -256,6 +271,8 @@ class SpeculativeProgram(Program):
             done = True
             return checker, stats
         finally:
+            if self.budget is not None:
+                self.budget.leave(self)
             if not (done and self.keep_node):
                 ctx.free(node)
                 draft.reset()   # a drafter's own pages (its engine may serve other requests)

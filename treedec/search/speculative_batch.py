@@ -24,6 +24,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.acceptance import AcceptanceRule
 from treedec.search.batch import prepare_requests, request_results
+from treedec.search.draft_budget import DraftBudget
 from treedec.search.drafts import DraftSource, check_draft_source
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
@@ -37,7 +38,8 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       tokenizer=None, chat_template: bool = False, max_draft_tokens: int = 64,
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
-                      max_step_tokens: int | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                      max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None
+                      ) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
@@ -50,6 +52,10 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     acceptance : makes each request's acceptance rule (default greedy), e.g.
         ``lambda spec: RejectionSampling(spec.temperature, seed=spec.seed)``.
     max_step_tokens : as :func:`~treedec.search.batch.generate_batch`.
+    draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.search.draft_budget`):
+        default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
+        measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
+        each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
 
     Returns
     -------
@@ -63,6 +69,10 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                         f"got {acceptance!r:.60}")
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
         raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+    if draft_budget is None:
+        draft_budget = DraftBudget()
+    elif not isinstance(draft_budget, DraftBudget):
+        raise TypeError(f"draft_budget must be a DraftBudget or None, got {type(draft_budget).__name__}")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
     pool = engine.pool
     programs, heads = [], {}
@@ -83,7 +93,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         rule = spec.stop_rule(engine.model.eos_token_ids)
         programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
                                            None if acceptance is None else acceptance(spec),
-                                           max_draft_tokens=max_draft_tokens))
+                                           max_draft_tokens=max_draft_tokens, budget=draft_budget))
         programs[-1].name = spec.name
         check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
         # The sequence (prompt, new tokens) and one draft tree.
@@ -100,6 +110,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
         outputs[index] = request_results(spec, prompt_ids, [checker], stats.steps, seconds)
         outputs[index][0].stats["accepted"] = list(stats.accepted)
+        outputs[index][0].stats["draft_sizes"] = list(stats.draft_sizes)
         if on_request_done is not None:
             on_request_done(outputs[index])
 

@@ -1,0 +1,108 @@
+"""The draft-token budget of speculative batches (treedec.search.draft_budget; tiny random Llama, CPU)."""
+import logging
+
+import pytest
+import torch
+
+from treedec.engine import Engine
+from treedec.search.acceptance import RejectionSampling
+from treedec.search.draft_budget import DraftBudget, cut_tree
+from treedec.search.draft_model import DraftModelDraft
+from treedec.search.drafts import TreeDraft
+from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SamplingParams
+from treedec.search.speculative_batch import speculative_batch
+from treedec.tree.token_tree import TokenTree
+from tests.engines import plain_greedy, tiny_model
+from tests.test_search_speculative_batch import medusa_token_tree, specs
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("kwargs,match", [({"step_tokens": 0}, "step_tokens must be an int >= 1, 'auto' or None, got 0"),
+                                          ({"step_tokens": "many"}, "step_tokens must be an int >= 1, 'auto' or None"),
+                                          ({"step_tokens": True}, "step_tokens must be"),
+                                          ({"min_tokens": -1}, "min_tokens must be an int >= 0, got -1"),
+                                          ({"smoothing": 0}, r"smoothing must be a number in \(0, 1\], got 0"),
+                                          ({"smoothing": 1.5}, "smoothing must be")])
+def test_bad_budgets_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DraftBudget(**kwargs)
+
+
+def test_shares_follow_measured_acceptance():
+    """Three requests share 30 draft tokens: equally before any step, then by 1 + their running acceptance;
+    never past the draft's tree, never under min_tokens; every decision recorded."""
+    budget = DraftBudget(step_tokens=30, min_tokens=2, smoothing=1.0)
+    a, b, c = object(), object(), object()
+    for p in (a, b, c):
+        budget.join(p)
+    assert [budget.tokens(p, CPU, 63) for p in (a, b, c)] == [10, 10, 10]
+    budget.observe(a, 4)      # weights 5, 1, 1
+    assert [budget.tokens(p, CPU, 63) for p in (a, b, c)] == [21, 4, 4]
+    assert budget.tokens(a, CPU, 7) == 7                              # the tree is smaller than the share
+    budget.leave(b)
+    budget.observe(c, 0)
+    assert budget.tokens(c, CPU, 63) == 5                              # 30 * 1 / 6
+    budget = DraftBudget(step_tokens=4, min_tokens=3)
+    ps = [object() for _ in range(8)]
+    for p in ps:
+        budget.join(p)
+    assert budget.tokens(ps[0], CPU, 63) == 3                          # 4 / 8 rounds to 0: min_tokens
+    assert budget.history[-1] == {"requests": 8, "step_tokens": 4, "tokens": 3}
+    assert DraftBudget(step_tokens=5).tokens(object(), CPU, 9) == 9    # a program not joined: its tree
+    unlimited = DraftBudget(step_tokens=None)
+    unlimited.join(a)
+    assert unlimited.tokens(a, CPU, 63) == 63 and unlimited.resolve(torch.device("cuda")) is None
+
+
+def test_auto_budget_is_reported(caplog):
+    budget = DraftBudget()
+    with caplog.at_level(logging.INFO, logger="treedec"):
+        assert budget.resolve(CPU) is None and budget.resolve(torch.device("cuda")) is None   # chosen once
+    assert "draft budget: no limit (auto, cpu)" in caplog.text
+    assert DraftBudget().resolve(torch.device("cuda")) == 256
+
+
+def test_cut_tree_keeps_a_tree():
+    tree = medusa_token_tree()
+    tokens = list(range(tree.size))
+    probs = torch.rand(tree.size, 11)
+    cut, kept, cut_probs = cut_tree(tree, tokens, 5, probs)
+    assert cut.parents == tree.parents[:6] and kept == tokens[:6] and torch.equal(cut_probs, probs[:6])
+    assert cut_tree(tree, tokens, tree.size, None) == (tree, tokens, None)
+    assert cut_tree(TokenTree.chain(3), [1, 2, 3, 4], 0)[0].parents == (-1,)
+
+
+def test_budgeted_batch_is_plain_greedy_with_cut_trees(tiny):
+    """Five requests with 31-token Medusa trees under a budget of 12 draft tokens a step: every output is
+    plain greedy decoding's, no step verifies more than the budget allows, every page is freed."""
+    engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
+    budget = DraftBudget(step_tokens=12)
+    results, _ = speculative_batch(engine, specs(), lambda spec: TreeDraft(
+        medusa_token_tree(), [(spec.id * 7 + i) % 512 for i in range(31)]), max_draft_tokens=32, draft_budget=budget)
+    for r, spec in zip(results, specs()):
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert r.stats["draft_sizes"] and max(r.stats["draft_sizes"]) <= 12
+    assert {h["requests"] for h in budget.history} >= {5, 1} and max(h["tokens"] for h in budget.history) <= 12
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+def test_budgeted_sampled_drafts_run_with_cut_distributions(tiny):
+    """Sampled draft-model trees cut by the budget hand the acceptance rule their cut distributions."""
+    engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
+    requests = [RequestSpec(k, prompt_ids=(1 + k, 2, 3, 4), max_new_tokens=6, temperature=0.8, seed=k)
+                for k in range(3)]
+    draft_engine = Engine(tiny, kv_tokens=4096, page_size=4, backend="torch")
+    results, _ = speculative_batch(
+        engine, requests, lambda spec: DraftModelDraft(draft_engine, depth=3, top_k=3, total_tokens=12,
+                                                       sample=SamplingParams(0.8), seed=spec.id),
+        acceptance=lambda spec: RejectionSampling(0.8, seed=spec.seed), draft_budget=DraftBudget(step_tokens=6))
+    assert [len(r.output_ids) for r in results] == [6, 6, 6]
+    assert all(max(r.stats["draft_sizes"]) <= 6 for r in results)
+    assert engine.pool.num_free_pages == engine.pool.num_pages and draft_engine.tree.num_nodes == 0

@@ -1,0 +1,115 @@
+"""How many draft tokens each request of a speculative batch verifies a step.
+
+One request alone verifies its draft's whole tree (a Medusa-64 tree, EAGLE-2's 63 tokens): a step of
+64 query tokens still reads the weights at about the cost of one. A batch of 32 such trees is 2048
+query tokens a step, far past the point where the verification's GEMMs stop being bound by reading
+the weights and start being bound by arithmetic: every extra token then costs its full compute while
+most draft tokens are rejected. So a batch shares a *step budget* of verify tokens among its requests
+(EAGLE-2's and SGLang's ``num_draft_tokens``, made per batch):
+
+- ``step_tokens`` (T): draft tokens a step for the whole batch (roots not counted). ``"auto"``: 256 on a
+  CUDA device (an H100 runs a Llama-3-8B step of 64 tree tokens at 1.9x its floor and of 512 at 3.6x,
+  ``bench/batch.py``: the knee lies well below 512), no limit on the CPU (reported when chosen);
+- each live request ``i`` gets a share of T by its measured acceptance: weight
+  ``w_i = 1 + a_i``, ``a_i`` the running mean (exponential, ``smoothing``) of the draft tokens it
+  accepted per step, so that a request whose drafts are accepted verifies larger trees than one whose
+  drafts are not; before its first step ``a_i = 0``; ``n_i = floor(T * w_i / sum(w))``, at least
+  ``min_tokens``, at most its draft's tree;
+- its proposed tree is cut to its first ``n_i`` draft tokens (trees list parents first, so the cut is a
+  tree; drafts order their tokens best first: EAGLE by depth then score, Medusa trees by their choices'
+  order), and what the cut removes is never verified.
+
+Each step's budget is recorded (:attr:`DraftBudget.history`): the batch size, T and every share.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from treedec.tree.token_tree import TokenTree
+
+logger = logging.getLogger("treedec")
+
+__all__ = ["DraftBudget", "cut_tree"]
+
+#: ``step_tokens="auto"`` on a CUDA device (see the module docstring).
+AUTO_CUDA_STEP_TOKENS = 256
+
+
+@dataclass
+class DraftBudget:
+    """The draft-token budget of a speculative batch (see the module docstring).
+
+    Parameters
+    ----------
+    step_tokens : draft tokens a step for all requests together, an int >= 1, ``"auto"``, or None (no limit).
+    min_tokens : draft tokens a request verifies at least, when its draft proposes them (>= 0).
+    smoothing : weight of the newest step in each request's running acceptance, in (0, 1].
+
+    Attributes
+    ----------
+    history : one dict a budget decision: ``{"requests": live requests, "step_tokens": T, "tokens": that
+        request's share}``.
+    """
+
+    step_tokens: int | str | None = "auto"
+    min_tokens: int = 1
+    smoothing: float = 0.3
+    history: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.step_tokens not in ("auto", None) and (isinstance(self.step_tokens, bool)
+                                                       or not isinstance(self.step_tokens, int) or self.step_tokens < 1):
+            raise ValueError(f"step_tokens must be an int >= 1, 'auto' or None, got {self.step_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if not (isinstance(self.smoothing, (int, float)) and 0 < self.smoothing <= 1):
+            raise ValueError(f"smoothing must be a number in (0, 1], got {self.smoothing!r}")
+        self._live: dict[int, float] = {}   # id(program) -> its running acceptance
+        self._total: int | None = None
+
+    def resolve(self, device: torch.device) -> int | None:
+        """T for a batch on ``device`` (None: no limit); an automatic choice is logged once."""
+        if self.step_tokens != "auto":
+            return self.step_tokens
+        if self._total is None:
+            self._total = AUTO_CUDA_STEP_TOKENS if device.type == "cuda" else 0
+            logger.info("speculative batch draft budget: %s (auto, %s)", f"{self._total} draft tokens a step"
+                        if self._total else "no limit", device.type)
+        return self._total or None
+
+    def join(self, program) -> None:
+        """``program`` runs from now on (its share counts)."""
+        self._live[id(program)] = 0.0
+
+    def leave(self, program) -> None:
+        self._live.pop(id(program), None)
+
+    def observe(self, program, accepted: int) -> None:
+        """``program``'s step accepted ``accepted`` draft tokens."""
+        a = self._live.get(id(program))
+        if a is not None:
+            self._live[id(program)] = (1 - self.smoothing) * a + self.smoothing * accepted
+
+    def tokens(self, program, device: torch.device, proposed: int) -> int:
+        """Draft tokens ``program`` verifies this step, of the ``proposed`` its draft made."""
+        total = self.resolve(device)
+        if total is None or id(program) not in self._live:
+            return proposed
+        weights = {k: 1.0 + a for k, a in self._live.items()}
+        share = int(total * weights[id(program)] / sum(weights.values()))
+        n = min(proposed, max(self.min_tokens, share))
+        self.history.append({"requests": len(self._live), "step_tokens": total, "tokens": n})
+        return n
+
+
+def cut_tree(tree: TokenTree, tokens: list[int], draft_tokens: int, probs: torch.Tensor | None = None
+             ) -> tuple[TokenTree, list[int], torch.Tensor | None]:
+    """The first ``draft_tokens`` draft tokens of a proposal (and the root): a tree, since parents come
+    first; ``probs`` (a sampled draft's ``[tree.size, vocab]``) cut to match."""
+    keep = draft_tokens + 1
+    if keep >= tree.size:
+        return tree, tokens, probs
+    return TokenTree(tree.parents[:keep]), tokens[:keep], None if probs is None else probs[:keep]
