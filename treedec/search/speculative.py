@@ -29,12 +29,12 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance
+from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance, greedy_path
 from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.draft_budget import DraftBudget, cut_tree
 from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
-from treedec.search.program import Program, ProgramContext, StepRequest
+from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
@@ -216,6 +216,7 @@ class SpeculativeProgram(Program):
         max_depth = draft.max_depth
         want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
                 "heads": head_name is not None}
+        greedy = type(acceptance) is GreedyAcceptance
         node, done = None, False
         if self.budget is not None:
             self.budget.join(self)
@@ -251,9 +252,11 @@ class SpeculativeProgram(Program):
                 drafted = time.perf_counter()
                 yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
                 ids = _add_tree(engine, node, tree, tokens)
-                out = yield StepRequest([node] + ids, **want)
+                out = yield StepRequest([node] + ids, argmax=greedy, **want)
+                # Greedy: the step's argmax at every tree token, read with the other requests' in one copy.
+                choice = (yield Read(out.argmax)) if greedy else None
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker, probs)
+                                 head_name, stop_ids, checker, probs, choice)
                 stats.steps += 1
                 stats.accepted.append(len(result.accepted))
                 if self.budget is not None:
@@ -436,12 +439,17 @@ def _add_tree(engine: Engine, node: int, tree: TokenTree, tokens: list[int]) -> 
 def _settle(engine: Engine, node: int, tree: TokenTree, tokens: list[int], ids: list[int],
             acceptance: AcceptanceRule, logits: torch.Tensor, hidden: torch.Tensor | None,
             heads: dict | None, head_name: str | None, stop_ids: Collection[int],
-            checker: StopChecker | None = None, draft_probs: torch.Tensor | None = None) -> VerifyResult:
+            checker: StopChecker | None = None, draft_probs: torch.Tensor | None = None,
+            choice: list[int] | None = None) -> VerifyResult:
     """After the step: the accepted path (cut at an EOS, and where ``checker`` ends the output) moves
-    onto ``node``, the rest of the tree is freed."""
+    onto ``node``, the rest of the tree is freed. ``choice``: the target's argmax at every tree token, already
+    on the host (greedy acceptance of a batch: read for all requests at once)."""
     head = HostCopy(heads[head_name]) if head_name is not None else None
-    path, bonus = (acceptance.accept(tree, tokens, logits) if draft_probs is None
-                   else acceptance.accept(tree, tokens, logits, draft_probs))
+    if choice is not None:
+        path, bonus = greedy_path(tree, tokens, choice)
+    else:
+        path, bonus = (acceptance.accept(tree, tokens, logits) if draft_probs is None
+                       else acceptance.accept(tree, tokens, logits, draft_probs))
     assert all(tree.parents[c] == p for p, c in zip([0] + path, path)), f"not a root path: {path=}"
     stop = next((d for d, i in enumerate(path) if tokens[i] in stop_ids), None)
     if stop is not None:
