@@ -101,24 +101,19 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("changes, message", BAD_FIELDS, ids=[str(c) for c, _ in BAD_FIELDS])
-def test_bad_config_fields_are_named(saved, tmp_path, target, changes, message):
-    folder, _ = copy_of(saved, tmp_path, "eagle3")
-    config = folder / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
-    with pytest.raises(CheckpointError, match=message) as e:
-        load_eagle(folder, target)
-    assert str(e.value).startswith(f"{config}: ")
-
-
-@pytest.mark.parametrize("changes, message", [
+EAGLE1_BAD_FIELDS = [
     ({"bias": "yes"}, "field 'bias' must be true or false, got str 'yes'"),
     ({"bias": 0}, "field 'bias' must be true or false, got int 0"),
     ({"rms_norm_eps": INF}, "field 'rms_norm_eps' must be a finite number > 0, got float inf"),
     ({"head_dim": 63}, "field 'head_dim' must be even"),
-])
-def test_bad_eagle1_config_fields_are_named(saved, tmp_path, target, changes, message):
-    folder, _ = copy_of(saved, tmp_path, "eagle")
+]
+
+
+@pytest.mark.parametrize("kind, changes, message",
+                         [("eagle3", c, m) for c, m in BAD_FIELDS] + [("eagle", c, m) for c, m in EAGLE1_BAD_FIELDS],
+                         ids=[f"eagle3-{c}" for c, _ in BAD_FIELDS] + [f"eagle-{c}" for c, _ in EAGLE1_BAD_FIELDS])
+def test_bad_config_fields_are_named(saved, tmp_path, target, kind, changes, message):
+    folder, _ = copy_of(saved, tmp_path, kind)
     config = folder / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
     with pytest.raises(CheckpointError, match=message) as e:

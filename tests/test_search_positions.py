@@ -18,6 +18,7 @@ from treedec.search.speculative import speculative_generate
 from treedec.search.speculative_batch import speculative_batch
 from treedec.search.tot import BFSConfig, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
+from tests.test_search_tot import CharTokenizer
 
 POSITIONS = 64
 
@@ -173,24 +174,15 @@ class ShortTask(ToTTask):
         return float(len(thoughts))
 
 
-class Chars:
-    bos_id = None
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(map(chr, ids))
-
 
 def test_tot_counts_its_depth_and_refuses_a_task_prompt_past_the_positions():
     engine = fresh_engine()
     config = BFSConfig(k=2, n=1, depth=3, temperature=0.0)
     with pytest.raises(ValueError, match=r"may reach 65 positions \(a 51-token root prompt \+ depth 3 x "
                                          r"thought_max_tokens 4 \+ value_max_tokens 2\)"):
-        tot_bfs(engine, ShortTask(root=51), Chars(), config, eos_token_id=None)
+        tot_bfs(engine, ShortTask(root=51), CharTokenizer(), config, eos_token_id=None)
     assert untouched(engine)
     # The step prompts are the task's, made as the search goes: the second level's would pass the positions.
     with pytest.raises(ValueError, match=r"may reach 73 positions \(39 tokens \+ a 34-token prompt of ShortTask\)"):
-        tot_bfs(engine, ShortTask(root=1, step=34), Chars(), config, eos_token_id=None)
+        tot_bfs(engine, ShortTask(root=1, step=34), CharTokenizer(), config, eos_token_id=None)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
