@@ -226,13 +226,13 @@ class SpeculativeProgram(Program):
             stats = SpeculativeStats(node=node)
             checker.accept(acceptance.first_token(out.logits[0]))
             stats.prefill_seconds = time.perf_counter() - start
-            draft.observe(TargetOutput(self.prompt_ids + checker.token_ids,
-                                       out.hidden[-1] if needs_hidden else None,
+            # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
+            sequence = self.prompt_ids + checker.token_ids
+            draft.observe(TargetOutput(sequence, out.hidden[-1] if needs_hidden else None,
                                        None if head_name is None else out.heads[head_name][0].cpu(),
                                        _states(engine, states, out, None)))
             while not checker.stopped:
                 start = time.perf_counter()
-                sequence = self.prompt_ids + checker.token_ids   # built once a step: O(sequence) for the draft
                 if draft.drafts_together:   # with the other requests' drafts of this pass (one drafter step each layer)
                     draft.submit(sequence)
                     yield from ctx.together()
@@ -265,8 +265,8 @@ class SpeculativeProgram(Program):
                 stats.draft_seconds.append(drafted - start)
                 stats.verify_seconds.append(time.perf_counter() - drafted)
                 if not checker.stopped:
-                    draft.observe(TargetOutput(self.prompt_ids + checker.token_ids,
-                                               result.hidden if needs_hidden else None, result.head,
+                    sequence = self.prompt_ids + checker.token_ids
+                    draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
                                                _states(engine, states, out, [0] + result.path)))
                 if self.on_step is not None:
                     self.on_step(stats, len(checker.token_ids))
