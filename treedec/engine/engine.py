@@ -27,12 +27,14 @@ from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttent
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.engine.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
+from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
+                                        check_window, describe_tensor)
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.tree.thread_guard import ThreadGuard
-from treedec.tree.validate import int_array, int_list
+from treedec.tree.validate import int_list
 
 logger = logging.getLogger("treedec")
 
@@ -204,7 +206,7 @@ class Engine:
         tokens = int_list(prompt_ids, "prompt_ids", low=0)
         if not tokens:
             raise TreeError("prefill needs at least one prompt token, got 0")
-        self._check_token_ids(np.asarray(tokens), "prompt_ids")
+        check_token_ids(np.asarray(tokens), self.model.config.vocab_size, "prompt_ids")
         pending = self.tree.layout().num_queries
         if pending:
             raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
@@ -212,7 +214,7 @@ class Engine:
         if parent is not None and parent not in self.tree:
             raise TreeError(f"unknown parent node id {parent!r}")
         first_position = 0 if parent is None else len(self.tree.sequence(parent))
-        self._check_window(first_position + len(tokens) - 1)
+        check_window(self.model.config.sliding_window, first_position + len(tokens) - 1)
         need = self.pool.pages_for(len(tokens))
         if need > self.pool.num_free_pages:
             raise PoolExhaustedError(
@@ -235,16 +237,16 @@ class Engine:
         if num_q == 0:
             raise TreeError("step() needs pending tokens: add some with tree.extend / extend_many / branch / "
                             "add_token_tree (or use prefill) first")
-        rows = self._check_rows(logits_rows, num_q)
-        hrows = rows if hidden_rows is None else self._check_rows(hidden_rows, num_q, "hidden_rows")
+        rows = check_rows(logits_rows, num_q)
+        hrows = rows if hidden_rows is None else check_rows(hidden_rows, num_q, "hidden_rows")
         if return_aux and not self._hidden_layers:
             raise ValueError("return_aux needs hidden-state layers: call engine.capture_hidden_layers(layers) first")
-        features = self._check_features(features, num_q)
+        features = check_features(features, num_q, self.feature_size, self.device, self.model.dtype)
         positions = layout.query_position
-        self._check_window(int(positions.max()))
-        device_tokens = self._check_device_tokens(tokens, num_q)
+        check_window(self.model.config.sliding_window, int(positions.max()))
+        device_tokens = check_device_tokens(tokens, num_q, self.device)
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
-        self._check_token_ids(tokens, "the pending tokens")
+        check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
         started = time.perf_counter()
         graph = None
         if self._graphs is None:
@@ -296,8 +298,8 @@ class Engine:
         written). The tree's bookkeeping does not change: for callers that rearrange the computed
         tokens of sibling nodes whose token ids they rewrite too (an EAGLE draft's chains)."""
         if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {_describe_tensor(src_slots)} "
-                             f"and {_describe_tensor(dst_slots)}")
+            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {describe_tensor(src_slots)} "
+                             f"and {describe_tensor(dst_slots)}")
         with self.guard:
             for k, v in zip(self._k_slots, self._v_slots):
                 k[dst_slots] = k[src_slots]
@@ -413,36 +415,10 @@ class Engine:
             return take_rows(output, rows, self.device, copy=True)
         return output.index_select(0, index)
 
-    def _check_features(self, features: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
-        width = self.feature_size
-        if features is None:
-            if width is not None:
-                raise ValueError(f"this engine's model reads per-query features: step() needs features "
-                                 f"[{num_q}, {width}]")
-            return None
-        if width is None:
-            raise ValueError("features are for models that read per-query features (EAGLE drafters); this "
-                             "engine's model reads token ids only")
-        if not isinstance(features, torch.Tensor) or tuple(features.shape) != (num_q, width) \
-                or features.device != self.device or not features.is_floating_point():
-            raise ValueError(f"features must be a float tensor of shape [{num_q}, {width}] (one row per pending "
-                             f"token) on {self.device}, got {_describe_tensor(features)}")
-        return features.to(self.model.dtype)
-
     @property
     def feature_size(self) -> int | None:
         """Width of the per-query features the model reads (:meth:`step`'s ``features``), or None."""
         return self._feature_size
-
-    def _check_device_tokens(self, tokens: torch.Tensor | None, num_q: int) -> torch.Tensor | None:
-        if tokens is None:
-            return None
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"tokens must be an int64 or int32 tensor, got {_describe_tensor(tokens)}")
-        if tuple(tokens.shape) != (num_q,) or tokens.device != self.device:
-            raise ValueError(f"tokens must have shape [{num_q}] (one per pending token) on {self.device}, got "
-                             f"{_describe_tensor(tokens)}")
-        return tokens.long()
 
     def _static_forward(self, static: StaticPlan, row_inputs: dict[str, torch.Tensor], ops: bool = False
                         ) -> tuple[torch.Tensor, ...]:
@@ -486,28 +462,6 @@ class Engine:
                 return compiled(static, inputs)
         return GraphRunner(config, compiled_forward, self.attn, scratch_slot, row_inputs)
 
-    def _check_window(self, max_position: int) -> None:
-        window = self.model.config.sliding_window
-        if window is not None and max_position >= window:
-            raise NotImplementedError(
-                f"position {max_position} is past the model's sliding window of {window} tokens; treedec's tree "
-                f"attention attends to whole paths (sliding-window attention is not implemented)")
-
-    def _check_token_ids(self, tokens: np.ndarray, name: str) -> None:
-        vocab = self.model.config.vocab_size
-        bad = tokens[(tokens < 0) | (tokens >= vocab)]
-        if len(bad):
-            raise ValueError(f"{name} must be token ids in [0, {vocab}), got {bad[:5].tolist()}")
-
-    @staticmethod
-    def _check_rows(rows, num_q: int, name: str = "logits_rows") -> np.ndarray | None:
-        if rows is None:
-            return None
-        arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, name)
-        if len(arr) and (arr.min() < 0 or arr.max() >= num_q):
-            raise ValueError(f"{name} must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
-        return arr
-
 
 class _TreeAttend:
     """The :class:`~treedec.engine.llama.Attend` of one step: store K/V at ``slots``, run tree attention
@@ -525,14 +479,6 @@ class _TreeAttend:
         e._k_slots[layer].index_copy_(0, self.slots, k)
         e._v_slots[layer].index_copy_(0, self.slots, v)
         return e.attn.run(q, k_cache, v_cache, self.plan)
-
-
-def _describe_tensor(value) -> str:
-    """A tensor's shape, dtype and device (or the value's type) for error messages: not its values,
-    whose repr would wait for the device."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
-    return type(value).__name__
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from treedec.engine.cuda_graphs import GraphRunner, _Graph
+from treedec.engine.step_checks import check_window
 from treedec.engine.step_output import StepOutput
 from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
@@ -124,7 +125,7 @@ class StepChain:
                              f"{self._widths[i]}, now {width}")
         if i == len(self._widths):
             self._widths.append(width)
-        e._check_window(int(step.layout.query_position.max()))
+        check_window(e.model.config.sliding_window, int(step.layout.query_position.max()))
         return ChainStep(step.layout, rows)
 
     def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treedec.engine import Engine
+from treedec.engine.step_checks import check_token_ids
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import SharedPrefix
 from treedec.search.request import Positions, check_positions
@@ -191,7 +192,7 @@ class ProgramContext:
             parent, ids = self.prefix.node, ids[len(self.prefix.tokens):]
         if not ids:
             raise ValueError("a prompt needs at least one token, got 0")
-        engine._check_token_ids(np.asarray(ids), "prompt_ids")
+        check_token_ids(np.asarray(ids), engine.model.config.vocab_size, "prompt_ids")
         first = 0 if parent is None else len(engine.tree.sequence(parent))
         check_positions(engine.model, Positions(first + len(ids), f"{first} tokens before a {len(ids)}-token prompt"
                                                 if first else f"a {len(ids)}-token prompt"), self.name)
