@@ -98,8 +98,8 @@ class DraftBudget:
         total = self.resolve(device)
         if total is None or id(program) not in self._live:
             return proposed
-        weights = {k: 1.0 + a for k, a in self._live.items()}
-        share = int(total * weights[id(program)] / sum(weights.values()))
+        # weight 1 + a: the sum of the weights is the live count plus the sum of the acceptances (C-speed, per call)
+        share = int(total * (1.0 + self._live[id(program)]) / (len(self._live) + sum(self._live.values())))
         n = min(proposed, max(self.min_tokens, share))
         self.history.append({"requests": len(self._live), "step_tokens": total, "tokens": n})
         return n
