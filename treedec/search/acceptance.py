@@ -28,6 +28,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from treedec.search.device_acceptance import rejection_outcome
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
@@ -203,10 +204,11 @@ class RejectionSampling:
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
         """As :meth:`AcceptanceRule.accept`; ``draft_probs [tree.size, vocab]``, optional: row j is the
-        distribution node j's children were sampled from, without replacement, in child order."""
-        if draft_probs is not None and tuple(draft_probs.shape) != (tree.size, logits.shape[-1]):
-            raise ValueError(f"draft_probs must have shape [tree.size, vocab] = {[tree.size, logits.shape[-1]]}, "
-                             f"got {list(draft_probs.shape)}")
+        distribution node j's children were sampled from, without replacement, in child order.
+
+        This walk reads a probability and a random number for every child it tries (on a GPU, a wait
+        each): the reference of :meth:`outcome`, which the speculative programs use."""
+        _check_draft_probs(tree, logits, draft_probs)
         generator = _generator(self, logits.device)
         children = _children(tree)
         path, cur = [], 0
@@ -220,6 +222,20 @@ class RejectionSampling:
                 return path, token
             cur = kids[index]
             path.append(cur)
+
+
+    def outcome(self, tree: TokenTree, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor,
+                draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """The same decision made on the device, launched without waiting: ``[2 + depth]`` int64
+        (:func:`~treedec.search.device_acceptance.rejection_outcome`; read it back and
+        :func:`~treedec.search.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
+        Its tokens follow :meth:`accept`'s distribution exactly; it draws from the same stream
+        differently, so single draws differ."""
+        _check_draft_probs(tree, logits, draft_probs)
+        if len(tokens) != tree.size or logits.shape[0] != tree.size:
+            raise ValueError(f"tokens and logits must have one row per tree token ({tree.size}), got "
+                             f"{len(tokens)} and {logits.shape[0]}")
+        return rejection_outcome(tree, tokens, logits, self._params, _generator(self, logits.device), draft_probs)
 
 
 def without_replacement(q: torch.Tensor, drawn: Sequence[int]) -> torch.Tensor:
@@ -291,6 +307,12 @@ def _generator(rule, device: torch.device) -> torch.Generator:
     if rule._generator is None or rule._generator.device != device:
         rule._generator = torch.Generator(device=device).manual_seed(rule.seed)
     return rule._generator
+
+
+def _check_draft_probs(tree: TokenTree, logits: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+    if draft_probs is not None and tuple(draft_probs.shape) != (tree.size, logits.shape[-1]):
+        raise ValueError(f"draft_probs must have shape [tree.size, vocab] = {[tree.size, logits.shape[-1]]}, "
+                         f"got {list(draft_probs.shape)}")
 
 
 def _check_temperature(value, rule: str) -> None:

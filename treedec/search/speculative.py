@@ -29,7 +29,8 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance, greedy_path
+from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
+from treedec.search.device_acceptance import decode_outcome
 from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.draft_budget import DraftBudget, cut_tree
 from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
@@ -142,7 +143,10 @@ def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int
     ids = _add_tree(engine, node, tree, tokens)
     out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
                       return_heads=head_name is not None)
-    return _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads, head_name, stop_ids)
+    decided = (decode_outcome(acceptance.outcome(tree, tokens, out.logits).tolist())
+               if isinstance(acceptance, RejectionSampling) else None)
+    return _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads, head_name, stop_ids,
+                   decided=decided)
 
 
 class SpeculativeProgram(Program):
@@ -253,10 +257,16 @@ class SpeculativeProgram(Program):
                 yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
                 ids = _add_tree(engine, node, tree, tokens)
                 out = yield StepRequest([node] + ids, argmax=greedy, **want)
-                # Greedy: the step's argmax at every tree token, read with the other requests' in one copy.
-                choice = (yield Read(out.argmax)) if greedy else None
+                # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
+                # token; rejection sampling, its decision made on the device (no wait per child tried).
+                if greedy:
+                    decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
+                elif isinstance(acceptance, RejectionSampling):
+                    decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs))))
+                else:
+                    decided = None
                 result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker, probs, choice)
+                                 head_name, stop_ids, checker, probs, decided)
                 stats.steps += 1
                 stats.accepted.append(len(result.accepted))
                 if self.budget is not None:
@@ -440,13 +450,13 @@ def _settle(engine: Engine, node: int, tree: TokenTree, tokens: list[int], ids: 
             acceptance: AcceptanceRule, logits: torch.Tensor, hidden: torch.Tensor | None,
             heads: dict | None, head_name: str | None, stop_ids: Collection[int],
             checker: StopChecker | None = None, draft_probs: torch.Tensor | None = None,
-            choice: list[int] | None = None) -> VerifyResult:
+            decided: tuple[list[int], int] | None = None) -> VerifyResult:
     """After the step: the accepted path (cut at an EOS, and where ``checker`` ends the output) moves
-    onto ``node``, the rest of the tree is freed. ``choice``: the target's argmax at every tree token, already
-    on the host (greedy acceptance of a batch: read for all requests at once)."""
+    onto ``node``, the rest of the tree is freed. ``decided``: the acceptance's ``(path, bonus)`` when the
+    caller has it already (read for all requests of a batch at once); else ``acceptance.accept`` decides."""
     head = HostCopy(heads[head_name]) if head_name is not None else None
-    if choice is not None:
-        path, bonus = greedy_path(tree, tokens, choice)
+    if decided is not None:
+        path, bonus = decided
     else:
         path, bonus = (acceptance.accept(tree, tokens, logits) if draft_probs is None
                        else acceptance.accept(tree, tokens, logits, draft_probs))
