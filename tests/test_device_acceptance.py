@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treedec.search.acceptance import RejectionSampling, greedy_path
-from treedec.search.device_acceptance import DeviceTree, decode_outcome, rejection_outcome
+from treedec.search.device_acceptance import DeviceTree, decode_outcome, greedy_outcome, rejection_outcome
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 from tests.test_search_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
@@ -151,3 +151,15 @@ def test_the_outcome_is_launched_without_waiting_for_the_device():
     for out in (one, two):
         path, bonus = decode_outcome(out.tolist())
         assert 0 <= bonus < 32000 and all(tree.parents[c] == p for p, c in zip([0] + path, path))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_greedy_outcome_is_greedy_path(data):
+    size = data.draw(st.integers(1, 14))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, size)]
+    tokens = data.draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    choice = data.draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    tree = TokenTree(parents)
+    out = decode_outcome(greedy_outcome(tree, torch.tensor(tokens), torch.tensor(choice)).tolist())
+    assert out == greedy_path(tree, tokens, choice)

@@ -353,7 +353,8 @@ def test_set_tokens_and_truncate():
     assert len(tree.truncate(root, 7)) == 1 and tree.pool.num_free_pages == free + 1
     assert tree.sequence(root) == [0, 1, 2, 3, 4, 5, 60]
     tree.check_invariants()
-    tree.extend(root, [9])                          # never refills the kept page's dropped slots
+    tree.extend(root, [9])                          # refills the kept page (only this node holds it)
+    assert tree.slots(root)[7] == tree.slots(root)[6] + 1
     tree.commit_step()
     tree.check_invariants()
     before = snapshot(tree)
@@ -367,3 +368,33 @@ def test_set_tokens_and_truncate():
     tree.branch(root, [[1]])
     with pytest.raises(TreeError, match="children"):
         tree.truncate(root, 2)
+
+
+def test_extend_computed_appends_tokens_no_step_computes():
+    """extend_computed gives slots for K/V the caller writes: nothing pending, a leaf only, checked first."""
+    tree = make_tree(num_pages=4, page_size=4)
+    root = tree.add_prompt([1, 2, 3])
+    tree.commit_step()
+    slots = tree.extend_computed(root, [7, 8, 9])        # one slot of the first page, two of a fresh one
+    assert tree.num_pending == 0 and tree.sequence(root) == [1, 2, 3, 7, 8, 9] and len(slots) == 3
+    assert tree.pool.num_free_pages == 2
+    tree.check_invariants()
+    tree.truncate(root, 4)                               # the tail page goes back; its first page is refilled
+    assert tree.pool.num_free_pages == 3
+    assert tree.extend_computed(root, [5]).tolist() == [int(tree.slots(root)[3]) + 1]
+    state = snapshot(tree)
+    for bad, error in [([0] * 20, PoolExhaustedError), ([-1], ValueError), (["a"], TypeError)]:
+        with pytest.raises(error):
+            tree.extend_computed(root, bad)
+        assert snapshot(tree) == state
+    tree.extend(root, [4])
+    with pytest.raises(TreeError, match="pending"):
+        tree.extend_computed(root, [1])
+    tree.commit_step()
+    tree.branch(root, [[6]])
+    tree.commit_step()
+    state = snapshot(tree)
+    with pytest.raises(TreeError, match="children"):
+        tree.extend_computed(root, [1])
+    assert snapshot(tree) == state
+    tree.check_invariants()

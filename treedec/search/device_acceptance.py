@@ -30,7 +30,7 @@ import torch
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["DeviceTree", "decode_outcome", "rejection_outcome"]
+__all__ = ["DeviceTree", "decode_outcome", "greedy_outcome", "rejection_outcome"]
 
 _CACHED_SHAPES = 16   # tree shapes whose device tensors are kept (a program uses one or a few)
 
@@ -95,6 +95,17 @@ class DeviceTree:
 
 
 _CACHE: dict[tuple, DeviceTree] = {}
+
+
+def greedy_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], argmax: torch.Tensor) -> torch.Tensor:
+    """:func:`~treedec.search.acceptance.greedy_path`'s decision on the device: a child passes when its token is
+    the target's argmax at its parent (the first such sibling wins), the bonus is the argmax at the path's last
+    node. ``argmax`` [N] int64 on the device; returns the outcome tensor (see :func:`rejection_outcome`)."""
+    shape = DeviceTree.of(tree, argmax.device)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64, device=argmax.device)
+    passed = tokens == argmax[shape.parents]
+    passed[0] = False
+    return _walk(shape, passed, argmax)
 
 
 def rejection_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], logits: torch.Tensor,

@@ -43,7 +43,8 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
 
     Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,
     :meth:`branch`, :meth:`add_token_tree`, :meth:`add_children`, :meth:`accept`, :meth:`prune`,
-    :meth:`pause`, :meth:`resume`, :meth:`commit_step`, :meth:`layout`.
+    :meth:`extend_computed`, :meth:`set_tokens`, :meth:`truncate`, :meth:`pause`, :meth:`resume`,
+    :meth:`commit_step`, :meth:`layout`.
     """
 
     def __init__(self, pool: PagedKVPool):
@@ -297,6 +298,24 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
                             f"{start + len(tokens) - 1}")
         node.tokens[start:start + len(tokens)] = tokens
 
+    def extend_computed(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens`` (``[n]`` ints >= 0) to leaf ``node_id`` as computed tokens: no step computes them,
+        the caller writes their K/V into the returned ``[n]`` slots (e.g. a pipelined speculative step moving
+        the accepted tokens' K/V on the device before their ids reach the host; :meth:`set_tokens` records
+        the ids later, :meth:`truncate` drops the ones not accepted). Checks first, changes nothing when it
+        raises."""
+        node = self._get(node_id)
+        tokens = int_list(tokens, "tokens", low=0)
+        if node.children:
+            raise TreeError(f"cannot extend node {node_id}: it has children {node.children[:5]}")
+        if node.pending:
+            raise TreeError(f"cannot append computed tokens to node {node_id}: it has {node.pending} pending "
+                            f"token(s); call commit_step() first")
+        slots = self._fill(node, tokens)   # raises before any change when the pool is short
+        node.pending -= len(tokens)
+        self._num_pending -= len(tokens)
+        return slots
+
     def truncate(self, node_id: int, length: int) -> np.ndarray:
         """Keep the first ``length`` (>= 1) tokens of leaf ``node_id``; free the pages only the rest held.
 
@@ -317,7 +336,12 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         freed = self.pool.decref(np.asarray(dropped, dtype=np.int64))
         del node.tokens[length:]
         node.pages = [p for p in node.pages if p in kept_pages]
-        node.tail_room = 0   # the kept last page's free slots may follow another node's: never refill them
+        # The kept last page's free slots are refilled only when no other node holds that page (a page held by
+        # others, e.g. a shared prefix's, may have their tokens after this node's).
+        last = int(node.slots[length - 1])
+        page = last // self.pool.page_size
+        alone = node.pages and node.pages[-1] == page and self.pool.refcount[page] == 1
+        node.tail_room = self.pool.page_size - 1 - last % self.pool.page_size if alone else 0
         self._layout = None
         return freed
 
