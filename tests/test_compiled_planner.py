@@ -148,14 +148,26 @@ def test_layouts_out_of_preorder_plan_as_numpy_does(seed, config):
     assert_same(*both(lambda: make_plan(layout, config, 4)))
 
 
+def with_dynamic_kv(plan, rng, length: int | None):
+    """``plan`` with ``dynamic_kv`` a random range of ``length`` positions (cut at the plan's end; None: none)."""
+    if length is None:
+        return plan
+    start = int(rng.integers(0, plan.num_tokens + 1))
+    return dataclasses.replace(plan, dynamic_kv=(start, min(start + length, plan.num_tokens)))
+
+
+dynamic_lengths = st.sampled_from([None, 0, 1, 30, 64, 500, 10**6])
+
+
 @needs_compiled
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), decode_batch=st.booleans(), config=configs, group=st.sampled_from([1, 4, 5]),
        kv_heads=st.sampled_from([1, 3, 8]), ctas=st.sampled_from([1, 7, 132]), rows=st.sampled_from([16, 64, 128]),
-       tile=st.sampled_from(TILE_SIZES))
-def test_schedules_are_bitwise_the_numpy_ones(seed, decode_batch, config, group, kv_heads, ctas, rows, tile):
+       tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_lengths)
+def test_schedules_are_bitwise_the_numpy_ones(seed, decode_batch, config, group, kv_heads, ctas, rows, tile, dynamic):
+    rng = np.random.default_rng(seed)
     with using("numpy"):
-        plan = make_plan(random_layout(np.random.default_rng(seed), 4, decode_batch), config, group)
+        plan = with_dynamic_kv(make_plan(random_layout(rng, 4, decode_batch), config, group), rng, dynamic)
     assert_same(*both(lambda: schedule_units(plan, group, kv_heads, ctas, rows, tile)))
 
 
@@ -225,11 +237,11 @@ def static_plans(plan, tile):
 
 @needs_compiled
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from(TILE_SIZES))
-def test_static_writes_fill_the_same_buffers(seed, tile):
+@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_lengths)
+def test_static_writes_fill_the_same_buffers(seed, tile, dynamic):
     rng = np.random.default_rng(seed)
     with using("numpy"):
-        plans = [make_plan(random_layout(rng, 4, False), CUDA_LIKE, 4) for _ in range(3)]
+        plans = [with_dynamic_kv(make_plan(random_layout(rng, 4, False), CUDA_LIKE, 4), rng, dynamic) for _ in range(3)]
     big = max(plans, key=lambda p: (p.num_queries, p.num_tokens))
     reference, compiled = static_plans(big, tile)
     for plan in [big] + [p for p in plans if reference.bounds.fits(p)]:  # a big plan, then smaller ones over it
@@ -294,9 +306,12 @@ def test_bad_arrays_raise_value_errors_not_crashes():
     plan = make_plan(layout, PlanConfig(chunk_size=16, query_tile=2), 1)
     items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
     with pytest.raises(ValueError, match="points outside"):
-        module.schedule_units(plan.item_chunk, plan.item_entry_start + 100, *items[2:], 1, 1, 4, 64, 64)
+        module.schedule_units(plan.item_chunk, plan.item_entry_start + 100, *items[2:], 1, 1, 4, 64, 64, 0, 0)
     with pytest.raises(ValueError, match="size is out of range"):
-        module.schedule_units(*items, 1, 1, 4, 64, 48)
+        module.schedule_units(*items, 1, 1, 4, 64, 48, 0, 0)
+    for start, stop in ((-1, 2), (3, 2)):
+        with pytest.raises(ValueError, match=f"dynamic KV range \\[{start}, {stop}\\) must have 0 <= start <= stop"):
+            module.schedule_units(*items, 1, 1, 4, 64, 64, start, stop)
     host = np.zeros(16, np.int32)
     with pytest.raises(ValueError, match="does not fit"):
         module.stage_sections(host, [(np.arange(20), 0, 20, 0, 0)])

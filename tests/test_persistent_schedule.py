@@ -1,4 +1,7 @@
 """treedec/attention/persistent_schedule.py: units cover the plan's work once, balanced over CTAs."""
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -7,7 +10,13 @@ from treedec import PlanConfig
 from treedec.attention import make_plan, schedule_units
 from treedec.attention.persistent_schedule import (COST_PER_UNIT, FULL_TILE_FLAG, SCHEDULE_HEADER, TILE_SIZES,
                                                    UNIT_FIELDS, live_kv_tokens, live_tiles)
+from treedec.attention.planner_choice import PLANNER_ENV
+from treedec.kernels import planner_build
+from bench.suite import fewshot
 from tests.trees import random_forest
+
+IMPLS = ["numpy", pytest.param("compiled", marks=pytest.mark.skipif(planner_build.build_problem() is not None,
+                                                                    reason="no compiled planner here"))]
 
 
 def plan_for(seed: int, chunk_size: int = 32, query_tile: int = 4):
@@ -82,12 +91,16 @@ def test_bad_arguments_raise(name, value):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16), tile=st.sampled_from(TILE_SIZES))
-def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile):
-    """The kernels' tile lists: tiles[tile_begin:tile_end] are the item's live tiles, ascending;
-    device_array() holds the header (tile size, 0), the records, then the lists at the offsets the
-    records name; each record carries its chunk's first slot index and length and its first live tile."""
+@given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16), tile=st.sampled_from(TILE_SIZES),
+       dynamic=st.tuples(st.floats(0, 1), st.sampled_from([0, 1, 5, 64, 200, 10_000])))
+def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile, dynamic):
+    """The kernels' tile lists: tiles[tile_begin:tile_end] are the item's live tiles, ascending, flagged full
+    where every entry reads the whole tile and no token of it is in the plan's dynamic_kv range; device_array()
+    holds the header (tile size, 0), the records, then the lists at the offsets the records name; each record
+    carries its chunk's first slot index and length and its first live tile."""
     plan = plan_for(seed, chunk_size=200, query_tile=3)
+    start = int(dynamic[0] * plan.num_tokens)
+    plan = dataclasses.replace(plan, dynamic_kv=(start, min(start + dynamic[1], plan.num_tokens)))
     s = schedule_units(plan, 2, 2, ctas, tile_tokens=tile)
     flat = s.device_array()
     assert s.tile_tokens == tile and flat[:SCHEDULE_HEADER].tolist() == [tile, 0]
@@ -102,7 +115,9 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile):
         assert kv_begin == plan.chunk_kv_start[chunk]
         assert chunk_len == plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk]
         live = sorted({t // tile for t in range(chunk_len) if any(r[t] for r in reads)})
-        full = {i for i in live if (i + 1) * tile <= chunk_len and all(all(r[i * tile:(i + 1) * tile]) for r in reads)}
+        dynamic_tiles = {(p - kv_begin) // tile for p in range(*plan.dynamic_kv) if 0 <= p - kv_begin < chunk_len}
+        full = {i for i in live if (i + 1) * tile <= chunk_len and all(all(r[i * tile:(i + 1) * tile]) for r in reads)
+                and i not in dynamic_tiles}
         expected = [i | (FULL_TILE_FLAG if i in full else 0) for i in live]
         assert flat[begin:end].tolist() == expected
         assert first_tile == (expected[0] if expected else 0)
@@ -111,10 +126,64 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile):
 def test_tiles_every_query_reads_whole_are_flagged_full():
     """A 300-token prompt read by 3 branch queries, one 360-token chunk: the prompt's four whole
     tiles are full, the tile where the prompt ends and the branches' tiles are not."""
-    from bench.suite import fewshot
     plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
     _, tiles = live_tiles(plan)
     assert plan.num_chunks == 1 and tiles.tolist() == [0 | FULL_TILE_FLAG, 1 | FULL_TILE_FLAG, 2 | FULL_TILE_FLAG,
                                                        3 | FULL_TILE_FLAG, 4, 5]
     _, tiles96 = live_tiles(plan, 96)  # tokens 0-287 in three whole tiles, 288-359 in a short one
     assert tiles96.tolist() == [0 | FULL_TILE_FLAG, 1 | FULL_TILE_FLAG, 2 | FULL_TILE_FLAG, 3]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dynamic_kv, tiles, tiles96", [
+    ((0, 0), [0, 1, 2, 3], [0, 1, 2]),        # none: the planner's plan
+    ((70, 75), [0, 2, 3], [1, 2]),            # inside 64-token tile 1 (96-token tile 0)
+    ((127, 129), [0, 3], [0, 2]),             # across the 64-token tiles 1 and 2
+    ((300, 360), [0, 1, 2, 3], [0, 1, 2]),    # the branches: tiles that were not full
+    ((0, 360), [], []),                       # every token
+])
+def test_tiles_holding_a_dynamic_position_are_never_full(impl, dynamic_kv, tiles, tiles96, monkeypatch):
+    """The device may clear mask bits of the dynamic_kv positions after the plan is written: a tile holding one
+    loses its full flag (its mask words are read), the other tiles keep theirs, and the live tiles stay."""
+    monkeypatch.setenv(PLANNER_ENV, impl)
+    plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
+    assert plan.dynamic_kv == (0, 0) and plan.num_chunks == 1
+    plan = dataclasses.replace(plan, dynamic_kv=dynamic_kv)
+    for tile, full, live in ((64, tiles, 6), (96, tiles96, 4)):
+        listed = schedule_units(plan, 1, 1, 4, tile_tokens=tile).tiles
+        assert listed.tolist() == [t | (FULL_TILE_FLAG if t in full else 0) for t in range(live)]
+        assert live_tiles(plan, tile)[1].tolist() == listed.tolist()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_dynamic_position_unflags_the_tile_of_its_own_chunk(impl, monkeypatch):
+    """Positions are in the flattened KV order: the tile that loses its flag is the one of the chunk holding the
+    position, counted from that chunk's first token; every other item's tiles keep their flags."""
+    monkeypatch.setenv(PLANNER_ENV, impl)
+    plan = make_plan(fewshot("t", 1000, 3, 20).layout, PlanConfig("flatten", chunk_size=256, query_tile=3))
+    item_tile_start, before = live_tiles(plan)
+    chunk = 1
+    position = int(plan.chunk_kv_start[chunk]) + 64 + 10   # token 10 of the chunk's (full) tile 1
+    item = int(np.flatnonzero(plan.item_chunk == chunk)[0])
+    index = int(item_tile_start[item]) + 1
+    assert plan.num_chunks == 5 and before[index] == 1 | FULL_TILE_FLAG
+    expected = before.copy()
+    expected[index] = 1
+    for dynamic_kv in ((position, position + 1), (position - 10, position + 54)):  # a token; the whole tile
+        after = schedule_units(dataclasses.replace(plan, dynamic_kv=dynamic_kv), 1, 1, 4).tiles
+        assert after.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dynamic_kv", [(-1, 3), (5, 3), (0, 361), (361, 361), (1.0, 2), (True, 2), (1,), (1, 2, 3),
+                                        None, "ab"])
+def test_a_bad_dynamic_range_is_named(impl, dynamic_kv, monkeypatch):
+    monkeypatch.setenv(PLANNER_ENV, impl)
+    plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
+    assert plan.num_tokens == 360
+    plan = dataclasses.replace(plan, dynamic_kv=dynamic_kv)
+    message = re.escape(f"dynamic_kv must be two ints 0 <= start <= stop <= num_tokens (360), got {dynamic_kv!r}")
+    with pytest.raises(ValueError, match=message):
+        schedule_units(plan, 1, 1, 4)
+    with pytest.raises(ValueError, match=message):
+        live_tiles(plan)

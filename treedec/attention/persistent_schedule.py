@@ -40,9 +40,10 @@ SCHEDULE_HEADER = 2       # int32 words before the records in device_array(): ti
 COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, pipeline fill, partial state)
-# Set on a listed tile when every entry of its item reads every token of the tile: the sm_90a kernel
-# then copies no mask words for it and runs its softmax without a mask. The tile index is
-# ``listed & ~FULL_TILE_FLAG`` (tile indices stay far below 2^30: a chunk has < 2^31 tokens).
+# Set on a listed tile when every entry of its item reads every token of the tile and the tile holds
+# no position of the plan's ``dynamic_kv`` (whose mask bits the device may clear after the plan is
+# written): the sm_90a kernel then copies no mask words for it and runs its softmax without a mask.
+# The tile index is ``listed & ~FULL_TILE_FLAG`` (tile indices stay far below 2^30: a chunk has < 2^31 tokens).
 FULL_TILE_FLAG = 1 << 30
 
 
@@ -60,7 +61,8 @@ class PersistentSchedule:
         ``chunk_kv_start[chunk]`` and length.
     tiles : [N] int32
         Live tiles (index of the tile in its chunk, ascending) of every work item, item by item,
-        each with :data:`FULL_TILE_FLAG` set where every entry of the item reads the whole tile.
+        each with :data:`FULL_TILE_FLAG` set where every entry of the item reads the whole tile and it
+        holds no position of the plan's ``dynamic_kv``.
     cta_cost : [num_ctas] float64
         Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
     tile_tokens : int
@@ -109,9 +111,11 @@ def live_tiles(plan: TreePlan, tile_tokens: int = TILE_TOKENS) -> tuple[np.ndarr
     tiles : [N] int32
         Index (tile t covers chunk tokens ``t * tile_tokens ...``) of each tile that some entry of
         the item reads, ascending per item, plus :data:`FULL_TILE_FLAG` where every entry of the
-        item reads all ``tile_tokens`` tokens of the tile (so never a chunk's short last tile).
+        item reads all ``tile_tokens`` tokens of the tile (so never a chunk's short last tile) and
+        none of them is in ``plan.dynamic_kv``.
     """
     _check_tile_tokens(tile_tokens)
+    start, stop = _dynamic_range(plan)
     if plan.num_items == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
     counts = plan.item_num_entries.astype(np.int64)
@@ -122,10 +126,25 @@ def live_tiles(plan: TreePlan, tile_tokens: int = TILE_TOKENS) -> tuple[np.ndarr
     anded = np.bitwise_and.reduceat(masks, offsets, axis=0)
     live = _by_tile(ored != 0, tile_tokens).any(axis=2)             # [I, tiles]
     full = _by_tile(anded == -1, tile_tokens).all(axis=2)           # every bit of every word (int32 -1)
+    if start < stop:  # a tile holding a dynamic position: [first, first + tile_tokens) meets [start, stop)
+        first = plan.chunk_kv_start[plan.item_chunk][:, None] + np.arange(full.shape[1]) * tile_tokens
+        full &= (first >= stop) | (first + tile_tokens <= start)
     items, tiles = np.nonzero(live)                                 # item-major, ascending
     item_tile_start = np.zeros(plan.num_items + 1, dtype=np.int64)
     np.cumsum(live.sum(axis=1), out=item_tile_start[1:])
     return item_tile_start, (tiles | np.where(full[items, tiles], FULL_TILE_FLAG, 0)).astype(np.int32)
+
+
+def _dynamic_range(plan: TreePlan) -> tuple[int, int]:
+    """``plan.dynamic_kv`` as ``(start, stop)``, checked: ints with ``0 <= start <= stop <= plan.num_tokens``
+    (ValueError naming it and its value otherwise)."""
+    value = plan.dynamic_kv
+    if not (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+            and 0 <= value[0] <= value[1] <= plan.num_tokens):
+        raise ValueError(f"dynamic_kv must be two ints 0 <= start <= stop <= num_tokens ({plan.num_tokens}), "
+                         f"got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _check_tile_tokens(tile_tokens) -> None:
@@ -159,6 +178,8 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     Parameters
     ----------
     plan : TreePlan
+        Its ``dynamic_kv`` positions' tiles are never flagged full (:func:`live_tiles`); ValueError
+        when it is not a range of the plan's tokens.
     group : int
         Query heads per KV head (GQA ratio).
     num_kv_heads : int
@@ -178,7 +199,7 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     if module is not None:  # the compiled port of the code below (treedec/kernels/planner/schedule.h)
         cta_unit_start, unit_info, tiles, cta_cost, device = module.schedule_units(
             plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask,
-            group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens)
+            group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens, *_dynamic_range(plan))
         device.setflags(write=False)
         return PersistentSchedule(cta_unit_start, unit_info, tiles, cta_cost, tile_tokens, device)
     rows = plan.item_num_entries.astype(np.int64) * group                   # [I]

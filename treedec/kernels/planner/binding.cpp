@@ -153,13 +153,14 @@ PyObject* make_plan_py(PyObject*, PyObject* args) {
 }
 
 // schedule_units(item_chunk, item_entry_start, item_num_entries, chunk_kv_start, entry_mask, group,
-// num_kv_heads, num_ctas, rows_per_unit, tile_tokens) -> (cta_unit_start, unit_info, tiles, cta_cost,
-// device_array)
+// num_kv_heads, num_ctas, rows_per_unit, tile_tokens, dynamic_start, dynamic_stop) -> (cta_unit_start,
+// unit_info, tiles, cta_cost, device_array); [dynamic_start, dynamic_stop) is TreePlan.dynamic_kv (the
+// caller checks it against the plan's tokens)
 PyObject* schedule_units_py(PyObject*, PyObject* args) {
   PyObject *chunk_obj, *start_obj, *count_obj, *kv_obj, *mask_obj;
-  long long group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens;
-  if (!PyArg_ParseTuple(args, "OOOOOLLLLL", &chunk_obj, &start_obj, &count_obj, &kv_obj, &mask_obj, &group,
-                        &num_kv_heads, &num_ctas, &rows_per_unit, &tile_tokens)) {
+  long long group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens, dynamic_start, dynamic_stop;
+  if (!PyArg_ParseTuple(args, "OOOOOLLLLLLL", &chunk_obj, &start_obj, &count_obj, &kv_obj, &mask_obj, &group,
+                        &num_kv_heads, &num_ctas, &rows_per_unit, &tile_tokens, &dynamic_start, &dynamic_stop)) {
     return nullptr;
   }
   return guarded([&]() -> PyObject* {
@@ -177,9 +178,13 @@ PyObject* schedule_units_py(PyObject*, PyObject* args) {
         tile_tokens % kMaskBits) {
       fail("a schedule size is out of range");
     }
+    if (dynamic_start < 0 || dynamic_stop < dynamic_start) {
+      fail("the dynamic KV range [" + std::to_string(dynamic_start) + ", " + std::to_string(dynamic_stop) +
+           ") must have 0 <= start <= stop");
+    }
     const ScheduleInput in{data64(item_chunk), data64(item_entry_start), data64(item_num_entries),
                            data64(chunk_kv_start), static_cast<const std::int32_t*>(PyArray_DATA(entry_mask)), items,
-                           PyArray_DIM(entry_mask, 1)};
+                           PyArray_DIM(entry_mask, 1), dynamic_start, dynamic_stop};
     const i64 num_entries = PyArray_DIM(entry_mask, 0), num_chunks = PyArray_DIM(chunk_kv_start, 0) - 1;
     for (i64 i = 0; i < items; ++i) {  // every item's entries and chunk inside the arrays
       if (in.item_entry_start[i] < 0 || in.item_num_entries[i] < 0 ||

@@ -14,6 +14,7 @@ struct ScheduleInput {
   const i64* chunk_kv_start;
   const std::int32_t* entry_mask;  // [E, mask_words]
   i64 num_items, mask_words;
+  i64 dynamic_start, dynamic_stop;  // TreePlan.dynamic_kv: flattened positions whose tiles are never full
 };
 
 constexpr int kUnitFields = 10;  // persistent_schedule.UNIT_FIELDS
@@ -30,14 +31,17 @@ struct Schedule {
 };
 
 // persistent_schedule.live_tiles: per item, the tiles some entry reads (OR of its masks) and, flagged,
-// those every entry reads whole (AND of its masks all ones over the tile's words, all of them in the row).
+// those every entry reads whole (AND of its masks all ones over the tile's words, all of them in the row)
+// and holding no position of [dynamic_start, dynamic_stop) (the device may clear those positions' bits).
 inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_start,
                        std::vector<std::int32_t>& tiles) {
   const i64 words = in.mask_words, per_tile = tile_tokens / kMaskBits, num_tiles = ceil_div(words, per_tile);
   std::vector<std::uint32_t> ored(words), anded(words);
   item_tile_start.assign(in.num_items + 1, 0);
   tiles.clear();
+  const bool dynamic = in.dynamic_start < in.dynamic_stop;
   for (i64 i = 0; i < in.num_items; ++i) {
+    const i64 kv_begin = in.chunk_kv_start[in.item_chunk[i]];
     std::fill(ored.begin(), ored.end(), 0u);
     std::fill(anded.begin(), anded.end(), ~0u);
     const auto* rows = reinterpret_cast<const std::uint32_t*>(in.entry_mask) + in.item_entry_start[i] * words;
@@ -46,7 +50,9 @@ inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_
     }
     for (i64 t = 0; t < num_tiles; ++t) {
       const i64 w0 = t * per_tile, w1 = std::min(w0 + per_tile, words);
-      bool live = false, full = w1 - w0 == per_tile;  // words past the row count as not full
+      const i64 first = kv_begin + t * tile_tokens;  // the tile's first flattened position
+      bool live = false, full = w1 - w0 == per_tile &&  // words past the row count as not full
+                                !(dynamic && first < in.dynamic_stop && first + tile_tokens > in.dynamic_start);
       for (i64 w = w0; w < w1; ++w) live |= ored[w] != 0, full &= anded[w] == ~0u;
       if (live) tiles.push_back(static_cast<std::int32_t>(t) | (full ? kFullTileFlag : 0));
     }
