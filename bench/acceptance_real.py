@@ -44,7 +44,8 @@ from treedec.search.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.drafts import PromptLookupDraft  # noqa: E402
 from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
-from treedec.search.speculative import greedy_generate, speculative_generate  # noqa: E402
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate  # noqa: E402
 
 CHATS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",

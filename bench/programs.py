@@ -106,7 +106,8 @@ from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
 from treedec.search.drafts import TreeDraft  # noqa: E402
-from treedec.search.speculative import greedy_generate, speculative_generate  # noqa: E402
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 

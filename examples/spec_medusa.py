@@ -18,7 +18,8 @@ import torch
 from treedec.engine import Engine, from_config
 from treedec.search.acceptance import TypicalAcceptance
 from treedec.search.medusa import MedusaDraft, MedusaHeads, load_medusa_heads
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 
 
 def main() -> None:

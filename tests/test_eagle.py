@@ -26,7 +26,8 @@ from treedec.search.eagle import EagleDraft
 from treedec.search.eagle_batch import EagleGroup
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 from treedec.search.speculative_batch import speculative_batch
 from tests.test_search_acceptance import passes_chi_square
 

@@ -15,7 +15,8 @@ from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_
                             to_hf_config, to_hf_state_dict)
 from treedec.engine.loading import CheckpointError, checkpoint_shards
 from treedec.search.drafts import PromptLookupDraft
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 
 
 def run_steps(model) -> list[torch.Tensor]:

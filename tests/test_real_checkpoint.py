@@ -17,7 +17,8 @@ from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.eagle import EagleDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],

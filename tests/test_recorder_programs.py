@@ -20,7 +20,8 @@ from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams, parallel_sample
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads import Accept, Children, Extend, Prompt, TokenTree as TokenTreeOp, Truncate, load_schedule

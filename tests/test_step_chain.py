@@ -18,7 +18,8 @@ from treedec.search.eagle import EagleDraft
 from treedec.search.eagle_batch import EagleGroup
 from treedec.search.requests_file import RequestSpec
 from treedec.search.speculative_batch import speculative_batch
-from treedec.search.speculative import greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
 from tests.test_eagle import bigram_eagle, bigram_eagle3
 
 STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)

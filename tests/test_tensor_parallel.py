@@ -47,7 +47,8 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     from treedec.search.draft_model import DraftModelDraft
     from treedec.search.medusa import MedusaDraft, MedusaHeads
     from treedec.search.sampling import SamplingParams, parallel_sample
-    from treedec.search.speculative import greedy_generate, speculative_generate
+    from treedec.search.generate import greedy_generate
+    from treedec.search.speculative import speculative_generate
 
     def engine(model, page_size=4):
         return Engine(model, kv_tokens=2048, page_size=page_size, backend="torch", prefill_chunk=16)

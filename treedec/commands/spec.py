@@ -40,7 +40,8 @@ from treedec.search.eagle import EagleDraft
 from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.speculative import SpeculativeStats, greedy_generate, speculative_generate
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import SpeculativeStats, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 DRAFTS = ("ngram", "medusa", "draft-model", "eagle", "eagle3", "tree")

@@ -70,6 +70,19 @@ class DraftSource:
     too (:meth:`~treedec.search.program.ProgramContext.together`), and :meth:`collect` s its tree;
     :meth:`propose` is both, alone."""
 
+    fixed_tree: TokenTree | None = None
+    """The tree every proposal has, for a draft whose tokens are a function of its :attr:`row_head`'s output
+    at the last accepted token, computed on the device (:meth:`device_drafts`): its speculative loop can run
+    pipelined (:func:`~treedec.search.speculative_pipeline.pipelined_speculative_generate`). None: not such
+    a draft."""
+
+    def device_drafts(self, head_row: torch.Tensor) -> torch.Tensor:
+        """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64, the root excluded) from the row
+        head's output at the last accepted token, on the device, without waiting (drafts with a
+        :attr:`fixed_tree` only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fixed tree drafted on the device (fixed_tree is "
+                                  f"None)")
+
     def submit(self, sequence_tokens: Sequence[int]) -> None:
         """Queue the proposal after ``sequence_tokens`` (drafts with :attr:`drafts_together` only)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft together (drafts_together is False): "

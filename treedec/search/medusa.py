@@ -187,6 +187,7 @@ class MedusaDraft(DraftSource):
         self._observed: tuple[int, int] | None = None   # (length, last token) of the sequence observed
         self._hidden: torch.Tensor | None = None
         self._top: torch.Tensor | None = None   # [depth, max top-k] candidates, from the step
+        self._flat_index: tuple[torch.Tensor, int] | None = None   # device_drafts' gather, for a width k
 
     @property
     def max_depth(self) -> int:
@@ -205,6 +206,23 @@ class MedusaDraft(DraftSource):
         best first, per head); else None. Drafts with the same heads and tree depth and width
         have equal row heads: the requests of a batch share one."""
         return self._candidates if self.in_step else None
+
+    @property
+    def fixed_tree(self) -> TokenTree | None:
+        """The tree of the choices when the heads run inside the step (``in_step``): the tokens then come from
+        their candidates on the device (:meth:`device_drafts`); else None."""
+        return self.tree if self.in_step else None
+
+    def device_drafts(self, head_row: torch.Tensor) -> torch.Tensor:
+        """The draft tokens from the heads' candidates ``[depth, k]`` at the last accepted token (the
+        :attr:`row_head`'s output there), gathered on the device."""
+        if not self.in_step:
+            return super().device_drafts(head_row)
+        k = head_row.shape[-1]
+        if self._flat_index is None or self._flat_index[0].device != head_row.device or self._flat_index[1] != k:
+            index = torch.tensor([(len(p) - 1) * k + p[-1] for p in self._paths], dtype=torch.int64)
+            self._flat_index = (index.to(head_row.device), k)
+        return head_row.reshape(-1)[self._flat_index[0]]
 
     def start(self, engine: Engine) -> None:
         """Check the heads fit the target model; forget the previous request."""

@@ -37,6 +37,7 @@ from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.scheduler import run_program
+from treedec.search.speculative_pipeline import pipeline_refusal, pipelined_speculative_loop
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
@@ -61,6 +62,9 @@ class SpeculativeStats:
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
         or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s.
+    pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative_pipeline`; then the draft
+        is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
+    pipeline_note : why they did not, when ``pipeline`` was left to choose.
     """
 
     steps: int = 0
@@ -71,6 +75,8 @@ class SpeculativeStats:
     prefill_seconds: float = 0.0
     node: int | None = None
     stop_reason: str = ""
+    pipelined: bool = False
+    pipeline_note: str = ""
 
     @property
     def tokens_per_step(self) -> float:
@@ -294,7 +300,7 @@ class SpeculativeProgram(Program):
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
                          acceptance: AcceptanceRule | None = None,
                          on_step: Callable[[SpeculativeStats, int], None] | None = None,
-                         eos_token_id: int | Sequence[int] | str | None = MODEL_EOS
+                         eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, pipeline: bool | None = None
                          ) -> tuple[list[int], SpeculativeStats]:
     """Speculative decoding of one request: prefill, then verification steps.
 
@@ -310,6 +316,11 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         (``emitted``: new tokens so far), e.g. to advance a progress bar.
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's),
         an id, several ids, or None (no EOS stop).
+    pipeline : run step n+1 before step n's tokens reach the host
+        (:mod:`treedec.search.speculative_pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
+        as Medusa heads run in the step, under greedy acceptance). Default: on for a CUDA engine when the draft
+        and rule allow it (``stats.pipelined`` and ``stats.pipeline_note`` say what was chosen and why); True
+        raises ValueError when they do not. Same tokens either way.
 
     Returns ``(tokens, stats)``: the new tokens up to and including the first EOS id, at
     most ``max_new_tokens`` of them, and the run's :class:`SpeculativeStats`
@@ -322,58 +333,37 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
     program = SpeculativeProgram(prompt_ids, draft, rule, acceptance=acceptance, keep_node=True, on_step=on_step,
                                  max_draft_tokens=engine.pool.num_pages * engine.pool.page_size)
-    checker, stats = run_program(engine, program)
+    refusal = pipeline_refusal(engine, draft, program.acceptance)
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
+    if pipeline and refusal is not None:
+        raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
+    note = refusal or ("" if engine.device.type == "cuda" else "the engine is on the CPU (nothing to overlap)")
+    if pipeline is False or (pipeline is None and note):
+        checker, stats = run_program(engine, program)
+        stats.pipeline_note = "pipeline=False" if pipeline is False else note
+        return checker.token_ids, stats
+    checker, stats = _pipelined(engine, program)
     return checker.token_ids, stats
 
-def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, pipeline: bool | None = None
-                    ) -> list[int]:
-    """Plain greedy decoding, one token per engine step: the reference that greedy
-    speculative decoding must equal.
 
-    Returns the new tokens up to and including the first EOS id (``eos_token_id`` as in
-    :func:`speculative_generate`), at most ``max_new_tokens``. The request stays in
-    ``engine.tree`` (its root node): the prompt and every new token but the last.
-
-    ``pipeline`` (default: on for a CUDA engine, where the device runs asynchronously; off on the
-    CPU, where nothing would overlap): each step is planned and launched before the previous
-    step's token is read back (:meth:`Engine.step` reads it on the device), so the host's work
-    runs while the device computes. After an EOS one step more has run; its token is dropped
-    from the tree (:meth:`SequenceTree.truncate`), so the result and the tree are the same.
-    """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
-    prompt = [int(x) for x in prompt_ids]
-    pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    prefilled = engine.prefill(prompt)
-    node = prefilled.node
-    if not pipeline:
-        out = [int(prefilled.logits.argmax())]
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            engine.tree.extend(node, out[-1:])
-            out.append(int(engine.step().logits[0].argmax()))
-        return out
-    tree = engine.tree
-    pending = prefilled.logits.argmax().reshape(1)
-    read = HostCopy(pending)
-    out: list[int] = []
-    while True:
-        launched = None
-        if len(out) + 1 < max_new_tokens:
-            tree.extend(node, [0])    # a placeholder: the step reads `pending` on the device
-            launched = engine.step(tokens=pending).logits[0].argmax().reshape(1)
-            next_read = HostCopy(launched)
-        token = read.result()[0]
-        if launched is not None:
-            tree.set_tokens(node, len(prompt) + len(out), [token])
-        out.append(token)
-        if token in eos or len(out) >= max_new_tokens:
-            if launched is not None:
-                tree.truncate(node, len(prompt) + len(out) - 1)
-            return out
-        pending, read = launched, next_read
-
+def _pipelined(engine: Engine, program: SpeculativeProgram) -> tuple[StopChecker, SpeculativeStats]:
+    """:func:`speculative_generate`'s pipelined path: the prefill, then the loop of
+    :func:`~treedec.search.speculative_pipeline.pipelined_speculative_loop`."""
+    with engine.guard:
+        check_positions(engine.model, program.positions(), "the request", before_run=True)
+        draft = program.draft
+        draft.start(engine)
+        head_name = _add_draft_head(engine, draft.row_head)
+        checker = StopChecker(program.rule, None)
+        start = time.perf_counter()
+        prefilled = engine.prefill(program.prompt_ids, return_heads=True)
+        stats = SpeculativeStats(node=prefilled.node, pipelined=True)
+        stats.prefill_seconds = time.perf_counter() - start
+        pipelined_speculative_loop(engine, prefilled.node, prefilled.logits.argmax(), prefilled.heads[head_name],
+                                   draft, head_name, checker, stats, program.on_step)
+        stats.stop_reason = checker.stop_reason
+        return checker, stats
 
 # ================================================================ private
 

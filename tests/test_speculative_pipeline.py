@@ -1,0 +1,197 @@
+"""Pipelined speculative decoding (treedec.search.speculative_pipeline): the same tokens, stats and tree as the
+unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
+the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
+import numpy as np
+import pytest
+import torch
+
+from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
+from treedec.engine import Engine, greedy
+from treedec.search.acceptance import RejectionSampling
+from treedec.search.drafts import PromptLookupDraft
+from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative import speculative_generate
+from tests.engines import make_engine, tiny_model
+from tests.test_search_medusa import OracleHeads
+from tests.test_search_speculative import prompt_with_repeats
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tiny):
+    """The prompt, its greedy continuation and the hidden state before each continuation token."""
+    prompt = prompt_with_repeats()
+    engine = make_engine(tiny)
+    prefilled = engine.prefill(prompt, return_hidden=True)
+    states, out = [prefilled.hidden], [int(greedy(prefilled.logits))]
+    while len(out) < NEW + 8:
+        engine.tree.extend(prefilled.node, out[-1:])
+        step = engine.step(return_hidden=True)
+        states.append(step.hidden[0])
+        out.append(int(greedy(step.logits[0])))
+    return prompt, out, torch.stack(states)
+
+
+class FlakyOracle(OracleHeads):
+    """Right at most positions, wrong at every ``period``-th head output: accepted lengths vary step to step."""
+
+    def __init__(self, states, continuation, period):
+        super().__init__(states, continuation)
+        self.period = period
+
+    def forward(self, hidden):
+        out = super().forward(hidden)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        flat = out.reshape(len(rows), self.num_heads, -1)
+        for r, state in enumerate(rows):
+            k = int((self.states - state).norm(dim=-1).argmin())
+            for i in range(self.num_heads):
+                if (k + i) % self.period == 0:
+                    flat[r, i] = flat[r, i].roll(1)   # a wrong token first
+        return out
+
+
+def both(tiny, prompt, draft, n, page_size=4, **kw):
+    """(tokens, stats, node sequence) of the unpipelined and the pipelined run; each leaves a clean pool."""
+    runs = []
+    for pipeline in (False, True):
+        engine = make_engine(tiny, page_size=page_size)
+        tokens, stats = speculative_generate(engine, prompt, draft, n, pipeline=pipeline, **kw)
+        assert stats.pipelined == pipeline
+        engine.tree.check_invariants()
+        sequence = engine.tree.sequence(stats.node)
+        assert engine.tree.num_nodes == 1 and engine.tree.num_pending == 0
+        engine.tree.prune(stats.node)
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+        runs.append((tokens, stats, sequence))
+    return runs
+
+
+def same(runs):
+    (t0, s0, q0), (t1, s1, q1) = runs
+    assert t1 == t0 and q1 == q0
+    assert (s1.steps, s1.accepted, s1.draft_sizes, s1.stop_reason) == (s0.steps, s0.accepted, s0.draft_sizes,
+                                                                       s0.stop_reason)
+
+
+@pytest.mark.parametrize("heads, page_size", [("untrained", 4), ("oracle", 1), ("flaky3", 4), ("flaky2", 16)])
+def test_pipelined_equals_unpipelined(tiny, greedy_run, heads, page_size):
+    prompt, ref, states = greedy_run
+    made = {"untrained": lambda: MedusaHeads.untrained(tiny, num_heads=4),
+            "oracle": lambda: OracleHeads(states, ref),
+            "flaky3": lambda: FlakyOracle(states, ref, 3), "flaky2": lambda: FlakyOracle(states, ref, 2)}[heads]()
+    runs = both(tiny, prompt, MedusaDraft(made), NEW, page_size)
+    same(runs)
+    tokens, stats, sequence = runs[1]
+    assert tokens == ref[:NEW] and sequence[:len(prompt) + NEW - 1] == prompt + tokens[:-1]
+    if heads != "untrained":
+        assert len(set(stats.accepted)) > 1 or heads == "oracle"
+        assert sum(stats.accepted) > NEW // 3
+
+
+@pytest.mark.parametrize("stop", ["eos_in_path", "eos_as_bonus", "length_in_path", "first_token"])
+def test_a_stop_read_one_step_late_is_rolled_back(tiny, greedy_run, stop):
+    """The step launched after the one that stops is pruned and the sequence cut to the kept tokens: tokens,
+    tree and pages as the unpipelined run's."""
+    prompt, ref, states = greedy_run
+    draft = MedusaDraft(OracleHeads(states, ref))   # paths of 4 accepted a step: stops fall inside them
+    if stop == "eos_in_path":
+        kw = dict(n=NEW, eos_token_id=ref[6])
+    elif stop == "eos_as_bonus":
+        kw = dict(n=NEW, eos_token_id=ref[5])
+    elif stop == "length_in_path":
+        kw = dict(n=7, eos_token_id=None)
+    else:
+        kw = dict(n=1, eos_token_id=None)
+    n = kw.pop("n")
+    runs = both(tiny, prompt, draft, n, **kw)
+    same(runs)
+    tokens = runs[1][0]
+    assert tokens == ref[:len(tokens)] and len(tokens) <= n
+    if stop == "first_token":
+        assert runs[1][1].steps == 0 and tokens == ref[:1]
+
+
+def test_auto_chooses_and_says_why(tiny, greedy_run):
+    prompt, ref, states = greedy_run
+    engine = make_engine(tiny)
+    _, stats = speculative_generate(engine, prompt, MedusaDraft(OracleHeads(states, ref)), 8)
+    assert not stats.pipelined and "CPU" in stats.pipeline_note
+
+
+@pytest.mark.parametrize("draft, rule, match", [
+    (lambda h: PromptLookupDraft(num_draft_tokens=3), None, "no fixed tree"),
+    (lambda h: MedusaDraft(h, in_step=False), None, "no fixed tree"),
+    (lambda h: MedusaDraft(h), RejectionSampling(), "RejectionSampling decides on the host"),
+])
+def test_pipeline_true_refuses_what_cannot_pipeline(tiny, draft, rule, match):
+    engine = make_engine(tiny)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(engine, [1, 2, 3], draft(MedusaHeads.untrained(tiny)), 4, rule, pipeline=True)
+    assert engine.tree.num_nodes == 0
+    with pytest.raises(ValueError, match="pipeline must be None, True or False"):
+        speculative_generate(engine, [1, 2, 3], MedusaDraft(MedusaHeads.untrained(tiny)), 4, pipeline="yes")
+    reference = Engine(tiny, kv_tokens=256, page_size=4, backend="reference")
+    with pytest.raises(ValueError, match="reference attention backend"):
+        speculative_generate(reference, [1, 2, 3], MedusaDraft(MedusaHeads.untrained(tiny)), 4, pipeline=True)
+
+
+def test_a_dynamic_span_step_equals_the_step_without_the_unused_slots(tiny):
+    """A node ending in 3 computed slots of which 1 is kept (a device value) gives its child the logits of the
+    node without the other 2: masked, and the child's positions moved back by 2."""
+    engine = make_engine(tiny)
+    prompt = list(range(5, 30))
+    node = engine.prefill(prompt).node
+    drafted = engine.tree.branch(node, [[7, 8, 9]])[0]
+    engine.step()
+    computed = torch.as_tensor(engine.tree.slots(drafted)[:3])   # 7 at the position after the prompt
+    engine.tree.prune(drafted)
+    span_slots = engine.tree.extend_computed(node, [7, 0, 0])
+    engine.copy_kv(computed, torch.as_tensor(span_slots))       # 8 and 9 are the unused slots' K/V
+    engine.tree.branch(node, [[11, 12]])
+    got = engine.step(dynamic=DynamicSpan(span_slots, torch.tensor([1]), np.arange(2))).logits
+    want_engine = make_engine(tiny)
+    want_node = want_engine.prefill(prompt + [7]).node
+    want_engine.tree.branch(want_node, [[11, 12]])
+    want = want_engine.step().logits
+    assert torch.allclose(got, want, atol=1e-5)
+    unmasked = make_engine(tiny)       # the test has power: the same step reading the unused slots differs
+    unmasked_node = unmasked.prefill(prompt + [7, 8, 9]).node
+    unmasked.tree.branch(unmasked_node, [[11, 12]])
+    assert not torch.allclose(unmasked.step().logits, want, atol=1e-3)
+
+
+def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
+    engine = make_engine(tiny, page_size=4)
+    node = engine.prefill(list(range(40))).node
+    slots = engine.tree.extend_computed(node, [0] * 5)
+    engine.tree.add_token_tree(node, [1, 2, 3], [-1, 0, 0])
+    plan = DynamicSpan(slots, torch.tensor([2]), np.arange(3)).locate(engine.attn.plan_host(engine.tree.layout()))
+    start, stop = plan.dynamic_kv
+    assert stop - start == 5 and plan.kv_slots[start:stop].tolist() == slots.tolist()
+    patched = MaskPatch.of(plan, plan.mask_words, torch.device("cpu")).apply_host(plan, 2)
+    for e in range(plan.num_entries):
+        chunk = int(np.searchsorted(plan.chunk_entry_start, e, side="right") - 1)
+        for f in range(plan.chunk_kv_start[chunk], plan.chunk_kv_start[chunk + 1]):
+            t = f - plan.chunk_kv_start[chunk]
+            before = (plan.entry_mask[e, t // 32] >> (t % 32)) & 1
+            after = (patched.entry_mask[e, t // 32] >> (t % 32)) & 1
+            assert after == (0 if start + 2 <= f < stop else before)
+    engine.tree.commit_step()
+
+
+@pytest.mark.triton
+def test_pipelined_on_the_triton_backend_masks_on_the_device(tiny, greedy_run, triton_device):
+    """The triton backend reads the plan from device tensors: the span is masked there (MaskPatch.apply), not on
+    the host plan."""
+    prompt, ref, states = greedy_run
+    draft = MedusaDraft(FlakyOracle(states, ref, 3))
+    engine = Engine(tiny.to(triton_device), kv_tokens=1024, page_size=4, backend="triton")
+    tokens, stats = speculative_generate(engine, prompt, draft, 16, pipeline=True)
+    assert stats.pipelined and tokens == ref[:16] and len(set(stats.accepted)) > 1

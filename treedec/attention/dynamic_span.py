@@ -1,0 +1,139 @@
+"""A span of KV whose visibility the device decides after the step is planned (pipelined speculative decoding).
+
+A pipelined speculative loop plans and launches step n+1 before step n's accepted length reaches the host.
+Step n's accepted K/V are moved on the device into ``d`` slots reserved at the end of the sequence; only the
+first ``keep`` of them (the accepted length, a device value) may be read. The host plans the step as if all
+``d`` were read, then :class:`DynamicSpan` patches the plan on the device: the mask bits of the span's slots
+``keep ..`` are cleared in every entry of the chunks that hold them (the plan's ``dynamic_kv`` keeps the cuda
+schedule from skipping the mask words of those tiles), and the queries after the span move back by
+``d - keep`` positions. Nothing waits for the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.transfer import to_device
+
+__all__ = ["DynamicSpan", "MaskPatch", "located", "mask_on_device", "shift_positions"]
+
+
+@dataclass(frozen=True)
+class DynamicSpan:
+    """What a step's caller knows of a span before its length is known on the host.
+
+    Attributes
+    ----------
+    slots : [d] int64 (host): pool slots of ``d`` computed tokens at the end of one node, in order.
+    keep : int64 tensor of one element on the engine's device: how many of them (a prefix) hold real tokens.
+    shift_rows : [r] int64 (host): the step's query rows after the span (their positions move by ``keep - d``).
+    """
+
+    slots: np.ndarray
+    keep: torch.Tensor
+    shift_rows: np.ndarray
+
+    def __post_init__(self):
+        slots = np.asarray(self.slots, dtype=np.int64).reshape(-1)
+        rows = np.asarray(self.shift_rows, dtype=np.int64).reshape(-1)
+        if not isinstance(self.keep, torch.Tensor) or self.keep.numel() != 1:
+            raise TypeError(f"DynamicSpan.keep must be a one-element tensor, got {self.keep!r}")
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "shift_rows", rows)
+
+    def locate(self, plan: TreePlan) -> TreePlan:
+        """``plan`` with ``dynamic_kv`` set to where the span lies in its flattened KV (unchanged when no
+        query reads it). Raises ValueError when the slots are not one run of the flattened order."""
+        d = len(self.slots)
+        if d == 0:
+            return plan
+        hits = np.flatnonzero(plan.kv_slots == self.slots[0])
+        if len(hits) == 0:
+            return plan
+        start = int(hits[0])
+        if not np.array_equal(plan.kv_slots[start:start + d], self.slots):
+            raise ValueError(f"a dynamic span's {d} slots must be one run of the plan's flattened KV (the end of "
+                             f"one node), got slots {self.slots[:8].tolist()}")
+        return dataclasses.replace(plan, dynamic_kv=(start, start + d))
+
+
+@dataclass(frozen=True)
+class MaskPatch:
+    """The mask words a span touches in a plan's ``entry_mask`` and the bit each of its slots holds there."""
+
+    words: torch.Tensor    # [u] int64: distinct flat word indices (entry * stride + word)
+    inverse: torch.Tensor  # [p] int64: each (entry, slot) pair's index into words
+    bits: torch.Tensor     # [p] int64: the slot's bit in that word
+    which: torch.Tensor    # [p] int64: the slot's index in the span (cleared when >= keep)
+
+    @classmethod
+    def of(cls, plan: TreePlan, stride: int, device: torch.device) -> MaskPatch | None:
+        """The patch of ``plan``'s ``dynamic_kv`` for an ``entry_mask`` whose rows are ``stride`` words apart
+        (a static plan's rows are its bounds' width); None when the span is empty."""
+        start, stop = plan.dynamic_kv
+        if start == stop:
+            return None
+        position = np.arange(start, stop, dtype=np.int64)
+        chunk = np.searchsorted(plan.chunk_kv_start, position, side="right") - 1
+        offset = position - plan.chunk_kv_start[chunk]
+        first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
+        count = last - first
+        pair_slot = np.repeat(np.arange(stop - start), count)
+        entry = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+        word = entry * stride + offset[pair_slot] // MASK_BITS
+        words, inverse = np.unique(word, return_inverse=True)
+        bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
+        def put(a):
+            return torch.as_tensor(a, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(put(words), put(inverse), put(bits), put(pair_slot))
+
+    def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
+        """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on
+        its device, without waiting."""
+        flat = entry_mask.view(-1)
+        clear = torch.where(self.which >= keep.reshape(()), self.bits, torch.zeros_like(self.bits))
+        gone = torch.zeros(len(self.words), dtype=torch.int64, device=flat.device).index_add_(0, self.inverse, clear)
+        gone = torch.where(gone >= 2 ** 31, gone - 2 ** 32, gone).to(torch.int32)   # distinct bits: sum == or
+        flat[self.words] = flat[self.words] & ~gone
+
+    def apply_host(self, plan: TreePlan, keep: int) -> TreePlan:
+        """``plan`` with the bits cleared in a copy of its (numpy) ``entry_mask``: for backends that read the host
+        plan (``torch``); ``keep`` must be on the host already."""
+        mask = np.array(plan.entry_mask, copy=True)
+        self.apply(torch.from_numpy(mask), torch.tensor(keep))
+        return dataclasses.replace(plan, entry_mask=mask)
+
+
+def located(plan: TreePlan, span: DynamicSpan, backend: str) -> TreePlan:
+    """``plan`` with ``span`` located (:meth:`DynamicSpan.locate`); for the ``torch`` backend, which reads the host
+    plan, also masked there (reading ``keep``: a wait on a GPU). The ``reference`` backend plans from the layout:
+    ValueError."""
+    if not isinstance(span, DynamicSpan):
+        raise TypeError(f"dynamic must be a DynamicSpan, got {type(span).__name__}")
+    if backend == "reference":
+        raise ValueError("the reference backend plans from the layout: a step with a dynamic span needs the torch, "
+                         "triton or cuda backend")
+    plan = span.locate(plan)
+    patch = MaskPatch.of(plan, plan.mask_words, torch.device("cpu")) if backend == "torch" else None
+    return plan if patch is None else patch.apply_host(plan, int(span.keep))
+
+
+def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, span: DynamicSpan) -> None:
+    """Clear the unused slots' bits in ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are
+    wider: its stride is used), stream-ordered after the plan's copy."""
+    patch = MaskPatch.of(plan, entry_mask.stride(0), entry_mask.device)
+    if patch is not None:
+        patch.apply(entry_mask, span.keep)
+
+
+def shift_positions(positions: torch.Tensor, span: DynamicSpan) -> None:
+    """Move the positions of the queries after ``span`` back by its unused slots (``positions``: the step's, on the
+    device)."""
+    if len(span.shift_rows):
+        rows = to_device(span.shift_rows, positions.device)
+        by = (span.keep.reshape(1) - len(span.slots)).to(positions.dtype)
+        positions.index_add_(0, rows, by.expand(len(rows)))

@@ -1,0 +1,149 @@
+"""Pipelined speculative decoding: step n+1 is planned and launched before step n's tokens reach the host.
+
+For a draft whose tree is the same every step and whose tokens come from the target's row head on the device
+(:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step), with greedy
+acceptance, nothing the next step needs is a host value:
+
+- step n's acceptance runs on the device (:func:`~treedec.search.device_acceptance.greedy_outcome`): the
+  accepted length, the path and the bonus token (the next root) stay there;
+- step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
+  (:meth:`~treedec.tree.SequenceTree.extend_computed`), into which step n's root and accepted path K/V are
+  copied on the device; the slots past the accepted length are masked and the new tree's positions moved
+  back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpan`);
+- its draft tokens are gathered from step n's row-head output at the last accepted token
+  (:meth:`~treedec.search.drafts.DraftSource.device_drafts`).
+
+The host reads step n's outcome while step n+1 runs: it records the tokens, checks the stop rules, and drops
+the unused reserved slots (:meth:`~treedec.tree.SequenceTree.truncate`) before planning step n+2. A stop found
+there (EOS, ``max_new_tokens``) rolls step n+1 back: its tree is pruned and the sequence cut to the tokens
+kept, every page freed. Tokens, the tree left behind and the stats equal the unpipelined loop's
+(:func:`~treedec.search.speculative.speculative_generate` with ``pipeline=False``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from treedec.attention.dynamic_span import DynamicSpan
+from treedec.engine import Engine
+from treedec.search.device_acceptance import greedy_outcome
+from treedec.search.drafts import DraftSource
+from treedec.search.stops import StopChecker
+from treedec.transfer import HostCopy, to_device
+
+__all__ = ["pipelined_speculative_loop", "pipeline_refusal"]
+
+
+def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | None:
+    """Why the speculative loop of ``draft`` under ``acceptance`` cannot run pipelined on ``engine``; None when
+    it can."""
+    from_type = type(acceptance).__name__
+    if draft.fixed_tree is None:
+        return f"{type(draft).__name__} has no fixed tree drafted on the device (fixed_tree is None)"
+    if from_type != "GreedyAcceptance":
+        return f"pipelined steps accept greedily on the device; {from_type} decides on the host"
+    if draft.row_head is None:
+        return f"{type(draft).__name__} has a fixed tree but no row head to draft from"
+    if engine.attn.backend == "reference":
+        return "the reference attention backend plans from the layout (it cannot mask a span on the device)"
+    return None
+
+
+@dataclass
+class _Flight:
+    """A launched step: its tree's node ids, slots and tokens, and its outcome on the device."""
+
+    ids: list[int]
+    slots: torch.Tensor     # [m] its tree tokens' pool slots, token order (device)
+    tokens: torch.Tensor    # [m] their ids (device)
+    heads: torch.Tensor     # [m, ...] the draft's row head at each
+    outcome: torch.Tensor   # [2 + depth]: accepted length, bonus, path
+    read: HostCopy          # the outcome and the accepted tokens, on their way to the host
+
+
+def pipelined_speculative_loop(engine: Engine, node: int, first: torch.Tensor, heads: torch.Tensor,
+                               draft: DraftSource, head_name: str, checker: StopChecker, stats,
+                               on_step: Callable | None = None) -> None:
+    """Run the pipelined loop after a prefill (``node``: the prompt's, ``first``: the first token as a one-element
+    device tensor, ``heads``: the row head's output at the prompt's last token) until ``checker`` stops; fills
+    ``stats`` (a :class:`~treedec.search.speculative.SpeculativeStats`) as the unpipelined loop does and calls
+    ``on_step(stats, emitted)`` after each step's tokens are read."""
+    tree, shape = engine.tree, draft.fixed_tree
+    parents = [-1] + list(shape.parents[1:])
+    depth = max(shape.depth)
+    stop_ids = checker.rule.eos_token_ids
+    root, first_read = first.reshape(1), HostCopy(first.reshape(1))
+    span, flight, root_token = None, None, -1
+    garbage = 0                                # unused reserved slots at the end of the node, known on the host
+    while True:
+        started = time.perf_counter()
+        if flight is not None:
+            # Step n is launched: free its tree (stream order keeps its K/V until the copy below has read them),
+            # drop the slots step n-1 did not use, and reserve step n's root and path.
+            tree.prune(flight.ids[0])
+            if garbage:
+                tree.truncate(node, tree.sequence_length(node) - garbage)
+            dst = tree.extend_computed(node, [0] * (1 + depth))
+            length = flight.outcome[:1]
+            pick = torch.cat([flight.outcome.new_zeros(1), flight.outcome[2:].clamp(min=0)])
+            engine.copy_kv(flight.slots[pick], to_device(dst, engine.device))
+            last = torch.where(length > 0, flight.outcome[2:].gather(0, (length - 1).clamp(min=0)), 0)
+            root = flight.outcome[1:2]
+            heads = flight.heads.index_select(0, last).squeeze(0)
+            span = DynamicSpan(dst[1:], length, np.arange(shape.size))
+        tokens = torch.cat([root, draft.device_drafts(heads)]).to(torch.int64)
+        ids = tree.add_token_tree(node, [0] * shape.size, parents)
+        rows = engine.pending_rows(ids)
+        slots = tree.layout().query_slot[rows]   # (the step plans from this same layout)
+        by_row = torch.empty(shape.size, dtype=torch.int64, device=engine.device)
+        by_row[to_device(rows, engine.device)] = tokens
+        out = engine.step(logits_rows=rows, tokens=by_row, return_heads=True, dynamic=span)
+        outcome = greedy_outcome(shape, tokens, out.logits.argmax(dim=-1))
+        accepted = tokens[outcome[2:].clamp(min=0)]
+        launched = _Flight(ids, to_device(slots, engine.device), tokens, out.heads[head_name],
+                           outcome, HostCopy(torch.cat([outcome, accepted])))
+        # The step before this one, read while this one runs.
+        if flight is None:
+            root_token = int(first_read.result()[0])
+            checker.accept([root_token])
+            stop = 0 if checker.stopped else None
+        else:
+            stop, garbage, root_token = _record(tree, node, checker, flight, root_token, stop_ids, depth, stats,
+                                                started)
+            if on_step is not None:
+                on_step(stats, len(checker.token_ids))
+        if stop is not None:
+            tree.prune(launched.ids[0])   # the step launched past the stop: rolled back, its pages freed
+            if flight is not None:
+                tree.truncate(node, tree.sequence_length(node) - stop)
+            return
+        flight = launched
+        stats.draft_sizes.append(shape.size - 1)
+
+
+def _record(tree, node: int, checker: StopChecker, flight: _Flight, root_token: int, stop_ids, depth: int, stats,
+            started: float) -> tuple[int | None, int, int]:
+    """Step n's outcome on the host: its root (``root_token``) and accepted tokens into the node's reserved slots,
+    its emitted tokens through the stop checker. Returns (the node's tokens to drop when the output stops there,
+    else None; the unused reserved slots; the next root, step n's bonus)."""
+    values = flight.read.result()
+    length, bonus = values[0], values[1]
+    path_tokens = values[2 + depth:2 + depth + length]
+    end = tree.sequence_length(node)             # the reservation is the node's last 1 + depth tokens
+    tree.set_tokens(node, end - depth - 1, [root_token] + path_tokens)
+    cut = next((d for d, t in enumerate(path_tokens) if t in stop_ids), None)
+    if cut is not None:
+        path_tokens, bonus = path_tokens[:cut], path_tokens[cut]
+    decision = checker.accept(list(path_tokens) + [int(bonus)])
+    kept = min(decision.keep, len(path_tokens))
+    stats.steps += 1
+    stats.accepted.append(kept)
+    stats.draft_seconds.append(0.0)
+    stats.verify_seconds.append(time.perf_counter() - started)
+    if checker.stopped:
+        return depth - kept, depth - length, int(bonus)
+    return None, depth - length, int(bonus)
