@@ -9,7 +9,8 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
 - ``tree_verify``: ``speculative_generate`` with a ``TreeDraft`` of the fixed Medusa-64 tree
   (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens;
 - ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
-  random Medusa heads (one per tree level), the heads' drafting included in the step;
+  random Medusa heads (one per tree level), the heads' drafting included in the step (pipelined on a
+  GPU unless ``--no-pipeline``: step i + 1 launched before step i's tokens are read);
 - ``parallel_sample``: ``sampling.parallel_sample`` with ``--samples`` (16) samples, temperature 1
   (pipelined on a GPU unless ``--no-pipeline``);
 - ``eagle`` / ``eagle3``: ``speculative_generate`` with an ``EagleDraft`` over a random EAGLE-1 / EAGLE-3
@@ -22,7 +23,7 @@ A step is the time between the returns of two consecutive engine steps of the pr
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
 engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` when it returns,
 without synchronising: a program that reads each step's outputs waits for the device there
-anyway, and a pipelined one (``greedy_generate`` and ``parallel_sample`` on a GPU launch step
+anyway, and a pipelined one (``greedy_generate``, ``parallel_sample`` and ``medusa_heads`` on a GPU launch step
 i + 1 before they read step i's tokens) would lose its overlap to a synchronisation; in the steady state the interval
 between returns is the time per step either way. The first ``--warmup`` steps (CUDA-graph
 captures) are dropped; the median of the next ``--steps`` is reported. Only
@@ -130,7 +131,7 @@ class Workload:
     draft_tokens: list[int]
     samples: int
     seed: int
-    pipeline: bool | None = None   # greedy_generate's and parallel_sample's (None: on for a GPU)
+    pipeline: bool | None = None   # greedy, parallel_sample and medusa_heads (None: on for a GPU)
     eagle_depth: int = 5
     eagle_top_k: int = 8
     drafters: dict = None          # kind -> EagleDrafter, made at first use
@@ -287,7 +288,7 @@ def _tree_verify(engine: Engine, prompt: list[int], steps: int, work: Workload) 
 
 
 def _medusa_heads(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    return _speculative(engine, prompt, steps, MedusaDraft(work.heads, work.medusa.paths))
+    return _speculative(engine, prompt, steps, MedusaDraft(work.heads, work.medusa.paths), work.pipeline)
 
 
 def _parallel_sample(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
@@ -298,14 +299,15 @@ def _parallel_sample(engine: Engine, prompt: list[int], steps: int, work: Worklo
     return ProgramRun(n, [len(prompt) + work.samples * (i + 1) for i in range(n)], {})
 
 
-def _speculative(engine: Engine, prompt: list[int], steps: int, draft) -> ProgramRun:
+def _speculative(engine: Engine, prompt: list[int], steps: int, draft, pipeline: bool | None = None) -> ProgramRun:
     """``steps`` verification steps when nothing is accepted (random weights: nearly so); fewer otherwise."""
-    _, stats = speculative_generate(engine, prompt, draft, max_new_tokens=steps + 1)
+    _, stats = speculative_generate(engine, prompt, draft, max_new_tokens=steps + 1, pipeline=pipeline)
     # Before step i the sequence holds the prompt and (accepted + bonus) of every earlier step;
     # step i adds its root and draft tokens.
     before = np.cumsum([0] + [a + 1 for a in stats.accepted[:-1]])
     kv = [len(prompt) + int(b) + d + 1 for b, d in zip(before, stats.draft_sizes)]
-    return ProgramRun(stats.steps, kv, {"accepted": stats.accepted,
+    return ProgramRun(stats.steps, kv, {"accepted": stats.accepted, "pipelined": stats.pipelined,
+                                        "pipeline_note": stats.pipeline_note,
                                         "draft_ms": [1e3 * s for s in stats.draft_seconds],
                                         "verify_ms": [1e3 * s for s in stats.verify_seconds]})
 

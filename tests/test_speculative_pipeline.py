@@ -195,3 +195,66 @@ def test_pipelined_on_the_triton_backend_masks_on_the_device(tiny, greedy_run, t
     engine = Engine(tiny.to(triton_device), kv_tokens=1024, page_size=4, backend="triton")
     tokens, stats = speculative_generate(engine, prompt, draft, 16, pipeline=True)
     assert stats.pipelined and tokens == ref[:16] and len(set(stats.accepted)) > 1
+
+
+def permutation_target(device, dtype, seed=0):
+    """A tiny target whose greedy next token is ``perm[token]`` (attention and MLP outputs zeroed: the final hidden
+    state is the token's normed embedding; lm_head row y is the embedding of perm^-1(y)), and Medusa heads with
+    one output layer each, head i right (perm^(i+2)) except for a third of the tokens at heads 1 and 2, so
+    accepted lengths vary."""
+    from treedec.engine import from_config
+    model = from_config("tiny", seed=seed, dtype=torch.float32, device="cpu")
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(vocab, generator=gen)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+        emb = model.embed_tokens.weight
+        model.lm_head.weight.copy_(emb[torch.argsort(perm)])
+        heads = MedusaHeads(model.config.hidden_size, vocab, 4, num_layers=0)
+        power = perm.clone()
+        for i in range(4):
+            power = perm[power]                                   # perm^(i + 2)
+            rows = emb[torch.argsort(power)].clone()
+            if i in (1, 2):
+                wrong = torch.randperm(vocab, generator=gen)[:vocab // 3]
+                rows[wrong] = emb[torch.randint(0, vocab, (len(wrong),), generator=gen)]
+            heads.medusa_head[i][0].weight.copy_(rows)
+    return model.to(device=device, dtype=dtype), heads.to(device=device, dtype=dtype), perm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_pipelined_graphed_loop_equals_the_eager_loop(compile_model):
+    """On a GPU with captured (and compiled) steps, the pipelined loop emits the eager unpipelined loop's tokens and
+    stats over a 64-token Medusa tree with varying accepted lengths; a stop inside an accepted path is rolled back
+    with every page freed; every pipelined verification step is a graph replay."""
+    from treedec.workloads.deft import medusa_tree
+    model, heads, perm = permutation_target("cuda", torch.bfloat16)
+    prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 600).tolist()
+    choices = medusa_tree(64).paths
+    expected = [int(perm[prompt[-1]])]
+    while len(expected) < 80:
+        expected.append(int(perm[expected[-1]]))
+    for eos in (None, expected[37]):
+        runs = []
+        for pipeline, graphs in ((False, False), (True, True)):
+            engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=graphs,
+                            compile_model=compile_model and graphs)
+            tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, choices), 60, pipeline=pipeline,
+                                                 eos_token_id=eos)
+            assert stats.pipelined == pipeline
+            sequence = engine.tree.sequence(stats.node)
+            engine.tree.check_invariants()
+            engine.tree.prune(stats.node)
+            assert engine.pool.num_free_pages == engine.pool.num_pages
+            if graphs:
+                assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
+                assert engine.graph_stats["replays"] >= stats.steps
+            runs.append((tokens, stats.accepted, stats.steps, stats.stop_reason, sequence))
+        assert runs[0] == runs[1]
+        assert runs[1][0] == expected[:len(runs[1][0])] and len(set(runs[1][1])) > 2
+        assert runs[1][3] == ("length" if eos is None else "eos")

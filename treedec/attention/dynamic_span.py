@@ -87,9 +87,8 @@ class MaskPatch:
         word = entry * stride + offset[pair_slot] // MASK_BITS
         words, inverse = np.unique(word, return_inverse=True)
         bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
-        def put(a):
-            return torch.as_tensor(a, dtype=torch.int64).to(device, non_blocking=True)
-        return cls(put(words), put(inverse), put(bits), put(pair_slot))
+        arrays = (words, inverse, bits, pair_slot)
+        return cls(*(to_device(a, device, torch.int64) for a in arrays))
 
     def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
         """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on
