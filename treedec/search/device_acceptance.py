@@ -48,6 +48,7 @@ class DeviceTree:
     earlier_sibling : [N, N] bool, ``[i, j]``: j is a sibling of i before it.
     ancestors : [N, N] bool, ``[i, j]``: j is i or an ancestor of i other than the root.
     depths : [N] int64.
+    non_root : [N] bool, False at the root (a mask: assigning a Python value into a CUDA tensor waits for it).
     """
 
     size: int
@@ -57,6 +58,7 @@ class DeviceTree:
     earlier_sibling: torch.Tensor
     ancestors: torch.Tensor
     depths: torch.Tensor
+    non_root: torch.Tensor
 
     @classmethod
     def of(cls, tree: TokenTree, device: torch.device | str) -> DeviceTree:
@@ -91,7 +93,7 @@ class DeviceTree:
         def put(a):
             return torch.as_tensor(a, device=device)
         return cls(n, max(tree.depth), put(parents), put(children), put(earlier), put(ancestors),
-                   put(np.array(tree.depth, dtype=np.int64)))
+                   put(np.array(tree.depth, dtype=np.int64)), put(index > 0))
 
 
 _CACHE: dict[tuple, DeviceTree] = {}
@@ -103,9 +105,7 @@ def greedy_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], argmax
     node. ``argmax`` [N] int64 on the device; returns the outcome tensor (see :func:`rejection_outcome`)."""
     shape = DeviceTree.of(tree, argmax.device)
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=argmax.device)
-    passed = tokens == argmax[shape.parents]
-    passed[0] = False
-    return _walk(shape, passed, argmax)
+    return _walk(shape, (tokens == argmax[shape.parents]) & shape.non_root, argmax)
 
 
 def rejection_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], logits: torch.Tensor,
@@ -170,8 +170,7 @@ def decode_outcome(values: Sequence[int]) -> tuple[list[int], int]:
 def _walk(shape: DeviceTree, passed: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """The outcome tensor: the chain of first passing children from the root, and its last node's bonus."""
     first = passed & ~(shape.earlier_sibling & passed[None, :]).any(dim=1)
-    on_path = ~(shape.ancestors & ~first[None, :]).any(dim=1)
-    on_path[0] = False
+    on_path = ~(shape.ancestors & ~first[None, :]).any(dim=1) & shape.non_root
     length = on_path.sum().reshape(1)
     path = torch.full((shape.depth + 1,), -1, dtype=torch.int64, device=passed.device)
     index = torch.arange(shape.size, device=passed.device)
