@@ -240,7 +240,10 @@ def test_medusa_heads_in_the_captured_step_equal_heads_after_it(compile_model):
     runs = []
     for in_step in (False, True):
         engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True, compile_model=compile_model)
-        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, choices, in_step=in_step), 40)
+        # (unpipelined both: the pipelined loop's own GPU test is in test_speculative_pipeline.py; its plans
+        # chunk the sequence differently, so bf16 rounding may flip a random model's near-tied argmax)
+        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, choices, in_step=in_step), 40,
+                                             pipeline=False)
         assert not [k for k in engine.graph_stats if k.startswith("eager") and "max_queries" not in k]
         assert engine.graph_stats["replays"] >= stats.steps
         runs.append(tokens)

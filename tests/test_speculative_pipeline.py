@@ -187,14 +187,21 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
 
 
 @pytest.mark.triton
-def test_pipelined_on_the_triton_backend_masks_on_the_device(tiny, greedy_run, triton_device):
+def test_pipelined_on_the_triton_backend_masks_on_the_device(triton_device):
     """The triton backend reads the plan from device tensors: the span is masked there (MaskPatch.apply), not on
-    the host plan."""
-    prompt, ref, states = greedy_run
-    draft = MedusaDraft(FlakyOracle(states, ref, 3))
-    engine = Engine(tiny.to(triton_device), kv_tokens=1024, page_size=4, backend="triton")
-    tokens, stats = speculative_generate(engine, prompt, draft, 16, pipeline=True)
-    assert stats.pipelined and tokens == ref[:16] and len(set(stats.accepted)) > 1
+    the host plan; the tokens are the target's greedy ones, as the unpipelined loop's."""
+    model, heads, perm = permutation_target(triton_device, torch.float32)
+    prompt = np.random.default_rng(8).integers(0, model.config.vocab_size, 40).tolist()   # accepts 1-4 a step
+    expected = [int(perm[prompt[-1]])]
+    while len(expected) < 16:
+        expected.append(int(perm[expected[-1]]))
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(model, kv_tokens=1024, page_size=4, backend="triton")
+        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads), 16, pipeline=pipeline,
+                                             eos_token_id=None)
+        runs.append((tokens, stats.accepted))
+    assert runs[0] == runs[1] and runs[1][0] == expected and len(set(runs[1][1])) > 1
 
 
 def permutation_target(device, dtype, seed=0):
