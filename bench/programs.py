@@ -146,11 +146,14 @@ class Workload:
 
 @dataclass
 class ProgramRun:
-    """What a program reports back: its engine steps after the prefill, the KV tokens each read."""
+    """What a program reports back: its engine steps after the prefill, the KV tokens each read, and the engine
+    steps launched past the last one and rolled back (a pipelined speculative loop launches one before it reads
+    the stop)."""
 
     steps: int
     kv_tokens: list[int]
     extra: dict
+    rolled_back: int = 0
 
 
 def main(argv=None) -> int:
@@ -309,7 +312,8 @@ def _speculative(engine: Engine, prompt: list[int], steps: int, draft, pipeline:
     return ProgramRun(stats.steps, kv, {"accepted": stats.accepted, "pipelined": stats.pipelined,
                                         "pipeline_note": stats.pipeline_note,
                                         "draft_ms": [1e3 * s for s in stats.draft_seconds],
-                                        "verify_ms": [1e3 * s for s in stats.verify_seconds]})
+                                        "verify_ms": [1e3 * s for s in stats.verify_seconds]},
+                      rolled_back=1 if stats.pipelined else 0)
 
 
 def _eagle(kind: str):
@@ -374,8 +378,9 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
-    assert len(clock.ends) == prefill_steps + run.steps, f"{len(clock.ends)=}, {prefill_steps=}, {run.steps=}"
-    intervals = 1e3 * np.diff(clock.ends[prefill_steps - 1:])           # [run.steps] ms
+    assert len(clock.ends) == prefill_steps + run.steps + run.rolled_back, \
+        f"{len(clock.ends)=}, {prefill_steps=}, {run.steps=}, {run.rolled_back=}"
+    intervals = 1e3 * np.diff(clock.ends[prefill_steps - 1:prefill_steps + run.steps])   # [run.steps] ms
     timed = slice(min(args.warmup, run.steps - 1), run.steps)
     ms = intervals[timed]
     kv = float(np.mean(run.kv_tokens[timed]))
@@ -422,7 +427,8 @@ def _profile_program(program: str, method: str, work: Workload, prompt: list[int
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     total = args.warmup + args.steps
     active = min(args.profile, args.steps)
-    wait = prefill_steps + total - active - 1  # the profiler records the last `active` steps
+    # The profiler records the last `active` steps (a pipelined loop's rolled-back step is one of them).
+    wait = prefill_steps + total - active - 1
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with profile(activities=activities,
                  schedule=schedule(wait=wait, warmup=1, active=active, repeat=1)) as prof:
