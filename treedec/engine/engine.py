@@ -311,9 +311,9 @@ class Engine:
             raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {describe_tensor(src_slots)} "
                              f"and {describe_tensor(dst_slots)}")
         with self.guard:
-            for k, v in zip(self._k_slots, self._v_slots):
-                k[dst_slots] = k[src_slots]
-                v[dst_slots] = v[src_slots]
+            for t in (self._k, self._v):   # every layer in one gather and one scatter
+                flat = t.view(t.shape[0], -1, *t.shape[3:])
+                flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
 
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s
