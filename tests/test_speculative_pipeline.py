@@ -7,7 +7,7 @@ import torch
 
 from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
-from treedec.search.acceptance import RejectionSampling
+from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.drafts import PromptLookupDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.speculative import speculative_generate
@@ -57,12 +57,14 @@ class FlakyOracle(OracleHeads):
         return out
 
 
-def both(tiny, prompt, draft, n, page_size=4, **kw):
-    """(tokens, stats, node sequence) of the unpipelined and the pipelined run; each leaves a clean pool."""
+def both(tiny, prompt, draft, n, page_size=4, rule=None, **kw):
+    """(tokens, stats, node sequence) of the unpipelined and the pipelined run (``rule()``: a fresh acceptance rule
+    for each); each leaves a clean pool."""
     runs = []
     for pipeline in (False, True):
         engine = make_engine(tiny, page_size=page_size)
-        tokens, stats = speculative_generate(engine, prompt, draft, n, pipeline=pipeline, **kw)
+        tokens, stats = speculative_generate(engine, prompt, draft, n, None if rule is None else rule(),
+                                             pipeline=pipeline, **kw)
         assert stats.pipelined == pipeline
         engine.tree.check_invariants()
         sequence = engine.tree.sequence(stats.node)
@@ -118,6 +120,18 @@ def test_a_stop_read_one_step_late_is_rolled_back(tiny, greedy_run, stop):
         assert runs[1][1].steps == 0 and tokens == ref[:1]
 
 
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 8)])
+def test_pipelined_rejection_sampling_draws_the_unpipelined_tokens(tiny, greedy_run, temperature, top_k):
+    """Sampled on the device from the same seeded stream in the same order: the very same tokens and stats."""
+    prompt, ref, states = greedy_run
+    model, heads, _ = permutation_target("cpu", torch.float32)
+    for target, draft in ((tiny, MedusaDraft(FlakyOracle(states, ref, 3))), (model, MedusaDraft(heads))):
+        runs = both(target, prompt, draft, 30, rule=lambda: RejectionSampling(temperature, seed=7, top_k=top_k),
+                    eos_token_id=None)
+        same(runs)
+        assert runs[1][0] != ref[:30] or target is model
+
+
 def test_auto_chooses_and_says_why(tiny, greedy_run):
     prompt, ref, states = greedy_run
     engine = make_engine(tiny)
@@ -128,7 +142,7 @@ def test_auto_chooses_and_says_why(tiny, greedy_run):
 @pytest.mark.parametrize("draft, rule, match", [
     (lambda h: PromptLookupDraft(num_draft_tokens=3), None, "no fixed tree"),
     (lambda h: MedusaDraft(h, in_step=False), None, "no fixed tree"),
-    (lambda h: MedusaDraft(h), RejectionSampling(), "RejectionSampling decides on the host"),
+    (lambda h: MedusaDraft(h), TypicalAcceptance(), "TypicalAcceptance decides on the host"),
 ])
 def test_pipeline_true_refuses_what_cannot_pipeline(tiny, draft, rule, match):
     engine = make_engine(tiny)

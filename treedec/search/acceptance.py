@@ -198,8 +198,12 @@ class RejectionSampling:
         self._params = SamplingParams(self.temperature, self.top_k, self.top_p)   # checks top_k, top_p
 
     def first_token(self, logits: torch.Tensor) -> int:
+        return int(self.first_sample(logits)[0])
+
+    def first_sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`first_token` left on the device (``[1]`` int64, no wait), drawn from the same stream."""
         probs = sampling_probs(logits, self._params)
-        return int(torch.multinomial(probs, 1, generator=_generator(self, probs.device)))
+        return torch.multinomial(probs, 1, generator=_generator(self, probs.device))
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:

@@ -1,11 +1,11 @@
 """Pipelined speculative decoding: step n+1 is planned and launched before step n's tokens reach the host.
 
 For a draft whose tree is the same every step and whose tokens come from the target's row head on the device
-(:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step), with greedy
-acceptance, nothing the next step needs is a host value:
+(:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step), under greedy
+acceptance or rejection sampling, nothing the next step needs is a host value:
 
-- step n's acceptance runs on the device (:func:`~treedec.search.device_acceptance.greedy_outcome`): the
-  accepted length, the path and the bonus token (the next root) stay there;
+- step n's acceptance runs on the device (:mod:`~treedec.search.device_acceptance`): the accepted length, the
+  path and the bonus token (the next root) stay there;
 - step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
   (:meth:`~treedec.tree.SequenceTree.extend_computed`), into which step n's root and accepted path K/V are
   copied on the device; the slots past the accepted length are masked and the new tree's positions moved
@@ -30,6 +30,7 @@ import torch
 
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
+from treedec.search.acceptance import GreedyAcceptance, RejectionSampling
 from treedec.search.device_acceptance import greedy_outcome
 from treedec.search.drafts import DraftSource
 from treedec.search.stops import StopChecker
@@ -41,11 +42,11 @@ __all__ = ["pipelined_speculative_loop", "pipeline_refusal"]
 def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | None:
     """Why the speculative loop of ``draft`` under ``acceptance`` cannot run pipelined on ``engine``; None when
     it can."""
-    from_type = type(acceptance).__name__
     if draft.fixed_tree is None:
         return f"{type(draft).__name__} has no fixed tree drafted on the device (fixed_tree is None)"
-    if from_type != "GreedyAcceptance":
-        return f"pipelined steps accept greedily on the device; {from_type} decides on the host"
+    if type(acceptance) not in (GreedyAcceptance, RejectionSampling):
+        return (f"pipelined steps accept on the device (GreedyAcceptance, RejectionSampling); "
+                f"{type(acceptance).__name__} decides on the host")
     if draft.row_head is None:
         return f"{type(draft).__name__} has a fixed tree but no row head to draft from"
     if engine.attn.backend == "reference":
@@ -65,13 +66,16 @@ class _Flight:
     read: HostCopy          # the outcome and the accepted tokens, on their way to the host
 
 
-def pipelined_speculative_loop(engine: Engine, node: int, first: torch.Tensor, heads: torch.Tensor,
-                               draft: DraftSource, head_name: str, checker: StopChecker, stats,
-                               on_step: Callable | None = None) -> None:
-    """Run the pipelined loop after a prefill (``node``: the prompt's, ``first``: the first token as a one-element
-    device tensor, ``heads``: the row head's output at the prompt's last token) until ``checker`` stops; fills
-    ``stats`` (a :class:`~treedec.search.speculative.SpeculativeStats`) as the unpipelined loop does and calls
-    ``on_step(stats, emitted)`` after each step's tokens are read."""
+def pipelined_speculative_loop(engine: Engine, node: int, logits: torch.Tensor, heads: torch.Tensor,
+                               draft: DraftSource, head_name: str, acceptance: GreedyAcceptance | RejectionSampling,
+                               checker: StopChecker, stats, on_step: Callable | None = None) -> None:
+    """Run the pipelined loop after a prefill (``node``: the prompt's, ``logits``: its last token's, ``heads``: the
+    row head's output there) until ``checker`` stops; fills ``stats`` (a
+    :class:`~treedec.search.speculative.SpeculativeStats`) as the unpipelined loop does and calls
+    ``on_step(stats, emitted)`` after each step's tokens are read. ``acceptance`` decides on the device, drawing
+    from its stream in the unpipelined loop's order (the same tokens for the same seed)."""
+    greedy = isinstance(acceptance, GreedyAcceptance)
+    first = logits.argmax() if greedy else acceptance.first_sample(logits)
     tree, shape = engine.tree, draft.fixed_tree
     parents = [-1] + list(shape.parents[1:])
     depth = max(shape.depth)
@@ -102,7 +106,8 @@ def pipelined_speculative_loop(engine: Engine, node: int, first: torch.Tensor, h
         by_row = torch.empty(shape.size, dtype=torch.int64, device=engine.device)
         by_row[to_device(rows, engine.device)] = tokens
         out = engine.step(logits_rows=rows, tokens=by_row, return_heads=True, dynamic=span)
-        outcome = greedy_outcome(shape, tokens, out.logits.argmax(dim=-1))
+        outcome = (greedy_outcome(shape, tokens, out.logits.argmax(dim=-1)) if greedy
+                   else acceptance.outcome(shape, tokens, out.logits))
         accepted = tokens[outcome[2:].clamp(min=0)]
         launched = _Flight(ids, to_device(slots, engine.device), tokens, out.heads[head_name],
                            outcome, HostCopy(torch.cat([outcome, accepted])))
