@@ -400,6 +400,8 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
     if args.profile:
         out["profile"] = _profile_program(program, method, work, prompt, args)
+    if "pipelined" in run.extra:
+        out["pipelined"], out["pipeline_note"] = run.extra["pipelined"], run.extra["pipeline_note"]
     if "accepted" in run.extra:
         accepted = run.extra["accepted"][timed]
         out["accepted_per_step"] = float(statistics.mean(accepted))

@@ -1,6 +1,8 @@
 """Pipelined speculative decoding (treedec.search.speculative_pipeline): the same tokens, stats and tree as the
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
 the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -8,9 +10,10 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
 from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
-from treedec.search.drafts import PromptLookupDraft
+from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.speculative import speculative_generate
+from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model
 from tests.test_search_medusa import OracleHeads
 from tests.test_search_speculative import prompt_with_repeats
@@ -95,6 +98,21 @@ def test_pipelined_equals_unpipelined(tiny, greedy_run, heads, page_size):
     if heads != "untrained":
         assert len(set(stats.accepted)) > 1 or heads == "oracle"
         assert sum(stats.accepted) > NEW // 3
+
+
+def test_fixed_tree_draft_tokens_pipeline_too(tiny, greedy_run):
+    """A TreeDraft of fixed tokens has no row head: its tokens are the same device tensor every step. Here they
+    are the greedy continuation's most frequent tokens, so some steps accept."""
+    prompt, ref, _ = greedy_run
+    common = [t for t, _ in collections.Counter(ref).most_common(3)]
+    tree = TokenTree.from_medusa_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+    draft = TreeDraft(tree, common + [common[1], common[2], common[0]])
+    assert draft.fixed_tree is tree
+    runs = both(tiny, prompt, draft, NEW)
+    same(runs)
+    assert runs[1][0] == ref[:NEW] and sum(runs[1][1].accepted) > 0
+    with pytest.raises(ValueError, match="no fixed tree"):
+        speculative_generate(make_engine(tiny), prompt, TreeDraft(tree, lambda seq: [1] * 6), 4, pipeline=True)
 
 
 @pytest.mark.parametrize("stop", ["eos_in_path", "eos_as_bonus", "length_in_path", "first_token"])

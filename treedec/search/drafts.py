@@ -71,15 +71,14 @@ class DraftSource:
     :meth:`propose` is both, alone."""
 
     fixed_tree: TokenTree | None = None
-    """The tree every proposal has, for a draft whose tokens are a function of its :attr:`row_head`'s output
-    at the last accepted token, computed on the device (:meth:`device_drafts`): its speculative loop can run
-    pipelined (:func:`~treedec.search.speculative_pipeline.pipelined_speculative_generate`). None: not such
-    a draft."""
+    """The tree every proposal has, for a draft whose tokens are computed on the device from its
+    :attr:`row_head`'s output at the last accepted token, or fixed (:meth:`device_drafts`): its speculative
+    loop can run pipelined (:mod:`~treedec.search.speculative_pipeline`). None: not such a draft."""
 
-    def device_drafts(self, head_row: torch.Tensor) -> torch.Tensor:
-        """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64, the root excluded) from the row
-        head's output at the last accepted token, on the device, without waiting (drafts with a
-        :attr:`fixed_tree` only)."""
+    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``device``, the root excluded)
+        from the row head's output at the last accepted token (None for a draft without a :attr:`row_head`),
+        without waiting (drafts with a :attr:`fixed_tree` only)."""
         raise NotImplementedError(f"{type(self).__name__} has no fixed tree drafted on the device (fixed_tree is "
                                   f"None)")
 
@@ -203,8 +202,23 @@ class TreeDraft(DraftSource):
     def __init__(self, tree: TokenTree, tokens: Sequence[int] | Callable[[list[int]], Sequence[int]]):
         self.tree = tree
         self.tokens = tokens
+        self._on_device: torch.Tensor | None = None
         if not callable(tokens):
             self._check(list(tokens))
+
+    @property
+    def fixed_tree(self) -> TokenTree | None:
+        """The tree, when the draft tokens are fixed (not a function of the sequence): then every proposal is
+        known ahead and the loop can run pipelined."""
+        return None if callable(self.tokens) else self.tree
+
+    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The fixed draft tokens on ``device`` (copied once)."""
+        if callable(self.tokens):
+            return super().device_drafts(head_row, device)
+        if self._on_device is None or self._on_device.device != torch.device(device):
+            self._on_device = torch.tensor([int(t) for t in self.tokens], dtype=torch.int64, device=device)
+        return self._on_device
 
     @property
     def max_depth(self) -> int:

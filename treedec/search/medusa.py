@@ -213,11 +213,11 @@ class MedusaDraft(DraftSource):
         their candidates on the device (:meth:`device_drafts`); else None."""
         return self.tree if self.in_step else None
 
-    def device_drafts(self, head_row: torch.Tensor) -> torch.Tensor:
+    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The draft tokens from the heads' candidates ``[depth, k]`` at the last accepted token (the
         :attr:`row_head`'s output there), gathered on the device."""
-        if not self.in_step:
-            return super().device_drafts(head_row)
+        if not self.in_step or head_row is None:
+            return super().device_drafts(head_row, device)
         k = head_row.shape[-1]
         if self._flat_index is None or self._flat_index[0].device != head_row.device or self._flat_index[1] != k:
             index = torch.tensor([(len(p) - 1) * k + p[-1] for p in self._paths], dtype=torch.int64)

@@ -318,7 +318,8 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         an id, several ids, or None (no EOS stop).
     pipeline : run step n+1 before step n's tokens reach the host
         (:mod:`treedec.search.speculative_pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
-        as Medusa heads run in the step, under greedy acceptance or rejection sampling). Default: on for a CUDA engine when the draft
+        as Medusa heads run in the step or a ``TreeDraft`` of fixed tokens, under greedy acceptance or
+        rejection sampling). Default: on for a CUDA engine when the draft
         and rule allow it (``stats.pipelined`` and ``stats.pipeline_note`` say what was chosen and why); True
         raises ValueError when they do not. Same tokens either way.
 
@@ -357,11 +358,12 @@ def _pipelined(engine: Engine, program: SpeculativeProgram) -> tuple[StopChecker
         head_name = _add_draft_head(engine, draft.row_head)
         checker = StopChecker(program.rule, None)
         start = time.perf_counter()
-        prefilled = engine.prefill(program.prompt_ids, return_heads=True)
+        prefilled = engine.prefill(program.prompt_ids, return_heads=head_name is not None)
         stats = SpeculativeStats(node=prefilled.node, pipelined=True)
         stats.prefill_seconds = time.perf_counter() - start
-        pipelined_speculative_loop(engine, prefilled.node, prefilled.logits, prefilled.heads[head_name], draft,
-                                   head_name, program.acceptance, checker, stats, program.on_step)
+        heads = None if head_name is None else prefilled.heads[head_name]
+        pipelined_speculative_loop(engine, prefilled.node, prefilled.logits, heads, draft, head_name,
+                                   program.acceptance, checker, stats, program.on_step)
         stats.stop_reason = checker.stop_reason
         return checker, stats
 

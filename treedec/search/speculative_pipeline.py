@@ -1,7 +1,8 @@
 """Pipelined speculative decoding: step n+1 is planned and launched before step n's tokens reach the host.
 
 For a draft whose tree is the same every step and whose tokens come from the target's row head on the device
-(:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step), under greedy
+or are fixed (:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step, a
+``TreeDraft`` of fixed tokens), under greedy
 acceptance or rejection sampling, nothing the next step needs is a host value:
 
 - step n's acceptance runs on the device (:mod:`~treedec.search.device_acceptance`): the accepted length, the
@@ -47,8 +48,6 @@ def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | No
     if type(acceptance) not in (GreedyAcceptance, RejectionSampling):
         return (f"pipelined steps accept on the device (GreedyAcceptance, RejectionSampling); "
                 f"{type(acceptance).__name__} decides on the host")
-    if draft.row_head is None:
-        return f"{type(draft).__name__} has a fixed tree but no row head to draft from"
     if engine.attn.backend == "reference":
         return "the reference attention backend plans from the layout (it cannot mask a span on the device)"
     return None
@@ -61,16 +60,16 @@ class _Flight:
     ids: list[int]
     slots: torch.Tensor     # [m] its tree tokens' pool slots, token order (device)
     tokens: torch.Tensor    # [m] their ids (device)
-    heads: torch.Tensor     # [m, ...] the draft's row head at each
+    heads: torch.Tensor | None   # [m, ...] the draft's row head at each (None: no row head)
     outcome: torch.Tensor   # [2 + depth]: accepted length, bonus, path
     read: HostCopy          # the outcome and the accepted tokens, on their way to the host
 
 
-def pipelined_speculative_loop(engine: Engine, node: int, logits: torch.Tensor, heads: torch.Tensor,
-                               draft: DraftSource, head_name: str, acceptance: GreedyAcceptance | RejectionSampling,
+def pipelined_speculative_loop(engine: Engine, node: int, logits: torch.Tensor, heads: torch.Tensor | None,
+                               draft: DraftSource, head_name: str | None, acceptance: GreedyAcceptance | RejectionSampling,
                                checker: StopChecker, stats, on_step: Callable | None = None) -> None:
     """Run the pipelined loop after a prefill (``node``: the prompt's, ``logits``: its last token's, ``heads``: the
-    row head's output there) until ``checker`` stops; fills ``stats`` (a
+    row head's output there, None for a draft without one) until ``checker`` stops; fills ``stats`` (a
     :class:`~treedec.search.speculative.SpeculativeStats`) as the unpipelined loop does and calls
     ``on_step(stats, emitted)`` after each step's tokens are read. ``acceptance`` decides on the device, drawing
     from its stream in the unpipelined loop's order (the same tokens for the same seed)."""
@@ -97,19 +96,20 @@ def pipelined_speculative_loop(engine: Engine, node: int, logits: torch.Tensor, 
             engine.copy_kv(flight.slots[pick], to_device(dst, engine.device))
             last = torch.where(length > 0, flight.outcome[2:].gather(0, (length - 1).clamp(min=0)), 0)
             root = flight.outcome[1:2]
-            heads = flight.heads.index_select(0, last).squeeze(0)
+            heads = None if flight.heads is None else flight.heads.index_select(0, last).squeeze(0)
             span = DynamicSpan(dst[1:], length, np.arange(shape.size))
-        tokens = torch.cat([root, draft.device_drafts(heads)]).to(torch.int64)
+        tokens = torch.cat([root, draft.device_drafts(heads, engine.device)]).to(torch.int64)
         ids = tree.add_token_tree(node, [0] * shape.size, parents)
         rows = engine.pending_rows(ids)
         slots = tree.layout().query_slot[rows]   # (the step plans from this same layout)
         by_row = torch.empty(shape.size, dtype=torch.int64, device=engine.device)
         by_row[to_device(rows, engine.device)] = tokens
-        out = engine.step(logits_rows=rows, tokens=by_row, return_heads=True, dynamic=span)
+        out = engine.step(logits_rows=rows, tokens=by_row, return_heads=head_name is not None, dynamic=span)
         outcome = (greedy_outcome(shape, tokens, out.logits.argmax(dim=-1)) if greedy
                    else acceptance.outcome(shape, tokens, out.logits))
         accepted = tokens[outcome[2:].clamp(min=0)]
-        launched = _Flight(ids, to_device(slots, engine.device), tokens, out.heads[head_name],
+        launched = _Flight(ids, to_device(slots, engine.device), tokens,
+                           None if head_name is None else out.heads[head_name],
                            outcome, HostCopy(torch.cat([outcome, accepted])))
         # The step before this one, read while this one runs.
         if flight is None:
