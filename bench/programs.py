@@ -7,7 +7,8 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
 - ``greedy``: ``speculative.greedy_generate``, one token per step (pipelined on a GPU unless
   ``--no-pipeline``);
 - ``tree_verify``: ``speculative_generate`` with a ``TreeDraft`` of the fixed Medusa-64 tree
-  (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens;
+  (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens (pipelined on a GPU
+  unless ``--no-pipeline``);
 - ``medusa_heads``: ``speculative_generate`` with a ``MedusaDraft`` over the same tree and
   random Medusa heads (one per tree level), the heads' drafting included in the step (pipelined on a
   GPU unless ``--no-pipeline``: step i + 1 launched before step i's tokens are read);
@@ -23,7 +24,7 @@ A step is the time between the returns of two consecutive engine steps of the pr
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
 engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` when it returns,
 without synchronising: a program that reads each step's outputs waits for the device there
-anyway, and a pipelined one (``greedy_generate``, ``parallel_sample`` and ``medusa_heads`` on a GPU launch step
+anyway, and a pipelined one (all but ``eagle*`` on a GPU launch step
 i + 1 before they read step i's tokens) would lose its overlap to a synchronisation; in the steady state the interval
 between returns is the time per step either way. The first ``--warmup`` steps (CUDA-graph
 captures) are dropped; the median of the next ``--steps`` is reported. Only
@@ -131,7 +132,7 @@ class Workload:
     draft_tokens: list[int]
     samples: int
     seed: int
-    pipeline: bool | None = None   # greedy, parallel_sample and medusa_heads (None: on for a GPU)
+    pipeline: bool | None = None   # all programs but EAGLE's (None: on for a GPU)
     eagle_depth: int = 5
     eagle_top_k: int = 8
     drafters: dict = None          # kind -> EagleDrafter, made at first use
@@ -287,7 +288,7 @@ def _greedy(engine: Engine, prompt: list[int], steps: int, work: Workload) -> Pr
 
 def _tree_verify(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
     draft = TreeDraft(TokenTree(tuple(work.medusa.parents.tolist())), work.draft_tokens)
-    return _speculative(engine, prompt, steps, draft)
+    return _speculative(engine, prompt, steps, draft, work.pipeline)
 
 
 def _medusa_heads(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
