@@ -108,9 +108,10 @@ def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | No
 
 
 def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None,
-              draft_budget: int | str | None = "auto") -> dict:
+              draft_budget: int | str | None = "auto", pipeline: bool | None = None) -> dict:
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
-    from the returns of the target engine's steps."""
+    from the returns of the target engine's steps (a pipelined step returns when it is launched: in the
+    steady state the gaps are the step times all the same)."""
     cuda = model.device.type == "cuda"
     # a tree of up to its tree_tokens, and its pages
     tree_room = 0 if draft is None else 2 * draft.tree_tokens + 4 * page_size
@@ -145,7 +146,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     else:
         budgeting = DraftBudget(step_tokens=draft_budget)
         results, stats = speculative_batch(engine, specs, lambda spec: draft.source(spec, drafter),
-                                           max_step_tokens=budget, draft_budget=budgeting)
+                                           max_step_tokens=budget, draft_budget=budgeting, pipeline=pipeline)
     decode = stats.steps - stats.prompt_steps
     # Steps that decode every request (one token each, or a tree each, cut to the draft budget): every
     # request in the step, no prompt chunk in it.
@@ -165,7 +166,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
         timed = [queries[i] for i in steady][-timed_steps:]
         accepted = [a for r in results for a in r.stats["accepted"]]
         out |= {"draft_budget": budgeting.resolve(model.device), "mean_step_queries": float(np.mean(timed)),
-                "mean_accepted": float(np.mean(accepted)),
+                "mean_accepted": float(np.mean(accepted)), "pipelined": results[0].stats["pipelined"],
                 # emitted tokens a second in the timed steps: each request's accepted tokens and its bonus token
                 "tokens_per_s": len(specs) * (1 + float(np.mean(accepted))) / (out["step_ms"] / 1e3)}
     if drafter is not None:
@@ -208,6 +209,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-budget", default="auto", type=_budget,
                         help="--speculative: draft tokens a step for the whole batch (treedec.search.draft_budget): "
                              "'auto' (256 on a GPU, no limit on the CPU), 'none' or an int")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="--speculative: never pipeline the steps (default: where the draft allows, on a GPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -246,7 +249,7 @@ def main(argv=None) -> int:
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
-                            args.draft_budget)
+                            args.draft_budget, False if args.no_pipeline else None)
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)

@@ -1,4 +1,6 @@
-"""Greedy speculative decoding of many requests in one forest (tiny random Llama, CPU)."""
+"""Greedy speculative decoding of many requests in one forest (tiny random Llama, CPU), pipelined or not."""
+import collections
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from treedec.search.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
 from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.speculative import speculative_generate
+from treedec.search.draft_budget import DraftBudget
 from treedec.search.speculative_batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
@@ -152,3 +155,55 @@ def test_oracle_drafts_are_accepted_whole(tiny):
         assert r.output_ids == continuations[spec.id][:spec.max_new_tokens]
         assert r.stats["accepted"][:-1] == [4] * (len(r.stats["accepted"]) - 1)
     assert stats.steps < max(spec.max_new_tokens for spec in specs()) / 4 + 2
+
+
+def common_tokens_draft(spec):
+    """A fixed-token TreeDraft (pipelines) whose tokens are the request's greedy continuation's most frequent, so
+    that some steps accept."""
+    ref = plain_greedy(tiny_model(), list(spec.prompt_ids), spec.max_new_tokens)
+    common = [t for t, _ in collections.Counter(ref).most_common(3)]
+    return TreeDraft(medusa_token_tree(), (common * 31)[:31])
+
+
+@pytest.mark.parametrize("kv_tokens, budget", [(8192, None), (300, None), (8192, 24)])
+def test_pipelined_batches_equal_unpipelined_batches(tiny, kv_tokens, budget):
+    """Every request of a batch runs pipelined (its span masked, its positions moved, its step read one step
+    late): the tokens, accepted lengths and tree sizes of the unpipelined batch, with pages short (programs wait);
+    with a draft budget cutting the fixed trees the same tokens (the shares follow acceptances read one step
+    later, so the sizes may differ); nothing left in the pool."""
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
+        results, stats = speculative_batch(engine, specs(), common_tokens_draft, max_draft_tokens=32,
+                                           draft_budget=DraftBudget(step_tokens=budget), pipeline=pipeline)
+        assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+        assert all(r.stats["pipelined"] == pipeline for r in results)
+        runs.append([(r.output_ids, r.stats["accepted"], r.stats["draft_sizes"], r.stop_reason) for r in results])
+        if kv_tokens == 300:
+            assert stats.waits > 0
+    if budget is None:
+        assert runs[0] == runs[1]
+    assert [(r[0], r[3]) for r in runs[0]] == [(r[0], r[3]) for r in runs[1]]
+    for (tokens, accepted, sizes, _), spec in zip(runs[1], specs()):
+        assert tokens == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        if budget is not None:
+            assert max(sizes) < 31
+    assert sum(sum(a) for _, a, _, _ in runs[1]) > 0
+
+
+def test_pipelined_batch_stops_on_strings_and_eos_as_unpipelined(tiny):
+    tokenizer = LetterTokenizer()
+    greedy = plain_greedy(tiny, tokenizer.encode("HELLOHELLO"), 16)
+    text = tokenizer.decode(greedy)
+    requests = [RequestSpec(0, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop=(text[5:7],)),
+                RequestSpec(1, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop_token_ids=(greedy[7],)),
+                RequestSpec(2, prompt="HELLOHELLO", max_new_tokens=5, temperature=0.0)]
+    draft = lambda spec: TreeDraft(TokenTree.chain(4), greedy[:4])   # noqa: E731
+    runs = []
+    for pipeline in (False, True):
+        engine = make_engine(tiny)
+        results, _ = speculative_batch(engine, requests, draft, tokenizer=tokenizer, pipeline=pipeline)
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+        runs.append([(r.output_ids, r.text, r.stop_reason, r.stats["accepted"]) for r in results])
+    assert runs[0] == runs[1]
+    assert [r[2] for r in runs[1]] == ["stop_string", "eos", "length"]

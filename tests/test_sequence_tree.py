@@ -377,6 +377,7 @@ def test_extend_computed_appends_tokens_no_step_computes():
     tree.commit_step()
     slots = tree.extend_computed(root, [7, 8, 9])        # one slot of the first page, two of a fresh one
     assert tree.num_pending == 0 and tree.sequence(root) == [1, 2, 3, 7, 8, 9] and len(slots) == 3
+    assert tree.node_length(root) == 6
     assert tree.pool.num_free_pages == 2
     tree.check_invariants()
     tree.truncate(root, 4)                               # the tail page goes back; its first page is refilled

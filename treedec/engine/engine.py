@@ -159,7 +159,8 @@ class Engine:
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
              hidden_rows: Sequence[int] | np.ndarray | None = None, return_aux: bool = False,
-             features: torch.Tensor | None = None, dynamic: DynamicSpan | None = None) -> StepOutput:
+             features: torch.Tensor | None = None, dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
+             ) -> StepOutput:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -192,10 +193,9 @@ class Engine:
         features : [Q, feature_size] tensor on the engine's device, optional
             Per-query input features, for models that read them (EAGLE drafters: the target's
             hidden state paired with each token), in query order.
-        dynamic : DynamicSpan, optional
-            Computed tokens ending a node of which only the first ``dynamic.keep`` (a device value) are real:
-            the rest are masked and the queries after them moved back (:mod:`treedec.attention.dynamic_span`;
-            pipelined speculative decoding; not on the ``reference`` backend, a wait on the ``torch`` one).
+        dynamic : DynamicSpan or several, optional
+            Pipelined speculative decoding's spans, one a request (:mod:`treedec.attention.dynamic_span`; not on
+            the ``reference`` backend, a wait on ``torch``)
 
         Returns
         -------
@@ -256,20 +256,20 @@ class Engine:
         started = time.perf_counter()
         graph = None
         host_plan = self.attn.plan_host(layout)
-        if dynamic is not None:
-            host_plan = located(host_plan, dynamic, self.attn.backend)
+        spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
+        for span in spans:
+            host_plan = located(host_plan, span, self.attn.backend)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
             graph = self._graphs.load(host_plan, tokens, positions, slots, gathers)
         plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
-        if dynamic is not None and self.attn.backend != "torch":
-            mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask,
-                           dynamic)
+        for span in spans if self.attn.backend != "torch" else ():
+            mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask, span)
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
-            out = self._forward(plan, tokens, positions, slots, rows, device_tokens, features, dynamic)
+            out = self._forward(plan, tokens, positions, slots, rows, device_tokens, features, spans)
             logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
             heads = None
             if return_heads:
@@ -279,8 +279,8 @@ class Engine:
         else:  # copies: the graph's output buffers are overwritten by its next replay
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
-            if dynamic is not None:
-                shift_positions(graph.static.extra["inputs"][1], dynamic)
+            for span in spans:
+                shift_positions(graph.static.extra["inputs"][1], span)
             outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
             logits = self._gather(graph, outputs[0], rows, 0)
             hidden_all = outputs[1]
@@ -410,11 +410,11 @@ class Engine:
 
     def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows,
                  device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                 dynamic: DynamicSpan | None = None):
+                 spans: tuple[DynamicSpan, ...] = ()):
         """The eager forward of a step: the model's ``ForwardOutput`` (logits at ``rows``)."""
         inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
-        if dynamic is not None:
-            shift_positions(inputs[1], dynamic)
+        for span in spans:
+            shift_positions(inputs[1], span)
         rows_t = None if rows is None else to_device(rows, self.device)
         token_ids = inputs[0] if device_tokens is None else device_tokens
         return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, self._hidden_layers,

@@ -15,6 +15,7 @@ from typing import Any, Generator, Sequence
 import numpy as np
 import torch
 
+from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_checks import check_token_ids
 from treedec.errors import PoolExhaustedError
@@ -47,6 +48,8 @@ class StepRequest:
         ``read``, after the step is launched.
     prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
         :attr:`SchedulerStats.prompt_steps`).
+    dynamic : a :class:`~treedec.attention.dynamic_span.DynamicSpan` of the program's node (pipelined
+        speculative decoding); the scheduler gives it the rows of ``nodes`` as the queries after it.
     """
 
     nodes: Sequence[int]
@@ -59,6 +62,7 @@ class StepRequest:
     placed: Sequence[int] | None = None
     read: torch.Tensor | None = None
     prompt: bool = False
+    dynamic: DynamicSpan | None = None
 
 
 @dataclass(frozen=True)

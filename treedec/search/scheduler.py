@@ -49,6 +49,7 @@ are that); there a :class:`Wait` raises at once, as there is nothing to wait for
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -334,9 +335,11 @@ class _Scheduler:
                     hidden_parts.append(slice(at, at + len(r.nodes)))
                     at += len(r.nodes)
             queries = engine.tree.num_pending
+            # A pipelined program's span moves back the positions of its own queries (rows known only now).
+            spans = [dataclasses.replace(r.dynamic, shift_rows=engine.pending_rows(r.nodes))
+                     for r in requests if r.dynamic is not None]
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                              hidden_rows=hidden_rows,
-                              tokens=self._device_tokens(requests))
+                              hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
             argmax = out.logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += any(r.prompt for r in requests)

@@ -37,7 +37,7 @@ from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.scheduler import run_program
-from treedec.search.speculative_pipeline import pipeline_refusal, pipelined_speculative_loop
+from treedec.search.speculative_pipeline import pipeline_refusal, pipelined_run
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
@@ -176,13 +176,19 @@ class SpeculativeProgram(Program):
         headroom the scheduler keeps for the request's steps.
     budget : the batch's :class:`~treedec.search.draft_budget.DraftBudget` (shared by its programs): each
         proposal is cut to this request's share of the step's draft tokens.
+    pipeline : run its steps pipelined (:mod:`treedec.search.speculative_pipeline`); None: when the draft, the
+        rule and the engine allow it on a GPU (``stats.pipelined``, ``stats.pipeline_note`` say what was
+        chosen); True: ValueError, before anything runs, when they do not.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
-                 budget: DraftBudget | None = None):
+                 budget: DraftBudget | None = None, pipeline: bool | None = None):
         check_draft_source(draft, "draft")
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
+        self.pipeline = pipeline
         acceptance = GreedyAcceptance() if acceptance is None else acceptance
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
@@ -200,7 +206,8 @@ class SpeculativeProgram(Program):
         self.shares_prompt = self.target_states is None
 
     def step_pages(self, pool) -> int:
-        return 1 + pool.pages_for(self.max_draft_tokens - 1)
+        tree = self.draft.fixed_tree   # pipelined, a step also reserves the previous step's root and path
+        return 1 + pool.pages_for(self.max_draft_tokens - 1) + (0 if tree is None else 1 + pool.pages_for(tree.size))
 
     def positions(self) -> Positions:
         # While it runs, the sequence (bonus root included) has at most prompt + max_new_tokens - 1 tokens,
@@ -216,6 +223,13 @@ class SpeculativeProgram(Program):
         engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
+        refusal = pipeline_refusal(engine, draft, acceptance)
+        if self.pipeline and refusal is not None:
+            raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
+        note = "pipeline=False" if self.pipeline is False else (
+            refusal or ("" if engine.device.type == "cuda" else "the engine is on the CPU (nothing to overlap)"))
+        if self.pipeline or not note:
+            return (yield from self._run_pipelined(ctx, checker))
         needs_hidden = bool(draft.needs_hidden)
         states = self.target_states
         draft.start(engine)
@@ -233,7 +247,7 @@ class SpeculativeProgram(Program):
         try:
             start = time.perf_counter()
             node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
-            stats = SpeculativeStats(node=node)
+            stats = SpeculativeStats(node=node, pipeline_note=note)
             checker.accept(acceptance.first_token(out.logits[0]))
             stats.prefill_seconds = time.perf_counter() - start
             # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
@@ -297,6 +311,27 @@ class SpeculativeProgram(Program):
                 draft.reset()   # a drafter's own pages (its engine may serve other requests)
 
 
+    def _run_pipelined(self, ctx: ProgramContext, checker: StopChecker):
+        """:meth:`run`, pipelined: :func:`~treedec.search.speculative_pipeline.pipelined_run`."""
+        engine, draft = ctx.engine, self.draft
+        draft.start(engine)
+        head_name = _add_draft_head(engine, draft.row_head)
+        stats, done = SpeculativeStats(pipelined=True), False
+        if self.budget is not None:
+            self.budget.join(self)
+        try:
+            yield from pipelined_run(ctx, self, checker, head_name, stats)
+            stats.stop_reason = checker.stop_reason
+            done = True
+            return checker, stats
+        finally:
+            if self.budget is not None:
+                self.budget.leave(self)
+            if not (done and self.keep_node):
+                ctx.free(stats.node)
+                draft.reset()
+
+
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
                          acceptance: AcceptanceRule | None = None,
                          on_step: Callable[[SpeculativeStats, int], None] | None = None,
@@ -333,39 +368,10 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
     program = SpeculativeProgram(prompt_ids, draft, rule, acceptance=acceptance, keep_node=True, on_step=on_step,
-                                 max_draft_tokens=engine.pool.num_pages * engine.pool.page_size)
-    refusal = pipeline_refusal(engine, draft, program.acceptance)
-    if pipeline is not None and not isinstance(pipeline, bool):
-        raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
-    if pipeline and refusal is not None:
-        raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
-    note = refusal or ("" if engine.device.type == "cuda" else "the engine is on the CPU (nothing to overlap)")
-    if pipeline is False or (pipeline is None and note):
-        checker, stats = run_program(engine, program)
-        stats.pipeline_note = "pipeline=False" if pipeline is False else note
-        return checker.token_ids, stats
-    checker, stats = _pipelined(engine, program)
+                                 max_draft_tokens=engine.pool.num_pages * engine.pool.page_size, pipeline=pipeline)
+    checker, stats = run_program(engine, program)
     return checker.token_ids, stats
 
-
-def _pipelined(engine: Engine, program: SpeculativeProgram) -> tuple[StopChecker, SpeculativeStats]:
-    """:func:`speculative_generate`'s pipelined path: the prefill, then the loop of
-    :func:`~treedec.search.speculative_pipeline.pipelined_speculative_loop`."""
-    with engine.guard:
-        check_positions(engine.model, program.positions(), "the request", before_run=True)
-        draft = program.draft
-        draft.start(engine)
-        head_name = _add_draft_head(engine, draft.row_head)
-        checker = StopChecker(program.rule, None)
-        start = time.perf_counter()
-        prefilled = engine.prefill(program.prompt_ids, return_heads=head_name is not None)
-        stats = SpeculativeStats(node=prefilled.node, pipelined=True)
-        stats.prefill_seconds = time.perf_counter() - start
-        heads = None if head_name is None else prefilled.heads[head_name]
-        pipelined_speculative_loop(engine, prefilled.node, prefilled.logits, heads, draft, head_name,
-                                   program.acceptance, checker, stats, program.on_step)
-        stats.stop_reason = checker.stop_reason
-        return checker, stats
 
 # ================================================================ private
 

@@ -38,8 +38,8 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       tokenizer=None, chat_template: bool = False, max_draft_tokens: int = 64,
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
-                      max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None
-                      ) -> tuple[list[RequestResult], SchedulerStats]:
+                      max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None,
+                      pipeline: bool | None = None) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
@@ -56,6 +56,9 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
+    pipeline : each request's steps pipelined (:mod:`treedec.search.speculative_pipeline`: drafts with a fixed
+        tree drafted on the device, greedy or rejection sampling); None: where they allow it on a GPU; its
+        result's ``stats["pipelined"]`` says which ran.
 
     Returns
     -------
@@ -93,11 +96,11 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         rule = spec.stop_rule(engine.model.eos_token_ids)
         programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
                                            None if acceptance is None else acceptance(spec),
-                                           max_draft_tokens=max_draft_tokens, budget=draft_budget))
+                                           max_draft_tokens=max_draft_tokens, budget=draft_budget, pipeline=pipeline))
         programs[-1].name = spec.name
         check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
         # The sequence (prompt, new tokens) and one draft tree.
-        worst = pool.pages_for(len(prompt_ids) + spec.max_new_tokens) + 1 + pool.pages_for(max_draft_tokens)
+        worst = pool.pages_for(len(prompt_ids) + spec.max_new_tokens) + programs[-1].step_pages(pool)
         if worst > pool.num_free_pages:
             raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
                                      f"{pool.num_free_pages} free; lower max_new_tokens or max_draft_tokens, or give "
@@ -111,6 +114,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         outputs[index] = request_results(spec, prompt_ids, [checker], stats.steps, seconds)
         outputs[index][0].stats["accepted"] = list(stats.accepted)
         outputs[index][0].stats["draft_sizes"] = list(stats.draft_sizes)
+        outputs[index][0].stats["pipelined"] = stats.pipelined
         if on_request_done is not None:
             on_request_done(outputs[index])
 

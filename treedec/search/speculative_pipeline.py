@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -34,10 +33,12 @@ from treedec.engine import Engine
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling
 from treedec.search.device_acceptance import greedy_outcome
 from treedec.search.drafts import DraftSource
+from treedec.search.program import ProgramContext, StepRequest
 from treedec.search.stops import StopChecker
-from treedec.transfer import HostCopy, to_device
+from treedec.transfer import to_device
+from treedec.tree.token_tree import TokenTree
 
-__all__ = ["pipelined_speculative_loop", "pipeline_refusal"]
+__all__ = ["pipelined_run", "pipeline_refusal"]
 
 
 def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | None:
@@ -55,90 +56,96 @@ def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | No
 
 @dataclass
 class _Flight:
-    """A launched step: its tree's node ids, slots and tokens, and its outcome on the device."""
+    """A launched step: its tree's shape, node ids, slots and tokens, and its outcome on the device."""
 
+    shape: TokenTree
     ids: list[int]
-    slots: torch.Tensor     # [m] its tree tokens' pool slots, token order (device)
-    tokens: torch.Tensor    # [m] their ids (device)
+    slots: torch.Tensor          # [m] its tree tokens' pool slots, token order (device)
+    tokens: torch.Tensor         # [m] their ids (device)
     heads: torch.Tensor | None   # [m, ...] the draft's row head at each (None: no row head)
-    outcome: torch.Tensor   # [2 + depth]: accepted length, bonus, path
-    read: HostCopy          # the outcome and the accepted tokens, on their way to the host
+    outcome: torch.Tensor        # [2 + depth]: accepted length, bonus, path
+
+    @property
+    def depth(self) -> int:
+        return max(self.shape.depth)
 
 
-def pipelined_speculative_loop(engine: Engine, node: int, logits: torch.Tensor, heads: torch.Tensor | None,
-                               draft: DraftSource, head_name: str | None, acceptance: GreedyAcceptance | RejectionSampling,
-                               checker: StopChecker, stats, on_step: Callable | None = None) -> None:
-    """Run the pipelined loop after a prefill (``node``: the prompt's, ``logits``: its last token's, ``heads``: the
-    row head's output there, None for a draft without one) until ``checker`` stops; fills ``stats`` (a
-    :class:`~treedec.search.speculative.SpeculativeStats`) as the unpipelined loop does and calls
-    ``on_step(stats, emitted)`` after each step's tokens are read. ``acceptance`` decides on the device, drawing
-    from its stream in the unpipelined loop's order (the same tokens for the same seed)."""
+def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name: str | None, stats):
+    """The pipelined loop of one request as a scheduler program (``yield from`` it in
+    :meth:`~treedec.search.speculative.SpeculativeProgram.run`): its prompt, then steps, each launched before
+    the previous one's outcome is read (that read rides with the step, :attr:`StepRequest.read`, in the batch's
+    one copy). Fills ``stats`` as the unpipelined loop does; returns the node."""
+    engine, draft, acceptance, budget = ctx.engine, program.draft, program.acceptance, program.budget
+    tree, full = engine.tree, draft.fixed_tree
     greedy = isinstance(acceptance, GreedyAcceptance)
-    first = logits.argmax() if greedy else acceptance.first_sample(logits)
-    tree, shape = engine.tree, draft.fixed_tree
-    parents = [-1] + list(shape.parents[1:])
-    depth = max(shape.depth)
     stop_ids = checker.rule.eos_token_ids
-    root, first_read = first.reshape(1), HostCopy(first.reshape(1))
-    span, flight, root_token = None, None, -1
-    garbage = 0                                # unused reserved slots at the end of the node, known on the host
+    start = time.perf_counter()
+    node, out = yield from ctx.prompt(program.prompt_ids, heads=head_name is not None)
+    stats.node = node
+    first = (out.logits[0].argmax() if greedy else acceptance.first_sample(out.logits[0])).reshape(1)
+    root, heads, read = first, None if head_name is None else out.heads[head_name][0], first
+    stats.prefill_seconds = time.perf_counter() - start
+    span, flight, root_token, garbage = None, None, -1, 0   # garbage: unused reserved slots ending the node
     while True:
         started = time.perf_counter()
+        share = full.size - 1 if budget is None else budget.tokens(program, engine.device, full.size - 1)
+        shape = full if share >= full.size - 1 else TokenTree(full.parents[:share + 1])
+        reserve = 0 if flight is None else engine.pool.pages_for(1 + flight.depth) + 1
+        yield from ctx.reserve(reserve + 1 + engine.pool.pages_for(shape.size - 1))
         if flight is not None:
             # Step n is launched: free its tree (stream order keeps its K/V until the copy below has read them),
             # drop the slots step n-1 did not use, and reserve step n's root and path.
             tree.prune(flight.ids[0])
             if garbage:
-                tree.truncate(node, tree.sequence_length(node) - garbage)
-            dst = tree.extend_computed(node, [0] * (1 + depth))
+                tree.truncate(node, tree.node_length(node) - garbage)
+            dst = tree.extend_computed(node, [0] * (1 + flight.depth))
             length = flight.outcome[:1]
             pick = torch.cat([flight.outcome.new_zeros(1), flight.outcome[2:].clamp(min=0)])
             engine.copy_kv(flight.slots[pick], to_device(dst, engine.device))
             last = torch.where(length > 0, flight.outcome[2:].gather(0, (length - 1).clamp(min=0)), 0)
             root = flight.outcome[1:2]
             heads = None if flight.heads is None else flight.heads.index_select(0, last).squeeze(0)
-            span = DynamicSpan(dst[1:], length, np.arange(shape.size))
-        tokens = torch.cat([root, draft.device_drafts(heads, engine.device)]).to(torch.int64)
-        ids = tree.add_token_tree(node, [0] * shape.size, parents)
-        rows = engine.pending_rows(ids)
-        slots = tree.layout().query_slot[rows]   # (the step plans from this same layout)
-        by_row = torch.empty(shape.size, dtype=torch.int64, device=engine.device)
-        by_row[to_device(rows, engine.device)] = tokens
-        out = engine.step(logits_rows=rows, tokens=by_row, return_heads=head_name is not None, dynamic=span)
-        outcome = (greedy_outcome(shape, tokens, out.logits.argmax(dim=-1)) if greedy
-                   else acceptance.outcome(shape, tokens, out.logits))
-        accepted = tokens[outcome[2:].clamp(min=0)]
-        launched = _Flight(ids, to_device(slots, engine.device), tokens,
-                           None if head_name is None else out.heads[head_name],
-                           outcome, HostCopy(torch.cat([outcome, accepted])))
-        # The step before this one, read while this one runs.
+            span = DynamicSpan(dst[1:], length, np.zeros(0, dtype=np.int64))   # (the scheduler gives the rows)
+        tokens = torch.cat([root, draft.device_drafts(heads, engine.device)[:shape.size - 1]]).to(torch.int64)
+        ids = tree.add_token_tree(node, [0] * shape.size, [-1] + list(shape.parents[1:]))
+        slots = np.fromiter((tree.slots(i)[0] for i in ids), dtype=np.int64, count=len(ids))
+        rows = yield StepRequest(ids, heads=head_name is not None, tokens=tokens, read=read, dynamic=span)
+        outcome = (greedy_outcome(shape, tokens, rows.logits.argmax(dim=-1)) if greedy
+                   else acceptance.outcome(shape, tokens, rows.logits))
+        read = torch.cat([outcome, tokens[outcome[2:].clamp(min=0)]])
+        launched = _Flight(shape, ids, to_device(slots, engine.device), tokens,
+                           None if head_name is None else rows.heads[head_name], outcome)
+        # The step before this one, read with the batch's reads after this one was launched.
         if flight is None:
-            root_token = int(first_read.result()[0])
+            root_token = int(rows.read[0])
             checker.accept([root_token])
             stop = 0 if checker.stopped else None
         else:
-            stop, garbage, root_token = _record(tree, node, checker, flight, root_token, stop_ids, depth, stats,
+            stop, garbage, root_token = _record(tree, node, checker, flight, rows.read, root_token, stop_ids, stats,
                                                 started)
-            if on_step is not None:
-                on_step(stats, len(checker.token_ids))
+            if budget is not None:
+                budget.observe(program, stats.accepted[-1])
+            if program.on_step is not None:
+                program.on_step(stats, len(checker.token_ids))
         if stop is not None:
             tree.prune(launched.ids[0])   # the step launched past the stop: rolled back, its pages freed
             if flight is not None:
-                tree.truncate(node, tree.sequence_length(node) - stop)
-            return
+                tree.truncate(node, tree.node_length(node) - stop)
+            return node
         flight = launched
         stats.draft_sizes.append(shape.size - 1)
 
 
-def _record(tree, node: int, checker: StopChecker, flight: _Flight, root_token: int, stop_ids, depth: int, stats,
-            started: float) -> tuple[int | None, int, int]:
-    """Step n's outcome on the host: its root (``root_token``) and accepted tokens into the node's reserved slots,
-    its emitted tokens through the stop checker. Returns (the node's tokens to drop when the output stops there,
-    else None; the unused reserved slots; the next root, step n's bonus)."""
-    values = flight.read.result()
+def _record(tree, node: int, checker: StopChecker, flight: _Flight, values: list[int], root_token: int, stop_ids,
+            stats, started: float) -> tuple[int | None, int, int]:
+    """Step n's outcome read back (``values``: outcome and accepted tokens) on the host: its root (``root_token``)
+    and accepted tokens into the node's reserved slots, its emitted tokens through the stop checker. Returns (the
+    node's tokens to drop when the output stops there, else None; the unused reserved slots; the next root, step
+    n's bonus)."""
+    depth = flight.depth
     length, bonus = values[0], values[1]
     path_tokens = values[2 + depth:2 + depth + length]
-    end = tree.sequence_length(node)             # the reservation is the node's last 1 + depth tokens
+    end = tree.node_length(node)             # the reservation is the node's last 1 + depth tokens
     tree.set_tokens(node, end - depth - 1, [root_token] + path_tokens)
     cut = next((d for d, t in enumerate(path_tokens) if t in stop_ids), None)
     if cut is not None:

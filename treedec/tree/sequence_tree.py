@@ -86,6 +86,10 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         """The node's own tokens (not its ancestors')."""
         return list(self._get(node_id).tokens)
 
+    def node_length(self, node_id: int) -> int:
+        """``len(tokens(node_id))`` without the copy: what :meth:`set_tokens` and :meth:`truncate` count in."""
+        return self._get(node_id).length
+
     def slots(self, node_id: int) -> np.ndarray:
         """[len] int64 KV-pool slots of the node's own tokens."""
         node = self._get(node_id)
