@@ -3,6 +3,7 @@ import collections
 
 import numpy as np
 import pytest
+import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
@@ -207,3 +208,31 @@ def test_pipelined_batch_stops_on_strings_and_eos_as_unpipelined(tiny):
         runs.append([(r.output_ids, r.text, r.stop_reason, r.stats["accepted"]) for r in results])
     assert runs[0] == runs[1]
     assert [r[2] for r in runs[1]] == ["stop_string", "eos", "length"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
+    """Six requests over the permutation target (Medusa heads right two times in three), a 64-token Medusa tree
+    each, on captured graphs with the cuda backend, pipelined, against the eager unpipelined batch: the same
+    tokens, every request the target's greedy continuation; a budget cutting the trees; every page freed."""
+    from tests.test_speculative_pipeline import permutation_target
+    model, heads, perm = permutation_target("cuda", torch.bfloat16)
+    rng = np.random.default_rng(4)
+    requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()), max_new_tokens=40,
+                            temperature=0.0) for i in range(6)]
+    paths = medusa_tree(64).paths
+    runs = []
+    for pipeline, graphs in ((False, False), (True, True)):
+        engine = Engine(model, kv_tokens=16384, page_size=16, cuda_graphs=graphs)
+        results, _ = speculative_batch(engine, requests, lambda spec: MedusaDraft(heads, paths), max_draft_tokens=64,
+                                       draft_budget=DraftBudget(step_tokens=200), pipeline=pipeline)
+        assert all(r.stats["pipelined"] == pipeline for r in results)
+        assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+        runs.append([r.output_ids for r in results])
+    assert runs[0] == runs[1]
+    for tokens, spec in zip(runs[1], requests):
+        want = [int(perm[spec.prompt_ids[-1]])]
+        while len(want) < len(tokens):
+            want.append(int(perm[want[-1]]))
+        assert tokens == want
