@@ -3,6 +3,7 @@ writes bit for bit; which one runs is chosen by TREEDEC_PLANNER and reported, ne
 import contextlib
 import dataclasses
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from treedec.attention import PLANNERS, PlanBounds, PlanConfig, StaticPlan, make_plan, planners, schedule_units
 from treedec.attention import balanced_chunks, persistent_schedule, planner_choice, split_kv, static_plan, tree_plan
 from treedec.attention.backends.cuda_backend import CudaBackend
-from treedec.attention.persistent_schedule import TILE_SIZES, PersistentSchedule
+from treedec.attention.persistent_schedule import FULL_TILE_FLAG, TILE_SIZES, PersistentSchedule, live_tiles
 from treedec.attention.planner_choice import PLANNER_ENV, planner_impl
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import planner_build
@@ -148,22 +149,28 @@ def test_layouts_out_of_preorder_plan_as_numpy_does(seed, config):
     assert_same(*both(lambda: make_plan(layout, config, 4)))
 
 
-def with_dynamic_kv(plan, rng, length: int | None):
-    """``plan`` with ``dynamic_kv`` a random range of ``length`` positions (cut at the plan's end; None: none)."""
-    if length is None:
-        return plan
-    start = int(rng.integers(0, plan.num_tokens + 1))
-    return dataclasses.replace(plan, dynamic_kv=(start, min(start + length, plan.num_tokens)))
+def with_dynamic_kv(plan, rng, dynamic: tuple[int, int]):
+    """``plan`` with ``dynamic_kv`` ``dynamic = (count, length)``: up to ``count`` random sorted ranges of at most
+    ``length`` positions, adjacent ones among them (cut at the plan's end; count 0: none)."""
+    count, length = dynamic
+    ranges, cursor = [], 0
+    for where in np.sort(rng.integers(0, plan.num_tokens + 1, count)):
+        start = max(int(where), cursor) if rng.random() < 0.8 else cursor  # now and then one touching the last
+        stop = min(start + int(rng.integers(1, length + 1)), plan.num_tokens)
+        if start < stop:
+            ranges.append((start, stop))
+            cursor = stop
+    return dataclasses.replace(plan, dynamic_kv=tuple(ranges))
 
 
-dynamic_lengths = st.sampled_from([None, 0, 1, 30, 64, 500, 10**6])
+dynamic_ranges = st.tuples(st.sampled_from([0, 1, 2, 5, 16]), st.sampled_from([1, 30, 64, 500, 10**6]))
 
 
 @needs_compiled
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), decode_batch=st.booleans(), config=configs, group=st.sampled_from([1, 4, 5]),
        kv_heads=st.sampled_from([1, 3, 8]), ctas=st.sampled_from([1, 7, 132]), rows=st.sampled_from([16, 64, 128]),
-       tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_lengths)
+       tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_ranges)
 def test_schedules_are_bitwise_the_numpy_ones(seed, decode_batch, config, group, kv_heads, ctas, rows, tile, dynamic):
     rng = np.random.default_rng(seed)
     with using("numpy"):
@@ -237,7 +244,7 @@ def static_plans(plan, tile):
 
 @needs_compiled
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_lengths)
+@given(seed=st.integers(0, 2**32 - 1), tile=st.sampled_from(TILE_SIZES), dynamic=dynamic_ranges)
 def test_static_writes_fill_the_same_buffers(seed, tile, dynamic):
     rng = np.random.default_rng(seed)
     with using("numpy"):
@@ -305,13 +312,11 @@ def test_bad_arrays_raise_value_errors_not_crashes():
         module.make_plan(*args[:3], np.zeros(0, np.int64), np.zeros(0, np.int64), *sizes)
     plan = make_plan(layout, PlanConfig(chunk_size=16, query_tile=2), 1)
     items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
+    none = np.zeros((0, 2), np.int64)
     with pytest.raises(ValueError, match="points outside"):
-        module.schedule_units(plan.item_chunk, plan.item_entry_start + 100, *items[2:], 1, 1, 4, 64, 64, 0, 0)
+        module.schedule_units(plan.item_chunk, plan.item_entry_start + 100, *items[2:], 1, 1, 4, 64, 64, none)
     with pytest.raises(ValueError, match="size is out of range"):
-        module.schedule_units(*items, 1, 1, 4, 64, 48, 0, 0)
-    for start, stop in ((-1, 2), (3, 2)):
-        with pytest.raises(ValueError, match=f"dynamic KV range \\[{start}, {stop}\\) must have 0 <= start <= stop"):
-            module.schedule_units(*items, 1, 1, 4, 64, 64, start, stop)
+        module.schedule_units(*items, 1, 1, 4, 64, 48, none)
     host = np.zeros(16, np.int32)
     with pytest.raises(ValueError, match="does not fit"):
         module.stage_sections(host, [(np.arange(20), 0, 20, 0, 0)])
@@ -319,6 +324,52 @@ def test_bad_arrays_raise_value_errors_not_crashes():
         module.stage_sections(host, [(np.arange(4), 0, 8, 0, 3)])
     with pytest.raises(ValueError, match="host must be"):
         module.stage_sections(host.astype(np.int64), [])
+
+
+@needs_compiled
+@pytest.mark.parametrize("ranges, message", [
+    (np.array([[0.0, 2.0]]), "dynamic_kv must be a 2-D integer array"),
+    (np.array([1, 2]), "dynamic_kv must be a 2-D integer array"),
+    (None, "dynamic_kv must be a 2-D integer array"),
+    (np.zeros((1, 3), np.int64), "dynamic_kv must have shape [R, 2], got [1, 3]"),
+    (np.zeros((0, 3), np.int64), "dynamic_kv must have shape [R, 2], got [0, 3]"),
+    (np.array([[-1, 2]]), "dynamic_kv range 0 [-1, 2) must have 0 <= start < stop <= num_tokens (56)"),
+    (np.array([[3, 3]]), "dynamic_kv range 0 [3, 3) must have 0 <= start < stop <= num_tokens (56)"),
+    (np.array([[1, 2], [5, 3]]), "dynamic_kv range 1 [5, 3) must have 0 <= start < stop <= num_tokens (56)"),
+    (np.array([[50, 57]]), "dynamic_kv range 0 [50, 57) must have 0 <= start < stop <= num_tokens (56)"),
+    (np.array([[10, 20], [5, 8]]), "dynamic_kv range 1 [5, 8) must start at or after range 0's stop (20)"),
+    (np.array([[10, 20], [15, 30]]), "dynamic_kv range 1 [15, 30) must start at or after range 0's stop (20)"),
+])
+def test_bad_dynamic_ranges_raise_value_errors_in_the_binding(ranges, message):
+    """The binding checks the ranges itself (ValueError, nothing crashes) though schedule_units checks them first:
+    its overlap search relies on their order."""
+    module = planner_build.load_planner()
+    plan = make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16, query_tile=2), 1)
+    items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
+    with pytest.raises(ValueError, match=re.escape("compiled planner: " + message)):
+        module.schedule_units(*items, 1, 1, 4, 64, 64, ranges)
+
+
+@needs_compiled
+def test_dynamic_ranges_in_any_integer_layout_give_the_same_schedule():
+    """A list, an int32 array or a strided view of the ranges is read as the C-contiguous int64 array is; adjacent
+    ranges are allowed."""
+    module = planner_build.load_planner()
+    plan = make_plan(fewshot(300, 3, 20), PlanConfig(chunk_size=512, query_tile=3), 1)
+    items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
+    ranges = np.array([[10, 20], [20, 30], [200, 201]], np.int64)
+    strided = np.zeros((3, 4), np.int64)
+    strided[:, ::2] = ranges
+    results = [module.schedule_units(*items, 1, 1, 4, 64, 64, r)[2]
+               for r in (ranges, ranges.tolist(), ranges.astype(np.int32), strided[:, ::2], ranges.T.copy().T)]
+    assert not strided[:, ::2].flags.c_contiguous and not ranges.T.copy().T.flags.c_contiguous
+    assert all(r.tolist() == results[0].tolist() for r in results)
+    with using("numpy"):
+        expected = live_tiles(dataclasses.replace(plan, dynamic_kv=tuple(map(tuple, ranges.tolist()))))[1]
+    assert results[0].tolist() == expected.tolist()
+    none = module.schedule_units(*items, 1, 1, 4, 64, 64, np.zeros((0, 2), np.int64))[2]
+    assert (none & ~FULL_TILE_FLAG).tolist() == (expected & ~FULL_TILE_FLAG).tolist()   # the same live tiles
+    assert np.all((expected & FULL_TILE_FLAG) <= (none & FULL_TILE_FLAG)) and np.any(none != expected)  # flags gone
 
 
 # ---- which implementation runs, and why

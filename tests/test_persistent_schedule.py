@@ -90,23 +90,36 @@ def test_bad_arguments_raise(name, value):
         schedule_units(plan_for(0), **args)
 
 
+def ranges_of(num_tokens: int, picks) -> tuple[tuple[int, int], ...]:
+    """Sorted, non-overlapping ``dynamic_kv`` ranges of a plan's ``num_tokens`` from ``picks`` of (where in [0, 1],
+    length): each starts at its place or where the one before stops (adjacent ones touch), cut at the end."""
+    ranges, cursor = [], 0
+    for where, length in sorted(picks):
+        start = max(int(where * num_tokens), cursor)
+        stop = min(start + length, num_tokens)
+        if start < stop:
+            ranges.append((start, stop))
+            cursor = stop
+    return tuple(ranges)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16), tile=st.sampled_from(TILE_SIZES),
-       dynamic=st.tuples(st.floats(0, 1), st.sampled_from([0, 1, 5, 64, 200, 10_000])))
+       dynamic=st.lists(st.tuples(st.floats(0, 1), st.sampled_from([1, 5, 64, 200, 10_000])), max_size=4))
 def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile, dynamic):
     """The kernels' tile lists: tiles[tile_begin:tile_end] are the item's live tiles, ascending, flagged full
-    where every entry reads the whole tile and no token of it is in the plan's dynamic_kv range; device_array()
-    holds the header (tile size, 0), the records, then the lists at the offsets the records name; each record
-    carries its chunk's first slot index and length and its first live tile."""
+    where every entry reads the whole tile and no token of it is in one of the plan's dynamic_kv ranges;
+    device_array() holds the header (tile size, 0), the records, then the lists at the offsets the records name;
+    each record carries its chunk's first slot index and length and its first live tile."""
     plan = plan_for(seed, chunk_size=200, query_tile=3)
-    start = int(dynamic[0] * plan.num_tokens)
-    plan = dataclasses.replace(plan, dynamic_kv=(start, min(start + dynamic[1], plan.num_tokens)))
+    plan = dataclasses.replace(plan, dynamic_kv=ranges_of(plan.num_tokens, dynamic))
     s = schedule_units(plan, 2, 2, ctas, tile_tokens=tile)
     flat = s.device_array()
     assert s.tile_tokens == tile and flat[:SCHEDULE_HEADER].tolist() == [tile, 0]
     assert flat.dtype == np.int32 and len(flat) == SCHEDULE_HEADER + s.unit_info.size + len(s.tiles)
     records = flat[SCHEDULE_HEADER:SCHEDULE_HEADER + s.unit_info.size].reshape(-1, len(UNIT_FIELDS))
     item_of = {(int(c), int(e)): i for i, (c, e) in enumerate(zip(plan.item_chunk, plan.item_entry_start))}
+    dynamic_positions = [p for start, stop in plan.dynamic_kv for p in range(start, stop)]
     for rec in records.tolist():
         chunk, _, entry_start, _, _, begin, end, kv_begin, chunk_len, first_tile = rec
         i = item_of[(chunk, entry_start)]
@@ -115,7 +128,7 @@ def test_each_unit_lists_exactly_the_tiles_its_item_reads(seed, ctas, tile, dyna
         assert kv_begin == plan.chunk_kv_start[chunk]
         assert chunk_len == plan.chunk_kv_start[chunk + 1] - plan.chunk_kv_start[chunk]
         live = sorted({t // tile for t in range(chunk_len) if any(r[t] for r in reads)})
-        dynamic_tiles = {(p - kv_begin) // tile for p in range(*plan.dynamic_kv) if 0 <= p - kv_begin < chunk_len}
+        dynamic_tiles = {(p - kv_begin) // tile for p in dynamic_positions if 0 <= p - kv_begin < chunk_len}
         full = {i for i in live if (i + 1) * tile <= chunk_len and all(all(r[i * tile:(i + 1) * tile]) for r in reads)
                 and i not in dynamic_tiles}
         expected = [i | (FULL_TILE_FLAG if i in full else 0) for i in live]
@@ -136,18 +149,24 @@ def test_tiles_every_query_reads_whole_are_flagged_full():
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dynamic_kv, tiles, tiles96", [
-    ((0, 0), [0, 1, 2, 3], [0, 1, 2]),        # none: the planner's plan
-    ((70, 75), [0, 2, 3], [1, 2]),            # inside 64-token tile 1 (96-token tile 0)
-    ((127, 129), [0, 3], [0, 2]),             # across the 64-token tiles 1 and 2
-    ((300, 360), [0, 1, 2, 3], [0, 1, 2]),    # the branches: tiles that were not full
-    ((0, 360), [], []),                       # every token
+    ((), [0, 1, 2, 3], [0, 1, 2]),                           # none: the planner's plan
+    (((70, 75),), [0, 2, 3], [1, 2]),                        # inside 64-token tile 1 (96-token tile 0)
+    (((127, 129),), [0, 3], [0, 2]),                         # across the 64-token tiles 1 and 2
+    (((300, 360),), [0, 1, 2, 3], [0, 1, 2]),                # the branches: tiles that were not full
+    (((0, 360),), [], []),                                   # every token
+    (((0, 1), (130, 131)), [1, 3], [2]),                     # 64: tiles 0 and 2; 96: tiles 0 and 1
+    (((10, 20), (200, 201)), [1, 2], [1]),                   # 64: tiles 0 and 3; 96: tiles 0 and 2
+    (((300, 320), (330, 340)), [0, 1, 2, 3], [0, 1, 2]),     # both in the branches
+    (((64, 100), (100, 128)), [0, 2, 3], [2]),               # adjacent: 64: both in tile 1; 96: tiles 0 and 1
+    (((5, 6), (70, 71), (250, 260), (300, 301)), [2], [1]),  # four: 64: tiles 0, 1, 3; 96: tiles 0, 2
 ])
 def test_tiles_holding_a_dynamic_position_are_never_full(impl, dynamic_kv, tiles, tiles96, monkeypatch):
     """The device may clear mask bits of the dynamic_kv positions after the plan is written: a tile holding one
-    loses its full flag (its mask words are read), the other tiles keep theirs, and the live tiles stay."""
+    of any range loses its full flag (its mask words are read), the other tiles keep theirs, and the live tiles
+    stay."""
     monkeypatch.setenv(PLANNER_ENV, impl)
     plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
-    assert plan.dynamic_kv == (0, 0) and plan.num_chunks == 1
+    assert plan.dynamic_kv == () and plan.num_chunks == 1
     plan = dataclasses.replace(plan, dynamic_kv=dynamic_kv)
     for tile, full, live in ((64, tiles, 6), (96, tiles96, 4)):
         listed = schedule_units(plan, 1, 1, 4, tile_tokens=tile).tiles
@@ -158,32 +177,70 @@ def test_tiles_holding_a_dynamic_position_are_never_full(impl, dynamic_kv, tiles
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_dynamic_position_unflags_the_tile_of_its_own_chunk(impl, monkeypatch):
     """Positions are in the flattened KV order: the tile that loses its flag is the one of the chunk holding the
-    position, counted from that chunk's first token; every other item's tiles keep their flags."""
+    position, counted from that chunk's first token; every other item's tiles keep their flags. A tile meeting
+    only the second of two ranges (the first far before it, in another chunk) loses its flag too."""
     monkeypatch.setenv(PLANNER_ENV, impl)
     plan = make_plan(fewshot("t", 1000, 3, 20).layout, PlanConfig("flatten", chunk_size=256, query_tile=3))
     item_tile_start, before = live_tiles(plan)
-    chunk = 1
-    position = int(plan.chunk_kv_start[chunk]) + 64 + 10   # token 10 of the chunk's (full) tile 1
-    item = int(np.flatnonzero(plan.item_chunk == chunk)[0])
-    index = int(item_tile_start[item]) + 1
-    assert plan.num_chunks == 5 and before[index] == 1 | FULL_TILE_FLAG
+
+    def tile_index(chunk: int, tile: int) -> int:
+        return int(item_tile_start[int(np.flatnonzero(plan.item_chunk == chunk)[0])]) + tile
+
+    position = int(plan.chunk_kv_start[1]) + 64 + 10   # token 10 of chunk 1's (full) tile 1
+    early = int(plan.chunk_kv_start[0]) + 2 * 64       # the first token of chunk 0's (full) tile 2
+    index, early_index = tile_index(1, 1), tile_index(0, 2)
+    assert plan.num_chunks == 5 and before[index] == 1 | FULL_TILE_FLAG and before[early_index] == 2 | FULL_TILE_FLAG
     expected = before.copy()
     expected[index] = 1
-    for dynamic_kv in ((position, position + 1), (position - 10, position + 54)):  # a token; the whole tile
+    for dynamic_kv in (((position, position + 1),), ((position - 10, position + 54),)):  # a token; the whole tile
+        after = schedule_units(dataclasses.replace(plan, dynamic_kv=dynamic_kv), 1, 1, 4).tiles
+        assert after.tolist() == expected.tolist()
+    expected[early_index] = 2
+    for dynamic_kv in (((early, early + 1), (position, position + 1)),
+                       ((early, early + 64), (position - 10, position))):
         after = schedule_units(dataclasses.replace(plan, dynamic_kv=dynamic_kv), 1, 1, 4).tiles
         assert after.tolist() == expected.tolist()
 
 
+def bad_range(k, value, why):
+    return f"dynamic_kv[{k}] = {value!r} {why}"
+
+
+OUTSIDE = "is outside the plan's KV: 0 <= start < stop <= num_tokens (360)"
+NOT_A_TUPLE = "dynamic_kv must be a tuple of (start, stop) ranges, got {!r}"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dynamic_kv", [(-1, 3), (5, 3), (0, 361), (361, 361), (1.0, 2), (True, 2), (1,), (1, 2, 3),
-                                        None, "ab"])
-def test_a_bad_dynamic_range_is_named(impl, dynamic_kv, monkeypatch):
+@pytest.mark.parametrize("dynamic_kv, message", [
+    (((-1, 3),), bad_range(0, (-1, 3), OUTSIDE)),
+    (((0, 361),), bad_range(0, (0, 361), OUTSIDE)),
+    (((4, 5), (361, 362)), bad_range(1, (361, 362), OUTSIDE)),
+    (((5, 3),), bad_range(0, (5, 3), "is empty or reversed: start must be < stop")),
+    (((1, 2), (3, 3)), bad_range(1, (3, 3), "is empty or reversed: start must be < stop")),
+    (((10, 20), (5, 8)), bad_range(1, (5, 8), "starts before dynamic_kv[0] = (10, 20): the ranges must be sorted "
+                                              "by start")),
+    (((10, 20), (15, 30)), bad_range(1, (15, 30), "overlaps dynamic_kv[0] = (10, 20): the ranges must not overlap "
+                                                 "(adjacent ones may touch)")),
+    (((0, 4), (10, 20), (10, 30)), bad_range(2, (10, 30), "overlaps dynamic_kv[1] = (10, 20): the ranges must not "
+                                                         "overlap (adjacent ones may touch)")),
+    (((1.0, 2),), "dynamic_kv[0] must be a (start, stop) pair of ints, got (1.0, 2)"),
+    (((True, 2),), "dynamic_kv[0] must be a (start, stop) pair of ints, got (True, 2)"),
+    (((1, 2), (3,)), "dynamic_kv[1] must be a (start, stop) pair of ints, got (3,)"),
+    (((1, 2, 3),), "dynamic_kv[0] must be a (start, stop) pair of ints, got (1, 2, 3)"),
+    (([1, 2],), "dynamic_kv[0] must be a (start, stop) pair of ints, got [1, 2]"),
+    ((1, 2), "dynamic_kv[0] must be a (start, stop) pair of ints, got 1"),   # the old single-range form
+    ((0, 0), "dynamic_kv[0] must be a (start, stop) pair of ints, got 0"),
+    (None, NOT_A_TUPLE.format(None)),
+    ("ab", NOT_A_TUPLE.format("ab")),
+    ([(1, 2)], NOT_A_TUPLE.format([(1, 2)])),
+    (np.array([[1, 2]]), NOT_A_TUPLE.format(np.array([[1, 2]]))),
+])
+def test_a_bad_dynamic_range_is_named(impl, dynamic_kv, message, monkeypatch):
     monkeypatch.setenv(PLANNER_ENV, impl)
     plan = make_plan(fewshot("t", 300, 3, 20).layout, PlanConfig("flatten", chunk_size=512, query_tile=3))
     assert plan.num_tokens == 360
     plan = dataclasses.replace(plan, dynamic_kv=dynamic_kv)
-    message = re.escape(f"dynamic_kv must be two ints 0 <= start <= stop <= num_tokens (360), got {dynamic_kv!r}")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         schedule_units(plan, 1, 1, 4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         live_tiles(plan)

@@ -2,6 +2,7 @@
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
 the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -204,10 +205,15 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     node = engine.prefill(list(range(40))).node
     slots = engine.tree.extend_computed(node, [0] * 5)
     engine.tree.add_token_tree(node, [1, 2, 3], [-1, 0, 0])
-    plan = DynamicSpan(slots, torch.tensor([2]), np.arange(3)).locate(engine.attn.plan_host(engine.tree.layout()))
-    start, stop = plan.dynamic_kv
+    span = DynamicSpan(slots, torch.tensor([2]), np.arange(3))
+    host = engine.attn.plan_host(engine.tree.layout())
+    plan = span.locate(host)
+    start, stop = span.kv_range(plan)
+    assert plan.dynamic_kv == ((start, stop),)
     assert stop - start == 5 and plan.kv_slots[start:stop].tolist() == slots.tolist()
-    patched = MaskPatch.of(plan, plan.mask_words, torch.device("cpu")).apply_host(plan, 2)
+    others = ((0, 1), (stop, stop + 1))   # a batch's other spans: the span's range joins them, in order
+    assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv == ((0, 1), (start, stop), others[1])
+    patched = MaskPatch.of(plan, start, stop, plan.mask_words, torch.device("cpu")).apply_host(plan, 2)
     for e in range(plan.num_entries):
         chunk = int(np.searchsorted(plan.chunk_entry_start, e, side="right") - 1)
         for f in range(plan.chunk_kv_start[chunk], plan.chunk_kv_start[chunk + 1]):

@@ -4,9 +4,9 @@ A pipelined speculative loop plans and launches step n+1 before step n's accepte
 Step n's accepted K/V are moved on the device into ``d`` slots reserved at the end of the sequence; only the
 first ``keep`` of them (the accepted length, a device value) may be read. The host plans the step as if all
 ``d`` were read, then :class:`DynamicSpan` patches the plan on the device: the mask bits of the span's slots
-``keep ..`` are cleared in every entry of the chunks that hold them (the plan's ``dynamic_kv`` keeps the cuda
-schedule from skipping the mask words of those tiles), and the queries after the span move back by
-``d - keep`` positions. Nothing waits for the device.
+``keep ..`` are cleared in every entry of the chunks that hold them (the span's range among the plan's
+``dynamic_kv`` keeps the cuda schedule from skipping the mask words of those tiles), and the queries after the
+span move back by ``d - keep`` positions. Nothing waits for the device.
 """
 from __future__ import annotations
 
@@ -45,20 +45,28 @@ class DynamicSpan:
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "shift_rows", rows)
 
-    def locate(self, plan: TreePlan) -> TreePlan:
-        """``plan`` with ``dynamic_kv`` set to where the span lies in its flattened KV (unchanged when no
-        query reads it). Raises ValueError when the slots are not one run of the flattened order."""
+    def kv_range(self, plan: TreePlan) -> tuple[int, int] | None:
+        """``(start, stop)``: where the span lies in ``plan``'s flattened KV (None when it is empty or no query
+        reads it). Raises ValueError when the slots are not one run of the flattened order."""
         d = len(self.slots)
         if d == 0:
-            return plan
+            return None
         hits = np.flatnonzero(plan.kv_slots == self.slots[0])
         if len(hits) == 0:
-            return plan
+            return None
         start = int(hits[0])
         if not np.array_equal(plan.kv_slots[start:start + d], self.slots):
             raise ValueError(f"a dynamic span's {d} slots must be one run of the plan's flattened KV (the end of "
                              f"one node), got slots {self.slots[:8].tolist()}")
-        return dataclasses.replace(plan, dynamic_kv=(start, start + d))
+        return start, start + d
+
+    def locate(self, plan: TreePlan) -> TreePlan:
+        """``plan`` with the span's :meth:`kv_range` added to its ``dynamic_kv`` ranges, kept sorted (unchanged
+        when no query reads it). Raises ValueError when the slots are not one run of the flattened order."""
+        where = self.kv_range(plan)
+        if where is None:
+            return plan
+        return dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + (where,))))
 
 
 @dataclass(frozen=True)
@@ -71,10 +79,10 @@ class MaskPatch:
     which: torch.Tensor    # [p] int64: the slot's index in the span (cleared when >= keep)
 
     @classmethod
-    def of(cls, plan: TreePlan, stride: int, device: torch.device) -> MaskPatch | None:
-        """The patch of ``plan``'s ``dynamic_kv`` for an ``entry_mask`` whose rows are ``stride`` words apart
-        (a static plan's rows are its bounds' width); None when the span is empty."""
-        start, stop = plan.dynamic_kv
+    def of(cls, plan: TreePlan, start: int, stop: int, stride: int, device: torch.device) -> MaskPatch | None:
+        """The patch of a span at ``[start, stop)`` in ``plan``'s flattened KV (:meth:`DynamicSpan.kv_range`) for
+        an ``entry_mask`` whose rows are ``stride`` words apart (a static plan's rows are its bounds' width); None
+        when the span is empty."""
         if start == stop:
             return None
         position = np.arange(start, stop, dtype=np.int64)
@@ -117,14 +125,16 @@ def located(plan: TreePlan, span: DynamicSpan, backend: str) -> TreePlan:
         raise ValueError("the reference backend plans from the layout: a step with a dynamic span needs the torch, "
                          "triton or cuda backend")
     plan = span.locate(plan)
-    patch = MaskPatch.of(plan, plan.mask_words, torch.device("cpu")) if backend == "torch" else None
+    where = span.kv_range(plan) if backend == "torch" else None
+    patch = None if where is None else MaskPatch.of(plan, *where, plan.mask_words, torch.device("cpu"))
     return plan if patch is None else patch.apply_host(plan, int(span.keep))
 
 
 def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, span: DynamicSpan) -> None:
     """Clear the unused slots' bits in ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are
     wider: its stride is used), stream-ordered after the plan's copy."""
-    patch = MaskPatch.of(plan, entry_mask.stride(0), entry_mask.device)
+    where = span.kv_range(plan)
+    patch = None if where is None else MaskPatch.of(plan, *where, entry_mask.stride(0), entry_mask.device)
     if patch is not None:
         patch.apply(entry_mask, span.keep)
 

@@ -41,8 +41,8 @@ COST_PER_ROW = 1.0        # a: per query row of a unit
 COST_PER_KV_TOKEN = 1.0   # b: per live KV token
 COST_PER_UNIT = 64.0      # setup of a unit (row tables, Q load, pipeline fill, partial state)
 # Set on a listed tile when every entry of its item reads every token of the tile and the tile holds
-# no position of the plan's ``dynamic_kv`` (whose mask bits the device may clear after the plan is
-# written): the sm_90a kernel then copies no mask words for it and runs its softmax without a mask.
+# no position of the plan's ``dynamic_kv`` ranges (whose mask bits the device may clear after the plan
+# is written): the sm_90a kernel then copies no mask words for it and runs its softmax without a mask.
 # The tile index is ``listed & ~FULL_TILE_FLAG`` (tile indices stay far below 2^30: a chunk has < 2^31 tokens).
 FULL_TILE_FLAG = 1 << 30
 
@@ -62,7 +62,7 @@ class PersistentSchedule:
     tiles : [N] int32
         Live tiles (index of the tile in its chunk, ascending) of every work item, item by item,
         each with :data:`FULL_TILE_FLAG` set where every entry of the item reads the whole tile and it
-        holds no position of the plan's ``dynamic_kv``.
+        holds no position of the plan's ``dynamic_kv`` ranges.
     cta_cost : [num_ctas] float64
         Cost assigned to each CTA (for reports: the imbalance is ``max / mean``).
     tile_tokens : int
@@ -112,10 +112,11 @@ def live_tiles(plan: TreePlan, tile_tokens: int = TILE_TOKENS) -> tuple[np.ndarr
         Index (tile t covers chunk tokens ``t * tile_tokens ...``) of each tile that some entry of
         the item reads, ascending per item, plus :data:`FULL_TILE_FLAG` where every entry of the
         item reads all ``tile_tokens`` tokens of the tile (so never a chunk's short last tile) and
-        none of them is in ``plan.dynamic_kv``.
+        none of them is in a range of ``plan.dynamic_kv`` (ValueError when those are not sorted,
+        non-overlapping, non-empty ranges of the plan's tokens).
     """
     _check_tile_tokens(tile_tokens)
-    start, stop = _dynamic_range(plan)
+    dynamic = _dynamic_ranges(plan)
     if plan.num_items == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
     counts = plan.item_num_entries.astype(np.int64)
@@ -126,25 +127,45 @@ def live_tiles(plan: TreePlan, tile_tokens: int = TILE_TOKENS) -> tuple[np.ndarr
     anded = np.bitwise_and.reduceat(masks, offsets, axis=0)
     live = _by_tile(ored != 0, tile_tokens).any(axis=2)             # [I, tiles]
     full = _by_tile(anded == -1, tile_tokens).all(axis=2)           # every bit of every word (int32 -1)
-    if start < stop:  # a tile holding a dynamic position: [first, first + tile_tokens) meets [start, stop)
+    if len(dynamic):  # a tile [first, first + tile_tokens) meeting a range [start, stop) is not full
         first = plan.chunk_kv_start[plan.item_chunk][:, None] + np.arange(full.shape[1]) * tile_tokens
-        full &= (first >= stop) | (first + tile_tokens <= start)
+        # The ranges are sorted and disjoint: those starting before the tile's end are a prefix, those
+        # stopping at or before its first token a shorter prefix; the tile meets one iff they differ.
+        started = np.searchsorted(dynamic[:, 0], first + tile_tokens, side="left")
+        ended = np.searchsorted(dynamic[:, 1], first, side="right")
+        full &= started == ended
     items, tiles = np.nonzero(live)                                 # item-major, ascending
     item_tile_start = np.zeros(plan.num_items + 1, dtype=np.int64)
     np.cumsum(live.sum(axis=1), out=item_tile_start[1:])
     return item_tile_start, (tiles | np.where(full[items, tiles], FULL_TILE_FLAG, 0)).astype(np.int32)
 
 
-def _dynamic_range(plan: TreePlan) -> tuple[int, int]:
-    """``plan.dynamic_kv`` as ``(start, stop)``, checked: ints with ``0 <= start <= stop <= plan.num_tokens``
-    (ValueError naming it and its value otherwise)."""
+def _dynamic_ranges(plan: TreePlan) -> np.ndarray:
+    """[R, 2] int64 (C-contiguous, as the compiled planner takes it): ``plan.dynamic_kv`` checked, a tuple
+    of (start, stop) pairs of ints with ``0 <= start < stop <= plan.num_tokens``, sorted by start and not
+    overlapping (ValueError naming the bad range and why otherwise)."""
     value = plan.dynamic_kv
-    if not (isinstance(value, tuple) and len(value) == 2
-            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
-            and 0 <= value[0] <= value[1] <= plan.num_tokens):
-        raise ValueError(f"dynamic_kv must be two ints 0 <= start <= stop <= num_tokens ({plan.num_tokens}), "
-                         f"got {value!r}")
-    return int(value[0]), int(value[1])
+    if not isinstance(value, tuple):
+        raise ValueError(f"dynamic_kv must be a tuple of (start, stop) ranges, got {value!r}")
+    previous, num_tokens = None, plan.num_tokens
+    for k, pair in enumerate(value):  # one range per request of a batch: a short loop, kept lean (every step)
+        if not (type(pair) is tuple and len(pair) == 2 and isinstance(pair[0], (int, np.integer))
+                and isinstance(pair[1], (int, np.integer)) and type(pair[0]) is not bool and type(pair[1]) is not bool):
+            raise ValueError(f"dynamic_kv[{k}] must be a (start, stop) pair of ints, got {pair!r}")
+        start, stop = pair
+        if start >= stop:
+            raise ValueError(f"dynamic_kv[{k}] = {pair!r} is empty or reversed: start must be < stop")
+        if start < 0 or stop > num_tokens:
+            raise ValueError(f"dynamic_kv[{k}] = {pair!r} is outside the plan's KV: "
+                             f"0 <= start < stop <= num_tokens ({num_tokens})")
+        if previous is not None and start < previous[0]:
+            raise ValueError(f"dynamic_kv[{k}] = {pair!r} starts before dynamic_kv[{k - 1}] = {previous!r}: "
+                             f"the ranges must be sorted by start")
+        if previous is not None and start < previous[1]:
+            raise ValueError(f"dynamic_kv[{k}] = {pair!r} overlaps dynamic_kv[{k - 1}] = {previous!r}: "
+                             f"the ranges must not overlap (adjacent ones may touch)")
+        previous = pair
+    return np.array(value, dtype=np.int64).reshape(len(value), 2)
 
 
 def _check_tile_tokens(tile_tokens) -> None:
@@ -178,8 +199,9 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     Parameters
     ----------
     plan : TreePlan
-        Its ``dynamic_kv`` positions' tiles are never flagged full (:func:`live_tiles`); ValueError
-        when it is not a range of the plan's tokens.
+        The tiles holding a position of its ``dynamic_kv`` ranges are never flagged full
+        (:func:`live_tiles`); ValueError when those are not sorted, non-overlapping, non-empty ranges
+        of the plan's tokens (the message names the bad range).
     group : int
         Query heads per KV head (GQA ratio).
     num_kv_heads : int
@@ -199,7 +221,7 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     if module is not None:  # the compiled port of the code below (treedec/kernels/planner/schedule.h)
         cta_unit_start, unit_info, tiles, cta_cost, device = module.schedule_units(
             plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask,
-            group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens, *_dynamic_range(plan))
+            group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens, _dynamic_ranges(plan))
         device.setflags(write=False)
         return PersistentSchedule(cta_unit_start, unit_info, tiles, cta_cost, tile_tokens, device)
     rows = plan.item_num_entries.astype(np.int64) * group                   # [I]

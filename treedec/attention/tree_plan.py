@@ -58,12 +58,14 @@ class TreePlan:
         Largest pool slot the plan reads (checked against the cache size by ``run``).
     layout : TreeLayout
         The snapshot this plan was made from.
-    dynamic_kv : tuple[int, int]
-        [start, stop) positions in the flattened KV order (indices into ``kv_slots``) whose mask bits
-        the device may clear after the plan is written (pipelined speculative decoding); the cuda
-        backend's schedule never flags a tile holding one of them full, so its kernel reads the mask
-        words there. (0, 0): none. The planners make (0, 0); callers set it with
-        ``dataclasses.replace(plan, dynamic_kv=(start, stop))``.
+    dynamic_kv : tuple[tuple[int, int], ...]
+        [start, stop) ranges of positions in the flattened KV order (indices into ``kv_slots``) whose
+        mask bits the device may clear after the plan is written (pipelined speculative decoding: one
+        range per request of a batch with a span); the cuda backend's schedule never flags a tile
+        holding one of them full, so its kernel reads the mask words there. Sorted by start, not
+        overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
+        raises ValueError otherwise. (): none. The planners make (); callers set it with
+        ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``.
     """
 
     planner: str
@@ -83,7 +85,7 @@ class TreePlan:
     query_tile: int
     max_slot: int
     layout: TreeLayout
-    dynamic_kv: tuple[int, int] = (0, 0)
+    dynamic_kv: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_chunks(self) -> int:

@@ -153,23 +153,24 @@ PyObject* make_plan_py(PyObject*, PyObject* args) {
 }
 
 // schedule_units(item_chunk, item_entry_start, item_num_entries, chunk_kv_start, entry_mask, group,
-// num_kv_heads, num_ctas, rows_per_unit, tile_tokens, dynamic_start, dynamic_stop) -> (cta_unit_start,
-// unit_info, tiles, cta_cost, device_array); [dynamic_start, dynamic_stop) is TreePlan.dynamic_kv (the
-// caller checks it against the plan's tokens)
+// num_kv_heads, num_ctas, rows_per_unit, tile_tokens, dynamic_kv) -> (cta_unit_start, unit_info, tiles,
+// cta_cost, device_array); dynamic_kv is TreePlan.dynamic_kv as an int64 [R, 2] array of (start, stop)
+// ranges, checked here too (sorted, disjoint, inside the plan's tokens): live_tiles' search relies on it
 PyObject* schedule_units_py(PyObject*, PyObject* args) {
-  PyObject *chunk_obj, *start_obj, *count_obj, *kv_obj, *mask_obj;
-  long long group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens, dynamic_start, dynamic_stop;
-  if (!PyArg_ParseTuple(args, "OOOOOLLLLLLL", &chunk_obj, &start_obj, &count_obj, &kv_obj, &mask_obj, &group,
-                        &num_kv_heads, &num_ctas, &rows_per_unit, &tile_tokens, &dynamic_start, &dynamic_stop)) {
+  PyObject *chunk_obj, *start_obj, *count_obj, *kv_obj, *mask_obj, *dynamic_obj;
+  long long group, num_kv_heads, num_ctas, rows_per_unit, tile_tokens;
+  if (!PyArg_ParseTuple(args, "OOOOOLLLLLO", &chunk_obj, &start_obj, &count_obj, &kv_obj, &mask_obj, &group,
+                        &num_kv_heads, &num_ctas, &rows_per_unit, &tile_tokens, &dynamic_obj)) {
     return nullptr;
   }
   return guarded([&]() -> PyObject* {
-    Ref h_chunk, h_start, h_count, h_kv, h_mask;
+    Ref h_chunk, h_start, h_count, h_kv, h_mask, h_dynamic;
     PyArrayObject* item_chunk = array_of(chunk_obj, NPY_INT64, 1, "item_chunk", h_chunk);
     PyArrayObject* item_entry_start = array_of(start_obj, NPY_INT64, 1, "item_entry_start", h_start);
     PyArrayObject* item_num_entries = array_of(count_obj, NPY_INT64, 1, "item_num_entries", h_count);
     PyArrayObject* chunk_kv_start = array_of(kv_obj, NPY_INT64, 1, "chunk_kv_start", h_kv);
     PyArrayObject* entry_mask = array_of(mask_obj, NPY_INT32, 2, "entry_mask", h_mask);
+    PyArrayObject* dynamic_kv = array_of(dynamic_obj, NPY_INT64, 2, "dynamic_kv", h_dynamic);
     const i64 items = PyArray_DIM(item_chunk, 0);
     if (PyArray_DIM(item_entry_start, 0) != items || PyArray_DIM(item_num_entries, 0) != items) {
       fail("the item arrays differ in length");
@@ -178,14 +179,29 @@ PyObject* schedule_units_py(PyObject*, PyObject* args) {
         tile_tokens % kMaskBits) {
       fail("a schedule size is out of range");
     }
-    if (dynamic_start < 0 || dynamic_stop < dynamic_start) {
-      fail("the dynamic KV range [" + std::to_string(dynamic_start) + ", " + std::to_string(dynamic_stop) +
-           ") must have 0 <= start <= stop");
+    if (PyArray_DIM(dynamic_kv, 1) != 2) {
+      fail("dynamic_kv must have shape [R, 2], got [" + std::to_string(PyArray_DIM(dynamic_kv, 0)) + ", " +
+           std::to_string(PyArray_DIM(dynamic_kv, 1)) + "]");
     }
     const ScheduleInput in{data64(item_chunk), data64(item_entry_start), data64(item_num_entries),
                            data64(chunk_kv_start), static_cast<const std::int32_t*>(PyArray_DATA(entry_mask)), items,
-                           PyArray_DIM(entry_mask, 1), dynamic_start, dynamic_stop};
+                           PyArray_DIM(entry_mask, 1), data64(dynamic_kv), PyArray_DIM(dynamic_kv, 0)};
     const i64 num_entries = PyArray_DIM(entry_mask, 0), num_chunks = PyArray_DIM(chunk_kv_start, 0) - 1;
+    const i64 num_tokens = num_chunks >= 0 ? in.chunk_kv_start[num_chunks] : 0;
+    for (i64 r = 0; r < in.num_dynamic; ++r) {
+      const i64 start = in.dynamic_kv[2 * r], stop = in.dynamic_kv[2 * r + 1];
+      const auto range = [&] {
+        return "dynamic_kv range " + std::to_string(r) + " [" + std::to_string(start) + ", " + std::to_string(stop) +
+               ")";
+      };
+      if (start < 0 || stop <= start || stop > num_tokens) {
+        fail(range() + " must have 0 <= start < stop <= num_tokens (" + std::to_string(num_tokens) + ")");
+      }
+      if (r > 0 && start < in.dynamic_kv[2 * r - 1]) {
+        fail(range() + " must start at or after range " + std::to_string(r - 1) + "'s stop (" +
+             std::to_string(in.dynamic_kv[2 * r - 1]) + ")");
+      }
+    }
     for (i64 i = 0; i < items; ++i) {  // every item's entries and chunk inside the arrays
       if (in.item_entry_start[i] < 0 || in.item_num_entries[i] < 0 ||
           in.item_entry_start[i] + in.item_num_entries[i] > num_entries || in.item_chunk[i] < 0 ||

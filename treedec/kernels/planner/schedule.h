@@ -14,7 +14,10 @@ struct ScheduleInput {
   const i64* chunk_kv_start;
   const std::int32_t* entry_mask;  // [E, mask_words]
   i64 num_items, mask_words;
-  i64 dynamic_start, dynamic_stop;  // TreePlan.dynamic_kv: flattened positions whose tiles are never full
+  // TreePlan.dynamic_kv, [num_dynamic, 2] (start, stop): sorted, disjoint ranges of flattened positions
+  // whose tiles are never full
+  const i64* dynamic_kv;
+  i64 num_dynamic;
 };
 
 constexpr int kUnitFields = 10;  // persistent_schedule.UNIT_FIELDS
@@ -32,16 +35,23 @@ struct Schedule {
 
 // persistent_schedule.live_tiles: per item, the tiles some entry reads (OR of its masks) and, flagged,
 // those every entry reads whole (AND of its masks all ones over the tile's words, all of them in the row)
-// and holding no position of [dynamic_start, dynamic_stop) (the device may clear those positions' bits).
+// and holding no position of a dynamic_kv range (the device may clear those positions' bits).
 inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_start,
                        std::vector<std::int32_t>& tiles) {
   const i64 words = in.mask_words, per_tile = tile_tokens / kMaskBits, num_tiles = ceil_div(words, per_tile);
   std::vector<std::uint32_t> ored(words), anded(words);
   item_tile_start.assign(in.num_items + 1, 0);
   tiles.clear();
-  const bool dynamic = in.dynamic_start < in.dynamic_stop;
+  const i64* dyn = in.dynamic_kv;  // range r is [dyn[2r], dyn[2r + 1])
   for (i64 i = 0; i < in.num_items; ++i) {
     const i64 kv_begin = in.chunk_kv_start[in.item_chunk[i]];
+    // The first range stopping after the chunk's first token (stops ascend: the ranges are sorted and
+    // disjoint); the tiles ascend, so it only moves forward below.
+    i64 r = 0;
+    for (i64 hi = in.num_dynamic; r < hi;) {
+      const i64 mid = r + (hi - r) / 2;
+      if (dyn[2 * mid + 1] <= kv_begin) r = mid + 1; else hi = mid;
+    }
     std::fill(ored.begin(), ored.end(), 0u);
     std::fill(anded.begin(), anded.end(), ~0u);
     const auto* rows = reinterpret_cast<const std::uint32_t*>(in.entry_mask) + in.item_entry_start[i] * words;
@@ -51,8 +61,9 @@ inline void live_tiles(const ScheduleInput& in, i64 tile_tokens, Vec& item_tile_
     for (i64 t = 0; t < num_tiles; ++t) {
       const i64 w0 = t * per_tile, w1 = std::min(w0 + per_tile, words);
       const i64 first = kv_begin + t * tile_tokens;  // the tile's first flattened position
-      bool live = false, full = w1 - w0 == per_tile &&  // words past the row count as not full
-                                !(dynamic && first < in.dynamic_stop && first + tile_tokens > in.dynamic_start);
+      while (r < in.num_dynamic && dyn[2 * r + 1] <= first) ++r;
+      const bool dynamic = r < in.num_dynamic && dyn[2 * r] < first + tile_tokens;  // range r meets the tile
+      bool live = false, full = w1 - w0 == per_tile && !dynamic;  // words past the row count as not full
       for (i64 w = w0; w < w1; ++w) live |= ored[w] != 0, full &= anded[w] == ~0u;
       if (live) tiles.push_back(static_cast<std::int32_t>(t) | (full ? kFullTileFlag : 0));
     }
