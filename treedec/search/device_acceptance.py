@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["DeviceTree", "decode_outcome", "greedy_outcome", "rejection_outcome"]
 
-_CACHED_SHAPES = 16   # tree shapes whose device tensors are kept (a program uses one or a few)
+_CACHED_SHAPES = 128  # tree shapes whose device tensors are kept (a batch's budget cuts a fixed tree many ways)
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,8 @@ class DeviceTree:
             ancestors[i] = ancestors[parents[i]]
             ancestors[i, i] = True
         ancestors[:, 0] = False
-        def put(a):
-            return torch.as_tensor(a, device=device)
+        def put(a):   # from pinned memory, without waiting (a pageable copy would wait for the device)
+            return to_device(a, device)
         return cls(n, max(tree.depth), put(parents), put(children), put(earlier), put(ancestors),
                    put(np.array(tree.depth, dtype=np.int64)), put(index > 0))
 
