@@ -39,7 +39,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
                       max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None,
-                      pipeline: bool | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                      pipeline: bool | None = False) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
@@ -57,8 +57,11 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
     pipeline : each request's steps pipelined (:mod:`treedec.search.speculative_pipeline`: drafts with a fixed
-        tree drafted on the device, greedy or rejection sampling); None: where they allow it on a GPU; its
-        result's ``stats["pipelined"]`` says which ran.
+        tree drafted on the device, greedy or rejection sampling; True raises where they do not); None: where
+        they allow it on a GPU; its result's ``stats["pipelined"]`` says which ran. Default False for batches:
+        8 pipelined requests measured slower than unpipelined on an H200 (2026-11-26) before a fix of the
+        device copies they waited for, which is not measured yet (one request's pipelined steps are faster:
+        :func:`~treedec.search.speculative.speculative_generate` pipelines by default).
 
     Returns
     -------
