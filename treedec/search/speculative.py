@@ -220,107 +220,28 @@ class SpeculativeProgram(Program):
                                             f"{depth} - 1")
 
     def run(self, ctx: ProgramContext):
-        engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
+        engine, draft = ctx.engine, self.draft
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
-        refusal = pipeline_refusal(engine, draft, acceptance)
+        refusal = pipeline_refusal(engine, draft, self.acceptance)
         if self.pipeline and refusal is not None:
             raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
         note = "pipeline=False" if self.pipeline is False else (
             refusal or ("" if engine.device.type == "cuda" else "the engine is on the CPU (nothing to overlap)"))
-        if self.pipeline or not note:
-            return (yield from self._run_pipelined(ctx, checker))
-        needs_hidden = bool(draft.needs_hidden)
-        states = self.target_states
+        pipelined = bool(self.pipeline) or not note
         draft.start(engine)
-        if isinstance(states, tuple):
-            engine.capture_hidden_layers(states)
+        if isinstance(self.target_states, tuple):
+            engine.capture_hidden_layers(self.target_states)
         head_name = _add_draft_head(engine, draft.row_head)
-        stop_ids = checker.rule.eos_token_ids
-        max_depth = draft.max_depth
-        want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
-                "heads": head_name is not None}
-        greedy = type(acceptance) is GreedyAcceptance
-        node, done = None, False
+        stats = SpeculativeStats(pipelined=pipelined, pipeline_note="" if pipelined else note)
+        done = False
         if self.budget is not None:
             self.budget.join(self)
         try:
-            start = time.perf_counter()
-            node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
-            stats = SpeculativeStats(node=node, pipeline_note=note)
-            checker.accept(acceptance.first_token(out.logits[0]))
-            stats.prefill_seconds = time.perf_counter() - start
-            # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
-            sequence = self.prompt_ids + checker.token_ids
-            draft.observe(TargetOutput(sequence, out.hidden[-1] if needs_hidden else None,
-                                       None if head_name is None else out.heads[head_name][0].cpu(),
-                                       _states(engine, states, out, None)))
-            while not checker.stopped:
-                start = time.perf_counter()
-                if draft.drafts_together:   # with the other requests' drafts of this pass (one drafter step each layer)
-                    draft.submit(sequence)
-                    yield from ctx.together()
-                    tree, tokens = draft.collect()
-                else:
-                    tree, tokens = draft.propose(sequence)
-                tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
-                probs = draft.draft_probs
-                if self.budget is not None:
-                    tree, tokens, probs = cut_tree(tree, tokens, self.budget.tokens(self, engine.device, tree.size - 1),
-                                                   probs)
-                deepest = max(tree.depth)
-                if max_depth is not None and deepest > max_depth:
-                    raise ValueError(f"the draft proposed a tree {deepest} tokens deep, past its max_depth {max_depth}")
-                check_positions(engine.model, Positions(len(sequence) + deepest, f"{len(sequence)} tokens so far + a "
-                                                        f"draft tree {deepest} deep"), ctx.name)
-                drafted = time.perf_counter()
-                yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
-                ids = _add_tree(engine, node, tree, tokens)
-                out = yield StepRequest([node] + ids, argmax=greedy, **want)
-                # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
-                # token; rejection sampling, its decision made on the device (no wait per child tried).
-                if greedy:
-                    decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
-                elif isinstance(acceptance, RejectionSampling):
-                    decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs))))
-                else:
-                    decided = None
-                result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
-                                 head_name, stop_ids, checker, probs, decided)
-                stats.steps += 1
-                stats.accepted.append(len(result.accepted))
-                if self.budget is not None:
-                    self.budget.observe(self, len(result.accepted))
-                stats.draft_sizes.append(tree.size - 1)
-                stats.draft_seconds.append(drafted - start)
-                stats.verify_seconds.append(time.perf_counter() - drafted)
-                if not checker.stopped:
-                    sequence = self.prompt_ids + checker.token_ids
-                    draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
-                                               _states(engine, states, out, [0] + result.path)))
-                if self.on_step is not None:
-                    self.on_step(stats, len(checker.token_ids))
-            stats.stop_reason = checker.stop_reason
-            done = True
-            return checker, stats
-        finally:
-            if self.budget is not None:
-                self.budget.leave(self)
-            if not (done and self.keep_node):
-                ctx.free(node)
-                draft.reset()   # a drafter's own pages (its engine may serve other requests)
-
-
-    def _run_pipelined(self, ctx: ProgramContext, checker: StopChecker):
-        """:meth:`run`, pipelined: :func:`~treedec.search.speculative_pipeline.pipelined_run`."""
-        engine, draft = ctx.engine, self.draft
-        draft.start(engine)
-        head_name = _add_draft_head(engine, draft.row_head)
-        stats, done = SpeculativeStats(pipelined=True), False
-        if self.budget is not None:
-            self.budget.join(self)
-        try:
-            yield from pipelined_run(ctx, self, checker, head_name, stats)
+            if pipelined:   # (treedec.search.speculative_pipeline)
+                yield from pipelined_run(ctx, self, checker, head_name, stats)
+            else:
+                yield from self._steps(ctx, checker, head_name, stats)
             stats.stop_reason = checker.stop_reason
             done = True
             return checker, stats
@@ -329,7 +250,73 @@ class SpeculativeProgram(Program):
                 self.budget.leave(self)
             if not (done and self.keep_node):
                 ctx.free(stats.node)
-                draft.reset()
+                draft.reset()   # a drafter's own pages (its engine may serve other requests)
+
+    def _steps(self, ctx: ProgramContext, checker: StopChecker, head_name: str | None, stats: SpeculativeStats):
+        """The unpipelined loop: the prompt, then draft, verify and accept until ``checker`` stops."""
+        engine, draft, acceptance = ctx.engine, self.draft, self.acceptance
+        needs_hidden = bool(draft.needs_hidden)
+        states = self.target_states
+        stop_ids = checker.rule.eos_token_ids
+        max_depth = draft.max_depth
+        want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
+                "heads": head_name is not None}
+        greedy = type(acceptance) is GreedyAcceptance
+        start = time.perf_counter()
+        node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
+        stats.node = node
+        checker.accept(acceptance.first_token(out.logits[0]))
+        stats.prefill_seconds = time.perf_counter() - start
+        # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
+        sequence = self.prompt_ids + checker.token_ids
+        draft.observe(TargetOutput(sequence, out.hidden[-1] if needs_hidden else None,
+                                   None if head_name is None else out.heads[head_name][0].cpu(),
+                                   _states(engine, states, out, None)))
+        while not checker.stopped:
+            start = time.perf_counter()
+            if draft.drafts_together:   # with the other requests' drafts of this pass (one drafter step each layer)
+                draft.submit(sequence)
+                yield from ctx.together()
+                tree, tokens = draft.collect()
+            else:
+                tree, tokens = draft.propose(sequence)
+            tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
+            probs = draft.draft_probs
+            if self.budget is not None:
+                tree, tokens, probs = cut_tree(tree, tokens, self.budget.tokens(self, engine.device, tree.size - 1),
+                                               probs)
+            deepest = max(tree.depth)
+            if max_depth is not None and deepest > max_depth:
+                raise ValueError(f"the draft proposed a tree {deepest} tokens deep, past its max_depth {max_depth}")
+            check_positions(engine.model, Positions(len(sequence) + deepest, f"{len(sequence)} tokens so far + a "
+                                                    f"draft tree {deepest} deep"), ctx.name)
+            drafted = time.perf_counter()
+            yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
+            ids = _add_tree(engine, node, tree, tokens)
+            out = yield StepRequest([node] + ids, argmax=greedy, **want)
+            # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
+            # token; rejection sampling, its decision made on the device (no wait per child tried).
+            if greedy:
+                decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
+            elif isinstance(acceptance, RejectionSampling):
+                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs))))
+            else:
+                decided = None
+            result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
+                             head_name, stop_ids, checker, probs, decided)
+            stats.steps += 1
+            stats.accepted.append(len(result.accepted))
+            if self.budget is not None:
+                self.budget.observe(self, len(result.accepted))
+            stats.draft_sizes.append(tree.size - 1)
+            stats.draft_seconds.append(drafted - start)
+            stats.verify_seconds.append(time.perf_counter() - drafted)
+            if not checker.stopped:
+                sequence = self.prompt_ids + checker.token_ids
+                draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
+                                           _states(engine, states, out, [0] + result.path)))
+            if self.on_step is not None:
+                self.on_step(stats, len(checker.token_ids))
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
