@@ -308,13 +308,8 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         the accepted tokens' K/V on the device before their ids reach the host; :meth:`set_tokens` records
         the ids later, :meth:`truncate` drops the ones not accepted). Checks first, changes nothing when it
         raises."""
-        node = self._get(node_id)
+        node = self._computed_leaf(node_id, "append computed tokens to")
         tokens = int_list(tokens, "tokens", low=0)
-        if node.children:
-            raise TreeError(f"cannot extend node {node_id}: it has children {node.children[:5]}")
-        if node.pending:
-            raise TreeError(f"cannot append computed tokens to node {node_id}: it has {node.pending} pending "
-                            f"token(s); call commit_step() first")
         slots = self._fill(node, tokens)   # raises before any change when the pool is short
         node.pending -= len(tokens)
         self._num_pending -= len(tokens)
@@ -326,13 +321,8 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         The dropped tokens must be computed (no pending tokens): e.g. a step run past an EOS by
         pipelined decoding. Returns the pages freed.
         """
-        node = self._get(node_id)
+        node = self._computed_leaf(node_id, "truncate")
         length = int_value(length, "length", low=1)
-        if node.children:
-            raise TreeError(f"cannot truncate node {node_id}: it has children {node.children[:5]}")
-        if node.pending:
-            raise TreeError(f"cannot truncate node {node_id}: it has {node.pending} pending token(s); "
-                            f"call commit_step() first")
         if length > node.length:
             raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
         kept_pages = set((node.slots[:length] // self.pool.page_size).tolist())
@@ -373,6 +363,16 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
             return self._nodes[node_id]
         except KeyError:
             raise TreeError(f"unknown node id {show_int(int(node_id))} (pruned, or never created)") from None
+
+    def _computed_leaf(self, node_id: int, doing: str) -> TreeNode:
+        """The node, checked to be a leaf without pending tokens (what ``doing`` needs)."""
+        node = self._get(node_id)
+        if node.children:
+            raise TreeError(f"cannot {doing} node {node_id}: it has children {node.children[:5]}")
+        if node.pending:
+            raise TreeError(f"cannot {doing} node {node_id}: it has {node.pending} pending token(s); "
+                            f"call commit_step() first")
+        return node
 
     def _new_node(self, parent: int | None) -> TreeNode:
         return TreeNode(self._next_id, parent, [], NO_SLOTS, [])   # (the first fill gives it a buffer)
