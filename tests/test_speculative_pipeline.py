@@ -13,7 +13,9 @@ from treedec.engine import Engine, greedy
 from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.medusa import MedusaDraft, MedusaHeads
-from treedec.search.speculative import speculative_generate
+from treedec.search.scheduler import run_program
+from treedec.search.speculative import SpeculativeProgram, speculative_generate
+from treedec.search.stops import StopRule
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model
 from tests.test_search_medusa import OracleHeads
@@ -303,3 +305,18 @@ def test_pipelined_graphed_loop_equals_the_eager_loop(compile_model):
         assert runs[0] == runs[1]
         assert runs[1][0] == expected[:len(runs[1][0])] and len(set(runs[1][1])) > 2
         assert runs[1][3] == ("length" if eos is None else "eos")
+
+
+def test_fixed_draft_tokens_and_trees_are_checked_before_anything_runs(tiny):
+    tree = TokenTree.chain(3)
+    for pipeline in (False, True):
+        engine = make_engine(tiny)
+        with pytest.raises(ValueError, match=r"TreeDraft tokens must be token ids in \[0, 512\), got \[600\]"):
+            speculative_generate(engine, [1, 2, 3], TreeDraft(tree, [1, 600, 2]), 4, pipeline=pipeline)
+        assert engine.tree.num_nodes == 0
+    engine = make_engine(tiny)
+    program = SpeculativeProgram([1, 2, 3], TreeDraft(tree, [1, 2, 3]), StopRule(4, ()), max_draft_tokens=3,
+                                 pipeline=True)
+    with pytest.raises(ValueError, match="fixed tree has 4 tokens; at most max_draft_tokens=3"):
+        run_program(engine, program)
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

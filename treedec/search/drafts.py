@@ -212,6 +212,14 @@ class TreeDraft(DraftSource):
         known ahead and the loop can run pipelined."""
         return None if callable(self.tokens) else self.tree
 
+    def start(self, engine: Engine) -> None:
+        """Check fixed draft tokens against the target's vocabulary (a pipelined loop reads them on the device,
+        where an id out of range would not be caught)."""
+        vocab = engine.model.config.vocab_size
+        bad = [] if callable(self.tokens) else [t for t in self.tokens if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"TreeDraft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
+
     def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The fixed draft tokens on ``device`` (copied once)."""
         if callable(self.tokens):

@@ -16,9 +16,12 @@ acceptance or rejection sampling, nothing the next step needs is a host value:
 
 The host reads step n's outcome while step n+1 runs: it records the tokens, checks the stop rules, and drops
 the unused reserved slots (:meth:`~treedec.tree.SequenceTree.truncate`) before planning step n+2. A stop found
-there (EOS, ``max_new_tokens``) rolls step n+1 back: its tree is pruned and the sequence cut to the tokens
-kept, every page freed. Tokens, the tree left behind and the stats equal the unpipelined loop's
-(:func:`~treedec.search.speculative.speculative_generate` with ``pipeline=False``).
+there (EOS, a stop string, ``max_new_tokens``) rolls step n+1 back: its tree is pruned and the sequence cut to
+the tokens kept, every page freed. Tokens, the tree left behind and the stats equal the unpipelined loop's
+(``pipeline=False``). It is a scheduler program (:func:`pipelined_run`, run by
+:class:`~treedec.search.speculative.SpeculativeProgram`): in a batch every request has its span in the one
+step and the previous step's outcomes come back in the batch's one copy; a draft budget cuts the fixed tree
+to each request's share, decided from acceptances one step older than the unpipelined loop's.
 """
 from __future__ import annotations
 
@@ -77,6 +80,9 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
     one copy). Fills ``stats`` as the unpipelined loop does; returns the node."""
     engine, draft, acceptance, budget = ctx.engine, program.draft, program.acceptance, program.budget
     tree, full = engine.tree, draft.fixed_tree
+    if full.size > program.max_draft_tokens:
+        raise ValueError(f"the draft's fixed tree has {full.size} tokens; at most max_draft_tokens="
+                         f"{program.max_draft_tokens}")
     greedy = isinstance(acceptance, GreedyAcceptance)
     stop_ids = checker.rule.eos_token_ids
     start = time.perf_counter()
