@@ -4,7 +4,7 @@
 Each program runs through its public function on a fresh :class:`~treedec.engine.Engine`
 (Llama-3-8B shape, random bf16 weights by default), after a prompt of each ``--prompts`` length:
 
-- ``greedy``: ``speculative.greedy_generate``, one token per step (pipelined on a GPU unless
+- ``greedy``: ``generate.greedy_generate``, one token per step (pipelined on a GPU unless
   ``--no-pipeline``);
 - ``tree_verify``: ``speculative_generate`` with a ``TreeDraft`` of the fixed Medusa-64 tree
   (``workloads/deft/speculative/tree_size64.json``) and fixed random draft tokens (pipelined on a GPU
