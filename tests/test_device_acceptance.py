@@ -143,11 +143,15 @@ def test_the_outcome_is_launched_without_waiting_for_the_device():
     rule.outcome(tree, tokens, logits, q)   # first call: the tree's device tensors are made (copies)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    cut = TokenTree(tree.parents[:4])   # a shape never seen: its device tensors are made without a wait too
     try:
         one = rule.outcome(tree, tokens, logits)
         two = rule.outcome(tree, tokens, logits, q)
+        three = greedy_outcome(cut, tokens[:4], logits[:4].argmax(dim=-1))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    path, bonus = decode_outcome(three.tolist())
+    assert bonus == int(logits[path[-1] if path else 0].argmax())
     for out in (one, two):
         path, bonus = decode_outcome(out.tolist())
         assert 0 <= bonus < 32000 and all(tree.parents[c] == p for p, c in zip([0] + path, path))
