@@ -115,28 +115,38 @@ class MaskPatch:
         return dataclasses.replace(plan, entry_mask=mask)
 
 
-def located(plan: TreePlan, span: DynamicSpan, backend: str) -> TreePlan:
-    """``plan`` with ``span`` located (:meth:`DynamicSpan.locate`); for the ``torch`` backend, which reads the host
-    plan, also masked there (reading ``keep``: a wait on a GPU). The ``reference`` backend plans from the layout:
-    ValueError."""
-    if not isinstance(span, DynamicSpan):
-        raise TypeError(f"dynamic must be a DynamicSpan, got {type(span).__name__}")
-    if backend == "reference":
+def located(plan: TreePlan, spans: tuple[DynamicSpan, ...], backend: str
+            ) -> tuple[TreePlan, list[tuple[int, int] | None]]:
+    """``plan`` with the ``spans``' ranges added to its ``dynamic_kv`` (as :meth:`DynamicSpan.locate` does), and
+    each span's range (:meth:`DynamicSpan.kv_range`, found once: a scan of the flattened KV); for the ``torch``
+    backend, which reads the host plan, also masked there (reading ``keep``: a wait on a GPU). The ``reference``
+    backend plans from the layout: ValueError."""
+    for span in spans:
+        if not isinstance(span, DynamicSpan):
+            raise TypeError(f"dynamic must be a DynamicSpan, got {type(span).__name__}")
+    if spans and backend == "reference":
         raise ValueError("the reference backend plans from the layout: a step with a dynamic span needs the torch, "
                          "triton or cuda backend")
-    plan = span.locate(plan)
-    where = span.kv_range(plan) if backend == "torch" else None
-    patch = None if where is None else MaskPatch.of(plan, *where, plan.mask_words, torch.device("cpu"))
-    return plan if patch is None else patch.apply_host(plan, int(span.keep))
+    ranges = [span.kv_range(plan) for span in spans]
+    found = tuple(r for r in ranges if r is not None)
+    if found:
+        plan = dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + found)))
+    for span, where in zip(spans, ranges) if backend == "torch" else ():
+        patch = None if where is None else MaskPatch.of(plan, *where, plan.mask_words, torch.device("cpu"))
+        if patch is not None:
+            plan = patch.apply_host(plan, int(span.keep))
+    return plan, ranges
 
 
-def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, span: DynamicSpan) -> None:
-    """Clear the unused slots' bits in ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are
-    wider: its stride is used), stream-ordered after the plan's copy."""
-    where = span.kv_range(plan)
-    patch = None if where is None else MaskPatch.of(plan, *where, entry_mask.stride(0), entry_mask.device)
-    if patch is not None:
-        patch.apply(entry_mask, span.keep)
+def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: tuple[DynamicSpan, ...],
+                   ranges: list[tuple[int, int] | None]) -> None:
+    """Clear the unused slots' bits of each span (at its range, as :func:`located` found it) in ``entry_mask``, the
+    device copy of ``plan``'s (a static plan's rows are wider: its stride is used), stream-ordered after the
+    plan's copy."""
+    for span, where in zip(spans, ranges):
+        patch = None if where is None else MaskPatch.of(plan, *where, entry_mask.stride(0), entry_mask.device)
+        if patch is not None:
+            patch.apply(entry_mask, span.keep)
 
 
 def shift_positions(positions: torch.Tensor, span: DynamicSpan) -> None:

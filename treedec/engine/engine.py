@@ -257,15 +257,15 @@ class Engine:
         graph = None
         host_plan = self.attn.plan_host(layout)
         spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
-        for span in spans:
-            host_plan = located(host_plan, span, self.attn.backend)
+        host_plan, ranges = located(host_plan, spans, self.attn.backend)   # (no spans: the plan as it is)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
             graph = self._graphs.load(host_plan, tokens, positions, slots, gathers)
         plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
-        for span in spans if self.attn.backend != "torch" else ():
-            mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask, span)
+        if spans and self.attn.backend != "torch":
+            mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask,
+                           spans, ranges)
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:

@@ -227,7 +227,6 @@ class RejectionSampling:
             cur = kids[index]
             path.append(cur)
 
-
     def outcome(self, tree: TokenTree, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor,
                 draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """The same decision made on the device, launched without waiting: ``[2 + depth]`` int64
