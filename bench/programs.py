@@ -18,13 +18,16 @@ Each program runs through its public function on a fresh :class:`~treedec.engine
   drafter (EAGLE-3: a 32000-token draft vocabulary, as the EAGLE-3 Llama-3.1 release) on an engine of
   its own (graphed with the target's method), EAGLE-2 trees of ``--eagle-depth`` (5) layers, top-k
   ``--eagle-top-k`` (8), ``--tree - 1`` draft tokens: a step is the drafting (one drafter step to take
-  the target's states, one per further tree layer) and the verification.
+  the target's states, one per further tree layer) and the verification;
+- ``eagle_chains`` / ``eagle3_chains``: the same drafters with ``EagleDraft(tree="chains")``: the root's
+  ``--eagle-top-k`` best children, each extended to ``--eagle-depth`` tokens by argmax (a fixed tree of
+  top-k * depth draft tokens, drafted on the device), pipelined on a GPU unless ``--no-pipeline``.
 
 A step is the time between the returns of two consecutive engine steps of the program: its
 host work (drafting, acceptance, sampling, tree edits, planning) and the step itself. The
 engine's ``step`` is wrapped on the instance to stamp ``time.perf_counter()`` when it returns,
 without synchronising: a program that reads each step's outputs waits for the device there
-anyway, and a pipelined one (all but ``eagle*`` on a GPU launch step
+anyway, and a pipelined one (all but ``eagle`` / ``eagle3`` on a GPU launch step
 i + 1 before they read step i's tokens) would lose its overlap to a synchronisation; in the steady state the interval
 between returns is the time per step either way. The first ``--warmup`` steps (CUDA-graph
 captures) are dropped; the median of the next ``--steps`` is reported. Only
@@ -114,8 +117,9 @@ from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample", "eagle", "eagle3"]
-EAGLE_PROGRAMS = {"eagle": "eagle", "eagle3": "eagle3"}
+PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample", "eagle", "eagle3", "eagle_chains",
+            "eagle3_chains"]
+EAGLE_PROGRAMS = {"eagle": "eagle", "eagle3": "eagle3", "eagle_chains": "eagle", "eagle3_chains": "eagle3"}
 EAGLE3_DRAFT_VOCAB = 32000
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
 METHODS = ["hf_sdpa", "eager", "graphs", "graphs_model", "eager_compiled", "graphs_compiled"]
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model, args.dtype = "tiny", "fp32"
         if args.programs == PROGRAMS:   # EAGLE-3 reads three distinct target layers; tiny has two
-            args.programs = [p for p in PROGRAMS if p != "eagle3"]
+            args.programs = [p for p in PROGRAMS if EAGLE_PROGRAMS.get(p) != "eagle3"]
         args.prompts = args.prompts or [200]
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
         if not torch.cuda.is_available():   # where there is a GPU the kernels are compiled for it instead
@@ -317,18 +321,24 @@ def _speculative(engine: Engine, prompt: list[int], steps: int, draft, pipeline:
                       rolled_back=1 if stats.pipelined else 0)
 
 
-def _eagle(kind: str):
+def _eagle(kind: str, tree: str):
     def run(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
         drafter = Engine(work.drafter(kind), **work.drafter_engine)
-        draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k, total_tokens=work.medusa.size - 1)
-        out = _speculative(engine, prompt, steps, draft)
+        if tree == "chains":   # (a fixed tree of top-k * depth tokens: pipelined like the other fixed trees)
+            draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k, tree="chains")
+            out = _speculative(engine, prompt, steps, draft, work.pipeline)
+        else:
+            draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k,
+                               total_tokens=work.medusa.size - 1)
+            out = _speculative(engine, prompt, steps, draft)
         out.extra["drafter_graph_stats"] = dict(drafter.graph_stats)
         return out
     return run
 
 
 PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_heads": _medusa_heads,
-                     "parallel_sample": _parallel_sample, **{p: _eagle(k) for p, k in EAGLE_PROGRAMS.items()}}
+                     "parallel_sample": _parallel_sample, **{p: _eagle(k, "chains" if p.endswith("_chains") else "dynamic")
+                        for p, k in EAGLE_PROGRAMS.items()}}
 
 
 # ===================================================================== timing
@@ -564,7 +574,8 @@ def _parse_args(argv):
     parser.add_argument("--tag", default=None, help="appended to the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny config on the CPU, for CI")
     parser.add_argument("--no-pipeline", action="store_true",
-                        help="greedy, parallel_sample: read each step's tokens back before planning the next (pipeline=False)")
+                        help="greedy, tree_verify, medusa_heads, parallel_sample, eagle*_chains: read each step's "
+                             "tokens back before planning the next (pipeline=False)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile the last K steps of each run (a separate pass; GPU kernel kinds, idle time)")
     args = parser.parse_args(argv)

@@ -7,7 +7,8 @@ import torch
 
 from bench.programs import EAGLE_PROGRAMS, PROGRAMS, main
 
-SMOKE_METHODS = {"eager": [p for p in PROGRAMS if p != "eagle3"], "hf_sdpa": ["greedy", "tree_verify"]}
+TINY_PROGRAMS = [p for p in PROGRAMS if EAGLE_PROGRAMS.get(p) != "eagle3"]   # (tiny has too few layers for EAGLE-3)
+SMOKE_METHODS = {"eager": TINY_PROGRAMS, "hf_sdpa": ["greedy", "tree_verify"]}
 
 
 def test_programs_bench_smoke_run(tmp_path, capsys):
@@ -30,7 +31,7 @@ def test_programs_bench_smoke_run(tmp_path, capsys):
         assert r["prompt"] == 200 and r["ms"] > 0 and r["floor_ms"] > 0 and r["x_floor"] > 0, key
         assert r["kv_tokens"] > 200, key
         assert f"| {r['program']} | 200 | {r['method']} | {r['ms']:.2f} |" in out, key
-    for program in (p for p in PROGRAMS if p != "eagle3"):   # (tiny has too few layers for EAGLE-3)
+    for program in TINY_PROGRAMS:
         r = runs["eager", program]
         assert r["steps"] == 3 and len(r["step_ms"]) == 4 and r["prefill_s"] > 0, program
     for program in ("tree_verify", "medusa_heads"):
@@ -38,7 +39,9 @@ def test_programs_bench_smoke_run(tmp_path, capsys):
         assert r["kv_tokens"] >= 200 + 64 and r["tokens_per_step"] >= 1 and r["verify_ms"] > 0, program
     assert runs["eager", "medusa_heads"]["weight_bytes"] > runs["eager", "greedy"]["weight_bytes"]
     assert runs["eager", "eagle"]["weight_bytes"] > runs["eager", "greedy"]["weight_bytes"]   # + drafter steps
-    assert runs["eager", "eagle"]["tokens_per_step"] >= 1 and runs["eager", "eagle"]["kv_tokens"] > 200
+    for program in ("eagle", "eagle_chains"):
+        assert runs["eager", program]["tokens_per_step"] >= 1 and runs["eager", program]["kv_tokens"] > 200
+    assert runs["eager", "eagle_chains"]["weight_bytes"] == runs["eager", "eagle"]["weight_bytes"]
     for program in ("greedy", "tree_verify"):   # the yardstick: fp32 here, so all three agree closely
         errors = runs["hf_sdpa", program]["verify_logits_rel_err"]
         assert set(errors) == {"hf_sdpa_vs_hf_eager", "treedec_vs_hf_sdpa", "treedec_vs_hf_eager"}
@@ -46,7 +49,7 @@ def test_programs_bench_smoke_run(tmp_path, capsys):
     if graphs:
         r = runs["graphs", "greedy"]
         assert r["eager_steps"] == 0 and r["graph_stats"]["static_eager"] == 4, r["graph_stats"]
-    assert out.rstrip().splitlines()[-1].startswith("| eagle | 200 | eager |")   # the table comes last
+    assert out.rstrip().splitlines()[-1].startswith("| eagle_chains | 200 | eager |")   # the table comes last
 
 
 def test_unknown_program_is_refused(tmp_path):

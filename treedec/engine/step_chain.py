@@ -18,6 +18,10 @@ So the caller gives each step as a :class:`~treedec.tree.layout.TreeLayout` (``l
 Without CUDA graphs (the engine's ``cuda_graphs`` off, e.g. on the CPU) the same ``body`` runs the
 steps one by one as eager forwards over the same layouts: the reference the graphed chain is tested
 against.
+
+A run may carry a :class:`~treedec.attention.dynamic_span.DynamicSpan` (pipelined EAGLE: the drafter's
+newest tokens, of which only a device-known prefix is real): every step's plan masks the span's unused
+slots and moves the span's ``shift_rows`` back, on the device, before the replay.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.engine.cuda_graphs import GraphRunner, _Graph
 from treedec.engine.step_checks import check_window
 from treedec.engine.step_output import StepOutput
@@ -87,9 +92,12 @@ class StepChain:
         """Whether runs replay one graph (the engine has CUDA graphs) rather than step one by one."""
         return self.engine._graphs is not None
 
-    def run(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpan | None = None) -> tuple[torch.Tensor, ...]:
         """Run the chain's ``length`` steps on ``inputs`` (device tensors of the declared shapes): ``body``'s
-        outputs."""
+        outputs. ``dynamic``: a span every step reads (its ``shift_rows`` are each step's queries after it)."""
+        if dynamic is not None and not isinstance(dynamic, DynamicSpan):
+            raise TypeError(f"dynamic must be a DynamicSpan or None, got {type(dynamic).__name__}")
+        spans = () if dynamic is None else (dynamic,)
         if set(inputs) != set(self._input_specs):
             raise ValueError(f"a chain run needs inputs {sorted(self._input_specs)}, got {sorted(inputs)}")
         for name, value in inputs.items():
@@ -102,8 +110,8 @@ class StepChain:
             self.engine.stats["steps"] += len(steps)
             self.engine.stats["queries"] += sum(step.layout.num_queries for step in steps)
             if not self.graphed:
-                return tuple(self.body(_EagerSteps(self, steps), inputs))
-            return self._run_graphed(steps, inputs)
+                return tuple(self.body(_EagerSteps(self, steps, spans), inputs))
+            return self._run_graphed(steps, inputs, spans)
 
     # ================================================================ private
 
@@ -128,14 +136,21 @@ class StepChain:
         check_window(e.model.config.sliding_window, int(step.layout.query_position.max()))
         return ChainStep(step.layout, rows)
 
-    def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor],
+                     spans: tuple[DynamicSpan, ...]) -> tuple[torch.Tensor, ...]:
         e, runner = self.engine, self.engine._graphs
         started = time.perf_counter()
-        plans = [e.attn.plan_host(step.layout) for step in steps]
+        planned = [located(e.attn.plan_host(step.layout), spans, e.attn.backend) for step in steps]
+        plans = [plan for plan, _ in planned]
         rebuilt = self._fit(runner, plans)
-        for entry, plan, step in zip(self._entries, plans, steps):
+        for entry, (plan, ranges), step in zip(self._entries, planned, steps):
             runner.write(entry, plan, np.zeros(plan.num_queries, dtype=np.int64), step.layout.query_position,
                          step.layout.query_slot, (step.rows,))
+            if spans:   # (stream-ordered after the write, before the replay)
+                if e.attn.backend != "torch":
+                    mask_on_device(plan, entry.static.device_plan.entry_mask, spans, ranges)
+                for span in spans:
+                    shift_positions(entry.static.extra["inputs"][1], span)
             e.stats["kv_tokens_read"] += plan.kv_tokens_read()
         e.stats["plan_seconds"] += time.perf_counter() - started
         if rebuilt or not self._inputs:
@@ -211,9 +226,9 @@ class _GraphedSteps(ChainContext):
 class _EagerSteps(ChainContext):
     """Steps one by one: eager forwards over each step's layout."""
 
-    def __init__(self, chain: StepChain, steps: list[ChainStep]):
+    def __init__(self, chain: StepChain, steps: list[ChainStep], spans: tuple[DynamicSpan, ...]):
         super().__init__(chain)
-        self.steps = steps
+        self.steps, self.spans = steps, spans
 
     def forward(self, i, tokens, features=None):
         e, step = self.engine, self.steps[i]
@@ -225,8 +240,11 @@ class _EagerSteps(ChainContext):
         if features is not None:
             q_features = features.new_zeros(num_q, features.shape[-1]).to(e.model.dtype)
             q_features[at] = features.to(e.model.dtype)
-        plan = e.attn.plan(layout)
-        e.stats["kv_tokens_read"] += plan.plan.kv_tokens_read()
+        host, ranges = located(e.attn.plan_host(layout), self.spans, e.attn.backend)
+        plan = e.attn.prepare(host.to(e.device))
+        if self.spans and e.attn.backend != "torch":
+            mask_on_device(host, plan.entry_mask, self.spans, ranges)
+        e.stats["kv_tokens_read"] += host.kv_tokens_read()
         out = e._forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
-                         step.rows, q_tokens, q_features)
+                         step.rows, q_tokens, q_features, self.spans)
         return StepOutput(self._mask_vocab(out.logits), out.hidden[at])

@@ -18,7 +18,7 @@ import torch
 from treedec.engine import Engine
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["DraftSource", "PromptLookupDraft", "TargetOutput", "TreeDraft"]
+__all__ = ["DeviceStep", "DraftSource", "PromptLookupDraft", "TargetOutput", "TreeDraft", "target_states_at"]
 
 
 class DraftSource:
@@ -71,14 +71,15 @@ class DraftSource:
     :meth:`propose` is both, alone."""
 
     fixed_tree: TokenTree | None = None
-    """The tree every proposal has, for a draft whose tokens are computed on the device from its
-    :attr:`row_head`'s output at the last accepted token, or fixed (:meth:`device_drafts`): its speculative
-    loop can run pipelined (:mod:`~treedec.search.speculative_pipeline`). None: not such a draft."""
+    """The tree every proposal has, for a draft whose tokens are computed on the device from what the step
+    before left there (:meth:`device_drafts`: its :attr:`row_head`'s output at the last accepted token, the
+    target's states, or nothing for fixed tokens): its speculative loop can run pipelined
+    (:mod:`~treedec.search.speculative_pipeline`). None: not such a draft."""
 
-    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``device``, the root excluded)
-        from the row head's output at the last accepted token (None for a draft without a :attr:`row_head`),
-        without waiting (drafts with a :attr:`fixed_tree` only)."""
+    def device_drafts(self, step: DeviceStep) -> torch.Tensor:
+        """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``step.device``, the root
+        excluded) from what the step before left on the device, without waiting (drafts with a
+        :attr:`fixed_tree` only)."""
         raise NotImplementedError(f"{type(self).__name__} has no fixed tree drafted on the device (fixed_tree is "
                                   f"None)")
 
@@ -116,6 +117,44 @@ class DraftSource:
         """Called when a request ends without keeping its node (and after a failure): free the draft's
         per-request state (a drafter's KV pages: its engine may serve other requests). Default: nothing
         to free."""
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """What a pipelined step's draft gets from the target's step before it (:meth:`DraftSource.device_drafts`):
+    device values, none of them read back.
+
+    Attributes
+    ----------
+    device : the target's device.
+    head : the draft's :attr:`~DraftSource.row_head` output at the last accepted token (None: no row head).
+    states : ``[n, ...]`` the target's :attr:`~DraftSource.target_states` at the tokens it computed since the
+        last proposal (after the prefill, the prompt's; then the last root and the ``n - 1`` path slots of its
+        tree, of which the first ``count - 1`` were accepted); None when the draft reads no states.
+    tokens : ``[n]`` int64: the token that follows each of them (the last real one: the new root); None with
+        ``states``.
+    count : one-element int64 tensor: how many of the ``n`` are real (a prefix); None: all ``n``.
+    unused : how many of the previous :class:`DeviceStep`'s ``n`` were not real: known on the host by now (a
+        drafter drops what it computed for them).
+    """
+
+    device: torch.device
+    head: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    unused: int = 0
+
+
+def target_states_at(engine: Engine, states, out, rows: list[int] | None = None) -> torch.Tensor | None:
+    """The target states a draft reads (its :attr:`~DraftSource.target_states`: None, ``"hidden"`` or layer
+    indices) from a step's output ``out`` (its ``hidden`` / ``aux``), at ``rows`` of it (None: all)."""
+    if states is None:
+        return None
+    if states == "hidden":
+        return out.hidden if rows is None else out.hidden[rows]
+    aux = out.aux[:, [engine.hidden_layers.index(i) for i in states]]
+    return aux if rows is None else aux[rows]
 
 
 @dataclass(frozen=True)
@@ -220,12 +259,12 @@ class TreeDraft(DraftSource):
         if bad:
             raise ValueError(f"TreeDraft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
 
-    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The fixed draft tokens on ``device`` (copied once)."""
+    def device_drafts(self, step: DeviceStep) -> torch.Tensor:
+        """The fixed draft tokens on ``step.device`` (copied once)."""
         if callable(self.tokens):
-            return super().device_drafts(head_row, device)
-        if self._on_device is None or self._on_device.device != torch.device(device):
-            self._on_device = torch.tensor([int(t) for t in self.tokens], dtype=torch.int64, device=device)
+            return super().device_drafts(step)
+        if self._on_device is None or self._on_device.device != torch.device(step.device):
+            self._on_device = torch.tensor([int(t) for t in self.tokens], dtype=torch.int64, device=step.device)
         return self._on_device
 
     @property

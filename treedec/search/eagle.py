@@ -31,22 +31,26 @@ with the token at ``t + 1``; each proposal is
    them (tested). With ``sample``, children are drawn without replacement layer by layer and their
    distributions go to the acceptance rule (:class:`~treedec.search.tree_drafting.EngineTreeDraft`).
 
+With ``tree="chains"`` the tree is fixed instead (:mod:`~treedec.search.eagle_chains`: the root's ``top_k``
+children, each extended by argmax) and drafted on the device (:meth:`EagleDraft.device_drafts`), so the
+speculative loop runs pipelined.
+
 EAGLE-3's draft vocabulary is mapped to the target's (``d2t``): its tokens and, when sampling, its
 distributions (zero outside the draft vocabulary) are the target's.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from treedec.engine import Engine
 from treedec.engine.eagle import EagleDrafter
 from treedec.errors import PoolExhaustedError
-from treedec.search.drafts import TargetOutput
+from treedec.search.drafts import DeviceStep, TargetOutput
 from treedec.search.eagle_batch import EagleGroup
+from treedec.search.eagle_chains import EagleChains, chains_tree
 from treedec.search.sampling import SamplingParams
 from treedec.search.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
@@ -56,7 +60,7 @@ __all__ = ["EagleDraft"]
 
 
 class EagleDraft(EngineTreeDraft):
-    """EAGLE-2 dynamic token trees from an EAGLE-1/2 or EAGLE-3 drafter.
+    """EAGLE-2 dynamic token trees (or fixed chains) from an EAGLE-1/2 or EAGLE-3 drafter.
 
     Parameters
     ----------
@@ -66,16 +70,34 @@ class EagleDraft(EngineTreeDraft):
         every request of a scheduler pass (:mod:`treedec.search.eagle_batch`).
     depth : tree layers (draft tokens per path), >= 1 (EAGLE-2: 5).
     top_k : nodes expanded per layer and children per expanded node (EAGLE-2: 8).
-    total_tokens : draft tokens in the proposed tree (EAGLE-2: 63, a 64-token tree with the root).
+    total_tokens : draft tokens in the proposed tree (default: EAGLE-2's 63, a 64-token tree with the root;
+        with ``tree="chains"`` always ``top_k * depth``).
     sample, seed : as :class:`~treedec.search.draft_model.DraftModelDraft` (sampled drafts for
-        :class:`~treedec.search.acceptance.RejectionSampling`).
+        :class:`~treedec.search.acceptance.RejectionSampling`; ``tree="dynamic"`` only).
+    tree : ``"dynamic"`` (EAGLE-2's tree: the ``total_tokens`` best of the top-k expansion, chosen on the
+        host) or ``"chains"`` (a fixed tree: the root's ``top_k`` best children, each extended ``depth - 1``
+        tokens by argmax, drafted on the device; its speculative loop runs pipelined:
+        :mod:`~treedec.search.eagle_chains`).
     """
 
-    def __init__(self, engine: Engine, depth: int = 5, top_k: int = 8, total_tokens: int = 63,
-                 sample: SamplingParams | None = None, seed: int = 0):
+    def __init__(self, engine: Engine, depth: int = 5, top_k: int = 8, total_tokens: int | None = None,
+                 sample: SamplingParams | None = None, seed: int = 0, tree: str = "dynamic"):
         if isinstance(engine, Engine) and not isinstance(engine.model, EagleDrafter):
             raise TypeError(f"engine must run an EagleDrafter, it runs a {type(engine.model).__name__}")
-        super().__init__(engine, "the EAGLE drafter's", depth, top_k, total_tokens, sample, seed)
+        if tree not in ("dynamic", "chains"):
+            raise ValueError(f"tree must be 'dynamic' or 'chains', got {tree!r}")
+        if tree == "chains":
+            if sample is not None:
+                raise ValueError("tree='chains' drafts by argmax (top-k at the root): sample must be None")
+            chained = top_k * depth if isinstance(top_k, int) and isinstance(depth, int) else None
+            if total_tokens not in (None, chained):
+                raise ValueError(f"tree='chains' has top_k * depth = {chained} draft tokens; total_tokens must be "
+                                 f"None or that, got {total_tokens!r}")
+            total_tokens = chained
+        super().__init__(engine, "the EAGLE drafter's", depth, top_k, 63 if total_tokens is None else total_tokens,
+                         sample, seed)
+        self.tree = tree
+        self._fixed = chains_tree(top_k, depth) if tree == "chains" else None
         self.drafter: EagleDrafter = engine.model
         self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
@@ -87,6 +109,44 @@ class EagleDraft(EngineTreeDraft):
     def target_states(self) -> str | tuple[int, ...]:
         """What the drafter reads from the target at every token: ``"hidden"`` (EAGLE-1) or its layers (EAGLE-3)."""
         return self.drafter.aux_layers if self.drafter.kind == "eagle3" else "hidden"
+
+    @property
+    def fixed_tree(self):
+        """With ``tree="chains"``, the chains' tree (:func:`~treedec.search.eagle_chains.chains_tree`): every
+        proposal's; else None."""
+        return self._fixed
+
+    def device_drafts(self, step: DeviceStep) -> torch.Tensor:
+        """The chains' tokens (``tree="chains"``) after the drafter is synced with the target's states in
+        ``step``, which may hold unaccepted rows (``step.count``): nothing waits for the device."""
+        if self._fixed is None:
+            return super().device_drafts(step)
+        if step.states is None or step.tokens is None:
+            raise ValueError("EagleDraft.device_drafts needs the target's states and their next tokens "
+                             "(DeviceStep.states, DeviceStep.tokens)")
+        e, t, n = self.engine, self.engine.tree, len(step.tokens)
+        if step.count is not None and n > e.prefill_chunk:
+            raise ValueError(f"a sync with a device count of real rows must fit one drafter step ({e.prefill_chunk} "
+                             f"tokens), got {n}")
+        if step.unused:   # the last sync's rows past its count: known by now, dropped
+            t.truncate(self._node, t.node_length(self._node) - step.unused)
+        fused = self.drafter.fuse(step.states)
+        for at in range(0, n, e.prefill_chunk):
+            piece = min(e.prefill_chunk, n - at)
+            if e.pool.pages_for(piece) + 1 > e.pool.num_free_pages:
+                raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: a sync of {piece} tokens needs up to "
+                                         f"{e.pool.pages_for(piece) + 1} pages, {e.pool.num_free_pages} free")
+            if self._node is None:
+                self._node = t.add_prompt([0] * piece)   # (placeholder ids: the drafter reads step.tokens)
+            else:
+                t.extend(self._node, [0] * piece)
+            last = at + piece == n   # (one pending node: its queries are rows 0 .. piece - 1 in order)
+            out = e.step(logits_rows=np.arange(piece) if last else [piece - 1], return_hidden=last,
+                         features=fused[at:at + piece], tokens=step.tokens[at:at + piece])
+        root = (step.count.reshape(1) - 1 - (n - piece) if step.count is not None
+                else torch.full((1,), piece - 1, dtype=torch.int64, device=out.logits.device))
+        return EagleChains.of(e).draft(self, out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0],
+                                       step.count, n)
 
     def start(self, engine: Engine) -> None:
         """Check the drafter fits the target; free the previous request."""
@@ -122,13 +182,13 @@ class EagleDraft(EngineTreeDraft):
     @property
     def drafts_together(self) -> bool:
         """Greedy (top-k) EAGLE drafts draft together with the other requests on their drafter engine (its
-        :class:`~treedec.search.eagle_batch.EagleGroup`); sampled ones propose alone."""
-        return self.sample is None
+        :class:`~treedec.search.eagle_batch.EagleGroup`); sampled ones propose alone, as do chains."""
+        return self.sample is None and self._fixed is None
 
     def submit(self, sequence_tokens: Sequence[int]) -> None:
         """Queue this request's proposal in its drafter engine's group (see :attr:`drafts_together`)."""
-        if self.sample is not None:
-            raise ValueError("a sampled EagleDraft proposes alone: call propose()")
+        if not self.drafts_together:
+            raise ValueError("a sampled or chained EagleDraft proposes alone: call propose()")
         # (not a copy of the whole sequence: the sync reads its length and its new tail only)
         EagleGroup.of(self.engine).submit(self, sequence_tokens)
 
@@ -137,6 +197,13 @@ class EagleDraft(EngineTreeDraft):
         return EagleGroup.of(self.engine).collect(self)
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        if self._fixed is not None:
+            seq = [int(x) for x in sequence_tokens]
+            if not seq:
+                raise ValueError("sequence_tokens must hold at least the root token, got none")
+            root_logits = self._sync(seq)
+            tokens = EagleChains.of(self.engine).draft(self, root_logits, self._outputs[()], None, 0)
+            return self._fixed, [seq[-1]] + tokens.tolist()
         if self.sample is not None:
             return super().propose(sequence_tokens)
         self.submit(sequence_tokens)

@@ -31,7 +31,7 @@ from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["EagleGroup", "grown_tree"]
+__all__ = ["EagleGroup", "chain_layout", "grown_tree", "sequence_slots"]
 
 _GROUPS: "weakref.WeakKeyDictionary[Engine, EagleGroup]" = weakref.WeakKeyDictionary()
 
@@ -152,7 +152,7 @@ class EagleGroup:
         for d in drafts:
             if d._scratch is None:
                 d._reserve_scratch()
-        self._drafting = [(_sequence_slots(e, d._node), d._scratch) for d in drafts]
+        self._drafting = [(sequence_slots(e, d._node), d._scratch) for d in drafts]
         scratch = to_device(np.stack([s for _, s in self._drafting]), e.device)
         key = (b, depth, k)
         chain = self._chains.get(key)
@@ -167,29 +167,35 @@ class EagleGroup:
         return flat
 
     def _layout(self, i: int, k: int) -> ChainStep:
-        """Chain step ``i`` of the requests being drafted: request ``b``'s sequence (one root), then its ``k``
-        chains holding tokens ``0..i`` in its scratch slots; query ``b * k + j`` is chain ``j``'s token ``i``."""
-        b = len(self._drafting)
-        prefix_lens = np.array([len(p) for p, _ in self._drafting], dtype=np.int64)
-        lengths = np.empty(b * (k + 1), dtype=np.int64).reshape(b, k + 1)
-        lengths[:, 0], lengths[:, 1:] = prefix_lens, i + 1
-        kv_start = np.zeros(b * (k + 1) + 1, dtype=np.int64)
-        np.cumsum(lengths.reshape(-1), out=kv_start[1:])
-        roots = np.arange(b, dtype=np.int64) * (k + 1)
-        parent = np.repeat(roots, k + 1).reshape(b, k + 1)
-        parent[:, 0] = -1
-        slots = np.concatenate([part for p, s in self._drafting for part in (p, s[:, :i + 1].reshape(-1))])
-        chains = (roots[:, None] + 1 + np.arange(k)).reshape(-1)
-        layout = TreeLayout(np.arange(b * (k + 1), dtype=np.int64), parent.reshape(-1), kv_start, slots, chains,
-                            np.full(b * k, i, dtype=np.int64))
-        return ChainStep(layout, np.arange(b * k))
+        return chain_layout(self._drafting, i, k)
+
+
+def chain_layout(drafting: list[tuple[np.ndarray, np.ndarray]], i: int, k: int) -> ChainStep:
+    """Chain step ``i`` of the requests being drafted (``drafting``: per request, its sequence's slots and its
+    ``[k, depth - 1]`` scratch slots): request ``b``'s sequence (one root), then its ``k`` chains holding tokens
+    ``0..i`` in its scratch slots; query ``b * k + j`` is chain ``j``'s token ``i``."""
+    b = len(drafting)
+    prefix_lens = np.array([len(p) for p, _ in drafting], dtype=np.int64)
+    lengths = np.empty(b * (k + 1), dtype=np.int64).reshape(b, k + 1)
+    lengths[:, 0], lengths[:, 1:] = prefix_lens, i + 1
+    kv_start = np.zeros(b * (k + 1) + 1, dtype=np.int64)
+    np.cumsum(lengths.reshape(-1), out=kv_start[1:])
+    roots = np.arange(b, dtype=np.int64) * (k + 1)
+    parent = np.repeat(roots, k + 1).reshape(b, k + 1)
+    parent[:, 0] = -1
+    slots = np.concatenate([part for p, s in drafting for part in (p, s[:, :i + 1].reshape(-1))])
+    chains = (roots[:, None] + 1 + np.arange(k)).reshape(-1)
+    layout = TreeLayout(np.arange(b * (k + 1), dtype=np.int64), parent.reshape(-1), kv_start, slots, chains,
+                        np.full(b * k, i, dtype=np.int64))
+    return ChainStep(layout, np.arange(b * k))
 
 
 def _flat_size(depth: int, k: int) -> int:
     return 2 * k + (depth - 1) * 2 * k * k + max(depth - 2, 0) * k
 
 
-def _sequence_slots(engine: Engine, node: int) -> np.ndarray:
+def sequence_slots(engine: Engine, node: int) -> np.ndarray:
+    """The pool slots of ``node``'s whole sequence (its path from the root), in order."""
     path = engine.tree.path(node)
     return engine.tree.slots(node) if len(path) == 1 else np.concatenate([engine.tree.slots(n) for n in path])
 

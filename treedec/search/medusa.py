@@ -24,7 +24,7 @@ from torch import nn
 
 from treedec.engine import Engine, Llama
 from treedec.engine.loading import read_state_dict
-from treedec.search.drafts import DraftSource, TargetOutput
+from treedec.search.drafts import DeviceStep, DraftSource, TargetOutput
 from treedec.tree.token_tree import TokenTree
 
 #: A small Medusa tree (10 draft tokens, depth 4): top-3 of head 0, top-2 after the best, ...
@@ -213,11 +213,12 @@ class MedusaDraft(DraftSource):
         their candidates on the device (:meth:`device_drafts`); else None."""
         return self.tree if self.in_step else None
 
-    def device_drafts(self, head_row: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The draft tokens from the heads' candidates ``[depth, k]`` at the last accepted token (the
-        :attr:`row_head`'s output there), gathered on the device."""
+        :attr:`row_head`'s output there, ``step.head``), gathered on the device."""
+        head_row = step.head
         if not self.in_step or head_row is None:
-            return super().device_drafts(head_row, device)
+            return super().device_drafts(step)
         k = head_row.shape[-1]
         if self._flat_index is None or self._flat_index[0].device != head_row.device or self._flat_index[1] != k:
             index = torch.tensor([(len(p) - 1) * k + p[-1] for p in self._paths], dtype=torch.int64)

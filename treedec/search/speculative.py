@@ -33,7 +33,7 @@ from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance, Rejectio
 from treedec.search.device_acceptance import decode_outcome
 from treedec.engine.text import IncrementalDetokenizer
 from treedec.search.draft_budget import DraftBudget, cut_tree
-from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source
+from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.scheduler import run_program
@@ -271,7 +271,7 @@ class SpeculativeProgram(Program):
         sequence = self.prompt_ids + checker.token_ids
         draft.observe(TargetOutput(sequence, out.hidden[-1] if needs_hidden else None,
                                    None if head_name is None else out.heads[head_name][0].cpu(),
-                                   _states(engine, states, out, None)))
+                                   target_states_at(engine, states, out, None)))
         while not checker.stopped:
             start = time.perf_counter()
             if draft.drafts_together:   # with the other requests' drafts of this pass (one drafter step each layer)
@@ -314,7 +314,7 @@ class SpeculativeProgram(Program):
             if not checker.stopped:
                 sequence = self.prompt_ids + checker.token_ids
                 draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
-                                           _states(engine, states, out, [0] + result.path)))
+                                           target_states_at(engine, states, out, [0] + result.path)))
             if self.on_step is not None:
                 self.on_step(stats, len(checker.token_ids))
 
@@ -389,17 +389,6 @@ def _target_states(draft) -> str | tuple[int, ...] | None:
                                                             for i in states):
         return tuple(states)
     raise ValueError(f"a draft's target_states must be None, 'hidden' or a tuple of layer indices, got {states!r}")
-
-
-def _states(engine: Engine, states, out, rows: list[int] | None) -> torch.Tensor | None:
-    """The target states a draft reads (:func:`_target_states`) from a step's output, at ``rows`` of it
-    (None: all)."""
-    if states is None:
-        return None
-    if states == "hidden":
-        return out.hidden if rows is None else out.hidden[rows]
-    aux = out.aux[:, [engine.hidden_layers.index(i) for i in states]]
-    return aux if rows is None else aux[rows]
 
 
 def _check_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,

@@ -1,8 +1,8 @@
 """Pipelined speculative decoding: step n+1 is planned and launched before step n's tokens reach the host.
 
-For a draft whose tree is the same every step and whose tokens come from the target's row head on the device
-or are fixed (:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside the step, a
-``TreeDraft`` of fixed tokens), under greedy
+For a draft whose tree is the same every step and whose tokens are computed on the device from what the step
+before left there, or are fixed (:attr:`~treedec.search.drafts.DraftSource.fixed_tree`: Medusa heads run inside
+the step, EAGLE's chains drafted from the target's states, a ``TreeDraft`` of fixed tokens), under greedy
 acceptance or rejection sampling, nothing the next step needs is a host value:
 
 - step n's acceptance runs on the device (:mod:`~treedec.search.device_acceptance`): the accepted length, the
@@ -11,8 +11,10 @@ acceptance or rejection sampling, nothing the next step needs is a host value:
   (:meth:`~treedec.tree.SequenceTree.extend_computed`), into which step n's root and accepted path K/V are
   copied on the device; the slots past the accepted length are masked and the new tree's positions moved
   back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpan`);
-- its draft tokens are gathered from step n's row-head output at the last accepted token
-  (:meth:`~treedec.search.drafts.DraftSource.device_drafts`).
+- its draft tokens come from the device (:meth:`~treedec.search.drafts.DraftSource.device_drafts` of a
+  :class:`~treedec.search.drafts.DeviceStep`): gathered from step n's row-head output at the last accepted
+  token, or drafted from the target's states at step n's root and path, of which only the accepted are real
+  (EAGLE's chains).
 
 The host reads step n's outcome while step n+1 runs: it records the tokens, checks the stop rules, and drops
 the unused reserved slots (:meth:`~treedec.tree.SequenceTree.truncate`) before planning step n+2. A stop found
@@ -35,7 +37,7 @@ from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.search.acceptance import GreedyAcceptance, RejectionSampling
 from treedec.search.device_acceptance import greedy_outcome
-from treedec.search.drafts import DraftSource
+from treedec.search.drafts import DeviceStep, DraftSource, target_states_at
 from treedec.search.program import ProgramContext, StepRequest
 from treedec.search.stops import StopChecker
 from treedec.transfer import to_device
@@ -66,6 +68,7 @@ class _Flight:
     slots: torch.Tensor          # [m] its tree tokens' pool slots, token order (device)
     tokens: torch.Tensor         # [m] their ids (device)
     heads: torch.Tensor | None   # [m, ...] the draft's row head at each (None: no row head)
+    states: torch.Tensor | None  # [m, ...] the target's states the draft reads at each (None: none)
     outcome: torch.Tensor        # [2 + depth]: accepted length, bonus, path
 
     @property
@@ -85,11 +88,17 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
                          f"{program.max_draft_tokens}")
     greedy = isinstance(acceptance, GreedyAcceptance)
     stop_ids = checker.rule.eos_token_ids
+    kind = program.target_states
+    want = {"heads": head_name is not None, "hidden": kind == "hidden", "aux": isinstance(kind, tuple)}
     start = time.perf_counter()
-    node, out = yield from ctx.prompt(program.prompt_ids, heads=head_name is not None)
+    node, out = yield from ctx.prompt(program.prompt_ids, all_rows=kind is not None, **want)
     stats.node = node
     first = (out.logits[0].argmax() if greedy else acceptance.first_sample(out.logits[0])).reshape(1)
-    root, heads, read = first, None if head_name is None else out.heads[head_name][0], first
+    root, read = first, first
+    step = DeviceStep(engine.device, None if head_name is None else out.heads[head_name][0],
+                      target_states_at(engine, kind, out),
+                      None if kind is None else torch.cat([to_device(np.asarray(program.prompt_ids[1:], dtype=np.int64),
+                                                                     engine.device), first]))
     stats.prefill_seconds = time.perf_counter() - start
     span, flight, root_token, garbage = None, None, -1, 0   # garbage: unused reserved slots ending the node
     while True:
@@ -110,17 +119,20 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
             engine.copy_kv(flight.slots[pick], to_device(dst, engine.device))
             last = torch.where(length > 0, flight.outcome[2:].gather(0, (length - 1).clamp(min=0)), 0)
             root = flight.outcome[1:2]
-            heads = None if flight.heads is None else flight.heads.index_select(0, last).squeeze(0)
             span = DynamicSpan(dst[1:], length, np.zeros(0, dtype=np.int64))   # (the scheduler gives the rows)
-        tokens = torch.cat([root, draft.device_drafts(heads, engine.device)[:shape.size - 1]]).to(torch.int64)
+            step = DeviceStep(engine.device, None if flight.heads is None else flight.heads.index_select(0, last)[0],
+                              None if flight.states is None else flight.states.index_select(0, pick),
+                              None if flight.states is None else _next_tokens(flight, root), length + 1, garbage)
+        tokens = torch.cat([root, draft.device_drafts(step)[:shape.size - 1]]).to(torch.int64)
         ids = tree.add_token_tree(node, [0] * shape.size, [-1] + list(shape.parents[1:]))
         slots = np.fromiter((tree.slots(i)[0] for i in ids), dtype=np.int64, count=len(ids))
-        rows = yield StepRequest(ids, heads=head_name is not None, tokens=tokens, read=read, dynamic=span)
+        rows = yield StepRequest(ids, tokens=tokens, read=read, dynamic=span, **want)
         outcome = (greedy_outcome(shape, tokens, rows.logits.argmax(dim=-1)) if greedy
                    else acceptance.outcome(shape, tokens, rows.logits))
         read = torch.cat([outcome, tokens[outcome[2:].clamp(min=0)]])
         launched = _Flight(shape, ids, to_device(slots, engine.device), tokens,
-                           None if head_name is None else rows.heads[head_name], outcome)
+                           None if head_name is None else rows.heads[head_name], target_states_at(engine, kind, rows),
+                           outcome)
         # The step before this one, read with the batch's reads after this one was launched.
         if flight is None:
             root_token = int(rows.read[0])
@@ -140,6 +152,15 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
             return node
         flight = launched
         stats.draft_sizes.append(shape.size - 1)
+
+
+def _next_tokens(flight: _Flight, bonus: torch.Tensor) -> torch.Tensor:
+    """``[1 + depth]``: the token after each of step n's root and path slots (the accepted path's tokens, then
+    the bonus at the accepted length; past it, anything), on the device."""
+    path = flight.tokens[flight.outcome[2:].clamp(min=0)]
+    after = torch.cat([path, bonus])
+    at = torch.arange(len(after), device=after.device)
+    return torch.where(at == flight.outcome[:1], bonus, after)
 
 
 def _record(tree, node: int, checker: StopChecker, flight: _Flight, values: list[int], root_token: int, stop_ids,

@@ -1,0 +1,133 @@
+"""EAGLE's fixed chains (EagleDraft(tree="chains"), treedec.search.eagle_chains): the tree, the chains drafted
+on the device, and the pipelined loop over them == the unpipelined loop == greedy decoding, with every page of
+the target and of the drafter freed."""
+import numpy as np
+import pytest
+import torch
+
+from treedec.engine import Engine, from_config
+from treedec.engine.eagle import EagleDrafter
+from treedec.search.eagle import EagleDraft
+from treedec.search.eagle_chains import chains_tree
+from treedec.search.generate import greedy_generate
+from treedec.search.speculative import speculative_generate
+from tests import test_eagle
+from tests.test_eagle import PROMPT, SIX_LAYERS, bigram_eagle, bigram_eagle3, engine
+
+target, bigram = test_eagle.target, test_eagle.bigram   # (the fixtures)
+
+DRAFTERS = {
+    "eagle-random": lambda t: EagleDrafter.random(t, "eagle", seed=1),
+    "eagle3-random": lambda t: EagleDrafter.random(t, "eagle3", seed=1, draft_vocab_size=300),
+    "eagle-bigram": bigram_eagle,
+    "eagle3-bigram": bigram_eagle3,
+}
+
+
+def test_chains_tree_is_chain_major():
+    tree = chains_tree(2, 3)
+    assert tree.parents == (-1, 0, 1, 2, 0, 4, 5) and max(tree.depth) == 3
+    assert chains_tree(1, 1).parents == (-1, 0)
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pipelined_chains_equal_unpipelined_and_greedy(target, bigram, name, page_size):
+    model = bigram if "bigram" in name else target
+    n = 30
+    want = greedy_generate(engine(model, page_size), PROMPT, n, eos_token_id=None)
+    runs = []
+    for pipeline in (False, True):
+        drafter = engine(DRAFTERS[name](model), page_size)
+        draft = EagleDraft(drafter, depth=4, top_k=2, tree="chains")
+        assert draft.fixed_tree.size == 9 and draft.total_tokens == 8 and not draft.drafts_together
+        t = engine(model, page_size)
+        tokens, stats = speculative_generate(t, PROMPT, draft, n, eos_token_id=None, pipeline=pipeline)
+        assert stats.pipelined == pipeline and tokens == want
+        assert t.tree.sequence(stats.node)[:len(PROMPT) + n - 1] == PROMPT + tokens[:-1]
+        t.tree.prune(stats.node)
+        assert t.pool.num_free_pages == t.pool.num_pages
+        draft.reset()
+        assert drafter.tree.num_nodes == 0 and drafter.pool.num_free_pages == drafter.pool.num_pages
+        runs.append(stats)
+    assert runs[0].accepted == runs[1].accepted and runs[0].draft_sizes == runs[1].draft_sizes
+    if name == "eagle-bigram":   # every chain token right: the best chain is accepted whole
+        assert max(runs[1].accepted) == 4 and runs[1].tokens_per_step >= 4.0
+
+
+def test_pipelined_chains_drafter_kv_equals_one_pass(bigram):
+    """The drafter's sequence after a pipelined run with varied accepted lengths: its K/V at the real tokens
+    equal one drafter pass over the target's states (the unaccepted sync rows dropped, none left between)."""
+    d = bigram_eagle3(bigram)
+    draft = EagleDraft(engine(d), depth=4, top_k=2, tree="chains")
+    t = engine(bigram)
+    tokens, stats = speculative_generate(t, PROMPT, draft, 25, eos_token_id=None, pipeline=True)
+    assert len(set(stats.accepted)) > 1
+    de = draft.engine
+    have = de.tree.sequence_length(draft.node)
+    real = have - (1 + 4)   # the newest sync's rows: their count was never read back
+    seq = PROMPT + tokens
+    fresh_t = engine(bigram)
+    fresh_t.capture_hidden_layers(d.aux_layers)
+    fresh_t.tree.add_prompt(seq[:real])
+    aux = fresh_t.step(logits_rows=[0], hidden_rows=list(range(real)), return_aux=True).aux
+    fresh = engine(d)
+    node = fresh.tree.add_prompt(seq[1:real + 1])
+    fresh.step(logits_rows=[0], features=d.fuse(aux))
+    mine = np.concatenate([de.tree.slots(n) for n in de.tree.path(draft.node)])[:real]
+    for a, b in ((de.pool.k, fresh.pool.k), (de.pool.v, fresh.pool.v)):
+        a = a.reshape(1, -1, *a.shape[3:])[:, torch.as_tensor(mine)]
+        b = b.reshape(1, -1, *b.shape[3:])[:, torch.as_tensor(fresh.tree.slots(node))]
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_chains_errors(target):
+    d = engine(EagleDrafter.random(target, "eagle"))
+    with pytest.raises(ValueError, match="tree must be"):
+        EagleDraft(d, tree="beam")
+    with pytest.raises(ValueError, match="top_k \\* depth = 6"):
+        EagleDraft(d, depth=3, top_k=2, total_tokens=5, tree="chains")
+    from treedec.search.sampling import SamplingParams
+    with pytest.raises(ValueError, match="sample must be None"):
+        EagleDraft(d, tree="chains", sample=SamplingParams(1.0))
+    assert EagleDraft(d, depth=3, top_k=2, total_tokens=6, tree="chains").total_tokens == 6
+    assert EagleDraft(d).fixed_tree is None and EagleDraft(d).total_tokens == 63
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_pipelined_chains_in_captured_graphs_equal_eager(kind, compile_model):
+    """Pipelined EAGLE chains with target and drafter in CUDA graphs (the chains one graph whose plans mask the
+    sync's unaccepted rows on the device): the tokens of greedy decoding and of the eager unpipelined loop, most
+    drafts accepted, every drafter step a replay, and every page of both engines freed."""
+    model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():   # a bigram target (tests/test_eagle.py's fixture) so that drafts are accepted
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+    drafter = (bigram_eagle if kind == "eagle" else bigram_eagle3)(model)
+    prompt = np.random.default_rng(3).integers(0, 512, 600).tolist()
+    want = greedy_generate(Engine(model, kv_tokens=4096, page_size=16), prompt, 40, eos_token_id=None)
+    runs = []
+    for graphs, pipeline in ((False, False), (True, True)):
+        kw = {"kv_tokens": 4096, "page_size": 16, "cuda_graphs": graphs, "compile_model": compile_model and graphs}
+        verifier, draft_engine = Engine(model, **kw), Engine(drafter, **kw)
+        draft = EagleDraft(draft_engine, depth=4, top_k=2, tree="chains")
+        tokens, stats = speculative_generate(verifier, prompt, draft, 40, eos_token_id=None, pipeline=pipeline)
+        assert stats.pipelined == pipeline
+        if graphs:
+            for e in (verifier, draft_engine):
+                assert not [k for k in e.graph_stats if k.startswith("eager") and "max_queries" not in k], \
+                    e.graph_stats
+            # per step: the sync (a replay; the first, the prompt's, eager) and the chain (one graph), the
+            # step launched past the stop included
+            assert draft_engine.graph_stats["chain_replays"] == stats.steps + 1
+        verifier.tree.prune(stats.node)
+        draft.reset()
+        for e in (verifier, draft_engine):
+            assert e.tree.num_nodes == 0 and e.pool.num_free_pages == e.pool.num_pages
+        runs.append((tokens, stats.accepted))
+    assert runs[0][0] == runs[1][0] == want
+    assert sum(runs[0][1]) > 20 and sum(runs[1][1]) > 20
