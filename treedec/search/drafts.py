@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treedec.engine import Engine
+from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["DeviceStep", "DraftSource", "PromptLookupDraft", "TargetOutput", "TreeDraft", "target_states_at"]
@@ -153,7 +154,11 @@ def target_states_at(engine: Engine, states, out, rows: list[int] | None = None)
         return None
     if states == "hidden":
         return out.hidden if rows is None else out.hidden[rows]
-    aux = out.aux[:, [engine.hidden_layers.index(i) for i in states]]
+    which = [engine.hidden_layers.index(i) for i in states]
+    if which == list(range(which[0], which[0] + len(which))):   # (as captured: a view, no index to send)
+        aux = out.aux[:, which[0]:which[0] + len(which)]
+    else:   # (a list index would be a pageable copy: a wait for the device)
+        aux = out.aux.index_select(1, to_device(np.asarray(which, dtype=np.int64), out.aux.device))
     return aux if rows is None else aux[rows]
 
 
