@@ -269,7 +269,7 @@ class TreeDraft(DraftSource):
         if callable(self.tokens):
             return super().device_drafts(step)
         if self._on_device is None or self._on_device.device != torch.device(step.device):
-            self._on_device = torch.tensor([int(t) for t in self.tokens], dtype=torch.int64, device=step.device)
+            self._on_device = to_device(np.array([int(t) for t in self.tokens], dtype=np.int64), step.device)
         return self._on_device
 
     @property
