@@ -45,6 +45,14 @@ class DynamicSpan:
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "shift_rows", rows)
 
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`shift_rows` on ``device``, copied once (a span read by several steps: a chain's)."""
+        have = self.__dict__.get("_rows_on")
+        if have is None or have.device != torch.device(device):
+            have = to_device(self.shift_rows, device)
+            object.__setattr__(self, "_rows_on", have)
+        return have
+
     def kv_range(self, plan: TreePlan) -> tuple[int, int] | None:
         """``(start, stop)``: where the span lies in ``plan``'s flattened KV (None when it is empty or no query
         reads it). Raises ValueError when the slots are not one run of the flattened order."""
@@ -95,8 +103,9 @@ class MaskPatch:
         word = entry * stride + offset[pair_slot] // MASK_BITS
         words, inverse = np.unique(word, return_inverse=True)
         bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
-        arrays = (words, inverse, bits, pair_slot)
-        return cls(*(to_device(a, device, torch.int64) for a in arrays))
+        u, p = len(words), len(pair_slot)
+        on = to_device(np.concatenate([words, inverse, bits, pair_slot]).astype(np.int64), device)   # one copy
+        return cls(on[:u], on[u:u + p], on[u + p:u + 2 * p], on[u + 2 * p:])
 
     def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
         """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on
@@ -153,6 +162,6 @@ def shift_positions(positions: torch.Tensor, span: DynamicSpan) -> None:
     """Move the positions of the queries after ``span`` back by its unused slots (``positions``: the step's, on the
     device)."""
     if len(span.shift_rows):
-        rows = to_device(span.shift_rows, positions.device)
+        rows = span.rows_on(positions.device)
         by = (span.keep.reshape(1) - len(span.slots)).to(positions.dtype)
         positions.index_add_(0, rows, by.expand(len(rows)))
