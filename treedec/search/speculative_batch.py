@@ -59,9 +59,11 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     pipeline : each request's steps pipelined (:mod:`treedec.search.speculative_pipeline`: drafts with a fixed
         tree drafted on the device, greedy or rejection sampling; True raises where they do not); None: where
         they allow it on a GPU; its result's ``stats["pipelined"]`` says which ran. Default False for batches:
-        8 pipelined requests measured slower than unpipelined on an H200 (2026-11-26) before a fix of the
-        device copies they waited for, which is not measured yet (one request's pipelined steps are faster:
-        :func:`~treedec.search.speculative.speculative_generate` pipelines by default).
+        8 pipelined requests run slower than unpipelined (H100, 2026-11-27, Medusa-64 trees over a 4000-token
+        prompt: 32.1 against 22.8 ms a step; no wait for the device is left, but each request's acceptance,
+        mask patch and K/V move are some 60 small device operations launched from Python, ~2 ms of host time a
+        request, more than the step it would overlap). One request's pipelined steps are faster (9.75 against
+        11.0 ms): :func:`~treedec.search.speculative.speculative_generate` pipelines by default.
 
     Returns
     -------
