@@ -79,12 +79,12 @@ class DynamicSpan:
 
 @dataclass(frozen=True)
 class MaskPatch:
-    """The mask words a span touches in a plan's ``entry_mask`` and the bit each of its slots holds there."""
+    """The mask words a span touches in a plan's ``entry_mask`` and, for every possible ``keep``, the bits each of
+    them keeps (all but those of the span's slots ``keep ..``): applying it is a gather, an and and a scatter on
+    the device, and patches of several spans compose (each only clears bits)."""
 
     words: torch.Tensor    # [u] int64: distinct flat word indices (entry * stride + word)
-    inverse: torch.Tensor  # [p] int64: each (entry, slot) pair's index into words
-    bits: torch.Tensor     # [p] int64: the slot's bit in that word
-    which: torch.Tensor    # [p] int64: the slot's index in the span (cleared when >= keep)
+    table: torch.Tensor    # [d + 1, u] int32: row k, each word's bits kept when the span's first k slots are real
 
     @classmethod
     def of(cls, plan: TreePlan, start: int, stop: int, stride: int, device: torch.device) -> MaskPatch | None:
@@ -93,28 +93,29 @@ class MaskPatch:
         when the span is empty."""
         if start == stop:
             return None
+        d = stop - start
         position = np.arange(start, stop, dtype=np.int64)
         chunk = np.searchsorted(plan.chunk_kv_start, position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
         count = last - first
-        pair_slot = np.repeat(np.arange(stop - start), count)
+        pair_slot = np.repeat(np.arange(d), count)
         entry = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
-        word = entry * stride + offset[pair_slot] // MASK_BITS
-        words, inverse = np.unique(word, return_inverse=True)
+        words, inverse = np.unique(entry * stride + offset[pair_slot] // MASK_BITS, return_inverse=True)
         bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
-        u, p = len(words), len(pair_slot)
-        on = to_device(np.concatenate([words, inverse, bits, pair_slot]).astype(np.int64), device)   # one copy
-        return cls(on[:u], on[u:u + p], on[u + p:u + 2 * p], on[u + 2 * p:])
+        # clear[k, w]: the bits in word w of the span's slots >= k (distinct bits: their sum is their or)
+        clear = np.zeros((d + 1, len(words)), dtype=np.int64)
+        np.add.at(clear, (np.arange(d + 1)[:, None], inverse[None, :]),
+                  np.where(pair_slot[None, :] >= np.arange(d + 1)[:, None], bits[None, :], 0))
+        table = (~clear & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+        on = to_device(np.concatenate([words, table.reshape(-1)]), device)   # one copy
+        return cls(on[:len(words)], on[len(words):].reshape(d + 1, len(words)).to(torch.int32))
 
     def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
-        """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on
-        its device, without waiting."""
+        """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on its
+        device, without waiting."""
         flat = entry_mask.view(-1)
-        clear = torch.where(self.which >= keep.reshape(()), self.bits, torch.zeros_like(self.bits))
-        gone = torch.zeros(len(self.words), dtype=torch.int64, device=flat.device).index_add_(0, self.inverse, clear)
-        gone = torch.where(gone >= 2 ** 31, gone - 2 ** 32, gone).to(torch.int32)   # distinct bits: sum == or
-        flat[self.words] = flat[self.words] & ~gone
+        flat[self.words] = flat[self.words] & self.table.index_select(0, keep.reshape(1).to(torch.int64))[0]
 
     def apply_host(self, plan: TreePlan, keep: int) -> TreePlan:
         """``plan`` with the bits cleared in a copy of its (numpy) ``entry_mask``: for backends that read the host
