@@ -148,13 +148,35 @@ def test_the_outcome_is_launched_without_waiting_for_the_device():
         one = rule.outcome(tree, tokens, logits)
         two = rule.outcome(tree, tokens, logits, q)
         three = greedy_outcome(cut, tokens[:4], logits[:4].argmax(dim=-1))
+        # its second use captures a CUDA graph, its third replays it: neither waits
+        again = [greedy_outcome(cut, tokens[:4], logits[:4].argmax(dim=-1)) for _ in range(2)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     path, bonus = decode_outcome(three.tolist())
     assert bonus == int(logits[path[-1] if path else 0].argmax())
+    assert all(a.tolist() == three.tolist() for a in again)
     for out in (one, two):
         path, bonus = decode_outcome(out.tolist())
         assert 0 <= bonus < 32000 and all(tree.parents[c] == p for p, c in zip([0] + path, path))
+
+
+@pytest.mark.gpu
+def test_greedy_outcome_graphed_equals_eager():
+    """From a shape's second use greedy_outcome replays a CUDA graph: the same outcomes as the eager operations
+    on fresh inputs, trees of every kind of path (none accepted, partial, whole), several shapes interleaved."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from treedec.search.device_acceptance import _greedy
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    trees = [TokenTree.from_medusa_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+             TokenTree((-1, 0, 1, 2, 3)), TokenTree((-1, 0, 0, 0))]
+    for round in range(6):
+        for tree in trees:
+            tokens = torch.randint(0, 3, (tree.size,), device="cuda", generator=gen)
+            argmax = torch.randint(0, 3, (tree.size,), device="cuda", generator=gen)
+            want = _greedy(DeviceTree.of(tree, "cuda"), tokens, argmax)
+            assert greedy_outcome(tree, tokens, argmax).tolist() == want.tolist(), (round, tree.parents)
 
 
 @settings(max_examples=60, deadline=None)

@@ -103,10 +103,12 @@ class MaskPatch:
         entry = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
         words, inverse = np.unique(entry * stride + offset[pair_slot] // MASK_BITS, return_inverse=True)
         bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
-        # clear[k, w]: the bits in word w of the span's slots >= k (distinct bits: their sum is their or)
-        clear = np.zeros((d + 1, len(words)), dtype=np.int64)
-        np.add.at(clear, (np.arange(d + 1)[:, None], inverse[None, :]),
-                  np.where(pair_slot[None, :] >= np.arange(d + 1)[:, None], bits[None, :], 0))
+        # clear[k, w]: the bits in word w of the span's slots >= k (distinct bits: their sum is their or, exact in
+        # float64), a suffix sum over the slots of each slot's bits
+        u = len(words)
+        own = np.bincount(pair_slot * u + inverse, weights=bits, minlength=d * u).astype(np.int64).reshape(d, u)
+        clear = np.zeros((d + 1, u), dtype=np.int64)
+        clear[:d] = np.cumsum(own[::-1], axis=0)[::-1]
         table = (~clear & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
         on = to_device(np.concatenate([words, table.reshape(-1)]), device)   # one copy
         return cls(on[:len(words)], on[len(words):].reshape(d + 1, len(words)).to(torch.int32))
