@@ -209,8 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-budget", default="auto", type=_budget,
                         help="--speculative: draft tokens a step for the whole batch (treedec.search.draft_budget): "
                              "'auto' (256 on a GPU, no limit on the CPU), 'none' or an int")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="--speculative: pipeline the steps where the draft allows (speculative_batch's default: not)")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="--speculative: never pipeline the steps (speculative_batch's default: where the draft "
+                             "allows it on a GPU)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -249,7 +250,7 @@ def main(argv=None) -> int:
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
-                            args.draft_budget, None if args.pipeline else False)
+                            args.draft_budget, False if args.no_pipeline else None)
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
