@@ -27,7 +27,9 @@ draft vocabulary) on ONE drafter engine shared by the batch (graphed as the targ
 holds every request's prompt, new tokens and chains: EAGLE requests compute their whole prompt on
 the drafter too). Its floor adds the drafter's weights once per drafter step of a proposal
 (``--eagle-depth`` of them), as ``bench/programs.py`` does: what one drafter step for all requests
-per layer would read. ``--smoke --eagle eagle3`` runs
+per layer would read. ``--eagle-tree chains``: fixed chains instead (``EagleDraft(tree="chains")``: the
+root's top-k children extended to ``--eagle-depth`` tokens by argmax, top-k * depth draft tokens, drafted
+on the device for every request of a pass at once, pipelined). ``--smoke --eagle eagle3`` runs
 the tiny model with 3 layers (EAGLE-3 reads three distinct target layers; tiny has two).
 """
 from __future__ import annotations
@@ -79,24 +81,29 @@ class BatchDraft:
     source: Callable[[RequestSpec, Engine | None], DraftSource]   # (request, the drafter engine) -> its draft
     top_k: int | None = None
     drafter: EagleDrafter | None = None   # EAGLE: the one drafter of the batch
+    eagle_tree: str | None = None         # EAGLE: "dynamic" (EAGLE-2 trees) or "chains"
 
     def record(self) -> dict:
         """The draft as the results JSON names it."""
         out = {"kind": self.kind, "tree_tokens": self.tree_tokens, "depth": self.depth, "top_k": self.top_k}
         if self.drafter is not None:
-            out |= {"drafter_weight_bytes": self.drafter.weight_bytes(),
+            out |= {"eagle_tree": self.eagle_tree, "drafter_weight_bytes": self.drafter.weight_bytes(),
                     "draft_vocab_size": self.drafter.draft_vocab_size}
         return out
 
 
 def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | None) -> BatchDraft:
     """The ``--speculative`` draft of ``args`` for ``model`` (a fixed tree's random tokens from ``rng``)."""
+    if args.eagle and args.eagle_tree == "chains":
+        k, depth = args.eagle_top_k, args.eagle_depth
+        return BatchDraft(args.eagle, 1 + k * depth, depth, lambda spec, engine: EagleDraft(
+            engine, depth=depth, top_k=k, tree="chains"), k, drafter, "chains")
     if args.eagle:
         k, depth = args.eagle_top_k, args.eagle_depth
         # EAGLE-2 keeps the best of the top_k + (depth - 1) * top_k^2 candidates its chains make.
         tokens = 1 + min(TREE_TOKENS - 1, k + (depth - 1) * k * k)
         return BatchDraft(args.eagle, tokens, depth, lambda spec, engine: EagleDraft(
-            engine, depth=depth, top_k=k, total_tokens=tokens - 1), k, drafter)
+            engine, depth=depth, top_k=k, total_tokens=tokens - 1), k, drafter, "dynamic")
     medusa = medusa_tree(TREE_TOKENS)
     if args.medusa_heads:
         heads = random_heads(model, int(medusa.depth.max()), 0)
@@ -146,7 +153,8 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     else:
         budgeting = DraftBudget(step_tokens=draft_budget)
         results, stats = speculative_batch(engine, specs, lambda spec: draft.source(spec, drafter),
-                                           max_step_tokens=budget, draft_budget=budgeting, pipeline=pipeline)
+                                           max_step_tokens=budget, draft_budget=budgeting, pipeline=pipeline,
+                                           max_draft_tokens=draft.tree_tokens)
     decode = stats.steps - stats.prompt_steps
     # Steps that decode every request (one token each, or a tree each, cut to the draft budget): every
     # request in the step, no prompt chunk in it.
@@ -203,6 +211,8 @@ def main(argv=None) -> int:
                         help="with --speculative: draft the tree with random Medusa heads (in the step)")
     parser.add_argument("--eagle", choices=["eagle", "eagle3"], default=None,
                         help="with --speculative: EAGLE-2 trees from one random EAGLE-1 / EAGLE-3 drafter")
+    parser.add_argument("--eagle-tree", choices=["dynamic", "chains"], default="dynamic",
+                        help="--eagle: EAGLE-2 trees (dynamic) or fixed chains drafted on the device (chains)")
     parser.add_argument("--eagle-depth", type=int, default=None, help="--eagle: tree layers (default EAGLE-2's 5)")
     parser.add_argument("--eagle-top-k", type=int, default=None,
                         help="--eagle: nodes expanded per layer (default EAGLE-2's 8)")
@@ -263,7 +273,7 @@ def main(argv=None) -> int:
             runs.append(run)
             if args.eagle:
                 kind = (f"speculative ({'EAGLE-3' if args.eagle == 'eagle3' else 'EAGLE-1'} depth {draft.depth}, "
-                        f"top-k {draft.top_k}, {draft.tree_tokens}-token trees)")
+                        f"top-k {draft.top_k}, {draft.tree_tokens}-token {args.eagle_tree} trees)")
             elif args.speculative:
                 kind = f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})"
             else:

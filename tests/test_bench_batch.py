@@ -42,18 +42,20 @@ def test_batch_bench_draft_budget_cuts_the_steps(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in runs)
 
 
-def test_batch_bench_eagle3_smoke_run(tmp_path, capsys):
+@pytest.mark.parametrize("tree, tokens", [("dynamic", 21), ("chains", 9)])
+def test_batch_bench_eagle3_smoke_run(tmp_path, capsys, tree, tokens):
     """EAGLE-3 drafts over one drafter engine shared by the batch (the smoke's tiny target with 3 layers);
     the floor counts the drafter's weights once per drafter step (depth of them)."""
     assert main(["--smoke", "--speculative", "--eagle", "eagle3", "--eagle-depth", "2", "--eagle-top-k", "4",
-                 "--out", str(tmp_path)]) == 0
-    # EAGLE-2 keeps the best of top_k + (depth - 1) * top_k^2 = 20 candidates: 21-token trees with the root
-    assert "4 requests, speculative (EAGLE-3 depth 2, top-k 4, 21-token trees):" in capsys.readouterr().out
+                 "--eagle-tree", tree, "--out", str(tmp_path)]) == 0
+    # EAGLE-2 keeps the best of top_k + (depth - 1) * top_k^2 = 20 candidates: 21-token trees with the root;
+    # chains: top_k * depth = 8 draft tokens
+    assert f"4 requests, speculative (EAGLE-3 depth 2, top-k 4, {tokens}-token {tree} trees):" in capsys.readouterr().out
     [path] = tmp_path.glob("*-batch-smoke.json")
     results = json.loads(path.read_text())
     draft = results["draft"]
-    assert {k: draft[k] for k in ("kind", "tree_tokens", "depth", "top_k")} == \
-        {"kind": "eagle3", "tree_tokens": 21, "depth": 2, "top_k": 4}
+    assert {k: draft[k] for k in ("kind", "tree_tokens", "depth", "top_k", "eagle_tree")} == \
+        {"kind": "eagle3", "tree_tokens": tokens, "depth": 2, "top_k": 4, "eagle_tree": tree}
     assert results["model_layers"] == 3 and [r["requests"] for r in results["runs"]] == [1, 4]
     for r in results["runs"]:
         assert r["weight_bytes"] == results["target_weight_bytes"] + 2 * draft["drafter_weight_bytes"]

@@ -40,7 +40,7 @@ def test_pipelined_chains_equal_unpipelined_and_greedy(target, bigram, name, pag
     for pipeline in (False, True):
         drafter = engine(DRAFTERS[name](model), page_size)
         draft = EagleDraft(drafter, depth=4, top_k=2, tree="chains")
-        assert draft.fixed_tree.size == 9 and draft.total_tokens == 8 and not draft.drafts_together
+        assert draft.fixed_tree.size == 9 and draft.total_tokens == 8 and draft.drafts_together
         t = engine(model, page_size)
         tokens, stats = speculative_generate(t, PROMPT, draft, n, eos_token_id=None, pipeline=pipeline)
         assert stats.pipelined == pipeline and tokens == want
@@ -79,6 +79,33 @@ def test_pipelined_chains_drafter_kv_equals_one_pass(bigram):
         a = a.reshape(1, -1, *a.shape[3:])[:, torch.as_tensor(mine)]
         b = b.reshape(1, -1, *b.shape[3:])[:, torch.as_tensor(fresh.tree.slots(node))]
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_batched_chain_requests_equal_greedy_and_draft_together(bigram, pipeline):
+    """Five requests with EAGLE-1 and EAGLE-3 chains in one scheduler run, the drafts of each kind sharing one
+    drafter engine: each equals its greedy decoding, the requests of a pass drafted together (one sync and one
+    chain run for all), every drafter page freed at the end."""
+    from treedec.search.eagle_chains import EagleChains
+    from treedec.search.requests_file import RequestSpec
+    from treedec.search.speculative_batch import speculative_batch
+
+    prompts = [list(range(100, 140)) + [1, 2, 3], [4, 5], [7, 8, 9, 10], PROMPT, [3, 3, 3]]
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=12 + i, temperature=0.0)
+             for i, p in enumerate(prompts)]
+    e1, e3 = engine(bigram_eagle(bigram)), engine(bigram_eagle3(bigram))
+
+    def draft(spec):
+        return EagleDraft(e1 if int(spec.id) % 2 else e3, depth=3, top_k=2, tree="chains")
+    results, stats = speculative_batch(engine(bigram), specs, draft, pipeline=pipeline)
+    for spec, result in zip(specs, results):
+        assert result.stats["pipelined"] == pipeline
+        assert result.output_ids == greedy_generate(engine(bigram), spec.prompt_ids, spec.max_new_tokens,
+                                                    eos_token_id=None)
+    for e in (e1, e3):
+        group = EagleChains.of(e)
+        assert group.stats["requests"] > group.stats["flushes"] > 0, group.stats
+        assert e.tree.num_nodes == 0 and e.pool.num_free_pages == e.pool.num_pages
 
 
 def test_chains_errors(target):

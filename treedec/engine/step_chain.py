@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,12 +92,14 @@ class StepChain:
         """Whether runs replay one graph (the engine has CUDA graphs) rather than step one by one."""
         return self.engine._graphs is not None
 
-    def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpan | None = None) -> tuple[torch.Tensor, ...]:
+    def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
+            ) -> tuple[torch.Tensor, ...]:
         """Run the chain's ``length`` steps on ``inputs`` (device tensors of the declared shapes): ``body``'s
-        outputs. ``dynamic``: a span every step reads (its ``shift_rows`` are each step's queries after it)."""
-        if dynamic is not None and not isinstance(dynamic, DynamicSpan):
-            raise TypeError(f"dynamic must be a DynamicSpan or None, got {type(dynamic).__name__}")
-        spans = () if dynamic is None else (dynamic,)
+        outputs. ``dynamic``: spans every step reads (each one's ``shift_rows``: each step's queries after it)."""
+        spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
+        for span in spans:
+            if not isinstance(span, DynamicSpan):
+                raise TypeError(f"dynamic must be DynamicSpans or None, got {type(span).__name__}")
         if set(inputs) != set(self._input_specs):
             raise ValueError(f"a chain run needs inputs {sorted(self._input_specs)}, got {sorted(inputs)}")
         for name, value in inputs.items():

@@ -69,7 +69,8 @@ class DraftSource:
     """True for drafts that draft for many requests at once (EAGLE's, on a shared drafter engine): a
     speculative program then calls :meth:`submit`, lets every other program of the scheduler pass submit
     too (:meth:`~treedec.search.program.ProgramContext.together`), and :meth:`collect` s its tree;
-    :meth:`propose` is both, alone."""
+    :meth:`propose` is both, alone. Pipelined, with a :attr:`fixed_tree`: :meth:`submit_step` and
+    :meth:`collect_step`, :meth:`device_drafts` both alone."""
 
     fixed_tree: TokenTree | None = None
     """The tree every proposal has, for a draft whose tokens are computed on the device from what the step
@@ -83,6 +84,16 @@ class DraftSource:
         :attr:`fixed_tree` only)."""
         raise NotImplementedError(f"{type(self).__name__} has no fixed tree drafted on the device (fixed_tree is "
                                   f"None)")
+
+    def submit_step(self, step: DeviceStep) -> None:
+        """Queue :meth:`device_drafts` of ``step`` with the other requests' (drafts with a :attr:`fixed_tree` and
+        :attr:`drafts_together` only: a pipelined loop then calls it, lets every other program of the scheduler
+        pass submit too, and :meth:`collect_step` s the tokens)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft on the device together: call device_drafts()")
+
+    def collect_step(self) -> torch.Tensor:
+        """The submitted step's draft tokens, as :meth:`device_drafts` returns them."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft on the device together: call device_drafts()")
 
     def submit(self, sequence_tokens: Sequence[int]) -> None:
         """Queue the proposal after ``sequence_tokens`` (drafts with :attr:`drafts_together` only)."""

@@ -98,6 +98,7 @@ class EagleDraft(EngineTreeDraft):
                          sample, seed)
         self.tree = tree
         self._fixed = chains_tree(top_k, depth) if tree == "chains" else None
+        self._root = -1   # chains: the submitted sequence's root
         self.drafter: EagleDrafter = engine.model
         self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
@@ -118,35 +119,26 @@ class EagleDraft(EngineTreeDraft):
 
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The chains' tokens (``tree="chains"``) after the drafter is synced with the target's states in
-        ``step``, which may hold unaccepted rows (``step.count``): nothing waits for the device."""
+        ``step``, which may hold unaccepted rows (``step.count``), drafted alone: nothing waits for the device."""
+        self.submit_step(step)
+        return self.collect_step()
+
+    def submit_step(self, step: DeviceStep) -> None:
+        """Queue the chains of ``step`` (see :meth:`device_drafts`) with the other requests' on this drafter
+        engine (:class:`~treedec.search.eagle_chains.EagleChains`: one sync and one chain run for all)."""
         if self._fixed is None:
-            return super().device_drafts(step)
+            raise NotImplementedError("EagleDraft drafts on the device with tree='chains' only (fixed_tree is None)")
         if step.states is None or step.tokens is None:
-            raise ValueError("EagleDraft.device_drafts needs the target's states and their next tokens "
+            raise ValueError("EagleDraft's chains need the target's states and their next tokens "
                              "(DeviceStep.states, DeviceStep.tokens)")
-        e, t, n = self.engine, self.engine.tree, len(step.tokens)
-        if step.count is not None and n > e.prefill_chunk:
-            raise ValueError(f"a sync with a device count of real rows must fit one drafter step ({e.prefill_chunk} "
-                             f"tokens), got {n}")
         if step.unused:   # the last sync's rows past its count: known by now, dropped
+            t = self.engine.tree
             t.truncate(self._node, t.node_length(self._node) - step.unused)
-        fused = self.drafter.fuse(step.states)
-        for at in range(0, n, e.prefill_chunk):
-            piece = min(e.prefill_chunk, n - at)
-            if e.pool.pages_for(piece) + 1 > e.pool.num_free_pages:
-                raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: a sync of {piece} tokens needs up to "
-                                         f"{e.pool.pages_for(piece) + 1} pages, {e.pool.num_free_pages} free")
-            if self._node is None:
-                self._node = t.add_prompt([0] * piece)   # (placeholder ids: the drafter reads step.tokens)
-            else:
-                t.extend(self._node, [0] * piece)
-            last = at + piece == n   # (one pending node: its queries are rows 0 .. piece - 1 in order)
-            out = e.step(logits_rows=np.arange(piece) if last else [piece - 1], return_hidden=last,
-                         features=fused[at:at + piece], tokens=step.tokens[at:at + piece])
-        root = (step.count.reshape(1) - 1 - (n - piece) if step.count is not None
-                else torch.full((1,), piece - 1, dtype=torch.int64, device=out.logits.device))
-        return EagleChains.of(e).draft(self, out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0],
-                                       step.count, n)
+        EagleChains.of(self.engine).submit(self, step.tokens, self.drafter.fuse(step.states), step.count)
+
+    def collect_step(self) -> torch.Tensor:
+        """The submitted step's chain tokens ``[top_k * depth]`` on the device."""
+        return EagleChains.of(self.engine).collect(self)
 
     def start(self, engine: Engine) -> None:
         """Check the drafter fits the target; free the previous request."""
@@ -167,6 +159,7 @@ class EagleDraft(EngineTreeDraft):
         if self._scratch_pages is not None:
             self.engine.pool.decref(self._scratch_pages)
         EagleGroup.of(self.engine).drop(self)
+        EagleChains.of(self.engine).drop(self)
         self._scratch = self._scratch_pages = None
         self._states, self._observed, self._outputs = None, None, {}
 
@@ -182,28 +175,32 @@ class EagleDraft(EngineTreeDraft):
     @property
     def drafts_together(self) -> bool:
         """Greedy (top-k) EAGLE drafts draft together with the other requests on their drafter engine (its
-        :class:`~treedec.search.eagle_batch.EagleGroup`); sampled ones propose alone, as do chains."""
-        return self.sample is None and self._fixed is None
+        :class:`~treedec.search.eagle_batch.EagleGroup`; chains: :class:`~treedec.search.eagle_chains.EagleChains`);
+        sampled ones propose alone."""
+        return self.sample is None
 
     def submit(self, sequence_tokens: Sequence[int]) -> None:
         """Queue this request's proposal in its drafter engine's group (see :attr:`drafts_together`)."""
         if not self.drafts_together:
-            raise ValueError("a sampled or chained EagleDraft proposes alone: call propose()")
+            raise ValueError("a sampled EagleDraft proposes alone: call propose()")
+        if self._fixed is not None:
+            if not len(sequence_tokens):
+                raise ValueError("sequence_tokens must hold at least the root token, got none")
+            tokens, states = self._sync_inputs(sequence_tokens)
+            self._root = int(sequence_tokens[-1])
+            EagleChains.of(self.engine).submit(self, to_device(np.asarray(tokens, dtype=np.int64), states.device),
+                                               states, None)
+            return
         # (not a copy of the whole sequence: the sync reads its length and its new tail only)
         EagleGroup.of(self.engine).submit(self, sequence_tokens)
 
     def collect(self) -> tuple[TokenTree, list[int]]:
         """The tree of the submitted sequence: drafted together with every request submitted since."""
+        if self._fixed is not None:
+            return self._fixed, [self._root] + EagleChains.of(self.engine).collect(self).tolist()
         return EagleGroup.of(self.engine).collect(self)
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
-        if self._fixed is not None:
-            seq = [int(x) for x in sequence_tokens]
-            if not seq:
-                raise ValueError("sequence_tokens must hold at least the root token, got none")
-            root_logits = self._sync(seq)
-            tokens = EagleChains.of(self.engine).draft(self, root_logits, self._outputs[()], None, 0)
-            return self._fixed, [seq[-1]] + tokens.tolist()
         if self.sample is not None:
             return super().propose(sequence_tokens)
         self.submit(sequence_tokens)

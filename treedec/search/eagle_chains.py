@@ -23,7 +23,9 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
+from treedec.errors import PoolExhaustedError
 from treedec.search.eagle_batch import chain_layout, sequence_slots
+from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleChains", "chains_tree"]
@@ -42,13 +44,17 @@ def chains_tree(top_k: int, depth: int) -> TokenTree:
 
 
 class EagleChains:
-    """The chain drafting of one drafter engine (:meth:`of`): one :class:`StepChain` per ``(depth, top_k)``,
-    run for one request at a time."""
+    """The chain drafting of one drafter engine (:meth:`of`), for every request submitted in a scheduler pass
+    at once: one drafter step syncs them all (per prompt chunk), then one :class:`StepChain` per
+    ``(requests, depth, top_k)`` drafts all their chains (one CUDA graph on a graphed engine)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._chains: dict[tuple[int, int], StepChain] = {}
-        self._drafting: list[tuple[np.ndarray, np.ndarray]] = []   # the request being drafted: (sequence, scratch)
+        self._chains: dict[tuple[int, int, int], StepChain] = {}
+        self._drafting: list[tuple[np.ndarray, np.ndarray]] = []   # per request drafted: (sequence, scratch)
+        self._waiting: list[tuple] = []                            # (draft, tokens, fused states, count)
+        self._results: dict[int, torch.Tensor] = {}
+        self.stats = {"flushes": 0, "requests": 0}
 
     @classmethod
     def of(cls, engine: Engine) -> "EagleChains":
@@ -58,43 +64,130 @@ class EagleChains:
             chains = _CHAINS[engine] = cls(engine)
         return chains
 
-    def draft(self, draft, root_logits: torch.Tensor, root_hidden: torch.Tensor, count: torch.Tensor | None,
-              newest: int) -> torch.Tensor:
-        """``draft``'s chain tokens ``[top_k * depth]`` (target ids, chain-major as :func:`chains_tree`) from its
-        root's logits ``[draft vocab]`` and output feature ``[feature]``; ``count``: how many of the sequence's
-        ``newest`` tokens are real (a device value; None: all). Nothing is read back."""
-        e, k, depth = self.engine, draft.top_k, draft.depth
-        to_target = draft.drafter.to_target_ids
-        inputs = {"root_logits": root_logits[None], "root_hidden": root_hidden[None]}
+    def submit(self, draft, tokens: torch.Tensor, states: torch.Tensor, count: torch.Tensor | None) -> None:
+        """Queue ``draft``'s sync and chains: the drafter's new queries pair the fused target ``states`` ``[n,
+        feature]`` with ``tokens`` ``[n]`` (device), of which the first ``count`` are real (a device value; None:
+        all; else ``n`` must fit one drafter step). The draft has dropped its last sync's unreal rows."""
+        if any(d is draft for d, *_ in self._waiting) or id(draft) in self._results:
+            raise ValueError("this draft already submitted: collect() its chains first")
+        n = len(tokens)
+        if count is not None and n > self.engine.prefill_chunk:
+            raise ValueError(f"a sync with a device count of real rows must fit one drafter step "
+                             f"({self.engine.prefill_chunk} tokens), got {n}")
+        self._waiting.append((draft, tokens, states, count))
+
+    def collect(self, draft) -> torch.Tensor:
+        """``draft``'s chain tokens ``[top_k * depth]`` (target ids, chain-major as :func:`chains_tree`, on the
+        device: nothing is read back), drafting for every submitted request first if not yet done."""
+        if id(draft) not in self._results:
+            if not any(d is draft for d, *_ in self._waiting):
+                raise ValueError("collect() before submit(): this draft has no sync queued")
+            self._flush()
+        return self._results.pop(id(draft))
+
+    def drop(self, draft) -> None:
+        """Forget ``draft``'s queued sync or uncollected chains (its request ended)."""
+        self._waiting = [job for job in self._waiting if job[0] is not draft]
+        self._results.pop(id(draft), None)
+
+    # ================================================================ private
+
+    def _flush(self) -> None:
+        jobs, self._waiting = self._waiting, []
+        logits, hidden = self._sync(jobs)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for j, (draft, *_) in enumerate(jobs):
+            by_shape.setdefault((draft.depth, draft.top_k), []).append(j)
+        for (depth, k), members in by_shape.items():
+            index = to_device(np.asarray(members, dtype=np.int64), self.engine.device)
+            tokens = self._draft(depth, k, [jobs[j] for j in members], logits.index_select(0, index),
+                                 hidden.index_select(0, index))
+            for row, j in enumerate(members):
+                self._results[id(jobs[j][0])] = tokens[row]
+        self.stats["flushes"] += 1
+        self.stats["requests"] += len(jobs)
+
+    def _sync(self, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter step per prompt chunk over every job's new queries (tokens and features in query order on
+        the device); each job's root (its last real query) logits ``[jobs, draft vocab]`` and output features."""
+        e, t = self.engine, self.engine.tree
+        need = sum(e.pool.pages_for(len(tokens)) + 1 for _, tokens, _, _ in jobs)
+        if need > e.pool.num_free_pages:
+            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: a sync of {len(jobs)} request(s) needs up to "
+                                     f"{need} pages, {e.pool.num_free_pages} free")
+        chunk = e.prefill_chunk
+        roots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(jobs)
+        for at in range(0, max(len(tokens) for _, tokens, _, _ in jobs), chunk):
+            here = [j for j, (_, tokens, _, _) in enumerate(jobs) if len(tokens) > at]
+            nodes = []
+            for j in here:
+                draft, tokens = jobs[j][0], jobs[j][1]
+                piece = [0] * min(chunk, len(tokens) - at)   # (placeholder ids: the step reads the device tokens)
+                if draft._node is None:
+                    draft._node = t.add_prompt(piece)
+                else:
+                    t.extend(draft._node, piece)
+                nodes.append(draft._node)
+            rows = e.pending_token_rows(nodes)               # node by node, in token order
+            at_rows = to_device(rows, e.device)
+            states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
+            features = torch.empty_like(states)
+            features[at_rows] = states
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=e.device)
+            tokens[at_rows] = torch.cat([jobs[j][1][at:at + chunk] for j in here]).to(torch.int64)
+            ends = [j for j in here if len(jobs[j][1]) <= at + chunk]   # their last chunk: read their roots there
+            starts = np.cumsum([0] + [min(chunk, len(jobs[j][1]) - at) for j in here])
+            wanted = np.concatenate([rows[starts[i]:starts[i + 1]] for i, j in enumerate(here) if j in ends])
+            out = e.step(logits_rows=wanted, return_hidden=True, features=features, tokens=tokens)
+            offset = 0
+            for j in ends:
+                n, count = len(jobs[j][1]) - at, jobs[j][3]
+                root = (count.reshape(1) - 1 + offset if count is not None
+                        else torch.full((1,), offset + n - 1, dtype=torch.int64, device=e.device))
+                roots[j] = (out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0])
+                offset += n
+        return torch.stack([r[0] for r in roots]), torch.stack([r[1] for r in roots])
+
+    def _draft(self, depth: int, k: int, jobs: list[tuple], root_logits: torch.Tensor, root_hidden: torch.Tensor
+               ) -> torch.Tensor:
+        """The chain tokens ``[B, k * depth]`` of ``B`` requests of one (depth, top_k)."""
+        e, b = self.engine, len(jobs)
+        to_target = jobs[0][0].drafter.to_target_ids
+        inputs = {"root_logits": root_logits, "root_hidden": root_hidden}
         if depth == 1:
-            return _chains_body(None, inputs, 1, k, to_target)[0].reshape(-1)
-        if draft._scratch is None:
-            draft._reserve_scratch()
-        sequence = sequence_slots(e, draft.node)
-        self._drafting = [(sequence, draft._scratch)]
-        chain = self._chains.get((depth, k))
+            return _chains_body(None, inputs, 1, k, to_target)[0]
+        spans = []
+        self._drafting = []
+        for r, (draft, tokens, _, count) in enumerate(jobs):
+            if draft._scratch is None:
+                draft._reserve_scratch()
+            sequence = sequence_slots(e, draft.node)
+            self._drafting.append((sequence, draft._scratch))
+            if count is not None:   # its newest rows past count: masked in every chain step, its queries moved back
+                spans.append(DynamicSpan(sequence[len(sequence) - len(tokens):], count,
+                                         np.arange(r * k, (r + 1) * k, dtype=np.int64)))
+        chain = self._chains.get((b, depth, k))
         if chain is None:
             specs = {name: (tuple(value.shape), value.dtype) for name, value in inputs.items()}
-            chain = self._chains[(depth, k)] = StepChain(
+            chain = self._chains[(b, depth, k)] = StepChain(
                 e, depth - 1, lambda i: chain_layout(self._drafting, i, k),
                 lambda ctx, x: _chains_body(ctx, x, depth, k, to_target), specs)
-        span = None if count is None else DynamicSpan(sequence[len(sequence) - newest:], count,
-                                                      np.arange(k, dtype=np.int64))
-        (tokens,) = chain.run(inputs, dynamic=span)
-        return tokens.reshape(-1)
+        (tokens,) = chain.run(inputs, dynamic=spans)
+        return tokens
 
 
 def _chains_body(ctx: ChainContext | None, inputs: dict[str, torch.Tensor], depth: int, k: int, to_target
                  ) -> tuple[torch.Tensor]:
-    """The device work of one request's chains: the root's ``k`` best children (draft vocabulary top-k, mapped
+    """The device work of ``B`` requests' chains: each root's ``k`` best children (draft vocabulary top-k, mapped
     to the target's ids), then per chain step each chain's argmax child, each query pairing its parent's output
-    feature with its token. ``[1, k * depth]`` int64, chain-major."""
-    tokens = to_target(inputs["root_logits"].float().topk(k).indices)          # [1, k]
-    width = inputs["root_hidden"].shape[-1]
-    features = inputs["root_hidden"][:, None, :].expand(1, k, width).reshape(k, width)
-    layers = [tokens.reshape(k)]
+    feature with its token (query ``b * k + j``: request ``b``'s chain ``j``). ``[B, k * depth]`` int64,
+    chain-major per request."""
+    tokens = to_target(inputs["root_logits"].float().topk(k).indices)          # [B, k]
+    b, width = tokens.shape[0], inputs["root_hidden"].shape[-1]
+    features = inputs["root_hidden"][:, None, :].expand(b, k, width).reshape(b * k, width)
+    layers = [tokens.reshape(b * k)]
     for i in range(depth - 1):
         out = ctx.forward(i, layers[-1], features)
         layers.append(to_target(out.logits.float().argmax(dim=-1)))
         features = out.hidden
-    return (torch.stack(layers, dim=1).reshape(1, k * depth).to(torch.int64),)
+    return (torch.stack(layers, dim=1).reshape(b, k * depth).to(torch.int64),)

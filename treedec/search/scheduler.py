@@ -268,7 +268,9 @@ class _Scheduler:
             self._advance(lv, gathered, reading)
         while reading:
             batch, reading = reading, []
-            flat, at = HostCopy(torch.cat([lv.read.reshape(-1).to(torch.int64) for lv in batch])).result(), 0
+            values = torch.cat([lv.read.reshape(-1).to(torch.int64) for lv in batch])
+            # (nothing to read, e.g. only ProgramContext.together: no copy, which would wait for the device)
+            flat, at = (HostCopy(values).result() if values.numel() else []), 0
             for lv in batch:
                 size = lv.read.numel()
                 lv.send = flat[at:at + size] if lv.read.dim() <= 1 else \

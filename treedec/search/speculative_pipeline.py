@@ -123,7 +123,13 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
             step = DeviceStep(engine.device, None if flight.heads is None else flight.heads.index_select(0, last)[0],
                               None if flight.states is None else flight.states.index_select(0, pick),
                               None if flight.states is None else _next_tokens(flight, root), length + 1, garbage)
-        tokens = torch.cat([root, draft.device_drafts(step)[:shape.size - 1]]).to(torch.int64)
+        if draft.drafts_together:   # (EAGLE's chains: one drafter sync and one chain run for the pass's requests)
+            draft.submit_step(step)
+            yield from ctx.together()
+            drafted = draft.collect_step()
+        else:
+            drafted = draft.device_drafts(step)
+        tokens = torch.cat([root, drafted[:shape.size - 1]]).to(torch.int64)
         ids = tree.add_token_tree(node, [0] * shape.size, [-1] + list(shape.parents[1:]))
         slots = np.fromiter((tree.slots(i)[0] for i in ids), dtype=np.int64, count=len(ids))
         rows = yield StepRequest(ids, tokens=tokens, read=read, dynamic=span, **want)
