@@ -31,14 +31,15 @@ def test_chains_tree_is_chain_major():
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_pipelined_chains_equal_unpipelined_and_greedy(target, bigram, name, page_size):
+@pytest.mark.parametrize("page_size, chunk", [(1, 2048), (4, 5)])
+def test_pipelined_chains_equal_unpipelined_and_greedy(target, bigram, name, page_size, chunk):
+    """(chunk 5: the prompt's sync runs in chunks, the last with the root)"""
     model = bigram if "bigram" in name else target
     n = 30
     want = greedy_generate(engine(model, page_size), PROMPT, n, eos_token_id=None)
     runs = []
     for pipeline in (False, True):
-        drafter = engine(DRAFTERS[name](model), page_size)
+        drafter = engine(DRAFTERS[name](model), page_size, prefill_chunk=chunk)
         draft = EagleDraft(drafter, depth=4, top_k=2, tree="chains")
         assert draft.fixed_tree.size == 9 and draft.total_tokens == 8 and draft.drafts_together
         t = engine(model, page_size)

@@ -94,7 +94,12 @@ class EagleChains:
 
     def _flush(self) -> None:
         jobs, self._waiting = self._waiting, []
-        logits, hidden = self._sync(jobs)
+        try:
+            logits, hidden = self._sync(jobs)
+        except BaseException:
+            if self.engine.tree.num_pending:   # (tokens added, their step failed: computed, so resets can free them)
+                self.engine.tree.commit_step()
+            raise
         by_shape: dict[tuple[int, int], list[int]] = {}
         for j, (draft, *_) in enumerate(jobs):
             by_shape.setdefault((draft.depth, draft.top_k), []).append(j)
@@ -137,7 +142,8 @@ class EagleChains:
             tokens[at_rows] = torch.cat([jobs[j][1][at:at + chunk] for j in here]).to(torch.int64)
             ends = [j for j in here if len(jobs[j][1]) <= at + chunk]   # their last chunk: read their roots there
             starts = np.cumsum([0] + [min(chunk, len(jobs[j][1]) - at) for j in here])
-            wanted = np.concatenate([rows[starts[i]:starts[i + 1]] for i, j in enumerate(here) if j in ends])
+            wanted = [rows[starts[i]:starts[i + 1]] for i, j in enumerate(here) if j in ends]
+            wanted = np.concatenate(wanted) if wanted else rows[-1:]   # (no root in this chunk: one row, unread)
             out = e.step(logits_rows=wanted, return_hidden=True, features=features, tokens=tokens)
             offset = 0
             for j in ends:
