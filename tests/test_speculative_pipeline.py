@@ -215,7 +215,7 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     assert stop - start == 5 and plan.kv_slots[start:stop].tolist() == slots.tolist()
     others = ((0, 1), (stop, stop + 1))   # a batch's other spans: the span's range joins them, in order
     assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv == ((0, 1), (start, stop), others[1])
-    patched = MaskPatch.of(plan, start, stop, plan.mask_words, torch.device("cpu")).apply_host(plan, 2)
+    patched = MaskPatch.of(plan, [(start, stop)], plan.mask_words, torch.device("cpu")).apply_host(plan, [2])
     for e in range(plan.num_entries):
         chunk = int(np.searchsorted(plan.chunk_entry_start, e, side="right") - 1)
         for f in range(plan.chunk_kv_start[chunk], plan.chunk_kv_start[chunk + 1]):
@@ -223,6 +223,32 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
             before = (plan.entry_mask[e, t // 32] >> (t % 32)) & 1
             after = (patched.entry_mask[e, t // 32] >> (t % 32)) & 1
             assert after == (0 if start + 2 <= f < stop else before)
+    engine.tree.commit_step()
+
+
+@pytest.mark.parametrize("page_size, gap", [(4, 0), (16, 1)])
+def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
+    """Three requests' spans in one plan, patched by one MaskPatch (gap 1: each node holds only its span, so
+    spans may share mask words): exactly the bits of each span's slots past its keep are cleared."""
+    engine = make_engine(tiny, page_size=page_size)
+    spans, keeps = [], [0, 2, 5]
+    nodes = [engine.prefill(list(range(r, r + 3 + 9 * (1 - gap)))).node for r in range(len(keeps))]
+    for node, keep in zip(nodes, keeps):
+        slots = engine.tree.extend_computed(node, [0] * 5)
+        engine.tree.add_token_tree(node, [1, 2], [-1, 0])
+        spans.append(DynamicSpan(slots, torch.tensor([keep]), np.arange(2)))
+    host = engine.attn.plan_host(engine.tree.layout())
+    ranges = [span.kv_range(host) for span in spans]
+    patch = MaskPatch.of(host, ranges, host.mask_words, torch.device("cpu"))
+    patched = patch.apply_host(host, keeps)
+    cleared = {f for (a, b), k in zip(ranges, keeps) for f in range(a + k, b)}
+    for e in range(host.num_entries):
+        chunk = int(np.searchsorted(host.chunk_entry_start, e, side="right") - 1)
+        for f in range(host.chunk_kv_start[chunk], host.chunk_kv_start[chunk + 1]):
+            t = f - host.chunk_kv_start[chunk]
+            before = (host.entry_mask[e, t // 32] >> (t % 32)) & 1
+            after = (patched.entry_mask[e, t // 32] >> (t % 32)) & 1
+            assert after == (0 if f in cleared else before), (e, f)
     engine.tree.commit_step()
 
 

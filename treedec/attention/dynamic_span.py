@@ -79,51 +79,86 @@ class DynamicSpan:
 
 @dataclass(frozen=True)
 class MaskPatch:
-    """The mask words a span touches in a plan's ``entry_mask`` and, for every possible ``keep``, the bits each of
-    them keeps (all but those of the span's slots ``keep ..``): applying it is a gather, an and and a scatter on
-    the device, and patches of several spans compose (each only clears bits)."""
+    """The mask words some spans touch in a plan's ``entry_mask`` and, for every possible ``keep`` of each span,
+    the bits each of its words keeps (all but those of its slots ``keep ..``). Applying it for all the spans is a
+    handful of device operations (a gather of each word's row by its span's keep, an and, a scatter); where
+    spans share words, their cleared bits (distinct slots: distinct bits) are summed per word first."""
 
-    words: torch.Tensor    # [u] int64: distinct flat word indices (entry * stride + word)
-    table: torch.Tensor    # [d + 1, u] int32: row k, each word's bits kept when the span's first k slots are real
+    words: torch.Tensor    # [u] int64: flat word indices (entry * stride + word), distinct within a span
+    at: torch.Tensor       # [u] int64: each word's row 0 in table (table[at + keep * width] its kept bits)
+    width: torch.Tensor    # [u] int64: its span's word count (the stride of its rows in table)
+    span: torch.Tensor     # [u] int64: its span's index
+    table: torch.Tensor    # [sum over spans of (d + 1) * words] int32, span by span, row k by row k
+    merged: tuple[torch.Tensor, torch.Tensor] | None   # words in two spans: (distinct words, each word's index)
 
     @classmethod
-    def of(cls, plan: TreePlan, start: int, stop: int, stride: int, device: torch.device) -> MaskPatch | None:
-        """The patch of a span at ``[start, stop)`` in ``plan``'s flattened KV (:meth:`DynamicSpan.kv_range`) for
-        an ``entry_mask`` whose rows are ``stride`` words apart (a static plan's rows are its bounds' width); None
-        when the span is empty."""
-        if start == stop:
+    def of(cls, plan: TreePlan, ranges: list[tuple[int, int]], stride: int, device: torch.device
+           ) -> MaskPatch | None:
+        """The patch of spans at ``ranges`` (each ``[start, stop)`` in ``plan``'s flattened KV,
+        :meth:`DynamicSpan.kv_range`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static plan's
+        rows are its bounds' width); None when every span is empty."""
+        ranges = [(a, b) for a, b in ranges]
+        lengths = np.array([b - a for a, b in ranges], dtype=np.int64)
+        if not lengths.sum():
             return None
-        d = stop - start
-        position = np.arange(start, stop, dtype=np.int64)
+        starts = np.array([a for a, _ in ranges], dtype=np.int64)
+        owner = np.repeat(np.arange(len(ranges)), lengths)                         # each span slot's span
+        slot = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        position = starts[owner] + slot
         chunk = np.searchsorted(plan.chunk_kv_start, position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
         count = last - first
-        pair_slot = np.repeat(np.arange(d), count)
+        pair = np.repeat(np.arange(len(position)), count)                          # (entry, slot) pairs
         entry = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
-        words, inverse = np.unique(entry * stride + offset[pair_slot] // MASK_BITS, return_inverse=True)
-        bits = np.left_shift(1, offset[pair_slot] % MASK_BITS).astype(np.int64)
-        # clear[k, w]: the bits in word w of the span's slots >= k (distinct bits: their sum is their or, exact in
-        # float64), a suffix sum over the slots of each slot's bits
-        u = len(words)
-        own = np.bincount(pair_slot * u + inverse, weights=bits, minlength=d * u).astype(np.int64).reshape(d, u)
-        clear = np.zeros((d + 1, u), dtype=np.int64)
-        clear[:d] = np.cumsum(own[::-1], axis=0)[::-1]
-        table = (~clear & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
-        on = to_device(np.concatenate([words, table.reshape(-1)]), device)   # one copy
-        return cls(on[:len(words)], on[len(words):].reshape(d + 1, len(words)).to(torch.int32))
+        word = entry * stride + offset[pair] // MASK_BITS
+        keys, inverse = np.unique(owner[pair] * (int(word.max()) + 1) + word, return_inverse=True)
+        words, span = keys % (int(word.max()) + 1), keys // (int(word.max()) + 1)   # grouped by span, sorted
+        u = np.bincount(span, minlength=len(ranges))                                # each span's words
+        begin = np.cumsum(u) - u
+        d1 = lengths + 1
+        row0 = np.cumsum(u * d1) - u * d1                                           # each span's table start
+        at = row0[span] + (np.arange(len(words)) - begin[span])
+        # cleared[k] of a word: the bits of its span's slots >= k (distinct bits: their sum is their or), a suffix
+        # sum over the slots of each slot's bits, at table[at + k * width]
+        bits = np.left_shift(1, offset[pair] % MASK_BITS).astype(np.float64)
+        s_pair = slot[pair]
+        own = np.bincount(at[inverse] + s_pair * u[span[inverse]], weights=bits, minlength=int((u * d1).sum()))
+        table = np.zeros(int((u * d1).sum()), dtype=np.int64)
+        for k in range(len(ranges)):   # per span: the suffix sum over its rows
+            if u[k]:
+                rows = own[row0[k]:row0[k] + u[k] * d1[k]].reshape(d1[k], u[k])
+                table[row0[k]:row0[k] + u[k] * d1[k]] = np.cumsum(rows[::-1], axis=0)[::-1].reshape(-1)
+        table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+        distinct, where = np.unique(words, return_inverse=True)
+        n, m = len(words), len(distinct) if len(distinct) < len(words) else 0
+        on = to_device(np.concatenate([words, at, u[span], span, table, distinct[:m], where[:n if m else 0]]),
+                       device)   # one copy
+        end = 4 * n + len(table)
+        merged = (on[end:end + m], on[end + m:]) if m else None
+        return cls(on[:n], on[n:2 * n], on[2 * n:3 * n], on[3 * n:4 * n], on[4 * n:end].to(torch.int32), merged)
 
-    def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
-        """Clear the bits of the span's slots ``keep ..`` in ``entry_mask`` (int32, rows ``stride`` apart), on its
-        device, without waiting."""
+    def apply(self, entry_mask: torch.Tensor, keeps: list[torch.Tensor]) -> None:
+        """Clear the bits of each span's slots ``keep ..`` (``keeps``: one one-element int64 tensor a span, in the
+        ranges' order) in ``entry_mask`` (int32, rows ``stride`` apart), on its device, without waiting."""
         flat = entry_mask.view(-1)
-        flat[self.words] = flat[self.words] & self.table.index_select(0, keep.reshape(1).to(torch.int64))[0]
+        keep = keeps[0].reshape(1) if len(keeps) == 1 else torch.cat([k.reshape(1) for k in keeps])
+        row = keep if len(keeps) == 1 else keep.index_select(0, self.span)
+        kept = self.table.take(self.at + row * self.width)
+        if self.merged is None:
+            flat[self.words] = flat[self.words] & kept
+            return
+        words, where = self.merged   # the cleared bits of each word's spans, summed (or) as 32-bit values
+        cleared = torch.zeros(len(words), dtype=torch.int64, device=flat.device).index_add_(
+            0, where, (~kept).to(torch.int64) & 0xFFFFFFFF)
+        cleared = torch.where(cleared >= 2 ** 31, cleared - 2 ** 32, cleared).to(torch.int32)
+        flat[words] = flat[words] & ~cleared
 
-    def apply_host(self, plan: TreePlan, keep: int) -> TreePlan:
+    def apply_host(self, plan: TreePlan, keeps: list[int]) -> TreePlan:
         """``plan`` with the bits cleared in a copy of its (numpy) ``entry_mask``: for backends that read the host
-        plan (``torch``); ``keep`` must be on the host already."""
+        plan (``torch``); ``keeps`` must be on the host already."""
         mask = np.array(plan.entry_mask, copy=True)
-        self.apply(torch.from_numpy(mask), torch.tensor(keep))
+        self.apply(torch.from_numpy(mask), [torch.tensor([k]) for k in keeps])
         return dataclasses.replace(plan, entry_mask=mask)
 
 
@@ -143,22 +178,23 @@ def located(plan: TreePlan, spans: tuple[DynamicSpan, ...], backend: str
     found = tuple(r for r in ranges if r is not None)
     if found:
         plan = dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + found)))
-    for span, where in zip(spans, ranges) if backend == "torch" else ():
-        patch = None if where is None else MaskPatch.of(plan, *where, plan.mask_words, torch.device("cpu"))
+    if backend == "torch" and found:
+        placed = [(span, where) for span, where in zip(spans, ranges) if where is not None]
+        patch = MaskPatch.of(plan, [w for _, w in placed], plan.mask_words, torch.device("cpu"))
         if patch is not None:
-            plan = patch.apply_host(plan, int(span.keep))
+            plan = patch.apply_host(plan, [int(span.keep) for span, _ in placed])
     return plan, ranges
 
 
 def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: tuple[DynamicSpan, ...],
                    ranges: list[tuple[int, int] | None]) -> None:
-    """Clear the unused slots' bits of each span (at its range, as :func:`located` found it) in ``entry_mask``, the
-    device copy of ``plan``'s (a static plan's rows are wider: its stride is used), stream-ordered after the
-    plan's copy."""
-    for span, where in zip(spans, ranges):
-        patch = None if where is None else MaskPatch.of(plan, *where, entry_mask.stride(0), entry_mask.device)
-        if patch is not None:
-            patch.apply(entry_mask, span.keep)
+    """Clear the unused slots' bits of the spans (at their ranges, as :func:`located` found them) in
+    ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are wider: its stride is used), with one
+    :class:`MaskPatch` for all of them, stream-ordered after the plan's copy."""
+    placed = [(span, where) for span, where in zip(spans, ranges) if where is not None]
+    patch = MaskPatch.of(plan, [w for _, w in placed], entry_mask.stride(0), entry_mask.device) if placed else None
+    if patch is not None:
+        patch.apply(entry_mask, [span.keep for span, _ in placed])
 
 
 def shift_positions(positions: torch.Tensor, span: DynamicSpan) -> None:

@@ -325,11 +325,11 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         length = int_value(length, "length", low=1)
         if length > node.length:
             raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
-        kept_pages = set((node.slots[:length] // self.pool.page_size).tolist())
-        dropped = [p for p in node.pages if p not in kept_pages]
-        freed = self.pool.decref(np.asarray(dropped, dtype=np.int64))
+        pages = np.asarray(node.pages, dtype=np.int64)
+        kept = np.isin(pages, node.slots[:length] // self.pool.page_size)   # (vectorized: a node may be long)
+        freed = self.pool.decref(pages[~kept])
         del node.tokens[length:]
-        node.pages = [p for p in node.pages if p in kept_pages]
+        node.pages = pages[kept].tolist()
         # The kept last page's free slots are refilled only when no other node holds that page (a page held by
         # others, e.g. a shared prefix's, may have their tokens after this node's).
         last = int(node.slots[length - 1])
