@@ -216,14 +216,19 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     others = ((0, 1), (stop, stop + 1))   # a batch's other spans: the span's range joins them, in order
     assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv == ((0, 1), (start, stop), others[1])
     patched = MaskPatch.of(plan, [(start, stop)], plan.mask_words, torch.device("cpu")).apply_host(plan, [2])
+    cleared_exactly(plan, patched, set(range(start + 2, stop)))
+    engine.tree.commit_step()
+
+
+def cleared_exactly(plan, patched, cleared):
+    """``patched``'s mask bits are ``plan``'s with those of the flattened KV positions ``cleared`` cleared."""
     for e in range(plan.num_entries):
         chunk = int(np.searchsorted(plan.chunk_entry_start, e, side="right") - 1)
         for f in range(plan.chunk_kv_start[chunk], plan.chunk_kv_start[chunk + 1]):
             t = f - plan.chunk_kv_start[chunk]
             before = (plan.entry_mask[e, t // 32] >> (t % 32)) & 1
             after = (patched.entry_mask[e, t // 32] >> (t % 32)) & 1
-            assert after == (0 if start + 2 <= f < stop else before)
-    engine.tree.commit_step()
+            assert after == (0 if f in cleared else before), (e, f)
 
 
 @pytest.mark.parametrize("page_size, gap", [(4, 0), (16, 1)])
@@ -241,14 +246,7 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
     ranges = [span.kv_range(host) for span in spans]
     patch = MaskPatch.of(host, ranges, host.mask_words, torch.device("cpu"))
     patched = patch.apply_host(host, keeps)
-    cleared = {f for (a, b), k in zip(ranges, keeps) for f in range(a + k, b)}
-    for e in range(host.num_entries):
-        chunk = int(np.searchsorted(host.chunk_entry_start, e, side="right") - 1)
-        for f in range(host.chunk_kv_start[chunk], host.chunk_kv_start[chunk + 1]):
-            t = f - host.chunk_kv_start[chunk]
-            before = (host.entry_mask[e, t // 32] >> (t % 32)) & 1
-            after = (patched.entry_mask[e, t // 32] >> (t % 32)) & 1
-            assert after == (0 if f in cleared else before), (e, f)
+    cleared_exactly(host, patched, {f for (a, b), k in zip(ranges, keeps) for f in range(a + k, b)})
     engine.tree.commit_step()
 
 

@@ -31,30 +31,41 @@ from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["EagleGroup", "chain_layout", "grown_tree", "sequence_slots"]
+__all__ = ["EagleGroup", "PerEngine", "chain_layout", "grown_tree", "sequence_slots"]
 
-_GROUPS: "weakref.WeakKeyDictionary[Engine, EagleGroup]" = weakref.WeakKeyDictionary()
+class PerEngine:
+    """A drafter engine's one instance of a subclass (:meth:`of`: made at its first use, dropped with the
+    engine)."""
 
+    _instances: "weakref.WeakKeyDictionary[Engine, PerEngine]"
 
-class EagleGroup:
-    """The EAGLE drafts of one drafter engine, drafting together (see the module docstring)."""
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._instances = weakref.WeakKeyDictionary()
 
     def __init__(self, engine: Engine):
         self.engine = engine
+
+    @classmethod
+    def of(cls, engine: Engine):
+        """The instance of ``engine`` (made at its first use, dropped with the engine)."""
+        found = cls._instances.get(engine)
+        if found is None:
+            found = cls._instances[engine] = cls(engine)
+        return found
+
+
+class EagleGroup(PerEngine):
+    """The EAGLE drafts of one drafter engine, drafting together (see the module docstring)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
         self._waiting: list = []                              # drafts submitted, not yet drafted for
         self._sequences: dict[int, Sequence[int]] = {}        # id(draft) -> its submitted sequence
         self._results: dict[int, tuple[TokenTree, list[int]]] = {}
         self._chains: dict[tuple[int, int, int], StepChain] = {}   # (requests, depth, top_k) -> chain
         self._drafting: list = []                             # the drafts of the chain being run
         self.stats = {"flushes": 0, "requests": 0}
-
-    @classmethod
-    def of(cls, engine: Engine) -> "EagleGroup":
-        """The group of ``engine`` (made at its first use, dropped with the engine)."""
-        group = _GROUPS.get(engine)
-        if group is None:
-            group = _GROUPS[engine] = cls(engine)
-        return group
 
     def submit(self, draft, sequence_tokens: Sequence[int]) -> None:
         """Queue ``draft``'s proposal after ``sequence_tokens`` (its last token the root)."""

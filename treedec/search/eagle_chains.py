@@ -15,8 +15,6 @@ chain tree accepts fewer tokens per step for the same number of draft tokens; it
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
@@ -24,14 +22,11 @@ from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
 from treedec.errors import PoolExhaustedError
-from treedec.search.eagle_batch import chain_layout, sequence_slots
+from treedec.search.eagle_batch import PerEngine, chain_layout, sequence_slots
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleChains", "chains_tree"]
-
-_CHAINS: "weakref.WeakKeyDictionary[Engine, EagleChains]" = weakref.WeakKeyDictionary()
-
 
 def chains_tree(top_k: int, depth: int) -> TokenTree:
     """The tree of ``top_k`` chains of ``depth`` tokens under one root, chain-major: chain ``j``'s token at depth
@@ -43,26 +38,18 @@ def chains_tree(top_k: int, depth: int) -> TokenTree:
     return TokenTree(tuple(parents))
 
 
-class EagleChains:
+class EagleChains(PerEngine):
     """The chain drafting of one drafter engine (:meth:`of`), for every request submitted in a scheduler pass
     at once: one drafter step syncs them all (per prompt chunk), then one :class:`StepChain` per
     ``(requests, depth, top_k)`` drafts all their chains (one CUDA graph on a graphed engine)."""
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        super().__init__(engine)
         self._chains: dict[tuple[int, int, int], StepChain] = {}
         self._drafting: list[tuple[np.ndarray, np.ndarray]] = []   # per request drafted: (sequence, scratch)
         self._waiting: list[tuple] = []                            # (draft, tokens, fused states, count)
         self._results: dict[int, torch.Tensor] = {}
         self.stats = {"flushes": 0, "requests": 0}
-
-    @classmethod
-    def of(cls, engine: Engine) -> "EagleChains":
-        """The chain drafting of ``engine`` (made at its first use, dropped with the engine)."""
-        chains = _CHAINS.get(engine)
-        if chains is None:
-            chains = _CHAINS[engine] = cls(engine)
-        return chains
 
     def submit(self, draft, tokens: torch.Tensor, states: torch.Tensor, count: torch.Tensor | None) -> None:
         """Queue ``draft``'s sync and chains: the drafter's new queries pair the fused target ``states`` ``[n,
