@@ -337,7 +337,8 @@ def _eagle(kind: str, tree: str):
 
 
 PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_heads": _medusa_heads,
-                     "parallel_sample": _parallel_sample, **{p: _eagle(k, "chains" if p.endswith("_chains") else "dynamic")
+                     "parallel_sample": _parallel_sample,
+                     **{p: _eagle(k, "chains" if p.endswith("_chains") else "dynamic")
                         for p, k in EAGLE_PROGRAMS.items()}}
 
 

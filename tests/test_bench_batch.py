@@ -50,7 +50,8 @@ def test_batch_bench_eagle3_smoke_run(tmp_path, capsys, tree, tokens):
                  "--eagle-tree", tree, "--out", str(tmp_path)]) == 0
     # EAGLE-2 keeps the best of top_k + (depth - 1) * top_k^2 = 20 candidates: 21-token trees with the root;
     # chains: top_k * depth = 8 draft tokens
-    assert f"4 requests, speculative (EAGLE-3 depth 2, top-k 4, {tokens}-token {tree} trees):" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"4 requests, speculative (EAGLE-3 depth 2, top-k 4, {tokens}-token {tree} trees):" in out
     [path] = tmp_path.glob("*-batch-smoke.json")
     results = json.loads(path.read_text())
     draft = results["draft"]
