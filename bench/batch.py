@@ -152,7 +152,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
         results, stats = generate_batch(engine, specs, min_shared_prefix=None if share else 0, max_step_tokens=budget)
     else:
         budgeting = DraftBudget(step_tokens=draft_budget)
-        results, stats = speculative_batch(engine, specs, lambda spec: draft.source(spec, drafter),
+        results, stats = speculative_batch(engine, specs, lambda spec, on=drafter: draft.source(spec, on),
                                            max_step_tokens=budget, draft_budget=budgeting, pipeline=pipeline,
                                            max_draft_tokens=draft.tree_tokens)
     decode = stats.steps - stats.prompt_steps
