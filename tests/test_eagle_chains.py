@@ -120,6 +120,12 @@ def test_chains_errors(target):
         EagleDraft(d, tree="chains", sample=SamplingParams(1.0))
     assert EagleDraft(d, depth=3, top_k=2, total_tokens=6, tree="chains").total_tokens == 6
     assert EagleDraft(d).fixed_tree is None and EagleDraft(d).total_tokens == 63
+    from treedec.search.eagle_chains import EagleChains
+    chains, draft = EagleChains.of(d), EagleDraft(d, tree="chains")
+    with pytest.raises(ValueError, match="3 states, 2 tokens"):
+        chains.submit(draft, torch.zeros(2, dtype=torch.int64), torch.zeros(3, 128), None)
+    with pytest.raises(ValueError, match="collect\\(\\) before submit"):
+        chains.collect(draft)
 
 
 @pytest.mark.gpu

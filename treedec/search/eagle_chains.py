@@ -28,6 +28,7 @@ from treedec.tree.token_tree import TokenTree
 
 __all__ = ["EagleChains", "chains_tree"]
 
+
 def chains_tree(top_k: int, depth: int) -> TokenTree:
     """The tree of ``top_k`` chains of ``depth`` tokens under one root, chain-major: chain ``j``'s token at depth
     ``d`` (1-based) is node ``1 + j * depth + d - 1``."""
@@ -58,6 +59,8 @@ class EagleChains(PerEngine):
         if any(d is draft for d, *_ in self._waiting) or id(draft) in self._results:
             raise ValueError("this draft already submitted: collect() its chains first")
         n = len(tokens)
+        if len(states) != n:
+            raise ValueError(f"a sync pairs each target state with a token: {len(states)} states, {n} tokens")
         if count is not None and n > self.engine.prefill_chunk:
             raise ValueError(f"a sync with a device count of real rows must fit one drafter step "
                              f"({self.engine.prefill_chunk} tokens), got {n}")
