@@ -97,7 +97,6 @@ class MaskPatch:
         """The patch of spans at ``ranges`` (each ``[start, stop)`` in ``plan``'s flattened KV,
         :meth:`DynamicSpan.kv_range`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static plan's
         rows are its bounds' width); None when every span is empty."""
-        ranges = [(a, b) for a, b in ranges]
         lengths = np.array([b - a for a, b in ranges], dtype=np.int64)
         if not lengths.sum():
             return None

@@ -188,8 +188,7 @@ class EagleDraft(EngineTreeDraft):
                 raise ValueError("sequence_tokens must hold at least the root token, got none")
             tokens, states = self._sync_inputs(sequence_tokens)
             self._root = int(sequence_tokens[-1])
-            EagleChains.of(self.engine).submit(self, to_device(np.asarray(tokens, dtype=np.int64), states.device),
-                                               states, None)
+            EagleChains.of(self.engine).submit(self, tokens, states, None)
             return
         # (not a copy of the whole sequence: the sync reads its length and its new tail only)
         EagleGroup.of(self.engine).submit(self, sequence_tokens)

@@ -31,7 +31,7 @@ from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["EagleGroup", "PerEngine", "chain_layout", "grown_tree", "sequence_slots"]
+__all__ = ["EagleGroup", "PerEngine", "chain_layout", "grown_tree", "sequence_slots", "sync_drafter"]
 
 class PerEngine:
     """A drafter engine's one instance of a subclass (:meth:`of`: made at its first use, dropped with the
@@ -94,33 +94,10 @@ class EagleGroup(PerEngine):
         """One drafter step per prompt chunk over the new queries of every ``(draft, tokens, states)`` job
         (tokens ``[n]`` ids, states ``[n, feature]``: query ``i`` pairs state ``i`` with token ``i``); sets each
         draft's root output feature; returns each root's logits ``[draft vocab]``."""
-        e, t = self.engine, self.engine.tree
-        need = sum(e.pool.pages_for(len(tokens)) + 1 for _, tokens, _ in jobs)
-        if need > e.pool.num_free_pages:
-            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {sum(len(x) for _, x, _ in jobs)} tokens of "
-                                     f"{len(jobs)} request(s) need up to {need} pages, {e.pool.num_free_pages} free")
-        chunk = e.prefill_chunk
-        logits: list[torch.Tensor | None] = [None] * len(jobs)
-        for at in range(0, max(len(tokens) for _, tokens, _ in jobs), chunk):
-            here = [j for j, (_, tokens, _) in enumerate(jobs) if len(tokens) > at]
-            nodes = []
-            for j in here:
-                draft, tokens, _ = jobs[j]
-                piece = tokens[at:at + chunk]
-                if draft._node is None:
-                    draft._node = t.add_prompt(piece)
-                else:
-                    t.extend(draft._node, piece)
-                nodes.append(draft._node)
-            states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
-            features = torch.empty_like(states)
-            features[to_device(e.pending_token_rows(nodes), e.device)] = states   # query order
-            out = e.step(logits_rows=e.pending_rows(nodes), return_hidden=True, features=features)
-            for row, j in enumerate(here):
-                if len(jobs[j][1]) <= at + chunk:             # its last chunk: the root's output
-                    jobs[j][0]._outputs = {(): out.hidden[row]}
-                    logits[j] = out.logits[row]
-        return logits
+        logits, hidden = sync_drafter(self.engine, [(d, tokens, states, None) for d, tokens, states in jobs])
+        for (draft, _, _), feature in zip(jobs, hidden):
+            draft._outputs = {(): feature}
+        return list(logits)
 
     # ================================================================ private
 
@@ -179,6 +156,63 @@ class EagleGroup(PerEngine):
 
     def _layout(self, i: int, k: int) -> ChainStep:
         return chain_layout(self._drafting, i, k)
+
+
+def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bring drafts up to their sequences: one drafter step per prompt chunk over every ``(draft, tokens, states,
+    count)`` job's new queries, each pairing a fused target state (``states [n, feature]``) with its token.
+    ``tokens``: host ids (recorded in the drafter's tree) or an int64 device tensor (placeholders in the tree,
+    the step reads the device values); ``count``: how many of the ``n`` are real (a one-element device tensor,
+    ``n`` within one chunk; None: all). Returns each job's root (its last real query) logits ``[jobs, draft
+    vocab]`` and output features ``[jobs, feature]``; nothing is read back."""
+    e, t = engine, engine.tree
+    need = sum(e.pool.pages_for(len(tokens)) + 1 for _, tokens, _, _ in jobs)
+    if need > e.pool.num_free_pages:
+        raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {sum(len(x) for _, x, _, _ in jobs)} tokens of "
+                                 f"{len(jobs)} request(s) need up to {need} pages, {e.pool.num_free_pages} free")
+    chunk = e.prefill_chunk
+    roots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(jobs)
+    for at in range(0, max(len(tokens) for _, tokens, _, _ in jobs), chunk):
+        here = [j for j, (_, tokens, _, _) in enumerate(jobs) if len(tokens) > at]
+        on_device = any(isinstance(jobs[j][1], torch.Tensor) for j in here)
+        nodes, sizes = [], []
+        for j in here:
+            draft, tokens = jobs[j][0], jobs[j][1]
+            sizes.append(min(chunk, len(tokens) - at))
+            piece = [0] * sizes[-1] if isinstance(tokens, torch.Tensor) else tokens[at:at + chunk]
+            if draft._node is None:
+                draft._node = t.add_prompt(piece)
+            else:
+                t.extend(draft._node, piece)
+            nodes.append(draft._node)
+        rows = e.pending_token_rows(nodes)                   # node by node, in token order
+        at_rows = to_device(rows, e.device)
+        states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
+        features = torch.empty_like(states)
+        features[at_rows] = states                           # query order
+        device_tokens = None
+        if on_device:
+            device_tokens = torch.empty(len(rows), dtype=torch.int64, device=e.device)
+            device_tokens[at_rows] = torch.cat([
+                jobs[j][1][at:at + chunk].to(torch.int64) if isinstance(jobs[j][1], torch.Tensor)
+                else to_device(np.asarray(jobs[j][1][at:at + chunk], dtype=np.int64), e.device) for j in here])
+        # Rows read: a job's last chunk's last row, or all of its rows when its count is a device value.
+        starts = np.cumsum([0] + sizes)
+        ends = [(i, j) for i, j in enumerate(here) if len(jobs[j][1]) <= at + chunk]
+        wanted = [rows[starts[i]:starts[i + 1]] if jobs[j][3] is not None else rows[starts[i + 1] - 1:starts[i + 1]]
+                  for i, j in ends]
+        out = e.step(logits_rows=np.concatenate(wanted) if wanted else rows[-1:], return_hidden=True,
+                     features=features, tokens=device_tokens)   # (no root in this chunk: one row, unread)
+        offset = 0
+        for (i, j), got in zip(ends, wanted):
+            count = jobs[j][3]
+            if count is None:
+                roots[j] = (out.logits[offset], out.hidden[offset])
+            else:
+                root = count.reshape(1) - 1 + offset
+                roots[j] = (out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0])
+            offset += len(got)
+    return torch.stack([r[0] for r in roots]), torch.stack([r[1] for r in roots])
 
 
 def chain_layout(drafting: list[tuple[np.ndarray, np.ndarray]], i: int, k: int) -> ChainStep:

@@ -21,8 +21,7 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
-from treedec.errors import PoolExhaustedError
-from treedec.search.eagle_batch import PerEngine, chain_layout, sequence_slots
+from treedec.search.eagle_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -52,10 +51,11 @@ class EagleChains(PerEngine):
         self._results: dict[int, torch.Tensor] = {}
         self.stats = {"flushes": 0, "requests": 0}
 
-    def submit(self, draft, tokens: torch.Tensor, states: torch.Tensor, count: torch.Tensor | None) -> None:
+    def submit(self, draft, tokens, states: torch.Tensor, count: torch.Tensor | None) -> None:
         """Queue ``draft``'s sync and chains: the drafter's new queries pair the fused target ``states`` ``[n,
-        feature]`` with ``tokens`` ``[n]`` (device), of which the first ``count`` are real (a device value; None:
-        all; else ``n`` must fit one drafter step). The draft has dropped its last sync's unreal rows."""
+        feature]`` with ``tokens`` ``[n]`` (host ids, or an int64 device tensor: :func:`sync_drafter`), of which
+        the first ``count`` are real (a device value; None: all; else ``n`` must fit one drafter step). The draft
+        has dropped its last sync's unreal rows."""
         if any(d is draft for d, *_ in self._waiting) or id(draft) in self._results:
             raise ValueError("this draft already submitted: collect() its chains first")
         n = len(tokens)
@@ -85,7 +85,7 @@ class EagleChains(PerEngine):
     def _flush(self) -> None:
         jobs, self._waiting = self._waiting, []
         try:
-            logits, hidden = self._sync(jobs)
+            logits, hidden = sync_drafter(self.engine, jobs)
         except BaseException:
             if self.engine.tree.num_pending:   # (tokens added, their step failed: computed, so resets can free them)
                 self.engine.tree.commit_step()
@@ -101,48 +101,6 @@ class EagleChains(PerEngine):
                 self._results[id(jobs[j][0])] = tokens[row]
         self.stats["flushes"] += 1
         self.stats["requests"] += len(jobs)
-
-    def _sync(self, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter step per prompt chunk over every job's new queries (tokens and features in query order on
-        the device); each job's root (its last real query) logits ``[jobs, draft vocab]`` and output features."""
-        e, t = self.engine, self.engine.tree
-        need = sum(e.pool.pages_for(len(tokens)) + 1 for _, tokens, _, _ in jobs)
-        if need > e.pool.num_free_pages:
-            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: a sync of {len(jobs)} request(s) needs up to "
-                                     f"{need} pages, {e.pool.num_free_pages} free")
-        chunk = e.prefill_chunk
-        roots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(jobs)
-        for at in range(0, max(len(tokens) for _, tokens, _, _ in jobs), chunk):
-            here = [j for j, (_, tokens, _, _) in enumerate(jobs) if len(tokens) > at]
-            nodes = []
-            for j in here:
-                draft, tokens = jobs[j][0], jobs[j][1]
-                piece = [0] * min(chunk, len(tokens) - at)   # (placeholder ids: the step reads the device tokens)
-                if draft._node is None:
-                    draft._node = t.add_prompt(piece)
-                else:
-                    t.extend(draft._node, piece)
-                nodes.append(draft._node)
-            rows = e.pending_token_rows(nodes)               # node by node, in token order
-            at_rows = to_device(rows, e.device)
-            states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
-            features = torch.empty_like(states)
-            features[at_rows] = states
-            tokens = torch.empty(len(rows), dtype=torch.int64, device=e.device)
-            tokens[at_rows] = torch.cat([jobs[j][1][at:at + chunk] for j in here]).to(torch.int64)
-            ends = [j for j in here if len(jobs[j][1]) <= at + chunk]   # their last chunk: read their roots there
-            starts = np.cumsum([0] + [min(chunk, len(jobs[j][1]) - at) for j in here])
-            wanted = [rows[starts[i]:starts[i + 1]] for i, j in enumerate(here) if j in ends]
-            wanted = np.concatenate(wanted) if wanted else rows[-1:]   # (no root in this chunk: one row, unread)
-            out = e.step(logits_rows=wanted, return_hidden=True, features=features, tokens=tokens)
-            offset = 0
-            for j in ends:
-                n, count = len(jobs[j][1]) - at, jobs[j][3]
-                root = (count.reshape(1) - 1 + offset if count is not None
-                        else torch.full((1,), offset + n - 1, dtype=torch.int64, device=e.device))
-                roots[j] = (out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0])
-                offset += n
-        return torch.stack([r[0] for r in roots]), torch.stack([r[1] for r in roots])
 
     def _draft(self, depth: int, k: int, jobs: list[tuple], root_logits: torch.Tensor, root_hidden: torch.Tensor
                ) -> torch.Tensor:
