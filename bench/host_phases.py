@@ -30,7 +30,7 @@ from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
-from treedec.search import acceptance, drafts, eagle, eagle_batch, medusa, speculative, tree_drafting  # noqa: E402
+from treedec.search import acceptance, drafts, eagle, drafter_batch, medusa, speculative, tree_drafting  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.
@@ -40,10 +40,10 @@ PHASES = [
     (medusa.MedusaDraft, "propose", "MedusaDraft.propose"),
     (eagle.EagleDraft, "propose", "EagleDraft.propose (drafter steps inside)"),
     (eagle.EagleDraft, "collect", "EagleDraft.collect (every request's drafting: one flush a pass)"),
-    (eagle_batch.EagleGroup, "sync", "  EagleGroup.sync (one drafter step for every request)"),
+    (drafter_batch.DrafterGroup, "sync", "  DrafterGroup.sync (one drafter step for every request)"),
     (step_chain.StepChain, "run", "  StepChain.run (the drafting chains: host plans, one graph)"),
     (step_chain.StepChain, "_step", "    StepChain._step (a chain step's layout)"),
-    (eagle_batch, "grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
+    (drafter_batch, "grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
     (tree_drafting.EngineTreeDraft, "_layer", "  EngineTreeDraft._layer (sampled / layered drafts)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
     (Engine, "step", "Engine.step"),

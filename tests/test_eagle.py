@@ -23,7 +23,7 @@ from treedec.engine.eagle import EagleDrafter, default_aux_layers, load_eagle, s
 from treedec.engine.loading import CheckpointError, read_state_dict
 from treedec.search.acceptance import RejectionSampling
 from treedec.search.eagle import EagleDraft
-from treedec.search.eagle_batch import EagleGroup
+from treedec.search.drafter_batch import DrafterGroup
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.search.generate import greedy_generate
@@ -394,7 +394,7 @@ def test_batched_eagle_requests_equal_one_at_a_time(bigram):
     assert stats.shared_prefix_tokens == 0 and max(stats.programs_per_step) == 5
     # drafted together: one drafter step per tree layer for the requests of a pass (fewer drafts than requests)
     for e in (e1, e3):
-        group = EagleGroup.of(e)
+        group = DrafterGroup.of(e)
         assert group.stats["requests"] > group.stats["flushes"] > 0, group.stats
     # each request's drafter pages (its sequence, its chains' scratch slots) freed at its end
     assert all(e.tree.num_nodes == 0 and e.pool.num_free_pages == e.pool.num_pages for e in (e1, e3))

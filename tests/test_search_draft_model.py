@@ -1,5 +1,6 @@
-"""Draft-model drafts (tiny models, CPU): EAGLE-2-style trees from the draft's own tree steps,
-its K/V of the accepted path kept, and greedy speculative decoding equal to plain greedy."""
+"""Draft-model drafts (tiny models, CPU): EAGLE-2-style trees from the draft's own steps (greedy drafts in
+chains drafted with the other requests', sampled drafts keeping their K/V of the accepted path), and greedy
+speculative decoding equal to plain greedy, alone and batched."""
 import pytest
 import torch
 
@@ -48,8 +49,8 @@ def test_draft_model_speculative_equals_plain_greedy(tiny, other_tiny, reference
     seq = d_engine.tree.sequence(draft.node)
     assert seq == (prompt + tokens)[:len(seq)] and len(seq) >= len(prompt) + NEW_TOKENS - 3
     assert d_engine.tree.layout().num_queries == 0
+    draft.reset()   # (its chains' scratch pages are held outside the tree until then)
     d_engine.tree.check_invariants()
-    draft.reset()
     assert d_engine.pool.num_free_pages == d_engine.pool.num_pages
 
 
@@ -63,32 +64,45 @@ def test_draft_kv_equals_a_fresh_prefill(tiny, other_tiny, reference):
     assert_kv_equals_fresh_prefill(d_engine, draft.node, draft_engine(other_tiny))
 
 
-def test_one_draft_step_per_layer_and_no_recompute(tiny):
+def test_greedy_drafts_one_step_per_layer(tiny):
+    """A greedy proposal is one sync step (the tokens the draft has not computed, the root included) and one
+    chain step per deeper layer (top_k chain queries); the accepted tokens are computed again in the next sync."""
     d_engine = draft_engine(tiny)
     draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10)
     prompt = [3, 1, 4, 1, 5]
     tree, tokens = draft.propose(prompt)
     assert tokens[0] == 5 and tree.size == 11 and max(tree.depth) == 3
-    # the prefill, then one step per frontier layer (layers 1 and 2: top_k nodes each)
     assert d_engine.stats["steps"] == 3 and d_engine.stats["queries"] == 5 + 2 + 2
-    # tree order within a layer is by score, so the first top_k nodes of a layer are its frontier
-    depth = tree.depth
-    computed = depth.index(2)
+    computed = tree.depth.index(2)
     path = [tokens[tree.parents[computed]], tokens[computed]]
-    # accepted: a path of frontier nodes (computed by the draft) + a bonus: one query for the bonus
     draft.propose(prompt + path + [7])
-    assert d_engine.stats["steps"] == 6 and d_engine.stats["queries"] == 9 + 1 + 2 + 2
+    assert d_engine.stats["steps"] == 6 and d_engine.stats["queries"] == 9 + 3 + 2 + 2
     assert d_engine.tree.sequence(draft.node) == prompt + path + [7]
-    # a sequence it holds already (nothing new to compute): prefilled afresh
-    tree, tokens = draft.propose(prompt + path + [7])
-    assert d_engine.stats["queries"] == 14 + 8 + 2 + 2
-    # accepted down to a last-layer leaf, which the draft never computed: two queries
-    leaf = tree.depth.index(3)
-    mid = tree.parents[leaf]
-    chain = [tokens[tree.parents[mid]], tokens[mid], tokens[leaf]]
-    before = d_engine.stats["queries"]
-    draft.propose(prompt + path + [7] + chain + [9])
-    assert d_engine.stats["queries"] - before == 2 + 2 + 2
+    # a sequence it holds already (nothing new to compute), or another request's: prefilled afresh
+    draft.propose(prompt + path + [7])
+    assert d_engine.stats["queries"] == 16 + 8 + 2 + 2
+    draft.propose([9, 9, 2])
+    assert d_engine.stats["queries"] == 28 + 3 + 2 + 2 and d_engine.tree.sequence(draft.node) == [9, 9, 2]
+    draft.reset()
+    d_engine.tree.check_invariants()
+    assert d_engine.pool.num_free_pages == d_engine.pool.num_pages
+
+
+def test_sampled_drafts_keep_the_accepted_paths_kv(tiny):
+    """A sampled draft's frontier nodes live in its tree: an accepted path of them is moved onto its sequence
+    (no recompute, its K/V those of a fresh prefill); only the new root is computed, then the layers."""
+    from treedec.search.sampling import SamplingParams
+
+    d_engine = draft_engine(tiny)
+    draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10, sample=SamplingParams(1.0), seed=3)
+    prompt = [3, 1, 4, 1, 5]
+    draft.propose(prompt)
+    assert d_engine.stats["steps"] == 3 and d_engine.stats["queries"] == 5 + 2 + 2
+    path = next(p for p in draft._computed if len(p) == 2)   # two frontier nodes, computed by the draft
+    draft.propose(prompt + list(path) + [7])
+    assert d_engine.stats["steps"] == 6 and d_engine.stats["queries"] == 9 + 1 + 2 + 2
+    assert d_engine.tree.sequence(draft.node) == prompt + list(path) + [7]
+    assert_kv_equals_fresh_prefill(d_engine, draft.node, draft_engine(tiny))
 
 
 def test_errors(tiny):
@@ -135,3 +149,36 @@ def test_sampled_trees_keep_children_in_draw_order_and_report_their_distribution
         assert all(probs[node][tokens[i]] > 0 for i in kids)                # inside the top-5 support
     with pytest.raises(ValueError, match="sample must be SamplingParams with a temperature > 0"):
         DraftModelDraft(engine, sample=SamplingParams(0.0))
+
+
+@pytest.mark.parametrize("which", ["self", "other"])
+def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, other_tiny, which):
+    """Five requests (two share a system prompt) over ONE draft engine: each emits its plain greedy tokens and
+    accepts what it accepts alone; a scheduler pass drafts for all its requests at once (one sync step and
+    ``depth - 1`` chain steps, not per request), and every draft page is freed at the end."""
+    from treedec.search.drafter_batch import DrafterGroup
+    from treedec.search.requests_file import RequestSpec
+    from treedec.search.speculative_batch import speculative_batch
+
+    model = tiny if which == "self" else other_tiny
+    system = list(range(100, 140))
+    prompts = [system + [1, 2, 3], system + [4, 5], [7, 8, 9, 10], prompt_with_repeats(), [3, 3, 3]]
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=10 + 2 * i, temperature=0.0)
+             for i, p in enumerate(prompts)]
+    d_engine = draft_engine(model)
+    results, stats = speculative_batch(make_engine(tiny), specs,
+                                       lambda spec: DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=8))
+    alone_steps = 0
+    for spec, result in zip(specs, results):
+        assert result.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        d_alone = draft_engine(model)
+        tokens, alone = speculative_generate(make_engine(tiny), list(spec.prompt_ids),
+                                             DraftModelDraft(d_alone, depth=3, top_k=2, total_tokens=8),
+                                             spec.max_new_tokens)
+        assert tokens == result.output_ids and result.stats["accepted"] == alone.accepted
+        alone_steps += d_alone.stats["steps"]
+    assert max(stats.programs_per_step) == 5
+    group = DrafterGroup.of(d_engine)
+    assert group.stats["requests"] > group.stats["flushes"] > 0, group.stats
+    assert d_engine.stats["steps"] <= 3 * group.stats["flushes"] + 8 < alone_steps   # (+ prompt chunks)
+    assert d_engine.tree.num_nodes == 0 and d_engine.pool.num_free_pages == d_engine.pool.num_pages

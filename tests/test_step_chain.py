@@ -15,7 +15,7 @@ from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
 from treedec.tree.layout import TreeLayout
 from treedec.search.eagle import EagleDraft
-from treedec.search.eagle_batch import EagleGroup
+from treedec.search.drafter_batch import DrafterGroup
 from treedec.search.requests_file import RequestSpec
 from treedec.search.speculative_batch import speculative_batch
 from treedec.search.generate import greedy_generate
@@ -150,6 +150,6 @@ def test_graphed_batched_eagle_drafting_equals_alone(bigram, triton_device):
     for spec, result in zip(specs, results):
         assert result.output_ids == greedy_generate(engines(bigram, False), spec.prompt_ids, spec.max_new_tokens,
                                                     eos_token_id=None)
-    group = EagleGroup.of(d_engine)
+    group = DrafterGroup.of(d_engine)
     assert group.stats["requests"] > group.stats["flushes"] and (3, 3, 2) in group._chains
     assert d_engine.pool.num_free_pages == d_engine.pool.num_pages and d_engine.tree.num_nodes == 0

@@ -1,22 +1,32 @@
 """A small draft model as the draft source: EAGLE-2-style dynamic token trees from its own tree steps.
 
 The draft model (same vocabulary as the target) runs on its own :class:`~treedec.engine.Engine`.
-Each :meth:`DraftModelDraft.propose` is ``depth`` draft engine steps:
+Each proposal is ``depth`` draft engine steps:
 
 1. *sync*: the tokens the target emitted since the last proposal, root included, that
    the draft has not computed yet, in one step (logits of the root);
 2. one step per tree layer: the ``top_k`` nodes of the layer with the highest cumulative
-   log-prob (the frontier) are appended to the draft's tree and computed together, each
-   giving its ``top_k`` most likely children (:func:`~treedec.tree.token_tree.expand_by_logprob`).
+   log-prob (the frontier) are computed together, each giving its ``top_k`` most likely
+   children (the tree :func:`~treedec.tree.token_tree.expand_by_logprob` grows).
 
 Of every node made, the ``total_tokens`` with the highest cumulative log-prob form the
-tree that the target verifies. At the next proposal the draft *keeps its own K/V of the
-accepted path*: the accepted tokens that were frontier nodes (so computed by the draft)
-are moved onto the draft's sequence node (no recompute) and the rest of its tree is
-pruned; only the accepted tokens it never computed (a last-layer leaf) and the new root
-are computed, in the sync step, which the proposal runs anyway.
+tree that the target verifies.
+
+Greedy (top-k) drafts of a batch that share the draft engine draft *together*, as EAGLE's do
+(:class:`~treedec.search.drafter_batch.DrafterGroup`): one sync step for every request's new
+tokens, then the ``depth - 1`` layer steps of every request's frontier in one
+:class:`~treedec.engine.step_chain.StepChain` (one CUDA graph on a graphed engine), the frontier
+held in ``top_k`` chains of scratch KV slots and picked on the device, one copy back at the end.
+The accepted tokens are computed again in the next sync (a few rows of a step that runs anyway).
+
+Sampled drafts (``sample``) propose alone, with the frontier nodes in the draft's tree; at the
+next proposal such a draft *keeps its own K/V of the accepted path*: the accepted tokens that
+were frontier nodes are moved onto the draft's sequence node (no recompute) and the rest of its
+tree is pruned; only the accepted tokens it never computed and the new root are computed.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -30,8 +40,9 @@ class DraftModelDraft(EngineTreeDraft):
 
     Parameters
     ----------
-    engine : the draft model's Engine, used by this draft alone (its tree holds this
-        draft's one request; a proposal commits every pending token of it).
+    engine : the draft model's Engine. The drafts of a batch's requests may share it (each keeps
+        its own sequence in its tree; greedy drafts draft together, one draft step per tree layer
+        for every request of a scheduler pass); a proposal commits every pending token of it.
     depth : tree layers (draft tokens per path), >= 1.
     top_k : nodes expanded per layer and children per expanded node, >= 1.
     total_tokens : draft tokens in the proposed tree (the best by cumulative log-prob), >= 1.
@@ -63,6 +74,18 @@ class DraftModelDraft(EngineTreeDraft):
         self.reset()
 
     # ================================================================ private
+
+    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], None]:
+        """The tokens of ``seq`` the draft has not computed (all of it when ``seq`` does not extend the draft's
+        sequence: a new request, whose old sequence is freed)."""
+        t = self.engine.tree
+        base = t.sequence(self._node) if self._node is not None else []
+        if not base or len(seq) <= len(base) or list(seq[:len(base)]) != base:
+            if self._node is not None:
+                t.prune(self._node)
+            self._node = None
+            return [int(x) for x in seq], None
+        return [int(x) for x in seq[len(base):]], None
 
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Bring the draft's node to ``seq`` (the accepted path's K/V kept); the root's logits [vocab]."""

@@ -66,7 +66,7 @@ class DraftSource:
     None: the draft's tokens are not sampled."""
 
     drafts_together: bool = False
-    """True for drafts that draft for many requests at once (EAGLE's, on a shared drafter engine): a
+    """True for drafts that draft for many requests at once (EAGLE and draft-model drafts on a shared drafter engine): a
     speculative program then calls :meth:`submit`, lets every other program of the scheduler pass submit
     too (:meth:`~treedec.search.program.ProgramContext.together`), and :meth:`collect` s its tree;
     :meth:`propose` is both, alone. Pipelined, with a :attr:`fixed_tree`: :meth:`submit_step` and

@@ -42,14 +42,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from treedec.engine import Engine
 from treedec.engine.eagle import EagleDrafter
-from treedec.errors import PoolExhaustedError
 from treedec.search.drafts import DeviceStep, TargetOutput
-from treedec.search.eagle_batch import EagleGroup
+from treedec.search.drafter_batch import DrafterGroup
 from treedec.search.eagle_chains import EagleChains, chains_tree
 from treedec.search.sampling import SamplingParams
 from treedec.search.tree_drafting import EngineTreeDraft
@@ -67,7 +65,7 @@ class EagleDraft(EngineTreeDraft):
     engine : an Engine of the :class:`~treedec.engine.eagle.EagleDrafter` (its own pool; graphs
         welcome: ``cuda_graphs=True``). The drafts of a batch's requests may share it: each keeps its
         own sequence in its tree, and greedy drafts draft together, one drafter step per tree layer for
-        every request of a scheduler pass (:mod:`treedec.search.eagle_batch`).
+        every request of a scheduler pass (:mod:`treedec.search.drafter_batch`).
     depth : tree layers (draft tokens per path), >= 1 (EAGLE-2: 5).
     top_k : nodes expanded per layer and children per expanded node (EAGLE-2: 8).
     total_tokens : draft tokens in the proposed tree (default: EAGLE-2's 63, a 64-token tree with the root;
@@ -102,9 +100,6 @@ class EagleDraft(EngineTreeDraft):
         self.drafter: EagleDrafter = engine.model
         self._states: torch.Tensor | None = None          # fused target states not yet in the drafter
         self._observed: tuple[int, int] | None = None     # (length, last token) of the observed sequence
-        self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # token path -> the drafter's output feature
-        self._scratch: np.ndarray | None = None           # [top_k, depth - 1] the chains' KV slots (see reset)
-        self._scratch_pages: np.ndarray | None = None
 
     @property
     def target_states(self) -> str | tuple[int, ...]:
@@ -156,12 +151,8 @@ class EagleDraft(EngineTreeDraft):
     def reset(self) -> None:
         """Free the request: the drafter's sequence and the chains' scratch pages."""
         super().reset()
-        if self._scratch_pages is not None:
-            self.engine.pool.decref(self._scratch_pages)
-        EagleGroup.of(self.engine).drop(self)
         EagleChains.of(self.engine).drop(self)
-        self._scratch = self._scratch_pages = None
-        self._states, self._observed, self._outputs = None, None, {}
+        self._states, self._observed = None, None
 
     def observe(self, output: TargetOutput) -> None:
         """Take the target's states at the tokens it computed since the last observation."""
@@ -172,51 +163,24 @@ class EagleDraft(EngineTreeDraft):
         self._states = fused if self._states is None else torch.cat([self._states, fused])
         self._observed = (len(output.tokens), int(output.tokens[-1]))
 
-    @property
-    def drafts_together(self) -> bool:
-        """Greedy (top-k) EAGLE drafts draft together with the other requests on their drafter engine (its
-        :class:`~treedec.search.eagle_batch.EagleGroup`; chains: :class:`~treedec.search.eagle_chains.EagleChains`);
-        sampled ones propose alone."""
-        return self.sample is None
-
     def submit(self, sequence_tokens: Sequence[int]) -> None:
-        """Queue this request's proposal in its drafter engine's group (see :attr:`drafts_together`)."""
-        if not self.drafts_together:
-            raise ValueError("a sampled EagleDraft proposes alone: call propose()")
-        if self._fixed is not None:
-            if not len(sequence_tokens):
-                raise ValueError("sequence_tokens must hold at least the root token, got none")
-            tokens, states = self._sync_inputs(sequence_tokens)
-            self._root = int(sequence_tokens[-1])
-            EagleChains.of(self.engine).submit(self, tokens, states, None)
-            return
-        # (not a copy of the whole sequence: the sync reads its length and its new tail only)
-        EagleGroup.of(self.engine).submit(self, sequence_tokens)
+        """Queue this request's proposal with the other requests' on its drafter engine (see
+        :attr:`drafts_together`; chains: :class:`~treedec.search.eagle_chains.EagleChains`)."""
+        if self._fixed is None:
+            return super().submit(sequence_tokens)
+        if not len(sequence_tokens):
+            raise ValueError("sequence_tokens must hold at least the root token, got none")
+        tokens, states = self._sync_inputs(sequence_tokens)
+        self._root = int(sequence_tokens[-1])
+        EagleChains.of(self.engine).submit(self, tokens, states, None)
 
     def collect(self) -> tuple[TokenTree, list[int]]:
         """The tree of the submitted sequence: drafted together with every request submitted since."""
-        if self._fixed is not None:
-            return self._fixed, [self._root] + EagleChains.of(self.engine).collect(self).tolist()
-        return EagleGroup.of(self.engine).collect(self)
-
-    def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
-        if self.sample is not None:
-            return super().propose(sequence_tokens)
-        self.submit(sequence_tokens)
-        return self.collect()
+        if self._fixed is None:
+            return super().collect()
+        return self._fixed, [self._root] + EagleChains.of(self.engine).collect(self).tolist()
 
     # ================================================================ private
-
-    def _reserve_scratch(self) -> None:
-        """The chains' KV slots, ``[top_k, depth - 1]``: pages of the drafter's pool held until :meth:`reset`."""
-        e, k, n = self.engine, self.top_k, self.depth - 1
-        pages = e.pool.pages_for(k * n)
-        if pages > e.pool.num_free_pages:
-            raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {k} chains of {n} tokens need {pages} "
-                                     f"pages, {e.pool.num_free_pages} free")
-        self._scratch_pages = e.pool.allocate(pages)
-        slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
-        self._scratch = slots[:k * n].reshape(k, n)
 
     def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """The drafter's new queries for ``seq`` (its tokens ``seq[1:]``; query ``i`` pairs the target's state
@@ -238,7 +202,7 @@ class EagleDraft(EngineTreeDraft):
 
     def _sync(self, seq: Sequence[int]) -> torch.Tensor:
         """Bring the drafter to ``seq`` alone (sampled drafts): the root's children's logits."""
-        return EagleGroup.of(self.engine).sync([(self, *self._sync_inputs(seq))])[0]
+        return DrafterGroup.of(self.engine).sync([(self, *self._sync_inputs(seq))])[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine

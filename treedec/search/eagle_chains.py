@@ -21,7 +21,7 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
-from treedec.search.eagle_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
+from treedec.search.drafter_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 

@@ -10,9 +10,9 @@ strings, ``max_new_tokens``: an EOS or a stop string inside an accepted path cut
 
 Any draft source batches: n-gram lookup, fixed trees, Medusa heads (their row head runs inside
 the shared step for every request's rows; the requests' drafts must share one heads module),
-drafts that read the target's hidden states, EAGLE drafters (their requests' drafting batched too:
-one drafter step per tree layer for all, :mod:`treedec.search.eagle_batch`), a draft model (its own
-engine, stepped per request). Acceptance is greedy by default (then every request's tokens are exactly those of
+drafts that read the target's hidden states, EAGLE drafters and draft models (greedy drafts on one
+drafter engine draft together: one drafter step per tree layer for all the pass's requests,
+:mod:`treedec.search.drafter_batch`). Acceptance is greedy by default (then every request's tokens are exactly those of
 plain greedy decoding of its prompt, whatever the draft: tested); ``acceptance`` gives a
 sampled rule.
 """

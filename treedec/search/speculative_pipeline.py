@@ -40,6 +40,7 @@ from treedec.search.device_acceptance import greedy_outcome
 from treedec.search.drafts import DeviceStep, DraftSource, target_states_at
 from treedec.search.program import ProgramContext, StepRequest
 from treedec.search.stops import StopChecker
+from treedec.search.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -56,6 +57,9 @@ def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | No
                 f"{type(acceptance).__name__} decides on the host")
     if engine.attn.backend == "reference":
         return "the reference attention backend plans from the layout (it cannot mask a span on the device)"
+    if isinstance(draft, EngineTreeDraft) and draft.engine.attn.backend == "reference":
+        return ("the drafter engine's reference attention backend plans from the layout (it cannot mask the "
+                "drafter's unaccepted rows on the device)")
     return None
 
 

@@ -2,12 +2,15 @@
 
 :class:`EngineTreeDraft` is what :class:`~treedec.search.draft_model.DraftModelDraft` and
 :class:`~treedec.search.eagle.EagleDraft` share: each proposal first brings the drafter up to
-the sequence (``_sync``: the root's logits), then grows the tree ``depth`` layers deep, one
-drafter step per layer over the layer's frontier (``_frontier_logits``), and keeps the best
-``total_tokens`` nodes by cumulative log-prob; or, with ``sample``, draws each expanded node's
-children without replacement and reports the distributions drawn from (:attr:`draft_probs`).
-A drafter whose vocabulary differs from the target's maps its ids (``_to_target``,
-``_target_probs``).
+the sequence (the root's logits), then grows the tree ``depth`` layers deep, one drafter step
+per layer over the layer's frontier, and keeps the best ``total_tokens`` nodes by cumulative
+log-prob. Greedy (top-k) drafts do it with every other request on their drafter engine
+(:class:`~treedec.search.drafter_batch.DrafterGroup`: one sync step, then the frontier in ``top_k``
+chains of scratch KV slots, one :class:`~treedec.engine.step_chain.StepChain` for all requests;
+``_sync_inputs`` gives a request's new queries). With ``sample``, a proposal draws each expanded
+node's children without replacement, alone (``_sync``, ``_frontier_logits``), and reports the
+distributions drawn from (:attr:`draft_probs`). A drafter whose vocabulary differs from the
+target's maps its ids (``_to_target``, ``_target_probs``).
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+import numpy as np
+
+from treedec.search.drafter_batch import DrafterGroup
 from treedec.search.drafts import DraftSource
 from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.tree.token_tree import TokenTree, expand_by_logprob
+from treedec.tree.token_tree import TokenTree
 
 
 class EngineTreeDraft(DraftSource):
@@ -45,7 +51,10 @@ class EngineTreeDraft(DraftSource):
         self.draft_probs: torch.Tensor | None = None     # with sample: [tree.size, vocab] of the last proposal
         self._generator: torch.Generator | None = None
         self._node: int | None = None                    # the drafter's sequence node
-        self._computed: dict[tuple[int, ...], int] = {}  # token path after the root -> drafter node (computed)
+        self._computed: dict[tuple[int, ...], int] = {}  # sampled: token path after the root -> drafter node
+        self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # EAGLE: token path -> the drafter's output feature
+        self._scratch: np.ndarray | None = None          # [top_k, depth - 1] the chains' KV slots (see reset)
+        self._scratch_pages: np.ndarray | None = None
 
     @property
     def max_depth(self) -> int:
@@ -58,26 +67,54 @@ class EngineTreeDraft(DraftSource):
         return self._node
 
     def reset(self) -> None:
-        """Free the draft's request (its KV pages)."""
+        """Free the draft's request: its KV pages (its sequence, its chains' scratch slots) and anything it
+        queued in its drafter engine's group."""
         if self._node is not None:
             self.engine.tree.prune(self._node)
-        self._node, self._computed = None, {}
+        if self._scratch_pages is not None:
+            self.engine.pool.decref(self._scratch_pages)
+        DrafterGroup.of(self.engine).drop(self)
+        self._node, self._computed, self._outputs = None, {}, {}
+        self._scratch = self._scratch_pages = None
+
+    @property
+    def drafts_together(self) -> bool:
+        """Greedy (top-k) drafts draft together with the other requests on their drafter engine (its
+        :class:`~treedec.search.drafter_batch.DrafterGroup`); sampled ones propose alone."""
+        return self.sample is None
+
+    def submit(self, sequence_tokens: Sequence[int]) -> None:
+        """Queue this request's proposal in its drafter engine's group (see :attr:`drafts_together`)."""
+        if not self.drafts_together:
+            raise ValueError(f"a sampled {type(self).__name__} proposes alone: call propose()")
+        # (not a copy of the whole sequence: the sync reads its length and its new tail only)
+        DrafterGroup.of(self.engine).submit(self, sequence_tokens)
+
+    def collect(self) -> tuple[TokenTree, list[int]]:
+        """The tree of the submitted sequence: drafted together with every request submitted since."""
+        return DrafterGroup.of(self.engine).collect(self)
 
     def propose(self, sequence_tokens: Sequence[int]) -> tuple[TokenTree, list[int]]:
+        if self.sample is None:
+            self.submit(sequence_tokens)
+            return self.collect()
         seq = [int(x) for x in sequence_tokens]
         if not seq:
             raise ValueError("sequence_tokens must hold at least the root token, got none")
         root_logits = self._sync(seq)
         self._computed = {}
-        if self.sample is not None:
-            return self._sampled_tree(seq[-1], root_logits)
-        return expand_by_logprob(seq[-1], lambda paths: self._layer(paths, root_logits), self.depth, self.top_k,
-                                 self.total_tokens, batched=True)
+        return self._sampled_tree(seq[-1], root_logits)
 
     # ================================================================ hooks
 
+    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The drafter's new queries for ``seq`` (its last token the root; greedy drafts, in their group's sync):
+        their tokens and, for a drafter that reads them, the target's states at them (else None)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _sync_inputs")
+
     def _sync(self, seq: list[int]) -> torch.Tensor:
-        """Bring the drafter to ``seq`` (its last token the root); the logits [draft vocab] of the root's children."""
+        """Bring the drafter to ``seq`` alone (sampled drafts; its last token the root); the logits [draft vocab]
+        of the root's children."""
         raise NotImplementedError(f"{type(self).__name__} must define _sync")
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
@@ -99,13 +136,16 @@ class EngineTreeDraft(DraftSource):
 
     # ================================================================ private
 
-    def _layer(self, paths: list[tuple[int, ...]], root_logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
-        """Candidates (top-k target tokens, log-probs) of one layer's frontier ``paths``: one drafter step."""
-        logits = root_logits[None] if paths == [()] else self._frontier_logits(paths)
-        top = torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-        # one copy back (one wait): ids as float64 are exact
-        both = torch.stack([self._to_target(top.indices).double(), top.values.double()]).tolist()
-        return list(zip(([int(t) for t in row] for row in both[0]), both[1]))
+    def _reserve_scratch(self) -> None:
+        """The chains' KV slots, ``[top_k, depth - 1]``: pages of the drafter's pool held until :meth:`reset`."""
+        e, k, n = self.engine, self.top_k, self.depth - 1
+        pages = e.pool.pages_for(k * n)
+        if pages > e.pool.num_free_pages:
+            raise PoolExhaustedError(f"drafter KV pool exhausted: {k} chains of {n} tokens need {pages} "
+                                     f"pages, {e.pool.num_free_pages} free")
+        self._scratch_pages = e.pool.allocate(pages)
+        slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
+        self._scratch = slots[:k * n].reshape(k, n)
 
     def _sampled_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
         """Layer by layer: the ``top_k`` frontier nodes with the best cumulative log-prob (which nodes

@@ -1,14 +1,16 @@
-"""EAGLE drafting for many requests at once: one drafter step per tree layer for every live request.
+"""Tree drafting for many requests at once: one drafter step per tree layer for every live request.
 
-The :class:`~treedec.search.eagle.EagleDraft` objects of a batch share a drafter engine; their
-:class:`EagleGroup` (one per drafter engine, :meth:`EagleGroup.of`) drafts for all of them together.
-In a scheduler pass every speculative program submits its sequence (``draft.submit``), waits for
-the pass to end (:meth:`~treedec.search.program.ProgramContext.together`), and collects its tree
-(``draft.collect``); the first collect drafts for every submitted request:
+The drafts of a batch that grow EAGLE-2 trees on a drafter engine of their own
+(:class:`~treedec.search.eagle.EagleDraft`, :class:`~treedec.search.draft_model.DraftModelDraft`: both
+:class:`~treedec.search.tree_drafting.EngineTreeDraft`) share that engine; their :class:`DrafterGroup`
+(one per drafter engine, :meth:`DrafterGroup.of`) drafts for all of them together. In a scheduler pass
+every speculative program submits its sequence (``draft.submit``), waits for the pass to end
+(:meth:`~treedec.search.program.ProgramContext.together`), and collects its tree (``draft.collect``);
+the first collect drafts for every submitted request:
 
 1. *sync*: one drafter step (per prompt chunk) over every request's new queries (the tokens the
-   target computed since its last proposal, each paired with the target's state), the root's
-   output of each read at its last row;
+   target computed since its last proposal; for EAGLE each paired with the target's state), the
+   root's output of each read at its last row;
 2. the *chains*: for the ``B`` requests of one (depth, top-k), ``depth - 1`` steps of ``B * top_k``
    chain queries, one :class:`~treedec.engine.step_chain.StepChain` (one CUDA graph on a graphed
    engine, one per batch size ``B``), the frontier of every request picked on the device;
@@ -31,7 +33,7 @@ from treedec.transfer import to_device
 from treedec.tree.layout import TreeLayout
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["EagleGroup", "PerEngine", "chain_layout", "grown_tree", "sequence_slots", "sync_drafter"]
+__all__ = ["DrafterGroup", "PerEngine", "chain_layout", "grown_tree", "sequence_slots", "sync_drafter"]
 
 class PerEngine:
     """A drafter engine's one instance of a subclass (:meth:`of`: made at its first use, dropped with the
@@ -55,8 +57,8 @@ class PerEngine:
         return found
 
 
-class EagleGroup(PerEngine):
-    """The EAGLE drafts of one drafter engine, drafting together (see the module docstring)."""
+class DrafterGroup(PerEngine):
+    """The tree drafts of one drafter engine, drafting together (see the module docstring)."""
 
     def __init__(self, engine: Engine):
         super().__init__(engine)
@@ -92,11 +94,13 @@ class EagleGroup(PerEngine):
 
     def sync(self, jobs: list) -> list[torch.Tensor]:
         """One drafter step per prompt chunk over the new queries of every ``(draft, tokens, states)`` job
-        (tokens ``[n]`` ids, states ``[n, feature]``: query ``i`` pairs state ``i`` with token ``i``); sets each
-        draft's root output feature; returns each root's logits ``[draft vocab]``."""
+        (tokens ``[n]`` ids; EAGLE's states ``[n, feature]``, query ``i`` pairing state ``i`` with token ``i``, or
+        None for a draft model); sets each EAGLE draft's root output feature; returns each root's logits
+        ``[draft vocab]``."""
         logits, hidden = sync_drafter(self.engine, [(d, tokens, states, None) for d, tokens, states in jobs])
-        for (draft, _, _), feature in zip(jobs, hidden):
-            draft._outputs = {(): feature}
+        if hidden is not None:
+            for (draft, _, _), feature in zip(jobs, hidden):
+                draft._outputs = {(): feature}
         return list(logits)
 
     # ================================================================ private
@@ -133,10 +137,12 @@ class EagleGroup(PerEngine):
     def _draft(self, depth: int, k: int, drafts: list, root_logits: torch.Tensor) -> torch.Tensor:
         """The candidates ``[B, flat]`` of ``B`` requests' proposals of one shape (see :func:`_chain_body`)."""
         e, b = self.engine, len(drafts)
-        root_hidden = torch.stack([d._outputs[()] for d in drafts])
-        to_target = drafts[0].drafter.to_target_ids
+        to_target = drafts[0]._to_target
+        roots = {"root_logits": root_logits}
+        if () in drafts[0]._outputs:   # EAGLE: the root's output feature (a draft model reads none)
+            roots["root_hidden"] = torch.stack([d._outputs[()] for d in drafts])
         if depth == 1:
-            return _chain_body(None, {"root_logits": root_logits, "root_hidden": root_hidden}, 1, k, to_target)[0]
+            return _chain_body(None, roots, 1, k, to_target)[0]
         for d in drafts:
             if d._scratch is None:
                 d._reserve_scratch()
@@ -145,30 +151,34 @@ class EagleGroup(PerEngine):
         key = (b, depth, k)
         chain = self._chains.get(key)
         if chain is None:
-            inputs = {"root_logits": (tuple(root_logits.shape), root_logits.dtype),
-                      "root_hidden": (tuple(root_hidden.shape), root_hidden.dtype),
-                      "scratch": (tuple(scratch.shape), torch.int64)}
+            inputs = {name: (tuple(value.shape), value.dtype) for name, value in roots.items()}
+            inputs["scratch"] = (tuple(scratch.shape), torch.int64)
             chain = self._chains[key] = StepChain(
                 e, depth - 1, lambda i: self._layout(i, k),
                 lambda ctx, x: _chain_body(ctx, x, depth, k, to_target), inputs)
-        (flat,) = chain.run({"root_logits": root_logits, "root_hidden": root_hidden, "scratch": scratch})
+        (flat,) = chain.run(roots | {"scratch": scratch})
         return flat
 
     def _layout(self, i: int, k: int) -> ChainStep:
         return chain_layout(self._drafting, i, k)
 
 
-def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bring drafts up to their sequences: one drafter step per prompt chunk over every ``(draft, tokens, states,
-    count)`` job's new queries, each pairing a fused target state (``states [n, feature]``) with its token.
-    ``tokens``: host ids (recorded in the drafter's tree) or an int64 device tensor (placeholders in the tree,
-    the step reads the device values); ``count``: how many of the ``n`` are real (a one-element device tensor,
-    ``n`` within one chunk; None: all). Returns each job's root (its last real query) logits ``[jobs, draft
-    vocab]`` and output features ``[jobs, feature]``; nothing is read back."""
+    count)`` job's new queries, for EAGLE each pairing a fused target state (``states [n, feature]``) with its
+    token (a draft model: ``states`` None in every job). ``tokens``: host ids (recorded in the drafter's tree) or
+    an int64 device tensor (placeholders in the tree, the step reads the device values); ``count``: how many of
+    the ``n`` are real (a one-element device tensor, ``n`` within one chunk; None: all). Returns each job's root
+    (its last real query) logits ``[jobs, draft vocab]`` and, for EAGLE, output features ``[jobs, feature]``
+    (else None); nothing is read back."""
     e, t = engine, engine.tree
+    with_states = {states is not None for _, _, states, _ in jobs}
+    if len(with_states) != 1:
+        raise ValueError("a drafter sync's jobs must all give target states (EAGLE) or none (a draft model)")
+    with_states = with_states.pop()
     need = sum(e.pool.pages_for(len(tokens)) + 1 for _, tokens, _, _ in jobs)
     if need > e.pool.num_free_pages:
-        raise PoolExhaustedError(f"EAGLE drafter KV pool exhausted: {sum(len(x) for _, x, _, _ in jobs)} tokens of "
+        raise PoolExhaustedError(f"drafter KV pool exhausted: {sum(len(x) for _, x, _, _ in jobs)} tokens of "
                                  f"{len(jobs)} request(s) need up to {need} pages, {e.pool.num_free_pages} free")
     chunk = e.prefill_chunk
     roots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(jobs)
@@ -187,9 +197,11 @@ def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch
             nodes.append(draft._node)
         rows = e.pending_token_rows(nodes)                   # node by node, in token order
         at_rows = to_device(rows, e.device)
-        states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
-        features = torch.empty_like(states)
-        features[at_rows] = states                           # query order
+        features = None
+        if with_states:
+            states = torch.cat([jobs[j][2][at:at + chunk] for j in here])
+            features = torch.empty_like(states)
+            features[at_rows] = states                       # query order
         device_tokens = None
         if on_device:
             device_tokens = torch.empty(len(rows), dtype=torch.int64, device=e.device)
@@ -201,18 +213,16 @@ def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch
         ends = [(i, j) for i, j in enumerate(here) if len(jobs[j][1]) <= at + chunk]
         wanted = [rows[starts[i]:starts[i + 1]] if jobs[j][3] is not None else rows[starts[i + 1] - 1:starts[i + 1]]
                   for i, j in ends]
-        out = e.step(logits_rows=np.concatenate(wanted) if wanted else rows[-1:], return_hidden=True,
+        out = e.step(logits_rows=np.concatenate(wanted) if wanted else rows[-1:], return_hidden=with_states,
                      features=features, tokens=device_tokens)   # (no root in this chunk: one row, unread)
         offset = 0
         for (i, j), got in zip(ends, wanted):
             count = jobs[j][3]
-            if count is None:
-                roots[j] = (out.logits[offset], out.hidden[offset])
-            else:
-                root = count.reshape(1) - 1 + offset
-                roots[j] = (out.logits.index_select(0, root)[0], out.hidden.index_select(0, root)[0])
+            root = slice(offset, offset + 1) if count is None else count.reshape(1) - 1 + offset   # (no wait)
+            roots[j] = (out.logits[root][0], out.hidden[root][0] if with_states else None)
             offset += len(got)
-    return torch.stack([r[0] for r in roots]), torch.stack([r[1] for r in roots])
+    logits = torch.stack([r[0] for r in roots])
+    return logits, torch.stack([r[1] for r in roots]) if with_states else None
 
 
 def chain_layout(drafting: list[tuple[np.ndarray, np.ndarray]], i: int, k: int) -> ChainStep:
@@ -255,11 +265,12 @@ def _chain_body(ctx: ChainContext | None, inputs: dict[str, torch.Tensor], depth
     reads)."""
     top = torch.log_softmax(inputs["root_logits"].float(), dim=-1).topk(k)        # [B, k]
     tokens, scores = to_target(top.indices), top.values                           # layer 1: all frontier
-    b, width = tokens.shape[0], inputs["root_hidden"].shape[-1]
+    b, root_hidden = tokens.shape[0], inputs.get("root_hidden")                   # (EAGLE's: a draft model has none)
     parts, links = [tokens.double(), scores.double()], []
-    features = inputs["root_hidden"][:, None, :].expand(b, k, width)
+    width = None if root_hidden is None else root_hidden.shape[-1]
+    features = None if root_hidden is None else root_hidden[:, None, :].expand(b, k, width)
     for i in range(depth - 1):
-        out = ctx.forward(i, tokens.reshape(-1), features.reshape(b * k, width))
+        out = ctx.forward(i, tokens.reshape(-1), None if features is None else features.reshape(b * k, width))
         top = torch.log_softmax(out.logits.float(), dim=-1).topk(k)              # [B * k chains, k children]
         ids, values = to_target(top.indices).reshape(b, k * k), top.values.reshape(b, k * k)
         parts += [ids.double(), values.double()]
@@ -270,7 +281,8 @@ def _chain_body(ctx: ChainContext | None, inputs: dict[str, torch.Tensor], depth
         parent = pick // k
         scores = scores.gather(1, parent) + values.gather(1, pick)
         tokens = ids.gather(1, pick)
-        features = out.hidden.reshape(b, k, width).gather(1, parent[:, :, None].expand(b, k, width))
+        if features is not None:
+            features = out.hidden.reshape(b, k, width).gather(1, parent[:, :, None].expand(b, k, width))
         slots = inputs["scratch"][:, :, :i + 1]                                   # [B, k, i + 1]
         ctx.copy_kv(slots.gather(1, parent[:, :, None].expand(b, k, i + 1)).reshape(-1), slots.reshape(-1))
     return (torch.cat(parts + links, dim=1),)
