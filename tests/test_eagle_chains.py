@@ -7,6 +7,7 @@ import torch
 
 from treedec.engine import Engine, from_config
 from treedec.engine.eagle import EagleDrafter
+from treedec.search.acceptance import GreedyAcceptance
 from treedec.search.eagle import EagleDraft
 from treedec.search.eagle_chains import chains_tree
 from treedec.search.generate import greedy_generate
@@ -126,6 +127,15 @@ def test_chains_errors(target):
         chains.submit(draft, torch.zeros(2, dtype=torch.int64), torch.zeros(3, 128), None)
     with pytest.raises(ValueError, match="collect\\(\\) before submit"):
         chains.collect(draft)
+    # a drafter on the reference backend cannot mask its unaccepted rows on the device: refused, nothing run
+    from treedec.search.speculative_pipeline import pipeline_refusal
+    on_reference = EagleDraft(Engine(d.model, kv_tokens=256, page_size=4, backend="reference"), depth=2, top_k=2,
+                              tree="chains")
+    t = engine(target)
+    assert "drafter engine's reference attention backend" in pipeline_refusal(t, on_reference, GreedyAcceptance())
+    with pytest.raises(ValueError, match="drafter engine's reference attention backend"):
+        speculative_generate(t, PROMPT, on_reference, 4, pipeline=True)
+    assert t.tree.num_nodes == 0 and on_reference.engine.tree.num_nodes == 0
 
 
 @pytest.mark.gpu
