@@ -272,10 +272,11 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path
     assert err.count("\n") == 1 and "cannot load its tokenizer" in err, err
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_eagle_drafter_checkpoint(kind, tmp_path, capsys):
+@pytest.mark.parametrize("kind, tree", [("eagle", "dynamic"), ("eagle3", "dynamic"), ("eagle3", "chains")])
+def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     """``--draft eagle|eagle3 --drafter PATH``: a drafter saved in the EAGLE reference layout for a
-    6-layer checkpoint (EAGLE-3 reads three of its layers); greedy, single prompt and prompts file."""
+    6-layer checkpoint (EAGLE-3 reads three of its layers), EAGLE-2 trees or fixed chains
+    (``--eagle-tree``); greedy, single prompt and prompts file."""
     from tests.engines import plain_greedy
     from tests.test_engine_llama import tiny_hf
     from treedec.engine import from_pretrained
@@ -285,11 +286,12 @@ def test_eagle_drafter_checkpoint(kind, tmp_path, capsys):
     model = from_pretrained(tmp_path / "model", dtype=torch.float32, device="cpu")
     save_eagle(EagleDrafter.random(model, kind, seed=2), tmp_path / "eagle")
     argv = ["spec", "--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "fp32", "--draft", kind,
-            "--drafter", str(tmp_path / "eagle"), "--eos", "none"]
+            "--drafter", str(tmp_path / "eagle"), "--eagle-tree", tree, "--eos", "none"]
     capsys.readouterr()
     assert main([*argv, "--prompt-ids", "5,9,2,7,1,3", "--check", *FAST]) == 0
     printed = capsys.readouterr().out
     assert f"{kind} drafter from {tmp_path / 'eagle'}" in printed and "check: equal" in printed
+    assert ("4 chains of 4 tokens" if tree == "chains" else "16 tokens") in printed
     if kind == "eagle3":
         assert "target layers [0, 3, 5]" in printed
     requests = write_prompts(tmp_path / "p.jsonl", 2)
@@ -308,3 +310,8 @@ def test_eagle_flags_are_checked(tmp_path, capsys):
     assert "a 2-layer target has fewer" in capsys.readouterr().err
     assert main(["spec", "--draft", "eagle", "--drafter", str(tmp_path), *FAST]) == 2
     assert "has no config.json" in capsys.readouterr().err
+    for argv, match in [(["--draft", "draft-model"], "--eagle-tree chains is for --draft eagle / eagle3"),
+                        (["--draft", "eagle", "--draft-sample", "--accept", "sample"], "it takes no --draft-sample"),
+                        (["--draft", "eagle", "--total-tokens", "12"], "top-k x depth = 16 draft tokens")]:
+        assert main(["spec", *argv, "--eagle-tree", "chains", *FAST]) == 2
+        assert match in capsys.readouterr().err

@@ -111,8 +111,12 @@ def add_spec_parser(sub) -> None:
                         "distribution (at the acceptance's temperature, top-k, top-p) instead of taking its top-k; "
                         "still lossless")
     g.add_argument("--top-k", type=positive_int, default=4, help="draft-model / eagle expansion width (default 4)")
-    g.add_argument("--total-tokens", type=positive_int, default=16,
-                   help="draft-model / eagle tree size (default 16)")
+    g.add_argument("--total-tokens", type=positive_int, default=None,
+                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: top-k x depth)")
+    g.add_argument("--eagle-tree", choices=["dynamic", "chains"], default="dynamic",
+                   help="eagle / eagle3: EAGLE-2's dynamic tree (default) or fixed chains (the root's top-k children, "
+                        "each extended to --depth tokens by argmax: drafted on the device, the loop pipelined on a "
+                        "GPU)")
     g.add_argument("--max-ngram", type=positive_int, default=3, help="ngram: longest n-gram (default 3)")
     g.add_argument("--num-draft-tokens", type=positive_int, default=8, help="ngram: tokens per match (default 8)")
     g.add_argument("--max-matches", type=positive_int, default=2, help="ngram: continuations merged (default 2)")
@@ -135,6 +139,14 @@ def run_spec(args: argparse.Namespace) -> int:
                          f"--draft {args.draft} --accept {args.accept}")
     if args.drafter is not None and args.draft not in ("eagle", "eagle3"):
         raise ValueError(f"--drafter is an EAGLE checkpoint for --draft eagle / eagle3, got --draft {args.draft}")
+    if args.eagle_tree == "chains":
+        if args.draft not in ("eagle", "eagle3"):
+            raise ValueError(f"--eagle-tree chains is for --draft eagle / eagle3, got --draft {args.draft}")
+        if args.draft_sample:
+            raise ValueError("--eagle-tree chains drafts by argmax: it takes no --draft-sample")
+        if args.total_tokens not in (None, args.top_k * args.depth):
+            raise ValueError(f"--eagle-tree chains verifies top-k x depth = {args.top_k * args.depth} draft tokens; "
+                             f"leave --total-tokens out or give that, got {args.total_tokens}")
     if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
         raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
                          f"got --accept {args.accept}")
@@ -314,11 +326,14 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
     if args.draft_sample:
         rule = _rule(args)
         sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
-    shape = f"depth {args.depth}, top-k {args.top_k}, {args.total_tokens} tokens"
+    chains = args.eagle_tree == "chains"
+    total = args.total_tokens if args.total_tokens is not None or chains else 16
+    shape = f"depth {args.depth}, top-k {args.top_k}, " + (
+        f"{args.top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
         engine = build_engine(draft_model, kv_tokens, args.page_size, backend=args.backend)
-        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
+        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
                                 sample=sample, seed=args.seed)
         return draft, f"draft model {note}; {shape}"
     if args.draft in ("eagle", "eagle3"):
@@ -330,8 +345,8 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
             note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
                     f"trained one")
         engine = build_engine(drafter, kv_tokens, args.page_size, backend=args.backend)
-        draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens,
-                           sample=sample, seed=args.seed)
+        draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
+                           sample=sample, seed=args.seed, tree=args.eagle_tree)
         layers = f", target layers {list(drafter.aux_layers)}" if drafter.aux_layers else ""
         return draft, f"{note}{layers}; {shape}"
     return _tree_draft(args, model.config.vocab_size, choices, tree_json)

@@ -95,7 +95,7 @@ def _draft_factory(draft, choices: list[list[int]]):
                                             draft.seed if spec.seed is None else spec.seed)
     if isinstance(draft, EagleDraft):
         return lambda spec: EagleDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
-                                       draft.seed if spec.seed is None else spec.seed)
+                                       draft.seed if spec.seed is None else spec.seed, draft.tree)
     return lambda spec: draft   # a TreeDraft: the same tree and tokens every step, no state
 
 
