@@ -31,6 +31,10 @@ per layer would read. ``--eagle-tree chains``: fixed chains instead (``EagleDraf
 root's top-k children extended to ``--eagle-depth`` tokens by argmax, top-k * depth draft tokens, drafted
 on the device for every request of a pass at once, pipelined). ``--smoke --eagle eagle3`` runs
 the tiny model with 3 layers (EAGLE-3 reads three distinct target layers; tiny has two).
+``--draft-model``: every request drafts with a ``DraftModelDraft`` (EAGLE-2 trees of depth 4, top-k 4,
+16 draft tokens) over ONE random Llama-3.2-1B-shape draft model (``llama3.2-1b``; ``tiny`` with other
+weights in the smoke) on ONE draft engine, the requests drafting together (one draft step per tree layer
+for all); its floor adds, per draft step of a proposal, the draft model's weights and the K/V it reads.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # 
 from treedec.search.batch import generate_batch  # noqa: E402
 from bench.programs import random_drafter, random_heads  # noqa: E402
 from treedec.engine.eagle import EagleDrafter  # noqa: E402
+from treedec.search.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.drafts import DraftSource, TreeDraft  # noqa: E402
 from treedec.search.eagle import EagleDraft  # noqa: E402
 from treedec.search.medusa import MedusaDraft  # noqa: E402
@@ -75,25 +80,29 @@ TREE_TOKENS = 64   # the Medusa-64 tree; EAGLE's 63 draft tokens and the root
 class BatchDraft:
     """What every request of a ``--speculative`` batch drafts with."""
 
-    kind: str                  # "tree", "medusa_heads", "eagle" or "eagle3"
+    kind: str                  # "tree", "medusa_heads", "eagle", "eagle3" or "draft_model"
     tree_tokens: int           # tokens of each proposed tree, its root included
     depth: int
     source: Callable[[RequestSpec, Engine | None], DraftSource]   # (request, the drafter engine) -> its draft
     top_k: int | None = None
-    drafter: EagleDrafter | None = None   # EAGLE: the one drafter of the batch
+    drafter: torch.nn.Module | None = None   # EAGLE, draft model: the one drafter of the batch
     eagle_tree: str | None = None         # EAGLE: "dynamic" (EAGLE-2 trees) or "chains"
 
     def record(self) -> dict:
         """The draft as the results JSON names it."""
         out = {"kind": self.kind, "tree_tokens": self.tree_tokens, "depth": self.depth, "top_k": self.top_k}
         if self.drafter is not None:
-            out |= {"eagle_tree": self.eagle_tree, "drafter_weight_bytes": self.drafter.weight_bytes(),
-                    "draft_vocab_size": self.drafter.draft_vocab_size}
+            out["drafter_weight_bytes"] = self.drafter.weight_bytes()
+        if isinstance(self.drafter, EagleDrafter):
+            out |= {"eagle_tree": self.eagle_tree, "draft_vocab_size": self.drafter.draft_vocab_size}
         return out
 
 
 def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | None) -> BatchDraft:
     """The ``--speculative`` draft of ``args`` for ``model`` (a fixed tree's random tokens from ``rng``)."""
+    if args.draft_model:
+        return BatchDraft("draft_model", 17, 4, lambda spec, engine: DraftModelDraft(
+            engine, depth=4, top_k=4, total_tokens=16), 4, drafter)
     if args.eagle and args.eagle_tree == "chains":
         k, depth = args.eagle_top_k, args.eagle_depth
         return BatchDraft(args.eagle, 1 + k * depth, depth, lambda spec, engine: EagleDraft(
@@ -216,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle-depth", type=int, default=None, help="--eagle: tree layers (default EAGLE-2's 5)")
     parser.add_argument("--eagle-top-k", type=int, default=None,
                         help="--eagle: nodes expanded per layer (default EAGLE-2's 8)")
+    parser.add_argument("--draft-model", action="store_true",
+                        help="with --speculative: EAGLE-2 trees from one random Llama-3.2-1B-shape draft model")
     parser.add_argument("--draft-budget", default="auto", type=_budget,
                         help="--speculative: draft tokens a step for the whole batch (treedec.search.draft_budget): "
                              "'auto' (256 on a GPU, no limit on the CPU), 'none' or an int")
@@ -230,6 +241,8 @@ def main(argv=None) -> int:
         parser.error(f"--eagle {args.eagle} is a --speculative draft, in place of --medusa-heads: give "
                      f"--speculative and drop --medusa-heads (got --speculative={args.speculative}, "
                      f"--medusa-heads={args.medusa_heads})")
+    if args.draft_model and (not args.speculative or args.medusa_heads or args.eagle):
+        parser.error("--draft-model is a --speculative draft, in place of --medusa-heads and --eagle")
     if not args.eagle and (args.eagle_depth, args.eagle_top_k) != (None, None):
         parser.error(f"--eagle-depth and --eagle-top-k shape EAGLE drafts: give --eagle eagle|eagle3 with them "
                      f"(got --eagle-depth {args.eagle_depth}, --eagle-top-k {args.eagle_top_k})")
@@ -249,6 +262,10 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, num_layers=3)   # the smoke's tiny model, one layer more
     model = from_config(config, seed=0, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     drafter = random_drafter(model, args.eagle, 0) if args.eagle else None
+    if args.draft_model:
+        drafter = from_config("tiny" if args.smoke else "llama3.2-1b", seed=1, dtype=model.dtype, device=device)
+    draft_kv_bytes = 0 if drafter is None or not args.draft_model else (
+        2 * drafter.config.num_layers * drafter.config.num_kv_heads * drafter.config.head_dim * model.dtype.itemsize)
     rng = np.random.default_rng(0)
     system = rng.integers(0, config.vocab_size, args.system).tolist()
     bandwidth = copy_bandwidth(device)
@@ -265,15 +282,19 @@ def main(argv=None) -> int:
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
             kv = (args.system + count * own) if share and not args.speculative else count * (args.system + own)
-            # The drafter's weights once per drafter step of a proposal (one step for all requests per layer).
+            # The drafter's weights once per drafter step of a proposal (one step for all requests per layer);
+            # a draft model's K/V of every request's sequence at each of those steps too.
             weights = model.weight_bytes() + (0 if drafter is None else draft.depth * drafter.weight_bytes())
+            draft_kv = 0 if not draft_kv_bytes else draft.depth * count * (args.system + args.question + args.new)
             run["weight_bytes"] = weights
-            run["floor_ms"] = 1e3 * (weights + kv * kv_bytes) / bandwidth
+            run["floor_ms"] = 1e3 * (weights + kv * kv_bytes + draft_kv * draft_kv_bytes) / bandwidth
             run["x_floor"] = run["step_ms"] / run["floor_ms"]
             runs.append(run)
             if args.eagle:
                 kind = (f"speculative ({'EAGLE-3' if args.eagle == 'eagle3' else 'EAGLE-1'} depth {draft.depth}, "
                         f"top-k {draft.top_k}, {draft.tree_tokens}-token {args.eagle_tree} trees)")
+            elif args.draft_model:
+                kind = f"speculative (draft model {'tiny' if args.smoke else 'llama3.2-1b'}, depth 4, top-k 4, 16 tokens)"
             elif args.speculative:
                 kind = f"speculative (Medusa-64 tree{', heads' if args.medusa_heads else ''})"
             else:
@@ -299,6 +320,7 @@ def main(argv=None) -> int:
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
                "model": args.model, "smoke": args.smoke, "speculative": args.speculative,
                "medusa_heads": args.medusa_heads, "draft": None if draft is None else draft.record(),
+               "draft_model": ("tiny" if args.smoke else "llama3.2-1b") if args.draft_model else None,
                "model_layers": config.num_layers, "target_weight_bytes": model.weight_bytes(),
                "system_tokens": args.system,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,

@@ -63,7 +63,24 @@ def test_batch_bench_eagle3_smoke_run(tmp_path, capsys, tree, tokens):
         assert r["step_ms"] > 0 and r["drafter_eager"] == {} and r["decode_steps"] >= 3
 
 
+def test_batch_bench_draft_model_smoke_run(tmp_path, capsys):
+    """Draft-model trees over one draft engine shared by the batch, drafting together; the floor counts the
+    draft model's weights and K/V once per draft step (depth of them)."""
+    assert main(["--smoke", "--speculative", "--draft-model", "--out", str(tmp_path)]) == 0
+    assert "4 requests, speculative (draft model tiny, depth 4, top-k 4, 16 tokens):" in capsys.readouterr().out
+    [path] = tmp_path.glob("*-batch-smoke.json")
+    results = json.loads(path.read_text())
+    draft = results["draft"]
+    assert results["draft_model"] == "tiny" and (draft["kind"], draft["tree_tokens"], draft["depth"]) == \
+        ("draft_model", 17, 4)
+    for r in results["runs"]:
+        assert r["weight_bytes"] == results["target_weight_bytes"] + 4 * draft["drafter_weight_bytes"]
+        assert r["step_ms"] > 0 and r["drafter_eager"] == {} and r["decode_steps"] >= 3
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--draft-model"], "--draft-model is a --speculative draft"),
+    (["--speculative", "--draft-model", "--eagle", "eagle"], "in place of --medusa-heads and --eagle"),
     (["--eagle", "eagle3"], "--eagle eagle3 is a --speculative draft"),
     (["--speculative", "--medusa-heads", "--eagle", "eagle"], "drop --medusa-heads"),
     (["--speculative", "--eagle", "eagle", "--eagle-depth", "0"],

@@ -280,6 +280,11 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
                              num_heads=32, num_kv_heads=32, head_dim=128, max_position=4096),
     "llama3-8b": _LLAMA3_8B,
+    # Llama-3.2-1B's shape (Llama-3-8B's vocabulary and tokenizer): a draft model for the 8B targets.
+    "llama3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                               num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                               tie_word_embeddings=True, max_position=131072,
+                               rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
     "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, max_position=131072,
                                        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
     "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
