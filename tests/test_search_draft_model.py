@@ -182,3 +182,42 @@ def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, 
     assert group.stats["requests"] > group.stats["flushes"] > 0, group.stats
     assert d_engine.stats["steps"] <= 3 * group.stats["flushes"] + 8 < alone_steps   # (+ prompt chunks)
     assert d_engine.tree.num_nodes == 0 and d_engine.pool.num_free_pages == d_engine.pool.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_draft_model_in_captured_graphs():
+    """Four requests on graphed engines, drafting together on one graphed draft engine (a bigram model
+    drafting for itself: its trees always hold the greedy path): each emits plain greedy decoding's tokens,
+    accepts the whole depth, and every pass's drafting chain is one graph replay."""
+    import numpy as np
+
+    from treedec.search.drafter_batch import DrafterGroup
+    from treedec.search.generate import greedy_generate
+    from treedec.search.requests_file import RequestSpec
+    from treedec.search.speculative_batch import speculative_batch
+    from tests.test_eagle import SIX_LAYERS
+
+    model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():   # the next token depends on the current token only (see tests/test_eagle.py)
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (600, 130, 40, 300)]
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=30, temperature=0.0)
+             for i, p in enumerate(prompts)]
+    kw = {"kv_tokens": 8192, "page_size": 16, "cuda_graphs": True}
+    d_engine = Engine(model, **kw)
+    results, _ = speculative_batch(Engine(model, **kw), specs,
+                                   lambda spec: DraftModelDraft(d_engine, depth=4, top_k=2, total_tokens=10))
+    for prompt, result in zip(prompts, results):
+        want = greedy_generate(Engine(model, kv_tokens=4096, page_size=16), prompt, 30, eos_token_id=None)
+        assert result.output_ids == want
+        assert min(result.stats["accepted"][:-1]) == 4, result.stats["accepted"]
+    group = DrafterGroup.of(d_engine)
+    assert group.stats["requests"] > group.stats["flushes"] > 0
+    assert d_engine.graph_stats["chain_replays"] == group.stats["flushes"]
+    assert not [k for k in d_engine.graph_stats if k.startswith("eager") and "max_queries" not in k], \
+        d_engine.graph_stats
+    assert d_engine.tree.num_nodes == 0 and d_engine.pool.num_free_pages == d_engine.pool.num_pages
