@@ -10,9 +10,9 @@
 # short tables are last. GPU_CHECK_TESTS=0 skips the GPU tests (`pytest -m "gpu or triton"`,
 # compiled on the GPU), GPU_CHECK_ATTENTION=0 the attention suite, GPU_CHECK_PROGRAMS=0 the
 # programs (`bench/programs.py --hf`; GPU_CHECK_PROGRAMS_ARGS adds arguments), GPU_CHECK_BATCH=0
-# the batched programs (bench/batch.py: greedy with a shared system prompt, speculative with tree
-# and Medusa-head drafts; bench/tot_batch.py: 16 ToT tasks), e.g. to split the work over calls
-# of a 10-minute limit.
+# the batched programs (bench/batch.py: greedy with a shared system prompt, speculative with tree,
+# Medusa-head, EAGLE-3 chain and draft-model drafts; bench/tot_batch.py: 16 ToT tasks), e.g. to
+# split the work over calls of a 10-minute limit.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/treedec-gpu-check}
@@ -66,6 +66,10 @@ if [ "${GPU_CHECK_BATCH:-1}" != 0 ]; then
     python3 bench/batch.py --speculative --requests 1,8,32 --system 0 --question 4000 --out "$OUT" --tag tree &&
     python3 bench/batch.py --speculative --medusa-heads --requests 1,8,32 --system 0 --question 4000 --out "$OUT" \
       --tag heads &&
+    python3 bench/batch.py --speculative --eagle eagle3 --eagle-tree chains --requests 1,8 --system 0 \
+      --question 4000 --out "$OUT" --tag eagle3-chains &&
+    python3 bench/batch.py --speculative --draft-model --requests 1,8 --system 0 --question 4000 --out "$OUT" \
+      --tag draft-model &&
     python3 bench/tot_batch.py --out "$OUT"
   } 2>&1 | tee "$OUT/batch.log"
   batch_rc=${PIPESTATUS[0]}
