@@ -188,8 +188,8 @@ def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_batched_draft_model_in_captured_graphs():
     """Four requests on graphed engines, drafting together on one graphed draft engine (a bigram model
-    drafting for itself: its trees always hold the greedy path): each emits plain greedy decoding's tokens,
-    accepts the whole depth, and every pass's drafting chain is one graph replay."""
+    drafting for itself): each emits plain greedy decoding's tokens, accepts most of the depth (a path is
+    cut where a layer's frontier missed the greedy node), and every pass's drafting chain is one graph replay."""
     import numpy as np
 
     from treedec.search.drafter_batch import DrafterGroup
@@ -210,11 +210,12 @@ def test_batched_draft_model_in_captured_graphs():
     kw = {"kv_tokens": 8192, "page_size": 16, "cuda_graphs": True}
     d_engine = Engine(model, **kw)
     results, _ = speculative_batch(Engine(model, **kw), specs,
-                                   lambda spec: DraftModelDraft(d_engine, depth=4, top_k=2, total_tokens=10))
+                                   lambda spec: DraftModelDraft(d_engine, depth=4, top_k=2, total_tokens=14))
     for prompt, result in zip(prompts, results):
         want = greedy_generate(Engine(model, kv_tokens=4096, page_size=16), prompt, 30, eos_token_id=None)
         assert result.output_ids == want
-        assert min(result.stats["accepted"][:-1]) == 4, result.stats["accepted"]
+        accepted = result.stats["accepted"][:-1]
+        assert min(accepted) >= 1 and sum(accepted) >= 2.5 * len(accepted), accepted
     group = DrafterGroup.of(d_engine)
     assert group.stats["requests"] > group.stats["flushes"] > 0
     assert d_engine.graph_stats["chain_replays"] == group.stats["flushes"]
