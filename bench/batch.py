@@ -184,6 +184,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
         accepted = [a for r in results for a in r.stats["accepted"]]
         out |= {"draft_budget": budgeting.resolve(model.device), "mean_step_queries": float(np.mean(timed)),
                 "mean_accepted": float(np.mean(accepted)), "pipelined": results[0].stats["pipelined"],
+                "pipeline_note": results[0].stats["pipeline_note"],
                 # emitted tokens a second in the timed steps: each request's accepted tokens and its bonus token
                 "tokens_per_s": len(specs) * (1 + float(np.mean(accepted))) / (out["step_ms"] / 1e3)}
     if drafter is not None:

@@ -236,3 +236,26 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
         while len(want) < len(tokens):
             want.append(int(perm[want[-1]]))
         assert tokens == want
+
+
+def test_auto_pipelines_small_batches_only_and_says_why(tiny):
+    """pipeline=None: a batch of more than PIPELINE_MAX_REQUESTS requests runs unpipelined (each result says
+    why); pipeline=True still pipelines it; a smaller batch gets the engine's reason (here: the CPU)."""
+    from treedec.search.speculative_batch import PIPELINE_MAX_REQUESTS
+
+    many = [RequestSpec(k, prompt_ids=repeating_prompt(k, 12), max_new_tokens=3, temperature=0.0)
+            for k in range(PIPELINE_MAX_REQUESTS + 1)]
+    for pipeline in (None, True):
+        engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
+        results, _ = speculative_batch(engine, many, common_tokens_draft, max_draft_tokens=32, pipeline=pipeline)
+        assert all(r.stats["pipelined"] == bool(pipeline) for r in results)
+        for r, spec in zip(results, many):
+            assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+    assert all(f"a batch of {PIPELINE_MAX_REQUESTS + 1} requests" in r.stats["pipeline_note"]
+               for r in speculative_batch(make_engine(tiny), many, common_tokens_draft, max_draft_tokens=32)[0])
+    few, _ = speculative_batch(make_engine(tiny), many[:2], common_tokens_draft, max_draft_tokens=32)
+    assert all("CPU" in r.stats["pipeline_note"] for r in few)
+    from treedec.search.speculative import SpeculativeProgram
+    from treedec.search.stops import StopRule
+    with pytest.raises(ValueError, match="pipeline_note says why pipeline is False"):
+        SpeculativeProgram([1, 2], common_tokens_draft(many[0]), StopRule(max_new_tokens=2), pipeline_note="why")

@@ -179,16 +179,20 @@ class SpeculativeProgram(Program):
     pipeline : run its steps pipelined (:mod:`treedec.search.speculative_pipeline`); None: when the draft, the
         rule and the engine allow it on a GPU (``stats.pipelined``, ``stats.pipeline_note`` say what was
         chosen); True: ValueError, before anything runs, when they do not.
+    pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
+        choice of :func:`~treedec.search.speculative_batch.speculative_batch` for a large batch.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
-                 budget: DraftBudget | None = None, pipeline: bool | None = None):
+                 budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None):
         check_draft_source(draft, "draft")
         if pipeline is not None and not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
-        self.pipeline = pipeline
+        if pipeline_note is not None and pipeline is not False:
+            raise ValueError(f"pipeline_note says why pipeline is False; got it with pipeline={pipeline!r}")
+        self.pipeline, self.pipeline_note = pipeline, pipeline_note or "pipeline=False"
         acceptance = GreedyAcceptance() if acceptance is None else acceptance
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
@@ -226,7 +230,7 @@ class SpeculativeProgram(Program):
         refusal = pipeline_refusal(engine, draft, self.acceptance)
         if self.pipeline and refusal is not None:
             raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
-        note = "pipeline=False" if self.pipeline is False else (
+        note = self.pipeline_note if self.pipeline is False else (
             refusal or ("" if engine.device.type == "cuda" else "the engine is on the CPU (nothing to overlap)"))
         pipelined = bool(self.pipeline) or not note
         draft.start(engine)

@@ -31,7 +31,10 @@ from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.speculative import SpeculativeProgram
 
-__all__ = ["speculative_batch"]
+__all__ = ["PIPELINE_MAX_REQUESTS", "speculative_batch"]
+
+#: The largest batch :func:`speculative_batch` pipelines by itself (``pipeline=None``); see its ``pipeline``.
+PIPELINE_MAX_REQUESTS = 16
 
 
 def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Callable[[RequestSpec], DraftSource],
@@ -58,9 +61,13 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
     pipeline : each request's steps pipelined (:mod:`treedec.search.speculative_pipeline`: drafts with a fixed
         tree drafted on the device, greedy or rejection sampling; True raises where they do not); None (the
-        default): where they allow it on a GPU; False: never. Each result's ``stats["pipelined"]`` says which
-        ran. Measured on an H100 (2026-11-27, Medusa-64 trees over a 4000-token prompt, interleaved runs): 1
-        request 9.8 against 10.8-11.2 ms a step, 8 requests 20.8-20.9 against 22.5-23.4.
+        default): where they allow it on a GPU, for batches of at most :data:`PIPELINE_MAX_REQUESTS` requests;
+        False: never. Each result's ``stats["pipelined"]`` says which ran and ``stats["pipeline_note"]`` why
+        not. A pipelined step's host work for a request (acceptance, the K/V move, the next tree: ~25 small
+        device operations launched one request at a time, ~1.3 ms) overlaps the device's step, so it pays
+        while the batch is small: measured on an H200 (2026-11-27, Medusa-64 trees over 4000-token prompts,
+        ``bench/batch.py``, one machine) pipelined against not: 1 request 8.4 / 9.2 ms a step, 8 requests
+        23.1 / 26.2, 16 requests 25.4-27.6 / 27.6-31.3, 32 requests 48-73 / 32-38.
 
     Returns
     -------
@@ -79,6 +86,10 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     elif not isinstance(draft_budget, DraftBudget):
         raise TypeError(f"draft_budget must be a DraftBudget or None, got {type(draft_budget).__name__}")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
+    note = None
+    if pipeline is None and len(prepared) > PIPELINE_MAX_REQUESTS:
+        pipeline, note = False, (f"a batch of {len(prepared)} requests (more than PIPELINE_MAX_REQUESTS = "
+                                 f"{PIPELINE_MAX_REQUESTS}): pipelined steps' per-request host work outgrows the step")
     pool = engine.pool
     programs, heads = [], {}
     for spec, prompt_ids in prepared:
@@ -98,7 +109,8 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         rule = spec.stop_rule(engine.model.eos_token_ids)
         programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
                                            None if acceptance is None else acceptance(spec),
-                                           max_draft_tokens=max_draft_tokens, budget=draft_budget, pipeline=pipeline))
+                                           max_draft_tokens=max_draft_tokens, budget=draft_budget, pipeline=pipeline,
+                                           pipeline_note=note))
         programs[-1].name = spec.name
         check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
         # The sequence (prompt, new tokens) and one draft tree.
@@ -117,6 +129,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         outputs[index][0].stats["accepted"] = list(stats.accepted)
         outputs[index][0].stats["draft_sizes"] = list(stats.draft_sizes)
         outputs[index][0].stats["pipelined"] = stats.pipelined
+        outputs[index][0].stats["pipeline_note"] = stats.pipeline_note
         if on_request_done is not None:
             on_request_done(outputs[index])
 
