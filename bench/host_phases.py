@@ -30,7 +30,8 @@ from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
-from treedec.search import acceptance, drafts, eagle, drafter_batch, medusa, speculative, tree_drafting  # noqa: E402
+from treedec.search import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa, speculative  # noqa: E402
+from treedec.search import speculative_pipeline  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.
@@ -44,8 +45,10 @@ PHASES = [
     (step_chain.StepChain, "run", "  StepChain.run (the drafting chains: host plans, one graph)"),
     (step_chain.StepChain, "_step", "    StepChain._step (a chain step's layout)"),
     (drafter_batch, "grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
-    (tree_drafting.EngineTreeDraft, "_layer", "  EngineTreeDraft._layer (sampled / layered drafts)"),
+    (eagle_chains.EagleChains, "collect", "EagleChains.collect (pipelined chains: sync + chain for a pass)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
+    (speculative_pipeline, "greedy_outcome", "greedy_outcome (pipelined: acceptance on the device)"),
+    (speculative_pipeline, "_record", "pipelined _record (the step before, read back)"),
     (Engine, "step", "Engine.step"),
     (Engine, "pending_rows", "Engine.pending_rows"),
     (TreeAttention, "plan_host", "  TreeAttention.plan_host (make_plan)"),
@@ -60,6 +63,9 @@ PHASES = [
     (Engine, "copy_kv", "Engine.copy_kv"),
     (SequenceTree, "accept", "SequenceTree.accept"),
     (SequenceTree, "extend", "SequenceTree.extend"),
+    (SequenceTree, "prune", "SequenceTree.prune"),
+    (SequenceTree, "truncate", "SequenceTree.truncate"),
+    (SequenceTree, "extend_computed", "SequenceTree.extend_computed"),
 ]
 
 
