@@ -370,6 +370,38 @@ def test_set_tokens_and_truncate():
         tree.truncate(root, 2)
 
 
+def test_first_slots_are_each_nodes_first_slot():
+    """first_slots: a token tree's slots in one call, equal to each node's slots()[0]; nodes without tokens and
+    unknown nodes raise."""
+    tree = make_tree(num_pages=16, page_size=4)
+    root = tree.add_prompt(list(range(6)))
+    ids = tree.add_token_tree(root, [5, 6, 7, 8, 9], [-1, 0, 0, 1, -1])
+    assert tree.first_slots(ids).tolist() == [int(tree.slots(i)[0]) for i in ids]
+    assert tree.first_slots([root]).tolist() == [int(tree.slots(root)[0])] and len(tree.first_slots([])) == 0
+    with pytest.raises(TreeError):
+        tree.first_slots([root, 999])
+
+
+def test_truncate_keeps_a_page_a_kept_token_shares():
+    """Truncating into a page (kept tokens before the cut in it) frees only the pages past it, on a long node
+    whose pages are not in slot order (a speculative path accepted from another page in between)."""
+    tree = make_tree(num_pages=64, page_size=4)
+    root = tree.add_prompt(list(range(30)))
+    tree.commit_step()
+    ids = tree.add_token_tree(root, [1, 2, 3], [-1, 0, 1])
+    tree.commit_step()
+    tree.accept(root, ids[:2])                         # two tokens from the tree's page join the node
+    tree.extend(root, list(range(9)))
+    tree.commit_step()
+    length = tree.node_length(root)
+    pages_before = tree.pool.num_free_pages
+    freed = tree.truncate(root, 31)                   # keeps the prompt and one accepted token
+    kept_pages = set((tree.slots(root) // 4).tolist())
+    assert not kept_pages & set(freed.tolist()) and tree.pool.num_free_pages == pages_before + len(freed)
+    assert tree.node_length(root) == 31 < length and len(freed) >= 2
+    tree.check_invariants()
+
+
 def test_extend_computed_appends_tokens_no_step_computes():
     """extend_computed gives slots for K/V the caller writes: nothing pending, a leaf only, checked first."""
     tree = make_tree(num_pages=4, page_size=4)

@@ -135,7 +135,7 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
             drafted = draft.device_drafts(step)
         tokens = torch.cat([root, drafted[:shape.size - 1]]).to(torch.int64)
         ids = tree.add_token_tree(node, [0] * shape.size, [-1] + list(shape.parents[1:]))
-        slots = np.fromiter((tree.slots(i)[0] for i in ids), dtype=np.int64, count=len(ids))
+        slots = tree.first_slots(ids)
         rows = yield StepRequest(ids, tokens=tokens, read=read, dynamic=span, **want)
         outcome = (greedy_outcome(shape, tokens, rows.logits.argmax(dim=-1)) if greedy
                    else acceptance.outcome(shape, tokens, rows.logits))

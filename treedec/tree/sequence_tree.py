@@ -95,6 +95,15 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         node = self._get(node_id)
         return node.slots[: len(node.tokens)].copy()
 
+    def first_slots(self, node_ids: Sequence[int]) -> np.ndarray:
+        """[n] int64: the KV-pool slot of each node's first token (one slot per node of a token tree from
+        :meth:`add_token_tree`), in one call instead of ``n`` :meth:`slots` copies."""
+        nodes = [self._get(n) for n in node_ids]
+        empty = [n.id for n in nodes if not n.tokens]
+        if empty:
+            raise TreeError(f"node(s) {empty[:5]} hold no tokens: no first slot")
+        return np.fromiter((n.slots[0] for n in nodes), dtype=np.int64, count=len(nodes))
+
     def sequence(self, node_id: int) -> list[int]:
         """All tokens from the root down to the end of ``node_id``."""
         return [t for nid in self.path(node_id) for t in self._nodes[nid].tokens]
@@ -326,7 +335,12 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         if length > node.length:
             raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
         pages = np.asarray(node.pages, dtype=np.int64)
-        kept = np.isin(pages, node.slots[:length] // self.pool.page_size)   # (vectorized: a node may be long)
+        ps = self.pool.page_size
+        # A page stays when a kept token is in it (kept pages marked in a pool-sized mask: no sort over a long
+        # node's slots).
+        mark = np.zeros(self.pool.num_pages, dtype=bool)
+        mark[node.slots[:length] // ps] = True
+        kept = mark[pages]
         freed = self.pool.decref(pages[~kept])
         del node.tokens[length:]
         node.pages = pages[kept].tolist()
