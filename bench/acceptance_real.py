@@ -40,12 +40,12 @@ from bench.real_checkpoint import smollm2_checkpoint  # noqa: E402
 from treedec.engine import Engine, from_pretrained  # noqa: E402
 from treedec.engine.eagle import EagleDrafter  # noqa: E402
 from treedec.engine.text import encode_prompt, load_tokenizer  # noqa: E402
-from treedec.search.draft_model import DraftModelDraft  # noqa: E402
-from treedec.search.drafts import PromptLookupDraft  # noqa: E402
-from treedec.search.eagle import EagleDraft  # noqa: E402
-from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
+from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
+from treedec.search.speculative.drafts import PromptLookupDraft  # noqa: E402
+from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate  # noqa: E402
+from treedec.search.speculative.program import speculative_generate  # noqa: E402
 
 CHATS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",

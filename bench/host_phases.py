@@ -30,8 +30,9 @@ from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
-from treedec.search import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa, speculative  # noqa: E402
-from treedec.search import speculative_pipeline  # noqa: E402
+from treedec.search.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
+from treedec.search.speculative import program as speculative  # noqa: E402
+from treedec.search.speculative import pipeline as speculative_pipeline  # noqa: E402
 from treedec.tree import SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.

@@ -107,12 +107,12 @@ from bench.step import _free  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
 from treedec.engine.eagle import EagleDrafter  # noqa: E402
-from treedec.search.eagle import EagleDraft  # noqa: E402
-from treedec.search.medusa import MedusaDraft, MedusaHeads  # noqa: E402
+from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
-from treedec.search.drafts import TreeDraft  # noqa: E402
+from treedec.search.speculative.drafts import TreeDraft  # noqa: E402
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate  # noqa: E402
+from treedec.search.speculative.program import speculative_generate  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
 

@@ -4,7 +4,7 @@ Drives a bookkeeping-only :class:`~treedec.tree.SequenceTree` (no K/V tensors: m
 tokens' K/V is device work, not a tree edit) through the edits the search programs make per step,
 with the arguments they pass (lists of Python ints), over a 4000-token prompt:
 
-- ``medusa_verify``: ``speculative.py``'s fixed-tree step: ``extend`` the root token, ``add_token_tree``
+- ``medusa_verify``: ``search/speculative/program.py``'s fixed-tree step: ``extend`` the root token, ``add_token_tree``
   the 63 draft tokens of the Medusa-64 tree (``medusa_tree(64)``), ``layout``, ``commit_step``, then
   ``accept`` a root path of 1-4 tokens (the tree is 4 deep), one length per step in turn;
 - ``eagle_layers``: ``tree_drafting.py``'s drafter (EAGLE-2 / draft model, depth 5, top-k 8): 4 layers

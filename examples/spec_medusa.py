@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from treedec.engine import Engine, from_config
-from treedec.search.acceptance import TypicalAcceptance
-from treedec.search.medusa import MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative import (MedusaDraft, MedusaHeads, TypicalAcceptance, load_medusa_heads,
+                                        speculative_generate)
 
 
 def main() -> None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from treedec.engine import Engine, from_config, greedy
-from treedec.search.drafts import PromptLookupDraft
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative import PromptLookupDraft, speculative_generate
 
 
 def main() -> None:

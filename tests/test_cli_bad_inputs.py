@@ -136,7 +136,7 @@ PROMPTS = [{"id": "a", "prompt_ids": [1, 2, 3], "max_new_tokens": 2},
 
 
 @pytest.mark.parametrize("command, module", [
-    (["generate"], "treedec.search.batch"), (["spec", "--no-progress"], "treedec.search.speculative_batch")])
+    (["generate"], "treedec.search.batch"), (["spec", "--no-progress"], "treedec.search.speculative.batch")])
 def test_a_failing_request_loses_none_that_finished(command, module, tmp_path, capsys, monkeypatch):
     """Was: no results file at all. Now each request's lines are written as it finishes, and the error
     says which requests finished, where they are, and which did not (the prompts file's line)."""

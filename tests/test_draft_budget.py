@@ -1,17 +1,17 @@
-"""The draft-token budget of speculative batches (treedec.search.draft_budget; tiny random Llama, CPU)."""
+"""The draft-token budget of speculative batches (treedec.search.speculative.draft_budget; tiny random Llama, CPU)."""
 import logging
 
 import pytest
 import torch
 
 from treedec.engine import Engine
-from treedec.search.acceptance import RejectionSampling
-from treedec.search.draft_budget import DraftBudget, cut_tree
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.drafts import TreeDraft
+from treedec.search.speculative.acceptance import RejectionSampling
+from treedec.search.speculative.draft_budget import DraftBudget, cut_tree
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.drafts import TreeDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from tests.engines import plain_greedy, tiny_model
 from tests.test_search_speculative_batch import medusa_token_tree, specs

@@ -1,4 +1,4 @@
-"""EAGLE drafters (treedec.engine.eagle, treedec.search.eagle) on tiny CPU models.
+"""EAGLE drafters (treedec.engine.eagle, treedec.search.speculative.eagle) on tiny CPU models.
 
 - The engine returns the inputs of chosen layers (``aux``) equal to transformers' hidden states.
 - Drafters in the EAGLE reference layouts: saved with the reference names, loaded back equal, equal
@@ -21,14 +21,14 @@ import torch
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config, to_hf_config, to_hf_state_dict
 from treedec.engine.eagle import EagleDrafter, default_aux_layers, load_eagle, save_eagle
 from treedec.engine.loading import CheckpointError, read_state_dict
-from treedec.search.acceptance import RejectionSampling
-from treedec.search.eagle import EagleDraft
-from treedec.search.drafter_batch import DrafterGroup
+from treedec.search.speculative.acceptance import RejectionSampling
+from treedec.search.speculative.eagle import EagleDraft
+from treedec.search.speculative.drafter_batch import DrafterGroup
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.program import speculative_generate
+from treedec.search.speculative.batch import speculative_batch
 from tests.test_search_acceptance import passes_chi_square
 
 SIX_LAYERS = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=6)
@@ -327,8 +327,8 @@ def test_greedy_eagle_equals_greedy(target, bigram, name, page_size):
 def test_chained_drafting_grows_the_tree_layer_by_layer_drafting_grows(target, kind, depth):
     """The chained drafter steps (launched without a wait, frontier chosen on the device, chains'
     K/V regathered) propose the tree that expand_by_logprob grows one read-back layer at a time."""
-    from treedec.search.drafts import TargetOutput
-    from treedec.search.tree_drafting import EngineTreeDraft
+    from treedec.search.speculative.drafts import TargetOutput
+    from treedec.search.speculative.tree_drafting import EngineTreeDraft
 
     d = EagleDrafter.random(target, kind, seed=3, draft_vocab_size=300 if kind == "eagle3" else None, std=0.2)
     t = engine(target)

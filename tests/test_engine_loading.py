@@ -14,9 +14,9 @@ from tests.test_engine_llama import hf_logits, tiny_hf
 from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_hf_model, from_pretrained,
                             to_hf_config, to_hf_state_dict)
 from treedec.engine.loading import CheckpointError, checkpoint_shards
-from treedec.search.drafts import PromptLookupDraft
+from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.program import speculative_generate
 
 
 def run_steps(model) -> list[torch.Tensor]:

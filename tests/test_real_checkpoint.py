@@ -12,13 +12,13 @@ from treedec.engine.eagle import EagleDrafter, load_eagle, save_eagle
 from treedec.engine.text import encode_prompt, load_tokenizer
 from treedec.search.batch import generate_batch
 from treedec.search.beam import beam_search
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.eagle import EagleDraft
-from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative.eagle import EagleDraft
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],

@@ -15,13 +15,13 @@ from treedec.replay import ReplayConfig, ScheduleDriver, ScheduleRecorder, repla
 from treedec.search.batch import generate_batch
 from treedec.search.beam import beam_search
 from treedec.search.controller import BranchEvery, run_controller
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams, parallel_sample
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.program import speculative_generate
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads import Accept, Children, Extend, Prompt, TokenTree as TokenTreeOp, Truncate, load_schedule

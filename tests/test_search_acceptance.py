@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.search.acceptance import (GreedyAcceptance, RejectionSampling, TypicalAcceptance, recursive_rejection,
-                                       without_replacement)
-from treedec.search.drafts import PromptLookupDraft
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.acceptance import (GreedyAcceptance, RejectionSampling, TypicalAcceptance,
+                                                   recursive_rejection, without_replacement)
+from treedec.search.speculative.drafts import PromptLookupDraft
+from treedec.search.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 
@@ -272,7 +272,7 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     random model's small top-k distributions barely separate a biased rule.)"""
     from tests.engines import make_engine as target_engine
     from treedec.engine import Engine, from_config
-    from treedec.search.draft_model import DraftModelDraft
+    from treedec.search.speculative.draft_model import DraftModelDraft
 
     params = SamplingParams(0.7, 3)
     draft_engine = Engine(from_config("tiny", seed=0), kv_tokens=1024, page_size=4, backend="torch")

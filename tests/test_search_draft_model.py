@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from treedec.engine import Engine, ModelConfig, from_config
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.program import speculative_generate
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 from tests.test_search_speculative import prompt_with_repeats
 
@@ -156,9 +156,9 @@ def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, 
     """Five requests (two share a system prompt) over ONE draft engine: each emits its plain greedy tokens and
     accepts what it accepts alone; a scheduler pass drafts for all its requests at once (one sync step and
     ``depth - 1`` chain steps, not per request), and every draft page is freed at the end."""
-    from treedec.search.drafter_batch import DrafterGroup
+    from treedec.search.speculative.drafter_batch import DrafterGroup
     from treedec.search.requests_file import RequestSpec
-    from treedec.search.speculative_batch import speculative_batch
+    from treedec.search.speculative.batch import speculative_batch
 
     model = tiny if which == "self" else other_tiny
     system = list(range(100, 140))
@@ -192,10 +192,10 @@ def test_batched_draft_model_in_captured_graphs():
     cut where a layer's frontier missed the greedy node), and every pass's drafting chain is one graph replay."""
     import numpy as np
 
-    from treedec.search.drafter_batch import DrafterGroup
+    from treedec.search.speculative.drafter_batch import DrafterGroup
     from treedec.search.generate import greedy_generate
     from treedec.search.requests_file import RequestSpec
-    from treedec.search.speculative_batch import speculative_batch
+    from treedec.search.speculative.batch import speculative_batch
     from tests.test_eagle import SIX_LAYERS
 
     model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from treedec.engine import from_config, greedy
-from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
-from treedec.search.drafts import TargetOutput
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative.drafts import TargetOutput
+from treedec.search.speculative.program import speculative_generate
 from tests.engines import make_engine, plain_greedy, tiny_model
 from tests.test_search_speculative import prompt_with_repeats
 

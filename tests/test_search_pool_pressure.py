@@ -10,11 +10,11 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram
 from treedec.search.controller import BranchEvery, ControllerProgram
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.program import Program, StepRequest
 from treedec.search.requests_file import RequestSpec
 from treedec.search.scheduler import run_program, run_programs
-from treedec.search.speculative import SpeculativeProgram
+from treedec.search.speculative.program import SpeculativeProgram
 from treedec.search.stops import StopRule
 from treedec.search.tot import BFSConfig, ToTProgram, ToTTask
 from treedec.tree.token_tree import TokenTree

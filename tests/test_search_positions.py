@@ -11,11 +11,11 @@ from treedec.engine import Engine, ModelConfig, from_config
 from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, beam_search
 from treedec.search.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller
-from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.scheduler import run_programs
-from treedec.search.speculative import speculative_generate
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.program import speculative_generate
+from treedec.search.speculative.batch import speculative_batch
 from treedec.search.tot import BFSConfig, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
 from tests.test_search_tot import CharTokenizer

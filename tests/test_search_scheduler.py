@@ -7,12 +7,12 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.batch import GenerateProgram
 from treedec.search.beam import BeamProgram
 from treedec.search.controller import BranchEvery, ControllerProgram
-from treedec.search.drafts import PromptLookupDraft
+from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.game24 import Game24Task
 from treedec.search.requests_file import RequestSpec
 from treedec.search.program import Program, Read, StepRequest, Wait
 from treedec.search.scheduler import run_program, run_programs
-from treedec.search.speculative import SpeculativeProgram
+from treedec.search.speculative.program import SpeculativeProgram
 from treedec.search.stops import StopRule
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTProgram
 from tests.engines import make_engine, plain_greedy, tiny_model

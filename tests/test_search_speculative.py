@@ -5,11 +5,11 @@ import pytest
 
 from treedec.engine import Engine
 from treedec.errors import TreeError
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.medusa import MedusaDraft, MedusaHeads
-from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate, verify_greedy
+from treedec.search.speculative.program import speculative_generate, verify_greedy
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 

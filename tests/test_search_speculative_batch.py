@@ -7,12 +7,12 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
-from treedec.search.drafts import DraftSource, PromptLookupDraft, TreeDraft
-from treedec.search.speculative import speculative_generate
-from treedec.search.draft_budget import DraftBudget
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.search.speculative.program import speculative_generate
+from treedec.search.speculative.draft_budget import DraftBudget
+from treedec.search.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
 from tests.engines import make_engine, plain_greedy, tiny_model
@@ -130,10 +130,10 @@ def test_a_draft_that_is_not_a_draft_source_is_refused_by_its_type(tiny, value):
     engine = make_engine(tiny)
     name = type(value).__name__
     with pytest.raises(TypeError, match=rf"^draft must be a draft source, got {name}: subclass "
-                                        rf"treedec\.search\.drafts\.DraftSource"):
+                                        rf"treedec\.search\.speculative\.drafts\.DraftSource"):
         speculative_generate(engine, [1, 2, 3], value, 4)
     with pytest.raises(TypeError, match=rf"^request 1: draft\(spec\) must be a draft source, got {name}: subclass "
-                                        rf"treedec\.search\.drafts\.DraftSource"):
+                                        rf"treedec\.search\.speculative\.drafts\.DraftSource"):
         speculative_batch(engine, specs(2), lambda spec: PromptLookupDraft() if spec.id == 0 else value)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
@@ -241,7 +241,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
 def test_auto_pipelines_small_batches_only_and_says_why(tiny):
     """pipeline=None: a batch of more than PIPELINE_MAX_REQUESTS requests runs unpipelined (each result says
     why); pipeline=True still pipelines it; a smaller batch gets the engine's reason (here: the CPU)."""
-    from treedec.search.speculative_batch import PIPELINE_MAX_REQUESTS
+    from treedec.search.speculative.batch import PIPELINE_MAX_REQUESTS
 
     many = [RequestSpec(k, prompt_ids=repeating_prompt(k, 12), max_new_tokens=3, temperature=0.0)
             for k in range(PIPELINE_MAX_REQUESTS + 1)]
@@ -255,7 +255,7 @@ def test_auto_pipelines_small_batches_only_and_says_why(tiny):
                for r in speculative_batch(make_engine(tiny), many, common_tokens_draft, max_draft_tokens=32)[0])
     few, _ = speculative_batch(make_engine(tiny), many[:2], common_tokens_draft, max_draft_tokens=32)
     assert all("CPU" in r.stats["pipeline_note"] for r in few)
-    from treedec.search.speculative import SpeculativeProgram
+    from treedec.search.speculative.program import SpeculativeProgram
     from treedec.search.stops import StopRule
     with pytest.raises(ValueError, match="pipeline_note says why pipeline is False"):
         SpeculativeProgram([1, 2], common_tokens_draft(many[0]), StopRule(max_new_tokens=2), pipeline_note="why")

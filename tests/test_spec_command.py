@@ -9,7 +9,7 @@ import torch
 
 from treedec.cli import main
 from treedec.engine import from_config
-from treedec.search.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaHeads
 
 FAST = ["--max-new-tokens", "16", "--no-progress"]
 

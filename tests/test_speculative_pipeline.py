@@ -1,4 +1,4 @@
-"""Pipelined speculative decoding (treedec.search.speculative_pipeline): the same tokens, stats and tree as the
+"""Pipelined speculative decoding (treedec.search.speculative.pipeline): the same tokens, stats and tree as the
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
 the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
 import collections
@@ -10,11 +10,11 @@ import torch
 
 from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
-from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.medusa import MedusaDraft, MedusaHeads
+from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
+from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
 from treedec.search.scheduler import run_program
-from treedec.search.speculative import SpeculativeProgram, speculative_generate
+from treedec.search.speculative.program import SpeculativeProgram, speculative_generate
 from treedec.search.stops import StopRule
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model

@@ -14,12 +14,12 @@ import torch
 from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
 from treedec.tree.layout import TreeLayout
-from treedec.search.eagle import EagleDraft
-from treedec.search.drafter_batch import DrafterGroup
+from treedec.search.speculative.eagle import EagleDraft
+from treedec.search.speculative.drafter_batch import DrafterGroup
 from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.batch import speculative_batch
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import speculative_generate
+from treedec.search.speculative.program import speculative_generate
 from tests.test_eagle import bigram_eagle, bigram_eagle3
 
 STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)

@@ -44,11 +44,11 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
 
     from treedec.engine import Engine, from_config, from_pretrained, to_hf_config, to_hf_state_dict
     from treedec.search.beam import beam_search
-    from treedec.search.draft_model import DraftModelDraft
-    from treedec.search.medusa import MedusaDraft, MedusaHeads
+    from treedec.search.speculative.draft_model import DraftModelDraft
+    from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
     from treedec.search.sampling import SamplingParams, parallel_sample
     from treedec.search.generate import greedy_generate
-    from treedec.search.speculative import speculative_generate
+    from treedec.search.speculative.program import speculative_generate
 
     def engine(model, page_size=4):
         return Engine(model, kv_tokens=2048, page_size=page_size, backend="torch", prefill_chunk=16)

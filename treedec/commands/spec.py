@@ -33,15 +33,15 @@ from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.engine.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
 from treedec.engine.eagle import EagleDrafter, load_eagle
-from treedec.search.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
+from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.eagle import EagleDraft
-from treedec.search.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.eagle import EagleDraft
+from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.drafts import PromptLookupDraft, TreeDraft
+from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import SpeculativeStats, speculative_generate
+from treedec.search.speculative.program import SpeculativeStats, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 DRAFTS = ("ngram", "medusa", "draft-model", "eagle", "eagle3", "tree")

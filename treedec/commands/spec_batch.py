@@ -7,7 +7,7 @@
 Every request of the prompts file (:mod:`treedec.search.requests_file`; one output each) gets
 its own draft source of the ``--draft`` kind (Medusa drafts share the heads, draft-model drafts
 the draft engine), and all requests' token trees are verified in one engine step per iteration
-(:func:`~treedec.search.speculative_batch.speculative_batch`). Greedy acceptance (the default)
+(:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
 at each request's ``temperature`` (default ``--temperature``), seeded by its ``seed`` (default
 ``--seed``). The results file (JSONL) has one line per request, its ``stats`` with the accepted
@@ -25,12 +25,12 @@ from tqdm import tqdm
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.engine.text import has_tokenizer, load_tokenizer
-from treedec.search.acceptance import RejectionSampling, TypicalAcceptance
-from treedec.search.draft_model import DraftModelDraft
-from treedec.search.eagle import EagleDraft
-from treedec.search.drafts import PromptLookupDraft
-from treedec.search.medusa import MedusaDraft
-from treedec.search.speculative_batch import speculative_batch
+from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
+from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.search.speculative.eagle import EagleDraft
+from treedec.search.speculative.drafts import PromptLookupDraft
+from treedec.search.speculative.medusa import MedusaDraft
+from treedec.search.speculative.batch import speculative_batch
 
 CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model's engine gets as many)
 

@@ -1,5 +1,5 @@
 """Plain greedy decoding of one request, one token per engine step: the reference that greedy speculative
-decoding (:mod:`treedec.search.speculative`) and every batched path must equal, pipelined on a GPU."""
+decoding (:mod:`treedec.search.speculative.program`) and every batched path must equal, pipelined on a GPU."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from treedec.search.device_acceptance import rejection_outcome
+from treedec.search.speculative.device_acceptance import rejection_outcome
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
@@ -230,8 +230,8 @@ class RejectionSampling:
     def outcome(self, tree: TokenTree, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor,
                 draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """The same decision made on the device, launched without waiting: ``[2 + depth]`` int64
-        (:func:`~treedec.search.device_acceptance.rejection_outcome`; read it back and
-        :func:`~treedec.search.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
+        (:func:`~treedec.search.speculative.device_acceptance.rejection_outcome`; read it back and
+        :func:`~treedec.search.speculative.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
         Its tokens follow :meth:`accept`'s distribution exactly; it draws from the same stream
         differently, so single draws differ."""
         _check_draft_probs(tree, logits, draft_probs)

@@ -1,7 +1,7 @@
 """Speculative decoding of many requests at once: every request's draft tree in ONE step.
 
 :func:`speculative_batch` is :func:`~treedec.search.batch.generate_batch` for speculative
-decoding: each request is a :class:`~treedec.search.speculative.SpeculativeProgram` run by the
+decoding: each request is a :class:`~treedec.search.speculative.program.SpeculativeProgram` run by the
 scheduler (:mod:`treedec.search.scheduler`): every iteration each live request's draft source
 proposes a token tree after its sequence, all the trees are verified in one engine step (one
 plan over the forest, one forward), and each request keeps its accepted path (its K/V moved
@@ -12,9 +12,9 @@ Any draft source batches: n-gram lookup, fixed trees, Medusa heads (their row he
 the shared step for every request's rows; the requests' drafts must share one heads module),
 drafts that read the target's hidden states, EAGLE drafters and draft models (greedy drafts on one
 drafter engine draft together: one drafter step per tree layer for all the pass's requests,
-:mod:`treedec.search.drafter_batch`). Acceptance is greedy by default (then every request's tokens are exactly those of
-plain greedy decoding of its prompt, whatever the draft: tested); ``acceptance`` gives a
-sampled rule.
+:mod:`treedec.search.speculative.drafter_batch`). Acceptance is greedy by default (then every request's
+tokens are exactly those of plain greedy decoding of its prompt, whatever the draft: tested);
+``acceptance`` gives a sampled rule.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from typing import Callable, Sequence
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.acceptance import AcceptanceRule
+from treedec.search.speculative.acceptance import AcceptanceRule
 from treedec.search.batch import prepare_requests, request_results
-from treedec.search.draft_budget import DraftBudget
-from treedec.search.drafts import DraftSource, check_draft_source
+from treedec.search.speculative.draft_budget import DraftBudget
+from treedec.search.speculative.drafts import DraftSource, check_draft_source
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
-from treedec.search.speculative import SpeculativeProgram
+from treedec.search.speculative.program import SpeculativeProgram
 
 __all__ = ["PIPELINE_MAX_REQUESTS", "speculative_batch"]
 
@@ -55,11 +55,11 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     acceptance : makes each request's acceptance rule (default greedy), e.g.
         ``lambda spec: RejectionSampling(spec.temperature, seed=spec.seed)``.
     max_step_tokens : as :func:`~treedec.search.batch.generate_batch`.
-    draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.search.draft_budget`):
+    draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.search.speculative.draft_budget`):
         default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
-    pipeline : each request's steps pipelined (:mod:`treedec.search.speculative_pipeline`: drafts with a fixed
+    pipeline : each request's steps pipelined (:mod:`treedec.search.speculative.pipeline`: drafts with a fixed
         tree drafted on the device, greedy or rejection sampling; True raises where they do not); None (the
         default): where they allow it on a GPU, for batches of at most :data:`PIPELINE_MAX_REQUESTS` requests;
         False: never. Each result's ``stats["pipelined"]`` says which ran and ``stats["pipeline_note"]`` why

@@ -1,7 +1,7 @@
 """Acceptance of a verified token tree on the device: the outcome in one small tensor, no wait on the way.
 
-The host rules of :mod:`treedec.search.acceptance` walk the tree from the root and read values as they
-go; :class:`~treedec.search.acceptance.RejectionSampling` reads a random number and a probability for
+The host rules of :mod:`treedec.search.speculative.acceptance` walk the tree from the root and read values as they
+go; :class:`~treedec.search.speculative.acceptance.RejectionSampling` reads a random number and a probability for
 every child it tries (each read a wait for the device: on a GPU a step of a top-8 EAGLE tree paid
 dozens). Here the same decisions are tensor operations over the whole tree at once, launched after the
 verification step without waiting for it:
@@ -101,8 +101,8 @@ _CACHE: dict[tuple, DeviceTree] = {}
 
 
 def greedy_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], argmax: torch.Tensor) -> torch.Tensor:
-    """:func:`~treedec.search.acceptance.greedy_path`'s decision on the device: a child passes when its token is
-    the target's argmax at its parent (the first such sibling wins), the bonus is the argmax at the path's last
+    """:func:`~treedec.search.speculative.acceptance.greedy_path`'s decision on the device: a child passes when its
+    token is the target's argmax at its parent (the first such sibling wins), the bonus is the argmax at the path's last
     node. ``argmax`` [N] int64 on the device; returns the outcome tensor (see :func:`rejection_outcome`)."""
     shape = DeviceTree.of(tree, argmax.device)
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=argmax.device)
@@ -166,7 +166,7 @@ class _GreedyGraph:
 def rejection_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], logits: torch.Tensor,
                       params: SamplingParams, generator: torch.Generator,
                       draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`~treedec.search.acceptance.RejectionSampling`'s decision on the device.
+    """:class:`~treedec.search.speculative.acceptance.RejectionSampling`'s decision on the device.
 
     Parameters
     ----------

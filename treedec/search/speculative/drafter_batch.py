@@ -1,8 +1,9 @@
 """Tree drafting for many requests at once: one drafter step per tree layer for every live request.
 
 The drafts of a batch that grow EAGLE-2 trees on a drafter engine of their own
-(:class:`~treedec.search.eagle.EagleDraft`, :class:`~treedec.search.draft_model.DraftModelDraft`: both
-:class:`~treedec.search.tree_drafting.EngineTreeDraft`) share that engine; their :class:`DrafterGroup`
+(:class:`~treedec.search.speculative.eagle.EagleDraft`,
+:class:`~treedec.search.speculative.draft_model.DraftModelDraft`: both
+:class:`~treedec.search.speculative.tree_drafting.EngineTreeDraft`) share that engine; their :class:`DrafterGroup`
 (one per drafter engine, :meth:`DrafterGroup.of`) drafts for all of them together. In a scheduler pass
 every speculative program submits its sequence (``draft.submit``), waits for the pass to end
 (:meth:`~treedec.search.program.ProgramContext.together`), and collects its tree (``draft.collect``);

@@ -1,11 +1,11 @@
 """Draft sources for speculative decoding: what proposes the token tree a step verifies.
 
 A :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree` whose root is
-the sequence's last token (see :mod:`treedec.search.speculative` for the verification).
+the sequence's last token (see :mod:`treedec.search.speculative.program` for the verification).
 Here: the base class, :class:`TargetOutput` (what a draft that reads the target sees),
 :class:`PromptLookupDraft` (n-grams of the sequence) and :class:`TreeDraft` (a fixed shape
-with given tokens); :class:`~treedec.search.medusa.MedusaDraft` and
-:class:`~treedec.search.draft_model.DraftModelDraft` live in their own modules.
+with given tokens); :class:`~treedec.search.speculative.medusa.MedusaDraft` and
+:class:`~treedec.search.speculative.draft_model.DraftModelDraft` live in their own modules.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class DraftSource:
     distributions it drew each node's children from (without replacement, in child order),
     processed with the acceptance rule's temperature, top-k and top-p
     (:func:`~treedec.search.sampling.sampling_probs`); the acceptance rule gets them
-    (:class:`~treedec.search.acceptance.RejectionSampling` is then lossless for such drafts).
+    (:class:`~treedec.search.speculative.acceptance.RejectionSampling` is then lossless for such drafts).
     None: the draft's tokens are not sampled."""
 
     drafts_together: bool = False
@@ -76,7 +76,7 @@ class DraftSource:
     """The tree every proposal has, for a draft whose tokens are computed on the device from what the step
     before left there (:meth:`device_drafts`: its :attr:`row_head`'s output at the last accepted token, the
     target's states, or nothing for fixed tokens): its speculative loop can run pipelined
-    (:mod:`~treedec.search.speculative_pipeline`). None: not such a draft."""
+    (:mod:`~treedec.search.speculative.pipeline`). None: not such a draft."""
 
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``step.device``, the root
@@ -302,7 +302,7 @@ def check_draft_source(value, what: str) -> None:
     """Raise a TypeError naming ``what`` and the type of ``value`` unless it is a :class:`DraftSource`."""
     if not isinstance(value, DraftSource):
         raise TypeError(f"{what} must be a draft source, got {type(value).__name__}: subclass "
-                        f"treedec.search.drafts.DraftSource (it declares every member a draft may define)")
+                        f"treedec.search.speculative.drafts.DraftSource (it declares every member a draft may define)")
 
 
 # ================================================================ private

@@ -3,7 +3,7 @@
 Each step a :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree`
 whose root is the sequence's last token; one engine step computes the root and every
 draft token at once (tree attention: each token attends to its own path only). An
-:class:`~treedec.search.acceptance.AcceptanceRule` picks the accepted path (greedy: the
+:class:`~treedec.search.speculative.acceptance.AcceptanceRule` picks the accepted path (greedy: the
 longest path whose tokens equal the model's greedy choice at their parent); its K/V move
 onto the sequence node (no recompute), the rest of the tree is pruned, and the token the
 rule draws after the last accepted token (the *bonus* token) is the root of the next
@@ -16,8 +16,8 @@ it is kept; a stop string or ``max_new_tokens`` inside the path cuts it there to
 (:mod:`treedec.search.scheduler`): batched, every live request's tree is verified in the same
 engine step. :func:`speculative_generate` runs one request.
 
-Draft sources are in :mod:`treedec.search.drafts`, :mod:`treedec.search.medusa` and
-:mod:`treedec.search.draft_model`.
+Draft sources are in :mod:`treedec.search.speculative.drafts`, :mod:`treedec.search.speculative.medusa` and
+:mod:`treedec.search.speculative.draft_model`.
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
-from treedec.search.device_acceptance import decode_outcome
+from treedec.search.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
+from treedec.search.speculative.device_acceptance import decode_outcome
 from treedec.engine.text import IncrementalDetokenizer
-from treedec.search.draft_budget import DraftBudget, cut_tree
-from treedec.search.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
+from treedec.search.speculative.draft_budget import DraftBudget, cut_tree
+from treedec.search.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.scheduler import run_program
-from treedec.search.speculative_pipeline import pipeline_refusal, pipelined_run
+from treedec.search.speculative.pipeline import pipeline_refusal, pipelined_run
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
@@ -62,7 +62,7 @@ class SpeculativeStats:
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
         or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s.
-    pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative_pipeline`; then the draft
+    pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative.pipeline`; then the draft
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
     """
@@ -165,7 +165,7 @@ class SpeculativeProgram(Program):
     Parameters
     ----------
     prompt_ids : the prompt.
-    draft : the request's draft source, a :class:`~treedec.search.drafts.DraftSource` (else TypeError).
+    draft : the request's draft source, a :class:`~treedec.search.speculative.drafts.DraftSource` (else TypeError).
     rule : the request's :class:`~treedec.search.stops.StopRule`.
     tokenizer : detokenizes the output (stop strings need it).
     acceptance : default :class:`GreedyAcceptance`.
@@ -174,13 +174,13 @@ class SpeculativeProgram(Program):
     on_step : called as ``on_step(stats, emitted)`` after every verification step.
     max_draft_tokens : the largest tree (root included) the draft may propose; its pages are the
         headroom the scheduler keeps for the request's steps.
-    budget : the batch's :class:`~treedec.search.draft_budget.DraftBudget` (shared by its programs): each
+    budget : the batch's :class:`~treedec.search.speculative.draft_budget.DraftBudget` (shared by its programs): each
         proposal is cut to this request's share of the step's draft tokens.
-    pipeline : run its steps pipelined (:mod:`treedec.search.speculative_pipeline`); None: when the draft, the
+    pipeline : run its steps pipelined (:mod:`treedec.search.speculative.pipeline`); None: when the draft, the
         rule and the engine allow it on a GPU (``stats.pipelined``, ``stats.pipeline_note`` say what was
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
-        choice of :func:`~treedec.search.speculative_batch.speculative_batch` for a large batch.
+        choice of :func:`~treedec.search.speculative.batch.speculative_batch` for a large batch.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
@@ -242,7 +242,7 @@ class SpeculativeProgram(Program):
         if self.budget is not None:
             self.budget.join(self)
         try:
-            if pipelined:   # (treedec.search.speculative_pipeline)
+            if pipelined:   # (treedec.search.speculative.pipeline)
                 yield from pipelined_run(ctx, self, checker, head_name, stats)
             else:
                 yield from self._steps(ctx, checker, head_name, stats)
@@ -332,18 +332,18 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
 
     Parameters
     ----------
-    draft : the draft source, a :class:`~treedec.search.drafts.DraftSource` (else TypeError); its
+    draft : the draft source, a :class:`~treedec.search.speculative.drafts.DraftSource` (else TypeError); its
         ``start`` / ``needs_hidden`` / ``row_head`` / ``observe`` / ... members are used.
     max_new_tokens : int >= 1.
     acceptance : default :class:`GreedyAcceptance` (then the tokens are exactly those of
-        plain greedy decoding); :class:`~treedec.search.acceptance.TypicalAcceptance` or
-        :class:`~treedec.search.acceptance.RejectionSampling` for sampled decoding.
+        plain greedy decoding); :class:`~treedec.search.speculative.acceptance.TypicalAcceptance` or
+        :class:`~treedec.search.speculative.acceptance.RejectionSampling` for sampled decoding.
     on_step : called as ``on_step(stats, emitted)`` after every verification step
         (``emitted``: new tokens so far), e.g. to advance a progress bar.
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's),
         an id, several ids, or None (no EOS stop).
     pipeline : run step n+1 before step n's tokens reach the host
-        (:mod:`treedec.search.speculative_pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
+        (:mod:`treedec.search.speculative.pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
         as Medusa heads run in the step or a ``TreeDraft`` of fixed tokens, under greedy acceptance or
         rejection sampling). Default: on for a CUDA engine when the draft
         and rule allow it (``stats.pipelined`` and ``stats.pipeline_note`` say what was chosen and why); True
