@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 from bench.results_file import device_name, versions, write_results  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
-from treedec.search.game24 import Game24Task  # noqa: E402
+from treedec.search.tot.game24 import Game24Task  # noqa: E402
 from treedec.search.tot import BFSConfig, ByteTokenizer, tot_batch, tot_bfs  # noqa: E402
 
 #: Sixteen Game-of-24 puzzles (four numbers each, each reaching 24).

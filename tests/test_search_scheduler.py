@@ -8,7 +8,7 @@ from treedec.search.batch import GenerateProgram
 from treedec.search.beam import BeamProgram
 from treedec.search.controller import BranchEvery, ControllerProgram
 from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.game24 import Game24Task
+from treedec.search.tot.game24 import Game24Task
 from treedec.search.requests_file import RequestSpec
 from treedec.search.program import Program, Read, StepRequest, Wait
 from treedec.search.scheduler import run_program, run_programs

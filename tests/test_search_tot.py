@@ -13,7 +13,7 @@ from bench.tot import main as bench_tot_main
 from treedec.cli import main as cli_main
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.game24 import Game24Task
+from treedec.search.tot.game24 import Game24Task
 from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_batch, tot_bfs, tot_dfs
 from tests.engines import tiny_model
 
@@ -412,7 +412,7 @@ def test_cli_tot_runs_a_tasks_file_batched_and_a_user_task(tmp_path, capsys, mon
 
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nosuchmodule:Task"], "--task nosuchmodule:Task: no module named 'nosuchmodule'"),
-    (["--task", "treedec.search.game24:INSTRUCTION"],
+    (["--task", "treedec.search.tot.game24:INSTRUCTION"],
      r"'INSTRUCTION' of module .* is not a ToTTask subclass \(it is of type str\)"),
     (["--task", "Game24Task"], "--task must be module:Class"),
     (["--tasks", "TASKS", "--numbers", "1", "2", "3", "4"], "--numbers goes with a single Game-of-24 search"),

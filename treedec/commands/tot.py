@@ -9,7 +9,7 @@
 Prints one line per BFS level (DFS expansion): thoughts, tokens, engine steps, wall time,
 tokens/s and KV pages; then the best states. ``--out`` writes the results JSON: the run's
 settings and :meth:`ToTResult.to_json`. With ``--tasks`` (a JSONL file of task arguments, see
-:mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.search.tot.tot_batch`),
+:mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.search.tot.program.tot_batch`),
 one line each is printed and ``--out`` is a JSONL file, one result per task, each appended as
 its search finishes (so in the order they finish; a run that fails keeps every finished
 search's line: :mod:`treedec.commands.batch_io`).
@@ -35,10 +35,10 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
 from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
-from treedec.search.game24 import Game24Task
+from treedec.search.tot.game24 import Game24Task
 from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, ToTTask, tot_batch, tot_bfs,
                                 tot_dfs)
-from treedec.search.tot_task import check_task
+from treedec.search.tot.task import check_task
 
 CPU_KV_TOKENS = 32768
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -232,7 +232,7 @@ def _load_tokenizer(model_dir: str | None, vocab_size: int):
 
 
 class HFTokenizer:
-    """A transformers tokenizer as a :class:`~treedec.search.tot.Tokenizer`: no special tokens inside the
+    """A transformers tokenizer as a :class:`~treedec.search.tot.program.Tokenizer`: no special tokens inside the
     text; ``bos_id`` is the BOS token if the tokenizer puts one before a text."""
 
     def __init__(self, tokenizer):

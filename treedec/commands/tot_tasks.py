@@ -6,7 +6,7 @@ arguments, and an optional ``"id"``; for the shipped Game of 24::
     {"id": "p1", "numbers": [4, 9, 10, 13]}
     {"numbers": [1, 1, 4, 6]}
 
-A user task is any :class:`~treedec.search.tot_task.ToTTask` subclass importable as
+A user task is any :class:`~treedec.search.tot.task.ToTTask` subclass importable as
 ``module:Class``, e.g. ``--task mytasks:Crossword``. Trust: importing the module runs its code,
 with the user's rights, as ``python -c "import mytasks"`` would; give only modules you would run.
 For a user's ``--task`` (never for the default, the Game of 24) the current directory is added
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 from treedec.search.requests_file import RequestsFileError
-from treedec.search.tot_task import ToTTask
+from treedec.search.tot.task import ToTTask
 
-DEFAULT_TASK = "treedec.search.game24:Game24Task"
+DEFAULT_TASK = "treedec.search.tot.game24:Game24Task"
 
 
 def load_task_class(spec: str) -> type[ToTTask]:

@@ -25,7 +25,7 @@ others at once, with any state none of whose thoughts was kept (their pages are 
 and backtracks (prunes the subtree) when a state's thoughts are used up. Both stop at the
 first thought ``task.is_solved`` accepts and free every page of the search at the end.
 
-The task, tokenizer, configurations and results are defined in :mod:`treedec.search.tot_task`
+The task, tokenizer, configurations and results are defined in :mod:`treedec.search.tot.task`
 (and import from here too).
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ from treedec.engine import Engine
 from treedec.search.request import MODEL_EOS, Positions, eos_token_ids
 from treedec.search.program import Program, ProgramContext
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs
-from treedec.search.tot_search import ToTSearch
-from treedec.search.tot_task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
+from treedec.search.tot.search import ToTSearch
+from treedec.search.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
                                      ToTTask, Tokenizer, check_task)
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTProgram", "ToTResult", "ToTState",

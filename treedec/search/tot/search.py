@@ -1,4 +1,4 @@
-"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.search.tot`): the prompt's prefill, thoughts
+"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.search.tot.program`): the prompt's prefill, thoughts
 generated together one token per engine step, their evaluations under their own nodes, pruning and counters."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from treedec.search.controller import choose_token_ids
 from treedec.search.program import ProgramContext, Read, StepRequest
 from treedec.search.request import Positions, check_positions
-from treedec.search.tot_task import LevelStats, ToTState, ToTTask, Tokenizer, _SearchConfig
+from treedec.search.tot.task import LevelStats, ToTState, ToTTask, Tokenizer, _SearchConfig
 from treedec.transfer import to_device
 
 __all__ = ["ToTSearch"]
@@ -31,7 +31,7 @@ class _Stream:
 
 
 class ToTSearch:
-    """The engine-side machinery both searches of :mod:`treedec.search.tot` share: prefill, expansion,
+    """The engine-side machinery both searches of :mod:`treedec.search.tot.program` share: prefill, expansion,
     evaluation, pruning, counters."""
 
     def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig,

@@ -4,8 +4,8 @@ The text side (the :class:`Tokenizer` protocol and :class:`ByteTokenizer`), the
 :class:`ToTTask` a search solves (its prompts, how a value is read, when it is solved), the
 searches' configurations (:class:`BFSConfig`, :class:`DFSConfig`) and their results
 (:class:`ToTState`, :class:`LevelStats`, :class:`ToTResult`). The searches themselves,
-:func:`~treedec.search.tot.tot_bfs` and :func:`~treedec.search.tot.tot_dfs`, are in
-:mod:`treedec.search.tot`.
+:func:`~treedec.search.tot.program.tot_bfs` and :func:`~treedec.search.tot.program.tot_dfs`, are in
+:mod:`treedec.search.tot.program`.
 """
 from __future__ import annotations
 
