@@ -37,9 +37,10 @@ if str(REPO) not in sys.path:
 
 from bench.results_file import versions, write_results  # noqa: E402
 from bench.real_checkpoint import smollm2_checkpoint  # noqa: E402
-from treedec.engine import Engine, from_pretrained  # noqa: E402
-from treedec.engine.eagle import EagleDrafter  # noqa: E402
-from treedec.engine.text import encode_prompt, load_tokenizer  # noqa: E402
+from treedec.engine import Engine  # noqa: E402
+from treedec.models import from_pretrained  # noqa: E402
+from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
+from treedec.models.text import encode_prompt, load_tokenizer  # noqa: E402
 from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.speculative.drafts import PromptLookupDraft  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402

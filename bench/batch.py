@@ -58,10 +58,11 @@ if str(REPO) not in sys.path:
 
 from bench.results_file import device_name, versions, write_results  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
 from bench.programs import random_drafter, random_heads  # noqa: E402
-from treedec.engine.eagle import EagleDrafter  # noqa: E402
+from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.speculative.drafts import DraftSource, TreeDraft  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402

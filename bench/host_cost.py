@@ -43,8 +43,9 @@ if str(REPO) not in sys.path:
 from bench.programs import EAGLE_PROGRAMS, PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UNIT, default_query_tile  # noqa: E402
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
-from treedec.engine.llama import ForwardOutput  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
+from treedec.models.llama import ForwardOutput  # noqa: E402
 
 
 def stub_forwards(engine: Engine) -> None:

@@ -27,7 +27,8 @@ if str(REPO) not in sys.path:
 from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention import StaticPlan, TreeAttention  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402

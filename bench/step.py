@@ -51,7 +51,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
-from treedec.engine import Engine, ModelConfig, from_config, to_hf_config, to_hf_state_dict  # noqa: E402
+from treedec.engine import Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config, to_hf_config, to_hf_state_dict  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -322,7 +323,7 @@ def _free(device) -> None:
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.engine.MODEL_SIZES")
+    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.models.MODEL_SIZES")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="prompt lengths, comma-separated (default 4000,32000; smoke 200,1600)")

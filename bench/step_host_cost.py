@@ -31,8 +31,9 @@ import torch
 from treedec.attention import StaticPlan, TreeAttention
 from treedec.attention.backends import cuda_backend
 from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, CudaBackend, default_query_tile
-from treedec.engine import Engine, from_config
-from treedec.engine.config import ModelConfig
+from treedec.engine import Engine
+from treedec.models import from_config
+from treedec.models.config import ModelConfig
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.kernels.cuda_tree_attention import TILE_TOKENS
 from treedec.tree import SequenceTree

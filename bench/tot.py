@@ -43,7 +43,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from bench.results_file import add_run_arguments, device_name, results_path, versions  # noqa: E402
 from treedec.attention import PlanConfig  # noqa: E402
-from treedec.engine import Engine, from_config  # noqa: E402
+from treedec.engine import Engine  # noqa: E402
+from treedec.models import from_config  # noqa: E402
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTResult, ToTTask, tot_bfs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

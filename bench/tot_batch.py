@@ -29,7 +29,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, versions, write_results  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config  # noqa: E402
+from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.search.tot.game24 import Game24Task  # noqa: E402
 from treedec.search.tot import BFSConfig, ByteTokenizer, tot_batch, tot_bfs  # noqa: E402
 

@@ -41,8 +41,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.step import _time  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
-from treedec.engine import Engine, ModelConfig, from_config  # noqa: E402
-from treedec.engine.tensor_parallel import TensorParallel, init_tensor_parallel  # noqa: E402
+from treedec.engine import Engine  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
+from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -186,7 +187,7 @@ def render_table(results: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-8b",
-                        help="a named size of treedec.engine.MODEL_SIZES, or llama3-70b-shape")
+                        help="a named size of treedec.models.MODEL_SIZES, or llama3-70b-shape")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--prompt", type=int, default=4000, help="prompt tokens under the token tree")
     parser.add_argument("--tree", type=int, default=64, help="Medusa token-tree size (workloads/deft/speculative)")

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from treedec.engine import Engine, from_hf_model, from_pretrained
+from treedec.engine import Engine
+from treedec.models import from_hf_model, from_pretrained
 from treedec.search.beam import beam_search
 
 

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from treedec.engine import Engine, from_config, from_pretrained, greedy
+from treedec.engine import Engine, greedy
+from treedec.models import from_config, from_pretrained
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from treedec.engine import Engine, from_config, from_pretrained
+from treedec.engine import Engine
+from treedec.models import from_config, from_pretrained
 from treedec.search.sampling import SamplingParams, self_consistency
 
 

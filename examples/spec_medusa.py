@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from treedec.engine import Engine, from_config
+from treedec.engine import Engine
+from treedec.models import from_config
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative import (MedusaDraft, MedusaHeads, TypicalAcceptance, load_medusa_heads,
                                         speculative_generate)

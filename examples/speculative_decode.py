@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from treedec.engine import Engine, from_config, greedy
+from treedec.engine import Engine, greedy
+from treedec.models import from_config
 from treedec.search.speculative import PromptLookupDraft, speculative_generate
 
 

@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from treedec.engine import Engine, from_config, from_pretrained
+from treedec.engine import Engine
+from treedec.models import from_config, from_pretrained
 from treedec.search.tot.game24 import Game24Task, solve
 from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, tot_bfs, tot_dfs
 from treedec.commands.tot import HFTokenizer

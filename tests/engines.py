@@ -5,7 +5,8 @@ import functools
 
 import torch
 
-from treedec.engine import Engine, from_config, greedy
+from treedec.engine import Engine, greedy
+from treedec.models import from_config
 
 
 @functools.lru_cache(maxsize=1)

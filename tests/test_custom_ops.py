@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from treedec import TreeAttention
-from treedec.engine import CudaGraphConfig, Engine, from_config
+from treedec.engine import CudaGraphConfig, Engine
+from treedec.models import from_config
 from treedec.workloads.deft import medusa_tree
 from tests.engines import tiny_model
 from tests.trees import random_forest

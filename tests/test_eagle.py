@@ -1,4 +1,4 @@
-"""EAGLE drafters (treedec.engine.eagle, treedec.search.speculative.eagle) on tiny CPU models.
+"""EAGLE drafters (treedec.models.eagle_drafter, treedec.search.speculative.eagle) on tiny CPU models.
 
 - The engine returns the inputs of chosen layers (``aux``) equal to transformers' hidden states.
 - Drafters in the EAGLE reference layouts: saved with the reference names, loaded back equal, equal
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, from_config, to_hf_config, to_hf_state_dict
-from treedec.engine.eagle import EagleDrafter, default_aux_layers, load_eagle, save_eagle
-from treedec.engine.loading import CheckpointError, read_state_dict
+from treedec.engine import CudaGraphConfig, Engine
+from treedec.models import ModelConfig, from_config, to_hf_config, to_hf_state_dict
+from treedec.models.eagle_drafter import EagleDrafter, default_aux_layers, load_eagle, save_eagle
+from treedec.models.loading import CheckpointError, read_state_dict
 from treedec.search.speculative.acceptance import RejectionSampling
 from treedec.search.speculative.eagle import EagleDraft
 from treedec.search.speculative.drafter_batch import DrafterGroup

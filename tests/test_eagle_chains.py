@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import Engine, from_config
-from treedec.engine.eagle import EagleDrafter
+from treedec.engine import Engine
+from treedec.models import from_config
+from treedec.models.eagle_drafter import EagleDrafter
 from treedec.search.speculative.acceptance import GreedyAcceptance
 from treedec.search.speculative.eagle import EagleDraft
 from treedec.search.speculative.eagle_chains import chains_tree

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from treedec.engine import ModelConfig, from_config
-from treedec.engine.eagle import EagleDrafter, load_eagle, save_eagle
-from treedec.engine.loading import CheckpointError, read_state_dict
+from treedec.models import ModelConfig, from_config
+from treedec.models.eagle_drafter import EagleDrafter, load_eagle, save_eagle
+from treedec.models.loading import CheckpointError, read_state_dict
 
 SIX_LAYERS = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=6)
 NAN, INF = float("nan"), float("inf")
@@ -128,7 +128,7 @@ def test_bad_config_fields_are_named(saved, tmp_path, target, kind, changes, mes
 def test_a_config_larger_than_its_weights_allocates_nothing(saved, tmp_path, target, monkeypatch, kind, changes):
     """Sizes of a terabyte: the drafter is laid out on the meta device (norms and RoPE included), and the
     checkpoint's tensors refuse it."""
-    import treedec.engine.eagle as eagle
+    import treedec.models.eagle_drafter as eagle
 
     def rope_on_meta_only(config, device=None):
         assert str(device) == "meta", f"RoPE frequencies of head dim {config.head_dim} made on {device}"

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import CudaGraphConfig, Engine, ModelConfig, PrefillOutput, StepOutput, from_config, greedy
+from treedec.engine import CudaGraphConfig, Engine, PrefillOutput, StepOutput, greedy
+from treedec.models import ModelConfig, from_config
 from treedec.errors import PoolExhaustedError, TreeError
 
 from treedec.workloads.deft import medusa_tree

@@ -10,9 +10,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from treedec.engine import from_pretrained  # noqa: E402
-from treedec.engine.gguf import convert_gguf  # noqa: E402
-from treedec.engine.loading import CheckpointError  # noqa: E402
+from treedec.models import from_pretrained  # noqa: E402
+from treedec.models.gguf import convert_gguf  # noqa: E402
+from treedec.models.loading import CheckpointError  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, LAYERS = 64, 4, 2, 128, 300, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import CudaGraphConfig, Engine, from_config
+from treedec.engine import CudaGraphConfig, Engine
+from treedec.models import from_config
 from treedec.engine.cuda_graphs import GraphRunner
 
 

@@ -8,8 +8,9 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRota
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
-from treedec.engine import Engine, ModelConfig, RopeScaling, from_hf_model
-from treedec.engine.rope import rope_cos_sin, rope_inv_freq
+from treedec.engine import Engine
+from treedec.models import ModelConfig, RopeScaling, from_hf_model
+from treedec.models.rope import rope_cos_sin, rope_inv_freq
 
 ATOL = 1e-4
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

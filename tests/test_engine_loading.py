@@ -11,9 +11,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from tests.test_engine_llama import hf_logits, tiny_hf
-from treedec.engine import (MODEL_SIZES, Engine, ModelConfig, from_config, from_hf_model, from_pretrained,
-                            to_hf_config, to_hf_state_dict)
-from treedec.engine.loading import CheckpointError, checkpoint_shards
+from treedec.engine import Engine
+from treedec.models import (MODEL_SIZES, ModelConfig, from_config, from_hf_model, from_pretrained, to_hf_config,
+                            to_hf_state_dict)
+from treedec.models.loading import CheckpointError, checkpoint_shards
 from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate

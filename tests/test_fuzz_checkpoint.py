@@ -1,6 +1,6 @@
 """Fuzzing the checkpoint reader: any index (or shard bytes) loads or raises the documented error.
 
-Documented errors of :func:`treedec.engine.from_pretrained` / :func:`checkpoint_shards`:
+Documented errors of :func:`treedec.models.from_pretrained` / :func:`checkpoint_shards`:
 CheckpointError (a ValueError) and FileNotFoundError. Whatever the index names, no file
 outside the checkpoint directory is opened: every path handed to ``safetensors.safe_open``
 is recorded and checked.
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.test_engine_llama import tiny_hf
-from treedec.engine import from_pretrained
-from treedec.engine.loading import CheckpointError, checkpoint_shards
+from treedec.models import from_pretrained
+from treedec.models.loading import CheckpointError, checkpoint_shards
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 INDEX = "model.safetensors.index.json"

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec.attention import PLANNERS
 from treedec.cli import main
-from treedec.engine.config import MODEL_SIZES
+from treedec.models.config import MODEL_SIZES
 from treedec.workloads import fewshot_schedule
 
 

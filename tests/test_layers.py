@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
 # Top to bottom; a module may import its own layer and those below it. errors, versions,
 # transfer (host <-> device copies) and workloads (recorded data and its builders) sit beside
 # tree at the bottom.
-LAYERS = ["cli", "search", "replay", "engine", "attention", "kernels", "tree"]
+LAYERS = ["cli", "search", "replay", "engine", "models", "attention", "kernels", "tree"]
 BOTTOM = {"errors", "versions", "transfer", "workloads", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
 
@@ -48,7 +48,8 @@ def test_package_imports_without_triton():
     import subprocess
     import sys
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import treedec, treedec.attention, treedec.engine, treedec.search, treedec.replay, treedec.cli\n"
+            "import treedec, treedec.attention, treedec.models, treedec.engine, treedec.search, treedec.replay\n"
+            "import treedec.cli\n"
             "import torch; assert hasattr(torch.ops.treedec, 'tree_attention')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.test_engine_llama import tiny_hf
-from treedec.engine import Llama, ModelConfig, RopeScaling, from_pretrained, loading
-from treedec.engine.checkpoint_headers import hf_tensor_shapes
-from treedec.engine.loading import CheckpointError, hf_targets
+from treedec.engine import loading
+from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
+from treedec.models.checkpoint_headers import hf_tensor_shapes
+from treedec.models.loading import CheckpointError, hf_targets
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from treedec.engine import MODEL_SIZES, from_config, to_hf_config, to_hf_state_dict
+from treedec.models import MODEL_SIZES, from_config, to_hf_config, to_hf_state_dict
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
-from treedec.engine import Engine, from_pretrained
-from treedec.engine.eagle import EagleDrafter, load_eagle, save_eagle
-from treedec.engine.text import encode_prompt, load_tokenizer
+from treedec.engine import Engine
+from treedec.models import from_pretrained
+from treedec.models.eagle_drafter import EagleDrafter, load_eagle, save_eagle
+from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.search.batch import generate_batch
 from treedec.search.beam import beam_search
 from treedec.search.speculative.draft_model import DraftModelDraft

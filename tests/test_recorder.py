@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import Engine, from_config
+from treedec.engine import Engine
+from treedec.models import from_config
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.replay.driver import ScheduleDriver
 from treedec.replay.recorder import ScheduleRecorder

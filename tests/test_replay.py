@@ -8,7 +8,8 @@ import torch
 
 from treedec.attention import PLANNERS
 from treedec.cli import main
-from treedec.engine import Engine, ModelConfig, from_config
+from treedec.engine import Engine
+from treedec.models import ModelConfig, from_config
 from treedec.replay import ReplayConfig, ScheduleDriver, replay, replay_results
 from treedec.workloads import Schedule, ScheduleError, fewshot_schedule, workload_schedule
 

@@ -271,7 +271,8 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     target's own processed distributions. (The fixed tables above carry the power check: a flat
     random model's small top-k distributions barely separate a biased rule.)"""
     from tests.engines import make_engine as target_engine
-    from treedec.engine import Engine, from_config
+    from treedec.engine import Engine
+    from treedec.models import from_config
     from treedec.search.speculative.draft_model import DraftModelDraft
 
     params = SamplingParams(0.7, 3)

@@ -147,7 +147,7 @@ def test_a_failing_step_frees_the_live_requests(tiny, monkeypatch):
 def test_batched_generation_on_a_graphed_gpu_engine():
     """On a GPU (graphed steps): every step a graph replay, outputs stopped by their rules, pages all
     freed; a greedy request's first token (from its own prefill) is the one it gets alone."""
-    from treedec.engine import from_config
+    from treedec.models import from_config
 
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treedec.engine import Engine, from_hf_model
+from treedec.engine import Engine
+from treedec.models import from_hf_model
 from treedec.search.beam import beam_search
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -4,7 +4,8 @@ speculative decoding equal to plain greedy, alone and batched."""
 import pytest
 import torch
 
-from treedec.engine import Engine, ModelConfig, from_config
+from treedec.engine import Engine
+from treedec.models import ModelConfig, from_config
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.program import speculative_generate
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model

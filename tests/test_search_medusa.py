@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from treedec.engine import from_config, greedy
+from treedec.engine import greedy
+from treedec.models import from_config
 from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
 from treedec.search.speculative.drafts import TargetOutput
 from treedec.search.speculative.program import speculative_generate

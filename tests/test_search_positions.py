@@ -7,7 +7,8 @@ import functools
 import pytest
 import torch
 
-from treedec.engine import Engine, ModelConfig, from_config
+from treedec.engine import Engine
+from treedec.models import ModelConfig, from_config
 from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, beam_search
 from treedec.search.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller

@@ -242,7 +242,7 @@ def test_pipelined_sampling_on_a_graphed_gpu_engine():
     every kept sample holds its tokens, ended where its EOS is. (Sampled runs are not compared
     across pipelining in bf16: the step sizes differ after a sample ends, the logits then differ
     in their last bits, and a draw near a token's border may flip.)"""
-    from treedec.engine import from_config
+    from treedec.models import from_config
 
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     prompt = [(7 * i + 3) % 512 for i in range(700)]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treedec.engine.text import IncrementalDetokenizer, load_tokenizer
+from treedec.models.text import IncrementalDetokenizer, load_tokenizer
 from treedec.search.stops import STOP_REASONS, StopChecker, StopDecision, StopRule
 from treedec.search.tot import ByteTokenizer
 from tests.tokenizers_local import KINDS, build_tokenizer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treedec.cli import main
-from treedec.engine import from_config
+from treedec.models import from_config
 from treedec.search.speculative.medusa import MedusaHeads
 
 FAST = ["--max-new-tokens", "16", "--no-progress"]
@@ -279,8 +279,8 @@ def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     (``--eagle-tree``); greedy, single prompt and prompts file."""
     from tests.engines import plain_greedy
     from tests.test_engine_llama import tiny_hf
-    from treedec.engine import from_pretrained
-    from treedec.engine.eagle import EagleDrafter, save_eagle
+    from treedec.models import from_pretrained
+    from treedec.models.eagle_drafter import EagleDrafter, save_eagle
 
     tiny_hf("llama", seed=9, num_hidden_layers=6).save_pretrained(tmp_path / "model")
     model = from_pretrained(tmp_path / "model", dtype=torch.float32, device="cpu")

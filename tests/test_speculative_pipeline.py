@@ -273,7 +273,7 @@ def permutation_target(device, dtype, seed=0):
     state is the token's normed embedding; lm_head row y is the embedding of perm^-1(y)), and Medusa heads with
     one output layer each, head i right (perm^(i+2)) except for a third of the tokens at heads 1 and 2, so
     accepted lengths vary."""
-    from treedec.engine import from_config
+    from treedec.models import from_config
     model = from_config("tiny", seed=seed, dtype=torch.float32, device="cpu")
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)

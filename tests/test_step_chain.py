@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.engine import CudaGraphConfig, Engine, from_config, ModelConfig
+from treedec.engine import CudaGraphConfig, Engine
+from treedec.models import from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
 from treedec.tree.layout import TreeLayout
 from treedec.search.speculative.eagle import EagleDraft

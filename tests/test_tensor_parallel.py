@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treedec.engine import ModelConfig
-from treedec.engine.tensor_parallel import TensorParallel, init_tensor_parallel, rank_slice, shard_config, vocab_range
+from treedec.models import ModelConfig
+from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel, rank_slice, shard_config, vocab_range
 
 WORLD = 2
 TOL = 1e-5   # fp32: TP=2 only regroups the sums of o_proj and down_proj (seen: 4e-7)
@@ -42,7 +42,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     from safetensors.torch import save_file
 
-    from treedec.engine import Engine, from_config, from_pretrained, to_hf_config, to_hf_state_dict
+    from treedec.engine import Engine
+    from treedec.models import from_config, from_pretrained, to_hf_config, to_hf_state_dict
     from treedec.search.beam import beam_search
     from treedec.search.speculative.draft_model import DraftModelDraft
     from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
@@ -293,7 +294,7 @@ def test_no_process_group_is_a_clear_error(monkeypatch):
 
 
 def test_from_config_refuses_other_tensor_parallel_values():
-    from treedec.engine import from_config
+    from treedec.models import from_config
     with pytest.raises(TypeError, match="TensorParallel"):
         from_config("tiny", dtype=torch.float32, device="cpu", tensor_parallel=2)
 

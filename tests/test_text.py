@@ -1,4 +1,4 @@
-"""treedec.engine.text: a checkpoint's tokenizer, its chat template, streaming detokenization.
+"""treedec.models.text: a checkpoint's tokenizer, its chat template, streaming detokenization.
 
 The tokenizers are real (transformers fast tokenizers), trained offline on a few sentences
 and saved as checkpoint folders (tests/tokenizers_local.py): byte-level BPE, whose tokens may
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treedec.engine import CheckpointError
-from treedec.engine.text import IncrementalDetokenizer, check_messages, encode_prompt, load_tokenizer
+from treedec.models import CheckpointError
+from treedec.models.text import IncrementalDetokenizer, check_messages, encode_prompt, load_tokenizer
 from treedec.search.tot import ByteTokenizer
 from tests.tokenizers_local import CORPUS, KINDS, build_tokenizer
 

@@ -20,7 +20,7 @@ import torch
 
 from treedec.attention import PLANNERS
 from treedec.attention.backends import BACKENDS
-from treedec.engine.config import MODEL_SIZES
+from treedec.models.config import MODEL_SIZES
 from treedec.workloads import WORKLOADS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -115,7 +115,7 @@ def planner_list(text: str) -> list[str]:
 
 
 def model_size(text: str) -> str:
-    """An argparse ``type``: a named size of :data:`~treedec.engine.config.MODEL_SIZES`."""
+    """An argparse ``type``: a named size of :data:`~treedec.models.config.MODEL_SIZES`."""
     if text not in MODEL_SIZES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(MODEL_SIZES)}, got {text!r}")
     return text
@@ -259,7 +259,7 @@ def check_backend(args: argparse.Namespace) -> None:
 
 def load_model(args: argparse.Namespace):
     """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name."""
-    from treedec.engine import from_config, from_pretrained
+    from treedec.models import from_config, from_pretrained
 
     device = model_device(args)
     name = "tiny" if args.model is None and args.config is None else args.model or args.config

@@ -18,7 +18,7 @@ import json
 from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 
-from treedec.engine.text import check_text
+from treedec.models.text import check_text
 from treedec.search.requests_file import RequestsFileError, RequestSpec, read_requests
 
 __all__ = ["ResultsWriter", "read_prompts", "request_name"]

@@ -29,7 +29,7 @@ from treedec.commands.args import (add_model_arguments, backend_arg, check_backe
                                    nonnegative_float, output_file, positive_float, positive_int, seed_int)
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
-from treedec.engine.text import load_tokenizer
+from treedec.models.text import load_tokenizer
 from treedec.search.batch import generate_batch
 
 CPU_KV_TOKENS = 32768  # the CPU pool's default size in tokens (no free-memory query there)

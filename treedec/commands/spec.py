@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from treedec.engine import from_config, from_pretrained
+from treedec.models import from_config, from_pretrained
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_dir, existing_file,
                                     existing_path, load_model, model_size, nonnegative_float, output_file,
                                     positive_float, positive_int, read_json, seed_int)
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
-from treedec.engine.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
-from treedec.engine.eagle import EagleDrafter, load_eagle
+from treedec.models.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
+from treedec.models.eagle_drafter import EagleDrafter, load_eagle
 from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
 from treedec.search.speculative.draft_model import DraftModelDraft

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
-from treedec.engine.text import has_tokenizer, load_tokenizer
+from treedec.models.text import has_tokenizer, load_tokenizer
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.eagle import EagleDraft

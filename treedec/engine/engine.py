@@ -26,7 +26,7 @@ import torch
 from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
-from treedec.engine.llama import Llama
+from treedec.models.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window, describe_tensor)
@@ -45,8 +45,8 @@ class Engine:
     Parameters
     ----------
     model : Llama
-        From :func:`~treedec.engine.from_pretrained`, :func:`~treedec.engine.from_hf_model`
-        or :func:`~treedec.engine.from_config`; the pool takes its dtype and device.
+        From :func:`~treedec.models.from_pretrained`, :func:`~treedec.models.from_hf_model`
+        or :func:`~treedec.models.from_config`; the pool takes its dtype and device.
     kv_tokens : int, optional
         KV pool capacity in tokens (rounded down to whole pages). Default on CUDA: what fits in
         ``memory_fraction`` of the free GPU memory after the weights, less an activation
@@ -477,7 +477,7 @@ class Engine:
 
 
 class _TreeAttend:
-    """The :class:`~treedec.engine.llama.Attend` of one step: store K/V at ``slots``, run tree attention
+    """The :class:`~treedec.models.llama.Attend` of one step: store K/V at ``slots``, run tree attention
     (with ``ops``, both as the custom ops of :mod:`treedec.attention.custom_ops`)."""
 
     def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan, ops: bool = False):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from treedec.engine.llama import Llama
+from treedec.models.llama import Llama
 from treedec.errors import PoolExhaustedError
 
 _GIB = 1 << 30

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from treedec.engine.config import ModelConfig
+from treedec.models.config import ModelConfig
 from treedec.errors import CheckpointError
 
 #: Tensors some checkpoints carry that the decoder recomputes or does not use.

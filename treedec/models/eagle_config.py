@@ -1,12 +1,12 @@
 """The ``config.json`` of an EAGLE reference checkpoint: a transformers ``LlamaConfig`` of one layer,
 plus ``draft_vocab_size``, ``bias`` (EAGLE-1's ``fc.bias``) and ``eagle_config`` (EAGLE-3's target
-layers), checked field by field and read into what :func:`~treedec.engine.eagle.load_eagle` builds."""
+layers), checked field by field and read into what :func:`~treedec.models.eagle_drafter.load_eagle` builds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from treedec.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
+from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
 
 
@@ -14,7 +14,7 @@ from treedec.errors import CheckpointError
 class EagleConfig:
     """What an EAGLE ``config.json`` says of its drafter.
 
-    ``config``: the drafter's one-layer :class:`~treedec.engine.ModelConfig`. ``draft_vocab_size``:
+    ``config``: the drafter's one-layer :class:`~treedec.models.ModelConfig`. ``draft_vocab_size``:
     EAGLE-3's draft vocabulary (None for EAGLE-1). ``aux_layers``: EAGLE-3's target layers whose
     inputs it fuses (() for EAGLE-1). ``fc_bias``: whether ``fc`` has a bias (EAGLE-1).
     """
@@ -42,7 +42,7 @@ def read_eagle_config(raw: dict, file: Path, eagle3: bool, target: ModelConfig) 
     Raises
     ------
     CheckpointError : naming ``file``, the field, the expected and the actual value (the fields of
-        :func:`~treedec.engine.config.check_hf_fields`; ``draft_vocab_size`` a positive int at most
+        :func:`~treedec.models.config.check_hf_fields`; ``draft_vocab_size`` a positive int at most
         the target's vocabulary; ``bias`` a bool; the aux layer ids 3 distinct layer outputs).
     NotImplementedError : a drafter of more than one layer.
     """

@@ -46,18 +46,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treedec.engine.config import ModelConfig
-from treedec.engine.eagle_config import default_aux_layers, read_eagle_config
-from treedec.engine.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
-from treedec.engine.loading import SUPPORTED_DTYPES, CheckpointError, init_random_, read_json_object, read_state_dict
-from treedec.engine.rope import rope_cos_sin, rope_inv_freq
+from treedec.models.config import ModelConfig
+from treedec.models.eagle_config import default_aux_layers, read_eagle_config
+from treedec.models.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
+from treedec.models.loading import SUPPORTED_DTYPES, CheckpointError, init_random_, read_json_object, read_state_dict
+from treedec.models.rope import rope_cos_sin, rope_inv_freq
 
 KINDS = ("eagle", "eagle3")
 CHECKPOINT_NAMES = ("model.safetensors", "pytorch_model.bin")
 
 
 class EagleLayer(nn.Module):
-    """The drafter's decoder layer (fused q/k/v and gate/up projections, as :class:`~treedec.engine.llama.DecoderLayer`).
+    """The drafter's decoder layer (fused q/k/v and gate/up projections, as
+    :class:`~treedec.models.llama.DecoderLayer`).
 
     EAGLE-1: attention reads the feature as it is (no input norm). EAGLE-3: it reads
     ``cat(input_norm(embedding), hidden_norm(feature))``, ``2 * hidden`` wide.
@@ -97,11 +98,11 @@ class EagleLayer(nn.Module):
 
 
 class EagleDrafter(nn.Module):
-    """An EAGLE-1/2 or EAGLE-3 draft network for a target :class:`~treedec.engine.Llama`.
+    """An EAGLE-1/2 or EAGLE-3 draft network for a target :class:`~treedec.models.Llama`.
 
     Build it with :func:`load_eagle` or :meth:`random`; run it on its own :class:`~treedec.engine.Engine`
     (:class:`~treedec.search.speculative.eagle.EagleDraft` does). ``config`` is a one-layer
-    :class:`~treedec.engine.ModelConfig` whose ``vocab_size`` is the target's (the token ids it
+    :class:`~treedec.models.ModelConfig` whose ``vocab_size`` is the target's (the token ids it
     embeds); its logits are over :attr:`draft_vocab_size` tokens (the target's vocabulary for
     EAGLE-1, see :meth:`to_target_ids`).
 
@@ -203,7 +204,7 @@ class EagleDrafter(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
                 logits_rows: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
                 features: torch.Tensor | None = None) -> ForwardOutput:
-        """One drafter step (the signature of :meth:`Llama.forward <treedec.engine.Llama.forward>`).
+        """One drafter step (the signature of :meth:`Llama.forward <treedec.models.Llama.forward>`).
 
         ``tokens`` [n] the tokens after the features' positions, ``positions`` [n] the features'
         positions, ``features`` [n, hidden] (:meth:`fuse`'d target states, or the drafter's own
@@ -263,7 +264,7 @@ def load_eagle(path: str | Path, target: Llama, kind: str | None = None) -> Eagl
 
     ``kind``: "eagle" or "eagle3", checked against the checkpoint; None: read from it (EAGLE-3
     checkpoints have ``d2t`` / ``midlayer.*``). The config's fields (as :func:`from_pretrained
-    <treedec.engine.from_pretrained>` checks them, and ``draft_vocab_size``, ``bias``, the aux
+    <treedec.models.from_pretrained>` checks them, and ``draft_vocab_size``, ``bias``, the aux
     layer ids), every tensor's dtype and shape, and the ``d2t`` / ``t2d`` draft vocabulary map
     (integer / bool, each draft id to its own target id) are checked: CheckpointError names the
     file, the key or tensor, the expected and the actual value; FileNotFoundError a missing file.
@@ -312,7 +313,7 @@ def save_eagle(drafter: EagleDrafter, path: str | Path, file_name: str | None = 
     """Write ``drafter`` as the EAGLE reference code lays its checkpoints out (see the module docstring):
     ``config.json`` and ``file_name`` (default ``pytorch_model.bin`` for EAGLE-1, ``model.safetensors``
     for EAGLE-3). Returns the folder."""
-    from treedec.engine.loading import to_hf_config
+    from treedec.models.loading import to_hf_config
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     c = drafter.config

@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp's format) as Hugging Face checkpoint folders that :func:`from_pretrained` reads.
 
-    from treedec.engine.gguf import convert_gguf
+    from treedec.models.gguf import convert_gguf
     folder = convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "/tmp/smollm2")   # config, safetensors, tokenizer
     model = from_pretrained(folder)
 
@@ -12,7 +12,7 @@ both treedec and transformers then read the same de-quantized tensors.
 
 A GGUF file is input like any other. Before anything is allocated or written, its metadata
 (architecture, sizes, tokenizer), and every tensor's name, type and shape from its tensor infos,
-are checked against the config (:func:`~treedec.engine.checkpoint_headers.check_tensor_headers`):
+are checked against the config (:func:`~treedec.models.checkpoint_headers.check_tensor_headers`):
 a ``block_count`` of 1000 beside two blocks of tensors fails at once. The folder is written under
 a temporary name beside ``out_dir`` and renamed at the end, so an error leaves no folder.
 """
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from treedec.engine.checkpoint_headers import TensorHeader, check_tensor_headers
-from treedec.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
+from treedec.models.checkpoint_headers import TensorHeader, check_tensor_headers
+from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
 
 __all__ = ["convert_gguf"]
@@ -74,7 +74,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     ImportError : the ``gguf`` package is missing (``pip install gguf``).
     CheckpointError : (a ValueError) naming the GGUF file: not a readable GGUF file (truncated,
         corrupt); an architecture other than :data:`ARCHITECTURES`; metadata missing (sizes,
-        tokenizer) or of a bad type or value (as :func:`~treedec.engine.config.check_hf_fields`
+        tokenizer) or of a bad type or value (as :func:`~treedec.models.config.check_hf_fields`
         checks a config.json); a tensor missing, unknown, of a type that is not a weight's or of the
         wrong shape; a tokenizer transformers cannot build.
     """

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treedec.engine.config import ModelConfig
-from treedec.engine.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from treedec.models.config import ModelConfig
+from treedec.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class Attend(Protocol):
@@ -104,14 +104,14 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """Llama / Mistral / Qwen2 decoder over an injected attention.
 
-    Build it with :func:`treedec.engine.from_pretrained`, :func:`~treedec.engine.from_hf_model`
-    or :func:`~treedec.engine.from_config`; run it through :class:`treedec.engine.Engine`.
+    Build it with :func:`treedec.models.from_pretrained`, :func:`~treedec.models.from_hf_model`
+    or :func:`~treedec.models.from_config`; run it through :class:`treedec.engine.Engine`.
     Parameter names: ``embed_tokens``, ``layers[i].{input_norm, qkv_proj, o_proj,
     post_attention_norm, gate_up_proj, down_proj}``, ``norm``, ``lm_head`` (the embedding
     when ``tie_word_embeddings``).
 
     ``eos_token_ids``: the token ids that end a generation by default (the search programs'
-    ``eos_token_id="model"``); :func:`~treedec.engine.from_pretrained` reads them from the
+    ``eos_token_id="model"``); :func:`~treedec.models.from_pretrained` reads them from the
     checkpoint, other builders leave them empty.
     """
 
@@ -174,7 +174,7 @@ class Llama(nn.Module):
             Also return the residual stream entering each of these layers (what EAGLE-3
             drafters read: ``aux[:, j]`` is the input of layer ``aux_layers[j]``).
         features : must be None: per-row input features are for drafter models
-            (:class:`~treedec.engine.eagle.EagleDrafter`), which share this signature.
+            (:class:`~treedec.models.eagle_drafter.EagleDrafter`), which share this signature.
 
         Returns
         -------

@@ -1,4 +1,4 @@
-"""Building a :class:`~treedec.engine.llama.Llama`: from a local HF checkpoint, an in-memory
+"""Building a :class:`~treedec.models.llama.Llama`: from a local HF checkpoint, an in-memory
 transformers model, or random weights. Nothing here touches the network.
 
 Hugging Face tensor names map onto treedec's (fused) parameters:
@@ -22,7 +22,7 @@ A checkpoint directory is input like any other: the shard paths of
 :func:`checkpoint_shards`), and a malformed index, config, shard or tensor raises
 :class:`CheckpointError` naming the file (and the key or tensor) before the model is allocated:
 the config's fields and every tensor's name, dtype and shape (from the safetensors headers) are
-checked first (:mod:`treedec.engine.checkpoint_headers`).
+checked first (:mod:`treedec.models.checkpoint_headers`).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from treedec.engine.checkpoint_headers import IGNORED_TENSORS, check_tensor_headers, safetensors_headers
-from treedec.engine.config import ModelConfig, check_hf_fields, warn_hf_defaults
-from treedec.engine.llama import Llama
-from treedec.engine.rope import rope_inv_freq
+from treedec.models.checkpoint_headers import IGNORED_TENSORS, check_tensor_headers, safetensors_headers
+from treedec.models.config import ModelConfig, check_hf_fields, warn_hf_defaults
+from treedec.models.llama import Llama
+from treedec.models.rope import rope_inv_freq
 from treedec.errors import CheckpointError
 
 _LAYER_NAMES = {
@@ -79,8 +79,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     dtype : float32, float16 or bfloat16; default the checkpoint config's ``dtype`` /
         ``torch_dtype``, else bfloat16.
     device : default CUDA when available, else CPU.
-    tensor_parallel : a :class:`~treedec.engine.tensor_parallel.TensorParallel`: build this rank's
-        :class:`~treedec.engine.tensor_parallel.TensorParallelLlama`, reading only its slices.
+    tensor_parallel : a :class:`~treedec.models.tensor_parallel.TensorParallel`: build this rank's
+        :class:`~treedec.models.tensor_parallel.TensorParallelLlama`, reading only its slices.
 
     Raises
     ------
@@ -132,7 +132,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
     model.eos_token_ids = eos
     if tensor_parallel is not None:
-        from treedec.engine.tensor_parallel import load_checkpoint
+        from treedec.models.tensor_parallel import load_checkpoint
         load_checkpoint(model, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
         return model
     load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
@@ -197,7 +197,7 @@ def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = t
                 device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None) -> Llama:
     """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms 1, biases 0.
 
-    ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.engine.config.MODEL_SIZES`.
+    ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.models.config.MODEL_SIZES`.
     The same seed gives the same weights on the same device. ``tensor_parallel``: this rank's
     slices of those same weights (see :func:`from_pretrained`).
     """
@@ -205,7 +205,7 @@ def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = t
         config = ModelConfig.from_name(config)
     model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
     if tensor_parallel is not None:
-        from treedec.engine.tensor_parallel import load_random
+        from treedec.models.tensor_parallel import load_random
         load_random(model, seed, std)
         return model
     gen = torch.Generator(device=model.device).manual_seed(seed)
@@ -462,7 +462,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device |
         if tensor_parallel is None:
             model = Llama(config, dtype=dtype)
         else:
-            from treedec.engine.tensor_parallel import build_model
+            from treedec.models.tensor_parallel import build_model
             model = build_model(config, tensor_parallel, dtype)
     model.to_empty(device=device)
     model.tie_weights()

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from treedec.engine.config import ModelConfig
+from treedec.models.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:

@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from treedec.engine.checkpoint_headers import hf_tensor_shapes
-from treedec.engine.config import ModelConfig
-from treedec.engine.llama import Llama
-from treedec.engine.loading import CheckpointError, hf_targets, init_random_, load_hf_tensors, safetensors_device
+from treedec.models.checkpoint_headers import hf_tensor_shapes
+from treedec.models.config import ModelConfig
+from treedec.models.llama import Llama
+from treedec.models.loading import CheckpointError, hf_targets, init_random_, load_hf_tensors, safetensors_device
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # HF projections split across ranks: (which projection, weight or bias)
@@ -244,7 +244,7 @@ class VocabParallelHead(nn.Module):
 
 
 class TensorParallelLlama(Llama):
-    """This rank's part of a :class:`~treedec.engine.llama.Llama` split over ``tp`` (see the module doc).
+    """This rank's part of a :class:`~treedec.models.llama.Llama` split over ``tp`` (see the module doc).
 
     Build it with ``from_pretrained(..., tensor_parallel=tp)`` or ``from_config(..., tensor_parallel=tp)``.
     ``config`` is the shape this rank computes (:func:`shard_config`: its heads, KV heads and MLP
@@ -269,7 +269,7 @@ class TensorParallelLlama(Llama):
             self.lm_head.tie(self.embed_tokens.weight)
 
 
-# ===================================================================== loading (treedec.engine.loading calls these)
+# ===================================================================== loading (treedec.models.loading calls these)
 
 
 def build_model(config: ModelConfig, tp: TensorParallel, dtype: torch.dtype | None) -> TensorParallelLlama:

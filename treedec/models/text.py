@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from treedec.engine.loading import CheckpointError
+from treedec.models.loading import CheckpointError
 from treedec.tree.validate import describe, int_list, is_int
 
 __all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "check_text", "encode_prompt",

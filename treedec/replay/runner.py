@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from treedec.attention import PlanConfig
-from treedec.engine import Engine, Llama
+from treedec.engine import Engine
+from treedec.models import Llama
 from treedec.replay.driver import ScheduleDriver, dry_run
 from treedec.workloads.schedule import DEFAULT_MAX_TREE_TOKENS, Prompt, Schedule
 

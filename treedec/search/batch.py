@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.engine.text import IncrementalDetokenizer, encode_prompt
+from treedec.models.text import IncrementalDetokenizer, encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.sampling import SamplingParams, sample_tokens
@@ -58,7 +58,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     engine : the engine; its other trees are left alone (their pages are not the batch's).
     requests : the :class:`RequestSpec` of each request (``prompt`` and ``messages`` need a
         ``tokenizer``; ``prompt_ids`` are used as they are).
-    tokenizer : the checkpoint's tokenizer (:func:`~treedec.engine.text.load_tokenizer`): prompts
+    tokenizer : the checkpoint's tokenizer (:func:`~treedec.models.text.load_tokenizer`): prompts
         are encoded with it, outputs detokenized (``RequestResult.text``), stop strings matched.
     chat_template : encode ``prompt`` / ``messages`` through the tokenizer's chat template.
     generator : draws of the requests without a ``seed`` (on the engine's device).

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from treedec.engine import Llama
+from treedec.models import Llama
 from treedec.tree import PagedKVPool
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from treedec.engine.text import check_messages
+from treedec.models.text import check_messages
 from treedec.search.request import positive_int
 from treedec.search.stops import StopRule, stop_string_tuple, token_id_list, token_id_tuple
 from treedec.tree.validate import describe, is_int
@@ -69,7 +69,7 @@ class RequestSpec:
     id : an int or a non-empty string naming the request in the results (a prompts file's
         default: the line number).
     prompt : a non-empty text; or
-    messages : chat messages (see :func:`~treedec.engine.text.check_messages`), as a tuple of
+    messages : chat messages (see :func:`~treedec.models.text.check_messages`), as a tuple of
         dicts, for the checkpoint's chat template; or
     prompt_ids : token ids (ints >= 0; the program checks them against its vocabulary).
         Exactly one of the three is given.

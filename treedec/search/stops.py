@@ -20,7 +20,7 @@ order:
    whole stop string, however the tokens fall.
 3. *length*: the output has ``max_new_tokens`` tokens -> stop with reason ``"length"``.
 
-Stop strings are matched on the detokenized text (:class:`~treedec.engine.text.IncrementalDetokenizer`),
+Stop strings are matched on the detokenized text (:class:`~treedec.models.text.IncrementalDetokenizer`),
 so they need the checkpoint's tokenizer; a character is matched once its last byte has
 arrived, never against half of it.
 """
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from treedec.engine.text import IncrementalDetokenizer
+from treedec.models.text import IncrementalDetokenizer
 from treedec.search.request import positive_int
 from treedec.tree.validate import describe, int_list, is_int
 
@@ -90,7 +90,7 @@ class StopChecker:
     Parameters
     ----------
     rule : the :class:`StopRule`.
-    detokenizer : a fresh :class:`~treedec.engine.text.IncrementalDetokenizer` of the request
+    detokenizer : a fresh :class:`~treedec.models.text.IncrementalDetokenizer` of the request
         (made with its prompt ids, nothing fed yet); the checker feeds it every kept token
         and finishes it when the output ends. Needed for stop strings; without one the
         checker works on token ids only (``text`` is None).

@@ -1,7 +1,7 @@
 """EAGLE speculative decoding: token trees drafted from the target's own hidden states.
 
 :class:`EagleDraft` is a draft source (:mod:`treedec.search.speculative.drafts`) over an
-:class:`~treedec.engine.eagle.EagleDrafter` (EAGLE-1/2 or EAGLE-3) running on an engine of its own.
+:class:`~treedec.models.eagle_drafter.EagleDrafter` (EAGLE-1/2 or EAGLE-3) running on an engine of its own.
 The target hands it its states at every token it computes (its ``target_states``: the final-norm
 hidden states for EAGLE-1, the three layers' inputs for EAGLE-3, returned from inside the
 verification step's CUDA graph). The drafter's query at position ``t`` pairs the state at ``t``
@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.engine.eagle import EagleDrafter
+from treedec.models.eagle_drafter import EagleDrafter
 from treedec.search.speculative.drafts import DeviceStep, TargetOutput
 from treedec.search.speculative.drafter_batch import DrafterGroup
 from treedec.search.speculative.eagle_chains import EagleChains, chains_tree
@@ -62,7 +62,7 @@ class EagleDraft(EngineTreeDraft):
 
     Parameters
     ----------
-    engine : an Engine of the :class:`~treedec.engine.eagle.EagleDrafter` (its own pool; graphs
+    engine : an Engine of the :class:`~treedec.models.eagle_drafter.EagleDrafter` (its own pool; graphs
         welcome: ``cuda_graphs=True``). The drafts of a batch's requests may share it: each keeps its
         own sequence in its tree, and greedy drafts draft together, one drafter step per tree layer for
         every request of a scheduler pass (:mod:`treedec.search.speculative.drafter_batch`).

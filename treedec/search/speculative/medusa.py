@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treedec.engine import Engine, Llama
-from treedec.engine.loading import read_state_dict
+from treedec.engine import Engine
+from treedec.models import Llama
+from treedec.models.loading import read_state_dict
 from treedec.search.speculative.drafts import DeviceStep, DraftSource, TargetOutput
 from treedec.tree.token_tree import TokenTree
 

@@ -31,7 +31,7 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
 from treedec.search.speculative.device_acceptance import decode_outcome
-from treedec.engine.text import IncrementalDetokenizer
+from treedec.models.text import IncrementalDetokenizer
 from treedec.search.speculative.draft_budget import DraftBudget, cut_tree
 from treedec.search.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
 from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
