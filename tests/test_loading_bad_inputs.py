@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.test_engine_llama import tiny_hf
-from treedec.engine import loading
+from treedec.models import loading
 from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes
 from treedec.models.loading import CheckpointError, hf_targets
