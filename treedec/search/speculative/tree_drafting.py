@@ -16,21 +16,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-import numpy as np
-
+from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.search.speculative.drafter_batch import DrafterGroup
 from treedec.search.speculative.drafts import DraftSource
-from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
 
 class EngineTreeDraft(DraftSource):
     """The tree growth of drafts that run on their own :class:`~treedec.engine.Engine`; subclasses
-    define ``_sync`` and ``_frontier_logits`` (see the module docstring). Parameters as
+    define ``_sync_inputs`` (greedy drafts), ``_sync`` and ``_frontier_logits`` (sampled drafts; see the module
+    docstring). Parameters as
     :class:`~treedec.search.speculative.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
 
     def __init__(self, engine: Engine, what: str, depth: int, top_k: int, total_tokens: int,
