@@ -15,7 +15,8 @@ from tests.test_engine_llama import tiny_hf
 from treedec.models import loading
 from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes
-from treedec.models.loading import CheckpointError, hf_targets
+from treedec.errors import CheckpointError
+from treedec.models.hf_tensors import hf_targets
 
 
 @pytest.fixture(scope="module")

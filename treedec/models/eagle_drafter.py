@@ -49,7 +49,9 @@ from torch import nn
 from treedec.models.config import ModelConfig
 from treedec.models.eagle_config import default_aux_layers, read_eagle_config
 from treedec.models.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
-from treedec.models.loading import SUPPORTED_DTYPES, CheckpointError, init_random_, read_json_object, read_state_dict
+from treedec.errors import CheckpointError
+from treedec.models.hf_tensors import init_random_
+from treedec.models.loading import SUPPORTED_DTYPES, read_json_object, read_state_dict
 from treedec.models.rope import rope_cos_sin, rope_inv_freq
 
 KINDS = ("eagle", "eagle3")

@@ -49,10 +49,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.errors import CheckpointError
 from treedec.models.checkpoint_headers import hf_tensor_shapes
 from treedec.models.config import ModelConfig
+from treedec.models.hf_tensors import hf_targets, init_random_, load_hf_tensors, safetensors_device
 from treedec.models.llama import Llama
-from treedec.models.loading import CheckpointError, hf_targets, init_random_, load_hf_tensors, safetensors_device
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # HF projections split across ranks: (which projection, weight or bias)
