@@ -110,7 +110,8 @@ from treedec.models import Llama, ModelConfig, from_config  # noqa: E402
 from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
 from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
-from treedec.search.sampling import SamplingParams, parallel_sample  # noqa: E402
+from treedec.search.parallel_sampling import parallel_sample
+from treedec.search.sampling import SamplingParams  # noqa: E402
 from treedec.search.speculative.drafts import TreeDraft  # noqa: E402
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate  # noqa: E402

@@ -20,7 +20,8 @@ import torch
 
 from treedec.engine import Engine
 from treedec.models import from_config, from_pretrained
-from treedec.search.sampling import SamplingParams, self_consistency
+from treedec.search.parallel_sampling import self_consistency
+from treedec.search.sampling import SamplingParams
 
 
 def main() -> None:

@@ -53,3 +53,46 @@ def test_package_imports_without_triton():
             "import torch; assert hasattr(torch.ops.treedec, 'tree_attention')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _module_name(path: Path) -> str:
+    parts = ("treedec",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the treedec modules it imports, function-local imports included (``from pkg import mod`` names
+    the module ``pkg.mod``; ``from pkg import name`` the package ``pkg``, its face)."""
+    modules = {_module_name(p): p for p in MODULES}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("treedec"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[name].add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in modules)
+    return graph
+
+
+def test_no_import_circles():
+    """No module imports one that imports it back, directly or through others (DESIGN.md: a circle hidden by a
+    function-local import is a design bug)."""
+    graph = _import_graph()
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph.get(name, ())):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt] if nxt in path else [name, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])

@@ -19,7 +19,8 @@ from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
 from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams, parallel_sample
+from treedec.search.parallel_sampling import parallel_sample
+from treedec.search.sampling import SamplingParams
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate
 from treedec.search.tot import BFSConfig, ByteTokenizer, ToTTask, tot_bfs

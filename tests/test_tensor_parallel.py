@@ -47,7 +47,8 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     from treedec.search.beam import beam_search
     from treedec.search.speculative.draft_model import DraftModelDraft
     from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
-    from treedec.search.sampling import SamplingParams, parallel_sample
+    from treedec.search.parallel_sampling import parallel_sample
+    from treedec.search.sampling import SamplingParams
     from treedec.search.generate import greedy_generate
     from treedec.search.speculative.program import speculative_generate
 

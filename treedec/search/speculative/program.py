@@ -61,7 +61,7 @@ class SpeculativeStats:
     node : the request's sequence node (its tokens: prompt + every accepted token);
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
-        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.sampling.Sample`'s.
+        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.parallel_sampling.Sample`'s.
     pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative.pipeline`; then the draft
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
