@@ -223,3 +223,21 @@ def test_batched_draft_model_in_captured_graphs():
     assert not [k for k in d_engine.graph_stats if k.startswith("eager") and "max_queries" not in k], \
         d_engine.graph_stats
     assert d_engine.tree.num_nodes == 0 and d_engine.pool.num_free_pages == d_engine.pool.num_pages
+
+
+def test_a_failed_drafter_sync_leaves_nothing_pending(tiny):
+    """A drafter step that fails inside a group's sync (its tokens added, never computed) raises as it came and
+    leaves no pending token: the draft's reset then frees every page."""
+    d_engine = draft_engine(tiny)
+    draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=8)
+    draft.propose([3, 1, 4, 1, 5])
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("device lost")
+    d_engine.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        draft.propose([3, 1, 4, 1, 5, 9, 2])
+    assert d_engine.tree.num_pending == 0
+    draft.reset()
+    d_engine.tree.check_invariants()
+    assert d_engine.pool.num_free_pages == d_engine.pool.num_pages

@@ -181,8 +181,20 @@ def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch
     if need > e.pool.num_free_pages:
         raise PoolExhaustedError(f"drafter KV pool exhausted: {sum(len(x) for _, x, _, _ in jobs)} tokens of "
                                  f"{len(jobs)} request(s) need up to {need} pages, {e.pool.num_free_pages} free")
-    chunk = e.prefill_chunk
-    roots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(jobs)
+    try:
+        roots = _sync_chunks(e, jobs, with_states)
+    except BaseException:
+        if t.num_pending:   # (tokens added, their step failed: marked computed, so the drafts' resets can free them)
+            t.commit_step()
+        raise
+    logits = torch.stack([r[0] for r in roots])
+    return logits, torch.stack([r[1] for r in roots]) if with_states else None
+
+
+def _sync_chunks(e: Engine, jobs: list[tuple], with_states: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`sync_drafter`'s steps, one per prompt chunk: each job's root (logits, output feature or None)."""
+    t, chunk = e.tree, e.prefill_chunk
+    roots: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(jobs)
     for at in range(0, max(len(tokens) for _, tokens, _, _ in jobs), chunk):
         here = [j for j, (_, tokens, _, _) in enumerate(jobs) if len(tokens) > at]
         on_device = any(isinstance(jobs[j][1], torch.Tensor) for j in here)
@@ -222,8 +234,7 @@ def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch
             root = slice(offset, offset + 1) if count is None else count.reshape(1) - 1 + offset   # (no wait)
             roots[j] = (out.logits[root][0], out.hidden[root][0] if with_states else None)
             offset += len(got)
-    logits = torch.stack([r[0] for r in roots])
-    return logits, torch.stack([r[1] for r in roots]) if with_states else None
+    return roots
 
 
 def chain_layout(drafting: list[tuple[np.ndarray, np.ndarray]], i: int, k: int) -> ChainStep:

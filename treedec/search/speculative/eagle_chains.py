@@ -84,12 +84,7 @@ class EagleChains(PerEngine):
 
     def _flush(self) -> None:
         jobs, self._waiting = self._waiting, []
-        try:
-            logits, hidden = sync_drafter(self.engine, jobs)
-        except BaseException:
-            if self.engine.tree.num_pending:   # (tokens added, their step failed: computed, so resets can free them)
-                self.engine.tree.commit_step()
-            raise
+        logits, hidden = sync_drafter(self.engine, jobs)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for j, (draft, *_) in enumerate(jobs):
             by_shape.setdefault((draft.depth, draft.top_k), []).append(j)
