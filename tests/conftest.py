@@ -1,8 +1,13 @@
 """Shared test setup: the Triton interpreter on machines without CUDA."""
 import os
+import sys
 
 import pytest
 import torch
+
+# The shared test helpers (engines.py, trees.py, tokenizers_local.py) sit here, beside this file; the tests
+# live one or two folders down (tests/<package>/test_<module>.py), so this folder goes on the path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (module import), so it is set
 # here, before any test module imports treedec.kernels. On a CUDA machine the kernels

@@ -9,7 +9,7 @@ from treedec.attention.balanced_chunks import (balanced_flatten_bounds, light_en
 from treedec.attention.persistent_schedule import TILE_TOKENS
 from treedec.attention.planners import PERSISTENT_MAX_CHUNK, _query_intervals, _sorted_runs
 from treedec.tree import TreeLayout
-from tests.test_planners import read_pairs_from_plan
+from tests.attention.test_planners import read_pairs_from_plan
 from tests.trees import random_forest
 
 

@@ -8,7 +8,7 @@ from treedec.attention.planners import PERSISTENT_MAX_CHUNK, _query_intervals
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
-from tests.test_planners import read_pairs_from_plan
+from tests.attention.test_planners import read_pairs_from_plan
 from tests.trees import path_slots, rel_error
 
 

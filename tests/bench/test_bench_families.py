@@ -17,7 +17,7 @@ from bench.peers import PEERS, PeerUnavailable, path_pages, path_slots, request_
 from bench.suite import SUITE
 from treedec.attention import dense_tree_mask, reference_tree_attention
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALL = [(family, name) for family, workloads in FAMILIES.items() for name in workloads]
 
 

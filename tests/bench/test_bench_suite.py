@@ -15,7 +15,7 @@ from bench.report import TABLE_END, TABLE_START, render_table, write_readme_tabl
 from bench.suite import SUITE, build_workload
 from treedec.attention import dense_tree_mask, reference_tree_attention
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # name -> (tree tokens, queries), from BENCH.md's table
 EXPECTED = {

@@ -13,7 +13,7 @@ import torch
 
 from treedec.cli import UsageError, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(argv, capsys) -> tuple[int, str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_cli import assert_one_line_error, results_file, run
+from tests.commands.test_cli import assert_one_line_error, results_file, run
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class
 from treedec.workloads import fewshot_schedule
 
@@ -365,7 +365,7 @@ def test_a_prompt_argument_that_is_not_text_is_refused(prompt, fragment, capsys,
 def test_a_lone_surrogate_reaches_no_tokenizer(tmp_path, capsys):
     """End to end with a real checkpoint and tokenizer (was: the tokenizer's TypeError 'TextEncodeInput must be
     Union[...]', naming nothing)."""
-    from tests.test_engine_llama import tiny_hf
+    from tests.models.test_llama import tiny_hf
     from tests.tokenizers_local import build_tokenizer
 
     tiny_hf("llama", seed=9).save_pretrained(tmp_path / "model")

@@ -146,7 +146,7 @@ def test_eos_stops_the_run_and_the_check(draft, tmp_path, capsys):
 
 
 def test_eos_defaults_to_the_checkpoint_s(tmp_path, capsys):
-    from tests.test_engine_llama import tiny_hf
+    from tests.models.test_llama import tiny_hf
 
     tiny_hf("llama", seed=9).save_pretrained(tmp_path)
     argv = ["spec", "--model", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--prompt-ids", "5,9,2,7,1,3",
@@ -261,7 +261,7 @@ def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
 
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path, capsys):
     """Tokenizer files that transformers cannot read are reported, not silently dropped."""
-    from tests.test_engine_llama import tiny_hf
+    from tests.models.test_llama import tiny_hf
 
     tiny_hf("llama", seed=9).save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{ not json")
@@ -278,7 +278,7 @@ def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     6-layer checkpoint (EAGLE-3 reads three of its layers), EAGLE-2 trees or fixed chains
     (``--eagle-tree``); greedy, single prompt and prompts file."""
     from tests.engines import plain_greedy
-    from tests.test_engine_llama import tiny_hf
+    from tests.models.test_llama import tiny_hf
     from treedec.models import from_pretrained
     from treedec.models.eagle_drafter import EagleDrafter, save_eagle
 

@@ -21,7 +21,7 @@ from treedec.search.requests_file import RequestSpec
 from treedec.search.speculative.batch import speculative_batch
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate
-from tests.test_eagle import bigram_eagle, bigram_eagle3
+from tests.search.speculative.test_eagle import bigram_eagle, bigram_eagle3
 
 STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)
 
@@ -29,7 +29,7 @@ STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)
 @pytest.fixture(scope="module")
 def bigram():
     model = from_config(dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=3), seed=4, dtype=torch.float32, device="cpu")
-    with torch.no_grad():   # the next token depends on the current token only (see tests/test_eagle.py)
+    with torch.no_grad():   # the next token depends on the current token only (see tests/search/speculative/test_eagle.py)
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from tests.test_engine_llama import hf_logits, tiny_hf
+from tests.models.test_llama import hf_logits, tiny_hf
 from treedec.engine import Engine
 from treedec.models import (MODEL_SIZES, ModelConfig, from_config, from_hf_model, from_pretrained, to_hf_config,
                             to_hf_state_dict)

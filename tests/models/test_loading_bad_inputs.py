@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_engine_llama import tiny_hf
+from tests.models.test_llama import tiny_hf
 from treedec.models import loading
 from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes

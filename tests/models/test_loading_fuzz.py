@@ -16,7 +16,7 @@ import safetensors
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.test_engine_llama import tiny_hf
+from tests.models.test_llama import tiny_hf
 from treedec.models import from_pretrained
 from treedec.models.loading import CheckpointError, checkpoint_shards
 

@@ -123,7 +123,7 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     # Unseeded draws come from the global generator, which seed_alike seeded alike.
     results["sampled_global"] = [s.tokens for s in parallel_sample(engine(split), prompt, 4, 12, params).samples]
     # Tree of thought (sampled thoughts, greedy values) and a replayed recorded tree, split and whole.
-    from tests.test_search_tot import CharTokenizer, ScriptedTask
+    from tests.search.tot.test_tot_search import CharTokenizer, ScriptedTask
     from treedec.replay import ReplayConfig, replay
     from treedec.search.tot import BFSConfig, tot_bfs
     from treedec.workloads import workload_schedule

@@ -13,7 +13,7 @@ from treedec.models import ModelConfig, from_config
 from treedec.replay import ReplayConfig, ScheduleDriver, replay, replay_results
 from treedec.workloads import Schedule, ScheduleError, fewshot_schedule, workload_schedule
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALL_PLANNERS = ("flatten", "node", "node_chunk", "path")
 
 

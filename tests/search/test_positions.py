@@ -19,7 +19,7 @@ from treedec.search.speculative.program import speculative_generate
 from treedec.search.speculative.batch import speculative_batch
 from treedec.search.tot import BFSConfig, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
-from tests.test_search_tot import CharTokenizer
+from tests.search.tot.test_tot_search import CharTokenizer
 
 POSITIONS = 64
 

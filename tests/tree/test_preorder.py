@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from tests.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree, snapshot
 from tests.trees import ConsistentTreeMachine
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import TreeLayout

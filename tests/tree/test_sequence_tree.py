@@ -269,7 +269,7 @@ pool.refcount[0], pool.refcount[5] = 1, 1   # a free page with a holder: the poo
 expect_broken(pool.check_invariants)
 """
     out = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr + out.stdout
     assert "caught: SequenceTree invariant broken: pages [0] have refcounts [3]" in out.stdout
     assert "caught: pool invariant broken: free pages [5] have refcounts [1], expected 0" in out.stdout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treedec import TreeError
-from tests.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree, snapshot
 
 
 def _deeply_nested(depth):

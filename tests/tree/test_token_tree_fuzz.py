@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import precondition, rule
 
-from tests.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree, snapshot
 from treedec import PoolExhaustedError
 from treedec.tree import TreeLayout
 from treedec.tree.token_tree import TokenTree

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_fuzz_schedule import _check, good_counts, handles, plausible_ops, tree_handles
+from tests.workloads.test_schedule_fuzz import _check, good_counts, handles, plausible_ops, tree_handles
 from treedec.replay import dry_run
 from treedec.workloads import Children, Prompt, Prune, Schedule, ScheduleError, Truncate, load_schedule
 

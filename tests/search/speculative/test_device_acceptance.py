@@ -12,7 +12,7 @@ from treedec.search.speculative.acceptance import RejectionSampling, greedy_path
 from treedec.search.speculative.device_acceptance import DeviceTree, decode_outcome, greedy_outcome, rejection_outcome
 from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
-from tests.test_search_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
+from tests.search.speculative.test_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
                                           passes_chi_square)
 
 

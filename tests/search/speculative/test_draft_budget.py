@@ -14,7 +14,7 @@ from treedec.search.sampling import SamplingParams
 from treedec.search.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from tests.engines import plain_greedy, tiny_model
-from tests.test_search_speculative_batch import medusa_token_tree, specs
+from tests.search.speculative.test_speculative_batch import medusa_token_tree, specs
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ from treedec.models import ModelConfig, from_config
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.program import speculative_generate
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
-from tests.test_search_speculative import prompt_with_repeats
+from tests.search.speculative.test_speculative_program import prompt_with_repeats
 
 NEW_TOKENS = 32
 
@@ -197,10 +197,10 @@ def test_batched_draft_model_in_captured_graphs():
     from treedec.search.generate import greedy_generate
     from treedec.search.requests_file import RequestSpec
     from treedec.search.speculative.batch import speculative_batch
-    from tests.test_eagle import SIX_LAYERS
+    from tests.search.speculative.test_eagle import SIX_LAYERS
 
     model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():   # the next token depends on the current token only (see tests/test_eagle.py)
+    with torch.no_grad():   # the next token depends on the current token only (see tests/search/speculative/test_eagle.py)
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

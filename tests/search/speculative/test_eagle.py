@@ -30,7 +30,7 @@ from treedec.search.sampling import SamplingParams, sampling_probs
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate
 from treedec.search.speculative.batch import speculative_batch
-from tests.test_search_acceptance import passes_chi_square
+from tests.search.speculative.test_acceptance import passes_chi_square
 
 SIX_LAYERS = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=6)
 PROMPT = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 30, 31, 32]

@@ -13,8 +13,8 @@ from treedec.search.speculative.eagle import EagleDraft
 from treedec.search.speculative.eagle_chains import chains_tree
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate
-from tests import test_eagle
-from tests.test_eagle import PROMPT, SIX_LAYERS, bigram_eagle, bigram_eagle3, engine
+from tests.search.speculative import test_eagle
+from tests.search.speculative.test_eagle import PROMPT, SIX_LAYERS, bigram_eagle, bigram_eagle3, engine
 
 target, bigram = test_eagle.target, test_eagle.bigram   # (the fixtures)
 
@@ -148,7 +148,7 @@ def test_pipelined_chains_in_captured_graphs_equal_eager(kind, compile_model):
     sync's unaccepted rows on the device): the tokens of greedy decoding and of the eager unpipelined loop, most
     drafts accepted, every drafter step a replay, and every page of both engines freed."""
     model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():   # a bigram target (tests/test_eagle.py's fixture) so that drafts are accepted
+    with torch.no_grad():   # a bigram target (tests/search/speculative/test_eagle.py's fixture) so that drafts are accepted
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

@@ -12,7 +12,7 @@ from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraf
 from treedec.search.speculative.drafts import TargetOutput
 from treedec.search.speculative.program import speculative_generate
 from tests.engines import make_engine, plain_greedy, tiny_model
-from tests.test_search_speculative import prompt_with_repeats
+from tests.search.speculative.test_speculative_program import prompt_with_repeats
 
 NEW_TOKENS = 32
 
@@ -241,7 +241,7 @@ def test_medusa_heads_in_the_captured_step_equal_heads_after_it(compile_model):
     runs = []
     for in_step in (False, True):
         engine = Engine(model, kv_tokens=8192, page_size=16, cuda_graphs=True, compile_model=compile_model)
-        # (unpipelined both: the pipelined loop's own GPU test is in test_speculative_pipeline.py; its plans
+        # (unpipelined both: the pipelined loop's own GPU test is in test_pipeline.py; its plans
         # chunk the sequence differently, so bf16 rounding may flip a random model's near-tied argmax)
         tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, choices, in_step=in_step), 40,
                                              pipeline=False)

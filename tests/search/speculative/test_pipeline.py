@@ -18,8 +18,8 @@ from treedec.search.speculative.program import SpeculativeProgram, speculative_g
 from treedec.search.stops import StopRule
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model
-from tests.test_search_medusa import OracleHeads
-from tests.test_search_speculative import prompt_with_repeats
+from tests.search.speculative.test_medusa import OracleHeads
+from tests.search.speculative.test_speculative_program import prompt_with_repeats
 
 NEW = 40
 

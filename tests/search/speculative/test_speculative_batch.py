@@ -16,7 +16,7 @@ from treedec.search.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
 from tests.engines import make_engine, plain_greedy, tiny_model
-from tests.test_search_batch import LetterTokenizer
+from tests.search.test_batch import LetterTokenizer
 
 
 def medusa_token_tree():
@@ -216,7 +216,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
     """Six requests over the permutation target (Medusa heads right two times in three), a 64-token Medusa tree
     each, on captured graphs with the cuda backend, pipelined, against the eager unpipelined batch: the same
     tokens, every request the target's greedy continuation; a budget cutting the trees; every page freed."""
-    from tests.test_speculative_pipeline import permutation_target
+    from tests.search.speculative.test_pipeline import permutation_target
     model, heads, perm = permutation_target("cuda", torch.bfloat16)
     rng = np.random.default_rng(4)
     requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()), max_new_tokens=40,

@@ -293,7 +293,7 @@ def test_cli_tot_with_a_checkpoint_and_its_tokenizer(tmp_path):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from tests.test_engine_llama import tiny_hf
+    from tests.models.test_llama import tiny_hf
 
     # (positions for the 960-character root prompt and the search below it)
     tiny_hf("llama", seed=3, max_position_embeddings=1024).save_pretrained(tmp_path)
