@@ -24,6 +24,7 @@ def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(CHECKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_example_runs(name, tmp_path):
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=600,

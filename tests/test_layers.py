@@ -42,6 +42,7 @@ def test_imports_point_down(path):
     assert not above, f"{path.relative_to(PACKAGE)} ({own} layer) imports from higher layers {above}"
 
 
+@pytest.mark.slow
 def test_package_imports_without_triton():
     """`pip install treedec` has no triton (it is the `triton` extra): every layer imports without it,
     the custom ops included (their kernels are imported when an op runs)."""
@@ -96,3 +97,27 @@ def test_no_import_circles():
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
+
+
+REPO = PACKAGE.parent
+LONGEST = 500
+
+
+@pytest.mark.parametrize("folder", ["treedec", "tests", "bench", "examples"])
+def test_no_source_file_over_500_lines(folder):
+    long = {str(p.relative_to(REPO)): n for p in (REPO / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > LONGEST}
+    assert not long, f"files over {LONGEST} lines (split them by concern): {long}"
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/test_<module>.py for treedec's packages (bench/ for the benchmark scripts); only the house
+    checks (layers, README, examples) sit at the top."""
+    packages = {str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")} | {"bench"}
+    tests = REPO / "tests"
+    for path in tests.rglob("test_*.py"):
+        folder = str(path.parent.relative_to(tests))
+        if folder == ".":
+            assert path.stem in {"test_layers", "test_readme", "test_examples"}, f"{path.name}: move it under tests/<package>/"
+        else:
+            assert folder in packages, f"tests/{folder}/ mirrors no package of treedec (known: {sorted(packages)})"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -43,6 +44,7 @@ def test_readme_has_the_blocks_this_test_knows():
     assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
 
 
+@pytest.mark.slow
 def test_python_blocks_run_in_order(tmp_path, capsys):
     save_tiny_checkpoint(tmp_path)
     namespace: dict = {"__name__": "readme"}
@@ -74,6 +76,7 @@ def test_install_commands_are_what_ci_runs():
     assert main_job[:3] == tests[:3], "both commands start the same way (fresh venv, the same torch)"
 
 
+@pytest.mark.slow
 def test_main_job_command_runs(tmp_path):
     main_job = _commands(readme_blocks("bash")[0])[-1]
     argv = shlex.split(main_job)

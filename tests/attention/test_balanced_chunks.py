@@ -68,6 +68,7 @@ def test_no_cut_fits_a_grid_too_small_for_one_unit_per_kv_head():
                                    max_chunk=PERSISTENT_MAX_CHUNK) is None
 
 
+@pytest.mark.slow
 def test_make_plan_balances_only_long_persistent_flatten_chunks_and_reads_the_same_pairs():
     layout = fewshot(4000, 30, 200)
     config = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132)

@@ -65,6 +65,7 @@ def test_compile_model_options_are_checked():
         Engine(model, kv_tokens=256, backend="torch", cuda_graphs=CudaGraphConfig(capture=False), compile_model="yes")
 
 
+@pytest.mark.slow
 def test_compiled_graph_steps_equal_eager(triton_device):
     """Steps of a compiled static forward (Dynamo + AOTAutograd through the custom ops, one compile per
     bucket, capture off) give the uncompiled static steps' logits, hidden states and K/V."""

@@ -79,6 +79,7 @@ def test_torch_backend_has_no_static_plans():
         TreeAttention(4, 2, 64, backend="torch", device="cpu").static_plan(PlanBounds(max_queries=4, max_tokens=64))
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_runs_from_one_static_plan_match_the_reference_for_new_trees(triton_device):
     """What a captured graph does, without capture: plan trees of different shapes into one static

@@ -6,6 +6,7 @@ from bench.acceptance_real import main
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
 
 
+@pytest.mark.slow
 def test_acceptance_bench_smoke_run(tmp_path):
     try:
         smollm2_checkpoint()

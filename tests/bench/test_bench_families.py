@@ -121,6 +121,7 @@ def test_flashinfer_batch_decode_says_why_on_cpu():
     assert PEERS["flashinfer_batch_decode"].unavailable(torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_attention_families_smoke_run(tmp_path):
     """`bench/attention.py --smoke --families long ...` runs the families' workloads on the CPU: floors,
     treedec checked against the tree-by-tree reference, the families' FlashInfer peers saying why not,

@@ -11,6 +11,7 @@ TINY_PROGRAMS = [p for p in PROGRAMS if EAGLE_PROGRAMS.get(p) != "eagle3"]   # (
 SMOKE_METHODS = {"eager": TINY_PROGRAMS, "hf_sdpa": ["greedy", "tree_verify"]}
 
 
+@pytest.mark.slow
 def test_programs_bench_smoke_run(tmp_path, capsys):
     # Uncaptured graph steps run the Triton kernels in the CPU interpreter (conftest sets it
     # where there is no GPU); elsewhere the graphs method may fail and is then not required.

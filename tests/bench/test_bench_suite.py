@@ -106,6 +106,7 @@ def test_path_and_cascade_slots_give_reference(name):
         torch.testing.assert_close(merged, ref[i], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["sdpa_dense_mask", "flex_attention"])
 def test_torch_peers_on_cpu(peer):
     w = build_workload("tot_d5w10", scale=0.05)
@@ -142,6 +143,7 @@ def smoke_tot_d5w10(tmp_path, option: str, values) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_attention_head_dim_option(tmp_path):
     """`--head-dim 64` runs q, k, v of that dim, its floors halve, and the README table is left alone."""
     results = smoke_tot_d5w10(tmp_path, "--head-dim", (64, 128))
@@ -155,6 +157,7 @@ def test_attention_head_dim_option(tmp_path):
     assert "head dim 64" in render_table(small)
 
 
+@pytest.mark.slow
 def test_attention_kv_heads_option(tmp_path):
     """`--kv-heads 32` (no GQA) gives K/V caches of 32 heads: its K/V bytes are 4x the default 8 heads', treedec
     and the peer check against the reference, the results name it, and the README table is left alone."""
@@ -167,6 +170,7 @@ def test_attention_kv_heads_option(tmp_path):
         assert r["status"] == "ok" and r["rel_err"] < 2e-3, r
 
 
+@pytest.mark.slow
 def test_attention_smoke_run(tmp_path):
     """`bench/attention.py --smoke` runs the whole suite on the CPU and every result passes the check."""
     readme = REPO / "bench" / "README.md"

@@ -140,6 +140,7 @@ def test_python_dash_m_treedec_help():
         assert command in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", [[], ["--debug"]])
 def test_python_dash_m_treedec_error_is_one_line_unless_debug(debug):
     proc = subprocess.run([sys.executable, "-m", "treedec", *debug, "demo", "--page-size", "0"],

@@ -179,6 +179,7 @@ def write_prompts(path, count=3):
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
 def test_a_prompts_file_runs_batched_with_every_draft(draft, tmp_path, capsys):
     """Every request's tokens are plain greedy decoding's (greedy acceptance), whatever the draft."""
@@ -272,6 +273,7 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path
     assert err.count("\n") == 1 and "cannot load its tokenizer" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, tree", [("eagle", "dynamic"), ("eagle3", "dynamic"), ("eagle3", "chains")])
 def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     """``--draft eagle|eagle3 --drafter PATH``: a drafter saved in the EAGLE reference layout for a

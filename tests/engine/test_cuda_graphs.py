@@ -36,6 +36,7 @@ def _steps(engine: Engine) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_gathered_rows_of_graphed_steps_equal_eager(tiny, triton_device, monkeypatch):
     if triton_device.type == "cuda":

@@ -248,6 +248,7 @@ def test_cuda_graph_options_are_checked(tiny):
         CudaGraphConfig(max_queries=0)
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_static_padded_steps_equal_eager(tiny, triton_device):
     """The arithmetic of CUDA-graph steps (padded plans in static buffers, the Triton kernels),
@@ -367,6 +368,7 @@ def test_auto_backend_steps_equal_triton_steps():
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs", [False, True])
 def test_step_reads_device_tokens_instead_of_placeholders(tiny, graphs):
     """step(tokens=...): the pending tokens' ids come from a tensor (pipelined decoding), eagerly and

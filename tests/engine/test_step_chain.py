@@ -67,6 +67,7 @@ class GreedyChain:
         return (torch.stack(out),)
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_graphed_chain_equals_steps_one_by_one(bigram, triton_device):
     """Three prompts decoded greedily for four steps as chains, twice in a row (the second run rewrites
@@ -92,6 +93,7 @@ def test_graphed_chain_equals_steps_one_by_one(bigram, triton_device):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_graphed_eagle_drafting_equals_eager(bigram, triton_device, kind):
@@ -134,6 +136,7 @@ def test_chain_errors(bigram):
     assert e.tree.num_pending == 0 and e.tree.sequence(node) == [1, 2, 3] and e.stats["steps"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_graphed_batched_eagle_drafting_equals_alone(bigram, triton_device):
     """Three EAGLE-3 requests in one speculative batch, their drafts sharing one graphed drafter engine:

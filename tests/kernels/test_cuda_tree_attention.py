@@ -32,6 +32,7 @@ def _has_cutlass_headers() -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
 @pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
 def test_kernel_sources_compile_for_sm90(tmp_path):

@@ -42,6 +42,7 @@ CASES = [  # seed, page_size, num_kv_heads, group, head_dim, dtype, planner, chu
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,page_size,hkv,group,head_dim,dtype,planner,chunk_size,query_tile", CASES)
 def test_matches_references_on_random_forests(triton_device, seed, page_size, hkv, group, head_dim, dtype,
                                               planner, chunk_size, query_tile):
@@ -60,6 +61,7 @@ def test_matches_references_on_random_forests(triton_device, seed, page_size, hk
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 16]), group=st.sampled_from([1, 2, 3, 4, 8]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), planner=st.sampled_from(["flatten", "node", "node_chunk", "path"]),
        chunk_size=st.sampled_from([16, 33, 100]), query_tile=st.integers(1, 24))
+@pytest.mark.slow
 def test_matches_reference_property(triton_device, seed, page_size, group, dtype, planner, chunk_size, query_tile):
     rng = np.random.default_rng(seed)
     tree = random_forest(rng, page_size, num_kv_heads=1, head_dim=64, dtype=dtype, max_nodes=6)
@@ -117,6 +119,7 @@ def test_mixed_direct_and_merged_queries(triton_device):
     (16, 20, torch.float16, 16),   # 320 rows: each work item split over two programs of 256
     (4, 20, torch.float32, 16),    # fp32 programs hold at most 64 rows
 ])
+@pytest.mark.slow
 def test_many_queries_per_chunk(triton_device, group, query_tile, dtype, entries_per_program):
     tree = two_request_forest(dtype=dtype)
     out, lse, plan, q, k, v = run_both(tree, tree.layout(), PlanConfig("flatten", 64, query_tile), group, dtype,
@@ -190,6 +193,7 @@ def test_bad_workspace_dtype_raises(small_step):
         run_plan_triton(*small_step, 0.125, workspace_dtype=torch.int32)
 
 
+@pytest.mark.slow
 def test_repeated_runs_of_one_plan_take_fresh_inputs(triton_device):
     """After the first launch of a plan, later ones (on a GPU: through the cached compiled
     runner) must read the new q/K/V; a misaligned q view must get its own specialization."""

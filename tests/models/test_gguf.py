@@ -225,6 +225,7 @@ BAD_FILES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(BAD_FILES))
 def test_bad_files_are_named_and_leave_nothing(good_file, tmp_path, monkeypatch, kind):
     make, message = BAD_FILES[kind]

@@ -69,6 +69,7 @@ def _inside(path: Path, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_index_reader(layout, data):

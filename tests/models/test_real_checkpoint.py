@@ -75,6 +75,7 @@ def test_the_checkpoint_is_smollm2(model, tokenizer):
     assert model.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_equals_transformers_generate(model, hf_model, prompts, page_size):
     for prompt in prompts:
@@ -91,6 +92,7 @@ def test_eos_stops_generation(model, tokenizer, prompts):
     assert result.output_ids[-1] == model.eos_token_ids[0] and "4" in result.text
 
 
+@pytest.mark.slow
 def test_beam_search_equals_transformers(model, hf_model, prompts):
     prompt = prompts[1]
     ours = beam_search(engine(model), prompt, num_beams=3, max_new_tokens=10)
@@ -102,6 +104,7 @@ def test_beam_search_equals_transformers(model, hf_model, prompts):
     assert ours.scores == pytest.approx(out.sequences_scores.tolist(), abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
 def test_every_draft_source_gives_plain_greedy(model, prompts, draft):
     prompt = prompts[2]
@@ -125,6 +128,7 @@ def eagle_references(model, prompts):
     return [greedy_generate(engine(model), prompt, EAGLE_NEW_TOKENS) for prompt in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_drafters_give_plain_greedy(model, prompts, eagle_references, kind, tmp_path):
     """Random EAGLE-1 and EAGLE-3 drafters for SmolLM2 (EAGLE-3: its default layers 2, 15, 27 and a

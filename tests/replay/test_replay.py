@@ -68,6 +68,7 @@ def test_medusa_accept_moves_kv_like_a_prefill(tiny):
     engine.tree.check_invariants()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["tot", "medusa", "fewshot"])
 def test_same_greedy_tokens_with_every_planner_and_backend(tiny, schedules, family):
     planners = [p for p in ALL_PLANNERS if p in PLANNERS]
@@ -164,6 +165,7 @@ def test_replay_config_is_validated(field, value, minimum):
         ReplayConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_cli_replay_and_plot(tmp_path, capsys):
     out, fig = tmp_path / "r.json", tmp_path / "r.png"
     planners = "flatten,path" if "path" in PLANNERS else "flatten,node"
@@ -201,6 +203,7 @@ def test_saved_schedule_replays_identically(tiny, tmp_path, schedules):
     assert a["runs"][0]["emitted_tokens_sha256"] == b["runs"][0]["emitted_tokens_sha256"]
 
 
+@pytest.mark.slow
 def test_bench_replay_smoke(tmp_path):
     sys.path.insert(0, str(REPO))
     try:

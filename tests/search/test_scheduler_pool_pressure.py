@@ -152,6 +152,7 @@ requests = st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from([0, 4, 9, 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(requests=requests, page_size=st.sampled_from([1, 2, 4, 8]), slack=st.integers(0, 3),
        sharing=st.sampled_from([None, 0, 1]))
+@pytest.mark.slow
 def test_a_batch_runs_wherever_each_program_runs_alone(requests, page_size, slack, sharing):
     """Random batches of every program kind (prompts with and without a common prefix), the smallest pool
     (plus ``slack`` pages) in which each program runs alone: the batch runs, each result is the program's

@@ -241,6 +241,7 @@ def test_accept_waits_for_the_step():
     assert snapshot(tree) == before
 
 
+@pytest.mark.slow
 def test_checks_still_run_under_python_O():
     """The pool's and the tree's checks are exceptions, not asserts: ``python -O`` strips asserts."""
     script = """

@@ -94,6 +94,7 @@ def test_truncated_file_and_missing_file(tmp_path):
         load_schedule(tmp_path / "nope.json")
 
 
+@pytest.mark.slow
 def test_builders_on_every_shipped_workload():
     for name in WORKLOADS:
         s = workload_schedule(name, iterations=5)

@@ -233,6 +233,7 @@ def test_mutated_valid_schedule(doc):
     _check(doc)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grown_docs())
 def test_grown_schedules(doc):

@@ -164,6 +164,7 @@ def grown_recorded_docs(draw):
     return {"format": "treedec-schedule", "version": 1, "steps": steps}
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grown_recorded_docs())
 def test_grown_recorded_schedules(doc):

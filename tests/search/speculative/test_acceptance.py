@@ -122,6 +122,7 @@ def sample_first_tokens(draft, trials=TRIALS, seed=0):
     return counts
 
 
+@pytest.mark.slow
 def test_rejection_sampling_is_lossless_for_sampled_drafts():
     q = torch.tensor(np.tile(Q_TABLE, (3, 1)), dtype=torch.float32)
     counts = sample_first_tokens(lambda rng: (rng.choice(6, size=3, p=Q_TABLE).tolist(), q))
@@ -166,6 +167,7 @@ def passes_chi_square(counts: np.ndarray, probs: np.ndarray) -> bool:
     return chi_square(counts[keep], probs[keep] / probs[keep].sum()) < CHI2_CRITICAL_1E3[int(keep.sum()) - 1]
 
 
+@pytest.mark.slow
 def test_rejection_sampling_is_lossless_for_drafts_sampled_without_replacement():
     """Three distinct draft tokens drawn one after another from q without replacement, each tested
     against q without the ones before it: the emitted token is an exact sample of p."""
@@ -183,6 +185,7 @@ def test_rejection_sampling_is_lossless_for_drafts_sampled_without_replacement()
     assert chi_square(biased, P_TABLE) > 5 * CHI2_CRITICAL_1E3[5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k, top_p", [(None, 1.0), (4, 1.0), (None, 0.7), (5, 0.8)])
 def test_tree_rejection_sampling_with_sampled_drafts_emits_the_processed_target(top_k, top_p):
     """A tree whose children were sampled without replacement from the draft's processed q (same
@@ -263,6 +266,7 @@ def test_near_zero_temperature_is_greedy(tiny, rule):
     assert sum(stats.accepted) > 0
 
 
+@pytest.mark.slow
 def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     """End to end on the tiny model: a draft model samples its trees (its distribution at temperature
     1.2, top-k 4: other than the target's), the program hands the draft's distributions to

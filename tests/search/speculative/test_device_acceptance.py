@@ -23,6 +23,7 @@ def emitted(rule_or_none, tree, tokens, logits, q=None, gen=None, params=None):
     return decode_outcome(rule_or_none.outcome(tree, tokens, logits, q).tolist())
 
 
+@pytest.mark.slow
 def test_first_token_follows_p_for_point_mass_drafts_with_a_repeated_token():
     # root -> three children 1, 3, 1: a rejected token is never accepted again
     tree, tokens = TokenTree((-1, 0, 0, 0)), [5, 1, 3, 1]
@@ -36,6 +37,7 @@ def test_first_token_follows_p_for_point_mass_drafts_with_a_repeated_token():
     assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
 
 
+@pytest.mark.slow
 def test_first_token_follows_p_for_drafts_sampled_without_replacement():
     tree = TokenTree((-1, 0, 0, 0))
     q = torch.tensor(np.tile(Q_TABLE, (4, 1)), dtype=torch.float32)
@@ -50,6 +52,7 @@ def test_first_token_follows_p_for_drafts_sampled_without_replacement():
     assert chi_square(counts, P_TABLE) < CHI2_CRITICAL_1E3[5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k, top_p", [(None, 1.0), (5, 0.8)])
 def test_every_conditional_of_a_tree_with_sampled_drafts(top_k, top_p):
     """As the host rule's test: the first emitted token ~ the target's processed p at the root, the second
@@ -74,6 +77,7 @@ def test_every_conditional_of_a_tree_with_sampled_drafts(top_k, top_p):
     assert second.sum() > 400 and passes_chi_square(second, sampling_probs(target[1], params).double().numpy())
 
 
+@pytest.mark.slow
 def test_device_outcomes_match_the_host_walk_in_distribution():
     """Two-sample chi-square over whole outcomes (accepted path and bonus) of one depth-3 tree: the host
     walk's against the device's, 5000 draws each."""

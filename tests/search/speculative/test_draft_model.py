@@ -35,6 +35,7 @@ def draft_engine(model, page_size=4):
     return Engine(model, kv_tokens=1024, page_size=page_size, backend="torch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("which", ["self", "other"])
 def test_draft_model_speculative_equals_plain_greedy(tiny, other_tiny, reference, which, page_size):
@@ -152,6 +153,7 @@ def test_sampled_trees_keep_children_in_draw_order_and_report_their_distribution
         DraftModelDraft(engine, sample=SamplingParams(0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["self", "other"])
 def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, other_tiny, which):
     """Five requests (two share a system prompt) over ONE draft engine: each emits its plain greedy tokens and

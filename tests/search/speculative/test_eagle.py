@@ -124,6 +124,7 @@ def test_aux_states_are_transformers_hidden_states(target):
     torch.testing.assert_close(out.hidden[-1], states[-1][0, -1], atol=1e-5, rtol=1e-5)   # (normed, in transformers)
 
 
+@pytest.mark.slow
 def test_aux_and_features_in_static_graph_steps(target, triton_device):
     """The padded static (CUDA-graph) steps return the same aux states, and a drafter's graph steps
     read their features from the graph's buffer: equal to eager steps."""
@@ -309,6 +310,7 @@ DRAFTERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DRAFTERS))
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_eagle_equals_greedy(target, bigram, name, page_size):
@@ -401,6 +403,7 @@ def test_batched_eagle_requests_equal_one_at_a_time(bigram):
     assert all(e.tree.num_nodes == 0 and e.pool.num_free_pages == e.pool.num_pages for e in (e1, e3))
 
 
+@pytest.mark.slow
 def test_sampled_eagle_speculation_emits_the_target_distribution(bigram):
     """The bigram EAGLE-3 drafter samples its trees at temperature 1.3 (its distributions differ from
     the target's, and are zero outside its draft vocabulary); rejection sampling at temperature 0.8,

@@ -32,6 +32,7 @@ def test_chains_tree_is_chain_major():
     assert chains_tree(1, 1).parents == (-1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DRAFTERS))
 @pytest.mark.parametrize("page_size, chunk", [(1, 2048), (4, 5)])
 def test_pipelined_chains_equal_unpipelined_and_greedy(target, bigram, name, page_size, chunk):

@@ -141,6 +141,7 @@ def test_a_stop_read_one_step_late_is_rolled_back(tiny, greedy_run, stop):
         assert runs[1][1].steps == 0 and tokens == ref[:1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 8)])
 def test_pipelined_rejection_sampling_draws_the_unpipelined_tokens(tiny, greedy_run, temperature, top_k):
     """Sampled on the device from the same seeded stream in the same order: the very same tokens and stats."""
@@ -250,6 +251,7 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
     engine.tree.commit_step()
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 def test_pipelined_on_the_triton_backend_masks_on_the_device(triton_device):
     """The triton backend reads the plan from device tensors: the span is masked there (MaskPatch.apply), not on

@@ -43,6 +43,7 @@ def specs(count=5):
 @pytest.mark.parametrize("make_draft", [lambda spec: PromptLookupDraft(num_draft_tokens=5, max_matches=2),
                                         lambda spec: TreeDraft(medusa_token_tree(),
                                                                [(spec.id * 7 + i) % 512 for i in range(31)])])
+@pytest.mark.slow
 def test_batched_speculative_tokens_are_plain_greedy(tiny, kv_tokens, make_draft):
     engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
     results, stats = speculative_batch(engine, specs(), make_draft, max_draft_tokens=32)
@@ -166,6 +167,7 @@ def common_tokens_draft(spec):
     return TreeDraft(medusa_token_tree(), (common * 31)[:31])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_tokens, budget", [(8192, None), (300, None), (8192, 24)])
 def test_pipelined_batches_equal_unpipelined_batches(tiny, kv_tokens, budget):
     """Every request of a batch runs pipelined (its span masked, its positions moved, its step read one step
@@ -238,6 +240,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
         assert tokens == want
 
 
+@pytest.mark.slow
 def test_auto_pipelines_small_batches_only_and_says_why(tiny):
     """pipeline=None: a batch of more than PIPELINE_MAX_REQUESTS requests runs unpipelined (each result says
     why); pipeline=True still pipelines it; a smaller batch gets the engine's reason (here: the CPU)."""

@@ -201,6 +201,7 @@ def assert_stopped_like_greedy(engine, prompt, tokens, stats, eos, page_size=4):
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", EOS_POSITIONS)
 @pytest.mark.parametrize("name", list(EOS_DRAFTS))
 def test_speculative_stops_at_eos_like_greedy(tiny, reference, name, position):

@@ -336,6 +336,7 @@ def summary(result):
 
 @pytest.mark.parametrize("config", [BFSConfig(k=2, n=2, depth=2, temperature=0.8, seed=5),
                                     DFSConfig(k=2, depth=2, threshold=0.0, max_expansions=3, temperature=0.8)])
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_tokens", [8192, 4 * 400])
 def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
     """Game-of-24 searches over different numbers, all in one forest (one engine step for every live
