@@ -29,7 +29,7 @@ from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.models.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
-                                        check_window, describe_tensor)
+                                        check_window)
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
@@ -99,16 +99,9 @@ class Engine:
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                                   plan_config=plan_config, device=self.device, dtype=model.dtype)
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
-        # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
-        # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
-        shape = (c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
-        self._k = torch.zeros(shape, dtype=model.dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
         self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
-                                dtype=model.dtype, device=self.device, allocate_storage=False)
-        self.pool.k, self.pool.v = self._k[:, :num_pages], self._v[:, :num_pages]
-        self._k_slots = [self._k[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
-        self._v_slots = [self._v[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
+                                dtype=model.dtype, device=self.device, scratch_pages=1)
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
         self.guard = ThreadGuard("this Engine")
@@ -302,19 +295,6 @@ class Engine:
         return StepOutput(logits, take_rows(hidden_all, hrows, self.device) if return_hidden else None,
                           take_rows(aux_all, hrows, self.device) if return_aux else None, heads)
 
-    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy the K/V held at KV-pool slots ``src_slots`` to ``dst_slots``, in every layer, on the device
-        (int64 tensors of one length on the engine's device; ``src`` is read whole before anything is
-        written). The tree's bookkeeping does not change: for callers that rearrange the computed
-        tokens of sibling nodes whose token ids they rewrite too (an EAGLE draft's chains)."""
-        if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {describe_tensor(src_slots)} "
-                             f"and {describe_tensor(dst_slots)}")
-        with self.guard:
-            for t in (self._k, self._v):   # every layer in one gather and one scatter
-                flat = t.view(t.shape[0], -1, *t.shape[3:])
-                flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
-
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s
         ``return_aux``), inside its CUDA graph. Layers add to those already captured (several drafters
@@ -462,7 +442,7 @@ class Engine:
         if self.attn.backend not in ("triton", "cuda"):
             raise ValueError(f"cuda_graphs needs a kernel attention backend (triton or cuda: their kernels read the "
                              f"plan from device memory only); this engine's is {self.attn.backend!r}")
-        scratch_slot = self.pool.num_pages * self.pool.page_size
+        scratch_slot = self.pool.scratch_slot
         row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
         if compile_model is False:
             return GraphRunner(config, self._static_forward, self.attn, scratch_slot, row_inputs)
@@ -484,13 +464,13 @@ class _TreeAttend:
         self.engine, self.slots, self.plan, self.ops = engine, slots, plan, ops
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        e = self.engine
-        k_cache, v_cache = e.pool.layer(layer)
+        e, pool = self.engine, self.engine.pool
+        k_cache, v_cache = pool.layer(layer)
         if self.ops:
-            torch.ops.treedec.store_kv(e._k_slots[layer], e._v_slots[layer], self.slots, k, v)
+            torch.ops.treedec.store_kv(pool.k_slots[layer], pool.v_slots[layer], self.slots, k, v)
             return e.attn.run_op(q, k_cache, v_cache, self.plan)
-        e._k_slots[layer].index_copy_(0, self.slots, k)
-        e._v_slots[layer].index_copy_(0, self.slots, v)
+        pool.k_slots[layer].index_copy_(0, self.slots, k)
+        pool.v_slots[layer].index_copy_(0, self.slots, v)
         return e.attn.run(q, k_cache, v_cache, self.plan)
 
 
