@@ -30,6 +30,7 @@ from treedec.models.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window)
+from treedec.engine.prompt import PromptChunks
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
@@ -142,12 +143,28 @@ class Engine:
 
         ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
         ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
-        than ``prefill_chunk`` runs as several steps. The tree must have no pending tokens
+        than ``prefill_chunk`` runs as several steps, the chunks of :meth:`chunk_prompt` (which a
+        scheduler program steps with other requests' tokens). The tree must have no pending tokens
         (run :meth:`step` first); a pool too small for the prompt raises PoolExhaustedError
         before anything changes.
         """
         with self.guard:
             return self._prefill(prompt_ids, parent, return_hidden, return_heads)
+
+    def chunk_prompt(self, prompt_ids: Sequence[int], parent: int | None = None) -> PromptChunks:
+        """Check a prompt (token ids in the model's vocabulary, at least one; ``parent`` a node of the tree or
+        None) and cut it into chunks of at most ``prefill_chunk`` tokens: what :meth:`prefill` runs, and
+        what a scheduler program adds chunk by chunk (:class:`~treedec.engine.prompt.PromptChunks`). Changes
+        nothing; the caller checks the positions against its limits and waits for (or refuses) the pages."""
+        tokens = int_list(prompt_ids, "prompt_ids", low=0)
+        if not tokens:
+            raise TreeError("prefill needs at least one prompt token, got 0")
+        check_token_ids(np.asarray(tokens), self.model.config.vocab_size, "prompt_ids")
+        if parent is not None and parent not in self.tree:
+            raise TreeError(f"unknown parent node id {parent!r}")
+        chunk = self.prefill_chunk
+        return PromptChunks(parent, tuple(tuple(tokens[i:i + chunk]) for i in range(0, len(tokens), chunk)),
+                            0 if parent is None else len(self.tree.sequence(parent)), self.pool.pages_for(len(tokens)))
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
@@ -202,29 +219,20 @@ class Engine:
                               dynamic)
 
     def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
-        tokens = int_list(prompt_ids, "prompt_ids", low=0)
-        if not tokens:
-            raise TreeError("prefill needs at least one prompt token, got 0")
-        check_token_ids(np.asarray(tokens), self.model.config.vocab_size, "prompt_ids")
+        prompt = self.chunk_prompt(prompt_ids, parent)
         pending = self.tree.layout().num_queries
         if pending:
             raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
                             f"run step() first")
-        if parent is not None and parent not in self.tree:
-            raise TreeError(f"unknown parent node id {parent!r}")
-        first_position = 0 if parent is None else len(self.tree.sequence(parent))
-        check_window(self.model.config.sliding_window, first_position + len(tokens) - 1)
-        need = self.pool.pages_for(len(tokens))
-        if need > self.pool.num_free_pages:
+        check_window(self.model.config.sliding_window, prompt.last_position)
+        if prompt.pages > self.pool.num_free_pages:
             raise PoolExhaustedError(
-                f"KV pool exhausted: the {len(tokens)}-token prompt needs {need} page(s) of {self.pool.page_size} "
-                f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
-        pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
-        node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
-        out = None
-        for i, piece in enumerate(pieces):
-            if i:
-                self.tree.extend(node, piece)
+                f"KV pool exhausted: the {prompt.num_tokens}-token prompt needs {prompt.pages} page(s) of "
+                f"{self.pool.page_size} tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; "
+                f"nothing was changed")
+        node = out = None
+        for i, piece in enumerate(prompt.pieces):
+            node = prompt.add(self.tree, i, node)
             out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
         return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
                              None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
