@@ -34,7 +34,7 @@ from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
 from treedec.search.speculative import program as speculative  # noqa: E402
 from treedec.search.speculative import pipeline as speculative_pipeline  # noqa: E402
-from treedec.tree import SequenceTree  # noqa: E402
+from treedec.tree import PagedKVPool, SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.
 PHASES = [
@@ -62,7 +62,7 @@ PHASES = [
     (SequenceTree, "add_token_tree", "SequenceTree.add_token_tree"),
     (SequenceTree, "add_children", "SequenceTree.add_children"),
     (SequenceTree, "extend_many", "SequenceTree.extend_many"),
-    (Engine, "copy_kv", "Engine.copy_kv"),
+    (PagedKVPool, "copy_slots", "PagedKVPool.copy_slots"),
     (SequenceTree, "accept", "SequenceTree.accept"),
     (SequenceTree, "extend", "SequenceTree.extend"),
     (SequenceTree, "prune", "SequenceTree.prune"),

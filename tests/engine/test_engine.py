@@ -52,6 +52,26 @@ def test_prefill_contracts(tiny):
     engine.tree.check_invariants()
 
 
+def test_chunk_prompt_checks_and_cuts_without_changing_anything(tiny):
+    """The one prefill path's chunks: what prefill steps and what a scheduler program adds chunk by chunk."""
+    engine = make_engine(tiny, prefill_chunk=4)
+    root = engine.prefill([1, 2, 3])
+    tokens, free = engine.tree.num_tokens, engine.pool.num_free_pages
+    prompt = engine.chunk_prompt(list(range(10)), parent=root.node)
+    assert prompt.pieces == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9)) and prompt.parent == root.node
+    assert (prompt.first_position, prompt.last_position, prompt.num_tokens, prompt.pages) == (3, 12, 10, 3)
+    assert (engine.tree.num_tokens, engine.pool.num_free_pages, engine.tree.num_pending) == (tokens, free, 0)
+    for call, match in [(lambda: engine.chunk_prompt([]), "at least one prompt token"),
+                        (lambda: engine.chunk_prompt([1], parent=99), "unknown parent"),
+                        (lambda: engine.chunk_prompt([512]), r"token ids in \[0, 512\)")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    node = prompt.add(engine.tree, 0)
+    assert engine.tree.parent(node) == root.node and engine.tree.num_pending == 4
+    with pytest.raises(ValueError, match="pass the node chunk 0 returned"):
+        prompt.add(engine.tree, 1)
+
+
 @pytest.mark.parametrize("prompt,error,match", [
     ("123", TypeError, "prompt_ids must be a sequence of integers, got str"),   # was [1, 2, 3]
     ([1.5, 2], TypeError, r"prompt_ids\[0\] must be an integer, got float"),  # was truncated to 1

@@ -54,21 +54,52 @@ def test_write_and_layer_views():
 
 def test_bookkeeping_only_pool_has_no_storage():
     pool = PagedKVPool(4, 2, allocate_storage=False)
-    with pytest.raises(RuntimeError, match="allocate_storage=False"):
-        pool.layer(0)
+    assert not pool.has_storage and pool.k is None and pool.k_slots == ()
+    for call in (lambda: pool.layer(0), lambda: pool.gather([0]), lambda: pool.copy_slots([0], [1])):
+        with pytest.raises(RuntimeError, match="allocate_storage=False"):
+            call()
 
 
-def test_gather_scatter_moves_kv_of_every_layer():
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_copy_slots_moves_kv_of_every_layer(as_tensor):
     pool = PagedKVPool(4, 2, num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)
     pool.k.normal_()
     pool.v.normal_()
     k, v = pool.gather(np.array([1, 6]))
     assert k.shape == (3, 2, 2, 64)
-    pool.scatter(np.array([2, 3]), (k, v))
+    src, dst = np.array([1, 6]), np.array([2, 3])
+    pool.copy_slots(*((torch.as_tensor(src), torch.as_tensor(dst)) if as_tensor else (src, dst)))
     for layer in range(3):
         lk, lv = pool.layer(layer)
         assert torch.equal(lk.reshape(-1, 2, 64)[2], lk.reshape(-1, 2, 64)[1])
         assert torch.equal(lv.reshape(-1, 2, 64)[3], lv.reshape(-1, 2, 64)[6])
+
+
+def test_copy_slots_reads_every_source_before_writing():
+    """Overlapping slots: each destination gets its source's K/V as it was before the copy."""
+    pool = PagedKVPool(4, 2, num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    pool.k.normal_()
+    pool.v.normal_()
+    k, v = pool.gather([0, 1, 2])
+    pool.copy_slots([0, 1, 2], [1, 2, 3])
+    moved_k, moved_v = pool.gather([1, 2, 3])
+    assert torch.equal(moved_k, k) and torch.equal(moved_v, v)
+
+
+def test_storage_is_one_allocation_with_its_scratch_pages():
+    """The pool's pages and the scratch page are one tensor per K and V, each layer contiguous: the layout the
+    kernels read, and what a step's stores (k_slots) and a CUDA graph's padded rows (scratch_slot) address."""
+    pool = PagedKVPool(4, 2, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, scratch_pages=1)
+    assert pool.k.shape == (3, 4, 2, 2, 8) and pool.scratch_slot == pool.num_slots == 8
+    assert all(pool.layer(i)[0].is_contiguous() for i in range(3))
+    assert pool.k_slots[1].shape == (10, 2, 8)   # the scratch page's 2 slots too
+    assert pool.k_slots[1].data_ptr() == pool.layer(1)[0].data_ptr()
+    assert pool.k_slots[2].data_ptr() - pool.k_slots[1].data_ptr() == 5 * 2 * 2 * 8 * 4   # 5 pages a layer
+    pool.k_slots[0][pool.scratch_slot] = 1.0   # a padded row's store: no page of the pool changes
+    assert torch.count_nonzero(pool.k) == 0
+    assert pool.allocate(4).tolist() == [0, 1, 2, 3] and pool.num_free_pages == 0   # never hands it out
+    with pytest.raises(RuntimeError, match="no scratch pages"):
+        PagedKVPool(4, 2).scratch_slot
 
 
 # ================================================================ bad page ids and slots
@@ -205,28 +236,31 @@ BAD_SLOTS = [
 ]
 
 
-@pytest.mark.parametrize("op", ["write", "gather", "scatter"])
+@pytest.mark.parametrize("op", ["write", "gather", "copy_slots"])
 @pytest.mark.parametrize("slots, error, match", BAD_SLOTS)
 def test_bad_slots_raise_and_change_nothing(op, slots, error, match):
     pool = pool_in_use()
     before = pool_state(pool)
     kv = torch.ones(1, 1, 8)
+    if op == "copy_slots":   # the bad slots as the destination: checked before anything is copied
+        match = match.replace("slots", "dst_slots")
     with pytest.raises(error, match=match):
         if op == "write":
             pool.write(0, slots, kv, kv)
         elif op == "gather":
             pool.gather(slots)
         else:
-            pool.scatter(slots, (torch.ones(2, 1, 1, 8), torch.ones(2, 1, 1, 8)))
+            pool.copy_slots([0], slots)
     assert_same_state(pool, before)
 
 
-def test_scatter_checks_both_tensors_before_writing():
+def test_copy_slots_checks_both_slot_lists_before_writing():
     pool = pool_in_use()
     before = pool_state(pool)
-    good, bad = torch.ones(2, 1, 1, 8), torch.ones(2, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"kv\[1\] must be a tensor of shape \(2, 1, 1, 8\), got \(2, 1, 2, 8\)"):
-        pool.scatter([0], (good, bad))   # k used to be written before v failed
+    with pytest.raises(ValueError, match="src_slots and dst_slots must be 1-D of one length, got 1 and 2 slots"):
+        pool.copy_slots([0], [1, 2])
+    with pytest.raises(ValueError, match=r"src_slots must be in \[0, 31\], got src_slots\[1\] = 32"):
+        pool.copy_slots([0, 32], [1, 2])
     assert_same_state(pool, before)
     with pytest.raises(TypeError, match="k must be a torch.Tensor, got list"):
         pool.write(0, [0], [[0.0] * 8], torch.ones(1, 1, 8))

@@ -2,8 +2,9 @@
 treedec's tree attention, CUDA graphs (:class:`CudaGraphConfig`), step chains (:class:`StepChain`), pool sizing."""
 from treedec.engine.cuda_graphs import CudaGraphConfig
 from treedec.engine.engine import Engine, greedy
+from treedec.engine.prompt import PromptChunks
 from treedec.engine.step_chain import ChainContext, ChainStep, StepChain
 from treedec.engine.step_output import PrefillOutput, StepOutput
 
-__all__ = ["ChainContext", "ChainStep", "CudaGraphConfig", "Engine", "PrefillOutput", "StepChain", "StepOutput",
-           "greedy"]
+__all__ = ["ChainContext", "ChainStep", "CudaGraphConfig", "Engine", "PrefillOutput", "PromptChunks", "StepChain",
+           "StepOutput", "greedy"]

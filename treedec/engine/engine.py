@@ -29,7 +29,8 @@ from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.models.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
-                                        check_window, describe_tensor)
+                                        check_window)
+from treedec.engine.prompt import PromptChunks
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.transfer import take_rows, to_device
@@ -99,16 +100,9 @@ class Engine:
         self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                                   plan_config=plan_config, device=self.device, dtype=model.dtype)
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
-        # One page more than the pool's: the scratch page where padded rows of a CUDA-graph
-        # step write their K/V. The pool sees the first num_pages pages (each layer contiguous).
-        shape = (c.num_layers, num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
-        self._k = torch.zeros(shape, dtype=model.dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=model.dtype, device=self.device)
+        # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
         self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
-                                dtype=model.dtype, device=self.device, allocate_storage=False)
-        self.pool.k, self.pool.v = self._k[:, :num_pages], self._v[:, :num_pages]
-        self._k_slots = [self._k[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
-        self._v_slots = [self._v[i].view(-1, c.num_kv_heads, c.head_dim) for i in range(c.num_layers)]
+                                dtype=model.dtype, device=self.device, scratch_pages=1)
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
         self.guard = ThreadGuard("this Engine")
@@ -149,12 +143,28 @@ class Engine:
 
         ``parent=None`` starts a new tree of the forest; else the prompt is a new child of node
         ``parent`` (a continuation, e.g. an evaluation prompt under a thought). A prompt longer
-        than ``prefill_chunk`` runs as several steps. The tree must have no pending tokens
+        than ``prefill_chunk`` runs as several steps, the chunks of :meth:`chunk_prompt` (which a
+        scheduler program steps with other requests' tokens). The tree must have no pending tokens
         (run :meth:`step` first); a pool too small for the prompt raises PoolExhaustedError
         before anything changes.
         """
         with self.guard:
             return self._prefill(prompt_ids, parent, return_hidden, return_heads)
+
+    def chunk_prompt(self, prompt_ids: Sequence[int], parent: int | None = None) -> PromptChunks:
+        """Check a prompt (token ids in the model's vocabulary, at least one; ``parent`` a node of the tree or
+        None) and cut it into chunks of at most ``prefill_chunk`` tokens: what :meth:`prefill` runs, and
+        what a scheduler program adds chunk by chunk (:class:`~treedec.engine.prompt.PromptChunks`). Changes
+        nothing; the caller checks the positions against its limits and waits for (or refuses) the pages."""
+        tokens = int_list(prompt_ids, "prompt_ids", low=0)
+        if not tokens:
+            raise TreeError("prefill needs at least one prompt token, got 0")
+        check_token_ids(np.asarray(tokens), self.model.config.vocab_size, "prompt_ids")
+        if parent is not None and parent not in self.tree:
+            raise TreeError(f"unknown parent node id {parent!r}")
+        chunk = self.prefill_chunk
+        return PromptChunks(parent, tuple(tuple(tokens[i:i + chunk]) for i in range(0, len(tokens), chunk)),
+                            0 if parent is None else len(self.tree.sequence(parent)), self.pool.pages_for(len(tokens)))
 
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
@@ -209,29 +219,20 @@ class Engine:
                               dynamic)
 
     def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
-        tokens = int_list(prompt_ids, "prompt_ids", low=0)
-        if not tokens:
-            raise TreeError("prefill needs at least one prompt token, got 0")
-        check_token_ids(np.asarray(tokens), self.model.config.vocab_size, "prompt_ids")
+        prompt = self.chunk_prompt(prompt_ids, parent)
         pending = self.tree.layout().num_queries
         if pending:
             raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
                             f"run step() first")
-        if parent is not None and parent not in self.tree:
-            raise TreeError(f"unknown parent node id {parent!r}")
-        first_position = 0 if parent is None else len(self.tree.sequence(parent))
-        check_window(self.model.config.sliding_window, first_position + len(tokens) - 1)
-        need = self.pool.pages_for(len(tokens))
-        if need > self.pool.num_free_pages:
+        check_window(self.model.config.sliding_window, prompt.last_position)
+        if prompt.pages > self.pool.num_free_pages:
             raise PoolExhaustedError(
-                f"KV pool exhausted: the {len(tokens)}-token prompt needs {need} page(s) of {self.pool.page_size} "
-                f"tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
-        pieces = [tokens[i:i + self.prefill_chunk] for i in range(0, len(tokens), self.prefill_chunk)]
-        node = self.tree.add_prompt(pieces[0]) if parent is None else self.tree.branch(parent, [pieces[0]])[0]
-        out = None
-        for i, piece in enumerate(pieces):
-            if i:
-                self.tree.extend(node, piece)
+                f"KV pool exhausted: the {prompt.num_tokens}-token prompt needs {prompt.pages} page(s) of "
+                f"{self.pool.page_size} tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; "
+                f"nothing was changed")
+        node = out = None
+        for i, piece in enumerate(prompt.pieces):
+            node = prompt.add(self.tree, i, node)
             out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
         return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
                              None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
@@ -301,19 +302,6 @@ class Engine:
         self.stats["queries"] += num_q
         return StepOutput(logits, take_rows(hidden_all, hrows, self.device) if return_hidden else None,
                           take_rows(aux_all, hrows, self.device) if return_aux else None, heads)
-
-    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy the K/V held at KV-pool slots ``src_slots`` to ``dst_slots``, in every layer, on the device
-        (int64 tensors of one length on the engine's device; ``src`` is read whole before anything is
-        written). The tree's bookkeeping does not change: for callers that rearrange the computed
-        tokens of sibling nodes whose token ids they rewrite too (an EAGLE draft's chains)."""
-        if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
-            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {describe_tensor(src_slots)} "
-                             f"and {describe_tensor(dst_slots)}")
-        with self.guard:
-            for t in (self._k, self._v):   # every layer in one gather and one scatter
-                flat = t.view(t.shape[0], -1, *t.shape[3:])
-                flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
 
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s
@@ -462,7 +450,7 @@ class Engine:
         if self.attn.backend not in ("triton", "cuda"):
             raise ValueError(f"cuda_graphs needs a kernel attention backend (triton or cuda: their kernels read the "
                              f"plan from device memory only); this engine's is {self.attn.backend!r}")
-        scratch_slot = self.pool.num_pages * self.pool.page_size
+        scratch_slot = self.pool.scratch_slot
         row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
         if compile_model is False:
             return GraphRunner(config, self._static_forward, self.attn, scratch_slot, row_inputs)
@@ -484,13 +472,13 @@ class _TreeAttend:
         self.engine, self.slots, self.plan, self.ops = engine, slots, plan, ops
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        e = self.engine
-        k_cache, v_cache = e.pool.layer(layer)
+        e, pool = self.engine, self.engine.pool
+        k_cache, v_cache = pool.layer(layer)
         if self.ops:
-            torch.ops.treedec.store_kv(e._k_slots[layer], e._v_slots[layer], self.slots, k, v)
+            torch.ops.treedec.store_kv(pool.k_slots[layer], pool.v_slots[layer], self.slots, k, v)
             return e.attn.run_op(q, k_cache, v_cache, self.plan)
-        e._k_slots[layer].index_copy_(0, self.slots, k)
-        e._v_slots[layer].index_copy_(0, self.slots, v)
+        pool.k_slots[layer].index_copy_(0, self.slots, k)
+        pool.v_slots[layer].index_copy_(0, self.slots, v)
         return e.attn.run(q, k_cache, v_cache, self.plan)
 
 

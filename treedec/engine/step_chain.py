@@ -13,7 +13,7 @@ So the caller gives each step as a :class:`~treedec.tree.layout.TreeLayout` (``l
 2. writes each plan into a static plan of its own (one per step of the chain, grown when a plan
    outgrows its bounds, which recaptures), the caller's inputs into static device buffers;
 3. replays one graph holding ``body``: every step's forward and the device work between them
-   (the caller's top-k, gathers, :meth:`Engine.copy_kv`). No host round trip between the steps.
+   (the caller's top-k, gathers, :meth:`PagedKVPool.copy_slots`). No host round trip between the steps.
 
 Without CUDA graphs (the engine's ``cuda_graphs`` off, e.g. on the CPU) the same ``body`` runs the
 steps one by one as eager forwards over the same layouts: the reference the graphed chain is tested
@@ -68,7 +68,7 @@ class StepChain:
     body : ``body(ctx, inputs) -> tuple of tensors``: the chain's device work. It calls
         ``ctx.forward(i, tokens, features)`` for ``i = 0 .. length - 1`` in order (the step's token ids
         ``[r]`` and, for models that read them, features ``[r, feature_size]``, in the rows' order) and may
-        move K/V with ``ctx.copy_kv``. It must not read values back to the host (it is captured).
+        move K/V with ``ctx.engine.pool.copy_slots``. It must not read values back to the host (it is captured).
     inputs : ``{name: (shape, dtype)}`` of the tensors :meth:`run` takes (copied into static buffers).
 
     Outputs of a graphed run are the graph's buffers: valid until the next :meth:`run`.
@@ -190,7 +190,7 @@ class StepChain:
 
 
 class ChainContext:
-    """What a chain's ``body`` calls: :meth:`forward` once per step, in order, and :meth:`copy_kv`."""
+    """What a chain's ``body`` calls: :meth:`forward` once per step, in order (and ``engine.pool.copy_slots``)."""
 
     def __init__(self, chain: StepChain):
         self.chain, self.engine = chain, chain.engine
@@ -199,10 +199,6 @@ class ChainContext:
         """Step ``i`` on ``tokens`` ``[r]`` (and ``features [r, feature_size]``) at its rows: the step's logits and
         final-norm hidden states at its rows, in their order."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
-
-    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Move K/V between pool slots, every layer, on the device (:meth:`Engine.copy_kv`)."""
-        self.engine.copy_kv(src_slots, dst_slots)
 
     def _mask_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         limit = self.engine.vocab_limit

@@ -12,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generator, Sequence
 
-import numpy as np
 import torch
 
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
-from treedec.engine.step_checks import check_token_ids
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import SharedPrefix
 from treedec.search.request import Positions, check_positions
@@ -183,7 +181,9 @@ class ProgramContext:
                aux: bool = False, all_rows: bool = False
                ) -> Generator[StepRequest | Wait, Any, tuple[int, StepRows]]:
         """Add a prompt (a new tree, or a child of ``parent``) and compute it in steps of at most
-        ``engine.prefill_chunk`` tokens; returns ``(node, output at its last token)``. With
+        ``engine.prefill_chunk`` tokens (the chunks of :meth:`Engine.chunk_prompt`, as :meth:`Engine.prefill`
+        runs them, each stepped with the other programs' tokens); returns ``(node, output at its last
+        token)``. With
         ``all_rows`` the output's ``hidden`` / ``aux`` hold every prompt token's (the chunks' joined).
 
         A root prompt that starts with the context's shared prefix becomes a child of the
@@ -194,24 +194,19 @@ class ProgramContext:
         if parent is None and self.prefix is not None:
             assert ids[:len(self.prefix.tokens)] == self.prefix.tokens, "the prompt does not start with its prefix"
             parent, ids = self.prefix.node, ids[len(self.prefix.tokens):]
-        if not ids:
-            raise ValueError("a prompt needs at least one token, got 0")
-        check_token_ids(np.asarray(ids), engine.model.config.vocab_size, "prompt_ids")
-        first = 0 if parent is None else len(engine.tree.sequence(parent))
-        check_positions(engine.model, Positions(first + len(ids), f"{first} tokens before a {len(ids)}-token prompt"
-                                                if first else f"a {len(ids)}-token prompt"), self.name)
-        yield from self.reserve(engine.pool.pages_for(len(ids)))
-        chunk = engine.prefill_chunk
-        pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
-        tree = engine.tree
-        node = tree.add_prompt(pieces[0]) if parent is None else tree.branch(parent, [pieces[0]])[0]
+        prompt = engine.chunk_prompt(ids, parent)
+        first, count = prompt.first_position, prompt.num_tokens
+        check_positions(engine.model, Positions(first + count, f"{first} tokens before a {count}-token prompt"
+                                                if first else f"a {count}-token prompt"), self.name)
+        yield from self.reserve(prompt.pages)
+        node = prompt.add(engine.tree, 0)
         request = StepRequest([node], hidden=hidden, heads=heads, aux=aux, all_rows=all_rows, prompt=True)
         states: list[StepRows] = []
         try:
             out = yield request
             states.append(out)
-            for piece in pieces[1:]:
-                tree.extend(node, piece)
+            for i in range(1, len(prompt.pieces)):
+                prompt.add(engine.tree, i, node)
                 out = yield request
                 states.append(out)
         except BaseException:   # closed or failed before the caller has the node: free it here

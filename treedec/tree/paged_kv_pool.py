@@ -5,7 +5,12 @@ A *slot* is one token's place in the pool: ``slot = page * page_size + offset``.
 page, how many nodes hold slots in it, and a page returns to the free list when that
 count drops to zero.
 
-Every method that takes page ids or slots checks them all (integers, in range, pages in
+The pool owns the K/V tensors (allocated once, in the layout the attention kernels read, never
+reallocated: CUDA graphs keep their addresses) and the one primitive that moves K/V between
+slots, :meth:`PagedKVPool.copy_slots`: accepting a speculative path, rearranging a draft's
+chains and keeping a pipelined step's accepted tokens all go through it.
+
+Every method that takes page ids or host slots checks them all (integers, in range, pages in
 use) before it changes anything: a bad id raises ``TypeError`` / ``ValueError`` naming the
 argument, never wraps around as a negative numpy index.
 """
@@ -27,15 +32,27 @@ class PagedKVPool:
     num_pages, page_size:
         Capacity is ``num_pages * page_size`` tokens. ``page_size`` may be 1.
     num_layers, num_kv_heads, head_dim:
-        Shape of the storage. With ``allocate_storage=False`` no tensors are made (a
-        bookkeeping-only pool, for planning and tests without K/V data).
+        Shape of the storage.
     dtype, device:
         Of the K/V tensors.
+    allocate_storage:
+        False: no tensors are made, a bookkeeping-only pool (pages, refcounts, free list). Trees
+        planned without a model use it: the replay driver's page accounting of a recorded
+        schedule, the planners' benchmarks and tests. Every storage method then raises.
+    scratch_pages:
+        Pages of storage past the ``num_pages`` the pool hands out, never allocated: a CUDA-graph
+        step's padded rows write their K/V there (from :attr:`scratch_slot` on), so no live
+        token's K/V is touched. They are not part of :attr:`k` / :attr:`v`.
 
     Attributes
     ----------
     k, v : torch.Tensor
-        ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``, or None.
+        ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` (each layer contiguous;
+        the kernels read :meth:`layer`'s views of them), or None without storage.
+    k_slots, v_slots : tuple of torch.Tensor
+        Per layer, the same storage as one row per slot, ``[num_slots + scratch_pages * page_size,
+        num_kv_heads, head_dim]`` (scratch slots included): where a step stores its new tokens' K/V
+        by slot on the device (empty without storage).
     refcount : np.ndarray
         ``[num_pages]`` int32: the number of tree nodes holding slots in each page.
     """
@@ -50,27 +67,38 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cpu",
         allocate_storage: bool = True,
+        scratch_pages: int = 0,
     ):
         for name, value in [("num_pages", num_pages), ("page_size", page_size),
                             ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)]:
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {describe(value)}")
+        if not is_int(scratch_pages) or scratch_pages < 0:
+            raise ValueError(f"scratch_pages must be an int >= 0, got {describe(scratch_pages)}")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
+        self.scratch_pages = int(scratch_pages)
         self.refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._offsets = np.arange(self.page_size)   # of the slots in a page
         # A stack: the most recently freed page is reused first (warm in cache).
         self._free = list(range(self.num_pages - 1, -1, -1))
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.k_slots: tuple[torch.Tensor, ...] = ()
+        self.v_slots: tuple[torch.Tensor, ...] = ()
+        self._storage: tuple[torch.Tensor, torch.Tensor] | None = None   # K, V with the scratch pages
         if allocate_storage:
-            shape = (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            shape = (self.num_layers, self.num_pages + self.scratch_pages, self.page_size, self.num_kv_heads,
+                     self.head_dim)
+            self._storage = (torch.zeros(shape, dtype=dtype, device=device),
+                             torch.zeros(shape, dtype=dtype, device=device))
+            self.k, self.v = (t[:, :self.num_pages] for t in self._storage)
+            self.k_slots, self.v_slots = (tuple(t[i].view(-1, self.num_kv_heads, self.head_dim)
+                                                for i in range(self.num_layers)) for t in self._storage)
 
     # ----------------------------------------------------------------- public API
 
@@ -80,7 +108,20 @@ class PagedKVPool:
 
     @property
     def num_slots(self) -> int:
+        """Slots the pool hands out (the scratch pages' are past them)."""
         return self.num_pages * self.page_size
+
+    @property
+    def has_storage(self) -> bool:
+        """Whether the pool holds K/V tensors (``allocate_storage``)."""
+        return self._storage is not None
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first scratch slot (:attr:`num_slots`): where padded query rows store their K/V."""
+        if not self.scratch_pages:
+            raise RuntimeError("this PagedKVPool has no scratch pages (scratch_pages=0)")
+        return self.num_slots
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens from the start of a fresh page."""
@@ -169,25 +210,30 @@ class PagedKVPool:
 
     def gather(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` (``[n]`` ints) in every layer, each ``[num_layers, n, num_kv_heads, head_dim]``
-        (a copy)."""
+        (a copy, to read: moves between slots are :meth:`copy_slots`)."""
         self._require_storage()
         index = to_device(self._slots(slots, "slots"), self.k.device)
         return tuple(self._slot_view(t).index_select(1, index) for t in (self.k, self.v))
 
-    def scatter(self, slots: np.ndarray, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Store what :meth:`gather` returned into ``slots`` (e.g. to move accepted tokens' K/V)."""
+    def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray) -> None:
+        """Copy the K/V held at slots ``src_slots`` to ``dst_slots``, in every layer: the pool's one slot-copy
+        primitive (a gather and a scatter of all layers on the device). ``src_slots`` is read whole before
+        anything is written, so the two may overlap. The pages' refcounts do not change.
+
+        Each is ``[n]`` slots, of one length: an int64 tensor on the pool's CUDA device is used as it is
+        (not read back, so the copy never waits for the device and a CUDA graph may capture it; its values
+        must be slots of the pool, scratch slots included); anything else (host ints, a CPU tensor) is
+        checked to be slots in ``[0, num_slots)`` and sent to the device.
+        """
         self._require_storage()
-        slots = self._slots(slots, "slots")
-        expected = (self.num_layers, len(slots), self.num_kv_heads, self.head_dim)
-        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-            raise TypeError(f"kv must be a (k, v) pair of tensors, got {type(kv).__name__}")
-        for name, t in zip(("kv[0]", "kv[1]"), kv):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be a tensor of shape {expected}, got {got}")
-        index = to_device(slots, self.k.device)
-        for t, data in zip((self.k, self.v), kv):
-            self._slot_view(t).index_copy_(1, index, data.to(device=t.device, dtype=t.dtype))
+        src = self._index(src_slots, "src_slots")
+        dst = self._index(dst_slots, "dst_slots")
+        if src.shape != dst.shape:
+            raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {len(src)} and {len(dst)} "
+                             f"slots")
+        for t in self._storage:   # every layer in one gather and one scatter
+            flat = t.view(self.num_layers, -1, self.num_kv_heads, self.head_dim)
+            flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def check_invariants(self) -> None:
         """Check that the free list and refcounts agree; raises RuntimeError naming the broken invariant.
@@ -244,6 +290,16 @@ class PagedKVPool:
         """``slots`` as int64, checked to be in ``[0, num_slots)``."""
         return int_array(slots, name, low=0, high=self.num_slots - 1)
 
+    def _index(self, slots, name: str) -> torch.Tensor:
+        """``slots`` as an int64 index on the storage's device (:meth:`copy_slots` says which are checked)."""
+        device = self.k.device
+        if isinstance(slots, torch.Tensor) and slots.device.type == "cuda":
+            if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != device:
+                raise ValueError(f"{name} must be a 1-D int64 tensor on {device}, got a {slots.dtype} tensor of "
+                                 f"shape {list(slots.shape)} on {slots.device}")
+            return slots
+        return to_device(self._slots(slots, name), device)
+
     def _require_storage(self) -> None:
-        if self.k is None:
+        if self._storage is None:
             raise RuntimeError("this PagedKVPool was made with allocate_storage=False: it has no K/V tensors")

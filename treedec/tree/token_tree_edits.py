@@ -105,17 +105,17 @@ class TokenTreeEdits:
         if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self._pages_freed(holds):
             raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
                                      f"page(s); nothing was changed")
-        saved = None
-        if tokens and self.pool.k is not None:
-            saved = self.pool.gather(np.concatenate([c.slots[:len(c.tokens)] for c in chain]))
+        moved = np.concatenate([c.slots[:len(c.tokens)] for c in chain]) if tokens else None
         if doomed:
             self._cut(start, stop, doomed, holds)
             node.children.clear()
         slots = self._fill(node, tokens)
         node.pending -= len(tokens)   # their K/V are in place: nothing to compute
         self._num_pending -= len(tokens)
-        if saved is not None:
-            self.pool.scatter(slots, saved)
+        if moved is not None and self.pool.has_storage:
+            # Freed pages keep their K/V until a step writes them, and none runs in between; the copy reads
+            # every source slot before it writes, so the new slots may reuse the freed ones.
+            self.pool.copy_slots(moved, slots)
         return slots
 
     # ================================================================ private

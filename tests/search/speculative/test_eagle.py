@@ -170,7 +170,7 @@ def test_step_input_errors(target):
     with pytest.raises(ValueError, match="shape \\[3, 128\\]"):
         d_engine.step(features=torch.zeros(2, 128))
     with pytest.raises(ValueError, match="1-D of one length"):
-        e.copy_kv(torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+        e.pool.copy_slots(torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
     assert e.tree.num_pending == 3 and d_engine.tree.num_pending == 3   # nothing ran
 
 

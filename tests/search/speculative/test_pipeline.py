@@ -189,7 +189,7 @@ def test_a_dynamic_span_step_equals_the_step_without_the_unused_slots(tiny):
     computed = torch.as_tensor(engine.tree.slots(drafted)[:3])   # 7 at the position after the prompt
     engine.tree.prune(drafted)
     span_slots = engine.tree.extend_computed(node, [7, 0, 0])
-    engine.copy_kv(computed, torch.as_tensor(span_slots))       # 8 and 9 are the unused slots' K/V
+    engine.pool.copy_slots(computed, span_slots)                # 8 and 9 are the unused slots' K/V
     engine.tree.branch(node, [[11, 12]])
     got = engine.step(dynamic=DynamicSpan(span_slots, torch.tensor([1]), np.arange(2))).logits
     want_engine = make_engine(tiny)

@@ -296,7 +296,8 @@ def _chain_body(ctx: ChainContext | None, inputs: dict[str, torch.Tensor], depth
         if features is not None:
             features = out.hidden.reshape(b, k, width).gather(1, parent[:, :, None].expand(b, k, width))
         slots = inputs["scratch"][:, :, :i + 1]                                   # [B, k, i + 1]
-        ctx.copy_kv(slots.gather(1, parent[:, :, None].expand(b, k, i + 1)).reshape(-1), slots.reshape(-1))
+        ctx.engine.pool.copy_slots(slots.gather(1, parent[:, :, None].expand(b, k, i + 1)).reshape(-1),
+                                   slots.reshape(-1))
     return (torch.cat(parts + links, dim=1),)
 
 

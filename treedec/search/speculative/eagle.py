@@ -26,7 +26,7 @@ with the token at ``t + 1``; each proposal is
    :class:`~treedec.engine.step_chain.StepChain`: planned at once on the host and, on a graphed
    engine, replayed as ONE CUDA graph; which frontier node extends which path is chosen on the device
    (top-k of the cumulative scores), and the chains' K/V are regathered to match
-   (:meth:`Engine.copy_kv`) inside it. One copy back at the end gives every layer's
+   (:meth:`PagedKVPool.copy_slots`) inside it. One copy back at the end gives every layer's
    candidates, and the tree is the one :func:`~treedec.tree.token_tree.expand_by_logprob` grows from
    them (tested). With ``sample``, children are drawn without replacement layer by layer and their
    distributions go to the acceptance rule (:class:`~treedec.search.speculative.tree_drafting.EngineTreeDraft`).

@@ -120,7 +120,7 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
             dst = tree.extend_computed(node, [0] * (1 + flight.depth))
             length = flight.outcome[:1]
             pick = torch.cat([flight.outcome.new_zeros(1), flight.outcome[2:].clamp(min=0)])
-            engine.copy_kv(flight.slots[pick], to_device(dst, engine.device))
+            engine.pool.copy_slots(flight.slots[pick], dst)
             last = torch.where(length > 0, flight.outcome[2:].gather(0, (length - 1).clamp(min=0)), 0)
             root = flight.outcome[1:2]
             span = DynamicSpan(dst[1:], length, np.zeros(0, dtype=np.int64))   # (the scheduler gives the rows)
