@@ -127,6 +127,37 @@ def test_the_custom_op_refuses_a_backend_without_one():
         torch.ops.treedec.tree_attention(q, q[None], q[None], [], [], "flash", 0.125)
 
 
+def test_the_cuda_op_launches_what_run_launches(monkeypatch):
+    """torch.ops.treedec.tree_attention gets a cuda plan as OpArgs (tensors, typed sizes as ints) and launches the
+    kernels with what CudaBackend.run launches them with (the cuda backend's host side on the CPU; the launch
+    itself recorded)."""
+    from treedec.attention.backends import cuda_backend
+    from treedec.attention import PlanBounds, StaticPlan, make_plan
+
+    pool = PagedKVPool(16, 4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(range(9))
+    tree.branch(root, [[1, 2], [3]])
+    plan = make_plan(tree.layout())
+    backend = cuda_backend.CudaBackend.without_kernels(8, 2, 64, torch.float16, 4, 64)
+    device_plan = StaticPlan(PlanBounds.for_plan(plan), backend, torch.device("cpu")).write(plan)
+    calls = []
+    monkeypatch.setattr(cuda_backend, "launch_prepared", lambda *a: calls.append(a) or (a[0].clone(), None))
+    backend.ext = "the extension"   # run() checks that it has kernels; the launch is recorded, not run
+    q = torch.zeros(device_plan.plan.num_queries, 8, 64, dtype=torch.float16)
+    k_cache, v_cache = pool.layer(0)
+    backend.run(q, k_cache, v_cache, device_plan)
+    args = device_plan.prepared.op_args()
+    assert args.backend == "cuda" and isinstance(args.sizes, CudaOpSizes) and args.sizes.merge is True
+    torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, backend.sm_scale))
+    (q1, k1, v1, arrays1, starts1, units1, o1, lse1, *rest1), (q2, k2, v2, arrays2, starts2, units2, o2, lse2, *rest2) \
+        = calls
+    assert q1 is q2 and k1 is k2 and v1 is v2 and starts1 is starts2 and units1 is units2
+    assert arrays1.keys() == arrays2.keys() and all(arrays1[n] is arrays2[n] for n in arrays1)
+    assert (o1.shape, o1.dtype, lse1.shape, lse1.dtype) == (o2.shape, o2.dtype, lse2.shape, lse2.dtype)
+    assert rest1[:-1] == rest2 and rest1[-1] == "the extension"   # merge, tile, max entries, sm_scale; ext
+
+
 def test_host_backends_refuse_static_plans():
     attn = TreeAttention(4, 2, 64, backend="torch", device="cpu")
     with pytest.raises(ValueError, match="static plans \\(CUDA graphs\\) run on the triton or cuda kernels"):
