@@ -40,7 +40,7 @@ from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload  #
 from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
 from treedec.attention import PLANNERS, reference_tree_attention  # noqa: E402
-from treedec.attention.backends import cuda_status, triton_status  # noqa: E402
+from treedec.attention import get_backend  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
 from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
 
@@ -313,8 +313,7 @@ def _treedec_configs(args, device) -> list[tuple[str, str]]:
     backends = args.backends
     if backends is None:
         if device.type == "cuda":
-            backends = [b for b, status in (("triton", triton_status), ("cuda", cuda_status))
-                        if status(device) is None] + ["auto"]
+            backends = [b for b in ("triton", "cuda") if get_backend(b).why_unavailable(device) is None] + ["auto"]
         else:
             backends = ["torch"]
     for b in backends:

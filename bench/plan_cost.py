@@ -154,11 +154,11 @@ def measure_on_gpu(tree: SequenceTree, repeats: int) -> dict:
     """TreeAttention.plan per kernel backend (Llama-3-8B heads, bf16), eagerly and into a static plan."""
     from treedec import TreeAttention
     from treedec.attention import PlanBounds
-    from treedec.attention.backends import cuda_status
+    from treedec.attention import get_backend
 
     out = {}
     for backend in ("triton", "cuda"):
-        if backend == "cuda" and cuda_status(torch.device("cuda")) is not None:
+        if get_backend(backend).why_unavailable(torch.device("cuda")) is not None:
             out[f"plan_{backend}"] = out[f"plan_into_static_{backend}"] = None
             continue
         attn = TreeAttention(32, 8, 128, backend=backend, device="cuda", dtype=torch.bfloat16)

@@ -57,7 +57,7 @@ def make_engine() -> Engine:
                     cuda_graphs=CudaGraphConfig(max_queries=256, capture=False))
     attn = engine.attn
     attn.backend = "cuda"
-    attn._runner = CudaBackend.without_kernels(32, 8, 128, torch.bfloat16, CTAS, TILE_TOKENS)
+    attn.backend_impl = CudaBackend.without_kernels(32, 8, 128, torch.bfloat16, CTAS, TILE_TOKENS)
     attn.plan_config = dataclasses.replace(attn.plan_config, query_tile=default_query_tile(128, 4), num_sms=CTAS,
                                            persistent_ctas=CTAS, light_tile_cost=LIGHT_TILE_COST)
     # Narrow outputs: on a GPU the rows' gather is a launch, on this CPU a bf16 copy that would dominate.

@@ -34,9 +34,9 @@ def test_tree_attention_op_equals_run(triton_device):
 def test_ops_pass_opcheck(triton_device):
     """Schemas, fake (meta) implementations and declared mutations agree with what the ops do."""
     attn, plan, q, k_cache, v_cache = _step_inputs(triton_device)
-    tensors, sizes = attn.op_args(plan)
-    torch.library.opcheck(torch.ops.treedec.tree_attention.default,
-                          (q, k_cache, v_cache, tensors, sizes, plan.backend, attn.sm_scale),
+    args = attn.op_args(plan)
+    assert args.backend == plan.backend
+    torch.library.opcheck(torch.ops.treedec.tree_attention.default, args.inputs(q, k_cache, v_cache, attn.sm_scale),
                           test_utils=("test_schema", "test_faketensor"))
     slots = torch.tensor([3, 0, 17], device=triton_device)
     k_slots = torch.zeros(32, 2, 64, device=triton_device)

@@ -155,11 +155,11 @@ def test_triton_interpreter_versions_that_break_are_named(monkeypatch, triton_ve
     triton = pytest.importorskip("triton")
     import numpy as np
 
-    from treedec.attention import backends
+    from treedec.attention import get_backend
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(np, "__version__", numpy_version)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    problem = backends.triton_status(torch.device("cpu"))
+    problem = get_backend("triton").why_unavailable(torch.device("cpu"))
     if fails:
         assert "triton-lang/triton#9171" in problem and "triton>=3.7" in problem
         with pytest.raises(BackendUnavailableError, match="numpy"):

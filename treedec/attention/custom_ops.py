@@ -1,26 +1,28 @@
 """Tree attention and the K/V store as torch custom ops, so ``torch.compile`` sees a whole decoder.
 
-``torch.ops.treedec.tree_attention`` runs a prepared plan on the triton or cuda kernels and
-``torch.ops.treedec.store_kv`` writes a step's K/V into the paged caches in place. Both have
-fake (meta) implementations, so Dynamo traces a model forward that calls them without graph
-breaks and Inductor fuses the code around them (norms, RoPE, residuals); a captured CUDA
-graph then replays the compiled forward. They are registered when this module is imported
-(``treedec.attention`` imports it).
+``torch.ops.treedec.tree_attention`` runs a prepared plan on a backend that has a custom op
+launch (:attr:`Backend.custom_op`: the triton and cuda kernels) and ``torch.ops.treedec.store_kv``
+writes a step's K/V into the paged caches in place. Both have fake (meta) implementations, so
+Dynamo traces a model forward that calls them without graph breaks and Inductor fuses the code
+around them (norms, RoPE, residuals); a captured CUDA graph then replays the compiled forward.
+They are registered once, when this module is imported (``treedec.attention`` imports it).
 
-A prepared plan is passed as plain values: its int32 tensors and a few ints (the sizes its
-launch was prepared for), from :meth:`TreeAttention.op_args`. Inside ``torch.compile`` the
-ints are constants of the compiled graph: a static plan (fixed buffers, sizes at its bounds)
-keeps them, so one compile serves every plan written into it. The workspace of partial
-states is allocated inside the op (from a CUDA graph's private pool when captured).
+A prepared plan is passed as plain values, :class:`~treedec.attention.backends.base.OpArgs` from
+:meth:`TreeAttention.op_args`: its int32 tensors, the backend's typed launch sizes as a list of
+ints (:class:`~treedec.attention.backends.base.OpSizes`) and the backend's registered name, which
+the op looks up to launch (:meth:`Backend.run_op`). Inside ``torch.compile`` the ints are
+constants of the compiled graph: a static plan (fixed buffers, sizes at its bounds) keeps them,
+so one compile serves every plan written into it. The workspace of partial states is allocated
+inside the op (from a CUDA graph's private pool when captured).
 
-    tensors, sizes = attn.op_args(plan)
-    out = torch.ops.treedec.tree_attention(q, k_cache, v_cache, tensors, sizes, plan.backend, attn.sm_scale)
+    args = attn.op_args(plan)
+    out = torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, attn.sm_scale))
 """
 from __future__ import annotations
 
 import torch
 
-OP_BACKENDS = ("triton", "cuda")
+from treedec.attention.backends.base import get_backend
 
 
 @torch.library.custom_op("treedec::tree_attention", mutates_args=())
@@ -28,31 +30,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    sizes: list[int], backend: str, sm_scale: float) -> torch.Tensor:
     """Tree attention of a prepared plan: ``out [Q, Hq, D]`` in q's dtype.
 
-    ``q`` [Q, Hq, D]; ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D]; ``tensors`` and
-    ``sizes`` from :meth:`TreeAttention.op_args` for ``backend`` ("triton" or "cuda").
+    ``q`` [Q, Hq, D]; ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D]; ``tensors``, ``sizes``
+    and ``backend`` (a registered name whose backend has :attr:`~Backend.custom_op`) from
+    :meth:`OpArgs.inputs`.
     """
-    hq, d = q.shape[1], q.shape[2]
-    # The backend modules import triton / the CUDA build: only when an op runs, since registering
-    # the ops must work where neither is installed.
-    if backend == "triton":
-        from treedec.attention.backends import triton_backend
-        from treedec.kernels.triton_tree_attention import plan_launch
-        num_items, num_queries, num_entries, query_tile, fp32_workspace = sizes
-        launch = plan_launch(num_items, num_queries, num_entries, query_tile, hq, k_cache.shape[2], d, q.dtype,
-                             q.device.type == "cpu")
-        o_ws = torch.empty(num_entries, hq, d, dtype=torch.float32 if fp32_workspace else q.dtype, device=q.device)
-        lse_ws = torch.empty(num_entries, hq, dtype=torch.float32, device=q.device)
-        arrays = dict(zip(triton_backend.KERNEL_ARRAYS, tensors))
-        return triton_backend.launch_prepared(q, k_cache, v_cache, arrays, o_ws, lse_ws, launch, sm_scale)[0]
-    if backend == "cuda":
-        from treedec.attention.backends import cuda_backend
-        partials, merge, tile_tokens, max_query_entries = sizes
-        o_ws = torch.empty(partials, hq, d, dtype=torch.float32, device=q.device)
-        lse_ws = torch.empty(partials, hq, dtype=torch.float32, device=q.device)
-        arrays = dict(zip(cuda_backend.KERNEL_ARRAYS, tensors))
-        return cuda_backend.launch_prepared(q, k_cache, v_cache, arrays, tensors[-2], tensors[-1], o_ws, lse_ws,
-                                            bool(merge), tile_tokens, max_query_entries, sm_scale)[0]
-    raise ValueError(f"treedec::tree_attention runs the {OP_BACKENDS} kernels, got backend {backend!r}")
+    return get_backend(backend).run_op(q, k_cache, v_cache, tensors, sizes, sm_scale)
 
 
 @tree_attention.register_fake

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treedec.attention.backends.base import Backend, SpanMasking, backend_names
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.transfer import to_device
 
@@ -155,29 +156,33 @@ class MaskPatch:
 
     def apply_host(self, plan: TreePlan, keeps: list[int]) -> TreePlan:
         """``plan`` with the bits cleared in a copy of its (numpy) ``entry_mask``: for backends that read the host
-        plan (``torch``); ``keeps`` must be on the host already."""
+        plan (:attr:`SpanMasking.HOST`); ``keeps`` must be on the host already."""
         mask = np.array(plan.entry_mask, copy=True)
         self.apply(torch.from_numpy(mask), [torch.tensor([k]) for k in keeps])
         return dataclasses.replace(plan, entry_mask=mask)
 
 
-def located(plan: TreePlan, spans: tuple[DynamicSpan, ...], backend: str
+def located(plan: TreePlan, spans: tuple[DynamicSpan, ...], backend: Backend
             ) -> tuple[TreePlan, list[tuple[int, int] | None]]:
     """``plan`` with the ``spans``' ranges added to its ``dynamic_kv`` (as :meth:`DynamicSpan.locate` does), and
-    each span's range (:meth:`DynamicSpan.kv_range`, found once: a scan of the flattened KV); for the ``torch``
-    backend, which reads the host plan, also masked there (reading ``keep``: a wait on a GPU). The ``reference``
-    backend plans from the layout: ValueError."""
+    each span's range (:meth:`DynamicSpan.kv_range`, found once: a scan of the flattened KV).
+
+    ``backend``: the step's, by its :attr:`~Backend.span_masking`. One that reads the host plan
+    (:attr:`SpanMasking.HOST`, ``torch``) gets it masked there too (reading ``keep``: a wait on a GPU); one that
+    reads the device plan (:attr:`SpanMasking.DEVICE`) is masked by :func:`mask_on_device` after the copy. One
+    that attends by the layout (:attr:`SpanMasking.UNSUPPORTED`, ``reference``): ValueError."""
     for span in spans:
         if not isinstance(span, DynamicSpan):
             raise TypeError(f"dynamic must be a DynamicSpan, got {type(span).__name__}")
-    if spans and backend == "reference":
-        raise ValueError("the reference backend plans from the layout: a step with a dynamic span needs the torch, "
-                         "triton or cuda backend")
+    if spans and backend.span_masking is SpanMasking.UNSUPPORTED:
+        able = backend_names(lambda b: b.span_masking is not SpanMasking.UNSUPPORTED)
+        raise ValueError(f"the {backend.name} backend plans from the layout: a step with a dynamic span needs the "
+                         f"{', '.join(able[:-1])} or {able[-1]} backend")
     ranges = [span.kv_range(plan) for span in spans]
     found = tuple(r for r in ranges if r is not None)
     if found:
         plan = dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + found)))
-    if backend == "torch" and found:
+    if backend.span_masking is SpanMasking.HOST and found:
         placed = [(span, where) for span, where in zip(spans, ranges) if where is not None]
         patch = MaskPatch.of(plan, [w for _, w in placed], plan.mask_words, torch.device("cpu"))
         if patch is not None:

@@ -145,7 +145,8 @@ class PlanBounds:
 
 
 class StaticBackend(Protocol):
-    """What a kernel backend provides for static plans (``TritonBackend``, ``CudaBackend``)."""
+    """What a backend of static plans (``Backend.static_plans``: ``TritonBackend``, ``CudaBackend``) provides
+    for them, from its ``Backend.for_static_plans``."""
 
     name: str
 

@@ -8,8 +8,7 @@ import numbers
 
 import torch
 
-from treedec.attention.backends import check_kv_caches, resolve_backend
-from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
+from treedec.attention.backends import Backend, OpArgs, backend_names, check_kv_caches, get_backend, resolve_backend
 from treedec.attention.planner_choice import PlannerImpl, planner_impl
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
@@ -66,9 +65,10 @@ class TreeAttention:
     num_qo_heads, num_kv_heads, head_dim:
         ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA of any ratio).
     backend:
-        "auto", "reference", "torch", "triton" or "cuda". The choice made is in
-        :attr:`backend` and :attr:`backend_reason` (and logged); each plan names it in
-        ``plan.backend``.
+        "auto", "reference", "torch", "triton" or "cuda" (the registered backends,
+        :mod:`treedec.attention.backends`). The choice made is in :attr:`backend` (its name),
+        :attr:`backend_reason` (and logged) and :attr:`backend_impl` (the :class:`Backend` that
+        prepares and runs, made once here); each plan names it in ``plan.backend``.
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
         are set from this object and the device.
@@ -112,9 +112,11 @@ class TreeAttention:
         else:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
-        self.plan_config = dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms)
-        self._runner = self._make_backend(self.backend)
-        self.plan_config = self._config_for(self.backend)  # what the backend runs best with (cuda: 128-row units)
+        self.backend_impl: Backend = get_backend(self.backend).create(num_qo_heads, num_kv_heads, head_dim, dtype,
+                                                                      self.sm_scale, self.device)
+        # what the backend runs best with (cuda: chunks that fill its 128-row units and its persistent grid)
+        self.plan_config = self.backend_impl.plan_config(
+            dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms))
         planner = planner_impl()   # built or loaded here, not inside the first step
         logger.info("TreeAttention backend: %s (%s); planner: %s (%s)", self.backend, self.backend_reason,
                     planner.name, planner.reason)
@@ -163,20 +165,12 @@ class TreeAttention:
         the first plan). ``extra``: caller-owned int32 sections written with each plan
         (:meth:`StaticPlan.write`).
         """
-        if self.backend not in ("triton", "cuda"):
-            raise ValueError(f"static plans (CUDA graphs) run on the triton or cuda kernels; this TreeAttention's "
-                             f"backend is {self.backend!r} (the torch and reference backends index on the host)")
-        runner = self._runner
-        if self.backend == "cuda":
-            runner = runner.with_static_tile(tile_tokens)
-        elif tile_tokens is not None:
-            raise ValueError("tile_tokens is a cuda backend setting; the triton kernels tile by their launch table")
-        return StaticPlan(bounds, runner, self.device, extra)
+        return StaticPlan(bounds, self.backend_impl.for_static_plans(tile_tokens), self.device, extra)
 
     def prepare(self, plan: DeviceTreePlan) -> DeviceTreePlan:
         """``plan`` (from :meth:`TreePlan.to`, e.g. a plan made with its own planner settings) with
         this object's backend's launch prepared."""
-        return dataclasses.replace(plan, backend=self.backend, prepared=self._runner.prepare(plan))
+        return dataclasses.replace(plan, backend=self.backend, prepared=self.backend_impl.prepare(plan))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False):
@@ -194,15 +188,16 @@ class TreeAttention:
         lse : [Q, num_qo_heads] float32, natural log.
         """
         self._check_inputs(q, k_cache, v_cache, plan)
-        out, lse = self._runner.run(q, k_cache, v_cache, plan)
+        out, lse = self.backend_impl.run(q, k_cache, v_cache, plan)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
-    def op_args(self, plan: DeviceTreePlan) -> tuple[list[torch.Tensor], list[int]]:
-        """``plan`` (prepared for a kernel backend) as ``torch.ops.treedec.tree_attention`` takes it:
-        ``(tensors, sizes)``; see :mod:`treedec.attention.custom_ops`."""
-        if plan.backend not in ("triton", "cuda") or plan.prepared is None:
-            raise ValueError(f"the custom op runs plans prepared for the triton or cuda kernels, this one is for "
+    def op_args(self, plan: DeviceTreePlan) -> OpArgs:
+        """``plan`` (prepared for a backend with a custom op, :attr:`Backend.custom_op`) as
+        ``torch.ops.treedec.tree_attention`` takes it; see :mod:`treedec.attention.custom_ops`."""
+        if plan.prepared is None or plan.backend is None or not get_backend(plan.backend).custom_op:
+            raise ValueError(f"the custom op runs plans prepared for the "
+                             f"{' or '.join(backend_names(lambda b: b.custom_op))} kernels, this one is for "
                              f"{plan.backend!r}: make it with plan() on a TreeAttention of a kernel backend")
         return plan.prepared.op_args()
 
@@ -214,34 +209,16 @@ class TreeAttention:
         guards and recompile every step): the caller owns them, as the engine's static forward does."""
         if not torch.compiler.is_compiling():
             self._check_inputs(q, k_cache, v_cache, plan)
-        tensors, sizes = self.op_args(plan)
-        return torch.ops.treedec.tree_attention(q, k_cache, v_cache, tensors, sizes, plan.backend, self.sm_scale)
-
-    def _make_backend(self, name: str):
-        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
-        if name == "reference":
-            return ReferenceBackend(self.sm_scale)
-        if name == "torch":
-            return TorchBackend(self.sm_scale)
-        if name == "triton":
-            from treedec.attention.backends.triton_backend import TritonBackend
-            return TritonBackend(*heads, self.dtype, self.sm_scale)
-        if name == "cuda":
-            from treedec.attention.backends.cuda_backend import CudaBackend
-            return CudaBackend(*heads, self.dtype, self.sm_scale, self.device)
-        raise AssertionError(f"backend {name!r} has no runner")  # resolve_backend lets only these through
-
-    def _config_for(self, backend: str) -> PlanConfig:
-        if backend == "cuda":  # fill the cuda kernel's 128-row units; chunks sized for its persistent grid
-            return self._runner.plan_config(self.plan_config)
-        return self.plan_config
+        return torch.ops.treedec.tree_attention(*self.op_args(plan).inputs(q, k_cache, v_cache, self.sm_scale))
 
     def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
-        """Raise a clear error for inputs ``run`` cannot take."""
+        """Raise a clear error for inputs ``run`` cannot take: this object's checks, then the backend's own
+        (:meth:`Backend.check_inputs`)."""
         if not isinstance(plan, DeviceTreePlan):
             raise TypeError(f"plan must come from TreeAttention.plan(), got {type(plan).__name__}")
         # torch and reference execute any plan; the kernel backends need their own launch prepared.
-        if self.backend not in ("torch", "reference") and plan.backend != self.backend:
+        prepares = self.backend_impl.prepares_launch
+        if prepares and plan.backend != self.backend:
             raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not this TreeAttention's "
                              f"{self.backend!r}: make it with this object's plan() or prepare()")
         expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
@@ -250,10 +227,9 @@ class TreeAttention:
                              f"got {tuple(q.shape)}")
         if q.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"q must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-        backend = self.backend
-        if backend in ("triton", "cuda") and plan.prepared is None:
-            raise ValueError(f"this plan has no {backend} launch prepared: make it with plan() or prepare()")
-        if backend in ("triton", "cuda") and q.dtype != plan.prepared.dtype:
+        if prepares and plan.prepared is None:
+            raise ValueError(f"this plan has no {self.backend} launch prepared: make it with plan() or prepare()")
+        if prepares and q.dtype != plan.prepared.dtype:
             raise TypeError(f"q is {q.dtype} but the plan was prepared for {plan.prepared.dtype}: "
                             f"make the TreeAttention with dtype={q.dtype}")
         if q.stride(2) != 1:
@@ -267,6 +243,4 @@ class TreeAttention:
         max_slot = (plan.plan if plan.static is None else plan.static.current).max_slot
         if max_slot >= capacity:
             raise ValueError(f"the plan reads slot {max_slot} but the cache holds {capacity} slots")
-        if backend == "cuda":
-            from treedec.kernels.cuda_tree_attention import check_inputs
-            check_inputs(q, k_cache, v_cache)  # 16-byte aligned rows
+        self.backend_impl.check_inputs(q, k_cache, v_cache)

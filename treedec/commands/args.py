@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from treedec.attention import PLANNERS
-from treedec.attention.backends import BACKENDS
+from treedec.attention.backends import AUTO, backend_names
 from treedec.models.config import MODEL_SIZES
 from treedec.workloads import WORKLOADS
 
@@ -99,9 +99,9 @@ def device_arg(text: str) -> str:
 
 
 def backend_arg(text: str) -> str:
-    """An argparse ``type``: ``auto`` or one of :data:`~treedec.attention.backends.BACKENDS`."""
-    if text not in ("auto", *BACKENDS):
-        raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(BACKENDS)}, got {text!r}")
+    """An argparse ``type``: ``auto`` or a registered backend (:func:`~treedec.attention.backends.backend_names`)."""
+    if text != AUTO and text not in backend_names():
+        raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(backend_names())}, got {text!r}")
     return text
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from treedec.attention import DeviceTreePlan, PlanConfig, StaticPlan, TreeAttention
+from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, TreeAttention, backend_names
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.models.llama import Llama
@@ -258,13 +258,13 @@ class Engine:
         graph = None
         host_plan = self.attn.plan_host(layout)
         spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
-        host_plan, ranges = located(host_plan, spans, self.attn.backend)   # (no spans: the plan as it is)
+        host_plan, ranges = located(host_plan, spans, self.attn.backend_impl)   # (no spans: the plan as it is)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
             graph = self._graphs.load(host_plan, tokens, positions, slots, gathers)
         plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
-        if spans and self.attn.backend != "torch":
+        if spans and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
             mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask,
                            spans, ranges)
         self.stats["plan_seconds"] += time.perf_counter() - started
@@ -447,8 +447,9 @@ class Engine:
             raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
         if config.capture and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")
-        if self.attn.backend not in ("triton", "cuda"):
-            raise ValueError(f"cuda_graphs needs a kernel attention backend (triton or cuda: their kernels read the "
+        if not self.attn.backend_impl.static_plans:
+            raise ValueError(f"cuda_graphs needs a kernel attention backend "
+                             f"({' or '.join(backend_names(lambda b: b.static_plans))}: their kernels read the "
                              f"plan from device memory only); this engine's is {self.attn.backend!r}")
         scratch_slot = self.pool.scratch_slot
         row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}

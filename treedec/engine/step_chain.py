@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from treedec.attention import SpanMasking
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.engine.cuda_graphs import GraphRunner, _Graph
 from treedec.engine.step_checks import check_window
@@ -142,14 +143,14 @@ class StepChain:
                      spans: tuple[DynamicSpan, ...]) -> tuple[torch.Tensor, ...]:
         e, runner = self.engine, self.engine._graphs
         started = time.perf_counter()
-        planned = [located(e.attn.plan_host(step.layout), spans, e.attn.backend) for step in steps]
+        planned = [located(e.attn.plan_host(step.layout), spans, e.attn.backend_impl) for step in steps]
         plans = [plan for plan, _ in planned]
         rebuilt = self._fit(runner, plans)
         for entry, (plan, ranges), step in zip(self._entries, planned, steps):
             runner.write(entry, plan, np.zeros(plan.num_queries, dtype=np.int64), step.layout.query_position,
                          step.layout.query_slot, (step.rows,))
             if spans:   # (stream-ordered after the write, before the replay)
-                if e.attn.backend != "torch":
+                if e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
                     mask_on_device(plan, entry.static.device_plan.entry_mask, spans, ranges)
                 for span in spans:
                     shift_positions(entry.static.extra["inputs"][1], span)
@@ -238,9 +239,9 @@ class _EagerSteps(ChainContext):
         if features is not None:
             q_features = features.new_zeros(num_q, features.shape[-1]).to(e.model.dtype)
             q_features[at] = features.to(e.model.dtype)
-        host, ranges = located(e.attn.plan_host(layout), self.spans, e.attn.backend)
+        host, ranges = located(e.attn.plan_host(layout), self.spans, e.attn.backend_impl)
         plan = e.attn.prepare(host.to(e.device))
-        if self.spans and e.attn.backend != "torch":
+        if self.spans and e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
             mask_on_device(host, plan.entry_mask, self.spans, ranges)
         e.stats["kv_tokens_read"] += host.kv_tokens_read()
         out = e._forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treedec.attention.backends.base import Backend, OpArgs, OpSizes, SpanMasking
 from treedec.attention.persistent_schedule import SCHEDULE_HEADER, UNIT_FIELDS, PersistentSchedule, schedule_units
 from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import cuda_tree_attention as kernels
+from treedec.kernels.cuda_build import build_problem
 from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
 
 logger = logging.getLogger("treedec")
@@ -85,6 +87,16 @@ def choose_tile_tokens(plan: TreePlan, dtype: torch.dtype, head_dim: int, ext) -
     return TILE_TOKENS
 
 
+@dataclass(frozen=True)
+class CudaOpSizes(OpSizes):
+    """What a cuda launch is made for, as the custom op carries it (see :class:`CudaPrepared`)."""
+
+    partials: int            # rows of the partial-state workspace
+    merge: bool              # the merge kernel runs
+    tile_tokens: int         # the KV tile: which stage-1 kernel runs
+    max_query_entries: int   # picks the merge kernel
+
+
 @dataclass
 class CudaPrepared:
     """A plan's launch on the cuda kernels, made at plan time and reused by every layer.
@@ -104,16 +116,22 @@ class CudaPrepared:
     schedule: PersistentSchedule | None  # for reports
     dtype: torch.dtype            # of q, K and V
 
-    def op_args(self) -> tuple[list[torch.Tensor], list[int]]:
-        """The plan as ``torch.ops.treedec.tree_attention`` takes it: its tensors and sizes."""
+    def op_args(self) -> OpArgs:
+        """The plan as ``torch.ops.treedec.tree_attention`` takes it: the kernels' arrays, then the schedule's
+        (``cta_unit_start``, ``unit_info``), and its sizes."""
         tensors = [self.arrays[name] for name in KERNEL_ARRAYS] + [self.cta_unit_start, self.unit_info]
-        return tensors, [self.o_ws.shape[0], int(self.merge), self.tile_tokens, self.max_query_entries]
+        return OpArgs(CudaBackend.name, tensors,
+                      CudaOpSizes(self.o_ws.shape[0], self.merge, self.tile_tokens, self.max_query_entries))
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Prepares and runs plans on the cuda kernels for one head configuration and dtype on ``device``."""
 
     name = "cuda"
+    prepares_launch = True
+    static_plans = True
+    custom_op = True
+    span_masking = SpanMasking.DEVICE
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
                  device: torch.device):
@@ -128,6 +146,17 @@ class CudaBackend:
         self.ext = kernels.extension(device)
         self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim)
         self.static_tile_tokens: int | None = None  # fixed tile of static plans (None: the rule, first plan)
+
+    @classmethod
+    def why_unavailable(cls, device: torch.device) -> str | None:
+        """Nothing is compiled here: the extension is built (or loaded from its disk cache) on first use,
+        and a build failure raises BackendUnavailableError then."""
+        return build_problem(device)
+
+    @classmethod
+    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
+               device: torch.device) -> CudaBackend:
+        return cls(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, device)
 
     @classmethod
     def without_kernels(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_ctas: int,
@@ -147,8 +176,9 @@ class CudaBackend:
         backend.static_tile_tokens = tile_tokens
         return backend
 
-    def with_static_tile(self, tile_tokens: int | None) -> "CudaBackend":
-        """This backend whose static plans run ``tile_tokens``-token tiles (a graph holds one stage-1 kernel)."""
+    def for_static_plans(self, tile_tokens: int | None) -> CudaBackend:
+        """This backend whose static plans run ``tile_tokens``-token tiles (a graph holds one stage-1 kernel;
+        None: the tile rule, applied to the first plan)."""
         if tile_tokens is None:
             return self
         other = copy.copy(self)
@@ -156,8 +186,13 @@ class CudaBackend:
         return other
 
     def plan_config(self, config: PlanConfig) -> PlanConfig:
-        """``config`` with this backend's query tile, grid and tile cost filled in (see :func:`cuda_plan_config`)."""
+        """``config`` with this backend's query tile, grid and tile cost filled in (see :func:`cuda_plan_config`):
+        chunks that fill its 128-row units and its persistent grid."""
         return cuda_plan_config(config, self.device, self.head_dim, self.group)
+
+    def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The kernels' own requirements (``kernels.check_inputs``: CUDA tensors, 16-byte aligned rows)."""
+        kernels.check_inputs(q, k_cache, v_cache)
 
     def prepare(self, plan: DeviceTreePlan) -> CudaPrepared:
         """Schedule ``plan``'s units over the persistent grid and copy the schedule to the device."""
@@ -224,6 +259,19 @@ class CudaBackend:
         return launch_prepared(q, k_cache, v_cache, p.arrays, p.cta_unit_start, p.unit_info, p.o_ws, p.lse_ws, p.merge,
                                p.tile_tokens, p.max_query_entries, self.sm_scale, self.ext)
 
+    @classmethod
+    def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
+               sizes: list[int], sm_scale: float) -> torch.Tensor:
+        """The launch of :meth:`CudaPrepared.op_args`' plan (its workspace allocated here, from a CUDA graph's
+        private pool when captured)."""
+        s = CudaOpSizes.from_list(sizes)
+        hq, d = q.shape[1], q.shape[2]
+        o_ws = torch.empty(s.partials, hq, d, dtype=torch.float32, device=q.device)
+        lse_ws = torch.empty(s.partials, hq, dtype=torch.float32, device=q.device)
+        *arrays, cta_unit_start, unit_info = tensors
+        return launch_prepared(q, k_cache, v_cache, dict(zip(KERNEL_ARRAYS, arrays)), cta_unit_start, unit_info, o_ws,
+                               lse_ws, s.merge, s.tile_tokens, s.max_query_entries, sm_scale)[0]
+
     def _check_kernels(self) -> None:
         if self.ext is None:
             raise BackendUnavailableError("this CudaBackend was made without_kernels: it writes static plans' host "
@@ -267,4 +315,4 @@ def _device_index(device: torch.device) -> int:
 
 def plan_schedule(plan: DeviceTreePlan) -> PersistentSchedule | None:
     """The persistent schedule prepared for ``plan`` (its KV tile is ``tile_tokens``), None unless a cuda plan."""
-    return plan.prepared.schedule if plan.backend == "cuda" and plan.prepared is not None else None
+    return plan.prepared.schedule if isinstance(plan.prepared, CudaPrepared) else None

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treedec.attention import SpanMasking
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling
@@ -55,11 +56,12 @@ def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | No
     if type(acceptance) not in (GreedyAcceptance, RejectionSampling):
         return (f"pipelined steps accept on the device (GreedyAcceptance, RejectionSampling); "
                 f"{type(acceptance).__name__} decides on the host")
-    if engine.attn.backend == "reference":
-        return "the reference attention backend plans from the layout (it cannot mask a span on the device)"
-    if isinstance(draft, EngineTreeDraft) and draft.engine.attn.backend == "reference":
-        return ("the drafter engine's reference attention backend plans from the layout (it cannot mask the "
-                "drafter's unaccepted rows on the device)")
+    if engine.attn.backend_impl.span_masking is SpanMasking.UNSUPPORTED:
+        return (f"the {engine.attn.backend} attention backend plans from the layout (it cannot mask a span on the "
+                f"device)")
+    if isinstance(draft, EngineTreeDraft) and draft.engine.attn.backend_impl.span_masking is SpanMasking.UNSUPPORTED:
+        return (f"the drafter engine's {draft.engine.attn.backend} attention backend plans from the layout (it cannot "
+                f"mask the drafter's unaccepted rows on the device)")
     return None
 
 
