@@ -109,7 +109,8 @@ from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import Llama, ModelConfig, from_config  # noqa: E402
 from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
+from treedec.models.medusa import MedusaHeads  # noqa: E402
+from treedec.search.speculative.medusa import MedusaDraft  # noqa: E402
 from treedec.search.parallel_sampling import parallel_sample
 from treedec.search.sampling import SamplingParams  # noqa: E402
 from treedec.search.speculative.drafts import TreeDraft  # noqa: E402
