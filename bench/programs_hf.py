@@ -7,16 +7,13 @@ treedec-vs-transformers differences (:func:`logits_yardstick`).
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from bench.program_runs import Workload
 from bench.step import _bench_hf as bench_hf_steps, _free, _hf_model, _rel_err, hf_cache_kwargs, hf_tree_inputs
 from treedec.engine import Engine
-
-if TYPE_CHECKING:
-    from bench.programs import Workload
 
 #: bench/step.py's step that matches each program.
 HF_STEPS = {"greedy": "decode", "tree_verify": "verify"}
