@@ -40,6 +40,17 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     assert all(o.stat().st_size > 0 for o in objects)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+@pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
+def test_trace_build_sources_compile_for_sm90(tmp_path):
+    """The bench-only trace build (bench/stage1_trace.py's -DTREEDEC_WS_TRACE=1) keeps compiling: the
+    kernels of one dtype (the trace stamps are dtype-free) and the dispatch."""
+    objects = compile_sources("sm_90a", tmp_path, flags=("-DTREEDEC_WS_TRACE=1",),
+                              sources=("partial_bf16.cu", "dispatch.cu"))
+    assert [o.name for o in objects] == ["partial_bf16.sm_90a.o", "dispatch.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+
+
 class Sm90aTiles:
     """An extension's ``takes_tile`` as the sm_90a build answers it: 64 always, 96 for head dims 64/128."""
 
