@@ -2,8 +2,8 @@
 """How much host work does each program do per step, with the model's forward taken away?
 
 Runs the programs ``bench/programs.py`` times (``bench/program_runs.py``: greedy, tree_verify,
-medusa_heads, parallel_sample) on the CPU through the CUDA-graph path (``CudaGraphConfig(capture=False)``: plans written into
-static plans, the step's inputs into their buffers, exactly as a graphed step on a GPU) with the
+medusa_heads, parallel_sample) on the CPU through the CUDA-graph path (``CudaGraphConfig(capture=False)``:
+plans written into static plans, the step's inputs into their buffers, exactly as a graphed step on a GPU) with the
 forward over the static buffers replaced by one that returns zero logits and hidden states
 of the right shapes. What is left per step is the program's and the engine's host work: tree
 edits, acceptance, sampling, layout, planning, the static-plan write. On a GPU that work

@@ -103,7 +103,7 @@ from bench.program_runs import (EAGLE_PROGRAMS, PROGRAM_FUNCTIONS, PROGRAMS, Ste
                                 program_engine, random_workload)
 from bench.programs_hf import bench_hf  # noqa: E402
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.step import _free  # noqa: E402
+from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
 
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                 record(run)
         except Exception as e:  # recorded, and the other methods still run
             fail("hf_sdpa", e)
-        _free(device)
+        free_memory(device)
     for method in methods_in_order(model, METHODS, methods):
         programs = args.programs
         if args.smoke and method.startswith("graphs"):
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                                           results["kv_bytes_per_token"], heads_bytes))
                 except Exception as e:
                     fail(f"{method}/{program}/{p}", e)
-                _free(device)
+                free_memory(device)
     if lead:
         print(f"wrote {path}", file=sys.stderr)
         print(render_table(results))
