@@ -40,6 +40,7 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     assert all(o.stat().st_size > 0 for o in objects)
 
 
+@pytest.mark.slow   # (an sm_90a nvcc compile: about a minute)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
 @pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
 def test_trace_build_sources_compile_for_sm90(tmp_path):
