@@ -44,7 +44,8 @@ from treedec.models.text import encode_prompt, load_tokenizer  # noqa: E402
 from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.speculative.drafts import PromptLookupDraft  # noqa: E402
 from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
+from treedec.models.medusa import MedusaHeads  # noqa: E402
+from treedec.search.speculative.medusa import MedusaDraft  # noqa: E402
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate  # noqa: E402
 

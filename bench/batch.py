@@ -22,7 +22,7 @@ Speculative batches verify each step at most ``--draft-budget`` draft tokens in 
 the results record the budget, the mean queries of the timed steps and the emitted tokens a second.
 ``--eagle eagle|eagle3``: every request drafts with an ``EagleDraft`` (EAGLE-2 trees of
 ``--eagle-depth`` layers, top-k ``--eagle-top-k``, 63 draft tokens, or every candidate if fewer)
-over ONE random EAGLE-1 / EAGLE-3 drafter (``bench/programs.py``'s: EAGLE-3 with a 32000-token
+over ONE random EAGLE-1 / EAGLE-3 drafter (``bench/program_runs.py``'s: EAGLE-3 with a 32000-token
 draft vocabulary) on ONE drafter engine shared by the batch (graphed as the target's; its pool
 holds every request's prompt, new tokens and chains: EAGLE requests compute their whole prompt on
 the drafter too). Its floor adds the drafter's weights once per drafter step of a proposal
@@ -61,7 +61,7 @@ from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.search.batch import generate_batch  # noqa: E402
-from bench.programs import random_drafter, random_heads  # noqa: E402
+from bench.program_runs import random_drafter, random_heads  # noqa: E402
 from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
 from treedec.search.speculative.drafts import DraftSource, TreeDraft  # noqa: E402

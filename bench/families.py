@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.suite import SUITE, Workload, _build, _pool, _scaled, _tokens
+from bench.suite import SUITE, Workload, bookkeeping_pool, build_layout, scaled, token_ids
 from treedec import SequenceTree, TreeLayout
 from treedec.workloads import medusa_tree
 
@@ -31,8 +31,8 @@ K = 1024
 
 def unshared_batch(name: str, lengths, page_size: int = 16, scale: float = 1.0) -> Workload:
     """``len(lengths)`` independent sequences of the given lengths; one query per sequence (its last token)."""
-    lengths = [max(2, _scaled(int(n), scale)) for n in lengths]  # a committed token and the query
-    layout, num_pages = _build([-1] * len(lengths), lengths, range(len(lengths)), page_size)
+    lengths = [max(2, scaled(int(n), scale)) for n in lengths]  # a committed token and the query
+    layout, num_pages = build_layout([-1] * len(lengths), lengths, range(len(lengths)), page_size)
     return Workload(name, f"{len(lengths)} unshared sequences of {min(lengths)}-{max(lengths)} tokens "
                           f"({sum(lengths)} in all); query = last token of each", layout, num_pages, page_size)
 
@@ -40,13 +40,13 @@ def unshared_batch(name: str, lengths, page_size: int = 16, scale: float = 1.0) 
 def medusa_forest(name: str, prompts, tree_size: int = 64, page_size: int = 16, scale: float = 1.0) -> Workload:
     """One request per prompt length: the prompt with its own Medusa ``tree_size`` token tree; all tree tokens are queries."""
     medusa = medusa_tree(tree_size)
-    prompts = [_scaled(int(n), scale) for n in prompts]
-    pool = _pool(page_size, [n for prompt in prompts for n in (prompt, medusa.size)])
+    prompts = [scaled(int(n), scale) for n in prompts]
+    pool = bookkeeping_pool(page_size, [n for prompt in prompts for n in (prompt, medusa.size)])
     tree = SequenceTree(pool)
-    roots = [tree.add_prompt(_tokens(prompt)) for prompt in prompts]
+    roots = [tree.add_prompt(token_ids(prompt)) for prompt in prompts]
     tree.commit_step()
     for root in roots:  # the requests' token trees, pending: every tree token is a query
-        tree.add_token_tree(root, _tokens(medusa.size), medusa.parents)
+        tree.add_token_tree(root, token_ids(medusa.size), medusa.parents)
     layout, num_pages = tree.layout(), pool.num_pages
     return Workload(name, f"{len(prompts)} requests, each a {min(prompts)}-{max(prompts)}-token prompt + its own "
                           f"Medusa tree_size{tree_size} token tree (all tree tokens are queries)",
@@ -56,15 +56,15 @@ def medusa_forest(name: str, prompts, tree_size: int = 64, page_size: int = 16, 
 def tot_forest(name: str, prompts, depth: int, thought: int, width: int, frontier: int, page_size: int = 16,
                scale: float = 1.0) -> Workload:
     """One ToT request per prompt length: a chain of ``depth`` thoughts, ``width`` frontier thoughts, a query each."""
-    prompts = [_scaled(int(n), scale) for n in prompts]
-    thought, frontier = _scaled(thought, scale), _scaled(frontier, scale)
+    prompts = [scaled(int(n), scale) for n in prompts]
+    thought, frontier = scaled(thought, scale), scaled(frontier, scale)
     parents, lengths, queries = [], [], []
     for prompt in prompts:
         base = len(parents)
         parents += [-1] + [base + i for i in range(depth)] + [base + depth] * width
         lengths += [prompt] + [thought] * depth + [frontier] * width
         queries += range(base + depth + 1, base + depth + 1 + width)
-    layout, num_pages = _build(parents, lengths, queries, page_size)
+    layout, num_pages = build_layout(parents, lengths, queries, page_size)
     return Workload(name, f"{len(prompts)} ToT requests, each a {min(prompts)}-{max(prompts)}-token prompt, "
                           f"{depth} thoughts of {thought} tokens and {width} frontier thoughts of {frontier} "
                           f"(query = last token of each)", layout, num_pages, page_size)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """How much host work does each program do per step, with the model's forward taken away?
 
-Runs the programs of ``bench/programs.py`` (greedy, tree_verify, medusa_heads, parallel_sample)
-on the CPU through the CUDA-graph path (``CudaGraphConfig(capture=False)``: plans written into
-static plans, the step's inputs into their buffers, exactly as a graphed step on a GPU) with the
+Runs the programs ``bench/programs.py`` times (``bench/program_runs.py``: greedy, tree_verify,
+medusa_heads, parallel_sample) on the CPU through the CUDA-graph path (``CudaGraphConfig(capture=False)``:
+plans written into static plans, the step's inputs into their buffers, exactly as a graphed step on a GPU) with the
 forward over the static buffers replaced by one that returns zero logits and hidden states
 of the right shapes. What is left per step is the program's and the engine's host work: tree
 edits, acceptance, sampling, layout, planning, the static-plan write. On a GPU that work
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import EAGLE_PROGRAMS, PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
+from bench.program_runs import EAGLE_PROGRAMS, PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UNIT, default_query_tile  # noqa: E402
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402

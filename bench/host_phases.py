@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where the host time of a program's step goes, on the machine it runs on (a GPU host).
 
-Runs programs of ``bench/programs.py`` on a graphed engine with the host functions a step
-passes through wrapped in timers; prints the mean milliseconds per step of each (nested
+Runs programs that ``bench/programs.py`` times (``bench/program_runs.py``) on a graphed engine with
+the host functions a step passes through wrapped in timers; prints the mean milliseconds per step of each (nested
 phases overlap: ``Engine.step`` contains ``make_plan``, ``GraphRunner.load``, ...). A phase that
 reads the device's results (acceptance, drafting) includes the wait for the device.
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.programs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
+from bench.program_runs import PROGRAM_FUNCTIONS, PROGRAMS, random_workload  # noqa: E402
 from treedec.attention import StaticPlan, TreeAttention  # noqa: E402
 from treedec.attention.backends import cuda_backend  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402

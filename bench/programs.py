@@ -88,10 +88,7 @@ import math
 import os
 import statistics
 import sys
-import time
 import traceback
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -101,66 +98,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.program_profile import profile_program  # noqa: E402
+from bench.program_runs import (EAGLE_PROGRAMS, PROGRAM_FUNCTIONS, PROGRAMS, StepClock, Workload,  # noqa: E402
+                                program_engine, random_workload)
 from bench.programs_hf import bench_hf  # noqa: E402
-from bench.step import _free  # noqa: E402
+from bench.results_file import device_name, results_path, versions  # noqa: E402
+from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
-from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
-from treedec.models import Llama, ModelConfig, from_config  # noqa: E402
-from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
-from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads  # noqa: E402
-from treedec.search.parallel_sampling import parallel_sample
-from treedec.search.sampling import SamplingParams  # noqa: E402
-from treedec.search.speculative.drafts import TreeDraft  # noqa: E402
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate  # noqa: E402
-from treedec.tree.token_tree import TokenTree  # noqa: E402
-from treedec.workloads.deft import MedusaTree, medusa_tree  # noqa: E402
+from treedec.models import ModelConfig, from_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROGRAMS = ["greedy", "tree_verify", "medusa_heads", "parallel_sample", "eagle", "eagle3", "eagle_chains",
-            "eagle3_chains"]
-EAGLE_PROGRAMS = {"eagle": "eagle", "eagle3": "eagle3", "eagle_chains": "eagle", "eagle3_chains": "eagle3"}
-EAGLE3_DRAFT_VOCAB = 32000
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
 METHODS = ["hf_sdpa", "eager", "graphs", "graphs_model", "eager_compiled", "graphs_compiled"]
 SMOKE_GRAPH_PROGRAMS = ["greedy"]
-
-
-@dataclass
-class Workload:
-    """What every run of one process shares: the model, the tree, the heads, the draft tokens."""
-
-    model: Llama
-    medusa: MedusaTree
-    heads: MedusaHeads
-    draft_tokens: list[int]
-    samples: int
-    seed: int
-    pipeline: bool | None = None   # all programs but EAGLE's (None: on for a GPU)
-    eagle_depth: int = 5
-    eagle_top_k: int = 8
-    drafters: dict = None          # kind -> EagleDrafter, made at first use
-    drafter_engine: dict = None    # the Engine options of the run's method (set per run)
-
-    def drafter(self, kind: str) -> EagleDrafter:
-        self.drafters = self.drafters or {}
-        if kind not in self.drafters:
-            self.drafters[kind] = random_drafter(self.model, kind, self.seed)
-        return self.drafters[kind]
-
-
-@dataclass
-class ProgramRun:
-    """What a program reports back: its engine steps after the prefill, the KV tokens each read, and the engine
-    steps launched past the last one and rolled back (a pipelined speculative loop launches one before it reads
-    the stop)."""
-
-    steps: int
-    kv_tokens: list[int]
-    extra: dict
-    rolled_back: int = 0
 
 
 def main(argv=None) -> int:
@@ -245,7 +195,7 @@ def main(argv=None) -> int:
                 record(run)
         except Exception as e:  # recorded, and the other methods still run
             fail("hf_sdpa", e)
-        _free(device)
+        free_memory(device)
     for method in methods_in_order(model, METHODS, methods):
         programs = args.programs
         if args.smoke and method.startswith("graphs"):
@@ -257,7 +207,7 @@ def main(argv=None) -> int:
                                           results["kv_bytes_per_token"], heads_bytes))
                 except Exception as e:
                     fail(f"{method}/{program}/{p}", e)
-                _free(device)
+                free_memory(device)
     if lead:
         print(f"wrote {path}", file=sys.stderr)
         print(render_table(results))
@@ -284,111 +234,14 @@ def _tensor_parallel(args, methods):
     return tp
 
 
-# ===================================================================== programs
-
-
-def _greedy(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    greedy_generate(engine, prompt, max_new_tokens=steps + 1, pipeline=work.pipeline)
-    return ProgramRun(steps, [len(prompt) + i + 1 for i in range(steps)], {})
-
-
-def _tree_verify(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    draft = TreeDraft(TokenTree(tuple(work.medusa.parents.tolist())), work.draft_tokens)
-    return _speculative(engine, prompt, steps, draft, work.pipeline)
-
-
-def _medusa_heads(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    return _speculative(engine, prompt, steps, MedusaDraft(work.heads, work.medusa.paths), work.pipeline)
-
-
-def _parallel_sample(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-    generator = torch.Generator(engine.device).manual_seed(work.seed)
-    result = parallel_sample(engine, prompt, work.samples, max_new_tokens=steps + 1,
-                             params=SamplingParams(temperature=1.0), generator=generator, pipeline=work.pipeline)
-    n = result.stats.steps
-    return ProgramRun(n, [len(prompt) + work.samples * (i + 1) for i in range(n)], {})
-
-
-def _speculative(engine: Engine, prompt: list[int], steps: int, draft, pipeline: bool | None = None) -> ProgramRun:
-    """``steps`` verification steps when nothing is accepted (random weights: nearly so); fewer otherwise."""
-    _, stats = speculative_generate(engine, prompt, draft, max_new_tokens=steps + 1, pipeline=pipeline)
-    # Before step i the sequence holds the prompt and (accepted + bonus) of every earlier step;
-    # step i adds its root and draft tokens.
-    before = np.cumsum([0] + [a + 1 for a in stats.accepted[:-1]])
-    kv = [len(prompt) + int(b) + d + 1 for b, d in zip(before, stats.draft_sizes)]
-    return ProgramRun(stats.steps, kv, {"accepted": stats.accepted, "pipelined": stats.pipelined,
-                                        "pipeline_note": stats.pipeline_note,
-                                        "draft_ms": [1e3 * s for s in stats.draft_seconds],
-                                        "verify_ms": [1e3 * s for s in stats.verify_seconds]},
-                      rolled_back=1 if stats.pipelined else 0)
-
-
-def _eagle(kind: str, tree: str):
-    def run(engine: Engine, prompt: list[int], steps: int, work: Workload) -> ProgramRun:
-        drafter = Engine(work.drafter(kind), **work.drafter_engine)
-        if tree == "chains":   # (a fixed tree of top-k * depth tokens: pipelined like the other fixed trees)
-            draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k, tree="chains")
-            out = _speculative(engine, prompt, steps, draft, work.pipeline)
-        else:
-            draft = EagleDraft(drafter, depth=work.eagle_depth, top_k=work.eagle_top_k,
-                               total_tokens=work.medusa.size - 1)
-            out = _speculative(engine, prompt, steps, draft)
-        out.extra["drafter_graph_stats"] = dict(drafter.graph_stats)
-        return out
-    return run
-
-
-PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_heads": _medusa_heads,
-                     "parallel_sample": _parallel_sample,
-                     **{p: _eagle(k, "chains" if p.endswith("_chains") else "dynamic")
-                        for p, k in EAGLE_PROGRAMS.items()}}
-
-
 # ===================================================================== timing
-
-
-class StepClock:
-    """Stamps the return of every step of ``engine`` (no device synchronisation) and its graph counters.
-
-    Wraps ``engine.step`` on the instance for the ``with`` block: the programs and
-    ``Engine.prefill`` call it through the attribute. ``on_step`` is called after each stamp
-    (the profiler's ``step``).
-    """
-
-    def __init__(self, engine: Engine, on_step=None):
-        self.engine = engine
-        self.ends: list[float] = []
-        self.host_seconds: list[float] = []   # inside Engine.step
-        self.graph_stats: list[Counter] = []
-        self.start = 0.0
-        self.on_step = on_step
-
-    def __enter__(self) -> "StepClock":
-        step, engine = self.engine.step, self.engine
-
-        def timed_step(*args, **kwargs):
-            began = time.perf_counter()
-            out = step(*args, **kwargs)
-            self.ends.append(time.perf_counter())
-            self.host_seconds.append(self.ends[-1] - began)
-            self.graph_stats.append(Counter(engine.graph_stats))
-            if self.on_step is not None:
-                self.on_step()
-            return out
-
-        self.engine.step = timed_step
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.engine.step
 
 
 def _bench_program(program: str, method: str, work: Workload, prompt: list[int], args, bandwidth: float,
                    kv_bytes_per_token: int, heads_bytes: int) -> dict:
     """One program on a fresh engine: the median step after warm-up, its floor, the steps run eagerly."""
     model = work.model
-    engine = _engine(method, work, prompt, args, program)
+    engine = program_engine(method, work, prompt, args, program)
     prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
     with StepClock(engine) as clock:
         run = PROGRAM_FUNCTIONS[program](engine, prompt, args.warmup + args.steps, work)
@@ -413,7 +266,7 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
         out["graph_stats"] = dict(program_stats)
         out["eager_steps"] = sum(v for k, v in program_stats.items() if k.startswith("eager"))
     if args.profile:
-        out["profile"] = _profile_program(program, method, work, prompt, args)
+        out["profile"] = profile_program(program, method, work, prompt, args)
     if "pipelined" in run.extra:
         out["pipelined"], out["pipeline_note"] = run.extra["pipelined"], run.extra["pipeline_note"]
     if "accepted" in run.extra:
@@ -425,54 +278,6 @@ def _bench_program(program: str, method: str, work: Workload, prompt: list[int],
     if "drafter_graph_stats" in run.extra:
         out["drafter_graph_stats"] = run.extra["drafter_graph_stats"]
     return out
-
-
-#: Kernel name pieces of each category of :func:`_profile_program` (first match wins).
-KERNEL_KINDS = (("attention", ("tree_attention", "tree_attn", "_stage1", "_merge", "attend", "flash")),
-                ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "splitk", "sm90_", "sm80_")))
-
-
-def _profile_program(program: str, method: str, work: Workload, prompt: list[int], args) -> dict:
-    """Where the time of a step goes: the program again on a fresh engine under ``torch.profiler``
-    over its last ``args.profile`` steps; per step (ms): GPU busy time by kernel kind, GPU idle time
-    (wall time less the union of kernel intervals) and host time inside ``Engine.step``."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    model = work.model
-    engine = _engine(method, work, prompt, args, program)
-    prefill_steps = math.ceil(len(prompt) / engine.prefill_chunk)
-    total = args.warmup + args.steps
-    active = min(args.profile, args.steps)
-    # The profiler records the last `active` steps (a pipelined loop's rolled-back step is one of them).
-    wait = prefill_steps + total - active - 1
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with profile(activities=activities,
-                 schedule=schedule(wait=wait, warmup=1, active=active, repeat=1)) as prof:
-        with StepClock(engine, on_step=prof.step) as clock:
-            PROGRAM_FUNCTIONS[program](engine, prompt, total, work)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and e.time_range.end > e.time_range.start and not e.name.startswith("ProfilerStep")]
-    by_kind: Counter = Counter()
-    names: Counter = Counter()
-    for e in kernels:
-        name = e.name.lower()
-        kind = next((k for k, pieces in KERNEL_KINDS if any(p in name for p in pieces)), "other")
-        by_kind[kind] += e.time_range.elapsed_us()
-        names[e.name[:80]] += e.time_range.elapsed_us()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, -math.inf
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    steps = len(clock.ends)
-    wall_ms = 1e3 * (clock.ends[-1] - clock.ends[-1 - active]) if steps > active else float("nan")
-    return {"steps": active, "wall_ms": wall_ms / active, "gpu_busy_ms": busy / 1e3 / active,
-            "gpu_idle_ms": (wall_ms - busy / 1e3) / active,
-            "kernel_ms": {k: v / 1e3 / active for k, v in sorted(by_kind.items())},
-            "kernels_per_step": len(kernels) / active,
-            "engine_step_host_ms": 1e3 * statistics.median(clock.host_seconds[-active:]),
-            "top_kernels_ms": {k: round(v / 1e3 / active, 4) for k, v in names.most_common(12)}}
 
 
 # ===================================================================== report
@@ -498,51 +303,6 @@ def render_table(results: dict) -> str:
     for name, error in results.get("errors", {}).items():
         lines.append(f"\n{name} failed: {error.splitlines()[0] if error else ''}")
     return "\n".join(lines)
-
-
-# ===================================================================== helpers
-
-
-def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64, samples: int = 16, seed: int = 0,
-                    pipeline: bool | None = None) -> Workload:
-    """The programs' inputs for ``model``: the Medusa tree of ``tree_size`` tokens, random heads (one per
-    tree level, seeded by ``seed``), random draft tokens from ``rng``."""
-    medusa = medusa_tree(tree_size)
-    return Workload(model, medusa, random_heads(model, int(medusa.depth.max()), seed),
-                    rng.integers(0, model.config.vocab_size, medusa.size - 1).tolist(), samples, seed, pipeline)
-
-
-def random_drafter(model: Llama, kind: str, seed: int) -> EagleDrafter:
-    """A random EAGLE-1 (``kind="eagle"``) or EAGLE-3 (``"eagle3"``: a draft vocabulary of
-    ``EAGLE3_DRAFT_VOCAB`` tokens, as the EAGLE-3 Llama-3.1 release, or the whole vocabulary if smaller)
-    drafter for ``model``, seeded by ``seed``."""
-    vocab = min(EAGLE3_DRAFT_VOCAB, model.config.vocab_size) if kind == "eagle3" else None
-    return EagleDrafter.random(model, kind, seed=seed, draft_vocab_size=vocab)
-
-
-def random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
-    """Medusa heads with PyTorch's default random init (one ResBlock each), in the model's dtype and device."""
-    c = model.config
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if model.device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        return MedusaHeads(c.hidden_size, c.vocab_size, num_heads, dtype=model.dtype, device=model.device)
-
-
-def _engine(method: str, work: Workload, prompt: list[int], args, program: str = "") -> Engine:
-    """A fresh engine for ``method``: graphs (uncaptured on the CPU, where they run the triton kernels),
-    ``compile_model`` for ``graphs_model``; the KV pool sized from free memory on a GPU, on the CPU
-    big enough for the prompt and the steps. An EAGLE program's pools (the target's and its drafter's,
-    whose options go to ``work.drafter_engine``) are sized for the prompt and the steps everywhere."""
-    device = work.model.device
-    graphs, backend = False, args.backend
-    if method.startswith("graphs"):
-        graphs = CudaGraphConfig(capture=device.type == "cuda")
-        backend = "triton" if device.type != "cuda" else args.backend
-    sized = 2 * len(prompt) + 4096
-    work.drafter_engine = {"kv_tokens": sized, "page_size": args.page_size, "backend": backend, "cuda_graphs": graphs}
-    return Engine(work.model, kv_tokens=sized if device.type != "cuda" or program in EAGLE_PROGRAMS else None,
-                  page_size=args.page_size, backend=backend, cuda_graphs=graphs,
-                  compile_model=method == "graphs_model")
 
 
 def _parse_args(argv):

@@ -7,16 +7,13 @@ treedec-vs-transformers differences (:func:`logits_yardstick`).
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from bench.step import _bench_hf as bench_hf_steps, _free, _hf_model, _rel_err, hf_cache_kwargs, hf_tree_inputs
+from bench.program_runs import Workload
+from bench.step import free_memory, hf_cache_kwargs, hf_model, hf_tree_inputs, rel_err, time_hf_steps
 from treedec.engine import Engine
-
-if TYPE_CHECKING:
-    from bench.programs import Workload
 
 #: bench/step.py's step that matches each program.
 HF_STEPS = {"greedy": "decode", "tree_verify": "verify"}
@@ -26,12 +23,12 @@ def bench_hf(work: Workload, prompt_ids: dict, args, bandwidth: float, kv_bytes_
     """transformers sdpa: bench/step.py's decode and Medusa verify steps, repeated over a cropped cache; with
     each prompt's logits yardstick (:func:`logits_yardstick`)."""
     model = work.model
-    hf = _hf_model(model, model.device)
+    hf = hf_model(model, model.device)
     rng = np.random.default_rng(args.seed + 1)
     tree_ids = [int(rng.integers(0, model.config.vocab_size))] + work.draft_tokens
     runs = []
     for p in args.prompts:
-        steps, hf_logits = bench_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
+        steps, hf_logits = time_hf_steps(hf, prompt_ids[p], tree_ids, work.medusa, tree_ids[0], args.steps,
                                           model.device)
         yardstick = logits_yardstick(work, hf, prompt_ids[p], tree_ids, hf_logits, args)
         print(f"verify logits, {p}-token prompt, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in
@@ -76,6 +73,6 @@ def logits_yardstick(work: Workload, hf, prompt: list[int], tree_ids: list[int],
     ids = engine.tree.add_token_tree(root, tree_ids, work.medusa.parents)
     ours = engine.step(logits_rows=engine.pending_rows(ids)).logits.float().cpu()
     del engine
-    _free(work.model.device)
-    return {"hf_sdpa_vs_hf_eager": _rel_err(hf_sdpa, hf_eager), "treedec_vs_hf_sdpa": _rel_err(ours, hf_sdpa),
-            "treedec_vs_hf_eager": _rel_err(ours, hf_eager)}
+    free_memory(work.model.device)
+    return {"hf_sdpa_vs_hf_eager": rel_err(hf_sdpa, hf_eager), "treedec_vs_hf_sdpa": rel_err(ours, hf_sdpa),
+            "treedec_vs_hf_eager": rel_err(ours, hf_eager)}

@@ -104,15 +104,15 @@ def main(argv=None) -> int:
 
     hf_logits = {}
     if "hf_sdpa" in methods:
-        hf = _hf_model(model, device)
+        hf = hf_model(model, device)
         for p in prompts:
             entry = results["prompts"].setdefault(str(p), {})
-            entry["hf_sdpa"], hf_logits[p] = _bench_hf(hf, prompt_ids[p], tree_ids, medusa, decode_id, args.reps,
+            entry["hf_sdpa"], hf_logits[p] = time_hf_steps(hf, prompt_ids[p], tree_ids, medusa, decode_id, args.reps,
                                                         device)
             _report(p, "hf_sdpa", entry["hf_sdpa"], floor_ms)
             save()
         del hf
-        _free(device)
+        free_memory(device)
 
     for method in methods_in_order(model, METHODS, methods):
         engine = None
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             results.setdefault("errors", {})[method] = f"{type(e).__name__}: {e}"[:2000]
             save()
         del engine
-        _free(device)
+        free_memory(device)
     save()
     print(f"wrote {path}", file=sys.stderr)
     print(render_table(results))
@@ -161,7 +161,8 @@ def _bench_treedec(engine: Engine, prompt, tree_ids, medusa, decode_id, reps, de
         engine.step()
         tree.prune(child)
 
-    out = {"prefill_s": prefill_s, "verify": _time(verify, reps, device), "decode": _time(decode, reps, device)}
+    out = {"prefill_s": prefill_s, "verify": time_calls(verify, reps, device),
+           "decode": time_calls(decode, reps, device)}
     ids = tree.add_token_tree(root, tree_ids, medusa.parents)
     t0 = time.perf_counter()
     plan = engine.attn.plan(tree)
@@ -170,12 +171,12 @@ def _bench_treedec(engine: Engine, prompt, tree_ids, medusa, decode_id, reps, de
     engine.step()
     tree.prune(ids[0])
     if hf_logits is not None:
-        out["verify"]["rel_err_vs_hf"] = _rel_err(captured["logits"], hf_logits)
+        out["verify"]["rel_err_vs_hf"] = rel_err(captured["logits"], hf_logits)
     tree.prune(root)
     return out
 
 
-def _hf_model(model, device):
+def hf_model(model, device):
     """A transformers LlamaForCausalLM (sdpa) on views of ``model``'s weights."""
     from transformers import AutoModelForCausalLM
 
@@ -195,7 +196,7 @@ def hf_cache_kwargs(hf, cache) -> dict:
     return {"cache": cache} if "cache" in inspect.signature(hf.forward).parameters else {"past_key_values": cache}
 
 
-def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[dict, torch.Tensor]:
+def time_hf_steps(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[dict, torch.Tensor]:
     """Prefill a DynamicCache with the prompt, then verify / decode steps cropped back after each."""
     from transformers import DynamicCache
 
@@ -222,7 +223,8 @@ def _bench_hf(hf, prompt, tree_ids, medusa, decode_id, reps, device) -> tuple[di
         hf(decode_input, position_ids=decode_position, **hf_cache_kwargs(hf, cache), use_cache=True)
         rollback()
 
-    out = {"prefill_s": prefill_s, "verify": _time(verify, reps, device), "decode": _time(decode, reps, device)}
+    out = {"prefill_s": prefill_s, "verify": time_calls(verify, reps, device),
+           "decode": time_calls(decode, reps, device)}
     return out, captured["logits"].float().cpu()
 
 
@@ -250,7 +252,7 @@ def _ancestor_or_self(parents: np.ndarray) -> np.ndarray:
 # ===================================================================== timing and report
 
 
-def _time(fn, reps: int, device, warmup: int = 3) -> dict:
+def time_calls(fn, reps: int, device, warmup: int = 3) -> dict:
     """Median of ``reps`` calls, each followed by a synchronisation: CUDA-event time on a GPU, wall time on a CPU."""
     for _ in range(warmup):
         fn()
@@ -274,7 +276,8 @@ def _time(fn, reps: int, device, warmup: int = 3) -> dict:
     return {"ms": statistics.median(times), "wall_ms": statistics.median(walls), "min_ms": min(times)}
 
 
-def _rel_err(logits: torch.Tensor, reference: torch.Tensor) -> float:
+def rel_err(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative (Frobenius) difference of ``logits`` from ``reference``, in fp32 on the CPU."""
     a, b = logits.float().cpu(), reference.float().cpu()
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
@@ -315,7 +318,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _free(device) -> None:
+def free_memory(device) -> None:
+    """Collect garbage and, on a GPU, give the cached blocks back (between runs of fresh engines)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

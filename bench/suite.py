@@ -67,12 +67,12 @@ def spec_medusa(name: str, tree_size: int, prompt: int, page_size: int = 16, sca
     Queries: all tree tokens (each reads the prompt, its ancestors and itself).
     """
     medusa = medusa_tree(tree_size)
-    prompt = _scaled(prompt, scale)
-    pool = _pool(page_size, [prompt, medusa.size])
+    prompt = scaled(prompt, scale)
+    pool = bookkeeping_pool(page_size, [prompt, medusa.size])
     tree = SequenceTree(pool)
-    root = tree.add_prompt(_tokens(prompt))
+    root = tree.add_prompt(token_ids(prompt))
     tree.commit_step()
-    tree.add_token_tree(root, _tokens(medusa.size), medusa.parents)
+    tree.add_token_tree(root, token_ids(medusa.size), medusa.parents)
     return Workload(name, f"{prompt}-token prompt + Medusa tree_size{tree_size} token tree; all "
                           f"{medusa.size} tree tokens are queries", tree.layout(), pool.num_pages, page_size)
 
@@ -80,10 +80,10 @@ def spec_medusa(name: str, tree_size: int, prompt: int, page_size: int = 16, sca
 def fewshot(name: str, prompt: int, branches: int, branch_len: int, page_size: int = 16,
             scale: float = 1.0) -> Workload:
     """A shared prompt with ``branches`` children of ``branch_len`` tokens; one query per branch (its last token)."""
-    prompt, branch_len = _scaled(prompt, scale), _scaled(branch_len, scale)
+    prompt, branch_len = scaled(prompt, scale), scaled(branch_len, scale)
     parents = [-1] + [0] * branches
     lengths = [prompt] + [branch_len] * branches
-    layout, num_pages = _build(parents, lengths, range(1, branches + 1), page_size)
+    layout, num_pages = build_layout(parents, lengths, range(1, branches + 1), page_size)
     return Workload(name, f"{prompt}-token prompt, {branches} branches of {branch_len} tokens; query = "
                           f"last token of each branch", layout, num_pages, page_size)
 
@@ -94,10 +94,10 @@ def tot_chain(name: str, prompt: int, depth: int, thought: int, width: int, fron
 
     One query per frontier thought (its last token).
     """
-    prompt, thought, frontier = _scaled(prompt, scale), _scaled(thought, scale), _scaled(frontier, scale)
+    prompt, thought, frontier = scaled(prompt, scale), scaled(thought, scale), scaled(frontier, scale)
     parents = [-1] + list(range(depth)) + [depth] * width
     lengths = [prompt] + [thought] * depth + [frontier] * width
-    layout, num_pages = _build(parents, lengths, range(depth + 1, depth + 1 + width), page_size)
+    layout, num_pages = build_layout(parents, lengths, range(depth + 1, depth + 1 + width), page_size)
     return Workload(name, f"{prompt}-token prompt, a chain of {depth} thoughts of {thought} tokens, {width} "
                           f"frontier thoughts of {frontier}; query = last token of each frontier thought",
                     layout, num_pages, page_size)
@@ -107,8 +107,8 @@ def tot_trace(name: str, file: str, tree_index: int, fraction: float, page_size:
               scale: float = 1.0) -> Workload:
     """A recorded ToT-BFS tree at ``fraction`` of its decode iterations (see :func:`tot_snapshot`)."""
     snap = tot_snapshot(DEFT_DIR / "reasoning" / file, tree_index, fraction)
-    lengths = [_scaled(int(n), scale) for n in snap.lengths]
-    layout, num_pages = _build(snap.parents, lengths, snap.queries[:, 0], page_size)
+    lengths = [scaled(int(n), scale) for n in snap.lengths]
+    layout, num_pages = build_layout(snap.parents, lengths, snap.queries[:, 0], page_size)
     return Workload(name, f"reasoning/{file} tree {tree_index} at iteration {snap.iteration} "
                           f"({fraction:.0%}): {len(lengths)} nodes, {sum(lengths)} tokens, "
                           f"{len(snap.queries)} generating nodes", layout, num_pages, page_size)
@@ -136,25 +136,27 @@ def build_workload(name: str, page_size: int = 16, scale: float = 1.0) -> Worklo
     return SUITE[name](page_size=page_size, scale=scale)
 
 
-# ===================================================================== private
+# ===================================================================== building blocks (bench/families.py's too)
 
 
-def _scaled(num_tokens: int, scale: float) -> int:
+def scaled(num_tokens: int, scale: float) -> int:
+    """A workload's token count times ``scale`` (smaller shapes for CPU runs), at least 1."""
     return max(1, int(round(num_tokens * scale)))
 
 
-def _tokens(n: int) -> list[int]:
-    return list(range(n))  # the token ids do not matter to attention
+def token_ids(n: int) -> list[int]:
+    """``n`` token ids for a node: any will do, attention does not read them."""
+    return list(range(n))
 
 
-def _pool(page_size: int, node_lengths) -> PagedKVPool:
+def bookkeeping_pool(page_size: int, node_lengths) -> PagedKVPool:
     """A bookkeeping pool with exactly the pages of nodes that each start on a fresh page."""
     pages = sum(-(-int(n) // page_size) for n in node_lengths)
     return PagedKVPool(max(pages, 1), page_size, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                        allocate_storage=False)
 
 
-def _build(parents, lengths, query_nodes, page_size: int) -> tuple[TreeLayout, int]:
+def build_layout(parents, lengths, query_nodes, page_size: int) -> tuple[TreeLayout, int]:
     """Grow a SequenceTree of the given nodes (parents first); the last token of each query node is pending.
 
     Returns the layout and the pool's page count.
@@ -162,11 +164,11 @@ def _build(parents, lengths, query_nodes, page_size: int) -> tuple[TreeLayout, i
     parents = np.asarray(parents, dtype=np.int64)
     query = np.zeros(len(parents), dtype=bool)
     query[np.asarray(list(query_nodes), dtype=np.int64)] = True
-    pool = _pool(page_size, lengths)
+    pool = bookkeeping_pool(page_size, lengths)
     tree = SequenceTree(pool)
     ids: list[int] = []
     for i, (p, n) in enumerate(zip(parents.tolist(), lengths)):
-        committed = _tokens(n - int(query[i]))
+        committed = token_ids(n - int(query[i]))
         if p < 0:
             ids.append(tree.add_prompt(committed))
         else:

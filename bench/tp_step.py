@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.step import _time  # noqa: E402
+from bench.step import free_memory, rel_err, time_calls  # noqa: E402
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
@@ -104,7 +103,7 @@ def measure(tp: TensorParallel, args: argparse.Namespace) -> dict:
             "tp_ms": max(x["ms"] for x in per_rank), "per_rank_ms": [x["ms"] for x in per_rank],
             "per_rank_wall_ms": [x["wall_ms"] for x in per_rank], "floors_per_rank": tp.gather_objects(floors)}
     del model
-    _free(device)
+    free_memory(device)
 
     if args.baseline:
         if tp.rank == 0:
@@ -114,9 +113,9 @@ def measure(tp: TensorParallel, args: argparse.Namespace) -> dict:
                 r, logits = _run(model, method, prompt, tree_ids, medusa, args, device)
                 entry = results["methods"][method]
                 entry.update(tp1_ms=r["ms"], tp1_floors=floors, ratio=entry["tp_ms"] / r["ms"],
-                             rel_err_vs_tp1=_rel_err(tp_logits[method], logits))
+                             rel_err_vs_tp1=rel_err(tp_logits[method], logits))
             del model
-            _free(device)
+            free_memory(device)
         dist.barrier(group=tp.group)
     return results
 
@@ -142,7 +141,7 @@ def _run(model, method: str, prompt, tree_ids, medusa, args, device) -> tuple[di
         captured["logits"] = engine.step(logits_rows=engine.pending_rows(ids)).logits
         tree.prune(ids[0])
 
-    timing = _time(verify, args.reps, device)
+    timing = time_calls(verify, args.reps, device)
     if engine.graph_stats:
         timing["graph_stats"] = dict(engine.graph_stats)
     return timing, captured["logits"].float().cpu()
@@ -155,16 +154,6 @@ def _floors(model, prompt: int, bandwidth: float) -> dict:
     weights = model.weight_bytes()
     return {"weight_bytes": weights, "kv_bytes": kv, "weights_ms": 1e3 * weights / bandwidth,
             "step_ms": 1e3 * (weights + kv) / bandwidth}
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
-
-
-def _free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def render_table(results: dict) -> str:

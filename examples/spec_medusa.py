@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from treedec.engine import Engine
-from treedec.models import from_config
+from treedec.models import MedusaHeads, from_config, load_medusa_heads
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative import (MedusaDraft, MedusaHeads, TypicalAcceptance, load_medusa_heads,
-                                        speculative_generate)
+from treedec.search.speculative import MedusaDraft, TypicalAcceptance, speculative_generate
 
 
 def main() -> None:

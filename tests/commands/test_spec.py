@@ -9,7 +9,7 @@ import torch
 
 from treedec.cli import main
 from treedec.models import from_config
-from treedec.search.speculative.medusa import MedusaHeads
+from treedec.models.medusa import MedusaHeads
 
 FAST = ["--max-new-tokens", "16", "--no-progress"]
 

@@ -16,7 +16,8 @@ from treedec.search.beam import beam_search
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.models.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate

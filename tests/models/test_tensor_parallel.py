@@ -46,7 +46,8 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     from treedec.models import from_config, from_pretrained, to_hf_config, to_hf_state_dict
     from treedec.search.beam import beam_search
     from treedec.search.speculative.draft_model import DraftModelDraft
-    from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+    from treedec.models.medusa import MedusaHeads
+    from treedec.search.speculative.medusa import MedusaDraft
     from treedec.search.parallel_sampling import parallel_sample
     from treedec.search.sampling import SamplingParams
     from treedec.search.generate import greedy_generate

@@ -17,7 +17,8 @@ from treedec.search.beam import beam_search
 from treedec.search.controller import BranchEvery, run_controller
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.models.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.parallel_sampling import parallel_sample
 from treedec.search.sampling import SamplingParams

@@ -10,7 +10,7 @@ from treedec.attention import PLANNERS
 from treedec.cli import main
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
-from treedec.replay import ReplayConfig, ScheduleDriver, replay, replay_results
+from treedec.replay import AttentionTimer, ReplayConfig, ScheduleDriver, replay, replay_results, timed_attention
 from treedec.workloads import Schedule, ScheduleError, fewshot_schedule, workload_schedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,6 +96,36 @@ def test_replay_measurements(tiny, schedules):
         assert s["kv_io_bytes"] == s["tree_tokens"] * 2 * c.num_kv_heads * c.head_dim * 4 * c.num_layers
     assert run.summary["peak_kv_pages"] == run.summary["dry_run_peak_pages"] == 15 + 3 * 2
     assert run.summary["tokens_generated"] == 15 and run.summary["pages_free_at_end"]
+
+
+
+def test_timed_attention_restores_the_engine_attention_when_the_block_fails(tiny):
+    engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
+    attn = engine.attn
+    with pytest.raises(RuntimeError, match="step failed"):
+        with timed_attention(engine, time_run=True) as timer:
+            assert isinstance(engine.attn, AttentionTimer) and timer._attn is attn
+            raise RuntimeError("step failed")
+    assert engine.attn is attn
+
+
+def test_a_failing_timed_replay_leaves_the_engine_attention_as_it_was(tiny, schedules, monkeypatch):
+    engines = []
+
+    def recording_engine(*args, **kwargs):
+        engine = Engine(*args, **kwargs)
+        engines.append((engine, engine.attn))
+        return engine
+
+    def failing_run(self, *args, **kwargs):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr("treedec.replay.runner.Engine", recording_engine)
+    monkeypatch.setattr(AttentionTimer, "run", failing_run)
+    with pytest.raises(RuntimeError, match="attention failed"):
+        replay(tiny, schedules["fewshot"], ReplayConfig(planner="flatten", page_size=4))
+    [(engine, attn)] = engines
+    assert engine.attn is attn
 
 
 @pytest.fixture

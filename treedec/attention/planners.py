@@ -1,6 +1,6 @@
 """Planners: TreeLayout -> TreePlan, vectorized numpy (no per-token Python loops).
 
-All three share one core and differ only in where chunks are cut in the flattened KV:
+All four share one core and differ only in where chunks are cut in the flattened KV:
 
 - ``flatten`` (DeFT-Flatten): even chunks of at most ``chunk_size`` tokens over the whole
   flattened tree, crossing node borders.

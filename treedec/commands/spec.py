@@ -33,11 +33,12 @@ from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.models.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle
+from treedec.models.medusa import MedusaHeads, load_medusa_heads
 from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
 from treedec.search.sampling import SamplingParams
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate

@@ -4,8 +4,10 @@
 ``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into
 ``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
 the sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
-``-DTREEDEC_WS_STAGES=5``). The kernels use CuTe's MMA/ldmatrix/cp.async atoms from the
-CUTLASS headers the ``nvidia-cutlass`` package ships (``cutlass_library/source/include``);
+``-DTREEDEC_WS_STAGES=5``; its ``-D`` defines reach the C++ binding too, so both halves of a build
+agree: ``-DTREEDEC_WS_TRACE=1`` is the bench-only trace build of ``bench/stage1_trace.py``). The
+kernels use CuTe's MMA/ldmatrix/cp.async atoms from the CUTLASS headers the ``nvidia-cutlass``
+package ships (``cutlass_library/source/include``);
 both come with the ``cuda`` extra: ``pip install 'treedec[cuda]'``.
 
 :func:`compile_sources` compiles the torch-free kernel sources with nvcc alone (no GPU
@@ -88,7 +90,9 @@ def build_problem(device: torch.device) -> str | None:
 @functools.lru_cache(maxsize=None)
 def load_extension(capability: tuple[int, int]):
     """Build (or load the cached build of) the extension for ``capability``; returns the module."""
-    flags = arch_flags(capability) + os.environ.get("TREEDEC_CUDA_FLAGS", "").split()  # tuning knobs
+    knobs = os.environ.get("TREEDEC_CUDA_FLAGS", "").split()   # tuning knobs, diagnostic builds
+    flags = arch_flags(capability) + knobs
+    defines = [f for f in knobs if f.startswith("-D")]
     include = cutlass_include_dir()
     nvcc_path()
     from torch.utils.cpp_extension import load
@@ -99,29 +103,35 @@ def load_extension(capability: tuple[int, int]):
     sources = [str(SOURCE_DIR / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)]
     try:
         return load(name=name, sources=sources, extra_include_paths=[str(include), str(SOURCE_DIR)],
-                    extra_cuda_cflags=[*NVCC_FLAGS, *flags], extra_cflags=["-O3", "-std=c++17"],
+                    extra_cuda_cflags=[*NVCC_FLAGS, *flags], extra_cflags=["-O3", "-std=c++17", *defines],
                     build_directory=str(build_dir), verbose=os.environ.get("TREEDEC_VERBOSE_BUILD") == "1")
     except (RuntimeError, subprocess.CalledProcessError) as err:
         raise BackendUnavailableError(f"building the cuda backend in {build_dir} failed "
                                       f"(TREEDEC_VERBOSE_BUILD=1 shows the compiler output): {err}") from err
 
 
-def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None) -> list[Path]:
-    """Compile the torch-free kernel sources with nvcc for ``arch`` (object files, no GPU needed).
+def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None, flags: tuple[str, ...] = (),
+                    sources: tuple[str, ...] = KERNEL_SOURCES) -> list[Path]:
+    """Compile the torch-free kernel ``sources`` (of :data:`KERNEL_SOURCES`) with nvcc for ``arch`` (object
+    files, no GPU needed); ``flags`` are added as ``TREEDEC_CUDA_FLAGS`` adds them (e.g.
+    ``("-DTREEDEC_WS_TRACE=1",)``: the bench-only trace build).
 
     Returns the object files; raises BackendUnavailableError without nvcc or CUTLASS, and
     RuntimeError with nvcc's output when a source does not compile.
     """
+    unknown = [s for s in sources if s not in KERNEL_SOURCES]
+    if unknown:
+        raise ValueError(f"sources must be among {KERNEL_SOURCES}, got {unknown}")
     include = cutlass_include_dir()
     nvcc = nvcc_path()
     compute = arch.replace("sm_", "compute_")
     defines = ["-DTREEDEC_SM90A"] if arch == "sm_90a" else []
     out_dir = Path(out_dir) if out_dir is not None else Path.cwd()
     objects = []
-    for source in KERNEL_SOURCES:
+    for source in sources:
         obj = out_dir / (Path(source).stem + f".{arch}.o")
-        cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", *defines, "-I", str(include), "-I", str(SOURCE_DIR),
-               "-c", str(SOURCE_DIR / source), "-o", str(obj)]
+        cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", *defines, *flags, "-I", str(include),
+               "-I", str(SOURCE_DIR), "-c", str(SOURCE_DIR / source), "-o", str(obj)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"nvcc failed on {source} for {arch}:\n{result.stderr[-4000:]}")

@@ -26,12 +26,14 @@ Per step (results JSON ``runs[i].steps``):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -137,6 +139,18 @@ class AttentionTimer:
         return self._run_seconds + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
 
 
+@contextlib.contextmanager
+def timed_attention(engine: Engine, time_run: bool) -> Iterator[AttentionTimer]:
+    """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block; the engine's own
+    attention is put back when the block ends, also when it raises."""
+    timer = AttentionTimer(engine.attn, time_run=time_run)
+    engine.attn = timer
+    try:
+        yield timer
+    finally:
+        engine.attn = timer._attn
+
+
 def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:
     """Replay ``schedule`` on ``model`` with a fresh :class:`Engine`; the tree is empty again at the end.
 
@@ -168,60 +182,58 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
                          f"{schedule.stats.widest_branch} children (a page each)")
     engine = Engine(model, kv_tokens=kv_tokens, page_size=config.page_size, backend=config.backend,
                     plan_config=PlanConfig(planner=config.planner), cuda_graphs=config.cuda_graphs)
-    timer = AttentionTimer(engine.attn, time_run=config.profile_split or engine.device.type != "cuda")
-    engine.attn = timer
-    if config.warmup_steps:
-        warm = ScheduleDriver(engine, seed=config.seed)
-        for step in schedule.steps[:config.warmup_steps + 1]:
+    with timed_attention(engine, time_run=config.profile_split or engine.device.type != "cuda") as timer:
+        if config.warmup_steps:
+            warm = ScheduleDriver(engine, seed=config.seed)
+            for step in schedule.steps[:config.warmup_steps + 1]:
+                for op in step:
+                    warm.apply(op)
+                warm.forward()
+            warm.release()
+        io_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize * c.num_layers
+        driver = ScheduleDriver(engine, seed=config.seed)
+        pool = engine.pool
+        steps = []
+        started = time.perf_counter()
+        for i, step in enumerate(_progress(schedule, config)):
+            timer.reset()
+            t0 = time.perf_counter()
+            prefill = 0.0
             for op in step:
-                warm.apply(op)
-            warm.forward()
-        warm.release()
-    io_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize * c.num_layers
-    driver = ScheduleDriver(engine, seed=config.seed)
-    pool = engine.pool
-    steps = []
-    started = time.perf_counter()
-    for i, step in enumerate(_progress(schedule, config)):
-        timer.reset()
-        t0 = time.perf_counter()
-        prefill = 0.0
-        for op in step:
-            if isinstance(op, Prompt) and not op.pending:   # a pending prompt is computed by the step's forward
-                tp = time.perf_counter()
-                driver.apply(op)
-                prefill += time.perf_counter() - tp
-            else:
-                driver.apply(op)
-        t_ops = time.perf_counter()
-        kv_pages = pool.num_pages - pool.num_free_pages
-        queries = driver.pending
-        plan_prefill, io_prefill = engine.stats["plan_seconds"], engine.stats["kv_tokens_read"]
-        attention_prefill = timer.run_seconds()
-        driver.layout_seconds = 0.0
-        ran = driver.forward() is not None
-        t1 = time.perf_counter()
-        plan = engine.stats["plan_seconds"] - plan_prefill
-        attention = timer.run_seconds()
-        attention = None if attention is None else attention - attention_prefill
-        bookkeeping = (t_ops - t0 - prefill) + driver.layout_seconds
-        forward = (t1 - t_ops) - driver.layout_seconds
-        kind = "prefill" if any(isinstance(op, Prompt) for op in step) else "decode" if ran else "edit"
-        steps.append({
-            "step": i, "kind": kind, "queries": queries, "tree_tokens": engine.tree.num_tokens,
-            "kv_pages": kv_pages, "total_ms": 1e3 * (t1 - t0), "prefill_ms": 1e3 * prefill,
-            "bookkeeping_ms": 1e3 * bookkeeping, "plan_ms": 1e3 * plan,
-            "attention_ms": None if attention is None else 1e3 * attention,
-            "other_ms": 1e3 * (forward - plan - (attention or 0.0)) if ran else 0.0,
-            "kv_io_bytes": (engine.stats["kv_tokens_read"] - io_prefill) * io_bytes_per_token,
-        })
-    wall = time.perf_counter() - started
-    driver.release()
-    engine.tree.check_invariants()
-    summary = _summary(steps, sizing)
-    summary.update(tokens_generated=driver.generated, wall_s=wall, kv_pool_pages=pool.num_pages,
-                   pages_free_at_end=pool.num_free_pages == pool.num_pages)
-    engine.attn = timer._attn
+                if isinstance(op, Prompt) and not op.pending:   # a pending prompt is computed by the step's forward
+                    tp = time.perf_counter()
+                    driver.apply(op)
+                    prefill += time.perf_counter() - tp
+                else:
+                    driver.apply(op)
+            t_ops = time.perf_counter()
+            kv_pages = pool.num_pages - pool.num_free_pages
+            queries = driver.pending
+            plan_prefill, io_prefill = engine.stats["plan_seconds"], engine.stats["kv_tokens_read"]
+            attention_prefill = timer.run_seconds()
+            driver.layout_seconds = 0.0
+            ran = driver.forward() is not None
+            t1 = time.perf_counter()
+            plan = engine.stats["plan_seconds"] - plan_prefill
+            attention = timer.run_seconds()
+            attention = None if attention is None else attention - attention_prefill
+            bookkeeping = (t_ops - t0 - prefill) + driver.layout_seconds
+            forward = (t1 - t_ops) - driver.layout_seconds
+            kind = "prefill" if any(isinstance(op, Prompt) for op in step) else "decode" if ran else "edit"
+            steps.append({
+                "step": i, "kind": kind, "queries": queries, "tree_tokens": engine.tree.num_tokens,
+                "kv_pages": kv_pages, "total_ms": 1e3 * (t1 - t0), "prefill_ms": 1e3 * prefill,
+                "bookkeeping_ms": 1e3 * bookkeeping, "plan_ms": 1e3 * plan,
+                "attention_ms": None if attention is None else 1e3 * attention,
+                "other_ms": 1e3 * (forward - plan - (attention or 0.0)) if ran else 0.0,
+                "kv_io_bytes": (engine.stats["kv_tokens_read"] - io_prefill) * io_bytes_per_token,
+            })
+        wall = time.perf_counter() - started
+        driver.release()
+        engine.tree.check_invariants()
+        summary = _summary(steps, sizing)
+        summary.update(tokens_generated=driver.generated, wall_s=wall, kv_pool_pages=pool.num_pages,
+                       pages_free_at_end=pool.num_free_pages == pool.num_pages)
     return ReplayRun(planner=config.planner, backend=engine.attn.backend, steps=steps, summary=summary,
                      emitted=driver.emitted)
 

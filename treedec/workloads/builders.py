@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treedec.workloads.deft import DEFT_DIR, TraceFormatError, _load_json, _preorder, load_tot_trees, medusa_tree
+from treedec.workloads.deft import DEFT_DIR, TraceFormatError, load_json, load_tot_trees, medusa_tree, trace_preorder
 from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Extend, Prompt, Prune, Schedule,
                                         TokenTree, load_schedule)
 
@@ -53,7 +53,7 @@ def tot_schedule(path: str | Path, tree_index: int | None = None) -> Schedule:
     path = Path(path)
     trees = load_tot_trees(path)
     if tree_index is None:
-        raw = _load_json(path)
+        raw = load_json(path)
         tree_index = next((i for i, t in enumerate(raw) if trees[i] and not t.get("incompleted", False)), None)
         if tree_index is None:
             raise TraceFormatError(f"{path}: no tree is complete; pass tree_index")
@@ -70,7 +70,7 @@ def tot_schedule(path: str | Path, tree_index: int | None = None) -> Schedule:
             chain.append(x)
             x = parent_of.get(x)
         lineage[nid] = chain
-    order = {nid: k for k, nid in enumerate(_preorder(nodes))}
+    order = {nid: k for k, nid in enumerate(trace_preorder(nodes))}
     thoughts = [i for i, n in nodes.items() if i != 0 and n["value"] > 0]
     last = max((nodes[i]["end"] for i in thoughts), default=0)
 
@@ -107,7 +107,7 @@ def medusa_schedule(path_or_size: str | Path | int, record: int = 0, prompt_toke
         Prompt length; default the record's prompt text length / :data:`CHARS_PER_TOKEN`.
     """
     tree = medusa_tree(path_or_size)
-    data = _load_json(Path(tree.source))
+    data = load_json(Path(tree.source))
     records = data.get("Records")
     if not isinstance(records, list) or not records:
         raise TraceFormatError(f"{tree.source}: field 'Records' must be a non-empty list")

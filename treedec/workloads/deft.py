@@ -77,7 +77,7 @@ def medusa_tree(path_or_size: str | Path | int) -> MedusaTree:
         path = DEFT_DIR / "speculative" / f"tree_size{int(path_or_size)}.json"
     else:
         path = Path(path_or_size)
-    record = _load_json(path)
+    record = load_json(path)
     where = f"{path}"
     if not isinstance(record, dict):
         raise TraceFormatError(f"{where}: the top level must be a JSON object, got {type(record).__name__}")
@@ -150,7 +150,7 @@ def load_tot_trees(path: str | Path) -> list[dict]:
     that recorded no node is an empty dict).
     """
     path = Path(path)
-    trees = _load_json(path)
+    trees = load_json(path)
     if not isinstance(trees, list):
         raise TraceFormatError(f"{path}: the top level must be a JSON list of trees, got {type(trees).__name__}")
     return [_validate_tot_tree(t, f"{path}: tree {i}") for i, t in enumerate(trees)]
@@ -175,7 +175,7 @@ def tot_snapshot(path: str | Path, tree_index: int, fraction: float) -> TotSnaps
         In (0, 1].
     """
     path = Path(path)
-    trees = _load_json(path)
+    trees = load_json(path)
     if not isinstance(trees, list):
         raise TraceFormatError(f"{path}: the top level must be a JSON list of trees, got {type(trees).__name__}")
     if not isinstance(tree_index, (int, np.integer)) or not 0 <= tree_index < len(trees):
@@ -197,7 +197,7 @@ def tot_snapshot(path: str | Path, tree_index: int, fraction: float) -> TotSnaps
         while i is not None and i not in keep:
             keep.add(i)
             i = parent_of.get(i)
-    order = [i for i in _preorder(nodes) if i in keep]
+    order = [i for i in trace_preorder(nodes) if i in keep]
     index = {nid: k for k, nid in enumerate(order)}
     lengths = np.array([nodes[i]["value"] if i == 0 else min(it, nodes[i]["end"]) - nodes[i]["start"] + 1
                         for i in order], dtype=np.int64)
@@ -209,10 +209,12 @@ def tot_snapshot(path: str | Path, tree_index: int, fraction: float) -> TotSnaps
                        source=f"{path}#tree{tree_index}")
 
 
-# ================================================================ private
+# ================================================================ files and trace nodes (shared)
 
 
-def _load_json(path: Path):
+def load_json(path: Path):
+    """The JSON document of a workload file (a trace, a token tree, a schedule); FileNotFoundError or
+    :class:`TraceFormatError` naming ``path`` when it is missing or not JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -221,6 +223,14 @@ def _load_json(path: Path):
     # ValueError: bad JSON, bad UTF-8, or an int literal past Python's digit limit; RecursionError: deep nesting
     except (ValueError, RecursionError) as e:
         raise TraceFormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def trace_preorder(nodes: dict[int, dict]) -> list[int]:
+    """Node ids reachable from the prompt (node 0), depth-first, children in file order."""
+    return depth_first_order([0], {i: node["children"] for i, node in nodes.items()})
+
+
+# ================================================================ private
 
 
 def _field(record: dict, name: str, kind: type, where: str):
@@ -284,13 +294,8 @@ def _validate_tot_tree(tree, where: str) -> dict[int, dict]:
                 raise TraceFormatError(f"{where}, node {c}: field 'start' ({nodes[c]['start']}) must be after "
                                        f"its parent node {nid}'s 'end' ({node['end']})")
             parent_of[c] = nid
-    unreached = set(nodes) - set(_preorder(nodes))
+    unreached = set(nodes) - set(trace_preorder(nodes))
     if unreached:
         raise TraceFormatError(f"{where}: nodes {sorted(unreached)[:10]} are not reachable from node 0 "
                                f"through 'children'")
     return nodes
-
-
-def _preorder(nodes: dict[int, dict]) -> list[int]:
-    """Node ids reachable from the prompt (node 0), depth-first, children in file order."""
-    return depth_first_order([0], {i: node["children"] for i, node in nodes.items()})

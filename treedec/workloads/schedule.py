@@ -73,10 +73,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treedec.workloads.deft import TraceFormatError, _load_json
-from treedec.workloads.schedule_check import ScheduleStats, _check, _Limits
+from treedec.workloads.deft import TraceFormatError, load_json
+from treedec.workloads.schedule_check import FitLimits, ScheduleStats, check_schedule
 from treedec.workloads.schedule_ops import (TOKEN_ID_LIMIT, Accept, Branch, Children, Extend, Handle, Op, Prompt,
-                                            Prune, ScheduleError, TokenTree, Truncate, _is_int, _op_json, _parse_op,
+                                            Prune, ScheduleError, TokenTree, Truncate, is_json_int, op_json, parse_op,
                                             token_count)
 
 __all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Children", "Extend",
@@ -109,7 +109,7 @@ class Schedule:
                    ) -> "Schedule":
         """Validate ops already built as dataclasses (the builders use this)."""
         steps = tuple(tuple(s) for s in steps)
-        stats = _check(steps, source)
+        stats = check_schedule(steps, source)
         return cls(steps, name, source, dict(meta or {}), stats)
 
     @classmethod
@@ -139,13 +139,13 @@ class Schedule:
         for i, raw in enumerate(raw_steps):
             if not isinstance(raw, list):
                 raise ScheduleError(f"{source}: step {i}: a step must be a list of ops, got {type(raw).__name__}")
-            steps.append(tuple(_parse_op(op, f"{source}: step {i}, op {j}") for j, op in enumerate(raw)))
+            steps.append(tuple(parse_op(op, f"{source}: step {i}, op {j}") for j, op in enumerate(raw)))
         return cls.from_steps(steps, name=name, source=source, meta=meta)
 
     def to_json(self) -> dict:
         """The JSON document of this schedule (``from_json(s.to_json())`` gives it back)."""
         return {"format": FORMAT, "version": VERSION, "name": self.name, "source": self.source,
-                "meta": self.meta, "steps": [[_op_json(op) for op in step] for step in self.steps]}
+                "meta": self.meta, "steps": [[op_json(op) for op in step] for step in self.steps]}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
@@ -157,7 +157,7 @@ class Schedule:
         if num_steps >= len(self.steps):
             return self
         head = self.steps[:num_steps]
-        roots = _check(head, self.source).live_roots
+        roots = check_schedule(head, self.source).live_roots
         steps = head + ((tuple(Prune(r) for r in roots),) if roots else ())
         return Schedule.from_steps(steps, name=self.name, source=f"{self.source}[:{num_steps}]",
                                    meta={**self.meta, "truncated_to_steps": num_steps})
@@ -181,10 +181,10 @@ class Schedule:
         """
         for name, value in (("max_tree_tokens", max_tree_tokens), ("max_position", max_position),
                             ("vocab_size", vocab_size)):
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_json_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        _check(self.steps, self.source, _Limits(max_tree_tokens, max_position, vocab_size, tokens_limit,
-                                                position_limit))
+        check_schedule(self.steps, self.source, FitLimits(max_tree_tokens, max_position, vocab_size, tokens_limit,
+                                                          position_limit))
 
 
 def load_schedule(path: str | Path) -> Schedule:
@@ -203,7 +203,7 @@ def load_schedule(path: str | Path) -> Schedule:
     """
     path = Path(path)
     try:
-        return Schedule.from_json(_load_json(path), source=str(path))
+        return Schedule.from_json(load_json(path), source=str(path))
     except TraceFormatError as e:
         if isinstance(e, ScheduleError):
             raise

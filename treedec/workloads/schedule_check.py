@@ -1,9 +1,9 @@
 """Symbolic replay of a schedule: its ops applied in order to a tree of handles only.
 
-``_check`` validates a whole schedule before anything runs (unknown, pruned or reused
+``check_schedule`` validates a whole schedule before anything runs (unknown, pruned or reused
 handles, extended non-leaves, token-tree parents, accepted chains, truncations, the step's
 pending tokens: a prefill needs none, and a prune, accept or truncate may not touch them)
-and sizes it (:class:`ScheduleStats`); given ``_Limits`` it also names the first op that
+and sizes it (:class:`ScheduleStats`); given ``FitLimits`` it also names the first op that
 goes past a token capacity, a position limit or a vocabulary. Nothing is allocated.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ScheduleStats:
 
 
 @dataclass(frozen=True)
-class _Limits:
+class FitLimits:
     """What :meth:`Schedule.check_fits` checks each op against (None: no limit); names for the messages."""
 
     max_tree_tokens: int | None = None
@@ -61,7 +61,7 @@ class _Limits:
 class _Shape:
     """The tree as handles only: enough to check every op and size the run."""
 
-    def __init__(self, limits: _Limits):
+    def __init__(self, limits: FitLimits):
         self.limits = limits
         self.parent: dict[Handle, Handle | None] = {}
         # children and roots are insertion-ordered dicts (as sets): removing one is O(1)
@@ -142,7 +142,10 @@ class _Shape:
                                 f"added for the step's forward; do it before those ops, or in a later step")
 
 
-def _check(steps: tuple[tuple[Op, ...], ...], source: str, limits: _Limits = _Limits()) -> ScheduleStats:
+def check_schedule(steps: tuple[tuple[Op, ...], ...], source: str, limits: FitLimits = FitLimits()) -> ScheduleStats:
+    """Replay ``steps`` on handles: the :class:`ScheduleStats` of a valid schedule, else the
+    :class:`ScheduleError` of its first bad op (``source``, step and op named); ``limits`` adds the capacity,
+    position and vocabulary checks of :meth:`Schedule.check_fits`."""
     shape = _Shape(limits)
     forward_steps = 0
     max_token_id = -1
@@ -206,7 +209,7 @@ def _apply(shape: _Shape, op: Op, where: str) -> None:
         shape.alive(op.node, where, "node")
         shape.not_pending(shape.subtree(op.node), where, f"field 'node': pruning {op.node!r} would remove")
         shape.remove(op.node)
-    else:  # _parse_op and the dataclasses admit nothing else
+    else:  # parse_op and the dataclasses admit nothing else
         raise AssertionError(f"unknown op {op!r}")
 
 

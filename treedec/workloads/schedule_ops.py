@@ -2,8 +2,8 @@
 
 Each op is a tree operation on node handles (:class:`Prompt`, :class:`Branch`,
 :class:`Extend`, :class:`TokenTree`, :class:`Children`, :class:`Accept`, :class:`Truncate`,
-:class:`Prune`); ``_parse_op`` reads
-one from its JSON object, checking every field on its own, and ``_op_json`` writes it back;
+:class:`Prune`); ``parse_op`` reads
+one from its JSON object, checking every field on its own, and ``op_json`` writes it back;
 :class:`ScheduleError` is what every check of a schedule raises.
 The file format they belong to is described in :mod:`treedec.workloads.schedule`; whether
 ops are valid in sequence is checked by the symbolic replay of
@@ -111,7 +111,8 @@ _OP_FIELDS = {
 }
 
 
-def _parse_op(raw, where: str) -> Op:
+def parse_op(raw, where: str) -> Op:
+    """The op of a schedule's JSON object ``raw``, every field checked; ScheduleError naming ``where`` and the field."""
     if not isinstance(raw, dict):
         raise ScheduleError(f"{where}: an op must be a JSON object, got {type(raw).__name__} {raw!r:.60}")
     kind = raw.get("op")
@@ -149,19 +150,20 @@ def _parse_op(raw, where: str) -> Op:
         return Accept(_handles(raw["ids"], where, "ids"))
     if kind == "truncate":
         length = raw["length"]
-        if not _is_int(length) or length < 1:
+        if not is_json_int(length) or length < 1:
             raise ScheduleError(f"{where}: field 'length' must be an int >= 1 (the tokens the node keeps), "
                                 f"got {length!r:.60}")
         return Truncate(_handle(raw["node"], where, "node"), length)
     return Prune(_handle(raw["node"], where, "node"))
 
 
-def _is_int(x) -> bool:
+def is_json_int(x) -> bool:
+    """Whether ``x`` is a Python int and not a bool: what a schedule field holds (numpy ints would not write back)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _handle(x, where: str, name: str) -> Handle:
-    if not (isinstance(x, str) or _is_int(x)):
+    if not (isinstance(x, str) or is_json_int(x)):
         raise ScheduleError(f"{where}: field '{name}' must be a node handle (string or int), "
                             f"got {type(x).__name__} {x!r:.60}")
     return x
@@ -177,7 +179,7 @@ def _int_list(x, where: str, name: str, minimum: int, limit: int | None = None) 
     if not isinstance(x, list):
         raise ScheduleError(f"{where}: field '{name}' must be a list of ints, got {type(x).__name__} {x!r:.60}")
     for i, v in enumerate(x):
-        if not _is_int(v) or v < minimum:
+        if not is_json_int(v) or v < minimum:
             raise ScheduleError(f"{where}: field '{name}[{i}]' must be an int >= {minimum}, got {v!r:.60}")
         if limit is not None and v >= limit:
             raise ScheduleError(f"{where}: field '{name}[{i}]' must be an int < {limit}, got {v!r:.60}")
@@ -185,7 +187,7 @@ def _int_list(x, where: str, name: str, minimum: int, limit: int | None = None) 
 
 
 def _tokens(x, where: str) -> int | tuple[int, ...]:
-    if _is_int(x):
+    if is_json_int(x):
         if x < 1:
             raise ScheduleError(f"{where}: field 'tokens' must be a count >= 1 or a list of token ids, got {x}")
         return x
@@ -195,7 +197,8 @@ def _tokens(x, where: str) -> int | tuple[int, ...]:
     return ids
 
 
-def _op_json(op: Op) -> dict:
+def op_json(op: Op) -> dict:
+    """The JSON object of ``op`` (:func:`parse_op` reads it back equal); absent optional fields are left out."""
     out: dict = {"op": op.op}
     for name, value in op.__dict__.items():
         if value is None or value is False:   # an absent optional field (a prompt is not pending by default)

@@ -12,7 +12,8 @@ from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.models.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.scheduler import run_program
 from treedec.search.speculative.program import SpeculativeProgram, speculative_generate
 from treedec.search.stops import StopRule

@@ -7,7 +7,8 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.models.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.requests_file import RequestSpec
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.speculative.program import speculative_generate

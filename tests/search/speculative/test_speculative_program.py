@@ -6,7 +6,8 @@ import pytest
 from treedec.engine import Engine
 from treedec.errors import TreeError
 from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads
+from treedec.models.medusa import MedusaHeads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate
 from treedec.search.speculative.program import speculative_generate, verify_greedy

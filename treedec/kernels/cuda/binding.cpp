@@ -32,7 +32,8 @@ void check_index(const torch::Tensor& t, const char* name) {
 
 const int* iptr(const torch::Tensor& t) { return t.data_ptr<int>(); }
 
-// The stamp buffer of TREEDEC_WS_TRACE builds (bench/stage1_trace.py); undefined: no stamps.
+#if TREEDEC_WS_TRACE
+// The stamp buffer of the bench-only trace build (bench/stage1_trace.py); undefined: no stamps.
 torch::Tensor g_trace;
 
 void set_trace(c10::optional<torch::Tensor> trace) {
@@ -40,12 +41,13 @@ void set_trace(c10::optional<torch::Tensor> trace) {
     g_trace = torch::Tensor();
     return;
   }
-  TORCH_CHECK(treedec::trace_compiled(), "the kernels were not built with -DTREEDEC_WS_TRACE=1 (TREEDEC_CUDA_FLAGS)");
+  TORCH_CHECK(treedec::trace_compiled(), "the kernels stamp a trace only in the sm_90a build");
   TORCH_CHECK(trace->is_cuda() && trace->scalar_type() == torch::kLong && trace->is_contiguous() && trace->dim() == 2 &&
               trace->size(1) == treedec::kTraceSlots, "trace must be a contiguous int64 CUDA tensor [CTAs, ",
               treedec::kTraceSlots, "]");
   g_trace = *trace;
 }
+#endif
 
 // Stage 1 (and stage 2 when `merge`) in one call: no host time between the two launches (the
 // merge is launched programmatically behind stage 1 on sm_90). max_query_entries: the most partials
@@ -94,11 +96,13 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   p.unit_info = iptr(unit_info);
   TORCH_CHECK(unit_info.numel() < (int64_t{1} << 31), "unit_info must have fewer than 2^31 elements");
   p.unit_info_len = static_cast<int>(unit_info.numel());
+#if TREEDEC_WS_TRACE
   if (g_trace.defined()) {
     TORCH_CHECK(g_trace.device() == q.device() && g_trace.size(0) >= cta_unit_start.numel() - 1,
                 "the trace buffer needs a row per CTA (", cta_unit_start.numel() - 1, ") on q's device");
     p.trace = reinterpret_cast<unsigned long long*>(g_trace.data_ptr<int64_t>());
   }
+#endif
   p.q_stride_q = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.k_stride_s = k.stride(0);
@@ -158,11 +162,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tokens per tile every stage-1 kernel takes (persistent_schedule.TILE_TOKENS)");
   m.def("schedule_header", []() { return int64_t{treedec::kScheduleHeader}; },
         "int32 words before the unit records (persistent_schedule.SCHEDULE_HEADER)");
+#if TREEDEC_WS_TRACE
   m.def("set_trace", &set_trace, py::arg("trace"),
-        "TREEDEC_WS_TRACE builds: stamp %globaltimer into trace [CTAs, trace_slots()] int64 on every later call "
-        "(None: stop)");
+        "stamp %globaltimer into trace [CTAs, trace_slots()] int64 on every later call (None: stop)");
   m.def("trace_slots", []() { return int64_t{treedec::kTraceSlots}; }, "stamps per CTA of a trace");
-  m.def("trace_compiled", &treedec::trace_compiled, "whether the kernels were built with TREEDEC_WS_TRACE=1");
+#endif
+  m.def("trace_compiled", &treedec::trace_compiled,
+        "whether the kernels stamp a trace: the bench-only TREEDEC_WS_TRACE=1 build (set_trace) for sm_90a");
   m.def("full_tile_flag", []() { return int64_t{treedec::kFullTileFlag}; },
         "bit of a live-tile entry: every row of the item reads the whole tile (persistent_schedule.FULL_TILE_FLAG)");
   m.def("unit_fields", []() { return int64_t{treedec::kUnitFields}; },

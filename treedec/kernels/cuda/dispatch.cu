@@ -5,7 +5,6 @@
 
 #include "launch.h"
 #include "launch_template.cuh"
-#include "ws_config.cuh"  // TREEDEC_WS_TRACE
 
 namespace treedec {
 

@@ -5,6 +5,13 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+// TREEDEC_WS_TRACE=1 is the bench-only diagnostic build (bench/stage1_trace.py sets it in
+// TREEDEC_CUDA_FLAGS, whose defines reach binding.cpp too): the sm_90a warp-specialized kernel stamps
+// %globaltimer into PartialParams::trace (ws_trace.cuh). The default build has no trace buffer.
+#ifndef TREEDEC_WS_TRACE
+#define TREEDEC_WS_TRACE 0
+#endif
+
 namespace treedec {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
@@ -43,7 +50,9 @@ struct PartialParams {
   const int* cta_unit_start;  // [num_ctas + 1]
   const int* unit_info;       // [U, kUnitFields] records, then the live-tile lists
   int unit_info_len;          // int32 elements readable at unit_info (records, lists, any capacity)
-  unsigned long long* trace;  // TREEDEC_WS_TRACE builds: [grid][kTraceSlots] %globaltimer stamps (null: none)
+#if TREEDEC_WS_TRACE
+  unsigned long long* trace;  // [grid][kTraceSlots] %globaltimer stamps (null: none)
+#endif
   int64_t q_stride_q, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h;
   int64_t out_stride_q, out_stride_h, lse_stride_q;
   int num_qo_heads;
@@ -54,9 +63,11 @@ struct PartialParams {
   float qk_scale_log2;  // softmax scale * log2(e)
 };
 
-// Stamps per CTA of a TREEDEC_WS_TRACE build (ws_trace.cuh names the slots).
+#if TREEDEC_WS_TRACE
+// Stamps per CTA of the trace build (ws_trace.cuh names the slots).
 constexpr int kTraceSlots = 16;
-// Whether the kernels were built with TREEDEC_WS_TRACE=1 (they then stamp PartialParams::trace).
+#endif
+// Whether the kernels stamp PartialParams::trace: a TREEDEC_WS_TRACE=1 build for sm_90a.
 bool trace_compiled();
 
 // Stage 2: per (query, head), merge the query's partials in CSR order (deterministic).

@@ -1,6 +1,7 @@
 // Configuration of the warp-specialized sm_90a stage-1 kernel: warpgroup roles, register split,
 // ring depths, shared-memory layout.
 #pragma once
+#include "launch.h"  // TREEDEC_WS_TRACE
 #if defined(TREEDEC_SM90A)
 
 namespace treedec {
@@ -13,9 +14,6 @@ constexpr int kRows = 64 * kConsumers;              // rows of a unit
 constexpr int kBarProducer = 1;                     // the producer warpgroup's own barrier
 constexpr int kBarTurn = 2;                         // + c: consumer c may issue its wgmmas
 constexpr int kItemEnd = 0, kItemTile = 1, kItemFullTile = 2;  // kinds of ring items (FULL: no mask words)
-#ifndef TREEDEC_WS_TRACE  // 1: stamp %globaltimer at fixed points of each CTA (bench/stage1_trace.py)
-#define TREEDEC_WS_TRACE 0
-#endif
 // Registers per thread after setmaxnreg (128 x 88 + 256 x 208 = 384 x 168): the consumers hold S, P
 // and O of a tile at once (32 + 16 + 64 per thread with 64-token tiles, 64 + 32 + 64 with 128),
 // the producer needs about 80 without spills.

@@ -305,7 +305,7 @@ PyObject* stage_sections_py(PyObject*, PyObject* args) {
   });
 }
 
-// The numpy planner's constants as compiled in (tests/test_compiled_planner.py checks that they agree).
+// The numpy planner's constants as compiled in (tests/kernels/test_compiled_planner.py checks that they agree).
 PyObject* constants_py(PyObject*, PyObject*) {
   return Py_BuildValue("{sLsLsLsLsdsLsLsdsdsdsdsisisisL}", "MASK_BITS", (long long)kMaskBits, "PERSISTENT_MIN_CHUNK",
                        (long long)kPersistentMinChunk, "PERSISTENT_MAX_CHUNK", (long long)kPersistentMaxChunk,

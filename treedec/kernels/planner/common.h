@@ -19,7 +19,7 @@ namespace treedec::planner {
 using i64 = std::int64_t;
 using Vec = std::vector<i64>;
 
-// The numpy planner's constants (tests/test_compiled_planner.py checks that they agree).
+// The numpy planner's constants (tests/kernels/test_compiled_planner.py checks that they agree).
 constexpr i64 kMaskBits = 32;                     // tree_plan.MASK_BITS
 constexpr i64 kPersistentMinChunk = 256;          // planners.PERSISTENT_MIN_CHUNK
 constexpr i64 kPersistentMaxChunk = 4096;         // planners.PERSISTENT_MAX_CHUNK

@@ -10,7 +10,8 @@ The package's face holds what a user of speculative decoding calls; the modules 
 - :mod:`~treedec.search.speculative.acceptance` and :mod:`~treedec.search.speculative.device_acceptance`: the
   acceptance rules (greedy, Medusa's typical, lossless rejection sampling), on the host and on the device;
 - draft sources: :mod:`~treedec.search.speculative.drafts` (the base class, n-gram lookup, fixed trees),
-  :mod:`~treedec.search.speculative.medusa`, :mod:`~treedec.search.speculative.draft_model`,
+  :mod:`~treedec.search.speculative.medusa` (the heads' network is :mod:`treedec.models.medusa`),
+  :mod:`~treedec.search.speculative.draft_model`,
   :mod:`~treedec.search.speculative.eagle` (EAGLE-2 trees; fixed chains:
   :mod:`~treedec.search.speculative.eagle_chains`);
 - drafting for many requests at once: :mod:`~treedec.search.speculative.drafter_batch` (one drafter step per
@@ -24,10 +25,9 @@ from treedec.search.speculative.draft_budget import DraftBudget
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TargetOutput, TreeDraft
 from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import MedusaDraft, MedusaHeads, load_medusa_heads
+from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.program import SpeculativeProgram, SpeculativeStats, speculative_generate
 
 __all__ = ["AcceptanceRule", "DraftBudget", "DraftModelDraft", "DraftSource", "EagleDraft", "GreedyAcceptance",
-           "MedusaDraft", "MedusaHeads", "PromptLookupDraft", "RejectionSampling", "SpeculativeProgram",
-           "SpeculativeStats", "TargetOutput", "TreeDraft", "TypicalAcceptance", "load_medusa_heads",
-           "speculative_batch", "speculative_generate"]
+           "MedusaDraft", "PromptLookupDraft", "RejectionSampling", "SpeculativeProgram", "SpeculativeStats",
+           "TargetOutput", "TreeDraft", "TypicalAcceptance", "speculative_batch", "speculative_generate"]

@@ -1,0 +1,37 @@
+"""Building the cuda backend's sources (treedec/kernels/cuda_build.py) on the CPU: the kernel sources compile
+with this machine's nvcc for sm_90a, in the default build and in the bench-only trace build."""
+import shutil
+
+import pytest
+
+from treedec.errors import BackendUnavailableError
+from treedec.kernels.cuda_build import compile_sources, cutlass_include_dir
+
+
+def _has_cutlass_headers() -> bool:
+    try:
+        cutlass_include_dir()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+@pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
+def test_kernel_sources_compile_for_sm90(tmp_path):
+    objects = compile_sources("sm_90a", tmp_path)
+    assert [o.name for o in objects] == ["partial_fp16.sm_90a.o", "partial_bf16.sm_90a.o", "dispatch.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+@pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
+def test_trace_build_sources_compile_for_sm90(tmp_path):
+    """The bench-only trace build (bench/stage1_trace.py's -DTREEDEC_WS_TRACE=1) keeps compiling: the
+    kernels of one dtype (the trace stamps are dtype-free) and the dispatch."""
+    objects = compile_sources("sm_90a", tmp_path, flags=("-DTREEDEC_WS_TRACE=1",),
+                              sources=("partial_bf16.cu", "dispatch.cu"))
+    assert [o.name for o in objects] == ["partial_bf16.sm_90a.o", "dispatch.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
