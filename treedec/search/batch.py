@@ -277,13 +277,17 @@ class GenerateProgram(Program):
                 ctx.free(state.root)
 
     def _draw(self, logits, argmax, rows, generator) -> torch.Tensor:
-        """The next token (on the device) of each output in ``rows``, from its row of ``logits``."""
-        if self.params.temperature == 0:
-            return logits.argmax(dim=-1) if argmax is None else argmax
-        # One number per output per draw, whichever outputs are live: a request's stream does not
-        # depend on when its outputs end, nor on the other requests.
-        numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
-        return sample_tokens(logits, self.params, uniform=numbers[to_device(rows, numbers.device)])
+        """The next token (on the device) of each output in ``rows``, from its row of ``logits``; greedy, the
+        step's ``argmax`` when the scheduler picked it already (:data:`~treedec.search.sampling.GREEDY`)."""
+        if argmax is not None:
+            return argmax
+        uniform = None
+        if self.params.temperature > 0:
+            # One number per output per draw, whichever outputs are live: a request's stream does not
+            # depend on when its outputs end, nor on the other requests.
+            numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
+            uniform = numbers[to_device(rows, numbers.device)]
+        return sample_tokens(logits, self.params, uniform=uniform)
 
 
 class _Outputs:
