@@ -195,7 +195,7 @@ class ControllerProgram(Program):
                                                      f"{tree.pool.page_size} tokens, {tree.pool.num_free_pages + freed}"
                                                      f" of {tree.pool.num_pages} would be free after its prunes")
             for node in plan.prune:
-                for dead in _subtree(tree, node):
+                for dead in tree.subtree(node):
                     logits.pop(dead, None)
                 tree.prune(node)
             if plan.stop:
@@ -275,7 +275,7 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int, po
         raise ControllerError("Stop() may come only with Prune ops, got Extend/Branch ops too")
     doomed = set()
     for node in plan.prune:
-        sub = _subtree(tree, node)
+        sub = tree.subtree(node)
         if doomed & set(sub):
             raise ControllerError(f"Prune({node}) overlaps another Prune of this step")
         doomed.update(sub)
@@ -289,7 +289,7 @@ def _pool_need(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> tuple[int,
     """The pages the plan's growth needs and those its prunes free (0, 0 for a stop)."""
     if plan.stop:
         return 0, 0
-    doomed = {n for node in plan.prune for n in _subtree(tree, node)}
+    doomed = {n for node in plan.prune for n in tree.subtree(node)}
     grow = [n for n in leaves if n not in doomed and n not in plan.branch]
     for node in plan.prune:   # a parent whose children all go is a leaf again and takes a token
         parent = tree.parent(node)
@@ -300,12 +300,3 @@ def _pool_need(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> tuple[int,
     need = sum(tree.pages_to_extend(n, len(plan.extend.get(n, (0,)))) for n in grow)
     need += sum(k * tree.pool.pages_for(1) for k in plan.branch.values())
     return need, tree.pages_freed_by_prune(plan.prune)
-
-
-def _subtree(tree: SequenceTree, node: int) -> list[int]:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(tree.children(n))
-    return out

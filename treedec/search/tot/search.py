@@ -86,12 +86,9 @@ class ToTSearch:
         self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
     def prune_dead_end(self, node: int, root: int) -> None:
-        """Prune ``node``, then each ancestor below ``root`` left without children."""
-        parent = self.tree.parent(node)
-        self.tree.prune(node)
-        while parent != root and parent in self.tree and not self.tree.children(parent):
-            node, parent = parent, self.tree.parent(parent)
-            self.tree.prune(node)
+        """Prune ``node`` with each ancestor below ``root`` that leads only to it
+        (:meth:`~treedec.tree.SequenceTree.prune_dead_end`), and forget their logits."""
+        self.tree.prune_dead_end(node, root)
         self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
     def release(self, root: int | None) -> None:
