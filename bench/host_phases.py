@@ -38,7 +38,6 @@ from treedec.tree import PagedKVPool, SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.
 PHASES = [
-    (speculative, "verify_tree", "verify_tree"),
     (drafts.TreeDraft, "propose", "TreeDraft.propose"),
     (medusa.MedusaDraft, "propose", "MedusaDraft.propose"),
     (eagle.EagleDraft, "propose", "EagleDraft.propose (drafter steps inside)"),

@@ -14,7 +14,7 @@ import time
 import torch
 
 from treedec.engine import Engine
-from treedec.models import from_hf_model, from_pretrained
+from treedec.models import from_hf_model, from_pretrained, load_tokenizer
 from treedec.search.beam import beam_search
 
 
@@ -49,9 +49,8 @@ def main() -> None:
 
     hf, tokenizer, eos = None, None, args.eos
     if args.checkpoint:
-        from transformers import AutoTokenizer
         model = from_pretrained(args.checkpoint)
-        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        tokenizer = load_tokenizer(args.checkpoint)
         prompt_ids = tokenizer(args.prompt)["input_ids"]
         eos = tokenizer.eos_token_id if eos is None else eos
     else:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from treedec.engine import Engine, greedy
-from treedec.models import from_config, from_pretrained
+from treedec.models import from_config, from_pretrained, load_tokenizer
 
 
 def main() -> None:
@@ -29,9 +29,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     tokenizer = None
     if args.checkpoint:
-        from transformers import AutoTokenizer
         model = from_pretrained(args.checkpoint)
-        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        tokenizer = load_tokenizer(args.checkpoint)
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     else:
         model = from_config("tiny", dtype=torch.bfloat16 if cuda else torch.float32)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from treedec.engine import Engine
-from treedec.models import from_config, from_pretrained
+from treedec.models import from_config, from_pretrained, load_tokenizer
 from treedec.search.parallel_sampling import self_consistency
 from treedec.search.sampling import SamplingParams
 
@@ -36,9 +36,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.checkpoint:
-        from transformers import AutoTokenizer
         model = from_pretrained(args.checkpoint)
-        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True)
+        tokenizer = load_tokenizer(args.checkpoint)
         prompt_ids, eos = tokenizer(args.prompt)["input_ids"], tokenizer.eos_token_id
 
         def extract_answer(tokens: list[int]) -> str | None:

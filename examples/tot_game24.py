@@ -14,10 +14,9 @@ import argparse
 import torch
 
 from treedec.engine import Engine
-from treedec.models import from_config, from_pretrained
+from treedec.models import from_config, from_pretrained, load_tokenizer
 from treedec.search.tot.game24 import Game24Task, solve
-from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, tot_bfs, tot_dfs
-from treedec.commands.tot import HFTokenizer
+from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, tot_bfs, tot_dfs
 
 
 def main() -> None:
@@ -27,9 +26,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.checkpoint:
-        from transformers import AutoTokenizer
         model = from_pretrained(args.checkpoint)
-        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(args.checkpoint, local_files_only=True))
+        tokenizer = HFTokenizer(load_tokenizer(args.checkpoint))
         task, threshold = Game24Task(tuple(args.numbers)), 1.0   # DFS goes on from 'likely' and 'sure' steps
     else:   # random weights write no valid step: the model judges every thought anyway, all of them pass DFS
         model = from_config("tiny", dtype=torch.float32, device="cpu")

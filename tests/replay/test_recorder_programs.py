@@ -45,16 +45,8 @@ def snapshot(engine, handle_of=None):
     """The tree as {node: (parent, tokens)} (nodes named by ``handle_of``) and the KV pages in use."""
     tree, name = engine.tree, (lambda n: n) if handle_of is None else handle_of.__getitem__
     nodes = {name(n): (None if tree.parent(n) is None else name(tree.parent(n)), tuple(tree.tokens(n)))
-             for r in tree.roots for n in _subtree(tree, r)}
+             for r in tree.roots for n in tree.subtree(r)}
     return nodes, engine.pool.num_pages - engine.pool.num_free_pages
-
-
-def _subtree(tree, root):
-    out, stack = [], [root]
-    while stack:
-        out.append(stack.pop())
-        stack.extend(tree.children(out[-1]))
-    return out
 
 
 class Snapshots:

@@ -5,8 +5,9 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.batch import generate_batch
+from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.requests_file import RequestSpec
+from treedec.search.scheduler import run_program
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 
@@ -64,6 +65,24 @@ def test_greedy_outputs_are_plain_greedy_decoding(tiny):
     results, _ = generate_batch(make_engine(tiny), specs)
     for r in results:
         assert r.output_ids == plain_greedy(tiny, list(prompt(r.id, 6 + r.id)), 8) and r.stop_reason == "length"
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_an_output_on_the_prompt_s_node_stays_there(tiny, pipeline):
+    """on_prompt (greedy_generate's program): the one output grows on the prompt's node, which holds every
+    token but the last when the program returns (a pipelined token past the end truncated), all with keep."""
+    spec = RequestSpec(0, prompt_ids=prompt(0), max_new_tokens=6, temperature=0.0)
+    want = plain_greedy(tiny, list(prompt(0)), 6)
+    for keep, kept in ((False, want[:-1]), (True, want)):
+        engine = make_engine(tiny)
+        [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), pipeline=pipeline, keep=keep,
+                                                       on_prompt=True))
+        root = result.stats["root"]
+        assert result.output_ids == want and result.stats["nodes"] == [root] and engine.tree.roots == [root]
+        assert engine.tree.sequence(root) == list(prompt(0)) + kept
+        engine.tree.check_invariants()
+    with pytest.raises(ValueError, match="the request must have n=1, got n=2"):
+        GenerateProgram(RequestSpec(1, prompt_ids=prompt(1), n=2), list(prompt(1)), on_prompt=True)
 
 
 class LetterTokenizer:

@@ -4,7 +4,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.search.parallel_sampling import majority_vote, parallel_sample, self_consistency
-from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 PROMPT = [5, 17, 99, 3, 42, 7, 300, 12, 64]
@@ -163,6 +163,22 @@ def test_sample_tokens_respects_top_k_and_top_p():
     torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
     cold = torch.bincount(sample_tokens(logits, SamplingParams(temperature=0.25), gen), minlength=4) / 4000
     assert cold[0] > 0.85                                # p ** 4, renormalized: 0.5 ** 4 / sum = 0.87
+
+
+def test_sample_tokens_is_the_one_picker_greedy_and_k_distinct():
+    logits = torch.tensor([[0.1, 0.7, 0.7, 0.2], [0.9, 0.1, 0.3, 0.4]])
+    assert sample_tokens(logits, GREEDY).tolist() == [1, 0]          # ties: the first, as argmax
+    assert int(sample_tokens(logits[0], GREEDY)) == 1                 # one row without its dimension
+    assert sample_tokens(logits, GREEDY, k=2).tolist() == logits.topk(2).indices.tolist()
+    drawn = sample_tokens(logits, SamplingParams(temperature=1.0), seeded(0), k=3)
+    assert drawn.shape == (2, 3) and all(len(set(row)) == 3 for row in drawn.tolist())   # without replacement
+    torch.testing.assert_close(drawn, torch.multinomial(torch.softmax(logits / 1.0, dim=-1), 3, replacement=False,
+                                                        generator=seeded(0)))
+    assert sample_tokens(logits[1:], SamplingParams(top_k=1), seeded(0), k=1).tolist() == [[0]]   # (ties are kept)
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        sample_tokens(logits, GREEDY, k=0)
+    with pytest.raises(ValueError, match="uniform gives each row one number"):
+        sample_tokens(logits, SamplingParams(), uniform=torch.zeros(2), k=2)
 
 
 def test_majority_vote_ignores_none_and_breaks_ties_by_first_appearance():

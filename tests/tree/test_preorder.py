@@ -128,7 +128,7 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @rule(data=st.data())
     def prune(self, data):
         node = self._pick(data, self.tree._nodes)
-        if any(self.tree._nodes[i].pending for i in self.tree._subtree(node)):
+        if any(self.tree._nodes[i].pending for i in self.tree.subtree(node)):
             self.tree.commit_step()
         self.tree.prune(node)
 

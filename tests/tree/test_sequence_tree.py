@@ -174,6 +174,65 @@ def test_pages_to_extend_and_freed_by_prune():
         tree.pages_freed_by_prune([99])
 
 
+def dead_end_tree():
+    """root - a - b - {c - d, e}: c leads only to d; b has two children."""
+    tree = make_tree(num_pages=32, page_size=4)
+    root = tree.add_prompt([1, 2])
+    (a,) = tree.branch(root, [[3]])
+    (b,) = tree.branch(a, [[4]])
+    c, e = tree.branch(b, [[5], [6]])
+    (d,) = tree.branch(c, [[7]])
+    tree.commit_step()
+    return tree, root, a, b, c, d, e
+
+
+def test_subtree_is_the_node_and_its_descendants_in_preorder():
+    tree, root, a, b, c, d, e = dead_end_tree()
+    assert tree.subtree(root) == [root, a, b, c, d, e]
+    assert tree.subtree(c) == [c, d] and tree.subtree(e) == [e] and tree.subtree(np.int64(b)) == [b, c, d, e]
+    other = tree.add_prompt([9])
+    assert tree.subtree(other) == [other] and tree.subtree(root) == [root, a, b, c, d, e]
+
+
+def test_prune_dead_end_cuts_the_branch_at_its_highest_lone_ancestor():
+    tree, root, a, b, c, d, e = dead_end_tree()
+    free = tree.pool.num_free_pages
+    assert tree.prune_dead_end(d, root) == c            # c led only to d; b keeps e
+    assert c not in tree and d not in tree and tree.children(b) == [e]
+    assert tree.pool.num_free_pages == free + 2
+    assert tree.prune_dead_end(e, root) == a            # now b, a lead only to e
+    assert tree.subtree(root) == [root] and tree.pool.num_free_pages == tree.pool.num_pages - 1
+    tree.check_invariants()
+    tree, root, a, b, c, d, e = dead_end_tree()
+    assert tree.prune_dead_end(c, b) == c               # a node with children goes with them
+    assert tree.prune_dead_end(e, b) == e               # the root's own child: only it
+    assert tree.prune_dead_end(b, a) == b and tree.subtree(root) == [root, a]
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("leaf, root, error, match", [
+    ("d", "d", TreeError, "is not a proper ancestor"),
+    ("e", "c", TreeError, "is not a proper ancestor"),
+    ("a", "d", TreeError, "is not a proper ancestor"),
+    (99, "root", TreeError, "unknown node id 99"),
+    ("d", 99, TreeError, "unknown node id 99"),
+    ("d", "other", TreeError, "is not a proper ancestor"),
+    ("d", "x", TypeError, "node id must be an int"),
+    ("pending", "root", TreeError, "pending tokens"),
+])
+def test_bad_prune_dead_end_raises_and_changes_nothing(leaf, root, error, match):
+    tree, *nodes = dead_end_tree()
+    names = dict(zip(["root", "a", "b", "c", "d", "e"], nodes), other=tree.add_prompt([9]), x="x")
+    tree.commit_step()
+    (names["pending"],) = tree.branch(names["e"], [[8]])
+    before = snapshot(tree)
+    with pytest.raises(error, match=match):
+        tree.prune_dead_end(names.get(leaf, leaf), names.get(root, root))
+    assert snapshot(tree) == before
+    with pytest.raises(TreeError, match="unknown node id 99"):
+        tree.subtree(99)
+
+
 def test_extend_many_is_all_or_nothing():
     tree = make_tree(num_pages=6, page_size=4)
     root = tree.add_prompt([1])

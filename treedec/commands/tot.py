@@ -36,12 +36,12 @@ from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
 from treedec.search.tot.game24 import Game24Task
-from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, ToTResult, ToTTask, tot_batch, tot_bfs,
-                                tot_dfs)
+from treedec.models.text import has_tokenizer, load_tokenizer
+from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, ToTResult, ToTTask,
+                                tot_batch, tot_bfs, tot_dfs)
 from treedec.search.tot.task import check_task
 
 CPU_KV_TOKENS = 32768
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def add_tot_parser(sub) -> None:
@@ -104,7 +104,7 @@ def run_tot(args: argparse.Namespace) -> int:
     check_backend(args)
 
     model, model_name = load_model(args)
-    tokenizer, tokenizer_name = _load_tokenizer(args.model, model.config.vocab_size)
+    tokenizer, tokenizer_name = _search_tokenizer(args.model, model.config.vocab_size)
     kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, plan_config=plan_config)
     device = model.device
@@ -220,28 +220,11 @@ def print_tot(results: dict, result: ToTResult, file=None) -> None:
               file=file)
 
 
-def _load_tokenizer(model_dir: str | None, vocab_size: int):
-    """``model_dir``'s tokenizer when it has one, else :class:`ByteTokenizer` (which needs a vocabulary of >= 256)."""
-    if model_dir is not None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        return HFTokenizer(AutoTokenizer.from_pretrained(model_dir, local_files_only=True)), model_dir
+def _search_tokenizer(model_dir: str | None, vocab_size: int):
+    """``model_dir``'s tokenizer when it has one (:func:`~treedec.models.text.load_tokenizer`), else
+    :class:`ByteTokenizer` (which needs a vocabulary of >= 256); with the name the results file gives it."""
+    if model_dir is not None and has_tokenizer(model_dir):
+        return HFTokenizer(load_tokenizer(model_dir)), model_dir
     if vocab_size < 256:
         raise ValueError(f"the byte tokenizer needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
     return ByteTokenizer(), "bytes"
-
-
-class HFTokenizer:
-    """A transformers tokenizer as a :class:`~treedec.search.tot.program.Tokenizer`: no special tokens inside the
-    text; ``bos_id`` is the BOS token if the tokenizer puts one before a text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        bos = tokenizer.bos_token_id
-        self.bos_id = bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -144,7 +144,7 @@ class ScheduleDriver:
         chain = [self.nodes[h] for h in op.ids]
         anchor = tree.parent(chain[0])
         next_token = self._next_token.get(chain[-1])
-        dead = {n for child in tree.children(anchor) for n in self._subtree(child)}
+        dead = {n for child in tree.children(anchor) for n in tree.subtree(child)}
         accepted = sum(len(tree.tokens(n)) for n in chain)   # a token-tree node may have been extended
         tree.accept(anchor, chain)   # the path's K/V move onto anchor; the rest is freed
         self._forget(dead)
@@ -153,17 +153,9 @@ class ScheduleDriver:
         self.generated += accepted
 
     def _prune(self, nid: int) -> None:
-        dead = set(self._subtree(nid))
+        dead = set(self.tree.subtree(nid))
         self.tree.prune(nid)
         self._forget(dead)
-
-    def _subtree(self, nid: int) -> list[int]:
-        subtree, stack = [], [nid]
-        while stack:
-            x = stack.pop()
-            subtree.append(x)
-            stack.extend(self.tree.children(x))
-        return subtree
 
     def _forget(self, dead: set[int]) -> None:
         """Drop the schedule's handles and next tokens of pruned nodes."""

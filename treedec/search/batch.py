@@ -179,16 +179,25 @@ class GenerateProgram(Program):
         computed, its last one in the step after it ended; the result's ``stats["nodes"]`` lists
         them and ``stats["root"]`` is the prompt's node, which the caller prunes. Else ended
         outputs are pruned at once and the request's tree when it returns.
+    on_prompt : the one output (``spec.n`` must be 1) grows on the prompt's node itself, which stays in
+        the tree when the program returns (``stats["root"]``, also ``stats["nodes"][0]``; the caller
+        prunes it) holding the prompt and every output token but the last, as a speculative request's
+        node does (:func:`~treedec.search.generate.greedy_generate`); with ``keep`` the last one too.
+        A token computed past the end (pipelined) is truncated away.
     on_text : streaming, as :func:`generate_batch`'s.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None,
                  generator: torch.Generator | None = None, pipeline: bool = False, rule: StopRule | None = None,
-                 keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None):
+                 keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None,
+                 on_prompt: bool = False):
+        if on_prompt and spec.n != 1:
+            raise ValueError(f"on_prompt grows the one output on the prompt's node: the request must have n=1, "
+                             f"got n={spec.n}")
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
         self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
-        self.on_text = on_text
+        self.on_text, self.on_prompt = on_text, on_prompt
         self.name = spec.name
 
     def positions(self) -> Positions:
@@ -213,6 +222,8 @@ class GenerateProgram(Program):
         done = False
         try:
             state.root, out = yield from ctx.prompt(self.prompt_ids)
+            if self.on_prompt:
+                state.grow_on_root()
             logits, argmax, rows = out.logits.expand(n, -1), None, list(range(n))
             drawn = self._draw(logits, argmax, rows, generator)
             while True:
@@ -257,32 +268,42 @@ class GenerateProgram(Program):
             results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started)
             for r in results:
                 r.stats["queries_per_step"] = list(queries)
-                if self.keep:
+                if self.keep or self.on_prompt:
                     r.stats.update(root=state.root, nodes=list(state.nodes))
             done = True
             return results
         finally:
-            if not (done and self.keep):
+            if not (done and (self.keep or self.on_prompt)):
                 ctx.free(state.root)
 
     def _draw(self, logits, argmax, rows, generator) -> torch.Tensor:
-        """The next token (on the device) of each output in ``rows``, from its row of ``logits``."""
-        if self.params.temperature == 0:
-            return logits.argmax(dim=-1) if argmax is None else argmax
-        # One number per output per draw, whichever outputs are live: a request's stream does not
-        # depend on when its outputs end, nor on the other requests.
-        numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
-        return sample_tokens(logits, self.params, uniform=numbers[to_device(rows, numbers.device)])
+        """The next token (on the device) of each output in ``rows``, from its row of ``logits``; greedy, the
+        step's ``argmax`` when the scheduler picked it already (:data:`~treedec.search.sampling.GREEDY`)."""
+        if argmax is not None:
+            return argmax
+        uniform = None
+        if self.params.temperature > 0:
+            # One number per output per draw, whichever outputs are live: a request's stream does not
+            # depend on when its outputs end, nor on the other requests.
+            numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
+            uniform = numbers[to_device(rows, numbers.device)]
+        return sample_tokens(logits, self.params, uniform=uniform)
 
 
 class _Outputs:
-    """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token)."""
+    """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token; or
+    the prompt's own, :meth:`grow_on_root`) and where its tokens start in that node."""
 
     def __init__(self, tree, checkers: list[StopChecker], keep: bool, stream=None):
         self.tree, self.checkers, self.keep, self.stream = tree, checkers, keep, stream
         self.root: int | None = None
         self.nodes: list[int | None] = [None] * len(checkers)
+        self.starts = [0] * len(checkers)  # each output's first token's index in its node
         self.shown = [0] * len(checkers)   # characters of each output's text streamed so far
+
+    def grow_on_root(self) -> None:
+        """The one output grows on the prompt's node, after the prompt: it stays when the output ends."""
+        self.nodes[0], self.starts[0] = self.root, self.tree.node_length(self.root)
 
     def pages(self, outputs: list[int]) -> int:
         """Pages that appending a token to each of ``outputs`` may take."""
@@ -301,16 +322,20 @@ class _Outputs:
     def accept(self, rows: list[int], tokens: list[int], placed: bool) -> list[int]:
         """Give each drawn token to its output's stop rule; returns the outputs that ended. ``placed``: the
         tokens are in the tree as placeholders (their real ids are set; an output that ended is pruned
-        with its placeholder unless kept). Unplaced, an ended output is pruned unless kept."""
+        with its placeholder unless kept). Unplaced, an ended output is pruned unless kept. An output on
+        the prompt's node is never pruned: its ended token's placeholder is truncated away unless kept."""
         ended = []
         for i, token in zip(rows, tokens):
             checker, node = self.checkers[i], self.nodes[i]
             stopped = checker.accept(token).reason is not None
             if stopped:
                 ended.append(i)
-            at = len(checker.token_ids) - 1
+            at = self.starts[i] + len(checker.token_ids) - 1
             if stopped and not self.keep:
-                if node is not None:
+                if node == self.root:   # (on the prompt's node) the last token, if placed, is dropped
+                    if self.tree.node_length(node) > at:
+                        self.tree.truncate(node, at)
+                elif node is not None:
                     self.tree.prune(node)
                     self.nodes[i] = None
             elif placed:

@@ -36,7 +36,6 @@ from treedec.search.request import (MODEL_EOS, Positions, RequestStats, eos_toke
                                     positive_int)
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
-from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 
 EARLY_STOPPING = (False, True, "never")
@@ -222,7 +221,7 @@ class _BeamSearch:
             by_parent.setdefault(p, []).append(t)
         for p, beam in enumerate(self.beams):
             if p not in by_parent:
-                _prune_dead_branch(self.tree, beam.node, self.root)
+                self.tree.prune_dead_end(beam.node, self.root)
         yield from self.ctx.reserve(sum(self.tree.pages_to_extend(self.beams[p].node, 1) if len(toks) == 1
                                         else len(toks) for p, toks in by_parent.items()))
         grow = {self.beams[p].node: toks for p, toks in by_parent.items() if len(toks) == 1}
@@ -242,13 +241,3 @@ class _BeamSearch:
 
     def _note_pages(self) -> None:
         self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
-
-
-def _prune_dead_branch(tree: SequenceTree, leaf: int, root: int) -> None:
-    """Prune ``leaf`` and every ancestor below ``root`` whose only remaining descendant it is."""
-    top = leaf
-    while top != root and (parent := tree.parent(top)) != root and len(tree.children(parent)) == 1:
-        top = parent
-    assert top != root, f"pruning beam leaf {leaf} would remove the whole request (root {root})"
-    tree.prune(top)
-

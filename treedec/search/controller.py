@@ -30,13 +30,14 @@ import torch
 from treedec.engine import Engine
 from treedec.errors import ControllerError
 from treedec.search.request import MODEL_EOS, Positions, eos_token_ids, position_limit
+from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 
 __all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerProgram", "ControllerRun", "Extend", "Op",
-           "Prune", "Stop", "TreeView", "choose_token_ids", "choose_tokens", "run_controller"]
+           "Prune", "Stop", "TreeView", "run_controller"]
 
 @dataclass(frozen=True)
 class Extend:
@@ -161,7 +162,8 @@ class ControllerProgram(Program):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         self.prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
-        self.controller, self.max_steps, self.temperature, self.generator = controller, max_steps, temperature, generator
+        self.controller, self.max_steps, self.generator = controller, max_steps, generator
+        self.params = SamplingParams(temperature)
         self.keep_tree = keep_tree
 
     def positions(self) -> Positions:
@@ -182,7 +184,7 @@ class ControllerProgram(Program):
 
     def _iterate(self, engine: Engine, ctx: ProgramContext, run: ControllerRun, logits: dict[int, torch.Tensor]):
         """``logits``: every node's next-token logits at its last token, while it lives."""
-        tree, root, temperature, generator = engine.tree, run.root, self.temperature, self.generator
+        tree, root, params, generator = engine.tree, run.root, self.params, self.generator
         while run.steps < self.max_steps:
             leaves = _request_leaves(tree, root)
             ops = self.controller.decide(TreeView(run.steps, root, tree, leaves, dict((n, logits[n]) for n in leaves)))
@@ -193,19 +195,19 @@ class ControllerProgram(Program):
                                                      f"{tree.pool.page_size} tokens, {tree.pool.num_free_pages + freed}"
                                                      f" of {tree.pool.num_pages} would be free after its prunes")
             for node in plan.prune:
-                for dead in _subtree(tree, node):
+                for dead in tree.subtree(node):
                     logits.pop(dead, None)
                 tree.prune(node)
             if plan.stop:
                 run.stopped = True
                 break
             leaves = _request_leaves(tree, root)   # a node whose children were all pruned is a leaf again
-            grow = {n: plan.extend.get(n) or [choose_tokens(logits[n], 1, temperature, generator)[0]]
+            grow = {n: plan.extend.get(n) or sample_tokens(logits[n], params, generator, k=1).tolist()
                     for n in leaves if n not in plan.branch}
             tree.extend_many(grow)
             last = {n: tokens[-1] for n, tokens in grow.items()}   # each new leaf's newest token
             for node, k in plan.branch.items():
-                tokens = choose_tokens(logits[node], k, temperature, generator)
+                tokens = sample_tokens(logits[node], params, generator, k=k).tolist()
                 last.update(zip(tree.branch(node, [[t] for t in tokens]), tokens))
             new_leaves = list(last)
             if not new_leaves:
@@ -218,22 +220,6 @@ class ControllerProgram(Program):
                 if token in self.eos:
                     tree.pause(leaf)
                     run.finished.append(leaf)
-
-
-def choose_tokens(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None) -> list[int]:
-    """k distinct next tokens from ``logits`` [vocab]: the top-k (``temperature == 0``), or k
-    sampled without replacement from ``softmax(logits / temperature)`` with ``generator``
-    (which must be on the logits' device)."""
-    return choose_token_ids(logits, k, temperature, generator).tolist()
-
-
-def choose_token_ids(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None
-                     ) -> torch.Tensor:
-    """:func:`choose_tokens` as a [k] int64 tensor on the logits' device (not read back)."""
-    if temperature == 0:
-        return logits.topk(k).indices
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, k, replacement=False, generator=generator)
 
 
 # ================================================================ private
@@ -289,7 +275,7 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int, po
         raise ControllerError("Stop() may come only with Prune ops, got Extend/Branch ops too")
     doomed = set()
     for node in plan.prune:
-        sub = _subtree(tree, node)
+        sub = tree.subtree(node)
         if doomed & set(sub):
             raise ControllerError(f"Prune({node}) overlaps another Prune of this step")
         doomed.update(sub)
@@ -303,7 +289,7 @@ def _pool_need(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> tuple[int,
     """The pages the plan's growth needs and those its prunes free (0, 0 for a stop)."""
     if plan.stop:
         return 0, 0
-    doomed = {n for node in plan.prune for n in _subtree(tree, node)}
+    doomed = {n for node in plan.prune for n in tree.subtree(node)}
     grow = [n for n in leaves if n not in doomed and n not in plan.branch]
     for node in plan.prune:   # a parent whose children all go is a leaf again and takes a token
         parent = tree.parent(node)
@@ -314,12 +300,3 @@ def _pool_need(tree: SequenceTree, plan: _Plan, leaves: list[int]) -> tuple[int,
     need = sum(tree.pages_to_extend(n, len(plan.extend.get(n, (0,)))) for n in grow)
     need += sum(k * tree.pool.pages_for(1) for k in plan.branch.values())
     return need, tree.pages_freed_by_prune(plan.prune)
-
-
-def _subtree(tree: SequenceTree, node: int) -> list[int]:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(tree.children(n))
-    return out

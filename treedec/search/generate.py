@@ -1,12 +1,19 @@
-"""Plain greedy decoding of one request, one token per engine step: the reference that greedy speculative
-decoding (:mod:`treedec.search.speculative.program`) and every batched path must equal, pipelined on a GPU."""
+"""Plain greedy decoding of one request: the reference that greedy speculative decoding
+(:mod:`treedec.search.speculative.program`) and every batched path must equal.
+
+:func:`greedy_generate` is a :class:`~treedec.search.batch.GenerateProgram` at temperature 0 run alone by the
+scheduler (the one generation path, pipelined on a GPU), its output grown on the prompt's node so that the
+request stays in the tree as a speculative request's does."""
 from __future__ import annotations
 
 from typing import Sequence
 
 from treedec.engine import Engine
+from treedec.search.batch import GenerateProgram
 from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.transfer import HostCopy
+from treedec.search.requests_file import RequestSpec
+from treedec.search.scheduler import run_program
+from treedec.search.stops import StopRule
 
 __all__ = ["greedy_generate"]
 
@@ -18,44 +25,25 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     speculative decoding must equal.
 
     Returns the new tokens up to and including the first EOS id (``eos_token_id`` as in
-    :func:`speculative_generate`), at most ``max_new_tokens``. The request stays in
-    ``engine.tree`` (its root node): the prompt and every new token but the last.
+    :func:`~treedec.search.speculative.program.speculative_generate`), at most ``max_new_tokens``. The
+    request stays in ``engine.tree`` (its root node): the prompt and every new token but the last.
 
     ``pipeline`` (default: on for a CUDA engine, where the device runs asynchronously; off on the
     CPU, where nothing would overlap): each step is planned and launched before the previous
-    step's token is read back (:meth:`Engine.step` reads it on the device), so the host's work
+    step's token is read back (the step reads it on the device), so the host's work
     runs while the device computes. After an EOS one step more has run; its token is dropped
     from the tree (:meth:`SequenceTree.truncate`), so the result and the tree are the same.
+
+    Raises ``ValueError`` before anything runs for a bad argument, or a prompt and ``max_new_tokens`` past
+    the model's positions.
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    eos = frozenset(eos_token_ids(eos_token_id, engine.model))
-    prompt = [int(x) for x in prompt_ids]
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
+    rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
+    spec = RequestSpec("greedy", prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0)
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    prefilled = engine.prefill(prompt)
-    node = prefilled.node
-    if not pipeline:
-        out = [int(prefilled.logits.argmax())]
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            engine.tree.extend(node, out[-1:])
-            out.append(int(engine.step().logits[0].argmax()))
-        return out
-    tree = engine.tree
-    pending = prefilled.logits.argmax().reshape(1)
-    read = HostCopy(pending)
-    out: list[int] = []
-    while True:
-        launched = None
-        if len(out) + 1 < max_new_tokens:
-            tree.extend(node, [0])    # a placeholder: the step reads `pending` on the device
-            launched = engine.step(tokens=pending).logits[0].argmax().reshape(1)
-            next_read = HostCopy(launched)
-        token = read.result()[0]
-        if launched is not None:
-            tree.set_tokens(node, len(prompt) + len(out), [token])
-        out.append(token)
-        if token in eos or len(out) >= max_new_tokens:
-            if launched is not None:
-                tree.truncate(node, len(prompt) + len(out) - 1)
-            return out
-        pending, read = launched, next_read
+    [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), pipeline=pipeline, rule=rule,
+                                                   on_prompt=True))
+    return result.output_ids

@@ -1,7 +1,8 @@
 """Sampling parameters and the draws: :class:`SamplingParams` (vLLM's names and defaults), the processed
-distribution (:func:`sampling_probs`: temperature, top-k, top-p) and the batched draw (:func:`sample_tokens`).
-What every sampling program builds on (generation, parallel sampling, ToT, speculative acceptance);
-parallel sampling and self-consistency are :mod:`treedec.search.parallel_sampling`."""
+distribution (:func:`sampling_probs`: temperature, top-k, top-p) and the one token picker (:func:`sample_tokens`:
+the argmax at temperature 0, else a draw; one token per row or ``k`` distinct ones).
+What every program builds on (generation, the scheduler's step argmax, a branch controller, ToT, speculative
+acceptance); parallel sampling and self-consistency are :mod:`treedec.search.parallel_sampling`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
 
 
+#: Greedy decoding: the argmax (the first of tied logits).
+GREEDY = SamplingParams(temperature=0.0)
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution :func:`sample_tokens` draws from: ``softmax(logits / temperature)`` restricted
     to the ``top_k`` most likely tokens, then to the top-``top_p`` mass; float32, ``[..., vocab]``.
@@ -63,22 +68,34 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                  uniform: torch.Tensor | None = None) -> torch.Tensor:
-    """Draw one token per row.
+                  uniform: torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
+    """The token picker: one token per row of ``logits``, or ``k`` distinct ones. Every program picks its
+    tokens here (greedy decoding with :data:`GREEDY`).
 
     Parameters
     ----------
-    logits : [m, vocab] any float dtype.
-    params : the :class:`SamplingParams`.
+    logits : [m, vocab] any float dtype, or one row [vocab].
+    params : the :class:`SamplingParams`; temperature 0 is the argmax (ties: the first), no randomness.
     generator : torch.Generator on ``logits.device``, for reproducible draws.
     uniform : [m] floats in [0, 1) on ``logits.device``, optional: row i draws the token at
         ``uniform[i]`` of its distribution's cumulative sum (inverse CDF) instead of from
-        ``generator``, so that a caller decides which random number each row gets.
+        ``generator``, so that a caller decides which random number each row gets (one token per
+        row only).
+    k : pick ``k`` distinct tokens per row (branching): temperature 0 the ``k`` largest logits
+        (``topk``), else ``k`` drawn without replacement. None: one token per row.
 
     Returns
     -------
-    [m] int64 token ids, on ``logits.device``.
+    [m] int64 token ids ([m, k] with ``k``), on ``logits.device``; for one [vocab] row the argmax is a
+    0-d tensor, a draw [1] ([k] with ``k``).
     """
+    if k is not None:
+        positive_int("k", k)
+        if uniform is not None:
+            raise ValueError("uniform gives each row one number: it draws one token per row, not k")
+        if params.temperature == 0:
+            return logits.topk(k).indices
+        return torch.multinomial(sampling_probs(logits, params), k, replacement=False, generator=generator)
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     probs = sampling_probs(logits, params)

@@ -63,6 +63,7 @@ from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import share_prefixes
 from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
 from treedec.search.request import check_positions, pages_in_use
+from treedec.search.sampling import GREEDY, sample_tokens
 from treedec.transfer import HostCopy, to_device
 
 __all__ = ["SchedulerStats", "run_program", "run_programs"]
@@ -342,7 +343,7 @@ class _Scheduler:
                      for r in requests if r.dynamic is not None]
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
                               hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
-            argmax = out.logits.argmax(dim=-1) if any(r.argmax for r in requests) else None
+            argmax = sample_tokens(out.logits, GREEDY) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += any(r.prompt for r in requests)
             self.stats.queries_per_step.append(queries)

@@ -15,7 +15,8 @@ operation :class:`~treedec.errors.TreeError`, a full pool
 
 The operations run on every decode step, so the forest's depth-first order is kept up to date
 by each edit (:class:`~treedec.tree.preorder.Preorder`) rather than rebuilt, and a subtree is
-found as a range of it; the speculative edits live in :mod:`treedec.tree.token_tree_edits`.
+found as a range of it; the subtree walks and removals live in :mod:`treedec.tree.subtree_edits`, the
+speculative edits in :mod:`treedec.tree.token_tree_edits`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.paged_kv_pool import PagedKVPool
 from treedec.tree.preorder import Preorder
+from treedec.tree.subtree_edits import SubtreeEdits
 from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
 from treedec.tree.tree_node import TreeNode
@@ -38,13 +40,13 @@ NO_SLOTS = np.zeros(0, dtype=np.int64)   # an empty node's slot buffer, shared (
 NO_SLOTS.setflags(write=False)
 
 
-class SequenceTree(TokenTreeEdits, TreeDebugging):
+class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,
     :meth:`branch`, :meth:`add_token_tree`, :meth:`add_children`, :meth:`accept`, :meth:`prune`,
-    :meth:`extend_computed`, :meth:`set_tokens`, :meth:`truncate`, :meth:`pause`, :meth:`resume`,
-    :meth:`commit_step`, :meth:`layout`.
+    :meth:`prune_dead_end`, :meth:`extend_computed`, :meth:`set_tokens`, :meth:`truncate`, :meth:`pause`,
+    :meth:`resume`, :meth:`commit_step`, :meth:`layout`; walks: :meth:`path`, :meth:`subtree`.
     """
 
     def __init__(self, pool: PagedKVPool):
@@ -125,14 +127,6 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
     def pages_to_extend(self, node_id: int, num_tokens: int) -> int:
         """Fresh pages that appending ``num_tokens`` tokens to ``node_id`` takes (0 while they fit in its last page)."""
         return self._pages_to_extend(self._get(node_id), int_value(num_tokens, "num_tokens", low=0))
-
-    def pages_freed_by_prune(self, node_ids: Iterable[int]) -> int:
-        """Pages that pruning the subtrees of ``node_ids`` would return to the pool (changes nothing).
-
-        A page is freed when every node holding it is in one of those subtrees.
-        """
-        nodes = {i: self._nodes[i] for nid in node_ids for i in self._subtree(self._get(nid).id)}
-        return self._pages_freed(self._holds(nodes.values()))
 
     def is_paused(self, node_id: int) -> bool:
         return self._get(node_id).paused
@@ -273,28 +267,6 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
         self._layout = None
         return ids
 
-    def prune(self, node_id: int) -> np.ndarray:
-        """Remove ``node_id`` and its whole subtree; returns the pages freed.
-
-        Pruning a root removes that request. A subtree that still has pending tokens
-        (queries of the step in flight) cannot be pruned until :meth:`commit_step`.
-        """
-        top = self._get(node_id)
-        order = self._structure()
-        start = order.position(top.id)
-        stop = order.subtree_end(start)
-        subtree = list(map(self._nodes.__getitem__, order.ids[start:stop].tolist()))
-        pending = [n.id for n in subtree if n.pending]
-        if pending:
-            raise TreeError(f"cannot prune node {node_id}: node(s) {pending[:5]} in its subtree have pending "
-                            f"tokens of the current step; call commit_step() first")
-        freed = self._cut(start, stop, subtree)
-        if top.parent is None:
-            self._roots.remove(top.id)
-        else:
-            self._nodes[top.parent].children.remove(top.id)
-        return freed
-
     def set_tokens(self, node_id: int, start: int, tokens: Sequence[int]) -> None:
         """Overwrite the ids of ``node_id``'s tokens ``start .. start + len(tokens) - 1`` (``[n]`` ints >= 0).
 
@@ -402,12 +374,6 @@ class SequenceTree(TokenTreeEdits, TreeDebugging):
 
     def _fresh_preorder(self) -> Preorder:
         return Preorder.build(self._roots, {i: n.children for i, n in self._nodes.items()})
-
-    def _subtree(self, node_id: int) -> list[int]:
-        """``node_id`` and its descendants, depth-first."""
-        order = self._structure()
-        start = order.position(node_id)
-        return order.ids[start:order.subtree_end(start)].tolist()
 
     @staticmethod
     def _holds(nodes: Iterable[TreeNode]) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from treedec.models.medusa import MedusaHeads
 from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate, verify_greedy
+from treedec.search.speculative.program import check_draft_tree, speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 
@@ -114,26 +114,47 @@ def test_prompt_lookup_draft():
         PromptLookupDraft(num_draft_tokens=0)
 
 
+class _FixedDraft(DraftSource):
+    """Proposes ``tokens(sequence)`` over ``tree`` every step."""
+
+    def __init__(self, tree, tokens):
+        self.tree, self.tokens = tree, tokens
+
+    def propose(self, sequence_tokens):
+        return self.tree, self.tokens(sequence_tokens)
+
+
 def test_verify_errors_change_nothing(tiny):
+    """A bad draft raises in the verification step before it changes anything: the request's node is
+    freed with every page; a step's checks name an unknown node or one with children."""
+    tree = TokenTree.chain(2)
+    for tokens, error, match in [
+            (lambda seq: [seq[-1], 5], ValueError, "one token per tree token .3., got 2"),
+            (lambda seq: [seq[-1], 5, 600], ValueError, r"token ids in \[0, 512\), got \[600\]"),
+            (lambda seq: [seq[-1], 5, 5.7], TypeError, r"tokens\[2\] must be an integer, got float"),  # was 5
+            (lambda seq: "456", TypeError, "tokens must be a sequence of integers, got str")]:   # was [4, 5, 6]
+        engine = make_engine(tiny)
+        with pytest.raises(error, match=match):
+            speculative_generate(engine, [1, 2, 3], _FixedDraft(tree, tokens), 5)
+        assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
     engine = make_engine(tiny)
     node = engine.prefill([1, 2, 3]).node
-    tree = TokenTree.chain(2)
     before = (engine.tree.num_tokens, engine.pool.num_free_pages)
     with pytest.raises(ValueError, match="one token per tree token .3., got 2"):
-        verify_greedy(engine, node, tree, [4, 5])
+        check_draft_tree(engine, node, tree, [4, 5])
     with pytest.raises(ValueError, match=r"token ids in \[0, 512\), got \[600\]"):
-        verify_greedy(engine, node, tree, [4, 5, 600])
+        check_draft_tree(engine, node, tree, [4, 5, 600])
     with pytest.raises(TypeError, match=r"tokens\[2\] must be an integer, got float"):   # was truncated to 5
-        verify_greedy(engine, node, tree, [4, 5, 5.7])
+        check_draft_tree(engine, node, tree, [4, 5, 5.7])
     with pytest.raises(TypeError, match="tokens must be a sequence of integers, got str"):   # was [4, 5, 6]
-        verify_greedy(engine, node, tree, "456")
+        check_draft_tree(engine, node, tree, "456")
     assert (engine.tree.num_tokens, engine.pool.num_free_pages) == before
     with pytest.raises(TreeError, match="unknown node"):
-        verify_greedy(engine, 99, tree, [4, 5, 6])
+        check_draft_tree(engine, 99, tree, [4, 5, 6])
     engine.tree.branch(node, [[9]])
     engine.step()
     with pytest.raises(ValueError, match="must be a leaf"):
-        verify_greedy(engine, node, tree, [4, 5, 6])
+        check_draft_tree(engine, node, tree, [4, 5, 6])
     assert (engine.tree.num_tokens, engine.pool.num_free_pages) == (before[0] + 1, before[1] - 1)
     with pytest.raises(ValueError, match="tokens\\[0\\] == the last sequence token"):
         speculative_generate(make_engine(tiny), [1, 2, 3], _BadRoot(), 5)

@@ -29,7 +29,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from treedec.search.speculative.device_acceptance import rejection_outcome
-from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
 
@@ -67,11 +67,11 @@ class GreedyAcceptance:
     """
 
     def first_token(self, logits: torch.Tensor) -> int:
-        return int(logits.argmax(dim=-1))
+        return int(sample_tokens(logits, GREEDY))
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
-        return greedy_path(tree, tokens, logits.argmax(dim=-1).tolist())
+        return greedy_path(tree, tokens, sample_tokens(logits, GREEDY).tolist())
 
 
 def greedy_path(tree: TokenTree, tokens: Sequence[int], choice: Sequence[int]) -> tuple[list[int], int]:
@@ -202,8 +202,7 @@ class RejectionSampling:
 
     def first_sample(self, logits: torch.Tensor) -> torch.Tensor:
         """:meth:`first_token` left on the device (``[1]`` int64, no wait), drawn from the same stream."""
-        probs = sampling_probs(logits, self._params)
-        return torch.multinomial(probs, 1, generator=_generator(self, probs.device))
+        return sample_tokens(logits, self._params, _generator(self, logits.device))
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:

@@ -40,6 +40,7 @@ from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSam
 from treedec.search.speculative.device_acceptance import greedy_outcome
 from treedec.search.speculative.drafts import DeviceStep, DraftSource, target_states_at
 from treedec.search.program import ProgramContext, StepRequest
+from treedec.search.sampling import GREEDY, sample_tokens
 from treedec.search.stops import StopChecker
 from treedec.search.speculative.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
@@ -99,7 +100,7 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
     start = time.perf_counter()
     node, out = yield from ctx.prompt(program.prompt_ids, all_rows=kind is not None, **want)
     stats.node = node
-    first = (out.logits[0].argmax() if greedy else acceptance.first_sample(out.logits[0])).reshape(1)
+    first = (sample_tokens(out.logits[0], GREEDY) if greedy else acceptance.first_sample(out.logits[0])).reshape(1)
     root, read = first, first
     step = DeviceStep(engine.device, None if head_name is None else out.heads[head_name][0],
                       target_states_at(engine, kind, out),
@@ -139,7 +140,7 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
         ids = tree.add_token_tree(node, [0] * shape.size, [-1] + list(shape.parents[1:]))
         slots = tree.first_slots(ids)
         rows = yield StepRequest(ids, tokens=tokens, read=read, dynamic=span, **want)
-        outcome = (greedy_outcome(shape, tokens, rows.logits.argmax(dim=-1)) if greedy
+        outcome = (greedy_outcome(shape, tokens, sample_tokens(rows.logits, GREEDY)) if greedy
                    else acceptance.outcome(shape, tokens, rows.logits))
         read = torch.cat([outcome, tokens[outcome[2:].clamp(min=0)]])
         launched = _Flight(shape, ids, to_device(slots, engine.device), tokens,

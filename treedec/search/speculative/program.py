@@ -28,7 +28,6 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.errors import PoolExhaustedError
 from treedec.search.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
 from treedec.search.speculative.device_acceptance import decode_outcome
 from treedec.models.text import IncrementalDetokenizer
@@ -86,7 +85,7 @@ class SpeculativeStats:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The outcome of :func:`verify_tree`.
+    """The outcome of one verification step of :class:`SpeculativeProgram` (the accepted path settled).
 
     Attributes
     ----------
@@ -104,55 +103,6 @@ class VerifyResult:
     hidden: torch.Tensor | None = None
     head: torch.Tensor | None = None
     path: list[int] = field(default_factory=list)
-
-
-def verify_greedy(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int]) -> tuple[list[int], int]:
-    """Verify a token tree under leaf ``node`` with :class:`GreedyAcceptance` (see :func:`verify_tree`).
-
-    Returns
-    -------
-    (accepted draft tokens, bonus token): the model's choice after the last accepted token.
-    """
-    result = verify_tree(engine, node, tree, tokens)
-    return result.accepted, result.bonus
-
-
-def verify_tree(engine: Engine, node: int, tree: TokenTree, tokens: Sequence[int],
-                acceptance: AcceptanceRule = GreedyAcceptance(), return_hidden: bool = False,
-                stop_ids: Collection[int] = (), head_name: str | None = None) -> VerifyResult:
-    """Verify a token tree under leaf ``node`` in one engine step; keep the accepted path.
-
-    ``tokens[0]`` (the root) is appended to ``node`` and the draft tokens hang under it.
-    After the step, ``acceptance`` picks the accepted path from the target's logits at
-    every tree token; its K/V are copied onto ``node`` (no recompute), the rest is pruned
-    (its pages freed). Checks its input first and changes nothing when it raises.
-
-    Parameters
-    ----------
-    tokens : [tree.size] token ids, ``tokens[0]`` the root.
-    return_hidden : also return the hidden state at the last accepted token (Medusa heads
-        read it).
-    stop_ids : token ids (EOS) that end the accepted path: the first path token among them
-        is returned as the bonus (it was drawn after the tokens before it), so neither it
-        nor anything after it is kept on ``node``.
-    head_name : a row head of the engine (:meth:`Engine.add_row_head`) whose output at the
-        last accepted token to return; its rows are copied to the host while the acceptance
-        reads the logits (one wait for both).
-    """
-    if head_name is not None and head_name not in engine.row_heads:
-        raise ValueError(f"head_name {head_name!r} is not a row head of the engine {engine.row_heads}")
-    tokens = _check_tree(engine, node, tree, tokens)
-    need = 1 + engine.pool.pages_for(tree.size - 1)
-    if need > engine.pool.num_free_pages:
-        raise PoolExhaustedError(f"KV pool exhausted: verifying a {tree.size}-token tree may need {need} pages, "
-                                 f"{engine.pool.num_free_pages} free; nothing was changed")
-    ids = _add_tree(engine, node, tree, tokens)
-    out = engine.step(logits_rows=engine.pending_rows([node] + ids), return_hidden=return_hidden,
-                      return_heads=head_name is not None)
-    decided = (decode_outcome(acceptance.outcome(tree, tokens, out.logits).tolist())
-               if isinstance(acceptance, RejectionSampling) else None)
-    return _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads, head_name, stop_ids,
-                   decided=decided)
 
 
 class SpeculativeProgram(Program):
@@ -284,7 +234,7 @@ class SpeculativeProgram(Program):
                 tree, tokens = draft.collect()
             else:
                 tree, tokens = draft.propose(sequence)
-            tokens = _check_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
+            tokens = check_draft_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
             probs = draft.draft_probs
             if self.budget is not None:
                 tree, tokens, probs = cut_tree(tree, tokens, self.budget.tokens(self, engine.device, tree.size - 1),
@@ -364,6 +314,36 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     return checker.token_ids, stats
 
 
+def check_draft_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,
+                     max_tokens: int | None = None) -> list[int]:
+    """The checks of a verification step before it changes anything: a draft's ``tokens`` (``[tree.size]``
+    ids, ``tokens[0]`` the root) as ints, checked against ``tree``, the vocabulary and the leaf ``node`` that
+    the tree will hang under; ``last``: the sequence's last token, which must be the root; ``max_tokens``: the
+    largest tree allowed.
+
+    Raises ``TypeError`` (tokens that are not integers), ``ValueError`` (a wrong count, an id out of the
+    vocabulary, a wrong root, a tree too large, a ``node`` with children) or
+    :class:`~treedec.errors.TreeError` (an unknown ``node``).
+    """
+    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
+    if len(tokens) != tree.size:
+        raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
+    if last is not None and tokens[0] != last:
+        raise ValueError(f"the draft's propose must return tokens[0] == the last sequence token {last}, "
+                         f"got {tokens[:1]}")
+    if max_tokens is not None and tree.size > max_tokens:
+        raise ValueError(f"the draft proposed a {tree.size}-token tree; at most max_draft_tokens={max_tokens}")
+    vocab = engine.model.config.vocab_size
+    bad = [x for x in tokens if not 0 <= x < vocab]
+    if bad:
+        raise ValueError(f"draft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
+    t = engine.tree
+    if t.children(node):
+        raise ValueError(f"node {node} must be a leaf to verify a token tree under it, it has children "
+                         f"{t.children(node)[:5]}")
+    return tokens
+
+
 # ================================================================ private
 
 
@@ -393,28 +373,6 @@ def _target_states(draft) -> str | tuple[int, ...] | None:
                                                             for i in states):
         return tuple(states)
     raise ValueError(f"a draft's target_states must be None, 'hidden' or a tuple of layer indices, got {states!r}")
-
-
-def _check_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,
-                max_tokens: int | None = None) -> list[int]:
-    """The draft's tokens as ints, checked against the tree, the vocabulary and the leaf ``node``."""
-    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
-    if len(tokens) != tree.size:
-        raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
-    if last is not None and tokens[0] != last:
-        raise ValueError(f"the draft's propose must return tokens[0] == the last sequence token {last}, "
-                         f"got {tokens[:1]}")
-    if max_tokens is not None and tree.size > max_tokens:
-        raise ValueError(f"the draft proposed a {tree.size}-token tree; at most max_draft_tokens={max_tokens}")
-    vocab = engine.model.config.vocab_size
-    bad = [x for x in tokens if not 0 <= x < vocab]
-    if bad:
-        raise ValueError(f"draft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
-    t = engine.tree
-    if t.children(node):
-        raise ValueError(f"node {node} must be a leaf to verify a token tree under it, it has children "
-                         f"{t.children(node)[:5]}")
-    return tokens
 
 
 def _add_tree(engine: Engine, node: int, tree: TokenTree, tokens: list[int]) -> list[int]:

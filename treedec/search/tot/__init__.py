@@ -3,15 +3,15 @@
 - :mod:`~treedec.search.tot.program`: :func:`tot_bfs`, :func:`tot_dfs`, :func:`tot_batch` and
   :class:`ToTProgram` (a search as a scheduler program);
 - :mod:`~treedec.search.tot.task`: what a search is given and returns (:class:`ToTTask`, the configs,
-  :class:`ToTResult`, the :class:`Tokenizer` protocol and :class:`ByteTokenizer`);
+  :class:`ToTResult`, the :class:`Tokenizer` protocol, :class:`ByteTokenizer` and :class:`HFTokenizer`);
 - :mod:`~treedec.search.tot.search`: the engine-side work of a search (thoughts generated together,
   evaluations, pruning);
 - :mod:`~treedec.search.tot.game24`: the Game of 24 as a task, with an exact checker.
 """
 from treedec.search.tot.game24 import Game24Task
 from treedec.search.tot.program import ToTProgram, tot_batch, tot_bfs, tot_dfs
-from treedec.search.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
-                                     ToTTask, Tokenizer)
+from treedec.search.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, LevelStats,
+                                     ToTResult, ToTState, ToTTask, Tokenizer)
 
-__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "Game24Task", "LevelStats", "ToTProgram",
-           "ToTResult", "ToTState", "ToTTask", "Tokenizer", "tot_batch", "tot_bfs", "tot_dfs"]
+__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "Game24Task", "HFTokenizer", "LevelStats",
+           "ToTProgram", "ToTResult", "ToTState", "ToTTask", "Tokenizer", "tot_batch", "tot_bfs", "tot_dfs"]

@@ -11,9 +11,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from treedec.search.controller import choose_token_ids
 from treedec.search.program import ProgramContext, Read, StepRequest
 from treedec.search.request import Positions, check_positions
+from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.tot.task import LevelStats, ToTState, ToTTask, Tokenizer, _SearchConfig
 from treedec.transfer import to_device
 
@@ -86,12 +86,9 @@ class ToTSearch:
         self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
     def prune_dead_end(self, node: int, root: int) -> None:
-        """Prune ``node``, then each ancestor below ``root`` left without children."""
-        parent = self.tree.parent(node)
-        self.tree.prune(node)
-        while parent != root and parent in self.tree and not self.tree.children(parent):
-            node, parent = parent, self.tree.parent(parent)
-            self.tree.prune(node)
+        """Prune ``node`` with each ancestor below ``root`` that leads only to it
+        (:meth:`~treedec.tree.SequenceTree.prune_dead_end`), and forget their logits."""
+        self.tree.prune_dead_end(node, root)
         self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
     def release(self, root: int | None) -> None:
@@ -206,7 +203,8 @@ class ToTSearch:
         length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
         check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
                         self.ctx.name)
-        firsts = yield Read(torch.cat([choose_token_ids(self.logits[parent], count, temperature, self.generator)
+        params = SamplingParams(temperature)
+        firsts = yield Read(torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count)
                                        for parent, count in heads]))   # one wait for every head's tokens
         parents = [parent for parent, count in heads for _ in range(count)]
         streams = [_Stream(parent, [tok]) for parent, tok in zip(parents, firsts)]
@@ -226,7 +224,7 @@ class ToTSearch:
                 if s.done:
                     self.logits[s.node] = out[row[id(s)]]
             picks = out if len(active) == len(placed) else out[to_device([row[id(s)] for s in active], out.device)]
-            for s, tok in zip(active, (yield Read(_next_tokens(picks, temperature, self.generator)))):
+            for s, tok in zip(active, (yield Read(sample_tokens(picks, params, self.generator)))):
                 s.tokens.append(tok)
             fresh = active
         return streams
@@ -288,11 +286,3 @@ class ToTSearch:
     def _note_pages(self) -> None:
         self.pages_peak = max(self.pages_peak, self._pages_in_use())
 
-
-def _next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """One next token per row of ``logits`` [r, vocab], on the device: argmax, or sampled from
-    softmax(logits / T)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).view(-1)

@@ -17,8 +17,8 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTResult", "ToTState", "ToTTask",
-           "Tokenizer"]
+__all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "HFTokenizer", "LevelStats", "ToTResult",
+           "ToTState", "ToTTask", "Tokenizer"]
 
 SELECTIONS = ("greedy", "sample")
 
@@ -48,6 +48,22 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
         return raw.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's transformers tokenizer (:func:`~treedec.models.text.load_tokenizer`) as a :class:`Tokenizer`:
+    no special tokens inside the text; ``bos_id`` is the BOS token if the tokenizer puts one before a text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        bos = tokenizer.bos_token_id
+        self.bos_id = bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 # ================================================================ task
