@@ -82,6 +82,7 @@ run); the table is printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -143,6 +144,13 @@ def main(argv=None) -> int:
     lead = tp is None or tp.rank == 0   # the one rank that prints and writes (every rank runs everything)
 
     config = ModelConfig.from_name(args.model)
+    longest = max(args.prompts) + 1024   # the prompt, the timed steps and a draft tree's depth, with room
+    if longest > config.max_position:
+        # Random weights: the shape's context length is a choice (Llama 3.1 has 131072 positions); the engine
+        # checks every request against it, so a 32000-token prompt needs it raised.
+        print(f"{args.model}: max_position {config.max_position} -> {longest} for the {max(args.prompts)}-token "
+              "prompt (random weights)")
+        config = dataclasses.replace(config, max_position=longest)
     rng = np.random.default_rng(args.seed)
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
     model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp)
