@@ -8,6 +8,7 @@ random Llama saved in the Hugging Face layout. The two install commands are the 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import shlex
 import subprocess
@@ -85,3 +86,31 @@ def test_main_job_command_runs(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "flatten" in result.stdout and (tmp_path / "replay.json").is_file()
+
+
+def _table_modules() -> set[str]:
+    """The modules the README's "What is here" table names (its second column)."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## What is here"):]
+    table = table[:table.index("\n\n", table.index("| layer |"))]
+    names = set()
+    for row in table.splitlines()[2:]:
+        names.update(re.findall(r"`(treedec(?:\.\w+)*)`", row.split("|")[2]))
+    return names
+
+
+def test_module_table_matches_the_tree():
+    """Every package of treedec has a row (a class row counts for its package), and every module named imports."""
+    named = _table_modules()
+    covered = {".".join(n.split(".")[:k]) for n in named for k in range(1, len(n.split(".")) + 1)}
+    package = REPO / "treedec"
+    packages = {"treedec." + str(p.parent.relative_to(package)).replace("/", ".")
+                for p in package.rglob("*.py") if p.parent != package and "__pycache__" not in p.parts}
+    missing = sorted(p for p in packages if p not in covered)
+    assert not missing, f"README's module table has no row for {missing}"
+    for name in named:
+        module, _, attr = name.rpartition(".")
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            assert hasattr(importlib.import_module(module), attr), f"README names {name}, which does not exist"
