@@ -205,7 +205,6 @@ def ranks(tmp_path_factory) -> list[dict]:
 # ===================================================================== tests
 
 
-@pytest.mark.slow
 def test_each_rank_holds_its_heads_and_columns(ranks):
     for r in ranks:
         c = r["shard_config"]
