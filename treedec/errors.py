@@ -29,6 +29,12 @@ class ConcurrentUseError(RuntimeError):
     """A second thread entered an engine or tree that another thread is using (one engine per thread)."""
 
 
+class RecordingError(RuntimeError):
+    """An engine run that a :class:`~treedec.replay.ScheduleRecorder` cannot write as a replay schedule, or a
+    recorder used wrongly (a second one on an engine, a wrapper of its methods left at close). The call that
+    raises it changes nothing."""
+
+
 class CheckpointError(ValueError):
     """A malformed checkpoint (a folder's config, index, shard or tensor; an EAGLE checkpoint; a GGUF file).
 

@@ -170,6 +170,14 @@ def test_truncated_appends_release_and_builders_validate():
         Schedule.from_steps([[Prompt("p", 4)], [Extend("q", 1)]])
 
 
+def test_what_is_no_op_is_refused_by_the_checker_and_the_driver():
+    with pytest.raises(ScheduleError, match=r"step 1, op 0: dict is not a schedule op \(one of Prompt, Branch"):
+        Schedule.from_steps([[Prompt("p", 4)], [{"op": "extend", "node": "p", "tokens": 1}]])
+    driver = ScheduleDriver(tree=SequenceTree(PagedKVPool(16, 4, allocate_storage=False)))
+    with pytest.raises(TypeError, match="op must be a schedule op .*, got str"):
+        driver.apply("prune")
+
+
 # ================================================================ sizes and hostile input
 
 

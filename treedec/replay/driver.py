@@ -13,8 +13,8 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.tree import PagedKVPool, SequenceTree
-from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Children, Extend, Handle, Op, Prompt,
-                                        Prune, Schedule, TokenTree, Truncate, token_count)
+from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, OPS, Accept, Branch, Children, Extend, Handle, Op,
+                                        Prompt, Prune, Schedule, TokenTree, Truncate, token_count)
 
 
 class ScheduleDriver:
@@ -51,7 +51,8 @@ class ScheduleDriver:
     # ================================================================ ops
 
     def apply(self, op: Op) -> None:
-        """Apply one op (validated by the Schedule: any error here is a bug or an exhausted pool)."""
+        """Apply one op (validated by the Schedule: any error here but a TypeError for what is no op is a bug or
+        an exhausted pool)."""
         tree = self.tree
         if isinstance(op, Prompt):
             self._prompt(op)
@@ -88,7 +89,8 @@ class ScheduleDriver:
         elif isinstance(op, Prune):
             self._prune(self.nodes[op.node])
         else:
-            raise AssertionError(f"unknown op {op!r}")
+            raise TypeError(f"op must be a schedule op ({', '.join(kind.__name__ for kind in OPS)}), got "
+                            f"{type(op).__name__}")
 
     def forward(self) -> list[int] | None:
         """Run the step's forward (or commit, in a dry run); returns the greedy next token per computed node."""

@@ -4,9 +4,10 @@
     ... engine.prefill(...), tree edits, engine.step(), run_programs(engine, programs) (any controller)
     recorder.close().save("my-search.json")      # treedec replay my-search.json
 
-It observes the engine from outside: until :meth:`close` it wraps ``engine.prefill`` and
-``engine.step`` and the edits of ``engine.tree`` (on those two objects, not their classes)
-and writes each edit, in the order it ran, as the op that makes it again:
+It observes the engine from outside: until :meth:`close` it wraps ``engine.prefill``,
+``engine.step``, the edits of ``engine.tree`` and ``engine.pool.copy_slots`` (on those objects,
+not their classes: an engine without a recorder runs its own methods, at no cost) and writes
+each edit, in the order it ran, as the op that makes it again:
 
 - ``engine.prefill`` -> ``prompt`` (prefilled: its own forwards);
 - ``tree.add_prompt`` (a scheduler's prompt, computed by the next step with the other
@@ -17,7 +18,12 @@ and writes each edit, in the order it ran, as the op that makes it again:
 - ``accept`` -> ``accept`` of a chain of token-tree nodes (made by ``add_token_tree`` or
   ``add_children``); a chain of other nodes -> ``prune`` of the anchor's children and an
   ``extend`` of the anchor by the chain's tokens, which end the step (the replay computes
-  them again: same tree, one forward more).
+  them again: same tree, one forward more);
+- ``extend_computed`` and the ``engine.pool.copy_slots`` that fills the slots it reserved with
+  the K/V of a token tree's root and accepted path (a pipelined speculative step,
+  :mod:`treedec.search.speculative.pipeline`) -> ``accept`` of that chain, in place of the token
+  tree's ``prune``. The reserved slots past the path (masked by the step, cut by a later
+  ``truncate``) are not in the schedule: its tree is the one the unpipelined loop grows.
 
 Each ``engine.step`` ends a step (its pending tokens are the ops' since the last one); a
 prefill ends a step of its own; :meth:`close` writes the edits after the last step as a
@@ -33,6 +39,11 @@ the one its step computed (``engine.step(tokens=...)``'s device ids where a pipe
 left placeholders in the tree). With ``prompt_ids`` every token is recorded by its id but
 those appended one at a time to a leaf (decoding), which stay counts, the replay's greedy
 choices: a greedy program's replay then chooses the same tokens again.
+
+What no op can say raises :class:`~treedec.errors.RecordingError` before the call runs (it
+changes nothing): a ``copy_slots`` that is not a reservation's accept, a call other than that
+copy right after ``extend_computed``, and an edit that grows a node past reserved slots not
+cut yet (``add_token_tree`` under it excepted: the pipelined step masks them).
 """
 from __future__ import annotations
 
@@ -40,16 +51,33 @@ import dataclasses
 import inspect
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from treedec.engine import Engine
-from treedec.errors import TreeError
+from treedec.errors import RecordingError, TreeError
 from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Op, Prompt, Prune, Schedule, TokenTree,
                                         Truncate)
 
 #: The tree's edits that a recorder wraps (the others change nothing a replay needs).
 TREE_EDITS = ("add_prompt", "extend", "extend_many", "branch", "add_token_tree", "add_children", "accept", "truncate",
-              "prune")
+              "prune", "extend_computed")
+
+#: Each edit's arguments naming the nodes it grows (an edit may not grow a node holding reserved slots).
+_GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "branch": "node_id", "add_children": "node_ids",
+          "accept": "anchor", "extend_computed": "node_id"}
+
+
+class _Recorded:
+    """A recorded method: an instance attribute of the engine, its tree or its pool until the recorder closes."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
 
 
 class ScheduleRecorder:
@@ -58,8 +86,9 @@ class ScheduleRecorder:
     Parameters
     ----------
     engine : Engine
-        The engine to record; its tree must be empty. Its ``prefill`` and ``step`` and its tree's
-        edits are wrapped until ``close``.
+        The engine to record; its tree must be empty and no other recorder may be recording it.
+        Its ``prefill`` and ``step``, its tree's edits and its pool's ``copy_slots`` are wrapped
+        until ``close``.
     name : str
         The schedule's name.
     prompt_ids : bool
@@ -67,6 +96,13 @@ class ScheduleRecorder:
         stay counts (default: every token as a count).
     token_ids : bool
         Record every token by its id.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, or a tree that is not empty.
+    RecordingError
+        Another recorder records ``engine`` (close it first).
     """
 
     def __init__(self, engine: Engine, name: str = "recorded", prompt_ids: bool = False, token_ids: bool = False):
@@ -77,6 +113,12 @@ class ScheduleRecorder:
         for flag, value in (("prompt_ids", prompt_ids), ("token_ids", token_ids)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
+        targets = _targets(engine)
+        held = next((f"{label}.{method}" for label, obj, method in targets
+                     if isinstance(vars(obj).get(method), _Recorded)), None)
+        if held is not None:
+            raise RecordingError(f"engine is already recorded by another ScheduleRecorder ({held} is its wrapper); "
+                                 f"close that one first")
         if engine.tree.num_nodes:
             raise ValueError(f"start the recorder on an empty tree; this one has {engine.tree.num_nodes} node(s)")
         self.engine, self.tree, self.name = engine, engine.tree, name
@@ -86,37 +128,63 @@ class ScheduleRecorder:
         self._ops: list[Op] = []                               # the step being recorded
         self._ids_of: dict[int, list[tuple[int, int]]] = {}    # op index -> (node, token index) of its ids
         self._token_tree: set[int] = set()                     # nodes made by add_token_tree / add_children
+        self._drafts: dict[int, tuple[int, int]] = {}          # first slot -> (token-tree node, parent)
+        self._reservation: tuple[int, list[int]] | None = None  # extend_computed's (node, slots) to be filled
+        self._reserved: dict[int, int] = {}                    # node -> its last tokens not in the schedule
         self._prompts: set[int] = set()                        # prompt nodes whose next extend may be a chunk
         self._depth = 0                                        # inside a recorded call
-        self._installed: list[tuple[object, str, object]] = []
-        self._install(engine, "prefill", self._prefilled)
-        self._install(engine, "step", self._stepped, before=self._before_step)
-        for edit in TREE_EDITS:
-            self._install(self.tree, edit, getattr(self, f"_{edit}"),
-                          before=self._before_accept if edit == "accept" else None)
+        self._installed: list[tuple[object, str, str, object, _Recorded]] = []
+        befores = {"accept": self._before_accept, "truncate": self._before_truncate}
+        for label, obj, method in targets:
+            if obj is engine:
+                record, before = (self._prefilled, None) if method == "prefill" else (self._stepped, self._before_step)
+            elif obj is engine.pool:
+                record, before = self._copied, self._before_copy
+            else:
+                record, before = getattr(self, f"_{method}"), befores.get(method)
+            self._install(obj, label, method, record, before)
 
     def close(self) -> Schedule:
         """Stop recording (the wrapped methods are restored) and return the validated schedule; the
-        edits after the last step form a last step."""
+        edits after the last step form a last step.
+
+        Raises
+        ------
+        RecordingError
+            A recorded method was wrapped again after the recorder started (nothing is restored:
+            remove that wrapper, then close), or the run ended between ``extend_computed`` and the
+            copy into its slots (the methods are restored).
+        """
         if self._installed:
-            for obj, name, saved in reversed(self._installed):
+            replaced = [f"{label}.{method}" for obj, label, method, _, mine in self._installed
+                        if vars(obj).get(method) is not mine]
+            if replaced:
+                raise RecordingError(f"{', '.join(replaced)} was replaced after the recorder started; remove that "
+                                     f"wrapper first, then close the recorder (which restores the methods)")
+            for obj, _, method, saved, _ in reversed(self._installed):
                 if saved is None:
-                    delattr(obj, name)
+                    delattr(obj, method)
                 else:
-                    setattr(obj, name, saved)
+                    setattr(obj, method, saved)
             self._installed = []
-            if self._ops:
-                self._end_step()
+        if self._reservation is not None:
+            node, slots = self._reservation
+            raise RecordingError(f"the run ended after tree.extend_computed reserved {len(slots)} slot(s) on node "
+                                 f"{node}, before engine.pool.copy_slots filled them: no schedule op says where their "
+                                 f"K/V came from")
+        if self._ops:
+            self._end_step()
         return Schedule.from_steps(self._steps, name=self.name, source="ScheduleRecorder",
                                    meta={"recorded_steps": len(self._steps)})
 
     # ================================================================ wrapping
 
-    def _install(self, obj, name: str, record, before=None) -> None:
+    def _install(self, obj, label: str, name: str, record, before=None) -> None:
         """Wrap ``obj.name``: call it, then ``record(result, arguments, state)``, ``state`` being what
         ``before(arguments)`` returned before the call (calls made inside a recorded one pass through)."""
         original = getattr(obj, name)   # the method, or what wraps it already
         signature = inspect.signature(getattr(type(obj), name))   # the method's own parameters (self first)
+        grown = _GROWN.get(name) if obj is self.tree else None
 
         def recorded(*args, **kwargs):
             if self._depth:
@@ -126,6 +194,13 @@ class ScheduleRecorder:
             except TypeError:
                 return original(*args, **kwargs)   # raises the method's own error
             bound.apply_defaults()
+            if self._reservation is not None and name != "copy_slots":
+                node, slots = self._reservation
+                raise RecordingError(f"{label}.{name} called between tree.extend_computed (node {node}, {len(slots)} "
+                                     f"slot(s)) and the engine.pool.copy_slots that fills them: the recorder writes "
+                                     f"the two as one accept")
+            if grown is not None and self._reserved:
+                self._refuse_reserved(label, name, bound.arguments[grown])
             self._depth += 1
             try:
                 state = before(bound.arguments) if before is not None else None
@@ -135,8 +210,22 @@ class ScheduleRecorder:
             record(result, bound.arguments, state)
             return result
 
-        self._installed.append((obj, name, vars(obj).get(name)))
-        setattr(obj, name, recorded)
+        wrapper = _Recorded(recorded)
+        self._installed.append((obj, label, name, vars(obj).get(name), wrapper))
+        setattr(obj, name, wrapper)
+
+    def _refuse_reserved(self, label: str, name: str, nodes) -> None:
+        """Raise if the edit grows a node that holds reserved slots not in the schedule (their positions
+        would be the schedule's next tokens')."""
+        if isinstance(nodes, (int, np.integer)):
+            nodes = [nodes]
+        try:
+            held = next((n for n in nodes if self._reserved.get(n)), None)
+        except TypeError:
+            return   # not nodes: the edit raises its own error
+        if held is not None:
+            raise RecordingError(f"{label}.{name} grows node {held}, which holds {self._reserved[held]} reserved "
+                                 f"slot(s) past its accepted path (tree.extend_computed); truncate them first")
 
     # ================================================================ engine calls
 
@@ -174,6 +263,10 @@ class ScheduleRecorder:
             self._ids_of.clear()
         self._steps.append(tuple(self._ops))
         self._ops.clear()
+        tree = self.tree
+        # Pruned nodes are named no more (a pipelined step's accept names those pruned since the last step).
+        self._drafts = {slot: draft for slot, draft in self._drafts.items() if draft[0] in tree}
+        self._reserved = {n: k for n, k in self._reserved.items() if n in tree}
 
     # ================================================================ tree edits
 
@@ -226,12 +319,18 @@ class ScheduleRecorder:
         anchor, index = int(arguments["node_id"]), {node: i for i, node in enumerate(ids)}
         parents = tuple(-1 if p == anchor else index[p] for p in map(self.tree.parent, ids))
         self._add(TokenTree(anchor, parents, tuple(ids)), [(n, 0) for n in ids] if self.prompt_ids else None)
-        self._token_tree.update(ids)
+        self._note_drafts(ids)
 
     def _add_children(self, ids, arguments, _) -> None:
         self._add(Children(tuple(map(self.tree.parent, ids)), tuple(ids)),
                   [(n, 0) for n in ids] if self.prompt_ids else None)
+        self._note_drafts(ids)
+
+    def _note_drafts(self, ids: list[int]) -> None:
+        """Token-tree nodes: an accept keeps a chain of them, and a pipelined step's copy names them by slot."""
         self._token_tree.update(ids)
+        tree = self.tree
+        self._drafts.update(zip(tree.first_slots(ids).tolist(), ((n, tree.parent(n)) for n in ids)))
 
     def _before_accept(self, arguments) -> list[int] | None:
         """The anchor's children before the accept (None for a bad anchor: the accept raises)."""
@@ -256,10 +355,89 @@ class ScheduleRecorder:
             self._add(Extend(anchor, tuple(tokens) if self.prompt_ids else len(tokens)))
             self._end_step()
 
-    def _truncate(self, freed, arguments, _) -> None:
-        node = int(arguments["node_id"])
-        self._add(Truncate(node, len(self.tree.tokens(node))))
+    def _before_truncate(self, arguments) -> int | None:
+        """The node's length before (None for a bad node: the truncate raises)."""
+        try:
+            return self.tree.node_length(arguments["node_id"])
+        except (TreeError, TypeError):
+            return None
+
+    def _truncate(self, freed, arguments, length_before: int) -> None:
+        node, length = int(arguments["node_id"]), int(arguments["length"])
+        scheduled = length_before - self._reserved.pop(node, 0)   # the node's length in the schedule
+        if length < scheduled:
+            self._add(Truncate(node, length))
+        elif length > scheduled:   # only reserved slots were cut, of which these are left
+            self._reserved[node] = length - scheduled
         self._prompts.discard(node)
 
     def _prune(self, freed, arguments, _) -> None:
         self._add(Prune(int(arguments["node_id"])))
+
+    # ================================================================ pipelined accepts
+
+    def _extend_computed(self, slots, arguments, _) -> None:
+        self._reservation = (int(arguments["node_id"]), np.asarray(slots).tolist())
+
+    def _before_copy(self, arguments) -> tuple[int, ...] | None:
+        """The accepted chain whose K/V the copy moves into the reserved slots (checked before it runs)."""
+        if self._reservation is None:
+            raise RecordingError("engine.pool.copy_slots outside a tree edit moves K/V that no schedule op names; "
+                                 "the recorder takes it only into the slots tree.extend_computed just reserved (the "
+                                 "accept of a pipelined speculative step)")
+        node, reserved = self._reservation
+        src, dst = _host_ints(arguments["src_slots"]), _host_ints(arguments["dst_slots"])
+        if src is None or dst is None or len(src) != len(dst):
+            return None   # not slots: the copy raises its own error
+        if dst != reserved:
+            raise RecordingError(f"engine.pool.copy_slots into slots {dst[:8]}: the recorder takes a copy only into "
+                                 f"the {len(reserved)} slot(s) tree.extend_computed just reserved on node {node} "
+                                 f"({reserved[:8]})")
+        drafts = self._drafts
+        chain, parent = [], node
+        for slot in src:
+            if chain and slot == src[0]:
+                break   # past the accepted path: the root's K/V again
+            draft = drafts.get(slot)
+            if draft is None or draft[1] != parent:
+                found = "no token-tree node's" if draft is None else f"node {draft[0]}, a child of {draft[1]}"
+                raise RecordingError(
+                    f"engine.pool.copy_slots into the slots reserved on node {node}: the recorder writes it as an "
+                    f"accept, so its sources must be a token tree's root under that node and a path below it, then the "
+                    f"root's slot again; slot {slot} is {found} (sources {src[:8]})")
+            chain.append(draft[0])
+            parent = draft[0]
+        if any(slot != src[0] for slot in src[len(chain):]):
+            raise RecordingError(f"engine.pool.copy_slots into the slots reserved on node {node}: past the accepted "
+                                 f"path the sources must repeat the root's slot {src[0]}, got {src[len(chain):][:8]}")
+        if chain[0] in self.tree or Prune(chain[0]) not in self._ops:
+            raise RecordingError(f"engine.pool.copy_slots into the slots reserved on node {node} accepts the token "
+                                 f"tree of node {chain[0]}: prune that tree first, after the step that verified it "
+                                 f"(the schedule's accept frees it)")
+        return tuple(chain)
+
+    def _copied(self, result, arguments, chain: tuple[int, ...]) -> None:
+        node, reserved = self._reservation
+        self._reservation = None
+        # The token tree's prune becomes its accept, where the copy ran (after the reserved slots were cut).
+        at = len(self._ops) - 1 - self._ops[::-1].index(Prune(chain[0]))
+        del self._ops[at]
+        self._ids_of = {i - (i > at): where for i, where in self._ids_of.items()}
+        self._add(Accept(chain))
+        if len(reserved) > len(chain):
+            self._reserved[node] = len(reserved) - len(chain)
+
+
+def _targets(engine: Engine) -> list[tuple[str, object, str]]:
+    """The methods a recorder wraps: (how errors name the object, the object, the method)."""
+    return ([("engine", engine, "prefill"), ("engine", engine, "step")]
+            + [("tree", engine.tree, edit) for edit in TREE_EDITS] + [("engine.pool", engine.pool, "copy_slots")])
+
+
+def _host_ints(slots) -> list[int] | None:
+    """Slots as host ints (a device tensor is read back: the recorder waits for it); None if they are not ints."""
+    try:
+        values = slots.reshape(-1).tolist() if isinstance(slots, torch.Tensor) else np.asarray(slots).reshape(-1)
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        return None

@@ -75,13 +75,13 @@ from pathlib import Path
 
 from treedec.workloads.deft import TraceFormatError, load_json
 from treedec.workloads.schedule_check import FitLimits, ScheduleStats, check_schedule
-from treedec.workloads.schedule_ops import (TOKEN_ID_LIMIT, Accept, Branch, Children, Extend, Handle, Op, Prompt,
+from treedec.workloads.schedule_ops import (OPS, TOKEN_ID_LIMIT, Accept, Branch, Children, Extend, Handle, Op, Prompt,
                                             Prune, ScheduleError, TokenTree, Truncate, is_json_int, op_json, parse_op,
                                             token_count)
 
-__all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Children", "Extend",
-           "Handle", "Op", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree", "Truncate",
-           "load_schedule", "token_count"]
+__all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "OPS", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Children",
+           "Extend", "Handle", "Op", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree",
+           "Truncate", "load_schedule", "token_count"]
 
 FORMAT = "treedec-schedule"
 VERSION = 1

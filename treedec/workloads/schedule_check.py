@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treedec.tree.validate import on_cycle
-from treedec.workloads.schedule_ops import (Accept, Branch, Children, Extend, Handle, Op, Prompt, Prune,
+from treedec.workloads.schedule_ops import (OPS, Accept, Branch, Children, Extend, Handle, Op, Prompt, Prune,
                                             ScheduleError, TokenTree, Truncate, token_count)
 
 
@@ -152,6 +152,9 @@ def check_schedule(steps: tuple[tuple[Op, ...], ...], source: str, limits: FitLi
     widest_branch = 0
     for i, step in enumerate(steps):
         for j, op in enumerate(step):
+            if not isinstance(op, OPS):
+                raise ScheduleError(f"{source}: step {i}, op {j}: {type(op).__name__} is not a schedule op (one of "
+                                    f"{', '.join(kind.__name__ for kind in OPS)})")
             where = f"{source}: step {i}, op {j} ({op.op})"
             if isinstance(op, Prompt) and not op.pending and shape.pending:
                 raise ScheduleError(f"{where}: field 'op': a prefilled 'prompt' op must come before the step's ops "
@@ -209,7 +212,7 @@ def _apply(shape: _Shape, op: Op, where: str) -> None:
         shape.alive(op.node, where, "node")
         shape.not_pending(shape.subtree(op.node), where, f"field 'node': pruning {op.node!r} would remove")
         shape.remove(op.node)
-    else:  # parse_op and the dataclasses admit nothing else
+    else:  # check_schedule admits the OPS only
         raise AssertionError(f"unknown op {op!r}")
 
 

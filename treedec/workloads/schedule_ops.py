@@ -89,6 +89,8 @@ class Prune:
 
 
 Op = Union[Prompt, Branch, Extend, TokenTree, Children, Accept, Truncate, Prune]
+#: Every op kind (what a schedule's steps may hold).
+OPS = (Prompt, Branch, Extend, TokenTree, Children, Accept, Truncate, Prune)
 
 
 def token_count(tokens: int | tuple[int, ...]) -> int:
