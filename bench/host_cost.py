@@ -65,8 +65,8 @@ def stub_forwards(engine: Engine) -> None:
         logits, _ = outputs(len(tokens) if rows is None else len(rows))
         return ForwardOutput(logits, outputs(len(tokens))[1])
 
-    engine._forward = eager
-    engine._graphs._forward = lambda static, row_inputs: static_outputs(static.bounds.max_queries)
+    engine.eager_forward = eager
+    engine.graph_runner.forward = lambda entry: static_outputs(entry.static.bounds.max_queries)
 
 
 def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:
@@ -80,13 +80,13 @@ def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:
         engine.attn.plan_config = dataclasses.replace(
             engine.attn.plan_config, query_tile=default_query_tile(c.head_dim, group), persistent_ctas=ctas,
             light_tile_cost=LIGHT_TILE_COST)
-        write = engine._graphs.load
+        write = engine.graph_runner.load
 
         def load(plan, *args):   # add the cuda backend's per-step host schedule
             schedule_units(plan, group, c.num_kv_heads, ctas, ROWS_PER_UNIT[c.head_dim], 64)
             return write(plan, *args)
 
-        engine._graphs.load = load
+        engine.graph_runner.load = load
     return engine
 
 

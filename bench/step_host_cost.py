@@ -62,7 +62,7 @@ def make_engine() -> Engine:
                                            persistent_ctas=CTAS, light_tile_cost=LIGHT_TILE_COST)
     # Narrow outputs: on a GPU the rows' gather is a launch, on this CPU a bf16 copy that would dominate.
     outputs = (torch.zeros(256, 16, dtype=torch.bfloat16), torch.zeros(256, 16, dtype=torch.bfloat16))
-    engine._graphs.run = lambda entry, num_queries, row_inputs=None: tuple(t[:num_queries] for t in outputs)
+    engine.graph_runner.run = lambda entry, num_queries, row_inputs=None: tuple(t[:num_queries] for t in outputs)
     return engine
 
 
@@ -77,7 +77,7 @@ class PhaseTimer:
 
     def install(self, engine: Engine) -> None:
         for owner, attr, name in PHASES:
-            target = engine._graphs if attr == "run" else owner
+            target = engine.graph_runner if attr == "run" else owner
             original = getattr(target, attr)
             self._saved.append((target, attr, original))
             setattr(target, attr, self._wrap(original, name))

@@ -121,3 +121,79 @@ def test_tests_mirror_the_packages():
             assert path.stem in {"test_layers", "test_readme", "test_examples"}, f"{path.name}: move it under tests/<package>/"
         else:
             assert folder in packages, f"tests/{folder}/ mirrors no package of treedec (known: {sorted(packages)})"
+
+
+# ================================================================ private reach
+
+# Private names of objects that are not treedec's, reached where their owner gives no public one (not ours to
+# rename). Private names of third-party *modules* (``torch._dynamo``, ``torch.ops._c10d_functional``) are told
+# apart by the import that binds them and need no entry.
+FOREIGN_PRIVATE = {
+    "_actions": "argparse.ArgumentParser keeps no public list of a parser's arguments (commands/args.py)",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """The start of an attribute chain: ``torch`` of ``torch.ops.x``, the call ``f()`` of ``f().x``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node
+
+
+def _private_reach(path: Path) -> list[tuple[str, int, str]]:
+    """``(attribute, line, code)`` of each private reach in ``path``: ``X._name`` where ``X`` is not ``self``,
+    ``cls``, ``super()`` or a class of the module itself (its class attributes, as ``cls`` would read them), nor a
+    chain from a third-party module;
+    ``getattr(X, "_name")`` and friends; ``from treedec.x import _name``."""
+    tree = ast.parse(path.read_text())
+    own_classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    foreign = set()   # names the module binds to what is not treedec's: torch, np, nn, ...
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            foreign.update((a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("treedec"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and not node.module.startswith("treedec"):
+            foreign.update(a.asname or a.name for a in node.names)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            value, root = node.value, _root(node.value)
+            if isinstance(value, ast.Name) and value.id in {"self", "cls"} | own_classes:
+                continue
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                continue
+            if isinstance(root, ast.Name) and root.id in foreign:
+                continue
+            found.append((node.attr, node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            found.append((node.args[1].value, node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and (node.level or node.module.startswith("treedec")):
+            found += [(a.name, node.lineno, f"from {node.module} import {a.name}")
+                      for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.startswith("treedec") and any(_private(part) for part in a.name.split("."))]
+    return sorted(found, key=lambda f: f[1])
+
+
+def test_no_private_reach():
+    """A module uses only the public names of treedec's other objects and modules (issue #36: a private name
+    another module needs gets a public, documented method or property); FOREIGN_PRIVATE lists the third-party
+    objects' private names reached, each with its reason, and every entry is still needed."""
+    reaches, used = [], set()
+    for path in MODULES:
+        for name, line, code in _private_reach(path):
+            if name in FOREIGN_PRIVATE:
+                used.add(name)
+            else:
+                reaches.append(f"{path.relative_to(REPO)}:{line}: {code}")
+    assert not reaches, "private names reached from outside their object:\n" + "\n".join(reaches)
+    unused = sorted(set(FOREIGN_PRIVATE) - used)
+    assert not unused, f"FOREIGN_PRIVATE entries no module needs any more: {unused}"

@@ -61,7 +61,7 @@ def test_gathered_rows_of_graphed_steps_equal_eager(tiny, triton_device, monkeyp
 
 def test_load_refuses_more_gathers_than_its_section(tiny):
     runner = Engine(tiny, kv_tokens=512, page_size=4, backend="triton",
-                    cuda_graphs=CudaGraphConfig(capture=False))._graphs if _triton_here() else None
+                    cuda_graphs=CudaGraphConfig(capture=False)).graph_runner if _triton_here() else None
     if runner is None:
         pytest.skip("needs a kernel backend (triton)")
     with pytest.raises(ValueError, match="at most 2 gathers, got 3"):

@@ -52,7 +52,10 @@ class CudaGraphConfig:
 
 
 @dataclass
-class _Graph:
+class GraphEntry:
+    """One bucket's buffers (:meth:`GraphRunner.new_entry`): its static plan and per-row inputs, and once
+    captured its graph and the outputs each replay writes."""
+
     static: StaticPlan
     row_inputs: dict[str, torch.Tensor]      # per-row float inputs (a drafter's features), [max_queries, width]
     graph: torch.cuda.CUDAGraph | None = None
@@ -81,12 +84,12 @@ class GraphRunner:
         self._forward = forward
         self._scratch_slot = scratch_slot
         self._row_inputs = dict(row_inputs or {})
-        self._graphs: dict[int, _Graph] = {}  # by the bucket's max_queries
+        self._graphs: dict[int, GraphEntry] = {}  # by the bucket's max_queries
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
 
     def load(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-             gathers: tuple[np.ndarray | None, ...] = ()) -> _Graph | None:
+             gathers: tuple[np.ndarray | None, ...] = ()) -> GraphEntry | None:
         """Write the step planned by ``plan`` into its bucket's static plan (the host
         side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`).
 
@@ -107,19 +110,19 @@ class GraphRunner:
             entry = self._graphs[key] = self.new_entry(plan, None if replaced is None else replaced.static.bounds)
         self.write(entry, plan, tokens, positions, slots, gathers)
         if self.config.capture and entry.graph is None:
-            entry.graph, entry.outputs = self.capture(lambda: self._forward(entry.static, entry.row_inputs))
+            entry.graph, entry.outputs = self.capture(lambda: self.forward(entry))
         # Only now may a replaced graph go: its memory returns to the shared pool, and a
         # private pool whose last graph died cannot be captured into again (allocator assert).
         del replaced
         return entry
 
     @staticmethod
-    def holds(entry: _Graph, plan: TreePlan) -> bool:
+    def holds(entry: GraphEntry, plan: TreePlan) -> bool:
         """Whether ``plan`` can be written into ``entry``'s static plan (within its bounds, same query tile)."""
         return entry.static.bounds.fits(plan) and entry.static.current.query_tile == plan.query_tile
 
     def new_entry(self, plan: TreePlan, grow: PlanBounds | None = None,
-                  extra: dict[str, tuple[int, ...]] | None = None) -> _Graph:
+                  extra: dict[str, tuple[int, ...]] | None = None) -> GraphEntry:
         """Static buffers (plan, inputs, per-row inputs; ``extra``: more int32 sections) for plans like ``plan``:
         the bounds :meth:`PlanBounds.for_plan` gives, joined with ``grow`` (the bounds of an entry it replaces)."""
         need = PlanBounds.for_plan(plan)
@@ -127,9 +130,9 @@ class GraphRunner:
         static = self.attn.static_plan(bounds, extra={"inputs": (3 + GATHERS, bounds.max_queries), **(extra or {})})
         buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
                    for name, (width, dtype) in self._row_inputs.items()}
-        return _Graph(static, buffers)
+        return GraphEntry(static, buffers)
 
-    def write(self, entry: _Graph, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+    def write(self, entry: GraphEntry, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               gathers: tuple[np.ndarray | None, ...] = (), extra: dict[str, np.ndarray] | None = None) -> None:
         """Write a step (its plan, token ids, positions, slots, gathers and ``extra`` sections) into ``entry``'s
         buffers, padded (see the module docstring); one asynchronous copy."""
@@ -162,13 +165,18 @@ class GraphRunner:
         logger.info("captured a CUDA graph (%d outputs) on %s", len(outputs), self.attn.backend)
         return graph, outputs
 
-    def gather_index(self, entry: _Graph, which: int) -> torch.Tensor | None:
+    def forward(self, entry: GraphEntry) -> tuple[torch.Tensor, ...]:
+        """The forward over ``entry``'s buffers, every row (what a capture records; a
+        :class:`~treedec.engine.step_chain.StepChain` calls it inside its own graph)."""
+        return self._forward(entry.static, entry.row_inputs)
+
+    def gather_index(self, entry: GraphEntry, which: int) -> torch.Tensor | None:
         """The device indices (int32) of the step's gather ``which`` (:meth:`load`'s ``gathers``), None when
         it was None or too long for the inputs section."""
         count = entry.gathered[which]
         return None if count is None else entry.static.extra["inputs"][3 + which, :count]
 
-    def run(self, entry: _Graph, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None
+    def run(self, entry: GraphEntry, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, ...]:
         """The forward's outputs (``logits [num_queries, vocab], hidden [num_queries, hidden_size],
         ...``) for the step :meth:`load` wrote into ``entry``: its graph replayed (or, with
@@ -182,7 +190,7 @@ class GraphRunner:
             entry.row_inputs[name][:num_queries].copy_(value)
         if not self.config.capture:
             self.stats["static_eager"] += 1
-            return tuple(t[:num_queries] for t in self._forward(entry.static, entry.row_inputs))
+            return tuple(t[:num_queries] for t in self.forward(entry))
         entry.graph.replay()
         self.stats["replays"] += 1
         return tuple(t[:num_queries] for t in entry.outputs)

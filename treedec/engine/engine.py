@@ -270,7 +270,7 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
         if plan is not None:
-            out = self._forward(plan, tokens, positions, slots, rows, device_tokens, features, spans)
+            out = self.eager_forward(plan, tokens, positions, slots, rows, device_tokens, features, spans)
             logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
             heads = None
             if return_heads:
@@ -394,12 +394,21 @@ class Engine:
         """CUDA-graph counters: captures, replays, and ``eager: <reason>`` for steps run eagerly."""
         return Counter() if self._graphs is None else self._graphs.stats
 
-    # ================================================================ private
+    # ================================================================ the engine package's interface
 
-    def _forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows,
-                 device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                 spans: tuple[DynamicSpan, ...] = ()):
-        """The eager forward of a step: the model's ``ForwardOutput`` (logits at ``rows``)."""
+    @property
+    def graph_runner(self) -> GraphRunner | None:
+        """The runner of the graphed steps (None without ``cuda_graphs``). For the engine package: a
+        :class:`~treedec.engine.step_chain.StepChain` writes its steps' static plans and captures through it."""
+        return self._graphs
+
+    def eager_forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows,
+                      device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                      spans: tuple[DynamicSpan, ...] = ()):
+        """The model's ``ForwardOutput`` of a step over its prepared ``plan`` (host ``tokens``, ``positions``,
+        ``slots`` ``[queries]``; logits at ``rows``, None: all; ``device_tokens`` int64 in place of ``tokens``;
+        ``spans``' positions moved back on the device), and nothing else (no commit, stats or vocabulary mask).
+        For the engine package (:meth:`step`, a :class:`StepChain`'s eager steps); programs call :meth:`step`."""
         inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
         for span in spans:
             shift_positions(inputs[1], span)
@@ -407,6 +416,8 @@ class Engine:
         token_ids = inputs[0] if device_tokens is None else device_tokens
         return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, self._hidden_layers,
                           features)
+
+    # ================================================================ private
 
     def _gather(self, graph, output: torch.Tensor, rows: np.ndarray | None, which: int) -> torch.Tensor:
         """A copy of ``output``'s ``rows`` (all for None) of a graphed step, indexed by the step's gather

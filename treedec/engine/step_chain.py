@@ -34,7 +34,7 @@ import torch
 
 from treedec.attention import SpanMasking
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
-from treedec.engine.cuda_graphs import GraphRunner, _Graph
+from treedec.engine.cuda_graphs import GraphEntry, GraphRunner
 from treedec.engine.step_checks import check_window
 from treedec.engine.step_output import StepOutput
 from treedec.transfer import to_device
@@ -82,7 +82,7 @@ class StepChain:
             raise ValueError(f"length must be a positive int, got {length!r}")
         self.engine, self.length, self.layout, self.body = engine, length, layout, body
         self._input_specs = dict(inputs)
-        self._entries: list[_Graph] = []
+        self._entries: list[GraphEntry] = []
         self._widths: list[tuple[int, int]] = []   # per step: (queries, rows)
         self._inputs: dict[str, torch.Tensor] = {}
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -91,7 +91,7 @@ class StepChain:
     @property
     def graphed(self) -> bool:
         """Whether runs replay one graph (the engine has CUDA graphs) rather than step one by one."""
-        return self.engine._graphs is not None
+        return self.engine.graph_runner is not None
 
     def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
             ) -> tuple[torch.Tensor, ...]:
@@ -141,7 +141,7 @@ class StepChain:
 
     def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor],
                      spans: tuple[DynamicSpan, ...]) -> tuple[torch.Tensor, ...]:
-        e, runner = self.engine, self.engine._graphs
+        e, runner = self.engine, self.engine.graph_runner
         started = time.perf_counter()
         planned = [located(e.attn.plan_host(step.layout), spans, e.attn.backend_impl) for step in steps]
         plans = [plan for plan, _ in planned]
@@ -161,7 +161,7 @@ class StepChain:
                             for name, (shape, dtype) in self._input_specs.items()}
         for name, value in inputs.items():
             self._inputs[name].copy_(value)
-        ctx = _GraphedSteps(self)
+        ctx = _GraphedSteps(self, self._entries, self._widths)
         if not runner.config.capture:
             runner.stats["chain_static_eager"] += 1
             return tuple(self.body(ctx, self._inputs))
@@ -208,17 +208,22 @@ class ChainContext:
 
 
 class _GraphedSteps(ChainContext):
-    """Steps over the chain's static plans (inside its graph)."""
+    """Steps over the chain's static plans (inside its graph): step ``i``'s buffers ``entries[i]``, its
+    (queries, rows) ``widths[i]``."""
+
+    def __init__(self, chain: StepChain, entries: list[GraphEntry], widths: list[tuple[int, int]]):
+        super().__init__(chain)
+        self.entries, self.widths = entries, widths
 
     def forward(self, i, tokens, features=None):
-        entry = self.chain._entries[i]
+        entry = self.entries[i]
         inputs = entry.static.extra["inputs"]
-        rows = inputs[3, :self.chain._widths[i][1]].long()
+        rows = inputs[3, :self.widths[i][1]].long()
         inputs[0].index_copy_(0, rows, tokens.to(torch.int32))
         if features is not None:
             buffer = entry.row_inputs["features"]
             buffer.index_copy_(0, rows, features.to(buffer.dtype))
-        out = self.engine._graphs._forward(entry.static, entry.row_inputs)
+        out = self.engine.graph_runner.forward(entry)
         return StepOutput(self._mask_vocab(out[0].index_select(0, rows)), out[1].index_select(0, rows))
 
 
@@ -244,6 +249,6 @@ class _EagerSteps(ChainContext):
         if self.spans and e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
             mask_on_device(host, plan.entry_mask, self.spans, ranges)
         e.stats["kv_tokens_read"] += host.kv_tokens_read()
-        out = e._forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
-                         step.rows, q_tokens, q_features, self.spans)
+        out = e.eager_forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
+                              step.rows, q_tokens, q_features, self.spans)
         return StepOutput(self._mask_vocab(out.logits), out.hidden[at])

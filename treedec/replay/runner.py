@@ -143,12 +143,13 @@ class AttentionTimer:
 def timed_attention(engine: Engine, time_run: bool) -> Iterator[AttentionTimer]:
     """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block; the engine's own
     attention is put back when the block ends, also when it raises."""
-    timer = AttentionTimer(engine.attn, time_run=time_run)
+    attn = engine.attn
+    timer = AttentionTimer(attn, time_run=time_run)
     engine.attn = timer
     try:
         yield timer
     finally:
-        engine.attn = timer._attn
+        engine.attn = attn
 
 
 def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:

@@ -86,11 +86,27 @@ def greedy_path(tree: TokenTree, tokens: Sequence[int], choice: Sequence[int]) -
         path.append(cur)
 
 
+# ================================================================ random streams
+
+
+class _SeededStream:
+    """A rule's random stream (see the module docstring): its ``seed`` and a ``_generator`` field, made on
+    first use on the logits' device."""
+
+    seed: int
+    _generator: torch.Generator | None
+
+    def _stream(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
+
+
 # ================================================================ Medusa typical acceptance
 
 
 @dataclass
-class TypicalAcceptance:
+class TypicalAcceptance(_SeededStream):
     """Medusa's typical acceptance (Cai et al. 2024, section 2.3.1).
 
     With ``p = softmax(logits / temperature)`` at a token's parent, the token is accepted
@@ -159,14 +175,14 @@ class TypicalAcceptance:
         keep = probs >= self._thresholds(probs)
         keep[probs.argmax()] = True
         probs = torch.where(keep, probs, torch.zeros_like(probs))
-        return int(torch.multinomial(probs, 1, generator=_generator(self, probs.device)))
+        return int(torch.multinomial(probs, 1, generator=self._stream(probs.device)))
 
 
 # ================================================================ rejection sampling
 
 
 @dataclass
-class RejectionSampling:
+class RejectionSampling(_SeededStream):
     """Lossless speculative sampling over a token tree: EAGLE's / SpecInfer's recursive rule.
 
     From the root down: at a node, with ``p`` the target's distribution there (its logits
@@ -202,7 +218,7 @@ class RejectionSampling:
 
     def first_sample(self, logits: torch.Tensor) -> torch.Tensor:
         """:meth:`first_token` left on the device (``[1]`` int64, no wait), drawn from the same stream."""
-        return sample_tokens(logits, self._params, _generator(self, logits.device))
+        return sample_tokens(logits, self._params, self._stream(logits.device))
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
@@ -212,7 +228,7 @@ class RejectionSampling:
         This walk reads a probability and a random number for every child it tries (on a GPU, a wait
         each): the reference of :meth:`outcome`, which the speculative programs use."""
         _check_draft_probs(tree, logits, draft_probs)
-        generator = _generator(self, logits.device)
+        generator = self._stream(logits.device)
         children = _children(tree)
         path, cur = [], 0
         while True:
@@ -237,7 +253,7 @@ class RejectionSampling:
         if len(tokens) != tree.size or logits.shape[0] != tree.size:
             raise ValueError(f"tokens and logits must have one row per tree token ({tree.size}), got "
                              f"{len(tokens)} and {logits.shape[0]}")
-        return rejection_outcome(tree, tokens, logits, self._params, _generator(self, logits.device), draft_probs)
+        return rejection_outcome(tree, tokens, logits, self._params, self._stream(logits.device), draft_probs)
 
 
 def without_replacement(q: torch.Tensor, drawn: Sequence[int]) -> torch.Tensor:
@@ -302,13 +318,6 @@ def _children(tree: TokenTree) -> list[list[int]]:
     for i, p in enumerate(tree.parents[1:], start=1):
         children[p].append(i)
     return children
-
-
-def _generator(rule, device: torch.device) -> torch.Generator:
-    """The rule's random stream, made on first use on the logits' device."""
-    if rule._generator is None or rule._generator.device != device:
-        rule._generator = torch.Generator(device=device).manual_seed(rule.seed)
-    return rule._generator
 
 
 def _check_draft_probs(tree: TokenTree, logits: torch.Tensor, draft_probs: torch.Tensor | None) -> None:

@@ -73,9 +73,7 @@ class DraftModelDraft(EngineTreeDraft):
             raise ValueError("the draft model needs its own Engine, not the target's")
         self.reset()
 
-    # ================================================================ private
-
-    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], None]:
+    def sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], None]:
         """The tokens of ``seq`` the draft has not computed (all of it when ``seq`` does not extend the draft's
         sequence: a new request, whose old sequence is freed)."""
         t = self.engine.tree
@@ -86,6 +84,8 @@ class DraftModelDraft(EngineTreeDraft):
             self._node = None
             return [int(x) for x in seq], None
         return [int(x) for x in seq[len(base):]], None
+
+    # ================================================================ private
 
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Bring the draft's node to ``seq`` (the accepted path's K/V kept); the root's logits [vocab]."""

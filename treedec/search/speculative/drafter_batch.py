@@ -101,7 +101,7 @@ class DrafterGroup(PerEngine):
         logits, hidden = sync_drafter(self.engine, [(d, tokens, states, None) for d, tokens, states in jobs])
         if hidden is not None:
             for (draft, _, _), feature in zip(jobs, hidden):
-                draft._outputs = {(): feature}
+                draft.root_output = feature
         return list(logits)
 
     # ================================================================ private
@@ -110,7 +110,7 @@ class DrafterGroup(PerEngine):
         drafts, self._waiting = self._waiting, []
         sequences = [self._sequences.pop(id(d)) for d in drafts]
         try:
-            jobs = [(d, *d._sync_inputs(seq)) for d, seq in zip(drafts, sequences)]
+            jobs = [(d, *d.sync_inputs(seq)) for d, seq in zip(drafts, sequences)]
             roots = self.sync(jobs)
             by_shape: dict[tuple[int, int], list[int]] = {}
             for i, d in enumerate(drafts):
@@ -123,7 +123,7 @@ class DrafterGroup(PerEngine):
             values = torch.cat(flats).tolist()                 # the one wait of the proposals
         except BaseException:
             for d in drafts:
-                d._outputs = {}
+                d.root_output = None
             raise
         at = 0
         for i in order:
@@ -138,16 +138,13 @@ class DrafterGroup(PerEngine):
     def _draft(self, depth: int, k: int, drafts: list, root_logits: torch.Tensor) -> torch.Tensor:
         """The candidates ``[B, flat]`` of ``B`` requests' proposals of one shape (see :func:`_chain_body`)."""
         e, b = self.engine, len(drafts)
-        to_target = drafts[0]._to_target
+        to_target = drafts[0].to_target
         roots = {"root_logits": root_logits}
-        if () in drafts[0]._outputs:   # EAGLE: the root's output feature (a draft model reads none)
-            roots["root_hidden"] = torch.stack([d._outputs[()] for d in drafts])
+        if drafts[0].root_output is not None:   # EAGLE: the root's output feature (a draft model reads none)
+            roots["root_hidden"] = torch.stack([d.root_output for d in drafts])
         if depth == 1:
             return _chain_body(None, roots, 1, k, to_target)[0]
-        for d in drafts:
-            if d._scratch is None:
-                d._reserve_scratch()
-        self._drafting = [(sequence_slots(e, d._node), d._scratch) for d in drafts]
+        self._drafting = [(sequence_slots(e, d.node), d.scratch_slots()) for d in drafts]
         scratch = to_device(np.stack([s for _, s in self._drafting]), e.device)
         key = (b, depth, k)
         chain = self._chains.get(key)
@@ -193,7 +190,7 @@ def sync_drafter(engine: Engine, jobs: list[tuple]) -> tuple[torch.Tensor, torch
 
 def _sync_chunks(e: Engine, jobs: list[tuple], with_states: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`sync_drafter`'s steps, one per prompt chunk: each job's root (logits, output feature or None)."""
-    t, chunk = e.tree, e.prefill_chunk
+    chunk = e.prefill_chunk
     roots: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(jobs)
     for at in range(0, max(len(tokens) for _, tokens, _, _ in jobs), chunk):
         here = [j for j, (_, tokens, _, _) in enumerate(jobs) if len(tokens) > at]
@@ -203,11 +200,7 @@ def _sync_chunks(e: Engine, jobs: list[tuple], with_states: bool) -> list[tuple[
             draft, tokens = jobs[j][0], jobs[j][1]
             sizes.append(min(chunk, len(tokens) - at))
             piece = [0] * sizes[-1] if isinstance(tokens, torch.Tensor) else tokens[at:at + chunk]
-            if draft._node is None:
-                draft._node = t.add_prompt(piece)
-            else:
-                t.extend(draft._node, piece)
-            nodes.append(draft._node)
+            nodes.append(draft.extend_sequence(piece))
         rows = e.pending_token_rows(nodes)                   # node by node, in token order
         at_rows = to_device(rows, e.device)
         features = None

@@ -170,7 +170,7 @@ class EagleDraft(EngineTreeDraft):
             return super().submit(sequence_tokens)
         if not len(sequence_tokens):
             raise ValueError("sequence_tokens must hold at least the root token, got none")
-        tokens, states = self._sync_inputs(sequence_tokens)
+        tokens, states = self.sync_inputs(sequence_tokens)
         self._root = int(sequence_tokens[-1])
         EagleChains.of(self.engine).submit(self, tokens, states, None)
 
@@ -180,9 +180,7 @@ class EagleDraft(EngineTreeDraft):
             return super().collect()
         return self._fixed, [self._root] + EagleChains.of(self.engine).collect(self).tolist()
 
-    # ================================================================ private
-
-    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+    def sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """The drafter's new queries for ``seq`` (its tokens ``seq[1:]``; query ``i`` pairs the target's state
         at ``i`` with ``seq[i + 1]``): the tokens past those it holds and the target's fused states at them.
         Frees the last proposal's tree (a sampled one's nodes)."""
@@ -200,9 +198,15 @@ class EagleDraft(EngineTreeDraft):
             t.accept(self._node, [])   # the last sampled proposal's tree: freed
         return [int(x) for x in seq[have + 1:]], states
 
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> the target's (EAGLE-3's ``d2t``; EAGLE-1/2: the same ids)."""
+        return self.drafter.to_target_ids(draft_ids)
+
+    # ================================================================ private
+
     def _sync(self, seq: Sequence[int]) -> torch.Tensor:
         """Bring the drafter to ``seq`` alone (sampled drafts): the root's children's logits."""
-        return DrafterGroup.of(self.engine).sync([(self, *self._sync_inputs(seq))])[0]
+        return DrafterGroup.of(self.engine).sync([(self, *self.sync_inputs(seq))])[0]
 
     def _frontier_logits(self, paths: list[tuple[int, ...]]) -> torch.Tensor:
         e = self.engine
@@ -214,9 +218,6 @@ class EagleDraft(EngineTreeDraft):
         out = e.step(logits_rows=rows, return_hidden=True, features=features)
         self._outputs.update(zip(paths, out.hidden))
         return out.logits
-
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.drafter.to_target_ids(draft_ids)
 
     def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
         d = self.drafter

@@ -108,10 +108,8 @@ class EagleChains(PerEngine):
         spans = []
         self._drafting = []
         for r, (draft, tokens, _, count) in enumerate(jobs):
-            if draft._scratch is None:
-                draft._reserve_scratch()
             sequence = sequence_slots(e, draft.node)
-            self._drafting.append((sequence, draft._scratch))
+            self._drafting.append((sequence, draft.scratch_slots()))
             if count is not None:   # its newest rows past count: masked in every chain step, its queries moved back
                 spans.append(DynamicSpan(sequence[len(sequence) - len(tokens):], count,
                                          np.arange(r * k, (r + 1) * k, dtype=np.int64)))

@@ -7,10 +7,11 @@ per layer over the layer's frontier, and keeps the best ``total_tokens`` nodes b
 log-prob. Greedy (top-k) drafts do it with every other request on their drafter engine
 (:class:`~treedec.search.speculative.drafter_batch.DrafterGroup`: one sync step, then the frontier in ``top_k``
 chains of scratch KV slots, one :class:`~treedec.engine.step_chain.StepChain` for all requests;
-``_sync_inputs`` gives a request's new queries). With ``sample``, a proposal draws each expanded
+:meth:`~EngineTreeDraft.sync_inputs` gives a request's new queries; the group reads and writes a draft's state
+through its public methods only). With ``sample``, a proposal draws each expanded
 node's children without replacement, alone (``_sync``, ``_frontier_logits``), and reports the
 distributions drawn from (:attr:`draft_probs`). A drafter whose vocabulary differs from the
-target's maps its ids (``_to_target``, ``_target_probs``).
+target's maps its ids (:meth:`~EngineTreeDraft.to_target`, ``_target_probs``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from treedec.tree.token_tree import TokenTree
 
 class EngineTreeDraft(DraftSource):
     """The tree growth of drafts that run on their own :class:`~treedec.engine.Engine`; subclasses
-    define ``_sync_inputs`` (greedy drafts), ``_sync`` and ``_frontier_logits`` (sampled drafts; see the module
+    define :meth:`sync_inputs` (greedy drafts), ``_sync`` and ``_frontier_logits`` (sampled drafts; see the module
     docstring). Parameters as
     :class:`~treedec.search.speculative.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
 
@@ -53,7 +54,7 @@ class EngineTreeDraft(DraftSource):
         self._node: int | None = None                    # the drafter's sequence node
         self._computed: dict[tuple[int, ...], int] = {}  # sampled: token path after the root -> drafter node
         self._outputs: dict[tuple[int, ...], torch.Tensor] = {}   # EAGLE: token path -> the drafter's output feature
-        self._scratch: np.ndarray | None = None          # [top_k, depth - 1] the chains' KV slots (see reset)
+        self._scratch: np.ndarray | None = None          # [top_k, depth - 1] the chains' KV slots (scratch_slots)
         self._scratch_pages: np.ndarray | None = None
 
     @property
@@ -105,12 +106,53 @@ class EngineTreeDraft(DraftSource):
         self._computed = {}
         return self._sampled_tree(seq[-1], root_logits)
 
-    # ================================================================ hooks
+    # ================================================================ what its drafter group reads and writes
 
-    def _sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor | None]:
+    def sync_inputs(self, seq: Sequence[int]) -> tuple[list[int], torch.Tensor | None]:
         """The drafter's new queries for ``seq`` (its last token the root; greedy drafts, in their group's sync):
-        their tokens and, for a drafter that reads them, the target's states at them (else None)."""
-        raise NotImplementedError(f"{type(self).__name__} must define _sync_inputs")
+        their tokens and, for a drafter that reads them, the target's states at them (else None). Subclasses
+        define it."""
+        raise NotImplementedError(f"{type(self).__name__} must define sync_inputs")
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> the target's ids (the same ids unless a subclass maps them)."""
+        return draft_ids
+
+    def extend_sequence(self, tokens: Sequence[int]) -> int:
+        """Add ``tokens`` (pending) to the drafter's sequence, which they start when it has none (a sync step
+        computes them); the sequence's node (:attr:`node`)."""
+        if self._node is None:
+            self._node = self.engine.tree.add_prompt(tokens)
+        else:
+            self.engine.tree.extend(self._node, tokens)
+        return self._node
+
+    @property
+    def root_output(self) -> torch.Tensor | None:
+        """EAGLE: the drafter's output feature ``[feature]`` at the root of the current proposal (the sync step's),
+        None before a sync or for a drafter that has none. Setting it (None: clearing it) forgets the features of
+        the last proposal's tree."""
+        return self._outputs.get(())
+
+    @root_output.setter
+    def root_output(self, feature: torch.Tensor | None) -> None:
+        self._outputs = {} if feature is None else {(): feature}
+
+    def scratch_slots(self) -> np.ndarray:
+        """The chains' KV slots ``[top_k, depth - 1]`` (their drafter group's chains write their K/V there): pages
+        of the drafter's pool reserved at the first call, held until :meth:`reset`."""
+        if self._scratch is None:
+            e, k, n = self.engine, self.top_k, self.depth - 1
+            pages = e.pool.pages_for(k * n)
+            if pages > e.pool.num_free_pages:
+                raise PoolExhaustedError(f"drafter KV pool exhausted: {k} chains of {n} tokens need {pages} "
+                                         f"pages, {e.pool.num_free_pages} free")
+            self._scratch_pages = e.pool.allocate(pages)
+            slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
+            self._scratch = slots[:k * n].reshape(k, n)
+        return self._scratch
+
+    # ================================================================ hooks
 
     def _sync(self, seq: list[int]) -> torch.Tensor:
         """Bring the drafter to ``seq`` alone (sampled drafts; its last token the root); the logits [draft vocab]
@@ -122,10 +164,6 @@ class EngineTreeDraft(DraftSource):
         path's parent computed): their logits ``[len(paths), draft vocab]``."""
         raise NotImplementedError(f"{type(self).__name__} must define _frontier_logits")
 
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> the target's ids."""
-        return draft_ids
-
     def _target_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """Distributions over the draft vocabulary ``[..., draft vocab]`` -> over the target's."""
         return probs
@@ -135,17 +173,6 @@ class EngineTreeDraft(DraftSource):
         return getattr(engine.model, "draft_vocab_size", engine.model.config.vocab_size)
 
     # ================================================================ private
-
-    def _reserve_scratch(self) -> None:
-        """The chains' KV slots, ``[top_k, depth - 1]``: pages of the drafter's pool held until :meth:`reset`."""
-        e, k, n = self.engine, self.top_k, self.depth - 1
-        pages = e.pool.pages_for(k * n)
-        if pages > e.pool.num_free_pages:
-            raise PoolExhaustedError(f"drafter KV pool exhausted: {k} chains of {n} tokens need {pages} "
-                                     f"pages, {e.pool.num_free_pages} free")
-        self._scratch_pages = e.pool.allocate(pages)
-        slots = (self._scratch_pages[:, None] * e.pool.page_size + np.arange(e.pool.page_size)).reshape(-1)
-        self._scratch = slots[:k * n].reshape(k, n)
 
     def _sampled_tree(self, root: int, root_logits: torch.Tensor) -> tuple[TokenTree, list[int]]:
         """Layer by layer: the ``top_k`` frontier nodes with the best cumulative log-prob (which nodes

@@ -14,7 +14,7 @@ import torch
 from treedec.search.program import ProgramContext, Read, StepRequest
 from treedec.search.request import Positions, check_positions
 from treedec.search.sampling import SamplingParams, sample_tokens
-from treedec.search.tot.task import LevelStats, ToTState, ToTTask, Tokenizer, _SearchConfig
+from treedec.search.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
 from treedec.transfer import to_device
 
 __all__ = ["ToTSearch"]
@@ -34,7 +34,7 @@ class ToTSearch:
     """The engine-side machinery both searches of :mod:`treedec.search.tot.program` share: prefill, expansion,
     evaluation, pruning, counters."""
 
-    def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: _SearchConfig,
+    def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: BFSConfig | DFSConfig,
                  progress: bool, label: str, eos: frozenset[int]):
         engine = ctx.engine
         self.ctx, self.eos = ctx, eos
