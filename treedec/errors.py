@@ -40,3 +40,8 @@ class CheckpointError(ValueError):
 
     The message names the file (and the key or tensor), the expected and the actual value.
     """
+
+
+class ModelUnavailableError(RuntimeError):
+    """A known model (:data:`~treedec.models.catalog.KNOWN_MODELS`) cannot be fetched here: no network, no pip, a
+    package index that refuses. The message says why and what to run."""

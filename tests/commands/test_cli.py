@@ -239,8 +239,8 @@ BAD_ARGUMENTS = [  # (argv, fragment of the one-line error); none of them gets t
     (["replay", "fewshot", "--model", "/no/such/checkpoint"], "argument --model: '/no/such/checkpoint' is not a "
                                                                "directory"),
     (["replay", "fewshot", "--config", "llama9"], "argument --config: must be one of tiny, llama2-7b"),
-    (["replay", "fewshot", "--model", "TMP", "--config", "tiny"], "argument --config: not allowed with argument "
-                                                                  "--model"),
+    (["replay", "fewshot", "--model", "smollm2", "--config", "tiny"], "argument --config: not allowed with argument "
+                                                                      "--model"),
     (["replay", "fewshot", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["replay", "tot-keyword", "--tree", "100000"], "--tree: tree_index must be in [0, "),
     (["replay", "medusa-32", "--record", "100000"], "--record: record must be in [0, "),

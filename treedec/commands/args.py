@@ -14,12 +14,14 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from treedec.attention import PLANNERS
 from treedec.attention.backends import AUTO, backend_names
+from treedec.models.catalog import KNOWN_MODELS, model_form
 from treedec.models.config import MODEL_SIZES
 from treedec.workloads import WORKLOADS
 
@@ -122,10 +124,20 @@ def model_size(text: str) -> str:
 
 
 def existing_dir(text: str) -> str:
-    """An argparse ``type``: a directory that exists (a local checkpoint: treedec never downloads)."""
+    """An argparse ``type``: a directory that exists."""
     if not text or not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local checkpoint directory "
-                                         f"(treedec never downloads: fetch a hub model first)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory; give a local folder")
+    return text
+
+
+def model_arg(text: str) -> str:
+    """An argparse ``type``: a model argument (a known name, a ``.gguf`` file, a checkpoint folder, a hub
+    repo id in the local cache; :func:`~treedec.models.catalog.model_form`), checked without fetching or
+    converting anything: :func:`load_model` resolves it."""
+    try:
+        model_form(text)
+    except (OSError, ValueError, ImportError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -193,8 +205,8 @@ def read_json(path: str, what: str):
         raise ValueError(f"{what} {path} is not JSON this reader takes ({str(e).split(';')[0]})") from None
 
 
-#: The argument types that name a file the command reads (a workload name is not a file).
-INPUT_TYPES = (existing_file, existing_path, workload_arg)
+#: The argument types that name a file the command reads (a workload name, a model name or hub repo id is not a file).
+INPUT_TYPES = (existing_file, existing_path, workload_arg, model_arg)
 
 
 def refuse_overwrites(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -210,7 +222,8 @@ def refuse_overwrites(parser: argparse.ArgumentParser, args: argparse.Namespace)
         for value in values if isinstance(values, list) else [values]:
             if action.type is output_file:
                 outputs.append((name, value))
-            elif not (action.type is workload_arg and value in WORKLOADS):
+            elif not (action.type is workload_arg and value in WORKLOADS
+                      or action.type is model_arg and model_form(value) in ("name", "hub")):
                 inputs.append((name, value))
     for i, (name, path) in enumerate(outputs):
         for other_name, other in inputs + outputs[:i]:
@@ -232,11 +245,16 @@ def _same_file(a: str, b: str) -> bool:
 # ================================================================ model options
 
 
-def add_model_arguments(p, model_help: str = "a local Hugging Face checkpoint directory",
+#: What ``--model`` takes, for the commands' help.
+MODEL_HELP = (f"a known name ({', '.join(KNOWN_MODELS)}: fetched and converted once into treedec's cache), a .gguf "
+              f"file, a Hugging Face checkpoint folder, or a hub repo id in the local Hugging Face cache")
+
+
+def add_model_arguments(p, model_help: str = MODEL_HELP,
                         config_help: str = "a named model size with random weights (default: tiny, on the CPU)") -> None:
     """``--model`` or ``--config``, ``--device`` and ``--dtype``: what :func:`load_model` reads."""
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", type=existing_dir, help=model_help)
+    model.add_argument("--model", type=model_arg, help=model_help)
     model.add_argument("--config", type=model_size, help=f"{config_help}; one of {', '.join(MODEL_SIZES)}")
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default: cpu for the tiny default, else "
                                                      "cuda when available")
@@ -258,12 +276,16 @@ def check_backend(args: argparse.Namespace) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name."""
-    from treedec.models import from_config, from_pretrained
+    """The model of ``--model`` / ``--config`` (default: tiny random weights on the CPU) and its name; what
+    ``--model`` resolved to, and how, is said on stderr (unless it is a checkpoint folder, read as it is)."""
+    from treedec.models import from_config, from_pretrained, resolve_model
 
     device = model_device(args)
     name = "tiny" if args.model is None and args.config is None else args.model or args.config
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.model is not None:
-        return from_pretrained(args.model, dtype=dtype, device=device), args.model
+        resolved = resolve_model(args.model)
+        if resolved.form != "folder":
+            print(f"model: {resolved.describe()}", file=sys.stderr)
+        return from_pretrained(resolved, dtype=dtype, device=device), args.model
     return from_config(name, seed=args.seed, dtype=dtype, device=device), f"{name} (random weights)"

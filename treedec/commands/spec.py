@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from treedec.models import from_config, from_pretrained
-from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_dir, existing_file,
-                                    existing_path, load_model, model_size, nonnegative_float, output_file,
-                                    positive_float, positive_int, read_json, seed_int)
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_dir,
+                                    existing_file, existing_path, load_model, model_arg, model_size,
+                                    nonnegative_float, output_file, positive_float, positive_int, read_json,
+                                    seed_int)
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.models.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
@@ -97,8 +98,8 @@ def add_spec_parser(sub) -> None:
     g.add_argument("--medusa-choices", type=_medusa_choices,
                    help=f"JSON list of index paths, e.g. '[[0],[1],[0,0]]' (medusa, tree); default "
                         f"{len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
-    g.add_argument("--draft-model", type=existing_dir,
-                   help="draft model checkpoint directory (same vocabulary as the target)")
+    g.add_argument("--draft-model", type=model_arg,
+                   help=f"the draft model (same vocabulary as the target): {MODEL_HELP}")
     g.add_argument("--draft-config", type=model_size,
                    help="draft model: a named size with random weights (default with random target weights: the "
                         "target's size and seed, i.e. its own weights)")

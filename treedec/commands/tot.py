@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from treedec.attention import PLANNERS
-from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, finite_float,
-                                    load_model, nonnegative_float, output_file, positive_int, seed_int)
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_file,
+                                    finite_float, load_model, nonnegative_float, output_file, positive_int,
+                                    seed_int)
 from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
@@ -74,7 +75,7 @@ def add_tot_parser(sub) -> None:
     p.add_argument("--value-max-tokens", type=positive_int, help="default the task's (12)")
     p.add_argument("--no-check-steps", action="store_true",
                    help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
-    add_model_arguments(p, model_help="a local Hugging Face checkpoint directory (its tokenizer, if it has one)",
+    add_model_arguments(p, model_help=f"{MODEL_HELP} (its tokenizer, if it has one)",
                         config_help="a named model size with random weights (default: tiny, on the CPU); "
                                     "bytes as tokens")
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
@@ -220,11 +221,11 @@ def print_tot(results: dict, result: ToTResult, file=None) -> None:
               file=file)
 
 
-def _search_tokenizer(model_dir: str | None, vocab_size: int):
-    """``model_dir``'s tokenizer when it has one (:func:`~treedec.models.text.load_tokenizer`), else
+def _search_tokenizer(model: str | None, vocab_size: int):
+    """``--model``'s tokenizer when it has one (:func:`~treedec.models.text.load_tokenizer`), else
     :class:`ByteTokenizer` (which needs a vocabulary of >= 256); with the name the results file gives it."""
-    if model_dir is not None and has_tokenizer(model_dir):
-        return HFTokenizer(load_tokenizer(model_dir)), model_dir
+    if model is not None and has_tokenizer(model):
+        return HFTokenizer(load_tokenizer(model)), model
     if vocab_size < 256:
         raise ValueError(f"the byte tokenizer needs a vocabulary of at least 256 tokens, the model has {vocab_size}")
     return ByteTokenizer(), "bytes"

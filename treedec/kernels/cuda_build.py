@@ -1,9 +1,9 @@
 """Building the ``cuda`` backend: JIT on first use, cached on disk, for the GPU's own arch.
 
 :func:`load_extension` compiles ``treedec/kernels/cuda/*`` with
-``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into
-``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when
-the sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
+``torch.utils.cpp_extension.load`` (ninja, parallel per translation unit) into treedec's cache
+folder (:func:`treedec.cache.cache_dir`, default ``~/.cache/treedec``)/cuda-sm<arch>; torch rebuilds only when the
+sources or flags change (``TREEDEC_CUDA_FLAGS`` adds nvcc flags, e.g. the tile knobs
 ``-DTREEDEC_WS_STAGES=5``; its ``-D`` defines reach the C++ binding too, so both halves of a build
 agree: ``-DTREEDEC_WS_TRACE=1`` is the bench-only trace build of ``bench/stage1_trace.py``). The
 kernels use CuTe's MMA/ldmatrix/cp.async atoms from the CUTLASS headers the ``nvidia-cutlass``
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from treedec.cache import cache_dir
 from treedec.errors import BackendUnavailableError
 
 SOURCE_DIR = Path(__file__).parent / "cuda"
@@ -97,7 +98,7 @@ def load_extension(capability: tuple[int, int]):
     nvcc_path()
     from torch.utils.cpp_extension import load
     name = f"treedec_cuda_sm{capability[0]}{capability[1]}"
-    build_dir = Path(os.environ.get("TREEDEC_CACHE_DIR", Path.home() / ".cache" / "treedec")) / name
+    build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))
     sources = [str(SOURCE_DIR / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)]

@@ -2,8 +2,8 @@
 
 :func:`load_planner` compiles ``treedec/kernels/planner/binding.cpp`` (one translation unit; the
 headers beside it hold the planner) with ``torch.utils.cpp_extension.load`` (ninja) into
-``$TREEDEC_CACHE_DIR`` (default ``~/.cache/treedec``)/planner-<python>-<numpy ABI>; torch rebuilds
-only when the sources or flags change (ninja tracks the headers). The module takes and returns
+treedec's cache folder (:func:`treedec.cache.cache_dir`, default ``~/.cache/treedec``)/planner-<python>-<numpy
+ABI>; torch rebuilds only when the sources or flags change (ninja tracks the headers). The module takes and returns
 numpy arrays through the CPython and numpy C APIs (no torch or pybind11 headers: a build of a
 few seconds). :func:`build_problem` says, without building, why it cannot be built here (no sources,
 no C++ compiler, no ninja, no Python headers).
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from treedec.cache import cache_dir
 from treedec.errors import BackendUnavailableError
 
 SOURCE_DIR = Path(__file__).parent / "planner"
@@ -32,7 +33,7 @@ def build_dir() -> Path:
     """Where the extension is built and cached: one build per Python and numpy ABI (the module links
     against both; torch's rebuild check does not see their versions)."""
     abi = f"py{sys.version_info[0]}{sys.version_info[1]}-np{np.__version__.split('.')[0]}"
-    return Path(os.environ.get("TREEDEC_CACHE_DIR", Path.home() / ".cache" / "treedec")) / f"planner-{abi}"
+    return cache_dir() / f"planner-{abi}"
 
 
 def build_problem() -> str | None:

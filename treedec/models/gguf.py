@@ -32,7 +32,7 @@ from treedec.models.checkpoint_headers import TensorHeader, check_tensor_headers
 from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
 
-__all__ = ["convert_gguf"]
+__all__ = ["convert_gguf", "require_gguf"]
 
 #: ``general.architecture`` of the GGUF files converted (llama.cpp writes Mistral as "llama").
 ARCHITECTURES = ("llama", "qwen2")
@@ -71,7 +71,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     ------
     FileNotFoundError : no such file.
     FileExistsError : ``out_dir`` is a file or a folder that is not empty.
-    ImportError : the ``gguf`` package is missing (``pip install gguf``).
+    ImportError : the ``gguf`` package is missing (:func:`require_gguf`).
     CheckpointError : (a ValueError) naming the GGUF file: not a readable GGUF file (truncated,
         corrupt); an architecture other than :data:`ARCHITECTURES`; metadata missing (sizes,
         tokenizer) or of a bad type or value (as :func:`~treedec.models.config.check_hf_fields`
@@ -84,12 +84,18 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty folder: convert_gguf writes a new folder "
                               f"(remove it or choose another)")
-    if importlib.util.find_spec("gguf") is None:   # transformers reads GGUF through it
-        raise ImportError("reading GGUF needs the gguf package: pip install gguf")
+    require_gguf()
     hf_config = _checked_config(gguf_file)
     write = _converted(gguf_file, hf_config)
     _write_folder(out_dir, write)
     return out_dir
+
+
+def require_gguf() -> None:
+    """Raise ImportError, saying the pip command, when the ``gguf`` package (through which transformers
+    reads GGUF files) is not installed."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("reading a GGUF file needs the gguf package: pip install gguf (treedec's gguf extra)")
 
 
 # ===================================================================== private

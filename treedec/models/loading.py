@@ -1,5 +1,6 @@
-"""Building a :class:`~treedec.models.llama.Llama`: from a local HF checkpoint, an in-memory
-transformers model, or random weights. Nothing here touches the network.
+"""Building a :class:`~treedec.models.llama.Llama`: from a checkpoint (a local HF checkpoint folder, or
+what :mod:`treedec.models.catalog` resolves a known name, a GGUF file or a hub repo id to), an
+in-memory transformers model, or random weights.
 
 Hugging Face tensor names map onto treedec's (fused) parameters:
 
@@ -35,6 +36,7 @@ from typing import Iterator
 import torch
 
 from treedec.errors import CheckpointError
+from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.models.checkpoint_headers import check_tensor_headers, safetensors_headers
 from treedec.models.config import ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.models.hf_tensors import hf_targets, init_random_, load_hf_tensors, safetensors_device
@@ -49,9 +51,11 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
+def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, tensor_parallel=None) -> Llama:
-    """Load a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+    """Load a model: a known name (``smollm2``), a ``.gguf`` file, a local Hugging Face checkpoint
+    directory (``config.json`` + ``*.safetensors``) or a repo id in the local hub cache, resolved by
+    :func:`~treedec.models.catalog.resolve_model` (a known name is fetched, a GGUF file converted, once).
 
     Sharded checkpoints (``model.safetensors.index.json``) and single files
     (``model.safetensors``) are read shard by shard straight onto ``device``. The model's
@@ -65,8 +69,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
 
     Parameters
     ----------
-    path : a local directory. A hub name with no local directory raises FileNotFoundError
-        (treedec never downloads: fetch it first, e.g. ``huggingface-cli download <name>``).
+    model : a model argument of :func:`~treedec.models.catalog.resolve_model`, or what it returned. A
+        hub repo id that is not in the local cache raises FileNotFoundError (treedec never downloads
+        from the hub: fetch it first with ``hf download <repo id>``).
     dtype : float32, float16 or bfloat16; default the checkpoint config's ``dtype`` /
         ``torch_dtype``, else bfloat16.
     device : default CUDA when available, else CPU.
@@ -76,29 +81,26 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     Raises
     ------
     FileNotFoundError
-        No such directory, no ``config.json``, no weights, or a shard the index lists is missing.
+        ``model`` names nothing (see :func:`~treedec.models.catalog.resolve_model`), a folder has no
+        ``config.json`` or no weights, or a shard the index lists is missing.
+    ImportError, ModelUnavailableError
+        A known name or GGUF file that cannot be fetched or converted here (the message says what to run).
     CheckpointError
         (a ValueError) A malformed ``config.json`` (a size that is not a positive int, head
         counts that do not divide, an ``rms_norm_eps`` or ``rope_theta`` that is not a finite
         number > 0, ...), ``generation_config.json`` (its
         ``eos_token_id`` not token ids of the vocabulary) or index, a shard path outside the
         directory, a truncated or corrupt shard, a tensor of another dtype than
-        :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor.
+        :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor; a GGUF file
+        that does not convert.
     NotImplementedError
         An architecture or feature the decoder does not implement.
     """
     from transformers import AutoConfig
 
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"from_pretrained needs a local checkpoint directory, got {str(path)!r}, which is not a directory; "
-            f"treedec never downloads weights: fetch a hub model first (e.g. `huggingface-cli download {path} "
-            f"--local-dir <dir>`) and pass that directory")
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
     if dtype is not None and dtype not in SUPPORTED_DTYPES.values():
         raise ValueError(f"dtype must be one of torch.{', torch.'.join(SUPPORTED_DTYPES)} or None, got {dtype!r}")
+    root = resolve_model(model).checkpoint
     config_file = root / "config.json"
     raw_config = read_json_object(config_file)
     if dtype is None:
@@ -120,14 +122,14 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     # (or a bad index, a truncated shard) costs no allocation
     check_tensor_headers(safetensors_headers(shards), config, tuple(str(d) for d in SUPPORTED_DTYPES.values()),
                          str(root))
-    model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
-    model.eos_token_ids = eos
+    llama = _empty_model(config, dtype, _default_device(device), tensor_parallel)
+    llama.eos_token_ids = eos
     if tensor_parallel is not None:
-        load_checkpoint(model, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
-        return model
-    load_hf_tensors(model, _read_safetensors(shards, model.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
+        load_checkpoint(llama, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
+        return llama
+    load_hf_tensors(llama, _read_safetensors(shards, llama.device), dtypes=tuple(SUPPORTED_DTYPES.values()),
                     source=str(root))
-    return model
+    return llama
 
 
 def checkpoint_shards(root: str | Path) -> list[Path]:

@@ -1,8 +1,8 @@
 """Text in and out of a checkpoint: its tokenizer, its chat template, streaming detokenization.
 
-Nothing here touches the network: :func:`load_tokenizer` reads a local checkpoint folder
-only. Token-id APIs stay: every program takes token ids; this module turns text (or chat
-messages) into prompt ids and output ids back into text.
+:func:`load_tokenizer` reads a local folder, or the checkpoint folder a model argument resolves to
+(:func:`~treedec.models.catalog.resolve_model`). Token-id APIs stay: every program takes token ids;
+this module turns text (or chat messages) into prompt ids and output ids back into text.
 
 :class:`IncrementalDetokenizer` streams output text the way vLLM does: each new token's
 text is the decoding of a short window of recent tokens less the decoding of the window's
@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from treedec.models.loading import CheckpointError
+from treedec.errors import CheckpointError
+from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.tree.validate import describe, int_list, is_int
 
 __all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "check_text", "encode_prompt",
@@ -32,18 +33,22 @@ _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode shows for bytes that are no
 _CONTEXT_TOKENS = 5
 
 
-def has_tokenizer(path: str | Path) -> bool:
-    """Whether the folder ``path`` holds tokenizer files (one of :data:`TOKENIZER_FILES` or a ``*.tiktoken``)."""
-    root = Path(path)
+def has_tokenizer(model: str | Path | ResolvedModel) -> bool:
+    """Whether the checkpoint folder of ``model`` (a folder, or a model argument of
+    :func:`~treedec.models.catalog.resolve_model`) holds tokenizer files (one of :data:`TOKENIZER_FILES` or a
+    ``*.tiktoken``)."""
+    root = _tokenizer_folder(model)
     return any((root / name).is_file() for name in TOKENIZER_FILES) or any(root.glob("*.tiktoken"))
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a local checkpoint folder: ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+def load_tokenizer(model: str | Path | ResolvedModel):
+    """The tokenizer of a checkpoint: ``AutoTokenizer.from_pretrained(folder, local_files_only=True)``.
 
     Parameters
     ----------
-    path : a local checkpoint directory (treedec never downloads).
+    model : a local folder with tokenizer files (read in place; it needs no ``config.json``), or a
+        model argument of :func:`~treedec.models.catalog.resolve_model` (a known name, a ``.gguf`` file,
+        a hub repo id in the local cache) or what it returned.
 
     Returns
     -------
@@ -53,17 +58,13 @@ def load_tokenizer(path: str | Path):
     Raises
     ------
     FileNotFoundError
-        ``path`` is not a directory.
+        ``model`` names nothing (treedec never downloads from the hub: the message lists the forms).
     CheckpointError
         (a ValueError) The folder has none of :data:`TOKENIZER_FILES` (nor a ``*.tiktoken``
         file), or transformers cannot build a tokenizer from what it has (the message names
         the folder and transformers' reason).
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"load_tokenizer needs a local checkpoint directory, got {str(path)!r}, which is not "
-                                f"a directory; treedec never downloads: fetch the model first (e.g. "
-                                f"`huggingface-cli download <name> --local-dir <dir>`) and pass that directory")
+    root = _tokenizer_folder(model)
     if not has_tokenizer(root):
         raise CheckpointError(f"{root} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's "
                               f"tokenizer files into it, or give prompts as token ids")
@@ -75,6 +76,13 @@ def load_tokenizer(path: str | Path):
     # transformers raises OSError / ValueError / TypeError / KeyError / ImportError by case.
     except Exception as e:
         raise CheckpointError(f"{root}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def _tokenizer_folder(model: str | Path | ResolvedModel) -> Path:
+    """The folder :func:`load_tokenizer` reads: ``model`` itself when it is a folder, else its resolved checkpoint."""
+    if not isinstance(model, ResolvedModel) and str(model) and Path(model).is_dir():   # ("" is no folder)
+        return Path(model)
+    return resolve_model(model).checkpoint
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_template: bool) -> list[int]:
