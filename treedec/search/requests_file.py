@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from treedec.checks import describe, is_int
 from treedec.models.text import check_messages
 from treedec.search.request import positive_int
 from treedec.search.stops import StopRule, stop_string_tuple, token_id_list, token_id_tuple
-from treedec.tree.validate import describe, is_int
 
 __all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "RequestSpec", "RequestsFileError",
            "read_requests", "write_results_jsonl"]

@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treedec.checks import describe, is_int, show_int
 from treedec.errors import PoolExhaustedError
 from treedec.transfer import to_device
-from treedec.tree.validate import describe, int_array, int_value, is_int, show_int
+from treedec.tree.validate import int_array, int_value
 
 
 class PagedKVPool:

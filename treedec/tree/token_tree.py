@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from treedec.tree.validate import describe, int_array, int_value, is_int
+from treedec.checks import describe, is_int
+from treedec.tree.validate import int_array, int_value
 
 
 @dataclass(frozen=True)
