@@ -30,9 +30,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from treedec.checks import describe, is_int
+from treedec.checks import describe, is_int, positive_int
 from treedec.models.text import IncrementalDetokenizer
-from treedec.search.request import positive_int
 from treedec.tree.validate import int_list
 
 __all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_list",
