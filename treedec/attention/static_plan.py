@@ -39,6 +39,7 @@ import torch
 
 from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import DEVICE_ARRAYS, MASK_BITS, DeviceTreePlan, TreePlan
+from treedec.checks import positive_int
 from treedec.errors import PlanError
 
 # How a section is padded, as the compiled planner's stage_sections takes it (kernels/planner/static_write.h):
@@ -77,8 +78,8 @@ class PlanBounds:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"PlanBounds.{f.name} must be a positive int, got {value!r}")
+            if value is not None:
+                positive_int(f"PlanBounds.{f.name}", value)
 
     @classmethod
     def for_plan(cls, plan: TreePlan) -> "PlanBounds":
