@@ -11,9 +11,10 @@ alternatives or a reason, e.g. ``" or None"``), and what was given (:func:`show`
 - Real numbers are Python ints or floats (numpy's ``float64`` is a float), not bools, finite; the
   checks return them as floats.
 
-Some checks run once per decode step: a valid Python int costs one ``type()`` test and a
-comparison, less than the ``isinstance`` chains they replace; the rest runs only to accept an int
-subclass or a numpy int, or to word the error.
+Cost: a valid Python int (or float) takes one ``type()`` test and a comparison; the rest runs only
+to accept an int subclass, a numpy int or an int where a number is asked, or to word the error. The
+call itself costs more than an inline test, so a caller that checks on every step may skip it for a
+plain int in range: ``if type(v) is not int or v < 1: positive_int("v", v)``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import reprlib
 
 import numpy as np
 
+_INF = math.inf
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxlist, _short.maxtuple, _short.maxstring, _short.maxother = 2, 6, 6, 40, 40
 
@@ -59,28 +61,28 @@ def int_in_range(name: str, value, low: int | None = None, high: int | None = No
 
 def finite_float(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
     """``float(value)`` if it is a finite real number, else ``error`` ``"{name} must be a finite number, got ..."``."""
-    if is_real(value):
+    if (type(value) is float and -_INF < value < _INF) or is_real(value):
         return float(value)
     raise error(f"{name} must be a finite number{note}, got {show(value)}")
 
 
 def positive_float(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
     """``float(value)`` if it is a finite real number > 0, else ``error`` ``"... must be a finite number > 0 ..."``."""
-    if is_real(value) and value > 0:
+    if (type(value) is float and 0 < value < _INF) or (is_real(value) and value > 0):
         return float(value)
     raise error(f"{name} must be a finite number > 0{note}, got {show(value)}")
 
 
 def nonnegative_float(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
     """``float(value)`` if it is a finite real number >= 0, else ``error`` ``"... must be a finite number >= 0 ..."``."""
-    if is_real(value) and value >= 0:
+    if (type(value) is float and 0 <= value < _INF) or (is_real(value) and value >= 0):
         return float(value)
     raise error(f"{name} must be a finite number >= 0{note}, got {show(value)}")
 
 
 def fraction(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
     """``float(value)`` if it is a real number in (0, 1], else ``error`` ``"... must be a number in (0, 1] ..."``."""
-    if is_real(value) and 0 < value <= 1:
+    if (type(value) is float or is_real(value)) and 0 < value <= 1:   # NaN and inf fail the comparison
         return float(value)
     raise error(f"{name} must be a number in (0, 1]{note}, got {show(value)}")
 

@@ -215,7 +215,8 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     """
     for name, value in (("group", group), ("num_kv_heads", num_kv_heads), ("num_ctas", num_ctas),
                         ("rows_per_unit", rows_per_unit)):
-        positive_int(name, value, numpy=True)
+        if type(value) is not int or value < 1:   # every plan: a plain int skips the call
+            positive_int(name, value, numpy=True)
     _check_tile_tokens(tile_tokens)
     module = planner_impl().module
     if module is not None:  # the compiled port of the code below (treedec/kernels/planner/schedule.h)

@@ -78,7 +78,8 @@ class PlanConfig:
             value = getattr(self, name)
             if value is None and name in ("chunk_size", "query_tile", "persistent_ctas"):
                 continue
-            positive_int(name, value, error=PlanError, numpy=True)
+            if type(value) is not int or value < 1:   # every reference plan (replace): a plain int skips the call
+                positive_int(name, value, error=PlanError, numpy=True)
         if self.light_tile_cost is not None:
             fraction("light_tile_cost", self.light_tile_cost, error=PlanError)
 

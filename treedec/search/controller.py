@@ -259,10 +259,10 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int, po
             raise ControllerError(f"ops[{i}] = {op!r}: node {op.node} is not a live leaf (live leaves: "
                                   f"{sorted(live)[:8]})")
         if isinstance(op, Branch):
-            try:
-                plan.branch[op.node] = int_in_range("k", op.k, 1, vocab, error=ControllerError)
-            except ControllerError as e:  # named here, not per op: the op's repr costs more than the check
-                raise ControllerError(f"ops[{i}] = {op!r}: {e}") from None
+            k = op.k
+            if type(k) is not int or not 1 <= k <= vocab:   # every step: a plain int in range skips the call
+                k = int_in_range(f"ops[{i}] = {op!r}: k", k, 1, vocab, error=ControllerError)
+            plan.branch[op.node] = k
         elif op.tokens is not None:
             toks = list(op.tokens)
             if not toks or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):
