@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
-# Top to bottom; a module may import its own layer and those below it. errors, versions,
-# transfer (host <-> device copies), workloads (recorded data and its builders) and cache (the
-# cache folder) sit beside tree at the bottom.
+# Top to bottom; a module may import its own layer and those below it. errors, checks (the argument
+# checks), versions, transfer (host <-> device copies), workloads (recorded data and its builders) and
+# cache (the cache folder) sit beside tree at the bottom.
 LAYERS = ["cli", "search", "replay", "engine", "models", "attention", "kernels", "tree"]
-BOTTOM = {"errors", "versions", "transfer", "workloads", "cache", "tree"}
+BOTTOM = {"errors", "checks", "versions", "transfer", "workloads", "cache", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
 
 
@@ -112,13 +112,15 @@ def test_no_source_file_over_500_lines(folder):
 
 def test_tests_mirror_the_packages():
     """tests/<package>/test_<module>.py for treedec's packages (bench/ for the benchmark scripts); only the house
-    checks (layers, README, examples) sit at the top."""
+    checks (layers, README, examples) and the tests of treedec's top-level modules
+    (``treedec/checks.py``: ``tests/test_checks.py``) sit at the top."""
     packages = {str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")} | {"bench"}
+    top = {"test_layers", "test_readme", "test_examples"} | {f"test_{p.stem}" for p in PACKAGE.glob("*.py")}
     tests = REPO / "tests"
     for path in tests.rglob("test_*.py"):
         folder = str(path.parent.relative_to(tests))
         if folder == ".":
-            assert path.stem in {"test_layers", "test_readme", "test_examples"}, f"{path.name}: move it under tests/<package>/"
+            assert path.stem in top, f"{path.name}: move it under tests/<package>/"
         else:
             assert folder in packages, f"tests/{folder}/ mirrors no package of treedec (known: {sorted(packages)})"
 

@@ -96,8 +96,8 @@ def test_single_chunk_queries_are_direct():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(planner="radix"), "planner must be one of"),
-    (dict(chunk_size=0), "chunk_size must be a positive int"),
-    (dict(query_tile=2.5), "query_tile must be a positive int"),
+    (dict(chunk_size=0), "chunk_size must be an int >= 1"),
+    (dict(query_tile=2.5), "query_tile must be an int >= 1"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(PlanError, match=match):

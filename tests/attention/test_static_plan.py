@@ -26,7 +26,7 @@ def test_bounds_for_a_plan_fit_it_and_name_what_does_not():
     small = PlanBounds(max_queries=2, max_tokens=1024, max_chunks=16, max_entries=64, max_items=16, max_chunk_tokens=32)
     assert small.problem(plan) == "the tree's plan has 4 queries, over PlanBounds.max_queries=2"
     assert bounds.union(small) == bounds
-    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
         PlanBounds(max_queries=4, max_tokens=0)
 
 

@@ -264,7 +264,7 @@ def test_cuda_graph_options_are_checked(tiny):
         make_engine(tiny, cuda_graphs=True)
     with pytest.raises(ValueError, match="needs a kernel attention backend"):
         make_engine(tiny, cuda_graphs=CudaGraphConfig(capture=False))
-    with pytest.raises(ValueError, match="max_queries must be a positive int"):
+    with pytest.raises(ValueError, match="max_queries must be an int >= 1"):
         CudaGraphConfig(max_queries=0)
 
 

@@ -119,7 +119,7 @@ def test_chain_errors(bigram):
     """Bad chains raise naming the problem, changing nothing."""
     e = engines(bigram, False)
     node = e.prefill([1, 2, 3]).node
-    with pytest.raises(ValueError, match="length must be a positive int"):
+    with pytest.raises(ValueError, match="length must be an int >= 1"):
         StepChain(e, 0, lambda i: None, lambda ctx, x: (), {})
     chain = GreedyChain(e, [node], 2)
     with pytest.raises(ValueError, match=r"needs inputs \['first'\], got \['other'\]"):

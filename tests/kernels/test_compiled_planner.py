@@ -442,7 +442,7 @@ def test_an_unknown_setting_is_named(fresh_choice, monkeypatch, value):
 
 @pytest.mark.parametrize("group", [0, -1, 1.5, True])
 def test_group_size_is_checked_before_either_planner(group):
-    with pytest.raises(PlanError, match="group_size must be a positive int"):
+    with pytest.raises(PlanError, match="group_size must be an int >= 1"):
         make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16, query_tile=2), group)
 
 

@@ -282,7 +282,7 @@ def test_bad_splits_name_the_values(overrides, size, match):
 
 @pytest.mark.parametrize("size", [0, -1, 1.5, True])
 def test_bad_sizes(size):
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="tensor-parallel size must be an int >= 1"):
         shard_config(ModelConfig.from_name("tiny"), size)
 
 

@@ -277,7 +277,7 @@ def test_copy_slots_checks_both_slot_lists_before_writing():
     (lambda p: p.allocate(-1), ValueError, "num_pages must be >= 0"),
     (lambda p: p.pages_for(-5), ValueError, "num_tokens must be >= 0"),
     (lambda p: p.pages_for(2.5), TypeError, "num_tokens must be an integer, got float 2.5"),
-    (lambda p: PagedKVPool(True, 4), ValueError, "num_pages must be a positive int, got bool True"),
+    (lambda p: PagedKVPool(True, 4), ValueError, "num_pages must be an int >= 1, got True"),
 ])
 def test_bad_scalars_raise_and_change_nothing(call, error, match):
     pool = pool_in_use()

@@ -107,7 +107,7 @@ def test_fewshot_schedule_shape():
     s = fewshot_schedule(prompt_tokens=100, branches=3, iterations=4)
     assert s.stats.forward_steps == 4 and s.stats.peak_tree_tokens == 100 + 3 * 4
     assert s.stats.max_position == 100 + 4 - 1
-    with pytest.raises(ValueError, match="branches must be a positive int"):
+    with pytest.raises(ValueError, match="branches must be an int >= 1"):
         fewshot_schedule(branches=0)
 
 
@@ -267,7 +267,7 @@ def test_check_fits_names_the_first_op_past_a_limit(limits, message):
 @pytest.mark.parametrize("name, value", [("max_tree_tokens", 0), ("max_position", -1), ("vocab_size", 2.5),
                                          ("max_tree_tokens", True)])
 def test_check_fits_validates_its_limits(name, value):
-    with pytest.raises(ValueError, match=f"{name} must be a positive int or None, got {value!r}"):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1 or None, got {value!r}"):
         Schedule.from_json(GOOD).check_fits(**{name: value})
 
 

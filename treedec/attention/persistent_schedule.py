@@ -31,6 +31,7 @@ import numpy as np
 
 from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.checks import positive_int
 from treedec.kernels.cuda_tree_attention import TILE_SIZES, TILE_TOKENS
 
 UNIT_FIELDS = ("chunk", "kv_head", "item_entry_start", "row_begin", "row_end", "tile_begin", "tile_end",
@@ -214,8 +215,8 @@ def schedule_units(plan: TreePlan, group: int, num_kv_heads: int, num_ctas: int,
     """
     for name, value in (("group", group), ("num_kv_heads", num_kv_heads), ("num_ctas", num_ctas),
                         ("rows_per_unit", rows_per_unit)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if type(value) is not int or value < 1:   # every plan: a plain int skips the call
+            positive_int(name, value, numpy=True)
     _check_tile_tokens(tile_tokens)
     module = planner_impl().module
     if module is not None:  # the compiled port of the code below (treedec/kernels/planner/schedule.h)

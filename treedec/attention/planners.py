@@ -32,6 +32,7 @@ from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_
 from treedec.attention.planner_choice import planner_impl
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.checks import fraction, positive_int
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
 
@@ -77,11 +78,10 @@ class PlanConfig:
             value = getattr(self, name)
             if value is None and name in ("chunk_size", "query_tile", "persistent_ctas"):
                 continue
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise PlanError(f"{name} must be a positive int, got {value!r}")
-        cost = self.light_tile_cost
-        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 < cost <= 1.0):
-            raise PlanError(f"light_tile_cost must be a number in (0, 1], got {self.light_tile_cost!r}")
+            if type(value) is not int or value < 1:   # every reference plan (replace): a plain int skips the call
+                positive_int(name, value, error=PlanError, numpy=True)
+        if self.light_tile_cost is not None:
+            fraction("light_tile_cost", self.light_tile_cost, error=PlanError)
 
 
 def default_query_tile(group_size: int, rows: int = 64) -> int:
@@ -98,8 +98,7 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     planner or the numpy reference runs, as :func:`~treedec.attention.planner_choice.planner_impl`
     reports; both give the same plan.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
-        raise PlanError(f"group_size must be a positive int, got {group_size!r}")
+    positive_int("group_size", group_size, error=PlanError, numpy=True)
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
     query_tile = default_query_tile(group_size) if config.query_tile is None else config.query_tile

@@ -39,6 +39,7 @@ import torch
 
 from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import DEVICE_ARRAYS, MASK_BITS, DeviceTreePlan, TreePlan
+from treedec.checks import positive_int
 from treedec.errors import PlanError
 
 # How a section is padded, as the compiled planner's stage_sections takes it (kernels/planner/static_write.h):
@@ -75,10 +76,10 @@ class PlanBounds:
     max_chunk_tokens: int = 4096
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"PlanBounds.{f.name} must be a positive int, got {value!r}")
+        for name, label in _BOUND_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(label, value)
 
     @classmethod
     def for_plan(cls, plan: TreePlan) -> "PlanBounds":
@@ -142,6 +143,10 @@ class PlanBounds:
                 "entry_query": (e,), "entry_mask": (e, self.mask_words), "query_entry_start": (self.max_queries + 1,),
                 "query_entries": (e,), "entry_direct": (e,), "item_chunk": (self.items,),
                 "item_entry_start": (self.items,), "item_num_entries": (self.items,)}
+
+
+#: (field, how its error names it) of every PlanBounds size: built once, as the check runs every graphed step.
+_BOUND_FIELDS = tuple((f.name, f"PlanBounds.{f.name}") for f in dataclasses.fields(PlanBounds))
 
 
 class StaticBackend(Protocol):

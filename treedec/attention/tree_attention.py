@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 
 import torch
 
@@ -13,6 +12,7 @@ from treedec.attention.planner_choice import PlannerImpl, planner_impl
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.checks import int_in_range, positive_float
 from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
@@ -21,13 +21,6 @@ logger = logging.getLogger("treedec")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-
-
-def _check_sm_scale(sm_scale) -> float:
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
-            or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be a finite number > 0 (default 1/sqrt(head_dim)), got {sm_scale!r}")
-    return float(sm_scale)
 
 
 def _resolve_device(device) -> torch.device:
@@ -90,10 +83,9 @@ class TreeAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float16):
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        num_qo_heads = int_in_range("num_qo_heads", num_qo_heads, error=TypeError, numpy=True)
+        num_kv_heads = int_in_range("num_kv_heads", num_kv_heads, error=TypeError, numpy=True)
+        head_dim = int_in_range("head_dim", head_dim, error=TypeError, numpy=True)
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of "
                              f"num_kv_heads ({num_kv_heads})")
@@ -105,7 +97,8 @@ class TreeAttention:
             raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype
-        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _check_sm_scale(sm_scale)
+        self.sm_scale = (1.0 / math.sqrt(head_dim) if sm_scale is None
+                         else positive_float("sm_scale", sm_scale, note=" (default 1/sqrt(head_dim))"))
         self.device = _resolve_device(device)
         if self.device.type == "cuda":
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count

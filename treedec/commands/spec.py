@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from treedec.checks import is_int
 from treedec.models import from_config, from_pretrained
 from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_dir,
                                     existing_file, existing_path, load_model, model_arg, model_size,
@@ -379,7 +380,7 @@ def _tree_json(path: str | None) -> tuple[TokenTree, list[int]] | None:
                          f"'tokens'")
     for name in ("parents", "tokens"):
         ids = spec.get(name, [])
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
             raise ValueError(f"--tree-json {path}: '{name}' must be a list of ints, got {ids!r:.60}")
     if any(t < 0 for t in spec["tokens"]):
         raise ValueError(f"--tree-json {path}: 'tokens' must be token ids >= 0, got {spec['tokens']!r:.60}")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from treedec.attention import PlanBounds, StaticPlan, TreeAttention, TreePlan
+from treedec.checks import positive_int
 
 logger = logging.getLogger("treedec")
 
@@ -46,9 +47,7 @@ class CudaGraphConfig:
 
     def __post_init__(self):
         for name in ("max_queries", "max_graphs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"CudaGraphConfig.{name} must be a positive int, got {value!r}")
+            positive_int(f"CudaGraphConfig.{name}", getattr(self, name))
 
 
 @dataclass

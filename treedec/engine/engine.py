@@ -25,6 +25,7 @@ import torch
 
 from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, TreeAttention, backend_names
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
+from treedec.checks import int_in_range, positive_int
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
 from treedec.models.llama import Llama
 from treedec.engine.pool_sizing import kv_pool_pages
@@ -90,8 +91,7 @@ class Engine:
                  plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
                  cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False):
         c = model.config
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        positive_int("prefill_chunk", prefill_chunk)
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.model = model
@@ -127,9 +127,7 @@ class Engine:
         (``len(tokenizer)``): an id past the tokenizer cannot be decoded. The batch functions call it
         when they are given a tokenizer. A later, larger ``size`` does not widen an earlier limit."""
         vocab = self.model.config.vocab_size
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 1 <= size <= vocab:
-            raise ValueError(f"size must be an int in [1, {vocab}] (the model's vocab_size), got {size!r}")
-        size = int(size)
+        size = int_in_range("size", size, 1, vocab, numpy=True, note=" (the model's vocab_size)")
         if size < vocab and (self.vocab_limit is None or size < self.vocab_limit):
             self.vocab_limit = size
             logger.info("token ids >= %d are never produced (the model's vocabulary has %d)", size, vocab)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from treedec.checks import positive_int
 from treedec.models.llama import Llama
 from treedec.errors import PoolExhaustedError
 
@@ -15,8 +16,7 @@ def kv_pool_pages(model: Llama, kv_tokens: int | None, page_size: int, memory_fr
     free memory after the weights, less :func:`activation_reserve`. A tensor-parallel model's ranks all
     take the smallest rank's count (the programs' page decisions must agree on every rank)."""
     c = model.config
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    positive_int("page_size", page_size)
     bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
     if kv_tokens is not None:
         if not isinstance(kv_tokens, int) or kv_tokens < page_size:

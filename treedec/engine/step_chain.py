@@ -34,6 +34,7 @@ import torch
 
 from treedec.attention import SpanMasking
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
+from treedec.checks import positive_int
 from treedec.engine.cuda_graphs import GraphEntry, GraphRunner
 from treedec.engine.step_checks import check_window
 from treedec.engine.step_output import StepOutput
@@ -78,8 +79,7 @@ class StepChain:
     def __init__(self, engine, length: int, layout: Callable[[int], ChainStep],
                  body: Callable[["ChainContext", dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
                  inputs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            raise ValueError(f"length must be a positive int, got {length!r}")
+        positive_int("length", length)
         self.engine, self.length, self.layout, self.body = engine, length, layout, body
         self._input_specs = dict(inputs)
         self._entries: list[GraphEntry] = []

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
+from treedec.checks import is_int, is_real, positive_float, positive_int
 from treedec.errors import CheckpointError
 
 logger = logging.getLogger("treedec")
@@ -42,8 +42,7 @@ class RopeScaling:
         if self.kind not in ("linear", "llama3"):
             raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if not _positive_finite(getattr(self, name)):
-                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+            positive_float(f"RopeScaling.{name}", getattr(self, name))
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}")
@@ -80,12 +79,9 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+            positive_int(f"ModelConfig.{name}", getattr(self, name))
         for name in ("rope_theta", "rms_norm_eps"):   # 0, < 0 or NaN make every logit NaN
-            if not _positive_finite(getattr(self, name)):
-                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+            positive_float(f"ModelConfig.{name}", getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -202,10 +198,10 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
         raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
 
     for key in _POSITIVE_INT_FIELDS:
-        if key in raw and not _positive_int(raw[key]):
+        if key in raw and not (is_int(raw[key]) and raw[key] > 0):
             fail(key, "a positive int", raw[key])
     for key in ("num_key_value_heads", "head_dim", "sliding_window"):
-        if raw.get(key) is not None and not _positive_int(raw[key]):
+        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
             fail(key, "a positive int or null", raw[key])
     for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
         if key in raw and not isinstance(raw[key], bool):
@@ -214,7 +210,7 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
         if key in raw and not isinstance(raw[key], str):
             fail(key, "a string", raw[key])
     for key in ("rms_norm_eps", "rope_theta"):
-        if key in raw and not _positive_finite(raw[key]):
+        if key in raw and not (is_real(raw[key]) and raw[key] > 0):
             fail(key, "a finite number > 0", raw[key])
     for group in ("rope_parameters", "rope_scaling"):
         rope = raw.get(group)
@@ -223,9 +219,9 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
         if not isinstance(rope, dict):
             fail(group, "an object or null", rope)
         for key, value in rope.items():
-            if key in _ROPE_NUMBERS and not _positive_finite(value):
+            if key in _ROPE_NUMBERS and not (is_real(value) and value > 0):
                 fail(f"{group}.{key}", "a finite number > 0", value)
-            if key == "original_max_position_embeddings" and not _positive_int(value):
+            if key == "original_max_position_embeddings" and not (is_int(value) and value > 0):
                 fail(f"{group}.{key}", "a positive int", value)
             if key in ("rope_type", "type") and not isinstance(value, str):
                 fail(f"{group}.{key}", "a string", value)
@@ -260,14 +256,6 @@ def warn_hf_defaults(raw: dict, config: ModelConfig, where: str, name: Callable[
 _POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "max_position_embeddings")
 _ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor")
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _positive_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 _LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

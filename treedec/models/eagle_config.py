@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from treedec.checks import is_int
 from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
 
@@ -69,7 +70,7 @@ def _check_eagle_fields(raw: dict, file: Path, eagle3: bool, target: ModelConfig
 
     for key in ("draft_vocab_size", "target_hidden_size"):
         value = raw.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and not (is_int(value) and value > 0):
             fail(key, "a positive int", value)
     if eagle3 and (raw.get("draft_vocab_size") or 0) > target.vocab_size:
         raise CheckpointError(f"{file}: field 'draft_vocab_size' ({raw['draft_vocab_size']}) must be at most the "
@@ -83,7 +84,7 @@ def _check_eagle_fields(raw: dict, file: Path, eagle3: bool, target: ModelConfig
     if eagle3 and ids is not None:   # layer outputs: -1 (the embeddings) to L - 2 (the last layer's input)
         valid = range(-1, target.num_layers - 1)
         if not (isinstance(ids, list) and len(ids) == 3 and len(set(ids)) == 3
-                and all(isinstance(i, int) and not isinstance(i, bool) and i in valid for i in ids)):
+                and all(is_int(i) and i in valid for i in ids)):
             fail("eagle_config.eagle_aux_hidden_state_layer_ids",
                  f"a list of 3 distinct layer ids in [-1, {target.num_layers - 2}]", ids)
 

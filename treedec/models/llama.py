@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.checks import is_int
 from treedec.models.config import ModelConfig
 from treedec.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -207,11 +208,11 @@ class Llama(nn.Module):
     def check_aux_layers(self, layers) -> tuple[int, ...]:
         """``layers`` as a tuple of distinct layer indices of this model (ValueError naming the bad one)."""
         out = tuple(layers)
-        bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.layers)]
+        bad = [i for i in out if not is_int(i) or not 0 <= i < len(self.layers)]
         if bad or len(set(out)) != len(out):
             raise ValueError(f"hidden-state layers must be distinct layer indices in [0, {len(self.layers)}), "
                              f"got {list(out)}")
-        return out
+        return tuple(int(i) for i in out)
 
 
 class ForwardOutput(NamedTuple):

@@ -35,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from treedec.checks import is_int
 from treedec.errors import CheckpointError
 from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.models.checkpoint_headers import check_tensor_headers, safetensors_headers
@@ -329,8 +330,7 @@ def _checkpoint_eos(root: Path, raw_config: dict, vocab_size: int) -> tuple[int,
         if value is None:
             continue
         ids = [value] if isinstance(value, int) else value
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                                                for t in ids):
+        if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
             raise CheckpointError(f"{path}: field 'eos_token_id' must be a token id in [0, {vocab_size}) or a list "
                                   f"of them, got {value!r:.80}")
         return tuple(dict.fromkeys(ids))

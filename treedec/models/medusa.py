@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.checks import nonnegative_int, positive_int
 from treedec.models.llama import Llama
 from treedec.models.loading import read_state_dict
 
@@ -51,10 +52,8 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  dtype: torch.dtype | None = None, device=None):
         for name, value in [("hidden_size", hidden_size), ("vocab_size", vocab_size), ("num_heads", num_heads)]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MedusaHeads {name} must be an int >= 1, got {value!r}")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
-            raise ValueError(f"MedusaHeads num_layers must be an int >= 0, got {num_layers!r}")
+            positive_int(f"MedusaHeads {name}", value)
+        nonnegative_int("MedusaHeads num_layers", num_layers)
         super().__init__()
         self.medusa_head = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size, dtype, device) for _ in range(num_layers)],

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.checks import positive_int
 from treedec.errors import CheckpointError
 from treedec.models.checkpoint_headers import hf_tensor_shapes
 from treedec.models.config import ModelConfig
@@ -160,8 +161,7 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
 
     Raises ValueError, naming the values, when they do not divide.
     """
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"the tensor-parallel size must be a positive int, got {size!r}")
+    positive_int("the tensor-parallel size", size)
     if config.num_kv_heads % size:
         raise ValueError(f"tensor parallelism over {size} ranks needs num_kv_heads ({config.num_kv_heads}) divisible "
                          f"by {size}: each rank holds whole KV heads and the query heads that read them "

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from treedec.checks import describe, is_int
 from treedec.errors import CheckpointError
 from treedec.models.catalog import ResolvedModel, resolve_model
-from treedec.tree.validate import describe, int_list, is_int
+from treedec.tree.validate import int_list
 
 __all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "check_text", "encode_prompt",
            "load_tokenizer"]

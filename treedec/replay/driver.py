@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, OPS, Accept, Branch, Children, Extend, Handle, Op,
@@ -192,8 +193,7 @@ def dry_run(schedule: Schedule, page_size: int, max_tree_tokens: int = DEFAULT_M
     than ``max_tree_tokens`` tokens at once raises :class:`ScheduleError` (naming the op)
     before anything is allocated.
     """
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    positive_int("page_size", page_size)
     schedule.check_fits(max_tree_tokens=max_tree_tokens)
     # a page holds >= 1 token; a branch of k empty children needs k pages in the pool
     stats = schedule.stats

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treedec.tree.validate import describe
+from treedec.checks import describe
 
 PARTS = (("plan_ms", "planning"), ("bookkeeping_ms", "tree bookkeeping"), ("attention_ms", "attention"),
          ("other_ms", "other (forward)"))

@@ -38,6 +38,7 @@ from typing import Iterator
 import torch
 
 from treedec.attention import PlanConfig
+from treedec.checks import int_in_range
 from treedec.engine import Engine
 from treedec.models import Llama
 from treedec.replay.driver import ScheduleDriver, dry_run
@@ -74,10 +75,8 @@ class ReplayConfig:
                              "choose one of cuda_graphs and profile_split")
         for name, minimum in (("page_size", 1), ("kv_tokens", 1), ("max_kv_tokens", 1), ("warmup_steps", 0)):
             value = getattr(self, name)
-            if name == "kv_tokens" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"ReplayConfig.{name} must be an int >= {minimum}, got {value!r}")
+            if name != "kv_tokens" or value is not None:
+                int_in_range(f"ReplayConfig.{name}", value, minimum)
 
 
 @dataclass

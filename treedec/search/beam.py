@@ -31,9 +31,9 @@ from typing import Sequence
 
 import torch
 
+from treedec.checks import finite_float, positive_int
 from treedec.engine import Engine
-from treedec.search.request import (MODEL_EOS, Positions, RequestStats, eos_token_ids, finite_float, pages_in_use,
-                                    positive_int)
+from treedec.search.request import MODEL_EOS, Positions, RequestStats, eos_token_ids, pages_in_use
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.tree.validate import int_list

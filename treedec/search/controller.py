@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from treedec.checks import int_in_range, nonnegative_int
 from treedec.engine import Engine
 from treedec.errors import ControllerError
 from treedec.search.request import MODEL_EOS, Positions, eos_token_ids, position_limit
@@ -156,8 +157,7 @@ class ControllerProgram(Program):
     def __init__(self, engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
                  temperature: float = 0.0, generator: torch.Generator | None = None,
                  eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, keep_tree: bool = False):
-        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
-            raise ValueError(f"max_steps must be an int >= 0, got {max_steps!r}")
+        nonnegative_int("max_steps", max_steps)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
@@ -259,9 +259,10 @@ def _check(ops, tree: SequenceTree, root: int, leaves: list[int], vocab: int, po
             raise ControllerError(f"ops[{i}] = {op!r}: node {op.node} is not a live leaf (live leaves: "
                                   f"{sorted(live)[:8]})")
         if isinstance(op, Branch):
-            if not isinstance(op.k, int) or isinstance(op.k, bool) or not 1 <= op.k <= vocab:
-                raise ControllerError(f"ops[{i}] = {op!r}: k must be an int in [1, {vocab}], got {op.k!r}")
-            plan.branch[op.node] = op.k
+            k = op.k
+            if type(k) is not int or not 1 <= k <= vocab:   # every step: a plain int in range skips the call
+                k = int_in_range(f"ops[{i}] = {op!r}: k", k, 1, vocab, error=ControllerError)
+            plan.branch[op.node] = k
         elif op.tokens is not None:
             toks = list(op.tokens)
             if not toks or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):

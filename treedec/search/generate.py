@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.search.batch import GenerateProgram
 from treedec.search.request import MODEL_EOS, eos_token_ids
@@ -37,8 +38,7 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     Raises ``ValueError`` before anything runs for a bad argument, or a prompt and ``max_new_tokens`` past
     the model's positions.
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    positive_int("max_new_tokens", max_new_tokens)
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))

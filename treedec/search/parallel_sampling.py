@@ -20,9 +20,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.search.batch import GenerateProgram
-from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids, positive_int
+from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams
 from treedec.search.scheduler import run_programs

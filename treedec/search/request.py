@@ -1,16 +1,17 @@
 """What the one-request search programs (beam search, parallel sampling, speculative
-decoding, ...) share: checks of their common arguments (EOS ids included), the positions a
-request may reach against the model's, and the pages a request holds.
+decoding, ...) share: the check of their EOS ids, the positions a request may reach against
+the model's, and the pages a request holds.
 
 The checks raise ``ValueError`` naming the argument, the expected and the given value, so
-a search program can check everything before it touches the engine.
+a search program can check everything before it touches the engine (its counts and numbers
+by :mod:`treedec.checks`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from treedec.checks import is_int
 from treedec.models import Llama
 from treedec.tree import PagedKVPool
 
@@ -29,20 +30,6 @@ class RequestStats:
     steps: int = 0
     queries_per_step: list[int] = field(default_factory=list)
     peak_pages: int = 0
-
-
-def positive_int(name: str, value) -> int:
-    """``value`` if it is an int >= 1 (bools are not ints here), else ValueError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def finite_float(name: str, value) -> float:
-    """``float(value)`` if it is a finite real number, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 #: The default ``eos_token_id`` of every program: the model's own EOS ids (``model.eos_token_ids``:
@@ -64,16 +51,16 @@ def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tupl
         return tuple(model.eos_token_ids)
     if value is None:
         return ()
-    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    ids = [value] if is_int(value) else value
     try:
         ids = list(ids)
     except TypeError:
         raise ValueError(f"eos_token_id must be {MODEL_EOS!r} (the model's own EOS ids), a token id, a list of "
                          f"token ids or None, got {value!r}") from None
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad or not ids:
         raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {value!r}")
-    return tuple(dict.fromkeys(ids))
+    return tuple(dict.fromkeys(int(t) for t in ids))
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from treedec.checks import describe, is_int, is_real, positive_int
 from treedec.models.text import check_messages
-from treedec.search.request import positive_int
 from treedec.search.stops import StopRule, stop_string_tuple, token_id_list, token_id_tuple
-from treedec.tree.validate import describe, is_int
 
 __all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "RequestSpec", "RequestsFileError",
            "read_requests", "write_results_jsonl"]
@@ -329,18 +327,14 @@ def _json_value(value):
     raise TypeError(f"{describe(value)} is not JSON serializable")
 
 
-def _is_real(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _temperature(value, name: str) -> float:
-    if not _is_real(value) or value < 0:
+    if not is_real(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {describe(value)}")
     return float(value)
 
 
 def _top_p(value, name: str) -> float:
-    if not _is_real(value) or not 0 < value <= 1:
+    if not is_real(value) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {describe(value)}")
     return float(value)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treedec.search.request import positive_int
+from treedec.checks import fraction, nonnegative_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        nonnegative_float("temperature", self.temperature)
         if self.top_k is not None:
             positive_int("top_k", self.top_k)
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        fraction("top_p", self.top_p)
 
 
 #: Greedy decoding: the argmax (the first of tied logits).

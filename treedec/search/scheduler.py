@@ -58,6 +58,7 @@ from typing import Any, Callable, Generator, Iterable
 import numpy as np
 import torch
 
+from treedec.checks import nonnegative_int, positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefixes import share_prefixes
@@ -142,11 +143,9 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
     if bad is not None:
         raise TypeError(f"programs must be Program instances, got {type(bad).__name__}")
     budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"max_step_tokens must be an int >= 1, got {max_step_tokens!r}")
+    positive_int("max_step_tokens", budget)
     min_shared = engine.pool.page_size if min_shared_prefix is None else min_shared_prefix
-    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 0:
-        raise ValueError(f"min_shared_prefix must be an int >= 0 (0: no sharing) or None, got {min_shared_prefix!r}")
+    nonnegative_int("min_shared_prefix", min_shared, note=" (0: no sharing) or None")
     pending = engine.tree.num_pending
     if pending:
         raise ValueError(f"the engine's tree has {pending} pending token(s): run engine.step() first")

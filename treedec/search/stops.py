@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from treedec.checks import describe, is_int, positive_int
 from treedec.models.text import IncrementalDetokenizer
-from treedec.search.request import positive_int
-from treedec.tree.validate import describe, int_list, is_int
+from treedec.tree.validate import int_list
 
 __all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_list",
            "token_id_tuple"]

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from treedec.checks import describe
 from treedec.errors import TreeError
-from treedec.tree.validate import describe, int_array, rows
+from treedec.tree.validate import int_array, rows
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treedec.checks import describe, is_int, nonnegative_int, positive_int, show_int
 from treedec.errors import PoolExhaustedError
 from treedec.transfer import to_device
-from treedec.tree.validate import describe, int_array, int_value, is_int, show_int
+from treedec.tree.validate import int_array, int_value
 
 
 class PagedKVPool:
@@ -72,10 +73,8 @@ class PagedKVPool:
         for name, value in [("num_pages", num_pages), ("page_size", page_size),
                             ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)]:
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {describe(value)}")
-        if not is_int(scratch_pages) or scratch_pages < 0:
-            raise ValueError(f"scratch_pages must be an int >= 0, got {describe(scratch_pages)}")
+            positive_int(name, value, numpy=True)
+        nonnegative_int("scratch_pages", scratch_pages, numpy=True)
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.num_layers = int(num_layers)

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from treedec.checks import describe, is_int, show_int
 from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.paged_kv_pool import PagedKVPool
@@ -33,7 +34,7 @@ from treedec.tree.subtree_edits import SubtreeEdits
 from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
 from treedec.tree.tree_node import TreeNode
-from treedec.tree.validate import describe, int_list, int_value, is_int, rows, show_int
+from treedec.tree.validate import int_list, int_value, rows
 
 FEW_PAGES = 256   # up to this many held pages are counted in Python (numpy's fixed cost is higher)
 NO_SLOTS = np.zeros(0, dtype=np.int64)   # an empty node's slot buffer, shared (read-only)

@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from treedec.tree.validate import describe, int_array, int_value, is_int
+from treedec.checks import describe, is_int, positive_int
+from treedec.tree.validate import int_array, int_value
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,7 @@ def expand_by_logprob(root_token: int, candidates: Candidates | LayerCandidates,
     ValueError : any other bad argument or candidate.
     """
     for name, value in [("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)]:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        positive_int(name, value)
     root_token = int_value(root_token, "root_token", low=0)
     # node: (score, depth, creation order, token path)
     made: list[tuple[float, int, int, tuple[int, ...]]] = []

@@ -13,23 +13,24 @@ These checks run on every decode step, so the common inputs take a fast path: a 
 Python ints costs one C-level pass over the element types and the builtins ``min`` /
 ``max``, an integer array its dtype and a ``min`` / ``max``; the element-by-element path
 only runs to accept mixed integer types or to word an error.
+
+Scalar arguments (counts, sizes, real numbers) are checked by :mod:`treedec.checks`, which also
+words how a value shows in an error (:func:`~treedec.checks.describe`).
 """
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Iterable, Mapping, Set
 
 import numpy as np
 import torch
+
+from treedec.checks import describe, is_int, show_int
 
 INT64_MIN = int(np.iinfo(np.int64).min)
 INT64_MAX = int(np.iinfo(np.int64).max)
 
 _JUST_INT = frozenset([int])
 _SMALL = 32  # arrays up to this length are range-checked as Python lists (faster than two numpy reductions)
-
-_short = reprlib.Repr()
-_short.maxlevel, _short.maxlist, _short.maxtuple, _short.maxstring, _short.maxother = 2, 6, 6, 40, 40
 
 
 def int_array(values, name: str, *, low: int = INT64_MIN, high: int = INT64_MAX) -> np.ndarray:
@@ -76,27 +77,6 @@ def rows(values, name: str) -> list:
             or getattr(values, "ndim", 1) == 0):
         raise TypeError(f"{name} must be a sequence, got {describe(values)}")
     return list(values)
-
-
-def is_int(value) -> bool:
-    """Whether ``value`` is an integer scalar (a Python or numpy int, not a bool)."""
-    return type(value) is int or (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)))
-
-
-def show_int(x: int) -> str:
-    """``x`` for an error message; a huge one by its size (``str()`` refuses ints over 4300 digits)."""
-    return str(x) if x.bit_length() <= 256 else f"{'-' if x < 0 else ''}<a {x.bit_length()}-bit int>"
-
-
-def describe(value) -> str:
-    """``"<type> <short repr>"`` for error messages; safe on huge or deeply nested values."""
-    if is_int(value):
-        return f"{type(value).__name__} {show_int(int(value))}"
-    try:
-        text = _short.repr(value)
-    except Exception:  # a broken __repr__ must not hide the real error
-        text = "<unprintable>"
-    return f"{type(value).__name__} {text}"
 
 
 # ================================================================ private

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from treedec.checks import nonnegative_int, positive_int
 from treedec.workloads.deft import DEFT_DIR, TraceFormatError, load_json, load_tot_trees, medusa_tree, trace_preorder
 from treedec.workloads.schedule import (DEFAULT_MAX_TREE_TOKENS, Accept, Branch, Extend, Prompt, Prune, Schedule,
                                         TokenTree, load_schedule)
@@ -125,8 +126,7 @@ def medusa_schedule(path_or_size: str | Path | int, record: int = 0, prompt_toke
     for p in tree.paths:
         first_of_depth.setdefault(len(p), p)
     for k, a in enumerate(accepts):
-        if not isinstance(a, int) or isinstance(a, bool) or a < 0:
-            raise TraceFormatError(f"{where}: field 'Accept_length[{k}]' must be an int >= 0, got {a!r:.60}")
+        nonnegative_int(f"{where}: field 'Accept_length[{k}]'", a, error=TraceFormatError)
     depth = max(first_of_depth)
     clamped = sum(a > depth for a in accepts)
     accepts = [min(a, depth) for a in accepts]
@@ -160,8 +160,7 @@ def fewshot_schedule(prompt_tokens: int = 4000, branches: int = 20, iterations: 
     """
     for name, value in (("prompt_tokens", prompt_tokens), ("branches", branches), ("iterations", iterations),
                         ("max_tree_tokens", max_tree_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
     peak = prompt_tokens + branches * iterations
     if peak > max_tree_tokens:
         raise ValueError(f"a few-shot schedule of prompt_tokens={prompt_tokens}, branches={branches}, "
@@ -183,8 +182,8 @@ def workload_schedule(workload: str, iterations: int | None = None, tree_index: 
     ``iterations`` keeps step 0 (the prompt) and the ``iterations`` steps after it, then
     prunes what is left. The other arguments go to the builder of that family.
     """
-    if iterations is not None and (not isinstance(iterations, int) or iterations < 1):
-        raise ValueError(f"iterations must be a positive int, got {iterations!r}")
+    if iterations is not None:
+        positive_int("iterations", iterations)
     if workload in TOT_FILES:
         schedule = tot_schedule(DEFT_DIR / "reasoning" / TOT_FILES[workload], tree_index)
     elif workload.startswith("medusa-") and workload.removeprefix("medusa-").isdigit():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from treedec.checks import is_int
 from treedec.tree.layout import TreeLayout, depth_first_order
 from treedec.tree.token_tree import TokenTree
 
@@ -73,7 +74,7 @@ def medusa_tree(path_or_size: str | Path | int) -> MedusaTree:
     -------
     MedusaTree with ``Token_Tree_size`` tokens.
     """
-    if isinstance(path_or_size, (int, np.integer)) and not isinstance(path_or_size, bool):
+    if is_int(path_or_size):
         path = DEFT_DIR / "speculative" / f"tree_size{int(path_or_size)}.json"
     else:
         path = Path(path_or_size)
@@ -268,7 +269,7 @@ def _validate_tot_tree(tree, where: str) -> dict[int, dict]:
         for name in ("value", "start", "end"):
             _int_field(node, name, at)
         children = _field(node, "children", list, at)
-        if not all(isinstance(c, int) and not isinstance(c, bool) for c in children):
+        if not all(is_int(c) for c in children):
             raise TraceFormatError(f"{at}: field 'children' must be a list of int node ids, got {children!r:.80}")
         if node["value"] != node["end"] - node["start"] + 1:
             raise TraceFormatError(f"{at}: field 'value' ({node['value']}) must equal end - start + 1 "

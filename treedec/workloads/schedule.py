@@ -73,11 +73,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treedec.checks import positive_int
 from treedec.workloads.deft import TraceFormatError, load_json
 from treedec.workloads.schedule_check import FitLimits, ScheduleStats, check_schedule
 from treedec.workloads.schedule_ops import (OPS, TOKEN_ID_LIMIT, Accept, Branch, Children, Extend, Handle, Op, Prompt,
-                                            Prune, ScheduleError, TokenTree, Truncate, is_json_int, op_json, parse_op,
-                                            token_count)
+                                            Prune, ScheduleError, TokenTree, Truncate, op_json, parse_op, token_count)
 
 __all__ = ["DEFAULT_MAX_TREE_TOKENS", "FORMAT", "OPS", "TOKEN_ID_LIMIT", "VERSION", "Accept", "Branch", "Children",
            "Extend", "Handle", "Op", "Prompt", "Prune", "Schedule", "ScheduleError", "ScheduleStats", "TokenTree",
@@ -152,8 +152,7 @@ class Schedule:
 
     def truncated(self, num_steps: int) -> "Schedule":
         """The first ``num_steps`` steps, plus a last step pruning every prompt still alive."""
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+        positive_int("num_steps", num_steps)
         if num_steps >= len(self.steps):
             return self
         head = self.steps[:num_steps]
@@ -181,8 +180,8 @@ class Schedule:
         """
         for name, value in (("max_tree_tokens", max_tree_tokens), ("max_position", max_position),
                             ("vocab_size", vocab_size)):
-            if value is not None and (not is_json_int(value) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if value is not None:
+                positive_int(name, value, note=" or None")
         check_schedule(self.steps, self.source, FitLimits(max_tree_tokens, max_position, vocab_size, tokens_limit,
                                                           position_limit))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from treedec.checks import positive_int
 from treedec.workloads.deft import TraceFormatError
 
 Handle = Union[str, int]
@@ -152,9 +153,7 @@ def parse_op(raw, where: str) -> Op:
         return Accept(_handles(raw["ids"], where, "ids"))
     if kind == "truncate":
         length = raw["length"]
-        if not is_json_int(length) or length < 1:
-            raise ScheduleError(f"{where}: field 'length' must be an int >= 1 (the tokens the node keeps), "
-                                f"got {length!r:.60}")
+        positive_int(f"{where}: field 'length'", length, error=ScheduleError, note=" (the tokens the node keeps)")
         return Truncate(_handle(raw["node"], where, "node"), length)
     return Prune(_handle(raw["node"], where, "node"))
 

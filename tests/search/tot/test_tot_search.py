@@ -234,7 +234,7 @@ def test_default_value_map_parse():
     (lambda: BFSConfig(n=-2), r"BFSConfig.n must be an int >= 1, got -2"),
     (lambda: BFSConfig(depth=1.5), r"BFSConfig.depth must be an int"),
     (lambda: BFSConfig(selection="best"), r"selection must be one of \('greedy', 'sample'\)"),
-    (lambda: BFSConfig(temperature=-0.1), r"temperature must be a number >= 0"),
+    (lambda: BFSConfig(temperature=-0.1), r"temperature must be a finite number >= 0"),
     (lambda: DFSConfig(k=-1), r"DFSConfig.k must be an int >= 1, got -1"),
     (lambda: DFSConfig(threshold=math.nan), r"threshold must be a finite number, got nan"),
     (lambda: DFSConfig(threshold="0.5"), r"threshold must be a finite number, got '0.5'"),

@@ -22,6 +22,7 @@ from treedec.attention.persistent_schedule import SCHEDULE_HEADER, UNIT_FIELDS, 
 from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.checks import positive_int
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import cuda_tree_attention as kernels
 from treedec.kernels.cuda_build import build_problem
@@ -167,8 +168,7 @@ class CudaBackend(Backend):
         plan; :meth:`run` and :meth:`prepare` raise."""
         if tile_tokens not in kernels.TILE_SIZES:
             raise ValueError(f"tile_tokens must be one of {kernels.TILE_SIZES}, got {tile_tokens!r}")
-        if not isinstance(num_ctas, int) or num_ctas < 1:
-            raise ValueError(f"num_ctas must be a positive int, got {num_ctas!r}")
+        positive_int("num_ctas", num_ctas)
         backend = cls.__new__(cls)
         backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = num_qo_heads, num_kv_heads, head_dim
         backend.dtype, backend.sm_scale, backend.device = dtype, head_dim ** -0.5, torch.device(device)

@@ -22,12 +22,12 @@ same seed to reproduce a run.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from treedec.checks import nonnegative_float, nonnegative_int, positive_float
 from treedec.search.speculative.device_acceptance import rejection_outcome
 from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens, sampling_probs
 from treedec.tree.token_tree import TokenTree
@@ -135,10 +135,8 @@ class TypicalAcceptance(_SeededStream):
     def __post_init__(self):
         _check_temperature(self.temperature, "TypicalAcceptance")
         for name in ("posterior_threshold", "posterior_alpha"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        _check_seed(self.seed)
+            nonnegative_float(name, getattr(self, name))
+        nonnegative_int("seed", self.seed)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return self._typical_sample(logits)
@@ -210,7 +208,7 @@ class RejectionSampling(_SeededStream):
 
     def __post_init__(self):
         _check_temperature(self.temperature, "RejectionSampling")
-        _check_seed(self.seed)
+        nonnegative_int("seed", self.seed)
         self._params = SamplingParams(self.temperature, self.top_k, self.top_p)   # checks top_k, top_p
 
     def first_token(self, logits: torch.Tensor) -> int:
@@ -327,11 +325,4 @@ def _check_draft_probs(tree: TokenTree, logits: torch.Tensor, draft_probs: torch
 
 
 def _check_temperature(value, rule: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{rule} temperature must be a finite number > 0, got {value!r} "
-                         f"(temperature 0 is greedy decoding: use GreedyAcceptance)")
-
-
-def _check_seed(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"seed must be an int >= 0, got {value!r}")
+    positive_float(f"{rule} temperature", value, note=" (temperature 0 is greedy decoding: use GreedyAcceptance)")

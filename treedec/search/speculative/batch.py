@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.speculative.acceptance import AcceptanceRule
@@ -79,8 +80,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     if acceptance is not None and not callable(acceptance):
         raise TypeError(f"acceptance must be a function of a RequestSpec returning an AcceptanceRule, "
                         f"got {acceptance!r:.60}")
-    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-        raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+    positive_int("max_draft_tokens", max_draft_tokens)
     if draft_budget is None:
         draft_budget = DraftBudget()
     elif not isinstance(draft_budget, DraftBudget):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treedec.checks import fraction, nonnegative_int, positive_int
 from treedec.tree.token_tree import TokenTree
 
 logger = logging.getLogger("treedec")
@@ -60,13 +61,10 @@ class DraftBudget:
     history: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.step_tokens not in ("auto", None) and (isinstance(self.step_tokens, bool)
-                                                       or not isinstance(self.step_tokens, int) or self.step_tokens < 1):
-            raise ValueError(f"step_tokens must be an int >= 1, 'auto' or None, got {self.step_tokens!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        if not (isinstance(self.smoothing, (int, float)) and 0 < self.smoothing <= 1):
-            raise ValueError(f"smoothing must be a number in (0, 1], got {self.smoothing!r}")
+        if self.step_tokens not in ("auto", None):
+            positive_int("step_tokens", self.step_tokens, note=", 'auto' or None")
+        nonnegative_int("min_tokens", self.min_tokens)
+        fraction("smoothing", self.smoothing)
         self._live: dict[int, float] = {}   # id(program) -> its running acceptance
         self._total: int | None = None
 

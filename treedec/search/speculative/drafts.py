@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
@@ -216,9 +217,7 @@ class PromptLookupDraft(DraftSource):
 
     def __post_init__(self):
         for name in ("max_ngram", "min_ngram", "num_draft_tokens", "max_matches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(name, getattr(self, name))
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
 

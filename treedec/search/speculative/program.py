@@ -27,6 +27,7 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from treedec.checks import is_int, positive_int
 from treedec.engine import Engine
 from treedec.search.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
 from treedec.search.speculative.device_acceptance import decode_outcome
@@ -147,8 +148,7 @@ class SpeculativeProgram(Program):
         if not isinstance(acceptance, AcceptanceRule):
             raise TypeError(f"acceptance must be an AcceptanceRule (first_token and accept methods), "
                             f"got {type(acceptance).__name__}")
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        positive_int("max_draft_tokens", max_draft_tokens)
         self.prompt_ids = [int(x) for x in prompt_ids]
         self.draft, self.rule, self.tokenizer, self.acceptance = draft, rule, tokenizer, acceptance
         self.keep_node, self.on_step, self.max_draft_tokens = keep_node, on_step, max_draft_tokens
@@ -305,8 +305,7 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     ``engine.tree`` as node ``stats.node``: the prompt and the accepted tokens (a bonus
     token, not computed, is not on it).
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    positive_int("max_new_tokens", max_new_tokens)
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
     program = SpeculativeProgram(prompt_ids, draft, rule, acceptance=acceptance, keep_node=True, on_step=on_step,
                                  max_draft_tokens=engine.pool.num_pages * engine.pool.page_size, pipeline=pipeline)
@@ -369,9 +368,8 @@ def _target_states(draft) -> str | tuple[int, ...] | None:
     states = draft.target_states
     if states is None or states == "hidden":
         return states
-    if isinstance(states, (tuple, list)) and states and all(isinstance(i, int) and not isinstance(i, bool)
-                                                            for i in states):
-        return tuple(states)
+    if isinstance(states, (tuple, list)) and states and all(is_int(i) for i in states):
+        return tuple(int(i) for i in states)
     raise ValueError(f"a draft's target_states must be None, 'hidden' or a tuple of layer indices, got {states!r}")
 
 

@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.sampling import SamplingParams, sampling_probs
@@ -39,8 +40,7 @@ class EngineTreeDraft(DraftSource):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be {what} Engine, got {type(engine).__name__}")
         for name, value in [("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(name, value)
         vocab = self._draft_vocab_size(engine)
         if top_k > vocab:
             raise ValueError(f"top_k ({top_k}) must be <= the draft vocabulary ({vocab})")

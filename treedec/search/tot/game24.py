@@ -20,6 +20,7 @@ from fractions import Fraction
 from itertools import combinations
 from typing import Sequence
 
+from treedec.checks import is_int
 from treedec.search.tot.program import ToTTask
 
 __all__ = ["Game24Error", "Game24Task", "Step", "check_answer", "check_step", "evaluate_answer", "parse_step", "solve"]
@@ -172,9 +173,9 @@ class Game24Task(ToTTask):
 
     def __post_init__(self):
         nums = tuple(self.numbers)
-        if len(nums) != 4 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in nums):
+        if len(nums) != 4 or not all(is_int(n) and n > 0 for n in nums):
             raise ValueError(f"Game24Task.numbers must be four positive ints, got {self.numbers!r}")
-        self.numbers = nums
+        self.numbers = tuple(int(n) for n in nums)
 
     def root_prompt(self) -> str:
         return (INSTRUCTION + STEP_EXAMPLES + JUDGE_EXAMPLES

@@ -10,12 +10,11 @@ searches' configurations (:class:`BFSConfig`, :class:`DFSConfig`) and their resu
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Protocol, Sequence
 
-import numpy as np
+from treedec.checks import finite_float, nonnegative_float, nonnegative_int, positive_int
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "HFTokenizer", "LevelStats", "ToTResult",
            "ToTState", "ToTTask", "Tokenizer"]
@@ -122,7 +121,7 @@ def check_task(task: ToTTask) -> None:
         raise TypeError(f"task must be a ToTTask, got {type(task).__name__}")
     name = type(task).__name__
     for attr in ("thought_max_tokens", "value_max_tokens"):
-        _require_int(name, attr, getattr(task, attr), 1)
+        positive_int(f"{name}.{attr}", getattr(task, attr), numpy=True)
     for attr in ("thought_stop", "value_stop"):
         stops = getattr(task, attr)
         if not isinstance(stops, tuple) or not all(isinstance(s, str) and s for s in stops):
@@ -130,11 +129,6 @@ def check_task(task: ToTTask) -> None:
 
 
 # ================================================================ configuration
-
-
-def _require_int(owner: str, name: str, value, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -147,13 +141,12 @@ class _SearchConfig:
     seed: int = 0
 
     def __post_init__(self):
+        owner = type(self).__name__
         for name in ("k", "depth", "value_samples"):
-            _require_int(type(self).__name__, name, getattr(self, name), 1)
-        _require_int(type(self).__name__, "seed", self.seed, 0)
+            positive_int(f"{owner}.{name}", getattr(self, name), numpy=True)
+        nonnegative_int(f"{owner}.seed", self.seed, numpy=True)
         for name in ("temperature", "value_temperature"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-                raise ValueError(f"{type(self).__name__}.{name} must be a number >= 0, got {value!r}")
+            nonnegative_float(f"{owner}.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -178,7 +171,7 @@ class BFSConfig(_SearchConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _require_int("BFSConfig", "n", self.n, 1)
+        positive_int("BFSConfig.n", self.n, numpy=True)
         if self.selection not in SELECTIONS:
             raise ValueError(f"BFSConfig.selection must be one of {SELECTIONS}, got {self.selection!r}")
 
@@ -199,10 +192,8 @@ class DFSConfig(_SearchConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        t = self.threshold
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
-            raise ValueError(f"DFSConfig.threshold must be a finite number, got {t!r}")
-        _require_int("DFSConfig", "max_expansions", self.max_expansions, 1)
+        finite_float("DFSConfig.threshold", self.threshold)
+        positive_int("DFSConfig.max_expansions", self.max_expansions, numpy=True)
 
 
 # ================================================================ results
