@@ -67,14 +67,14 @@ def finite_float(name: str, value, *, error: type[Exception] = ValueError, note:
 
 
 def positive_float(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
-    """``float(value)`` if it is a finite real number > 0, else ``error`` ``"... must be a finite number > 0 ..."``."""
+    """``float(value)`` if it is a finite real number > 0, else ``error`` ``"... a finite number > 0 ..."``."""
     if (type(value) is float and 0 < value < _INF) or (is_real(value) and value > 0):
         return float(value)
     raise error(f"{name} must be a finite number > 0{note}, got {show(value)}")
 
 
 def nonnegative_float(name: str, value, *, error: type[Exception] = ValueError, note: str = "") -> float:
-    """``float(value)`` if it is a finite real number >= 0, else ``error`` ``"... must be a finite number >= 0 ..."``."""
+    """``float(value)`` if it is a finite real number >= 0, else ``error`` ``"... a finite number >= 0 ..."``."""
     if (type(value) is float and 0 <= value < _INF) or (is_real(value) and value >= 0):
         return float(value)
     raise error(f"{name} must be a finite number >= 0{note}, got {show(value)}")
