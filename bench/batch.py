@@ -72,6 +72,7 @@ from treedec.search.speculative.batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
 from treedec.search.requests_file import RequestSpec  # noqa: E402
+from treedec.search.sampling import SamplingParams  # noqa: E402
 
 
 TREE_TOKENS = 64   # the Medusa-64 tree; EAGLE's 63 draft tokens and the root
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
     runs = []
     for count in [int(x) for x in args.requests.split(",")]:
         specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
-                             max_new_tokens=args.new, temperature=0.0) for i in range(count)]
+                             params=SamplingParams(max_tokens=args.new, temperature=0.0)) for i in range(count)]
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,

@@ -355,7 +355,7 @@ def test_env_prints_the_installed_versions(capsys):
 
 def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
     prompts = tmp_path / "requests.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2, 3, 4, 5], "max_new_tokens": 6, "n": 2, "seed": 1}\n'
+    prompts.write_text('{"prompt_ids": [1, 2, 3, 4, 5], "max_tokens": 6, "n": 2, "seed": 1}\n'
                        '\n'
                        '{"id": "g", "prompt_ids": [9, 8, 7], "temperature": 0, "stop_token_ids": [511]}\n')
     out = tmp_path / "results.jsonl"
@@ -372,7 +372,7 @@ def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
 @pytest.mark.parametrize("line,fragment", [
     ('{"prompt": "hi"}', "request 1 gives its prompt as text: it needs the checkpoint's tokenizer"),
     ('{"prompt_ids": [1], "temperature": -1}', "requests.jsonl:1: "),
-    ('{"prompt_ids": [1], "max_new_tokens": 1000, "n": 8}', "request 1 may need"),
+    ('{"prompt_ids": [1], "max_tokens": 1000, "n": 8}', "request 1 may need"),
 ])
 def test_generate_errors_are_one_line(line, fragment, tmp_path, capsys):
     prompts = tmp_path / "requests.jsonl"

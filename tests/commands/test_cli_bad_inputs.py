@@ -130,9 +130,9 @@ def fail_request(monkeypatch, module: str, request_id, error: BaseException) -> 
     monkeypatch.setattr(f"{module}.request_results", results)
 
 
-PROMPTS = [{"id": "a", "prompt_ids": [1, 2, 3], "max_new_tokens": 2},
-           {"id": "b", "prompt_ids": [4, 5, 6, 7], "max_new_tokens": 3},
-           {"id": "bad", "prompt_ids": [8, 9], "max_new_tokens": 12}]
+PROMPTS = [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 2},
+           {"id": "b", "prompt_ids": [4, 5, 6, 7], "max_tokens": 3},
+           {"id": "bad", "prompt_ids": [8, 9], "max_tokens": 12}]
 
 
 @pytest.mark.parametrize("command, module", [
@@ -164,7 +164,7 @@ def test_ctrl_c_keeps_the_finished_results(tmp_path, capsys, monkeypatch):
 
 
 def test_a_run_that_fails_before_any_request_finishes_leaves_the_results_file_alone(tmp_path, capsys):
-    prompts = write_lines(tmp_path / "p.jsonl", {"prompt_ids": [1, 2], "max_new_tokens": 100000})
+    prompts = write_lines(tmp_path / "p.jsonl", {"prompt_ids": [1, 2], "max_tokens": 100000})
     out = tmp_path / "r.jsonl"
     out.write_text("an older run's results\n")
     code, _, err = run(["generate", "--prompts", str(prompts), "--out", str(out), "--kv-tokens", "4096"], capsys)

@@ -55,7 +55,7 @@ def test_spec_takes_a_gguf_file_as_the_model_and_the_draft_model(gguf_file, cach
 
 def test_generate_takes_a_hub_repo_id_and_its_tokenizer(hub_repo, cache, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "the quick brown fox", "max_new_tokens": 4, "temperature": 0}) + "\n")
+    prompts.write_text(json.dumps({"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}) + "\n")
     out = tmp_path / "results.jsonl"
     assert main(["generate", "--model", "org/tiny", "--device", "cpu", "--backend", "torch", "--prompts", str(prompts),
                  "--out", str(out)]) == 0

@@ -174,7 +174,7 @@ def read_results(path) -> dict:
 
 def write_prompts(path, count=3):
     lines = [json.dumps({"id": f"r{k}", "prompt_ids": [(13 * k + 5 * i) % 512 for i in range(8)] * 2,
-                         "max_new_tokens": 10 + k}) for k in range(count)]
+                         "max_tokens": 10 + k}) for k in range(count)]
     path.write_text("\n".join(lines) + "\n")
     return [json.loads(line) for line in lines]
 
@@ -195,7 +195,7 @@ def test_a_prompts_file_runs_batched_with_every_draft(draft, tmp_path, capsys):
     for request in requests:
         result = results[request["id"]]
         assert result["stop_reason"] == "length"
-        assert result["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_new_tokens"])
+        assert result["output_ids"] == plain_greedy(model, request["prompt_ids"], request["max_tokens"])
         assert len(result["stats"]["accepted"]) == result["stats"]["steps"]
 
 
@@ -302,7 +302,7 @@ def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     results = read_results(tmp_path / "r.jsonl")
     for request in requests:
         assert results[request["id"]]["output_ids"] == plain_greedy(model, request["prompt_ids"],
-                                                                    request["max_new_tokens"])
+                                                                    request["max_tokens"])
 
 
 def test_eagle_flags_are_checked(tmp_path, capsys):

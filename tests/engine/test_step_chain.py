@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import CudaGraphConfig, Engine
 from treedec.models import from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
@@ -146,13 +147,13 @@ def test_graphed_batched_eagle_drafting_equals_alone(bigram, triton_device):
         pytest.skip("the GPU tests capture real graphs")
     drafter = bigram_eagle3(bigram)
     prompts = [[5, 9, 2, 7, 30], [1, 2, 3, 4], [8, 8, 9]]
-    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=4 + 2 * i, temperature=0.0)
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=4 + 2 * i, temperature=0.0))
              for i, p in enumerate(prompts)]
     d_engine = engines(drafter, True)
     results, _ = speculative_batch(engines(bigram, True), specs,
                                    lambda spec: EagleDraft(d_engine, depth=3, top_k=2, total_tokens=6))
     for spec, result in zip(specs, results):
-        assert result.output_ids == greedy_generate(engines(bigram, False), spec.prompt_ids, spec.max_new_tokens,
+        assert result.output_ids == greedy_generate(engines(bigram, False), spec.prompt_ids, spec.params.max_tokens,
                                                     eos_token_id=None)
     group = DrafterGroup.of(d_engine)
     assert group.stats["requests"] > group.stats["flushes"] and (3, 3, 2) in group._chains

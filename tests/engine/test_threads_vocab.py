@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines import make_engine, tiny_model
+from treedec.search.sampling import SamplingParams
 from treedec.errors import ConcurrentUseError
 from treedec.tree.thread_guard import ThreadGuard
 
@@ -135,7 +136,7 @@ def test_generate_batch_with_a_smaller_tokenizer_never_samples_ids_it_cannot_dec
     size = int(prefilled.logits.argmax())   # greedy's first pick lies past the tokenizer
     engine.tree.prune(prefilled.node)
     tokenizer = _PaddedTokenizer(size)
-    specs = [RequestSpec(0, prompt_ids=prompt, max_new_tokens=8, temperature=temperature, seed=1)]
+    specs = [RequestSpec(0, prompt_ids=prompt, params=SamplingParams(max_tokens=8, temperature=temperature, seed=1))]
     [result], _ = generate_batch(engine, specs, tokenizer=tokenizer)
     assert engine.vocab_limit == size and len(result.output_ids) == 8
     assert max(result.output_ids) < size and result.text == tokenizer.decode(result.output_ids)

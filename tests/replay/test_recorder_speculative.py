@@ -12,6 +12,7 @@ import collections
 import numpy as np
 import pytest
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.models.medusa import MedusaHeads
 from treedec.search import RequestSpec, greedy_generate
@@ -141,14 +142,14 @@ def test_pipelined_speculative_generate(name):
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_speculative_batch(pipeline):
-    specs = [RequestSpec(i, prompt_ids=prompt(20 + i, 6 + 3 * i), max_new_tokens=5 + i, temperature=0.0)
+    specs = [RequestSpec(i, prompt_ids=prompt(20 + i, 6 + 3 * i), params=SamplingParams(max_tokens=5 + i, temperature=0.0))
              for i in range(3)]
     schedule, shots, final, (results, stats) = record(
         lambda e: speculative_batch(e, specs, lambda spec: common_tokens_draft(), pipeline=pipeline,
                                     max_step_tokens=64), prompt_ids=True)
     assert all(r.stats["pipelined"] == pipeline for r in results) and max(stats.programs_per_step) == 3
     for spec, result in zip(specs, results):
-        assert result.output_ids == greedy_generate(make_engine(), spec.prompt_ids, spec.max_new_tokens,
+        assert result.output_ids == greedy_generate(make_engine(), spec.prompt_ids, spec.params.max_tokens,
                                                     eos_token_id=None)
     if not pipeline:
         replay_steps(schedule, shots, final)

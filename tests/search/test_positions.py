@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
 from treedec.search.batch import GenerateProgram, generate_batch
@@ -50,9 +51,9 @@ def test_a_batch_refuses_a_request_past_the_positions_before_anything_runs():
     (here the third; the one before it ends exactly at the limit) stops the batch before any step, and
     the error names it by id and line."""
     engine, done = fresh_engine(), []
-    specs = [RequestSpec(0, prompt_ids=ids(10), max_new_tokens=5, temperature=0.0),
-             RequestSpec("edge", prompt_ids=ids(60, 1), max_new_tokens=4, temperature=0.0),
-             RequestSpec("long", prompt_ids=ids(60, 2), max_new_tokens=5, temperature=0.0, line=7)]
+    specs = [RequestSpec(0, prompt_ids=ids(10), params=SamplingParams(max_tokens=5, temperature=0.0)),
+             RequestSpec("edge", prompt_ids=ids(60, 1), params=SamplingParams(max_tokens=4, temperature=0.0)),
+             RequestSpec("long", prompt_ids=ids(60, 2), line=7, params=SamplingParams(max_tokens=5, temperature=0.0))]
     with pytest.raises(ValueError, match=r"request 'long' \(line 7\) may reach 65 positions \(a 60-token prompt "
                                          r"\+ max_new_tokens 5\), more than the model's max_position 64 .*nothing was "
                                          r"run"):
@@ -65,7 +66,7 @@ def test_a_batch_refuses_a_request_past_the_positions_before_anything_runs():
 def test_the_default_model_refuses_the_issue_s_5000_token_request():
     engine = Engine(from_config("tiny", seed=0, dtype=torch.float32, device="cpu"), kv_tokens=16384, page_size=16,
                     backend="torch")
-    spec = RequestSpec("r", prompt_ids=ids(5000), max_new_tokens=5000)
+    spec = RequestSpec("r", prompt_ids=ids(5000), params=SamplingParams(max_tokens=5000))
     with pytest.raises(ValueError, match=r"request 'r' may reach 10000 positions .* max_position 4096"):
         generate_batch(engine, [spec])
     assert untouched(engine)
@@ -74,7 +75,7 @@ def test_the_default_model_refuses_the_issue_s_5000_token_request():
 def test_a_sliding_window_bounds_the_positions():
     engine = fresh_engine(short_model(sliding_window=16))
     with pytest.raises(ValueError, match=r"request 1 may reach 17 positions .* its sliding window of 16 tokens"):
-        generate_batch(engine, [RequestSpec(1, prompt_ids=ids(10), max_new_tokens=7)])
+        generate_batch(engine, [RequestSpec(1, prompt_ids=ids(10), params=SamplingParams(max_tokens=7))])
     assert untouched(engine)
 
 
@@ -88,7 +89,7 @@ def test_run_programs_refuses_every_program_before_the_first_runs(make, match):
     """The first program is fine; the second would pass the positions: nothing runs, and the error names
     it by its index in the run."""
     engine = fresh_engine()
-    spec = RequestSpec(0, prompt_ids=ids(8), max_new_tokens=3, temperature=0.0)
+    spec = RequestSpec(0, prompt_ids=ids(8), params=SamplingParams(max_tokens=3, temperature=0.0))
     with pytest.raises(ValueError, match=rf"programs\[1\] \(\w+Program\) may reach 65 positions \({match}\)"):
         run_programs(engine, [GenerateProgram(spec, list(spec.prompt_ids)), make()])
     assert untouched(engine)
@@ -110,7 +111,7 @@ def test_speculative_decoding_counts_the_draft_s_depth():
     with pytest.raises(ValueError, match=r"may reach 65 positions \(a 50-token prompt \+ max_new_tokens 12 \+ the "
                                          r"draft's max_depth 4 - 1\)"):
         speculative_generate(engine, ids(50), PromptLookupDraft(num_draft_tokens=4), 12)
-    specs = [RequestSpec("s", prompt_ids=ids(50), max_new_tokens=12, temperature=0.0, line=2)]
+    specs = [RequestSpec("s", prompt_ids=ids(50), line=2, params=SamplingParams(max_tokens=12, temperature=0.0))]
     with pytest.raises(ValueError, match=r"request 's' \(line 2\) may reach 65 positions"):
         speculative_batch(engine, specs, lambda spec: PromptLookupDraft(num_draft_tokens=4))
     assert untouched(engine)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from treedec.search.sampling import SamplingParams
 from treedec.search import requests_file
 from treedec.search.requests_file import (DEFAULT_PARAMETERS, RequestResult, RequestSpec, RequestsFileError,
                                           read_requests, write_results_jsonl)
@@ -27,7 +28,7 @@ def write_lines(tmp_path, *lines, name="prompts.jsonl"):
 def test_reads_the_three_prompt_kinds_with_defaults(tmp_path):
     path = write_lines(
         tmp_path,
-        '{"prompt": "The capital of France is", "max_new_tokens": 8, "stop": "\\n"}',
+        '{"prompt": "The capital of France is", "max_tokens": 8, "stop": "\\n"}',
         "",
         '{"messages": [{"role": "user", "content": "日本?"}], "temperature": 0.7, "seed": 3, "n": 2}',
         "   ",
@@ -35,30 +36,30 @@ def test_reads_the_three_prompt_kinds_with_defaults(tmp_path):
     )
     a, b, c = read_requests(path)
     assert (a.id, a.line, a.prompt, a.messages, a.prompt_ids) == (1, 1, "The capital of France is", None, None)
-    assert (a.max_new_tokens, a.stop, a.temperature, a.n, a.top_k, a.seed) == (8, ("\n",), 1.0, 1, None, None)
+    assert (a.params.max_tokens, a.params.stop, a.params.temperature, a.params.n, a.params.top_k, a.params.seed) == (8, ("\n",), 1.0, 1, None, None)
     assert (b.id, b.line, b.messages) == (3, 3, ({"role": "user", "content": "日本?"},))   # empty lines skipped
-    assert (b.temperature, b.seed, b.n, b.max_new_tokens) == (0.7, 3, 2, DEFAULT_PARAMETERS["max_new_tokens"])
-    assert (c.id, c.line, c.prompt_ids, c.stop_token_ids, c.top_k, c.top_p) == ("q3", 5, (1, 450, 7483), (13,), 5, 0.9)
+    assert (b.params.temperature, b.params.seed, b.params.n, b.params.max_tokens) == (0.7, 3, 2, DEFAULT_PARAMETERS["max_tokens"])
+    assert (c.id, c.line, c.prompt_ids, c.params.stop_token_ids, c.params.top_k, c.params.top_p) == ("q3", 5, (1, 450, 7483), (13,), 5, 0.9)
 
 
 def test_the_documented_example_reads(tmp_path):
     example = [line.strip() for line in requests_file.__doc__.splitlines() if line.startswith("    {")]
     specs = read_requests(write_lines(tmp_path, *example))
-    assert [s.id for s in specs] == [1, 2, "q3"] and specs[0].stop == ("\n",) and specs[2].n == 4
+    assert [s.id for s in specs] == [1, 2, "q3"] and specs[0].params.stop == ("\n",) and specs[2].params.n == 4
 
 
 def test_defaults_fill_what_a_line_leaves_out(tmp_path):
     path = write_lines(tmp_path, '{"prompt": "a"}', '{"prompt": "b", "temperature": 0.0, "stop": []}')
-    a, b = read_requests(path, defaults={"temperature": 0.5, "max_new_tokens": 64, "stop": ["###"], "seed": 7})
-    assert (a.temperature, a.max_new_tokens, a.stop, a.seed) == (0.5, 64, ("###",), 7)
-    assert (b.temperature, b.max_new_tokens, b.stop, b.seed) == (0.0, 64, (), 7)     # the line wins
+    a, b = read_requests(path, defaults={"temperature": 0.5, "max_tokens": 64, "stop": ["###"], "seed": 7})
+    assert (a.params.temperature, a.params.max_tokens, a.params.stop, a.params.seed) == (0.5, 64, ("###",), 7)
+    assert (b.params.temperature, b.params.max_tokens, b.params.stop, b.params.seed) == (0.0, 64, (), 7)     # the line wins
 
 
 @pytest.mark.parametrize("defaults, message", [
-    ({"max_tokens": 3}, "defaults has unknown parameter 'max_tokens'"),
+    ({"max_new_tokens": 3}, "defaults has unknown parameter 'max_new_tokens'"),
     ({"prompt": "x"}, "defaults has unknown parameter 'prompt'"),
-    ({"temperature": -1}, r"defaults\['temperature'\] must be a finite number >= 0, got int -1"),
-    ({"n": 0}, r"defaults\['n'\] must be an int >= 1, got 0"),
+    ({"temperature": -1}, "defaults: temperature must be a finite number >= 0, got -1"),
+    ({"n": 0}, "defaults: n must be an int >= 1, got 0"),
     ([("n", 2)], "defaults must be a mapping"),
 ])
 def test_bad_defaults(tmp_path, defaults, message):
@@ -70,18 +71,18 @@ def test_bad_defaults(tmp_path, defaults, message):
 
 def test_vllm_style_top_k_off_and_null_seed(tmp_path):
     path = write_lines(tmp_path, '{"prompt": "a", "top_k": -1, "seed": null}', '{"prompt": "b", "top_k": 0}')
-    assert [(r.top_k, r.seed) for r in read_requests(path)] == [(None, None), (None, None)]
+    assert [(r.params.top_k, r.params.seed) for r in read_requests(path)] == [(None, None), (None, None)]
 
 
 BAD_LINES = [
     ('{"prompt": "a"', "not valid JSON: Expecting ',' delimiter at column 15"),
     ('["a"]', r"must be a JSON object \(one request\), got a JSON list: \[\"a\"\]"),
     ('"just text"', "must be a JSON object"),
-    ('{"prompt": "a", "max_tokens": 4}',
-     r"unknown key 'max_tokens' \(did you mean 'max_new_tokens'\?\); a request takes id, prompt,"),
+    ('{"prompt": "a", "max_new_tokens": 4}',
+     r"unknown key 'max_new_tokens' \(did you mean 'max_tokens'\?\); a request takes id, prompt,"),
     ('{"prompt": "a", "line": 4}', "unknown key 'line'"),
     ('{"prompt": "a", "prompt": "b"}', "key 'prompt' is given twice"),
-    ('{"max_new_tokens": 4}', "needs exactly one of prompt, messages, prompt_ids, got none of them"),
+    ('{"max_tokens": 4}', "needs exactly one of prompt, messages, prompt_ids, got none of them"),
     ('{"prompt": "a", "prompt_ids": [1]}',
      "needs exactly one of prompt, messages, prompt_ids, got prompt and prompt_ids"),
     ('{"prompt": null}', "prompt is null"),
@@ -94,15 +95,15 @@ BAD_LINES = [
     ('{"messages": []}', "messages is an empty list"),
     ('{"messages": [{"role": "user"}]}', r"messages\[0\]\['content'\] must be a string, got nothing"),
     ('{"messages": "hi"}', "messages must be a list of chat messages"),
-    ('{"prompt": "a", "max_new_tokens": 0}', "max_new_tokens must be an int >= 1, got 0"),
-    ('{"prompt": "a", "max_new_tokens": 8.0}', "max_new_tokens must be an int >= 1, got 8.0"),
-    ('{"prompt": "a", "temperature": true}', "temperature must be a finite number >= 0, got bool True"),
+    ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be an int >= 1, got 0"),
+    ('{"prompt": "a", "max_tokens": 8.0}', "max_tokens must be an int >= 1, got 8.0"),
+    ('{"prompt": "a", "temperature": true}', "temperature must be a finite number >= 0, got True"),
     ('{"prompt": "a", "temperature": NaN}', "NaN is not a JSON number"),
     ('{"prompt": "a", "temperature": Infinity}', "Infinity is not a JSON number"),
-    ('{"prompt": "a", "temperature": 1e999}', "temperature must be a finite number >= 0, got float inf"),
-    ('{"prompt": "a", "temperature": "0.7"}', "temperature must be a finite number >= 0, got str '0.7'"),
-    ('{"prompt": "a", "top_p": 0}', r"top_p must be a number in \(0, 1\], got int 0"),
-    ('{"prompt": "a", "top_p": 1.5}', r"top_p must be a number in \(0, 1\], got float 1.5"),
+    ('{"prompt": "a", "temperature": 1e999}', "temperature must be a finite number >= 0, got inf"),
+    ('{"prompt": "a", "temperature": "0.7"}', "temperature must be a finite number >= 0, got '0.7'"),
+    ('{"prompt": "a", "top_p": 0}', r"top_p must be a number in \(0, 1\], got 0"),
+    ('{"prompt": "a", "top_p": 1.5}', r"top_p must be a number in \(0, 1\], got 1.5"),
     ('{"prompt": "a", "top_k": 2.5}', "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got float 2.5"),
     ('{"prompt": "a", "top_k": -3}', "top_k must be an int >= 1"),
     ('{"prompt": "a", "seed": -1}', r"seed must be an int in \[0, 2\*\*63\) or None, got int -1"),
@@ -111,7 +112,14 @@ BAD_LINES = [
     ('{"prompt": "a", "stop": [""]}', "stop must be non-empty strings, got str ''"),
     ('{"prompt": "a", "stop": 5}', "stop must be a string or a sequence of strings, got int 5"),
     ('{"prompt": "a", "stop_token_ids": ["13"]}', r"stop_token_ids must be token ids \(ints >= 0\), got str '13'"),
-    ('{"prompt": "a", "include_stop_str": "yes"}', "include_stop_str must be true or false, got str 'yes'"),
+    ('{"prompt": "a", "include_stop_str_in_output": "yes"}',
+     "include_stop_str_in_output must be true or false, got str 'yes'"),
+    ('{"prompt": "a", "min_p": 1.5}', r"min_p must be a number in \[0, 1\] \(0: no cut\), got float 1.5"),
+    ('{"prompt": "a", "repetition_penalty": 0}', r"repetition_penalty must be a finite number > 0 \(1: no penalty\)"),
+    ('{"prompt": "a", "presence_penalty": "x"}', "presence_penalty must be a finite number, got 'x'"),
+    ('{"prompt": "a", "logprobs": -1}', r"logprobs must be None or an int >= 0"),
+    ('{"prompt": "a", "ignore_eos": 1}', "ignore_eos must be true or false, got int 1"),
+    ('{"prompt": "a", "logits_processors": []}', "unknown key 'logits_processors'"),
     ('{"prompt": "a", "id": true}', "id must be an int or a non-empty string, got bool True"),
     ('{"prompt": "a", "id": ""}', "id must be an int or a non-empty string"),
     ('{"prompt": "a", "id": [1]}', "id must be an int or a non-empty string, got list"),
@@ -170,8 +178,8 @@ def test_missing_file(tmp_path):
 
 
 def test_request_spec_checks_fields_in_code():
-    spec = RequestSpec(id="a", prompt_ids=np.array([3, 4]), stop="\n", top_k=0)
-    assert spec.prompt_ids == (3, 4) and spec.stop == ("\n",) and spec.top_k is None and spec.line is None
+    spec = RequestSpec(id="a", prompt_ids=np.array([3, 4]), params=SamplingParams(stop="\n", top_k=0))
+    assert spec.prompt_ids == (3, 4) and spec.params.stop == ("\n",) and spec.params.top_k is None and spec.line is None
     with pytest.raises(ValueError, match="got prompt and messages"):
         RequestSpec(id=1, prompt="a", messages=[{"role": "user", "content": "b"}])
     with pytest.raises(ValueError, match="got none of them"):
@@ -179,23 +187,32 @@ def test_request_spec_checks_fields_in_code():
     with pytest.raises(ValueError, match="line must be an int >= 1, got 0"):
         RequestSpec(id=1, prompt="a", line=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.n = 2
+        spec.params.n = 2
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        RequestSpec(id=1, prompt="a", params={"n": 2})
 
 
 def test_stop_rule_puts_request_stop_ids_after_the_checkpoint_eos():
-    spec = RequestSpec(id=1, prompt="a", max_new_tokens=9, stop=["\n\n"], stop_token_ids=[13, 2],
-                       include_stop_str=True)
-    assert spec.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True)
-    assert spec.stop_rule().eos_token_ids == (13, 2)
+    params = SamplingParams(max_tokens=9, stop=["\n\n"], stop_token_ids=[13, 2], include_stop_str_in_output=True)
+    assert params.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True)
+    assert params.stop_rule().eos_token_ids == (13, 2)
+    assert params.replace(ignore_eos=True).stop_rule(eos_token_ids=(2, 32000)).eos_token_ids == (13, 2)
     with pytest.raises(ValueError, match="eos_token_ids must be token ids"):
-        spec.stop_rule(eos_token_ids=[-1])
+        params.stop_rule(eos_token_ids=[-1])
 
 
 PARAMETERS = st.fixed_dictionaries({}, optional={
-    "max_new_tokens": st.integers(1, 10**6),
+    "max_tokens": st.integers(1, 10**6),
     "stop": st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=4),
-    "include_stop_str": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.1, 3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "temperature": st.floats(0, 5, allow_nan=False),
     "top_p": st.floats(0, 1, exclude_min=True),
     "top_k": st.one_of(st.none(), st.integers(1, 1000)),
@@ -231,7 +248,7 @@ def test_any_valid_file_reads_back_what_it_says(tmp_path_factory, requests):
                 value = tuple(dict.fromkeys([value] if isinstance(value, str) else value))
             elif key == "stop_token_ids":
                 value = tuple(dict.fromkeys(value))
-            assert getattr(spec, key) == value, key
+            assert getattr(spec.params, key) == value, key
 
 
 # ================================================================ writing

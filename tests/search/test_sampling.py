@@ -118,13 +118,13 @@ def test_ended_samples_free_their_pages_while_others_run(tiny):
 def test_pipelined_sampling_gives_the_same_samples_and_tree(tiny, keep, max_new_tokens, temperature):
     """A pipelined run (each step launched before the draw before it is read) draws sample i's
     token with the same random number as an unpipelined one: same samples, same tree left."""
-    probe = parallel_sample(make_engine(tiny), PROMPT, 8, 12, SamplingParams(temperature), generator=seeded(5))
+    probe = parallel_sample(make_engine(tiny), PROMPT, 8, 12, SamplingParams(temperature=temperature), generator=seeded(5))
     eos = max(set(t for s in probe.samples for t in s.tokens[:6]),     # a frequent token: samples end apart
               key=lambda t: sum(t in s.tokens[:6] for s in probe.samples))
     runs = []
     for pipeline in (False, True):
         engine = make_engine(tiny)
-        result = parallel_sample(engine, PROMPT, 8, max_new_tokens, SamplingParams(temperature), eos_token_id=eos,
+        result = parallel_sample(engine, PROMPT, 8, max_new_tokens, SamplingParams(temperature=temperature), eos_token_id=eos,
                                  generator=seeded(5), keep=keep, pipeline=pipeline)
         tree = engine.tree
         tree.check_invariants()
@@ -207,8 +207,16 @@ def test_self_consistency_votes_over_the_samples(tiny):
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: SamplingParams(top_k=0), "top_k must be an int >= 1, got 0"),
-    (lambda: SamplingParams(top_k=-3), "top_k must be an int >= 1, got -3"),
+    (lambda: SamplingParams(top_k=-3), "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got int -3"),
+    (lambda: SamplingParams(top_k=2.0), "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got float"),
+    (lambda: SamplingParams(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+    (lambda: SamplingParams(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (lambda: SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
+    (lambda: SamplingParams(max_tokens=0), "max_tokens must be an int >= 1"),
+    (lambda: SamplingParams(logprobs=True), "logprobs must be None or an int >= 0"),
+    (lambda: SamplingParams(logits_processors=[1]), "logits_processors must hold callables"),
+    (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids must be token ids"),
+    (lambda: SamplingParams(0.5), "takes 1 positional argument"),
     (lambda: SamplingParams(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
     (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
     (lambda: SamplingParams(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
@@ -216,8 +224,17 @@ def test_self_consistency_votes_over_the_samples(tiny):
     (lambda: SamplingParams(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
 ])
 def test_bad_sampling_params_raise(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+def test_sampling_params_take_vllm_spellings():
+    assert SamplingParams(top_k=-1).top_k is None and SamplingParams(top_k=0).top_k is None
+    params = SamplingParams(stop="###", logits_processors=len)
+    assert params.stop == ("###",) and params.logits_processors == (len,)
+    assert not SamplingParams(temperature=0).reads_logits
+    assert SamplingParams(temperature=0, repetition_penalty=1.2).reads_logits
+    assert SamplingParams(temperature=0, logprobs=0).reads_logits and SamplingParams().reads_logits
 
 
 @pytest.mark.parametrize("kwargs,message", [

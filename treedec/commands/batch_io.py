@@ -30,9 +30,9 @@ def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None)
     not Unicode text raises :class:`~treedec.search.requests_file.RequestsFileError` naming the line."""
     specs = read_requests(path, defaults)
     for spec in specs:
-        for field in ("prompt", "messages", "stop"):
+        for field, value in (("prompt", spec.prompt), ("messages", spec.messages), ("stop", spec.params.stop)):
             try:
-                check_text(getattr(spec, field), field)
+                check_text(value, field)
             except ValueError as e:
                 raise RequestsFileError(path, spec.line, f"request {spec.id!r}: {e}") from None
     return specs

@@ -5,8 +5,8 @@
         --prompts requests.jsonl --out results.jsonl --max-new-tokens 256 --temperature 0.7
 
 Each line of the prompts file is a request (``prompt``, ``messages`` or ``prompt_ids``, and
-its own ``max_new_tokens``, ``stop``, ``stop_token_ids``, ``temperature``, ``top_p``,
-``top_k``, ``seed``, ``n``: see :mod:`treedec.search.requests_file`); the flags give the
+its own :class:`~treedec.search.sampling.SamplingParams`: ``max_tokens``, ``stop``, ``temperature``, ``n``, ...:
+see :mod:`treedec.search.requests_file`); the flags give the
 defaults for what a line leaves out. All requests run batched
 (:func:`~treedec.search.batch.generate_batch`): admitted while the KV pool holds their worst
 case, one engine step per iteration for every live request, prompts that start alike sharing
@@ -41,7 +41,7 @@ def add_generate_parser(sub) -> None:
                                    "with its own stop rule, in one forest; one results line per output.")
     p.add_argument("--prompts", type=existing_file, required=True,
                    help="JSONL, one request per line: {\"prompt\" | \"messages\" | \"prompt_ids\": ..., "
-                        "\"max_new_tokens\": 32, \"stop\": [...], \"temperature\": 0.7, \"n\": 2, ...}")
+                        "\"max_tokens\": 32, \"stop\": [...], \"temperature\": 0.7, \"n\": 2, ...}")
     p.add_argument("--out", type=output_file, required=True,
                    help="results JSONL: one line per output, each request's written as it finishes")
     add_model_arguments(p)
@@ -65,8 +65,9 @@ def add_generate_parser(sub) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Read the prompts, load the model and tokenizer, run the batch, write the results; a summary on stderr."""
-    defaults = {name: getattr(args, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k", "n")
-                if getattr(args, name) is not None}
+    flags = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k, "n": args.n}
+    defaults = {name: value for name, value in flags.items() if value is not None}
     if args.stop:
         defaults["stop"] = args.stop
     specs = read_prompts(args.prompts, defaults)

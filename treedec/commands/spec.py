@@ -328,7 +328,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
     sample = None
     if args.draft_sample:
         rule = _rule(args)
-        sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
+        sample = SamplingParams(temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
     chains = args.eagle_tree == "chains"
     total = args.total_tokens if args.total_tokens is not None or chains else 16
     shape = f"depth {args.depth}, top-k {args.top_k}, " + (

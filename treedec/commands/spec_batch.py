@@ -48,7 +48,7 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
                          "request plain greedy's tokens: tested)")
     if args.out is None:
         raise ValueError("--prompts needs --out results.jsonl")
-    defaults = {"max_new_tokens": args.max_new_tokens}
+    defaults = {"max_tokens": args.max_new_tokens}
     if args.accept == "greedy":
         defaults["temperature"] = 0.0
     elif args.temperature is not None:
@@ -92,21 +92,21 @@ def _draft_factory(draft, choices: list[list[int]]):
         return lambda spec: MedusaDraft(draft.heads, choices)
     if isinstance(draft, DraftModelDraft):
         return lambda spec: DraftModelDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
-                                            draft.seed if spec.seed is None else spec.seed)
+                                            draft.seed if spec.params.seed is None else spec.params.seed)
     if isinstance(draft, EagleDraft):
         return lambda spec: EagleDraft(draft.engine, draft.depth, draft.top_k, draft.total_tokens, draft.sample,
-                                       draft.seed if spec.seed is None else spec.seed, draft.tree)
+                                       draft.seed if spec.params.seed is None else spec.params.seed, draft.tree)
     return lambda spec: draft   # a TreeDraft: the same tree and tokens every step, no state
 
 
 def _acceptance(args: argparse.Namespace, spec):
     """A sampled request's acceptance rule, at its temperature and seed."""
-    seed = args.seed if spec.seed is None else spec.seed
-    if spec.temperature == 0:
+    seed = args.seed if spec.params.seed is None else spec.params.seed
+    if spec.params.temperature == 0:
         raise ValueError(f"request {spec.id!r}: --accept {args.accept} samples and needs a temperature > 0 "
                          f"(the request's or --temperature), got 0")
     if args.accept == "typical":
-        return TypicalAcceptance(temperature=spec.temperature, posterior_threshold=args.posterior_threshold,
+        return TypicalAcceptance(temperature=spec.params.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    return RejectionSampling(temperature=spec.temperature, seed=seed, top_k=args.sample_top_k,
+    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_k=args.sample_top_k,
                              top_p=1.0 if args.sample_top_p is None else args.sample_top_p)

@@ -103,11 +103,11 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         check_positions(engine.model, program.positions(), program.name, before_run=True)
     budget = engine.pool.num_free_pages
     for spec, prompt_ids in prepared:
-        worst = engine.pool.pages_for(len(prompt_ids)) + spec.n * engine.pool.pages_for(spec.max_new_tokens)
+        worst = engine.pool.pages_for(len(prompt_ids)) + spec.params.n * engine.pool.pages_for(spec.params.max_tokens)
         if worst > budget:
             raise PoolExhaustedError(
-                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.n} x "
-                f"{spec.max_new_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.params.n} x "
+                f"{spec.params.max_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
                 f"give the engine more kv_tokens; nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
@@ -139,11 +139,11 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
-        bad = [t for t in prompt_ids + list(spec.stop_token_ids) if t >= vocab]
+        bad = [t for t in prompt_ids + list(spec.params.stop_token_ids) if t >= vocab]
         if bad:
             raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
-        if spec.stop and tokenizer is None:
-            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.stop)!r:.60}: they are matched on the "
+        if spec.params.stop and tokenizer is None:
+            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched on the "
                              f"output text and need the checkpoint's tokenizer")
         out.append((spec, prompt_ids))
     if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
@@ -179,7 +179,7 @@ class GenerateProgram(Program):
         computed, its last one in the step after it ended; the result's ``stats["nodes"]`` lists
         them and ``stats["root"]`` is the prompt's node, which the caller prunes. Else ended
         outputs are pruned at once and the request's tree when it returns.
-    on_prompt : the one output (``spec.n`` must be 1) grows on the prompt's node itself, which stays in
+    on_prompt : the one output (``spec.params.n`` must be 1) grows on the prompt's node itself, which stays in
         the tree when the program returns (``stats["root"]``, also ``stats["nodes"][0]``; the caller
         prunes it) holding the prompt and every output token but the last, as a speculative request's
         node does (:func:`~treedec.search.generate.greedy_generate`); with ``keep`` the last one too.
@@ -191,29 +191,29 @@ class GenerateProgram(Program):
                  generator: torch.Generator | None = None, pipeline: bool = False, rule: StopRule | None = None,
                  keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None,
                  on_prompt: bool = False):
-        if on_prompt and spec.n != 1:
+        if on_prompt and spec.params.n != 1:
             raise ValueError(f"on_prompt grows the one output on the prompt's node: the request must have n=1, "
-                             f"got n={spec.n}")
+                             f"got n={spec.params.n}")
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
-        self.params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
+        self.params = spec.params
         self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
         self.on_text, self.on_prompt = on_text, on_prompt
         self.name = spec.name
 
     def positions(self) -> Positions:
-        m = self.spec.max_new_tokens
+        m = self.spec.params.max_tokens
         return Positions(len(self.prompt_ids) + m, f"a {len(self.prompt_ids)}-token prompt + max_new_tokens {m}")
 
     def step_pages(self, pool) -> int:
-        return self.spec.n   # each output may start a page
+        return self.spec.params.n   # each output may start a page
 
     def run(self, ctx: ProgramContext):
-        engine, spec, n = ctx.engine, self.spec, self.spec.n
+        engine, spec, n = ctx.engine, self.spec, self.spec.params.n
         started = time.perf_counter()
         generator = self.generator
-        if spec.seed is not None and spec.temperature > 0:   # made here, so a re-run draws the same numbers
-            generator = torch.Generator(engine.device).manual_seed(spec.seed)
-        rule = self.rule if self.rule is not None else spec.stop_rule(engine.model.eos_token_ids)
+        if spec.params.seed is not None and spec.params.temperature > 0:   # made here, so a re-run draws the same numbers
+            generator = torch.Generator(engine.device).manual_seed(spec.params.seed)
+        rule = self.rule if self.rule is not None else spec.params.stop_rule(engine.model.eos_token_ids)
         checkers = [StopChecker(rule, None if self.tokenizer is None
                                 else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
         stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
@@ -228,7 +228,7 @@ class GenerateProgram(Program):
             drawn = self._draw(logits, argmax, rows, generator)
             while True:
                 if self.pipeline:   # placeholders for the drawn tokens; the step reads the ids on the device
-                    going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.max_new_tokens]
+                    going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.params.max_tokens]
                     placed = list(range(len(rows))) if self.keep else going   # kept: every token is computed
                     yield from ctx.reserve(state.pages([rows[k] for k in placed]))
                     state.place({rows[k]: 0 for k in placed})
@@ -285,7 +285,7 @@ class GenerateProgram(Program):
         if self.params.temperature > 0:
             # One number per output per draw, whichever outputs are live: a request's stream does not
             # depend on when its outputs end, nor on the other requests.
-            numbers = torch.rand(self.spec.n, generator=generator, device=logits.device)
+            numbers = torch.rand(self.spec.params.n, generator=generator, device=logits.device)
             uniform = numbers[to_device(rows, numbers.device)]
         return sample_tokens(logits, self.params, uniform=uniform)
 

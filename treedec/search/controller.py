@@ -163,7 +163,7 @@ class ControllerProgram(Program):
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         self.prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
         self.controller, self.max_steps, self.generator = controller, max_steps, generator
-        self.params = SamplingParams(temperature)
+        self.params = SamplingParams(temperature=temperature)
         self.keep_tree = keep_tree
 
     def positions(self) -> Positions:

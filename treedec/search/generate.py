@@ -13,6 +13,7 @@ from treedec.engine import Engine
 from treedec.search.batch import GenerateProgram
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SamplingParams
 from treedec.search.scheduler import run_program
 from treedec.search.stops import StopRule
 
@@ -42,7 +43,8 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
-    spec = RequestSpec("greedy", prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens, temperature=0.0)
+    spec = RequestSpec("greedy", prompt_ids=tuple(prompt_ids), params=SamplingParams(max_tokens=max_new_tokens,
+                                                                                     temperature=0.0))
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
     [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), pipeline=pipeline, rule=rule,
                                                    on_prompt=True))

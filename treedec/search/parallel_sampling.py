@@ -87,7 +87,8 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
     prompt_ids : the prompt's token ids (at least one).
     n : samples, int >= 1.
     max_new_tokens : int >= 1; a sample that reaches it without EOS ends there.
-    params : :class:`SamplingParams` (temperature, top_k, top_p).
+    params : :class:`SamplingParams`: how tokens are drawn (temperature, top_k, top_p, min_p, penalties, ...);
+        its ``n`` and ``max_tokens`` are those given here, its stops are ``eos_token_id``'s.
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's), an
         id, several ids, or None.
     generator : torch.Generator on the model's device: the same seed gives the same samples.
@@ -117,8 +118,7 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
     eos = eos_token_ids(eos_token_id, engine.model)
     pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
     prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
-    spec = RequestSpec(0, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens, temperature=params.temperature,
-                       top_k=params.top_k, top_p=params.top_p, n=n)
+    spec = RequestSpec(0, prompt_ids=tuple(prompt_ids), params=params.replace(n=n, max_tokens=max_new_tokens))
     program = GenerateProgram(spec, prompt_ids, generator=generator, pipeline=pipeline,
                               rule=StopRule(max_new_tokens, eos), keep=keep)
     [outputs], run = run_programs(engine, [program], preempt=False, min_shared_prefix=0)

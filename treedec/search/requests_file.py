@@ -2,14 +2,14 @@
 
 A prompts file is JSONL: one JSON object per line, one request each, empty lines skipped::
 
-    {"prompt": "The capital of France is", "max_new_tokens": 16, "stop": ["\\n"]}
+    {"prompt": "The capital of France is", "max_tokens": 16, "stop": ["\\n"]}
     {"messages": [{"role": "user", "content": "Name three primes."}], "temperature": 0.7, "seed": 1}
     {"id": "q3", "prompt_ids": [1, 450, 7483], "stop_token_ids": [13], "n": 4}
 
 Each request has exactly one of ``prompt`` (a text), ``messages`` (chat messages, for the
 checkpoint's chat template) or ``prompt_ids`` (token ids), and any of the parameters of
-:data:`PARAMETERS` (vLLM's names where treedec has the same thing; ``max_new_tokens``
-is vLLM's ``max_tokens``, ``include_stop_str`` its ``include_stop_str_in_output``). A
+:data:`PARAMETERS`: the fields of :class:`~treedec.search.sampling.SamplingParams` (vLLM's names and
+defaults) but ``logits_processors`` (not JSON). A
 parameter a line leaves out comes from the ``defaults`` the reader is given (the command
 line's flags), else from :data:`DEFAULT_PARAMETERS`. An unknown key, a bad value, a line that
 is not a JSON object or a repeated id raises :class:`RequestsFileError` naming the file, the
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from treedec.checks import describe, is_int, is_real, positive_int
+from treedec.checks import describe, is_int, positive_int
 from treedec.models.text import check_messages
-from treedec.search.stops import StopRule, stop_string_tuple, token_id_list, token_id_tuple
+from treedec.search.sampling import JSON_FIELDS, SamplingParams
+from treedec.search.stops import token_id_list
 
 __all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "RequestSpec", "RequestsFileError",
            "read_requests", "write_results_jsonl"]
@@ -38,9 +39,7 @@ __all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "
 #: The keys a request gives its prompt by; each request has exactly one of them.
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
 #: The sampling / stop parameters a request may give (their defaults: :data:`DEFAULT_PARAMETERS`).
-PARAMETERS = ("max_new_tokens", "stop", "stop_token_ids", "include_stop_str", "temperature", "top_p", "top_k", "seed",
-              "n")
-SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
+PARAMETERS = JSON_FIELDS
 
 
 class RequestsFileError(ValueError):
@@ -59,8 +58,8 @@ class RequestsFileError(ValueError):
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request: its prompt, sampling and stop parameters. Checked on construction
-    (a ValueError names the field, the expected and the given value).
+    """One request: its prompt and its :class:`~treedec.search.sampling.SamplingParams`. Checked on
+    construction (a ValueError names the field, the expected and the given value).
 
     Attributes
     ----------
@@ -71,15 +70,8 @@ class RequestSpec:
         dicts, for the checkpoint's chat template; or
     prompt_ids : token ids (ints >= 0; the program checks them against its vocabulary).
         Exactly one of the three is given.
-    max_new_tokens : int >= 1.
-    stop : stop strings (a string or a list of non-empty strings; needs the tokenizer).
-    stop_token_ids : ids that end the output besides the checkpoint's EOS ids.
-    include_stop_str : keep a matched stop string at the end of the text.
-    temperature : >= 0 (0: greedy).
-    top_p : in (0, 1].
-    top_k : int >= 1, or None for no top-k cut (vLLM's -1 and 0 mean None too).
-    seed : int in [0, 2**63), or None (the program's generator).
-    n : outputs of this request (parallel samples), int >= 1.
+    params : how its outputs are drawn and when they end (vLLM's defaults: ``max_tokens`` 16,
+        ``temperature`` 1.0, ``n`` 1, ...).
     line : the prompts file's line it came from (None when built in code).
     """
 
@@ -87,15 +79,7 @@ class RequestSpec:
     prompt: str | None = None
     messages: tuple[dict, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
-    max_new_tokens: int = 16           # vLLM's SamplingParams defaults, where it has the parameter
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    n: int = 1
+    params: SamplingParams = SamplingParams()
     line: int | None = None
 
     def __post_init__(self):
@@ -116,8 +100,8 @@ class RequestSpec:
             if not ids:
                 raise ValueError("prompt_ids must hold at least one token id, got []")
             object.__setattr__(self, "prompt_ids", tuple(ids))
-        for name in PARAMETERS:
-            object.__setattr__(self, name, _PARAMETER_CHECKS[name](getattr(self, name), name))
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {describe(self.params)}")
         if self.line is not None:
             positive_int("line", self.line)
 
@@ -126,16 +110,9 @@ class RequestSpec:
         """How errors name the request: ``request 'b'``, with ``(line 3)`` when it came from a file."""
         return f"request {self.id!r}" + ("" if self.line is None else f" (line {self.line})")
 
-    def stop_rule(self, eos_token_ids=()) -> StopRule:
-        """The request's :class:`~treedec.search.stops.StopRule`: ``eos_token_ids`` (the
-        checkpoint's, e.g. ``model.eos_token_ids``) and then its ``stop_token_ids``."""
-        eos = token_id_tuple(eos_token_ids, "eos_token_ids")
-        return StopRule(self.max_new_tokens, eos + self.stop_token_ids, self.stop, self.include_stop_str)
-
 
 #: Each parameter's value when neither a prompts file's line nor the reader's ``defaults`` gives one.
-DEFAULT_PARAMETERS = MappingProxyType({f.name: f.default for f in dataclasses.fields(RequestSpec)
-                                       if f.name in PARAMETERS})
+DEFAULT_PARAMETERS = MappingProxyType({name: getattr(SamplingParams(), name) for name in PARAMETERS})
 
 
 @dataclass
@@ -274,7 +251,9 @@ def _request(obj: dict, base: dict, path, number: int) -> RequestSpec:
     if obj[given[0]] is None:
         raise RequestsFileError(path, number, f"{given[0]} is null; give the request's {given[0]}")
     try:
-        return RequestSpec(**{"id": number, **base, **obj, "line": number})
+        params = SamplingParams(**{**base, **{key: obj[key] for key in PARAMETERS if key in obj}})
+        prompt = {key: obj[key] for key in ("id", *PROMPT_KEYS) if key in obj}
+        return RequestSpec(**{"id": number, **prompt, "params": params, "line": number})
     except ValueError as e:
         raise RequestsFileError(path, number, str(e)) from None
 
@@ -315,7 +294,11 @@ def _checked_defaults(defaults) -> dict:
     unknown = [key for key in defaults if key not in PARAMETERS]
     if unknown:
         raise ValueError(f"defaults has unknown parameter {unknown[0]!r}; the parameters are {', '.join(PARAMETERS)}")
-    return {key: _PARAMETER_CHECKS[key](value, f"defaults[{key!r}]") for key, value in defaults.items()}
+    try:
+        params = SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"defaults: {e}") from None
+    return {key: getattr(params, key) for key in defaults}
 
 
 def _json_value(value):
@@ -325,49 +308,3 @@ def _json_value(value):
     if callable(getattr(value, "tolist", None)):
         return value.tolist()
     raise TypeError(f"{describe(value)} is not JSON serializable")
-
-
-def _temperature(value, name: str) -> float:
-    if not is_real(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {describe(value)}")
-    return float(value)
-
-
-def _top_p(value, name: str) -> float:
-    if not is_real(value) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1], got {describe(value)}")
-    return float(value)
-
-
-def _top_k(value, name: str) -> int | None:
-    if value is None or (is_int(value) and value in (-1, 0)):  # vLLM's "no top-k cut"
-        return None
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, or None / -1 / 0 for no top-k cut, got {describe(value)}")
-    return int(value)
-
-
-def _seed(value, name: str) -> int | None:
-    if value is not None and (not is_int(value) or not 0 <= value <= SEED_MAX):
-        raise ValueError(f"{name} must be an int in [0, 2**63) or None, got {describe(value)}")
-    return None if value is None else int(value)
-
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {describe(value)}")
-    return value
-
-
-# Each parameter's check: (value, name for the message) -> the value as stored.
-_PARAMETER_CHECKS = MappingProxyType({
-    "max_new_tokens": lambda v, name: positive_int(name, v),
-    "stop": lambda v, name: stop_string_tuple(v, name),
-    "stop_token_ids": lambda v, name: token_id_tuple(v, name),
-    "include_stop_str": _flag,
-    "temperature": _temperature,
-    "top_p": _top_p,
-    "top_k": _top_k,
-    "seed": _seed,
-    "n": lambda v, name: positive_int(name, v),
-})

@@ -5,39 +5,117 @@ What every program builds on (generation, the scheduler's step argmax, a branch 
 acceptance); parallel sampling and self-consistency are :mod:`treedec.search.parallel_sampling`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Callable
 
 import torch
 
-from treedec.checks import fraction, nonnegative_float, positive_int
+from treedec.checks import (describe, finite_float, fraction, is_int, is_real, nonnegative_float, positive_float,
+                            positive_int)
+from treedec.search.stops import StopRule, stop_string_tuple, token_id_tuple
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How a next token is drawn from logits: ``softmax(logits / temperature)`` restricted to
-    the ``top_k`` most likely tokens, then to the smallest set of most likely tokens whose
-    probability reaches ``top_p`` (the same order as transformers' warpers).
+    """How a request's outputs are drawn and when they end: vLLM's ``SamplingParams`` (its names and defaults),
+    used by every program, the prompts file (:mod:`treedec.search.requests_file`), the CLI and
+    :class:`treedec.LLM`. Checked on construction (a ValueError names the field, the expected and the given
+    value); keyword arguments only.
+
+    A next token is drawn from the logits processed in this order: the user's ``logits_processors``, then the
+    penalties (on the raw logits), then ``softmax(logits / temperature)`` restricted to the ``top_k`` most
+    likely tokens, then to the smallest set of most likely tokens whose probability reaches ``top_p``, then to
+    the tokens at least ``min_p`` times as likely as the most likely one (transformers' order of its warpers).
 
     Attributes
     ----------
-    temperature : >= 0; 0 is greedy (argmax: no randomness, top_k and top_p are moot).
-    top_k : int >= 1, or None for no top-k cut (ties with the k-th logit are kept).
+    n : outputs of the request (parallel samples), int >= 1.
+    presence_penalty : subtracted from the logit of every token the output holds (vLLM / OpenAI); any finite
+        number, 0 for none.
+    frequency_penalty : times each token's count in the output, subtracted from its logit; 0 for none.
+    repetition_penalty : > 0; a logit of a token in the prompt or the output is divided by it when positive,
+        multiplied when negative (transformers' / vLLM's rule); 1 for none.
+    temperature : >= 0; 0 is greedy (the argmax of the processed logits; top_k, top_p, min_p moot).
     top_p : in (0, 1]; 1 keeps every token. The most likely token is always kept.
+    top_k : int >= 1, or None for no top-k cut (vLLM's -1 and 0 mean None too; ties with the k-th kept).
+    min_p : in [0, 1]; 0 keeps every token.
+    seed : int in [0, 2**63), or None: the outputs of a request with a seed draw from its own generator, so
+        they do not depend on the other requests of a batch.
+    stop : stop strings (a string or a list of non-empty strings; matched on the text, need the tokenizer).
+    stop_token_ids : ids that end an output besides the checkpoint's EOS ids (kept as its last token).
+    ignore_eos : do not stop at the checkpoint's EOS ids (``stop_token_ids`` still stop).
+    max_tokens : int >= 1; the most tokens of each output (vLLM's default 16).
+    logprobs : None, or the number of most likely tokens whose log-probabilities each output token reports
+        besides its own (0: only its own); log-softmax of the model's raw logits (vLLM's default).
+    prompt_logprobs : the same for the prompt's tokens (the first has none).
+    include_stop_str_in_output : keep a matched stop string at the end of the text.
+    logits_processors : callables ``processor(input_ids, scores) -> scores`` with transformers'
+        ``LogitsProcessor`` signature (``input_ids`` [1, L] the prompt and the output so far, ``scores``
+        [1, vocab] float32), applied in order to each output's raw logits before the penalties;
+        transformers' own processors work as they are.
     """
 
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
-    top_k: int | None = None
     top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    logits_processors: tuple[Callable, ...] = ()
 
     def __post_init__(self):
-        nonnegative_float("temperature", self.temperature)
-        if self.top_k is not None:
-            positive_int("top_k", self.top_k)
-        fraction("top_p", self.top_p)
+        for f in fields(self):
+            object.__setattr__(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every token is the argmax of the processed logits."""
+        return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """A penalty or a logits processor changes the logits before the draw (a greedy token is then not the
+        raw logits' argmax)."""
+        return bool(self.logits_processors) or self.repetition_penalty != 1 or self.presence_penalty != 0 \
+            or self.frequency_penalty != 0
+
+    @property
+    def reads_logits(self) -> bool:
+        """The program needs each step's logits rows (a draw, penalties, processors or logprobs), not only the
+        step's argmax."""
+        return not self.greedy or self.processes_logits or self.logprobs is not None
+
+    def stop_rule(self, eos_token_ids=()) -> StopRule:
+        """The :class:`~treedec.search.stops.StopRule` of each output: ``eos_token_ids`` (the checkpoint's, e.g.
+        ``model.eos_token_ids``; dropped with ``ignore_eos``), then ``stop_token_ids``; ``stop``,
+        ``max_tokens``, ``include_stop_str_in_output``."""
+        eos = () if self.ignore_eos else token_id_tuple(eos_token_ids, "eos_token_ids")
+        return StopRule(self.max_tokens, eos + self.stop_token_ids, self.stop, self.include_stop_str_in_output)
+
+    def replace(self, **changes) -> SamplingParams:
+        """A copy with ``changes`` (checked as on construction)."""
+        return dataclasses.replace(self, **changes)
 
 
-#: Greedy decoding: the argmax (the first of tied logits).
-GREEDY = SamplingParams(temperature=0.0)
+#: The names of :class:`SamplingParams`' fields a prompts file or JSON may give (all but ``logits_processors``).
+JSON_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+               "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "logprobs", "prompt_logprobs",
+               "include_stop_str_in_output")
+SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
+
+
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -103,3 +181,78 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     cdf = probs.double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniform.double() * cdf[:, -1]).unsqueeze(-1), right=True)
     return picked.reshape(-1)
+
+
+# ================================================================ private: the fields' checks
+
+
+def _top_k(name: str, value) -> int | None:
+    if value is None or (is_int(value) and value in (-1, 0)):  # vLLM's "no top-k cut"
+        return None
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, or None / -1 / 0 for no top-k cut, got {describe(value)}")
+    return int(value)
+
+
+def _seed(name: str, value) -> int | None:
+    if value is not None and (not is_int(value) or not 0 <= value <= SEED_MAX):
+        raise ValueError(f"{name} must be an int in [0, 2**63) or None, got {describe(value)}")
+    return None if value is None else int(value)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {describe(value)}")
+    return value
+
+
+def _logprobs(name: str, value) -> int | None:
+    if value is not None and (not is_int(value) or value < 0):
+        raise ValueError(f"{name} must be None or an int >= 0 (the most likely tokens reported besides the "
+                         f"chosen one), got {describe(value)}")
+    return None if value is None else int(value)
+
+
+def _min_p(name: str, value) -> float:
+    if not is_real(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1] (0: no cut), got {describe(value)}")
+    return float(value)
+
+
+def _processors(name: str, value) -> tuple:
+    if callable(value):
+        value = (value,)
+    try:
+        value = tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of callables (input_ids, scores) -> scores, got "
+                         f"{describe(value)}") from None
+    bad = [p for p in value if not callable(p)]
+    if bad:
+        raise ValueError(f"{name} must hold callables (input_ids, scores) -> scores, got {describe(bad[0])}")
+    return value
+
+
+# Each field's check: (name, value) -> the value as stored.
+_CHECKS = MappingProxyType({
+    "n": positive_int,
+    "presence_penalty": finite_float,
+    "frequency_penalty": finite_float,
+    "repetition_penalty": lambda name, v: positive_float(name, v, note=" (1: no penalty)"),
+    "temperature": nonnegative_float,
+    "top_p": fraction,
+    "top_k": _top_k,
+    "min_p": _min_p,
+    "seed": _seed,
+    "stop": lambda name, v: stop_string_tuple(v, name),
+    "stop_token_ids": lambda name, v: token_id_tuple(v, name),
+    "ignore_eos": _flag,
+    "max_tokens": positive_int,
+    "logprobs": _logprobs,
+    "prompt_logprobs": _logprobs,
+    "include_stop_str_in_output": _flag,
+    "logits_processors": _processors,
+})
+
+#: Greedy decoding: the argmax (the first of tied logits). (Made here, after the fields' checks.)
+GREEDY = SamplingParams(temperature=0.0)

@@ -191,7 +191,7 @@ def test_tree_rejection_sampling_with_sampled_drafts_emits_the_processed_target(
     """A tree whose children were sampled without replacement from the draft's processed q (same
     temperature, top-k, top-p as the rule): the first emitted token follows the target's processed p,
     and the second, after an accepted first child, the target's processed p there."""
-    params = SamplingParams(0.8, top_k, top_p)
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
     target = logits_of([[0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05]] + [[0.1, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]] * 3)
     draft_logits = logits_of([[0.1, 0.15, 0.3, 0.2, 0.1, 0.1, 0.05], [0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1],
                               [1 / 7] * 7, [1 / 7] * 7])
@@ -279,9 +279,9 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     from treedec.models import from_config
     from treedec.search.speculative.draft_model import DraftModelDraft
 
-    params = SamplingParams(0.7, 3)
+    params = SamplingParams(temperature=0.7, top_k=3)
     draft_engine = Engine(from_config("tiny", seed=0), kv_tokens=1024, page_size=4, backend="torch")
-    draft = DraftModelDraft(draft_engine, depth=2, top_k=2, total_tokens=4, sample=SamplingParams(1.2, 4))
+    draft = DraftModelDraft(draft_engine, depth=2, top_k=2, total_tokens=4, sample=SamplingParams(temperature=1.2, top_k=4))
     engine = target_engine(tiny)
     runs, accepted = [], 0
     for seed in range(600):

@@ -57,7 +57,7 @@ def test_first_token_follows_p_for_drafts_sampled_without_replacement():
 def test_every_conditional_of_a_tree_with_sampled_drafts(top_k, top_p):
     """As the host rule's test: the first emitted token ~ the target's processed p at the root, the second
     (after an accepted first child) ~ p there."""
-    params = SamplingParams(0.8, top_k, top_p)
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
     target = logits_of([[0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05]] + [[0.1, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]] * 3)
     q = sampling_probs(logits_of([[0.1, 0.15, 0.3, 0.2, 0.1, 0.1, 0.05], [0.2, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1],
                                   [1 / 7] * 7, [1 / 7] * 7]), params)
@@ -114,7 +114,7 @@ def test_the_greedy_limit_is_greedy_path(data):
     tree = TokenTree(parents)
     logits = torch.nn.functional.one_hot(torch.tensor(choice), vocab).float() * 50
     out = emitted(None, tree, tokens, logits, gen=torch.Generator().manual_seed(0),
-                  params=SamplingParams(0.01, None, 1.0))
+                  params=SamplingParams(temperature=0.01, top_k=None, top_p=1.0))
     assert out == greedy_path(tree, tokens, choice)
 
 

@@ -87,7 +87,7 @@ def test_budgeted_batch_is_plain_greedy_with_cut_trees(tiny):
     results, _ = speculative_batch(engine, specs(), lambda spec: TreeDraft(
         medusa_token_tree(), [(spec.id * 7 + i) % 512 for i in range(31)]), max_draft_tokens=32, draft_budget=budget)
     for r, spec in zip(results, specs()):
-        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
         assert r.stats["draft_sizes"] and max(r.stats["draft_sizes"]) <= 12
     assert {h["requests"] for h in budget.history} >= {5, 1} and max(h["tokens"] for h in budget.history) <= 12
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
@@ -96,13 +96,13 @@ def test_budgeted_batch_is_plain_greedy_with_cut_trees(tiny):
 def test_budgeted_sampled_drafts_run_with_cut_distributions(tiny):
     """Sampled draft-model trees cut by the budget hand the acceptance rule their cut distributions."""
     engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
-    requests = [RequestSpec(k, prompt_ids=(1 + k, 2, 3, 4), max_new_tokens=6, temperature=0.8, seed=k)
+    requests = [RequestSpec(k, prompt_ids=(1 + k, 2, 3, 4), params=SamplingParams(max_tokens=6, temperature=0.8, seed=k))
                 for k in range(3)]
     draft_engine = Engine(tiny, kv_tokens=4096, page_size=4, backend="torch")
     results, _ = speculative_batch(
         engine, requests, lambda spec: DraftModelDraft(draft_engine, depth=3, top_k=3, total_tokens=12,
-                                                       sample=SamplingParams(0.8), seed=spec.id),
-        acceptance=lambda spec: RejectionSampling(0.8, seed=spec.seed), draft_budget=DraftBudget(step_tokens=6))
+                                                       sample=SamplingParams(temperature=0.8), seed=spec.id),
+        acceptance=lambda spec: RejectionSampling(0.8, seed=spec.params.seed), draft_budget=DraftBudget(step_tokens=6))
     assert [len(r.output_ids) for r in results] == [6, 6, 6]
     assert all(max(r.stats["draft_sizes"]) <= 6 for r in results)
     assert engine.pool.num_free_pages == engine.pool.num_pages and draft_engine.tree.num_nodes == 0

@@ -4,6 +4,7 @@ speculative decoding equal to plain greedy, alone and batched."""
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
 from treedec.search.speculative.draft_model import DraftModelDraft
@@ -96,7 +97,7 @@ def test_sampled_drafts_keep_the_accepted_paths_kv(tiny):
     from treedec.search.sampling import SamplingParams
 
     d_engine = draft_engine(tiny)
-    draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10, sample=SamplingParams(1.0), seed=3)
+    draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10, sample=SamplingParams(temperature=1.0), seed=3)
     prompt = [3, 1, 4, 1, 5]
     draft.propose(prompt)
     assert d_engine.stats["steps"] == 3 and d_engine.stats["queries"] == 5 + 2 + 2
@@ -133,7 +134,7 @@ def test_sampled_trees_keep_children_in_draw_order_and_report_their_distribution
     distribution (their row of draft_probs), the tree cut to total_tokens; the same seed, the same tree."""
     from treedec.search.sampling import SamplingParams, sampling_probs
 
-    params = SamplingParams(0.9, 5)
+    params = SamplingParams(temperature=0.9, top_k=5)
     trees = []
     for _ in range(2):
         engine = Engine(tiny, kv_tokens=1024, page_size=4, backend="torch")
@@ -150,7 +151,7 @@ def test_sampled_trees_keep_children_in_draw_order_and_report_their_distribution
         assert len({tokens[i] for i in kids}) == len(kids)                   # without replacement
         assert all(probs[node][tokens[i]] > 0 for i in kids)                # inside the top-5 support
     with pytest.raises(ValueError, match="sample must be SamplingParams with a temperature > 0"):
-        DraftModelDraft(engine, sample=SamplingParams(0.0))
+        DraftModelDraft(engine, sample=SamplingParams(temperature=0.0))
 
 
 @pytest.mark.slow
@@ -166,18 +167,18 @@ def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, 
     model = tiny if which == "self" else other_tiny
     system = list(range(100, 140))
     prompts = [system + [1, 2, 3], system + [4, 5], [7, 8, 9, 10], prompt_with_repeats(), [3, 3, 3]]
-    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=10 + 2 * i, temperature=0.0)
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=10 + 2 * i, temperature=0.0))
              for i, p in enumerate(prompts)]
     d_engine = draft_engine(model)
     results, stats = speculative_batch(make_engine(tiny), specs,
                                        lambda spec: DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=8))
     alone_steps = 0
     for spec, result in zip(specs, results):
-        assert result.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert result.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
         d_alone = draft_engine(model)
         tokens, alone = speculative_generate(make_engine(tiny), list(spec.prompt_ids),
                                              DraftModelDraft(d_alone, depth=3, top_k=2, total_tokens=8),
-                                             spec.max_new_tokens)
+                                             spec.params.max_tokens)
         assert tokens == result.output_ids and result.stats["accepted"] == alone.accepted
         alone_steps += d_alone.stats["steps"]
     assert max(stats.programs_per_step) == 5
@@ -208,7 +209,7 @@ def test_batched_draft_model_in_captured_graphs():
             layer.down_proj.weight.zero_()
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 512, n).tolist() for n in (600, 130, 40, 300)]
-    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=30, temperature=0.0)
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=30, temperature=0.0))
              for i, p in enumerate(prompts)]
     kw = {"kv_tokens": 8192, "page_size": 16, "cuda_graphs": True}
     d_engine = Engine(model, **kw)

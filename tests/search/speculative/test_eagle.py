@@ -384,7 +384,7 @@ def test_batched_eagle_requests_equal_one_at_a_time(bigram):
     engine: each equals its greedy decoding."""
     system = list(range(100, 140))
     prompts = [system + [1, 2, 3], system + [4, 5], [7, 8, 9, 10], PROMPT, [3, 3, 3]]
-    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=12 + i, temperature=0.0)
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=12 + i, temperature=0.0))
              for i, p in enumerate(prompts)]
     e1, e3 = engine(bigram_eagle(bigram)), engine(bigram_eagle3(bigram))
 
@@ -392,7 +392,7 @@ def test_batched_eagle_requests_equal_one_at_a_time(bigram):
         return EagleDraft(e1 if int(spec.id) % 2 else e3, depth=3, top_k=2, total_tokens=10)
     results, stats = speculative_batch(engine(bigram), specs, draft)
     for spec, result in zip(specs, results):
-        assert result.output_ids == greedy_generate(engine(bigram), spec.prompt_ids, spec.max_new_tokens,
+        assert result.output_ids == greedy_generate(engine(bigram), spec.prompt_ids, spec.params.max_tokens,
                                                               eos_token_id=None)
     assert stats.shared_prefix_tokens == 0 and max(stats.programs_per_step) == 5
     # drafted together: one drafter step per tree layer for the requests of a pass (fewer drafts than requests)
@@ -408,9 +408,9 @@ def test_sampled_eagle_speculation_emits_the_target_distribution(bigram):
     """The bigram EAGLE-3 drafter samples its trees at temperature 1.3 (its distributions differ from
     the target's, and are zero outside its draft vocabulary); rejection sampling at temperature 0.8,
     top-k 3 given those distributions: the first two emitted tokens follow the target's."""
-    params = SamplingParams(0.8, 3)
+    params = SamplingParams(temperature=0.8, top_k=3)
     draft = EagleDraft(engine(bigram_eagle3(bigram)), depth=2, top_k=2, total_tokens=4,
-                       sample=SamplingParams(1.3, 4))
+                       sample=SamplingParams(temperature=1.3, top_k=4))
     t = engine(bigram)
     runs, accepted = [], 0
     for seed in range(500):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.models import from_config
 from treedec.models.eagle_drafter import EagleDrafter
@@ -95,7 +96,7 @@ def test_batched_chain_requests_equal_greedy_and_draft_together(bigram, pipeline
     from treedec.search.speculative.batch import speculative_batch
 
     prompts = [list(range(100, 140)) + [1, 2, 3], [4, 5], [7, 8, 9, 10], PROMPT, [3, 3, 3]]
-    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), max_new_tokens=12 + i, temperature=0.0)
+    specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=12 + i, temperature=0.0))
              for i, p in enumerate(prompts)]
     e1, e3 = engine(bigram_eagle(bigram)), engine(bigram_eagle3(bigram))
 
@@ -104,7 +105,7 @@ def test_batched_chain_requests_equal_greedy_and_draft_together(bigram, pipeline
     results, stats = speculative_batch(engine(bigram), specs, draft, pipeline=pipeline)
     for spec, result in zip(specs, results):
         assert result.stats["pipelined"] == pipeline
-        assert result.output_ids == greedy_generate(engine(bigram), spec.prompt_ids, spec.max_new_tokens,
+        assert result.output_ids == greedy_generate(engine(bigram), spec.prompt_ids, spec.params.max_tokens,
                                                     eos_token_id=None)
     for e in (e1, e3):
         group = EagleChains.of(e)
@@ -120,7 +121,7 @@ def test_chains_errors(target):
         EagleDraft(d, depth=3, top_k=2, total_tokens=5, tree="chains")
     from treedec.search.sampling import SamplingParams
     with pytest.raises(ValueError, match="sample must be None"):
-        EagleDraft(d, tree="chains", sample=SamplingParams(1.0))
+        EagleDraft(d, tree="chains", sample=SamplingParams(temperature=1.0))
     assert EagleDraft(d, depth=3, top_k=2, total_tokens=6, tree="chains").total_tokens == 6
     assert EagleDraft(d).fixed_tree is None and EagleDraft(d).total_tokens == 63
     from treedec.search.speculative.eagle_chains import EagleChains

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.models.medusa import MedusaHeads
@@ -36,7 +37,7 @@ def repeating_prompt(k, length=24):
 
 
 def specs(count=5):
-    return [RequestSpec(k, prompt_ids=repeating_prompt(k, 12 + 4 * k), max_new_tokens=10 + 3 * k, temperature=0.0)
+    return [RequestSpec(k, prompt_ids=repeating_prompt(k, 12 + 4 * k), params=SamplingParams(max_tokens=10 + 3 * k, temperature=0.0))
             for k in range(count)]
 
 
@@ -49,7 +50,7 @@ def test_batched_speculative_tokens_are_plain_greedy(tiny, kv_tokens, make_draft
     engine = Engine(tiny, kv_tokens=kv_tokens, page_size=4, backend="torch")
     results, stats = speculative_batch(engine, specs(), make_draft, max_draft_tokens=32)
     for r, spec in zip(results, specs()):
-        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
         assert r.stop_reason == "length" and len(r.stats["accepted"]) == r.stats["steps"]
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
     assert (stats.waits > 0) == (kv_tokens == 240) and max(stats.programs_per_step) <= 5
@@ -61,9 +62,8 @@ def test_stops_cut_accepted_paths(tiny):
     text = tokenizer.decode(greedy)
     stop = text[5:7]
     eos = greedy[9] if greedy[9] not in greedy[:9] else None
-    requests = [RequestSpec(0, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop=(stop,)),
-                RequestSpec(1, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0,
-                            stop_token_ids=() if eos is None else (eos,))]
+    requests = [RequestSpec(0, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,))),
+                RequestSpec(1, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=() if eos is None else (eos,)))]
     results, _ = speculative_batch(make_engine(tiny), requests, lambda spec: PromptLookupDraft(num_draft_tokens=6),
                                    tokenizer=tokenizer)
     cut = text.index(stop)
@@ -74,11 +74,11 @@ def test_stops_cut_accepted_paths(tiny):
 
 
 @pytest.mark.parametrize("requests,kwargs,error,message", [
-    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.5)], {}, ValueError, "needs temperature=0 and n=1"),
-    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, n=2)], {}, ValueError, "needs temperature=0 and n=1"),
-    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0, max_new_tokens=500)], {}, PoolExhaustedError,
+    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.5))], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0, n=2))], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0, max_tokens=500))], {}, PoolExhaustedError,
      "may need .* KV pages, the pool has"),
-    ([RequestSpec(0, prompt_ids=(1, 2), temperature=0.0)], {"max_draft_tokens": 0}, ValueError,
+    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0))], {"max_draft_tokens": 0}, ValueError,
      "max_draft_tokens must be an int >= 1"),
 ])
 def test_bad_requests_raise_before_anything_runs(tiny, requests, kwargs, error, message):
@@ -96,7 +96,7 @@ def test_medusa_head_drafts_batch(tiny, in_step):
     heads = MedusaHeads.untrained(tiny, num_heads=2)
     results, stats = speculative_batch(engine, specs(4), lambda spec: MedusaDraft(heads, [[0], [1], [0, 0]], in_step))
     for r, spec in zip(results, specs(4)):
-        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
     assert max(stats.programs_per_step) == 4
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
@@ -143,7 +143,7 @@ def test_a_draft_that_is_not_a_draft_source_is_refused_by_its_type(tiny, value):
 def test_oracle_drafts_are_accepted_whole(tiny):
     """Chain drafts that know each request's greedy continuation: every step accepts all 4 draft
     tokens (the batch moves accepted K/V per request), and the tokens stay plain greedy's."""
-    continuations = {spec.id: plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens + 8) for spec in specs()}
+    continuations = {spec.id: plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens + 8) for spec in specs()}
 
     def oracle(spec):
         prompt, future = list(spec.prompt_ids), continuations[spec.id]
@@ -155,15 +155,15 @@ def test_oracle_drafts_are_accepted_whole(tiny):
 
     results, stats = speculative_batch(make_engine(tiny), specs(), oracle)
     for r, spec in zip(results, specs()):
-        assert r.output_ids == continuations[spec.id][:spec.max_new_tokens]
+        assert r.output_ids == continuations[spec.id][:spec.params.max_tokens]
         assert r.stats["accepted"][:-1] == [4] * (len(r.stats["accepted"]) - 1)
-    assert stats.steps < max(spec.max_new_tokens for spec in specs()) / 4 + 2
+    assert stats.steps < max(spec.params.max_tokens for spec in specs()) / 4 + 2
 
 
 def common_tokens_draft(spec):
     """A fixed-token TreeDraft (pipelines) whose tokens are the request's greedy continuation's most frequent, so
     that some steps accept."""
-    ref = plain_greedy(tiny_model(), list(spec.prompt_ids), spec.max_new_tokens)
+    ref = plain_greedy(tiny_model(), list(spec.prompt_ids), spec.params.max_tokens)
     common = [t for t, _ in collections.Counter(ref).most_common(3)]
     return TreeDraft(medusa_token_tree(), (common * 31)[:31])
 
@@ -189,7 +189,7 @@ def test_pipelined_batches_equal_unpipelined_batches(tiny, kv_tokens, budget):
         assert runs[0] == runs[1]
     assert [(r[0], r[3]) for r in runs[0]] == [(r[0], r[3]) for r in runs[1]]
     for (tokens, accepted, sizes, _), spec in zip(runs[1], specs()):
-        assert tokens == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+        assert tokens == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
         if budget is not None:
             assert max(sizes) < 31
     assert sum(sum(a) for _, a, _, _ in runs[1]) > 0
@@ -199,9 +199,9 @@ def test_pipelined_batch_stops_on_strings_and_eos_as_unpipelined(tiny):
     tokenizer = LetterTokenizer()
     greedy = plain_greedy(tiny, tokenizer.encode("HELLOHELLO"), 16)
     text = tokenizer.decode(greedy)
-    requests = [RequestSpec(0, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop=(text[5:7],)),
-                RequestSpec(1, prompt="HELLOHELLO", max_new_tokens=16, temperature=0.0, stop_token_ids=(greedy[7],)),
-                RequestSpec(2, prompt="HELLOHELLO", max_new_tokens=5, temperature=0.0)]
+    requests = [RequestSpec(0, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop=(text[5:7],))),
+                RequestSpec(1, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(greedy[7],))),
+                RequestSpec(2, prompt="HELLOHELLO", params=SamplingParams(max_tokens=5, temperature=0.0))]
     draft = lambda spec: TreeDraft(TokenTree.chain(4), greedy[:4])   # noqa: E731
     runs = []
     for pipeline in (False, True):
@@ -222,8 +222,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
     from tests.search.speculative.test_pipeline import permutation_target
     model, heads, perm = permutation_target("cuda", torch.bfloat16)
     rng = np.random.default_rng(4)
-    requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()), max_new_tokens=40,
-                            temperature=0.0) for i in range(6)]
+    requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()), params=SamplingParams(max_tokens=40, temperature=0.0)) for i in range(6)]
     paths = medusa_tree(64).paths
     runs = []
     for pipeline, graphs in ((False, False), (True, True)):
@@ -247,14 +246,14 @@ def test_auto_pipelines_small_batches_only_and_says_why(tiny):
     why); pipeline=True still pipelines it; a smaller batch gets the engine's reason (here: the CPU)."""
     from treedec.search.speculative.batch import PIPELINE_MAX_REQUESTS
 
-    many = [RequestSpec(k, prompt_ids=repeating_prompt(k, 12), max_new_tokens=3, temperature=0.0)
+    many = [RequestSpec(k, prompt_ids=repeating_prompt(k, 12), params=SamplingParams(max_tokens=3, temperature=0.0))
             for k in range(PIPELINE_MAX_REQUESTS + 1)]
     for pipeline in (None, True):
         engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
         results, _ = speculative_batch(engine, many, common_tokens_draft, max_draft_tokens=32, pipeline=pipeline)
         assert all(r.stats["pipelined"] == bool(pipeline) for r in results)
         for r, spec in zip(results, many):
-            assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.max_new_tokens)
+            assert r.output_ids == plain_greedy(tiny, list(spec.prompt_ids), spec.params.max_tokens)
     assert all(f"a batch of {PIPELINE_MAX_REQUESTS + 1} requests" in r.stats["pipeline_note"]
                for r in speculative_batch(make_engine(tiny), many, common_tokens_draft, max_draft_tokens=32)[0])
     few, _ = speculative_batch(make_engine(tiny), many[:2], common_tokens_draft, max_draft_tokens=32)

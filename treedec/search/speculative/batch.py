@@ -54,7 +54,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     max_draft_tokens : the largest tree a draft may propose (its root included): the scheduler
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
-        ``lambda spec: RejectionSampling(spec.temperature, seed=spec.seed)``.
+        ``lambda spec: RejectionSampling(spec.params.temperature, seed=spec.params.seed)``.
     max_step_tokens : as :func:`~treedec.search.batch.generate_batch`.
     draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.search.speculative.draft_budget`):
         default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
@@ -93,10 +93,10 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     pool = engine.pool
     programs, heads = [], {}
     for spec, prompt_ids in prepared:
-        if spec.n != 1 or (acceptance is None and spec.temperature != 0):
+        if spec.params.n != 1 or (acceptance is None and spec.params.temperature != 0):
             raise ValueError(f"request {spec.id!r}: speculative_batch gives one output a request, accepted greedily "
                              f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
-                             f"temperature={spec.temperature}, n={spec.n}")
+                             f"temperature={spec.params.temperature}, n={spec.params.n}")
         source = draft(spec)
         check_draft_source(source, f"request {spec.id!r}: draft(spec)")
         head = source.row_head
@@ -106,7 +106,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                 raise ValueError(f"requests {list(heads.values())[0]!r} and {spec.id!r} have drafts with different row "
                                  f"heads (e.g. Medusa heads of other weights or tree depths); a batch's drafts share "
                                  f"the engine's one row head")
-        rule = spec.stop_rule(engine.model.eos_token_ids)
+        rule = spec.params.stop_rule(engine.model.eos_token_ids)
         programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
                                            None if acceptance is None else acceptance(spec),
                                            max_draft_tokens=max_draft_tokens, budget=draft_budget, pipeline=pipeline,
@@ -114,7 +114,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         programs[-1].name = spec.name
         check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
         # The sequence (prompt, new tokens) and one draft tree.
-        worst = pool.pages_for(len(prompt_ids) + spec.max_new_tokens) + programs[-1].step_pages(pool)
+        worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + programs[-1].step_pages(pool)
         if worst > pool.num_free_pages:
             raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
                                      f"{pool.num_free_pages} free; lower max_new_tokens or max_draft_tokens, or give "

@@ -203,7 +203,7 @@ class ToTSearch:
         length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
         check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
                         self.ctx.name)
-        params = SamplingParams(temperature)
+        params = SamplingParams(temperature=temperature)
         firsts = yield Read(torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count)
                                        for parent, count in heads]))   # one wait for every head's tokens
         parents = [parent for parent, count in heads for _ in range(count)]
