@@ -16,6 +16,7 @@ GPU too. Scalar parameters are Python numbers, checked on the host.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -242,7 +243,7 @@ def apply_logits_processors(processors: Sequence[LogitsProcessor], token_ids_per
     for p in processors:
         if not callable(p):
             raise TypeError(f"a logits processor must be callable, got {show(p)}")
-    out = logits.float().clone()
+    out = logits.to(torch.float32, copy=True)
     if not processors:
         return out
     for i, ids in enumerate(histories):
@@ -272,8 +273,9 @@ def _run_processor(processor: LogitsProcessor, input_ids: torch.Tensor, scores: 
 
 
 def _processor_name(processor) -> str:
-    qualname = getattr(processor, "__qualname__", None)   # functions and classes; an instance has its type's
-    return qualname if isinstance(qualname, str) else type(processor).__qualname__
+    """A function's or class's own name; an instance (transformers' processors) is named by its class."""
+    named = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+    return processor.__qualname__ if isinstance(processor, named) else type(processor).__qualname__
 
 
 # ================================================================ log-probabilities
@@ -367,8 +369,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int] | torch.Tens
     """
     ids = prompt_ids if isinstance(prompt_ids, torch.Tensor) else \
         torch.tensor(int_list(prompt_ids, "prompt_ids", low=0), dtype=torch.int64)
-    if ids.dim() != 1 or ids.shape[0] < 1:
-        raise ValueError(f"prompt_ids must be L >= 1 token ids, got shape {tuple(ids.shape)}")
+    if ids.dim() != 1 or ids.shape[0] < 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"prompt_ids must be L >= 1 int token ids, got {ids.dtype} {tuple(ids.shape)}")
     length = ids.shape[0]
     if logits.dim() != 2 or logits.shape[0] not in (length - 1, length):
         raise ValueError(f"logits must be [L-1, V] or [L, V] with L = {length} prompt tokens, "
