@@ -123,8 +123,10 @@ def test_bad_penalty_arguments_raise_naming_them():
         apply_penalties(logits, torch.zeros(1, VOCAB), output_token_counts(OUTPUTS, VOCAB))
     with pytest.raises(ValueError, match="output_counts must be an int tensor"):
         apply_penalties(logits, prompt_token_mask(PROMPT, VOCAB), torch.zeros(2, VOCAB, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"prompt_ids must be in \[0, 63\]|prompt_ids"):
+    with pytest.raises(ValueError, match=r"prompt_ids must be in \[0, 63\], got prompt_ids\[0\] = 64"):
         prompt_token_mask([VOCAB], VOCAB)
+    with pytest.raises(ValueError, match=r"token_ids_per_row\[1\] must be in \[0, 63\]"):
+        output_token_counts([[1], [70]], VOCAB)
     with pytest.raises(ValueError, match="valid must be bool"):
         count_tokens_(output_token_counts(OUTPUTS, VOCAB), torch.zeros(len(OUTPUTS), dtype=torch.int64),
                       torch.ones(len(OUTPUTS)))
@@ -259,7 +261,8 @@ def test_token_logprobs_equal_log_softmax_in_float64():
 def test_to_dicts_are_vllms_per_position_dicts():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]))
     dicts = token_logprobs(logits, torch.tensor([2, 1]), k=1).to_dicts()
-    assert dicts[0].keys() == {0, 2} and dicts[0][2].rank == 3 and dicts[0][0] == Logprob(pytest.approx(-0.6931, abs=1e-4), 1)
+    assert dicts[0].keys() == {0, 2} and dicts[0][2].rank == 3
+    assert dicts[0][0] == Logprob(pytest.approx(-0.6931, abs=1e-4), 1)
     assert dicts[1].keys() == {1} and dicts[1][1].rank == 1
 
 

@@ -214,9 +214,9 @@ def apply_logits_processors(processors: Sequence[LogitsProcessor], token_ids_per
     """The logits after the user's processors, applied in order, one row at a time.
 
     Each processor is called as transformers calls a ``LogitsProcessor``: ``processor(input_ids, scores)`` with
-    ``input_ids`` ``[1, L]`` int64 (row i's prompt and output so far, ``token_ids_per_row[i]``) and ``scores`` ``[1, V]``
-    (a copy of row i, after the processors before it), returning the new ``[1, V]`` float scores. This runs on the
-    host, row by row (user code): it costs a Python call per processor and row every step.
+    ``input_ids`` ``[1, L]`` int64 (row i's prompt and output so far, ``token_ids_per_row[i]``) and ``scores``
+    ``[1, V]`` (a copy of row i, after the processors before it), returning the new ``[1, V]`` float scores. This
+    runs on the host, row by row (user code): it costs a Python call per processor and row every step.
 
     Parameters
     ----------
