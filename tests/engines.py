@@ -15,6 +15,26 @@ def tiny_model():
     return from_config("tiny", seed=0, dtype=torch.float32, device="cpu")
 
 
+#: A tiny Llama for transformers (eager attention, 256 tokens), the reference of the generation tests.
+TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, attn_implementation="eager")
+
+
+def tiny_hf_llama():
+    """A tiny random transformers Llama with peaked next-token distributions (weights ~ N(0, 0.2)), so that
+    choices do not hinge on float noise; transformers' default EOS (2) is switched off."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(**TINY_HF))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
 def make_engine(model, page_size=4):
     return Engine(model, kv_tokens=1024, page_size=page_size, backend="torch")
 

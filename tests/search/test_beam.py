@@ -3,31 +3,19 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.engines import tiny_hf_llama
 from treedec.engine import Engine
 from treedec.models import from_hf_model
 from treedec.search.beam import beam_search
 
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, attn_implementation="eager")
 PROMPT = [158, 198, 212, 41, 0, 98, 171, 81, 122]
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def hf():
-    """A tiny random Llama with peaked next-token distributions (weights ~ N(0, 0.2)), so that
-    beam choices do not hinge on float noise; transformers' default EOS (2) is switched off."""
-    model = LlamaForCausalLM(LlamaConfig(**TINY))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return tiny_hf_llama()
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,11 @@ def _acceptance(args: argparse.Namespace, spec):
         raise ValueError(f"request {spec.id!r}: --accept {args.accept} samples and needs a temperature > 0 "
                          f"(the request's or --temperature), got 0")
     if args.accept == "typical":
+        if spec.params.top_k is not None or spec.params.top_p != 1:
+            raise ValueError(f"request {spec.id!r}: --accept typical has no top_k / top_p (its own posterior "
+                             f"threshold decides); drop them from the request or use --accept sample")
         return TypicalAcceptance(temperature=spec.params.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_k=args.sample_top_k,
-                             top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
+    top_p = spec.params.top_p if spec.params.top_p != 1 or args.sample_top_p is None else args.sample_top_p
+    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_p=top_p,
+                             top_k=args.sample_top_k if spec.params.top_k is None else spec.params.top_k)

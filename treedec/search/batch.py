@@ -34,6 +34,8 @@ from treedec.engine import Engine
 from treedec.models.text import IncrementalDetokenizer, encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
+from treedec.search.logits import TokenLogprobs, apply_logits_processors, apply_penalties, prompt_logprobs, \
+    prompt_token_mask, token_logprobs
 from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.request import Positions, check_positions
@@ -152,12 +154,18 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
 
 
 def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[StopChecker], steps: int,
-                    seconds: float) -> list[RequestResult]:
-    """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement)."""
+                    seconds: float, draws: _Draws | None = None) -> list[RequestResult]:
+    """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement; ``draws``:
+    their logprobs, when asked for)."""
     prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
     stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "seconds": seconds}
-    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason, dict(stats))
-            for i, c in enumerate(checkers)]
+    logprobs = [None] * len(checkers) if draws is None else draws.output_logprobs()
+    prompt_lp = None if draws is None else draws.prompt
+    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason, dict(stats),
+                          logprobs=lp, prompt_logprobs=prompt_lp,
+                          cumulative_logprob=None if lp is None else sum(
+                              entry[t].logprob for entry, t in zip(lp, c.token_ids)))
+            for i, (c, lp) in enumerate(zip(checkers, logprobs))]
 
 
 class GenerateProgram(Program):
@@ -199,6 +207,8 @@ class GenerateProgram(Program):
         self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
         self.on_text, self.on_prompt = on_text, on_prompt
         self.name = spec.name
+        # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
+        self.shares_prompt = spec.params.prompt_logprobs is None
 
     def positions(self) -> Positions:
         m = self.spec.params.max_tokens
@@ -221,11 +231,15 @@ class GenerateProgram(Program):
         queries: list[int] = []
         done = False
         try:
-            state.root, out = yield from ctx.prompt(self.prompt_ids)
+            wants_prompt = spec.params.prompt_logprobs is not None
+            state.root, out = yield from ctx.prompt(self.prompt_ids, hidden=wants_prompt, all_rows=wants_prompt)
+            draws = _Draws(self.params, self.prompt_ids, checkers, out.logits)
+            if wants_prompt:
+                draws.prompt_logprobs(engine.model, out.hidden, out.logits.shape[-1])
             if self.on_prompt:
                 state.grow_on_root()
             logits, argmax, rows = out.logits.expand(n, -1), None, list(range(n))
-            drawn = self._draw(logits, argmax, rows, generator)
+            drawn = draws.draw(logits, argmax, rows, generator)
             while True:
                 if self.pipeline:   # placeholders for the drawn tokens; the step reads the ids on the device
                     going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.params.max_tokens]
@@ -236,7 +250,7 @@ class GenerateProgram(Program):
                     if placed:
                         ids = drawn if len(placed) == len(rows) else drawn[to_device(placed, drawn.device)]
                     out = yield StepRequest([state.nodes[rows[k]] for k in going],
-                                            argmax=self.params.temperature == 0, tokens=ids,
+                                            argmax=not self.params.reads_logits, tokens=ids,
                                             placed=[state.nodes[rows[k]] for k in placed], read=drawn)
                     stepped = [rows[k] for k in going]
                     state.accept(rows, out.read, placed=True)
@@ -252,7 +266,7 @@ class GenerateProgram(Program):
                         break
                     yield from ctx.reserve(state.pages(list(grow)))
                     state.place(grow)
-                    out = yield StepRequest([state.nodes[i] for i in live], argmax=self.params.temperature == 0)
+                    out = yield StepRequest([state.nodes[i] for i in live], argmax=not self.params.reads_logits)
                     queries.append(ctx.step_queries)
                     if not live:
                         break
@@ -264,8 +278,9 @@ class GenerateProgram(Program):
                     index = to_device(keep, logits.device)
                     argmax = None if argmax is None else argmax[index]
                     logits = logits if argmax is not None else logits[index]   # greedy reads the argmax only
-                drawn = self._draw(logits, argmax, rows, generator)
-            results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started)
+                drawn = draws.draw(logits, argmax, rows, generator)
+            results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started,
+                                      draws)
             for r in results:
                 r.stats["queries_per_step"] = list(queries)
                 if self.keep or self.on_prompt:
@@ -276,18 +291,69 @@ class GenerateProgram(Program):
             if not (done and (self.keep or self.on_prompt)):
                 ctx.free(state.root)
 
-    def _draw(self, logits, argmax, rows, generator) -> torch.Tensor:
-        """The next token (on the device) of each output in ``rows``, from its row of ``logits``; greedy, the
-        step's ``argmax`` when the scheduler picked it already (:data:`~treedec.search.sampling.GREEDY`)."""
+
+class _Draws:
+    """How a request's next tokens are picked from a step's logits rows, and what it reports of them: the user's
+    logits processors, then the penalties (each output's token counts kept on the device), then the draw
+    (:func:`~treedec.search.sampling.sample_tokens`: the warpers, or the argmax at temperature 0); the chosen
+    tokens' log-probabilities under the raw logits when ``logprobs`` is asked for (kept on the device until
+    :meth:`output_logprobs`)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], checkers: list[StopChecker],
+                 logits: torch.Tensor):
+        self.params, self.prompt_ids, self.checkers = params, prompt_ids, checkers
+        vocab, device = logits.shape[-1], logits.device
+        self.penalized = params.repetition_penalty != 1 or params.presence_penalty != 0 \
+            or params.frequency_penalty != 0
+        self.prompt_mask = prompt_token_mask(prompt_ids, vocab, device) if self.penalized else None
+        self.counts = torch.zeros(len(checkers), vocab, dtype=torch.int32, device=device) if self.penalized \
+            else None
+        self.records: list[tuple[list[int], TokenLogprobs]] = []   # (rows, their logprobs) per draw
+        self.prompt: list[dict | None] | None = None
+
+    def draw(self, logits: torch.Tensor, argmax: torch.Tensor | None, rows: list[int],
+             generator: torch.Generator | None) -> torch.Tensor:
+        """The next token (on the device) of each output in ``rows``, from its row of ``logits``; the step's
+        ``argmax`` when the scheduler picked it already (plain greedy: nothing reads the logits)."""
         if argmax is not None:
             return argmax
+        params, scores = self.params, logits
+        if params.logits_processors:
+            scores = apply_logits_processors(params.logits_processors,
+                                             [self.prompt_ids + self.checkers[i].token_ids for i in rows], scores)
+        index = to_device(rows, logits.device) if self.penalized else None
+        if self.penalized:
+            scores = apply_penalties(scores, self.prompt_mask, self.counts[index], params.repetition_penalty,
+                                     params.presence_penalty, params.frequency_penalty)
         uniform = None
-        if self.params.temperature > 0:
+        if params.temperature > 0:
             # One number per output per draw, whichever outputs are live: a request's stream does not
             # depend on when its outputs end, nor on the other requests.
-            numbers = torch.rand(self.spec.params.n, generator=generator, device=logits.device)
+            numbers = torch.rand(params.n, generator=generator, device=logits.device)
             uniform = numbers[to_device(rows, numbers.device)]
-        return sample_tokens(logits, self.params, uniform=uniform)
+        drawn = sample_tokens(scores, params, uniform=uniform)
+        if self.penalized:
+            self.counts.index_put_((index, drawn), torch.ones_like(drawn, dtype=self.counts.dtype), accumulate=True)
+        if params.logprobs is not None:
+            self.records.append((list(rows), token_logprobs(logits, drawn, params.logprobs)))
+        return drawn
+
+    def prompt_logprobs(self, model, hidden: torch.Tensor, vocab: int) -> None:
+        """The prompt's log-probabilities (vLLM's ``prompt_logprobs``: None for its first token) from every
+        prompt token's final hidden state (``hidden`` [L, hidden_size]), through the model's LM head."""
+        logits = model.lm_head(hidden[:-1])[:, :vocab].float()
+        self.prompt = [None] + prompt_logprobs(logits, self.prompt_ids, self.params.prompt_logprobs).to_dicts()
+
+    def output_logprobs(self) -> list[list[dict] | None]:
+        """Each output's logprobs, one dict per token (token id -> :class:`~treedec.search.logits.Logprob`: the
+        chosen token and the ``logprobs`` most likely), or None when not asked for."""
+        if self.params.logprobs is None:
+            return [None] * len(self.checkers)
+        outputs: list[list[dict]] = [[] for _ in self.checkers]
+        for rows, record in self.records:
+            for i, entry in zip(rows, record.to_dicts()):
+                outputs[i].append(entry)
+        return [out[:len(c.token_ids)] for out, c in zip(outputs, self.checkers)]   # (pipelined: one drawn past)
 
 
 class _Outputs:

@@ -129,6 +129,12 @@ class RequestResult:
     text : the output's text (cut at a stop string); None without a tokenizer.
     stop_reason : ``"eos"``, ``"stop_string"`` or ``"length"``.
     stats : the program's counters for this request (steps, accepted lengths, seconds, ...).
+    logprobs : with ``SamplingParams.logprobs``: one dict per output token, token id ->
+        :class:`~treedec.search.logits.Logprob` (log-probability under the raw logits, rank), holding the
+        chosen token and the ``logprobs`` most likely ones; else None.
+    prompt_logprobs : with ``SamplingParams.prompt_logprobs``: the same for the prompt's tokens (None for the
+        first); else None.
+    cumulative_logprob : the sum of the output tokens' log-probabilities (with ``logprobs``), else None.
     """
 
     id: int | str
@@ -139,6 +145,9 @@ class RequestResult:
     text: str | None
     stop_reason: str
     stats: dict = field(default_factory=dict)
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 def read_requests(path: str | Path, defaults: Mapping[str, object] | None = None) -> list[RequestSpec]:

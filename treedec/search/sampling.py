@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from treedec.checks import (describe, finite_float, fraction, is_int, is_real, nonnegative_float, positive_float,
                             positive_int)
+from treedec.search.logits import warp_scores
 from treedec.search.stops import StopRule, stop_string_tuple, token_id_tuple
 
 
@@ -108,6 +109,16 @@ class SamplingParams:
         """A copy with ``changes`` (checked as on construction)."""
         return dataclasses.replace(self, **changes)
 
+    def check_supported(self, supported: Iterable[str], program: str, name: str = "params") -> None:
+        """Raise ValueError naming every field set away from its default that ``program`` (e.g.
+        ``"speculative decoding"``) does not implement (``supported``: the field names it does), so a request
+        never runs with a parameter silently ignored."""
+        unsupported = [f.name for f in fields(self) if f.name not in supported and getattr(self, f.name) != f.default]
+        if unsupported:
+            shown = ", ".join(f"{key}={getattr(self, key)!r}" for key in unsupported)
+            raise ValueError(f"{name}: {program} does not implement {shown}; leave "
+                             f"{'it' if len(unsupported) == 1 else 'them'} at the default")
+
 
 #: The names of :class:`SamplingParams`' fields a prompts file or JSON may give (all but ``logits_processors``).
 JSON_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
@@ -120,25 +131,17 @@ SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution :func:`sample_tokens` draws from: ``softmax(logits / temperature)`` restricted
-    to the ``top_k`` most likely tokens, then to the top-``top_p`` mass; float32, ``[..., vocab]``.
+    to the ``top_k`` most likely tokens, then to the top-``top_p`` mass, then to the tokens at least ``min_p``
+    times as likely as the most likely (:func:`~treedec.search.logits.warp_scores`); float32, ``[..., vocab]``.
 
     ``params.temperature`` must be > 0. A speculative draft that samples its tokens and the
     acceptance rule that verifies them both use it, so the target's ``p`` and the draft's ``q``
-    are processed alike (lossless sampling needs that).
+    are processed alike (lossless sampling needs that). Penalties and logits processors are applied before
+    (they need the request's tokens: :class:`~treedec.search.batch.GenerateProgram`).
     """
     if params.temperature <= 0:
         raise ValueError(f"sampling_probs needs a temperature > 0, got {params.temperature} (0 is argmax)")
-    scores = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < scores.shape[-1]:
-        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1:
-        ordered, order = scores.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= params.top_p)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores.softmax(dim=-1)
+    return warp_scores(logits, params.temperature, params.top_k, params.top_p, params.min_p).softmax(dim=-1)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,

@@ -262,3 +262,13 @@ def test_auto_pipelines_small_batches_only_and_says_why(tiny):
     from treedec.search.stops import StopRule
     with pytest.raises(ValueError, match="pipeline_note says why pipeline is False"):
         SpeculativeProgram([1, 2], common_tokens_draft(many[0]), StopRule(max_new_tokens=2), pipeline_note="why")
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_p", 0.1), ("logprobs", 2),
+                                          ("logits_processors", [lambda ids, scores: scores])])
+def test_parameters_speculative_decoding_does_not_implement_are_refused_before_anything_runs(field, value):
+    engine = make_engine(tiny_model())
+    spec = RequestSpec("r", prompt_ids=(1, 2, 3), params=SamplingParams(temperature=0, max_tokens=4, **{field: value}))
+    with pytest.raises(ValueError, match=f"request 'r': speculative decoding does not implement {field}="):
+        speculative_batch(engine, [spec], lambda spec: PromptLookupDraft())
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

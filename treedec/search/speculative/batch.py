@@ -32,6 +32,12 @@ from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.speculative.program import SpeculativeProgram
 
+#: The :class:`~treedec.search.sampling.SamplingParams` fields speculative decoding implements (the others, e.g.
+#: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
+#: are the acceptance rule's.
+SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                                "max_tokens", "include_stop_str_in_output"})
+
 __all__ = ["PIPELINE_MAX_REQUESTS", "speculative_batch"]
 
 #: The largest batch :func:`speculative_batch` pipelines by itself (``pipeline=None``); see its ``pipeline``.
@@ -97,6 +103,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
             raise ValueError(f"request {spec.id!r}: speculative_batch gives one output a request, accepted greedily "
                              f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
                              f"temperature={spec.params.temperature}, n={spec.params.n}")
+        spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {spec.id!r}")
         source = draft(spec)
         check_draft_source(source, f"request {spec.id!r}: draft(spec)")
         head = source.row_head
