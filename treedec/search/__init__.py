@@ -1,7 +1,8 @@
 """Search programs and their scheduler: what users call to decode with treedec.
 
 - generation: :func:`greedy_generate` (one request), :func:`generate_batch` and :class:`GenerateProgram` (many,
-  sampled or greedy, one forest), :class:`SamplingParams`; parallel sampling and self-consistency
+  sampled or greedy, one forest); :class:`SamplingParams` (vLLM's fields: every program, prompts file and the
+  CLI take it), the token picker :func:`sample_tokens`, logprobs (:class:`Logprob`, :class:`TokenLogprobs`); parallel sampling and self-consistency
   (:func:`parallel_sample`, :func:`self_consistency`, :func:`majority_vote`);
 - beam search (:func:`beam_search`, :class:`BeamProgram`) and the branch controller (:func:`run_controller`,
   :class:`Controller`, :class:`BranchEvery`, :class:`ControllerProgram`);
@@ -20,13 +21,14 @@ from treedec.search.parallel_sampling import (SamplingResult, SelfConsistencyRes
                                               self_consistency)
 from treedec.search.program import Program, ProgramContext
 from treedec.search.requests_file import RequestResult, RequestSpec, RequestsFileError, read_requests, write_results_jsonl
-from treedec.search.sampling import SamplingParams
+from treedec.search.logits import Logprob, LogitsProcessorError, TokenLogprobs
+from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs
 from treedec.search.stops import StopChecker, StopRule
 
-__all__ = ["BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller", "ControllerProgram",
-           "ControllerRun", "GenerateProgram", "Program", "ProgramContext", "RequestResult", "RequestSpec",
-           "RequestsFileError", "SamplingParams", "SamplingResult", "SchedulerStats", "SelfConsistencyResult",
-           "StopChecker", "StopRule", "beam_search", "generate_batch", "greedy_generate", "majority_vote",
-           "parallel_sample", "read_requests", "run_controller", "run_program", "run_programs", "self_consistency",
-           "write_results_jsonl"]
+__all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
+           "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob", "Program",
+           "ProgramContext", "RequestResult", "RequestSpec", "RequestsFileError", "SamplingParams", "SamplingResult",
+           "SchedulerStats", "SelfConsistencyResult", "StopChecker", "StopRule", "TokenLogprobs", "beam_search",
+           "generate_batch", "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller",
+           "run_program", "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]

@@ -156,12 +156,13 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
 def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[StopChecker], steps: int,
                     seconds: float, draws: _Draws | None = None) -> list[RequestResult]:
     """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement; ``draws``:
-    their logprobs, when asked for)."""
+    their logprobs, when asked for); an output a stop string ended has it in ``stats["stop_string"]``."""
     prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
     stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "seconds": seconds}
     logprobs = [None] * len(checkers) if draws is None else draws.output_logprobs()
     prompt_lp = None if draws is None else draws.prompt
-    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason, dict(stats),
+    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason,
+                          dict(stats) if c.stop_string is None else {**stats, "stop_string": c.stop_string},
                           logprobs=lp, prompt_logprobs=prompt_lp,
                           cumulative_logprob=None if lp is None else sum(
                               entry[t].logprob for entry, t in zip(lp, c.token_ids)))

@@ -68,7 +68,17 @@ class BeamSearchResult:
 def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
                 length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
                 early_stopping: bool | str = False) -> BeamSearchResult:
-    """Beam search of width ``num_beams`` after ``prompt_ids``; see the module docstring.
+    """Beam search of width ``num_beams`` after ``prompt_ids``; see the module docstring. The arguments are those
+    of :func:`beam_program`, whose program this runs alone."""
+    return run_program(engine, beam_program(engine, prompt_ids, num_beams, max_new_tokens, length_penalty,
+                                            eos_token_id, early_stopping))
+
+
+def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
+                 length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
+                 early_stopping: bool | str = False) -> BeamProgram:
+    """The :class:`BeamProgram` of a beam search of width ``num_beams`` after ``prompt_ids``, its arguments checked
+    (:func:`beam_search` runs it alone; many run batched with :func:`~treedec.search.scheduler.run_programs`).
 
     Returns the same hypotheses and scores as transformers'
     ``model.generate(input_ids, num_beams=num_beams, do_sample=False, max_new_tokens=...,
@@ -108,8 +118,7 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
         raise ValueError(f"num_beams={num_beams} with {len(eos)} EOS id(s) keeps {keep} candidates per step, more "
                          f"than the vocabulary ({vocab}); use num_beams <= {vocab // max(2, 1 + len(eos))}")
     prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
-    return run_program(engine, BeamProgram(prompt_ids, num_beams, max_new_tokens, length_penalty, eos, early_stopping,
-                                           keep))
+    return BeamProgram(prompt_ids, num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep)
 
 
 class BeamProgram(Program):

@@ -5,6 +5,8 @@ The package's face holds what a user of speculative decoding calls; the modules 
 - :mod:`~treedec.search.speculative.program`: :func:`speculative_generate` (one request) and
   :class:`SpeculativeProgram` (a request as a scheduler program), :class:`SpeculativeStats`;
 - :mod:`~treedec.search.speculative.batch`: :func:`speculative_batch` (many requests in one forest);
+- :mod:`~treedec.search.speculative.config`: :class:`SpeculativeConfig` (a draft source configured once, for
+  :class:`treedec.LLM`);
 - :mod:`~treedec.search.speculative.pipeline`: the pipelined loop of drafts with a fixed tree (step n + 1
   launched before step n's tokens reach the host);
 - :mod:`~treedec.search.speculative.acceptance` and :mod:`~treedec.search.speculative.device_acceptance`: the
@@ -21,6 +23,7 @@ The package's face holds what a user of speculative decoding calls; the modules 
 from treedec.search.speculative.acceptance import (AcceptanceRule, GreedyAcceptance, RejectionSampling,
                                                    TypicalAcceptance)
 from treedec.search.speculative.batch import speculative_batch
+from treedec.search.speculative.config import SpeculativeConfig
 from treedec.search.speculative.draft_budget import DraftBudget
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TargetOutput, TreeDraft
@@ -29,5 +32,5 @@ from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.program import SpeculativeProgram, SpeculativeStats, speculative_generate
 
 __all__ = ["AcceptanceRule", "DraftBudget", "DraftModelDraft", "DraftSource", "EagleDraft", "GreedyAcceptance",
-           "MedusaDraft", "PromptLookupDraft", "RejectionSampling", "SpeculativeProgram", "SpeculativeStats",
+           "MedusaDraft", "PromptLookupDraft", "RejectionSampling", "SpeculativeConfig", "SpeculativeProgram", "SpeculativeStats",
            "TargetOutput", "TreeDraft", "TypicalAcceptance", "speculative_batch", "speculative_generate"]
