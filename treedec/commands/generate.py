@@ -1,13 +1,19 @@
-"""``treedec generate``: a prompts file run as one batch over the forest; a results file out.
+"""``treedec generate``: one prompt streamed to the terminal, or a prompts file run as one batch (a results file out).
 
+    treedec generate --model smollm2 --chat-template "Name three primes."   # streams the answer (SmolLM2, CPU)
+    treedec generate --model smollm2 "Once upon a time" --max-new-tokens 64 --temperature 0.8 --top-p 0.95 \\
+        --repetition-penalty 1.1 --seed 1
     treedec generate --prompts requests.jsonl --out results.jsonl          # tiny random model, CPU
     treedec generate --model /models/Llama-3.1-8B-Instruct --chat-template \\
         --prompts requests.jsonl --out results.jsonl --max-new-tokens 256 --temperature 0.7
 
-Each line of the prompts file is a request (``prompt``, ``messages`` or ``prompt_ids``, and
+A prompt on the command line is decoded with the flags' :class:`~treedec.search.sampling.SamplingParams` (default
+greedy, as ``spec`` decodes; ``--temperature`` samples), its text streamed to stdout as the tokens come (each of
+``--n`` outputs in turn when there are several), then a line of stats on stderr; ``--out`` also writes its results
+line(s). Each line of a prompts file is a request (``prompt``, ``messages`` or ``prompt_ids``, and
 its own :class:`~treedec.search.sampling.SamplingParams`: ``max_tokens``, ``stop``, ``temperature``, ``n``, ...:
-see :mod:`treedec.search.requests_file`); the flags give the
-defaults for what a line leaves out. All requests run batched
+see :mod:`treedec.search.requests_file`); the flags give the defaults for what a line leaves out (a line without a
+temperature samples at vLLM's 1.0 unless ``--temperature`` says otherwise). All requests run batched
 (:func:`~treedec.search.batch.generate_batch`): admitted while the KV pool holds their worst
 case, one engine step per iteration for every live request, prompts that start alike sharing
 one copy of their common prefix. The results file (JSONL) has one line per output (``id``,
@@ -26,34 +32,48 @@ import torch
 from tqdm import tqdm
 
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
-                                   nonnegative_float, output_file, positive_float, positive_int, seed_int)
+                                   nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
+                                   seed_int)
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
-from treedec.models.text import load_tokenizer
+from treedec.models.text import check_text, load_tokenizer
 from treedec.search.batch import generate_batch
+from treedec.search.requests_file import RequestSpec, write_results_jsonl
+from treedec.search.sampling import SamplingParams
 
 CPU_KV_TOKENS = 32768  # the CPU pool's default size in tokens (no free-memory query there)
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="run a prompts file (JSONL) as one batch; write a results file",
-                       description="Batched generation: every request of a prompts JSONL file, sampled or greedy "
-                                   "with its own stop rule, in one forest; one results line per output.")
-    p.add_argument("--prompts", type=existing_file, required=True,
+    p = sub.add_parser("generate", help="generate for one prompt (streamed) or a prompts file (JSONL, batched)",
+                       description="Generation: one prompt's text streamed to the terminal, or every request of a "
+                                   "prompts JSONL file, sampled or greedy with its own stop rule, in one forest; one "
+                                   "results line per output.")
+    p.add_argument("prompt", nargs="?", help="a prompt to decode and stream (needs --model with a tokenizer)")
+    p.add_argument("--prompts", type=existing_file,
                    help="JSONL, one request per line: {\"prompt\" | \"messages\" | \"prompt_ids\": ..., "
                         "\"max_tokens\": 32, \"stop\": [...], \"temperature\": 0.7, \"n\": 2, ...}")
-    p.add_argument("--out", type=output_file, required=True,
-                   help="results JSONL: one line per output, each request's written as it finishes")
+    p.add_argument("--out", type=output_file,
+                   help="results JSONL: one line per output, each request's written as it finishes (needed with "
+                        "--prompts)")
     add_model_arguments(p)
     p.add_argument("--chat-template", action="store_true",
                    help="render text prompts through the tokenizer's chat template (messages always are)")
-    g = p.add_argument_group("defaults for what a prompts line leaves out")
-    g.add_argument("--max-new-tokens", type=positive_int)
-    g.add_argument("--temperature", type=nonnegative_float, help="0: greedy")
+    g = p.add_argument_group("sampling (SamplingParams; with --prompts: the defaults for what a line leaves out)")
+    g.add_argument("--max-new-tokens", type=positive_int, help="SamplingParams.max_tokens (default 16, or 256 for a "
+                                                                "prompt on the command line)")
+    g.add_argument("--temperature", type=nonnegative_float, help="0: greedy (a command-line prompt's default)")
     g.add_argument("--top-p", type=positive_float)
     g.add_argument("--top-k", type=positive_int)
+    g.add_argument("--min-p", type=nonnegative_float)
+    g.add_argument("--repetition-penalty", type=positive_float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
     g.add_argument("--n", type=positive_int, help="outputs per request")
     g.add_argument("--stop", action="append", help="a stop string (repeat the flag for several)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at the model's EOS ids")
+    g.add_argument("--logprobs", type=nonnegative_int, help="log-probabilities of each token and the N most likely "
+                                                             "(in the results file)")
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
@@ -61,16 +81,33 @@ def add_generate_parser(sub) -> None:
                         f"wait for pages when the pool is full)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="random weights, and the draws of requests without a seed of their own")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+#: The sampling flags, as the SamplingParams fields they set.
+FLAGS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+         "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+         "frequency_penalty": "frequency_penalty", "n": "n", "stop": "stop", "ignore_eos": "ignore_eos",
+         "logprobs": "logprobs"}
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Read the prompts, load the model and tokenizer, run the batch, write the results; a summary on stderr."""
-    flags = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-             "top_k": args.top_k, "n": args.n}
-    defaults = {name: value for name, value in flags.items() if value is not None}
-    if args.stop:
-        defaults["stop"] = args.stop
-    specs = read_prompts(args.prompts, defaults)
+    """Check the arguments and read the prompts, load the model and tokenizer, run, write the results; a summary on
+    stderr."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise ValueError("give a prompt (treedec generate \"...\") or --prompts FILE, one of them")
+    defaults = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
+    if args.prompt is not None:
+        check_text(args.prompt, "the prompt")
+        if args.model is None:
+            raise ValueError("a text prompt needs --model with a tokenizer (e.g. --model smollm2); the tiny random "
+                             "default takes a prompts file of prompt_ids")
+        specs = [RequestSpec(0, prompt=args.prompt, params=SamplingParams(**{"temperature": 0.0, "max_tokens": 256,
+                                                                             **defaults}))]
+    else:
+        if args.out is None:
+            raise ValueError("--prompts needs --out results.jsonl")
+        specs = read_prompts(args.prompts, defaults)
     check_backend(args)
     model, name = load_model(args)
     tokenizer = load_tokenizer(args.model) if args.model is not None else None
@@ -80,12 +117,15 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
                           cuda_graphs=model.device.type == "cuda")
     generator = torch.Generator(model.device).manual_seed(args.seed)
+    if args.prompt is not None:
+        return _stream(args, engine, specs[0], tokenizer, generator, name)
 
     def done(outputs) -> None:
         writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
         bar.update(1)
 
-    with (tqdm(total=len(specs), unit="request", desc="generate", disable=None, file=sys.stderr) as bar,
+    with (tqdm(total=len(specs), unit="request", desc="generate", disable=True if args.no_progress else None,
+               file=sys.stderr) as bar,
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done)
     tokens = sum(len(r.output_ids) for r in results)
@@ -94,4 +134,29 @@ def run_generate(args: argparse.Namespace) -> int:
           f"({tokens / max(stats.seconds, 1e-9):.1f} tokens/s), {stats.steps} batched steps (up to "
           f"{max(stats.programs_per_step, default=0)} requests a step), {stats.waits} waits for pages, stop reasons "
           f"{reasons}; results in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, generator, name: str) -> int:
+    """Decode one prompt: the first output's text to stdout as it comes, the others' (``--n``) after it, each under
+    a header; the stats on stderr; ``--out`` the results lines."""
+    n = spec.params.n
+
+    def on_text(_, index: int, delta: str) -> None:
+        if index == 0:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    if n > 1:
+        print("--- output 0 ---")
+    results, stats = generate_batch(engine, [spec], tokenizer, args.chat_template, generator, on_text=on_text)
+    for r in results[1:]:
+        print(f"\n--- output {r.index} ---\n{r.text}", end="")
+    print()
+    if args.out is not None:
+        write_results_jsonl(args.out, results)
+    tokens = sum(len(r.output_ids) for r in results)
+    reasons = ", ".join(r.stop_reason for r in results)
+    print(f"{name}: {tokens} tokens in {stats.seconds:.2f} s ({tokens / max(stats.seconds, 1e-9):.1f} tokens/s), "
+          f"{stats.steps} steps, stop: {reasons}" + (f"; results in {args.out}" if args.out else ""), file=sys.stderr)
     return 0
