@@ -122,7 +122,9 @@ def test_greedy_equals_transformers_generate(model, hf_model, prompts, page_size
 
 def test_eos_stops_generation(model, tokenizer, prompts):
     """The first chat's answer is short: it ends with <|im_end|>, the checkpoint's EOS, well before the limit."""
-    [result], _ = generate_batch(engine(model), [RequestSpec(0, messages=tuple(CHATS[0]), params=SamplingParams(max_tokens=64, temperature=0.0))], tokenizer)
+    [result], _ = generate_batch(engine(model), [RequestSpec(0, messages=tuple(CHATS[0]),
+                                                             params=SamplingParams(max_tokens=64,
+                                                                                   temperature=0.0))], tokenizer)
     assert result.stop_reason == "eos" and len(result.output_ids) < 64
     assert result.output_ids[-1] == model.eos_token_ids[0] and "4" in result.text
 

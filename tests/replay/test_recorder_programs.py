@@ -25,8 +25,10 @@ from tests.replay.recording import (CHUNK, PAGE, make_engine, ops_of, placed, pr
 def batch_requests(temperature):
     shared = prompt(1, 8)   # two whole pages: one prefix node read by requests 0 and 1
     return [RequestSpec(0, prompt_ids=shared + prompt(2, 5), params=SamplingParams(max_tokens=4, temperature=0.0)),
-            RequestSpec(1, prompt_ids=shared + prompt(3, 3), params=SamplingParams(max_tokens=3, temperature=temperature, seed=2, n=2)),
-            RequestSpec(2, prompt_ids=prompt(4, 20), params=SamplingParams(max_tokens=3, temperature=temperature, seed=5))]
+            RequestSpec(1, prompt_ids=shared + prompt(3, 3),
+                        params=SamplingParams(max_tokens=3, temperature=temperature, seed=2, n=2)),
+            RequestSpec(2, prompt_ids=prompt(4, 20),
+                        params=SamplingParams(max_tokens=3, temperature=temperature, seed=5))]
 
 
 # ================================================================ generation
@@ -163,7 +165,8 @@ def test_tot_batch():
 def every_kind(engine, greedy):
     """Generation, speculative decoding, a ToT search, beam search and a branch controller in one scheduler run."""
     temperature = 0.0 if greedy else 0.9
-    spec = RequestSpec("s", prompt_ids=prompt(1, 9), params=SamplingParams(max_tokens=5, temperature=temperature, seed=4, n=1 if greedy else 2))
+    spec = RequestSpec("s", prompt_ids=prompt(1, 9),
+                       params=SamplingParams(max_tokens=5, temperature=temperature, seed=4, n=1 if greedy else 2))
     return run_programs(engine, [
         GenerateProgram(spec, list(spec.prompt_ids)),
         SpeculativeProgram(prompt(2, 6) * 2, PromptLookupDraft(num_draft_tokens=3), StopRule(6)),
@@ -183,7 +186,8 @@ def test_every_kind_of_program_in_one_run(greedy, flags):
 
 def test_preempted_programs_run_again():
     """A pool too small for all: programs are preempted (their nodes pruned) and run again from their start."""
-    specs = [RequestSpec(k, prompt_ids=prompt(30 + k, 9), params=SamplingParams(max_tokens=12, temperature=0.0)) for k in range(3)]
+    specs = [RequestSpec(k, prompt_ids=prompt(30 + k, 9),
+                         params=SamplingParams(max_tokens=12, temperature=0.0)) for k in range(3)]
     kv_tokens = 14 * PAGE
     schedule, shots, final, (results, stats) = record(lambda e: generate_batch(e, specs), kv_tokens=kv_tokens,
                                                       prompt_ids=True)

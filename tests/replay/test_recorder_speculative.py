@@ -142,7 +142,8 @@ def test_pipelined_speculative_generate(name):
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_speculative_batch(pipeline):
-    specs = [RequestSpec(i, prompt_ids=prompt(20 + i, 6 + 3 * i), params=SamplingParams(max_tokens=5 + i, temperature=0.0))
+    specs = [RequestSpec(i, prompt_ids=prompt(20 + i, 6 + 3 * i),
+                         params=SamplingParams(max_tokens=5 + i, temperature=0.0))
              for i in range(3)]
     schedule, shots, final, (results, stats) = record(
         lambda e: speculative_batch(e, specs, lambda spec: common_tokens_draft(), pipeline=pipeline,

@@ -26,9 +26,13 @@ def requests():
     return [
         RequestSpec(0, prompt_ids=prompt(0), params=SamplingParams(max_tokens=7, temperature=0.0)),
         RequestSpec("b", prompt_ids=prompt(1, 30), params=SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3)),
-        RequestSpec(2, prompt_ids=prompt(2, 5), params=SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=9, n=2, stop_token_ids=tuple(range(0, 512, 7)))),
-        RequestSpec(3, prompt_ids=prompt(3, 17), params=SamplingParams(max_tokens=4, temperature=1.2, top_p=0.9, seed=1)),
-        RequestSpec(4, prompt_ids=prompt(4, 3), params=SamplingParams(max_tokens=9, temperature=0.0, n=2, stop_token_ids=tuple(range(1, 512, 5)))),
+        RequestSpec(2, prompt_ids=prompt(2, 5),
+                    params=SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=9, n=2,
+                                          stop_token_ids=tuple(range(0, 512, 7)))),
+        RequestSpec(3, prompt_ids=prompt(3, 17),
+                    params=SamplingParams(max_tokens=4, temperature=1.2, top_p=0.9, seed=1)),
+        RequestSpec(4, prompt_ids=prompt(4, 3),
+                    params=SamplingParams(max_tokens=9, temperature=0.0, n=2, stop_token_ids=tuple(range(1, 512, 5)))),
     ]
 
 
@@ -60,7 +64,8 @@ def test_batched_equals_each_request_alone(tiny, kv_tokens):
 
 
 def test_greedy_outputs_are_plain_greedy_decoding(tiny):
-    specs = [RequestSpec(k, prompt_ids=prompt(k, 6 + k), params=SamplingParams(max_tokens=8, temperature=0.0, n=2)) for k in range(3)]
+    specs = [RequestSpec(k, prompt_ids=prompt(k, 6 + k),
+                         params=SamplingParams(max_tokens=8, temperature=0.0, n=2)) for k in range(3)]
     results, _ = generate_batch(make_engine(tiny), specs)
     for r in results:
         assert r.output_ids == plain_greedy(tiny, list(prompt(r.id, 6 + r.id)), 8) and r.stop_reason == "length"
@@ -81,7 +86,8 @@ def test_an_output_on_the_prompt_s_node_stays_there(tiny, pipeline):
         assert engine.tree.sequence(root) == list(prompt(0)) + kept
         engine.tree.check_invariants()
     with pytest.raises(ValueError, match="the request must have n=1, got n=2"):
-        GenerateProgram(RequestSpec(1, prompt_ids=prompt(1), params=SamplingParams(n=2)), list(prompt(1)), on_prompt=True)
+        GenerateProgram(RequestSpec(1, prompt_ids=prompt(1),
+                                    params=SamplingParams(n=2)), list(prompt(1)), on_prompt=True)
 
 
 class LetterTokenizer:
@@ -105,7 +111,9 @@ def test_text_prompts_stop_strings_and_the_model_eos(tiny, monkeypatch):
     eos_at = next(i for i in range(6, 12) if ids[i] not in ids[:i])
     monkeypatch.setattr(tiny, "eos_token_ids", (ids[eos_at],))
     specs = [RequestSpec(0, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))),
-             RequestSpec(1, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,), include_stop_str_in_output=True)),
+             RequestSpec(1, prompt="HELLO",
+                         params=SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,),
+                                               include_stop_str_in_output=True)),
              RequestSpec(2, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0))]
     results, _ = generate_batch(make_engine(tiny), specs, tokenizer=tokenizer)
     assert results[0].stop_reason == "stop_string" and results[0].text == text[:cut]
@@ -127,7 +135,8 @@ def test_results_reach_the_callback_as_requests_retire(tiny):
     ([RequestSpec(0, prompt="hi")], {}, ValueError, "needs the checkpoint's tokenizer"),
     ([RequestSpec(0, prompt_ids=(1,)), RequestSpec(0, prompt_ids=(2,))], {}, ValueError, "request id 0 is used twice"),
     ([RequestSpec(0, prompt_ids=(600,))], {}, ValueError, r"token ids must be in \[0, 512\), got \[600\]"),
-    ([RequestSpec(0, prompt_ids=(1,), params=SamplingParams(stop=("x",)))], {}, ValueError, "stop strings .* need the checkpoint's tokenizer"),
+    ([RequestSpec(0, prompt_ids=(1,), params=SamplingParams(stop=("x",)))], {}, ValueError,
+     "stop strings .* need the checkpoint's tokenizer"),
     ([RequestSpec(0, prompt_ids=(1,), params=SamplingParams(max_tokens=100, n=8))], {}, PoolExhaustedError,
      "request 0 may need 201 KV pages .* the pool has 63 free"),
     (RequestSpec(0, prompt_ids=(1,)), {}, TypeError, "requests must be a sequence of RequestSpec"),
@@ -184,9 +193,11 @@ def shared_prompt_requests():
     """Two groups sharing a system prompt each (one member's prompt is its whole system prompt),
     and one request sharing nothing."""
     system_a, system_b = list(prompt(7, 40)), list(prompt(8, 23))
-    specs = [RequestSpec(k, prompt_ids=tuple(system_a + list(prompt(20 + k, 5))), params=SamplingParams(max_tokens=6, temperature=0.9, seed=k, n=1 + k % 2)) for k in range(4)]
+    specs = [RequestSpec(k, prompt_ids=tuple(system_a + list(prompt(20 + k, 5))),
+                         params=SamplingParams(max_tokens=6, temperature=0.9, seed=k, n=1 + k % 2)) for k in range(4)]
     specs.append(RequestSpec(4, prompt_ids=tuple(system_a), params=SamplingParams(max_tokens=5, temperature=0.0)))
-    specs += [RequestSpec(5 + k, prompt_ids=tuple(system_b + list(prompt(30 + k, 3 + k))), params=SamplingParams(max_tokens=4, temperature=0.0)) for k in range(2)]
+    specs += [RequestSpec(5 + k, prompt_ids=tuple(system_b + list(prompt(30 + k, 3 + k))),
+                          params=SamplingParams(max_tokens=4, temperature=0.0)) for k in range(2)]
     specs.append(RequestSpec(7, prompt_ids=prompt(9, 12), params=SamplingParams(max_tokens=5, temperature=0.0)))
     return specs
 
@@ -235,10 +246,13 @@ def test_pipelined_batches_give_the_same_outputs(tiny, make, kv_tokens):
 
 def test_pipelined_text_and_stop_strings(tiny, monkeypatch):
     tokenizer = LetterTokenizer()
-    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0))],
+    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO",
+                                                                params=SamplingParams(max_tokens=12, temperature=0.0))],
                                 tokenizer=tokenizer)
     stop = probe.text[4:6]
-    specs = [RequestSpec(k, prompt="HELLO" + "AB"[k % 2] * k, params=SamplingParams(max_tokens=12, temperature=0.5 * (k % 3), seed=k, stop=(stop,), n=1 + k % 2)) for k in range(6)]
+    specs = [RequestSpec(k, prompt="HELLO" + "AB"[k % 2] * k,
+                         params=SamplingParams(max_tokens=12, temperature=0.5 * (k % 3), seed=k, stop=(stop,),
+                                               n=1 + k % 2)) for k in range(6)]
     runs = [generate_batch(make_engine(tiny), specs, tokenizer=tokenizer, pipeline=p)[0] for p in (False, True)]
     assert [(r.output_ids, r.text, r.stop_reason) for r in runs[0]] == [(r.output_ids, r.text, r.stop_reason)
                                                                         for r in runs[1]]
@@ -249,7 +263,8 @@ def test_requests_that_outgrow_the_pool_are_preempted_and_run_again(tiny):
     """Two long requests both admitted (their prompts fit) outgrow a 16-page pool together: when both
     wait for pages the newer one is preempted (its pages freed) and run again after the other; a
     seeded request's outputs are the same as alone."""
-    specs = [RequestSpec(k, prompt_ids=prompt(k, 4), params=SamplingParams(max_tokens=40, temperature=0.9, seed=k)) for k in range(2)]
+    specs = [RequestSpec(k, prompt_ids=prompt(k, 4),
+                         params=SamplingParams(max_tokens=40, temperature=0.9, seed=k)) for k in range(2)]
     engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")
     batched, stats = generate_batch(engine, specs)
     alone = [generate_batch(make_engine(tiny), [spec])[0][0] for spec in specs]
@@ -263,7 +278,8 @@ def test_streamed_text_joins_to_each_output_s_text(tiny, pipeline):
     """on_text streams each output's text as tokens are accepted; a tail that may start a stop string is
     held back, so the deltas join to the final text (cut before the stop string) and never pass it."""
     tokenizer = LetterTokenizer()
-    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0))], tokenizer=tokenizer)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    [probe], _ = generate_batch(make_engine(tiny), [RequestSpec(0, prompt="HELLO", params=greedy)], tokenizer=tokenizer)
     stop = probe.text[5:8]   # three letters: the first one or two are held back while they may start it
     specs = [RequestSpec(0, prompt="HELLO", params=SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))),
              RequestSpec(1, prompt="WORLD", params=SamplingParams(max_tokens=9, temperature=0.9, seed=2, n=2))]

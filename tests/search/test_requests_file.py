@@ -36,10 +36,13 @@ def test_reads_the_three_prompt_kinds_with_defaults(tmp_path):
     )
     a, b, c = read_requests(path)
     assert (a.id, a.line, a.prompt, a.messages, a.prompt_ids) == (1, 1, "The capital of France is", None, None)
-    assert (a.params.max_tokens, a.params.stop, a.params.temperature, a.params.n, a.params.top_k, a.params.seed) == (8, ("\n",), 1.0, 1, None, None)
+    p = a.params
+    assert (p.max_tokens, p.stop, p.temperature, p.n, p.top_k, p.seed) == (8, ("\n",), 1.0, 1, None, None)
     assert (b.id, b.line, b.messages) == (3, 3, ({"role": "user", "content": "日本?"},))   # empty lines skipped
-    assert (b.params.temperature, b.params.seed, b.params.n, b.params.max_tokens) == (0.7, 3, 2, DEFAULT_PARAMETERS["max_tokens"])
-    assert (c.id, c.line, c.prompt_ids, c.params.stop_token_ids, c.params.top_k, c.params.top_p) == ("q3", 5, (1, 450, 7483), (13,), 5, 0.9)
+    p = b.params
+    assert (p.temperature, p.seed, p.n, p.max_tokens) == (0.7, 3, 2, DEFAULT_PARAMETERS["max_tokens"])
+    p = c.params
+    assert (c.id, c.line, c.prompt_ids, p.stop_token_ids, p.top_k, p.top_p) == ("q3", 5, (1, 450, 7483), (13,), 5, 0.9)
 
 
 def test_the_documented_example_reads(tmp_path):
@@ -51,8 +54,9 @@ def test_the_documented_example_reads(tmp_path):
 def test_defaults_fill_what_a_line_leaves_out(tmp_path):
     path = write_lines(tmp_path, '{"prompt": "a"}', '{"prompt": "b", "temperature": 0.0, "stop": []}')
     a, b = read_requests(path, defaults={"temperature": 0.5, "max_tokens": 64, "stop": ["###"], "seed": 7})
-    assert (a.params.temperature, a.params.max_tokens, a.params.stop, a.params.seed) == (0.5, 64, ("###",), 7)
-    assert (b.params.temperature, b.params.max_tokens, b.params.stop, b.params.seed) == (0.0, 64, (), 7)     # the line wins
+    fields = lambda p: (p.temperature, p.max_tokens, p.stop, p.seed)   # noqa: E731
+    assert fields(a.params) == (0.5, 64, ("###",), 7)
+    assert fields(b.params) == (0.0, 64, (), 7)     # the line wins
 
 
 @pytest.mark.parametrize("defaults, message", [

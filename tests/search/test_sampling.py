@@ -118,13 +118,15 @@ def test_ended_samples_free_their_pages_while_others_run(tiny):
 def test_pipelined_sampling_gives_the_same_samples_and_tree(tiny, keep, max_new_tokens, temperature):
     """A pipelined run (each step launched before the draw before it is read) draws sample i's
     token with the same random number as an unpipelined one: same samples, same tree left."""
-    probe = parallel_sample(make_engine(tiny), PROMPT, 8, 12, SamplingParams(temperature=temperature), generator=seeded(5))
+    probe = parallel_sample(make_engine(tiny), PROMPT, 8, 12, SamplingParams(temperature=temperature),
+                            generator=seeded(5))
     eos = max(set(t for s in probe.samples for t in s.tokens[:6]),     # a frequent token: samples end apart
               key=lambda t: sum(t in s.tokens[:6] for s in probe.samples))
     runs = []
     for pipeline in (False, True):
         engine = make_engine(tiny)
-        result = parallel_sample(engine, PROMPT, 8, max_new_tokens, SamplingParams(temperature=temperature), eos_token_id=eos,
+        result = parallel_sample(engine, PROMPT, 8, max_new_tokens, SamplingParams(temperature=temperature),
+                                 eos_token_id=eos,
                                  generator=seeded(5), keep=keep, pipeline=pipeline)
         tree = engine.tree
         tree.check_invariants()

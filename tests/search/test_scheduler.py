@@ -142,7 +142,8 @@ def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
     """Sampled generation, greedy speculative decoding, a ToT search, beam search and a branch
     controller share the engine's steps; each result is the program's alone (fp32, the CPU)."""
     def programs():
-        spec = RequestSpec("s", prompt_ids=tuple(prompt(1, 9)), params=SamplingParams(max_tokens=9, temperature=0.9, seed=4, n=2))
+        spec = RequestSpec("s", prompt_ids=tuple(prompt(1, 9)),
+                           params=SamplingParams(max_tokens=9, temperature=0.9, seed=4, n=2))
         model_engine = Engine(tiny, kv_tokens=64, page_size=4, backend="torch")   # for construction-time checks
         return [GenerateProgram(spec, list(spec.prompt_ids)),
                 SpeculativeProgram(prompt(2, 12) * 2, PromptLookupDraft(num_draft_tokens=4), StopRule(10)),

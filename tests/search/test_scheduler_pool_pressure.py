@@ -48,7 +48,8 @@ def test_requests_sharing_a_prefix_run_where_each_runs_alone(sharing):
     """The issue's case (smaller): three requests whose prompts share 13 tokens each run alone on a 48-token
     pool (page size 4). Shared, a prefix ending mid-page cost each member a page more than alone, and the
     batch raised PoolExhaustedError; a prefix holds whole pages now, so the batch runs, sharing or not."""
-    specs = [RequestSpec(k, prompt_ids=tuple(BASE[:13] + tokens(3, k)), params=SamplingParams(max_tokens=32, temperature=0.0))
+    specs = [RequestSpec(k, prompt_ids=tuple(BASE[:13] + tokens(3, k)),
+                         params=SamplingParams(max_tokens=32, temperature=0.0))
              for k in range(3)]
     alone = [r for spec in specs for r in generate_batch(engine_of(12), [spec])[0]]
     engine = engine_of(12)
@@ -62,9 +63,11 @@ def test_an_idle_prefix_gives_its_pages_back():
     """Group a's first member retires while its second waits for admission: the prefix stays (idle) for
     the second, but when request b, which alone takes the whole pool, needs its pages they are taken back
     (and the prefix prefilled again for the second member). Before, b raised PoolExhaustedError."""
-    specs = [RequestSpec("a1", prompt_ids=tuple(BASE[:16] + tokens(2, 1)), params=SamplingParams(max_tokens=2, temperature=0.0)),
+    specs = [RequestSpec("a1", prompt_ids=tuple(BASE[:16] + tokens(2, 1)),
+                         params=SamplingParams(max_tokens=2, temperature=0.0)),
              RequestSpec("b", prompt_ids=tuple(tokens(8, 2)), params=SamplingParams(max_tokens=76, temperature=0.0)),
-             RequestSpec("a2", prompt_ids=tuple(BASE[:16] + tokens(48, 3)), params=SamplingParams(max_tokens=2, temperature=0.0))]
+             RequestSpec("a2", prompt_ids=tuple(BASE[:16] + tokens(48, 3)),
+                         params=SamplingParams(max_tokens=2, temperature=0.0))]
     alone = [r for spec in specs for r in generate_batch(engine_of(21), [spec])[0]]
     engine = engine_of(21)
     batched, stats = generate_batch(engine, specs)
@@ -108,7 +111,8 @@ def make_program(kind, prompt, budget, k):
     if kind == "greedy":
         spec = RequestSpec(k, prompt_ids=tuple(prompt), params=SamplingParams(max_tokens=budget, temperature=0.0))
     elif kind == "sampled":   # parallel sampling, seeded: the same outputs batched as alone
-        spec = RequestSpec(k, prompt_ids=tuple(prompt), params=SamplingParams(max_tokens=budget, temperature=0.8, seed=k, n=2))
+        spec = RequestSpec(k, prompt_ids=tuple(prompt),
+                           params=SamplingParams(max_tokens=budget, temperature=0.8, seed=k, n=2))
     elif kind == "lookup":
         return SpeculativeProgram(prompt, PromptLookupDraft(num_draft_tokens=3), StopRule(budget))
     elif kind == "tree":
@@ -210,7 +214,8 @@ def test_a_program_failing_mid_run_frees_every_page_and_keeps_delivered_results(
     every page is free (the prefix's too), and the result given to ``on_done`` stays given."""
     engine = engine_of(pages)
     free, done = engine.pool.num_free_pages, []
-    specs = [RequestSpec(k, prompt_ids=tuple(BASE[:16] + tokens(3, k)), params=SamplingParams(max_tokens=2 + 10 * k, temperature=0.0))
+    specs = [RequestSpec(k, prompt_ids=tuple(BASE[:16] + tokens(3, k)),
+                         params=SamplingParams(max_tokens=2 + 10 * k, temperature=0.0))
              for k in range(2)]
     programs = [GenerateProgram(specs[0], list(specs[0].prompt_ids)), FailsAfter(BASE[:16] + tokens(5, 9), 6),
                 GenerateProgram(specs[1], list(specs[1].prompt_ids))]

@@ -2,7 +2,8 @@
 
 - generation: :func:`greedy_generate` (one request), :func:`generate_batch` and :class:`GenerateProgram` (many,
   sampled or greedy, one forest); :class:`SamplingParams` (vLLM's fields: every program, prompts file and the
-  CLI take it), the token picker :func:`sample_tokens`, logprobs (:class:`Logprob`, :class:`TokenLogprobs`); parallel sampling and self-consistency
+  CLI take it), the token picker :func:`sample_tokens`, logprobs (:class:`Logprob`, :class:`TokenLogprobs`);
+  parallel sampling and self-consistency
   (:func:`parallel_sample`, :func:`self_consistency`, :func:`majority_vote`);
 - beam search (:func:`beam_search`, :class:`BeamProgram`) and the branch controller (:func:`run_controller`,
   :class:`Controller`, :class:`BranchEvery`, :class:`ControllerProgram`);

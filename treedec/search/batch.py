@@ -145,8 +145,8 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         if bad:
             raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.params.stop and tokenizer is None:
-            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched on the "
-                             f"output text and need the checkpoint's tokenizer")
+            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched on "
+                             f"the output text and need the checkpoint's tokenizer")
         out.append((spec, prompt_ids))
     if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
         engine.restrict_vocab(len(tokenizer))   # a padded embedding: ids past the tokenizer are never sampled
@@ -222,7 +222,7 @@ class GenerateProgram(Program):
         engine, spec, n = ctx.engine, self.spec, self.spec.params.n
         started = time.perf_counter()
         generator = self.generator
-        if spec.params.seed is not None and spec.params.temperature > 0:   # made here, so a re-run draws the same numbers
+        if spec.params.seed is not None and spec.params.temperature > 0:   # (made here: a re-run draws the same)
             generator = torch.Generator(engine.device).manual_seed(spec.params.seed)
         rule = self.rule if self.rule is not None else spec.params.stop_rule(engine.model.eos_token_ids)
         checkers = [StopChecker(rule, None if self.tokenizer is None

@@ -281,7 +281,8 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
 
     params = SamplingParams(temperature=0.7, top_k=3)
     draft_engine = Engine(from_config("tiny", seed=0), kv_tokens=1024, page_size=4, backend="torch")
-    draft = DraftModelDraft(draft_engine, depth=2, top_k=2, total_tokens=4, sample=SamplingParams(temperature=1.2, top_k=4))
+    draft = DraftModelDraft(draft_engine, depth=2, top_k=2, total_tokens=4,
+                            sample=SamplingParams(temperature=1.2, top_k=4))
     engine = target_engine(tiny)
     runs, accepted = [], 0
     for seed in range(600):

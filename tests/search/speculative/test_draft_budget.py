@@ -96,7 +96,8 @@ def test_budgeted_batch_is_plain_greedy_with_cut_trees(tiny):
 def test_budgeted_sampled_drafts_run_with_cut_distributions(tiny):
     """Sampled draft-model trees cut by the budget hand the acceptance rule their cut distributions."""
     engine = Engine(tiny, kv_tokens=8192, page_size=4, backend="torch")
-    requests = [RequestSpec(k, prompt_ids=(1 + k, 2, 3, 4), params=SamplingParams(max_tokens=6, temperature=0.8, seed=k))
+    requests = [RequestSpec(k, prompt_ids=(1 + k, 2, 3, 4),
+                            params=SamplingParams(max_tokens=6, temperature=0.8, seed=k))
                 for k in range(3)]
     draft_engine = Engine(tiny, kv_tokens=4096, page_size=4, backend="torch")
     results, _ = speculative_batch(

@@ -37,7 +37,8 @@ def repeating_prompt(k, length=24):
 
 
 def specs(count=5):
-    return [RequestSpec(k, prompt_ids=repeating_prompt(k, 12 + 4 * k), params=SamplingParams(max_tokens=10 + 3 * k, temperature=0.0))
+    return [RequestSpec(k, prompt_ids=repeating_prompt(k, 12 + 4 * k),
+                        params=SamplingParams(max_tokens=10 + 3 * k, temperature=0.0))
             for k in range(count)]
 
 
@@ -62,8 +63,11 @@ def test_stops_cut_accepted_paths(tiny):
     text = tokenizer.decode(greedy)
     stop = text[5:7]
     eos = greedy[9] if greedy[9] not in greedy[:9] else None
-    requests = [RequestSpec(0, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,))),
-                RequestSpec(1, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=() if eos is None else (eos,)))]
+    requests = [RequestSpec(0, prompt="HELLOHELLO",
+                            params=SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,))),
+                RequestSpec(1, prompt="HELLOHELLO",
+                            params=SamplingParams(max_tokens=16, temperature=0.0,
+                                                  stop_token_ids=() if eos is None else (eos,)))]
     results, _ = speculative_batch(make_engine(tiny), requests, lambda spec: PromptLookupDraft(num_draft_tokens=6),
                                    tokenizer=tokenizer)
     cut = text.index(stop)
@@ -74,9 +78,12 @@ def test_stops_cut_accepted_paths(tiny):
 
 
 @pytest.mark.parametrize("requests,kwargs,error,message", [
-    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.5))], {}, ValueError, "needs temperature=0 and n=1"),
-    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0, n=2))], {}, ValueError, "needs temperature=0 and n=1"),
-    ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0, max_tokens=500))], {}, PoolExhaustedError,
+    ([RequestSpec(0, prompt_ids=(1, 2),
+                  params=SamplingParams(temperature=0.5))], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2),
+                  params=SamplingParams(temperature=0.0, n=2))], {}, ValueError, "needs temperature=0 and n=1"),
+    ([RequestSpec(0, prompt_ids=(1, 2),
+                  params=SamplingParams(temperature=0.0, max_tokens=500))], {}, PoolExhaustedError,
      "may need .* KV pages, the pool has"),
     ([RequestSpec(0, prompt_ids=(1, 2), params=SamplingParams(temperature=0.0))], {"max_draft_tokens": 0}, ValueError,
      "max_draft_tokens must be an int >= 1"),
@@ -199,8 +206,10 @@ def test_pipelined_batch_stops_on_strings_and_eos_as_unpipelined(tiny):
     tokenizer = LetterTokenizer()
     greedy = plain_greedy(tiny, tokenizer.encode("HELLOHELLO"), 16)
     text = tokenizer.decode(greedy)
-    requests = [RequestSpec(0, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop=(text[5:7],))),
-                RequestSpec(1, prompt="HELLOHELLO", params=SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(greedy[7],))),
+    requests = [RequestSpec(0, prompt="HELLOHELLO",
+                            params=SamplingParams(max_tokens=16, temperature=0.0, stop=(text[5:7],))),
+                RequestSpec(1, prompt="HELLOHELLO",
+                            params=SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(greedy[7],))),
                 RequestSpec(2, prompt="HELLOHELLO", params=SamplingParams(max_tokens=5, temperature=0.0))]
     draft = lambda spec: TreeDraft(TokenTree.chain(4), greedy[:4])   # noqa: E731
     runs = []
@@ -222,7 +231,8 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
     from tests.search.speculative.test_pipeline import permutation_target
     model, heads, perm = permutation_target("cuda", torch.bfloat16)
     rng = np.random.default_rng(4)
-    requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()), params=SamplingParams(max_tokens=40, temperature=0.0)) for i in range(6)]
+    requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()),
+                            params=SamplingParams(max_tokens=40, temperature=0.0)) for i in range(6)]
     paths = medusa_tree(64).paths
     runs = []
     for pipeline, graphs in ((False, False), (True, True)):

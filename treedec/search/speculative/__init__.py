@@ -32,5 +32,6 @@ from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.program import SpeculativeProgram, SpeculativeStats, speculative_generate
 
 __all__ = ["AcceptanceRule", "DraftBudget", "DraftModelDraft", "DraftSource", "EagleDraft", "GreedyAcceptance",
-           "MedusaDraft", "PromptLookupDraft", "RejectionSampling", "SpeculativeConfig", "SpeculativeProgram", "SpeculativeStats",
+           "MedusaDraft", "PromptLookupDraft", "RejectionSampling", "SpeculativeConfig", "SpeculativeProgram",
+           "SpeculativeStats",
            "TargetOutput", "TreeDraft", "TypicalAcceptance", "speculative_batch", "speculative_generate"]

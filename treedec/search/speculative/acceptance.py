@@ -209,7 +209,8 @@ class RejectionSampling(_SeededStream):
     def __post_init__(self):
         _check_temperature(self.temperature, "RejectionSampling")
         nonnegative_int("seed", self.seed)
-        self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)   # checks top_k, top_p
+        # (checks top_k, top_p)
+        self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return int(self.first_sample(logits)[0])
