@@ -278,7 +278,8 @@ def test_results_round_trip_as_json_lines(tmp_path):
     first, second = [json.loads(line) for line in raw.splitlines()]
     assert first == {"id": 1, "index": 0, "prompt": "日本は", "prompt_ids": [1, 5], "output_ids": [7, 2],
                      "text": "東京 🎉", "stop_reason": "eos",
-                     "stats": {"steps": 2, "timing": {"seconds": 0.5, "per_step": [0.25, 0.25]}}}
+                     "stats": {"steps": 2, "timing": {"seconds": 0.5, "per_step": [0.25, 0.25]}},
+                     "logprobs": None, "prompt_logprobs": None, "cumulative_logprob": None}
     assert second == {"id": "q2", "output_ids": [3, 4], "logprob": -0.5, "hidden": [1, 2], "model": "/ckpt",
                       "pairs": [1, 2]}
 
