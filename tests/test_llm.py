@@ -184,3 +184,20 @@ def test_real_checkpoint_greedy_and_logprobs_equal_transformers():
     spec = LLM("smollm2", device="cpu", kv_tokens=4096, speculative={"method": "ngram"})
     [fast] = spec.chat(chat, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert fast.outputs[0].token_ids == tokens and fast.outputs[0].text == c.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_llm_on_a_gpu_speculative_equals_plain():
+    """LLM on a GPU (bf16, CUDA graphs, pipelined steps): greedy n-gram and EAGLE speculative decoding give plain
+    greedy's tokens; logprobs come back for every token."""
+    from treedec.models import from_config
+    model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    plain = LLM(model, kv_tokens=8192).generate([ids(p) for p in PROMPTS],
+                                                SamplingParams(temperature=0, max_tokens=16, logprobs=1),
+                                                use_tqdm=False)
+    assert all(len(o.outputs[0].logprobs) == 16 for o in plain)
+    for config in ({"method": "ngram"}, {"method": "eagle", "model": "random"}):
+        spec = LLM(model, kv_tokens=8192, speculative=config).generate(
+            [ids(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]

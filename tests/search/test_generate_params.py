@@ -143,3 +143,27 @@ def test_a_failing_logits_processor_names_itself_and_frees_everything(model):
         generate_batch(engine, [RequestSpec(0, prompt_ids=tuple(PROMPT),
                                             params=SamplingParams(max_tokens=4, logits_processors=[broken]))])
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_field_on_a_graphed_gpu_engine_pipelined_equals_unpipelined(model):
+    """On a GPU with CUDA graphs: penalties (counts on the device), min-p, logprobs and a user processor give
+    the same tokens and logprobs pipelined (tokens read after the next step is launched) as not."""
+    gpu = from_hf_model(tiny_hf_llama().to(torch.bfloat16).cuda())
+    params = [SamplingParams(temperature=0, max_tokens=NEW, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=NEW, min_p=0.1, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=NEW, logits_processors=[NoRepeatNGramLogitsProcessor(1)])]
+    specs = [RequestSpec(i, prompt_ids=tuple(PROMPT[i:]), params=p) for i, p in enumerate(params)]
+    runs = []
+    for pipeline in (False, True):
+        engine = Engine(gpu, kv_tokens=4096, page_size=16, cuda_graphs=True)
+        results, _ = generate_batch(engine, specs, pipeline=pipeline)
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+        runs.append(results)
+    assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]
+    for a, b in zip(*runs):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for ea, eb in zip(a.logprobs or [], b.logprobs or []):
+            assert ea.keys() == eb.keys() and all(abs(ea[t].logprob - eb[t].logprob) < 1e-3 for t in ea)
+    assert len(set(runs[0][2].output_ids)) == len(runs[0][2].output_ids)   # the processor forbade repeats
