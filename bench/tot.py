@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import add_run_arguments, device_name, results_path, versions  # noqa: E402
+from treedec.search.sampling import SamplingParams  # noqa: E402
 from treedec.attention import PlanConfig  # noqa: E402
 from treedec.engine import Engine  # noqa: E402
 from treedec.models import from_config  # noqa: E402
@@ -96,10 +97,12 @@ def main(argv=None) -> int:
                          f"--planners {args.planners!r}")
     task = FixedShapeTask(shape["prompt_tokens"], shape["thought_tokens"], shape["value_prompt_tokens"],
                           shape["value_tokens"], seed=args.seed)
-    config = BFSConfig(k=shape["k"], n=shape["n"], depth=shape["depth"], temperature=0.0, seed=args.seed)
+    config = BFSConfig(k=shape["k"], n=shape["n"], depth=shape["depth"], sampling=SamplingParams(temperature=0.0),
+                       seed=args.seed)
     warm_task = FixedShapeTask(shape["prompt_tokens"], min(16, shape["thought_tokens"]), shape["value_prompt_tokens"],
                                shape["value_tokens"], seed=args.seed)
-    warm_config = BFSConfig(k=shape["k"], n=shape["n"], depth=1, temperature=0.0, seed=args.seed)
+    warm_config = BFSConfig(k=shape["k"], n=shape["n"], depth=1, sampling=SamplingParams(temperature=0.0),
+                            seed=args.seed)
     # The pool holds the prompt, the kept path, a level's thoughts and their evaluations, with slack.
     peak = shape["prompt_tokens"] + shape["depth"] * shape["thought_tokens"] + shape["k"] * shape["n"] * (
         shape["thought_tokens"] + shape["value_prompt_tokens"] + shape["value_tokens"] + 2 * args.page_size)

@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, versions, write_results  # noqa: E402
+from treedec.search.sampling import SamplingParams  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.search.tot.game24 import Game24Task  # noqa: E402
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
                         device=device)
     engine = Engine(model, kv_tokens=None if cuda else 1 << 16, page_size=16,
                     cuda_graphs=CudaGraphConfig(max_queries=512) if cuda else False)
-    config = BFSConfig(k=args.k, n=args.n, depth=args.depth, temperature=0.7, seed=0)
+    config = BFSConfig(k=args.k, n=args.n, depth=args.depth, sampling=SamplingParams(temperature=0.7), seed=0)
     tasks = [Game24Task(p, check_steps=False, thought_max_tokens=args.thought_tokens,
                         value_max_tokens=args.value_tokens) for p in PUZZLES[:args.tasks]]
     tokenizer = ByteTokenizer()

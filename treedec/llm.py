@@ -16,7 +16,6 @@ the branch controller, beams, speculative or plain generation) share the same en
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Mapping

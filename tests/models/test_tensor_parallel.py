@@ -128,7 +128,7 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     from treedec.replay import ReplayConfig, replay
     from treedec.search.tot import BFSConfig, tot_bfs
     from treedec.workloads import workload_schedule
-    config = BFSConfig(k=2, n=2, depth=2, temperature=0.8, seed=3)
+    config = BFSConfig(k=2, n=2, depth=2, sampling=SamplingParams(temperature=0.8), seed=3)
     results["tot"] = [[(s.thoughts, s.value) for s in tot_bfs(engine(m), ScriptedTask(values=[0.5, 0.9, 0.2, 0.7]),
                                                                CharTokenizer(), config).best] for m in (split, full)]
     schedule = workload_schedule("medusa-32", iterations=3, prompt_tokens=40)

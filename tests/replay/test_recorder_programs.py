@@ -9,7 +9,6 @@ one with ``token_ids``. Speculative programs: test_recorder_speculative.py.
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
 from treedec.replay import ReplayConfig, replay
 from treedec.search import (BeamProgram, BranchEvery, ControllerProgram, GenerateProgram, RequestSpec,
                             SamplingParams, beam_search, generate_batch, greedy_generate, parallel_sample,
@@ -109,7 +108,8 @@ def test_beam_search():
 def test_run_controller(temperature, flags):
     def run(engine):
         return run_controller(engine, prompt(7, 12), BranchEvery(every=2, k=2, max_leaves=4), max_steps=5,
-                              temperature=temperature, generator=torch.Generator().manual_seed(3), eos_token_id=None)
+                              sampling=SamplingParams(temperature=temperature),
+                              generator=torch.Generator().manual_seed(3), eos_token_id=None)
 
     schedule, shots, final, _ = record(run, **flags)
     replay_steps(schedule, shots, final)
@@ -139,20 +139,20 @@ class Task(ToTTask):
 
 @pytest.mark.parametrize("temperature, flags", [(0.0, {"prompt_ids": True}), (1.0, {"token_ids": True})])
 def test_tot_bfs(temperature, flags):
-    config = BFSConfig(k=2, n=2, depth=2, temperature=temperature, seed=4)
+    config = BFSConfig(k=2, n=2, depth=2, sampling=SamplingParams(temperature=temperature), seed=4)
     schedule, shots, final, _ = record(lambda e: tot_bfs(e, Task(), ByteTokenizer(), config), **flags)
     replay_steps(schedule, shots, final)
 
 
 def test_tot_dfs():
-    config = DFSConfig(k=3, depth=3, temperature=1.0, seed=4, threshold=0.5, max_expansions=4)
+    config = DFSConfig(k=3, depth=3, sampling=SamplingParams(temperature=1.0), seed=4, threshold=0.5, max_expansions=4)
     schedule, shots, final, result = record(lambda e: tot_dfs(e, Task(), ByteTokenizer(), config), token_ids=True)
     assert ops_of(schedule, Prune)
     replay_steps(schedule, shots, final)
 
 
 def test_tot_batch():
-    config = BFSConfig(k=2, n=1, depth=2, temperature=1.0, seed=4)
+    config = BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=1.0), seed=4)
     schedule, shots, final, (results, _) = record(
         lambda e: tot_batch(e, [Task(), Task("Q: 1 2?")], ByteTokenizer(), config), token_ids=True)
     assert len(results) == 2
@@ -170,11 +170,13 @@ def every_kind(engine, greedy):
     return run_programs(engine, [
         GenerateProgram(spec, list(spec.prompt_ids)),
         SpeculativeProgram(prompt(2, 6) * 2, PromptLookupDraft(num_draft_tokens=3), StopRule(6)),
-        ToTProgram(engine, Task(), ByteTokenizer(), BFSConfig(k=2, n=1, depth=2, temperature=temperature, seed=1)),
+        ToTProgram(engine, Task(), ByteTokenizer(),
+                   BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=temperature), seed=1)),
         BeamProgram(list(prompt(3, 7)), num_beams=2, max_new_tokens=4, length_penalty=1.0, eos=(),
                     early_stopping=False, keep=4),
         ControllerProgram(engine, prompt(4, 5), BranchEvery(every=2, k=2, max_leaves=4), max_steps=4,
-                          temperature=temperature, generator=torch.Generator().manual_seed(2), eos_token_id=None)])
+                          sampling=SamplingParams(temperature=temperature),
+                          generator=torch.Generator().manual_seed(2), eos_token_id=None)])
 
 
 @pytest.mark.parametrize("greedy, flags", [(True, {"prompt_ids": True}), (False, {"token_ids": True})])

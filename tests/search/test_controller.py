@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.controller import (Branch, BranchEvery, ControllerError, ControllerProgram, Extend, Prune, Stop,
@@ -126,12 +127,15 @@ def test_sampling_is_seeded(tiny):
     runs = []
     for _ in range(2):
         engine = make_engine(tiny)
-        run_controller(engine, PROMPT, BranchEvery(every=2, k=2, max_leaves=4), max_steps=5, temperature=1.0,
+        run_controller(engine, PROMPT, BranchEvery(every=2, k=2, max_leaves=4), max_steps=5,
+                       sampling=SamplingParams(temperature=1.0),
                        generator=torch.Generator().manual_seed(3))
         runs.append([engine.tree.sequence(n) for n in engine.tree.live_leaves()])
     assert runs[0] == runs[1] and len(runs[0]) == 4
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
-        run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, temperature=-1.0)
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams, got float"):
+        run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, sampling=1.0)
+    with pytest.raises(ValueError, match="the branch controller's token draws does not implement logprobs=1"):
+        run_controller(make_engine(tiny), PROMPT, BranchEvery(), max_steps=1, sampling=SamplingParams(logprobs=1))
 
 
 def test_exhausted_pool_raises_before_any_op_and_prunes_count():

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.search.sampling import GREEDY, SamplingParams
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
 from treedec.search.batch import GenerateProgram, generate_batch
@@ -179,7 +179,7 @@ class ShortTask(ToTTask):
 
 def test_tot_counts_its_depth_and_refuses_a_task_prompt_past_the_positions():
     engine = fresh_engine()
-    config = BFSConfig(k=2, n=1, depth=3, temperature=0.0)
+    config = BFSConfig(k=2, n=1, depth=3, sampling=GREEDY)
     with pytest.raises(ValueError, match=r"may reach 65 positions \(a 51-token root prompt \+ depth 3 x "
                                          r"thought_max_tokens 4 \+ value_max_tokens 2\)"):
         tot_bfs(engine, ShortTask(root=51), CharTokenizer(), config, eos_token_id=None)

@@ -149,7 +149,8 @@ def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
                 SpeculativeProgram(prompt(2, 12) * 2, PromptLookupDraft(num_draft_tokens=4), StopRule(10)),
                 ToTProgram(model_engine, Game24Task([4, 9, 10, 13], check_steps=False, thought_max_tokens=3,
                                                     value_max_tokens=2),
-                           ByteTokenizer(), BFSConfig(k=2, n=1, depth=2, temperature=0.5, seed=1)),
+                           ByteTokenizer(),
+                           BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=0.5), seed=1)),
                 BeamProgram(prompt(3, 7), num_beams=3, max_new_tokens=6, length_penalty=1.0, eos=(), early_stopping=False,
                             keep=6),
                 ControllerProgram(model_engine, prompt(4, 5), BranchEvery(every=2, k=2, max_leaves=4), max_steps=6)]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treedec.search.sampling import SamplingParams
+from treedec.search.sampling import GREEDY, SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.search.batch import GenerateProgram, generate_batch
@@ -124,7 +124,7 @@ def make_program(kind, prompt, budget, k):
         return ControllerProgram(tiny_engine(), prompt, BranchEvery(every=2, k=2, max_leaves=4), max_steps=budget,
                                  eos_token_id=None)
     else:
-        return ToTProgram(tiny_engine(), EchoTask(), Chars(), BFSConfig(k=2, n=1, depth=2, temperature=0.0),
+        return ToTProgram(tiny_engine(), EchoTask(), Chars(), BFSConfig(k=2, n=1, depth=2, sampling=GREEDY),
                           eos_token_id=None)
     return GenerateProgram(spec, list(spec.prompt_ids))
 

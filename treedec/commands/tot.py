@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from treedec.search.sampling import SamplingParams
 from treedec.attention import PLANNERS
 from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_file,
                                     finite_float, load_model, nonnegative_float, output_file, positive_int,
@@ -95,8 +96,9 @@ def run_tot(args: argparse.Namespace) -> int:
     # Everything the user typed is checked before a model is loaded.
     cls = load_task_class(args.task)
     tasks = _tasks(args, cls)
-    common = dict(k=args.k, depth=args.depth, temperature=args.temperature, value_samples=args.value_samples,
-                  value_temperature=args.value_temperature, seed=args.seed)
+    common = dict(k=args.k, depth=args.depth, sampling=SamplingParams(temperature=args.temperature),
+                  value_samples=args.value_samples,
+                  value_sampling=SamplingParams(temperature=args.value_temperature), seed=args.seed)
     if args.algorithm == "bfs":
         config = BFSConfig(n=args.n, selection=args.selection, **common)
     else:

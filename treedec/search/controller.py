@@ -4,7 +4,7 @@ Each iteration :func:`run_controller` shows the controller a :class:`TreeView` (
 its live leaves and each leaf's next-token logits) and applies the operations it returns:
 
 - :class:`Extend` ``(node, tokens=None)``: append one decoded token to a leaf (greedy,
-  or sampled with ``temperature > 0``), or the given tokens;
+  or sampled: ``sampling``), or the given tokens;
 - :class:`Branch` ``(node, k)``: give a leaf k children, each starting with one of its
   k best (greedy) or k sampled next tokens;
 - :class:`Prune` ``(node)``: remove a node's subtree (its pages are freed);
@@ -31,11 +31,15 @@ from treedec.checks import int_in_range, nonnegative_int
 from treedec.engine import Engine
 from treedec.errors import ControllerError
 from treedec.search.request import MODEL_EOS, Positions, eos_token_ids, position_limit
-from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from treedec.search.program import Program, ProgramContext, StepRequest
 from treedec.search.scheduler import run_program
 from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
+
+#: The :class:`~treedec.search.sampling.SamplingParams` fields the controller's draws implement (its lengths and
+#: stops are the controller's ops and ``max_steps``); others are refused, not ignored.
+CONTROLLER_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
 
 __all__ = ["Branch", "BranchEvery", "Controller", "ControllerError", "ControllerProgram", "ControllerRun", "Extend", "Op",
            "Prune", "Stop", "TreeView", "run_controller"]
@@ -132,19 +136,19 @@ def _request_leaves(tree, root: int) -> list[int]:
 
 
 def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None,
+                   sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None,
                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> ControllerRun:
     """Prefill ``prompt_ids``, then up to ``max_steps`` iterations of decide / apply / step.
 
-    ``temperature == 0`` decodes greedily (Branch takes the top-k tokens); else tokens are
-    sampled from ``softmax(logits / temperature)`` (Branch: k without replacement) with
-    ``generator``. A leaf whose newest token is an EOS id (``eos_token_id``: ``"model"``,
-    the default, for ``engine.model.eos_token_ids``; an id, several ids, or None) is
-    paused and listed in ``run.finished``. The run ends at ``max_steps``, on Stop, or when
-    no live leaf is left. The request stays in ``engine.tree`` under ``run.root`` (also
-    when the run raises). :class:`ControllerProgram` runs it batched with other programs.
+    ``sampling`` (:class:`~treedec.search.sampling.SamplingParams`: temperature, top_k, top_p, min_p; default
+    greedy): at temperature 0 tokens are the argmax (Branch takes the top-k tokens); else they are drawn from the
+    processed distribution (Branch: k without replacement) with ``generator``. A leaf whose newest token is an EOS
+    id (``eos_token_id``: ``"model"``, the default, for ``engine.model.eos_token_ids``; an id, several ids, or None)
+    is paused and listed in ``run.finished``. The run ends at ``max_steps``, on Stop, or when no live leaf is left.
+    The request stays in ``engine.tree`` under ``run.root`` (also when the run raises). :class:`ControllerProgram`
+    runs it batched with other programs.
     """
-    program = ControllerProgram(engine, prompt_ids, controller, max_steps, temperature, generator, eos_token_id,
+    program = ControllerProgram(engine, prompt_ids, controller, max_steps, sampling, generator, eos_token_id,
                                 keep_tree=True)
     return run_program(engine, program)
 
@@ -155,15 +159,16 @@ class ControllerProgram(Program):
     ``run.root``), else it is freed when the program ends. Checks its arguments on construction."""
 
     def __init__(self, engine: Engine, prompt_ids: Sequence[int], controller: Controller, max_steps: int,
-                 temperature: float = 0.0, generator: torch.Generator | None = None,
+                 sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None,
                  eos_token_id: int | Sequence[int] | str | None = MODEL_EOS, keep_tree: bool = False):
         nonnegative_int("max_steps", max_steps)
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check_supported(CONTROLLER_SAMPLING_FIELDS, "the branch controller's token draws", "sampling")
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         self.prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
         self.controller, self.max_steps, self.generator = controller, max_steps, generator
-        self.params = SamplingParams(temperature=temperature)
+        self.params = sampling
         self.keep_tree = keep_tree
 
     def positions(self) -> Positions:

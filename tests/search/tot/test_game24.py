@@ -4,6 +4,7 @@ from fractions import Fraction
 
 import pytest
 
+from treedec.search.sampling import GREEDY
 from treedec.engine import Engine
 from treedec.search.tot.game24 import (JUDGE_EXAMPLES, JUDGE_PROMPT, STEP_EXAMPLES, Game24Error, Game24Task, Step,
                                    check_answer, check_step, evaluate_answer, parse_step, solve)
@@ -139,7 +140,7 @@ def test_bfs_on_the_tiny_model(check_steps):
     thought's value prompt runs (and its outputs are decoded), and the search still frees everything."""
     engine = Engine(tiny_model(), kv_tokens=4096, page_size=16, backend="torch")
     task = Game24Task((4, 9, 10, 13), check_steps=check_steps, thought_max_tokens=4, value_max_tokens=2)
-    result = tot_bfs(engine, task, ByteTokenizer(), BFSConfig(k=2, n=2, depth=2, temperature=0))
+    result = tot_bfs(engine, task, ByteTokenizer(), BFSConfig(k=2, n=2, depth=2, sampling=GREEDY))
     assert result.solved is None and len(result.levels) == 2
     assert result.prompt_tokens == len(task.root_prompt().encode())
     evaluations = [level.value_tokens for level in result.levels]

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from bench.tot import main as bench_tot_main
+from treedec.search.sampling import GREEDY, SamplingParams
 from treedec.cli import main as cli_main
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
@@ -104,7 +105,7 @@ def test_bfs_levels_batch_keep_n_and_free_the_rest(page_size, step):
         assert stats.pages_after == pages_held(tree) == engine.pool.num_pages - engine.pool.num_free_pages
         tree.check_invariants()
 
-    result = tot_bfs(engine, task, CharTokenizer(), BFSConfig(k=k, n=n, depth=3, temperature=0),
+    result = tot_bfs(engine, task, CharTokenizer(), BFSConfig(k=k, n=n, depth=3, sampling=GREEDY),
                      on_level=check_level)
     assert result.expanded == [(), (1,), (2,), (2, 0), (1, 2)]
     assert [s.index for s in result.best] == [(2, 0, 0), (2, 0, 1)] and result.solved is None
@@ -140,7 +141,7 @@ def test_bfs_levels_batch_keep_n_and_free_the_rest(page_size, step):
 def test_bfs_sampling_is_seeded_and_selection_samples():
     def run(seed, selection):
         task = ScriptedTask([0.0, 5.0, 0.0, 5.0] + [1.0] * 8)
-        config = BFSConfig(k=4, n=2, depth=2, temperature=1.0, seed=seed, selection=selection)
+        config = BFSConfig(k=4, n=2, depth=2, sampling=SamplingParams(temperature=1.0), seed=seed, selection=selection)
         result = tot_bfs(make_engine(), task, CharTokenizer(), config)
         return [(s.index, s.thoughts) for s in result.best], result.expanded
 
@@ -162,7 +163,7 @@ def test_dfs_prunes_below_threshold_and_backtracks():
         assert stats.pages_after == pages_held(tree)
         tree.check_invariants()
 
-    result = tot_dfs(engine, task, CharTokenizer(), DFSConfig(k=3, depth=2, threshold=0.5, temperature=0),
+    result = tot_dfs(engine, task, CharTokenizer(), DFSConfig(k=3, depth=2, threshold=0.5, sampling=GREEDY),
                      on_level=check)
     assert result.expanded == [(), (0,), (2,)]
     assert [(s.index, s.value) for s in result.best] == [((2, 2), 0.8), ((2, 0), 0.7)]
@@ -173,12 +174,12 @@ def test_dfs_prunes_below_threshold_and_backtracks():
     assert tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
     budget = tot_dfs(make_engine(), ScriptedTask(values), CharTokenizer(),
-                     DFSConfig(k=3, depth=2, threshold=0.5, temperature=0, max_expansions=2))
+                     DFSConfig(k=3, depth=2, threshold=0.5, sampling=GREEDY, max_expansions=2))
     assert budget.expanded == [(), (0,)] and budget.best == []
 
 
-@pytest.mark.parametrize("search, config", [(tot_bfs, BFSConfig(k=2, n=2, depth=4, temperature=0)),
-                                            (tot_dfs, DFSConfig(k=2, depth=4, temperature=0))])
+@pytest.mark.parametrize("search, config", [(tot_bfs, BFSConfig(k=2, n=2, depth=4, sampling=GREEDY)),
+                                            (tot_dfs, DFSConfig(k=2, depth=4, sampling=GREEDY))])
 def test_search_stops_at_a_solved_state(search, config):
     values = [1.0, 2.0] + [1.0, 3.0, 1.0, 1.0]
     engine = make_engine()
@@ -191,7 +192,7 @@ def test_search_stops_at_a_solved_state(search, config):
 
 def test_thought_ends_at_a_stop_string():
     engine = make_engine()
-    config = BFSConfig(k=2, n=2, depth=1, temperature=0)
+    config = BFSConfig(k=2, n=2, depth=1, sampling=GREEDY)
     free = tot_bfs(engine, ScriptedTask(thought_max_tokens=6), CharTokenizer(), config)
     first = next(s.thoughts[0] for s in free.best if s.index == (0,))
     stop = first[2]
@@ -206,7 +207,7 @@ def test_thought_ends_at_a_stop_string():
 def test_thought_ends_at_an_eos_id(monkeypatch):
     """A thought ends on an EOS id (the model's by default), kept as its last token; the others go on."""
     engine = make_engine()
-    config = BFSConfig(k=2, n=2, depth=1, temperature=0)
+    config = BFSConfig(k=2, n=2, depth=1, sampling=GREEDY)
     free = tot_bfs(engine, ScriptedTask(thought_max_tokens=6), CharTokenizer(), config, eos_token_id=None)
     first = next(s.thoughts[0] for s in free.best if s.index == (0,))
     eos = first[3]
@@ -234,7 +235,11 @@ def test_default_value_map_parse():
     (lambda: BFSConfig(n=-2), r"BFSConfig.n must be an int >= 1, got -2"),
     (lambda: BFSConfig(depth=1.5), r"BFSConfig.depth must be an int"),
     (lambda: BFSConfig(selection="best"), r"selection must be one of \('greedy', 'sample'\)"),
-    (lambda: BFSConfig(temperature=-0.1), r"temperature must be a finite number >= 0"),
+    (lambda: BFSConfig(sampling=SamplingParams(temperature=-0.1)), r"temperature must be a finite number >= 0"),
+    (lambda: BFSConfig(sampling=0.7), r"BFSConfig.sampling must be a SamplingParams, got float 0.7"),
+    (lambda: DFSConfig(value_sampling=SamplingParams(temperature=0, repetition_penalty=1.2)),
+     r"DFSConfig.value_sampling: a ToT search's token draws does not implement repetition_penalty=1.2"),
+    (lambda: BFSConfig(sampling=SamplingParams(max_tokens=5)), r"does not implement max_tokens=5"),
     (lambda: DFSConfig(k=-1), r"DFSConfig.k must be an int >= 1, got -1"),
     (lambda: DFSConfig(threshold=math.nan), r"threshold must be a finite number, got nan"),
     (lambda: DFSConfig(threshold="0.5"), r"threshold must be a finite number, got '0.5'"),
@@ -334,8 +339,9 @@ def summary(result):
     return levels, best, result.expanded, None if result.solved is None else result.solved.index
 
 
-@pytest.mark.parametrize("config", [BFSConfig(k=2, n=2, depth=2, temperature=0.8, seed=5),
-                                    DFSConfig(k=2, depth=2, threshold=0.0, max_expansions=3, temperature=0.8)])
+@pytest.mark.parametrize("config", [BFSConfig(k=2, n=2, depth=2, sampling=SamplingParams(temperature=0.8), seed=5),
+                                    DFSConfig(k=2, depth=2, threshold=0.0, max_expansions=3,
+                                              sampling=SamplingParams(temperature=0.8))])
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_tokens", [8192, 4 * 400])
 def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
@@ -400,7 +406,7 @@ def test_cli_tot_runs_a_tasks_file_batched_and_a_user_task(tmp_path, capsys, mon
     # The same searches one at a time give the same results (fp32 CPU).
     alone = tot_bfs(make_engine(kv_tokens=16384), Game24Task([1, 1, 4, 6], check_steps=False, thought_max_tokens=3,
                                                             value_max_tokens=2), ByteTokenizer(),
-                    BFSConfig(k=2, n=1, depth=2, temperature=0.7, seed=0))
+                    BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=0.7), seed=0))
     assert [(b["index"], b["thoughts"], b["value"]) for b in lines[1]["result"]["best"]] == \
         [(list(c.index), list(c.thoughts), c.value) for c in alone.best]
 

@@ -69,7 +69,7 @@ class ToTSearch:
         for (state_node, _), node in zip(prompts, (yield from self._append_prompts(prompts))):
             heads[state_node] = node
         streams = yield from self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
-                                            task.thought_stop, config.temperature, append_last=True)
+                                            task.thought_stop, config.sampling, append_last=True)
         for node in heads.values():
             if node not in (s.node for s in states):
                 self.logits.pop(node, None)
@@ -137,7 +137,7 @@ class ToTSearch:
                                                  if ids is not None],
                                                 also=[c.node for c in candidates if c.node in pending])
         streams = yield from self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
-                                            task.value_stop, self.config.value_temperature, append_last=False)
+                                            task.value_stop, self.config.value_sampling, append_last=False)
         self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
         outputs: dict[int, list[str]] = {e: [] for e in evals}
         for s in streams:
@@ -187,7 +187,7 @@ class ToTSearch:
             extra = []
         return nodes
 
-    def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], temperature: float,
+    def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], params: SamplingParams,
                   append_last: bool):
         """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
         decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens.
@@ -203,7 +203,6 @@ class ToTSearch:
         length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
         check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
                         self.ctx.name)
-        params = SamplingParams(temperature=temperature)
         firsts = yield Read(torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count)
                                        for parent, count in heads]))   # one wait for every head's tokens
         parents = [parent for parent, count in heads for _ in range(count)]

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Protocol, Sequence
 
-from treedec.checks import finite_float, nonnegative_float, nonnegative_int, positive_int
+from treedec.checks import describe, finite_float, nonnegative_int, positive_int
+from treedec.search.sampling import GREEDY, SamplingParams
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "HFTokenizer", "LevelStats", "ToTResult",
            "ToTState", "ToTTask", "Tokenizer"]
@@ -131,13 +132,18 @@ def check_task(task: ToTTask) -> None:
 # ================================================================ configuration
 
 
+#: The :class:`~treedec.search.sampling.SamplingParams` fields a ToT search's token draws implement (the thoughts'
+#: and the evaluations' lengths and stops are the task's); others are refused, not ignored.
+TOT_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
+
+
 @dataclass(frozen=True)
 class _SearchConfig:
     k: int = 3
     depth: int = 3
-    temperature: float = 0.7
+    sampling: SamplingParams = SamplingParams(temperature=0.7)
     value_samples: int = 1
-    value_temperature: float = 0.0
+    value_sampling: SamplingParams = GREEDY
     seed: int = 0
 
     def __post_init__(self):
@@ -145,8 +151,11 @@ class _SearchConfig:
         for name in ("k", "depth", "value_samples"):
             positive_int(f"{owner}.{name}", getattr(self, name), numpy=True)
         nonnegative_int(f"{owner}.seed", self.seed, numpy=True)
-        for name in ("temperature", "value_temperature"):
-            nonnegative_float(f"{owner}.{name}", getattr(self, name))
+        for name in ("sampling", "value_sampling"):
+            params = getattr(self, name)
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"{owner}.{name} must be a SamplingParams, got {describe(params)}")
+            params.check_supported(TOT_SAMPLING_FIELDS, "a ToT search's token draws", f"{owner}.{name}")
 
 
 @dataclass(frozen=True)
@@ -158,9 +167,10 @@ class BFSConfig(_SearchConfig):
     k : thoughts sampled per kept state.
     n : states kept per level (the breadth limit b of the paper).
     depth : levels (thoughts on a path).
-    temperature : thoughts: 0 takes the top-k first tokens and then argmax; > 0 samples
-        (the first tokens without replacement, so the k thoughts differ).
-    value_samples, value_temperature : outputs per evaluation and how they are decoded.
+    sampling : how thoughts are drawn (:class:`~treedec.search.sampling.SamplingParams`: temperature, top_k,
+        top_p, min_p): temperature 0 takes the top-k first tokens and then argmax; > 0 samples (the first tokens
+        without replacement, so the k thoughts differ). Default temperature 0.7.
+    value_samples, value_sampling : outputs per evaluation and how they are drawn (default greedy).
     selection : "greedy" (the n best values) or "sample" (n without replacement, in
         proportion to the values).
     seed : of the torch generator (token sampling) and of the selection's numpy generator.
@@ -182,7 +192,7 @@ class DFSConfig(_SearchConfig):
 
     Attributes
     ----------
-    k, depth, temperature, value_samples, value_temperature, seed : as in :class:`BFSConfig`.
+    k, depth, sampling, value_samples, value_sampling, seed : as in :class:`BFSConfig`.
     threshold : thoughts valued below it are pruned at once and never expanded.
     max_expansions : states expanded at most (the search's budget).
     """
