@@ -118,7 +118,7 @@ OPTIONS = {
              "--draft-model": st.sampled_from(["folder", "missing"]), "--draft-config": names(*MODEL_SIZES),
              "--draft-seed": SEEDS, "--depth": ints(1, 8), "--top-k": ints(1, 8), "--total-tokens": ints(1, 32),
              "--max-ngram": ints(1, 5), "--num-draft-tokens": ints(1, 16), "--max-matches": ints(1, 4),
-             "--tree-json": FILES, "--check": FLAG, "--json-out": OUTS, "--no-progress": FLAG,
+             "--tree-json": FILES, "--check": FLAG, "--no-progress": FLAG,
              "--prompts": FILES, "--out": OUTS},
     "tot": {**MODEL, "--algorithm": names("bfs", "dfs"), "--k": ints(1, 5), "--n": ints(1, 5),
             "--depth": ints(1, 5), "--selection": names("greedy", "sample"), "--threshold": FLOATS,
