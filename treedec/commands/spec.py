@@ -65,7 +65,8 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--accept", choices=ACCEPTS, default="greedy",
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="new tokens at most (default 64; with --prompts, for the lines that give none)")
     p.add_argument("--eos", type=_eos_ids,
                    help="comma-separated EOS token ids that end the generation, or 'none'; default: the model's "
                         "(its checkpoint's generation_config.json or config.json; none for random weights)")
@@ -89,7 +90,8 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--kv-tokens", type=positive_int,
                    help="KV pool size of each engine (target, draft model, --check); default prompt + max new "
                         "tokens + 2048 (room for the draft trees)")
-    p.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="random weights and sampling (default 0; with --prompts, for the lines that give none)")
     g = p.add_argument_group("acceptance")
     g.add_argument("--temperature", type=positive_float, help="typical / sample (default 0.7 / 1.0)")
     g.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09,

@@ -76,7 +76,8 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
         writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
         bar.update(1)
 
-    with (tqdm(total=len(specs), unit="request", desc="spec", disable=None, file=sys.stderr) as bar,
+    with (tqdm(total=len(specs), unit="request", desc="spec", disable=args.no_progress or None,
+              file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = speculative_batch(engine, specs, factory, tokenizer, args.chat_template,
                                            acceptance=acceptance, on_request_done=done)
