@@ -473,5 +473,4 @@ def _print_summary(s: dict, check: dict | None, draft_name: str) -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join([r[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(r[1:], widths[1:]))]).rstrip())
-    print("(steps: decode steps after the prefill, which gives the first token; tokens/s: all tokens over the "
-          "whole run, prefill included)")
+    print("(steps: decode steps after the prefill, which gives the first token; tokens/s: prefill included)")
