@@ -231,7 +231,7 @@ def test_prompts_file_conflicts_are_one_line_errors(extra, match, tmp_path, caps
 def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
     out = tmp_path / "spec.json"
     argv = ["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
-            "--sample-top-k", "8", "--sample-top-p", "0.95", "--out", str(out), *FAST]
+            "--top-k", "8", "--top-p", "0.95", "--out", str(out), *FAST]
     assert main(argv) == 0
     results = json.loads(out.read_text())
     assert "top_k=8" in results["acceptance"]["repr"] and len(results["tokens"]) == 16
@@ -240,8 +240,8 @@ def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     (["--draft-sample"], "--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got --draft ngram"),
-    (["--sample-top-k", "4"], "--sample-top-k / --sample-top-p shape --accept sample's distribution"),
-    (["--accept", "sample", "--sample-top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
+    (["--top-k", "4"], "--top-k / --top-p shape --accept sample's distribution"),
+    (["--accept", "sample", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
 ])
 def test_sampling_flags_are_checked(argv, match, capsys):
     assert main(["spec", *argv, *FAST]) == 2
@@ -250,11 +250,11 @@ def test_sampling_flags_are_checked(argv, match, capsys):
 
 
 def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
-    """--draft-sample and --sample-top-k reach every request's draft and rule in batch mode."""
+    """--draft-sample and --top-k reach every request's draft and rule in batch mode."""
     write_prompts(tmp_path / "p.jsonl", 2)
     out = tmp_path / "r.jsonl"
     assert main(["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
-                 "--sample-top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+                 "--top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
     results = read_results(out)
     assert {i: len(r["output_ids"]) for i, r in results.items()} == {"r0": 10, "r1": 11}
     assert sum(sum(r["stats"]["accepted"]) for r in results.values()) > 0   # the draft model is the target's own weights
@@ -324,6 +324,8 @@ def test_eagle_flags_are_checked(tmp_path, capsys):
      r"request 1 \(line 1\) samples at temperature 0.8, which --accept greedy cannot take: run the file with "
      r"--accept sample"),
     ({"prompt_ids": [1, 2, 3], "n": 2}, [], r"request 1 \(line 1\) asks for n=2 outputs"),
+    ({"prompt_ids": [1, 2, 3], "temperature": 0.8, "top_k": 5}, ["--accept", "typical"],
+     r"request 1 \(line 1\) gives top_k / top_p, which --accept typical does not take"),
     ({"prompt_ids": [1, 2, 3], "temperature": 0}, ["--accept", "sample"],
      r"request 1 \(line 1\): --accept sample samples and needs a temperature > 0"),
     ({"prompt": "hello"}, [], r"request 1 \(line 1\) gives its prompt as text: it needs --model with a tokenizer, "
@@ -371,3 +373,16 @@ def test_chat_template_needs_a_text_prompt_and_a_tokenizer(argv, match, capsys):
     assert main(["spec", *argv, *FAST]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(match, err), err
+
+
+def test_a_request_s_top_k_reaches_its_sampled_acceptance(tmp_path):
+    """--prompts lines give their own top_k (as treedec generate's do; the flag only a default): top_k 1
+    samples from the argmax alone, so rejection sampling gives plain greedy decoding's tokens."""
+    from tests.engines import plain_greedy
+
+    prompt = [(5 * i) % 512 for i in range(8)] * 2
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": prompt, "max_new_tokens": 12,
+                                                  "temperature": 1.0, "top_k": 1}) + "\n")
+    out = tmp_path / "r.jsonl"
+    assert main(["spec", "--accept", "sample", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+    assert read_results(out)["a"]["output_ids"] == plain_greedy(from_config("tiny", seed=0), prompt, 12)

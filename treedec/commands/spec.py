@@ -97,10 +97,12 @@ def add_spec_parser(sub) -> None:
     g.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09,
                    help="typical: epsilon (default 0.09)")
     g.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical: delta (default 0.3)")
-    g.add_argument("--sample-top-k", type=positive_int,
-                   help="sample: the target's distribution cut to its top-k tokens (and a --draft-sample draft's)")
-    g.add_argument("--sample-top-p", type=positive_float,
-                   help="sample: the target's distribution cut to its top-p mass (and a --draft-sample draft's)")
+    g.add_argument("--top-k", type=positive_int,
+                   help="sample: the target's distribution cut to its top-k tokens (and a --draft-sample draft's); "
+                        "with --prompts, for the lines that give none")
+    g.add_argument("--top-p", type=positive_float,
+                   help="sample: the target's distribution cut to its top-p mass (and a --draft-sample draft's); "
+                        "with --prompts, for the lines that give none")
     g = p.add_argument_group("drafts")
     g.add_argument("--medusa", type=existing_path,
                    help="Medusa head checkpoint (file or directory); default: untrained heads")
@@ -122,9 +124,10 @@ def add_spec_parser(sub) -> None:
                    help="draft-model / eagle with --accept sample: sample the tree's tokens from the draft's "
                         "distribution (at the acceptance's temperature, top-k, top-p) instead of taking its top-k; "
                         "still lossless")
-    g.add_argument("--top-k", type=positive_int, default=4, help="draft-model / eagle expansion width (default 4)")
+    g.add_argument("--draft-top-k", type=positive_int, default=4,
+                   help="draft-model / eagle expansion width (default 4)")
     g.add_argument("--total-tokens", type=positive_int, default=None,
-                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: top-k x depth)")
+                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: draft-top-k x depth)")
     g.add_argument("--eagle-tree", choices=["dynamic", "chains"], default="dynamic",
                    help="eagle / eagle3: EAGLE-2's dynamic tree (default) or fixed chains (the root's top-k children, "
                         "each extended to --depth tokens by argmax: drafted on the device, the loop pipelined on a "
@@ -157,11 +160,12 @@ def run_spec(args: argparse.Namespace) -> int:
             raise ValueError(f"--eagle-tree chains is for --draft eagle / eagle3, got --draft {args.draft}")
         if args.draft_sample:
             raise ValueError("--eagle-tree chains drafts by argmax: it takes no --draft-sample")
-        if args.total_tokens not in (None, args.top_k * args.depth):
-            raise ValueError(f"--eagle-tree chains verifies top-k x depth = {args.top_k * args.depth} draft tokens; "
+        if args.total_tokens not in (None, args.draft_top_k * args.depth):
+            raise ValueError(f"--eagle-tree chains verifies draft-top-k x depth = {args.draft_top_k * args.depth} "
+                             f"draft tokens; "
                              f"leave --total-tokens out or give that, got {args.total_tokens}")
-    if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
-        raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
+    if (args.top_k or args.top_p is not None) and args.accept != "sample":
+        raise ValueError(f"--top-k / --top-p shape --accept sample's distribution, "
                          f"got --accept {args.accept}")
     if args.prompt is not None:
         if not args.prompt:
@@ -296,7 +300,7 @@ def _rule(args: argparse.Namespace):
                                  posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=args.seed)
     return RejectionSampling(temperature=1.0 if args.temperature is None else args.temperature, seed=args.seed,
-                             top_k=args.sample_top_k, top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
+                             top_k=args.top_k, top_p=1.0 if args.top_p is None else args.top_p)
 
 
 def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
@@ -344,12 +348,12 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
         sample = SamplingParams(rule.temperature, rule.top_k, rule.top_p)
     chains = args.eagle_tree == "chains"
     total = args.total_tokens if args.total_tokens is not None or chains else 16
-    shape = f"depth {args.depth}, top-k {args.top_k}, " + (
-        f"{args.top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
+    shape = f"depth {args.depth}, top-k {args.draft_top_k}, " + (
+        f"{args.draft_top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
         engine = build_engine(draft_model, kv_tokens, args.page_size, backend=args.backend)
-        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
+        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
                                 sample=sample, seed=args.seed)
         return draft, f"draft model {note}; {shape}"
     if args.draft in ("eagle", "eagle3"):
@@ -361,7 +365,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
             note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
                     f"trained one")
         engine = build_engine(drafter, kv_tokens, args.page_size, backend=args.backend)
-        draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
+        draft = EagleDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
                            sample=sample, seed=args.seed, tree=args.eagle_tree)
         layers = f", target layers {list(drafter.aux_layers)}" if drafter.aux_layers else ""
         return draft, f"{note}{layers}; {shape}"

@@ -9,8 +9,8 @@ its own draft source of the ``--draft`` kind (Medusa drafts share the heads, dra
 the draft engine), and all requests' token trees are verified in one engine step per iteration
 (:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
-at each request's ``temperature`` (default ``--temperature``), seeded by its ``seed`` (default
-``--seed``). The results file (``--out``, JSONL whatever its suffix) has one line per request,
+at each request's ``temperature``, ``top_k`` and ``top_p`` (``--accept sample``; default the
+flags of the same names), seeded by its ``seed`` (default ``--seed``). The results file (``--out``, JSONL whatever its suffix) has one line per request,
 its ``stats`` with the accepted draft tokens of each step, each appended as its request finishes
 (so in the order they finish; a run that fails keeps every finished request's line:
 :mod:`treedec.commands.batch_io`).
@@ -55,8 +55,9 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
     defaults = {"max_new_tokens": args.max_new_tokens}
     if args.accept == "greedy":
         defaults["temperature"] = 0.0
-    elif args.temperature is not None:
-        defaults["temperature"] = args.temperature
+    else:
+        defaults.update({name: value for name in ("temperature", "top_k", "top_p")
+                         if (value := getattr(args, name)) is not None})
     specs = read_prompts(args.prompts, defaults)
     rules = {spec.id: _acceptance(args, spec) for spec in specs}   # each request checked against --accept
     # A checkpoint without tokenizer files still runs prompt_ids requests; text ones say what they need, now.
@@ -125,10 +126,12 @@ def _acceptance(args: argparse.Namespace, spec):
         raise ValueError(f"request {name}: --accept {args.accept} samples and needs a temperature > 0 "
                          f"(the request's or --temperature), got 0")
     if args.accept == "typical":
+        if spec.top_k is not None or spec.top_p != 1.0:
+            raise ValueError(f"request {name} gives top_k / top_p, which --accept typical does not take: run the "
+                             f"file with --accept sample, or leave them out")
         return TypicalAcceptance(temperature=spec.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    return RejectionSampling(temperature=spec.temperature, seed=seed, top_k=args.sample_top_k,
-                             top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
+    return RejectionSampling(temperature=spec.temperature, seed=seed, top_k=spec.top_k, top_p=spec.top_p)
 
 
 def _check_token_ids_only(args: argparse.Namespace, specs) -> None:
