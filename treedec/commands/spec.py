@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -443,6 +444,8 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
     """Plain greedy decoding of the same prompt and EOS ids, timed as the speculative run is (prefill included):
     equal tokens? and its tokens, decode steps and speed, for the comparison table."""
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
+    if not args.no_progress:   # greedy_generate reports nothing until it ends
+        print(f"check: plain greedy decoding of up to {args.max_new_tokens} tokens ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     plain = greedy_generate(engine, prompt, args.max_new_tokens, eos_token_id=list(eos) or None)
     seconds = time.perf_counter() - start
