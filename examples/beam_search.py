@@ -4,7 +4,10 @@ engine step; dropped beams free their pages at once. On the random tiny model (C
 result is checked against transformers' ``generate(num_beams=...)`` on the same weights.
 
     python examples/beam_search.py                                       # random tiny model
-    python examples/beam_search.py --checkpoint /models/Llama-3.1-8B-Instruct --prompt "The capital of"
+    python examples/beam_search.py --model smollm2 --prompt "The capital of France is"
+
+``--model`` takes what ``treedec``'s commands take (a known name, a .gguf file, a checkpoint
+folder, a hub repo id in the local cache; ``--config``, ``--device``, ``--dtype`` too).
 """
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ import time
 
 import torch
 
+from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine
-from treedec.models import from_hf_model, from_pretrained, load_tokenizer
+from treedec.models import from_hf_model, load_tokenizer
 from treedec.search.beam import beam_search
 
 
@@ -37,10 +41,12 @@ def random_tiny_llama(seed: int = 0):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (default: random tiny model)")
+    add_model_arguments(parser, config_help="a named model size with random weights (default: a random tiny "
+                                            "transformers Llama, to compare with transformers' beam search)")
     parser.add_argument("--prompt", default="Tree attention reads a shared prefix once because")
-    parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--beams", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--seed", type=seed_int, default=0, help="random weights (default 0)")
     parser.add_argument("--length-penalty", type=float, default=1.0)
     parser.add_argument("--eos", type=int, help="EOS token id (default: the tokenizer's; none for the tiny model)")
     parser.add_argument("--early-stopping", choices=["false", "true", "never"], default="false")
@@ -48,13 +54,16 @@ def main() -> None:
     early_stopping = {"false": False, "true": True, "never": "never"}[args.early_stopping]
 
     hf, tokenizer, eos = None, None, args.eos
-    if args.checkpoint:
-        model = from_pretrained(args.checkpoint)
-        tokenizer = load_tokenizer(args.checkpoint)
+    if args.model is not None:
+        model, _ = load_model(args)
+        tokenizer = load_tokenizer(args.model)
         prompt_ids = tokenizer(args.prompt)["input_ids"]
         eos = tokenizer.eos_token_id if eos is None else eos
+    elif args.config is not None:
+        model, _ = load_model(args)
+        prompt_ids = [ord(c) % model.config.vocab_size for c in args.prompt]
     else:
-        hf = random_tiny_llama()
+        hf = random_tiny_llama(args.seed)
         model = from_hf_model(hf)
         prompt_ids = [ord(c) % model.config.vocab_size for c in args.prompt]
     cuda = model.device.type == "cuda"

@@ -3,8 +3,11 @@
 ``--steps`` steps that each run one forward over one new token per branch. The prompt's KV is
 stored once and read once per step for all branches (tree attention).
 
-    python examples/branch_decode.py                                   # random tiny model, CPU or GPU
-    python examples/branch_decode.py --checkpoint /models/Llama-3.1-8B-Instruct --prompt "The capital of"
+    python examples/branch_decode.py                                   # random tiny model, CPU
+    python examples/branch_decode.py --model smollm2 --prompt "The capital of France is"
+
+``--model`` takes what ``treedec``'s commands take (a known name, a .gguf file, a checkpoint
+folder, a hub repo id in the local cache; ``--config``, ``--device``, ``--dtype`` too).
 """
 from __future__ import annotations
 
@@ -13,27 +16,28 @@ import time
 
 import torch
 
+from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine, greedy
-from treedec.models import from_config, from_pretrained, load_tokenizer
+from treedec.models import load_tokenizer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (default: random tiny model)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default="Tree attention reads a shared prefix once because")
-    parser.add_argument("--branches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--branches", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=16)
     parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--seed", type=seed_int, default=0, help="random weights (default 0)")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
+    model, _ = load_model(args)
+    cuda = model.device.type == "cuda"
     tokenizer = None
-    if args.checkpoint:
-        model = from_pretrained(args.checkpoint)
-        tokenizer = load_tokenizer(args.checkpoint)
+    if args.model is not None:
+        tokenizer = load_tokenizer(args.model)
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     else:
-        model = from_config("tiny", dtype=torch.bfloat16 if cuda else torch.float32)
         prompt_ids = [ord(c) % model.config.vocab_size for c in args.prompt]
     engine = Engine(model, kv_tokens=None if cuda else 8192, cuda_graphs=args.cuda_graphs and cuda)
     print(f"KV pool: {engine.kv_capacity_tokens} tokens ({engine.kv_pool_reason}); attention: {engine.attn.backend}")

@@ -3,10 +3,12 @@
 KV is stored once), an answer extracted from each, and a majority vote.
 
     python examples/self_consistency.py                                  # random tiny model (CPU)
-    python examples/self_consistency.py --checkpoint /models/Llama-3.1-8B-Instruct \\
+    python examples/self_consistency.py --model smollm2 \\
         --prompt "Q: What is 17 * 3? Think step by step, then give the number. A:"
 
-With a checkpoint the answer is the last integer in the decoded sample. The random tiny model
+``--model`` takes what ``treedec``'s commands take (a known name, a .gguf file, a checkpoint
+folder, a hub repo id in the local cache; ``--config``, ``--device``, ``--dtype`` too). With a
+checkpoint the answer is the last integer in the decoded sample. The random tiny model
 has no tokenizer: its "answer" is the first token id below 16 in the sample (meaningless, but
 the sampling, the None answers and the vote run exactly as with a real model).
 """
@@ -18,33 +20,33 @@ import time
 
 import torch
 
+from treedec.commands.args import add_model_arguments, load_model, positive_float, positive_int, seed_int
 from treedec.engine import Engine
-from treedec.models import from_config, from_pretrained, load_tokenizer
+from treedec.models import load_tokenizer
 from treedec.search.parallel_sampling import self_consistency
 from treedec.search.sampling import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (default: random tiny model)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default="Q: What is 17 * 3? Think step by step, then give the number. A:")
-    parser.add_argument("-n", type=int, default=16, help="samples")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-n", type=positive_int, default=16, help="samples")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48)
+    parser.add_argument("--temperature", type=positive_float, default=0.8)
+    parser.add_argument("--top-p", type=positive_float, default=0.95)
+    parser.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling (default 0)")
     args = parser.parse_args()
 
-    if args.checkpoint:
-        model = from_pretrained(args.checkpoint)
-        tokenizer = load_tokenizer(args.checkpoint)
+    model, _ = load_model(args)
+    if args.model is not None:
+        tokenizer = load_tokenizer(args.model)
         prompt_ids, eos = tokenizer(args.prompt)["input_ids"], tokenizer.eos_token_id
 
         def extract_answer(tokens: list[int]) -> str | None:
             numbers = re.findall(r"-?\d+", tokenizer.decode(tokens, skip_special_tokens=True))
             return numbers[-1] if numbers else None
     else:
-        model = from_config("tiny", dtype=torch.float32, device="cpu")
         prompt_ids, eos = [ord(c) % model.config.vocab_size for c in args.prompt], None
 
         def extract_answer(tokens: list[int]) -> str | None:

@@ -5,32 +5,34 @@ judged by a value prompt under its own node (reading the thought's KV in place);
 kept are pruned and their pages freed.
 
     python examples/tot_game24.py                                      # random tiny model, CPU
-    python examples/tot_game24.py --checkpoint /models/Llama-3.1-8B-Instruct --numbers 3 3 8 8
+    python examples/tot_game24.py --model /models/Llama-3.1-8B-Instruct --numbers 3 3 8 8
+
+``--model`` takes what ``treedec``'s commands take (a known name, a .gguf file, a checkpoint
+folder, a hub repo id in the local cache; ``--config``, ``--device``, ``--dtype`` too).
 """
 from __future__ import annotations
 
 import argparse
 
-import torch
-
+from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine
-from treedec.models import from_config, from_pretrained, load_tokenizer
+from treedec.models import load_tokenizer
 from treedec.search.tot.game24 import Game24Task, solve
 from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, tot_bfs, tot_dfs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="local Hugging Face checkpoint directory (default: random tiny model)")
-    parser.add_argument("--numbers", type=int, nargs=4, default=[4, 9, 10, 13])
+    add_model_arguments(parser)
+    parser.add_argument("--numbers", type=positive_int, nargs=4, default=[4, 9, 10, 13])
+    parser.add_argument("--seed", type=seed_int, default=0, help="random weights (default 0)")
     args = parser.parse_args()
 
-    if args.checkpoint:
-        model = from_pretrained(args.checkpoint)
-        tokenizer = HFTokenizer(load_tokenizer(args.checkpoint))
+    model, _ = load_model(args)
+    if args.model is not None:
+        tokenizer = HFTokenizer(load_tokenizer(args.model))
         task, threshold = Game24Task(tuple(args.numbers)), 1.0   # DFS goes on from 'likely' and 'sure' steps
     else:   # random weights write no valid step: the model judges every thought anyway, all of them pass DFS
-        model = from_config("tiny", dtype=torch.float32, device="cpu")
         tokenizer = ByteTokenizer()
         task = Game24Task(tuple(args.numbers), check_steps=False, thought_max_tokens=12, value_max_tokens=4)
         threshold = 0.0

@@ -114,7 +114,7 @@ def test_plot_of_a_json_that_is_not_results_names_what_is_missing(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv", [
-    ["replay", "fewshot", "--out"], ["replay", "fewshot", "--save-schedule"], ["spec", "--json-out"],
+    ["replay", "fewshot", "--out"], ["replay", "fewshot", "--save-schedule"], ["spec", "--out"],
     ["tot", "--out"], ["plot", "RESULTS", "--out"]])
 def test_output_into_a_missing_folder_fails_before_the_run(argv, tmp_path, capsys, no_model):
     # was: the whole run, then FileNotFoundError writing the file
@@ -284,7 +284,7 @@ BAD_ARGUMENTS = [  # (argv, fragment of the one-line error); none of them gets t
     (["spec", "--tree-json", "/no/such/tree.json"], "argument --tree-json: file '/no/such/tree.json' does not exist"),
     (["spec", "--draft", "tree", "--tree-json", "NOTJSON"], "--tree-json NOTJSON is not JSON"),
     (["spec", "--draft", "tree", "--tree-json", "LISTJSON"], "must hold an object with 'parents' or 'choices'"),
-    (["spec", "--json-out", "TMP"], "argument --json-out: 'TMP' is a folder"),
+    (["spec", "--out", "TMP"], "argument --out: 'TMP' is a folder"),
     (["spec", "--check", "--accept", "typical"], "--check compares with plain greedy decoding"),
     (["tot", "--numbers", "1", "2", "3"], "argument --numbers: expected 4 arguments"),
     (["tot", "--numbers", "1", "2", "3", "0"], "argument --numbers: must be an int >= 1, got 0"),

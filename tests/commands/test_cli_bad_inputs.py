@@ -306,9 +306,9 @@ OVERWRITES = [  # (argv, the output's flag and the input's flag in the message)
     (["replay", "fewshot", "--out", "x.json", "--save-schedule", "x.json"], "--out 'x.json' and --save-schedule "
                                                                            "'x.json' are the same file"),
     (["spec", "--prompts", "p.jsonl", "--out", "p.jsonl"], "--out 'p.jsonl' is the file of --prompts"),
-    (["spec", "--draft", "tree", "--tree-json", "tree.json", "--json-out", "tree.json"], "--json-out 'tree.json' "
+    (["spec", "--draft", "tree", "--tree-json", "tree.json", "--out", "tree.json"], "--out 'tree.json' "
                                                                                          "is the file of --tree-json"),
-    (["spec", "--draft", "medusa", "--medusa", "heads.pt", "--json-out", "heads.pt"], "is the file of --medusa"),
+    (["spec", "--draft", "medusa", "--medusa", "heads.pt", "--out", "heads.pt"], "is the file of --medusa"),
     (["tot", "--tasks", "tasks.jsonl", "--out", "tasks.jsonl"], "--out 'tasks.jsonl' is the file of --tasks"),
     (["plot", "results.png", "--out", "results.png"], "--out 'results.png' is the file of results"),
 ]

@@ -44,7 +44,7 @@ def test_spec_takes_a_gguf_file_as_the_model_and_the_draft_model(gguf_file, cach
     out = tmp_path / "spec.json"
     assert main(["spec", "--model", str(gguf_file), "--device", "cpu", "--dtype", "fp32", "--prompt", "ab ab ab",
                  "--draft", "draft-model", "--draft-model", str(gguf_file), "--check", "--max-new-tokens", "6",
-                 "--backend", "torch", "--no-progress", "--json-out", str(out)]) == 0
+                 "--backend", "torch", "--no-progress", "--out", str(out)]) == 0
     printed, err = capsys.readouterr()
     [checkpoint] = (cache / "gguf").iterdir()
     assert f"model: {gguf_file} -> {checkpoint} (converted from the GGUF file {gguf_file})" in err

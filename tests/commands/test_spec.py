@@ -17,7 +17,7 @@ FAST = ["--max-new-tokens", "16", "--no-progress"]
 @pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
 def test_greedy_check_passes_for_every_draft(draft, tmp_path, capsys):
     out = tmp_path / "spec.json"
-    assert main(["spec", "--draft", draft, "--check", "--json-out", str(out), *FAST]) == 0
+    assert main(["spec", "--draft", draft, "--check", "--out", str(out), *FAST]) == 0
     printed = capsys.readouterr().out
     assert "check: equal to plain greedy decoding" in printed and "accepted length histogram" in printed
     results = json.loads(out.read_text())
@@ -39,7 +39,7 @@ def test_sampled_acceptance_runs(accept, tmp_path):
     for _ in range(2):
         out = tmp_path / f"{accept}.json"
         assert main(["spec", "--draft", "ngram", "--accept", accept, "--temperature", "0.9", "--seed", "5",
-                     "--json-out", str(out), *FAST]) == 0
+                     "--out", str(out), *FAST]) == 0
         runs.append(json.loads(out.read_text()))
     assert runs[0]["tokens"] == runs[1]["tokens"]            # seeded
     assert runs[0]["acceptance"]["rule"] == accept and "temperature=0.9" in runs[0]["acceptance"]["repr"]
@@ -130,12 +130,12 @@ def first_new_token(tokens, start):
 @pytest.mark.parametrize("draft", ["ngram", "draft-model"])
 def test_eos_stops_the_run_and_the_check(draft, tmp_path, capsys):
     out = tmp_path / "spec.json"
-    assert main(["spec", "--draft", draft, "--json-out", str(out), *FAST]) == 0
+    assert main(["spec", "--draft", draft, "--out", str(out), *FAST]) == 0
     free = json.loads(out.read_text())
     assert free["summary"]["stop_reason"] == "length" and free["eos_token_ids"] == []
     assert "eos: none" in capsys.readouterr().out    # random weights: no EOS ids of their own
     p, eos = first_new_token(free["tokens"], 5)
-    assert main(["spec", "--draft", draft, "--eos", f"511,{eos}", "--check", "--json-out", str(out), *FAST]) == 0
+    assert main(["spec", "--draft", draft, "--eos", f"511,{eos}", "--check", "--out", str(out), *FAST]) == 0
     results = json.loads(out.read_text())
     assert results["tokens"] == free["tokens"][:p + 1] and results["summary"]["new_tokens"] == p + 1
     assert results["summary"]["stop_reason"] == "eos" and results["eos_token_ids"] == [511, eos]
@@ -150,7 +150,7 @@ def test_eos_defaults_to_the_checkpoint_s(tmp_path, capsys):
 
     tiny_hf("llama", seed=9).save_pretrained(tmp_path)
     argv = ["spec", "--model", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--prompt-ids", "5,9,2,7,1,3",
-            "--check", "--json-out", str(tmp_path / "spec.json"), *FAST]
+            "--check", "--out", str(tmp_path / "spec.json"), *FAST]
     assert main([*argv, "--eos", "none"]) == 0
     free = json.loads((tmp_path / "spec.json").read_text())
     assert free["summary"]["stop_reason"] == "length" and free["eos_token_ids"] == []
@@ -231,7 +231,7 @@ def test_prompts_file_conflicts_are_one_line_errors(extra, match, tmp_path, caps
 def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
     out = tmp_path / "spec.json"
     argv = ["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
-            "--sample-top-k", "8", "--sample-top-p", "0.95", "--json-out", str(out), *FAST]
+            "--top-k", "8", "--top-p", "0.95", "--out", str(out), *FAST]
     assert main(argv) == 0
     results = json.loads(out.read_text())
     assert "top_k=8" in results["acceptance"]["repr"] and len(results["tokens"]) == 16
@@ -240,8 +240,8 @@ def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     (["--draft-sample"], "--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got --draft ngram"),
-    (["--sample-top-k", "4"], "--sample-top-k / --sample-top-p shape --accept sample's distribution"),
-    (["--accept", "sample", "--sample-top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
+    (["--top-k", "4"], "--top-k / --top-p shape --accept sample's distribution"),
+    (["--accept", "sample", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
 ])
 def test_sampling_flags_are_checked(argv, match, capsys):
     assert main(["spec", *argv, *FAST]) == 2
@@ -250,11 +250,11 @@ def test_sampling_flags_are_checked(argv, match, capsys):
 
 
 def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
-    """--draft-sample and --sample-top-k reach every request's draft and rule in batch mode."""
+    """--draft-sample and --top-k reach every request's draft and rule in batch mode."""
     write_prompts(tmp_path / "p.jsonl", 2)
     out = tmp_path / "r.jsonl"
     assert main(["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
-                 "--sample-top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+                 "--top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
     results = read_results(out)
     assert {i: len(r["output_ids"]) for i, r in results.items()} == {"r0": 10, "r1": 11}
     assert sum(sum(r["stats"]["accepted"]) for r in results.values()) > 0   # the draft model is the target's own weights
@@ -317,3 +317,72 @@ def test_eagle_flags_are_checked(tmp_path, capsys):
                         (["--draft", "eagle", "--total-tokens", "12"], "top-k x depth = 16 draft tokens")]:
         assert main(["spec", *argv, "--eagle-tree", "chains", *FAST]) == 2
         assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, argv, match", [
+    ({"prompt_ids": [1, 2, 3], "temperature": 0.8}, [],
+     r"request 1 \(line 1\) samples at temperature 0.8, which --accept greedy cannot take: run the file with "
+     r"--accept sample"),
+    ({"prompt_ids": [1, 2, 3], "n": 2}, [], r"request 1 \(line 1\) asks for n=2 outputs"),
+    ({"prompt_ids": [1, 2, 3], "temperature": 0.8, "top_k": 5}, ["--accept", "typical"],
+     r"request 1 \(line 1\) gives top_k / top_p, which --accept typical does not take"),
+    ({"prompt_ids": [1, 2, 3], "temperature": 0}, ["--accept", "sample"],
+     r"request 1 \(line 1\): --accept sample samples and needs a temperature > 0"),
+    ({"prompt": "hello"}, [], r"request 1 \(line 1\) gives its prompt as text: it needs --model with a tokenizer, "
+                              r"and the model is random weights"),
+    ({"prompt_ids": [1, 2], "stop": ["x"]}, [], r"request 1 \(line 1\) has stop strings"),
+])
+def test_a_request_spec_cannot_take_is_refused_before_the_model_loads(line, argv, match, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Was: refused only after the model loaded (19 s for SmolLM2); now no model is loaded at all."""
+    import treedec.commands.spec as spec
+
+    def no_load(args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(spec, "load_model", no_load)
+    (tmp_path / "p.jsonl").write_text(json.dumps(line) + "\n")
+    assert main(["spec", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "r.jsonl"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_check_prints_a_table_against_plain_greedy_and_out_is_the_json(tmp_path, capsys):
+    """One --out for both modes: one prompt writes the JSON document (whatever the suffix)."""
+    out = tmp_path / "spec.jsonl"
+    assert main(["spec", "--check", "--out", str(out), *FAST]) == 0
+    printed = capsys.readouterr().out
+    header, spec_row, plain_row = [line.split() for line in printed.splitlines() if
+                                   line.startswith(("method", "speculative", "plain greedy"))
+                                   and "tokens" not in line[12:16]][:3]
+    assert header == ["method", "tokens", "steps", "tokens/step", "tokens/s"]
+    results = json.loads(out.read_text())
+    s, check = results["summary"], results["check"]
+    assert spec_row[:5] == ["speculative", "(ngram)", "16", str(s["steps"]), f"{s['tokens_per_step']:.2f}"]
+    assert plain_row[:5] == ["plain", "greedy", "16", "15", "1.00"]
+    assert check["plain_new_tokens"] == 16 and check["plain_steps"] == 15 and check["plain_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--chat-template", "--prompt-ids", "1,2,3"], "--chat-template renders a text prompt through --model's "
+                                                   "tokenizer: give --model .* not --prompt-ids"),
+    (["--chat-template"], "--chat-template renders a text prompt .* not random weights"),
+])
+def test_chat_template_needs_a_text_prompt_and_a_tokenizer(argv, match, capsys):
+    assert main(["spec", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err
+
+
+def test_a_request_s_top_k_reaches_its_sampled_acceptance(tmp_path):
+    """--prompts lines give their own top_k (as treedec generate's do; the flag only a default): top_k 1
+    samples from the argmax alone, so rejection sampling gives plain greedy decoding's tokens."""
+    from tests.engines import plain_greedy
+
+    prompt = [(5 * i) % 512 for i in range(8)] * 2
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": prompt, "max_tokens": 12,
+                                                  "temperature": 1.0, "top_k": 1}) + "\n")
+    out = tmp_path / "r.jsonl"
+    assert main(["spec", "--accept", "sample", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+    assert read_results(out)["a"]["output_ids"] == plain_greedy(from_config("tiny", seed=0), prompt, 12)

@@ -81,7 +81,7 @@ def add_generate_parser(sub) -> None:
                         f"wait for pages when the pool is full)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="random weights, and the draws of requests without a seed of their own")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 #: The sampling flags, as the SamplingParams fields they set.
@@ -124,8 +124,8 @@ def run_generate(args: argparse.Namespace) -> int:
         writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
         bar.update(1)
 
-    with (tqdm(total=len(specs), unit="request", desc="generate", disable=True if args.no_progress else None,
-               file=sys.stderr) as bar,
+    with (tqdm(total=len(specs), unit="request", desc="generate", disable=args.no_progress or None,
+              file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done)
     tokens = sum(len(r.output_ids) for r in results)

@@ -6,20 +6,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from treedec.attention import PLANNERS
-from treedec.workloads import TOT_FILES, WORKLOADS, workload_schedule
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INT_MAX = 2**31 - 1  # counts and sizes above this are mistakes (and overflow C longs in numpy / torch)
-SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
-
-
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
                                    nonnegative_int, output_file, planner_list, positive_int, read_json, seed_int,
                                    workload_arg)
 from treedec.commands.kv_memory import check_kv_pool, out_of_memory_as_error
+from treedec.workloads import TOT_FILES, WORKLOADS, workload_schedule
 
 # ================================================================ replay and plot
 
@@ -49,11 +41,12 @@ def add_replay_parser(sub) -> None:
                    help="on a GPU, time the attention with CUDA events around every layer's call")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="on a GPU, replay the engine's steps from CUDA graphs (not with --profile-split)")
-    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="random weights, and the token ids of the replayed tree (default 0)")
     p.add_argument("--out", type=output_file, help="write the results JSON here (its folder must exist)")
     p.add_argument("--save-schedule", type=output_file,
                    help="write the schedule that is replayed as JSON here (its folder must exist)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def add_plot_parser(sub) -> None:

@@ -3,22 +3,27 @@
     treedec spec                                         # tiny random model, n-gram drafts, greedy, CPU
     treedec spec --draft medusa --check                  # untrained Medusa heads; tokens == plain greedy?
     treedec spec --draft draft-model --accept sample --temperature 0.8
+    treedec spec --model smollm2 --chat-template --prompt "Fix the bug ..." --check   # against plain greedy
     treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
-        --prompt "Tell me a story" --json-out spec.json
+        --prompt "Tell me a story" --out spec.json
     treedec spec --prompts requests.jsonl --out results.jsonl   # many requests batched (spec_batch.py)
 
 Prints the draft, the acceptance rule, tokens per verification step, the accepted-length
 histogram, tokens/s and why generation stopped (an EOS id, ``--eos``, default the
-model's own; or ``--max-new-tokens``); ``--check`` (greedy acceptance) also decodes
-plainly and checks the tokens are the same. ``--json-out`` writes every step's accepted
-length, draft size and times. Without ``--model`` the target is the tiny random model
-(and Medusa heads, if not given, are untrained; the draft model, if not given, is the
-target's own weights).
+model's own; or ``--max-new-tokens``), then the text (with a tokenizer). ``--check``
+(greedy acceptance) also decodes plainly (timed the same way), checks the tokens are the
+same and prints a table of both runs: tokens, decode steps after the prefill, tokens per
+step, tokens/s. ``--out`` is the results file: for one prompt a JSON document (every
+step's accepted length, draft size and times, the summary, the check), for ``--prompts``
+a JSONL file (one line per request); the mode decides, not the file's suffix. Without
+``--model`` the target is the tiny random model (and Medusa heads, if not given, are
+untrained; the draft model, if not given, is the target's own weights).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -61,7 +66,8 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--accept", choices=ACCEPTS, default="greedy",
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="new tokens at most (default 64; with --prompts, for the lines that give none)")
     p.add_argument("--eos", type=_eos_ids,
                    help="comma-separated EOS token ids that end the generation, or 'none'; default: the model's "
                         "(its checkpoint's generation_config.json or config.json; none for random weights)")
@@ -74,24 +80,30 @@ def add_spec_parser(sub) -> None:
     prompt.add_argument("--prompts", type=existing_file,
                         help="a prompts file (JSONL, one request per line, as treedec generate's), run batched; "
                              "with --out")
-    p.add_argument("--out", type=output_file, help="--prompts: the results JSONL, one line per request")
+    p.add_argument("--out", type=output_file,
+                   help="the results file: for one prompt the run's JSON (every step, the summary, --check's "
+                        "result); with --prompts a JSONL file, one line per request (its folder must exist)")
     p.add_argument("--chat-template", action="store_true",
-                   help="--prompts: render text prompts through the tokenizer's chat template")
+                   help="render text prompts (--prompt, or --prompts' text lines) through the tokenizer's chat "
+                        "template, as a user message")
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
                    help="KV pool size of each engine (target, draft model, --check); default prompt + max new "
                         "tokens + 2048 (room for the draft trees)")
-    p.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="random weights and sampling (default 0; with --prompts, for the lines that give none)")
     g = p.add_argument_group("acceptance")
     g.add_argument("--temperature", type=positive_float, help="typical / sample (default 0.7 / 1.0)")
     g.add_argument("--posterior-threshold", type=nonnegative_float, default=0.09,
                    help="typical: epsilon (default 0.09)")
     g.add_argument("--posterior-alpha", type=nonnegative_float, default=0.3, help="typical: delta (default 0.3)")
-    g.add_argument("--sample-top-k", type=positive_int,
-                   help="sample: the target's distribution cut to its top-k tokens (and a --draft-sample draft's)")
-    g.add_argument("--sample-top-p", type=positive_float,
-                   help="sample: the target's distribution cut to its top-p mass (and a --draft-sample draft's)")
+    g.add_argument("--top-k", type=positive_int,
+                   help="sample: the target's distribution cut to its top-k tokens (and a --draft-sample draft's); "
+                        "with --prompts, for the lines that give none")
+    g.add_argument("--top-p", type=positive_float,
+                   help="sample: the target's distribution cut to its top-p mass (and a --draft-sample draft's); "
+                        "with --prompts, for the lines that give none")
     g = p.add_argument_group("drafts")
     g.add_argument("--medusa", type=existing_path,
                    help="Medusa head checkpoint (file or directory); default: untrained heads")
@@ -113,9 +125,10 @@ def add_spec_parser(sub) -> None:
                    help="draft-model / eagle with --accept sample: sample the tree's tokens from the draft's "
                         "distribution (at the acceptance's temperature, top-k, top-p) instead of taking its top-k; "
                         "still lossless")
-    g.add_argument("--top-k", type=positive_int, default=4, help="draft-model / eagle expansion width (default 4)")
+    g.add_argument("--draft-top-k", type=positive_int, default=4,
+                   help="draft-model / eagle expansion width (default 4)")
     g.add_argument("--total-tokens", type=positive_int, default=None,
-                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: top-k x depth)")
+                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: draft-top-k x depth)")
     g.add_argument("--eagle-tree", choices=["dynamic", "chains"], default="dynamic",
                    help="eagle / eagle3: EAGLE-2's dynamic tree (default) or fixed chains (the root's top-k children, "
                         "each extended to --depth tokens by argmax: drafted on the device, the loop pipelined on a "
@@ -126,9 +139,10 @@ def add_spec_parser(sub) -> None:
     g.add_argument("--tree-json", type=existing_file,
                    help="tree: JSON file with 'parents' or 'choices', and 'tokens' (the draft tokens, replayed every "
                         "step); default the --medusa-choices shape with seeded random tokens")
-    p.add_argument("--check", action="store_true", help="greedy: also decode plainly and check the tokens are equal")
-    p.add_argument("--json-out", type=output_file, help="write the results JSON here (its folder must exist)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true",
+                   help="greedy: also decode plainly (timed the same way), check the tokens are equal and print "
+                        "both runs' tokens, steps, tokens/step and tokens/s")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run_spec(args: argparse.Namespace) -> int:
@@ -147,11 +161,12 @@ def run_spec(args: argparse.Namespace) -> int:
             raise ValueError(f"--eagle-tree chains is for --draft eagle / eagle3, got --draft {args.draft}")
         if args.draft_sample:
             raise ValueError("--eagle-tree chains drafts by argmax: it takes no --draft-sample")
-        if args.total_tokens not in (None, args.top_k * args.depth):
-            raise ValueError(f"--eagle-tree chains verifies top-k x depth = {args.top_k * args.depth} draft tokens; "
+        if args.total_tokens not in (None, args.draft_top_k * args.depth):
+            raise ValueError(f"--eagle-tree chains verifies draft-top-k x depth = {args.draft_top_k * args.depth} "
+                             f"draft tokens; "
                              f"leave --total-tokens out or give that, got {args.total_tokens}")
-    if (args.sample_top_k or args.sample_top_p is not None) and args.accept != "sample":
-        raise ValueError(f"--sample-top-k / --sample-top-p shape --accept sample's distribution, "
+    if (args.top_k or args.top_p is not None) and args.accept != "sample":
+        raise ValueError(f"--top-k / --top-p shape --accept sample's distribution, "
                          f"got --accept {args.accept}")
     if args.prompt is not None:
         if not args.prompt:
@@ -163,8 +178,10 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         check_backend(args)
         return run_spec_batch(args, choices, tree_json, load_model, _draft)
-    if args.out is not None or args.chat_template:
-        raise ValueError("--out and --chat-template go with --prompts (a single prompt's results: --json-out)")
+    if args.chat_template and (args.prompt_ids is not None or args.model is None):
+        raise ValueError("--chat-template renders a text prompt through --model's tokenizer: give --model (and "
+                         "--prompt, or none for the default text), not " +
+                         ("--prompt-ids" if args.prompt_ids is not None else "random weights"))
     check_backend(args)
     model, model_name = load_model(args)
     prompt, tokenizer = _prompt(args, model)
@@ -185,10 +202,11 @@ def run_spec(args: argparse.Namespace) -> int:
     progress(stats, len(tokens), close=True)
     summary = summarize(stats, len(tokens))
     check = _check(args, model, prompt, tokens, kv_tokens, eos) if args.check else None
-    _print_summary(summary, check)
+    _print_summary(summary, check, draft_name=args.draft)
     if tokenizer is not None:
-        print(f"text: {tokenizer.decode(tokens)!r}")
-    if args.json_out:
+        print("text:")
+        print(tokenizer.decode(tokens, skip_special_tokens=True))
+    if args.out:
         results = {
             "command": "spec", "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
@@ -202,8 +220,8 @@ def run_spec(args: argparse.Namespace) -> int:
                                               stats.verify_seconds)],
             "summary": summary, "check": check,
         }
-        Path(args.json_out).write_text(json.dumps(results, indent=1) + "\n")
-        print(f"results: {args.json_out}")
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results: {args.out}")
     return 1 if check is not None and not check["equal"] else 0
 
 
@@ -283,7 +301,7 @@ def _rule(args: argparse.Namespace):
                                  posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=args.seed)
     return RejectionSampling(temperature=1.0 if args.temperature is None else args.temperature, seed=args.seed,
-                             top_k=args.sample_top_k, top_p=1.0 if args.sample_top_p is None else args.sample_top_p)
+                             top_k=args.top_k, top_p=1.0 if args.top_p is None else args.top_p)
 
 
 def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
@@ -302,7 +320,7 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer: {args.model or 'random weights'} has none; "
                              f"give --prompt-ids instead")
-        return encode_prompt(tokenizer, args.prompt or DEFAULT_TEXT, chat_template=False), tokenizer
+        return encode_prompt(tokenizer, args.prompt or DEFAULT_TEXT, chat_template=args.chat_template), tokenizer
     rng = np.random.default_rng(args.seed)
     phrase = rng.integers(0, vocab, 6).tolist()
     return rng.integers(0, vocab, 5).tolist() + phrase + rng.integers(0, vocab, 4).tolist() + phrase, None
@@ -331,12 +349,12 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
         sample = SamplingParams(temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
     chains = args.eagle_tree == "chains"
     total = args.total_tokens if args.total_tokens is not None or chains else 16
-    shape = f"depth {args.depth}, top-k {args.top_k}, " + (
-        f"{args.top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
+    shape = f"depth {args.depth}, top-k {args.draft_top_k}, " + (
+        f"{args.draft_top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
     if args.draft == "draft-model":
         draft_model, note = _draft_model(args, model)
         engine = build_engine(draft_model, kv_tokens, args.page_size, backend=args.backend)
-        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
+        draft = DraftModelDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
                                 sample=sample, seed=args.seed)
         return draft, f"draft model {note}; {shape}"
     if args.draft in ("eagle", "eagle3"):
@@ -348,7 +366,7 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
             note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
                     f"trained one")
         engine = build_engine(drafter, kv_tokens, args.page_size, backend=args.backend)
-        draft = EagleDraft(engine, depth=args.depth, top_k=args.top_k, total_tokens=total,
+        draft = EagleDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
                            sample=sample, seed=args.seed, tree=args.eagle_tree)
         layers = f", target layers {list(drafter.aux_layers)}" if drafter.aux_layers else ""
         return draft, f"{note}{layers}; {shape}"
@@ -423,17 +441,24 @@ def _progress(args: argparse.Namespace):
 
 def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int,
            eos: tuple[int, ...]) -> dict:
-    """Plain greedy decoding of the same prompt and EOS ids: equal tokens? (and its speed, for comparison)."""
+    """Plain greedy decoding of the same prompt and EOS ids, timed as the speculative run is (prefill included):
+    equal tokens? and its tokens, decode steps and speed, for the comparison table."""
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
+    if not args.no_progress:   # greedy_generate reports nothing until it ends
+        print(f"check: plain greedy decoding of up to {args.max_new_tokens} tokens ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     plain = greedy_generate(engine, prompt, args.max_new_tokens, eos_token_id=list(eos) or None)
     seconds = time.perf_counter() - start
     first = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
-    return {"equal": plain == tokens, "first_difference": first,
+    if first is None and len(plain) != len(tokens):
+        first = min(len(plain), len(tokens))
+    # the prefill gives the first token; each decode step after it one more
+    return {"equal": plain == tokens, "first_difference": first, "plain_new_tokens": len(plain),
+            "plain_steps": max(len(plain) - 1, 0), "plain_seconds": round(seconds, 3),
             "plain_tokens_per_second": round(len(plain) / seconds, 2)}
 
 
-def _print_summary(s: dict, check: dict | None) -> None:
+def _print_summary(s: dict, check: dict | None, draft_name: str) -> None:
     print(f"{s['new_tokens']} new tokens in {s['steps']} verification steps: {s['tokens_per_step']:.2f} tokens/step "
           f"(accepted {s['accepted_mean']:.2f} of {s['draft_tokens_mean']:.1f} draft tokens per step); "
           f"stopped: {s['stop_reason']}")
@@ -441,7 +466,18 @@ def _print_summary(s: dict, check: dict | None) -> None:
     rate = s["decode_tokens_per_second"]
     print(f"time: prefill {s['prefill_ms']:.1f} ms, draft {s['draft_ms']:.1f} ms, verify {s['verify_ms']:.1f} ms; "
           f"{s['tokens_per_second']:.1f} tokens/s ({'-' if rate is None else f'{rate:.1f}'} after the prefill)")
-    if check is not None:
-        print("check: equal to plain greedy decoding" if check["equal"] else
-              f"check: MISMATCH with plain greedy decoding at new token {check['first_difference']}")
-        print(f"plain greedy decoding: {check['plain_tokens_per_second']:.1f} tokens/s (prefill included)")
+    if check is None:
+        return
+    print("check: equal to plain greedy decoding" if check["equal"] else
+          f"check: MISMATCH with plain greedy decoding at new token {check['first_difference']}")
+    plain_steps = check["plain_steps"]
+    rows = [(f"speculative ({draft_name})", str(s["new_tokens"]), str(s["steps"]), f"{s['tokens_per_step']:.2f}",
+             f"{s['tokens_per_second']:.1f}"),
+            ("plain greedy", str(check["plain_new_tokens"]), str(plain_steps),
+             f"{(check['plain_new_tokens'] - 1) / plain_steps:.2f}" if plain_steps else "-",
+             f"{check['plain_tokens_per_second']:.1f}")]
+    header = ("method", "tokens", "steps", "tokens/step", "tokens/s")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join([r[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(r[1:], widths[1:]))]).rstrip())
+    print("(steps: decode steps after the prefill, which gives the first token; tokens/s: prefill included)")

@@ -9,10 +9,15 @@ its own draft source of the ``--draft`` kind (Medusa drafts share the heads, dra
 the draft engine), and all requests' token trees are verified in one engine step per iteration
 (:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
-at each request's ``temperature`` (default ``--temperature``), seeded by its ``seed`` (default
-``--seed``). The results file (JSONL) has one line per request, its ``stats`` with the accepted
-draft tokens of each step, each appended as its request finishes (so in the order they finish;
-a run that fails keeps every finished request's line: :mod:`treedec.commands.batch_io`).
+at each request's ``temperature``, ``top_k`` and ``top_p`` (``--accept sample``; default the
+flags of the same names), seeded by its ``seed`` (default ``--seed``). The results file (``--out``, JSONL whatever its suffix) has one line per request,
+its ``stats`` with the accepted draft tokens of each step, each appended as its request finishes
+(so in the order they finish; a run that fails keeps every finished request's line:
+:mod:`treedec.commands.batch_io`).
+
+Everything that does not need the model's weights is checked before they load: the flags, the
+prompts file, each request against the acceptance rule (one output, greedy at temperature 0,
+sampled at a temperature > 0), and that text prompts and stop strings have a tokenizer.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.eagle import EagleDraft
 from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.speculative.batch import speculative_batch
+from treedec.search.speculative.batch import SPECULATIVE_PARAMS, speculative_batch
 
 CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model's engine gets as many)
 
@@ -38,8 +43,7 @@ CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model'
 def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json, load_model, make_draft) -> int:
     """Run the prompts file; ``load_model`` and ``make_draft`` are ``treedec spec``'s (one draft, then one per
     request like it)."""
-    for flag, value in [("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids), ("--json-out", args.json_out),
-                        ("--eos", args.eos)]:
+    for flag, value in [("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids), ("--eos", args.eos)]:
         if value is not None:
             hint = " (give each request's stop_token_ids in the prompts file)" if flag == "--eos" else ""
             raise ValueError(f"{flag} goes with a single prompt, not with --prompts{hint}")
@@ -51,25 +55,30 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
     defaults = {"max_tokens": args.max_new_tokens}
     if args.accept == "greedy":
         defaults["temperature"] = 0.0
-    elif args.temperature is not None:
-        defaults["temperature"] = args.temperature
+    else:
+        defaults.update({name: value for name in ("temperature", "top_k", "top_p")
+                         if (value := getattr(args, name)) is not None})
     specs = read_prompts(args.prompts, defaults)
-    model, name = load_model(args)
-    # A checkpoint without tokenizer files still runs prompt_ids requests; text ones then say what they need.
+    rules = {spec.id: _acceptance(args, spec) for spec in specs}   # each request checked against --accept
+    # A checkpoint without tokenizer files still runs prompt_ids requests; text ones say what they need, now.
     tokenizer = load_tokenizer(args.model) if args.model is not None and has_tokenizer(args.model) else None
+    if tokenizer is None:
+        _check_token_ids_only(args, specs)
+    model, name = load_model(args)
     kv_tokens = args.kv_tokens or (None if model.device.type == "cuda" else CPU_KV_TOKENS)
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
                           cuda_graphs=model.device.type == "cuda")
     draft, note = make_draft(args, model, choices, tree_json, kv_tokens or CPU_KV_TOKENS)
     factory = _draft_factory(draft, choices)
-    acceptance = None if args.accept == "greedy" else (lambda spec: _acceptance(args, spec))
+    acceptance = None if args.accept == "greedy" else (lambda spec: rules[spec.id])
     print(f"spec: {name}, {len(specs)} requests; draft: {note}; acceptance: {args.accept}", file=sys.stderr)
 
     def done(outputs) -> None:
         writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
         bar.update(1)
 
-    with (tqdm(total=len(specs), unit="request", desc="spec", disable=None, file=sys.stderr) as bar,
+    with (tqdm(total=len(specs), unit="request", desc="spec", disable=args.no_progress or None,
+              file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = speculative_batch(engine, specs, factory, tokenizer, args.chat_template,
                                            acceptance=acceptance, on_request_done=done)
@@ -100,17 +109,40 @@ def _draft_factory(draft, choices: list[list[int]]):
 
 
 def _acceptance(args: argparse.Namespace, spec):
-    """A sampled request's acceptance rule, at its temperature and seed."""
+    """A request's acceptance rule, at its temperature and seed (None for greedy acceptance, which takes a request
+    at temperature 0 only); a request ``--accept`` cannot take raises ValueError naming it and its line."""
+    name = request_name(spec.id, spec.line)
+    spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {name}")
+    if spec.params.n != 1:
+        raise ValueError(f"request {name} asks for n={spec.params.n} outputs: treedec spec decodes one output a request; "
+                         f"give it n=1, or run the file with treedec generate")
+    if args.accept == "greedy":
+        if spec.params.temperature != 0:
+            raise ValueError(f"request {name} samples at temperature {spec.params.temperature:g}, which --accept greedy "
+                             f"cannot take: run the file with --accept sample (lossless) or typical, or give the "
+                             f"request temperature 0")
+        return None
     seed = args.seed if spec.params.seed is None else spec.params.seed
     if spec.params.temperature == 0:
-        raise ValueError(f"request {spec.id!r}: --accept {args.accept} samples and needs a temperature > 0 "
+        raise ValueError(f"request {name}: --accept {args.accept} samples and needs a temperature > 0 "
                          f"(the request's or --temperature), got 0")
     if args.accept == "typical":
-        if spec.params.top_k is not None or spec.params.top_p != 1:
-            raise ValueError(f"request {spec.id!r}: --accept typical has no top_k / top_p (its own posterior "
-                             f"threshold decides); drop them from the request or use --accept sample")
+        if spec.params.top_k is not None or spec.params.top_p != 1.0:
+            raise ValueError(f"request {name} gives top_k / top_p, which --accept typical does not take: run the "
+                             f"file with --accept sample, or leave them out")
         return TypicalAcceptance(temperature=spec.params.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    top_p = spec.params.top_p if spec.params.top_p != 1 or args.sample_top_p is None else args.sample_top_p
-    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_p=top_p,
-                             top_k=args.sample_top_k if spec.params.top_k is None else spec.params.top_k)
+    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_k=spec.params.top_k, top_p=spec.params.top_p)
+
+
+def _check_token_ids_only(args: argparse.Namespace, specs) -> None:
+    """Without a tokenizer (random weights, or a checkpoint without tokenizer files) every request must give
+    ``prompt_ids`` and no stop strings."""
+    where = "random weights" if args.model is None else f"{args.model} (no tokenizer files)"
+    for spec in specs:
+        if spec.prompt_ids is None:
+            raise ValueError(f"request {request_name(spec.id, spec.line)} gives its prompt as text: it needs "
+                             f"--model with a tokenizer, and the model is {where}; give prompt_ids")
+        if spec.params.stop:
+            raise ValueError(f"request {request_name(spec.id, spec.line)} has stop strings: they are matched on "
+                             f"the output text and need --model with a tokenizer, and the model is {where}")

@@ -84,10 +84,10 @@ def add_tot_parser(sub) -> None:
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
                    help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free memory on a GPU)")
-    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling (default 0)")
     p.add_argument("--out", type=output_file,
                    help="write the results JSON here (with --tasks: JSONL, one line per task; its folder must exist)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run_tot(args: argparse.Namespace) -> int:
