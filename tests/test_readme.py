@@ -43,11 +43,34 @@ def save_tiny_checkpoint(folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, folder / "model.safetensors")
 
 
+def real_model_blocks() -> list[str]:
+    """The Python blocks that run the real model (``LLM("smollm2")``): run by their own test."""
+    return [block for block in readme_blocks("python") if 'LLM("smollm2"' in block]
+
+
 def test_readme_has_the_blocks_this_test_knows():
-    assert len(readme_blocks("python")) == 5
+    assert len(readme_blocks("python")) == 6 and len(real_model_blocks()) == 1
     assert len(readme_blocks("bash")) == 3
     assert len(readme_blocks("text")) >= 1
     assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
+
+
+@pytest.mark.slow
+def test_the_llm_block_runs_on_the_real_model(capsys):
+    """The front-door block: SmolLM2 through LLM / SamplingParams / SpeculativeConfig (its assert: speculative
+    greedy == plain greedy); skipped where the checkpoint cannot be had."""
+    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
+    try:
+        smollm2_checkpoint()
+    except CheckpointUnavailable as e:
+        pytest.skip(str(e))
+    [block] = real_model_blocks()
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(block, "README.md's LLM block", "exec"), namespace)
+    answer = namespace["answer"].outputs[0]
+    assert "Paris" in answer.text and answer.finish_reason in ("stop", "length") and len(answer.logprobs[0]) >= 2
+    assert len(namespace["samples"]) == 2 and len(namespace["samples"][0].outputs) == 2
+    assert "Paris" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -55,7 +78,7 @@ def test_python_blocks_run_in_order(tmp_path, capsys):
     save_tiny_checkpoint(tmp_path)
     namespace: dict = {"__name__": "readme"}
     torch.manual_seed(0)
-    for i, block in enumerate(readme_blocks("python")):
+    for i, block in enumerate(b for b in readme_blocks("python") if b not in real_model_blocks()):
         code = compile(block.replace(CHECKPOINT_PLACEHOLDER, str(tmp_path)), f"README.md python block {i + 1}", "exec")
         exec(code, namespace)
     assert namespace["out"].shape == (4, 32, 128) and torch.isfinite(namespace["out"]).all()
