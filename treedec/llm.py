@@ -227,15 +227,20 @@ class LLM:
         with tqdm(total=len(specs), unit="request", desc="generate", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
             done = lambda outputs: bar.update(1)   # noqa: E731
+
+            def step(stats) -> None:   # the bar moves every engine step, not only when a request finishes
+                bar.set_postfix_str(f"step {stats.steps}", refresh=False)
+                bar.update(0)
             if self.drafts is None:
                 results, _ = generate_batch(self.engine, specs, self.tokenizer, chat_template, self.generator,
-                                            on_request_done=done)
+                                            on_request_done=done, on_step=step)
             else:
                 acceptance = lambda spec: RejectionSampling(   # noqa: E731
                     temperature=spec.params.temperature, top_k=spec.params.top_k, top_p=spec.params.top_p,
                     seed=self._seed(spec))
                 results, _ = speculative_batch(self.engine, specs, self.drafts.source, self.tokenizer, chat_template,
-                                               acceptance=_sampled_only(acceptance), on_request_done=done)
+                                               acceptance=_sampled_only(acceptance), on_request_done=done,
+                                               on_step=step)
         by_request: dict[str, list[RequestResult]] = {}
         for r in results:
             by_request.setdefault(r.id, []).append(r)

@@ -5,7 +5,7 @@ import pytest
 from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.batch import GenerateProgram
+from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram
 from treedec.search.controller import BranchEvery, ControllerProgram
 from treedec.search.speculative.drafts import PromptLookupDraft
@@ -169,3 +169,11 @@ def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
     assert max(stats.programs_per_step) == 5
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
+
+
+def test_on_step_sees_every_engine_step(tiny):
+    seen = []
+    specs = [RequestSpec(k, prompt_ids=(1 + k, 2, 3), params=SamplingParams(temperature=0, max_tokens=4)) for k in
+             range(3)]
+    _, stats = generate_batch(make_engine(tiny), specs, on_step=lambda s: seen.append(s.steps))
+    assert seen == list(range(1, stats.steps + 1))

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
                                    nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
                                    seed_int)
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name, step_progress
 from treedec.commands.kv_memory import build_engine
 from treedec.models.text import check_text, load_tokenizer
 from treedec.search.batch import generate_batch
@@ -127,7 +127,8 @@ def run_generate(args: argparse.Namespace) -> int:
     with (tqdm(total=len(specs), unit="request", desc="generate", disable=args.no_progress or None,
               file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
-        results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done)
+        results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done,
+                                        on_step=step_progress(bar))
     tokens = sum(len(r.output_ids) for r in results)
     reasons = {reason: sum(r.stop_reason == reason for r in results) for reason in ("eos", "stop_string", "length")}
     print(f"{name}: {len(specs)} requests, {len(results)} outputs, {tokens} tokens in {stats.seconds:.2f} s "

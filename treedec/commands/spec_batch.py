@@ -27,7 +27,7 @@ import sys
 
 from tqdm import tqdm
 
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name, step_progress
 from treedec.commands.kv_memory import build_engine
 from treedec.models.text import has_tokenizer, load_tokenizer
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
@@ -81,7 +81,7 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
               file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
         results, stats = speculative_batch(engine, specs, factory, tokenizer, args.chat_template,
-                                           acceptance=acceptance, on_request_done=done)
+                                           acceptance=acceptance, on_request_done=done, on_step=step_progress(bar))
     tokens = sum(len(r.output_ids) for r in results)
     verify_steps = sum(r.stats["steps"] for r in results)
     accepted = sum(sum(r.stats["accepted"]) for r in results)

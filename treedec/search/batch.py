@@ -51,7 +51,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                    on_request_done: Callable[[list[RequestResult]], None] | None = None,
                    min_shared_prefix: int | None = None, pipeline: bool | None = None,
                    max_step_tokens: int | None = None,
-                   on_text: Callable[[RequestSpec, int, str], None] | None = None
+                   on_text: Callable[[RequestSpec, int, str], None] | None = None,
+                   on_step: Callable[[SchedulerStats], None] | None = None
                    ) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
@@ -77,6 +78,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     on_text : streaming: called as ``on_text(spec, index, delta)`` with each output's new text as
         its tokens are accepted (needs ``tokenizer``). Text that may be the start of a stop string
         is held back until it is not, so the deltas of an output join to its final ``text``.
+    on_step : called with the run's :class:`~treedec.search.scheduler.SchedulerStats` after each engine step
+        (progress per step).
 
     Returns
     -------
@@ -113,7 +116,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"give the engine more kv_tokens; nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
-                                  max_step_tokens=max_step_tokens)
+                                  max_step_tokens=max_step_tokens, on_step=on_step)
     return [r for request in results for r in request], stats
 
 

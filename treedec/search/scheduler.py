@@ -108,7 +108,8 @@ def run_program(engine: Engine, program: Program) -> Any:
 
 def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens: int | None = None,
                  min_shared_prefix: int | None = None, preempt: bool = True,
-                 on_done: Callable[[int, Any], None] | None = None) -> tuple[list[Any], SchedulerStats]:
+                 on_done: Callable[[int, Any], None] | None = None,
+                 on_step: Callable[[SchedulerStats], None] | None = None) -> tuple[list[Any], SchedulerStats]:
     """Run ``programs`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -125,6 +126,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
     preempt : when every live program waits for pages, close the newest and queue it again
         (else raise PoolExhaustedError).
     on_done : called as ``on_done(index, result)`` when a program returns.
+    on_step : called as ``on_step(stats)`` after each engine step is launched (progress: ``stats.steps``, ...).
 
     Returns ``(results, stats)``: each program's result, in the order given, and the run's
     :class:`SchedulerStats`. A program that raises ends the run: the others are closed (their
@@ -153,7 +155,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         need = program.positions()
         if need is not None:
             check_positions(engine.model, need, _name(program, i), before_run=True)
-    return _Scheduler(engine, programs, budget, min_shared, preempt, on_done).run()
+    return _Scheduler(engine, programs, budget, min_shared, preempt, on_done, on_step).run()
 
 
 # ================================================================ private
@@ -174,9 +176,9 @@ class _Live:
 
 
 class _Scheduler:
-    def __init__(self, engine, programs, budget, min_shared, preempt, on_done):
+    def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step):
         self.engine, self.programs, self.budget = engine, programs, budget
-        self.preempt, self.on_done = preempt, on_done
+        self.preempt, self.on_done, self.on_step = preempt, on_done, on_step
         self.prefixes = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
                                        engine.pool.page_size) if min_shared else [None] * len(programs)
         self.groups = list({id(p): p for p in self.prefixes if p is not None}.values())   # each prefix once
@@ -347,6 +349,8 @@ class _Scheduler:
             self.stats.prompt_steps += any(r.prompt for r in requests)
             self.stats.queries_per_step.append(queries)
             self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes))
+            if self.on_step is not None:
+                self.on_step(self.stats)
         flat = copy.result() if copy is not None else None
         offset, read_at = 0, 0
         for i, (lv, r) in enumerate(zip(gathered, requests)):

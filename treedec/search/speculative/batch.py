@@ -49,14 +49,15 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
                       max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None,
-                      pipeline: bool | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                      pipeline: bool | None = None, on_step: Callable[[SchedulerStats], None] | None = None
+                      ) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
     ----------
     requests : :class:`RequestSpec` with ``n=1``; ``temperature=0`` unless ``acceptance`` is given.
     draft : makes each request's draft source, e.g. ``lambda spec: PromptLookupDraft()``.
-    tokenizer, chat_template, on_request_done : as :func:`~treedec.search.batch.generate_batch`.
+    tokenizer, chat_template, on_request_done, on_step : as :func:`~treedec.search.batch.generate_batch`.
     max_draft_tokens : the largest tree a draft may propose (its root included): the scheduler
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
@@ -140,5 +141,5 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         if on_request_done is not None:
             on_request_done(outputs[index])
 
-    _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens)
+    _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens, on_step=on_step)
     return [r for index in sorted(outputs) for r in outputs[index]], stats
