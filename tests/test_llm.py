@@ -11,6 +11,8 @@ from treedec import LLM, RequestOutput, SamplingParams, SpeculativeConfig
 from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.search import GenerateProgram, RequestSpec, beam_search
 from treedec.search.speculative import TreeDraft
+from treedec.search.tot import BFSConfig, ByteTokenizer, ToTProgram, tot_bfs
+from treedec.search.tot.game24 import Game24Task
 from treedec.tree.token_tree import TokenTree
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [5, 6, 7, 8, 1, 2]]
@@ -111,8 +113,14 @@ def test_beam_search_and_program_objects_share_the_engine():
     for result, prompt in zip((first, second), PROMPTS[1:]):
         assert result.sequences == beam_search(make_llm().engine, prompt, 3, 5).sequences
     spec = RequestSpec("g", prompt_ids=tuple(PROMPTS[2]), params=SamplingParams(temperature=0, max_tokens=5))
-    [outputs], stats = llm.run([GenerateProgram(spec, PROMPTS[2])])
+    task = Game24Task([4, 9, 10, 13], check_steps=False, thought_max_tokens=3, value_max_tokens=2)
+    config = BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=0.5), seed=1)
+    [outputs, tot], stats = llm.run([GenerateProgram(spec, PROMPTS[2]),
+                                     ToTProgram(llm.engine, task, ByteTokenizer(), config)])
     assert outputs[0].output_ids == plain_greedy(tiny_model(), PROMPTS[2], 5) and stats.steps >= 4
+    alone = tot_bfs(make_llm().engine, task, ByteTokenizer(), config)
+    assert [s.thoughts for s in tot.best] == [s.thoughts for s in alone.best]
+    assert llm.engine.tree.num_nodes == 0 and llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
 
 
 @pytest.mark.parametrize("call, error, message", [
