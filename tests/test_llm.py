@@ -5,7 +5,7 @@ the real SmolLM2 checkpoint against transformers (slow, skipped where it cannot 
 import pytest
 import torch
 
-from tests.engines import plain_greedy, tiny_model
+from tests.engines import plain_greedy, smollm2_or_skip, tiny_model
 from tests.tokenizers_local import build_tokenizer
 from treedec import LLM, RequestOutput, SamplingParams, SpeculativeConfig
 from treedec.models.text import encode_prompt, load_tokenizer
@@ -167,12 +167,8 @@ def test_real_checkpoint_greedy_and_logprobs_equal_transformers():
     """LLM("smollm2") (SmolLM2-135M-Instruct, fp32, CPU): a chat's greedy answer and its logprobs equal
     transformers' generate with output_scores (greedy: the scores are the raw logits) within 1e-4, and the
     speculative LLM gives the same tokens."""
-    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
     from transformers import AutoModelForCausalLM
-    try:
-        checkpoint = smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    checkpoint = smollm2_or_skip()
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     llm = LLM("smollm2", device="cpu", kv_tokens=4096)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)

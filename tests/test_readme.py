@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.engines import smollm2_or_skip
 from treedec.models import MODEL_SIZES, from_config, to_hf_config, to_hf_state_dict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,11 +60,7 @@ def test_readme_has_the_blocks_this_test_knows():
 def test_the_llm_block_runs_on_the_real_model(capsys):
     """The front-door block: SmolLM2 through LLM / SamplingParams / SpeculativeConfig (its assert: speculative
     greedy == plain greedy); skipped where the checkpoint cannot be had."""
-    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
-    try:
-        smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    smollm2_or_skip()
     [block] = real_model_blocks()
     namespace: dict = {"__name__": "readme"}
     exec(compile(block, "README.md's LLM block", "exec"), namespace)
@@ -136,12 +133,7 @@ def test_main_job_runs_on_the_real_model_and_prints_what_the_readme_says(tmp_pat
     """The README's main command (the model cached, as on its second run): exit 0, the tokens equal plain greedy
     decoding's, and the README's expected output, times aside. It must run in well under a minute (~35 s on a
     2-core CPU); the time is not asserted (a loaded machine is slower), the run's own is printed."""
-    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
-
-    try:
-        smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    smollm2_or_skip()
     env, argv = _main_job()
     result = subprocess.run([sys.executable, "-m", "treedec", *argv[1:], "--no-progress"], capture_output=True,
                             text=True, cwd=tmp_path, timeout=600, env={**os.environ, **env})

@@ -3,15 +3,12 @@ import json
 import pytest
 
 from bench.acceptance_real import main
-from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
+from tests.engines import smollm2_or_skip
 
 
 @pytest.mark.slow
 def test_acceptance_bench_smoke_run(tmp_path):
-    try:
-        smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    smollm2_or_skip()
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     [path] = tmp_path.glob("*-acceptance-real-smoke.json")
     results = json.loads(path.read_text())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
+from tests.engines import smollm2_or_skip
 from treedec.search.sampling import SamplingParams
 from treedec.engine import Engine
 from treedec.models import from_pretrained, resolve_model
@@ -37,10 +38,7 @@ EAGLE_NEW_TOKENS = 8   # on all three prompts: several drafted and verified tree
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    try:
-        return smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    return smollm2_or_skip()
 
 
 @pytest.fixture(scope="module")

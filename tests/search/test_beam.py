@@ -4,23 +4,11 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.engines import tiny_hf_llama
 from treedec.engine import Engine
-from treedec.models import from_hf_model
 from treedec.search.beam import beam_search
 
 PROMPT = [158, 198, 212, 41, 0, 98, 171, 81, 122]
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_llama()
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return from_hf_model(hf)
 
 
 def make_engine(model, page_size=4):

@@ -17,16 +17,6 @@ PROMPT = [158, 198, 212, 41, 0, 98, 171, 81, 122, 158, 198]
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_llama()
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return from_hf_model(hf)
-
-
 def run(model, params, prompt=PROMPT, pipeline=False, **kwargs):
     engine = Engine(model, kv_tokens=1024, page_size=4, backend="torch")
     results, _ = generate_batch(engine, [RequestSpec(0, prompt_ids=tuple(prompt), params=params)], pipeline=pipeline,

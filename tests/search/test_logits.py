@@ -9,6 +9,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from tests.engines import smollm2_or_skip
 from treedec.search.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
                                    count_tokens_, min_p_filter, output_token_counts, prompt_logprobs,
                                    prompt_token_mask, token_logprobs, warp_scores)
@@ -293,11 +294,7 @@ def test_bad_logprobs_arguments_raise():
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
-    try:
-        return smollm2_checkpoint()
-    except CheckpointUnavailable as e:
-        pytest.skip(str(e))
+    return smollm2_or_skip()
 
 
 @pytest.mark.slow
