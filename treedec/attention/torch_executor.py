@@ -6,8 +6,8 @@
 - ``chunks``: the plan as the kernels run it: a partial (O, LSE) per entry, chunk by chunk, then the per-query
   merge. It checks planners on any machine.
 - ``dense``: one masked attention of every query over all of the plan's KV tokens at once (a handful of ops
-  a layer). It computes what the queries do not read too, so ``auto`` takes it only where that costs at most
-  :data:`DENSE_MAX_WASTE` times the chunks' work (one request decoding, a token tree or a prompt chunk of one
+  a layer). It computes what the queries do not read too, so ``auto`` takes it only where that is at most
+  :data:`DENSE_MAX_WASTE` times the scores they need (one request decoding, a token tree or a prompt chunk of one
   request: every query reads most of the tokens). On the CPU a step of one decoding request then runs ~8 ops a
   layer instead of ~15 per chunk plus the merge (``bench/cpu_generate.py``).
 
@@ -27,7 +27,7 @@ from treedec.attention.tree_plan import MASK_BITS, TreePlan
 TORCH_FORMS = ("auto", "dense", "chunks")
 
 #: ``auto`` runs the dense form while its score count (queries x KV tokens) is at most this many times the
-#: chunks' (each entry's query x its chunk's tokens).
+#: scores the queries need (the tokens each reads): one request's decode, token tree or causal prompt chunk.
 DENSE_MAX_WASTE = 2
 
 
@@ -88,10 +88,9 @@ def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto"
     starts = plan.chunk_kv_start
     lengths = starts[1:] - starts[:-1]
     entry_chunk = np.repeat(np.arange(plan.num_chunks), plan.chunk_entry_start[1:] - plan.chunk_entry_start[:-1])
-    if form == "auto":
-        chunk_work = int(lengths[entry_chunk].sum())
-        form = "dense" if plan.num_queries * plan.num_tokens <= DENSE_MAX_WASTE * chunk_work else "chunks"
     reads = _entry_reads(plan, entry_chunk, lengths)
+    if form == "auto":
+        form = "dense" if plan.num_queries * plan.num_tokens <= DENSE_MAX_WASTE * int(reads.sum()) else "chunks"
     if form == "dense":
         dense = np.zeros((plan.num_queries, plan.num_tokens), dtype=bool)
         entry, column = np.nonzero(reads)
