@@ -87,20 +87,20 @@ def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto"
         raise ValueError(f"form must be one of {TORCH_FORMS}, got {form!r}")
     starts = plan.chunk_kv_start
     lengths = starts[1:] - starts[:-1]
+    # (query, token) pairs read: one bit each in the entries' masks (bits past a chunk are 0)
+    needed = int(np.unpackbits(np.ascontiguousarray(plan.entry_mask).view(np.uint8)).sum())
+    scores = plan.num_queries * plan.num_tokens
+    if form == "auto":
+        form = "dense" if scores <= DENSE_MAX_WASTE * needed else "chunks"
+    if form == "dense" and needed == scores:   # every query reads every token (one request decoding): no mask
+        return _dense(plan, None, device)
     entry_chunk = np.repeat(np.arange(plan.num_chunks), plan.chunk_entry_start[1:] - plan.chunk_entry_start[:-1])
     reads = _entry_reads(plan, entry_chunk, lengths)
-    if form == "auto":
-        form = "dense" if plan.num_queries * plan.num_tokens <= DENSE_MAX_WASTE * int(reads.sum()) else "chunks"
     if form == "dense":
         dense = np.zeros((plan.num_queries, plan.num_tokens), dtype=bool)
         entry, column = np.nonzero(reads)
         dense[plan.entry_query[entry], starts[entry_chunk[entry]] + column] = True
-        reads_t = None if dense.all() else torch.from_numpy(dense).to(device)
-        slots = plan.kv_slots
-        if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and (slots[1:] - slots[:-1] == 1).all():
-            return TorchLaunch("dense", plan.num_queries, slot_range=(int(slots[0]), int(slots[-1]) + 1),
-                               reads=reads_t)
-        return TorchLaunch("dense", plan.num_queries, _tensor(slots, device), reads=reads_t)
+        return _dense(plan, torch.from_numpy(dense).to(device), device)
     chunks = []
     for c in range(plan.num_chunks):
         e0, e1 = int(plan.chunk_entry_start[c]), int(plan.chunk_entry_start[c + 1])
@@ -181,6 +181,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: torch.Tens
     else:
         out = torch.bmm(torch.softmax(scores, dim=-1), v.permute(1, 0, 2))
     return TorchAttention(out.view(hkv, g, group, d).permute(1, 0, 2, 3).reshape(g, hq, d), lse)
+
+
+def _dense(plan: TreePlan, reads: torch.Tensor | None, device) -> TorchLaunch:
+    """The dense launch of ``plan`` with its ``reads`` mask: the slots as a range where they are consecutive."""
+    slots = plan.kv_slots
+    if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and (slots[1:] - slots[:-1] == 1).all():
+        return TorchLaunch("dense", plan.num_queries, slot_range=(int(slots[0]), int(slots[-1]) + 1), reads=reads)
+    return TorchLaunch("dense", plan.num_queries, _tensor(slots, device), reads=reads)
 
 
 def _entry_reads(plan: TreePlan, entry_chunk: np.ndarray, lengths: np.ndarray) -> np.ndarray:
