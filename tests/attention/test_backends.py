@@ -86,6 +86,10 @@ def test_a_registered_backend_runs_through_tree_attention(monkeypatch):
             runs.append(plan.plan.num_queries)
             return super().run(q, k_cache, v_cache, plan)
 
+        def run_out(self, q, k_cache, v_cache, plan):   # (what TreeAttention.run calls without return_lse)
+            runs.append(plan.plan.num_queries)
+            return super().run_out(q, k_cache, v_cache, plan)
+
     register_backend(Counting)
     assert resolve_backend("counting", torch.device("cpu")) == ("counting", "requested 'counting'")
     pool = PagedKVPool(8, 4, num_kv_heads=2, head_dim=64, dtype=torch.float32)

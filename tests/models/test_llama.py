@@ -171,3 +171,18 @@ def test_rope_config_reading():
         ModelConfig.from_hf(LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
     assert ModelConfig.from_hf(Qwen2Config(use_sliding_window=False)).sliding_window is None
     assert ModelConfig.from_hf(MistralConfig(sliding_window=4096)).sliding_window == 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm_is_transformers_bit_for_bit(dtype, rows):
+    """fp32 takes torch's one-call rms_norm, half precision the composite: both equal LlamaRMSNorm exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from treedec.models.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    reference = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        reference.weight.copy_(1 + 0.1 * torch.randn(576, generator=gen))
+        assert torch.equal(rms_norm(x, reference.weight, 1e-5), reference(x))

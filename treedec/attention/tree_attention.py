@@ -181,9 +181,10 @@ class TreeAttention:
         lse : [Q, num_qo_heads] float32, natural log.
         """
         self._check_inputs(q, k_cache, v_cache, plan)
+        if not return_lse:
+            return self.backend_impl.run_out(q, k_cache, v_cache, plan).to(q.dtype)
         out, lse = self.backend_impl.run(q, k_cache, v_cache, plan)
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
+        return out.to(q.dtype), lse
 
     def op_args(self, plan: DeviceTreePlan) -> OpArgs:
         """``plan`` (prepared for a backend with a custom op, :attr:`Backend.custom_op`) as

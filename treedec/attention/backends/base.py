@@ -137,6 +137,13 @@ class Backend(ABC):
         """Launch only: ``out [Q, Hq, D]`` and ``lse [Q, Hq]`` float32 (natural log), for inputs that
         ``TreeAttention`` and :meth:`check_inputs` have checked."""
 
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+                ) -> torch.Tensor:
+        """:meth:`run` for a caller that reads ``out [Q, Hq, D]`` only (a model's layer; ``TreeAttention.run``
+        without ``return_lse``). Default: :meth:`run`'s ``out``; a backend that saves work without the LSE
+        overrides it."""
+        return self.run(q, k_cache, v_cache, plan)[0]
+
     def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raise a clear error for inputs this backend cannot take beyond what ``TreeAttention`` checks
         (its head configuration, dtypes, devices, the plan's backend); default: none."""

@@ -1,19 +1,24 @@
-"""The ``torch`` and ``reference`` backends: PyTorch ops on any device, nothing to prepare."""
+"""The ``torch`` and ``reference`` backends: PyTorch ops on any device."""
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from treedec.attention.backends.base import Backend, SpanMasking
 from treedec.attention.reference import reference_tree_attention
-from treedec.attention.torch_executor import run_plan_torch
+from treedec.attention.torch_executor import TORCH_FORMS, TorchLaunch, prepare_torch, run_torch
 from treedec.attention.tree_plan import DeviceTreePlan
 
 
 class TorchBackend(Backend):
-    """Executes any plan chunk by chunk with PyTorch ops (fp32 math): the CPU default.
+    """Executes any plan with PyTorch ops (fp32 math): the CPU default.
 
-    It indexes with the host plan (``plan.plan``), so it runs any :class:`DeviceTreePlan` and a
-    dynamic span is masked in that host plan.
+    :meth:`prepare` makes the step's :class:`~treedec.attention.torch_executor.TorchLaunch` from the host plan
+    (``plan.plan``; a dynamic span is masked there) once, in the form ``form`` says: ``auto`` (the default) runs
+    one dense masked attention over all the plan's KV tokens where that wastes little (one request decoding), else
+    chunk by chunk as the kernels do (see :mod:`treedec.attention.torch_executor`). :attr:`forms` counts the
+    forms prepared. :meth:`run` also takes a plan prepared by nothing (or another backend): it prepares it itself.
     """
 
     name = "torch"
@@ -22,8 +27,12 @@ class TorchBackend(Backend):
     custom_op = False
     span_masking = SpanMasking.HOST
 
-    def __init__(self, sm_scale: float):
+    def __init__(self, sm_scale: float, form: str = "auto"):
+        if form not in TORCH_FORMS:
+            raise ValueError(f"form must be one of {TORCH_FORMS}, got {form!r}")
         self.sm_scale = sm_scale
+        self.form = form
+        self.forms: Counter = Counter()
 
     @classmethod
     def why_unavailable(cls, device: torch.device) -> str | None:
@@ -34,23 +43,39 @@ class TorchBackend(Backend):
                device: torch.device) -> TorchBackend:
         return cls(sm_scale)
 
-    def prepare(self, plan: DeviceTreePlan) -> None:
-        return None
+    def prepare(self, plan: DeviceTreePlan) -> TorchLaunch:
+        launch = prepare_torch(plan.plan, plan.kv_slots.device, self.form)
+        self.forms[launch.form] += 1
+        return launch
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_plan_torch(q, k_cache, v_cache, plan.plan, self.sm_scale)
+        return tuple(run_torch(q, k_cache, v_cache, self._launch(plan), self.sm_scale))
+
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+                ) -> torch.Tensor:
+        return run_torch(q, k_cache, v_cache, self._launch(plan), self.sm_scale, return_lse=False).out
+
+    def _launch(self, plan: DeviceTreePlan) -> TorchLaunch:
+        return plan.prepared if isinstance(plan.prepared, TorchLaunch) else self.prepare(plan)
 
 
 class ReferenceBackend(TorchBackend):
     """Dense fp32 masked attention over the plan's layout: the ground truth of every test.
 
-    It attends by the tree's layout, not the plan's masks, so it takes no dynamic span.
+    It attends by the tree's layout, not the plan's masks, so it takes no dynamic span and prepares nothing.
     """
 
     name = "reference"
     span_masking = SpanMasking.UNSUPPORTED
 
+    def prepare(self, plan: DeviceTreePlan) -> None:
+        return None
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
             ) -> tuple[torch.Tensor, torch.Tensor]:
         return reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, self.sm_scale)
+
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
+                ) -> torch.Tensor:
+        return self.run(q, k_cache, v_cache, plan)[0]
