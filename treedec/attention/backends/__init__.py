@@ -1,8 +1,8 @@
 """Attention backends: the :class:`Backend` protocol, the registry of the four, and how ``auto`` chooses.
 
-``reference`` (dense fp32, the ground truth), ``torch`` (any plan: one masked attention for one request, chunk by chunk for a forest), ``triton``
-and ``cuda`` (the kernels) register here, in that order; :func:`get_backend` finds one by name
-and :func:`resolve_backend` maps a request (or ``auto``) to one that runs on a device.
+``reference`` (dense fp32, the ground truth), ``torch`` (any plan: one masked attention for one request, chunk
+by chunk for a forest), ``triton`` and ``cuda`` (the kernels) register here, in that order; :func:`get_backend`
+finds one by name and :func:`resolve_backend` maps a request (or ``auto``) to one that runs on a device.
 """
 from __future__ import annotations
 
