@@ -140,7 +140,9 @@ def test_a_wait_is_retried_once_pages_are_free(tiny):
 
 def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
     """Sampled generation, greedy speculative decoding, a ToT search, beam search and a branch
-    controller share the engine's steps; each result is the program's alone (fp32, the CPU)."""
+    controller share the engine's steps; each result is the program's alone (fp32, the CPU; the beam scores to
+    1e-4: the torch backend computes one request's step as one masked attention and a forest's chunk by chunk,
+    which round differently in the last bits)."""
     def programs():
         spec = RequestSpec("s", prompt_ids=tuple(prompt(1, 9)),
                            params=SamplingParams(max_tokens=9, temperature=0.9, seed=4, n=2))
@@ -159,7 +161,7 @@ def test_every_kind_of_program_in_one_run_gives_what_it_gives_alone(tiny):
         sampled, (checker, _), tot, beams, run = results
         return ([r.output_ids for r in sampled], checker.token_ids,
                 [(s.index, s.thoughts, s.value) for s in tot.best], [lv.thoughts for lv in tot.levels],
-                beams.sequences, beams.scores, run.steps, run.queries_per_step)
+                beams.sequences, [round(x, 4) for x in beams.scores], run.steps, run.queries_per_step)
 
     engine = Engine(tiny, kv_tokens=1 << 14, page_size=4, backend="torch")
     together, stats = run_programs(engine, programs())
