@@ -214,7 +214,7 @@ def _converted(gguf_file: Path, hf_config) -> Callable[[Path], None]:
         with torch.device("meta"):   # only names and shapes, for the GGUF-to-transformers tensor names
             skeleton = AutoModelForCausalLM.from_config(hf_config)
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)["tensors"]
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config).float()   # (no dtype argument: its name changed in 4.56)
         result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         generation = GenerationConfig.from_model_config(hf_config)
