@@ -160,6 +160,8 @@ def test_bad_constructor_arguments():
         make_llm(speculative="ngram")
     with pytest.raises(ValueError, match="kv_tokens must be an int >= 1"):
         LLM(tiny_model(), kv_tokens=0)
+    with pytest.raises(ValueError, match="a loaded model keeps its own"):
+        LLM(tiny_model(), device="cpu")
 
 
 @pytest.mark.slow

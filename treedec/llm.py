@@ -101,8 +101,8 @@ class LLM:
         folder, a hub repo id in the local cache), or a loaded :class:`~treedec.models.Llama`.
     tokenizer : the tokenizer (anything :func:`~treedec.models.text.load_tokenizer` loads, or a loaded one);
         default the model's own when ``model`` is a name; None with a loaded model: token-id prompts only.
-    device : default ``"cuda"`` when a GPU is there, else ``"cpu"``.
-    dtype : default bf16 on a GPU, fp32 on the CPU.
+    device : default ``"cuda"`` when a GPU is there, else ``"cpu"`` (a model given by name only).
+    dtype : default bf16 on a GPU, fp32 on the CPU (a model given by name only).
     kv_tokens : the KV pool's size in tokens; default what free GPU memory holds, or 32768 on the CPU.
     page_size : tokens per KV page.
     backend : tree attention's backend (``"auto"`` reports what it chose: ``llm.engine.attn.backend_reason``).
@@ -125,6 +125,9 @@ class LLM:
         if kv_tokens is not None:
             positive_int("kv_tokens", kv_tokens)
         if isinstance(model, Llama):
+            if device is not None or dtype is not None:
+                raise ValueError(f"device and dtype place a model loaded by name; a loaded model keeps its own "
+                                 f"({model.device}, {model.dtype}): move it first, or give its name")
             self.model, self.name = model, type(model).__name__
         elif isinstance(model, str):
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
