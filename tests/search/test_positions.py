@@ -55,7 +55,7 @@ def test_a_batch_refuses_a_request_past_the_positions_before_anything_runs():
              RequestSpec("edge", prompt_ids=ids(60, 1), params=SamplingParams(max_tokens=4, temperature=0.0)),
              RequestSpec("long", prompt_ids=ids(60, 2), line=7, params=SamplingParams(max_tokens=5, temperature=0.0))]
     with pytest.raises(ValueError, match=r"request 'long' \(line 7\) may reach 65 positions \(a 60-token prompt "
-                                         r"\+ max_new_tokens 5\), more than the model's max_position 64 .*nothing was "
+                                         r"\+ max_tokens 5\), more than the model's max_position 64 .*nothing was "
                                          r"run"):
         generate_batch(engine, specs, on_request_done=done.append)
     assert untouched(engine) and done == []

@@ -10,10 +10,10 @@ the draft engine), and all requests' token trees are verified in one engine step
 (:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
 at each request's ``temperature``, ``top_k`` and ``top_p`` (``--accept sample``; default the
-flags of the same names), seeded by its ``seed`` (default ``--seed``). The results file (``--out``, JSONL whatever its suffix) has one line per request,
-its ``stats`` with the accepted draft tokens of each step, each appended as its request finishes
-(so in the order they finish; a run that fails keeps every finished request's line:
-:mod:`treedec.commands.batch_io`).
+flags of the same names), seeded by its ``seed`` (default ``--seed``). The results file (``--out``, JSONL
+whatever its suffix) has one line per request, its ``stats`` with the accepted draft tokens of each step, each
+appended as its request finishes (so in the order they finish; a run that fails keeps every finished request's
+line: :mod:`treedec.commands.batch_io`).
 
 Everything that does not need the model's weights is checked before they load: the flags, the
 prompts file, each request against the acceptance rule (one output, greedy at temperature 0,
@@ -111,28 +111,28 @@ def _draft_factory(draft, choices: list[list[int]]):
 def _acceptance(args: argparse.Namespace, spec):
     """A request's acceptance rule, at its temperature and seed (None for greedy acceptance, which takes a request
     at temperature 0 only); a request ``--accept`` cannot take raises ValueError naming it and its line."""
-    name = request_name(spec.id, spec.line)
-    spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {name}")
-    if spec.params.n != 1:
-        raise ValueError(f"request {name} asks for n={spec.params.n} outputs: treedec spec decodes one output a request; "
+    name, params = request_name(spec.id, spec.line), spec.params
+    params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {name}")
+    if params.n != 1:
+        raise ValueError(f"request {name} asks for n={params.n} outputs: treedec spec decodes one output a request; "
                          f"give it n=1, or run the file with treedec generate")
     if args.accept == "greedy":
-        if spec.params.temperature != 0:
-            raise ValueError(f"request {name} samples at temperature {spec.params.temperature:g}, which --accept greedy "
+        if params.temperature != 0:
+            raise ValueError(f"request {name} samples at temperature {params.temperature:g}, which --accept greedy "
                              f"cannot take: run the file with --accept sample (lossless) or typical, or give the "
                              f"request temperature 0")
         return None
-    seed = args.seed if spec.params.seed is None else spec.params.seed
-    if spec.params.temperature == 0:
+    seed = args.seed if params.seed is None else params.seed
+    if params.temperature == 0:
         raise ValueError(f"request {name}: --accept {args.accept} samples and needs a temperature > 0 "
                          f"(the request's or --temperature), got 0")
     if args.accept == "typical":
-        if spec.params.top_k is not None or spec.params.top_p != 1.0:
+        if params.top_k is not None or params.top_p != 1.0:
             raise ValueError(f"request {name} gives top_k / top_p, which --accept typical does not take: run the "
                              f"file with --accept sample, or leave them out")
-        return TypicalAcceptance(temperature=spec.params.temperature, posterior_threshold=args.posterior_threshold,
+        return TypicalAcceptance(temperature=params.temperature, posterior_threshold=args.posterior_threshold,
                                  posterior_alpha=args.posterior_alpha, seed=seed)
-    return RejectionSampling(temperature=spec.params.temperature, seed=seed, top_k=spec.params.top_k, top_p=spec.params.top_p)
+    return RejectionSampling(temperature=params.temperature, seed=seed, top_k=params.top_k, top_p=params.top_p)
 
 
 def _check_token_ids_only(args: argparse.Namespace, specs) -> None:

@@ -21,7 +21,8 @@ from treedec.search.generate import greedy_generate
 from treedec.search.parallel_sampling import (SamplingResult, SelfConsistencyResult, majority_vote, parallel_sample,
                                               self_consistency)
 from treedec.search.program import Program, ProgramContext
-from treedec.search.requests_file import RequestResult, RequestSpec, RequestsFileError, read_requests, write_results_jsonl
+from treedec.search.requests_file import (RequestResult, RequestSpec, RequestsFileError, read_requests,
+                                          write_results_jsonl)
 from treedec.search.logits import Logprob, LogitsProcessorError, TokenLogprobs
 from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs

@@ -108,12 +108,13 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         check_positions(engine.model, program.positions(), program.name, before_run=True)
     budget = engine.pool.num_free_pages
     for spec, prompt_ids in prepared:
-        worst = engine.pool.pages_for(len(prompt_ids)) + spec.params.n * engine.pool.pages_for(spec.params.max_tokens)
+        n, new = spec.params.n, spec.params.max_tokens
+        worst = engine.pool.pages_for(len(prompt_ids)) + n * engine.pool.pages_for(new)
         if worst > budget:
             raise PoolExhaustedError(
-                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.params.n} x "
-                f"{spec.params.max_tokens} new tokens), the pool has {budget} free; lower max_new_tokens or n, or "
-                f"give the engine more kv_tokens; nothing was run")
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {n} x {new} new "
+                f"tokens), the pool has {budget} free; lower max_tokens or n, or give the engine more kv_tokens; "
+                f"nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
                                   max_step_tokens=max_step_tokens, on_step=on_step)
@@ -216,7 +217,7 @@ class GenerateProgram(Program):
 
     def positions(self) -> Positions:
         m = self.spec.params.max_tokens
-        return Positions(len(self.prompt_ids) + m, f"a {len(self.prompt_ids)}-token prompt + max_new_tokens {m}")
+        return Positions(len(self.prompt_ids) + m, f"a {len(self.prompt_ids)}-token prompt + max_tokens {m}")
 
     def step_pages(self, pool) -> int:
         return self.spec.params.n   # each output may start a page

@@ -125,7 +125,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + programs[-1].step_pages(pool)
         if worst > pool.num_free_pages:
             raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
-                                     f"{pool.num_free_pages} free; lower max_new_tokens or max_draft_tokens, or give "
+                                     f"{pool.num_free_pages} free; lower max_tokens or max_draft_tokens, or give "
                                      f"the engine more kv_tokens; nothing was run")
     outputs: dict[int, list[RequestResult]] = {}
 
