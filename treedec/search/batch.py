@@ -149,8 +149,8 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         if bad:
             raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.params.stop and tokenizer is None:
-            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched on "
-                             f"the output text and need the checkpoint's tokenizer")
+            raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
+                             f"on the output text and need the checkpoint's tokenizer")
         out.append((spec, prompt_ids))
     if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
         engine.restrict_vocab(len(tokenizer))   # a padded embedding: ids past the tokenizer are never sampled
