@@ -157,7 +157,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         need = program.positions()
         if need is not None:
             check_positions(engine.model, need, _name(program, i), before_run=True)
-    return _Scheduler(engine, programs, budget, min_shared, preempt, on_done, on_step).run()
+    return SchedulerLoop(engine, programs, budget, min_shared, preempt, on_done, on_step).run()
 
 
 # ================================================================ private
@@ -177,12 +177,11 @@ class _Live:
     read: torch.Tensor | None = None    # what its Read asks for
 
 
-class _Scheduler:
-    """The loop's state. :meth:`iterate` is one iteration; :meth:`run` (:func:`run_programs`) loops it over a
-    fixed list, :class:`~treedec.search.online.OnlineScheduler` drives it while programs come and go
-    (:meth:`add`, :meth:`drop`). ``on_error`` None: an error of a program propagates (the caller ends the run,
-    :meth:`abandon`); else it is given as ``on_error(index, error)`` and the other programs go on. One
-    thread drives it."""
+class SchedulerLoop:
+    """The loop's state (the search layer's own: not exported). :meth:`iterate` is one iteration; :meth:`run`
+    (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.search.online.OnlineScheduler` while
+    programs come and go (:meth:`add`, :meth:`drop`). ``on_error`` None: a program's error propagates (the
+    run ends, :meth:`abandon`); else ``on_error(index, error)`` and the others go on. One thread drives it."""
 
     def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step, on_error=None):
         self.engine, self.budget = engine, budget
