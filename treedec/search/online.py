@@ -22,7 +22,7 @@ start of each iteration; the callbacks run on the driving thread.
 :class:`OnlineEngine` is that driving thread, for a server: a background thread loops ``iterate()`` while
 there is work and sleeps on an event when idle; :meth:`OnlineEngine.submit` takes a
 :class:`~treedec.search.requests_file.RequestSpec` (a :class:`~treedec.search.batch.GenerateProgram`) and
-returns an asyncio async iterator of :class:`RequestOutput`: text deltas as they are accepted, then the
+returns an asyncio async iterator of :class:`StreamOutput`: text deltas as they are accepted, then the
 request's final :class:`~treedec.search.requests_file.RequestResult` list; handed to the caller's event loop
 with ``loop.call_soon_threadsafe``.
 """
@@ -42,7 +42,7 @@ from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerLoop, SchedulerStats
 
-__all__ = ["OnlineEngine", "OnlineScheduler", "ProgramAborted", "RequestOutput"]
+__all__ = ["OnlineEngine", "OnlineScheduler", "ProgramAborted", "StreamOutput"]
 
 
 class ProgramAborted(Exception):
@@ -156,7 +156,7 @@ class OnlineScheduler:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
+class StreamOutput:
     """One item of an :class:`OnlineEngine` stream.
 
     Attributes
@@ -183,7 +183,7 @@ class OnlineEngine:
 
     The thread loops :meth:`OnlineScheduler.iterate` while there is work and sleeps when idle. Nothing
     else may step ``engine`` while it runs. :meth:`submit` (in a coroutine of an asyncio loop) returns an
-    async iterator of :class:`RequestOutput`; :meth:`abort` ends a request (its stream raises
+    async iterator of :class:`StreamOutput`; :meth:`abort` ends a request (its stream raises
     :class:`ProgramAborted`); :meth:`shutdown` aborts every request and joins the thread. Use it as a
     context manager to shut it down on exit.
 
@@ -210,16 +210,16 @@ class OnlineEngine:
         self._thread.start()
 
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None
-               ) -> AsyncIterator[RequestOutput]:
+               ) -> AsyncIterator[StreamOutput]:
         """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here); returns an
-        async iterator of its :class:`RequestOutput`, the last one ``finished``. Call it in a coroutine (the
+        async iterator of its :class:`StreamOutput`, the last one ``finished``. Call it in a coroutine (the
         running loop gets the outputs). A request id must be unique among the running requests."""
         loop = asyncio.get_running_loop()
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
         stream = _Stream(loop, spec.id)
-        on_text = None if tokenizer is None else (lambda s, index, delta: stream.put(RequestOutput(s.id, index, delta)))
+        on_text = None if tokenizer is None else (lambda s, index, delta: stream.put(StreamOutput(s.id, index, delta)))
         program = GenerateProgram(spec, prompt_ids, tokenizer, pipeline=self.engine.device.type == "cuda",
                                   on_text=on_text)
         with self._lock:
@@ -289,7 +289,7 @@ class OnlineEngine:
     def _done(self, handle: int, results: list[RequestResult]) -> None:
         stream = self._finish(handle)
         if stream is not None:
-            stream.put(RequestOutput(stream.request_id, results=results))
+            stream.put(StreamOutput(stream.request_id, results=results))
             stream.close()
 
     def _failed(self, handle: int, error: BaseException) -> None:
@@ -323,7 +323,7 @@ class _Stream:
     def __aiter__(self) -> "_Stream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> StreamOutput:
         item = await self.queue.get()
         if item is _END:
             self.queue.put_nowait(_END)   # (iterating again ends again)
