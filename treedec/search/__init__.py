@@ -8,7 +8,9 @@
 - beam search (:func:`beam_search`, :class:`BeamProgram`) and the branch controller (:func:`run_controller`,
   :class:`Controller`, :class:`BranchEvery`, :class:`ControllerProgram`);
 - the scheduler (:func:`run_programs`, :func:`run_program`, :class:`SchedulerStats`) and what a program is
-  (:class:`Program`, :class:`ProgramContext`);
+  (:class:`Program`, :class:`ProgramContext`); online decoding, programs submitted and aborted while it runs
+  (:class:`OnlineScheduler`, :class:`ProgramAborted`) and its driving thread for a server (:class:`OnlineEngine`,
+  :class:`StreamOutput`);
 - stops (:class:`StopRule`, :class:`StopChecker`) and prompts files (:func:`read_requests`, :class:`RequestSpec`,
   :func:`write_results_jsonl`);
 - sub-packages: :mod:`treedec.search.speculative` (speculative decoding, draft sources, acceptance) and
@@ -18,6 +20,7 @@ from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, BeamSearchResult, BeamSearchStats, beam_search
 from treedec.search.controller import BranchEvery, Controller, ControllerProgram, ControllerRun, run_controller
 from treedec.search.generate import greedy_generate
+from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted, StreamOutput
 from treedec.search.parallel_sampling import (SamplingResult, SelfConsistencyResult, majority_vote, parallel_sample,
                                               self_consistency)
 from treedec.search.program import Program, ProgramContext
@@ -29,8 +32,9 @@ from treedec.search.scheduler import SchedulerStats, run_program, run_programs
 from treedec.search.stops import StopChecker, StopRule
 
 __all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
-           "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob", "Program",
-           "ProgramContext", "RequestResult", "RequestSpec", "RequestsFileError", "SamplingParams", "SamplingResult",
-           "SchedulerStats", "SelfConsistencyResult", "StopChecker", "StopRule", "TokenLogprobs", "beam_search",
-           "generate_batch", "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller",
-           "run_program", "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]
+           "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob", "OnlineEngine",
+           "OnlineScheduler", "Program", "ProgramAborted", "ProgramContext", "RequestResult", "RequestSpec",
+           "RequestsFileError", "SamplingParams", "SamplingResult", "SchedulerStats", "SelfConsistencyResult",
+           "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs", "beam_search", "generate_batch",
+           "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller", "run_program",
+           "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]

@@ -46,6 +46,8 @@ program gets the values read in its next :class:`StepRows`, copied for all progr
 
 :func:`run_program` runs a single program (the one-request functions of :mod:`treedec.search`
 are that); there a :class:`Wait` raises at once, as there is nothing to wait for.
+:class:`~treedec.search.online.OnlineScheduler` drives the same loop, an iteration at a time, while
+programs are submitted and aborted.
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         need = program.positions()
         if need is not None:
             check_positions(engine.model, need, _name(program, i), before_run=True)
-    return _Scheduler(engine, programs, budget, min_shared, preempt, on_done, on_step).run()
+    return SchedulerLoop(engine, programs, budget, min_shared, preempt, on_done, on_step).run()
 
 
 # ================================================================ private
@@ -175,44 +177,94 @@ class _Live:
     read: torch.Tensor | None = None    # what its Read asks for
 
 
-class _Scheduler:
-    def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step):
-        self.engine, self.programs, self.budget = engine, programs, budget
-        self.preempt, self.on_done, self.on_step = preempt, on_done, on_step
-        self.prefixes = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
-                                       engine.pool.page_size) if min_shared else [None] * len(programs)
-        self.groups = list({id(p): p for p in self.prefixes if p is not None}.values())   # each prefix once
+class SchedulerLoop:
+    """The loop's state (the search layer's own: not exported). :meth:`iterate` is one iteration; :meth:`run`
+    (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.search.online.OnlineScheduler` while
+    programs come and go (:meth:`add`, :meth:`drop`). ``on_error`` None: a program's error propagates (the
+    run ends, :meth:`abandon`); else ``on_error(index, error)`` and the others go on. One thread drives it."""
+
+    def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step, on_error=None):
+        self.engine, self.budget = engine, budget
+        self.preempt, self.on_done, self.on_step, self.on_error = preempt, on_done, on_step, on_error
+        shared = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
+                                engine.pool.page_size) if min_shared else [None] * len(programs)
+        self.programs = dict(enumerate(programs))   # index -> program, until it retires or fails
+        self.prefixes = dict(enumerate(shared))     # index -> its shared prefix or None
+        self.groups = list({id(p): p for p in shared if p is not None}.values())   # each prefix once
         self.stats = SchedulerStats()
         self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1) for p in self.groups)
         self.queue = deque(range(len(programs)))
         self.live: list[_Live] = []
-        self.results: dict[int, Any] = {}
         self.admitted = 0
+        self.held_before = pages_in_use(engine.pool)
 
     def run(self) -> tuple[list[Any], SchedulerStats]:
-        engine, stats = self.engine, self.stats
-        held_before = pages_in_use(engine.pool)
+        results: dict[int, Any] = {}
+        given = self.on_done
+
+        def done(index: int, result: Any) -> None:
+            results[index] = result
+            if given is not None:
+                given(index, result)
+
+        self.on_done = done
+        count = len(self.programs)
         start = time.perf_counter()
         try:
             while self.queue or self.live:
-                self._admit()
-                gathered = self._resume()
-                stats.peak_pages = max(stats.peak_pages, pages_in_use(engine.pool) - held_before)
-                if gathered:
-                    self._step(gathered)
-                elif self.live and all(lv.waiting is not None for lv in self.live):
-                    self._relieve()
+                self.iterate()
         except BaseException:
-            tree = engine.tree
-            if tree.num_pending:   # a failed step: its tokens were never computed, nothing reads them
-                tree.commit_step()
-            for lv in self.live:
-                lv.gen.close()
-            for prefix in self.groups:
-                prefix.evict(tree)
+            self.abandon()
             raise
-        stats.seconds = time.perf_counter() - start
-        return [self.results[i] for i in range(len(self.programs))], stats
+        self.stats.seconds = time.perf_counter() - start
+        return [results[i] for i in range(count)], self.stats
+
+    def iterate(self) -> bool:
+        """One iteration: admit, resume, then one engine step (or, when every live program waits for pages,
+        relieve the pool). Returns whether programs are left (queued or live)."""
+        self._admit()
+        gathered = self._resume()
+        self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
+        if gathered:
+            self._step(gathered)
+        elif self.live and all(lv.waiting is not None for lv in self.live):
+            self._relieve()
+        return bool(self.queue or self.live)
+
+    def abandon(self) -> list[int]:
+        """After an error that ends every live program (a failed step): mark the tokens left pending computed
+        (nothing reads them), close the live programs (their pages freed) and prune the shared prefixes.
+        Returns the indices of the programs closed; the queued ones stay queued."""
+        tree = self.engine.tree
+        if tree.num_pending:   # a failed step: its tokens were never computed, nothing reads them
+            tree.commit_step()
+        closed, self.live = self.live, []
+        for lv in closed:
+            lv.gen.close()
+            self.programs.pop(lv.index, None)
+            self.prefixes.pop(lv.index, None)
+        for prefix in self.groups:
+            prefix.evict(tree)
+        return [lv.index for lv in closed]
+
+    def add(self, index: int, program: Program) -> None:
+        """Queue ``program`` as ``index`` (not sharing a prompt prefix)."""
+        self.programs[index], self.prefixes[index] = program, None
+        self.queue.append(index)
+
+    def drop(self, index: int) -> bool:
+        """Between iterations: take program ``index`` out, queued or live (closed: its ``finally`` frees its
+        pages). Returns whether it was there."""
+        if index not in self.programs:
+            return False
+        live = next((lv for lv in self.live if lv.index == index), None)
+        if live is None:
+            self.queue.remove(index)
+        else:
+            self._close(live)
+        self.programs.pop(index)
+        self.prefixes.pop(index)
+        return True
 
     def _admit(self) -> None:
         pool = self.engine.pool
@@ -295,6 +347,13 @@ class _Scheduler:
         except StopIteration as done:
             self._retire(lv, done.value)
             return
+        except Exception as error:
+            # Given to it alone, unless it had tokens pending or its ``finally`` marked the step's computed:
+            # then the step is no longer the one the others asked for (all fail).
+            if self.on_error is None or lv.added or tree.num_pending != before:
+                raise
+            self._fail(lv, error)
+            return
         lv.send, lv.added = None, lv.added + tree.num_pending - before
         if isinstance(out, Read):
             lv.read = out.tensor
@@ -308,8 +367,11 @@ class _Scheduler:
             lv.ctx.step_queries = lv.added
             gathered.append(lv)
         else:
-            raise TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
-                            f"not a StepRequest, Read or Wait")
+            error = TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
+                              f"not a StepRequest, Read or Wait")
+            if self.on_error is None or lv.added:   # (closing it would mark the step's tokens computed)
+                raise error
+            self._fail(lv, error)
 
     def _step(self, gathered: list[_Live]) -> None:
         engine = self.engine
@@ -396,25 +458,40 @@ class _Scheduler:
             wait = max((lv.waiting for lv in self.live), key=lambda w: w.pages)
             need = wait.reason or (f"a program needs {wait.pages} free pages of {pool.page_size} tokens, "
                                    f"{pool.num_free_pages} of {pool.num_pages} are free")
-            raise PoolExhaustedError(f"KV pool exhausted: {need}; nothing else can free pages: give the engine "
-                                     f"more kv_tokens")
+            error = PoolExhaustedError(f"KV pool exhausted: {need}; nothing else can free pages: give the engine "
+                                       f"more kv_tokens")
+            if self.on_error is None or len(self.live) != 1:
+                raise error
+            self._fail(self.live[0], error)   # (online) it cannot run alone in the pool
+            return
         victim = max(self.live, key=lambda lv: lv.order)
-        self.live.remove(victim)
-        victim.gen.close()
-        prefix = self.prefixes[victim.index]
-        if prefix is not None:
-            prefix.leave(self.engine.tree, retired=False)
+        self._close(victim)
         self.queue.appendleft(victim.index)
         self.stats.preemptions += 1
 
     def _retire(self, lv: _Live, result: Any) -> None:
         self.live.remove(lv)
-        self.results[lv.index] = result
-        prefix = self.prefixes[lv.index]
+        del self.programs[lv.index]
+        prefix = self.prefixes.pop(lv.index)
         if prefix is not None:
             prefix.leave(self.engine.tree, retired=True)
         if self.on_done is not None:
             self.on_done(lv.index, result)
+
+    def _close(self, lv: _Live) -> None:
+        """Close a live program (its ``finally`` frees its pages) and leave its shared prefix."""
+        self.live.remove(lv)
+        lv.gen.close()
+        prefix = self.prefixes[lv.index]
+        if prefix is not None:
+            prefix.leave(self.engine.tree, retired=False)
+
+    def _fail(self, lv: _Live, error: Exception) -> None:
+        """Program ``lv`` raised ``error`` (``on_error`` is set): it alone ends."""
+        self._close(lv)
+        del self.programs[lv.index]
+        del self.prefixes[lv.index]
+        self.on_error(lv.index, error)
 
 
 def _name(program: Program, index: int) -> str:

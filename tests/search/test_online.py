@@ -1,0 +1,254 @@
+"""The online scheduler and its driver: programs submitted and aborted while others run."""
+import asyncio
+
+import pytest
+
+from treedec.search.batch import GenerateProgram
+from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
+from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SamplingParams
+from treedec.search.scheduler import run_program
+from treedec.search.speculative.drafts import PromptLookupDraft
+from treedec.search.speculative.program import SpeculativeProgram
+from treedec.search.stops import StopRule
+from tests.engines import make_engine, tiny_model
+from tests.search.test_batch import LetterTokenizer, outputs, prompt
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def specs():
+    return [RequestSpec(0, prompt_ids=prompt(0), params=SamplingParams(max_tokens=7, temperature=0.0)),
+            RequestSpec(1, prompt_ids=prompt(1, 30), params=SamplingParams(max_tokens=9, temperature=1.0, seed=3, n=3)),
+            RequestSpec(2, prompt_ids=prompt(2, 5), params=SamplingParams(max_tokens=6, temperature=0.8, top_k=40,
+                                                                          seed=9, n=2)),
+            RequestSpec(3, prompt_ids=prompt(3, 17), params=SamplingParams(max_tokens=8, temperature=0.0, n=2))]
+
+
+def generate(spec):
+    return GenerateProgram(spec, list(spec.prompt_ids))
+
+
+def speculative():
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    return SpeculativeProgram(ids, PromptLookupDraft(max_ngram=2, num_draft_tokens=3), StopRule(max_new_tokens=10))
+
+
+def same(result):
+    """What must not depend on the other programs: the outputs (timings and step counts may)."""
+    if isinstance(result, tuple):   # a SpeculativeProgram's (checker, stats)
+        return result[0].token_ids, result[0].stop_reason
+    return outputs(result)
+
+
+class Recorder:
+    def __init__(self):
+        self.done, self.errors = {}, {}
+
+    def on_done(self, handle, result):
+        self.done[handle] = result
+
+    def on_error(self, handle, error):
+        self.errors[handle] = error
+
+
+def all_free(engine):
+    return engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+def online(engine, **kw):
+    rec = Recorder()
+    return OnlineScheduler(engine, on_done=rec.on_done, on_error=rec.on_error, **kw), rec
+
+
+def test_programs_submitted_while_others_run_give_their_outputs_alone(tiny):
+    alone = [same(run_program(make_engine(tiny), generate(s))) for s in specs()]
+    alone.append(same(run_program(make_engine(tiny), speculative())))
+    engine = make_engine(tiny)
+    sched, rec = online(engine)
+    handles = [sched.submit(generate(specs()[0])), sched.submit(speculative())]
+    later = iter([generate(s) for s in specs()[1:]])
+    iterations = 0
+    while not sched.idle:
+        sched.iterate()
+        iterations += 1
+        if iterations % 2 == 0:   # one more every other iteration, while the others run
+            program = next(later, None)
+            if program is not None:
+                handles.append(sched.submit(program))
+    assert not rec.errors and all_free(engine)
+    got = [same(rec.done[h]) for h in handles]
+    assert got[0] == alone[0] and got[1] == alone[-1] and got[2:] == alone[1:-1]
+    assert sched.stats.steps > 0 and max(sched.stats.programs_per_step) > 1
+
+
+def test_abort_of_a_queued_and_of_a_live_program_frees_their_pages(tiny):
+    alone = [same(run_program(make_engine(tiny), generate(s))) for s in specs()]
+    engine = make_engine(tiny)
+    sched, rec = online(engine)
+    handles = [sched.submit(generate(s)) for s in specs()]
+    sched.iterate()
+    sched.iterate()
+    live = {lv.index for lv in sched._core.live}
+    assert handles[1] in live
+    sched.abort(handles[1])   # live: closed between iterations
+    queued = sched.submit(generate(specs()[0]))
+    sched.abort(queued)       # dropped before it is admitted
+    while sched.iterate():
+        pass
+    assert isinstance(rec.errors[handles[1]], ProgramAborted) and isinstance(rec.errors[queued], ProgramAborted)
+    assert set(rec.errors) == {handles[1], queued}
+    assert [same(rec.done[h]) for h in (handles[0], handles[2], handles[3])] == [alone[0], alone[2], alone[3]]
+    assert all_free(engine) and sched.idle
+    sched.abort(handles[0])   # ended already: left as it ended
+    sched.iterate()
+    assert handles[0] not in rec.errors
+
+
+def test_a_program_that_raises_fails_only_itself(tiny):
+    def raising(ids, scores):
+        raise RuntimeError("bad processor")
+
+    alone = [same(run_program(make_engine(tiny), generate(s))) for s in specs()]
+    bad = RequestSpec("bad", prompt_ids=prompt(5, 6),
+                      params=SamplingParams(max_tokens=5, temperature=1.0, seed=1, logits_processors=[raising]))
+    engine = make_engine(tiny)
+    sched, rec = online(engine)
+    handles = [sched.submit(generate(s)) for s in specs()[:2]] + [sched.submit(generate(bad))]
+    handles += [sched.submit(generate(s)) for s in specs()[2:]]
+    while sched.iterate():
+        pass
+    assert set(rec.errors) == {handles[2]} and "bad processor" in str(rec.errors[handles[2]])
+    assert [same(rec.done[h]) for h in handles[:2] + handles[3:]] == alone
+    assert all_free(engine)
+
+
+def test_an_engine_step_failure_fails_every_live_program_and_frees_all(tiny, monkeypatch):
+    engine = make_engine(tiny)
+    sched, rec = online(engine)
+    handles = [sched.submit(generate(s)) for s in specs()]
+    sched.iterate()
+    step, calls = engine.step, []
+
+    def failing(*args, **kw):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("device lost")
+        return step(*args, **kw)
+
+    monkeypatch.setattr(engine, "step", failing)
+    live = [lv.index for lv in sched._core.live]
+    assert sched.iterate() == bool(sched._core.queue)
+    assert set(rec.errors) == set(live) and all("device lost" in str(e) for e in rec.errors.values())
+    assert not sched._core.live
+    while sched.iterate():   # the queued ones (if any) run afterwards
+        pass
+    assert set(rec.done) | set(rec.errors) == set(handles) and all_free(engine)
+    late = sched.submit(generate(specs()[0]))   # the engine goes on
+    while sched.iterate():
+        pass
+    assert same(rec.done[late]) == same(run_program(make_engine(tiny), generate(specs()[0])))
+
+
+def test_on_error_is_required(tiny):
+    with pytest.raises(TypeError, match="on_error"):
+        OnlineScheduler(make_engine(tiny), on_error=None)
+
+
+def test_submit_refuses_a_program_past_the_model_positions(tiny):
+    sched, _ = online(make_engine(tiny))
+    spec = RequestSpec("long", prompt_ids=prompt(0), params=SamplingParams(max_tokens=10 ** 6))
+    with pytest.raises(ValueError, match="long"):
+        sched.submit(generate(spec))
+    assert sched.idle
+
+
+def letter_spec(k, text="HELLO", max_tokens=10, **kw):
+    return RequestSpec(k, prompt=text, params=SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **kw}))
+
+
+async def collect(stream):
+    deltas, final = {}, None
+    async for out in stream:
+        if out.finished:
+            final = out.results
+        else:
+            deltas[out.index] = deltas.get(out.index, "") + out.text
+    return deltas, final
+
+
+def test_the_asyncio_driver_streams_deltas_that_join_to_the_final_text(tiny):
+    tokenizer = LetterTokenizer()
+    engine = make_engine(tiny)
+
+    async def main():
+        with OnlineEngine(engine, tokenizer) as server:
+            return await asyncio.gather(collect(server.submit(letter_spec("a"))),
+                                        collect(server.submit(letter_spec("b", "WORLD", n=2, seed=4,
+                                                                          temperature=1.0))))
+
+    (deltas_a, final_a), (deltas_b, final_b) = asyncio.run(main())
+    assert [r.text for r in final_a] == [deltas_a[0]] and [r.text for r in final_b] == [deltas_b[0], deltas_b[1]]
+    reference = RequestSpec("a", prompt_ids=tokenizer.encode("HELLO"), params=SamplingParams(max_tokens=10,
+                                                                                          temperature=0.0))
+    assert final_a[0].output_ids == run_program(make_engine(tiny), generate(reference))[0].output_ids
+    assert all_free(engine)
+
+
+def test_fifty_concurrent_submissions_all_complete(tiny):
+    engine = make_engine(tiny)
+
+    async def main():
+        with OnlineEngine(engine, LetterTokenizer()) as server:
+            streams = [server.submit(letter_spec(k, "ABCDEFG"[k % 7:] + "HI", max_tokens=3)) for k in range(50)]
+            return await asyncio.gather(*map(collect, streams))
+
+    results = asyncio.run(main())
+    assert len(results) == 50 and all(final is not None and len(final) == 1 for _, final in results)
+    assert [final[0].id for _, final in results] == list(range(50)) and all_free(engine)
+
+
+def test_abort_and_shutdown_with_live_requests_free_everything(tiny):
+    engine = make_engine(tiny)
+
+    async def main():
+        server = OnlineEngine(engine, LetterTokenizer())
+        aborted = server.submit(letter_spec("x", max_tokens=200))
+        live = [server.submit(letter_spec(k, max_tokens=200)) for k in range(3)]
+        first = await aborted.__anext__()   # it runs
+        assert server.abort("x") and not server.abort("unknown")
+        with pytest.raises(ProgramAborted):
+            async for _ in aborted:
+                pass
+        await live[0].__anext__()
+        server.shutdown(timeout=30)
+        assert not server._thread.is_alive()
+        for stream in live:
+            with pytest.raises(ProgramAborted):
+                async for _ in stream:
+                    pass
+        with pytest.raises(RuntimeError, match="shut down"):
+            server.submit(letter_spec("late"))
+        return first
+
+    assert asyncio.run(main()).request_id == "x"
+    assert all_free(engine)
+
+
+def test_a_bad_request_raises_at_submit(tiny):
+    engine = make_engine(tiny)
+
+    async def main():
+        with OnlineEngine(engine) as server:
+            with pytest.raises(ValueError, match="tokenizer"):
+                server.submit(letter_spec("needs-a-tokenizer"))
+            first = server.submit(RequestSpec(7, prompt_ids=prompt(0), params=SamplingParams(max_tokens=3)))
+            with pytest.raises(ValueError, match="already running"):
+                server.submit(RequestSpec(7, prompt_ids=prompt(1), params=SamplingParams(max_tokens=3)))
+            return await collect(first)
+
+    deltas, final = asyncio.run(main())
+    assert deltas == {} and len(final[0].output_ids) == 3 and all_free(engine)
