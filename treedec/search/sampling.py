@@ -1,6 +1,7 @@
 """Sampling parameters and the draws: :class:`SamplingParams` (vLLM's names and defaults), the processed
-distribution (:func:`sampling_probs`: temperature, top-k, top-p) and the one token picker (:func:`sample_tokens`:
-the argmax at temperature 0, else a draw; one token per row or ``k`` distinct ones).
+distribution (:func:`sampling_probs`: temperature, top-k, top-p, min-p; the penalties and logits processors that
+come before it are :mod:`treedec.search.logits`') and the one token picker (:func:`sample_tokens`: the argmax at
+temperature 0, else a draw; one token per row or ``k`` distinct ones).
 What every program builds on (generation, the scheduler's step argmax, a branch controller, ToT, speculative
 acceptance); parallel sampling and self-consistency are :mod:`treedec.search.parallel_sampling`."""
 from __future__ import annotations
@@ -125,8 +126,6 @@ JSON_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty
                "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "logprobs", "prompt_logprobs",
                "include_stop_str_in_output")
 SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
-
-
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
