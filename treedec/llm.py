@@ -31,6 +31,7 @@ from treedec.models import Llama, from_pretrained
 from treedec.models.text import load_tokenizer
 from treedec.search import (BeamSearchResult, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
                             generate_batch, run_programs)
+from treedec.search.batch import step_progress
 from treedec.search.beam import beam_program
 from treedec.search.request import MODEL_EOS
 from treedec.search.speculative import RejectionSampling, SpeculativeConfig, speculative_batch
@@ -230,10 +231,7 @@ class LLM:
         with tqdm(total=len(specs), unit="request", desc="generate", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
             done = lambda outputs: bar.update(1)   # noqa: E731
-
-            def step(stats) -> None:   # the bar moves every engine step, not only when a request finishes
-                bar.set_postfix_str(f"step {stats.steps}", refresh=False)
-                bar.update(0)
+            step = step_progress(bar)   # the bar moves every engine step, not only when a request finishes
             if self.drafts is None:
                 results, _ = generate_batch(self.engine, specs, self.tokenizer, chat_template, self.generator,
                                             on_request_done=done, on_step=step)

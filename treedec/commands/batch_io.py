@@ -21,7 +21,7 @@ from pathlib import Path
 from treedec.models.text import check_text
 from treedec.search.requests_file import RequestsFileError, RequestSpec, read_requests
 
-__all__ = ["ResultsWriter", "read_prompts", "request_name", "step_progress"]
+__all__ = ["ResultsWriter", "read_prompts", "request_name"]
 
 
 def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None) -> list[RequestSpec]:
@@ -36,15 +36,6 @@ def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None)
             except ValueError as e:
                 raise RequestsFileError(path, spec.line, f"request {spec.id!r}: {e}") from None
     return specs
-
-
-def step_progress(bar):
-    """An ``on_step`` for the batch functions: a requests progress bar shows the engine steps run so far too, so a
-    long run moves every step, not only when a request finishes."""
-    def on_step(stats) -> None:
-        bar.set_postfix_str(f"step {stats.steps}", refresh=False)
-        bar.update(0)   # (redrawn at tqdm's own rate)
-    return on_step
 
 
 def request_name(request_id, line: int | None = None) -> str:

@@ -34,10 +34,10 @@ from tqdm import tqdm
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
                                    nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
                                    seed_int)
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name, step_progress
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.models.text import check_text, load_tokenizer
-from treedec.search.batch import generate_batch
+from treedec.search.batch import generate_batch, step_progress
 from treedec.search.requests_file import RequestSpec, write_results_jsonl
 from treedec.search.sampling import SamplingParams
 

@@ -27,9 +27,10 @@ import sys
 
 from tqdm import tqdm
 
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name, step_progress
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.models.text import has_tokenizer, load_tokenizer
+from treedec.search.batch import step_progress
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.speculative.draft_model import DraftModelDraft
 from treedec.search.speculative.eagle import EagleDraft

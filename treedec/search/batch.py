@@ -43,7 +43,7 @@ from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import to_device
 
-__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results"]
+__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress"]
 
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
@@ -119,6 +119,16 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
                                   max_step_tokens=max_step_tokens, on_step=on_step)
     return [r for request in results for r in request], stats
+
+
+def step_progress(bar) -> Callable[[SchedulerStats], None]:
+    """An ``on_step`` for the batch functions (:func:`generate_batch`, ``speculative_batch``): a requests progress
+    bar (tqdm) shows the engine steps run so far too, so a long run moves every step, not only when a request
+    finishes."""
+    def on_step(stats: SchedulerStats) -> None:
+        bar.set_postfix_str(f"step {stats.steps}", refresh=False)
+        bar.update(0)   # (redrawn at tqdm's own rate)
+    return on_step
 
 
 def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
