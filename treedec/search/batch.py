@@ -168,11 +168,12 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
 
 
 def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[StopChecker], steps: int,
-                    seconds: float, draws: _Draws | None = None) -> list[RequestResult]:
+                    seconds: float, draws: _Draws | None = None, cached_tokens: int = 0) -> list[RequestResult]:
     """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement; ``draws``:
-    their logprobs, when asked for); an output a stop string ended has it in ``stats["stop_string"]``."""
+    their logprobs, when asked for; ``cached_tokens``: its prompt tokens read from the prefix cache,
+    ``stats["cached_tokens"]``); an output a stop string ended has it in ``stats["stop_string"]``."""
     prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
-    stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "seconds": seconds}
+    stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "cached_tokens": cached_tokens, "seconds": seconds}
     logprobs = [None] * len(checkers) if draws is None else draws.output_logprobs()
     prompt_lp = None if draws is None else draws.prompt
     return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason,
@@ -295,7 +296,7 @@ class GenerateProgram(Program):
                     logits = logits if argmax is not None else logits[index]   # greedy reads the argmax only
                 drawn = draws.draw(logits, argmax, rows, generator)
             results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started,
-                                      draws)
+                                      draws, ctx.cached_tokens)
             for r in results:
                 r.stats["queries_per_step"] = list(queries)
                 if self.keep or self.on_prompt:

@@ -147,6 +147,7 @@ class ProgramContext:
         self.engine = engine
         self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
+        self.cached_tokens = 0  # its prompt's tokens read from the prefix cache across requests (none computed)
         self.name = name
 
     def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:

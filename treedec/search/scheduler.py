@@ -86,6 +86,10 @@ class SchedulerStats:
     preemptions : programs closed to free pages and run again.
     shared_prefix_tokens : prompt tokens not stored again because another request shares them
         (a prefix of ``t`` tokens read by ``m`` requests counts ``t * (m - 1)``).
+    prompt_tokens : prompt tokens of the programs admitted (each admission counted: a preempted program's
+        prompt again).
+    cached_tokens : those of them read from the prefix cache across requests
+        (:mod:`treedec.search.prefix_cache`) instead of computed; :attr:`cache_hit_rate` is their share.
     peak_pages : the most KV pages the run held at once.
     seconds : wall time.
     """
@@ -97,8 +101,15 @@ class SchedulerStats:
     waits: int = 0
     preemptions: int = 0
     shared_prefix_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     peak_pages: int = 0
     seconds: float = 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """The share of admitted prompt tokens read from the prefix cache (0.0 before any prompt)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def run_program(engine: Engine, program: Program) -> Any:
@@ -285,9 +296,10 @@ class SchedulerLoop:
                     return
                 self._evict_idle(short, keep=prefix)
             self.queue.popleft()
+            program = self.programs[index]
+            self.stats.prompt_tokens += len(program.prompt_ids) if program.prompt_ids else 0
             if prefix is not None:
                 prefix.acquire(self.engine)
-            program = self.programs[index]
             ctx = ProgramContext(self.engine, prefix, _name(program, index))
             self.live.append(_Live(index, program.run(ctx), ctx, self.admitted))
             self.admitted += 1
