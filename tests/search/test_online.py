@@ -55,8 +55,16 @@ class Recorder:
         self.errors[handle] = error
 
 
-def all_free(engine):
-    return engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+def all_free(engine, cache):
+    """No node is left, only the prefix cache holds pages (the invariants hold with its holds), and clearing it
+    frees every page."""
+    if engine.tree.num_nodes:
+        return False
+    engine.tree.check_invariants(held=None if cache is None else cache.held())
+    if cache is not None:
+        cache.clear()
+        assert cache.num_prefixes == 0 and not cache.held().any()
+    return engine.pool.num_free_pages == engine.pool.num_pages
 
 
 def online(engine, **kw):
@@ -79,7 +87,7 @@ def test_programs_submitted_while_others_run_give_their_outputs_alone(tiny):
             program = next(later, None)
             if program is not None:
                 handles.append(sched.submit(program))
-    assert not rec.errors and all_free(engine)
+    assert not rec.errors and all_free(engine, sched.cache)
     got = [same(rec.done[h]) for h in handles]
     assert got[0] == alone[0] and got[1] == alone[-1] and got[2:] == alone[1:-1]
     assert sched.stats.steps > 0 and max(sched.stats.programs_per_step) > 1
@@ -102,7 +110,7 @@ def test_abort_of_a_queued_and_of_a_live_program_frees_their_pages(tiny):
     assert isinstance(rec.errors[handles[1]], ProgramAborted) and isinstance(rec.errors[queued], ProgramAborted)
     assert set(rec.errors) == {handles[1], queued}
     assert [same(rec.done[h]) for h in (handles[0], handles[2], handles[3])] == [alone[0], alone[2], alone[3]]
-    assert all_free(engine) and sched.idle
+    assert all_free(engine, sched.cache) and sched.idle
     sched.abort(handles[0])   # ended already: left as it ended
     sched.iterate()
     assert handles[0] not in rec.errors
@@ -123,7 +131,7 @@ def test_a_program_that_raises_fails_only_itself(tiny):
         pass
     assert set(rec.errors) == {handles[2]} and "bad processor" in str(rec.errors[handles[2]])
     assert [same(rec.done[h]) for h in handles[:2] + handles[3:]] == alone
-    assert all_free(engine)
+    assert all_free(engine, sched.cache)
 
 
 def test_an_engine_step_failure_fails_every_live_program_and_frees_all(tiny, monkeypatch):
@@ -146,7 +154,7 @@ def test_an_engine_step_failure_fails_every_live_program_and_frees_all(tiny, mon
     assert not sched._core.live
     while sched.iterate():   # the queued ones (if any) run afterwards
         pass
-    assert set(rec.done) | set(rec.errors) == set(handles) and all_free(engine)
+    assert set(rec.done) | set(rec.errors) == set(handles) and all_free(engine, sched.cache)
     late = sched.submit(generate(specs()[0]))   # the engine goes on
     while sched.iterate():
         pass
@@ -186,16 +194,19 @@ def test_the_asyncio_driver_streams_deltas_that_join_to_the_final_text(tiny):
 
     async def main():
         with OnlineEngine(engine, tokenizer) as server:
+            servers.append(server)
             return await asyncio.gather(collect(server.submit(letter_spec("a"))),
                                         collect(server.submit(letter_spec("b", "WORLD", n=2, seed=4,
                                                                           temperature=1.0))))
 
+    servers = []
     (deltas_a, final_a), (deltas_b, final_b) = asyncio.run(main())
+    sched = servers[0].scheduler
     assert [r.text for r in final_a] == [deltas_a[0]] and [r.text for r in final_b] == [deltas_b[0], deltas_b[1]]
     reference = RequestSpec("a", prompt_ids=tokenizer.encode("HELLO"), params=SamplingParams(max_tokens=10,
                                                                                           temperature=0.0))
     assert final_a[0].output_ids == run_program(make_engine(tiny), generate(reference))[0].output_ids
-    assert all_free(engine)
+    assert all_free(engine, sched.cache)
 
 
 def test_fifty_concurrent_submissions_all_complete(tiny):
@@ -203,12 +214,15 @@ def test_fifty_concurrent_submissions_all_complete(tiny):
 
     async def main():
         with OnlineEngine(engine, LetterTokenizer()) as server:
+            servers.append(server)
             streams = [server.submit(letter_spec(k, "ABCDEFG"[k % 7:] + "HI", max_tokens=3)) for k in range(50)]
             return await asyncio.gather(*map(collect, streams))
 
+    servers = []
     results = asyncio.run(main())
+    sched = servers[0].scheduler
     assert len(results) == 50 and all(final is not None and len(final) == 1 for _, final in results)
-    assert [final[0].id for _, final in results] == list(range(50)) and all_free(engine)
+    assert [final[0].id for _, final in results] == list(range(50)) and all_free(engine, sched.cache)
 
 
 def test_abort_and_shutdown_with_live_requests_free_everything(tiny):
@@ -216,6 +230,7 @@ def test_abort_and_shutdown_with_live_requests_free_everything(tiny):
 
     async def main():
         server = OnlineEngine(engine, LetterTokenizer())
+        servers.append(server)
         aborted = server.submit(letter_spec("x", max_tokens=200))
         live = [server.submit(letter_spec(k, max_tokens=200)) for k in range(3)]
         first = await aborted.__anext__()   # it runs
@@ -234,8 +249,10 @@ def test_abort_and_shutdown_with_live_requests_free_everything(tiny):
             server.submit(letter_spec("late"))
         return first
 
+    servers = []
     assert asyncio.run(main()).request_id == "x"
-    assert all_free(engine)
+    sched = servers[0].scheduler
+    assert all_free(engine, sched.cache)
 
 
 def test_a_bad_request_raises_at_submit(tiny):
@@ -243,6 +260,7 @@ def test_a_bad_request_raises_at_submit(tiny):
 
     async def main():
         with OnlineEngine(engine) as server:
+            servers.append(server)
             with pytest.raises(ValueError, match="tokenizer"):
                 server.submit(letter_spec("needs-a-tokenizer"))
             first = server.submit(RequestSpec(7, prompt_ids=prompt(0), params=SamplingParams(max_tokens=3)))
@@ -250,5 +268,7 @@ def test_a_bad_request_raises_at_submit(tiny):
                 server.submit(RequestSpec(7, prompt_ids=prompt(1), params=SamplingParams(max_tokens=3)))
             return await collect(first)
 
+    servers = []
     deltas, final = asyncio.run(main())
-    assert deltas == {} and len(final[0].output_ids) == 3 and all_free(engine)
+    sched = servers[0].scheduler
+    assert deltas == {} and len(final[0].output_ids) == 3 and all_free(engine, sched.cache)

@@ -243,7 +243,7 @@ class GenerateProgram(Program):
         checkers = [StopChecker(rule, None if self.tokenizer is None
                                 else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
         stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
-        state = _Outputs(engine.tree, checkers, self.keep, stream)
+        state = _Outputs(engine.tree, checkers, self.keep, stream, ctx.offer)
         queries: list[int] = []
         done = False
         try:
@@ -374,10 +374,12 @@ class _Draws:
 
 class _Outputs:
     """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token; or
-    the prompt's own, :meth:`grow_on_root`) and where its tokens start in that node."""
+    the prompt's own, :meth:`grow_on_root`) and where its tokens start in that node. ``offer``: an ended
+    output's sequence but its last token (whose K/V is not computed or not kept) goes to it before its node is
+    pruned (:meth:`ProgramContext.offer`)."""
 
-    def __init__(self, tree, checkers: list[StopChecker], keep: bool, stream=None):
-        self.tree, self.checkers, self.keep, self.stream = tree, checkers, keep, stream
+    def __init__(self, tree, checkers: list[StopChecker], keep: bool, stream=None, offer=None):
+        self.tree, self.checkers, self.keep, self.stream, self.offer = tree, checkers, keep, stream, offer
         self.root: int | None = None
         self.nodes: list[int | None] = [None] * len(checkers)
         self.starts = [0] * len(checkers)  # each output's first token's index in its node
@@ -414,6 +416,8 @@ class _Outputs:
                 ended.append(i)
             at = self.starts[i] + len(checker.token_ids) - 1
             if stopped and not self.keep:
+                if self.offer is not None and node is not None:   # the conversation, to its last token
+                    self.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + at)
                 if node == self.root:   # (on the prompt's node) the last token, if placed, is dropped
                     if self.tree.node_length(node) > at:
                         self.tree.truncate(node, at)

@@ -5,8 +5,9 @@ one engine step for every live program, pool relief and preemption) one iteratio
 :class:`~treedec.engine.Engine`, while programs come and go:
 
 - :meth:`OnlineScheduler.submit` queues a program (from any thread); it is admitted at an iteration by the
-  same rules as :func:`~treedec.search.scheduler.run_programs`' (a program submitted online does not share
-  a prompt prefix with the others: each stores its whole prompt);
+  same rules as :func:`~treedec.search.scheduler.run_programs`', on the longest prefix of its prompt in the
+  prefix cache across requests (:mod:`treedec.search.prefix_cache`: the prompts and conversations of
+  earlier requests, and of running ones once computed), unless the cache is off;
 - :meth:`OnlineScheduler.abort` drops a queued program, or closes a live one between iterations (its
   ``finally`` frees its nodes and pages); it ends with :class:`ProgramAborted`;
 - each program ends through ``on_done(handle, result)`` or ``on_error(handle, error)``: an error of ONE
@@ -37,10 +38,11 @@ from typing import Any, AsyncIterator, Callable
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.search.batch import GenerateProgram, prepare_requests
+from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
-from treedec.search.scheduler import SchedulerLoop, SchedulerStats
+from treedec.search.scheduler_loop import SchedulerLoop, SchedulerStats
 
 __all__ = ["OnlineEngine", "OnlineScheduler", "ProgramAborted", "StreamOutput"]
 
@@ -61,6 +63,8 @@ class OnlineScheduler:
     on_error : called as ``on_error(handle, error)`` when a program fails or is aborted
         (:class:`ProgramAborted`); required (an error of one program is never raised to the driver).
     on_step : called as ``on_step(stats)`` after each engine step is launched.
+    prefix_cache : keep a :class:`~treedec.search.prefix_cache.PrefixCache` (:attr:`cache`) of prompts and
+        conversations across requests (default True).
 
     The callbacks run on the driving thread, between or inside iterations: they must not call
     :meth:`iterate`, and should return quickly (an error escaping one ends every live program, as a failed
@@ -75,7 +79,7 @@ class OnlineScheduler:
     def __init__(self, engine: Engine, *, max_step_tokens: int | None = None,
                  on_done: Callable[[int, Any], None] | None = None,
                  on_error: Callable[[int, BaseException], None],
-                 on_step: Callable[[SchedulerStats], None] | None = None):
+                 on_step: Callable[[SchedulerStats], None] | None = None, prefix_cache: bool = True):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
         budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
@@ -90,7 +94,8 @@ class OnlineScheduler:
                 raise TypeError(f"{name} must be callable, got {type(f).__name__}")
         self.engine = engine
         self._on_error = on_error
-        self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error)
+        self.cache = PrefixCache(engine.tree) if prefix_cache else None
+        self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache)
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, int, Program | None]] = []
         self._handles = itertools.count()

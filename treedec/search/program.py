@@ -17,6 +17,7 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix
 from treedec.search.request import Positions, check_positions
 
@@ -143,9 +144,11 @@ class ProgramContext:
     """What a running program sees: the engine, its prompt and page helpers, ``step_queries``
     (the tokens it added for its last step) and ``name`` (how errors name the program)."""
 
-    def __init__(self, engine: Engine, prefix: SharedPrefix | None = None, name: str = "the program"):
+    def __init__(self, engine: Engine, prefix: SharedPrefix | CachedPrefix | None = None, name: str = "the program",
+                 cache: PrefixCache | None = None):
         self.engine = engine
-        self.prefix = prefix   # the shared prefix its prompt starts with (prefilled by the scheduler)
+        self.prefix = prefix   # the shared or cached prefix its prompt starts with (its node made by the scheduler)
+        self.cache = cache     # the prefix cache across requests, if the scheduler keeps one
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
         self.cached_tokens = 0  # its prompt's tokens read from the prefix cache across requests (none computed)
         self.name = name
@@ -187,11 +190,12 @@ class ProgramContext:
         token)``. With
         ``all_rows`` the output's ``hidden`` / ``aux`` hold every prompt token's (the chunks' joined).
 
-        A root prompt that starts with the context's shared prefix becomes a child of the
+        A root prompt that starts with the context's shared or cached prefix becomes a child of the
         prefix's node, holding the rest of the prompt (never empty: see
-        :func:`~treedec.search.prefixes.share_prefixes`).
+        :func:`~treedec.search.prefixes.share_prefixes`, :meth:`~treedec.search.prefix_cache.PrefixCache.match`).
+        A root prompt, once computed, is offered to the prefix cache (:meth:`offer`).
         """
-        engine, ids = self.engine, [int(t) for t in ids]
+        engine, ids, root = self.engine, [int(t) for t in ids], parent is None
         if parent is None and self.prefix is not None:
             assert ids[:len(self.prefix.tokens)] == self.prefix.tokens, "the prompt does not start with its prefix"
             parent, ids = self.prefix.node, ids[len(self.prefix.tokens):]
@@ -216,4 +220,13 @@ class ProgramContext:
         if all_rows and len(states) > 1:
             out.hidden = torch.cat([o.hidden for o in states]) if hidden else None
             out.aux = torch.cat([o.aux for o in states]) if aux else None
+        if root:
+            self.offer(node)
         return node, out
+
+    def offer(self, node: int, length: int | None = None) -> None:
+        """Offer the first ``length`` (default: all computed) tokens of ``node``'s sequence to the prefix cache
+        across requests, if the scheduler keeps one (:meth:`~treedec.search.prefix_cache.PrefixCache.offer`). The
+        tokens' ids must be the real ones (not a pipelined step's placeholders)."""
+        if self.cache is not None:
+            self.cache.offer(node, length)

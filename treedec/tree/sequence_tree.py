@@ -201,6 +201,38 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
             self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
         return node.id
 
+    def add_shared_root(self, tokens: Sequence[int], slots: np.ndarray) -> int:
+        """Start a new tree whose ``tokens`` are computed already: their K/V is in ``slots`` (``[n]`` ints, whole
+        pages of the pool, in use: held by others, e.g. the prefix cache), each of those pages gets one more
+        holder and no step computes them. Its children start on fresh pages; it never grows. Returns its id.
+        Checks first: raises :class:`~treedec.errors.TreeError` (changing nothing) unless ``slots`` are whole pages
+        in order, one slot per token."""
+        tokens = int_list(tokens, "tokens", low=0)
+        slots = np.asarray(slots)
+        ps = self.pool.page_size
+        if not tokens or len(tokens) % ps or slots.shape != (len(tokens),):
+            raise TreeError(f"a shared root needs whole pages of {ps} tokens and one slot per token, got "
+                            f"{len(tokens)} tokens and slots of shape {tuple(slots.shape)}")
+        pages = slots[::ps] // ps
+        if not np.array_equal(slots, (pages[:, None] * ps + self._page_offsets).reshape(-1)) or \
+                len(np.unique(pages)) != len(pages):
+            raise TreeError("a shared root's slots must be whole, distinct pages, each in slot order")
+        self.pool.incref(pages)   # raises (changing nothing) for a page not in use
+        node = self._new_node(parent=None)
+        node.tokens, node.slots, node.pages = tokens, slots.astype(np.int64), pages.astype(np.int64).tolist()
+        node.shared = True
+        self._nodes[node.id] = node
+        self._roots.append(node.id)
+        self._next_id += 1
+        if self._preorder is not None:
+            self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
+        self._layout = None
+        return node.id
+
+    def computed_length(self, node_id: int) -> int:
+        """How many of ``node_id``'s sequence's tokens are computed (all but its pending ones)."""
+        return self.sequence_length(node_id) - self._get(node_id).pending
+
     def extend(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
         """Append ``tokens`` (``[n]`` ints >= 0) to leaf ``node_id``; returns their ``[n]`` int64 slots."""
         return self.extend_many({node_id: tokens})[node_id]

@@ -23,9 +23,14 @@ class TreeDebugging:
             lines.append(f"{'  ' * depth[i]}node {i}: {n.length} tokens, pages {n.pages}{flags}")
         return "\n".join(lines)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held: np.ndarray | None = None) -> None:
         """Check slots are unique and in the pool, each node's pages match its slots, refcounts are exact,
         pending counts add up, and the preorder the edits keep is the one a fresh walk finds.
+
+        ``held``: holders of each page outside the tree (``[num_pages]`` ints, e.g. the prefix cache's,
+        :meth:`~treedec.search.prefix_cache.PrefixCache.held`), added to the nodes' holds. A shared root
+        (:meth:`~treedec.tree.SequenceTree.add_shared_root`) reads slots other nodes hold too: its slots are
+        left out of the uniqueness check.
 
         Raises RuntimeError naming the broken invariant and the values; real checks, not
         ``assert``, so they also run under ``python -O``.
@@ -38,7 +43,7 @@ class TreeDebugging:
         unlisted = [n.id for n in self._nodes.values() if n.pending and id(n) not in listed]
         if unlisted:
             raise _broken(f"nodes {unlisted[:10]} have pending tokens but are not in _pending_nodes")
-        all_slots = [n.slots[: n.length] for n in self._nodes.values()]
+        all_slots = [n.slots[: n.length] for n in self._nodes.values() if not n.shared]
         flat = np.concatenate(all_slots) if all_slots else np.zeros(0, np.int64)
         if np.any((flat < 0) | (flat >= self.pool.num_slots)):
             raise _broken(f"slots {flat[(flat < 0) | (flat >= self.pool.num_slots)][:10].tolist()} are outside "
@@ -46,7 +51,7 @@ class TreeDebugging:
         shared, times = np.unique(flat, return_counts=True)
         if np.any(times > 1):
             raise _broken(f"tokens share KV slots {shared[times > 1][:10].tolist()}")
-        expected = np.zeros(num_pages, dtype=np.int64)
+        expected = np.zeros(num_pages, dtype=np.int64) if held is None else np.array(held, dtype=np.int64)
         for n in self._nodes.values():
             if any(not 0 <= p < num_pages for p in n.pages):
                 raise _broken(f"node {n.id} holds pages {n.pages} outside [0, {num_pages})")

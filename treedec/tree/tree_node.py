@@ -18,6 +18,7 @@ class TreeNode:
     tail_room: int = 0                     # free slots after the last token that this node may fill
     pending: int = 0                       # trailing tokens not yet committed
     paused: bool = False
+    shared: bool = False                   # a shared root: computed tokens in pages others hold too
     children: list[int] = field(default_factory=list)
 
     @property

@@ -1,0 +1,226 @@
+"""The prefix cache across requests: what it stores and shares, what it matches, eviction, and outputs equal with
+the cache on and off (online, multi-turn, under pool pressure, across runs)."""
+import numpy as np
+import pytest
+import torch
+
+from treedec.engine import Engine
+from treedec.search.batch import GenerateProgram
+from treedec.search.online import OnlineScheduler
+from treedec.search.prefix_cache import PrefixCache
+from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SamplingParams
+from treedec.search.scheduler import run_programs
+from treedec.tree import PagedKVPool, SequenceTree
+from treedec.errors import TreeError
+from tests.engines import make_engine, tiny_model
+from tests.search.test_batch import outputs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def tokens(seed, n, vocab=200):
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def computed_root(tree, ids):
+    """A root of computed tokens (as a prefilled prompt is, without running the model)."""
+    node = tree.add_prompt(ids)
+    tree.commit_step()
+    return node
+
+
+def bare_tree(pages=64, page_size=4):
+    return SequenceTree(PagedKVPool(num_pages=pages, page_size=page_size, num_layers=1, num_kv_heads=1, head_dim=2,
+                                    device="cpu", dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- the cache on its own
+
+
+def test_offer_shares_whole_pages_and_match_stops_short_of_the_last_token():
+    tree = bare_tree()
+    cache = PrefixCache(tree)
+    ids = tokens(0, 22)
+    node = computed_root(tree, ids)
+    assert cache.offer(node) == 20   # whole pages of 4: 5 of them, shared (no copy)
+    assert cache.stats.copied_tokens == 0 and cache.num_pages == 5
+    tree.check_invariants(held=cache.held())
+    tree.prune(node)                 # the request ends: the cache keeps its pages
+    assert tree.pool.num_pages - tree.pool.num_free_pages == 5
+    hit = cache.match(ids[:20] + [7])
+    assert hit.tokens == ids[:20]
+    assert len(cache.match(ids[:20]).tokens) == 16          # short of the last token: one page less
+    part = cache.match(ids[:9] + [1, 2, 3])                # inside the cached sequence: its own prefix, shared pages
+    assert part.tokens == ids[:8] and np.array_equal(part.slots, hit.slots[:8])
+    assert cache.match(tokens(1, 30)) is None
+    assert cache.match(ids[:4]) is None                    # one page, but the prompt's last token is in it
+    tree.check_invariants(held=cache.held())
+    assert cache.clear() == 5 and tree.pool.num_free_pages == tree.pool.num_pages
+
+
+def test_a_cached_prefix_becomes_a_shared_root_read_by_every_program_on_it():
+    tree = bare_tree()
+    cache = PrefixCache(tree)
+    ids = tokens(2, 17)
+    cache.offer(computed_root(tree, ids))
+    tree.prune(tree.roots[0])
+    entry = cache.match(ids)
+    engine = type("E", (), {"tree": tree})()
+    entry.acquire(engine)
+    entry.acquire(engine)
+    assert tree.roots == [entry.node] and tree.sequence(entry.node) == ids[:16]
+    child = tree.branch(entry.node, [ids[16:] + [3]])[0]
+    tree.commit_step()
+    tree.check_invariants(held=cache.held())
+    with pytest.raises(TreeError, match="whole pages"):
+        tree.add_shared_root(ids[:6], entry.slots[:6])
+    tree.prune(child)
+    entry.leave(tree, retired=True)
+    assert entry.node in tree
+    entry.leave(tree, retired=True)
+    assert entry.node is None and tree.num_nodes == 0 and cache.num_pages == 4
+
+
+def test_eviction_is_least_recently_used_and_counts_only_pages_it_frees():
+    tree = bare_tree()
+    cache = PrefixCache(tree)
+    a, b = tokens(3, 13), tokens(4, 9)
+    for ids in (a, b):
+        cache.offer(computed_root(tree, ids))
+    live = computed_root(tree, tokens(5, 5))   # not cached
+    for root in list(tree.roots):
+        if root != live:
+            tree.prune(root)
+    assert cache.evictable_pages() == 5
+    cache.match(a)                             # a is used again: b is the least recently used
+    assert cache.evict(1) == 2 and cache.num_pages == 3
+    assert cache.match(b) is None and len(cache.match(a).tokens) == 12
+    entry = cache.match(a)
+    entry.acquire(type("E", (), {"tree": tree})())
+    assert cache.evictable_pages() == 0 and cache.evict(10) == 0   # read by a program: kept
+    tree.check_invariants(held=cache.held())
+
+
+def test_an_output_after_a_partial_prompt_page_is_copied_and_reads_back_equal(tiny):
+    engine = make_engine(tiny)
+    cache = PrefixCache(engine.tree, copy_reserve=0)
+    ids = tokens(6, 10)
+    prompt = engine.prefill(ids).node
+    out = engine.tree.branch(prompt, [tokens(7, 9)])[0]
+    engine.step()
+    assert cache.offer(out) == 16   # 19 tokens: 2 whole prompt pages shared, the 3rd and 4th pages copied
+    assert cache.stats.copied_tokens == 8
+    entry = cache.match(ids + tokens(7, 9) + [1])
+    src = np.concatenate([engine.tree.slots(prompt), engine.tree.slots(out)])[:16]
+    for a, b in zip(engine.pool.gather(entry.slots), engine.pool.gather(src)):
+        assert torch.equal(a, b)
+    engine.tree.check_invariants(held=cache.held())
+
+
+# ---------------------------------------------------------------- through the scheduler
+
+
+def spec(i, ids, n=1, temperature=0.0, max_tokens=6, seed=None):
+    return RequestSpec(i, prompt_ids=ids, params=SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
+                                                                seed=seed))
+
+
+def drive(engine, programs, prefix_cache=True, between=None):
+    """Run ``programs`` online, one submitted per iteration; ``between(sched)`` after each iteration."""
+    done = {}
+    sched = OnlineScheduler(engine, on_done=done.__setitem__, on_error=lambda h, e: done.__setitem__(h, e),
+                            prefix_cache=prefix_cache)
+    handles, waiting = [], list(programs)
+    while waiting or not sched.idle:
+        if waiting:
+            handles.append(sched.submit(waiting.pop(0)))
+        sched.iterate()
+        if between is not None:
+            between(sched)
+    return [done[h] for h in handles], sched
+
+
+def conversation(model, turns, prefix_cache, ps=4, user=7, answer=9):
+    """A chat whose every turn re-sends the whole conversation plus a new user message; returns each turn's
+    results and cached prompt tokens."""
+    engine = make_engine(model, page_size=ps)
+    sched = OnlineScheduler(engine, on_done=lambda h, r: done.append(r), on_error=lambda h, e: done.append(e),
+                            prefix_cache=prefix_cache)
+    history, done, cached = tokens(8, 13), [], []
+    for t in range(turns):
+        history = history + tokens(100 + t, user)
+        sched.submit(GenerateProgram(spec(t, history, max_tokens=answer), list(history)))
+        while not sched.idle:
+            sched.iterate()
+        result = done[-1][0]
+        cached.append(result.stats["cached_tokens"])
+        history = history + result.output_ids
+    return done, cached, sched
+
+
+def test_a_multi_turn_conversation_reads_its_history_from_the_cache_with_equal_outputs(tiny):
+    on, cached, sched = conversation(tiny, 5, True)
+    off, none, _ = conversation(tiny, 5, False)
+    assert [outputs(r) for r in on] == [outputs(r) for r in off] and none == [0] * 5
+    assert cached[0] == 0
+    for t in range(1, 5):   # all of the last turn's prompt and answer but its last token, in whole pages
+        last = on[t - 1][0]
+        offered = len(last.prompt_ids) + len(last.output_ids) - 1
+        assert cached[t] == min(offered // 4, (len(on[t][0].prompt_ids) - 1) // 4) * 4
+    stats = sched.stats
+    assert stats.cached_tokens == sum(cached) and stats.prompt_tokens == sum(len(r[0].prompt_ids) for r in on)
+    later = sum(cached[1:]) / sum(len(r[0].prompt_ids) for r in on[1:])
+    assert later > 0.7, later
+    sched.engine.tree.check_invariants(held=sched.cache.held())
+
+
+def test_requests_with_a_common_prompt_share_it_while_running_and_after(tiny):
+    system = tokens(9, 24)
+    specs = [spec(i, system + tokens(20 + i, 3 + i), n=1 + i % 2, temperature=0.7 * (i % 2), seed=i)
+             for i in range(6)]
+    programs = lambda: [GenerateProgram(s, list(s.prompt_ids)) for s in specs]   # noqa: E731
+    roots = []
+    on, sched = drive(make_engine(tiny), programs(), between=lambda s: roots.append(s.engine.tree.num_nodes))
+    off, _ = drive(make_engine(tiny), programs(), prefix_cache=False)
+    assert [outputs(r) for r in on] == [outputs(r) for r in off]
+    # The second is admitted in the iteration that resumes the first after its prompt's step, before the first
+    # offers the prompt: it computes it again (and offers it too, where it is kept once).
+    assert [r[0].stats["cached_tokens"] for r in on] == [0, 0] + [24] * 4
+    assert sched.stats.cache_hit_rate == pytest.approx(96 / sum(len(s.prompt_ids) for s in specs))
+
+
+def test_under_pool_pressure_the_cache_gives_its_pages_back_and_outputs_stay_equal(tiny):
+    specs = [spec(i, tokens(30 + i // 3, 30) + tokens(40 + i, 5), max_tokens=8) for i in range(15)]
+    small = lambda: Engine(tiny, kv_tokens=160, page_size=4, backend="torch")   # noqa: E731  (40 pages)
+    checks = []
+
+    def check(sched):
+        sched.engine.tree.check_invariants(held=sched.cache.held())
+        checks.append(sched.cache.num_pages)
+
+    on, sched = drive(small(), [GenerateProgram(s, list(s.prompt_ids)) for s in specs], between=check)
+    off, _ = drive(small(), [GenerateProgram(s, list(s.prompt_ids)) for s in specs], prefix_cache=False)
+    assert not any(isinstance(r, Exception) for r in on)
+    assert [outputs(r) for r in on] == [outputs(r) for r in off]
+    assert sched.cache.stats.evicted_pages > 0 and sched.stats.cached_tokens > 0
+    assert sched.engine.tree.num_nodes == 0
+    sched.cache.clear()
+    assert sched.engine.pool.num_free_pages == sched.engine.pool.num_pages
+
+
+def test_run_programs_reads_a_cache_kept_across_runs(tiny):
+    engine = make_engine(tiny)
+    cache = PrefixCache(engine.tree)
+    first = [spec(0, tokens(50, 21))]
+    results, stats = run_programs(engine, [GenerateProgram(s, list(s.prompt_ids)) for s in first], prefix_cache=cache)
+    follow = spec(1, list(first[0].prompt_ids) + results[0][0].output_ids + tokens(51, 4))
+    again, stats = run_programs(engine, [GenerateProgram(follow, list(follow.prompt_ids))], prefix_cache=cache)
+    alone, _ = run_programs(make_engine(tiny), [GenerateProgram(follow, list(follow.prompt_ids))])
+    assert outputs(again[0]) == outputs(alone[0])
+    assert stats.cached_tokens == again[0][0].stats["cached_tokens"] == (21 + 6 - 1) // 4 * 4
+    with pytest.raises(ValueError, match="this engine's tree"):
+        run_programs(make_engine(tiny), [GenerateProgram(follow, list(follow.prompt_ids))], prefix_cache=cache)
