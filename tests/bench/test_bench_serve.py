@@ -244,6 +244,29 @@ def tiny_checkpoint(folder):
     return folder
 
 
+@pytest.mark.slow   # (a python -m treedec start, or a model load: > 5 s on this machine)
+def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
+    from bench.serve_client import ServerProcess
+    log = tmp_path / "server.log"
+    with pytest.raises(RuntimeError, match="exited with status") as e:
+        with ServerProcess(["--no-such-option-here"], log, startup_timeout=120):
+            pass
+    assert "--no-such-option-here" in str(e.value) and "--no-such-option-here" in log.read_text()
+
+
+@pytest.mark.slow
+def test_llm_generate_is_timed_per_engine_step(tmp_path):
+    """--single-stream's in-process yardstick on a tiny checkpoint: the engine's steps stamped, restored after."""
+    from bench.serve_single import single_session, time_llm_generate
+    prompt = single_session(0, 6, 5).turns[0].text
+    timed = time_llm_generate({"model": str(tiny_checkpoint(tmp_path / "ckpt")), "device": "cpu"}, prompt, 5,
+                              rounds=2, ignore_eos=True, speculative=None, drafter=None)
+    assert len(timed["rounds"]) == 2 and timed["tokens"] == 5 and timed["step_ms"] > 0
+    for r in timed["rounds"]:
+        assert r["tokens"] == 5 and r["engine_steps"] >= 5 and r["step_intervals_ms"]["n"] == r["engine_steps"] - 1
+        assert r["ms_per_token"] == pytest.approx(r["step_ms"] * r["steps"] / 5)
+
+
 @pytest.mark.slow
 def test_serve_bench_end_to_end_on_a_tiny_model(tmp_path, capsys):
     """bench/serve.py --smoke starts ``treedec serve`` on a tiny checkpoint and runs every workload, then
