@@ -270,25 +270,28 @@ async def run_single(args: argparse.Namespace, url: str) -> dict:
             "metrics": metrics if metrics is None else {**metrics, "headline": headline(metrics)}}
 
 
+#: The ``treedec serve`` metrics the table reads (``treedec/serve/metrics.py`` names them).
+PROMPT_TOKENS, CACHED_TOKENS = "treedec_prompt_tokens_total", "treedec_cached_prompt_tokens_total"
+HIT_RATE, STEP_SECONDS = "treedec_cache_hit_rate", "treedec_engine_step_seconds"
+ACCEPTED, VERIFY_STEPS = "treedec_spec_accepted_tokens_total", "treedec_spec_verify_steps_total"
+
+
 def headline(metrics: dict) -> dict:
-    """The server metrics the table shows, found by name: the cache hit rate (a ``*hit_rate*`` gauge, else cached
-    over prompt token counters' deltas), the mean acceptance length and the mean step time (ms) over the run."""
+    """The server metrics the table shows: ``cache_hit_rate``, cached over prompt tokens of the requests that
+    finished during the run; ``engine_cache_hit_rate``, the engine's since it started; ``step_ms``, the mean
+    engine step; ``accepted_per_step`` (draft tokens accepted per verification step) and ``acceptance_length``
+    (tokens per verification step: those + 1). A metric the server does not export is left out."""
     after, delta, means = metrics["after"], metrics["delta"], metrics["means"]
     out = {}
-    rates = [v for k, v in after.items() if "hit_rate" in k]
-    cached = [v for k, v in delta.items() if "cached" in k and "token" in k and k.endswith(("_total", "tokens"))]
-    prompt = [v for k, v in delta.items() if "prompt_tokens" in k and "cached" not in k and not k.endswith("_created")]
-    if cached and prompt and prompt[0]:
-        out["cache_hit_rate"] = cached[0] / prompt[0]
-    elif rates:
-        out["cache_hit_rate"] = rates[0]
-    accept = [v for k, v in means.items() if "accept" in k]
-    if accept:
-        out["acceptance_length"] = accept[0]
-    steps = [(k, v) for k, v in means.items() if "step" in k]
-    if steps:
-        key, value = steps[0]
-        out["step_ms"] = value * 1e3 if "second" in key else value
+    if delta.get(PROMPT_TOKENS):
+        out["cache_hit_rate"] = delta.get(CACHED_TOKENS, 0.0) / delta[PROMPT_TOKENS]
+    if HIT_RATE in after:
+        out["engine_cache_hit_rate"] = after[HIT_RATE]
+    if STEP_SECONDS in means:
+        out["step_ms"] = means[STEP_SECONDS] * 1e3
+    if delta.get(VERIFY_STEPS):
+        out["accepted_per_step"] = delta.get(ACCEPTED, 0.0) / delta[VERIFY_STEPS]
+        out["acceptance_length"] = out["accepted_per_step"] + 1
     return out
 
 

@@ -130,13 +130,14 @@ def summarize(records: list[Record], seconds: float) -> dict:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The samples of a Prometheus text exposition as ``{"name{label=value,...}": value}`` (labels sorted);
-    the interpreter's and process's own collectors (``python_*``, ``process_*``) left out."""
+    the interpreter's and process's own collectors (``python_*``, ``process_*``) and the counters' creation
+    times (``*_created``) left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.startswith(("python_", "process_")):
+            if s.name.startswith(("python_", "process_")) or s.name.endswith("_created"):
                 continue
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)

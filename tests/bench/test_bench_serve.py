@@ -127,19 +127,26 @@ def test_summarize_counts_errors_and_cache_reuse():
     assert unreported == {"prompt_tokens": 20, "cached_tokens": 5, "reuse": 0.25, "unreported": 1}
 
 
-METRICS_BEFORE = """# HELP treedec_prompt_tokens_total Prompt tokens.
-# TYPE treedec_prompt_tokens_total counter
+METRICS_BEFORE = """# HELP treedec_prompt_tokens Prompt tokens.
+# TYPE treedec_prompt_tokens counter
 treedec_prompt_tokens_total 100.0
-# TYPE treedec_cached_prompt_tokens_total counter
+treedec_prompt_tokens_created 1.7e9
+# TYPE treedec_cached_prompt_tokens counter
 treedec_cached_prompt_tokens_total 10.0
-# TYPE treedec_step_seconds histogram
-treedec_step_seconds_bucket{le="0.01"} 1.0
-treedec_step_seconds_bucket{le="+Inf"} 2.0
-treedec_step_seconds_count 2.0
-treedec_step_seconds_sum 0.03
-# TYPE treedec_acceptance_length histogram
-treedec_acceptance_length_count 0.0
-treedec_acceptance_length_sum 0.0
+# TYPE treedec_cache_hit_rate gauge
+treedec_cache_hit_rate 0.1
+# TYPE treedec_engine_step_seconds histogram
+treedec_engine_step_seconds_bucket{le="0.01"} 1.0
+treedec_engine_step_seconds_bucket{le="+Inf"} 2.0
+treedec_engine_step_seconds_count 2.0
+treedec_engine_step_seconds_sum 0.03
+# TYPE treedec_spec_verify_steps counter
+treedec_spec_verify_steps_total 0.0
+# TYPE treedec_spec_accepted_tokens counter
+treedec_spec_accepted_tokens_total 0.0
+# TYPE treedec_spec_acceptance_length histogram
+treedec_spec_acceptance_length_count 0.0
+treedec_spec_acceptance_length_sum 0.0
 # TYPE python_gc_objects_collected counter
 python_gc_objects_collected_total{generation="0"} 5.0
 """
@@ -147,18 +154,22 @@ python_gc_objects_collected_total{generation="0"} 5.0
 
 def test_metrics_parse_and_change():
     before = parse_metrics(METRICS_BEFORE)
-    assert before["treedec_prompt_tokens_total"] == 100 and before['treedec_step_seconds_bucket{le=0.01}'] == 1
-    assert not any(k.startswith("python_") for k in before)
-    after = parse_metrics(METRICS_BEFORE.replace("total 100.0", "total 500.0").replace("tokens_total 10.0",
-                                                                                       "tokens_total 370.0")
-                          .replace("count 2.0", "count 12.0").replace("sum 0.03", "sum 0.23")
+    assert before["treedec_prompt_tokens_total"] == 100 and before["treedec_engine_step_seconds_bucket{le=0.01}"] == 1
+    assert not any(k.startswith("python_") or k.endswith("_created") for k in before)
+    after = parse_metrics(METRICS_BEFORE.replace("prompt_tokens_total 100.0", "prompt_tokens_total 500.0")
+                          .replace("tokens_total 10.0", "tokens_total 370.0").replace("hit_rate 0.1", "hit_rate 0.8")
+                          .replace("seconds_count 2.0", "seconds_count 12.0").replace("sum 0.03", "sum 0.23")
+                          .replace("steps_total 0.0", "steps_total 8.0").replace("accepted_tokens_total 0.0",
+                                                                                 "accepted_tokens_total 12.0")
                           .replace("length_count 0.0", "length_count 4.0").replace("length_sum 0.0", "length_sum 10.0"))
     changes = metric_changes(before, after)
     assert changes["delta"]["treedec_prompt_tokens_total"] == 400
-    assert changes["means"]["treedec_step_seconds"] == pytest.approx(0.02)
-    assert changes["means"]["treedec_acceptance_length"] == pytest.approx(2.5)
-    assert headline(changes) == {"cache_hit_rate": pytest.approx(0.9), "acceptance_length": pytest.approx(2.5),
-                                 "step_ms": pytest.approx(20.0)}
+    assert "treedec_engine_step_seconds_sum" in changes["delta"] and "treedec_cache_hit_rate" in changes["after"]
+    assert changes["means"]["treedec_engine_step_seconds"] == pytest.approx(0.02)
+    assert changes["means"]["treedec_spec_acceptance_length"] == pytest.approx(2.5)
+    assert headline(changes) == {"cache_hit_rate": pytest.approx(0.9), "engine_cache_hit_rate": 0.8,
+                                 "step_ms": pytest.approx(20.0), "accepted_per_step": 1.5, "acceptance_length": 2.5}
+    assert headline(metric_changes(before, before)) == {"engine_cache_hit_rate": 0.1}   # nothing moved
 
 
 def test_arguments_make_the_server_command():
