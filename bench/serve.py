@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = [args.speculative] if args.compare_speculative is None else [None, args.compare_speculative]
     device = device_name(torch.device("cuda")) if torch.cuda.is_available() else "cpu"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     stem = results_path(Path(args.out), device, "serve", args.smoke, args.tag).with_suffix("")
     results = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "versions": versions("openai", "fastapi", "uvicorn", "transformers"), "argv": sys.argv[1:] if argv is None
