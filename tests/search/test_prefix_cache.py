@@ -13,7 +13,8 @@ from treedec.search.sampling import SamplingParams
 from treedec.search.scheduler import run_programs
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.errors import TreeError
-from tests.engines import make_engine, tiny_model
+from treedec.models import from_hf_model
+from tests.engines import make_engine, tiny_hf_llama, tiny_model
 from tests.search.test_batch import outputs
 
 
@@ -144,16 +145,16 @@ def drive(engine, programs, prefix_cache=True, between=None):
     return [done[h] for h in handles], sched
 
 
-def conversation(model, turns, prefix_cache, ps=4, user=7, answer=9):
+def conversation(model, turns, prefix_cache, ps=4, user=7, answer=9, engine=None, pipeline=False):
     """A chat whose every turn re-sends the whole conversation plus a new user message; returns each turn's
     results and cached prompt tokens."""
-    engine = make_engine(model, page_size=ps)
+    engine = make_engine(model, page_size=ps) if engine is None else engine
     sched = OnlineScheduler(engine, on_done=lambda h, r: done.append(r), on_error=lambda h, e: done.append(e),
                             prefix_cache=prefix_cache)
     history, done, cached = tokens(8, 13), [], []
     for t in range(turns):
         history = history + tokens(100 + t, user)
-        sched.submit(GenerateProgram(spec(t, history, max_tokens=answer), list(history)))
+        sched.submit(GenerateProgram(spec(t, history, max_tokens=answer), list(history), pipeline=pipeline))
         while not sched.idle:
             sched.iterate()
         result = done[-1][0]
@@ -224,3 +225,19 @@ def test_run_programs_reads_a_cache_kept_across_runs(tiny):
     assert stats.cached_tokens == again[0][0].stats["cached_tokens"] == (21 + 6 - 1) // 4 * 4
     with pytest.raises(ValueError, match="this engine's tree"):
         run_programs(make_engine(tiny), [GenerateProgram(follow, list(follow.prompt_ids))], prefix_cache=cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_graphed_gpu_engine_pipelined_a_conversation_equals_the_cache_off():
+    """On a GPU (CUDA graphs, pipelined steps: the cache's copies are queued behind the step that computed the K/V):
+    the conversation's outputs with the cache on equal those with it off, and the cache is read."""
+    gpu = from_hf_model(tiny_hf_llama().cuda())   # fp32: equal tokens whatever the chunking
+    runs = []
+    for cache in (True, False):
+        engine = Engine(gpu, kv_tokens=4096, page_size=16, cuda_graphs=True)
+        runs.append(conversation(None, 6, cache, ps=16, user=11, answer=40, engine=engine, pipeline=True))
+    (on, cached, sched), (off, _, _) = runs
+    assert [outputs(r) for r in on] == [outputs(r) for r in off]
+    assert sum(cached[1:]) > 0 and sched.cache.stats.copied_tokens > 0
+    sched.engine.tree.check_invariants(held=sched.cache.held())
