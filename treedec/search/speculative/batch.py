@@ -125,8 +125,8 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
 
 def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int], source: DraftSource, tokenizer=None,
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
-                        budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
-                        greedy_only: bool = True, on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
+                        budget: DraftBudget | None = None, pipeline: bool | None = None,
+                        pipeline_note: str | None = None, greedy_only: bool = True, on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
