@@ -313,6 +313,9 @@ def test_overloaded_server_answers_503(tokenizer):
             assert info.value.status_code == 503 and info.value.response.json()["error"]["code"] == "overloaded"
             holder.close()   # the waiting one is admitted once the holder's pages are freed
             assert [c.finish_reason for chunk in waiting for c in chunk.choices if c.finish_reason] == ["length"]
+            with pytest.raises(openai.BadRequestError) as info:   # larger than the whole pool: it fails alone
+                client.completions.create(model="tiny", prompt=[5] * 400, max_tokens=1)
+            assert info.value.response.json()["error"]["code"] == "kv_cache_exceeded", info.value.response.json()
         assert free_again(running) == 0
     finally:
         running.stop()

@@ -211,7 +211,10 @@ class _Server:
                 run.abort()
                 task.cancel()
                 return Response(status_code=499)   # (nobody reads it)
-        results = task.result()
+        try:
+            results = task.result()
+        except Exception as e:
+            raise _request_error(e) from None
         tokenizer = self.llm.tokenizer
         logprobs = (lambda r: chat_logprobs(r, tokenizer, params.logprobs)) if chat else \
             (lambda r: completion_logprobs(r, tokenizer, params.logprobs))
