@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
 # Top to bottom; a module may import its own layer and those below it. errors, checks (the argument
 # checks), versions, transfer (host <-> device copies), workloads (recorded data and its builders) and
 # cache (the cache folder) sit beside tree at the bottom.
-LAYERS = ["cli", "llm", "search", "replay", "engine", "models", "attention", "kernels", "tree"]
+LAYERS = ["cli", "serve", "llm", "search", "replay", "engine", "models", "attention", "kernels", "tree"]
 BOTTOM = {"errors", "checks", "versions", "transfer", "workloads", "cache", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
 

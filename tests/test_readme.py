@@ -49,9 +49,18 @@ def real_model_blocks() -> list[str]:
     return [block for block in readme_blocks("python") if 'LLM("smollm2"' in block]
 
 
+SERVER_URL = "http://127.0.0.1:8000/v1"
+
+
+def client_blocks() -> list[str]:
+    """The Python blocks that talk to a running ``treedec serve`` (the openai client at :data:`SERVER_URL`): run by
+    their own test, against a server it starts."""
+    return [block for block in readme_blocks("python") if SERVER_URL in block]
+
+
 def test_readme_has_the_blocks_this_test_knows():
-    assert len(readme_blocks("python")) == 6 and len(real_model_blocks()) == 1
-    assert len(readme_blocks("bash")) == 3
+    assert len(readme_blocks("python")) == 7 and len(real_model_blocks()) == 1 and len(client_blocks()) == 1
+    assert len(readme_blocks("bash")) == 4
     assert len(readme_blocks("text")) >= 1
     assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
 
@@ -75,7 +84,7 @@ def test_python_blocks_run_in_order(tmp_path, capsys):
     save_tiny_checkpoint(tmp_path)
     namespace: dict = {"__name__": "readme"}
     torch.manual_seed(0)
-    for i, block in enumerate(b for b in readme_blocks("python") if b not in real_model_blocks()):
+    for i, block in enumerate(b for b in readme_blocks("python") if b not in real_model_blocks() + client_blocks()):
         code = compile(block.replace(CHECKPOINT_PLACEHOLDER, str(tmp_path)), f"README.md python block {i + 1}", "exec")
         exec(code, namespace)
     assert namespace["out"].shape == (4, 32, 128) and torch.isfinite(namespace["out"]).all()
@@ -179,3 +188,35 @@ def test_module_table_matches_the_tree():
             importlib.import_module(name)
         except ModuleNotFoundError:
             assert hasattr(importlib.import_module(module), attr), f"README names {name}, which does not exist"
+
+
+def test_serve_command_parses():
+    """The README's serve command is a valid ``treedec serve`` command line (running it is the next test's)."""
+    from treedec.cli import build_parser
+    [block] = [b.strip() for b in readme_blocks("bash") if b.strip().startswith("treedec serve")]
+    argv = shlex.split(block.split("#")[0])
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "serve" and args.model == "smollm2" and f"http://{args.host}:{args.port}/v1" == SERVER_URL
+
+
+def test_client_block_runs_against_a_server(tmp_path, capsys):
+    """The openai-client block, against ``treedec serve``'s app serving the tiny random Llama (with a small local
+    tokenizer) as "smollm2" on a free port: its reply and its stream print."""
+    from tests.serve.server import RunningServer
+    from tests.tokenizers_local import build_tokenizer
+    from tests.engines import tiny_model
+    from treedec import LLM
+    from treedec.models.text import load_tokenizer
+
+    llm = LLM(tiny_model(), load_tokenizer(build_tokenizer(tmp_path / "tok")), kv_tokens=2048, page_size=4,
+              backend="torch")
+    server = RunningServer(llm, "smollm2")
+    try:
+        [block] = client_blocks()
+        namespace: dict = {"__name__": "readme"}
+        exec(compile(block.replace(SERVER_URL, server.base_url), "README.md's client block", "exec"), namespace)
+        reply = namespace["reply"]
+        assert reply.model == "smollm2" and reply.choices[0].message.role == "assistant"
+        assert str(reply.usage.completion_tokens) in capsys.readouterr().out
+    finally:
+        server.stop()

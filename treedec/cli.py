@@ -18,6 +18,9 @@ acceptance stats (see :mod:`treedec.commands.spec`).
 ``treedec tot``: Tree-of-Thought search (BFS or DFS) on a Game-of-24 problem (see
 :mod:`treedec.commands.tot`).
 
+``treedec serve --model NAME``: an OpenAI-compatible HTTP server (completions, chat, streaming, metrics) over
+one model, every request batched on one engine (see :mod:`treedec.commands.serve`).
+
 ``treedec env``: the installed versions of treedec's dependencies (:mod:`treedec.versions`).
 
 Errors and exit codes. Every argument is checked when it is parsed (counts, sizes, seeds,
@@ -54,6 +57,7 @@ from treedec.errors import BackendUnavailableError, PoolExhaustedError
 from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, refuse_overwrites, seed_int
 from treedec.commands.generate import add_generate_parser, run_generate
 from treedec.commands.replay import add_plot_parser, add_replay_parser, run_plot, run_replay
+from treedec.commands.serve import add_serve_parser, run_serve
 from treedec.commands.spec import add_spec_parser, run_spec
 from treedec.commands.tot import add_tot_parser, run_tot
 from treedec.tree import PagedKVPool, SequenceTree
@@ -159,10 +163,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec and tot subcommands."""
+    """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec, tot, serve and env subcommands."""
     parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,env}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,serve,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
     demo.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     demo.add_argument("--planner", default="flatten", choices=PLANNERS)
@@ -183,6 +187,7 @@ def build_parser() -> Parser:
     add_plot_parser(sub)
     add_spec_parser(sub)
     add_tot_parser(sub)
+    add_serve_parser(sub)
     sub.add_parser("env", help="print the installed versions of what treedec uses (for bug reports)")
     for command in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -247,7 +252,7 @@ def run_env_command(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
-            "env": run_env_command}
+            "serve": run_serve, "env": run_env_command}
 
 
 def _notes(error: BaseException) -> str:

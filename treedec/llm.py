@@ -34,7 +34,8 @@ from treedec.search import (BeamSearchResult, RequestResult, RequestSpec, Sampli
 from treedec.search.batch import step_progress
 from treedec.search.beam import beam_program
 from treedec.search.request import MODEL_EOS
-from treedec.search.speculative import RejectionSampling, SpeculativeConfig, speculative_batch
+from treedec.search.speculative import SpeculativeConfig, speculative_batch
+from treedec.search.speculative.batch import sampled_acceptance
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -236,12 +237,9 @@ class LLM:
                 results, _ = generate_batch(self.engine, specs, self.tokenizer, chat_template, self.generator,
                                             on_request_done=done, on_step=step)
             else:
-                acceptance = lambda spec: RejectionSampling(   # noqa: E731
-                    temperature=spec.params.temperature, top_k=spec.params.top_k, top_p=spec.params.top_p,
-                    seed=self._seed(spec))
                 results, _ = speculative_batch(self.engine, specs, self.drafts.source, self.tokenizer, chat_template,
-                                               acceptance=_sampled_only(acceptance), on_request_done=done,
-                                               on_step=step)
+                                               acceptance=lambda spec: sampled_acceptance(spec, self._seed),
+                                               on_request_done=done, on_step=step)
         by_request: dict[str, list[RequestResult]] = {}
         for r in results:
             by_request.setdefault(r.id, []).append(r)
@@ -251,11 +249,6 @@ class LLM:
         if spec.params.seed is not None:
             return spec.params.seed
         return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
-
-
-def _sampled_only(make):
-    """Greedy acceptance (the default rule) at temperature 0, ``make(spec)`` above."""
-    return lambda spec: None if spec.params.temperature == 0 else make(spec)
 
 
 def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestOutput:

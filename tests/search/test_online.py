@@ -12,6 +12,7 @@ from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.speculative.program import SpeculativeProgram
 from treedec.search.stops import StopRule
 from tests.engines import make_engine, tiny_model
+from treedec.engine import Engine
 from tests.search.test_batch import LetterTokenizer, outputs, prompt
 
 
@@ -272,3 +273,62 @@ def test_a_bad_request_raises_at_submit(tiny):
     deltas, final = asyncio.run(main())
     sched = servers[0].scheduler
     assert deltas == {} and len(final[0].output_ids) == 3 and all_free(engine, sched.cache)
+
+
+def test_a_speculative_online_engine_equals_plain_decoding_and_refuses_what_it_cannot_do(tiny):
+    """With a draft source every request is decoded speculatively: greedy == plain greedy, the streamed deltas join
+    to the final text, a seeded sampled request is the same twice; n > 1 and penalties are refused at submit."""
+    engine = make_engine(tiny)
+    drafts = lambda spec: PromptLookupDraft(max_ngram=2, num_draft_tokens=3)   # noqa: E731
+
+    async def main():
+        with OnlineEngine(engine, LetterTokenizer(), drafts=drafts) as server:
+            servers.append(server)
+            with pytest.raises(ValueError, match="n=1"):
+                server.submit(letter_spec("n2", n=2))
+            with pytest.raises(ValueError, match="speculative decoding does not implement"):
+                server.submit(letter_spec("penalty", presence_penalty=0.5))
+            greedy = server.submit(letter_spec("g", "ABABABABAB", max_tokens=12))
+            sampled = [server.submit(letter_spec(f"s{k}", "ABCABCABC", max_tokens=8, temperature=0.9, seed=3))
+                       for k in range(2)]
+            return await asyncio.gather(collect(greedy), *map(collect, sampled))
+
+    servers = []
+    (deltas, final), (_, one), (_, two) = asyncio.run(main())
+    reference = RequestSpec("g", prompt_ids=LetterTokenizer().encode("ABABABABAB"),
+                            params=SamplingParams(max_tokens=12, temperature=0.0))
+    assert final[0].output_ids == run_program(make_engine(tiny), generate(reference))[0].output_ids
+    assert deltas[0] == final[0].text and len(final[0].stats["accepted"]) == final[0].stats["steps"]
+    assert one[0].output_ids == two[0].output_ids
+    assert all_free(engine, servers[0].scheduler.cache)
+
+
+def test_a_preempted_request_streams_each_character_once(tiny):
+    """A pool too small for every request at once preempts some (run again from the start); their streams still
+    join to their final texts (unseeded sampled requests get seeds, so a run again draws the same)."""
+    engine = Engine(tiny, kv_tokens=96, page_size=4, backend="torch")
+
+    async def main():
+        with OnlineEngine(engine, LetterTokenizer()) as server:
+            streams = [server.submit(letter_spec(k, "ABCDEFGHIJ", max_tokens=30, temperature=1.0, ignore_eos=True))
+                       for k in range(4)]
+            got = await asyncio.gather(*map(collect, streams))
+            return got, server.scheduler
+
+    got, scheduler = asyncio.run(main())
+    preemptions = scheduler.stats.preemptions
+    assert preemptions > 0
+    for deltas, final in got:
+        assert deltas[0] == final[0].text and len(final[0].output_ids) == 30
+    assert all_free(engine, scheduler.cache)
+
+
+def test_the_scheduler_keeps_only_the_last_history_steps(tiny):
+    engine = make_engine(tiny)
+    recorder = Recorder()
+    scheduler = OnlineScheduler(engine, on_done=recorder.on_done, on_error=recorder.on_error, history=4)
+    scheduler.submit(generate(RequestSpec(0, prompt_ids=prompt(0), params=SamplingParams(max_tokens=20,
+                                                                                          temperature=0.0))))
+    while scheduler.iterate():
+        assert len(scheduler.stats.queries_per_step) < 8 and len(scheduler.stats.programs_per_step) < 8
+    assert scheduler.stats.steps >= 20 and len(recorder.done) == 1 and all_free(engine, scheduler.cache)

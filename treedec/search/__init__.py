@@ -10,7 +10,7 @@
 - the scheduler (:func:`run_programs`, :func:`run_program`, :class:`SchedulerStats`) and what a program is
   (:class:`Program`, :class:`ProgramContext`); online decoding, programs submitted and aborted while it runs
   (:class:`OnlineScheduler`, :class:`ProgramAborted`) and its driving thread for a server (:class:`OnlineEngine`,
-  :class:`StreamOutput`);
+  its streams of :class:`StreamOutput`);
 - stops (:class:`StopRule`, :class:`StopChecker`) and prompts files (:func:`read_requests`, :class:`RequestSpec`,
   :func:`write_results_jsonl`);
 - sub-packages: :mod:`treedec.search.speculative` (speculative decoding, draft sources, acceptance) and
@@ -20,7 +20,8 @@ from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, BeamSearchResult, BeamSearchStats, beam_search
 from treedec.search.controller import BranchEvery, Controller, ControllerProgram, ControllerRun, run_controller
 from treedec.search.generate import greedy_generate
-from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted, StreamOutput
+from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
+from treedec.search.streams import StreamOutput
 from treedec.search.parallel_sampling import (SamplingResult, SelfConsistencyResult, majority_vote, parallel_sample,
                                               self_consistency)
 from treedec.search.program import Program, ProgramContext

@@ -427,19 +427,9 @@ class _Outputs:
             elif placed:
                 self.tree.set_tokens(node, at, [token])
             if self.stream is not None:
-                text = _streamable(checker)
+                text = checker.streamable_text
                 if len(text) > self.shown[i]:
                     self.stream(i, text[self.shown[i]:])
                     self.shown[i] = len(text)
         return ended
 
-
-def _streamable(checker: StopChecker) -> str:
-    """The output's text that can be shown: all of it once it ended, else without a tail that may
-    still become a stop string (it would then be cut)."""
-    text = checker.text
-    if checker.stopped:
-        return text
-    hold = max((k for stop in checker.rule.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
-               default=0)
-    return text[:len(text) - hold]

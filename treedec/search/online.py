@@ -22,29 +22,42 @@ start of each iteration; the callbacks run on the driving thread.
 
 :class:`OnlineEngine` is that driving thread, for a server: a background thread loops ``iterate()`` while
 there is work and sleeps on an event when idle; :meth:`OnlineEngine.submit` takes a
-:class:`~treedec.search.requests_file.RequestSpec` (a :class:`~treedec.search.batch.GenerateProgram`) and
-returns an asyncio async iterator of :class:`StreamOutput`: text deltas as they are accepted, then the
-request's final :class:`~treedec.search.requests_file.RequestResult` list; handed to the caller's event loop
-with ``loop.call_soon_threadsafe``.
+:class:`~treedec.search.requests_file.RequestSpec` and returns an asyncio async iterator of
+:class:`~treedec.search.streams.StreamOutput` (:mod:`treedec.search.streams`): text deltas as they are accepted,
+then the request's final :class:`~treedec.search.requests_file.RequestResult` list; handed to the caller's event
+loop with ``loop.call_soon_threadsafe``. A request is a :class:`~treedec.search.batch.GenerateProgram`, or with a
+draft source (``drafts``, e.g. :class:`~treedec.LLM`'s) a speculative program as :class:`~treedec.LLM` decodes it
+(greedy acceptance at temperature 0, lossless rejection sampling above).
+
+Memory stays bounded in a long-running server: :attr:`OnlineScheduler.stats` keeps its counters for the engine's
+life but only the last ``history`` entries of its per-step lists.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
-from dataclasses import dataclass
+import time
 from typing import Any, AsyncIterator, Callable
+
+import numpy as np
 
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.search.batch import GenerateProgram, prepare_requests
 from treedec.search.prefix_cache import PrefixCache
-from treedec.search.program import Program
+from treedec.search.program import Program, ProgramContext
 from treedec.search.request import check_positions
-from treedec.search.requests_file import RequestResult, RequestSpec
+from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SEED_MAX
 from treedec.search.scheduler_loop import SchedulerLoop, SchedulerStats
+from treedec.search.speculative.batch import sampled_acceptance, speculative_program, speculative_results
+from treedec.search.speculative.draft_budget import DraftBudget
+from treedec.search.speculative.drafts import DraftSource
+from treedec.search.streams import OutputStream, StreamOutput
 
-__all__ = ["OnlineEngine", "OnlineScheduler", "ProgramAborted", "StreamOutput"]
+__all__ = ["OnlineEngine", "OnlineScheduler", "ProgramAborted"]
 
 
 class ProgramAborted(Exception):
@@ -65,6 +78,7 @@ class OnlineScheduler:
     on_step : called as ``on_step(stats)`` after each engine step is launched.
     prefix_cache : keep a :class:`~treedec.search.prefix_cache.PrefixCache` (:attr:`cache`) of prompts and
         conversations across requests (default True).
+    history : the per-step entries :attr:`stats` keeps (the newest).
 
     The callbacks run on the driving thread, between or inside iterations: they must not call
     :meth:`iterate`, and should return quickly (an error escaping one ends every live program, as a failed
@@ -72,18 +86,21 @@ class OnlineScheduler:
 
     Attributes
     ----------
-    stats : the :class:`~treedec.search.scheduler.SchedulerStats` since it was made (``seconds`` stays 0;
-        the per-step lists grow by one entry a step).
+    stats : the :class:`~treedec.search.scheduler.SchedulerStats` since it was made: its counters (``steps``,
+        ``prompt_tokens``, ``cached_tokens``, ...) count every step; its per-step lists (``queries_per_step``,
+        ``programs_per_step``) hold the last ``history`` steps' (``seconds`` stays 0).
     """
 
     def __init__(self, engine: Engine, *, max_step_tokens: int | None = None,
                  on_done: Callable[[int, Any], None] | None = None,
                  on_error: Callable[[int, BaseException], None],
-                 on_step: Callable[[SchedulerStats], None] | None = None, prefix_cache: bool = True):
+                 on_step: Callable[[SchedulerStats], None] | None = None, history: int = 1024,
+                 prefix_cache: bool = True):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
         budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
         positive_int("max_step_tokens", budget)
+        positive_int("history", history)
         pending = engine.tree.num_pending
         if pending:
             raise ValueError(f"the engine's tree has {pending} pending token(s): run engine.step() first")
@@ -99,10 +116,23 @@ class OnlineScheduler:
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, int, Program | None]] = []
         self._handles = itertools.count()
+        self.history = history
 
     @property
     def stats(self) -> SchedulerStats:
         return self._core.stats
+
+    @property
+    def num_running(self) -> int:
+        """Programs admitted and not yet ended (a snapshot; any thread)."""
+        return len(self._core.live)
+
+    @property
+    def num_waiting(self) -> int:
+        """Programs submitted and not yet admitted (a snapshot; any thread)."""
+        with self._lock:
+            inbox = sum(1 for kind, _, _ in self._inbox if kind == "submit")
+        return len(self._core.queue) + inbox
 
     @property
     def idle(self) -> bool:
@@ -149,6 +179,11 @@ class OnlineScheduler:
         except BaseException:
             core.abandon()
             raise
+        finally:
+            stats = core.stats
+            for steps in (stats.queries_per_step, stats.programs_per_step):
+                if len(steps) >= 2 * self.history:   # (trimmed now and then: amortized O(1) a step)
+                    del steps[:-self.history]
 
     def _drain(self) -> None:
         with self._lock:
@@ -160,27 +195,6 @@ class OnlineScheduler:
                 self._on_error(handle, ProgramAborted(f"program {handle} was aborted"))
 
 
-@dataclass(frozen=True)
-class StreamOutput:
-    """One item of an :class:`OnlineEngine` stream.
-
-    Attributes
-    ----------
-    request_id : the request's id.
-    index : the output's index (of the request's ``n``) for a text delta; None for the final item.
-    text : the output's new text (a delta; the deltas of an output join to its final ``text``), or "".
-    results : the request's final results (one per output, as :func:`~treedec.search.batch.generate_batch`
-        gives them), on the last item only; else None.
-    """
-
-    request_id: int | str
-    index: int | None = None
-    text: str = ""
-    results: list[RequestResult] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.results is not None
 
 
 class OnlineEngine:
@@ -188,7 +202,7 @@ class OnlineEngine:
 
     The thread loops :meth:`OnlineScheduler.iterate` while there is work and sleeps when idle. Nothing
     else may step ``engine`` while it runs. :meth:`submit` (in a coroutine of an asyncio loop) returns an
-    async iterator of :class:`StreamOutput`; :meth:`abort` ends a request (its stream raises
+    async iterator of :class:`~treedec.search.streams.StreamOutput`; :meth:`abort` ends a request (its stream raises
     :class:`ProgramAborted`); :meth:`shutdown` aborts every request and joins the thread. Use it as a
     context manager to shut it down on exit.
 
@@ -198,50 +212,95 @@ class OnlineEngine:
     tokenizer : the default tokenizer of requests (text prompts, stop strings, streamed text).
     chat_template : encode ``prompt`` / ``messages`` through the tokenizer's chat template by default.
     max_step_tokens : as :class:`OnlineScheduler`'s.
+    drafts : every request decoded speculatively with ``drafts(spec)`` as its draft source (e.g. an
+        :class:`~treedec.LLM`'s ``llm.drafts.source``), as :class:`~treedec.LLM` decodes: greedy acceptance at
+        temperature 0, lossless rejection sampling above. A request speculative decoding cannot take
+        (``n > 1``, penalties, ``min_p``, logprobs, ...) is refused at :meth:`submit` (ValueError). Its steps are
+        not pipelined (the number of live requests varies; pipelining pays for small batches only).
+    max_draft_tokens : the largest draft tree (root included) a speculative request verifies a step.
+    seed : the seeds given to sampled requests without one (so that a preempted request, run again from its
+        start, draws the same tokens and its streamed text stays right).
+    on_iteration : called on the driving thread as ``on_iteration(stats, seconds)`` after each iteration (an
+        engine step for every live program): the scheduler's stats and the iteration's wall time (metrics).
+    history, prefix_cache : as :class:`OnlineScheduler`'s.
+
+    Attributes
+    ----------
+    error : what stopped the thread (a callback's bug), else None; then :meth:`submit` raises RuntimeError.
     """
 
     def __init__(self, engine: Engine, tokenizer=None, *, chat_template: bool = False,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, drafts: Callable[[RequestSpec], DraftSource] | None = None,
+                 max_draft_tokens: int = 64, seed: int = 0,
+                 on_iteration: Callable[[SchedulerStats, float], None] | None = None, history: int = 1024,
+                 prefix_cache: bool = True):
+        for name, f in (("drafts", drafts), ("on_iteration", on_iteration)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+        positive_int("max_draft_tokens", max_draft_tokens)
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.scheduler = OnlineScheduler(engine, max_step_tokens=max_step_tokens, on_done=self._done,
-                                         on_error=self._failed)
-        self._streams: dict[int, _Stream] = {}       # handle -> stream (the driving thread pops it)
-        self._requests: dict[int | str, int] = {}    # request id -> handle, while it runs
+                                         on_error=self._failed, history=history, prefix_cache=prefix_cache)
+        self.drafts, self.max_draft_tokens, self.on_iteration = drafts, max_draft_tokens, on_iteration
+        self._budget = DraftBudget() if drafts is not None else None   # shared by the speculative requests
+        self._seeds = np.random.default_rng(seed)
+        self._requests: dict[int, _Request] = {}    # handle -> request (the driving thread pops it)
+        self._handles: dict[int | str, int] = {}    # request id -> handle, while it runs
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
-        self.error: BaseException | None = None      # what stopped the thread, if something did
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="treedec-online", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the driving thread runs (not shut down, not failed)."""
+        return self._thread.is_alive() and not self._stopping
+
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None
                ) -> AsyncIterator[StreamOutput]:
-        """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here); returns an
-        async iterator of its :class:`StreamOutput`, the last one ``finished``. Call it in a coroutine (the
-        running loop gets the outputs). A request id must be unique among the running requests."""
+        """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
+        TypeError, or :class:`~treedec.errors.PoolExhaustedError` for a speculative request larger than the free
+        pool); returns an async iterator of its :class:`~treedec.search.streams.StreamOutput`, the last one
+        ``finished``. Call it in a coroutine (the running loop gets the outputs). A request id must be unique
+        among the running requests. A sampled request without a seed gets one (see ``seed``)."""
         loop = asyncio.get_running_loop()
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
-        stream = _Stream(loop, spec.id)
-        on_text = None if tokenizer is None else (lambda s, index, delta: stream.put(StreamOutput(s.id, index, delta)))
-        program = GenerateProgram(spec, prompt_ids, tokenizer, pipeline=self.engine.device.type == "cuda",
-                                  on_text=on_text)
+        if spec.params.temperature > 0 and spec.params.seed is None:
+            with self._lock:
+                seed = int(self._seeds.integers(0, SEED_MAX))
+            spec = dataclasses.replace(spec, params=spec.params.replace(seed=seed))
+        stream = OutputStream(loop, spec.id)
+        if self.drafts is None:
+            on_text = None if tokenizer is None else (lambda s, index, delta: stream.text(index, delta))
+            program = GenerateProgram(spec, prompt_ids, tokenizer, pipeline=self.engine.device.type == "cuda",
+                                      on_text=on_text)
+        else:
+            program = speculative_program(
+                self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
+                sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
+                pipeline=False, pipeline_note="online: the number of live requests varies",
+                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
         with self._lock:
             if self._stopping:
-                raise RuntimeError("the online engine is shut down")
-            if spec.id in self._requests:
+                raise RuntimeError("the online engine is shut down" if self.error is None else
+                                   f"the online engine failed: {type(self.error).__name__}: {self.error}")
+            if spec.id in self._handles:
                 raise ValueError(f"request id {spec.id!r} is already running")
-            handle = self.scheduler.submit(program)
-            self._streams[handle] = stream
-            self._requests[spec.id] = handle
+            handle = self.scheduler.submit(_Restarts(program, stream.restart))
+            self._requests[handle] = _Request(spec, prompt_ids, stream, self.drafts is not None)
+            self._handles[spec.id] = handle
         self._wake.set()
         return stream
 
     def abort(self, request_id: int | str) -> bool:
-        """Abort a running request (its stream raises :class:`ProgramAborted`); returns whether it was running."""
+        """Abort a running request (its stream raises :class:`ProgramAborted`; its pages are freed at the next
+        iteration); returns whether it was running."""
         with self._lock:
-            handle = self._requests.get(request_id)
+            handle = self._handles.get(request_id)
         if handle is None:
             return False
         self.scheduler.abort(handle)
@@ -252,7 +311,7 @@ class OnlineEngine:
         """Abort every running request, let the thread close them (their pages freed) and join it."""
         with self._lock:
             self._stopping = True
-            handles = list(self._requests.values())
+            handles = list(self._handles.values())
         for handle in handles:
             self.scheduler.abort(handle)
         self._wake.set()
@@ -270,7 +329,10 @@ class OnlineEngine:
             while True:
                 self._wake.clear()
                 if not scheduler.idle:
+                    start = time.perf_counter()
                     scheduler.iterate()
+                    if self.on_iteration is not None:
+                        self.on_iteration(scheduler.stats, time.perf_counter() - start)
                     continue
                 if self._stopping:
                     return
@@ -279,65 +341,56 @@ class OnlineEngine:
             self.error = error
             with self._lock:
                 self._stopping = True
-                streams, self._streams = self._streams, {}
-                self._requests.clear()
-            for stream in streams.values():
-                stream.fail(error)
+                requests, self._requests = self._requests, {}
+                self._handles.clear()
+            for request in requests.values():
+                request.stream.fail(error)
 
-    def _finish(self, handle: int) -> _Stream | None:
+    def _finish(self, handle: int) -> _Request | None:
         with self._lock:
-            stream = self._streams.pop(handle, None)
-            if stream is not None:
-                self._requests.pop(stream.request_id, None)
-        return stream
+            request = self._requests.pop(handle, None)
+            if request is not None:
+                self._handles.pop(request.spec.id, None)
+        return request
 
-    def _done(self, handle: int, results: list[RequestResult]) -> None:
-        stream = self._finish(handle)
-        if stream is not None:
-            stream.put(StreamOutput(stream.request_id, results=results))
-            stream.close()
+    def _done(self, handle: int, result) -> None:
+        request = self._finish(handle)
+        if request is not None:
+            results = speculative_results(request.spec, request.prompt_ids, result) if request.speculative \
+                else result
+            request.stream.finish(results)
 
     def _failed(self, handle: int, error: BaseException) -> None:
-        stream = self._finish(handle)
-        if stream is not None:
-            stream.fail(error)
+        request = self._finish(handle)
+        if request is not None:
+            request.stream.fail(error)
 
 
-_END = object()
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    spec: RequestSpec
+    prompt_ids: list[int]
+    stream: OutputStream
+    speculative: bool
 
 
-class _Stream:
-    """An async iterator fed from the driving thread through ``loop.call_soon_threadsafe``."""
+class _Restarts(Program):
+    """``program`` as the scheduler runs it, calling ``on_start()`` whenever a run of it starts (a preempted
+    program runs again from its start: its stream's text starts again)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id):
-        self.loop, self.request_id = loop, request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, program: Program, on_start: Callable[[], None]):
+        self.program, self.on_start = program, on_start
+        self.prompt_ids, self.shares_prompt, self.name = program.prompt_ids, program.shares_prompt, program.name
 
-    def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:   # the caller's loop is closed: nobody reads the stream any more
-            pass
+    def run(self, ctx: ProgramContext):
+        self.on_start()
+        return (yield from self.program.run(ctx))
 
-    def close(self) -> None:
-        self.put(_END)
+    def positions(self):
+        return self.program.positions()
 
-    def fail(self, error: BaseException) -> None:
-        self.put(_Failure(error))
+    def start_pages(self, pool, shared: int = 0) -> int:
+        return self.program.start_pages(pool, shared)
 
-    def __aiter__(self) -> "_Stream":
-        return self
-
-    async def __anext__(self) -> StreamOutput:
-        item = await self.queue.get()
-        if item is _END:
-            self.queue.put_nowait(_END)   # (iterating again ends again)
-            raise StopAsyncIteration
-        if isinstance(item, _Failure):
-            raise item.error
-        return item
-
-
-@dataclass(frozen=True)
-class _Failure:
-    error: BaseException
+    def step_pages(self, pool) -> int:
+        return self.program.step_pages(pool)

@@ -139,6 +139,17 @@ class StopChecker:
         return text if self._cut is None else text[:self._cut]
 
     @property
+    def streamable_text(self) -> str | None:
+        """The text that can be shown (streamed) now: all of it once the output ended, else without a tail that
+        may still become a stop string (it would then be cut); None without a detokenizer."""
+        text = self.text
+        if text is None or self.stopped:
+            return text
+        hold = max((k for stop in self.rule.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
+                   default=0)
+        return text[:len(text) - hold]
+
+    @property
     def stop_reason(self) -> str | None:
         """``"eos"``, ``"stop_string"`` or ``"length"`` once the output ended; None before."""
         return self._reason

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.speculative.acceptance import AcceptanceRule
+from treedec.search.speculative.acceptance import AcceptanceRule, RejectionSampling
 from treedec.search.batch import prepare_requests, request_results
 from treedec.search.speculative.draft_budget import DraftBudget
 from treedec.search.speculative.drafts import DraftSource, check_draft_source
@@ -38,7 +38,8 @@ from treedec.search.speculative.program import SpeculativeProgram
 SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                                 "max_tokens", "include_stop_str_in_output"})
 
-__all__ = ["PIPELINE_MAX_REQUESTS", "speculative_batch"]
+__all__ = ["PIPELINE_MAX_REQUESTS", "sampled_acceptance", "speculative_batch", "speculative_program",
+           "speculative_results"]
 
 #: The largest batch :func:`speculative_batch` pipelines by itself (``pipeline=None``); see its ``pipeline``.
 PIPELINE_MAX_REQUESTS = 16
@@ -97,49 +98,77 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     if pipeline is None and len(prepared) > PIPELINE_MAX_REQUESTS:
         pipeline, note = False, (f"a batch of {len(prepared)} requests (more than PIPELINE_MAX_REQUESTS = "
                                  f"{PIPELINE_MAX_REQUESTS}): pipelined steps' per-request host work outgrows the step")
-    pool = engine.pool
     programs, heads = [], {}
     for spec, prompt_ids in prepared:
-        if spec.params.n != 1 or (acceptance is None and spec.params.temperature != 0):
-            raise ValueError(f"request {spec.id!r}: speculative_batch gives one output a request, accepted greedily "
-                             f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
-                             f"temperature={spec.params.temperature}, n={spec.params.n}")
-        spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {spec.id!r}")
-        source = draft(spec)
-        check_draft_source(source, f"request {spec.id!r}: draft(spec)")
-        head = source.row_head
+        program = speculative_program(engine, spec, prompt_ids, draft(spec), tokenizer,
+                                      None if acceptance is None else acceptance(spec), max_draft_tokens,
+                                      draft_budget, pipeline, note, greedy_only=acceptance is None)
+        head = program.draft.row_head
         if head is not None:
             heads.setdefault(head, spec.id)
             if len(heads) > 1:
                 raise ValueError(f"requests {list(heads.values())[0]!r} and {spec.id!r} have drafts with different row "
                                  f"heads (e.g. Medusa heads of other weights or tree depths); a batch's drafts share "
                                  f"the engine's one row head")
-        rule = spec.params.stop_rule(engine.model.eos_token_ids)
-        programs.append(SpeculativeProgram(prompt_ids, source, rule, tokenizer,
-                                           None if acceptance is None else acceptance(spec),
-                                           max_draft_tokens=max_draft_tokens, budget=draft_budget, pipeline=pipeline,
-                                           pipeline_note=note))
-        programs[-1].name = spec.name
-        check_positions(engine.model, programs[-1].positions(), spec.name, before_run=True)
-        # The sequence (prompt, new tokens) and one draft tree.
-        worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + programs[-1].step_pages(pool)
-        if worst > pool.num_free_pages:
-            raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
-                                     f"{pool.num_free_pages} free; lower max_tokens or max_draft_tokens, or give "
-                                     f"the engine more kv_tokens; nothing was run")
+        programs.append(program)
     outputs: dict[int, list[RequestResult]] = {}
 
     def done(index: int, result) -> None:
-        checker, stats = result
         spec, prompt_ids = prepared[index]
-        seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
-        outputs[index] = request_results(spec, prompt_ids, [checker], stats.steps, seconds)
-        outputs[index][0].stats["accepted"] = list(stats.accepted)
-        outputs[index][0].stats["draft_sizes"] = list(stats.draft_sizes)
-        outputs[index][0].stats["pipelined"] = stats.pipelined
-        outputs[index][0].stats["pipeline_note"] = stats.pipeline_note
+        outputs[index] = speculative_results(spec, prompt_ids, result)
         if on_request_done is not None:
             on_request_done(outputs[index])
 
     _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens, on_step=on_step)
     return [r for index in sorted(outputs) for r in outputs[index]], stats
+
+
+def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int], source: DraftSource, tokenizer=None,
+                        acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
+                        budget: DraftBudget | None = None, pipeline: bool | None = None,
+                        pipeline_note: str | None = None, greedy_only: bool = True, on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
+    """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
+    checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
+    ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
+    worst case (sequence and one draft tree) within the pool's free pages (else
+    :class:`~treedec.errors.PoolExhaustedError`). ``on_text`` streams its text (:class:`SpeculativeProgram`)."""
+    if spec.params.n != 1 or (greedy_only and spec.params.temperature != 0):
+        raise ValueError(f"request {spec.id!r}: speculative decoding gives one output a request, accepted greedily "
+                         f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
+                         f"temperature={spec.params.temperature}, n={spec.params.n}")
+    spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {spec.id!r}")
+    check_draft_source(source, f"request {spec.id!r}: draft(spec)")
+    rule = spec.params.stop_rule(engine.model.eos_token_ids)
+    program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
+                                 budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text)
+    program.name = spec.name
+    check_positions(engine.model, program.positions(), spec.name, before_run=True)
+    pool = engine.pool   # the sequence (prompt, new tokens) and one draft tree
+    worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + program.step_pages(pool)
+    if worst > pool.num_free_pages:
+        raise PoolExhaustedError(f"request {spec.id!r} may need {worst} KV pages, the pool has "
+                                 f"{pool.num_free_pages} free; lower max_tokens or max_draft_tokens, or give "
+                                 f"the engine more kv_tokens; nothing was run")
+    return program
+
+
+def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> list[RequestResult]:
+    """A :class:`SpeculativeProgram`'s result ``(checker, stats)`` as the request's one :class:`RequestResult`;
+    its ``stats`` also hold ``accepted`` and ``draft_sizes`` (per verification step), ``pipelined`` and
+    ``pipeline_note``."""
+    checker, stats = result
+    seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
+    [out] = request_results(spec, prompt_ids, [checker], stats.steps, seconds)
+    out.stats.update(accepted=list(stats.accepted), draft_sizes=list(stats.draft_sizes), pipelined=stats.pipelined,
+                     pipeline_note=stats.pipeline_note)
+    return [out]
+
+
+def sampled_acceptance(spec: RequestSpec, seed: Callable[[RequestSpec], int]) -> RejectionSampling | None:
+    """The acceptance rule of a request decoded speculatively by :class:`~treedec.LLM` and the online engine: greedy
+    (None, the default rule) at temperature 0, else lossless rejection sampling at its temperature, top-k and top-p,
+    drawing from ``seed(spec)`` (called only then)."""
+    if spec.params.temperature == 0:
+        return None
+    return RejectionSampling(temperature=spec.params.temperature, top_k=spec.params.top_k, top_p=spec.params.top_p,
+                             seed=seed(spec))

@@ -156,8 +156,7 @@ def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name:
                                                 started)
             if budget is not None:
                 budget.observe(program, stats.accepted[-1])
-            if program.on_step is not None:
-                program.on_step(stats, len(checker.token_ids))
+            program.stepped(stats, checker)
         if stop is not None:
             tree.prune(launched.ids[0])   # the step launched past the stop: rolled back, its pages freed
             if flight is not None:

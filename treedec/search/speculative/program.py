@@ -132,13 +132,21 @@ class SpeculativeProgram(Program):
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
         choice of :func:`~treedec.search.speculative.batch.speculative_batch` for a large batch.
+    on_text : streaming: called as ``on_text(delta)`` with the output's new text after each verification step
+        (needs ``tokenizer``; a tail that may start a stop string is held back until it does not, as
+        :attr:`~treedec.search.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
+        final text (a run ended before its first verification step streams nothing); a run again from its
+        start (a preemption) streams again from the start.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
-                 budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None):
+                 budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
+                 on_text: Callable[[str], None] | None = None):
         check_draft_source(draft, "draft")
+        if on_text is not None and (tokenizer is None or not callable(on_text)):
+            raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
         if pipeline is not None and not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
         if pipeline_note is not None and pipeline is not False:
@@ -152,6 +160,7 @@ class SpeculativeProgram(Program):
         self.prompt_ids = [int(x) for x in prompt_ids]
         self.draft, self.rule, self.tokenizer, self.acceptance = draft, rule, tokenizer, acceptance
         self.keep_node, self.on_step, self.max_draft_tokens = keep_node, on_step, max_draft_tokens
+        self.on_text, self._shown = on_text, 0   # (characters streamed by this run)
         if budget is not None and not isinstance(budget, DraftBudget):
             raise TypeError(f"budget must be a DraftBudget or None, got {type(budget).__name__}")
         self.budget = budget
@@ -188,6 +197,7 @@ class SpeculativeProgram(Program):
             engine.capture_hidden_layers(self.target_states)
         head_name = _add_draft_head(engine, draft.row_head)
         stats = SpeculativeStats(pipelined=pipelined, pipeline_note="" if pipelined else note)
+        self._shown = 0
         done = False
         if self.budget is not None:
             self.budget.join(self)
@@ -269,8 +279,17 @@ class SpeculativeProgram(Program):
                 sequence = self.prompt_ids + checker.token_ids
                 draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
                                            target_states_at(engine, states, out, [0] + result.path)))
-            if self.on_step is not None:
-                self.on_step(stats, len(checker.token_ids))
+            self.stepped(stats, checker)
+
+    def stepped(self, stats: SpeculativeStats, checker: StopChecker) -> None:
+        """After a verification step (either loop): ``on_step``, and ``on_text`` with the new text."""
+        if self.on_step is not None:
+            self.on_step(stats, len(checker.token_ids))
+        if self.on_text is not None:
+            text = checker.streamable_text
+            if len(text) > self._shown:
+                self.on_text(text[self._shown:])
+                self._shown = len(text)
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,

@@ -1,0 +1,90 @@
+"""``treedec serve``: an OpenAI-compatible HTTP server over one model (:mod:`treedec.serve`).
+
+    treedec serve --model smollm2                                   # http://127.0.0.1:8000/v1, on the CPU
+    treedec serve --model /models/Llama-3.1-8B-Instruct --port 8080 --speculative eagle3 --drafter /models/eagle3
+    treedec serve --model smollm2 --speculative ngram --num-speculative-tokens 4 --max-queued-requests 256
+
+It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, with ``--speculative``, its
+:class:`~treedec.search.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
+(:func:`treedec.serve.build_app`) and runs it with uvicorn until Ctrl-C: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Requests name the model
+``--served-model-name`` (default the ``--model`` argument). Needs the ``serve`` extra:
+``pip install 'treedec[serve]'``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from treedec.commands.args import DTYPES, device_arg, model_arg, positive_int
+
+#: ``--speculative`` methods (:data:`treedec.search.speculative.config.METHODS` but ``tree``, whose fixed tokens a
+#: command line does not give).
+METHODS = ("ngram", "medusa", "eagle", "eagle3", "draft_model")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) over one model",
+                       description="An OpenAI-compatible HTTP server over one model (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics). Every request of every client runs batched on one "
+                                   "engine; a client that disconnects aborts its request.")
+    p.add_argument("--model", type=model_arg, required=True, help="the model: a known name (e.g. smollm2), a .gguf "
+                   "file, a Hugging Face checkpoint folder or a hub repo id in the local cache")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any free port)")
+    p.add_argument("--served-model-name", help="the name requests give as 'model' (default the --model argument)")
+    p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what free GPU memory "
+                   "holds, 32768 on the CPU)")
+    p.add_argument("--speculative", choices=METHODS, help="decode every request speculatively with this draft source")
+    p.add_argument("--drafter", help="--speculative medusa / eagle / eagle3 / draft_model: the drafter's weights "
+                   "(a path or model name; 'random' for random weights: the machinery only)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4,
+                   help="--speculative: the draft's depth (default 4)")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait for admission; one more is answered 503 (default 1024)")
+    p.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) replacing the "
+                   "tokenizer's own")
+    p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one (default 0)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``treedec serve`` until interrupted; returns the exit code."""
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        # (an OSError: the CLI reports it in one line, as a missing file, exit 2)
+        raise OSError(f"treedec serve needs {', '.join(missing)}, not installed: pip install 'treedec[serve]'")
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.drafter is not None and args.speculative in (None, "ngram"):
+        raise ValueError(f"--drafter gives the weights of --speculative medusa / eagle / eagle3 / draft_model, got "
+                         f"--speculative {args.speculative}")
+    import uvicorn
+
+    from treedec.llm import LLM
+    from treedec.search.speculative import SpeculativeConfig
+    from treedec.serve import build_app
+
+    speculative = None
+    if args.speculative is not None:   # (checked before the model loads)
+        speculative = SpeculativeConfig(method=args.speculative, model=args.drafter,
+                                        num_speculative_tokens=args.num_speculative_tokens)
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        template = path.read_text() if path.is_file() else args.chat_template
+    llm = LLM(args.model, device=args.device, dtype=None if args.dtype is None else DTYPES[args.dtype],
+              kv_tokens=args.kv_tokens, speculative=speculative)
+    if template is not None:
+        llm.tokenizer.chat_template = template
+    name = args.served_model_name or args.model
+    app = build_app(llm, name, max_queued_requests=args.max_queued_requests, seed=args.seed)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
+    print(f"treedec serve: {name} on {llm.model.device} ({llm.engine.pool.num_pages * llm.engine.pool.page_size} KV "
+          f"tokens{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health)", file=sys.stderr)
+    server.run()
+    return 0

@@ -1,0 +1,102 @@
+"""The server's Prometheus metrics, in a registry of its own (``/metrics``).
+
+Names (all prefixed ``treedec_``):
+
+- ``requests_total{route, status}``: requests answered, by route and HTTP status;
+- ``prompt_tokens_total``, ``generation_tokens_total``: tokens of finished requests;
+- ``cached_prompt_tokens_total``: their prompt tokens read from the prefix cache;
+- ``cache_hit_rate``: the engine's share of admitted prompt tokens read from the prefix cache since it started
+  (:attr:`~treedec.search.scheduler.SchedulerStats.cache_hit_rate`), and ``scheduler_prompt_tokens`` /
+  ``scheduler_cached_tokens``, the counts it is the ratio of;
+- ``engine_steps_total`` and ``engine_step_seconds`` (histogram): each scheduler iteration (one engine step for
+  every live request) and its wall time;
+- ``time_to_first_token_seconds`` (histogram): arrival to the first text of a request;
+- ``inter_token_latency_seconds`` (histogram): per output, its mean time per token after the first;
+- ``request_seconds`` (histogram): arrival to the end;
+- ``requests_running``, ``requests_waiting`` (gauges): admitted requests and those waiting for admission;
+- speculative decoding: ``spec_verify_steps_total`` and ``spec_accepted_tokens_total`` (their ratio is the mean
+  accepted length; +1 for the bonus token: tokens per step), ``spec_draft_tokens_total`` (draft tokens verified),
+  ``spec_acceptance_length`` (histogram: each request's mean accepted tokens per step).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from treedec.search.requests_file import RequestResult
+from treedec.search.scheduler import SchedulerStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServeMetrics:
+    """The metrics of one server (see the module docstring); ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("treedec_requests", "Requests answered, by route and HTTP status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("treedec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("treedec_generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.cached_tokens = Counter("treedec_cached_prompt_tokens", "Prompt tokens of finished requests read from "
+                                     "the prefix cache", registry=r)
+        self.cache_hit_rate = Gauge("treedec_cache_hit_rate", "Share of admitted prompt tokens read from the prefix "
+                                    "cache since the engine started", registry=r)
+        self.scheduler_prompt = Gauge("treedec_scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler "
+                                      "since the engine started", registry=r)
+        self.scheduler_cached = Gauge("treedec_scheduler_cached_tokens", "Of them, read from the prefix cache",
+                                      registry=r)
+        self.steps = Counter("treedec_engine_steps", "Scheduler iterations (one engine step each)", registry=r)
+        self.step_seconds = Histogram("treedec_engine_step_seconds", "Wall time of a scheduler iteration",
+                                      buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("treedec_time_to_first_token_seconds", "Arrival to a request's first text",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("treedec_inter_token_latency_seconds", "Per output: mean time per token after the "
+                             "first", buckets=_LATENCY, registry=r)
+        self.latency = Histogram("treedec_request_seconds", "Arrival to the end of a request", buckets=_LATENCY,
+                                 registry=r)
+        self.running = Gauge("treedec_requests_running", "Requests admitted by the scheduler", registry=r)
+        self.waiting = Gauge("treedec_requests_waiting", "Requests waiting for admission", registry=r)
+        self.spec_steps = Counter("treedec_spec_verify_steps", "Speculative verification steps", registry=r)
+        self.spec_accepted = Counter("treedec_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_drafted = Counter("treedec_spec_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_length = Histogram("treedec_spec_acceptance_length", "Per request: mean draft tokens accepted a "
+                                     "step", buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16), registry=r)
+
+    def watch(self, scheduler) -> None:
+        """Read the running and waiting counts from ``scheduler`` (an OnlineScheduler) when scraped."""
+        self.running.set_function(lambda: scheduler.num_running)
+        self.waiting.set_function(lambda: scheduler.num_waiting)
+
+    def iteration(self, stats: SchedulerStats, seconds: float) -> None:
+        """After a scheduler iteration (the engine's driving thread)."""
+        self.steps.inc()
+        self.step_seconds.observe(seconds)
+        self.cache_hit_rate.set(stats.cache_hit_rate)
+        self.scheduler_prompt.set(stats.prompt_tokens)
+        self.scheduler_cached.set(stats.cached_tokens)
+
+    def finished(self, results: list[RequestResult], arrival: float, first: float | None, end: float) -> None:
+        """A request's results (``arrival``, ``first`` text and ``end`` times, ``time.perf_counter()``)."""
+        first_result = results[0]
+        self.prompt_tokens.inc(len(first_result.prompt_ids))
+        self.cached_tokens.inc(first_result.stats.get("cached_tokens", 0))
+        self.generation_tokens.inc(sum(len(r.output_ids) for r in results))
+        self.latency.observe(end - arrival)
+        if first is not None:
+            self.ttft.observe(first - arrival)
+            for r in results:
+                if len(r.output_ids) > 1:
+                    self.itl.observe((end - first) / (len(r.output_ids) - 1))
+        accepted = first_result.stats.get("accepted")
+        if accepted:
+            self.spec_steps.inc(len(accepted))
+            self.spec_accepted.inc(sum(accepted))
+            self.spec_drafted.inc(sum(first_result.stats.get("draft_sizes", ())))
+            self.spec_length.observe(sum(accepted) / len(accepted))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

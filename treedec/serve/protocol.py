@@ -1,0 +1,178 @@
+"""The OpenAI API's request bodies (pydantic models) and what treedec makes of them.
+
+:class:`CompletionRequest` (``/v1/completions``) and :class:`ChatCompletionRequest` (``/v1/chat/completions``) take
+OpenAI's fields and vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``); :meth:`sampling_params` turns one into a :class:`~treedec.search.sampling.SamplingParams` (which
+checks the values: a bad one is a :class:`ServeError` of status 400). A field OpenAI has that treedec does not
+implement (``echo``, ``suffix``, ``logit_bias``, tools, ...) is refused with 400, never ignored; ``user`` is
+accepted and ignored, as OpenAI does. Unknown fields are refused (400).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from treedec.search.sampling import SamplingParams
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "StreamOptions"]
+
+#: The most log-probabilities a token may report (``logprobs`` of completions, ``top_logprobs`` of chat).
+MAX_LOGPROBS = 20
+
+
+class ServeError(Exception):
+    """A request the server answers with an OpenAI-style error (``status``, ``type``, ``param``, ``code``)."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None   # (accepted and ignored, as OpenAI does)
+    logit_bias: dict[str, float] | None = None
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise ServeError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ServeError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.top_k is not None and self.top_k == -1:   # (vLLM's "no top-k")
+            self.top_k = None
+
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        given = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                 "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+                 "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs,
+                 "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+                 "stop_token_ids": tuple(self.stop_token_ids or ())}
+        try:
+            return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        except (ValueError, TypeError) as e:
+            raise ServeError(str(e), param=_field_named(str(e), given)) from None
+
+
+class CompletionRequest(_Sampling):
+    """A ``/v1/completions`` body. ``prompt``: a text, a list of texts, token ids, or a list of token-id lists
+    (each prompt its own request; its ``n`` choices are numbered ``prompt_index * n + j``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise ServeError("prompt must be a non-empty text or token ids (or a non-empty list of them)",
+                             param="prompt")
+        return prompts
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        self._check_common()
+        if self.echo:
+            raise ServeError("echo is not supported", param="echo")
+        if self.suffix:
+            raise ServeError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ServeError(f"best_of must equal n (no best-of ranking), got best_of={self.best_of}, n={self.n}",
+                             param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ServeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        if self.logprobs is not None and self.stream:
+            raise ServeError("logprobs are not supported with stream=true", param="logprobs")
+        return self._params(max_tokens, self.logprobs)
+
+
+class ChatCompletionRequest(_Sampling):
+    """A ``/v1/chat/completions`` body: ``messages`` through the tokenizer's chat template; ``max_tokens`` (or
+    ``max_completion_tokens``) defaults to what the model's positions leave after the prompt."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ServeError(f"messages[{i}].content: only text parts are supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(m.get("role"), str) or not isinstance(content, str):
+                raise ServeError(f"messages[{i}] must have a string role and a text content", param="messages")
+            out.append({**m, "content": content})
+        return out
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        self._check_common()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ServeError("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ServeError("response_format other than text is not supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServeError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ServeError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                             param="top_logprobs")
+        if self.logprobs and self.stream:
+            raise ServeError("logprobs are not supported with stream=true", param="logprobs")
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def _field_named(message: str, given: dict) -> str | None:
+    """The field a SamplingParams error names (its message starts with it), for the error's ``param``."""
+    head = message.split(" ", 1)[0].rstrip(":,")
+    return head if head in given else None
+

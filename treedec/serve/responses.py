@@ -1,0 +1,114 @@
+"""OpenAI's response shapes: completions and chat completions, whole or as stream chunks; usage; logprobs."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from treedec.search.requests_file import RequestResult
+
+__all__ = ["Choices", "chat_logprobs", "completion_logprobs", "usage"]
+
+
+class Choices:
+    """The response objects of one request ``rid`` (``n`` choices a prompt; choice ``k * n + j`` is prompt ``k``'s
+    output ``j``): a chat completion (``chat``) or a text completion."""
+
+    def __init__(self, rid: str, model: str, n: int, chat: bool):
+        self.rid, self.model, self.n, self.chat = rid, model, n, chat
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, results: list[list[RequestResult]],
+                 logprobs: Callable[[RequestResult], dict] | None) -> dict:
+        """The whole response (``stream=false``)."""
+        choices = []
+        for k, request in enumerate(results):
+            for r in request:
+                choice = {"index": k * self.n + r.index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": r.text}
+                else:
+                    choice["text"] = r.text
+                choice["logprobs"] = None if logprobs is None else logprobs(r)
+                choice["finish_reason"] = finish_reason(r)
+                choices.append(choice)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(results)}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        """A stream chunk; with ``usage`` (``stream_options.include_usage``), the last one (no choices)."""
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def delta(self, index: int, delta: dict) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def text(self, index: int, text: str) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
+    def finish(self, index: int, r: RequestResult) -> dict:
+        """The choice's last chunk: no new text, its finish reason."""
+        if self.chat:
+            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(r)}
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(r)}
+
+
+def finish_reason(r: RequestResult) -> str:
+    """OpenAI's: ``"length"`` (``max_tokens``), else ``"stop"`` (an EOS, a stop token or a stop string)."""
+    return "length" if r.stop_reason == "length" else "stop"
+
+
+def usage(results: list[list[RequestResult] | None]) -> dict:
+    """Tokens of a request's prompts (each counted once) and outputs, and the prompts' tokens read from the prefix
+    cache (``prompt_tokens_details.cached_tokens``)."""
+    done = [request for request in results if request]
+    prompt = sum(len(request[0].prompt_ids) for request in done)
+    completion = sum(len(r.output_ids) for request in done for r in request)
+    cached = sum(request[0].stats.get("cached_tokens", 0) for request in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _top(entry: dict, chosen: int, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of a position's logprobs (id -> Logprob), by rank."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [(t, lp.logprob) for t, lp in ranked if lp.rank <= k]
+
+
+def completion_logprobs(r: RequestResult, tokenizer, k: int) -> dict:
+    """A completion choice's ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the ``k`` most likely
+    and the chosen token) and ``text_offset`` (each token's start in the text)."""
+    tokens, chosen_lp, tops, offsets = [], [], [], []
+    offset = 0
+    for token, entry in zip(r.output_ids, r.logprobs or ()):
+        piece = _piece(tokenizer, token)
+        tokens.append(piece)
+        chosen_lp.append(entry[token].logprob)
+        top: dict[str, float] = {}
+        for t, lp in _top(entry, token, k):   # (tokens that decode alike: the likeliest one's)
+            top.setdefault(_piece(tokenizer, t), lp)
+        top.setdefault(piece, entry[token].logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": chosen_lp, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(r: RequestResult, tokenizer, k: int) -> dict:
+    """A chat choice's ``logprobs``: ``content``, per token its ``token``, ``logprob``, ``bytes`` and
+    ``top_logprobs`` (the ``k`` most likely)."""
+    content = []
+    for token, entry in zip(r.output_ids, r.logprobs or ()):
+        piece = _piece(tokenizer, token)
+        content.append({"token": piece, "logprob": entry[token].logprob, "bytes": list(piece.encode()),
+                        "top_logprobs": [{"token": (p := _piece(tokenizer, t)), "logprob": lp,
+                                          "bytes": list(p.encode())} for t, lp in _top(entry, token, k)]})
+    return {"content": content}
+
+
+def _piece(tokenizer, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
