@@ -11,6 +11,11 @@ with ``stream_options={"include_usage": True}``: every piece of text's arrival i
   ``--output-len``, spread ``--len-sigma``), clipped to ``--context``;
 - ``multiturn``: ``--conversations`` chats of ``--turns`` turns; each turn re-sends the conversation so far and a
   new user message, after the previous answer arrived (the prefix cache's case);
+- ``multiturn-ids``: the same shape as token ids (``--system-len`` / ``--user-len`` ids), sent to ``/v1/completions``
+  with vLLM's ``return_token_ids``: each turn re-sends the exact ids of the conversation, answers included, as a
+  client holding ids does. ``multiturn`` re-sends the answers' text, which the chat template re-encodes: where a
+  model generated a token split the tokenizer would not make (common: a random model's, and some of a real one's),
+  the cache's match ends there;
 - ``tot``: ``--tot-problems`` long shared problem statements, ``--tot-branches`` continuations of each sent at once.
 
 Batches (a request, a conversation's first turn, a problem's branches) arrive as a Poisson process of ``--rate``
@@ -59,12 +64,12 @@ from bench.results_file import add_run_arguments, device_name, results_path, ver
 from bench.serve_client import ServerProcess, read_metrics, replay, server_model  # noqa: E402
 from bench.serve_single import single_session, single_stream_summary, time_llm_generate  # noqa: E402
 from bench.serve_stats import Record, itls, metric_changes, parse_metrics, summarize  # noqa: E402
-from bench.serve_workloads import WORKLOADS, multiturn, sharegpt, tot  # noqa: E402
+from bench.serve_workloads import WORKLOADS, multiturn, multiturn_ids, sharegpt, tot  # noqa: E402
 
 #: ``--smoke``'s sizes: a few short requests of each workload (a CPU and a tiny model).
 SMOKE = dict(num_prompts=4, input_len=12, output_len=6, conversations=2, turns=3, user_len=8, answer_len=6,
              system_len=8, tot_problems=1, tot_branches=3, tot_problem_len=24, tot_branch_len=4, tot_output_len=6,
-             rounds=2, context=512, max_output=16)
+             rounds=2, context=512, max_output=16, max_token_id=390)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--turns", type=int, default=5, help="multiturn: turns per conversation")
     load.add_argument("--user-len", type=int, default=64, help="multiturn: user message words (median)")
     load.add_argument("--answer-len", type=int, default=64, help="multiturn: answer tokens (median)")
-    load.add_argument("--system-len", type=int, default=128, help="multiturn: system message words")
+    load.add_argument("--system-len", type=int, default=128, help="multiturn: system message words (ids: tokens)")
+    load.add_argument("--max-token-id", type=int, default=30000,
+                      help="multiturn-ids: message ids are drawn below it (and above a 30th of it)")
     load.add_argument("--tot-problems", type=int, default=4, help="tot: problems")
     load.add_argument("--tot-branches", type=int, default=16, help="tot: branches per problem, sent at once")
     load.add_argument("--tot-problem-len", type=int, default=1024, help="tot: the shared statement's words")
@@ -211,6 +218,9 @@ def sessions_of(args: argparse.Namespace, name: str):
     if name == "multiturn":
         return multiturn(args.seed, args.conversations, args.turns, args.user_len, args.answer_len,
                          system_words=args.system_len, context=args.context)
+    if name == "multiturn-ids":
+        return multiturn_ids(args.seed, args.conversations, args.turns, args.user_len, args.answer_len,
+                             system_tokens=args.system_len, context=args.context, max_token_id=args.max_token_id)
     return tot(args.seed, args.tot_problems, args.tot_branches, args.tot_problem_len, args.tot_branch_len,
                args.tot_output_len, args.context)
 

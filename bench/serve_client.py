@@ -141,6 +141,9 @@ async def send(client, model: str, session: Session, turn: int, answers: list[st
                       stream_options={"include_usage": True}, **sampling)
         if session.chat:
             stream = await client.chat.completions.create(messages=prompt, **common)
+        elif session.token_ids:   # (vLLM's return_token_ids: the last chunk holds the output's ids)
+            common["extra_body"] = {**common.get("extra_body", {}), "return_token_ids": True}
+            stream = await client.completions.create(prompt=prompt, **common)
         else:
             stream = await client.completions.create(prompt=prompt, **common)
         async for chunk in stream:
@@ -156,8 +159,12 @@ async def send(client, model: str, session: Session, turn: int, answers: list[st
                     pieces.append(piece)
                 if choice.finish_reason is not None:
                     record.finish_reason = choice.finish_reason
+                    if session.token_ids:
+                        record.token_ids = (choice.model_extra or {}).get("token_ids")
         if record.finish_reason is None:
             record.error = "IncompleteStream: the stream ended without a finish reason"
+        elif session.token_ids and record.token_ids is None:
+            record.error = "NoTokenIds: the server returned no token_ids (return_token_ids)"
     except Exception as e:  # recorded, counted and reported: a benchmark never loses a request
         record.error = f"{type(e).__name__}: {e}"[:500]
     record.end = time.perf_counter() - began
@@ -187,7 +194,7 @@ async def replay(client, model: str, sessions: list[Session], rate: float, max_c
                 on_done(record)
             if record.error is not None:
                 return
-            answers.append(record.text)
+            answers.append(record.token_ids if session.token_ids else record.text)
 
     await asyncio.gather(*(run(s) for s in sessions))
     return records, time.perf_counter() - start

@@ -39,6 +39,7 @@ class Record:
     finish_reason : the last choice's finish reason.
     text : the generated text (the next turn of a conversation re-sends it).
     error : ``"<ExceptionType>: message"`` of a failed request; None when it succeeded.
+    token_ids : the generated token ids, when the server returned them (``return_token_ids``).
     """
 
     workload: str
@@ -53,6 +54,7 @@ class Record:
     finish_reason: str | None = None
     text: str = ""
     error: str | None = None
+    token_ids: list[int] | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["WORDS", "WORKLOADS", "Session", "Turn", "arrival_times", "lognormal_lengths", "multiturn",
-           "random_words", "sharegpt", "tot"]
+           "multiturn_ids", "random_words", "sharegpt", "tot"]
+
 
 #: The vocabulary of the generated prompts.
 WORDS = tuple("""the of and to in is that it was for on are as with his they at be this from have or by one had not
@@ -39,7 +40,7 @@ soon times story boys since white days ever paper hard near sentence better best
 knew tree question answer""".split())
 
 #: The workloads :mod:`bench.serve` runs, by name.
-WORKLOADS = ("sharegpt", "multiturn", "tot")
+WORKLOADS = ("sharegpt", "multiturn", "multiturn-ids", "tot")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Turn:
 
     text: str
     max_tokens: int
+    ids: tuple[int, ...] = ()   # (``multiturn-ids``: the message as token ids; text is then "")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Session:
     turns : its requests.
     chat : ``/v1/chat/completions`` (the conversation as messages) rather than ``/v1/completions``.
     system : a chat session's system message ("" for none).
+    system_ids : a token-id conversation's system message (``multiturn-ids``: its turns are token ids, sent to
+        ``/v1/completions`` with vLLM's ``return_token_ids``; the answers re-sent are the output's token ids).
     """
 
     workload: str
@@ -71,13 +75,23 @@ class Session:
     turns: tuple[Turn, ...]
     chat: bool = False
     system: str = ""
+    system_ids: tuple[int, ...] | None = None
 
-    def prompt(self, turn: int, answers: list[str]) -> str | list[dict]:
+    @property
+    def token_ids(self) -> bool:
+        return self.system_ids is not None
+
+    def prompt(self, turn: int, answers: list) -> str | list[dict] | list[int]:
         """What turn ``turn`` sends: a completion's prompt text, or a chat's messages (the system message, every
         earlier turn's user message and answer, then this turn's user message). ``answers`` holds the answers of
         the turns before it."""
         if len(answers) < turn:
             raise ValueError(f"turn {turn} needs the answers of the {turn} turns before it, got {len(answers)}")
+        if self.token_ids:   # the system message, each earlier turn's message and answer ids, this turn's message
+            ids = list(self.system_ids)
+            for t in range(turn):
+                ids += list(self.turns[t].ids) + list(answers[t])
+            return ids + list(self.turns[turn].ids)
         if not self.chat:
             return self.turns[turn].text
         messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -128,6 +142,27 @@ def multiturn(seed: int, conversations: int, turns: int, user_median: float = 64
         system = random_words(rng, min(system_words, context // 4)) if system_words else ""
         sessions.append(Session("multiturn", c, c, tuple(Turn(random_words(rng, int(u)), int(o))
                                                          for u, o in zip(users, outputs)), chat=True, system=system))
+    return sessions
+
+
+def multiturn_ids(seed: int, conversations: int, turns: int, user_median: float = 64, output_median: float = 64,
+                  sigma: float = 0.5, system_tokens: int = 128, context: int = 4096,
+                  max_token_id: int = 30000) -> list[Session]:
+    """:func:`multiturn`'s shape as token ids: each turn re-sends the conversation as the exact ids it was (system,
+    messages, and the answers' ids the server returned), as a client holding token ids does (an agent or RL
+    framework); what the prefix cache can reuse, without a tokenizer's re-encoding of the answers' text (which
+    need not give back the ids the model generated). Message ids are drawn from ``[max_token_id // 30,
+    max_token_id)`` (below the vocabulary: 30000 suits SmolLM2's and Llama's tokenizers)."""
+    rng = np.random.default_rng([seed, 4])
+    per_turn = max(1, (context - min(system_tokens, context // 4)) // (2 * turns))
+    draw = lambda n: tuple(int(t) for t in rng.integers(max_token_id // 30, max_token_id, size=int(n)))   # noqa: E731
+    sessions = []
+    for c in range(conversations):
+        users = lognormal_lengths(rng, turns, user_median, sigma, 1, per_turn)
+        outputs = lognormal_lengths(rng, turns, output_median, sigma, 1, per_turn)
+        system = draw(min(system_tokens, context // 4))
+        sessions.append(Session("multiturn-ids", c, c, tuple(Turn("", int(o), draw(u)) for u, o in zip(users, outputs)),
+                                system_ids=system))
     return sessions
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from bench.serve import headline, main, parse_args, server_args
 from bench.serve_stats import Record, cache_reuse, itls, metric_changes, parse_metrics, percentiles, summarize
-from bench.serve_workloads import WORDS, Session, Turn, arrival_times, lognormal_lengths, multiturn, sharegpt, tot
+from bench.serve_workloads import (WORDS, Session, Turn, arrival_times, lognormal_lengths, multiturn, multiturn_ids,
+                                   sharegpt, tot)
 
 
 def words(text: str) -> int:
@@ -58,6 +59,17 @@ def test_multiturn_history_grows_by_each_answer():
         previous = messages
     with pytest.raises(ValueError, match="answers"):
         conv.prompt(2, ["only one"])
+
+
+def test_multiturn_ids_resends_the_exact_ids_of_the_conversation():
+    [conv, _] = multiturn_ids(0, 2, 3, user_median=10, output_median=8, system_tokens=6, context=256, max_token_id=300)
+    assert conv.token_ids and not conv.chat and len(conv.system_ids) == 6
+    assert all(10 <= t < 300 for turn in conv.turns for t in turn.ids) and all(turn.ids for turn in conv.turns)
+    answers = [[1, 2, 3], [4, 5]]
+    ids = conv.prompt(2, answers)
+    assert ids == (list(conv.system_ids) + list(conv.turns[0].ids) + answers[0] + list(conv.turns[1].ids) + answers[1]
+                   + list(conv.turns[2].ids))
+    assert conv.prompt(1, answers[:1])[:len(conv.prompt(0, []))] == conv.prompt(0, [])
 
 
 def test_tot_branches_share_the_problem_and_arrive_together():
@@ -292,8 +304,8 @@ def test_serve_bench_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert path.with_suffix(".png").exists()
     assert [s["exit_status"] is not None for s in results["servers"]] == [True]
     runs = {r["workload"]: r for r in results["runs"]}
-    assert set(runs) == {"sharegpt", "multiturn", "tot"}
-    expected = {"sharegpt": 4, "multiturn": 2 * 3, "tot": 3}
+    assert set(runs) == {"sharegpt", "multiturn", "multiturn-ids", "tot"}
+    expected = {"sharegpt": 4, "multiturn": 2 * 3, "multiturn-ids": 2 * 3, "tot": 3}
     for name, run in runs.items():
         s = run["summary"]
         assert s["requests"] == expected[name] and s["failed"] == 0 and s["not_sent"] == 0, (name, s["errors"])
@@ -303,6 +315,8 @@ def test_serve_bench_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert s["cache"]["unreported"] == 0 and 0 <= s["cache"]["reuse"] <= 1, name
     after = runs["multiturn"]["summary"]["cache_after_first_turn"]
     assert after["prompt_tokens"] > 0 and 0 <= after["reuse"] <= 1
+    exact = runs["multiturn-ids"]["summary"]["cache_after_first_turn"]   # every turn but the first reads the cache
+    assert exact["prompt_tokens"] > 0 and exact["reuse"] > 0.5, exact
     text = capsys.readouterr().out
     assert text.rstrip().splitlines()[-1].startswith("| - | tot |")   # the table comes last
 

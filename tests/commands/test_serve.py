@@ -11,13 +11,15 @@ def test_help_names_the_options(capsys):
         main(["serve", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--model", "--host", "--port", "--served-model-name", "--kv-tokens", "--speculative", "--drafter",
+    for option in ("--model", "--config", "--tokenizer", "--page-size", "--host", "--port", "--served-model-name", "--kv-tokens", "--speculative", "--drafter",
                    "--num-speculative-tokens", "--max-queued-requests", "--chat-template"):
         assert option in out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["serve"], "--model"),
+    (["serve", "--config", "tiny"], "--tokenizer"),
+    (["serve", "--config", "llama9"], "--config"),
     (["serve", "--model", "smollm2", "--speculative", "ngram", "--drafter", "x"], "--drafter"),
     (["serve", "--model", "smollm2", "--max-queued-requests", "-1"], "--max-queued-requests"),
     (["serve", "--model", "smollm2", "--speculative", "lookahead"], "--speculative"),

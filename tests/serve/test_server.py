@@ -307,14 +307,15 @@ def test_200_concurrent_streams_lose_nothing_and_free_every_page(server, referen
 
 
 def test_overloaded_server_answers_503(tokenizer):
-    """One request holds most of a small pool; the next one waits for admission; one more is refused."""
+    """One request holds most of a small pool; the next one waits for admission (its prompt shares no prefix with
+    the first's, which the prefix cache would let it read); one more is refused."""
     running = RunningServer(make_llm(tokenizer, kv_tokens=320), "tiny", max_queued_requests=1)
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             holder = client.completions.create(**api(model="tiny", prompt=list(range(3, 103)), max_tokens=150,
                                                      temperature=0, ignore_eos=True, stream=True))
             next(iter(holder))   # admitted and running
-            waiting = client.completions.create(model="tiny", prompt=list(range(3, 253)), max_tokens=1,
+            waiting = client.completions.create(model="tiny", prompt=list(range(252, 2, -1)), max_tokens=1,
                                                 temperature=0, stream=True)
             wait_until(lambda: running.online.scheduler.num_waiting == 1)
             with pytest.raises(openai.APIStatusError) as info:
@@ -372,3 +373,31 @@ def test_real_smollm2_chat_completion_equals_llm_chat():
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     finally:
         running.stop()
+
+
+def test_a_conversation_resent_as_token_ids_reads_its_history_from_the_cache(server, client):
+    """vLLM's ``return_token_ids`` gives each choice its prompt's and output's ids; a client re-sending the whole
+    conversation as ids reads all of the last turn from the prefix cache but its last token (whole pages); a chat
+    re-sending its messages reads at least the last turn's prompt."""
+    page = server.llm.engine.pool.page_size
+    history, last = list(range(3, 40)), None
+    for turn in range(4):
+        got = client.completions.create(model="tiny", prompt=history, max_tokens=9, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        choice = got.choices[0].model_extra
+        assert choice["prompt_token_ids"] == history and len(choice["token_ids"]) == got.usage.completion_tokens
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        if last is not None:
+            assert cached == min((len(last) - 1) // page, (len(history) - 1) // page) * page
+        last = history + choice["token_ids"]
+        history = last + list(range(100 + turn, 111 + turn))
+    streamed = list(client.completions.create(model="tiny", prompt=history, max_tokens=5, temperature=0, stream=True,
+                                              extra_body={"return_token_ids": True}))
+    ends = [c.model_extra for chunk in streamed for c in chunk.choices if c.finish_reason]
+    assert len(ends) == 1 and ends[0]["prompt_token_ids"] == history and len(ends[0]["token_ids"]) == 5
+    messages = [{"role": "user", "content": "Tell me about rivers"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And lakes?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // page * page

@@ -3,6 +3,7 @@
     treedec serve --model smollm2                                   # http://127.0.0.1:8000/v1, on the CPU
     treedec serve --model /models/Llama-3.1-8B-Instruct --port 8080 --speculative eagle3 --drafter /models/eagle3
     treedec serve --model smollm2 --speculative ngram --num-speculative-tokens 4 --max-queued-requests 256
+    treedec serve --config llama3-8b --tokenizer smollm2 --page-size 16      # random weights (benchmarks)
 
 It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, with ``--speculative``, its
 :class:`~treedec.search.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
@@ -18,7 +19,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from treedec.commands.args import DTYPES, device_arg, model_arg, positive_int
+from treedec.commands.args import DTYPES, device_arg, model_arg, model_size, positive_int
+from treedec.models.config import MODEL_SIZES
 
 #: ``--speculative`` methods (:data:`treedec.search.speculative.config.METHODS` but ``tree``, whose fixed tokens a
 #: command line does not give).
@@ -30,8 +32,14 @@ def add_serve_parser(sub) -> None:
                        description="An OpenAI-compatible HTTP server over one model (/v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics). Every request of every client runs batched on one "
                                    "engine; a client that disconnects aborts its request.")
-    p.add_argument("--model", type=model_arg, required=True, help="the model: a known name (e.g. smollm2), a .gguf "
-                   "file, a Hugging Face checkpoint folder or a hub repo id in the local cache")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=model_arg, help="the model: a known name (e.g. smollm2), a .gguf file, a "
+                       "Hugging Face checkpoint folder or a hub repo id in the local cache")
+    model.add_argument("--config", type=model_size, help=f"a named model size with random weights (seeded by --seed; "
+                       f"give --tokenizer), for benchmarks: one of {', '.join(MODEL_SIZES)}")
+    p.add_argument("--tokenizer", help="the tokenizer (a known name, a checkpoint or tokenizer folder); default the "
+                   "--model's; required with --config")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", help="the name requests give as 'model' (default the --model argument)")
@@ -48,7 +56,8 @@ def add_serve_parser(sub) -> None:
                    help="requests that may wait for admission; one more is answered 503 (default 1024)")
     p.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) replacing the "
                    "tokenizer's own")
-    p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one, and --config's "
+                   "random weights' (default 0)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -59,12 +68,16 @@ def run_serve(args: argparse.Namespace) -> int:
         raise OSError(f"treedec serve needs {', '.join(missing)}, not installed: pip install 'treedec[serve]'")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.config is not None and args.tokenizer is None:
+        raise ValueError(f"--config {args.config} has random weights and no tokenizer: give --tokenizer (e.g. smollm2)")
     if args.drafter is not None and args.speculative in (None, "ngram"):
         raise ValueError(f"--drafter gives the weights of --speculative medusa / eagle / eagle3 / draft_model, got "
                          f"--speculative {args.speculative}")
+    import torch
     import uvicorn
 
     from treedec.llm import LLM
+    from treedec.models import from_config
     from treedec.search.speculative import SpeculativeConfig
     from treedec.serve import build_app
 
@@ -76,11 +89,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         path = Path(args.chat_template)
         template = path.read_text() if path.is_file() else args.chat_template
-    llm = LLM(args.model, device=args.device, dtype=None if args.dtype is None else DTYPES[args.dtype],
-              kv_tokens=args.kv_tokens, speculative=speculative)
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
+    if args.config is not None:   # random weights, placed here (LLM places only models it loads by name)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = from_config(args.config, seed=args.seed, device=device,
+                            dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
+        llm = LLM(model, args.tokenizer, kv_tokens=args.kv_tokens, page_size=args.page_size, speculative=speculative)
+    else:
+        llm = LLM(args.model, args.tokenizer, device=args.device, dtype=dtype, kv_tokens=args.kv_tokens,
+                  page_size=args.page_size, speculative=speculative)
     if template is not None:
         llm.tokenizer.chat_template = template
-    name = args.served_model_name or args.model
+    name = args.served_model_name or args.model or args.config
     app = build_app(llm, name, max_queued_requests=args.max_queued_requests, seed=args.seed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"

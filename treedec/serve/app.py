@@ -197,7 +197,7 @@ class _Server:
             for spec_id in submitted:
                 self.online.abort(spec_id)
             raise _request_error(e) from None
-        choices = Choices(rid, self.name, params.n, chat)
+        choices = Choices(rid, self.name, params.n, chat, body.return_token_ids)
         run = _Run(self, streams, submitted, arrival)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -1,8 +1,9 @@
 """The OpenAI API's request bodies (pydantic models) and what treedec makes of them.
 
 :class:`CompletionRequest` (``/v1/completions``) and :class:`ChatCompletionRequest` (``/v1/chat/completions``) take
-OpenAI's fields and vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``); :meth:`sampling_params` turns one into a :class:`~treedec.search.sampling.SamplingParams` (which
+OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in a stream
+on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params` turns one into a :class:`~treedec.search.sampling.SamplingParams` (which
 checks the values: a bad one is a :class:`ServeError` of status 400). A field OpenAI has that treedec does not
 implement (``echo``, ``suffix``, ``logit_bias``, tools, ...) is refused with 400, never ignored; ``user`` is
 accepted and ignored, as OpenAI does. Unknown fields are refused (400).
@@ -61,6 +62,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None   # (accepted and ignored, as OpenAI does)
+    return_token_ids: bool = False   # (vLLM's: each choice also gives its prompt's and its output's token ids)
     logit_bias: dict[str, float] | None = None
 
     def _check_common(self) -> None:

@@ -13,8 +13,8 @@ class Choices:
     """The response objects of one request ``rid`` (``n`` choices a prompt; choice ``k * n + j`` is prompt ``k``'s
     output ``j``): a chat completion (``chat``) or a text completion."""
 
-    def __init__(self, rid: str, model: str, n: int, chat: bool):
-        self.rid, self.model, self.n, self.chat = rid, model, n, chat
+    def __init__(self, rid: str, model: str, n: int, chat: bool, token_ids: bool = False):
+        self.rid, self.model, self.n, self.chat, self.token_ids = rid, model, n, chat, token_ids
         self.created = int(time.time())
 
     def _head(self, kind: str) -> dict:
@@ -33,7 +33,7 @@ class Choices:
                     choice["text"] = r.text
                 choice["logprobs"] = None if logprobs is None else logprobs(r)
                 choice["finish_reason"] = finish_reason(r)
-                choices.append(choice)
+                choices.append(self._ids(choice, r))
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage(results)}
 
@@ -53,8 +53,14 @@ class Choices:
     def finish(self, index: int, r: RequestResult) -> dict:
         """The choice's last chunk: no new text, its finish reason."""
         if self.chat:
-            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(r)}
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(r)}
+            return self._ids({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(r)}, r)
+        return self._ids({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(r)}, r)
+
+    def _ids(self, choice: dict, r: RequestResult) -> dict:
+        """``return_token_ids``: the choice's prompt and output token ids added."""
+        if self.token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = list(r.prompt_ids), list(r.output_ids)
+        return choice
 
 
 def finish_reason(r: RequestResult) -> str:
