@@ -345,19 +345,22 @@ def print_table(results: dict) -> None:
     """The short table, last: per run throughput, latency percentiles, errors and cache reuse."""
     if results["runs"]:
         print("\n| speculative | workload | ok / sent | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-              "TPOT p50 ms | E2E p50 / p99 ms | cache reuse | after turn 1 | server: hit rate / accept len / step ms |")
+              "TPOT p50 ms | E2E p50 / p99 ms | cache reuse | after turn 1 (of history) | server: hit rate / accept len / "
+              "step ms |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for run in results["runs"]:
             s = run["summary"]
             pct = lambda key, q: None if s[key] is None else s[key][q]   # noqa: E731
             after = s.get("cache_after_first_turn", {}).get("reuse")
+            history = s.get("cache_of_history", {}).get("reuse")
             h = (run["metrics"] or {}).get("headline", {})
             print(f"| {run['speculative'] or '-'} | {run['workload']} | {s['succeeded']} / {s['requests']} | "
                   f"{fmt(s['requests_per_s'], 2)} | {fmt(s['output_tokens_per_s'])} | "
                   f"{fmt(pct('ttft_ms', 'p50'))} / {fmt(pct('ttft_ms', 'p99'))} | "
                   f"{fmt(pct('itl_ms', 'p50'), 2)} / {fmt(pct('itl_ms', 'p99'), 2)} | {fmt(pct('tpot_ms', 'p50'), 2)} | "
                   f"{fmt(pct('e2e_ms', 'p50'))} / {fmt(pct('e2e_ms', 'p99'))} | {fmt(pct_of(s['cache']['reuse']))}% | "
-                  f"{fmt(pct_of(after))}% | {fmt(pct_of(h.get('cache_hit_rate')))}% / "
+                  f"{fmt(pct_of(after))}%{'' if history is None else f' ({fmt(pct_of(history))}%)'} | "
+                  f"{fmt(pct_of(h.get('cache_hit_rate')))}% / "
                   f"{fmt(h.get('acceptance_length'), 2)} / {fmt(h.get('step_ms'), 2)} |")
     for entry in results["single_stream"]:
         served, llm = entry["server"], entry["llm_generate"]

@@ -134,6 +134,8 @@ async def send(client, model: str, session: Session, turn: int, answers: list[st
     ``time.perf_counter()`` its ``sent`` counts from."""
     began = time.perf_counter()
     record = Record(session.workload, session.index, turn, began - clock_start)
+    if session.token_ids:
+        record.new_tokens = len(session.turns[turn].ids)
     prompt = session.prompt(turn, answers)
     pieces = []
     try:

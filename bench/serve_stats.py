@@ -40,6 +40,7 @@ class Record:
     text : the generated text (the next turn of a conversation re-sends it).
     error : ``"<ExceptionType>: message"`` of a failed request; None when it succeeded.
     token_ids : the generated token ids, when the server returned them (``return_token_ids``).
+    new_tokens : of a token-id conversation's turn, the new message's tokens (the rest re-sends the history).
     """
 
     workload: str
@@ -55,6 +56,7 @@ class Record:
     text: str = ""
     error: str | None = None
     token_ids: list[int] | None = None
+    new_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -127,6 +129,12 @@ def summarize(records: list[Record], seconds: float) -> dict:
            "cache": cache_reuse(records), "errors": errors}
     if any(r.turn > 0 for r in records):
         out["cache_after_first_turn"] = cache_reuse([r for r in records if r.turn > 0])
+    later = [r for r in records if r.turn > 0 and r.new_tokens is not None and r.error is None
+             and r.prompt_tokens is not None and r.cached_tokens is not None]
+    if later:   # of the re-sent history only: what a cache can hold (the new message is new)
+        history = sum(r.prompt_tokens - r.new_tokens for r in later)
+        out["cache_of_history"] = {"history_tokens": history, "cached_tokens": sum(r.cached_tokens for r in later),
+                                   "reuse": sum(r.cached_tokens for r in later) / history if history else None}
     return out
 
 

@@ -135,6 +135,11 @@ def test_summarize_counts_errors_and_cache_reuse():
                           "unreported": 0}
     assert s["cache_after_first_turn"]["reuse"] == pytest.approx(470 / 500)
     assert "cache_after_first_turn" not in summarize(records[:1], 1.0)
+    assert "cache_of_history" not in s   # (text conversations: the new message's tokens are not known)
+    for r, new in zip(records[1:3], (20, 10)):
+        r.new_tokens = new
+    assert summarize(records, 2.0)["cache_of_history"] == {"history_tokens": 180 + 290, "cached_tokens": 470,
+                                                          "reuse": 1.0}
     unreported = cache_reuse([record(cached=None), record(prompt=20, cached=5)])
     assert unreported == {"prompt_tokens": 20, "cached_tokens": 5, "reuse": 0.25, "unreported": 1}
 

@@ -188,10 +188,9 @@ def test_requests_with_a_common_prompt_share_it_while_running_and_after(tiny):
     on, sched = drive(make_engine(tiny), programs(), between=lambda s: roots.append(s.engine.tree.num_nodes))
     off, _ = drive(make_engine(tiny), programs(), prefix_cache=False)
     assert [outputs(r) for r in on] == [outputs(r) for r in off]
-    # The second is admitted in the iteration that resumes the first after its prompt's step, before the first
-    # offers the prompt: it computes it again (and offers it too, where it is kept once).
-    assert [r[0].stats["cached_tokens"] for r in on] == [0, 0] + [24] * 4
-    assert sched.stats.cache_hit_rate == pytest.approx(96 / sum(len(s.prompt_ids) for s in specs))
+    # (the first's prompt is offered once the step computing it is launched: the second, admitted next, reads it)
+    assert [r[0].stats["cached_tokens"] for r in on] == [0] + [24] * 5
+    assert sched.stats.cache_hit_rate == pytest.approx(120 / sum(len(s.prompt_ids) for s in specs))
 
 
 def test_under_pool_pressure_the_cache_gives_its_pages_back_and_outputs_stay_equal(tiny):
@@ -241,3 +240,30 @@ def test_on_a_graphed_gpu_engine_pipelined_a_conversation_equals_the_cache_off()
     assert [outputs(r) for r in on] == [outputs(r) for r in off]
     assert sum(cached[1:]) > 0 and sched.cache.stats.copied_tokens > 0
     sched.engine.tree.check_invariants(held=sched.cache.held())
+
+
+def test_a_burst_with_one_long_prompt_computes_it_once_and_outputs_stay_equal(tiny):
+    """Requests queued together (a ToT problem's branches) whose prompts share a prefix the cache does not hold read
+    one copy of it, prefilled once; an aborted member leaves the group; nothing lingers."""
+    problem = tokens(60, 29)
+    specs = [spec(i, problem + tokens(70 + i, 2 + i), n=1 + i % 2, temperature=0.6 * (i % 2), seed=i)
+             for i in range(6)]
+    engine = make_engine(tiny)
+    done = {}
+    sched = OnlineScheduler(engine, on_done=done.__setitem__, on_error=done.__setitem__)
+    handles = [sched.submit(GenerateProgram(s, list(s.prompt_ids))) for s in specs]
+    sched.iterate()
+    sched.abort(handles[3])   # running on the group's prefix: it leaves the group
+    while not sched.idle:
+        sched.iterate()
+    off, _ = drive(make_engine(tiny), [GenerateProgram(s, list(s.prompt_ids)) for s in specs], prefix_cache=False)
+    kept = [i for i in range(6) if i != 3]
+    assert [outputs(done[handles[i]]) for i in kept] == [outputs(off[i]) for i in kept]
+    assert type(done[handles[3]]).__name__ == "ProgramAborted"
+    assert sched.stats.shared_prefix_tokens == 28 * 5   # whole pages of the common 29 tokens, once for six
+    assert sched.stats.prompt_steps == 1 and engine.tree.num_nodes == 0
+    again = spec(9, problem + [5, 6, 7])   # later: the burst's prompts are cached
+    handle = sched.submit(GenerateProgram(again, list(again.prompt_ids)))
+    while not sched.idle:
+        sched.iterate()
+    assert done[handle][0].stats["cached_tokens"] == 28

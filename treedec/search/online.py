@@ -112,7 +112,8 @@ class OnlineScheduler:
         self.engine = engine
         self._on_error = on_error
         self.cache = PrefixCache(engine.tree) if prefix_cache else None
-        self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache)
+        self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache,
+                                   share_queued=True)
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, int, Program | None]] = []
         self._handles = itertools.count()

@@ -167,6 +167,15 @@ class PrefixCache:
         """Its references per page (``[num_pages]`` int64, a copy): :meth:`SequenceTree.check_invariants`'s ``held``."""
         return self._held.copy()
 
+    def covers(self, tokens: list[int]) -> bool:
+        """Whether every whole page of ``tokens`` is cached (changes nothing)."""
+        ps, node = self.page_size, self._root
+        for i in range(len(tokens) // ps):
+            node = node.children.get(tuple(tokens[i * ps:(i + 1) * ps]))
+            if node is None:
+                return False
+        return True
+
     def match(self, prompt: list[int]) -> CachedPrefix | None:
         """The cached prefix to admit ``prompt`` on: the longest run of its whole pages, short of its last token,
         that a cached sequence starts with (None: not even one page). A match ending inside a longer cached

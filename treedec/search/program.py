@@ -151,6 +151,7 @@ class ProgramContext:
         self.cache = cache     # the prefix cache across requests, if the scheduler keeps one
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
         self.cached_tokens = 0  # its prompt's tokens read from the prefix cache across requests (none computed)
+        self.offer_after_step: int | None = None   # a prompt node the scheduler offers once the step is launched
         self.name = name
 
     def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:
@@ -193,7 +194,8 @@ class ProgramContext:
         A root prompt that starts with the context's shared or cached prefix becomes a child of the
         prefix's node, holding the rest of the prompt (never empty: see
         :func:`~treedec.search.prefixes.share_prefixes`, :meth:`~treedec.search.prefix_cache.PrefixCache.match`).
-        A root prompt, once computed, is offered to the prefix cache (:meth:`offer`).
+        A root prompt is offered to the prefix cache (:meth:`offer`) as soon as the step computing its last chunk
+        is launched (:attr:`offer_after_step`: a request admitted at the next iteration reads it).
         """
         engine, ids, root = self.engine, [int(t) for t in ids], parent is None
         if parent is None and self.prefix is not None:
@@ -207,11 +209,14 @@ class ProgramContext:
         node = prompt.add(engine.tree, 0)
         request = StepRequest([node], hidden=hidden, heads=heads, aux=aux, all_rows=all_rows, prompt=True)
         states: list[StepRows] = []
+        last = len(prompt.pieces) - 1
         try:
+            self.offer_after_step = node if root and last == 0 else None
             out = yield request
             states.append(out)
             for i in range(1, len(prompt.pieces)):
                 prompt.add(engine.tree, i, node)
+                self.offer_after_step = node if root and i == last else None
                 out = yield request
                 states.append(out)
         except BaseException:   # closed or failed before the caller has the node: free it here
@@ -220,8 +225,6 @@ class ProgramContext:
         if all_rows and len(states) > 1:
             out.hidden = torch.cat([o.hidden for o in states]) if hidden else None
             out.aux = torch.cat([o.aux for o in states]) if aux else None
-        if root:
-            self.offer(node)
         return node, out
 
     def offer(self, node: int, length: int | None = None) -> None:

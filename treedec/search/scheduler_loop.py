@@ -18,7 +18,7 @@ import torch
 
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefix_cache import CachedPrefix, PrefixCache
-from treedec.search.prefixes import share_prefixes
+from treedec.search.prefixes import SharedPrefix, share_prefixes
 from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
 from treedec.search.request import pages_in_use
 from treedec.search.sampling import GREEDY, sample_tokens
@@ -88,8 +88,10 @@ class SchedulerLoop:
     run ends, :meth:`abandon`); else ``on_error(index, error)`` and the others go on. One thread drives it."""
 
     def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step, on_error=None,
-                 cache: PrefixCache | None = None):
+                 cache: PrefixCache | None = None, share_queued: bool = False):
         self.engine, self.budget, self.cache = engine, budget, cache
+        # (online) programs added since the last admission, grouped by shared prompt prefixes when admitted
+        self.share_queued, self.ungrouped = share_queued, set()
         self.preempt, self.on_done, self.on_step, self.on_error = preempt, on_done, on_step, on_error
         shared = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
                                 engine.pool.page_size) if min_shared else [None] * len(programs)
@@ -150,14 +152,23 @@ class SchedulerLoop:
             prefix = self.prefixes.pop(lv.index, None)
             if isinstance(prefix, CachedPrefix):
                 prefix.leave(tree, retired=False)
+            elif isinstance(prefix, SharedPrefix):   # (it ends: one running member and one member fewer)
+                prefix.live -= 1
+                prefix.members -= 1
         for prefix in self.groups:
             prefix.evict(tree)
+        self.groups = [g for g in self.groups if g.members > 0]
         return [lv.index for lv in closed]
 
     def add(self, index: int, program: Program) -> None:
-        """Queue ``program`` as ``index`` (not sharing a prompt prefix)."""
+        """Queue ``program`` as ``index``. With ``share_queued``, programs queued together (added between two
+        admissions) whose prompts share a prefix the cache does not hold read one copy of it (as
+        :func:`~treedec.search.scheduler.run_programs`' do): a burst of requests with one long prompt (a ToT
+        problem's branches) computes it once."""
         self.programs[index], self.prefixes[index] = program, None
         self.queue.append(index)
+        if self.share_queued:
+            self.ungrouped.add(index)
 
     def drop(self, index: int) -> bool:
         """Between iterations: take program ``index`` out, queued or live (closed: its ``finally`` frees its
@@ -170,13 +181,43 @@ class SchedulerLoop:
         else:
             self._close(live)
         self.programs.pop(index)
-        self.prefixes.pop(index)
+        self.ungrouped.discard(index)
+        prefix = self.prefixes.pop(index)
+        if isinstance(prefix, SharedPrefix):   # one member fewer, for good
+            prefix.members -= 1
+            self._forget_if_done(prefix)
         return True
+
+    def _group_queued(self) -> None:
+        """Group the programs queued since the last admission by shared prompt prefixes (not held by the cache)."""
+        fresh = [i for i in self.queue if i in self.ungrouped and self.prefixes[i] is None]
+        self.ungrouped.clear()
+        if len(fresh) < 2:
+            return
+        ps = self.engine.pool.page_size
+        shared = share_prefixes([self.programs[i].prompt_ids if self.programs[i].shares_prompt else None
+                                 for i in fresh], ps, ps)
+        for group in {id(p): p for p in shared if p is not None}.values():
+            if self.cache is not None and self.cache.covers(group.tokens):
+                continue   # (each member reads it from the cache)
+            self.groups.append(group)
+            self.stats.shared_prefix_tokens += len(group.tokens) * (group.members - 1)
+            for i, prefix in zip(fresh, shared):
+                if prefix is group:
+                    self.prefixes[i] = group
+
+    def _forget_if_done(self, prefix: SharedPrefix) -> None:
+        """A shared prefix without members left is pruned and no longer tracked."""
+        if prefix.members == 0:
+            prefix.evict(self.engine.tree)
+            self.groups = [g for g in self.groups if g is not prefix]
 
     def _admit(self) -> None:
         pool = self.engine.pool
         if any(lv.waiting is not None for lv in self.live):
             return   # the pages freed go to the programs that wait first
+        if self.ungrouped:
+            self._group_queued()
         # The next step of every live program, and the prompts of those not resumed yet.
         headroom = sum(self._pages(lv.index, started=lv.started) for lv in self.live)
         while self.queue:
@@ -330,6 +371,10 @@ class SchedulerLoop:
                      for r in requests if r.dynamic is not None]
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
                               hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
+            for lv in gathered:   # prompts whose last chunk this step computes: cached for the next admissions
+                if lv.ctx.offer_after_step is not None:
+                    lv.ctx.offer(lv.ctx.offer_after_step)
+                    lv.ctx.offer_after_step = None
             argmax = sample_tokens(out.logits, GREEDY) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += any(r.prompt for r in requests)
@@ -399,6 +444,8 @@ class SchedulerLoop:
         prefix = self.prefixes.pop(lv.index)
         if prefix is not None:
             prefix.leave(self.engine.tree, retired=True)
+        if isinstance(prefix, SharedPrefix):
+            self._forget_if_done(prefix)
         if self.on_done is not None:
             self.on_done(lv.index, result)
 
@@ -416,7 +463,10 @@ class SchedulerLoop:
         """Program ``lv`` raised ``error`` (``on_error`` is set): it alone ends."""
         self._close(lv)
         del self.programs[lv.index]
-        del self.prefixes[lv.index]
+        prefix = self.prefixes.pop(lv.index)
+        if isinstance(prefix, SharedPrefix):
+            prefix.members -= 1
+            self._forget_if_done(prefix)
         self.on_error(lv.index, error)
 
 
