@@ -267,3 +267,31 @@ def test_a_burst_with_one_long_prompt_computes_it_once_and_outputs_stay_equal(ti
     while not sched.idle:
         sched.iterate()
     assert done[handle][0].stats["cached_tokens"] == 28
+
+
+
+def test_a_speculative_conversation_reads_the_cache_with_equal_tokens(tiny):
+    """Speculative requests (n-gram drafts) read and fill the cache too: each turn's tokens equal the cache off, and
+    every turn after the first reads all of the last one but its last token, in whole pages."""
+    from treedec.search.speculative.drafts import PromptLookupDraft
+    from treedec.search.speculative.program import SpeculativeProgram
+    from treedec.search.stops import StopRule
+    runs = []
+    for cache in (True, False):
+        done = []
+        sched = OnlineScheduler(make_engine(tiny), on_done=lambda h, r: done.append(r),
+                                on_error=lambda h, e: done.append(e), prefix_cache=cache)
+        history, turns = tokens(80, 21), []
+        for t in range(4):
+            sched.submit(SpeculativeProgram(history, PromptLookupDraft(max_ngram=2, num_draft_tokens=3),
+                                            StopRule(max_new_tokens=7)))
+            while not sched.idle:
+                sched.iterate()
+            checker, stats = done[-1]
+            turns.append((list(checker.token_ids), stats.cached_tokens, len(history)))
+            history = history + checker.token_ids + tokens(90 + t, 5)
+        runs.append(turns)
+    on, off = runs
+    assert [t[0] for t in on] == [t[0] for t in off] and all(t[1] == 0 for t in off)
+    for (out, _, prompt), (_, cached, next_prompt) in zip(on, on[1:]):
+        assert cached == min((prompt + len(out) - 1) // 4, (next_prompt - 1) // 4) * 4

@@ -158,7 +158,7 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
     ``pipeline_note``."""
     checker, stats = result
     seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
-    [out] = request_results(spec, prompt_ids, [checker], stats.steps, seconds)
+    [out] = request_results(spec, prompt_ids, [checker], stats.steps, seconds, cached_tokens=stats.cached_tokens)
     out.stats.update(accepted=list(stats.accepted), draft_sizes=list(stats.draft_sizes), pipelined=stats.pipelined,
                      pipeline_note=stats.pipeline_note)
     return [out]

@@ -65,6 +65,7 @@ class SpeculativeStats:
     pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative.pipeline`; then the draft
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
+    cached_tokens : prompt tokens read from the prefix cache across requests (none computed).
     """
 
     steps: int = 0
@@ -77,6 +78,7 @@ class SpeculativeStats:
     stop_reason: str = ""
     pipelined: bool = False
     pipeline_note: str = ""
+    cached_tokens: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -196,7 +198,8 @@ class SpeculativeProgram(Program):
         if isinstance(self.target_states, tuple):
             engine.capture_hidden_layers(self.target_states)
         head_name = _add_draft_head(engine, draft.row_head)
-        stats = SpeculativeStats(pipelined=pipelined, pipeline_note="" if pipelined else note)
+        stats = SpeculativeStats(pipelined=pipelined, pipeline_note="" if pipelined else note,
+                                 cached_tokens=ctx.cached_tokens)
         self._shown = 0
         done = False
         if self.budget is not None:
@@ -207,6 +210,10 @@ class SpeculativeProgram(Program):
             else:
                 yield from self._steps(ctx, checker, head_name, stats)
             stats.stop_reason = checker.stop_reason
+            if ctx.cache is not None and stats.node is not None:   # the conversation, to its last token
+                sequence = self.prompt_ids + checker.token_ids
+                if ctx.engine.tree.sequence(stats.node)[:len(sequence) - 1] == sequence[:-1]:
+                    ctx.offer(stats.node, len(sequence) - 1)
             done = True
             return checker, stats
         finally:
