@@ -345,7 +345,8 @@ def print_table(results: dict) -> None:
     """The short table, last: per run throughput, latency percentiles, errors and cache reuse."""
     if results["runs"]:
         print("\n| speculative | workload | ok / sent | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-              "TPOT p50 ms | E2E p50 / p99 ms | cache reuse | after turn 1 (of history) | server: hit rate / accept len / "
+              "TPOT p50 ms | E2E p50 / p99 ms | cache reuse | after turn 1 (of history) | "
+              "server: hit rate / accept len / "
               "step ms |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for run in results["runs"]:

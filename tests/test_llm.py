@@ -207,3 +207,21 @@ def test_llm_on_a_gpu_speculative_equals_plain():
         spec = LLM(model, kv_tokens=8192, speculative=config).generate(
             [ids(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_prefix_caching_across_calls_reads_the_last_conversation_with_equal_outputs(speculative):
+    """enable_prefix_caching keeps prompts and conversations across generate calls: a second call re-sending the
+    first's prompt and answer reads them (whole pages of 4, all but the answer's last token) and answers as an
+    LLM without the cache does."""
+    params = SamplingParams(max_tokens=9, temperature=0)
+    cached, plain = make_llm(enable_prefix_caching=True, speculative=speculative), make_llm(speculative=speculative)
+    first = cached.generate(ids(PROMPTS[0]), params, use_tqdm=False)[0]
+    follow = {"prompt_token_ids": list(first.prompt_token_ids) + list(first.outputs[0].token_ids) + [7, 8, 9]}
+    [again], [alone] = cached.generate(follow, params, use_tqdm=False), plain.generate(follow, params, use_tqdm=False)
+    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert again.stats["cached_tokens"] == (len(first.prompt_token_ids) + 9 - 1) // 4 * 4
+    assert alone.stats["cached_tokens"] == 0
+    assert cached.prefix_cache.num_pages > 0 and cached.engine.tree.num_nodes == 0
+    cached.prefix_cache.clear()
+    assert cached.engine.pool.num_free_pages == cached.engine.pool.num_pages

@@ -29,7 +29,7 @@ from treedec.checks import describe, nonnegative_int, positive_int
 from treedec.engine import Engine
 from treedec.models import Llama, from_pretrained
 from treedec.models.text import load_tokenizer
-from treedec.search import (BeamSearchResult, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
+from treedec.search import (BeamSearchResult, PrefixCache, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
                             generate_batch, run_programs)
 from treedec.search.batch import step_progress
 from treedec.search.beam import beam_program
@@ -112,12 +112,16 @@ class LLM:
         :meth:`generate` request is decoded speculatively with it.
     cuda_graphs : capture decode steps as CUDA graphs (default: on a GPU).
     seed : the draws of requests without a ``seed`` of their own.
+    enable_prefix_caching : keep prompts and conversations in the KV pool across calls (vLLM's name; a
+        :class:`~treedec.search.prefix_cache.PrefixCache`, ``llm.prefix_cache``): a later prompt starting with an
+        earlier one's tokens reads them (``stats["cached_tokens"]``); its pages are given back as calls need them.
+        Off by default: ``treedec serve`` keeps its own cache over this engine.
     """
 
     def __init__(self, model: str | Llama = "smollm2", tokenizer=None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_tokens: int | None = None, page_size: int = 16,
                  backend: str = "auto", speculative: SpeculativeConfig | Mapping | None = None,
-                 cuda_graphs: bool | None = None, seed: int = 0):
+                 cuda_graphs: bool | None = None, seed: int = 0, enable_prefix_caching: bool = False):
         if isinstance(speculative, Mapping):
             speculative = SpeculativeConfig(**speculative)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -150,6 +154,7 @@ class LLM:
         if self.drafts is not None:
             logger.info("speculative decoding: %s", self.drafts.note)
         self.generator = torch.Generator(self.model.device).manual_seed(seed)
+        self.prefix_cache = PrefixCache(self.engine.tree) if enable_prefix_caching else None
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, chat_template: bool = False) -> list[RequestOutput]:
@@ -196,7 +201,7 @@ class LLM:
         """Run any scheduler programs (:class:`~treedec.search.Program`: generation, speculative decoding, beams,
         ToT, the branch controller) together on this LLM's engine: ``(results, stats)`` as
         :func:`~treedec.search.run_programs` returns them."""
-        return run_programs(self.engine, programs)
+        return run_programs(self.engine, programs, prefix_cache=self.prefix_cache)
 
     # ---------------------------------------------------------------- private
 
@@ -235,11 +240,11 @@ class LLM:
             step = step_progress(bar)   # the bar moves every engine step, not only when a request finishes
             if self.drafts is None:
                 results, _ = generate_batch(self.engine, specs, self.tokenizer, chat_template, self.generator,
-                                            on_request_done=done, on_step=step)
+                                            on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
             else:
                 results, _ = speculative_batch(self.engine, specs, self.drafts.source, self.tokenizer, chat_template,
                                                acceptance=lambda spec: sampled_acceptance(spec, self._seed),
-                                               on_request_done=done, on_step=step)
+                                               on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
         by_request: dict[str, list[RequestResult]] = {}
         for r in results:
             by_request.setdefault(r.id, []).append(r)

@@ -262,7 +262,8 @@ def test_metrics_parse_and_count_the_requests(server, client):
     assert after[("treedec_scheduler_cached_tokens", ())] == stats.cached_tokens
     assert after[("treedec_scheduler_prompt_tokens", ())] == stats.prompt_tokens > 0
     assert after[("treedec_cache_hit_rate", ())] == pytest.approx(stats.cached_tokens / stats.prompt_tokens)
-    assert after[("treedec_cached_prompt_tokens_total", ())] >= before.get(("treedec_cached_prompt_tokens_total", ()), 0)
+    cached = ("treedec_cached_prompt_tokens_total", ())
+    assert after[cached] >= before.get(cached, 0)
     assert ("treedec_requests_running", ()) in after and ("treedec_requests_waiting", ()) in after
 
 

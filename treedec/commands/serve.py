@@ -30,7 +30,8 @@ METHODS = ("ngram", "medusa", "eagle", "eagle3", "draft_model")
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) over one model",
                        description="An OpenAI-compatible HTTP server over one model (/v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /health, /metrics). Every request of every client runs batched on one "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics). Every request of every "
+                                   "client runs batched on one "
                                    "engine; a client that disconnects aborts its request.")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", type=model_arg, help="the model: a known name (e.g. smollm2), a .gguf file, a "

@@ -24,6 +24,7 @@ from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
 from treedec.search.streams import StreamOutput
 from treedec.search.parallel_sampling import (SamplingResult, SelfConsistencyResult, majority_vote, parallel_sample,
                                               self_consistency)
+from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program, ProgramContext
 from treedec.search.requests_file import (RequestResult, RequestSpec, RequestsFileError, read_requests,
                                           write_results_jsonl)
@@ -34,7 +35,8 @@ from treedec.search.stops import StopChecker, StopRule
 
 __all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
            "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob", "OnlineEngine",
-           "OnlineScheduler", "Program", "ProgramAborted", "ProgramContext", "RequestResult", "RequestSpec",
+           "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted", "ProgramContext", "RequestResult",
+           "RequestSpec",
            "RequestsFileError", "SamplingParams", "SamplingResult", "SchedulerStats", "SelfConsistencyResult",
            "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs", "beam_search", "generate_batch",
            "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller", "run_program",

@@ -37,6 +37,7 @@ from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.logits import TokenLogprobs, apply_logits_processors, apply_penalties, prompt_logprobs, \
     prompt_token_mask, token_logprobs
 from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
 from treedec.search.request import Positions, check_positions
 from treedec.search.scheduler import SchedulerStats, run_programs
@@ -52,8 +53,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                    min_shared_prefix: int | None = None, pipeline: bool | None = None,
                    max_step_tokens: int | None = None,
                    on_text: Callable[[RequestSpec, int, str], None] | None = None,
-                   on_step: Callable[[SchedulerStats], None] | None = None
-                   ) -> tuple[list[RequestResult], SchedulerStats]:
+                   on_step: Callable[[SchedulerStats], None] | None = None,
+                   prefix_cache: PrefixCache | None = None) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -80,6 +81,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         is held back until it is not, so the deltas of an output join to its final ``text``.
     on_step : called with the run's :class:`~treedec.search.scheduler.SchedulerStats` after each engine step
         (progress per step).
+    prefix_cache : a prefix cache of ``engine``'s tree kept across calls
+        (:func:`~treedec.search.scheduler.run_programs`).
 
     Returns
     -------
@@ -117,7 +120,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
-                                  max_step_tokens=max_step_tokens, on_step=on_step)
+                                  max_step_tokens=max_step_tokens, on_step=on_step, prefix_cache=prefix_cache)
     return [r for request in results for r in request], stats
 
 

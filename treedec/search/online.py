@@ -7,7 +7,8 @@ one engine step for every live program, pool relief and preemption) one iteratio
 - :meth:`OnlineScheduler.submit` queues a program (from any thread); it is admitted at an iteration by the
   same rules as :func:`~treedec.search.scheduler.run_programs`', on the longest prefix of its prompt in the
   prefix cache across requests (:mod:`treedec.search.prefix_cache`: the prompts and conversations of
-  earlier requests, and of running ones once computed), unless the cache is off;
+  earlier requests, and of running ones once computed), unless the cache is off; programs queued together
+  whose prompts share a prefix the cache lacks read one copy of it (a burst of branches of one problem);
 - :meth:`OnlineScheduler.abort` drops a queued program, or closes a live one between iterations (its
   ``finally`` frees its nodes and pages); it ends with :class:`ProgramAborted`;
 - each program ends through ``on_done(handle, result)`` or ``on_error(handle, error)``: an error of ONE

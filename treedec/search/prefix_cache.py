@@ -264,7 +264,8 @@ class PrefixCache:
         return freed
 
     def released(self, entry: CachedPrefix) -> None:
-        """(:meth:`CachedPrefix.leave`) ``entry`` is read by nothing now: drop it if a longer cached prefix covers it."""
+        """(:meth:`CachedPrefix.leave`) ``entry`` is read by nothing now: drop it if a longer cached prefix covers
+        it."""
         if entry.end.children:
             self._remove(entry)
 

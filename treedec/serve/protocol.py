@@ -3,8 +3,9 @@
 :class:`CompletionRequest` (``/v1/completions``) and :class:`ChatCompletionRequest` (``/v1/chat/completions``) take
 OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in a stream
-on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params` turns one into a :class:`~treedec.search.sampling.SamplingParams` (which
-checks the values: a bad one is a :class:`ServeError` of status 400). A field OpenAI has that treedec does not
+on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params` turns
+one into a :class:`~treedec.search.sampling.SamplingParams` (which checks the values: a bad one is a
+:class:`ServeError` of status 400). A field OpenAI has that treedec does not
 implement (``echo``, ``suffix``, ``logit_bias``, tools, ...) is refused with 400, never ignored; ``user`` is
 accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """

@@ -27,6 +27,7 @@ from treedec.search.speculative.acceptance import AcceptanceRule, RejectionSampl
 from treedec.search.batch import prepare_requests, request_results
 from treedec.search.speculative.draft_budget import DraftBudget
 from treedec.search.speculative.drafts import DraftSource, check_draft_source
+from treedec.search.prefix_cache import PrefixCache
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.search.scheduler import SchedulerStats, run_programs
@@ -50,15 +51,16 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       acceptance: Callable[[RequestSpec], AcceptanceRule] | None = None,
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
                       max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None,
-                      pipeline: bool | None = None, on_step: Callable[[SchedulerStats], None] | None = None
-                      ) -> tuple[list[RequestResult], SchedulerStats]:
+                      pipeline: bool | None = None, on_step: Callable[[SchedulerStats], None] | None = None,
+                      prefix_cache: PrefixCache | None = None) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
     ----------
     requests : :class:`RequestSpec` with ``n=1``; ``temperature=0`` unless ``acceptance`` is given.
     draft : makes each request's draft source, e.g. ``lambda spec: PromptLookupDraft()``.
-    tokenizer, chat_template, on_request_done, on_step : as :func:`~treedec.search.batch.generate_batch`.
+    tokenizer, chat_template, on_request_done, on_step, prefix_cache : as
+        :func:`~treedec.search.batch.generate_batch`.
     max_draft_tokens : the largest tree a draft may propose (its root included): the scheduler
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
@@ -119,14 +121,16 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         if on_request_done is not None:
             on_request_done(outputs[index])
 
-    _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens, on_step=on_step)
+    _, stats = run_programs(engine, programs, on_done=done, max_step_tokens=max_step_tokens, on_step=on_step,
+                            prefix_cache=prefix_cache)
     return [r for index in sorted(outputs) for r in outputs[index]], stats
 
 
 def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int], source: DraftSource, tokenizer=None,
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
                         budget: DraftBudget | None = None, pipeline: bool | None = None,
-                        pipeline_note: str | None = None, greedy_only: bool = True, on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
+                        pipeline_note: str | None = None, greedy_only: bool = True,
+                        on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
