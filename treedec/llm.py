@@ -115,7 +115,7 @@ class LLM:
     enable_prefix_caching : keep prompts and conversations in the KV pool across calls (vLLM's name; a
         :class:`~treedec.search.prefix_cache.PrefixCache`, ``llm.prefix_cache``): a later prompt starting with an
         earlier one's tokens reads them (``stats["cached_tokens"]``); its pages are given back as calls need them.
-        Off by default: ``treedec serve`` keeps its own cache over this engine.
+        Off by default (``treedec serve`` keeps a cache over the engine either way: this one if it is on).
     """
 
     def __init__(self, model: str | Llama = "smollm2", tokenizer=None, *, device: str | None = None,

@@ -295,3 +295,12 @@ def test_a_speculative_conversation_reads_the_cache_with_equal_tokens(tiny):
     assert [t[0] for t in on] == [t[0] for t in off] and all(t[1] == 0 for t in off)
     for (out, _, prompt), (_, cached, next_prompt) in zip(on, on[1:]):
         assert cached == min((prompt + len(out) - 1) // 4, (next_prompt - 1) // 4) * 4
+
+
+def test_the_online_scheduler_takes_a_given_cache_of_its_engine(tiny):
+    engine = make_engine(tiny)
+    cache = PrefixCache(engine.tree)
+    sched = OnlineScheduler(engine, on_error=lambda h, e: None, prefix_cache=cache)
+    assert sched.cache is cache
+    with pytest.raises(ValueError, match="this engine's tree"):
+        OnlineScheduler(make_engine(tiny), on_error=lambda h, e: None, prefix_cache=cache)

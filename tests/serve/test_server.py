@@ -402,3 +402,18 @@ def test_a_conversation_resent_as_token_ids_reads_its_history_from_the_cache(ser
                  {"role": "user", "content": "And lakes?"}]
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // page * page
+
+
+def test_a_server_over_an_llm_with_a_prefix_cache_keeps_that_one(tokenizer):
+    """One cache per engine: an LLM made with enable_prefix_caching lends its cache to the server."""
+    llm = make_llm(tokenizer, enable_prefix_caching=True)
+    llm.generate({"prompt_token_ids": list(range(3, 30))}, SamplingParams(max_tokens=2), use_tqdm=False)
+    running = RunningServer(llm, "tiny")
+    try:
+        assert running.online.scheduler.cache is llm.prefix_cache
+        with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
+            got = client.completions.create(model="tiny", prompt=list(range(3, 30)), max_tokens=2, temperature=0)
+        assert got.usage.prompt_tokens_details.cached_tokens == 24   # the LLM's call cached it (pages of 4)
+        assert free_again(running) == 0
+    finally:
+        running.stop()

@@ -78,7 +78,8 @@ class OnlineScheduler:
         (:class:`ProgramAborted`); required (an error of one program is never raised to the driver).
     on_step : called as ``on_step(stats)`` after each engine step is launched.
     prefix_cache : keep a :class:`~treedec.search.prefix_cache.PrefixCache` (:attr:`cache`) of prompts and
-        conversations across requests (default True).
+        conversations across requests (default True), or this one (of ``engine``'s tree: e.g. an
+        :class:`~treedec.LLM`'s, so that one cache holds the engine's cached pages).
     history : the per-step entries :attr:`stats` keeps (the newest).
 
     The callbacks run on the driving thread, between or inside iterations: they must not call
@@ -96,7 +97,7 @@ class OnlineScheduler:
                  on_done: Callable[[int, Any], None] | None = None,
                  on_error: Callable[[int, BaseException], None],
                  on_step: Callable[[SchedulerStats], None] | None = None, history: int = 1024,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool | PrefixCache = True):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
         budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
@@ -112,7 +113,12 @@ class OnlineScheduler:
                 raise TypeError(f"{name} must be callable, got {type(f).__name__}")
         self.engine = engine
         self._on_error = on_error
-        self.cache = PrefixCache(engine.tree) if prefix_cache else None
+        if isinstance(prefix_cache, PrefixCache):
+            if prefix_cache.tree is not engine.tree:
+                raise ValueError("prefix_cache must be a PrefixCache of this engine's tree")
+            self.cache = prefix_cache
+        else:
+            self.cache = PrefixCache(engine.tree) if prefix_cache else None
         self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache,
                                    share_queued=True)
         self._lock = threading.Lock()
@@ -235,7 +241,7 @@ class OnlineEngine:
                  max_step_tokens: int | None = None, drafts: Callable[[RequestSpec], DraftSource] | None = None,
                  max_draft_tokens: int = 64, seed: int = 0,
                  on_iteration: Callable[[SchedulerStats, float], None] | None = None, history: int = 1024,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool | PrefixCache = True):
         for name, f in (("drafts", drafts), ("on_iteration", on_iteration)):
             if f is not None and not callable(f):
                 raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")

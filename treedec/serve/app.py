@@ -72,7 +72,8 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     async def lifespan(app: FastAPI):
         online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
                               drafts=None if llm.drafts is None else llm.drafts.source, seed=seed,
-                              on_iteration=metrics.iteration)
+                              on_iteration=metrics.iteration,   # (one cache per engine: the LLM's if it keeps one)
+                              prefix_cache=True if llm.prefix_cache is None else llm.prefix_cache)
         metrics.watch(online.scheduler)
         app.state.online = online
         app.state.server = _Server(llm, online, metrics, name, max_queued_requests)
