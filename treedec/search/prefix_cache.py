@@ -169,23 +169,14 @@ class PrefixCache:
 
     def covers(self, tokens: list[int]) -> bool:
         """Whether every whole page of ``tokens`` is cached (changes nothing)."""
-        ps, node = self.page_size, self._root
-        for i in range(len(tokens) // ps):
-            node = node.children.get(tuple(tokens[i * ps:(i + 1) * ps]))
-            if node is None:
-                return False
-        return True
+        return self._walk(tokens, len(tokens) // self.page_size).depth == len(tokens) // self.page_size
 
     def match(self, prompt: list[int]) -> CachedPrefix | None:
         """The cached prefix to admit ``prompt`` on: the longest run of its whole pages, short of its last token,
         that a cached sequence starts with (None: not even one page). A match ending inside a longer cached
         sequence becomes a cached prefix of its own, sharing those pages (no copy). Marks it used."""
-        ps, node = self.page_size, self._root
-        for i in range((len(prompt) - 1) // ps):
-            child = node.children.get(tuple(prompt[i * ps:(i + 1) * ps]))
-            if child is None:
-                break
-            node = child
+        ps = self.page_size
+        node = self._walk(prompt, (len(prompt) - 1) // ps)
         if node is self._root:
             return None
         entry = node.ending
@@ -211,28 +202,21 @@ class PrefixCache:
         tokens = [t for n in path for t in tree.tokens(n)][:pages * ps]
         slots = np.concatenate([tree.slots(n) for n in path])[:pages * ps]
         self.stats.offered_tokens += pages * ps
-        # Walk what is cached already.
-        trie, known = self._root, 0
-        while known < pages:
-            child = trie.children.get(tuple(tokens[known * ps:(known + 1) * ps]))
-            if child is None:
-                break
-            trie, known = child, known + 1
-        if known == pages:   # all of it is cached
-            (trie.ending if trie.ending is not None else next(iter(trie.through))).used = next(self._clock)
+        trie = self._walk(tokens, pages)   # what is cached already
+        known = trie.depth
+        own = slots[known * ps:]
+        whole = self.pool.whole_pages(own)
+        fresh = max(0, min(pages - known - whole, self.pool.num_free_pages - self.copy_reserve))
+        if whole + fresh == 0:   # all of it is cached, or nothing past that can be stored (no page to copy into)
+            if known:
+                (trie.ending if trie.ending is not None else next(iter(trie.through))).used = next(self._clock)
             return 0
         held = next(iter(trie.through)).slots[:known * ps] if known else np.zeros(0, np.int64)
-        own = slots[known * ps:]
-        whole = _whole_pages(own, ps)
-        fresh = max(0, min(pages - known - whole, self.pool.num_free_pages - self.copy_reserve))
         if fresh:
             dst = self._allocate(fresh)
             self.pool.copy_slots(own[whole * ps:(whole + fresh) * ps], dst)
             self.stats.copied_tokens += fresh * ps
         keep = known + whole + fresh
-        if keep == known:   # (nothing past what is cached can be stored: no page to copy into)
-            (trie.ending if trie.ending is not None else next(iter(trie.through))).used = next(self._clock)
-            return 0
         kept = np.concatenate([held, own[:whole * ps]] + ([dst] if fresh else []))
         path_nodes = self._path(tokens[:keep * ps])
         entry = self._store(tokens[:keep * ps], kept, path_nodes, fresh_pages=fresh)
@@ -274,6 +258,16 @@ class PrefixCache:
         return self.evict(self.pool.num_pages)
 
     # ------------------------------------------------------------------ private
+
+    def _walk(self, tokens: list[int], pages: int) -> _Trie:
+        """The deepest trie node that the first ``pages`` whole pages of ``tokens`` reach (its ``depth`` pages)."""
+        ps, node = self.page_size, self._root
+        for i in range(pages):
+            child = node.children.get(tuple(tokens[i * ps:(i + 1) * ps]))
+            if child is None:
+                break
+            node = child
+        return node
 
     def _allocate(self, pages: int) -> np.ndarray:
         ps = self.page_size
@@ -333,13 +327,3 @@ class PrefixCache:
         self.stats.evicted_pages += freed
         return freed
 
-
-def _whole_pages(slots: np.ndarray, ps: int) -> int:
-    """How many of ``slots``' leading page-size chunks are whole pages in slot order."""
-    n = len(slots) // ps
-    if n == 0:
-        return 0
-    chunks = slots[:n * ps].reshape(n, ps)
-    good = (chunks[:, 0] % ps == 0) & np.all(np.diff(chunks, axis=1) == 1, axis=1)
-    bad = np.flatnonzero(~good)
-    return int(bad[0]) if len(bad) else n

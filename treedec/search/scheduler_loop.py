@@ -232,7 +232,8 @@ class SchedulerLoop:
                 # Idle prefixes (no member running) and cached ones nothing reads give their pages back if that
                 # admits it; with nothing live it is admitted anyway (and raises if it cannot run alone in the pool).
                 if self.live and short > self._evictable(keep=prefix):
-                    self.prefixes[index] = None if cached is not None else prefix
+                    if cached is not None:   # (matched again at the next try)
+                        self.prefixes[index] = None
                     self.stats.waits += 1
                     return
                 self._evict_idle(short, keep=prefix)
@@ -371,13 +372,14 @@ class SchedulerLoop:
                      for r in requests if r.dynamic is not None]
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
                               hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
-            for lv in gathered:   # prompts whose last chunk this step computes: cached for the next admissions
-                if lv.ctx.offer_after_step is not None:
+            prompt_step = any(r.prompt for r in requests)
+            for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
+                if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
                     lv.ctx.offer(lv.ctx.offer_after_step)
                     lv.ctx.offer_after_step = None
             argmax = sample_tokens(out.logits, GREEDY) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
-            self.stats.prompt_steps += any(r.prompt for r in requests)
+            self.stats.prompt_steps += prompt_step
             self.stats.queries_per_step.append(queries)
             self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes))
             if self.on_step is not None:

@@ -83,7 +83,7 @@ class ServeMetrics:
         """A request's results (``arrival``, ``first`` text and ``end`` times, ``time.perf_counter()``)."""
         first_result = results[0]
         self.prompt_tokens.inc(len(first_result.prompt_ids))
-        self.cached_tokens.inc(first_result.stats.get("cached_tokens", 0))
+        self.cached_tokens.inc(first_result.stats["cached_tokens"])
         self.generation_tokens.inc(sum(len(r.output_ids) for r in results))
         self.latency.observe(end - arrival)
         if first is not None:

@@ -128,6 +128,14 @@ class PagedKVPool:
             num_tokens = int_value(num_tokens, "num_tokens", low=0)
         return -(-num_tokens // self.page_size)
 
+    def whole_pages(self, slots: np.ndarray) -> int:
+        """How many of ``slots``' leading ``page_size`` runs are whole pages in slot order (a page's slots
+        ``page * page_size + 0 .. page_size - 1``)."""
+        n = len(slots) // self.page_size
+        runs = np.asarray(slots[:n * self.page_size]).reshape(n, self.page_size)
+        bad = np.flatnonzero(np.any(runs != runs[:, :1] // self.page_size * self.page_size + self._offsets, axis=1))
+        return int(bad[0]) if len(bad) else n
+
     def allocate(self, num_pages: int) -> np.ndarray:
         """Take ``num_pages`` free pages with refcount 1. Returns int64 page ids.
 

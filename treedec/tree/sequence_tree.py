@@ -194,12 +194,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
             raise TreeError("a prompt needs at least one token, got 0")
         node = self._new_node(parent=None)
         self._fill(node, tokens)  # may raise before anything is registered
-        self._nodes[node.id] = node
-        self._roots.append(node.id)
-        self._next_id += 1
-        if self._preorder is not None:
-            self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
-        return node.id
+        return self._add_root(node)
 
     def add_shared_root(self, tokens: Sequence[int], slots: np.ndarray) -> int:
         """Start a new tree whose ``tokens`` are computed already: their K/V is in ``slots`` (``[n]`` ints, whole
@@ -214,20 +209,14 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
             raise TreeError(f"a shared root needs whole pages of {ps} tokens and one slot per token, got "
                             f"{len(tokens)} tokens and slots of shape {tuple(slots.shape)}")
         pages = slots[::ps] // ps
-        if not np.array_equal(slots, (pages[:, None] * ps + self._page_offsets).reshape(-1)) or \
-                len(np.unique(pages)) != len(pages):
+        if self.pool.whole_pages(slots) * ps != len(slots) or len(np.unique(pages)) != len(pages):
             raise TreeError("a shared root's slots must be whole, distinct pages, each in slot order")
         self.pool.incref(pages)   # raises (changing nothing) for a page not in use
         node = self._new_node(parent=None)
         node.tokens, node.slots, node.pages = tokens, slots.astype(np.int64), pages.astype(np.int64).tolist()
         node.shared = True
-        self._nodes[node.id] = node
-        self._roots.append(node.id)
-        self._next_id += 1
-        if self._preorder is not None:
-            self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
         self._layout = None
-        return node.id
+        return self._add_root(node)
 
     def computed_length(self, node_id: int) -> int:
         """How many of ``node_id``'s sequence's tokens are computed (all but its pending ones)."""
@@ -392,6 +381,15 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
             raise TreeError(f"cannot {doing} node {node_id}: it has {node.pending} pending token(s); "
                             f"call commit_step() first")
         return node
+
+    def _add_root(self, node: TreeNode) -> int:
+        """Register a filled parentless node as the forest's last root; returns its id."""
+        self._nodes[node.id] = node
+        self._roots.append(node.id)
+        self._next_id += 1
+        if self._preorder is not None:
+            self._preorder = self._preorder.splice(len(self._preorder), np.array([node.id]), np.array([-1]))
+        return node.id
 
     def _new_node(self, parent: int | None) -> TreeNode:
         return TreeNode(self._next_id, parent, [], NO_SLOTS, [])   # (the first fill gives it a buffer)
