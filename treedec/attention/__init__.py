@@ -10,8 +10,9 @@ from treedec.attention.reference import dense_tree_mask, reference_tree_attentio
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_attention import TreeAttention
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.attention.variant import AttentionVariant
 
-__all__ = ["PLANNERS", "Backend", "DeviceTreePlan", "PersistentSchedule", "PlanBounds", "PlanConfig", "PlannerImpl",
+__all__ = ["PLANNERS", "AttentionVariant", "Backend", "DeviceTreePlan", "PersistentSchedule", "PlanBounds", "PlanConfig", "PlannerImpl",
            "SpanMasking", "StaticPlan", "TreeAttention", "TreePlan", "backend_names", "dense_tree_mask", "get_backend",
            "make_plan", "merge_states", "plan_flatten", "plan_node", "plan_node_chunk", "planner_impl",
            "reference_tree_attention", "register_backend", "schedule_units", "store_kv", "tree_attention_op"]
