@@ -3,7 +3,8 @@
 :func:`load_planner` compiles ``treedec/kernels/planner/binding.cpp`` (one translation unit; the
 headers beside it hold the planner) with ``torch.utils.cpp_extension.load`` (ninja) into
 treedec's cache folder (:func:`treedec.cache.cache_dir`, default ``~/.cache/treedec``)/planner-<python>-<numpy
-ABI>; torch rebuilds only when the sources or flags change (ninja tracks the headers). The module takes and returns
+ABI>-<a digest of the sources and headers>: two checkouts (or versions) of treedec sharing a cache folder never load
+each other's build; torch rebuilds only when the flags change (ninja tracks the headers). The module takes and returns
 numpy arrays through the CPython and numpy C APIs (no torch or pybind11 headers: a build of a
 few seconds). :func:`build_problem` says, without building, why it cannot be built here (no sources,
 no C++ compiler, no ninja, no Python headers).
@@ -11,6 +12,7 @@ no C++ compiler, no ninja, no Python headers).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -31,9 +33,15 @@ CXX_FLAGS = ("-O3",)
 
 def build_dir() -> Path:
     """Where the extension is built and cached: one build per Python and numpy ABI (the module links
-    against both; torch's rebuild check does not see their versions)."""
+    against both; torch's rebuild check does not see their versions) and per content of the planner's sources
+    and headers (torch's check hashes the listed source only, and processes of two checkouts would load each
+    other's builds)."""
     abi = f"py{sys.version_info[0]}{sys.version_info[1]}-np{np.__version__.split('.')[0]}"
-    return cache_dir() / f"planner-{abi}"
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*")) if SOURCE_DIR.is_dir() else ():
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return cache_dir() / f"planner-{abi}-{digest.hexdigest()[:12]}"
 
 
 def build_problem() -> str | None:
