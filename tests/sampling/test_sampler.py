@@ -1,0 +1,151 @@
+"""The batched sampler (treedec/sampling/sampler.py) against the per-request path it replaces
+(``treedec.search.sampling.sample_tokens`` / ``sampling_probs`` / ``treedec.search.logits.apply_penalties``), row by
+row, distribution-wise (chi-square), and its counter-based numbers (treedec/sampling/rng.py)."""
+
+import pytest
+import torch
+
+from treedec.sampling.rng import counter_uniform, mix64
+from treedec.sampling.sampler import SamplingRows, sample_rows, warp_rows
+from treedec.search.logits import apply_penalties
+from treedec.search.sampling import SamplingParams, sampling_probs
+
+VOCAB = 24
+
+
+def rows_of(params, seeds=None, streams=None):
+    n = len(params)
+    return SamplingRows.build(params, seeds or [7] * n, streams or list(range(n)), "cpu")
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The p-value of observed ``counts`` under ``probs`` (tokens of expected count < 5 pooled)."""
+    total = counts.sum()
+    expected = probs.double() * total
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def test_mix64_is_a_fixed_bijection_of_the_64_bit_words():
+    x = torch.tensor([0, 1, 2, -1, 2**62, -(2**63)], dtype=torch.int64)
+    y = mix64(x)
+    assert len(set(y.tolist())) == len(x)
+    # SplitMix64's finalizer of 1 (computed with Python's unbounded ints)
+    z = 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    z ^= z >> 31
+    assert int(y[1]) % 2**64 == z
+
+
+def test_counter_uniform_is_a_function_of_seed_stream_and_counter():
+    seed = torch.tensor([3, 3, 3, 4], dtype=torch.int64)
+    stream = torch.tensor([0, 1, 0, 0], dtype=torch.int64)
+    counter = torch.tensor([5, 5, 6, 5], dtype=torch.int64)
+    u = counter_uniform(seed, stream, counter)
+    assert u.dtype == torch.float64 and ((u >= 0) & (u < 1)).all()
+    assert len(set(u.tolist())) == 4   # any of the three changes the number
+    assert torch.equal(counter_uniform(seed[:1], stream[:1], counter[:1]), u[:1])   # alone == in a batch
+    n = 40000
+    many = counter_uniform(torch.full((n,), 11), torch.zeros(n, dtype=torch.int64), torch.arange(n))
+    hist = torch.histc(many.float(), 16, 0, 1)
+    assert chi_square_p(hist, torch.full((16,), 1 / 16)) > 1e-4
+
+
+PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=1.0, min_p=0.2),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_warped_rows_equal_the_per_request_distribution(params):
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB) * 2
+    rows = rows_of([params, PARAMS[0], params])
+    warped = warp_rows(logits.float(), rows).softmax(-1)
+    for i in (0, 2):
+        assert torch.allclose(warped[i], sampling_probs(logits[i], params), atol=1e-6)
+    assert torch.allclose(warped[1], sampling_probs(logits[1], PARAMS[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_draws_follow_the_per_request_distribution(params):
+    """Chi-square per field: 6000 draws of one row (a mixed batch around it) against sampling_probs."""
+    torch.manual_seed(1)
+    logits = torch.randn(VOCAB) * 1.5
+    n = 6000
+    batch = torch.stack([logits] * n)
+    rows = rows_of([params] * n, seeds=list(range(n)), streams=[0] * n)
+    drawn = sample_rows(batch, rows, torch.zeros(n, dtype=torch.int64))
+    counts = torch.bincount(drawn, minlength=VOCAB)
+    want = sampling_probs(logits, params)
+    assert (counts[want == 0] == 0).all()   # a removed token is never drawn
+    assert chi_square_p(counts, want) > 1e-4
+
+
+def test_penalties_equal_apply_penalties_per_row():
+    torch.manual_seed(2)
+    logits = torch.randn(4, VOCAB)
+    mask = torch.rand(4, VOCAB) < 0.3
+    counts = torch.randint(0, 3, (4, VOCAB), dtype=torch.int32)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.5, frequency_penalty=-0.4),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, presence_penalty=1.0)]
+    rows = rows_of(params)
+    from treedec.sampling.sampler import penalize
+    got = penalize(logits, mask, counts, rows.repetition, rows.presence, rows.frequency)
+    for i, p in enumerate(params):
+        want = apply_penalties(logits[i:i + 1], mask[i:i + 1], counts[i:i + 1], p.repetition_penalty,
+                               p.presence_penalty, p.frequency_penalty)
+        assert torch.allclose(got[i], want[0]), i
+
+
+def test_greedy_rows_take_the_argmax_of_the_penalized_logits_in_a_mixed_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(3, VOCAB)
+    counts = torch.zeros(3, VOCAB, dtype=torch.int32)
+    best = int(logits[0].argmax())
+    counts[0, best] = 1   # a presence penalty takes the best token down
+    params = [SamplingParams(temperature=0, presence_penalty=100.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0)]
+    drawn = sample_rows(logits, rows_of(params), torch.zeros(3, dtype=torch.int64),
+                        torch.zeros(3, VOCAB, dtype=torch.bool), counts)
+    second = int(logits[0].clone().index_fill_(0, torch.tensor([best]), -1e9).argmax())
+    assert int(drawn[0]) == second and int(drawn[2]) == int(logits[2].argmax())
+
+
+def test_a_seeded_row_draws_the_same_whatever_the_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(6, VOCAB)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(6)]
+    draws = torch.arange(6, dtype=torch.int64) * 3
+    whole = sample_rows(logits, rows_of(params, seeds=list(range(6))), draws)
+    for i in range(6):
+        alone = sample_rows(logits[i:i + 1], rows_of(params[i:i + 1], seeds=[i], streams=[i]), draws[i:i + 1])
+        assert int(alone[0]) == int(whole[i])
+    order = torch.tensor([5, 2, 0, 4, 1, 3])
+    shuffled = sample_rows(logits[order], rows_of([params[i] for i in order.tolist()], seeds=order.tolist(),
+                                                  streams=order.tolist()), draws[order])
+    assert torch.equal(shuffled, whole[order])
+
+
+def test_a_degenerate_row_never_draws_past_the_vocabulary():
+    logits = torch.full((2, VOCAB), float("-inf"))
+    logits[1, 3] = 0.0
+    drawn = sample_rows(logits, rows_of([SamplingParams(temperature=1.0)] * 2), torch.zeros(2, dtype=torch.int64))
+    assert ((drawn >= 0) & (drawn < VOCAB)).all() and int(drawn[1]) == 3
+
+
+def test_rows_and_logits_must_agree():
+    with pytest.raises(ValueError, match="L = 2 rows"):
+        sample_rows(torch.zeros(3, VOCAB), rows_of([SamplingParams()] * 2), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingRows.build([SamplingParams()], [1, 2], [0], "cpu")

@@ -1,0 +1,183 @@
+"""The batched sampler: every row of a step's logits drawn by one call, whatever each row's parameters.
+
+:class:`SamplingRows` holds the sampling parameters of a batch's rows as device tensors (temperature, top-k,
+top-p, min-p, the three penalties, seed and stream): built once when the batch's membership changes (an event),
+read every step. :func:`sample_rows` draws one token per row from a step's logits in a fixed number of device
+operations, with no host sync and no Python per row:
+
+1. the penalties (:func:`penalize`), from each row's prompt mask and output counts kept on the device;
+2. greedy rows (temperature 0) take the argmax of the penalized logits;
+3. the other rows are warped (:func:`warp_rows`: temperature, then top-k, top-p, min-p: transformers' order,
+   per row) and drawn by inverse CDF with a counter-based uniform number per row
+   (:func:`~treedec.sampling.rng.counter_uniform` of the row's seed, stream and draw index): a seeded row's draws
+   depend on nothing else in the batch.
+
+The semantics of every field are those of :class:`~treedec.search.sampling.SamplingParams` (its docstring).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from treedec.sampling.rng import counter_uniform
+
+__all__ = ["SamplingRows", "penalize", "sample_rows", "warp_rows"]
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """The sampling parameters of ``L`` rows, as device tensors (one row per lane of a batch).
+
+    Attributes
+    ----------
+    temperature : [L] float32; 0 for a greedy row.
+    top_k : [L] int64; 0 for no top-k cut.
+    top_p : [L] float32 in (0, 1]; 1 for no cut.
+    min_p : [L] float32 in [0, 1]; 0 for no cut.
+    repetition, presence, frequency : [L] float32, the penalties (1, 0, 0 for none).
+    seed : [L] int64, each row's seed; stream : [L] int64, its output's index (``n`` outputs of a seeded
+        request share the seed and differ by stream).
+    greedy, sampled, top_k_cut, top_p_cut, min_p_cut, penalized : host flags: some row is greedy / sampled /
+        has a top-k / top-p / min-p cut / a penalty (work the step skips when no row needs it).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    seed: torch.Tensor
+    stream: torch.Tensor
+    greedy: bool
+    sampled: bool
+    top_k_cut: bool
+    top_p_cut: bool
+    min_p_cut: bool
+    penalized: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(cls, params: Sequence, seeds: Sequence[int], streams: Sequence[int], device) -> "SamplingRows":
+        """The rows of ``params`` (one :class:`~treedec.search.sampling.SamplingParams` per row; rows of one
+        request repeat it), with each row's ``seeds`` and ``streams``: two host-to-device copies."""
+        if not len(params) == len(seeds) == len(streams):
+            raise ValueError(f"params, seeds and streams must have one entry per row, got {len(params)}, "
+                             f"{len(seeds)}, {len(streams)}")
+        floats = torch.tensor([[0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                                p.presence_penalty, p.frequency_penalty] for p in params],
+                              dtype=torch.float32).reshape(len(params), 6)
+        ints = torch.tensor([[p.top_k or 0, seed, stream] for p, seed, stream in zip(params, seeds, streams)],
+                            dtype=torch.int64).reshape(len(params), 3)
+        greedy = [p.greedy for p in params]
+        flags = dict(greedy=any(greedy), sampled=not all(greedy),
+                     top_k_cut=any(p.top_k is not None and not p.greedy for p in params),
+                     top_p_cut=any(p.top_p < 1 and not p.greedy for p in params),
+                     min_p_cut=any(p.min_p > 0 and not p.greedy for p in params),
+                     penalized=any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+                                   for p in params))
+        floats, ints = floats.to(device), ints.to(device)
+        temperature, top_p, min_p, repetition, presence, frequency = floats.unbind(1)
+        top_k, seed, stream = ints.unbind(1)
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition=repetition,
+                   presence=presence, frequency=frequency, seed=seed, stream=stream, **flags)
+
+    def take(self, index: torch.Tensor) -> "SamplingRows":
+        """The rows at ``index`` ([m] int64 on the rows' device), flags kept (they may then overstate)."""
+        return SamplingRows(*(getattr(self, name)[index] for name in _TENSORS),
+                            **{name: getattr(self, name) for name in _FLAGS})
+
+
+_TENSORS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "seed", "stream")
+_FLAGS = ("greedy", "sampled", "top_k_cut", "top_p_cut", "min_p_cut", "penalized")
+
+
+def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
+             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Per-row penalties (vLLM's rules, :func:`~treedec.search.logits.apply_penalties`' per row): a token of the
+    prompt or the output gets ``logit / repetition`` if its logit is > 0, else ``logit * repetition``; then
+    ``logit -= frequency * count + presence * (count > 0)``.
+
+    ``scores`` [L, V] float32; ``prompt_mask`` [L, V] bool; ``counts`` [L, V] int (output counts);
+    the penalties [L] float32. Returns a new [L, V] float32 tensor."""
+    seen = prompt_mask | (counts > 0)
+    rep = repetition[:, None]
+    penalized = torch.where(scores > 0, scores / rep, scores * rep)
+    scores = torch.where(seen & (rep != 1), penalized, scores)
+    return scores - frequency[:, None] * counts.float() - presence[:, None] * (counts > 0).float()
+
+
+def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The scores each row is drawn from: ``scores / temperature``, then top-k (ties with the k-th kept), top-p
+    (the smallest set of most likely tokens whose probability reaches top-p; the most likely always kept), min-p
+    (tokens below min-p times the most likely's probability), each with that row's value; removed tokens get
+    ``-inf``. ``scores`` [L, V] float32 of sampled rows (temperature > 0). Returns [L, V] float32."""
+    scores = scores / rows.temperature[:, None]
+    vocab = scores.shape[-1]
+    if rows.top_k_cut or rows.top_p_cut:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
+        kth = ordered.gather(1, (k - 1)[:, None])
+        if rows.top_k_cut:
+            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if rows.top_p_cut:
+            probs = ordered.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs   # of the tokens ranked above each token
+            drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
+                -1, order, mass_before >= rows.top_p[:, None])
+            scores = scores.masked_fill(drop, float("-inf"))
+    if rows.min_p_cut:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scores
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
+                prompt_mask: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits``, each drawn under its row's parameters (see the module docstring).
+
+    Parameters
+    ----------
+    logits : [L, V] any float dtype, the rows' raw logits (after user logits processors, if any).
+    rows : the rows' :class:`SamplingRows`.
+    draws : [L] int64, each row's draw index (tokens its output holds so far): the counter of its random number.
+    prompt_mask, counts : [L, V] bool and int, each row's prompt tokens and output token counts; needed when
+        ``rows.penalized``.
+
+    Returns
+    -------
+    [L] int64 token ids in ``[0, V)``, on ``logits.device``; no host sync.
+    """
+    if logits.dim() != 2 or logits.shape[0] != rows.num_rows:
+        raise ValueError(f"logits must be [L, V] with L = {rows.num_rows} rows, got {tuple(logits.shape)}")
+    scores = logits.float()
+    if rows.penalized:
+        if prompt_mask is None or counts is None:
+            raise ValueError("rows with penalties need prompt_mask and counts")
+        scores = penalize(scores, prompt_mask, counts, rows.repetition, rows.presence, rows.frequency)
+    if not rows.sampled:
+        return scores.argmax(dim=-1)
+    sampled = rows.temperature > 0
+    safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
+    probs = warp_rows(scores, safe).softmax(dim=-1)
+    uniform = counter_uniform(rows.seed, rows.stream, draws)
+    # The first token whose cumulative mass passes u * total (float64: u < 1 keeps it below the total, and a
+    # token of zero probability never is, its sum being its predecessor's); clamped so that no id past the
+    # vocabulary can come out of a degenerate row.
+    cdf = probs.double().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).reshape(-1)
+    drawn = drawn.clamp_(max=scores.shape[-1] - 1)
+    return torch.where(sampled, drawn, scores.argmax(dim=-1)) if rows.greedy else drawn
+
+
+def _with_temperature(rows: SamplingRows, temperature: torch.Tensor) -> SamplingRows:
+    fields = {name: getattr(rows, name) for name in _TENSORS + _FLAGS}
+    fields["temperature"] = temperature
+    return SamplingRows(**fields)
