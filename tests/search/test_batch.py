@@ -79,8 +79,8 @@ def test_an_output_on_the_prompt_s_node_stays_there(tiny, pipeline):
     want = plain_greedy(tiny, list(prompt(0)), 6)
     for keep, kept in ((False, want[:-1]), (True, want)):
         engine = make_engine(tiny)
-        [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), pipeline=pipeline, keep=keep,
-                                                       on_prompt=True))
+        [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), keep=keep, on_prompt=True),
+                               pipeline=pipeline)
         root = result.stats["root"]
         assert result.output_ids == want and result.stats["nodes"] == [root] and engine.tree.roots == [root]
         assert engine.tree.sequence(root) == list(prompt(0)) + kept

@@ -150,11 +150,11 @@ def conversation(model, turns, prefix_cache, ps=4, user=7, answer=9, engine=None
     results and cached prompt tokens."""
     engine = make_engine(model, page_size=ps) if engine is None else engine
     sched = OnlineScheduler(engine, on_done=lambda h, r: done.append(r), on_error=lambda h, e: done.append(e),
-                            prefix_cache=prefix_cache)
+                            prefix_cache=prefix_cache, pipeline=pipeline)
     history, done, cached = tokens(8, 13), [], []
     for t in range(turns):
         history = history + tokens(100 + t, user)
-        sched.submit(GenerateProgram(spec(t, history, max_tokens=answer), list(history), pipeline=pipeline))
+        sched.submit(GenerateProgram(spec(t, history, max_tokens=answer), list(history)))
         while not sched.idle:
             sched.iterate()
         result = done[-1][0]

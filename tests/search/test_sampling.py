@@ -263,10 +263,22 @@ def test_bad_arguments_raise_and_change_nothing(tiny, kwargs, message):
 
 
 def test_a_failing_run_frees_the_request(tiny):
-    engine = Engine(tiny, kv_tokens=48, page_size=4, backend="torch")   # 12 pages: the prompt takes 8
+    engine = Engine(tiny, kv_tokens=32, page_size=4, backend="torch")   # 8 pages: the prompt takes them all
     with pytest.raises(Exception, match="KV pool exhausted"):
         parallel_sample(engine, list(range(30)), 8, 4)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_samples_that_fit_the_pool_a_few_at_a_time_all_run(tiny):
+    """12 pages, the prompt takes 8: 4 of the 8 samples grow at once (each its own page), the others wait for
+    their pages and run as the first ones end; the samples are those of a pool that holds all of them."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    small = Engine(tiny, kv_tokens=48, page_size=4, backend="torch")
+    got = parallel_sample(small, list(range(30)), 8, 4, params=params)
+    want = parallel_sample(Engine(tiny, kv_tokens=512, page_size=4, backend="torch"), list(range(30)), 8, 4,
+                           params=params)
+    assert [s.tokens for s in got.samples] == [s.tokens for s in want.samples]
+    assert small.tree.num_nodes == 0 and small.pool.num_free_pages == small.pool.num_pages
 
 
 @pytest.mark.gpu

@@ -31,18 +31,17 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.models.text import IncrementalDetokenizer, encode_prompt
+from treedec.models.text import encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
-from treedec.search.logits import TokenLogprobs, apply_logits_processors, apply_penalties, prompt_logprobs, \
-    prompt_token_mask, token_logprobs
-from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.runtime.decode import Decode, LaneOutput
+from treedec.search.logits import prompt_logprobs
 from treedec.search.prefix_cache import PrefixCache
-from treedec.search.program import Program, ProgramContext, Read, StepRequest
+from treedec.search.sampling import SEED_MAX
+from treedec.search.program import Program, ProgramContext
 from treedec.search.request import Positions, check_positions
 from treedec.search.scheduler import SchedulerStats, run_programs
-from treedec.search.stops import StopChecker, StopRule
-from treedec.transfer import to_device
+from treedec.search.stops import StopRule
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress"]
 
@@ -106,7 +105,7 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     if on_text is not None and (tokenizer is None or not callable(on_text)):
         raise ValueError("on_text streams detokenized text: it must be callable and needs the checkpoint's tokenizer")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
-    programs = [GenerateProgram(spec, ids, tokenizer, generator, pipeline, on_text=on_text) for spec, ids in prepared]
+    programs = [GenerateProgram(spec, ids, tokenizer, on_text=on_text) for spec, ids in prepared]
     for program in programs:   # (run_programs checks this too, after the pages below)
         check_positions(engine.model, program.positions(), program.name, before_run=True)
     budget = engine.pool.num_free_pages
@@ -120,8 +119,16 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                 f"nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
-                                  max_step_tokens=max_step_tokens, on_step=on_step, prefix_cache=prefix_cache)
+                                  max_step_tokens=max_step_tokens, on_step=on_step, prefix_cache=prefix_cache,
+                                  pipeline=pipeline, seed=unseeded_seed(generator))
     return [r for request in results for r in request], stats
+
+
+def unseeded_seed(generator: torch.Generator | None) -> int:
+    """The seed the draws of a run's requests without a seed derive from: drawn from ``generator``, else from
+    torch's global generator (so ``torch.manual_seed`` makes a run repeatable)."""
+    device = "cpu" if generator is None else generator.device
+    return int(torch.randint(0, SEED_MAX, (1,), generator=generator, device=device).item())
 
 
 def step_progress(bar) -> Callable[[SchedulerStats], None]:
@@ -170,36 +177,35 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
     return out
 
 
-def request_results(spec: RequestSpec, prompt_ids: list[int], checkers: list[StopChecker], steps: int,
-                    seconds: float, draws: _Draws | None = None, cached_tokens: int = 0) -> list[RequestResult]:
-    """The :class:`RequestResult` of each of a request's outputs (``seconds``: admission to retirement; ``draws``:
-    their logprobs, when asked for; ``cached_tokens``: its prompt tokens read from the prefix cache,
-    ``stats["cached_tokens"]``); an output a stop string ended has it in ``stats["stop_string"]``."""
+def request_results(spec: RequestSpec, prompt_ids: list[int], outputs: Sequence[LaneOutput], steps: int,
+                    seconds: float, prompt_logprobs: list[dict | None] | None = None,
+                    cached_tokens: int = 0) -> list[RequestResult]:
+    """The :class:`RequestResult` of each of a request's ``outputs`` (``seconds``: admission to retirement;
+    ``prompt_logprobs``: its prompt's, when asked for; ``cached_tokens``: its prompt tokens read from the prefix
+    cache, ``stats["cached_tokens"]``); an output a stop string ended has it in ``stats["stop_string"]``."""
     prompt = spec.prompt if spec.prompt is not None else (list(spec.messages) if spec.messages is not None else None)
     stats = {"steps": steps, "prompt_tokens": len(prompt_ids), "cached_tokens": cached_tokens, "seconds": seconds}
-    logprobs = [None] * len(checkers) if draws is None else draws.output_logprobs()
-    prompt_lp = None if draws is None else draws.prompt
-    return [RequestResult(spec.id, i, prompt, list(prompt_ids), c.token_ids, c.text, c.stop_reason,
-                          dict(stats) if c.stop_string is None else {**stats, "stop_string": c.stop_string},
-                          logprobs=lp, prompt_logprobs=prompt_lp,
-                          cumulative_logprob=None if lp is None else sum(
-                              entry[t].logprob for entry, t in zip(lp, c.token_ids)))
-            for i, (c, lp) in enumerate(zip(checkers, logprobs))]
+    return [RequestResult(spec.id, i, prompt, list(prompt_ids), o.token_ids, o.text, o.stop_reason,
+                          dict(stats) if o.stop_string is None else {**stats, "stop_string": o.stop_string},
+                          logprobs=o.logprobs, prompt_logprobs=prompt_logprobs,
+                          cumulative_logprob=None if o.logprobs is None else sum(
+                              entry[t].logprob for entry, t in zip(o.logprobs, o.token_ids)))
+            for i, o in enumerate(outputs)]
 
 
 class GenerateProgram(Program):
     """One request's ``n`` outputs, sampled (greedy at temperature 0) until each one's stop rule ends it.
 
-    Its result is the list of its outputs' :class:`RequestResult` (their ``stats`` also hold the
-    request's ``queries_per_step``). ``pipeline``: each step is launched with the drawn tokens
-    still on the device (placeholders in the tree), and the host reads them while it runs.
+    After its prompt, the program yields one :class:`~treedec.runtime.lanes.Decode`: its outputs are lanes of the
+    scheduler's batch (:mod:`treedec.runtime.lanes`), drawn every step with every other request's by one batched
+    sampler, and the program is resumed once, when its last output ended. Its result is the list of its outputs'
+    :class:`RequestResult` (their ``stats`` also hold the request's ``queries_per_step``: the tokens its outputs
+    computed in each of its decode steps).
 
     Parameters
     ----------
     spec, prompt_ids : the request and its encoded prompt.
     tokenizer : detokenizes the outputs (stop strings need it).
-    generator : draws of a request without a ``seed``.
-    pipeline : see above.
     rule : the outputs' :class:`~treedec.search.stops.StopRule`; default the request's, after the
         model's EOS ids.
     keep : an ended output's node stays in the tree (a child of the prompt's node) with every token
@@ -210,12 +216,10 @@ class GenerateProgram(Program):
         the tree when the program returns (``stats["root"]``, also ``stats["nodes"][0]``; the caller
         prunes it) holding the prompt and every output token but the last, as a speculative request's
         node does (:func:`~treedec.search.generate.greedy_generate`); with ``keep`` the last one too.
-        A token computed past the end (pipelined) is truncated away.
     on_text : streaming, as :func:`generate_batch`'s.
     """
 
-    def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None,
-                 generator: torch.Generator | None = None, pipeline: bool = False, rule: StopRule | None = None,
+    def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None, rule: StopRule | None = None,
                  keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None,
                  on_prompt: bool = False):
         if on_prompt and spec.params.n != 1:
@@ -223,8 +227,7 @@ class GenerateProgram(Program):
                              f"got n={spec.params.n}")
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = spec.params
-        self.generator, self.pipeline, self.rule, self.keep = generator, pipeline, rule, keep
-        self.on_text, self.on_prompt = on_text, on_prompt
+        self.rule, self.keep, self.on_text, self.on_prompt = rule, keep, on_text, on_prompt
         self.name = spec.name
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
@@ -237,202 +240,40 @@ class GenerateProgram(Program):
         return self.spec.params.n   # each output may start a page
 
     def run(self, ctx: ProgramContext):
-        engine, spec, n = ctx.engine, self.spec, self.spec.params.n
+        engine, spec, params = ctx.engine, self.spec, self.spec.params
         started = time.perf_counter()
-        generator = self.generator
-        if spec.params.seed is not None and spec.params.temperature > 0:   # (made here: a re-run draws the same)
-            generator = torch.Generator(engine.device).manual_seed(spec.params.seed)
-        rule = self.rule if self.rule is not None else spec.params.stop_rule(engine.model.eos_token_ids)
-        checkers = [StopChecker(rule, None if self.tokenizer is None
-                                else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
-        stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
-        state = _Outputs(engine.tree, checkers, self.keep, stream, ctx.offer)
-        queries: list[int] = []
-        done = False
+        rule = self.rule if self.rule is not None else params.stop_rule(engine.model.eos_token_ids)
+        root, done = None, False
         try:
-            wants_prompt = spec.params.prompt_logprobs is not None
-            state.root, out = yield from ctx.prompt(self.prompt_ids, hidden=wants_prompt, all_rows=wants_prompt)
-            draws = _Draws(self.params, self.prompt_ids, checkers, out.logits)
+            wants_prompt = params.prompt_logprobs is not None
+            root, out = yield from ctx.prompt(self.prompt_ids, hidden=wants_prompt, all_rows=wants_prompt)
+            prompt_lp = None
             if wants_prompt:
-                draws.prompt_logprobs(engine.model, out.hidden, out.logits.shape[-1])
-            if self.on_prompt:
-                state.grow_on_root()
-            logits, argmax, rows = out.logits.expand(n, -1), None, list(range(n))
-            drawn = draws.draw(logits, argmax, rows, generator)
-            while True:
-                if self.pipeline:   # placeholders for the drawn tokens; the step reads the ids on the device
-                    going = [k for k, i in enumerate(rows) if len(checkers[i].token_ids) + 1 < spec.params.max_tokens]
-                    placed = list(range(len(rows))) if self.keep else going   # kept: every token is computed
-                    yield from ctx.reserve(state.pages([rows[k] for k in placed]))
-                    state.place({rows[k]: 0 for k in placed})
-                    ids = None
-                    if placed:
-                        ids = drawn if len(placed) == len(rows) else drawn[to_device(placed, drawn.device)]
-                    out = yield StepRequest([state.nodes[rows[k]] for k in going],
-                                            argmax=not self.params.reads_logits, tokens=ids,
-                                            placed=[state.nodes[rows[k]] for k in placed], read=drawn)
-                    stepped = [rows[k] for k in going]
-                    state.accept(rows, out.read, placed=True)
-                    if placed:
-                        queries.append(ctx.step_queries)
-                    if not any(not c.stopped for c in checkers):
-                        break
-                else:
-                    ended = state.accept(rows, (yield Read(drawn)), placed=False)
-                    live = [i for i in range(n) if not checkers[i].stopped]
-                    grow = {i: checkers[i].token_ids[-1] for i in live + (ended if self.keep else [])}
-                    if not grow:
-                        break
-                    yield from ctx.reserve(state.pages(list(grow)))
-                    state.place(grow)
-                    out = yield StepRequest([state.nodes[i] for i in live], argmax=not self.params.reads_logits)
-                    queries.append(ctx.step_queries)
-                    if not live:
-                        break
-                    stepped = live
-                keep = [k for k, i in enumerate(stepped) if not checkers[i].stopped]
-                rows = [stepped[k] for k in keep]
-                logits, argmax = out.logits, out.argmax
-                if len(keep) < len(stepped):   # (most steps keep every row: no indexing kernels then)
-                    index = to_device(keep, logits.device)
-                    argmax = None if argmax is None else argmax[index]
-                    logits = logits if argmax is not None else logits[index]   # greedy reads the argmax only
-                drawn = draws.draw(logits, argmax, rows, generator)
-            results = request_results(spec, self.prompt_ids, checkers, len(queries), time.perf_counter() - started,
-                                      draws, ctx.cached_tokens)
+                prompt_lp = prompt_logprob_dicts(engine.model, out.hidden, out.logits.shape[-1], self.prompt_ids,
+                                                 params.prompt_logprobs)
+            stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
+            decoded = yield Decode(root, params, rule, logits=out.logits[0], count=params.n, on_parent=self.on_prompt,
+                                   keep=self.keep, offer=None if self.keep or self.on_prompt else ctx.offer,
+                                   prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream)
+            # each output computed its tokens but the last (kept: all), one a decode step
+            computed = [len(o.token_ids) - (0 if self.keep else 1) for o in decoded.outputs]
+            queries = [sum(c > j for c in computed) for j in range(max(computed))]
+            results = request_results(spec, self.prompt_ids, decoded.outputs, len(queries),
+                                      time.perf_counter() - started, prompt_lp, ctx.cached_tokens)
             for r in results:
                 r.stats["queries_per_step"] = list(queries)
                 if self.keep or self.on_prompt:
-                    r.stats.update(root=state.root, nodes=list(state.nodes))
+                    r.stats.update(root=root, nodes=[o.node for o in decoded.outputs])
             done = True
             return results
         finally:
             if not (done and (self.keep or self.on_prompt)):
-                ctx.free(state.root)
+                ctx.free(root)
 
 
-class _Draws:
-    """How a request's next tokens are picked from a step's logits rows, and what it reports of them: the user's
-    logits processors, then the penalties (each output's token counts kept on the device), then the draw
-    (:func:`~treedec.search.sampling.sample_tokens`: the warpers, or the argmax at temperature 0); the chosen
-    tokens' log-probabilities under the raw logits when ``logprobs`` is asked for (kept on the device until
-    :meth:`output_logprobs`)."""
-
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], checkers: list[StopChecker],
-                 logits: torch.Tensor):
-        self.params, self.prompt_ids, self.checkers = params, prompt_ids, checkers
-        vocab, device = logits.shape[-1], logits.device
-        self.penalized = params.repetition_penalty != 1 or params.presence_penalty != 0 \
-            or params.frequency_penalty != 0
-        self.prompt_mask = prompt_token_mask(prompt_ids, vocab, device) if self.penalized else None
-        self.counts = torch.zeros(len(checkers), vocab, dtype=torch.int32, device=device) if self.penalized \
-            else None
-        self.records: list[tuple[list[int], TokenLogprobs]] = []   # (rows, their logprobs) per draw
-        self.prompt: list[dict | None] | None = None
-
-    def draw(self, logits: torch.Tensor, argmax: torch.Tensor | None, rows: list[int],
-             generator: torch.Generator | None) -> torch.Tensor:
-        """The next token (on the device) of each output in ``rows``, from its row of ``logits``; the step's
-        ``argmax`` when the scheduler picked it already (plain greedy: nothing reads the logits)."""
-        if argmax is not None:
-            return argmax
-        params, scores = self.params, logits
-        if params.logits_processors:
-            scores = apply_logits_processors(params.logits_processors,
-                                             [self.prompt_ids + self.checkers[i].token_ids for i in rows], scores)
-        index = to_device(rows, logits.device) if self.penalized else None
-        if self.penalized:
-            scores = apply_penalties(scores, self.prompt_mask, self.counts[index], params.repetition_penalty,
-                                     params.presence_penalty, params.frequency_penalty)
-        uniform = None
-        if params.temperature > 0:
-            # One number per output per draw, whichever outputs are live: a request's stream does not
-            # depend on when its outputs end, nor on the other requests.
-            numbers = torch.rand(params.n, generator=generator, device=logits.device)
-            uniform = numbers[to_device(rows, numbers.device)]
-        drawn = sample_tokens(scores, params, uniform=uniform)
-        if self.penalized:
-            self.counts.index_put_((index, drawn), torch.ones_like(drawn, dtype=self.counts.dtype), accumulate=True)
-        if params.logprobs is not None:
-            self.records.append((list(rows), token_logprobs(logits, drawn, params.logprobs)))
-        return drawn
-
-    def prompt_logprobs(self, model, hidden: torch.Tensor, vocab: int) -> None:
-        """The prompt's log-probabilities (vLLM's ``prompt_logprobs``: None for its first token) from every
-        prompt token's final hidden state (``hidden`` [L, hidden_size]), through the model's LM head."""
-        logits = model.lm_head(hidden[:-1])[:, :vocab].float()
-        self.prompt = [None] + prompt_logprobs(logits, self.prompt_ids, self.params.prompt_logprobs).to_dicts()
-
-    def output_logprobs(self) -> list[list[dict] | None]:
-        """Each output's logprobs, one dict per token (token id -> :class:`~treedec.search.logits.Logprob`: the
-        chosen token and the ``logprobs`` most likely), or None when not asked for."""
-        if self.params.logprobs is None:
-            return [None] * len(self.checkers)
-        outputs: list[list[dict]] = [[] for _ in self.checkers]
-        for rows, record in self.records:
-            for i, entry in zip(rows, record.to_dicts()):
-                outputs[i].append(entry)
-        return [out[:len(c.token_ids)] for out, c in zip(outputs, self.checkers)]   # (pipelined: one drawn past)
-
-
-class _Outputs:
-    """A request's outputs on the tree: each one's node (a child of the prompt's, from its first token; or
-    the prompt's own, :meth:`grow_on_root`) and where its tokens start in that node. ``offer``: an ended
-    output's sequence but its last token (whose K/V is not computed or not kept) goes to it before its node is
-    pruned (:meth:`ProgramContext.offer`)."""
-
-    def __init__(self, tree, checkers: list[StopChecker], keep: bool, stream=None, offer=None):
-        self.tree, self.checkers, self.keep, self.stream, self.offer = tree, checkers, keep, stream, offer
-        self.root: int | None = None
-        self.nodes: list[int | None] = [None] * len(checkers)
-        self.starts = [0] * len(checkers)  # each output's first token's index in its node
-        self.shown = [0] * len(checkers)   # characters of each output's text streamed so far
-
-    def grow_on_root(self) -> None:
-        """The one output grows on the prompt's node, after the prompt: it stays when the output ends."""
-        self.nodes[0], self.starts[0] = self.root, self.tree.node_length(self.root)
-
-    def pages(self, outputs: list[int]) -> int:
-        """Pages that appending a token to each of ``outputs`` may take."""
-        return sum(1 if self.nodes[i] is None else self.tree.pages_to_extend(self.nodes[i], 1) for i in outputs)
-
-    def place(self, tokens: dict[int, int]) -> None:
-        """Append each output's token: its node's next, or a new child of the prompt's node."""
-        grow = {self.nodes[i]: [t] for i, t in tokens.items() if self.nodes[i] is not None}
-        if grow:
-            self.tree.extend_many(grow)
-        fresh = [i for i in tokens if self.nodes[i] is None]
-        if fresh:
-            for i, node in zip(fresh, self.tree.branch(self.root, [[tokens[i]] for i in fresh])):
-                self.nodes[i] = node
-
-    def accept(self, rows: list[int], tokens: list[int], placed: bool) -> list[int]:
-        """Give each drawn token to its output's stop rule; returns the outputs that ended. ``placed``: the
-        tokens are in the tree as placeholders (their real ids are set; an output that ended is pruned
-        with its placeholder unless kept). Unplaced, an ended output is pruned unless kept. An output on
-        the prompt's node is never pruned: its ended token's placeholder is truncated away unless kept."""
-        ended = []
-        for i, token in zip(rows, tokens):
-            checker, node = self.checkers[i], self.nodes[i]
-            stopped = checker.accept(token).reason is not None
-            if stopped:
-                ended.append(i)
-            at = self.starts[i] + len(checker.token_ids) - 1
-            if stopped and not self.keep:
-                if self.offer is not None and node is not None:   # the conversation, to its last token
-                    self.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + at)
-                if node == self.root:   # (on the prompt's node) the last token, if placed, is dropped
-                    if self.tree.node_length(node) > at:
-                        self.tree.truncate(node, at)
-                elif node is not None:
-                    self.tree.prune(node)
-                    self.nodes[i] = None
-            elif placed:
-                self.tree.set_tokens(node, at, [token])
-            if self.stream is not None:
-                text = checker.streamable_text
-                if len(text) > self.shown[i]:
-                    self.stream(i, text[self.shown[i]:])
-                    self.shown[i] = len(text)
-        return ended
-
+def prompt_logprob_dicts(model, hidden: torch.Tensor, vocab: int, prompt_ids: list[int], k: int
+                         ) -> list[dict | None]:
+    """The prompt's log-probabilities (vLLM's ``prompt_logprobs``: None for its first token) from every prompt
+    token's final hidden state (``hidden`` [L, hidden_size]), through the model's LM head."""
+    logits = model.lm_head(hidden[:-1])[:, :vocab].float()
+    return [None] + prompt_logprobs(logits, prompt_ids, k).to_dicts()

@@ -45,7 +45,6 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     rule = StopRule(max_new_tokens, eos_token_ids(eos_token_id, engine.model))
     spec = RequestSpec("greedy", prompt_ids=tuple(prompt_ids), params=SamplingParams(max_tokens=max_new_tokens,
                                                                                      temperature=0.0))
-    pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
-    [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), pipeline=pipeline, rule=rule,
-                                                   on_prompt=True))
+    [result] = run_program(engine, GenerateProgram(spec, list(spec.prompt_ids), rule=rule, on_prompt=True),
+                           pipeline=pipeline)
     return result.output_ids

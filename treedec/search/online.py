@@ -52,7 +52,8 @@ from treedec.search.program import Program, ProgramContext
 from treedec.search.request import check_positions
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SEED_MAX
-from treedec.search.scheduler_loop import SchedulerLoop, SchedulerStats
+from treedec.search.scheduler_loop import SchedulerLoop
+from treedec.search.scheduler_stats import SchedulerStats
 from treedec.search.speculative.batch import sampled_acceptance, speculative_program, speculative_results
 from treedec.search.speculative.draft_budget import DraftBudget
 from treedec.search.speculative.drafts import DraftSource
@@ -81,6 +82,8 @@ class OnlineScheduler:
         conversations across requests (default True), or this one (of ``engine``'s tree: e.g. an
         :class:`~treedec.LLM`'s, so that one cache holds the engine's cached pages).
     history : the per-step entries :attr:`stats` keeps (the newest).
+    pipeline, seed : as :func:`~treedec.search.scheduler.run_programs`' (decoding outputs read back while the next
+        step runs, default on a CUDA engine; the seed of the draws of requests without one).
 
     The callbacks run on the driving thread, between or inside iterations: they must not call
     :meth:`iterate`, and should return quickly (an error escaping one ends every live program, as a failed
@@ -97,7 +100,7 @@ class OnlineScheduler:
                  on_done: Callable[[int, Any], None] | None = None,
                  on_error: Callable[[int, BaseException], None],
                  on_step: Callable[[SchedulerStats], None] | None = None, history: int = 1024,
-                 prefix_cache: bool | PrefixCache = True):
+                 prefix_cache: bool | PrefixCache = True, pipeline: bool | None = None, seed: int = 0):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
         budget = engine.prefill_chunk if max_step_tokens is None else max_step_tokens
@@ -120,7 +123,7 @@ class OnlineScheduler:
         else:
             self.cache = PrefixCache(engine.tree) if prefix_cache else None
         self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache,
-                                   share_queued=True)
+                                   share_queued=True, pipeline=pipeline, seed=seed)
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, int, Program | None]] = []
         self._handles = itertools.count()
@@ -284,8 +287,7 @@ class OnlineEngine:
         stream = OutputStream(loop, spec.id)
         if self.drafts is None:
             on_text = None if tokenizer is None else (lambda s, index, delta: stream.text(index, delta))
-            program = GenerateProgram(spec, prompt_ids, tokenizer, pipeline=self.engine.device.type == "cuda",
-                                      on_text=on_text)
+            program = GenerateProgram(spec, prompt_ids, tokenizer, on_text=on_text)
         else:
             program = speculative_program(
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,

@@ -22,7 +22,7 @@ import torch
 
 from treedec.checks import positive_int
 from treedec.engine import Engine
-from treedec.search.batch import GenerateProgram
+from treedec.search.batch import GenerateProgram, unseeded_seed
 from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams
@@ -116,12 +116,11 @@ def parallel_sample(engine: Engine, prompt_ids: Sequence[int], n: int, max_new_t
     if pipeline is not None and not isinstance(pipeline, bool):
         raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
     eos = eos_token_ids(eos_token_id, engine.model)
-    pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
     prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
     spec = RequestSpec(0, prompt_ids=tuple(prompt_ids), params=params.replace(n=n, max_tokens=max_new_tokens))
-    program = GenerateProgram(spec, prompt_ids, generator=generator, pipeline=pipeline,
-                              rule=StopRule(max_new_tokens, eos), keep=keep)
-    [outputs], run = run_programs(engine, [program], preempt=False, min_shared_prefix=0)
+    program = GenerateProgram(spec, prompt_ids, rule=StopRule(max_new_tokens, eos), keep=keep)
+    [outputs], run = run_programs(engine, [program], preempt=False, min_shared_prefix=0, pipeline=pipeline,
+                                  seed=unseeded_seed(generator))
     first = outputs[0].stats
     stats = SamplingStats(steps=first["steps"], queries_per_step=first["queries_per_step"], peak_pages=run.peak_pages)
     samples = [Sample(r.output_ids, r.stop_reason, r.stats["nodes"][r.index] if keep else None) for r in outputs]

@@ -58,22 +58,24 @@ from treedec.engine import Engine
 from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program
 from treedec.search.request import check_positions
-from treedec.search.scheduler_loop import SchedulerLoop, SchedulerStats, program_name
+from treedec.search.scheduler_loop import SchedulerLoop, program_name
+from treedec.search.scheduler_stats import SchedulerStats
 
 __all__ = ["SchedulerStats", "run_program", "run_programs"]
 
 
-def run_program(engine: Engine, program: Program) -> Any:
-    """Run one program alone on ``engine``; returns its result. A :class:`Wait` raises
-    :class:`~treedec.errors.PoolExhaustedError` (nothing else would free pages)."""
-    results, _ = run_programs(engine, [program], preempt=False)
+def run_program(engine: Engine, program: Program, pipeline: bool | None = None) -> Any:
+    """Run one program alone on ``engine`` (``pipeline`` as :func:`run_programs`'); returns its result. A
+    :class:`Wait` raises :class:`~treedec.errors.PoolExhaustedError` (nothing else would free pages)."""
+    results, _ = run_programs(engine, [program], preempt=False, pipeline=pipeline)
     return results[0]
 
 
 def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens: int | None = None,
                  min_shared_prefix: int | None = None, preempt: bool = True, prefix_cache: PrefixCache | None = None,
                  on_done: Callable[[int, Any], None] | None = None,
-                 on_step: Callable[[SchedulerStats], None] | None = None) -> tuple[list[Any], SchedulerStats]:
+                 on_step: Callable[[SchedulerStats], None] | None = None, pipeline: bool | None = None,
+                 seed: int = 0) -> tuple[list[Any], SchedulerStats]:
     """Run ``programs`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -94,6 +96,10 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         there, and its computed prompt and ended outputs are offered to it (None: no cache).
     on_done : called as ``on_done(index, result)`` when a program returns.
     on_step : called as ``on_step(stats)`` after each engine step is launched (progress: ``stats.steps``, ...).
+    pipeline : the lanes' draws (:mod:`treedec.runtime.lanes`: programs that yield a ``Decode``) read back while the
+        next step runs (default: on a CUDA engine; off on the CPU, where nothing would overlap). Outputs are the same
+        either way.
+    seed : the draws of outputs whose request has no seed derive from it.
 
     Returns ``(results, stats)``: each program's result, in the order given, and the run's
     :class:`SchedulerStats`. A program that raises ends the run: the others are closed (their
@@ -124,4 +130,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
             check_positions(engine.model, need, program_name(program, i), before_run=True)
     if prefix_cache is not None and prefix_cache.tree is not engine.tree:
         raise ValueError("prefix_cache must be a PrefixCache of this engine's tree")
-    return SchedulerLoop(engine, programs, budget, min_shared, preempt, on_done, on_step, cache=prefix_cache).run()
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be a bool or None (on for a CUDA engine), got {pipeline!r}")
+    return SchedulerLoop(engine, programs, budget, min_shared, preempt, on_done, on_step, cache=prefix_cache,
+                         pipeline=pipeline, seed=seed).run()

@@ -2,69 +2,32 @@
 
 :class:`SchedulerLoop` admits, resumes and steps programs (see :mod:`treedec.search.scheduler` for the
 rules); :func:`~treedec.search.scheduler.run_programs` runs it over a fixed list,
-:class:`~treedec.search.online.OnlineScheduler` while programs come and go. :class:`SchedulerStats` are its
-counters.
+:class:`~treedec.search.online.OnlineScheduler` while programs come and go; its counters are
+:class:`~treedec.search.scheduler_stats.SchedulerStats`.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generator
 
 import numpy as np
 import torch
 
-from treedec.errors import PoolExhaustedError
+from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
+from treedec.runtime.lanes import Lanes
 from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix, share_prefixes
 from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
 from treedec.search.request import pages_in_use
+from treedec.search.scheduler_relief import PoolRelief
+from treedec.search.scheduler_stats import SchedulerStats
 from treedec.search.sampling import GREEDY, sample_tokens
 from treedec.transfer import HostCopy, to_device
 
-__all__ = ["SchedulerLoop", "SchedulerStats", "program_name"]
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of one :func:`run_programs` run.
-
-    Attributes
-    ----------
-    steps : engine steps run by the scheduler (shared-prefix prefills not included).
-    prompt_steps : those of them that computed a prompt chunk (the others only decode).
-    queries_per_step : tokens computed by each step.
-    programs_per_step : programs with rows in each step.
-    waits : times a program waited for pages (a :class:`Wait`) or a queued program for admission.
-    preemptions : programs closed to free pages and run again.
-    shared_prefix_tokens : prompt tokens not stored again because another request shares them
-        (a prefix of ``t`` tokens read by ``m`` requests counts ``t * (m - 1)``).
-    prompt_tokens : prompt tokens of the programs admitted (each admission counted: a preempted program's
-        prompt again).
-    cached_tokens : those of them read from the prefix cache across requests
-        (:mod:`treedec.search.prefix_cache`) instead of computed; :attr:`cache_hit_rate` is their share.
-    peak_pages : the most KV pages the run held at once.
-    seconds : wall time.
-    """
-
-    steps: int = 0
-    prompt_steps: int = 0
-    queries_per_step: list[int] = field(default_factory=list)
-    programs_per_step: list[int] = field(default_factory=list)
-    waits: int = 0
-    preemptions: int = 0
-    shared_prefix_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    peak_pages: int = 0
-    seconds: float = 0.0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """The share of admitted prompt tokens read from the prefix cache (0.0 before any prompt)."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+__all__ = ["SchedulerLoop", "program_name"]
 
 
 @dataclass(eq=False)
@@ -79,17 +42,21 @@ class _Live:
     started: bool = False               # resumed at least once (its prompt is placed)
     added: int = 0                      # tokens it added this iteration
     read: torch.Tensor | None = None    # what its Read asks for
+    decoding: bool = False              # parked in a Decode: its lanes run, it is resumed when they end
+    reserve: int = 0                    # the pages kept for it (its share of the admission headroom)
 
 
-class SchedulerLoop:
+class SchedulerLoop(PoolRelief):
     """The loop's state (the search layer's own: not exported). :meth:`iterate` is one iteration; :meth:`run`
     (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.search.online.OnlineScheduler` while
     programs come and go (:meth:`add`, :meth:`drop`). ``on_error`` None: a program's error propagates (the
     run ends, :meth:`abandon`); else ``on_error(index, error)`` and the others go on. One thread drives it."""
 
     def __init__(self, engine, programs, budget, min_shared, preempt, on_done, on_step, on_error=None,
-                 cache: PrefixCache | None = None, share_queued: bool = False):
+                 cache: PrefixCache | None = None, share_queued: bool = False, pipeline: bool | None = None,
+                 seed: int = 0):
         self.engine, self.budget, self.cache = engine, budget, cache
+        self.lanes = Lanes(engine, pipeline, seed)
         # (online) programs added since the last admission, grouped by shared prompt prefixes when admitted
         self.share_queued, self.ungrouped = share_queued, set()
         self.preempt, self.on_done, self.on_step, self.on_error = preempt, on_done, on_step, on_error
@@ -101,7 +68,10 @@ class SchedulerLoop:
         self.stats = SchedulerStats()
         self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1) for p in self.groups)
         self.queue = deque(range(len(programs)))
-        self.live: list[_Live] = []
+        self.live: list[_Live] = []     # admitted, in admission order (events only change it)
+        self.active: list[_Live] = []   # the live programs not parked in a Decode, in resume order
+        self.waiters: set[_Live] = set()   # live programs waiting for pages
+        self.headroom = 0               # the pages kept for the live programs' next steps and prompts
         self.admitted = 0
         self.held_before = pages_in_use(engine.pool)
 
@@ -131,10 +101,14 @@ class SchedulerLoop:
         relieve the pool). Returns whether programs are left (queued or live)."""
         self._admit()
         gathered = self._resume()
+        woken = self._wake(self.lanes.draw_fresh())   # (new lanes' first tokens: computed by this step)
+        placed = self._place_lanes()
         self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
-        if gathered:
-            self._step(gathered)
-        elif self.live and all(lv.waiting is not None for lv in self.live):
+        if gathered or len(placed.nodes):
+            self._step(gathered, placed)
+        elif self.lanes.unread:   # draws that no step computes (outputs they end): read back now
+            self._wake(self.lanes.read_back())
+        elif not woken and self.live and len(self.waiters) == len(self.live):
             self._relieve()
         return bool(self.queue or self.live)
 
@@ -145,7 +119,9 @@ class SchedulerLoop:
         tree = self.engine.tree
         if tree.num_pending:   # a failed step: its tokens were never computed, nothing reads them
             tree.commit_step()
-        closed, self.live = self.live, []
+        closed, self.live, self.active, self.headroom = self.live, [], [], 0
+        self.waiters.clear()
+        self.lanes.reset()
         for lv in closed:
             lv.gen.close()
             self.programs.pop(lv.index, None)
@@ -214,12 +190,11 @@ class SchedulerLoop:
 
     def _admit(self) -> None:
         pool = self.engine.pool
-        if any(lv.waiting is not None for lv in self.live):
-            return   # the pages freed go to the programs that wait first
+        if not self.queue or self.waiters:
+            return   # (the pages freed go to the programs that wait first)
         if self.ungrouped:
             self._group_queued()
-        # The next step of every live program, and the prompts of those not resumed yet.
-        headroom = sum(self._pages(lv.index, started=lv.started) for lv in self.live)
+        headroom = self.headroom   # the next step of every live program, and the prompts of those not resumed yet
         while self.queue:
             index = self.queue[0]
             program, prefix, cached = self.programs[index], self.prefixes[index], None
@@ -245,9 +220,12 @@ class SchedulerLoop:
             if cached is not None:
                 ctx.cached_tokens = len(cached.tokens)
                 self.stats.cached_tokens += ctx.cached_tokens
-            self.live.append(_Live(index, program.run(ctx), ctx, self.admitted))
+            lv = _Live(index, program.run(ctx), ctx, self.admitted, reserve=self._pages(index))
+            self.live.append(lv)
+            self.active.append(lv)
             self.admitted += 1
-            headroom += self._pages(index)
+            headroom += lv.reserve
+            self.headroom += lv.reserve
 
     def _pages(self, index: int, started: bool = False) -> int:
         """The pages kept for a live program: its next step's, and its prompt's (past its shared prefix)
@@ -256,35 +234,21 @@ class SchedulerLoop:
         start = 0 if started else program.start_pages(pool, 0 if prefix is None else len(prefix.tokens))
         return program.step_pages(pool) + start
 
-    def _evictable(self, keep=None) -> int:
-        """Pages that evicting the idle shared prefixes and cached ones (but ``keep``) would give back."""
-        pool = self.engine.pool
-        shared = sum(p.pages(pool) for p in self.groups if p.idle and p is not keep)
-        return shared + (0 if self.cache is None else self.cache.evictable_pages(keep))
-
-    def _evict_idle(self, pages: int, keep=None) -> None:
-        """Prune idle shared prefixes, then evict the cached ones nothing reads, least recently used first (but
-        ``keep``), until ``pages`` more pages are free, or none is left."""
-        pool = self.engine.pool
-        free = pool.num_free_pages
-        for prefix in self.groups:
-            if pool.num_free_pages - free >= pages:
-                return
-            if prefix.idle and prefix is not keep:
-                prefix.evict(self.engine.tree)
-        if self.cache is not None and pool.num_free_pages - free < pages:
-            self.cache.evict(pages - (pool.num_free_pages - free), keep=keep)
-
     def _resume(self) -> list[_Live]:
         """Resume the live programs (those not stepped last time first) until the budget is pending;
         the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
         tree, gathered, reading = self.engine.tree, [], []
-        # Running programs first (their decode steps are small), then the new ones' prompts.
-        # (self.live keeps every program until it returns, so a failure closes them all.)
-        for lv in sorted(self.live, key=lambda lv: not lv.started):
+        # Running programs first (their decode steps are small), then the new ones' prompts; the programs parked in
+        # a Decode are not resumed (their lanes run). (self.live keeps every program until it returns, so a
+        # failure closes them all.)
+        for lv in sorted(self.active, key=lambda lv: not lv.started):
             if gathered and tree.num_pending >= self.budget:
                 break
-            lv.started, lv.added = True, 0
+            if not lv.started:   # its prompt is placed now: its headroom is its steps' alone
+                lv.started, reserve = True, self._pages(lv.index, started=True)
+                self.headroom += reserve - lv.reserve
+                lv.reserve = reserve
+            lv.added = 0
             self._advance(lv, gathered, reading)
         while reading:
             batch, reading = reading, []
@@ -301,13 +265,22 @@ class SchedulerLoop:
                 self._advance(lv, gathered, reading)
         # Stepped programs go last, so the ones held back by the budget are resumed first next time.
         stepped = set(map(id, gathered))
-        self.live = [lv for lv in self.live if id(lv) not in stepped] + gathered
+        self.active = [lv for lv in self.active if id(lv) not in stepped] + gathered
         return gathered
 
     def _advance(self, lv: _Live, gathered: list[_Live], reading: list[_Live]) -> None:
         """Resume one program until it yields; file it by what it yielded."""
         tree = self.engine.tree
         before = tree.num_pending
+        if isinstance(lv.send, DecodeResult) and lv.send.pending:   # its last tokens, for its next step (its own)
+            need = self.lanes.pending_pages(lv.send)
+            if need > self.engine.pool.num_free_pages:
+                if lv.waiting is None:
+                    self.stats.waits += 1
+                self._wait(lv, Wait(need, "a decoded output's last token needs a KV page"))
+                return
+            self.lanes.place_pending(lv.send)
+            self._wait(lv, None)
         try:
             out = lv.gen.send(lv.send)
         except StopIteration as done:
@@ -327,24 +300,74 @@ class SchedulerLoop:
         elif isinstance(out, Wait):
             if lv.waiting is None:
                 self.stats.waits += 1
-            lv.waiting = out
+            self._wait(lv, out)
         elif isinstance(out, StepRequest):
-            lv.waiting, lv.request = None, out
+            self._wait(lv, None)
+            lv.request = out
             lv.ctx.step_queries = lv.added
             gathered.append(lv)
+        elif isinstance(out, Decode):
+            if lv.added:   # (its pending tokens would be computed with no one reading their rows)
+                error = TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded a Decode with tokens "
+                                  f"pending: a Decode starts after computed tokens")
+                if self.on_error is None:
+                    raise error
+                self._fail(lv, error)
+                return
+            self._wait(lv, None)
+            lv.decoding = True
+            self.active.remove(lv)
+            self.lanes.add(lv, out)
         else:
             error = TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
-                              f"not a StepRequest, Read or Wait")
+                              f"not a StepRequest, Decode, Read or Wait")
             if self.on_error is None or lv.added:   # (closing it would mark the step's tokens computed)
                 raise error
             self._fail(lv, error)
 
-    def _step(self, gathered: list[_Live]) -> None:
+    def _place_lanes(self) -> PlacedLanes:
+        """Append every ready lane's next token (the pages they need permitting); a decoding program some of whose
+        lanes cannot grow for want of pages waits (:meth:`_relieve` may preempt it)."""
+        lanes = self.lanes
+        if not lanes.num_lanes:
+            return PlacedLanes.NONE
+        was = lanes.blocked_owners()
+        placed = lanes.place(self.engine.pool.num_free_pages)
+        blocked = lanes.blocked_owners()
+        for lv in was - blocked:   # (the owners whose lanes changed only)
+            if lv.decoding:
+                self._wait(lv, None)
+        for lv in blocked - was:
+            self._wait(lv, Wait(1, "a decoding output needs a KV page"))
+        return placed
+
+    def _wait(self, lv: _Live, wait: Wait | None) -> None:
+        lv.waiting = wait
+        if wait is None:
+            self.waiters.discard(lv)
+        else:
+            self.waiters.add(lv)
+
+    def _wake(self, finished) -> bool:
+        """Resume the programs whose Decode ended (with its result) and fail those whose lanes failed."""
+        for lv, result in finished:
+            lv.decoding, lv.send = False, result
+            self._wait(lv, None)
+            self.active.append(lv)
+        for lv, error in self.lanes.take_failures():
+            if self.on_error is None:
+                raise error
+            self._fail(lv, error)
+        return bool(finished)
+
+    def _step(self, gathered: list[_Live], placed: PlacedLanes = PlacedLanes.NONE) -> None:
         engine = self.engine
         requests = [lv.request for lv in gathered]
         reads = [r.read for r in requests if r.read is not None]
         copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
         nodes = [n for r in requests for n in r.nodes]
+        programs_rows = len(nodes)
+        nodes += placed.nodes.tolist()
         out = None
         hidden_parts: list[slice] = []
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
@@ -370,18 +393,20 @@ class SchedulerLoop:
             # A pipelined program's span moves back the positions of its own queries (rows known only now).
             spans = [dataclasses.replace(r.dynamic, shift_rows=engine.pending_rows(r.nodes))
                      for r in requests if r.dynamic is not None]
+            tokens = self._device_tokens(requests, placed)
+            self.lanes.start_read()   # (the lanes' draws come back while the step runs)
             out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                              hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
+                              hidden_rows=hidden_rows, tokens=tokens, dynamic=spans or None)
             prompt_step = any(r.prompt for r in requests)
             for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
                 if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
                     lv.ctx.offer(lv.ctx.offer_after_step)
                     lv.ctx.offer_after_step = None
-            argmax = sample_tokens(out.logits, GREEDY) if any(r.argmax for r in requests) else None
+            argmax = sample_tokens(out.logits[:programs_rows], GREEDY) if any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += prompt_step
             self.stats.queries_per_step.append(queries)
-            self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes))
+            self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes) + placed.groups)
             if self.on_step is not None:
                 self.on_step(self.stats)
         flat = copy.result() if copy is not None else None
@@ -403,45 +428,23 @@ class SchedulerLoop:
                 read_at += size
             lv.send, lv.request = value, None
             offset += k
+        if self.lanes.num_lanes:
+            self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
 
-    def _device_tokens(self, requests: list[StepRequest]) -> torch.Tensor | None:
-        """All pending token ids on the device, placeholders replaced by the programs' device ids."""
+    def _device_tokens(self, requests: list[StepRequest], placed: PlacedLanes) -> torch.Tensor | None:
+        """All pending token ids on the device, placeholders replaced by the programs' and the lanes' device ids."""
         given = [r for r in requests if r.tokens is not None]
-        if not given:
+        if not given and placed.tokens is None:
             return None
         engine = self.engine
         ids = to_device(engine.tree.pending_tokens(), engine.device)
-        rows = to_device(engine.pending_rows([n for r in given for n in (r.nodes if r.placed is None else r.placed)]),
-                         engine.device)
-        ids[rows] = torch.cat([r.tokens.reshape(-1) for r in given]).to(torch.int64)
+        holders = [n for r in given for n in (r.nodes if r.placed is None else r.placed)] + placed.holders.tolist()
+        values = [r.tokens.reshape(-1) for r in given] + ([] if placed.tokens is None else [placed.tokens])
+        ids[to_device(engine.pending_rows(holders), engine.device)] = torch.cat(values).to(torch.int64)
         return ids
 
-    def _relieve(self) -> None:
-        """Every live program waits for pages: take back idle prefixes' pages, else preempt the newest, or
-        raise if that cannot help."""
-        pool = self.engine.pool
-        if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
-            return   # programs that retired after it asked freed enough: it goes on next iteration
-        self._evict_idle(min(lv.waiting.pages for lv in self.live) - pool.num_free_pages)
-        if any(lv.waiting.pages <= pool.num_free_pages for lv in self.live):
-            return
-        if not self.preempt or len(self.live) == 1:
-            wait = max((lv.waiting for lv in self.live), key=lambda w: w.pages)
-            need = wait.reason or (f"a program needs {wait.pages} free pages of {pool.page_size} tokens, "
-                                   f"{pool.num_free_pages} of {pool.num_pages} are free")
-            error = PoolExhaustedError(f"KV pool exhausted: {need}; nothing else can free pages: give the engine "
-                                       f"more kv_tokens")
-            if self.on_error is None or len(self.live) != 1:
-                raise error
-            self._fail(self.live[0], error)   # (online) it cannot run alone in the pool
-            return
-        victim = max(self.live, key=lambda lv: lv.order)
-        self._close(victim)
-        self.queue.appendleft(victim.index)
-        self.stats.preemptions += 1
-
     def _retire(self, lv: _Live, result: Any) -> None:
-        self.live.remove(lv)
+        self._forget(lv)
         del self.programs[lv.index]
         prefix = self.prefixes.pop(lv.index)
         if prefix is not None:
@@ -452,14 +455,25 @@ class SchedulerLoop:
             self.on_done(lv.index, result)
 
     def _close(self, lv: _Live) -> None:
-        """Close a live program (its ``finally`` frees its pages) and leave its shared prefix."""
-        self.live.remove(lv)
+        """Close a live program (its lanes dropped, its ``finally`` frees its pages) and leave its shared prefix."""
+        self._forget(lv)
+        if lv.decoding:
+            self.lanes.drop(lv)
+            lv.decoding = False
         lv.gen.close()
         prefix = self.prefixes[lv.index]
         if prefix is not None:
             prefix.leave(self.engine.tree, retired=False)
         if isinstance(prefix, CachedPrefix):   # matched again when it is admitted again (it may be evicted)
             self.prefixes[lv.index] = None
+
+    def _forget(self, lv: _Live) -> None:
+        """``lv`` is no longer live (it returned or is closed)."""
+        self.live.remove(lv)
+        if not lv.decoding:
+            self.active.remove(lv)
+        self.waiters.discard(lv)
+        self.headroom -= lv.reserve
 
     def _fail(self, lv: _Live, error: Exception) -> None:
         """Program ``lv`` raised ``error`` (``on_error`` is set): it alone ends."""

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.runtime.decode import LaneOutput
 from treedec.search.speculative.acceptance import AcceptanceRule, RejectionSampling
 from treedec.search.batch import prepare_requests, request_results
 from treedec.search.speculative.draft_budget import DraftBudget
@@ -162,7 +163,8 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
     ``pipeline_note``."""
     checker, stats = result
     seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
-    [out] = request_results(spec, prompt_ids, [checker], stats.steps, seconds, cached_tokens=stats.cached_tokens)
+    output = LaneOutput(checker.token_ids, checker.stop_reason, checker.text, checker.stop_string)
+    [out] = request_results(spec, prompt_ids, [output], stats.steps, seconds, cached_tokens=stats.cached_tokens)
     out.stats.update(accepted=list(stats.accepted), draft_sizes=list(stats.draft_sizes), pipelined=stats.pipelined,
                      pipeline_note=stats.pipeline_note)
     return [out]

@@ -11,11 +11,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from treedec.search.program import ProgramContext, Read, StepRequest
+from treedec.runtime.decode import Decode
+from treedec.search.program import ProgramContext, StepRequest
 from treedec.search.request import Positions, check_positions
-from treedec.search.sampling import SamplingParams, sample_tokens
+from treedec.search.sampling import SEED_MAX, SamplingParams, sample_tokens
+from treedec.search.stops import StopRule
 from treedec.search.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
-from treedec.transfer import to_device
 
 __all__ = ["ToTSearch"]
 
@@ -26,8 +27,7 @@ class _Stream:
 
     parent: int
     tokens: list[int]
-    node: int | None = None   # its node, once a token of it is in the tree
-    done: bool = False
+    node: int | None = None   # its node, when kept (a thought)
 
 
 class ToTSearch:
@@ -190,60 +190,36 @@ class ToTSearch:
     def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], params: SamplingParams,
                   append_last: bool):
         """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
-        decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens.
+        decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens: one
+        :class:`~treedec.runtime.lanes.Decode` (its outputs are lanes of the scheduler's batch, every search's).
 
         ``append_last``: a finished sequence's last token still goes into the tree (thoughts:
-        their evaluation and children read it; it is computed by the next step, whose
-        caller gets its logits in ``self.logits`` if this call does not). Else it is only
-        recorded (evaluation outputs: nothing reads past them). Returns the streams in
-        head order (a generator).
+        their evaluation and children read it) and its next-token logits go to ``self.logits``. Else it is only
+        recorded (evaluation outputs: nothing reads past them). Returns the streams in head order (a generator).
         """
         if not heads:
             return []
         length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
         check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
                         self.ctx.name)
-        firsts = yield Read(torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count)
-                                       for parent, count in heads]))   # one wait for every head's tokens
         parents = [parent for parent, count in heads for _ in range(count)]
-        streams = [_Stream(parent, [tok]) for parent, tok in zip(parents, firsts)]
-        fresh = streams
-        while fresh:
-            for s in fresh:
-                s.done = len(s.tokens) >= max_tokens or s.tokens[-1] in self.eos or self._stopped(s.tokens, stops)
-            placed = [s for s in fresh if append_last or not s.done]
-            active = [s for s in fresh if not s.done]
-            if not active:
-                yield from self._place(placed)
-                break
-            yield from self._place(placed)
-            out = yield from self._step([s.node for s in placed])
-            row = {id(s): i for i, s in enumerate(placed)}
-            for s in placed:
-                if s.done:
-                    self.logits[s.node] = out[row[id(s)]]
-            picks = out if len(active) == len(placed) else out[to_device([row[id(s)] for s in active], out.device)]
-            for s, tok in zip(active, (yield Read(sample_tokens(picks, params, self.generator)))):
-                s.tokens.append(tok)
-            fresh = active
-        return streams
-
-    def _place(self, streams: list[_Stream]):
-        """Put each stream's newest token into the tree: a new child of its parent, or appended to its
-        node (a generator: it waits for the pages)."""
-        new = [s for s in streams if s.node is None]
-        old = [s for s in streams if s.node is not None]
-        yield from self.ctx.reserve(len(new) * self.pool.pages_for(1)
-                                    + sum(self.tree.pages_to_extend(s.node, 1) for s in old))
-        if old:
-            self.tree.extend_many({s.node: s.tokens[-1:] for s in old})
-        by_parent: dict[int, list[_Stream]] = {}
-        for s in new:
-            by_parent.setdefault(s.parent, []).append(s)
-        for parent, group in by_parent.items():
-            for s, node in zip(group, self.tree.branch(parent, [s.tokens[-1:] for s in group])):
-                s.node = node
+        # distinct first tokens per head; then every sequence's draws from the search's seed
+        firsts = torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count).reshape(-1)
+                            for parent, count in heads])
+        seed = int(torch.randint(0, SEED_MAX, (1,), generator=self.generator, device=self.generator.device))
+        rule = StopRule(max_tokens, tuple(self.eos), stops, include_stop_str=True)
+        decoded = yield Decode(parents, params, rule, first=firsts, count=len(parents), keep=append_last,
+                               last_pending=append_last, tokenizer=self.tokenizer if stops else None, seed=seed)
+        streams = [_Stream(parent, o.token_ids, o.node) for parent, o in zip(parents, decoded.outputs)]
+        computed = [len(o.token_ids) - (0 if append_last and o.logits is not None else 1) for o in decoded.outputs]
+        self.counts["steps"] += max(computed)
+        self.counts["queries"] += sum(computed)
+        if self.bar is not None:
+            self.bar.update(max(computed))
+        if append_last:   # (a last token left pending: the next step's caller reads its logits)
+            self.logits.update((o.node, o.logits) for o in decoded.outputs if o.logits is not None)
         self._note_pages()
+        return streams
 
     def _step(self, nodes: list[int]):
         """One step (a generator); returns ``[len(nodes), vocab]`` logits at each node's last pending token."""
@@ -272,12 +248,6 @@ class ToTSearch:
         text = self.tokenizer.decode(tokens)
         ends = [text.find(s) + len(s) for s in stops if s in text]
         return text[:min(ends)] if ends else text
-
-    def _stopped(self, tokens: list[int], stops: tuple[str, ...]) -> bool:
-        if not stops:
-            return False
-        text = self.tokenizer.decode(tokens)
-        return any(s in text for s in stops)
 
     def _pages_in_use(self) -> int:
         return self.pool.num_pages - self.pool.num_free_pages

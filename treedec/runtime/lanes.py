@@ -1,0 +1,496 @@
+"""LANES: the batch-level per-token data path. One row per growing leaf of every request, as arrays.
+
+A program that decodes outputs token by token (generation, parallel sampling, ToT thoughts and values) yields a
+:class:`Decode` once and is resumed when its outputs have ended, with a :class:`DecodeResult`; meanwhile each of
+its outputs is a *lane*, a row of :class:`Lanes`, advanced by the scheduler's loop every step with every other
+lane of the batch:
+
+- the lanes' next tokens are appended to the tree (placeholders while the tokens are still on the device), pages
+  taken where a node's tail page is full;
+- the engine's step computes them with the other programs' tokens (one plan, one forward);
+- ONE batched sampler (:func:`~treedec.sampling.sampler.sample_rows`) draws every lane's next token from its row
+  of the step's logits (each lane's temperature, top-k, top-p, min-p, penalties, and a counter-based random number
+  keyed by its seed, its output's index and the draw's index: a seeded request's tokens do not depend on the batch),
+  EOS / stop ids are matched on the device, and ONE device-to-host copy brings every lane's (token, stopped) back
+  while the next step runs (pipelined on a GPU; at once on the CPU, where nothing would overlap);
+- host work per step is a fixed number of array operations, whatever the number of lanes; Python runs per lane
+  only on events (a lane starts, ends, waits for pages), for lanes whose text is needed (stop strings, streaming:
+  the detokenizer and the stop-string match) and for lanes with user logits processors.
+
+Rows are kept compact and in a stable order: lanes added at the end, ended ones removed by one stable compaction
+of every column per event (host and device alike), so a step's parameters are slices of the columns, never
+rebuilt. (vLLM's persistent batch, ``InputBatch``, keeps its requests' state the same way.)
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from treedec.models.text import IncrementalDetokenizer
+from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
+from treedec.runtime.lane_table import LaneTable
+from treedec.sampling.sampler import SamplingRows, sample_rows
+from treedec.search.logits import TokenLogprobs, apply_logits_processors, token_logprobs
+from treedec.search.sampling import SEED_MAX
+from treedec.search.stops import StopChecker
+from treedec.transfer import HostCopy, to_device
+
+__all__ = ["Lanes"]
+
+# a lane's state between steps
+_DRAWN = 1    # its next token is drawn on the device, not read back yet
+_KNOWN = 2    # its next token is read back (the output goes on) and not in the tree yet
+_FINISH = 3   # it ended, its node is kept, and its last token is still to be computed (placed once more)
+
+
+@dataclass(eq=False)
+class _Group:
+    decode: Decode
+    owner: Any
+    uid: int
+    outputs: list[LaneOutput | None]
+    left: int
+    checkers: list[StopChecker | None] = field(default_factory=list)
+    shown: list[int] = field(default_factory=list)       # characters of each output's text streamed so far
+    records: list[tuple[np.ndarray, TokenLogprobs]] = field(default_factory=list)   # (output indices, logprobs)
+    pending: list[tuple[int, int, int]] = field(default_factory=list)   # (output, parent, last token) to place
+
+
+class Lanes(LaneTable):
+    """The lane table of one scheduler loop over ``engine`` (see the module docstring).
+
+    Parameters
+    ----------
+    engine : the engine (its tree and pool hold the lanes' nodes).
+    pipeline : read each step's draws back while the next step runs (default on a CUDA engine).
+    seed : seeds the outputs whose :class:`Decode` gives none.
+    """
+
+    def __init__(self, engine, pipeline: bool | None = None, seed: int = 0):
+        self.engine, self.tree, self.pool, self.device = engine, engine.tree, engine.pool, engine.device
+        self.pipeline = engine.device.type == "cuda" if pipeline is None else pipeline
+        super().__init__(engine.model.config.vocab_size, engine.device)
+        self._seeds = np.random.default_rng(seed)
+        self._uids = itertools.count()
+        self.groups: dict[int, _Group] = {}
+        self._rows: SamplingRows | None = None   # the sampling rows of [0, size), rebuilt on events
+        self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
+        self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
+        self._failures: list[tuple[Any, Exception]] = []
+        self._processors: set[int] = set()   # groups whose params have user logits processors
+
+    # ------------------------------------------------------------ events
+
+    @property
+    def num_lanes(self) -> int:
+        return self.size
+
+    def add(self, owner, decode: Decode) -> int:
+        """Start ``decode``'s lanes for program ``owner``; returns its group id. Their first tokens are drawn at the
+        next :meth:`after_step` (from ``decode.logits``), or taken from ``decode.first``."""
+        d = decode
+        if d.logits is None and d.first is None:
+            raise ValueError("Decode needs the first draw's logits (or the first tokens)")
+        if d.on_parent and (d.count != 1 or not isinstance(d.parent, int)):
+            raise ValueError(f"on_parent grows one output on the parent's node, got count={d.count}")
+        parents = np.full(d.count, d.parent, dtype=np.int64) if isinstance(d.parent, (int, np.integer)) \
+            else np.asarray(d.parent, dtype=np.int64)
+        if parents.shape != (d.count,):
+            raise ValueError(f"Decode.parent must be a node or one node per output ({d.count}), got {len(parents)}")
+        if d.on_text is not None and d.tokenizer is None:
+            raise ValueError("on_text streams detokenized text: the Decode needs the tokenizer")
+        uid = next(self._uids)
+        group = _Group(d, owner, uid, [None] * d.count, d.count)
+        group.checkers = [None if d.tokenizer is None else
+                          StopChecker(d.rule, IncrementalDetokenizer(d.tokenizer, list(d.prompt_ids)))
+                          for _ in range(d.count)]
+        group.shown = [0] * d.count
+        self.groups[uid] = group
+        if d.params.logits_processors:
+            self._processors.add(uid)
+        k, start = d.count, self.size
+        self._grow(start + k)
+        slots = np.arange(start, start + k)
+        seed = d.params.seed if d.params.seed is not None else d.seed
+        if seed is None:
+            seed = int(self._seeds.integers(0, SEED_MAX))
+        self.group[slots], self.index[slots] = uid, np.arange(k)
+        self.node[slots] = d.parent if d.on_parent else -1
+        self.parent[slots] = parents
+        self.start[slots] = self.tree.node_length(d.parent) if d.on_parent else 0
+        self.length[slots], self.max_new[slots] = 0, d.rule.max_new_tokens
+        self.state[slots], self.placed[slots], self.fresh[slots], self.keep[slots] = 0, False, True, d.keep
+        eos = list(d.rule.eos_token_ids)
+        if len(eos) > self._eos_width:
+            self._widen_eos(len(eos))
+        row = torch.full((self._eos_width,), -1, dtype=torch.int64)
+        row[:len(eos)] = torch.tensor(eos, dtype=torch.int64)
+        self.eos[start:start + k] = row.to(self.device)
+        self.drawn_count[start:start + k] = 0
+        p = d.params
+        if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0:
+            self._penalty_columns()
+            self.counts[start:start + k] = 0
+            self.prompt_mask[start:start + k] = False
+            if len(d.prompt_ids):
+                ids = to_device(np.asarray(d.prompt_ids, dtype=np.int64), self.device)
+                self.prompt_mask[start:start + k, ids] = True
+        self.params[start:start + k] = [d.params] * k
+        self.seed[start:start + k], self.stream[start:start + k] = seed, np.arange(k)
+        self.size += k
+        self._rows = None
+        return uid
+
+    def pending_pages(self, result: DecodeResult) -> int:
+        """Pages :meth:`place_pending` takes for ``result``."""
+        return sum(1 if result.outputs[i].node is None or result.outputs[i].node < 0
+                   else self.tree.pages_to_extend(result.outputs[i].node, 1) for i, _, _ in result.pending)
+
+    def place_pending(self, result: DecodeResult) -> None:
+        """Append the last tokens of ``result``'s ``last_pending`` outputs to the tree, pending (a first token: a new
+        child of its parent, its output's ``node``)."""
+        for i, parent, token in result.pending:
+            out = result.outputs[i]
+            if out.node is None or out.node < 0:
+                out.node = self.tree.branch(parent, [[token]])[0]
+            else:
+                self.tree.extend(out.node, [token])
+        result.pending = []
+
+    def reset(self) -> None:
+        """Forget every lane (the run failed: its programs are closed and free their nodes)."""
+        self.groups.clear()
+        self.size, self._rows, self._read, self._blocked, self._failures = 0, None, None, set(), []
+        self._processors.clear()
+
+    def blocked_owners(self) -> set:
+        """The programs some of whose ready lanes the last :meth:`place` left out for want of pages."""
+        return self._blocked
+
+    def take_failures(self) -> list[tuple[Any, Exception]]:
+        """``(owner, error)`` of each program whose lanes failed (a logits processor raised) since the last call;
+        their lanes are removed."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def drop(self, owner) -> None:
+        """Remove every lane of program ``owner`` (closed or preempted: no results; its ``finally`` frees its
+        nodes)."""
+        assert self._read is None, "lanes are dropped between iterations, never with draws being read back"
+        uids = [uid for uid, g in self.groups.items() if g.owner is owner]
+        if not uids:
+            return
+        for uid in uids:
+            del self.groups[uid]
+            self._processors.discard(uid)
+        self._compact(~np.isin(self.group[:self.size], uids))
+
+    # ------------------------------------------------------------ the step
+
+    def pages_needed(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots)] pages appending one token to each of ``slots``' nodes takes."""
+        tree = self.tree
+        return np.fromiter((1 if node < 0 else tree.pages_to_extend(int(node), 1) for node in self.node[slots]),
+                           dtype=np.int64, count=len(slots))
+
+    def place(self, free_pages: int) -> PlacedLanes:
+        """Append every ready lane's next token to the tree, within ``free_pages`` pages (the oldest lanes first;
+        the others wait: :meth:`blocked_owners`)."""
+        size = self.size
+        state = self.state[:size]
+        # (a drawn token that is its output's last by length is never computed, unless the output's node is kept)
+        last = (state == _DRAWN) & (self.length[:size] + 1 >= self.max_new[:size]) & ~self.keep[:size]
+        ready = np.flatnonzero(np.isin(state, (_DRAWN, _KNOWN, _FINISH)) & ~last)
+        self._blocked = set()
+        if len(ready) == 0:
+            return PlacedLanes.NONE
+        need = self.pages_needed(ready)
+        if need.sum() > free_pages:
+            fits = np.cumsum(need) <= free_pages
+            self._blocked = {self.groups[int(u)].owner for u in np.unique(self.group[ready[~fits]]).tolist()}
+            ready = ready[fits]
+            if len(ready) == 0:
+                return PlacedLanes.NONE
+        drawn = self.state[ready] == _DRAWN
+        tokens = np.where(drawn, 0, self.next_token[ready])
+        self._append(ready, tokens)
+        self.placed[ready] = True
+        holders = ready[drawn]
+        ids = None if len(holders) == 0 else self.drawn[to_device(holders, self.device)]
+        return PlacedLanes(self.node[ready].copy(), ids, self.node[holders].copy(),
+                           len(np.unique(self.group[ready])))
+
+    @property
+    def unread(self) -> bool:
+        """Some lane's draw is still on the device (pipelined)."""
+        return bool((self.state[:self.size] == _DRAWN).any())
+
+    def read_back(self) -> list[tuple[Any, DecodeResult]]:
+        """Read the draws back when no step is run (e.g. every draw ends its output): as :meth:`after_step`."""
+        self.start_read()
+        return self.after_step(None, PlacedLanes.NONE)
+
+    def start_read(self) -> None:
+        """Pipelined: start copying the draws not read back yet to the host (before the step is launched)."""
+        if not self.pipeline:
+            return
+        slots = np.flatnonzero(self.state[:self.size] == _DRAWN)
+        if len(slots):
+            index = to_device(slots, self.device)
+            self._read = (slots, HostCopy(torch.stack([self.drawn[index], self.stopped[index].long()])))
+
+    def draw_fresh(self) -> list[tuple[Any, DecodeResult]]:
+        """Draw the first tokens of the lanes added since the last step (from their Decode's logits, in one batched
+        call), so that the next step computes them. Returns the :class:`Decode` results that ended (an output whose
+        first token ends it, read back at once when not pipelined)."""
+        fresh = np.flatnonzero(self.fresh[:self.size])
+        if len(fresh) == 0:
+            return []
+        return self._drawn_then(fresh, None, None)
+
+    def after_step(self, logits: torch.Tensor | None, placed: PlacedLanes) -> list[tuple[Any, DecodeResult]]:
+        """After the step that computed the placed lanes' tokens (``logits``: their rows, in placement order):
+        read back what was drawn, end the lanes that stopped, draw every going lane's next token. Returns
+        ``(owner, result)`` for each :class:`Decode` whose last output ended."""
+        finished: list[_Group] = []
+        size = self.size
+        placed = np.flatnonzero(self.placed[:size])
+        row_of = np.full(size, -1, dtype=np.int64)
+        row_of[placed] = np.arange(len(placed))
+        self.placed[:size] = False
+        if self._read is not None:
+            slots, copy = self._read
+            self._read = None
+            values = np.asarray(copy.result(), dtype=np.int64).reshape(2, -1)
+            self._accept(slots, values[0], values[1].astype(bool), row_of[slots] >= 0, row_of, logits, finished)
+        # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
+        for slot in placed[self.state[placed] == _FINISH].tolist():
+            self._end(slot, logits[row_of[slot]], finished, computed=True)
+        goes = placed[self.state[placed] == _KNOWN]
+        self.state[goes] = 0
+        sample = placed[self.state[placed] == 0]
+        return self._drawn_then(sample, logits, row_of, finished)
+
+    def _drawn_then(self, sample: np.ndarray, logits, row_of, finished: list | None = None
+                    ) -> list[tuple[Any, DecodeResult]]:
+        """Draw ``sample``'s next tokens (read back at once when not pipelined), drop failed and ended lanes;
+        the finished Decodes' results."""
+        finished = [] if finished is None else finished
+        if len(sample):
+            self._draw(sample, logits, row_of)
+            if not self.pipeline:   # read back at once: the next step places the tokens known
+                index = to_device(sample, self.device)
+                values = torch.stack([self.drawn[index], self.stopped[index].long()]).cpu().numpy()
+                self._accept(sample, values[0], values[1].astype(bool), np.zeros(len(sample), dtype=bool),
+                             row_of, None, finished)
+        for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
+            for uid in [u for u, g in self.groups.items() if g.owner is owner]:
+                self.state[:self.size][self.group[:self.size] == uid] = -1
+                del self.groups[uid]
+                self._processors.discard(uid)
+        self._compact(self.state[:self.size] != -1)
+        return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished]
+
+    def _fail(self, group: _Group, error: Exception) -> None:
+        if all(owner is not group.owner for owner, _ in self._failures):
+            self._failures.append((group.owner, error))
+
+    # ------------------------------------------------------------ private: the draw
+
+    def _draw(self, slots: np.ndarray, logits: torch.Tensor | None, row_of: np.ndarray) -> None:
+        """Draw the next token of each lane of ``slots``: going lanes from their row of the step's ``logits``,
+        fresh ones from their Decode's first-draw logits (or its first tokens)."""
+        fresh = self.fresh[slots]
+        parts, order = [], []
+        if (~fresh).any():
+            going = slots[~fresh]
+            rows = row_of[going]
+            parts.append(logits if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all()
+                         else logits[to_device(rows, logits.device)])
+            order.append(going)
+        given: list[tuple[np.ndarray, torch.Tensor]] = []
+        for uid in np.unique(self.group[slots[fresh]]).tolist():
+            d = self.groups[uid].decode
+            members = slots[fresh][self.group[slots[fresh]] == uid]
+            if d.first is not None:
+                given.append((members, d.first.reshape(-1).to(self.device, torch.int64)))
+                continue
+            rows = d.logits.reshape(-1, d.logits.shape[-1])
+            parts.append(rows.expand(len(members), -1) if rows.shape[0] == 1 else rows)
+            order.append(members)
+        self.fresh[slots] = False
+        if parts:
+            drawn_slots = np.concatenate(order)
+            raw = torch.cat(parts) if len(parts) > 1 else parts[0]
+            tokens = self._sample(drawn_slots, raw)
+            self._keep_drawn(drawn_slots, tokens, raw)
+        for members, tokens in given:
+            self._keep_drawn(members, tokens, None)
+
+    def _sample(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = SamplingRows.build(self.params[:self.size], self.seed[:self.size].tolist(),
+                                            self.stream[:self.size].tolist(), self.device)
+        whole = len(slots) == self.size and (slots == np.arange(self.size)).all()
+        index = None if whole else to_device(slots, self.device)
+        rows = self._rows if whole else self._rows.take(index)
+        scores = raw
+        if self._processors:   # user code, one row at a time (only the lanes that have processors)
+            scores = raw.float().clone()
+            for i in [i for i, s in enumerate(slots.tolist()) if self.params[s].logits_processors]:
+                s = int(slots[i])
+                g = self.groups[int(self.group[s])]
+                history = list(g.decode.prompt_ids) + self.tokens[s, :self.length[s]].tolist()
+                try:
+                    scores[i] = apply_logits_processors(self.params[s].logits_processors, [history], raw[i:i + 1])[0]
+                except Exception as error:   # that request fails alone (its lanes go at the end of the step)
+                    self._fail(g, error)
+        draws = self.drawn_count[:self.size] if whole else self.drawn_count[index]
+        masks = counts = None
+        if rows.penalized:
+            masks = self.prompt_mask[:self.size] if whole else self.prompt_mask[index]
+            counts = self.counts[:self.size] if whole else self.counts[index]
+        return sample_rows(scores, rows, draws, masks, counts)
+
+    def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
+        """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
+        penalties' counts, log-probabilities."""
+        index = to_device(slots, self.device)
+        self.drawn[index] = tokens
+        self.stopped[index] = (tokens[:, None] == self.eos[index]).any(dim=1)
+        self.drawn_count[index] += 1
+        if self.counts is not None:
+            self.counts[index, tokens] += 1
+        self.state[slots] = _DRAWN
+        for uid in np.unique(self.group[slots]).tolist():
+            g = self.groups[uid]
+            if g.decode.params.logprobs is None or raw is None:
+                continue
+            mine = np.flatnonzero(self.group[slots] == uid)
+            at = to_device(mine, raw.device)
+            g.records.append((self.index[slots[mine]].copy(),
+                              token_logprobs(raw[at], tokens[at], g.decode.params.logprobs)))
+
+    # ------------------------------------------------------------ private: reading back
+
+    def _accept(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray,
+                row_of: np.ndarray, logits: torch.Tensor | None, finished: list) -> None:
+        """Give each lane of ``slots`` its drawn token (read back; ``placed``: its placeholder is in the tree, computed
+        by the step just launched, whose ``logits`` rows are at ``row_of``): record it, end the lanes it ends."""
+        at = self.length[slots]
+        if at.max(initial=0) >= self._width:
+            self._widen(int(at.max()) + 1)
+        self.tokens[slots, at] = tokens
+        self.length[slots] = at + 1
+        ended = stopped | (at + 1 >= self.max_new[slots])
+        reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
+        for i in np.flatnonzero(self._texts(slots)).tolist():
+            reason = self._text(int(slots[i]), int(tokens[i]))
+            reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
+            ended[i] = reason is not None
+        # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
+        going = slots[~ended]
+        self._set_ids(going[placed[~ended]], tokens[~ended][placed[~ended]])
+        waiting = going[~placed[~ended]]
+        self.state[waiting], self.next_token[waiting] = _KNOWN, tokens[~ended][~placed[~ended]]
+        self.state[going[placed[~ended]]] = 0
+        for i in np.flatnonzero(ended).tolist():
+            slot = int(slots[i])
+            self.reason[slot] = reasons[i]
+            g = self.groups[int(self.group[slot])]
+            if placed[i]:   # its token is computed by the step just launched
+                if g.decode.keep:
+                    self._set_ids(np.array([slot]), tokens[i:i + 1])
+                self._end(slot, None if logits is None else logits[row_of[slot]], finished, computed=True)
+            elif g.decode.keep and not g.decode.last_pending:
+                self.state[slot], self.next_token[slot] = _FINISH, tokens[i]
+            else:
+                self._end(slot, None, finished, computed=False)
+
+    def _texts(self, slots: np.ndarray) -> np.ndarray:
+        return np.fromiter((self.groups[int(u)].decode.tokenizer is not None for u in self.group[slots]),
+                           dtype=bool, count=len(slots))
+
+    def _text(self, slot: int, token: int) -> str | None:
+        """A text lane's token through its stop checker (stop strings) and stream; returns why it ended, or None."""
+        g, i = self.groups[int(self.group[slot])], int(self.index[slot])
+        checker = g.checkers[i]
+        reason = checker.accept(token).reason
+        if g.decode.on_text is not None:
+            text = checker.streamable_text
+            if len(text) > g.shown[i]:
+                g.decode.on_text(i, text[g.shown[i]:])
+                g.shown[i] = len(text)
+        return reason
+
+    def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
+        """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the
+        last one."""
+        g, i = self.groups[int(self.group[slot])], int(self.index[slot])
+        d, node, count = g.decode, int(self.node[slot]), int(self.length[slot])
+        checker = g.checkers[i]
+        tokens = self.tokens[slot, :count].tolist()
+        if checker is not None:
+            output = LaneOutput(tokens, checker.stop_reason, checker.text, checker.stop_string)
+        else:
+            output = LaneOutput(tokens, ("eos", "length")[int(self.reason[slot]) - 1])
+        end = int(self.start[slot]) + count   # the node's length with every output token in it
+        if d.keep:
+            output.node, output.logits = node, logits
+            if not computed:   # last_pending: the program's next step computes it (placed when it is resumed)
+                g.pending.append((i, int(self.parent[slot]), tokens[-1]))
+        elif d.on_parent:
+            output.node = node
+            if self.tree.node_length(node) >= end:   # (its last token was placed and computed: dropped)
+                self.tree.truncate(node, end - 1)
+        elif node >= 0:
+            if d.offer is not None:   # the conversation but its last token (whose K/V is not kept)
+                d.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + end - 1)
+            self.tree.prune(node)
+        g.outputs[i] = output
+        g.left -= 1
+        self.state[slot] = -1
+        if g.left == 0:
+            self._logprobs(g)
+            del self.groups[g.uid]
+            self._processors.discard(g.uid)
+            finished.append(g)
+
+    def _logprobs(self, g: _Group) -> None:
+        if g.decode.params.logprobs is None:
+            return
+        per: list[list[dict]] = [[] for _ in g.outputs]
+        for indices, record in g.records:
+            for i, entry in zip(indices.tolist(), record.to_dicts()):
+                per[i].append(entry)
+        for out, entries in zip(g.outputs, per):
+            out.logprobs = entries[:len(out.token_ids)]
+
+    # ------------------------------------------------------------ private: the tree
+
+    def _append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Append one token to each lane's node (a new child of its parent for a first token)."""
+        tree, nodes = self.tree, self.node[slots]
+        grow = nodes >= 0
+        if grow.any():
+            tree.extend_many({int(n): [int(t)] for n, t in zip(nodes[grow], tokens[grow])})
+        fresh = slots[~grow]
+        if len(fresh):
+            parents = self.parent[fresh]
+            for parent in np.unique(parents).tolist():
+                mine = fresh[parents == parent]
+                made = tree.branch(parent, [[int(t)] for t in tokens[~grow][parents == parent]])
+                self.node[mine] = made
+
+    def _set_ids(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """The real ids of placeholders (each lane's last token in its node)."""
+        tree = self.tree
+        for slot, token in zip(slots.tolist(), tokens.tolist()):
+            tree.set_tokens(int(self.node[slot]), int(self.start[slot] + self.length[slot] - 1), [token])
+
+    def _changed(self) -> None:
+        self._rows = None
