@@ -7,7 +7,10 @@ vocabulary 512), where a step's device work is small, so its time is host time: 
 (``bench/host_cost.py``'s stub: zero logits of the right shapes, so only host work is left). Reported per kind
 and size: the median wall time of the decode steps once every request is admitted (host work included), and
 per kind the least-squares slope of those medians against the number of requests — the host cost of one
-request per step (``us_per_request_step``: issue #49's targets, greedy <= 3 us, sampled <= 5 us).
+request per step (``us_per_request_step``: issue #49's targets, greedy <= 3 us, sampled <= 5 us). Wall times on a
+shared machine vary; the Python function calls and torch calls of a decode step (cProfile over ``--profile-steps``
+steps of one more run) do not: their slopes are reported too (``python_calls_per_request_step``,
+``torch_calls_per_request_step``).
 
 Kinds (``--programs``):
 
@@ -28,8 +31,10 @@ whole budget). Written to ``<out>/<date>-<device>-host-scaling.json`` (device, v
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -73,18 +78,31 @@ def params_of(kind: str, new: int, seed: int) -> SamplingParams:
 
 
 class Steps:
-    """Stamps each engine step's return (no device synchronisation: pipelined steps keep running ahead)."""
+    """Stamps each engine step's return (no device synchronisation: pipelined steps keep running ahead); with
+    ``profile``, profiles the host work between the returns of steps ``profile[0]`` and ``profile[1]``."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, profile: tuple[int, int] | None = None):
         self.engine, self.ends = engine, []
+        self.profiler = None if profile is None else cProfile.Profile()
         step = engine.step
 
         def timed(*args, **kwargs):
             out = step(*args, **kwargs)
             self.ends.append(time.perf_counter())
+            if profile is not None and len(self.ends) == profile[0]:
+                self.profiler.enable()
+            elif profile is not None and len(self.ends) == profile[1]:
+                self.profiler.disable()
             return out
 
         engine.step = timed
+
+    def calls(self) -> tuple[int, int]:
+        """(Python function calls, torch calls) in the profiled steps."""
+        stats = pstats.Stats(self.profiler).stats
+        total = sum(entry[1] for entry in stats.values())
+        torch_calls = sum(entry[1] for (path, _, name), entry in stats.items() if "torch" in path or "torch" in name)
+        return total, torch_calls
 
     def median_ms(self, skip: int) -> float:
         """The median interval between the steps after the first ``skip`` (admission and prompt steps)."""
@@ -136,6 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=48, help="new tokens per output")
     parser.add_argument("--repeats", type=int, default=3, help="runs per size (the median is reported)")
+    parser.add_argument("--profile-steps", type=int, default=8, help="decode steps whose calls are counted")
     parser.add_argument("--device", default=None, help="cuda or cpu (default cuda when available)")
     parser.add_argument("--smoke", action="store_true", help="CPU, sizes 1 and 4, 12 new tokens, one run (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -160,7 +179,7 @@ def main(argv=None) -> int:
           f"{args.new} new tokens; median step ms", flush=True)
     results = {}
     for kind in kinds:
-        ms = []
+        ms, calls, torch_calls = [], [], []
         for requests in sizes:
             runs = []
             for repeat in range(args.repeats + (device.type == "cuda")):   # (GPU: one warm-up run, graphs captured)
@@ -171,9 +190,24 @@ def main(argv=None) -> int:
                     continue
                 runs.append(clock.median_ms(skip))
             ms.append(statistics.median(runs))
-            print(f"  {kind:12s} {requests:3d} requests: {ms[-1]:8.3f} ms/step", flush=True)
-        results[kind] = {"ms_per_step": dict(zip(map(str, sizes), ms)), "us_per_request_step": slope_us(sizes, ms)}
-        print(f"  {kind:12s} slope: {results[kind]['us_per_request_step']:.1f} us per request per step", flush=True)
+            engine = make_engine(model, device, kv_tokens)
+            window = (3, 3 + args.profile_steps)
+            clock = Steps(engine, profile=window)
+            run_kind(kind, engine, requests, args, np.random.default_rng(0))
+            if len(clock.ends) < window[1]:
+                raise RuntimeError(f"{kind}: {len(clock.ends)} steps, too few to profile {args.profile_steps}")
+            total, in_torch = clock.calls()
+            calls.append(total / args.profile_steps)
+            torch_calls.append(in_torch / args.profile_steps)
+            print(f"  {kind:12s} {requests:3d} requests: {ms[-1]:8.3f} ms/step, {calls[-1]:8.0f} Python calls "
+                  f"({torch_calls[-1]:.0f} torch) a step", flush=True)
+        results[kind] = {"ms_per_step": dict(zip(map(str, sizes), ms)), "us_per_request_step": slope_us(sizes, ms),
+                         "python_calls_per_step": dict(zip(map(str, sizes), calls)),
+                         "python_calls_per_request_step": slope_us(sizes, calls) / 1e3,
+                         "torch_calls_per_request_step": slope_us(sizes, torch_calls) / 1e3}
+        r = results[kind]
+        print(f"  {kind:12s} slope: {r['us_per_request_step']:.1f} us, {r['python_calls_per_request_step']:.1f} Python "
+              f"calls, {r['torch_calls_per_request_step']:.1f} torch calls per request per step", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     write_results({"benchmark": "host_scaling", "date": datetime.date.today().isoformat(),
                    "device": "cpu" if device.type == "cpu" else device_name(device), "versions": versions("triton"),

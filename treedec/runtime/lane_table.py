@@ -25,7 +25,7 @@ class LaneTable:
         self._grow(16)
 
     _HOST = ("group", "index", "node", "parent", "start", "length", "max_new", "state", "next_token", "reason",
-             "placed", "fresh", "keep", "seed", "stream")
+             "placed", "fresh", "keep", "text", "seed", "stream")
     _DEVICE = ("drawn", "stopped", "drawn_count", "eos")
 
     def _grow(self, need: int) -> None:
@@ -45,7 +45,7 @@ class LaneTable:
             host(name, np.int64)
         for name in ("state", "reason"):
             host(name, np.int8)
-        for name in ("placed", "fresh", "keep"):
+        for name in ("placed", "fresh", "keep", "text"):
             host(name, bool)
         params = [None] * capacity
         if old:

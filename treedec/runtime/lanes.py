@@ -124,6 +124,7 @@ class Lanes(LaneTable):
         self.start[slots] = self.tree.node_length(d.parent) if d.on_parent else 0
         self.length[slots], self.max_new[slots] = 0, d.rule.max_new_tokens
         self.state[slots], self.placed[slots], self.fresh[slots], self.keep[slots] = 0, False, True, d.keep
+        self.text[slots] = d.tokenizer is not None
         eos = list(d.rule.eos_token_ids)
         if len(eos) > self._eos_width:
             self._widen_eos(len(eos))
@@ -388,7 +389,7 @@ class Lanes(LaneTable):
         self.length[slots] = at + 1
         ended = stopped | (at + 1 >= self.max_new[slots])
         reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
-        for i in np.flatnonzero(self._texts(slots)).tolist():
+        for i in np.flatnonzero(self.text[slots]).tolist():
             reason = self._text(int(slots[i]), int(tokens[i]))
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
@@ -410,10 +411,6 @@ class Lanes(LaneTable):
                 self.state[slot], self.next_token[slot] = _FINISH, tokens[i]
             else:
                 self._end(slot, None, finished, computed=False)
-
-    def _texts(self, slots: np.ndarray) -> np.ndarray:
-        return np.fromiter((self.groups[int(u)].decode.tokenizer is not None for u in self.group[slots]),
-                           dtype=bool, count=len(slots))
 
     def _text(self, slot: int, token: int) -> str | None:
         """A text lane's token through its stop checker (stop strings) and stream; returns why it ended, or None."""

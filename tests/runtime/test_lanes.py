@@ -1,0 +1,125 @@
+"""Lanes (treedec/runtime/lanes.py) through the programs that decode on them: a seeded request's tokens do not
+depend on its batch, pipelined == unpipelined for every field, one processor's failure ends its request alone,
+and host work per step does not grow in torch calls with the number of lanes."""
+import pytest
+import torch
+
+from tests.engines import make_engine, tiny_model
+from treedec.engine import Engine
+from treedec.search.batch import generate_batch
+from treedec.search.requests_file import RequestSpec
+from treedec.search.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def prompt(k, length=9):
+    return tuple((37 * k + 11 * i + 5) % 512 for i in range(length))
+
+
+SEEDED = RequestSpec("seeded", prompt_ids=prompt(0), params=SamplingParams(
+    n=3, temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.3,
+    frequency_penalty=0.2, seed=11, max_tokens=14, logprobs=2, stop_token_ids=(7, 100)))
+
+
+def companions(k):
+    """Other requests: greedy, unseeded sampled, penalized, of other lengths."""
+    return [RequestSpec(f"c{k}-{i}", prompt_ids=prompt(10 * k + i, 5 + 3 * i), params=SamplingParams(
+        n=1 + i % 2, temperature=0.0 if i % 3 == 0 else 1.1, presence_penalty=0.5 * (i % 2), max_tokens=6 + 2 * i))
+        for i in range(k)]
+
+
+def seeded_outputs(results):
+    return [(r.index, r.output_ids, r.stop_reason, [sorted(d) for d in r.logprobs]) for r in results
+            if r.id == "seeded"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_seeded_request_draws_the_same_whatever_its_batch(tiny, pipeline):
+    alone, _ = generate_batch(make_engine(tiny), [SEEDED], pipeline=pipeline)
+    want = seeded_outputs(alone)
+    for k, first in ((3, True), (5, False), (8, True)):
+        batch = [SEEDED] + companions(k) if first else companions(k) + [SEEDED]
+        got, _ = generate_batch(make_engine(tiny), batch, pipeline=pipeline, generator=torch.Generator().manual_seed(k))
+        assert seeded_outputs(got) == want, (k, first)
+    # admitted while others run (a pool that admits a few at a time)
+    small = Engine(tiny, kv_tokens=80, page_size=4, backend="torch")
+    got, stats = generate_batch(small, companions(6) + [SEEDED], pipeline=pipeline)
+    assert seeded_outputs(got) == want and stats.waits > 0
+
+
+def test_pipelined_equals_unpipelined_for_every_field(tiny):
+    """Read back one step late (as on a GPU) or at once: the same tokens, reasons, logprobs and texts."""
+    from tests.search.test_batch import LetterTokenizer
+    batch = [SEEDED] + companions(6) + [RequestSpec("text", prompt_ids=prompt(3), params=SamplingParams(
+        n=2, temperature=1.0, seed=4, stop=("QQ", "XY"), max_tokens=30))]
+    runs = []
+    for pipeline in (False, True):
+        engine = make_engine(tiny)
+        results, _ = generate_batch(engine, batch, tokenizer=LetterTokenizer(), pipeline=pipeline,
+                                    generator=torch.Generator().manual_seed(2))
+        runs.append([(r.id, r.index, r.output_ids, r.stop_reason, r.text, r.logprobs) for r in results])
+        assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+    assert runs[0] == runs[1]
+
+
+def test_a_raising_processor_fails_its_request_alone(tiny):
+    from treedec.search.online import OnlineScheduler
+    from treedec.search.batch import GenerateProgram
+
+    def bad(input_ids, scores):
+        if input_ids.shape[1] > 12:
+            raise RuntimeError("bad processor")
+        return scores
+
+    engine = make_engine(tiny)
+    done, errors = {}, {}
+    sched = OnlineScheduler(engine, on_done=done.__setitem__, on_error=errors.__setitem__, prefix_cache=False)
+    specs = companions(4) + [RequestSpec("bad", prompt_ids=prompt(1), params=SamplingParams(
+        temperature=0.5, seed=1, max_tokens=10, logits_processors=(bad,)))]
+    handles = [sched.submit(GenerateProgram(s, list(s.prompt_ids))) for s in specs]
+    while sched.iterate():
+        pass
+    assert set(errors) == {handles[-1]} and "bad processor" in str(errors[handles[-1]])
+    assert set(done) == set(handles[:-1])
+    assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
+
+
+def test_torch_calls_per_step_do_not_grow_with_the_lanes(tiny, monkeypatch):
+    """The sampler, the stop match and the read-back are a fixed number of torch calls a step for the whole batch
+    (Python per lane only on events): the lanes' and the sampler's own torch calls, counted over the decode steps of 4
+    and of 32 sampled requests."""
+    import cProfile
+    import pstats
+
+    def torch_calls_per_step(requests):
+        engine = make_engine(tiny)
+        specs = [RequestSpec(i, prompt_ids=prompt(i), params=SamplingParams(
+            temperature=0.8, top_p=0.95, seed=i, max_tokens=20, ignore_eos=True)) for i in range(requests)]
+        profiler, steps = cProfile.Profile(), []
+        step = engine.step
+
+        def timed(*a, **k):
+            out = step(*a, **k)
+            steps.append(1)
+            if len(steps) == 4:
+                profiler.enable()
+            elif len(steps) == 12:
+                profiler.disable()
+            return out
+
+        monkeypatch.setattr(engine, "step", timed)
+        generate_batch(engine, specs, pipeline=True)
+        # torch calls made by the lanes and the sampler (the torch backend's attention runs chunk by chunk here)
+        calls = 0
+        for (path, _, name), (_, _, _, _, callers) in pstats.Stats(profiler).stats.items():
+            if "torch" in path or "torch" in name:
+                calls += sum(n for (cpath, _, _), (n, *_) in callers.items()
+                             if "treedec/runtime/" in cpath or "treedec/sampling/" in cpath)
+        return calls / 8
+
+    few, many = torch_calls_per_step(4), torch_calls_per_step(32)
+    assert many <= few * 1.1 + 2, (few, many)
