@@ -216,6 +216,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=40, help="new tokens per request")
     parser.add_argument("--timed-steps", type=int, default=30, help="the last decode steps timed")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="> 0: sampled requests (each seeded by its index; with --top-p), not greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--temperature > 0: the top-p cut")
     parser.add_argument("--compare-unshared", action="store_true", help="also run every batch without sharing")
     parser.add_argument("--speculative", action="store_true",
                         help="greedy speculative decoding with a fixed Medusa-64 tree draft (speculative_batch)")
@@ -250,6 +253,8 @@ def main(argv=None) -> int:
     if not args.eagle and (args.eagle_depth, args.eagle_top_k) != (None, None):
         parser.error(f"--eagle-depth and --eagle-top-k shape EAGLE drafts: give --eagle eagle|eagle3 with them "
                      f"(got --eagle-depth {args.eagle_depth}, --eagle-top-k {args.eagle_top_k})")
+    if args.speculative and args.temperature > 0:
+        parser.error("--temperature samples plain decoding's requests; --speculative verifies greedily here")
     args.eagle_depth = 5 if args.eagle_depth is None else args.eagle_depth
     args.eagle_top_k = 8 if args.eagle_top_k is None else args.eagle_top_k
     if args.eagle_depth < 1 or args.eagle_top_k < 1:
@@ -277,7 +282,9 @@ def main(argv=None) -> int:
     runs = []
     for count in [int(x) for x in args.requests.split(",")]:
         specs = [RequestSpec(i, prompt_ids=tuple(system + rng.integers(0, config.vocab_size, args.question).tolist()),
-                             params=SamplingParams(max_tokens=args.new, temperature=0.0)) for i in range(count)]
+                             params=SamplingParams(max_tokens=args.new, temperature=args.temperature,
+                                                   top_p=args.top_p, seed=i if args.temperature > 0 else None))
+                 for i in range(count)]
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
@@ -326,7 +333,7 @@ def main(argv=None) -> int:
                "medusa_heads": args.medusa_heads, "draft": None if draft is None else draft.record(),
                "draft_model": ("tiny" if args.smoke else "llama3.2-1b") if args.draft_model else None,
                "model_layers": config.num_layers, "target_weight_bytes": model.weight_bytes(),
-               "system_tokens": args.system,
+               "system_tokens": args.system, "temperature": args.temperature, "top_p": args.top_p,
                "question_tokens": args.question, "new_tokens": args.new, "copy_bandwidth_TBps": bandwidth / 1e12,
                "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
     write_results(results, args.out, "batch", args.smoke, args.tag)
