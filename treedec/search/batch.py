@@ -166,9 +166,10 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
-        bad = [t for t in prompt_ids + list(spec.params.stop_token_ids) if t >= vocab]
-        if bad:
-            raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
+            bad = [t for t in given if t >= vocab]
+            if bad:   # (the message starts with the field: a server names it as the error's param)
+                raise ValueError(f"{field} of request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")
