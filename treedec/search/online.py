@@ -351,8 +351,9 @@ class OnlineEngine:
         self._wake.set()
         return True
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Abort every running request, let the thread close them (their pages freed) and join it."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Abort every running request, let the thread close them (their pages freed) and join it (for at most
+        ``timeout`` seconds); returns whether the thread has ended."""
         with self._lock:
             self._stopping = True
             handles = list(self._handles.values())
@@ -360,6 +361,7 @@ class OnlineEngine:
             self.scheduler.abort(handle)
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> "OnlineEngine":
         return self
