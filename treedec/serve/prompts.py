@@ -100,4 +100,5 @@ class PromptEncoder:
         try:
             self.templates.warm()
         except Exception:   # (a chat request then says it too)
-            logger.exception("the chat-template worker did not start")
+            if not self.templates.closed:   # (else the server stopped before it was up)
+                logger.exception("the chat-template worker did not start")

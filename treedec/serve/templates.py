@@ -110,14 +110,23 @@ class ChatTemplateRenderer:
         for worker in workers:
             self._retire(worker)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _start(self) -> _Worker:
-        worker = _Worker(self._setup)
-        with self._lock:
+        worker = _Worker()
+        with self._lock:   # (known from now on: close() stops a worker still starting too)
             self._workers.add(worker)
             closed = self._closed
         if closed:
-            self._retire(worker)
+            self._retire(worker, kill=True)
             raise RuntimeError("the chat-template renderer is closed")
+        try:
+            worker.begin(self._setup)
+        except BaseException:
+            self._retire(worker, kill=True)
+            raise
         return worker
 
     def _retire(self, worker: _Worker | None, kill: bool = False) -> None:
@@ -130,19 +139,20 @@ class ChatTemplateRenderer:
 class _Worker:
     """One worker process: frames in on its stdin, out on its stdout (:mod:`treedec.serve.template_worker`)."""
 
-    def __init__(self, setup: list[bytes]):
+    def __init__(self):
         self.process = subprocess.Popen([sys.executable, "-I", str(_WORKER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, bufsize=0)
+
+    def begin(self, setup: list[bytes]) -> None:
+        """Send it its setup and wait until it is ready (RuntimeError if it does not get there)."""
         try:
             for frame in setup:
                 self._write(frame)
             reply = self._read(time.monotonic() + _START_SECONDS, 64)
-        except (OSError, TimeoutError, EOFError) as e:
-            self.stop()
+        except (OSError, TimeoutError, EOFError, ValueError) as e:
             raise RuntimeError(f"the chat-template worker did not start ({type(e).__name__}: {e}; exit code "
                                f"{self.process.poll()})") from None
         if reply != {"ready": True}:
-            self.stop()
             raise RuntimeError(f"the chat-template worker did not start: it answered {reply!r:.200}")
 
     def call(self, request: bytes, timeout: float, max_chars: int) -> dict:
