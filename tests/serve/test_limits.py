@@ -158,8 +158,11 @@ def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(server, referenc
         except (BrokenPipeError, ConnectionResetError):
             pass
         sock.setblocking(True)
-        while part := sock.recv(65536):
-            answer += part
+        try:
+            while part := sock.recv(65536):
+                answer += part
+        except ConnectionResetError:   # (the server closed with the rest of the body unread: its answer came first)
+            pass
     status, body = json_answer(answer)
     assert status == 413 and body["error"]["code"] == "request_too_large", body
     assert sent < 16 * 2**20, sent   # (it stopped reading at 1 MiB: the socket buffers hold the rest)
