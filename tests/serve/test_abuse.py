@@ -134,6 +134,9 @@ KINDS = [huge_n, huge_prompt, chunked_body, many_prompts,
 @pytest.fixture
 def server(tokenizer):
     running = RunningServer(make_llm(tokenizer), "tiny")   # (the defaults: 8 MiB bodies, n <= 128, 256 prompts)
+    warm = httpx.post(f"{running.base_url}/chat/completions", timeout=120, json={   # (its template worker up)
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert warm.status_code == 200, warm.text
     yield running
     running.stop()
 

@@ -47,7 +47,7 @@ from treedec.search.request import position_limit
 from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.serve.limits import BodyError, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
-from treedec.serve.prompts import PromptEncoder
+from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError
 from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, usage
 
@@ -107,11 +107,13 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     name = served_model_name or llm.name
     metrics = ServeMetrics()
     limits = _Limits(max_queued_requests, max_n, max_prompts)
-    encoder = None if llm.tokenizer is None else PromptEncoder(llm.tokenizer, position_limit(llm.model),
-                                                              template_timeout=chat_template_timeout)
+    if llm.tokenizer is not None:
+        longest_token_chars(llm.tokenizer)   # (a tokenizer the server cannot bound raises here, not at startup)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        encoder = None if llm.tokenizer is None else PromptEncoder(llm.tokenizer, position_limit(llm.model),
+                                                                  template_timeout=chat_template_timeout)
         online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
                               drafts=None if llm.drafts is None else llm.drafts.source, seed=seed,
                               on_iteration=metrics.iteration,   # (one cache per engine: the LLM's if it keeps one)
@@ -246,6 +248,8 @@ class _Server:
             raise ServeError(f"The model `{shown}` does not exist; this server serves `{self.name}`", 404,
                              param="model", code="model_not_found")
         if not self.online.alive:
+            if self.online.error is None:
+                raise ServeError("the server is shutting down", 503, "server_error", code="server_shutdown")
             raise ServeError("the engine is not running", 503, "server_error", code="engine_failed")
 
     def _reserve(self, prompts: int, n: int) -> "_Slots":

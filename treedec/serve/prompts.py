@@ -1,4 +1,4 @@
-"""Text prompts to token ids for the server, bounded before any work and done off the event loop: :class:`PromptEncoder`.
+"""Prompts to token ids for the server, bounded before any work, done off the event loop: :class:`PromptEncoder`.
 
 A text is refused before it is tokenized when it is longer than any text the model's context can hold:
 ``positions x longest`` characters, ``longest`` the characters of the tokenizer's longest token (its vocabulary's
