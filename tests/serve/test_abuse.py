@@ -113,7 +113,10 @@ def run_with(server, abuse=None):
     answer, box = [], {}
 
     def streams():
-        box["out"] = asyncio.run(normal_streams(server))
+        try:
+            box["out"] = asyncio.run(normal_streams(server))
+        except Exception as e:   # (raised below, in the test's thread)
+            box["error"] = e
 
     thread = threading.Thread(target=streams, daemon=True)
     thread.start()
@@ -122,6 +125,8 @@ def run_with(server, abuse=None):
         answer.append(abuse(server))
     thread.join(300)
     assert not thread.is_alive(), "the normal streams did not finish"
+    if "error" in box:
+        raise AssertionError(f"a normal stream failed: {box['error']!r}")
     ids, seconds = box["out"]
     return ids, seconds, answer[0] if answer else None
 
