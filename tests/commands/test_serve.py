@@ -1,6 +1,15 @@
-"""`treedec serve`'s command line: its help, and arguments refused before any model loads."""
+"""`treedec serve`'s command line: its help, arguments refused before any model loads, its default Host names, and
+a real server process ended by a signal."""
 import importlib.util
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
+import httpx
 import pytest
 
 from treedec.cli import main
@@ -35,3 +44,82 @@ def test_a_missing_fastapi_names_the_extra(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
     assert main(["serve", "--model", "smollm2"]) == 2
     assert "pip install 'treedec[serve]'" in capsys.readouterr().err
+
+
+def test_the_new_limits_are_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--max-n", "--max-prompts", "--max-body-bytes", "--read-timeout", "--engine-iteration-timeout",
+                   "--chat-template-timeout", "--allowed-hosts", "--enable-docs"):
+        assert option in out, option
+
+
+@pytest.mark.parametrize("host, allowed", [
+    ("127.0.0.1", ["localhost", "127.0.0.1", "[::1]"]),
+    ("localhost", ["localhost", "127.0.0.1", "[::1]"]),
+    ("::1", ["localhost", "127.0.0.1", "[::1]"]),
+    ("127.0.0.2", ["localhost", "127.0.0.1", "[::1]", "127.0.0.2"]),
+    ("0.0.0.0", None), ("10.1.2.3", None), ("myhost.example", None)])
+def test_a_loopback_server_answers_only_loopback_names_by_default(host, allowed):
+    from treedec.commands.serve import default_allowed_hosts
+    assert default_allowed_hosts(host) == allowed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_first_signal_ends_live_streams_and_the_server_in_seconds(tmp_path, sig):
+    """#48 item 10: `treedec serve` (a real process) with 10 live streams: the first Ctrl-C / SIGTERM aborts them (each
+    ends with an error event and [DONE]) and the process exits within seconds, exit code 0, without "interrupted"."""
+    from tests.tokenizers_local import build_tokenizer
+    folder = build_tokenizer(tmp_path / "tok")
+    log = open(tmp_path / "log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "treedec", "serve", "--config", "tiny", "--tokenizer",
+                                str(folder), "--port", "0", "--kv-tokens", "8192", "--page-size", "4"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline, port = time.monotonic() + 120, None
+        while port is None:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", (tmp_path / "log").read_text())
+            port = found and int(found.group(1))
+            time.sleep(0.1)
+        ends, ended, first = [None] * 10, [None] * 10, [threading.Event() for _ in range(10)]
+
+        def stream(k):
+            body = {"model": "tiny", "prompt": f"The quick brown fox {k}", "max_tokens": 4000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            lines = []
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        first[k].set()
+            ends[k], ended[k] = lines[-2:], time.monotonic()
+
+        threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(10)]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(60) for event in first)
+        started = time.monotonic()
+        process.send_signal(sig)
+        finished = None
+        while process.poll() is None and time.monotonic() < started + 60:
+            if finished is None and "Finished server process" in (tmp_path / "log").read_text():
+                finished = time.monotonic() - started
+            time.sleep(0.02)
+        for thread in threads:
+            thread.join(10)
+        output = (tmp_path / "log").read_text()
+        assert process.returncode == 0 and "interrupted" not in output, output[-2000:]
+        # The streams end at once and the server is done within seconds; the interpreter's own teardown after it
+        # (a process that loaded torch and transformers) takes about 5 s more on a loaded 2-core machine.
+        assert max(ended) - started < 3 and finished is not None and finished < 5, (max(ended) - started, finished)
+        for end in ends:   # every stream ended: the abort's error event, then [DONE]
+            assert end is not None and end[-1] == "[DONE]" and json.loads(end[0])["error"]["code"] == \
+                "server_shutdown", end
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()

@@ -7,7 +7,7 @@ from treedec.search.batch import GenerateProgram
 from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_program
+from treedec.search.scheduler import run_program, run_programs
 from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.speculative.program import SpeculativeProgram
 from treedec.search.stops import StopRule
@@ -332,3 +332,78 @@ def test_the_scheduler_keeps_only_the_last_history_steps(tiny):
     while scheduler.iterate():
         assert len(scheduler.stats.queries_per_step) < 8 and len(scheduler.stats.programs_per_step) < 8
     assert scheduler.stats.steps >= 20 and len(recorder.done) == 1 and all_free(engine, scheduler.cache)
+
+
+def test_submit_refuses_at_once_a_request_larger_than_the_pool_can_give_it(tiny):
+    """#48 item 1: a request whose worst case (prompt + n x max_tokens pages) exceeds what the pool can give one
+    request is refused at submit (it was admitted and built its n outputs' state on the engine's thread, n=2**31
+    wedging it), counting the pages a lent prefix cache holds as the pool's; one that fits only later waits."""
+    import time
+    from treedec.errors import PoolExhaustedError
+    from treedec.search.prefix_cache import PrefixCache
+
+    engine = make_engine(tiny)   # 1024 tokens: 256 pages of 4
+    cache = PrefixCache(engine.tree)
+    run_programs(engine, [generate(RequestSpec("c", prompt_ids=prompt(5, 40), params=SamplingParams(max_tokens=4)))],
+                 prefix_cache=cache)
+    assert cache.num_pages > 0
+
+    async def main():
+        with OnlineEngine(engine, prefix_cache=cache) as server:
+            servers.append(server)
+            assert server.scheduler.capacity == 256   # the cache's pages are the pool's: it evicts them
+            started = time.perf_counter()
+            for n, max_tokens in ((2 ** 31, 16), (70, 16), (1, 1100)):
+                with pytest.raises(PoolExhaustedError, match="KV pages"):
+                    server.submit(RequestSpec(f"big-{n}", prompt_ids=prompt(0, 8),
+                                              params=SamplingParams(n=n, max_tokens=max_tokens)))
+            assert time.perf_counter() - started < 1 and server.scheduler.idle and server.waiting_outputs == 0
+            hold = server.submit(RequestSpec("hold", prompt_ids=prompt(1, 20), params=SamplingParams(
+                n=4, max_tokens=200, ignore_eos=True)))   # 6 + 4 x 50 pages: most of the pool
+            while server.scheduler.num_running == 0:
+                await asyncio.sleep(0.01)
+            fits = server.submit(RequestSpec("fits", prompt_ids=prompt(2, 20), params=SamplingParams(
+                n=2, max_tokens=200, ignore_eos=True)))   # 106 pages: it waits for the first one's
+            assert server.waiting_outputs == 2
+            return await collect(hold), await collect(fits)
+
+    servers = []
+    (_, held), (_, fitted) = asyncio.run(main())
+    assert [len(r.output_ids) for r in held] == [200] * 4 and [len(r.output_ids) for r in fitted] == [200] * 2
+    assert servers[0].waiting_outputs == 0 and all_free(engine, cache)
+
+
+def test_the_heartbeat_shows_an_iteration_running_long(tiny):
+    """#48 item 1: ``iteration_seconds`` is how long the iteration running now has run (a server's /health reports
+    an engine stuck in one as stalled), 0 between iterations."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(input_ids, scores):   # a step that hangs until released
+        release.wait(30)
+        return scores
+
+    engine = make_engine(tiny)
+    seen, servers = [], []
+
+    async def main():
+        with OnlineEngine(engine) as server:
+            servers.append(server)
+            seen.append(server.iteration_seconds)
+            stream = server.submit(RequestSpec("stuck", prompt_ids=prompt(0, 8), params=SamplingParams(
+                max_tokens=2, temperature=0.0, logits_processors=(stuck,))))
+            deadline = time.monotonic() + 10
+            while server.iteration_seconds < 0.3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            seen.append(server.iteration_seconds)
+            release.set()
+            _, final = await collect(stream)
+            seen.append(server.iteration_seconds)
+            return final
+
+    final = asyncio.run(main())
+    assert len(final[0].output_ids) == 2
+    assert seen[0] == 0.0 and seen[1] >= 0.3 and seen[2] < 0.3
+    assert all_free(engine, servers[0].scheduler.cache)

@@ -304,3 +304,29 @@ def test_the_online_scheduler_takes_a_given_cache_of_its_engine(tiny):
     assert sched.cache is cache
     with pytest.raises(ValueError, match="this engine's tree"):
         OnlineScheduler(make_engine(tiny), on_error=lambda h, e: None, prefix_cache=cache)
+
+
+def test_llm_with_the_cache_runs_every_round_that_fits_the_pool_with_its_pages_back(tiny):
+    """#48 item 8: ``generate_batch``'s up-front check counts the pages the cache can evict as the pool's: a round
+    whose worst case fits the pool runs (it was refused while cached pages held it: "the pool has 4 free"), with
+    the outputs of the cache off; one larger than the whole pool is still refused before anything runs."""
+    from treedec import LLM
+    from treedec.errors import PoolExhaustedError
+
+    def make(cache):
+        return LLM(tiny, kv_tokens=256, page_size=4, backend="torch", enable_prefix_caching=cache)   # 64 pages
+
+    on, off = make(True), make(False)
+    rng, short = np.random.default_rng(0), 0
+    for round in range(6):
+        length = int(rng.integers(60, 150))
+        prompts = [{"prompt_token_ids": tokens(100 * round + k, length)} for k in range(2 if length < 90 else 1)]
+        params = SamplingParams(max_tokens=int(rng.integers(8, 40)), temperature=0.0)
+        free = on.engine.pool.num_free_pages
+        got = on.generate(prompts, params, use_tqdm=False)
+        want = off.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], round
+        short += on.engine.pool.pages_for(length) + on.engine.pool.pages_for(params.max_tokens) > free
+    assert short >= 2 and on.prefix_cache.num_pages > 0 and on.prefix_cache.stats.evicted_pages > 0
+    with pytest.raises(PoolExhaustedError, match="nothing was run"):
+        on.generate({"prompt_token_ids": tokens(7, 200)}, SamplingParams(max_tokens=60), use_tqdm=False)

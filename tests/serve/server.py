@@ -1,23 +1,28 @@
-"""A treedec server on the loopback in a background thread, for tests (uvicorn on a free port)."""
+"""A treedec server on the loopback in a background thread, for tests (uvicorn on a free port), and what the server
+tests share: the tiny model's LLM, waiting, the page accounting, a bystander request."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
-import uvicorn
+import openai
 
-from treedec import LLM
+from tests.engines import tiny_model
+from treedec import LLM, SamplingParams
+from treedec.search.request import pages_in_use
 from treedec.serve import build_app
+from treedec.serve.http import make_server
 
 
 class RunningServer:
-    """``build_app(llm, name, **kwargs)`` served by uvicorn on 127.0.0.1 (a free port) until :meth:`stop`."""
+    """``build_app(llm, name, **kwargs)`` served by ``treedec serve``'s uvicorn server (:func:`make_server`) on
+    127.0.0.1 (a free port) until :meth:`stop`."""
 
     def __init__(self, llm: LLM, name: str = "tiny", **kwargs):
         self.llm, self.name = llm, name
         self.app = build_app(llm, name, **kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on"))
+        self.server = make_server(self.app, "127.0.0.1", 0, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -25,7 +30,7 @@ class RunningServer:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.port = port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
 
@@ -36,3 +41,63 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def make_llm(tokenizer, **kwargs) -> LLM:
+    """The tiny random Llama (4096 positions, 512 ids) with ``tokenizer``, a 4096-token pool of 4-token pages."""
+    return LLM(tiny_model(), tokenizer, kv_tokens=kwargs.pop("kv_tokens", 4096), page_size=4, backend="torch",
+               **kwargs)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+    asyncio.run(asyncio.wait_for(poll(), timeout))
+
+
+def free_again(server: RunningServer, timeout: float = 10.0) -> int:
+    """The pages of the server's pool held by anything but the prefix cache, once its engine is idle and its tree
+    empty (0: every request's pages are free; the invariants hold with the cache's holds)."""
+    engine, cache = server.llm.engine, server.online.scheduler.cache
+    wait_until(lambda: server.online.scheduler.idle and engine.tree.num_nodes == 0, timeout)
+    engine.tree.check_invariants(held=cache.held())
+    return pages_in_use(engine.pool) - cache.num_pages
+
+
+BYSTANDER_PROMPT = "The quick brown fox"
+
+
+class Bystander:
+    """Another client's normal request (streamed, greedy), running in a thread while a test sends a bad one: it must
+    be answered meanwhile with the text it gets alone (:func:`alone`)."""
+
+    def __init__(self, server: RunningServer, max_tokens: int = 24):
+        self.max_tokens, self.text, self.reason, self.error = max_tokens, "", None, None
+        self.thread = threading.Thread(target=self._run, args=(server,), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: RunningServer) -> None:
+        try:
+            with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120) as client:
+                for chunk in client.completions.create(model=server.name, prompt=BYSTANDER_PROMPT, stream=True,
+                                                       max_tokens=self.max_tokens, temperature=0,
+                                                       extra_body={"ignore_eos": True}):
+                    for c in chunk.choices:
+                        self.text += c.text
+                        self.reason = c.finish_reason or self.reason
+        except Exception as e:   # (the test reads it)
+            self.error = e
+
+    def result(self, timeout: float = 120) -> tuple[str, str | None]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the bystander's request was not answered in time"
+        assert self.error is None, f"the bystander's request failed: {self.error!r}"
+        return self.text, self.reason
+
+
+def alone(reference: LLM, max_tokens: int = 24) -> tuple[str, str]:
+    """What :class:`Bystander` gets: its request run by ``reference`` alone."""
+    [out] = reference.generate(BYSTANDER_PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                ignore_eos=True), use_tqdm=False)
+    return out.outputs[0].text, "length"

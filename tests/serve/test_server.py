@@ -9,28 +9,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engines import tiny_model
-from tests.serve.server import RunningServer
-from tests.tokenizers_local import build_tokenizer
+from tests.serve.server import RunningServer, free_again, make_llm, wait_until
 from treedec import LLM, SamplingParams
-from treedec.models.text import load_tokenizer
 from treedec.search.request import pages_in_use
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(build_tokenizer(tmp_path_factory.mktemp("tok")))
-
-
-def make_llm(tokenizer, **kwargs):
-    return LLM(tiny_model(), tokenizer, kv_tokens=kwargs.pop("kv_tokens", 4096), page_size=4, backend="torch",
-               **kwargs)
-
-
-@pytest.fixture(scope="module")
-def reference(tokenizer):
-    """An LLM of its own for the expected outputs (the server's engine is its thread's alone)."""
-    return make_llm(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +25,6 @@ def server(tokenizer):
 def client(server):
     with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
         yield c
-
-
-def wait_until(condition, timeout=10.0):
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.01)
-    asyncio.run(asyncio.wait_for(poll(), timeout))
-
-
-def free_again(server, timeout=10.0):
-    """The pages of the server's pool held by anything but the prefix cache, once its engine is idle and its tree
-    empty (0: every request's pages are free; the invariants hold with the cache's holds)."""
-    engine, cache = server.llm.engine, server.online.scheduler.cache
-    wait_until(lambda: server.online.scheduler.idle and engine.tree.num_nodes == 0, timeout)
-    engine.tree.check_invariants(held=cache.held())
-    return pages_in_use(engine.pool) - cache.num_pages
 
 
 PROMPTS = ["The quick brown fox", "Hello world! hello there"]

@@ -7,20 +7,28 @@
 
 It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, with ``--speculative``, its
 :class:`~treedec.search.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
-(:func:`treedec.serve.build_app`) and runs it with uvicorn until Ctrl-C: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Requests name the model
-``--served-model-name`` (default the ``--model`` argument). Needs the ``serve`` extra:
-``pip install 'treedec[serve]'``.
+(:func:`treedec.serve.build_app`) and runs it with uvicorn (:func:`treedec.serve.http.make_server`) until Ctrl-C or
+SIGTERM: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. Requests name the model ``--served-model-name`` (default the ``--model`` argument). The first
+signal aborts every request (live streams end with an error event) and the server exits within a few seconds, exit
+code 0. On a loopback address it answers only the loopback host names (``--allowed-hosts`` adds others). Needs the
+``serve`` extra: ``pip install 'treedec[serve]'``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
+import signal
 import sys
 from pathlib import Path
 
-from treedec.commands.args import DTYPES, device_arg, model_arg, model_size, positive_int
+from treedec.commands.args import DTYPES, device_arg, model_arg, model_size, positive_float, positive_int
 from treedec.models.config import MODEL_SIZES
+
+#: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
+#: imported before the serve extra is checked).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 #: ``--speculative`` methods (:data:`treedec.search.speculative.config.METHODS` but ``tree``, whose fixed tokens a
 #: command line does not give).
@@ -54,7 +62,26 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4,
                    help="--speculative: the draft's depth (default 4)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests that may wait for admission; one more is answered 503 (default 1024)")
+                   help="outputs (prompts x n of each request) that may wait for admission; a request that would "
+                   "make more wait is answered 503 (default 1024)")
+    p.add_argument("--max-n", type=positive_int, default=128,
+                   help="the largest n of a request (default 128; vLLM's VLLM_MAX_N_SEQUENCES)")
+    p.add_argument("--max-prompts", type=positive_int, default=256,
+                   help="the most prompts one /v1/completions request may hold (default 256)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20,
+                   help="the largest request body, counted as it arrives (default 8 MiB; 413 past it)")
+    p.add_argument("--read-timeout", type=positive_float, default=30.0,
+                   help="seconds a request's body may pause between two chunks (default 30; 408 past it)")
+    p.add_argument("--engine-iteration-timeout", type=positive_float, default=60.0,
+                   help="/health answers 503 while an engine iteration has run longer (default 60 s; vLLM's "
+                   "VLLM_ENGINE_ITERATION_TIMEOUT_S)")
+    p.add_argument("--chat-template-timeout", type=positive_float, default=5.0,
+                   help="seconds the chat template may take to render a request's messages (default 5; 400 past "
+                   "it: it runs in a worker process, stopped then)")
+    p.add_argument("--allowed-hosts",
+                   help="comma-separated Host names the server answers ('*': any); default on a loopback --host: "
+                   f"{','.join(LOOPBACK_HOSTS)} (against DNS rebinding), else any")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     p.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) replacing the "
                    "tokenizer's own")
     p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one, and --config's "
@@ -74,13 +101,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.drafter is not None and args.speculative in (None, "ngram"):
         raise ValueError(f"--drafter gives the weights of --speculative medusa / eagle / eagle3 / draft_model, got "
                          f"--speculative {args.speculative}")
+    allowed_hosts = default_allowed_hosts(args.host) if args.allowed_hosts is None else \
+        [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    if allowed_hosts is not None and not allowed_hosts:
+        raise ValueError(f"--allowed-hosts must name at least one host ('*' for any), got {args.allowed_hosts!r}")
     import torch
-    import uvicorn
 
     from treedec.llm import LLM
     from treedec.models import from_config
     from treedec.search.speculative import SpeculativeConfig
     from treedec.serve import build_app
+    from treedec.serve.http import make_server
 
     speculative = None
     if args.speculative is not None:   # (checked before the model loads)
@@ -102,10 +133,36 @@ def run_serve(args: argparse.Namespace) -> int:
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or args.model or args.config
-    app = build_app(llm, name, max_queued_requests=args.max_queued_requests, seed=args.seed)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    app = build_app(llm, name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
+                    max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                    engine_iteration_timeout=args.engine_iteration_timeout,
+                    chat_template_timeout=args.chat_template_timeout, allowed_hosts=allowed_hosts,
+                    enable_docs=args.enable_docs, seed=args.seed)
+    server = make_server(app, args.host, args.port)
     drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
+    hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
     print(f"treedec serve: {name} on {llm.model.device} ({llm.engine.pool.num_pages * llm.engine.pool.page_size} KV "
-          f"tokens{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health)", file=sys.stderr)
-    server.run()
+          f"tokens{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts})",
+          file=sys.stderr)
+    # uvicorn shuts down on the first SIGINT / SIGTERM, then raises that signal again for whoever handled it before;
+    # for treedec serve that is its normal end (exit code 0), so the handlers it finds are no-ops.
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def default_allowed_hosts(host: str) -> list[str] | None:
+    """The Host names a server bound to ``host`` answers by default: on a loopback address its loopback names (and
+    ``host`` itself), so a web page cannot reach it by rebinding its own name to 127.0.0.1; elsewhere any (None)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:   # (a host name)
+        loopback = False
+    if not loopback:
+        return None
+    own = f"[{host.strip('[]')}]" if ":" in host else host
+    return list(dict.fromkeys([*LOOPBACK_HOSTS, own]))

@@ -13,7 +13,7 @@ has arrived: the stream never shows a U+FFFD that the one-shot decode would not.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from treedec.checks import describe, is_int
@@ -21,8 +21,8 @@ from treedec.errors import CheckpointError
 from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.tree.validate import int_list
 
-__all__ = ["TOKENIZER_FILES", "IncrementalDetokenizer", "check_messages", "check_text", "encode_prompt",
-           "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "ChatTemplateError", "IncrementalDetokenizer", "check_messages", "check_text",
+           "encode_prompt", "load_tokenizer"]
 
 #: Files of which a checkpoint folder holds at least one when it has a tokenizer that
 #: transformers can load (besides ``*.tiktoken`` vocabularies).
@@ -32,6 +32,12 @@ _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode shows for bytes that are no
 # Tokens before the first output token that the first window holds: enough context for a
 # tokenizer to decode the first output token as it decodes it inside the whole text (vLLM's value).
 _CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that failed on the messages (its own error, e.g. ``raise_exception``), or ran past the budget
+    it was rendered within (time, memory, size: :class:`treedec.serve.templates.ChatTemplateRenderer`). The message
+    names the chat template."""
 
 
 def has_tokenizer(model: str | Path | ResolvedModel) -> bool:
@@ -86,7 +92,8 @@ def _tokenizer_folder(model: str | Path | ResolvedModel) -> Path:
     return resolve_model(model).checkpoint
 
 
-def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_template: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_template: bool,
+                  render: Callable[[list[dict]], str] | None = None) -> list[int]:
     """The token ids of a prompt, as a plain text or through the tokenizer's chat template.
 
     Parameters
@@ -102,6 +109,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
         ``add_generation_prompt=True`` and the rendered text is encoded without adding
         special tokens (the template writes its own BOS), as transformers'
         ``apply_chat_template(..., tokenize=True)`` does.
+    render : how the checked messages become the rendered text: default
+        ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` in this thread; a
+        server passes one that renders in a bounded worker (:class:`treedec.serve.templates.ChatTemplateRenderer`).
 
     Returns
     -------
@@ -115,8 +125,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
     ValueError
         Messages with ``chat_template=False``; malformed messages (see :func:`check_messages`);
         a text that is not Unicode text (a lone surrogate, see :func:`check_text`); a tokenizer
-        without a chat template; a template that refuses the messages (its own message); a
-        prompt that encodes to no tokens.
+        without a chat template; a prompt that encodes to no tokens.
+    ChatTemplateError
+        (a ValueError) The template refused the messages (its own message), or ``render`` stopped it.
     """
     if not isinstance(chat_template, bool):
         raise TypeError(f"chat_template must be a bool, got {describe(chat_template)}")
@@ -139,9 +150,13 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
             raise ValueError(f"the tokenizer of {name} has no chat template; encode the prompt as plain text "
                              f"(chat_template=False) or use a checkpoint with one (an instruct / chat model)")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = render(messages) if render is not None else \
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ChatTemplateError:
+            raise
         except Exception as e:  # jinja2's TemplateError (e.g. raise_exception in the template) and its kin
-            raise ValueError(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:300]})") from e
+            raise ChatTemplateError(f"the chat template refused the messages ({type(e).__name__}: "
+                                    f"{str(e)[:300]})") from e
         check_text(text, "the chat template's rendering of the prompt")
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:

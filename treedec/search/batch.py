@@ -14,8 +14,8 @@ its tree (pages freed for the next admissions).
 Admission and pool pressure are the scheduler's: a request is admitted when its prompt and
 the next step of every live request fit; an output that cannot grow waits, and when all wait
 the newest request is preempted and run again (:mod:`treedec.search.scheduler`). A request
-whose worst case (prompt and ``n`` outputs of ``max_new_tokens``) exceeds the whole pool
-raises before anything runs.
+whose worst case (prompt and ``n`` outputs of ``max_new_tokens``) exceeds what the pool can give it (its
+free pages, and those the prefix cache can evict) raises before anything runs.
 
 Randomness: a request with a ``seed`` draws from its own generator, one uniform number per
 output per draw (:func:`~treedec.search.sampling.sample_tokens` by inverse CDF), so its outputs
@@ -43,7 +43,8 @@ from treedec.search.request import Positions, check_positions
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopRule
 
-__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress"]
+__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress",
+           "worst_case_pages"]
 
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
@@ -94,8 +95,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     ------
     ValueError, TypeError : a bad request or argument (a prompt and ``max_new_tokens`` past the model's
         positions included), before the engine is touched.
-    PoolExhaustedError : a request's worst case does not fit the pool's free pages, before
-        anything runs.
+    PoolExhaustedError : a request's worst case (:func:`worst_case_pages`) does not fit the pool's free pages and
+        those ``prefix_cache`` can evict, before anything runs.
     """
     if not isinstance(engine, Engine):
         raise TypeError(f"engine must be an Engine, got {type(engine).__name__}")
@@ -108,15 +109,16 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     programs = [GenerateProgram(spec, ids, tokenizer, on_text=on_text) for spec, ids in prepared]
     for program in programs:   # (run_programs checks this too, after the pages below)
         check_positions(engine.model, program.positions(), program.name, before_run=True)
-    budget = engine.pool.num_free_pages
+    free = engine.pool.num_free_pages   # and what the cache gives back when the scheduler needs its pages
+    evictable = 0 if prefix_cache is None else prefix_cache.evictable_pages()
     for spec, prompt_ids in prepared:
-        n, new = spec.params.n, spec.params.max_tokens
-        worst = engine.pool.pages_for(len(prompt_ids)) + n * engine.pool.pages_for(new)
-        if worst > budget:
+        worst = worst_case_pages(engine.pool, spec.params, len(prompt_ids))
+        if worst > free + evictable:
+            cached = f" + {evictable} the prefix cache can give back" if prefix_cache is not None else ""
             raise PoolExhaustedError(
-                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {n} x {new} new "
-                f"tokens), the pool has {budget} free; lower max_tokens or n, or give the engine more kv_tokens; "
-                f"nothing was run")
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.params.n} x "
+                f"{spec.params.max_tokens} new tokens), the pool has {free} free{cached}; lower max_tokens or n, or "
+                f"give the engine more kv_tokens; nothing was run")
     done = None if on_request_done is None else (lambda index, results: on_request_done(results))
     results, stats = run_programs(engine, programs, min_shared_prefix=min_shared_prefix, on_done=done,
                                   max_step_tokens=max_step_tokens, on_step=on_step, prefix_cache=prefix_cache,
@@ -139,6 +141,12 @@ def step_progress(bar) -> Callable[[SchedulerStats], None]:
         bar.set_postfix_str(f"step {stats.steps}", refresh=False)
         bar.update(0)   # (redrawn at tqdm's own rate)
     return on_step
+
+
+def worst_case_pages(pool, params: SamplingParams, prompt_tokens: int) -> int:
+    """The most KV pages a :class:`GenerateProgram` may hold at once: its prompt's, and each of its ``n`` outputs'
+    ``max_tokens`` (an output's node starts on a page of its own), none of them shared."""
+    return pool.pages_for(prompt_tokens) + params.n * pool.pages_for(params.max_tokens)
 
 
 def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
@@ -165,9 +173,10 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
-        bad = [t for t in prompt_ids + list(spec.params.stop_token_ids) if t >= vocab]
-        if bad:
-            raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
+            bad = [t for t in given if t >= vocab]
+            if bad:   # (the message starts with the field: a server names it as the error's param)
+                raise ValueError(f"{field} of request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")

@@ -46,10 +46,11 @@ import numpy as np
 
 from treedec.checks import positive_int
 from treedec.engine import Engine
-from treedec.search.batch import GenerateProgram, prepare_requests
+from treedec.errors import PoolExhaustedError
+from treedec.search.batch import GenerateProgram, prepare_requests, worst_case_pages
 from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program, ProgramContext
-from treedec.search.request import check_positions
+from treedec.search.request import check_positions, pages_in_use
 from treedec.search.requests_file import RequestSpec
 from treedec.search.sampling import SEED_MAX
 from treedec.search.scheduler_loop import SchedulerLoop
@@ -94,6 +95,9 @@ class OnlineScheduler:
     stats : the :class:`~treedec.search.scheduler.SchedulerStats` since it was made: its counters (``steps``,
         ``prompt_tokens``, ``cached_tokens``, ...) count every step; its per-step lists (``queries_per_step``,
         ``programs_per_step``) hold the last ``history`` steps' (``seconds`` stays 0).
+    capacity : the most KV pages the scheduler can ever give one program: the pool's pages but those held, when it
+        was made, by anything but its prefix cache (the engine's other trees). A program needing more can never
+        run to its end, however long it waits (the others' pages are freed as they end, the cache's evicted).
     """
 
     def __init__(self, engine: Engine, *, max_step_tokens: int | None = None,
@@ -124,6 +128,8 @@ class OnlineScheduler:
             self.cache = PrefixCache(engine.tree) if prefix_cache else None
         self._core = SchedulerLoop(engine, [], budget, 0, True, on_done, on_step, on_error, cache=self.cache,
                                    share_queued=True, pipeline=pipeline, seed=seed)
+        held = pages_in_use(engine.pool) - (0 if self.cache is None else self.cache.num_pages)
+        self.capacity = engine.pool.num_pages - held
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, int, Program | None]] = []
         self._handles = itertools.count()
@@ -238,6 +244,13 @@ class OnlineEngine:
     Attributes
     ----------
     error : what stopped the thread (a callback's bug), else None; then :meth:`submit` raises RuntimeError.
+
+    Every request's size is bounded before it is queued: :meth:`submit` refuses one whose worst case
+    (:func:`~treedec.search.batch.worst_case_pages`: its prompt and ``n`` outputs of ``max_tokens``) exceeds the pages
+    the pool can give one request (:attr:`OnlineScheduler.capacity`), so no request is admitted that could only
+    fail later, after its ``n`` outputs' state was built. :attr:`waiting_outputs` counts the outputs waiting for
+    admission (a server's queue bound) and :attr:`iteration_seconds` is a heartbeat (how long the iteration running
+    now has run).
     """
 
     def __init__(self, engine: Engine, tokenizer=None, *, chat_template: bool = False,
@@ -257,6 +270,9 @@ class OnlineEngine:
         self._seeds = np.random.default_rng(seed)
         self._requests: dict[int, _Request] = {}    # handle -> request (the driving thread pops it)
         self._handles: dict[int | str, int] = {}    # request id -> handle, while it runs
+        self._waiting: dict[int | str, int] = {}    # request id -> its outputs, until its program first starts
+        self._num_waiting = 0                       # their sum
+        self._iteration_start: float | None = None  # (perf_counter) the iteration running now began
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -269,17 +285,35 @@ class OnlineEngine:
         """Whether the driving thread runs (not shut down, not failed)."""
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def waiting_outputs(self) -> int:
+        """The outputs (``n`` a request) of the requests submitted whose program has not started yet (any thread)."""
+        return self._num_waiting
+
+    @property
+    def iteration_seconds(self) -> float:
+        """How long the iteration running now has run, in seconds; 0.0 between iterations (any thread)."""
+        start = self._iteration_start
+        return 0.0 if start is None else max(0.0, time.perf_counter() - start)
+
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None
                ) -> AsyncIterator[StreamOutput]:
         """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
-        TypeError, or :class:`~treedec.errors.PoolExhaustedError` for a speculative request larger than the free
-        pool); returns an async iterator of its :class:`~treedec.search.streams.StreamOutput`, the last one
-        ``finished``. Call it in a coroutine (the running loop gets the outputs). A request id must be unique
-        among the running requests. A sampled request without a seed gets one (see ``seed``)."""
+        TypeError, or :class:`~treedec.errors.PoolExhaustedError` for one whose worst case exceeds what the pool can
+        give a request, :attr:`OnlineScheduler.capacity`, or for a speculative request larger than the free pool);
+        returns an async iterator of its :class:`~treedec.search.streams.StreamOutput`, the last one ``finished``.
+        Call it in a coroutine (the running loop gets the outputs). A request id must be unique among the running
+        requests. A sampled request without a seed gets one (see ``seed``)."""
         loop = asyncio.get_running_loop()
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
+        worst, capacity = worst_case_pages(self.engine.pool, spec.params, len(prompt_ids)), self.scheduler.capacity
+        if self.drafts is None and worst > capacity:
+            raise PoolExhaustedError(
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.params.n} x "
+                f"{spec.params.max_tokens} new tokens), more than the {capacity} the pool can give one request; lower "
+                f"max_tokens or n, or give the engine more kv_tokens; nothing was run")
         if spec.params.temperature > 0 and spec.params.seed is None:
             with self._lock:
                 seed = int(self._seeds.integers(0, SEED_MAX))
@@ -300,9 +334,11 @@ class OnlineEngine:
                                    f"the online engine failed: {type(self.error).__name__}: {self.error}")
             if spec.id in self._handles:
                 raise ValueError(f"request id {spec.id!r} is already running")
-            handle = self.scheduler.submit(_Restarts(program, stream.restart))
+            handle = self.scheduler.submit(_Restarts(program, lambda: self._started(spec.id, stream)))
             self._requests[handle] = _Request(spec, prompt_ids, stream, self.drafts is not None)
             self._handles[spec.id] = handle
+            self._waiting[spec.id] = spec.params.n
+            self._num_waiting += spec.params.n
         self._wake.set()
         return stream
 
@@ -317,8 +353,9 @@ class OnlineEngine:
         self._wake.set()
         return True
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Abort every running request, let the thread close them (their pages freed) and join it."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Abort every running request, let the thread close them (their pages freed) and join it (for at most
+        ``timeout`` seconds); returns whether the thread has ended."""
         with self._lock:
             self._stopping = True
             handles = list(self._handles.values())
@@ -326,6 +363,7 @@ class OnlineEngine:
             self.scheduler.abort(handle)
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> "OnlineEngine":
         return self
@@ -339,8 +377,11 @@ class OnlineEngine:
             while True:
                 self._wake.clear()
                 if not scheduler.idle:
-                    start = time.perf_counter()
-                    scheduler.iterate()
+                    start = self._iteration_start = time.perf_counter()
+                    try:
+                        scheduler.iterate()
+                    finally:
+                        self._iteration_start = None
                     if self.on_iteration is not None:
                         self.on_iteration(scheduler.stats, time.perf_counter() - start)
                     continue
@@ -353,14 +394,23 @@ class OnlineEngine:
                 self._stopping = True
                 requests, self._requests = self._requests, {}
                 self._handles.clear()
+                self._waiting.clear()
+                self._num_waiting = 0
             for request in requests.values():
                 request.stream.fail(error)
+
+    def _started(self, request_id: int | str, stream: OutputStream) -> None:
+        """A run of the request's program starts (the driving thread): it no longer waits; its text starts again."""
+        with self._lock:
+            self._num_waiting -= self._waiting.pop(request_id, 0)
+        stream.restart()
 
     def _finish(self, handle: int) -> _Request | None:
         with self._lock:
             request = self._requests.pop(handle, None)
             if request is not None:
                 self._handles.pop(request.spec.id, None)
+                self._num_waiting -= self._waiting.pop(request.spec.id, 0)
         return request
 
     def _done(self, handle: int, result) -> None:

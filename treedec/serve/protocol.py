@@ -66,6 +66,19 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False   # (vLLM's: each choice also gives its prompt's and its output's token ids)
     logit_bias: dict[str, float] | None = None
 
+    @property
+    def budget_field(self) -> str:
+        """The field the completion's token budget was given in (errors name it)."""
+        return "max_tokens"
+
+    def token_budget(self) -> int | None:
+        """The completion's token budget as given (None: what the model's context leaves after the prompt), checked
+        to be >= 1 (a ServeError naming :attr:`budget_field`)."""
+        value = self.max_tokens
+        if value is not None and value < 1:
+            raise ServeError(f"{self.budget_field} must be >= 1, got {value}", param=self.budget_field)
+        return value
+
     def _check_common(self) -> None:
         if self.logit_bias:
             raise ServeError("logit_bias is not supported", param="logit_bias")
@@ -155,8 +168,15 @@ class ChatCompletionRequest(_Sampling):
             out.append({**m, "content": content})
         return out
 
+    @property
+    def budget_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        value = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if value is not None and value < 1:
+            raise ServeError(f"{self.budget_field} must be >= 1, got {value}", param=self.budget_field)
+        return value
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         self._check_common()
