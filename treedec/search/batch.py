@@ -430,9 +430,9 @@ class _Outputs:
             elif placed:
                 self.tree.set_tokens(node, at, [token])
             if self.stream is not None:
-                text = checker.streamable_text
-                if len(text) > self.shown[i]:
-                    self.stream(i, text[self.shown[i]:])
-                    self.shown[i] = len(text)
+                end = checker.streamable_length
+                if end > self.shown[i]:   # (only the new characters are joined: no copy of the whole text)
+                    self.stream(i, checker.text_from(self.shown[i]))
+                    self.shown[i] = end
         return ended
 
