@@ -116,10 +116,15 @@ def test_counts_kept_on_the_device_equal_counts_of_the_histories():
 
 def test_bad_penalty_arguments_raise_naming_them():
     logits = random_logits()
-    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[1.4012985e-45, 3.4028235e\+38\] "
+                                         r"\(> 0 and finite in float32\), got 0.0"):
         penalties(logits, repetition_penalty=0.0)
-    with pytest.raises(ValueError, match="presence_penalty must be a finite number"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in .*got 1e-300"):
+        penalties(logits, repetition_penalty=1e-300)   # (0 in float32: a division by zero)
+    with pytest.raises(ValueError, match="presence_penalty must be a number in"):
         penalties(logits, presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="frequency_penalty must be a number in"):
+        penalties(logits, frequency_penalty=1e308)   # (inf in float32: 0 * inf is NaN)
     with pytest.raises(ValueError, match="prompt_mask must be bool"):
         apply_penalties(logits, torch.zeros(1, VOCAB), output_token_counts(OUTPUTS, VOCAB))
     with pytest.raises(ValueError, match="output_counts must be an int tensor"):
@@ -175,7 +180,9 @@ def test_warp_scores_at_min_p_0_are_todays_sampling_probs(temperature, top_k, to
 
 def test_bad_warper_arguments_raise_naming_them():
     logits = random_logits()
-    for kwargs, message in [(dict(temperature=0.0), "temperature must be a finite number > 0"),
+    for kwargs, message in [(dict(temperature=0.0), r"temperature must be a number in \[1e-05, 3.4028235e\+38\] "
+                                                         r"\(below 1e-5 sampling is greedy"),
+                            (dict(temperature=1e308), r"temperature must be a number in .*got 1e\+308"),
                             (dict(temperature=1.0, top_k=0), "top_k must be an int >= 1"),
                             (dict(temperature=1.0, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
                             (dict(temperature=1.0, min_p=1.5), r"min_p must be a finite number in \[0, 1\]")]:
@@ -341,3 +348,31 @@ def test_logprobs_equal_transformers_generate_on_smollm2(checkpoint):
     theirs_prompt = prompt_logprobs(hf_prompt_logits, prompt, k=2)
     torch.testing.assert_close(ours_prompt.logprobs, theirs_prompt.logprobs, atol=1e-4, rtol=0)
     torch.testing.assert_close(ours_prompt.top_logprobs, theirs_prompt.top_logprobs, atol=1e-4, rtol=0)
+
+
+# ================================================================ float32 safety (issue #48 items 4-5)
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token():
+    """top_p=1e-300 passes (0, 1] but is 0 in float32: every token's mass before it is >= 0, so the old cut
+    dropped the most likely token too (an all -inf row: a NaN softmax, a draw of id == vocab)."""
+    logits = random_logits()
+    scores = warp_scores(logits, 0.7, top_p=1e-300)
+    kept = torch.isfinite(scores)
+    assert kept.sum(dim=-1).tolist() == [1] * len(OUTPUTS)                       # one token a row (ties: one of them)
+    assert torch.equal(logits[kept], logits.max(dim=-1).values)
+    assert not scores.softmax(dim=-1).isnan().any()
+
+
+def test_warped_and_penalized_logits_never_overflow_float32():
+    """A huge temperature over -inf padded logits, a tiny one over huge logits, a subnormal repetition penalty:
+    finite logits saturate at float32's range, masked ones stay -inf, nothing is NaN."""
+    logits = random_logits()
+    logits[:, -8:] = float("-inf")                              # a padded vocabulary (Engine.restrict_vocab)
+    for scores in (warp_scores(logits, 3e38), warp_scores(logits * 1e35, 1e-5),
+                   penalties(logits, repetition_penalty=1e-44), penalties(logits * 1e37, repetition_penalty=1e-30)):
+        assert not scores.isnan().any() and not (scores == float("inf")).any()
+        assert torch.equal(scores[:, -8:], logits[:, -8:])
+        assert scores.softmax(dim=-1)[:, :-8].isfinite().all()
+    big = penalties(torch.full((len(OUTPUTS), VOCAB), 3e38), repetition_penalty=0.5, frequency_penalty=-2.0)
+    assert big.isfinite().all() and big.max() == 3.4028234663852886e38

@@ -22,12 +22,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from treedec.checks import finite_float, fraction, nonnegative_int, positive_float, positive_int, show
+from treedec.checks import (FLOAT32_MAX, FLOAT32_TINY, finite_float, float32_number, fraction, nonnegative_int,
+                            positive_int, show)
 from treedec.tree.validate import int_list, rows
 
-__all__ = ["LogitsProcessor", "LogitsProcessorError", "Logprob", "TokenLogprobs", "apply_logits_processors",
-           "apply_penalties", "count_tokens_", "min_p_filter", "output_token_counts", "prompt_logprobs",
-           "prompt_token_mask", "token_logprobs", "warp_scores"]
+__all__ = ["SAMPLING_EPS", "LogitsProcessor", "LogitsProcessorError", "Logprob", "TokenLogprobs",
+           "apply_logits_processors", "apply_penalties", "count_tokens_", "min_p_filter", "output_token_counts",
+           "prompt_logprobs", "prompt_token_mask", "saturate", "token_logprobs", "warp_scores"]
+
+#: The smallest temperature that samples (vLLM's ``_SAMPLING_EPS``): below it a request is greedy
+#: (:class:`~treedec.search.sampling.SamplingParams` stores it as 0).
+SAMPLING_EPS = 1e-5
 
 #: A user logits processor, transformers' signature: ``(input_ids [1, L] int64, scores [1, V] float) ->
 #: scores [1, V]``, where ``input_ids`` is the prompt and the output so far.
@@ -57,27 +62,37 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     prompt_mask : [m, V] or [1, V] bool, the tokens present in each row's prompt (:func:`prompt_token_mask`).
     output_counts : [m, V] int, each token's count in each row's output so far (:func:`output_token_counts`,
         :func:`count_tokens_`).
-    repetition_penalty : > 0; 1 is none, > 1 discourages repeats.
-    presence_penalty, frequency_penalty : finite numbers; 0 is none, > 0 discourages repeats.
+    repetition_penalty : > 0 and finite in float32 (``[2**-149, 3.4e38]``); 1 is none, > 1 discourages repeats.
+    presence_penalty, frequency_penalty : finite float32 numbers; 0 is none, > 0 discourages repeats (vLLM's
+        :class:`~treedec.search.sampling.SamplingParams` bounds them to [-2, 2]).
 
     Returns
     -------
-    [m, V] float32, a new tensor on ``logits.device``.
+    [m, V] float32, a new tensor on ``logits.device``. A finite logit stays finite (a penalty that would take
+    it past float32's range saturates at +-3.4e38: no inf, no NaN); an infinite one (a masked token) stays.
     """
-    repetition_penalty = positive_float("repetition_penalty", repetition_penalty)
-    presence_penalty = finite_float("presence_penalty", presence_penalty)
-    frequency_penalty = finite_float("frequency_penalty", frequency_penalty)
+    repetition_penalty = float32_number("repetition_penalty", repetition_penalty, FLOAT32_TINY,
+                                        note=" (> 0 and finite in float32)")
+    presence_penalty = float32_number("presence_penalty", presence_penalty)
+    frequency_penalty = float32_number("frequency_penalty", frequency_penalty)
     _check_rows(logits, prompt_mask, output_counts)
     scores = logits.float()
     if repetition_penalty != 1.0:
         seen = prompt_mask | (output_counts > 0)
         penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
-        scores = torch.where(seen, penalized, scores)
+        scores = torch.where(seen, saturate(penalized, scores), scores)
     if frequency_penalty != 0.0:
-        scores = scores - frequency_penalty * output_counts.float()
+        scores = saturate(scores - frequency_penalty * output_counts.float(), scores)
     if presence_penalty != 0.0:
-        scores = scores - presence_penalty * (output_counts > 0).float()
+        scores = saturate(scores - presence_penalty * (output_counts > 0).float(), scores)
     return scores if scores is not logits else scores.clone()
+
+
+def saturate(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` (float32, computed from ``old`` elementwise) with every value that overflowed (infinite where
+    ``old`` was finite) set to float32's largest magnitude of its sign: a processed logit never becomes inf
+    (inf - inf is the NaN that would spoil the row's softmax). Infinite and NaN ``old`` values carry over."""
+    return torch.where(torch.isfinite(old), new.clamp(-FLOAT32_MAX, FLOAT32_MAX), new)
 
 
 def prompt_token_mask(prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None
@@ -160,21 +175,26 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
     Parameters
     ----------
     logits : [..., V] any float dtype.
-    temperature : > 0 (0, greedy decoding, is the argmax: no distribution).
+    temperature : in [1e-5, 3.4e38] (:data:`SAMPLING_EPS` and float32's largest: below,
+        sampling is greedy decoding, the argmax; no distribution).
     top_k : int >= 1, or None for no top-k cut.
-    top_p : in (0, 1]; 1 keeps every token.
+    top_p : in (0, 1]; 1 keeps every token. A ``top_p`` that float32 rounds to 0 (below 1.4e-45) keeps only
+        the most likely token, as any ``top_p`` small enough does.
     min_p : in [0, 1]; 0 keeps every token.
 
     Returns
     -------
-    [..., V] float32, ``-inf`` at the removed tokens.
+    [..., V] float32, ``-inf`` at the removed tokens; a finite logit whose scaling overflows float32 saturates
+    at +-3.4e38 (:func:`saturate`), so the softmax of a row with a finite logit has no NaN.
     """
-    positive_float("temperature", temperature, note=" (0, greedy decoding, is the argmax)")
+    float32_number("temperature", temperature, SAMPLING_EPS,
+                   note=" (below 1e-5 sampling is greedy decoding: the argmax)")
     if top_k is not None:
         positive_int("top_k", top_k)
     fraction("top_p", top_p)
     min_p = _min_p(min_p)
-    scores = logits.float() / temperature
+    raw = logits.float()
+    scores = saturate(raw / temperature, raw)
     if top_k is not None and top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -182,7 +202,9 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
         ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+        cut = mass_before >= top_p                        # (top_p is compared in float32: 1e-300 is 0 there)
+        cut[..., 0] = False                               # the most likely token is always kept
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, cut)
         scores = scores.masked_fill(drop, float("-inf"))
     if min_p > 0:
         scores = min_p_filter(scores, min_p)

@@ -13,9 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from treedec.checks import (describe, finite_float, fraction, is_int, is_real, nonnegative_float, positive_float,
-                            positive_int)
-from treedec.search.logits import warp_scores
+from treedec.checks import FLOAT32_MAX, FLOAT32_TINY, describe, float32_number, fraction, is_int, is_real, positive_int
+from treedec.search.logits import SAMPLING_EPS, warp_scores
 from treedec.search.stops import StopRule, stop_string_tuple, token_id_tuple
 
 
@@ -34,13 +33,20 @@ class SamplingParams:
     Attributes
     ----------
     n : outputs of the request (parallel samples), int >= 1.
-    presence_penalty : subtracted from the logit of every token the output holds (vLLM / OpenAI); any finite
-        number, 0 for none.
-    frequency_penalty : times each token's count in the output, subtracted from its logit; 0 for none.
-    repetition_penalty : > 0; a logit of a token in the prompt or the output is divided by it when positive,
-        multiplied when negative (transformers' / vLLM's rule); 1 for none.
-    temperature : >= 0; 0 is greedy (the argmax of the processed logits; top_k, top_p, min_p moot).
-    top_p : in (0, 1]; 1 keeps every token. The most likely token is always kept.
+    presence_penalty : subtracted from the logit of every token the output holds (vLLM / OpenAI); in [-2, 2]
+        (vLLM's and OpenAI's range), 0 for none.
+    frequency_penalty : times each token's count in the output, subtracted from its logit; in [-2, 2], 0 for
+        none.
+    repetition_penalty : > 0 and finite in float32 (in [2**-149, 3.4e38], as vLLM: > 0 and finite); a logit of a
+        token in the prompt or the output is divided by it when positive, multiplied when negative
+        (transformers' / vLLM's rule); 1 for none. A penalized logit saturates at float32's range (never inf).
+    temperature : in [0, 3.4e38] (finite in float32); 0 is greedy (the argmax of the processed logits; top_k,
+        top_p, min_p moot). A temperature below :data:`SAMPLING_EPS` (1e-5, vLLM's ``_SAMPLING_EPS``, below which
+        vLLM samples greedily) is greedy too and is stored as 0.0: ``logits / 1e-45`` would overflow float32.
+        (vLLM also raises a temperature in (0, 0.01) to 0.01 with a warning; treedec samples at the temperature
+        given, which float32 holds: softmax subtracts the row's largest logit.)
+    top_p : in (0, 1]; 1 keeps every token. The most likely token is always kept (a ``top_p`` that is 0 in
+        float32, e.g. 1e-300, keeps only it, as in vLLM).
     top_k : int >= 1, or None for no top-k cut (vLLM's -1 and 0 mean None too; ties with the k-th kept).
     min_p : in [0, 1]; 0 keeps every token.
     seed : int in [0, 2**63), or None: the outputs of a request with a seed draw from its own generator, so
@@ -83,7 +89,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: every token is the argmax of the processed logits."""
+        """Temperature 0 (or below :data:`SAMPLING_EPS`, stored as 0): every token is the argmax of the
+        processed logits."""
         return self.temperature == 0
 
     @property
@@ -163,7 +170,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     Returns
     -------
     [m] int64 token ids ([m, k] with ``k``), on ``logits.device``; for one [vocab] row the argmax is a
-    0-d tensor, a draw [1] ([k] with ``k``).
+    0-d tensor, a draw [1] ([k] with ``k``). Every id is in ``[0, vocab)``, whatever the row holds: an inverse-CDF
+    draw from a row with no distribution (NaN logits, which only a broken model or an unchecked processor gives)
+    is clamped on the device (no host sync) to the last id instead of indexing past the vocabulary.
     """
     if k is not None:
         positive_int("k", k)
@@ -182,7 +191,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     # total stays below the total, so some token always passes it.
     cdf = probs.double().cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniform.double() * cdf[:, -1]).unsqueeze(-1), right=True)
-    return picked.reshape(-1)
+    return picked.reshape(-1).clamp_(max=probs.shape[-1] - 1)   # (NaN compares false: it would give vocab)
 
 
 # ================================================================ private: the fields' checks
@@ -215,6 +224,15 @@ def _logprobs(name: str, value) -> int | None:
     return None if value is None else int(value)
 
 
+def _temperature(name: str, value) -> float:
+    value = float32_number(name, value, 0.0, FLOAT32_MAX, note=" (finite in float32; 0 is greedy)")
+    return 0.0 if value < SAMPLING_EPS else value   # (vLLM's greedy below _SAMPLING_EPS)
+
+
+def _penalty(name: str, value) -> float:
+    return float32_number(name, value, -2.0, 2.0, note=" (vLLM's and OpenAI's range; 0: no penalty)")
+
+
 def _min_p(name: str, value) -> float:
     if not is_real(value) or not 0 <= value <= 1:
         raise ValueError(f"{name} must be a number in [0, 1] (0: no cut), got {describe(value)}")
@@ -238,10 +256,11 @@ def _processors(name: str, value) -> tuple:
 # Each field's check: (name, value) -> the value as stored.
 _CHECKS = MappingProxyType({
     "n": positive_int,
-    "presence_penalty": finite_float,
-    "frequency_penalty": finite_float,
-    "repetition_penalty": lambda name, v: positive_float(name, v, note=" (1: no penalty)"),
-    "temperature": nonnegative_float,
+    "presence_penalty": _penalty,
+    "frequency_penalty": _penalty,
+    "repetition_penalty": lambda name, v: float32_number(name, v, FLOAT32_TINY, FLOAT32_MAX,
+                                                         note=" (> 0 and finite in float32; 1: no penalty)"),
+    "temperature": _temperature,
     "top_p": fraction,
     "top_k": _top_k,
     "min_p": _min_p,

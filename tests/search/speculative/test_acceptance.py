@@ -90,15 +90,22 @@ def test_typical_first_token_samples_above_the_threshold():
 
 
 def test_typical_acceptance_errors():
-    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 \(.*GreedyAcceptance\), got 0"):
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[1e-05, 3.4028235e\+38\] "
+                                         r"\(.*GreedyAcceptance\), got 0"):
         TypicalAcceptance(temperature=0)
-    with pytest.raises(ValueError, match="posterior_threshold must be a finite number >= 0, got -0.1"):
+    for temperature in (1e-45, 5e-324, 1e308):   # 0 or inf in float32: a NaN distribution
+        with pytest.raises(ValueError, match="temperature must be a number in"):
+            TypicalAcceptance(temperature=temperature)
+        with pytest.raises(ValueError, match="temperature must be a number in"):
+            RejectionSampling(temperature=temperature)
+    with pytest.raises(ValueError, match=r"posterior_threshold must be a number in \[0, 3.4028235e\+38\] "
+                                         r"\(finite in float32\), got -0.1"):
         TypicalAcceptance(posterior_threshold=-0.1)
-    with pytest.raises(ValueError, match="posterior_alpha must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match="posterior_alpha must be a number in .*got nan"):
         TypicalAcceptance(posterior_alpha=float("nan"))
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         RejectionSampling(seed=-1)
-    with pytest.raises(ValueError, match="temperature must be a finite number > 0 .*, got inf"):
+    with pytest.raises(ValueError, match="temperature must be a number in .*, got inf"):
         RejectionSampling(temperature=math.inf)
 
 
