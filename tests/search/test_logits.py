@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 from tests.engines import smollm2_or_skip
 from treedec.search.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
                                    count_tokens_, min_p_filter, output_token_counts, prompt_logprobs,
-                                   prompt_token_mask, token_logprobs, warp_scores)
+                                   token_logprobs, token_mask, warp_scores)
 from treedec.search.sampling import SamplingParams, sampling_probs
 
 VOCAB = 64
@@ -50,7 +50,7 @@ def openai_presence_frequency(logits, presence, frequency, outputs=OUTPUTS):
 
 
 def penalties(logits, **kwargs):
-    return apply_penalties(logits, prompt_token_mask(PROMPT, VOCAB), output_token_counts(OUTPUTS, VOCAB), **kwargs)
+    return apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), output_token_counts(OUTPUTS, VOCAB), **kwargs)
 
 
 # ================================================================ penalties
@@ -92,7 +92,7 @@ def test_no_penalty_returns_the_logits_as_a_new_float32_tensor():
 
 def test_a_prompt_mask_per_row():
     logits = random_logits(m=2)
-    mask = torch.cat([prompt_token_mask([1, 2], VOCAB), prompt_token_mask([3], VOCAB)])
+    mask = torch.cat([token_mask([1, 2], VOCAB), token_mask([3], VOCAB)])
     out = apply_penalties(logits, mask, output_token_counts([[], []], VOCAB), repetition_penalty=2.0)
     assert torch.equal(out, torch.cat([hf_repetition(logits[:1], 2.0, [1, 2], [[]]),
                                        hf_repetition(logits[1:], 2.0, [3], [[]])]))
@@ -128,9 +128,9 @@ def test_bad_penalty_arguments_raise_naming_them():
     with pytest.raises(ValueError, match="prompt_mask must be bool"):
         apply_penalties(logits, torch.zeros(1, VOCAB), output_token_counts(OUTPUTS, VOCAB))
     with pytest.raises(ValueError, match="output_counts must be an int tensor"):
-        apply_penalties(logits, prompt_token_mask(PROMPT, VOCAB), torch.zeros(2, VOCAB, dtype=torch.int32))
+        apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), torch.zeros(2, VOCAB, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"prompt_ids must be in \[0, 63\], got prompt_ids\[0\] = 64"):
-        prompt_token_mask([VOCAB], VOCAB)
+        token_mask([VOCAB], VOCAB, name="prompt_ids")
     with pytest.raises(ValueError, match=r"token_ids_per_row\[1\] must be in \[0, 63\]"):
         output_token_counts([[1], [70]], VOCAB)
     with pytest.raises(ValueError, match="valid must be bool"):

@@ -31,18 +31,20 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.models.text import IncrementalDetokenizer, encode_prompt
+from treedec.models.text import encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.search.requests_file import RequestResult, RequestSpec
-from treedec.search.logits import TokenLogprobs, apply_logits_processors, apply_penalties, prompt_logprobs, \
-    prompt_token_mask, token_logprobs
+from treedec.search.logits import (NonFiniteLogitsError, TokenLogprobs, apply_allowed_tokens, apply_bad_words,
+                                   apply_logit_bias, apply_logits_processors, apply_penalties, drawable_rows,
+                                   mask_stop_tokens, prompt_logprobs, token_logprobs, token_mask)
 from treedec.search.sampling import SamplingParams, sample_tokens
 from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program, ProgramContext, Read, StepRequest
-from treedec.search.request import Positions, check_positions
+from treedec.search.request import Positions, check_positions, position_limit
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopChecker, StopRule
 from treedec.transfer import to_device
+from treedec.tree.validate import int_list
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress"]
 
@@ -158,9 +160,11 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
+        prompt_ids = spec.params.truncated(prompt_ids, position_limit(engine.model))
         bad = [t for t in prompt_ids + list(spec.params.stop_token_ids) if t >= vocab]
         if bad:
             raise ValueError(f"request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        spec.params.check_vocab(vocab, f"request {spec.id!r}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")
@@ -228,6 +232,7 @@ class GenerateProgram(Program):
         self.name = spec.name
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
+        self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
 
     def positions(self) -> Positions:
         m = self.spec.params.max_tokens
@@ -243,8 +248,7 @@ class GenerateProgram(Program):
         if spec.params.seed is not None and spec.params.temperature > 0:   # (made here: a re-run draws the same)
             generator = torch.Generator(engine.device).manual_seed(spec.params.seed)
         rule = self.rule if self.rule is not None else spec.params.stop_rule(engine.model.eos_token_ids)
-        checkers = [StopChecker(rule, None if self.tokenizer is None
-                                else IncrementalDetokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
+        checkers = [StopChecker(rule, spec.params.detokenizer(self.tokenizer, self.prompt_ids)) for _ in range(n)]
         stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
         state = _Outputs(engine.tree, checkers, self.keep, stream, ctx.offer)
         queries: list[int] = []
@@ -252,7 +256,8 @@ class GenerateProgram(Program):
         try:
             wants_prompt = spec.params.prompt_logprobs is not None
             state.root, out = yield from ctx.prompt(self.prompt_ids, hidden=wants_prompt, all_rows=wants_prompt)
-            draws = _Draws(self.params, self.prompt_ids, checkers, out.logits)
+            draws = _Draws(self.params, self.prompt_ids, checkers, out.logits, engine.model.eos_token_ids,
+                           self.bad_words)
             if wants_prompt:
                 draws.prompt_logprobs(engine.model, out.hidden, out.logits.shape[-1])
             if self.on_prompt:
@@ -270,15 +275,16 @@ class GenerateProgram(Program):
                         ids = drawn if len(placed) == len(rows) else drawn[to_device(placed, drawn.device)]
                     out = yield StepRequest([state.nodes[rows[k]] for k in going],
                                             argmax=not self.params.reads_logits, tokens=ids,
-                                            placed=[state.nodes[rows[k]] for k in placed], read=drawn)
+                                            placed=[state.nodes[rows[k]] for k in placed], read=draws.report(drawn))
                     stepped = [rows[k] for k in going]
-                    state.accept(rows, out.read, placed=True)
+                    state.accept(rows, draws.checked(out.read, rows, self.name), placed=True)
                     if placed:
                         queries.append(ctx.step_queries)
                     if not any(not c.stopped for c in checkers):
                         break
                 else:
-                    ended = state.accept(rows, (yield Read(drawn)), placed=False)
+                    ended = state.accept(rows, draws.checked((yield Read(draws.report(drawn))), rows, self.name),
+                                         placed=False)
                     live = [i for i in range(n) if not checkers[i].stopped]
                     grow = {i: checkers[i].token_ids[-1] for i in live + (ended if self.keep else [])}
                     if not grow:
@@ -312,38 +318,77 @@ class GenerateProgram(Program):
 
 
 class _Draws:
-    """How a request's next tokens are picked from a step's logits rows, and what it reports of them: the user's
-    logits processors, then the penalties (each output's token counts kept on the device), then the draw
+    """How a request's next tokens are picked from a step's logits rows, and what it reports of them: the
+    processing :class:`~treedec.search.sampling.SamplingParams` documents, in its order (the user's logits
+    processors, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``, the penalties with each
+    output's token counts kept on the device; one function each in :mod:`treedec.search.logits`), then the draw
     (:func:`~treedec.search.sampling.sample_tokens`: the warpers, or the argmax at temperature 0); the chosen
     tokens' log-probabilities under the raw logits when ``logprobs`` is asked for (kept on the device until
-    :meth:`output_logprobs`)."""
+    :meth:`output_logprobs`). Where the logits were processed, a row left with nothing to draw from is flagged
+    on the device and read with the drawn tokens (:meth:`report`, :meth:`checked`): that request fails alone,
+    without a wait of its own.
+
+    ``eos_token_ids``: the ids ``min_tokens`` keeps from being drawn with ``stop_token_ids`` (the checkpoint's,
+    as vLLM's, ``ignore_eos`` or not); ``bad_words``: the request's bad words as token sequences
+    (:meth:`~treedec.search.sampling.SamplingParams.bad_words_token_ids`). Every id is checked against the
+    vocabulary here, on the host (a device index past it would fault)."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], checkers: list[StopChecker],
-                 logits: torch.Tensor):
+                 logits: torch.Tensor, eos_token_ids: Sequence[int] = (),
+                 bad_words: Sequence[Sequence[int]] = ()):
         self.params, self.prompt_ids, self.checkers = params, prompt_ids, checkers
         vocab, device = logits.shape[-1], logits.device
         self.penalized = params.repetition_penalty != 1 or params.presence_penalty != 0 \
             or params.frequency_penalty != 0
-        self.prompt_mask = prompt_token_mask(prompt_ids, vocab, device) if self.penalized else None
+        self.prompt_mask = token_mask(prompt_ids, vocab, device, "prompt_ids") if self.penalized else None
         self.counts = torch.zeros(len(checkers), vocab, dtype=torch.int32, device=device) if self.penalized \
             else None
+        self.allowed = None if params.allowed_token_ids is None else \
+            token_mask(params.allowed_token_ids, vocab, device, "allowed_token_ids")
+        self.bad_words = [list(word) for word in bad_words]
+        for word in self.bad_words:
+            int_list(word, "bad_words' token ids", low=0, high=vocab - 1)
+        self.bad_context = max(map(len, self.bad_words), default=1) - 1   # output tokens a ban looks back at
+        stops = set(eos_token_ids) | set(params.stop_token_ids) | {t for c in checkers[:1] for t in c.rule.eos_token_ids}
+        self.stop_ids = to_device(int_list(sorted(stops), "min_tokens' stop ids", low=0, high=vocab - 1), device,
+                                  torch.int64) if params.min_tokens and stops else None
+        self.bias = None
+        if params.logit_bias is not None:
+            ids = int_list(list(params.logit_bias), "logit_bias' token ids", low=0, high=vocab - 1)
+            self.bias = (to_device(ids, device, torch.int64),
+                         to_device(list(params.logit_bias.values()), device, torch.float32))
         self.records: list[tuple[list[int], TokenLogprobs]] = []   # (rows, their logprobs) per draw
         self.prompt: list[dict | None] | None = None
+        self.drawable: torch.Tensor | None = None   # the last draw's rows: could each be drawn from
 
     def draw(self, logits: torch.Tensor, argmax: torch.Tensor | None, rows: list[int],
              generator: torch.Generator | None) -> torch.Tensor:
         """The next token (on the device) of each output in ``rows``, from its row of ``logits``; the step's
         ``argmax`` when the scheduler picked it already (plain greedy: nothing reads the logits)."""
+        self.drawable = None
         if argmax is not None:
             return argmax
-        params, scores = self.params, logits
+        params, scores, checkers = self.params, logits, self.checkers
         if params.logits_processors:
             scores = apply_logits_processors(params.logits_processors,
-                                             [self.prompt_ids + self.checkers[i].token_ids for i in rows], scores)
+                                             [self.prompt_ids + checkers[i].token_ids for i in rows], scores)
+        if self.allowed is not None:
+            scores = apply_allowed_tokens(scores, self.allowed)
+        if self.bad_words:
+            scores = apply_bad_words(scores, self.bad_words, [checkers[i].last_tokens(self.bad_context) for i in rows])
+        if self.stop_ids is not None:
+            short = [k for k, i in enumerate(rows) if checkers[i].num_tokens < params.min_tokens]
+            if short:
+                scores = mask_stop_tokens(scores, self.stop_ids,
+                                          None if len(short) == len(rows) else to_device(short, scores.device))
+        if self.bias is not None:
+            scores = apply_logit_bias(scores, *self.bias)
         index = to_device(rows, logits.device) if self.penalized else None
         if self.penalized:
             scores = apply_penalties(scores, self.prompt_mask, self.counts[index], params.repetition_penalty,
                                      params.presence_penalty, params.frequency_penalty)
+        if params.processes_logits:
+            self.drawable = drawable_rows(scores)
         uniform = None
         if params.temperature > 0:
             # One number per output per draw, whichever outputs are live: a request's stream does not
@@ -356,6 +401,22 @@ class _Draws:
         if params.logprobs is not None:
             self.records.append((list(rows), token_logprobs(logits, drawn, params.logprobs)))
         return drawn
+
+    def report(self, drawn: torch.Tensor) -> torch.Tensor:
+        """What the host reads of the last draw: ``drawn``, with -1 at a row that had nothing to draw from (its
+        token, a clamped stand-in, is still valid for the device's next step)."""
+        return drawn if self.drawable is None else torch.where(self.drawable, drawn, torch.full_like(drawn, -1))
+
+    def checked(self, values: list[int], rows: list[int], name: str) -> list[int]:
+        """``values`` read back from :meth:`report` for ``rows``; raises NonFiniteLogitsError naming the request
+        ``name`` and the outputs whose row had nothing to draw from."""
+        bad = [i for i, v in zip(rows, values) if v < 0]
+        if bad:
+            raise NonFiniteLogitsError(
+                f"{name}: after its logits processing (processors, penalties, logit_bias, allowed_token_ids, "
+                f"bad_words, min_tokens) the logits of output(s) {bad[:5]} have no finite value (or a NaN or +inf): "
+                f"there is nothing to draw from; the request is stopped")
+        return values
 
     def prompt_logprobs(self, model, hidden: torch.Tensor, vocab: int) -> None:
         """The prompt's log-probabilities (vLLM's ``prompt_logprobs``: None for its first token) from every

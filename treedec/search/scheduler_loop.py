@@ -346,6 +346,7 @@ class SchedulerLoop:
         copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
         nodes = [n for r in requests for n in r.nodes]
         out = None
+        faulty: dict[_Live, Exception] = {}
         hidden_parts: list[slice] = []
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
@@ -370,8 +371,16 @@ class SchedulerLoop:
             # A pipelined program's span moves back the positions of its own queries (rows known only now).
             spans = [dataclasses.replace(r.dynamic, shift_rows=engine.pending_rows(r.nodes))
                      for r in requests if r.dynamic is not None]
-            out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                              hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
+            step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
+                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests), dynamic=spans or None)
+            try:
+                out = engine.step(**step)
+            except ValueError:   # the engine refused the step before any work: a program's bad token ids?
+                faulty = self._set_aside_bad_tokens(gathered) if self.on_error is not None else {}
+                if not faulty:
+                    raise
+                step["tokens"] = self._device_tokens(requests)
+                out = engine.step(**step)   # without them (their programs fail below, their K/V never read)
             prompt_step = any(r.prompt for r in requests)
             for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
                 if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
@@ -403,6 +412,33 @@ class SchedulerLoop:
                 read_at += size
             lv.send, lv.request = value, None
             offset += k
+        for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
+            self._fail(lv, error)
+
+    def _set_aside_bad_tokens(self, gathered: list[_Live]) -> dict[_Live, Exception]:
+        """After the engine refused a step: the programs whose pending token ids are outside the vocabulary
+        (checked on the host, as the engine does), each with its error; their bad ids are replaced by 0 in the
+        tree, so the step can run for the others (those programs fail after it: nothing reads their K/V). Empty
+        when some bad id belongs to none of them (or there is none): the step's error stands for all."""
+        tree, vocab = self.engine.tree, self.engine.model.config.vocab_size
+        tokens = tree.pending_tokens()
+        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+        layout = tree.layout()
+        owner = {n: lv for lv in gathered for n in (*lv.request.nodes, *(lv.request.placed or ()))}
+        found: dict[_Live, list[tuple[int, int, int]]] = {}
+        for q in bad.tolist():
+            node = int(layout.node_ids[layout.query_node[q]])
+            lv = owner.get(node) or next((lv for lv in gathered for n in lv.request.nodes if node in tree.path(n)),
+                                         None)
+            if lv is None:
+                return {}
+            found.setdefault(lv, []).append((node, int(layout.query_offset[q]), int(tokens[q])))
+        for edits in found.values():
+            for node, at, _ in edits:
+                tree.set_tokens(node, at, [0])
+        return {lv: ValueError(f"{lv.ctx.name}: its token ids must be in [0, {vocab}) (the model's vocabulary), got "
+                               f"{[t for _, _, t in edits][:5]}; it alone failed, the step ran for the others")
+                for lv, edits in found.items()}
 
     def _device_tokens(self, requests: list[StepRequest]) -> torch.Tensor | None:
         """All pending token ids on the device, placeholders replaced by the programs' device ids."""
