@@ -234,7 +234,7 @@ class IncrementalDetokenizer:
         ``skip_special_tokens=False``) gives an added token that follows another added token as its raw
         content, without whatever the tokenizer's decoder puts before it (a WordPiece decoder's space).
         Byte-level and SentencePiece decoders put nothing between added tokens, so it changes their text in
-        no way; a tokenizer without added tokens (no ``get_added_tokens_decoder``) is not affected.
+        no way; a tokenizer without added tokens (no ``added_tokens_decoder``) is not affected.
     """
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
@@ -249,10 +249,9 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens and hasattr(tokenizer, "all_special_ids")
         # Added token id -> its content, where an added token after another is emitted raw (see above).
         self._raw_added: dict[int, str] = {}
-        if not (skip_special_tokens or spaces_between_special_tokens) \
-                and callable(getattr(tokenizer, "get_added_tokens_decoder", None)):
-            self._raw_added = {int(i): getattr(t, "content", str(t))
-                               for i, t in tokenizer.get_added_tokens_decoder().items()}
+        added = getattr(tokenizer, "added_tokens_decoder", None)   # (transformers': id -> AddedToken)
+        if not (skip_special_tokens or spaces_between_special_tokens) and isinstance(added, Mapping):
+            self._raw_added = {int(i): getattr(t, "content", str(t)) for i, t in added.items()}
         self._vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
         self._ids = self._checked(prompt_ids, "prompt_ids")
         self._num_prompt = len(self._ids)
