@@ -279,3 +279,21 @@ def test_ids_past_the_vocabulary_are_refused_before_anything_runs(model):
         with pytest.raises(ValueError, match=rf"request 0: {field} must hold token ids in \[0, 256\).*got \[\d+\]"):
             generate_batch(engine, [RequestSpec(0, prompt_ids=tuple(PROMPT), params=params)])
     assert engine.stats["steps"] == 0 and engine.tree.num_nodes == 0
+
+
+def test_the_fields_through_llm_generate(model, tmp_path):
+    """LLM.generate passes every new field through to the batch (its outputs equal generate_batch's), and refuses
+    best_of by name as vLLM v1 does (a ValueError, not a TypeError)."""
+    from treedec import LLM
+    tok = ByteTokenizer()
+    llm = LLM(model, tok, kv_tokens=1024, page_size=4, backend="torch")
+    fields = [dict(min_tokens=3, stop_token_ids=[87]), dict(logit_bias={5: 3.0}), dict(allowed_token_ids=[5, 9, 68]),
+              dict(bad_words=["DW"]), dict(truncate_prompt_tokens=5), dict(detokenize=False)]
+    for f in fields:
+        params = SamplingParams(temperature=0, max_tokens=6, **f)
+        [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        [want] = run(model, params, tokenizer=tok)
+        assert out.outputs[0].token_ids == want.output_ids and out.prompt_token_ids == want.prompt_ids, f
+        assert (out.outputs[0].text is None) == (f.get("detokenize") is False)
+    with pytest.raises(ValueError, match="best_of=3 is not supported"):   # (on construction, before any run)
+        SamplingParams(best_of=3)

@@ -143,13 +143,13 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         prompts = body.prompts()
-        ids = [self._encode(p, False) if isinstance(p, str) else list(p) for p in prompts]
+        ids = body.truncate([self._encode(p, False) if isinstance(p, str) else list(p) for p in prompts], self.limit)
         params = body.sampling_params(self._budget(ids, body.max_tokens, "prompt"))
         return await self._respond(request, body, ids, params, "cmpl", chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        ids = [self._encode(body.conversation(), True)]
+        ids = body.truncate([self._encode(body.conversation(), True)], self.limit)
         params = body.sampling_params(self._budget(ids, body.token_budget(), "messages"))
         return await self._respond(request, body, ids, params, "chatcmpl", chat=True)
 
