@@ -73,6 +73,21 @@ def test_bad_defaults(tmp_path, defaults, message):
     assert not isinstance(e.value, RequestsFileError)
 
 
+def test_vllms_new_fields_read_back(tmp_path):
+    line = ('{"prompt": "a", "min_tokens": 2, "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 7], '
+            '"bad_words": ["no"], "detokenize": false, "skip_special_tokens": false, '
+            '"spaces_between_special_tokens": false, "truncate_prompt_tokens": 4, "best_of": 1}')
+    [spec] = read_requests(write_lines(tmp_path, line))
+    p = spec.params
+    assert (p.min_tokens, dict(p.logit_bias), p.allowed_token_ids, p.bad_words) == (2, {5: -100.0, 7: 2.5}, (5, 7),
+                                                                                  ("no",))
+    assert (p.detokenize, p.skip_special_tokens, p.spaces_between_special_tokens) == (False, False, False)
+    assert (p.truncate_prompt_tokens, p.best_of) == (4, 1)
+    [default] = read_requests(write_lines(tmp_path, '{"prompt": "a"}', name="d.jsonl"),
+                              {"min_tokens": 1, "bad_words": ["x"]})
+    assert default.params.min_tokens == 1 and default.params.bad_words == ("x",)
+
+
 def test_vllm_style_top_k_off_and_null_seed(tmp_path):
     path = write_lines(tmp_path, '{"prompt": "a", "top_k": -1, "seed": null}', '{"prompt": "b", "top_k": 0}')
     assert [(r.params.top_k, r.params.seed) for r in read_requests(path)] == [(None, None), (None, None)]
@@ -127,6 +142,13 @@ BAD_LINES = [
     ('{"prompt": "a", "id": true}', "id must be an int or a non-empty string, got bool True"),
     ('{"prompt": "a", "id": ""}', "id must be an int or a non-empty string"),
     ('{"prompt": "a", "id": [1]}', "id must be an int or a non-empty string, got list"),
+    ('{"prompt": "a", "best_of": 2}', r"best_of=2 is not supported \(vLLM v1 does not support best_of either\)"),
+    ('{"prompt": "a", "logit_bias": {"5": 300}}', r"logit_bias\[5\] must be a number in \[-100, 100\]"),
+    ('{"prompt": "a", "logit_bias": {"-5": 1}}', r"logit_bias keys must be token ids .*got str '-5'"),
+    ('{"prompt": "a", "min_tokens": 20}', r"min_tokens must be at most max_tokens \(16\), got 20"),
+    ('{"prompt": "a", "allowed_token_ids": []}', r"allowed_token_ids must be None \(every token\)"),
+    ('{"prompt": "a", "stop": ["' + "x" * 2000 + '"]}', r"stop\[0\] must be at most 1024 characters, got 2000"),
+    ('{"prompt": "a", "detokenize": false, "stop": ["."]}', r"need detokenize=True"),
 ]
 
 
