@@ -306,3 +306,26 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     logits = engine.prefill(PROMPT).logits
     first = np.bincount([t[0] for t in runs], minlength=512).astype(float)
     assert passes_chi_square(first, sampling_probs(logits, params).double().numpy())
+
+
+# ================================================================ float32 safety (issue #48)
+
+
+def test_sampling_rules_stay_valid_at_degenerate_float32_values():
+    """top_p=1e-300 (0 in float32) keeps the most likely token, a temperature near float32's largest over -inf
+    padded logits gives a uniform distribution over the rest: no NaN, every id in the vocabulary."""
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0))
+    logits[:, -6:] = float("-inf")                                    # a padded vocabulary
+    tree = TokenTree([-1, 0, 0, 1])
+    tokens = [3, int(logits[0].argmax()), 7, int(logits[1].argmax())]
+    narrow = RejectionSampling(temperature=0.7, top_p=1e-300, seed=1)
+    for _ in range(5):
+        path, bonus = narrow.accept(tree, tokens, logits)
+        assert path == [1, 3] and bonus == int(logits[3].argmax())      # only the argmax has mass
+        length, bonus, *rest = narrow.outcome(tree, tokens, logits).tolist()
+        assert length == 2 and bonus == int(logits[3].argmax())
+    hot = TypicalAcceptance(temperature=3e38, seed=2)
+    draws = {hot.first_token(logits[0]) for _ in range(50)}
+    assert draws and max(draws) < 34
+    hot_rejection = RejectionSampling(temperature=3e38, seed=3)
+    assert all(hot_rejection.first_token(logits[0]) < 34 for _ in range(20))
