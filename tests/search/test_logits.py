@@ -50,7 +50,8 @@ def openai_presence_frequency(logits, presence, frequency, outputs=OUTPUTS):
 
 
 def penalties(logits, **kwargs):
-    return apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), output_token_counts(OUTPUTS, VOCAB), **kwargs)
+    return apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), output_token_counts(OUTPUTS, VOCAB),
+                           **kwargs)
 
 
 # ================================================================ penalties

@@ -62,7 +62,8 @@ def test_defaults_fill_what_a_line_leaves_out(tmp_path):
 @pytest.mark.parametrize("defaults, message", [
     ({"max_new_tokens": 3}, "defaults has unknown parameter 'max_new_tokens'"),
     ({"prompt": "x"}, "defaults has unknown parameter 'prompt'"),
-    ({"temperature": -1}, r"defaults: temperature must be a number in \[0, 3.4028235e\+38\] \(finite in float32; 0 is greedy\), got -1"),
+    ({"temperature": -1}, r"defaults: temperature must be a number in \[0, 3.4028235e\+38\] \(finite in float32; "
+                          r"0 is greedy\), got -1"),
     ({"n": 0}, "defaults: n must be an int >= 1, got 0"),
     ([("n", 2)], "defaults must be a mapping"),
 ])
@@ -134,7 +135,8 @@ BAD_LINES = [
     ('{"prompt": "a", "include_stop_str_in_output": "yes"}',
      "include_stop_str_in_output must be true or false, got str 'yes'"),
     ('{"prompt": "a", "min_p": 1.5}', r"min_p must be a number in \[0, 1\] \(0: no cut\), got float 1.5"),
-    ('{"prompt": "a", "repetition_penalty": 0}', r"repetition_penalty must be a number in .*\(> 0 and finite in float32; 1: no penalty\)"),
+    ('{"prompt": "a", "repetition_penalty": 0}',
+     r"repetition_penalty must be a number in .*\(> 0 and finite in float32; 1: no penalty\)"),
     ('{"prompt": "a", "presence_penalty": "x"}', r"presence_penalty must be a number in \[-2, 2\] .*got 'x'"),
     ('{"prompt": "a", "logprobs": -1}', r"logprobs must be None or an int >= 0"),
     ('{"prompt": "a", "ignore_eos": 1}', "ignore_eos must be true or false, got int 1"),

@@ -349,7 +349,7 @@ class _Draws:
         for word in self.bad_words:
             int_list(word, "bad_words' token ids", low=0, high=vocab - 1)
         self.bad_context = max(map(len, self.bad_words), default=1) - 1   # output tokens a ban looks back at
-        stops = set(eos_token_ids) | set(params.stop_token_ids) | {t for c in checkers[:1] for t in c.rule.eos_token_ids}
+        stops = {*eos_token_ids, *params.stop_token_ids, *(t for c in checkers[:1] for t in c.rule.eos_token_ids)}
         self.stop_ids = to_device(int_list(sorted(stops), "min_tokens' stop ids", low=0, high=vocab - 1), device,
                                   torch.int64) if params.min_tokens and stops else None
         self.bias = None

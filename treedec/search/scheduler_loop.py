@@ -19,7 +19,7 @@ import torch
 from treedec.errors import PoolExhaustedError
 from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix, share_prefixes
-from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
+from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
 from treedec.search.request import pages_in_use
 from treedec.search.sampling import GREEDY, sample_tokens
 from treedec.transfer import HostCopy, to_device
@@ -376,7 +376,8 @@ class SchedulerLoop:
             try:
                 out = engine.step(**step)
             except ValueError:   # the engine refused the step before any work: a program's bad token ids?
-                faulty = self._set_aside_bad_tokens(gathered) if self.on_error is not None else {}
+                faulty = {} if self.on_error is None else \
+                    set_aside_bad_tokens(engine, [(lv, lv.request, lv.ctx.name) for lv in gathered])
                 if not faulty:
                     raise
                 step["tokens"] = self._device_tokens(requests)
@@ -414,31 +415,6 @@ class SchedulerLoop:
             offset += k
         for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
             self._fail(lv, error)
-
-    def _set_aside_bad_tokens(self, gathered: list[_Live]) -> dict[_Live, Exception]:
-        """After the engine refused a step: the programs whose pending token ids are outside the vocabulary
-        (checked on the host, as the engine does), each with its error; their bad ids are replaced by 0 in the
-        tree, so the step can run for the others (those programs fail after it: nothing reads their K/V). Empty
-        when some bad id belongs to none of them (or there is none): the step's error stands for all."""
-        tree, vocab = self.engine.tree, self.engine.model.config.vocab_size
-        tokens = tree.pending_tokens()
-        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
-        layout = tree.layout()
-        owner = {n: lv for lv in gathered for n in (*lv.request.nodes, *(lv.request.placed or ()))}
-        found: dict[_Live, list[tuple[int, int, int]]] = {}
-        for q in bad.tolist():
-            node = int(layout.node_ids[layout.query_node[q]])
-            lv = owner.get(node) or next((lv for lv in gathered for n in lv.request.nodes if node in tree.path(n)),
-                                         None)
-            if lv is None:
-                return {}
-            found.setdefault(lv, []).append((node, int(layout.query_offset[q]), int(tokens[q])))
-        for edits in found.values():
-            for node, at, _ in edits:
-                tree.set_tokens(node, at, [0])
-        return {lv: ValueError(f"{lv.ctx.name}: its token ids must be in [0, {vocab}) (the model's vocabulary), got "
-                               f"{[t for _, _, t in edits][:5]}; it alone failed, the step ran for the others")
-                for lv, edits in found.items()}
 
     def _device_tokens(self, requests: list[StepRequest]) -> torch.Tensor | None:
         """All pending token ids on the device, placeholders replaced by the programs' device ids."""
