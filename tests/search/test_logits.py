@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from tests.engines import smollm2_or_skip
 from treedec.search.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
-                                   count_tokens_, min_p_filter, output_token_counts, prompt_logprobs,
+                                   count_tokens_, drawable_rows, min_p_filter, output_token_counts, prompt_logprobs,
                                    token_logprobs, token_mask, warp_scores)
 from treedec.search.sampling import SamplingParams, sampling_probs
 
@@ -367,7 +367,7 @@ def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token():
 
 def test_warped_and_penalized_logits_never_overflow_float32():
     """A huge temperature over -inf padded logits, a tiny one over huge logits, a subnormal repetition penalty:
-    finite logits saturate at float32's range, masked ones stay -inf, nothing is NaN."""
+    finite logits saturate at float32's largest, masked ones stay -inf, nothing is NaN or +inf."""
     logits = random_logits()
     logits[:, -8:] = float("-inf")                              # a padded vocabulary (Engine.restrict_vocab)
     for scores in (warp_scores(logits, 3e38), warp_scores(logits * 1e35, 1e-5),
@@ -377,3 +377,12 @@ def test_warped_and_penalized_logits_never_overflow_float32():
         assert scores.softmax(dim=-1)[:, :-8].isfinite().all()
     big = penalties(torch.full((len(OUTPUTS), VOCAB), 3e38), repetition_penalty=0.5, frequency_penalty=-2.0)
     assert big.isfinite().all() and big.max() == 3.4028234663852886e38
+
+
+def test_drawable_rows_flags_rows_with_nothing_to_draw_from():
+    scores = random_logits()
+    scores[1, 3] = float("nan")
+    scores[2, 0] = float("inf")
+    scores[3] = float("-inf")
+    assert drawable_rows(scores).tolist() == [True, False, False, False, True]
+    assert scores[1:4].softmax(dim=-1).isnan().any(dim=-1).all()   # (what a draw from them would read)

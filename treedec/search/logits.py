@@ -36,7 +36,7 @@ from treedec.tree.validate import int_list, rows
 __all__ = ["SAMPLING_EPS", "LogitsProcessor", "LogitsProcessorError", "Logprob", "NonFiniteLogitsError",
            "TokenLogprobs", "apply_allowed_tokens", "apply_bad_words", "apply_logit_bias", "apply_logits_processors",
            "apply_penalties", "bad_word_bans", "count_tokens_", "drawable_rows", "mask_stop_tokens", "min_p_filter",
-           "output_token_counts", "prompt_logprobs", "saturate", "token_logprobs", "token_mask", "warp_scores"]
+           "output_token_counts", "prompt_logprobs", "token_logprobs", "token_mask", "warp_scores"]
 
 #: The smallest temperature that samples (vLLM's ``_SAMPLING_EPS``): below it a request is greedy
 #: (:class:`~treedec.search.sampling.SamplingParams` stores it as 0).
@@ -81,8 +81,10 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
     Returns
     -------
-    [m, V] float32, a new tensor on ``logits.device``. A finite logit stays finite (a penalty that would take
-    it past float32's range saturates at +-3.4e38: no inf, no NaN); an infinite one (a masked token) stays.
+    [m, V] float32, a new tensor on ``logits.device``. A finite logit that a penalty takes past float32's
+    largest saturates at 3.4e38 (never +inf, which would make the row's softmax NaN); one taken below its lowest
+    is -inf (its probability is 0 either way; a row left with no finite logit fails its request:
+    :func:`drawable_rows`); an infinite one (a masked token) stays.
     """
     repetition_penalty = float32_number("repetition_penalty", repetition_penalty, FLOAT32_TINY,
                                         note=" (> 0 and finite in float32)")
@@ -93,26 +95,19 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     if repetition_penalty != 1.0:
         seen = prompt_mask | (output_counts > 0)
         penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
-        scores = torch.where(seen, saturate(penalized, scores), scores)
+        scores = torch.where(seen, penalized.clamp_(max=FLOAT32_MAX), scores)   # (logit / tiny: not +inf)
     if frequency_penalty != 0.0:
-        scores = saturate(scores - frequency_penalty * output_counts.float(), scores)
+        scores = scores - frequency_penalty * output_counts.float()
     if presence_penalty != 0.0:
-        scores = saturate(scores - presence_penalty * (output_counts > 0).float(), scores)
+        scores = scores - presence_penalty * (output_counts > 0).float()
     return scores if scores is not logits else scores.clone()
-
-
-def saturate(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` (float32, computed from ``old`` elementwise) with every value that overflowed (infinite where
-    ``old`` was finite) set to float32's largest magnitude of its sign: a processed logit never becomes inf
-    (inf - inf is the NaN that would spoil the row's softmax). Infinite and NaN ``old`` values carry over."""
-    return torch.where(torch.isfinite(old), new.clamp(-FLOAT32_MAX, FLOAT32_MAX), new)
 
 
 def drawable_rows(scores: torch.Tensor) -> torch.Tensor:
     """``[m]`` bool on ``scores.device``: whether each row of processed logits ``[m, V]`` can be drawn from (a
     finite logit, no NaN, no +inf: else its softmax is NaN). Device ops only (no host sync); a program reads it
     with the drawn tokens (:class:`~treedec.search.batch.GenerateProgram`), so it costs no wait of its own."""
-    return (scores > float("-inf")).any(dim=-1) & (scores < float("inf")).all(dim=-1)   # (NaN < inf is False)
+    return torch.isfinite(scores.amax(dim=-1))   # (the max is NaN with a NaN, inf with a +inf, -inf with no finite)
 
 
 def token_mask(token_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None,
@@ -258,8 +253,8 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
 
     Returns
     -------
-    [..., V] float32, ``-inf`` at the removed tokens; a finite logit whose scaling overflows float32 saturates
-    at +-3.4e38 (:func:`saturate`), so the softmax of a row with a finite logit has no NaN.
+    [..., V] float32, ``-inf`` at the removed tokens; a logit whose scaling passes float32's largest saturates at
+    3.4e38 (never +inf: its softmax would be NaN), one below its lowest is -inf (probability 0 either way).
     """
     float32_number("temperature", temperature, SAMPLING_EPS,
                    note=" (below 1e-5 sampling is greedy decoding: the argmax)")
@@ -267,8 +262,7 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
         positive_int("top_k", top_k)
     fraction("top_p", top_p)
     min_p = _min_p(min_p)
-    raw = logits.float()
-    scores = saturate(raw / temperature, raw)
+    scores = (logits.float() / temperature).clamp_(max=FLOAT32_MAX)   # (one cheap op: no +inf)
     if top_k is not None and top_k < scores.shape[-1]:
         kth = scores.topk(top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

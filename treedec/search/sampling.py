@@ -49,7 +49,7 @@ class SamplingParams:
         none.
     repetition_penalty : > 0 and finite in float32 (in [2**-149, 3.4e38], as vLLM: > 0 and finite); a logit of a
         token in the prompt or the output is divided by it when positive, multiplied when negative
-        (transformers' / vLLM's rule); 1 for none. A penalized logit saturates at float32's range (never inf).
+        (transformers' / vLLM's rule); 1 for none. A penalized logit saturates at float32's largest (never +inf).
     temperature : in [0, 3.4e38] (finite in float32); 0 is greedy (the argmax of the processed logits; top_k,
         top_p, min_p moot). A temperature below :data:`SAMPLING_EPS` (1e-5, vLLM's ``_SAMPLING_EPS``, below which
         vLLM samples greedily) is greedy too and is stored as 0.0: ``logits / 1e-45`` would overflow float32.
