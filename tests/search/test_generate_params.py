@@ -145,12 +145,15 @@ def test_a_failing_logits_processor_names_itself_and_frees_everything(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_field_on_a_graphed_gpu_engine_pipelined_equals_unpipelined(model):
-    """On a GPU with CUDA graphs: penalties (counts on the device), min-p, logprobs and a user processor give
-    the same tokens and logprobs pipelined (tokens read after the next step is launched) as not."""
+    """On a GPU with CUDA graphs: penalties (counts on the device), min-p, logprobs, a user processor and vLLM's
+    token masks and biases give the same tokens and logprobs pipelined (tokens read after the next step is
+    launched) as not."""
     gpu = from_hf_model(tiny_hf_llama().to(torch.bfloat16).cuda())
     params = [SamplingParams(temperature=0, max_tokens=NEW, repetition_penalty=1.3, logprobs=2),
               SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=NEW, min_p=0.1, frequency_penalty=0.5),
-              SamplingParams(temperature=0, max_tokens=NEW, logits_processors=[NoRepeatNGramLogitsProcessor(1)])]
+              SamplingParams(temperature=0, max_tokens=NEW, logits_processors=[NoRepeatNGramLogitsProcessor(1)]),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=NEW, min_tokens=4, stop_token_ids=[7, 9],
+                             logit_bias={3: 2.0, 11: -100.0}, allowed_token_ids=list(range(0, 256, 3)))]
     specs = [RequestSpec(i, prompt_ids=tuple(PROMPT[i:]), params=p) for i, p in enumerate(params)]
     runs = []
     for pipeline in (False, True):
@@ -163,7 +166,10 @@ def test_every_field_on_a_graphed_gpu_engine_pipelined_equals_unpipelined(model)
         assert (a.logprobs is None) == (b.logprobs is None)
         for ea, eb in zip(a.logprobs or [], b.logprobs or []):
             assert ea.keys() == eb.keys() and all(abs(ea[t].logprob - eb[t].logprob) < 1e-3 for t in ea)
-    assert len(set(runs[0][2].output_ids)) == len(runs[0][2].output_ids)   # the processor forbade repeats
+    [processed] = [r for r in runs[0] if r.id == 2]
+    assert len(set(processed.output_ids)) == len(processed.output_ids)   # the processor forbade repeats
+    [masked] = [r for r in runs[0] if r.id == 3]
+    assert set(masked.output_ids) <= set(range(0, 256, 3)) and not set(masked.output_ids[:4]) & {7, 9}
 
 
 # ================================================================ vLLM's fields against transformers' processors (#48)
