@@ -35,9 +35,8 @@ from treedec.search.stops import StopChecker, StopRule
 
 __all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
            "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob",
-           "NonFiniteLogitsError", "OnlineEngine", "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted", "ProgramContext", "RequestResult",
-           "RequestSpec",
-           "RequestsFileError", "SamplingParams", "SamplingResult", "SchedulerStats", "SelfConsistencyResult",
-           "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs", "beam_search", "generate_batch",
-           "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller", "run_program",
-           "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]
+           "NonFiniteLogitsError", "OnlineEngine", "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted",
+           "ProgramContext", "RequestResult", "RequestSpec", "RequestsFileError", "SamplingParams", "SamplingResult",
+           "SchedulerStats", "SelfConsistencyResult", "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs",
+           "beam_search", "generate_batch", "greedy_generate", "majority_vote", "parallel_sample", "read_requests",
+           "run_controller", "run_program", "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]
