@@ -9,7 +9,8 @@ alternatives or a reason, e.g. ``" or None"``), and what was given (:func:`show`
 - Ints are Python ints; bools are refused (``True`` is not a count). ``numpy=True`` also takes numpy
   integer scalars, returned as Python ints.
 - Real numbers are Python ints or floats (numpy's ``float64`` is a float), not bools, finite; the
-  checks return them as floats.
+  checks return them as floats. :func:`float32_number` checks a range that float32 holds (a value used in a
+  float32 tensor: a temperature, a penalty), so a number finite in Python never becomes 0 or inf there.
 
 Cost: a valid Python int (or float) takes one ``type()`` test and a comparison; the rest runs only
 to accept an int subclass, a numpy int or an int where a number is asked, or to word the error. The
@@ -24,6 +25,10 @@ import reprlib
 import numpy as np
 
 _INF = math.inf
+#: The largest finite float32 (a larger magnitude is inf in float32).
+FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest positive float32 (a subnormal, 2**-149): a positive number below it is 0 in float32.
+FLOAT32_TINY = 2.0 ** -149
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxlist, _short.maxtuple, _short.maxstring, _short.maxother = 2, 6, 6, 40, 40
 
@@ -85,6 +90,16 @@ def fraction(name: str, value, *, error: type[Exception] = ValueError, note: str
     if (type(value) is float or is_real(value)) and 0 < value <= 1:   # NaN and inf fail the comparison
         return float(value)
     raise error(f"{name} must be a number in (0, 1]{note}, got {show(value)}")
+
+
+def float32_number(name: str, value, low: float = -FLOAT32_MAX, high: float = FLOAT32_MAX, *,
+                   error: type[Exception] = ValueError, note: str = "") -> float:
+    """``float(value)`` if it is a real number in ``[low, high]``, else ``error`` ``"{name} must be a number in
+    [low, high]{note}, got ..."``. The bounds default to float32's finite range (:data:`FLOAT32_MAX`); give
+    ``low=FLOAT32_TINY`` for a number that must stay > 0 in float32."""
+    if (type(value) is float or is_real(value)) and low <= value <= high:   # NaN fails the comparison
+        return float(value)
+    raise error(f"{name} must be a number in [{low:.8g}, {high:.8g}]{note}, got {show(value)}")
 
 
 # ================================================================ predicates and messages

@@ -77,3 +77,38 @@ def test_mistakes_are_refused_before_a_model_loads(args, message, checkpoint, tm
     assert main(BASE + args) == 2
     err = capsys.readouterr().err
     assert err.startswith("treedec generate: error: ") and __import__("re").search(message, err)
+
+
+def test_vllms_sampling_flags_give_the_librarys_tokens(checkpoint, capsys, tmp_path):
+    """The flags of SamplingParams' vLLM fields (#48): the results equal the library's with the same fields."""
+    out = tmp_path / "r.jsonl"
+    flags = ["--min-tokens", "3", "--logit-bias", "40:5", "--logit-bias", "41:-100", "--allowed-token-ids", "40",
+             "--allowed-token-ids", "41", "--allowed-token-ids", "42", "--allowed-token-ids", "2",
+             "--truncate-prompt-tokens", "3", "--no-skip-special-tokens"]
+    assert main(BASE + ["--model", str(checkpoint), "the quick brown fox", "--max-new-tokens", "6", "--out", str(out),
+                        *flags]) == 0
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=3, logit_bias={40: 5.0, 41: -100.0},
+                            allowed_token_ids=[40, 41, 42, 2], truncate_prompt_tokens=3, skip_special_tokens=False)
+    [expected] = library(checkpoint, params)
+    assert result["output_ids"] == expected.output_ids and result["text"] == expected.text
+    assert len(result["prompt_ids"]) == 3 and set(result["output_ids"]) <= {40, 42, 2}
+    capsys.readouterr()
+    assert main(BASE + ["--model", str(checkpoint), "the quick brown fox", "--max-new-tokens", "4",
+                        "--no-detokenize"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed) == library(checkpoint, SamplingParams(temperature=0, max_tokens=4))[0].output_ids
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "MODEL", "x", "--logit-bias", "5"], r"argument --logit-bias: must be ID:BIAS"),
+    (["--model", "MODEL", "x", "--logit-bias", "5:200"], r"logit_bias\[5\] must be a number in \[-100, 100\]"),
+    (["--model", "MODEL", "x", "--min-tokens", "300"], r"min_tokens must be at most max_tokens \(256\)"),
+    (["--model", "MODEL", "x", "--truncate-prompt-tokens", "0"], r"truncate_prompt_tokens must be None, -1"),
+    (["--model", "MODEL", "x", "--no-detokenize", "--stop", "."], r"need detokenize=True"),
+])
+def test_bad_sampling_flags_are_refused_before_a_model_loads(args, message, checkpoint, capsys, monkeypatch):
+    args = [str(checkpoint) if a == "MODEL" else a for a in args]
+    monkeypatch.setattr("treedec.commands.generate.load_model", lambda args: pytest.fail("loaded a model"))
+    assert main(BASE + args) == 2
+    assert __import__("re").search(message, capsys.readouterr().err)

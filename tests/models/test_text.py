@@ -338,3 +338,44 @@ def test_constructor_errors(tokenizers):
     with pytest.raises(ValueError, match="prompt_ids"):
         IncrementalDetokenizer(tokenizers["byte_bpe"], prompt_ids=[3, -2])
     assert IncrementalDetokenizer(ByteTokenizer()).vocab_size is None
+
+
+def wordpiece_tokenizer():
+    """A BERT-style tokenizer: its WordPiece decoder puts a space between every two tokens, added ones included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+def test_spaces_between_special_tokens_as_vllm_applies_it():
+    """vLLM's fast-tokenizer rule: with spaces_between_special_tokens=False an added token right after another
+    comes as its raw content (no decoder space before it); the first one after a plain token, as decoded."""
+    tok = wordpiece_tokenizer()
+    ids = [3, 2, 2, 4, 5, 1, 2]
+    assert tok.decode(ids) == "hello [SEP] [SEP] worlds [CLS] [SEP]"
+    for skip, spaces, text in ((False, True, "hello [SEP] [SEP] worlds [CLS] [SEP]"),
+                               (False, False, "hello [SEP][SEP] worlds [CLS][SEP]"),
+                               (True, False, "hello worlds"), (True, True, "hello worlds")):
+        for chunk in (1, 3):
+            detok = IncrementalDetokenizer(tok, [3], skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+            for i in range(0, len(ids), chunk):
+                detok.feed(ids[i:i + chunk])
+            detok.finish()
+            assert detok.text == " " + text   # (after the prompt's "hello")
+    with pytest.raises(TypeError, match="spaces_between_special_tokens must be a bool"):
+        IncrementalDetokenizer(tok, spaces_between_special_tokens=None)
+
+
+def test_text_from_joins_only_the_tail(tokenizers):
+    tok = tokenizers["byte_bpe"]
+    detok = IncrementalDetokenizer(tok)
+    for i in tok.encode("café 日本 and more", add_special_tokens=False):
+        detok.feed(i)
+    text = detok.text
+    assert detok.text_length == len(text) and all(detok.text_from(k) == text[k:] for k in range(len(text) + 2))
+    detok.feed(tok.encode(" end", add_special_tokens=False))
+    assert detok.text_from(len(text)) == " end" and detok.text_from(0) == text + " end"

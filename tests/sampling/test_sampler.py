@@ -113,8 +113,9 @@ def test_greedy_rows_take_the_argmax_of_the_penalized_logits_in_a_mixed_batch():
     logits = torch.randn(3, VOCAB)
     counts = torch.zeros(3, VOCAB, dtype=torch.int32)
     best = int(logits[0].argmax())
-    counts[0, best] = 1   # a presence penalty takes the best token down
-    params = [SamplingParams(temperature=0, presence_penalty=100.0), SamplingParams(temperature=1.0),
+    logits[0, best] = logits[0].clone().index_fill_(0, torch.tensor([best]), -1e9).max() + 1.0
+    counts[0, best] = 1   # a presence penalty takes the best token down (its logit is set to lead by < 2)
+    params = [SamplingParams(temperature=0, presence_penalty=2.0), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0)]
     drawn = sample_rows(logits, rows_of(params), torch.zeros(3, dtype=torch.int64),
                         torch.zeros(3, VOCAB, dtype=torch.bool), counts)

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from tests.engines import smollm2_or_skip
 from treedec.search.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
-                                   count_tokens_, min_p_filter, output_token_counts, prompt_logprobs,
-                                   prompt_token_mask, token_logprobs, warp_scores)
+                                   count_tokens_, drawable_rows, min_p_filter, output_token_counts, prompt_logprobs,
+                                   token_logprobs, token_mask, warp_scores)
 from treedec.search.sampling import SamplingParams, sampling_probs
 
 VOCAB = 64
@@ -50,7 +50,8 @@ def openai_presence_frequency(logits, presence, frequency, outputs=OUTPUTS):
 
 
 def penalties(logits, **kwargs):
-    return apply_penalties(logits, prompt_token_mask(PROMPT, VOCAB), output_token_counts(OUTPUTS, VOCAB), **kwargs)
+    return apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), output_token_counts(OUTPUTS, VOCAB),
+                           **kwargs)
 
 
 # ================================================================ penalties
@@ -92,7 +93,7 @@ def test_no_penalty_returns_the_logits_as_a_new_float32_tensor():
 
 def test_a_prompt_mask_per_row():
     logits = random_logits(m=2)
-    mask = torch.cat([prompt_token_mask([1, 2], VOCAB), prompt_token_mask([3], VOCAB)])
+    mask = torch.cat([token_mask([1, 2], VOCAB), token_mask([3], VOCAB)])
     out = apply_penalties(logits, mask, output_token_counts([[], []], VOCAB), repetition_penalty=2.0)
     assert torch.equal(out, torch.cat([hf_repetition(logits[:1], 2.0, [1, 2], [[]]),
                                        hf_repetition(logits[1:], 2.0, [3], [[]])]))
@@ -116,16 +117,21 @@ def test_counts_kept_on_the_device_equal_counts_of_the_histories():
 
 def test_bad_penalty_arguments_raise_naming_them():
     logits = random_logits()
-    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[1.4012985e-45, 3.4028235e\+38\] "
+                                         r"\(> 0 and finite in float32\), got 0.0"):
         penalties(logits, repetition_penalty=0.0)
-    with pytest.raises(ValueError, match="presence_penalty must be a finite number"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in .*got 1e-300"):
+        penalties(logits, repetition_penalty=1e-300)   # (0 in float32: a division by zero)
+    with pytest.raises(ValueError, match="presence_penalty must be a number in"):
         penalties(logits, presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="frequency_penalty must be a number in"):
+        penalties(logits, frequency_penalty=1e308)   # (inf in float32: 0 * inf is NaN)
     with pytest.raises(ValueError, match="prompt_mask must be bool"):
         apply_penalties(logits, torch.zeros(1, VOCAB), output_token_counts(OUTPUTS, VOCAB))
     with pytest.raises(ValueError, match="output_counts must be an int tensor"):
-        apply_penalties(logits, prompt_token_mask(PROMPT, VOCAB), torch.zeros(2, VOCAB, dtype=torch.int32))
+        apply_penalties(logits, token_mask(PROMPT, VOCAB, name="prompt_ids"), torch.zeros(2, VOCAB, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"prompt_ids must be in \[0, 63\], got prompt_ids\[0\] = 64"):
-        prompt_token_mask([VOCAB], VOCAB)
+        token_mask([VOCAB], VOCAB, name="prompt_ids")
     with pytest.raises(ValueError, match=r"token_ids_per_row\[1\] must be in \[0, 63\]"):
         output_token_counts([[1], [70]], VOCAB)
     with pytest.raises(ValueError, match="valid must be bool"):
@@ -175,7 +181,9 @@ def test_warp_scores_at_min_p_0_are_todays_sampling_probs(temperature, top_k, to
 
 def test_bad_warper_arguments_raise_naming_them():
     logits = random_logits()
-    for kwargs, message in [(dict(temperature=0.0), "temperature must be a finite number > 0"),
+    for kwargs, message in [(dict(temperature=0.0), r"temperature must be a number in \[1e-05, 3.4028235e\+38\] "
+                                                         r"\(below 1e-5 sampling is greedy"),
+                            (dict(temperature=1e308), r"temperature must be a number in .*got 1e\+308"),
                             (dict(temperature=1.0, top_k=0), "top_k must be an int >= 1"),
                             (dict(temperature=1.0, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
                             (dict(temperature=1.0, min_p=1.5), r"min_p must be a finite number in \[0, 1\]")]:
@@ -341,3 +349,40 @@ def test_logprobs_equal_transformers_generate_on_smollm2(checkpoint):
     theirs_prompt = prompt_logprobs(hf_prompt_logits, prompt, k=2)
     torch.testing.assert_close(ours_prompt.logprobs, theirs_prompt.logprobs, atol=1e-4, rtol=0)
     torch.testing.assert_close(ours_prompt.top_logprobs, theirs_prompt.top_logprobs, atol=1e-4, rtol=0)
+
+
+# ================================================================ float32 safety (issue #48 items 4-5)
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token():
+    """top_p=1e-300 passes (0, 1] but is 0 in float32: every token's mass before it is >= 0, so the old cut
+    dropped the most likely token too (an all -inf row: a NaN softmax, a draw of id == vocab)."""
+    logits = random_logits()
+    scores = warp_scores(logits, 0.7, top_p=1e-300)
+    kept = torch.isfinite(scores)
+    assert kept.sum(dim=-1).tolist() == [1] * len(OUTPUTS)                       # one token a row (ties: one of them)
+    assert torch.equal(logits[kept], logits.max(dim=-1).values)
+    assert not scores.softmax(dim=-1).isnan().any()
+
+
+def test_warped_and_penalized_logits_never_overflow_float32():
+    """A huge temperature over -inf padded logits, a tiny one over huge logits, a subnormal repetition penalty:
+    finite logits saturate at float32's largest, masked ones stay -inf, nothing is NaN or +inf."""
+    logits = random_logits()
+    logits[:, -8:] = float("-inf")                              # a padded vocabulary (Engine.restrict_vocab)
+    for scores in (warp_scores(logits, 3e38), warp_scores(logits * 1e35, 1e-5),
+                   penalties(logits, repetition_penalty=1e-44), penalties(logits * 1e37, repetition_penalty=1e-30)):
+        assert not scores.isnan().any() and not (scores == float("inf")).any()
+        assert torch.equal(scores[:, -8:], logits[:, -8:])
+        assert scores.softmax(dim=-1)[:, :-8].isfinite().all()
+    big = penalties(torch.full((len(OUTPUTS), VOCAB), 3e38), repetition_penalty=0.5, frequency_penalty=-2.0)
+    assert big.isfinite().all() and big.max() == 3.4028234663852886e38
+
+
+def test_drawable_rows_flags_rows_with_nothing_to_draw_from():
+    scores = random_logits()
+    scores[1, 3] = float("nan")
+    scores[2, 0] = float("inf")
+    scores[3] = float("-inf")
+    assert drawable_rows(scores).tolist() == [True, False, False, False, True]
+    assert scores[1:4].softmax(dim=-1).isnan().any(dim=-1).all()   # (what a draw from them would read)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from treedec.search.sampling import SamplingParams
+from treedec.search.sampling import SAMPLING_EPS, SamplingParams
 from treedec.search import requests_file
 from treedec.search.requests_file import (DEFAULT_PARAMETERS, RequestResult, RequestSpec, RequestsFileError,
                                           read_requests, write_results_jsonl)
@@ -62,7 +62,8 @@ def test_defaults_fill_what_a_line_leaves_out(tmp_path):
 @pytest.mark.parametrize("defaults, message", [
     ({"max_new_tokens": 3}, "defaults has unknown parameter 'max_new_tokens'"),
     ({"prompt": "x"}, "defaults has unknown parameter 'prompt'"),
-    ({"temperature": -1}, "defaults: temperature must be a finite number >= 0, got -1"),
+    ({"temperature": -1}, r"defaults: temperature must be a number in \[0, 3.4028235e\+38\] \(finite in float32; "
+                          r"0 is greedy\), got -1"),
     ({"n": 0}, "defaults: n must be an int >= 1, got 0"),
     ([("n", 2)], "defaults must be a mapping"),
 ])
@@ -71,6 +72,21 @@ def test_bad_defaults(tmp_path, defaults, message):
     with pytest.raises(ValueError, match=message) as e:
         read_requests(path, defaults=defaults)
     assert not isinstance(e.value, RequestsFileError)
+
+
+def test_vllms_new_fields_read_back(tmp_path):
+    line = ('{"prompt": "a", "min_tokens": 2, "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 7], '
+            '"bad_words": ["no"], "detokenize": false, "skip_special_tokens": false, '
+            '"spaces_between_special_tokens": false, "truncate_prompt_tokens": 4, "best_of": 1}')
+    [spec] = read_requests(write_lines(tmp_path, line))
+    p = spec.params
+    assert (p.min_tokens, dict(p.logit_bias), p.allowed_token_ids, p.bad_words) == (2, {5: -100.0, 7: 2.5}, (5, 7),
+                                                                                  ("no",))
+    assert (p.detokenize, p.skip_special_tokens, p.spaces_between_special_tokens) == (False, False, False)
+    assert (p.truncate_prompt_tokens, p.best_of) == (4, 1)
+    [default] = read_requests(write_lines(tmp_path, '{"prompt": "a"}', name="d.jsonl"),
+                              {"min_tokens": 1, "bad_words": ["x"]})
+    assert default.params.min_tokens == 1 and default.params.bad_words == ("x",)
 
 
 def test_vllm_style_top_k_off_and_null_seed(tmp_path):
@@ -101,11 +117,11 @@ BAD_LINES = [
     ('{"messages": "hi"}', "messages must be a list of chat messages"),
     ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be an int >= 1, got 0"),
     ('{"prompt": "a", "max_tokens": 8.0}', "max_tokens must be an int >= 1, got 8.0"),
-    ('{"prompt": "a", "temperature": true}', "temperature must be a finite number >= 0, got True"),
+    ('{"prompt": "a", "temperature": true}', "temperature must be a number in .*got True"),
     ('{"prompt": "a", "temperature": NaN}', "NaN is not a JSON number"),
     ('{"prompt": "a", "temperature": Infinity}', "Infinity is not a JSON number"),
-    ('{"prompt": "a", "temperature": 1e999}', "temperature must be a finite number >= 0, got inf"),
-    ('{"prompt": "a", "temperature": "0.7"}', "temperature must be a finite number >= 0, got '0.7'"),
+    ('{"prompt": "a", "temperature": 1e999}', "temperature must be a number in .*got inf"),
+    ('{"prompt": "a", "temperature": "0.7"}', "temperature must be a number in .*got '0.7'"),
     ('{"prompt": "a", "top_p": 0}', r"top_p must be a number in \(0, 1\], got 0"),
     ('{"prompt": "a", "top_p": 1.5}', r"top_p must be a number in \(0, 1\], got 1.5"),
     ('{"prompt": "a", "top_k": 2.5}', "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got float 2.5"),
@@ -119,14 +135,22 @@ BAD_LINES = [
     ('{"prompt": "a", "include_stop_str_in_output": "yes"}',
      "include_stop_str_in_output must be true or false, got str 'yes'"),
     ('{"prompt": "a", "min_p": 1.5}', r"min_p must be a number in \[0, 1\] \(0: no cut\), got float 1.5"),
-    ('{"prompt": "a", "repetition_penalty": 0}', r"repetition_penalty must be a finite number > 0 \(1: no penalty\)"),
-    ('{"prompt": "a", "presence_penalty": "x"}', "presence_penalty must be a finite number, got 'x'"),
+    ('{"prompt": "a", "repetition_penalty": 0}',
+     r"repetition_penalty must be a number in .*\(> 0 and finite in float32; 1: no penalty\)"),
+    ('{"prompt": "a", "presence_penalty": "x"}', r"presence_penalty must be a number in \[-2, 2\] .*got 'x'"),
     ('{"prompt": "a", "logprobs": -1}', r"logprobs must be None or an int >= 0"),
     ('{"prompt": "a", "ignore_eos": 1}', "ignore_eos must be true or false, got int 1"),
     ('{"prompt": "a", "logits_processors": []}', "unknown key 'logits_processors'"),
     ('{"prompt": "a", "id": true}', "id must be an int or a non-empty string, got bool True"),
     ('{"prompt": "a", "id": ""}', "id must be an int or a non-empty string"),
     ('{"prompt": "a", "id": [1]}', "id must be an int or a non-empty string, got list"),
+    ('{"prompt": "a", "best_of": 2}', r"best_of=2 is not supported \(vLLM v1 does not support best_of either\)"),
+    ('{"prompt": "a", "logit_bias": {"5": 300}}', r"logit_bias\[5\] must be a number in \[-100, 100\]"),
+    ('{"prompt": "a", "logit_bias": {"-5": 1}}', r"logit_bias keys must be token ids .*got str '-5'"),
+    ('{"prompt": "a", "min_tokens": 20}', r"min_tokens must be at most max_tokens \(16\), got 20"),
+    ('{"prompt": "a", "allowed_token_ids": []}', r"allowed_token_ids must be None \(every token\)"),
+    ('{"prompt": "a", "stop": ["' + "x" * 2000 + '"]}', r"stop\[0\] must be at most 1024 characters, got 2000"),
+    ('{"prompt": "a", "detokenize": false, "stop": ["."]}', r"need detokenize=True"),
 ]
 
 
@@ -252,6 +276,8 @@ def test_any_valid_file_reads_back_what_it_says(tmp_path_factory, requests):
                 value = tuple(dict.fromkeys([value] if isinstance(value, str) else value))
             elif key == "stop_token_ids":
                 value = tuple(dict.fromkeys(value))
+            elif key == "temperature" and value < SAMPLING_EPS:
+                value = 0.0   # (greedy below vLLM's _SAMPLING_EPS)
             assert getattr(spec.params, key) == value, key
 
 

@@ -4,7 +4,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.search.parallel_sampling import majority_vote, parallel_sample, self_consistency
-from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
+from treedec.search.sampling import GREEDY, SAMPLING_EPS, SamplingParams, sample_tokens
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 PROMPT = [5, 17, 99, 3, 42, 7, 300, 12, 64]
@@ -212,15 +212,17 @@ def test_self_consistency_votes_over_the_samples(tiny):
     (lambda: SamplingParams(top_k=-3), "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got int -3"),
     (lambda: SamplingParams(top_k=2.0), "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got float"),
     (lambda: SamplingParams(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
-    (lambda: SamplingParams(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-    (lambda: SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
+    (lambda: SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be a number in \[1.4012985e-45, "
+                                                     r"3.4028235e\+38\] \(> 0 and finite in float32"),
+    (lambda: SamplingParams(frequency_penalty=float("nan")), r"frequency_penalty must be a number in \[-2, 2\]"),
     (lambda: SamplingParams(max_tokens=0), "max_tokens must be an int >= 1"),
     (lambda: SamplingParams(logprobs=True), "logprobs must be None or an int >= 0"),
     (lambda: SamplingParams(logits_processors=[1]), "logits_processors must hold callables"),
     (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids must be token ids"),
     (lambda: SamplingParams(0.5), "takes 1 positional argument"),
-    (lambda: SamplingParams(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
-    (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (lambda: SamplingParams(temperature=-0.1), r"temperature must be a number in \[0, 3.4028235e\+38\] \(finite in "
+                                               r"float32; 0 is greedy\), got -0.1"),
+    (lambda: SamplingParams(temperature=float("inf")), r"temperature must be a number in .*got inf"),
     (lambda: SamplingParams(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
     (lambda: SamplingParams(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
     (lambda: SamplingParams(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
@@ -311,3 +313,37 @@ def test_pipelined_sampling_on_a_graphed_gpu_engine():
     sampled = run(True, SamplingParams())
     assert sampled == run(True, SamplingParams()) and sampled != run(True, SamplingParams(), seed=8)
     assert len({len(t) for t in sampled}) > 1     # the EOS ids ended samples at different steps
+
+
+# ================================================================ float32 safety (issue #48 item 4)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 9.9e-6])
+def test_a_temperature_below_the_sampling_eps_is_greedy(tiny, temperature):
+    """vLLM samples greedily below _SAMPLING_EPS (1e-5); logits / 1e-45 overflows float32 (a NaN CDF)."""
+    params = SamplingParams(temperature=temperature, n=2)
+    assert params.temperature == 0.0 and params.greedy and SAMPLING_EPS == 1e-5
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    result = parallel_sample(make_engine(tiny), PROMPT, 2, 6, params, generator=seeded(0))
+    assert tokens_of(result) == [plain_greedy(tiny, PROMPT, 6)] * 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e308), dict(presence_penalty=1e308),
+                                    dict(frequency_penalty=-1e308), dict(presence_penalty=2.5),
+                                    dict(repetition_penalty=1e-300), dict(repetition_penalty=1e39)])
+def test_values_that_float32_cannot_hold_are_refused(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"{name} must be a number in \[.*\].*got {value:g}".replace("+", r"\+")):
+        SamplingParams(**kwargs)
+    assert SamplingParams(presence_penalty=2.0, frequency_penalty=-2.0).presence_penalty == 2.0
+
+
+def test_the_inverse_cdf_draw_never_returns_an_id_past_the_vocabulary():
+    """A row with no distribution (NaN logits) made the draw return vocab (an id the engine's check refused for
+    the whole step); it is clamped on the device."""
+    logits = torch.randn(3, 50)
+    logits[1] = float("nan")
+    picked = sample_tokens(logits, SamplingParams(), uniform=torch.tensor([0.5, 0.5, 0.999999]))
+    assert picked.dtype == torch.int64 and int(picked.max()) < 50
+    assert int(sample_tokens(logits[:1], SamplingParams(top_p=1e-300), uniform=torch.tensor([0.99]))) \
+        == int(logits[0].argmax())

@@ -4,13 +4,15 @@ Stop strings are matched on real detokenized text: the tokenizers of tests/token
 (byte-level BPE and SentencePiece-style with byte fallback) and treedec's ByteTokenizer.
 """
 import dataclasses
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treedec.models.text import IncrementalDetokenizer, load_tokenizer
-from treedec.search.stops import STOP_REASONS, StopChecker, StopDecision, StopRule
+from treedec.search.stops import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, STOP_REASONS, StopChecker, StopDecision,
+                                  StopRule)
 from treedec.search.tot import ByteTokenizer
 from tests.tokenizers_local import KINDS, build_tokenizer
 
@@ -295,3 +297,80 @@ def test_any_chunking_matches_the_brute_force_reference(tokenizers, kind, text, 
         assert check.text == want_text
     if not include:
         assert not any(s in check.text for s in rule.stop_strings)
+
+
+# ================================================================ bounds and cost (issue #48 item 3)
+
+
+def test_stop_strings_are_bounded_before_any_work():
+    """A client-controlled size: a 1 MB stop string (which took 57 s for 8 tokens on the engine thread) and one
+    stop string too many are refused at once, naming the field and the bound."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"stop_strings\[1\] must be at most {MAX_STOP_STRING_CHARS} characters, "
+                                         rf"got 1000000"):
+        StopRule(8, stop_strings=["ok", "a" * 10**6])
+    with pytest.raises(ValueError, match=rf"stop_strings must hold at most {MAX_STOP_STRINGS} strings, got "
+                                         rf"{MAX_STOP_STRINGS + 1}"):
+        StopRule(8, stop_strings=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    assert time.perf_counter() - start < 0.5
+    longest = "a" * MAX_STOP_STRING_CHARS
+    assert len(StopRule(8, stop_strings=[longest] + [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]).stop_strings) \
+        == MAX_STOP_STRINGS
+
+
+def test_a_longest_stop_string_costs_each_token_its_own_characters():
+    """The worst case for a hold-back (the text always ends with a long prefix of the stop strings): the old
+    per-token ``endswith`` of every prefix was O(len(stop)^2) a token (3.1 s for these 6000 tokens on the CI
+    machine, 57.7 s for 8 tokens of a 1 MB stop string); the matchers are O(new characters): 0.08 s."""
+    stop = "a" * (MAX_STOP_STRING_CHARS - 1) + "b"
+    stops = checker(ByteTokenizer(), max_new_tokens=20000, stop=[stop, "a" * 1000 + "c"])
+    start = time.perf_counter()
+    for _ in range(6000):
+        assert stops.accept(ord("a")) == (1, None)
+        stops.streamable_length
+    elapsed = time.perf_counter() - start
+    assert stops.streamable_text == "a" * (6000 - len(stop) + 1)     # the last 1023 a's may still become the stop
+    assert stops.text_from(4000) == "a" * (6000 - len(stop) + 1 - 4000)
+    assert stops.accept(ord("b")) == (1, "stop_string") and stops.text == "a" * (6000 - len(stop) + 1)
+    assert elapsed < 1.0, f"{elapsed:.2f} s for 6000 tokens"
+
+
+def brute_force_hold(text, stop_strings):
+    return max((k for s in stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@given(text=st.text(alphabet="ab日", max_size=40), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_streamable_text_holds_back_exactly_the_brute_force_tail(text, data):
+    """After every chunk of tokens: the stream shows the text but its longest tail that is the start of a stop
+    string (the old brute force), and the deltas join to the final text."""
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    stop_strings = data.draw(st.lists(st.text(alphabet="ab日", min_size=1, max_size=6), min_size=1, max_size=3))
+    min_tokens = data.draw(st.integers(0, 6))
+    stops = StopChecker(StopRule(60, (), stop_strings, data.draw(st.booleans()), min(min_tokens, 60)),
+                        IncrementalDetokenizer(tok))
+    shown = ""
+    for a in range(0, len(ids), 3):
+        if stops.stopped:
+            break
+        stops.accept(ids[a:a + 3])
+        full = stops.text
+        want = full if stops.stopped else full[:len(full) - brute_force_hold(full, stop_strings)]
+        assert stops.streamable_text == want and stops.streamable_length == len(want)
+        shown += stops.text_from(len(shown))
+        assert shown == want
+
+
+def test_min_tokens_lets_no_eos_or_stop_string_end_the_output_before_it():
+    """vLLM's rule: an EOS or a stop string ends an output only once it has more than min_tokens tokens; a stop
+    string counts when it ends in a later token's text (it may start earlier)."""
+    early = StopChecker(StopRule(10, [ord("!")], ["x"], min_tokens=3), IncrementalDetokenizer(ByteTokenizer()))
+    assert early.accept(list(b"x!x")) == (3, None) and early.text == "x!x"
+    assert early.accept(list(b"y!z")) == (2, "eos") and early.text == "x!xy!"
+    spanning = StopChecker(StopRule(10, (), ["abc"], min_tokens=2), IncrementalDetokenizer(ByteTokenizer()))
+    assert spanning.accept(list(b"abcd")) == (3, "stop_string") and spanning.text == ""
+    assert StopChecker(StopRule(3, (), ["a"], min_tokens=3), IncrementalDetokenizer(ByteTokenizer())) \
+        .accept(list(b"aaaa")) == (3, "length")
+    with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, 4\] \(max_new_tokens\), got 5"):
+        StopRule(4, min_tokens=5)

@@ -16,7 +16,6 @@ import pytest
 from tests.serve.server import RunningServer, free_again, make_llm, wait_until
 
 STREAMS, TOKENS = 16, 32
-SAMPLING_BRANCH = "fixed on the sampling branch (#48 items 3-4)"
 
 
 def huge_n(server):
@@ -131,9 +130,7 @@ def run_with(server, abuse=None):
     return ids, seconds, answer[0] if answer else None
 
 
-KINDS = [huge_n, huge_prompt, chunked_body, many_prompts,
-         pytest.param(huge_stop, marks=pytest.mark.xfail(strict=True, reason=SAMPLING_BRANCH)),
-         pytest.param(degenerate_sampling, marks=pytest.mark.xfail(strict=True, reason=SAMPLING_BRANCH))]
+KINDS = [huge_n, huge_prompt, chunked_body, many_prompts, huge_stop, degenerate_sampling]
 
 
 @pytest.fixture
@@ -153,7 +150,6 @@ def test_one_abusive_request_does_not_hurt_16_normal_streams(server, abuse):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=SAMPLING_BRANCH + ": its huge stop string and degenerate sampling values")
 def test_every_abusive_kind_at_once_does_not_hurt_16_normal_streams(server):
     kinds = [huge_n, huge_prompt, chunked_body, many_prompts, huge_stop, degenerate_sampling]
 

@@ -78,6 +78,19 @@ nonnegative_float = float_arg(0.0)
 positive_float = float_arg(0.0, strictly_above=True)
 
 
+def logit_bias_pair(text: str) -> tuple[int, float]:
+    """An argparse ``type``: ``ID:BIAS``, a token id >= 0 and a finite number (SamplingParams checks its range)."""
+    token, sep, bias = text.partition(":")
+    try:
+        pair = int(token), float(bias)
+    except ValueError:
+        pair = None
+    if not sep or pair is None or pair[0] < 0 or not math.isfinite(pair[1]):
+        raise argparse.ArgumentTypeError(f"must be ID:BIAS (a token id >= 0 and a number, e.g. 50256:-100), "
+                                         f"got {text!r}")
+    return pair
+
+
 def device_arg(text: str) -> str:
     """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``, where that device exists."""
     try:

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 import torch
 from tqdm import tqdm
 
-from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
-                                   nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
-                                   seed_int)
+from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, int_arg,
+                                   load_model, logit_bias_pair, nonnegative_float, nonnegative_int, output_file,
+                                   positive_float, positive_int, seed_int)
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
 from treedec.commands.kv_memory import build_engine
 from treedec.models.text import check_text, load_tokenizer
@@ -74,6 +75,21 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at the model's EOS ids")
     g.add_argument("--logprobs", type=nonnegative_int, help="log-probabilities of each token and the N most likely "
                                                              "(in the results file)")
+    g.add_argument("--min-tokens", type=nonnegative_int, help="no EOS or stop before this many tokens")
+    g.add_argument("--logit-bias", type=logit_bias_pair, action="append", metavar="ID:BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeat the flag for several)")
+    g.add_argument("--allowed-token-ids", type=nonnegative_int, action="append", metavar="ID",
+                   help="only these tokens are drawn (repeat the flag for several)")
+    g.add_argument("--bad-words", action="append", metavar="WORD",
+                   help="a word never generated (repeat the flag for several)")
+    g.add_argument("--truncate-prompt-tokens", type=int_arg(-1), metavar="K",
+                   help="keep the prompt's last K tokens (-1: the model's positions)")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="leave special tokens out of the text (default on)")
+    g.add_argument("--spaces-between-special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="as the tokenizer decodes consecutive added tokens (default on)")
+    g.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=None,
+                   help="make the outputs' text (default on; off: token ids only)")
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
@@ -88,7 +104,10 @@ def add_generate_parser(sub) -> None:
 FLAGS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
          "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
          "frequency_penalty": "frequency_penalty", "n": "n", "stop": "stop", "ignore_eos": "ignore_eos",
-         "logprobs": "logprobs"}
+         "logprobs": "logprobs", "min_tokens": "min_tokens", "logit_bias": "logit_bias",
+         "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
+         "truncate_prompt_tokens": "truncate_prompt_tokens", "skip_special_tokens": "skip_special_tokens",
+         "spaces_between_special_tokens": "spaces_between_special_tokens", "detokenize": "detokenize"}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -97,6 +116,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give a prompt (treedec generate \"...\") or --prompts FILE, one of them")
     defaults = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
+    if "logit_bias" in defaults:   # (ID:BIAS pairs; a repeated ID: the last one)
+        defaults["logit_bias"] = dict(defaults["logit_bias"])
     if args.prompt is not None:
         check_text(args.prompt, "the prompt")
         if args.model is None:
@@ -151,7 +172,9 @@ def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, gene
     if n > 1:
         print("--- output 0 ---")
     results, stats = generate_batch(engine, [spec], tokenizer, args.chat_template, generator, on_text=on_text)
-    for r in results[1:]:
+    if not spec.params.detokenize:   # (--no-detokenize: token ids only, nothing was streamed)
+        print(*(json.dumps(r.output_ids) for r in results), sep="\n", end="")
+    for r in results[1:] if spec.params.detokenize else ():
         print(f"\n--- output {r.index} ---\n{r.text}", end="")
     print()
     if args.out is not None:

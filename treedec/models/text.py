@@ -244,15 +244,29 @@ class IncrementalDetokenizer:
         ``decode(..., skip_special_tokens=True)``: the default, as in vLLM. Only a tokenizer
         that has special tokens (an ``all_special_ids`` attribute, as transformers' have) is
         asked to skip them; other decoders are called as ``decode(ids)``.
+    spaces_between_special_tokens : vLLM's option of the same name, as its detokenizer of fast tokenizers
+        applies it: True (the default) streams what the tokenizer decodes; False (with
+        ``skip_special_tokens=False``) gives an added token that follows another added token as its raw
+        content, without whatever the tokenizer's decoder puts before it (a WordPiece decoder's space).
+        Byte-level and SentencePiece decoders put nothing between added tokens, so it changes their text in
+        no way; a tokenizer without added tokens (no ``added_tokens_decoder``) is not affected.
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         if not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(ids) method, got {describe(tokenizer)}")
-        if not isinstance(skip_special_tokens, bool):
-            raise TypeError(f"skip_special_tokens must be a bool, got {describe(skip_special_tokens)}")
+        for name, flag in (("skip_special_tokens", skip_special_tokens),
+                           ("spaces_between_special_tokens", spaces_between_special_tokens)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {describe(flag)}")
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens and hasattr(tokenizer, "all_special_ids")
+        # Added token id -> its content, where an added token after another is emitted raw (see above).
+        self._raw_added: dict[int, str] = {}
+        added = getattr(tokenizer, "added_tokens_decoder", None)   # (transformers': id -> AddedToken)
+        if not (skip_special_tokens or spaces_between_special_tokens) and isinstance(added, Mapping):
+            self._raw_added = {int(i): getattr(t, "content", str(t)) for i, t in added.items()}
         self._vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
         self._ids = self._checked(prompt_ids, "prompt_ids")
         self._num_prompt = len(self._ids)
@@ -262,6 +276,7 @@ class IncrementalDetokenizer:
         self._prefix, self._prefix_text = self._context_window()
         self._held = 0
         self._parts: list[str] = []
+        self._length = 0   # characters in _parts
         self._finished = False
 
     @property
@@ -270,6 +285,23 @@ class IncrementalDetokenizer:
         if len(self._parts) > 1:
             self._parts[:] = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
+
+    @property
+    def text_length(self) -> int:
+        """``len(text)``, without joining the deltas."""
+        return self._length
+
+    def text_from(self, start: int) -> str:
+        """``text[start:]``, joining only the deltas past ``start``: O(the characters returned + the deltas they
+        span), so a stream that asks for its next characters never copies the whole text."""
+        if start >= self._length:
+            return ""
+        parts, covered, k = self._parts, 0, len(self._parts)
+        while k and covered < self._length - start:
+            k -= 1
+            covered += len(parts[k])
+        tail = "".join(parts[k:]) if len(parts) - k > 1 else parts[k]
+        return tail[len(tail) - (self._length - start):]
 
     @property
     def vocab_size(self) -> int | None:
@@ -306,7 +338,7 @@ class IncrementalDetokenizer:
         self._finished = True
         window = self._decode(self._ids[self._prefix:])
         delta = window[len(self._prefix_text) + self._held:]
-        self._parts.append(delta)
+        self._emit(delta)
         return delta
 
     # ------------------------------------------------------------ private
@@ -326,9 +358,16 @@ class IncrementalDetokenizer:
                 self._prefix, self._read = self._read, len(self._ids)
                 self._prefix_text = self._decode(self._ids[self._prefix:self._read])
                 self._held = 0
+            if self._raw_added and token in self._raw_added and len(self._ids) > self._num_prompt + 1 \
+                    and self._ids[-2] in self._raw_added:
+                delta = self._raw_added[token]   # an added token after another: its content, nothing before it
+        self._emit(delta)
+        return delta
+
+    def _emit(self, delta: str) -> None:
         if delta:
             self._parts.append(delta)
-        return delta
+            self._length += len(delta)
 
     def _context_window(self) -> tuple[int, str]:
         """(start, text) of the prompt tokens the first window holds: the last few, started

@@ -26,7 +26,7 @@ class LaneTable:
 
     _HOST = ("group", "index", "node", "parent", "start", "length", "max_new", "state", "next_token", "reason",
              "placed", "fresh", "keep", "text", "seed", "stream")
-    _DEVICE = ("drawn", "stopped", "drawn_count", "eos")
+    _DEVICE = ("drawn", "stopped", "ok", "drawn_count", "eos")
 
     def _grow(self, need: int) -> None:
         if need <= self._capacity:
@@ -64,6 +64,7 @@ class LaneTable:
 
         device("drawn", (capacity,), torch.int64)
         device("stopped", (capacity,), torch.bool, False)
+        device("ok", (capacity,), torch.bool, True)
         device("drawn_count", (capacity,), torch.int64)
         device("eos", (capacity, max(self._eos_width, 1)), torch.int64, -1)
         self._eos_width = self.eos.shape[1]

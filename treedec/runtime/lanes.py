@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from treedec.models.text import IncrementalDetokenizer
 from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lane_table import LaneTable
 from treedec.sampling.sampler import SamplingRows, sample_rows
-from treedec.search.logits import TokenLogprobs, apply_logits_processors, token_logprobs
+from treedec.search.logits import (NonFiniteLogitsError, TokenLogprobs, apply_allowed_tokens, apply_bad_words,
+                                   apply_logit_bias, apply_logits_processors, drawable_rows, mask_stop_tokens,
+                                   token_logprobs, token_mask)
+from treedec.tree.validate import int_list
 from treedec.search.sampling import SEED_MAX
 from treedec.search.stops import StopChecker
 from treedec.transfer import HostCopy, to_device
@@ -58,6 +60,16 @@ class _Group:
     shown: list[int] = field(default_factory=list)       # characters of each output's text streamed so far
     records: list[tuple[np.ndarray, TokenLogprobs]] = field(default_factory=list)   # (output indices, logprobs)
     pending: list[tuple[int, int, int]] = field(default_factory=list)   # (output, parent, last token) to place
+    allowed: torch.Tensor | None = None        # [1, V] bool: allowed_token_ids
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias: ([k] ids, [k] values)
+    stop_ids: torch.Tensor | None = None       # [k] int64: the ids min_tokens keeps from being drawn
+
+    @property
+    def special(self) -> bool:
+        """Its rows are processed before the batched draw (user processors, token masks and biases)."""
+        p = self.decode.params
+        return bool(p.logits_processors) or p.allowed_token_ids is not None or bool(self.decode.bad_words) \
+            or p.min_tokens > 0 or p.logit_bias is not None
 
 
 class Lanes(LaneTable):
@@ -81,7 +93,7 @@ class Lanes(LaneTable):
         self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
         self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
         self._failures: list[tuple[Any, Exception]] = []
-        self._processors: set[int] = set()   # groups whose params have user logits processors
+        self._special: set[int] = set()   # groups whose rows are processed before the batched draw (_Group.special)
 
     # ------------------------------------------------------------ events
 
@@ -105,13 +117,13 @@ class Lanes(LaneTable):
             raise ValueError("on_text streams detokenized text: the Decode needs the tokenizer")
         uid = next(self._uids)
         group = _Group(d, owner, uid, [None] * d.count, d.count)
-        group.checkers = [None if d.tokenizer is None else
-                          StopChecker(d.rule, IncrementalDetokenizer(d.tokenizer, list(d.prompt_ids)))
-                          for _ in range(d.count)]
+        detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
+        group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
         group.shown = [0] * d.count
+        self._special_columns(group)
         self.groups[uid] = group
-        if d.params.logits_processors:
-            self._processors.add(uid)
+        if group.special:
+            self._special.add(uid)
         k, start = d.count, self.size
         self._grow(start + k)
         slots = np.arange(start, start + k)
@@ -124,7 +136,7 @@ class Lanes(LaneTable):
         self.start[slots] = self.tree.node_length(d.parent) if d.on_parent else 0
         self.length[slots], self.max_new[slots] = 0, d.rule.max_new_tokens
         self.state[slots], self.placed[slots], self.fresh[slots], self.keep[slots] = 0, False, True, d.keep
-        self.text[slots] = d.tokenizer is not None
+        self.text[slots] = group.checkers[0] is not None
         eos = list(d.rule.eos_token_ids)
         if len(eos) > self._eos_width:
             self._widen_eos(len(eos))
@@ -132,6 +144,7 @@ class Lanes(LaneTable):
         row[:len(eos)] = torch.tensor(eos, dtype=torch.int64)
         self.eos[start:start + k] = row.to(self.device)
         self.drawn_count[start:start + k] = 0
+        self.ok[start:start + k] = True
         p = d.params
         if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0:
             self._penalty_columns()
@@ -166,7 +179,7 @@ class Lanes(LaneTable):
         """Forget every lane (the run failed: its programs are closed and free their nodes)."""
         self.groups.clear()
         self.size, self._rows, self._read, self._blocked, self._failures = 0, None, None, set(), []
-        self._processors.clear()
+        self._special.clear()
 
     def blocked_owners(self) -> set:
         """The programs some of whose ready lanes the last :meth:`place` left out for want of pages."""
@@ -187,7 +200,7 @@ class Lanes(LaneTable):
             return
         for uid in uids:
             del self.groups[uid]
-            self._processors.discard(uid)
+            self._special.discard(uid)
         self._compact(~np.isin(self.group[:self.size], uids))
 
     # ------------------------------------------------------------ the step
@@ -242,7 +255,7 @@ class Lanes(LaneTable):
         slots = np.flatnonzero(self.state[:self.size] == _DRAWN)
         if len(slots):
             index = to_device(slots, self.device)
-            self._read = (slots, HostCopy(torch.stack([self.drawn[index], self.stopped[index].long()])))
+            self._read = (slots, HostCopy(self._report(index)))
 
     def draw_fresh(self) -> list[tuple[Any, DecodeResult]]:
         """Draw the first tokens of the lanes added since the last step (from their Decode's logits, in one batched
@@ -266,8 +279,8 @@ class Lanes(LaneTable):
         if self._read is not None:
             slots, copy = self._read
             self._read = None
-            values = np.asarray(copy.result(), dtype=np.int64).reshape(2, -1)
-            self._accept(slots, values[0], values[1].astype(bool), row_of[slots] >= 0, row_of, logits, finished)
+            values = np.asarray(copy.result(), dtype=np.int64).reshape(3, -1)
+            self._accept(slots, values, row_of[slots] >= 0, row_of, logits, finished)
         # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
         for slot in placed[self.state[placed] == _FINISH].tolist():
             self._end(slot, logits[row_of[slot]], finished, computed=True)
@@ -284,15 +297,13 @@ class Lanes(LaneTable):
         if len(sample):
             self._draw(sample, logits, row_of)
             if not self.pipeline:   # read back at once: the next step places the tokens known
-                index = to_device(sample, self.device)
-                values = torch.stack([self.drawn[index], self.stopped[index].long()]).cpu().numpy()
-                self._accept(sample, values[0], values[1].astype(bool), np.zeros(len(sample), dtype=bool),
-                             row_of, None, finished)
+                values = self._report(to_device(sample, self.device)).cpu().numpy()
+                self._accept(sample, values, np.zeros(len(sample), dtype=bool), row_of, None, finished)
         for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
                 self.state[:self.size][self.group[:self.size] == uid] = -1
                 del self.groups[uid]
-                self._processors.discard(uid)
+                self._special.discard(uid)
         self._compact(self.state[:self.size] != -1)
         return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished]
 
@@ -339,23 +350,69 @@ class Lanes(LaneTable):
         whole = len(slots) == self.size and (slots == np.arange(self.size)).all()
         index = None if whole else to_device(slots, self.device)
         rows = self._rows if whole else self._rows.take(index)
-        scores = raw
-        if self._processors:   # user code, one row at a time (only the lanes that have processors)
-            scores = raw.float().clone()
-            for i in [i for i, s in enumerate(slots.tolist()) if self.params[s].logits_processors]:
-                s = int(slots[i])
-                g = self.groups[int(self.group[s])]
-                history = list(g.decode.prompt_ids) + self.tokens[s, :self.length[s]].tolist()
-                try:
-                    scores[i] = apply_logits_processors(self.params[s].logits_processors, [history], raw[i:i + 1])[0]
-                except Exception as error:   # that request fails alone (its lanes go at the end of the step)
-                    self._fail(g, error)
+        scores = self._process(slots, raw) if self._special else raw
+        if self._special or rows.penalized:   # (read back with the tokens: a row with nothing to draw fails alone)
+            self.ok[to_device(slots, self.device)] = drawable_rows(scores.float())
         draws = self.drawn_count[:self.size] if whole else self.drawn_count[index]
         masks = counts = None
         if rows.penalized:
             masks = self.prompt_mask[:self.size] if whole else self.prompt_mask[index]
             counts = self.counts[:self.size] if whole else self.counts[index]
         return sample_rows(scores, rows, draws, masks, counts)
+
+    def _process(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
+        """The rows of the groups that need it processed before the batched draw, in vLLM v1's order
+        (:class:`~treedec.search.sampling.SamplingParams`): the user's logits processors (one row at a time; one that
+        raises fails its request alone), ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``
+        (:mod:`treedec.search.logits`); a Python pass per such group a step, none for the others."""
+        scores = raw.float().clone()
+        groups = self.group[slots]
+        for uid in np.unique(groups).tolist():
+            if uid not in self._special:
+                continue
+            g = self.groups[uid]
+            mine = np.flatnonzero(groups == uid)
+            at, p = to_device(mine, self.device), g.decode.params
+            rows = scores[at]
+            lengths = self.length[slots[mine]]
+            try:
+                if p.logits_processors:
+                    histories = [list(g.decode.prompt_ids) + self.tokens[s, :n].tolist()
+                                 for s, n in zip(slots[mine].tolist(), lengths.tolist())]
+                    rows = apply_logits_processors(p.logits_processors, histories, rows)
+            except Exception as error:   # that request fails alone (its lanes go at the end of the step)
+                self._fail(g, error)
+                continue
+            if g.allowed is not None:
+                rows = apply_allowed_tokens(rows, g.allowed)
+            if g.decode.bad_words:
+                back = max(map(len, g.decode.bad_words)) - 1   # (the output's last tokens a ban looks at)
+                outputs = [self.tokens[s, max(0, n - back):n].tolist() for s, n in zip(slots[mine].tolist(),
+                                                                                       lengths.tolist())]
+                rows = apply_bad_words(rows, g.decode.bad_words, outputs)
+            if g.stop_ids is not None and (lengths < p.min_tokens).any():
+                short = np.flatnonzero(lengths < p.min_tokens)
+                rows = mask_stop_tokens(rows, g.stop_ids, None if len(short) == len(mine) else
+                                        to_device(short, self.device))
+            if g.bias is not None:
+                rows = apply_logit_bias(rows, *g.bias)
+            scores[at] = rows
+        return scores
+
+    def _special_columns(self, g: _Group) -> None:
+        """A group's token masks and biases on the device, checked against the vocabulary on the host."""
+        d, p, vocab = g.decode, g.decode.params, self.vocab
+        if p.allowed_token_ids is not None:
+            g.allowed = token_mask(p.allowed_token_ids, vocab, self.device, "allowed_token_ids")
+        if p.logit_bias is not None:
+            ids = int_list(list(p.logit_bias), "logit_bias' token ids", low=0, high=vocab - 1)
+            g.bias = (to_device(ids, self.device, torch.int64),
+                      to_device(list(p.logit_bias.values()), self.device, torch.float32))
+        for word in d.bad_words:
+            int_list(word, "bad_words' token ids", low=0, high=vocab - 1)
+        if p.min_tokens and d.min_tokens_stop_ids:
+            g.stop_ids = to_device(int_list(list(d.min_tokens_stop_ids), "min_tokens' stop ids", low=0,
+                                            high=vocab - 1), self.device, torch.int64)
 
     def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
         """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
@@ -378,10 +435,26 @@ class Lanes(LaneTable):
 
     # ------------------------------------------------------------ private: reading back
 
-    def _accept(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray,
-                row_of: np.ndarray, logits: torch.Tensor | None, finished: list) -> None:
-        """Give each lane of ``slots`` its drawn token (read back; ``placed``: its placeholder is in the tree, computed
-        by the step just launched, whose ``logits`` rows are at ``row_of``): record it, end the lanes it ends."""
+    def _report(self, index: torch.Tensor) -> torch.Tensor:
+        """[3, k] int64: the lanes' drawn tokens, stop flags and whether their rows could be drawn from."""
+        return torch.stack([self.drawn[index], self.stopped[index].long(), self.ok[index].long()])
+
+    def _accept(self, slots: np.ndarray, values: np.ndarray, placed: np.ndarray, row_of: np.ndarray,
+                logits: torch.Tensor | None, finished: list) -> None:
+        """Give each lane of ``slots`` its drawn token (``values``: :meth:`_report`'s, read back; ``placed``: its
+        placeholder is in the tree, computed by the step just launched, whose ``logits`` rows are at ``row_of``):
+        record it, end the lanes it ends. A lane whose row had nothing to draw from fails its request."""
+        tokens, stopped, ok = values[0], values[1].astype(bool), values[2].astype(bool)
+        if not ok.all():
+            bad = np.unique(self.group[slots[~ok]]).tolist()
+            for uid in bad:
+                self._fail(self.groups[uid], NonFiniteLogitsError(
+                    f"{self.groups[uid].decode.name}: after its logits processing (processors, penalties, logit_bias, allowed_token_ids, bad_words, "
+                    "min_tokens) an output's logits have no finite value (or a NaN or +inf): there is nothing to "
+                    "draw from; the request is stopped"))
+            keep = ~np.isin(self.group[slots], bad)
+            self.state[slots[~keep]] = -1
+            slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]
         at = self.length[slots]
         if at.max(initial=0) >= self._width:
             self._widen(int(at.max()) + 1)
@@ -454,7 +527,7 @@ class Lanes(LaneTable):
         if g.left == 0:
             self._logprobs(g)
             del self.groups[g.uid]
-            self._processors.discard(g.uid)
+            self._special.discard(g.uid)
             finished.append(g)
 
     def _logprobs(self, g: _Group) -> None:

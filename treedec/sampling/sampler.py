@@ -21,9 +21,10 @@ from typing import Sequence
 
 import torch
 
+from treedec.checks import FLOAT32_MAX
 from treedec.sampling.rng import counter_uniform
 
-__all__ = ["SamplingRows", "penalize", "sample_rows", "warp_rows"]
+__all__ = ["SamplingRows", "penalize", "sample_rows", "warp", "warp_rows"]
 
 
 @dataclass(frozen=True)
@@ -100,43 +101,60 @@ _FLAGS = ("greedy", "sampled", "top_k_cut", "top_p_cut", "min_p_cut", "penalized
 
 def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
              presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """Per-row penalties (vLLM's rules, :func:`~treedec.search.logits.apply_penalties`' per row): a token of the
-    prompt or the output gets ``logit / repetition`` if its logit is > 0, else ``logit * repetition``; then
-    ``logit -= frequency * count + presence * (count > 0)``.
+    """Per-row penalties, vLLM's rules (the one definition: :func:`~treedec.search.logits.apply_penalties` is this
+    with one value for every row): a token of the prompt or the output gets ``logit / repetition`` if its logit is
+    > 0, else ``logit * repetition``; then ``logit -= frequency * count + presence * (count > 0)``.
 
-    ``scores`` [L, V] float32; ``prompt_mask`` [L, V] bool; ``counts`` [L, V] int (output counts);
-    the penalties [L] float32. Returns a new [L, V] float32 tensor."""
+    ``scores`` [L, V] float; ``prompt_mask`` [L, V] or [1, V] bool; ``counts`` [L, V] int (output counts);
+    the penalties [L] (or [1]) float32. Returns a new [L, V] float32 tensor: a finite logit a penalty takes past
+    float32's largest saturates at 3.4e38 (never +inf, which would make the row's softmax NaN), one below its
+    lowest is -inf; an infinite one (a masked token) stays."""
+    scores = scores.float()
     seen = prompt_mask | (counts > 0)
     rep = repetition[:, None]
-    penalized = torch.where(scores > 0, scores / rep, scores * rep)
+    penalized = torch.where(scores > 0, scores / rep, scores * rep).clamp_(max=FLOAT32_MAX)   # (logit / tiny)
     scores = torch.where(seen & (rep != 1), penalized, scores)
     return scores - frequency[:, None] * counts.float() - presence[:, None] * (counts > 0).float()
 
 
-def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """The scores each row is drawn from: ``scores / temperature``, then top-k (ties with the k-th kept), top-p
-    (the smallest set of most likely tokens whose probability reaches top-p; the most likely always kept), min-p
-    (tokens below min-p times the most likely's probability), each with that row's value; removed tokens get
-    ``-inf``. ``scores`` [L, V] float32 of sampled rows (temperature > 0). Returns [L, V] float32."""
-    scores = scores / rows.temperature[:, None]
+def warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
+         top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores each row is drawn from (the one definition: :func:`~treedec.search.logits.warp_scores` is this
+    with one value for every row): ``scores / temperature``, then top-k (ties with the k-th kept; 0: no cut), top-p
+    (the smallest set of most likely tokens whose probability reaches top-p, compared in float32; the most likely
+    always kept), min-p (tokens below min-p times the most likely's probability), each with that row's value;
+    removed tokens get ``-inf`` (transformers' warpers, in their order).
+
+    ``scores`` [L, V] float; ``temperature`` [L] (or [1]) float32 > 0; ``top_k`` [L] int64, ``top_p`` [L] and
+    ``min_p`` [L] float32, each None when no row cuts. Returns [L, V] float32; a logit whose scaling passes
+    float32's largest saturates at 3.4e38 (never +inf), one below its lowest is -inf."""
+    scores = (scores.float() / temperature[:, None]).clamp_(max=FLOAT32_MAX)
     vocab = scores.shape[-1]
-    if rows.top_k_cut or rows.top_p_cut:
+    if top_k is not None or top_p is not None:
         ordered, order = scores.sort(dim=-1, descending=True)
-        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), vocab)
-        kth = ordered.gather(1, (k - 1)[:, None])
-        if rows.top_k_cut:
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+            kth = ordered.gather(1, (k - 1).expand(scores.shape[0])[:, None])
             ordered = ordered.masked_fill(ordered < kth, float("-inf"))
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        if rows.top_p_cut:
+        if top_p is not None:
             probs = ordered.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs   # of the tokens ranked above each token
-            drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
-                -1, order, mass_before >= rows.top_p[:, None])
+            cut = mass_before >= top_p[:, None]
+            cut[:, 0] = False                            # the most likely token is always kept
+            drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
-    if rows.min_p_cut:
+    if min_p is not None:
         probs = scores.softmax(dim=-1)
-        scores = scores.masked_fill(probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return scores
+
+
+def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """:func:`warp` with ``rows``' parameters (the cuts no row makes are skipped). ``scores`` [L, V] float of
+    sampled rows (temperature > 0). Returns [L, V] float32."""
+    return warp(scores, rows.temperature, rows.top_k if rows.top_k_cut else None,
+                rows.top_p if rows.top_p_cut else None, rows.min_p if rows.min_p_cut else None)
 
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,

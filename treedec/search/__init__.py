@@ -28,16 +28,15 @@ from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program, ProgramContext
 from treedec.search.requests_file import (RequestResult, RequestSpec, RequestsFileError, read_requests,
                                           write_results_jsonl)
-from treedec.search.logits import Logprob, LogitsProcessorError, TokenLogprobs
+from treedec.search.logits import Logprob, LogitsProcessorError, NonFiniteLogitsError, TokenLogprobs
 from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs
 from treedec.search.stops import StopChecker, StopRule
 
 __all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
-           "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob", "OnlineEngine",
-           "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted", "ProgramContext", "RequestResult",
-           "RequestSpec",
-           "RequestsFileError", "SamplingParams", "SamplingResult", "SchedulerStats", "SelfConsistencyResult",
-           "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs", "beam_search", "generate_batch",
-           "greedy_generate", "majority_vote", "parallel_sample", "read_requests", "run_controller", "run_program",
-           "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]
+           "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob",
+           "NonFiniteLogitsError", "OnlineEngine", "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted",
+           "ProgramContext", "RequestResult", "RequestSpec", "RequestsFileError", "SamplingParams", "SamplingResult",
+           "SchedulerStats", "SelfConsistencyResult", "StopChecker", "StopRule", "StreamOutput", "TokenLogprobs",
+           "beam_search", "generate_batch", "greedy_generate", "majority_vote", "parallel_sample", "read_requests",
+           "run_controller", "run_program", "run_programs", "sample_tokens", "self_consistency", "write_results_jsonl"]

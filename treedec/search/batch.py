@@ -17,10 +17,11 @@ the newest request is preempted and run again (:mod:`treedec.search.scheduler`).
 whose worst case (prompt and ``n`` outputs of ``max_new_tokens``) exceeds what the pool can give it (its
 free pages, and those the prefix cache can evict) raises before anything runs.
 
-Randomness: a request with a ``seed`` draws from its own generator, one uniform number per
-output per draw (:func:`~treedec.search.sampling.sample_tokens` by inverse CDF), so its outputs
-do not depend on which other requests share its steps, nor on a preemption: batched == alone
-(tested). Requests without a seed draw from the batch's ``generator`` as they run.
+Every output is a lane of the scheduler's batch (:mod:`treedec.runtime.lanes`): all lanes of all requests are
+drawn by one batched sampler call a step. Randomness: each draw's number is a hash of the request's ``seed``, the
+output's index and the draw's index (:func:`~treedec.sampling.rng.counter_uniform`, inverse CDF), so a seeded
+request's outputs do not depend on which other requests share its steps, nor on a preemption: batched == alone
+(tested). Requests without a seed get one derived from the run's ``generator`` (or torch's global generator).
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ from treedec.search.requests_file import RequestResult, RequestSpec
 from treedec.runtime.decode import Decode, LaneOutput
 from treedec.search.logits import prompt_logprobs
 from treedec.search.prefix_cache import PrefixCache
-from treedec.search.sampling import SEED_MAX
+from treedec.search.sampling import SEED_MAX, SamplingParams
 from treedec.search.program import Program, ProgramContext
-from treedec.search.request import Positions, check_positions
+from treedec.search.request import Positions, check_positions, position_limit
 from treedec.search.scheduler import SchedulerStats, run_programs
 from treedec.search.stops import StopRule
 
@@ -173,10 +174,12 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
+        prompt_ids = spec.params.truncated(prompt_ids, position_limit(engine.model))
         for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
             bad = [t for t in given if t >= vocab]
             if bad:   # (the message starts with the field: a server names it as the error's param)
                 raise ValueError(f"{field} of request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        spec.params.check_vocab(vocab, f"request {spec.id!r}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")
@@ -240,6 +243,8 @@ class GenerateProgram(Program):
         self.name = spec.name
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
+        self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
+        self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
 
     def positions(self) -> Positions:
         m = self.spec.params.max_tokens
@@ -263,7 +268,9 @@ class GenerateProgram(Program):
             stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
             decoded = yield Decode(root, params, rule, logits=out.logits[0], count=params.n, on_parent=self.on_prompt,
                                    keep=self.keep, offer=None if self.keep or self.on_prompt else ctx.offer,
-                                   prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream)
+                                   prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream,
+                                   name=ctx.name, bad_words=self.bad_words, min_tokens_stop_ids=tuple(sorted(
+                                       {*engine.model.eos_token_ids, *params.stop_token_ids, *rule.eos_token_ids})))
             # each output computed its tokens but the last (kept: all), one a decode step
             computed = [len(o.token_ids) - (0 if self.keep else 1) for o in decoded.outputs]
             queries = [sum(c > j for c in computed) for j in range(max(computed))]

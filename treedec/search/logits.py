@@ -1,9 +1,12 @@
 """What happens to a step's logits between the model and the token picker, as pure tensor functions (vLLM's and
 HF ``generate``'s semantics; the programs pass plain arguments):
 
+- token masks and biases (vLLM v1's, in its order): ``allowed_token_ids`` (:func:`apply_allowed_tokens`),
+  ``bad_words`` (:func:`apply_bad_words`), ``min_tokens`` (:func:`mask_stop_tokens`), ``logit_bias``
+  (:func:`apply_logit_bias`);
 - penalties (:func:`apply_penalties`): repetition (prompt and output tokens), presence and frequency (output
-  tokens), from a prompt mask (:func:`prompt_token_mask`) and per-row output counts kept on the device
-  (:func:`output_token_counts`, :func:`count_tokens_`);
+  tokens), from a prompt mask (:func:`token_mask`) and per-row output counts kept on the device
+  (:func:`output_token_counts`, :func:`count_tokens_`); a processed row's check (:func:`drawable_rows`);
 - the warpers (:func:`warp_scores`): temperature, top-k, top-p, min-p (:func:`min_p_filter`), in transformers'
   order; ``softmax`` of its scores is the distribution a token is drawn from;
 - user logits processors (:func:`apply_logits_processors`): transformers' ``LogitsProcessor`` callables, one
@@ -11,8 +14,10 @@ HF ``generate``'s semantics; the programs pass plain arguments):
 - log-probabilities (:func:`token_logprobs`, :func:`prompt_logprobs`): the chosen tokens' log-probabilities under
   the raw logits (vLLM's default ``raw_logprobs``), their ranks and the top-k, as a :class:`TokenLogprobs`.
 
-Everything but the user processors is device ops only (no host sync): it runs inside a decode step, on the
-GPU too. Scalar parameters are Python numbers, checked on the host.
+Everything but the user processors is device ops only (no host sync; the bad words' bans are found on the host
+from the tokens it has and copied without a wait): it runs inside a decode step, on the GPU too. Scalar
+parameters are Python numbers, checked on the host. :class:`~treedec.search.sampling.SamplingParams`' docstring
+is where the order and the meaning of every field is written; these functions are its one definition.
 """
 from __future__ import annotations
 
@@ -20,14 +25,23 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from treedec.checks import finite_float, fraction, nonnegative_int, positive_float, positive_int, show
+from treedec.checks import (FLOAT32_TINY, finite_float, float32_number, fraction, nonnegative_int,
+                            positive_int, show)
+from treedec.sampling.sampler import penalize, warp
+from treedec.transfer import to_device
 from treedec.tree.validate import int_list, rows
 
-__all__ = ["LogitsProcessor", "LogitsProcessorError", "Logprob", "TokenLogprobs", "apply_logits_processors",
-           "apply_penalties", "count_tokens_", "min_p_filter", "output_token_counts", "prompt_logprobs",
-           "prompt_token_mask", "token_logprobs", "warp_scores"]
+__all__ = ["SAMPLING_EPS", "LogitsProcessor", "LogitsProcessorError", "Logprob", "NonFiniteLogitsError",
+           "TokenLogprobs", "apply_allowed_tokens", "apply_bad_words", "apply_logit_bias", "apply_logits_processors",
+           "apply_penalties", "bad_word_bans", "count_tokens_", "drawable_rows", "mask_stop_tokens", "min_p_filter",
+           "output_token_counts", "prompt_logprobs", "token_logprobs", "token_mask", "warp_scores"]
+
+#: The smallest temperature that samples (vLLM's ``_SAMPLING_EPS``): below it a request is greedy
+#: (:class:`~treedec.search.sampling.SamplingParams` stores it as 0).
+SAMPLING_EPS = 1e-5
 
 #: A user logits processor, transformers' signature: ``(input_ids [1, L] int64, scores [1, V] float) ->
 #: scores [1, V]``, where ``input_ids`` is the prompt and the output so far.
@@ -36,6 +50,11 @@ LogitsProcessor = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTen
 
 class LogitsProcessorError(RuntimeError):
     """A user logits processor raised, or returned something other than a float tensor of the scores' shape."""
+
+
+class NonFiniteLogitsError(ValueError):
+    """A request's processed logits row holds nothing to draw from: no finite logit, or a NaN or +inf (e.g. a
+    logits processor that returned NaN); the request fails, the others go on (:func:`drawable_rows`)."""
 
 
 # ================================================================ penalties
@@ -54,38 +73,44 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     Parameters
     ----------
     logits : [m, V] float, any float dtype (not modified).
-    prompt_mask : [m, V] or [1, V] bool, the tokens present in each row's prompt (:func:`prompt_token_mask`).
+    prompt_mask : [m, V] or [1, V] bool, the tokens present in each row's prompt (:func:`token_mask`).
     output_counts : [m, V] int, each token's count in each row's output so far (:func:`output_token_counts`,
         :func:`count_tokens_`).
-    repetition_penalty : > 0; 1 is none, > 1 discourages repeats.
-    presence_penalty, frequency_penalty : finite numbers; 0 is none, > 0 discourages repeats.
+    repetition_penalty : > 0 and finite in float32 (``[2**-149, 3.4e38]``); 1 is none, > 1 discourages repeats.
+    presence_penalty, frequency_penalty : finite float32 numbers; 0 is none, > 0 discourages repeats (vLLM's
+        :class:`~treedec.search.sampling.SamplingParams` bounds them to [-2, 2]).
 
     Returns
     -------
-    [m, V] float32, a new tensor on ``logits.device``.
+    [m, V] float32, a new tensor on ``logits.device``. A finite logit that a penalty takes past float32's
+    largest saturates at 3.4e38 (never +inf, which would make the row's softmax NaN); one taken below its lowest
+    is -inf (its probability is 0 either way; a row left with no finite logit fails its request:
+    :func:`drawable_rows`); an infinite one (a masked token) stays.
     """
-    repetition_penalty = positive_float("repetition_penalty", repetition_penalty)
-    presence_penalty = finite_float("presence_penalty", presence_penalty)
-    frequency_penalty = finite_float("frequency_penalty", frequency_penalty)
+    repetition_penalty = float32_number("repetition_penalty", repetition_penalty, FLOAT32_TINY,
+                                        note=" (> 0 and finite in float32)")
+    presence_penalty = float32_number("presence_penalty", presence_penalty)
+    frequency_penalty = float32_number("frequency_penalty", frequency_penalty)
     _check_rows(logits, prompt_mask, output_counts)
-    scores = logits.float()
-    if repetition_penalty != 1.0:
-        seen = prompt_mask | (output_counts > 0)
-        penalized = torch.where(scores > 0, scores / repetition_penalty, scores * repetition_penalty)
-        scores = torch.where(seen, penalized, scores)
-    if frequency_penalty != 0.0:
-        scores = scores - frequency_penalty * output_counts.float()
-    if presence_penalty != 0.0:
-        scores = scores - presence_penalty * (output_counts > 0).float()
-    return scores if scores is not logits else scores.clone()
+    device = logits.device
+    return penalize(logits, prompt_mask, output_counts, torch.tensor([repetition_penalty], device=device),
+                    torch.tensor([presence_penalty], device=device), torch.tensor([frequency_penalty], device=device))
 
 
-def prompt_token_mask(prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None
-                      ) -> torch.Tensor:
-    """``[1, vocab_size]`` bool on ``device``: True at the tokens of ``prompt_ids`` (token ids in ``[0, vocab_size)``),
-    the ``prompt_mask`` of :func:`apply_penalties` (rows of one prompt share it)."""
+def drawable_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``[m]`` bool on ``scores.device``: whether each row of processed logits ``[m, V]`` can be drawn from (a
+    finite logit, no NaN, no +inf: else its softmax is NaN). Device ops only (no host sync); a program reads it
+    with the drawn tokens (:class:`~treedec.search.batch.GenerateProgram`), so it costs no wait of its own."""
+    return torch.isfinite(scores.amax(dim=-1))   # (the max is NaN with a NaN, inf with a +inf, -inf with no finite)
+
+
+def token_mask(token_ids: Sequence[int], vocab_size: int, device: torch.device | str | None = None,
+               name: str = "token_ids") -> torch.Tensor:
+    """``[1, vocab_size]`` bool on ``device``: True at ``token_ids`` (ids in ``[0, vocab_size)``, checked on the
+    host: ValueError naming ``name``). A prompt's is the ``prompt_mask`` of :func:`apply_penalties` (rows of one
+    prompt share it); ``allowed_token_ids``' the mask of :func:`apply_allowed_tokens`."""
     positive_int("vocab_size", vocab_size)
-    ids = int_list(prompt_ids, "prompt_ids", low=0, high=vocab_size - 1)
+    ids = int_list(token_ids, name, low=0, high=vocab_size - 1)
     mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
     mask[0, torch.tensor(ids, dtype=torch.int64, device=device)] = True
     return mask
@@ -147,6 +172,59 @@ def _check_rows(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: 
                          f"got {output_counts.dtype} {tuple(output_counts.shape)}")
 
 
+# ================================================================ token masks and biases (vLLM v1's order)
+
+
+def apply_allowed_tokens(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``scores`` [m, V] float with ``-inf`` at every token outside ``allowed`` ([1, V] or [m, V] bool,
+    :func:`token_mask` of vLLM's ``allowed_token_ids``); a new float32 tensor, device ops only."""
+    return scores.float().masked_fill(~allowed, float("-inf"))
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The (row, token) pairs that vLLM's ``bad_words`` ban: for each token sequence of ``bad_words``, its last
+    token in each row whose output so far (``outputs[row]``, its last tokens at least) ends with the rest of the
+    sequence (a one-token word: always). Host lists; O(rows x sequences x their length)."""
+    bans = []
+    for row, output in enumerate(outputs):
+        for word in bad_words:
+            head = len(word) - 1
+            if head <= len(output) and (head == 0 or list(output[len(output) - head:]) == list(word[:head])):
+                bans.append((row, word[-1]))
+    return bans
+
+
+def apply_bad_words(scores: torch.Tensor, bad_words: Sequence[Sequence[int]],
+                    outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``scores`` [m, V] with ``-inf`` at every token :func:`bad_word_bans` bans (row i's output so far:
+    ``outputs[i]``); a new float32 tensor (one small host-to-device copy of the bans, no wait)."""
+    bans = bad_word_bans(bad_words, outputs)
+    scores = scores.float()
+    if not bans:
+        return scores
+    where = to_device(np.array(bans, dtype=np.int64), scores.device)
+    return scores.index_put((where[:, 0], where[:, 1]), torch.tensor(float("-inf"), device=scores.device))
+
+
+def mask_stop_tokens(scores: torch.Tensor, stop_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's ``min_tokens``: ``scores`` [m, V] with ``-inf`` at ``stop_ids`` ([k] int64 on its device: the EOS ids
+    and ``stop_token_ids``) in ``rows`` ([r] int64, the rows whose output is shorter than ``min_tokens``; None:
+    every row); transformers' ``MinNewTokensLengthLogitsProcessor``. A new float32 tensor, device ops only."""
+    scores = scores.float().clone()
+    if rows is None:
+        scores[:, stop_ids] = float("-inf")
+    else:
+        scores[rows.unsqueeze(1), stop_ids.unsqueeze(0)] = float("-inf")
+    return scores
+
+
+def apply_logit_bias(scores: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: ``scores`` [m, V] with ``bias`` ([k] float32) added at ``token_ids`` ([k] int64,
+    distinct) in every row (a masked ``-inf`` stays ``-inf``); a new float32 tensor, device ops only."""
+    scores = scores.float()
+    return scores.index_add(1, token_ids, bias.unsqueeze(0).expand(scores.shape[0], -1))
+
+
 # ================================================================ warpers
 
 
@@ -160,33 +238,30 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
     Parameters
     ----------
     logits : [..., V] any float dtype.
-    temperature : > 0 (0, greedy decoding, is the argmax: no distribution).
+    temperature : in [1e-5, 3.4e38] (:data:`SAMPLING_EPS` and float32's largest: below,
+        sampling is greedy decoding, the argmax; no distribution).
     top_k : int >= 1, or None for no top-k cut.
-    top_p : in (0, 1]; 1 keeps every token.
+    top_p : in (0, 1]; 1 keeps every token. A ``top_p`` that float32 rounds to 0 (below 1.4e-45) keeps only
+        the most likely token, as any ``top_p`` small enough does.
     min_p : in [0, 1]; 0 keeps every token.
 
     Returns
     -------
-    [..., V] float32, ``-inf`` at the removed tokens.
+    [..., V] float32, ``-inf`` at the removed tokens; a logit whose scaling passes float32's largest saturates at
+    3.4e38 (never +inf: its softmax would be NaN), one below its lowest is -inf (probability 0 either way).
     """
-    positive_float("temperature", temperature, note=" (0, greedy decoding, is the argmax)")
+    float32_number("temperature", temperature, SAMPLING_EPS,
+                   note=" (below 1e-5 sampling is greedy decoding: the argmax)")
     if top_k is not None:
         positive_int("top_k", top_k)
     fraction("top_p", top_p)
     min_p = _min_p(min_p)
-    scores = logits.float() / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1:
-        ordered, order = scores.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs        # of the tokens ranked above each token
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
-        scores = scores.masked_fill(drop, float("-inf"))
-    if min_p > 0:
-        scores = min_p_filter(scores, min_p)
-    return scores
+    device, shape = logits.device, logits.shape
+    one = lambda value, dtype: torch.tensor([value], dtype=dtype, device=device)   # noqa: E731
+    scores = warp(logits.reshape(-1, shape[-1]), one(temperature, torch.float32),
+                  one(top_k, torch.int64) if top_k is not None and top_k < shape[-1] else None,
+                  one(top_p, torch.float32) if top_p < 1 else None, one(min_p, torch.float32) if min_p > 0 else None)
+    return scores.reshape(shape)
 
 
 def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:

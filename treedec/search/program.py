@@ -10,8 +10,9 @@ prompt (a shared prefix included) and page helpers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Sequence
+from typing import Any, Generator, Hashable, Sequence
 
+import numpy as np
 import torch
 
 from treedec.attention.dynamic_span import DynamicSpan
@@ -21,7 +22,7 @@ from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix
 from treedec.search.request import Positions, check_positions
 
-__all__ = ["Program", "ProgramContext", "Read", "StepRequest", "StepRows", "Wait"]
+__all__ = ["Program", "ProgramContext", "Read", "StepRequest", "StepRows", "Wait", "set_aside_bad_tokens"]
 
 
 @dataclass(frozen=True)
@@ -233,3 +234,33 @@ class ProgramContext:
         tokens' ids must be the real ones (not a pipelined step's placeholders)."""
         if self.cache is not None:
             self.cache.offer(node, length)
+
+
+def set_aside_bad_tokens(engine: Engine, requests: Sequence[tuple[Hashable, StepRequest, str]]
+                         ) -> dict[Hashable, Exception]:
+    """After the engine refused a step (its host check of the pending token ids): the programs whose pending ids
+    are outside the model's vocabulary, each with its error, so that they fail alone. ``requests``: ``(key, the
+    program's StepRequest, its name)`` for every program in the step; a pending token belongs to the program
+    whose ``nodes`` / ``placed`` hold its node (or a descendant of it). Their bad ids are replaced by 0 in the
+    tree: the step can then run for the others (nothing reads those programs' K/V: they fail after it). Empty,
+    changing nothing, when a bad id belongs to none of them, or there is none: the step's error stands."""
+    tree, vocab = engine.tree, engine.model.config.vocab_size
+    tokens = tree.pending_tokens()
+    layout = tree.layout()
+    owner = {n: key for key, r, _ in requests for n in (*r.nodes, *(r.placed or ()))}
+    found: dict[Hashable, list[tuple[int, int, int]]] = {}
+    for q in np.flatnonzero((tokens < 0) | (tokens >= vocab)).tolist():
+        node = int(layout.node_ids[layout.query_node[q]])
+        key = owner.get(node)
+        if key is None:
+            key = next((k for k, r, _ in requests for n in r.nodes if node in tree.path(n)), None)
+        if key is None:
+            return {}
+        found.setdefault(key, []).append((node, int(layout.query_offset[q]), int(tokens[q])))
+    for edits in found.values():
+        for node, at, _ in edits:
+            tree.set_tokens(node, at, [0])
+    names = {key: name for key, _, name in requests}
+    return {key: ValueError(f"{names[key]}: its token ids must be in [0, {vocab}) (the model's vocabulary), got "
+                            f"{[t for _, _, t in edits][:5]}; it alone failed, the step ran for the others")
+            for key, edits in found.items()}

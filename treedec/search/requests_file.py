@@ -9,7 +9,8 @@ A prompts file is JSONL: one JSON object per line, one request each, empty lines
 Each request has exactly one of ``prompt`` (a text), ``messages`` (chat messages, for the
 checkpoint's chat template) or ``prompt_ids`` (token ids), and any of the parameters of
 :data:`PARAMETERS`: the fields of :class:`~treedec.search.sampling.SamplingParams` (vLLM's names and
-defaults) but ``logits_processors`` (not JSON). A
+defaults) but ``logits_processors`` (not JSON); ``logit_bias``'s keys are token ids as JSON's strings
+(``{"logit_bias": {"50256": -100}}``, as OpenAI's API takes them). A
 parameter a line leaves out comes from the ``defaults`` the reader is given (the command
 line's flags), else from :data:`DEFAULT_PARAMETERS`. An unknown key, a bad value, a line that
 is not a JSON object or a repeated id raises :class:`RequestsFileError` naming the file, the

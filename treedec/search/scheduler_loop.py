@@ -20,7 +20,7 @@ from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lanes import Lanes
 from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix, share_prefixes
-from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait
+from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
 from treedec.search.request import pages_in_use
 from treedec.search.scheduler_relief import PoolRelief
 from treedec.search.scheduler_stats import SchedulerStats
@@ -369,6 +369,7 @@ class SchedulerLoop(PoolRelief):
         programs_rows = len(nodes)
         nodes += placed.nodes.tolist()
         out = None
+        faulty: dict[_Live, Exception] = {}
         hidden_parts: list[slice] = []
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
@@ -393,10 +394,18 @@ class SchedulerLoop(PoolRelief):
             # A pipelined program's span moves back the positions of its own queries (rows known only now).
             spans = [dataclasses.replace(r.dynamic, shift_rows=engine.pending_rows(r.nodes))
                      for r in requests if r.dynamic is not None]
-            tokens = self._device_tokens(requests, placed)
+            step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
+                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans or None)
             self.lanes.start_read()   # (the lanes' draws come back while the step runs)
-            out = engine.step(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                              hidden_rows=hidden_rows, tokens=tokens, dynamic=spans or None)
+            try:
+                out = engine.step(**step)
+            except ValueError:   # the engine refused the step before any work: a program's bad token ids?
+                faulty = {} if self.on_error is None else \
+                    set_aside_bad_tokens(engine, [(lv, lv.request, lv.ctx.name) for lv in gathered])
+                if not faulty:
+                    raise
+                step["tokens"] = self._device_tokens(requests, placed)
+                out = engine.step(**step)   # without them (their programs fail below, their K/V never read)
             prompt_step = any(r.prompt for r in requests)
             for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
                 if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
@@ -428,6 +437,8 @@ class SchedulerLoop(PoolRelief):
                 read_at += size
             lv.send, lv.request = value, None
             offset += k
+        for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
+            self._fail(lv, error)
         if self.lanes.num_lanes:
             self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
 

@@ -20,25 +20,41 @@ order:
    whole stop string, however the tokens fall.
 3. *length*: the output has ``max_new_tokens`` tokens -> stop with reason ``"length"``.
 
+With ``min_tokens`` (vLLM's), neither an EOS id nor a stop string ends an output of ``min_tokens`` tokens or
+fewer (a stop string counts when it ends in the text of a later token); the sampler also keeps the EOS and
+stop ids from being drawn that early (:func:`~treedec.search.logits.mask_stop_tokens`).
+
 Stop strings are matched on the detokenized text (:class:`~treedec.models.text.IncrementalDetokenizer`),
 so they need the checkpoint's tokenizer; a character is matched once its last byte has
-arrived, never against half of it.
+arrived, never against half of it. Each stop string is followed by a prefix-function (Knuth-Morris-Pratt)
+matcher over the characters as they arrive: a token costs the host O(its characters x the number of stop
+strings), whatever their lengths and the text's, for both the match and the hold-back of
+:attr:`StopChecker.streamable_text` (the longest end of the text that is the start of a stop string).
+A rule holds at most :data:`MAX_STOP_STRINGS` stop strings of at most :data:`MAX_STOP_STRING_CHARS`
+characters each (checked before anything runs).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
-from treedec.checks import describe, is_int, positive_int
+from treedec.checks import describe, int_in_range, is_int, positive_int
 from treedec.models.text import IncrementalDetokenizer
 from treedec.tree.validate import int_list
 
-__all__ = ["STOP_REASONS", "StopChecker", "StopDecision", "StopRule", "stop_string_tuple", "token_id_list",
-           "token_id_tuple"]
+__all__ = ["MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "STOP_REASONS", "StopChecker", "StopDecision", "StopRule",
+           "stop_string_tuple", "token_id_list", "token_id_tuple"]
 
 #: The reasons a :class:`StopChecker` stops for, in the order it checks them for each token.
 STOP_REASONS = ("eos", "stop_string", "length")
+#: The most stop strings a rule (a request) has. vLLM's server takes 4 (``VLLM_MAX_STOP_STRINGS``), as OpenAI's API
+#: does, and its ``SamplingParams`` has no bound; treedec's server takes 4 too, this bound is every other surface's.
+MAX_STOP_STRINGS = 64
+#: The most characters of one stop string: a client-controlled size, bounded before any work (neither vLLM nor
+#: OpenAI bounds it; each character costs a matcher table entry once per request).
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -55,12 +71,15 @@ class StopRule:
         stored as a tuple without repeats. They need a detokenizer (see :class:`StopChecker`).
     include_stop_str : keep the stop string at the end of the text (default False: the text
         ends before it).
+    min_tokens : int in [0, max_new_tokens]; an output of ``min_tokens`` tokens or fewer is not ended by an EOS
+        id or a stop string (vLLM's ``min_tokens``); 0 for none.
     """
 
     max_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     include_stop_str: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self):
         positive_int("max_new_tokens", self.max_new_tokens)
@@ -68,6 +87,14 @@ class StopRule:
         object.__setattr__(self, "stop_strings", stop_string_tuple(self.stop_strings, "stop_strings"))
         if not isinstance(self.include_stop_str, bool):
             raise ValueError(f"include_stop_str must be a bool, got {describe(self.include_stop_str)}")
+        int_in_range("min_tokens", self.min_tokens, 0, self.max_new_tokens, note=" (max_new_tokens)")
+
+    @cached_property
+    def borders(self) -> tuple[list[int], ...]:
+        """Per stop string ``s``, its prefix function: ``borders[j][i]`` is the length of the longest proper
+        prefix of ``s[:i + 1]`` that is also its suffix (Knuth-Morris-Pratt's failure table), made once per
+        rule in O(len(s))."""
+        return tuple(_prefix_function(s) for s in self.stop_strings)
 
 
 class StopDecision(NamedTuple):
@@ -119,7 +146,10 @@ class StopChecker:
         self.rule = rule
         self._detok = detokenizer
         self._eos = frozenset(rule.eos_token_ids)
-        self._longest = max(map(len, rule.stop_strings), default=0)
+        self._borders = rule.borders if rule.stop_strings else ()
+        # Per stop string, how many of its first characters the text ends with (never all: that is a match).
+        self._matched = [0] * len(rule.stop_strings)
+        self._length = 0   # characters of text so far (the detokenizer's, before any cut)
         self._ids: list[int] = []
         self._reason: str | None = None
         self._stop_string: str | None = None
@@ -129,6 +159,15 @@ class StopChecker:
     def token_ids(self) -> list[int]:
         """The output's tokens so far (kept ones only); a copy."""
         return list(self._ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the output has so far (kept ones only)."""
+        return len(self._ids)
+
+    def last_tokens(self, k: int) -> list[int]:
+        """The output's last ``k`` tokens (fewer while it is shorter), without copying the rest."""
+        return self._ids[max(len(self._ids) - k, 0):] if k > 0 else []
 
     @property
     def text(self) -> str | None:
@@ -143,11 +182,24 @@ class StopChecker:
         """The text that can be shown (streamed) now: all of it once the output ended, else without a tail that
         may still become a stop string (it would then be cut); None without a detokenizer."""
         text = self.text
-        if text is None or self.stopped:
-            return text
-        hold = max((k for stop in self.rule.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
-                   default=0)
-        return text[:len(text) - hold]
+        return None if text is None else text[:self.streamable_length]
+
+    @property
+    def streamable_length(self) -> int:
+        """``len(streamable_text)`` without building it (0 without a detokenizer): O(number of stop strings)."""
+        if self._detok is None:
+            return 0
+        if self._cut is not None:
+            return self._cut
+        if self.stopped:
+            return self._length
+        return self._length - max(self._matched, default=0)
+
+    def text_from(self, start: int) -> str:
+        """``streamable_text[start:]``, joining only the text past ``start`` (a stream's next delta costs its own
+        length, not the whole text's); '' without a detokenizer."""
+        end = self.streamable_length
+        return self._detok.text_from(start)[:max(end - start, 0)] if self._detok is not None and end > start else ""
 
     @property
     def stop_reason(self) -> str | None:
@@ -194,48 +246,66 @@ class StopChecker:
         if self._detok is not None and self._detok.vocab_size is not None:
             high = self._detok.vocab_size - 1
         ids = int_list([int(token_ids)] if is_int(token_ids) else token_ids, "token_ids", low=0, high=high)
+        min_tokens = self.rule.min_tokens
         for i, token in enumerate(ids):
             self._ids.append(token)
-            before = 0
+            match = None
             if self._detok is not None:
-                before = len(self._detok.text)
-                self._detok.feed(token)
-            if token in self._eos:
+                match = self._scan(self._detok.feed(token))
+            counts = len(self._ids) > min_tokens   # (min_tokens: an EOS or a stop string does not end it yet)
+            if token in self._eos and counts:
                 reason = "eos"
-            elif self._longest and self._first_stop(before) is not None:
+            elif match is not None and counts:
                 reason = "stop_string"
             elif len(self._ids) >= self.rule.max_new_tokens:
                 reason = "length"
             else:
                 continue
-            self._end(reason, before)
+            self._end(reason, match if counts else None)
             return StopDecision(i + 1, reason)
         return StopDecision(len(ids), None)
 
     # ------------------------------------------------------------ private
 
-    def _end(self, reason: str, before: int) -> None:
-        """Stop for ``reason``; ``before``: the text's length before the last token."""
+    def _end(self, reason: str, match: tuple[int, str] | None) -> None:
+        """Stop for ``reason``; ``match``: the first stop string the last token's text completed, if any (None
+        also when it does not count, within ``min_tokens``)."""
         self._reason = reason
         if self._detok is None:
             return
-        self._detok.finish()  # the output is whole: bytes still held back are shown as a one-shot decode shows them
-        match = self._first_stop(before) if self._longest else None
+        # The output is whole: bytes still held back are shown as a one-shot decode shows them.
+        tail = self._scan(self._detok.finish())
+        if tail is not None and len(self._ids) > self.rule.min_tokens:
+            match = tail if match is None or (tail[0], len(tail[1])) < (match[0], len(match[1])) else match
         if match is not None:
             start, self._stop_string = match
             self._cut = start + len(self._stop_string) if self.rule.include_stop_str else start
         assert reason != "stop_string" or match is not None, f"{reason=} without a stop string in {self.text!r:.80}"
 
-    def _first_stop(self, before: int) -> tuple[int, str] | None:
-        """(start, stop string) of the first stop string in the text that ends after ``before``
-        characters (the text before had none), or None."""
-        text = self._detok.text
-        lo = max(before - self._longest + 1, 0)
+    def _scan(self, delta: str) -> tuple[int, str] | None:
+        """Feed the text's next characters ``delta`` to every stop string's matcher; returns (start, stop string)
+        of the stop string completed inside ``delta`` that starts first in the text (the shorter on a tie), or
+        None. O(len(delta)) per stop string, amortized (each character moves a matcher forward once, and its
+        fall-backs never undo more than it moved)."""
+        at = self._length
+        self._length += len(delta)
+        if not delta or not self._borders:
+            return None
         best = None
-        for s in self.rule.stop_strings:
-            start = text.find(s, lo)
-            if start >= 0 and (best is None or (start, len(s)) < (best[0], len(best[1]))):
-                best = (start, s)
+        for j, (stop, border) in enumerate(zip(self.rule.stop_strings, self._borders)):
+            k, found = self._matched[j], None
+            for offset, c in enumerate(delta):
+                while k and stop[k] != c:
+                    k = border[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):
+                    if found is None:
+                        found = at + offset + 1 - k
+                    k = border[k - 1]
+            self._matched[j] = k
+            if found is not None and (best is None or (found, len(stop)) < (best[0], len(best[1]))):
+                best = (found, stop)
         return best
 
 
@@ -260,12 +330,34 @@ def token_id_list(value, name: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def stop_string_tuple(value, name: str) -> tuple[str, ...]:
-    """A string or a sequence of non-empty strings as a tuple without repeats; ValueError naming ``name`` otherwise."""
+def stop_string_tuple(value, name: str, max_strings: int = MAX_STOP_STRINGS,
+                      max_chars: int = MAX_STOP_STRING_CHARS) -> tuple[str, ...]:
+    """A string or a sequence of at most ``max_strings`` non-empty strings of at most ``max_chars`` characters
+    each, as a tuple without repeats; ValueError naming ``name`` otherwise (the sizes are checked before the
+    strings are read)."""
     strings = [value] if isinstance(value, str) else value
     if not isinstance(strings, Sequence) or isinstance(strings, bytes):
         raise ValueError(f"{name} must be a string or a sequence of strings, got {describe(value)}")
+    if len(strings) > max_strings:
+        raise ValueError(f"{name} must hold at most {max_strings} strings, got {len(strings)}")
     bad = [s for s in strings if not isinstance(s, str) or not s]
     if bad:
         raise ValueError(f"{name} must be non-empty strings, got {describe(bad[0])} in {describe(value)}")
+    long = [i for i, s in enumerate(strings) if len(s) > max_chars]
+    if long:
+        raise ValueError(f"{name}[{long[0]}] must be at most {max_chars} characters, got {len(strings[long[0]])}")
     return tuple(dict.fromkeys(strings))
+
+
+def _prefix_function(s: str) -> list[int]:
+    """Knuth-Morris-Pratt's failure table of ``s``: entry i is the length of the longest proper prefix of
+    ``s[:i + 1]`` that is also its suffix. O(len(s))."""
+    border = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = border[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        border[i] = k
+    return border

@@ -221,7 +221,7 @@ class _Server:
             for text in texts:   # (all of them before any is tokenized)
                 self._encoder("prompt").check_length(text, "prompt")
             encoded = iter(await asyncio.gather(*(self._encoder("prompt").encode(t, False, "prompt") for t in texts)))
-            ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+            ids = [params.truncated(next(encoded) if isinstance(p, str) else p, self.limit) for p in prompts]
             params = params.replace(max_tokens=self._budget(ids, budget, "prompt", body.budget_field))
             return await self._respond(request, body, ids, params, "cmpl", False, slots)
         finally:
@@ -234,7 +234,7 @@ class _Server:
         try:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)
-            ids = [await self._encoder("messages").encode(messages, True, "messages")]
+            ids = [params.truncated(await self._encoder("messages").encode(messages, True, "messages"), self.limit)]
             params = params.replace(max_tokens=self._budget(ids, budget, "messages", body.budget_field))
             return await self._respond(request, body, ids, params, "chatcmpl", True, slots)
         finally:

@@ -1,13 +1,15 @@
 """The OpenAI API's request bodies (pydantic models) and what treedec makes of them.
 
 :class:`CompletionRequest` (``/v1/completions``) and :class:`ChatCompletionRequest` (``/v1/chat/completions``) take
-OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in a stream
-on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params` turns
-one into a :class:`~treedec.search.sampling.SamplingParams` (which checks the values: a bad one is a
-:class:`ServeError` of status 400). A field OpenAI has that treedec does not
-implement (``echo``, ``suffix``, ``logit_bias``, tools, ...) is refused with 400, never ignored; ``user`` is
-accepted and ignored, as OpenAI does. Unknown fields are refused (400).
+OpenAI's fields (``logit_bias`` included: token id strings -> a bias in [-100, 100] added to the logit) and vLLM's
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+``bad_words``, ``allowed_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``truncate_prompt_tokens``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in
+a stream on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params`
+turns one into a :class:`~treedec.search.sampling.SamplingParams` (which checks the values: a bad one is a
+:class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
+bound). A field OpenAI has that treedec does not implement (``echo``, ``suffix``, tools, ...) is refused with 400,
+never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "StreamOp
 
 #: The most log-probabilities a token may report (``logprobs`` of completions, ``top_logprobs`` of chat).
 MAX_LOGPROBS = 20
+#: The most stop strings a request gives: OpenAI's bound ("up to 4 sequences"), vLLM's server's default
+#: (``VLLM_MAX_STOP_STRINGS``). Each is also at most :data:`~treedec.search.stops.MAX_STOP_STRING_CHARS` characters.
+MAX_STOP_STRINGS = 4
 
 
 class ServeError(Exception):
@@ -65,6 +70,13 @@ class _Sampling(BaseModel):
     user: str | None = None   # (accepted and ignored, as OpenAI does)
     return_token_ids: bool = False   # (vLLM's: each choice also gives its prompt's and its output's token ids)
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields (their meaning: SamplingParams)
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     @property
     def budget_field(self) -> str:
@@ -80,8 +92,8 @@ class _Sampling(BaseModel):
         return value
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise ServeError("logit_bias is not supported", param="logit_bias")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ServeError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
         if self.stream_options is not None and not self.stream:
             raise ServeError("stream_options is only allowed when stream is true", param="stream_options")
         if self.top_k is not None and self.top_k == -1:   # (vLLM's "no top-k")
@@ -94,7 +106,11 @@ class _Sampling(BaseModel):
                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
                  "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs,
                  "stop": (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
-                 "stop_token_ids": tuple(self.stop_token_ids or ())}
+                 "stop_token_ids": tuple(self.stop_token_ids or ()), "logit_bias": self.logit_bias or None,
+                 "min_tokens": self.min_tokens, "bad_words": tuple(self.bad_words or ()),
+                 "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
+                 "spaces_between_special_tokens": self.spaces_between_special_tokens,
+                 "truncate_prompt_tokens": self.truncate_prompt_tokens}
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except (ValueError, TypeError) as e:
@@ -196,6 +212,6 @@ class ChatCompletionRequest(_Sampling):
 
 def _field_named(message: str, given: dict) -> str | None:
     """The field a SamplingParams error names (its message starts with it), for the error's ``param``."""
-    head = message.split(" ", 1)[0].rstrip(":,")
+    head = message.split(" ", 1)[0].rstrip(":,").split("[", 1)[0]   # ("logit_bias[5] must be ...": logit_bias)
     return head if head in given else None
 

@@ -90,15 +90,22 @@ def test_typical_first_token_samples_above_the_threshold():
 
 
 def test_typical_acceptance_errors():
-    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 \(.*GreedyAcceptance\), got 0"):
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[1e-05, 3.4028235e\+38\] "
+                                         r"\(.*GreedyAcceptance\), got 0"):
         TypicalAcceptance(temperature=0)
-    with pytest.raises(ValueError, match="posterior_threshold must be a finite number >= 0, got -0.1"):
+    for temperature in (1e-45, 5e-324, 1e308):   # 0 or inf in float32: a NaN distribution
+        with pytest.raises(ValueError, match="temperature must be a number in"):
+            TypicalAcceptance(temperature=temperature)
+        with pytest.raises(ValueError, match="temperature must be a number in"):
+            RejectionSampling(temperature=temperature)
+    with pytest.raises(ValueError, match=r"posterior_threshold must be a number in \[0, 3.4028235e\+38\] "
+                                         r"\(finite in float32\), got -0.1"):
         TypicalAcceptance(posterior_threshold=-0.1)
-    with pytest.raises(ValueError, match="posterior_alpha must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match="posterior_alpha must be a number in .*got nan"):
         TypicalAcceptance(posterior_alpha=float("nan"))
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         RejectionSampling(seed=-1)
-    with pytest.raises(ValueError, match="temperature must be a finite number > 0 .*, got inf"):
+    with pytest.raises(ValueError, match="temperature must be a number in .*, got inf"):
         RejectionSampling(temperature=math.inf)
 
 
@@ -299,3 +306,26 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     logits = engine.prefill(PROMPT).logits
     first = np.bincount([t[0] for t in runs], minlength=512).astype(float)
     assert passes_chi_square(first, sampling_probs(logits, params).double().numpy())
+
+
+# ================================================================ float32 safety (issue #48)
+
+
+def test_sampling_rules_stay_valid_at_degenerate_float32_values():
+    """top_p=1e-300 (0 in float32) keeps the most likely token, a temperature near float32's largest over -inf
+    padded logits gives a uniform distribution over the rest: no NaN, every id in the vocabulary."""
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0))
+    logits[:, -6:] = float("-inf")                                    # a padded vocabulary
+    tree = TokenTree([-1, 0, 0, 1])
+    tokens = [3, int(logits[0].argmax()), 7, int(logits[1].argmax())]
+    narrow = RejectionSampling(temperature=0.7, top_p=1e-300, seed=1)
+    for _ in range(5):
+        path, bonus = narrow.accept(tree, tokens, logits)
+        assert path == [1, 3] and bonus == int(logits[3].argmax())      # only the argmax has mass
+        length, bonus, *rest = narrow.outcome(tree, tokens, logits).tolist()
+        assert length == 2 and bonus == int(logits[3].argmax())
+    hot = TypicalAcceptance(temperature=3e38, seed=2)
+    draws = {hot.first_token(logits[0]) for _ in range(50)}
+    assert draws and max(draws) < 34
+    hot_rejection = RejectionSampling(temperature=3e38, seed=3)
+    assert all(hot_rejection.first_token(logits[0]) < 34 for _ in range(20))

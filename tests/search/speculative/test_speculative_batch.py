@@ -275,10 +275,21 @@ def test_auto_pipelines_small_batches_only_and_says_why(tiny):
 
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_p", 0.1), ("logprobs", 2),
-                                          ("logits_processors", [lambda ids, scores: scores])])
+                                          ("logits_processors", [lambda ids, scores: scores]), ("min_tokens", 2),
+                                          ("logit_bias", {1: 2.0}), ("allowed_token_ids", [1, 2]),
+                                          ("bad_words", ["x"]), ("detokenize", False),
+                                          ("skip_special_tokens", False), ("spaces_between_special_tokens", False)])
 def test_parameters_speculative_decoding_does_not_implement_are_refused_before_anything_runs(field, value):
     engine = make_engine(tiny_model())
     spec = RequestSpec("r", prompt_ids=(1, 2, 3), params=SamplingParams(temperature=0, max_tokens=4, **{field: value}))
     with pytest.raises(ValueError, match=f"request 'r': speculative decoding does not implement {field}="):
         speculative_batch(engine, [spec], lambda spec: PromptLookupDraft())
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_truncate_prompt_tokens_is_applied_to_a_speculative_request():
+    engine = make_engine(tiny_model())
+    spec = RequestSpec("t", prompt_ids=(9, 1, 2, 3), params=SamplingParams(temperature=0, max_tokens=4,
+                                                                           truncate_prompt_tokens=3))
+    [result], _ = speculative_batch(engine, [spec], lambda spec: PromptLookupDraft())
+    assert result.prompt_ids == [1, 2, 3] and result.output_ids == plain_greedy(tiny_model(), [1, 2, 3], 4)

@@ -27,7 +27,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from treedec.checks import nonnegative_float, nonnegative_int, positive_float
+from treedec.checks import FLOAT32_MAX, float32_number, nonnegative_int
+from treedec.search.logits import SAMPLING_EPS, warp_scores
 from treedec.search.speculative.device_acceptance import rejection_outcome
 from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens, sampling_probs
 from treedec.tree.token_tree import TokenTree
@@ -135,7 +136,7 @@ class TypicalAcceptance(_SeededStream):
     def __post_init__(self):
         _check_temperature(self.temperature, "TypicalAcceptance")
         for name in ("posterior_threshold", "posterior_alpha"):
-            nonnegative_float(name, getattr(self, name))
+            float32_number(name, getattr(self, name), 0.0, note=" (finite in float32)")
         nonnegative_int("seed", self.seed)
 
     def first_token(self, logits: torch.Tensor) -> int:
@@ -143,7 +144,7 @@ class TypicalAcceptance(_SeededStream):
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)                     # [N, V]
+        probs = warp_scores(logits, self.temperature).softmax(dim=-1)                       # [N, V]
         threshold = self._thresholds(probs)                                                  # [N]
         parents = torch.as_tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
         drafts = torch.as_tensor(list(tokens[1:]), dtype=torch.long, device=probs.device)
@@ -169,7 +170,7 @@ class TypicalAcceptance(_SeededStream):
 
     def _typical_sample(self, logits: torch.Tensor) -> int:
         """Medusa's ``get_typical_one_token``: sample from ``p`` without the tokens below the threshold."""
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        probs = warp_scores(logits, self.temperature).softmax(dim=-1)
         keep = probs >= self._thresholds(probs)
         keep[probs.argmax()] = True
         probs = torch.where(keep, probs, torch.zeros_like(probs))
@@ -326,4 +327,7 @@ def _check_draft_probs(tree: TokenTree, logits: torch.Tensor, draft_probs: torch
 
 
 def _check_temperature(value, rule: str) -> None:
-    positive_float(f"{rule} temperature", value, note=" (temperature 0 is greedy decoding: use GreedyAcceptance)")
+    """A sampling rule's temperature: in float32's range and at least :data:`~treedec.search.logits.SAMPLING_EPS`
+    (below it a request is greedy, as :class:`~treedec.search.sampling.SamplingParams` makes it)."""
+    float32_number(f"{rule} temperature", value, SAMPLING_EPS, FLOAT32_MAX,
+                   note=" (below 1e-5 decoding is greedy: use GreedyAcceptance)")

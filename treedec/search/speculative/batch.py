@@ -38,7 +38,7 @@ from treedec.search.speculative.program import SpeculativeProgram
 #: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
 #: are the acceptance rule's.
 SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                                "max_tokens", "include_stop_str_in_output"})
+                                "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of"})
 
 __all__ = ["PIPELINE_MAX_REQUESTS", "sampled_acceptance", "speculative_batch", "speculative_program",
            "speculative_results"]

@@ -293,10 +293,10 @@ class SpeculativeProgram(Program):
         if self.on_step is not None:
             self.on_step(stats, len(checker.token_ids))
         if self.on_text is not None:
-            text = checker.streamable_text
-            if len(text) > self._shown:
-                self.on_text(text[self._shown:])
-                self._shown = len(text)
+            end = checker.streamable_length
+            if end > self._shown:   # (only the new characters are joined)
+                self.on_text(checker.text_from(self._shown))
+                self._shown = end
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,
