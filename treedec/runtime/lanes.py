@@ -24,19 +24,16 @@ rebuilt. (vLLM's persistent batch, ``InputBatch``, keeps its requests' state the
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
+from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
 from treedec.sampling.sampler import SamplingRows, sample_rows
-from treedec.search.logits import (NonFiniteLogitsError, TokenLogprobs, apply_allowed_tokens, apply_bad_words,
-                                   apply_logit_bias, apply_logits_processors, drawable_rows, mask_stop_tokens,
-                                   token_logprobs, token_mask)
-from treedec.tree.validate import int_list
+from treedec.search.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
 from treedec.search.sampling import SEED_MAX
 from treedec.search.stops import StopChecker
 from treedec.transfer import HostCopy, to_device
@@ -47,29 +44,6 @@ __all__ = ["Lanes"]
 _DRAWN = 1    # its next token is drawn on the device, not read back yet
 _KNOWN = 2    # its next token is read back (the output goes on) and not in the tree yet
 _FINISH = 3   # it ended, its node is kept, and its last token is still to be computed (placed once more)
-
-
-@dataclass(eq=False)
-class _Group:
-    decode: Decode
-    owner: Any
-    uid: int
-    outputs: list[LaneOutput | None]
-    left: int
-    checkers: list[StopChecker | None] = field(default_factory=list)
-    shown: list[int] = field(default_factory=list)       # characters of each output's text streamed so far
-    records: list[tuple[np.ndarray, TokenLogprobs]] = field(default_factory=list)   # (output indices, logprobs)
-    pending: list[tuple[int, int, int]] = field(default_factory=list)   # (output, parent, last token) to place
-    allowed: torch.Tensor | None = None        # [1, V] bool: allowed_token_ids
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias: ([k] ids, [k] values)
-    stop_ids: torch.Tensor | None = None       # [k] int64: the ids min_tokens keeps from being drawn
-
-    @property
-    def special(self) -> bool:
-        """Its rows are processed before the batched draw (user processors, token masks and biases)."""
-        p = self.decode.params
-        return bool(p.logits_processors) or p.allowed_token_ids is not None or bool(self.decode.bad_words) \
-            or p.min_tokens > 0 or p.logit_bias is not None
 
 
 class Lanes(LaneTable):
@@ -88,12 +62,13 @@ class Lanes(LaneTable):
         super().__init__(engine.model.config.vocab_size, engine.device)
         self._seeds = np.random.default_rng(seed)
         self._uids = itertools.count()
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, LaneGroup] = {}
         self._rows: SamplingRows | None = None   # the sampling rows of [0, size), rebuilt on events
         self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
         self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
         self._failures: list[tuple[Any, Exception]] = []
-        self._special: set[int] = set()   # groups whose rows are processed before the batched draw (_Group.special)
+        self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
+        self._logprobs: set[int] = set()  # groups whose outputs report logprobs
 
     # ------------------------------------------------------------ events
 
@@ -116,14 +91,16 @@ class Lanes(LaneTable):
         if d.on_text is not None and d.tokenizer is None:
             raise ValueError("on_text streams detokenized text: the Decode needs the tokenizer")
         uid = next(self._uids)
-        group = _Group(d, owner, uid, [None] * d.count, d.count)
+        group = LaneGroup(d, owner, uid, [None] * d.count, d.count)
         detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
         group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
         group.shown = [0] * d.count
-        self._special_columns(group)
+        group.prepare(self.vocab, self.device)
         self.groups[uid] = group
         if group.special:
             self._special.add(uid)
+        if d.params.logprobs is not None:
+            self._logprobs.add(uid)
         k, start = d.count, self.size
         self._grow(start + k)
         slots = np.arange(start, start + k)
@@ -180,6 +157,7 @@ class Lanes(LaneTable):
         self.groups.clear()
         self.size, self._rows, self._read, self._blocked, self._failures = 0, None, None, set(), []
         self._special.clear()
+        self._logprobs.clear()
 
     def blocked_owners(self) -> set:
         """The programs some of whose ready lanes the last :meth:`place` left out for want of pages."""
@@ -200,7 +178,7 @@ class Lanes(LaneTable):
             return
         for uid in uids:
             del self.groups[uid]
-            self._special.discard(uid)
+            self._forget_group(uid)
         self._compact(~np.isin(self.group[:self.size], uids))
 
     # ------------------------------------------------------------ the step
@@ -270,7 +248,7 @@ class Lanes(LaneTable):
         """After the step that computed the placed lanes' tokens (``logits``: their rows, in placement order):
         read back what was drawn, end the lanes that stopped, draw every going lane's next token. Returns
         ``(owner, result)`` for each :class:`Decode` whose last output ended."""
-        finished: list[_Group] = []
+        finished: list[LaneGroup] = []
         size = self.size
         placed = np.flatnonzero(self.placed[:size])
         row_of = np.full(size, -1, dtype=np.int64)
@@ -303,11 +281,15 @@ class Lanes(LaneTable):
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
                 self.state[:self.size][self.group[:self.size] == uid] = -1
                 del self.groups[uid]
-                self._special.discard(uid)
+                self._forget_group(uid)
         self._compact(self.state[:self.size] != -1)
         return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished]
 
-    def _fail(self, group: _Group, error: Exception) -> None:
+    def _forget_group(self, uid: int) -> None:
+        self._special.discard(uid)
+        self._logprobs.discard(uid)
+
+    def _fail(self, group: LaneGroup, error: Exception) -> None:
         if all(owner is not group.owner for owner, _ in self._failures):
             self._failures.append((group.owner, error))
 
@@ -361,58 +343,19 @@ class Lanes(LaneTable):
         return sample_rows(scores, rows, draws, masks, counts)
 
     def _process(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-        """The rows of the groups that need it processed before the batched draw, in vLLM v1's order
-        (:class:`~treedec.search.sampling.SamplingParams`): the user's logits processors (one row at a time; one that
-        raises fails its request alone), ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``
-        (:mod:`treedec.search.logits`); a Python pass per such group a step, none for the others."""
+        """The rows of the groups that need it processed before the batched draw (:meth:`LaneGroup.process`); a
+        Python pass per such group a step, none for the others. A group whose user processor raises fails alone."""
         scores = raw.float().clone()
         groups = self.group[slots]
-        for uid in np.unique(groups).tolist():
-            if uid not in self._special:
-                continue
+        for uid in self._special & set(np.unique(groups).tolist()):
             g = self.groups[uid]
             mine = np.flatnonzero(groups == uid)
-            at, p = to_device(mine, self.device), g.decode.params
-            rows = scores[at]
-            lengths = self.length[slots[mine]]
+            at = to_device(mine, self.device)
             try:
-                if p.logits_processors:
-                    histories = [list(g.decode.prompt_ids) + self.tokens[s, :n].tolist()
-                                 for s, n in zip(slots[mine].tolist(), lengths.tolist())]
-                    rows = apply_logits_processors(p.logits_processors, histories, rows)
-            except Exception as error:   # that request fails alone (its lanes go at the end of the step)
+                scores[at] = g.process(scores[at], self.tokens[slots[mine]], self.length[slots[mine]])
+            except Exception as error:   # (a user processor: its lanes go at the end of the step)
                 self._fail(g, error)
-                continue
-            if g.allowed is not None:
-                rows = apply_allowed_tokens(rows, g.allowed)
-            if g.decode.bad_words:
-                back = max(map(len, g.decode.bad_words)) - 1   # (the output's last tokens a ban looks at)
-                outputs = [self.tokens[s, max(0, n - back):n].tolist() for s, n in zip(slots[mine].tolist(),
-                                                                                       lengths.tolist())]
-                rows = apply_bad_words(rows, g.decode.bad_words, outputs)
-            if g.stop_ids is not None and (lengths < p.min_tokens).any():
-                short = np.flatnonzero(lengths < p.min_tokens)
-                rows = mask_stop_tokens(rows, g.stop_ids, None if len(short) == len(mine) else
-                                        to_device(short, self.device))
-            if g.bias is not None:
-                rows = apply_logit_bias(rows, *g.bias)
-            scores[at] = rows
         return scores
-
-    def _special_columns(self, g: _Group) -> None:
-        """A group's token masks and biases on the device, checked against the vocabulary on the host."""
-        d, p, vocab = g.decode, g.decode.params, self.vocab
-        if p.allowed_token_ids is not None:
-            g.allowed = token_mask(p.allowed_token_ids, vocab, self.device, "allowed_token_ids")
-        if p.logit_bias is not None:
-            ids = int_list(list(p.logit_bias), "logit_bias' token ids", low=0, high=vocab - 1)
-            g.bias = (to_device(ids, self.device, torch.int64),
-                      to_device(list(p.logit_bias.values()), self.device, torch.float32))
-        for word in d.bad_words:
-            int_list(word, "bad_words' token ids", low=0, high=vocab - 1)
-        if p.min_tokens and d.min_tokens_stop_ids:
-            g.stop_ids = to_device(int_list(list(d.min_tokens_stop_ids), "min_tokens' stop ids", low=0,
-                                            high=vocab - 1), self.device, torch.int64)
 
     def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
         """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
@@ -424,10 +367,8 @@ class Lanes(LaneTable):
         if self.counts is not None:
             self.counts[index, tokens] += 1
         self.state[slots] = _DRAWN
-        for uid in np.unique(self.group[slots]).tolist():
+        for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None else ():
             g = self.groups[uid]
-            if g.decode.params.logprobs is None or raw is None:
-                continue
             mine = np.flatnonzero(self.group[slots] == uid)
             at = to_device(mine, raw.device)
             g.records.append((self.index[slots[mine]].copy(),
@@ -463,7 +404,8 @@ class Lanes(LaneTable):
         ended = stopped | (at + 1 >= self.max_new[slots])
         reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
         for i in np.flatnonzero(self.text[slots]).tolist():
-            reason = self._text(int(slots[i]), int(tokens[i]))
+            slot = int(slots[i])
+            reason = self.groups[int(self.group[slot])].accept_text(int(self.index[slot]), int(tokens[i]))
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
         # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
@@ -484,18 +426,6 @@ class Lanes(LaneTable):
                 self.state[slot], self.next_token[slot] = _FINISH, tokens[i]
             else:
                 self._end(slot, None, finished, computed=False)
-
-    def _text(self, slot: int, token: int) -> str | None:
-        """A text lane's token through its stop checker (stop strings) and stream; returns why it ended, or None."""
-        g, i = self.groups[int(self.group[slot])], int(self.index[slot])
-        checker = g.checkers[i]
-        reason = checker.accept(token).reason
-        if g.decode.on_text is not None:
-            text = checker.streamable_text
-            if len(text) > g.shown[i]:
-                g.decode.on_text(i, text[g.shown[i]:])
-                g.shown[i] = len(text)
-        return reason
 
     def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
         """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the
@@ -525,20 +455,10 @@ class Lanes(LaneTable):
         g.left -= 1
         self.state[slot] = -1
         if g.left == 0:
-            self._logprobs(g)
+            g.assemble_logprobs()
             del self.groups[g.uid]
-            self._special.discard(g.uid)
+            self._forget_group(g.uid)
             finished.append(g)
-
-    def _logprobs(self, g: _Group) -> None:
-        if g.decode.params.logprobs is None:
-            return
-        per: list[list[dict]] = [[] for _ in g.outputs]
-        for indices, record in g.records:
-            for i, entry in zip(indices.tolist(), record.to_dicts()):
-                per[i].append(entry)
-        for out, entries in zip(g.outputs, per):
-            out.logprobs = entries[:len(out.token_ids)]
 
     # ------------------------------------------------------------ private: the tree
 

@@ -264,3 +264,8 @@ def set_aside_bad_tokens(engine: Engine, requests: Sequence[tuple[Hashable, Step
     return {key: ValueError(f"{names[key]}: its token ids must be in [0, {vocab}) (the model's vocabulary), got "
                             f"{[t for _, _, t in edits][:5]}; it alone failed, the step ran for the others")
             for key, edits in found.items()}
+
+
+def program_name(program: Program, index: int) -> str:
+    """How errors name a program of a run (its ``name``, else its index and class)."""
+    return program.name if program.name is not None else f"programs[{index}] ({type(program).__name__})"

@@ -58,7 +58,8 @@ from treedec.engine import Engine
 from treedec.search.prefix_cache import PrefixCache
 from treedec.search.program import Program
 from treedec.search.request import check_positions
-from treedec.search.scheduler_loop import SchedulerLoop, program_name
+from treedec.search.program import program_name
+from treedec.search.scheduler_loop import SchedulerLoop
 from treedec.search.scheduler_stats import SchedulerStats
 
 __all__ = ["SchedulerStats", "run_program", "run_programs"]

@@ -20,14 +20,14 @@ from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lanes import Lanes
 from treedec.search.prefix_cache import CachedPrefix, PrefixCache
 from treedec.search.prefixes import SharedPrefix, share_prefixes
-from treedec.search.program import Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
+from treedec.search.program import program_name, Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
 from treedec.search.request import pages_in_use
 from treedec.search.scheduler_relief import PoolRelief
 from treedec.search.scheduler_stats import SchedulerStats
 from treedec.search.sampling import GREEDY, sample_tokens
 from treedec.transfer import HostCopy, to_device
 
-__all__ = ["SchedulerLoop", "program_name"]
+__all__ = ["SchedulerLoop"]
 
 
 @dataclass(eq=False)
@@ -496,7 +496,3 @@ class SchedulerLoop(PoolRelief):
             self._forget_if_done(prefix)
         self.on_error(lv.index, error)
 
-
-def program_name(program: Program, index: int) -> str:
-    """How errors name a program of the run."""
-    return program.name if program.name is not None else f"programs[{index}] ({type(program).__name__})"

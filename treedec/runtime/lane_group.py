@@ -1,0 +1,105 @@
+"""A Decode's lanes as one group (:mod:`treedec.runtime.lanes`): what its outputs share, and the processing of its
+rows that the batched draw does not do (user logits processors, token masks and biases)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from treedec.runtime.decode import Decode, LaneOutput
+from treedec.search.logits import (TokenLogprobs, apply_allowed_tokens, apply_bad_words, apply_logit_bias,
+                                   apply_logits_processors, mask_stop_tokens, token_mask)
+from treedec.search.stops import StopChecker
+from treedec.transfer import to_device
+from treedec.tree.validate import int_list
+
+__all__ = ["LaneGroup"]
+
+
+@dataclass(eq=False)
+class LaneGroup:
+    """One :class:`~treedec.runtime.decode.Decode`'s lanes: what they share (the request's settings, stop checkers,
+    streamed text, log-probabilities, token masks and biases) and its outputs as they end."""
+
+    decode: Decode
+    owner: Any
+    uid: int
+    outputs: list[LaneOutput | None]
+    left: int
+    checkers: list[StopChecker | None] = field(default_factory=list)
+    shown: list[int] = field(default_factory=list)       # characters of each output's text streamed so far
+    records: list[tuple[np.ndarray, TokenLogprobs]] = field(default_factory=list)   # (output indices, logprobs)
+    pending: list[tuple[int, int, int]] = field(default_factory=list)   # (output, parent, last token) to place
+    allowed: torch.Tensor | None = None        # [1, V] bool: allowed_token_ids
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias: ([k] ids, [k] values)
+    stop_ids: torch.Tensor | None = None       # [k] int64: the ids min_tokens keeps from being drawn
+
+    @property
+    def special(self) -> bool:
+        """Its rows are processed before the batched draw (user processors, token masks and biases)."""
+        p = self.decode.params
+        return bool(p.logits_processors) or p.allowed_token_ids is not None or bool(self.decode.bad_words) \
+            or p.min_tokens > 0 or p.logit_bias is not None
+
+    def prepare(self, vocab: int, device: torch.device) -> None:
+        """Its token masks and biases on the device, checked against the vocabulary on the host."""
+        d, p = self.decode, self.decode.params
+        if p.allowed_token_ids is not None:
+            self.allowed = token_mask(p.allowed_token_ids, vocab, device, "allowed_token_ids")
+        if p.logit_bias is not None:
+            ids = int_list(list(p.logit_bias), "logit_bias' token ids", low=0, high=vocab - 1)
+            self.bias = (to_device(ids, device, torch.int64), to_device(list(p.logit_bias.values()), device,
+                                                                        torch.float32))
+        for word in d.bad_words:
+            int_list(word, "bad_words' token ids", low=0, high=vocab - 1)
+        if p.min_tokens and d.min_tokens_stop_ids:
+            self.stop_ids = to_device(int_list(list(d.min_tokens_stop_ids), "min_tokens' stop ids", low=0,
+                                               high=vocab - 1), device, torch.int64)
+
+    def process(self, rows: torch.Tensor, tokens: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """Its lanes' ``rows`` [m, V] float32 processed in vLLM v1's order
+        (:class:`~treedec.search.sampling.SamplingParams`): the user's logits processors (one row at a time),
+        ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias`` (:mod:`treedec.search.logits`).
+        ``tokens`` [m, W] and ``lengths`` [m]: each lane's output tokens so far. A processor's error is raised."""
+        d, p = self.decode, self.decode.params
+        if p.logits_processors:
+            histories = [list(d.prompt_ids) + row[:n].tolist() for row, n in zip(tokens, lengths.tolist())]
+            rows = apply_logits_processors(p.logits_processors, histories, rows)
+        if self.allowed is not None:
+            rows = apply_allowed_tokens(rows, self.allowed)
+        if d.bad_words:
+            back = max(map(len, d.bad_words)) - 1   # (the output's last tokens a ban looks at)
+            outputs = [row[max(0, n - back):n].tolist() for row, n in zip(tokens, lengths.tolist())]
+            rows = apply_bad_words(rows, d.bad_words, outputs)
+        if self.stop_ids is not None and (lengths < p.min_tokens).any():
+            short = np.flatnonzero(lengths < p.min_tokens)
+            rows = mask_stop_tokens(rows, self.stop_ids,
+                                    None if len(short) == len(lengths) else to_device(short, rows.device))
+        if self.bias is not None:
+            rows = apply_logit_bias(rows, *self.bias)
+        return rows
+
+    def accept_text(self, i: int, token: int) -> str | None:
+        """Output ``i``'s token through its stop checker (stop strings) and its stream (only the new characters are
+        joined); returns why the output ended, or None."""
+        checker = self.checkers[i]
+        reason = checker.accept(token).reason
+        if self.decode.on_text is not None:
+            end = checker.streamable_length
+            if end > self.shown[i]:
+                self.decode.on_text(i, checker.text_from(self.shown[i]))
+                self.shown[i] = end
+        return reason
+
+    def assemble_logprobs(self) -> None:
+        """Its ended outputs' logprobs, one dict per token, from the draws' records."""
+        if self.decode.params.logprobs is None:
+            return
+        per: list[list[dict]] = [[] for _ in self.outputs]
+        for indices, record in self.records:
+            for i, entry in zip(indices.tolist(), record.to_dicts()):
+                per[i].append(entry)
+        for out, entries in zip(self.outputs, per):
+            out.logprobs = entries[:len(out.token_ids)]
