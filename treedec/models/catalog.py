@@ -20,10 +20,16 @@ take the same arguments and resolve them here. A model argument is, in this orde
 A GGUF file converts into a float32 checkpoint (:func:`~treedec.models.gguf.convert_gguf`, which needs the
 ``gguf`` package: ``pip install gguf``) in treedec's cache folder (:func:`treedec.cache.cache_dir`, default
 ``~/.cache/treedec``). Every write goes to a temporary name and is renamed once complete: a failure (no
-network, a full disk, an interrupt) leaves nothing half-written, and the next call starts over.
+network, a full disk, an interrupt) leaves nothing half-written, and the next call starts over. Fetching and
+converting hold a lock per model (``.locks/`` in the cache folder): two processes asking for the same model at
+once convert it once (the second waits, saying so), and the temporary files of a process killed mid-write are
+removed by the next one.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import importlib.util
 import logging
@@ -36,11 +42,11 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 from treedec.cache import cache_dir
 from treedec.errors import ModelUnavailableError
-from treedec.models.gguf import convert_gguf, require_gguf
+from treedec.models.gguf import convert_gguf, require_gguf, staging_folders
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "ModelForm", "ResolvedModel", "model_form", "resolve_model"]
 
@@ -221,7 +227,11 @@ def _known_checkpoint(known: KnownModel, progress: bool) -> Path:
     if (checkpoint / _WEIGHTS).is_file():
         return checkpoint
     require_gguf()   # before a download it could not use
-    _convert_once(_known_gguf(known, progress), checkpoint, progress)
+    with _cache_lock(known.cache_folder, progress):
+        if not (checkpoint / _WEIGHTS).is_file():   # (else another process made it while this one waited)
+            folder = checkpoint.parent
+            _remove_stale([*folder.glob(".fetch-*"), *folder.glob(f".{glob.escape(known.gguf_file)}.partial-*")])
+            _convert_once(_known_gguf(known, progress), checkpoint, progress)
     return checkpoint
 
 
@@ -234,21 +244,48 @@ def _gguf_checkpoint(gguf_file: Path, progress: bool) -> Path:
     if (checkpoint / _WEIGHTS).is_file():
         return checkpoint
     require_gguf()
-    _convert_once(gguf_file, checkpoint, progress)
+    with _cache_lock(f"gguf-{checkpoint.name}", progress):
+        if not (checkpoint / _WEIGHTS).is_file():
+            _convert_once(gguf_file, checkpoint, progress)
     return checkpoint
 
 
+@contextlib.contextmanager
+def _cache_lock(name: str, progress: bool) -> Iterator[None]:
+    """Hold the cache's lock ``name`` (``flock`` on ``.locks/<name>.lock`` in the cache folder) while fetching or
+    converting into the cache: a second process waits, then finds the work done. The kernel releases the lock
+    of a process that dies, so a killed conversion leaves no lock behind (its files: :func:`_remove_stale`).
+    The lock files stay (removing one would let a waiting process and a new one both hold a lock)."""
+    locks = cache_dir() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(progress, f"waiting for another process fetching or converting {name} into {cache_dir()}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield   # (closing the file releases the lock)
+
+
 def _convert_once(gguf_file: Path, checkpoint: Path, progress: bool) -> None:
-    for stale in (checkpoint, checkpoint.with_name(checkpoint.name + ".partial")):   # an older treedec's leftovers
-        if stale.exists():
-            shutil.rmtree(stale)
+    """Convert ``gguf_file`` into ``checkpoint``; the caller holds its :func:`_cache_lock`, so what is there of
+    it (an older treedec's ``.partial`` folder, the staging folders of a conversion killed mid-write) is stale."""
+    _remove_stale([checkpoint, checkpoint.with_name(checkpoint.name + ".partial"), *staging_folders(checkpoint)])
     _say(progress, f"converting {gguf_file.name} into {checkpoint} (once: float32 weights, the tokenizer and "
                    f"its chat template)")
-    try:
-        convert_gguf(gguf_file, checkpoint)   # a temporary folder renamed when complete
-    except OSError:
-        if not (checkpoint / _WEIGHTS).is_file():   # else another process converted it meanwhile
-            raise
+    convert_gguf(gguf_file, checkpoint)   # a temporary folder renamed when complete
+
+
+def _remove_stale(paths: list[Path]) -> None:
+    """Remove the leftovers of a killed fetch or conversion (files or folders), saying so in the log."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        logger.info("removed %s, left by an interrupted fetch or conversion", path)
 
 
 def _known_gguf(known: KnownModel, progress: bool) -> Path:

@@ -18,6 +18,7 @@ a temporary name beside ``out_dir`` and renamed at the end, so an error leaves n
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -32,7 +33,7 @@ from treedec.models.checkpoint_headers import TensorHeader, check_tensor_headers
 from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
 
-__all__ = ["convert_gguf", "require_gguf"]
+__all__ = ["convert_gguf", "require_gguf", "staging_folders"]
 
 #: ``general.architecture`` of the GGUF files converted (llama.cpp writes Mistral as "llama").
 ARCHITECTURES = ("llama", "qwen2")
@@ -55,6 +56,8 @@ _GGUF_LAYER = re.compile(r"blk\.(0|[1-9][0-9]*)\.(\w+)\.(weight|bias)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # llama.cpp's Llama 3 RoPE factors: RoPE comes from the config here
 _IGNORED_TENSORS = ("rope_freqs.weight",)
+# the temporary name of a folder being written (then renamed to its name)
+_STAGING_PREFIX = ".{}.partial-"
 # tensor types that are not weights (integers, and doubles, which gguf does not de-quantize)
 _NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")
 
@@ -89,6 +92,14 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     write = _converted(gguf_file, hf_config)
     _write_folder(out_dir, write)
     return out_dir
+
+
+def staging_folders(out_dir: str | Path) -> list[Path]:
+    """The temporary folders :func:`convert_gguf` writes ``out_dir`` under (``.<name>.partial-<id>`` beside it)
+    that exist now: a conversion in progress, or one killed before it could remove its own (the caller removing
+    them must know no conversion into ``out_dir`` runs: :mod:`~treedec.models.catalog` holds a lock)."""
+    out_dir = Path(out_dir)
+    return sorted(out_dir.parent.glob(f"{glob.escape(_STAGING_PREFIX.format(out_dir.name))}*"))
 
 
 def require_gguf() -> None:
@@ -239,7 +250,7 @@ def _write_folder(out_dir: Path, write: Callable[[Path], None]) -> None:
     """``write`` into a new folder beside ``out_dir``, then rename it to ``out_dir`` (replacing an empty one);
     on an error, remove it and the parent folders made for it."""
     made = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging = out_dir.parent / f"{_STAGING_PREFIX.format(out_dir.name)}{uuid.uuid4().hex[:12]}"
     try:
         staging.mkdir(parents=True)
         write(staging)
