@@ -117,6 +117,9 @@ BAD_FILES = {
     "rope base 0": (_gguf(meta={"llama.rope.freq_base": 0.0}), "metadata key 'llama.rope.freq_base' must be a "
                                                                "finite number > 0, got float 0.0"),
     "rope base negative": (_gguf(meta={"llama.rope.freq_base": -10000.0}), "'llama.rope.freq_base' .* -10000.0"),
+    "rms eps huge": (_gguf(meta={"llama.attention.layer_norm_rms_epsilon": 1e30}), "metadata key "
+                     "'llama.attention.layer_norm_rms_epsilon' must be at most 0.01"),
+    "rope base huge": (_gguf(meta={"llama.rope.freq_base": 1e30}), "'llama.rope.freq_base' must be at most 1e\\+12"),
     "rope base inf": (_gguf(meta={"llama.rope.freq_base": float("inf")}), "'llama.rope.freq_base' .* got float inf"),
     "tensor of the wrong shape": (_gguf(tensors={"token_embd.weight": np.zeros((300, 32), np.float32)}),
                                   "tensor token_embd.weight has shape \\(300, 32\\), expected \\(300, 64\\)"),

@@ -4,6 +4,7 @@ config and the safetensors headers alone, before the model is allocated."""
 import json
 import logging
 import math
+import re
 import shutil
 import time
 
@@ -128,6 +129,23 @@ BAD_CONFIGS = [
      "'rope_parameters.original_max_position_embeddings' must be a positive int, got int 0"),
     ({"rope_parameters": {**LLAMA3, "rope_type": 3}}, "'rope_parameters.rope_type' must be a string, got int 3"),
     ({"hidden_act": ["silu"]}, "field 'hidden_act' must be a string, got list"),
+    # issue 48 item 13: finite and > 0, but garbage (no NaN): refused by name
+    ({"rms_norm_eps": 1e308}, "field 'rms_norm_eps' must be at most 0.01 \\(checkpoints use .*\\), got 1e\\+308"),
+    ({"rms_norm_eps": 0.5}, "field 'rms_norm_eps' must be at most 0.01"),
+    ({"rope_parameters": {**LLAMA3, "factor": 1e308}}, "field 'rope_parameters.factor' must be at most 1024 "
+                                                       "\\(a RoPE scaling factor .*\\), got 1e\\+308"),
+    ({"rope_parameters": {**LLAMA3, "factor": 0.25}}, "field 'rope_parameters.factor' must be at least 1.0"),
+    ({"rope_parameters": {**LLAMA3, "rope_theta": 1e308}}, "field 'rope_parameters.rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": ..., "rope_theta": 1e300}, "field 'rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": {**LLAMA3, "high_freq_factor": 1e30}}, "'rope_parameters.high_freq_factor' must be at most"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e308}}},
+     "field 'rope_parameters.full_attention.rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": ..., "rope_scaling": {"rope_type": "linear", "factor": 1e308}},
+     "field 'rope_scaling.factor' must be at most 1024"),
+    # a default transformers takes that is known wrong for the checkpoint: refused
+    ({"rope_parameters": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}},
+     "field 'rope_parameters.rope_type' is 'llama3' .* no field 'rope_theta': transformers' default base "
+     "\\(10000\\) is not these checkpoints' \\(500000\\)"),
 ]
 
 
@@ -261,7 +279,8 @@ def test_missing_eps_and_theta_take_transformers_defaults_with_a_warning(saved, 
         model = from_pretrained(root, device="cpu")
     assert getattr(model.config, key) == float(value)
     warnings = [r.getMessage() for r in caplog.records if r.name == "treedec" and r.levelno == logging.WARNING]
-    assert any(str(config) in w and f"'{key}'" in w and value in w for w in warnings), warnings
+    assert any(str(config) in w and f"'{key}'" in w and value in w and "for a llama model" in w
+               and "as transformers does" in w for w in warnings), warnings
 
 
 def test_a_complete_config_loads_without_warnings(saved, tmp_path, caplog):
@@ -281,6 +300,15 @@ def test_a_complete_config_loads_without_warnings(saved, tmp_path, caplog):
 def test_model_config_refuses_nan_producing_values(field, value):
     with pytest.raises(ValueError, match=f"ModelConfig.{field} must be a finite number > 0, got {value!r}"):
         ModelConfig.from_name("tiny", **{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [("rms_norm_eps", 1e308, "at most 0.01"),
+                                                   ("rope_theta", 1e300, "at most 1e\\+12")])
+def test_model_config_refuses_values_out_of_range(field, value, message):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field} must be {message} .*got {re.escape(repr(value))}"):
+        ModelConfig.from_name("tiny", **{field: value})
+    with pytest.raises(ValueError, match="RopeScaling.factor must be at most 1024"):
+        RopeScaling("llama3", 1e308)
 
 
 @pytest.mark.parametrize("kwargs", [{"factor": NAN}, {"factor": INF}, {"factor": 8.0, "low_freq_factor": NAN},

@@ -42,7 +42,8 @@ class RopeScaling:
         if self.kind not in ("linear", "llama3"):
             raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            positive_float(f"RopeScaling.{name}", getattr(self, name))
+            check_real_range(f"RopeScaling.{name}", name, positive_float(f"RopeScaling.{name}", getattr(self, name)),
+                             ValueError)
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}")
@@ -81,7 +82,8 @@ class ModelConfig:
                      "num_kv_heads", "head_dim", "max_position"):
             positive_int(f"ModelConfig.{name}", getattr(self, name))
         for name in ("rope_theta", "rms_norm_eps"):   # 0, < 0 or NaN make every logit NaN
-            positive_float(f"ModelConfig.{name}", getattr(self, name))
+            check_real_range(f"ModelConfig.{name}", name, positive_float(f"ModelConfig.{name}", getattr(self, name)),
+                             ValueError)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -191,8 +193,10 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
     ------
     CheckpointError : ``{where}: {name(key)} must be {expected}, got {type} {value}``, for a size
         that is not a positive int, a flag that is not a bool, an ``rms_norm_eps`` or ``rope_theta``
-        that is not a finite number > 0 (RMSNorm and RoPE would make NaN), head counts that do not
-        divide, an odd head dim.
+        that is not a finite number > 0 (RMSNorm and RoPE would make NaN) or a real number out of
+        :data:`REAL_RANGES` (garbage, not NaN: ``rms_norm_eps`` 1e308), head counts that do not
+        divide, an odd head dim; a ``llama3`` RoPE scaling without ``rope_theta`` (transformers'
+        default 10000 is known wrong for every such checkpoint).
     """
     def fail(key, expected, value):
         raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
@@ -210,21 +214,27 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
         if key in raw and not isinstance(raw[key], str):
             fail(key, "a string", raw[key])
     for key in ("rms_norm_eps", "rope_theta"):
-        if key in raw and not (is_real(raw[key]) and raw[key] > 0):
-            fail(key, "a finite number > 0", raw[key])
-    for group in ("rope_parameters", "rope_scaling"):
-        rope = raw.get(group)
-        if rope is None:
-            continue
+        if key in raw:
+            if not (is_real(raw[key]) and raw[key] > 0):
+                fail(key, "a finite number > 0", raw[key])
+            check_real_range(f"{where}: {name(key)}", key, raw[key])
+    for group, rope in _rope_groups(raw):
         if not isinstance(rope, dict):
             fail(group, "an object or null", rope)
         for key, value in rope.items():
-            if key in _ROPE_NUMBERS and not (is_real(value) and value > 0):
-                fail(f"{group}.{key}", "a finite number > 0", value)
+            if key in _ROPE_NUMBERS:
+                if not (is_real(value) and value > 0):
+                    fail(f"{group}.{key}", "a finite number > 0", value)
+                check_real_range(f"{where}: {name(f'{group}.{key}')}", key, value)
             if key == "original_max_position_embeddings" and not (is_int(value) and value > 0):
                 fail(f"{group}.{key}", "a positive int", value)
             if key in ("rope_type", "type") and not isinstance(value, str):
                 fail(f"{group}.{key}", "a string", value)
+        if rope.get("rope_type", rope.get("type")) == "llama3" and not _has_theta(raw):
+            raise CheckpointError(
+                f"{where}: {name(f'{group}.rope_type')} is 'llama3' (Llama 3.1 and later) but the config has no "
+                f"{name('rope_theta')}: transformers' default base (10000) is not these checkpoints' (500000); "
+                f"set rope_theta in the config")
     heads, kv_heads, head_dim = raw.get("num_attention_heads"), raw.get("num_key_value_heads"), raw.get("head_dim")
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise CheckpointError(f"{where}: {name('num_attention_heads')} ({heads}) must be a multiple of "
@@ -243,19 +253,60 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
 
 def warn_hf_defaults(raw: dict, config: ModelConfig, where: str, name: Callable[[str], str] = config_field) -> None:
     """Log a warning for each of ``rms_norm_eps`` and ``rope_theta`` that ``raw`` lacks, naming the
-    default transformers filled in (``config``'s value): a checkpoint that relies on it may have
-    been trained with another."""
-    rope = raw.get("rope_parameters")
-    has_theta = "rope_theta" in raw or (isinstance(rope, dict) and "rope_theta" in rope)
+    default transformers filled in for the config's model type (``config``'s value), which treedec then
+    uses too: the logits are transformers', but a checkpoint trained with another value (Llama's 1e-5
+    against transformers' 1e-6) gives other ones. Where the default is known wrong (a ``llama3`` RoPE
+    without a base), :func:`check_hf_fields` refuses the config instead."""
     for key, present, value in (("rms_norm_eps", "rms_norm_eps" in raw, config.rms_norm_eps),
-                                ("rope_theta", has_theta, config.rope_theta)):
+                                ("rope_theta", _has_theta(raw), config.rope_theta)):
         if not present:
-            logger.warning(f"{where}: no {name(key)}; using transformers' default {value}")
+            logger.warning(f"{where}: no {name(key)}; using transformers' default for a {config.model_type} "
+                           f"model, {value}, as transformers does (a checkpoint trained with another value "
+                           f"gives other logits: set it in the config)")
 
 
 _POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "max_position_embeddings")
 _ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor")
+#: Bounds of a config's real numbers beyond "finite and > 0": (least, most, why), None for no bound. A value out
+#: of them makes no NaN, but garbage (an eps of 1e308 flattens every activation to 0; a RoPE factor of 1e308 makes
+#: every rotation the identity), so it is refused by name rather than run.
+REAL_RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "rms_norm_eps": (None, 1e-2, "checkpoints use 1e-6 to 1e-5; one near the activations' mean square flattens them"),
+    "rope_theta": (None, 1e12, "checkpoints use 1e4 to 1e7; past 1e12 every position rotates by ~0"),
+    "factor": (1.0, 1024.0, "a RoPE scaling factor stretches the context by it (transformers: >= 1)"),
+    "low_freq_factor": (None, 1024.0, "Llama 3.1 uses 1"),
+    "high_freq_factor": (None, 1024.0, "Llama 3.1 uses 4"),
+    "attention_factor": (None, 16.0, "a scale of cos/sin: checkpoints use ~1 to 1.5"),
+}
+
+
+def check_real_range(name: str, key: str, value: float, error: type[Exception] = CheckpointError) -> float:
+    """``value`` (a finite number > 0, checked before) if it is within :data:`REAL_RANGES` ``[key]``, else
+    ``error`` ``"{name} must be at most {most} ({why}), got {value}"`` (or ``at least``)."""
+    least, most, why = REAL_RANGES[key]
+    if least is not None and value < least:
+        raise error(f"{name} must be at least {least} ({why}), got {value!r}")
+    if most is not None and value > most:
+        raise error(f"{name} must be at most {most:g} ({why}), got {value!r}")
+    return value
+
+
+def _rope_groups(raw: dict):
+    """(name, object) of each RoPE parameter group of a config: ``rope_parameters`` (transformers 5; per layer
+    type, ``rope_parameters.full_attention``, where a family keeps one per attention kind) and ``rope_scaling``."""
+    for group in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(group)
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+            yield from ((f"{group}.{kind}", sub) for kind, sub in rope.items())
+        elif rope is not None:
+            yield group, rope
+
+
+def _has_theta(raw: dict) -> bool:
+    """Whether a config sets its RoPE base (``rope_theta`` at the top, or in a ``rope_parameters`` group)."""
+    return "rope_theta" in raw or any(isinstance(rope, dict) and "rope_theta" in rope
+                                      for group, rope in _rope_groups(raw) if group.startswith("rope_parameters"))
 
 
 _LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

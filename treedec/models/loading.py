@@ -65,8 +65,11 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     them, else of ``config.json``; empty when neither names one.
 
     Nothing is allocated before the config's fields and every tensor's name, dtype and shape
-    (read from the safetensors headers) are checked. A config without ``rms_norm_eps`` or
-    ``rope_theta`` takes transformers' default, with a warning (logger ``treedec``) naming it.
+    (read from the safetensors headers) are checked; real numbers out of their ranges
+    (:data:`~treedec.models.config.REAL_RANGES`: ``rms_norm_eps`` 1e308, a RoPE factor 1e308) are refused
+    by name. A config without ``rms_norm_eps`` or ``rope_theta`` takes transformers' default for its model
+    type, as transformers does, with a warning (logger ``treedec``) naming it; a ``llama3`` RoPE scaling
+    without ``rope_theta`` is refused (that default, 10000, is known wrong for every such checkpoint).
 
     Parameters
     ----------
@@ -89,7 +92,7 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     CheckpointError
         (a ValueError) A malformed ``config.json`` (a size that is not a positive int, head
         counts that do not divide, an ``rms_norm_eps`` or ``rope_theta`` that is not a finite
-        number > 0, ...), ``generation_config.json`` (its
+        number > 0 or out of range, ...), ``generation_config.json`` (its
         ``eos_token_id`` not token ids of the vocabulary) or index, a shard path outside the
         directory, a truncated or corrupt shard, a tensor of another dtype than
         :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor; a GGUF file
