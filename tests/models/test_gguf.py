@@ -49,6 +49,11 @@ def test_the_output_folder_is_checked_first(good_file, tmp_path):
         convert_gguf(good_file, tmp_path / "file")
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    for under in (tmp_path / "file" / "out", tmp_path / "file" / "a" / "b"):   # issue 48 item 15
+        with pytest.raises(NotADirectoryError, match=f"out_dir {under} cannot be made: {tmp_path / 'file'} is a "
+                                                     f"file, not a folder"):
+            convert_gguf(good_file, under)
+    assert (tmp_path / "file").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]
 
 
 def _cut(keep):

@@ -74,6 +74,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     ------
     FileNotFoundError : no such file.
     FileExistsError : ``out_dir`` is a file or a folder that is not empty.
+    NotADirectoryError : ``out_dir`` is under a file (it cannot be made).
     ImportError : the ``gguf`` package is missing (:func:`require_gguf`).
     CheckpointError : (a ValueError) naming the GGUF file: not a readable GGUF file (truncated,
         corrupt); an architecture other than :data:`ARCHITECTURES`; metadata missing (sizes,
@@ -87,6 +88,10 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty folder: convert_gguf writes a new folder "
                               f"(remove it or choose another)")
+    above = next(p for p in out_dir.absolute().parents if p.exists())   # (the root exists)
+    if not above.is_dir():
+        raise NotADirectoryError(f"out_dir {out_dir} cannot be made: {above} is a file, not a folder (choose an "
+                                 f"out_dir in a folder)")
     require_gguf()
     hf_config = _checked_config(gguf_file)
     write = _converted(gguf_file, hf_config)
