@@ -16,7 +16,7 @@ from tests.models.test_llama import tiny_hf
 from treedec.models import loading
 from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.hf_tensors import hf_targets
 
 
@@ -317,3 +317,53 @@ def test_rope_scaling_refuses_nan(kwargs):
     with pytest.raises(ValueError, match="RopeScaling"):
         RopeScaling("llama3", **kwargs)
     assert math.isfinite(RopeScaling("llama3", 8.0).factor)
+
+
+# ================================================================ what treedec does not run (issue 48's front door)
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+def _awq_tensors(root):
+    """Replace each projection's weight by AWQ's packed parts (qweight, qzeros, scales), as AutoAWQ saves them."""
+    shard = root / "model.safetensors"
+    state = load_file(shard)
+    for name in [n for n in state if "_proj.weight" in n]:
+        rows, cols = state.pop(name).shape
+        base = name[:-len("weight")]
+        state.update({base + "qweight": torch.zeros(cols, rows // 8, dtype=torch.int32),
+                      base + "qzeros": torch.zeros(1, rows // 8, dtype=torch.int32),
+                      base + "scales": torch.ones(1, rows, dtype=torch.float16)})
+    save_file(state, shard)
+
+
+def test_a_quantized_checkpoint_is_refused_as_one(saved, tmp_path, no_allocation):
+    root = copy_of(saved, tmp_path)
+    _awq_tensors(root)
+    config = edit_config(root, quantization_config=AWQ)
+    with pytest.raises(UnsupportedModelError, match=f"{config}: field 'quantization_config' says the weights are "
+                                                    f"quantized with 'awq': a quantized \\(AWQ, GPTQ, .*\\) checkpoint, "
+                                                    f"which treedec does not load \\(yet: fp8 weights are issue #52\\)"):
+        from_pretrained(root, device="cpu")
+    edit_config(root, quantization_config=...)   # the tensors alone say it
+    with pytest.raises(UnsupportedModelError, match=f"{root}: its tensors .*qweight.* says the weights are quantized: "
+                                                    f"a quantized .*checkpoint"):
+        from_pretrained(root, device="cpu")
+
+
+def test_a_quantization_config_over_plain_weights_is_refused(saved, tmp_path, no_allocation):
+    """The weights load, but the config says they are not what they seem: refused, not loaded silently."""
+    root = copy_of(saved, tmp_path)
+    edit_config(root, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(UnsupportedModelError, match="field 'quantization_config' says the weights are quantized "
+                                                    "with 'fp8'"):
+        from_pretrained(root, device="cpu")
+
+
+def test_an_unsupported_family_names_the_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=f"{tmp_path / 'config.json'}: model_type 'gpt2' is not "
+                                                    f"supported; treedec runs the model types llama, mistral"):
+        from_pretrained(tmp_path, device="cpu")

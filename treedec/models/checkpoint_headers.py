@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from treedec.models.config import ModelConfig
-from treedec.errors import CheckpointError
+from treedec.models.config import ModelConfig, quantized_message
+from treedec.errors import CheckpointError, UnsupportedModelError
 
 #: Tensors some checkpoints carry that the decoder recomputes or does not use.
 IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# the parts of quantized weights (AWQ/GPTQ/Marlin, fp8, bitsandbytes) in place of a ``.weight``
+_QUANTIZED = re.compile(r"\.(qweight|qzeros|scales|g_idx|weight_scale(_inv)?|input_scale|weight_packed|"
+                        r"weight_shape|absmax|quant_map|quant_state\.\w+|SCB)$")
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
 # safetensors' dtype names, as torch names them in messages
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -78,13 +81,23 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
                                   f"expected {shape} for the config {config}")
         found += 1
     if unexpected:
-        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
-                              f"e.g. {unexpected[:5]} (a different architecture?)")
+        raise unused_tensors_error(source, unexpected)
     needed = len(_global_shapes(config)) + config.num_layers * len(_layer_shapes(config))
     if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
         missing = itertools.islice((shown(n) for n, _ in hf_tensor_shapes(config) if n not in headers), 5)
         raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
                               f"{list(missing)}")
+
+
+def unused_tensors_error(source: str, unexpected: list[str]) -> CheckpointError | UnsupportedModelError:
+    """The error for a checkpoint's tensors the decoder does not use: :class:`UnsupportedModelError` when they
+    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...),
+    else CheckpointError (another architecture's tensors, or stray ones)."""
+    quantized = [name for name in unexpected if _QUANTIZED.search(name)]
+    if quantized:
+        return UnsupportedModelError(f"{source}: {quantized_message(f'its tensors ({quantized[:3]})', None)}")
+    return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                           f"e.g. {unexpected[:5]} (a different architecture?)")
 
 
 def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:

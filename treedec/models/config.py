@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from treedec.checks import is_int, is_real, positive_float, positive_int
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 
 logger = logging.getLogger("treedec")
 
@@ -118,17 +118,20 @@ class ModelConfig:
     def from_hf(cls, hf_config) -> "ModelConfig":
         """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (4.x or 5.x attributes).
 
-        Raises NotImplementedError for what this decoder does not implement (another
-        architecture, an activation other than SiLU, partial rotary, RoPE types other than
-        default / linear / llama3).
+        Raises :class:`~treedec.errors.UnsupportedModelError` (a NotImplementedError) for what this
+        decoder does not implement (another architecture, naming those it runs; quantized weights; an
+        activation other than SiLU, partial rotary, RoPE types other than default / linear / llama3).
         """
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"model_type {model_type!r} is not supported; treedec's decoder implements "
-                                      f"{SUPPORTED_MODEL_TYPES}")
+            raise UnsupportedModelError(f"model_type {model_type!r} is not supported; treedec runs the model types "
+                                        f"{', '.join(SUPPORTED_MODEL_TYPES)} (README: the model table)")
+        quantization = getattr(hf_config, "quantization_config", None)
+        if quantization is not None:
+            raise UnsupportedModelError(quantized_message("quantization_config", quantization))
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
-            raise NotImplementedError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -165,9 +168,9 @@ def _rope_from_hf(hf_config) -> tuple[float, RopeScaling | None]:
         scaling = getattr(hf_config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise NotImplementedError(f"RoPE type {kind!r} is not supported; treedec implements {ROPE_TYPES}")
+        raise UnsupportedModelError(f"RoPE type {kind!r} is not supported; treedec implements {ROPE_TYPES}")
     if scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) not in (None, 1.0):
-        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     if kind == "default":
         return theta, None
     if kind == "linear":
@@ -175,6 +178,16 @@ def _rope_from_hf(hf_config) -> tuple[float, RopeScaling | None]:
     original = scaling.get("original_max_position_embeddings", hf_config.max_position_embeddings)
     return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
                               float(scaling["high_freq_factor"]), int(original))
+
+
+def quantized_message(what: str, quantization) -> str:
+    """Why a quantized checkpoint is refused; ``what`` names where it says so (a field, its tensors)."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    how = f" with {str(method)[:40]!r}" if method is not None else ""
+    return (f"{what} says the weights are quantized{how}: a quantized (AWQ, GPTQ, bitsandbytes, fp8, ...) "
+            f"checkpoint, which treedec does not load (yet: fp8 weights are issue #52); it loads float32, float16 "
+            f"and bfloat16 weights: use the model's unquantized checkpoint")
 
 
 def config_field(key: str) -> str:
@@ -191,6 +204,7 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
 
     Raises
     ------
+    UnsupportedModelError : a ``quantization_config`` (a quantized checkpoint, or a config that says so).
     CheckpointError : ``{where}: {name(key)} must be {expected}, got {type} {value}``, for a size
         that is not a positive int, a flag that is not a bool, an ``rms_norm_eps`` or ``rope_theta``
         that is not a finite number > 0 (RMSNorm and RoPE would make NaN) or a real number out of
@@ -200,6 +214,9 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
     """
     def fail(key, expected, value):
         raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
+
+    if raw.get("quantization_config") is not None:   # (over plain weights too: the config says they are not)
+        raise UnsupportedModelError(f"{where}: {quantized_message(name('quantization_config'), raw['quantization_config'])}")
 
     for key in _POSITIVE_INT_FIELDS:
         if key in raw and not (is_int(raw[key]) and raw[key] > 0):

@@ -8,7 +8,7 @@ from typing import Iterable
 import torch
 
 from treedec.errors import CheckpointError
-from treedec.models.checkpoint_headers import IGNORED_TENSORS
+from treedec.models.checkpoint_headers import IGNORED_TENSORS, unused_tensors_error
 from treedec.models.config import ModelConfig
 from treedec.models.llama import Llama
 
@@ -99,8 +99,7 @@ def load_hf_tensors(model: Llama, tensors: Iterable[tuple[str, torch.Tensor, str
             dst.copy_(tensor)
             seen[name] = file
     if unexpected:
-        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
-                              f"e.g. {unexpected[:5]} (a different architecture?)")
+        raise unused_tensors_error(source, unexpected)
     missing = sorted(set(targets) - set(seen))
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "

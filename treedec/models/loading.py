@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 
 from treedec.checks import is_int
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.models.checkpoint_headers import check_tensor_headers, safetensors_headers
 from treedec.models.config import ModelConfig, check_hf_fields, warn_hf_defaults
@@ -97,8 +97,10 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
         directory, a truncated or corrupt shard, a tensor of another dtype than
         :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor; a GGUF file
         that does not convert.
-    NotImplementedError
-        An architecture or feature the decoder does not implement.
+    UnsupportedModelError
+        (a ValueError and a NotImplementedError) An architecture or feature the decoder does not implement
+        (the message names the model types it runs), a quantized checkpoint (``quantization_config``, or
+        quantized tensors such as AWQ's ``qweight``), which treedec does not load.
     """
     from transformers import AutoConfig
 
@@ -118,7 +120,9 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
                               f"{' '.join(str(e).split())[:200]})") from None
     try:
         config = ModelConfig.from_hf(hf_config)
-    except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
+    except UnsupportedModelError as e:   # a documented limit, not a malformed file
+        raise UnsupportedModelError(f"{config_file}: {e}") from None
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{config_file}: {e}") from None
     warn_hf_defaults(raw_config, config, str(config_file))
     eos = _checkpoint_eos(root, raw_config, config.vocab_size)
