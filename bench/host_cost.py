@@ -45,7 +45,7 @@ from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UN
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
-from treedec.models.llama import ForwardOutput  # noqa: E402
+from treedec.models.base import ForwardOutput  # noqa: E402
 
 
 def stub_forwards(engine: Engine) -> None:

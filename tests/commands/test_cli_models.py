@@ -100,5 +100,5 @@ def test_a_checkpoint_treedec_does_not_run_is_one_line(kind, tmp_path, cache, ca
                  "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("treedec generate: error: ") and "unexpected" not in err[-1]
-    assert ("treedec runs the model types llama, mistral, qwen2" if kind == "gpt2" else
+    assert ("is not supported; treedec runs Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5: LlamaForCausalLM" if kind == "gpt2" else
             "quantized with 'awq': a quantized (AWQ, GPTQ") in err[-1]

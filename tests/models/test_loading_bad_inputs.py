@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.models.test_llama import tiny_hf
 from treedec.models import loading
-from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
+from treedec.models import Decoder, ModelConfig, RopeScaling, config_from_hf, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes
 from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.hf_tensors import hf_targets
@@ -254,10 +254,10 @@ def test_ignored_tensors_still_load(saved, tmp_path):
                                                  ("qwen2", True, False), ("mistral", False, False)])
 def test_header_shapes_are_the_model_s(kind, tie, mlp_bias):
     """hf_tensor_shapes (arithmetic, no model) gives every tensor hf_targets loads, with the model's shapes."""
-    config = ModelConfig.from_hf(tiny_hf(kind, seed=1, tie_word_embeddings=tie,
+    config = config_from_hf(tiny_hf(kind, seed=1, tie_word_embeddings=tie,
                                          **({"mlp_bias": mlp_bias} if kind == "llama" else {})).config)
     with torch.device("meta"):
-        model = Llama(config)
+        model = Decoder(config)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {hf: tuple(params[p][rows].shape) for hf, (p, rows) in hf_targets(config).items()}
     assert dict(hf_tensor_shapes(config)) == expected
@@ -364,6 +364,7 @@ def test_a_quantization_config_over_plain_weights_is_refused(saved, tmp_path, no
 def test_an_unsupported_family_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=f"{tmp_path / 'config.json'}: model_type 'gpt2' is not "
-                                                    f"supported; treedec runs the model types llama, mistral"):
+    with pytest.raises(UnsupportedModelError, match=f"{tmp_path / 'config.json'}: model_type 'gpt2' \\(architectures "
+                                                    f"\\['GPT2LMHeadModel'\\]\\) is not supported; treedec runs Llama "
+                                                    f".*: LlamaForCausalLM, .*Gemma3ForCausalLM"):
         from_pretrained(tmp_path, device="cpu")

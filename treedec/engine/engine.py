@@ -1,4 +1,5 @@
-"""Engine: a Llama-family model on a paged KV pool and a forest of decoding trees.
+"""Engine: a model (a :class:`~treedec.models.base.DecoderModel` of any family) on a paged KV pool and a forest of
+decoding trees.
 
     engine = Engine(from_pretrained("/models/Llama-3.1-8B"))   # KV pool from free GPU memory
     root = engine.prefill(prompt_ids)                           # a new tree of the forest
@@ -27,7 +28,7 @@ from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPla
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
-from treedec.models.llama import Llama
+from treedec.models.base import DecoderModel
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window)
@@ -46,9 +47,9 @@ class Engine:
 
     Parameters
     ----------
-    model : Llama
+    model : DecoderModel
         From :func:`~treedec.models.from_pretrained`, :func:`~treedec.models.from_hf_model`
-        or :func:`~treedec.models.from_config`; the pool takes its dtype and device.
+        or :func:`~treedec.models.from_config` (or an EAGLE drafter); the pool takes its dtype and device.
     kv_tokens : int, optional
         KV pool capacity in tokens (rounded down to whole pages). Default on CUDA: what fits in
         ``memory_fraction`` of the free GPU memory after the weights, less an activation
@@ -87,7 +88,7 @@ class Engine:
         head, by every layer's attention: each chunk once per work item).
     """
 
-    def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
+    def __init__(self, model: DecoderModel, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
                  cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False):
         c = model.config
@@ -109,7 +110,7 @@ class Engine:
         self.vocab_limit: int | None = None
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._hidden_layers: tuple[int, ...] = ()
-        self._feature_size: int | None = getattr(model, "feature_size", None)   # read every step
+        self._feature_size: int | None = model.feature_size   # read every step
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
@@ -475,7 +476,7 @@ class Engine:
 
 
 class _TreeAttend:
-    """The :class:`~treedec.models.llama.Attend` of one step: store K/V at ``slots``, run tree attention
+    """The :class:`~treedec.models.base.Attend` of one step: store K/V at ``slots``, run tree attention
     (with ``ops``, both as the custom ops of :mod:`treedec.attention.custom_ops`)."""
 
     def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan, ops: bool = False):

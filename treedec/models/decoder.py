@@ -1,137 +1,94 @@
-"""The Llama-family decoder written for tree decoding.
+"""The decoder every family builds (:class:`Decoder`), written for tree decoding.
 
 A step's input is a flat batch of query tokens (the tree's pending tokens), each with its own
 RoPE position (its depth in its token sequence, not its index in the batch). Attention is
 injected: every layer hands its rotated q and its new k/v to an ``attend`` callable, which
-stores k/v in the KV pool and runs tree attention (:class:`treedec.engine.Engine` builds it),
-so the decoder itself holds no cache and knows nothing of the tree.
+stores k/v in the KV pool and runs tree attention with the layer's
+:class:`~treedec.attention.variant.AttentionVariant` (:meth:`Decoder.attention_variants`;
+:class:`treedec.engine.Engine` builds ``attend``), so the decoder holds no cache, knows nothing
+of the tree, and never applies an attention soft-cap or window itself.
 
-Numerics follow transformers' ``LlamaForCausalLM`` (RMSNorm in fp32 then cast, cos/sin in
-fp32 then cast, residuals in the model dtype). The q/k/v projections are fused into one
-GEMM (``qkv_proj``) and so are gate/up (``gate_up_proj``): one weight read and one launch
-each, which matters when a step has few queries and streams all the weights.
+The family's block is its config's (:class:`~treedec.models.config.ModelConfig`; the layers of
+:mod:`~treedec.models.layers`): Llama's, or with per-head q/k norms (Qwen3), or Gemma's (four
+``(1 + w)`` norms a layer, GeLU-tanh, embeddings times ``sqrt(hidden_size)``, a final logit soft-cap,
+its own RoPE on the sliding-window layers). Numerics follow transformers' models (norms in fp32
+then cast, cos/sin in fp32 then cast, residuals in the model dtype).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from treedec.attention.variant import AttentionVariant
 from treedec.checks import is_int
+from treedec.models.base import Attend, ForwardOutput
 from treedec.models.config import ModelConfig
-from treedec.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from treedec.models.layers import DecoderLayer, PointwiseOps, RMSNorm, SoftCappedLinear
+from treedec.models.rope import rope_attention_scale, rope_cos_sin, rope_inv_freq
+from treedec.models.tensor_parallel import RowParallelLinear, TensorParallel, VocabParallelHead, shard_config
+
+__all__ = ["Decoder"]
 
 
-class Attend(Protocol):
-    """``attend(layer, q, k, v) -> out``: store ``k, v`` [n, Hkv, D] and attend ``q`` [n, Hq, D] -> [n, Hq, D]."""
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in fp32, cast back, scale.
-
-    In fp32 (nothing to cast) that is torch's ``rms_norm``, the same ops in one call (a CPU decode step spends
-    most of its time outside the GEMMs in such small ops); in half precision transformers casts before it
-    scales, which ``rms_norm`` does not."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm: returns ``(x + y, rms_norm(x + y))``."""
-    s = x + y
-    return s, rms_norm(s, weight, eps)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for the fused ``[n, 2 * intermediate]`` projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@dataclass(frozen=True)
-class PointwiseOps:
-    """The elementwise pieces of a layer; :meth:`Llama.compile_pointwise` swaps in fused (compiled) ones."""
-
-    rms_norm: Callable = rms_norm
-    add_rms_norm: Callable = add_rms_norm
-    rope: Callable = apply_rope
-    swiglu: Callable = swiglu
-
-
-class RMSNorm(nn.Module):
-    """The weight and eps of an RMSNorm; applied by :class:`PointwiseOps` (fused with residual adds)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-        self.eps = eps
-
-
-class DecoderLayer(nn.Module):
-    """Attention (fused QKV, RoPE, injected tree attention, o_proj) then the SwiGLU MLP."""
-
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        c = config
-        self.index = index
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.qkv_size, bias=c.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, dtype=dtype)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                next_norm: RMSNorm, ops: PointwiseOps) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` the residual stream, ``h`` its input-normed copy, both [n, hidden].
-
-        Returns the new residual and its copy normed by ``next_norm`` (the next layer's input
-        norm, or the final norm), so that each residual add is fused with the norm after it.
-        """
-        n, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(h).view(n, hq + 2 * hkv, self.head_dim)
-        qk = ops.rope(qkv[:, :hq + hkv], cos, sin)
-        out = attend(self.index, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])
-        x, h = ops.add_rms_norm(x, self.o_proj(out.reshape(n, hq * self.head_dim)),
-                                self.post_attention_norm.weight, self.post_attention_norm.eps)
-        mlp = self.down_proj(ops.swiglu(self.gate_up_proj(h)))
-        return ops.add_rms_norm(x, mlp, next_norm.weight, next_norm.eps)
-
-
-class Llama(nn.Module):
-    """Llama / Mistral / Qwen2 decoder over an injected attention.
+class Decoder(nn.Module):
+    """A decoder-only transformer of any family over an injected attention (a
+    :class:`~treedec.models.base.DecoderModel`).
 
     Build it with :func:`treedec.models.from_pretrained`, :func:`~treedec.models.from_hf_model`
     or :func:`~treedec.models.from_config`; run it through :class:`treedec.engine.Engine`.
-    Parameter names: ``embed_tokens``, ``layers[i].{input_norm, qkv_proj, o_proj,
-    post_attention_norm, gate_up_proj, down_proj}``, ``norm``, ``lm_head`` (the embedding
-    when ``tie_word_embeddings``).
+    Parameter names: ``embed_tokens``, ``layers[i].{input_norm, qkv_proj, q_norm, k_norm, o_proj,
+    post_attention_norm, pre_feedforward_norm, post_feedforward_norm, gate_up_proj, down_proj}`` (the
+    norms a family has), ``norm``, ``lm_head`` (the embedding when ``tie_word_embeddings``); the family's
+    weight map names their checkpoint tensors (:mod:`~treedec.models.registry`).
 
-    ``eos_token_ids``: the token ids that end a generation by default (the search programs'
-    ``eos_token_id="model"``); :func:`~treedec.models.from_pretrained` reads them from the
-    checkpoint, other builders leave them empty.
+    Parameters
+    ----------
+    config : the whole model's shape (:attr:`full_config`).
+    dtype : the weights' dtype.
+    tensor_parallel : build this rank's part of the model split over the group (see
+        :mod:`~treedec.models.tensor_parallel`); :attr:`config` is then the shape this rank computes
+        (its heads, KV heads and MLP columns: the engine sizes its attention and KV pool from it). The
+        forward's inputs and outputs are the whole model's, the same on every rank.
+
+    Attributes
+    ----------
+    eos_token_ids : the token ids that end a generation by default (the programs' ``eos_token_id="model"``);
+        :func:`~treedec.models.from_pretrained` reads them from the checkpoint, other builders leave them empty.
+    feature_size : None (a decoder reads tokens only; EAGLE drafters read features).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    feature_size = None
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None,
+                 tensor_parallel: TensorParallel | None = None):
         super().__init__()
-        self.config = config
+        if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
+            raise TypeError(f"tensor_parallel must be a TensorParallel (e.g. init_tensor_parallel()) or None, got "
+                            f"{tensor_parallel!r:.80}")
+        tp = tensor_parallel
+        self.full_config = config
+        self.config = config if tp is None else shard_config(config, tp.size)
+        self.tensor_parallel = tp
         self.eos_token_ids: tuple[int, ...] = ()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        c = self.config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
+        if tp is not None:
+            for layer in self.layers:
+                for name, bias in (("o_proj", config.o_bias), ("down_proj", config.mlp_bias)):
+                    old = getattr(layer, name)
+                    setattr(layer, name, RowParallelLinear(old.in_features, old.out_features, bias, tp, dtype))
+            self.lm_head = VocabParallelHead(c.hidden_size, c.vocab_size, tp, dtype, c.final_logit_softcap)
+        elif c.final_logit_softcap is not None:
+            self.lm_head = SoftCappedLinear(c.hidden_size, c.vocab_size, c.final_logit_softcap, dtype=dtype)
+        else:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self._rope_of_layer = tuple(c.layer_rope(i) for i in range(c.num_layers))
         self.ops = PointwiseOps()
+        self.init_buffers()
         self.tie_weights()
 
     @property
@@ -142,24 +99,50 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def init_buffers(self) -> None:
+        """(Re)compute the buffers derived from the config on the model's device: RoPE's inverse frequencies
+        (``inv_freq``; ``inv_freq_local`` for a family whose sliding layers have their own RoPE) and the
+        embedding scale (``embed_scale``, in the model dtype, as transformers rounds it). After ``to_empty``
+        (a model built on the meta device) they must be made again."""
+        c, device = self.config, self.device
+        self.register_buffer("inv_freq", rope_inv_freq(c, device=device), persistent=False)
+        if c.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", rope_inv_freq(c, device=device, local=True), persistent=False)
+        if c.embed_scale:
+            self.register_buffer("embed_scale", torch.tensor(math.sqrt(c.hidden_size), dtype=self.dtype,
+                                                             device=device), persistent=False)
+        self._rope_scale = rope_attention_scale(c)
+
     def tie_weights(self) -> None:
         """Make ``lm_head`` share the embedding when the config ties them (again after ``to_empty``)."""
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if isinstance(self.lm_head, VocabParallelHead):
+            self.lm_head.tie(self.embed_tokens.weight)
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters, each shared tensor once (what a full forward streams, embedding included)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
+    def attention_variants(self) -> tuple[AttentionVariant, ...]:
+        """Each layer's :class:`~treedec.attention.variant.AttentionVariant`: the softmax scale
+        (``query_pre_attn_scalar ** -0.5``, else the head dim's), the attention-logit soft-cap and the
+        layer's sliding window (:meth:`~treedec.models.config.ModelConfig.layer_window`)."""
+        c = self.config
+        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
+        return tuple(AttentionVariant(sm_scale=scale, logit_softcap=c.attn_logit_softcap, window=c.layer_window(i))
+                     for i in range(c.num_layers))
+
     def compile_pointwise(self, **compile_kwargs) -> None:
-        """Fuse the elementwise ops (norms with their residual adds, RoPE, SwiGLU) with ``torch.compile``.
+        """Fuse the elementwise ops (norms with their residual adds, RoPE, the gated activation) with
+        ``torch.compile``.
 
         Cuts a layer from ~25 kernel launches to ~12 on a GPU. Each op is compiled once with
         a dynamic row count (``dynamic=True`` unless overridden) on its first call.
         """
-        compile_kwargs.setdefault("dynamic", True)
-        self.ops = PointwiseOps(*(torch.compile(f, **compile_kwargs)
-                                  for f in (rms_norm, add_rms_norm, apply_rope, swiglu)))
+        self.ops = PointwiseOps.compiled(**compile_kwargs)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
@@ -174,7 +157,8 @@ class Llama(nn.Module):
         positions : [n] int64
             RoPE position of each (its index in its own token sequence).
         attend : Attend
-            Stores each layer's k/v and attends its q (see :class:`Attend`).
+            Stores each layer's k/v and attends its q with the layer's variant (see
+            :class:`~treedec.models.base.Attend`).
         logits_rows : [r] int64, optional
             Rows whose logits to compute (default all n).
         aux_layers : layer indices
@@ -185,9 +169,10 @@ class Llama(nn.Module):
 
         Returns
         -------
-        :class:`ForwardOutput`: ``logits [r, vocab_size]``, ``hidden [n, hidden_size]`` (every
-        row's state after the final norm: the input of ``lm_head``, what Medusa heads read), and
-        ``aux [n, len(aux_layers), hidden_size]`` (None without ``aux_layers``), in the model dtype.
+        :class:`~treedec.models.base.ForwardOutput`: ``logits [r, vocab_size]`` (a final soft-cap applied),
+        ``hidden [n, hidden_size]`` (every row's state after the final norm: the input of ``lm_head``, what
+        Medusa heads read), and ``aux [n, len(aux_layers), hidden_size]`` (None without ``aux_layers``), in
+        the model dtype.
         """
         return self.forward_graph(tokens, positions, attend, logits_rows, aux_layers, features)
 
@@ -197,15 +182,20 @@ class Llama(nn.Module):
         """:meth:`forward` without its inference mode, for ``torch.compile`` to trace (under
         ``torch.no_grad``: AOTAutograd cannot take views of the caller's tensors made in inference mode)."""
         if features is not None:
-            raise ValueError("a Llama target takes no per-row features (they are for EAGLE drafters)")
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+            raise ValueError("a decoder takes no per-row features (they are for EAGLE drafters)")
+        ropes = [rope_cos_sin(self.inv_freq, positions, self.dtype, self._rope_scale)]
+        if self.config.local_rope_theta is not None:
+            ropes.append(rope_cos_sin(self.inv_freq_local, positions, self.dtype))
         x = self.embed_tokens(tokens)
-        h = self.ops.rms_norm(x, self.layers[0].input_norm.weight, self.layers[0].input_norm.eps)
+        if self.config.embed_scale:
+            x = x * self.embed_scale
+        h = self.layers[0].input_norm.apply(x, self.ops)
         aux = []
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            cos, sin = ropes[self._rope_of_layer[i]]
             x, h = layer(x, h, cos, sin, attend, next_norm, self.ops)
         logits = self.lm_head(h if logits_rows is None else h[logits_rows])
         return ForwardOutput(logits, h, torch.stack([aux[sorted(aux_layers).index(i)] for i in aux_layers], dim=1)
@@ -219,12 +209,3 @@ class Llama(nn.Module):
             raise ValueError(f"hidden-state layers must be distinct layer indices in [0, {len(self.layers)}), "
                              f"got {list(out)}")
         return tuple(int(i) for i in out)
-
-
-class ForwardOutput(NamedTuple):
-    """A step's outputs: ``logits [r, vocab]`` at the asked rows, ``hidden [n, hidden_size]`` at every
-    row (the ``lm_head`` input), ``aux [n, k, hidden_size]`` (inner layers' inputs) or None."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    aux: torch.Tensor | None = None
