@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treedec.attention.variant import AttentionVariant
 from treedec.checks import is_int
 from treedec.models.config import ModelConfig
 from treedec.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -146,6 +147,13 @@ class Llama(nn.Module):
         """Make ``lm_head`` share the embedding when the config ties them (again after ``to_empty``)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_variants(self) -> tuple[AttentionVariant, ...]:
+        """What each layer's attention computes, one :class:`~treedec.attention.AttentionVariant` a layer (the
+        engine groups layers by them): the default softmax scale, and Mistral's sliding window where its config
+        has one (``sliding_window``; Qwen2's applies to some layers only and stays a cap on the positions)."""
+        window = self.config.sliding_window if self.config.model_type == "mistral" else None
+        return (AttentionVariant(window=window),) * self.config.num_layers
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters, each shared tensor once (what a full forward streams, embedding included)."""
