@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload  # noqa: E402
 from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
-from treedec.attention import PLANNERS, reference_tree_attention  # noqa: E402
+from treedec.attention import PLANNERS, AttentionVariant, reference_tree_attention  # noqa: E402
 from treedec.attention import get_backend  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
 from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
@@ -121,8 +120,8 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
                     graph_all=False, head_dim=HEAD_DIM, kv_heads=NUM_KV_HEADS) -> dict:
     layout = workload.layout
     q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim, kv_heads=kv_heads)
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    ref = _reference(q, k, v, layout, sm_scale)
+    variant = AttentionVariant()
+    ref = _reference(q, k, v, layout, variant)
 
     read = tokens_read(layout)
     elt = q.element_size()
@@ -145,7 +144,7 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
         progress.update()
     for name in peers:
         progress.set_postfix_str(f"{workload.name} {name}")
-        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, sm_scale, ref, device)
+        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, variant.scale(head_dim), ref, device)
         progress.update()
     for result in entry["methods"].values():
         if result.get("us"):
@@ -156,15 +155,15 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
     return entry
 
 
-def _reference(q, k, v, layout, sm_scale) -> torch.Tensor:
+def _reference(q, k, v, layout, variant) -> torch.Tensor:
     """fp32 reference output [Q, Hq, D], one tree at a time (a forest's dense [Q, Hq, T] scores would not fit)."""
     parts = split_by_root(layout)
     if len(parts) == 1:
-        return reference_tree_attention(q, k, v, layout, sm_scale)[0]
+        return reference_tree_attention(q, k, v, layout, variant)[0]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for queries, sub in parts:
         index = torch.from_numpy(queries).to(q.device)
-        out[index] = reference_tree_attention(q[index], k, v, sub, sm_scale)[0]
+        out[index] = reference_tree_attention(q[index], k, v, sub, variant)[0]
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 from bench.peers import PEERS, cascade_levels, path_slots
 from bench.report import TABLE_END, TABLE_START, render_table, write_readme_table
 from bench.suite import SUITE, build_workload
-from treedec.attention import dense_tree_mask, reference_tree_attention
+from treedec.attention import AttentionVariant, dense_tree_mask, reference_tree_attention
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_path_and_cascade_slots_give_reference(name):
     v = torch.randn_like(k)
     kf, vf = k.view(-1, 8, 128), v.view(-1, 8, 128)
     scale = 1 / math.sqrt(128)
-    ref, _ = reference_tree_attention(q, k, v, layout, scale)
+    ref, _ = reference_tree_attention(q, k, v, layout, AttentionVariant(sm_scale=scale))
     indptr, slots = path_slots(layout)
     shared, rest_indptr, rest = cascade_levels(layout)
     assert len(shared) > 0
@@ -114,7 +114,7 @@ def test_torch_peers_on_cpu(peer):
     q = torch.randn(w.layout.num_queries, 32, 128, dtype=torch.float16)
     k = torch.randn(w.num_pages, 16, 8, 128, dtype=torch.float16)
     v = torch.randn_like(k)
-    ref, _ = reference_tree_attention(q, k, v, w.layout, 1 / math.sqrt(128))
+    ref, _ = reference_tree_attention(q, k, v, w.layout, AttentionVariant())
     out = PEERS[peer].make(w.layout, q, k, v, 1 / math.sqrt(128))()
     assert out.shape == ref.shape
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3

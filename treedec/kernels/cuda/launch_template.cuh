@@ -10,14 +10,15 @@
 #include "partial_ws_kernel.cuh"
 #include "pdl.cuh"
 #include "tile_sizes.cuh"
+#include "variants.cuh"
 #include "ws_config.cuh"
 
 namespace treedec {
 
-// The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch: the warp-specialized
-// wgmma kernel of that tile on sm_90a (head dims 64/128; tiles of 64 or 96 tokens), else
-// tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens). kTakes: whether
-// such a kernel exists.
+// The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch, of the build's logit
+// variant (BuildLogits): the warp-specialized wgmma kernel of that tile on sm_90a (head dims 64/128; tiles
+// of 64 or 96 tokens), else tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens).
+// kTakes: whether such a kernel exists.
 #if defined(TREEDEC_SM90A)
 constexpr bool kWarpSpecialized = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
 #else
@@ -31,7 +32,7 @@ struct Stage1 {
   static constexpr int kRows = C::kWarps * 16;
   static constexpr int kSmem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   static constexpr auto kernel() {
-    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
+    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, BuildLogits>;
   }
 };
 #if defined(TREEDEC_SM90A)
@@ -42,7 +43,7 @@ struct Stage1<T, D, TILE, true> {
   static constexpr int kThreads = ws::kThreads;
   static constexpr int kRows = ws::kRows;
   static constexpr int kSmem = ws::Smem<D, kBN, ws::Tile<kBN>::kStages>::kBytes;
-  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN>; }
+  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN, BuildLogits>; }
 };
 #endif
 

@@ -16,6 +16,7 @@
 #include "softmax.cuh"
 #include "swizzle.cuh"
 #include "tile_sizes.cuh"
+#include "variants.cuh"
 
 namespace treedec {
 
@@ -31,13 +32,14 @@ namespace treedec {
 //   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
 //      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
 //      mask words beside them; slots of the tile after next are prefetched into registers;
-//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), bit mask in registers
+//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), the variant's logit hook (Logits,
+//      variants.cuh), bit mask in registers
 //      (skipped when the warp's rows read the whole tile; the whole tile skipped when they read
 //      none of it), online softmax in base 2, O += P V (P re-packed from the S accumulators into
 //      A fragments; V through ldmatrix.trans);
 //   5. O / l and the LSE go to the output (the entry is its query's only partial) or to the
 //      fp32 partial workspace.
-template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS>
+template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, class Logits>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
   launch_dependents();
@@ -217,6 +219,7 @@ tree_attn_partial_kernel(const PartialParams p) {
         }
       }
 
+      Logits::apply(s, p);
       const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
       rescale_o<D>(acc, alpha);
 

@@ -19,6 +19,7 @@
 #include "scheduler.cuh"
 #include "softmax.cuh"
 #include "swizzle.cuh"
+#include "variants.cuh"
 #include "wgmma.cuh"
 #include "ws_config.cuh"
 #include "ws_pipeline.cuh"
@@ -54,8 +55,9 @@ namespace ws {
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
 // unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
 //
-// The kernel of BN-token tiles (the host launches the one the schedule's tile size names).
-template <typename T, int D, int BN>
+// The kernel of BN-token tiles (the host launches the one the schedule's tile size names) and logit
+// variant Logits (variants.cuh: its hook runs on S between the QK wait and the softmax).
+template <typename T, int D, int BN, class Logits>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
@@ -336,6 +338,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       turn_pass(c);
       cute::warpgroup_wait<0>();
       fence_s();
+      Logits::apply(s, p);
       online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
       pack_p<T, BN>(s, pa);
       int prev = stage;
@@ -351,6 +354,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         turn_pass(c);
         cute::warpgroup_wait<1>();
         fence_s();
+        Logits::apply(s, p);
         float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
                              : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
         // Keeps the softmax before the PV wait in the PTX.
