@@ -90,10 +90,16 @@ def _hf_gemma(c: ModelConfig) -> dict:
                          f"{(c.qkv_bias, c.o_bias, c.mlp_bias)}")
     types = [("sliding_attention" if c.layer_window(i) is not None else "full_attention") for i in range(c.num_layers)]
     return dict(hf_common(c), hidden_activation="gelu_pytorch_tanh", attention_bias=c.qkv_bias,
-                query_pre_attn_scalar=c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim,
+                query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None
+                                                    else c.head_dim),
                 final_logit_softcapping=c.final_logit_softcap, attn_logit_softcapping=c.attn_logit_softcap,
                 sliding_window=c.sliding_window if c.sliding_window is not None else c.max_position,
                 layer_types=types)
+
+
+def _int_if_whole(value: float) -> int | float:
+    """transformers' Gemma configs type ``query_pre_attn_scalar`` as an int (checkpoints write 256, 144)."""
+    return int(value) if float(value).is_integer() else value
 
 
 GEMMA2 = Family(

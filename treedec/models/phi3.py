@@ -35,7 +35,9 @@ def to_hf_config(config: ModelConfig):
     scaling = hf_rope_scaling(c.rope_scaling)
     original = {} if c.rope_scaling is None or c.rope_scaling.kind != "longrope" else \
         {"original_max_position_embeddings": c.rope_scaling.original_max_position}
-    return Phi3Config(**hf_common(c), rope_scaling=scaling, sliding_window=c.sliding_window, **original)
+    # (no token ids: Phi3Config's defaults, 32000, are Phi-3's own vocabulary's, not every config's)
+    return Phi3Config(**hf_common(c), rope_scaling=scaling, sliding_window=c.sliding_window, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, **original)
 
 
 FAMILY = Family(
