@@ -80,7 +80,7 @@ def test_a_model_that_names_nothing_is_refused_when_parsed(command, model, fragm
     assert main([*argv, "--model", model]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"treedec {command[0]}: error: argument --model: ")
-    assert fragment in err and "known name (smollm2)" in err and "a .gguf file" in err
+    assert fragment in err and "known name (smollm2, gemma3-270m)" in err and "a .gguf file" in err
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "awq"])

@@ -88,37 +88,43 @@ def test_a_replaced_gguf_file_converts_anew(gguf_file, tmp_path, cache):
     assert first != second and (second / "model.safetensors").is_file()
 
 
-# a process resolving a GGUF file into the cache, its conversion slowed (or hung) by a wrapper
+# a process resolving a GGUF file into the cache; "hold": its conversion waits (before writing) until the file
+# argv[3] exists, then 1 s more, or for good with "hang"; "go": it makes that file when about to resolve
 _RESOLVER = """
 import sys, time
 from pathlib import Path
 import treedec.models.catalog as catalog, treedec.models.gguf as gguf
+mode, signal = sys.argv[2], Path(sys.argv[3])
 real = gguf._write_folder
 def slow(out_dir, write):
     def slow_write(folder):
         print(f"writing {folder}", file=sys.stderr, flush=True)
-        time.sleep(float(sys.argv[2]))
+        while mode == "hang" or (mode == "hold" and not signal.exists()):
+            time.sleep(0.05)
+        time.sleep(1)
         write(folder)
     real(out_dir, slow_write)
 gguf._write_folder = slow
+if mode == "go":
+    signal.touch()
 print(catalog.resolve_model(sys.argv[1]).checkpoint, flush=True)
 """
 
 
-def _resolver(gguf_file, seconds, cache):
+def _resolver(gguf_file, mode, cache):
     env = {**os.environ, "TREEDEC_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-c", _RESOLVER, str(gguf_file), str(seconds)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", _RESOLVER, str(gguf_file), mode, str(cache.parent / "go")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
 def test_two_processes_converting_at_once_convert_once(gguf_file, cache):
     """Issue 48 item 11: the second process waits on the first's lock, then reads its conversion."""
-    first = _resolver(gguf_file, 3, cache)
+    first = _resolver(gguf_file, "hold", cache)
     deadline = time.monotonic() + 60
     while not list((cache / "gguf").glob(".*.partial-*")) and time.monotonic() < deadline:
         time.sleep(0.05)   # the first holds the lock and writes
-    second = _resolver(gguf_file, 0, cache)
+    second = _resolver(gguf_file, "go", cache)
     outs = [p.communicate(timeout=120) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
     assert outs[0][0] == outs[1][0] and Path(outs[0][0].strip()).is_dir()
@@ -130,7 +136,7 @@ def test_two_processes_converting_at_once_convert_once(gguf_file, cache):
 @pytest.mark.slow
 def test_a_conversion_killed_while_writing_leaves_nothing_for_long(gguf_file, cache):
     """Issue 48 item 11: the staging folder of a process killed mid-write is removed by the next conversion."""
-    killed = _resolver(gguf_file, 600, cache)
+    killed = _resolver(gguf_file, "hang", cache)
     deadline = time.monotonic() + 60
     while not (staging := list((cache / "gguf").glob(".*.partial-*"))) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -289,7 +295,7 @@ def test_what_names_nothing_lists_the_known_names_and_forms(argument, error, fra
             call(argument)
         message = str(e.value)
         assert fragment in message and "\n" not in message
-        assert "known name (smollm2)" in message and "a .gguf file" in message and "hf download" in message
+        assert "known name (smollm2, gemma3-270m)" in message and "a .gguf file" in message and "hf download" in message
 
 
 def test_a_file_or_folder_that_is_no_checkpoint_is_named(tmp_path):
