@@ -15,6 +15,7 @@ every layer; the step commits the tokens (their K/V are in the pool) when it ret
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, TreeAttention, backend_names
+from treedec.attention.variant import AttentionVariant
 from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
@@ -98,8 +100,8 @@ class Engine:
         self.model = model
         self.device = model.device
         self.prefill_chunk = prefill_chunk
-        self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
-                                  plan_config=plan_config, device=self.device, dtype=model.dtype)
+        self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend, plan_config=plan_config,
+                                  variant=_logit_variant(model), device=self.device, dtype=model.dtype)
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
         # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
         self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
@@ -473,6 +475,16 @@ class Engine:
             with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
                 return compiled(static, inputs)
         return GraphRunner(config, compiled_forward, self.attn, scratch_slot, row_inputs)
+
+
+def _logit_variant(model: DecoderModel) -> AttentionVariant:
+    """The logit fields (scale, soft-cap) the model's layers share, which the engine's one attention runs for every
+    layer (their windows stay a cap on positions: ``check_window``); NotImplementedError for layers that differ."""
+    variants = {dataclasses.replace(v, window=None) for v in model.attention_variants()}
+    if len(variants) != 1:
+        raise NotImplementedError(f"the model's layers attend with {len(variants)} different scales or soft-caps "
+                                  f"({sorted(map(str, variants))[:3]}): one attention group per variant is not built")
+    return variants.pop()
 
 
 class _TreeAttend:
