@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treedec.attention.variant import AttentionVariant
 from treedec.models.config import ModelConfig
 from treedec.models.eagle_config import default_aux_layers, read_eagle_config
 from treedec.models.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
@@ -176,6 +177,10 @@ class EagleDrafter(nn.Module):
     def feature_size(self) -> int:
         """Width of the feature each query reads (:meth:`~treedec.engine.Engine.step`'s ``features``)."""
         return self.config.hidden_size
+
+    def attention_variants(self) -> tuple[AttentionVariant, ...]:
+        """Its one layer's attention (:meth:`Llama.attention_variants`): the default scale, whole paths."""
+        return (AttentionVariant(),)
 
     def weight_bytes(self) -> int:
         """Bytes one drafter step streams: every parameter but the embedding table (a step reads only
