@@ -106,3 +106,43 @@ def test_cuda_computes_every_variant(variant, head_dim, dtype):
         for planner, chunk_size in (("flatten", None), ("node_chunk", 64)):
             error = run_variant("cuda", "cuda", tree, variant, 4, dtype, planner, chunk_size, None, seed)
             assert error < TOLERANCE[dtype], f"{seed=} {planner=}: {error=}"
+
+
+# The held trees of bench/attention.py (BENCH.md's suite) with the issue's variants: a soft-cap, Gemma 3's window of
+# 512 keys and Mistral's of 4096 (the windows scaled with the trees on the CPU).
+SUITE_VARIANTS = [AttentionVariant(logit_softcap=50.0), AttentionVariant(window=512),
+                  AttentionVariant(window=4096, logit_softcap=30.0)]
+
+
+def suite_error(name: str, variant: AttentionVariant, backend: str, device, scale: float, dtype) -> float:
+    """Relative error of ``backend`` against the fp32 reference on suite tree ``name`` at ``scale``, its window
+    scaled alike."""
+    from bench.suite import build_workload
+    from treedec.attention import reference_tree_attention
+    window = None if variant.window is None else max(1, round(variant.window * scale))
+    variant = AttentionVariant(variant.sm_scale, variant.logit_softcap, window)
+    w = build_workload(name, scale=scale)
+    q, k, v = w.random_inputs(device, dtype)
+    attn = TreeAttention(q.shape[1], k.shape[2], q.shape[2], backend=backend, device=device, dtype=dtype,
+                         variant=variant)
+    out = attn.run(q, k, v, attn.plan(w.layout))
+    ref, _ = reference_tree_attention(q, k, v, w.layout, variant)
+    return rel_error(out, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", SUITE_VARIANTS, ids=["softcap50", "window512", "window4096-softcap30"])
+def test_torch_backend_on_the_suite_trees(variant):
+    from bench.suite import SUITE
+    for name in SUITE:
+        assert suite_error(name, variant, "torch", "cpu", 0.05, torch.float32) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels at full scale need a GPU")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("variant", SUITE_VARIANTS, ids=["softcap50", "window512", "window4096-softcap30"])
+def test_kernels_on_the_suite_trees(backend, variant):
+    from bench.suite import SUITE
+    for name in SUITE:
+        assert suite_error(name, variant, backend, "cuda", 1.0, torch.float16) < 2e-3, name

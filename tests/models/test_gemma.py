@@ -46,24 +46,18 @@ def test_gemma3_variants_and_config():
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_gemma_tree_steps_equal_transformers(kind):
-    """Tree steps on the engine: its attention runs the layers' scale (query_pre_attn_scalar 48) and soft-cap;
-    positions stay within the windows (the engine keeps a window as a cap on positions)."""
+    """Tree steps on the engine, each layer's variant run by its attention group: windows of 4 (local layers) and
+    whole paths (global ones) over a 13-token prompt and its branches, query_pre_attn_scalar 48, Gemma 2's
+    soft-cap."""
     if kind == "gemma2":
-        hf = tiny(Gemma2Config, Gemma2ForCausalLM, seed=4, sliding_window=64, query_pre_attn_scalar=48,
+        hf = tiny(Gemma2Config, Gemma2ForCausalLM, seed=4, sliding_window=4, query_pre_attn_scalar=48,
                   attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
     else:
-        hf = tiny(Gemma3TextConfig, Gemma3ForCausalLM, seed=5, sliding_window=64, query_pre_attn_scalar=48,
+        hf = tiny(Gemma3TextConfig, Gemma3ForCausalLM, seed=5, sliding_window=4, query_pre_attn_scalar=48,
                   layer_types=SLIDING, rope_parameters=GEMMA3_ROPE)
-    check_tree_steps(Engine(from_hf_model(hf), kv_tokens=512, page_size=4, backend="torch"), hf)
-
-
-def test_the_engine_refuses_layers_of_different_scales():
-    from treedec.attention.variant import AttentionVariant
-
-    model = from_hf_model(tiny(Gemma2Config, Gemma2ForCausalLM, sliding_window=64))
-    model.attention_variants = lambda: (AttentionVariant(logit_softcap=3.0), AttentionVariant()) * 2
-    with pytest.raises(NotImplementedError, match="2 different scales or soft-caps"):
-        Engine(model, kv_tokens=512, backend="torch")
+    engine = Engine(from_hf_model(hf), kv_tokens=512, page_size=4, backend="torch")
+    assert len({v.window for v in engine.model.attention_variants()}) == 2
+    check_tree_steps(engine, hf)
 
 
 def test_gemma3_checkpoint_round_trip(tmp_path):

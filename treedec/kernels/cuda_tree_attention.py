@@ -3,9 +3,9 @@ persistent, load-balanced grid, launched from tensors and plain parameters.
 
 Stage 1 (``cuda/partial_ws_kernel.cuh``, ``cuda/partial_kernel.cuh``) runs a fixed grid of CTAs,
 each looping over the units a persistent schedule gave it: one work item's chunk x one KV head x up to
-:data:`ROWS_PER_UNIT` rows (queries x heads of the GQA group; 128 for head dims 64/128: two
-consumer warpgroups of the warp-specialized wgmma kernel on sm_90a, 8 warps of mma.sync
-elsewhere). Dead tiles (no row reads them) are neither loaded nor computed; entries that are
+:func:`rows_per_unit` rows (queries x heads of the GQA group; 128 on sm_90a: two consumer
+warpgroups of the warp-specialized wgmma kernel, every head dim; elsewhere 8 warps of mma.sync, 4 for
+head dim 256). Dead tiles (no row reads them) are neither loaded nor computed; entries that are
 their query's only partial write the output directly, the rest write fp32 partial states.
 Stage 2 merges each query's partials in the plan's CSR order (deterministic, no atomics).
 Each KV tile size of :data:`TILE_SIZES` has its own stage-1 kernel, and each logit variant key (the hooks
@@ -24,9 +24,15 @@ from treedec.kernels.cuda_build import load_extension
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# Rows (query x head pairs) of one stage-1 unit per head dim: the kernel's warps x 16
-# (PartialConfig in cuda/tile_sizes.cuh; a GPU test checks the two agree).
-ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
+# Rows (query x head pairs) of one stage-1 unit per head dim on sm_90a (the warp-specialized kernel: ws::kRows) and
+# elsewhere (mma.sync: PartialConfig's warps x 16 in cuda/tile_sizes.cuh); a GPU test checks them against the build.
+ROWS_PER_UNIT = {64: 128, 128: 128, 256: 128}
+ROWS_PER_UNIT_MMA = {64: 128, 128: 128, 256: 64}
+
+
+def rows_per_unit(capability: tuple[int, int], head_dim: int) -> int:
+    """Rows of one stage-1 unit of head dim ``head_dim`` on a GPU of ``capability`` (the kernel the build runs)."""
+    return (ROWS_PER_UNIT if tuple(capability) == (9, 0) else ROWS_PER_UNIT_MMA)[head_dim]
 TILE_TOKENS = 64          # the KV tile every stage-1 kernel takes
 TILE_SIZES = (64, 96)     # KV tiles some stage-1 kernel takes (multiples of 32: whole mask words)
 

@@ -140,15 +140,17 @@ class AttentionTimer:
 
 @contextlib.contextmanager
 def timed_attention(engine: Engine, time_run: bool) -> Iterator[AttentionTimer]:
-    """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block; the engine's own
-    attention is put back when the block ends, also when it raises."""
-    attn = engine.attn
+    """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block (and so every layer that runs
+    it, ``engine.attention.layer_attn``); the engine's own attention is put back when the block ends, also when it
+    raises."""
+    attn, layers = engine.attn, engine.attention
     timer = AttentionTimer(attn, time_run=time_run)
     engine.attn = timer
+    engine.attention = dataclasses.replace(layers, layer_attn=tuple(timer if a is attn else a for a in layers.layer_attn))
     try:
         yield timer
     finally:
-        engine.attn = attn
+        engine.attn, engine.attention = attn, layers
 
 
 def replay(model: DecoderModel, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:

@@ -79,10 +79,13 @@ class Positions:
 
 def position_limit(model: DecoderModel) -> int:
     """The most positions a sequence may have on ``model``: its ``max_position`` (the checkpoint's
-    ``max_position_embeddings``), or its sliding window when smaller (treedec's tree attention attends
-    to whole paths: past the window the model would attend differently)."""
+    ``max_position_embeddings``), or its config's sliding window when smaller and the model's layers do not attend
+    it as a window (``model.attention_variants()``; e.g. Qwen2's window of some layers: past it the model would
+    attend differently). A window its variants implement (Mistral's) bounds nothing."""
     config = model.config
-    return config.max_position if config.sliding_window is None else min(config.max_position, config.sliding_window)
+    if config.sliding_window is None or any(v.window is not None for v in model.attention_variants()):
+        return config.max_position
+    return min(config.max_position, config.sliding_window)
 
 
 def check_positions(model: DecoderModel, need: Positions, name: str, before_run: bool = False) -> None:

@@ -27,7 +27,7 @@ from treedec.checks import positive_int
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import cuda_tree_attention as kernels
 from treedec.kernels.cuda_build import build_problem
-from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
+from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS, rows_per_unit
 
 logger = logging.getLogger("treedec")
 
@@ -53,9 +53,10 @@ KERNEL_ARRAYS = ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask", "ent
                  "query_entries")
 
 
-def default_query_tile(head_dim: int, group: int) -> int:
-    """Entries per work item that fill one unit's rows: the planner's query tile for this backend."""
-    return planner_query_tile(group, ROWS_PER_UNIT[head_dim])
+def default_query_tile(head_dim: int, group: int, rows: int | None = None) -> int:
+    """Entries per work item that fill one unit's ``rows`` (default: sm_90a's, :data:`ROWS_PER_UNIT`): the planner's
+    query tile for this backend."""
+    return planner_query_tile(group, ROWS_PER_UNIT[head_dim] if rows is None else rows)
 
 
 def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, group: int,
@@ -63,11 +64,12 @@ def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, gr
     """``config`` with what the cuda kernels run best with filled in where it is None: the query tile
     (:func:`default_query_tile`), the persistent grid's CTAs (``persistent_grid_size``; fp16 and
     bf16 kernels have one shape, so one grid size) and, where the warp-specialized sm_90a kernel runs
-    (head dims 64 and 128), :data:`LIGHT_TILE_COST`."""
+    head dims 64 or 128 (where it was measured; head dim 256 keeps even chunks), :data:`LIGHT_TILE_COST`."""
     index = _device_index(device)
     fill = {}
     if config.query_tile is None:
-        fill["query_tile"] = default_query_tile(head_dim, group)
+        fill["query_tile"] = default_query_tile(head_dim, group,
+                                                rows_per_unit(torch.cuda.get_device_capability(index), head_dim))
     if config.persistent_ctas is None:
         fill["persistent_ctas"] = kernels.persistent_grid_size(index, torch.float16, head_dim, kernel_key)
     if config.light_tile_cost is None and torch.cuda.get_device_capability(index) == (9, 0) and head_dim <= 128:
@@ -150,6 +152,7 @@ class CudaBackend(Backend):
         self.logit_args = variant.logit_args(head_dim)
         self.group = num_qo_heads // num_kv_heads
         self.ext = kernels.extension(device, variant.kernel_key())
+        self.rows = rows_per_unit(torch.cuda.get_device_capability(device), head_dim)
         self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim, variant.kernel_key())
         self.static_tile_tokens: int | None = None  # fixed tile of static plans (None: the rule, first plan)
 
@@ -179,6 +182,7 @@ class CudaBackend(Backend):
         backend.dtype, backend.variant, backend.device = dtype, AttentionVariant(), torch.device(device)
         backend.logit_args = backend.variant.logit_args(head_dim)
         backend.group, backend.ext, backend.num_ctas = num_qo_heads // num_kv_heads, None, num_ctas
+        backend.rows = ROWS_PER_UNIT[head_dim]   # sm_90a's units
         backend.static_tile_tokens = tile_tokens
         return backend
 
@@ -205,7 +209,7 @@ class CudaBackend(Backend):
         self._check_kernels()
         host, device = plan.plan, plan.kv_slots.device
         tile = choose_tile_tokens(host, self.dtype, self.head_dim, self.ext)
-        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, self.rows,
                                   tile)
         logger.debug("cuda schedule: %d units on %d CTAs, %d-token KV tiles (longest chunk %d tokens)",
                      schedule.num_units, self.num_ctas, tile, host.max_chunk_len)
@@ -229,7 +233,7 @@ class CudaBackend(Backend):
 
     def static_sections(self, bounds: PlanBounds) -> dict[str, int]:
         e = bounds.entries
-        max_units = self.num_kv_heads * (e + -(-e * self.group // ROWS_PER_UNIT[self.head_dim]))
+        max_units = self.num_kv_heads * (e + -(-e * self.group // self.rows))
         max_tiles = bounds.items * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists, per item
         return {"cta_unit_start": self.num_ctas + 1,
                 "unit_info": SCHEDULE_HEADER + len(UNIT_FIELDS) * max_units + max_tiles}
@@ -246,7 +250,7 @@ class CudaBackend(Backend):
             max_query_entries=bounds.chunks, tile_tokens=tile, schedule=None, dtype=self.dtype)
 
     def static_values(self, plan: TreePlan, prepared: CudaPrepared) -> dict[str, np.ndarray]:
-        schedule = schedule_units(plan, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+        schedule = schedule_units(plan, self.group, self.num_kv_heads, self.num_ctas, self.rows,
                                   prepared.tile_tokens)
         units = schedule.device_array()
         if units.size > prepared.unit_info.numel():

@@ -1,5 +1,5 @@
-// The single-role stage-1 kernel: every warp gathers and computes with mma.sync (sm_80+; on sm_90a
-// the kernel of head dim 256, which the warp-specialized kernel does not take).
+// The single-role stage-1 kernel: every warp gathers and computes with mma.sync (sm_80, sm_86, sm_89; the
+// sm_90a build runs the warp-specialized kernel of partial_ws_kernel.cuh for every head dim).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -21,9 +21,9 @@
 namespace treedec {
 
 // Stage 1 of DeFT-Flatten (partial attention per work unit, on a persistent grid), every warp
-// loading and computing with mma.sync m16n8k16. Built for sm_90a (-DTREEDEC_SM90A), head dims
-// 64/128 run the warp-specialized wgmma kernel of partial_ws_kernel.cuh instead (Stage1 in
-// launch_template.cuh picks).
+// loading and computing with mma.sync m16n8k16. Built for sm_90a (-DTREEDEC_SM90A), every head dim
+// runs the warp-specialized wgmma kernel of partial_ws_kernel.cuh instead (Stage1 in launch_template.cuh
+// picks).
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
