@@ -86,6 +86,13 @@ def test_grouped_layers_equal_each_path_run_alone():
         assert (alone(model, GROUPED, seq) - alone(model, other, seq)).abs().max() > 1e-2
 
 
+def test_a_model_must_give_one_variant_a_layer():
+    model = grouped_model()
+    model.attention_variants = lambda: GROUPED[:2]
+    with pytest.raises(TypeError, match="one AttentionVariant for each of its 3 layers, got 2"):
+        Engine(model, kv_tokens=64, page_size=4, backend="torch")
+
+
 def test_one_plan_per_group_per_step(monkeypatch):
     engine = Engine(grouped_model(), kv_tokens=256, page_size=4, backend="torch")
     plans = []
