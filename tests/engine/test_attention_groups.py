@@ -86,6 +86,28 @@ def test_grouped_layers_equal_each_path_run_alone():
         assert (alone(model, GROUPED, seq) - alone(model, other, seq)).abs().max() > 1e-2
 
 
+def test_a_model_must_give_one_variant_a_layer():
+    model = grouped_model()
+    model.attention_variants = lambda: GROUPED[:2]
+    with pytest.raises(TypeError, match="one AttentionVariant for each of its 3 layers, got 2"):
+        Engine(model, kv_tokens=64, page_size=4, backend="torch")
+
+
+def test_a_static_plan_refuses_a_plan_of_another_window():
+    from treedec.attention import PlanBounds, StaticPlan, make_plan
+    from treedec.attention.backends.cuda_backend import CudaBackend
+    from treedec.errors import PlanError
+    from treedec.tree import TreeLayout
+    layout = TreeLayout.from_parents([-1, 0, 0], [40, 3, 4], [(1, 2), (2, 3)])
+    windowed, plain = make_plan(layout, variant=AttentionVariant(window=8)), make_plan(layout)
+    static = StaticPlan(PlanBounds.for_plan(plain), CudaBackend.without_kernels(4, 2, 64, torch.float16, 8, 64),
+                        torch.device("cpu"))
+    static.write(windowed)
+    with pytest.raises(PlanError, match="the plan's window None differs from this static plan's 8"):
+        static.write(plain)
+    assert static.current is windowed
+
+
 def test_one_plan_per_group_per_step(monkeypatch):
     engine = Engine(grouped_model(), kv_tokens=256, page_size=4, backend="torch")
     plans = []

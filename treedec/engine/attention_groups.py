@@ -46,14 +46,15 @@ class LayerAttention:
     group_layers: tuple[int, ...]
 
     @classmethod
-    def build(cls, variants: tuple[AttentionVariant, ...], num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              backend: str, plan_config: PlanConfig, device: torch.device, dtype: torch.dtype) -> "LayerAttention":
-        """One TreeAttention per distinct variant of ``variants`` (one a layer; the rest as :class:`TreeAttention`
-        takes them), grouped by their mask fields."""
+    def build(cls, variants: tuple[AttentionVariant, ...], num_layers: int, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int, backend: str, plan_config: PlanConfig, device: torch.device, dtype: torch.dtype
+              ) -> "LayerAttention":
+        """One TreeAttention per distinct variant of ``variants`` (one for each of ``num_layers`` layers; the rest as
+        :class:`TreeAttention` takes them), grouped by their mask fields."""
         variants = tuple(variants)
-        if not variants or not all(isinstance(v, AttentionVariant) for v in variants):
-            raise TypeError(f"the model's attention_variants() must be one AttentionVariant a layer, got "
-                            f"{[type(v).__name__ for v in variants][:4]}")
+        if len(variants) != num_layers or not all(isinstance(v, AttentionVariant) for v in variants):
+            raise TypeError(f"the model's attention_variants() must be one AttentionVariant for each of its "
+                            f"{num_layers} layers, got {len(variants)}: {[type(v).__name__ for v in variants][:4]}")
         attns: dict[AttentionVariant, TreeAttention] = {}
         groups: dict[tuple, int] = {}
         planners, layer_group = [], []

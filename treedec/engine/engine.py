@@ -106,8 +106,8 @@ class Engine:
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         variants = model.attention_variants()
-        self.attention = LayerAttention.build(variants, c.num_heads, c.num_kv_heads, c.head_dim, backend, plan_config,
-                                              self.device, model.dtype)
+        self.attention = LayerAttention.build(variants, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, backend,
+                                              plan_config, self.device, model.dtype)
         self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
         # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
