@@ -70,7 +70,10 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
         the tensors missing or not used (the first five).
     """
     unexpected, found = [], 0
-    global_shapes, layer = weight_shapes(config)
+    try:
+        global_shapes, layer = weight_shapes(config)
+    except CheckpointError as e:   # sizes no tensor can have
+        raise CheckpointError(f"{source}: {e}") from None
     for name, header in headers.items():
         shape = _tensor_shape(global_shapes, layer, config.num_layers, name)
         if shape is None:

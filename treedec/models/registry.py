@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from treedec.errors import UnsupportedModelError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models import gemma, llama, phi3, qwen3
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
@@ -102,8 +102,13 @@ def weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict
     has the same shapes): the tensors the weight map puts in each parameter's rows."""
     one = dataclasses.replace(config, num_layers=1, layer_types=None if config.layer_types is None else
                               config.layer_types[:1])
-    with torch.device("meta"):
-        model = build(one)
+    try:
+        with torch.device("meta"):
+            model = build(one)
+    except RuntimeError as e:   # a size past what any tensor can hold (torch: "Storage size calculation overflowed")
+        raise CheckpointError(f"the config's sizes make tensors too large to exist (hidden_size {config.hidden_size}, "
+                              f"intermediate_size {config.intermediate_size}, vocab_size {config.vocab_size}, heads "
+                              f"{config.num_heads} x head_dim {config.head_dim}: {str(e)[:80]})") from None
     params = dict(model.named_parameters(remove_duplicate=False))
     weights = weight_map(one)
     shape = {w.hf: tuple(params[w.param][w.row_slice()].shape) for w in weights}
