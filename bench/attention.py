@@ -8,9 +8,19 @@ For each workload: random fp16 q [Q, 32, 128] (``--head-dim``: 64, 128 or 256) a
 < 2e-3) before it is timed, a wrong one is marked FAIL and not timed. Results go to
 ``<out>/<date>-<gpu>.json`` and, for the suite, a table into bench/README.md.
 
+Attention variants (issue #50): ``--window W`` (a sliding window of W keys, scaled with ``--smoke``'s token
+counts) and ``--softcap C`` (a logit soft-cap) make every method compute that variant (treedec's
+``AttentionVariant``; FlashInfer's ``window_left`` / ``logits_soft_cap``, a window in the dense masks,
+flex_attention's ``score_mod``; a peer that cannot says so). With a window each workload also times the
+*yardstick*: treedec's plain kernel over the same windowed KV (``bench.suite.windowed_kv_layout``), the
+windowed kernel's target being at most 1.05x of it (``yardstick_ratio``, best treedec / yardstick).
+
     python bench/attention.py                                  # on a GPU: the whole suite
     python bench/attention.py --families unshared,long         # on a GPU: those families, their peers
     python bench/attention.py --smoke --backends torch         # CPU, tiny scale (CI)
+    python bench/attention.py --head-dim 256 --kv-heads 16 --window 512 --tag gemma3-w512   # Gemma 3's shape
+    python bench/attention.py --workloads spec_medusa64_p32k --families long --window 4096 --tag mistral-w4096
+    python bench/attention.py --softcap 50 --tag softcap50     # the suite soft-capped (against a plain run)
     python bench/attention.py --render bench/results/X.json [Y.json]  # rewrite the README table only
 
 See bench/README.md for the columns.
@@ -20,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -36,10 +45,10 @@ from bench.families import FAMILIES, FAMILY_PEERS, WORKLOADS, family_of, tokens_
 from bench.peers import PEERS, PeerUnavailable, split_by_root  # noqa: E402
 from bench.report import print_summary, write_readme_table  # noqa: E402
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload  # noqa: E402
+from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, Workload, windowed_kv_layout  # noqa: E402
 from bench.timing import copy_bandwidth, graphed_us, time_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
-from treedec.attention import PLANNERS, reference_tree_attention  # noqa: E402
+from treedec.attention import PLANNERS, AttentionVariant, reference_tree_attention  # noqa: E402
 from treedec.attention import get_backend  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
 from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
@@ -77,11 +86,14 @@ def main(argv=None) -> int:
     peers = {name: _peers_of(name, args.peers) for name in args.workloads}
 
     bandwidth = copy_bandwidth(device)
+    scale = SMOKE_SCALE if args.smoke else 1.0
+    window = None if args.window is None else max(1, round(args.window * scale))   # smoke: with the token counts
+    variant = AttentionVariant(logit_softcap=args.softcap, window=window)
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
         "page_size": args.page_size, "head_dim": args.head_dim, "kv_heads": args.kv_heads, "smoke": args.smoke,
-        "scale": SMOKE_SCALE if args.smoke else 1.0,
+        "scale": scale, "variant": {"window": variant.window, "logit_softcap": variant.logit_softcap},
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
         "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
         "workloads": {},
@@ -97,7 +109,7 @@ def main(argv=None) -> int:
         results["workloads"][name] = _bench_workload(workload, configs, peers[name], device, dtype, bandwidth,
                                                      graph=device.type == "cuda" and not args.no_graph, graph_all=args.graph_all,
                                                      progress=progress, head_dim=args.head_dim,
-                                                     kv_heads=args.kv_heads)
+                                                     kv_heads=args.kv_heads, variant=variant)
         results["workloads"][name]["family"] = family_of(name)
         path.write_text(json.dumps(results, indent=1) + "\n")  # after every workload: a cut-off run keeps its part
     progress.close()
@@ -105,7 +117,7 @@ def main(argv=None) -> int:
     # The README's table is the suite's shape at full scale: other runs write it only when asked.
     suite_only = all(name in SUITE for name in args.workloads)
     readme = args.readme or (None if args.smoke or args.head_dim != HEAD_DIM or args.kv_heads != NUM_KV_HEADS
-                             or not suite_only
+                             or not suite_only or variant != AttentionVariant()
                              else REPO / "bench" / "README.md")
     if readme:
         write_readme_table(results, Path(readme))
@@ -118,11 +130,11 @@ def main(argv=None) -> int:
 
 
 def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth, graph, progress,
-                    graph_all=False, head_dim=HEAD_DIM, kv_heads=NUM_KV_HEADS) -> dict:
+                    graph_all=False, head_dim=HEAD_DIM, kv_heads=NUM_KV_HEADS,
+                    variant: AttentionVariant = AttentionVariant()) -> dict:
     layout = workload.layout
     q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim, kv_heads=kv_heads)
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    ref = _reference(q, k, v, layout, sm_scale)
+    ref = _reference(q, k, v, layout, variant)
 
     read = tokens_read(layout)
     elt = q.element_size()
@@ -141,11 +153,11 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
         progress.set_postfix_str(f"{workload.name} treedec {backend}/{planner}")
         method = f"treedec_{backend}_{planner}" + (f"_c{chunk_size}" if chunk_size else "")
         entry["methods"][method], makers[method] = _bench_treedec(layout, backend, planner, chunk_size,
-                                                                  q, k, v, ref, device)
+                                                                  q, k, v, ref, device, variant)
         progress.update()
     for name in peers:
         progress.set_postfix_str(f"{workload.name} {name}")
-        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, sm_scale, ref, device)
+        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, variant, ref, device)
         progress.update()
     for result in entry["methods"].values():
         if result.get("us"):
@@ -153,18 +165,43 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
             result["x_floor"] = result["us"] / entry["floor_us"]
     if graph:
         _add_graphed(entry, makers, layout, k, v, graph_all)
+    if variant.window is not None:
+        entry["yardstick"] = _yardstick(entry, layout, variant, q, k, v, device, graph)
     return entry
 
 
-def _reference(q, k, v, layout, sm_scale) -> torch.Tensor:
+def _yardstick(entry, layout, variant, q, k, v, device, graph) -> dict:
+    """The windowed kernel's yardstick: treedec's fastest config, plain (no window; the same soft-cap), over the same
+    windowed KV (:func:`bench.suite.windowed_kv_layout`), checked against its own reference; with the best windowed
+    treedec method's time over it (``yardstick_ratio``, target <= 1.05)."""
+    methods = entry["methods"]
+    best = min((m for m in methods if m.startswith("treedec_") and methods[m]["status"] == "ok"),
+               key=lambda m: methods[m]["us"], default=None)
+    if best is None:
+        return {"status": "n/a", "reason": "no treedec method ran"}
+    backend, planner = methods[best]["backend"], methods[best]["planner"]
+    plain = AttentionVariant(sm_scale=variant.sm_scale, logit_softcap=variant.logit_softcap)
+    windowed = windowed_kv_layout(layout, variant.window)
+    result, maker = _bench_treedec(windowed, backend, planner, methods[best]["chunk_size"], q, k, v,
+                                   _reference(q, k, v, windowed, plain), device, plain)
+    result.update(method=best, kv_tokens=windowed.num_tokens)
+    if result["status"] == "ok":
+        result["yardstick_ratio"] = methods[best]["us"] / result["us"]
+        if graph and maker is not None and "graphed_us" in methods[best]:
+            result["graphed_us"] = graphed_us([maker(k, v)], GRAPH_CALLS)
+            result["graphed_yardstick_ratio"] = methods[best]["graphed_us"] / result["graphed_us"]
+    return result
+
+
+def _reference(q, k, v, layout, variant) -> torch.Tensor:
     """fp32 reference output [Q, Hq, D], one tree at a time (a forest's dense [Q, Hq, T] scores would not fit)."""
     parts = split_by_root(layout)
     if len(parts) == 1:
-        return reference_tree_attention(q, k, v, layout, sm_scale)[0]
+        return reference_tree_attention(q, k, v, layout, variant)[0]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for queries, sub in parts:
         index = torch.from_numpy(queries).to(q.device)
-        out[index] = reference_tree_attention(q[index], k, v, sub, sm_scale)[0]
+        out[index] = reference_tree_attention(q[index], k, v, sub, variant)[0]
     return out
 
 
@@ -176,17 +213,19 @@ def _peers_of(workload: str, chosen: list[str] | None) -> list[str]:
     return list(PEERS) if family == "suite" else list(FAMILY_PEERS[family])
 
 
-def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
+def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device,
+                   variant: AttentionVariant = AttentionVariant()):
     """Returns (result dict, maker(k, v) -> run or None); the head dim is q's, the KV heads k's."""
     config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
     try:
-        attn = TreeAttention(NUM_QO_HEADS, k.shape[2], q.shape[-1], backend=backend,
+        attn = TreeAttention(NUM_QO_HEADS, k.shape[2], q.shape[-1], backend=backend, variant=variant,
                              plan_config=config, device=device, dtype=q.dtype)
     except BackendUnavailableError as e:
         return {"status": "unavailable", "reason": str(e)}, None
     plan_us = time_us(lambda: attn.plan(layout), torch.device("cpu"))
     plan = attn.plan(layout)
-    result = {"plan": plan.plan.summary(), "plan_us": plan_us, "kernel_backend": plan.backend}
+    result = {"plan": plan.plan.summary(), "plan_us": plan_us, "kernel_backend": plan.backend, "backend": backend,
+              "planner": planner, "chunk_size": chunk_size}
 
     def maker(k_i, v_i):
         return lambda: attn.run(q, k_i, v_i, plan)
@@ -197,7 +236,7 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device):
     return result, maker if result["status"] == "ok" else None
 
 
-def _bench_peer(name, layout, q, k, v, sm_scale, ref, device):
+def _bench_peer(name, layout, q, k, v, variant, ref, device):
     """Returns (result dict, maker(k, v) -> run or None)."""
     peer = PEERS[name]
     reason = peer.unavailable(device)
@@ -205,7 +244,7 @@ def _bench_peer(name, layout, q, k, v, sm_scale, ref, device):
         return {"status": "unavailable", "reason": reason}, None
 
     def maker(k_i, v_i):
-        return peer.make(layout, q, k_i, v_i, sm_scale)
+        return peer.make(layout, q, k_i, v_i, variant)
     try:
         run = maker(k, v)
     except PeerUnavailable as e:
@@ -280,6 +319,10 @@ def _parse_args(argv):
     parser.add_argument("--kv-heads", type=int, choices=KV_HEAD_CHOICES, default=NUM_KV_HEADS,
                         help=f"KV heads beside the {NUM_QO_HEADS} query heads (default {NUM_KV_HEADS}, Llama-3's "
                              f"GQA group of 4; 32: no GQA, one query row per KV head; the README table as --head-dim)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="a sliding window of this many keys (AttentionVariant.window; scaled with --smoke); "
+                             "adds each workload's yardstick: the plain kernel over the same windowed KV")
+    parser.add_argument("--softcap", type=float, default=None, help="a logit soft-cap (AttentionVariant.logit_softcap)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--readme", default=None,
                         help="markdown file whose table to rewrite (default: bench/README.md; none with --smoke)")

@@ -45,7 +45,7 @@ from treedec.attention.backends.cuda_backend import LIGHT_TILE_COST, ROWS_PER_UN
 from treedec.attention.persistent_schedule import schedule_units  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
-from treedec.models.llama import ForwardOutput  # noqa: E402
+from treedec.models.base import ForwardOutput  # noqa: E402
 
 
 def stub_forwards(engine: Engine) -> None:
@@ -82,9 +82,10 @@ def make_engine(model, prompt_len: int, config: str, ctas: int) -> Engine:
             light_tile_cost=LIGHT_TILE_COST)
         write = engine.graph_runner.load
 
-        def load(plan, *args):   # add the cuda backend's per-step host schedule
-            schedule_units(plan, group, c.num_kv_heads, ctas, ROWS_PER_UNIT[c.head_dim], 64)
-            return write(plan, *args)
+        def load(plans, *args):   # add the cuda backend's per-step host schedule (one a layer group)
+            for plan in plans:
+                schedule_units(plan, group, c.num_kv_heads, ctas, ROWS_PER_UNIT[c.head_dim], 64)
+            return write(plans, *args)
 
         engine.graph_runner.load = load
     return engine

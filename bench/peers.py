@@ -1,10 +1,12 @@
 """Peer implementations of one tree-attention step, for bench/attention.py.
 
-Each peer is ``make(layout, q, k_cache, v_cache, sm_scale) -> run`` where ``run()`` returns
-``out [Q, Hq, D]`` (any layout of strides). ``make`` does all setup outside the timed call:
-gathering, mask building, planning, compiling. A peer that cannot run here says why:
+Each peer is ``make(layout, q, k_cache, v_cache, variant) -> run`` where ``run()`` returns
+``out [Q, Hq, D]`` (any layout of strides) of the layer ``variant`` (an ``AttentionVariant``: its scale,
+soft-cap and sliding window, which a peer computes its own way: FlashInfer's ``logits_soft_cap`` and
+``window_left``, a window in a dense mask, flex_attention's ``score_mod``). ``make`` does all setup outside
+the timed call: gathering, mask building, planning, compiling. A peer that cannot run here says why:
 :attr:`Peer.unavailable` returns the reason, or ``make`` raises :class:`PeerUnavailable`
-(e.g. "fails to compile: ..."); the runner records that reason, it never skips silently.
+(e.g. "fails to compile: ...", "n/a: no soft-cap"); the runner records that reason, it never skips silently.
 
 Shapes: ``q [Q, Hq, D]``, ``k_cache``/``v_cache [num_pages, page_size, Hkv, D]`` (contiguous),
 the layout's slots index the flattened ``[num_pages * page_size]`` token dimension.
@@ -23,7 +25,8 @@ import numpy as np
 import torch
 
 from treedec import TreeLayout
-from treedec.attention import dense_tree_mask
+from treedec.attention import AttentionVariant, dense_tree_mask
+from treedec.attention.reference import token_positions
 
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -57,16 +60,20 @@ class Peer:
 # ===================================================================== PyTorch peers
 
 
-def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
-    """``scaled_dot_product_attention`` over the tree's KV gathered to ``[T]`` with the dense [Q, T] mask.
+def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+    """``scaled_dot_product_attention`` over the tree's KV gathered to ``[T]`` with the dense [Q, T] mask (a window
+    in it; no soft-cap: SDPA has no logit hook).
 
     K/V heads are repeated to the query heads at setup (SDPA's masked kernels take no GQA;
     HF transformers does the same ``repeat_kv`` when it passes a mask).
     """
+    if variant.logit_softcap is not None:
+        raise PeerUnavailable("n/a: SDPA has no logit soft-cap")
+    sm_scale = variant.scale(q.shape[-1])
     group = q.shape[1] // k_cache.shape[2]
     k = _gather(layout, k_cache).repeat_interleave(group, dim=1).contiguous()   # [1, Hq, T, D]
     v = _gather(layout, v_cache).repeat_interleave(group, dim=1).contiguous()
-    mask = _dense_mask(layout, q.device)[None, None]                              # [1, 1, Q, T]
+    mask = _dense_mask(layout, q.device, variant)[None, None]                     # [1, 1, Q, T]
     qh = q.transpose(0, 1).unsqueeze(0).contiguous()                             # [1, Hq, Q, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -75,11 +82,15 @@ def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scale: floa
     return run
 
 
-def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
-    """``torch.compile(flex_attention)`` with a block mask made from the dense tree mask (GQA native)."""
+def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+    """``torch.compile(flex_attention)`` with a block mask made from the dense tree mask (GQA native; a window in
+    the mask, a soft-cap as its ``score_mod``)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    dense = _dense_mask(layout, q.device)                                         # [Q, T]
+    sm_scale = variant.scale(q.shape[-1])
+    dense = _dense_mask(layout, q.device, variant)                                # [Q, T]
+    cap = variant.logit_softcap
+    score_mod = None if cap is None else (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return dense[q_idx, kv_idx]
@@ -92,7 +103,8 @@ def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float
     compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
     def run():
-        return compiled(qh, k, v, block_mask=block_mask, scale=sm_scale, enable_gqa=True)[0].transpose(0, 1)
+        return compiled(qh, k, v, score_mod=score_mod, block_mask=block_mask, scale=sm_scale,
+                        enable_gqa=True)[0].transpose(0, 1)
     try:
         run()
     except Exception as e:  # report, as BENCH.md does, rather than time an eager fallback
@@ -103,12 +115,14 @@ def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float
 # ===================================================================== FlashInfer peers
 
 
-def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
+def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
     """One prefill request per tree of the layout (one for a single tree): its queries over its
-    flattened tokens, boolean ``custom_mask`` (each request's [Q_r * T_r], concatenated)."""
+    flattened tokens, boolean ``custom_mask`` (each request's [Q_r * T_r], concatenated; a sliding window is in
+    the mask: FlashInfer's ``window_left`` counts positions from a request's KV end, not along the tree's paths),
+    its ``logits_soft_cap``."""
     flashinfer = _import_flashinfer()
     dev = q.device
-    qo_indptr, kv_indptr, masks = request_masks(layout)
+    qo_indptr, kv_indptr, masks = request_masks(layout, variant)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(dev), "NHD")
     wrapper.plan(
         _i32(qo_indptr, dev),                        # qo_indptr
@@ -118,7 +132,8 @@ def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scal
         q.shape[1], k_cache.shape[2], q.shape[2], 1,  # num_qo_heads, num_kv_heads, head_dim_qk, page_size
         custom_mask=torch.from_numpy(masks).to(dev),
         causal=False,
-        sm_scale=sm_scale,
+        sm_scale=variant.scale(q.shape[-1]),
+        logits_soft_cap=variant.logit_softcap or 0.0,
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
@@ -126,8 +141,9 @@ def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, sm_scal
     return lambda: wrapper.run(q, kv)
 
 
-def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
-    """One decode request per query whose KV is its own root-to-query path (Radix / Q-guided style)."""
+def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+    """One decode request per query whose KV is its own root-to-query path (Radix / Q-guided style), FlashInfer's
+    windowed decode (``window_left``: a path's last tokens are its query's window) and ``logits_soft_cap``."""
     flashinfer = _import_flashinfer()
     dev = q.device
     indptr, indices = path_slots(layout)
@@ -137,7 +153,7 @@ def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, sm_
         _i32(indices, dev),                          # indices: one-token pages = slots
         _i32(np.ones(layout.num_queries), dev),      # last_page_len
         q.shape[1], k_cache.shape[2], q.shape[2], 1,  # num_qo_heads, num_kv_heads, head_dim, page_size
-        sm_scale=sm_scale,
+        **_decode_variant(variant, q.shape[2]),
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
@@ -145,9 +161,10 @@ def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, sm_
     return lambda: wrapper.run(q, kv)
 
 
-def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
+def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
     """``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) as a serving engine runs unshared decoding:
-    one request per query over its sequence's own pages, at the pool's page size.
+    one request per query over its sequence's own pages, at the pool's page size (FlashInfer's windowed batch
+    decode with the variant's window, ``window_left``; its ``logits_soft_cap``).
 
     Unavailable where a query's path is not whole pages (tree nodes that start mid-page):
     ``flashinfer_per_path_decode`` runs those with one-token pages.
@@ -161,20 +178,22 @@ def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, sm_sca
         _i32(pages, dev),                            # indices: the pool's pages
         _i32(last_page_len, dev),                    # last_page_len
         q.shape[1], k_cache.shape[2], q.shape[2], page_size,  # num_qo_heads, num_kv_heads, head_dim, page_size
-        sm_scale=sm_scale,
+        **_decode_variant(variant, q.shape[2]),
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
     return lambda: wrapper.run(q, (k_cache, v_cache))
 
 
-def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, sm_scale: float) -> RunFn:
+def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
     """Two-level ``MultiLevelCascadeAttentionWrapper``: the shared prefix, then each query's own rest.
 
     Level 0 is one request with all queries over the nodes every query reads that hold no
     query; level 1 is one request per query over the rest of its path. Unavailable when
-    no such shared prefix exists.
+    no such shared prefix exists, or with a window (a level's window would count its own positions).
     """
+    if variant.window is not None:
+        raise PeerUnavailable("n/a: a sliding window across the cascade's levels")
     flashinfer = _import_flashinfer()
     dev, num_q = q.device, layout.num_queries
     shared_slots, rest_indptr, rest_slots = cascade_levels(layout)
@@ -188,7 +207,8 @@ def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, sm_scale: f
         [_i32([1], dev), _i32(np.ones(num_q), dev)],                                # last_page_len per level
         q.shape[1], k_cache.shape[2], q.shape[2], 1,  # num_qo_heads, num_kv_heads, head_dim, page_size
         causal=False,
-        sm_scale=sm_scale,
+        sm_scale=variant.scale(q.shape[-1]),
+        logits_soft_cap=variant.logit_softcap or 0.0,
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
@@ -266,9 +286,11 @@ def path_pages(layout: TreeLayout, page_size: int) -> tuple[np.ndarray, np.ndarr
             np.asarray(last, dtype=np.int64))
 
 
-def request_masks(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def request_masks(layout: TreeLayout, variant: AttentionVariant = AttentionVariant()
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The layout's trees as prefill requests with custom masks: ``qo_indptr [R + 1]``, ``kv_indptr [R + 1]``
-    (into the flattened tokens) and the requests' [Q_r, T_r] masks flattened and concatenated.
+    (into the flattened tokens) and the requests' [Q_r, T_r] masks (and-ed with the variant's window) flattened and
+    concatenated.
 
     Raises PeerUnavailable when the queries are not grouped by tree in tree order (the requests
     would need q permuted).
@@ -278,7 +300,7 @@ def request_masks(layout: TreeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarra
         raise PeerUnavailable("n/a: the queries are not grouped by tree")
     qo_indptr = np.cumsum([0] + [sub.num_queries for _, sub in parts])
     kv_indptr = np.cumsum([0] + [sub.num_tokens for _, sub in parts])
-    masks = np.concatenate([dense_tree_mask(sub).reshape(-1) for _, sub in parts])
+    masks = np.concatenate([variant_mask(sub, variant).reshape(-1) for _, sub in parts])
     return qo_indptr.astype(np.int64), kv_indptr.astype(np.int64), masks
 
 
@@ -327,8 +349,22 @@ def _gather(layout: TreeLayout, cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(-1, hkv, d)[slots].transpose(0, 1).unsqueeze(0).contiguous()
 
 
-def _dense_mask(layout: TreeLayout, device) -> torch.Tensor:
-    return torch.from_numpy(dense_tree_mask(layout)).to(device)
+def variant_mask(layout: TreeLayout, variant: AttentionVariant) -> np.ndarray:
+    """[Q, T] bool: the tree mask and-ed with the variant's (its window, by root-path positions)."""
+    mask = dense_tree_mask(layout)
+    if variant.window is not None:
+        mask &= variant.visible(layout.query_position, token_positions(layout))
+    return mask
+
+
+def _decode_variant(variant: AttentionVariant, head_dim: int) -> dict:
+    """FlashInfer decode ``plan`` arguments of ``variant``: a path's last ``window`` tokens are its window."""
+    return dict(sm_scale=variant.scale(head_dim), logits_soft_cap=variant.logit_softcap or 0.0,
+                window_left=-1 if variant.window is None else variant.window - 1)
+
+
+def _dense_mask(layout: TreeLayout, device, variant: AttentionVariant = AttentionVariant()) -> torch.Tensor:
+    return torch.from_numpy(variant_mask(layout, variant)).to(device)
 
 
 def _i32(values, device) -> torch.Tensor:

@@ -13,7 +13,10 @@ side of ``StaticPlan.write`` (padding and the schedule; the device copies exclud
 prepare: the cuda backend's schedule included) and the write of a plan into a static plan (what a
 graphed step pays), and writes ``bench/results/<date>-plan-cost-<device>.json``.
 
-    python bench/plan_cost.py [--repeats 300] [--planner flatten] [--device cuda]
+    python bench/plan_cost.py [--repeats 300] [--planner flatten] [--device cuda] [--window 512]
+
+``--window W``: every plan clips the reads to a sliding window of W keys (``AttentionVariant(window=W)``): what the
+plan of a windowed layer group costs (a Gemma 3 step makes one such plan and one plain one).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from treedec.attention import PLANNERS, PlanBounds, PlanConfig, StaticPlan, make_plan, planner_impl, schedule_units
+from treedec.attention import (PLANNERS, AttentionVariant, PlanBounds, PlanConfig, StaticPlan, make_plan, planner_impl,
+                               schedule_units)
 from treedec.attention.backends.cuda_backend import (LIGHT_TILE_COST, LONG_CHUNK_TILE_TOKENS, LONG_CHUNK_TOKENS,
                                                      CudaBackend, default_query_tile)
 from treedec.attention.planner_choice import PLANNER_ENV
@@ -108,7 +112,7 @@ def planner_implementation(name: str):
             os.environ[PLANNER_ENV] = before
 
 
-def measure_cuda_host(tree: SequenceTree, repeats: int) -> dict:
+def measure_cuda_host(tree: SequenceTree, repeats: int, variant: AttentionVariant) -> dict:
     """The cuda backend's host work of a graphed step, per planner implementation (None where it cannot run,
     with why): ``make_plan`` (CUDA_CONFIG), ``schedule_units``, the host side of ``StaticPlan.write`` into the
     plan's bucket (the schedule included) and plan + write (``total``), medians in us."""
@@ -121,36 +125,37 @@ def measure_cuda_host(tree: SequenceTree, repeats: int) -> dict:
             except BackendUnavailableError as err:
                 out[impl] = {"unavailable": str(err)}
                 continue
-            plan = make_plan(layout, CUDA_CONFIG, group)
+            plan = make_plan(layout, CUDA_CONFIG, group, variant)
             tile = LONG_CHUNK_TILE_TOKENS if plan.max_chunk_len >= LONG_CHUNK_TOKENS else TILE_TOKENS  # sm_90a's rule
             backend = CudaBackend.without_kernels(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, CTAS, tile)
             static = StaticPlan(PlanBounds.for_plan(plan), backend, torch.device("cpu"))
             static.write(plan)
             out[impl] = {
-                "make_plan": time_us(lambda: make_plan(layout, CUDA_CONFIG, group), repeats),
+                "make_plan": time_us(lambda: make_plan(layout, CUDA_CONFIG, group, variant), repeats),
                 "schedule": time_us(lambda: schedule_units(plan, group, KV_HEADS, CTAS, ROWS_PER_UNIT[HEAD_DIM], tile),
                                     repeats),
                 "static_write": time_us(lambda: static._stage(plan, None), repeats),
-                "total": time_us(lambda: static._stage(make_plan(layout, CUDA_CONFIG, group), None), repeats)}
+                "total": time_us(lambda: static._stage(make_plan(layout, CUDA_CONFIG, group, variant), None), repeats)}
     return out
 
 
-def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, device: str) -> dict:
+def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, device: str,
+            variant: AttentionVariant = AttentionVariant()) -> dict:
     layout = tree.layout()
-    plan = make_plan(layout, config)
+    plan = make_plan(layout, config, variant=variant)
     row = {"case": name, "nodes": tree.num_nodes, **plan.summary()}
     # The snapshot as a step computes it after a tree operation (tree.layout() is cached until then).
     row["layout"] = time_us(tree._make_layout, repeats)
-    row["make_plan"] = time_us(lambda: make_plan(layout, config), repeats)
+    row["make_plan"] = time_us(lambda: make_plan(layout, config, variant=variant), repeats)
     row["to_device_cpu"] = time_us(lambda: plan.to("cpu"), repeats)
-    row["total"] = time_us(lambda: make_plan(tree._make_layout(), config).to("cpu"), repeats)
-    row["cuda_host"] = measure_cuda_host(tree, repeats)
+    row["total"] = time_us(lambda: make_plan(tree._make_layout(), config, variant=variant).to("cpu"), repeats)
+    row["cuda_host"] = measure_cuda_host(tree, repeats, variant)
     if device == "cuda":
-        row.update(measure_on_gpu(tree, repeats))
+        row.update(measure_on_gpu(tree, repeats, variant))
     return row
 
 
-def measure_on_gpu(tree: SequenceTree, repeats: int) -> dict:
+def measure_on_gpu(tree: SequenceTree, repeats: int, variant: AttentionVariant) -> dict:
     """TreeAttention.plan per kernel backend (Llama-3-8B heads, bf16), eagerly and into a static plan."""
     from treedec import TreeAttention
     from treedec.attention import PlanBounds
@@ -161,11 +166,11 @@ def measure_on_gpu(tree: SequenceTree, repeats: int) -> dict:
         if get_backend(backend).why_unavailable(torch.device("cuda")) is not None:
             out[f"plan_{backend}"] = out[f"plan_into_static_{backend}"] = None
             continue
-        attn = TreeAttention(32, 8, 128, backend=backend, device="cuda", dtype=torch.bfloat16)
+        attn = TreeAttention(32, 8, 128, backend=backend, device="cuda", dtype=torch.bfloat16, variant=variant)
         # From the layout snapshot: a step's host work is the layout column plus these.
         layout = tree.layout()
         out[f"plan_{backend}"] = time_us(lambda: attn.plan(layout), repeats)
-        static = attn.static_plan(PlanBounds.for_plan(make_plan(tree.layout(), attn.plan_config, 4)))
+        static = attn.static_plan(PlanBounds.for_plan(make_plan(tree.layout(), attn.plan_config, 4, variant)))
         out[f"plan_into_static_{backend}"] = time_us(lambda: attn.plan(layout, into=static), repeats)
         torch.cuda.synchronize()
     return out
@@ -179,12 +184,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: also time TreeAttention.plan per kernel backend, eager and into a static plan")
+    parser.add_argument("--window", type=int, default=None, help="plan for a sliding window of this many keys")
     args = parser.parse_args()
     config = PlanConfig(args.planner, args.chunk_size, 16)
+    variant = AttentionVariant(window=args.window)
     rows = [
-        measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats, args.device),
-        measure("forest_8x_medusa64", forest_8x_medusa64(), config, args.repeats, args.device),
-        measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats, args.device),
+        measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats, args.device, variant),
+        measure("forest_8x_medusa64", forest_8x_medusa64(), config, args.repeats, args.device, variant),
+        measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats, args.device,
+                variant),
     ]
     impl = planner_impl()
     print(f"planner: {impl.name} ({impl.reason})")
@@ -207,12 +215,12 @@ def main() -> None:
                                                           ("total", 9))) + f"{BUDGETS_US[r['case']]:>8.0f}")
     result = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "numpy": np.__version__, "planner": args.planner, "chunk_size": args.chunk_size,
-              "planner_impl": {"name": impl.name, "reason": impl.reason}, "rows": rows}
+              "planner_impl": {"name": impl.name, "reason": impl.reason}, "window": args.window, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     result["device"] = args.device
     if args.device == "cuda":
         result["gpu"], result["torch"] = torch.cuda.get_device_name(), torch.__version__
-    path = args.out / f"{result['date']}-plan-cost-{args.device}.json"
+    path = args.out / f"{result['date']}-plan-cost-{args.device}{'' if args.window is None else f'-w{args.window}'}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
 

@@ -10,7 +10,6 @@ the fp32 reference once, then runs ``--iters`` calls. Under ncu, profile one lat
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -46,9 +45,8 @@ def main(argv=None) -> int:
         attn = TreeAttention(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, backend=args.backend, plan_config=config,
                              device=device)
         plan = attn.plan(layout)
-        sm_scale = 1.0 / math.sqrt(HEAD_DIM)
         out = attn.run(q, k, v, plan)
-        ref, _ = reference_tree_attention(q, k, v, layout, sm_scale)
+        ref, _ = reference_tree_attention(q, k, v, layout, attn.variant)
         rel = float((out.float() - ref).norm() / ref.norm())
         print(f"{name}: {plan.plan.summary()}; rel err {rel:.2e}")
         schedule = plan_schedule(plan)

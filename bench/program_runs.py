@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treedec.engine import CudaGraphConfig, Engine
-from treedec.models import Llama
+from treedec.models import DecoderModel
 from treedec.models.eagle_drafter import EagleDrafter
 from treedec.models.medusa import MedusaHeads
 from treedec.search.generate import greedy_generate
@@ -38,7 +38,7 @@ EAGLE3_DRAFT_VOCAB = 32000
 class Workload:
     """What every run of one process shares: the model, the tree, the heads, the draft tokens."""
 
-    model: Llama
+    model: DecoderModel
     medusa: MedusaTree
     heads: MedusaHeads
     draft_tokens: list[int]
@@ -132,7 +132,7 @@ PROGRAM_FUNCTIONS = {"greedy": _greedy, "tree_verify": _tree_verify, "medusa_hea
 # ===================================================================== inputs and engines
 
 
-def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64, samples: int = 16, seed: int = 0,
+def random_workload(model: DecoderModel, rng: np.random.Generator, tree_size: int = 64, samples: int = 16, seed: int = 0,
                     pipeline: bool | None = None) -> Workload:
     """The programs' inputs for ``model``: the Medusa tree of ``tree_size`` tokens, random heads (one per
     tree level, seeded by ``seed``), random draft tokens from ``rng``."""
@@ -141,7 +141,7 @@ def random_workload(model: Llama, rng: np.random.Generator, tree_size: int = 64,
                     rng.integers(0, model.config.vocab_size, medusa.size - 1).tolist(), samples, seed, pipeline)
 
 
-def random_drafter(model: Llama, kind: str, seed: int) -> EagleDrafter:
+def random_drafter(model: DecoderModel, kind: str, seed: int) -> EagleDrafter:
     """A random EAGLE-1 (``kind="eagle"``) or EAGLE-3 (``"eagle3"``: a draft vocabulary of
     ``EAGLE3_DRAFT_VOCAB`` tokens, as the EAGLE-3 Llama-3.1 release, or the whole vocabulary if smaller)
     drafter for ``model``, seeded by ``seed``."""
@@ -149,7 +149,7 @@ def random_drafter(model: Llama, kind: str, seed: int) -> EagleDrafter:
     return EagleDrafter.random(model, kind, seed=seed, draft_vocab_size=vocab)
 
 
-def random_heads(model: Llama, num_heads: int, seed: int) -> MedusaHeads:
+def random_heads(model: DecoderModel, num_heads: int, seed: int) -> MedusaHeads:
     """Medusa heads with PyTorch's default random init (one ResBlock each), in the model's dtype and device."""
     c = model.config
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if model.device.type == "cuda" else []):

@@ -59,6 +59,8 @@ and the others still run.
     python bench/programs.py                      # GPU: llama3-8b bf16, prompts 4000,32000, eager/graphs/compiled
     python bench/programs.py --hf --prompts 4000 --programs greedy,tree_verify
     python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
+    python bench/programs.py --model gemma3-12b --programs greedy --prompts 1000   # GPU: a Gemma 3 shape
+    python bench/programs.py --smoke --model gemma3-270m --programs greedy --methods eager   # ... on the CPU
 
 ``--tensor-parallel N`` splits the model over the N ranks of ``torchrun --nproc-per-node N
 bench/programs.py ...`` (:mod:`treedec.models.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
@@ -116,8 +118,8 @@ SMOKE_GRAPH_PROGRAMS = ["greedy"]
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    if args.smoke:
-        args.model, args.dtype = "tiny", "fp32"
+    if args.smoke:   # (a --model given is kept: e.g. --model gemma3-270m, a Gemma 3 shape on the CPU)
+        args.model, args.dtype = args.model or "tiny", "fp32"
         if args.programs == PROGRAMS:   # EAGLE-3 reads three distinct target layers; tiny has two
             args.programs = [p for p in PROGRAMS if EAGLE_PROGRAMS.get(p) != "eagle3"]
         args.prompts = args.prompts or [200]
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():   # where there is a GPU the kernels are compiled for it instead
             # The kernels read it when they are first imported (lazily, by the first triton engine).
             os.environ.setdefault("TRITON_INTERPRET", "1")
+    args.model = args.model or "llama3-8b"
     args.prompts = args.prompts or [4000, 32000]
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     methods = args.methods or (["eager", "graphs", "graphs_compiled"] if device.type == "cuda" else ["eager"])
@@ -321,7 +324,8 @@ def _parse_args(argv):
         return s.split(",")
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3-8b", help="a named size of treedec.models.MODEL_SIZES")
+    parser.add_argument("--model", default=None, help="a named size of treedec.models.MODEL_SIZES, any family's "
+                        "(default llama3-8b; tiny with --smoke; e.g. gemma3-4b, gemma3-12b, qwen3-8b, phi3-mini-4k)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
     parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from treedec import PagedKVPool, SequenceTree, TreeLayout
+from treedec.attention import AttentionVariant
+from treedec.attention.read_intervals import read_intervals
 from treedec.workloads import DEFT_DIR, medusa_tree, tot_snapshot
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
@@ -134,6 +136,19 @@ def build_workload(name: str, page_size: int = 16, scale: float = 1.0) -> Worklo
     if not 0.0 < scale <= 1.0:
         raise ValueError(f"scale must be in (0, 1], got {scale!r}")
     return SUITE[name](page_size=page_size, scale=scale)
+
+
+def windowed_kv_layout(layout: TreeLayout, window: int) -> TreeLayout:
+    """``layout`` with only the KV a ``window``-token sliding window reads: each node's tokens before every
+    reader's window dropped, nodes no window reads emptied (what the windowed planner flattens; the same slots).
+    Its plain (unwindowed) plan reads the same KV: the yardstick of the windowed kernel (BENCH.md's "never more than
+    1.05x the plain kernel over the same windowed KV")."""
+    reads = read_intervals(layout, AttentionVariant(window=window))
+    lens = layout.node_len
+    dropped = np.where(reads.node_len > 0, lens - reads.node_len, 0)
+    kv_start = np.concatenate([[0], np.cumsum(reads.node_len)]).astype(np.int64)
+    return TreeLayout(layout.node_ids, layout.parent, kv_start, reads.kv_slots, layout.query_node,
+                      layout.query_offset - dropped[layout.query_node])
 
 
 # ===================================================================== building blocks (bench/families.py's too)

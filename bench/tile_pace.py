@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -55,11 +54,11 @@ def main(argv=None) -> int:
     if args.flags:
         os.environ["TREEDEC_CUDA_FLAGS"] = (os.environ.get("TREEDEC_CUDA_FLAGS", "") + " " + args.flags).strip()
         os.environ.setdefault("TREEDEC_CACHE_DIR", str(Path.home() / ".cache" / ("treedec-" + (args.tag or "flags"))))
-    from treedec.attention import PlanConfig, make_plan, reference_tree_attention
+    from treedec.attention import AttentionVariant, PlanConfig, make_plan, reference_tree_attention
     from treedec.attention.backends.cuda_backend import CudaBackend, run_plan_cuda
 
     device = torch.device("cuda")
-    sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+    variant = AttentionVariant()
     rows = []
     for ctas in CTAS:
         chunks = ctas // NUM_KV_HEADS
@@ -73,17 +72,17 @@ def main(argv=None) -> int:
                 if plan.num_chunks != chunks:
                     raise AssertionError(f"{plan.num_chunks=} != {chunks=}")
                 device_plan = plan.to(device)
-                prepared = CudaBackend(q.shape[1], k.shape[2], q.shape[2], q.dtype, sm_scale, device).prepare(device_plan)
-                out, _ = run_plan_cuda(q, k, v, device_plan, sm_scale, prepared=prepared)
-                ref, _ = reference_tree_attention(q, k, v, workload.layout, sm_scale)
+                prepared = CudaBackend(q.shape[1], k.shape[2], q.shape[2], q.dtype, variant, device).prepare(device_plan)
+                out, _ = run_plan_cuda(q, k, v, device_plan, variant, prepared=prepared)
+                ref, _ = reference_tree_attention(q, k, v, workload.layout, variant)
                 rel = float((out.float() - ref).norm() / ref.norm())
                 if not rel < 2e-3:
                     raise AssertionError(f"{queries} queries, {tokens} tokens: relative error {rel:.3g}")
                 copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(GRAPH_KV_COPIES)]
-                row[f"eager_us_{tokens}"] = time_us(lambda: run_plan_cuda(q, k, v, device_plan, sm_scale, False, prepared),
+                row[f"eager_us_{tokens}"] = time_us(lambda: run_plan_cuda(q, k, v, device_plan, variant, False, prepared),
                                                   device)
                 row[f"graphed_us_{tokens}"] = graphed_us(
-                    [lambda k_i=k_i, v_i=v_i: run_plan_cuda(q, k_i, v_i, device_plan, sm_scale, False, prepared)
+                    [lambda k_i=k_i, v_i=v_i: run_plan_cuda(q, k_i, v_i, device_plan, variant, False, prepared)
                      for k_i, v_i in copies], GRAPH_CALLS)
             for mode in ("eager", "graphed"):
                 row[f"{mode}_us_per_tile"] = per_tile_us(row[f"{mode}_us_{TOKENS[0]}"], row[f"{mode}_us_{TOKENS[1]}"],

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ if str(REPO) not in sys.path:
 from bench.suite import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, SUITE, build_workload  # noqa: E402
 from bench.timing import graphed_us  # noqa: E402
 from treedec import PlanConfig, TreeAttention  # noqa: E402
-from treedec.attention import reference_tree_attention  # noqa: E402
+from treedec.attention import AttentionVariant, reference_tree_attention  # noqa: E402
 from treedec.attention.backends.triton_backend import TritonBackend, run_plan_triton  # noqa: E402
 from treedec.kernels.triton_tree_attention import LaunchConfig  # noqa: E402
 
@@ -55,7 +54,7 @@ def main() -> int:
         (int(fields[0]), LaunchConfig(*(int(f) for f in fields[1:])))
         for fields in (c.split(":") for c in args.candidates.split(","))]
     names = args.workloads.split(",")
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    variant = AttentionVariant()
     results = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "workloads": {}}
     progress = tqdm(total=len(names) * len(sizes) * len(candidates), desc="configs", file=sys.stderr)
@@ -64,7 +63,7 @@ def main() -> int:
         layout = workload.layout
         q, *first = workload.random_inputs("cuda")
         copies = [tuple(first)] + [workload.random_kv("cuda") for _ in range(7)]
-        ref, _ = reference_tree_attention(q, *copies[0], layout, scale)
+        ref, _ = reference_tree_attention(q, *copies[0], layout, variant)
         rows = []
         for size in sizes:
             for query_tile, launch in candidates:
@@ -76,12 +75,12 @@ def main() -> int:
                        "num_warps": launch.num_warps, "num_stages": launch.num_stages, "maxnreg": launch.maxnreg,
                        "work_items": plan.plan.num_items, "entries": plan.plan.num_entries}
                 try:
-                    prepared = TritonBackend(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, q.dtype, scale,
+                    prepared = TritonBackend(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, q.dtype, variant,
                                              launch=launch).prepare(plan)
-                    out, _ = run_plan_triton(q, *copies[0], plan, scale, prepared=prepared)
+                    out, _ = run_plan_triton(q, *copies[0], plan, variant, prepared=prepared)
                     row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
                     if row["rel_err"] < 2e-3:
-                        runs = [lambda k=k, v=v: run_plan_triton(q, k, v, plan, scale, validate=False, prepared=prepared)
+                        runs = [lambda k=k, v=v: run_plan_triton(q, k, v, plan, variant, validate=False, prepared=prepared)
                                 for k, v in copies]
                         row["graphed_us"] = graphed_us(runs)
                 except Exception as e:  # a config that does not compile or launch on this GPU

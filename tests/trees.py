@@ -6,7 +6,7 @@ import torch
 
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
-from treedec.attention import reference_tree_attention
+from treedec.attention import AttentionVariant, reference_tree_attention
 from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree
 
@@ -58,10 +58,9 @@ def poison_free_slots(tree: SequenceTree) -> None:
         flat[used] = keep
 
 
-def check_against_references(out, lse, plan, q, k_cache, v_cache, tol):
-    sm_scale = q.shape[-1] ** -0.5
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, sm_scale)
-    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, sm_scale)
+def check_against_references(out, lse, plan, q, k_cache, v_cache, tol, variant=AttentionVariant()):
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, variant)
+    via_plan, _ = run_plan_torch(q, k_cache, v_cache, plan, variant)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
     assert torch.isfinite(out.float()).all()
@@ -81,15 +80,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.norm((out.float() - ref.float()).flatten()) / torch.linalg.norm(ref.float().flatten()))
 
 
-def run_on_random_q(runner, tree: SequenceTree, plan, group: int, dtype, device, seed: int = 0, **kwargs):
-    """``runner`` (run_plan_triton / run_plan_cuda) on seeded random q for ``plan`` over ``tree``'s layer 0.
+def run_on_random_q(runner, tree: SequenceTree, plan, group: int, dtype, device, seed: int = 0,
+                    variant=AttentionVariant(), **kwargs):
+    """``runner`` (run_plan_triton / run_plan_cuda) on seeded random q for ``plan`` over ``tree``'s layer 0, with
+    ``variant``.
 
     Returns ``(out, lse, plan, q, k_cache, v_cache)``, what :func:`check_against_references` takes.
     """
     k_cache, v_cache = (c.to(device) for c in tree.pool.layer(0))
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     q = torch.randn(plan.num_queries, hkv * group, d, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
-    out, lse = runner(q, k_cache, v_cache, plan.to(device), d ** -0.5, **kwargs)
+    out, lse = runner(q, k_cache, v_cache, plan.to(device), variant, **kwargs)
     return out, lse, plan, q, k_cache, v_cache
 
 

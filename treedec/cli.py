@@ -119,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     out, lse = attn.run(q, k_cache, v_cache, plan, return_lse=True)
     _synchronize(attn.device)
     run_ms = (time.perf_counter() - t0) * 1e3
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.variant)
     max_err = float((out.float() - ref).abs().max())
     return {
         "backend": attn.backend, "backend_reason": attn.backend_reason,

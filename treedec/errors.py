@@ -45,3 +45,10 @@ class CheckpointError(ValueError):
 class ModelUnavailableError(RuntimeError):
     """A known model (:data:`~treedec.models.catalog.KNOWN_MODELS`) cannot be fetched here: no network, no pip, a
     package index that refuses. The message says why and what to run."""
+
+
+class UnsupportedModelError(ValueError, NotImplementedError):
+    """A checkpoint treedec's models do not run: an architecture outside the supported families, a feature of one
+    not implemented (an activation, a RoPE type), quantized weights. A documented limit (the README's model table
+    and limits), not a malformed file: the message names the field or tensors and what treedec runs instead. A
+    ValueError (bad input: the CLI says it in one line) and a NotImplementedError (a path not built)."""

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from treedec.checks import describe, nonnegative_int, positive_int
 from treedec.engine import Engine
-from treedec.models import Llama, from_pretrained
+from treedec.models import DecoderModel, from_pretrained
 from treedec.models.text import load_tokenizer
 from treedec.search import (BeamSearchResult, PrefixCache, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
                             generate_batch, run_programs)
@@ -100,7 +100,7 @@ class LLM:
     Parameters
     ----------
     model : a name :func:`~treedec.models.from_pretrained` resolves (``"smollm2"``, a ``.gguf`` file, a checkpoint
-        folder, a hub repo id in the local cache), or a loaded :class:`~treedec.models.Llama`.
+        folder, a hub repo id in the local cache), or a loaded model (a :class:`~treedec.models.DecoderModel`: any family's).
     tokenizer : the tokenizer (anything :func:`~treedec.models.text.load_tokenizer` loads, or a loaded one);
         default the model's own when ``model`` is a name; None with a loaded model: token-id prompts only.
     device : default ``"cuda"`` when a GPU is there, else ``"cpu"`` (a model given by name only).
@@ -118,7 +118,7 @@ class LLM:
         Off by default (``treedec serve`` keeps a cache over the engine either way: this one if it is on).
     """
 
-    def __init__(self, model: str | Llama = "smollm2", tokenizer=None, *, device: str | None = None,
+    def __init__(self, model: str | DecoderModel = "smollm2", tokenizer=None, *, device: str | None = None,
                  dtype: torch.dtype | None = None, kv_tokens: int | None = None, page_size: int = 16,
                  backend: str = "auto", speculative: SpeculativeConfig | Mapping | None = None,
                  cuda_graphs: bool | None = None, seed: int = 0, enable_prefix_caching: bool = False):
@@ -130,7 +130,7 @@ class LLM:
         nonnegative_int("seed", seed)
         if kv_tokens is not None:
             positive_int("kv_tokens", kv_tokens)
-        if isinstance(model, Llama):
+        if isinstance(model, DecoderModel):
             if device is not None or dtype is not None:
                 raise ValueError(f"device and dtype place a model loaded by name; a loaded model keeps its own "
                                  f"({model.device}, {model.dtype}): move it first, or give its name")
@@ -142,7 +142,7 @@ class LLM:
             if tokenizer is None:
                 tokenizer = model
         else:
-            raise TypeError(f"model must be a model name or path, or a treedec Llama, got {describe(model)}")
+            raise TypeError(f"model must be a model name or path, or a loaded treedec model (a DecoderModel), got {describe(model)}")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         on_gpu = self.model.device.type == "cuda"
         if kv_tokens is None and not on_gpu:

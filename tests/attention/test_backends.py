@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treedec import TreeAttention
+from treedec.attention import AttentionVariant
 from treedec.attention import Backend, SpanMasking, backend_names, get_backend, register_backend
 from treedec.attention.backends import CAPABILITIES, base, resolve_backend
 from treedec.attention.backends.cuda_backend import CudaOpSizes
@@ -126,15 +127,17 @@ def test_op_sizes_travel_as_ints_and_come_back_typed(sizes):
 def test_the_custom_op_refuses_a_backend_without_one():
     q = torch.zeros(1, 2, 64)
     with pytest.raises(ValueError, match="runs the triton or cuda kernels, not the torch backend"):
-        torch.ops.treedec.tree_attention(q, q[None], q[None], [], [], "torch", 0.125)
+        torch.ops.treedec.tree_attention(q, q[None], q[None], [], [], "torch", AttentionVariant().op_values())
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        torch.ops.treedec.tree_attention(q, q[None], q[None], [], [], "flash", 0.125)
+        torch.ops.treedec.tree_attention(q, q[None], q[None], [], [], "flash", AttentionVariant().op_values())
 
 
-def test_the_cuda_op_launches_what_run_launches(monkeypatch):
-    """torch.ops.treedec.tree_attention gets a cuda plan as OpArgs (tensors, typed sizes as ints) and launches the
-    kernels with what CudaBackend.run launches them with (the cuda backend's host side on the CPU; the launch
-    itself recorded)."""
+@pytest.mark.parametrize("variant", [AttentionVariant(), AttentionVariant(sm_scale=0.1, logit_softcap=30.0)],
+                         ids=["plain", "softcap"])
+def test_the_cuda_op_launches_what_run_launches(monkeypatch, variant):
+    """torch.ops.treedec.tree_attention gets a cuda plan as OpArgs (tensors, typed sizes as ints) and the layer's
+    variant, and launches the kernels with what CudaBackend.run launches them with: the same logit arguments, the
+    extension of the variant's key (the cuda backend's host side on the CPU; the launch itself recorded)."""
     from treedec.attention.backends import cuda_backend
     from treedec.attention import PlanBounds, StaticPlan, make_plan
 
@@ -147,19 +150,22 @@ def test_the_cuda_op_launches_what_run_launches(monkeypatch):
     device_plan = StaticPlan(PlanBounds.for_plan(plan), backend, torch.device("cpu")).write(plan)
     calls = []
     monkeypatch.setattr(cuda_backend, "launch_prepared", lambda *a: calls.append(a) or (a[0].clone(), None))
-    backend.ext = "the extension"   # run() checks that it has kernels; the launch is recorded, not run
+    backend.variant, backend.logit_args = variant, variant.logit_args(64)
+    monkeypatch.setattr(cuda_backend.kernels, "extension", lambda device, key: f"the extension of {key}")
+    backend.ext = f"the extension of {variant.kernel_key()}"   # run() checks that it has kernels; the launch is
+    # recorded, not run
     q = torch.zeros(device_plan.plan.num_queries, 8, 64, dtype=torch.float16)
     k_cache, v_cache = pool.layer(0)
     backend.run(q, k_cache, v_cache, device_plan)
     args = device_plan.prepared.op_args()
     assert args.backend == "cuda" and isinstance(args.sizes, CudaOpSizes) and args.sizes.merge is True
-    torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, backend.sm_scale))
+    torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, backend.variant))
     (q1, k1, v1, arrays1, starts1, units1, o1, lse1, *rest1), (q2, k2, v2, arrays2, starts2, units2, o2, lse2, *rest2) \
         = calls
     assert q1 is q2 and k1 is k2 and v1 is v2 and starts1 is starts2 and units1 is units2
     assert arrays1.keys() == arrays2.keys() and all(arrays1[n] is arrays2[n] for n in arrays1)
     assert (o1.shape, o1.dtype, lse1.shape, lse1.dtype) == (o2.shape, o2.dtype, lse2.shape, lse2.dtype)
-    assert rest1[:-1] == rest2 and rest1[-1] == "the extension"   # merge, tile, max entries, sm_scale; ext
+    assert rest1 == rest2 and rest1[-2] == variant.logit_args(64)   # merge, tile, max entries, logit args, ext
 
 
 def test_host_backends_refuse_static_plans():

@@ -7,7 +7,8 @@ from treedec.attention import PlanConfig, make_plan
 from treedec.attention.balanced_chunks import (balanced_flatten_bounds, light_ends, longest_unit_cost,
                                                readers_per_chunk, units_per_kv_head)
 from treedec.attention.persistent_schedule import TILE_TOKENS
-from treedec.attention.planners import PERSISTENT_MAX_CHUNK, _query_intervals, _sorted_runs
+from treedec.attention.read_intervals import read_intervals
+from treedec.attention.planners import PERSISTENT_MAX_CHUNK, _sorted_runs
 from treedec.tree import TreeLayout
 from tests.attention.test_planners import read_pairs_from_plan
 from tests.trees import random_forest
@@ -20,7 +21,7 @@ def fewshot(prompt: int, branches: int, branch_len: int) -> TreeLayout:
 
 
 def runs_of(layout):
-    q_idx, lo, hi, kv_slots, *_ = _query_intervals(layout)
+    q_idx, lo, hi, kv_slots, *_ = read_intervals(layout)
     return _sorted_runs(q_idx, lo, hi), len(kv_slots)
 
 

@@ -36,7 +36,7 @@ def test_ops_pass_opcheck(triton_device):
     attn, plan, q, k_cache, v_cache = _step_inputs(triton_device)
     args = attn.op_args(plan)
     assert args.backend == plan.backend
-    torch.library.opcheck(torch.ops.treedec.tree_attention.default, args.inputs(q, k_cache, v_cache, attn.sm_scale),
+    torch.library.opcheck(torch.ops.treedec.tree_attention.default, args.inputs(q, k_cache, v_cache, attn.variant),
                           test_utils=("test_schema", "test_faketensor"))
     slots = torch.tensor([3, 0, 17], device=triton_device)
     k_slots = torch.zeros(32, 2, 64, device=triton_device)

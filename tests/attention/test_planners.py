@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from treedec import PlanError
 from treedec.attention import PlanConfig, make_plan
-from treedec.attention.planners import (PERSISTENT_MAX_CHUNK, _flatten_bounds, _query_intervals, _sorted_runs,
+from treedec.attention.read_intervals import read_intervals
+from treedec.attention.planners import (PERSISTENT_MAX_CHUNK, _flatten_bounds, _sorted_runs,
                                         _units_per_kv_head, auto_chunk_size, default_query_tile)
 from treedec.tree import TreeLayout
 from tests.trees import path_slots, random_forest
@@ -165,7 +166,7 @@ def test_unit_estimate_matches_the_flatten_plan(seed, chunk_size, query_tile):
     tree = random_forest(np.random.default_rng(seed), page_size=4)
     layout = tree.layout()
     plan = make_plan(layout, PlanConfig("flatten", chunk_size, query_tile))
-    q_idx, lo, hi, *_ = _query_intervals(layout)
+    q_idx, lo, hi, *_ = read_intervals(layout)
     total = len(plan.kv_slots)
     assert np.array_equal(_flatten_bounds(total, chunk_size), plan.chunk_kv_start)
     assert _units_per_kv_head(total, chunk_size, _sorted_runs(q_idx, lo, hi), query_tile) == plan.num_items

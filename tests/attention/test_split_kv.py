@@ -3,8 +3,9 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from treedec.attention import PlanConfig, make_plan, reference_tree_attention
-from treedec.attention.planners import PERSISTENT_MAX_CHUNK, _query_intervals
+from treedec.attention import AttentionVariant, PlanConfig, make_plan, reference_tree_attention
+from treedec.attention.read_intervals import read_intervals
+from treedec.attention.planners import PERSISTENT_MAX_CHUNK
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.torch_executor import run_plan_torch
 from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
@@ -19,7 +20,7 @@ def unshared_layout(lengths):
 
 
 def segments_of(layout):
-    q_idx, lo, hi, kv_slots, *_ = _query_intervals(layout)
+    q_idx, lo, hi, kv_slots, *_ = read_intervals(layout)
     return unshared_segments(q_idx, lo, hi, len(kv_slots))
 
 
@@ -53,7 +54,7 @@ def test_few_sequences_keep_flattens_even_chunks():
     lengths = [1500, 2500, 1700, 2300, 1900, 2100, 1600, 2400]
     layout = unshared_layout(lengths)
     plan = make_plan(layout, grid(132), group_size=4)
-    q_idx, lo, hi, kv_slots, *_ = _query_intervals(layout)
+    q_idx, lo, hi, kv_slots, *_ = read_intervals(layout)
     segments = unshared_segments(q_idx, lo, hi, len(kv_slots))
     assert split_kv_bounds(segments, 8, 132, 4, 256, PERSISTENT_MAX_CHUNK) is None
     lens = np.diff(plan.chunk_kv_start)
@@ -81,7 +82,7 @@ def test_split_kv_plans_read_exactly_each_sequence(lengths, ctas, heads):
     plan = make_plan(layout, grid(ctas, heads), group_size=4)
     bounds = plan.chunk_kv_start
     borders = np.cumsum([0] + lengths)
-    q_idx, lo, hi, kv_slots, *_ = _query_intervals(layout)
+    q_idx, lo, hi, kv_slots, *_ = read_intervals(layout)
     split = split_kv_bounds(unshared_segments(q_idx, lo, hi, len(kv_slots)), heads, ctas, 4, 256,
                             PERSISTENT_MAX_CHUNK)
     if split is not None:
@@ -115,7 +116,7 @@ def test_split_kv_plan_output_equals_the_reference():
         assert {s for qq, s in read_pairs_from_plan(plan) if qq == q} == read
     k_cache, v_cache = pool.layer(0)
     q = torch.randn(plan.num_queries, 8, 32, generator=torch.Generator().manual_seed(3))
-    out, lse = run_plan_torch(q, k_cache, v_cache, plan, 32 ** -0.5)
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, layout, 32 ** -0.5)
+    out, lse = run_plan_torch(q, k_cache, v_cache, plan, AttentionVariant())
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, layout, AttentionVariant())
     assert rel_error(out, ref) < 1e-5
     assert torch.allclose(lse, ref_lse, atol=1e-5)

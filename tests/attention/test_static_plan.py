@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from treedec import TreeAttention
-from treedec.attention import PlanBounds, PlanConfig, StaticPlan, make_plan, reference_tree_attention
+from treedec.attention import AttentionVariant, PlanBounds, PlanConfig, StaticPlan, make_plan, reference_tree_attention
 from treedec.attention.backends.triton_backend import TritonBackend
 from treedec.errors import PlanError
 from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
@@ -34,7 +34,7 @@ def test_write_pads_the_plan_and_copies_extra_sections():
     pytest.importorskip("triton")
     plan = _tree_plan()
     bounds = PlanBounds.for_plan(plan)
-    backend = TritonBackend(4, 2, 64, torch.float16, 0.125)
+    backend = TritonBackend(4, 2, 64, torch.float16, AttentionVariant(sm_scale=0.125))
     static = StaticPlan(bounds, backend, torch.device("cpu"), extra={"inputs": (3, bounds.max_queries)})
     p = static.write(plan, extra={"inputs": np.array([[1, 2, 3, 4], [30, 30, 31, 30], [5, 6, 7, 8]])})
     assert p is static.device_plan and p.backend == "triton" and p.prepared is not None
@@ -61,7 +61,7 @@ def test_write_pads_the_plan_and_copies_extra_sections():
 def test_a_plan_over_the_bounds_changes_nothing():
     pytest.importorskip("triton")
     plan = _tree_plan()
-    static = StaticPlan(PlanBounds.for_plan(plan), TritonBackend(4, 2, 64, torch.float16, 0.125), torch.device("cpu"))
+    static = StaticPlan(PlanBounds.for_plan(plan), TritonBackend(4, 2, 64, torch.float16, AttentionVariant(sm_scale=0.125)), torch.device("cpu"))
     static.write(plan)
     before = static._dev.clone()
     big = make_plan(TreeLayout.from_parents([-1, 0, 0, 0, 0, 0], [30, 1, 1, 1, 1, 1],
@@ -101,7 +101,7 @@ def test_runs_from_one_static_plan_match_the_reference_for_new_trees(triton_devi
         q_static[:n] = q.to(triton_device)
         k, v = (c.to(triton_device) for c in tree.pool.layer(0))
         out, lse = attn.run(q_static, k, v, plan, return_lse=True)
-        ref, ref_lse = reference_tree_attention(q, *tree.pool.layer(0), static.current.layout, d ** -0.5)
+        ref, ref_lse = reference_tree_attention(q, *tree.pool.layer(0), static.current.layout, AttentionVariant())
         assert rel_error(out[:n].cpu(), ref) < 2e-3
         torch.testing.assert_close(lse[:n].cpu(), ref_lse, atol=2e-3, rtol=1e-4)
     assert all(p is plans[0] for p in plans)

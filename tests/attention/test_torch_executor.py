@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import reference_tree_attention
+from treedec.attention import AttentionVariant, reference_tree_attention
 from treedec.attention.backends import TorchBackend
 from treedec.attention.torch_executor import DENSE_MAX_WASTE, prepare_torch, run_torch
 from treedec.tree import PagedKVPool, SequenceTree
@@ -28,8 +28,8 @@ def test_every_form_equals_the_reference(seed, page_size, group, planner, chunk_
     k_cache, v_cache = tree.pool.layer(0)
     launch = prepare_torch(plan, "cpu", form)
     assert launch.form in ("dense", "chunks") and (form == "auto" or launch.form == form)
-    out, lse = run_torch(q, k_cache, v_cache, launch, attn.sm_scale, return_lse=return_lse)
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, attn.sm_scale)
+    out, lse = run_torch(q, k_cache, v_cache, launch, attn.variant, return_lse=return_lse)
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, attn.variant)
     assert out.dtype == torch.float32 and out.shape == q.shape
     assert rel_error(out, ref) < 1e-5
     if return_lse or launch.form == "chunks":   # the chunks form merges by the LSE: it has it either way
@@ -79,7 +79,7 @@ def test_a_branched_tree_gathers_its_slots_and_equals_the_reference():
     assert launch.form == "dense" and launch.slot_range is None and launch.slots is not None
     q = torch.randn(1, 4, 64)
     k_cache, v_cache = tree.pool.layer(0)
-    ref, _ = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    ref, _ = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.variant)
     assert rel_error(attn.run(q, k_cache, v_cache, plan), ref) < 1e-6
 
 
@@ -89,7 +89,7 @@ def test_forms_are_named_or_refused():
     with pytest.raises(ValueError, match="form must be one of"):
         prepare_torch(plan, "cpu", "sparse")
     with pytest.raises(ValueError, match="form must be one of"):
-        TorchBackend(0.125, form="sparse")
+        TorchBackend(AttentionVariant(sm_scale=0.125), form="sparse")
 
 
 @pytest.mark.parametrize("form", ["dense", "chunks"])

@@ -37,11 +37,11 @@ def test_torch_executor_matches_references(seed, page_size, group, head_dim, pla
     q = torch.randn(plan.plan.num_queries, hkv * group, head_dim, generator=torch.Generator().manual_seed(seed))
     k_cache, v_cache = tree.pool.layer(0)
     out, lse = attn.run(q, k_cache, v_cache, plan, return_lse=True)
-    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.variant)
     assert out.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
     assert rel_error(out, ref) < 1e-5
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
-    assert rel_error(ref, path_reference(tree, plan.plan.layout, q, k_cache, v_cache, attn.sm_scale)) < 1e-5
+    assert rel_error(ref, path_reference(tree, plan.plan.layout, q, k_cache, v_cache, attn.variant.scale(head_dim))) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
@@ -52,7 +52,7 @@ def test_half_precision_inputs(dtype, tol):
     q = torch.randn(plan.plan.num_queries, 8, 128).to(dtype)
     k_cache, v_cache = tree.pool.layer(0)
     out = attn.run(q, k_cache, v_cache, plan)
-    ref, _ = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.sm_scale)
+    ref, _ = reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, attn.variant)
     assert out.dtype == dtype
     assert rel_error(out, ref) < tol
 
@@ -104,10 +104,7 @@ def test_constructor_validation():
     ((8.0, 8, 128), {}, TypeError, r"num_qo_heads must be an int, got 8\.0"),
     ((8, True, 128), {}, TypeError, "num_kv_heads must be an int, got True"),
     ((8, 8, "128"), {}, TypeError, "head_dim must be an int"),
-    ((8, 8, 128), {"sm_scale": float("nan")}, ValueError, "sm_scale must be a finite number > 0"),
-    ((8, 8, 128), {"sm_scale": float("inf")}, ValueError, "sm_scale must be a finite number > 0"),
-    ((8, 8, 128), {"sm_scale": -0.1}, ValueError, "sm_scale must be a finite number > 0"),
-    ((8, 8, 128), {"sm_scale": "0.1"}, ValueError, "sm_scale must be a finite number > 0"),
+    ((8, 8, 128), {"variant": 0.125}, TypeError, "variant must be an AttentionVariant, got float"),
     ((8, 8, 128), {"device": "tpu"}, ValueError, "device must be a torch.device or a device string"),
     ((8, 8, 128), {"device": 3.5}, ValueError, "device must be a torch.device or a device string"),
     ((8, 8, 128), {"device": "meta"}, ValueError, "device must be a CPU or CUDA device"),

@@ -15,7 +15,7 @@ import torch
 from bench.families import FAMILIES, FAMILY_PEERS, WORKLOADS, family_of, ragged_lengths, tokens_read
 from bench.peers import PEERS, PeerUnavailable, path_pages, path_slots, request_masks, split_by_root
 from bench.suite import SUITE
-from treedec.attention import dense_tree_mask, reference_tree_attention
+from treedec.attention import AttentionVariant, dense_tree_mask, reference_tree_attention
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = [(family, name) for family, workloads in FAMILIES.items() for name in workloads]
@@ -73,7 +73,7 @@ def test_batch_decode_pages_give_reference(name):
     w = WORKLOADS[name](scale=0.02)
     q, k, v = _inputs(w)
     scale = 1 / math.sqrt(128)
-    ref, _ = reference_tree_attention(q, k, v, w.layout, scale)
+    ref, _ = reference_tree_attention(q, k, v, w.layout, AttentionVariant(sm_scale=scale))
     indptr, pages, last = path_pages(w.layout, w.page_size)
     for i in range(w.layout.num_queries):
         own = pages[indptr[i]:indptr[i + 1]]
@@ -94,7 +94,7 @@ def test_request_masks_and_split_by_root(name):
     layout = w.layout
     q, k, v = _inputs(w)
     scale = 1 / math.sqrt(128)
-    ref, _ = reference_tree_attention(q, k, v, layout, scale)
+    ref, _ = reference_tree_attention(q, k, v, layout, AttentionVariant(sm_scale=scale))
     qo_indptr, kv_indptr, masks = request_masks(layout)
     assert len(qo_indptr) - 1 == int((layout.parent < 0).sum()) and qo_indptr[-1] == layout.num_queries
     assert kv_indptr[-1] == layout.num_tokens and masks.sum() == tokens_read(layout)
@@ -111,7 +111,7 @@ def test_request_masks_and_split_by_root(name):
     assert at == len(masks)
     by_root = torch.empty_like(ref)
     for queries, sub in split_by_root(layout):
-        by_root[torch.from_numpy(queries)] = reference_tree_attention(q[torch.from_numpy(queries)], k, v, sub, scale)[0]
+        by_root[torch.from_numpy(queries)] = reference_tree_attention(q[torch.from_numpy(queries)], k, v, sub, AttentionVariant(sm_scale=scale))[0]
     torch.testing.assert_close(by_root, ref, atol=1e-5, rtol=1e-5)
     _, slots = path_slots(layout)
     assert np.array_equal(slots, layout.kv_slots[np.nonzero(dense_tree_mask(layout))[1]])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench.peers import PEERS, cascade_levels, path_slots
+from bench.peers import PEERS, PeerUnavailable, cascade_levels, path_slots
 from bench.report import TABLE_END, TABLE_START, render_table, write_readme_table
-from bench.suite import SUITE, build_workload
-from treedec.attention import dense_tree_mask, reference_tree_attention
+from bench.suite import SUITE, build_workload, windowed_kv_layout
+from treedec.attention import AttentionVariant, PlanConfig, dense_tree_mask, make_plan, reference_tree_attention
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_path_and_cascade_slots_give_reference(name):
     v = torch.randn_like(k)
     kf, vf = k.view(-1, 8, 128), v.view(-1, 8, 128)
     scale = 1 / math.sqrt(128)
-    ref, _ = reference_tree_attention(q, k, v, layout, scale)
+    ref, _ = reference_tree_attention(q, k, v, layout, AttentionVariant(sm_scale=scale))
     indptr, slots = path_slots(layout)
     shared, rest_indptr, rest = cascade_levels(layout)
     assert len(shared) > 0
@@ -107,17 +107,39 @@ def test_path_and_cascade_slots_give_reference(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", [AttentionVariant(), AttentionVariant(window=20, logit_softcap=3.0)],
+                         ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("peer", ["sdpa_dense_mask", "flex_attention"])
-def test_torch_peers_on_cpu(peer):
+def test_torch_peers_on_cpu(peer, variant):
+    """The peers compute the layer's variant (a window in their masks, flex's soft-cap as its score_mod); SDPA has
+    no soft-cap and says so."""
     w = build_workload("tot_d5w10", scale=0.05)
     torch.manual_seed(0)
     q = torch.randn(w.layout.num_queries, 32, 128, dtype=torch.float16)
     k = torch.randn(w.num_pages, 16, 8, 128, dtype=torch.float16)
     v = torch.randn_like(k)
-    ref, _ = reference_tree_attention(q, k, v, w.layout, 1 / math.sqrt(128))
-    out = PEERS[peer].make(w.layout, q, k, v, 1 / math.sqrt(128))()
+    ref, _ = reference_tree_attention(q, k, v, w.layout, variant)
+    if peer == "sdpa_dense_mask" and variant.logit_softcap is not None:
+        with pytest.raises(PeerUnavailable, match="n/a: SDPA has no logit soft-cap"):
+            PEERS[peer].make(w.layout, q, k, v, variant)
+        return
+    out = PEERS[peer].make(w.layout, q, k, v, variant)()
     assert out.shape == ref.shape
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("name", ["fewshot_b30_p4k", "tot_d5w10", "spec_medusa64_p4k"])
+def test_windowed_kv_layout_reads_what_the_windowed_plan_reads(name):
+    """The yardstick's layout: its plain plan reads the tokens of the windowed plan, and the variant's attention over
+    it is the same."""
+    w = build_workload(name, scale=0.05)
+    windowed = windowed_kv_layout(w.layout, 30)
+    wide = make_plan(w.layout, PlanConfig(chunk_size=64), variant=AttentionVariant(window=30))
+    assert np.array_equal(make_plan(windowed, PlanConfig(chunk_size=64)).kv_slots, wide.kv_slots)
+    q, k, v = w.random_inputs("cpu", torch.float32)
+    a, _ = reference_tree_attention(q, k, v, w.layout, AttentionVariant(window=30))
+    b, _ = reference_tree_attention(q, k, v, windowed, AttentionVariant(window=30))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_flashinfer_peers_say_why_on_cpu():
@@ -168,6 +190,23 @@ def test_attention_kv_heads_option(tmp_path):
     assert results[32]["kv_heads"] == 32 and "32 KV heads" in render_table(results[32])
     for r in w32["methods"].values():
         assert r["status"] == "ok" and r["rel_err"] < 2e-3, r
+
+
+@pytest.mark.slow
+def test_attention_variant_options(tmp_path):
+    """`--window` (scaled with --smoke's token counts) and `--softcap` make every method compute that variant, checked
+    against the variant's reference: the windowed plan reads fewer tokens, its yardstick (the plain kernel over the
+    same windowed KV) runs, SDPA says it has no soft-cap; the README table is left alone."""
+    windowed = smoke_tot_d5w10(tmp_path, "--window", (200,))[200]
+    w = windowed["workloads"]["tot_d5w10"]
+    assert windowed["variant"] == {"window": 10, "logit_softcap": None}
+    assert all(r["status"] == "ok" and r["rel_err"] < 2e-3 for r in w["methods"].values()), w["methods"]
+    assert w["methods"]["treedec_torch_flatten"]["plan"]["tree_tokens"] < w["tree_tokens"]
+    assert w["yardstick"]["status"] == "ok" and w["yardstick"]["kv_tokens"] == \
+        w["methods"]["treedec_torch_flatten"]["plan"]["tree_tokens"] and w["yardstick"]["yardstick_ratio"] > 0
+    capped = smoke_tot_d5w10(tmp_path, "--softcap", (30.0,))[30.0]["workloads"]["tot_d5w10"]["methods"]
+    assert capped["treedec_torch_flatten"]["status"] == "ok" and capped["treedec_torch_flatten"]["rel_err"] < 2e-3
+    assert capped["sdpa_dense_mask"] == {"status": "unavailable", "reason": "n/a: SDPA has no logit soft-cap"}
 
 
 @pytest.mark.slow

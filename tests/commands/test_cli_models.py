@@ -80,4 +80,25 @@ def test_a_model_that_names_nothing_is_refused_when_parsed(command, model, fragm
     assert main([*argv, "--model", model]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"treedec {command[0]}: error: argument --model: ")
-    assert fragment in err and "known name (smollm2)" in err and "a .gguf file" in err
+    assert fragment in err and "known name (smollm2, gemma3-270m)" in err and "a .gguf file" in err
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "awq"])
+def test_a_checkpoint_treedec_does_not_run_is_one_line(kind, tmp_path, cache, capsys):
+    """Issue 48's front door: an unsupported family or a quantized checkpoint is a documented limit, said in one
+    line (exit 2), not an unexpected error."""
+    folder = tmp_path / kind
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).save_pretrained(folder)
+    else:
+        tiny_hf("llama", seed=4).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+    assert main(["generate", "--model", str(folder), "--device", "cpu", "--prompts", str(tmp_path / "p.jsonl"),
+                 "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("treedec generate: error: ") and "unexpected" not in err[-1]
+    assert ("is not supported; treedec runs Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5: LlamaForCausalLM" if kind == "gpt2" else
+            "quantized with 'awq': a quantized (AWQ, GPTQ") in err[-1]

@@ -249,7 +249,12 @@ def test_pool_size(tiny):
 
 
 def test_sliding_window_is_refused():
+    """A config's window its layers' variants do not attend caps the positions (every family's layers declare
+    their windows now: a model that does not, stands in)."""
+    from treedec.attention.variant import AttentionVariant
+
     model = from_config(ModelConfig.from_name("tiny", sliding_window=8), dtype=torch.float32, device="cpu")
+    model.attention_variants = lambda: (AttentionVariant(),) * model.config.num_layers
     engine = make_engine(model)
     with pytest.raises(NotImplementedError, match="past the model's sliding window of 8"):
         engine.prefill(list(range(9)))

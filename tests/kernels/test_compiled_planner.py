@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from treedec.attention import PLANNERS, PlanBounds, PlanConfig, StaticPlan, make_plan, planners, schedule_units
+from treedec.attention import (PLANNERS, AttentionVariant, PlanBounds, PlanConfig, StaticPlan, make_plan, planners,
+                               schedule_units)
 from treedec.attention import balanced_chunks, persistent_schedule, planner_choice, split_kv, static_plan, tree_plan
 from treedec.attention.backends.cuda_backend import CudaBackend
 from treedec.attention.persistent_schedule import FULL_TILE_FLAG, TILE_SIZES, PersistentSchedule, live_tiles
@@ -117,13 +118,17 @@ configs = st.one_of(
               persistent_ctas=st.sampled_from([8, 32, 132]), light_tile_cost=st.sampled_from([None, 0.5, 0.7])))
 
 
+# sliding windows (AttentionVariant.window) from one token to past every position of random_layout's trees
+windows = st.sampled_from([None, None, 1, 7, 64, 700, 6000]).map(lambda w: AttentionVariant(window=w))
+
+
 @needs_compiled
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 4, 16]), decode_batch=st.booleans(),
-       config=configs, group=st.sampled_from([1, 4, 8]))
-def test_plans_are_bitwise_the_numpy_planners(seed, page_size, decode_batch, config, group):
+       config=configs, group=st.sampled_from([1, 4, 8]), variant=windows)
+def test_plans_are_bitwise_the_numpy_planners(seed, page_size, decode_batch, config, group, variant):
     layout = random_layout(np.random.default_rng(seed), page_size, decode_batch)
-    assert_same(*both(lambda: make_plan(layout, config, group)))
+    assert_same(*both(lambda: make_plan(layout, config, group, variant)))
 
 
 def shuffled(layout: TreeLayout, rng) -> TreeLayout:
@@ -142,11 +147,11 @@ def shuffled(layout: TreeLayout, rng) -> TreeLayout:
 
 @needs_compiled
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), config=configs)
-def test_layouts_out_of_preorder_plan_as_numpy_does(seed, config):
+@given(seed=st.integers(0, 2**32 - 1), config=configs, variant=windows)
+def test_layouts_out_of_preorder_plan_as_numpy_does(seed, config, variant):
     rng = np.random.default_rng(seed)
     layout = shuffled(random_layout(rng, 4, False), rng)
-    assert_same(*both(lambda: make_plan(layout, config, 4)))
+    assert_same(*both(lambda: make_plan(layout, config, 4, variant)))
 
 
 def with_dynamic_kv(plan, rng, dynamic: tuple[int, int]):
@@ -220,13 +225,17 @@ CUDA_LIKE = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132, light
     ("paused branch", TreeLayout.from_parents([-1, 0, 0], [50, 30, 20], [(2, 19)]), PlanConfig(chunk_size=16),
      lambda p, found: p.num_tokens == 70),
     ("path", medusa_forest(2, 300), PlanConfig("path", query_tile=4), lambda p, found: p.num_tokens > 600),
+    ("windowed balanced chunks", fewshot(4000, 30, 200), CUDA_LIKE, lambda p, found: p.num_tokens < 30 * 200 + 1300),
+    ("windowed split-KV", TreeLayout.from_parents([-1] * 40, [2000] * 40, [(i, 1999) for i in range(40)]), CUDA_LIKE,
+     lambda p, found: found["split"] == [p.chunk_kv_start.tolist()] and p.num_tokens == 40 * 1024),
 ])
 def test_every_branch_of_the_planner_matches(name, layout, config, shows, monkeypatch):
     found = {"split": [], "balanced": []}
     for key, fn in (("split", "split_kv_bounds"), ("balanced", "balanced_flatten_bounds")):
         original = getattr(planners, fn)
         monkeypatch.setattr(planners, fn, lambda *a, _f=original, _k=key: found[_k].append(_f(*a)) or found[_k][-1])
-    reference, compiled = both(lambda: make_plan(layout, config, 4))
+    variant = AttentionVariant(window=1024 if name.startswith("windowed") else None)
+    reference, compiled = both(lambda: make_plan(layout, config, 4, variant))
     found = {k: [None if v is None else v.tolist() for v in values] for k, values in found.items()}
     assert shows(reference, found), name
     assert_same(reference, compiled)
@@ -291,11 +300,12 @@ def test_the_compiled_constants_are_the_numpy_planners():
 
 
 @needs_compiled
-def test_bad_arrays_raise_value_errors_not_crashes():
+@pytest.mark.parametrize("window", [0, 16])
+def test_bad_arrays_raise_value_errors_not_crashes(window):
     module = planner_build.load_planner()
     layout = fewshot(50, 2, 3)
     args = [layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset]
-    sizes = [0, 0, 4, 8, 132, 0, 1.0, 1]
+    sizes = [0, 0, 4, 8, 132, 0, 1.0, 1, window]
     bad = {
         "kv_start must have one more": [args[0], args[1][:-1], *args[2:]],
         "query_offset and query_node differ": [*args[:4], args[4][:1]],

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from treedec.errors import BackendUnavailableError
-from treedec.kernels.cuda_build import compile_sources, cutlass_include_dir
+from treedec.kernels.cuda_build import compile_sources, cutlass_include_dir, variant_flags
 
 
 def _has_cutlass_headers() -> bool:
@@ -35,3 +35,22 @@ def test_trace_build_sources_compile_for_sm90(tmp_path):
                               sources=("partial_bf16.cu", "dispatch.cu"))
     assert [o.name for o in objects] == ["partial_bf16.sm_90a.o", "dispatch.sm_90a.o"]
     assert all(o.stat().st_size > 0 for o in objects)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+@pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
+def test_soft_capped_kernels_compile_for_sm90(tmp_path):
+    """The build of the variant key ('softcap',) (AttentionVariant.kernel_key): its own objects, the hook compiled in."""
+    objects = compile_sources("sm_90a", tmp_path, kernel_key=("softcap",))
+    assert [o.name for o in objects] == ["partial_fp16.softcap.sm_90a.o", "partial_bf16.softcap.sm_90a.o",
+                                         "dispatch.softcap.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+
+
+def test_variant_keys_map_to_the_kernels_defines():
+    assert variant_flags(()) == []
+    assert variant_flags(("softcap",)) == ["-DTREEDEC_LOGITS_SOFTCAP=1"]
+    for key in (("alibi",), ("softcap", "softcap")):
+        with pytest.raises(ValueError, match="a variant key names distinct logit hooks of \\['softcap'\\]"):
+            variant_flags(key)

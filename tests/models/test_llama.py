@@ -9,7 +9,7 @@ from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 from treedec.engine import Engine
-from treedec.models import ModelConfig, RopeScaling, from_hf_model
+from treedec.models import ModelConfig, RopeScaling, config_from_hf, from_hf_model
 from treedec.models.rope import rope_cos_sin, rope_inv_freq
 
 ATOL = 1e-4
@@ -116,7 +116,7 @@ def test_other_architectures_match_transformers(kind):
 
 def test_llama_attention_and_mlp_bias():
     hf = tiny_hf("llama", seed=4, attention_bias=True, mlp_bias=True)
-    config = ModelConfig.from_hf(hf.config)
+    config = config_from_hf(hf.config)
     assert config.qkv_bias and config.o_bias and config.mlp_bias
     engine = Engine(from_hf_model(hf), kv_tokens=256, backend="torch")
     root = engine.prefill([1, 2, 3, 4]).node
@@ -150,7 +150,7 @@ ROPE_CASES = {
 def test_rope_matches_transformers(case, head_dim):
     hf_config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
                             max_position_embeddings=131072, rope_parameters=dict(ROPE_CASES[case]))
-    config = ModelConfig.from_hf(hf_config)
+    config = config_from_hf(hf_config)
     inv_freq = rope_inv_freq(config)
     if case == "default":
         expected = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)[0]
@@ -165,12 +165,12 @@ def test_rope_matches_transformers(case, head_dim):
 
 
 def test_rope_config_reading():
-    c = ModelConfig.from_hf(LlamaConfig(rope_parameters=dict(ROPE_CASES["llama3.1"]), max_position_embeddings=131072))
+    c = config_from_hf(LlamaConfig(rope_parameters=dict(ROPE_CASES["llama3.1"]), max_position_embeddings=131072))
     assert c.rope_theta == 500000.0 and c.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
     with pytest.raises(NotImplementedError, match="yarn"):
-        ModelConfig.from_hf(LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
-    assert ModelConfig.from_hf(Qwen2Config(use_sliding_window=False)).sliding_window is None
-    assert ModelConfig.from_hf(MistralConfig(sliding_window=4096)).sliding_window == 4096
+        config_from_hf(LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+    assert config_from_hf(Qwen2Config(use_sliding_window=False)).sliding_window is None
+    assert config_from_hf(MistralConfig(sliding_window=4096)).sliding_window == 4096
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -178,7 +178,7 @@ def test_rope_config_reading():
 def test_rms_norm_is_transformers_bit_for_bit(dtype, rows):
     """fp32 takes torch's one-call rms_norm, half precision the composite: both equal LlamaRMSNorm exactly."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from treedec.models.llama import rms_norm
+    from treedec.models.layers import rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from tests.models.test_llama import hf_logits, tiny_hf
 from treedec.engine import Engine
-from treedec.models import (MODEL_SIZES, ModelConfig, from_config, from_hf_model, from_pretrained, to_hf_config,
-                            to_hf_state_dict)
+from treedec.models import (MODEL_SIZES, ModelConfig, config_from_hf, from_config, from_hf_model, from_pretrained,
+                            to_hf_config, to_hf_state_dict)
 from treedec.models.loading import CheckpointError, checkpoint_shards
 from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.generate import greedy_generate
@@ -34,7 +34,7 @@ def test_from_pretrained_equals_in_memory_model(tmp_path, kind, shard):
     hf.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
     assert (tmp_path / "model.safetensors.index.json").is_file() == (shard is not None)
     loaded = from_pretrained(tmp_path, device="cpu")
-    assert loaded.dtype == torch.float32 and loaded.config == ModelConfig.from_hf(hf.config)
+    assert loaded.dtype == torch.float32 and loaded.config == config_from_hf(hf.config)
     for a, b in zip(run_steps(loaded), run_steps(from_hf_model(hf))):
         assert torch.equal(a, b)
     torch.testing.assert_close(run_steps(loaded)[0], hf_logits(hf, [5, 9, 2, 7, 1, 3]), atol=1e-4, rtol=0)
@@ -108,7 +108,7 @@ def test_named_sizes():
 @pytest.mark.parametrize("name", ["tiny", "llama3.1-8b", "qwen2.5-7b", "mistral-7b", "llama2-7b"])
 def test_hf_config_round_trip(name):
     config = ModelConfig.from_name(name)
-    assert ModelConfig.from_hf(to_hf_config(config)) == config
+    assert config_from_hf(to_hf_config(config)) == config
 
 
 def test_transformers_model_sharing_treedec_weights():

@@ -4,6 +4,7 @@ config and the safetensors headers alone, before the model is allocated."""
 import json
 import logging
 import math
+import re
 import shutil
 import time
 
@@ -13,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.models.test_llama import tiny_hf
 from treedec.models import loading
-from treedec.models import Llama, ModelConfig, RopeScaling, from_pretrained
+from treedec.models import Decoder, ModelConfig, RopeScaling, config_from_hf, from_pretrained
 from treedec.models.checkpoint_headers import hf_tensor_shapes
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.hf_tensors import hf_targets
 
 
@@ -128,6 +129,23 @@ BAD_CONFIGS = [
      "'rope_parameters.original_max_position_embeddings' must be a positive int, got int 0"),
     ({"rope_parameters": {**LLAMA3, "rope_type": 3}}, "'rope_parameters.rope_type' must be a string, got int 3"),
     ({"hidden_act": ["silu"]}, "field 'hidden_act' must be a string, got list"),
+    # issue 48 item 13: finite and > 0, but garbage (no NaN): refused by name
+    ({"rms_norm_eps": 1e308}, "field 'rms_norm_eps' must be at most 0.01 \\(checkpoints use .*\\), got 1e\\+308"),
+    ({"rms_norm_eps": 0.5}, "field 'rms_norm_eps' must be at most 0.01"),
+    ({"rope_parameters": {**LLAMA3, "factor": 1e308}}, "field 'rope_parameters.factor' must be at most 1024 "
+                                                       "\\(a RoPE scaling factor .*\\), got 1e\\+308"),
+    ({"rope_parameters": {**LLAMA3, "factor": 0.25}}, "field 'rope_parameters.factor' must be at least 1.0"),
+    ({"rope_parameters": {**LLAMA3, "rope_theta": 1e308}}, "field 'rope_parameters.rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": ..., "rope_theta": 1e300}, "field 'rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": {**LLAMA3, "high_freq_factor": 1e30}}, "'rope_parameters.high_freq_factor' must be at most"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e308}}},
+     "field 'rope_parameters.full_attention.rope_theta' must be at most 1e\\+12"),
+    ({"rope_parameters": ..., "rope_scaling": {"rope_type": "linear", "factor": 1e308}},
+     "field 'rope_scaling.factor' must be at most 1024"),
+    # a default transformers takes that is known wrong for the checkpoint: refused
+    ({"rope_parameters": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}},
+     "field 'rope_parameters.rope_type' is 'llama3' .* no field 'rope_theta': transformers' default base "
+     "\\(10000\\) is not these checkpoints' \\(500000\\)"),
 ]
 
 
@@ -236,10 +254,10 @@ def test_ignored_tensors_still_load(saved, tmp_path):
                                                  ("qwen2", True, False), ("mistral", False, False)])
 def test_header_shapes_are_the_model_s(kind, tie, mlp_bias):
     """hf_tensor_shapes (arithmetic, no model) gives every tensor hf_targets loads, with the model's shapes."""
-    config = ModelConfig.from_hf(tiny_hf(kind, seed=1, tie_word_embeddings=tie,
+    config = config_from_hf(tiny_hf(kind, seed=1, tie_word_embeddings=tie,
                                          **({"mlp_bias": mlp_bias} if kind == "llama" else {})).config)
     with torch.device("meta"):
-        model = Llama(config)
+        model = Decoder(config)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {hf: tuple(params[p][rows].shape) for hf, (p, rows) in hf_targets(config).items()}
     assert dict(hf_tensor_shapes(config)) == expected
@@ -261,7 +279,8 @@ def test_missing_eps_and_theta_take_transformers_defaults_with_a_warning(saved, 
         model = from_pretrained(root, device="cpu")
     assert getattr(model.config, key) == float(value)
     warnings = [r.getMessage() for r in caplog.records if r.name == "treedec" and r.levelno == logging.WARNING]
-    assert any(str(config) in w and f"'{key}'" in w and value in w for w in warnings), warnings
+    assert any(str(config) in w and f"'{key}'" in w and value in w and "for a llama model" in w
+               and "as transformers does" in w for w in warnings), warnings
 
 
 def test_a_complete_config_loads_without_warnings(saved, tmp_path, caplog):
@@ -283,9 +302,69 @@ def test_model_config_refuses_nan_producing_values(field, value):
         ModelConfig.from_name("tiny", **{field: value})
 
 
+@pytest.mark.parametrize("field, value, message", [("rms_norm_eps", 1e308, "at most 0.01"),
+                                                   ("rope_theta", 1e300, "at most 1e\\+12")])
+def test_model_config_refuses_values_out_of_range(field, value, message):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field} must be {message} .*got {re.escape(repr(value))}"):
+        ModelConfig.from_name("tiny", **{field: value})
+    with pytest.raises(ValueError, match="RopeScaling.factor must be at most 1024"):
+        RopeScaling("llama3", 1e308)
+
+
 @pytest.mark.parametrize("kwargs", [{"factor": NAN}, {"factor": INF}, {"factor": 8.0, "low_freq_factor": NAN},
                                     {"factor": 8.0, "high_freq_factor": INF}])
 def test_rope_scaling_refuses_nan(kwargs):
     with pytest.raises(ValueError, match="RopeScaling"):
         RopeScaling("llama3", **kwargs)
     assert math.isfinite(RopeScaling("llama3", 8.0).factor)
+
+
+# ================================================================ what treedec does not run (issue 48's front door)
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+def _awq_tensors(root):
+    """Replace each projection's weight by AWQ's packed parts (qweight, qzeros, scales), as AutoAWQ saves them."""
+    shard = root / "model.safetensors"
+    state = load_file(shard)
+    for name in [n for n in state if "_proj.weight" in n]:
+        rows, cols = state.pop(name).shape
+        base = name[:-len("weight")]
+        state.update({base + "qweight": torch.zeros(cols, rows // 8, dtype=torch.int32),
+                      base + "qzeros": torch.zeros(1, rows // 8, dtype=torch.int32),
+                      base + "scales": torch.ones(1, rows, dtype=torch.float16)})
+    save_file(state, shard)
+
+
+def test_a_quantized_checkpoint_is_refused_as_one(saved, tmp_path, no_allocation):
+    root = copy_of(saved, tmp_path)
+    _awq_tensors(root)
+    config = edit_config(root, quantization_config=AWQ)
+    with pytest.raises(UnsupportedModelError, match=f"{config}: field 'quantization_config' says the weights are "
+                                                    f"quantized with 'awq': a quantized \\(AWQ, GPTQ, .*\\) checkpoint, "
+                                                    f"which treedec does not load \\(yet: fp8 weights are issue #52\\)"):
+        from_pretrained(root, device="cpu")
+    edit_config(root, quantization_config=...)   # the tensors alone say it
+    with pytest.raises(UnsupportedModelError, match=f"{root}: its tensors .*qweight.* says the weights are quantized: "
+                                                    f"a quantized .*checkpoint"):
+        from_pretrained(root, device="cpu")
+
+
+def test_a_quantization_config_over_plain_weights_is_refused(saved, tmp_path, no_allocation):
+    """The weights load, but the config says they are not what they seem: refused, not loaded silently."""
+    root = copy_of(saved, tmp_path)
+    edit_config(root, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(UnsupportedModelError, match="field 'quantization_config' says the weights are quantized "
+                                                    "with 'fp8'"):
+        from_pretrained(root, device="cpu")
+
+
+def test_an_unsupported_family_names_the_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=f"{tmp_path / 'config.json'}: model_type 'gpt2' \\(architectures "
+                                                    f"\\['GPT2LMHeadModel'\\]\\) is not supported; treedec runs Llama "
+                                                    f".*: LlamaForCausalLM, .*Gemma3ForCausalLM"):
+        from_pretrained(tmp_path, device="cpu")

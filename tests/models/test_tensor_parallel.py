@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from treedec.models import ModelConfig
-from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel, rank_slice, shard_config, vocab_range
+from treedec.models.hf_tensors import rank_slice
+from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel, shard_config, vocab_range
 
 WORLD = 2
 TOL = 1e-5   # fp32: TP=2 only regroups the sums of o_proj and down_proj (seen: 4e-7)
@@ -303,7 +304,7 @@ def test_from_config_refuses_other_tensor_parallel_values():
 
 def test_slices_cover_every_tensor_once():
     """Every rank's slices of each split tensor tile it; the vocabulary too when the size does not divide it."""
-    config = ModelConfig.from_name("tiny", vocab_size=509)
+    config = ModelConfig.from_name("tiny", vocab_size=509, qkv_bias=True, o_bias=True, mlp_bias=True)
     assert [vocab_range(509, 3, r) for r in range(3)] == [(0, 170), (170, 340), (340, 509)]
     assert vocab_range(5, 4, 3) == (5, 5)
     for name, dim, whole in [("model.layers.1.self_attn.q_proj.weight", 0, 256),

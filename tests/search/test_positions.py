@@ -14,6 +14,7 @@ from treedec.search.batch import GenerateProgram, generate_batch
 from treedec.search.beam import BeamProgram, beam_search
 from treedec.search.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller
 from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.search.request import position_limit
 from treedec.search.requests_file import RequestSpec
 from treedec.search.scheduler import run_programs
 from treedec.search.speculative.program import speculative_generate
@@ -73,10 +74,26 @@ def test_the_default_model_refuses_the_issue_s_5000_token_request():
 
 
 def test_a_sliding_window_bounds_the_positions():
-    engine = fresh_engine(short_model(sliding_window=16))
+    """A config's window its layers' variants do not attend (a model that does not declare it stands in: every
+    family's layers declare theirs) bounds the positions."""
+    from treedec.attention.variant import AttentionVariant
+
+    model = short_model(sliding_window=16)
+    model.attention_variants = lambda: (AttentionVariant(),) * model.config.num_layers
+    engine = fresh_engine(model)
     with pytest.raises(ValueError, match=r"request 1 may reach 17 positions .* its sliding window of 16 tokens"):
         generate_batch(engine, [RequestSpec(1, prompt_ids=ids(10), params=SamplingParams(max_tokens=7))])
     assert untouched(engine)
+
+
+def test_a_window_the_model_attends_bounds_nothing():
+    """Mistral's sliding window is attended as a window (the engine's tree attention clips each query's reads to
+    it): its positions run to max_position, past the window."""
+    model = short_model(sliding_window=16, model_type="mistral")
+    assert position_limit(model) == POSITIONS
+    results, _ = generate_batch(fresh_engine(model), [RequestSpec(1, prompt_ids=ids(10), params=SamplingParams(
+        max_tokens=30, temperature=0.0, ignore_eos=True))])
+    assert len(results[0].output_ids) == 30
 
 
 @pytest.mark.parametrize("make, match", [

@@ -16,29 +16,33 @@ so one compile serves every plan written into it. The workspace of partial state
 inside the op (from a CUDA graph's private pool when captured).
 
     args = attn.op_args(plan)
-    out = torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, attn.sm_scale))
+    out = torch.ops.treedec.tree_attention(*args.inputs(q, k_cache, v_cache, attn.variant))
+
+The layer's :class:`~treedec.attention.variant.AttentionVariant` travels as ``list[float]``
+(:meth:`~AttentionVariant.op_values`): a variant field is one more value, not one more argument.
 """
 from __future__ import annotations
 
 import torch
 
 from treedec.attention.backends.base import get_backend
+from treedec.attention.variant import AttentionVariant
 
 
 @torch.library.custom_op("treedec::tree_attention", mutates_args=())
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-                   sizes: list[int], backend: str, sm_scale: float) -> torch.Tensor:
+                   sizes: list[int], backend: str, variant: list[float]) -> torch.Tensor:
     """Tree attention of a prepared plan: ``out [Q, Hq, D]`` in q's dtype.
 
-    ``q`` [Q, Hq, D]; ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D]; ``tensors``, ``sizes``
-    and ``backend`` (a registered name whose backend has :attr:`~Backend.custom_op`) from
-    :meth:`OpArgs.inputs`.
+    ``q`` [Q, Hq, D]; ``k_cache``, ``v_cache`` [num_pages, page_size, Hkv, D]; ``tensors``, ``sizes``,
+    ``backend`` (a registered name whose backend has :attr:`~Backend.custom_op`) and ``variant`` (the
+    layer's :meth:`AttentionVariant.op_values`) from :meth:`OpArgs.inputs`.
     """
-    return get_backend(backend).run_op(q, k_cache, v_cache, tensors, sizes, sm_scale)
+    return get_backend(backend).run_op(q, k_cache, v_cache, tensors, sizes, AttentionVariant.from_op_values(variant))
 
 
 @tree_attention.register_fake
-def _(q, k_cache, v_cache, tensors, sizes, backend, sm_scale):
+def _(q, k_cache, v_cache, tensors, sizes, backend, variant):
     return torch.empty_like(q)
 
 

@@ -11,6 +11,12 @@ All four share one core and differ only in where chunks are cut in the flattened
   path as chunks of its own, so a shared prefix is read once per query; the same kernels
   run it, which makes it the side-by-side baseline of the DeFT paper's comparisons.
 
+A sliding window (the variant's mask field, ``AttentionVariant.window``) clips each query's root-path intervals
+to the positions it may read (:meth:`AttentionVariant.first_visible`; a token's position is its index on its
+root path); a node's tokens before every reader's window are dropped from the flattened KV, so chunks outside
+every window are never planned nor read, and a shared prefix within the windows is still one chunk that all its
+readers share (the grouping is the same; only the intervals are shorter).
+
 Only tokens that some query reads are flattened (a paused branch costs nothing). On a persistent
 grid (the cuda backend) with automatic chunks, a step whose queries share no KV token (an unshared
 decode batch) is cut by :mod:`~treedec.attention.split_kv` instead: chunks within each query's own
@@ -30,8 +36,10 @@ import numpy as np
 from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_unit_cost, readers_per_chunk,
                                                units_per_kv_head)
 from treedec.attention.planner_choice import planner_impl
+from treedec.attention.read_intervals import read_intervals
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.attention.variant import AttentionVariant
 from treedec.checks import fraction, positive_int
 from treedec.errors import PlanError
 from treedec.tree.layout import TreeLayout
@@ -91,26 +99,35 @@ def default_query_tile(group_size: int, rows: int = 64) -> int:
     return max(1, rows // group_size)
 
 
-def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size: int = 1) -> TreePlan:
+def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size: int = 1,
+              variant: AttentionVariant = AttentionVariant()) -> TreePlan:
     """Plan one step: see the module docstring for the planners.
 
-    ``group_size`` (Hq / Hkv) sizes the query tile when ``config.query_tile`` is None. The compiled
-    planner or the numpy reference runs, as :func:`~treedec.attention.planner_choice.planner_impl`
-    reports; both give the same plan.
+    ``group_size`` (Hq / Hkv) sizes the query tile when ``config.query_tile`` is None. ``variant``'s mask
+    fields (its window) clip the reads; its logit fields do not concern plans. The compiled planner or the
+    numpy reference runs, as :func:`~treedec.attention.planner_choice.planner_impl` reports; both give the
+    same plan.
     """
+    if not isinstance(layout, TreeLayout):
+        raise TypeError(f"layout must be a TreeLayout (SequenceTree.layout()), got {type(layout).__name__}")
+    if not isinstance(config, PlanConfig):
+        raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
+    if not isinstance(variant, AttentionVariant):
+        raise TypeError(f"variant must be an AttentionVariant, got {type(variant).__name__}")
     positive_int("group_size", group_size, error=PlanError, numpy=True)
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
     query_tile = default_query_tile(group_size) if config.query_tile is None else config.query_tile
     module = planner_impl().module
     if module is not None:
-        return _compiled_plan(module, layout, config, query_tile, group_size)
-    return _numpy_plan(layout, replace(config, query_tile=query_tile), group_size)
+        return _compiled_plan(module, layout, config, query_tile, group_size, variant)
+    plan = _numpy_plan(layout, replace(config, query_tile=query_tile), group_size, variant)
+    return plan if variant.window is None else replace(plan, window=variant.window)
 
 
-def _numpy_plan(layout: TreeLayout, config: PlanConfig, group_size: int) -> TreePlan:
+def _numpy_plan(layout: TreeLayout, config: PlanConfig, group_size: int, variant: AttentionVariant) -> TreePlan:
     """The reference planner (``config.query_tile`` resolved)."""
-    q_idx, lo, hi, kv_slots, node_start, node_len = _query_intervals(layout)
+    q_idx, lo, hi, kv_slots, node_start, node_len = read_intervals(layout, variant)
     if config.planner == "path":
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
@@ -185,19 +202,21 @@ def plan_node_chunk(layout: TreeLayout, chunk_size: int = 256, query_tile: int =
 # ===================================================================== private
 
 
-def _compiled_plan(module, layout: TreeLayout, config: PlanConfig, query_tile: int, group_size: int) -> TreePlan:
+def _compiled_plan(module, layout: TreeLayout, config: PlanConfig, query_tile: int, group_size: int,
+                   variant: AttentionVariant) -> TreePlan:
     """:func:`make_plan` by the compiled planner (``treedec/kernels/planner/make_plan.h``)."""
     (kv_slots, chunk_kv_start, chunk_entry_start, entry_query, entry_mask, query_entry_start, query_entries,
      entry_direct, item_chunk, item_entry_start, item_num_entries, chunk_size, max_slot) = module.make_plan(
         layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset,
         PLANNERS.index(config.planner), config.chunk_size or 0, query_tile, config.num_kv_heads, config.num_sms,
-        config.persistent_ctas or 0, float(config.light_tile_cost or 1.0), group_size)
+        config.persistent_ctas or 0, float(config.light_tile_cost or 1.0), group_size, variant.window or 0)
     return TreePlan(planner=config.planner, num_queries=layout.num_queries,
                     kv_slots=layout.kv_slots if kv_slots is None else kv_slots, chunk_kv_start=chunk_kv_start,
                     chunk_entry_start=chunk_entry_start, entry_query=entry_query, entry_mask=entry_mask,
                     query_entry_start=query_entry_start, query_entries=query_entries, entry_direct=entry_direct,
                     item_chunk=item_chunk, item_entry_start=item_entry_start, item_num_entries=item_num_entries,
-                    chunk_size=chunk_size, query_tile=query_tile, max_slot=max_slot, layout=layout)
+                    chunk_size=chunk_size, query_tile=query_tile, max_slot=max_slot, layout=layout,
+                    window=variant.window)
 
 
 def _flatten_bounds(total: int, chunk_size: int) -> np.ndarray:
@@ -282,45 +301,6 @@ def _balanced_or_even(even, config: PlanConfig, runs, total: int):
                             > BALANCED_MIN_GAIN * even_cost):
         return even, config.chunk_size
     return balanced, int(np.diff(balanced).max())
-
-
-def _query_intervals(layout: TreeLayout):
-    """Each query's read set as token intervals over the compacted flattened KV.
-
-    Returns ``q_idx, lo, hi`` (one row per (query, node on its path), empty ones dropped),
-    the compacted ``kv_slots`` and per-node compacted ``node_start``, ``node_len``
-    (0 for nodes no query reads).
-    """
-    kv_start, parent = layout.kv_start, layout.parent
-    num_q = layout.num_queries
-    q_parts, n_parts = [np.arange(num_q, dtype=np.int64)], [layout.query_node]
-    qs, cur = q_parts[0], parent[layout.query_node]
-    while len(cur):
-        alive = cur >= 0
-        qs, cur = qs[alive], cur[alive]
-        q_parts.append(qs)
-        n_parts.append(cur)
-        cur = parent[cur]
-    q_idx = np.concatenate(q_parts)
-    nodes = np.concatenate(n_parts)
-
-    lens = np.diff(kv_start)
-    needed = np.zeros(layout.num_nodes, dtype=bool)
-    needed[nodes] = True
-    if needed.all():  # the common case: nothing to drop
-        node_len, node_start, kv_slots = lens, kv_start[:-1], layout.kv_slots
-    else:
-        node_len = np.where(needed, lens, 0)
-        node_start = np.concatenate([[0], np.cumsum(node_len)[:-1]])
-        kv_slots = layout.kv_slots[np.repeat(needed, lens)]
-
-    own = np.zeros(len(q_idx), dtype=bool)
-    own[:num_q] = True
-    read = np.where(own, np.concatenate([layout.query_offset + 1, np.zeros(len(q_idx) - num_q, np.int64)]),
-                    node_len[nodes])
-    keep = read > 0
-    lo = node_start[nodes][keep]
-    return q_idx[keep], lo, lo + read[keep], kv_slots, node_start, node_len
 
 
 def _plan_paths(layout, config, q_idx, lo, hi, kv_slots) -> TreePlan:

@@ -207,7 +207,8 @@ class StaticPlan:
         """Load ``plan`` (padded) and the ``extra`` sections' values, and copy them to the device.
 
         Raises PlanError, changing nothing, when ``plan`` exceeds the bounds (or, after the first
-        plan, has another query tile: the launch is prepared for one). The copy is asynchronous
+        plan, has another query tile: the launch is prepared for one; or another window: the layers that replay it
+        are of one). The copy is asynchronous
         on the current stream; the pinned buffer is reused only after the previous copy read it.
         """
         device_plan, used = self._stage(plan, extra)
@@ -226,6 +227,8 @@ class StaticPlan:
         problem = self.bounds.problem(plan)
         if problem is None and self.current is not None and plan.query_tile != self.current.query_tile:
             problem = f"the plan's query tile {plan.query_tile} differs from this static plan's {self.current.query_tile}"
+        if problem is None and self.current is not None and plan.window != self.current.window:
+            problem = f"the plan's window {plan.window} differs from this static plan's {self.current.window}"
         if problem is not None:
             raise PlanError(problem)
         device_plan = self.device_plan or self._prepare(plan, self._padded(plan))

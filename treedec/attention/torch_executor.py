@@ -11,7 +11,9 @@
   request: every query reads most of the tokens). On the CPU a step of one decoding request then runs ~8 ops a
   layer instead of ~15 per chunk plus the merge (``bench/cpu_generate.py``).
 
-Both are exact softmax attention in fp32; they differ by rounding only.
+Both are exact softmax attention in fp32; they differ by rounding only. The variant's logit hooks
+(:meth:`AttentionVariant.logits`: a soft-cap) run on the scaled scores; its mask fields (a window) are the
+plan's masks already (the planner clipped the read intervals).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from treedec.attention.merge import merge_states
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
+from treedec.attention.variant import AttentionVariant
 
 TORCH_FORMS = ("auto", "dense", "chunks")
 
@@ -115,8 +118,8 @@ def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto"
                        query_entries=_tensor(plan.query_entries, device), num_entries=plan.num_entries)
 
 
-def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, launch: TorchLaunch, sm_scale: float,
-              return_lse: bool = True) -> TorchAttention:
+def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, launch: TorchLaunch,
+              variant: AttentionVariant, return_lse: bool = True) -> TorchAttention:
     """Tree attention of a prepared step.
 
     Parameters
@@ -124,6 +127,7 @@ def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lau
     q : [Q, Hq, D]
     k_cache, v_cache : [num_pages, page_size, Hkv, D]
     launch : from :func:`prepare_torch`, on q's device
+    variant : the layer's (its scale and logit hooks; the plan holds its mask)
     return_lse : False: the dense form skips the LSE (``lse`` None); the chunks form merges by it anyway
 
     Returns
@@ -139,27 +143,27 @@ def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lau
             k, v = (flat[launch.slot_range[0]:launch.slot_range[1]] for flat in (k_flat, v_flat))
         else:
             k, v = (flat.index_select(0, launch.slots) for flat in (k_flat, v_flat))
-        return _attend(q.float(), k.float(), v.float(), launch.reads, sm_scale, return_lse)
+        return _attend(q.float(), k.float(), v.float(), launch.reads, variant, return_lse)
     o_parts = torch.empty(launch.num_entries, hq, d, dtype=torch.float32, device=q.device)
     lse_parts = torch.empty(launch.num_entries, hq, dtype=torch.float32, device=q.device)
     for chunk in launch.chunks:
         part = _attend(q.index_select(0, chunk.rows).float(), k_flat.index_select(0, chunk.slots).float(),
-                       v_flat.index_select(0, chunk.slots).float(), chunk.reads, sm_scale, True)
+                       v_flat.index_select(0, chunk.slots).float(), chunk.reads, variant, True)
         o_parts[chunk.entry_start:chunk.entry_stop] = part.out
         lse_parts[chunk.entry_start:chunk.entry_stop] = part.lse
     return TorchAttention(*merge_states(o_parts, lse_parts, launch.query_entry_start, launch.query_entries))
 
 
-def run_plan_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan, sm_scale: float,
-                   form: str = "chunks") -> tuple[torch.Tensor, torch.Tensor]:
+def run_plan_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan,
+                   variant: AttentionVariant, form: str = "chunks") -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`run_torch` over ``prepare_torch(plan, q.device, form)``: by default the plan
     executed chunk by chunk as the kernels run it (what their tests compare with)."""
-    result = run_torch(q, k_cache, v_cache, prepare_torch(plan, q.device, form), sm_scale)
+    result = run_torch(q, k_cache, v_cache, prepare_torch(plan, q.device, form), variant)
     return result.out, result.lse
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: torch.Tensor | None, sm_scale: float,
-            return_lse: bool) -> TorchAttention:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: torch.Tensor | None,
+            variant: AttentionVariant, return_lse: bool) -> TorchAttention:
     """Softmax attention of ``q [g, Hq, D]`` over ``k, v [L, Hkv, D]`` (fp32), row i reading the tokens where
     ``reads [g, L]`` (None: all; every row reads one at least): ``out [g, Hq, D]``, ``lse [g, Hq]`` (or None)."""
     g, hq, d = q.shape
@@ -167,7 +171,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reads: torch.Tens
     group = hq // hkv
     # [Hkv, g * G, D]: the query heads of a KV head are its rows, one batched GEMM per product.
     qh = q.view(g, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, g * group, d)
-    scores = torch.bmm(qh, k.permute(1, 2, 0)).mul_(sm_scale)                 # [Hkv, g * G, L]
+    scores = variant.logits(torch.bmm(qh, k.permute(1, 2, 0)).mul_(variant.scale(d)))   # [Hkv, g * G, L]
     if reads is not None:
         scores.view(hkv, g, group, -1).masked_fill_(~reads[None, :, None, :], float("-inf"))
     lse = None

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
+import numpy as np
 import torch
 
 from treedec.attention.backends import Backend, OpArgs, backend_names, check_kv_caches, get_backend, resolve_backend
@@ -12,7 +12,8 @@ from treedec.attention.planner_choice import PlannerImpl, planner_impl
 from treedec.attention.planners import PlanConfig, make_plan
 from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
-from treedec.checks import int_in_range, positive_float
+from treedec.attention.variant import AttentionVariant
+from treedec.checks import int_in_range
 from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.sequence_tree import SequenceTree
@@ -65,8 +66,12 @@ class TreeAttention:
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
         are set from this object and the device.
-    sm_scale:
-        Softmax scale; default ``1 / sqrt(head_dim)``.
+    variant:
+        What the layers it runs compute (:class:`AttentionVariant`: softmax scale, default
+        ``1 / sqrt(head_dim)``; logit soft-cap; sliding window): its mask fields go to the planner
+        (:meth:`plan` clips each query's reads to its window), its logit fields to the kernels (the
+        backend runs the kernel of :meth:`AttentionVariant.kernel_key`). A plan depends only on the
+        mask fields (``plan.plan.window``): TreeAttentions of one window may run each other's plans.
     device:
         Where ``run`` will get its tensors; default CUDA if available, else CPU.
     dtype:
@@ -81,7 +86,7 @@ class TreeAttention:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, backend: str = "auto",
-                 plan_config: PlanConfig = PlanConfig(), sm_scale: float | None = None,
+                 plan_config: PlanConfig = PlanConfig(), variant: AttentionVariant = AttentionVariant(),
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float16):
         num_qo_heads = int_in_range("num_qo_heads", num_qo_heads, error=TypeError, numpy=True)
         num_kv_heads = int_in_range("num_kv_heads", num_kv_heads, error=TypeError, numpy=True)
@@ -95,10 +100,11 @@ class TreeAttention:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         if not isinstance(plan_config, PlanConfig):
             raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
+        if not isinstance(variant, AttentionVariant):
+            raise TypeError(f"variant must be an AttentionVariant, got {type(variant).__name__}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype = dtype
-        self.sm_scale = (1.0 / math.sqrt(head_dim) if sm_scale is None
-                         else positive_float("sm_scale", sm_scale, note=" (default 1/sqrt(head_dim))"))
+        self.variant = variant
         self.device = _resolve_device(device)
         if self.device.type == "cuda":
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -106,7 +112,7 @@ class TreeAttention:
             num_sms = plan_config.num_sms
         self.backend, self.backend_reason = resolve_backend(backend, self.device)
         self.backend_impl: Backend = get_backend(self.backend).create(num_qo_heads, num_kv_heads, head_dim, dtype,
-                                                                      self.sm_scale, self.device)
+                                                                      variant, self.device)
         # what the backend runs best with (cuda: chunks that fill its 128-row units and its persistent grid)
         self.plan_config = self.backend_impl.plan_config(
             dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms))
@@ -148,7 +154,7 @@ class TreeAttention:
             layout = tree
         else:
             raise TypeError(f"plan() takes a SequenceTree or its TreeLayout, got {type(tree).__name__}")
-        return make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads)
+        return make_plan(layout, self.plan_config, self.num_qo_heads // self.num_kv_heads, self.variant)
 
     def static_plan(self, bounds: PlanBounds, tile_tokens: int | None = None,
                     extra: dict[str, tuple[int, ...]] | None = None) -> StaticPlan:
@@ -203,13 +209,20 @@ class TreeAttention:
         guards and recompile every step): the caller owns them, as the engine's static forward does."""
         if not torch.compiler.is_compiling():
             self._check_inputs(q, k_cache, v_cache, plan)
-        return torch.ops.treedec.tree_attention(*self.op_args(plan).inputs(q, k_cache, v_cache, self.sm_scale))
+        return torch.ops.treedec.tree_attention(*self.op_args(plan).inputs(q, k_cache, v_cache, self.variant))
 
     def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
         """Raise a clear error for inputs ``run`` cannot take: this object's checks, then the backend's own
         (:meth:`Backend.check_inputs`)."""
+        for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(value, torch.Tensor):
+                hint = " (torch.from_numpy converts a numpy array)" if isinstance(value, np.ndarray) else ""
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}{hint}")
         if not isinstance(plan, DeviceTreePlan):
             raise TypeError(f"plan must come from TreeAttention.plan(), got {type(plan).__name__}")
+        if plan.plan.window != self.variant.window:
+            raise ValueError(f"this plan was made for window={plan.plan.window}, not this TreeAttention's "
+                             f"window={self.variant.window}: plan with a TreeAttention of this variant's mask fields")
         # torch and reference execute any plan; the kernel backends need their own launch prepared.
         prepares = self.backend_impl.prepares_launch
         if prepares and plan.backend != self.backend:

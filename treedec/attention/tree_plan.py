@@ -66,6 +66,9 @@ class TreePlan:
         overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
         raises ValueError otherwise. (): none. The planners make (); callers set it with
         ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``.
+    window : int or None
+        The sliding window the planner clipped the queries' reads to (``AttentionVariant.window``; None: whole
+        root paths): the mask fields the plan serves.
     """
 
     planner: str
@@ -86,6 +89,7 @@ class TreePlan:
     max_slot: int
     layout: TreeLayout
     dynamic_kv: tuple[tuple[int, int], ...] = ()
+    window: int | None = None
 
     @property
     def num_chunks(self) -> int:

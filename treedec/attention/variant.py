@@ -15,10 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["AttentionVariant"]
+__all__ = ["AttentionVariant", "LogitArgs"]
+
+_LOG2E = 1.4426950408889634
+
+
+class LogitArgs(NamedTuple):
+    """What a kernel of :meth:`AttentionVariant.kernel_key` multiplies a raw score ``s = q . k`` by (see
+    :meth:`AttentionVariant.logit_args`): with the soft-cap hook, ``t = tanh(s * softcap_scale)``, else ``t = s``;
+    then the base-2 logit is ``t * scale_log2`` (the kernels' softmax runs in base 2)."""
+
+    scale_log2: float
+    softcap_scale: float   # 0.0 where the variant has no soft-cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +66,15 @@ class AttentionVariant:
         """The softmax scale for ``head_dim``."""
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
+    def first_visible(self, query_positions):
+        """The mask fields as a bound: the first key position each query may read (``[Q]`` ints, numpy or torch,
+        in the type given): ``p - window + 1`` clipped at 0, or 0 without a window. The planners clip each query's
+        root-path intervals there; :meth:`visible` is defined by it."""
+        if self.window is None:
+            return query_positions * 0
+        lowest = query_positions - (self.window - 1)
+        return lowest.clip(min=0) if hasattr(lowest, "clip") else max(lowest, 0)
+
     def logits(self, scores: torch.Tensor) -> torch.Tensor:
         """The logit hooks on ``scores`` (already scaled, any shape; computed in fp32 by the caller)."""
         if self.logit_softcap is None:
@@ -64,12 +85,39 @@ class AttentionVariant:
     def visible(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """The mask fields: ``[Q, T]`` bool, whether a query at ``query_positions[i]`` may read a key at
         ``key_positions[t]`` by position alone (the tree's ancestry is the caller's mask, and-ed with this)."""
-        q, k = query_positions[:, None], key_positions[None, :]
-        seen = k <= q
-        if self.window is not None:
-            seen = seen & (k > q - self.window)
-        return seen
+        k = key_positions[None, :]
+        return (k <= query_positions[:, None]) & (k >= self.first_visible(query_positions)[:, None])
 
-    def kernel_key(self) -> tuple:
-        """The compile-time flags a kernel is built for (the logit fields' presence; the values are arguments)."""
-        return (self.logit_softcap is not None,)
+    def mask_key(self) -> tuple:
+        """The mask fields (what a plan depends on): layers whose variants share it share a step's plan."""
+        return (self.window,)
+
+    def kernel_key(self) -> tuple[str, ...]:
+        """The logit hooks a kernel is built with, by name (``()``: the plain kernel, today's; ``("softcap",)``):
+        compile-time flags, one kernel build per key used; the values are :meth:`logit_args`."""
+        return () if self.logit_softcap is None else ("softcap",)
+
+    def logit_args(self, head_dim: int) -> LogitArgs:
+        """The kernels' run-time values of the logit fields for ``head_dim`` (see :class:`LogitArgs`):
+        ``c * tanh(s * scale / c)`` in base 2 is ``tanh(s * (scale / c)) * (c * log2(e))``."""
+        scale = self.scale(head_dim)
+        if self.logit_softcap is None:
+            return LogitArgs(scale * _LOG2E, 0.0)
+        return LogitArgs(self.logit_softcap * _LOG2E, scale / self.logit_softcap)
+
+    def op_values(self) -> list[float]:
+        """The fields as ``torch.ops.treedec.tree_attention`` carries them (a ``list[float]`` of its schema, in
+        field order, None as 0.0: every field is > 0 when set); :meth:`from_op_values` reads them back."""
+        return [0.0 if getattr(self, f.name) is None else float(getattr(self, f.name))
+                for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_op_values(cls, values) -> "AttentionVariant":
+        """The variant of :meth:`op_values`' ``values``; ValueError unless there is one value per field."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if len(values) != len(names):
+            raise ValueError(f"AttentionVariant takes {len(names)} values {names}, got {len(values)}: {list(values)}")
+        fields = {name: None if value == 0 else value for name, value in zip(names, values)}
+        if fields["window"] is not None:
+            fields["window"] = int(fields["window"])
+        return cls(**fields)

@@ -12,6 +12,10 @@ pages (the engine keeps one spare page for it); their outputs are dropped.
 A plan that does not fit its bucket's bounds makes the runner capture a larger graph (the
 union of both bounds), up to ``max_graphs`` graphs; beyond that, or past ``max_queries``,
 the step runs eagerly and the reason is counted in :attr:`GraphRunner.stats`.
+
+A model whose layers form several attention groups (:mod:`treedec.engine.attention_groups`: a window's
+layers and the others) has one plan per group a step: a bucket holds one static plan per group (the first
+carries the step's inputs), each bounded on its own, all inside the one graph.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import numpy as np
 import torch
 
 from treedec.attention import PlanBounds, StaticPlan, TreeAttention, TreePlan
+
+Plans = tuple[TreePlan, ...]   # a step's plans, one per attention group
 from treedec.checks import positive_int
 
 logger = logging.getLogger("treedec")
@@ -52,34 +58,41 @@ class CudaGraphConfig:
 
 @dataclass
 class GraphEntry:
-    """One bucket's buffers (:meth:`GraphRunner.new_entry`): its static plan and per-row inputs, and once
-    captured its graph and the outputs each replay writes."""
+    """One bucket's buffers (:meth:`GraphRunner.new_entry`): its static plans (one per attention group; the first
+    holds the step's inputs) and per-row inputs, and once captured its graph and the outputs each replay writes."""
 
-    static: StaticPlan
+    statics: tuple[StaticPlan, ...]
     row_inputs: dict[str, torch.Tensor]      # per-row float inputs (a drafter's features), [max_queries, width]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] = ()   # the captured graph's outputs, [queries, ...] each
     gathered: list[int | None] = field(default_factory=lambda: [None] * GATHERS)  # the last load's gather lengths
 
+    @property
+    def static(self) -> StaticPlan:
+        """The first group's static plan: the one whose ``extra["inputs"]`` holds the step's inputs."""
+        return self.statics[0]
+
 
 class GraphRunner:
     """Runs steps from static plans, replaying one captured graph per query bucket.
 
-    ``forward(static, row_inputs) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
-    hidden_size], ...)`` is the model forward over a :class:`StaticPlan`'s buffers, its inputs in
-    ``static.extra["inputs"]`` ([3 + GATHERS, max_queries] int32: token ids, positions, slots, then
-    :meth:`load`'s gathers; the engine provides it) and ``row_inputs`` (one ``[max_queries, width]`` buffer per name of the
+    ``forward(statics, row_inputs) -> (logits [bounds.max_queries, vocab], hidden [bounds.max_queries,
+    hidden_size], ...)`` is the model forward over :class:`StaticPlan` buffers, one per attention group
+    (``planners``: the TreeAttention that writes each group's), its inputs in ``statics[0].extra["inputs"]``
+    ([3 + GATHERS, max_queries] int32: token ids, positions, slots, then :meth:`load`'s gathers; the engine
+    provides it) and ``row_inputs`` (one ``[max_queries, width]`` buffer per name of the
     constructor's ``row_inputs``, e.g. a drafter's features), returning a tuple of per-row outputs.
     Every graph keeps all of them, so steps that need hidden states (Medusa heads, draft models)
     replay the same graphs as steps that need logits only.
     """
 
     def __init__(self, config: CudaGraphConfig,
-                 forward: Callable[[StaticPlan, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
-                 attn: TreeAttention, scratch_slot: int,
+                 forward: Callable[[tuple[StaticPlan, ...], dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
+                 planners: tuple[TreeAttention, ...], scratch_slot: int,
                  row_inputs: dict[str, tuple[int, torch.dtype]] | None = None):
         self.config = config
-        self.attn = attn
+        self.planners = tuple(planners)
+        self.attn = self.planners[0]
         self._forward = forward
         self._scratch_slot = scratch_slot
         self._row_inputs = dict(row_inputs or {})
@@ -87,9 +100,9 @@ class GraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats: Counter = Counter()
 
-    def load(self, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+    def load(self, plans: Plans, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
              gathers: tuple[np.ndarray | None, ...] = ()) -> GraphEntry | None:
-        """Write the step planned by ``plan`` into its bucket's static plan (the host
+        """Write the step planned by ``plans`` (one per attention group) into its bucket's static plans (the host
         side of a graphed step); None when it must run eagerly (the reason counted in :attr:`stats`).
 
         ``gathers``: up to :data:`GATHERS` arrays of output rows (e.g. the rows whose logits the step
@@ -97,17 +110,18 @@ class GraphRunner:
         each one's device indices."""
         if len(gathers) > GATHERS:
             raise ValueError(f"at most {GATHERS} gathers, got {len(gathers)}")
-        if plan.num_queries > self.config.max_queries:
+        num_queries = plans[0].num_queries
+        if num_queries > self.config.max_queries:
             return self._eager(f"more than max_queries={self.config.max_queries} queries")
-        key = PlanBounds.query_bucket(plan.num_queries)
+        key = PlanBounds.query_bucket(num_queries)
         entry = self._graphs.get(key)
         replaced = None  # kept alive until the new graph is captured (see below)
-        if entry is None or not self.holds(entry, plan):
+        if entry is None or not self.holds(entry, plans):
             if entry is None and len(self._graphs) >= self.config.max_graphs:
                 return self._eager(f"max_graphs={self.config.max_graphs} graphs already captured")
             replaced = self._graphs.pop(key, None)
-            entry = self._graphs[key] = self.new_entry(plan, None if replaced is None else replaced.static.bounds)
-        self.write(entry, plan, tokens, positions, slots, gathers)
+            entry = self._graphs[key] = self.new_entry(plans, None if replaced is None else replaced.statics)
+        self.write(entry, plans, tokens, positions, slots, gathers)
         if self.config.capture and entry.graph is None:
             entry.graph, entry.outputs = self.capture(lambda: self.forward(entry))
         # Only now may a replaced graph go: its memory returns to the shared pool, and a
@@ -116,35 +130,44 @@ class GraphRunner:
         return entry
 
     @staticmethod
-    def holds(entry: GraphEntry, plan: TreePlan) -> bool:
-        """Whether ``plan`` can be written into ``entry``'s static plan (within its bounds, same query tile)."""
-        return entry.static.bounds.fits(plan) and entry.static.current.query_tile == plan.query_tile
+    def holds(entry: GraphEntry, plans: Plans) -> bool:
+        """Whether each of ``plans`` can be written into ``entry``'s static plan of its group (within its bounds,
+        same query tile)."""
+        return all(static.bounds.fits(plan) and static.current.query_tile == plan.query_tile
+                   for static, plan in zip(entry.statics, plans))
 
-    def new_entry(self, plan: TreePlan, grow: PlanBounds | None = None,
+    def new_entry(self, plans: Plans, grow: tuple[StaticPlan, ...] | None = None,
                   extra: dict[str, tuple[int, ...]] | None = None) -> GraphEntry:
-        """Static buffers (plan, inputs, per-row inputs; ``extra``: more int32 sections) for plans like ``plan``:
-        the bounds :meth:`PlanBounds.for_plan` gives, joined with ``grow`` (the bounds of an entry it replaces)."""
-        need = PlanBounds.for_plan(plan)
-        bounds = need if grow is None else grow.union(need)
-        static = self.attn.static_plan(bounds, extra={"inputs": (3 + GATHERS, bounds.max_queries), **(extra or {})})
-        buffers = {name: torch.zeros(bounds.max_queries, width, dtype=dtype, device=static.device)
-                   for name, (width, dtype) in self._row_inputs.items()}
-        return GraphEntry(static, buffers)
+        """Static buffers (a plan per group, inputs, per-row inputs; ``extra``: more int32 sections of the first
+        group's) for plans like ``plans``: the bounds :meth:`PlanBounds.for_plan` gives each, joined with those
+        of ``grow`` (the static plans of an entry it replaces); one query bucket for all."""
+        bounds = [PlanBounds.for_plan(plan) for plan in plans]
+        if grow is not None:
+            bounds = [need.union(old.bounds) for need, old in zip(bounds, grow)]
+        width = bounds[0].max_queries
+        assert all(b.max_queries == width for b in bounds), [b.max_queries for b in bounds]   # one step's queries
+        statics = tuple(attn.static_plan(b, extra={"inputs": (3 + GATHERS, width), **(extra or {})} if g == 0 else None)
+                        for g, (attn, b) in enumerate(zip(self.planners, bounds)))
+        buffers = {name: torch.zeros(width, row_width, dtype=dtype, device=statics[0].device)
+                   for name, (row_width, dtype) in self._row_inputs.items()}
+        return GraphEntry(statics, buffers)
 
-    def write(self, entry: GraphEntry, plan: TreePlan, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+    def write(self, entry: GraphEntry, plans: Plans, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               gathers: tuple[np.ndarray | None, ...] = (), extra: dict[str, np.ndarray] | None = None) -> None:
-        """Write a step (its plan, token ids, positions, slots, gathers and ``extra`` sections) into ``entry``'s
-        buffers, padded (see the module docstring); one asynchronous copy."""
+        """Write a step (its plans, token ids, positions, slots, gathers and ``extra`` sections) into ``entry``'s
+        buffers, padded (see the module docstring); one asynchronous copy a group."""
         width = entry.static.bounds.max_queries
         inputs = np.zeros((3 + GATHERS, width), dtype=np.int32)
         inputs[2] = self._scratch_slot
-        inputs[:3, :plan.num_queries] = (tokens, positions, slots)
+        inputs[:3, :plans[0].num_queries] = (tokens, positions, slots)
         entry.gathered = [None] * GATHERS
         for i, rows in enumerate(gathers):
             if rows is not None and len(rows) <= width:   # more rows (repeats) go by a copy of their own
                 inputs[3 + i, :len(rows)] = rows
                 entry.gathered[i] = len(rows)
-        entry.static.write(plan, extra={"inputs": inputs, **(extra or {})})
+        entry.static.write(plans[0], extra={"inputs": inputs, **(extra or {})})
+        for static, plan in zip(entry.statics[1:], plans[1:]):
+            static.write(plan)
 
     def capture(self, forward: Callable[[], tuple[torch.Tensor, ...]]
                 ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
@@ -167,7 +190,7 @@ class GraphRunner:
     def forward(self, entry: GraphEntry) -> tuple[torch.Tensor, ...]:
         """The forward over ``entry``'s buffers, every row (what a capture records; a
         :class:`~treedec.engine.step_chain.StepChain` calls it inside its own graph)."""
-        return self._forward(entry.static, entry.row_inputs)
+        return self._forward(entry.statics, entry.row_inputs)
 
     def gather_index(self, entry: GraphEntry, which: int) -> torch.Tensor | None:
         """The device indices (int32) of the step's gather ``which`` (:meth:`load`'s ``gathers``), None when

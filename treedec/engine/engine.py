@@ -1,4 +1,5 @@
-"""Engine: a Llama-family model on a paged KV pool and a forest of decoding trees.
+"""Engine: a model (a :class:`~treedec.models.base.DecoderModel` of any family) on a paged KV pool and a forest of
+decoding trees.
 
     engine = Engine(from_pretrained("/models/Llama-3.1-8B"))   # KV pool from free GPU memory
     root = engine.prefill(prompt_ids)                           # a new tree of the forest
@@ -23,11 +24,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, TreeAttention, backend_names
-from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
+from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, backend_names
+from treedec.attention.dynamic_span import DynamicSpan, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
+from treedec.engine.attention_groups import LayerAttention, StepAttend
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
-from treedec.models.llama import Llama
+from treedec.models.base import DecoderModel
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window)
@@ -46,9 +48,9 @@ class Engine:
 
     Parameters
     ----------
-    model : Llama
+    model : DecoderModel
         From :func:`~treedec.models.from_pretrained`, :func:`~treedec.models.from_hf_model`
-        or :func:`~treedec.models.from_config`; the pool takes its dtype and device.
+        or :func:`~treedec.models.from_config` (or an EAGLE drafter); the pool takes its dtype and device.
     kv_tokens : int, optional
         KV pool capacity in tokens (rounded down to whole pages). Default on CUDA: what fits in
         ``memory_fraction`` of the free GPU memory after the weights, less an activation
@@ -57,7 +59,10 @@ class Engine:
         Tokens per KV page.
     backend, plan_config :
         Of the :class:`TreeAttention` (``auto``: cuda on an H100/H200, else triton on a GPU; torch
-        on the CPU).
+        on the CPU); one per variant of the model's layers (``model.attention_variants()``), and a plan a
+        step per group of layers that share a window (:mod:`treedec.engine.attention_groups`). A model's
+        sliding window is attended as such (its keys past the window are never read); a config's window
+        that the model's variants do not implement (Qwen2's per-layer one) caps the positions instead.
     prefill_chunk : int
         :meth:`prefill` runs a long prompt as steps of at most this many tokens.
     cuda_graphs : bool or CudaGraphConfig
@@ -76,6 +81,9 @@ class Engine:
 
     Attributes
     ----------
+    attention : LayerAttention
+        The layers' TreeAttentions and groups (:mod:`treedec.engine.attention_groups`); ``attn`` is layer 0's
+        TreeAttention (its backend and planner are every layer's).
     guard : ThreadGuard
         Held by the thread inside the engine (re-entrant); see :mod:`treedec.tree.thread_guard`.
     vocab_limit : int or None
@@ -87,7 +95,7 @@ class Engine:
         head, by every layer's attention: each chunk once per work item).
     """
 
-    def __init__(self, model: Llama, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
+    def __init__(self, model: DecoderModel, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
                  cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False):
         c = model.config
@@ -97,8 +105,12 @@ class Engine:
         self.model = model
         self.device = model.device
         self.prefill_chunk = prefill_chunk
-        self.attn = TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
-                                  plan_config=plan_config, device=self.device, dtype=model.dtype)
+        variants = model.attention_variants()
+        self.attention = LayerAttention.build(variants, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, backend,
+                                              plan_config, self.device, model.dtype)
+        self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
+        # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
+        self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
         # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
         self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
@@ -109,7 +121,7 @@ class Engine:
         self.vocab_limit: int | None = None
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._hidden_layers: tuple[int, ...] = ()
-        self._feature_size: int | None = getattr(model, "feature_size", None)   # read every step
+        self._feature_size: int | None = model.feature_size   # read every step
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
 
@@ -222,7 +234,7 @@ class Engine:
         if pending:
             raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
                             f"run step() first")
-        check_window(self.model.config.sliding_window, prompt.last_position)
+        check_window(self._window_cap, prompt.last_position)
         if prompt.pages > self.pool.num_free_pages:
             raise PoolExhaustedError(
                 f"KV pool exhausted: the {prompt.num_tokens}-token prompt needs {prompt.pages} page(s) of "
@@ -248,27 +260,27 @@ class Engine:
             raise ValueError("return_aux needs hidden-state layers: call engine.capture_hidden_layers(layers) first")
         features = check_features(features, num_q, self.feature_size, self.device, self.model.dtype)
         positions = layout.query_position
-        check_window(self.model.config.sliding_window, int(positions.max()))
+        check_window(self._window_cap, int(positions.max()))
         device_tokens = check_device_tokens(tokens, num_q, self.device)
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
         started = time.perf_counter()
         graph = None
-        host_plan = self.attn.plan_host(layout)
         spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
-        host_plan, ranges = located(host_plan, spans, self.attn.backend_impl)   # (no spans: the plan as it is)
+        host_plans, ranges = self.attention.plan_host(layout, spans)   # one a group (no spans: as planned)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
-            graph = self._graphs.load(host_plan, tokens, positions, slots, gathers)
-        plan = self.attn.prepare(host_plan.to(self.device)) if graph is None else None
+            graph = self._graphs.load(host_plans, tokens, positions, slots, gathers)
+        plans = self.attention.prepare(host_plans, self.device) if graph is None else None
         if spans and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
-            mask_on_device(host_plan, plan.entry_mask if graph is None else graph.static.device_plan.entry_mask,
-                           spans, ranges)
+            for g, host_plan in enumerate(host_plans):
+                mask_on_device(host_plan, plans[g].entry_mask if graph is None
+                               else graph.statics[g].device_plan.entry_mask, spans, ranges[g])
         self.stats["plan_seconds"] += time.perf_counter() - started
-        self.stats["kv_tokens_read"] += host_plan.kv_tokens_read()
-        if plan is not None:
-            out = self.eager_forward(plan, tokens, positions, slots, rows, device_tokens, features, spans)
+        self.stats["kv_tokens_read"] += self.attention.kv_tokens_read(host_plans)
+        if plans is not None:
+            out = self.eager_forward(plans, tokens, positions, slots, rows, device_tokens, features, spans)
             logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
             heads = None
             if return_heads:
@@ -395,15 +407,22 @@ class Engine:
     # ================================================================ the engine package's interface
 
     @property
+    def window_cap(self) -> int | None:
+        """The positions a step may not reach (its ``check_window``): the config's sliding window where the model's
+        variants do not attend it as a window, else None. For the engine package (a StepChain's steps)."""
+        return self._window_cap
+
+    @property
     def graph_runner(self) -> GraphRunner | None:
         """The runner of the graphed steps (None without ``cuda_graphs``). For the engine package: a
         :class:`~treedec.engine.step_chain.StepChain` writes its steps' static plans and captures through it."""
         return self._graphs
 
-    def eager_forward(self, plan: DeviceTreePlan, tokens, positions, slots, rows,
+    def eager_forward(self, plans: tuple[DeviceTreePlan, ...], tokens, positions, slots, rows,
                       device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
                       spans: tuple[DynamicSpan, ...] = ()):
-        """The model's ``ForwardOutput`` of a step over its prepared ``plan`` (host ``tokens``, ``positions``,
+        """The model's ``ForwardOutput`` of a step over its prepared ``plans`` (one per attention group,
+        :class:`~treedec.engine.attention_groups.LayerAttention`; host ``tokens``, ``positions``,
         ``slots`` ``[queries]``; logits at ``rows``, None: all; ``device_tokens`` int64 in place of ``tokens``;
         ``spans``' positions moved back on the device), and nothing else (no commit, stats or vocabulary mask).
         For the engine package (:meth:`step`, a :class:`StepChain`'s eager steps); programs call :meth:`step`."""
@@ -412,8 +431,8 @@ class Engine:
             shift_positions(inputs[1], span)
         rows_t = None if rows is None else to_device(rows, self.device)
         token_ids = inputs[0] if device_tokens is None else device_tokens
-        return self.model(token_ids, inputs[1], _TreeAttend(self, inputs[2], plan), rows_t, self._hidden_layers,
-                          features)
+        return self.model(token_ids, inputs[1], StepAttend(self.attention, self.pool, inputs[2], plans), rows_t,
+                          self._hidden_layers, features)
 
     # ================================================================ private
 
@@ -430,14 +449,14 @@ class Engine:
         """Width of the per-query features the model reads (:meth:`step`'s ``features``), or None."""
         return self._feature_size
 
-    def _static_forward(self, static: StaticPlan, row_inputs: dict[str, torch.Tensor], ops: bool = False
-                        ) -> tuple[torch.Tensor, ...]:
-        """The forward of a CUDA-graph step, read from ``static``'s device buffers and ``row_inputs``
-        (the per-row features of a drafter): (logits, hidden, aux when :attr:`hidden_layers`, each row
-        head's output), every row. ``ops``: attention and the K/V store as custom ops (what
-        ``torch.compile`` traces)."""
-        tokens, positions, slots = static.extra["inputs"][:3]
-        attend = _TreeAttend(self, slots.long(), static.device_plan, ops)
+    def _static_forward(self, statics: tuple[StaticPlan, ...], row_inputs: dict[str, torch.Tensor],
+                        ops: bool = False) -> tuple[torch.Tensor, ...]:
+        """The forward of a CUDA-graph step, read from the device buffers of ``statics`` (one static plan per
+        attention group; the first holds the inputs) and ``row_inputs`` (the per-row features of a drafter):
+        (logits, hidden, aux when :attr:`hidden_layers`, each row head's output), every row. ``ops``: attention
+        and the K/V store as custom ops (what ``torch.compile`` traces)."""
+        tokens, positions, slots = statics[0].extra["inputs"][:3]
+        attend = StepAttend(self.attention, self.pool, slots.long(), tuple(s.device_plan for s in statics), ops)
         forward = self.model.forward_graph if ops else self.model
         out = forward(tokens, positions, attend, None, self._hidden_layers, row_inputs.get("features"))
         with torch.no_grad():
@@ -463,33 +482,15 @@ class Engine:
         scratch_slot = self.pool.scratch_slot
         row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
         if compile_model is False:
-            return GraphRunner(config, self._static_forward, self.attn, scratch_slot, row_inputs)
+            return GraphRunner(config, self._static_forward, self.attention.planners, scratch_slot, row_inputs)
         options = {"fullgraph": True, "dynamic": False, **(compile_model if isinstance(compile_model, dict) else {})}
         compiled = torch.compile(functools.partial(self._static_forward, ops=True), **options)
 
-        def compiled_forward(static: StaticPlan, inputs: dict[str, torch.Tensor]):
-            # One compile per static plan (graph bucket): allow as many as there are graphs.
+        def compiled_forward(statics: tuple[StaticPlan, ...], inputs: dict[str, torch.Tensor]):
+            # One compile per graph bucket (its static plans): allow as many as there are graphs.
             with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
-                return compiled(static, inputs)
-        return GraphRunner(config, compiled_forward, self.attn, scratch_slot, row_inputs)
-
-
-class _TreeAttend:
-    """The :class:`~treedec.models.llama.Attend` of one step: store K/V at ``slots``, run tree attention
-    (with ``ops``, both as the custom ops of :mod:`treedec.attention.custom_ops`)."""
-
-    def __init__(self, engine: Engine, slots: torch.Tensor, plan: DeviceTreePlan, ops: bool = False):
-        self.engine, self.slots, self.plan, self.ops = engine, slots, plan, ops
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        e, pool = self.engine, self.engine.pool
-        k_cache, v_cache = pool.layer(layer)
-        if self.ops:
-            torch.ops.treedec.store_kv(pool.k_slots[layer], pool.v_slots[layer], self.slots, k, v)
-            return e.attn.run_op(q, k_cache, v_cache, self.plan)
-        pool.k_slots[layer].index_copy_(0, self.slots, k)
-        pool.v_slots[layer].index_copy_(0, self.slots, v)
-        return e.attn.run(q, k_cache, v_cache, self.plan)
+                return compiled(statics, inputs)
+        return GraphRunner(config, compiled_forward, self.attention.planners, scratch_slot, row_inputs)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 
 from treedec.checks import positive_int
-from treedec.models.llama import Llama
+from treedec.models.base import DecoderModel
 from treedec.errors import PoolExhaustedError
 
 _GIB = 1 << 30
 
 
-def kv_pool_pages(model: Llama, kv_tokens: int | None, page_size: int, memory_fraction: float,
+def kv_pool_pages(model: DecoderModel, kv_tokens: int | None, page_size: int, memory_fraction: float,
                   prefill_chunk: int) -> tuple[int, str]:
     """``(pages, reason)``: ``kv_tokens // page_size`` when given; else, on CUDA, ``memory_fraction`` of the
     free memory after the weights, less :func:`activation_reserve`. A tensor-parallel model's ranks all
@@ -34,13 +34,13 @@ def kv_pool_pages(model: Llama, kv_tokens: int | None, page_size: int, memory_fr
         reason = (f"sized from free GPU memory after the weights: {memory_fraction:.0%} of "
                   f"{free / _GIB:.1f} GiB free, less {reserve / _GIB:.1f} GiB for activations, "
                   f"{pages * page_size * bytes_per_token / _GIB:.1f} GiB at {bytes_per_token} B/token")
-    tp = getattr(model, "tensor_parallel", None)
+    tp = model.tensor_parallel
     if tp is not None:
         pages = min(tp.gather_objects(pages))
     return pages, reason
 
 
-def activation_reserve(model: Llama, prefill_chunk: int) -> int:
+def activation_reserve(model: DecoderModel, prefill_chunk: int) -> int:
     """Bytes kept free for a step's activations: a prefill chunk's largest tensors, its attention
     workspace (up to 8 partials per query), the logits, and 1 GiB for the allocator and graphs."""
     c, size = model.config, model.dtype.itemsize

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from treedec.attention import SpanMasking
-from treedec.attention.dynamic_span import DynamicSpan, located, mask_on_device, shift_positions
+from treedec.attention.dynamic_span import DynamicSpan, mask_on_device, shift_positions
 from treedec.checks import positive_int
 from treedec.engine.cuda_graphs import GraphEntry, GraphRunner
 from treedec.engine.step_checks import check_window
@@ -136,25 +136,25 @@ class StepChain:
                              f"{self._widths[i]}, now {width}")
         if i == len(self._widths):
             self._widths.append(width)
-        check_window(e.model.config.sliding_window, int(step.layout.query_position.max()))
+        check_window(e.window_cap, int(step.layout.query_position.max()))
         return ChainStep(step.layout, rows)
 
     def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor],
                      spans: tuple[DynamicSpan, ...]) -> tuple[torch.Tensor, ...]:
         e, runner = self.engine, self.engine.graph_runner
         started = time.perf_counter()
-        planned = [located(e.attn.plan_host(step.layout), spans, e.attn.backend_impl) for step in steps]
-        plans = [plan for plan, _ in planned]
-        rebuilt = self._fit(runner, plans)
-        for entry, (plan, ranges), step in zip(self._entries, planned, steps):
-            runner.write(entry, plan, np.zeros(plan.num_queries, dtype=np.int64), step.layout.query_position,
+        planned = [e.attention.plan_host(step.layout, spans) for step in steps]   # (plans, ranges): one a group
+        rebuilt = self._fit(runner, [plans for plans, _ in planned])
+        for entry, (plans, ranges), step in zip(self._entries, planned, steps):
+            runner.write(entry, plans, np.zeros(plans[0].num_queries, dtype=np.int64), step.layout.query_position,
                          step.layout.query_slot, (step.rows,))
             if spans:   # (stream-ordered after the write, before the replay)
                 if e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
-                    mask_on_device(plan, entry.static.device_plan.entry_mask, spans, ranges)
+                    for static, plan, where in zip(entry.statics, plans, ranges):
+                        mask_on_device(plan, static.device_plan.entry_mask, spans, where)
                 for span in spans:
                     shift_positions(entry.static.extra["inputs"][1], span)
-            e.stats["kv_tokens_read"] += plan.kv_tokens_read()
+            e.stats["kv_tokens_read"] += e.attention.kv_tokens_read(plans)
         e.stats["plan_seconds"] += time.perf_counter() - started
         if rebuilt or not self._inputs:
             self._inputs = {name: torch.zeros(shape, dtype=dtype, device=e.device)
@@ -171,15 +171,15 @@ class StepChain:
         runner.stats["chain_replays"] += 1
         return self._outputs
 
-    def _fit(self, runner: GraphRunner, plans) -> bool:
-        """Make every step's static plan hold its plan (new ones grown from the old bounds); True when any
-        was made anew (the graph is then captured again)."""
+    def _fit(self, runner: GraphRunner, step_plans) -> bool:
+        """Make every step's static plans hold its plans (one a group; new ones grown from the old bounds); True
+        when any was made anew (the graph is then captured again)."""
         rebuilt = False
-        for i, plan in enumerate(plans):
+        for i, plans in enumerate(step_plans):
             have = self._entries[i] if i < len(self._entries) else None
-            if have is not None and runner.holds(have, plan):
+            if have is not None and runner.holds(have, plans):
                 continue
-            entry = runner.new_entry(plan, None if have is None else have.static.bounds)
+            entry = runner.new_entry(plans, None if have is None else have.statics)
             if have is None:
                 self._entries.append(entry)
             else:
@@ -244,11 +244,12 @@ class _EagerSteps(ChainContext):
         if features is not None:
             q_features = features.new_zeros(num_q, features.shape[-1]).to(e.model.dtype)
             q_features[at] = features.to(e.model.dtype)
-        host, ranges = located(e.attn.plan_host(layout), self.spans, e.attn.backend_impl)
-        plan = e.attn.prepare(host.to(e.device))
+        hosts, ranges = e.attention.plan_host(layout, self.spans)
+        plans = e.attention.prepare(hosts, e.device)
         if self.spans and e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
-            mask_on_device(host, plan.entry_mask, self.spans, ranges)
-        e.stats["kv_tokens_read"] += host.kv_tokens_read()
-        out = e.eager_forward(plan, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
+            for host, plan, where in zip(hosts, plans, ranges):
+                mask_on_device(host, plan.entry_mask, self.spans, where)
+        e.stats["kv_tokens_read"] += e.attention.kv_tokens_read(hosts)
+        out = e.eager_forward(plans, np.zeros(num_q, dtype=np.int64), layout.query_position, layout.query_slot,
                               step.rows, q_tokens, q_features, self.spans)
         return StepOutput(self._mask_vocab(out.logits), out.hidden[at])

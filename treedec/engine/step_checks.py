@@ -52,11 +52,12 @@ def check_device_tokens(tokens: torch.Tensor | None, num_q: int, device: torch.d
 
 
 def check_window(sliding_window: int | None, max_position: int) -> None:
-    """Refuse positions past a model's sliding window (tree attention attends to whole paths)."""
+    """Refuse positions past a config's sliding window that the model's layers do not attend as a window (the
+    engine's ``window_cap``: their attention variants have none; None: no cap)."""
     if sliding_window is not None and max_position >= sliding_window:
         raise NotImplementedError(
-            f"position {max_position} is past the model's sliding window of {sliding_window} tokens; treedec's "
-            f"tree attention attends to whole paths (sliding-window attention is not implemented)")
+            f"position {max_position} is past the model's sliding window of {sliding_window} tokens, which its "
+            f"layers' attention variants do not implement (they attend whole paths): the positions stop there")
 
 
 def check_token_ids(tokens: np.ndarray, vocab: int, name: str) -> None:

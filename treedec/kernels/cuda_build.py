@@ -12,6 +12,11 @@ both come with the ``cuda`` extra: ``pip install 'treedec[cuda]'``.
 
 :func:`compile_sources` compiles the torch-free kernel sources with nvcc alone (no GPU
 needed): the CPU test that keeps the CUDA code building in CI.
+
+Logit variants (FlashInfer's JIT idea): an extension holds the kernels of one *variant key*, the names of the
+logit hooks they apply (``AttentionVariant.kernel_key``; ``cuda/variants.cuh``). The plain key ``()`` builds
+what it always built, under its old name; each other key is its own extension (``..._softcap``), built the
+first time a layer of that variant runs.
 """
 from __future__ import annotations
 
@@ -32,6 +37,16 @@ KERNEL_SOURCES = ("partial_fp16.cu", "partial_bf16.cu", "dispatch.cu")  # torch-
 BINDING_SOURCE = "binding.cpp"
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr")
 MIN_CAPABILITY = (8, 0)
+# The defines of each logit hook a variant key may name (cuda/variants.cuh).
+LOGIT_HOOKS = {"softcap": "-DTREEDEC_LOGITS_SOFTCAP=1"}
+
+
+def variant_flags(kernel_key: tuple[str, ...]) -> list[str]:
+    """The nvcc (and C++) defines of a variant key's hooks; ValueError for a hook no kernel has."""
+    unknown = [hook for hook in kernel_key if hook not in LOGIT_HOOKS]
+    if unknown or len(set(kernel_key)) != len(kernel_key):
+        raise ValueError(f"a variant key names distinct logit hooks of {sorted(LOGIT_HOOKS)}, got {kernel_key!r}")
+    return [LOGIT_HOOKS[hook] for hook in sorted(kernel_key)]
 
 
 def cutlass_include_dir() -> Path:
@@ -89,15 +104,17 @@ def build_problem(device: torch.device) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def load_extension(capability: tuple[int, int]):
-    """Build (or load the cached build of) the extension for ``capability``; returns the module."""
+def load_extension(capability: tuple[int, int], kernel_key: tuple[str, ...] = ()):
+    """Build (or load the cached build of) the extension for ``capability`` and the logit variant key
+    ``kernel_key`` (see the module docstring); returns the module."""
     knobs = os.environ.get("TREEDEC_CUDA_FLAGS", "").split()   # tuning knobs, diagnostic builds
-    flags = arch_flags(capability) + knobs
-    defines = [f for f in knobs if f.startswith("-D")]
+    variant = variant_flags(kernel_key)
+    flags = arch_flags(capability) + variant + knobs
+    defines = variant + [f for f in knobs if f.startswith("-D")]
     include = cutlass_include_dir()
     nvcc_path()
     from torch.utils.cpp_extension import load
-    name = f"treedec_cuda_sm{capability[0]}{capability[1]}"
+    name = f"treedec_cuda_sm{capability[0]}{capability[1]}" + "".join(f"_{hook}" for hook in sorted(kernel_key))
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))
@@ -112,10 +129,10 @@ def load_extension(capability: tuple[int, int]):
 
 
 def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None, flags: tuple[str, ...] = (),
-                    sources: tuple[str, ...] = KERNEL_SOURCES) -> list[Path]:
+                    sources: tuple[str, ...] = KERNEL_SOURCES, kernel_key: tuple[str, ...] = ()) -> list[Path]:
     """Compile the torch-free kernel ``sources`` (of :data:`KERNEL_SOURCES`) with nvcc for ``arch`` (object
-    files, no GPU needed); ``flags`` are added as ``TREEDEC_CUDA_FLAGS`` adds them (e.g.
-    ``("-DTREEDEC_WS_TRACE=1",)``: the bench-only trace build).
+    files, no GPU needed), the kernels of the logit variant key ``kernel_key``; ``flags`` are added as
+    ``TREEDEC_CUDA_FLAGS`` adds them (e.g. ``("-DTREEDEC_WS_TRACE=1",)``: the bench-only trace build).
 
     Returns the object files; raises BackendUnavailableError without nvcc or CUTLASS, and
     RuntimeError with nvcc's output when a source does not compile.
@@ -126,11 +143,11 @@ def compile_sources(arch: str = "sm_90a", out_dir: Path | None = None, flags: tu
     include = cutlass_include_dir()
     nvcc = nvcc_path()
     compute = arch.replace("sm_", "compute_")
-    defines = ["-DTREEDEC_SM90A"] if arch == "sm_90a" else []
+    defines = (["-DTREEDEC_SM90A"] if arch == "sm_90a" else []) + variant_flags(kernel_key)
     out_dir = Path(out_dir) if out_dir is not None else Path.cwd()
     objects = []
     for source in sources:
-        obj = out_dir / (Path(source).stem + f".{arch}.o")
+        obj = out_dir / (Path(source).stem + "".join(f".{hook}" for hook in sorted(kernel_key)) + f".{arch}.o")
         cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}", *defines, *flags, "-I", str(include),
                "-I", str(SOURCE_DIR), "-c", str(SOURCE_DIR / source), "-o", str(obj)]
         result = subprocess.run(cmd, capture_output=True, text=True)

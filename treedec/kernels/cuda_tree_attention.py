@@ -3,12 +3,13 @@ persistent, load-balanced grid, launched from tensors and plain parameters.
 
 Stage 1 (``cuda/partial_ws_kernel.cuh``, ``cuda/partial_kernel.cuh``) runs a fixed grid of CTAs,
 each looping over the units a persistent schedule gave it: one work item's chunk x one KV head x up to
-:data:`ROWS_PER_UNIT` rows (queries x heads of the GQA group; 128 for head dims 64/128: two
-consumer warpgroups of the warp-specialized wgmma kernel on sm_90a, 8 warps of mma.sync
-elsewhere). Dead tiles (no row reads them) are neither loaded nor computed; entries that are
+:func:`rows_per_unit` rows (queries x heads of the GQA group; 128 on sm_90a: two consumer
+warpgroups of the warp-specialized wgmma kernel, every head dim; elsewhere 8 warps of mma.sync, 4 for
+head dim 256). Dead tiles (no row reads them) are neither loaded nor computed; entries that are
 their query's only partial write the output directly, the rest write fp32 partial states.
 Stage 2 merges each query's partials in the plan's CSR order (deterministic, no atomics).
-Each KV tile size of :data:`TILE_SIZES` has its own stage-1 kernel.
+Each KV tile size of :data:`TILE_SIZES` has its own stage-1 kernel, and each logit variant key (the hooks
+of ``cuda/variants.cuh``, e.g. ``("softcap",)``) its own extension (:func:`extension`).
 
 What to launch (the schedule, the tile, the workspace, the merge kernel) is decided by the
 attention layer's cuda backend (``treedec.attention.backends.cuda_backend``) at plan time.
@@ -16,7 +17,6 @@ attention layer's cuda backend (``treedec.attention.backends.cuda_backend``) at 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -24,9 +24,15 @@ from treedec.kernels.cuda_build import load_extension
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# Rows (query x head pairs) of one stage-1 unit per head dim: the kernel's warps x 16
-# (PartialConfig in cuda/tile_sizes.cuh; a GPU test checks the two agree).
-ROWS_PER_UNIT = {64: 128, 128: 128, 256: 64}
+# Rows (query x head pairs) of one stage-1 unit per head dim on sm_90a (the warp-specialized kernel: ws::kRows) and
+# elsewhere (mma.sync: PartialConfig's warps x 16 in cuda/tile_sizes.cuh); a GPU test checks them against the build.
+ROWS_PER_UNIT = {64: 128, 128: 128, 256: 128}
+ROWS_PER_UNIT_MMA = {64: 128, 128: 128, 256: 64}
+
+
+def rows_per_unit(capability: tuple[int, int], head_dim: int) -> int:
+    """Rows of one stage-1 unit of head dim ``head_dim`` on a GPU of ``capability`` (the kernel the build runs)."""
+    return (ROWS_PER_UNIT if tuple(capability) == (9, 0) else ROWS_PER_UNIT_MMA)[head_dim]
 TILE_TOKENS = 64          # the KV tile every stage-1 kernel takes
 TILE_SIZES = (64, 96)     # KV tiles some stage-1 kernel takes (multiples of 32: whole mask words)
 
@@ -42,16 +48,17 @@ def check_tile_tokens(tile_tokens, dtype: torch.dtype, head_dim: int, ext, what:
     return int(tile_tokens)
 
 
-def extension(device: torch.device):
-    """The compiled extension for ``device``'s arch (built on first use)."""
-    return load_extension(torch.cuda.get_device_capability(device))
+def extension(device: torch.device, kernel_key: tuple[str, ...] = ()):
+    """The compiled extension for ``device``'s arch and the logit variant key ``kernel_key`` (built on first use)."""
+    return load_extension(torch.cuda.get_device_capability(device), kernel_key)
 
 
 @functools.lru_cache(maxsize=None)
-def persistent_grid_size(device_index: int, dtype: torch.dtype, head_dim: int) -> int:
-    """CTAs of the persistent stage-1 grid: SMs x resident CTAs per SM."""
+def persistent_grid_size(device_index: int, dtype: torch.dtype, head_dim: int, kernel_key: tuple[str, ...] = ()
+                         ) -> int:
+    """CTAs of the persistent stage-1 grid of ``kernel_key``'s kernels: SMs x resident CTAs per SM."""
     device = torch.device("cuda", device_index)
-    per_sm = extension(device).ctas_per_sm(dtype == torch.bfloat16, head_dim)
+    per_sm = extension(device, kernel_key).ctas_per_sm(dtype == torch.bfloat16, head_dim)
     if per_sm < 1:
         raise RuntimeError(f"the cuda stage-1 kernel cannot be resident on {torch.cuda.get_device_name(device)} "
                            f"for {dtype}, head_dim={head_dim} (shared memory or registers)")
@@ -81,7 +88,8 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
-           sm_scale: float, merge: bool, tile_tokens: int, max_query_entries: int, ext=None) -> None:
+           scale_log2: float, softcap_scale: float, merge: bool, tile_tokens: int, max_query_entries: int,
+           ext) -> None:
     """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
 
     ``arrays`` holds the plan's int32 tensors by name (``kv_slots``, ``chunk_kv_start``, ``entry_query``,
@@ -90,11 +98,12 @@ def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_sta
     ``unit_info`` a schedule's device array of ``tile_tokens``-token tiles (the kernel of that tile runs);
     ``max_query_entries`` the most partial entries of any query, or a bound on it (it picks the merge
     kernel: partial rows loaded 4, 8 or 16 at a time; the result is the same);
-    ``ext`` the compiled extension when the caller holds it (else looked up for q's device).
+    ``scale_log2``, ``softcap_scale`` the logit arguments (``AttentionVariant.logit_args``: a score ``s`` becomes
+    ``t * scale_log2``, ``t = tanh(s * softcap_scale)`` in the soft-capped build, else ``s``); ``ext`` the
+    compiled extension of the variant's key (:func:`extension`; its kernels check that ``softcap_scale`` is theirs).
     """
-    ext = ext or extension(q.device)
     group = q.shape[1] // k_flat.shape[1]
     ext.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], arrays["query_entry_start"],
-               arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, sm_scale * math.log2(math.e),
+               arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, scale_log2, softcap_scale,
                merge, tile_tokens, max_query_entries)

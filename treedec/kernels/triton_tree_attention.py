@@ -25,10 +25,13 @@ have nothing to do (their program runs no iteration and stores nothing).
 When the planner's ``query_tile * G`` exceeds the rows of one program (128 for fp16/bf16,
 64 for fp32), a work item is split over ``subtiles`` programs (each a different slice of
 its entries, the same chunk).
+
+Logit variants are ``tl.constexpr`` flags of stage 1 (``SOFTCAP``: a score ``s`` becomes
+``tanh(s * softcap_scale)`` before the base-2 scale): each flag set compiles its own kernel, and
+the plain kernel (no flag) is the code without them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +99,8 @@ class TritonLaunch:
     """Grids, constexprs and options of the two kernels for one plan shape (from :func:`plan_launch`).
 
     ``runners`` caches each kernel's compiled runner per specialization guard (see :func:`attend`),
-    so the layers of a step and the replays of a static plan skip the JIT's argument binding.
+    so the layers of a step and the replays of a static plan skip the JIT's argument binding; ``flagged``
+    the stage-1 constexprs with each set of logit flags (:meth:`stage1_constants`).
     """
 
     grid: tuple[int, int, int]
@@ -106,6 +110,14 @@ class TritonLaunch:
     merge_constants: dict
     merge_options: dict
     runners: dict = field(default_factory=dict, compare=False)
+    flagged: dict = field(default_factory=dict, compare=False)
+
+    def stage1_constants(self, softcap: bool) -> dict:
+        """:attr:`constants` with the logit flags (``SOFTCAP``), made once per flag set (every layer asks)."""
+        constants = self.flagged.get(softcap)
+        if constants is None:
+            constants = self.flagged[softcap] = {**self.constants, "SOFTCAP": softcap}
+        return constants
 
 
 def plan_launch(num_items: int, num_queries: int, num_entries: int, query_tile: int, num_qo_heads: int,
@@ -142,7 +154,8 @@ def plan_launch(num_items: int, num_queries: int, num_entries: int, query_tile: 
 
 
 def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-           o_ws: torch.Tensor, lse_ws: torch.Tensor, arrays: dict, sm_scale: float, launch: TritonLaunch) -> None:
+           o_ws: torch.Tensor, lse_ws: torch.Tensor, arrays: dict, scale_log2: float, softcap_scale: float,
+           launch: TritonLaunch) -> None:
     """Launch stage 1 (and the merge where ``launch`` has one) on the current stream.
 
     Parameters
@@ -154,20 +167,24 @@ def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: tor
     arrays : the plan's int32 tensors by name (``kv_slots``, ``chunk_kv_start``, ``entry_query``,
         ``entry_mask`` [E, W], ``entry_direct``, ``item_chunk``, ``item_entry_start``,
         ``item_num_entries``, ``query_entry_start``, ``query_entries``; see ``TreePlan``)
+    scale_log2, softcap_scale : the logit arguments: a score ``s`` becomes ``t * scale_log2`` (base 2) with
+        ``t = tanh(s * softcap_scale)`` where ``softcap_scale > 0`` (the soft-capped kernel), else ``t = s``
     """
     q_strides, k_strides, v_strides, out_strides = q.stride(), k_flat.stride(), v_flat.stride(), out.stride()
     guard = (q.data_ptr() % 16, k_flat.data_ptr() % 16, v_flat.data_ptr() % 16, out.data_ptr() % 16,
              q_strides, k_strides, v_strides, out_strides)
     hq, d = q.shape[1], q.shape[2]
     mask = arrays["entry_mask"]
-    _launch(_tree_attn_partial_kernel, launch.grid, launch.runners, guard, (
+    softcap = softcap_scale > 0
+    constants = launch.stage1_constants(softcap)
+    _launch(_tree_attn_partial_kernel, launch.grid, launch.runners, (guard, softcap), (
         q, k_flat, v_flat, out, lse, o_ws, lse_ws,
         arrays["kv_slots"], arrays["chunk_kv_start"], arrays["entry_query"], mask, arrays["entry_direct"],
         arrays["item_chunk"], arrays["item_entry_start"], arrays["item_num_entries"],
         q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
         out_strides[0], out_strides[1], hq, hq * d, d, hq, mask.stride(0),
-        sm_scale * math.log2(math.e),
-    ), launch.constants, launch.options)
+        scale_log2, softcap_scale,
+    ), constants, launch.options)
     if launch.merge_grid is not None:
         _launch(_merge_partials_kernel, launch.merge_grid, launch.runners, guard, (
             out, lse, o_ws, lse_ws, arrays["query_entry_start"], arrays["query_entries"],
@@ -196,10 +213,17 @@ def _launch(kernel, grid, runners: dict, guard: tuple, args: tuple, constants: d
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 by one exp2: exact to ~1e-7 in absolute terms (what a soft-capped logit's error is), and
+    -1 / 1 (no NaN) where the exp2 underflows / overflows."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs,
-                    mask_rows, row_len, qk_scale, offs_n, offs_d,
+                    mask_rows, row_len, qk_scale, softcap_scale, offs_n, offs_d,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WIDEN_DOT: tl.constexpr):
+                    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state.
 
     ``row_len`` [BLOCK_M] is the chunk's length for valid rows and 0 for padding rows.
@@ -223,6 +247,8 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
     if WIDEN_DOT:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        qk = _tanh(qk * softcap_scale)
     reads = ((words >> (offs_n & 31)[None, :]) & 1) != 0
     qk = tl.where(reads, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -239,16 +265,16 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
 
 @triton.jit
 def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_len, qk_scale,
-                  offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr):
+                  softcap_scale, offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax over the whole chunk; returns (acc, l, m) in base 2."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n0 in range(0, chunk_len, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
-                                        stride_ks, stride_vs, mask_rows, row_len, qk_scale, offs_n, offs_d,
-                                        BLOCK_M, BLOCK_N, DOT_PRECISION, WIDEN_DOT)
+                                        stride_ks, stride_vs, mask_rows, row_len, qk_scale, softcap_scale, offs_n,
+                                        offs_d, BLOCK_M, BLOCK_N, DOT_PRECISION, WIDEN_DOT, SOFTCAP)
     return acc, l_i, m_i
 
 
@@ -265,10 +291,10 @@ def _tree_attn_partial_kernel(
     item_chunk_ptr, item_entry_start_ptr, item_num_entries_ptr,
     stride_qq, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_oq, stride_oh, stride_lq, stride_we, stride_wh, stride_le, stride_me,
-    qk_scale,
+    qk_scale, softcap_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,8 +326,8 @@ def _tree_attn_partial_kernel(
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     row_len = tl.where(row_valid, chunk_len, 0)
     acc, l_i, m_i = _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows,
-                                  row_len, qk_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                                  WIDEN_DOT)
+                                  row_len, qk_scale, softcap_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                  DOT_PRECISION, WIDEN_DOT, SOFTCAP)
 
     # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

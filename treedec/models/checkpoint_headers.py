@@ -14,11 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.config import ModelConfig
-from treedec.errors import CheckpointError
+from treedec.models.hf_config import quantized_message
+from treedec.models.registry import weight_shapes
 
 #: Tensors some checkpoints carry that the decoder recomputes or does not use.
 IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# the parts of quantized weights (AWQ/GPTQ/Marlin, fp8, bitsandbytes) in place of a ``.weight``
+_QUANTIZED = re.compile(r"\.(qweight|qzeros|scales|g_idx|weight_scale(_inv)?|input_scale|weight_packed|"
+                        r"weight_shape|absmax|quant_map|quant_state\.\w+|SCB)$")
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)")
 # safetensors' dtype names, as torch names them in messages
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -38,12 +43,13 @@ class TensorHeader:
 
 
 def hf_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(Hugging Face name, shape) of every tensor ``config``'s checkpoint holds, layer by layer.
+    """(Hugging Face name, shape) of every tensor ``config``'s checkpoint holds, layer by layer (the names of
+    its family's weight map, the shapes of the model's own parameters: :func:`~treedec.models.registry.weight_shapes`).
 
     A generator: a config of a billion layers costs nothing until it is iterated that far.
     """
-    yield from _global_shapes(config).items()
-    layer = _layer_shapes(config)
+    global_shapes, layer = weight_shapes(config)
+    yield from global_shapes.items()
     for i in range(config.num_layers):
         for suffix, shape in layer.items():
             yield f"model.layers.{i}.{suffix}", shape
@@ -64,8 +70,12 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
         the tensors missing or not used (the first five).
     """
     unexpected, found = [], 0
+    try:
+        global_shapes, layer = weight_shapes(config)
+    except CheckpointError as e:   # sizes no tensor can have
+        raise CheckpointError(f"{source}: {e}") from None
     for name, header in headers.items():
-        shape = _tensor_shape(config, name)
+        shape = _tensor_shape(global_shapes, layer, config.num_layers, name)
         if shape is None:
             if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                 unexpected.append(shown(name))
@@ -78,13 +88,23 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
                                   f"expected {shape} for the config {config}")
         found += 1
     if unexpected:
-        raise CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
-                              f"e.g. {unexpected[:5]} (a different architecture?)")
-    needed = len(_global_shapes(config)) + config.num_layers * len(_layer_shapes(config))
+        raise unused_tensors_error(source, unexpected)
+    needed = len(global_shapes) + config.num_layers * len(layer)
     if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
         missing = itertools.islice((shown(n) for n, _ in hf_tensor_shapes(config) if n not in headers), 5)
         raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
                               f"{list(missing)}")
+
+
+def unused_tensors_error(source: str, unexpected: list[str]) -> CheckpointError | UnsupportedModelError:
+    """The error for a checkpoint's tensors the decoder does not use: :class:`UnsupportedModelError` when they
+    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...),
+    else CheckpointError (another architecture's tensors, or stray ones)."""
+    quantized = [name for name in unexpected if _QUANTIZED.search(name)]
+    if quantized:
+        return UnsupportedModelError(f"{source}: {quantized_message(f'its tensors ({quantized[:3]})', None)}")
+    return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                           f"e.g. {unexpected[:5]} (a different architecture?)")
 
 
 def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
@@ -114,33 +134,9 @@ def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
 # ===================================================================== private
 
 
-def _tensor_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
-    """The shape of tensor ``name`` in ``config``'s checkpoint; None for a name it does not hold."""
+def _tensor_shape(global_shapes: dict, layer: dict, num_layers: int, name: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``name`` in the checkpoint; None for a name it does not hold."""
     m = _LAYER.fullmatch(name)
     if m is None:
-        return _global_shapes(config).get(name)
-    return _layer_shapes(config).get(m[2]) if int(m[1]) < config.num_layers else None
-
-
-def _global_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    out = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    return out
-
-
-def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    out = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
-    for proj, rows in (("q", q), ("k", kv), ("v", kv)):
-        out[f"self_attn.{proj}_proj.weight"] = (rows, d)
-        if c.qkv_bias:
-            out[f"self_attn.{proj}_proj.bias"] = (rows,)
-    out["self_attn.o_proj.weight"] = (d, q)
-    if c.o_bias:
-        out["self_attn.o_proj.bias"] = (d,)
-    for proj, shape in (("gate", (inter, d)), ("up", (inter, d)), ("down", (d, inter))):
-        out[f"mlp.{proj}_proj.weight"] = shape
-        if c.mlp_bias:
-            out[f"mlp.{proj}_proj.bias"] = shape[:1]
-    return out
+        return global_shapes.get(name)
+    return layer.get(m[2]) if int(m[1]) < num_layers else None

@@ -1,25 +1,27 @@
-"""ModelConfig: the shape of a Llama-family decoder, from a transformers config or a named size.
+"""ModelConfig: the shape and the block of a decoder (every family's), from a transformers config or a named size.
 
-Llama 2/3/3.1, Mistral and Qwen2/2.5 share one architecture here: RMSNorm, GQA attention with
-RoPE, SwiGLU MLP. They differ in RoPE scaling (Llama 3.1's ``llama3`` rule), projection
-biases (Qwen2 has q/k/v biases, Llama's ``attention_bias`` covers q/k/v/o) and sliding-window
-attention (Mistral v0.1), which :class:`ModelConfig` records.
+One dataclass for every family (:mod:`~treedec.models.registry`): the sizes every engine reads (layers, heads,
+head dim, vocabulary, positions), RoPE (Llama 3.1's ``llama3``, ``linear``, Phi-3's ``longrope``; Gemma 3's own
+base on its sliding-window layers), biases, and what a family's block adds to Llama's (per-head q/k RMSNorm,
+``(1 + w)`` RMSNorm, four norms a layer, GeLU-tanh, scaled embeddings, soft-caps, the attention scale,
+sliding-window layers). The defaults are Llama's. A family's file reads its transformers config into one
+(:func:`~treedec.models.registry.config_from_hf`).
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
+import math
 from dataclasses import dataclass
-from typing import Callable
 
-from treedec.checks import is_int, is_real, positive_float, positive_int
+from treedec.checks import positive_float, positive_int
 from treedec.errors import CheckpointError
 
-logger = logging.getLogger("treedec")
-
-#: ``model_type`` of the transformers configs this decoder implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
+#: The MLP activations (``gate, up -> act(gate) * up``): SwiGLU's SiLU, Gemma's tanh-approximated GeLU.
+ACTIVATIONS = ("silu", "gelu_tanh")
+#: What a layer attends to: its whole root path, or a sliding window of ``sliding_window`` keys.
+LAYER_TYPES = ("full", "sliding")
+#: RoPE scalings (besides none).
+ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,12 @@ class RopeScaling:
     ``kind`` "linear": every inverse frequency divided by ``factor``. ``kind`` "llama3"
     (Llama 3.1): long wavelengths (> ``original_max_position / low_freq_factor``) divided
     by ``factor``, short ones (< ``original_max_position / high_freq_factor``) kept, the
-    band between interpolated smoothly.
+    band between interpolated smoothly. ``kind`` "longrope" (Phi-3 128k, Phi-3.5): each inverse
+    frequency divided by its own factor, ``long_factor`` when the model's ``max_position`` is past
+    ``original_max_position`` (else ``short_factor``: vLLM's rule, fixed for the model, so that the K/V of a
+    sequence never mixes two rotations; transformers picks per forward call by the call's longest
+    sequence), and cos/sin multiplied by ``attention_factor`` (default
+    ``sqrt(1 + ln(factor) / ln(original_max_position))``, ``factor`` the context's ratio to the original).
     """
 
     kind: str
@@ -37,25 +44,64 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            positive_float(f"RopeScaling.{name}", getattr(self, name))
+            check_real_range(f"RopeScaling.{name}", name, positive_float(f"RopeScaling.{name}", getattr(self, name)),
+                             ValueError)
+        positive_int("RopeScaling.original_max_position", self.original_max_position)
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(f"llama3 RoPE needs high_freq_factor > low_freq_factor > 0, got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}")
+        if self.attention_factor is not None:
+            check_real_range("RopeScaling.attention_factor", "attention_factor",
+                             positive_float("RopeScaling.attention_factor", self.attention_factor), ValueError)
+        if self.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(self, name)
+                if not isinstance(factors, tuple) or not factors:
+                    raise ValueError(f"longrope RoPE needs RopeScaling.{name}, a non-empty tuple of numbers, got "
+                                     f"{factors!r:.80}")
+                for j, f in enumerate(factors):
+                    check_real_range(f"RopeScaling.{name}[{j}]", "rope_factor",
+                                     positive_float(f"RopeScaling.{name}[{j}]", f), ValueError)
+            if len(self.short_factor) != len(self.long_factor):
+                raise ValueError(f"longrope RoPE needs as many short as long factors, got "
+                                 f"{len(self.short_factor)} and {len(self.long_factor)}")
+        elif self.short_factor or self.long_factor:
+            raise ValueError(f"RopeScaling.short_factor / long_factor are longrope's, not {self.kind!r}'s")
+
+    def longrope_attention_factor(self, max_position: int) -> float:
+        """The cos/sin scale of a longrope model of ``max_position`` positions (transformers' default rule)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        factor = max_position / self.original_max_position
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(self.original_max_position))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder.
+    """Shape and hyper-parameters of a decoder (any family's; the defaults are Llama's).
 
     ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: biases of the q/k/v projections, the output
     projection and the MLP projections. ``sliding_window``: None for full attention; else the
-    model attends to the last ``sliding_window`` tokens only, which treedec's tree attention
-    does not implement (the engine refuses positions past the window).
+    sliding layers (``layer_types``; every layer when it is None) attend to their last ``sliding_window``
+    keys only (:meth:`layer_window`: their :class:`~treedec.attention.variant.AttentionVariant`'s window).
+
+    The block (Llama's by default): ``qk_norm`` a per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3);
+    ``norm_offset`` 1.0 for RMSNorms that scale by ``1 + w`` in float32 (Gemma); ``sandwich_norms``: norms
+    after attention and after the MLP as well (Gemma's four a layer); ``activation`` of :data:`ACTIVATIONS`;
+    ``embed_scale``: embeddings times ``sqrt(hidden_size)`` (rounded to the model dtype, as transformers
+    does); ``final_logit_softcap`` ``c``: logits become ``c * tanh(logits / c)`` (Gemma 2);
+    ``attn_logit_softcap``: the same on attention logits (the layers' variant); ``query_pre_attn_scalar``
+    ``s``: the softmax scale ``s ** -0.5`` (None: ``head_dim ** -0.5``); ``layer_types``: each layer's kind
+    of :data:`LAYER_TYPES` (None: all alike); ``local_rope_theta``: the sliding layers' own RoPE base,
+    unscaled (Gemma 3; None: every layer takes ``rope_theta`` and ``rope_scaling``).
     """
 
     vocab_size: int
@@ -75,33 +121,76 @@ class ModelConfig:
     max_position: int = 8192
     sliding_window: int | None = None
     model_type: str = "llama"
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position"):
             positive_int(f"ModelConfig.{name}", getattr(self, name))
         for name in ("rope_theta", "rms_norm_eps"):   # 0, < 0 or NaN make every logit NaN
-            positive_float(f"ModelConfig.{name}", getattr(self, name))
+            check_real_range(f"ModelConfig.{name}", name, positive_float(f"ModelConfig.{name}", getattr(self, name)),
+                             ValueError)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, "
-                             f"got {self.model_type!r}")
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise ValueError(f"ModelConfig.model_type must be a non-empty str, got {self.model_type!r}")
+        if self.sliding_window is not None:
+            positive_int("ModelConfig.sliding_window", self.sliding_window, note=" or None")
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"ModelConfig.norm_offset must be 0.0 (w) or 1.0 (1 + w), got {self.norm_offset!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for name in ("final_logit_softcap", "attn_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None:
+                check_real_range(f"ModelConfig.{name}", "query_pre_attn_scalar" if name.startswith("query") else
+                                 "softcap", positive_float(f"ModelConfig.{name}", value, note=" or None"), ValueError)
+        if self.local_rope_theta is not None:
+            check_real_range("ModelConfig.local_rope_theta", "rope_theta",
+                             positive_float("ModelConfig.local_rope_theta", self.local_rope_theta, note=" or None"),
+                             ValueError)
+        if self.layer_types is not None:
+            if not (isinstance(self.layer_types, tuple) and len(self.layer_types) == self.num_layers
+                    and all(t in LAYER_TYPES for t in self.layer_types)):
+                raise ValueError(f"ModelConfig.layer_types must be None or a tuple of num_layers "
+                                 f"({self.num_layers}) of {LAYER_TYPES}, got {self.layer_types!r:.120}")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError("ModelConfig.layer_types has sliding layers but sliding_window is None")
 
     @property
     def qkv_size(self) -> int:
         """Output features of the fused q/k/v projection."""
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: its whole root path)."""
+        sliding = self.layer_types is None or self.layer_types[layer] == "sliding"
+        return self.sliding_window if sliding else None
+
+    def layer_rope(self, layer: int) -> int:
+        """Which RoPE layer ``layer`` takes: 0 the model's (``rope_theta``, ``rope_scaling``), 1 the sliding
+        layers' own (``local_rope_theta``)."""
+        return int(self.local_rope_theta is not None and self.layer_window(layer) is not None)
+
     def num_parameters(self) -> int:
         """Parameter count (a tied embedding counted once)."""
         d, hq, hd = self.hidden_size, self.num_heads, self.head_dim
         attn = d * self.qkv_size + hq * hd * d + (self.qkv_size if self.qkv_bias else 0) + (d if self.o_bias else 0)
         mlp = 3 * d * self.intermediate_size + ((2 * self.intermediate_size + d) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * d
+        norms = (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
+        layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
 
@@ -112,154 +201,44 @@ class ModelConfig:
             raise ValueError(f"unknown model size {name!r}; known: {sorted(MODEL_SIZES)}")
         return dataclasses.replace(MODEL_SIZES[name], **overrides)
 
-    @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
-        """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (4.x or 5.x attributes).
 
-        Raises NotImplementedError for what this decoder does not implement (another
-        architecture, an activation other than SiLU, partial rotary, RoPE types other than
-        default / linear / llama3).
-        """
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"model_type {model_type!r} is not supported; treedec's decoder implements "
-                                      f"{SUPPORTED_MODEL_TYPES}")
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        theta, scaling = _rope_from_hf(hf_config)
-        if model_type == "qwen2":
-            qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type == "llama":
-            qkv_bias = o_bias = bool(getattr(hf_config, "attention_bias", False))
-            mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
-        else:
-            qkv_bias = o_bias = mlp_bias = False
-        window = getattr(hf_config, "sliding_window", None)
-        if getattr(hf_config, "use_sliding_window", True) is False:  # Qwen2 keeps the size but turns it off
-            window = None
-        return cls(
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=float(theta),
-            rope_scaling=scaling, rms_norm_eps=float(hf_config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-            max_position=int(hf_config.max_position_embeddings),
-            sliding_window=None if window is None else int(window), model_type=model_type,
-        )
+#: Bounds of a config's real numbers beyond "finite and > 0": (least, most, why), None for no bound. A value out
+#: of them makes no NaN, but garbage (an eps of 1e308 flattens every activation to 0; a RoPE factor of 1e308 makes
+#: every rotation the identity), so it is refused by name rather than run.
+REAL_RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "rms_norm_eps": (None, 1e-2, "checkpoints use 1e-6 to 1e-5; one near the activations' mean square flattens them"),
+    "rope_theta": (None, 1e12, "checkpoints use 1e4 to 1e7; past 1e12 every position rotates by ~0"),
+    "factor": (1.0, 1024.0, "a RoPE scaling factor stretches the context by it (transformers: >= 1)"),
+    "low_freq_factor": (None, 1024.0, "Llama 3.1 uses 1"),
+    "high_freq_factor": (None, 1024.0, "Llama 3.1 uses 4"),
+    "attention_factor": (None, 16.0, "a scale of cos/sin: checkpoints use ~1 to 1.5"),
+    "rope_factor": (None, 1024.0, "longrope's per-frequency factors: checkpoints use 1 to ~100"),
+    "softcap": (1.0, 1e4, "Gemma 2 caps logits at 30 and attention logits at 50"),
+    "query_pre_attn_scalar": (1.0, 1e6, "Gemma scales attention logits by it ** -0.5: checkpoints use 144 or 256"),
+}
 
 
-def _rope_from_hf(hf_config) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], params
-    else:
-        theta = getattr(hf_config, "rope_theta", 10000.0)
-        scaling = getattr(hf_config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise NotImplementedError(f"RoPE type {kind!r} is not supported; treedec implements {ROPE_TYPES}")
-    if scaling.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) not in (None, 1.0):
-        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        return theta, RopeScaling("linear", float(scaling["factor"]))
-    original = scaling.get("original_max_position_embeddings", hf_config.max_position_embeddings)
-    return theta, RopeScaling("llama3", float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                              float(scaling["high_freq_factor"]), int(original))
-
-
-def config_field(key: str) -> str:
-    """How a message names a transformers config field: ``field 'hidden_size'``."""
-    return f"field '{key}'"
-
-
-def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_field) -> None:
-    """Check the fields of a transformers config (a ``config.json`` object, or GGUF metadata under
-    transformers' names) before anything is built from them.
-
-    Absent fields are not checked (transformers' defaults fill them). ``where`` (the file) leads
-    each message; ``name(key)`` names a field in it (GGUF metadata keys have other names).
-
-    Raises
-    ------
-    CheckpointError : ``{where}: {name(key)} must be {expected}, got {type} {value}``, for a size
-        that is not a positive int, a flag that is not a bool, an ``rms_norm_eps`` or ``rope_theta``
-        that is not a finite number > 0 (RMSNorm and RoPE would make NaN), head counts that do not
-        divide, an odd head dim.
-    """
-    def fail(key, expected, value):
-        raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
-
-    for key in _POSITIVE_INT_FIELDS:
-        if key in raw and not (is_int(raw[key]) and raw[key] > 0):
-            fail(key, "a positive int", raw[key])
-    for key in ("num_key_value_heads", "head_dim", "sliding_window"):
-        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
-            fail(key, "a positive int or null", raw[key])
-    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
-        if key in raw and not isinstance(raw[key], bool):
-            fail(key, "true or false", raw[key])
-    for key in ("hidden_act", "model_type"):
-        if key in raw and not isinstance(raw[key], str):
-            fail(key, "a string", raw[key])
-    for key in ("rms_norm_eps", "rope_theta"):
-        if key in raw and not (is_real(raw[key]) and raw[key] > 0):
-            fail(key, "a finite number > 0", raw[key])
-    for group in ("rope_parameters", "rope_scaling"):
-        rope = raw.get(group)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            fail(group, "an object or null", rope)
-        for key, value in rope.items():
-            if key in _ROPE_NUMBERS and not (is_real(value) and value > 0):
-                fail(f"{group}.{key}", "a finite number > 0", value)
-            if key == "original_max_position_embeddings" and not (is_int(value) and value > 0):
-                fail(f"{group}.{key}", "a positive int", value)
-            if key in ("rope_type", "type") and not isinstance(value, str):
-                fail(f"{group}.{key}", "a string", value)
-    heads, kv_heads, head_dim = raw.get("num_attention_heads"), raw.get("num_key_value_heads"), raw.get("head_dim")
-    if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise CheckpointError(f"{where}: {name('num_attention_heads')} ({heads}) must be a multiple of "
-                              f"{name('num_key_value_heads')} ({kv_heads})")
-    if head_dim is not None and head_dim % 2:
-        raise CheckpointError(f"{where}: {name('head_dim')} must be even (RoPE rotates pairs), got {head_dim}")
-    hidden = raw.get("hidden_size")
-    if head_dim is None and hidden is not None and heads is not None:
-        if hidden % heads:
-            raise CheckpointError(f"{where}: {name('hidden_size')} ({hidden}) must be a multiple of "
-                                  f"{name('num_attention_heads')} ({heads}) when {name('head_dim')} is not given")
-        if hidden // heads % 2:
-            raise CheckpointError(f"{where}: {name('hidden_size')} / {name('num_attention_heads')} (the head dim, "
-                                  f"{hidden // heads}) must be even (RoPE rotates pairs)")
-
-
-def warn_hf_defaults(raw: dict, config: ModelConfig, where: str, name: Callable[[str], str] = config_field) -> None:
-    """Log a warning for each of ``rms_norm_eps`` and ``rope_theta`` that ``raw`` lacks, naming the
-    default transformers filled in (``config``'s value): a checkpoint that relies on it may have
-    been trained with another."""
-    rope = raw.get("rope_parameters")
-    has_theta = "rope_theta" in raw or (isinstance(rope, dict) and "rope_theta" in rope)
-    for key, present, value in (("rms_norm_eps", "rms_norm_eps" in raw, config.rms_norm_eps),
-                                ("rope_theta", has_theta, config.rope_theta)):
-        if not present:
-            logger.warning(f"{where}: no {name(key)}; using transformers' default {value}")
-
-
-_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                        "max_position_embeddings")
-_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor")
+def check_real_range(name: str, key: str, value: float, error: type[Exception] = CheckpointError) -> float:
+    """``value`` (a finite number > 0, checked before) if it is within :data:`REAL_RANGES` ``[key]``, else
+    ``error`` ``"{name} must be at most {most} ({why}), got {value}"`` (or ``at least``)."""
+    least, most, why = REAL_RANGES[key]
+    if least is not None and value < least:
+        raise error(f"{name} must be at least {least} ({why}), got {value!r}")
+    if most is not None and value > most:
+        raise error(f"{name} must be at most {most:g} ({why}), got {value!r}")
+    return value
 
 
 _LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                          num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=8192)
+
+def _alternating(layers: int, every: int) -> tuple[str, ...]:
+    """Gemma's layer types: each ``every``-th layer (1-based) global, the others sliding-window."""
+    return tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
+
+
+# Gemma 2 and 3's block: (1 + w) RMSNorms, four a layer, GeLU-tanh, embeddings x sqrt(hidden)
+_GEMMA = dict(norm_offset=1.0, sandwich_norms=True, activation="gelu_tanh", embed_scale=True)
 
 #: Named sizes (gpt-fast style). ``tiny`` is for tests: 2 layers, GQA 4:2, head dim 64.
 MODEL_SIZES: dict[str, ModelConfig] = {
@@ -281,4 +260,32 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                               num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
                               qkv_bias=True, max_position=32768, model_type="qwen2"),
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                            qk_norm=True, max_position=40960, model_type="qwen3"),
+    "gemma2-9b": ModelConfig(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42,
+                             num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             sliding_window=4096, layer_types=_alternating(42, 2), query_pre_attn_scalar=256.0,
+                             attn_logit_softcap=50.0, final_logit_softcap=30.0, max_position=8192, model_type="gemma2", **_GEMMA),
+    # Gemma 3 text: five local (sliding-window, RoPE base 10000) layers to each global one (base 1e6, linear 8x
+    # from 4B up); gemma3-270m is the real checkpoint's shape (the known name gemma3-270m)
+    "gemma3-270m": ModelConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+                               num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1e6, rms_norm_eps=1e-6,
+                               tie_word_embeddings=True, max_position=32768, sliding_window=512,
+                               layer_types=_alternating(18, 6), local_rope_theta=10000.0, qk_norm=True,
+                               query_pre_attn_scalar=256.0, model_type="gemma3_text", **_GEMMA),
+    "gemma3-4b": ModelConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+                             num_heads=8, num_kv_heads=4, head_dim=256, rope_theta=1e6, rms_norm_eps=1e-6,
+                             rope_scaling=RopeScaling("linear", 8.0), tie_word_embeddings=True, max_position=131072,
+                             sliding_window=1024, layer_types=_alternating(34, 6), local_rope_theta=10000.0,
+                             qk_norm=True, query_pre_attn_scalar=256.0, model_type="gemma3_text", **_GEMMA),
+    "gemma3-12b": ModelConfig(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48,
+                              num_heads=16, num_kv_heads=8, head_dim=256, rope_theta=1e6, rms_norm_eps=1e-6,
+                              rope_scaling=RopeScaling("linear", 8.0), tie_word_embeddings=True, max_position=131072,
+                              sliding_window=1024, layer_types=_alternating(48, 6), local_rope_theta=10000.0,
+                              qk_norm=True, query_pre_attn_scalar=256.0, model_type="gemma3_text", **_GEMMA),
+    # Phi-3-mini-4k: a window of 2047 on every layer
+    "phi3-mini-4k": ModelConfig(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_layers=32,
+                                num_heads=32, num_kv_heads=32, head_dim=96, max_position=4096, sliding_window=2047,
+                                model_type="phi3"),
 }

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treedec.checks import is_int
-from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
 from treedec.errors import CheckpointError
+from treedec.models import llama
+from treedec.models.config import ModelConfig
+from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def read_eagle_config(raw: dict, file: Path, eagle3: bool, target: ModelConfig) 
     Raises
     ------
     CheckpointError : naming ``file``, the field, the expected and the actual value (the fields of
-        :func:`~treedec.models.config.check_hf_fields`; ``draft_vocab_size`` a positive int at most
+        :func:`~treedec.models.hf_config.check_hf_fields`; ``draft_vocab_size`` a positive int at most
         the target's vocabulary; ``bias`` a bool; the aux layer ids 3 distinct layer outputs).
     NotImplementedError : a drafter of more than one layer.
     """
@@ -97,10 +99,10 @@ def _drafter_config(raw: dict, file: Path) -> ModelConfig:
     except Exception as e:   # transformers 5's config classes raise their own errors (StrictDataclassError)
         raise CheckpointError(f"{file}: not a Llama config ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})") from None
-    # EAGLE configs name the target's family, or "llama" (their own code is Llama's whatever the target)
-    hf.model_type = raw["model_type"] if raw.get("model_type") in SUPPORTED_MODEL_TYPES else "llama"
+    # EAGLE configs name the target's family, or "llama": their own layer is Llama's whatever the target
+    hf.model_type = raw["model_type"] if raw.get("model_type") in llama.FAMILY.model_types else "llama"
     try:
-        config = ModelConfig.from_hf(hf)
+        config = llama.FAMILY.config_from_hf(hf)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: {e}") from None
     warn_hf_defaults(raw, config, str(file))

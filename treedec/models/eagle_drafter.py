@@ -46,9 +46,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treedec.attention.variant import AttentionVariant
+from treedec.models.base import Attend, DecoderModel, ForwardOutput
 from treedec.models.config import ModelConfig
 from treedec.models.eagle_config import default_aux_layers, read_eagle_config
-from treedec.models.llama import Attend, ForwardOutput, Llama, PointwiseOps, RMSNorm
+from treedec.models.layers import PointwiseOps, RMSNorm
 from treedec.errors import CheckpointError
 from treedec.models.hf_tensors import init_random_
 from treedec.models.loading import SUPPORTED_DTYPES, read_json_object, read_state_dict
@@ -96,11 +98,11 @@ class EagleLayer(nn.Module):
         out = attend(0, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])
         x, h = ops.add_rms_norm(x, self.o_proj(out.reshape(n, hq * self.head_dim)),
                                 self.post_attention_norm.weight, self.post_attention_norm.eps)
-        return x + self.down_proj(ops.swiglu(self.gate_up_proj(h)))
+        return x + self.down_proj(ops.gated(self.gate_up_proj(h), "silu"))
 
 
 class EagleDrafter(nn.Module):
-    """An EAGLE-1/2 or EAGLE-3 draft network for a target :class:`~treedec.models.Llama`.
+    """An EAGLE-1/2 or EAGLE-3 draft network for a target model (a :class:`~treedec.models.DecoderModel`).
 
     Build it with :func:`load_eagle` or :meth:`random`; run it on its own :class:`~treedec.engine.Engine`
     (:class:`~treedec.search.speculative.eagle.EagleDraft` does). ``config`` is a one-layer
@@ -115,7 +117,7 @@ class EagleDrafter(nn.Module):
         captures them: :meth:`Engine.capture_hidden_layers`); () for EAGLE-1.
     """
 
-    def __init__(self, config: ModelConfig, kind: str, target: Llama, draft_vocab_size: int | None = None,
+    def __init__(self, config: ModelConfig, kind: str, target: DecoderModel, draft_vocab_size: int | None = None,
                  aux_layers: tuple[int, ...] = (), fc_bias: bool = True, own_embedding: bool = False,
                  dtype: torch.dtype | None = None, device=None):
         if kind not in KINDS:
@@ -177,6 +179,22 @@ class EagleDrafter(nn.Module):
         """Width of the feature each query reads (:meth:`~treedec.engine.Engine.step`'s ``features``)."""
         return self.config.hidden_size
 
+    @property
+    def tensor_parallel(self) -> None:
+        """None: a drafter runs whole on each rank's engine."""
+        return None
+
+    def attention_variants(self) -> tuple[AttentionVariant, ...]:
+        """The drafter's one layer attends as a Llama layer does (the head dim's scale, no cap, no window)."""
+        return (AttentionVariant(),)
+
+    def check_aux_layers(self, layers) -> tuple[int, ...]:
+        """A drafter has no inner layers to return: ``layers`` must be empty."""
+        out = tuple(layers)
+        if out:
+            raise ValueError(f"an EAGLE drafter has no inner layers to return, got {list(out)}")
+        return out
+
     def weight_bytes(self) -> int:
         """Bytes one drafter step streams: every parameter but the embedding table (a step reads only
         its tokens' rows), the shared ``lm_head`` included."""
@@ -206,7 +224,7 @@ class EagleDrafter(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,
                 logits_rows: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
                 features: torch.Tensor | None = None) -> ForwardOutput:
-        """One drafter step (the signature of :meth:`Llama.forward <treedec.models.Llama.forward>`).
+        """One drafter step (the signature of :meth:`DecoderModel.forward <treedec.models.base.DecoderModel.forward>`).
 
         ``tokens`` [n] the tokens after the features' positions, ``positions`` [n] the features'
         positions, ``features`` [n, hidden] (:meth:`fuse`'d target states, or the drafter's own
@@ -235,7 +253,7 @@ class EagleDrafter(nn.Module):
     # ---------------------------------------------------------------- builders
 
     @classmethod
-    def random(cls, target: Llama, kind: str = "eagle", seed: int = 0, draft_vocab_size: int | None = None,
+    def random(cls, target: DecoderModel, kind: str = "eagle", seed: int = 0, draft_vocab_size: int | None = None,
                std: float = 0.02) -> "EagleDrafter":
         """A drafter with random weights for ``target`` (its shape, dtype and device): linear weights
         ~ N(0, std), norms 1, biases 0. EAGLE-3: the default layers, and a draft vocabulary of
@@ -261,7 +279,7 @@ class EagleDrafter(nn.Module):
 # ================================================================ checkpoints
 
 
-def load_eagle(path: str | Path, target: Llama, kind: str | None = None) -> EagleDrafter:
+def load_eagle(path: str | Path, target: DecoderModel, kind: str | None = None) -> EagleDrafter:
     """Load an EAGLE reference checkpoint folder for ``target`` (its dtype and device).
 
     ``kind``: "eagle" or "eagle3", checked against the checkpoint; None: read from it (EAGLE-3

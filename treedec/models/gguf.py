@@ -18,9 +18,9 @@ a temporary name beside ``out_dir`` and renamed at the end, so an error leaves n
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -28,33 +28,28 @@ from typing import Callable
 
 import torch
 
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.checkpoint_headers import TensorHeader, check_tensor_headers
-from treedec.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, check_hf_fields, warn_hf_defaults
-from treedec.errors import CheckpointError
+from treedec.models.config import ModelConfig
+from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
+from treedec.models.registry import config_from_hf, gguf_architectures, weight_map
 
-__all__ = ["convert_gguf", "require_gguf"]
+__all__ = ["convert_gguf", "require_gguf", "staging_folders"]
 
-#: ``general.architecture`` of the GGUF files converted (llama.cpp writes Mistral as "llama").
-ARCHITECTURES = ("llama", "qwen2")
 # metadata every file of these architectures holds (GGUF spec), without which transformers guesses
 _REQUIRED = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
-# transformers' config field -> the GGUF metadata key it is read from (after "<architecture>.")
+# transformers' config field -> the GGUF metadata key it is read from (after "<architecture>."), for messages
 _METADATA_KEYS = {"max_position_embeddings": "context_length", "num_hidden_layers": "block_count",
                   "intermediate_size": "feed_forward_length", "hidden_size": "embedding_length",
                   "head_dim": "rope.dimension_count", "rope_theta": "rope.freq_base",
                   "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
-                  "rms_norm_eps": "attention.layer_norm_rms_epsilon", "vocab_size": "vocab_size"}
-# GGUF tensor names <-> Hugging Face names
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}
-_LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-                  "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_GGUF_LAYER = re.compile(r"blk\.(0|[1-9][0-9]*)\.(\w+)\.(weight|bias)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+                  "rms_norm_eps": "attention.layer_norm_rms_epsilon", "vocab_size": "vocab_size",
+                  "sliding_window": "attention.sliding_window"}
 # llama.cpp's Llama 3 RoPE factors: RoPE comes from the config here
 _IGNORED_TENSORS = ("rope_freqs.weight",)
+# the temporary name of a folder being written (then renamed to its name)
+_STAGING_PREFIX = ".{}.partial-"
 # tensor types that are not weights (integers, and doubles, which gguf does not de-quantize)
 _NOT_WEIGHTS = ("I8", "I16", "I32", "I64", "F64")
 
@@ -71,10 +66,12 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     ------
     FileNotFoundError : no such file.
     FileExistsError : ``out_dir`` is a file or a folder that is not empty.
+    NotADirectoryError : ``out_dir`` is under a file (it cannot be made).
     ImportError : the ``gguf`` package is missing (:func:`require_gguf`).
+    UnsupportedModelError : an architecture of no family treedec runs (:mod:`~treedec.models.registry`).
     CheckpointError : (a ValueError) naming the GGUF file: not a readable GGUF file (truncated,
-        corrupt); an architecture other than :data:`ARCHITECTURES`; metadata missing (sizes,
-        tokenizer) or of a bad type or value (as :func:`~treedec.models.config.check_hf_fields`
+        corrupt); metadata missing (sizes,
+        tokenizer) or of a bad type or value (as :func:`~treedec.models.hf_config.check_hf_fields`
         checks a config.json); a tensor missing, unknown, of a type that is not a weight's or of the
         wrong shape; a tokenizer transformers cannot build.
     """
@@ -84,11 +81,23 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty folder: convert_gguf writes a new folder "
                               f"(remove it or choose another)")
+    above = next(p for p in out_dir.absolute().parents if p.exists())   # (the root exists)
+    if not above.is_dir():
+        raise NotADirectoryError(f"out_dir {out_dir} cannot be made: {above} is a file, not a folder (choose an "
+                                 f"out_dir in a folder)")
     require_gguf()
     hf_config = _checked_config(gguf_file)
     write = _converted(gguf_file, hf_config)
     _write_folder(out_dir, write)
     return out_dir
+
+
+def staging_folders(out_dir: str | Path) -> list[Path]:
+    """The temporary folders :func:`convert_gguf` writes ``out_dir`` under (``.<name>.partial-<id>`` beside it)
+    that exist now: a conversion in progress, or one killed before it could remove its own (the caller removing
+    them must know no conversion into ``out_dir`` runs: :mod:`~treedec.models.catalog` holds a lock)."""
+    out_dir = Path(out_dir)
+    return sorted(out_dir.parent.glob(f"{glob.escape(_STAGING_PREFIX.format(out_dir.name))}*"))
 
 
 def require_gguf() -> None:
@@ -115,9 +124,10 @@ def _checked_config(gguf_file: Path):
     arch = _string_field(reader, "general.architecture", gguf_file)
     if arch is None:
         raise CheckpointError(f"{gguf_file}: lacks metadata key 'general.architecture' (the model's architecture)")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{gguf_file}: metadata key 'general.architecture' must be one of {ARCHITECTURES} "
-                              f"(the decoders treedec runs), got {arch!r:.60}")
+    architectures = gguf_architectures()
+    if arch not in architectures:
+        raise UnsupportedModelError(f"{gguf_file}: metadata key 'general.architecture' must be one of "
+                                    f"{tuple(architectures)} (the families treedec runs), got {arch!r:.60}")
     for key in [f"{arch}.{k}" for k in _REQUIRED] + list(_TOKENIZER_KEYS):
         if key not in reader.fields:
             what = "the tokenizer, which the checkpoint folder carries" if key.startswith("tokenizer.") else \
@@ -134,12 +144,14 @@ def _checked_config(gguf_file: Path):
         return f"metadata key '{arch}.{_METADATA_KEYS[key]}'" if key in _METADATA_KEYS else f"field '{key}'"
 
     check_hf_fields(settings, str(gguf_file), name)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in architectures[arch].model_types:
         raise CheckpointError(f"{gguf_file}: transformers reads it as a {model_type!r} model, not one of "
-                              f"{SUPPORTED_MODEL_TYPES}")
+                              f"{architectures[arch].model_types}")
     try:
         hf_config = AutoConfig.for_model(model_type, **settings)
-        config = ModelConfig.from_hf(hf_config)
+        config = config_from_hf(hf_config)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{gguf_file}: {e}") from None
     except Exception as e:   # transformers 5's config classes raise their own errors (StrictDataclassError)
         raise CheckpointError(f"{gguf_file}: its metadata makes no {model_type} config ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})") from None
@@ -168,10 +180,12 @@ def _string_field(reader, key: str, gguf_file: Path) -> str | None:
 
 
 def _check_tensor_infos(reader, config: ModelConfig, gguf_file: Path) -> None:
-    """Every tensor's name, type and shape from the tensor infos, against ``config`` (nothing is read)."""
+    """Every tensor's name, type and shape from the tensor infos, against ``config`` (nothing is read); the
+    names are the family's weight map's GGUF names."""
+    weights = weight_map(config)
     headers, unknown = {}, []
     for tensor in reader.tensors:
-        hf = _hf_name(tensor.name)
+        hf = weights.from_gguf(tensor.name)
         if hf is None:
             if tensor.name not in _IGNORED_TENSORS:
                 unknown.append(tensor.name)
@@ -183,26 +197,8 @@ def _check_tensor_infos(reader, config: ModelConfig, gguf_file: Path) -> None:
         raise CheckpointError(f"{gguf_file}: the file has {len(unknown)} tensor(s) this decoder does not use, e.g. "
                               f"{unknown[:5]} (a different architecture?)")
     import gguf
-    weights = tuple(t.name for t in gguf.GGMLQuantizationType if t.name not in _NOT_WEIGHTS)
-    check_tensor_headers(headers, config, weights, str(gguf_file), _gguf_name)
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    m = _GGUF_LAYER.fullmatch(gguf_name)
-    if m is None or m[2] not in _LAYER_TENSORS:
-        return None
-    return f"model.layers.{m[1]}.{_LAYER_TENSORS[m[2]]}.{m[3]}"
-
-
-def _gguf_name(hf_name: str) -> str:
-    for gguf_name, hf in _GLOBAL_TENSORS.items():
-        if hf == hf_name:
-            return gguf_name
-    m = _HF_LAYER.fullmatch(hf_name)
-    part = next((g for g, h in _LAYER_TENSORS.items() if m is not None and h == m[2]), None)
-    return hf_name if part is None else f"blk.{m[1]}.{part}.{m[3]}"
+    types = tuple(t.name for t in gguf.GGMLQuantizationType if t.name not in _NOT_WEIGHTS)
+    check_tensor_headers(headers, config, types, str(gguf_file), weights.to_gguf)
 
 
 def _converted(gguf_file: Path, hf_config) -> Callable[[Path], None]:
@@ -239,7 +235,7 @@ def _write_folder(out_dir: Path, write: Callable[[Path], None]) -> None:
     """``write`` into a new folder beside ``out_dir``, then rename it to ``out_dir`` (replacing an empty one);
     on an error, remove it and the parent folders made for it."""
     made = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:12]}"
+    staging = out_dir.parent / f"{_STAGING_PREFIX.format(out_dir.name)}{uuid.uuid4().hex[:12]}"
     try:
         staging.mkdir(parents=True)
         write(staging)

@@ -1,22 +1,14 @@
-"""Building a :class:`~treedec.models.llama.Llama`: from a checkpoint (a local HF checkpoint folder, or
-what :mod:`treedec.models.catalog` resolves a known name, a GGUF file or a hub repo id to), an
-in-memory transformers model, or random weights.
+"""Building a model (a :class:`~treedec.models.decoder.Decoder` of its family): from a checkpoint (a local HF
+checkpoint folder, or what :mod:`treedec.models.catalog` resolves a known name, a GGUF file or a hub repo id
+to), an in-memory transformers model, or random weights.
 
-Hugging Face tensor names map onto treedec's (fused) parameters:
-
-======================================================  =========================================
-HF name                                                 treedec parameter (rows)
-======================================================  =========================================
-``model.embed_tokens.weight``                           ``embed_tokens.weight``
-``model.layers.{i}.input_layernorm.weight``             ``layers.{i}.input_norm.weight``
-``model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}``  ``layers.{i}.qkv_proj.*`` (q, k, v rows)
-``model.layers.{i}.self_attn.o_proj.{weight,bias}``     ``layers.{i}.o_proj.*``
-``model.layers.{i}.post_attention_layernorm.weight``    ``layers.{i}.post_attention_norm.weight``
-``model.layers.{i}.mlp.{gate,up}_proj.{weight,bias}``   ``layers.{i}.gate_up_proj.*`` (gate, up rows)
-``model.layers.{i}.mlp.down_proj.{weight,bias}``        ``layers.{i}.down_proj.*``
-``model.norm.weight``                                   ``norm.weight``
-``lm_head.weight``                                      ``lm_head.weight`` (absent when tied)
-======================================================  =========================================
+Hugging Face tensor names map onto treedec's (fused) parameters through the family's weight map
+(:mod:`~treedec.models.weights`, :mod:`~treedec.models.registry`): ``model.embed_tokens.weight`` ->
+``embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v}_proj.*`` -> rows of ``layers.{i}.qkv_proj.*``,
+``mlp.{gate,up}_proj.*`` -> rows of ``layers.{i}.gate_up_proj.*``, ``input_layernorm`` -> ``input_norm``,
+``post_attention_layernorm`` -> ``post_attention_norm`` (and Gemma's ``pre_feedforward_layernorm``,
+``post_feedforward_layernorm``; Qwen3's and Gemma 3's ``self_attn.{q,k}_norm`` -> ``{q,k}_norm``),
+``model.norm.weight`` -> ``norm.weight``, ``lm_head.weight`` (absent when tied).
 
 A checkpoint directory is input like any other: the shard paths of
 ``model.safetensors.index.json`` must name files inside the directory (see
@@ -36,14 +28,15 @@ from typing import Iterator
 import torch
 
 from treedec.checks import is_int
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.models.checkpoint_headers import check_tensor_headers, safetensors_headers
-from treedec.models.config import ModelConfig, check_hf_fields, warn_hf_defaults
-from treedec.models.hf_tensors import hf_targets, init_random_, load_hf_tensors, safetensors_device
-from treedec.models.llama import Llama
-from treedec.models.rope import rope_inv_freq
-from treedec.models.tensor_parallel import build_model, load_checkpoint, load_random
+from treedec.models.config import ModelConfig
+from treedec.models.decoder import Decoder
+from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
+from treedec.models.hf_tensors import (hf_targets, init_random_, load_checkpoint, load_hf_tensors, load_random,
+                                       safetensors_device)
+from treedec.models.registry import build, config_from_hf, to_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,7 +46,7 @@ SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat1
 
 
 def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None, tensor_parallel=None) -> Llama:
+                    device: torch.device | str | None = None, tensor_parallel=None) -> Decoder:
     """Load a model: a known name (``smollm2``), a ``.gguf`` file, a local Hugging Face checkpoint
     directory (``config.json`` + ``*.safetensors``) or a repo id in the local hub cache, resolved by
     :func:`~treedec.models.catalog.resolve_model` (a known name is fetched, a GGUF file converted, once).
@@ -65,8 +58,11 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     them, else of ``config.json``; empty when neither names one.
 
     Nothing is allocated before the config's fields and every tensor's name, dtype and shape
-    (read from the safetensors headers) are checked. A config without ``rms_norm_eps`` or
-    ``rope_theta`` takes transformers' default, with a warning (logger ``treedec``) naming it.
+    (read from the safetensors headers) are checked; real numbers out of their ranges
+    (:data:`~treedec.models.config.REAL_RANGES`: ``rms_norm_eps`` 1e308, a RoPE factor 1e308) are refused
+    by name. A config without ``rms_norm_eps`` or ``rope_theta`` takes transformers' default for its model
+    type, as transformers does, with a warning (logger ``treedec``) naming it; a ``llama3`` RoPE scaling
+    without ``rope_theta`` is refused (that default, 10000, is known wrong for every such checkpoint).
 
     Parameters
     ----------
@@ -77,7 +73,7 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
         ``torch_dtype``, else bfloat16.
     device : default CUDA when available, else CPU.
     tensor_parallel : a :class:`~treedec.models.tensor_parallel.TensorParallel`: build this rank's
-        :class:`~treedec.models.tensor_parallel.TensorParallelLlama`, reading only its slices.
+        part of the :class:`~treedec.models.decoder.Decoder`, reading only its slices.
 
     Raises
     ------
@@ -89,13 +85,15 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     CheckpointError
         (a ValueError) A malformed ``config.json`` (a size that is not a positive int, head
         counts that do not divide, an ``rms_norm_eps`` or ``rope_theta`` that is not a finite
-        number > 0, ...), ``generation_config.json`` (its
+        number > 0 or out of range, ...), ``generation_config.json`` (its
         ``eos_token_id`` not token ids of the vocabulary) or index, a shard path outside the
         directory, a truncated or corrupt shard, a tensor of another dtype than
         :data:`SUPPORTED_DTYPES` or of the wrong shape, a missing or unknown tensor; a GGUF file
         that does not convert.
-    NotImplementedError
-        An architecture or feature the decoder does not implement.
+    UnsupportedModelError
+        (a ValueError and a NotImplementedError) An architecture or feature the decoder does not implement
+        (the message names the model types it runs), a quantized checkpoint (``quantization_config``, or
+        quantized tensors such as AWQ's ``qweight``), which treedec does not load.
     """
     from transformers import AutoConfig
 
@@ -114,8 +112,10 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
         raise CheckpointError(f"{config_file}: transformers cannot read it ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})") from None
     try:
-        config = ModelConfig.from_hf(hf_config)
-    except (TypeError, ValueError) as e:  # NotImplementedError (an unsupported feature) goes through
+        config = config_from_hf(hf_config)
+    except UnsupportedModelError as e:   # a documented limit, not a malformed file
+        raise UnsupportedModelError(f"{config_file}: {e}") from None
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{config_file}: {e}") from None
     warn_hf_defaults(raw_config, config, str(config_file))
     eos = _checkpoint_eos(root, raw_config, config.vocab_size)
@@ -169,12 +169,13 @@ def checkpoint_shards(root: str | Path) -> list[Path]:
                             f"(only safetensors checkpoints are read); it holds {found}")
 
 
-def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Llama:
-    """Copy the weights of an in-memory ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Decoder:
+    """Copy the weights of an in-memory transformers model of a supported family (``LlamaForCausalLM``,
+    ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ... :mod:`~treedec.models.registry`).
 
     ``dtype`` and ``device`` default to those of the HF model's parameters.
     """
-    config = ModelConfig.from_hf(hf_model.config)
+    config = config_from_hf(hf_model.config)
     first = next(hf_model.parameters())
     model = _empty_model(config, dtype or first.dtype, device or first.device)
     state = hf_model.state_dict()
@@ -187,8 +188,9 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
 
 
 def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None) -> Llama:
-    """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms 1, biases 0.
+                device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None) -> Decoder:
+    """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms the identity (1, or
+    0 for a family's ``(1 + w)`` norms), biases 0.
 
     ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.models.config.MODEL_SIZES`.
     The same seed gives the same weights on the same device. ``tensor_parallel``: this rank's
@@ -203,47 +205,11 @@ def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = t
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            init_random_(name, p, std, gen)
+            init_random_(name, p, std, gen, config.norm_offset)
     return model
 
 
-def to_hf_config(config: ModelConfig):
-    """The transformers config (``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``) of ``config``.
-
-    RoPE goes in as ``rope_theta`` + ``rope_scaling``, which transformers 4.x and 5.x both read.
-    """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    c = config
-    scaling = None
-    if c.rope_scaling is not None and c.rope_scaling.kind == "linear":
-        scaling = {"rope_type": "linear", "factor": c.rope_scaling.factor}
-    elif c.rope_scaling is not None:
-        scaling = {"rope_type": "llama3", "factor": c.rope_scaling.factor,
-                   "low_freq_factor": c.rope_scaling.low_freq_factor,
-                   "high_freq_factor": c.rope_scaling.high_freq_factor,
-                   "original_max_position_embeddings": c.rope_scaling.original_max_position}
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                  head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-                  max_position_embeddings=c.max_position, rope_theta=c.rope_theta, rope_scaling=scaling)
-    biases = (c.qkv_bias, c.o_bias, c.mlp_bias)
-    if c.model_type == "llama":
-        if c.qkv_bias != c.o_bias:
-            raise ValueError(f"LlamaConfig has one attention_bias for q/k/v/o; got qkv_bias={c.qkv_bias}, "
-                             f"o_bias={c.o_bias}")
-        return LlamaConfig(**common, attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
-    if c.model_type == "qwen2":
-        if biases != (True, False, False):
-            raise ValueError(f"Qwen2 has q/k/v biases only; got (qkv, o, mlp) biases {biases}")
-        return Qwen2Config(**common, use_sliding_window=c.sliding_window is not None,
-                           sliding_window=c.sliding_window)
-    if any(biases):
-        raise ValueError(f"Mistral has no biases; got (qkv, o, mlp) biases {biases}")
-    return MistralConfig(**common, sliding_window=c.sliding_window)
-
-
-def to_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
     """``model``'s weights under Hugging Face names, as views (no copy): the inverse of loading.
 
     ``transformers_model.load_state_dict(to_hf_state_dict(model), assign=True)`` makes a
@@ -366,17 +332,15 @@ def _shard_path(root: Path, name: str, where: str) -> Path:
     return path
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel=None) -> Llama:
-    """A Llama (this rank's part of one, with ``tensor_parallel``) with uninitialized weights on ``device``
-    (built on the meta device: no init cost)."""
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel=None
+                 ) -> Decoder:
+    """``config``'s model (this rank's part of one, with ``tensor_parallel``) with uninitialized weights on
+    ``device`` (built on the meta device: no init cost)."""
     with torch.device("meta"):
-        if tensor_parallel is None:
-            model = Llama(config, dtype=dtype)
-        else:
-            model = build_model(config, tensor_parallel, dtype)
+        model = build(config, dtype, tensor_parallel)
     model.to_empty(device=device)
     model.tie_weights()
-    model.inv_freq = rope_inv_freq(config, device=device)
+    model.init_buffers()
     model.requires_grad_(False)
     return model.eval()
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treedec.checks import nonnegative_int, positive_int
-from treedec.models.llama import Llama
+from treedec.models.base import DecoderModel
 from treedec.models.loading import read_state_dict
 
 CHECKPOINT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -66,7 +66,7 @@ class MedusaHeads(nn.Module):
         return len(self.medusa_head)
 
     @classmethod
-    def untrained(cls, model: Llama, num_heads: int = 4, num_layers: int = 1, seed: int = 0) -> MedusaHeads:
+    def untrained(cls, model: DecoderModel, num_heads: int = 4, num_layers: int = 1, seed: int = 0) -> MedusaHeads:
         """Heads as Medusa initialises them before training: zero ResBlock weights (default
         bias init, seeded) and every head's output layer a copy of the model's ``lm_head``."""
         c = model.config
@@ -86,7 +86,7 @@ class MedusaHeads(nn.Module):
             return torch.stack([head(hidden) for head in self.medusa_head], dim=-2)
 
 
-def load_medusa_heads(path: str | Path, model: Llama) -> MedusaHeads:
+def load_medusa_heads(path: str | Path, model: DecoderModel) -> MedusaHeads:
     """Load a Medusa head checkpoint for ``model`` (its dtype and device).
 
     ``path``: a ``.safetensors`` / ``.pt`` / ``.bin`` file, or a directory holding one of

@@ -1,11 +1,14 @@
-"""Tensor parallelism over torch.distributed: one Llama split Megatron-style across the ranks of a group.
+"""Tensor parallelism over torch.distributed: one decoder (any family's) split Megatron-style across the ranks of a
+group.
 
     tp = init_tensor_parallel()                                   # under torchrun: NCCL on GPUs, gloo on CPUs
     model = from_pretrained(path, tensor_parallel=tp)             # each rank reads its slices only
     engine = Engine(model)                                        # every rank runs the same program
     tokens = greedy_generate(engine, prompt_ids, 64)              # the same tokens on every rank
 
-What each of ``N`` ranks holds (:class:`TensorParallelLlama`):
+What each of ``N`` ranks holds (a :class:`~treedec.models.decoder.Decoder` built with ``tensor_parallel``;
+the family's weight map says how each checkpoint tensor is cut, :class:`~treedec.models.weights.Split`,
+fused checkpoint tensors such as Phi-3's ``qkv_proj`` included):
 
 - ``qkv_proj``: column-parallel by heads, rank r's ``num_heads / N`` query heads and the
   ``num_kv_heads / N`` KV heads they read (GQA groups stay whole), fused as ``[q_r | k_r | v_r]``;
@@ -16,7 +19,8 @@ What each of ``N`` ranks holds (:class:`TensorParallelLlama`):
   every rank holds the whole ``[rows, vocab]`` logits; a tied head is a view of the embedding.
   Gathered rather than replicated: a replicated head would make each rank stream all of it every
   step (1 GB of Llama-3-8B's 16), which is worth more than the gather of a step's logits.
-- The embedding, the norms and the biases after a row-parallel GEMM: whole on every rank (the
+- The embedding, the norms (per-head q/k norms and Gemma's four a layer included) and the biases after a
+  row-parallel GEMM: whole on every rank (the
   embedding is read a row per token, so a vocab-parallel one would save memory but cost an
   all-reduce; those biases are added once, after the sum).
 
@@ -39,10 +43,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
-from collections import defaultdict
-from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,15 +50,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from treedec.checks import positive_int
-from treedec.errors import CheckpointError
-from treedec.models.checkpoint_headers import hf_tensor_shapes
 from treedec.models.config import ModelConfig
-from treedec.models.hf_tensors import hf_targets, init_random_, load_hf_tensors, safetensors_device
-from treedec.models.llama import Llama
+from treedec.models.weights import Split
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# HF projections split across ranks: (which projection, weight or bias)
-_SPLIT = re.compile(r"model\.layers\.\d+\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.(weight|bias)")
 
 
 class TensorParallel:
@@ -181,20 +176,18 @@ def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int]:
     return start, min(start + shard, vocab_size)
 
 
-def rank_slice(name: str, config: ModelConfig, size: int, rank: int) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)``: the part of the Hugging Face tensor ``name`` (of the whole model
-    ``config``) that ``rank`` of ``size`` holds; None for a tensor every rank holds whole."""
-    if name == "lm_head.weight":
-        return (0, *vocab_range(config.vocab_size, size, rank))
-    match = _SPLIT.fullmatch(name)
-    if match is None:
-        return None
-    proj, kind = match.groups()
-    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
-    width = {"q": q, "k": kv, "v": kv, "o": q, "gate": inter, "up": inter, "down": inter}[proj] // size
-    if proj in ("o", "down"):   # row-parallel: the input columns; the bias is added once, whole
-        return None if kind == "bias" else (1, rank * width, (rank + 1) * width)
-    return 0, rank * width, (rank + 1) * width
+def rank_pieces(split: Split, full_rows: int, size: int, rank: int) -> tuple[int, list[tuple[int, int]]]:
+    """``(dim, [(start, stop), ...])``: the pieces along ``dim`` of a checkpoint tensor cut by ``split`` (of
+    ``full_rows`` along that dim in the whole model) that ``rank`` of ``size`` holds, concatenated in that
+    order: its share of each fused part (:class:`~treedec.models.weights.Split`), or its vocabulary rows."""
+    if split.vocab:
+        return split.dim, [vocab_range(full_rows, size, rank)]
+    pieces, start = [], 0
+    for part in split.parts:
+        width = part // size
+        pieces.append((start + rank * width, start + (rank + 1) * width))
+        start += part
+    return split.dim, pieces
 
 
 class RowParallelLinear(nn.Linear):
@@ -214,11 +207,12 @@ class RowParallelLinear(nn.Linear):
 class VocabParallelHead(nn.Module):
     """The LM head split by vocabulary rows: ``hidden [..., hidden_size]`` -> logits ``[..., vocab_size]``,
     every rank's ``weight_shard`` ([stop - start, hidden_size], rows of :func:`vocab_range`) applied, the
-    shards' logits all-gathered."""
+    shards' logits all-gathered (then soft-capped, ``c * tanh(logits / c)``, with ``softcap``: Gemma 2)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, dtype: torch.dtype | None = None,
+                 softcap: float | None = None):
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
+        self.tp, self.vocab_size, self.softcap = tp, vocab_size, softcap
         self.start, self.stop = vocab_range(vocab_size, tp.size, tp.rank)
         self.shard_rows = -(-vocab_size // tp.size)
         self.weight_shard = nn.Parameter(torch.empty(self.stop - self.start, hidden_size, dtype=dtype))
@@ -233,7 +227,8 @@ class VocabParallelHead(nn.Module):
         logits = F.linear(hidden, self.weight_shard)
         if logits.shape[-1] < self.shard_rows:   # the last ranks' shorter shards, padded for the gather
             logits = F.pad(logits, (0, self.shard_rows - logits.shape[-1]))
-        return self.tp.all_gather_last(logits)[..., :self.vocab_size]
+        logits = self.tp.all_gather_last(logits)[..., :self.vocab_size]
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     @property
     def weight(self) -> torch.Tensor:
@@ -242,113 +237,3 @@ class VocabParallelHead(nn.Module):
         shard = self.weight_shard.detach()
         shard = F.pad(shard, (0, 0, 0, self.shard_rows - shard.shape[0]))
         return self.tp.all_gather_first(shard)[:self.vocab_size]
-
-
-class TensorParallelLlama(Llama):
-    """This rank's part of a :class:`~treedec.models.llama.Llama` split over ``tp`` (see the module doc).
-
-    Build it with ``from_pretrained(..., tensor_parallel=tp)`` or ``from_config(..., tensor_parallel=tp)``.
-    ``config`` is the shape this rank computes (:func:`shard_config`: its heads, KV heads and MLP
-    columns; the :class:`~treedec.engine.Engine` sizes its attention and KV pool from it),
-    ``full_config`` the whole model's. The forward's inputs and outputs are the whole model's, the
-    same on every rank. After moving the model, call :meth:`tie_weights` again (a tied head is a view).
-    """
-
-    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype | None = None):
-        super().__init__(shard_config(config, tp.size), dtype)
-        self.full_config = config
-        self.tensor_parallel = tp
-        for layer in self.layers:
-            for name, bias in (("o_proj", config.o_bias), ("down_proj", config.mlp_bias)):
-                old = getattr(layer, name)
-                setattr(layer, name, RowParallelLinear(old.in_features, old.out_features, bias, tp, dtype))
-        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp, dtype)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, VocabParallelHead):
-            self.lm_head.tie(self.embed_tokens.weight)
-
-
-# ===================================================================== loading (treedec.models.loading calls these)
-
-
-def build_model(config: ModelConfig, tp: TensorParallel, dtype: torch.dtype | None) -> TensorParallelLlama:
-    """This rank's :class:`TensorParallelLlama` of ``config`` (``tp`` checked)."""
-    if not isinstance(tp, TensorParallel):
-        raise TypeError(f"tensor_parallel must be a TensorParallel (e.g. init_tensor_parallel()), got {tp!r:.80}")
-    return TensorParallelLlama(config, tp, dtype)
-
-
-def load_checkpoint(model: TensorParallelLlama, shards: list[Path], source: str, dtypes: tuple[torch.dtype, ...]
-                    ) -> None:
-    """Copy this rank's slices of the safetensors ``shards`` into ``model`` (only those slices are read),
-    with the checks of the single-GPU loader."""
-    load_hf_tensors(model, _read_rank_slices(shards, model), source, dtypes, targets=_local_targets(model))
-
-
-def load_random(model: TensorParallelLlama, seed: int, std: float) -> None:
-    """Fill ``model`` with its slices of the weights ``from_config(full_config, seed, std)`` draws:
-    every parameter drawn whole, in the same order from the same generator, then cut, so that TP=N
-    computes what TP=1 does. One whole parameter is in memory at a time."""
-    load_hf_tensors(model, _random_rank_slices(model, seed, std), "random weights", targets=_local_targets(model))
-
-
-def _local_targets(model: TensorParallelLlama) -> dict[str, tuple[str, slice]]:
-    """HF name -> (this rank's parameter, rows of it): the fused layouts of the shard's config."""
-    return {hf: ("lm_head.weight_shard" if param == "lm_head.weight" else param, rows)
-            for hf, (param, rows) in hf_targets(model.config).items()}
-
-
-def _read_rank_slices(shards: list[Path], model: TensorParallelLlama) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, this rank's part of the tensor, file) for every tensor of ``shards``, read with
-    ``safe_open(...).get_slice``; each tensor's whole shape is checked first."""
-    import safetensors
-
-    c, tp = model.full_config, model.tensor_parallel
-    shapes = dict(hf_tensor_shapes(c))
-    for shard in shards:
-        try:
-            with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(model.device)) as f:
-                for name in list(f.keys()):
-                    if name not in shapes:   # unknown or unused: reported (or ignored) by the loader, not read
-                        yield name, torch.empty(0), str(shard)
-                        continue
-                    try:
-                        piece = f.get_slice(name)
-                        shape = tuple(piece.get_shape())
-                        cut = rank_slice(name, c, tp.size, tp.rank)
-                        if shape != shapes[name]:
-                            tensor = None
-                        elif cut is None:
-                            tensor = f.get_tensor(name)
-                        else:
-                            dim, start, stop = cut
-                            tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
-                    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
-                        raise CheckpointError(f"{shard}: tensor {name} cannot be read ({type(e).__name__}: "
-                                              f"{str(e)[:200]})") from None
-                    if tensor is None:
-                        raise CheckpointError(f"{shard}: checkpoint tensor {name} has shape {shape}, expected "
-                                              f"{shapes[name]} for the config {c}")
-                    yield name, tensor, str(shard)
-        except (safetensors.SafetensorError, OSError) as e:   # a truncated or corrupt file
-            raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
-                                  f"{str(e)[:200]})") from None
-
-
-def _random_rank_slices(model: TensorParallelLlama, seed: int, std: float) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, this rank's part, "random weights") of the weights from_config draws (see :func:`load_random`)."""
-    c, tp = model.full_config, model.tensor_parallel
-    with torch.device("meta"):
-        full = Llama(c, dtype=model.dtype)
-    parts = defaultdict(list)
-    for hf, (param, rows) in hf_targets(c).items():
-        parts[param].append((hf, rows))
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, p in full.named_parameters():   # from_config's order (a tied head once)
-        whole = torch.empty(p.shape, dtype=model.dtype, device=model.device)
-        init_random_(name, whole, std, gen)
-        for hf, rows in parts[name]:
-            piece, cut = whole[rows], rank_slice(hf, c, tp.size, tp.rank)
-            yield hf, piece if cut is None else piece.narrow(cut[0], cut[1], cut[2] - cut[1]), "random weights"

@@ -40,7 +40,7 @@ import torch
 from treedec.attention import PlanConfig
 from treedec.checks import int_in_range
 from treedec.engine import Engine
-from treedec.models import Llama
+from treedec.models import DecoderModel
 from treedec.replay.driver import ScheduleDriver, dry_run
 from treedec.workloads.schedule import DEFAULT_MAX_TREE_TOKENS, Prompt, Schedule
 
@@ -140,18 +140,20 @@ class AttentionTimer:
 
 @contextlib.contextmanager
 def timed_attention(engine: Engine, time_run: bool) -> Iterator[AttentionTimer]:
-    """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block; the engine's own
-    attention is put back when the block ends, also when it raises."""
-    attn = engine.attn
+    """``engine.attn`` wrapped in an :class:`AttentionTimer` for the ``with`` block (and so every layer that runs
+    it, ``engine.attention.layer_attn``); the engine's own attention is put back when the block ends, also when it
+    raises."""
+    attn, layers = engine.attn, engine.attention
     timer = AttentionTimer(attn, time_run=time_run)
     engine.attn = timer
+    engine.attention = dataclasses.replace(layers, layer_attn=tuple(timer if a is attn else a for a in layers.layer_attn))
     try:
         yield timer
     finally:
-        engine.attn = attn
+        engine.attn, engine.attention = attn, layers
 
 
-def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:
+def replay(model: DecoderModel, schedule: Schedule, config: ReplayConfig = ReplayConfig()) -> ReplayRun:
     """Replay ``schedule`` on ``model`` with a fresh :class:`Engine`; the tree is empty again at the end.
 
     Everything that can be checked before a forward is, and before anything is allocated
@@ -238,7 +240,7 @@ def replay(model: Llama, schedule: Schedule, config: ReplayConfig = ReplayConfig
                      emitted=driver.emitted)
 
 
-def replay_results(model: Llama, schedule: Schedule, configs: list[ReplayConfig], model_name: str,
+def replay_results(model: DecoderModel, schedule: Schedule, configs: list[ReplayConfig], model_name: str,
                    workload: str) -> dict:
     """Replay ``schedule`` once per config (e.g. one per planner) and gather the results JSON."""
     runs = [replay(model, schedule, cfg) for cfg in configs]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from treedec.checks import is_int
-from treedec.models import Llama
+from treedec.models import DecoderModel
 from treedec.tree import PagedKVPool
 
 
@@ -37,7 +37,7 @@ class RequestStats:
 MODEL_EOS = "model"
 
 
-def eos_token_ids(value: int | Sequence[int] | str | None, model: Llama) -> tuple[int, ...]:
+def eos_token_ids(value: int | Sequence[int] | str | None, model: DecoderModel) -> tuple[int, ...]:
     """The EOS ids a program stops at, as a tuple.
 
     ``value``: :data:`MODEL_EOS` (``"model"``) for ``model.eos_token_ids``, None for none
@@ -77,15 +77,18 @@ class Positions:
     how: str
 
 
-def position_limit(model: Llama) -> int:
+def position_limit(model: DecoderModel) -> int:
     """The most positions a sequence may have on ``model``: its ``max_position`` (the checkpoint's
-    ``max_position_embeddings``), or its sliding window when smaller (treedec's tree attention attends
-    to whole paths: past the window the model would attend differently)."""
+    ``max_position_embeddings``), or its config's sliding window when smaller and the model's layers do not attend
+    it as a window (``model.attention_variants()``; e.g. Qwen2's window of some layers: past it the model would
+    attend differently). A window its variants implement (Mistral's) bounds nothing."""
     config = model.config
-    return config.max_position if config.sliding_window is None else min(config.max_position, config.sliding_window)
+    if config.sliding_window is None or any(v.window is not None for v in model.attention_variants()):
+        return config.max_position
+    return min(config.max_position, config.sliding_window)
 
 
-def check_positions(model: Llama, need: Positions, name: str, before_run: bool = False) -> None:
+def check_positions(model: DecoderModel, need: Positions, name: str, before_run: bool = False) -> None:
     """Raise ValueError naming ``name`` (e.g. ``"request 'b' (line 3)"``) if ``need`` exceeds the model's
     positions (:func:`position_limit`); ``before_run``: the message says nothing was run."""
     limit = position_limit(model)

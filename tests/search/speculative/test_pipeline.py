@@ -10,6 +10,7 @@ import torch
 
 from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
+from treedec.models import ModelConfig, from_config
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.models.medusa import MedusaHeads
@@ -177,6 +178,11 @@ def test_pipeline_true_refuses_what_cannot_pipeline(tiny, draft, rule, match):
     reference = Engine(tiny, kv_tokens=256, page_size=4, backend="reference")
     with pytest.raises(ValueError, match="reference attention backend"):
         speculative_generate(reference, [1, 2, 3], MedusaDraft(MedusaHeads.untrained(tiny)), 4, pipeline=True)
+    windowed = from_config(ModelConfig.from_name("tiny", model_type="mistral", sliding_window=8), dtype=torch.float32,
+                           device="cpu")
+    with pytest.raises(ValueError, match="the model has sliding-window layers"):
+        speculative_generate(make_engine(windowed), [1, 2, 3], MedusaDraft(MedusaHeads.untrained(windowed)), 4,
+                             pipeline=True)
 
 
 def test_a_dynamic_span_step_equals_the_step_without_the_unused_slots(tiny):

@@ -7,7 +7,7 @@ backend (static plans and CUDA graphs, the custom op, where a dynamic span is ma
 plan must be prepared by the backend that runs it) is a capability of its class, never a test of
 its name::
 
-    impl = get_backend("triton").create(32, 8, 128, torch.float16, 128 ** -0.5, device)
+    impl = get_backend("triton").create(32, 8, 128, torch.float16, AttentionVariant(), device)
     if impl.static_plans: ...
 
 The four backends (``reference``, ``torch``, ``triton``, ``cuda``) register when
@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
+
+from treedec.attention.variant import AttentionVariant
 
 if TYPE_CHECKING:
     from treedec.attention.planners import PlanConfig
@@ -76,9 +78,10 @@ class OpArgs:
     tensors: list[torch.Tensor]
     sizes: OpSizes
 
-    def inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float) -> tuple:
-        """The op's arguments for these q, caches and softmax scale, in its schema's order."""
-        return q, k_cache, v_cache, self.tensors, self.sizes.to_list(), self.backend, sm_scale
+    def inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, variant: AttentionVariant
+               ) -> tuple:
+        """The op's arguments for these q, caches and the layer's variant, in its schema's order."""
+        return q, k_cache, v_cache, self.tensors, self.sizes.to_list(), self.backend, variant.op_values()
 
 
 class PreparedLaunch(Protocol):
@@ -118,10 +121,12 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
-               device: torch.device) -> Backend:
+    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               variant: AttentionVariant, device: torch.device) -> Backend:
         """This backend for a head configuration (``num_qo_heads`` a multiple of ``num_kv_heads``), the dtype
-        of q, K and V, the softmax scale and the device the tensors live on; raises for what it cannot run."""
+        of q, K and V, the layer's variant (its scale and logit hooks: a kernel backend builds the kernel of its
+        :meth:`~AttentionVariant.kernel_key`; its mask fields are the planner's) and the device the tensors live
+        on; raises for what it cannot run."""
 
     def plan_config(self, config: PlanConfig) -> PlanConfig:
         """``config`` with what this backend runs best with filled in (default: unchanged)."""
@@ -158,9 +163,10 @@ class Backend(ABC):
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], sm_scale: float) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
         """The body of ``torch.ops.treedec.tree_attention`` for this backend (:attr:`custom_op`): launch the
-        plan of :class:`OpArgs` ``tensors`` and ``sizes``, ``out [Q, Hq, D]`` in q's dtype."""
+        plan of :class:`OpArgs` ``tensors`` and ``sizes`` with ``variant``'s kernel, ``out [Q, Hq, D]`` in q's
+        dtype."""
         raise ValueError(f"treedec::tree_attention runs the {' or '.join(backend_names(_op))} kernels, "
                          f"not the {cls.name} backend")
 

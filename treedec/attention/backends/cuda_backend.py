@@ -22,11 +22,12 @@ from treedec.attention.persistent_schedule import SCHEDULE_HEADER, UNIT_FIELDS, 
 from treedec.attention.planners import PlanConfig, default_query_tile as planner_query_tile
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.attention.variant import AttentionVariant
 from treedec.checks import positive_int
 from treedec.errors import BackendUnavailableError, PlanError
 from treedec.kernels import cuda_tree_attention as kernels
 from treedec.kernels.cuda_build import build_problem
-from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS
+from treedec.kernels.cuda_tree_attention import ROWS_PER_UNIT, TILE_TOKENS, rows_per_unit
 
 logger = logging.getLogger("treedec")
 
@@ -52,22 +53,25 @@ KERNEL_ARRAYS = ("kv_slots", "chunk_kv_start", "entry_query", "entry_mask", "ent
                  "query_entries")
 
 
-def default_query_tile(head_dim: int, group: int) -> int:
-    """Entries per work item that fill one unit's rows: the planner's query tile for this backend."""
-    return planner_query_tile(group, ROWS_PER_UNIT[head_dim])
+def default_query_tile(head_dim: int, group: int, rows: int | None = None) -> int:
+    """Entries per work item that fill one unit's ``rows`` (default: sm_90a's, :data:`ROWS_PER_UNIT`): the planner's
+    query tile for this backend."""
+    return planner_query_tile(group, ROWS_PER_UNIT[head_dim] if rows is None else rows)
 
 
-def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, group: int) -> PlanConfig:
+def cuda_plan_config(config: PlanConfig, device: torch.device, head_dim: int, group: int,
+                     kernel_key: tuple[str, ...] = ()) -> PlanConfig:
     """``config`` with what the cuda kernels run best with filled in where it is None: the query tile
     (:func:`default_query_tile`), the persistent grid's CTAs (``persistent_grid_size``; fp16 and
     bf16 kernels have one shape, so one grid size) and, where the warp-specialized sm_90a kernel runs
-    (head dims 64 and 128), :data:`LIGHT_TILE_COST`."""
+    head dims 64 or 128 (where it was measured; head dim 256 keeps even chunks), :data:`LIGHT_TILE_COST`."""
     index = _device_index(device)
     fill = {}
     if config.query_tile is None:
-        fill["query_tile"] = default_query_tile(head_dim, group)
+        fill["query_tile"] = default_query_tile(head_dim, group,
+                                                rows_per_unit(torch.cuda.get_device_capability(index), head_dim))
     if config.persistent_ctas is None:
-        fill["persistent_ctas"] = kernels.persistent_grid_size(index, torch.float16, head_dim)
+        fill["persistent_ctas"] = kernels.persistent_grid_size(index, torch.float16, head_dim, kernel_key)
     if config.light_tile_cost is None and torch.cuda.get_device_capability(index) == (9, 0) and head_dim <= 128:
         fill["light_tile_cost"] = LIGHT_TILE_COST
     return dataclasses.replace(config, **fill)
@@ -126,7 +130,9 @@ class CudaPrepared:
 
 
 class CudaBackend(Backend):
-    """Prepares and runs plans on the cuda kernels for one head configuration and dtype on ``device``."""
+    """Prepares and runs plans on the cuda kernels for one head configuration and dtype on ``device``, with the
+    extension of ``variant``'s logit hooks (:meth:`AttentionVariant.kernel_key`: one build per key used); a
+    prepared launch serves every variant (the engine's layer groups of one window share it)."""
 
     name = "cuda"
     prepares_launch = True
@@ -134,18 +140,20 @@ class CudaBackend(Backend):
     custom_op = True
     span_masking = SpanMasking.DEVICE
 
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
-                 device: torch.device):
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 variant: AttentionVariant, device: torch.device):
         if dtype not in kernels.SUPPORTED_DTYPES:
             raise TypeError(f"the cuda backend takes {kernels.SUPPORTED_DTYPES}, got {dtype} "
                             f"(use 'triton' or 'torch' for fp32)")
         if head_dim not in kernels.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {kernels.SUPPORTED_HEAD_DIMS}, got {head_dim}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.dtype, self.sm_scale, self.device = dtype, sm_scale, device
+        self.dtype, self.variant, self.device = dtype, variant, device
+        self.logit_args = variant.logit_args(head_dim)
         self.group = num_qo_heads // num_kv_heads
-        self.ext = kernels.extension(device)
-        self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim)
+        self.ext = kernels.extension(device, variant.kernel_key())
+        self.rows = rows_per_unit(torch.cuda.get_device_capability(device), head_dim)
+        self.num_ctas = kernels.persistent_grid_size(_device_index(device), dtype, head_dim, variant.kernel_key())
         self.static_tile_tokens: int | None = None  # fixed tile of static plans (None: the rule, first plan)
 
     @classmethod
@@ -155,9 +163,9 @@ class CudaBackend(Backend):
         return build_problem(device)
 
     @classmethod
-    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
-               device: torch.device) -> CudaBackend:
-        return cls(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale, device)
+    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               variant: AttentionVariant, device: torch.device) -> CudaBackend:
+        return cls(num_qo_heads, num_kv_heads, head_dim, dtype, variant, device)
 
     @classmethod
     def without_kernels(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_ctas: int,
@@ -171,8 +179,10 @@ class CudaBackend(Backend):
         positive_int("num_ctas", num_ctas)
         backend = cls.__new__(cls)
         backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = num_qo_heads, num_kv_heads, head_dim
-        backend.dtype, backend.sm_scale, backend.device = dtype, head_dim ** -0.5, torch.device(device)
+        backend.dtype, backend.variant, backend.device = dtype, AttentionVariant(), torch.device(device)
+        backend.logit_args = backend.variant.logit_args(head_dim)
         backend.group, backend.ext, backend.num_ctas = num_qo_heads // num_kv_heads, None, num_ctas
+        backend.rows = ROWS_PER_UNIT[head_dim]   # sm_90a's units
         backend.static_tile_tokens = tile_tokens
         return backend
 
@@ -188,7 +198,7 @@ class CudaBackend(Backend):
     def plan_config(self, config: PlanConfig) -> PlanConfig:
         """``config`` with this backend's query tile, grid and tile cost filled in (see :func:`cuda_plan_config`):
         chunks that fill its 128-row units and its persistent grid."""
-        return cuda_plan_config(config, self.device, self.head_dim, self.group)
+        return cuda_plan_config(config, self.device, self.head_dim, self.group, self.variant.kernel_key())
 
     def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The kernels' own requirements (``kernels.check_inputs``: CUDA tensors, 16-byte aligned rows)."""
@@ -199,7 +209,7 @@ class CudaBackend(Backend):
         self._check_kernels()
         host, device = plan.plan, plan.kv_slots.device
         tile = choose_tile_tokens(host, self.dtype, self.head_dim, self.ext)
-        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+        schedule = schedule_units(host, self.group, self.num_kv_heads, self.num_ctas, self.rows,
                                   tile)
         logger.debug("cuda schedule: %d units on %d CTAs, %d-token KV tiles (longest chunk %d tokens)",
                      schedule.num_units, self.num_ctas, tile, host.max_chunk_len)
@@ -223,7 +233,7 @@ class CudaBackend(Backend):
 
     def static_sections(self, bounds: PlanBounds) -> dict[str, int]:
         e = bounds.entries
-        max_units = self.num_kv_heads * (e + -(-e * self.group // ROWS_PER_UNIT[self.head_dim]))
+        max_units = self.num_kv_heads * (e + -(-e * self.group // self.rows))
         max_tiles = bounds.items * -(-bounds.max_chunk_tokens // TILE_TOKENS)  # live-tile lists, per item
         return {"cta_unit_start": self.num_ctas + 1,
                 "unit_info": SCHEDULE_HEADER + len(UNIT_FIELDS) * max_units + max_tiles}
@@ -240,7 +250,7 @@ class CudaBackend(Backend):
             max_query_entries=bounds.chunks, tile_tokens=tile, schedule=None, dtype=self.dtype)
 
     def static_values(self, plan: TreePlan, prepared: CudaPrepared) -> dict[str, np.ndarray]:
-        schedule = schedule_units(plan, self.group, self.num_kv_heads, self.num_ctas, ROWS_PER_UNIT[self.head_dim],
+        schedule = schedule_units(plan, self.group, self.num_kv_heads, self.num_ctas, self.rows,
                                   prepared.tile_tokens)
         units = schedule.device_array()
         if units.size > prepared.unit_info.numel():
@@ -257,11 +267,11 @@ class CudaBackend(Backend):
         self._check_kernels()
         p: CudaPrepared = plan.prepared
         return launch_prepared(q, k_cache, v_cache, p.arrays, p.cta_unit_start, p.unit_info, p.o_ws, p.lse_ws, p.merge,
-                               p.tile_tokens, p.max_query_entries, self.sm_scale, self.ext)
+                               p.tile_tokens, p.max_query_entries, self.logit_args, self.ext)
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], sm_scale: float) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
         """The launch of :meth:`CudaPrepared.op_args`' plan (its workspace allocated here, from a CUDA graph's
         private pool when captured)."""
         s = CudaOpSizes.from_list(sizes)
@@ -270,7 +280,8 @@ class CudaBackend(Backend):
         lse_ws = torch.empty(s.partials, hq, dtype=torch.float32, device=q.device)
         *arrays, cta_unit_start, unit_info = tensors
         return launch_prepared(q, k_cache, v_cache, dict(zip(KERNEL_ARRAYS, arrays)), cta_unit_start, unit_info, o_ws,
-                               lse_ws, s.merge, s.tile_tokens, s.max_query_entries, sm_scale)[0]
+                               lse_ws, s.merge, s.tile_tokens, s.max_query_entries, variant.logit_args(d),
+                               kernels.extension(q.device, variant.kernel_key()))[0]
 
     def _check_kernels(self) -> None:
         if self.ext is None:
@@ -280,22 +291,23 @@ class CudaBackend(Backend):
 
 def launch_prepared(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict,
                     cta_unit_start: torch.Tensor, unit_info: torch.Tensor, o_ws: torch.Tensor, lse_ws: torch.Tensor,
-                    merge: bool, tile_tokens: int, max_query_entries: int, sm_scale: float, ext=None
+                    merge: bool, tile_tokens: int, max_query_entries: int, logit_args, ext
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels of a prepared plan (its arrays, schedule, workspace and launch choices, as
-    :class:`CudaPrepared` holds them) over the paged caches: ``out [Q, Hq, D]`` in q's dtype and
-    ``lse [Q, Hq]`` float32 (natural log)."""
+    :class:`CudaPrepared` holds them) over the paged caches with a variant's
+    :class:`~treedec.attention.variant.LogitArgs` and the extension of its key: ``out [Q, Hq, D]`` in q's dtype
+    and ``lse [Q, Hq]`` float32 (natural log)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     kernels.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays,
-                   cta_unit_start, unit_info, arrays["entry_mask"].stride(0), sm_scale, merge, tile_tokens,
-                   max_query_entries, ext)
+                   cta_unit_start, unit_info, arrays["entry_mask"].stride(0), logit_args.scale_log2,
+                   logit_args.softcap_scale, merge, tile_tokens, max_query_entries, ext)
     return out, lse
 
 
 def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
-                  sm_scale: float, validate: bool = True, prepared: CudaPrepared | None = None
+                  variant: AttentionVariant, validate: bool = True, prepared: CudaPrepared | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
 
@@ -304,7 +316,7 @@ def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     if validate:
         kernels.check_inputs(q, k_cache, v_cache)
-    backend = CudaBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, sm_scale, q.device)
+    backend = CudaBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, variant, q.device)
     prepared = prepared or backend.prepare(plan)
     return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
 

@@ -9,6 +9,7 @@ from treedec.attention.backends.base import Backend, SpanMasking
 from treedec.attention.reference import reference_tree_attention
 from treedec.attention.torch_executor import TORCH_FORMS, TorchLaunch, prepare_torch, run_torch
 from treedec.attention.tree_plan import DeviceTreePlan
+from treedec.attention.variant import AttentionVariant
 
 
 class TorchBackend(Backend):
@@ -27,10 +28,10 @@ class TorchBackend(Backend):
     custom_op = False
     span_masking = SpanMasking.HOST
 
-    def __init__(self, sm_scale: float, form: str = "auto"):
+    def __init__(self, variant: AttentionVariant, form: str = "auto"):
         if form not in TORCH_FORMS:
             raise ValueError(f"form must be one of {TORCH_FORMS}, got {form!r}")
-        self.sm_scale = sm_scale
+        self.variant = variant
         self.form = form
         self.forms: Counter = Counter()
 
@@ -39,9 +40,9 @@ class TorchBackend(Backend):
         return None
 
     @classmethod
-    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
-               device: torch.device) -> TorchBackend:
-        return cls(sm_scale)
+    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               variant: AttentionVariant, device: torch.device) -> TorchBackend:
+        return cls(variant)
 
     def prepare(self, plan: DeviceTreePlan) -> TorchLaunch:
         launch = prepare_torch(plan.plan, plan.kv_slots.device, self.form)
@@ -50,11 +51,11 @@ class TorchBackend(Backend):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(run_torch(q, k_cache, v_cache, self._launch(plan), self.sm_scale))
+        return tuple(run_torch(q, k_cache, v_cache, self._launch(plan), self.variant))
 
     def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
                 ) -> torch.Tensor:
-        return run_torch(q, k_cache, v_cache, self._launch(plan), self.sm_scale, return_lse=False).out
+        return run_torch(q, k_cache, v_cache, self._launch(plan), self.variant, return_lse=False).out
 
     def _launch(self, plan: DeviceTreePlan) -> TorchLaunch:
         return plan.prepared if isinstance(plan.prepared, TorchLaunch) else self.prepare(plan)
@@ -74,7 +75,7 @@ class ReferenceBackend(TorchBackend):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, self.sm_scale)
+        return reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, self.variant)
 
     def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
                 ) -> torch.Tensor:

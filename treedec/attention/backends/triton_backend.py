@@ -23,6 +23,7 @@ import torch
 from treedec.attention.backends.base import Backend, OpArgs, OpSizes, SpanMasking, check_kv_caches
 from treedec.attention.static_plan import PlanBounds
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
+from treedec.attention.variant import AttentionVariant
 
 if TYPE_CHECKING:
     from treedec.kernels.triton_tree_attention import LaunchConfig, TritonLaunch
@@ -69,7 +70,9 @@ class TritonBackend(Backend):
 
     ``workspace_dtype``: of the partial outputs; default fp16 for fp16 inputs (half the traffic
     of float32), float32 for bf16 (its 8-bit mantissa would round every partial) and fp32.
-    ``launch``: overrides the stage-1 launch table (tuning: bench/triton_configs.py).
+    ``launch``: overrides the stage-1 launch table (tuning: bench/triton_configs.py). ``variant``'s logit
+    hooks are the kernels' constexprs (:meth:`AttentionVariant.kernel_key`); a prepared launch serves every
+    variant (the engine's layer groups of one window share it).
     """
 
     name = "triton"
@@ -79,7 +82,8 @@ class TritonBackend(Backend):
     span_masking = SpanMasking.DEVICE
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 sm_scale: float, workspace_dtype: torch.dtype | None = None, launch: LaunchConfig | None = None):
+                 variant: AttentionVariant, workspace_dtype: torch.dtype | None = None,
+                 launch: LaunchConfig | None = None):
         from treedec.kernels import triton_tree_attention as kernels
         if dtype not in kernels.SUPPORTED_DTYPES:
             raise TypeError(f"the triton backend takes {kernels.SUPPORTED_DTYPES}, got {dtype}")
@@ -91,7 +95,8 @@ class TritonBackend(Backend):
             raise TypeError(f"workspace_dtype must be one of {kernels.SUPPORTED_DTYPES}, got {workspace_dtype}")
         self.kernels = kernels
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.dtype, self.sm_scale, self.workspace_dtype, self.launch_override = dtype, sm_scale, workspace_dtype, launch
+        self.dtype, self.variant, self.workspace_dtype, self.launch_override = dtype, variant, workspace_dtype, launch
+        self.logit_args = variant.logit_args(head_dim)
 
     @classmethod
     def why_unavailable(cls, device: torch.device) -> str | None:
@@ -104,9 +109,9 @@ class TritonBackend(Backend):
         return None
 
     @classmethod
-    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sm_scale: float,
-               device: torch.device) -> TritonBackend:
-        return cls(num_qo_heads, num_kv_heads, head_dim, dtype, sm_scale)
+    def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               variant: AttentionVariant, device: torch.device) -> TritonBackend:
+        return cls(num_qo_heads, num_kv_heads, head_dim, dtype, variant)
 
     def prepare(self, plan: DeviceTreePlan) -> TritonPrepared:
         """The launch of ``plan`` (its sizes: a static plan's are its capacity's)."""
@@ -148,11 +153,11 @@ class TritonBackend(Backend):
         float32 (natural log)."""
         prepared: TritonPrepared = plan.prepared
         return _launch(self.kernels, q, k_cache, v_cache, prepared.arrays, prepared.o_ws, prepared.lse_ws,
-                       prepared.launch, self.sm_scale)
+                       prepared.launch, self.logit_args)
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], sm_scale: float) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
         """The launch of :meth:`TritonPrepared.op_args`' plan, remade from its sizes (the op gets plain values;
         its workspace is allocated here, from a CUDA graph's private pool when captured)."""
         from treedec.kernels import triton_tree_attention as kernels
@@ -163,23 +168,24 @@ class TritonBackend(Backend):
         o_ws = torch.empty(s.num_entries, hq, d, dtype=torch.float32 if s.fp32_workspace else q.dtype, device=q.device)
         lse_ws = torch.empty(s.num_entries, hq, dtype=torch.float32, device=q.device)
         return _launch(kernels, q, k_cache, v_cache, dict(zip(KERNEL_ARRAYS, tensors)), o_ws, lse_ws, launch,
-                       sm_scale)[0]
+                       variant.logit_args(d))[0]
 
 
 def _launch(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict, o_ws: torch.Tensor,
-            lse_ws: torch.Tensor, launch: TritonLaunch, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            lse_ws: torch.Tensor, launch: TritonLaunch, logit_args) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels (``kernels``: the triton kernels module) of a prepared plan (``arrays``, workspace,
-    ``launch``) over the paged caches: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32 (natural log)."""
+    ``launch``) over the paged caches with a variant's :class:`~treedec.attention.variant.LogitArgs`:
+    ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32 (natural log)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays, sm_scale,
-                   launch)
+    kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays,
+                   logit_args.scale_log2, logit_args.softcap_scale, launch)
     return out, lse
 
 
 def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
-                    sm_scale: float, workspace_dtype: torch.dtype | None = None, validate: bool = True,
+                    variant: AttentionVariant, workspace_dtype: torch.dtype | None = None, validate: bool = True,
                     launch: LaunchConfig | None = None, prepared: TritonPrepared | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
@@ -189,7 +195,7 @@ def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
     k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device
     plan : DeviceTreePlan with int32 tensors on q's device
-    sm_scale : softmax scale
+    variant : the layer's (scale and logit hooks; the plan holds its mask)
     workspace_dtype, launch : as :class:`TritonBackend`
     validate : check the inputs (TreeAttention.run has checked them and passes False)
 
@@ -197,7 +203,7 @@ def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if validate:
         check_inputs(q, k_cache, v_cache, plan)
-    backend = TritonBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, sm_scale, workspace_dtype, launch)
+    backend = TritonBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, variant, workspace_dtype, launch)
     prepared = prepared or backend.prepare(plan)
     return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
 

@@ -56,8 +56,8 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
             torch::Tensor o_ws, torch::Tensor lse_ws, torch::Tensor kv_slots, torch::Tensor chunk_kv_start,
             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
             torch::Tensor query_entry_start, torch::Tensor query_entries, torch::Tensor cta_unit_start,
-            torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, bool merge,
-            int64_t tile_tokens, int64_t max_query_entries) {
+            torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, double softcap_scale,
+            bool merge, int64_t tile_tokens, int64_t max_query_entries) {
   const int64_t d = q.size(2);
   check_rows(q, "q", d);
   check_rows(k, "k", d);
@@ -77,6 +77,9 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
               "k and v rows (slots) must be less than 2 GiB apart");
   TORCH_CHECK(treedec::partial_takes_tile(dtype_of(q), static_cast<int>(d), static_cast<int>(tile_tokens)),
               "no stage-1 kernel of ", tile_tokens, "-token tiles for this dtype and head_dim ", d, " on this build");
+  TORCH_CHECK((softcap_scale > 0) == treedec::logits_softcap(), "this build's kernels are ",
+              treedec::logits_softcap() ? "the soft-capped ones (softcap_scale must be > 0)" : "the plain ones (softcap_scale must be 0)",
+              ", got softcap_scale ", softcap_scale);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   treedec::PartialParams p{};
@@ -118,6 +121,7 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   p.num_ctas = static_cast<int>(cta_unit_start.numel() - 1);
   p.tile_tokens = static_cast<int>(tile_tokens);
   p.qk_scale_log2 = static_cast<float>(qk_scale_log2);
+  p.softcap_scale = static_cast<float>(softcap_scale);
   cudaError_t err = treedec::launch_partial(dtype_of(q), static_cast<int>(d), p, stream);
   TORCH_CHECK(err == cudaSuccess, "treedec partial-attention launch failed: ", cudaGetErrorString(err));
   if (!merge) return;
@@ -167,6 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stamp %globaltimer into trace [CTAs, trace_slots()] int64 on every later call (None: stop)");
   m.def("trace_slots", []() { return int64_t{treedec::kTraceSlots}; }, "stamps per CTA of a trace");
 #endif
+  m.def("logits_softcap", &treedec::logits_softcap,
+        "whether this build's kernels soft-cap their logits (the variant key ('softcap',), variants.cuh)");
   m.def("trace_compiled", &treedec::trace_compiled,
         "whether the kernels stamp a trace: the bench-only TREEDEC_WS_TRACE=1 build (set_trace) for sm_90a");
   m.def("full_tile_flag", []() { return int64_t{treedec::kFullTileFlag}; },

@@ -26,6 +26,8 @@ int partial_ctas_per_sm(DType dtype, int head_dim) {
                                   : DtypeFunctions<__nv_bfloat16>::ctas_per_sm(head_dim);
 }
 
+bool logits_softcap() { return BuildLogits::kSoftcap; }
+
 bool trace_compiled() {
 #if defined(TREEDEC_SM90A)
   return TREEDEC_WS_TRACE != 0;

@@ -60,7 +60,8 @@ struct PartialParams {
   int mask_stride;      // int32 words per entry_mask row
   int num_ctas;
   int tile_tokens;      // tokens per listed tile: 64, or 96 where partial_takes_tile says so (= unit_info[0])
-  float qk_scale_log2;  // softmax scale * log2(e)
+  float qk_scale_log2;  // what a score (after the variant's hook) is multiplied by, base 2: softmax scale * log2(e)
+  float softcap_scale;  // the soft-cap build's hook S -> tanh(S * softcap_scale) (variants.cuh); unused otherwise
 };
 
 #if TREEDEC_WS_TRACE
@@ -93,6 +94,8 @@ cudaError_t launch_merge(DType dtype, int head_dim, const MergeParams& p, cudaSt
 int partial_ctas_per_sm(DType dtype, int head_dim);
 // Rows (query x head pairs) one stage-1 unit covers (16 per warp of the CTA).
 int partial_rows_per_unit(DType dtype, int head_dim);
+// Whether this build's kernels soft-cap their logits (the TREEDEC_LOGITS_SOFTCAP=1 build, variants.cuh).
+bool logits_softcap();
 // Whether stage 1 of this configuration runs live-list tiles of tile_tokens tokens (64 always; 96
 // with the warp-specialized sm_90a kernel, head dims 64 and 128).
 bool partial_takes_tile(DType dtype, int head_dim, int tile_tokens);

@@ -10,20 +10,21 @@
 #include "partial_ws_kernel.cuh"
 #include "pdl.cuh"
 #include "tile_sizes.cuh"
+#include "variants.cuh"
 #include "ws_config.cuh"
 
 namespace treedec {
 
-// The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch: the warp-specialized
-// wgmma kernel of that tile on sm_90a (head dims 64/128; tiles of 64 or 96 tokens), else
-// tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens). kTakes: whether
-// such a kernel exists.
+// The stage-1 kernel of (T, D) for list tiles of TILE tokens on the build's arch, of the build's logit
+// variant (BuildLogits): the warp-specialized wgmma kernel of that tile on sm_90a (tiles of 64 or 96 tokens;
+// 64 for head dim 256), else tree_attn_partial_kernel with PartialConfig's shape (tiles of kListTileTokens).
+// kTakes: whether such a kernel exists.
 #if defined(TREEDEC_SM90A)
 constexpr bool kWarpSpecialized = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
 #else
 constexpr bool kWarpSpecialized = false;
 #endif
-template <typename T, int D, int TILE, bool WS = kWarpSpecialized && D <= 128>
+template <typename T, int D, int TILE, bool WS = kWarpSpecialized>
 struct Stage1 {
   using C = PartialConfig<D>;
   static constexpr bool kTakes = TILE == kListTileTokens;
@@ -31,18 +32,19 @@ struct Stage1 {
   static constexpr int kRows = C::kWarps * 16;
   static constexpr int kSmem = SmemLayout<D, C::kBN, C::kStages, C::kWarps>::kBytes;
   static constexpr auto kernel() {
-    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks>;
+    return tree_attn_partial_kernel<T, D, C::kBN, C::kStages, C::kWarps, C::kMinBlocks, BuildLogits>;
   }
 };
 #if defined(TREEDEC_SM90A)
 template <typename T, int D, int TILE>
 struct Stage1<T, D, TILE, true> {
-  static constexpr bool kTakes = TILE == 64 || TILE == 96;
+  static constexpr bool kTakes = TILE == 64 || (TILE == 96 && D <= 128);
   static constexpr int kBN = kTakes ? TILE : 64;
   static constexpr int kThreads = ws::kThreads;
   static constexpr int kRows = ws::kRows;
-  static constexpr int kSmem = ws::Smem<D, kBN, ws::Tile<kBN>::kStages>::kBytes;
-  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN>; }
+  using Shape = ws::Shape<D, kBN>;
+  static constexpr int kSmem = ws::Smem<D, kBN, Shape::kStages, Shape::kQBuffers>::kBytes;
+  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN, BuildLogits>; }
 };
 #endif
 

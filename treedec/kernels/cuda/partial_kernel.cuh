@@ -1,5 +1,5 @@
-// The single-role stage-1 kernel: every warp gathers and computes with mma.sync (sm_80+; on sm_90a
-// the kernel of head dim 256, which the warp-specialized kernel does not take).
+// The single-role stage-1 kernel: every warp gathers and computes with mma.sync (sm_80, sm_86, sm_89; the
+// sm_90a build runs the warp-specialized kernel of partial_ws_kernel.cuh for every head dim).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -16,13 +16,14 @@
 #include "softmax.cuh"
 #include "swizzle.cuh"
 #include "tile_sizes.cuh"
+#include "variants.cuh"
 
 namespace treedec {
 
 // Stage 1 of DeFT-Flatten (partial attention per work unit, on a persistent grid), every warp
-// loading and computing with mma.sync m16n8k16. Built for sm_90a (-DTREEDEC_SM90A), head dims
-// 64/128 run the warp-specialized wgmma kernel of partial_ws_kernel.cuh instead (Stage1 in
-// launch_template.cuh picks).
+// loading and computing with mma.sync m16n8k16. Built for sm_90a (-DTREEDEC_SM90A), every head dim
+// runs the warp-specialized wgmma kernel of partial_ws_kernel.cuh instead (Stage1 in launch_template.cuh
+// picks).
 //
 // Stage 1, one CTA of WARPS warps, 16 rows each (PartialConfig), loops over its units. For a unit:
 //   1. rows -> (entry, query, head) in shared memory; Q rows gathered into smem (cp.async);
@@ -31,13 +32,14 @@ namespace treedec {
 //   3. live tiles go through a STAGES-deep cp.async pipeline: K/V rows gathered through the
 //      slot table (16-byte vectors, XOR-swizzled smem, zero-filled past the chunk), the rows'
 //      mask words beside them; slots of the tile after next are prefetched into registers;
-//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), bit mask in registers
+//   4. per warp: S = Q K^T (ldmatrix + mma.sync, fp32 accumulate), the variant's logit hook (Logits,
+//      variants.cuh), bit mask in registers
 //      (skipped when the warp's rows read the whole tile; the whole tile skipped when they read
 //      none of it), online softmax in base 2, O += P V (P re-packed from the S accumulators into
 //      A fragments; V through ldmatrix.trans);
 //   5. O / l and the LSE go to the output (the entry is its query's only partial) or to the
 //      fp32 partial workspace.
-template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS>
+template <typename T, int D, int BN, int STAGES, int WARPS, int MIN_BLOCKS, class Logits>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 tree_attn_partial_kernel(const PartialParams p) {
   launch_dependents();
@@ -217,6 +219,7 @@ tree_attn_partial_kernel(const PartialParams p) {
         }
       }
 
+      Logits::apply(s, p);
       const float2 alpha = online_softmax<BN>(s, mw0, mw1, full, p.qk_scale_log2, lane, m0, m1, l0, l1);
       rescale_o<D>(acc, alpha);
 

@@ -19,6 +19,7 @@
 #include "scheduler.cuh"
 #include "softmax.cuh"
 #include "swizzle.cuh"
+#include "variants.cuh"
 #include "wgmma.cuh"
 #include "ws_config.cuh"
 #include "ws_pipeline.cuh"
@@ -27,7 +28,7 @@
 namespace treedec {
 namespace ws {
 
-// Warp-specialized stage 1 for sm_90a (head dims 64/128): one persistent CTA per SM of three
+// Warp-specialized stage 1 for sm_90a (head dims 64/128/256): one persistent CTA per SM of three
 // warpgroups, FlashAttention-3's structure with cp.async gathers in place of TMA.
 //
 //   warpgroup 0, the producer: for each live tile of a unit (the list the CPU schedule made) it
@@ -54,15 +55,17 @@ namespace ws {
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
 // unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
 //
-// The kernel of BN-token tiles (the host launches the one the schedule's tile size names).
-template <typename T, int D, int BN>
+// The kernel of BN-token tiles (the host launches the one the schedule's tile size names) and logit
+// variant Logits (variants.cuh: its hook runs on S between the QK wait and the softmax).
+template <typename T, int D, int BN, class Logits>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
   if (threadIdx.x == 0) trace_stamp(p, kTraceStart);
-  constexpr int STAGES = Tile<BN>::kStages;
-  static_assert((BN == 64 || BN == 96) && (D == 64 || D == 128), "wgmma tile shape");
-  using L = Smem<D, BN, STAGES>;
+  constexpr int STAGES = Shape<D, BN>::kStages;
+  constexpr int kQBuf = Shape<D, BN>::kQBuffers;
+  static_assert((BN == 64 || BN == 96) && (D == 64 || D == 128 || (D == 256 && BN == 64)), "wgmma tile shape");
+  using L = Smem<D, BN, STAGES, kQBuf>;
   constexpr int kMW = L::kMW;
   extern __shared__ __align__(1024) uint8_t smem[];
   if (threadIdx.x == 0 && (cute::cast_smem_ptr_to_uint(smem) & 1023u)) __trap();  // descriptors need 1 KiB
@@ -97,7 +100,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       Barrier::init(&full[s], kProducerThreads + 1);  // async arrives + thread 0's plain one
       Barrier::init(&empty[s], 128 * kConsumers);
     }
-    for (int b = 0; b < kQBuffers; ++b) Barrier::init(&q_free[b], 128 * kConsumers);
+    for (int b = 0; b < kQBuf; ++b) Barrier::init(&q_free[b], 128 * kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -105,9 +108,13 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
 
   if (threadIdx.x < kProducerThreads) {
     // ------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<Shape<D, BN>::kProducerRegs>();
     const int tid = threadIdx.x;
-    constexpr int kVecPerRow = D / 8;
+    // A pass of the threads copies kCopyCols columns of kRowsPerPass rows; head dim 256 copies its two halves of
+    // 128 columns (two 64-column blocks each) in turn, from the same slots.
+    constexpr int kCopyCols = D > 128 ? 128 : D;
+    constexpr int kHalves = D / kCopyCols;
+    constexpr int kVecPerRow = kCopyCols / 8;
     constexpr int kRowsPerPass = kProducerThreads / kVecPerRow;
     constexpr int kKVPasses = BN / kRowsPerPass;
     constexpr int kQPasses = kRows / kRowsPerPass;
@@ -179,8 +186,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         trace_stamp(p, kTraceRecord, info[7]);
         trace_stamp(p, kTraceSlots0, slots_a[0]);
       }
-      const int qb = local % kQBuffers;
-      if (local >= kQBuffers) Barrier::wait(&q_free[qb], ((local / kQBuffers) + 1) & 1);  // unit local-kQBuffers is done with it
+      const int qb = local % kQBuf;
+      if (local >= kQBuf) Barrier::wait(&q_free[qb], ((local / kQBuf) + 1) & 1);  // unit local-kQBuf is done with it
       T* dQ = sQ + qb * kRows * D;
       // Each thread loads the query of unit row tid (one load, not one per Q pass), shared through
       // smem (two buffers: a thread writes unit local + 1's only after every producer thread passed
@@ -190,16 +197,18 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       bar_sync(kBarProducer, kProducerThreads);
       if (local == 0) wait_for_primary();  // q, k, v come from the kernel before (pdl.cuh)
       #pragma unroll
-      for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
-        const int r = row_begin + cp_row0 + pass * kRowsPerPass;
-        const int query = q_rows[cp_row0 + pass * kRowsPerPass];
-        const bool valid = query >= 0;
-        const T* src = valid ? q + query * p.q_stride_q + (kv_head * p.group + r % p.group) * p.q_stride_h
-                                   + cp_vec * 8
-                             : q;
-        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src),
-            *reinterpret_cast<cute::uint128_t*>(dQ + swz128(cp_row0 + pass * kRowsPerPass, cp_vec * 8, kRows)), valid);
+      for (int h = 0; h < kHalves; ++h) {
+        #pragma unroll
+        for (int pass = 0; pass < kQPasses; ++pass) {  // the unit's Q rows ride with its first tile
+          const int r = row_begin + cp_row0 + pass * kRowsPerPass;
+          const int query = q_rows[cp_row0 + pass * kRowsPerPass];
+          const bool valid = query >= 0;
+          const int col = h * kCopyCols + cp_vec * 8;
+          const T* src = valid ? q + query * p.q_stride_q + (kv_head * p.group + r % p.group) * p.q_stride_h + col : q;
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+              *reinterpret_cast<const cute::uint128_t*>(src),
+              *reinterpret_cast<cute::uint128_t*>(dQ + swz128(cp_row0 + pass * kRowsPerPass, col, kRows)), valid);
+        }
       }
 
       auto issue_tile = [&](int first, const int (&slots)[kKVPasses]) {  // K, V and mask words into a free stage
@@ -209,12 +218,16 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
         const uint32_t dV = kv_dst_v + stage * (BN * D * 2);
         #pragma unroll
-        for (int pass = 0; pass < kKVPasses; ++pass) {
-          // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
-          const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
-          const int bytes = (~slots[pass] >> 31) & 16;
-          cp_async_16(dK + pass * kRowsPerPass * 128, k_head + slot * k_row_bytes, bytes);
-          cp_async_16(dV + pass * kRowsPerPass * 128, v_head + slot * v_row_bytes, bytes);
+        for (int h = 0; h < kHalves; ++h) {  // (a half: 2 column blocks of BN x 64, BN * 256 bytes)
+          #pragma unroll
+          for (int pass = 0; pass < kKVPasses; ++pass) {
+            // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
+            const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
+            const int bytes = (~slots[pass] >> 31) & 16;
+            const int half = h * kCopyCols * static_cast<int>(sizeof(T));
+            cp_async_16(dK + h * BN * 256 + pass * kRowsPerPass * 128, k_head + half + slot * k_row_bytes, bytes);
+            cp_async_16(dV + h * BN * 256 + pass * kRowsPerPass * 128, v_head + half + slot * v_row_bytes, bytes);
+          }
         }
         #pragma unroll
         for (int w = 0; w < kMW && !full; ++w) {
@@ -246,7 +259,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
   }
 
   // -------------------------------------------------------------------- consumers
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<Shape<D, BN>::kConsumerRegs>();
   // A schedule of another tile size is a host bug: stop loudly. Checked here, off the producer's path
   // to its first gathers.
   if (threadIdx.x == kProducerThreads && p.unit_info[0] != BN) __trap();
@@ -278,7 +291,9 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     float s[BN / 8][4];        // S, then P, of the current tile
     uint32_t pa[BN / 16][4];   // P of the previous tile (A of its PV wgmma)
     uint32_t mw0[kMW], mw1[kMW];
-    uint32_t qa[D / 16][4];  // the warp's Q rows (A fragments of S = Q K^T)
+    // The warp's Q rows (A fragments of S = Q K^T); head dim 256 reads Q from smem instead (issue_wgmma_qk_ss).
+    constexpr bool kQInRegisters = D <= 128;
+    uint32_t qa[kQInRegisters ? D / 16 : 1][4];
     bool full_tile = false;  // every row of the unit reads the whole tile (kItemFullTile: no mask words)
 
     // Wait for the next item; false at the unit's END. Reads the mask words of a tile that has them.
@@ -300,7 +315,11 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       return true;
     };
     auto issue_qk = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
-      issue_wgmma_qk_rs<T, D, BN>(qa, sK + stage * BN * D, s);
+      if constexpr (kQInRegisters) {
+        issue_wgmma_qk_rs<T, D, BN>(qa, sK + stage * BN * D, s);
+      } else {
+        issue_wgmma_qk_ss<T, D, BN, kRows>(sQ + (local % kQBuf) * kRows * D + 64 * c * 64, sK + stage * BN * D, s);
+      }
     };
     auto issue_pv = [&](int stage) {  // O += P V of the tile in `stage` (P in pa), one commit group
       issue_wgmma_pv<T, D, BN>(pa, sV + stage * BN * D, acc);
@@ -330,12 +349,13 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       }
     } else if (next_tile(stage)) {
       // First tile (its Q rows landed with it): S, softmax, P.
-      load_q_fragments<T, D, kRows>(sQ + (local % kQBuffers) * kRows * D, 64 * c + warp * 16, lane, qa);
+      if constexpr (kQInRegisters) load_q_fragments<T, D, kRows>(sQ + (local % kQBuf) * kRows * D, 64 * c + warp * 16, lane, qa);
       turn_wait(c);
       issue_qk(stage);
       turn_pass(c);
       cute::warpgroup_wait<0>();
       fence_s();
+      Logits::apply(s, p);
       online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
       pack_p<T, BN>(s, pa);
       int prev = stage;
@@ -351,6 +371,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         turn_pass(c);
         cute::warpgroup_wait<1>();
         fence_s();
+        Logits::apply(s, p);
         float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
                              : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
         // Keeps the softmax before the PV wait in the PTX.
@@ -383,7 +404,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     }
     // END item in `stage`: release it and the Q buffer, write the unit's rows.
     Barrier::arrive(&empty[stage]);
-    Barrier::arrive(&q_free[local % kQBuffers]);
+    Barrier::arrive(&q_free[local % kQBuf]);
     ++item;
     store_row<T, D>(p, acc, 0, entry[0], query[0], head[0], m0, quad_sum(l0), lane);
     store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);

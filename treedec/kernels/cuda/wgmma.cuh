@@ -40,28 +40,39 @@ __device__ __forceinline__ uint64_t gmma_desc_add(uint64_t desc, int bytes) {
 
 namespace gmma = cute::SM90::GMMA;
 template <typename T> struct Gmma;
-// The wgmma atom of width N (64, 96 or 128) among the three given.
-template <int N, class A64, class A96, class A128>
-using GmmaOfWidth = std::conditional_t<N == 64, A64, std::conditional_t<N == 96, A96, A128>>;
+// The wgmma atom of width N (64, 96, 128 or 256) among the four given.
+template <int N, class A64, class A96, class A128, class A256 = void>
+using GmmaOfWidth = std::conditional_t<N == 64, A64, std::conditional_t<N == 96, A96,
+                                       std::conditional_t<N == 128, A128, A256>>>;
 template <> struct Gmma<__half> {
   template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x96x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
-      gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;
+      gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x256x16_F32F16F16_RS<gmma::Major::K, gmma::Major::MN>>;  // O += P V of head dim 256
   template <int N> using RSK = GmmaOfWidth<N,  // B K-major (S = Q K^T, Q in registers)
       gmma::MMA_64x64x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x96x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>>;
+  template <int N> using SSK = GmmaOfWidth<N,  // A and B K-major in smem (S = Q K^T, Q in smem: head dim 256)
+      gmma::MMA_64x64x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>>;
 };
 template <> struct Gmma<__nv_bfloat16> {
   template <int N> using RS = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
       gmma::MMA_64x96x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
-      gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
+      gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>,
+      gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>>;
   template <int N> using RSK = GmmaOfWidth<N,
       gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x96x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>,
       gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>>;
+  template <int N> using SSK = GmmaOfWidth<N,
+      gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x96x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>,
+      gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>;
 };
 
 // C[64 x N] (+)= A (registers: the mma.sync A layout, 16 x 16 per warp) B (descriptor); acc[N/8][4]:
@@ -85,6 +96,32 @@ __device__ __forceinline__ void issue_wgmma_qk_rs(const uint32_t (&qa)[D / 16][4
   #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
     gmma_rs<typename Gmma<T>::template RSK<BN>, BN>(qa[kk], gmma_desc_add(dk, ((kk / 4) * (BN * 64) + (kk % 4) * 16) * 2),
+                                                    s, std::make_index_sequence<BN / 2>{}, kk > 0);
+  cute::warpgroup_commit_batch();
+}
+
+// C[64 x N] (+)= A B, both operands by descriptor (K-major, 128-byte swizzle).
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&acc)[N / 8][4], std::index_sequence<I...>,
+                                        bool accumulate) {
+  Atom::fma(da, db, acc[I / 4][I % 4]..., accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+}
+
+// Issue S[64 x BN] = Q K^T for a warpgroup as one wgmma commit group (no wait), Q and K from smem: sQ the
+// warpgroup's first Q row in a [ROWS][D] 128-byte-swizzled tile (swz128), cK a [BN][D] K tile likewise. For head
+// dim 256, whose Q rows in registers (64 a thread) would not fit beside O (128) and S.
+template <typename T, int D, int BN, int ROWS>
+__device__ __forceinline__ void issue_wgmma_qk_ss(const T* sQ, const T* cK, float (&s)[BN / 8][4]) {
+  #pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s[j][e]);
+  const uint64_t dq = gmma_desc(sQ, 16);
+  const uint64_t dk = gmma_desc(cK, 16);
+  cute::warpgroup_arrive();
+  #pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    gmma_ss<typename Gmma<T>::template SSK<BN>, BN>(gmma_desc_add(dq, ((kk / 4) * (ROWS * 64) + (kk % 4) * 16) * 2),
+                                                    gmma_desc_add(dk, ((kk / 4) * (BN * 64) + (kk % 4) * 16) * 2),
                                                     s, std::make_index_sequence<BN / 2>{}, kk > 0);
   cute::warpgroup_commit_batch();
 }

@@ -46,14 +46,29 @@ template <int BN> struct Tile;
 template <> struct Tile<64> { static constexpr int kStages = TREEDEC_WS_STAGES; };
 template <> struct Tile<96> { static constexpr int kStages = TREEDEC_WS96_STAGES; };
 
+// Ring depth and Q buffers of head dim D: head dim 256 (Gemma) has a 64 KiB Q tile and 64 KiB 64-token K/V
+// stages, so one Q buffer and two stages fill the 227 KiB of an SM (its next unit's Q rows load once the
+// unit is done), and it takes 64-token tiles only.
+#ifndef TREEDEC_WS256_PRODUCER_REGS  // head dim 256's register split (its O takes 128 a consumer thread)
+#define TREEDEC_WS256_PRODUCER_REGS 56
+#endif
+template <int D, int BN> struct Shape {
+  static constexpr int kStages = D > 128 ? 2 : Tile<BN>::kStages;
+  static constexpr int kQBuffers = D > 128 ? 1 : ws::kQBuffers;
+  static constexpr int kProducerRegs = D > 128 ? TREEDEC_WS256_PRODUCER_REGS : ws::kProducerRegs;
+  static constexpr int kConsumerRegs = D > 128 ? (kThreads * (65536 / kThreads / 8 * 8) - kProducerThreads * kProducerRegs)
+                                                     / (128 * kConsumers) / 8 * 8
+                                               : ws::kConsumerRegs;
+};
+
 // Shared memory, byte offsets (Q and K/V buffers 1 KiB aligned for the swizzle atoms).
-template <int D, int BN, int STAGES>
+template <int D, int BN, int STAGES, int QBUFFERS = kQBuffers>
 struct Smem {
   static constexpr int kMW = BN / 32;                            // mask words per row per tile
   static constexpr int kQBytes = kRows * D * 2;                  // one Q buffer
   static constexpr int kKVBytes = BN * D * 2;                    // one stage of K (or V)
-  static constexpr int kQ = 0;                                   // [kQBuffers] Q buffers
-  static constexpr int kK = kQ + kQBuffers * kQBytes;            // [STAGES]
+  static constexpr int kQ = 0;                                   // [QBUFFERS] Q buffers
+  static constexpr int kK = kQ + QBUFFERS * kQBytes;             // [STAGES]
   static constexpr int kV = kK + STAGES * kKVBytes;              // [STAGES]
   static constexpr int kMask = kV + STAGES * kKVBytes;           // u32 [STAGES][kRows][kMW]
   static constexpr int kItem = kMask + 4 * STAGES * kRows * kMW; // int [STAGES]: kItemEnd / kItemTile

@@ -1,6 +1,7 @@
-// One step's plan from a TreeLayout's arrays: planners.make_plan (and _query_intervals, _plan_paths).
+// One step's plan from a TreeLayout's arrays: planners.make_plan (and read_intervals, _plan_paths).
 #pragma once
 
+#include <limits>
 #include <string>
 
 #include "balanced_chunks.h"
@@ -22,12 +23,13 @@ struct LayoutView {
 };
 
 // planners.PlanConfig, resolved: chunk_size <= 0 is automatic, persistent_ctas <= 0 is None,
-// light_tile_cost is 1.0 where the config has None.
+// light_tile_cost is 1.0 where the config has None; window: AttentionVariant.window, <= 0 for None.
 struct PlanOptions {
   int planner;
   i64 chunk_size, query_tile, num_kv_heads, num_sms, persistent_ctas;
   double light_tile_cost;
   i64 group_size;
+  i64 window;
 };
 
 struct Plan {
@@ -61,7 +63,7 @@ inline void check_layout(const LayoutView& L) {
   }
 }
 
-// planners._query_intervals: each query's read set as intervals over the compacted flattened KV (only
+// read_intervals._whole_paths: each query's read set as intervals over the compacted flattened KV (only
 // nodes some query reads keep their tokens). A walk up from each query; a parent cycle raises.
 inline QueryIntervals query_intervals(const LayoutView& L) {
   QueryIntervals out;
@@ -103,6 +105,78 @@ inline QueryIntervals query_intervals(const LayoutView& L) {
     }
     std::reverse(reads.begin(), reads.end());  // root first: ascending in preorder
     if (!std::is_sorted(reads.begin(), reads.end())) std::sort(reads.begin(), reads.end());  // any other order
+    for (const auto& [lo, hi] : reads) {
+      out.iv.q.push_back(q);
+      out.iv.lo.push_back(lo);
+      out.iv.hi.push_back(hi);
+    }
+  }
+  return out;
+}
+
+// read_intervals._windowed: each query's intervals clipped to the positions its window shows (from
+// AttentionVariant.first_visible: max(position - window + 1, 0)); a node's tokens before every reader's first
+// visible one are dropped from the flattened KV, as are nodes no clipped interval reads.
+inline QueryIntervals windowed_query_intervals(const LayoutView& L, i64 window) {
+  QueryIntervals out;
+  constexpr i64 kNone = std::numeric_limits<i64>::max();
+  Vec node_skip(L.num_nodes, kNone);
+  struct Row { i64 q, node, skip, read; };
+  std::vector<Row> rows;
+  rows.reserve(4 * L.num_queries);
+  Vec path;  // one query's nodes, its own first
+  for (i64 q = 0; q < L.num_queries; ++q) {
+    path.clear();
+    const i64 own = L.query_node[q];
+    i64 total = L.query_offset[q] + 1;  // the root path's tokens, then each row's first position
+    path.push_back(own);
+    for (i64 n = L.parent[own]; n >= 0; n = L.parent[n]) {
+      if (static_cast<i64>(path.size()) > L.num_nodes) {
+        throw std::invalid_argument("compiled planner: the layout's parents form a cycle");
+      }
+      path.push_back(n);
+      total += L.kv_start[n + 1] - L.kv_start[n];
+    }
+    const i64 first = std::max<i64>(total - 1 - (window - 1), 0);
+    i64 start = total;  // the first position of the row below (none yet: one past the query)
+    for (size_t i = 0; i < path.size(); ++i) {
+      const i64 n = path[i];
+      const i64 read = i == 0 ? L.query_offset[q] + 1 : L.kv_start[n + 1] - L.kv_start[n];
+      start -= read;
+      const i64 skip = std::max<i64>(first - start, 0);
+      if (read > skip) {
+        rows.push_back({q, n, skip, read});
+        node_skip[n] = std::min(node_skip[n], skip);
+      }
+    }
+  }
+  bool all_kept = true;
+  for (i64 n = 0; n < L.num_nodes; ++n) all_kept = all_kept && node_skip[n] == 0;
+  out.all_needed = all_kept;
+  out.node_start.resize(L.num_nodes);
+  out.node_len.resize(L.num_nodes);
+  i64 start = 0;
+  for (i64 n = 0; n < L.num_nodes; ++n) {
+    const bool needed = node_skip[n] != kNone;
+    if (!needed) node_skip[n] = 0;
+    const i64 len = needed ? L.kv_start[n + 1] - L.kv_start[n] - node_skip[n] : 0;
+    out.node_start[n] = all_kept ? L.kv_start[n] : start;
+    out.node_len[n] = len;
+    if (!all_kept && len > 0) {
+      out.kv_slots.insert(out.kv_slots.end(), L.kv_slots + L.kv_start[n] + node_skip[n], L.kv_slots + L.kv_start[n + 1]);
+      start += len;
+    }
+  }
+  std::vector<std::pair<i64, i64>> reads;  // one query's (lo, hi) pairs
+  for (Vec* v : {&out.iv.q, &out.iv.lo, &out.iv.hi}) v->reserve(rows.size());
+  for (size_t r = 0; r < rows.size();) {
+    const i64 q = rows[r].q;
+    reads.clear();
+    for (; r < rows.size() && rows[r].q == q; ++r) {
+      const i64 base = out.node_start[rows[r].node] - node_skip[rows[r].node];
+      reads.emplace_back(base + rows[r].skip, base + rows[r].read);
+    }
+    std::sort(reads.begin(), reads.end());
     for (const auto& [lo, hi] : reads) {
       out.iv.q.push_back(q);
       out.iv.lo.push_back(lo);
@@ -171,7 +245,7 @@ inline i64 balance_flatten(Vec& bounds, i64 chunk_size, const PlanOptions& o, co
 // planners.make_plan, from the point where the query tile is resolved and the layout has queries.
 inline Plan make_plan(const LayoutView& L, const PlanOptions& o) {
   check_layout(L);
-  QueryIntervals qi = query_intervals(L);
+  QueryIntervals qi = o.window > 0 ? windowed_query_intervals(L, o.window) : query_intervals(L);
   Plan plan;
   if (o.planner == kPath) {
     plan = plan_paths(L, o, qi);
@@ -188,7 +262,8 @@ inline Plan make_plan(const LayoutView& L, const PlanOptions& o) {
       }
     }
     if (!bounds) {
-      const Readers readers{qi.iv, persistent_flatten && auto_chunk
+      // (the tree's order counts readers of whole ancestors: not those of windowed reads)
+      const Readers readers{qi.iv, persistent_flatten && auto_chunk && o.window <= 0
                                        ? TreeOrder::of(L.parent, qi.node_start, qi.node_len, L.query_node,
                                                        L.query_offset, L.num_queries)
                                        : std::nullopt};

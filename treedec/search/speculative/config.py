@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from treedec.checks import describe, nonnegative_int, positive_int
 from treedec.engine import Engine
-from treedec.models import Llama, from_pretrained
+from treedec.models import DecoderModel, from_pretrained
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle
 from treedec.models.medusa import MedusaHeads, load_medusa_heads
 from treedec.search.requests_file import RequestSpec
@@ -105,7 +105,7 @@ class SpeculativeConfig:
             return Drafts(lambda spec: DraftModelDraft(draft_engine, **shape, seed=_seed(spec, self.seed)), note)
         return Drafts(lambda spec: EagleDraft(draft_engine, **shape, seed=_seed(spec, self.seed)), note)
 
-    def _drafter(self, target: Llama):
+    def _drafter(self, target: DecoderModel):
         if self.method == "draft_model":
             if self.model == RANDOM:
                 raise ValueError("method 'draft_model' needs a real draft model (random weights draft nothing "

@@ -57,6 +57,9 @@ def pipeline_refusal(engine: Engine, draft: DraftSource, acceptance) -> str | No
     if type(acceptance) not in (GreedyAcceptance, RejectionSampling):
         return (f"pipelined steps accept on the device (GreedyAcceptance, RejectionSampling); "
                 f"{type(acceptance).__name__} decides on the host")
+    if engine.attention.windowed:
+        return ("the model has sliding-window layers: a span's accepted length would move their windows' first keys, "
+                "which only the device knows")
     if engine.attn.backend_impl.span_masking is SpanMasking.UNSUPPORTED:
         return (f"the {engine.attn.backend} attention backend plans from the layout (it cannot mask a span on the "
                 f"device)")
