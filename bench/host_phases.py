@@ -32,7 +32,6 @@ from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.search.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
-from treedec.search.speculative import program as speculative  # noqa: E402
 from treedec.search.speculative import pipeline as speculative_pipeline  # noqa: E402
 from treedec.tree import PagedKVPool, SequenceTree  # noqa: E402
 

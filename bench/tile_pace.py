@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, results_path, versions  # noqa: E402
-from bench.suite import HEAD_DIM, NUM_KV_HEADS, fewshot  # noqa: E402
+from bench.suite import NUM_KV_HEADS, fewshot  # noqa: E402
 from bench.timing import graphed_us, time_us  # noqa: E402
 
 TOKENS = (8192, 16384)

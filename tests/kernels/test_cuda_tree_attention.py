@@ -364,7 +364,7 @@ def random_cuda_pool(hkv: int, d: int, dtype, num_pages: int = 1024) -> PagedKVP
 def check_replay(graph, q_static, host, k_cache, v_cache) -> None:
     """Random q for the planned tree ``host``'s queries, replay ``graph`` (a :class:`capture` of a
     static plan's run, outputs (out, lse)), compare with the fp32 reference."""
-    n, d = host.num_queries, q_static.shape[2]
+    n = host.num_queries
     q_static[:n] = torch.randn(n, *q_static.shape[1:], device="cuda", dtype=q_static.dtype)
     graph.replay()
     out, lse = graph.outputs

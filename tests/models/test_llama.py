@@ -9,7 +9,7 @@ from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 from treedec.engine import Engine
-from treedec.models import ModelConfig, RopeScaling, config_from_hf, from_hf_model
+from treedec.models import RopeScaling, config_from_hf, from_hf_model
 from treedec.models.rope import rope_cos_sin, rope_inv_freq
 
 ATOL = 1e-4

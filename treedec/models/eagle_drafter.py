@@ -333,7 +333,7 @@ def save_eagle(drafter: EagleDrafter, path: str | Path, file_name: str | None = 
     """Write ``drafter`` as the EAGLE reference code lays its checkpoints out (see the module docstring):
     ``config.json`` and ``file_name`` (default ``pytorch_model.bin`` for EAGLE-1, ``model.safetensors``
     for EAGLE-3). Returns the folder."""
-    from treedec.models.loading import to_hf_config
+    from treedec.models.registry import to_hf_config
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     c = drafter.config

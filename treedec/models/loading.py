@@ -36,7 +36,7 @@ from treedec.models.decoder import Decoder
 from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
 from treedec.models.hf_tensors import (hf_targets, init_random_, load_checkpoint, load_hf_tensors, load_random,
                                        safetensors_device)
-from treedec.models.registry import build, config_from_hf, to_hf_config
+from treedec.models.registry import build, config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
