@@ -48,7 +48,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.host_cost import stub_forwards  # noqa: E402
 from bench.results_file import device_name, versions, write_results  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import from_config  # noqa: E402
@@ -135,6 +134,8 @@ def run_kind(kind: str, engine: Engine, requests: int, args, rng: np.random.Gene
 def make_engine(model, device: torch.device, kv_tokens: int) -> Engine:
     if device.type == "cuda":
         return Engine(model, kv_tokens=kv_tokens, cuda_graphs=True)
+    # (imported here: bench/host_cost.py turns the triton interpreter on, which a GPU run must never see)
+    from bench.host_cost import stub_forwards
     engine = Engine(model, kv_tokens=kv_tokens, backend="triton", cuda_graphs=CudaGraphConfig(capture=False))
     stub_forwards(engine)
     return engine

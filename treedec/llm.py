@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from treedec.checks import describe, nonnegative_int, positive_int
 from treedec.engine import Engine
-from treedec.models import DecoderModel, from_pretrained
+from treedec.models import Decoder, DecoderModel, from_pretrained
 from treedec.models.text import load_tokenizer
 from treedec.search import (BeamSearchResult, PrefixCache, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
                             generate_batch, run_programs)
@@ -130,7 +130,7 @@ class LLM:
         nonnegative_int("seed", seed)
         if kv_tokens is not None:
             positive_int("kv_tokens", kv_tokens)
-        if isinstance(model, DecoderModel):
+        if isinstance(model, Decoder):   # (every family's model; the protocol's isinstance misses nn.Module members)
             if device is not None or dtype is not None:
                 raise ValueError(f"device and dtype place a model loaded by name; a loaded model keeps its own "
                                  f"({model.device}, {model.dtype}): move it first, or give its name")
@@ -142,7 +142,8 @@ class LLM:
             if tokenizer is None:
                 tokenizer = model
         else:
-            raise TypeError(f"model must be a model name or path, or a loaded treedec model (a DecoderModel), got {describe(model)}")
+            raise TypeError(f"model must be a model name or path, or a loaded treedec model (a Decoder), got "
+                            f"{describe(model)}")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         on_gpu = self.model.device.type == "cuda"
         if kv_tokens is None and not on_gpu:

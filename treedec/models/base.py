@@ -9,7 +9,7 @@ soft-cap, window) over the tree; a model never applies a soft-cap or a window it
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ class ForwardOutput(NamedTuple):
     aux: torch.Tensor | None = None
 
 
-@runtime_checkable
 class DecoderModel(Protocol):
     """What an :class:`~treedec.engine.Engine` and the programs use of a model.
 

@@ -99,54 +99,69 @@ _TENSORS = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", 
 _FLAGS = ("greedy", "sampled", "top_k_cut", "top_p_cut", "min_p_cut", "penalized")
 
 
-def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
-             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+def _per_row(value):
+    """A per-row parameter as a column ([L] tensor -> [L, 1]); a Python number as it is (no device tensor made)."""
+    return value[:, None] if isinstance(value, torch.Tensor) else value
+
+
+def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, repetition, presence,
+             frequency) -> torch.Tensor:
     """Per-row penalties, vLLM's rules (the one definition: :func:`~treedec.search.logits.apply_penalties` is this
     with one value for every row): a token of the prompt or the output gets ``logit / repetition`` if its logit is
     > 0, else ``logit * repetition``; then ``logit -= frequency * count + presence * (count > 0)``.
 
     ``scores`` [L, V] float; ``prompt_mask`` [L, V] or [1, V] bool; ``counts`` [L, V] int (output counts);
-    the penalties [L] (or [1]) float32. Returns a new [L, V] float32 tensor: a finite logit a penalty takes past
-    float32's largest saturates at 3.4e38 (never +inf, which would make the row's softmax NaN), one below its
-    lowest is -inf; an infinite one (a masked token) stays."""
+    the penalties [L] float32 tensors (each row its own) or Python numbers (every row's). Returns a new [L, V]
+    float32 tensor: a finite logit a penalty takes past float32's largest saturates at 3.4e38 (never +inf, which
+    would make the row's softmax NaN), one below its lowest is -inf; an infinite one (a masked token) stays."""
     scores = scores.float()
-    seen = prompt_mask | (counts > 0)
-    rep = repetition[:, None]
-    penalized = torch.where(scores > 0, scores / rep, scores * rep).clamp_(max=FLOAT32_MAX)   # (logit / tiny)
-    scores = torch.where(seen & (rep != 1), penalized, scores)
-    return scores - frequency[:, None] * counts.float() - presence[:, None] * (counts > 0).float()
+    rep = _per_row(repetition)
+    if isinstance(rep, torch.Tensor) or rep != 1:
+        seen = prompt_mask | (counts > 0)
+        if isinstance(rep, torch.Tensor):
+            seen = seen & (rep != 1)
+        penalized = torch.where(scores > 0, scores / rep, scores * rep).clamp_(max=FLOAT32_MAX)   # (logit / tiny)
+        scores = torch.where(seen, penalized, scores)
+    frequency, presence = _per_row(frequency), _per_row(presence)
+    if isinstance(frequency, torch.Tensor) or frequency != 0:
+        scores = scores - frequency * counts.float()
+    if isinstance(presence, torch.Tensor) or presence != 0:
+        scores = scores - presence * (counts > 0).float()
+    return scores
 
 
-def warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
-         top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
     """The scores each row is drawn from (the one definition: :func:`~treedec.search.logits.warp_scores` is this
     with one value for every row): ``scores / temperature``, then top-k (ties with the k-th kept; 0: no cut), top-p
     (the smallest set of most likely tokens whose probability reaches top-p, compared in float32; the most likely
     always kept), min-p (tokens below min-p times the most likely's probability), each with that row's value;
     removed tokens get ``-inf`` (transformers' warpers, in their order).
 
-    ``scores`` [L, V] float; ``temperature`` [L] (or [1]) float32 > 0; ``top_k`` [L] int64, ``top_p`` [L] and
-    ``min_p`` [L] float32, each None when no row cuts. Returns [L, V] float32; a logit whose scaling passes
-    float32's largest saturates at 3.4e38 (never +inf), one below its lowest is -inf."""
-    scores = (scores.float() / temperature[:, None]).clamp_(max=FLOAT32_MAX)
+    ``scores`` [L, V] float; each parameter an [L] tensor (``temperature`` and ``top_p``, ``min_p`` float32 >
+    0, ``top_k`` int64) or a Python number for every row, None for no such cut. Returns [L, V] float32; a logit
+    whose scaling passes float32's largest saturates at 3.4e38 (never +inf), one below its lowest is -inf."""
+    scores = (scores.float() / _per_row(temperature)).clamp_(max=FLOAT32_MAX)
     vocab = scores.shape[-1]
     if top_k is not None or top_p is not None:
         ordered, order = scores.sort(dim=-1, descending=True)
         if top_k is not None:
-            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-            kth = ordered.gather(1, (k - 1).expand(scores.shape[0])[:, None])
+            if isinstance(top_k, torch.Tensor):
+                k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+                kth = ordered.gather(1, (k - 1)[:, None])
+            else:
+                kth = ordered[:, min(top_k, vocab) - 1:min(top_k, vocab)]
             ordered = ordered.masked_fill(ordered < kth, float("-inf"))
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if top_p is not None:
             probs = ordered.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs   # of the tokens ranked above each token
-            cut = mass_before >= top_p[:, None]
+            cut = mass_before >= _per_row(top_p)         # (compared in float32: a top_p of 1e-300 is 0 there)
             cut[:, 0] = False                            # the most likely token is always kept
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
     if min_p is not None:
         probs = scores.softmax(dim=-1)
-        scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        scores = scores.masked_fill(probs < _per_row(min_p) * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return scores
 
 

@@ -92,9 +92,7 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     presence_penalty = float32_number("presence_penalty", presence_penalty)
     frequency_penalty = float32_number("frequency_penalty", frequency_penalty)
     _check_rows(logits, prompt_mask, output_counts)
-    device = logits.device
-    return penalize(logits, prompt_mask, output_counts, torch.tensor([repetition_penalty], device=device),
-                    torch.tensor([presence_penalty], device=device), torch.tensor([frequency_penalty], device=device))
+    return penalize(logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
 
 
 def drawable_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -256,11 +254,10 @@ def warp_scores(logits: torch.Tensor, temperature: float, top_k: int | None = No
         positive_int("top_k", top_k)
     fraction("top_p", top_p)
     min_p = _min_p(min_p)
-    device, shape = logits.device, logits.shape
-    one = lambda value, dtype: torch.tensor([value], dtype=dtype, device=device)   # noqa: E731
-    scores = warp(logits.reshape(-1, shape[-1]), one(temperature, torch.float32),
-                  one(top_k, torch.int64) if top_k is not None and top_k < shape[-1] else None,
-                  one(top_p, torch.float32) if top_p < 1 else None, one(min_p, torch.float32) if min_p > 0 else None)
+    shape = logits.shape
+    scores = warp(logits.reshape(-1, shape[-1]), float(temperature),
+                  top_k if top_k is not None and top_k < shape[-1] else None, top_p if top_p < 1 else None,
+                  min_p if min_p > 0 else None)
     return scores.reshape(shape)
 
 
