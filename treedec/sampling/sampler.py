@@ -114,7 +114,7 @@ def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tens
     the penalties [L] float32 tensors (each row its own) or Python numbers (every row's). Returns a new [L, V]
     float32 tensor: a finite logit a penalty takes past float32's largest saturates at 3.4e38 (never +inf, which
     would make the row's softmax NaN), one below its lowest is -inf; an infinite one (a masked token) stays."""
-    scores = scores.float()
+    given, scores = scores, scores.float()
     rep = _per_row(repetition)
     if isinstance(rep, torch.Tensor) or rep != 1:
         seen = prompt_mask | (counts > 0)
@@ -127,7 +127,7 @@ def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tens
         scores = scores - frequency * counts.float()
     if isinstance(presence, torch.Tensor) or presence != 0:
         scores = scores - presence * (counts > 0).float()
-    return scores
+    return scores.clone() if scores is given else scores
 
 
 def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
