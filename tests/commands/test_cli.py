@@ -382,3 +382,29 @@ def test_generate_errors_are_one_line(line, fragment, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("treedec generate: error: ") and fragment in err and "\n" not in err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+# ================================================================ the front door (issue 48)
+
+
+@pytest.mark.parametrize("pythonpath", ["", ":"])
+def test_python_dash_m_treedec_does_not_import_the_working_directory_s_modules(pythonpath, tmp_path):
+    """Was: ``python -m treedec`` (and an empty entry of PYTHONPATH) put the working directory first on the import
+    path, so the ``fractions.py`` lying there was imported by ``treedec tot`` (and any command: the parser imports
+    every command)."""
+    (tmp_path / "fractions.py").write_text("raise RuntimeError('the working directory fractions.py was imported')\n")
+    env = {**os.environ, "PYTHONPATH": pythonpath + os.environ.get("PYTHONPATH", str(REPO))}
+    proc = subprocess.run([sys.executable, "-m", "treedec", "tot", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "usage: treedec tot" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_import_treedec_imports_nothing_else():
+    """The package's face imports its names when first used, so ``python -m treedec`` cleans the path before torch
+    (or any other module a working directory could shadow) is imported."""
+    code = "import sys, treedec; print(sorted(m for m in sys.modules if m.startswith(('treedec', 'torch'))))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "['treedec']"
+    proc = subprocess.run([sys.executable, "-c", "from treedec import LLM, SamplingParams, PagedKVPool; print(LLM)"],
+                          capture_output=True, text=True, check=True)
+    assert "treedec.llm.LLM" in proc.stdout
