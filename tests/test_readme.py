@@ -67,8 +67,8 @@ def test_readme_has_the_blocks_this_test_knows():
 
 @pytest.mark.slow
 def test_the_llm_block_runs_on_the_real_model(capsys):
-    """The front-door block: SmolLM2 through LLM / SamplingParams / SpeculativeConfig (its assert: speculative
-    greedy == plain greedy); skipped where the checkpoint cannot be had."""
+    """The front-door block: SmolLM2 through LLM / SamplingParams / speculative_config / beam_search (its assert:
+    speculative greedy == plain greedy); skipped where the checkpoint cannot be had."""
     smollm2_or_skip()
     [block] = real_model_blocks()
     namespace: dict = {"__name__": "readme"}
@@ -76,6 +76,8 @@ def test_the_llm_block_runs_on_the_real_model(capsys):
     answer = namespace["answer"].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason in ("stop", "length") and len(answer.logprobs[0]) >= 2
     assert len(namespace["samples"]) == 2 and len(namespace["samples"][0].outputs) == 2
+    beams = namespace["beams"].sequences
+    assert len(beams) == 3 and all(seq.text.startswith("The capital of France is") for seq in beams)
     assert "Paris" in capsys.readouterr().out
 
 
