@@ -449,3 +449,16 @@ def test_version(capsys):
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"treedec {treedec.__version__}\n"
     assert f'\nversion = "{treedec.__version__}"\n' in (REPO / "pyproject.toml").read_text()
+
+
+def test_replay_without_out_prints_the_table_writes_nothing_and_says_how(tmp_path, capsys, monkeypatch):
+    """The README said replay "writes a results JSON"; it writes one only with --out (a command writing a file it
+    was not asked for, in the working directory, would surprise more): the README says so, and so does the run."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["replay", "fewshot", "--iterations", "1", "--prompt-tokens", "32", "--branches", "2",
+                          "--warmup", "0", "--no-progress"], capsys)
+    assert code == 0 and "flatten" in out and list(tmp_path.iterdir()) == []
+    assert "the results JSON, every step's times, which treedec plot draws: --out FILE" in err
+    readme = (REPO / "README.md").read_text()
+    replay = readme[readme.index("`treedec replay <workload>` forces"):][:600]
+    assert "`--out FILE` writes the results\nJSON" in replay and "without `--out` no file is written" in replay
