@@ -98,6 +98,11 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     planner or the numpy reference runs, as :func:`~treedec.attention.planner_choice.planner_impl`
     reports; both give the same plan.
     """
+    if not isinstance(layout, TreeLayout):
+        raise TypeError(f"layout must be a TreeLayout (SequenceTree.layout() gives the step's), got "
+                        f"{type(layout).__name__}")
+    if not isinstance(config, PlanConfig):
+        raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
     positive_int("group_size", group_size, error=PlanError, numpy=True)
     if layout.num_queries == 0:
         raise PlanError("the layout has no queries: nothing to attend (no pending tokens in the tree?)")
