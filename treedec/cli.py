@@ -23,8 +23,13 @@ one model, every request batched on one engine (see :mod:`treedec.commands.serve
 
 ``treedec env``: the installed versions of treedec's dependencies (:mod:`treedec.versions`).
 
+``treedec --version``: the version.
+
 Errors and exit codes. Every argument is checked when it is parsed (counts, sizes, seeds,
-names, devices, input files), and the rest before a model is loaded where it can be. An
+names, devices, input files), and the rest before a model is loaded where it can be. No flag may
+be abbreviated; an argument a command does not take is refused naming the command, the argument
+and what was meant (a flag's new spelling, e.g. ``--max-new-tokens`` is now ``--max-tokens``, or
+the closest flag). An
 output file's folder must exist and be writable when the command starts (it is not
 created: a mistyped path fails at once, not after the run), and an output that is one of the
 command's input files (or another of its outputs) is refused before anything runs. A
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ``--help`` exits through SystemExit(0), as argparse does.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug (abbreviations too)
+    debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug
     prog = "treedec"
     try:
         parser = build_parser()
