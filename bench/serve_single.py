@@ -61,10 +61,10 @@ def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: in
         device = model_spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtypes[model_spec.get("dtype")] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model = from_config(model_spec["config"], seed=model_spec.get("seed", 0), dtype=dtype, device=device)
-        llm = LLM(model, model_spec.get("tokenizer"), speculative=spec)
+        llm = LLM(model, model_spec.get("tokenizer"), speculative_config=spec)
     else:
         llm = LLM(model_spec["model"], model_spec.get("tokenizer"), device=model_spec.get("device"),
-                  dtype=dtypes[model_spec.get("dtype")], speculative=spec)
+                  dtype=dtypes[model_spec.get("dtype")], speculative_config=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     ends: list[float] = []
     step = llm.engine.step

@@ -45,7 +45,7 @@ def main() -> None:
                                             "transformers Llama, to compare with transformers' beam search)")
     parser.add_argument("--prompt", default="Tree attention reads a shared prefix once because")
     parser.add_argument("--beams", type=positive_int, default=4)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--max-tokens", type=positive_int, default=16)
     parser.add_argument("--seed", type=seed_int, default=0, help="random weights (default 0)")
     parser.add_argument("--length-penalty", type=float, default=1.0)
     parser.add_argument("--eos", type=int, help="EOS token id (default: the tokenizer's; none for the tiny model)")
@@ -70,7 +70,7 @@ def main() -> None:
     engine = Engine(model, kv_tokens=None if cuda else 8192)
 
     t0 = time.perf_counter()
-    result = beam_search(engine, prompt_ids, args.beams, args.max_new_tokens, length_penalty=args.length_penalty,
+    result = beam_search(engine, prompt_ids, args.beams, args.max_tokens, length_penalty=args.length_penalty,
                          eos_token_id=eos, early_stopping=early_stopping)
     elapsed = time.perf_counter() - t0
     s = result.stats
@@ -81,7 +81,7 @@ def main() -> None:
 
     if hf is not None:
         out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                          num_beams=args.beams, do_sample=False, max_new_tokens=args.max_new_tokens,
+                          num_beams=args.beams, do_sample=False, max_new_tokens=args.max_tokens,
                           length_penalty=args.length_penalty, eos_token_id=eos, early_stopping=early_stopping,
                           num_return_sequences=args.beams, return_dict_in_generate=True, output_scores=True)
         lengths = (out.beam_indices >= 0).sum(dim=1).tolist()

@@ -32,7 +32,7 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--prompt", default="Q: What is 17 * 3? Think step by step, then give the number. A:")
     parser.add_argument("-n", type=positive_int, default=16, help="samples")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=48)
+    parser.add_argument("--max-tokens", type=positive_int, default=48)
     parser.add_argument("--temperature", type=positive_float, default=0.8)
     parser.add_argument("--top-p", type=positive_float, default=0.95)
     parser.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling (default 0)")
@@ -58,7 +58,7 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 
     t0 = time.perf_counter()
-    result = self_consistency(engine, prompt_ids, args.n, extract_answer, args.max_new_tokens, params,
+    result = self_consistency(engine, prompt_ids, args.n, extract_answer, args.max_tokens, params,
                               eos_token_id=eos, generator=generator)
     elapsed = time.perf_counter() - t0
     stats = result.samples.stats

@@ -22,9 +22,11 @@ CHECKS = {
 }
 # example -> its arguments for a short run on a real (tiny) checkpoint given as --model
 MODEL_RUNS = {
-    "beam_search.py": ["--beams", "2", "--max-new-tokens", "4"],
+    "beam_search.py": ["--beams", "2", "--max-tokens", "4"],
     "branch_decode.py": ["--branches", "2", "--steps", "3"],
-    "self_consistency.py": ["-n", "2", "--max-new-tokens", "4"],
+    "self_consistency.py": ["-n", "2", "--max-tokens", "4"],
+    "spec_medusa.py": ["--max-tokens", "4"],
+    "speculative_decode.py": ["--max-tokens", "4"],
 }
 
 
@@ -33,12 +35,21 @@ def test_every_example_is_listed():
 
 
 def test_examples_take_the_commands_model_argument():
-    """No example has an option of its own for the model (was: --checkpoint, a folder only)."""
+    """No example has an option of its own for the model (was: --checkpoint, a folder only), and every one takes
+    the commands' (was: spec_medusa.py and speculative_decode.py took no arguments at all)."""
     for path in EXAMPLES.glob("*.py"):
         source = path.read_text()
         assert "--checkpoint" not in source, path.name
-        if "argparse" in source:
-            assert "add_model_arguments(parser" in source and "load_model(args)" in source, path.name
+        assert "add_model_arguments(parser" in source and "load_model(args)" in source, path.name
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_example_help(name, tmp_path):
+    """``--help`` prints the usage and exits 0 without running anything (was: two examples ignored it and ran)."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {name}") and "--model" in proc.stdout, proc.stderr
+    assert "equal to" not in proc.stdout and "tokens/step" not in proc.stdout
 
 
 @pytest.mark.slow

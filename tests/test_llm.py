@@ -7,7 +7,7 @@ import torch
 
 from tests.engines import plain_greedy, smollm2_or_skip, tiny_model
 from tests.tokenizers_local import build_tokenizer
-from treedec import LLM, RequestOutput, SamplingParams, SpeculativeConfig
+from treedec import LLM, BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams, SpeculativeConfig
 from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.search import GenerateProgram, RequestSpec, beam_search
 from treedec.search.speculative import TreeDraft
@@ -79,7 +79,7 @@ def test_text_prompts_chat_stop_strings_and_stop_reasons(tokenizer):
 def test_speculative_greedy_equals_plain(config):
     plain = make_llm().generate([ids(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12),
                                 use_tqdm=False)
-    spec = make_llm(speculative=config).generate([ids(p) for p in PROMPTS],
+    spec = make_llm(speculative_config=config).generate([ids(p) for p in PROMPTS],
                                                  SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert all("accepted" in o.stats for o in spec)
@@ -89,13 +89,13 @@ def test_a_fixed_tree_on_a_repeating_prompt_accepts_several_tokens_a_step():
     prompt = PROMPTS[0]
     greedy = plain_greedy(tiny_model(), prompt, 12)
     tree = TreeDraft(TokenTree.from_medusa_choices([[0], [0, 0], [0, 0, 0]]), lambda context: greedy[:3])
-    llm = make_llm(speculative=SpeculativeConfig(method="tree", tree=tree))
+    llm = make_llm(speculative_config=SpeculativeConfig(method="tree", tree=tree))
     [out] = llm.generate(ids(prompt), SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert out.outputs[0].token_ids == greedy
 
 
 def test_speculative_sampling_runs_seeded_and_refuses_what_it_cannot_do():
-    llm = make_llm(speculative={"method": "ngram"})
+    llm = make_llm(speculative_config={"method": "ngram"})
     params = SamplingParams(temperature=0.9, seed=3, max_tokens=10)
     first = llm.generate([ids(p) for p in PROMPTS], params, use_tqdm=False)
     again = llm.generate([ids(p) for p in PROMPTS], params, use_tqdm=False)
@@ -109,9 +109,11 @@ def test_speculative_sampling_runs_seeded_and_refuses_what_it_cannot_do():
 
 def test_beam_search_and_program_objects_share_the_engine():
     llm = make_llm()
-    first, second = llm.beam_search(PROMPTS[1:], beam_width=3, max_tokens=5)
+    first, second = llm.beam_search(PROMPTS[1:], BeamSearchParams(beam_width=3, max_tokens=5))
     for result, prompt in zip((first, second), PROMPTS[1:]):
-        assert result.sequences == beam_search(make_llm().engine, prompt, 3, 5).sequences
+        alone = beam_search(make_llm().engine, prompt, 3, 5)
+        assert [s.tokens for s in result.sequences] == [prompt + seq for seq in alone.sequences]
+        assert [s.score for s in result.sequences] == pytest.approx(alone.scores, abs=1e-5)   # (batched: float noise)
     spec = RequestSpec("g", prompt_ids=tuple(PROMPTS[2]), params=SamplingParams(temperature=0, max_tokens=5))
     task = Game24Task([4, 9, 10, 13], check_steps=False, thought_max_tokens=3, value_max_tokens=2)
     config = BFSConfig(k=2, n=1, depth=2, sampling=SamplingParams(temperature=0.5), seed=1)
@@ -150,14 +152,14 @@ def test_bad_calls_raise_before_anything_runs(call, error, message):
 ])
 def test_bad_speculative_configs(config, message):
     with pytest.raises(ValueError, match=message):
-        make_llm(speculative=config)
+        make_llm(speculative_config=config)
 
 
 def test_bad_constructor_arguments():
     with pytest.raises(TypeError, match="model must be a model name or path"):
         LLM(3)
-    with pytest.raises(TypeError, match="speculative must be a SpeculativeConfig"):
-        make_llm(speculative="ngram")
+    with pytest.raises(TypeError, match="speculative_config must be a dict of SpeculativeConfig's fields"):
+        make_llm(speculative_config="ngram")
     with pytest.raises(ValueError, match="kv_tokens must be an int >= 1"):
         LLM(tiny_model(), kv_tokens=0)
     with pytest.raises(ValueError, match="a loaded model keeps its own"):
@@ -187,7 +189,7 @@ def test_real_checkpoint_greedy_and_logprobs_equal_transformers():
         assert len(entry) in (2, 3) and entry[token].rank == 1
         for t, lp in entry.items():
             assert abs(lp.logprob - scores[step, t].item()) < 1e-4
-    spec = LLM("smollm2", device="cpu", kv_tokens=4096, speculative={"method": "ngram"})
+    spec = LLM("smollm2", device="cpu", kv_tokens=4096, speculative_config={"method": "ngram"})
     [fast] = spec.chat(chat, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert fast.outputs[0].token_ids == tokens and fast.outputs[0].text == c.text
 
@@ -204,7 +206,7 @@ def test_llm_on_a_gpu_speculative_equals_plain():
                                                 use_tqdm=False)
     assert all(len(o.outputs[0].logprobs) == 16 for o in plain)
     for config in ({"method": "ngram"}, {"method": "eagle", "model": "random"}):
-        spec = LLM(model, kv_tokens=8192, speculative=config).generate(
+        spec = LLM(model, kv_tokens=8192, speculative_config=config).generate(
             [ids(p) for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
 
@@ -215,7 +217,7 @@ def test_prefix_caching_across_calls_reads_the_last_conversation_with_equal_outp
     first's prompt and answer reads them (whole pages of 4, all but the answer's last token) and answers as an
     LLM without the cache does."""
     params = SamplingParams(max_tokens=9, temperature=0)
-    cached, plain = make_llm(enable_prefix_caching=True, speculative=speculative), make_llm(speculative=speculative)
+    cached, plain = make_llm(enable_prefix_caching=True, speculative_config=speculative), make_llm(speculative_config=speculative)
     first = cached.generate(ids(PROMPTS[0]), params, use_tqdm=False)[0]
     follow = {"prompt_token_ids": list(first.prompt_token_ids) + list(first.outputs[0].token_ids) + [7, 8, 9]}
     [again], [alone] = cached.generate(follow, params, use_tqdm=False), plain.generate(follow, params, use_tqdm=False)
@@ -225,3 +227,118 @@ def test_prefix_caching_across_calls_reads_the_last_conversation_with_equal_outp
     assert cached.prefix_cache.num_pages > 0 and cached.engine.tree.num_nodes == 0
     cached.prefix_cache.clear()
     assert cached.engine.pool.num_free_pages == cached.engine.pool.num_pages
+
+
+# ================================================================ vLLM's arguments (issue 48)
+
+
+def test_beam_search_takes_vllm_s_prompts_and_params(tokenizer):
+    """Was: token ids only, and its own argument list. vLLM's shape: prompts (text, token ids, prompt dicts) and a
+    BeamSearchParams; BeamSearchOutput.sequences hold the prompt's tokens and the hypothesis', best first."""
+    llm = make_llm(tokenizer)
+    text = "The quick brown fox"
+    prompt = encode_prompt(tokenizer, text, False)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    outputs = llm.beam_search([text, {"prompt": text}, {"prompt_token_ids": prompt}, prompt], params)
+    assert all(isinstance(o, BeamSearchOutput) and len(o.sequences) == 2 for o in outputs)
+    alone = beam_search(make_llm().engine, prompt, 2, 4)
+    for out in outputs:
+        assert [s.tokens for s in out.sequences] == [prompt + seq for seq in alone.sequences]
+        best = out.sequences[0]
+        assert best.text == tokenizer.decode(best.tokens, skip_special_tokens=True)
+        assert best.finish_reason in ("stop", "length") and best.cum_logprob == pytest.approx(
+            best.score * (len(best.tokens) - len(prompt)), rel=1e-6)
+    [single] = llm.beam_search(text, params)
+    assert [s.tokens for s in single.sequences] == [s.tokens for s in outputs[0].sequences]
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: BeamSearchParams(beam_width=0, max_tokens=4), ValueError, "beam_width must be an int >= 1"),
+    (lambda: BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7), NotImplementedError, "temperature 0.7"),
+    (lambda: BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes"), ValueError, "early_stopping"),
+])
+def test_bad_beam_search_params(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_beam_search_refuses_bad_prompts_before_anything_runs():
+    llm = make_llm()
+    with pytest.raises(TypeError, match="params must be a BeamSearchParams"):
+        llm.beam_search(PROMPTS[0], {"beam_width": 2})
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a text: it needs the checkpoint's tokenizer"):
+        llm.beam_search("text", BeamSearchParams(beam_width=2, max_tokens=2))
+    with pytest.raises(ValueError, match="more than max_model_len 4096"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=5000))
+    assert llm.engine.tree.num_nodes == 0
+
+
+@pytest.mark.parametrize("name, expected", [("auto", torch.float32), ("float32", torch.float32),
+                                            ("float", torch.float32), ("bfloat16", torch.bfloat16),
+                                            ("half", torch.float16), ("float16", torch.float16),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_string_dtypes(name, expected, monkeypatch):
+    """Was: dtype="bfloat16" failed (torch dtypes only). vLLM's names (and "auto": fp32 on the CPU)."""
+    seen = {}
+
+    def load(model, dtype, device):
+        seen.update(dtype=dtype, device=device)
+        return tiny_model()
+    monkeypatch.setattr("treedec.llm.from_pretrained", load)
+    monkeypatch.setattr("treedec.llm.load_tokenizer", lambda name: None)
+    LLM("some-model", dtype=name, device="cpu", kv_tokens=64, backend="torch")
+    assert seen == {"dtype": expected, "device": "cpu"}
+
+
+def test_max_model_len_bounds_requests_and_sizes_the_cpu_pool():
+    """Was: refused (TypeError). A request past max_model_len is refused before anything runs; the CPU pool, not
+    given, holds one request of max_model_len (was: 32768 tokens whatever the model)."""
+    llm = LLM(tiny_model(), max_model_len=100, page_size=4, backend="torch")
+    assert llm.max_model_len == 100 and llm.engine.kv_capacity_tokens == 104   # 25 pages and the output's first
+    with pytest.raises(ValueError, match=r"request 0 may reach 101 positions .* more than max_model_len 100"):
+        llm.generate(ids([1] * 90), SamplingParams(max_tokens=11), use_tqdm=False)
+    [out] = llm.generate(ids([1] * 90), SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 10
+    assert LLM(tiny_model(), page_size=16, backend="torch").engine.kv_capacity_tokens == 4096 + 16   # its context
+    with pytest.raises(ValueError, match="max_model_len must be at most the model's 4096 positions, got 5000"):
+        LLM(tiny_model(), max_model_len=5000)
+
+
+def test_gpu_memory_utilization_and_tensor_parallel_size():
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a number in \(0, 1\], got float 1.5"):
+        LLM(tiny_model(), gpu_memory_utilization=1.5)
+    assert LLM(tiny_model(), tensor_parallel_size=1, kv_tokens=64, backend="torch").engine is not None
+    with pytest.raises(NotImplementedError, match="tensor parallelism runs one process per GPU under torchrun"):
+        LLM(tiny_model(), tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="torchrun --nproc-per-node 4"):
+        LLM("smollm2", tensor_parallel_size=4)   # refused before the weights load
+
+
+def test_speculative_config_takes_vllm_s_dict_and_refuses_what_it_does_not_know():
+    llm = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert llm.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match=r"speculative_config has key\(s\) \['prompt_lookup_min'\]"):
+        make_llm(speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    with pytest.raises(TypeError, match="'speculative' \\(did you mean 'speculative_config'\\?\\)"):
+        make_llm(speculative={"method": "ngram"})
+
+
+def test_get_tokenizer(tokenizer):
+    assert make_llm(tokenizer).get_tokenizer() is tokenizer
+    with pytest.raises(ValueError, match="this LLM has no tokenizer"):
+        make_llm().get_tokenizer()
+
+
+def test_a_bad_tokenizer_fails_at_construction():
+    """Was: LLM(tokenizer=123) built, then AttributeError at the first generate."""
+    with pytest.raises(TypeError, match="tokenizer must be a tokenizer name or folder, or a tokenizer with encode"):
+        LLM(tiny_model(), 123)
+
+
+def test_a_pool_larger_than_memory_is_a_clear_error(monkeypatch):
+    """Was: a raw MemoryError from the allocator (or the machine swapping). Checked before allocating."""
+    monkeypatch.setattr("treedec.engine.pool_sizing.available_memory", lambda device: 1 << 30)
+    with pytest.raises(MemoryError, match=r"out of memory: kv_tokens 1099511627776 asks for a KV pool of .* but 1.0 "
+                                          r"GiB is available on cpu; lower kv_tokens \(about 524288 tokens fit\)"):
+        LLM(tiny_model(), kv_tokens=2**40)

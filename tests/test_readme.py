@@ -1,16 +1,14 @@
 """Every code block of README.md runs here, so that none of them can rot.
 
-The Python blocks run in order in one namespace (later blocks use the engine and prompt of
-earlier ones) on the CPU; the one placeholder, the checkpoint folder, is filled with a tiny
-random Llama saved in the Hugging Face layout. The two install commands are the ones
-`.ci/run` runs (installing is CI's part); the main job the first ends with runs here on the
+Each Python block runs on its own, as a reader pastes it: in a fresh process (or namespace), on the CPU, the
+real model SmolLM2 where a block names it (skipped, with the reason, where its checkpoint cannot be had). The two
+install commands are the ones `.ci/run` runs (installing is CI's part); the main job the first ends with runs here on the
 real model (skipped, with the reason, where its checkpoint cannot be had), and must print what
 the README says it prints (the tokens, steps and text; not the times); the replay command runs
 here too.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 import re
@@ -20,28 +18,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from tests.engines import smollm2_or_skip
-from treedec.models import MODEL_SIZES, from_config, to_hf_config, to_hf_state_dict
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
-CHECKPOINT_PLACEHOLDER = "/models/Llama-3.1-8B"
 
 
 def readme_blocks(language: str) -> list[str]:
     """The README's fenced code blocks of ``language``, in order."""
     return re.findall(rf"^```{language}\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
-
-
-def save_tiny_checkpoint(folder: Path) -> None:
-    """A tiny random Llama with a 32000-token vocabulary (the README's token ids), as from_pretrained reads it."""
-    config = dataclasses.replace(MODEL_SIZES["tiny"], vocab_size=32000)
-    model = from_config(config, seed=0, dtype=torch.float32, device="cpu")
-    to_hf_config(model.config).save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, folder / "model.safetensors")
 
 
 def real_model_blocks() -> list[str]:
@@ -62,13 +48,15 @@ def test_readme_has_the_blocks_this_test_knows():
     assert len(readme_blocks("python")) == 7 and len(real_model_blocks()) == 1 and len(client_blocks()) == 1
     assert len(readme_blocks("bash")) == 4
     assert len(readme_blocks("text")) >= 1
-    assert sum(CHECKPOINT_PLACEHOLDER in block for block in readme_blocks("python")) == 1
+    for block in own_process_blocks():   # each checked by its test below
+        assert sum(marker in block for marker in BLOCK_CHECKS) == 1, block[:300]
+    assert not any("/models/" in block for block in readme_blocks("python")), "a placeholder path: it cannot run"
 
 
 @pytest.mark.slow
 def test_the_llm_block_runs_on_the_real_model(capsys):
-    """The front-door block: SmolLM2 through LLM / SamplingParams / SpeculativeConfig (its assert: speculative
-    greedy == plain greedy); skipped where the checkpoint cannot be had."""
+    """The front-door block: SmolLM2 through LLM / SamplingParams / speculative_config / beam_search (its assert:
+    speculative greedy == plain greedy); skipped where the checkpoint cannot be had."""
     smollm2_or_skip()
     [block] = real_model_blocks()
     namespace: dict = {"__name__": "readme"}
@@ -76,26 +64,48 @@ def test_the_llm_block_runs_on_the_real_model(capsys):
     answer = namespace["answer"].outputs[0]
     assert "Paris" in answer.text and answer.finish_reason in ("stop", "length") and len(answer.logprobs[0]) >= 2
     assert len(namespace["samples"]) == 2 and len(namespace["samples"][0].outputs) == 2
+    beams = namespace["beams"].sequences
+    assert len(beams) == 3 and all(seq.text.startswith("The capital of France is") for seq in beams)
     assert "Paris" in capsys.readouterr().out
 
 
+#: Each Python block run in a process of its own, by a line it holds -> the checks of what it made (run after it).
+BLOCK_CHECKS = {
+    "out = attn.run(": "assert out.shape == (4, 32, 128) and torch.isfinite(out).all()",
+    "logits = engine.step().logits": "assert logits.shape == (4, model.config.vocab_size)",
+    "vote = self_consistency(": """
+assert 1 <= len(tokens) <= 32 and stats.steps >= 1
+assert 1 <= len(eagle_tokens) <= 8 and eagle_stats.steps >= 1 and 1 <= len(chain_tokens) <= 8
+assert run is not None and len(best.sequences) == 4 and len(vote.answers) == 8""",
+    "generate_batch(engine, requests)": "assert len(results) == 16 and batch_stats.steps >= 15",
+    "run_programs(engine, beams)": """
+assert len(first.sequences) == 3 and len(others) == 3
+assert max(run_stats.programs_per_step) == 4   # the four searches share their steps""",
+}
+
+
+def own_process_blocks() -> list[str]:
+    """The Python blocks :func:`test_each_python_block_runs_on_its_own` runs (not the real-model LLM block, nor the
+    client's, which have tests of their own)."""
+    return [b for b in readme_blocks("python") if b not in real_model_blocks() + client_blocks()]
+
+
+def _block_id(block: str) -> str:
+    return next((marker.split("(")[0].split(" = ")[-1] for marker in BLOCK_CHECKS if marker in block), "unknown")
+
+
 @pytest.mark.slow
-def test_python_blocks_run_in_order(tmp_path, capsys):
-    save_tiny_checkpoint(tmp_path)
-    namespace: dict = {"__name__": "readme"}
-    torch.manual_seed(0)
-    for i, block in enumerate(b for b in readme_blocks("python") if b not in real_model_blocks() + client_blocks()):
-        code = compile(block.replace(CHECKPOINT_PLACEHOLDER, str(tmp_path)), f"README.md python block {i + 1}", "exec")
-        exec(code, namespace)
-    assert namespace["out"].shape == (4, 32, 128) and torch.isfinite(namespace["out"]).all()
-    assert namespace["logits"].shape == (4, 32000)
-    assert len(namespace["tokens"]) >= 64 and namespace["stats"] is not None
-    assert len(namespace["eagle_tokens"]) == 16 and namespace["eagle_stats"].steps >= 1
-    assert len(namespace["vote"].answers) == 8
-    assert len(namespace["results"]) == 16 and namespace["batch_stats"].steps >= 15
-    assert len(namespace["first"].sequences) == 3 and len(namespace["others"]) == 3
-    assert max(namespace["run_stats"].programs_per_step) == 4   # the four searches share their steps
-    assert "torch" in capsys.readouterr().out  # the backend line block 1 prints
+@pytest.mark.parametrize("block", own_process_blocks(), ids=_block_id)
+def test_each_python_block_runs_on_its_own(block, tmp_path):
+    """Each block runs as a reader would paste it: alone, in a fresh Python process (was: in order in one
+    namespace, so a block using an earlier one's engine or prompt, or a placeholder path, passed here and failed
+    when pasted). The blocks on SmolLM2 are skipped where it cannot be had."""
+    if "smollm2" in block:
+        smollm2_or_skip()
+    [check] = [check for marker, check in BLOCK_CHECKS.items() if marker in block]
+    proc = subprocess.run([sys.executable, "-c", block + "\n" + check], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _commands(block: str) -> list[str]:

@@ -1,16 +1,38 @@
 """treedec: fast tree-structured LLM decoding (DeFT-style tree attention over a paged KV pool).
 
 The front door: ``from treedec import LLM, SamplingParams`` (:mod:`treedec.llm`); below it the programs
-(:mod:`treedec.search`), the engine, the models, tree attention and the paged tree."""
-from treedec.attention import PlanConfig, TreeAttention, TreePlan
-from treedec.errors import BackendUnavailableError, PlanError, PoolExhaustedError, TreeError
-from treedec.llm import LLM, CompletionOutput, RequestOutput
-from treedec.search import SamplingParams
-from treedec.search.speculative import SpeculativeConfig
-from treedec.tree import PagedKVPool, SequenceTree, TreeLayout
+(:mod:`treedec.search`), the engine, the models, tree attention and the paged tree.
+
+The names below are imported when first used (PEP 562), so that ``import treedec`` (and ``python -m treedec``,
+which imports the package before its ``__main__``) imports nothing else: ``treedec.__main__`` cleans the import
+path before torch and the rest are imported.
+"""
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "BackendUnavailableError", "CompletionOutput", "PagedKVPool", "PlanConfig", "PlanError",
-           "PoolExhaustedError", "RequestOutput", "SamplingParams", "SequenceTree", "SpeculativeConfig",
-           "TreeAttention", "TreeError", "TreeLayout", "TreePlan"]
+#: Each public name -> the module it is defined in.
+_NAMES = {
+    "LLM": "treedec.llm", "BeamSearchOutput": "treedec.llm", "BeamSearchSequence": "treedec.llm",
+    "CompletionOutput": "treedec.llm", "RequestOutput": "treedec.llm",
+    "BeamSearchParams": "treedec.search", "SamplingParams": "treedec.search",
+    "SpeculativeConfig": "treedec.search.speculative",
+    "PlanConfig": "treedec.attention", "TreeAttention": "treedec.attention", "TreePlan": "treedec.attention",
+    "BackendUnavailableError": "treedec.errors", "PlanError": "treedec.errors", "PoolExhaustedError": "treedec.errors",
+    "TreeError": "treedec.errors",
+    "PagedKVPool": "treedec.tree", "SequenceTree": "treedec.tree", "TreeLayout": "treedec.tree",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value   # imported once
+        return value
+    raise AttributeError(f"module 'treedec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES])

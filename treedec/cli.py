@@ -23,8 +23,13 @@ one model, every request batched on one engine (see :mod:`treedec.commands.serve
 
 ``treedec env``: the installed versions of treedec's dependencies (:mod:`treedec.versions`).
 
+``treedec --version``: the version.
+
 Errors and exit codes. Every argument is checked when it is parsed (counts, sizes, seeds,
-names, devices, input files), and the rest before a model is loaded where it can be. An
+names, devices, input files), and the rest before a model is loaded where it can be. No flag may
+be abbreviated; an argument a command does not take is refused naming the command, the argument
+and what was meant (a flag's new spelling, e.g. ``--max-new-tokens`` is now ``--max-tokens``, or
+the closest flag). An
 output file's folder must exist and be writable when the command starts (it is not
 created: a mistyped path fails at once, not after the run), and an output that is one of the
 command's input files (or another of its outputs) is refused before anything runs. A
@@ -44,14 +49,17 @@ after the command, lets every exception through with its traceback. ``treedec de
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import shlex
 import sys
 import time
 
 import numpy as np
 import torch
 
+from treedec import __version__
 from treedec.attention import PLANNERS, PlanConfig, TreeAttention, reference_tree_attention
 from treedec.errors import BackendUnavailableError, PoolExhaustedError
 from treedec.commands.args import backend_arg, device_arg, int_arg, positive_int, refuse_overwrites, seed_int
@@ -150,21 +158,47 @@ class UsageError(Exception):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UsageError` instead of printing usage and exiting.
 
-    Subparsers are made with the parser's own class, so every subcommand raises it too.
-    ``commands`` maps each subcommand's name to its parser (set by :func:`build_parser`).
+    Subparsers are made with the parser's own class, so every subcommand raises it too. No option
+    may be abbreviated (``allow_abbrev=False``: a prefix of a flag is an unknown flag, never another
+    flag). An argument no command knows is refused naming the command and the argument, with the
+    flag it was renamed to (``renamed``: old spelling -> new, set by the command) or the closest
+    flag of the command. ``commands`` maps each subcommand's name to its parser (set by
+    :func:`build_parser`).
     """
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.commands: dict[str, Parser] = {}
+        self.renamed: dict[str, str] = {}
 
     def error(self, message: str):
         raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = self.commands.get(getattr(parsed, "command", None), self)
+            raise UsageError(command.prog, f"{command.unknown_argument(unknown[0])} (see '{command.prog} --help')")
+        return parsed
+
+    def unknown_argument(self, argument: str) -> str:
+        """What to say about ``argument``, which this parser does not take."""
+        if not argument.startswith("-") or argument == "-":
+            hint = f"; give it as --prompt {shlex.quote(argument)}" if "--prompt" in self._option_string_actions else ""
+            return f"unexpected argument {argument!r}{hint}"
+        flag = argument.split("=", 1)[0]
+        if flag in self.renamed:
+            return f"{flag} is now {self.renamed[flag]}"
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+        return f"unrecognized argument {flag}" + (f"; did you mean {close[0]}?" if close else "")
 
 
 def build_parser() -> Parser:
     """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec, tot, serve and env subcommands."""
     parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"treedec {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,serve,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
@@ -202,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ``--help`` exits through SystemExit(0), as argparse does.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug (abbreviations too)
+    debug = "--debug" in argv  # before parsing, which can fail; after it, args.debug
     prog = "treedec"
     try:
         parser = build_parser()

@@ -16,33 +16,36 @@ the branch controller, beams, speculative or plain generation) share the same en
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from treedec.checks import describe, nonnegative_int, positive_int
+from treedec.checks import describe, is_int, nonnegative_int, positive_int
 from treedec.engine import Engine
+from treedec.engine.pool_sizing import cpu_pool_tokens
 from treedec.models import Decoder, DecoderModel, from_pretrained
-from treedec.models.text import load_tokenizer
+from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.search import (BeamSearchResult, PrefixCache, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
                             generate_batch, run_programs)
-from treedec.search.batch import step_progress
-from treedec.search.beam import beam_program
-from treedec.search.request import MODEL_EOS
+from treedec.search.batch import prepare_requests, step_progress
+from treedec.search.beam import BeamSearchParams, beam_program
+from treedec.search.request import MODEL_EOS, eos_token_ids, position_limit
 from treedec.search.speculative import SpeculativeConfig, speculative_batch
 from treedec.search.speculative.batch import sampled_acceptance
+from treedec.tree.validate import int_list
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "DTYPES", "RequestOutput"]
 
 logger = logging.getLogger(__name__)
-
-#: The CPU pool's default size in tokens (there is no free-memory query there).
-CPU_KV_TOKENS = 32768
 
 
 @dataclass
@@ -94,68 +97,150 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)
 
 
+#: ``dtype`` by name (vLLM's names and treedec's short ones); ``"auto"`` (or None) is bf16 on a GPU, fp32 on the CPU.
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis of :meth:`LLM.beam_search` (vLLM's ``BeamSearchSequence``).
+
+    Attributes
+    ----------
+    tokens : the prompt's token ids, then the hypothesis' (an EOS that ended it included), as vLLM's.
+    text : the text of ``tokens`` (special tokens skipped); None without a tokenizer.
+    cum_logprob : the sum of the new tokens' log-probabilities (from ``score``, float32).
+    score : what the beams are ranked by: ``cum_logprob / new tokens ** length_penalty`` (transformers').
+    finish_reason : ``"stop"`` (an EOS id) or ``"length"`` (``max_tokens``).
+    """
+
+    tokens: list[int]
+    text: str | None
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    """What :meth:`LLM.beam_search` returns for one prompt (vLLM's ``BeamSearchOutput``): ``sequences``, its
+    ``beam_width`` :class:`BeamSearchSequence`, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
 class LLM:
-    """A model, its tokenizer and one engine, for offline batched generation.
+    """A model, its tokenizer and one engine, for offline batched generation (vLLM's ``LLM``).
 
     Parameters
     ----------
     model : a name :func:`~treedec.models.from_pretrained` resolves (``"smollm2"``, a ``.gguf`` file, a checkpoint
-        folder, a hub repo id in the local cache), or a loaded model (a :class:`~treedec.models.DecoderModel`: any family's).
-    tokenizer : the tokenizer (anything :func:`~treedec.models.text.load_tokenizer` loads, or a loaded one);
-        default the model's own when ``model`` is a name; None with a loaded model: token-id prompts only.
-    device : default ``"cuda"`` when a GPU is there, else ``"cpu"`` (a model given by name only).
-    dtype : default bf16 on a GPU, fp32 on the CPU (a model given by name only).
-    kv_tokens : the KV pool's size in tokens; default what free GPU memory holds, or 32768 on the CPU.
-    page_size : tokens per KV page.
-    backend : tree attention's backend (``"auto"`` reports what it chose: ``llm.engine.attn.backend_reason``).
-    speculative : a :class:`~treedec.search.speculative.SpeculativeConfig` (or a dict of its fields): every
-        :meth:`generate` request is decoded speculatively with it.
-    cuda_graphs : capture decode steps as CUDA graphs (default: on a GPU).
+        folder, a hub repo id in the local cache), or a loaded model (a :class:`~treedec.models.Decoder`: any family's).
+    tokenizer : the tokenizer: a name or folder :func:`~treedec.models.text.load_tokenizer` loads, or a loaded one
+        (anything with ``encode`` and ``decode``); default the model's own when ``model`` is a name; None with a
+        loaded model: token-id prompts only.
+    tensor_parallel_size : 1, or the size of a tensor-parallel model's group (a
+        :class:`~treedec.models.Decoder` built with ``tensor_parallel``). An ``LLM`` runs in one process: tensor
+        parallelism runs one process per GPU under torchrun, each rank building its slice of the model
+        (``from_pretrained(path, tensor_parallel=init_tensor_parallel())``) and an ``LLM`` of it.
+    dtype : ``"auto"`` (default: bf16 on a GPU, fp32 on the CPU), ``"bfloat16"``, ``"float16"`` / ``"half"``,
+        ``"float32"`` / ``"float"`` (or ``"bf16"``, ``"fp16"``, ``"fp32"``), or a torch dtype; a model given by
+        name only.
     seed : the draws of requests without a ``seed`` of their own.
+    gpu_memory_utilization : the share of the memory the KV pool may take: on a GPU of the free memory after the
+        weights (less the activations' reserve), as vLLM's; on the CPU of the available memory (the pool is
+        then sized from ``max_model_len``, below).
+    max_model_len : the most positions a request may reach (its prompt and ``max_tokens``); default, and at most,
+        the model's (its ``max_position_embeddings``, or its sliding window when smaller). A request past it is
+        refused before anything runs.
+    speculative_config : vLLM's ``speculative_config`` dict (``{"method": "ngram", "num_speculative_tokens":
+        4}``: the fields of :class:`~treedec.search.speculative.SpeculativeConfig`) or a ``SpeculativeConfig``:
+        every :meth:`generate` request is then decoded speculatively.
     enable_prefix_caching : keep prompts and conversations in the KV pool across calls (vLLM's name; a
         :class:`~treedec.search.prefix_cache.PrefixCache`, ``llm.prefix_cache``): a later prompt starting with an
         earlier one's tokens reads them (``stats["cached_tokens"]``); its pages are given back as calls need them.
         Off by default (``treedec serve`` keeps a cache over the engine either way: this one if it is on).
+    device : default ``"cuda"`` when a GPU is there, else ``"cpu"`` (a model given by name only).
+    kv_tokens : the KV pool's size in tokens; default on a GPU what ``gpu_memory_utilization`` of the free memory
+        holds, on the CPU one request of ``max_model_len`` tokens, at most
+        :data:`~treedec.engine.pool_sizing.CPU_POOL_TOKENS` (logged; ``llm.engine.kv_capacity_tokens``).
+    page_size : tokens per KV page.
+    backend : tree attention's backend (``"auto"`` reports what it chose: ``llm.engine.attn.backend_reason``).
+    cuda_graphs : capture decode steps as CUDA graphs (default: on a GPU).
+
+    Raises
+    ------
+    TypeError, ValueError : a bad argument (named), before the model loads where it can be told then.
+    NotImplementedError : ``tensor_parallel_size > 1`` with a model that is not tensor-parallel.
+    MemoryError : a KV pool larger than the device's available memory (nothing allocated).
     """
 
-    def __init__(self, model: str | DecoderModel = "smollm2", tokenizer=None, *, device: str | None = None,
-                 dtype: torch.dtype | None = None, kv_tokens: int | None = None, page_size: int = 16,
-                 backend: str = "auto", speculative: SpeculativeConfig | Mapping | None = None,
-                 cuda_graphs: bool | None = None, seed: int = 0, enable_prefix_caching: bool = False):
-        if isinstance(speculative, Mapping):
-            speculative = SpeculativeConfig(**speculative)
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise TypeError(f"speculative must be a SpeculativeConfig, a dict of its fields or None, got "
-                            f"{describe(speculative)}")
+    def __init__(self, model: str | DecoderModel = "smollm2", tokenizer=None, *, tensor_parallel_size: int = 1,
+                 dtype: str | torch.dtype | None = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, speculative_config: SpeculativeConfig | Mapping | None = None,
+                 enable_prefix_caching: bool = False, device: str | None = None, kv_tokens: int | None = None,
+                 page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None, **unknown):
+        if unknown:
+            raise TypeError(_unknown_arguments(unknown))
+        speculative_config = _speculative_config(speculative_config)
+        positive_int("tensor_parallel_size", tensor_parallel_size)
+        dtype = _dtype(dtype)
         nonnegative_int("seed", seed)
+        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
+                             f"{describe(gpu_memory_utilization)}")
+        if max_model_len is not None:
+            positive_int("max_model_len", max_model_len)
         if kv_tokens is not None:
             positive_int("kv_tokens", kv_tokens)
-        if isinstance(model, Decoder):   # (every family's model; the protocol's isinstance misses nn.Module members)
+        if tokenizer is not None and not isinstance(tokenizer, (str, Path)) and not (
+                callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+            raise TypeError(f"tokenizer must be a tokenizer name or folder, or a tokenizer with encode() and decode() "
+                            f"(e.g. load_tokenizer(...)), got {describe(tokenizer)}")
+        if isinstance(model, Decoder):   # (every family's model; a protocol's isinstance misses nn.Module members)
             if device is not None or dtype is not None:
                 raise ValueError(f"device and dtype place a model loaded by name; a loaded model keeps its own "
                                  f"({model.device}, {model.dtype}): move it first, or give its name")
             self.model, self.name = model, type(model).__name__
-        elif isinstance(model, str):
+        elif isinstance(model, (str, Path)):
+            _check_tensor_parallel(None, tensor_parallel_size)   # before the weights load
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-            self.model, self.name = from_pretrained(model, dtype=dtype, device=device), model
+            self.model, self.name = from_pretrained(model, dtype=dtype, device=device), str(model)
             if tokenizer is None:
                 tokenizer = model
         else:
             raise TypeError(f"model must be a model name or path, or a loaded treedec model (a Decoder), got "
                             f"{describe(model)}")
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        _check_tensor_parallel(self.model, tensor_parallel_size)
+        limit = position_limit(self.model)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len must be at most the model's {limit} positions, got {max_model_len}")
+        self.max_model_len = max_model_len or limit
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         on_gpu = self.model.device.type == "cuda"
         if kv_tokens is None and not on_gpu:
-            kv_tokens = CPU_KV_TOKENS
+            size = cpu_pool_tokens(self.model, page_size, self.max_model_len, memory_fraction=gpu_memory_utilization)
+            kv_tokens = size.tokens
+            logger.info("KV pool: %d tokens (%s)", kv_tokens, size.reason)
         self.engine = Engine(self.model, kv_tokens=kv_tokens, page_size=page_size, backend=backend,
+                             memory_fraction=gpu_memory_utilization,
                              cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs)
-        self.speculative = speculative
-        self.drafts = None if speculative is None else speculative.build(self.engine)
+        self.speculative_config = speculative_config
+        self.drafts = None if speculative_config is None else speculative_config.build(self.engine)
         if self.drafts is not None:
             logger.info("speculative decoding: %s", self.drafts.note)
         self.generator = torch.Generator(self.model.device).manual_seed(seed)
         self.prefix_cache = PrefixCache(self.engine.tree) if enable_prefix_caching else None
+
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's ``LLM.get_tokenizer``). Raises ValueError when this LLM has none (a loaded model
+        without ``tokenizer=``: token-id prompts only)."""
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: give LLM(..., tokenizer=...) (a name, a folder or a loaded "
+                             "tokenizer)")
+        return self.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, chat_template: bool = False) -> list[RequestOutput]:
@@ -172,8 +257,9 @@ class LLM:
 
         Raises
         ------
-        ValueError, TypeError : a bad prompt or parameter (before anything runs); with ``speculative``, a
-            request that speculative decoding cannot take (``n > 1``, penalties, logprobs, ...).
+        ValueError, TypeError : a bad prompt or parameter (before anything runs), a prompt and ``max_tokens`` past
+            ``max_model_len``; with ``speculative_config``, a request that speculative decoding cannot take
+            (``n > 1``, penalties, logprobs, ...).
         PoolExhaustedError : a request whose worst case exceeds the whole KV pool.
         """
         specs = self._specs(prompts, sampling_params, "prompts")
@@ -187,16 +273,40 @@ class LLM:
         specs = self._specs([{"messages": c} for c in conversations], sampling_params, "messages")
         return self._run(specs, use_tqdm, True)
 
-    def beam_search(self, prompt_ids: Sequence[int] | Sequence[Sequence[int]], beam_width: int, max_tokens: int,
-                    length_penalty: float = 1.0, early_stopping: bool | str = False,
-                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> list[BeamSearchResult]:
-        """Beam search (transformers' semantics, :func:`~treedec.search.beam.beam_search`) of one prompt's token
-        ids or several, batched on this LLM's engine; one :class:`~treedec.search.beam.BeamSearchResult` each."""
-        many = bool(prompt_ids) and not isinstance(prompt_ids[0], int)
-        programs = [beam_program(self.engine, p, beam_width, max_tokens, length_penalty, eos_token_id, early_stopping)
-                    for p in (prompt_ids if many else [prompt_ids])]
-        results, _ = self.run(programs)
-        return results
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search of every prompt, batched on this LLM's engine (vLLM's ``LLM.beam_search``; transformers'
+        algorithm and scores: :func:`~treedec.search.beam.beam_program`).
+
+        Parameters
+        ----------
+        prompts : a text (encoded as it is, no chat template), token ids (a list of ints), a ``{"prompt": text}``
+            or ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+        params : a :class:`BeamSearchParams` (vLLM's fields; the model's EOS ids end a hypothesis unless
+            ``ignore_eos``).
+        use_tqdm : a progress bar of finished prompts on stderr.
+
+        Returns
+        -------
+        One :class:`BeamSearchOutput` per prompt, in order: ``beam_width`` sequences, best first.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {describe(params)}")
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Sequence) and prompts and is_int(prompts[0])):
+            prompts = [prompts]
+        ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        if not ids:
+            raise ValueError("prompts is empty: give at least one")
+        eos = None if params.ignore_eos else MODEL_EOS
+        programs = []
+        for i, prompt in enumerate(ids):
+            self._check_length(f"prompts[{i}]", len(prompt), params.max_tokens)
+            programs.append(beam_program(self.engine, prompt, params.beam_width, params.max_tokens,
+                                         params.length_penalty, eos, params.early_stopping))
+        with tqdm(total=len(programs), unit="prompt", desc="beam search", disable=not use_tqdm or None,
+                  file=sys.stderr) as bar:
+            results, _ = run_programs(self.engine, programs, prefix_cache=self.prefix_cache,
+                                      on_done=lambda index, result: bar.update(1))
+        return [self._beam_output(prompt, result, params) for prompt, result in zip(ids, results)]
 
     def run(self, programs: Sequence) -> tuple[list, SchedulerStats]:
         """Run any scheduler programs (:class:`~treedec.search.Program`: generation, speculative decoding, beams,
@@ -234,16 +344,40 @@ class LLM:
             specs.append(RequestSpec(str(i), **{key: value}, params=p))
         return specs
 
+    def _prompt_ids(self, prompt, name: str) -> list[int]:
+        """A beam search prompt's token ids: a text (encoded as it is), token ids, or vLLM's prompt dicts."""
+        if isinstance(prompt, Mapping) and len(prompt) == 1 and next(iter(prompt)) in ("prompt", "prompt_token_ids"):
+            prompt = next(iter(prompt.values()))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{name} is a text: it needs the checkpoint's tokenizer (or give token ids)")
+            return encode_prompt(self.tokenizer, prompt, False)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, Mapping):
+            return int_list(prompt, name, low=0)
+        raise ValueError(f"{name} must be a text, token ids, {{'prompt': text}} or {{'prompt_token_ids': [ids]}}, "
+                         f"got {describe(prompt)}")
+
+    def _check_length(self, name: str, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(f"{name} may reach {prompt_tokens + max_tokens} positions (a {prompt_tokens}-token prompt "
+                             f"+ max_tokens {max_tokens}), more than max_model_len {self.max_model_len}; shorten the "
+                             f"prompt or lower max_tokens; nothing was run")
+
     def _run(self, specs: list[RequestSpec], use_tqdm: bool, chat_template: bool) -> list[RequestOutput]:
+        # encoded here once (the batch takes the ids), so every request is checked against max_model_len first
+        encoded = prepare_requests(self.engine, specs, self.tokenizer, chat_template)
+        for spec, ids in encoded:
+            self._check_length(f"request {spec.id}", len(ids), spec.params.max_tokens)
+        runs = [RequestSpec(spec.id, prompt_ids=tuple(ids), params=spec.params) for spec, ids in encoded]
         with tqdm(total=len(specs), unit="request", desc="generate", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
             done = lambda outputs: bar.update(1)   # noqa: E731
             step = step_progress(bar)   # the bar moves every engine step, not only when a request finishes
             if self.drafts is None:
-                results, _ = generate_batch(self.engine, specs, self.tokenizer, chat_template, self.generator,
+                results, _ = generate_batch(self.engine, runs, self.tokenizer, False, self.generator,
                                             on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
             else:
-                results, _ = speculative_batch(self.engine, specs, self.drafts.source, self.tokenizer, chat_template,
+                results, _ = speculative_batch(self.engine, runs, self.drafts.source, self.tokenizer, False,
                                                acceptance=lambda spec: sampled_acceptance(spec, self._seed),
                                                on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
         by_request: dict[str, list[RequestResult]] = {}
@@ -251,10 +385,72 @@ class LLM:
             by_request.setdefault(r.id, []).append(r)
         return [_request_output(spec, by_request[spec.id]) for spec in specs]
 
+    def _beam_output(self, prompt: list[int], result: BeamSearchResult, params: BeamSearchParams) -> BeamSearchOutput:
+        eos = set() if params.ignore_eos else set(eos_token_ids(MODEL_EOS, self.model))
+        sequences = []
+        for tokens, score in zip(result.sequences, result.scores):
+            text = None if self.tokenizer is None else self.tokenizer.decode(prompt + tokens, skip_special_tokens=True)
+            sequences.append(BeamSearchSequence(prompt + tokens, text, score * len(tokens) ** params.length_penalty,
+                                                score, "stop" if tokens and tokens[-1] in eos else "length"))
+        return BeamSearchOutput(sequences)
+
     def _seed(self, spec: RequestSpec) -> int:
         if spec.params.seed is not None:
             return spec.params.seed
         return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+
+
+def _unknown_arguments(unknown: dict) -> str:
+    """The error for keyword arguments ``LLM`` does not take: vLLM's that treedec has no counterpart for, and the
+    spelling meant (``speculative``: ``speculative_config``)."""
+    known = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "unknown")]
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"LLM() got unexpected keyword argument(s) {', '.join(parts)}; it takes {', '.join(known)}"
+
+
+def _speculative_config(config) -> SpeculativeConfig | None:
+    """``speculative_config`` as a :class:`SpeculativeConfig`: vLLM's dict (its keys checked) or one already."""
+    if config is None or isinstance(config, SpeculativeConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"speculative_config must be a dict of SpeculativeConfig's fields, a SpeculativeConfig or "
+                        f"None, got {describe(config)}")
+    fields = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    unknown = [key for key in config if key not in fields]
+    if unknown:
+        raise ValueError(f"speculative_config has key(s) {unknown} that treedec's SpeculativeConfig does not take "
+                         f"(its fields: {', '.join(fields)})")
+    return SpeculativeConfig(**config)
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    """``dtype`` as a torch dtype; None for ``"auto"`` (the device's default)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be 'auto', one of {', '.join(DTYPES)} or torch.float32 / float16 / bfloat16, got "
+                     f"{describe(dtype)}")
+
+
+def _check_tensor_parallel(model: DecoderModel | None, size: int) -> None:
+    """``tensor_parallel_size`` against the model: 1 for a model of one process, the group's size for a
+    tensor-parallel one (None: not loaded yet, only a size > 1 can be refused)."""
+    tp = None if model is None else model.tensor_parallel   # (the group a tensor-parallel model is split over)
+    if tp is not None:
+        if size not in (1, tp.size):
+            raise ValueError(f"tensor_parallel_size must be the model's group size {tp.size}, got {size}")
+    elif size > 1:
+        raise NotImplementedError(
+            f"LLM(tensor_parallel_size={size}) would start {size} worker processes, which treedec does not do: "
+            f"tensor parallelism runs one process per GPU under torchrun (`torchrun --nproc-per-node {size} "
+            f"script.py`), each rank loading its slice, `from_pretrained(path, tensor_parallel=init_tensor_parallel())` "
+            f"(treedec.models.tensor_parallel), and making an LLM of it")
 
 
 def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestOutput:
@@ -271,6 +467,6 @@ def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestO
     stats = dict(first.stats)
     steps = stats.get("steps") or 0
     stats["tokens_per_step"] = len(first.output_ids) / steps if steps else 0.0
-    prompt = first.prompt
+    prompt = spec.prompt if spec.prompt is not None else (None if spec.messages is None else list(spec.messages))
     return RequestOutput(spec.id, prompt, list(first.prompt_ids), first.prompt_logprobs, outputs, True,
                          {k: v for k, v in stats.items() if k not in ("root", "nodes")})

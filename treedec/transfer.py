@@ -10,12 +10,35 @@ overlap the device's work for this one. These helpers go through pinned memory:
 - :class:`HostCopy`: a device tensor's copy to the host, started at once; :meth:`HostCopy.result`
   waits for that copy only, not for work queued after it.
 
-On the CPU both are plain conversions.
+On the CPU both are plain conversions. :func:`resolve_device` checks a device argument before anything is put
+on it.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from treedec.errors import BackendUnavailableError
+
+
+def resolve_device(device, name: str = "device") -> torch.device:
+    """``device`` (a ``torch.device`` or a string such as ``"cpu"``, ``"cuda:1"``) as a ``torch.device``, a CUDA one
+    only where it exists: a CUDA device on a CPU build of torch or with no GPU visible raises
+    :class:`~treedec.errors.BackendUnavailableError`, one past the visible GPUs or a malformed one ValueError, both
+    naming the argument ``name`` (instead of torch's "Torch not compiled with CUDA enabled" at the first use)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}: {error}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no visible CUDA GPU"
+            raise BackendUnavailableError(f"{name} {device!r} asked for, but this machine has {build} "
+                                          f"(torch {torch.__version__}): use {name}='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return resolved
 
 
 def to_device(array: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

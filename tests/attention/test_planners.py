@@ -181,3 +181,16 @@ def test_path_planner_reads_each_shared_prefix_once_per_query():
     assert flat.kv_tokens_read() == 1080                                         # KV-guided
     assert np.diff(path.chunk_entry_start).max() == 1                            # one query per chunk
     assert path.chunk_size == 256 and np.diff(path.chunk_kv_start).max() <= 256
+
+
+@pytest.mark.parametrize("layout, config, match", [
+    (None, PlanConfig(), "layout must be a TreeLayout .*, got NoneType"),
+    ("tree", PlanConfig(), "layout must be a TreeLayout .*, got str"),
+    ("LAYOUT", {"planner": "flatten"}, "config must be a PlanConfig, got dict"),
+])
+def test_make_plan_names_an_argument_of_the_wrong_type(layout, config, match):
+    """Was: AttributeError 'NoneType' object has no attribute 'num_queries'."""
+    if layout == "LAYOUT":
+        layout = random_forest(np.random.default_rng(0), 4).layout()
+    with pytest.raises(TypeError, match=match):
+        make_plan(layout, config)

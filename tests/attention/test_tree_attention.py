@@ -163,3 +163,17 @@ def test_triton_interpreter_versions_that_break_are_named(monkeypatch, triton_ve
             TreeAttention(8, 2, 64, backend="triton", device="cpu")
     else:
         assert problem is None
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
+def test_run_names_an_input_that_is_not_a_tensor(name):
+    """Was: AttributeError 'numpy.ndarray' object has no attribute 'dim' from inside the checks."""
+    attn = TreeAttention(4, 2, 64, backend="torch", device="cpu", dtype=torch.float32)
+    pool = PagedKVPool(num_pages=4, page_size=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    tree = SequenceTree(pool)
+    tree.add_prompt([1, 2, 3])
+    plan = attn.plan(tree)
+    inputs = {"q": torch.zeros(3, 4, 64), "k_cache": pool.layer(0)[0], "v_cache": pool.layer(0)[1]}
+    inputs[name] = inputs[name].numpy()
+    with pytest.raises(TypeError, match=rf"{name} must be a torch.Tensor on cpu, got ndarray \(torch.from_numpy"):
+        attn.run(inputs["q"], inputs["k_cache"], inputs["v_cache"], plan)

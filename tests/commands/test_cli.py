@@ -22,8 +22,14 @@ def run(argv, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+#: Lines a command prints on stderr as it starts (what it chose), before any error: not part of the error.
+STARTUP_LINES = ("KV pool: ",)
+
+
 def assert_one_line_error(err: str, *fragments: str, prog: str | None = None) -> None:
-    """``err`` is one line ``treedec <command>: error: ...`` holding every fragment, with no traceback."""
+    """``err`` is one line ``treedec <command>: error: ...`` holding every fragment, with no traceback (after the
+    :data:`STARTUP_LINES` a command printed before it)."""
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith(STARTUP_LINES))
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert ": error: " in err and "Traceback" not in err, err
     if prog is not None:
@@ -206,7 +212,7 @@ TOO_BIG = str(2**31)
 BAD_ARGUMENTS = [  # (argv, fragment of the one-line error); none of them gets to run anything
     ([], "the following arguments are required"),
     (["nope"], "invalid choice: 'nope'"),
-    (["demo", "--unknown"], "unrecognized arguments: --unknown"),
+    (["demo", "--unknown"], "unrecognized argument --unknown"),
     (["demo", "--planner", "nope"], "argument --planner: invalid choice: 'nope'"),
     (["demo", "--chunk-size", "0"], "argument --chunk-size: must be an int >= 1, got 0"),
     (["demo", "--chunk-size", TOO_BIG], "argument --chunk-size: must be an int >= 1"),
@@ -251,9 +257,17 @@ BAD_ARGUMENTS = [  # (argv, fragment of the one-line error); none of them gets t
     (["plot", "RESULTS", "--out", "TMP/fig.docx"], "must end with an image extension"),
     (["plot", "NOTJSON"], "results file NOTJSON is not JSON"),
     (["plot", "LISTJSON"], "is not a treedec replay results file (the top level: expected a JSON object, got list)"),
-    (["spec", "--draft", "nope"], "argument --draft: invalid choice: 'nope'"),
+    (["spec", "--speculative", "nope"], "argument --speculative: must be one of ngram, medusa, eagle, eagle3, "
+                                        "draft_model, tree, got 'nope'"),
+    (["spec", "--speculative", "draft-model"], "got 'draft-model'; did you mean draft_model?"),
+    (["spec", "--draft", "ngram"], "--draft is now --speculative"),
+    (["spec", "--max-new-tokens", "8"], "--max-new-tokens is now --max-tokens"),
+    (["generate", "--max-new-tokens", "8"], "--max-new-tokens is now --max-tokens"),
+    (["generate", "--max-token", "8"], "unrecognized argument --max-token; did you mean --max-tokens?"),
+    (["generate", "--max-tok", "8"], "unrecognized argument --max-tok; did you mean --max-tokens?"),
+    (["generate", "question"], "unexpected argument 'question'; give it as --prompt question"),
     (["spec", "--accept", "nope"], "argument --accept: invalid choice: 'nope'"),
-    (["spec", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+    (["spec", "--max-tokens", "0"], "argument --max-tokens: must be an int >= 1, got 0"),
     (["spec", "--prompt-ids", "1,2,x"], "argument --prompt-ids: must be comma-separated token ids (ints >= 0)"),
     (["spec", "--prompt-ids", "1,-2"], "argument --prompt-ids: must be comma-separated token ids (ints >= 0)"),
     (["spec", "--prompt-ids", ","], "argument --prompt-ids: must be comma-separated token ids (ints >= 0)"),
@@ -282,8 +296,8 @@ BAD_ARGUMENTS = [  # (argv, fragment of the one-line error); none of them gets t
     (["spec", "--num-draft-tokens", "0"], "argument --num-draft-tokens: must be an int >= 1, got 0"),
     (["spec", "--max-matches", "0"], "argument --max-matches: must be an int >= 1, got 0"),
     (["spec", "--tree-json", "/no/such/tree.json"], "argument --tree-json: file '/no/such/tree.json' does not exist"),
-    (["spec", "--draft", "tree", "--tree-json", "NOTJSON"], "--tree-json NOTJSON is not JSON"),
-    (["spec", "--draft", "tree", "--tree-json", "LISTJSON"], "must hold an object with 'parents' or 'choices'"),
+    (["spec", "--speculative", "tree", "--tree-json", "NOTJSON"], "--tree-json NOTJSON is not JSON"),
+    (["spec", "--speculative", "tree", "--tree-json", "LISTJSON"], "must hold an object with 'parents' or 'choices'"),
     (["spec", "--out", "TMP"], "argument --out: 'TMP' is a folder"),
     (["spec", "--check", "--accept", "typical"], "--check compares with plain greedy decoding"),
     (["tot", "--numbers", "1", "2", "3"], "argument --numbers: expected 4 arguments"),
@@ -359,7 +373,7 @@ def test_generate_runs_a_prompts_file_batched(tmp_path, capsys):
                        '\n'
                        '{"id": "g", "prompt_ids": [9, 8, 7], "temperature": 0, "stop_token_ids": [511]}\n')
     out = tmp_path / "results.jsonl"
-    assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "5"]) == 0
+    assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--max-tokens", "5"]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     # each request's lines as it finishes: "g" (5 tokens, or fewer at its stop id) before request 1 (6 tokens)
     assert [(r["id"], r["index"]) for r in lines] == [("g", 0), (1, 0), (1, 1)]
@@ -382,3 +396,69 @@ def test_generate_errors_are_one_line(line, fragment, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("treedec generate: error: ") and fragment in err and "\n" not in err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+# ================================================================ the front door (issue 48)
+
+
+@pytest.mark.parametrize("pythonpath", ["", ":"])
+def test_python_dash_m_treedec_does_not_import_the_working_directory_s_modules(pythonpath, tmp_path):
+    """Was: ``python -m treedec`` (and an empty entry of PYTHONPATH) put the working directory first on the import
+    path, so the ``fractions.py`` lying there was imported by ``treedec tot`` (and any command: the parser imports
+    every command)."""
+    (tmp_path / "fractions.py").write_text("raise RuntimeError('the working directory fractions.py was imported')\n")
+    env = {**os.environ, "PYTHONPATH": pythonpath + os.environ.get("PYTHONPATH", str(REPO))}
+    proc = subprocess.run([sys.executable, "-m", "treedec", "tot", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "usage: treedec tot" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_import_treedec_imports_nothing_else():
+    """The package's face imports its names when first used, so ``python -m treedec`` cleans the path before torch
+    (or any other module a working directory could shadow) is imported."""
+    code = "import sys, treedec; print(sorted(m for m in sys.modules if m.startswith(('treedec', 'torch'))))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "['treedec']"
+    proc = subprocess.run([sys.executable, "-c", "from treedec import LLM, SamplingParams, PagedKVPool; print(LLM)"],
+                          capture_output=True, text=True, check=True)
+    assert "treedec.llm.LLM" in proc.stdout
+
+
+#: Each command with the arguments it cannot start without.
+REQUIRED = {"replay": ["fewshot"], "plot": ["RESULTS"], "serve": ["--model", "smollm2"]}
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "replay", "plot", "spec", "tot", "serve", "env"])
+def test_an_unknown_flag_names_the_command_and_the_flag(command, tmp_path, capsys, no_model):
+    """Was: 'treedec: error: unrecognized arguments: ...' for every command, naming neither it nor what to do. No
+    flag may be abbreviated either (a prefix is an unknown flag, never another one)."""
+    required = [str(results_file(tmp_path)) if a == "RESULTS" else a for a in REQUIRED.get(command, [])]
+    code, _, err = run([command, *required, "--no-such-flag", "3"], capsys)
+    assert code == 2
+    assert_one_line_error(err, "unrecognized argument --no-such-flag", f"(see 'treedec {command} --help')",
+                          prog=f"treedec {command}")
+    code, _, err = run([command, *required, "--debu"], capsys)   # --debug, which every command takes, abbreviated
+    assert code == 2
+    assert_one_line_error(err, "unrecognized argument --debu; did you mean --debug?", prog=f"treedec {command}")
+
+
+def test_version(capsys):
+    """Was: no --version. It is the package's (treedec.__version__, the same as pyproject.toml's)."""
+    import treedec
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"treedec {treedec.__version__}\n"
+    assert f'\nversion = "{treedec.__version__}"\n' in (REPO / "pyproject.toml").read_text()
+
+
+def test_replay_without_out_prints_the_table_writes_nothing_and_says_how(tmp_path, capsys, monkeypatch):
+    """The README said replay "writes a results JSON"; it writes one only with --out (a command writing a file it
+    was not asked for, in the working directory, would surprise more): the README says so, and so does the run."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["replay", "fewshot", "--iterations", "1", "--prompt-tokens", "32", "--branches", "2",
+                          "--warmup", "0", "--no-progress"], capsys)
+    assert code == 0 and "flatten" in out and list(tmp_path.iterdir()) == []
+    assert "the results JSON, every step's times, which treedec plot draws: --out FILE" in err
+    readme = (REPO / "README.md").read_text()
+    replay = readme[readme.index("`treedec replay <workload>` forces"):][:600]
+    assert "`--out FILE` writes the results\nJSON" in replay and "without `--out` no file is written" in replay

@@ -159,8 +159,8 @@ def test_ctrl_c_keeps_the_finished_results(tmp_path, capsys, monkeypatch):
     fail_request(monkeypatch, "treedec.search.batch", "bad", KeyboardInterrupt())
     code, _, err = run(["generate", "--prompts", str(prompts), "--out", str(out)], capsys)
     assert code == 130 and [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
-    assert err == f"treedec generate: error: interrupted (2 of 3 requests finished, their results are in {out}; " \
-                  f"not finished: 'bad' (line 3))\n"
+    assert err.splitlines(keepends=True)[-1] == f"treedec generate: error: interrupted (2 of 3 requests finished, " \
+                                                f"their results are in {out}; not finished: 'bad' (line 3))\n"
 
 
 def test_a_run_that_fails_before_any_request_finishes_leaves_the_results_file_alone(tmp_path, capsys):
@@ -257,7 +257,7 @@ def test_a_pool_allocation_that_fails_anyway_is_out_of_memory_exit_2(error, tmp_
 
 
 def test_the_pool_is_checked_against_free_memory_before_it_is_allocated(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("treedec.commands.kv_memory.available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr("treedec.engine.pool_sizing.available_memory", lambda device: 1 << 20)
     monkeypatch.setattr("treedec.commands.kv_memory.Engine", lambda *a, **k: pytest.fail("allocated the pool"))
     prompts = write_lines(tmp_path / "p.jsonl", {"prompt_ids": [1, 2, 3]})
     code, _, err = run(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "r.jsonl"), "--kv-tokens",
@@ -267,16 +267,24 @@ def test_the_pool_is_checked_against_free_memory_before_it_is_allocated(tmp_path
                                "available on cpu; lower --kv-tokens (about 512 tokens fit)")
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompts", "PROMPTS", "--out", "OUT"], ["spec", "--no-progress"],
-                                     ["tot", "--no-progress"]])
-def test_a_page_larger_than_the_pool_names_both_flags(command, tmp_path, capsys):
-    """Was: 'kv_tokens must be an int >= page_size (100000), got 32768', the library's names for the flags."""
+PAGE_PAST_THE_POOL = "(--kv-tokens, or its default) is smaller than one page of --page-size 100000; give a larger " \
+                     "--kv-tokens or a smaller --page-size"
+PAGE_PAST_THE_CONTEXT = "--page-size 100000 is more tokens than the model's 4096 positions"
+
+
+@pytest.mark.parametrize("command, fragment", [
+    (["generate", "--prompts", "PROMPTS", "--out", "OUT"], PAGE_PAST_THE_CONTEXT),
+    (["generate", "--prompts", "PROMPTS", "--out", "OUT", "--kv-tokens", "4096"], PAGE_PAST_THE_POOL),
+    (["spec", "--no-progress"], PAGE_PAST_THE_POOL), (["tot", "--no-progress"], PAGE_PAST_THE_CONTEXT)])
+def test_a_page_larger_than_the_pool_names_both_flags(command, fragment, tmp_path, capsys):
+    """Was: 'kv_tokens must be an int >= page_size (100000), got 32768', the library's names for the flags. A pool
+    sized from the requests holds whole pages: a page past the model's context is refused instead (tot's search
+    tree could not grow in a pool of one such page)."""
     prompts = write_lines(tmp_path / "p.jsonl", {"prompt_ids": [1, 2, 3]})
     argv = [{"PROMPTS": str(prompts), "OUT": str(tmp_path / "r.jsonl")}.get(a, a) for a in command]
     code, _, err = run([*argv, "--page-size", "100000"], capsys)
     assert code == 2
-    assert_one_line_error(err, "(--kv-tokens, or its default) is smaller than one page of --page-size 100000; give a "
-                               "larger --kv-tokens or a smaller --page-size")
+    assert_one_line_error(err, fragment)
 
 
 # ================================================================ outputs that would overwrite inputs (item 9)
@@ -306,9 +314,9 @@ OVERWRITES = [  # (argv, the output's flag and the input's flag in the message)
     (["replay", "fewshot", "--out", "x.json", "--save-schedule", "x.json"], "--out 'x.json' and --save-schedule "
                                                                            "'x.json' are the same file"),
     (["spec", "--prompts", "p.jsonl", "--out", "p.jsonl"], "--out 'p.jsonl' is the file of --prompts"),
-    (["spec", "--draft", "tree", "--tree-json", "tree.json", "--out", "tree.json"], "--out 'tree.json' "
+    (["spec", "--speculative", "tree", "--tree-json", "tree.json", "--out", "tree.json"], "--out 'tree.json' "
                                                                                          "is the file of --tree-json"),
-    (["spec", "--draft", "medusa", "--medusa", "heads.pt", "--out", "heads.pt"], "is the file of --medusa"),
+    (["spec", "--speculative", "medusa", "--medusa", "heads.pt", "--out", "heads.pt"], "is the file of --medusa"),
     (["tot", "--tasks", "tasks.jsonl", "--out", "tasks.jsonl"], "--out 'tasks.jsonl' is the file of --tasks"),
     (["plot", "results.png", "--out", "results.png"], "--out 'results.png' is the file of results"),
 ]
@@ -417,7 +425,7 @@ def test_plot_of_an_absurd_results_file_is_one_line_naming_it(text, fragment, tm
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--draft", "tree", "--tree-json", "NESTED"], "--tree-json NESTED is not JSON this reader takes (nested too "
+    (["--speculative", "tree", "--tree-json", "NESTED"], "--tree-json NESTED is not JSON this reader takes (nested too "
                                                    "deeply)"),
     (["--medusa-choices", _nested(100_000)], "argument --medusa-choices: must be a non-empty JSON list of index "
                                              "paths, e.g. '[[0],[1],[0,0]]': nested too deeply"),

@@ -43,7 +43,7 @@ def hub_repo(tmp_path, monkeypatch):
 def test_spec_takes_a_gguf_file_as_the_model_and_the_draft_model(gguf_file, cache, tmp_path, capsys):
     out = tmp_path / "spec.json"
     assert main(["spec", "--model", str(gguf_file), "--device", "cpu", "--dtype", "fp32", "--prompt", "ab ab ab",
-                 "--draft", "draft-model", "--draft-model", str(gguf_file), "--check", "--max-new-tokens", "6",
+                 "--speculative", "draft_model", "--draft-model", str(gguf_file), "--check", "--max-tokens", "6",
                  "--backend", "torch", "--no-progress", "--out", str(out)]) == 0
     printed, err = capsys.readouterr()
     [checkpoint] = (cache / "gguf").iterdir()

@@ -11,13 +11,13 @@ from treedec.cli import main
 from treedec.models import from_config
 from treedec.models.medusa import MedusaHeads
 
-FAST = ["--max-new-tokens", "16", "--no-progress"]
+FAST = ["--max-tokens", "16", "--no-progress"]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
+@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft_model", "tree"])
 def test_greedy_check_passes_for_every_draft(draft, tmp_path, capsys):
     out = tmp_path / "spec.json"
-    assert main(["spec", "--draft", draft, "--check", "--out", str(out), *FAST]) == 0
+    assert main(["spec", "--speculative", draft, "--check", "--out", str(out), *FAST]) == 0
     printed = capsys.readouterr().out
     assert "check: equal to plain greedy decoding" in printed and "accepted length histogram" in printed
     results = json.loads(out.read_text())
@@ -29,7 +29,7 @@ def test_greedy_check_passes_for_every_draft(draft, tmp_path, capsys):
     assert s["decode_tokens_per_second"] > 0 and results["draft"]["kind"] == draft
     if draft == "medusa":
         assert "UNTRAINED Medusa heads" in printed
-    if draft == "draft-model":
+    if draft == "draft_model":
         assert "the target's own weights" in printed and s["accepted_mean"] > 1
 
 
@@ -38,7 +38,7 @@ def test_sampled_acceptance_runs(accept, tmp_path):
     runs = []
     for _ in range(2):
         out = tmp_path / f"{accept}.json"
-        assert main(["spec", "--draft", "ngram", "--accept", accept, "--temperature", "0.9", "--seed", "5",
+        assert main(["spec", "--speculative", "ngram", "--accept", accept, "--temperature", "0.9", "--seed", "5",
                      "--out", str(out), *FAST]) == 0
         runs.append(json.loads(out.read_text()))
     assert runs[0]["tokens"] == runs[1]["tokens"]            # seeded
@@ -48,12 +48,12 @@ def test_sampled_acceptance_runs(accept, tmp_path):
 def test_medusa_checkpoint_and_tree_json(tmp_path, capsys):
     model = from_config("tiny", seed=0, dtype=torch.float32, device="cpu")
     torch.save(MedusaHeads.untrained(model, num_heads=2).medusa_head.state_dict(), tmp_path / "medusa_lm_head.pt")
-    assert main(["spec", "--draft", "medusa", "--medusa", str(tmp_path), "--medusa-choices", "[[0],[1],[0,0]]",
+    assert main(["spec", "--speculative", "medusa", "--medusa", str(tmp_path), "--medusa-choices", "[[0],[1],[0,0]]",
                  "--check", *FAST]) == 0
     assert f"Medusa heads from {tmp_path}; 2 heads x 1 ResBlock(s), 3 draft tokens per step" in capsys.readouterr().out
     tree = tmp_path / "tree.json"
     tree.write_text(json.dumps({"parents": [-1, 0, 1, 0], "tokens": [5, 6, 7]}))
-    assert main(["spec", "--draft", "tree", "--tree-json", str(tree), "--check", *FAST]) == 0
+    assert main(["spec", "--speculative", "tree", "--tree-json", str(tree), "--check", *FAST]) == 0
     assert "3 draft tokens every step" in capsys.readouterr().out
 
 
@@ -63,9 +63,9 @@ def test_medusa_checkpoint_and_tree_json(tmp_path, capsys):
     (["--prompt-ids", "1,600"], ValueError, r"--prompt-ids must be token ids in \[0, 512\) for random weights"),
     (["--prompt", "hello"], ValueError, "--prompt needs a tokenizer"),
     (["--eos", "3,600"], ValueError, r"--eos must be token ids in \[0, 512\) for random weights, got 600"),
-    (["--draft", "medusa", "--medusa-choices", "[[0],[0,0],[0,0,0]]", "--medusa-heads", "2"], ValueError,
+    (["--speculative", "medusa", "--medusa-choices", "[[0],[0,0],[0,0,0]]", "--medusa-heads", "2"], ValueError,
      r"is 3 deep but there are 2 Medusa heads"),
-    (["--draft", "medusa", "--medusa-choices", "[[600]]"], ValueError, r"candidate rank >= the vocabulary size 512"),
+    (["--speculative", "medusa", "--medusa-choices", "[[600]]"], ValueError, r"candidate rank >= the vocabulary size 512"),
 ])
 def test_bad_inputs_raise_clear_errors(argv, error, match, capsys):
     """One line and exit code 2; with --debug the exception itself."""
@@ -84,9 +84,9 @@ def test_bad_inputs_raise_clear_errors(argv, error, match, capsys):
     (["--prompt-ids", "1,2,x"], "argument --prompt-ids: must be comma-separated token ids"),
     (["--eos", "eos"], "argument --eos: must be comma-separated token ids .ints >= 0. or 'none', got 'eos'"),
     (["--eos", "-1"], "argument --eos: must be comma-separated token ids"),
-    (["--draft", "medusa", "--medusa", "/nonexistent/heads.pt"], "argument --medusa: '/nonexistent/heads.pt' does "
+    (["--speculative", "medusa", "--medusa", "/nonexistent/heads.pt"], "argument --medusa: '/nonexistent/heads.pt' does "
                                                                  "not exist"),
-    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be an int >= 1, got 0"),
     (["--top-k", "0"], "argument --top-k: must be an int >= 1, got 0"),
     (["--depth", "0"], "argument --depth: must be an int >= 1, got 0"),
     (["--page-size", "0"], "argument --page-size: must be an int >= 1, got 0"),
@@ -109,7 +109,7 @@ def test_bad_tree_json_is_refused_before_a_model_is_loaded(spec, match, tmp_path
     monkeypatch.setattr("treedec.commands.spec.load_model", lambda args: pytest.fail("loaded a model"))
     path = tmp_path / "tree.json"
     path.write_text(json.dumps(spec))
-    assert main(["spec", "--draft", "tree", "--tree-json", str(path), *FAST]) == 2
+    assert main(["spec", "--speculative", "tree", "--tree-json", str(path), *FAST]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--tree-json {path}" in err and match in err, err
 
@@ -117,7 +117,7 @@ def test_bad_tree_json_is_refused_before_a_model_is_loaded(spec, match, tmp_path
 def test_tree_json_token_past_the_vocabulary_is_refused(tmp_path, capsys):
     path = tmp_path / "tree.json"
     path.write_text(json.dumps({"parents": [-1, 0], "tokens": [512]}))
-    assert main(["spec", "--draft", "tree", "--tree-json", str(path), *FAST]) == 2
+    assert main(["spec", "--speculative", "tree", "--tree-json", str(path), *FAST]) == 2
     assert "'tokens' must be token ids in [0, 512), got 512" in capsys.readouterr().err
 
 
@@ -127,15 +127,15 @@ def first_new_token(tokens, start):
     return p, tokens[p]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "draft-model"])
+@pytest.mark.parametrize("draft", ["ngram", "draft_model"])
 def test_eos_stops_the_run_and_the_check(draft, tmp_path, capsys):
     out = tmp_path / "spec.json"
-    assert main(["spec", "--draft", draft, "--out", str(out), *FAST]) == 0
+    assert main(["spec", "--speculative", draft, "--out", str(out), *FAST]) == 0
     free = json.loads(out.read_text())
     assert free["summary"]["stop_reason"] == "length" and free["eos_token_ids"] == []
     assert "eos: none" in capsys.readouterr().out    # random weights: no EOS ids of their own
     p, eos = first_new_token(free["tokens"], 5)
-    assert main(["spec", "--draft", draft, "--eos", f"511,{eos}", "--check", "--out", str(out), *FAST]) == 0
+    assert main(["spec", "--speculative", draft, "--eos", f"511,{eos}", "--check", "--out", str(out), *FAST]) == 0
     results = json.loads(out.read_text())
     assert results["tokens"] == free["tokens"][:p + 1] and results["summary"]["new_tokens"] == p + 1
     assert results["summary"]["stop_reason"] == "eos" and results["eos_token_ids"] == [511, eos]
@@ -180,14 +180,14 @@ def write_prompts(path, count=3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft-model", "tree"])
+@pytest.mark.parametrize("draft", ["ngram", "medusa", "draft_model", "tree"])
 def test_a_prompts_file_runs_batched_with_every_draft(draft, tmp_path, capsys):
     """Every request's tokens are plain greedy decoding's (greedy acceptance), whatever the draft."""
     from tests.engines import plain_greedy
 
     requests = write_prompts(tmp_path / "p.jsonl")
     out = tmp_path / "r.jsonl"
-    assert main(["spec", "--draft", draft, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
+    assert main(["spec", "--speculative", draft, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
     assert "3 requests" in capsys.readouterr().err
     results = read_results(out)
     model = from_config("tiny", seed=0)
@@ -230,7 +230,7 @@ def test_prompts_file_conflicts_are_one_line_errors(extra, match, tmp_path, caps
 
 def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
     out = tmp_path / "spec.json"
-    argv = ["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
+    argv = ["spec", "--speculative", "draft_model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
             "--top-k", "8", "--top-p", "0.95", "--out", str(out), *FAST]
     assert main(argv) == 0
     results = json.loads(out.read_text())
@@ -239,7 +239,7 @@ def test_sampled_draft_model_trees_with_top_k_acceptance(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--draft-sample"], "--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got --draft ngram"),
+    (["--draft-sample"], "--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got --speculative ngram"),
     (["--top-k", "4"], "--top-k / --top-p shape --accept sample's distribution"),
     (["--accept", "sample", "--top-p", "1.5"], r"top_p must be a number in \(0, 1\], got 1.5"),
 ])
@@ -253,7 +253,7 @@ def test_a_prompts_file_with_sampled_draft_model_trees(tmp_path):
     """--draft-sample and --top-k reach every request's draft and rule in batch mode."""
     write_prompts(tmp_path / "p.jsonl", 2)
     out = tmp_path / "r.jsonl"
-    assert main(["spec", "--draft", "draft-model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
+    assert main(["spec", "--speculative", "draft_model", "--draft-sample", "--accept", "sample", "--temperature", "0.9",
                  "--top-k", "6", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]) == 0
     results = read_results(out)
     assert {i: len(r["output_ids"]) for i, r in results.items()} == {"r0": 10, "r1": 11}
@@ -276,7 +276,7 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_a_one_line_error(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, tree", [("eagle", "dynamic"), ("eagle3", "dynamic"), ("eagle3", "chains")])
 def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
-    """``--draft eagle|eagle3 --drafter PATH``: a drafter saved in the EAGLE reference layout for a
+    """``--speculative eagle|eagle3 --drafter PATH``: a drafter saved in the EAGLE reference layout for a
     6-layer checkpoint (EAGLE-3 reads three of its layers), EAGLE-2 trees or fixed chains
     (``--eagle-tree``); greedy, single prompt and prompts file."""
     from tests.engines import plain_greedy
@@ -287,7 +287,7 @@ def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
     tiny_hf("llama", seed=9, num_hidden_layers=6).save_pretrained(tmp_path / "model")
     model = from_pretrained(tmp_path / "model", dtype=torch.float32, device="cpu")
     save_eagle(EagleDrafter.random(model, kind, seed=2), tmp_path / "eagle")
-    argv = ["spec", "--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "fp32", "--draft", kind,
+    argv = ["spec", "--model", str(tmp_path / "model"), "--device", "cpu", "--dtype", "fp32", "--speculative", kind,
             "--drafter", str(tmp_path / "eagle"), "--eagle-tree", tree, "--eos", "none"]
     capsys.readouterr()
     assert main([*argv, "--prompt-ids", "5,9,2,7,1,3", "--check", *FAST]) == 0
@@ -306,15 +306,15 @@ def test_eagle_drafter_checkpoint(kind, tree, tmp_path, capsys):
 
 
 def test_eagle_flags_are_checked(tmp_path, capsys):
-    assert main(["spec", "--draft", "ngram", "--drafter", str(tmp_path)]) == 2
-    assert "--drafter is an EAGLE checkpoint for --draft eagle / eagle3" in capsys.readouterr().err
-    assert main(["spec", "--draft", "eagle3", *FAST]) == 2     # the 2-layer default model
+    assert main(["spec", "--speculative", "ngram", "--drafter", str(tmp_path)]) == 2
+    assert "--drafter is an EAGLE checkpoint for --speculative eagle / eagle3" in capsys.readouterr().err
+    assert main(["spec", "--speculative", "eagle3", *FAST]) == 2     # the 2-layer default model
     assert "a 2-layer target has fewer" in capsys.readouterr().err
-    assert main(["spec", "--draft", "eagle", "--drafter", str(tmp_path), *FAST]) == 2
+    assert main(["spec", "--speculative", "eagle", "--drafter", str(tmp_path), *FAST]) == 2
     assert "has no config.json" in capsys.readouterr().err
-    for argv, match in [(["--draft", "draft-model"], "--eagle-tree chains is for --draft eagle / eagle3"),
-                        (["--draft", "eagle", "--draft-sample", "--accept", "sample"], "it takes no --draft-sample"),
-                        (["--draft", "eagle", "--total-tokens", "12"], "top-k x depth = 16 draft tokens")]:
+    for argv, match in [(["--speculative", "draft_model"], "--eagle-tree chains is for --speculative eagle / eagle3"),
+                        (["--speculative", "eagle", "--draft-sample", "--accept", "sample"], "it takes no --draft-sample"),
+                        (["--speculative", "eagle", "--total-tokens", "12"], "top-k x depth = 16 draft tokens")]:
         assert main(["spec", *argv, "--eagle-tree", "chains", *FAST]) == 2
         assert match in capsys.readouterr().err
 

@@ -362,3 +362,14 @@ def test_random_pool_operations_with_bad_arguments(ops):
                 assert result.tolist() == sorted(set(pages.tolist()) & set(np.flatnonzero(model == 0).tolist()))
         assert pool.refcount.tolist() == model.tolist()
         pool.check_invariants()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a torch without a GPU")
+def test_a_cuda_pool_without_cuda_is_a_clear_error():
+    """Was: AssertionError 'Torch not compiled with CUDA enabled' from torch.zeros."""
+    from treedec import BackendUnavailableError
+    with pytest.raises(BackendUnavailableError, match=r"device 'cuda' asked for, but this machine has .* use "
+                                                      r"device='cpu'"):
+        PagedKVPool(num_pages=4, page_size=4, device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        PagedKVPool(num_pages=4, page_size=4, device="gpu")

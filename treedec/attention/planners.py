@@ -109,7 +109,8 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
     same plan.
     """
     if not isinstance(layout, TreeLayout):
-        raise TypeError(f"layout must be a TreeLayout (SequenceTree.layout()), got {type(layout).__name__}")
+        raise TypeError(f"layout must be a TreeLayout (SequenceTree.layout() gives the step's), got "
+                        f"{type(layout).__name__}")
     if not isinstance(config, PlanConfig):
         raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
     if not isinstance(variant, AttentionVariant):

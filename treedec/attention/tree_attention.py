@@ -14,8 +14,8 @@ from treedec.attention.static_plan import PlanBounds, StaticPlan
 from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.attention.variant import AttentionVariant
 from treedec.checks import int_in_range
-from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
+from treedec.transfer import resolve_device
 from treedec.tree.sequence_tree import SequenceTree
 
 logger = logging.getLogger("treedec")
@@ -25,23 +25,12 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def _resolve_device(device) -> torch.device:
-    """The device ``run`` gets its tensors on (default: CUDA where available); a CUDA device on a torch
-    without CUDA is refused here rather than by torch's assertion at the first use."""
+    """The device ``run`` gets its tensors on (default: CUDA where available): a CPU or an existing CUDA device
+    (:func:`~treedec.transfer.resolve_device`)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-                         f"got {device!r}: {error}") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "a CPU build of torch" if torch.version.cuda is None else "no visible CUDA GPU"
-            raise BackendUnavailableError(f"device {device!r} asked for, but this machine has {build} "
-                                          f"(torch {torch.__version__}): use device='cpu'")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    elif resolved.type != "cpu":
+    resolved = resolve_device(device)
+    if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be a CPU or CUDA device, got {device!r}")
     return resolved
 
@@ -229,6 +218,11 @@ class TreeAttention:
             raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not this TreeAttention's "
                              f"{self.backend!r}: make it with this object's plan() or prepare()")
         expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
+        for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor on {self.device}, got {type(tensor).__name__}"
+                                + (" (torch.from_numpy converts a numpy array)" if type(tensor).__module__ == "numpy"
+                                   else ""))
         if q.dim() != 3 or tuple(q.shape) != expected_q:
             raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim] = {expected_q}, "
                              f"got {tuple(q.shape)}")

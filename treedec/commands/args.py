@@ -11,6 +11,7 @@ the command's input files or another of its outputs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -111,6 +112,18 @@ def device_arg(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r} does not exist: {torch.cuda.device_count()} CUDA "
                                              f"device(s) visible")
     return text
+
+
+def choice_arg(choices):
+    """An argparse ``type``: one of ``choices``; a value that is not says which are, and the one it was probably
+    meant to be (``draft-model`` for ``draft_model``)."""
+    def parse(text: str) -> str:
+        if text in choices:
+            return text
+        close = difflib.get_close_matches(text.replace("-", "_"), choices, n=1)
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got {text!r}"
+                                         + (f"; did you mean {close[0]}?" if close else ""))
+    return parse
 
 
 def backend_arg(text: str) -> str:

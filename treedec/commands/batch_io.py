@@ -15,13 +15,13 @@ line).
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from treedec.models.text import check_text
+from treedec.models.text import check_text, encode_prompt
 from treedec.search.requests_file import RequestsFileError, RequestSpec, read_requests
 
-__all__ = ["ResultsWriter", "read_prompts", "request_name"]
+__all__ = ["ResultsWriter", "read_prompts", "request_kv_tokens", "request_name"]
 
 
 def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None) -> list[RequestSpec]:
@@ -36,6 +36,26 @@ def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None)
             except ValueError as e:
                 raise RequestsFileError(path, spec.line, f"request {spec.id!r}: {e}") from None
     return specs
+
+
+def request_kv_tokens(specs: Sequence[RequestSpec], tokenizer, chat_template: bool, page_size: int,
+                      extra: int = 0) -> list[int] | None:
+    """The most KV tokens each request may take, for the size of a CPU pool
+    (:func:`~treedec.engine.pool_sizing.cpu_pool_tokens`): its prompt's pages and each of its ``n`` outputs'
+    (``max_tokens``), as the batch's own check counts them, and ``extra`` tokens (a speculative request's draft
+    trees). None when a text prompt cannot be encoded here (no tokenizer: the batch says why)."""
+    need = []
+    for spec in specs:
+        if spec.prompt_ids is not None:
+            prompt = len(spec.prompt_ids)
+        elif tokenizer is None:
+            return None
+        else:
+            prompt = len(encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
+                                       chat_template or spec.messages is not None))
+        pages = -(-prompt // page_size) + spec.params.n * -(-spec.params.max_tokens // page_size)
+        need.append(pages * page_size + extra)
+    return need
 
 
 def request_name(request_id, line: int | None = None) -> str:

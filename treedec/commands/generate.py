@@ -1,16 +1,19 @@
 """``treedec generate``: one prompt streamed to the terminal, or a prompts file run as one batch (a results file out).
 
-    treedec generate --model smollm2 --chat-template "Name three primes."   # streams the answer (SmolLM2, CPU)
-    treedec generate --model smollm2 "Once upon a time" --max-new-tokens 64 --temperature 0.8 --top-p 0.95 \\
-        --repetition-penalty 1.1 --seed 1
+    treedec generate --model smollm2 --prompt "Name three primes."          # streams the answer (SmolLM2, CPU)
+    treedec generate --model smollm2 --no-chat-template --prompt "Once upon a time" --max-tokens 64 \\
+        --temperature 0.8 --top-p 0.95 --repetition-penalty 1.1 --seed 1
     treedec generate --prompts requests.jsonl --out results.jsonl          # tiny random model, CPU
     treedec generate --model /models/Llama-3.1-8B-Instruct --chat-template \\
-        --prompts requests.jsonl --out results.jsonl --max-new-tokens 256 --temperature 0.7
+        --prompts requests.jsonl --out results.jsonl --max-tokens 256 --temperature 0.7
 
-A prompt on the command line is decoded with the flags' :class:`~treedec.search.sampling.SamplingParams` (default
-greedy, as ``spec`` decodes; ``--temperature`` samples), its text streamed to stdout as the tokens come (each of
-``--n`` outputs in turn when there are several), then a line of stats on stderr; ``--out`` also writes its results
-line(s). Each line of a prompts file is a request (``prompt``, ``messages`` or ``prompt_ids``, and
+A ``--prompt`` is decoded with the flags' :class:`~treedec.search.sampling.SamplingParams` (default greedy, as
+``spec`` decodes; ``--temperature`` samples), its text streamed to stdout as the tokens come (each of ``--n``
+outputs in turn when there are several), then a line of stats on stderr (and with ``--logprobs`` each token's
+log-probability and the most likely others); ``--out`` also writes its results line(s). A model with a chat
+template gets the prompt as a user message through it, as ``vllm chat`` and ``transformers chat`` do (a line on
+stderr says so; ``--no-chat-template`` sends the text as it is, for a completion). Each line of a prompts file is
+a request (``prompt``, ``messages`` or ``prompt_ids``, and
 its own :class:`~treedec.search.sampling.SamplingParams`: ``max_tokens``, ``stop``, ``temperature``, ``n``, ...:
 see :mod:`treedec.search.requests_file`); the flags give the defaults for what a line leaves out (a line without a
 temperature samples at vLLM's 1.0 unless ``--temperature`` says otherwise). All requests run batched
@@ -19,8 +22,12 @@ case, one engine step per iteration for every live request, prompts that start a
 one copy of their common prefix. The results file (JSONL) has one line per output (``id``,
 ``index``, ``output_ids``, ``text``, ``stop_reason``, ...), each request's lines appended as it
 finishes, so the order is the order the requests finish and a run that fails keeps every
-finished request's results (:mod:`treedec.commands.batch_io`). Text prompts, text outputs and
-stop strings need ``--model`` (its tokenizer); the tiny random default takes ``prompt_ids`` only.
+finished request's results (:mod:`treedec.commands.batch_io`). A line's ``prompt`` is a completion, its
+``messages`` a chat (as vLLM's ``/v1/completions`` and ``/v1/chat/completions``); ``--chat-template`` renders the
+``prompt`` lines through the chat template too. Text prompts, text outputs and stop strings need ``--model`` (its
+tokenizer); the tiny random default takes ``prompt_ids`` only. The KV pool (``--kv-tokens``; default on a GPU what
+free memory holds, on the CPU what the requests need at most: :func:`~treedec.engine.pool_sizing.cpu_pool_tokens`)
+is said on stderr.
 """
 from __future__ import annotations
 
@@ -35,14 +42,13 @@ from tqdm import tqdm
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, int_arg,
                                    load_model, logit_bias_pair, nonnegative_float, nonnegative_int, output_file,
                                    positive_float, positive_int, seed_int)
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
-from treedec.commands.kv_memory import build_engine
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_tokens, request_name
+from treedec.commands.kv_memory import command_engine
+from treedec.engine.pool_sizing import CPU_POOL_TOKENS
 from treedec.models.text import check_text, load_tokenizer
 from treedec.search.batch import generate_batch, step_progress
 from treedec.search.requests_file import RequestSpec, write_results_jsonl
 from treedec.search.sampling import SamplingParams
-
-CPU_KV_TOKENS = 32768  # the CPU pool's default size in tokens (no free-memory query there)
 
 
 def add_generate_parser(sub) -> None:
@@ -50,7 +56,7 @@ def add_generate_parser(sub) -> None:
                        description="Generation: one prompt's text streamed to the terminal, or every request of a "
                                    "prompts JSONL file, sampled or greedy with its own stop rule, in one forest; one "
                                    "results line per output.")
-    p.add_argument("prompt", nargs="?", help="a prompt to decode and stream (needs --model with a tokenizer)")
+    p.add_argument("--prompt", help="a prompt to decode and stream (needs --model with a tokenizer)")
     p.add_argument("--prompts", type=existing_file,
                    help="JSONL, one request per line: {\"prompt\" | \"messages\" | \"prompt_ids\": ..., "
                         "\"max_tokens\": 32, \"stop\": [...], \"temperature\": 0.7, \"n\": 2, ...}")
@@ -58,11 +64,13 @@ def add_generate_parser(sub) -> None:
                    help="results JSONL: one line per output, each request's written as it finishes (needed with "
                         "--prompts)")
     add_model_arguments(p)
-    p.add_argument("--chat-template", action="store_true",
-                   help="render text prompts through the tokenizer's chat template (messages always are)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction,
+                   help="render text prompts through the tokenizer's chat template as a user message (messages "
+                        "always are); default: --prompt is when the tokenizer has one, a prompts file's 'prompt' "
+                        "lines are not")
     g = p.add_argument_group("sampling (SamplingParams; with --prompts: the defaults for what a line leaves out)")
-    g.add_argument("--max-new-tokens", type=positive_int, help="SamplingParams.max_tokens (default 16, or 256 for a "
-                                                                "prompt on the command line)")
+    g.add_argument("--max-tokens", type=positive_int, help="SamplingParams.max_tokens (default 16, or 256 for "
+                                                           "--prompt)")
     g.add_argument("--temperature", type=nonnegative_float, help="0: greedy (a command-line prompt's default)")
     g.add_argument("--top-p", type=positive_float)
     g.add_argument("--top-k", type=positive_int)
@@ -74,7 +82,7 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--stop", action="append", help="a stop string (repeat the flag for several)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at the model's EOS ids")
     g.add_argument("--logprobs", type=nonnegative_int, help="log-probabilities of each token and the N most likely "
-                                                             "(in the results file)")
+                                                             "(on stderr for --prompt, and in the results file)")
     g.add_argument("--min-tokens", type=nonnegative_int, help="no EOS or stop before this many tokens")
     g.add_argument("--logit-bias", type=logit_bias_pair, action="append", metavar="ID:BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit (repeat the flag for several)")
@@ -93,15 +101,17 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
-                   help=f"KV pool size; default: on a GPU what free memory holds, on the CPU {CPU_KV_TOKENS} (requests "
-                        f"wait for pages when the pool is full)")
+                   help=f"KV pool size in tokens; default: on a GPU what free memory holds, on the CPU what the "
+                        f"requests need at most, up to {CPU_POOL_TOKENS} (requests wait for pages when the pool is "
+                        f"full)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="random weights, and the draws of requests without a seed of their own")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.renamed = {"--max-new-tokens": "--max-tokens (SamplingParams.max_tokens, vLLM's name)"}
 
 
 #: The sampling flags, as the SamplingParams fields they set.
-FLAGS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+FLAGS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
          "min_p": "min_p", "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
          "frequency_penalty": "frequency_penalty", "n": "n", "stop": "stop", "ignore_eos": "ignore_eos",
          "logprobs": "logprobs", "min_tokens": "min_tokens", "logit_bias": "logit_bias",
@@ -114,7 +124,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Check the arguments and read the prompts, load the model and tokenizer, run, write the results; a summary on
     stderr."""
     if (args.prompt is None) == (args.prompts is None):
-        raise ValueError("give a prompt (treedec generate \"...\") or --prompts FILE, one of them")
+        raise ValueError("give --prompt TEXT or --prompts FILE, one of them")
     defaults = {field: getattr(args, flag) for flag, field in FLAGS.items() if getattr(args, flag) is not None}
     if "logit_bias" in defaults:   # (ID:BIAS pairs; a repeated ID: the last one)
         defaults["logit_bias"] = dict(defaults["logit_bias"])
@@ -132,14 +142,18 @@ def run_generate(args: argparse.Namespace) -> int:
     check_backend(args)
     model, name = load_model(args)
     tokenizer = load_tokenizer(args.model) if args.model is not None else None
-    kv_tokens = args.kv_tokens
-    if kv_tokens is None and model.device.type != "cuda":
-        kv_tokens = CPU_KV_TOKENS
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
-                          cuda_graphs=model.device.type == "cuda")
+    chat = bool(args.chat_template)
+    if args.prompt is not None and args.chat_template is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))   # (a tokenizer without one has None or "")
+        print("prompt: sent as a user message through the model's chat template (--no-chat-template sends the text "
+              "as it is)" if chat else "prompt: the text as it is (the tokenizer has no chat template)",
+              file=sys.stderr)
+    engine = command_engine(model, args.kv_tokens, args.page_size, request_kv_tokens(specs, tokenizer, chat,
+                                                                                      args.page_size),
+                            backend=args.backend, cuda_graphs=model.device.type == "cuda")
     generator = torch.Generator(model.device).manual_seed(args.seed)
     if args.prompt is not None:
-        return _stream(args, engine, specs[0], tokenizer, generator, name)
+        return _stream(args, engine, specs[0], tokenizer, chat, generator, name)
 
     def done(outputs) -> None:
         writer.write(outputs[0].id, [dataclasses.asdict(r) for r in outputs])
@@ -148,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with (tqdm(total=len(specs), unit="request", desc="generate", disable=args.no_progress or None,
               file=sys.stderr) as bar,   # (None: on a terminal only; errors stay one line in logs)
           ResultsWriter(args.out, {spec.id: request_name(spec.id, spec.line) for spec in specs}) as writer):
-        results, stats = generate_batch(engine, specs, tokenizer, args.chat_template, generator, on_request_done=done,
+        results, stats = generate_batch(engine, specs, tokenizer, chat, generator, on_request_done=done,
                                         on_step=step_progress(bar))
     tokens = sum(len(r.output_ids) for r in results)
     reasons = {reason: sum(r.stop_reason == reason for r in results) for reason in ("eos", "stop_string", "length")}
@@ -159,9 +173,9 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, generator, name: str) -> int:
+def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, chat: bool, generator, name: str) -> int:
     """Decode one prompt: the first output's text to stdout as it comes, the others' (``--n``) after it, each under
-    a header; the stats on stderr; ``--out`` the results lines."""
+    a header; the stats on stderr (with ``--logprobs``, each token's); ``--out`` the results lines."""
     n = spec.params.n
 
     def on_text(_, index: int, delta: str) -> None:
@@ -171,7 +185,7 @@ def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, gene
 
     if n > 1:
         print("--- output 0 ---")
-    results, stats = generate_batch(engine, [spec], tokenizer, args.chat_template, generator, on_text=on_text)
+    results, stats = generate_batch(engine, [spec], tokenizer, chat, generator, on_text=on_text)
     if not spec.params.detokenize:   # (--no-detokenize: token ids only, nothing was streamed)
         print(*(json.dumps(r.output_ids) for r in results), sep="\n", end="")
     for r in results[1:] if spec.params.detokenize else ():
@@ -183,4 +197,19 @@ def _stream(args: argparse.Namespace, engine, spec: RequestSpec, tokenizer, gene
     reasons = ", ".join(r.stop_reason for r in results)
     print(f"{name}: {tokens} tokens in {stats.seconds:.2f} s ({tokens / max(stats.seconds, 1e-9):.1f} tokens/s), "
           f"{stats.steps} steps, stop: {reasons}" + (f"; results in {args.out}" if args.out else ""), file=sys.stderr)
+    if spec.params.logprobs is not None:
+        for r in results:
+            _print_logprobs(r, tokenizer, spec.params.logprobs)
     return 0
+
+
+def _print_logprobs(result, tokenizer, top: int) -> None:
+    """One output's logprobs on stderr: a line per token, the chosen token's log-probability and rank, then the
+    most likely tokens' (``--logprobs N``)."""
+    print(f"logprobs of output {result.index} (token: log-probability, rank; the most likely):", file=sys.stderr)
+    for i, (token, entry) in enumerate(zip(result.output_ids, result.logprobs)):
+        chosen = entry[token]
+        likely = ", ".join(f"{tokenizer.decode([t])!r} {lp.logprob:.4f}"
+                           for t, lp in sorted(entry.items(), key=lambda item: item[1].rank) if lp.rank <= top)
+        print(f"{i:>4} {tokenizer.decode([token])!r}: {chosen.logprob:.4f}, rank {chosen.rank}"
+              + (f"; {likely}" if likely else ""), file=sys.stderr)

@@ -12,21 +12,16 @@ tokens and bytes asked for and what to do; ``treedec`` reports it and exits 2.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+import sys
+from typing import Sequence
 
 import torch
 
 from treedec.engine import Engine
+from treedec.engine.pool_sizing import check_kv_pool as pool_check, cpu_pool_tokens, kv_bytes_per_token
+from treedec.search.request import position_limit
 
-__all__ = ["available_memory", "build_engine", "check_kv_pool", "kv_bytes_per_token", "out_of_memory_as_error"]
-
-_GIB = 1 << 30
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of KV pool one token takes in ``model``'s engine (K and V of every layer)."""
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+__all__ = ["build_engine", "check_kv_pool", "command_engine", "out_of_memory_as_error"]
 
 
 def build_engine(model, kv_tokens: int | None, page_size: int, flag: str = "--kv-tokens", **options) -> Engine:
@@ -44,23 +39,38 @@ def build_engine(model, kv_tokens: int | None, page_size: int, flag: str = "--kv
         return Engine(model, kv_tokens=kv_tokens, page_size=page_size, **options)
 
 
+def command_engine(model, kv_tokens: int | None, page_size: int, requests: Sequence[int] | None = None,
+                   flag: str = "--kv-tokens", **options) -> Engine:
+    """The engine of a command's model: :func:`build_engine` with ``kv_tokens`` (``flag``'s value) when given;
+    else on the CPU a pool of :func:`~treedec.engine.pool_sizing.cpu_pool_tokens` (``requests``: the most KV
+    tokens each of the command's requests may take; None: one request of the model's context), on a GPU what
+    free memory holds: then one line on stderr says the size chosen and why."""
+    if kv_tokens is not None:
+        return build_engine(model, kv_tokens, page_size, flag, **options)
+    reason, limit = None, position_limit(model)
+    if page_size > limit:
+        raise ValueError(f"--page-size {page_size} is more tokens than the model's {limit} positions (each branch of "
+                         f"a tree takes pages of its own); give a smaller --page-size (default 16)")
+    if torch.device(model.device).type != "cuda":
+        size = cpu_pool_tokens(model, page_size, limit, requests)
+        kv_tokens, reason = size.tokens, size.reason
+    engine = build_engine(model, kv_tokens, page_size, flag, **options)
+    print(f"KV pool: {engine.kv_capacity_tokens} tokens ({reason or engine.kv_pool_reason}; {flag} N sets it)",
+          file=sys.stderr)
+    return engine
+
+
 def check_kv_pool(model, kv_tokens: int | None, page_size: int, flag: str = "--kv-tokens") -> str:
     """Raise MemoryError if a pool of ``kv_tokens`` tokens (``flag``'s value; None: sized by the engine from
-    free memory) is larger than the memory available on ``model``'s device, ValueError if it is smaller
-    than one page; else return the words that describe the pool in an out-of-memory message."""
-    per_token = kv_bytes_per_token(model)
+    free memory) is larger than the memory available on ``model``'s device
+    (:func:`~treedec.engine.pool_sizing.check_kv_pool`), ValueError if it is smaller than one page; else return
+    the words that describe the pool in an out-of-memory message."""
     if kv_tokens is None:
-        return f"the KV pool sized from free memory at {per_token} B/token"
+        return f"the KV pool sized from free memory at {kv_bytes_per_token(model)} B/token"
     if kv_tokens < page_size:
         raise ValueError(f"the KV pool of {kv_tokens} tokens ({flag}, or its default) is smaller than one page of "
                          f"--page-size {page_size}; give a larger {flag} or a smaller --page-size")
-    asked = (kv_tokens // page_size) * page_size * per_token
-    what = f"{flag} {kv_tokens} asks for a KV pool of {_size(asked)} ({asked} bytes at {per_token} B/token)"
-    free = available_memory(model.device)
-    if free is not None and asked > free:
-        raise MemoryError(f"out of memory: {what}, but {_size(free)} is available on {model.device}; lower {flag} "
-                          f"(about {free // per_token} tokens fit), or use a smaller --dtype")
-    return what
+    return pool_check(model, kv_tokens, page_size, flag, "--dtype")
 
 
 @contextlib.contextmanager
@@ -76,36 +86,3 @@ def out_of_memory_as_error(what: str, advice: str):
         if "can't allocate memory" in text or "out of memory" in text.lower() or "bad_alloc" in text:
             raise MemoryError(f"out of memory: {what}; {advice}") from e
         raise
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device``; None where it cannot be told.
-
-    CUDA: the device's free memory. CPU (Linux): ``MemAvailable`` plus ``SwapFree`` of
-    ``/proc/meminfo``, at most what the process's cgroup (v2) limit leaves.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        free = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            # the group's use less its file cache, which the kernel reclaims before failing an allocation
-            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-            used = int((cgroup / "memory.current").read_text()) - int(stat.get("file", 0))
-            free = min(free, max(int(limit) - used, 0))
-    except (OSError, ValueError):
-        pass   # no cgroup v2 limit to read: the system's figure stands
-    return free
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB else f"{nbytes / (1 << 20):.1f} MiB"

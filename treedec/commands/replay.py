@@ -43,7 +43,8 @@ def add_replay_parser(sub) -> None:
                    help="on a GPU, replay the engine's steps from CUDA graphs (not with --profile-split)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="random weights, and the token ids of the replayed tree (default 0)")
-    p.add_argument("--out", type=output_file, help="write the results JSON here (its folder must exist)")
+    p.add_argument("--out", type=output_file, help="write the results JSON here, every step's times (its folder must "
+                                                   "exist; without it only the table is printed)")
     p.add_argument("--save-schedule", type=output_file,
                    help="write the schedule that is replayed as JSON here (its folder must exist)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -81,6 +82,8 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
         print(f"results: {args.out}")
+    else:
+        print("(the results JSON, every step's times, which treedec plot draws: --out FILE)", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
-from treedec.commands.args import DTYPES, device_arg, model_arg, model_size, positive_float, positive_int
+from treedec.commands.args import DTYPES, choice_arg, device_arg, model_arg, model_size, positive_float, positive_int
 from treedec.models.config import MODEL_SIZES
 
 #: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
@@ -55,8 +55,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what free GPU memory "
-                   "holds, 32768 on the CPU)")
-    p.add_argument("--speculative", choices=METHODS, help="decode every request speculatively with this draft source")
+                   "holds; on the CPU one request of the model's context, at most 32768)")
+    p.add_argument("--speculative", type=choice_arg(METHODS), metavar="METHOD",
+                   help=f"decode every request speculatively with this draft source (SpeculativeConfig.method, as "
+                        f"treedec spec's --speculative): {', '.join(METHODS)}")
     p.add_argument("--drafter", help="--speculative medusa / eagle / eagle3 / draft_model: the drafter's weights "
                    "(a path or model name; 'random' for random weights: the machinery only)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4,
@@ -126,10 +128,11 @@ def run_serve(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = from_config(args.config, seed=args.seed, device=device,
                             dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
-        llm = LLM(model, args.tokenizer, kv_tokens=args.kv_tokens, page_size=args.page_size, speculative=speculative)
+        llm = LLM(model, args.tokenizer, kv_tokens=args.kv_tokens, page_size=args.page_size,
+                  speculative_config=speculative)
     else:
         llm = LLM(args.model, args.tokenizer, device=args.device, dtype=dtype, kv_tokens=args.kv_tokens,
-                  page_size=args.page_size, speculative=speculative)
+                  page_size=args.page_size, speculative_config=speculative)
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or args.model or args.config

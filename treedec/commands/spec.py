@@ -1,16 +1,16 @@
 """``treedec spec``: speculative decoding with a token-tree draft, per-step acceptance stats.
 
     treedec spec                                         # tiny random model, n-gram drafts, greedy, CPU
-    treedec spec --draft medusa --check                  # untrained Medusa heads; tokens == plain greedy?
-    treedec spec --draft draft-model --accept sample --temperature 0.8
+    treedec spec --speculative medusa --check                  # untrained Medusa heads; tokens == plain greedy?
+    treedec spec --speculative draft_model --accept sample --temperature 0.8
     treedec spec --model smollm2 --chat-template --prompt "Fix the bug ..." --check   # against plain greedy
-    treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
+    treedec spec --model /models/vicuna-7b --speculative medusa --medusa /models/medusa-vicuna-7b \\
         --prompt "Tell me a story" --out spec.json
     treedec spec --prompts requests.jsonl --out results.jsonl   # many requests batched (spec_batch.py)
 
 Prints the draft, the acceptance rule, tokens per verification step, the accepted-length
 histogram, tokens/s and why generation stopped (an EOS id, ``--eos``, default the
-model's own; or ``--max-new-tokens``), then the text (with a tokenizer). ``--check``
+model's own; or ``--max-tokens``), then the text (with a tokenizer). ``--check``
 (greedy acceptance) also decodes plainly (timed the same way), checks the tokens are the
 same and prints a table of both runs: tokens, decode steps after the prefill, tokens per
 step, tokens/s. ``--out`` is the results file: for one prompt a JSON document (every
@@ -32,7 +32,7 @@ import numpy as np
 
 from treedec.checks import is_int
 from treedec.models import from_config, from_pretrained
-from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_dir,
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, choice_arg, existing_dir,
                                     existing_file, existing_path, load_model, model_arg, model_size,
                                     nonnegative_float, output_file, positive_float, positive_int, read_json,
                                     seed_int)
@@ -49,10 +49,10 @@ from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraf
 from treedec.search.request import MODEL_EOS, eos_token_ids
 from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.search.generate import greedy_generate
+from treedec.search.speculative.config import METHODS
 from treedec.search.speculative.program import SpeculativeStats, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
-DRAFTS = ("ngram", "medusa", "draft-model", "eagle", "eagle3", "tree")
 ACCEPTS = ("greedy", "typical", "sample")
 DEFAULT_TEXT = "Speculative decoding verifies a whole tree of draft tokens in one step. Speculative decoding"
 
@@ -62,11 +62,13 @@ def add_spec_parser(sub) -> None:
                        description="Speculative decoding: each step a draft source proposes a token tree, one "
                                    "engine step verifies all of it, an acceptance rule keeps a path (its K/V "
                                    "kept, the rest freed).")
-    p.add_argument("--draft", choices=DRAFTS, default="ngram", help="draft source (default ngram)")
+    p.add_argument("--speculative", type=choice_arg(METHODS), default="ngram", metavar="METHOD",
+                   help=f"the draft source, as treedec serve's --speculative and SpeculativeConfig.method (vLLM's "
+                        f"names): {', '.join(METHODS)} (default ngram)")
     p.add_argument("--accept", choices=ACCEPTS, default="greedy",
                    help="greedy (exactly plain greedy's tokens), typical (Medusa) or sample (lossless "
                         "rejection sampling)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+    p.add_argument("--max-tokens", type=positive_int, default=64,
                    help="new tokens at most (default 64; with --prompts, for the lines that give none)")
     p.add_argument("--eos", type=_eos_ids,
                    help="comma-separated EOS token ids that end the generation, or 'none'; default: the model's "
@@ -120,15 +122,15 @@ def add_spec_parser(sub) -> None:
     g.add_argument("--drafter", type=existing_dir,
                    help="eagle / eagle3: an EAGLE checkpoint folder in the EAGLE reference layout (config.json and "
                         "pytorch_model.bin or model.safetensors) for the target; default: random drafter weights")
-    g.add_argument("--depth", type=positive_int, default=4, help="draft-model / eagle tree depth (default 4)")
+    g.add_argument("--depth", type=positive_int, default=4, help="draft_model / eagle tree depth (default 4)")
     g.add_argument("--draft-sample", action="store_true",
-                   help="draft-model / eagle with --accept sample: sample the tree's tokens from the draft's "
+                   help="draft_model / eagle with --accept sample: sample the tree's tokens from the draft's "
                         "distribution (at the acceptance's temperature, top-k, top-p) instead of taking its top-k; "
                         "still lossless")
     g.add_argument("--draft-top-k", type=positive_int, default=4,
-                   help="draft-model / eagle expansion width (default 4)")
+                   help="draft_model / eagle expansion width (default 4)")
     g.add_argument("--total-tokens", type=positive_int, default=None,
-                   help="draft-model / eagle tree size (default 16; --eagle-tree chains: draft-top-k x depth)")
+                   help="draft_model / eagle tree size (default 16; --eagle-tree chains: draft-top-k x depth)")
     g.add_argument("--eagle-tree", choices=["dynamic", "chains"], default="dynamic",
                    help="eagle / eagle3: EAGLE-2's dynamic tree (default) or fixed chains (the root's top-k children, "
                         "each extended to --depth tokens by argmax: drafted on the device, the loop pipelined on a "
@@ -143,6 +145,9 @@ def add_spec_parser(sub) -> None:
                    help="greedy: also decode plainly (timed the same way), check the tokens are equal and print "
                         "both runs' tokens, steps, tokens/step and tokens/s")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.renamed = {"--max-new-tokens": "--max-tokens (SamplingParams.max_tokens, vLLM's name)",
+                 "--draft": "--speculative (as treedec serve's; its values are SpeculativeConfig.method's: "
+                            f"{', '.join(METHODS)})"}
 
 
 def run_spec(args: argparse.Namespace) -> int:
@@ -151,14 +156,16 @@ def run_spec(args: argparse.Namespace) -> int:
         raise ValueError(f"--check compares with plain greedy decoding and needs --accept greedy, "
                          f"got --accept {args.accept}")
     # everything the user typed is checked before any model is loaded
-    if args.draft_sample and (args.draft not in ("draft-model", "eagle", "eagle3") or args.accept != "sample"):
+    if args.draft_sample and (args.speculative not in ("draft_model", "eagle", "eagle3") or args.accept != "sample"):
         raise ValueError(f"--draft-sample samples a draft model's or EAGLE drafter's trees for --accept sample, got "
-                         f"--draft {args.draft} --accept {args.accept}")
-    if args.drafter is not None and args.draft not in ("eagle", "eagle3"):
-        raise ValueError(f"--drafter is an EAGLE checkpoint for --draft eagle / eagle3, got --draft {args.draft}")
+                         f"--speculative {args.speculative} --accept {args.accept}")
+    if args.drafter is not None and args.speculative not in ("eagle", "eagle3"):
+        raise ValueError(f"--drafter is an EAGLE checkpoint for --speculative eagle / eagle3, got --speculative "
+                         f"{args.speculative}")
     if args.eagle_tree == "chains":
-        if args.draft not in ("eagle", "eagle3"):
-            raise ValueError(f"--eagle-tree chains is for --draft eagle / eagle3, got --draft {args.draft}")
+        if args.speculative not in ("eagle", "eagle3"):
+            raise ValueError(f"--eagle-tree chains is for --speculative eagle / eagle3, got --speculative "
+                             f"{args.speculative}")
         if args.draft_sample:
             raise ValueError("--eagle-tree chains drafts by argmax: it takes no --draft-sample")
         if args.total_tokens not in (None, args.draft_top_k * args.depth):
@@ -187,22 +194,24 @@ def run_spec(args: argparse.Namespace) -> int:
     prompt, tokenizer = _prompt(args, model)
     eos = _eos(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
-    kv_tokens = args.kv_tokens or len(prompt) + args.max_new_tokens + 2048
+    kv_tokens = args.kv_tokens or len(prompt) + args.max_tokens + 2048
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
     draft, draft_note = _draft(args, model, choices, tree_json, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
-          f"{engine.attn.backend} backend, page size {args.page_size}; prompt {len(prompt)} tokens")
+          f"{engine.attn.backend} backend, page size {args.page_size}, KV pool {engine.kv_capacity_tokens} tokens"
+          + ("" if args.kv_tokens else " (the prompt, --max-tokens and 2048 for the drafts)")
+          + f"; prompt {len(prompt)} tokens")
     print(f"draft: {draft_note}")
     print(f"acceptance: {rule}")
     print(f"eos: {list(eos) if eos else 'none'}")
 
     progress = _progress(args)
-    tokens, stats = speculative_generate(engine, prompt, draft, args.max_new_tokens, rule, on_step=progress,
+    tokens, stats = speculative_generate(engine, prompt, draft, args.max_tokens, rule, on_step=progress,
                                          eos_token_id=list(eos) or None)
     progress(stats, len(tokens), close=True)
     summary = summarize(stats, len(tokens))
     check = _check(args, model, prompt, tokens, kv_tokens, eos) if args.check else None
-    _print_summary(summary, check, draft_name=args.draft)
+    _print_summary(summary, check, draft_name=args.speculative)
     if tokenizer is not None:
         print("text:")
         print(tokenizer.decode(tokens, skip_special_tokens=True))
@@ -210,7 +219,7 @@ def run_spec(args: argparse.Namespace) -> int:
         results = {
             "command": "spec", "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
-            "draft": {"kind": args.draft, "description": draft_note}, "acceptance": {"rule": args.accept,
+            "draft": {"kind": args.speculative, "description": draft_note}, "acceptance": {"rule": args.accept,
                                                                                      "repr": repr(rule)},
             "eos_token_ids": list(eos), "prompt_ids": prompt, "tokens": tokens,
             "text": None if tokenizer is None else tokenizer.decode(tokens),
@@ -328,11 +337,11 @@ def _prompt(args: argparse.Namespace, model) -> tuple[list[int], object | None]:
 
 def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json, kv_tokens: int):
     """The draft source and a line that says what it is."""
-    if args.draft == "ngram":
+    if args.speculative == "ngram":
         draft = PromptLookupDraft(max_ngram=args.max_ngram, num_draft_tokens=args.num_draft_tokens,
                                   max_matches=args.max_matches)
         return draft, f"prompt lookup {draft}"
-    if args.draft == "medusa":
+    if args.speculative == "medusa":
         if args.medusa is not None:
             heads = load_medusa_heads(args.medusa, model)
             note = f"Medusa heads from {args.medusa}"
@@ -351,19 +360,19 @@ def _draft(args: argparse.Namespace, model, choices: list[list[int]], tree_json,
     total = args.total_tokens if args.total_tokens is not None or chains else 16
     shape = f"depth {args.depth}, top-k {args.draft_top_k}, " + (
         f"{args.draft_top_k} chains of {args.depth} tokens" if chains else f"{total} tokens")
-    if args.draft == "draft-model":
+    if args.speculative == "draft_model":
         draft_model, note = _draft_model(args, model)
         engine = build_engine(draft_model, kv_tokens, args.page_size, backend=args.backend)
         draft = DraftModelDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
                                 sample=sample, seed=args.seed)
         return draft, f"draft model {note}; {shape}"
-    if args.draft in ("eagle", "eagle3"):
+    if args.speculative in ("eagle", "eagle3"):
         if args.drafter is not None:
-            drafter = load_eagle(args.drafter, model, args.draft)
-            note = f"{args.draft} drafter from {args.drafter}"
+            drafter = load_eagle(args.drafter, model, args.speculative)
+            note = f"{args.speculative} drafter from {args.drafter}"
         else:
-            drafter = EagleDrafter.random(model, args.draft, seed=args.seed)
-            note = (f"RANDOM {args.draft} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
+            drafter = EagleDrafter.random(model, args.speculative, seed=args.seed)
+            note = (f"RANDOM {args.speculative} drafter weights, so acceptance is near zero; pass --drafter PATH for a "
                     f"trained one")
         engine = build_engine(drafter, kv_tokens, args.page_size, backend=args.backend)
         draft = EagleDraft(engine, depth=args.depth, top_k=args.draft_top_k, total_tokens=total,
@@ -377,7 +386,7 @@ def _draft_model(args: argparse.Namespace, model):
     if args.draft_model is not None:
         return from_pretrained(args.draft_model, dtype=model.dtype, device=model.device), args.draft_model
     if args.model is not None and args.draft_config is None:
-        raise ValueError("--draft draft-model with --model needs --draft-model PATH (a small model with the "
+        raise ValueError("--speculative draft_model with --model needs --draft-model PATH (a small model with the "
                          "target's vocabulary) or --draft-config NAME (random weights)")
     name = args.draft_config or args.config or "tiny"
     seed = args.seed if args.draft_seed is None else args.draft_seed
@@ -428,7 +437,7 @@ def _progress(args: argparse.Namespace):
     if args.no_progress:
         return lambda stats, emitted, close=False: None
     from tqdm import tqdm
-    bar = tqdm(total=args.max_new_tokens, desc=f"spec [{args.draft}/{args.accept}]", unit="tok")
+    bar = tqdm(total=args.max_tokens, desc=f"spec [{args.speculative}/{args.accept}]", unit="tok")
 
     def update(stats: SpeculativeStats, emitted: int, close: bool = False) -> None:
         bar.update(emitted - bar.n)
@@ -445,9 +454,9 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
     equal tokens? and its tokens, decode steps and speed, for the comparison table."""
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
     if not args.no_progress:   # greedy_generate reports nothing until it ends
-        print(f"check: plain greedy decoding of up to {args.max_new_tokens} tokens ...", file=sys.stderr, flush=True)
+        print(f"check: plain greedy decoding of up to {args.max_tokens} tokens ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    plain = greedy_generate(engine, prompt, args.max_new_tokens, eos_token_id=list(eos) or None)
+    plain = greedy_generate(engine, prompt, args.max_tokens, eos_token_id=list(eos) or None)
     seconds = time.perf_counter() - start
     first = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), None)
     if first is None and len(plain) != len(tokens):

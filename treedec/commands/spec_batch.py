@@ -1,11 +1,11 @@
 """``treedec spec --prompts FILE --out FILE``: a prompts file's requests decoded speculatively, batched.
 
     treedec spec --prompts requests.jsonl --out results.jsonl                   # tiny random model, n-grams
-    treedec spec --model /models/vicuna-7b --draft medusa --medusa /models/medusa-vicuna-7b \\
+    treedec spec --model /models/vicuna-7b --speculative medusa --medusa /models/medusa-vicuna-7b \\
         --chat-template --prompts requests.jsonl --out results.jsonl
 
 Every request of the prompts file (:mod:`treedec.search.requests_file`; one output each) gets
-its own draft source of the ``--draft`` kind (Medusa drafts share the heads, draft-model drafts
+its own draft source of the ``--speculative`` kind (Medusa drafts share the heads, draft_model drafts
 the draft engine), and all requests' token trees are verified in one engine step per iteration
 (:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
@@ -27,8 +27,8 @@ import sys
 
 from tqdm import tqdm
 
-from treedec.commands.batch_io import ResultsWriter, read_prompts, request_name
-from treedec.commands.kv_memory import build_engine
+from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_tokens, request_name
+from treedec.commands.kv_memory import command_engine
 from treedec.models.text import has_tokenizer, load_tokenizer
 from treedec.search.batch import step_progress
 from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
@@ -38,7 +38,12 @@ from treedec.search.speculative.drafts import PromptLookupDraft
 from treedec.search.speculative.medusa import MedusaDraft
 from treedec.search.speculative.batch import SPECULATIVE_PARAMS, speculative_batch
 
-CPU_KV_TOKENS = 65536  # the CPU pools' default size in tokens (the draft model's engine gets as many)
+#: The draft engine's pool on a GPU (where the target's takes what free memory holds); on the CPU it gets the
+#: target's size.
+GPU_DRAFT_KV_TOKENS = 65536
+#: A request's room for its draft trees in a CPU pool sized from the requests (the tokens of a tree's nodes, each
+#: node in pages of its own).
+DRAFT_TREE_TOKENS = 2048
 
 
 def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json, load_model, make_draft) -> int:
@@ -53,7 +58,7 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
                          "request plain greedy's tokens: tested)")
     if args.out is None:
         raise ValueError("--prompts needs --out results.jsonl")
-    defaults = {"max_tokens": args.max_new_tokens}
+    defaults = {"max_tokens": args.max_tokens}
     if args.accept == "greedy":
         defaults["temperature"] = 0.0
     else:
@@ -66,10 +71,12 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
     if tokenizer is None:
         _check_token_ids_only(args, specs)
     model, name = load_model(args)
-    kv_tokens = args.kv_tokens or (None if model.device.type == "cuda" else CPU_KV_TOKENS)
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend,
-                          cuda_graphs=model.device.type == "cuda")
-    draft, note = make_draft(args, model, choices, tree_json, kv_tokens or CPU_KV_TOKENS)
+    on_gpu = model.device.type == "cuda"
+    engine = command_engine(model, args.kv_tokens, args.page_size,
+                            request_kv_tokens(specs, tokenizer, args.chat_template, args.page_size, DRAFT_TREE_TOKENS),
+                            backend=args.backend, cuda_graphs=on_gpu)
+    draft_kv_tokens = args.kv_tokens or (GPU_DRAFT_KV_TOKENS if on_gpu else engine.kv_capacity_tokens)
+    draft, note = make_draft(args, model, choices, tree_json, draft_kv_tokens)
     factory = _draft_factory(draft, choices)
     acceptance = None if args.accept == "greedy" else (lambda spec: rules[spec.id])
     print(f"spec: {name}, {len(specs)} requests; draft: {note}; acceptance: {args.accept}", file=sys.stderr)

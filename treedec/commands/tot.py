@@ -35,15 +35,16 @@ from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg,
                                     finite_float, load_model, nonnegative_float, output_file, positive_int,
                                     seed_int)
 from treedec.commands.batch_io import ResultsWriter, request_name
-from treedec.commands.kv_memory import build_engine
+from treedec.commands.kv_memory import command_engine
+from treedec.engine.pool_sizing import CPU_POOL_TOKENS
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
 from treedec.search.tot.game24 import Game24Task
 from treedec.models.text import has_tokenizer, load_tokenizer
 from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, ToTResult, ToTTask,
                                 tot_batch, tot_bfs, tot_dfs)
+from treedec.search.request import position_limit
 from treedec.search.tot.task import check_task
 
-CPU_KV_TOKENS = 32768
 
 
 def add_tot_parser(sub) -> None:
@@ -83,7 +84,8 @@ def add_tot_parser(sub) -> None:
     p.add_argument("--planner", default="flatten", choices=PLANNERS, help="default flatten")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
-                   help=f"KV pool size (default {CPU_KV_TOKENS} on the CPU, from free memory on a GPU)")
+                   help="KV pool size in tokens (default: on the CPU one context of the model a search, at most "
+                        f"{CPU_POOL_TOKENS}; on a GPU what free memory holds)")
     p.add_argument("--seed", type=seed_int, default=0, help="random weights and sampling (default 0)")
     p.add_argument("--out", type=output_file,
                    help="write the results JSON here (with --tasks: JSONL, one line per task; its folder must exist)")
@@ -108,8 +110,11 @@ def run_tot(args: argparse.Namespace) -> int:
 
     model, model_name = load_model(args)
     tokenizer, tokenizer_name = _search_tokenizer(args.model, model.config.vocab_size)
-    kv_tokens = args.kv_tokens or (CPU_KV_TOKENS if model.device.type != "cuda" else None)
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, plan_config=plan_config)
+    # on the CPU a search's pool is one context of the model (a search's tree, its thoughts and value prompts, took
+    # 800 tokens of SmolLM2's 8192 on the Game of 24; past the pool programs wait for pages)
+    engine = command_engine(model, args.kv_tokens, args.page_size,
+                            None if len(tasks) == 1 else [position_limit(model)] * len(tasks),
+                            backend=args.backend, plan_config=plan_config)
     device = model.device
     settings = {
         "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,

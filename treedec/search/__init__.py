@@ -17,7 +17,7 @@
   :mod:`treedec.search.tot` (Tree-of-Thought search, the Game of 24).
 """
 from treedec.search.batch import GenerateProgram, generate_batch
-from treedec.search.beam import BeamProgram, BeamSearchResult, BeamSearchStats, beam_search
+from treedec.search.beam import BeamProgram, BeamSearchParams, BeamSearchResult, BeamSearchStats, beam_search
 from treedec.search.controller import BranchEvery, Controller, ControllerProgram, ControllerRun, run_controller
 from treedec.search.generate import greedy_generate
 from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
@@ -33,7 +33,7 @@ from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
 from treedec.search.scheduler import SchedulerStats, run_program, run_programs
 from treedec.search.stops import StopChecker, StopRule
 
-__all__ = ["GREEDY", "BeamProgram", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
+__all__ = ["GREEDY", "BeamProgram", "BeamSearchParams", "BeamSearchResult", "BeamSearchStats", "BranchEvery", "Controller",
            "ControllerProgram", "ControllerRun", "GenerateProgram", "LogitsProcessorError", "Logprob",
            "NonFiniteLogitsError", "OnlineEngine", "OnlineScheduler", "PrefixCache", "Program", "ProgramAborted",
            "ProgramContext", "RequestResult", "RequestSpec", "RequestsFileError", "SamplingParams", "SamplingResult",

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.checks import finite_float, positive_int
+from treedec.checks import describe, finite_float, positive_int
 from treedec.engine import Engine
 from treedec.search.request import MODEL_EOS, Positions, RequestStats, eos_token_ids, pages_in_use
 from treedec.search.program import Program, ProgramContext, StepRequest
@@ -45,6 +45,50 @@ EARLY_STOPPING = (False, True, "never")
 class BeamSearchStats(RequestStats):
     """Counters of one :func:`beam_search` run: one step per generated position, its
     queries the live beams (see :class:`~treedec.search.request.RequestStats`)."""
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """How ``LLM.beam_search`` searches (vLLM's ``BeamSearchParams``; :func:`beam_program`'s arguments). Checked on construction.
+
+    Attributes
+    ----------
+    beam_width : the beams kept, and the sequences returned.
+    max_tokens : new tokens at most; a hypothesis that reaches it without an EOS ends there.
+    ignore_eos : the model's EOS ids do not end a hypothesis.
+    temperature : 0 only: the search scores the raw log-probabilities (transformers' beam search; a temperature
+        raises NotImplementedError).
+    length_penalty : the exponent of the length in a finished hypothesis' score (``sum of log-probs /
+        new tokens ** length_penalty``; > 0 favours long ones).
+    include_stop_str_in_output : False only (beam search ends on EOS ids, not stop strings; True raises
+        NotImplementedError).
+    early_stopping : treedec's (transformers'): False (stop when the best live beam cannot win), True (stop as soon
+        as ``beam_width`` hypotheses are finished) or ``"never"``.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        positive_int("beam_width", self.beam_width)
+        positive_int("max_tokens", self.max_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {describe(self.ignore_eos)}")
+        if finite_float("temperature", self.temperature) != 0:
+            raise NotImplementedError(f"beam search at temperature {self.temperature}: treedec's beam search scores "
+                                      f"the raw log-probabilities (transformers' algorithm); give temperature=0")
+        finite_float("length_penalty", self.length_penalty)
+        if self.include_stop_str_in_output is not False:
+            raise NotImplementedError("include_stop_str_in_output: beam search ends on EOS ids only, it has no stop "
+                                      "strings to include")
+        if not any(self.early_stopping is v if isinstance(v, bool) else self.early_stopping == v
+                   for v in EARLY_STOPPING):
+            raise ValueError(f"early_stopping must be False, True or 'never', got {describe(self.early_stopping)}")
 
 
 @dataclass

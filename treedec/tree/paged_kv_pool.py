@@ -21,7 +21,7 @@ import torch
 
 from treedec.checks import describe, is_int, nonnegative_int, positive_int, show_int
 from treedec.errors import PoolExhaustedError
-from treedec.transfer import to_device
+from treedec.transfer import resolve_device, to_device
 from treedec.tree.validate import int_array, int_value
 
 
@@ -75,6 +75,7 @@ class PagedKVPool:
                             ("head_dim", head_dim)]:
             positive_int(name, value, numpy=True)
         nonnegative_int("scratch_pages", scratch_pages, numpy=True)
+        device = resolve_device(device)   # (a CUDA device torch does not have: said here, not at the first use)
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.num_layers = int(num_layers)
