@@ -218,11 +218,6 @@ class TreeAttention:
             raise ValueError(f"this plan is prepared for backend {plan.backend!r}, not this TreeAttention's "
                              f"{self.backend!r}: make it with this object's plan() or prepare()")
         expected_q = (plan.plan.num_queries, self.num_qo_heads, self.head_dim)
-        for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor on {self.device}, got {type(tensor).__name__}"
-                                + (" (torch.from_numpy converts a numpy array)" if type(tensor).__module__ == "numpy"
-                                   else ""))
         if q.dim() != 3 or tuple(q.shape) != expected_q:
             raise ValueError(f"q must have shape [num_queries, num_qo_heads, head_dim] = {expected_q}, "
                              f"got {tuple(q.shape)}")
