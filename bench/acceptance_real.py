@@ -41,13 +41,13 @@ from treedec.engine import Engine  # noqa: E402
 from treedec.models import from_pretrained  # noqa: E402
 from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
 from treedec.models.text import encode_prompt, load_tokenizer  # noqa: E402
-from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
-from treedec.search.speculative.drafts import PromptLookupDraft  # noqa: E402
-from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
+from treedec.programs.speculative.draft_model import DraftModelDraft  # noqa: E402
+from treedec.programs.speculative.drafts import PromptLookupDraft  # noqa: E402
+from treedec.programs.speculative.eagle import EagleDraft  # noqa: E402
 from treedec.models.medusa import MedusaHeads  # noqa: E402
-from treedec.search.speculative.medusa import MedusaDraft  # noqa: E402
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate  # noqa: E402
+from treedec.programs.speculative.medusa import MedusaDraft  # noqa: E402
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate  # noqa: E402
 
 CHATS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",

@@ -18,7 +18,7 @@ speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
 request's prompt and tree. ``--medusa-heads``: the same tree drafted by random Medusa heads,
 which run inside the shared step at every request's rows (one row head for the batch).
 Speculative batches verify each step at most ``--draft-budget`` draft tokens in all (default ``auto``:
-256 on a GPU), shared among the requests by their measured acceptance (``treedec.search.speculative.draft_budget``);
+256 on a GPU), shared among the requests by their measured acceptance (``treedec.programs.speculative.draft_budget``);
 the results record the budget, the mean queries of the timed steps and the emitted tokens a second.
 ``--eagle eagle|eagle3``: every request drafts with an ``EagleDraft`` (EAGLE-2 trees of
 ``--eagle-depth`` layers, top-k ``--eagle-top-k``, 63 draft tokens, or every candidate if fewer)
@@ -60,19 +60,19 @@ from bench.results_file import device_name, versions, write_results  # noqa: E40
 from bench.timing import copy_bandwidth  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
-from treedec.search.batch import generate_batch  # noqa: E402
+from treedec.programs.generate import generate_batch  # noqa: E402
 from bench.program_runs import random_drafter, random_heads  # noqa: E402
 from treedec.models.eagle_drafter import EagleDrafter  # noqa: E402
-from treedec.search.speculative.draft_model import DraftModelDraft  # noqa: E402
-from treedec.search.speculative.drafts import DraftSource, TreeDraft  # noqa: E402
-from treedec.search.speculative.eagle import EagleDraft  # noqa: E402
-from treedec.search.speculative.medusa import MedusaDraft  # noqa: E402
-from treedec.search.speculative.draft_budget import DraftBudget  # noqa: E402
-from treedec.search.speculative.batch import speculative_batch  # noqa: E402
+from treedec.programs.speculative.draft_model import DraftModelDraft  # noqa: E402
+from treedec.programs.speculative.drafts import DraftSource, TreeDraft  # noqa: E402
+from treedec.programs.speculative.eagle import EagleDraft  # noqa: E402
+from treedec.programs.speculative.medusa import MedusaDraft  # noqa: E402
+from treedec.programs.speculative.draft_budget import DraftBudget  # noqa: E402
+from treedec.programs.speculative.batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
-from treedec.search.requests_file import RequestSpec  # noqa: E402
-from treedec.search.sampling import SamplingParams  # noqa: E402
+from treedec.commands.requests_file import RequestSpec  # noqa: E402
+from treedec.sampling.params import SamplingParams  # noqa: E402
 
 
 TREE_TOKENS = 64   # the Medusa-64 tree; EAGLE's 63 draft tokens and the root
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
                         help="with --speculative: EAGLE-2 trees from one random Llama-3.2-1B-shape draft model")
     parser.add_argument("--draft-budget", default="auto", type=_budget,
                         help="--speculative: draft tokens a step for the whole batch "
-                             "(treedec.search.speculative.draft_budget): 'auto' (256 on a GPU, no limit on the CPU), "
+                             "(treedec.programs.speculative.draft_budget): 'auto' (256 on a GPU, no limit on the CPU), "
                              "'none' or an int")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="--speculative: never pipeline the steps (speculative_batch's default: where the draft "

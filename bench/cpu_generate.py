@@ -37,7 +37,7 @@ from bench.results_file import versions, write_results  # noqa: E402
 from treedec.attention.backends import TorchBackend  # noqa: E402
 from treedec.engine import Engine  # noqa: E402
 from treedec.models import encode_prompt, from_pretrained, load_tokenizer, resolve_model  # noqa: E402
-from treedec.search.generate import greedy_generate  # noqa: E402
+from treedec.programs.greedy import greedy_generate  # noqa: E402
 
 PROMPT = "Explain what a hash table is to a new programmer."
 

@@ -31,8 +31,8 @@ from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
-from treedec.search.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
-from treedec.search.speculative import pipeline as speculative_pipeline  # noqa: E402
+from treedec.programs.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
+from treedec.programs.speculative import pipeline as speculative_pipeline  # noqa: E402
 from treedec.tree import PagedKVPool, SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.

@@ -51,13 +51,13 @@ if str(REPO) not in sys.path:
 from bench.results_file import device_name, versions, write_results  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import from_config  # noqa: E402
-from treedec.search.batch import generate_batch  # noqa: E402
-from treedec.search.requests_file import RequestSpec  # noqa: E402
-from treedec.search.sampling import SamplingParams  # noqa: E402
-from treedec.search.speculative.batch import speculative_batch  # noqa: E402
-from treedec.search.speculative.drafts import TreeDraft  # noqa: E402
-from treedec.search.tot import BFSConfig, ByteTokenizer, tot_batch  # noqa: E402
-from treedec.search.tot.game24 import Game24Task  # noqa: E402
+from treedec.programs.generate import generate_batch  # noqa: E402
+from treedec.commands.requests_file import RequestSpec  # noqa: E402
+from treedec.sampling.params import SamplingParams  # noqa: E402
+from treedec.programs.speculative.batch import speculative_batch  # noqa: E402
+from treedec.programs.speculative.drafts import TreeDraft  # noqa: E402
+from treedec.programs.tot import BFSConfig, ByteTokenizer, tot_batch  # noqa: E402
+from treedec.programs.tot.game24 import Game24Task  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
 

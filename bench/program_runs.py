@@ -18,13 +18,13 @@ from treedec.engine import CudaGraphConfig, Engine
 from treedec.models import DecoderModel
 from treedec.models.eagle_drafter import EagleDrafter
 from treedec.models.medusa import MedusaHeads
-from treedec.search.generate import greedy_generate
-from treedec.search.parallel_sampling import parallel_sample
-from treedec.search.sampling import SamplingParams
-from treedec.search.speculative.drafts import TreeDraft
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.parallel_sampling import parallel_sample
+from treedec.sampling.params import SamplingParams
+from treedec.programs.speculative.drafts import TreeDraft
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.programs.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import MedusaTree, medusa_tree
 

@@ -53,7 +53,7 @@ def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: in
 
     from treedec import LLM, SamplingParams
     from treedec.models import from_config
-    from treedec.search.speculative import SpeculativeConfig
+    from treedec.programs.speculative import SpeculativeConfig
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
     spec = None if speculative is None else SpeculativeConfig(method=speculative, model=drafter)

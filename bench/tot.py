@@ -42,11 +42,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import add_run_arguments, device_name, results_path, versions  # noqa: E402
-from treedec.search.sampling import SamplingParams  # noqa: E402
+from treedec.sampling.params import SamplingParams  # noqa: E402
 from treedec.attention import PlanConfig  # noqa: E402
 from treedec.engine import Engine  # noqa: E402
 from treedec.models import from_config  # noqa: E402
-from treedec.search.tot import BFSConfig, ByteTokenizer, ToTResult, ToTTask, tot_bfs  # noqa: E402
+from treedec.programs.tot import BFSConfig, ByteTokenizer, ToTResult, ToTTask, tot_bfs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the search's shape on the GPU and on --smoke

@@ -29,11 +29,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.results_file import device_name, versions, write_results  # noqa: E402
-from treedec.search.sampling import SamplingParams  # noqa: E402
+from treedec.sampling.params import SamplingParams  # noqa: E402
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
-from treedec.search.tot.game24 import Game24Task  # noqa: E402
-from treedec.search.tot import BFSConfig, ByteTokenizer, tot_batch, tot_bfs  # noqa: E402
+from treedec.programs.tot.game24 import Game24Task  # noqa: E402
+from treedec.programs.tot import BFSConfig, ByteTokenizer, tot_batch, tot_bfs  # noqa: E402
 
 #: Sixteen Game-of-24 puzzles (four numbers each, each reaching 24).
 PUZZLES = ([1, 1, 4, 6], [1, 1, 11, 11], [1, 1, 3, 8], [1, 2, 2, 6], [1, 2, 3, 4], [1, 3, 4, 6], [2, 2, 4, 6],

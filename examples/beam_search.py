@@ -19,7 +19,7 @@ import torch
 from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine
 from treedec.models import from_hf_model, load_tokenizer
-from treedec.search.beam import beam_search
+from treedec.programs.beam import beam_search
 
 
 def random_tiny_llama(seed: int = 0):

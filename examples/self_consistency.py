@@ -23,8 +23,8 @@ import torch
 from treedec.commands.args import add_model_arguments, load_model, positive_float, positive_int, seed_int
 from treedec.engine import Engine
 from treedec.models import load_tokenizer
-from treedec.search.parallel_sampling import self_consistency
-from treedec.search.sampling import SamplingParams
+from treedec.programs.parallel_sampling import self_consistency
+from treedec.sampling.params import SamplingParams
 
 
 def main() -> None:

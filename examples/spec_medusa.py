@@ -23,8 +23,8 @@ from treedec.commands.args import add_model_arguments, load_model, positive_int,
 from treedec.engine import Engine
 from treedec.models import MedusaHeads, load_medusa_heads
 from treedec.models.text import load_tokenizer
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative import MedusaDraft, TypicalAcceptance, speculative_generate
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative import MedusaDraft, TypicalAcceptance, speculative_generate
 
 #: The random model's prompt (token ids).
 PROMPT_IDS = [3, 14, 15, 92, 65, 35, 89, 79, 3, 14, 15, 92, 65]

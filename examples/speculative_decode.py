@@ -15,7 +15,7 @@ import argparse
 from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine, greedy
 from treedec.models.text import load_tokenizer
-from treedec.search.speculative import PromptLookupDraft, speculative_generate
+from treedec.programs.speculative import PromptLookupDraft, speculative_generate
 
 #: The random model's prompt: token ids with a repeated phrase, which prompt lookup finds.
 PROMPT_IDS = [3, 14, 15, 92, 65, 35, 89, 79, 3, 14, 15, 92, 65]

@@ -17,8 +17,8 @@ import argparse
 from treedec.commands.args import add_model_arguments, load_model, positive_int, seed_int
 from treedec.engine import Engine
 from treedec.models import load_tokenizer
-from treedec.search.tot.game24 import Game24Task, solve
-from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, tot_bfs, tot_dfs
+from treedec.programs.tot.game24 import Game24Task, solve
+from treedec.programs.tot import BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, tot_bfs, tot_dfs
 
 
 def main() -> None:

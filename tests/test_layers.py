@@ -8,11 +8,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
 # Top to bottom; a module may import its own layer and those below it. errors, checks (the argument
 # checks), versions, transfer (host <-> device copies), workloads (recorded data and its builders) and
 # cache (the cache folder) sit beside tree at the bottom.
-LAYERS = ["cli", "serve", "llm", "search", "replay", "engine", "models", "attention", "kernels", "tree"]
+LAYERS = ["cli", "serve", "llm", "programs", "runtime", "sampling", "replay", "engine", "models", "attention", "kernels",
+          "tree"]
 BOTTOM = {"errors", "checks", "versions", "transfer", "workloads", "cache", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
-# (until search/ is split into them, DESIGN.md's runtime/ and sampling/ share its layer)
-RANK["runtime"] = RANK["sampling"] = RANK["search"]
 
 
 def _layer(parts: tuple[str, ...]) -> str:
@@ -51,7 +50,8 @@ def test_package_imports_without_triton():
     import subprocess
     import sys
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import treedec, treedec.attention, treedec.models, treedec.engine, treedec.search, treedec.replay\n"
+            "import treedec, treedec.attention, treedec.models, treedec.engine, treedec.programs, treedec.runtime, "
+            "treedec.sampling, treedec.replay\n"
             "import treedec.cli\n"
             "import torch; assert hasattr(torch.ops.treedec, 'tree_attention')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -9,10 +9,11 @@ from tests.engines import plain_greedy, smollm2_or_skip, tiny_model
 from tests.tokenizers_local import build_tokenizer
 from treedec import LLM, BeamSearchOutput, BeamSearchParams, RequestOutput, SamplingParams, SpeculativeConfig
 from treedec.models.text import encode_prompt, load_tokenizer
-from treedec.search import GenerateProgram, RequestSpec, beam_search
-from treedec.search.speculative import TreeDraft
-from treedec.search.tot import BFSConfig, ByteTokenizer, ToTProgram, tot_bfs
-from treedec.search.tot.game24 import Game24Task
+from treedec.programs import GenerateProgram, beam_search
+from treedec.runtime import RequestSpec
+from treedec.programs.speculative import TreeDraft
+from treedec.programs.tot import BFSConfig, ByteTokenizer, ToTProgram, tot_bfs
+from treedec.programs.tot.game24 import Game24Task
 from treedec.tree.token_tree import TokenTree
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [5, 6, 7, 8, 1, 2]]

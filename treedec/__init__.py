@@ -1,7 +1,8 @@
 """treedec: fast tree-structured LLM decoding (DeFT-style tree attention over a paged KV pool).
 
 The front door: ``from treedec import LLM, SamplingParams`` (:mod:`treedec.llm`); below it the programs
-(:mod:`treedec.search`), the engine, the models, tree attention and the paged tree.
+(:mod:`treedec.programs`), what runs them (:mod:`treedec.runtime`, :mod:`treedec.sampling`), the engine, the models,
+tree attention and the paged tree.
 
 The names below are imported when first used (PEP 562), so that ``import treedec`` (and ``python -m treedec``,
 which imports the package before its ``__main__``) imports nothing else: ``treedec.__main__`` cleans the import
@@ -15,8 +16,8 @@ __version__ = "0.1.0"
 _NAMES = {
     "LLM": "treedec.llm", "BeamSearchOutput": "treedec.llm", "BeamSearchSequence": "treedec.llm",
     "CompletionOutput": "treedec.llm", "RequestOutput": "treedec.llm",
-    "BeamSearchParams": "treedec.search", "SamplingParams": "treedec.search",
-    "SpeculativeConfig": "treedec.search.speculative",
+    "BeamSearchParams": "treedec.programs", "SamplingParams": "treedec.sampling",
+    "SpeculativeConfig": "treedec.programs.speculative",
     "PlanConfig": "treedec.attention", "TreeAttention": "treedec.attention", "TreePlan": "treedec.attention",
     "BackendUnavailableError": "treedec.errors", "PlanError": "treedec.errors", "PoolExhaustedError": "treedec.errors",
     "TreeError": "treedec.errors",

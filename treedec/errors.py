@@ -22,7 +22,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 class ControllerError(ValueError):
-    """A branch controller returned an invalid operation list (see :mod:`treedec.search.controller`)."""
+    """A branch controller returned an invalid operation list (see :mod:`treedec.programs.controller`)."""
 
 
 class ConcurrentUseError(RuntimeError):

@@ -12,7 +12,7 @@ live request, shared prompt prefixes stored once, admission while the pool holds
 ``speculative=SpeculativeConfig(...)`` every request is decoded speculatively (greedy acceptance at temperature
 0, lossless rejection sampling above). :meth:`LLM.beam_search` and :meth:`LLM.run` (any program objects: ToT,
 the branch controller, beams, speculative or plain generation) share the same engine. The lower-level APIs
-(:mod:`treedec.search`) stay for programs that need them.
+(:mod:`treedec.programs`) stay for programs that need them.
 """
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ from treedec.engine import Engine
 from treedec.engine.pool_sizing import cpu_pool_tokens
 from treedec.models import Decoder, DecoderModel, from_pretrained
 from treedec.models.text import encode_prompt, load_tokenizer
-from treedec.search import (BeamSearchResult, PrefixCache, RequestResult, RequestSpec, SamplingParams, SchedulerStats,
-                            generate_batch, run_programs)
-from treedec.search.batch import prepare_requests, step_progress
-from treedec.search.beam import BeamSearchParams, beam_program
-from treedec.search.request import MODEL_EOS, eos_token_ids, position_limit
-from treedec.search.speculative import SpeculativeConfig, speculative_batch
-from treedec.search.speculative.batch import sampled_acceptance
+from treedec.programs import BeamSearchResult, generate_batch
+from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
+from treedec.sampling import SamplingParams
+from treedec.programs.generate import prepare_requests, step_progress
+from treedec.programs.beam import BeamSearchParams, beam_program
+from treedec.runtime.request import MODEL_EOS, eos_token_ids, position_limit
+from treedec.programs.speculative import SpeculativeConfig, speculative_batch
+from treedec.programs.speculative.batch import sampled_acceptance
 from treedec.tree.validate import int_list
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "DTYPES", "RequestOutput"]
@@ -58,7 +59,7 @@ class CompletionOutput:
     text : the output's text (cut at a stop string unless ``include_stop_str_in_output``).
     token_ids : its tokens (an EOS or stop token that ended it included).
     cumulative_logprob : the sum of its tokens' log-probabilities, with ``SamplingParams.logprobs``; else None.
-    logprobs : with ``SamplingParams.logprobs``: per token, token id -> :class:`~treedec.search.logits.Logprob`.
+    logprobs : with ``SamplingParams.logprobs``: per token, token id -> :class:`~treedec.sampling.logits.Logprob`.
     finish_reason : ``"stop"`` (an EOS, a stop token or a stop string) or ``"length"`` (``max_tokens``).
     stop_reason : the stop string or stop token id that ended it; None for the model's EOS or ``"length"``.
     """
@@ -155,10 +156,10 @@ class LLM:
         the model's (its ``max_position_embeddings``, or its sliding window when smaller). A request past it is
         refused before anything runs.
     speculative_config : vLLM's ``speculative_config`` dict (``{"method": "ngram", "num_speculative_tokens":
-        4}``: the fields of :class:`~treedec.search.speculative.SpeculativeConfig`) or a ``SpeculativeConfig``:
+        4}``: the fields of :class:`~treedec.programs.speculative.SpeculativeConfig`) or a ``SpeculativeConfig``:
         every :meth:`generate` request is then decoded speculatively.
     enable_prefix_caching : keep prompts and conversations in the KV pool across calls (vLLM's name; a
-        :class:`~treedec.search.prefix_cache.PrefixCache`, ``llm.prefix_cache``): a later prompt starting with an
+        :class:`~treedec.runtime.prefix_cache.PrefixCache`, ``llm.prefix_cache``): a later prompt starting with an
         earlier one's tokens reads them (``stats["cached_tokens"]``); its pages are given back as calls need them.
         Off by default (``treedec serve`` keeps a cache over the engine either way: this one if it is on).
     device : default ``"cuda"`` when a GPU is there, else ``"cpu"`` (a model given by name only).
@@ -250,7 +251,7 @@ class LLM:
         ----------
         prompts : a text, a ``{"prompt_token_ids": [...]}`` dict (vLLM's tokens prompt), a ``{"prompt": text}``
             dict, or a list of them.
-        sampling_params : one :class:`~treedec.search.sampling.SamplingParams` for all prompts, or one per
+        sampling_params : one :class:`~treedec.sampling.params.SamplingParams` for all prompts, or one per
             prompt; default ``SamplingParams()`` (vLLM's defaults: temperature 1.0, 16 tokens).
         use_tqdm : a progress bar of finished requests on stderr.
         chat_template : render text prompts through the tokenizer's chat template (:meth:`chat` does).
@@ -275,7 +276,7 @@ class LLM:
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search of every prompt, batched on this LLM's engine (vLLM's ``LLM.beam_search``; transformers'
-        algorithm and scores: :func:`~treedec.search.beam.beam_program`).
+        algorithm and scores: :func:`~treedec.programs.beam.beam_program`).
 
         Parameters
         ----------
@@ -309,9 +310,9 @@ class LLM:
         return [self._beam_output(prompt, result, params) for prompt, result in zip(ids, results)]
 
     def run(self, programs: Sequence) -> tuple[list, SchedulerStats]:
-        """Run any scheduler programs (:class:`~treedec.search.Program`: generation, speculative decoding, beams,
+        """Run any scheduler programs (:class:`~treedec.runtime.program.Program`: generation, speculative decoding, beams,
         ToT, the branch controller) together on this LLM's engine: ``(results, stats)`` as
-        :func:`~treedec.search.run_programs` returns them."""
+        :func:`~treedec.runtime.scheduler.run_programs` returns them."""
         return run_programs(self.engine, programs, prefix_cache=self.prefix_cache)
 
     # ---------------------------------------------------------------- private

@@ -48,13 +48,13 @@ def write_lines(path: Path, *records) -> Path:
 def test_the_default_task_imports_nothing_from_the_current_directory(clean_import_path, monkeypatch):
     """A ``fractions.py`` where ``treedec tot`` runs is not executed (was: the directory was put first
     on the import path, and the Game of 24's module imports fractions)."""
-    import treedec.search.tot
+    import treedec.programs.tot
 
     marker = clean_import_path / "MARKER"
     (clean_import_path / "fractions.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     # import the default task's module afresh, as a first import would, and put everything back after
-    monkeypatch.setattr(treedec.search.tot, "game24", treedec.search.tot.game24)
-    monkeypatch.delitem(sys.modules, "treedec.search.tot.game24")
+    monkeypatch.setattr(treedec.programs.tot, "game24", treedec.programs.tot.game24)
+    monkeypatch.delitem(sys.modules, "treedec.programs.tot.game24")
     monkeypatch.delitem(sys.modules, "fractions")
     path = list(sys.path)
     cls = load_task_class(DEFAULT_TASK)
@@ -66,7 +66,7 @@ def test_a_user_task_module_cannot_stand_in_for_an_installed_one(clean_import_pa
     imported in place of the standard library's (the directory is searched last, and only for the task)."""
     marker = clean_import_path / "MARKER"
     (clean_import_path / "tabnanny.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    (clean_import_path / "mine_t1.py").write_text("import tabnanny\nfrom treedec.search.tot import Game24Task\n\n"
+    (clean_import_path / "mine_t1.py").write_text("import tabnanny\nfrom treedec.programs.tot import Game24Task\n\n"
                                                   "class Task(Game24Task):\n    pass\n")
     monkeypatch.delitem(sys.modules, "tabnanny", raising=False)
     path = list(sys.path)
@@ -88,7 +88,7 @@ TASK_MODULES = [  # (module source, --task's class, fragments of the error); the
      ["failed at import: ModuleNotFoundError: No module named 'no_such_module_for_treedec_tests'"]),
     ("x = 1\n", "T", ["has no 'T'"]),                                                      # passed before
     ("x = 1\n", "x", ["'x' of module", "is not a ToTTask subclass (it is of type int)"]),
-    ("from treedec.search.tot.task import ToTTask\n\nclass T(ToTTask):\n    pass\n", "T",
+    ("from treedec.programs.tot.task import ToTTask\n\nclass T(ToTTask):\n    pass\n", "T",
      ["T is abstract (it does not define root_prompt, value_prompt)"]),
 ]
 
@@ -136,7 +136,7 @@ PROMPTS = [{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 2},
 
 
 @pytest.mark.parametrize("command, module", [
-    (["generate"], "treedec.search.batch"), (["spec", "--no-progress"], "treedec.search.speculative.batch")])
+    (["generate"], "treedec.programs.generate"), (["spec", "--no-progress"], "treedec.programs.speculative.batch")])
 def test_a_failing_request_loses_none_that_finished(command, module, tmp_path, capsys, monkeypatch):
     """Was: no results file at all. Now each request's lines are written as it finishes, and the error
     says which requests finished, where they are, and which did not (the prompts file's line)."""
@@ -156,7 +156,7 @@ def test_a_failing_request_loses_none_that_finished(command, module, tmp_path, c
 def test_ctrl_c_keeps_the_finished_results(tmp_path, capsys, monkeypatch):
     prompts = write_lines(tmp_path / "p.jsonl", *PROMPTS)
     out = tmp_path / "r.jsonl"
-    fail_request(monkeypatch, "treedec.search.batch", "bad", KeyboardInterrupt())
+    fail_request(monkeypatch, "treedec.programs.generate", "bad", KeyboardInterrupt())
     code, _, err = run(["generate", "--prompts", str(prompts), "--out", str(out)], capsys)
     assert code == 130 and [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
     assert err.splitlines(keepends=True)[-1] == f"treedec generate: error: interrupted (2 of 3 requests finished, " \
@@ -183,7 +183,7 @@ def test_a_results_file_that_cannot_be_written_is_named(tmp_path, capsys):
 
 PROBE_TASKS = '''from dataclasses import dataclass
 
-from treedec.search.tot.task import ToTTask
+from treedec.programs.tot.task import ToTTask
 
 
 @dataclass

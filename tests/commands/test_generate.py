@@ -13,7 +13,9 @@ from treedec.cli import main
 from treedec.engine import Engine
 from treedec.models import from_pretrained
 from treedec.models.text import encode_prompt, load_tokenizer
-from treedec.search import RequestSpec, SamplingParams, generate_batch
+from treedec.programs import generate_batch
+from treedec.runtime import RequestSpec
+from treedec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""treedec.search.requests_file: prompts JSONL in (checked line by line), results JSONL out."""
+"""treedec.commands.requests_file: prompts JSONL in (checked line by line), results JSONL out."""
 import dataclasses
 import json
 from pathlib import Path
@@ -9,11 +9,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from treedec.search.sampling import SAMPLING_EPS, SamplingParams
-from treedec.search import requests_file
-from treedec.search.requests_file import (DEFAULT_PARAMETERS, RequestResult, RequestSpec, RequestsFileError,
-                                          read_requests, write_results_jsonl)
-from treedec.search.stops import StopRule
+from treedec.sampling.params import SAMPLING_EPS, SamplingParams
+from treedec.commands import requests_file
+from treedec.runtime.requests import RequestResult, RequestSpec
+from treedec.commands.requests_file import DEFAULT_PARAMETERS, RequestsFileError, read_requests, write_results_jsonl
+from treedec.sampling.stops import StopRule
 
 
 def write_lines(tmp_path, *lines, name="prompts.jsonl"):

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import CudaGraphConfig, Engine
 from treedec.models import from_config, ModelConfig
 from treedec.engine.step_chain import ChainStep, StepChain
 from treedec.tree.layout import TreeLayout
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.drafter_batch import DrafterGroup
-from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative.batch import speculative_batch
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate
-from tests.search.speculative.test_eagle import bigram_eagle, bigram_eagle3
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.drafter_batch import DrafterGroup
+from treedec.runtime.requests import RequestSpec
+from treedec.programs.speculative.batch import speculative_batch
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate
+from tests.programs.speculative.test_eagle import bigram_eagle, bigram_eagle3
 
 STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)
 
@@ -30,7 +30,7 @@ STATIC = CudaGraphConfig(max_queries=32, max_graphs=4, capture=False)
 @pytest.fixture(scope="module")
 def bigram():
     model = from_config(dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=3), seed=4, dtype=torch.float32, device="cpu")
-    with torch.no_grad():   # the next token depends on the current token only (see tests/search/speculative/test_eagle.py)
+    with torch.no_grad():   # the next token depends on the current token only (see tests/programs/speculative/test_eagle.py)
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines import make_engine, tiny_model
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.errors import ConcurrentUseError
 from treedec.tree.thread_guard import ThreadGuard
 
@@ -127,8 +127,8 @@ class _PaddedTokenizer:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generate_batch_with_a_smaller_tokenizer_never_samples_ids_it_cannot_decode(temperature):
-    from treedec.search.batch import generate_batch
-    from treedec.search.requests_file import RequestSpec
+    from treedec.programs.generate import generate_batch
+    from treedec.runtime.requests import RequestSpec
     model = tiny_model()
     engine = make_engine(model)
     prompt = [1, 2, 3]

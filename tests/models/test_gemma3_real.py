@@ -46,7 +46,7 @@ def test_gemma3_270m_greedy_equals_transformers(checkpoint, tokenizer):
 
     from treedec.engine import Engine
     from treedec.models import from_pretrained
-    from treedec.search.generate import greedy_generate
+    from treedec.programs.greedy import greedy_generate
 
     model = from_pretrained(checkpoint, dtype=torch.float32, device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()

@@ -15,9 +15,9 @@ from treedec.engine import Engine
 from treedec.models import (MODEL_SIZES, ModelConfig, config_from_hf, from_config, from_hf_model, from_pretrained,
                             to_hf_config, to_hf_state_dict)
 from treedec.models.loading import CheckpointError, checkpoint_shards
-from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.speculative.drafts import PromptLookupDraft
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate
 
 
 def run_steps(model) -> list[torch.Tensor]:

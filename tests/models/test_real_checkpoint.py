@@ -11,21 +11,21 @@ import torch
 
 from bench.real_checkpoint import CheckpointUnavailable, smollm2_checkpoint
 from tests.engines import smollm2_or_skip
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.models import from_pretrained, resolve_model
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle, save_eagle
 from treedec.models.text import encode_prompt, load_tokenizer
-from treedec.search.batch import generate_batch
-from treedec.search.beam import beam_search
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.speculative.eagle import EagleDraft
+from treedec.programs.generate import generate_batch
+from treedec.programs.beam import beam_search
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.programs.speculative.eagle import EagleDraft
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.requests_file import RequestSpec
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.runtime.requests import RequestSpec
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 CHATS = [[{"role": "user", "content": "What is 2+2?"}],

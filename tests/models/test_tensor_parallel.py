@@ -45,14 +45,14 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
 
     from treedec.engine import Engine
     from treedec.models import from_config, from_pretrained, to_hf_config, to_hf_state_dict
-    from treedec.search.beam import beam_search
-    from treedec.search.speculative.draft_model import DraftModelDraft
+    from treedec.programs.beam import beam_search
+    from treedec.programs.speculative.draft_model import DraftModelDraft
     from treedec.models.medusa import MedusaHeads
-    from treedec.search.speculative.medusa import MedusaDraft
-    from treedec.search.parallel_sampling import parallel_sample
-    from treedec.search.sampling import SamplingParams
-    from treedec.search.generate import greedy_generate
-    from treedec.search.speculative.program import speculative_generate
+    from treedec.programs.speculative.medusa import MedusaDraft
+    from treedec.programs.parallel_sampling import parallel_sample
+    from treedec.sampling.params import SamplingParams
+    from treedec.programs.greedy import greedy_generate
+    from treedec.programs.speculative.program import speculative_generate
 
     def engine(model, page_size=4):
         return Engine(model, kv_tokens=2048, page_size=page_size, backend="torch", prefill_chunk=16)
@@ -125,9 +125,9 @@ def _scenarios(tp: TensorParallel, out: Path, results: dict) -> None:
     # Unseeded draws come from the global generator, which seed_alike seeded alike.
     results["sampled_global"] = [s.tokens for s in parallel_sample(engine(split), prompt, 4, 12, params).samples]
     # Tree of thought (sampled thoughts, greedy values) and a replayed recorded tree, split and whole.
-    from tests.search.tot.test_tot_search import CharTokenizer, ScriptedTask
+    from tests.programs.tot.test_tot_search import CharTokenizer, ScriptedTask
     from treedec.replay import ReplayConfig, replay
-    from treedec.search.tot import BFSConfig, tot_bfs
+    from treedec.programs.tot import BFSConfig, tot_bfs
     from treedec.workloads import workload_schedule
     config = BFSConfig(k=2, n=2, depth=2, sampling=SamplingParams(temperature=0.8), seed=3)
     results["tot"] = [[(s.thoughts, s.value) for s in tot_bfs(engine(m), ScriptedTask(values=[0.5, 0.9, 0.2, 0.7]),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from treedec.models import CheckpointError
 from treedec.models.text import IncrementalDetokenizer, check_messages, encode_prompt, load_tokenizer
-from treedec.search.tot import ByteTokenizer
+from treedec.programs.tot import ByteTokenizer
 from tests.tokenizers_local import CORPUS, KINDS, build_tokenizer
 
 REPLACEMENT = "\ufffd"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from treedec.engine import Engine
-from treedec.search.beam import beam_search
+from treedec.programs.beam import beam_search
 
 PROMPT = [158, 198, 212, 41, 0, 98, 171, 81, 122]
 NEW_TOKENS = 8

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.controller import (Branch, BranchEvery, ControllerError, ControllerProgram, Extend, Prune, Stop,
+from treedec.programs.controller import (Branch, BranchEvery, ControllerError, ControllerProgram, Extend, Prune, Stop,
                                        TreeView, run_controller)
-from treedec.search.scheduler import run_program, run_programs
+from treedec.runtime.scheduler import run_program, run_programs
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 PROMPT = [5, 17, 300, 42, 9, 111, 7]

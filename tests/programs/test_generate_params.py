@@ -12,10 +12,10 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
 
 from treedec.engine import Engine
 from treedec.models import from_hf_model
-from treedec.search.batch import generate_batch
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.tot import ByteTokenizer
+from treedec.programs.generate import generate_batch
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.programs.tot import ByteTokenizer
 from tests.engines import tiny_hf_llama
 from tests.tokenizers_local import build_tokenizer
 from treedec.models.text import load_tokenizer

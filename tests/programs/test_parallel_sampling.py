@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from treedec.engine import Engine
-from treedec.search.parallel_sampling import majority_vote, parallel_sample, self_consistency
-from treedec.search.sampling import GREEDY, SAMPLING_EPS, SamplingParams, sample_tokens
+from treedec.programs.parallel_sampling import majority_vote, parallel_sample, self_consistency
+from treedec.sampling.params import GREEDY, SAMPLING_EPS, SamplingParams, sample_tokens
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 PROMPT = [5, 17, 99, 3, 42, 7, 300, 12, 64]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from treedec.replay import ReplayConfig, replay
-from treedec.search import (BeamProgram, BranchEvery, ControllerProgram, GenerateProgram, RequestSpec,
-                            SamplingParams, beam_search, generate_batch, greedy_generate, parallel_sample,
-                            run_controller, run_programs)
-from treedec.search.speculative import PromptLookupDraft, SpeculativeProgram
-from treedec.search.stops import StopRule
-from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTProgram, ToTTask, tot_batch, tot_bfs, tot_dfs
+from treedec.programs import BeamProgram, BranchEvery, ControllerProgram, GenerateProgram, beam_search, generate_batch, greedy_generate, parallel_sample, run_controller
+from treedec.runtime import RequestSpec, run_programs
+from treedec.sampling import SamplingParams
+from treedec.programs.speculative import PromptLookupDraft, SpeculativeProgram
+from treedec.sampling.stops import StopRule
+from treedec.programs.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTProgram, ToTTask, tot_batch, tot_bfs, tot_dfs
 from treedec.workloads import Extend, Prompt, Prune, Truncate
 from tests.engines import tiny_model
 from tests.replay.recording import (CHUNK, PAGE, make_engine, ops_of, placed, prompt, record, replay_steps)

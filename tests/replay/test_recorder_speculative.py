@@ -12,18 +12,19 @@ import collections
 import numpy as np
 import pytest
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.models.medusa import MedusaHeads
-from treedec.search import RequestSpec, greedy_generate
-from treedec.search.speculative import (DraftModelDraft, EagleDraft, MedusaDraft, PromptLookupDraft,
+from treedec.programs import greedy_generate
+from treedec.runtime import RequestSpec
+from treedec.programs.speculative import (DraftModelDraft, EagleDraft, MedusaDraft, PromptLookupDraft,
                                         RejectionSampling, TreeDraft, speculative_batch, speculative_generate)
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads import Accept, Extend, TokenTree as TokenTreeOp
 from tests.engines import tiny_model
 from tests.replay.recording import (CHUNK, PAGE, continued, leaf_sequences, make_engine, ops_of, prompt, record,
                                     replay_steps, sequences_seen)
-from tests.search.speculative.test_eagle import bigram_eagle
+from tests.programs.speculative.test_eagle import bigram_eagle
 
 TEXT = prompt(9, 5) + prompt(10, 3) + prompt(9, 5)   # repeats, for the n-gram draft
 AHEAD = greedy_generate(make_engine(), TEXT, 30, eos_token_id=None)

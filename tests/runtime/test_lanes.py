@@ -6,9 +6,9 @@ import torch
 
 from tests.engines import make_engine, tiny_model
 from treedec.engine import Engine
-from treedec.search.batch import generate_batch
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
+from treedec.programs.generate import generate_batch
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_seeded_request_draws_the_same_whatever_its_batch(tiny, pipeline):
 
 def test_pipelined_equals_unpipelined_for_every_field(tiny):
     """Read back one step late (as on a GPU) or at once: the same tokens, reasons, logprobs and texts."""
-    from tests.search.test_batch import LetterTokenizer
+    from tests.programs.test_generate_batch import LetterTokenizer
     batch = [SEEDED] + companions(6) + [RequestSpec("text", prompt_ids=prompt(3), params=SamplingParams(
         n=2, temperature=1.0, seed=4, stop=("QQ", "XY"), max_tokens=30))]
     runs = []
@@ -67,8 +67,8 @@ def test_pipelined_equals_unpipelined_for_every_field(tiny):
 
 
 def test_a_raising_processor_fails_its_request_alone(tiny):
-    from treedec.search.online import OnlineScheduler
-    from treedec.search.batch import GenerateProgram
+    from treedec.runtime.online import OnlineScheduler
+    from treedec.programs.generate import GenerateProgram
 
     def bad(input_ids, scores):
         if input_ids.shape[1] > 12:

@@ -3,17 +3,18 @@ import asyncio
 
 import pytest
 
-from treedec.search.batch import GenerateProgram
-from treedec.search.online import OnlineEngine, OnlineScheduler, ProgramAborted
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_program, run_programs
-from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.speculative.program import SpeculativeProgram
-from treedec.search.stops import StopRule
+from treedec.programs.generate import GenerateProgram
+from treedec.runtime.online import OnlineScheduler, ProgramAborted
+from treedec.serve.engine import OnlineEngine
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.runtime.scheduler import run_program, run_programs
+from treedec.programs.speculative.drafts import PromptLookupDraft
+from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.sampling.stops import StopRule
 from tests.engines import make_engine, tiny_model
 from treedec.engine import Engine
-from tests.search.test_batch import LetterTokenizer, outputs, prompt
+from tests.programs.test_generate_batch import LetterTokenizer, outputs, prompt
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +341,7 @@ def test_submit_refuses_at_once_a_request_larger_than_the_pool_can_give_it(tiny)
     wedging it), counting the pages a lent prefix cache holds as the pool's; one that fits only later waits."""
     import time
     from treedec.errors import PoolExhaustedError
-    from treedec.search.prefix_cache import PrefixCache
+    from treedec.runtime.prefix_cache import PrefixCache
 
     engine = make_engine(tiny)   # 1024 tokens: 256 pages of 4
     cache = PrefixCache(engine.tree)

@@ -7,21 +7,21 @@ import functools
 import pytest
 import torch
 
-from treedec.search.sampling import GREEDY, SamplingParams
+from treedec.sampling.params import GREEDY, SamplingParams
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
-from treedec.search.batch import GenerateProgram, generate_batch
-from treedec.search.beam import BeamProgram, beam_search
-from treedec.search.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller
-from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
-from treedec.search.request import position_limit
-from treedec.search.requests_file import RequestSpec
-from treedec.search.scheduler import run_programs
-from treedec.search.speculative.program import speculative_generate
-from treedec.search.speculative.batch import speculative_batch
-from treedec.search.tot import BFSConfig, ToTTask, tot_bfs
+from treedec.programs.generate import GenerateProgram, generate_batch
+from treedec.programs.beam import BeamProgram, beam_search
+from treedec.programs.controller import BranchEvery, ControllerError, ControllerProgram, Extend, run_controller
+from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.runtime.request import position_limit
+from treedec.runtime.requests import RequestSpec
+from treedec.runtime.scheduler import run_programs
+from treedec.programs.speculative.program import speculative_generate
+from treedec.programs.speculative.batch import speculative_batch
+from treedec.programs.tot import BFSConfig, ToTTask, tot_bfs
 from treedec.tree.token_tree import TokenTree
-from tests.search.tot.test_tot_search import CharTokenizer
+from tests.programs.tot.test_tot_search import CharTokenizer
 
 POSITIONS = 64
 

@@ -5,17 +5,17 @@ import pytest
 import torch
 
 from treedec.engine import Engine
-from treedec.search.batch import GenerateProgram
-from treedec.search.online import OnlineScheduler
-from treedec.search.prefix_cache import PrefixCache
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_programs
+from treedec.programs.generate import GenerateProgram
+from treedec.runtime.online import OnlineScheduler
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.runtime.scheduler import run_programs
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.errors import TreeError
 from treedec.models import from_hf_model
 from tests.engines import make_engine, tiny_hf_llama, tiny_model
-from tests.search.test_batch import outputs
+from tests.programs.test_generate_batch import outputs
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +273,9 @@ def test_a_burst_with_one_long_prompt_computes_it_once_and_outputs_stay_equal(ti
 def test_a_speculative_conversation_reads_the_cache_with_equal_tokens(tiny):
     """Speculative requests (n-gram drafts) read and fill the cache too: each turn's tokens equal the cache off, and
     every turn after the first reads all of the last one but its last token, in whole pages."""
-    from treedec.search.speculative.drafts import PromptLookupDraft
-    from treedec.search.speculative.program import SpeculativeProgram
-    from treedec.search.stops import StopRule
+    from treedec.programs.speculative.drafts import PromptLookupDraft
+    from treedec.programs.speculative.program import SpeculativeProgram
+    from treedec.sampling.stops import StopRule
     runs = []
     for cache in (True, False):
         done = []

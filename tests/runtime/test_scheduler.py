@@ -2,20 +2,20 @@
 every kind in one run giving what each gives alone."""
 import pytest
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.batch import GenerateProgram, generate_batch
-from treedec.search.beam import BeamProgram
-from treedec.search.controller import BranchEvery, ControllerProgram
-from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.tot.game24 import Game24Task
-from treedec.search.requests_file import RequestSpec
-from treedec.search.program import Program, Read, StepRequest, Wait
-from treedec.search.scheduler import run_program, run_programs
-from treedec.search.speculative.program import SpeculativeProgram
-from treedec.search.stops import StopRule
-from treedec.search.tot import BFSConfig, ByteTokenizer, ToTProgram
+from treedec.programs.generate import GenerateProgram, generate_batch
+from treedec.programs.beam import BeamProgram
+from treedec.programs.controller import BranchEvery, ControllerProgram
+from treedec.programs.speculative.drafts import PromptLookupDraft
+from treedec.programs.tot.game24 import Game24Task
+from treedec.runtime.requests import RequestSpec
+from treedec.runtime.program import Program, Read, StepRequest, Wait
+from treedec.runtime.scheduler import run_program, run_programs
+from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.sampling.stops import StopRule
+from treedec.programs.tot import BFSConfig, ByteTokenizer, ToTProgram
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 

@@ -1,18 +1,18 @@
-"""The scheduler loop's fault isolation (treedec.search.scheduler_loop), through the online scheduler without a
+"""The scheduler loop's fault isolation (treedec.runtime.scheduler_loop), through the online scheduler without a
 tokenizer: one program's bad token ids, or a request whose processed logits have nothing to draw from, fail that
 program alone; the others' outputs are those they give alone, and every page is freed (issue #48, item 4)."""
 import pytest
 import torch
 
-from treedec.search.batch import GenerateProgram
-from treedec.search.logits import NonFiniteLogitsError
-from treedec.search.online import OnlineScheduler
-from treedec.search.program import Program, StepRequest
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_program
+from treedec.programs.generate import GenerateProgram
+from treedec.sampling.logits import NonFiniteLogitsError
+from treedec.runtime.online import OnlineScheduler
+from treedec.runtime.program import Program, StepRequest
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.runtime.scheduler import run_program
 from tests.engines import make_engine, tiny_model
-from tests.search.test_batch import outputs, prompt
+from tests.programs.test_generate_batch import outputs, prompt
 
 
 @pytest.fixture(scope="module")

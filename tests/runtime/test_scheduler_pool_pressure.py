@@ -5,19 +5,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treedec.search.sampling import GREEDY, SamplingParams
+from treedec.sampling.params import GREEDY, SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.batch import GenerateProgram, generate_batch
-from treedec.search.beam import BeamProgram
-from treedec.search.controller import BranchEvery, ControllerProgram
-from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.program import Program, StepRequest
-from treedec.search.requests_file import RequestSpec
-from treedec.search.scheduler import run_program, run_programs
-from treedec.search.speculative.program import SpeculativeProgram
-from treedec.search.stops import StopRule
-from treedec.search.tot import BFSConfig, ToTProgram, ToTTask
+from treedec.programs.generate import GenerateProgram, generate_batch
+from treedec.programs.beam import BeamProgram
+from treedec.programs.controller import BranchEvery, ControllerProgram
+from treedec.programs.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.runtime.program import Program, StepRequest
+from treedec.runtime.requests import RequestSpec
+from treedec.runtime.scheduler import run_program, run_programs
+from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.sampling.stops import StopRule
+from treedec.programs.tot import BFSConfig, ToTProgram, ToTTask
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model
 

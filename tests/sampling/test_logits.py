@@ -1,4 +1,4 @@
-"""The logits-processing building blocks (treedec.search.logits) against transformers' own logits processors on the
+"""The logits-processing building blocks (treedec.sampling.logits) against transformers' own logits processors on the
 same logits: repetition penalty == ``RepetitionPenaltyLogitsProcessor``, min-p == ``MinPLogitsWarper``, the warper
 chain == transformers' Temperature + TopK + TopP + MinP warpers (and == today's ``sampling_probs`` at min_p 0),
 user processors run as transformers runs them, logprobs == ``log_softmax`` in float64; on the real SmolLM2
@@ -10,10 +10,10 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from tests.engines import smollm2_or_skip
-from treedec.search.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
+from treedec.sampling.logits import (LogitsProcessorError, Logprob, apply_logits_processors, apply_penalties,
                                    count_tokens_, drawable_rows, min_p_filter, output_token_counts, prompt_logprobs,
                                    token_logprobs, token_mask, warp_scores)
-from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.sampling.params import SamplingParams, sampling_probs
 
 VOCAB = 64
 PROMPT = [3, 7, 7, 12, 40, 3, 63, 0]

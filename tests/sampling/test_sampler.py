@@ -1,5 +1,5 @@
 """The batched sampler (treedec/sampling/sampler.py) against the per-request path it replaces
-(``treedec.search.sampling.sample_tokens`` / ``sampling_probs`` / ``treedec.search.logits.apply_penalties``), row by
+(``treedec.sampling.params.sample_tokens`` / ``sampling_probs`` / ``treedec.sampling.logits.apply_penalties``), row by
 row, distribution-wise (chi-square), and its counter-based numbers (treedec/sampling/rng.py)."""
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 
 from treedec.sampling.rng import counter_uniform, mix64
 from treedec.sampling.sampler import SamplingRows, sample_rows, warp_rows
-from treedec.search.logits import apply_penalties
-from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.sampling.logits import apply_penalties
+from treedec.sampling.params import SamplingParams, sampling_probs
 
 VOCAB = 24
 

@@ -1,4 +1,4 @@
-"""treedec.search.stops: EOS ids, stop strings and token budgets on one output.
+"""treedec.sampling.stops: EOS ids, stop strings and token budgets on one output.
 
 Stop strings are matched on real detokenized text: the tokenizers of tests/tokenizers_local.py
 (byte-level BPE and SentencePiece-style with byte fallback) and treedec's ByteTokenizer.
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treedec.models.text import IncrementalDetokenizer, load_tokenizer
-from treedec.search.stops import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, STOP_REASONS, StopChecker, StopDecision,
+from treedec.sampling.stops import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, STOP_REASONS, StopChecker, StopDecision,
                                   StopRule)
-from treedec.search.tot import ByteTokenizer
+from treedec.programs.tot import ByteTokenizer
 from tests.tokenizers_local import KINDS, build_tokenizer
 
 EOS = 2

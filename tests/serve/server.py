@@ -10,7 +10,7 @@ import openai
 
 from tests.engines import tiny_model
 from treedec import LLM, SamplingParams
-from treedec.search.request import pages_in_use
+from treedec.runtime.request import pages_in_use
 from treedec.serve import build_app
 from treedec.serve.http import make_server
 

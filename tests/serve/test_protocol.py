@@ -13,7 +13,7 @@ from tests.serve.server import RunningServer
 from tests.tokenizers_local import build_tokenizer
 from treedec import LLM, SamplingParams
 from treedec.models.text import load_tokenizer
-from treedec.search.request import pages_in_use
+from treedec.runtime.request import pages_in_use
 from treedec.serve.protocol import MAX_STOP_STRINGS, CompletionRequest, ServeError
 
 PROMPT = "The quick brown fox"

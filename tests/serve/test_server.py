@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.server import RunningServer, free_again, make_llm, wait_until
 from treedec import LLM, SamplingParams
-from treedec.search.request import pages_in_use
+from treedec.runtime.request import pages_in_use
 
 
 @pytest.fixture(scope="module")

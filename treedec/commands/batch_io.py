@@ -1,6 +1,6 @@
 """Prompts files in, per-request results files out, for the commands that run a batch.
 
-:func:`read_prompts` reads a prompts file (:func:`~treedec.search.requests_file.read_requests`)
+:func:`read_prompts` reads a prompts file (:func:`~treedec.commands.requests_file.read_requests`)
 and refuses, naming the file and line, a request whose text is not Unicode text (a lone
 surrogate), before a model is loaded.
 
@@ -19,15 +19,16 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from treedec.models.text import check_text, encode_prompt
-from treedec.search.requests_file import RequestsFileError, RequestSpec, read_requests
+from treedec.runtime.requests import RequestSpec
+from treedec.commands.requests_file import RequestsFileError, read_requests
 
 __all__ = ["ResultsWriter", "read_prompts", "request_kv_tokens", "request_name"]
 
 
 def read_prompts(path: str | Path, defaults: Mapping[str, object] | None = None) -> list[RequestSpec]:
-    """The requests of the prompts file at ``path`` (see :func:`~treedec.search.requests_file.read_requests`),
+    """The requests of the prompts file at ``path`` (see :func:`~treedec.commands.requests_file.read_requests`),
     their text checked too: a prompt, a message (any of its keys and values) or a stop string that is
-    not Unicode text raises :class:`~treedec.search.requests_file.RequestsFileError` naming the line."""
+    not Unicode text raises :class:`~treedec.commands.requests_file.RequestsFileError` naming the line."""
     specs = read_requests(path, defaults)
     for spec in specs:
         for field, value in (("prompt", spec.prompt), ("messages", spec.messages), ("stop", spec.params.stop)):

@@ -7,17 +7,17 @@
     treedec generate --model /models/Llama-3.1-8B-Instruct --chat-template \\
         --prompts requests.jsonl --out results.jsonl --max-tokens 256 --temperature 0.7
 
-A ``--prompt`` is decoded with the flags' :class:`~treedec.search.sampling.SamplingParams` (default greedy, as
+A ``--prompt`` is decoded with the flags' :class:`~treedec.sampling.params.SamplingParams` (default greedy, as
 ``spec`` decodes; ``--temperature`` samples), its text streamed to stdout as the tokens come (each of ``--n``
 outputs in turn when there are several), then a line of stats on stderr (and with ``--logprobs`` each token's
 log-probability and the most likely others); ``--out`` also writes its results line(s). A model with a chat
 template gets the prompt as a user message through it, as ``vllm chat`` and ``transformers chat`` do (a line on
 stderr says so; ``--no-chat-template`` sends the text as it is, for a completion). Each line of a prompts file is
 a request (``prompt``, ``messages`` or ``prompt_ids``, and
-its own :class:`~treedec.search.sampling.SamplingParams`: ``max_tokens``, ``stop``, ``temperature``, ``n``, ...:
-see :mod:`treedec.search.requests_file`); the flags give the defaults for what a line leaves out (a line without a
+its own :class:`~treedec.sampling.params.SamplingParams`: ``max_tokens``, ``stop``, ``temperature``, ``n``, ...:
+see :mod:`treedec.commands.requests_file`); the flags give the defaults for what a line leaves out (a line without a
 temperature samples at vLLM's 1.0 unless ``--temperature`` says otherwise). All requests run batched
-(:func:`~treedec.search.batch.generate_batch`): admitted while the KV pool holds their worst
+(:func:`~treedec.programs.generate.generate_batch`): admitted while the KV pool holds their worst
 case, one engine step per iteration for every live request, prompts that start alike sharing
 one copy of their common prefix. The results file (JSONL) has one line per output (``id``,
 ``index``, ``output_ids``, ``text``, ``stop_reason``, ...), each request's lines appended as it
@@ -46,9 +46,10 @@ from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_to
 from treedec.commands.kv_memory import command_engine
 from treedec.engine.pool_sizing import CPU_POOL_TOKENS
 from treedec.models.text import check_text, load_tokenizer
-from treedec.search.batch import generate_batch, step_progress
-from treedec.search.requests_file import RequestSpec, write_results_jsonl
-from treedec.search.sampling import SamplingParams
+from treedec.programs.generate import generate_batch, step_progress
+from treedec.runtime.requests import RequestSpec
+from treedec.commands.requests_file import write_results_jsonl
+from treedec.sampling.params import SamplingParams
 
 
 def add_generate_parser(sub) -> None:

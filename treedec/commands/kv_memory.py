@@ -19,7 +19,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.engine.pool_sizing import check_kv_pool as pool_check, cpu_pool_tokens, kv_bytes_per_token
-from treedec.search.request import position_limit
+from treedec.runtime.request import position_limit
 
 __all__ = ["build_engine", "check_kv_pool", "command_engine", "out_of_memory_as_error"]
 

@@ -8,7 +8,7 @@ A prompts file is JSONL: one JSON object per line, one request each, empty lines
 
 Each request has exactly one of ``prompt`` (a text), ``messages`` (chat messages, for the
 checkpoint's chat template) or ``prompt_ids`` (token ids), and any of the parameters of
-:data:`PARAMETERS`: the fields of :class:`~treedec.search.sampling.SamplingParams` (vLLM's names and
+:data:`PARAMETERS`: the fields of :class:`~treedec.sampling.params.SamplingParams` (vLLM's names and
 defaults) but ``logits_processors`` (not JSON); ``logit_bias``'s keys are token ids as JSON's strings
 (``{"logit_bias": {"50256": -100}}``, as OpenAI's API takes them). A
 parameter a line leaves out comes from the ``defaults`` the reader is given (the command
@@ -17,7 +17,8 @@ is not a JSON object or a repeated id raises :class:`RequestsFileError` naming t
 line and what is wrong, before anything runs.
 
 A results file is JSONL too, one object per result, in the order given
-(:func:`write_results_jsonl`); :class:`RequestResult` is the record the programs write.
+(:func:`write_results_jsonl`) of :class:`~treedec.runtime.requests.RequestResult`, the record the programs write;
+a line of a prompts file is a :class:`~treedec.runtime.requests.RequestSpec`.
 """
 from __future__ import annotations
 
@@ -25,20 +26,14 @@ import dataclasses
 import difflib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from treedec.checks import describe, is_int, positive_int
-from treedec.models.text import check_messages
-from treedec.search.sampling import JSON_FIELDS, SamplingParams
-from treedec.search.stops import token_id_list
+from treedec.checks import describe
+from treedec.sampling.params import JSON_FIELDS, SamplingParams
+from treedec.runtime.requests import PROMPT_KEYS, RequestSpec
 
-__all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "PROMPT_KEYS", "RequestResult", "RequestSpec", "RequestsFileError",
-           "read_requests", "write_results_jsonl"]
-
-#: The keys a request gives its prompt by; each request has exactly one of them.
-PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+__all__ = ["DEFAULT_PARAMETERS", "PARAMETERS", "RequestsFileError", "read_requests", "write_results_jsonl"]
 #: The sampling / stop parameters a request may give (their defaults: :data:`DEFAULT_PARAMETERS`).
 PARAMETERS = JSON_FIELDS
 
@@ -57,98 +52,8 @@ class RequestsFileError(ValueError):
         super().__init__(f"{path}:{line}: {message}" if line is not None else f"{path}: {message}")
 
 
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request: its prompt and its :class:`~treedec.search.sampling.SamplingParams`. Checked on
-    construction (a ValueError names the field, the expected and the given value).
-
-    Attributes
-    ----------
-    id : an int or a non-empty string naming the request in the results (a prompts file's
-        default: the line number).
-    prompt : a non-empty text; or
-    messages : chat messages (see :func:`~treedec.models.text.check_messages`), as a tuple of
-        dicts, for the checkpoint's chat template; or
-    prompt_ids : token ids (ints >= 0; the program checks them against its vocabulary).
-        Exactly one of the three is given.
-    params : how its outputs are drawn and when they end (vLLM's defaults: ``max_tokens`` 16,
-        ``temperature`` 1.0, ``n`` 1, ...).
-    line : the prompts file's line it came from (None when built in code).
-    """
-
-    id: int | str
-    prompt: str | None = None
-    messages: tuple[dict, ...] | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    params: SamplingParams = SamplingParams()
-    line: int | None = None
-
-    def __post_init__(self):
-        if not (is_int(self.id) or isinstance(self.id, str) and self.id):
-            raise ValueError(f"id must be an int or a non-empty string, got {describe(self.id)}")
-        if is_int(self.id):
-            object.__setattr__(self, "id", int(self.id))
-        given = [key for key in PROMPT_KEYS if getattr(self, key) is not None]
-        if len(given) != 1:
-            raise ValueError(f"a request needs exactly one of {', '.join(PROMPT_KEYS)}, got "
-                             f"{' and '.join(given) if given else 'none of them'}")
-        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
-            raise ValueError(f"prompt must be a non-empty string, got {describe(self.prompt)}")
-        if self.messages is not None:
-            object.__setattr__(self, "messages", tuple(check_messages(self.messages, "messages")))
-        if self.prompt_ids is not None:
-            ids = token_id_list(self.prompt_ids, "prompt_ids")
-            if not ids:
-                raise ValueError("prompt_ids must hold at least one token id, got []")
-            object.__setattr__(self, "prompt_ids", tuple(ids))
-        if not isinstance(self.params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {describe(self.params)}")
-        if self.line is not None:
-            positive_int("line", self.line)
-
-    @property
-    def name(self) -> str:
-        """How errors name the request: ``request 'b'``, with ``(line 3)`` when it came from a file."""
-        return f"request {self.id!r}" + ("" if self.line is None else f" (line {self.line})")
-
-
 #: Each parameter's value when neither a prompts file's line nor the reader's ``defaults`` gives one.
 DEFAULT_PARAMETERS = MappingProxyType({name: getattr(SamplingParams(), name) for name in PARAMETERS})
-
-
-@dataclass
-class RequestResult:
-    """One output of one request: a line of a results file.
-
-    Attributes
-    ----------
-    id : the request's id.
-    index : which of the request's ``n`` outputs (0 for the first).
-    prompt : the request's text or chat messages; None for a ``prompt_ids`` request.
-    prompt_ids : the prompt's token ids (after the chat template).
-    output_ids : the output's token ids (an EOS that ended it included).
-    text : the output's text (cut at a stop string); None without a tokenizer.
-    stop_reason : ``"eos"``, ``"stop_string"`` or ``"length"``.
-    stats : the program's counters for this request (steps, accepted lengths, seconds, ...).
-    logprobs : with ``SamplingParams.logprobs``: one dict per output token, token id ->
-        :class:`~treedec.search.logits.Logprob` (log-probability under the raw logits, rank), holding the
-        chosen token and the ``logprobs`` most likely ones; else None.
-    prompt_logprobs : with ``SamplingParams.prompt_logprobs``: the same for the prompt's tokens (None for the
-        first); else None.
-    cumulative_logprob : the sum of the output tokens' log-probabilities (with ``logprobs``), else None.
-    """
-
-    id: int | str
-    index: int
-    prompt: str | list[dict] | None
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str | None
-    stop_reason: str
-    stats: dict = field(default_factory=dict)
-    logprobs: list[dict] | None = None
-    prompt_logprobs: list[dict | None] | None = None
-    cumulative_logprob: float | None = None
 
 
 def read_requests(path: str | Path, defaults: Mapping[str, object] | None = None) -> list[RequestSpec]:

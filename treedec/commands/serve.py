@@ -6,7 +6,7 @@
     treedec serve --config llama3-8b --tokenizer smollm2 --page-size 16      # random weights (benchmarks)
 
 It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, with ``--speculative``, its
-:class:`~treedec.search.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
+:class:`~treedec.programs.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
 (:func:`treedec.serve.build_app`) and runs it with uvicorn (:func:`treedec.serve.http.make_server`) until Ctrl-C or
 SIGTERM: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. Requests name the model ``--served-model-name`` (default the ``--model`` argument). The first
@@ -30,7 +30,7 @@ from treedec.models.config import MODEL_SIZES
 #: imported before the serve extra is checked).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
-#: ``--speculative`` methods (:data:`treedec.search.speculative.config.METHODS` but ``tree``, whose fixed tokens a
+#: ``--speculative`` methods (:data:`treedec.programs.speculative.config.METHODS` but ``tree``, whose fixed tokens a
 #: command line does not give).
 METHODS = ("ngram", "medusa", "eagle", "eagle3", "draft_model")
 
@@ -111,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from treedec.llm import LLM
     from treedec.models import from_config
-    from treedec.search.speculative import SpeculativeConfig
+    from treedec.programs.speculative import SpeculativeConfig
     from treedec.serve import build_app
     from treedec.serve.http import make_server
 

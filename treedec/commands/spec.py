@@ -41,16 +41,16 @@ from treedec.commands.spec_batch import run_spec_batch
 from treedec.models.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle
 from treedec.models.medusa import MedusaHeads, load_medusa_heads
-from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
-from treedec.search.sampling import SamplingParams
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
-from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.config import METHODS
-from treedec.search.speculative.program import SpeculativeStats, speculative_generate
+from treedec.programs.speculative.acceptance import GreedyAcceptance, RejectionSampling, TypicalAcceptance
+from treedec.sampling.params import SamplingParams
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
+from treedec.runtime.request import MODEL_EOS, eos_token_ids
+from treedec.programs.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.config import METHODS
+from treedec.programs.speculative.program import SpeculativeStats, speculative_generate
 from treedec.tree.token_tree import TokenTree
 
 ACCEPTS = ("greedy", "typical", "sample")

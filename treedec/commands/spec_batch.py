@@ -4,10 +4,10 @@
     treedec spec --model /models/vicuna-7b --speculative medusa --medusa /models/medusa-vicuna-7b \\
         --chat-template --prompts requests.jsonl --out results.jsonl
 
-Every request of the prompts file (:mod:`treedec.search.requests_file`; one output each) gets
+Every request of the prompts file (:mod:`treedec.commands.requests_file`; one output each) gets
 its own draft source of the ``--speculative`` kind (Medusa drafts share the heads, draft_model drafts
 the draft engine), and all requests' token trees are verified in one engine step per iteration
-(:func:`~treedec.search.speculative.batch.speculative_batch`). Greedy acceptance (the default)
+(:func:`~treedec.programs.speculative.batch.speculative_batch`). Greedy acceptance (the default)
 gives each request exactly plain greedy decoding's tokens; ``--accept typical|sample`` accepts
 at each request's ``temperature``, ``top_k`` and ``top_p`` (``--accept sample``; default the
 flags of the same names), seeded by its ``seed`` (default ``--seed``). The results file (``--out``, JSONL
@@ -30,13 +30,13 @@ from tqdm import tqdm
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_tokens, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.models.text import has_tokenizer, load_tokenizer
-from treedec.search.batch import step_progress
-from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.speculative.batch import SPECULATIVE_PARAMS, speculative_batch
+from treedec.programs.generate import step_progress
+from treedec.programs.speculative.acceptance import RejectionSampling, TypicalAcceptance
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.drafts import PromptLookupDraft
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.programs.speculative.batch import SPECULATIVE_PARAMS, speculative_batch
 
 #: The draft engine's pool on a GPU (where the target's takes what free memory holds); on the CPU it gets the
 #: target's size.

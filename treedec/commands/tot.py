@@ -9,7 +9,7 @@
 Prints one line per BFS level (DFS expansion): thoughts, tokens, engine steps, wall time,
 tokens/s and KV pages; then the best states. ``--out`` writes the results JSON: the run's
 settings and :meth:`ToTResult.to_json`. With ``--tasks`` (a JSONL file of task arguments, see
-:mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.search.tot.program.tot_batch`),
+:mod:`treedec.commands.tot_tasks`) all searches run batched (:func:`~treedec.programs.tot.program.tot_batch`),
 one line each is printed and ``--out`` is a JSONL file, one result per task, each appended as
 its search finishes (so in the order they finish; a run that fails keeps every finished
 search's line: :mod:`treedec.commands.batch_io`).
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.attention import PLANNERS
 from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_file,
                                     finite_float, load_model, nonnegative_float, output_file, positive_int,
@@ -38,12 +38,12 @@ from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.engine.pool_sizing import CPU_POOL_TOKENS
 from treedec.commands.tot_tasks import DEFAULT_TASK, load_task_class, read_tasks
-from treedec.search.tot.game24 import Game24Task
+from treedec.programs.tot.game24 import Game24Task
 from treedec.models.text import has_tokenizer, load_tokenizer
-from treedec.search.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, ToTResult, ToTTask,
+from treedec.programs.tot import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, HFTokenizer, ToTResult, ToTTask,
                                 tot_batch, tot_bfs, tot_dfs)
-from treedec.search.request import position_limit
-from treedec.search.tot.task import check_task
+from treedec.runtime.request import position_limit
+from treedec.programs.tot.task import check_task
 
 
 

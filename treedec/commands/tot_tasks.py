@@ -6,7 +6,7 @@ arguments, and an optional ``"id"``; for the shipped Game of 24::
     {"id": "p1", "numbers": [4, 9, 10, 13]}
     {"numbers": [1, 1, 4, 6]}
 
-A user task is any :class:`~treedec.search.tot.task.ToTTask` subclass importable as
+A user task is any :class:`~treedec.programs.tot.task.ToTTask` subclass importable as
 ``module:Class``, e.g. ``--task mytasks:Crossword``. Trust: importing the module runs its code,
 with the user's rights, as ``python -c "import mytasks"`` would; give only modules you would run.
 For a user's ``--task`` (never for the default, the Game of 24) the current directory is added
@@ -14,7 +14,7 @@ to the END of the import path while the module is imported, so a file there can 
 module but never stands in for an installed one (a ``fractions.py`` there is not imported in
 place of the standard library's). A module that fails at import (SyntaxError, ImportError, any
 exception it raises, ``sys.exit``) raises ValueError naming the module and the exception.
-A bad line raises :class:`~treedec.search.requests_file.RequestsFileError` naming the file and
+A bad line raises :class:`~treedec.commands.requests_file.RequestsFileError` naming the file and
 the line, before anything runs.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ import os
 import sys
 from pathlib import Path
 
-from treedec.search.requests_file import RequestsFileError
-from treedec.search.tot.task import ToTTask
+from treedec.commands.requests_file import RequestsFileError
+from treedec.programs.tot.task import ToTTask
 
-DEFAULT_TASK = "treedec.search.tot.game24:Game24Task"
+DEFAULT_TASK = "treedec.programs.tot.game24:Game24Task"
 
 
 def load_task_class(spec: str) -> type[ToTTask]:

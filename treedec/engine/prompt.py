@@ -3,7 +3,7 @@
 :meth:`Engine.chunk_prompt <treedec.engine.Engine.chunk_prompt>` checks a prompt and returns its
 :class:`PromptChunks`; the caller adds chunk after chunk to the tree (:meth:`PromptChunks.add`) and
 computes each with a step before adding the next: :meth:`Engine.prefill` runs those steps itself,
-a scheduler program (:meth:`ProgramContext.prompt <treedec.search.program.ProgramContext.prompt>`)
+a scheduler program (:meth:`ProgramContext.prompt <treedec.runtime.program.ProgramContext.prompt>`)
 yields them, so that one step computes the chunks of many requests.
 """
 from __future__ import annotations

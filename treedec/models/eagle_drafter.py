@@ -8,7 +8,7 @@ runs ahead of the target (drafting is autoregressive at the feature level).
 - **EAGLE-1/2** (``kind="eagle"``): ``f`` is the target's final-norm hidden state (the input of
   its ``lm_head``); ``fc(cat(embed(x), f))`` then one decoder layer without an input norm; the
   logits are the *target's* ``lm_head`` of the layer's output. EAGLE-2 differs in how the tree
-  is built only (:class:`~treedec.search.speculative.eagle.EagleDraft`).
+  is built only (:class:`~treedec.programs.speculative.eagle.EagleDraft`).
 - **EAGLE-3** (``kind="eagle3"``): ``f`` fuses the residual stream entering three target layers
   (low, middle, high; default ``(2, L // 2, L - 3)``) by ``fc: 3 * hidden -> hidden``
   (:meth:`EagleDrafter.fuse`); the layer normalises the embedding and the feature separately
@@ -105,7 +105,7 @@ class EagleDrafter(nn.Module):
     """An EAGLE-1/2 or EAGLE-3 draft network for a target model (a :class:`~treedec.models.DecoderModel`).
 
     Build it with :func:`load_eagle` or :meth:`random`; run it on its own :class:`~treedec.engine.Engine`
-    (:class:`~treedec.search.speculative.eagle.EagleDraft` does). ``config`` is a one-layer
+    (:class:`~treedec.programs.speculative.eagle.EagleDraft` does). ``config`` is a one-layer
     :class:`~treedec.models.ModelConfig` whose ``vocab_size`` is the target's (the token ids it
     embeds); its logits are over :attr:`draft_vocab_size` tokens (the target's vocabulary for
     EAGLE-1, see :meth:`to_target_ids`).

@@ -4,7 +4,7 @@ Head ``i`` maps the final-norm hidden state at position ``t`` to logits for posi
 ``t + 2 + i`` (``lm_head`` itself gives ``t + 1``): a stack of residual blocks
 ``x + SiLU(Linear(x))`` then ``Linear(hidden, vocab, bias=False)``. The draft source that turns
 the heads' top-k candidates into token trees is
-:class:`~treedec.search.speculative.medusa.MedusaDraft`.
+:class:`~treedec.programs.speculative.medusa.MedusaDraft`.
 
 Checkpoints: the Medusa project's ``medusa_lm_head.safetensors`` / ``medusa_lm_head.pt``,
 the state dict of an ``nn.ModuleList`` of ``nn.Sequential`` heads, keys

@@ -100,7 +100,7 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
     ----------
     tokenizer : a transformers tokenizer (:func:`load_tokenizer`); for plain text also any
         object with ``encode(text) -> list[int]``, such as
-        :class:`~treedec.search.tot.program.ByteTokenizer`.
+        :class:`~treedec.programs.tot.program.ByteTokenizer`.
     prompt : a text, or chat messages: a non-empty list of mappings, each with a string
         ``"role"`` and a string ``"content"`` (other keys go to the template as they are).
     chat_template : False: ``prompt`` must be a text, encoded with the tokenizer's special
@@ -230,12 +230,12 @@ class IncrementalDetokenizer:
     already shown the characters that were whole (output of valid text is never affected).
 
     Feeding several ids at once is the same as feeding them one by one (the text after each
-    token is what :class:`~treedec.search.stops.StopChecker` looks for stop strings in).
+    token is what :class:`~treedec.sampling.stops.StopChecker` looks for stop strings in).
 
     Parameters
     ----------
     tokenizer : a transformers tokenizer, or any object with ``decode(ids) -> str`` (such as
-        :class:`~treedec.search.tot.program.ByteTokenizer`). Ids are checked against ``len(tokenizer)``
+        :class:`~treedec.programs.tot.program.ByteTokenizer`). Ids are checked against ``len(tokenizer)``
         where it has a length.
     prompt_ids : the request's prompt; its last tokens are the context the first output
         token is decoded in (so a leading space comes out as in the whole text). Its text is

@@ -33,9 +33,9 @@ import torch
 
 from treedec.checks import describe, finite_float, positive_int
 from treedec.engine import Engine
-from treedec.search.request import MODEL_EOS, Positions, RequestStats, eos_token_ids, pages_in_use
-from treedec.search.program import Program, ProgramContext, StepRequest
-from treedec.search.scheduler import run_program
+from treedec.runtime.request import MODEL_EOS, Positions, RequestStats, eos_token_ids, pages_in_use
+from treedec.runtime.program import Program, ProgramContext, StepRequest
+from treedec.runtime.scheduler import run_program
 from treedec.tree.validate import int_list
 
 EARLY_STOPPING = (False, True, "never")
@@ -44,7 +44,7 @@ EARLY_STOPPING = (False, True, "never")
 @dataclass
 class BeamSearchStats(RequestStats):
     """Counters of one :func:`beam_search` run: one step per generated position, its
-    queries the live beams (see :class:`~treedec.search.request.RequestStats`)."""
+    queries the live beams (see :class:`~treedec.runtime.request.RequestStats`)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
                  length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
                  early_stopping: bool | str = False) -> BeamProgram:
     """The :class:`BeamProgram` of a beam search of width ``num_beams`` after ``prompt_ids``, its arguments checked
-    (:func:`beam_search` runs it alone; many run batched with :func:`~treedec.search.scheduler.run_programs`).
+    (:func:`beam_search` runs it alone; many run batched with :func:`~treedec.runtime.scheduler.run_programs`).
 
     Returns the same hypotheses and scores as transformers'
     ``model.generate(input_ids, num_beams=num_beams, do_sample=False, max_new_tokens=...,
@@ -134,7 +134,7 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
     ----------
     engine : the engine; the request is a new tree of ``engine.tree``, pruned on return
         (also when the search raises). :class:`BeamProgram` runs the same search batched with
-        other programs (:func:`~treedec.search.scheduler.run_programs`).
+        other programs (:func:`~treedec.runtime.scheduler.run_programs`).
     prompt_ids : the prompt's token ids (at least one).
     num_beams : int >= 1, with ``max(2, 1 + len(eos ids)) * num_beams <= vocab_size``.
     max_new_tokens : int >= 1; hypotheses that reach it without EOS finish there.
@@ -166,7 +166,7 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
 
 
 class BeamProgram(Program):
-    """One beam search as a scheduler program (:mod:`treedec.search.scheduler`); its result is the
+    """One beam search as a scheduler program (:mod:`treedec.runtime.scheduler`); its result is the
     :class:`BeamSearchResult`. Made by :func:`beam_search` (which checks the arguments) or directly,
     with ``eos`` the EOS ids and ``keep`` the candidates kept per step."""
 

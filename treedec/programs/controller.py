@@ -30,14 +30,14 @@ import torch
 from treedec.checks import int_in_range, nonnegative_int
 from treedec.engine import Engine
 from treedec.errors import ControllerError
-from treedec.search.request import MODEL_EOS, Positions, eos_token_ids, position_limit
-from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens
-from treedec.search.program import Program, ProgramContext, StepRequest
-from treedec.search.scheduler import run_program
+from treedec.runtime.request import MODEL_EOS, Positions, eos_token_ids, position_limit
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
+from treedec.runtime.program import Program, ProgramContext, StepRequest
+from treedec.runtime.scheduler import run_program
 from treedec.tree import SequenceTree
 from treedec.tree.validate import int_list
 
-#: The :class:`~treedec.search.sampling.SamplingParams` fields the controller's draws implement (its lengths and
+#: The :class:`~treedec.sampling.params.SamplingParams` fields the controller's draws implement (its lengths and
 #: stops are the controller's ops and ``max_steps``); others are refused, not ignored.
 CONTROLLER_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
 
@@ -140,7 +140,7 @@ def run_controller(engine: Engine, prompt_ids: Sequence[int], controller: Contro
                    eos_token_id: int | Sequence[int] | str | None = MODEL_EOS) -> ControllerRun:
     """Prefill ``prompt_ids``, then up to ``max_steps`` iterations of decide / apply / step.
 
-    ``sampling`` (:class:`~treedec.search.sampling.SamplingParams`: temperature, top_k, top_p, min_p; default
+    ``sampling`` (:class:`~treedec.sampling.params.SamplingParams`: temperature, top_k, top_p, min_p; default
     greedy): at temperature 0 tokens are the argmax (Branch takes the top-k tokens); else they are drawn from the
     processed distribution (Branch: k without replacement) with ``generator``. A leaf whose newest token is an EOS
     id (``eos_token_id``: ``"model"``, the default, for ``engine.model.eos_token_ids``; an id, several ids, or None)

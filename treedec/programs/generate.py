@@ -1,10 +1,10 @@
 """Many generation requests at once: one forest, one engine step per iteration for all of them.
 
 :func:`generate_batch` is the offline batch API (vLLM's ``LLM.generate`` over a list of
-requests): each :class:`~treedec.search.requests_file.RequestSpec` is a prompt and its ``n``
+requests): each :class:`~treedec.commands.requests_file.RequestSpec` is a prompt and its ``n``
 outputs, sampled (or greedy at temperature 0) under its own stop rule (EOS ids, stop strings,
-``max_new_tokens``: :class:`~treedec.search.stops.StopChecker`). Each request is a
-:class:`GenerateProgram` run by the scheduler (:func:`~treedec.search.scheduler.run_programs`):
+``max_new_tokens``: :class:`~treedec.sampling.stops.StopChecker`). Each request is a
+:class:`GenerateProgram` run by the scheduler (:func:`~treedec.runtime.scheduler.run_programs`):
 its prompt is prefilled as a new tree of the engine's forest (past a prefix it shares with
 other requests, which is stored once), its ``n`` outputs become children of the prompt's node
 (the prompt's K/V is stored once), and every iteration ONE engine step computes the next token
@@ -13,7 +13,7 @@ its tree (pages freed for the next admissions).
 
 Admission and pool pressure are the scheduler's: a request is admitted when its prompt and
 the next step of every live request fit; an output that cannot grow waits, and when all wait
-the newest request is preempted and run again (:mod:`treedec.search.scheduler`). A request
+the newest request is preempted and run again (:mod:`treedec.runtime.scheduler`). A request
 whose worst case (prompt and ``n`` outputs of ``max_new_tokens``) exceeds what the pool can give it (its
 free pages, and those the prefix cache can evict) raises before anything runs.
 
@@ -34,15 +34,15 @@ import torch
 from treedec.engine import Engine
 from treedec.models.text import encode_prompt
 from treedec.errors import PoolExhaustedError
-from treedec.search.requests_file import RequestResult, RequestSpec
+from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.decode import Decode, LaneOutput
-from treedec.search.logits import prompt_logprobs
-from treedec.search.prefix_cache import PrefixCache
-from treedec.search.sampling import SEED_MAX, SamplingParams
-from treedec.search.program import Program, ProgramContext
-from treedec.search.request import Positions, check_positions, position_limit
-from treedec.search.scheduler import SchedulerStats, run_programs
-from treedec.search.stops import StopRule
+from treedec.sampling.logits import prompt_logprobs
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.sampling.params import SEED_MAX, SamplingParams
+from treedec.runtime.program import Program, ProgramContext
+from treedec.runtime.request import Positions, check_positions, position_limit
+from treedec.runtime.scheduler import SchedulerStats, run_programs
+from treedec.sampling.stops import StopRule
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress",
            "worst_case_pages"]
@@ -76,19 +76,19 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         device); an output that those tokens end computed one token more, which is pruned with it.
         The outputs are the same either way (tested); ``stats`` may count steps differently.
     max_step_tokens : prompt tokens (with the decode tokens) a step takes at most: see
-        :func:`~treedec.search.scheduler.run_programs` (default ``engine.prefill_chunk``).
+        :func:`~treedec.runtime.scheduler.run_programs` (default ``engine.prefill_chunk``).
     on_text : streaming: called as ``on_text(spec, index, delta)`` with each output's new text as
         its tokens are accepted (needs ``tokenizer``). Text that may be the start of a stop string
         is held back until it is not, so the deltas of an output join to its final ``text``.
-    on_step : called with the run's :class:`~treedec.search.scheduler.SchedulerStats` after each engine step
+    on_step : called with the run's :class:`~treedec.runtime.scheduler.SchedulerStats` after each engine step
         (progress per step).
     prefix_cache : a prefix cache of ``engine``'s tree kept across calls
-        (:func:`~treedec.search.scheduler.run_programs`).
+        (:func:`~treedec.runtime.scheduler.run_programs`).
 
     Returns
     -------
     ``(results, stats)``: every output's :class:`RequestResult`, in request order then output
-    index, and the run's :class:`~treedec.search.scheduler.SchedulerStats`. Each result's
+    index, and the run's :class:`~treedec.runtime.scheduler.SchedulerStats`. Each result's
     ``stats`` holds the request's ``steps``, ``prompt_tokens`` and ``seconds`` (admission to
     retirement).
 
@@ -218,7 +218,7 @@ class GenerateProgram(Program):
     ----------
     spec, prompt_ids : the request and its encoded prompt.
     tokenizer : detokenizes the outputs (stop strings need it).
-    rule : the outputs' :class:`~treedec.search.stops.StopRule`; default the request's, after the
+    rule : the outputs' :class:`~treedec.sampling.stops.StopRule`; default the request's, after the
         model's EOS ids.
     keep : an ended output's node stays in the tree (a child of the prompt's node) with every token
         computed, its last one in the step after it ended; the result's ``stats["nodes"]`` lists
@@ -227,7 +227,7 @@ class GenerateProgram(Program):
     on_prompt : the one output (``spec.params.n`` must be 1) grows on the prompt's node itself, which stays in
         the tree when the program returns (``stats["root"]``, also ``stats["nodes"][0]``; the caller
         prunes it) holding the prompt and every output token but the last, as a speculative request's
-        node does (:func:`~treedec.search.generate.greedy_generate`); with ``keep`` the last one too.
+        node does (:func:`~treedec.programs.greedy.greedy_generate`); with ``keep`` the last one too.
     on_text : streaming, as :func:`generate_batch`'s.
     """
 

@@ -1,7 +1,7 @@
 """Plain greedy decoding of one request: the reference that greedy speculative decoding
-(:mod:`treedec.search.speculative.program`) and every batched path must equal.
+(:mod:`treedec.programs.speculative.program`) and every batched path must equal.
 
-:func:`greedy_generate` is a :class:`~treedec.search.batch.GenerateProgram` at temperature 0 run alone by the
+:func:`greedy_generate` is a :class:`~treedec.programs.generate.GenerateProgram` at temperature 0 run alone by the
 scheduler (the one generation path, pipelined on a GPU), its output grown on the prompt's node so that the
 request stays in the tree as a speculative request's does."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Sequence
 
 from treedec.checks import positive_int
 from treedec.engine import Engine
-from treedec.search.batch import GenerateProgram
-from treedec.search.request import MODEL_EOS, eos_token_ids
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_program
-from treedec.search.stops import StopRule
+from treedec.programs.generate import GenerateProgram
+from treedec.runtime.request import MODEL_EOS, eos_token_ids
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.runtime.scheduler import run_program
+from treedec.sampling.stops import StopRule
 
 __all__ = ["greedy_generate"]
 
@@ -27,7 +27,7 @@ def greedy_generate(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: i
     speculative decoding must equal.
 
     Returns the new tokens up to and including the first EOS id (``eos_token_id`` as in
-    :func:`~treedec.search.speculative.program.speculative_generate`), at most ``max_new_tokens``. The
+    :func:`~treedec.programs.speculative.program.speculative_generate`), at most ``max_new_tokens``. The
     request stays in ``engine.tree`` (its root node): the prompt and every new token but the last.
 
     ``pipeline`` (default: on for a CUDA engine, where the device runs asynchronously; off on the

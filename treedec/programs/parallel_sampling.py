@@ -6,7 +6,7 @@ own). Each step samples the next token of every live sample from its logits and
 computes them all in ONE engine step. A sample ends on an EOS id or at
 ``max_new_tokens``; an ended sample is pruned at once (its pages freed for the others),
 or kept as a node under the prompt's node with ``keep=True``. The loop is
-:class:`~treedec.search.batch.GenerateProgram`'s, run alone (:func:`~treedec.search.batch.generate_batch`
+:class:`~treedec.programs.generate.GenerateProgram`'s, run alone (:func:`~treedec.programs.generate.generate_batch`
 runs it for many requests at once).
 
 :func:`self_consistency` samples n answers, maps each to an answer with the caller's
@@ -22,12 +22,12 @@ import torch
 
 from treedec.checks import positive_int
 from treedec.engine import Engine
-from treedec.search.batch import GenerateProgram, unseeded_seed
-from treedec.search.request import MODEL_EOS, RequestStats, eos_token_ids
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.scheduler import run_programs
-from treedec.search.stops import StopRule
+from treedec.programs.generate import GenerateProgram, unseeded_seed
+from treedec.runtime.request import MODEL_EOS, RequestStats, eos_token_ids
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.runtime.scheduler import run_programs
+from treedec.sampling.stops import StopRule
 from treedec.tree.validate import int_list
 
 __all__ = ["Sample", "SamplingResult", "SamplingStats", "SelfConsistencyResult", "majority_vote", "parallel_sample",
@@ -54,7 +54,7 @@ class Sample:
 class SamplingStats(RequestStats):
     """Counters of one :func:`parallel_sample` run: a step's queries are one token per live
     sample, plus each kept sample's last token in the step after it ended
-    (see :class:`~treedec.search.request.RequestStats`)."""
+    (see :class:`~treedec.runtime.request.RequestStats`)."""
 
 
 @dataclass

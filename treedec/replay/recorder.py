@@ -21,7 +21,7 @@ each edit, in the order it ran, as the op that makes it again:
   them again: same tree, one forward more);
 - ``extend_computed`` and the ``engine.pool.copy_slots`` that fills the slots it reserved with
   the K/V of a token tree's root and accepted path (a pipelined speculative step,
-  :mod:`treedec.search.speculative.pipeline`) -> ``accept`` of that chain, in place of the token
+  :mod:`treedec.programs.speculative.pipeline`) -> ``accept`` of that chain, in place of the token
   tree's ``prune``. The reserved slots past the path (masked by the step, cut by a later
   ``truncate``) are not in the schedule: its tree is the one the unpipelined loop grows.
 

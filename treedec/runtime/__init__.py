@@ -1,7 +1,23 @@
-"""The runtime: what runs programs. Lanes, the batch-level per-token data path (:mod:`treedec.runtime.lanes`).
-(The program protocol, the scheduler loop, the online scheduler and the prefix cache join this package when
-``treedec/search/`` is split into runtime/, sampling/ and programs/.)"""
+"""The runtime: what runs programs.
+
+- what a program is and yields (:class:`Program`, :class:`ProgramContext`; :class:`Decode` for outputs decoded
+  token by token, resumed with a :class:`DecodeResult`), and a request and its results (:class:`RequestSpec`,
+  :class:`RequestResult`);
+- the scheduler (:func:`run_programs`, :func:`run_program`, :class:`SchedulerStats`) and LANES, the batch-level
+  per-token data path it steps every decoding output on (:class:`Lanes`);
+- online decoding, programs submitted and aborted while it runs (:class:`OnlineScheduler`, :class:`ProgramAborted`;
+  the streams of :class:`StreamOutput`), and the prefix cache across requests (:class:`PrefixCache`).
+"""
 from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lanes import Lanes
+from treedec.runtime.online import OnlineScheduler, ProgramAborted
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.runtime.program import Program, ProgramContext
+from treedec.runtime.requests import RequestResult, RequestSpec
+from treedec.runtime.scheduler import run_program, run_programs
+from treedec.runtime.scheduler_stats import SchedulerStats
+from treedec.runtime.streams import StreamOutput
 
-__all__ = ["Decode", "DecodeResult", "LaneOutput", "Lanes", "PlacedLanes"]
+__all__ = ["Decode", "DecodeResult", "LaneOutput", "Lanes", "OnlineScheduler", "PlacedLanes", "PrefixCache", "Program",
+           "ProgramAborted", "ProgramContext", "RequestResult", "RequestSpec", "SchedulerStats", "StreamOutput",
+           "run_program", "run_programs"]

@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from treedec.search.sampling import SamplingParams
-from treedec.search.stops import StopRule
+from treedec.sampling.params import SamplingParams
+from treedec.sampling.stops import StopRule
 
 __all__ = ["Decode", "DecodeResult", "LaneOutput", "PlacedLanes"]
 
@@ -25,8 +25,8 @@ class Decode:
     parent : the node the outputs start after (its tokens computed), or one node per output (``count`` of them).
     logits : [V] or [count, V] device tensor: the next-token logits at ``parent``'s last token (the first draw's
         row), e.g. a prompt step's row; not needed with ``first``.
-    params : the outputs' :class:`~treedec.search.sampling.SamplingParams` (the stop fields are ``rule``'s).
-    rule : each output's :class:`~treedec.search.stops.StopRule`.
+    params : the outputs' :class:`~treedec.sampling.params.SamplingParams` (the stop fields are ``rule``'s).
+    rule : each output's :class:`~treedec.sampling.stops.StopRule`.
     count : the outputs (lanes), numbered 0 .. count - 1 (a seeded request's ``n`` outputs differ by number).
     first : [count] int64 device tensor, optional: the outputs' first tokens, chosen already (e.g. distinct ones).
     on_parent : the one output grows on ``parent`` itself (``count`` 1); ``parent`` stays when it ends.
@@ -38,13 +38,13 @@ class Decode:
         tokens, reading its rows: e.g. ToT's thoughts and their value prompts in one step); its ``logits`` are then
         None. (An output whose last token a pipelined step computed already has its logits.)
     offer : called as ``offer(node, length)`` before an ended output's node is pruned (its conversation, to the
-        prefix cache: :meth:`~treedec.search.program.ProgramContext.offer`).
+        prefix cache: :meth:`~treedec.runtime.program.ProgramContext.offer`).
     prompt_ids : the sequence before the outputs (the penalties' prompt mask, the processors' input ids and the
         detokenizer's context).
     tokenizer : detokenizes the outputs (stop strings and ``on_text`` need it).
     on_text : streaming: ``on_text(index, delta)`` with each output's new text as its tokens are accepted.
     seed : the seed of the outputs' draws when ``params.seed`` is None (the scheduler gives one).
-    bad_words : ``params.bad_words`` as token sequences (:meth:`~treedec.search.sampling.SamplingParams.bad_words_token_ids`).
+    bad_words : ``params.bad_words`` as token sequences (:meth:`~treedec.sampling.params.SamplingParams.bad_words_token_ids`).
     min_tokens_stop_ids : the ids ``params.min_tokens`` keeps from being drawn (the checkpoint's EOS ids even with
         ``ignore_eos``, and the stop ids: vLLM's).
     name : how errors name the request (e.g. ``"request 'a'"``).
@@ -76,7 +76,7 @@ class LaneOutput:
     Attributes
     ----------
     token_ids : its tokens (an EOS or stop id kept as its last).
-    stop_reason : ``"eos"``, ``"stop_string"`` or ``"length"`` (:data:`~treedec.search.stops.STOP_REASONS`).
+    stop_reason : ``"eos"``, ``"stop_string"`` or ``"length"`` (:data:`~treedec.sampling.stops.STOP_REASONS`).
     text, stop_string : its text (cut at a stop string) and the stop string matched, with a tokenizer; else None.
     logprobs : per token, vLLM's ``{token_id: Logprob}`` (the params' ``logprobs``), else None.
     node : the node holding it (``keep`` or ``on_parent``), else None (pruned).

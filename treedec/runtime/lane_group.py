@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from treedec.runtime.decode import Decode, LaneOutput
-from treedec.search.logits import (TokenLogprobs, apply_allowed_tokens, apply_bad_words, apply_logit_bias,
+from treedec.sampling.logits import (TokenLogprobs, apply_allowed_tokens, apply_bad_words, apply_logit_bias,
                                    apply_logits_processors, mask_stop_tokens, token_mask)
-from treedec.search.stops import StopChecker
+from treedec.sampling.stops import StopChecker
 from treedec.transfer import to_device
 from treedec.tree.validate import int_list
 
@@ -60,8 +60,8 @@ class LaneGroup:
 
     def process(self, rows: torch.Tensor, tokens: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """Its lanes' ``rows`` [m, V] float32 processed in vLLM v1's order
-        (:class:`~treedec.search.sampling.SamplingParams`): the user's logits processors (one row at a time),
-        ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias`` (:mod:`treedec.search.logits`).
+        (:class:`~treedec.sampling.params.SamplingParams`): the user's logits processors (one row at a time),
+        ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias`` (:mod:`treedec.sampling.logits`).
         ``tokens`` [m, W] and ``lengths`` [m]: each lane's output tokens so far. A processor's error is raised."""
         d, p = self.decode, self.decode.params
         if p.logits_processors:

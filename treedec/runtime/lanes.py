@@ -33,9 +33,9 @@ from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
 from treedec.sampling.sampler import SamplingRows, sample_rows
-from treedec.search.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
-from treedec.search.sampling import SEED_MAX
-from treedec.search.stops import StopChecker
+from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
+from treedec.sampling.params import SEED_MAX
+from treedec.sampling.stops import StopChecker
 from treedec.transfer import HostCopy, to_device
 
 __all__ = ["Lanes"]

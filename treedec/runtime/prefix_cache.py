@@ -6,7 +6,7 @@ by the cache (one reference each), in no tree of the forest, so they cost an eng
 When a program is admitted, its prompt is matched radix-style against them, page by page
 (:meth:`PrefixCache.match`: the longest run of whole pages that some cached sequence starts with,
 short of the prompt's last token); the match becomes the program's prefix exactly as a prefix shared
-within one call does (:mod:`treedec.search.prefixes`): a root node of the forest that reads the
+within one call does (:mod:`treedec.runtime.prefixes`): a root node of the forest that reads the
 cached pages (:meth:`~treedec.tree.SequenceTree.add_shared_root`), the program's own prompt a child
 of it, computed from the first token past the match. Requests matching one cached prefix at one time
 read one node: its pages are read from memory once per step for all of them.

@@ -1,4 +1,4 @@
-"""A request as a program of the scheduler (:mod:`treedec.search.scheduler`): what a program is, what it
+"""A request as a program of the scheduler (:mod:`treedec.runtime.scheduler`): what a program is, what it
 yields and what it is resumed with.
 
 A program is a Python generator made by :meth:`Program.run`: it edits the engine's tree, then yields a
@@ -18,9 +18,9 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.prefix_cache import CachedPrefix, PrefixCache
-from treedec.search.prefixes import SharedPrefix
-from treedec.search.request import Positions, check_positions
+from treedec.runtime.prefix_cache import CachedPrefix, PrefixCache
+from treedec.runtime.prefixes import SharedPrefix
+from treedec.runtime.request import Positions, check_positions
 
 __all__ = ["Program", "ProgramContext", "Read", "StepRequest", "StepRows", "Wait", "set_aside_bad_tokens"]
 
@@ -127,8 +127,8 @@ class Program:
     def positions(self) -> Positions | None:
         """The most positions one of its sequences may reach (its prompt and token budget), when known
         before it runs; None when not (then only the tokens it adds are checked, as it adds them).
-        :func:`~treedec.search.scheduler.run_programs` refuses, before anything runs, a program whose
-        count exceeds the model's (:func:`~treedec.search.request.position_limit`)."""
+        :func:`~treedec.runtime.scheduler.run_programs` refuses, before anything runs, a program whose
+        count exceeds the model's (:func:`~treedec.runtime.request.position_limit`)."""
         return None
 
     def start_pages(self, pool, shared: int = 0) -> int:
@@ -194,7 +194,7 @@ class ProgramContext:
 
         A root prompt that starts with the context's shared or cached prefix becomes a child of the
         prefix's node, holding the rest of the prompt (never empty: see
-        :func:`~treedec.search.prefixes.share_prefixes`, :meth:`~treedec.search.prefix_cache.PrefixCache.match`).
+        :func:`~treedec.runtime.prefixes.share_prefixes`, :meth:`~treedec.runtime.prefix_cache.PrefixCache.match`).
         A root prompt is offered to the prefix cache (:meth:`offer`) as soon as the step computing its last chunk
         is launched (:attr:`offer_after_step`: a request admitted at the next iteration reads it).
         """
@@ -230,7 +230,7 @@ class ProgramContext:
 
     def offer(self, node: int, length: int | None = None) -> None:
         """Offer the first ``length`` (default: all computed) tokens of ``node``'s sequence to the prefix cache
-        across requests, if the scheduler keeps one (:meth:`~treedec.search.prefix_cache.PrefixCache.offer`). The
+        across requests, if the scheduler keeps one (:meth:`~treedec.runtime.prefix_cache.PrefixCache.offer`). The
         tokens' ids must be the real ones (not a pipelined step's placeholders)."""
         if self.cache is not None:
             self.cache.offer(node, length)

@@ -10,13 +10,13 @@ its return value is its result. So a program is a small state machine whose stat
 suspended code, and the engine step is made in one place only, here. A program that needs a
 device tensor's values on the host (the tokens it drew) yields :class:`Read`: the reads of all
 programs are copied back together, one wait for all instead of one each. Those types are in
-:mod:`treedec.search.program`.
+:mod:`treedec.runtime.program`.
 
 :func:`run_programs` runs many programs over one engine's forest. Each iteration it
 
 1. admits queued programs while the pool holds their prompts plus headroom for the next step
    of every live program (:meth:`Program.start_pages`, :meth:`Program.step_pages`); requests
-   whose prompts share a prefix read one copy of it (:mod:`treedec.search.prefixes`): the
+   whose prompts share a prefix read one copy of it (:mod:`treedec.runtime.prefixes`): the
    prefix is prefilled when a member is admitted and none holds it, its pages counted in that
    member's admission, and pruned after its last member;
 2. resumes the live programs, which edit the tree and yield; a program that needs more free
@@ -36,7 +36,7 @@ takes the pages it takes alone).
 
 Before anything runs, every program whose length is known up front (:meth:`Program.positions`:
 its prompt and token budget) is checked against the model's positions
-(:func:`~treedec.search.request.position_limit`); one that may run past them raises
+(:func:`~treedec.runtime.request.position_limit`); one that may run past them raises
 ``ValueError`` naming it, and nothing runs.
 
 Pipelining (no host wait between steps): a program may yield placeholder tokens whose ids are
@@ -44,9 +44,9 @@ on the device (``StepRequest.tokens``: drawn from the last step's logits, not re
 ask for a device tensor to be read (``StepRequest.read``); the step is launched first and the
 program gets the values read in its next :class:`StepRows`, copied for all programs at once.
 
-:func:`run_program` runs a single program (the one-request functions of :mod:`treedec.search`
+:func:`run_program` runs a single program (the one-request functions of :mod:`treedec.programs`
 are that); there a :class:`Wait` raises at once, as there is nothing to wait for.
-:class:`~treedec.search.online.OnlineScheduler` drives the same loop, an iteration at a time, while
+:class:`~treedec.runtime.online.OnlineScheduler` drives the same loop, an iteration at a time, while
 programs are submitted and aborted.
 """
 from __future__ import annotations
@@ -55,12 +55,12 @@ from typing import Any, Callable, Iterable
 
 from treedec.checks import nonnegative_int, positive_int
 from treedec.engine import Engine
-from treedec.search.prefix_cache import PrefixCache
-from treedec.search.program import Program
-from treedec.search.request import check_positions
-from treedec.search.program import program_name
-from treedec.search.scheduler_loop import SchedulerLoop
-from treedec.search.scheduler_stats import SchedulerStats
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.runtime.program import Program
+from treedec.runtime.request import check_positions
+from treedec.runtime.program import program_name
+from treedec.runtime.scheduler_loop import SchedulerLoop
+from treedec.runtime.scheduler_stats import SchedulerStats
 
 __all__ = ["SchedulerStats", "run_program", "run_programs"]
 
@@ -92,7 +92,7 @@ def run_programs(engine: Engine, programs: Iterable[Program], *, max_step_tokens
         down to a multiple of the page size).
     preempt : when every live program waits for pages, close the newest and queue it again
         (else raise PoolExhaustedError).
-    prefix_cache : a :class:`~treedec.search.prefix_cache.PrefixCache` of ``engine``'s tree, kept across runs: a
+    prefix_cache : a :class:`~treedec.runtime.prefix_cache.PrefixCache` of ``engine``'s tree, kept across runs: a
         program that shares no prefix within the run is admitted on the longest prefix of its prompt cached
         there, and its computed prompt and ended outputs are offered to it (None: no cache).
     on_done : called as ``on_done(index, result)`` when a program returns.

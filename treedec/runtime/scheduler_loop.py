@@ -1,9 +1,9 @@
-"""The scheduler's loop (:mod:`treedec.search.scheduler`): its state and one iteration at a time.
+"""The scheduler's loop (:mod:`treedec.runtime.scheduler`): its state and one iteration at a time.
 
-:class:`SchedulerLoop` admits, resumes and steps programs (see :mod:`treedec.search.scheduler` for the
-rules); :func:`~treedec.search.scheduler.run_programs` runs it over a fixed list,
-:class:`~treedec.search.online.OnlineScheduler` while programs come and go; its counters are
-:class:`~treedec.search.scheduler_stats.SchedulerStats`.
+:class:`SchedulerLoop` admits, resumes and steps programs (see :mod:`treedec.runtime.scheduler` for the
+rules); :func:`~treedec.runtime.scheduler.run_programs` runs it over a fixed list,
+:class:`~treedec.runtime.online.OnlineScheduler` while programs come and go; its counters are
+:class:`~treedec.runtime.scheduler_stats.SchedulerStats`.
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import torch
 
 from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lanes import Lanes
-from treedec.search.prefix_cache import CachedPrefix, PrefixCache
-from treedec.search.prefixes import SharedPrefix, share_prefixes
-from treedec.search.program import program_name, Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
-from treedec.search.request import pages_in_use
-from treedec.search.scheduler_relief import PoolRelief
-from treedec.search.scheduler_stats import SchedulerStats
-from treedec.search.sampling import GREEDY, sample_tokens
+from treedec.runtime.prefix_cache import CachedPrefix, PrefixCache
+from treedec.runtime.prefixes import SharedPrefix, share_prefixes
+from treedec.runtime.program import program_name, Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
+from treedec.runtime.request import pages_in_use
+from treedec.runtime.scheduler_relief import PoolRelief
+from treedec.runtime.scheduler_stats import SchedulerStats
+from treedec.sampling.params import GREEDY, sample_tokens
 from treedec.transfer import HostCopy, to_device
 
 __all__ = ["SchedulerLoop"]
@@ -48,7 +48,7 @@ class _Live:
 
 class SchedulerLoop(PoolRelief):
     """The loop's state (the search layer's own: not exported). :meth:`iterate` is one iteration; :meth:`run`
-    (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.search.online.OnlineScheduler` while
+    (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.runtime.online.OnlineScheduler` while
     programs come and go (:meth:`add`, :meth:`drop`). ``on_error`` None: a program's error propagates (the
     run ends, :meth:`abandon`); else ``on_error(index, error)`` and the others go on. One thread drives it."""
 
@@ -139,7 +139,7 @@ class SchedulerLoop(PoolRelief):
     def add(self, index: int, program: Program) -> None:
         """Queue ``program`` as ``index``. With ``share_queued``, programs queued together (added between two
         admissions) whose prompts share a prefix the cache does not hold read one copy of it (as
-        :func:`~treedec.search.scheduler.run_programs`' do): a burst of requests with one long prompt (a ToT
+        :func:`~treedec.runtime.scheduler.run_programs`' do): a burst of requests with one long prompt (a ToT
         problem's branches) computes it once."""
         self.programs[index], self.prefixes[index] = program, None
         self.queue.append(index)

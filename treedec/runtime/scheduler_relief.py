@@ -1,6 +1,6 @@
-"""Pool pressure in the scheduler's loop (:mod:`treedec.search.scheduler`): what idle prefixes and the prefix cache
+"""Pool pressure in the scheduler's loop (:mod:`treedec.runtime.scheduler`): what idle prefixes and the prefix cache
 can give back, and what to do when every live program waits for pages (:class:`PoolRelief`, a part of
-:class:`~treedec.search.scheduler_loop.SchedulerLoop`)."""
+:class:`~treedec.runtime.scheduler_loop.SchedulerLoop`)."""
 from __future__ import annotations
 
 from treedec.errors import PoolExhaustedError

@@ -1,4 +1,4 @@
-"""The scheduler's counters (:mod:`treedec.search.scheduler`): :class:`SchedulerStats`."""
+"""The scheduler's counters (:mod:`treedec.runtime.scheduler`): :class:`SchedulerStats`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ class SchedulerStats:
     prompt_tokens : prompt tokens of the programs admitted (each admission counted: a preempted program's
         prompt again).
     cached_tokens : those of them read from the prefix cache across requests
-        (:mod:`treedec.search.prefix_cache`) instead of computed; :attr:`cache_hit_rate` is their share.
+        (:mod:`treedec.runtime.prefix_cache`) instead of computed; :attr:`cache_hit_rate` is their share.
     peak_pages : the most KV pages the run held at once.
     seconds : wall time.
     """

@@ -1,4 +1,4 @@
-"""What the online engine (:class:`~treedec.search.online.OnlineEngine`) hands a caller: a request's outputs as an
+"""What the online engine (:class:`~treedec.runtime.online.OnlineEngine`) hands a caller: a request's outputs as an
 asyncio async iterator of :class:`StreamOutput`, fed from the engine's driving thread.
 
 :class:`OutputStream` is that iterator. The driving thread gives it each output's text as the request's program
@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from treedec.search.requests_file import RequestResult
+from treedec.runtime.requests import RequestResult
 
 __all__ = ["OutputStream", "StreamOutput"]
 
@@ -29,7 +29,7 @@ class StreamOutput:
     request_id : the request's id.
     index : the output's index (of the request's ``n``) for a text delta; None for the final item.
     text : the output's new text (a delta; the deltas of an output join to its final ``text``), or "".
-    results : the request's final results (one per output, as :func:`~treedec.search.batch.generate_batch`
+    results : the request's final results (one per output, as :func:`~treedec.programs.generate.generate_batch`
         gives them), on the last item only; else None.
     """
 
@@ -46,7 +46,7 @@ class StreamOutput:
 class OutputStream:
     """An async iterator of one request's :class:`StreamOutput`, fed from the driving thread through
     ``loop.call_soon_threadsafe`` (see the module docstring). It raises the error the request failed with
-    (:class:`~treedec.search.online.ProgramAborted` for an aborted one)."""
+    (:class:`~treedec.runtime.online.ProgramAborted` for an aborted one)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, request_id: int | str):
         self.loop, self.request_id = loop, request_id

@@ -1,7 +1,19 @@
-"""Sampling: the batched sampler (every row of a step drawn in one call, each under its own parameters) and its
-counter-based random numbers. (``SamplingParams``, the logits processors and the stop rules join this package
-when ``treedec/search/`` is split into runtime/, sampling/ and programs/.)"""
-from treedec.sampling.rng import counter_uniform, mix64
-from treedec.sampling.sampler import SamplingRows, penalize, sample_rows, warp_rows
+"""Sampling: how a request's tokens are drawn and when its outputs end.
 
-__all__ = ["SamplingRows", "counter_uniform", "mix64", "penalize", "sample_rows", "warp_rows"]
+- :class:`SamplingParams` (vLLM's fields and defaults: every program, the prompts files, the CLI and the server
+  take it), the token picker :func:`sample_tokens` (:data:`GREEDY`: the argmax);
+- the logits functions (:mod:`treedec.sampling.logits`: penalties, masks and biases, the warpers, user logits
+  processors, logprobs as :class:`Logprob` / :class:`TokenLogprobs`);
+- the batched sampler: every row of a step drawn in one call under its own parameters (:func:`sample_rows` over
+  :class:`SamplingRows`), its counter-based random numbers (:func:`counter_uniform`);
+- stops (:class:`StopRule`, :class:`StopChecker`).
+"""
+from treedec.sampling.logits import Logprob, LogitsProcessorError, NonFiniteLogitsError, TokenLogprobs
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
+from treedec.sampling.rng import counter_uniform, mix64
+from treedec.sampling.sampler import SamplingRows, penalize, sample_rows, warp, warp_rows
+from treedec.sampling.stops import StopChecker, StopRule
+
+__all__ = ["GREEDY", "Logprob", "LogitsProcessorError", "NonFiniteLogitsError", "SamplingParams", "SamplingRows",
+           "StopChecker", "StopRule", "TokenLogprobs", "counter_uniform", "mix64", "penalize", "sample_rows",
+           "sample_tokens", "warp", "warp_rows"]

@@ -16,7 +16,7 @@ HF ``generate``'s semantics; the programs pass plain arguments):
 
 Everything but the user processors is device ops only (no host sync; the bad words' bans are found on the host
 from the tokens it has and copied without a wait): it runs inside a decode step, on the GPU too. Scalar
-parameters are Python numbers, checked on the host. :class:`~treedec.search.sampling.SamplingParams`' docstring
+parameters are Python numbers, checked on the host. :class:`~treedec.sampling.params.SamplingParams`' docstring
 is where the order and the meaning of every field is written; these functions are its one definition.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["SAMPLING_EPS", "LogitsProcessor", "LogitsProcessorError", "Logprob",
            "output_token_counts", "prompt_logprobs", "token_logprobs", "token_mask", "warp_scores"]
 
 #: The smallest temperature that samples (vLLM's ``_SAMPLING_EPS``): below it a request is greedy
-#: (:class:`~treedec.search.sampling.SamplingParams` stores it as 0).
+#: (:class:`~treedec.sampling.params.SamplingParams` stores it as 0).
 SAMPLING_EPS = 1e-5
 
 #: A user logits processor, transformers' signature: ``(input_ids [1, L] int64, scores [1, V] float) ->
@@ -78,7 +78,7 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
         :func:`count_tokens_`).
     repetition_penalty : > 0 and finite in float32 (``[2**-149, 3.4e38]``); 1 is none, > 1 discourages repeats.
     presence_penalty, frequency_penalty : finite float32 numbers; 0 is none, > 0 discourages repeats (vLLM's
-        :class:`~treedec.search.sampling.SamplingParams` bounds them to [-2, 2]).
+        :class:`~treedec.sampling.params.SamplingParams` bounds them to [-2, 2]).
 
     Returns
     -------
@@ -98,7 +98,7 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 def drawable_rows(scores: torch.Tensor) -> torch.Tensor:
     """``[m]`` bool on ``scores.device``: whether each row of processed logits ``[m, V]`` can be drawn from (a
     finite logit, no NaN, no +inf: else its softmax is NaN). Device ops only (no host sync); a program reads it
-    with the drawn tokens (:class:`~treedec.search.batch.GenerateProgram`), so it costs no wait of its own."""
+    with the drawn tokens (:class:`~treedec.programs.generate.GenerateProgram`), so it costs no wait of its own."""
     return torch.isfinite(scores.amax(dim=-1))   # (the max is NaN with a NaN, inf with a +inf, -inf with no finite)
 
 

@@ -1,9 +1,9 @@
 """Sampling parameters and the draws: :class:`SamplingParams` (vLLM's names and defaults), the processed
 distribution (:func:`sampling_probs`: temperature, top-k, top-p, min-p; the penalties and logits processors that
-come before it are :mod:`treedec.search.logits`') and the one token picker (:func:`sample_tokens`: the argmax at
+come before it are :mod:`treedec.sampling.logits`') and the one token picker (:func:`sample_tokens`: the argmax at
 temperature 0, else a draw; one token per row or ``k`` distinct ones).
 What every program builds on (generation, the scheduler's step argmax, a branch controller, ToT, speculative
-acceptance); parallel sampling and self-consistency are :mod:`treedec.search.parallel_sampling`."""
+acceptance); parallel sampling and self-consistency are :mod:`treedec.programs.parallel_sampling`."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,29 +16,29 @@ import torch
 
 from treedec.checks import FLOAT32_MAX, FLOAT32_TINY, describe, float32_number, fraction, is_int, is_real, positive_int
 from treedec.models.text import IncrementalDetokenizer
-from treedec.search.logits import SAMPLING_EPS, warp_scores
-from treedec.search.stops import StopRule, stop_string_tuple, token_id_tuple
+from treedec.sampling.logits import SAMPLING_EPS, warp_scores
+from treedec.sampling.stops import StopRule, stop_string_tuple, token_id_tuple
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How a request's outputs are drawn and when they end: vLLM's ``SamplingParams`` (its names and defaults),
-    used by every program, the prompts file (:mod:`treedec.search.requests_file`), the CLI and
+    used by every program, the prompts file (:mod:`treedec.commands.requests_file`), the CLI and
     :class:`treedec.LLM`. Checked on construction (a ValueError names the field, the expected and the given
     value); keyword arguments only.
 
     A next token is drawn from the logits processed in this order (vLLM v1's sampler's, one function each in
-    :mod:`treedec.search.logits`): the user's ``logits_processors``; ``allowed_token_ids`` (every other token
-    -inf: :func:`~treedec.search.logits.apply_allowed_tokens`); ``bad_words``
-    (:func:`~treedec.search.logits.apply_bad_words`); ``min_tokens`` (the stop ids -inf while the output is
-    shorter: :func:`~treedec.search.logits.mask_stop_tokens`); ``logit_bias``
-    (:func:`~treedec.search.logits.apply_logit_bias`); the penalties
-    (:func:`~treedec.search.logits.apply_penalties`); then ``softmax(logits / temperature)`` restricted to the
+    :mod:`treedec.sampling.logits`): the user's ``logits_processors``; ``allowed_token_ids`` (every other token
+    -inf: :func:`~treedec.sampling.logits.apply_allowed_tokens`); ``bad_words``
+    (:func:`~treedec.sampling.logits.apply_bad_words`); ``min_tokens`` (the stop ids -inf while the output is
+    shorter: :func:`~treedec.sampling.logits.mask_stop_tokens`); ``logit_bias``
+    (:func:`~treedec.sampling.logits.apply_logit_bias`); the penalties
+    (:func:`~treedec.sampling.logits.apply_penalties`); then ``softmax(logits / temperature)`` restricted to the
     ``top_k`` most likely tokens, then to the smallest set of most likely tokens whose probability reaches
     ``top_p``, then to the tokens at least ``min_p`` times as likely as the most likely one (transformers' order
-    of its warpers: :func:`~treedec.search.logits.warp_scores`), or its argmax at temperature 0. A request whose
+    of its warpers: :func:`~treedec.sampling.logits.warp_scores`), or its argmax at temperature 0. A request whose
     processed row has nothing to draw from (no finite logit, a NaN: e.g. a processor's) fails alone with
-    :class:`~treedec.search.logits.NonFiniteLogitsError`. Log-probabilities are the raw logits' (vLLM's default).
+    :class:`~treedec.sampling.logits.NonFiniteLogitsError`. Log-probabilities are the raw logits' (vLLM's default).
 
     Attributes
     ----------
@@ -68,8 +68,8 @@ class SamplingParams:
         and cache state, not across a cache hit against a miss (``enable_prefix_caching=False`` makes every
         prompt computed afresh).
     stop : stop strings (a string or a list of non-empty strings; matched on the text, need the tokenizer): at
-        most :data:`~treedec.search.stops.MAX_STOP_STRINGS` of at most
-        :data:`~treedec.search.stops.MAX_STOP_STRING_CHARS` characters each (the server takes 4, as vLLM's and
+        most :data:`~treedec.sampling.stops.MAX_STOP_STRINGS` of at most
+        :data:`~treedec.sampling.stops.MAX_STOP_STRING_CHARS` characters each (the server takes 4, as vLLM's and
         OpenAI's).
     stop_token_ids : ids that end an output besides the checkpoint's EOS ids (kept as its last token).
     ignore_eos : do not stop at the checkpoint's EOS ids (``stop_token_ids`` still stop).
@@ -92,7 +92,7 @@ class SamplingParams:
     bad_words : words never generated (vLLM's): each is tokenized alone and with a leading space, and the last
         token of such a sequence is banned whenever the output's previous tokens are the rest of it (matched on
         the output's tokens, not the prompt's). Needs the tokenizer; at most :data:`MAX_BAD_WORDS` words of at
-        most :data:`~treedec.search.stops.MAX_STOP_STRING_CHARS` characters, and at most
+        most :data:`~treedec.sampling.stops.MAX_STOP_STRING_CHARS` characters, and at most
         :data:`MAX_BAD_WORDS_SEQUENCES` token sequences of :data:`MAX_BAD_WORDS_TOKENS` tokens in all after
         tokenization (vLLM's ``VLLM_MAX_NUM_BAD_WORDS`` and ``VLLM_MAX_BAD_WORDS_TOTAL_TOKENS``).
     detokenize : make each output's text (default True); False gives token ids only (``text`` None, no stop
@@ -164,7 +164,7 @@ class SamplingParams:
         return not self.greedy or self.processes_logits or self.logprobs is not None
 
     def stop_rule(self, eos_token_ids=()) -> StopRule:
-        """The :class:`~treedec.search.stops.StopRule` of each output: ``eos_token_ids`` (the checkpoint's, e.g.
+        """The :class:`~treedec.sampling.stops.StopRule` of each output: ``eos_token_ids`` (the checkpoint's, e.g.
         ``model.eos_token_ids``; dropped with ``ignore_eos``), then ``stop_token_ids``; ``stop``,
         ``max_tokens``, ``include_stop_str_in_output``."""
         eos = () if self.ignore_eos else token_id_tuple(eos_token_ids, "eos_token_ids")
@@ -257,12 +257,12 @@ LOGIT_BIAS_MAX = 100.0
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution :func:`sample_tokens` draws from: ``softmax(logits / temperature)`` restricted
     to the ``top_k`` most likely tokens, then to the top-``top_p`` mass, then to the tokens at least ``min_p``
-    times as likely as the most likely (:func:`~treedec.search.logits.warp_scores`); float32, ``[..., vocab]``.
+    times as likely as the most likely (:func:`~treedec.sampling.logits.warp_scores`); float32, ``[..., vocab]``.
 
     ``params.temperature`` must be > 0. A speculative draft that samples its tokens and the
     acceptance rule that verifies them both use it, so the target's ``p`` and the draft's ``q``
     are processed alike (lossless sampling needs that). Penalties and logits processors are applied before
-    (they need the request's tokens: :class:`~treedec.search.batch.GenerateProgram`).
+    (they need the request's tokens: :class:`~treedec.programs.generate.GenerateProgram`).
     """
     if params.temperature <= 0:
         raise ValueError(f"sampling_probs needs a temperature > 0, got {params.temperature} (0 is argmax)")

@@ -12,7 +12,7 @@ operations, with no host sync and no Python per row:
    (:func:`~treedec.sampling.rng.counter_uniform` of the row's seed, stream and draw index): a seeded row's draws
    depend on nothing else in the batch.
 
-The semantics of every field are those of :class:`~treedec.search.sampling.SamplingParams` (its docstring).
+The semantics of every field are those of :class:`~treedec.sampling.params.SamplingParams` (its docstring).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class SamplingRows:
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[int], streams: Sequence[int], device) -> "SamplingRows":
-        """The rows of ``params`` (one :class:`~treedec.search.sampling.SamplingParams` per row; rows of one
+        """The rows of ``params`` (one :class:`~treedec.sampling.params.SamplingParams` per row; rows of one
         request repeat it), with each row's ``seeds`` and ``streams``: two host-to-device copies."""
         if not len(params) == len(seeds) == len(streams):
             raise ValueError(f"params, seeds and streams must have one entry per row, got {len(params)}, "
@@ -106,7 +106,7 @@ def _per_row(value):
 
 def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, repetition, presence,
              frequency) -> torch.Tensor:
-    """Per-row penalties, vLLM's rules (the one definition: :func:`~treedec.search.logits.apply_penalties` is this
+    """Per-row penalties, vLLM's rules (the one definition: :func:`~treedec.sampling.logits.apply_penalties` is this
     with one value for every row): a token of the prompt or the output gets ``logit / repetition`` if its logit is
     > 0, else ``logit * repetition``; then ``logit -= frequency * count + presence * (count > 0)``.
 
@@ -131,7 +131,7 @@ def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tens
 
 
 def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """The scores each row is drawn from (the one definition: :func:`~treedec.search.logits.warp_scores` is this
+    """The scores each row is drawn from (the one definition: :func:`~treedec.sampling.logits.warp_scores` is this
     with one value for every row): ``scores / temperature``, then top-k (ties with the k-th kept; 0: no cut), top-p
     (the smallest set of most likely tokens whose probability reaches top-p, compared in float32; the most likely
     always kept), min-p (tokens below min-p times the most likely's probability), each with that row's value;

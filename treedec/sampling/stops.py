@@ -22,7 +22,7 @@ order:
 
 With ``min_tokens`` (vLLM's), neither an EOS id nor a stop string ends an output of ``min_tokens`` tokens or
 fewer (a stop string counts when it ends in the text of a later token); the sampler also keeps the EOS and
-stop ids from being drawn that early (:func:`~treedec.search.logits.mask_stop_tokens`).
+stop ids from being drawn that early (:func:`~treedec.sampling.logits.mask_stop_tokens`).
 
 Stop strings are matched on the detokenized text (:class:`~treedec.models.text.IncrementalDetokenizer`),
 so they need the checkpoint's tokenizer; a character is matched once its last byte has

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: :func:`build_app` over one :class:`~treedec.LLM`'s engine.
 
-One :class:`~treedec.search.online.OnlineEngine` (one thread driving the engine) serves every request: started
+One :class:`~treedec.runtime.online.OnlineEngine` (one thread driving the engine) serves every request: started
 when the app starts, shut down (every request aborted, its pages freed) when it stops. Routes: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 (:mod:`treedec.serve.metrics`); ``/docs``, ``/redoc`` and ``/openapi.json`` only with ``enable_docs``.
@@ -42,9 +42,10 @@ from starlette.exceptions import HTTPException
 
 from treedec.errors import PoolExhaustedError
 from treedec.llm import LLM
-from treedec.search.online import OnlineEngine, ProgramAborted
-from treedec.search.request import position_limit
-from treedec.search.requests_file import RequestResult, RequestSpec
+from treedec.runtime.online import ProgramAborted
+from treedec.serve.engine import OnlineEngine
+from treedec.runtime.request import position_limit
+from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.serve.limits import BodyError, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
@@ -85,10 +86,10 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     allowed_hosts : the ``Host`` names answered (ports ignored; ``"*"`` any); None: any (``treedec serve`` on a
         loopback address answers only ``localhost``, ``127.0.0.1`` and ``[::1]`` unless told otherwise).
     enable_docs : serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default).
-    max_step_tokens : prompt tokens a step computes at most (:class:`~treedec.search.online.OnlineScheduler`).
+    max_step_tokens : prompt tokens a step computes at most (:class:`~treedec.runtime.online.OnlineScheduler`).
     seed : the seeds of sampled requests without one.
 
-    ``app.state.online`` is the :class:`~treedec.search.online.OnlineEngine` while the app runs, ``app.state.metrics``
+    ``app.state.online`` is the :class:`~treedec.runtime.online.OnlineEngine` while the app runs, ``app.state.metrics``
     its :class:`~treedec.serve.metrics.ServeMetrics`.
     """
     if not isinstance(llm, LLM):

@@ -6,7 +6,7 @@ Names (all prefixed ``treedec_``):
 - ``prompt_tokens_total``, ``generation_tokens_total``: tokens of finished requests;
 - ``cached_prompt_tokens_total``: their prompt tokens read from the prefix cache;
 - ``cache_hit_rate``: the engine's share of admitted prompt tokens read from the prefix cache since it started
-  (:attr:`~treedec.search.scheduler.SchedulerStats.cache_hit_rate`), and ``scheduler_prompt_tokens`` /
+  (:attr:`~treedec.runtime.scheduler.SchedulerStats.cache_hit_rate`), and ``scheduler_prompt_tokens`` /
   ``scheduler_cached_tokens``, the counts it is the ratio of;
 - ``engine_steps_total`` and ``engine_step_seconds`` (histogram): each scheduler iteration (one engine step for
   every live request) and its wall time;
@@ -23,8 +23,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from treedec.search.requests_file import RequestResult
-from treedec.search.scheduler import SchedulerStats
+from treedec.runtime.requests import RequestResult
+from treedec.runtime.scheduler import SchedulerStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
 

@@ -42,7 +42,7 @@ class PromptEncoder:
     Parameters
     ----------
     tokenizer : a transformers tokenizer.
-    positions : the model's context (:func:`~treedec.search.request.position_limit`).
+    positions : the model's context (:func:`~treedec.runtime.request.position_limit`).
     threads : the worker threads that tokenize.
     template_timeout, template_workers : the chat template's time budget (seconds) and worker processes.
 

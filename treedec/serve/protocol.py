@@ -6,7 +6,7 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``
 ``bad_words``, ``allowed_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
 ``truncate_prompt_tokens``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in
 a stream on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params`
-turns one into a :class:`~treedec.search.sampling.SamplingParams` (which checks the values: a bad one is a
+turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks the values: a bad one is a
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
 bound). A field OpenAI has that treedec does not implement (``echo``, ``suffix``, tools, ...) is refused with 400,
 never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
@@ -17,14 +17,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "StreamOptions"]
 
 #: The most log-probabilities a token may report (``logprobs`` of completions, ``top_logprobs`` of chat).
 MAX_LOGPROBS = 20
 #: The most stop strings a request gives: OpenAI's bound ("up to 4 sequences"), vLLM's server's default
-#: (``VLLM_MAX_STOP_STRINGS``). Each is also at most :data:`~treedec.search.stops.MAX_STOP_STRING_CHARS` characters.
+#: (``VLLM_MAX_STOP_STRINGS``). Each is also at most :data:`~treedec.sampling.stops.MAX_STOP_STRING_CHARS` characters.
 MAX_STOP_STRINGS = 4
 
 

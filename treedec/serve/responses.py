@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from treedec.search.requests_file import RequestResult
+from treedec.runtime.requests import RequestResult
 
 __all__ = ["Choices", "chat_logprobs", "completion_logprobs", "usage"]
 

@@ -28,7 +28,7 @@ class TreeDebugging:
         pending counts add up, and the preorder the edits keep is the one a fresh walk finds.
 
         ``held``: holders of each page outside the tree (``[num_pages]`` ints, e.g. the prefix cache's,
-        :meth:`~treedec.search.prefix_cache.PrefixCache.held`), added to the nodes' holds. A shared root
+        :meth:`~treedec.runtime.prefix_cache.PrefixCache.held`), added to the nodes' holds. A shared root
         (:meth:`~treedec.tree.SequenceTree.add_shared_root`) reads slots other nodes hold too: its slots are
         left out of the uniqueness check.
 

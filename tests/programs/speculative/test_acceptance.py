@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.search.speculative.acceptance import (GreedyAcceptance, RejectionSampling, TypicalAcceptance,
+from treedec.sampling.params import SamplingParams, sampling_probs
+from treedec.programs.speculative.acceptance import (GreedyAcceptance, RejectionSampling, TypicalAcceptance,
                                                    recursive_rejection, without_replacement)
-from treedec.search.speculative.drafts import PromptLookupDraft
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.speculative.drafts import PromptLookupDraft
+from treedec.programs.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, plain_greedy, tiny_model
 
@@ -284,7 +284,7 @@ def test_sampled_draft_model_speculation_emits_the_target_distribution(tiny):
     from tests.engines import make_engine as target_engine
     from treedec.engine import Engine
     from treedec.models import from_config
-    from treedec.search.speculative.draft_model import DraftModelDraft
+    from treedec.programs.speculative.draft_model import DraftModelDraft
 
     params = SamplingParams(temperature=0.7, top_k=3)
     draft_engine = Engine(from_config("tiny", seed=0), kv_tokens=1024, page_size=4, backend="torch")

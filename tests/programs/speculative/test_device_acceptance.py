@@ -1,4 +1,4 @@
-"""Rejection sampling decided on the device (treedec.search.speculative.device_acceptance): the same distribution as the
+"""Rejection sampling decided on the device (treedec.programs.speculative.device_acceptance): the same distribution as the
 host walk (chi-square on fixed tables, and host against device on one tree), the greedy limit equal to
 greedy_path on hypothesis trees, bad input, and (GPU) no wait for the device while it is launched."""
 import collections
@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from treedec.search.speculative.acceptance import RejectionSampling, greedy_path
-from treedec.search.speculative.device_acceptance import DeviceTree, decode_outcome, greedy_outcome, rejection_outcome
-from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.programs.speculative.acceptance import RejectionSampling, greedy_path
+from treedec.programs.speculative.device_acceptance import DeviceTree, decode_outcome, greedy_outcome, rejection_outcome
+from treedec.sampling.params import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
-from tests.search.speculative.test_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
+from tests.programs.speculative.test_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
                                           passes_chi_square)
 
 
@@ -170,7 +170,7 @@ def test_greedy_outcome_graphed_equals_eager():
     on fresh inputs, trees of every kind of path (none accepted, partial, whole), several shapes interleaved."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from treedec.search.speculative.device_acceptance import _greedy
+    from treedec.programs.speculative.device_acceptance import _greedy
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     trees = [TokenTree.from_medusa_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),

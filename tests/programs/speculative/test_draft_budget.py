@@ -1,20 +1,20 @@
-"""The draft-token budget of speculative batches (treedec.search.speculative.draft_budget; tiny random Llama, CPU)."""
+"""The draft-token budget of speculative batches (treedec.programs.speculative.draft_budget; tiny random Llama, CPU)."""
 import logging
 
 import pytest
 import torch
 
 from treedec.engine import Engine
-from treedec.search.speculative.acceptance import RejectionSampling
-from treedec.search.speculative.draft_budget import DraftBudget, cut_tree
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.drafts import TreeDraft
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams
-from treedec.search.speculative.batch import speculative_batch
+from treedec.programs.speculative.acceptance import RejectionSampling
+from treedec.programs.speculative.draft_budget import DraftBudget, cut_tree
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.drafts import TreeDraft
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams
+from treedec.programs.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from tests.engines import plain_greedy, tiny_model
-from tests.search.speculative.test_speculative_batch import medusa_token_tree, specs
+from tests.programs.speculative.test_speculative_batch import medusa_token_tree, specs
 
 CPU = torch.device("cpu")
 

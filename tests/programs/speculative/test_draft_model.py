@@ -4,13 +4,13 @@ speculative decoding equal to plain greedy, alone and batched."""
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.models import ModelConfig, from_config
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.program import speculative_generate
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
-from tests.search.speculative.test_speculative_program import prompt_with_repeats
+from tests.programs.speculative.test_speculative_program import prompt_with_repeats
 
 NEW_TOKENS = 32
 
@@ -94,7 +94,7 @@ def test_greedy_drafts_one_step_per_layer(tiny):
 def test_sampled_drafts_keep_the_accepted_paths_kv(tiny):
     """A sampled draft's frontier nodes live in its tree: an accepted path of them is moved onto its sequence
     (no recompute, its K/V those of a fresh prefill); only the new root is computed, then the layers."""
-    from treedec.search.sampling import SamplingParams
+    from treedec.sampling.params import SamplingParams
 
     d_engine = draft_engine(tiny)
     draft = DraftModelDraft(d_engine, depth=3, top_k=2, total_tokens=10, sample=SamplingParams(temperature=1.0), seed=3)
@@ -132,7 +132,7 @@ def test_errors(tiny):
 def test_sampled_trees_keep_children_in_draw_order_and_report_their_distributions(tiny):
     """sample=SamplingParams: each expanded node's children are distinct draws from its processed
     distribution (their row of draft_probs), the tree cut to total_tokens; the same seed, the same tree."""
-    from treedec.search.sampling import SamplingParams, sampling_probs
+    from treedec.sampling.params import SamplingParams, sampling_probs
 
     params = SamplingParams(temperature=0.9, top_k=5)
     trees = []
@@ -160,9 +160,9 @@ def test_batched_draft_model_requests_draft_together_and_equal_each_alone(tiny, 
     """Five requests (two share a system prompt) over ONE draft engine: each emits its plain greedy tokens and
     accepts what it accepts alone; a scheduler pass drafts for all its requests at once (one sync step and
     ``depth - 1`` chain steps, not per request), and every draft page is freed at the end."""
-    from treedec.search.speculative.drafter_batch import DrafterGroup
-    from treedec.search.requests_file import RequestSpec
-    from treedec.search.speculative.batch import speculative_batch
+    from treedec.programs.speculative.drafter_batch import DrafterGroup
+    from treedec.runtime.requests import RequestSpec
+    from treedec.programs.speculative.batch import speculative_batch
 
     model = tiny if which == "self" else other_tiny
     system = list(range(100, 140))
@@ -196,14 +196,14 @@ def test_batched_draft_model_in_captured_graphs():
     cut where a layer's frontier missed the greedy node), and every pass's drafting chain is one graph replay."""
     import numpy as np
 
-    from treedec.search.speculative.drafter_batch import DrafterGroup
-    from treedec.search.generate import greedy_generate
-    from treedec.search.requests_file import RequestSpec
-    from treedec.search.speculative.batch import speculative_batch
-    from tests.search.speculative.test_eagle import SIX_LAYERS
+    from treedec.programs.speculative.drafter_batch import DrafterGroup
+    from treedec.programs.greedy import greedy_generate
+    from treedec.runtime.requests import RequestSpec
+    from treedec.programs.speculative.batch import speculative_batch
+    from tests.programs.speculative.test_eagle import SIX_LAYERS
 
     model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():   # the next token depends on the current token only (see tests/search/speculative/test_eagle.py)
+    with torch.no_grad():   # the next token depends on the current token only (see tests/programs/speculative/test_eagle.py)
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

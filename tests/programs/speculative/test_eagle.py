@@ -1,4 +1,4 @@
-"""EAGLE drafters (treedec.models.eagle_drafter, treedec.search.speculative.eagle) on tiny CPU models.
+"""EAGLE drafters (treedec.models.eagle_drafter, treedec.programs.speculative.eagle) on tiny CPU models.
 
 - The engine returns the inputs of chosen layers (``aux``) equal to transformers' hidden states.
 - Drafters in the EAGLE reference layouts: saved with the reference names, loaded back equal, equal
@@ -22,15 +22,15 @@ from treedec.engine import CudaGraphConfig, Engine
 from treedec.models import ModelConfig, from_config, to_hf_config, to_hf_state_dict
 from treedec.models.eagle_drafter import EagleDrafter, default_aux_layers, load_eagle, save_eagle
 from treedec.models.loading import CheckpointError, read_state_dict
-from treedec.search.speculative.acceptance import RejectionSampling
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.drafter_batch import DrafterGroup
-from treedec.search.requests_file import RequestSpec
-from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate
-from treedec.search.speculative.batch import speculative_batch
-from tests.search.speculative.test_acceptance import passes_chi_square
+from treedec.programs.speculative.acceptance import RejectionSampling
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.drafter_batch import DrafterGroup
+from treedec.runtime.requests import RequestSpec
+from treedec.sampling.params import SamplingParams, sampling_probs
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate
+from treedec.programs.speculative.batch import speculative_batch
+from tests.programs.speculative.test_acceptance import passes_chi_square
 
 SIX_LAYERS = dataclasses.replace(ModelConfig.from_name("tiny"), num_layers=6)
 PROMPT = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 30, 31, 32]
@@ -330,8 +330,8 @@ def test_greedy_eagle_equals_greedy(target, bigram, name, page_size):
 def test_chained_drafting_grows_the_tree_layer_by_layer_drafting_grows(target, kind, depth):
     """The chained drafter steps (launched without a wait, frontier chosen on the device, chains'
     K/V regathered) propose the tree that expand_by_logprob grows one read-back layer at a time."""
-    from treedec.search.speculative.drafts import TargetOutput
-    from treedec.search.speculative.tree_drafting import EngineTreeDraft
+    from treedec.programs.speculative.drafts import TargetOutput
+    from treedec.programs.speculative.tree_drafting import EngineTreeDraft
 
     d = EagleDrafter.random(target, kind, seed=3, draft_vocab_size=300 if kind == "eagle3" else None, std=0.2)
     t = engine(target)

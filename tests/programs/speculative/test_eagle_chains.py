@@ -1,21 +1,21 @@
-"""EAGLE's fixed chains (EagleDraft(tree="chains"), treedec.search.speculative.eagle_chains): the tree, the chains
+"""EAGLE's fixed chains (EagleDraft(tree="chains"), treedec.programs.speculative.eagle_chains): the tree, the chains
 drafted on the device, and the pipelined loop over them == the unpipelined loop == greedy decoding, with every page
 of the target and of the drafter freed."""
 import numpy as np
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.models import from_config
 from treedec.models.eagle_drafter import EagleDrafter
-from treedec.search.speculative.acceptance import GreedyAcceptance
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.eagle_chains import chains_tree
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import speculative_generate
-from tests.search.speculative import test_eagle
-from tests.search.speculative.test_eagle import PROMPT, SIX_LAYERS, bigram_eagle, bigram_eagle3, engine
+from treedec.programs.speculative.acceptance import GreedyAcceptance
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.eagle_chains import chains_tree
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import speculative_generate
+from tests.programs.speculative import test_eagle
+from tests.programs.speculative.test_eagle import PROMPT, SIX_LAYERS, bigram_eagle, bigram_eagle3, engine
 
 target, bigram = test_eagle.target, test_eagle.bigram   # (the fixtures)
 
@@ -91,9 +91,9 @@ def test_batched_chain_requests_equal_greedy_and_draft_together(bigram, pipeline
     """Five requests with EAGLE-1 and EAGLE-3 chains in one scheduler run, the drafts of each kind sharing one
     drafter engine: each equals its greedy decoding, the requests of a pass drafted together (one sync and one
     chain run for all), every drafter page freed at the end."""
-    from treedec.search.speculative.eagle_chains import EagleChains
-    from treedec.search.requests_file import RequestSpec
-    from treedec.search.speculative.batch import speculative_batch
+    from treedec.programs.speculative.eagle_chains import EagleChains
+    from treedec.runtime.requests import RequestSpec
+    from treedec.programs.speculative.batch import speculative_batch
 
     prompts = [list(range(100, 140)) + [1, 2, 3], [4, 5], [7, 8, 9, 10], PROMPT, [3, 3, 3]]
     specs = [RequestSpec(id=str(i), prompt_ids=tuple(p), params=SamplingParams(max_tokens=12 + i, temperature=0.0))
@@ -119,19 +119,19 @@ def test_chains_errors(target):
         EagleDraft(d, tree="beam")
     with pytest.raises(ValueError, match="top_k \\* depth = 6"):
         EagleDraft(d, depth=3, top_k=2, total_tokens=5, tree="chains")
-    from treedec.search.sampling import SamplingParams
+    from treedec.sampling.params import SamplingParams
     with pytest.raises(ValueError, match="sample must be None"):
         EagleDraft(d, tree="chains", sample=SamplingParams(temperature=1.0))
     assert EagleDraft(d, depth=3, top_k=2, total_tokens=6, tree="chains").total_tokens == 6
     assert EagleDraft(d).fixed_tree is None and EagleDraft(d).total_tokens == 63
-    from treedec.search.speculative.eagle_chains import EagleChains
+    from treedec.programs.speculative.eagle_chains import EagleChains
     chains, draft = EagleChains.of(d), EagleDraft(d, tree="chains")
     with pytest.raises(ValueError, match="3 states, 2 tokens"):
         chains.submit(draft, torch.zeros(2, dtype=torch.int64), torch.zeros(3, 128), None)
     with pytest.raises(ValueError, match="collect\\(\\) before submit"):
         chains.collect(draft)
     # a drafter on the reference backend cannot mask its unaccepted rows on the device: refused, nothing run
-    from treedec.search.speculative.pipeline import pipeline_refusal
+    from treedec.programs.speculative.pipeline import pipeline_refusal
     on_reference = EagleDraft(Engine(d.model, kv_tokens=256, page_size=4, backend="reference"), depth=2, top_k=2,
                               tree="chains")
     t = engine(target)
@@ -150,7 +150,7 @@ def test_pipelined_chains_in_captured_graphs_equal_eager(kind, compile_model):
     sync's unaccepted rows on the device): the tokens of greedy decoding and of the eager unpipelined loop, most
     drafts accepted, every drafter step a replay, and every page of both engines freed."""
     model = from_config(SIX_LAYERS, seed=4, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():   # a bigram target (tests/search/speculative/test_eagle.py's fixture) so that drafts are accepted
+    with torch.no_grad():   # a bigram target (tests/programs/speculative/test_eagle.py's fixture) so that drafts are accepted
         for layer in model.layers:
             layer.o_proj.weight.zero_()
             layer.down_proj.weight.zero_()

@@ -8,11 +8,11 @@ import torch
 from treedec.engine import greedy
 from treedec.models import from_config
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
-from treedec.search.speculative.drafts import TargetOutput
-from treedec.search.speculative.program import speculative_generate
+from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
+from treedec.programs.speculative.drafts import TargetOutput
+from treedec.programs.speculative.program import speculative_generate
 from tests.engines import make_engine, plain_greedy, tiny_model
-from tests.search.speculative.test_speculative_program import prompt_with_repeats
+from tests.programs.speculative.test_speculative_program import prompt_with_repeats
 
 NEW_TOKENS = 32
 

@@ -1,4 +1,4 @@
-"""Pipelined speculative decoding (treedec.search.speculative.pipeline): the same tokens, stats and tree as the
+"""Pipelined speculative decoding (treedec.programs.speculative.pipeline): the same tokens, stats and tree as the
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
 the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
 import collections
@@ -11,17 +11,17 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
 from treedec.engine import Engine, greedy
 from treedec.models import ModelConfig, from_config
-from treedec.search.speculative.acceptance import RejectionSampling, TypicalAcceptance
-from treedec.search.speculative.drafts import PromptLookupDraft, TreeDraft
+from treedec.programs.speculative.acceptance import RejectionSampling, TypicalAcceptance
+from treedec.programs.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.scheduler import run_program
-from treedec.search.speculative.program import SpeculativeProgram, speculative_generate
-from treedec.search.stops import StopRule
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.runtime.scheduler import run_program
+from treedec.programs.speculative.program import SpeculativeProgram, speculative_generate
+from treedec.sampling.stops import StopRule
 from treedec.tree.token_tree import TokenTree
 from tests.engines import make_engine, tiny_model
-from tests.search.speculative.test_medusa import OracleHeads
-from tests.search.speculative.test_speculative_program import prompt_with_repeats
+from tests.programs.speculative.test_medusa import OracleHeads
+from tests.programs.speculative.test_speculative_program import prompt_with_repeats
 
 NEW = 40
 

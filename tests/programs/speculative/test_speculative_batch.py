@@ -5,20 +5,20 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
-from treedec.search.speculative.program import speculative_generate
-from treedec.search.speculative.draft_budget import DraftBudget
-from treedec.search.speculative.batch import speculative_batch
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.runtime.requests import RequestSpec
+from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.programs.speculative.program import speculative_generate
+from treedec.programs.speculative.draft_budget import DraftBudget
+from treedec.programs.speculative.batch import speculative_batch
 from treedec.tree.token_tree import TokenTree
 from treedec.workloads.deft import medusa_tree
 from tests.engines import make_engine, plain_greedy, tiny_model
-from tests.search.test_batch import LetterTokenizer
+from tests.programs.test_generate_batch import LetterTokenizer
 
 
 def medusa_token_tree():
@@ -139,10 +139,10 @@ def test_a_draft_that_is_not_a_draft_source_is_refused_by_its_type(tiny, value):
     engine = make_engine(tiny)
     name = type(value).__name__
     with pytest.raises(TypeError, match=rf"^draft must be a draft source, got {name}: subclass "
-                                        rf"treedec\.search\.speculative\.drafts\.DraftSource"):
+                                        rf"treedec\.programs\.speculative\.drafts\.DraftSource"):
         speculative_generate(engine, [1, 2, 3], value, 4)
     with pytest.raises(TypeError, match=rf"^request 1: draft\(spec\) must be a draft source, got {name}: subclass "
-                                        rf"treedec\.search\.speculative\.drafts\.DraftSource"):
+                                        rf"treedec\.programs\.speculative\.drafts\.DraftSource"):
         speculative_batch(engine, specs(2), lambda spec: PromptLookupDraft() if spec.id == 0 else value)
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
 
@@ -228,7 +228,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
     """Six requests over the permutation target (Medusa heads right two times in three), a 64-token Medusa tree
     each, on captured graphs with the cuda backend, pipelined, against the eager unpipelined batch: the same
     tokens, every request the target's greedy continuation; a budget cutting the trees; every page freed."""
-    from tests.search.speculative.test_pipeline import permutation_target
+    from tests.programs.speculative.test_pipeline import permutation_target
     model, heads, perm = permutation_target("cuda", torch.bfloat16)
     rng = np.random.default_rng(4)
     requests = [RequestSpec(i, prompt_ids=tuple(rng.integers(0, 512, 300 + 50 * i).tolist()),
@@ -254,7 +254,7 @@ def test_a_pipelined_graphed_batch_equals_the_eager_unpipelined_batch():
 def test_auto_pipelines_small_batches_only_and_says_why(tiny):
     """pipeline=None: a batch of more than PIPELINE_MAX_REQUESTS requests runs unpipelined (each result says
     why); pipeline=True still pipelines it; a smaller batch gets the engine's reason (here: the CPU)."""
-    from treedec.search.speculative.batch import PIPELINE_MAX_REQUESTS
+    from treedec.programs.speculative.batch import PIPELINE_MAX_REQUESTS
 
     many = [RequestSpec(k, prompt_ids=repeating_prompt(k, 12), params=SamplingParams(max_tokens=3, temperature=0.0))
             for k in range(PIPELINE_MAX_REQUESTS + 1)]
@@ -268,8 +268,8 @@ def test_auto_pipelines_small_batches_only_and_says_why(tiny):
                for r in speculative_batch(make_engine(tiny), many, common_tokens_draft, max_draft_tokens=32)[0])
     few, _ = speculative_batch(make_engine(tiny), many[:2], common_tokens_draft, max_draft_tokens=32)
     assert all("CPU" in r.stats["pipeline_note"] for r in few)
-    from treedec.search.speculative.program import SpeculativeProgram
-    from treedec.search.stops import StopRule
+    from treedec.programs.speculative.program import SpeculativeProgram
+    from treedec.sampling.stops import StopRule
     with pytest.raises(ValueError, match="pipeline_note says why pipeline is False"):
         SpeculativeProgram([1, 2], common_tokens_draft(many[0]), StopRule(max_new_tokens=2), pipeline_note="why")
 

@@ -5,12 +5,12 @@ import pytest
 
 from treedec.engine import Engine
 from treedec.errors import TreeError
-from treedec.search.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.draft_model import DraftModelDraft
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.medusa import MedusaDraft
-from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
-from treedec.search.generate import greedy_generate
-from treedec.search.speculative.program import check_draft_tree, speculative_generate
+from treedec.programs.speculative.medusa import MedusaDraft
+from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.programs.greedy import greedy_generate
+from treedec.programs.speculative.program import check_draft_tree, speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 

@@ -4,11 +4,11 @@ from fractions import Fraction
 
 import pytest
 
-from treedec.search.sampling import GREEDY
+from treedec.sampling.params import GREEDY
 from treedec.engine import Engine
-from treedec.search.tot.game24 import (JUDGE_EXAMPLES, JUDGE_PROMPT, STEP_EXAMPLES, Game24Error, Game24Task, Step,
+from treedec.programs.tot.game24 import (JUDGE_EXAMPLES, JUDGE_PROMPT, STEP_EXAMPLES, Game24Error, Game24Task, Step,
                                    check_answer, check_step, evaluate_answer, parse_step, solve)
-from treedec.search.tot import BFSConfig, ByteTokenizer, tot_bfs
+from treedec.programs.tot import BFSConfig, ByteTokenizer, tot_bfs
 from tests.engines import tiny_model
 
 

@@ -10,12 +10,12 @@ import re
 import pytest
 
 from bench.tot import main as bench_tot_main
-from treedec.search.sampling import GREEDY, SamplingParams
+from treedec.sampling.params import GREEDY, SamplingParams
 from treedec.cli import main as cli_main
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.tot.game24 import Game24Task
-from treedec.search.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_batch, tot_bfs, tot_dfs
+from treedec.programs.tot.game24 import Game24Task
+from treedec.programs.tot import BFSConfig, ByteTokenizer, DFSConfig, ToTTask, tot_batch, tot_bfs, tot_dfs
 from tests.engines import tiny_model
 
 VALUE_PROMPT = "\nV:"
@@ -366,7 +366,7 @@ def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
 
 
 TASK_MODULE = '''
-from treedec.search.tot import ToTTask
+from treedec.programs.tot import ToTTask
 
 
 class Countdown(ToTTask):
@@ -420,7 +420,7 @@ def test_cli_tot_runs_a_tasks_file_batched_and_a_user_task(tmp_path, capsys, mon
 
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nosuchmodule:Task"], "--task nosuchmodule:Task: no module named 'nosuchmodule'"),
-    (["--task", "treedec.search.tot.game24:INSTRUCTION"],
+    (["--task", "treedec.programs.tot.game24:INSTRUCTION"],
      r"'INSTRUCTION' of module .* is not a ToTTask subclass \(it is of type str\)"),
     (["--task", "Game24Task"], "--task must be module:Class"),
     (["--tasks", "TASKS", "--numbers", "1", "2", "3", "4"], "--numbers goes with a single Game-of-24 search"),

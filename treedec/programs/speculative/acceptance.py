@@ -28,9 +28,9 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from treedec.checks import FLOAT32_MAX, float32_number, nonnegative_int
-from treedec.search.logits import SAMPLING_EPS, warp_scores
-from treedec.search.speculative.device_acceptance import rejection_outcome
-from treedec.search.sampling import GREEDY, SamplingParams, sample_tokens, sampling_probs
+from treedec.sampling.logits import SAMPLING_EPS, warp_scores
+from treedec.programs.speculative.device_acceptance import rejection_outcome
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens, sampling_probs
 from treedec.tree.token_tree import TokenTree
 
 
@@ -185,7 +185,7 @@ class RejectionSampling(_SeededStream):
     """Lossless speculative sampling over a token tree: EAGLE's / SpecInfer's recursive rule.
 
     From the root down: at a node, with ``p`` the target's distribution there (its logits
-    at ``temperature``, cut to ``top_k`` / ``top_p`` as :func:`~treedec.search.sampling.sampling_probs`
+    at ``temperature``, cut to ``top_k`` / ``top_p`` as :func:`~treedec.sampling.params.sampling_probs`
     does), :func:`recursive_rejection` tries the node's children in order; an accepted child
     becomes the next node, and if none is accepted the bonus token is drawn from the
     residual of ``p`` (a leaf: from ``p``). Every emitted token is an exact sample of the
@@ -245,8 +245,8 @@ class RejectionSampling(_SeededStream):
     def outcome(self, tree: TokenTree, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor,
                 draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """The same decision made on the device, launched without waiting: ``[2 + depth]`` int64
-        (:func:`~treedec.search.speculative.device_acceptance.rejection_outcome`; read it back and
-        :func:`~treedec.search.speculative.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
+        (:func:`~treedec.programs.speculative.device_acceptance.rejection_outcome`; read it back and
+        :func:`~treedec.programs.speculative.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
         Its tokens follow :meth:`accept`'s distribution exactly; it draws from the same stream
         differently, so single draws differ."""
         _check_draft_probs(tree, logits, draft_probs)
@@ -327,7 +327,7 @@ def _check_draft_probs(tree: TokenTree, logits: torch.Tensor, draft_probs: torch
 
 
 def _check_temperature(value, rule: str) -> None:
-    """A sampling rule's temperature: in float32's range and at least :data:`~treedec.search.logits.SAMPLING_EPS`
-    (below it a request is greedy, as :class:`~treedec.search.sampling.SamplingParams` makes it)."""
+    """A sampling rule's temperature: in float32's range and at least :data:`~treedec.sampling.logits.SAMPLING_EPS`
+    (below it a request is greedy, as :class:`~treedec.sampling.params.SamplingParams` makes it)."""
     float32_number(f"{rule} temperature", value, SAMPLING_EPS, FLOAT32_MAX,
                    note=" (below 1e-5 decoding is greedy: use GreedyAcceptance)")

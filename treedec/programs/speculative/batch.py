@@ -1,8 +1,8 @@
 """Speculative decoding of many requests at once: every request's draft tree in ONE step.
 
-:func:`speculative_batch` is :func:`~treedec.search.batch.generate_batch` for speculative
-decoding: each request is a :class:`~treedec.search.speculative.program.SpeculativeProgram` run by the
-scheduler (:mod:`treedec.search.scheduler`): every iteration each live request's draft source
+:func:`speculative_batch` is :func:`~treedec.programs.generate.generate_batch` for speculative
+decoding: each request is a :class:`~treedec.programs.speculative.program.SpeculativeProgram` run by the
+scheduler (:mod:`treedec.runtime.scheduler`): every iteration each live request's draft source
 proposes a token tree after its sequence, all the trees are verified in one engine step (one
 plan over the forest, one forward), and each request keeps its accepted path (its K/V moved
 onto the sequence, the rest freed) and the bonus token, under its own stop rule (EOS ids, stop
@@ -12,7 +12,7 @@ Any draft source batches: n-gram lookup, fixed trees, Medusa heads (their row he
 the shared step for every request's rows; the requests' drafts must share one heads module),
 drafts that read the target's hidden states, EAGLE drafters and draft models (greedy drafts on one
 drafter engine draft together: one drafter step per tree layer for all the pass's requests,
-:mod:`treedec.search.speculative.drafter_batch`). Acceptance is greedy by default (then every request's
+:mod:`treedec.programs.speculative.drafter_batch`). Acceptance is greedy by default (then every request's
 tokens are exactly those of plain greedy decoding of its prompt, whatever the draft: tested);
 ``acceptance`` gives a sampled rule.
 """
@@ -24,17 +24,17 @@ from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.decode import LaneOutput
-from treedec.search.speculative.acceptance import AcceptanceRule, RejectionSampling
-from treedec.search.batch import prepare_requests, request_results
-from treedec.search.speculative.draft_budget import DraftBudget
-from treedec.search.speculative.drafts import DraftSource, check_draft_source
-from treedec.search.prefix_cache import PrefixCache
-from treedec.search.request import check_positions
-from treedec.search.requests_file import RequestResult, RequestSpec
-from treedec.search.scheduler import SchedulerStats, run_programs
-from treedec.search.speculative.program import SpeculativeProgram
+from treedec.programs.speculative.acceptance import AcceptanceRule, RejectionSampling
+from treedec.programs.generate import prepare_requests, request_results
+from treedec.programs.speculative.draft_budget import DraftBudget
+from treedec.programs.speculative.drafts import DraftSource, check_draft_source
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.runtime.request import check_positions
+from treedec.runtime.requests import RequestResult, RequestSpec
+from treedec.runtime.scheduler import SchedulerStats, run_programs
+from treedec.programs.speculative.program import SpeculativeProgram
 
-#: The :class:`~treedec.search.sampling.SamplingParams` fields speculative decoding implements (the others, e.g.
+#: The :class:`~treedec.sampling.params.SamplingParams` fields speculative decoding implements (the others, e.g.
 #: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
 #: are the acceptance rule's.
 SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -61,17 +61,17 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     requests : :class:`RequestSpec` with ``n=1``; ``temperature=0`` unless ``acceptance`` is given.
     draft : makes each request's draft source, e.g. ``lambda spec: PromptLookupDraft()``.
     tokenizer, chat_template, on_request_done, on_step, prefix_cache : as
-        :func:`~treedec.search.batch.generate_batch`.
+        :func:`~treedec.programs.generate.generate_batch`.
     max_draft_tokens : the largest tree a draft may propose (its root included): the scheduler
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
         ``lambda spec: RejectionSampling(spec.params.temperature, seed=spec.params.seed)``.
-    max_step_tokens : as :func:`~treedec.search.batch.generate_batch`.
-    draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.search.speculative.draft_budget`):
+    max_step_tokens : as :func:`~treedec.programs.generate.generate_batch`.
+    draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.programs.speculative.draft_budget`):
         default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
-    pipeline : each request's steps pipelined (:mod:`treedec.search.speculative.pipeline`: drafts with a fixed
+    pipeline : each request's steps pipelined (:mod:`treedec.programs.speculative.pipeline`: drafts with a fixed
         tree drafted on the device, greedy or rejection sampling; True raises where they do not); None (the
         default): where they allow it on a GPU, for batches of at most :data:`PIPELINE_MAX_REQUESTS` requests;
         False: never. Each result's ``stats["pipelined"]`` says which ran and ``stats["pipeline_note"]`` why
@@ -83,7 +83,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
 
     Returns
     -------
-    ``(results, stats)`` as :func:`~treedec.search.batch.generate_batch`; each result's ``stats``
+    ``(results, stats)`` as :func:`~treedec.programs.generate.generate_batch`; each result's ``stats``
     also holds ``accepted`` (draft tokens accepted at each of its steps).
     """
     if not callable(draft):

@@ -1,7 +1,7 @@
 """Speculative decoding configured once for many requests (:class:`SpeculativeConfig`, vLLM's
 ``speculative_config``): which draft source, its weights and its shape; :meth:`SpeculativeConfig.build` loads what
 it needs once (Medusa heads, an EAGLE drafter or a draft model and its engine) and returns each request's draft
-source (:class:`Drafts`), the form :func:`~treedec.search.speculative.batch.speculative_batch` takes."""
+source (:class:`Drafts`), the form :func:`~treedec.programs.speculative.batch.speculative_batch` takes."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +13,11 @@ from treedec.engine import Engine
 from treedec.models import DecoderModel, from_pretrained
 from treedec.models.eagle_drafter import EagleDrafter, load_eagle
 from treedec.models.medusa import MedusaHeads, load_medusa_heads
-from treedec.search.requests_file import RequestSpec
-from treedec.search.speculative.draft_model import DraftModelDraft
-from treedec.search.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
-from treedec.search.speculative.eagle import EagleDraft
-from treedec.search.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
+from treedec.runtime.requests import RequestSpec
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
+from treedec.programs.speculative.eagle import EagleDraft
+from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
 
 __all__ = ["METHODS", "Drafts", "SpeculativeConfig"]
 
@@ -47,7 +47,7 @@ class SpeculativeConfig:
     top_k : eagle / draft_model: each drafted token's expansion width.
     total_tokens : eagle / draft_model: draft tokens a step verifies (the dynamic tree's size).
     medusa_choices : medusa: the tree's paths (default Medusa's 63-token tree).
-    tree : tree: the :class:`~treedec.search.speculative.drafts.TreeDraft` every request uses.
+    tree : tree: the :class:`~treedec.programs.speculative.drafts.TreeDraft` every request uses.
     seed : random drafter weights and sampled drafts.
     """
 

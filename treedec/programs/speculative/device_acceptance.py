@@ -1,7 +1,7 @@
 """Acceptance of a verified token tree on the device: the outcome in one small tensor, no wait on the way.
 
-The host rules of :mod:`treedec.search.speculative.acceptance` walk the tree from the root and read values as they
-go; :class:`~treedec.search.speculative.acceptance.RejectionSampling` reads a random number and a probability for
+The host rules of :mod:`treedec.programs.speculative.acceptance` walk the tree from the root and read values as they
+go; :class:`~treedec.programs.speculative.acceptance.RejectionSampling` reads a random number and a probability for
 every child it tries (each read a wait for the device: on a GPU a step of a top-8 EAGLE tree paid
 dozens). Here the same decisions are tensor operations over the whole tree at once, launched after the
 verification step without waiting for it:
@@ -15,7 +15,7 @@ verification step without waiting for it:
 
 :class:`Outcome` is the result: ``[2 + depth]`` int64 on the device (accepted length, bonus, path
 padded with -1); a program reads it with the other requests' reads in one copy
-(:class:`~treedec.search.program.Read`) and :func:`decode_outcome` turns it into ``(path, bonus)``,
+(:class:`~treedec.runtime.program.Read`) and :func:`decode_outcome` turns it into ``(path, bonus)``,
 the host rules' result. Emitted tokens follow exactly the host rule's distribution (chi-square tests);
 the random streams differ, so single draws do not match the host rule's.
 """
@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from treedec.search.sampling import SamplingParams, sampling_probs
+from treedec.sampling.params import SamplingParams, sampling_probs
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -101,7 +101,7 @@ _CACHE: dict[tuple, DeviceTree] = {}
 
 
 def greedy_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], argmax: torch.Tensor) -> torch.Tensor:
-    """:func:`~treedec.search.speculative.acceptance.greedy_path`'s decision on the device: a child passes when its
+    """:func:`~treedec.programs.speculative.acceptance.greedy_path`'s decision on the device: a child passes when its
     token is the target's argmax at its parent (the first such sibling wins), the bonus is the argmax at the path's last
     node. ``argmax`` [N] int64 on the device; returns the outcome tensor (see :func:`rejection_outcome`)."""
     shape = DeviceTree.of(tree, argmax.device)
@@ -166,7 +166,7 @@ class _GreedyGraph:
 def rejection_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], logits: torch.Tensor,
                       params: SamplingParams, generator: torch.Generator,
                       draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`~treedec.search.speculative.acceptance.RejectionSampling`'s decision on the device.
+    """:class:`~treedec.programs.speculative.acceptance.RejectionSampling`'s decision on the device.
 
     Parameters
     ----------

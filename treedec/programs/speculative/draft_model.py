@@ -13,7 +13,7 @@ Of every node made, the ``total_tokens`` with the highest cumulative log-prob fo
 tree that the target verifies.
 
 Greedy (top-k) drafts of a batch that share the draft engine draft *together*, as EAGLE's do
-(:class:`~treedec.search.speculative.drafter_batch.DrafterGroup`): one sync step for every request's new
+(:class:`~treedec.programs.speculative.drafter_batch.DrafterGroup`): one sync step for every request's new
 tokens, then the ``depth - 1`` layer steps of every request's frontier in one
 :class:`~treedec.engine.step_chain.StepChain` (one CUDA graph on a graphed engine), the frontier
 held in ``top_k`` chains of scratch KV slots and picked on the device, one copy back at the end.
@@ -31,8 +31,8 @@ from typing import Sequence
 import torch
 
 from treedec.engine import Engine
-from treedec.search.sampling import SamplingParams
-from treedec.search.speculative.tree_drafting import EngineTreeDraft
+from treedec.sampling.params import SamplingParams
+from treedec.programs.speculative.tree_drafting import EngineTreeDraft
 
 
 class DraftModelDraft(EngineTreeDraft):
@@ -48,11 +48,11 @@ class DraftModelDraft(EngineTreeDraft):
     total_tokens : draft tokens in the proposed tree (the best by cumulative log-prob), >= 1.
     sample : None (default): each expanded node's children are the draft's ``top_k`` most likely
         tokens, and the tree the ``total_tokens`` best nodes (EAGLE-2). A
-        :class:`~treedec.search.sampling.SamplingParams`: the children are *sampled* without
+        :class:`~treedec.sampling.params.SamplingParams`: the children are *sampled* without
         replacement from the draft's distribution processed by it (give the acceptance rule the
         same temperature, top-k and top-p), kept in draw order, and the tree is cut to
         ``total_tokens`` by dropping whole last draws, never by value (so verification by
-        :class:`~treedec.search.speculative.acceptance.RejectionSampling` stays lossless); the
+        :class:`~treedec.programs.speculative.acceptance.RejectionSampling` stays lossless); the
         distributions drawn from are :attr:`draft_probs` after each proposal.
     seed : of the sampling draws.
 

@@ -1,12 +1,12 @@
 """Tree drafting for many requests at once: one drafter step per tree layer for every live request.
 
 The drafts of a batch that grow EAGLE-2 trees on a drafter engine of their own
-(:class:`~treedec.search.speculative.eagle.EagleDraft`,
-:class:`~treedec.search.speculative.draft_model.DraftModelDraft`: both
-:class:`~treedec.search.speculative.tree_drafting.EngineTreeDraft`) share that engine; their :class:`DrafterGroup`
+(:class:`~treedec.programs.speculative.eagle.EagleDraft`,
+:class:`~treedec.programs.speculative.draft_model.DraftModelDraft`: both
+:class:`~treedec.programs.speculative.tree_drafting.EngineTreeDraft`) share that engine; their :class:`DrafterGroup`
 (one per drafter engine, :meth:`DrafterGroup.of`) drafts for all of them together. In a scheduler pass
 every speculative program submits its sequence (``draft.submit``), waits for the pass to end
-(:meth:`~treedec.search.program.ProgramContext.together`), and collects its tree (``draft.collect``);
+(:meth:`~treedec.runtime.program.ProgramContext.together`), and collects its tree (``draft.collect``);
 the first collect drafts for every submitted request:
 
 1. *sync*: one drafter step (per prompt chunk) over every request's new queries (the tokens the

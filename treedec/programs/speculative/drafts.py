@@ -1,11 +1,11 @@
 """Draft sources for speculative decoding: what proposes the token tree a step verifies.
 
 A :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree` whose root is
-the sequence's last token (see :mod:`treedec.search.speculative.program` for the verification).
+the sequence's last token (see :mod:`treedec.programs.speculative.program` for the verification).
 Here: the base class, :class:`TargetOutput` (what a draft that reads the target sees),
 :class:`PromptLookupDraft` (n-grams of the sequence) and :class:`TreeDraft` (a fixed shape
-with given tokens); :class:`~treedec.search.speculative.medusa.MedusaDraft` and
-:class:`~treedec.search.speculative.draft_model.DraftModelDraft` live in their own modules.
+with given tokens); :class:`~treedec.programs.speculative.medusa.MedusaDraft` and
+:class:`~treedec.programs.speculative.draft_model.DraftModelDraft` live in their own modules.
 """
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ class DraftSource:
     """For a draft that samples its tokens, after each :meth:`propose` the ``[tree.size, vocab]``
     distributions it drew each node's children from (without replacement, in child order),
     processed with the acceptance rule's temperature, top-k and top-p
-    (:func:`~treedec.search.sampling.sampling_probs`); the acceptance rule gets them
-    (:class:`~treedec.search.speculative.acceptance.RejectionSampling` is then lossless for such drafts).
+    (:func:`~treedec.sampling.params.sampling_probs`); the acceptance rule gets them
+    (:class:`~treedec.programs.speculative.acceptance.RejectionSampling` is then lossless for such drafts).
     None: the draft's tokens are not sampled."""
 
     drafts_together: bool = False
     """True for drafts that draft for many requests at once (EAGLE and draft-model drafts on a shared drafter engine): a
     speculative program then calls :meth:`submit`, lets every other program of the scheduler pass submit
-    too (:meth:`~treedec.search.program.ProgramContext.together`), and :meth:`collect` s its tree;
+    too (:meth:`~treedec.runtime.program.ProgramContext.together`), and :meth:`collect` s its tree;
     :meth:`propose` is both, alone. Pipelined, with a :attr:`fixed_tree`: :meth:`submit_step` and
     :meth:`collect_step`, :meth:`device_drafts` both alone."""
 
@@ -77,7 +77,7 @@ class DraftSource:
     """The tree every proposal has, for a draft whose tokens are computed on the device from what the step
     before left there (:meth:`device_drafts`: its :attr:`row_head`'s output at the last accepted token, the
     target's states, or nothing for fixed tokens): its speculative loop can run pipelined
-    (:mod:`~treedec.search.speculative.pipeline`). None: not such a draft."""
+    (:mod:`~treedec.programs.speculative.pipeline`). None: not such a draft."""
 
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``step.device``, the root
@@ -301,7 +301,7 @@ def check_draft_source(value, what: str) -> None:
     """Raise a TypeError naming ``what`` and the type of ``value`` unless it is a :class:`DraftSource`."""
     if not isinstance(value, DraftSource):
         raise TypeError(f"{what} must be a draft source, got {type(value).__name__}: subclass "
-                        f"treedec.search.speculative.drafts.DraftSource (it declares every member a draft may define)")
+                        f"treedec.programs.speculative.drafts.DraftSource (it declares every member a draft may define)")
 
 
 # ================================================================ private

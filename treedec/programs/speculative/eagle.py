@@ -1,6 +1,6 @@
 """EAGLE speculative decoding: token trees drafted from the target's own hidden states.
 
-:class:`EagleDraft` is a draft source (:mod:`treedec.search.speculative.drafts`) over an
+:class:`EagleDraft` is a draft source (:mod:`treedec.programs.speculative.drafts`) over an
 :class:`~treedec.models.eagle_drafter.EagleDrafter` (EAGLE-1/2 or EAGLE-3) running on an engine of its own.
 The target hands it its states at every token it computes (its ``target_states``: the final-norm
 hidden states for EAGLE-1, the three layers' inputs for EAGLE-3, returned from inside the
@@ -29,9 +29,9 @@ with the token at ``t + 1``; each proposal is
    (:meth:`PagedKVPool.copy_slots`) inside it. One copy back at the end gives every layer's
    candidates, and the tree is the one :func:`~treedec.tree.token_tree.expand_by_logprob` grows from
    them (tested). With ``sample``, children are drawn without replacement layer by layer and their
-   distributions go to the acceptance rule (:class:`~treedec.search.speculative.tree_drafting.EngineTreeDraft`).
+   distributions go to the acceptance rule (:class:`~treedec.programs.speculative.tree_drafting.EngineTreeDraft`).
 
-With ``tree="chains"`` the tree is fixed instead (:mod:`~treedec.search.speculative.eagle_chains`: the root's ``top_k``
+With ``tree="chains"`` the tree is fixed instead (:mod:`~treedec.programs.speculative.eagle_chains`: the root's ``top_k``
 children, each extended by argmax) and drafted on the device (:meth:`EagleDraft.device_drafts`), so the
 speculative loop runs pipelined.
 
@@ -46,11 +46,11 @@ import torch
 
 from treedec.engine import Engine
 from treedec.models.eagle_drafter import EagleDrafter
-from treedec.search.speculative.drafts import DeviceStep, TargetOutput
-from treedec.search.speculative.drafter_batch import DrafterGroup
-from treedec.search.speculative.eagle_chains import EagleChains, chains_tree
-from treedec.search.sampling import SamplingParams
-from treedec.search.speculative.tree_drafting import EngineTreeDraft
+from treedec.programs.speculative.drafts import DeviceStep, TargetOutput
+from treedec.programs.speculative.drafter_batch import DrafterGroup
+from treedec.programs.speculative.eagle_chains import EagleChains, chains_tree
+from treedec.sampling.params import SamplingParams
+from treedec.programs.speculative.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -65,17 +65,17 @@ class EagleDraft(EngineTreeDraft):
     engine : an Engine of the :class:`~treedec.models.eagle_drafter.EagleDrafter` (its own pool; graphs
         welcome: ``cuda_graphs=True``). The drafts of a batch's requests may share it: each keeps its
         own sequence in its tree, and greedy drafts draft together, one drafter step per tree layer for
-        every request of a scheduler pass (:mod:`treedec.search.speculative.drafter_batch`).
+        every request of a scheduler pass (:mod:`treedec.programs.speculative.drafter_batch`).
     depth : tree layers (draft tokens per path), >= 1 (EAGLE-2: 5).
     top_k : nodes expanded per layer and children per expanded node (EAGLE-2: 8).
     total_tokens : draft tokens in the proposed tree (default: EAGLE-2's 63, a 64-token tree with the root;
         with ``tree="chains"`` always ``top_k * depth``).
-    sample, seed : as :class:`~treedec.search.speculative.draft_model.DraftModelDraft` (sampled drafts for
-        :class:`~treedec.search.speculative.acceptance.RejectionSampling`; ``tree="dynamic"`` only).
+    sample, seed : as :class:`~treedec.programs.speculative.draft_model.DraftModelDraft` (sampled drafts for
+        :class:`~treedec.programs.speculative.acceptance.RejectionSampling`; ``tree="dynamic"`` only).
     tree : ``"dynamic"`` (EAGLE-2's tree: the ``total_tokens`` best of the top-k expansion, chosen on the
         host) or ``"chains"`` (a fixed tree: the root's ``top_k`` best children, each extended ``depth - 1``
         tokens by argmax, drafted on the device; its speculative loop runs pipelined:
-        :mod:`~treedec.search.speculative.eagle_chains`).
+        :mod:`~treedec.programs.speculative.eagle_chains`).
     """
 
     def __init__(self, engine: Engine, depth: int = 5, top_k: int = 8, total_tokens: int | None = None,
@@ -109,7 +109,7 @@ class EagleDraft(EngineTreeDraft):
     @property
     def fixed_tree(self):
         """With ``tree="chains"``, the chains' tree
-        (:func:`~treedec.search.speculative.eagle_chains.chains_tree`): every proposal's; else None."""
+        (:func:`~treedec.programs.speculative.eagle_chains.chains_tree`): every proposal's; else None."""
         return self._fixed
 
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
@@ -120,7 +120,7 @@ class EagleDraft(EngineTreeDraft):
 
     def submit_step(self, step: DeviceStep) -> None:
         """Queue the chains of ``step`` (see :meth:`device_drafts`) with the other requests' on this drafter
-        engine (:class:`~treedec.search.speculative.eagle_chains.EagleChains`: one sync and one chain run for all)."""
+        engine (:class:`~treedec.programs.speculative.eagle_chains.EagleChains`: one sync and one chain run for all)."""
         if self._fixed is None:
             raise NotImplementedError("EagleDraft drafts on the device with tree='chains' only (fixed_tree is None)")
         if step.states is None or step.tokens is None:
@@ -165,7 +165,7 @@ class EagleDraft(EngineTreeDraft):
 
     def submit(self, sequence_tokens: Sequence[int]) -> None:
         """Queue this request's proposal with the other requests' on its drafter engine (see
-        :attr:`drafts_together`; chains: :class:`~treedec.search.speculative.eagle_chains.EagleChains`)."""
+        :attr:`drafts_together`; chains: :class:`~treedec.programs.speculative.eagle_chains.EagleChains`)."""
         if self._fixed is None:
             return super().submit(sequence_tokens)
         if not len(sequence_tokens):

@@ -1,10 +1,10 @@
 """EAGLE drafting in fixed chains: the same tree every step, drafted on the device, so the loop pipelines.
 
-:class:`~treedec.search.speculative.eagle.EagleDraft` with ``tree="chains"`` proposes the root's ``top_k`` best
+:class:`~treedec.programs.speculative.eagle.EagleDraft` with ``tree="chains"`` proposes the root's ``top_k`` best
 children, each extended ``depth - 1`` tokens by the drafter's argmax: a tree of ``1 + top_k * depth`` tokens whose shape
 never changes (:func:`chains_tree`; ``top_k=1`` is one chain, SGLang's ``--speculative-eagle-topk 1``). Only
 the tokens depend on values, and they stay on the device, so a speculative loop over it runs pipelined
-(:mod:`~treedec.search.speculative.pipeline`): the drafter is synced with the target's states at the step's
+(:mod:`~treedec.programs.speculative.pipeline`): the drafter is synced with the target's states at the step's
 root and accepted path while their count is still a device value, and its chains read that sync's slots
 through a :class:`~treedec.attention.dynamic_span.DynamicSpan` (the unaccepted ones masked, the chains'
 positions moved back on the device). The ``depth - 1`` chain steps are one
@@ -21,7 +21,7 @@ import torch
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
-from treedec.search.speculative.drafter_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
+from treedec.programs.speculative.drafter_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 

@@ -10,7 +10,7 @@ import torch
 
 from treedec.engine import Engine
 from treedec.models.medusa import MedusaHeads
-from treedec.search.speculative.drafts import DeviceStep, DraftSource, TargetOutput
+from treedec.programs.speculative.drafts import DeviceStep, DraftSource, TargetOutput
 from treedec.tree.token_tree import TokenTree
 
 #: A small Medusa tree (10 draft tokens, depth 4): top-3 of head 0, top-2 after the best, ...
@@ -25,7 +25,7 @@ class MedusaDraft(DraftSource):
     sorted by logit, highest first), read from the target's hidden state at the token
     before the root; a path's candidate does not depend on its parent, as in Medusa.
 
-    A draft source for :func:`~treedec.search.speculative.program.speculative_generate`. As in
+    A draft source for :func:`~treedec.programs.speculative.program.speculative_generate`. As in
     Medusa, the heads run inside the target's verification step, at every verified token
     (:meth:`row_head`, the engine's row head: in the step's CUDA graph on a GPU), and the
     next draft takes the candidates at the last accepted token; ``in_step=False`` runs them

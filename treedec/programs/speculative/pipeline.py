@@ -1,18 +1,18 @@
 """Pipelined speculative decoding: step n+1 is planned and launched before step n's tokens reach the host.
 
 For a draft whose tree is the same every step and whose tokens are computed on the device from what the step
-before left there, or are fixed (:attr:`~treedec.search.speculative.drafts.DraftSource.fixed_tree`: Medusa heads
+before left there, or are fixed (:attr:`~treedec.programs.speculative.drafts.DraftSource.fixed_tree`: Medusa heads
 run inside the step, EAGLE's chains drafted from the target's states, a ``TreeDraft`` of fixed tokens), under greedy
 acceptance or rejection sampling, nothing the next step needs is a host value:
 
-- step n's acceptance runs on the device (:mod:`~treedec.search.speculative.device_acceptance`): the accepted
+- step n's acceptance runs on the device (:mod:`~treedec.programs.speculative.device_acceptance`): the accepted
   length, the path and the bonus token (the next root) stay there;
 - step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
   (:meth:`~treedec.tree.SequenceTree.extend_computed`), into which step n's root and accepted path K/V are
   copied on the device; the slots past the accepted length are masked and the new tree's positions moved
   back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpan`);
-- its draft tokens come from the device (:meth:`~treedec.search.speculative.drafts.DraftSource.device_drafts` of a
-  :class:`~treedec.search.speculative.drafts.DeviceStep`): gathered from step n's row-head output at the last accepted
+- its draft tokens come from the device (:meth:`~treedec.programs.speculative.drafts.DraftSource.device_drafts` of a
+  :class:`~treedec.programs.speculative.drafts.DeviceStep`): gathered from step n's row-head output at the last accepted
   token, or drafted from the target's states at step n's root and path, of which only the accepted are real
   (EAGLE's chains).
 
@@ -21,7 +21,7 @@ the unused reserved slots (:meth:`~treedec.tree.SequenceTree.truncate`) before p
 there (EOS, a stop string, ``max_new_tokens``) rolls step n+1 back: its tree is pruned and the sequence cut to
 the tokens kept, every page freed. Tokens, the tree left behind and the stats equal the unpipelined loop's
 (``pipeline=False``). It is a scheduler program (:func:`pipelined_run`, run by
-:class:`~treedec.search.speculative.program.SpeculativeProgram`): in a batch every request has its span in the one
+:class:`~treedec.programs.speculative.program.SpeculativeProgram`): in a batch every request has its span in the one
 step and the previous step's outcomes come back in the batch's one copy; a draft budget cuts the fixed tree
 to each request's share, decided from acceptances one step older than the unpipelined loop's.
 """
@@ -36,13 +36,13 @@ import torch
 from treedec.attention import SpanMasking
 from treedec.attention.dynamic_span import DynamicSpan
 from treedec.engine import Engine
-from treedec.search.speculative.acceptance import GreedyAcceptance, RejectionSampling
-from treedec.search.speculative.device_acceptance import greedy_outcome
-from treedec.search.speculative.drafts import DeviceStep, DraftSource, target_states_at
-from treedec.search.program import ProgramContext, StepRequest
-from treedec.search.sampling import GREEDY, sample_tokens
-from treedec.search.stops import StopChecker
-from treedec.search.speculative.tree_drafting import EngineTreeDraft
+from treedec.programs.speculative.acceptance import GreedyAcceptance, RejectionSampling
+from treedec.programs.speculative.device_acceptance import greedy_outcome
+from treedec.programs.speculative.drafts import DeviceStep, DraftSource, target_states_at
+from treedec.runtime.program import ProgramContext, StepRequest
+from treedec.sampling.params import GREEDY, sample_tokens
+from treedec.sampling.stops import StopChecker
+from treedec.programs.speculative.tree_drafting import EngineTreeDraft
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -88,7 +88,7 @@ class _Flight:
 
 def pipelined_run(ctx: ProgramContext, program, checker: StopChecker, head_name: str | None, stats):
     """The pipelined loop of one request as a scheduler program (``yield from`` it in
-    :meth:`~treedec.search.speculative.program.SpeculativeProgram.run`): its prompt, then steps, each launched before
+    :meth:`~treedec.programs.speculative.program.SpeculativeProgram.run`): its prompt, then steps, each launched before
     the previous one's outcome is read (that read rides with the step, :attr:`StepRequest.read`, in the batch's
     one copy). Fills ``stats`` as the unpipelined loop does; returns the node."""
     engine, draft, acceptance, budget = ctx.engine, program.draft, program.acceptance, program.budget

@@ -3,7 +3,7 @@
 Each step a :class:`DraftSource` proposes a :class:`~treedec.tree.token_tree.TokenTree`
 whose root is the sequence's last token; one engine step computes the root and every
 draft token at once (tree attention: each token attends to its own path only). An
-:class:`~treedec.search.speculative.acceptance.AcceptanceRule` picks the accepted path (greedy: the
+:class:`~treedec.programs.speculative.acceptance.AcceptanceRule` picks the accepted path (greedy: the
 longest path whose tokens equal the model's greedy choice at their parent); its K/V move
 onto the sequence node (no recompute), the rest of the tree is pruned, and the token the
 rule draws after the last accepted token (the *bonus* token) is the root of the next
@@ -13,11 +13,11 @@ accepted path ends it there, as the bonus token: generation stops on it, and no 
 it is kept; a stop string or ``max_new_tokens`` inside the path cuts it there too.
 
 :class:`SpeculativeProgram` is one request's loop as a program of the scheduler
-(:mod:`treedec.search.scheduler`): batched, every live request's tree is verified in the same
+(:mod:`treedec.runtime.scheduler`): batched, every live request's tree is verified in the same
 engine step. :func:`speculative_generate` runs one request.
 
-Draft sources are in :mod:`treedec.search.speculative.drafts`, :mod:`treedec.search.speculative.medusa` and
-:mod:`treedec.search.speculative.draft_model`.
+Draft sources are in :mod:`treedec.programs.speculative.drafts`, :mod:`treedec.programs.speculative.medusa` and
+:mod:`treedec.programs.speculative.draft_model`.
 """
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ import torch
 
 from treedec.checks import is_int, positive_int
 from treedec.engine import Engine
-from treedec.search.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
-from treedec.search.speculative.device_acceptance import decode_outcome
+from treedec.programs.speculative.acceptance import AcceptanceRule, GreedyAcceptance, RejectionSampling, greedy_path
+from treedec.programs.speculative.device_acceptance import decode_outcome
 from treedec.models.text import IncrementalDetokenizer
-from treedec.search.speculative.draft_budget import DraftBudget, cut_tree
-from treedec.search.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
-from treedec.search.request import MODEL_EOS, Positions, check_positions, eos_token_ids
-from treedec.search.program import Program, ProgramContext, Read, StepRequest
-from treedec.search.scheduler import run_program
-from treedec.search.speculative.pipeline import pipeline_refusal, pipelined_run
-from treedec.search.stops import StopChecker, StopRule
+from treedec.programs.speculative.draft_budget import DraftBudget, cut_tree
+from treedec.programs.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
+from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
+from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
+from treedec.runtime.scheduler import run_program
+from treedec.programs.speculative.pipeline import pipeline_refusal, pipelined_run
+from treedec.sampling.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy
 from treedec.tree.token_tree import TokenTree
 from treedec.tree.validate import int_list
@@ -61,8 +61,8 @@ class SpeculativeStats:
     node : the request's sequence node (its tokens: prompt + every accepted token);
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
-        or "length" (``max_new_tokens`` reached), as :class:`~treedec.search.parallel_sampling.Sample`'s.
-    pipelined : whether the steps ran pipelined (:mod:`treedec.search.speculative.pipeline`; then the draft
+        or "length" (``max_new_tokens`` reached), as :class:`~treedec.programs.parallel_sampling.Sample`'s.
+    pipelined : whether the steps ran pipelined (:mod:`treedec.programs.speculative.pipeline`; then the draft
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
     cached_tokens : prompt tokens read from the prefix cache across requests (none computed).
@@ -111,15 +111,15 @@ class VerifyResult:
 class SpeculativeProgram(Program):
     """One request's speculative decoding as a scheduler program (see the module docstring).
 
-    Its result is ``(checker, stats)``: the :class:`~treedec.search.stops.StopChecker` that took the
+    Its result is ``(checker, stats)``: the :class:`~treedec.sampling.stops.StopChecker` that took the
     new tokens under ``rule`` (EOS ids, stop strings, ``max_new_tokens``: its ``token_ids``,
     ``text``, ``stop_reason``) and :class:`SpeculativeStats`.
 
     Parameters
     ----------
     prompt_ids : the prompt.
-    draft : the request's draft source, a :class:`~treedec.search.speculative.drafts.DraftSource` (else TypeError).
-    rule : the request's :class:`~treedec.search.stops.StopRule`.
+    draft : the request's draft source, a :class:`~treedec.programs.speculative.drafts.DraftSource` (else TypeError).
+    rule : the request's :class:`~treedec.sampling.stops.StopRule`.
     tokenizer : detokenizes the output (stop strings need it).
     acceptance : default :class:`GreedyAcceptance`.
     keep_node : leave the request's node in the tree at the end (``stats.node``), and the draft's state (its
@@ -127,16 +127,16 @@ class SpeculativeProgram(Program):
     on_step : called as ``on_step(stats, emitted)`` after every verification step.
     max_draft_tokens : the largest tree (root included) the draft may propose; its pages are the
         headroom the scheduler keeps for the request's steps.
-    budget : the batch's :class:`~treedec.search.speculative.draft_budget.DraftBudget` (shared by its programs): each
+    budget : the batch's :class:`~treedec.programs.speculative.draft_budget.DraftBudget` (shared by its programs): each
         proposal is cut to this request's share of the step's draft tokens.
-    pipeline : run its steps pipelined (:mod:`treedec.search.speculative.pipeline`); None: when the draft, the
+    pipeline : run its steps pipelined (:mod:`treedec.programs.speculative.pipeline`); None: when the draft, the
         rule and the engine allow it on a GPU (``stats.pipelined``, ``stats.pipeline_note`` say what was
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
-        choice of :func:`~treedec.search.speculative.batch.speculative_batch` for a large batch.
+        choice of :func:`~treedec.programs.speculative.batch.speculative_batch` for a large batch.
     on_text : streaming: called as ``on_text(delta)`` with the output's new text after each verification step
         (needs ``tokenizer``; a tail that may start a stop string is held back until it does not, as
-        :attr:`~treedec.search.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
+        :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
         start (a preemption) streams again from the start.
     """
@@ -205,7 +205,7 @@ class SpeculativeProgram(Program):
         if self.budget is not None:
             self.budget.join(self)
         try:
-            if pipelined:   # (treedec.search.speculative.pipeline)
+            if pipelined:   # (treedec.programs.speculative.pipeline)
                 yield from pipelined_run(ctx, self, checker, head_name, stats)
             else:
                 yield from self._steps(ctx, checker, head_name, stats)
@@ -308,18 +308,18 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
 
     Parameters
     ----------
-    draft : the draft source, a :class:`~treedec.search.speculative.drafts.DraftSource` (else TypeError); its
+    draft : the draft source, a :class:`~treedec.programs.speculative.drafts.DraftSource` (else TypeError); its
         ``start`` / ``needs_hidden`` / ``row_head`` / ``observe`` / ... members are used.
     max_new_tokens : int >= 1.
     acceptance : default :class:`GreedyAcceptance` (then the tokens are exactly those of
-        plain greedy decoding); :class:`~treedec.search.speculative.acceptance.TypicalAcceptance` or
-        :class:`~treedec.search.speculative.acceptance.RejectionSampling` for sampled decoding.
+        plain greedy decoding); :class:`~treedec.programs.speculative.acceptance.TypicalAcceptance` or
+        :class:`~treedec.programs.speculative.acceptance.RejectionSampling` for sampled decoding.
     on_step : called as ``on_step(stats, emitted)`` after every verification step
         (``emitted``: new tokens so far), e.g. to advance a progress bar.
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's),
         an id, several ids, or None (no EOS stop).
     pipeline : run step n+1 before step n's tokens reach the host
-        (:mod:`treedec.search.speculative.pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
+        (:mod:`treedec.programs.speculative.pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
         as Medusa heads run in the step or a ``TreeDraft`` of fixed tokens, under greedy acceptance or
         rejection sampling). Default: on for a CUDA engine when the draft
         and rule allow it (``stats.pipelined`` and ``stats.pipeline_note`` say what was chosen and why); True

@@ -1,11 +1,11 @@
 """Token trees drafted by a network on an engine of its own, layer by layer (EAGLE-2's dynamic trees).
 
-:class:`EngineTreeDraft` is what :class:`~treedec.search.speculative.draft_model.DraftModelDraft` and
-:class:`~treedec.search.speculative.eagle.EagleDraft` share: each proposal first brings the drafter up to
+:class:`EngineTreeDraft` is what :class:`~treedec.programs.speculative.draft_model.DraftModelDraft` and
+:class:`~treedec.programs.speculative.eagle.EagleDraft` share: each proposal first brings the drafter up to
 the sequence (the root's logits), then grows the tree ``depth`` layers deep, one drafter step
 per layer over the layer's frontier, and keeps the best ``total_tokens`` nodes by cumulative
 log-prob. Greedy (top-k) drafts do it with every other request on their drafter engine
-(:class:`~treedec.search.speculative.drafter_batch.DrafterGroup`: one sync step, then the frontier in ``top_k``
+(:class:`~treedec.programs.speculative.drafter_batch.DrafterGroup`: one sync step, then the frontier in ``top_k``
 chains of scratch KV slots, one :class:`~treedec.engine.step_chain.StepChain` for all requests;
 :meth:`~EngineTreeDraft.sync_inputs` gives a request's new queries; the group reads and writes a draft's state
 through its public methods only). With ``sample``, a proposal draws each expanded
@@ -23,9 +23,9 @@ import torch
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.sampling import SamplingParams, sampling_probs
-from treedec.search.speculative.drafter_batch import DrafterGroup
-from treedec.search.speculative.drafts import DraftSource
+from treedec.sampling.params import SamplingParams, sampling_probs
+from treedec.programs.speculative.drafter_batch import DrafterGroup
+from treedec.programs.speculative.drafts import DraftSource
 from treedec.tree.token_tree import TokenTree
 
 
@@ -33,7 +33,7 @@ class EngineTreeDraft(DraftSource):
     """The tree growth of drafts that run on their own :class:`~treedec.engine.Engine`; subclasses
     define :meth:`sync_inputs` (greedy drafts), ``_sync`` and ``_frontier_logits`` (sampled drafts; see the module
     docstring). Parameters as
-    :class:`~treedec.search.speculative.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
+    :class:`~treedec.programs.speculative.draft_model.DraftModelDraft`'s; ``what`` names the engine in errors."""
 
     def __init__(self, engine: Engine, what: str, depth: int, top_k: int, total_tokens: int,
                  sample: SamplingParams | None, seed: int):
@@ -81,7 +81,7 @@ class EngineTreeDraft(DraftSource):
     @property
     def drafts_together(self) -> bool:
         """Greedy (top-k) drafts draft together with the other requests on their drafter engine (its
-        :class:`~treedec.search.speculative.drafter_batch.DrafterGroup`); sampled ones propose alone."""
+        :class:`~treedec.programs.speculative.drafter_batch.DrafterGroup`); sampled ones propose alone."""
         return self.sample is None
 
     def submit(self, sequence_tokens: Sequence[int]) -> None:

@@ -21,7 +21,7 @@ from itertools import combinations
 from typing import Sequence
 
 from treedec.checks import is_int
-from treedec.search.tot.program import ToTTask
+from treedec.programs.tot.program import ToTTask
 
 __all__ = ["Game24Error", "Game24Task", "Step", "check_answer", "check_step", "evaluate_answer", "parse_step", "solve"]
 
@@ -155,7 +155,7 @@ def solve(numbers: Sequence[int]) -> str | None:
 
 @dataclass
 class Game24Task(ToTTask):
-    """Game of 24 for :func:`~treedec.search.tot.program.tot_bfs` / ``tot_dfs`` (use ``depth=4``: three
+    """Game of 24 for :func:`~treedec.programs.tot.program.tot_bfs` / ``tot_dfs`` (use ``depth=4``: three
     steps and the answer).
 
     Attributes

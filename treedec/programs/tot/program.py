@@ -25,7 +25,7 @@ others at once, with any state none of whose thoughts was kept (their pages are 
 and backtracks (prunes the subtree) when a state's thoughts are used up. Both stop at the
 first thought ``task.is_solved`` accepts and free every page of the search at the end.
 
-The task, tokenizer, configurations and results are defined in :mod:`treedec.search.tot.task`
+The task, tokenizer, configurations and results are defined in :mod:`treedec.programs.tot.task`
 (and import from here too).
 """
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from treedec.engine import Engine
-from treedec.search.request import MODEL_EOS, Positions, eos_token_ids
-from treedec.search.program import Program, ProgramContext
-from treedec.search.scheduler import SchedulerStats, run_program, run_programs
-from treedec.search.tot.search import ToTSearch
-from treedec.search.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
+from treedec.runtime.request import MODEL_EOS, Positions, eos_token_ids
+from treedec.runtime.program import Program, ProgramContext
+from treedec.runtime.scheduler import SchedulerStats, run_program, run_programs
+from treedec.programs.tot.search import ToTSearch
+from treedec.programs.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
                                      ToTTask, Tokenizer, check_task)
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "LevelStats", "ToTProgram", "ToTResult", "ToTState",
@@ -96,7 +96,7 @@ def tot_batch(engine: Engine, tasks: Sequence[ToTTask], tokenizer: Tokenizer,
               eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
               on_task_done: Callable[[int, ToTResult], None] | None = None
               ) -> tuple[list[ToTResult], SchedulerStats]:
-    """One ToT search per task, all in the engine's forest at once (:mod:`treedec.search.scheduler`):
+    """One ToT search per task, all in the engine's forest at once (:mod:`treedec.runtime.scheduler`):
     every engine step computes the thoughts, evaluations and prompts of every live search.
 
     Each search is the one :func:`tot_bfs` (a :class:`BFSConfig`) or :func:`tot_dfs` (a
@@ -125,7 +125,7 @@ def tot_batch(engine: Engine, tasks: Sequence[ToTTask], tokenizer: Tokenizer,
 
 
 class ToTProgram(Program):
-    """One Tree-of-Thought search as a scheduler program (:mod:`treedec.search.scheduler`): BFS for a
+    """One Tree-of-Thought search as a scheduler program (:mod:`treedec.runtime.scheduler`): BFS for a
     :class:`BFSConfig`, DFS for a :class:`DFSConfig`. Its result is the :class:`ToTResult`.
     Checks the task and configuration on construction."""
 

@@ -1,4 +1,4 @@
-"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.search.tot.program`): the prompt's prefill, thoughts
+"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.programs.tot.program`): the prompt's prefill, thoughts
 generated together one token per engine step, their evaluations under their own nodes, pruning and counters."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from treedec.runtime.decode import Decode
-from treedec.search.program import ProgramContext, StepRequest
-from treedec.search.request import Positions, check_positions
-from treedec.search.sampling import SEED_MAX, SamplingParams, sample_tokens
-from treedec.search.stops import StopRule
-from treedec.search.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
+from treedec.runtime.program import ProgramContext, StepRequest
+from treedec.runtime.request import Positions, check_positions
+from treedec.sampling.params import SEED_MAX, SamplingParams, sample_tokens
+from treedec.sampling.stops import StopRule
+from treedec.programs.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
 
 __all__ = ["ToTSearch"]
 
@@ -31,7 +31,7 @@ class _Stream:
 
 
 class ToTSearch:
-    """The engine-side machinery both searches of :mod:`treedec.search.tot.program` share: prefill, expansion,
+    """The engine-side machinery both searches of :mod:`treedec.programs.tot.program` share: prefill, expansion,
     evaluation, pruning, counters."""
 
     def __init__(self, ctx: ProgramContext, task: ToTTask, tokenizer: Tokenizer, config: BFSConfig | DFSConfig,

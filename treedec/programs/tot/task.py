@@ -4,8 +4,8 @@ The text side (the :class:`Tokenizer` protocol and :class:`ByteTokenizer`), the
 :class:`ToTTask` a search solves (its prompts, how a value is read, when it is solved), the
 searches' configurations (:class:`BFSConfig`, :class:`DFSConfig`) and their results
 (:class:`ToTState`, :class:`LevelStats`, :class:`ToTResult`). The searches themselves,
-:func:`~treedec.search.tot.program.tot_bfs` and :func:`~treedec.search.tot.program.tot_dfs`, are in
-:mod:`treedec.search.tot.program`.
+:func:`~treedec.programs.tot.program.tot_bfs` and :func:`~treedec.programs.tot.program.tot_dfs`, are in
+:mod:`treedec.programs.tot.program`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Mapping, Protocol, Sequence
 
 from treedec.checks import describe, finite_float, nonnegative_int, positive_int
-from treedec.search.sampling import GREEDY, SamplingParams
+from treedec.sampling.params import GREEDY, SamplingParams
 
 __all__ = ["SELECTIONS", "BFSConfig", "ByteTokenizer", "DFSConfig", "HFTokenizer", "LevelStats", "ToTResult",
            "ToTState", "ToTTask", "Tokenizer"]
@@ -132,7 +132,7 @@ def check_task(task: ToTTask) -> None:
 # ================================================================ configuration
 
 
-#: The :class:`~treedec.search.sampling.SamplingParams` fields a ToT search's token draws implement (the thoughts'
+#: The :class:`~treedec.sampling.params.SamplingParams` fields a ToT search's token draws implement (the thoughts'
 #: and the evaluations' lengths and stops are the task's); others are refused, not ignored.
 TOT_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
 
@@ -167,7 +167,7 @@ class BFSConfig(_SearchConfig):
     k : thoughts sampled per kept state.
     n : states kept per level (the breadth limit b of the paper).
     depth : levels (thoughts on a path).
-    sampling : how thoughts are drawn (:class:`~treedec.search.sampling.SamplingParams`: temperature, top_k,
+    sampling : how thoughts are drawn (:class:`~treedec.sampling.params.SamplingParams`: temperature, top_k,
         top_p, min_p): temperature 0 takes the top-k first tokens and then argmax; > 0 samples (the first tokens
         without replacement, so the k thoughts differ). Default temperature 0.7.
     value_samples, value_sampling : outputs per evaluation and how they are drawn (default greedy).

@@ -3,12 +3,12 @@ admission under a small pool, stops, text, pages."""
 import pytest
 import torch
 
-from treedec.search.sampling import SamplingParams
+from treedec.sampling.params import SamplingParams
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
-from treedec.search.batch import GenerateProgram, generate_batch
-from treedec.search.requests_file import RequestSpec
-from treedec.search.scheduler import run_program
+from treedec.programs.generate import GenerateProgram, generate_batch
+from treedec.runtime.requests import RequestSpec
+from treedec.runtime.scheduler import run_program
 from tests.engines import make_engine, plain_greedy, tiny_model
 
 

@@ -1,0 +1,276 @@
+"""The online engine: a background thread driving an :class:`~treedec.runtime.online.OnlineScheduler` over one
+engine, for a server (:func:`treedec.serve.build_app`). :meth:`OnlineEngine.submit` turns a
+:class:`~treedec.runtime.requests.RequestSpec` into its program (a :class:`~treedec.programs.generate.GenerateProgram`,
+or with a draft source a speculative program as :class:`~treedec.LLM` decodes it) and returns an asyncio async
+iterator of :class:`~treedec.runtime.streams.StreamOutput`: text deltas as they are accepted, then the request's
+final :class:`~treedec.runtime.requests.RequestResult` list, handed to the caller's event loop with
+``loop.call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+import numpy as np
+
+from treedec.checks import positive_int
+from treedec.engine import Engine
+from treedec.errors import PoolExhaustedError
+from treedec.programs.generate import GenerateProgram, prepare_requests, worst_case_pages
+from treedec.programs.speculative.batch import sampled_acceptance, speculative_program, speculative_results
+from treedec.programs.speculative.draft_budget import DraftBudget
+from treedec.programs.speculative.drafts import DraftSource
+from treedec.runtime.online import OnlineScheduler
+from treedec.runtime.prefix_cache import PrefixCache
+from treedec.runtime.program import Program, ProgramContext
+from treedec.runtime.requests import RequestSpec
+from treedec.runtime.scheduler_stats import SchedulerStats
+from treedec.runtime.streams import OutputStream, StreamOutput
+from treedec.sampling.params import SEED_MAX
+
+__all__ = ["OnlineEngine"]
+
+
+class OnlineEngine:
+    """A background thread driving an :class:`OnlineScheduler` over ``engine``, for a server.
+
+    The thread loops :meth:`OnlineScheduler.iterate` while there is work and sleeps when idle. Nothing
+    else may step ``engine`` while it runs. :meth:`submit` (in a coroutine of an asyncio loop) returns an
+    async iterator of :class:`~treedec.runtime.streams.StreamOutput`; :meth:`abort` ends a request (its stream raises
+    :class:`~treedec.runtime.online.ProgramAborted`); :meth:`shutdown` aborts every request and joins the thread. Use it as a
+    context manager to shut it down on exit.
+
+    Parameters
+    ----------
+    engine : the engine (the thread's alone from now on).
+    tokenizer : the default tokenizer of requests (text prompts, stop strings, streamed text).
+    chat_template : encode ``prompt`` / ``messages`` through the tokenizer's chat template by default.
+    max_step_tokens : as :class:`OnlineScheduler`'s.
+    drafts : every request decoded speculatively with ``drafts(spec)`` as its draft source (e.g. an
+        :class:`~treedec.LLM`'s ``llm.drafts.source``), as :class:`~treedec.LLM` decodes: greedy acceptance at
+        temperature 0, lossless rejection sampling above. A request speculative decoding cannot take
+        (``n > 1``, penalties, ``min_p``, logprobs, ...) is refused at :meth:`submit` (ValueError). Its steps are
+        not pipelined (the number of live requests varies; pipelining pays for small batches only).
+    max_draft_tokens : the largest draft tree (root included) a speculative request verifies a step.
+    seed : the seeds given to sampled requests without one (so that a preempted request, run again from its
+        start, draws the same tokens and its streamed text stays right).
+    on_iteration : called on the driving thread as ``on_iteration(stats, seconds)`` after each iteration (an
+        engine step for every live program): the scheduler's stats and the iteration's wall time (metrics).
+    history, prefix_cache : as :class:`OnlineScheduler`'s.
+
+    Attributes
+    ----------
+    error : what stopped the thread (a callback's bug), else None; then :meth:`submit` raises RuntimeError.
+
+    Every request's size is bounded before it is queued: :meth:`submit` refuses one whose worst case
+    (:func:`~treedec.programs.generate.worst_case_pages`: its prompt and ``n`` outputs of ``max_tokens``) exceeds the pages
+    the pool can give one request (:attr:`OnlineScheduler.capacity`), so no request is admitted that could only
+    fail later, after its ``n`` outputs' state was built. :attr:`waiting_outputs` counts the outputs waiting for
+    admission (a server's queue bound) and :attr:`iteration_seconds` is a heartbeat (how long the iteration running
+    now has run).
+    """
+
+    def __init__(self, engine: Engine, tokenizer=None, *, chat_template: bool = False,
+                 max_step_tokens: int | None = None, drafts: Callable[[RequestSpec], DraftSource] | None = None,
+                 max_draft_tokens: int = 64, seed: int = 0,
+                 on_iteration: Callable[[SchedulerStats, float], None] | None = None, history: int = 1024,
+                 prefix_cache: bool | PrefixCache = True):
+        for name, f in (("drafts", drafts), ("on_iteration", on_iteration)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+        positive_int("max_draft_tokens", max_draft_tokens)
+        self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.scheduler = OnlineScheduler(engine, max_step_tokens=max_step_tokens, on_done=self._done,
+                                         on_error=self._failed, history=history, prefix_cache=prefix_cache)
+        self.drafts, self.max_draft_tokens, self.on_iteration = drafts, max_draft_tokens, on_iteration
+        self._budget = DraftBudget() if drafts is not None else None   # shared by the speculative requests
+        self._seeds = np.random.default_rng(seed)
+        self._requests: dict[int, _Request] = {}    # handle -> request (the driving thread pops it)
+        self._handles: dict[int | str, int] = {}    # request id -> handle, while it runs
+        self._waiting: dict[int | str, int] = {}    # request id -> its outputs, until its program first starts
+        self._num_waiting = 0                       # their sum
+        self._iteration_start: float | None = None  # (perf_counter) the iteration running now began
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="treedec-online", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the driving thread runs (not shut down, not failed)."""
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def waiting_outputs(self) -> int:
+        """The outputs (``n`` a request) of the requests submitted whose program has not started yet (any thread)."""
+        return self._num_waiting
+
+    @property
+    def iteration_seconds(self) -> float:
+        """How long the iteration running now has run, in seconds; 0.0 between iterations (any thread)."""
+        start = self._iteration_start
+        return 0.0 if start is None else max(0.0, time.perf_counter() - start)
+
+    def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None
+               ) -> AsyncIterator[StreamOutput]:
+        """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
+        TypeError, or :class:`~treedec.errors.PoolExhaustedError` for one whose worst case exceeds what the pool can
+        give a request, :attr:`OnlineScheduler.capacity`, or for a speculative request larger than the free pool);
+        returns an async iterator of its :class:`~treedec.runtime.streams.StreamOutput`, the last one ``finished``.
+        Call it in a coroutine (the running loop gets the outputs). A request id must be unique among the running
+        requests. A sampled request without a seed gets one (see ``seed``)."""
+        loop = asyncio.get_running_loop()
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
+        chat_template = self.chat_template if chat_template is None else chat_template
+        [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
+        worst, capacity = worst_case_pages(self.engine.pool, spec.params, len(prompt_ids)), self.scheduler.capacity
+        if self.drafts is None and worst > capacity:
+            raise PoolExhaustedError(
+                f"request {spec.id!r} may need {worst} KV pages (prompt {len(prompt_ids)} tokens + {spec.params.n} x "
+                f"{spec.params.max_tokens} new tokens), more than the {capacity} the pool can give one request; lower "
+                f"max_tokens or n, or give the engine more kv_tokens; nothing was run")
+        if spec.params.temperature > 0 and spec.params.seed is None:
+            with self._lock:
+                seed = int(self._seeds.integers(0, SEED_MAX))
+            spec = dataclasses.replace(spec, params=spec.params.replace(seed=seed))
+        stream = OutputStream(loop, spec.id)
+        if self.drafts is None:
+            on_text = None if tokenizer is None else (lambda s, index, delta: stream.text(index, delta))
+            program = GenerateProgram(spec, prompt_ids, tokenizer, on_text=on_text)
+        else:
+            program = speculative_program(
+                self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
+                sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
+                pipeline=False, pipeline_note="online: the number of live requests varies",
+                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the online engine is shut down" if self.error is None else
+                                   f"the online engine failed: {type(self.error).__name__}: {self.error}")
+            if spec.id in self._handles:
+                raise ValueError(f"request id {spec.id!r} is already running")
+            handle = self.scheduler.submit(_Restarts(program, lambda: self._started(spec.id, stream)))
+            self._requests[handle] = _Request(spec, prompt_ids, stream, self.drafts is not None)
+            self._handles[spec.id] = handle
+            self._waiting[spec.id] = spec.params.n
+            self._num_waiting += spec.params.n
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: int | str) -> bool:
+        """Abort a running request (its stream raises :class:`~treedec.runtime.online.ProgramAborted`; its pages are freed at the next
+        iteration); returns whether it was running."""
+        with self._lock:
+            handle = self._handles.get(request_id)
+        if handle is None:
+            return False
+        self.scheduler.abort(handle)
+        self._wake.set()
+        return True
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Abort every running request, let the thread close them (their pages freed) and join it (for at most
+        ``timeout`` seconds); returns whether the thread has ended."""
+        with self._lock:
+            self._stopping = True
+            handles = list(self._handles.values())
+        for handle in handles:
+            self.scheduler.abort(handle)
+        self._wake.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> "OnlineEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _loop(self) -> None:
+        scheduler = self.scheduler
+        try:
+            while True:
+                self._wake.clear()
+                if not scheduler.idle:
+                    start = self._iteration_start = time.perf_counter()
+                    try:
+                        scheduler.iterate()
+                    finally:
+                        self._iteration_start = None
+                    if self.on_iteration is not None:
+                        self.on_iteration(scheduler.stats, time.perf_counter() - start)
+                    continue
+                if self._stopping:
+                    return
+                self._wake.wait()
+        except BaseException as error:   # (a callback's bug): end every stream with it
+            self.error = error
+            with self._lock:
+                self._stopping = True
+                requests, self._requests = self._requests, {}
+                self._handles.clear()
+                self._waiting.clear()
+                self._num_waiting = 0
+            for request in requests.values():
+                request.stream.fail(error)
+
+    def _started(self, request_id: int | str, stream: OutputStream) -> None:
+        """A run of the request's program starts (the driving thread): it no longer waits; its text starts again."""
+        with self._lock:
+            self._num_waiting -= self._waiting.pop(request_id, 0)
+        stream.restart()
+
+    def _finish(self, handle: int) -> _Request | None:
+        with self._lock:
+            request = self._requests.pop(handle, None)
+            if request is not None:
+                self._handles.pop(request.spec.id, None)
+                self._num_waiting -= self._waiting.pop(request.spec.id, 0)
+        return request
+
+    def _done(self, handle: int, result) -> None:
+        request = self._finish(handle)
+        if request is not None:
+            results = speculative_results(request.spec, request.prompt_ids, result) if request.speculative \
+                else result
+            request.stream.finish(results)
+
+    def _failed(self, handle: int, error: BaseException) -> None:
+        request = self._finish(handle)
+        if request is not None:
+            request.stream.fail(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    spec: RequestSpec
+    prompt_ids: list[int]
+    stream: OutputStream
+    speculative: bool
+
+
+class _Restarts(Program):
+    """``program`` as the scheduler runs it, calling ``on_start()`` whenever a run of it starts (a preempted
+    program runs again from its start: its stream's text starts again)."""
+
+    def __init__(self, program: Program, on_start: Callable[[], None]):
+        self.program, self.on_start = program, on_start
+        self.prompt_ids, self.shares_prompt, self.name = program.prompt_ids, program.shares_prompt, program.name
+
+    def run(self, ctx: ProgramContext):
+        self.on_start()
+        return (yield from self.program.run(ctx))
+
+    def positions(self):
+        return self.program.positions()
+
+    def start_pages(self, pool, shared: int = 0) -> int:
+        return self.program.start_pages(pool, shared)
+
+    def step_pages(self, pool) -> int:
+        return self.program.step_pages(pool)
