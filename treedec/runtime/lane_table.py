@@ -1,14 +1,28 @@
-"""The lane table's columns (:mod:`treedec.runtime.lanes`): host arrays and device tensors with one row per lane,
-kept compact and in order (added at the end, removed by one stable compaction of every column per event), grown
-by doubling."""
+"""The lane table's columns (:mod:`treedec.runtime.lanes`): one row per lane, host arrays and device tensors, kept
+compact and in order (added at the end, removed by one stable compaction per event), grown by doubling.
+
+Columns of one kind are views of one array (the host's int columns of one ``[capacity, k]`` int64 array, its small
+ones of one int8 array; the device's per-step values, sampling parameters and stop ids of one tensor each), so that
+a compaction is a gather per group and a step reads its lanes' parameters as slices: nothing is rebuilt per lane
+when the batch changes.
+"""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from treedec.sampling.sampler import SamplingRows
 from treedec.transfer import to_device
 
 __all__ = ["LaneTable"]
+
+#: host int64 columns (views of one array)
+_INTS = ("group", "index", "node", "parent", "start", "length", "max_new", "next_token", "seed", "stream")
+#: host int8 / bool columns (views of one int8 array)
+_SMALL = ("state", "reason", "placed", "fresh", "keep", "text", "greedy", "top_k_cut", "top_p_cut", "min_p_cut",
+          "penalized")
+#: the device's per-lane values a step writes and reads back: [capacity, 4] int64
+_OUT = ("drawn", "stopped", "ok", "drawn_count")
 
 
 class LaneTable:
@@ -22,11 +36,44 @@ class LaneTable:
         self._width = 0            # the token buffer's columns
         self._eos_width = 0        # the EOS-id matrix's columns
         self.counts = self.prompt_mask = None   # the penalties' columns, made for the first penalized lane
+        self._rows: SamplingRows | None = None   # the sampling rows of [0, size), until the rows change
         self._grow(16)
 
-    _HOST = ("group", "index", "node", "parent", "start", "length", "max_new", "state", "next_token", "reason",
-             "placed", "fresh", "keep", "text", "seed", "stream")
-    _DEVICE = ("drawn", "stopped", "ok", "drawn_count", "eos")
+    # ------------------------------------------------------------ the sampling rows
+
+    def sampling_rows(self) -> SamplingRows:
+        """The lanes' :class:`~treedec.sampling.sampler.SamplingRows`: slices of the device columns (made once per
+        change of the rows)."""
+        if self._rows is None:
+            n = self.size
+            f, i = self.fparams[:n], self.iparams[:n]
+            flag = lambda name: bool(getattr(self, name)[:n].any())   # noqa: E731
+            self._rows = SamplingRows(temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3],
+                                      presence=f[:, 4], frequency=f[:, 5], top_k=i[:, 0], seed=i[:, 1],
+                                      stream=i[:, 2], greedy=flag("greedy"), sampled=not bool(self.greedy[:n].all()),
+                                      top_k_cut=flag("top_k_cut"), top_p_cut=flag("top_p_cut"),
+                                      min_p_cut=flag("min_p_cut"), penalized=flag("penalized"))
+        return self._rows
+
+    def write_params(self, start: int, params, seeds: np.ndarray) -> None:
+        """Rows ``start .. start + k`` get ``params`` (one :class:`~treedec.sampling.params.SamplingParams` for all)
+        and their ``seeds`` / streams (``self.seed``, ``self.stream``, written already): one copy to the device."""
+        k, p = len(seeds), params
+        floats = torch.tensor([0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                               p.presence_penalty, p.frequency_penalty], dtype=torch.float32)
+        self.fparams[start:start + k] = floats.to(self.device)
+        ints = np.stack([np.full(k, p.top_k or 0), self.seed[start:start + k], self.stream[start:start + k]], axis=1)
+        self.iparams[start:start + k] = to_device(ints.astype(np.int64), self.device)
+        rows = slice(start, start + k)
+        self.greedy[rows] = p.greedy
+        self.top_k_cut[rows] = p.top_k is not None and not p.greedy
+        self.top_p_cut[rows] = p.top_p < 1 and not p.greedy
+        self.min_p_cut[rows] = p.min_p > 0 and not p.greedy
+        self.penalized[rows] = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        self.params[rows] = p
+        self._rows = None
+
+    # ------------------------------------------------------------ storage
 
     def _grow(self, need: int) -> None:
         if need <= self._capacity:
@@ -34,43 +81,46 @@ class LaneTable:
         capacity = max(need, 2 * self._capacity, 16)
         old, self._capacity = self._capacity, capacity
 
-        def host(name, dtype):
-            column = np.zeros(capacity, dtype=dtype)
+        def host(shape, dtype, fill, previous):
+            column = np.full(shape, fill, dtype=dtype)
             if old:
-                column[:old] = getattr(self, name)
-            setattr(self, name, column)
+                column[:old] = previous
+            return column
 
-        for name in ("group", "index", "node", "parent", "start", "length", "max_new", "next_token", "seed",
-                     "stream"):
-            host(name, np.int64)
-        for name in ("state", "reason"):
-            host(name, np.int8)
-        for name in ("placed", "fresh", "keep", "text"):
-            host(name, bool)
-        params = [None] * capacity
-        if old:
-            params[:old] = self.params
-        self.params = params
+        self._ints = host((capacity, len(_INTS)), np.int64, 0, getattr(self, "_ints", None))
+        self._small = host((capacity, len(_SMALL)), np.int8, 0, getattr(self, "_small", None))
+        self.params = host(capacity, object, None, getattr(self, "params", None))
         tokens = np.zeros((capacity, max(self._width, 64)), dtype=np.int64)
         if old:
             tokens[:old, :self._width] = self.tokens
         self.tokens, self._width = tokens, tokens.shape[1]
 
-        def device(name, shape, dtype, fill=0):
+        def device(shape, dtype, fill, previous):
             column = torch.full(shape, fill, dtype=dtype, device=self.device)
             if old:
-                column[:old] = getattr(self, name)
-            setattr(self, name, column)
+                column[:old] = previous
+            return column
 
-        device("drawn", (capacity,), torch.int64)
-        device("stopped", (capacity,), torch.bool, False)
-        device("ok", (capacity,), torch.bool, True)
-        device("drawn_count", (capacity,), torch.int64)
-        device("eos", (capacity, max(self._eos_width, 1)), torch.int64, -1)
+        self.out = device((capacity, len(_OUT)), torch.int64, 0, getattr(self, "out", None))
+        self.fparams = device((capacity, 6), torch.float32, 0, getattr(self, "fparams", None))
+        self.iparams = device((capacity, 3), torch.int64, 0, getattr(self, "iparams", None))
+        self.eos = device((capacity, max(self._eos_width, 1)), torch.int64, -1, getattr(self, "eos", None))
         self._eos_width = self.eos.shape[1]
         if self.counts is not None:
-            device("counts", (capacity, self.vocab), torch.int32)
-            device("prompt_mask", (capacity, self.vocab), torch.bool, False)
+            self.counts = device((capacity, self.vocab), torch.int32, 0, self.counts)
+            self.prompt_mask = device((capacity, self.vocab), torch.bool, False, self.prompt_mask)
+        self._bind()
+
+    def _bind(self) -> None:
+        """The named columns as views of their arrays."""
+        for k, name in enumerate(_INTS):
+            setattr(self, name, self._ints[:, k])
+        for k, name in enumerate(_SMALL):
+            column = self._small[:, k]
+            setattr(self, name, column.view(bool) if name not in ("state", "reason") else column)
+        for k, name in enumerate(_OUT):
+            setattr(self, name, self.out[:, k])
+        self._rows = None
 
     def _penalty_columns(self) -> None:
         if self.counts is None:
@@ -89,22 +139,20 @@ class LaneTable:
         self.eos, self._eos_width = eos, need
 
     def _compact(self, keep: np.ndarray) -> None:
-        """Keep the rows where ``keep`` ([size] bool) is True, in order (one gather per column)."""
+        """Keep the rows where ``keep`` ([size] bool) is True, in order (one gather per group of columns)."""
         if keep.all():
             return
         rows = np.flatnonzero(keep)
         k = len(rows)
-        for name in self._HOST:
-            column = getattr(self, name)
-            column[:k] = column[rows]
-        self.tokens[:k] = self.tokens[rows]
-        self.params[:k] = [self.params[r] for r in rows.tolist()]
+        for array in (self._ints, self._small, self.params, self.tokens):
+            array[:k] = array[rows]
         index = to_device(rows, self.device)
-        for name in self._DEVICE + (("counts", "prompt_mask") if self.counts is not None else ()):
-            column = getattr(self, name)
-            column[:k] = column[index]
+        for tensor in (self.out, self.fparams, self.iparams, self.eos) + (
+                (self.counts, self.prompt_mask) if self.counts is not None else ()):
+            tensor[:k] = tensor[index]
         self.size = k
         self._changed()
 
     def _changed(self) -> None:
         """The rows changed (a compaction): what is derived from them is out of date."""
+        self._rows = None

@@ -32,7 +32,7 @@ import torch
 from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
-from treedec.sampling.sampler import SamplingRows, sample_rows
+from treedec.sampling.sampler import sample_rows
 from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
 from treedec.sampling.params import SEED_MAX
 from treedec.sampling.stops import StopChecker
@@ -63,7 +63,6 @@ class Lanes(LaneTable):
         self._seeds = np.random.default_rng(seed)
         self._uids = itertools.count()
         self.groups: dict[int, LaneGroup] = {}
-        self._rows: SamplingRows | None = None   # the sampling rows of [0, size), rebuilt on events
         self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
         self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
         self._failures: list[tuple[Any, Exception]] = []
@@ -117,11 +116,10 @@ class Lanes(LaneTable):
         eos = list(d.rule.eos_token_ids)
         if len(eos) > self._eos_width:
             self._widen_eos(len(eos))
-        row = torch.full((self._eos_width,), -1, dtype=torch.int64)
-        row[:len(eos)] = torch.tensor(eos, dtype=torch.int64)
-        self.eos[start:start + k] = row.to(self.device)
-        self.drawn_count[start:start + k] = 0
-        self.ok[start:start + k] = True
+        row = np.full(self._eos_width, -1, dtype=np.int64)
+        row[:len(eos)] = eos
+        self.eos[start:start + k] = to_device(row, self.device)
+        self.out[start:start + k] = to_device(np.array([0, 0, 1, 0], dtype=np.int64), self.device)  # (drawn, stopped, ok, count)
         p = d.params
         if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0:
             self._penalty_columns()
@@ -130,10 +128,9 @@ class Lanes(LaneTable):
             if len(d.prompt_ids):
                 ids = to_device(np.asarray(d.prompt_ids, dtype=np.int64), self.device)
                 self.prompt_mask[start:start + k, ids] = True
-        self.params[start:start + k] = [d.params] * k
         self.seed[start:start + k], self.stream[start:start + k] = seed, np.arange(k)
+        self.write_params(start, d.params, self.seed[start:start + k])
         self.size += k
-        self._rows = None
         return uid
 
     def pending_pages(self, result: DecodeResult) -> int:
@@ -212,7 +209,8 @@ class Lanes(LaneTable):
         self._append(ready, tokens)
         self.placed[ready] = True
         holders = ready[drawn]
-        ids = None if len(holders) == 0 else self.drawn[to_device(holders, self.device)]
+        ids = None if len(holders) == 0 else \
+            self.drawn[:size] if len(holders) == size else self.drawn[to_device(holders, self.device)]
         return PlacedLanes(self.node[ready].copy(), ids, self.node[holders].copy(),
                            len(np.unique(self.group[ready])))
 
@@ -232,8 +230,7 @@ class Lanes(LaneTable):
             return
         slots = np.flatnonzero(self.state[:self.size] == _DRAWN)
         if len(slots):
-            index = to_device(slots, self.device)
-            self._read = (slots, HostCopy(self._report(index)))
+            self._read = (slots, HostCopy(self._report(slots)))
 
     def draw_fresh(self) -> list[tuple[Any, DecodeResult]]:
         """Draw the first tokens of the lanes added since the last step (from their Decode's logits, in one batched
@@ -257,7 +254,7 @@ class Lanes(LaneTable):
         if self._read is not None:
             slots, copy = self._read
             self._read = None
-            values = np.asarray(copy.result(), dtype=np.int64).reshape(3, -1)
+            values = copy.tensor().numpy().T
             self._accept(slots, values, row_of[slots] >= 0, row_of, logits, finished)
         # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
         for slot in placed[self.state[placed] == _FINISH].tolist():
@@ -275,7 +272,7 @@ class Lanes(LaneTable):
         if len(sample):
             self._draw(sample, logits, row_of)
             if not self.pipeline:   # read back at once: the next step places the tokens known
-                values = self._report(to_device(sample, self.device)).cpu().numpy()
+                values = self._report(sample).cpu().numpy().T
                 self._accept(sample, values, np.zeros(len(sample), dtype=bool), row_of, None, finished)
         for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
@@ -326,15 +323,12 @@ class Lanes(LaneTable):
             self._keep_drawn(members, tokens, None)
 
     def _sample(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-        if self._rows is None:
-            self._rows = SamplingRows.build(self.params[:self.size], self.seed[:self.size].tolist(),
-                                            self.stream[:self.size].tolist(), self.device)
         whole = len(slots) == self.size and (slots == np.arange(self.size)).all()
         index = None if whole else to_device(slots, self.device)
-        rows = self._rows if whole else self._rows.take(index)
+        rows = self.sampling_rows() if whole else self.sampling_rows().take(index)
         scores = self._process(slots, raw) if self._special else raw
         if self._special or rows.penalized:   # (read back with the tokens: a row with nothing to draw fails alone)
-            self.ok[to_device(slots, self.device)] = drawable_rows(scores.float())
+            self.ok[slice(0, self.size) if whole else index] = drawable_rows(scores.float()).long()
         draws = self.drawn_count[:self.size] if whole else self.drawn_count[index]
         masks = counts = None
         if rows.penalized:
@@ -360,12 +354,20 @@ class Lanes(LaneTable):
     def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
         """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
         penalties' counts, log-probabilities."""
-        index = to_device(slots, self.device)
+        if len(slots) == self.size and (slots == np.arange(self.size)).all():
+            index, eos = slice(0, self.size), self.eos[:self.size]
+        else:
+            index = to_device(slots, self.device)
+            eos = self.eos[index]
         self.drawn[index] = tokens
-        self.stopped[index] = (tokens[:, None] == self.eos[index]).any(dim=1)
+        self.stopped[index] = (tokens[:, None] == eos).any(dim=1).long()
         self.drawn_count[index] += 1
-        if self.counts is not None:
-            self.counts[index, tokens] += 1
+        if self.counts is not None:   # (each row its own drawn token: a slice would pair every row with every token)
+            ones = torch.ones_like(tokens, dtype=self.counts.dtype)
+            if isinstance(index, slice):
+                self.counts[index].scatter_add_(1, tokens[:, None], ones[:, None])
+            else:
+                self.counts.index_put_((index, tokens), ones, accumulate=True)
         self.state[slots] = _DRAWN
         for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None else ():
             g = self.groups[uid]
@@ -376,9 +378,10 @@ class Lanes(LaneTable):
 
     # ------------------------------------------------------------ private: reading back
 
-    def _report(self, index: torch.Tensor) -> torch.Tensor:
-        """[3, k] int64: the lanes' drawn tokens, stop flags and whether their rows could be drawn from."""
-        return torch.stack([self.drawn[index], self.stopped[index].long(), self.ok[index].long()])
+    def _report(self, slots: np.ndarray) -> torch.Tensor:
+        """[k, 4] int64 on the device: each lane's drawn token, stop flag, whether its row could be drawn from, and
+        its draw count (one block of :attr:`out`: a slice when ``slots`` are all the lanes)."""
+        return self.out[:self.size] if len(slots) == self.size else self.out[to_device(slots, self.device)]
 
     def _accept(self, slots: np.ndarray, values: np.ndarray, placed: np.ndarray, row_of: np.ndarray,
                 logits: torch.Tensor | None, finished: list) -> None:
@@ -481,6 +484,3 @@ class Lanes(LaneTable):
         tree = self.tree
         for slot, token in zip(slots.tolist(), tokens.tolist()):
             tree.set_tokens(int(self.node[slot]), int(self.start[slot] + self.length[slot] - 1), [token])
-
-    def _changed(self) -> None:
-        self._rows = None
