@@ -12,7 +12,7 @@ from treedec import PoolExhaustedError, TreeError
 from treedec.tree import TreeLayout
 from treedec.tree.layout import depth_first_order
 from treedec.tree.preorder import Preorder
-from treedec.tree.token_tree_edits import KNOWN_SHAPES
+from treedec.tree.reference.token_tree_edits import KNOWN_SHAPES
 
 
 def fresh_layout(tree) -> TreeLayout:

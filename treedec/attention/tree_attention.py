@@ -15,7 +15,7 @@ from treedec.attention.tree_plan import DeviceTreePlan, TreePlan
 from treedec.checks import int_in_range, positive_float
 from treedec.errors import BackendUnavailableError
 from treedec.tree.layout import TreeLayout
-from treedec.tree.sequence_tree import SequenceTree
+from treedec.tree import SequenceTree
 
 logger = logging.getLogger("treedec")
 

@@ -1,4 +1,9 @@
-"""SequenceTree: the topology and tokens of a forest of decoding trees over a PagedKVPool.
+"""ReferenceSequenceTree: the object implementation of :class:`~treedec.tree.SequenceTree` (a dict of
+:class:`~treedec.tree.reference.tree_node.TreeNode` objects), kept as the reference the array tree must equal
+(tests/tree/test_array_tree.py), as the numpy planner is the compiled planner's. Same API, same behaviour,
+same errors; node ids are handed out in creation order and never reused.
+
+The topology and tokens of a forest of decoding trees over a PagedKVPool.
 
 Each node is a run of tokens that extends its parent's sequence. The tokens appended since
 the last :meth:`SequenceTree.commit_step` are *pending*: they are the queries of the step
@@ -30,10 +35,10 @@ from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree.layout import TreeLayout
 from treedec.tree.paged_kv_pool import PagedKVPool
 from treedec.tree.preorder import Preorder
-from treedec.tree.subtree_edits import SubtreeEdits
-from treedec.tree.token_tree_edits import TokenTreeEdits
-from treedec.tree.tree_debugging import TreeDebugging
-from treedec.tree.tree_node import TreeNode
+from treedec.tree.reference.subtree_edits import SubtreeEdits
+from treedec.tree.reference.token_tree_edits import TokenTreeEdits
+from treedec.tree.reference.tree_debugging import TreeDebugging
+from treedec.tree.reference.tree_node import TreeNode
 from treedec.tree.validate import int_list, int_value, rows
 
 FEW_PAGES = 256   # up to this many held pages are counted in Python (numpy's fixed cost is higher)
@@ -41,7 +46,7 @@ NO_SLOTS = np.zeros(0, dtype=np.int64)   # an empty node's slot buffer, shared (
 NO_SLOTS.setflags(write=False)
 
 
-class SequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
+class ReferenceSequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`extend`, :meth:`extend_many`,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.tree.tree_node import TreeNode
+from treedec.tree.reference.tree_node import TreeNode
 from treedec.tree.validate import int_list, on_cycle
 
 KNOWN_SHAPES = 8   # token-tree shapes whose checked order a tree keeps (a program uses one or a few)
