@@ -17,7 +17,7 @@ def snapshot(tree: SequenceTree):
     """Everything an operation could change."""
     nodes = {i: (n.parent, list(n.children), list(n.tokens), n.slots[: n.length].tolist(), list(n.pages),
                  n.tail_room, n.pending, n.paused) for i, n in tree._nodes.items()}
-    return nodes, list(tree._roots), tree._next_id, tree.pool.refcount.tolist(), list(tree.pool._free)
+    return nodes, list(tree._roots), tree._next_id, tree.pool.refcount.tolist(), tree.pool.free_pages.tolist()
 
 
 def make_tree(num_pages=64, page_size=4):

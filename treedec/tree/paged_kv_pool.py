@@ -83,8 +83,10 @@ class PagedKVPool:
         self.scratch_pages = int(scratch_pages)
         self.refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._offsets = np.arange(self.page_size)   # of the slots in a page
-        # A stack: the most recently freed page is reused first (warm in cache).
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        # A stack, ``_free[:_num_free]`` with its top last: the most recently freed page is reused first (warm in
+        # cache). An array, so that taking or returning k pages is one slice copy, whatever k.
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = self.num_pages
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.k_slots: tuple[torch.Tensor, ...] = ()
@@ -103,7 +105,12 @@ class PagedKVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def free_pages(self) -> np.ndarray:
+        """[num_free_pages] int64, a copy: the free pages in the order :meth:`allocate` hands them out."""
+        return self._free[:self._num_free][::-1].copy()
 
     @property
     def num_slots(self) -> int:
@@ -189,7 +196,9 @@ class PagedKVPool:
         self.refcount[pages] = left
         freed = pages[left == 0]
         freed.sort()   # (np.unique's pages are sorted already)
-        self._free += freed[::-1].tolist()
+        top = self._num_free
+        self._free[top:top + len(freed)] = freed[::-1]   # the lowest on top; fits: they had holders
+        self._num_free = top + len(freed)
         return freed
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +256,7 @@ class PagedKVPool:
 
         Real checks, not ``assert``: they also run under ``python -O``.
         """
-        free = np.array(self._free, dtype=np.int64)
+        free = self._free[:self._num_free]
         if np.any((free < 0) | (free >= self.num_pages)):
             raise RuntimeError(f"pool invariant broken: free list holds page ids outside [0, {self.num_pages}): "
                                f"{free[(free < 0) | (free >= self.num_pages)][:10].tolist()}")
@@ -272,15 +281,13 @@ class PagedKVPool:
 
     def _take(self, num_pages: int) -> np.ndarray:
         """Pop ``num_pages`` pages off the free list (the most recently freed first), or raise and take none."""
-        if num_pages > len(self._free):
+        top = self._num_free
+        if num_pages > top:
             raise PoolExhaustedError(
                 f"KV pool exhausted: need {num_pages} page(s) of {self.page_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} free")
-        if num_pages == 0:
-            return np.zeros(0, dtype=np.int64)
-        pages = np.array(self._free[-num_pages:][::-1], dtype=np.int64)
-        del self._free[-num_pages:]
-        return pages
+                f"{top} of {self.num_pages} free")
+        self._num_free = top - num_pages
+        return self._free[top - num_pages:top][::-1].copy()
 
     def _slot_view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
