@@ -1,0 +1,79 @@
+"""LayoutCache: the :class:`~treedec.tree.TreeLayout` of an array :class:`~treedec.tree.SequenceTree`, gathered
+from its node table, and the last layout's KV part kept so that the next one grows from it.
+
+A layout's queries are cheap (one entry per node and per pending token). Its KV part, ``kv_slots``, is
+one entry per token of the whole forest: what the planners read (each chunk's physical slots) and what
+a plan copies to the device. Between two layouts of a decode step only appends happen (one token per
+lane, or a prompt chunk); the node order is then the same object and the new slots are inserted into
+the last ``kv_slots`` in one ``np.insert``; any other edit (a branch, a token tree, a prune, an accept: a
+new node order; a truncation) gathers ``kv_slots`` from the token buffer again. Both are a few numpy
+calls and a copy of ``kv_slots``: a layout is a snapshot its readers keep, so its arrays are never
+written once made.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treedec.tree.layout import TreeLayout
+from treedec.tree.node_table import ROW_MASK, NodeTable, ranges
+from treedec.tree.preorder import Preorder
+
+NONE = np.zeros(0, dtype=np.int64)
+NONE.setflags(write=False)
+
+
+class LayoutCache:
+    """Builds layouts of one tree's table; keeps the last one's order, per-node lengths and KV arrays."""
+
+    def __init__(self):
+        self._order: Preorder | None = None
+        self._rows = self._lens = self._prefix = self._kv_start = self._kv_slots = NONE
+
+    def forget_slots(self) -> None:
+        """Some node's kept slots changed (not only appended to): the next layout gathers every slot."""
+        self._order = None
+
+    def layout(self, table: NodeTable, order: Preorder) -> TreeLayout:
+        """The layout of ``table``'s nodes in ``order``, the queries its pending tokens."""
+        if order is not self._order:
+            rows = order.ids & ROW_MASK
+            lens = table.length[rows]
+            kv_slots = table.slots[ranges(table.start[rows], lens)] if len(rows) else NONE
+            self._order, self._rows, self._prefix = order, rows, _frozen(table.prefix[rows])
+            self._keep(lens, kv_slots)
+        else:
+            rows = self._rows
+            lens = table.length[rows]
+            grown = np.flatnonzero(lens != self._lens)
+            if len(grown):   # appends only: each grown node's new slots go at the end of its range
+                old = self._lens[grown]
+                added = lens[grown] - old
+                new_slots = table.slots[ranges(table.start[rows[grown]] + old, added)]
+                self._keep(lens, np.insert(self._kv_slots, np.repeat(self._kv_start[grown + 1], added), new_slots))
+        query_node, query_offset = _queries(self._lens, table.pending[rows])
+        return TreeLayout(order.ids, order.parent, self._kv_start, self._kv_slots, query_node, query_offset,
+                          _prefix=self._prefix)
+
+    def _keep(self, lens: np.ndarray, kv_slots: np.ndarray) -> None:
+        kv_start = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=kv_start[1:])
+        self._lens, self._kv_start, self._kv_slots = _frozen(lens), _frozen(kv_start), _frozen(kv_slots)
+
+
+def _queries(lens: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The layout's ``query_node`` and ``query_offset`` (``[Q]`` int64, read-only): every node's pending
+    tokens, node after node."""
+    with_queries = np.flatnonzero(pending)
+    if not len(with_queries):
+        return NONE, NONE
+    pend = pending[with_queries]
+    query_node = np.repeat(with_queries, pend)
+    # query q of node i is its token lens[i] - pend[i] + (q - the node's first query)
+    query_offset = np.arange(len(query_node), dtype=np.int64)
+    query_offset += np.repeat(lens[with_queries] - np.cumsum(pend), pend)
+    return _frozen(query_node), _frozen(query_offset)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)   # shared by every reader of the layout until the forest changes
+    return a

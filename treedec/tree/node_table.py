@@ -1,0 +1,198 @@
+"""NodeTable: the nodes of a :class:`~treedec.tree.SequenceTree` as rows of preallocated numpy columns, and
+their tokens and KV slots in one token buffer (internal; the tree's methods are the API).
+
+Rows are taken from a free list and returned to it when a node is pruned; the columns (and the free list)
+double when full. The id a caller holds names a row and the row's generation (``generation << 32 | row``),
+so an id stays valid until its node is pruned and a stale one is refused even once its row serves another
+node: checking any number of ids is one comparison with the ``node_id`` column.
+
+Each node owns a region ``[start, start + cap)`` of two parallel int64 buffers, ``slots`` (its tokens' KV
+slots) and ``tokens`` (their ids); its ``length`` first entries are in use. A node that outgrows its region
+moves to a new one of twice the size at the end of the buffers (so a growing leaf is copied O(log n) times);
+regions left behind are reclaimed by compacting the buffers when half of them is garbage.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ROW_BITS = 32
+ROW_MASK = (1 << ROW_BITS) - 1
+MAX_GENERATION = (1 << (63 - ROW_BITS)) - 1   # a row reused this often is retired (ids stay int64 and unique)
+MIN_REGION = 16                               # a growing node's first region, in tokens
+NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS.setflags(write=False)
+
+# name: (dtype, value of a fresh row)
+COLUMNS = {
+    "node_id": (np.int64, -1),      # the id callers hold while the row is a live node, else -1
+    "gen": (np.int64, 0),           # the row's generation: how often it was freed
+    "parent": (np.int64, -1),       # the parent's row; -1 for a root
+    "born": (np.int64, 0),          # creation order: children and roots are kept in it
+    "num_children": (np.int64, 0),
+    "length": (np.int64, 0),        # tokens held
+    "pending": (np.int64, 0),       # trailing tokens not yet committed (the step's queries)
+    "tail_room": (np.int64, 0),     # free slots after the last token that this node may fill
+    "prefix": (np.int64, 0),        # tokens on the path above it: its first token's position
+    "start": (np.int64, 0),         # its region of the token buffer
+    "cap": (np.int64, 0),
+    "paused": (np.bool_, False),
+    "shared": (np.bool_, False),    # a shared root: computed tokens in pages others hold too
+}
+
+
+class NodeTable:
+    """Columns ``node_id, gen, parent, born, num_children, length, pending, tail_room, prefix, start, cap``
+    (``[capacity]`` int64) and ``paused, shared`` (``[capacity]`` bool), one row per node; rows ``hi`` and up
+    were never used. Buffers ``slots`` and ``tokens`` (``[buffer size]`` int64), in use up to ``end``, of
+    which ``garbage`` entries belong to no live node's region."""
+
+    def __init__(self, rows: int = 64, tokens: int = 1024):
+        for name, (dtype, value) in COLUMNS.items():
+            setattr(self, name, np.full(rows, value, dtype=dtype))
+        self.hi = 0
+        self.num_nodes = 0
+        self._born = 0
+        self._free_rows = np.zeros(rows, dtype=np.int64)   # a stack: _free_rows[:_num_free]
+        self._num_free = 0
+        self.slots = np.zeros(tokens, dtype=np.int64)
+        self.tokens = np.zeros(tokens, dtype=np.int64)
+        self.end = 0
+        self.garbage = 0
+
+    # ================================================================ rows
+
+    def new_rows(self, m: int, parent: np.ndarray | int, prefix: np.ndarray | int) -> np.ndarray:
+        """``m`` fresh rows (``[m]`` int64, created in this order) with parents ``parent`` (rows, -1 for a
+        root) and ``prefix`` tokens above them; empty, no region, nothing pending."""
+        reuse = min(m, self._num_free)
+        top = self._num_free
+        rows = self._free_rows[top - reuse:top][::-1].copy() if reuse else NO_ROWS
+        self._num_free = top - reuse
+        if reuse < m:
+            fresh = m - reuse
+            if self.hi + fresh > len(self.node_id):
+                self._grow_rows(self.hi + fresh)
+            new = np.arange(self.hi, self.hi + fresh, dtype=np.int64)
+            rows = new if not reuse else np.concatenate((rows, new))
+            self.hi += fresh
+        self.node_id[rows] = (self.gen[rows] << ROW_BITS) | rows
+        self.parent[rows] = parent
+        self.prefix[rows] = prefix
+        self.born[rows] = np.arange(self._born, self._born + m)
+        self._born += m
+        self.num_nodes += m
+        return rows
+
+    def free_rows(self, rows: np.ndarray) -> None:
+        """Rows of pruned nodes back to the free list (``[k]`` int64, distinct); their ids die, their regions
+        become garbage."""
+        self.garbage += int(self.cap[rows].sum())
+        for name, (_, value) in COLUMNS.items():
+            if name != "gen":
+                getattr(self, name)[rows] = value
+        self.gen[rows] += 1
+        self.num_nodes -= len(rows)
+        rows = rows[self.gen[rows] <= MAX_GENERATION]
+        top = self._num_free
+        if top + len(rows) > len(self._free_rows):
+            self._free_rows = np.concatenate((self._free_rows[:top], np.zeros(max(top, len(rows)), np.int64)))
+        self._free_rows[top:top + len(rows)] = rows
+        self._num_free = top + len(rows)
+
+    def live_rows(self) -> np.ndarray:
+        """[n] int64: the rows of live nodes, ascending."""
+        return np.flatnonzero(self.node_id[:self.hi] >= 0)
+
+    def free_row_list(self) -> np.ndarray:
+        """[f] int64, a copy: the free list, the next row to be taken first."""
+        return self._free_rows[:self._num_free][::-1].copy()
+
+    # ================================================================ regions of the token buffer
+
+    def place(self, rows: np.ndarray, caps: np.ndarray) -> None:
+        """Give ``rows`` (``[k]`` int64, without regions) new regions of ``caps`` (``[k]`` int64) tokens."""
+        total = int(caps.sum())
+        self._reserve(total)
+        self.start[rows] = self.end + np.cumsum(caps) - caps
+        self.cap[rows] = caps
+        self.end += total
+
+    def make_room(self, rows: np.ndarray, needed: np.ndarray) -> None:
+        """Move each of ``rows`` (``[k]`` int64, distinct) whose region holds fewer than ``needed`` (``[k]``)
+        tokens to a new one, at least twice as large, its tokens copied along."""
+        short = self.cap[rows] < needed
+        if not short.any():
+            return
+        rows, needed = rows[short], needed[short]
+        old_cap = self.cap[rows]
+        caps = np.maximum(np.maximum(2 * old_cap, needed), MIN_REGION)
+        self._reserve(int(caps.sum()))   # may compact: the rows' starts are read after it
+        src = ranges(self.start[rows], self.length[rows])
+        new_start = self.end + np.cumsum(caps) - caps
+        dst = ranges(new_start, self.length[rows])
+        self.slots[dst] = self.slots[src]
+        self.tokens[dst] = self.tokens[src]
+        self.garbage += int(self.cap[rows].sum())
+        self.start[rows] = new_start
+        self.cap[rows] = caps
+        self.end += int(caps.sum())
+
+    def make_room_for(self, row: int, needed: int) -> None:
+        """:meth:`make_room` for one row (the per-node edits' path: no arrays built while the region fits)."""
+        if self.cap.item(row) < needed:
+            self.make_room(np.array([row], dtype=np.int64), np.array([needed], dtype=np.int64))
+
+    def token_index(self, rows: np.ndarray, skip: np.ndarray | int = 0,
+                    count: np.ndarray | None = None) -> np.ndarray:
+        """[sum of counts] int64: the buffer positions of each row's tokens ``skip .. skip + count - 1``
+        (default: all of them), row after row."""
+        lens = self.length[rows] - skip if count is None else count
+        return ranges(self.start[rows] + skip, lens)
+
+    def _reserve(self, extra: int) -> None:
+        """Room for ``extra`` more buffer entries at ``end``: compact when half the buffers is garbage, grow
+        them (doubling) when that is not enough."""
+        size = len(self.slots)
+        if self.end + extra <= size:
+            return
+        if 2 * self.garbage >= self.end:
+            self._compact()
+        if self.end + extra > size:
+            new_size = max(2 * size, self.end + extra)
+            for name in ("slots", "tokens"):
+                grown = np.zeros(new_size, dtype=np.int64)
+                grown[:self.end] = getattr(self, name)[:self.end]
+                setattr(self, name, grown)
+
+    def _compact(self) -> None:
+        """Live regions packed from the buffers' start, in their present order; garbage dropped."""
+        rows = self.live_rows()
+        rows = rows[np.argsort(self.start[rows], kind="stable")]
+        caps = self.cap[rows]
+        new_start = np.cumsum(caps) - caps
+        src = self.token_index(rows)
+        dst = ranges(new_start, self.length[rows])
+        for name in ("slots", "tokens"):
+            buf = getattr(self, name)
+            buf[dst] = buf[src]   # (a gather: the sources are read before the writes)
+        self.start[rows] = new_start
+        self.end = int(caps.sum())
+        self.garbage = 0
+
+    def _grow_rows(self, needed: int) -> None:
+        size = max(2 * len(self.node_id), needed)
+        for name, (dtype, value) in COLUMNS.items():
+            grown = np.full(size, value, dtype=dtype)
+            grown[:self.hi] = getattr(self, name)[:self.hi]
+            setattr(self, name, grown)
+
+
+def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[sum(lens)] int64: ``starts[i] .. starts[i] + lens[i] - 1`` for each i, one after the other
+    (``starts``, ``lens``: ``[k]`` int64, ``lens >= 0``)."""
+    total = int(lens.sum())
+    if len(lens) == 1:
+        return np.arange(int(starts[0]), int(starts[0]) + total, dtype=np.int64)
+    out = np.repeat(starts - (np.cumsum(lens) - lens), lens)
+    out += np.arange(total, dtype=np.int64)
+    return out
