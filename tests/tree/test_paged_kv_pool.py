@@ -35,6 +35,20 @@ def test_free_pages_are_handed_out_most_recently_freed_first():
     pool.free_pages[:] = -1   # a copy: the pool's list is not the caller's
     pool.check_invariants()
 
+
+def test_release_drops_a_callers_own_holds_and_refuses_to_go_below_zero():
+    """release (decref without the argument checks, for a tree's own holds) frees as decref does; dropping a
+    page below zero holders raises and changes nothing."""
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    pages = pool.allocate_slots(6) // 4          # pages 0 (4 holders) and 1 (2)
+    before = (pool.refcount.copy(), pool.free_pages.tolist())
+    with pytest.raises(ValueError, match=r"release: pages \[1\] are listed \[3\] times but have only \[2\]"):
+        pool.release(np.array([0, 1]), np.array([1, 3]))
+    assert np.array_equal(pool.refcount, before[0]) and pool.free_pages.tolist() == before[1]
+    assert pool.release(np.array([1, 0]), np.array([2, 3])).tolist() == [1]
+    assert pool.free_pages.tolist()[:2] == [1, 2] and pool.refcount[0] == 1 and sorted(set(pages.tolist())) == [0, 1]
+    pool.check_invariants()
+
 def test_exhausted_pool_changes_nothing():
     pool = PagedKVPool(4, 16, allocate_storage=False)
     pool.allocate(3)

@@ -158,9 +158,9 @@ class LaneEdits:
         ids = int_array(node_ids, name)
         rows = ids & ROW_MASK
         t = self._table
-        known = rows < t.hi
-        known[known] = t.node_id[rows[known]] == ids[known]
-        if not known.all():
+        if len(rows) and (rows.max() >= t.hi or (t.node_id[rows] != ids).any()):
+            known = rows < t.hi
+            known[known] = t.node_id[rows[known]] == ids[known]
             raise TreeError(f"{name}: unknown node id(s) {ids[~known][:5].tolist()} (pruned, or never created)")
         return ids, rows
 
@@ -177,8 +177,8 @@ class LaneEdits:
     @staticmethod
     def _distinct(ids: np.ndarray, rows: np.ndarray) -> None:
         ordered = np.sort(rows)
-        twice = ordered[1:][ordered[1:] == ordered[:-1]]
-        if len(twice):
+        if (ordered[1:] == ordered[:-1]).any():
+            twice = ordered[1:][ordered[1:] == ordered[:-1]]
             raise TreeError(f"node_ids must be distinct, got node(s) {ids[np.isin(rows, twice)][:5].tolist()} "
                             f"more than once")
 

@@ -22,33 +22,36 @@ MIN_REGION = 16                               # a growing node's first region, i
 NO_ROWS = np.zeros(0, dtype=np.int64)
 NO_ROWS.setflags(write=False)
 
-# name: (dtype, value of a fresh row)
+# The columns, int64, of one [capacity, 12] array (a row's fields side by side: freeing rows is one write):
+# name, value of a fresh row.
 COLUMNS = {
-    "node_id": (np.int64, -1),      # the id callers hold while the row is a live node, else -1
-    "gen": (np.int64, 0),           # the row's generation: how often it was freed
-    "parent": (np.int64, -1),       # the parent's row; -1 for a root
-    "born": (np.int64, 0),          # creation order: children and roots are kept in it
-    "num_children": (np.int64, 0),
-    "length": (np.int64, 0),        # tokens held
-    "pending": (np.int64, 0),       # trailing tokens not yet committed (the step's queries)
-    "tail_room": (np.int64, 0),     # free slots after the last token that this node may fill
-    "prefix": (np.int64, 0),        # tokens on the path above it: its first token's position
-    "start": (np.int64, 0),         # its region of the token buffer
-    "cap": (np.int64, 0),
-    "paused": (np.bool_, False),
-    "shared": (np.bool_, False),    # a shared root: computed tokens in pages others hold too
+    "node_id": -1,       # the id callers hold while the row is a live node, else -1
+    "parent": -1,        # the parent's row; -1 for a root
+    "born": 0,           # creation order: children and roots are kept in it
+    "num_children": 0,
+    "length": 0,         # tokens held
+    "pending": 0,        # trailing tokens not yet committed (the step's queries)
+    "tail_room": 0,      # free slots after the last token that this node may fill
+    "prefix": 0,         # tokens on the path above it: its first token's position
+    "start": 0,          # its region of the token buffer
+    "cap": 0,
+    "paused": 0,         # 1: left out of live_leaves
+    "shared": 0,         # 1: a shared root, computed tokens in pages others hold too
 }
+FRESH_ROW = np.array(list(COLUMNS.values()), dtype=np.int64)
 
 
 class NodeTable:
-    """Columns ``node_id, gen, parent, born, num_children, length, pending, tail_room, prefix, start, cap``
-    (``[capacity]`` int64) and ``paused, shared`` (``[capacity]`` bool), one row per node; rows ``hi`` and up
-    were never used. Buffers ``slots`` and ``tokens`` (``[buffer size]`` int64), in use up to ``end``, of
-    which ``garbage`` entries belong to no live node's region."""
+    """Columns ``node_id, parent, born, num_children, length, pending, tail_room, prefix, start, cap, paused,
+    shared`` (``[capacity]`` int64 views of one table) and ``gen`` (``[capacity]`` int64: how often each row
+    was freed), one row per node; rows ``hi`` and up were never used. Buffers ``slots`` and ``tokens``
+    (``[buffer size]`` int64), in use up to ``end``, of which ``garbage`` entries belong to no live node's
+    region."""
 
     def __init__(self, rows: int = 64, tokens: int = 1024):
-        for name, (dtype, value) in COLUMNS.items():
-            setattr(self, name, np.full(rows, value, dtype=dtype))
+        self._table = np.tile(FRESH_ROW, (rows, 1))
+        self.gen = np.zeros(rows, dtype=np.int64)
+        self._bind_columns()
         self.hi = 0
         self.num_nodes = 0
         self._born = 0
@@ -87,9 +90,7 @@ class NodeTable:
         """Rows of pruned nodes back to the free list (``[k]`` int64, distinct); their ids die, their regions
         become garbage."""
         self.garbage += int(self.cap[rows].sum())
-        for name, (_, value) in COLUMNS.items():
-            if name != "gen":
-                getattr(self, name)[rows] = value
+        self._table[rows] = FRESH_ROW
         self.gen[rows] += 1
         self.num_nodes -= len(rows)
         rows = rows[self.gen[rows] <= MAX_GENERATION]
@@ -181,18 +182,35 @@ class NodeTable:
 
     def _grow_rows(self, needed: int) -> None:
         size = max(2 * len(self.node_id), needed)
-        for name, (dtype, value) in COLUMNS.items():
-            grown = np.full(size, value, dtype=dtype)
-            grown[:self.hi] = getattr(self, name)[:self.hi]
-            setattr(self, name, grown)
+        table = np.tile(FRESH_ROW, (size, 1))
+        table[:self.hi] = self._table[:self.hi]
+        gen = np.zeros(size, dtype=np.int64)
+        gen[:self.hi] = self.gen[:self.hi]
+        self._table, self.gen = table, gen
+        self._bind_columns()
+
+    def _bind_columns(self) -> None:
+        for j, name in enumerate(COLUMNS):
+            setattr(self, name, self._table[:, j])
 
 
 def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """[sum(lens)] int64: ``starts[i] .. starts[i] + lens[i] - 1`` for each i, one after the other
     (``starts``, ``lens``: ``[k]`` int64, ``lens >= 0``)."""
-    total = int(lens.sum())
     if len(lens) == 1:
-        return np.arange(int(starts[0]), int(starts[0]) + total, dtype=np.int64)
-    out = np.repeat(starts - (np.cumsum(lens) - lens), lens)
-    out += np.arange(total, dtype=np.int64)
+        first = int(starts[0])
+        return np.arange(first, first + int(lens[0]), dtype=np.int64)
+    ends = lens.cumsum()   # (the ndarray methods: numpy's function wrappers cost more than these small arrays)
+    out = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    out += (starts - ends + lens).repeat(lens)
     return out
+
+
+def count_distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_counts=True)`` (``[k]`` int64 each) in fewer numpy calls (the speculative
+    edits count a few pages every step)."""
+    ordered = np.sort(values)
+    edge = np.ones(len(ordered) + 1, dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=edge[1:-1])
+    at = np.flatnonzero(edge)
+    return ordered[at[:-1]], at[1:] - at[:-1]

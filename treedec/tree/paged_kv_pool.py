@@ -188,14 +188,25 @@ class PagedKVPool:
                 raise ValueError(f"decref: times must hold one count per page ({len(pages)}), got {len(times)}")
             if len(set(pages.tolist())) != len(pages):
                 raise ValueError(f"decref: pages must be distinct when times are given, got {describe(pages)}")
-        left = self.refcount[pages] - times
-        over = left < 0
+        over = self.refcount[pages] < times
         if over.any():
             raise ValueError(f"decref: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
                              f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
+        return self.release(pages, times)
+
+    def release(self, pages: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """:meth:`decref` for a caller whose holds these are (a tree dropping the pages its pruned nodes hold):
+        ``times[i]`` holders fewer for ``pages[i]`` (``[n]`` int64 each: distinct pages in use, counts >= 1),
+        without checking the arguments' types and ranges; it still refuses (changing nothing) to drop a page
+        below zero holders. Returns the int64 pages that became free, ascending."""
+        left = self.refcount[pages] - times
+        if (left < 0).any():
+            over = left < 0
+            raise ValueError(f"release: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
+                             f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
         self.refcount[pages] = left
         freed = pages[left == 0]
-        freed.sort()   # (np.unique's pages are sorted already)
+        freed.sort()
         top = self._num_free
         self._free[top:top + len(freed)] = freed[::-1]   # the lowest on top; fits: they had holders
         self._num_free = top + len(freed)

@@ -160,7 +160,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         t = self._table
         ids = self._order.ids
         r = ids & ROW_MASK
-        return ids[(t.num_children[r] == 0) & ~t.paused[r]].tolist()
+        return ids[(t.num_children[r] == 0) & (t.paused[r] == 0)].tolist()
 
     @property
     def num_pending(self) -> int:
@@ -219,7 +219,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         t = self._table
         row = t.new_rows(1, -1, 0)
         self._write_new(row, tokens, slots.astype(np.int64))
-        t.shared[row] = True
+        t.shared[row] = 1
         return self._add_root(int(row[0]))
 
     def computed_length(self, node_id: int) -> int:
@@ -353,10 +353,10 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
 
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
-        self._table.paused[self._row(node_id)] = True
+        self._table.paused[self._row(node_id)] = 1
 
     def resume(self, node_id: int) -> None:
-        self._table.paused[self._row(node_id)] = False
+        self._table.paused[self._row(node_id)] = 0
 
     def commit_step(self) -> None:
         """Mark every pending token as computed (call after the step's forward pass)."""
@@ -383,6 +383,8 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         """[k] int64 rows of ``node_ids`` (any sequence of ids), with :meth:`_row`'s error for the first bad one.
         A list of ints or an int64 array is checked in one comparison."""
         ids = None
+        if type(node_ids) is list and len(node_ids) <= 8:   # a short path: one by one costs less than the arrays
+            return np.array([self._row(n) for n in node_ids], dtype=np.int64)
         if isinstance(node_ids, np.ndarray) and node_ids.dtype == np.int64 and node_ids.ndim == 1:
             ids = node_ids
         elif type(node_ids) is list and all(type(n) is int for n in node_ids):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from treedec.errors import TreeError
-from treedec.tree.node_table import ROW_MASK, ranges
+from treedec.tree.node_table import ROW_MASK, count_distinct, ranges
 
 
 class SubtreeEdits:
@@ -141,11 +141,11 @@ class SubtreeEdits:
         run of equal pages along a node's slots is one hold."""
         t = self._table
         lens = t.length[rows]
-        page_of = t.slots[t.token_index(rows)] // self.pool.page_size
+        page_of = t.slots[ranges(t.start[rows], lens)] // self.pool.page_size
         run = np.ones(len(page_of), dtype=bool)
         np.not_equal(page_of[1:], page_of[:-1], out=run[1:])
-        run[(np.cumsum(lens) - lens)[lens > 0]] = True   # each node's first page
-        return np.unique(page_of[run], return_counts=True)
+        run[(lens.cumsum() - lens)[lens > 0]] = True   # each node's first page
+        return count_distinct(page_of[run])
 
     def _pages_freed(self, holds: tuple[np.ndarray, np.ndarray]) -> int:
         """Pages that dropping ``holds`` (as :meth:`_holds` gives them) would return to the pool."""
@@ -154,9 +154,9 @@ class SubtreeEdits:
 
     def _cut(self, rows: np.ndarray, order, holds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Remove the nodes ``rows`` (whole subtrees), freeing their pages in one
-        :meth:`PagedKVPool.decref`, which checks before it changes anything; ``order`` is the preorder without
+        :meth:`PagedKVPool.release`, which checks before it changes anything; ``order`` is the preorder without
         them. The caller updates the child counts of the subtrees' parents. Returns the pages freed."""
-        freed = self.pool.decref(*(self._holds(rows) if holds is None else holds))
+        freed = self.pool.release(*(self._holds(rows) if holds is None else holds))   # (the tree's own holds)
         self._table.free_rows(rows)
         self._order = order
         self._layout = None

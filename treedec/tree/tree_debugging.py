@@ -51,7 +51,7 @@ class TreeDebugging:
         pending = int(t.pending[rows].sum())
         if pending != self._num_pending or t.pending[:t.hi][t.node_id[:t.hi] < 0].any():
             raise _broken(f"{self._num_pending=} but the nodes have {pending} pending tokens")
-        own = rows[~t.shared[rows]]
+        own = rows[t.shared[rows] == 0]
         flat = t.slots[t.token_index(own)]
         if np.any((flat < 0) | (flat >= self.pool.num_slots)):
             raise _broken(f"slots {flat[(flat < 0) | (flat >= self.pool.num_slots)][:10].tolist()} are outside "
