@@ -22,8 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from treedec.errors import TreeError
-from treedec.tree.node_table import ROW_MASK
+from treedec.tree.node_table import FIELD, ROW_MASK
 from treedec.tree.validate import int_array
+
+
+TAIL, LENGTH, PENDING, START, CAP = (FIELD[c] for c in ("tail_room", "length", "pending", "start", "cap"))
 
 
 @dataclass(frozen=True)
@@ -85,28 +88,7 @@ class LaneEdits:
         PoolExhaustedError : fewer free pages than the append needs. Nothing is changed when it raises.
         """
         ids, rows = self._leaf_rows(node_ids)
-        tokens = self._one_per_node(tokens, len(rows), placeholder=True)
-        t = self._table
-        ps = self.pool.page_size
-        room = t.tail_room[rows]
-        full = room == 0
-        self._check_free(int(full.sum()))
-        pages = self.pool.allocate(int(full.sum()))
-        lens = t.length[rows]
-        t.make_room(rows, lens + 1)
-        at = t.start[rows] + lens
-        slots = np.empty(len(rows), dtype=np.int64)
-        slots[full] = pages * ps
-        rest = ~full   # (a leaf with room has a token: the last page's)
-        slots[rest] = t.slots[at[rest] - 1] + 1
-        t.slots[at] = slots
-        t.tokens[at] = tokens
-        t.length[rows] = lens + 1
-        t.tail_room[rows] = np.where(full, ps - 1, room - 1)
-        t.pending[rows] += 1
-        self._num_pending += len(rows)
-        self._layout = None
-        return slots
+        return self._append_rows(rows, self._one_per_node(tokens, len(rows), placeholder=True))
 
     def pages_to_append(self, node_ids: Sequence[int] | np.ndarray) -> int:
         """The fresh pages :meth:`append_tokens` of ``node_ids`` (``[L]`` ints: distinct leaves) would take: one
@@ -114,6 +96,34 @@ class LaneEdits:
         ``node_ids``."""
         _, rows = self._leaf_rows(node_ids)
         return int((self._table.tail_room[rows] == 0).sum())
+
+    def _append_rows(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`append_tokens` of checked input: ``rows`` distinct leaves, ``tokens`` one each (``[L]`` int64).
+        The rows' fields are read in one gather and written back in one scatter."""
+        t = self._table
+        ps = self.pool.page_size
+        f = t.fields(rows)
+        room, lens = f[:, TAIL], f[:, LENGTH]
+        full = room == 0
+        num_pages = int(full.sum())
+        self._check_free(num_pages)
+        pages = self.pool.allocate(num_pages)
+        if (f[:, CAP] <= lens).any():   # some regions are full: those rows move (now and then)
+            t.make_room(rows, lens + 1)
+            f = t.fields(rows)
+            room, lens = f[:, TAIL], f[:, LENGTH]
+        at = f[:, START] + lens
+        slots = t.slots[at - 1] + 1   # the slot after the last; a leaf without room (or tokens) gets a page's first
+        slots[full] = pages * ps
+        t.slots[at] = slots
+        t.tokens[at] = tokens
+        f[:, TAIL] = np.where(full, ps - 1, room - 1)
+        f[:, LENGTH] += 1
+        f[:, PENDING] += 1
+        t.set_fields(rows, f)
+        self._num_pending += len(rows)
+        self._layout = None
+        return slots
 
     def set_last_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
         """Record the id of the last token of each of many nodes: what ``set_tokens(n, node_length(n) - 1, [t])``

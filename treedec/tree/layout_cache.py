@@ -5,7 +5,7 @@ A layout's queries are cheap (one entry per node and per pending token). Its KV 
 one entry per token of the whole forest: what the planners read (each chunk's physical slots) and what
 a plan copies to the device. Between two layouts of a decode step only appends happen (one token per
 lane, or a prompt chunk); the node order is then the same object and the new slots are inserted into
-the last ``kv_slots`` in one ``np.insert``; any other edit (a branch, a token tree, a prune, an accept: a
+the last ``kv_slots`` (one masked copy); any other edit (a branch, a token tree, a prune, an accept: a
 new node order; a truncation) gathers ``kv_slots`` from the token buffer again. Both are a few numpy
 calls and a copy of ``kv_slots``: a layout is a snapshot its readers keep, so its arrays are never
 written once made.
@@ -44,33 +44,47 @@ class LayoutCache:
         else:
             rows = self._rows
             lens = table.length[rows]
-            grown = np.flatnonzero(lens != self._lens)
+            grown = (lens != self._lens).nonzero()[0]
             if len(grown):   # appends only: each grown node's new slots go at the end of its range
                 old = self._lens[grown]
                 added = lens[grown] - old
                 new_slots = table.slots[ranges(table.start[rows[grown]] + old, added)]
-                self._keep(lens, np.insert(self._kv_slots, np.repeat(self._kv_start[grown + 1], added), new_slots))
+                self._keep(lens, _insert(self._kv_slots, self._kv_start[grown + 1].repeat(added), new_slots))
         query_node, query_offset = _queries(self._lens, table.pending[rows])
         return TreeLayout(order.ids, order.parent, self._kv_start, self._kv_slots, query_node, query_offset,
                           _prefix=self._prefix)
 
     def _keep(self, lens: np.ndarray, kv_slots: np.ndarray) -> None:
         kv_start = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=kv_start[1:])
+        lens.cumsum(out=kv_start[1:])
         self._lens, self._kv_start, self._kv_slots = _frozen(lens), _frozen(kv_start), _frozen(kv_slots)
+
+
+def _insert(values: np.ndarray, at: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``np.insert(values, at, new)`` for ``at`` non-decreasing (``[k]`` int64), without its fixed cost."""
+    dst = at + np.arange(len(at), dtype=np.int64)   # where the new values land
+    out = np.empty(len(values) + len(at), dtype=np.int64)
+    old = np.ones(len(out), dtype=bool)
+    old[dst] = False
+    out[old] = values
+    out[dst] = new
+    return out
 
 
 def _queries(lens: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The layout's ``query_node`` and ``query_offset`` (``[Q]`` int64, read-only): every node's pending
     tokens, node after node."""
-    with_queries = np.flatnonzero(pending)
+    with_queries = pending.nonzero()[0]
     if not len(with_queries):
         return NONE, NONE
     pend = pending[with_queries]
-    query_node = np.repeat(with_queries, pend)
+    last = lens[with_queries]
+    if pend.max() == 1:   # a decode step or a token tree: one query a node, its last token
+        return _frozen(with_queries), _frozen(last - 1)
+    query_node = with_queries.repeat(pend)
     # query q of node i is its token lens[i] - pend[i] + (q - the node's first query)
     query_offset = np.arange(len(query_node), dtype=np.int64)
-    query_offset += np.repeat(lens[with_queries] - np.cumsum(pend), pend)
+    query_offset += (last - pend.cumsum()).repeat(pend)
     return _frozen(query_node), _frozen(query_offset)
 
 

@@ -39,6 +39,7 @@ COLUMNS = {
     "shared": 0,         # 1: a shared root, computed tokens in pages others hold too
 }
 FRESH_ROW = np.array(list(COLUMNS.values()), dtype=np.int64)
+FIELD = {name: j for j, name in enumerate(COLUMNS)}   # a column's index in a block of fields(rows)
 
 
 class NodeTable:
@@ -100,6 +101,15 @@ class NodeTable:
         self._free_rows[top:top + len(rows)] = rows
         self._num_free = top + len(rows)
 
+    def fields(self, rows: np.ndarray) -> np.ndarray:
+        """[k, 12] int64, a copy: every column of ``rows`` (``FIELD[name]`` is a column's index), for an edit of
+        many rows that reads and writes several columns (one gather and one :meth:`set_fields`)."""
+        return self._table[rows]
+
+    def set_fields(self, rows: np.ndarray, block: np.ndarray) -> None:
+        """Write back a block of :meth:`fields` (``[k, 12]`` int64) for ``rows``."""
+        self._table[rows] = block
+
     def live_rows(self) -> np.ndarray:
         """[n] int64: the rows of live nodes, ascending."""
         return np.flatnonzero(self.node_id[:self.hi] >= 0)
@@ -139,9 +149,19 @@ class NodeTable:
         self.end += int(caps.sum())
 
     def make_room_for(self, row: int, needed: int) -> None:
-        """:meth:`make_room` for one row (the per-node edits' path: no arrays built while the region fits)."""
-        if self.cap.item(row) < needed:
-            self.make_room(np.array([row], dtype=np.int64), np.array([needed], dtype=np.int64))
+        """:meth:`make_room` for one row, in scalars (the per-node edits' path)."""
+        cap = self.cap.item(row)
+        if cap >= needed:
+            return
+        new_cap = max(2 * cap, needed, MIN_REGION)
+        self._reserve(new_cap)   # may compact: the row's start is read after it
+        start, length, end = self.start.item(row), self.length.item(row), self.end
+        self.slots[end:end + length] = self.slots[start:start + length]
+        self.tokens[end:end + length] = self.tokens[start:start + length]
+        self.garbage += cap
+        self.start[row] = end
+        self.cap[row] = new_cap
+        self.end = end + new_cap
 
     def token_index(self, rows: np.ndarray, skip: np.ndarray | int = 0,
                     count: np.ndarray | None = None) -> np.ndarray:

@@ -43,6 +43,7 @@ from treedec.tree.validate import int_array, int_value, rows
 
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)
+FEW_NODES = 4   # extend_many of one token to this many leaves or more: one array append, not a fill each
 
 
 class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
@@ -102,7 +103,8 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             return []
         order = self._order
         at = order.position(int(node_id))
-        return order.ids[at + 1:][order.parent[at + 1:] == at].tolist()
+        end = order.subtree_end(at)
+        return order.ids[at + 1:end][order.parent[at + 1:end] == at].tolist()
 
     def tokens(self, node_id: int) -> list[int]:
         """The node's own tokens (not its ancestors')."""
@@ -253,8 +255,12 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             k = -(-(len(toks) - room) // ps) if len(toks) > room else 0
             plan.append((nid, row, toks, k))
             need += k
+        if len(plan) >= FEW_NODES and all(len(toks) == 1 for _, _, toks, _ in plan):   # a decode step: arrays
+            slots = self._append_rows(np.array([p[1] for p in plan], dtype=np.int64),
+                                      np.concatenate([p[2] for p in plan]))
+            return {nid: slots[i:i + 1] for i, (nid, *_) in enumerate(plan)}
         self._check_free(need)
-        fresh = self.pool.allocate(need)   # every node's fresh pages in one call, in the order they ask
+        fresh = self.pool.allocate(need) if need else NO_SLOTS   # every node's pages in one call, in order
         out, used = {}, 0
         for nid, row, toks, k in plan:
             out[nid] = self._fill(row, toks, fresh[used:used + k])

@@ -140,6 +140,11 @@ class SubtreeEdits:
         visit each of its pages in one run (it never writes into a page that another node started), so each
         run of equal pages along a node's slots is one hold."""
         t = self._table
+        if len(rows) == 1:   # one node (a pruned leaf): its runs' pages, each held once
+            start = t.start.item(rows[0])
+            page_of = t.slots[start:start + t.length.item(rows[0])] // self.pool.page_size
+            pages = page_of[np.diff(page_of, prepend=-1).nonzero()[0]]
+            return pages, np.ones(len(pages), dtype=np.int64)
         lens = t.length[rows]
         page_of = t.slots[ranges(t.start[rows], lens)] // self.pool.page_size
         run = np.ones(len(page_of), dtype=bool)
