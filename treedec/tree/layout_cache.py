@@ -5,7 +5,7 @@ A layout's queries are cheap (one entry per node and per pending token). Its KV 
 one entry per token of the whole forest: what the planners read (each chunk's physical slots) and what
 a plan copies to the device. Between two layouts of a decode step only appends happen (one token per
 lane, or a prompt chunk); the node order is then the same object and the new slots are inserted into
-the last ``kv_slots`` (one masked copy); any other edit (a branch, a token tree, a prune, an accept: a
+the last ``kv_slots`` (one masked copy; below ``FEW_TOKENS`` tokens, gathering them costs less); any other edit (a branch, a token tree, a prune, an accept: a
 new node order; a truncation) gathers ``kv_slots`` from the token buffer again. Both are a few numpy
 calls and a copy of ``kv_slots``: a layout is a snapshot its readers keep, so its arrays are never
 written once made.
@@ -20,12 +20,14 @@ from treedec.tree.preorder import Preorder
 
 NONE = np.zeros(0, dtype=np.int64)
 NONE.setflags(write=False)
+FEW_TOKENS = 16384   # below this many KV tokens a layout gathers its slots afresh: fewer numpy calls than growing
 
 
 class LayoutCache:
     """Builds layouts of one tree's table; keeps the last one's order, per-node lengths and KV arrays."""
 
-    def __init__(self):
+    def __init__(self, few_tokens: int = FEW_TOKENS):
+        self.few_tokens = few_tokens
         self._order: Preorder | None = None
         self._rows = self._lens = self._prefix = self._kv_start = self._kv_slots = NONE
 
@@ -35,7 +37,7 @@ class LayoutCache:
 
     def layout(self, table: NodeTable, order: Preorder) -> TreeLayout:
         """The layout of ``table``'s nodes in ``order``, the queries its pending tokens."""
-        if order is not self._order:
+        if order is not self._order or len(self._kv_slots) < self.few_tokens:   # (a small forest: gathering costs less)
             rows = order.ids & ROW_MASK
             lens = table.length[rows]
             kv_slots = table.slots[ranges(table.start[rows], lens)] if len(rows) else NONE

@@ -40,6 +40,8 @@ COLUMNS = {
 }
 FRESH_ROW = np.array(list(COLUMNS.values()), dtype=np.int64)
 FIELD = {name: j for j, name in enumerate(COLUMNS)}   # a column's index in a block of fields(rows)
+NODE_ID, PARENT, BORN, PREFIX, START, CAP, LENGTH, TAIL, PENDING = (
+    FIELD[c] for c in ("node_id", "parent", "born", "prefix", "start", "cap", "length", "tail_room", "pending"))
 
 
 class NodeTable:
@@ -65,9 +67,13 @@ class NodeTable:
 
     # ================================================================ rows
 
-    def new_rows(self, m: int, parent: np.ndarray | int, prefix: np.ndarray | int) -> np.ndarray:
-        """``m`` fresh rows (``[m]`` int64, created in this order) with parents ``parent`` (rows, -1 for a
-        root) and ``prefix`` tokens above them; empty, no region, nothing pending."""
+    def new_rows(self, m: int, parent: np.ndarray | int, prefix: np.ndarray | int, caps: np.ndarray | None = None,
+                 length: np.ndarray | int = 0, tail_room: np.ndarray | int = 0, pending: np.ndarray | int = 0
+                 ) -> np.ndarray:
+        """``m`` new rows (``[m]`` int64, created in this order) with parents ``parent`` (rows, -1 for a
+        root), ``prefix`` tokens above them, regions of ``caps`` tokens (``[m]`` int64; default none) and the
+        given ``length``, ``tail_room`` and ``pending``: all their fields written in one go (the caller fills
+        their regions)."""
         reuse = min(m, self._num_free)
         top = self._num_free
         rows = self._free_rows[top - reuse:top][::-1].copy() if reuse else NO_ROWS
@@ -79,10 +85,22 @@ class NodeTable:
             new = np.arange(self.hi, self.hi + fresh, dtype=np.int64)
             rows = new if not reuse else np.concatenate((rows, new))
             self.hi += fresh
-        self.node_id[rows] = (self.gen[rows] << ROW_BITS) | rows
-        self.parent[rows] = parent
-        self.prefix[rows] = prefix
-        self.born[rows] = np.arange(self._born, self._born + m)
+        block = np.empty((m, len(FRESH_ROW)), dtype=np.int64)
+        block[:] = FRESH_ROW
+        block[:, NODE_ID] = (self.gen[rows] << ROW_BITS) | rows
+        block[:, PARENT] = parent
+        block[:, PREFIX] = prefix
+        block[:, BORN] = np.arange(self._born, self._born + m)
+        if caps is not None:
+            total = int(caps.sum())
+            self._reserve(total)   # (may compact: these rows are not live yet, their regions come after)
+            block[:, START] = self.end + caps.cumsum() - caps
+            block[:, CAP] = caps
+            self.end += total
+        block[:, LENGTH] = length
+        block[:, TAIL] = tail_room
+        block[:, PENDING] = pending
+        self._table[rows] = block
         self._born += m
         self.num_nodes += m
         return rows
@@ -119,14 +137,6 @@ class NodeTable:
         return self._free_rows[:self._num_free][::-1].copy()
 
     # ================================================================ regions of the token buffer
-
-    def place(self, rows: np.ndarray, caps: np.ndarray) -> None:
-        """Give ``rows`` (``[k]`` int64, without regions) new regions of ``caps`` (``[k]`` int64) tokens."""
-        total = int(caps.sum())
-        self._reserve(total)
-        self.start[rows] = self.end + np.cumsum(caps) - caps
-        self.cap[rows] = caps
-        self.end += total
 
     def make_room(self, rows: np.ndarray, needed: np.ndarray) -> None:
         """Move each of ``rows`` (``[k]`` int64, distinct) whose region holds fewer than ``needed`` (``[k]``)

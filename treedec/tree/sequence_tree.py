@@ -219,8 +219,11 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             raise TreeError("a shared root's slots must be whole, distinct pages, each in slot order")
         self.pool.incref(pages)   # raises (changing nothing) for a page not in use
         t = self._table
-        row = t.new_rows(1, -1, 0)
-        self._write_new(row, tokens, slots.astype(np.int64))
+        n = len(tokens)
+        row = t.new_rows(1, -1, 0, np.array([max(n, MIN_REGION)]), n)
+        at = t.token_index(row)
+        t.slots[at] = slots
+        t.tokens[at] = tokens
         t.shared[row] = 1
         return self._add_root(int(row[0]))
 
@@ -442,28 +445,17 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         t = self._table
         ps = self.pool.page_size
         lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
-        made = t.new_rows(len(lens), parent, prefix)
-        if lens.any():
-            blocks = -(-lens // ps) * ps   # each node's slots: the first lens of its pages' slots
+        blocks = -(-lens // ps) * ps   # each node's slots: the first lens of its pages' slots
+        made = t.new_rows(len(lens), parent, prefix, np.where(lens > 0, np.maximum(lens, MIN_REGION), 0), lens,
+                          blocks - lens, lens)
+        if len(pages):
             fresh = (pages[:, None] * ps + self._page_offsets).reshape(-1)
-            self._write_new(made, np.concatenate(token_lists), fresh[ranges(np.cumsum(blocks) - blocks, lens)], lens)
-            t.tail_room[made] = blocks - lens
-            t.pending[made] = lens
-            self._num_pending += int(lens.sum())
+            at = t.token_index(made)
+            t.slots[at] = fresh[ranges(blocks.cumsum() - blocks, lens)]
+            t.tokens[at] = np.concatenate(token_lists)
+            self._num_pending += len(at)
         self._layout = None
         return made
-
-    def _write_new(self, made: np.ndarray, tokens: np.ndarray, slots: np.ndarray,
-                   lens: np.ndarray | None = None) -> None:
-        """Regions for new rows ``made`` and their tokens (``lens`` each, default all for one row)."""
-        t = self._table
-        if lens is None:
-            lens = np.array([len(tokens)], dtype=np.int64)
-        t.place(made, np.where(lens > 0, np.maximum(lens, MIN_REGION), 0))
-        at = t.token_index(made, count=lens)
-        t.slots[at] = slots
-        t.tokens[at] = tokens
-        t.length[made] = lens
 
     def _pages_to_extend(self, row: int, num_tokens: int) -> int:
         return self.pool.pages_for(max(0, num_tokens - self._table.tail_room.item(row)))

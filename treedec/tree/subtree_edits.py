@@ -143,7 +143,11 @@ class SubtreeEdits:
         if len(rows) == 1:   # one node (a pruned leaf): its runs' pages, each held once
             start = t.start.item(rows[0])
             page_of = t.slots[start:start + t.length.item(rows[0])] // self.pool.page_size
-            pages = page_of[np.diff(page_of, prepend=-1).nonzero()[0]]
+            if len(page_of) and page_of.item(0) == page_of.item(-1):   # (runs: one page)
+                return page_of[:1], np.ones(1, dtype=np.int64)
+            run = np.ones(len(page_of), dtype=bool)
+            np.not_equal(page_of[1:], page_of[:-1], out=run[1:])
+            pages = page_of[run]
             return pages, np.ones(len(pages), dtype=np.int64)
         lens = t.length[rows]
         page_of = t.slots[ranges(t.start[rows], lens)] // self.pool.page_size

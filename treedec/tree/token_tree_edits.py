@@ -180,13 +180,10 @@ class TokenTreeEdits:
         m = len(tokens)
         slots = self.pool.allocate_slots(m)   # raises before any change
         t = self._table
-        made = t.new_rows(m, anchors, 0 if prefix is None else prefix)
-        t.place(made, np.ones(m, dtype=np.int64))
+        made = t.new_rows(m, anchors, 0 if prefix is None else prefix, np.ones(m, dtype=np.int64), 1, 0, 1)
         at = t.start[made]
         t.slots[at] = slots
         t.tokens[at] = tokens
-        t.length[made] = 1
-        t.pending[made] = 1
         self._num_pending += m
         self._layout = None
         return made

@@ -129,7 +129,7 @@ class TreeDebugging:
                 (ends[:-1] > start[placed][1:]).any():
             raise _broken("node regions of the token buffer overlap, or hold more tokens than they have room for")
         room = t.tail_room[rows]
-        last = t.slots[start + np.maximum(length - 1, 0)]
+        last = t.slots[np.where(length > 0, start + length - 1, 0)]   # (an empty node's region may be past the end)
         over = (room > 0) & ((length == 0) | (last % self.pool.page_size + room >= self.pool.page_size))
         if (room < 0).any() or over.any():
             raise _broken(f"nodes {t.node_id[rows[over | (room < 0)]][:10].tolist()} have tail room past their "
