@@ -97,34 +97,6 @@ class LaneEdits:
         _, rows = self._leaf_rows(node_ids)
         return int((self._table.tail_room[rows] == 0).sum())
 
-    def _append_rows(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """:meth:`append_tokens` of checked input: ``rows`` distinct leaves, ``tokens`` one each (``[L]`` int64).
-        The rows' fields are read in one gather and written back in one scatter."""
-        t = self._table
-        ps = self.pool.page_size
-        f = t.fields(rows)
-        room, lens = f[:, TAIL], f[:, LENGTH]
-        full = room == 0
-        num_pages = int(full.sum())
-        self._check_free(num_pages)
-        pages = self.pool.allocate(num_pages)
-        if (f[:, CAP] <= lens).any():   # some regions are full: those rows move (now and then)
-            t.make_room(rows, lens + 1)
-            f = t.fields(rows)
-            room, lens = f[:, TAIL], f[:, LENGTH]
-        at = f[:, START] + lens
-        slots = t.slots[at - 1] + 1   # the slot after the last; a leaf without room (or tokens) gets a page's first
-        slots[full] = pages * ps
-        t.slots[at] = slots
-        t.tokens[at] = tokens
-        f[:, TAIL] = np.where(full, ps - 1, room - 1)
-        f[:, LENGTH] += 1
-        f[:, PENDING] += 1
-        t.set_fields(rows, f)
-        self._num_pending += len(rows)
-        self._layout = None
-        return slots
-
     def set_last_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
         """Record the id of the last token of each of many nodes: what ``set_tokens(n, node_length(n) - 1, [t])``
         does for each, in one call (e.g. the tokens a pipelined step sampled on the device, once read back,
@@ -162,6 +134,34 @@ class LaneEdits:
         return PendingQueries(*out)
 
     # ================================================================ private
+
+    def _append_rows(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`append_tokens` of checked input: ``rows`` distinct leaves, ``tokens`` one each (``[L]`` int64).
+        The rows' fields are read in one gather and written back in one scatter."""
+        t = self._table
+        ps = self.pool.page_size
+        f = t.fields(rows)
+        room, lens = f[:, TAIL], f[:, LENGTH]
+        full = room == 0
+        num_pages = int(full.sum())
+        self._check_free(num_pages)
+        pages = self.pool.allocate(num_pages)
+        if (f[:, CAP] <= lens).any():   # some regions are full: those rows move (now and then)
+            t.make_room(rows, lens + 1)
+            f = t.fields(rows)
+            room, lens = f[:, TAIL], f[:, LENGTH]
+        at = f[:, START] + lens
+        slots = t.slots[at - 1] + 1   # the slot after the last; a leaf without room (or tokens) gets a page's first
+        slots[full] = pages * ps
+        t.slots[at] = slots
+        t.tokens[at] = tokens
+        f[:, TAIL] = np.where(full, ps - 1, room - 1)
+        f[:, LENGTH] += 1
+        f[:, PENDING] += 1
+        t.set_fields(rows, f)
+        self._num_pending += len(rows)
+        self._layout = None
+        return slots
 
     def _lane_rows(self, node_ids, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``node_ids`` checked (a 1-D collection of ints, each a live node) as ``(ids, rows)``, ``[L]`` int64 each."""
