@@ -385,7 +385,7 @@ def _family(error: type) -> type:
 
 
 TestArrayEqualsReference = ArrayEqualsReference.TestCase
-TestArrayEqualsReference.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestArrayEqualsReference.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 @pytest.mark.slow

@@ -147,3 +147,31 @@ def test_a_layout_after_appends_grows_from_the_last_one():
     for name in ("node_ids", "parent", "kv_start", "kv_slots", "query_node", "query_offset", "node_prefix_len"):
         assert np.array_equal(getattr(grown, name), getattr(gathered, name)), name
     assert np.array_equal(old.kv_slots, old_slots) and grown.num_tokens == old.num_tokens + 5
+
+
+def test_a_layout_after_any_edits_is_made_from_the_last_one():
+    """After branches, token trees, accepts, prunes and appends, the layout made from the last one (its
+    surviving nodes' slots kept, the new ones put in place) equals one gathered from scratch."""
+    tree, leaves = decoding_forest(page_size=4)
+    tree._cache.few_tokens = 0
+
+    def made_is_gathered():
+        made = tree.layout()
+        tree._cache.forget_slots()
+        tree._layout = None
+        gathered = tree.layout()
+        for name in ("node_ids", "parent", "kv_start", "kv_slots", "query_node", "query_offset", "node_prefix_len"):
+            assert np.array_equal(getattr(made, name), getattr(gathered, name)), name
+
+    roots = tree.roots
+    tree.layout()
+    ids = tree.add_token_tree(leaves[0], [1, 2, 3], [-1, 0, 0])
+    tree.append_tokens(leaves[1:], range(5))
+    kids = tree.branch(roots[2], [[7, 8], []])
+    made_is_gathered()
+    tree.commit_step()
+    tree.accept(leaves[0], ids[:2])
+    tree.prune_many([leaves[3], kids[1]])
+    tree.add_prompt([5, 6, 7])
+    made_is_gathered()
+    tree.check_invariants()

@@ -1,14 +1,16 @@
-"""LayoutCache: the :class:`~treedec.tree.TreeLayout` of an array :class:`~treedec.tree.SequenceTree`, gathered
-from its node table, and the last layout's KV part kept so that the next one grows from it.
+"""LayoutCache: the :class:`~treedec.tree.TreeLayout` of an array :class:`~treedec.tree.SequenceTree`, built from
+its node table, and the last layout's KV part kept so that the next one is made from it.
 
 A layout's queries are cheap (one entry per node and per pending token). Its KV part, ``kv_slots``, is
 one entry per token of the whole forest: what the planners read (each chunk's physical slots) and what
-a plan copies to the device. Between two layouts of a decode step only appends happen (one token per
-lane, or a prompt chunk); the node order is then the same object and the new slots are inserted into
-the last ``kv_slots`` (one masked copy; below ``FEW_TOKENS`` tokens, gathering them costs less); any other edit (a branch, a token tree, a prune, an accept: a
-new node order; a truncation) gathers ``kv_slots`` from the token buffer again. Both are a few numpy
-calls and a copy of ``kv_slots``: a layout is a snapshot its readers keep, so its arrays are never
-written once made.
+a plan copies to the device. No edit moves a kept token's slot (a truncation drops a node's tail, which
+may be refilled: the cache is told) nor reorders the nodes that stay (edits insert and remove nodes in the
+depth-first order), so the next ``kv_slots`` is the last one with the removed nodes' and cut tails' slots
+dropped and the new slots (appended tokens, new nodes) put in their places: two masked copies of
+``kv_slots`` and a gather of the new slots only, whatever the edits. Between two layouts of a decode step only appends happen (one token
+per lane, or a prompt chunk), and the node order is the same object: one masked copy. A forest under
+``FEW_TOKENS`` tokens (or one without a last layout) gathers every slot from the token buffer, in fewer
+numpy calls. A layout is a snapshot its readers keep, so its arrays are never written once made.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from treedec.tree.preorder import Preorder
 
 NONE = np.zeros(0, dtype=np.int64)
 NONE.setflags(write=False)
-FEW_TOKENS = 16384   # below this many KV tokens a layout gathers its slots afresh: fewer numpy calls than growing
+FEW_TOKENS = 16384   # below this many KV tokens a layout gathers its slots afresh: fewer numpy calls than merging
 
 
 class LayoutCache:
@@ -30,20 +32,20 @@ class LayoutCache:
         self.few_tokens = few_tokens
         self._order: Preorder | None = None
         self._rows = self._lens = self._prefix = self._kv_start = self._kv_slots = NONE
+        self._cut: dict[int, int] = {}   # node id -> tokens of it whose slots are still the last layout's
 
     def forget_slots(self) -> None:
-        """Some node's kept slots changed (not only appended to): the next layout gathers every slot."""
+        """Forget the last layout: the next one gathers every slot from the token buffer."""
         self._order = None
+
+    def truncated(self, node_id: int, length: int) -> None:
+        """Node ``node_id`` was cut to ``length`` tokens: its slots past them (maybe refilled since) are no longer
+        the last layout's."""
+        self._cut[node_id] = min(length, self._cut.get(node_id, length))
 
     def layout(self, table: NodeTable, order: Preorder) -> TreeLayout:
         """The layout of ``table``'s nodes in ``order``, the queries its pending tokens."""
-        if order is not self._order or len(self._kv_slots) < self.few_tokens:   # (a small forest: gathering costs less)
-            rows = order.ids & ROW_MASK
-            lens = table.length[rows]
-            kv_slots = table.slots[ranges(table.start[rows], lens)] if len(rows) else NONE
-            self._order, self._rows, self._prefix = order, rows, _frozen(table.prefix[rows])
-            self._keep(lens, kv_slots)
-        else:
+        if order is self._order and not self._cut:
             rows = self._rows
             lens = table.length[rows]
             grown = (lens != self._lens).nonzero()[0]
@@ -52,9 +54,54 @@ class LayoutCache:
                 added = lens[grown] - old
                 new_slots = table.slots[ranges(table.start[rows[grown]] + old, added)]
                 self._keep(lens, _insert(self._kv_slots, self._kv_start[grown + 1].repeat(added), new_slots))
+        else:
+            rows = order.ids & ROW_MASK
+            lens = table.length[rows]
+            if self._order is None or len(self._kv_slots) < self.few_tokens or not len(rows) * len(self._rows):
+                kv_slots = table.slots[ranges(table.start[rows], lens)] if len(rows) else NONE
+            else:
+                kv_slots = self._merged(table, order.ids, rows, lens)
+            self._order, self._rows, self._prefix = order, rows, _frozen(table.prefix[rows])
+            self._cut = {}
+            self._keep(lens, kv_slots)
         query_node, query_offset = _queries(self._lens, table.pending[rows])
         return TreeLayout(order.ids, order.parent, self._kv_start, self._kv_slots, query_node, query_offset,
                           _prefix=self._prefix)
+
+    def _merged(self, table: NodeTable, ids: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """The slots of the nodes ``ids`` (``[N]`` int64, in the new order; their ``rows`` and ``lens``) from the
+        last layout's: the slots of the nodes that stay, in their order (less the tails cut since), their
+        appended and the new nodes' slots read from the token buffer and put in their places."""
+        old_ids, old_lens = self._order.ids, self._lens
+        by_id = old_ids.argsort()
+        at = by_id[np.minimum(old_ids.searchsorted(ids, sorter=by_id), len(old_ids) - 1)]
+        stays = old_ids[at] == ids                       # a node of the last layout (ids are never reused)
+        kept = np.where(stays, old_lens[at], 0)          # its slots then: a prefix of its slots now
+        if self._cut:
+            cut = np.fromiter(self._cut.items(), dtype=np.dtype((np.int64, 2)), count=len(self._cut))
+            by_new = ids.argsort()
+            where = by_new[np.minimum(ids.searchsorted(cut[:, 0], sorter=by_new), len(ids) - 1)]
+            hit = ids[where] == cut[:, 0]                # (a cut node may be pruned since)
+            kept[where[hit]] = np.minimum(kept[where[hit]], cut[hit, 1])
+        keep = np.zeros(len(old_ids), dtype=np.int64)   # per node of the last layout: its slots that stay
+        keep[at[stays]] = kept[stays]
+        drop = (old_lens - keep).nonzero()[0]
+        old_slots = self._kv_slots
+        if len(drop):   # the removed nodes' slots and the cut tails'
+            stay = np.ones(len(old_slots), dtype=bool)
+            stay[ranges(self._kv_start[drop] + keep[drop], old_lens[drop] - keep[drop])] = False
+            old_slots = old_slots[stay]
+        added = lens - kept
+        if not added.any():   # nodes removed (a prune), or the shape changed without tokens (a branch of k)
+            return old_slots
+        starts = lens.cumsum() - lens
+        out = np.empty(int(lens.sum()), dtype=np.int64)
+        fresh = np.zeros(len(out), dtype=bool)
+        new_at = ranges(starts + kept, added)
+        fresh[new_at] = True
+        out[new_at] = table.slots[ranges(table.start[rows] + kept, added)]
+        out[~fresh] = old_slots
+        return out
 
     def _keep(self, lens: np.ndarray, kv_slots: np.ndarray) -> None:
         kv_start = np.zeros(len(lens) + 1, dtype=np.int64)

@@ -356,7 +356,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         last = t.slots.item(start + length - 1)
         alone = self.pool.refcount[last // ps] == 1
         t.tail_room[row] = ps - 1 - last % ps if alone else 0
-        self._cache.forget_slots()   # the kept tokens' slots may change: no layout grows from the last one
+        self._cache.truncated(int(node_id), length)   # its slots past length may be refilled with others
         self._layout = None
         return freed
 
