@@ -7,7 +7,8 @@ import pytest
 from tests.tree.test_sequence_tree import make_tree
 from tests.tree.tree_state import snapshot
 from treedec import PoolExhaustedError, TreeError
-from treedec.tree import PendingQueries
+from treedec.tree import PagedKVPool, PendingQueries, SequenceTree
+from treedec.tree.reference import ReferenceSequenceTree
 
 
 def decoding_forest(page_size=4, num_pages=64, requests=3):
@@ -175,3 +176,19 @@ def test_a_layout_after_any_edits_is_made_from_the_last_one():
     tree.add_prompt([5, 6, 7])
     made_is_gathered()
     tree.check_invariants()
+
+
+def test_extend_many_of_many_leaves_equals_the_reference():
+    """extend_many of one token to many leaves (a decode step through the old API: one array append) equals the
+    object tree's, step after step, pages and slots included."""
+    trees = [SequenceTree(PagedKVPool(256, 4, allocate_storage=False)),
+             ReferenceSequenceTree(PagedKVPool(256, 4, allocate_storage=False))]
+    for tree in trees:
+        root = tree.add_prompt(range(5))
+        leaves = tree.branch(root, [[1]] * 3 + [[]] * 17)
+        tree.commit_step()
+        for step in range(6):
+            out = tree.extend_many({n: [step * 100 + i] for i, n in enumerate(leaves)})
+            assert list(out) == leaves and all(len(s) == 1 for s in out.values())
+            tree.commit_step()
+    assert snapshot(trees[0])[0] == snapshot(trees[1])[0]

@@ -18,9 +18,8 @@ pending, tail room, ...; tokens and slots in one buffer), so an edit of many nod
 the lanes' one-token appends of :mod:`treedec.tree.lane_edits`) is a few numpy calls whatever their
 number. The forest's depth-first order is kept up to date by each edit
 (:class:`~treedec.tree.preorder.Preorder`) and a subtree is a range of it; the layout a step plans from is
-gathered from the columns, and a step that only appended tokens inserts them into the last layout's slots
-(:mod:`treedec.tree.layout_cache`). The object implementation this one must equal, operation by operation,
-is :class:`~treedec.tree.reference.ReferenceSequenceTree`.
+made from the last one and the columns (:mod:`treedec.tree.layout_cache`). The object implementation this
+one must equal, operation by operation, is :class:`~treedec.tree.reference.ReferenceSequenceTree`.
 """
 from __future__ import annotations
 
@@ -39,11 +38,11 @@ from treedec.tree.preorder import Preorder
 from treedec.tree.subtree_edits import SubtreeEdits
 from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
-from treedec.tree.validate import int_array, int_value, rows
+from treedec.tree.validate import int_array, int_list, int_value, rows
 
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)
-FEW_NODES = 4   # extend_many of one token to this many leaves or more: one array append, not a fill each
+FEW_NODES = 16   # extend_many of one token to this many leaves or more: one array append, not a fill each
 
 
 class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
@@ -253,14 +252,14 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             row = self._row(nid)
             if t.num_children.item(row):
                 raise TreeError(f"cannot extend node {nid}: it has children {self.children(nid)}; only leaves grow")
-            toks = int_array(toks, f"tokens for node {nid}", low=0)
+            toks = int_list(toks, f"tokens for node {nid}", low=0)   # (a list: cheaper than an array for a few)
             room = t.tail_room.item(row)
             k = -(-(len(toks) - room) // ps) if len(toks) > room else 0
             plan.append((nid, row, toks, k))
             need += k
         if len(plan) >= FEW_NODES and all(len(toks) == 1 for _, _, toks, _ in plan):   # a decode step: arrays
             slots = self._append_rows(np.array([p[1] for p in plan], dtype=np.int64),
-                                      np.concatenate([p[2] for p in plan]))
+                                      np.array([p[2][0] for p in plan], dtype=np.int64))
             return {nid: slots[i:i + 1] for i, (nid, *_) in enumerate(plan)}
         self._check_free(need)
         fresh = self.pool.allocate(need) if need else NO_SLOTS   # every node's pages in one call, in order
@@ -466,8 +465,8 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
                 f"KV pool exhausted: the operation needs {num_pages} page(s) of {self.pool.page_size} tokens, "
                 f"{self.pool.num_free_pages} of {self.pool.num_pages} free; nothing was changed")
 
-    def _fill(self, row: int, tokens: np.ndarray, pages: np.ndarray | None = None) -> np.ndarray:
-        """Give ``tokens`` (``[n]`` int64) slots (tail room first, then fresh pages) and append them to ``row``,
+    def _fill(self, row: int, tokens: np.ndarray | list[int], pages: np.ndarray | None = None) -> np.ndarray:
+        """Give ``tokens`` (``[n]`` ints, checked) slots (tail room first, then fresh pages) and append them to ``row``,
         pending. ``pages``: the fresh pages they need, taken already (as :meth:`extend_many` takes them for all
         its nodes at once)."""
         n = len(tokens)
@@ -475,6 +474,17 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             return np.zeros(0, np.int64)
         t = self._table
         length, room = t.length.item(row), t.tail_room.item(row)
+        if n == 1 and room and t.cap.item(row) > length:   # a decode step's token: into the last page, in scalars
+            at = t.start.item(row) + length
+            slot = t.slots.item(at - 1) + 1
+            t.slots[at] = slot
+            t.tokens[at] = tokens[0]
+            t.length[row] = length + 1
+            t.tail_room[row] = room - 1
+            t.pending[row] = t.pending.item(row) + 1
+            self._num_pending += 1
+            self._layout = None
+            return np.array([slot], dtype=np.int64)
         use_tail = min(n, room)
         if use_tail:
             last = t.slots.item(t.start.item(row) + length - 1)
@@ -494,7 +504,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
         t.tokens[begin:begin + n] = tokens
         t.length[row] = length + n
         t.tail_room[row] = room
-        t.pending[row] += n
+        t.pending[row] = t.pending.item(row) + n
         self._num_pending += n
         self._layout = None
         return new_slots

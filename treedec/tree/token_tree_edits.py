@@ -92,7 +92,7 @@ class TokenTreeEdits:
         chain = self._rows_of(path)
         t = self._table
         above = np.concatenate(([row], chain))[:-1]   # each path node's expected parent
-        wrong = np.flatnonzero(t.parent[chain] != above)
+        wrong = np.flatnonzero(t.parent[chain] != above) if path else chain
         if len(wrong):
             i = int(wrong[0])
             raise TreeError(f"path must be a chain under node {anchor}: node {path[i]}'s parent is "
@@ -105,7 +105,7 @@ class TokenTreeEdits:
         if busy.any():
             raise TreeError(f"cannot accept under node {anchor}: node(s) {t.node_id[doomed[busy]][:5].tolist()} "
                             f"below it have pending tokens of the current step; call commit_step() first")
-        at = t.token_index(chain)
+        at = t.token_index(chain) if path else chain
         tokens, moved = t.tokens[at], t.slots[at]   # copies, read before the cut frees the chain's rows
         holds = self._holds(doomed)
         need = self._pages_to_extend(row, len(tokens))
