@@ -173,12 +173,9 @@ class NodeTable:
         self.cap[row] = new_cap
         self.end = end + new_cap
 
-    def token_index(self, rows: np.ndarray, skip: np.ndarray | int = 0,
-                    count: np.ndarray | None = None) -> np.ndarray:
-        """[sum of counts] int64: the buffer positions of each row's tokens ``skip .. skip + count - 1``
-        (default: all of them), row after row."""
-        lens = self.length[rows] - skip if count is None else count
-        return ranges(self.start[rows] + skip, lens)
+    def token_index(self, rows: np.ndarray) -> np.ndarray:
+        """[their tokens] int64: the buffer positions of the tokens of ``rows`` (``[k]`` int64), row after row."""
+        return ranges(self.start[rows], self.length[rows])
 
     def _reserve(self, extra: int) -> None:
         """Room for ``extra`` more buffer entries at ``end``: compact when half the buffers is garbage, grow

@@ -16,7 +16,9 @@ operation :class:`~treedec.errors.TreeError`, a full pool
 The nodes are rows of a :class:`~treedec.tree.node_table.NodeTable` (numpy columns: parent, length,
 pending, tail room, ...; tokens and slots in one buffer), so an edit of many nodes (a token tree, a prune,
 the lanes' one-token appends of :mod:`treedec.tree.lane_edits`) is a few numpy calls whatever their
-number. The forest's depth-first order is kept up to date by each edit
+number. The subtree edits live in :mod:`treedec.tree.subtree_edits`, the speculative ones in
+:mod:`treedec.tree.token_tree_edits`, those of computed tokens (pipelined decoding) in
+:mod:`treedec.tree.computed_token_edits`. The forest's depth-first order is kept up to date by each edit
 (:class:`~treedec.tree.preorder.Preorder`) and a subtree is a range of it; the layout a step plans from is
 made from the last one and the columns (:mod:`treedec.tree.layout_cache`). The object implementation this
 one must equal, operation by operation, is :class:`~treedec.tree.reference.ReferenceSequenceTree`.
@@ -29,6 +31,7 @@ import numpy as np
 
 from treedec.checks import describe, is_int, show_int
 from treedec.errors import PoolExhaustedError, TreeError
+from treedec.tree.computed_token_edits import ComputedTokenEdits
 from treedec.tree.lane_edits import LaneEdits
 from treedec.tree.layout import TreeLayout
 from treedec.tree.layout_cache import LayoutCache
@@ -45,7 +48,7 @@ NO_SLOTS.setflags(write=False)
 FEW_NODES = 16   # extend_many of one token to this many leaves or more: one array append, not a fill each
 
 
-class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
+class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`add_shared_root`, :meth:`extend`, :meth:`extend_many`,
@@ -300,65 +303,6 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
                                    np.full(len(made), at))
         return t.node_id[made].tolist()
 
-    def set_tokens(self, node_id: int, start: int, tokens: Sequence[int]) -> None:
-        """Overwrite the ids of ``node_id``'s tokens ``start .. start + len(tokens) - 1`` (``[n]`` ints >= 0).
-
-        Slots and K/V stay as they are. For pipelined decoding: a step is planned with a
-        placeholder token while the previous step still runs, its forward reads the real token on
-        the device (``Engine.step(tokens=...)``), and the real id is recorded here once it is
-        read back. (The last token of each of many nodes: :meth:`set_last_tokens`.)
-        """
-        t = self._table
-        row = self._row(node_id)
-        tokens = int_array(tokens, "tokens", low=0)
-        start = int_value(start, "start", low=0)
-        length = t.length.item(row)
-        if start + len(tokens) > length:
-            raise TreeError(f"node {node_id} has {length} tokens; cannot set tokens {start}.."
-                            f"{start + len(tokens) - 1}")
-        begin = t.start.item(row) + start
-        t.tokens[begin:begin + len(tokens)] = tokens
-
-    def extend_computed(self, node_id: int, tokens: Sequence[int]) -> np.ndarray:
-        """Append ``tokens`` (``[n]`` ints >= 0) to leaf ``node_id`` as computed tokens: no step computes them,
-        the caller writes their K/V into the returned ``[n]`` slots (e.g. a pipelined speculative step moving
-        the accepted tokens' K/V on the device before their ids reach the host; :meth:`set_tokens` records
-        the ids later, :meth:`truncate` drops the ones not accepted). Checks first, changes nothing when it
-        raises."""
-        row = self._computed_leaf(node_id, "append computed tokens to")
-        tokens = int_array(tokens, "tokens", low=0)
-        slots = self._fill(row, tokens)   # raises before any change when the pool is short
-        self._table.pending[row] -= len(tokens)
-        self._num_pending -= len(tokens)
-        return slots
-
-    def truncate(self, node_id: int, length: int) -> np.ndarray:
-        """Keep the first ``length`` (>= 1) tokens of leaf ``node_id``; free the pages only the rest held.
-
-        The dropped tokens must be computed (no pending tokens): e.g. a step run past an EOS by
-        pipelined decoding. Returns the pages freed.
-        """
-        row = self._computed_leaf(node_id, "truncate")
-        length = int_value(length, "length", low=1)
-        t = self._table
-        have = t.length.item(row)
-        if length > have:
-            raise TreeError(f"cannot truncate node {node_id} of {have} tokens to {length}")
-        start = t.start.item(row)
-        ps = self.pool.page_size
-        page_of = t.slots[start:start + have] // ps
-        first = np.flatnonzero(np.diff(page_of, prepend=-1))   # where each of the node's pages begins
-        freed = self.pool.decref(page_of[first[first >= length]])   # a page stays when a kept token is in it
-        t.length[row] = length
-        # The kept last page's free slots are refilled only when no other node holds that page (a page held by
-        # others, e.g. a shared prefix's, may have their tokens after this node's).
-        last = t.slots.item(start + length - 1)
-        alone = self.pool.refcount[last // ps] == 1
-        t.tail_room[row] = ps - 1 - last % ps if alone else 0
-        self._cache.truncated(int(node_id), length)   # its slots past length may be refilled with others
-        self._layout = None
-        return freed
-
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""
         self._table.paused[self._row(node_id)] = 1
@@ -418,17 +362,6 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, LaneEdits, TreeDebugging):
             out.append(up)
             up = parent.item(up)
         return np.array(out[::-1], dtype=np.int64)
-
-    def _computed_leaf(self, node_id: int, doing: str) -> int:
-        """The node's row, checked to be a leaf without pending tokens (what ``doing`` needs)."""
-        row = self._row(node_id)
-        t = self._table
-        if t.num_children.item(row):
-            raise TreeError(f"cannot {doing} node {node_id}: it has children {self.children(node_id)[:5]}")
-        if t.pending.item(row):
-            raise TreeError(f"cannot {doing} node {node_id}: it has {t.pending.item(row)} pending token(s); "
-                            f"call commit_step() first")
-        return row
 
     def _add_root(self, row: int) -> int:
         """Register a filled parentless row as the forest's last root; returns its id."""
