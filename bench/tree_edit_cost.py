@@ -15,9 +15,16 @@ with the arguments they pass (lists of Python ints), over a 4000-token prompt:
   ``extend`` as above;
 - ``decode_8`` / ``decode_64``: batched decoding of 8 / 64 leaves under the prompt, ``extend_many``
   of one token each, ``layout``, ``commit_step``;
+- ``lanes_64x4k``: issue 49's lanes: 64 requests, each a 4000-token prompt with one growing leaf, one decode
+  step for all: ``append`` one token to each leaf (``append_tokens`` where the tree has it, else
+  ``extend_many`` of one token each), ``layout``, ``queries`` (the step's query slots, token ids and
+  positions: ``pending_queries``, else the layout's and ``pending_tokens``), ``commit_step``;
 - ``beam_8``: ``beam.py``-like: 8 beams each ``branch`` into 2 one-token children, ``layout``,
   ``commit_step``, then ``prune`` of the worse child of each (pages freed);
-- ``*_x8``: a forest of 8 requests doing the same in one step (one layout, one commit).
+- ``*_x8`` / ``*_x32``: a forest of 8 / 32 requests doing the same in one step (one layout, one commit).
+
+``--tree reference`` drives the object tree (``treedec.tree.reference``) instead of ``SequenceTree``; run
+on an older checkout (``PYTHONPATH``), ``SequenceTree`` is that checkout's.
 
 Page sizes 1 and 16. Each edit's cost per step (the sum over its calls in the step) is the median of
 ``--steps`` steps after ``--warmup`` steps, in microseconds, of wall time and of this thread's CPU time
@@ -25,6 +32,7 @@ Page sizes 1 and 16. Each edit's cost per step (the sum over its calls in the st
 one session. Writes ``bench/results/<date>-tree-edit-cost-cpu[-tag].json``.
 
     python bench/tree_edit_cost.py [--steps 400] [--rounds 3] [--page-sizes 1 16] [--cases medusa_verify ...]
+                                   [--tree SequenceTree|reference] [--tag before]
     python bench/tree_edit_cost.py --profile medusa_verify --page-sizes 16   # cProfile: own time per function
 """
 from __future__ import annotations
@@ -48,6 +56,13 @@ from treedec.tree import PagedKVPool, SequenceTree, TokenTree
 from treedec.workloads.deft import medusa_tree
 
 PROMPT = 4000
+TREES = {"SequenceTree": lambda: SequenceTree}
+try:   # (an older checkout, run for the numbers before, has no reference package)
+    from treedec.tree.reference import ReferenceSequenceTree
+    TREES["reference"] = lambda: ReferenceSequenceTree
+except ImportError:
+    pass
+TREE = ["SequenceTree"]   # the class the cases drive (--tree)
 
 
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
@@ -91,7 +106,7 @@ class EditTimer:
 def fresh_tree(page_size: int, requests: int, extra_tokens: int) -> tuple[SequenceTree, list[int]]:
     """``requests`` committed 4000-token prompts in a pool with room for ``extra_tokens`` more per request."""
     per_request = -(-(PROMPT + extra_tokens) // page_size) + 64
-    tree = SequenceTree(PagedKVPool(requests * per_request, page_size, allocate_storage=False))
+    tree = TREES[TREE[0]]()(PagedKVPool(requests * per_request, page_size, allocate_storage=False))
     roots = [tree.add_prompt(list(range(PROMPT))) for _ in range(requests)]
     tree.commit_step()
     return tree, roots
@@ -190,6 +205,29 @@ def decode(page_size: int, requests: int, steps: int, warmup: int, leaves: int) 
     return timer
 
 
+def lanes(page_size: int, requests: int, steps: int, warmup: int) -> EditTimer:
+    """One growing leaf under each request's prompt; a decode step appends one token to every leaf."""
+    tree, roots = fresh_tree(page_size, requests, steps + warmup + page_size)
+    grow = [tree.branch(r, [[0]])[0] for r in roots]
+    tree.commit_step()
+    batched = hasattr(tree, "append_tokens")   # the array tree's batch operations, else the per-node API
+    timer, rng = EditTimer(), np.random.default_rng(0)
+    for step in range(warmup + steps):
+        tokens = rng.integers(0, 32000, len(grow))
+        if batched:
+            timer("append", tree.append_tokens, grow, tokens)
+        else:
+            timer("append", tree.extend_many, dict(zip(grow, ([t] for t in tokens.tolist()))))
+        layout = timer("layout", tree.layout)
+        if batched:
+            timer("queries", tree.pending_queries)
+        else:
+            timer("queries", lambda: (layout.query_slot, tree.pending_tokens(), layout.query_position))
+        timer("commit_step", tree.commit_step)
+        timer.end_step(step >= warmup)
+    return timer
+
+
 def beam(page_size: int, requests: int, steps: int, warmup: int, width: int = 8) -> EditTimer:
     tree, roots = fresh_tree(page_size, requests, (steps + warmup + 2) * width * 2 * page_size)
     beams = [leaf for r in roots for leaf in tree.branch(r, [[0]] * width)]
@@ -210,12 +248,14 @@ def beam(page_size: int, requests: int, steps: int, warmup: int, width: int = 8)
 CASES = {
     "medusa_verify": lambda ps, s, w: medusa_verify(ps, 1, s, w),
     "medusa_verify_x8": lambda ps, s, w: medusa_verify(ps, 8, s, w),
+    "medusa_verify_x32": lambda ps, s, w: medusa_verify(ps, 32, s, w),
     "eagle_layers": lambda ps, s, w: eagle_layers(ps, 1, s, w),
     "eagle_layers_x8": lambda ps, s, w: eagle_layers(ps, 8, s, w),
     "eagle_chains": lambda ps, s, w: eagle_chains(ps, 1, s, w),
     "decode_8": lambda ps, s, w: decode(ps, 1, s, w, 8),
     "decode_64": lambda ps, s, w: decode(ps, 1, s, w, 64),
     "decode_x8": lambda ps, s, w: decode(ps, 8, s, w, 1),
+    "lanes_64x4k": lambda ps, s, w: lanes(ps, 64, s, w),
     "beam_8": lambda ps, s, w: beam(ps, 1, s, w),
 }
 
@@ -265,9 +305,12 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="the table's clock (the results file holds both): cpu leaves out the time other "
                              "processes hold the core, which a shared machine's wall clock counts")
+    parser.add_argument("--tree", choices=sorted(TREES), default="SequenceTree",
+                        help="the tree class the cases drive: SequenceTree (this checkout's) or the object reference")
     parser.add_argument("--tag", default="", help="appended to the results file's name")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    TREE[0] = args.tree
     if args.profile:
         for ps in args.page_sizes:
             print(f"== {args.profile}, page size {ps}")
@@ -287,6 +330,7 @@ def main() -> None:
               "cpu_count": os.cpu_count(), "host": platform.node(),
               "versions": {"python": platform.python_version(), "numpy": np.__version__},
               "treedec": str(Path(treedec.__file__).resolve().parent), "tag": args.tag, "prompt_tokens": PROMPT,
+              "tree": f"{TREES[args.tree]().__module__}.{TREES[args.tree]().__name__}",
               "clock_overhead_ns": EditTimer.overhead_ns, "steps": args.steps, "warmup": args.warmup,
               "rounds": args.rounds,
               "argv": sys.argv[1:], "rows": rows}

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from treedec import TreeError
@@ -42,3 +43,16 @@ def test_explicit_slots_checked():
         TreeLayout.from_parents([-1, 0], [1, 2], [(1, 0)], slots=[[0], [4]])
     layout = TreeLayout.from_parents([-1, 0], [1, 2], [(1, 1)], slots=[[9], [4, 2]])
     assert layout.kv_slots.tolist() == [9, 4, 2] and layout.query_slot.tolist() == [2]
+
+
+def test_node_prefix_len_of_a_deep_forest_is_the_tokens_above():
+    """node_prefix_len, computed by pointer jumping for a layout that does not carry it, equals the sum of the
+    ancestors' lengths: a chain 300 deep beside a random forest."""
+    rng = np.random.default_rng(3)
+    parents = [-1] + list(range(299)) + [-1] + [int(rng.integers(300, 300 + i)) for i in range(1, 100)]
+    lengths = rng.integers(0, 7, len(parents)).tolist()
+    layout = TreeLayout.from_parents(parents, lengths, [(len(parents) - 1, 0)] if lengths[-1] else [])
+    above = {}
+    for i, p in enumerate(parents):
+        above[i] = 0 if p < 0 else above[p] + lengths[p]
+    assert layout.node_prefix_len.tolist() == [above[int(i)] for i in layout.node_ids]

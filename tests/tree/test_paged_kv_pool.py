@@ -20,13 +20,42 @@ def test_allocate_free_reuse():
     assert len(pool.allocate(8)) == 8  # every freed page is reusable
 
 
+
+def test_free_pages_are_handed_out_most_recently_freed_first():
+    """The free list is a stack: free_pages lists what allocate hands out next, in order; freed pages go on top,
+    the lowest first; taking or returning many pages is one call."""
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    assert pool.free_pages.tolist() == list(range(8))
+    taken = pool.allocate(5)
+    assert taken.tolist() == [0, 1, 2, 3, 4] and pool.free_pages.tolist() == [5, 6, 7]
+    assert pool.decref(np.array([3, 1])).tolist() == [1, 3]
+    assert pool.free_pages.tolist() == [1, 3, 5, 6, 7]
+    assert pool.allocate(3).tolist() == [1, 3, 5] and pool.allocate_slots(6).tolist() == [24, 25, 26, 27, 28, 29]
+    assert pool.free_pages.tolist() == [] and pool.num_free_pages == 0
+    pool.free_pages[:] = -1   # a copy: the pool's list is not the caller's
+    pool.check_invariants()
+
+
+def test_release_drops_a_callers_own_holds_and_refuses_to_go_below_zero():
+    """release (decref without the argument checks, for a tree's own holds) frees as decref does; dropping a
+    page below zero holders raises and changes nothing."""
+    pool = PagedKVPool(8, 4, allocate_storage=False)
+    pages = pool.allocate_slots(6) // 4          # pages 0 (4 holders) and 1 (2)
+    before = (pool.refcount.copy(), pool.free_pages.tolist())
+    with pytest.raises(ValueError, match=r"release: pages \[1\] are listed \[3\] times but have only \[2\]"):
+        pool.release(np.array([0, 1]), np.array([1, 3]))
+    assert np.array_equal(pool.refcount, before[0]) and pool.free_pages.tolist() == before[1]
+    assert pool.release(np.array([1, 0]), np.array([2, 3])).tolist() == [1]
+    assert pool.free_pages.tolist()[:2] == [1, 2] and pool.refcount[0] == 1 and sorted(set(pages.tolist())) == [0, 1]
+    pool.check_invariants()
+
 def test_exhausted_pool_changes_nothing():
     pool = PagedKVPool(4, 16, allocate_storage=False)
     pool.allocate(3)
-    before = (pool.refcount.copy(), list(pool._free))
+    before = (pool.refcount.copy(), pool.free_pages.tolist())
     with pytest.raises(PoolExhaustedError, match=r"need 2 page\(s\) of 16 tokens, 1 of 4 free"):
         pool.allocate(2)
-    assert np.array_equal(pool.refcount, before[0]) and pool._free == before[1]
+    assert np.array_equal(pool.refcount, before[0]) and pool.free_pages.tolist() == before[1]
 
 
 @pytest.mark.parametrize("name,value", [("num_pages", 0), ("page_size", -1), ("head_dim", 1.5)])
@@ -107,7 +136,7 @@ def test_storage_is_one_allocation_with_its_scratch_pages():
 def pool_state(pool):
     """Everything a pool operation could change."""
     kv = () if pool.k is None else (pool.k.clone(), pool.v.clone())
-    return pool.refcount.tolist(), list(pool._free), kv
+    return pool.refcount.tolist(), pool.free_pages.tolist(), kv
 
 
 def assert_same_state(pool, before):
@@ -289,10 +318,10 @@ def test_bad_scalars_raise_and_change_nothing(call, error, match):
 
 @pytest.mark.parametrize("corrupt, match", [
     (lambda p: p.refcount.__setitem__(6, 1), r"free pages \[6\] have refcounts \[1\], expected 0"),
-    (lambda p: p._free.append(7), r"pages \[7\] are on the free list twice"),
-    (lambda p: p._free.append(-1), r"free list holds page ids outside \[0, 8\): \[-1\]"),
+    (lambda p: p._free.__setitem__(p._num_free - 1, p._free[0]), r"pages \[7\] are on the free list twice"),
+    (lambda p: p._free.__setitem__(0, -1), r"free list holds page ids outside \[0, 8\): \[-1\]"),
     (lambda p: p.refcount.__setitem__(2, -1), r"pages \[2\] have negative refcounts \[-1\]"),
-    (lambda p: p._free.remove(7), "5 pages have refcount 0 but 4 are on the free list"),
+    (lambda p: setattr(p, "_num_free", p._num_free - 1), "5 pages have refcount 0 but 4 are on the free list"),
 ])
 def test_check_invariants_names_the_broken_invariant(corrupt, match):
     """(That these checks also run under ``python -O`` is tested in test_sequence_tree.py, one subprocess for both.)"""

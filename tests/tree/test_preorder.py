@@ -6,27 +6,13 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from tests.tree.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree
+from tests.tree.tree_state import fresh_layout, node_ids, snapshot
 from tests.trees import ConsistentTreeMachine
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import TreeLayout
-from treedec.tree.layout import depth_first_order
 from treedec.tree.preorder import Preorder
 from treedec.tree.token_tree_edits import KNOWN_SHAPES
-
-
-def fresh_layout(tree) -> TreeLayout:
-    """The layout of ``tree`` built from its nodes alone (no kept order): nodes by id, which is how children
-    and roots are ordered, queries in depth-first order."""
-    ids = sorted(tree._nodes)
-    index = {nid: i for i, nid in enumerate(ids)}
-    nodes = [tree._nodes[i] for i in ids]
-    parents = [-1 if n.parent is None else index[n.parent] for n in nodes]
-    children = [[index[c] for c in n.children] for n in nodes]
-    order = depth_first_order([i for i, p in enumerate(parents) if p < 0], children)
-    queries = [(i, o) for i in order for o in range(nodes[i].length - nodes[i].pending, nodes[i].length)]
-    return TreeLayout.from_parents(parents, [n.length for n in nodes], queries,
-                                   slots=[n.slots[:n.length] for n in nodes], node_ids=ids)
 
 
 def assert_same_layout(a: TreeLayout, b: TreeLayout):
@@ -53,7 +39,6 @@ class KeptOrderMachine(ConsistentTreeMachine):
 
     @invariant()
     def layout_is_fresh(self):
-        assert self.tree._preorder is not None
         assert_same_layout(self.tree.layout(), fresh_layout(self.tree))
 
     @rule(n=st.integers(1, 8))
@@ -66,7 +51,7 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data())
     def extend_many(self, data):
-        leaves = [i for i in self.tree._nodes if not self.tree.children(i)]
+        leaves = [i for i in node_ids(self.tree) if not self.tree.children(i)]
         grow = data.draw(st.dictionaries(st.sampled_from(sorted(leaves)), st.lists(st.integers(0, 9), max_size=4),
                                          max_size=4))
         try:
@@ -78,14 +63,14 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @rule(data=st.data(), sizes=st.lists(st.integers(0, 4), min_size=1, max_size=3))
     def branch(self, data, sizes):
         try:
-            self.tree.branch(self._pick(data, self.tree._nodes), [range(s) for s in sizes])
+            self.tree.branch(self._pick(data, node_ids(self.tree)), [range(s) for s in sizes])
         except PoolExhaustedError:
             pass
 
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data())
     def add_token_tree(self, data):
-        node = self._pick(data, self.tree._nodes)
+        node = self._pick(data, node_ids(self.tree))
         parents = data.draw(st.one_of(st.sampled_from(SHAPES),
                                       st.integers(1, 7).flatmap(lambda m: st.tuples(*[st.integers(-1, i - 1)
                                                                                        for i in range(m)]))))
@@ -97,7 +82,7 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data())
     def add_children(self, data):
-        anchors = data.draw(st.lists(st.sampled_from(sorted(self.tree._nodes)), min_size=1, max_size=6))
+        anchors = data.draw(st.lists(st.sampled_from(sorted(node_ids(self.tree))), min_size=1, max_size=6))
         try:
             self.tree.add_children(anchors, list(range(len(anchors))))
         except PoolExhaustedError:
@@ -110,7 +95,7 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data())
     def accept(self, data):
-        anchor = self._pick(data, self.tree._nodes, "anchor")
+        anchor = self._pick(data, node_ids(self.tree), "anchor")
         path, node = [], anchor
         while self.tree.children(node) and data.draw(st.booleans(), label="deeper"):
             node = data.draw(st.sampled_from(self.tree.children(node)))
@@ -127,17 +112,19 @@ class KeptOrderMachine(ConsistentTreeMachine):
     @precondition(lambda self: self.tree.num_nodes)
     @rule(data=st.data())
     def prune(self, data):
-        node = self._pick(data, self.tree._nodes)
-        if any(self.tree._nodes[i].pending for i in self.tree.subtree(node)):
+        node = self._pick(data, node_ids(self.tree))
+        if any(self.tree.sequence_length(i) > self.tree.computed_length(i) for i in self.tree.subtree(node)):
             self.tree.commit_step()
         self.tree.prune(node)
 
-    @precondition(lambda self: any(n.length and not n.children for n in self.tree._nodes.values()))
+    @precondition(lambda self: any(self.tree.node_length(i) and not self.tree.children(i)
+                                   for i in node_ids(self.tree)))
     @rule(data=st.data())
     def truncate(self, data):
         self.tree.commit_step()
-        leaf = self._pick(data, [i for i, n in self.tree._nodes.items() if n.length and not n.children], "leaf")
-        self.tree.truncate(leaf, data.draw(st.integers(1, self.tree._nodes[leaf].length)))
+        leaf = self._pick(data, [i for i in node_ids(self.tree) if self.tree.node_length(i)
+                                 and not self.tree.children(i)], "leaf")
+        self.tree.truncate(leaf, data.draw(st.integers(1, self.tree.node_length(leaf))))
 
 
 TestKeptOrder = KeptOrderMachine.TestCase
@@ -205,6 +192,6 @@ def test_check_invariants_names_a_stale_kept_order():
     root = tree.add_prompt([1, 2])
     a, b = tree.branch(root, [[3], [4]])
     tree.layout()
-    tree._preorder = Preorder(np.array([root, b, a]), np.array([-1, 0, 0]))
+    tree._order = Preorder(np.array([root, b, a]), np.array([-1, 0, 0]))
     with pytest.raises(RuntimeError, match=r"the kept preorder \(ids \[0, 2, 1\].*is not the tree's \(ids \[0, 1, 2\]"):
         tree.check_invariants()

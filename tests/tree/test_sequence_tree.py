@@ -10,14 +10,8 @@ from hypothesis.stateful import precondition, rule
 
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
+from tests.tree.tree_state import node_ids, snapshot
 from tests.trees import ConsistentTreeMachine
-
-
-def snapshot(tree: SequenceTree):
-    """Everything an operation could change."""
-    nodes = {i: (n.parent, list(n.children), list(n.tokens), n.slots[: n.length].tolist(), list(n.pages),
-                 n.tail_room, n.pending, n.paused) for i, n in tree._nodes.items()}
-    return nodes, list(tree._roots), tree._next_id, tree.pool.refcount.tolist(), list(tree.pool._free)
 
 
 def make_tree(num_pages=64, page_size=4):
@@ -343,7 +337,7 @@ class TreeOperations(ConsistentTreeMachine):
         self.tree = make_tree(num_pages=48, page_size=3)
 
     def _nodes(self):
-        return sorted(self.tree._nodes)
+        return sorted(node_ids(self.tree))
 
     @rule(n=st.integers(1, 20))
     def add_prompt(self, n):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from treedec import TreeError
-from tests.tree.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree
+from tests.tree.tree_state import snapshot
 
 
 def _deeply_nested(depth):
@@ -163,22 +164,33 @@ def test_bad_node_ids_and_containers_raise_and_change_nothing(call, error, match
     assert 1.0 not in tree and True not in tree and np.int64(root) in tree
 
 
-def _share_a_slot(t, r, a, b):
-    t._nodes[b].slots[0] = t._nodes[a].slots[0]
+def _slot(t, node, i):
+    """Where node's i-th slot is in the array tree's token buffer."""
+    return t._table.start[t._table.node_id == node][0] + i
+
+
+def _column(name, node, value):
+    def corrupt(t, r, a, b):
+        getattr(t._table, name)[t._table.node_id == {"r": r, "a": a, "b": b}[node]] = value
+    return corrupt
 
 
 @pytest.mark.parametrize("corrupt, match", [
-    (_share_a_slot, r"tokens share KV slots \[4\]"),
-    (lambda t, r, a, b: t._nodes[a].slots.__setitem__(0, -1), r"slots \[-1\] are outside the pool's \[0, 128\)"),
+    (lambda t, r, a, b: t._table.slots.__setitem__(_slot(t, b, 0), t._table.slots[_slot(t, a, 0)]),
+     r"tokens share KV slots \[4\]"),
+    (lambda t, r, a, b: t._table.slots.__setitem__(_slot(t, a, 0), -1), r"slots \[-1\] are outside the pool's \[0, 128\)"),
     (lambda t, r, a, b: t.pool.refcount.__setitem__(0, 2), r"pages \[0\] have refcounts \[2\] but are held by \[1\]"),
-    (lambda t, r, a, b: t._nodes[a].pages.append(t._nodes[a].pages[0]), r"node \d+ holds a page twice"),
-    (lambda t, r, a, b: t._nodes[a].pages.append(-1), r"node \d+ holds pages \[\d+, -1\] outside \[0, 32\)"),
-    (lambda t, r, a, b: t._nodes[r].children.remove(b), r"nodes \[\d+\] are unreachable from the roots"),
+    (lambda t, r, a, b: t._table.slots.__setitem__(_slot(t, r, 1), 11), r"node 0 holds a page twice: \[0, 2, 0\]"),
+    (_column("parent", "b", 2), r"nodes \[2\] are unreachable from the roots \[0\]"),   # its own parent
+    (_column("num_children", "r", 3), r"nodes \[0\] count \[3\] children, have \[2\]"),
+    (_column("prefix", "b", 0), r"nodes \[2\] have \[0\] tokens above them recorded, not their path's"),
+    (_column("cap", "r", 10**6), r"node regions of the token buffer overlap"),
+    (_column("tail_room", "a", 4), r"nodes \[1\] have tail room past their last page"),
+    (_column("node_id", "b", -1), r"2 live rows, but num_nodes is 3"),
 ])
 def test_check_invariants_names_the_broken_invariant(corrupt, match):
     tree, root, a, b = tree_with_leaves()
     tree.check_invariants()
     corrupt(tree, root, a, b)
-    tree._preorder = None
     with pytest.raises(RuntimeError, match="SequenceTree invariant broken: " + match):
         tree.check_invariants()

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import precondition, rule
 
-from tests.tree.test_sequence_tree import make_tree, snapshot
+from tests.tree.test_sequence_tree import make_tree
+from tests.tree.tree_state import node_ids, snapshot
 from treedec import PoolExhaustedError
 from treedec.tree import TreeLayout
 from treedec.tree.token_tree import TokenTree
@@ -143,7 +144,7 @@ class TreeOperationsWithBadArguments(ConsistentTreeMachine):
         self.tree.add_prompt([1, 2])
 
     def _nodes(self):
-        return sorted(self.tree._nodes)
+        return sorted(node_ids(self.tree))
 
     def _node_or_junk(self, data):
         """A live node id 3 times in 5, else an unknown id or a junk value."""

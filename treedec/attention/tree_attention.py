@@ -16,7 +16,7 @@ from treedec.attention.variant import AttentionVariant
 from treedec.checks import int_in_range
 from treedec.tree.layout import TreeLayout
 from treedec.transfer import resolve_device
-from treedec.tree.sequence_tree import SequenceTree
+from treedec.tree import SequenceTree
 
 logger = logging.getLogger("treedec")
 

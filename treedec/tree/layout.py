@@ -64,15 +64,12 @@ class TreeLayout:
 
     @property
     def node_prefix_len(self) -> np.ndarray:
-        """[N] int64 number of tokens on the path above each node (its first token's position)."""
+        """[N] int64 number of tokens on the path above each node (its first token's position).
+
+        A :class:`~treedec.tree.SequenceTree`'s layout carries it (a column of the tree); any other layout
+        computes it once, by pointer jumping: O(N log depth) in numpy."""
         if self._prefix is None:
-            lens = self.node_len
-            prefix = np.zeros(self.num_nodes, dtype=np.int64)
-            for i in range(self.num_nodes):  # preorder: parent already done
-                p = self.parent[i]
-                if p >= 0:
-                    prefix[i] = prefix[p] + lens[p]
-            object.__setattr__(self, "_prefix", prefix)
+            object.__setattr__(self, "_prefix", _tokens_above(self.parent, self.node_len))
         return self._prefix
 
     @property
@@ -175,6 +172,21 @@ class TreeLayout:
         query_node = np.fromiter((index[q[0]] for q in queries), dtype=np.int64, count=len(queries))
         query_offset = np.fromiter((q[1] for q in queries), dtype=np.int64, count=len(queries))
         return cls(node_ids, parent, kv_start, kv_slots, query_node, query_offset)
+
+
+def _tokens_above(parent: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[N] int64: the sum of ``lens`` over each node's proper ancestors (``parent``: ``[N]`` int64 indices, -1
+    for roots; acyclic). Each round, every node adds the sum its current far ancestor has gathered and jumps
+    to that one's far ancestor, so the rounds are log2 of the depth."""
+    has_up = parent >= 0
+    total = np.where(has_up, lens[np.maximum(parent, 0)], 0)   # the parent's tokens
+    far = np.where(has_up, parent[np.maximum(parent, 0)], -1)  # the ancestor whose tokens are not in total yet
+    while (far >= 0).any():
+        jump = np.flatnonzero(far >= 0)
+        at = far[jump]
+        total[jump] += lens[at] + total[at]   # (numpy reads the right side whole before it writes)
+        far[jump] = far[at]
+    return total
 
 
 def depth_first_order(roots: list[int], children: list[list[int]]) -> list[int]:

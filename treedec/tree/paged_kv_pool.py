@@ -84,8 +84,10 @@ class PagedKVPool:
         self.scratch_pages = int(scratch_pages)
         self.refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._offsets = np.arange(self.page_size)   # of the slots in a page
-        # A stack: the most recently freed page is reused first (warm in cache).
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        # A stack, ``_free[:_num_free]`` with its top last: the most recently freed page is reused first (warm in
+        # cache). An array, so that taking or returning k pages is one slice copy, whatever k.
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = self.num_pages
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.k_slots: tuple[torch.Tensor, ...] = ()
@@ -104,7 +106,12 @@ class PagedKVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def free_pages(self) -> np.ndarray:
+        """[num_free_pages] int64, a copy: the free pages in the order :meth:`allocate` hands them out."""
+        return self._free[:self._num_free][::-1].copy()
 
     @property
     def num_slots(self) -> int:
@@ -182,15 +189,28 @@ class PagedKVPool:
                 raise ValueError(f"decref: times must hold one count per page ({len(pages)}), got {len(times)}")
             if len(set(pages.tolist())) != len(pages):
                 raise ValueError(f"decref: pages must be distinct when times are given, got {describe(pages)}")
-        left = self.refcount[pages] - times
-        over = left < 0
+        over = self.refcount[pages] < times
         if over.any():
             raise ValueError(f"decref: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
                              f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
+        return self.release(pages, times)
+
+    def release(self, pages: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """:meth:`decref` for a caller whose holds these are (a tree dropping the pages its pruned nodes hold):
+        ``times[i]`` holders fewer for ``pages[i]`` (``[n]`` int64 each: distinct pages in use, counts >= 1),
+        without checking the arguments' types and ranges; it still refuses (changing nothing) to drop a page
+        below zero holders. Returns the int64 pages that became free, ascending."""
+        left = self.refcount[pages] - times
+        if (left < 0).any():
+            over = left < 0
+            raise ValueError(f"release: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
+                             f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
         self.refcount[pages] = left
         freed = pages[left == 0]
-        freed.sort()   # (np.unique's pages are sorted already)
-        self._free += freed[::-1].tolist()
+        freed.sort()
+        top = self._num_free
+        self._free[top:top + len(freed)] = freed[::-1]   # the lowest on top; fits: they had holders
+        self._num_free = top + len(freed)
         return freed
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +268,7 @@ class PagedKVPool:
 
         Real checks, not ``assert``: they also run under ``python -O``.
         """
-        free = np.array(self._free, dtype=np.int64)
+        free = self._free[:self._num_free]
         if np.any((free < 0) | (free >= self.num_pages)):
             raise RuntimeError(f"pool invariant broken: free list holds page ids outside [0, {self.num_pages}): "
                                f"{free[(free < 0) | (free >= self.num_pages)][:10].tolist()}")
@@ -273,15 +293,13 @@ class PagedKVPool:
 
     def _take(self, num_pages: int) -> np.ndarray:
         """Pop ``num_pages`` pages off the free list (the most recently freed first), or raise and take none."""
-        if num_pages > len(self._free):
+        top = self._num_free
+        if num_pages > top:
             raise PoolExhaustedError(
                 f"KV pool exhausted: need {num_pages} page(s) of {self.page_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} free")
-        if num_pages == 0:
-            return np.zeros(0, dtype=np.int64)
-        pages = np.array(self._free[-num_pages:][::-1], dtype=np.int64)
-        del self._free[-num_pages:]
-        return pages
+                f"{top} of {self.num_pages} free")
+        self._num_free = top - num_pages
+        return self._free[top - num_pages:top][::-1].copy()
 
     def _slot_view(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)

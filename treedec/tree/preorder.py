@@ -145,3 +145,12 @@ class Preorder:
         after = parent[start:]
         after[after >= stop] -= stop - start   # no node left has its parent inside the cut
         return Preorder(ids, parent)
+
+    def remove(self, positions: np.ndarray) -> Preorder:
+        """The order without the nodes at ``positions`` (``[k]`` int64, distinct), which must be whole subtrees
+        (several, anywhere: :meth:`cut` for one range)."""
+        keep = np.ones(len(self.ids), dtype=bool)
+        keep[positions] = False
+        new_position = np.cumsum(keep) - 1
+        parent = self.parent[keep]
+        return Preorder(self.ids[keep], np.where(parent >= 0, new_position[parent], -1))

@@ -1,11 +1,11 @@
 """SequenceTree's speculative edits: hang a draft token tree (or one layer of draft nodes) under the
 sequence, then keep the verified path and free the rest.
 
-They run on every speculative step over tens to hundreds of one-token nodes, so they do per node only
-what a node needs (its object, its slot, its parent's child list): the pages are taken in one call, the
-preorder is updated by a few numpy calls, and a token tree's shape is checked and ordered once per
-distinct ``parents`` (a Medusa tree's is the same every step). :class:`~treedec.tree.SequenceTree`
-inherits them; they read its nodes, pool and preorder.
+They run on every speculative step over tens to hundreds of one-token nodes, so a token tree is rows of the
+node table made in one go: its rows, their regions of the token buffer, their slots (the pages taken in one
+call) and the preorder's update are a few numpy calls, whatever the tree's size; a token tree's shape is
+checked and ordered once per distinct ``parents`` (a Medusa tree's is the same every step).
+:class:`~treedec.tree.SequenceTree` inherits them; they read its table, pool and preorder.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.tree.tree_node import TreeNode
-from treedec.tree.validate import int_list, on_cycle
+from treedec.tree.node_table import ROW_MASK
+from treedec.tree.validate import int_array, int_list, on_cycle
 
 KNOWN_SHAPES = 8   # token-tree shapes whose checked order a tree keeps (a program uses one or a few)
 
@@ -31,22 +31,26 @@ class TokenTreeEdits:
         before their children. The tokens are packed into ``ceil(m / page_size)`` fresh
         pages, shared by refcount. Returns node ids in token order.
         """
-        anchor = self._get(node_id)
-        tokens = int_list(tokens, "tokens", low=0)
+        anchor = self._row(node_id)
+        tokens = int_array(tokens, "tokens", low=0)
         parents = int_list(parents, "parents", low=-1)
         m = len(tokens)
         if m == 0 or len(parents) != m:
             raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
-        perm, inner = self._token_tree_order(parents)
-        first = self._next_id
-        order = self._preorder
-        if order is not None:   # the tree goes after the anchor's subtree, in its own preorder
-            at = order.position(anchor.id)
-            end = order.subtree_end(at) if anchor.children else at + 1
-        self._hang([anchor] * m, tokens, parents)
-        if order is not None:
-            self._preorder = order.splice(end, perm + first, np.where(inner < 0, at, inner + end))
-        return list(range(first, first + m))
+        perm, inner, up, depth, kids = self._token_tree_order(parents)
+        t = self._table
+        had_children = t.num_children.item(anchor)
+        made = self._hang(np.full(m, anchor, dtype=np.int64), tokens, None)   # rows in token order
+        t.parent[made] = np.where(up < 0, anchor, made[up])
+        t.prefix[made] = t.prefix.item(anchor) + t.length.item(anchor) + depth
+        t.num_children[made] = kids
+        t.num_children[anchor] += m - int(kids.sum())
+        order = self._order   # the tree goes after the anchor's subtree, in its own preorder
+        at = order.position(int(node_id))
+        end = order.subtree_end(at) if had_children else at + 1
+        ids = t.node_id[made]
+        self._order = order.splice(end, ids[perm], np.where(inner < 0, at, inner + end))
+        return ids.tolist()
 
     def add_children(self, node_ids: Sequence[int], tokens: Sequence[int]) -> list[int]:
         """Give each node ``node_ids[i]`` a new child holding the one token ``tokens[i]`` (a node may be
@@ -54,26 +58,25 @@ class TokenTreeEdits:
         have different parents. The tokens are packed into ``ceil(m / page_size)`` fresh pages, as
         :meth:`add_token_tree` packs its tokens. Returns the new node ids in order; checks everything
         first and changes nothing when it raises."""
-        tokens = int_list(tokens, "tokens", low=0)
-        anchors = [self._get(n) for n in int_list(node_ids, "node_ids", low=0)]
+        tokens = int_array(tokens, "tokens", low=0)
+        anchors = self._rows_of(int_list(node_ids, "node_ids", low=0))
         m = len(tokens)
-        if not tokens or len(anchors) != m:
+        if not m or len(anchors) != m:
             raise TreeError(f"need one node per token and at least one token, got {m} tokens and "
                             f"{len(anchors)} nodes")
-        first = self._next_id
-        order = self._preorder
-        if order is not None:   # each child goes after its anchor's subtree (as it was), children in order
-            at = order.positions(np.array([a.id for a in anchors], dtype=np.int64))
-            if any(a.children for a in anchors):
-                end = order.subtree_ends(at)
-                rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
-            else:   # leaves: each child right after its anchor
-                end = at + 1
-                rank = end.argsort(kind="stable")
-        self._hang(anchors, tokens, [-1] * m)
-        if order is not None:
-            self._preorder = order.insert(end[rank], rank + first, at[rank], np.full(m, -1))
-        return list(range(first, first + m))
+        t = self._table
+        order = self._order   # each child goes after its anchor's subtree (as it was), children in order
+        at = order.positions(t.node_id[anchors])
+        if t.num_children[anchors].any():
+            end = order.subtree_ends(at)
+            rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
+        else:   # leaves: each child right after its anchor
+            end = at + 1
+            rank = end.argsort(kind="stable")
+        made = self._hang(anchors, tokens, t.prefix[anchors] + t.length[anchors])
+        np.add.at(t.num_children, anchors, 1)
+        self._order = order.insert(end[rank], t.node_id[made[rank]], at[rank], np.full(m, -1))
+        return t.node_id[made].tolist()
 
     def accept(self, anchor: int, path: Sequence[int]) -> np.ndarray:
         """Keep a verified path of a speculative tree under leaf ``anchor``; free the rest.
@@ -84,35 +87,38 @@ class TokenTreeEdits:
         then every child subtree of ``anchor`` is pruned, pages freed. Checks everything first
         and changes nothing when it raises. Returns the ``[n]`` slots the tokens now hold.
         """
-        node = self._get(anchor)
+        row = self._row(anchor)
         path = int_list(path, "path", low=0)
-        chain = [self._get(n) for n in path]
-        for parent, child in zip([node] + chain, chain):
-            if child.parent != parent.id:
-                raise TreeError(f"path must be a chain under node {anchor}: node {child.id}'s parent is "
-                                f"{child.parent}, not {parent.id}")
-        order = self._structure()
-        start = order.position(node.id) + 1   # the anchor's descendants: the rest of its subtree's range
+        chain = self._rows_of(path)
+        t = self._table
+        above = np.concatenate(([row], chain))[:-1]   # each path node's expected parent
+        wrong = np.flatnonzero(t.parent[chain] != above) if path else chain
+        if len(wrong):
+            i = int(wrong[0])
+            raise TreeError(f"path must be a chain under node {anchor}: node {path[i]}'s parent is "
+                            f"{self.parent(path[i])}, not {t.node_id.item(above[i])}")
+        order = self._order
+        start = order.position(int(anchor)) + 1   # the anchor's descendants: the rest of its subtree's range
         stop = order.subtree_end(start - 1)
-        doomed = list(map(self._nodes.__getitem__, order.ids[start:stop].tolist()))
-        busy = [n.id for n in doomed if n.pending]
-        if busy:
-            raise TreeError(f"cannot accept under node {anchor}: node(s) {busy[:5]} below it have pending tokens "
-                            f"of the current step; call commit_step() first")
-        tokens = [t for c in chain for t in c.tokens]
+        doomed = order.ids[start:stop] & ROW_MASK
+        busy = t.pending[doomed] > 0
+        if busy.any():
+            raise TreeError(f"cannot accept under node {anchor}: node(s) {t.node_id[doomed[busy]][:5].tolist()} "
+                            f"below it have pending tokens of the current step; call commit_step() first")
+        at = t.token_index(chain) if path else chain
+        tokens, moved = t.tokens[at], t.slots[at]   # copies, read before the cut frees the chain's rows
         holds = self._holds(doomed)
-        need = self._pages_to_extend(node, len(tokens))
+        need = self._pages_to_extend(row, len(tokens))
         if need > self.pool.num_free_pages and need > self.pool.num_free_pages + self._pages_freed(holds):
             raise PoolExhaustedError(f"KV pool exhausted: keeping {len(tokens)} accepted token(s) needs {need} "
                                      f"page(s); nothing was changed")
-        moved = np.concatenate([c.slots[:len(c.tokens)] for c in chain]) if tokens else None
-        if doomed:
-            self._cut(start, stop, doomed, holds)
-            node.children.clear()
-        slots = self._fill(node, tokens)
-        node.pending -= len(tokens)   # their K/V are in place: nothing to compute
+        if len(doomed):
+            self._cut(doomed, order.cut(start, stop), holds)
+            t.num_children[row] = 0
+        slots = self._fill(row, tokens)
+        t.pending[row] -= len(tokens)   # their K/V are in place: nothing to compute
         self._num_pending -= len(tokens)
-        if moved is not None and self.pool.has_storage:
+        if len(tokens) and self.pool.has_storage:
             # Freed pages keep their K/V until a step writes them, and none runs in between; the copy reads
             # every source slot before it writes, so the new slots may reuse the freed ones.
             self.pool.copy_slots(moved, slots)
@@ -120,62 +126,64 @@ class TokenTreeEdits:
 
     # ================================================================ private
 
-    def _token_tree_order(self, parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Check ``parents`` (ints >= -1, one per token) as :meth:`add_token_tree` documents; the tree's
-        preorder ``[m]`` (token indices) and each of its tokens' parent position in it (-1: the anchor),
-        both in preorder. Kept for the last few shapes: checked and ordered once per shape."""
+    def _token_tree_order(self, parents: list[int]):
+        """Check ``parents`` (ints >= -1, one per token) as :meth:`add_token_tree` documents. Returns, for the
+        shape: the tree's preorder ``perm`` (``[m]`` token indices), each of its tokens' parent position in it
+        (``inner``, -1: the anchor; both in preorder), and in token order each token's parent index ``up``
+        (-1: the anchor), depth below the anchor's children (``depth``) and number of children (``kids``).
+        Kept for the last few shapes: checked and ordered once per shape."""
         key = tuple(parents)
         known = self._token_trees.get(key)
         if known is not None:
             return known
         m = len(parents)
-        array = np.array(parents, dtype=np.int64)
-        outside = np.flatnonzero(array >= m)
+        up = np.array(parents, dtype=np.int64)
+        outside = np.flatnonzero(up >= m)
         if len(outside):   # before the cycle check, which follows parents
             i = int(outside[0])
             raise TreeError(f"parents[{i}] = {parents[i]} is not a token index in [-1, {m})")
-        late = np.flatnonzero(array >= np.arange(m))
+        late = np.flatnonzero(up >= np.arange(m))
         if len(late):
             i, p = int(late[0]), parents[late[0]]
-            kind = "a cycle" if on_cycle(array, i) else "a forward reference"
+            kind = "a cycle" if on_cycle(up, i) else "a forward reference"
             raise TreeError(f"parents[{i}] = {p}: parents must come before children ({kind})")
         children: list[list[int]] = [[] for _ in range(m)]
-        tops = []
-        for i, p in enumerate(parents):
-            (tops if p < 0 else children[p]).append(i)
-        order, stack = [], tops[::-1]
+        tops, depth = [], [0] * m
+        for i, p in enumerate(parents):   # once per shape
+            if p < 0:
+                tops.append(i)
+            else:
+                children[p].append(i)
+                depth[i] = depth[p] + 1
+        perm, stack = [], tops[::-1]
         while stack:
             i = stack.pop()
-            order.append(i)
+            perm.append(i)
             stack += children[i][::-1]
-        perm = np.array(order, dtype=np.int64)
+        perm = np.array(perm, dtype=np.int64)
         rank = np.empty(m, dtype=np.int64)
         rank[perm] = np.arange(m)
-        up = array[perm]
-        inner = np.where(up >= 0, rank[up], -1)
-        perm.setflags(write=False)
-        inner.setflags(write=False)
+        above = up[perm]
+        inner = np.where(above >= 0, rank[above], -1)
+        kids = np.bincount(up[up >= 0], minlength=m).astype(np.int64)
+        shape = (perm, inner, up, np.array(depth, dtype=np.int64), kids)
+        for a in shape:
+            a.setflags(write=False)
         if len(self._token_trees) >= KNOWN_SHAPES:
             del self._token_trees[next(iter(self._token_trees))]
-        self._token_trees[key] = (perm, inner)
-        return perm, inner
+        self._token_trees[key] = shape
+        return shape
 
-    def _hang(self, anchors: list[TreeNode], tokens: list[int], parents: list[int]) -> None:
-        """New one-token pending nodes ``_next_id ..``: token ``i`` under ``anchors[i]`` when ``parents[i] < 0``,
-        else under new node ``parents[i]``; packed into fresh shared pages (checked input)."""
+    def _hang(self, anchors: np.ndarray, tokens: np.ndarray, prefix) -> np.ndarray:
+        """New one-token pending rows (checked input), token ``i``'s under row ``anchors[i]`` with ``prefix``
+        (None: set by the caller); packed into fresh shared pages. Returns the rows, in token order."""
         m = len(tokens)
         slots = self.pool.allocate_slots(m)   # raises before any change
-        pages = (slots // self.pool.page_size).tolist()
-        own = list(slots.reshape(m, 1))        # each node's slot buffer: a view of one slot
-        first = self._next_id
-        made: list[TreeNode] = []
-        for i in range(m):
-            p = parents[i]
-            up = anchors[i] if p < 0 else made[p]
-            made.append(TreeNode(first + i, up.id, [tokens[i]], own[i], [pages[i]], 0, 1))
-            up.children.append(first + i)
-        self._nodes.update(zip(range(first, first + m), made))
-        self._pending_nodes += made
-        self._next_id += m
+        t = self._table
+        made = t.new_rows(m, anchors, 0 if prefix is None else prefix, np.ones(m, dtype=np.int64), 1, 0, 1)
+        at = t.start[made]
+        t.slots[at] = slots
+        t.tokens[at] = tokens
         self._num_pending += m
         self._layout = None
+        return made

@@ -81,7 +81,7 @@ def record_steps(engine):
 
 def pages_held(tree):
     """Pages the tree's nodes hold: each node starts on fresh pages."""
-    return sum(tree.pool.pages_for(len(tree.tokens(n))) for n in tree._nodes)
+    return sum(tree.pool.pages_for(len(tree.tokens(n))) for r in tree.roots for n in tree.subtree(r))
 
 
 def nodes_on_live_paths(tree):
@@ -101,7 +101,7 @@ def test_bfs_levels_batch_keep_n_and_free_the_rest(page_size, step):
     def check_level(stats):
         # Only the kept states' paths are left: every node lies on a path to one of the n leaves.
         assert len(tree.live_leaves()) == n == stats.kept
-        assert nodes_on_live_paths(tree) == set(tree._nodes)
+        assert nodes_on_live_paths(tree) == {n for r in tree.roots for n in tree.subtree(r)}
         assert stats.pages_after == pages_held(tree) == engine.pool.num_pages - engine.pool.num_free_pages
         tree.check_invariants()
 
