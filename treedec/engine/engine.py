@@ -33,6 +33,7 @@ from treedec.models.base import DecoderModel
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window)
+from treedec.engine.query_rows import QueryRows
 from treedec.engine.prompt import PromptChunks
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.errors import PoolExhaustedError, TreeError
@@ -124,6 +125,7 @@ class Engine:
         self._feature_size: int | None = model.feature_size   # read every step
         logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
+        self._query_rows = QueryRows()   # pending_rows' lookup (one sort of a layout's node ids)
 
     # ================================================================ public API
 
@@ -381,12 +383,7 @@ class Engine:
         E.g. ``engine.step(logits_rows=engine.pending_rows(ids))`` for the ids that
         ``tree.add_token_tree`` returned gives the logits in token order.
         """
-        layout = self.tree.layout()
-        last = dict(zip(layout.node_ids[layout.query_node].tolist(), range(layout.num_queries)))
-        missing = [n for n in node_ids if n not in last]
-        if missing:
-            raise TreeError(f"node(s) {missing[:5]} have no pending tokens")
-        return np.fromiter((last[n] for n in node_ids), dtype=np.int64, count=len(node_ids))
+        return self._query_rows.last(self.tree.layout(), node_ids)
 
     def pending_token_rows(self, node_ids: Sequence[int]) -> np.ndarray:
         """[k] int64 query rows of EVERY pending token of each node in ``node_ids``, node by node in

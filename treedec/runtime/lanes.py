@@ -181,10 +181,18 @@ class Lanes(LaneTable):
     # ------------------------------------------------------------ the step
 
     def pages_needed(self, slots: np.ndarray) -> np.ndarray:
-        """[len(slots)] pages appending one token to each of ``slots``' nodes takes."""
+        """[len(slots)] pages appending one token to each of ``slots``' nodes takes (one by one: only when the
+        pool cannot take them all and the oldest lanes go first)."""
         tree = self.tree
         return np.fromiter((1 if node < 0 else tree.pages_to_extend(int(node), 1) for node in self.node[slots]),
                            dtype=np.int64, count=len(slots))
+
+    def _pages(self, slots: np.ndarray) -> int:
+        """Pages appending one token to each of ``slots``' nodes takes, in one call (a first token: a page of its
+        own, its node a new child)."""
+        nodes = self.node[slots]
+        grow = nodes >= 0
+        return int((~grow).sum()) + (self.tree.pages_to_append(nodes[grow]) if grow.any() else 0)
 
     def place(self, free_pages: int) -> PlacedLanes:
         """Append every ready lane's next token to the tree, within ``free_pages`` pages (the oldest lanes first;
@@ -197,9 +205,8 @@ class Lanes(LaneTable):
         self._blocked = set()
         if len(ready) == 0:
             return PlacedLanes.NONE
-        need = self.pages_needed(ready)
-        if need.sum() > free_pages:
-            fits = np.cumsum(need) <= free_pages
+        if self._pages(ready) > free_pages:
+            fits = np.cumsum(self.pages_needed(ready)) <= free_pages
             self._blocked = {self.groups[int(u)].owner for u in np.unique(self.group[ready[~fits]]).tolist()}
             ready = ready[fits]
             if len(ready) == 0:
@@ -470,7 +477,7 @@ class Lanes(LaneTable):
         tree, nodes = self.tree, self.node[slots]
         grow = nodes >= 0
         if grow.any():
-            tree.extend_many({int(n): [int(t)] for n, t in zip(nodes[grow], tokens[grow])})
+            tree.append_tokens(nodes[grow], tokens[grow])
         fresh = slots[~grow]
         if len(fresh):
             parents = self.parent[fresh]
@@ -480,7 +487,6 @@ class Lanes(LaneTable):
                 self.node[mine] = made
 
     def _set_ids(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """The real ids of placeholders (each lane's last token in its node)."""
-        tree = self.tree
-        for slot, token in zip(slots.tolist(), tokens.tolist()):
-            tree.set_tokens(int(self.node[slot]), int(self.start[slot] + self.length[slot] - 1), [token])
+        """The real ids of placeholders (each lane's last token in its node), in one call."""
+        if len(slots):
+            self.tree.set_last_tokens(self.node[slots], tokens)
