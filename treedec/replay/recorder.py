@@ -13,8 +13,8 @@ each edit, in the order it ran, as the op that makes it again:
 - ``tree.add_prompt`` (a scheduler's prompt, computed by the next step with the other
   requests' tokens) -> ``prompt`` with ``pending``; its later chunks -> ``extend``;
 - ``branch`` -> ``branch`` and an ``extend`` per child given tokens; ``extend``,
-  ``extend_many`` -> ``extend``; ``add_token_tree`` -> ``token_tree``; ``add_children`` ->
-  ``children``; ``truncate`` -> ``truncate``; ``prune`` -> ``prune``;
+  ``extend_many``, ``append_tokens`` -> ``extend``; ``add_token_tree`` -> ``token_tree``; ``add_children`` ->
+  ``children``; ``truncate`` -> ``truncate``; ``prune`` -> ``prune``; ``prune_many`` -> a ``prune`` each;
 - ``accept`` -> ``accept`` of a chain of token-tree nodes (made by ``add_token_tree`` or
   ``add_children``); a chain of other nodes -> ``prune`` of the anchor's children and an
   ``extend`` of the anchor by the chain's tokens, which end the step (the replay computes
@@ -29,7 +29,7 @@ Each ``engine.step`` ends a step (its pending tokens are the ops' since the last
 prefill ends a step of its own; :meth:`close` writes the edits after the last step as a
 last step. Edits made inside a recorded call (a prefill's steps, ``extend`` through
 ``extend_many``) are part of it. Node ids are the handles (the tree never reuses one).
-``pause``, ``resume`` and ``set_tokens`` are not recorded: a schedule names every node it
+``pause``, ``resume``, ``set_tokens`` and ``set_last_tokens`` are not recorded: a schedule names every node it
 grows, and a placeholder's real id is read from the step that computed it (below).
 
 Tokens are recorded as counts by default (the shape: a replay's model chooses them). With
@@ -60,11 +60,12 @@ from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Op, Pr
                                         Truncate)
 
 #: The tree's edits that a recorder wraps (the others change nothing a replay needs).
-TREE_EDITS = ("add_prompt", "extend", "extend_many", "branch", "add_token_tree", "add_children", "accept", "truncate",
-              "prune", "extend_computed")
+TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "add_token_tree", "add_children",
+              "accept", "truncate", "prune", "prune_many", "extend_computed")
 
 #: Each edit's arguments naming the nodes it grows (an edit may not grow a node holding reserved slots).
-_GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "branch": "node_id", "add_children": "node_ids",
+_GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "append_tokens": "node_ids", "branch": "node_id",
+          "add_children": "node_ids",
           "accept": "anchor", "extend_computed": "node_id"}
 
 
@@ -301,6 +302,10 @@ class ScheduleRecorder:
         for node, slots in slots_by_node.items():
             self._extended(int(node), len(slots))
 
+    def _append_tokens(self, slots, arguments, _) -> None:   # (one token to each node: the lanes' decode step)
+        for node in np.asarray(arguments["node_ids"]).reshape(-1).tolist():
+            self._extended(int(node), 1)
+
     def _extended(self, node: int, count: int) -> None:
         chunk = node in self._prompts
         self._grow(node, count, self.token_ids or (self.prompt_ids and (count > 1 or chunk)))
@@ -373,6 +378,10 @@ class ScheduleRecorder:
 
     def _prune(self, freed, arguments, _) -> None:
         self._add(Prune(int(arguments["node_id"])))
+
+    def _prune_many(self, freed, arguments, _) -> None:
+        for node in np.asarray(arguments["node_ids"]).reshape(-1).tolist():
+            self._add(Prune(int(node)))
 
     # ================================================================ pipelined accepts
 
