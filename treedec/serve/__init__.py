@@ -1,7 +1,7 @@
 """``treedec serve``: an OpenAI-compatible HTTP server (FastAPI, uvicorn) over treedec's online engine.
 
 - :func:`build_app` (:mod:`treedec.serve.app`): the app over one :class:`~treedec.LLM` (its engine driven by one
-  :class:`~treedec.runtime.online.OnlineEngine` thread): ``/v1/completions``, ``/v1/chat/completions``,
+  :class:`~treedec.serve.engine.OnlineEngine` thread, which needs none of the server's packages): ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``;
 - :class:`CompletionRequest`, :class:`ChatCompletionRequest`, :class:`ServeError` (:mod:`treedec.serve.protocol`):
   the request bodies and the errors, in OpenAI's shapes;
@@ -12,10 +12,26 @@
 - :func:`treedec.serve.http.make_server`: the uvicorn server ``treedec serve`` runs (OpenAI JSON for requests uvicorn
   cannot parse; a shutdown that aborts every request first).
 
-Needs the ``serve`` extra: ``pip install 'treedec[serve]'``.
+Needs the ``serve`` extra: ``pip install 'treedec[serve]'``. The names below are imported when first used (PEP
+562), so that :mod:`treedec.serve.engine` imports without FastAPI.
 """
-from treedec.serve.app import build_app
-from treedec.serve.metrics import ServeMetrics
-from treedec.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError
+import importlib
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "ServeMetrics", "build_app"]
+#: Each public name -> the module it is defined in.
+_NAMES = {"build_app": "treedec.serve.app", "ServeMetrics": "treedec.serve.metrics",
+          "ChatCompletionRequest": "treedec.serve.protocol", "CompletionRequest": "treedec.serve.protocol",
+          "ServeError": "treedec.serve.protocol"}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value   # imported once
+        return value
+    raise AttributeError(f"module 'treedec.serve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES])
