@@ -71,7 +71,7 @@ from treedec.programs.speculative.draft_budget import DraftBudget  # noqa: E402
 from treedec.programs.speculative.batch import speculative_batch  # noqa: E402
 from treedec.tree.token_tree import TokenTree  # noqa: E402
 from treedec.workloads.deft import medusa_tree  # noqa: E402
-from treedec.commands.requests_file import RequestSpec  # noqa: E402
+from treedec.runtime.requests import RequestSpec  # noqa: E402
 from treedec.sampling.params import SamplingParams  # noqa: E402
 
 

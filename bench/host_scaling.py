@@ -52,7 +52,7 @@ from bench.results_file import device_name, versions, write_results  # noqa: E40
 from treedec.engine import CudaGraphConfig, Engine  # noqa: E402
 from treedec.models import from_config  # noqa: E402
 from treedec.programs.generate import generate_batch  # noqa: E402
-from treedec.commands.requests_file import RequestSpec  # noqa: E402
+from treedec.runtime.requests import RequestSpec  # noqa: E402
 from treedec.sampling.params import SamplingParams  # noqa: E402
 from treedec.programs.speculative.batch import speculative_batch  # noqa: E402
 from treedec.programs.speculative.drafts import TreeDraft  # noqa: E402
