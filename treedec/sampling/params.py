@@ -59,8 +59,9 @@ class SamplingParams:
         float32, e.g. 1e-300, keeps only it, as in vLLM).
     top_k : int >= 1, or None for no top-k cut (vLLM's -1 and 0 mean None too; ties with the k-th kept).
     min_p : in [0, 1]; 0 keeps every token.
-    seed : int in [0, 2**63), or None: the outputs of a request with a seed draw from its own generator, so
-        they do not depend on the other requests of a batch. The same seed draws the same tokens from the same
+    seed : int in [0, 2**63), or None: each draw of a request with a seed takes a number that is a hash of the
+        seed, the output's index and the draw's index (:func:`~treedec.sampling.rng.counter_uniform`), so its
+        outputs do not depend on the other requests of a batch, their order or a preemption. The same seed draws the same tokens from the same
         logits; the logits themselves may differ in their last bits when the computation differs (vLLM documents
         the same limit): a prompt read from the prefix cache (its K/V computed with another request's steps)
         against one computed afresh gives logprobs ~1e-6 apart, and a draw whose random number falls that close
