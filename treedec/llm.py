@@ -310,8 +310,8 @@ class LLM:
         return [self._beam_output(prompt, result, params) for prompt, result in zip(ids, results)]
 
     def run(self, programs: Sequence) -> tuple[list, SchedulerStats]:
-        """Run any scheduler programs (:class:`~treedec.runtime.program.Program`: generation, speculative decoding, beams,
-        ToT, the branch controller) together on this LLM's engine: ``(results, stats)`` as
+        """Run any scheduler programs (:class:`~treedec.runtime.program.Program`: generation, speculative decoding,
+        beams, ToT, the branch controller) together on this LLM's engine: ``(results, stats)`` as
         :func:`~treedec.runtime.scheduler.run_programs` returns them."""
         return run_programs(self.engine, programs, prefix_cache=self.prefix_cache)
 
@@ -450,8 +450,9 @@ def _check_tensor_parallel(model: DecoderModel | None, size: int) -> None:
         raise NotImplementedError(
             f"LLM(tensor_parallel_size={size}) would start {size} worker processes, which treedec does not do: "
             f"tensor parallelism runs one process per GPU under torchrun (`torchrun --nproc-per-node {size} "
-            f"script.py`), each rank loading its slice, `from_pretrained(path, tensor_parallel=init_tensor_parallel())` "
-            f"(treedec.models.tensor_parallel), and making an LLM of it")
+            f"script.py`), each rank loading its slice, "
+            f"`from_pretrained(path, tensor_parallel=init_tensor_parallel())` (treedec.models.tensor_parallel), and "
+            f"making an LLM of it")
 
 
 def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestOutput:

@@ -44,7 +44,8 @@ class Decode:
     tokenizer : detokenizes the outputs (stop strings and ``on_text`` need it).
     on_text : streaming: ``on_text(index, delta)`` with each output's new text as its tokens are accepted.
     seed : the seed of the outputs' draws when ``params.seed`` is None (the scheduler gives one).
-    bad_words : ``params.bad_words`` as token sequences (:meth:`~treedec.sampling.params.SamplingParams.bad_words_token_ids`).
+    bad_words : ``params.bad_words`` as token sequences
+        (:meth:`~treedec.sampling.params.SamplingParams.bad_words_token_ids`).
     min_tokens_stop_ids : the ids ``params.min_tokens`` keeps from being drawn (the checkpoint's EOS ids even with
         ``ignore_eos``, and the stop ids: vLLM's).
     name : how errors name the request (e.g. ``"request 'a'"``).

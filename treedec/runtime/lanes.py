@@ -119,7 +119,8 @@ class Lanes(LaneTable):
         row = np.full(self._eos_width, -1, dtype=np.int64)
         row[:len(eos)] = eos
         self.eos[start:start + k] = to_device(row, self.device)
-        self.out[start:start + k] = to_device(np.array([0, 0, 1, 0], dtype=np.int64), self.device)  # (drawn, stopped, ok, count)
+        # (drawn, stopped, ok, draw count)
+        self.out[start:start + k] = to_device(np.array([0, 0, 1, 0], dtype=np.int64), self.device)
         p = d.params
         if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0:
             self._penalty_columns()
@@ -400,9 +401,9 @@ class Lanes(LaneTable):
             bad = np.unique(self.group[slots[~ok]]).tolist()
             for uid in bad:
                 self._fail(self.groups[uid], NonFiniteLogitsError(
-                    f"{self.groups[uid].decode.name}: after its logits processing (processors, penalties, logit_bias, allowed_token_ids, bad_words, "
-                    "min_tokens) an output's logits have no finite value (or a NaN or +inf): there is nothing to "
-                    "draw from; the request is stopped"))
+                    f"{self.groups[uid].decode.name}: after its logits processing (processors, penalties, "
+                    "logit_bias, allowed_token_ids, bad_words, min_tokens) an output's logits have no finite value "
+                    "(or a NaN or +inf): there is nothing to draw from; the request is stopped"))
             keep = ~np.isin(self.group[slots], bad)
             self.state[slots[~keep]] = -1
             slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]

@@ -20,7 +20,8 @@ from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lanes import Lanes
 from treedec.runtime.prefix_cache import CachedPrefix, PrefixCache
 from treedec.runtime.prefixes import SharedPrefix, share_prefixes
-from treedec.runtime.program import program_name, Program, ProgramContext, Read, StepRequest, StepRows, Wait, set_aside_bad_tokens
+from treedec.runtime.program import (Program, ProgramContext, Read, StepRequest, StepRows, Wait, program_name,
+                                    set_aside_bad_tokens)
 from treedec.runtime.request import pages_in_use
 from treedec.runtime.scheduler_relief import PoolRelief
 from treedec.runtime.scheduler_stats import SchedulerStats

@@ -61,13 +61,13 @@ class SamplingParams:
     min_p : in [0, 1]; 0 keeps every token.
     seed : int in [0, 2**63), or None: each draw of a request with a seed takes a number that is a hash of the
         seed, the output's index and the draw's index (:func:`~treedec.sampling.rng.counter_uniform`), so its
-        outputs do not depend on the other requests of a batch, their order or a preemption. The same seed draws the same tokens from the same
-        logits; the logits themselves may differ in their last bits when the computation differs (vLLM documents
-        the same limit): a prompt read from the prefix cache (its K/V computed with another request's steps)
-        against one computed afresh gives logprobs ~1e-6 apart, and a draw whose random number falls that close
-        to a token's boundary picks its neighbour. Seeded outputs are reproducible run to run on one engine
-        and cache state, not across a cache hit against a miss (``enable_prefix_caching=False`` makes every
-        prompt computed afresh).
+        outputs do not depend on the other requests of a batch, their order or a preemption. The same seed draws
+        the same tokens from the same logits; the logits themselves may differ in their last bits when the
+        computation differs (vLLM documents the same limit): a prompt read from the prefix cache (its K/V
+        computed with another request's steps) against one computed afresh gives logprobs ~1e-6 apart, and a
+        draw whose random number falls that close to a token's boundary picks its neighbour. Seeded outputs are
+        reproducible run to run on one engine and cache state, not across a cache hit against a miss
+        (``enable_prefix_caching=False`` makes every prompt computed afresh).
     stop : stop strings (a string or a list of non-empty strings; matched on the text, need the tokenizer): at
         most :data:`~treedec.sampling.stops.MAX_STOP_STRINGS` of at most
         :data:`~treedec.sampling.stops.MAX_STOP_STRING_CHARS` characters each (the server takes 4, as vLLM's and

@@ -1,7 +1,8 @@
 """``treedec serve``: an OpenAI-compatible HTTP server (FastAPI, uvicorn) over treedec's online engine.
 
 - :func:`build_app` (:mod:`treedec.serve.app`): the app over one :class:`~treedec.LLM` (its engine driven by one
-  :class:`~treedec.serve.engine.OnlineEngine` thread, which needs none of the server's packages): ``/v1/completions``, ``/v1/chat/completions``,
+  :class:`~treedec.serve.engine.OnlineEngine` thread, which needs none of the server's packages):
+  ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``;
 - :class:`CompletionRequest`, :class:`ChatCompletionRequest`, :class:`ServeError` (:mod:`treedec.serve.protocol`):
   the request bodies and the errors, in OpenAI's shapes;

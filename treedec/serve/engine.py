@@ -40,8 +40,8 @@ class OnlineEngine:
     The thread loops :meth:`OnlineScheduler.iterate` while there is work and sleeps when idle. Nothing
     else may step ``engine`` while it runs. :meth:`submit` (in a coroutine of an asyncio loop) returns an
     async iterator of :class:`~treedec.runtime.streams.StreamOutput`; :meth:`abort` ends a request (its stream raises
-    :class:`~treedec.runtime.online.ProgramAborted`); :meth:`shutdown` aborts every request and joins the thread. Use it as a
-    context manager to shut it down on exit.
+    :class:`~treedec.runtime.online.ProgramAborted`); :meth:`shutdown` aborts every request and joins the thread. Use
+    it as a context manager to shut it down on exit.
 
     Parameters
     ----------
@@ -66,8 +66,8 @@ class OnlineEngine:
     error : what stopped the thread (a callback's bug), else None; then :meth:`submit` raises RuntimeError.
 
     Every request's size is bounded before it is queued: :meth:`submit` refuses one whose worst case
-    (:func:`~treedec.programs.generate.worst_case_pages`: its prompt and ``n`` outputs of ``max_tokens``) exceeds the pages
-    the pool can give one request (:attr:`OnlineScheduler.capacity`), so no request is admitted that could only
+    (:func:`~treedec.programs.generate.worst_case_pages`: its prompt and ``n`` outputs of ``max_tokens``) exceeds the
+    pages the pool can give one request (:attr:`OnlineScheduler.capacity`), so no request is admitted that could only
     fail later, after its ``n`` outputs' state was built. :attr:`waiting_outputs` counts the outputs waiting for
     admission (a server's queue bound) and :attr:`iteration_seconds` is a heartbeat (how long the iteration running
     now has run).
@@ -163,8 +163,8 @@ class OnlineEngine:
         return stream
 
     def abort(self, request_id: int | str) -> bool:
-        """Abort a running request (its stream raises :class:`~treedec.runtime.online.ProgramAborted`; its pages are freed at the next
-        iteration); returns whether it was running."""
+        """Abort a running request (its stream raises :class:`~treedec.runtime.online.ProgramAborted`; its pages are
+        freed at the next iteration); returns whether it was running."""
         with self._lock:
             handle = self._handles.get(request_id)
         if handle is None:

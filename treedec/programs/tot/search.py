@@ -1,5 +1,6 @@
-"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.programs.tot.program`): the prompt's prefill, thoughts
-generated together one token per engine step, their evaluations under their own nodes, pruning and counters."""
+"""The engine-side work of a Tree-of-Thought search (:mod:`treedec.programs.tot.program`): the prompt's prefill,
+thoughts generated together one token per engine step, their evaluations under their own nodes, pruning and
+counters."""
 from __future__ import annotations
 
 import math
