@@ -181,7 +181,7 @@ class Lanes(LaneTable):
 
     # ------------------------------------------------------------ the step
 
-    def pages_needed(self, slots: np.ndarray) -> np.ndarray:
+    def _pages_each(self, slots: np.ndarray) -> np.ndarray:
         """[len(slots)] pages appending one token to each of ``slots``' nodes takes (one by one: only when the
         pool cannot take them all and the oldest lanes go first)."""
         tree = self.tree
@@ -207,7 +207,7 @@ class Lanes(LaneTable):
         if len(ready) == 0:
             return PlacedLanes.NONE
         if self._pages(ready) > free_pages:
-            fits = np.cumsum(self.pages_needed(ready)) <= free_pages
+            fits = np.cumsum(self._pages_each(ready)) <= free_pages
             self._blocked = {self.groups[int(u)].owner for u in np.unique(self.group[ready[~fits]]).tolist()}
             ready = ready[fits]
             if len(ready) == 0:
