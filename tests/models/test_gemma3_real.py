@@ -69,7 +69,7 @@ def test_the_front_doors_take_the_name(checkpoint, tmp_path, capsys):
     assert out.outputs[0].text.startswith(" the capital of")
     results = tmp_path / "spec.json"
     assert main(["spec", "--model", "gemma3-270m", "--device", "cpu", "--dtype", "fp32", "--backend", "torch",
-                 "--prompt", PROMPTS[1], "--draft", "ngram", "--check", "--max-new-tokens", "12", "--no-progress",
+                 "--prompt", PROMPTS[1], "--speculative", "ngram", "--check", "--max-tokens", "12", "--no-progress",
                  "--out", str(results)]) == 0
     assert "check: equal to plain greedy decoding" in capsys.readouterr().out
     assert json.loads(results.read_text())["check"]["equal"]

