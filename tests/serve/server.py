@@ -3,6 +3,7 @@ tests share: the tiny model's LLM, waiting, the page accounting, a bystander req
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -101,3 +102,32 @@ def alone(reference: LLM, max_tokens: int = 24) -> tuple[str, str]:
     [out] = reference.generate(BYSTANDER_PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                 ignore_eos=True), use_tqdm=False)
     return out.outputs[0].text, "length"
+
+
+def send_chunked(port: int, chunk: bytes, first: bytes = b"", limit: int = 200 * 2**20) -> tuple[int, bytes]:
+    """POST /v1/completions with a chunked body (no Content-Length): ``first`` as its first chunk, then ``chunk``
+    again and again until the server answers or ``limit`` bytes went; returns the bytes sent and the answer."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"transfer-encoding: chunked\r\n\r\n").encode()
+    sent, answer = 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + (b"%x\r\n%s\r\n" % (len(first), first) if first else b""))
+        try:
+            while sent < limit and not answer:
+                sock.setblocking(True)
+                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                sent += len(chunk)
+                sock.setblocking(False)
+                try:
+                    answer = sock.recv(65536)
+                except BlockingIOError:
+                    pass
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        sock.setblocking(True)
+        try:
+            while part := sock.recv(65536):
+                answer += part
+        except ConnectionResetError:   # (the server closed with the rest of the body unread: its answer came first)
+            pass
+    return sent, answer

@@ -5,7 +5,6 @@ the tokens they get alone, within 2x their time alone, and every page is free af
 AsyncOpenAI for the streams, the openai client or a raw socket (the chunked body, streamed: never built in memory)
 for the abusive request."""
 import asyncio
-import socket
 import threading
 import time
 
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server import RunningServer, free_again, make_llm, wait_until
+from tests.serve.server import RunningServer, free_again, make_llm, send_chunked, wait_until
 
 STREAMS, TOKENS = 16, 32
 
@@ -42,30 +41,7 @@ def many_prompts(server):
 
 def chunked_body(server):
     """200 MB sent chunked (no Content-Length), one 1 MiB chunk at a time, until the server answers."""
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{server.port}\r\ncontent-type: application/json\r\n"
-            f"transfer-encoding: chunked\r\n\r\n").encode()
-    chunk = b"x" * 2**20
-    sent, answer = 0, b""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head)
-        try:
-            while sent < 200 * 2**20 and not answer:
-                sock.setblocking(True)
-                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-                sent += len(chunk)
-                sock.setblocking(False)
-                try:
-                    answer = sock.recv(65536)
-                except BlockingIOError:
-                    pass
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        sock.setblocking(True)
-        try:
-            while part := sock.recv(65536):
-                answer += part
-        except ConnectionResetError:   # (the server closed with the rest of the body unread: its answer came first)
-            pass
+    sent, answer = send_chunked(server.port, b"x" * 2**20)
     assert sent < 32 * 2**20, sent
     return int(answer.split()[1]), answer.partition(b"\r\n\r\n")[2].decode()
 

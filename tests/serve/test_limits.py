@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server import Bystander, RunningServer, alone, free_again, make_llm, wait_until
+from tests.serve.server import Bystander, RunningServer, alone, free_again, make_llm, send_chunked, wait_until
 from treedec.serve.limits import LOOPBACK_HOSTS, host_name
 
 
@@ -138,31 +138,7 @@ def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(server, referenc
     """A chunked body has no Content-Length: it is counted as it arrives, 413 once past the limit and the connection
     closed, so the client cannot make the server read (or parse) 200 MB."""
     bystander = Bystander(server)
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{server.port}\r\ncontent-type: application/json\r\n"
-            f"transfer-encoding: chunked\r\n\r\n").encode()
-    chunk = b' "pad": "' + b"x" * (2**20 - 16) + b'",'
-    sent, answer = 0, b""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head + b'%x\r\n{"model": "tiny",\r\n' % len(b'{"model": "tiny",'))
-        sock.setblocking(False)
-        try:
-            while sent < 200 * 2**20 and not answer:
-                sock.setblocking(True)
-                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
-                sent += len(chunk)
-                sock.setblocking(False)
-                try:
-                    answer = sock.recv(65536)
-                except BlockingIOError:
-                    pass
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        sock.setblocking(True)
-        try:
-            while part := sock.recv(65536):
-                answer += part
-        except ConnectionResetError:   # (the server closed with the rest of the body unread: its answer came first)
-            pass
+    sent, answer = send_chunked(server.port, b' "pad": "' + b"x" * (2**20 - 16) + b'",', first=b'{"model": "tiny",')
     status, body = json_answer(answer)
     assert status == 413 and body["error"]["code"] == "request_too_large", body
     assert sent < 16 * 2**20, sent   # (it stopped reading at 1 MiB: the socket buffers hold the rest)
