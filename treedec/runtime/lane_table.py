@@ -59,9 +59,10 @@ class LaneTable:
         """Rows ``start .. start + k`` get ``params`` (one :class:`~treedec.sampling.params.SamplingParams` for all)
         and their ``seeds`` / streams (``self.seed``, ``self.stream``, written already): one copy to the device."""
         k, p = len(seeds), params
-        floats = torch.tensor([0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
-                               p.presence_penalty, p.frequency_penalty], dtype=torch.float32)
-        self.fparams[start:start + k] = floats.to(self.device)
+        floats = np.array([0.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                           p.presence_penalty, p.frequency_penalty], dtype=np.float32)
+        # (through pinned memory: a pageable copy would wait for the steps in flight, at every admission)
+        self.fparams[start:start + k] = to_device(floats, self.device)
         ints = np.stack([np.full(k, p.top_k or 0), self.seed[start:start + k], self.stream[start:start + k]], axis=1)
         self.iparams[start:start + k] = to_device(ints.astype(np.int64), self.device)
         rows = slice(start, start + k)
