@@ -350,6 +350,14 @@ class IncrementalDetokenizer:
         ids = self._checked(ids, "token_ids")
         return "".join([self._feed_one(token) for token in ids])
 
+    def feed_checked(self, token: int) -> str:
+        """:meth:`feed` of one id its caller has checked (an int in ``[0, vocab_size)``, as
+        :meth:`~treedec.sampling.stops.StopChecker.accept` checks them): the text it adds. RuntimeError after
+        :meth:`finish`."""
+        if self._finished:
+            raise RuntimeError("this IncrementalDetokenizer is finished; start a new one for another output")
+        return self._feed_one(token)
+
     def finish(self) -> str:
         """End the output: return the text still held back (trailing bytes that are not a whole
         character, decoded lossily, as a one-shot decode shows them); '' when none."""
