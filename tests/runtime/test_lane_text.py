@@ -1,6 +1,7 @@
 """Text lanes checked at their events only (treedec/runtime/lane_text.py): which tokens are events
 (IncrementalDetokenizer.may_write), a stop string across tokens ends where a token-by-token check ends it, the checker
 is fed at events only, and a tokenizer whose text depends on its neighbours is refused."""
+import numpy as np
 import pytest
 import torch
 
@@ -9,9 +10,12 @@ from tests.programs.test_generate_batch import LetterTokenizer
 from treedec.models.text import IncrementalDetokenizer
 from treedec.programs.generate import generate_batch
 from treedec.programs.tot import ByteTokenizer
+from treedec.runtime.decode import Decode
 from treedec.runtime.lane_group import LaneGroup
+from treedec.runtime.lane_text import KEPT_KEYS, TextEvents
 from treedec.runtime.requests import RequestSpec
 from treedec.sampling.params import SamplingParams
+from treedec.sampling.stops import StopRule
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +77,19 @@ def test_a_tokenizer_writing_text_no_token_holds_is_refused(tiny):
     with pytest.raises(RuntimeError, match=r"stop string '!' ended at a token whose own text holds none of the stop "
                                            r"strings' last characters .*\(PairTokenizer\)"):
         generate_batch(make_engine(tiny), [spec], tokenizer=tokenizer)
+
+
+def test_keys_past_the_kept_ones_take_the_rows_no_lane_uses():
+    tokenizer, events = LetterTokenizer(), TextEvents(512)
+
+    def key(stop, live):
+        decode = Decode(0, SamplingParams(), StopRule(4, stop_strings=(stop,)), tokenizer=tokenizer)
+        return events.key(decode, IncrementalDetokenizer(tokenizer), np.asarray(live, dtype=np.int64))
+
+    rows = [key(chr(0x4E00 + i), []) for i in range(KEPT_KEYS)]
+    assert rows == list(range(KEPT_KEYS)) and key(chr(0x4E00), [5]) == 0   # a known key: its row
+    assert events.due(np.array([0, 1]), np.array([3, 4])).tolist() == [False, False]
+    assert key("D", list(range(1, KEPT_KEYS))) == 0   # row 0 unused: taken, classified afresh
+    assert events.due(np.array([0]), np.array([3])).tolist() == [True]
+    assert key("E", list(range(KEPT_KEYS))) == KEPT_KEYS   # every row in use: a new one
+    assert key(chr(0x4E00 + 1), []) == 1

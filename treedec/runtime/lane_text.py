@@ -21,7 +21,10 @@ import numpy as np
 from treedec.models.text import IncrementalDetokenizer
 from treedec.runtime.decode import Decode
 
-__all__ = ["TextEvents"]
+__all__ = ["KEPT_KEYS", "TextEvents"]
+
+#: Keys kept classified while no lane uses them (a ToT search's next level, the next request with the same stops).
+KEPT_KEYS = 32
 
 
 class TextEvents:
@@ -34,10 +37,11 @@ class TextEvents:
         self._known = np.zeros((0, vocab), dtype=bool)   # [keys, vocab]: whether the token was classified
         self._event = np.zeros((0, vocab), dtype=bool)   # [keys, vocab]: whether it is an event (once known)
 
-    def key(self, decode: Decode, detokenizer: IncrementalDetokenizer | None) -> int:
+    def key(self, decode: Decode, detokenizer: IncrementalDetokenizer | None, live: np.ndarray) -> int:
         """The row of ``decode``'s lanes (-1: they have no text): its tokenizer, its params' detokenizer options, its
-        stop strings and whether it streams (then every token is an event); ``detokenizer``: one of its lanes' fresh
-        detokenizer (None: no text)."""
+        stop strings' last characters and whether it streams (then every token is an event); ``detokenizer``: one of
+        its lanes' fresh detokenizers (None: no text). ``live``: the rows of the lanes running; past
+        :data:`KEPT_KEYS` keys, a new one takes the row of one they do not use (an online run meets many)."""
         if detokenizer is None:
             return -1
         chars, every = frozenset(s[-1] for s in decode.rule.stop_strings), decode.on_text is not None
@@ -46,11 +50,18 @@ class TextEvents:
         for row, known in enumerate(self._keys):
             if known[0] is key[0] and known[1:] == key[1:]:
                 return row
-        self._keys.append(key)
-        self._detokenizers.append(detokenizer)
-        self._known = np.concatenate([self._known, np.full((1, self.vocab), every)])
-        self._event = np.concatenate([self._event, np.full((1, self.vocab), every)])
-        return len(self._keys) - 1
+        unused = sorted(set(range(len(self._keys))) - set(live.tolist())) if len(self._keys) >= KEPT_KEYS else []
+        if unused:
+            row = unused[0]
+            self._keys[row], self._detokenizers[row] = key, detokenizer
+        else:
+            row = len(self._keys)
+            self._keys.append(key)
+            self._detokenizers.append(detokenizer)
+            self._known = np.concatenate([self._known, np.zeros((1, self.vocab), dtype=bool)])
+            self._event = np.concatenate([self._event, np.zeros((1, self.vocab), dtype=bool)])
+        self._known[row], self._event[row] = every, every
+        return row
 
     def due(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """[k] bool: whether each lane's new token (``tokens`` [k], of lanes of key ``rows`` [k]) is an event of its

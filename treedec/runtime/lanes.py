@@ -95,7 +95,7 @@ class Lanes(LaneTable):
         group = LaneGroup(d, owner, uid, [None] * d.count, d.count)
         detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
         group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
-        text_key = self._text_events.key(d, detokenizers[0])
+        text_key = self._text_events.key(d, detokenizers[0], self.text_key[:self.size][self.text[:self.size]])
         group.shown = [0] * d.count
         group.prepare(self.vocab, self.device)
         self.groups[uid] = group
