@@ -5,13 +5,16 @@ Each task is a Game-of-24 puzzle (``Game24Task``, the shipped few-shot prompts; 
 with random weights), searched by BFS with the same configuration: ``--k`` thoughts per kept
 state, ``--n`` kept, ``--depth`` levels, ``--thought-tokens`` / ``--value-tokens`` per output
 (random weights never write a stop string, so every output has exactly that many), the model
-judging every thought (``check_steps=False``). Both modes run on one graphed engine, warmed
-by one untimed batched run (graphs captured for every step size); reported: wall time, tasks per second, engine steps, and
-the speedup (batched tasks/s over one-at-a-time tasks/s, the issue's target >= 8x for 16 tasks).
+judging every thought (``check_steps=False``); task i searches puzzle i mod 16. Both modes run on one graphed
+engine in the same run, warmed by one untimed batched run (graphs captured for every step size); reported: wall
+time, tasks per second, engine steps, and the speedup (batched tasks/s over one-at-a-time tasks/s; issue #49's
+targets: >= 12x for 16 tasks, >= 30x for 64). The forest's searches read one copy of their root prompts' common
+start (the few-shot examples); one at a time, each search prefills its whole prompt.
 In bf16 a step's rounding depends on what else it computes, so the two modes' searches may
 pick other thoughts on near-ties: the number of tasks whose results agree is reported.
 
     python bench/tot_batch.py                  # GPU: llama3-8b bf16, 16 tasks
+    python bench/tot_batch.py --tasks 64       # GPU: 64 tasks (each puzzle four times)
     python bench/tot_batch.py --smoke          # CPU: tiny model, 3 tasks (CI)
 """
 from __future__ import annotations
@@ -48,7 +51,7 @@ def outcome(result) -> tuple:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-8b")
-    parser.add_argument("--tasks", type=int, default=16, help=f"puzzles searched (at most {len(PUZZLES)})")
+    parser.add_argument("--tasks", type=int, default=16, help=f"searches (task i: puzzle i mod {len(PUZZLES)})")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--depth", type=int, default=3)
@@ -61,8 +64,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model, args.tasks, args.k, args.n, args.depth, args.thought_tokens, args.value_tokens = \
             "tiny", 3, 2, 1, 2, 4, 2
-    if not 1 <= args.tasks <= len(PUZZLES):
-        parser.error(f"--tasks must be in [1, {len(PUZZLES)}], got {args.tasks}")
+    if args.tasks < 1:
+        parser.error(f"--tasks must be >= 1, got {args.tasks}")
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     model = from_config(ModelConfig.from_name(args.model), seed=0, dtype=torch.bfloat16 if cuda else torch.float32,
@@ -70,8 +73,8 @@ def main(argv=None) -> int:
     engine = Engine(model, kv_tokens=None if cuda else 1 << 16, page_size=16,
                     cuda_graphs=CudaGraphConfig(max_queries=512) if cuda else False)
     config = BFSConfig(k=args.k, n=args.n, depth=args.depth, sampling=SamplingParams(temperature=0.7), seed=0)
-    tasks = [Game24Task(p, check_steps=False, thought_max_tokens=args.thought_tokens,
-                        value_max_tokens=args.value_tokens) for p in PUZZLES[:args.tasks]]
+    tasks = [Game24Task(PUZZLES[i % len(PUZZLES)], check_steps=False, thought_max_tokens=args.thought_tokens,
+                        value_max_tokens=args.value_tokens) for i in range(args.tasks)]
     tokenizer = ByteTokenizer()
 
     def sync():

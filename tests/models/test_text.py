@@ -379,3 +379,23 @@ def test_text_from_joins_only_the_tail(tokenizers):
     assert detok.text_length == len(text) and all(detok.text_from(k) == text[k:] for k in range(len(text) + 2))
     detok.feed(tok.encode(" end", add_special_tokens=False))
     assert detok.text_from(len(text)) == " end" and detok.text_from(0) == text + " end"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@given(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=24))
+@settings(max_examples=60, deadline=None)
+def test_may_write_holds_for_every_character_a_token_adds(tokenizers, kind, picks):
+    """Whatever the ids (broken bytes, special tokens and all), every character a fed token adds to the text is one
+    that :meth:`IncrementalDetokenizer.may_write` says it may write (so a stop string is checked where it ends)."""
+    tok = tokenizers[kind]
+    ids = [p % len(tok) for p in picks]
+    detok = IncrementalDetokenizer(tok, tok.encode("Hi"))
+    for token in ids:
+        for c in set(detok.feed(token)):
+            assert detok.may_write(token, frozenset(c)), (kind, token, c, tok.convert_ids_to_tokens(token))
+
+
+def test_byte_tokenizer_decodes_any_id_sequence():
+    tok = ByteTokenizer()
+    assert tok.decode([72, 105]) == tok.decode(np.array([72, 105])) == tok.decode(torch.tensor([72, 105])) == "Hi"
+    assert tok.decode([0xC3, 0xA9, 300]) == "é" + REPLACEMENT and tok.decode([0xC3]) == REPLACEMENT

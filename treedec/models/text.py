@@ -262,6 +262,7 @@ class IncrementalDetokenizer:
                 raise TypeError(f"{name} must be a bool, got {describe(flag)}")
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens and hasattr(tokenizer, "all_special_ids")
+        self._special_ids = frozenset(tokenizer.all_special_ids) if self._skip_special else frozenset()
         # Added token id -> its content, where an added token after another is emitted raw (see above).
         self._raw_added: dict[int, str] = {}
         added = getattr(tokenizer, "added_tokens_decoder", None)   # (transformers': id -> AddedToken)
@@ -318,6 +319,25 @@ class IncrementalDetokenizer:
         """Whether :meth:`finish` was called (no more ids can be fed)."""
         return self._finished
 
+    def may_write(self, token: int, chars: frozenset[str]) -> bool:
+        """Whether feeding ``token`` may add one of ``chars`` to the text, whatever was fed before it (the tokens at
+        which a stop string ending in one of ``chars`` may be completed; :mod:`treedec.runtime.lane_text`).
+
+        True when the token's own text (``decode([token])``) holds one of ``chars`` or is empty (a text that depends
+        on its neighbours), when it holds U+FFFD and a character of ``chars`` is not ASCII (bytes of a character that
+        its neighbours complete: always a multi-byte one), when it is a special token this detokenizer skips or an
+        added token it may write raw, and for every token when ``chars`` holds a space or U+FFFD (decoders put
+        spaces between tokens: SentencePiece's and WordPiece's word starts, BPE's word ends, the spaces between
+        special tokens; a broken byte run shows as U+FFFD). Byte-level BPE, SentencePiece, WordPiece and character
+        tokenizers write no other character that the token's own text does not hold.
+        """
+        if " " in chars or _REPLACEMENT in chars or token in self._raw_added:
+            return True
+        if self._skip_special and token in self._special_ids:
+            return True
+        text = self._decode([token])
+        return not text or any(c in text for c in chars) or (_REPLACEMENT in text and not all(map(str.isascii, chars)))
+
     def feed(self, token_ids: int | Sequence[int]) -> str:
         """Add one output token id or several; return the text they add (maybe '').
 
@@ -329,6 +349,14 @@ class IncrementalDetokenizer:
         ids = [int(token_ids)] if is_int(token_ids) else token_ids
         ids = self._checked(ids, "token_ids")
         return "".join([self._feed_one(token) for token in ids])
+
+    def feed_checked(self, token: int) -> str:
+        """:meth:`feed` of one id its caller has checked (an int in ``[0, vocab_size)``, as
+        :meth:`~treedec.sampling.stops.StopChecker.accept` checks them): the text it adds. RuntimeError after
+        :meth:`finish`."""
+        if self._finished:
+            raise RuntimeError("this IncrementalDetokenizer is finished; start a new one for another output")
+        return self._feed_one(token)
 
     def finish(self) -> str:
         """End the output: return the text still held back (trailing bytes that are not a whole

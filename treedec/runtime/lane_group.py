@@ -81,17 +81,26 @@ class LaneGroup:
             rows = apply_logit_bias(rows, *self.bias)
         return rows
 
-    def accept_text(self, i: int, token: int) -> str | None:
-        """Output ``i``'s token through its stop checker (stop strings) and its stream (only the new characters are
-        joined); returns why the output ended, or None."""
+    def accept_text(self, i: int, tokens: list[int]) -> str | None:
+        """Output ``i``'s tokens since its last event, through its stop checker (stop strings) and its stream (only
+        the new characters are joined); returns why the output ended, or None. None of them but the last is an
+        event (:class:`~treedec.runtime.lane_text.TextEvents`): a stop string ended by an earlier one is a tokenizer
+        whose decoder writes a character that the token's own text does not hold (a RuntimeError: unsupported)."""
         checker = self.checkers[i]
-        reason = checker.accept(token).reason
+        decision = checker.accept(tokens)
+        if decision.keep < len(tokens):
+            raise RuntimeError(f"{self.decode.name}: output {i}'s stop string {checker.stop_string!r} ended at a token "
+                               f"whose own text holds none of the stop strings' last characters "
+                               f"({tokens[decision.keep - 1]}, {len(tokens) - decision.keep} token(s) before the last "
+                               f"one checked); its tokenizer "
+                               f"({type(self.decode.tokenizer).__name__}) writes text that depends on the tokens "
+                               f"around it, which stop strings do not support (IncrementalDetokenizer.may_write)")
         if self.decode.on_text is not None:
             end = checker.streamable_length
             if end > self.shown[i]:
                 self.decode.on_text(i, checker.text_from(self.shown[i]))
                 self.shown[i] = end
-        return reason
+        return decision.reason
 
     def assemble_logprobs(self) -> None:
         """Its ended outputs' logprobs, one dict per token, from the draws' records."""

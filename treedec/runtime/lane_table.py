@@ -17,7 +17,8 @@ from treedec.transfer import to_device
 __all__ = ["LaneTable"]
 
 #: host int64 columns (views of one array)
-_INTS = ("group", "index", "node", "parent", "start", "length", "max_new", "next_token", "seed", "stream")
+_INTS = ("group", "index", "node", "parent", "start", "length", "max_new", "next_token", "seed", "stream", "text_key",
+         "fed")
 #: host int8 / bool columns (views of one int8 array)
 _SMALL = ("state", "reason", "placed", "fresh", "keep", "text", "greedy", "top_k_cut", "top_p_cut", "min_p_cut",
           "penalized")

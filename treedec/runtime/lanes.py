@@ -14,12 +14,12 @@ lane of the batch:
   EOS / stop ids are matched on the device, and ONE device-to-host copy brings every lane's (token, stopped) back
   while the next step runs (pipelined on a GPU; at once on the CPU, where nothing would overlap);
 - host work per step is a fixed number of array operations, whatever the number of lanes; Python runs per lane
-  only on events (a lane starts, ends, waits for pages), for lanes whose text is needed (stop strings, streaming:
-  the detokenizer and the stop-string match) and for lanes with user logits processors.
+  only on events (a lane starts, ends, waits for pages, draws a token that may end a stop string:
+  :mod:`~treedec.runtime.lane_text`), for lanes that stream their text and for lanes with user logits processors.
 
-Rows are kept compact and in a stable order: lanes added at the end, ended ones removed by one stable compaction
-of every column per event (host and device alike), so a step's parameters are slices of the columns, never
-rebuilt. (vLLM's persistent batch, ``InputBatch``, keeps its requests' state the same way.)
+Rows are kept compact and in a stable order (vLLM's persistent batch, ``InputBatch``, keeps its requests' state so):
+lanes added at the end, ended ones removed by one stable compaction of every column per event (host and device
+alike), so a step's parameters are slices of the columns, never rebuilt.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
+from treedec.runtime.lane_text import TextEvents
 from treedec.sampling.sampler import sample_rows
 from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
 from treedec.sampling.params import SEED_MAX
@@ -68,6 +69,7 @@ class Lanes(LaneTable):
         self._failures: list[tuple[Any, Exception]] = []
         self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
         self._logprobs: set[int] = set()  # groups whose outputs report logprobs
+        self._text_events = TextEvents(self.vocab)   # the tokens text lanes are checked at
 
     # ------------------------------------------------------------ events
 
@@ -93,6 +95,7 @@ class Lanes(LaneTable):
         group = LaneGroup(d, owner, uid, [None] * d.count, d.count)
         detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
         group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
+        text_key = self._text_events.key(d, detokenizers[0], self.text_key[:self.size][self.text[:self.size]])
         group.shown = [0] * d.count
         group.prepare(self.vocab, self.device)
         self.groups[uid] = group
@@ -112,7 +115,7 @@ class Lanes(LaneTable):
         self.start[slots] = self.tree.node_length(d.parent) if d.on_parent else 0
         self.length[slots], self.max_new[slots] = 0, d.rule.max_new_tokens
         self.state[slots], self.placed[slots], self.fresh[slots], self.keep[slots] = 0, False, True, d.keep
-        self.text[slots] = group.checkers[0] is not None
+        self.text[slots], self.text_key[slots], self.fed[slots] = text_key >= 0, text_key, 0
         eos = list(d.rule.eos_token_ids)
         if len(eos) > self._eos_width:
             self._widen_eos(len(eos))
@@ -414,9 +417,12 @@ class Lanes(LaneTable):
         self.length[slots] = at + 1
         ended = stopped | (at + 1 >= self.max_new[slots])
         reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
-        for i in np.flatnonzero(self.text[slots]).tolist():
-            slot = int(slots[i])
-            reason = self.groups[int(self.group[slot])].accept_text(int(self.index[slot]), int(tokens[i]))
+        text = np.flatnonzero(self.text[slots])   # (checked at their events and ends only, fed what came since)
+        for i in text[ended[text] | self._text_events.due(self.text_key[slots[text]], tokens[text])].tolist():
+            slot, fed = int(slots[i]), int(self.fed[slots[i]])
+            self.fed[slot] = at[i] + 1
+            reason = self.groups[int(self.group[slot])].accept_text(int(self.index[slot]),
+                                                                    self.tokens[slot, fed:at[i] + 1].tolist())
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
         # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known

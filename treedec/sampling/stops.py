@@ -251,7 +251,7 @@ class StopChecker:
             self._ids.append(token)
             match = None
             if self._detok is not None:
-                match = self._scan(self._detok.feed(token))
+                match = self._scan(self._detok.feed_checked(token))   # (ids checked above, as feed checks them)
             counts = len(self._ids) > min_tokens   # (min_tokens: an EOS or a stop string does not end it yet)
             if token in self._eos and counts:
                 reason = "eos"

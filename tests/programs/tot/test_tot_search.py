@@ -344,7 +344,7 @@ def summary(result):
                                     DFSConfig(k=2, depth=2, threshold=0.0, max_expansions=3,
                                               sampling=SamplingParams(temperature=0.8))])
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_tokens", [8192, 4 * 400])
+@pytest.mark.parametrize("kv_tokens", [8192, 4 * 300])
 def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
     """Game-of-24 searches over different numbers, all in one forest (one engine step for every live
     search), give each search's result alone; with a small pool some wait for pages. Pages all freed."""
@@ -360,8 +360,8 @@ def test_tot_batch_searches_are_each_search_alone(config, kv_tokens):
     if kv_tokens == 8192:
         assert max(stats.programs_per_step) == 4 and stats.waits == 0
         assert stats.steps < sum(lv.steps for r in alone for lv in r.levels)   # the searches share steps
-    else:   # one search's peak (about 260 pages) fits the 400 pages, four do not
-        assert stats.waits > 0 and stats.peak_pages <= 400
+    else:   # one search's peak (about 260 pages) fits the 300 pages, four do not (about 350: their root prompts'
+        assert stats.waits > 0 and stats.peak_pages <= 300   # few-shot examples are one copy, the rest each's own)
     assert engine.pool.num_free_pages == engine.pool.num_pages and engine.tree.num_nodes == 0
 
 

@@ -39,7 +39,7 @@ from treedec.engine import Engine
 from treedec.runtime.request import MODEL_EOS, Positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext
 from treedec.runtime.scheduler import SchedulerStats, run_program, run_programs
-from treedec.programs.tot.search import ToTSearch
+from treedec.programs.tot.search import ToTSearch, encode_checked
 from treedec.programs.tot.task import (SELECTIONS, BFSConfig, ByteTokenizer, DFSConfig, LevelStats, ToTResult, ToTState,
                                      ToTTask, Tokenizer, check_task)
 
@@ -143,12 +143,16 @@ class ToTProgram(Program):
         self.eos = frozenset(eos_token_ids(eos_token_id, engine.model))
         self.task, self.tokenizer, self.config = task, tokenizer, config
         self.progress, self.on_level = progress, on_level
+        # The root prompt as the scheduler's prompt: searches of one forest read one copy of its common start (the
+        # task's few-shot examples), and a prefix cache across requests holds it.
+        bos = tokenizer.bos_id
+        self.prompt_ids = ([] if bos is None else [bos]) + encode_checked(tokenizer, task.root_prompt(), vocab,
+                                                                          f"{type(task).__name__}.root_prompt()")
 
     def positions(self) -> Positions:
         # The step and value prompts are the task's, made from the thoughts: they are checked as they come.
         task, depth = self.task, self.config.depth
-        bos = getattr(self.tokenizer, "bos_id", None)
-        root = len(self.tokenizer.encode(task.root_prompt())) + (bos is not None)
+        root = len(self.prompt_ids)
         return Positions(root + depth * task.thought_max_tokens + task.value_max_tokens,
                          f"a {root}-token root prompt + depth {depth} x thought_max_tokens {task.thought_max_tokens} "
                          f"+ value_max_tokens {task.value_max_tokens}")
@@ -165,7 +169,7 @@ class ToTProgram(Program):
         t0 = time.perf_counter()
         root = None
         try:
-            root = yield from search.start()
+            root = yield from search.start(self.prompt_ids)
             result.prompt_tokens = root.num_tokens
             yield from (self._bfs(search, root, result) if bfs else self._dfs(search, root, result))
         finally:

@@ -19,7 +19,7 @@ from treedec.sampling.params import SEED_MAX, SamplingParams, sample_tokens
 from treedec.sampling.stops import StopRule
 from treedec.programs.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
 
-__all__ = ["ToTSearch"]
+__all__ = ["ToTSearch", "encode_checked"]
 
 
 @dataclass
@@ -49,10 +49,9 @@ class ToTSearch:
 
     # ---------------------------------------------------------------- search steps
 
-    def start(self):
-        """Prefill the task's prompt; returns the search's root state (a generator: ``yield from``)."""
-        bos = getattr(self.tokenizer, "bos_id", None)
-        ids = ([] if bos is None else [bos]) + self._encode(self.task.root_prompt(), "root_prompt()")
+    def start(self, ids: list[int]):
+        """Prefill the search's prompt ``ids`` (its task's root prompt, :attr:`ToTProgram.prompt_ids`); returns the
+        search's root state (a generator: ``yield from``)."""
         node, out = yield from self.ctx.prompt(ids)
         self.logits[node] = out.logits[0]
         self._note_pages()
@@ -234,15 +233,8 @@ class ToTSearch:
     # ---------------------------------------------------------------- helpers
 
     def _encode(self, text: str, what: str) -> list[int]:
-        ids = [int(i) for i in self.tokenizer.encode(text)]
-        vocab = self.engine.model.config.vocab_size
-        if not ids:
-            raise ValueError(f"{type(self.task).__name__}.{what} encodes to no tokens: {text!r:.80}")
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"{type(self.task).__name__}.{what} encodes to ids outside the model's vocabulary "
-                             f"[0, {vocab}): {bad[:5]}")
-        return ids
+        return encode_checked(self.tokenizer, text, self.engine.model.config.vocab_size,
+                              f"{type(self.task).__name__}.{what}")
 
     def _text(self, tokens: list[int], stops: tuple[str, ...]) -> str:
         """The decoded tokens, cut after the first stop string."""
@@ -256,3 +248,14 @@ class ToTSearch:
     def _note_pages(self) -> None:
         self.pages_peak = max(self.pages_peak, self._pages_in_use())
 
+
+def encode_checked(tokenizer: Tokenizer, text: str, vocab: int, what: str) -> list[int]:
+    """``tokenizer.encode(text)`` as ints, checked: not empty, every id in the model's vocabulary ``[0, vocab)``
+    (a ValueError naming ``what``, e.g. ``"Game24Task.root_prompt()"``, otherwise)."""
+    ids = [int(i) for i in tokenizer.encode(text)]
+    if not ids:
+        raise ValueError(f"{what} encodes to no tokens: {text!r:.80}")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"{what} encodes to ids outside the model's vocabulary [0, {vocab}): {bad[:5]}")
+    return ids

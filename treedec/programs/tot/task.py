@@ -46,7 +46,10 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
+        try:
+            raw = bytes(list(ids))   # (the common case in one call: every id a byte; a list, never a buffer)
+        except (ValueError, TypeError):
+            raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
         return raw.decode("utf-8", errors="replace")
 
 
