@@ -222,7 +222,8 @@ def test_request_spec_checks_fields_in_code():
 
 def test_stop_rule_puts_request_stop_ids_after_the_checkpoint_eos():
     params = SamplingParams(max_tokens=9, stop=["\n\n"], stop_token_ids=[13, 2], include_stop_str_in_output=True)
-    assert params.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True)
+    assert params.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True,
+                                                                  stop_token_ids=(13, 2))
     assert params.stop_rule().eos_token_ids == (13, 2)
     assert params.replace(ignore_eos=True).stop_rule(eos_token_ids=(2, 32000)).eos_token_ids == (13, 2)
     with pytest.raises(ValueError, match="eos_token_ids must be token ids"):

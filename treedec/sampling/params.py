@@ -167,10 +167,11 @@ class SamplingParams:
     def stop_rule(self, eos_token_ids=()) -> StopRule:
         """The :class:`~treedec.sampling.stops.StopRule` of each output: ``eos_token_ids`` (the checkpoint's, e.g.
         ``model.eos_token_ids``; dropped with ``ignore_eos``), then ``stop_token_ids``; ``stop``,
-        ``max_tokens``, ``include_stop_str_in_output``."""
+        ``max_tokens``, ``include_stop_str_in_output`` (a stop token's text is left out of the output's text
+        without it: :attr:`StopRule.stop_token_ids <treedec.sampling.stops.StopRule.stop_token_ids>`)."""
         eos = () if self.ignore_eos else token_id_tuple(eos_token_ids, "eos_token_ids")
         return StopRule(self.max_tokens, eos + self.stop_token_ids, self.stop, self.include_stop_str_in_output,
-                        self.min_tokens)
+                        self.min_tokens, stop_token_ids=self.stop_token_ids)
 
     def detokenizer(self, tokenizer, prompt_ids: Sequence[int]) -> IncrementalDetokenizer | None:
         """An output's :class:`~treedec.models.text.IncrementalDetokenizer` with this request's options
