@@ -178,7 +178,9 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
             bad = [t for t in given if t >= vocab]
             if bad:   # (the message starts with the field: a server names it as the error's param)
-                raise ValueError(f"{field} of request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+                raise ValueError(f"{field} of request {spec.id!r}: token id {bad[0]} is out of vocabulary (the "
+                                 f"model's vocabulary has {vocab} tokens: ids must be in [0, {vocab})), got "
+                                 f"{bad[:5]}")
         spec.params.check_vocab(vocab, f"request {spec.id!r}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
