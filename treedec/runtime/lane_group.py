@@ -83,14 +83,15 @@ class LaneGroup:
 
     def accept_text(self, i: int, token: int) -> str | None:
         """Output ``i``'s token through its stop checker (stop strings) and its stream (only the new characters are
-        joined); returns why the output ended, or None."""
+        joined; the output's end streamed with its last text); returns why the output ended, or None."""
         checker = self.checkers[i]
         reason = checker.accept(token).reason
         if self.decode.on_text is not None:
             end = checker.streamable_length
-            if end > self.shown[i]:
-                self.decode.on_text(i, checker.text_from(self.shown[i]))
-                self.shown[i] = end
+            if end > self.shown[i] or reason is not None:
+                delta = checker.text_from(self.shown[i]) if end > self.shown[i] else ""
+                self.shown[i] = max(end, self.shown[i])
+                self.decode.on_text(i, delta, checker)
         return reason
 
     def assemble_logprobs(self) -> None:

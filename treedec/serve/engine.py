@@ -2,9 +2,9 @@
 engine, for a server (:func:`treedec.serve.build_app`). :meth:`OnlineEngine.submit` turns a
 :class:`~treedec.runtime.requests.RequestSpec` into its program (a :class:`~treedec.programs.generate.GenerateProgram`,
 or with a draft source a speculative program as :class:`~treedec.LLM` decodes it) and returns an asyncio async
-iterator of :class:`~treedec.runtime.streams.StreamOutput`: text deltas as they are accepted, then the request's
-final :class:`~treedec.runtime.requests.RequestResult` list, handed to the caller's event loop with
-``loop.call_soon_threadsafe``.
+iterator of :class:`~treedec.runtime.streams.StreamOutput`: text deltas as they are accepted, each output's end
+(with its last text) when it ends, then the request's final :class:`~treedec.runtime.requests.RequestResult` list,
+handed to the caller's event loop with ``loop.call_soon_threadsafe``.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from treedec.runtime.requests import RequestSpec
 from treedec.runtime.scheduler_stats import SchedulerStats
 from treedec.runtime.streams import OutputStream, StreamOutput
 from treedec.sampling.params import SEED_MAX, seed_word
+from treedec.sampling.stops import StopChecker
 
 __all__ = ["OnlineEngine"]
 
@@ -140,8 +141,8 @@ class OnlineEngine:
             spec = dataclasses.replace(spec, params=spec.params.replace(seed=seed))
         stream = OutputStream(loop, spec.id)
         if self.drafts is None:
-            on_text = None if tokenizer is None else (lambda s, index, delta: stream.text(index, delta))
-            program = GenerateProgram(spec, prompt_ids, tokenizer, on_text=on_text)
+            program = GenerateProgram(spec, prompt_ids, tokenizer,
+                                      on_output=None if tokenizer is None else _streamed(stream))
         else:
             program = speculative_program(
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
@@ -244,6 +245,17 @@ class OnlineEngine:
         request = self._finish(handle)
         if request is not None:
             request.stream.fail(error)
+
+
+def _streamed(stream: OutputStream) -> Callable[[RequestSpec, int, str, StopChecker], None]:
+    """A GenerateProgram's ``on_output`` into ``stream``: text deltas with their outputs' token counts, and each
+    output's end with its last text."""
+    def on_output(spec: RequestSpec, index: int, delta: str, checker: StopChecker) -> None:
+        if checker.stopped:
+            stream.end(index, delta, checker.stop_reason, checker.token_ids)
+        else:
+            stream.text(index, delta, checker.num_tokens)
+    return on_output
 
 
 @dataclasses.dataclass(frozen=True)
