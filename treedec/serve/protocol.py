@@ -4,8 +4,10 @@
 OpenAI's fields (``logit_bias`` included: token id strings -> a bias in [-100, 100] added to the logit) and vLLM's
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``bad_words``, ``allowed_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``truncate_prompt_tokens``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in
-a stream on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params`
+``truncate_prompt_tokens``; ``return_token_ids``: a completion choice also holds ``prompt_token_ids`` and
+``token_ids``, a chat completion ``prompt_token_ids`` at its top level and each choice its ``token_ids``, as vLLM's,
+in a stream on the choice's last chunk (the prompt's on a chat stream's first), e.g. for a client that re-sends a
+conversation as token ids; ``seed`` any int64, as vLLM's); :meth:`sampling_params`
 turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks the values: a bad one is a
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
 bound). A field OpenAI has that treedec does not implement (``echo``, ``suffix``, tools, ...) is refused with 400,
@@ -13,13 +15,14 @@ never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from treedec.sampling.params import SamplingParams
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "StreamOptions"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "ServeError", "StreamOptions",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "TokenizeRequest"]
 
 #: The most log-probabilities a token may report (``logprobs`` of completions, ``top_logprobs`` of chat).
 MAX_LOGPROBS = 20
@@ -41,8 +44,13 @@ class ServeError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """A stream's ``stream_options``: ``include_usage`` (a last chunk with the request's usage) and vLLM's
+    ``continuous_usage_stats`` (every chunk's usage too: its prompt's tokens and its choice's tokens so far). vLLM
+    ignores ``continuous_usage_stats`` without ``include_usage``; treedec refuses it (400)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
@@ -96,6 +104,10 @@ class _Sampling(BaseModel):
             raise ServeError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
         if self.stream_options is not None and not self.stream:
             raise ServeError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats and \
+                not self.stream_options.include_usage:
+            raise ServeError("stream_options.continuous_usage_stats needs stream_options.include_usage=true",
+                             param="stream_options")
         if self.top_k is not None and self.top_k == -1:   # (vLLM's "no top-k")
             self.top_k = None
 
@@ -171,18 +183,7 @@ class ChatCompletionRequest(_Sampling):
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            content = m.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ServeError(f"messages[{i}].content: only text parts are supported", param="messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise ServeError(f"messages[{i}] must have a string role and a text content", param="messages")
-            out.append({**m, "content": content})
-        return out
+        return _conversation(self.messages)
 
     @property
     def budget_field(self) -> str:
@@ -208,6 +209,67 @@ class ChatCompletionRequest(_Sampling):
         if self.logprobs and self.stream:
             raise ServeError("logprobs are not supported with stream=true", param="logprobs")
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """A ``/tokenize`` body with a text (vLLM's ``TokenizeCompletionRequest``): ``prompt``, encoded with the
+    tokenizer's special tokens unless ``add_special_tokens`` is false; ``return_token_strs``: each token's string
+    too."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """A ``/tokenize`` body with chat ``messages`` (vLLM's ``TokenizeChatRequest``): rendered by the chat template
+    (with the assistant's turn opened unless ``add_generation_prompt`` is false), encoded without special tokens
+    unless ``add_special_tokens`` (the template writes its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        return _conversation(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """A ``/detokenize`` body (vLLM's): ``tokens``, the ids to turn into text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+#: The ``/tokenize`` body: chat messages when it has ``messages``, else a text (the tags are left out of the field
+#: names errors give: :data:`BODY_TAGS`).
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("tokenize-text")],
+                                  Annotated[TokenizeChatRequest, Tag("tokenize-chat")]],
+                            Discriminator(lambda v: "tokenize-chat" if isinstance(v, dict) and "messages" in v
+                                          else "tokenize-text")]
+BODY_TAGS = frozenset({"tokenize-text", "tokenize-chat"})
+
+
+def _conversation(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ServeError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ServeError(f"messages[{i}] must have a string role and a text content", param="messages")
+        out.append({**m, "content": content})
+    return out
 
 
 def _field_named(message: str, given: dict) -> str | None:

@@ -11,10 +11,18 @@ __all__ = ["Choices", "chat_logprobs", "completion_logprobs", "usage"]
 
 class Choices:
     """The response objects of one request ``rid`` (``n`` choices a prompt; choice ``k * n + j`` is prompt ``k``'s
-    output ``j``): a chat completion (``chat``) or a text completion."""
+    output ``j``): a chat completion (``chat``) or a text completion, of the prompts ``prompt_ids``.
 
-    def __init__(self, rid: str, model: str, n: int, chat: bool, token_ids: bool = False):
+    With ``token_ids`` (vLLM's ``return_token_ids``): a completion choice holds its prompt's ``prompt_token_ids``
+    and its ``token_ids``; a chat completion holds ``prompt_token_ids`` at its top level (a stream: on its first
+    chunk) and each choice its ``token_ids``, as vLLM's do. A stream gives a choice's ``token_ids`` (all of them) on
+    the chunk that ends it; vLLM gives each chunk the ids of its own text.
+    """
+
+    def __init__(self, rid: str, model: str, n: int, chat: bool, token_ids: bool = False,
+                 prompt_ids: list[list[int]] | None = None):
         self.rid, self.model, self.n, self.chat, self.token_ids = rid, model, n, chat, token_ids
+        self.prompt_ids = prompt_ids or []
         self.created = int(time.time())
 
     def _head(self, kind: str) -> dict:
@@ -32,17 +40,34 @@ class Choices:
                 else:
                     choice["text"] = r.text
                 choice["logprobs"] = None if logprobs is None else logprobs(r)
-                choice["finish_reason"] = finish_reason(r)
-                choices.append(self._ids(choice, r))
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage(results)}
+                choice["finish_reason"] = finish_reason(r.stop_reason)
+                choices.append(self._ids(choice, r.prompt_ids, r.output_ids))
+        out = self._head("chat.completion" if self.chat else "text_completion")
+        if self.chat and self.token_ids:
+            out["prompt_token_ids"] = list(results[0][0].prompt_ids)
+        return {**out, "choices": choices, "usage": usage(results)}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        """A stream chunk; with ``usage`` (``stream_options.include_usage``), the last one (no choices)."""
+        """A stream chunk; with ``usage``: the last one (no choices, ``stream_options.include_usage``), or any one
+        (``continuous_usage_stats``)."""
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
+
+    def first_chunk(self, usage: dict | None = None) -> dict:
+        """A chat stream's first chunk: every choice's role (and, with ``token_ids``, the prompt's ids)."""
+        out = self.chunk([self.delta(k * self.n + j, {"role": "assistant", "content": ""})
+                          for k in range(len(self.prompt_ids)) for j in range(self.n)], usage)
+        if self.token_ids:
+            out["prompt_token_ids"] = list(self.prompt_ids[0])
+        return out
+
+    def running_usage(self, k: int, tokens: int) -> dict:
+        """``continuous_usage_stats``: a chunk's usage, prompt ``k``'s tokens and its choice's ``tokens`` so far
+        (vLLM's: the choice's, not the request's)."""
+        prompt = len(self.prompt_ids[k])
+        return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
 
     def delta(self, index: int, delta: dict) -> dict:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -50,22 +75,30 @@ class Choices:
     def text(self, index: int, text: str) -> dict:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
 
-    def finish(self, index: int, r: RequestResult) -> dict:
-        """The choice's last chunk: no new text, its finish reason."""
+    def end(self, index: int, k: int, text: str, stop_reason: str, token_ids: list[int]) -> dict:
+        """Choice ``index``'s (of prompt ``k``) last chunk, when it ends: its last ``text`` (as vLLM's last chunk
+        carries it) and its finish reason."""
+        reason = finish_reason(stop_reason)
         if self.chat:
-            return self._ids({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(r)}, r)
-        return self._ids({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(r)}, r)
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return self._ids(choice, self.prompt_ids[k], token_ids)
 
-    def _ids(self, choice: dict, r: RequestResult) -> dict:
-        """``return_token_ids``: the choice's prompt and output token ids added."""
+    def _ids(self, choice: dict, prompt_ids, output_ids) -> dict:
+        """``return_token_ids``: the choice's output token ids added (and a completion's, its prompt's)."""
         if self.token_ids:
-            choice["prompt_token_ids"], choice["token_ids"] = list(r.prompt_ids), list(r.output_ids)
+            if not self.chat:
+                choice["prompt_token_ids"] = list(prompt_ids)
+            choice["token_ids"] = list(output_ids)
         return choice
 
 
-def finish_reason(r: RequestResult) -> str:
-    """OpenAI's: ``"length"`` (``max_tokens``), else ``"stop"`` (an EOS, a stop token or a stop string)."""
-    return "length" if r.stop_reason == "length" else "stop"
+def finish_reason(stop_reason: str) -> str:
+    """OpenAI's, of an output's stop reason: ``"length"`` (``max_tokens``), else ``"stop"`` (an EOS, a stop token
+    or a stop string)."""
+    return "length" if stop_reason == "length" else "stop"
 
 
 def usage(results: list[list[RequestResult] | None]) -> dict:
