@@ -60,7 +60,7 @@ from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ServeError, TokenizeCompletionRequest, TokenizeRequest)
 from treedec.serve.tokenize import detokenize, tokenize
-from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, usage
+from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, prompt_logprobs, usage
 
 __all__ = ["build_app"]
 
@@ -265,7 +265,13 @@ class _Server:
             encoded = iter(await asyncio.gather(*(encoder.encode(t, False, "prompt") for t in texts)))
             ids = [params.truncated(next(encoded) if isinstance(p, str) else p, self.limit) for p in prompts]
             params = params.replace(max_tokens=self._budget(ids, budget, "prompt", body.budget_field))
-            return await self._respond(request, body, ids, params, "cmpl", False, slots)
+            echo = None
+            if body.echo:   # (a text as given, token ids or a truncated text as their text)
+                encoder = self.encoder_for("echo")
+                echo = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else
+                        await encoder.decode(i, "prompt", self.vocab, params.skip_special_tokens)
+                        for p, i in zip(prompts, ids)]
+            return await self._respond(request, body, ids, params, "cmpl", False, slots, echo)
         finally:
             slots.release()
 
@@ -345,7 +351,7 @@ class _Server:
     # ------------------------------------------------ running
 
     async def _respond(self, request: Request, body, ids: list[list[int]], params, prefix: str, chat: bool,
-                       slots: "_Slots"):
+                       slots: "_Slots", echo: list[str] | None = None):
         rid, arrival = f"{prefix}-{uuid.uuid4().hex}", time.perf_counter()
         streams, submitted = [], []
         try:
@@ -359,7 +365,7 @@ class _Server:
             raise request_error(e, "messages" if chat else "prompt") from None
         finally:
             slots.release()   # (the engine counts them now)
-        choices = Choices(rid, self.name, params.n, chat, body.return_token_ids, ids)
+        choices = Choices(rid, self.name, params.n, chat, body.return_token_ids, ids, echo)
         run = _Run(self, streams, submitted, arrival)
         if body.stream:
             options = body.stream_options
@@ -381,8 +387,9 @@ class _Server:
             raise request_error(e) from None
         tokenizer = self.llm.tokenizer
         logprobs = (lambda r: chat_logprobs(r, tokenizer, params.logprobs)) if chat else \
-            (lambda r: completion_logprobs(r, tokenizer, params.logprobs))
-        return choices.response(results, None if params.logprobs is None else logprobs)
+            (lambda r: completion_logprobs(r, tokenizer, params.logprobs, echo is not None))
+        return choices.response(results, None if params.logprobs is None else logprobs,
+                                None if body.prompt_logprobs is None else (lambda r: prompt_logprobs(r, tokenizer)))
 
     async def _events(self, run: "_Run", choices: Choices, include_usage: bool,
                       continuous: bool) -> AsyncIterator[str]:
@@ -391,6 +398,10 @@ class _Server:
         try:
             if choices.chat:
                 yield _event(choices.first_chunk(choices.running_usage(0, 0) if continuous else None))
+            for k, text in enumerate(choices.echo or ()):   # (echo: each choice's first chunk is its prompt's text)
+                for j in range(choices.n):
+                    yield _event(choices.chunk([choices.text(k * choices.n + j, text)],
+                                               choices.running_usage(k, 0) if continuous else None))
             async for k, item in run.items():
                 index = k * choices.n + (item.index or 0)
                 if item.ended:

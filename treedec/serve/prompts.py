@@ -99,8 +99,9 @@ class PromptEncoder:
         except (ValueError, TypeError) as e:
             raise ServeError(str(e), param=what) from None
 
-    async def decode(self, ids: list[int], what: str, vocab: int) -> str:
-        """The text of token ids ``ids`` (special tokens kept, as vLLM's ``/detokenize``), in a worker thread. Sizes
+    async def decode(self, ids: list[int], what: str, vocab: int, skip_special_tokens: bool = False) -> str:
+        """The text of token ids ``ids`` (special tokens kept unless ``skip_special_tokens``, as vLLM's
+        ``/detokenize`` keeps them), in a worker thread. Sizes
         are checked first: at most :attr:`positions` ids (a longer sequence is nothing a model reads or writes),
         each in ``[0, vocab)`` (ServeError 400 naming ``what`` and the first id out of vocabulary)."""
         if len(ids) > self.positions:
@@ -110,7 +111,8 @@ class PromptEncoder:
         if bad is not None:
             raise ServeError(f"{what}: token id {bad} is out of vocabulary (the tokenizer's vocabulary has {vocab} "
                              f"tokens: ids must be in [0, {vocab}))", param=what)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.decode, ids)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(
+            self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens))
 
     def _warm(self) -> None:
         try:

@@ -10,7 +10,10 @@ in a stream on the choice's last chunk (the prompt's on a chat stream's first), 
 conversation as token ids; ``seed`` any int64, as vLLM's); :meth:`sampling_params`
 turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks the values: a bad one is a
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
-bound). A field OpenAI has that treedec does not implement (``echo``, ``suffix``, tools, ...) is refused with 400,
+bound). ``prompt_logprobs`` (vLLM's: the prompt tokens' log-probabilities, ``k`` most likely each; not with
+``stream``) and, for completions, ``echo`` (the prompt's text before the completion's; with ``logprobs``, the
+prompt's tokens' logprobs first, vLLM's). A field OpenAI has that treedec does not implement (``suffix``, tools,
+...) is refused with 400,
 never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """
 from __future__ import annotations
@@ -85,6 +88,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None   # (vLLM's)
 
     @property
     def budget_field(self) -> str:
@@ -110,8 +114,13 @@ class _Sampling(BaseModel):
                              param="stream_options")
         if self.top_k is not None and self.top_k == -1:   # (vLLM's "no top-k")
             self.top_k = None
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ServeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                             param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ServeError("prompt_logprobs are not supported with stream=true", param="prompt_logprobs")
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         given = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                  "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -122,7 +131,7 @@ class _Sampling(BaseModel):
                  "min_tokens": self.min_tokens, "bad_words": tuple(self.bad_words or ()),
                  "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
                  "spaces_between_special_tokens": self.spaces_between_special_tokens,
-                 "truncate_prompt_tokens": self.truncate_prompt_tokens}
+                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "prompt_logprobs": prompt_logprobs}
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except (ValueError, TypeError) as e:
@@ -155,8 +164,6 @@ class CompletionRequest(_Sampling):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise ServeError("echo is not supported", param="echo")
         if self.suffix:
             raise ServeError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -166,7 +173,9 @@ class CompletionRequest(_Sampling):
             raise ServeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
         if self.logprobs is not None and self.stream:
             raise ServeError("logprobs are not supported with stream=true", param="logprobs")
-        return self._params(max_tokens, self.logprobs)
+        # (echo with logprobs reports the prompt's too: vLLM's prompt_logprobs = logprobs)
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
+        return self._params(max_tokens, self.logprobs, prompt)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -208,7 +217,7 @@ class ChatCompletionRequest(_Sampling):
                              param="top_logprobs")
         if self.logprobs and self.stream:
             raise ServeError("logprobs are not supported with stream=true", param="logprobs")
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
 
 
 class TokenizeCompletionRequest(BaseModel):
