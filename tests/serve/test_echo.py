@@ -80,3 +80,41 @@ def test_bad_echo_and_prompt_logprobs_requests(client, call, param, message):
     with pytest.raises(openai.BadRequestError, match=message) as info:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, **call)
     assert info.value.response.json()["error"]["param"] == param
+
+
+def test_use_beam_search_gives_the_offline_beam_search_s_hypotheses_best_first(client, server, reference,
+                                                                              tokenizer):
+    from treedec import BeamSearchParams
+    from tests.serve.server import free_again
+    offline(reference)   # (a generate call restricts the engine to the tokenizer's 400 ids, as the server's is)
+    [want] = reference.beam_search({"prompt": PROMPT}, BeamSearchParams(beam_width=3, max_tokens=6))
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, n=3,
+                                    extra_body={"use_beam_search": True, "return_token_ids": True})
+    prompt_ids = got.choices[0].model_extra["prompt_token_ids"]
+    assert [prompt_ids + c.model_extra["token_ids"] for c in got.choices] == [s.tokens for s in want.sequences]
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for choice, sequence in zip(got.choices, want.sequences):
+        assert choice.finish_reason == sequence.finish_reason
+        assert choice.text == tokenizer.decode(sequence.tokens, skip_special_tokens=True)[len(
+            tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
+    assert got.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in got.choices)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          n=2, extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert len(chat.choices) == 2
+    assert free_again(server) == 0
+
+
+@pytest.mark.parametrize("call, param, message", [
+    (dict(stream=True), "stream", "use_beam_search cannot be streamed"),
+    (dict(temperature=0.7), "temperature", "use_beam_search takes temperature 0 only"),
+    (dict(stop=["x"]), "stop", "stop is not supported with use_beam_search"),
+    (dict(logprobs=1), "logprobs", "logprobs is not supported with use_beam_search"),
+    (dict(seed=3), "seed", "seed is not supported with use_beam_search"),
+])
+def test_what_a_beam_search_does_not_take_is_refused_by_name(client, call, param, message):
+    with pytest.raises(openai.BadRequestError, match=message) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2, extra_body={"use_beam_search": True},
+                                  **call)
+    assert info.value.response.json()["error"]["param"] == param
+    with pytest.raises(openai.BadRequestError, match="length_penalty is a beam search's: it needs use_beam_search"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"length_penalty": 0.5})

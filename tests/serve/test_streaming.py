@@ -158,6 +158,9 @@ def test_a_speculative_server_refuses_continuous_usage_stats(tokenizer):
                                                                stream=True, extra_body={"ignore_eos": True})
                       for c in chunk.choices]
             assert chunks[-1].finish_reason == "length" and [c.finish_reason for c in chunks].count("length") == 1
+            with pytest.raises(openai.BadRequestError, match="use_beam_search runs on a server without speculative"):
+                client.completions.create(model="s", prompt=PROMPT, max_tokens=2, n=2,
+                                          extra_body={"use_beam_search": True})
             with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):   # (refused by name)
                 client.completions.create(model="s", prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 1})
             sampled = client.completions.create(model="s", prompt=PROMPT, max_tokens=6, temperature=0.9, seed=-3)

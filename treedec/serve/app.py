@@ -258,6 +258,7 @@ class _Server:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)   # (every value checked before a prompt is encoded)
             self._check_stream(body)
+            body.beam_params(budget or 1)
             texts = [p for p in prompts if isinstance(p, str)]
             for text in texts:   # (all of them before any is tokenized)
                 self.encoder_for("prompt").check_length(text, "prompt")
@@ -283,6 +284,7 @@ class _Server:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)
             self._check_stream(body)
+            body.beam_params(budget or 1)
             ids = [params.truncated(await self.encoder_for("messages").encode(messages, True, "messages"), self.limit)]
             params = params.replace(max_tokens=self._budget(ids, budget, "messages", body.budget_field))
             return await self._respond(request, body, ids, params, "chatcmpl", True, slots)
@@ -353,11 +355,14 @@ class _Server:
     async def _respond(self, request: Request, body, ids: list[list[int]], params, prefix: str, chat: bool,
                        slots: "_Slots", echo: list[str] | None = None):
         rid, arrival = f"{prefix}-{uuid.uuid4().hex}", time.perf_counter()
+        beam = body.beam_params(params.max_tokens)
+        if beam is not None:   # (greedy: no seed is drawn for it)
+            params = params.replace(temperature=0.0)
         streams, submitted = [], []
         try:
             for k, prompt_ids in enumerate(ids):
                 spec = RequestSpec(f"{rid}-{k}", prompt_ids=prompt_ids, params=params)
-                streams.append(self.online.submit(spec))
+                streams.append(self.online.submit(spec, beam=beam))
                 submitted.append(spec.id)
         except BaseException as e:
             for spec_id in submitted:

@@ -12,7 +12,8 @@ turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks 
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
 bound). ``prompt_logprobs`` (vLLM's: the prompt tokens' log-probabilities, ``k`` most likely each; not with
 ``stream``) and, for completions, ``echo`` (the prompt's text before the completion's; with ``logprobs``, the
-prompt's tokens' logprobs first, vLLM's). A field OpenAI has that treedec does not implement (``suffix``, tools,
+prompt's tokens' logprobs first, vLLM's); vLLM's ``use_beam_search`` (with ``length_penalty``, ``early_stopping``:
+:meth:`_Sampling.beam_params`). A field OpenAI has that treedec does not implement (``suffix``, tools,
 ...) is refused with 400,
 never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from treedec.programs.beam import BeamSearchParams
 from treedec.sampling.params import SamplingParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "ServeError", "StreamOptions",
@@ -89,6 +91,9 @@ class _Sampling(BaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None   # (vLLM's)
+    use_beam_search: bool = False   # (vLLM's: the request's n outputs are a beam search's best hypotheses)
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @property
     def budget_field(self) -> str:
@@ -120,6 +125,34 @@ class _Sampling(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise ServeError("prompt_logprobs are not supported with stream=true", param="prompt_logprobs")
 
+    def beam_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """vLLM's ``use_beam_search``: the request's :class:`~treedec.programs.beam.BeamSearchParams` (width ``n``,
+        ``length_penalty``, ``early_stopping``, ``ignore_eos``; temperature 0), or None without it. What a beam
+        search does not take is refused by name (400), streaming included (its best hypotheses are known when it
+        ends)."""
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise ServeError(f"{name} is a beam search's: it needs use_beam_search=true", param=name)
+            return None
+        if self.stream:
+            raise ServeError("use_beam_search cannot be streamed: a beam search's best hypotheses are known when it "
+                             "ends; send stream=false", param="stream")
+        for name in _NOT_WITH_BEAMS:
+            if name in self.model_fields_set and getattr(self, name, None) not in (None, False, [], {}, ""):
+                raise ServeError(f"{name} is not supported with use_beam_search (a beam search scores the raw "
+                                 f"log-probabilities and ends on EOS ids and max_tokens)", param=name)
+        if self.temperature not in (None, 0):
+            raise ServeError(f"use_beam_search takes temperature 0 only (transformers' beam search on the raw "
+                             f"log-probabilities), got {self.temperature}", param="temperature")
+        try:
+            return BeamSearchParams(self.n, max_tokens, self.ignore_eos, 0.0,
+                                    1.0 if self.length_penalty is None else self.length_penalty, False,
+                                    False if self.early_stopping is None else self.early_stopping)
+        except (ValueError, TypeError) as e:
+            raise ServeError(str(e), param=_field_named(str(e), {"length_penalty": 0, "early_stopping": 0})
+                             or "n") from None
+
     def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         given = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                  "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
@@ -136,6 +169,13 @@ class _Sampling(BaseModel):
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except (ValueError, TypeError) as e:
             raise ServeError(str(e), param=_field_named(str(e), given)) from None
+
+
+#: The fields a beam search does not take (:meth:`_Sampling.beam_params` refuses them by name).
+_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "logit_bias",
+                   "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "logprobs", "top_logprobs",
+                   "echo")
 
 
 class CompletionRequest(_Sampling):
