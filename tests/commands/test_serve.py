@@ -195,9 +195,9 @@ def test_a_server_on_a_non_loopback_address_without_a_key_warns_once(tmp_path, c
     assert "warning" not in capsys.readouterr().err
 
 
-def test_a_tensor_parallel_size_the_server_cannot_run_is_one_line(tmp_path, capsys, monkeypatch):
+def test_a_tensor_parallel_size_the_server_cannot_run_is_one_line_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
-    _Recorded(monkeypatch)
-    assert tiny_serve(tmp_path, "--tensor-parallel-size", "2") != 0
+    assert main(["serve", "--model", "smollm2", "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "tensor_parallel_size=2" in err and "torchrun" in err and "Traceback" not in err, err
+    assert "--tensor-parallel-size 2: treedec serve runs one process" in err and "torchrun" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1

@@ -123,6 +123,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.drafter is not None and args.speculative in (None, "ngram"):
         raise ValueError(f"--drafter gives the weights of --speculative medusa / eagle / eagle3 / draft_model, got "
                          f"--speculative {args.speculative}")
+    if args.tensor_parallel_size > 1:   # (before the model loads: the server cannot load a tensor-parallel model)
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: treedec serve runs one process on one device; "
+            f"tensor parallelism runs one process per GPU under torchrun (treedec.models.tensor_parallel), which the "
+            f"server does not start (vLLM starts a worker per GPU); serve with --tensor-parallel-size 1")
     if args.secure_metrics and args.api_key is None:
         raise ValueError(f"--secure-metrics puts /health and /metrics behind the API key: give --api-key (or set "
                          f"{API_KEY_ENV})")
