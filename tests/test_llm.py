@@ -134,7 +134,7 @@ def test_beam_search_and_program_objects_share_the_engine():
     (lambda llm: llm.generate(ids([1]), {"temperature": 0}, use_tqdm=False), TypeError,
      r"sampling_params\[0\] must be a SamplingParams"),
     (lambda llm: llm.generate("text", use_tqdm=False), ValueError, "needs the checkpoint's tokenizer"),
-    (lambda llm: llm.generate(ids([1, 10**6]), use_tqdm=False), ValueError, r"token ids must be in \[0, "),
+    (lambda llm: llm.generate(ids([1, 10**6]), use_tqdm=False), ValueError, r"token id 1000000 is out of vocabulary \(the model's vocabulary has "),
 ])
 def test_bad_calls_raise_before_anything_runs(call, error, message):
     llm = make_llm()

@@ -207,6 +207,14 @@ def test_serve_command_parses():
     argv = shlex.split(block.split("#")[0])
     args = build_parser().parse_args(argv[1:])
     assert args.command == "serve" and args.model == "smollm2" and f"http://{args.host}:{args.port}/v1" == SERVER_URL
+    assert args.api_key and f'api_key="{args.api_key}"' in client_blocks()[0]   # (the client sends the server's key)
+
+
+def serve_command_key() -> str:
+    """The ``--api-key`` of the README's serve command."""
+    from treedec.cli import build_parser
+    [block] = [b.strip() for b in readme_blocks("bash") if b.strip().startswith("treedec serve")]
+    return build_parser().parse_args(shlex.split(block.split("#")[0])[1:]).api_key
 
 
 def test_client_block_runs_against_a_server(tmp_path, capsys):
@@ -220,7 +228,7 @@ def test_client_block_runs_against_a_server(tmp_path, capsys):
 
     llm = LLM(tiny_model(), load_tokenizer(build_tokenizer(tmp_path / "tok")), kv_tokens=2048, page_size=4,
               backend="torch")
-    server = RunningServer(llm, "smollm2")
+    server = RunningServer(llm, "smollm2", api_key=serve_command_key())
     try:
         [block] = client_blocks()
         namespace: dict = {"__name__": "readme"}

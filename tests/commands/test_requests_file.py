@@ -126,8 +126,9 @@ BAD_LINES = [
     ('{"prompt": "a", "top_p": 1.5}', r"top_p must be a number in \(0, 1\], got 1.5"),
     ('{"prompt": "a", "top_k": 2.5}', "top_k must be an int >= 1, or None / -1 / 0 for no top-k cut, got float 2.5"),
     ('{"prompt": "a", "top_k": -3}', "top_k must be an int >= 1"),
-    ('{"prompt": "a", "seed": -1}', r"seed must be an int in \[0, 2\*\*63\) or None, got int -1"),
-    ('{"prompt": "a", "seed": 9223372036854775808}', r"seed must be an int in \[0, 2\*\*63\)"),
+    ('{"prompt": "a", "seed": -9223372036854775809}',
+     r"seed must be an int in \[-2\*\*63, 2\*\*63\) \(an int64\) or None, got int -9223372036854775809"),
+    ('{"prompt": "a", "seed": 9223372036854775808}', r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
     ('{"prompt": "a", "n": 0}', "n must be an int >= 1, got 0"),
     ('{"prompt": "a", "stop": [""]}', "stop must be non-empty strings, got str ''"),
     ('{"prompt": "a", "stop": 5}', "stop must be a string or a sequence of strings, got int 5"),
@@ -222,7 +223,8 @@ def test_request_spec_checks_fields_in_code():
 
 def test_stop_rule_puts_request_stop_ids_after_the_checkpoint_eos():
     params = SamplingParams(max_tokens=9, stop=["\n\n"], stop_token_ids=[13, 2], include_stop_str_in_output=True)
-    assert params.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True)
+    assert params.stop_rule(eos_token_ids=(2, 32000)) == StopRule(9, (2, 32000, 13), ("\n\n",), True,
+                                                                  stop_token_ids=(13, 2))
     assert params.stop_rule().eos_token_ids == (13, 2)
     assert params.replace(ignore_eos=True).stop_rule(eos_token_ids=(2, 32000)).eos_token_ids == (13, 2)
     with pytest.raises(ValueError, match="eos_token_ids must be token ids"):

@@ -51,7 +51,8 @@ def test_the_new_limits_are_options(capsys):
         main(["serve", "--help"])
     out = capsys.readouterr().out
     for option in ("--max-n", "--max-prompts", "--max-body-bytes", "--read-timeout", "--engine-iteration-timeout",
-                   "--chat-template-timeout", "--allowed-hosts", "--enable-docs"):
+                   "--chat-template-timeout", "--allowed-hosts", "--enable-docs", "--api-key", "--secure-metrics",
+                   "--max-model-len", "--gpu-memory-utilization", "--tensor-parallel-size"):
         assert option in out, option
 
 
@@ -123,3 +124,80 @@ def test_the_first_signal_ends_live_streams_and_the_server_in_seconds(tmp_path, 
             process.kill()
             process.wait()
         log.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be a number in (0, 1], got '1.5'"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization: must be a number in (0, 1]"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--secure-metrics"], "--secure-metrics puts /health and /metrics behind the API key: give --api-key"),
+    (["--api-key", "two words"], "--api-key (or TREEDEC_API_KEY): api_key must not hold whitespace"),
+])
+def test_bad_serving_sizes_and_keys_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
+    assert main(["serve", "--model", "smollm2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1 and "two words" not in err
+
+
+class _Recorded:
+    """``build_app`` and ``make_server`` of ``treedec serve`` recorded: the server returns at once."""
+
+    def __init__(self, monkeypatch):
+        import treedec.serve
+        import treedec.serve.http
+        self.kwargs = None
+        real = treedec.serve.build_app
+
+        def build_app(llm, name, **kwargs):
+            self.llm, self.kwargs = llm, kwargs
+            return real(llm, name, **kwargs)
+
+        class Server:
+            def run(self):
+                pass
+
+        monkeypatch.setattr(treedec.serve, "build_app", build_app)
+        monkeypatch.setattr(treedec.serve.http, "make_server", lambda app, host, port: Server())
+
+
+def tiny_serve(tmp_path, *argv):
+    from tests.tokenizers_local import build_tokenizer
+    return main(["serve", "--config", "tiny", "--tokenizer", str(build_tokenizer(tmp_path / "tok")), "--kv-tokens",
+                 "256", "--page-size", "4", *argv])
+
+
+def test_the_api_key_and_the_sizes_reach_the_app_and_the_llm_and_the_key_is_never_printed(tmp_path, capsys,
+                                                                                          monkeypatch):
+    key = "sk-secret-7f3a"
+    monkeypatch.setenv("TREEDEC_API_KEY", key)
+    recorded = _Recorded(monkeypatch)
+    assert tiny_serve(tmp_path, "--host", "0.0.0.0", "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
+                      "--secure-metrics") == 0
+    err = capsys.readouterr().err
+    assert recorded.kwargs["api_key"] == key and recorded.kwargs["secure_metrics"] is True
+    assert recorded.llm.max_model_len == 512 and "max_model_len 512" in err and "API key required" in err
+    assert key not in err and "warning" not in err
+    monkeypatch.delenv("TREEDEC_API_KEY")
+    assert tiny_serve(tmp_path, "--api-key", key) == 0
+    assert recorded.kwargs["api_key"] == key and key not in capsys.readouterr().err
+
+
+def test_a_server_on_a_non_loopback_address_without_a_key_warns_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
+    recorded = _Recorded(monkeypatch)
+    assert tiny_serve(tmp_path, "--host", "0.0.0.0") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert recorded.kwargs["api_key"] is None and len(warnings) == 1
+    assert "listening on 0.0.0.0 without an API key" in warnings[0] and "--api-key" in warnings[0]
+    assert tiny_serve(tmp_path, "--host", "127.0.0.1") == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_size_the_server_cannot_run_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
+    assert main(["serve", "--model", "smollm2", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size 2: treedec serve runs one process" in err and "torchrun" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1

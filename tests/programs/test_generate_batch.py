@@ -134,7 +134,7 @@ def test_results_reach_the_callback_as_requests_retire(tiny):
 @pytest.mark.parametrize("specs,kwargs,error,message", [
     ([RequestSpec(0, prompt="hi")], {}, ValueError, "needs the checkpoint's tokenizer"),
     ([RequestSpec(0, prompt_ids=(1,)), RequestSpec(0, prompt_ids=(2,))], {}, ValueError, "request id 0 is used twice"),
-    ([RequestSpec(0, prompt_ids=(600,))], {}, ValueError, r"token ids must be in \[0, 512\), got \[600\]"),
+    ([RequestSpec(0, prompt_ids=(600,))], {}, ValueError, r"token id 600 is out of vocabulary \(the model's vocabulary has 512 tokens"),
     ([RequestSpec(0, prompt_ids=(1,), params=SamplingParams(stop=("x",)))], {}, ValueError,
      "stop strings .* need the checkpoint's tokenizer"),
     ([RequestSpec(0, prompt_ids=(1,), params=SamplingParams(max_tokens=100, n=8))], {}, PoolExhaustedError,

@@ -181,12 +181,19 @@ def letter_spec(k, text="HELLO", max_tokens=10, **kw):
 
 
 async def collect(stream):
-    deltas, final = {}, None
+    """A stream's text deltas joined per output, and its results; each output's end comes once, before the results,
+    with its stop reason and token ids."""
+    deltas, final, ends = {}, None, {}
     async for out in stream:
         if out.finished:
             final = out.results
+            assert ends == {r.index: (r.stop_reason, r.output_ids) for r in final}, (ends, final)
         else:
-            deltas[out.index] = deltas.get(out.index, "") + out.text
+            assert out.index not in ends, f"output {out.index} streamed after its end"
+            if out.text:
+                deltas[out.index] = deltas.get(out.index, "") + out.text
+            if out.ended:
+                ends[out.index] = (out.stop_reason, out.token_ids)
     return deltas, final
 
 

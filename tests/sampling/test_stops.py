@@ -205,12 +205,68 @@ def test_stop_string_of_multibyte_characters_stops_at_the_byte_completing_it(tok
 
 
 def test_several_stop_strings_completed_by_one_token():
-    """At 'b' both "ab" and "b" complete: the one starting first wins, so no stop string shows."""
+    """At 'b' "b", "ab" and "xab" complete at the same character: the longest (starting first) wins, so no stop
+    string shows."""
     stops = checker(ByteTokenizer(), stop=["b", "ab", "xab"])
     assert stops.accept(list(b"xxabc")) == (4, "stop_string")
     assert stops.stop_string == "xab" and stops.text == "x"
     tie = checker(ByteTokenizer(), stop=["abc", "ab"], include=True)
     assert tie.accept(list(b"zabc")) == (3, "stop_string") and tie.text == "zab"
+
+
+class ChunkTokenizer(ByteTokenizer):
+    """Bytes, and one token (id 256 + k) per text of ``chunks``: a token that writes several characters at once."""
+
+    def __init__(self, *chunks: str):
+        super().__init__()
+        self.chunks = chunks
+        self.vocab_size = 256 + len(chunks)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = b"".join(self.chunks[t - 256].encode() if t >= 256 else bytes([t]) for t in ids)
+        return out.decode("utf-8", errors="replace")
+
+
+def test_the_stop_string_that_completes_first_wins_within_one_token():
+    """vLLM's rule: text "abc" from one token with stop strings ["abc", "b"] gives "a", stopped by "b" (the one
+    completed first), whatever the stop strings' order; as one character a token would."""
+    for stops in (["abc", "b"], ["b", "abc"]):
+        whole = StopChecker(StopRule(10, (), stops), IncrementalDetokenizer(ChunkTokenizer("abc")))
+        assert whole.accept([256]) == (1, "stop_string") and (whole.text, whole.stop_string) == ("a", "b")
+        bytewise = checker(ByteTokenizer(), stop=stops)
+        assert bytewise.accept(list(b"abc")) == (2, "stop_string") and bytewise.text == "a"
+    included = StopChecker(StopRule(10, (), ["abc", "b"], include_stop_str=True),
+                           IncrementalDetokenizer(ChunkTokenizer("zabcd")))
+    assert included.accept([256]) == (1, "stop_string") and included.text == "zab"
+
+
+def test_a_stop_token_text_is_left_out_unless_include_stop_str():
+    """vLLM's rule for a request's stop_token_ids: the token ends the output (kept as its last token, reason
+    "eos") but its text is not the output's; with include_stop_str it is. An EOS id's text stays (treedec's)."""
+    bang = ord("!")
+    rule = dict(max_new_tokens=10, eos_token_ids=[bang], stop_token_ids=[bang])
+    left_out = StopChecker(StopRule(**rule), IncrementalDetokenizer(ByteTokenizer()))
+    assert left_out.accept(list(b"hi!x")) == (3, "eos")
+    assert left_out.token_ids == list(b"hi!") and left_out.text == "hi" and left_out.streamable_text == "hi"
+    kept = StopChecker(StopRule(**rule, include_stop_str=True), IncrementalDetokenizer(ByteTokenizer()))
+    assert kept.accept(list(b"hi!x")) == (3, "eos") and kept.text == "hi!"
+    eos = StopChecker(StopRule(10, [bang]), IncrementalDetokenizer(ByteTokenizer()))
+    assert eos.accept(list(b"hi!x")) == (3, "eos") and eos.text == "hi!"
+    early = StopChecker(StopRule(**rule, min_tokens=2), IncrementalDetokenizer(ByteTokenizer()))
+    assert early.accept(list(b"!!")) == (2, None) and early.text == "!!"   # (within min_tokens: an ordinary token)
+    assert early.accept(list(b"!")) == (1, "eos") and early.text == "!!"
+    # a stop token that completes a multi-byte character's bytes: the bytes before it are shown as a decode shows
+    held = StopChecker(StopRule(10, [bang], stop_token_ids=[bang]), IncrementalDetokenizer(ByteTokenizer()))
+    assert held.accept(list("é".encode())[:1] + [bang]) == (2, "eos") and held.text == "\ufffd"
+    with pytest.raises(ValueError, match=r"stop_token_ids must be among eos_token_ids .*got 5 not in \[2\]"):
+        StopRule(4, [2], stop_token_ids=[5])
+
+
+def test_sampling_params_stop_rule_marks_the_stop_token_ids():
+    from treedec.sampling import SamplingParams
+    rule = SamplingParams(max_tokens=5, stop_token_ids=[7, 9]).stop_rule([2])
+    assert rule.eos_token_ids == (2, 7, 9) and rule.stop_token_ids == (7, 9)
+    assert SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[7]).stop_rule([2]).eos_token_ids == (7,)
 
 
 def test_stop_string_in_the_prompt_does_not_stop(tokenizers):
@@ -252,10 +308,11 @@ def reference(tok, ids, eos, stops, max_new_tokens, include):
             reason = "length"
         else:
             continue
-        found = [(text.find(s), len(s)) for s in stops if s in text]
+        # the stop string that completes first in the text wins (the longer of those ending at one character)
+        found = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
         if found:
-            start, length = min(found)
-            text = text[:start + length] if include else text[:start]
+            end, length = min(found)
+            text = text[:end] if include else text[:end + length]
         return k, reason, text
     return len(ids), None, decode(ids).rstrip(REPLACEMENT)
 
@@ -266,7 +323,7 @@ def reference(tok, ids, eos, stops, max_new_tokens, include):
 def test_any_chunking_matches_the_brute_force_reference(tokenizers, kind, text, data):
     """Random text, stop strings, EOS and budget; the output's tokens fed in random chunks:
     the checker keeps what the shortest stopping prefix holds, and its text is that prefix's
-    one-shot decode cut at the first stop string."""
+    one-shot decode cut at the stop string completed first."""
     tok = ByteTokenizer() if kind == "bytes" else tokenizers[kind]
     ids = tok.encode(text) if kind == "bytes" else output_ids(tok, text)
     stops = data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), max_size=3))

@@ -134,13 +134,13 @@ def test_logprobs_equal_llm_generate(client, reference, tokenizer):
     (dict(max_tokens=0), 400, None),
     (dict(top_p=1.5), 400, None),
     (dict(n="two"), 400, None),
-    (dict(echo=True), 400, None),
+    (dict(suffix="x"), 400, None),
     (dict(extra_body={"frobnicate": 1}), 400, None),
     (dict(model="gpt-4"), 404, "model_not_found"),
     (dict(prompt="word " * 5000), 400, "context_length_exceeded"),
     (dict(max_tokens=10**6), 400, "context_length_exceeded"),
     (dict(prompt=[600]), 400, None),   # a token id past the vocabulary
-], ids=["temperature", "max_tokens", "top_p", "n-type", "echo", "unknown-field", "model", "long-prompt",
+], ids=["temperature", "max_tokens", "top_p", "n-type", "suffix", "unknown-field", "model", "long-prompt",
         "long-completion", "token-id"])
 def test_errors_are_openai_json_and_change_nothing(client, server, call, status, code):
     before = free_again(server)

@@ -79,6 +79,17 @@ nonnegative_float = float_arg(0.0)
 positive_float = float_arg(0.0, strictly_above=True)
 
 
+def unit_fraction(text: str) -> float:
+    """An argparse ``type``: a number in (0, 1] (a share, e.g. ``--gpu-memory-utilization``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:   # (NaN fails it too)
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def logit_bias_pair(text: str) -> tuple[int, float]:
     """An argparse ``type``: ``ID:BIAS``, a token id >= 0 and a finite number (SamplingParams checks its range)."""
     token, sep, bias = text.partition(":")

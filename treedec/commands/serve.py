@@ -19,16 +19,21 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import os
 import signal
 import sys
 from pathlib import Path
 
-from treedec.commands.args import DTYPES, choice_arg, device_arg, model_arg, model_size, positive_float, positive_int
+from treedec.commands.args import (DTYPES, choice_arg, device_arg, model_arg, model_size, positive_float,
+                                   positive_int, unit_fraction)
 from treedec.models.config import MODEL_SIZES
 
 #: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
 #: imported before the serve extra is checked).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+#: The environment variable ``--api-key`` defaults to (vLLM's is ``VLLM_API_KEY``).
+API_KEY_ENV = "TREEDEC_API_KEY"
 
 #: ``--speculative`` methods (:data:`treedec.programs.speculative.config.METHODS` but ``tree``, whose fixed tokens a
 #: command line does not give).
@@ -54,8 +59,17 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the name requests give as 'model' (default the --model argument)")
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what free GPU memory "
-                   "holds; on the CPU one request of the model's context, at most 32768)")
+    p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what "
+                   "--gpu-memory-utilization of the free GPU memory holds; on the CPU one request of --max-model-len, "
+                   "at most 32768)")
+    p.add_argument("--max-model-len", type=positive_int, help="the most positions a request may reach (its prompt "
+                   "and max_tokens; vLLM's); default, and at most, the model's")
+    p.add_argument("--gpu-memory-utilization", type=unit_fraction, default=0.9,
+                   help="the share of the GPU's free memory after the weights the KV pool may take, in (0, 1] "
+                   "(default 0.9; vLLM's); on the CPU, of the available memory")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="1 (the default): treedec serve runs one process; tensor parallelism runs under torchrun, "
+                   "which the server does not start (vLLM starts a worker per GPU)")
     p.add_argument("--speculative", type=choice_arg(METHODS), metavar="METHOD",
                    help=f"decode every request speculatively with this draft source (SpeculativeConfig.method, as "
                         f"treedec spec's --speculative): {', '.join(METHODS)}")
@@ -86,6 +100,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     p.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) replacing the "
                    "tokenizer's own")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"every route but /health and /metrics needs 'Authorization: Bearer <key>' (401 otherwise); "
+                   f"default the {API_KEY_ENV} environment variable (vLLM's --api-key / VLLM_API_KEY), which keeps the "
+                   f"key out of the process list")
+    p.add_argument("--secure-metrics", action="store_true", help="with --api-key, /health and /metrics need the key "
+                   "too")
     p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one, and --config's "
                    "random weights' (default 0)")
 
@@ -103,6 +123,20 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.drafter is not None and args.speculative in (None, "ngram"):
         raise ValueError(f"--drafter gives the weights of --speculative medusa / eagle / eagle3 / draft_model, got "
                          f"--speculative {args.speculative}")
+    if args.tensor_parallel_size > 1:   # (before the model loads: the server cannot load a tensor-parallel model)
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: treedec serve runs one process on one device; "
+            f"tensor parallelism runs one process per GPU under torchrun (treedec.models.tensor_parallel), which the "
+            f"server does not start (vLLM starts a worker per GPU); serve with --tensor-parallel-size 1")
+    if args.secure_metrics and args.api_key is None:
+        raise ValueError(f"--secure-metrics puts /health and /metrics behind the API key: give --api-key (or set "
+                         f"{API_KEY_ENV})")
+    if args.api_key is not None:
+        from treedec.serve.auth import check_api_key   # (imports no server package)
+        try:
+            check_api_key(args.api_key)
+        except ValueError as e:
+            raise ValueError(f"--api-key (or {API_KEY_ENV}): {e}") from None
     allowed_hosts = default_allowed_hosts(args.host) if args.allowed_hosts is None else \
         [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     if allowed_hosts is not None and not allowed_hosts:
@@ -124,15 +158,17 @@ def run_serve(args: argparse.Namespace) -> int:
         path = Path(args.chat_template)
         template = path.read_text() if path.is_file() else args.chat_template
     dtype = None if args.dtype is None else DTYPES[args.dtype]
+    sizes = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                 tensor_parallel_size=args.tensor_parallel_size)
     if args.config is not None:   # random weights, placed here (LLM places only models it loads by name)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = from_config(args.config, seed=args.seed, device=device,
                             dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         llm = LLM(model, args.tokenizer, kv_tokens=args.kv_tokens, page_size=args.page_size,
-                  speculative_config=speculative)
+                  speculative_config=speculative, **sizes)
     else:
         llm = LLM(args.model, args.tokenizer, device=args.device, dtype=dtype, kv_tokens=args.kv_tokens,
-                  page_size=args.page_size, speculative_config=speculative)
+                  page_size=args.page_size, speculative_config=speculative, **sizes)
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or args.model or args.config
@@ -140,13 +176,18 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
                     engine_iteration_timeout=args.engine_iteration_timeout,
                     chat_template_timeout=args.chat_template_timeout, allowed_hosts=allowed_hosts,
-                    enable_docs=args.enable_docs, seed=args.seed)
+                    enable_docs=args.enable_docs, seed=args.seed, api_key=args.api_key,
+                    secure_metrics=args.secure_metrics)
     server = make_server(app, args.host, args.port)
     drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
     hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
+    key = "API key required" if args.api_key is not None else "no API key"
     print(f"treedec serve: {name} on {llm.model.device} ({llm.engine.pool.num_pages * llm.engine.pool.page_size} KV "
-          f"tokens{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts})",
-          file=sys.stderr)
+          f"tokens, max_model_len {llm.max_model_len}{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; "
+          f"/metrics, /health; {hosts}; {key})", file=sys.stderr)
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"treedec serve: warning: listening on {args.host} without an API key: whoever reaches the port uses "
+              f"the model (give --api-key or set {API_KEY_ENV})", file=sys.stderr)
     # uvicorn shuts down on the first SIGINT / SIGTERM, then raises that signal again for whoever handled it before;
     # for treedec serve that is its normal end (exit code 0), so the handlers it finds are no-ops.
     quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -161,11 +202,16 @@ def run_serve(args: argparse.Namespace) -> int:
 def default_allowed_hosts(host: str) -> list[str] | None:
     """The Host names a server bound to ``host`` answers by default: on a loopback address its loopback names (and
     ``host`` itself), so a web page cannot reach it by rebinding its own name to 127.0.0.1; elsewhere any (None)."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:   # (a host name)
-        loopback = False
-    if not loopback:
+    if not is_loopback(host):
         return None
     own = f"[{host.strip('[]')}]" if ":" in host else host
     return list(dict.fromkeys([*LOOPBACK_HOSTS, own]))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) is a loopback address; a host name other than ``localhost``
+    is not (it may resolve anywhere)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:   # (a host name)
+        return False

@@ -93,7 +93,8 @@ def _tokenizer_folder(model: str | Path | ResolvedModel) -> Path:
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_template: bool,
-                  render: Callable[[list[dict]], str] | None = None) -> list[int]:
+                  render: Callable[[list[dict], bool], str] | None = None, *, add_special_tokens: bool | None = None,
+                  add_generation_prompt: bool = True) -> list[int]:
     """The token ids of a prompt, as a plain text or through the tokenizer's chat template.
 
     Parameters
@@ -109,9 +110,15 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
         ``add_generation_prompt=True`` and the rendered text is encoded without adding
         special tokens (the template writes its own BOS), as transformers'
         ``apply_chat_template(..., tokenize=True)`` does.
-    render : how the checked messages become the rendered text: default
-        ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` in this thread; a
-        server passes one that renders in a bounded worker (:class:`treedec.serve.templates.ChatTemplateRenderer`).
+    render : how the checked messages become the rendered text, called as ``render(messages,
+        add_generation_prompt)``: default ``tokenizer.apply_chat_template(messages, add_generation_prompt=...,
+        tokenize=False)`` in this thread; a server passes one that renders in a bounded worker
+        (:class:`treedec.serve.templates.ChatTemplateRenderer`).
+    add_special_tokens : encode with the tokenizer's special tokens (its BOS); default True for a text, False for
+        a chat template's rendering (as above). A tokenizer whose ``encode`` takes no such argument is called
+        without it when this is None.
+    add_generation_prompt : the chat template ends with the assistant's turn opened (default True; vLLM's
+        ``/tokenize`` takes False to count a conversation's tokens as they are).
 
     Returns
     -------
@@ -137,7 +144,8 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
                 raise ValueError("prompt is a list of chat messages: they need chat_template=True")
             raise TypeError(f"prompt must be a text (or chat messages with chat_template=True), got {describe(prompt)}")
         check_text(prompt, "prompt")
-        ids = list(tokenizer.encode(prompt))
+        ids = list(tokenizer.encode(prompt) if add_special_tokens is None else
+                   tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     else:
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
@@ -150,15 +158,15 @@ def encode_prompt(tokenizer, prompt: str | Sequence[Mapping[str, str]], chat_tem
             raise ValueError(f"the tokenizer of {name} has no chat template; encode the prompt as plain text "
                              f"(chat_template=False) or use a checkpoint with one (an instruct / chat model)")
         try:
-            text = render(messages) if render is not None else \
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = render(messages, add_generation_prompt) if render is not None else \
+                tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         except ChatTemplateError:
             raise
         except Exception as e:  # jinja2's TemplateError (e.g. raise_exception in the template) and its kin
             raise ChatTemplateError(f"the chat template refused the messages ({type(e).__name__}: "
                                     f"{str(e)[:300]})") from e
         check_text(text, "the chat template's rendering of the prompt")
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        ids = list(tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)))
     if not ids:
         raise ValueError(f"prompt {prompt!r:.80} encodes to no tokens; a request needs at least one prompt token")
     return ids

@@ -42,7 +42,7 @@ from treedec.sampling.params import SEED_MAX, SamplingParams
 from treedec.runtime.program import Program, ProgramContext
 from treedec.runtime.request import Positions, check_positions, position_limit
 from treedec.runtime.scheduler import SchedulerStats, run_programs
-from treedec.sampling.stops import StopRule
+from treedec.sampling.stops import StopChecker, StopRule
 
 __all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress",
            "worst_case_pages"]
@@ -107,7 +107,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
     if on_text is not None and (tokenizer is None or not callable(on_text)):
         raise ValueError("on_text streams detokenized text: it must be callable and needs the checkpoint's tokenizer")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
-    programs = [GenerateProgram(spec, ids, tokenizer, on_text=on_text) for spec, ids in prepared]
+    on_output = None if on_text is None else (lambda spec, i, delta, checker: delta and on_text(spec, i, delta))
+    programs = [GenerateProgram(spec, ids, tokenizer, on_output=on_output) for spec, ids in prepared]
     for program in programs:   # (run_programs checks this too, after the pages below)
         check_positions(engine.model, program.positions(), program.name, before_run=True)
     free = engine.pool.num_free_pages   # and what the cache gives back when the scheduler needs its pages
@@ -178,7 +179,9 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
             bad = [t for t in given if t >= vocab]
             if bad:   # (the message starts with the field: a server names it as the error's param)
-                raise ValueError(f"{field} of request {spec.id!r}: token ids must be in [0, {vocab}), got {bad[:5]}")
+                raise ValueError(f"{field} of request {spec.id!r}: token id {bad[0]} is out of vocabulary (the "
+                                 f"model's vocabulary has {vocab} tokens: ids must be in [0, {vocab})), got "
+                                 f"{bad[:5]}")
         spec.params.check_vocab(vocab, f"request {spec.id!r}")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
@@ -228,22 +231,24 @@ class GenerateProgram(Program):
         the tree when the program returns (``stats["root"]``, also ``stats["nodes"][0]``; the caller
         prunes it) holding the prompt and every output token but the last, as a speculative request's
         node does (:func:`~treedec.programs.greedy.greedy_generate`); with ``keep`` the last one too.
-    on_text : streaming, as :func:`generate_batch`'s.
+    on_output : streaming: called as ``on_output(spec, index, delta, checker)`` with each output's new text as its
+        tokens are accepted and once when it ends, with its last text (possibly ""), ``checker`` its
+        :class:`~treedec.sampling.stops.StopChecker` (:attr:`Decode.on_text <treedec.runtime.decode.Decode>`);
+        :func:`generate_batch`'s ``on_text`` is its text alone.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None, rule: StopRule | None = None,
-                 keep: bool = False, on_text: Callable[[RequestSpec, int, str], None] | None = None,
+                 keep: bool = False, on_output: Callable[[RequestSpec, int, str, StopChecker], None] | None = None,
                  on_prompt: bool = False):
         if on_prompt and spec.params.n != 1:
             raise ValueError(f"on_prompt grows the one output on the prompt's node: the request must have n=1, "
                              f"got n={spec.params.n}")
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = spec.params
-        self.rule, self.keep, self.on_text, self.on_prompt = rule, keep, on_text, on_prompt
+        self.rule, self.keep, self.on_output, self.on_prompt = rule, keep, on_output, on_prompt
         self.name = spec.name
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
-        self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
         self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
 
     def positions(self) -> Positions:
@@ -265,7 +270,8 @@ class GenerateProgram(Program):
             if wants_prompt:
                 prompt_lp = prompt_logprob_dicts(engine.model, out.hidden, out.logits.shape[-1], self.prompt_ids,
                                                  params.prompt_logprobs)
-            stream = None if self.on_text is None else (lambda i, delta: self.on_text(spec, i, delta))
+            stream = None if self.on_output is None else \
+                (lambda i, delta, checker: self.on_output(spec, i, delta, checker))
             decoded = yield Decode(root, params, rule, logits=out.logits[0], count=params.n, on_parent=self.on_prompt,
                                    keep=self.keep, offer=None if self.keep or self.on_prompt else ctx.offer,
                                    prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from treedec.sampling.params import SamplingParams
-from treedec.sampling.stops import StopRule
+from treedec.sampling.stops import StopChecker, StopRule
 
 __all__ = ["Decode", "DecodeResult", "LaneOutput", "PlacedLanes"]
 
@@ -42,7 +42,10 @@ class Decode:
     prompt_ids : the sequence before the outputs (the penalties' prompt mask, the processors' input ids and the
         detokenizer's context).
     tokenizer : detokenizes the outputs (stop strings and ``on_text`` need it).
-    on_text : streaming: ``on_text(index, delta)`` with each output's new text as its tokens are accepted.
+    on_text : streaming: ``on_text(index, delta, checker)`` with each output's new text as its tokens are accepted,
+        and once when the output ends, with its last text (possibly ""; so its last text and its end arrive
+        together); ``checker`` is the output's :class:`~treedec.sampling.stops.StopChecker` (its token count so
+        far; once it ended, its stop reason and tokens).
     seed : the seed of the outputs' draws when ``params.seed`` is None (the scheduler gives one).
     bad_words : ``params.bad_words`` as token sequences
         (:meth:`~treedec.sampling.params.SamplingParams.bad_words_token_ids`).
@@ -63,7 +66,7 @@ class Decode:
     offer: Callable[[int, int], None] | None = None
     prompt_ids: Sequence[int] = ()
     tokenizer: Any = None
-    on_text: Callable[[int, str], None] | None = None
+    on_text: Callable[[int, str, StopChecker], None] | None = None
     seed: int | None = None
     bad_words: Sequence[Sequence[int]] = ()
     min_tokens_stop_ids: tuple[int, ...] = ()

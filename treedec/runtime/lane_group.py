@@ -83,9 +83,10 @@ class LaneGroup:
 
     def accept_text(self, i: int, tokens: list[int]) -> str | None:
         """Output ``i``'s tokens since its last event, through its stop checker (stop strings) and its stream (only
-        the new characters are joined); returns why the output ended, or None. None of them but the last is an
-        event (:class:`~treedec.runtime.lane_text.TextEvents`): a stop string ended by an earlier one is a tokenizer
-        whose decoder writes a character that the token's own text does not hold (a RuntimeError: unsupported)."""
+        the new characters are joined; the output's end streamed with its last text); returns why the output ended,
+        or None. None of them but the last is an event (:class:`~treedec.runtime.lane_text.TextEvents`): a stop
+        string ended by an earlier one is a tokenizer whose decoder writes a character that the token's own text does
+        not hold (a RuntimeError: unsupported)."""
         checker = self.checkers[i]
         decision = checker.accept(tokens)
         if decision.keep < len(tokens):
@@ -97,9 +98,10 @@ class LaneGroup:
                                f"around it, which stop strings do not support (IncrementalDetokenizer.may_write)")
         if self.decode.on_text is not None:
             end = checker.streamable_length
-            if end > self.shown[i]:
-                self.decode.on_text(i, checker.text_from(self.shown[i]))
-                self.shown[i] = end
+            if end > self.shown[i] or decision.reason is not None:
+                delta = checker.text_from(self.shown[i]) if end > self.shown[i] else ""
+                self.shown[i] = max(end, self.shown[i])
+                self.decode.on_text(i, delta, checker)
         return decision.reason
 
     def assemble_logprobs(self) -> None:

@@ -2,12 +2,14 @@
 asyncio async iterator of :class:`StreamOutput`, fed from the engine's driving thread.
 
 :class:`OutputStream` is that iterator. The driving thread gives it each output's text as the request's program
-streams it (:meth:`OutputStream.text`), says when the program starts a run (:meth:`OutputStream.restart`: a
-preempted program runs again from its start, and streams its text again), and ends it with the request's results
-(:meth:`OutputStream.finish`) or an error (:meth:`OutputStream.fail`). The caller sees every character once: a run
-again repeats the text the caller already has (the online engine gives every sampled request a seed, so a run again
-draws the same tokens), and only what goes past it is passed on; the final item's deltas complete each output's
-text (what its last step streamed, or a request that ended before its first step streamed anything).
+streams it (:meth:`OutputStream.text`) and each output's end with its last text (:meth:`OutputStream.end`), says
+when the program starts a run (:meth:`OutputStream.restart`: a preempted program runs again from its start, and
+streams its text again), and ends it with the request's results (:meth:`OutputStream.finish`) or an error
+(:meth:`OutputStream.fail`). The caller sees every character once and every output's end once: a run again repeats
+the text the caller already has (the online engine gives every sampled request a seed, so a run again draws the same
+tokens), and only what goes past it is passed on. Every output gets one item that ends it (``stop_reason`` set),
+carrying its last text, when it ends: from :meth:`OutputStream.end`, or from :meth:`OutputStream.finish` for an
+output whose program streams no ends (a speculative one); the final item (``results``) comes after all of them.
 """
 from __future__ import annotations
 
@@ -27,8 +29,13 @@ class StreamOutput:
     Attributes
     ----------
     request_id : the request's id.
-    index : the output's index (of the request's ``n``) for a text delta; None for the final item.
+    index : the output's index (of the request's ``n``) for a text delta or an output's end; None for the final
+        item.
     text : the output's new text (a delta; the deltas of an output join to its final ``text``), or "".
+    tokens : the output's tokens so far, where its program says (None: it does not, e.g. a speculative one).
+    stop_reason : on the item that ends an output (its last): why it ended (``"eos"``, ``"stop_string"``,
+        ``"length"``); else None.
+    token_ids : on the item that ends an output: its token ids; else None.
     results : the request's final results (one per output, as :func:`~treedec.programs.generate.generate_batch`
         gives them), on the last item only; else None.
     """
@@ -36,11 +43,20 @@ class StreamOutput:
     request_id: int | str
     index: int | None = None
     text: str = ""
+    tokens: int | None = None
+    stop_reason: str | None = None
+    token_ids: list[int] | None = None
     results: list[RequestResult] | None = None
 
     @property
     def finished(self) -> bool:
+        """The request's final item (its results)."""
         return self.results is not None
+
+    @property
+    def ended(self) -> bool:
+        """The item that ends output :attr:`index` (its last text, its stop reason and token ids)."""
+        return self.stop_reason is not None
 
 
 class OutputStream:
@@ -53,6 +69,7 @@ class OutputStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._sent: dict[int, int] = {}   # output index -> characters passed on
         self._run: dict[int, int] = {}    # output index -> characters streamed by the program's current run
+        self._ended: set[int] = set()     # outputs whose end was passed on (a run again ends them again)
 
     # ------------------------------------------------ the driving thread
 
@@ -60,24 +77,44 @@ class OutputStream:
         """The program starts a run (its first, or again after a preemption): its text starts again."""
         self._run.clear()
 
-    def text(self, index: int, delta: str) -> None:
-        """Output ``index`` of the current run streamed ``delta``: the part past what was passed on goes on."""
+    def text(self, index: int, delta: str, tokens: int | None = None) -> None:
+        """Output ``index`` of the current run streamed ``delta`` (``tokens``: its tokens so far, if known): the
+        part past what was passed on goes on."""
+        new = self._new(index, delta)
+        if new and index not in self._ended:
+            self._put(StreamOutput(self.request_id, index, new, tokens))
+
+    def end(self, index: int, delta: str, stop_reason: str, token_ids: list[int]) -> None:
+        """Output ``index`` of the current run ended (``stop_reason``, its ``token_ids``) after its last text
+        ``delta``: one item with the part of it past what was passed on, once per output."""
+        new = self._new(index, delta)
+        if index not in self._ended:
+            self._ended.add(index)
+            self._put(StreamOutput(self.request_id, index, new, len(token_ids), stop_reason, list(token_ids)))
+
+    def finish(self, results: list[RequestResult]) -> None:
+        """The request's results: the end of each output not ended yet (with its text not yet passed on), then the
+        final item, then the end."""
+        for r in results:
+            if r.index not in self._ended:
+                sent = self._sent.get(r.index, 0)
+                tail = r.text[sent:] if r.text is not None else ""
+                self._sent[r.index] = sent + len(tail)
+                self._ended.add(r.index)
+                self._put(StreamOutput(self.request_id, r.index, tail, len(r.output_ids), r.stop_reason,
+                                       list(r.output_ids)))
+        self._put(StreamOutput(self.request_id, results=results))
+        self._put(_END)
+
+    def _new(self, index: int, delta: str) -> str:
+        """The part of the current run's ``delta`` past what was passed on (counted as passed on now)."""
         run = self._run.get(index, 0) + len(delta)
         self._run[index] = run
         sent = self._sent.get(index, 0)
-        if run > sent:
-            self._put(StreamOutput(self.request_id, index, delta[len(delta) - (run - sent):]))
-            self._sent[index] = run
-
-    def finish(self, results: list[RequestResult]) -> None:
-        """The request's results: each output's text not yet passed on, then the final item, then the end."""
-        for r in results:
-            sent = self._sent.get(r.index, 0)
-            if r.text is not None and len(r.text) > sent:
-                self._put(StreamOutput(self.request_id, r.index, r.text[sent:]))
-                self._sent[r.index] = len(r.text)
-        self._put(StreamOutput(self.request_id, results=results))
-        self._put(_END)
+        if run <= sent:
+            return ""
+        self._sent[index] = run
+        return delta[len(delta) - (run - sent):]
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (raised to the caller)."""

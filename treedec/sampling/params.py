@@ -59,20 +59,23 @@ class SamplingParams:
         float32, e.g. 1e-300, keeps only it, as in vLLM).
     top_k : int >= 1, or None for no top-k cut (vLLM's -1 and 0 mean None too; ties with the k-th kept).
     min_p : in [0, 1]; 0 keeps every token.
-    seed : int in [0, 2**63), or None: each draw of a request with a seed takes a number that is a hash of the
-        seed, the output's index and the draw's index (:func:`~treedec.sampling.rng.counter_uniform`), so its
-        outputs do not depend on the other requests of a batch, their order or a preemption. The same seed draws
-        the same tokens from the same logits; the logits themselves may differ in their last bits when the
-        computation differs (vLLM documents the same limit): a prompt read from the prefix cache (its K/V
-        computed with another request's steps) against one computed afresh gives logprobs ~1e-6 apart, and a
-        draw whose random number falls that close to a token's boundary picks its neighbour. Seeded outputs are
-        reproducible run to run on one engine and cache state, not across a cache hit against a miss
-        (``enable_prefix_caching=False`` makes every prompt computed afresh).
+    seed : int in [-2**63, 2**63) (an int64, as vLLM takes), or None: each draw of a request with a seed takes a
+        number that is a hash of the seed, the output's index and the draw's index
+        (:func:`~treedec.sampling.rng.counter_uniform`), so its outputs do not depend on the other requests of a
+        batch, their order or a preemption. The same seed draws the same tokens from the same logits; the logits
+        themselves may differ in their last bits when the computation differs (vLLM documents the same limit): a
+        prompt read from the prefix cache (its K/V computed with another request's steps) against one computed
+        afresh gives logprobs ~1e-6 apart, and a draw whose random number falls that close to a token's boundary
+        picks its neighbour. Seeded outputs are reproducible run to run on one engine and cache state, not across a
+        cache hit against a miss (``enable_prefix_caching=False`` makes every prompt computed afresh). A negative
+        seed is the unsigned 64-bit word of its two's complement (:func:`seed_word`: -1 is 2**64 - 1), so every seed
+        is one distinct word of the counter-based generator, which hashes 64-bit words.
     stop : stop strings (a string or a list of non-empty strings; matched on the text, need the tokenizer): at
         most :data:`~treedec.sampling.stops.MAX_STOP_STRINGS` of at most
         :data:`~treedec.sampling.stops.MAX_STOP_STRING_CHARS` characters each (the server takes 4, as vLLM's and
         OpenAI's).
-    stop_token_ids : ids that end an output besides the checkpoint's EOS ids (kept as its last token).
+    stop_token_ids : ids that end an output besides the checkpoint's EOS ids (kept as its last token; its text is
+        left out of the output's text unless ``include_stop_str_in_output``, as vLLM does).
     ignore_eos : do not stop at the checkpoint's EOS ids (``stop_token_ids`` still stop).
     max_tokens : int >= 1; the most tokens of each output (vLLM's default 16).
     min_tokens : int in [0, max_tokens]; the EOS ids (the checkpoint's, even with ``ignore_eos``) and
@@ -167,10 +170,11 @@ class SamplingParams:
     def stop_rule(self, eos_token_ids=()) -> StopRule:
         """The :class:`~treedec.sampling.stops.StopRule` of each output: ``eos_token_ids`` (the checkpoint's, e.g.
         ``model.eos_token_ids``; dropped with ``ignore_eos``), then ``stop_token_ids``; ``stop``,
-        ``max_tokens``, ``include_stop_str_in_output``."""
+        ``max_tokens``, ``include_stop_str_in_output`` (a stop token's text is left out of the output's text
+        without it: :attr:`StopRule.stop_token_ids <treedec.sampling.stops.StopRule.stop_token_ids>`)."""
         eos = () if self.ignore_eos else token_id_tuple(eos_token_ids, "eos_token_ids")
         return StopRule(self.max_tokens, eos + self.stop_token_ids, self.stop, self.include_stop_str_in_output,
-                        self.min_tokens)
+                        self.min_tokens, stop_token_ids=self.stop_token_ids)
 
     def detokenizer(self, tokenizer, prompt_ids: Sequence[int]) -> IncrementalDetokenizer | None:
         """An output's :class:`~treedec.models.text.IncrementalDetokenizer` with this request's options
@@ -245,7 +249,8 @@ JSON_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty
                "include_stop_str_in_output", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
                "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
                "best_of")
-SEED_MAX = 2**63 - 1  # numpy and torch both take seeds in [0, 2**63)
+#: A seed's range: an int64, as vLLM's (numpy's and torch's generators take the unsigned word, :func:`seed_word`).
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 #: The most ``bad_words`` a request gives (each makes at least one token sequence: vLLM's bound on those).
 MAX_BAD_WORDS = 128
 #: vLLM's bounds on a request's bad words once tokenized (``VLLM_MAX_NUM_BAD_WORDS``,
@@ -326,9 +331,16 @@ def _top_k(name: str, value) -> int | None:
 
 
 def _seed(name: str, value) -> int | None:
-    if value is not None and (not is_int(value) or not 0 <= value <= SEED_MAX):
-        raise ValueError(f"{name} must be an int in [0, 2**63) or None, got {describe(value)}")
+    if value is not None and (not is_int(value) or not SEED_MIN <= value <= SEED_MAX):
+        raise ValueError(f"{name} must be an int in [-2**63, 2**63) (an int64) or None, got {describe(value)}")
     return None if value is None else int(value)
+
+
+def seed_word(seed: int) -> int:
+    """``seed`` (an int64, :attr:`SamplingParams.seed`) as the unsigned 64-bit word of its two's complement, in
+    ``[0, 2**64)``: what a generator seeded with an unsigned word (``torch.Generator.manual_seed``) takes. The
+    counter-based generator's int64 tensors hold the same bits as the seed itself."""
+    return int(seed) % 2**64
 
 
 def _flag(name: str, value) -> bool:

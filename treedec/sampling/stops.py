@@ -8,16 +8,20 @@ order:
 1. *EOS*: the token is one of ``eos_token_ids`` -> stop with reason ``"eos"``. The EOS token
    is **kept** as the output's last token, as every treedec program returns it ("the new
    tokens up to and including the first EOS id"); its text is what the detokenizer makes of
-   it (nothing for a special token, which is skipped by default). An EOS in the middle of a
-   speculative path cuts the path right after it.
+   it (nothing for a special token, which is skipped by default), except for a request's
+   ``stop_token_ids``: their text is left out of the output's text unless ``include_stop_str``
+   (vLLM's rule; vLLM leaves an EOS token's text out too, treedec keeps the EOS rule above).
+   An EOS in the middle of a speculative path cuts the path right after it.
 2. *stop string*: the output's text now contains one of ``stop_strings`` -> stop with reason
    ``"stop_string"``. The tokens are kept up to and including the token that completed the
    stop string (tokens are never split); the *text* is cut before the stop string, or after
    it with ``include_stop_str`` (vLLM's ``include_stop_str_in_output``), and whatever that
    token wrote after the stop string is dropped. A stop string may span several tokens and
    may end anywhere inside a token; when several are completed by the same token, the one
-   that starts first in the text wins (the shorter on a tie), so the text never contains a
-   whole stop string, however the tokens fall.
+   that completes first in the text wins (vLLM's rule: text "abc" with stop strings
+   ``["abc", "b"]`` gives "a", stopped by "b"), the longer one (starting first) when they end at
+   the same character, so the text never contains a whole stop string, and the result is the
+   one a stream of one character a token would give, however the tokens fall.
 3. *length*: the output has ``max_new_tokens`` tokens -> stop with reason ``"length"``.
 
 With ``min_tokens`` (vLLM's), neither an EOS id nor a stop string ends an output of ``min_tokens`` tokens or
@@ -73,6 +77,10 @@ class StopRule:
         ends before it).
     min_tokens : int in [0, max_new_tokens]; an output of ``min_tokens`` tokens or fewer is not ended by an EOS
         id or a stop string (vLLM's ``min_tokens``); 0 for none.
+    stop_token_ids : the ids of ``eos_token_ids`` that are a request's ``stop_token_ids`` (vLLM's): one ends the
+        output as an EOS id does (reason ``"eos"``, kept as its last token), but its text is left out of the
+        output's text unless ``include_stop_str``. Stored as a tuple without repeats; each must be one of
+        ``eos_token_ids``.
     """
 
     max_new_tokens: int
@@ -80,6 +88,7 @@ class StopRule:
     stop_strings: tuple[str, ...] = ()
     include_stop_str: bool = False
     min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         positive_int("max_new_tokens", self.max_new_tokens)
@@ -88,6 +97,11 @@ class StopRule:
         if not isinstance(self.include_stop_str, bool):
             raise ValueError(f"include_stop_str must be a bool, got {describe(self.include_stop_str)}")
         int_in_range("min_tokens", self.min_tokens, 0, self.max_new_tokens, note=" (max_new_tokens)")
+        object.__setattr__(self, "stop_token_ids", token_id_tuple(self.stop_token_ids, "stop_token_ids"))
+        outside = [t for t in self.stop_token_ids if t not in self.eos_token_ids]
+        if outside:
+            raise ValueError(f"stop_token_ids must be among eos_token_ids (the ids that end the output), got "
+                             f"{outside[0]} not in {list(self.eos_token_ids)!r:.80}")
 
     @cached_property
     def borders(self) -> tuple[list[int], ...]:
@@ -146,6 +160,8 @@ class StopChecker:
         self.rule = rule
         self._detok = detokenizer
         self._eos = frozenset(rule.eos_token_ids)
+        # (a stop token's text is left out: it is never fed to the detokenizer, as vLLM's detokenizer skips it)
+        self._textless = frozenset(() if rule.include_stop_str else rule.stop_token_ids)
         self._borders = rule.borders if rule.stop_strings else ()
         # Per stop string, how many of its first characters the text ends with (never all: that is a match).
         self._matched = [0] * len(rule.stop_strings)
@@ -249,10 +265,10 @@ class StopChecker:
         min_tokens = self.rule.min_tokens
         for i, token in enumerate(ids):
             self._ids.append(token)
-            match = None
-            if self._detok is not None:
-                match = self._scan(self._detok.feed_checked(token))   # (ids checked above, as feed checks them)
             counts = len(self._ids) > min_tokens   # (min_tokens: an EOS or a stop string does not end it yet)
+            match = None
+            if self._detok is not None and not (counts and token in self._textless):
+                match = self._scan(self._detok.feed_checked(token))   # (ids checked above, as feed checks them)
             if token in self._eos and counts:
                 reason = "eos"
             elif match is not None and counts:
@@ -276,7 +292,7 @@ class StopChecker:
         # The output is whole: bytes still held back are shown as a one-shot decode shows them.
         tail = self._scan(self._detok.finish())
         if tail is not None and len(self._ids) > self.rule.min_tokens:
-            match = tail if match is None or (tail[0], len(tail[1])) < (match[0], len(match[1])) else match
+            match = tail if match is None or _first_completed(tail) < _first_completed(match) else match
         if match is not None:
             start, self._stop_string = match
             self._cut = start + len(self._stop_string) if self.rule.include_stop_str else start
@@ -284,7 +300,7 @@ class StopChecker:
 
     def _scan(self, delta: str) -> tuple[int, str] | None:
         """Feed the text's next characters ``delta`` to every stop string's matcher; returns (start, stop string)
-        of the stop string completed inside ``delta`` that starts first in the text (the shorter on a tie), or
+        of the stop string completed inside ``delta`` that completes first in the text (the longer on a tie), or
         None. O(len(delta)) per stop string, amortized (each character moves a matcher forward once, and its
         fall-backs never undo more than it moved)."""
         at = self._length
@@ -304,9 +320,16 @@ class StopChecker:
                         found = at + offset + 1 - k
                     k = border[k - 1]
             self._matched[j] = k
-            if found is not None and (best is None or (found, len(stop)) < (best[0], len(best[1]))):
+            if found is not None and (best is None or _first_completed((found, stop)) < _first_completed(best)):
                 best = (found, stop)
         return best
+
+
+def _first_completed(match: tuple[int, str]) -> tuple[int, int]:
+    """The order in which stop strings completed in one token win: the one ending first in the text, the longer
+    (starting first) of those ending at the same character (``match``: its start and the stop string)."""
+    start, stop = match
+    return start + len(stop), -len(stop)
 
 
 def token_id_tuple(value, name: str) -> tuple[int, ...]:

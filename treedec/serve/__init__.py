@@ -3,7 +3,8 @@
 - :func:`build_app` (:mod:`treedec.serve.app`): the app over one :class:`~treedec.LLM` (its engine driven by one
   :class:`~treedec.serve.engine.OnlineEngine` thread, which needs none of the server's packages):
   ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``;
+  ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``; with an API key
+  (:mod:`treedec.serve.auth`) all but the last two need it;
 - :class:`CompletionRequest`, :class:`ChatCompletionRequest`, :class:`ServeError` (:mod:`treedec.serve.protocol`):
   the request bodies and the errors, in OpenAI's shapes;
 - :class:`ServeMetrics` (:mod:`treedec.serve.metrics`): the Prometheus metrics (names in its module docstring);

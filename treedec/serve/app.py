@@ -2,8 +2,15 @@
 
 One :class:`~treedec.runtime.online.OnlineEngine` (one thread driving the engine) serves every request: started
 when the app starts, shut down (every request aborted, its pages freed) when it stops. Routes: ``POST
-/v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(:mod:`treedec.serve.metrics`); ``/docs``, ``/redoc`` and ``/openapi.json`` only with ``enable_docs``.
+/v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``
+(:mod:`treedec.serve.tokenize`), ``GET /version``, ``GET /health``, ``GET /metrics`` (:mod:`treedec.serve.metrics`);
+``/docs``, ``/redoc`` and ``/openapi.json`` only with ``enable_docs``. With ``api_key`` every route but ``/health``
+and ``/metrics`` (those too with ``secure_metrics``) needs it as a bearer token (:mod:`treedec.serve.auth`).
+
+A stream gives each choice's text as it comes and ends each choice with one chunk carrying its finish reason and its
+last text, when that choice ends (with ``n > 1`` each choice its own, as vLLM's); a speculative request's text is
+streamed before its end is known, so its ending chunk may have no text. ``stream_options.continuous_usage_stats``
+(with ``include_usage``) gives every chunk its usage (the prompt's tokens and the choice's so far, vLLM's).
 
 No request can hurt the others: every size a client controls is bounded before the work it costs is done. The
 headers and the body by :class:`~treedec.serve.limits.RequestLimits` (host, bytes, arrival); the counts (``n``,
@@ -11,7 +18,8 @@ prompts, outputs queued) on arrival; a text prompt's length before it is tokeniz
 template off the event loop (:class:`~treedec.serve.prompts.PromptEncoder`); the KV pages a request may need at
 worst before it is queued (:meth:`OnlineEngine.submit`). A request's text streams back from the engine's thread.
 
-Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a traceback: 400 for a bad
+Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a traceback: 401 without the
+API key (``"invalid_api_key"``); 400 for a bad
 parameter or body (FastAPI's 422 included; a body that is not UTF-8, nests too deeply or holds a too-long integer
 says so), for a prompt past the model's positions (``code: "context_length_exceeded"``), for a request larger than
 the server takes (``n``, prompts, outputs) or than its KV cache holds (``"kv_cache_exceeded"``), for a chat template
@@ -33,24 +41,26 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, Sized
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from treedec.errors import PoolExhaustedError
+import treedec
 from treedec.llm import LLM
-from treedec.runtime.online import ProgramAborted
+from treedec.serve.auth import APIKeyAuth, check_api_key
 from treedec.serve.engine import OnlineEngine
-from treedec.runtime.request import position_limit
+from treedec.serve.errors import body_parse_error, request_error
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.serve.limits import BodyError, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
-from treedec.serve.protocol import ChatCompletionRequest, CompletionRequest, ServeError
-from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, usage
+from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   ServeError, TokenizeCompletionRequest, TokenizeRequest)
+from treedec.serve.tokenize import detokenize, tokenize
+from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, prompt_logprobs, usage
 
 __all__ = ["build_app"]
 
@@ -64,7 +74,8 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
               max_prompts: int = 256, max_body_bytes: int = 8 * 2**20, read_timeout: float | None = 30.0,
               engine_iteration_timeout: float = 60.0, chat_template_timeout: float = 5.0,
               allowed_hosts: Sequence[str] | None = None, enable_docs: bool = False,
-              max_step_tokens: int | None = None, seed: int = 0) -> FastAPI:
+              max_step_tokens: int | None = None, seed: int = 0, api_key: str | None = None,
+              secure_metrics: bool = False) -> FastAPI:
     """The FastAPI app serving ``llm`` (its model, tokenizer, engine and speculative config: with one, every request
     is decoded speculatively, and one it cannot take is answered 400).
 
@@ -88,6 +99,9 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     enable_docs : serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default).
     max_step_tokens : prompt tokens a step computes at most (:class:`~treedec.runtime.online.OnlineScheduler`).
     seed : the seeds of sampled requests without one.
+    api_key : every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api_key>`` (401
+        otherwise: :class:`~treedec.serve.auth.APIKeyAuth`); None: no key.
+    secure_metrics : with ``api_key``, ``/health`` and ``/metrics`` need it too.
 
     ``app.state.online`` is the :class:`~treedec.runtime.online.OnlineEngine` while the app runs, ``app.state.metrics``
     its :class:`~treedec.serve.metrics.ServeMetrics`.
@@ -105,6 +119,10 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     if allowed_hosts is not None and (isinstance(allowed_hosts, str) or not all(
             isinstance(h, str) and h for h in allowed_hosts)):
         raise ValueError(f"allowed_hosts must be a list of host names (or None), got {allowed_hosts!r}")
+    if api_key is not None:
+        check_api_key(api_key)
+    if secure_metrics and api_key is None:
+        raise ValueError("secure_metrics puts /health and /metrics behind the API key: give api_key too")
     name = served_model_name or llm.name
     metrics = ServeMetrics()
     limits = _Limits(max_queued_requests, max_n, max_prompts)
@@ -113,7 +131,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        encoder = None if llm.tokenizer is None else PromptEncoder(llm.tokenizer, position_limit(llm.model),
+        encoder = None if llm.tokenizer is None else PromptEncoder(llm.tokenizer, llm.max_model_len,
                                                                   template_timeout=chat_template_timeout)
         online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
                               drafts=None if llm.drafts is None else llm.drafts.source, seed=seed,
@@ -135,6 +153,8 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="treedec", lifespan=lifespan, **docs)
     app.state.metrics = metrics
+    if api_key is not None:   # (inside RequestLimits: a refused request's Host and size are checked, it is counted)
+        app.add_middleware(APIKeyAuth, api_key=api_key, secure_metrics=secure_metrics)
     app.add_middleware(RequestLimits, metrics=metrics, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
                        allowed_hosts=allowed_hosts)
 
@@ -149,13 +169,13 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and x not in BODY_TAGS]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(ServeError(message, param=loc[0] if loc else None).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        error = _body_parse_error(e) or ServeError(str(e.detail), status=e.status_code)
+        error = body_parse_error(e) or ServeError(str(e.detail), status=e.status_code)
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(Exception)
@@ -174,7 +194,24 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "treedec", "max_model_len": position_limit(llm.model)}]}
+                                            "owned_by": "treedec", "max_model_len": llm.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest, request: Request):
+        server = request.app.state.server
+        server.check_name(body.model)
+        return await tokenize(server.encoder_for("prompt" if isinstance(body, TokenizeCompletionRequest)
+                                                 else "messages"), body, server.limit)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest, request: Request):
+        server = request.app.state.server
+        server.check_name(body.model)
+        return await detokenize(server.encoder_for("tokens"), body, server.vocab)
+
+    @app.get("/version")
+    async def version():
+        return {"version": treedec.__version__}
 
     @app.get("/health")
     async def health(request: Request):
@@ -208,7 +245,9 @@ class _Server:
     def __init__(self, llm: LLM, online: OnlineEngine, metrics: ServeMetrics, name: str, limits: _Limits,
                  encoder: PromptEncoder | None):
         self.llm, self.online, self.metrics, self.name, self.limits = llm, online, metrics, name, limits
-        self.encoder, self.limit = encoder, position_limit(llm.model)
+        self.encoder, self.limit = encoder, llm.max_model_len
+        vocab = llm.model.config.vocab_size   # (a padded embedding's ids past the tokenizer have no text)
+        self.vocab = min(vocab, len(llm.tokenizer)) if isinstance(llm.tokenizer, Sized) else vocab
         self.reserved = 0   # outputs of the requests checked on arrival and not yet submitted (being encoded)
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -218,13 +257,22 @@ class _Server:
         try:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)   # (every value checked before a prompt is encoded)
+            self._check_stream(body)
+            body.beam_params(budget or 1)
             texts = [p for p in prompts if isinstance(p, str)]
             for text in texts:   # (all of them before any is tokenized)
-                self._encoder("prompt").check_length(text, "prompt")
-            encoded = iter(await asyncio.gather(*(self._encoder("prompt").encode(t, False, "prompt") for t in texts)))
+                self.encoder_for("prompt").check_length(text, "prompt")
+            encoder = self.encoder_for("prompt") if texts else None
+            encoded = iter(await asyncio.gather(*(encoder.encode(t, False, "prompt") for t in texts)))
             ids = [params.truncated(next(encoded) if isinstance(p, str) else p, self.limit) for p in prompts]
             params = params.replace(max_tokens=self._budget(ids, budget, "prompt", body.budget_field))
-            return await self._respond(request, body, ids, params, "cmpl", False, slots)
+            echo = None
+            if body.echo:   # (a text as given, token ids or a truncated text as their text)
+                encoder = self.encoder_for("echo")
+                echo = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else
+                        await encoder.decode(i, "prompt", self.vocab, params.skip_special_tokens)
+                        for p, i in zip(prompts, ids)]
+            return await self._respond(request, body, ids, params, "cmpl", False, slots, echo)
         finally:
             slots.release()
 
@@ -235,7 +283,9 @@ class _Server:
         try:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)
-            ids = [params.truncated(await self._encoder("messages").encode(messages, True, "messages"), self.limit)]
+            self._check_stream(body)
+            body.beam_params(budget or 1)
+            ids = [params.truncated(await self.encoder_for("messages").encode(messages, True, "messages"), self.limit)]
             params = params.replace(max_tokens=self._budget(ids, budget, "messages", body.budget_field))
             return await self._respond(request, body, ids, params, "chatcmpl", True, slots)
         finally:
@@ -243,15 +293,25 @@ class _Server:
 
     # ------------------------------------------------ checks
 
-    def _check_model(self, model: str) -> None:
-        if model != self.name:
+    def check_name(self, model: str | None) -> None:
+        """A request's ``model``: the served name (None: left out, where a route allows it), else 404."""
+        if model is not None and model != self.name:
             shown = model if len(model) <= 100 else f"{model[:100]}... ({len(model)} characters)"
             raise ServeError(f"The model `{shown}` does not exist; this server serves `{self.name}`", 404,
                              param="model", code="model_not_found")
+
+    def _check_model(self, model: str) -> None:
+        self.check_name(model)
         if not self.online.alive:
             if self.online.error is None:
                 raise ServeError("the server is shutting down", 503, "server_error", code="server_shutdown")
             raise ServeError("the engine is not running", 503, "server_error", code="engine_failed")
+
+    def _check_stream(self, body) -> None:
+        options = body.stream_options
+        if options is not None and options.continuous_usage_stats and self.llm.drafts is not None:
+            raise ServeError("stream_options.continuous_usage_stats is not supported with speculative decoding (its "
+                             "tokens are counted when the request ends)", param="stream_options")
 
     def _reserve(self, prompts: int, n: int) -> "_Slots":
         """Check a request's counts on arrival (before any work) and hold its outputs' places in the queue until it
@@ -273,7 +333,8 @@ class _Server:
                              code="overloaded")
         return _Slots(self, outputs)
 
-    def _encoder(self, what: str) -> PromptEncoder:
+    def encoder_for(self, what: str) -> PromptEncoder:
+        """The prompt encoder (ServeError naming ``what`` on a server without a tokenizer)."""
         if self.encoder is None:
             raise ServeError("this server has no tokenizer: give the prompt as token ids", param=what)
         return self.encoder
@@ -292,25 +353,30 @@ class _Server:
     # ------------------------------------------------ running
 
     async def _respond(self, request: Request, body, ids: list[list[int]], params, prefix: str, chat: bool,
-                       slots: "_Slots"):
+                       slots: "_Slots", echo: list[str] | None = None):
         rid, arrival = f"{prefix}-{uuid.uuid4().hex}", time.perf_counter()
+        beam = body.beam_params(params.max_tokens)
+        if beam is not None:   # (greedy: no seed is drawn for it)
+            params = params.replace(temperature=0.0)
         streams, submitted = [], []
         try:
             for k, prompt_ids in enumerate(ids):
                 spec = RequestSpec(f"{rid}-{k}", prompt_ids=prompt_ids, params=params)
-                streams.append(self.online.submit(spec))
+                streams.append(self.online.submit(spec, beam=beam))
                 submitted.append(spec.id)
         except BaseException as e:
             for spec_id in submitted:
                 self.online.abort(spec_id)
-            raise _request_error(e, "messages" if chat else "prompt") from None
+            raise request_error(e, "messages" if chat else "prompt") from None
         finally:
             slots.release()   # (the engine counts them now)
-        choices = Choices(rid, self.name, params.n, chat, body.return_token_ids)
+        choices = Choices(rid, self.name, params.n, chat, body.return_token_ids, ids, echo)
         run = _Run(self, streams, submitted, arrival)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(run, choices, include_usage), media_type="text/event-stream")
+            options = body.stream_options
+            return StreamingResponse(self._events(run, choices, options is not None and options.include_usage,
+                                                  options is not None and options.continuous_usage_stats),
+                                     media_type="text/event-stream")
         task = asyncio.ensure_future(run.collect())
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.2)
@@ -323,29 +389,38 @@ class _Server:
         try:
             results = task.result()
         except Exception as e:
-            raise _request_error(e) from None
+            raise request_error(e) from None
         tokenizer = self.llm.tokenizer
         logprobs = (lambda r: chat_logprobs(r, tokenizer, params.logprobs)) if chat else \
-            (lambda r: completion_logprobs(r, tokenizer, params.logprobs))
-        return choices.response(results, None if params.logprobs is None else logprobs)
+            (lambda r: completion_logprobs(r, tokenizer, params.logprobs, echo is not None))
+        return choices.response(results, None if params.logprobs is None else logprobs,
+                                None if body.prompt_logprobs is None else (lambda r: prompt_logprobs(r, tokenizer)))
 
-    async def _events(self, run: "_Run", choices: Choices, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, run: "_Run", choices: Choices, include_usage: bool,
+                      continuous: bool) -> AsyncIterator[str]:
+        """The stream's events: text deltas; a choice's end (its finish reason with its last text) when it ends,
+        each choice its own; with ``continuous`` (``continuous_usage_stats``) every chunk's usage."""
         try:
             if choices.chat:
-                yield _event(choices.chunk([choices.delta(k * choices.n + j, {"role": "assistant", "content": ""})
-                                            for k in range(len(run.streams)) for j in range(choices.n)]))
+                yield _event(choices.first_chunk(choices.running_usage(0, 0) if continuous else None))
+            for k, text in enumerate(choices.echo or ()):   # (echo: each choice's first chunk is its prompt's text)
+                for j in range(choices.n):
+                    yield _event(choices.chunk([choices.text(k * choices.n + j, text)],
+                                               choices.running_usage(k, 0) if continuous else None))
             async for k, item in run.items():
-                if item.finished:
-                    yield _event(choices.chunk([choices.finish(k * choices.n + r.index, r)
-                                                for r in item.results]))
+                index = k * choices.n + (item.index or 0)
+                if item.ended:
+                    choice = choices.end(index, k, item.text, item.stop_reason, item.token_ids)
                 elif item.text:
-                    index = k * choices.n + item.index
-                    yield _event(choices.chunk([choices.delta(index, {"content": item.text}) if choices.chat
-                                                else choices.text(index, item.text)]))
+                    choice = choices.delta(index, {"content": item.text}) if choices.chat else \
+                        choices.text(index, item.text)
+                else:   # (the final item: every choice has ended)
+                    continue
+                yield _event(choices.chunk([choice], choices.running_usage(k, item.tokens) if continuous else None))
             if include_usage:
                 yield _event(choices.chunk([], usage(run.results)))
         except Exception as e:
-            yield _event(_request_error(e).body())
+            yield _event(request_error(e).body())
         finally:   # (also when the client went away: the response's task is cancelled)
             run.abort()
         yield "data: [DONE]\n\n"
@@ -403,38 +478,6 @@ class _Run:
         for k, spec_id in enumerate(self.ids):
             if self.results[k] is None:
                 self.server.online.abort(spec_id)
-
-
-def _request_error(e: BaseException, param: str | None = None) -> ServeError:
-    """What the client is told of a failed request (``param``: the field of its prompt)."""
-    if isinstance(e, ServeError):
-        return e
-    if isinstance(e, PoolExhaustedError):
-        return ServeError(f"the request does not fit the server's KV cache: {e}", code="kv_cache_exceeded")
-    if isinstance(e, (ValueError, TypeError)):   # (the engine's checks start with the field they name)
-        field = str(e).split(" ", 1)[0]
-        return ServeError(str(e), param={"prompt_ids": param, "stop_token_ids": "stop_token_ids"}.get(field))
-    if isinstance(e, ProgramAborted):   # (a client's own abort is never answered: it went away)
-        return ServeError("the server is shutting down: the request was aborted", 503, "server_error",
-                          code="server_shutdown")
-    logger.error("request failed in the engine: %s: %s", type(e).__name__, e)   # (an engine step)
-    return ServeError(f"the engine failed: {type(e).__name__}", 503, "server_error", code="engine_failed")
-
-
-def _body_parse_error(e: HTTPException) -> ServeError | None:
-    """What was wrong with a body FastAPI could not parse (it says only "There was an error parsing the body" and
-    keeps the reason as the exception's cause); None for any other HTTPException."""
-    cause = e.__cause__
-    if e.status_code != 400 or cause is None:
-        return None
-    if isinstance(cause, UnicodeDecodeError):
-        return ServeError(f"the request body is not UTF-8 text (JSON must be): {cause.reason} at byte {cause.start}")
-    if isinstance(cause, RecursionError):
-        return ServeError("the request body's JSON nests too deeply for the server's parser (about 1000 levels of "
-                          "arrays and objects at most)")
-    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
-        return ServeError(f"the request body holds an integer of too many digits ({cause})")
-    return None
 
 
 def _event(data: dict) -> str:

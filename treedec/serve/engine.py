@@ -2,9 +2,9 @@
 engine, for a server (:func:`treedec.serve.build_app`). :meth:`OnlineEngine.submit` turns a
 :class:`~treedec.runtime.requests.RequestSpec` into its program (a :class:`~treedec.programs.generate.GenerateProgram`,
 or with a draft source a speculative program as :class:`~treedec.LLM` decodes it) and returns an asyncio async
-iterator of :class:`~treedec.runtime.streams.StreamOutput`: text deltas as they are accepted, then the request's
-final :class:`~treedec.runtime.requests.RequestResult` list, handed to the caller's event loop with
-``loop.call_soon_threadsafe``.
+iterator of :class:`~treedec.runtime.streams.StreamOutput`: text deltas as they are accepted, each output's end
+(with its last text) when it ends, then the request's final :class:`~treedec.runtime.requests.RequestResult` list,
+handed to the caller's event loop with ``loop.call_soon_threadsafe``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
+from treedec.programs.beam import BeamSearchParams, BeamSearchResult, beam_program
 from treedec.programs.generate import GenerateProgram, prepare_requests, worst_case_pages
 from treedec.programs.speculative.batch import sampled_acceptance, speculative_program, speculative_results
 from treedec.programs.speculative.draft_budget import DraftBudget
@@ -26,10 +27,11 @@ from treedec.programs.speculative.drafts import DraftSource
 from treedec.runtime.online import OnlineScheduler
 from treedec.runtime.prefix_cache import PrefixCache
 from treedec.runtime.program import Program, ProgramContext
-from treedec.runtime.requests import RequestSpec
+from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler_stats import SchedulerStats
 from treedec.runtime.streams import OutputStream, StreamOutput
-from treedec.sampling.params import SEED_MAX
+from treedec.sampling.params import SEED_MAX, seed_word
+from treedec.sampling.stops import StopChecker
 
 __all__ = ["OnlineEngine"]
 
@@ -116,17 +118,25 @@ class OnlineEngine:
         start = self._iteration_start
         return 0.0 if start is None else max(0.0, time.perf_counter() - start)
 
-    def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None
-               ) -> AsyncIterator[StreamOutput]:
+    def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None,
+               beam: BeamSearchParams | None = None) -> AsyncIterator[StreamOutput]:
         """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
         TypeError, or :class:`~treedec.errors.PoolExhaustedError` for one whose worst case exceeds what the pool can
         give a request, :attr:`OnlineScheduler.capacity`, or for a speculative request larger than the free pool);
         returns an async iterator of its :class:`~treedec.runtime.streams.StreamOutput`, the last one ``finished``.
         Call it in a coroutine (the running loop gets the outputs). A request id must be unique among the running
-        requests. A sampled request without a seed gets one (see ``seed``)."""
+        requests. A sampled request without a seed gets one (see ``seed``).
+
+        With ``beam`` the request is a beam search (:func:`~treedec.programs.beam.beam_program`, as
+        :meth:`~treedec.LLM.beam_search` runs it; ``spec.params`` gives its prompt's options, ``n`` its
+        ``beam_width``): its ``beam_width`` hypotheses, best first, are its outputs, streamed when it ends (their
+        scores in ``stats["beam_score"]``); not on a speculative engine (ValueError)."""
         loop = asyncio.get_running_loop()
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
+        if beam is not None and (self.drafts is not None or spec.params.n != beam.beam_width):
+            raise ValueError("use_beam_search runs on a server without speculative decoding" if self.drafts is not None
+                             else f"n must be the beam's width {beam.beam_width}, got {spec.params.n}")
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
         worst, capacity = worst_case_pages(self.engine.pool, spec.params, len(prompt_ids)), self.scheduler.capacity
         if self.drafts is None and worst > capacity:
@@ -139,13 +149,20 @@ class OnlineEngine:
                 seed = int(self._seeds.integers(0, SEED_MAX))
             spec = dataclasses.replace(spec, params=spec.params.replace(seed=seed))
         stream = OutputStream(loop, spec.id)
-        if self.drafts is None:
-            on_text = None if tokenizer is None else (lambda s, index, delta: stream.text(index, delta))
-            program = GenerateProgram(spec, prompt_ids, tokenizer, on_text=on_text)
+        to_results: Callable = lambda result, cached: result
+        if beam is not None:
+            eos = () if beam.ignore_eos else tuple(self.engine.model.eos_token_ids)
+            program = beam_program(self.engine, prompt_ids, beam.beam_width, beam.max_tokens, beam.length_penalty,
+                                   eos or None, beam.early_stopping)
+            to_results = lambda result, cached: beam_results(spec, prompt_ids, result, tokenizer, eos, cached)
+        elif self.drafts is None:
+            program = GenerateProgram(spec, prompt_ids, tokenizer,
+                                      on_output=None if tokenizer is None else _streamed(stream))
         else:
+            to_results = lambda result, cached: speculative_results(spec, prompt_ids, result)
             program = speculative_program(
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
-                sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
+                sampled_acceptance(spec, lambda s: seed_word(s.params.seed)), self.max_draft_tokens, self._budget,
                 pipeline=False, pipeline_note="online: the number of live requests varies",
                 greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
         with self._lock:
@@ -154,8 +171,9 @@ class OnlineEngine:
                                    f"the online engine failed: {type(self.error).__name__}: {self.error}")
             if spec.id in self._handles:
                 raise ValueError(f"request id {spec.id!r} is already running")
-            handle = self.scheduler.submit(_Restarts(program, lambda: self._started(spec.id, stream)))
-            self._requests[handle] = _Request(spec, prompt_ids, stream, self.drafts is not None)
+            restarts = _Restarts(program, lambda: self._started(spec.id, stream))
+            handle = self.scheduler.submit(restarts)
+            self._requests[handle] = _Request(spec, stream, lambda result: to_results(result, restarts.cached_tokens))
             self._handles[spec.id] = handle
             self._waiting[spec.id] = spec.params.n
             self._num_waiting += spec.params.n
@@ -236,9 +254,7 @@ class OnlineEngine:
     def _done(self, handle: int, result) -> None:
         request = self._finish(handle)
         if request is not None:
-            results = speculative_results(request.spec, request.prompt_ids, result) if request.speculative \
-                else result
-            request.stream.finish(results)
+            request.stream.finish(request.results(result))
 
     def _failed(self, handle: int, error: BaseException) -> None:
         request = self._finish(handle)
@@ -246,12 +262,40 @@ class OnlineEngine:
             request.stream.fail(error)
 
 
+def _streamed(stream: OutputStream) -> Callable[[RequestSpec, int, str, StopChecker], None]:
+    """A GenerateProgram's ``on_output`` into ``stream``: text deltas with their outputs' token counts, and each
+    output's end with its last text."""
+    def on_output(spec: RequestSpec, index: int, delta: str, checker: StopChecker) -> None:
+        if checker.stopped:
+            stream.end(index, delta, checker.stop_reason, checker.token_ids)
+        else:
+            stream.text(index, delta, checker.num_tokens)
+    return on_output
+
+
+def beam_results(spec: RequestSpec, prompt_ids: list[int], result: BeamSearchResult, tokenizer, eos: tuple[int, ...],
+                 cached_tokens: int) -> list[RequestResult]:
+    """A beam search's hypotheses (best first) as a request's outputs: each one's text as a generated output's
+    (``spec.params``' detokenizer), ``"eos"`` when it ended on an EOS id, else ``"length"``."""
+    results = []
+    for i, (tokens, score) in enumerate(zip(result.sequences, result.scores)):
+        detokenizer = spec.params.detokenizer(tokenizer, prompt_ids)
+        text = None
+        if detokenizer is not None:
+            detokenizer.feed(tokens)
+            detokenizer.finish()
+            text = detokenizer.text
+        results.append(RequestResult(spec.id, i, spec.prompt, list(prompt_ids), list(tokens), text,
+                                     "eos" if tokens and tokens[-1] in eos else "length",
+                                     {"cached_tokens": cached_tokens, "beam_score": score}))
+    return results
+
+
 @dataclasses.dataclass(frozen=True)
 class _Request:
     spec: RequestSpec
-    prompt_ids: list[int]
     stream: OutputStream
-    speculative: bool
+    results: Callable[[object], list[RequestResult]]   # the program's result -> the request's outputs
 
 
 class _Restarts(Program):
@@ -261,10 +305,13 @@ class _Restarts(Program):
     def __init__(self, program: Program, on_start: Callable[[], None]):
         self.program, self.on_start = program, on_start
         self.prompt_ids, self.shares_prompt, self.name = program.prompt_ids, program.shares_prompt, program.name
+        self.cached_tokens = 0   # its prompt's tokens its last run read from the prefix cache (a beam's usage)
 
     def run(self, ctx: ProgramContext):
         self.on_start()
-        return (yield from self.program.run(ctx))
+        result = yield from self.program.run(ctx)
+        self.cached_tokens = ctx.cached_tokens
+        return result
 
     def positions(self):
         return self.program.positions()

@@ -30,7 +30,8 @@ __all__ = ["LOOPBACK_HOSTS", "BodyError", "RequestLimits", "body_error_response"
 #: The names a server bound to a loopback address answers by default (``treedec serve --allowed-hosts``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
-_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                     "/detokenize", "/version"})
 
 
 class BodyError(HTTPException):

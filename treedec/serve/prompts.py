@@ -14,6 +14,7 @@ model's); one whose normalizer drops or merges characters could fit a longer tex
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -82,19 +83,36 @@ class PromptEncoder:
                              f"characters cannot fit. However, the {what} has {chars} characters. Please reduce the "
                              f"length of the {what}.", param=what, code="context_length_exceeded")
 
-    async def encode(self, prompt: str | list[dict[str, Any]], chat: bool, what: str) -> list[int]:
-        """``prompt``'s token ids (a text, or messages through the chat template when ``chat``), after
-        :meth:`check_length`, in a worker thread; ServeError (400, naming ``what``) for a prompt the tokenizer or
-        the template refuses."""
+    async def encode(self, prompt: str | list[dict[str, Any]], chat: bool, what: str, *,
+                     add_special_tokens: bool | None = None, add_generation_prompt: bool = True) -> list[int]:
+        """``prompt``'s token ids (a text, or messages through the chat template when ``chat``; the options as
+        :func:`~treedec.models.text.encode_prompt`'s), after :meth:`check_length`, in a worker thread; ServeError
+        (400, naming ``what``) for a prompt the tokenizer or the template refuses."""
         self.check_length(prompt, what)
         render = None if self.templates is None else self.templates.render
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, encode_prompt, self.tokenizer, prompt, chat, render)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(
+                encode_prompt, self.tokenizer, prompt, chat, render, add_special_tokens=add_special_tokens,
+                add_generation_prompt=add_generation_prompt))
         except ChatTemplateError as e:
             raise ServeError(str(e), param=what, code="chat_template_failed") from None
         except (ValueError, TypeError) as e:
             raise ServeError(str(e), param=what) from None
+
+    async def decode(self, ids: list[int], what: str, vocab: int, skip_special_tokens: bool = False) -> str:
+        """The text of token ids ``ids`` (special tokens kept unless ``skip_special_tokens``, as vLLM's
+        ``/detokenize`` keeps them), in a worker thread. Sizes
+        are checked first: at most :attr:`positions` ids (a longer sequence is nothing a model reads or writes),
+        each in ``[0, vocab)`` (ServeError 400 naming ``what`` and the first id out of vocabulary)."""
+        if len(ids) > self.positions:
+            raise ServeError(f"{what} must hold at most {self.positions} token ids (the model's max_model_len), got "
+                             f"{len(ids)}", param=what)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ServeError(f"{what}: token id {bad} is out of vocabulary (the tokenizer's vocabulary has {vocab} "
+                             f"tokens: ids must be in [0, {vocab}))", param=what)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(
+            self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens))
 
     def _warm(self) -> None:
         try:

@@ -4,22 +4,30 @@
 OpenAI's fields (``logit_bias`` included: token id strings -> a bias in [-100, 100] added to the logit) and vLLM's
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``bad_words``, ``allowed_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``truncate_prompt_tokens``; ``return_token_ids``: each choice also holds ``prompt_token_ids`` and ``token_ids``, in
-a stream on its last chunk, e.g. for a client that re-sends a conversation as token ids); :meth:`sampling_params`
+``truncate_prompt_tokens``; ``return_token_ids``: a completion choice also holds ``prompt_token_ids`` and
+``token_ids``, a chat completion ``prompt_token_ids`` at its top level and each choice its ``token_ids``, as vLLM's,
+in a stream on the choice's last chunk (the prompt's on a chat stream's first), e.g. for a client that re-sends a
+conversation as token ids; ``seed`` any int64, as vLLM's); :meth:`sampling_params`
 turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks the values: a bad one is a
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
-bound). A field OpenAI has that treedec does not implement (``echo``, ``suffix``, tools, ...) is refused with 400,
+bound). ``prompt_logprobs`` (vLLM's: the prompt tokens' log-probabilities, ``k`` most likely each; not with
+``stream``) and, for completions, ``echo`` (the prompt's text before the completion's; with ``logprobs``, the
+prompt's tokens' logprobs first, vLLM's); vLLM's ``use_beam_search`` (with ``length_penalty``, ``early_stopping``:
+:meth:`_Sampling.beam_params`). A field OpenAI has that treedec does not implement (``suffix``, tools,
+...) is refused with 400,
 never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from treedec.programs.beam import BeamSearchParams
 from treedec.sampling.params import SamplingParams
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "ServeError", "StreamOptions"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "ServeError", "StreamOptions",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "TokenizeRequest"]
 
 #: The most log-probabilities a token may report (``logprobs`` of completions, ``top_logprobs`` of chat).
 MAX_LOGPROBS = 20
@@ -41,8 +49,13 @@ class ServeError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """A stream's ``stream_options``: ``include_usage`` (a last chunk with the request's usage) and vLLM's
+    ``continuous_usage_stats`` (every chunk's usage too: its prompt's tokens and its choice's tokens so far). vLLM
+    ignores ``continuous_usage_stats`` without ``include_usage``; treedec refuses it (400)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
@@ -77,6 +90,10 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None   # (vLLM's)
+    use_beam_search: bool = False   # (vLLM's: the request's n outputs are a beam search's best hypotheses)
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @property
     def budget_field(self) -> str:
@@ -96,10 +113,47 @@ class _Sampling(BaseModel):
             raise ServeError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
         if self.stream_options is not None and not self.stream:
             raise ServeError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats and \
+                not self.stream_options.include_usage:
+            raise ServeError("stream_options.continuous_usage_stats needs stream_options.include_usage=true",
+                             param="stream_options")
         if self.top_k is not None and self.top_k == -1:   # (vLLM's "no top-k")
             self.top_k = None
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ServeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                             param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ServeError("prompt_logprobs are not supported with stream=true", param="prompt_logprobs")
 
-    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def beam_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """vLLM's ``use_beam_search``: the request's :class:`~treedec.programs.beam.BeamSearchParams` (width ``n``,
+        ``length_penalty``, ``early_stopping``, ``ignore_eos``; temperature 0), or None without it. What a beam
+        search does not take is refused by name (400), streaming included (its best hypotheses are known when it
+        ends)."""
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise ServeError(f"{name} is a beam search's: it needs use_beam_search=true", param=name)
+            return None
+        if self.stream:
+            raise ServeError("use_beam_search cannot be streamed: a beam search's best hypotheses are known when it "
+                             "ends; send stream=false", param="stream")
+        for name in _NOT_WITH_BEAMS:
+            if name in self.model_fields_set and getattr(self, name, None) not in (None, False, [], {}, ""):
+                raise ServeError(f"{name} is not supported with use_beam_search (a beam search scores the raw "
+                                 f"log-probabilities and ends on EOS ids and max_tokens)", param=name)
+        if self.temperature not in (None, 0):
+            raise ServeError(f"use_beam_search takes temperature 0 only (transformers' beam search on the raw "
+                             f"log-probabilities), got {self.temperature}", param="temperature")
+        try:
+            return BeamSearchParams(self.n, max_tokens, self.ignore_eos, 0.0,
+                                    1.0 if self.length_penalty is None else self.length_penalty, False,
+                                    False if self.early_stopping is None else self.early_stopping)
+        except (ValueError, TypeError) as e:
+            raise ServeError(str(e), param=_field_named(str(e), {"length_penalty": 0, "early_stopping": 0})
+                             or "n") from None
+
+    def _params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         given = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                  "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -110,11 +164,18 @@ class _Sampling(BaseModel):
                  "min_tokens": self.min_tokens, "bad_words": tuple(self.bad_words or ()),
                  "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
                  "spaces_between_special_tokens": self.spaces_between_special_tokens,
-                 "truncate_prompt_tokens": self.truncate_prompt_tokens}
+                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "prompt_logprobs": prompt_logprobs}
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except (ValueError, TypeError) as e:
             raise ServeError(str(e), param=_field_named(str(e), given)) from None
+
+
+#: The fields a beam search does not take (:meth:`_Sampling.beam_params` refuses them by name).
+_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "logit_bias",
+                   "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "logprobs", "top_logprobs",
+                   "echo")
 
 
 class CompletionRequest(_Sampling):
@@ -143,8 +204,6 @@ class CompletionRequest(_Sampling):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         self._check_common()
-        if self.echo:
-            raise ServeError("echo is not supported", param="echo")
         if self.suffix:
             raise ServeError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -154,7 +213,9 @@ class CompletionRequest(_Sampling):
             raise ServeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
         if self.logprobs is not None and self.stream:
             raise ServeError("logprobs are not supported with stream=true", param="logprobs")
-        return self._params(max_tokens, self.logprobs)
+        # (echo with logprobs reports the prompt's too: vLLM's prompt_logprobs = logprobs)
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None or not self.echo else self.logprobs
+        return self._params(max_tokens, self.logprobs, prompt)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -171,18 +232,7 @@ class ChatCompletionRequest(_Sampling):
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            content = m.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ServeError(f"messages[{i}].content: only text parts are supported", param="messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise ServeError(f"messages[{i}] must have a string role and a text content", param="messages")
-            out.append({**m, "content": content})
-        return out
+        return _conversation(self.messages)
 
     @property
     def budget_field(self) -> str:
@@ -207,7 +257,68 @@ class ChatCompletionRequest(_Sampling):
                              param="top_logprobs")
         if self.logprobs and self.stream:
             raise ServeError("logprobs are not supported with stream=true", param="logprobs")
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """A ``/tokenize`` body with a text (vLLM's ``TokenizeCompletionRequest``): ``prompt``, encoded with the
+    tokenizer's special tokens unless ``add_special_tokens`` is false; ``return_token_strs``: each token's string
+    too."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """A ``/tokenize`` body with chat ``messages`` (vLLM's ``TokenizeChatRequest``): rendered by the chat template
+    (with the assistant's turn opened unless ``add_generation_prompt`` is false), encoded without special tokens
+    unless ``add_special_tokens`` (the template writes its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        return _conversation(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """A ``/detokenize`` body (vLLM's): ``tokens``, the ids to turn into text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+#: The ``/tokenize`` body: chat messages when it has ``messages``, else a text (the tags are left out of the field
+#: names errors give: :data:`BODY_TAGS`).
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("tokenize-text")],
+                                  Annotated[TokenizeChatRequest, Tag("tokenize-chat")]],
+                            Discriminator(lambda v: "tokenize-chat" if isinstance(v, dict) and "messages" in v
+                                          else "tokenize-text")]
+BODY_TAGS = frozenset({"tokenize-text", "tokenize-chat"})
+
+
+def _conversation(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ServeError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ServeError(f"messages[{i}] must have a string role and a text content", param="messages")
+        out.append({**m, "content": content})
+    return out
 
 
 def _field_named(message: str, given: dict) -> str | None:

@@ -41,9 +41,9 @@ def limit_memory(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
 
 
-def render(tokenizer, messages, max_chars: int) -> dict:
+def render(tokenizer, messages, max_chars: int, add_generation_prompt: bool = True) -> dict:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except MemoryError:
         return {"error": "memory", "message": "it ran out of the memory it may use"}
     except Exception as e:   # (the template's own errors: jinja2's TemplateError, raise_exception, a RecursionError)
@@ -66,7 +66,8 @@ def main() -> None:
         frame = read_frame(stdin)
         if frame is None:
             return
-        reply = render(tokenizer, json.loads(frame)["messages"], max_chars)
+        request = json.loads(frame)
+        reply = render(tokenizer, request["messages"], max_chars, request["add_generation_prompt"])
         write_frame(stdout, json.dumps(reply, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 

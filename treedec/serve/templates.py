@@ -69,11 +69,13 @@ class ChatTemplateRenderer:
         self._lock = threading.Lock()
         self._closed = False
 
-    def render(self, messages: list[dict]) -> str:
-        """The template's text for ``messages`` (with the generation prompt), as ``apply_chat_template(messages,
-        add_generation_prompt=True, tokenize=False)`` gives it; :class:`~treedec.models.text.ChatTemplateError` when
-        the template raises, runs past ``timeout``, outgrows its memory or its text exceeds ``max_chars``."""
-        request = json.dumps({"messages": messages}, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The template's text for ``messages`` (with the generation prompt unless ``add_generation_prompt`` is
+        False), as ``apply_chat_template(messages, add_generation_prompt=..., tokenize=False)`` gives it;
+        :class:`~treedec.models.text.ChatTemplateError` when the template raises, runs past ``timeout``, outgrows
+        its memory or its text exceeds ``max_chars``."""
+        request = json.dumps({"messages": messages, "add_generation_prompt": bool(add_generation_prompt)},
+                             ensure_ascii=False).encode("utf-8", "surrogatepass")
         worker = self._idle.get()
         try:
             if self._closed:
