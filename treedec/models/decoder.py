@@ -26,8 +26,9 @@ from treedec.checks import is_int
 from treedec.models.base import Attend, ForwardOutput
 from treedec.models.config import ModelConfig
 from treedec.models.layers import DecoderLayer, PointwiseOps, RMSNorm, SoftCappedLinear
+from treedec.models.linear import Linear
 from treedec.models.rope import rope_attention_scale, rope_cos_sin, rope_inv_freq
-from treedec.models.tensor_parallel import RowParallelLinear, TensorParallel, VocabParallelHead, shard_config
+from treedec.models.tensor_parallel import TensorParallel, VocabParallelHead, shard_config
 
 __all__ = ["Decoder"]
 
@@ -74,18 +75,14 @@ class Decoder(nn.Module):
         self.eos_token_ids: tuple[int, ...] = ()
         c = self.config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, tp) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         if tp is not None:
-            for layer in self.layers:
-                for name, bias in (("o_proj", config.o_bias), ("down_proj", config.mlp_bias)):
-                    old = getattr(layer, name)
-                    setattr(layer, name, RowParallelLinear(old.in_features, old.out_features, bias, tp, dtype))
             self.lm_head = VocabParallelHead(c.hidden_size, c.vocab_size, tp, dtype, c.final_logit_softcap)
         elif c.final_logit_softcap is not None:
             self.lm_head = SoftCappedLinear(c.hidden_size, c.vocab_size, c.final_logit_softcap, dtype=dtype)
         else:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype)
         self._rope_of_layer = tuple(c.layer_rope(i) for i in range(c.num_layers))
         self.ops = PointwiseOps()
         self.init_buffers()
