@@ -12,12 +12,15 @@ import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.config import ModelConfig
 from treedec.models.hf_config import quantized_message
-from treedec.models.registry import weight_shapes
+from treedec.models.registry import CheckpointTensor, checkpoint_tensors, weight_shapes
+
+if TYPE_CHECKING:   # (annotations only)
+    from treedec.models.quantization import Quantization
 
 #: Tensors some checkpoints carry that the decoder recomputes or does not use.
 IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -55,11 +58,24 @@ def hf_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]
             yield f"model.layers.{i}.{suffix}", shape
 
 
+def all_checkpoint_tensors(config: ModelConfig, quantization: Quantization | None = None
+                           ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(Hugging Face name, :class:`~treedec.models.registry.CheckpointTensor`) of every tensor ``config``'s
+    checkpoint holds (quantized by ``quantization``: fp8 weights with their scales), layer by layer, lazily."""
+    global_tensors, layer = checkpoint_tensors(config, quantization)
+    yield from global_tensors.items()
+    for i in range(config.num_layers):
+        for suffix, t in layer.items():
+            yield f"model.layers.{i}.{suffix}", t.at(i)
+
+
 def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, dtypes: tuple[str, ...],
-                         source: str, shown: Callable[[str], str] = str) -> None:
+                         source: str, shown: Callable[[str], str] = str,
+                         quantization: Quantization | None = None) -> None:
     """Check ``headers`` (Hugging Face name -> header) against ``config``: every tensor it needs once,
-    of its shape and one of ``dtypes``; none it does not use (but :data:`IGNORED_TENSORS` and a tied
-    ``lm_head.weight``).
+    of its shape and one of ``dtypes`` (a quantized projection's tensors: of the dtypes its method reads,
+    fp8 weights and their scales with ``quantization``); none it does not use (but :data:`IGNORED_TENSORS`
+    and a tied ``lm_head.weight``).
 
     ``source`` (the checkpoint) leads the messages about the whole set; ``shown(name)`` is how the
     file names a tensor (GGUF's names differ).
@@ -71,27 +87,30 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
     """
     unexpected, found = [], 0
     try:
-        global_shapes, layer = weight_shapes(config)
+        global_tensors, layer = checkpoint_tensors(config, quantization)
     except CheckpointError as e:   # sizes no tensor can have
         raise CheckpointError(f"{source}: {e}") from None
     for name, header in headers.items():
-        shape = _tensor_shape(global_shapes, layer, config.num_layers, name)
-        if shape is None:
+        tensor = _tensor(global_tensors, layer, config.num_layers, name)
+        if tensor is None:
             if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                 unexpected.append(shown(name))
             continue
-        if header.dtype not in dtypes:
+        allowed = dtypes if tensor.dtypes is None else tuple(str(d) for d in tensor.dtypes)
+        if header.dtype not in allowed:
             raise CheckpointError(f"{header.file}: tensor {shown(name)} has dtype {header.dtype}, expected one of "
-                                  f"{list(dtypes)}")
-        if header.shape != shape:
+                                  f"{list(allowed)}")
+        if header.shape not in tensor.shapes:
+            expected = tensor.shapes[0] if len(tensor.shapes) == 1 else " or ".join(map(str, tensor.shapes))
             raise CheckpointError(f"{header.file}: checkpoint tensor {shown(name)} has shape {header.shape}, "
-                                  f"expected {shape} for the config {config}")
+                                  f"expected {expected} for the config {config}")
         found += 1
     if unexpected:
         raise unused_tensors_error(source, unexpected)
-    needed = len(global_shapes) + config.num_layers * len(layer)
+    needed = len(global_tensors) + config.num_layers * len(layer)
     if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
-        missing = itertools.islice((shown(n) for n, _ in hf_tensor_shapes(config) if n not in headers), 5)
+        missing = itertools.islice((shown(n) for n, _ in all_checkpoint_tensors(config, quantization)
+                                    if n not in headers), 5)
         raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
                               f"{list(missing)}")
 
@@ -134,9 +153,9 @@ def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
 # ===================================================================== private
 
 
-def _tensor_shape(global_shapes: dict, layer: dict, num_layers: int, name: str) -> tuple[int, ...] | None:
-    """The shape of tensor ``name`` in the checkpoint; None for a name it does not hold."""
+def _tensor(global_tensors: dict, layer: dict, num_layers: int, name: str) -> CheckpointTensor | None:
+    """The checkpoint tensor ``name``; None for a name the checkpoint does not hold."""
     m = _LAYER.fullmatch(name)
     if m is None:
-        return global_shapes.get(name)
+        return global_tensors.get(name)
     return layer.get(m[2]) if int(m[1]) < num_layers else None

@@ -32,12 +32,10 @@ from treedec.errors import CheckpointError
 if TYPE_CHECKING:   # (annotations only)
     from treedec.models.tensor_parallel import TensorParallel
 
-__all__ = ["FLOAT_DTYPES", "MODES", "Linear", "LinearMethod", "TensorSpec", "UNQUANTIZED", "Unquantized"]
+__all__ = ["MODES", "Linear", "LinearMethod", "TensorSpec", "UNQUANTIZED", "Unquantized"]
 
 #: The tensor-parallel modes of a :class:`Linear`.
 MODES = ("replicated", "column", "row")
-#: Dtypes an unquantized checkpoint tensor may have (a copy converts to the model's).
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -47,13 +45,13 @@ class TensorSpec:
     Attributes
     ----------
     shapes : the shapes it may have (a per-tensor scale is ``()`` in some formats, ``(1,)`` in others).
-    dtypes : the dtypes it may have.
+    dtypes : the dtypes it may have; None: a float weight, of any dtype the loader reads (a copy converts).
     per_row : its first dim is the layer's output rows (cut with them by tensor parallelism); else it is
         whole on every rank (a per-tensor scale, an input scale).
     """
 
     shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
+    dtypes: tuple[torch.dtype, ...] | None
     per_row: bool
 
 
@@ -99,7 +97,7 @@ class Unquantized:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype))
 
     def checkpoint_tensors(self, rows: int, cols: int) -> dict[str, TensorSpec]:
-        return {"weight": TensorSpec(((rows, cols),), FLOAT_DTYPES, per_row=True)}
+        return {"weight": TensorSpec(((rows, cols),), None, per_row=True)}
 
     def load(self, layer: "Linear", suffix: str, tensor: torch.Tensor, rows: slice, name: str, file: str) -> None:
         layer.weight[rows].copy_(tensor)
@@ -133,6 +131,7 @@ class Linear(nn.Module):
 
     Attributes
     ----------
+    dtype : the model dtype (the activations', the bias's; an unquantized weight's).
     weight : ``[out_features, in_features]``, in the method's storage dtype; ``bias`` ``[out_features]`` or None.
     path : the compute path :meth:`LinearMethod.finish` chose (``"F.linear"``, ``"torch._scaled_mm"``,
         ``"de-quantize + F.linear"``), or None before loading.
@@ -152,6 +151,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.mode, self.shards = in_features, out_features, mode, shards
         self.tp = tensor_parallel if mode == "row" else None
         self.path: str | None = None
+        self.dtype = torch.get_default_dtype() if dtype is None else dtype
         self.method = method
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
