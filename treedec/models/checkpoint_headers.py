@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.config import ModelConfig
+from treedec.models.checkpoint_layout import CheckpointLayout, CheckpointTensor, weight_shapes
 from treedec.models.hf_config import quantized_message
-from treedec.models.registry import CheckpointTensor, checkpoint_tensors, weight_shapes
 
 if TYPE_CHECKING:   # (annotations only)
     from treedec.models.quantization import Quantization
@@ -60,13 +60,10 @@ def hf_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]
 
 def all_checkpoint_tensors(config: ModelConfig, quantization: Quantization | None = None
                            ) -> Iterator[tuple[str, CheckpointTensor]]:
-    """(Hugging Face name, :class:`~treedec.models.registry.CheckpointTensor`) of every tensor ``config``'s
-    checkpoint holds (quantized by ``quantization``: fp8 weights with their scales), layer by layer, lazily."""
-    global_tensors, layer = checkpoint_tensors(config, quantization)
-    yield from global_tensors.items()
-    for i in range(config.num_layers):
-        for suffix, t in layer.items():
-            yield f"model.layers.{i}.{suffix}", t.at(i)
+    """(Hugging Face name, :class:`~treedec.models.checkpoint_layout.CheckpointTensor`) of every tensor
+    ``config``'s checkpoint holds (quantized by ``quantization``: fp8 weights with their scales), layer by layer,
+    lazily."""
+    yield from CheckpointLayout(config, quantization)
 
 
 def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, dtypes: tuple[str, ...],
@@ -87,11 +84,12 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
     """
     unexpected, found = [], 0
     try:
-        global_tensors, layer = checkpoint_tensors(config, quantization)
+        layout = CheckpointLayout(config, quantization)
     except CheckpointError as e:   # sizes no tensor can have
         raise CheckpointError(f"{source}: {e}") from None
     for name, header in headers.items():
-        tensor = _tensor(global_tensors, layer, config.num_layers, name)
+        m = _LAYER.fullmatch(name)
+        tensor = layout.get(name, None, "") if m is None else layout.get(name, int(m[1]), m[2])
         if tensor is None:
             if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                 unexpected.append(shown(name))
@@ -106,20 +104,24 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
                                   f"expected {expected} for the config {config}")
         found += 1
     if unexpected:
-        raise unused_tensors_error(source, unexpected)
-    needed = len(global_tensors) + config.num_layers * len(layer)
-    if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
-        missing = itertools.islice((shown(n) for n, _ in all_checkpoint_tensors(config, quantization)
-                                    if n not in headers), 5)
-        raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
-                              f"{list(missing)}")
+        raise unused_tensors_error(source, unexpected, quantization)
+    if layout.has_more_than(found):   # the first few missing: a walk no longer than the files' tensors and five more
+        missing = list(itertools.islice((shown(n) for n, _ in layout if n not in headers), 5))
+        raise CheckpointError(f"{source}: the checkpoint lacks {_missing_count(layout, found)} tensor(s) the config "
+                              f"needs, e.g. {missing}")
 
 
-def unused_tensors_error(source: str, unexpected: list[str]) -> CheckpointError | UnsupportedModelError:
+def unused_tensors_error(source: str, unexpected: list[str], quantization: Quantization | None = None
+                         ) -> CheckpointError | UnsupportedModelError:
     """The error for a checkpoint's tensors the decoder does not use: :class:`UnsupportedModelError` when they
-    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...),
-    else CheckpointError (another architecture's tensors, or stray ones)."""
+    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...) of a
+    checkpoint read as float (no ``quantization``), else CheckpointError (another architecture's tensors, stray
+    ones, the scales of a layer the quantization leaves unquantized)."""
     quantized = [name for name in unexpected if _QUANTIZED.search(name)]
+    if quantized and quantization is not None:
+        return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                               f"e.g. {unexpected[:5]} (scales of a layer the {quantization.format}'s "
+                               f"quantization_config leaves unquantized?)")
     if quantized:
         return UnsupportedModelError(f"{source}: {quantized_message(f'its tensors ({quantized[:3]})', None)}")
     return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
@@ -153,9 +155,11 @@ def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
 # ===================================================================== private
 
 
-def _tensor(global_tensors: dict, layer: dict, num_layers: int, name: str) -> CheckpointTensor | None:
-    """The checkpoint tensor ``name``; None for a name the checkpoint does not hold."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        return global_tensors.get(name)
-    return layer.get(m[2]) if int(m[1]) < num_layers else None
+def _missing_count(layout: CheckpointLayout, found: int) -> str:
+    """How many tensors a checkpoint of ``found`` lacks, in words: a product for a float checkpoint (its layers'
+    tensors are alike), else counted over the layers (up to a million past ``found``: a walk that ends)."""
+    c = layout.config
+    if layout.quantization is None:
+        return str(len(layout.globals) + c.num_layers * len(layout.layer(0)) - found)
+    limit = found + 1_000_000
+    return f"over {limit - found}" if layout.has_more_than(limit) else str(sum(1 for _ in layout) - found)

@@ -17,7 +17,8 @@ from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
 from treedec.models.fp8 import DEQUANTIZE
 from treedec.models.linear import Linear
-from treedec.models.registry import CheckpointTensor, build, weight_map
+from treedec.models.checkpoint_layout import CheckpointTensor
+from treedec.models.registry import build, weight_map
 from treedec.models.tensor_parallel import rank_pieces
 from treedec.models.weights import Split
 
@@ -107,7 +108,7 @@ def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, s
                 params[t.param][t.row_slice()].copy_(tensor)
             seen[name] = file
     if unexpected:
-        raise unused_tensors_error(source, unexpected)
+        raise unused_tensors_error(source, unexpected, model.quantization)
     missing = sorted(set(targets) - set(seen))
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "

@@ -36,6 +36,7 @@ __all__ = ["QUANTIZATIONS", "Quantization", "quantize_on_load", "read_quantizati
 QUANTIZATIONS = ("fp8",)
 FIELD = "field 'quantization_config'"
 _LINEAR_WEIGHT = re.compile(r"(.+)\.weight")
+_LAYER_MODULE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,19 @@ class Quantization:
 
     def methods(self, weights: WeightMap) -> Callable[[str], LinearMethod]:
         """treedec projection name (``layers.3.qkv_proj``, ``lm_head``) -> its method, from the checkpoint modules
-        the weight map fills it from. UnsupportedModelError when those disagree (a fused projection half
-        ignored) or the LM head would be quantized."""
+        the weight map fills it from (read from its templates: no walk over the layers). UnsupportedModelError
+        when those disagree (a fused projection half ignored) or the LM head would be quantized."""
         modules: dict[str, list[str]] = {}
-        for w in weights:
+        for w in (*weights.globals, *weights.layer):
             m, h = _LINEAR_WEIGHT.fullmatch(w.param), _LINEAR_WEIGHT.fullmatch(w.hf)
             if m is not None and h is not None:
                 modules.setdefault(m[1], []).append(h[1])
 
         def method(name: str) -> LinearMethod:
-            found = {module: self.method_of(module) for module in modules.get(name, ())}
+            layer = _LAYER_MODULE.fullmatch(name)
+            key = name if layer is None else f"layers.{{i}}.{layer[2]}"
+            found = {hf if layer is None else hf.format(i=layer[1]): None for hf in modules.get(key, ())}
+            found = {hf: self.method_of(hf) for hf in found}
             if len(set(found.values())) > 1:
                 raise UnsupportedModelError(f"the {self.format} quantizes some of {sorted(found)} and not the others; "
                                             f"treedec fuses them into one projection ({name})")

@@ -9,25 +9,22 @@ has its tests.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from treedec.errors import CheckpointError, UnsupportedModelError
+from treedec.errors import UnsupportedModelError
 from treedec.models import gemma, llama, phi3, qwen3
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
 from treedec.models.family import Family
-from treedec.models.linear import Linear
-from treedec.models.weights import Split, WeightMap
+from treedec.models.weights import WeightMap
 
 if TYPE_CHECKING:   # (annotations only)
     from treedec.models.quantization import Quantization
 
-__all__ = ["FAMILIES", "CheckpointTensor", "build", "config_from_hf", "family_of", "gguf_architectures", "supported", "to_hf_config",
-           "weight_map", "weight_shapes"]
+__all__ = ["FAMILIES", "build", "config_from_hf", "family_of", "gguf_architectures", "supported", "to_hf_config",
+           "weight_map"]
 
 #: The families, one line each.
 FAMILIES: tuple[Family, ...] = (
@@ -103,77 +100,3 @@ def build(config: ModelConfig, dtype: torch.dtype | None = None, tensor_parallel
     _family(config)
     weights = None if quantization is None else weight_map(config)
     return Decoder(config, dtype, tensor_parallel, quantization, weights)
-
-
-@dataclass(frozen=True)
-class CheckpointTensor:
-    """A tensor a checkpoint holds, and where it goes.
-
-    Attributes
-    ----------
-    param : the treedec tensor it fills (``layers.{i}.qkv_proj.weight``, ``...weight_scale``).
-    rows : ``(start, stop)`` rows of it (a fused part), or None for all.
-    shapes : the shapes it may have in the checkpoint (one, but for a per-tensor scale: ``()`` or ``(1,)``).
-    dtypes : the dtypes it may have, or None: a float tensor of any dtype the loader reads.
-    split : how tensor parallelism cuts it (None: whole on every rank).
-    """
-
-    param: str
-    rows: tuple[int, int] | None
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...] | None
-    split: Split | None
-
-    def row_slice(self) -> slice:
-        """:attr:`rows` as a slice of :attr:`param`."""
-        return slice(None) if self.rows is None else slice(*self.rows)
-
-    def at(self, layer: int) -> "CheckpointTensor":
-        """The tensor of layer ``layer`` (one of :func:`checkpoint_tensors`' layer tensors, which name layer 0)."""
-        head = "layers.0."
-        if not self.param.startswith(head):
-            return self
-        return dataclasses.replace(self, param=f"layers.{layer}.{self.param[len(head):]}")
-
-
-def checkpoint_tensors(config: ModelConfig, quantization: Quantization | None = None
-                       ) -> tuple[dict[str, CheckpointTensor], dict[str, CheckpointTensor]]:
-    """``(global, layer)``: every global checkpoint tensor by name, and one layer's by its name after
-    ``model.layers.{i}.`` (params with ``{i}``), read from the model itself built on the meta device with one
-    layer (every layer has the same shapes): the weight map's tensors, each projection's as its method reads
-    them (:meth:`~treedec.models.linear.LinearMethod.checkpoint_tensors`: an fp8 weight's scales too)."""
-    one = dataclasses.replace(config, num_layers=1, layer_types=None if config.layer_types is None else
-                              config.layer_types[:1])
-    try:
-        with torch.device("meta"):
-            model = build(one, quantization=quantization)
-    except RuntimeError as e:   # a size past what any tensor can hold (torch: "Storage size calculation overflowed")
-        raise CheckpointError(f"the config's sizes make tensors too large to exist (hidden_size {config.hidden_size}, "
-                              f"intermediate_size {config.intermediate_size}, vocab_size {config.vocab_size}, heads "
-                              f"{config.num_heads} x head_dim {config.head_dim}: {str(e)[:80]})") from None
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    weights = weight_map(one)
-    tensors: dict[str, CheckpointTensor] = {}
-    for w in weights:
-        module, _, kind = w.param.rpartition(".")
-        linear = modules.get(module)
-        shape = tuple(params[w.param][w.row_slice()].shape)
-        if not (isinstance(linear, Linear) and kind == "weight"):
-            tensors[w.hf] = CheckpointTensor(w.param, w.rows, (shape,), None, w.split)
-            continue
-        base = w.hf[:-len("weight")]
-        for suffix, spec in linear.method.checkpoint_tensors(*shape).items():
-            tensors[base + suffix] = CheckpointTensor(f"{module}.{suffix}", w.rows, spec.shapes, spec.dtypes,
-                                                      w.split if spec.per_row else None)
-    prefix = "model.layers.0."
-    layer = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-    return {name: t for name, t in tensors.items() if not name.startswith(prefix)}, layer
-
-
-def weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """``(global, layer)``: the shape of every global checkpoint tensor of the unquantized model by name, and of
-    one layer's by its name after ``model.layers.{i}.`` (:func:`checkpoint_tensors`' shapes)."""
-    global_tensors, layer = checkpoint_tensors(config)
-    return ({name: t.shapes[0] for name, t in global_tensors.items()},
-            {name: t.shapes[0] for name, t in layer.items()})
