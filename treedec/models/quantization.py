@@ -76,8 +76,8 @@ class Quantization:
         def method(name: str) -> LinearMethod:
             layer = _LAYER_MODULE.fullmatch(name)
             key = name if layer is None else f"layers.{{i}}.{layer[2]}"
-            found = {hf if layer is None else hf.format(i=layer[1]): None for hf in modules.get(key, ())}
-            found = {hf: self.method_of(hf) for hf in found}
+            names = [hf if layer is None else hf.format(i=layer[1]) for hf in modules.get(key, ())]
+            found = {hf: self.method_of(hf) for hf in names}
             if len(set(found.values())) > 1:
                 raise UnsupportedModelError(f"the {self.format} quantizes some of {sorted(found)} and not the others; "
                                             f"treedec fuses them into one projection ({name})")
