@@ -283,13 +283,13 @@ def test_string_dtypes(name, expected, monkeypatch):
     """Was: dtype="bfloat16" failed (torch dtypes only). vLLM's names (and "auto": fp32 on the CPU)."""
     seen = {}
 
-    def load(model, dtype, device):
-        seen.update(dtype=dtype, device=device)
+    def load(model, dtype, device, quantization):
+        seen.update(dtype=dtype, device=device, quantization=quantization)
         return tiny_model()
     monkeypatch.setattr("treedec.llm.from_pretrained", load)
     monkeypatch.setattr("treedec.llm.load_tokenizer", lambda name: None)
     LLM("some-model", dtype=name, device="cpu", kv_tokens=64, backend="torch")
-    assert seen == {"dtype": expected, "device": "cpu"}
+    assert seen == {"dtype": expected, "device": "cpu", "quantization": None}
 
 
 def test_max_model_len_bounds_requests_and_sizes_the_cpu_pool():

@@ -33,6 +33,7 @@ from treedec.checks import describe, is_int, nonnegative_int, positive_int
 from treedec.engine import Engine
 from treedec.engine.pool_sizing import cpu_pool_tokens
 from treedec.models import Decoder, DecoderModel, from_pretrained
+from treedec.models.quantization import quantize_on_load
 from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.programs import BeamSearchResult, generate_batch
 from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
@@ -170,6 +171,9 @@ class LLM:
     page_size : tokens per KV page.
     backend : tree attention's backend (``"auto"`` reports what it chose: ``llm.engine.attn.backend_reason``).
     cuda_graphs : capture decode steps as CUDA graphs (default: on a GPU).
+    quantization : None, or ``"fp8"`` (vLLM's name): quantize a float checkpoint's projections to fp8 e4m3 when
+        loading (a model given by name only; an FP8 checkpoint loads as fp8 without it). See
+        :func:`~treedec.models.from_pretrained`; ``llm.model.linear_paths()`` says which compute path runs.
 
     Raises
     ------
@@ -182,9 +186,12 @@ class LLM:
                  dtype: str | torch.dtype | None = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, speculative_config: SpeculativeConfig | Mapping | None = None,
                  enable_prefix_caching: bool = False, device: str | None = None, kv_tokens: int | None = None,
-                 page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None, **unknown):
+                 page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None,
+                 quantization: str | None = None, **unknown):
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
+        if quantization is not None:
+            quantize_on_load(quantization)   # (a bad name is refused before the weights load)
         speculative_config = _speculative_config(speculative_config)
         positive_int("tensor_parallel_size", tensor_parallel_size)
         dtype = _dtype(dtype)
@@ -201,15 +208,16 @@ class LLM:
             raise TypeError(f"tokenizer must be a tokenizer name or folder, or a tokenizer with encode() and decode() "
                             f"(e.g. load_tokenizer(...)), got {describe(tokenizer)}")
         if isinstance(model, Decoder):   # (every family's model; a protocol's isinstance misses nn.Module members)
-            if device is not None or dtype is not None:
-                raise ValueError(f"device and dtype place a model loaded by name; a loaded model keeps its own "
-                                 f"({model.device}, {model.dtype}): move it first, or give its name")
+            if device is not None or dtype is not None or quantization is not None:
+                raise ValueError(f"device, dtype and quantization apply to a model loaded by name; a loaded model "
+                                 f"keeps its own ({model.device}, {model.dtype}): move it first, or give its name")
             self.model, self.name = model, type(model).__name__
         elif isinstance(model, (str, Path)):
             _check_tensor_parallel(None, tensor_parallel_size)   # before the weights load
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-            self.model, self.name = from_pretrained(model, dtype=dtype, device=device), str(model)
+            self.model = from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
+            self.name = str(model)
             if tokenizer is None:
                 tokenizer = model
         else:

@@ -168,3 +168,21 @@ def test_the_cpu_pool_is_sized_from_the_request_and_said(checkpoint, capsys):
     assert main(BASE + ["--model", str(checkpoint), "--prompt", "the quick brown fox", "--max-tokens", "8",
                         "--kv-tokens", "1024"]) == 0
     assert "KV pool" not in capsys.readouterr().err   # (what the user set is not said again)
+
+
+def test_quantization_fp8_gives_the_library_s_fp8_tokens(checkpoint, caplog, tmp_path):
+    """``--quantization fp8`` loads the model as ``from_pretrained(..., quantization="fp8")`` does (the same greedy
+    tokens); the CPU's de-quantized path is said (a warning of logger treedec)."""
+    out = tmp_path / "r.jsonl"
+    assert main(BASE + ["--model", str(checkpoint), "--prompt", "the quick brown fox", "--no-chat-template",
+                        "--max-tokens", "6", "--out", str(out), "--quantization", "fp8"]) == 0
+    [result] = [json.loads(line) for line in out.read_text().splitlines()]
+    tokenizer = load_tokenizer(checkpoint)
+    model = from_pretrained(checkpoint, dtype=torch.float32, device="cpu", quantization="fp8")
+    prompt = encode_prompt(tokenizer, "the quick brown fox", False)
+    [expected], _ = generate_batch(Engine(model, kv_tokens=1024, backend="torch"),
+                                   [RequestSpec(0, prompt_ids=tuple(prompt),
+                                                params=SamplingParams(temperature=0, max_tokens=6))], tokenizer)
+    assert result["output_ids"] == expected.output_ids
+    assert any(r.levelname == "WARNING" and "8 projection(s) by de-quantize + F.linear" in r.getMessage()
+               for r in caplog.records)

@@ -344,7 +344,8 @@ def test_a_quantized_checkpoint_is_refused_as_one(saved, tmp_path, no_allocation
     config = edit_config(root, quantization_config=AWQ)
     with pytest.raises(UnsupportedModelError, match=f"{config}: field 'quantization_config' says the weights are "
                                                     f"quantized with 'awq': a quantized \\(AWQ, GPTQ, .*\\) checkpoint, "
-                                                    f"which treedec does not load \\(yet: fp8 weights are issue #52\\)"):
+                                                    f"which treedec does not load; it loads float32, float16 and "
+                                                    f"bfloat16 weights and fp8 checkpoints"):
         from_pretrained(root, device="cpu")
     edit_config(root, quantization_config=...)   # the tensors alone say it
     with pytest.raises(UnsupportedModelError, match=f"{root}: its tensors .*qweight.* says the weights are quantized: "
@@ -353,11 +354,12 @@ def test_a_quantized_checkpoint_is_refused_as_one(saved, tmp_path, no_allocation
 
 
 def test_a_quantization_config_over_plain_weights_is_refused(saved, tmp_path, no_allocation):
-    """The weights load, but the config says they are not what they seem: refused, not loaded silently."""
+    """The weights load, but the config says they are fp8: refused by the header check, naming a tensor, not
+    loaded silently."""
     root = copy_of(saved, tmp_path)
     edit_config(root, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(UnsupportedModelError, match="field 'quantization_config' says the weights are quantized "
-                                                    "with 'fp8'"):
+    with pytest.raises(CheckpointError, match="tensor model.layers.0.* has dtype torch.float32, expected one of "
+                                              "\\['torch.float8_e4m3fn'\\]"):
         from_pretrained(root, device="cpu")
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from treedec.errors import UnsupportedModelError
 from treedec.models import FAMILIES, MODEL_SIZES, ModelConfig
-from treedec.models.registry import family_of, gguf_architectures, weight_map, weight_shapes
+from treedec.models.checkpoint_layout import weight_shapes
+from treedec.models.registry import family_of, gguf_architectures, weight_map
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,6 +24,7 @@ from treedec.attention import PLANNERS
 from treedec.attention.backends import AUTO, backend_names
 from treedec.models.catalog import KNOWN_MODELS, model_form
 from treedec.models.config import MODEL_SIZES
+from treedec.models.quantization import QUANTIZATIONS
 from treedec.workloads import WORKLOADS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -289,13 +290,22 @@ MODEL_HELP = (f"a known name ({', '.join(KNOWN_MODELS)}: fetched and converted o
 
 def add_model_arguments(p, model_help: str = MODEL_HELP,
                         config_help: str = "a named model size with random weights (default: tiny, on the CPU)") -> None:
-    """``--model`` or ``--config``, ``--device`` and ``--dtype``: what :func:`load_model` reads."""
+    """``--model`` or ``--config``, ``--device``, ``--dtype`` and ``--quantization``: what :func:`load_model`
+    reads."""
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", type=model_arg, help=model_help)
     model.add_argument("--config", type=model_size, help=f"{config_help}; one of {', '.join(MODEL_SIZES)}")
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default: cpu for the tiny default, else "
                                                      "cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    add_quantization_argument(p)
+
+
+def add_quantization_argument(p) -> None:
+    """``--quantization``: quantize the model's projections when loading (vLLM's flag)."""
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="quantize a float checkpoint's projections when loading: fp8 (e4m3, a scale per output row; "
+                        "the LM head stays in --dtype); an FP8 checkpoint loads as fp8 without it")
 
 
 def model_device(args: argparse.Namespace) -> torch.device:
@@ -324,5 +334,6 @@ def load_model(args: argparse.Namespace):
         resolved = resolve_model(args.model)
         if resolved.form != "folder":
             print(f"model: {resolved.describe()}", file=sys.stderr)
-        return from_pretrained(resolved, dtype=dtype, device=device), args.model
-    return from_config(name, seed=args.seed, dtype=dtype, device=device), f"{name} (random weights)"
+        return from_pretrained(resolved, dtype=dtype, device=device, quantization=args.quantization), args.model
+    return (from_config(name, seed=args.seed, dtype=dtype, device=device, quantization=args.quantization),
+            f"{name} (random weights)")

@@ -24,8 +24,8 @@ import signal
 import sys
 from pathlib import Path
 
-from treedec.commands.args import (DTYPES, choice_arg, device_arg, model_arg, model_size, positive_float,
-                                   positive_int, unit_fraction)
+from treedec.commands.args import (DTYPES, add_quantization_argument, choice_arg, device_arg, model_arg, model_size,
+                                   positive_float, positive_int, unit_fraction)
 from treedec.models.config import MODEL_SIZES
 
 #: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
@@ -59,6 +59,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the name requests give as 'model' (default the --model argument)")
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
+    add_quantization_argument(p)
     p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what "
                    "--gpu-memory-utilization of the free GPU memory holds; on the CPU one request of --max-model-len, "
                    "at most 32768)")
@@ -163,12 +164,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.config is not None:   # random weights, placed here (LLM places only models it loads by name)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = from_config(args.config, seed=args.seed, device=device,
-                            dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
+                            dtype=dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
+                            quantization=args.quantization)
         llm = LLM(model, args.tokenizer, kv_tokens=args.kv_tokens, page_size=args.page_size,
                   speculative_config=speculative, **sizes)
     else:
         llm = LLM(args.model, args.tokenizer, device=args.device, dtype=dtype, kv_tokens=args.kv_tokens,
-                  page_size=args.page_size, speculative_config=speculative, **sizes)
+                  page_size=args.page_size, speculative_config=speculative, quantization=args.quantization, **sizes)
     if template is not None:
         llm.tokenizer.chat_template = template
     name = args.served_model_name or args.model or args.config

@@ -12,12 +12,15 @@ import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.config import ModelConfig
+from treedec.models.checkpoint_layout import CheckpointLayout, CheckpointTensor, weight_shapes
 from treedec.models.hf_config import quantized_message
-from treedec.models.registry import weight_shapes
+
+if TYPE_CHECKING:   # (annotations only)
+    from treedec.models.quantization import Quantization
 
 #: Tensors some checkpoints carry that the decoder recomputes or does not use.
 IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -55,11 +58,21 @@ def hf_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]
             yield f"model.layers.{i}.{suffix}", shape
 
 
+def all_checkpoint_tensors(config: ModelConfig, quantization: Quantization | None = None
+                           ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(Hugging Face name, :class:`~treedec.models.checkpoint_layout.CheckpointTensor`) of every tensor
+    ``config``'s checkpoint holds (quantized by ``quantization``: fp8 weights with their scales), layer by layer,
+    lazily."""
+    yield from CheckpointLayout(config, quantization)
+
+
 def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, dtypes: tuple[str, ...],
-                         source: str, shown: Callable[[str], str] = str) -> None:
+                         source: str, shown: Callable[[str], str] = str,
+                         quantization: Quantization | None = None) -> None:
     """Check ``headers`` (Hugging Face name -> header) against ``config``: every tensor it needs once,
-    of its shape and one of ``dtypes``; none it does not use (but :data:`IGNORED_TENSORS` and a tied
-    ``lm_head.weight``).
+    of its shape and one of ``dtypes`` (a quantized projection's tensors: of the dtypes its method reads,
+    fp8 weights and their scales with ``quantization``); none it does not use (but :data:`IGNORED_TENSORS`
+    and a tied ``lm_head.weight``).
 
     ``source`` (the checkpoint) leads the messages about the whole set; ``shown(name)`` is how the
     file names a tensor (GGUF's names differ).
@@ -71,36 +84,44 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
     """
     unexpected, found = [], 0
     try:
-        global_shapes, layer = weight_shapes(config)
+        layout = CheckpointLayout(config, quantization)
     except CheckpointError as e:   # sizes no tensor can have
         raise CheckpointError(f"{source}: {e}") from None
     for name, header in headers.items():
-        shape = _tensor_shape(global_shapes, layer, config.num_layers, name)
-        if shape is None:
+        m = _LAYER.fullmatch(name)
+        tensor = layout.get(name, None, "") if m is None else layout.get(name, int(m[1]), m[2])
+        if tensor is None:
             if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                 unexpected.append(shown(name))
             continue
-        if header.dtype not in dtypes:
+        allowed = dtypes if tensor.dtypes is None else tuple(str(d) for d in tensor.dtypes)
+        if header.dtype not in allowed:
             raise CheckpointError(f"{header.file}: tensor {shown(name)} has dtype {header.dtype}, expected one of "
-                                  f"{list(dtypes)}")
-        if header.shape != shape:
+                                  f"{list(allowed)}")
+        if header.shape not in tensor.shapes:
+            expected = tensor.shapes[0] if len(tensor.shapes) == 1 else " or ".join(map(str, tensor.shapes))
             raise CheckpointError(f"{header.file}: checkpoint tensor {shown(name)} has shape {header.shape}, "
-                                  f"expected {shape} for the config {config}")
+                                  f"expected {expected} for the config {config}")
         found += 1
     if unexpected:
-        raise unused_tensors_error(source, unexpected)
-    needed = len(global_shapes) + config.num_layers * len(layer)
-    if found < needed:   # the first few missing: a walk no longer than the files' tensors and five more
-        missing = itertools.islice((shown(n) for n, _ in hf_tensor_shapes(config) if n not in headers), 5)
-        raise CheckpointError(f"{source}: the checkpoint lacks {needed - found} tensor(s) the config needs, e.g. "
-                              f"{list(missing)}")
+        raise unused_tensors_error(source, unexpected, quantization)
+    if layout.has_more_than(found):   # the first few missing: a walk no longer than the files' tensors and five more
+        missing = list(itertools.islice((shown(n) for n, _ in layout if n not in headers), 5))
+        raise CheckpointError(f"{source}: the checkpoint lacks {_missing_count(layout, found)} tensor(s) the config "
+                              f"needs, e.g. {missing}")
 
 
-def unused_tensors_error(source: str, unexpected: list[str]) -> CheckpointError | UnsupportedModelError:
+def unused_tensors_error(source: str, unexpected: list[str], quantization: Quantization | None = None
+                         ) -> CheckpointError | UnsupportedModelError:
     """The error for a checkpoint's tensors the decoder does not use: :class:`UnsupportedModelError` when they
-    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...),
-    else CheckpointError (another architecture's tensors, or stray ones)."""
+    are quantized weights' parts (AWQ/GPTQ ``qweight``, ``qzeros``, ``scales``; fp8 ``weight_scale``; ...) of a
+    checkpoint read as float (no ``quantization``), else CheckpointError (another architecture's tensors, stray
+    ones, the scales of a layer the quantization leaves unquantized)."""
     quantized = [name for name in unexpected if _QUANTIZED.search(name)]
+    if quantized and quantization is not None:
+        return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
+                               f"e.g. {unexpected[:5]} (scales of a layer the {quantization.format}'s "
+                               f"quantization_config leaves unquantized?)")
     if quantized:
         return UnsupportedModelError(f"{source}: {quantized_message(f'its tensors ({quantized[:3]})', None)}")
     return CheckpointError(f"{source}: the checkpoint has {len(unexpected)} tensor(s) this decoder does not use, "
@@ -134,9 +155,11 @@ def safetensors_headers(shards: list[Path]) -> dict[str, TensorHeader]:
 # ===================================================================== private
 
 
-def _tensor_shape(global_shapes: dict, layer: dict, num_layers: int, name: str) -> tuple[int, ...] | None:
-    """The shape of tensor ``name`` in the checkpoint; None for a name it does not hold."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        return global_shapes.get(name)
-    return layer.get(m[2]) if int(m[1]) < num_layers else None
+def _missing_count(layout: CheckpointLayout, found: int) -> str:
+    """How many tensors a checkpoint of ``found`` lacks, in words: a product for a float checkpoint (its layers'
+    tensors are alike), else counted over the layers (up to a million past ``found``: a walk that ends)."""
+    c = layout.config
+    if layout.quantization is None:
+        return str(len(layout.globals) + c.num_layers * len(layout.layer(0)) - found)
+    limit = found + 1_000_000
+    return f"over {limit - found}" if layout.has_more_than(limit) else str(sum(1 for _ in layout) - found)

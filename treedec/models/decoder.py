@@ -17,6 +17,7 @@ then cast, cos/sin in fp32 then cast, residuals in the model dtype).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -26,8 +27,13 @@ from treedec.checks import is_int
 from treedec.models.base import Attend, ForwardOutput
 from treedec.models.config import ModelConfig
 from treedec.models.layers import DecoderLayer, PointwiseOps, RMSNorm, SoftCappedLinear
+from treedec.models.linear import UNQUANTIZED, Linear
 from treedec.models.rope import rope_attention_scale, rope_cos_sin, rope_inv_freq
-from treedec.models.tensor_parallel import RowParallelLinear, TensorParallel, VocabParallelHead, shard_config
+from treedec.models.tensor_parallel import TensorParallel, VocabParallelHead, shard_config
+from treedec.models.weights import WeightMap
+
+if TYPE_CHECKING:   # (annotations only)
+    from treedec.models.quantization import Quantization
 
 __all__ = ["Decoder"]
 
@@ -51,18 +57,23 @@ class Decoder(nn.Module):
         :mod:`~treedec.models.tensor_parallel`); :attr:`config` is then the shape this rank computes
         (its heads, KV heads and MLP columns: the engine sizes its attention and KV pool from it). The
         forward's inputs and outputs are the whole model's, the same on every rank.
+    quantization : the :class:`~treedec.models.quantization.Quantization` of the projections (None: every
+        :class:`~treedec.models.linear.Linear` unquantized), with ``weights`` the family's weight map of
+        ``config`` (which checkpoint modules fill each projection: their methods).
 
     Attributes
     ----------
     eos_token_ids : the token ids that end a generation by default (the programs' ``eos_token_id="model"``);
         :func:`~treedec.models.from_pretrained` reads them from the checkpoint, other builders leave them empty.
+    quantization : as given.
     feature_size : None (a decoder reads tokens only; EAGLE drafters read features).
     """
 
     feature_size = None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None,
-                 tensor_parallel: TensorParallel | None = None):
+                 tensor_parallel: TensorParallel | None = None, quantization: Quantization | None = None,
+                 weights: WeightMap | None = None):
         super().__init__()
         if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
             raise TypeError(f"tensor_parallel must be a TensorParallel (e.g. init_tensor_parallel()) or None, got "
@@ -72,20 +83,20 @@ class Decoder(nn.Module):
         self.config = config if tp is None else shard_config(config, tp.size)
         self.tensor_parallel = tp
         self.eos_token_ids: tuple[int, ...] = ()
+        self.quantization = quantization
         c = self.config
+        methods: Callable = (lambda name: UNQUANTIZED) if quantization is None else quantization.methods(weights)
+        methods("lm_head")   # the LM head stays unquantized (this raises for a scheme that quantizes it)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, tp, lambda name, i=i: methods(f"layers.{i}.{name}"))
+                                    for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         if tp is not None:
-            for layer in self.layers:
-                for name, bias in (("o_proj", config.o_bias), ("down_proj", config.mlp_bias)):
-                    old = getattr(layer, name)
-                    setattr(layer, name, RowParallelLinear(old.in_features, old.out_features, bias, tp, dtype))
             self.lm_head = VocabParallelHead(c.hidden_size, c.vocab_size, tp, dtype, c.final_logit_softcap)
         elif c.final_logit_softcap is not None:
             self.lm_head = SoftCappedLinear(c.hidden_size, c.vocab_size, c.final_logit_softcap, dtype=dtype)
         else:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, False, dtype)
         self._rope_of_layer = tuple(c.layer_rope(i) for i in range(c.num_layers))
         self.ops = PointwiseOps()
         self.init_buffers()
@@ -121,6 +132,15 @@ class Decoder(nn.Module):
             self.lm_head.tie(self.embed_tokens.weight)
         else:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def linear_paths(self) -> dict[str, int]:
+        """How many projections run each compute path (:attr:`~treedec.models.linear.Linear.path`: ``F.linear``,
+        ``torch._scaled_mm``, de-quantize), as loading chose them for the weights' device."""
+        paths: dict[str, int] = {}
+        for m in self.modules():
+            if isinstance(m, Linear):
+                paths[str(m.path)] = paths.get(str(m.path), 0) + 1
+        return paths
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters, each shared tensor once (what a full forward streams, embedding included)."""

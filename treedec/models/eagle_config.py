@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treedec.checks import is_int
-from treedec.errors import CheckpointError
+from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models import llama
 from treedec.models.config import ModelConfig
-from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
+from treedec.models.hf_config import check_hf_fields, quantized_message, warn_hf_defaults
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ def read_eagle_config(raw: dict, file: Path, eagle3: bool, target: ModelConfig) 
     NotImplementedError : a drafter of more than one layer.
     """
     check_hf_fields(raw, str(file))
+    if raw.get("quantization_config") is not None:   # (the drafter loads in the target's float dtype)
+        raise UnsupportedModelError(f"{file}: " + quantized_message("field 'quantization_config'",
+                                                                    raw["quantization_config"]))
     _check_eagle_fields(raw, file, eagle3, target)
     layers = raw.get("num_hidden_layers", 1)
     if layers != 1:

@@ -51,6 +51,7 @@ from treedec.models.base import Attend, DecoderModel, ForwardOutput
 from treedec.models.config import ModelConfig
 from treedec.models.eagle_config import default_aux_layers, read_eagle_config
 from treedec.models.layers import PointwiseOps, RMSNorm
+from treedec.models.linear import Linear
 from treedec.errors import CheckpointError
 from treedec.models.hf_tensors import init_random_
 from treedec.models.loading import SUPPORTED_DTYPES, read_json_object, read_state_dict
@@ -78,11 +79,14 @@ class EagleLayer(nn.Module):
         if eagle3:
             self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.qkv_proj = nn.Linear(width, c.qkv_size, bias=c.qkv_bias, **kw)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, **kw)
+        self.qkv_proj = Linear(width, c.qkv_size, c.qkv_bias, **kw, shards=(c.num_heads * c.head_dim,
+                                                                             c.num_kv_heads * c.head_dim,
+                                                                             c.num_kv_heads * c.head_dim))
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, c.o_bias, **kw)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, **kw)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **kw)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, **kw,
+                                   shards=(c.intermediate_size, c.intermediate_size))
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 ops: PointwiseOps) -> torch.Tensor:
@@ -149,7 +153,7 @@ class EagleDrafter(nn.Module):
                              f"own embed_tokens (the target's rows are {t.hidden_size} wide)")
         self.target_hidden_size = t.hidden_size
         fc_in = 3 * t.hidden_size if eagle3 else 2 * H
-        self.fc = nn.Linear(fc_in, H, bias=fc_bias and not eagle3, **kw)
+        self.fc = Linear(fc_in, H, fc_bias and not eagle3, **kw)
         self.layer = EagleLayer(config, eagle3, dtype, device)
         if own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, H, **kw)
@@ -157,7 +161,7 @@ class EagleDrafter(nn.Module):
             self.embed_tokens = target.embed_tokens          # the target's table, shared
         if eagle3:
             self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
-            self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False, **kw)
+            self.lm_head = Linear(H, self.draft_vocab_size, False, **kw)
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
         else:
             self.lm_head = target.lm_head                    # EAGLE-1 drafts through the target's head

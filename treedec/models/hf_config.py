@@ -25,12 +25,9 @@ def common_fields(hf_config) -> dict:
     config (4.x or 5.x attributes): sizes, heads, head dim, norm eps, tied embeddings, positions, the sliding
     window and which layers it applies to (``layer_types``, ``use_sliding_window``), the model type.
 
-    Raises UnsupportedModelError for quantized weights (``quantization_config``) and partial rotary
-    embeddings; NotImplementedError's message names the field.
+    Raises UnsupportedModelError for partial rotary embeddings; NotImplementedError's message names the field.
+    (A ``quantization_config`` is the loader's: :func:`~treedec.models.quantization.read_quantization`.)
     """
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization is not None:
-        raise UnsupportedModelError(quantized_message("quantization_config", quantization))
     heads = hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None)
     if getattr(hf_config, "use_sliding_window", True) is False:   # Qwen2/3 keep the size but turn it off
@@ -106,9 +103,11 @@ def quantized_message(what: str, quantization) -> str:
     method = quantization.get("quant_method") if isinstance(quantization, dict) else \
         getattr(quantization, "quant_method", None)
     how = f" with {str(method)[:40]!r}" if method is not None else ""
-    return (f"{what} says the weights are quantized{how}: a quantized (AWQ, GPTQ, bitsandbytes, fp8, ...) "
-            f"checkpoint, which treedec does not load (yet: fp8 weights are issue #52); it loads float32, float16 "
-            f"and bfloat16 weights: use the model's unquantized checkpoint")
+    return (f"{what} says the weights are quantized{how}: a quantized (AWQ, GPTQ, bitsandbytes, ...) checkpoint, "
+            f"which treedec does not load; it loads float32, float16 and bfloat16 weights and fp8 checkpoints "
+            f"(quant_method 'fp8' with per-tensor scales; 'compressed-tensors' float8 with tensor or channel "
+            f"scales): use the model's unquantized or fp8 checkpoint, or quantization='fp8' to quantize a float "
+            f"one when loading")
 
 
 def config_field(key: str) -> str:
@@ -125,7 +124,6 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
 
     Raises
     ------
-    UnsupportedModelError : a ``quantization_config`` (a quantized checkpoint, or a config that says so).
     CheckpointError : ``{where}: {name(key)} must be {expected}, got {type} {value}``, for a size
         that is not a positive int, a flag that is not a bool, an ``rms_norm_eps`` or ``rope_theta``
         that is not a finite number > 0 (RMSNorm and RoPE would make NaN) or a real number out of
@@ -135,9 +133,6 @@ def check_hf_fields(raw: dict, where: str, name: Callable[[str], str] = config_f
     """
     def fail(key, expected, value):
         raise CheckpointError(f"{where}: {name(key)} must be {expected}, got {type(value).__name__} {value!r:.80}")
-
-    if raw.get("quantization_config") is not None:   # (over plain weights too: the config says they are not)
-        raise UnsupportedModelError(f"{where}: {quantized_message(name('quantization_config'), raw['quantization_config'])}")
 
     for key in _POSITIVE_INT_FIELDS:
         if key in raw and not (is_int(raw[key]) and raw[key] > 0):

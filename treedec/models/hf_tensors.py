@@ -3,6 +3,8 @@ slices (:func:`load_checkpoint`, :func:`load_random`), every tensor found throug
 (:func:`~treedec.models.registry.weight_map`)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -10,15 +12,20 @@ from typing import Iterable, Iterator
 import torch
 
 from treedec.errors import CheckpointError
-from treedec.models.checkpoint_headers import IGNORED_TENSORS, hf_tensor_shapes, unused_tensors_error
+from treedec.models.checkpoint_headers import IGNORED_TENSORS, all_checkpoint_tensors, unused_tensors_error
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
+from treedec.models.fp8 import DEQUANTIZE
+from treedec.models.linear import Linear
+from treedec.models.checkpoint_layout import CheckpointTensor
 from treedec.models.registry import build, weight_map
 from treedec.models.tensor_parallel import rank_pieces
 from treedec.models.weights import Split
 
-__all__ = ["hf_targets", "init_random_", "load_checkpoint", "load_hf_tensors", "load_random", "rank_slice",
-           "safetensors_device"]
+__all__ = ["finish_linears", "hf_targets", "init_random_", "load_checkpoint", "load_hf_tensors", "load_random",
+           "rank_slice", "safetensors_device"]
+
+logger = logging.getLogger("treedec")
 
 
 def init_random_(name: str, param: torch.Tensor, std: float, generator: torch.Generator, norm_offset: float = 0.0
@@ -60,14 +67,19 @@ def rank_slice(name: str, config: ModelConfig, size: int, rank: int) -> tuple[in
 
 def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, str]], source: str,
                     dtypes: tuple[torch.dtype, ...] | None = None,
-                    targets: dict[str, tuple[str, slice]] | None = None) -> None:
-    """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names.
+                    targets: dict[str, CheckpointTensor] | None = None) -> None:
+    """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names;
+    then finish every projection (:func:`finish_linears`).
 
-    ``dtypes``: the tensor dtypes accepted (None: any; a copy converts). ``targets``: HF name ->
-    (parameter, rows), default :func:`hf_targets` of the model's config.
+    A projection's tensors go through its method (:meth:`~treedec.models.linear.LinearMethod.load`: an fp8
+    weight, its scale, a float weight quantized on load). ``dtypes``: the float dtypes accepted (None: any;
+    a copy converts); a quantized tensor has its method's. ``targets``: HF name -> where it goes, default
+    every tensor of the model's config and quantization
+    (:func:`~treedec.models.checkpoint_headers.all_checkpoint_tensors`).
     """
-    targets = hf_targets(model.config) if targets is None else targets
+    targets = dict(all_checkpoint_tensors(model.config, model.quantization)) if targets is None else targets
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     seen: dict[str, str] = {}
     unexpected = []
     with torch.no_grad():
@@ -79,22 +91,44 @@ def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, s
                 continue
             if name in seen:
                 raise CheckpointError(f"{file}: tensor {name} is stored twice (also in {seen[name]})")
-            if dtypes is not None and tensor.dtype not in dtypes:
+            t = targets[name]
+            allowed = dtypes if t.dtypes is None else t.dtypes
+            if allowed is not None and tensor.dtype not in allowed:
                 raise CheckpointError(f"{file}: tensor {name} has dtype {tensor.dtype}, expected one of "
-                                      f"{[str(d) for d in dtypes]}")
-            param_name, rows = targets[name]
-            dst = params[param_name][rows]
-            if tuple(tensor.shape) != tuple(dst.shape):
+                                      f"{[str(d) for d in allowed]}")
+            if tuple(tensor.shape) not in t.shapes:
+                expected = t.shapes[0] if len(t.shapes) == 1 else " or ".join(map(str, t.shapes))
                 raise CheckpointError(f"{file}: checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
-                                      f"{tuple(dst.shape)} for the config {model.config}")
-            dst.copy_(tensor)
+                                      f"{expected} for the config {model.config}")
+            module, _, suffix = t.param.rpartition(".")
+            linear = modules.get(module)
+            if isinstance(linear, Linear) and suffix != "bias":   # (a bias is the layer's own, never quantized)
+                linear.method.load(linear, suffix, tensor, t.row_slice(), name, file)
+            else:
+                params[t.param][t.row_slice()].copy_(tensor)
             seen[name] = file
     if unexpected:
-        raise unused_tensors_error(source, unexpected)
+        raise unused_tensors_error(source, unexpected, model.quantization)
     missing = sorted(set(targets) - set(seen))
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                               f"{missing[:5]}")
+    finish_linears(model)
+
+
+def finish_linears(model: Decoder) -> None:
+    """Finish every projection after loading (:meth:`~treedec.models.linear.LinearMethod.finish`: each chooses
+    its compute path for the weights' device); a quantized model says which paths run (logger ``treedec``: a
+    warning where fp8 weights are de-quantized, the CPU's reference path)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.finish_loading()
+    if model.quantization is not None:
+        paths = model.linear_paths()
+        line = (f"{model.quantization.method.name} ({model.quantization.format}) on {model.device}: "
+                f"{', '.join(f'{n} projection(s) by {p}' for p, n in paths.items())}")
+        (logger.warning if DEQUANTIZE in paths else logger.info)(line)
 
 
 # ===================================================================== tensor-parallel ranks
@@ -107,16 +141,21 @@ def load_checkpoint(model: Decoder, shards: list[Path], source: str, dtypes: tup
 
 
 def load_random(model: Decoder, seed: int, std: float) -> None:
-    """Fill ``model`` (a rank's part) with its slices of the weights ``from_config(full_config, seed, std)``
-    draws: every parameter drawn whole, in the same order from the same generator, then cut, so that TP=N
-    computes what TP=1 does. One whole parameter is in memory at a time."""
+    """Fill ``model`` (a rank's part, or a whole quantized model) with its slices of the weights
+    ``from_config(full_config, seed, std)`` draws: every parameter drawn whole, in the same order from the same
+    generator, then cut, so that TP=N computes what TP=1 does (and a quantized model quantizes those weights).
+    One whole parameter is in memory at a time."""
     load_hf_tensors(model, _random_rank_slices(model, seed, std), "random weights", targets=_local_targets(model))
 
 
-def _local_targets(model: Decoder) -> dict[str, tuple[str, slice]]:
-    """HF name -> (this rank's parameter, rows of it): the fused layouts of the shard's config."""
-    return {hf: ("lm_head.weight_shard" if param == "lm_head.weight" else param, rows)
-            for hf, (param, rows) in hf_targets(model.config).items()}
+def _local_targets(model: Decoder) -> dict[str, CheckpointTensor]:
+    """HF name -> where it goes in this rank's part: the fused layouts of the shard's config (the vocab-parallel
+    head's ``weight_shard``)."""
+    targets = dict(all_checkpoint_tensors(model.config, model.quantization))
+    if model.tensor_parallel is not None and "lm_head.weight" in targets:
+        targets["lm_head.weight"] = dataclasses.replace(targets["lm_head.weight"], param="lm_head.weight_shard",
+                                                        shapes=(tuple(model.lm_head.weight_shard.shape),))
+    return targets
 
 
 def _cut(whole, split: Split, config: ModelConfig, tp) -> torch.Tensor:
@@ -133,26 +172,26 @@ def _read_rank_slices(shards: list[Path], model: Decoder) -> Iterator[tuple[str,
     import safetensors
 
     c, tp = model.full_config, model.tensor_parallel
-    shapes, weights = dict(hf_tensor_shapes(c)), weight_map(c)
+    whole = dict(all_checkpoint_tensors(c, model.quantization))
     for shard in shards:
         try:
             with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(model.device)) as f:
                 for name in list(f.keys()):
-                    if name not in shapes:   # unknown or unused: reported (or ignored) by the loader, not read
+                    if name not in whole:   # unknown or unused: reported (or ignored) by the loader, not read
                         yield name, torch.empty(0), str(shard)
                         continue
                     try:
                         piece = f.get_slice(name)
                         shape = tuple(piece.get_shape())
-                        split = weights.get(name).split
-                        tensor = None if shape != shapes[name] else f.get_tensor(name) if split is None else \
-                            _cut(piece, split, c, tp)
+                        split = whole[name].split
+                        tensor = None if shape not in whole[name].shapes else f.get_tensor(name) if split is None \
+                            else _cut(piece, split, c, tp)
                     except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as e:
                         raise CheckpointError(f"{shard}: tensor {name} cannot be read ({type(e).__name__}: "
                                               f"{str(e)[:200]})") from None
                     if tensor is None:
                         raise CheckpointError(f"{shard}: checkpoint tensor {name} has shape {shape}, expected "
-                                              f"{shapes[name]} for the config {c}")
+                                              f"{whole[name].shapes[0]} for the config {c}")
                     yield name, tensor, str(shard)
         except (safetensors.SafetensorError, OSError) as e:   # a truncated or corrupt file
             raise CheckpointError(f"{shard}: not a readable safetensors file ({type(e).__name__}: "
@@ -173,4 +212,4 @@ def _random_rank_slices(model: Decoder, seed: int, std: float) -> Iterator[tuple
         init_random_(name, whole, std, gen, c.norm_offset)
         for w in parts[name]:
             piece = whole[w.row_slice()]
-            yield w.hf, piece if w.split is None else _cut(piece, w.split, c, tp), "random weights"
+            yield w.hf, piece if w.split is None or tp is None else _cut(piece, w.split, c, tp), "random weights"

@@ -14,7 +14,7 @@ all the weights. The elementwise pieces are :class:`PointwiseOps`, which ``compi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,11 @@ from torch import nn
 
 from treedec.models.base import Attend
 from treedec.models.config import ModelConfig
+from treedec.models.linear import UNQUANTIZED, Linear, LinearMethod
 from treedec.models.rope import apply_rope
+
+if TYPE_CHECKING:   # (annotations only)
+    from treedec.models.tensor_parallel import TensorParallel
 
 __all__ = ["DecoderLayer", "PointwiseOps", "RMSNorm", "SoftCappedLinear", "add_rms_norm", "gated_activation",
            "rms_norm"]
@@ -95,13 +99,13 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, y, self.weight, self.eps, self.offset)
 
 
-class SoftCappedLinear(nn.Linear):
-    """A linear layer whose outputs are soft-capped: ``c * tanh(y / c)`` (Gemma 2's final logits), in the
-    output dtype as transformers computes it."""
+class SoftCappedLinear(Linear):
+    """A (replicated) :class:`~treedec.models.linear.Linear` whose outputs are soft-capped: ``c * tanh(y / c)``
+    (Gemma 2's final logits), in the output dtype as transformers computes it."""
 
     def __init__(self, in_features: int, out_features: int, softcap: float, bias: bool = False,
-                 dtype: torch.dtype | None = None):
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+                 dtype: torch.dtype | None = None, method: LinearMethod = UNQUANTIZED):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, method=method)
         self.softcap = softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,10 @@ class DecoderLayer(nn.Module):
     Attention: ``qkv_proj`` (one fused GEMM, ``[q | k | v]`` rows), optional per-head ``q_norm`` / ``k_norm``
     over head_dim before RoPE (``config.qk_norm``: Qwen3, Gemma 3), the injected tree attention, ``o_proj``.
     MLP: ``gate_up_proj`` (``[gate | up]`` rows), ``act(gate) * up`` (``config.activation``), ``down_proj``.
-    Tensor parallelism swaps ``o_proj`` and ``down_proj`` for row-parallel ones.
+    Each projection is a :class:`~treedec.models.linear.Linear`: ``qkv_proj`` and ``gate_up_proj``
+    column-parallel (shards ``(q, kv, kv)`` and ``(inter, inter)`` of this rank's ``config``), ``o_proj`` and
+    ``down_proj`` row-parallel over ``tensor_parallel`` (None: one process); ``methods(name)`` gives the
+    quantization method of the projection ``name`` (``"qkv_proj"``, ...; default unquantized).
 
     Norms (named as in the Hugging Face checkpoints): ``input_norm`` before attention, then for a pre-norm
     layer ``post_attention_norm`` before the MLP; for a sandwich layer (``config.sandwich_norms``: Gemma)
@@ -122,27 +129,34 @@ class DecoderLayer(nn.Module):
     ``post_feedforward_norm`` on its output.
     """
 
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype | None = None,
+                 tensor_parallel: TensorParallel | None = None,
+                 methods: Callable[[str], LinearMethod] = lambda name: UNQUANTIZED):
         super().__init__()
-        c = config
+        c, tp = config, tensor_parallel
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         self.index, self.activation = index, c.activation
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.qkv_size, bias=c.qkv_bias, dtype=dtype)
+        self.qkv_proj = Linear(c.hidden_size, c.qkv_size, c.qkv_bias, dtype, mode="column", shards=(q, kv, kv),
+                               method=methods("qkv_proj"))
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, dtype=dtype)
+        self.o_proj = Linear(q, c.hidden_size, c.o_bias, dtype, mode="row", tensor_parallel=tp,
+                             method=methods("o_proj"))
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         if c.sandwich_norms:
             self.pre_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
             self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_offset)
         else:
             self.pre_feedforward_norm = self.post_feedforward_norm = None
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * inter, c.mlp_bias, dtype, mode="column", shards=(inter, inter),
+                                   method=methods("gate_up_proj"))
+        self.down_proj = Linear(inter, c.hidden_size, c.mlp_bias, dtype, mode="row", tensor_parallel=tp,
+                                method=methods("down_proj"))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 next_norm: RMSNorm, ops: PointwiseOps) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,9 +33,11 @@ from treedec.models.catalog import ResolvedModel, resolve_model
 from treedec.models.checkpoint_headers import check_tensor_headers, safetensors_headers
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
-from treedec.models.hf_config import check_hf_fields, warn_hf_defaults
-from treedec.models.hf_tensors import (hf_targets, init_random_, load_checkpoint, load_hf_tensors, load_random,
-                                       safetensors_device)
+from treedec.models.hf_config import check_hf_fields, quantized_message, warn_hf_defaults
+from treedec.models.hf_tensors import (finish_linears, hf_targets, init_random_, load_checkpoint, load_hf_tensors,
+                                       load_random, safetensors_device)
+from treedec.models.linear import Linear
+from treedec.models.quantization import Quantization, quantize_on_load, read_quantization
 from treedec.models.registry import build, config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,7 +48,8 @@ SUPPORTED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat1
 
 
 def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None, tensor_parallel=None) -> Decoder:
+                    device: torch.device | str | None = None, tensor_parallel=None,
+                    quantization: str | None = None) -> Decoder:
     """Load a model: a known name (``smollm2``), a ``.gguf`` file, a local Hugging Face checkpoint
     directory (``config.json`` + ``*.safetensors``) or a repo id in the local hub cache, resolved by
     :func:`~treedec.models.catalog.resolve_model` (a known name is fetched, a GGUF file converted, once).
@@ -74,6 +77,11 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     device : default CUDA when available, else CPU.
     tensor_parallel : a :class:`~treedec.models.tensor_parallel.TensorParallel`: build this rank's
         part of the :class:`~treedec.models.decoder.Decoder`, reading only its slices.
+    quantization : None, or ``"fp8"``: quantize a float checkpoint's projections to fp8 e4m3 when loading
+        (per output row; the LM head stays in ``dtype``). An FP8 checkpoint (its ``quantization_config``:
+        :mod:`~treedec.models.quantization`) loads as fp8 whatever this says. Which compute path the fp8
+        projections run (``torch._scaled_mm`` on a CUDA GPU with fp8 tensor cores, else de-quantized) is
+        logged (logger ``treedec``) and read by ``model.linear_paths()``.
 
     Raises
     ------
@@ -92,8 +100,9 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
         that does not convert.
     UnsupportedModelError
         (a ValueError and a NotImplementedError) An architecture or feature the decoder does not implement
-        (the message names the model types it runs), a quantized checkpoint (``quantization_config``, or
-        quantized tensors such as AWQ's ``qweight``), which treedec does not load.
+        (the message names the model types it runs), a quantized checkpoint other than fp8 (AWQ's, GPTQ's,
+        block-wise fp8: its ``quantization_config``, or quantized tensors such as AWQ's ``qweight``), which
+        treedec does not load.
     """
     from transformers import AutoConfig
 
@@ -106,6 +115,8 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
         dtype = _config_dtype(raw_config, config_file)
     shards = checkpoint_shards(root)
     check_hf_fields(raw_config, str(config_file))
+    requested = None if quantization is None else quantize_on_load(quantization)
+    scheme = read_quantization(raw_config, str(config_file)) or requested
     try:
         hf_config = AutoConfig.from_pretrained(root, local_files_only=True)
     except Exception as e:  # transformers 5's config classes raise their own errors (StrictDataclassError)
@@ -122,8 +133,8 @@ def from_pretrained(model: str | Path | ResolvedModel, dtype: torch.dtype | None
     # every tensor's name, dtype and shape from the headers first: a config larger than its weights
     # (or a bad index, a truncated shard) costs no allocation
     check_tensor_headers(safetensors_headers(shards), config, tuple(str(d) for d in SUPPORTED_DTYPES.values()),
-                         str(root))
-    llama = _empty_model(config, dtype, _default_device(device), tensor_parallel)
+                         str(root), quantization=scheme)
+    llama = _empty_model(config, dtype, _default_device(device), tensor_parallel, scheme)
     llama.eos_token_ids = eos
     if tensor_parallel is not None:
         load_checkpoint(llama, shards, str(root), tuple(SUPPORTED_DTYPES.values()))
@@ -175,6 +186,9 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
 
     ``dtype`` and ``device`` default to those of the HF model's parameters.
     """
+    if getattr(hf_model.config, "quantization_config", None) is not None:
+        raise UnsupportedModelError(quantized_message("the model's config.quantization_config",
+                                                      hf_model.config.quantization_config))
     config = config_from_hf(hf_model.config)
     first = next(hf_model.parameters())
     model = _empty_model(config, dtype or first.dtype, device or first.device)
@@ -188,24 +202,28 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device: torch.devi
 
 
 def from_config(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None) -> Decoder:
+                device: torch.device | str | None = None, std: float = 0.02, tensor_parallel=None,
+                quantization: str | None = None) -> Decoder:
     """Random weights (benchmarks, tests): linear and embedding weights ~ N(0, std), norms the identity (1, or
     0 for a family's ``(1 + w)`` norms), biases 0.
 
     ``config`` is a :class:`ModelConfig` or a name of :data:`~treedec.models.config.MODEL_SIZES`.
     The same seed gives the same weights on the same device. ``tensor_parallel``: this rank's
-    slices of those same weights (see :func:`from_pretrained`).
+    slices of those same weights (see :func:`from_pretrained`); ``quantization`` ``"fp8"``: those same
+    weights quantized when loaded (see :func:`from_pretrained`).
     """
     if isinstance(config, str):
         config = ModelConfig.from_name(config)
-    model = _empty_model(config, dtype, _default_device(device), tensor_parallel)
-    if tensor_parallel is not None:
+    scheme = None if quantization is None else quantize_on_load(quantization)
+    model = _empty_model(config, dtype, _default_device(device), tensor_parallel, scheme)
+    if tensor_parallel is not None or scheme is not None:
         load_random(model, seed, std)
         return model
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             init_random_(name, p, std, gen, config.norm_offset)
+    finish_linears(model)
     return model
 
 
@@ -213,8 +231,13 @@ def to_hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
     """``model``'s weights under Hugging Face names, as views (no copy): the inverse of loading.
 
     ``transformers_model.load_state_dict(to_hf_state_dict(model), assign=True)`` makes a
-    transformers model that shares treedec's weight memory.
+    transformers model that shares treedec's weight memory. A quantized model (fp8 projections) has no such
+    weights: ValueError.
     """
+    quantized = [name for name, m in model.named_modules() if isinstance(m, Linear) and m.method.quantized]
+    if quantized:
+        raise ValueError(f"to_hf_state_dict reads float weights; {len(quantized)} projection(s) of this model are "
+                         f"quantized (e.g. {quantized[0]}: {model.quantization.format})")
     params = dict(model.named_parameters(remove_duplicate=False))
     return {hf: params[ours][rows] for hf, (ours, rows) in hf_targets(model.config).items()}
 
@@ -332,12 +355,12 @@ def _shard_path(root: Path, name: str, where: str) -> Path:
     return path
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel=None
-                 ) -> Decoder:
-    """``config``'s model (this rank's part of one, with ``tensor_parallel``) with uninitialized weights on
-    ``device`` (built on the meta device: no init cost)."""
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, tensor_parallel=None,
+                 quantization: Quantization | None = None) -> Decoder:
+    """``config``'s model (this rank's part of one, with ``tensor_parallel``; its projections quantized by
+    ``quantization``) with uninitialized weights on ``device`` (built on the meta device: no init cost)."""
     with torch.device("meta"):
-        model = build(config, dtype, tensor_parallel)
+        model = build(config, dtype, tensor_parallel, quantization)
     model.to_empty(device=device)
     model.tie_weights()
     model.init_buffers()

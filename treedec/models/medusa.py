@@ -24,6 +24,7 @@ from torch import nn
 
 from treedec.checks import nonnegative_int, positive_int
 from treedec.models.base import DecoderModel
+from treedec.models.linear import Linear
 from treedec.models.loading import read_state_dict
 
 CHECKPOINT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -35,7 +36,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, hidden_size: int, dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size, dtype=dtype, device=device)
+        self.linear = Linear(hidden_size, hidden_size, True, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
@@ -57,7 +58,7 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.medusa_head = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size, dtype, device) for _ in range(num_layers)],
-                          nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype, device=device))
+                          Linear(hidden_size, vocab_size, False, dtype, device))
             for _ in range(num_heads))
         self.hidden_size, self.vocab_size, self.num_layers = hidden_size, vocab_size, num_layers
 

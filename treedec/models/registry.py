@@ -9,19 +9,22 @@ has its tests.
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from treedec.errors import CheckpointError, UnsupportedModelError
+from treedec.errors import UnsupportedModelError
 from treedec.models import gemma, llama, phi3, qwen3
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
 from treedec.models.family import Family
 from treedec.models.weights import WeightMap
 
+if TYPE_CHECKING:   # (annotations only)
+    from treedec.models.quantization import Quantization
+
 __all__ = ["FAMILIES", "build", "config_from_hf", "family_of", "gguf_architectures", "supported", "to_hf_config",
-           "weight_map", "weight_shapes"]
+           "weight_map"]
 
 #: The families, one line each.
 FAMILIES: tuple[Family, ...] = (
@@ -89,28 +92,11 @@ def gguf_architectures() -> dict[str, Family]:
     return {a: f for f in FAMILIES for a in f.gguf_architectures}
 
 
-def build(config: ModelConfig, dtype: torch.dtype | None = None, tensor_parallel=None) -> Decoder:
+def build(config: ModelConfig, dtype: torch.dtype | None = None, tensor_parallel=None,
+          quantization: Quantization | None = None) -> Decoder:
     """``config``'s model (its family checked): a :class:`~treedec.models.decoder.Decoder`, this rank's part of
-    one with ``tensor_parallel``. Built where torch's default device is (the meta device: no memory)."""
+    one with ``tensor_parallel``, its projections quantized by ``quantization``. Built where torch's default
+    device is (the meta device: no memory)."""
     _family(config)
-    return Decoder(config, dtype, tensor_parallel)
-
-
-def weight_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-    """``(global, layer)``: the shape of every global checkpoint tensor by name, and of one layer's by its name
-    after ``model.layers.{i}.``, read from the model itself built on the meta device with one layer (every layer
-    has the same shapes): the tensors the weight map puts in each parameter's rows."""
-    one = dataclasses.replace(config, num_layers=1, layer_types=None if config.layer_types is None else
-                              config.layer_types[:1])
-    try:
-        with torch.device("meta"):
-            model = build(one)
-    except RuntimeError as e:   # a size past what any tensor can hold (torch: "Storage size calculation overflowed")
-        raise CheckpointError(f"the config's sizes make tensors too large to exist (hidden_size {config.hidden_size}, "
-                              f"intermediate_size {config.intermediate_size}, vocab_size {config.vocab_size}, heads "
-                              f"{config.num_heads} x head_dim {config.head_dim}: {str(e)[:80]})") from None
-    params = dict(model.named_parameters(remove_duplicate=False))
-    weights = weight_map(one)
-    shape = {w.hf: tuple(params[w.param][w.row_slice()].shape) for w in weights}
-    layer = {w.hf[len("model.layers.{i}."):]: shape[w.at(0).hf] for w in weights.layer}
-    return {w.hf: shape[w.hf] for w in weights.globals}, layer
+    weights = None if quantization is None else weight_map(config)
+    return Decoder(config, dtype, tensor_parallel, quantization, weights)

@@ -10,6 +10,8 @@ What each of ``N`` ranks holds (a :class:`~treedec.models.decoder.Decoder` built
 the family's weight map says how each checkpoint tensor is cut, :class:`~treedec.models.weights.Split`,
 fused checkpoint tensors such as Phi-3's ``qkv_proj`` included):
 
+Each projection is a :class:`~treedec.models.linear.Linear` in its mode:
+
 - ``qkv_proj``: column-parallel by heads, rank r's ``num_heads / N`` query heads and the
   ``num_kv_heads / N`` KV heads they read (GQA groups stay whole), fused as ``[q_r | k_r | v_r]``;
   its KV pool holds those KV heads only. ``o_proj``: the matching input columns, one all-reduce.
@@ -188,20 +190,6 @@ def rank_pieces(split: Split, full_rows: int, size: int, rank: int) -> tuple[int
         pieces.append((start + rank * width, start + (rank + 1) * width))
         start += part
     return split.dim, pieces
-
-
-class RowParallelLinear(nn.Linear):
-    """``y = sum over ranks (x_r @ W_r.T) + b``: this rank's input columns ``W_r``, one all-reduce,
-    the bias (whole on every rank) added once after it. ``x [..., in_features / size]``."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
-                 dtype: torch.dtype | None = None):
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelHead(nn.Module):
