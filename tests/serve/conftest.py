@@ -1,4 +1,6 @@
-"""Fixtures of the server tests: the small local tokenizer, and an LLM of its own for the expected outputs."""
+"""Fixtures of the server tests: the small local tokenizer, an LLM of its own for the expected outputs, and a module's
+default server (the tiny model, default limits) with an openai client of it; a module that needs other limits defines
+its own ``server``."""
 import pytest
 
 from tests.tokenizers_local import build_tokenizer
@@ -11,7 +13,9 @@ try:   # the server's packages (the serve extra) and the openai client (the test
 except ImportError:   # (not collected where they are missing, e.g. a GPU machine with torch alone)
     collect_ignore_glob = ["test_*.py"]
 else:
-    from tests.serve.server import make_llm
+    import openai as _openai
+
+    from tests.serve.server import RunningServer, make_llm
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +32,18 @@ def tokenizer(tokenizer_folder):
 def reference(tokenizer):
     """An LLM of its own for the expected outputs (a server's engine is its thread's alone)."""
     return make_llm(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    """A server of the tiny model with the default limits, for the module's tests."""
+    running = RunningServer(make_llm(tokenizer), "tiny")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    """The openai client of the module's ``server`` (no retries: a test sees every refusal)."""
+    with _openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
+        yield c

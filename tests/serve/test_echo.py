@@ -3,23 +3,9 @@ equal to the offline LLM's prompt_logprobs, whole and streamed, errors naming th
 import openai
 import pytest
 
-from tests.serve.server import RunningServer, make_llm
 from treedec import SamplingParams
 
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def offline(reference, prompt=PROMPT, **params):

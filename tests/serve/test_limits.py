@@ -22,12 +22,6 @@ def server(tokenizer):
     running.stop()
 
 
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def refused(call, status: int, code: str | None = None, param: str | None = None) -> str:
     """Run ``call`` (it must fail with ``status``, ``code`` and ``param``); returns the error's message."""
     with pytest.raises(openai.APIStatusError) as info:

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from tests.engines import tiny_model
-from tests.serve.server import RunningServer
 from tests.tokenizers_local import build_tokenizer
 from treedec import LLM, SamplingParams
 from treedec.models.text import load_tokenizer
@@ -31,19 +30,6 @@ def make_llm(tokenizer):
 @pytest.fixture(scope="module")
 def reference(tokenizer):
     return make_llm(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def served(client, **fields):

@@ -14,19 +14,6 @@ from treedec import LLM, SamplingParams
 from treedec.runtime.request import pages_in_use
 
 
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 PROMPTS = ["The quick brown fox", "Hello world! hello there"]
 CASES = [dict(max_tokens=12, temperature=0.0),
          dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=5, n=2),

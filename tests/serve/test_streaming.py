@@ -11,19 +11,6 @@ from treedec import SamplingParams
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def reference_outputs(reference, **params):
     [out] = reference.generate(PROMPT, SamplingParams(**params), use_tqdm=False)
     return out.outputs
