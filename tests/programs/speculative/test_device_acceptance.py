@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treedec.programs.speculative.acceptance import RejectionSampling, greedy_path
-from treedec.programs.speculative.device_acceptance import DeviceTree, decode_outcome, greedy_outcomes, rejection_outcomes
+from treedec.programs.speculative.device_acceptance import (DeviceTree, decode_outcome, greedy_outcomes,
+                                                             rejection_outcomes)
 from treedec.sampling.params import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 from tests.programs.speculative.test_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,

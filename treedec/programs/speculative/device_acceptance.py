@@ -169,7 +169,8 @@ def rejection_outcomes(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tens
             q = q_left / q_left.sum(dim=-1, keepdim=True).clamp_min(1e-30)
             test = tests[:, :, r] * q.gather(2, token)[..., 0] * mass < p_x
             residual = torch.where(has[None, :, None], torch.clamp(residual - q * mass[..., None], min=0.0), residual)
-            q_left.scatter_(2, token, torch.where(has, torch.zeros_like(p_x), q_left.gather(2, token)[..., 0])[..., None])
+            left = q_left.gather(2, token)[..., 0]
+            q_left.scatter_(2, token, torch.where(has, torch.zeros_like(p_x), left)[..., None])
         mass = residual.sum(dim=-1)
         # Nothing left after a rejection means p <= q everywhere, so p == q: a rounding miss (the host rule's).
         passed[:, torch.where(has, kid, spare)] = test | (mass <= 0)   # (no boolean index: it would wait)
