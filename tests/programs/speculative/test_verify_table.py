@@ -227,3 +227,30 @@ def test_32_requests_pipelined_on_a_gpu_equal_the_eager_unpipelined_batch(graphs
     assert runs[0] == runs[1]
     for (tokens, _, _), spec in zip(runs[1], specs):
         assert tokens == chain(perm, list(spec.prompt_ids), spec.params.max_tokens)[:len(tokens)]
+
+
+def test_a_budget_cuts_a_groups_trees_alike_with_the_same_tokens(permutation):
+    """A draft budget gives the group one share a step (its requests' mean): every request's trees are cut to it
+    (at first 20 tokens / 6 requests: 3 each; more as requests end), and the tokens stay the greedy ones."""
+    model, heads, perm = permutation
+    specs = mixed_requests(6, perm, seed=5)
+    budget = DraftBudget(step_tokens=20)
+    results, _ = run(model, specs, lambda spec: MedusaDraft(heads, CHOICES), True, draft_budget=budget)
+    for r, spec in zip(results, specs):
+        assert r.output_ids == chain(perm, list(spec.prompt_ids), spec.params.max_tokens)[:len(r.output_ids)]
+        assert r.stats["draft_sizes"][:1] in ([], [3])   # (none: it ended at its first token)
+    assert all(entry["tokens"] == 3 for entry in budget.history[:6])
+    assert max(size for r in results for size in r.stats["draft_sizes"]) > 3
+
+
+def test_streamed_text_of_pipelined_requests_joins_to_their_text(permutation):
+    """on_text (a request checked token by token) streams deltas that join to its final text, batched."""
+    model, heads, _ = permutation
+    from treedec.runtime.scheduler import run_programs
+    streams = {k: [] for k in range(3)}
+    programs = [SpeculativeProgram(list(range(3 + k, 15 + k)), MedusaDraft(heads, CHOICES), StopRule(9 + 4 * k, ()),
+                                   tokenizer=LetterTokenizer(), pipeline=True, on_text=streams[k].append)
+                for k in range(3)]
+    results, _ = run_programs(Engine(model, kv_tokens=8192, page_size=4, backend="torch"), programs)
+    for k, (checker, stats) in enumerate(results):
+        assert "".join(streams[k]) == checker.text and len(checker.token_ids) == 9 + 4 * k and stats.pipelined
