@@ -30,8 +30,8 @@ Each ``engine.step`` ends a step (its pending tokens are the ops' since the last
 prefill ends a step of its own; :meth:`close` writes the edits after the last step as a
 last step. Edits made inside a recorded call (a prefill's steps, ``extend`` through
 ``extend_many``) are part of it. Node ids are the handles (the tree never reuses one).
-``pause``, ``resume``, ``set_tokens``, ``set_tokens_many`` and ``set_last_tokens`` are not recorded: a schedule names every node it
-grows, and a placeholder's real id is read from the step that computed it (below).
+``pause``, ``resume``, ``set_tokens``, ``set_tokens_many`` and ``set_last_tokens`` are not recorded: a schedule
+names every node it grows, and a placeholder's real id is read from the step that computed it (below).
 
 Tokens are recorded as counts by default (the shape: a replay's model chooses them). With
 ``token_ids`` every token is recorded by its id, so a replay rebuilds the same tree token by

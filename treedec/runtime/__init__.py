@@ -20,6 +20,7 @@ from treedec.runtime.scheduler import run_program, run_programs
 from treedec.runtime.scheduler_stats import SchedulerStats
 from treedec.runtime.streams import StreamOutput
 
-__all__ = ["Bulk", "BulkTable", "Decode", "DecodeResult", "LaneOutput", "Lanes", "OnlineScheduler", "PlacedLanes", "PrefixCache", "Program",
+__all__ = ["Bulk", "BulkTable", "Decode", "DecodeResult", "LaneOutput", "Lanes", "OnlineScheduler", "PlacedLanes",
+           "PrefixCache", "Program",
            "ProgramAborted", "ProgramContext", "RequestResult", "RequestSpec", "SchedulerStats", "StreamOutput",
            "run_program", "run_programs"]

@@ -5,8 +5,8 @@ A program is a Python generator made by :meth:`Program.run`: it edits the engine
 :class:`StepRequest` (the nodes whose outputs it reads after the next engine step), a :class:`Read` (device
 values it needs on the host) or a :class:`Wait` (KV pages it needs first), and is resumed with a
 :class:`StepRows`, the values, or nothing (or, for a long-running request, a
-:class:`~treedec.runtime.decode.Decode` or a :class:`~treedec.runtime.bulk.Bulk` request). :class:`ProgramContext` is what it sees of the run: the engine, its
-prompt (a shared prefix included) and page helpers.
+:class:`~treedec.runtime.decode.Decode` or a :class:`~treedec.runtime.bulk.Bulk` request). :class:`ProgramContext`
+is what it sees of the run: the engine, its prompt (a shared prefix included) and page helpers.
 """
 from __future__ import annotations
 

@@ -245,8 +245,8 @@ class SchedulerLoop(StepRun, PoolRelief):
         the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
         tree, gathered, reading = self.engine.tree, [], []
         # Running programs first (their decode steps are small), then the new ones' prompts; the programs parked in
-        # a Decode or a Bulk table are not resumed (their lanes or rows run). (self.live keeps every program until it returns, so a
-        # failure closes them all.)
+        # a Decode or a Bulk table are not resumed (their lanes or rows run). (self.live keeps every program until it
+        # returns, so a failure closes them all.)
         for lv in sorted(self.active, key=lambda lv: not lv.started):
             if gathered and tree.num_pending >= self.budget:
                 break
