@@ -32,7 +32,7 @@ from treedec.models import ModelConfig, from_config  # noqa: E402
 from treedec.engine import step_chain  # noqa: E402
 from treedec.engine.cuda_graphs import GraphRunner  # noqa: E402
 from treedec.programs.speculative import acceptance, drafter_batch, drafts, eagle, eagle_chains, medusa  # noqa: E402
-from treedec.programs.speculative import pipeline as speculative_pipeline  # noqa: E402
+from treedec.programs.speculative import device_acceptance, verify_group, verify_rows  # noqa: E402
 from treedec.tree import PagedKVPool, SequenceTree  # noqa: E402
 
 #: (owner, attribute name, label) of every timed function.
@@ -47,8 +47,10 @@ PHASES = [
     (drafter_batch, "grown_tree", "  EAGLE tree from the candidates (after the one wait)"),
     (eagle_chains.EagleChains, "collect", "EagleChains.collect (pipelined chains: sync + chain for a pass)"),
     (acceptance.GreedyAcceptance, "accept", "GreedyAcceptance.accept (waits for the step)"),
-    (speculative_pipeline, "greedy_outcome", "greedy_outcome (pipelined: acceptance on the device)"),
-    (speculative_pipeline, "_record", "pipelined _record (the step before, read back)"),
+    (device_acceptance, "greedy_outcomes", "greedy_outcomes (pipelined: a group's acceptance on the device)"),
+    (verify_group.VerifyGroup, "place", "VerifyGroup.place (pipelined: a group's tree edits, K/V move, drafts)"),
+    (verify_group.VerifyGroup, "after_step", "VerifyGroup.after_step (outcomes, then the step before read back)"),
+    (verify_rows.VerifyRows, "record", "  VerifyRows.record (the group's outcomes read back: stops, stats)"),
     (Engine, "step", "Engine.step"),
     (Engine, "pending_rows", "Engine.pending_rows"),
     (TreeAttention, "plan_host", "  TreeAttention.plan_host (make_plan)"),

@@ -18,7 +18,8 @@ Kinds (``--programs``):
 - ``sampled``: temperature 0.8, top-p 0.95, a seed per request (the issue's "sampled" target);
 - ``sampled_all``: every sampling field at once: temperature, top-k, top-p, min-p, repetition / presence /
   frequency penalties, a seed;
-- ``speculative``: ``speculative_batch`` with a fixed Medusa-64 ``TreeDraft`` (random draft tokens), greedy;
+- ``speculative``: ``speculative_batch`` with a fixed Medusa-64 ``TreeDraft`` (random draft tokens), greedy,
+  pipelined on the CPU too (the verify table's batched steps: their host cost is the one that counts);
 - ``tot``: ``tot_batch`` over Game-of-24 tasks (BFS, k=3, n=2, depth 2, byte tokens), one task a request.
 
 Every request has a ``--prompt``-token random prompt and ``--new`` new tokens (``ignore_eos``: each runs its
@@ -122,7 +123,7 @@ def run_kind(kind: str, engine: Engine, requests: int, args, rng: np.random.Gene
     if kind == "speculative":
         tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
         tokens = rng.integers(0, vocab, tree.size - 1).tolist()
-        speculative_batch(engine, specs, lambda spec: TreeDraft(tree, tokens))
+        speculative_batch(engine, specs, lambda spec: TreeDraft(tree, tokens), pipeline=True)
         return 2
     tasks = [Game24Task(PUZZLES[i % len(PUZZLES)], check_steps=False, thought_max_tokens=args.new,
                         value_max_tokens=8) for i in range(requests)]

@@ -6,8 +6,9 @@ tokens, slots, tail room, pending, pages, layouts, pending tokens), the same ref
 contents, and pass check_invariants; an edit that raises in one raises the same type in the other and
 changes neither. Node ids are compared through the pairing of the ids both returned (the array tree reuses
 rows, so its ids after a prune differ from the reference's). The batch operations of the array tree
-(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many) equal their per-node
-equivalents on the reference.
+(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many; batched verification's
+add_token_trees, extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the
+reference.
 """
 from __future__ import annotations
 
@@ -369,6 +370,72 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         order = self.arr.pool.free_pages[::-1]   # the free stack, bottom first: the reference's takes its order
         self.ref.pool._free[:len(order)] = order
         self._forget(listed)
+
+    # The batch edits of batched verification (treedec.tree.verify_edits) == the per-node edit of each, in order:
+    # tried on the array tree first (a refusal changes nothing), then done node by node on the reference.
+
+    def _batch(self, data, edit, each) -> None:
+        nodes = self._lane_nodes(data)
+        before = snapshot(self.arr)
+        try:
+            out = edit([self._as(self.arr, n) for n in nodes])
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            return
+        assert not any(isinstance(n, tuple) for n in nodes)
+        each(nodes, out)
+
+    @rule(data=st.data(), m=st.integers(1, 5))
+    def add_token_trees(self, data, m):
+        parents = [data.draw(st.integers(-1, i - 1)) for i in range(m)]
+
+        def each(nodes, ids):
+            made = [self.ref.add_token_tree(n, [0] * m, parents) for n in nodes]
+            assert ids.shape == (len(nodes), m)
+            self._pair([i for row in made for i in row], ids.reshape(-1).tolist())
+        self._batch(data, lambda nodes: self.arr.add_token_trees(nodes, parents), each)
+
+    @rule(data=st.data(), count=st.integers(0, 5))
+    def extend_computed_many(self, data, count):
+        def each(nodes, slots):
+            ref = np.array([[self.ref.extend_computed(n, [0])[0] for n in nodes] for _ in range(count)])
+            assert np.array_equal(ref.T.reshape(slots.shape), slots)
+        self._batch(data, lambda nodes: self.arr.extend_computed_many(nodes, count), each)
+
+    @rule(data=st.data())
+    def truncate_many(self, data):
+        if data.draw(st.booleans()):
+            self.commit()
+        cut = data.draw(st.lists(st.integers(0, 6), min_size=7, max_size=7))
+
+        def lengths(nodes):
+            return [max(1, self.ref.node_length(n) - c) if n in self.ref else 1 for n, c in zip(nodes, cut)]
+
+        def each(nodes, freed):
+            ref = [p for n, k in zip(nodes, lengths(nodes)) for p in self.ref.truncate(n, k).tolist()]
+            assert sorted(ref) == freed.tolist()
+            order = self.arr.pool.free_pages[::-1]   # (pushed in another order: as prune_many)
+            self.ref.pool._free[:len(order)] = order
+        self._batch(data, lambda nodes: self.arr.truncate_many(
+            nodes, lengths([self._to_ref().get(n, -1) if type(n) is int else -1 for n in nodes])), each)
+
+    @rule(data=st.data())
+    def set_tokens_many(self, data):
+        nodes = [n for n in self._lane_nodes(data) if not isinstance(n, tuple)]
+        starts = [data.draw(st.integers(0, 3)) for _ in nodes]
+        counts = [data.draw(st.integers(0, 3)) for _ in nodes]
+        tokens = list(range(sum(counts)))
+        before = snapshot(self.arr)
+        try:
+            self.arr.set_tokens_many([self._as(self.arr, n) for n in nodes], starts, tokens, counts)
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            assert any(s + c > self.ref.node_length(n) for n, s, c in zip(nodes, starts, counts))
+            return
+        at = 0
+        for n, s, c in zip(nodes, starts, counts):
+            self.ref.set_tokens(n, s, tokens[at:at + c])
+            at += c
 
     def teardown(self):
         if not hasattr(self, "ref"):

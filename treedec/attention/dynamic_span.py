@@ -43,6 +43,8 @@ class DynamicSpan:
         rows = np.asarray(self.shift_rows, dtype=np.int64).reshape(-1)
         if not isinstance(self.keep, torch.Tensor) or self.keep.numel() != 1:
             raise TypeError(f"DynamicSpan.keep must be a one-element tensor, got {self.keep!r}")
+        if self.keep.dim() != 1:
+            object.__setattr__(self, "keep", self.keep.reshape(1))
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "shift_rows", rows)
 
@@ -142,7 +144,7 @@ class MaskPatch:
         """Clear the bits of each span's slots ``keep ..`` (``keeps``: one one-element int64 tensor a span, in the
         ranges' order) in ``entry_mask`` (int32, rows ``stride`` apart), on its device, without waiting."""
         flat = entry_mask.view(-1)
-        keep = keeps[0].reshape(1) if len(keeps) == 1 else torch.cat([k.reshape(1) for k in keeps])
+        keep = keeps[0].reshape(1) if len(keeps) == 1 else torch.cat(keeps)   # (each [1]: DynamicSpan.keep)
         row = keep if len(keeps) == 1 else keep.index_select(0, self.span)
         kept = self.table.take(self.at + row * self.width)
         if self.merged is None:
@@ -201,10 +203,23 @@ def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: tuple[Dynami
         patch.apply(entry_mask, [span.keep for span, _ in placed])
 
 
-def shift_positions(positions: torch.Tensor, span: DynamicSpan) -> None:
-    """Move the positions of the queries after ``span`` back by its unused slots (``positions``: the step's, on the
-    device)."""
-    if len(span.shift_rows):
+def shift_positions(positions: torch.Tensor, spans: tuple[DynamicSpan, ...]) -> None:
+    """Move the positions of the queries after each of ``spans`` back by its unused slots (``positions``: the step's,
+    on the device): one copy of the rows and one add for all the spans, whatever their number."""
+    moving = [span for span in spans if len(span.shift_rows)]
+    if not moving:
+        return
+    if len(moving) == 1:
+        span = moving[0]
         rows = span.rows_on(positions.device)
-        by = (span.keep.reshape(1) - len(span.slots)).to(positions.dtype)
+        by = (span.keep - len(span.slots)).to(positions.dtype)
         positions.index_add_(0, rows, by.expand(len(rows)))
+        return
+    counts = np.array([len(span.shift_rows) for span in moving], dtype=np.int64)
+    host = np.concatenate([span.shift_rows for span in moving] + [np.repeat(np.arange(len(moving)), counts),
+                                                                    [len(span.slots) for span in moving]])
+    on = to_device(host.astype(np.int64), positions.device)   # one copy: the rows, each row's span, the lengths
+    n = int(counts.sum())
+    rows, owner, lengths = on[:n], on[n:2 * n], on[2 * n:]
+    by = (torch.cat([span.keep for span in moving]) - lengths).to(positions.dtype)
+    positions.index_add_(0, rows, by.take(owner))

@@ -292,8 +292,7 @@ class Engine:
         else:  # copies: the graph's output buffers are overwritten by its next replay
             if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
                 graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
-            for span in spans:
-                shift_positions(graph.static.extra["inputs"][1], span)
+            shift_positions(graph.static.extra["inputs"][1], spans)
             outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
             logits = self._gather(graph, outputs[0], rows, 0)
             hidden_all = outputs[1]
@@ -424,8 +423,7 @@ class Engine:
         ``spans``' positions moved back on the device), and nothing else (no commit, stats or vocabulary mask).
         For the engine package (:meth:`step`, a :class:`StepChain`'s eager steps); programs call :meth:`step`."""
         inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
-        for span in spans:
-            shift_positions(inputs[1], span)
+        shift_positions(inputs[1], spans)
         rows_t = None if rows is None else to_device(rows, self.device)
         token_ids = inputs[0] if device_tokens is None else device_tokens
         return self.model(token_ids, inputs[1], StepAttend(self.attention, self.pool, inputs[2], plans), rows_t,

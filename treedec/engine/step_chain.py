@@ -152,8 +152,7 @@ class StepChain:
                 if e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
                     for static, plan, where in zip(entry.statics, plans, ranges):
                         mask_on_device(plan, static.device_plan.entry_mask, spans, where)
-                for span in spans:
-                    shift_positions(entry.static.extra["inputs"][1], span)
+                shift_positions(entry.static.extra["inputs"][1], spans)
             e.stats["kv_tokens_read"] += e.attention.kv_tokens_read(plans)
         e.stats["plan_seconds"] += time.perf_counter() - started
         if rebuilt or not self._inputs:

@@ -13,15 +13,16 @@ each edit, in the order it ran, as the op that makes it again:
 - ``tree.add_prompt`` (a scheduler's prompt, computed by the next step with the other
   requests' tokens) -> ``prompt`` with ``pending``; its later chunks -> ``extend``;
 - ``branch`` -> ``branch`` and an ``extend`` per child given tokens; ``extend``,
-  ``extend_many``, ``append_tokens`` -> ``extend``; ``add_token_tree`` -> ``token_tree``; ``add_children`` ->
-  ``children``; ``truncate`` -> ``truncate``; ``prune`` -> ``prune``; ``prune_many`` -> a ``prune`` each;
+  ``extend_many``, ``append_tokens`` -> ``extend``; ``add_token_tree`` -> ``token_tree`` (``add_token_trees``: one
+  each); ``add_children`` -> ``children``; ``truncate`` -> ``truncate`` (``truncate_many``: one each); ``prune`` ->
+  ``prune``; ``prune_many`` -> a ``prune`` each;
 - ``accept`` -> ``accept`` of a chain of token-tree nodes (made by ``add_token_tree`` or
   ``add_children``); a chain of other nodes -> ``prune`` of the anchor's children and an
   ``extend`` of the anchor by the chain's tokens, which end the step (the replay computes
   them again: same tree, one forward more);
-- ``extend_computed`` and the ``engine.pool.copy_slots`` that fills the slots it reserved with
-  the K/V of a token tree's root and accepted path (a pipelined speculative step,
-  :mod:`treedec.programs.speculative.pipeline`) -> ``accept`` of that chain, in place of the token
+- ``extend_computed`` (or ``extend_computed_many``: several nodes' reservations) and the ``engine.pool.copy_slots``
+  that fills the slots it reserved with the K/V of a token tree's root and accepted path (a pipelined speculative
+  step, :mod:`treedec.programs.speculative.verify_table`) -> ``accept`` of that chain, in place of the token
   tree's ``prune``. The reserved slots past the path (masked by the step, cut by a later
   ``truncate``) are not in the schedule: its tree is the one the unpipelined loop grows.
 
@@ -29,8 +30,8 @@ Each ``engine.step`` ends a step (its pending tokens are the ops' since the last
 prefill ends a step of its own; :meth:`close` writes the edits after the last step as a
 last step. Edits made inside a recorded call (a prefill's steps, ``extend`` through
 ``extend_many``) are part of it. Node ids are the handles (the tree never reuses one).
-``pause``, ``resume``, ``set_tokens`` and ``set_last_tokens`` are not recorded: a schedule names every node it
-grows, and a placeholder's real id is read from the step that computed it (below).
+``pause``, ``resume``, ``set_tokens``, ``set_tokens_many`` and ``set_last_tokens`` are not recorded: a schedule
+names every node it grows, and a placeholder's real id is read from the step that computed it (below).
 
 Tokens are recorded as counts by default (the shape: a replay's model chooses them). With
 ``token_ids`` every token is recorded by its id, so a replay rebuilds the same tree token by
@@ -60,13 +61,14 @@ from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Op, Pr
                                         Truncate)
 
 #: The tree's edits that a recorder wraps (the others change nothing a replay needs).
-TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "add_token_tree", "add_children",
-              "accept", "truncate", "prune", "prune_many", "extend_computed")
+TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "add_token_tree", "add_token_trees",
+              "add_children", "accept", "truncate", "truncate_many", "prune", "prune_many", "extend_computed",
+              "extend_computed_many")
 
 #: Each edit's arguments naming the nodes it grows (an edit may not grow a node holding reserved slots).
 _GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "append_tokens": "node_ids", "branch": "node_id",
           "add_children": "node_ids",
-          "accept": "anchor", "extend_computed": "node_id"}
+          "accept": "anchor", "extend_computed": "node_id", "extend_computed_many": "node_ids"}
 
 
 class _Recorded:
@@ -130,12 +132,13 @@ class ScheduleRecorder:
         self._ids_of: dict[int, list[tuple[int, int]]] = {}    # op index -> (node, token index) of its ids
         self._token_tree: set[int] = set()                     # nodes made by add_token_tree / add_children
         self._drafts: dict[int, tuple[int, int]] = {}          # first slot -> (token-tree node, parent)
-        self._reservation: tuple[int, list[int]] | None = None  # extend_computed's (node, slots) to be filled
+        self._reservation: list[tuple[int, list[int]]] | None = None   # extend_computed's (node, slots) to fill
         self._reserved: dict[int, int] = {}                    # node -> its last tokens not in the schedule
         self._prompts: set[int] = set()                        # prompt nodes whose next extend may be a chunk
         self._depth = 0                                        # inside a recorded call
         self._installed: list[tuple[object, str, str, object, _Recorded]] = []
-        befores = {"accept": self._before_accept, "truncate": self._before_truncate}
+        befores = {"accept": self._before_accept, "truncate": self._before_truncate,
+                   "truncate_many": self._before_truncate_many}
         for label, obj, method in targets:
             if obj is engine:
                 record, before = (self._prefilled, None) if method == "prefill" else (self._stepped, self._before_step)
@@ -169,7 +172,7 @@ class ScheduleRecorder:
                     setattr(obj, method, saved)
             self._installed = []
         if self._reservation is not None:
-            node, slots = self._reservation
+            node, slots = self._reservation[0]
             raise RecordingError(f"the run ended after tree.extend_computed reserved {len(slots)} slot(s) on node "
                                  f"{node}, before engine.pool.copy_slots filled them: no schedule op says where their "
                                  f"K/V came from")
@@ -196,7 +199,7 @@ class ScheduleRecorder:
                 return original(*args, **kwargs)   # raises the method's own error
             bound.apply_defaults()
             if self._reservation is not None and name != "copy_slots":
-                node, slots = self._reservation
+                node, slots = self._reservation[0]
                 raise RecordingError(f"{label}.{name} called between tree.extend_computed (node {node}, {len(slots)} "
                                      f"slot(s)) and the engine.pool.copy_slots that fills them: the recorder writes "
                                      f"the two as one accept")
@@ -326,6 +329,10 @@ class ScheduleRecorder:
         self._add(TokenTree(anchor, parents, tuple(ids)), [(n, 0) for n in ids] if self.prompt_ids else None)
         self._note_drafts(ids)
 
+    def _add_token_trees(self, ids, arguments, _) -> None:
+        for anchor, row in zip(np.asarray(arguments["node_ids"]).reshape(-1).tolist(), ids.tolist()):
+            self._add_token_tree(row, {"node_id": anchor}, None)   # (one token tree each, in order)
+
     def _add_children(self, ids, arguments, _) -> None:
         self._add(Children(tuple(map(self.tree.parent, ids)), tuple(ids)),
                   [(n, 0) for n in ids] if self.prompt_ids else None)
@@ -376,6 +383,19 @@ class ScheduleRecorder:
             self._reserved[node] = length - scheduled
         self._prompts.discard(node)
 
+    def _before_truncate_many(self, arguments) -> list[int | None]:
+        try:
+            nodes = np.asarray(arguments["node_ids"]).reshape(-1).tolist()
+        except (TypeError, ValueError):
+            return []
+        return [self._before_truncate({"node_id": n}) for n in nodes]
+
+    def _truncate_many(self, freed, arguments, lengths_before: list[int]) -> None:
+        nodes = np.asarray(arguments["node_ids"]).reshape(-1).tolist()
+        lengths = np.asarray(arguments["lengths"]).reshape(-1).tolist()
+        for node, length, before in zip(nodes, lengths, lengths_before):   # (a truncate each, in order)
+            self._truncate(None, {"node_id": node, "length": length}, before)
+
     def _prune(self, freed, arguments, _) -> None:
         self._add(Prune(int(arguments["node_id"])))
 
@@ -386,22 +406,37 @@ class ScheduleRecorder:
     # ================================================================ pipelined accepts
 
     def _extend_computed(self, slots, arguments, _) -> None:
-        self._reservation = (int(arguments["node_id"]), np.asarray(slots).tolist())
+        self._reservation = [(int(arguments["node_id"]), np.asarray(slots).tolist())]
 
-    def _before_copy(self, arguments) -> tuple[int, ...] | None:
-        """The accepted chain whose K/V the copy moves into the reserved slots (checked before it runs)."""
+    def _extend_computed_many(self, slots, arguments, _) -> None:
+        nodes = np.asarray(arguments["node_ids"]).reshape(-1).tolist()
+        if nodes and slots.shape[1]:   # (their slots filled by one copy, reservation after reservation)
+            self._reservation = list(zip(nodes, slots.tolist()))
+
+    def _before_copy(self, arguments) -> list[tuple[int, ...]] | None:
+        """The accepted chain whose K/V the copy moves into each reservation's slots (checked before it runs)."""
         if self._reservation is None:
             raise RecordingError("engine.pool.copy_slots outside a tree edit moves K/V that no schedule op names; "
                                  "the recorder takes it only into the slots tree.extend_computed just reserved (the "
                                  "accept of a pipelined speculative step)")
-        node, reserved = self._reservation
         src, dst = _host_ints(arguments["src_slots"]), _host_ints(arguments["dst_slots"])
         if src is None or dst is None or len(src) != len(dst):
             return None   # not slots: the copy raises its own error
+        reserved = [slot for _, slots in self._reservation for slot in slots]
         if dst != reserved:
+            node = self._reservation[0][0]
             raise RecordingError(f"engine.pool.copy_slots into slots {dst[:8]}: the recorder takes a copy only into "
                                  f"the {len(reserved)} slot(s) tree.extend_computed just reserved on node {node} "
                                  f"({reserved[:8]})")
+        chains, at = [], 0
+        for node, slots in self._reservation:
+            chains.append(self._chain(node, src[at:at + len(slots)]))
+            at += len(slots)
+        return chains
+
+    def _chain(self, node: int, src: list[int]) -> tuple[int, ...]:
+        """The token-tree chain (root, then the accepted path) whose slots ``src`` a copy into ``node``'s reservation
+        reads."""
         drafts = self._drafts
         chain, parent = [], node
         for slot in src:
@@ -425,16 +460,16 @@ class ScheduleRecorder:
                                  f"(the schedule's accept frees it)")
         return tuple(chain)
 
-    def _copied(self, result, arguments, chain: tuple[int, ...]) -> None:
-        node, reserved = self._reservation
-        self._reservation = None
-        # The token tree's prune becomes its accept, where the copy ran (after the reserved slots were cut).
-        at = len(self._ops) - 1 - self._ops[::-1].index(Prune(chain[0]))
-        del self._ops[at]
-        self._ids_of = {i - (i > at): where for i, where in self._ids_of.items()}
-        self._add(Accept(chain))
-        if len(reserved) > len(chain):
-            self._reserved[node] = len(reserved) - len(chain)
+    def _copied(self, result, arguments, chains: list[tuple[int, ...]]) -> None:
+        reservations, self._reservation = self._reservation, None
+        for (node, reserved), chain in zip(reservations, chains):
+            # The token tree's prune becomes its accept, where the copy ran (after the reserved slots were cut).
+            at = len(self._ops) - 1 - self._ops[::-1].index(Prune(chain[0]))
+            del self._ops[at]
+            self._ids_of = {i - (i > at): where for i, where in self._ids_of.items()}
+            self._add(Accept(chain))
+            if len(reserved) > len(chain):
+                self._reserved[node] = len(reserved) - len(chain)
 
 
 def _targets(engine: Engine) -> list[tuple[str, object, str]]:

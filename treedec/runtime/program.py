@@ -4,8 +4,9 @@ yields and what it is resumed with.
 A program is a Python generator made by :meth:`Program.run`: it edits the engine's tree, then yields a
 :class:`StepRequest` (the nodes whose outputs it reads after the next engine step), a :class:`Read` (device
 values it needs on the host) or a :class:`Wait` (KV pages it needs first), and is resumed with a
-:class:`StepRows`, the values, or nothing. :class:`ProgramContext` is what it sees of the run: the engine, its
-prompt (a shared prefix included) and page helpers.
+:class:`StepRows`, the values, or nothing (or, for a long-running request, a
+:class:`~treedec.runtime.decode.Decode` or a :class:`~treedec.runtime.bulk.Bulk` request). :class:`ProgramContext`
+is what it sees of the run: the engine, its prompt (a shared prefix included) and page helpers.
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ class StepRequest:
     prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
         :attr:`SchedulerStats.prompt_steps`).
     dynamic : a :class:`~treedec.attention.dynamic_span.DynamicSpan` of the program's node (pipelined
-        speculative decoding); the scheduler gives it the rows of ``nodes`` as the queries after it.
+        speculative decoding); the scheduler gives it the rows of ``nodes`` as the queries after it. Or a sequence
+        of spans (a batched verify group's, one a request): ``nodes`` split evenly among them, in order, each
+        span's queries the rows of its part.
     """
 
     nodes: Sequence[int]
@@ -62,7 +65,7 @@ class StepRequest:
     placed: Sequence[int] | None = None
     read: torch.Tensor | None = None
     prompt: bool = False
-    dynamic: DynamicSpan | None = None
+    dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,17 @@ from typing import Any, Generator
 import numpy as np
 import torch
 
+from treedec.runtime.bulk import Bulk, BulkTable
 from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lanes import Lanes
 from treedec.runtime.prefix_cache import CachedPrefix, PrefixCache
 from treedec.runtime.prefixes import SharedPrefix, share_prefixes
-from treedec.runtime.program import (Program, ProgramContext, Read, StepRequest, StepRows, Wait, program_name,
-                                    set_aside_bad_tokens)
+from treedec.runtime.program import Program, ProgramContext, Read, StepRequest, Wait, program_name
 from treedec.runtime.request import pages_in_use
 from treedec.runtime.scheduler_relief import PoolRelief
 from treedec.runtime.scheduler_stats import SchedulerStats
-from treedec.sampling.params import GREEDY, sample_tokens
-from treedec.transfer import HostCopy, to_device
+from treedec.runtime.scheduler_step import StepRun
+from treedec.transfer import HostCopy
 
 __all__ = ["SchedulerLoop"]
 
@@ -44,10 +44,11 @@ class _Live:
     added: int = 0                      # tokens it added this iteration
     read: torch.Tensor | None = None    # what its Read asks for
     decoding: bool = False              # parked in a Decode: its lanes run, it is resumed when they end
+    bulk: BulkTable | None = None       # parked in that table (a Bulk request): resumed when the request ends
     reserve: int = 0                    # the pages kept for it (its share of the admission headroom)
 
 
-class SchedulerLoop(PoolRelief):
+class SchedulerLoop(StepRun, PoolRelief):
     """The loop's state (the search layer's own: not exported). :meth:`iterate` is one iteration; :meth:`run`
     (:func:`run_programs`) loops it over a fixed list, :class:`~treedec.runtime.online.OnlineScheduler` while
     programs come and go (:meth:`add`, :meth:`drop`). ``on_error`` None: a program's error propagates (the
@@ -58,6 +59,7 @@ class SchedulerLoop(PoolRelief):
                  seed: int = 0):
         self.engine, self.budget, self.cache = engine, budget, cache
         self.lanes = Lanes(engine, pipeline, seed)
+        self.tables: dict[type, BulkTable] = {}   # one per Bulk kind, made on first use
         # (online) programs added since the last admission, grouped by shared prompt prefixes when admitted
         self.share_queued, self.ungrouped = share_queued, set()
         self.preempt, self.on_done, self.on_step, self.on_error = preempt, on_done, on_step, on_error
@@ -104,9 +106,10 @@ class SchedulerLoop(PoolRelief):
         gathered = self._resume()
         woken = self._wake(self.lanes.draw_fresh())   # (new lanes' first tokens: computed by this step)
         placed = self._place_lanes()
+        bulk = self._place_bulk()
         self.stats.peak_pages = max(self.stats.peak_pages, pages_in_use(self.engine.pool) - self.held_before)
-        if gathered or len(placed.nodes):
-            self._step(gathered, placed)
+        if gathered or len(placed.nodes) or bulk:
+            self._step(gathered, placed, bulk)
         elif self.lanes.unread:   # draws that no step computes (outputs they end): read back now
             self._wake(self.lanes.read_back())
         elif not woken and self.live and len(self.waiters) == len(self.live):
@@ -123,6 +126,8 @@ class SchedulerLoop(PoolRelief):
         closed, self.live, self.active, self.headroom = self.live, [], [], 0
         self.waiters.clear()
         self.lanes.reset()
+        for table in self.tables.values():
+            table.reset()
         for lv in closed:
             lv.gen.close()
             self.programs.pop(lv.index, None)
@@ -240,8 +245,8 @@ class SchedulerLoop(PoolRelief):
         the :class:`Read` requests of a pass are read back in one copy and their programs resumed."""
         tree, gathered, reading = self.engine.tree, [], []
         # Running programs first (their decode steps are small), then the new ones' prompts; the programs parked in
-        # a Decode are not resumed (their lanes run). (self.live keeps every program until it returns, so a
-        # failure closes them all.)
+        # a Decode or a Bulk table are not resumed (their lanes or rows run). (self.live keeps every program until it
+        # returns, so a failure closes them all.)
         for lv in sorted(self.active, key=lambda lv: not lv.started):
             if gathered and tree.num_pending >= self.budget:
                 break
@@ -319,9 +324,19 @@ class SchedulerLoop(PoolRelief):
             lv.decoding = True
             self.active.remove(lv)
             self.lanes.add(lv, out)
+        elif isinstance(out, Bulk) and not lv.added:   # (its pending tokens would be computed unread)
+            self._wait(lv, None)
+            table = self.tables.get(out.table)
+            if table is None:
+                table = self.tables[out.table] = out.table(self.engine)
+            lv.bulk = table
+            self.active.remove(lv)
+            table.add(lv, out)
         else:
             error = TypeError(f"{type(self.programs[lv.index]).__name__}.run yielded {type(out).__name__}, "
-                              f"not a StepRequest, Decode, Read or Wait")
+                              f"not a StepRequest, Decode, Bulk, Read or Wait" if not isinstance(out, Bulk) else
+                              f"{type(self.programs[lv.index]).__name__}.run yielded a {type(out).__name__} with "
+                              f"tokens pending: a bulk request starts after computed tokens")
             if self.on_error is None or lv.added:   # (closing it would mark the step's tokens computed)
                 raise error
             self._fail(lv, error)
@@ -342,6 +357,26 @@ class SchedulerLoop(PoolRelief):
             self._wait(lv, Wait(1, "a decoding output needs a KV page"))
         return placed
 
+    def _place_bulk(self) -> list[tuple[BulkTable, list[StepRequest]]]:
+        """Each bulk table's rows of the next step (the pages left permitting); a program whose request a table
+        left out for want of pages waits (:meth:`_relieve` may preempt it)."""
+        placed = []
+        for table in self.tables.values():
+            if not table.size:
+                continue
+            was = dict(table.blocked())
+            requests = table.place(self.engine.pool.num_free_pages)
+            blocked = table.blocked()
+            for lv in was.keys() - blocked.keys():
+                if lv.bulk is table:
+                    self._wait(lv, None)
+            for lv, pages in blocked.items():
+                if lv.waiting is None or lv.waiting.pages != pages:
+                    self._wait(lv, Wait(pages, "a speculative request's next step needs KV pages"))
+            if requests:
+                placed.append((table, requests))
+        return placed
+
     def _wait(self, lv: _Live, wait: Wait | None) -> None:
         lv.waiting = wait
         if wait is None:
@@ -352,7 +387,7 @@ class SchedulerLoop(PoolRelief):
     def _wake(self, finished) -> bool:
         """Resume the programs whose Decode ended (with its result) and fail those whose lanes failed."""
         for lv, result in finished:
-            lv.decoding, lv.send = False, result
+            lv.decoding, lv.bulk, lv.send = False, None, result
             self._wait(lv, None)
             self.active.append(lv)
         for lv, error in self.lanes.take_failures():
@@ -360,100 +395,6 @@ class SchedulerLoop(PoolRelief):
                 raise error
             self._fail(lv, error)
         return bool(finished)
-
-    def _step(self, gathered: list[_Live], placed: PlacedLanes = PlacedLanes.NONE) -> None:
-        engine = self.engine
-        requests = [lv.request for lv in gathered]
-        reads = [r.read for r in requests if r.read is not None]
-        copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
-        nodes = [n for r in requests for n in r.nodes]
-        programs_rows = len(nodes)
-        nodes += placed.nodes.tolist()
-        out = None
-        faulty: dict[_Live, Exception] = {}
-        hidden_parts: list[slice] = []
-        if engine.tree.num_pending:   # (tokens without output rows are computed too)
-            rows = engine.pending_rows(nodes)
-            hidden = any(r.hidden for r in requests)
-            aux = any(r.aux for r in requests)
-            heads = any(r.heads for r in requests)
-            hidden_rows, at = None, 0
-            if (hidden or aux) and any(r.all_rows for r in requests):
-                hidden_rows = []   # each request's: its output rows, or every pending token of its nodes
-                for r in requests:
-                    part = (engine.pending_token_rows(r.nodes) if r.all_rows else engine.pending_rows(r.nodes)) \
-                        if r.nodes else np.zeros(0, dtype=np.int64)
-                    hidden_rows.append(part)
-                    hidden_parts.append(slice(at, at + len(part)))
-                    at += len(part)
-                hidden_rows = np.concatenate(hidden_rows)
-            else:
-                for r in requests:
-                    hidden_parts.append(slice(at, at + len(r.nodes)))
-                    at += len(r.nodes)
-            queries = engine.tree.num_pending
-            # A pipelined program's span moves back the positions of its own queries (rows known only now).
-            spans = [dataclasses.replace(r.dynamic, shift_rows=engine.pending_rows(r.nodes))
-                     for r in requests if r.dynamic is not None]
-            step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans or None)
-            self.lanes.start_read()   # (the lanes' draws come back while the step runs)
-            try:
-                out = engine.step(**step)
-            except ValueError:   # the engine refused the step before any work: a program's bad token ids?
-                faulty = {} if self.on_error is None else \
-                    set_aside_bad_tokens(engine, [(lv, lv.request, lv.ctx.name) for lv in gathered])
-                if not faulty:
-                    raise
-                step["tokens"] = self._device_tokens(requests, placed)
-                out = engine.step(**step)   # without them (their programs fail below, their K/V never read)
-            prompt_step = any(r.prompt for r in requests)
-            for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
-                if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
-                    lv.ctx.offer(lv.ctx.offer_after_step)
-                    lv.ctx.offer_after_step = None
-            argmax = sample_tokens(out.logits[:programs_rows], GREEDY) if any(r.argmax for r in requests) else None
-            self.stats.steps += 1
-            self.stats.prompt_steps += prompt_step
-            self.stats.queries_per_step.append(queries)
-            self.stats.programs_per_step.append(sum(1 for r in requests if r.nodes) + placed.groups)
-            if self.on_step is not None:
-                self.on_step(self.stats)
-        flat = copy.result() if copy is not None else None
-        offset, read_at = 0, 0
-        for i, (lv, r) in enumerate(zip(gathered, requests)):
-            k = len(r.nodes)
-            part = slice(offset, offset + k)
-            value = StepRows()
-            if k:
-                value.logits = out.logits[part]
-                value.hidden = out.hidden[hidden_parts[i]] if r.hidden else None
-                value.aux = out.aux[hidden_parts[i]] if r.aux else None
-                value.heads = {name: t[part] for name, t in out.heads.items()} if r.heads else None
-                value.argmax = argmax[part] if r.argmax else None
-            if r.read is not None:
-                size = r.read.numel()
-                part_read = flat[read_at:read_at + size]
-                value.read = part_read if r.read.dim() == 1 else torch.tensor(part_read).reshape(r.read.shape).tolist()
-                read_at += size
-            lv.send, lv.request = value, None
-            offset += k
-        for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
-            self._fail(lv, error)
-        if self.lanes.num_lanes:
-            self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
-
-    def _device_tokens(self, requests: list[StepRequest], placed: PlacedLanes) -> torch.Tensor | None:
-        """All pending token ids on the device, placeholders replaced by the programs' and the lanes' device ids."""
-        given = [r for r in requests if r.tokens is not None]
-        if not given and placed.tokens is None:
-            return None
-        engine = self.engine
-        ids = to_device(engine.tree.pending_tokens(), engine.device)
-        holders = [n for r in given for n in (r.nodes if r.placed is None else r.placed)] + placed.holders.tolist()
-        values = [r.tokens.reshape(-1) for r in given] + ([] if placed.tokens is None else [placed.tokens])
-        ids[to_device(engine.pending_rows(holders), engine.device)] = torch.cat(values).to(torch.int64)
-        return ids
 
     def _retire(self, lv: _Live, result: Any) -> None:
         self._forget(lv)
@@ -472,6 +413,9 @@ class SchedulerLoop(PoolRelief):
         if lv.decoding:
             self.lanes.drop(lv)
             lv.decoding = False
+        if lv.bulk is not None:
+            lv.bulk.drop(lv)
+            lv.bulk = None
         lv.gen.close()
         prefix = self.prefixes[lv.index]
         if prefix is not None:
@@ -482,7 +426,7 @@ class SchedulerLoop(PoolRelief):
     def _forget(self, lv: _Live) -> None:
         """``lv`` is no longer live (it returned or is closed)."""
         self.live.remove(lv)
-        if not lv.decoding:
+        if not lv.decoding and lv.bulk is None:
             self.active.remove(lv)
         self.waiters.discard(lv)
         self.headroom -= lv.reserve

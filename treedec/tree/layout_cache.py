@@ -43,6 +43,13 @@ class LayoutCache:
         the last layout's."""
         self._cut[node_id] = min(length, self._cut.get(node_id, length))
 
+    def truncated_many(self, node_ids: np.ndarray, lengths: np.ndarray) -> None:
+        """:meth:`truncated` of each of ``node_ids`` (``[k]`` int64, distinct) to ``lengths`` (``[k]`` int64)."""
+        cut = self._cut
+        if cut:
+            lengths = np.minimum(lengths, [cut.get(n, k) for n, k in zip(node_ids.tolist(), lengths.tolist())])
+        cut.update(zip(node_ids.tolist(), lengths.tolist()))
+
     def layout(self, table: NodeTable, order: Preorder) -> TreeLayout:
         """The layout of ``table``'s nodes in ``order``, the queries its pending tokens."""
         if order is self._order and not self._cut:

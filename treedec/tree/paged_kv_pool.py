@@ -171,6 +171,22 @@ class PagedKVPool:
             self.refcount[pages[-1]] = num_slots - (len(pages) - 1) * ps
         return (pages[:, None] * ps + self._offsets).reshape(-1)[:num_slots]
 
+    def allocate_slot_groups(self, groups: int, size: int) -> np.ndarray:
+        """``groups`` calls of :meth:`allocate_slots` of ``size`` slots in one: ``[groups, size]`` int64, each row
+        packed into ``ceil(size / page_size)`` fresh pages of its own (many requests' token trees of one shape).
+
+        Raises PoolExhaustedError (and takes nothing) if fewer pages are free.
+        """
+        groups = int_value(groups, "groups", low=0)
+        size = int_value(size, "size", low=0)
+        ps = self.page_size
+        per = -(-size // ps)
+        pages = self._take(groups * per).reshape(groups, per)
+        if per:
+            self.refcount[pages] = ps
+            self.refcount[pages[:, -1]] = size - (per - 1) * ps
+        return (pages[:, :, None] * ps + self._offsets).reshape(groups, per * ps)[:, :size]
+
     def incref(self, pages: np.ndarray) -> None:
         """One more holder for each page in ``pages`` (``[n]`` ints; each must be in use)."""
         pages = self._pages_in_use(pages, "incref")

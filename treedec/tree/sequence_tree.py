@@ -42,13 +42,14 @@ from treedec.tree.subtree_edits import SubtreeEdits
 from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
 from treedec.tree.validate import int_array, int_list, int_value, rows
+from treedec.tree.verify_edits import VerifyEdits
 
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)
 FEW_NODES = 16   # extend_many of one token to this many leaves or more: one array append, not a fill each
 
 
-class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, TreeDebugging):
+class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, VerifyEdits, TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`add_shared_root`, :meth:`extend`, :meth:`extend_many`,
@@ -56,7 +57,9 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
     :meth:`prune_dead_end`, :meth:`extend_computed`, :meth:`set_tokens`, :meth:`truncate`, :meth:`pause`,
     :meth:`resume`, :meth:`commit_step`, :meth:`layout`; walks: :meth:`path`, :meth:`subtree`; batch
     operations over many leaves at once (the lanes'): :meth:`append_tokens`, :meth:`pages_to_append`,
-    :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`.
+    :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`; and those of batched speculative
+    verification (:mod:`treedec.tree.verify_edits`): :meth:`add_token_trees`, :meth:`extend_computed_many`,
+    :meth:`truncate_many`, :meth:`set_tokens_many`.
 
     Node ids are ints that stay valid until their node is pruned; a pruned node's id is never valid again.
     """

@@ -1,6 +1,7 @@
 """Rejection sampling decided on the device (treedec.programs.speculative.device_acceptance): the same distribution as the
 host walk (chi-square on fixed tables, and host against device on one tree), the greedy limit equal to
-greedy_path on hypothesis trees, bad input, and (GPU) no wait for the device while it is launched."""
+greedy_path on hypothesis trees, batched outcomes equal to each tree's alone (rejection sampling: the same draws
+whatever else is in the batch), bad input, and (GPU) no wait for the device while it is launched."""
 import collections
 
 import numpy as np
@@ -9,18 +10,26 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from treedec.programs.speculative.acceptance import RejectionSampling, greedy_path
-from treedec.programs.speculative.device_acceptance import DeviceTree, decode_outcome, greedy_outcome, rejection_outcome
+from treedec.programs.speculative.device_acceptance import (DeviceTree, decode_outcome, greedy_outcomes,
+                                                             rejection_outcomes)
 from treedec.sampling.params import SamplingParams, sampling_probs
 from treedec.tree.token_tree import TokenTree
 from tests.programs.speculative.test_acceptance import (CHI2_CRITICAL_1E3, P_TABLE, Q_TABLE, chi_square, logits_of,
                                           passes_chi_square)
 
 
-def emitted(rule_or_none, tree, tokens, logits, q=None, gen=None, params=None):
-    """(path, bonus) from the device rule (``rule_or_none`` None: rejection_outcome with ``params``)."""
+def emitted(rule_or_none, tree, tokens, logits, q=None, params=None):
+    """(path, bonus) from the device rule (``rule_or_none`` None: rejection_outcomes of one tree with ``params``)."""
     if rule_or_none is None:
-        return decode_outcome(rejection_outcome(tree, tokens, logits, params, gen, q).tolist())
+        one = torch.zeros(1, dtype=torch.int64)
+        return decode_outcome(rejection_outcomes(tree, torch.tensor([tokens]), logits[None], params, one, one,
+                                                 None if q is None else q[None])[0].tolist())
     return decode_outcome(rule_or_none.outcome(tree, tokens, logits, q).tolist())
+
+
+def greedy_outcome(tree, tokens, argmax):
+    """greedy_outcomes of one tree."""
+    return greedy_outcomes(tree, torch.as_tensor(tokens)[None], torch.as_tensor(argmax)[None])[0]
 
 
 @pytest.mark.slow
@@ -113,7 +122,7 @@ def test_the_greedy_limit_is_greedy_path(data):
     choice = data.draw(st.lists(st.integers(0, vocab - 1), min_size=size, max_size=size))
     tree = TokenTree(parents)
     logits = torch.nn.functional.one_hot(torch.tensor(choice), vocab).float() * 50
-    out = emitted(None, tree, tokens, logits, gen=torch.Generator().manual_seed(0),
+    out = emitted(None, tree, tokens, logits,
                   params=SamplingParams(temperature=0.01, top_k=None, top_p=1.0))
     assert out == greedy_path(tree, tokens, choice)
 
@@ -152,7 +161,6 @@ def test_the_outcome_is_launched_without_waiting_for_the_device():
         one = rule.outcome(tree, tokens, logits)
         two = rule.outcome(tree, tokens, logits, q)
         three = greedy_outcome(cut, tokens[:4], logits[:4].argmax(dim=-1))
-        # its second use captures a CUDA graph, its third replays it: neither waits
         again = [greedy_outcome(cut, tokens[:4], logits[:4].argmax(dim=-1)) for _ in range(2)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -162,25 +170,6 @@ def test_the_outcome_is_launched_without_waiting_for_the_device():
     for out in (one, two):
         path, bonus = decode_outcome(out.tolist())
         assert 0 <= bonus < 32000 and all(tree.parents[c] == p for p, c in zip([0] + path, path))
-
-
-@pytest.mark.gpu
-def test_greedy_outcome_graphed_equals_eager():
-    """From a shape's second use greedy_outcome replays a CUDA graph: the same outcomes as the eager operations
-    on fresh inputs, trees of every kind of path (none accepted, partial, whole), several shapes interleaved."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from treedec.programs.speculative.device_acceptance import _greedy
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    trees = [TokenTree.from_medusa_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
-             TokenTree((-1, 0, 1, 2, 3)), TokenTree((-1, 0, 0, 0))]
-    for round in range(6):
-        for tree in trees:
-            tokens = torch.randint(0, 3, (tree.size,), device="cuda", generator=gen)
-            argmax = torch.randint(0, 3, (tree.size,), device="cuda", generator=gen)
-            want = _greedy(DeviceTree.of(tree, "cuda"), tokens, argmax)
-            assert greedy_outcome(tree, tokens, argmax).tolist() == want.tolist(), (round, tree.parents)
 
 
 @settings(max_examples=60, deadline=None)
@@ -193,3 +182,27 @@ def test_greedy_outcome_is_greedy_path(data):
     tree = TokenTree(parents)
     out = decode_outcome(greedy_outcome(tree, torch.tensor(tokens), torch.tensor(choice)).tolist())
     assert out == greedy_path(tree, tokens, choice)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_batched_outcomes_equal_each_tree_alone(data):
+    """R trees of one shape decided at once == each decided alone: greedy, and rejection sampling with each tree's
+    own seed and step (its numbers do not depend on the others: seeded tokens independent of the batch)."""
+    size = data.draw(st.integers(1, 8))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, size)]
+    tree, r, vocab = TokenTree(parents), data.draw(st.integers(1, 5)), 6
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    tokens = torch.randint(0, vocab, (r, size), generator=gen)
+    logits = torch.randn(r, size, vocab, generator=gen) * 2
+    argmax = logits.argmax(dim=-1)
+    batched = greedy_outcomes(tree, tokens, argmax)
+    assert all(batched[i].tolist() == greedy_outcome(tree, tokens[i], argmax[i]).tolist() for i in range(r))
+    params = SamplingParams(temperature=0.8)
+    seeds, steps = torch.randint(0, 2 ** 40, (r,), generator=gen), torch.randint(0, 50, (r,), generator=gen)
+    batched = rejection_outcomes(tree, tokens, logits, params, seeds, steps)
+    for i in range(r):
+        alone = rejection_outcomes(tree, tokens[i:i + 1], logits[i:i + 1], params, seeds[i:i + 1], steps[i:i + 1])
+        assert batched[i].tolist() == alone[0].tolist()
+        rule = RejectionSampling(temperature=0.8, seed=int(seeds[i]))
+        assert rule.outcome(tree, tokens[i], logits[i], step=int(steps[i])).tolist() == alone[0].tolist()

@@ -131,7 +131,7 @@ def test_chains_errors(target):
     with pytest.raises(ValueError, match="collect\\(\\) before submit"):
         chains.collect(draft)
     # a drafter on the reference backend cannot mask its unaccepted rows on the device: refused, nothing run
-    from treedec.programs.speculative.pipeline import pipeline_refusal
+    from treedec.programs.speculative.verify_table import pipeline_refusal
     on_reference = EagleDraft(Engine(d.model, kv_tokens=256, page_size=4, backend="reference"), depth=2, top_k=2,
                               tree="chains")
     t = engine(target)

@@ -1,4 +1,4 @@
-"""Pipelined speculative decoding (treedec.programs.speculative.pipeline): the same tokens, stats and tree as the
+"""Pipelined speculative decoding (treedec.programs.speculative.verify_table): the same tokens, stats and tree as the
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
 the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
 import collections

@@ -7,8 +7,10 @@ The package's face holds what a user of speculative decoding calls; the modules 
 - :mod:`~treedec.programs.speculative.batch`: :func:`speculative_batch` (many requests in one forest);
 - :mod:`~treedec.programs.speculative.config`: :class:`SpeculativeConfig` (a draft source configured once, for
   :class:`treedec.LLM`);
-- :mod:`~treedec.programs.speculative.pipeline`: the pipelined loop of drafts with a fixed tree (step n + 1
-  launched before step n's tokens reach the host);
+- :mod:`~treedec.programs.speculative.verify_table`: the pipelined steps of drafts with a fixed tree (step n + 1
+  launched before step n's tokens reach the host), batched: every request of a group verified, accepted and
+  drafted as one operation per step (:mod:`~treedec.programs.speculative.verify_group`,
+  :mod:`~treedec.programs.speculative.verify_rows`);
 - :mod:`~treedec.programs.speculative.acceptance` and :mod:`~treedec.programs.speculative.device_acceptance`: the
   acceptance rules (greedy, Medusa's typical, lossless rejection sampling), on the host and on the device;
 - draft sources: :mod:`~treedec.programs.speculative.drafts` (the base class, n-gram lookup, fixed trees),

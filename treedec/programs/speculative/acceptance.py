@@ -16,21 +16,26 @@ the prefill (:meth:`AcceptanceRule.first_token`).
 - :class:`RejectionSampling` (SpecInfer / EAGLE recursive rule): samples exactly from the
   target distribution (at a temperature), whatever the draft (:func:`recursive_rejection`).
 
-Randomness comes from a ``torch.Generator`` the rule object owns (seeded by ``seed``, on
-the logits' device): one rule object is one random stream; make a new object with the
-same seed to reproduce a run.
+Randomness of the host walks (:meth:`AcceptanceRule.accept`) comes from a ``torch.Generator`` the rule object
+owns (seeded by ``seed``, on the logits' device): one rule object is one random stream; make a new object with
+the same seed to reproduce a run. :class:`RejectionSampling`'s device decisions (its first token and
+:meth:`RejectionSampling.outcome`, what the speculative programs use) draw counter-based numbers of its seed and
+the verification step instead, the same whatever else runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from treedec.checks import FLOAT32_MAX, float32_number, nonnegative_int
 from treedec.sampling.logits import SAMPLING_EPS, warp_scores
-from treedec.programs.speculative.device_acceptance import rejection_outcome
+from treedec.programs.speculative.device_acceptance import greedy_outcomes, rejection_outcomes
 from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens, sampling_probs
+from treedec.sampling.rng import counter_uniform
+from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
 
@@ -67,12 +72,29 @@ class GreedyAcceptance:
     Among siblings that equal the argmax (a draft may repeat a token), the first wins.
     """
 
+    #: Rules of equal keys decide many requests' trees in one :meth:`outcomes` call (batched verification).
+    batch_key = ("greedy",)
+    #: The seed of its random streams: none are drawn.
+    seed = 0
+
     def first_token(self, logits: torch.Tensor) -> int:
         return int(sample_tokens(logits, GREEDY))
+
+    def first_sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`first_token` left on the device (``[1]`` int64, no wait)."""
+        return sample_tokens(logits, GREEDY).reshape(1)
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
         return greedy_path(tree, tokens, sample_tokens(logits, GREEDY).tolist())
+
+    def outcomes(self, tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, seeds: torch.Tensor,
+                 steps: torch.Tensor) -> torch.Tensor:
+        """The decisions on ``R`` trees of one shape on the device: ``tokens [R, N]``, ``logits [R, N, vocab]``
+        (``seeds``, ``steps``: unused) -> ``[R, 2 + depth]`` outcomes
+        (:func:`~treedec.programs.speculative.device_acceptance.greedy_outcomes`)."""
+        argmax = sample_tokens(logits.reshape(-1, logits.shape[-1]), GREEDY).reshape(tokens.shape)
+        return greedy_outcomes(tree, tokens, argmax)
 
 
 def greedy_path(tree: TokenTree, tokens: Sequence[int], choice: Sequence[int]) -> tuple[list[int], int]:
@@ -206,6 +228,7 @@ class RejectionSampling(_SeededStream):
     top_k: int | None = None
     top_p: float = 1.0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+    _calls: int = field(default=0, init=False, repr=False, compare=False)   # outcome() calls without a step
 
     def __post_init__(self):
         _check_temperature(self.temperature, "RejectionSampling")
@@ -213,12 +236,22 @@ class RejectionSampling(_SeededStream):
         # (checks top_k, top_p)
         self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
+    @property
+    def batch_key(self) -> tuple:
+        """Rules of equal keys (the same temperature, top-k and top-p) decide many requests' trees in one
+        :meth:`outcomes` call, each with its own seed."""
+        return ("rejection", self.temperature, self.top_k, self.top_p)
+
     def first_token(self, logits: torch.Tensor) -> int:
         return int(self.first_sample(logits)[0])
 
     def first_sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """:meth:`first_token` left on the device (``[1]`` int64, no wait), drawn from the same stream."""
-        return sample_tokens(logits, self._params, self._stream(logits.device))
+        """:meth:`first_token` left on the device (``[1]`` int64, no wait): drawn with the counter-based number of
+        the rule's seed, stream 0 (:func:`~treedec.sampling.rng.counter_uniform`; a verification step's are its
+        streams 1, 2, ...)."""
+        seed, zero = to_device(np.array([self.seed, 0], dtype=np.int64), logits.device).split(1)
+        uniform = counter_uniform(seed, zero, zero)
+        return sample_tokens(logits.reshape(1, -1), self._params, uniform=uniform).reshape(1)
 
     def accept(self, tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[list[int], int]:
@@ -243,17 +276,33 @@ class RejectionSampling(_SeededStream):
             path.append(cur)
 
     def outcome(self, tree: TokenTree, tokens: Sequence[int] | torch.Tensor, logits: torch.Tensor,
-                draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+                draft_probs: torch.Tensor | None = None, step: int | None = None) -> torch.Tensor:
         """The same decision made on the device, launched without waiting: ``[2 + depth]`` int64
-        (:func:`~treedec.programs.speculative.device_acceptance.rejection_outcome`; read it back and
+        (:func:`~treedec.programs.speculative.device_acceptance.rejection_outcomes` of one tree; read it back and
         :func:`~treedec.programs.speculative.device_acceptance.decode_outcome` gives :meth:`accept`'s ``(path, bonus)``).
-        Its tokens follow :meth:`accept`'s distribution exactly; it draws from the same stream
-        differently, so single draws differ."""
+        ``step``: the verification step's index in its request (its random numbers; a request's step draws the
+        same ones alone, batched or pipelined); None: the count of this rule's earlier calls with None. Its tokens
+        follow :meth:`accept`'s distribution exactly; single draws differ from :meth:`accept`'s."""
         _check_draft_probs(tree, logits, draft_probs)
         if len(tokens) != tree.size or logits.shape[0] != tree.size:
             raise ValueError(f"tokens and logits must have one row per tree token ({tree.size}), got "
                              f"{len(tokens)} and {logits.shape[0]}")
-        return rejection_outcome(tree, tokens, logits, self._params, self._stream(logits.device), draft_probs)
+        if step is None:
+            step, self._calls = self._calls, self._calls + 1
+        else:
+            nonnegative_int("step", step)
+        device = logits.device
+        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).reshape(1, -1)
+        seed, at = to_device(np.array([self.seed, step], dtype=np.int64), device).split(1)   # (pinned: no wait)
+        return rejection_outcomes(tree, tokens, logits[None], self._params, seed, at,
+                                  None if draft_probs is None else draft_probs[None])[0]
+
+    def outcomes(self, tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, seeds: torch.Tensor,
+                 steps: torch.Tensor) -> torch.Tensor:
+        """:meth:`outcome` of ``R`` trees of one shape (``tokens [R, N]``, ``logits [R, N, vocab]``), each request
+        with its seed and step (``[R]`` int64 each): ``[R, 2 + depth]``
+        (:func:`~treedec.programs.speculative.device_acceptance.rejection_outcomes`)."""
+        return rejection_outcomes(tree, tokens, logits, self._params, seeds, steps)
 
 
 def without_replacement(q: torch.Tensor, drawn: Sequence[int]) -> torch.Tensor:

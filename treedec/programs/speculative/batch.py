@@ -40,11 +40,7 @@ from treedec.programs.speculative.program import SpeculativeProgram
 SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                                 "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of"})
 
-__all__ = ["PIPELINE_MAX_REQUESTS", "sampled_acceptance", "speculative_batch", "speculative_program",
-           "speculative_results"]
-
-#: The largest batch :func:`speculative_batch` pipelines by itself (``pipeline=None``); see its ``pipeline``.
-PIPELINE_MAX_REQUESTS = 16
+__all__ = ["sampled_acceptance", "speculative_batch", "speculative_program", "speculative_results"]
 
 
 def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Callable[[RequestSpec], DraftSource],
@@ -71,15 +67,14 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
-    pipeline : each request's steps pipelined (:mod:`treedec.programs.speculative.pipeline`: drafts with a fixed
+    pipeline : the requests' steps pipelined (:mod:`treedec.programs.speculative.verify_table`: drafts with a fixed
         tree drafted on the device, greedy or rejection sampling; True raises where they do not); None (the
-        default): where they allow it on a GPU, for batches of at most :data:`PIPELINE_MAX_REQUESTS` requests;
-        False: never. Each result's ``stats["pipelined"]`` says which ran and ``stats["pipeline_note"]`` why
-        not. A pipelined step's host work for a request (acceptance, the K/V move, the next tree: ~25 small
-        device operations launched one request at a time, ~1.3 ms) overlaps the device's step, so it pays
-        while the batch is small: measured on an H200 (2026-11-27, Medusa-64 trees over 4000-token prompts,
-        ``bench/batch.py``, one machine) pipelined against not: 1 request 8.4 / 9.2 ms a step, 8 requests
-        23.1 / 26.2, 16 requests 25.4-27.6 / 27.6-31.3, 32 requests 48-73 / 32-38.
+        default): where they allow it on a GPU, at any batch size; False: never. Each result's
+        ``stats["pipelined"]`` says which ran and ``stats["pipeline_note"]`` why not. Pipelined, the requests whose
+        trees share a shape, a drafting and an acceptance rule are verified, accepted, their K/V moved and their
+        next trees drafted as one batched operation each a step (the verify table's groups): the host work of a
+        step is a fixed number of array operations for the group, whatever its size, and overlaps the device's
+        step.
 
     Returns
     -------
@@ -97,15 +92,11 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     elif not isinstance(draft_budget, DraftBudget):
         raise TypeError(f"draft_budget must be a DraftBudget or None, got {type(draft_budget).__name__}")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
-    note = None
-    if pipeline is None and len(prepared) > PIPELINE_MAX_REQUESTS:
-        pipeline, note = False, (f"a batch of {len(prepared)} requests (more than PIPELINE_MAX_REQUESTS = "
-                                 f"{PIPELINE_MAX_REQUESTS}): pipelined steps' per-request host work outgrows the step")
     programs, heads = [], {}
     for spec, prompt_ids in prepared:
         program = speculative_program(engine, spec, prompt_ids, draft(spec), tokenizer,
                                       None if acceptance is None else acceptance(spec), max_draft_tokens,
-                                      draft_budget, pipeline, note, greedy_only=acceptance is None)
+                                      draft_budget, pipeline, greedy_only=acceptance is None)
         head = program.draft.row_head
         if head is not None:
             heads.setdefault(head, spec.id)

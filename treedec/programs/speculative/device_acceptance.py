@@ -4,20 +4,23 @@ The host rules of :mod:`treedec.programs.speculative.acceptance` walk the tree f
 go; :class:`~treedec.programs.speculative.acceptance.RejectionSampling` reads a random number and a probability for
 every child it tries (each read a wait for the device: on a GPU a step of a top-8 EAGLE tree paid
 dozens). Here the same decisions are tensor operations over the whole tree at once, launched after the
-verification step without waiting for it:
+verification step without waiting for it, for the ``R`` trees of one shape of a batch at once (the verify
+table's group, :mod:`~treedec.programs.speculative.verify_table`; one request alone is ``R = 1``):
 
 - every child is tested as if its parent were reached. That is exact: a child's test in the sequential
   walk depends only on which earlier siblings were rejected, not on the random numbers that rejected
   them, so "the first child of a node that passes its test" is the walk's choice at that node;
 - the accepted path is the chain of such first children from the root (an ancestor matrix);
-- the bonus token is drawn, for every node, from what is left of its distribution after all its
-  children are rejected (a leaf: its whole distribution), and the path's last node picks its own.
+- the bonus token is drawn at the path's last node from what is left of its distribution after all its
+  children are rejected (a leaf: its whole distribution), by inverse CDF.
 
-:class:`Outcome` is the result: ``[2 + depth]`` int64 on the device (accepted length, bonus, path
-padded with -1); a program reads it with the other requests' reads in one copy
-(:class:`~treedec.runtime.program.Read`) and :func:`decode_outcome` turns it into ``(path, bonus)``,
-the host rules' result. Emitted tokens follow exactly the host rule's distribution (chi-square tests);
-the random streams differ, so single draws do not match the host rule's.
+The result is ``[R, 2 + depth]`` int64 on the device (per tree: accepted length, bonus, path padded with -1); it
+is read back with the batch's other reads in one copy and :func:`decode_outcome` turns a row into ``(path,
+bonus)``, the host rules' result. Rejection sampling's random numbers are counter-based
+(:func:`~treedec.sampling.rng.counter_uniform` of the request's seed, its verification step and the number's
+index), so a seeded request draws the same numbers alone, batched or unpipelined. Emitted tokens follow exactly
+the host rule's distribution (chi-square tests); the host rule's own stream differs, so single draws do not
+match it.
 """
 from __future__ import annotations
 
@@ -28,10 +31,11 @@ import numpy as np
 import torch
 
 from treedec.sampling.params import SamplingParams, sampling_probs
+from treedec.sampling.rng import counter_uniform
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
-__all__ = ["DeviceTree", "decode_outcome", "greedy_outcome", "rejection_outcome"]
+__all__ = ["DeviceTree", "decode_outcome", "greedy_outcomes", "rejection_outcomes"]
 
 _CACHED_SHAPES = 128  # tree shapes whose device tensors are kept (a batch's budget cuts a fixed tree many ways)
 
@@ -69,7 +73,7 @@ class DeviceTree:
         hit = _CACHE.get(key)
         if hit is None:
             if len(_CACHE) >= _CACHED_SHAPES:
-                _GreedyGraph.drop(_CACHE.pop(next(iter(_CACHE))))
+                del _CACHE[next(iter(_CACHE))]
             hit = _CACHE[key] = cls._build(tree, device)
         return hit
 
@@ -100,120 +104,85 @@ class DeviceTree:
 _CACHE: dict[tuple, DeviceTree] = {}
 
 
-def greedy_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], argmax: torch.Tensor) -> torch.Tensor:
-    """:func:`~treedec.programs.speculative.acceptance.greedy_path`'s decision on the device: a child passes when its
-    token is the target's argmax at its parent (the first such sibling wins), the bonus is the argmax at the path's last
-    node. ``argmax`` [N] int64 on the device; returns the outcome tensor (see :func:`rejection_outcome`)."""
-    shape = DeviceTree.of(tree, argmax.device)
-    tokens = torch.as_tensor(tokens, dtype=torch.int64, device=argmax.device)
-    if argmax.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        return _GreedyGraph.run(shape, tokens, argmax)
-    return _greedy(shape, tokens, argmax)
-
-
-def _greedy(shape: DeviceTree, tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    return _walk(shape, (tokens == argmax[shape.parents]) & shape.non_root, argmax)
-
-
-class _GreedyGraph:
-    """:func:`greedy_outcome` of one tree shape as a CUDA graph, captured at the shape's second use (the first
-    runs eagerly): its ~25 small operations launched as one replay. Eagerly they cost ~0.45 ms of host time a
-    call on an H100 host (their Python and launch overheads), a request's in every pipelined step. Captured
-    with the low-level API on a side stream: no wait for the device (``torch.cuda.graph`` synchronizes);
-    the graphs share one memory pool (replays are serial on the stream, each output copied out)."""
-
-    _seen: set = set()
-    _graphs: dict = {}
-    _pool = None
-
-    def __init__(self, shape: DeviceTree):
-        device = shape.parents.device
-        self.tokens = torch.zeros(shape.size, dtype=torch.int64, device=device)
-        self.argmax = torch.zeros_like(self.tokens)
-        if _GreedyGraph._pool is None:
-            _GreedyGraph._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))   # (the zeros above, in stream order)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool=_GreedyGraph._pool)
-            try:
-                self.out = _greedy(shape, self.tokens, self.argmax)
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
-
-    @classmethod
-    def run(cls, shape: DeviceTree, tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-        key = id(shape)   # (a DeviceTree lives in the shape cache; its graph is dropped with it, see DeviceTree.of)
-        graphed = cls._graphs.get(key)
-        if graphed is None:
-            if key not in cls._seen:
-                cls._seen.add(key)
-                return _greedy(shape, tokens, argmax)
-            graphed = cls._graphs[key] = cls(shape)
-        graphed.tokens.copy_(tokens)
-        graphed.argmax.copy_(argmax)
-        graphed.graph.replay()
-        return graphed.out.clone()
-
-    @classmethod
-    def drop(cls, shape: DeviceTree) -> None:
-        cls._seen.discard(id(shape))
-        cls._graphs.pop(id(shape), None)
-
-
-def rejection_outcome(tree: TokenTree, tokens: torch.Tensor | Sequence[int], logits: torch.Tensor,
-                      params: SamplingParams, generator: torch.Generator,
-                      draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`~treedec.programs.speculative.acceptance.RejectionSampling`'s decision on the device.
+def greedy_outcomes(tree: TokenTree, tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """:func:`~treedec.programs.speculative.acceptance.greedy_path`'s decision on the device for ``R`` trees of one
+    shape at once: a child passes when its token is the target's argmax at its parent (the first such sibling
+    wins), the bonus is the argmax at the path's last node.
 
     Parameters
     ----------
-    tree : the verified tree's shape.
-    tokens : [N] its tokens (a host sequence or a device tensor).
-    logits : [N, vocab] the target's logits at every tree token.
+    tree : the trees' shape (``N`` tokens, depth ``D``).
+    tokens : [R, N] int64 on the device: each tree's tokens.
+    argmax : [R, N] int64 on the device: the target's argmax at every tree token.
+
+    Returns
+    -------
+    [R, 2 + D] int64: each tree's outcome (accepted length, bonus, the path's tree indices, -1 past the length).
+    """
+    shape = DeviceTree.of(tree, argmax.device)
+    return _walk(shape, (tokens == argmax[:, shape.parents]) & shape.non_root, argmax)
+
+
+def rejection_outcomes(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
+                       seeds: torch.Tensor, steps: torch.Tensor, draft_probs: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """:class:`~treedec.programs.speculative.acceptance.RejectionSampling`'s decision on the device for ``R`` trees
+    of one shape at once, each drawing from its own counter-based stream (:func:`~treedec.sampling.rng.counter_uniform`
+    of its seed, stream ``1 + step``): a seeded request's outcome depends on nothing but its own rows, whatever
+    the batch.
+
+    Parameters
+    ----------
+    tree : the trees' shape (``N`` tokens, depth ``D``).
+    tokens : [R, N] int64: each tree's tokens.
+    logits : [R, N, vocab] the target's logits at every tree token.
     params : temperature, top-k, top-p (the target's ``p`` and a sampled draft's ``q`` are processed alike).
-    generator : the rule's random stream, on ``logits``' device.
-    draft_probs : [N, vocab], optional: row j the distribution node j's children were sampled from without
+    seeds : [R] int64: each request's seed; steps : [R] int64: each one's verification step (its stream).
+    draft_probs : [R, N, vocab], optional: row j the distribution node j's children were sampled from without
         replacement, in child order; None: a deterministic draft (each child a point mass at its token).
 
     Returns
     -------
-    [2 + depth] int64 on ``logits``' device: accepted length, bonus token, the path's tree indices (-1 past
-    the accepted length). :func:`decode_outcome` reads it.
+    [R, 2 + D] int64 on ``logits``' device, as :func:`greedy_outcomes`.
     """
     device = logits.device
     shape = DeviceTree.of(tree, device)
-    tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device)
-    n, width = shape.children.shape
-    rows = torch.arange(n, device=device)
-    target = sampling_probs(logits, params)                            # [N, V]: p at every node
+    r_count, (n, width) = tokens.shape[0], shape.children.shape
+    target = sampling_probs(logits, params)                            # [R, N, V]: p at every node
     residual = target.clone()                                          # then what its rejected children leave
     mass = residual.sum(dim=-1)                                        # its total (not renormalised each time)
     q_left = None if draft_probs is None else draft_probs.float().clone()
-    uniform = torch.rand(n, width, generator=generator, device=device)
-    passed = torch.zeros(n + 1, dtype=torch.bool, device=device)       # node i passes its test (parent reached);
-    spare = torch.full_like(rows, n)                                   # [n]: where the missing children's go
+    draws = torch.arange(n * width + 1, device=device)                 # the tests' numbers, then the bonus's
+    uniform = counter_uniform(seeds[:, None], steps[:, None] + 1, draws[None, :]).float()
+    tests = uniform[:, :n * width].reshape(r_count, n, width)
+    passed = torch.zeros(r_count, n + 1, dtype=torch.bool, device=device)   # node i passes its test (parent
+    spare = torch.full((n,), n, dtype=torch.int64, device=device)           # reached); the missing children's
     for r in range(width):                                             # the r-th child of every node at once
         kid = shape.children[:, r]
         has = kid >= 0
-        token = tokens[kid.clamp(min=0)]
-        p_x = residual[rows, token]
+        token = tokens[:, kid.clamp(min=0)][..., None]                 # [R, N, 1]
+        p_x = residual.gather(2, token)[..., 0]
         if q_left is None:      # a point mass: accept with p(x) / mass; a rejected x leaves the residual
-            test = uniform[:, r] * mass < p_x
-            residual[rows, token] = torch.where(has, torch.zeros_like(p_x), p_x)
+            test = tests[:, :, r] * mass < p_x
+            residual.scatter_(2, token, torch.where(has, torch.zeros_like(p_x), p_x)[..., None])
         else:                   # q without the siblings drawn before: accept with min(1, p(x) / q(x))
             q = q_left / q_left.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-            test = uniform[:, r] * q[rows, token] * mass < p_x
-            residual = torch.where(has[:, None], torch.clamp(residual - q * mass[:, None], min=0.0), residual)
-            q_left[rows, token] = torch.where(has, torch.zeros_like(p_x), q_left[rows, token])
+            test = tests[:, :, r] * q.gather(2, token)[..., 0] * mass < p_x
+            residual = torch.where(has[None, :, None], torch.clamp(residual - q * mass[..., None], min=0.0), residual)
+            left = q_left.gather(2, token)[..., 0]
+            q_left.scatter_(2, token, torch.where(has, torch.zeros_like(p_x), left)[..., None])
         mass = residual.sum(dim=-1)
         # Nothing left after a rejection means p <= q everywhere, so p == q: a rounding miss (the host rule's).
-        passed[torch.where(has, kid, spare)] = test | (mass <= 0)   # (no boolean index: it would wait)
-    # Every node's bonus, if the walk ends there: from what its rejected children left (a leaf: all of p).
-    bonus = torch.multinomial(torch.where((mass > 0)[:, None], residual, target), 1, generator=generator)
-    return _walk(shape, passed[:n], bonus.squeeze(1))
+        passed[:, torch.where(has, kid, spare)] = test | (mass <= 0)   # (no boolean index: it would wait)
+    length, path, last = _path(shape, passed[:, :n])
+    # The bonus at the path's last node: from what its rejected children left (a leaf: all of p).
+    rows = torch.arange(r_count, device=device)
+    left = residual[rows, last]
+    weights = torch.where((mass[rows, last] > 0)[:, None], left, target[rows, last])
+    cdf = weights.double().cumsum(dim=-1)
+    bonus = torch.searchsorted(cdf, (uniform[:, -1:].double() * cdf[:, -1:]), right=True)[:, 0]
+    bonus = bonus.clamp_(max=weights.shape[-1] - 1)   # (NaN compares false: it would give vocab)
+    return torch.cat([length[:, None], bonus[:, None], path[:, :shape.depth]], dim=1)
 
 
 def decode_outcome(values: Sequence[int]) -> tuple[list[int], int]:
@@ -222,13 +191,22 @@ def decode_outcome(values: Sequence[int]) -> tuple[list[int], int]:
     return [int(i) for i in values[2:2 + length]], int(values[1])
 
 
+def _path(shape: DeviceTree, passed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain of first passing children from the root of each tree (``passed`` [R, N] bool): its length [R],
+    its nodes [R, D + 1] (-1 past the length; the last column a spare) and its last node [R] (0: the root)."""
+    first = passed & ~(shape.earlier_sibling[None] & passed[:, None, :]).any(dim=2)
+    on_path = ~(shape.ancestors[None] & ~first[:, None, :]).any(dim=2) & shape.non_root
+    length = on_path.sum(dim=1)
+    r_count = passed.shape[0]
+    path = torch.full((r_count, shape.depth + 1), -1, dtype=torch.int64, device=passed.device)
+    index = torch.arange(shape.size, device=passed.device).expand(r_count, -1)
+    path.scatter_(1, torch.where(on_path, shape.depths - 1, shape.depth), index)   # off-path nodes: the spare slot
+    last = torch.where(length > 0, path.gather(1, (length - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(length))
+    return length, path, last
+
+
 def _walk(shape: DeviceTree, passed: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-    """The outcome tensor: the chain of first passing children from the root, and its last node's bonus."""
-    first = passed & ~(shape.earlier_sibling & passed[None, :]).any(dim=1)
-    on_path = ~(shape.ancestors & ~first[None, :]).any(dim=1) & shape.non_root
-    length = on_path.sum().reshape(1)
-    path = torch.full((shape.depth + 1,), -1, dtype=torch.int64, device=passed.device)
-    index = torch.arange(shape.size, device=passed.device)
-    path.scatter_(0, torch.where(on_path, shape.depths - 1, shape.depth), index)   # off-path nodes: the spare slot
-    last = torch.where(length > 0, path[(length - 1).clamp(min=0)], torch.zeros_like(length))
-    return torch.cat([length, bonus[last], path[:shape.depth]])
+    """The outcome tensors [R, 2 + D]: each tree's chain of first passing children, and its last node's bonus
+    (``bonus`` [R, N]: every node's)."""
+    length, path, last = _path(shape, passed)
+    return torch.cat([length[:, None], bonus.gather(1, last[:, None]), path[:, :shape.depth]], dim=1)

@@ -91,6 +91,26 @@ class DraftBudget:
         if a is not None:
             self._live[id(program)] = (1 - self.smoothing) * a + self.smoothing * accepted
 
+    def observe_many(self, programs: list, accepted) -> None:
+        """:meth:`observe` of each of ``programs`` (``accepted``: ``[k]`` ints, one each): a batched verify group's
+        step."""
+        for program, a in zip(programs, accepted.tolist()):
+            self.observe(program, a)
+
+    def group_tokens(self, programs: list, device: torch.device, proposed: int) -> int:
+        """Draft tokens each of ``programs`` verifies this step when they verify trees cut alike (a batched verify
+        group, :mod:`~treedec.programs.speculative.verify_table`): the mean of their shares, at least
+        ``min_tokens``, at most ``proposed``; recorded once per program in :attr:`history`."""
+        total = self.resolve(device)
+        live = [id(p) for p in programs if id(p) in self._live]
+        if total is None or not live:
+            return proposed
+        weights = len(self._live) + sum(self._live.values())
+        share = int(total * sum(1.0 + self._live[i] for i in live) / (weights * len(live)))
+        n = min(proposed, max(self.min_tokens, share))
+        self.history.extend([{"requests": len(self._live), "step_tokens": total, "tokens": n}] * len(live))
+        return n
+
     def tokens(self, program, device: torch.device, proposed: int) -> int:
         """Draft tokens ``program`` verifies this step, of the ``proposed`` its draft made."""
         total = self.resolve(device)

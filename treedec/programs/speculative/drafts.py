@@ -77,7 +77,20 @@ class DraftSource:
     """The tree every proposal has, for a draft whose tokens are computed on the device from what the step
     before left there (:meth:`device_drafts`: its :attr:`row_head`'s output at the last accepted token, the
     target's states, or nothing for fixed tokens): its speculative loop can run pipelined
-    (:mod:`~treedec.programs.speculative.pipeline`). None: not such a draft."""
+    (:mod:`~treedec.programs.speculative.verify_table`). None: not such a draft."""
+
+    @property
+    def batch_key(self):
+        """For a draft with a :attr:`fixed_tree` and a :attr:`row_head`: drafts of equal keys make the draft tokens
+        of many requests in one :meth:`row_head_drafts` call (of any of them) in batched verification
+        (:mod:`~treedec.programs.speculative.verify_table`); None: each request's its own."""
+        return None
+
+    def row_head_drafts(self, heads: torch.Tensor) -> torch.Tensor:
+        """The draft tokens of :attr:`fixed_tree` for ``R`` requests at once from their :attr:`row_head` outputs at
+        their last accepted tokens (``heads [R, ...]`` on the device): ``[R, tree.size - 1]`` int64, without
+        waiting (drafts with a fixed tree and a row head only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no row head drafting a fixed tree on the device")
 
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The draft tokens of :attr:`fixed_tree` (``[tree.size - 1]`` int64 on ``step.device``, the root

@@ -4,7 +4,7 @@
 children, each extended ``depth - 1`` tokens by the drafter's argmax: a tree of ``1 + top_k * depth`` tokens whose shape
 never changes (:func:`chains_tree`; ``top_k=1`` is one chain, SGLang's ``--speculative-eagle-topk 1``). Only
 the tokens depend on values, and they stay on the device, so a speculative loop over it runs pipelined
-(:mod:`~treedec.programs.speculative.pipeline`): the drafter is synced with the target's states at the step's
+(:mod:`~treedec.programs.speculative.verify_table`): the drafter is synced with the target's states at the step's
 root and accepted path while their count is still a device value, and its chains read that sync's slots
 through a :class:`~treedec.attention.dynamic_span.DynamicSpan` (the unaccepted ones masked, the chains'
 positions moved back on the device). The ``depth - 1`` chain steps are one

@@ -90,17 +90,28 @@ class MedusaDraft(DraftSource):
         their candidates on the device (:meth:`device_drafts`); else None."""
         return self.tree if self.in_step else None
 
+    @property
+    def batch_key(self):
+        """Medusa drafts of the same heads, depth, width and choices draft together (:meth:`row_head_drafts`)."""
+        return (self._candidates, tuple(self._paths)) if self.in_step else None
+
     def device_drafts(self, step: DeviceStep) -> torch.Tensor:
         """The draft tokens from the heads' candidates ``[depth, k]`` at the last accepted token (the
         :attr:`row_head`'s output there, ``step.head``), gathered on the device."""
-        head_row = step.head
-        if not self.in_step or head_row is None:
+        if not self.in_step or step.head is None:
             return super().device_drafts(step)
-        k = head_row.shape[-1]
-        if self._flat_index is None or self._flat_index[0].device != head_row.device or self._flat_index[1] != k:
+        return self.row_head_drafts(step.head[None])[0]
+
+    def row_head_drafts(self, heads: torch.Tensor) -> torch.Tensor:
+        """The draft tokens of ``R`` requests from their heads' candidates ``heads [R, depth, k]`` (the
+        :attr:`row_head`'s output at each one's last accepted token): ``[R, tree.size - 1]``, one gather."""
+        if not self.in_step:
+            return super().row_head_drafts(heads)
+        k = heads.shape[-1]
+        if self._flat_index is None or self._flat_index[0].device != heads.device or self._flat_index[1] != k:
             index = torch.tensor([(len(p) - 1) * k + p[-1] for p in self._paths], dtype=torch.int64)
-            self._flat_index = (index.to(head_row.device), k)
-        return head_row.reshape(-1)[self._flat_index[0]]
+            self._flat_index = (index.to(heads.device), k)
+        return heads.reshape(len(heads), -1)[:, self._flat_index[0]]
 
     def start(self, engine: Engine) -> None:
         """Check the heads fit the target model; forget the previous request."""

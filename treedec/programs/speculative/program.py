@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
+import numpy as np
 import torch
 
 from treedec.checks import is_int, positive_int
@@ -37,9 +38,9 @@ from treedec.programs.speculative.drafts import DraftSource, TargetOutput, check
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
 from treedec.runtime.scheduler import run_program
-from treedec.programs.speculative.pipeline import pipeline_refusal, pipelined_run
+from treedec.programs.speculative.verify_table import Verify, pipeline_refusal
 from treedec.sampling.stops import StopChecker, StopRule
-from treedec.transfer import HostCopy
+from treedec.transfer import HostCopy, to_device
 from treedec.tree.token_tree import TokenTree
 from treedec.tree.validate import int_list
 
@@ -62,7 +63,7 @@ class SpeculativeStats:
         prune it to free the request's pages.
     stop_reason : why generation stopped: "eos" (the last returned token is an EOS id)
         or "length" (``max_new_tokens`` reached), as :class:`~treedec.programs.parallel_sampling.Sample`'s.
-    pipelined : whether the steps ran pipelined (:mod:`treedec.programs.speculative.pipeline`; then the draft
+    pipelined : whether the steps ran pipelined (:mod:`treedec.programs.speculative.verify_table`; then the draft
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
     cached_tokens : prompt tokens read from the prefix cache across requests (none computed).
@@ -129,7 +130,7 @@ class SpeculativeProgram(Program):
         headroom the scheduler keeps for the request's steps.
     budget : the batch's :class:`~treedec.programs.speculative.draft_budget.DraftBudget` (shared by its programs): each
         proposal is cut to this request's share of the step's draft tokens.
-    pipeline : run its steps pipelined (:mod:`treedec.programs.speculative.pipeline`); None: when the draft, the
+    pipeline : run its steps pipelined (:mod:`treedec.programs.speculative.verify_table`); None: when the draft, the
         rule and the engine allow it on a GPU (``stats.pipelined``, ``stats.pipeline_note`` say what was
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
@@ -205,8 +206,8 @@ class SpeculativeProgram(Program):
         if self.budget is not None:
             self.budget.join(self)
         try:
-            if pipelined:   # (treedec.programs.speculative.pipeline)
-                yield from pipelined_run(ctx, self, checker, head_name, stats)
+            if pipelined:   # (treedec.programs.speculative.verify_table)
+                yield from self._pipelined(ctx, checker, head_name, stats)
             else:
                 yield from self._steps(ctx, checker, head_name, stats)
             stats.stop_reason = checker.stop_reason
@@ -269,8 +270,9 @@ class SpeculativeProgram(Program):
             # token; rejection sampling, its decision made on the device (no wait per child tried).
             if greedy:
                 decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
-            elif isinstance(acceptance, RejectionSampling):
-                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs))))
+            elif isinstance(acceptance, RejectionSampling):   # (its numbers: this request's step's, as pipelined)
+                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs,
+                                                                        step=stats.steps))))
             else:
                 decided = None
             result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
@@ -287,6 +289,25 @@ class SpeculativeProgram(Program):
                 draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
                                            target_states_at(engine, states, out, [0] + result.path)))
             self.stepped(stats, checker)
+
+    def _pipelined(self, ctx: ProgramContext, checker: StopChecker, head_name: str | None, stats: SpeculativeStats):
+        """The pipelined loop: the prompt and the first token here, then the steps in the scheduler's verify table
+        (:mod:`treedec.programs.speculative.verify_table`), with every other request of its group; fills ``stats``
+        as :meth:`_steps` does."""
+        engine, full, kind = ctx.engine, self.draft.fixed_tree, self.target_states
+        if full.size > self.max_draft_tokens:
+            raise ValueError(f"the draft's fixed tree has {full.size} tokens; at most max_draft_tokens="
+                             f"{self.max_draft_tokens}")
+        want = {"heads": head_name is not None, "hidden": kind == "hidden", "aux": isinstance(kind, tuple)}
+        start = time.perf_counter()
+        node, out = yield from ctx.prompt(self.prompt_ids, all_rows=kind is not None, **want)
+        stats.node = node
+        first = self.acceptance.first_sample(out.logits[0])
+        following = None if kind is None else torch.cat(
+            [to_device(np.asarray(self.prompt_ids[1:], dtype=np.int64), engine.device), first])
+        stats.prefill_seconds = time.perf_counter() - start
+        yield Verify(self, node, first, checker, stats, head_name, None if head_name is None else out.heads[head_name][0],
+                     target_states_at(engine, kind, out), following)
 
     def stepped(self, stats: SpeculativeStats, checker: StopChecker) -> None:
         """After a verification step (either loop): ``on_step``, and ``on_text`` with the new text."""
@@ -319,7 +340,7 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
     eos_token_id : ``"model"`` (default: ``engine.model.eos_token_ids``, the checkpoint's),
         an id, several ids, or None (no EOS stop).
     pipeline : run step n+1 before step n's tokens reach the host
-        (:mod:`treedec.programs.speculative.pipeline`: drafts with a ``fixed_tree`` drafted on the device, such
+        (:mod:`treedec.programs.speculative.verify_table`: drafts with a ``fixed_tree`` drafted on the device, such
         as Medusa heads run in the step or a ``TreeDraft`` of fixed tokens, under greedy acceptance or
         rejection sampling). Default: on for a CUDA engine when the draft
         and rule allow it (``stats.pipelined`` and ``stats.pipeline_note`` say what was chosen and why); True

@@ -1,0 +1,321 @@
+"""One group of the verify table (:mod:`~treedec.programs.speculative.verify_table`): the requests whose trees share
+one fixed shape, one way of drafting it on the device and one acceptance rule, stepped as ONE batched operation
+each per step: the tree edits (:mod:`treedec.tree.verify_edits`), the accepted K/V's move (one
+:meth:`~treedec.tree.PagedKVPool.copy_slots`), the next trees' tokens, the outcomes over ``[R, m]`` logits and
+the host record of the outcomes read back (:class:`~treedec.programs.speculative.verify_rows.VerifyRows`).
+
+Device columns, one row per request (compacted on events): ``read`` [R, 2 + 2D] (the outcome to read next:
+accepted length, bonus, path, path tokens; a new request's: length 0 and its first token as the bonus),
+``outcome`` [R, 2 + D], ``slots`` / ``tokens`` [R, m] (its launched tree's, padded to the full tree),
+``flight_heads`` [R, m, ...] and ``head`` [R, ...] (a row head's output at the tree's tokens, and at the last
+accepted token: the next draft's input), ``states`` [R, m, ...] (the target states a drafter reads), ``fixed``
+[R, m - 1] (fixed draft tokens), ``seeds`` / ``steps`` [R] (rejection sampling's streams).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from treedec.attention.dynamic_span import DynamicSpan
+from treedec.programs.speculative.drafts import DeviceStep, target_states_at
+from treedec.programs.speculative.verify_rows import VerifyRows
+from treedec.runtime.program import StepRequest, StepRows
+from treedec.transfer import to_device
+from treedec.tree.token_tree import TokenTree
+
+__all__ = ["VerifyGroup"]
+
+NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class VerifyGroup:
+    """The requests of one group key (see the module docstring). ``first``: the group's first
+    :class:`~treedec.programs.speculative.verify_table.Verify` (its draft's fixed tree, drafting kind, acceptance
+    rule and target states are every member's)."""
+
+    def __init__(self, engine, first):
+        program = first.program
+        self.engine, self.tree, self.pool, self.device = engine, engine.tree, engine.pool, engine.device
+        self.draft, self.rule, self.budget = program.draft, program.acceptance, program.budget
+        self.full: TokenTree = self.draft.fixed_tree
+        self.m, self.depth = self.full.size, max(self.full.depth)
+        self.kind = draft_kind(self.draft)
+        self.head_name, self.states_kind = first.head_name, program.target_states
+        self.want = {"heads": self.head_name is not None, "hidden": self.states_kind == "hidden",
+                     "aux": isinstance(self.states_kind, tuple)}
+        self.rows = VerifyRows(self.depth)
+        self.requests: list = []      # each row's Verify
+        self.owners: list = []
+        self.checkers: list = []      # each row's StopChecker when it is checked every step, else None
+        self.prompt_states: list = []   # a chains row's prompt states until its first draft
+        d, m, dev = self.depth, self.m, self.device
+        self.read = torch.zeros((0, 2 + 2 * d), dtype=torch.int64, device=dev)
+        self.outcome = torch.zeros((0, 2 + d), dtype=torch.int64, device=dev)
+        self.slots = torch.zeros((0, m), dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros((0, m), dtype=torch.int64, device=dev)
+        self.seeds = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.steps = torch.zeros(0, dtype=torch.int64, device=dev)
+        self.head = self.flight_heads = self.states = self.fixed = None
+        self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._placed = None
+        self._blocked: dict = {}
+        self._clock = time.perf_counter()
+
+    @property
+    def size(self) -> int:
+        return self.rows.size
+
+    # ------------------------------------------------------------ events
+
+    def add(self, owner, request) -> None:
+        """A new row (an event): its prompt computed, its first token drawn (``request.first``)."""
+        program, dev, d = request.program, self.device, self.depth
+        checker = request.checker
+        rule = checker.rule
+        text = bool(rule.stop_strings or rule.min_tokens or program.on_text is not None or program.on_step is not None)
+        self.rows.add(request.node, self.tree.node_length(request.node), rule.max_new_tokens, rule.eos_token_ids, text)
+        self.requests.append(request)
+        self.owners.append(owner)
+        self.checkers.append(checker if text else None)
+        self.prompt_states.append((request.states, request.state_tokens) if self.kind == "chains" else None)
+        first = request.first.reshape(1).to(torch.int64)
+        self.read = torch.cat([self.read, torch.cat([self._zero, first, self._zero.expand(2 * d) - 1])[None]])
+        self.outcome = torch.cat([self.outcome, self.outcome.new_zeros(1, 2 + d)])
+        self.slots = torch.cat([self.slots, self.slots.new_zeros(1, self.m)])
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(1, self.m)])
+        self.seeds = torch.cat([self.seeds, self._zero + program.acceptance.seed])
+        self.steps = torch.cat([self.steps, self._zero])
+        if self.want["heads"]:
+            head = request.head[None]
+            self.head = head if self.head is None else torch.cat([self.head, head])
+            blank = head.new_zeros((1, self.m, *head.shape[1:]))
+            self.flight_heads = blank if self.flight_heads is None else torch.cat([self.flight_heads, blank])
+        if self.states_kind is not None:
+            blank = request.states.new_zeros((1, self.m, *request.states.shape[1:]))
+            self.states = blank if self.states is None else torch.cat([self.states, blank])
+        if self.kind == "fixed":
+            fixed = program.draft.device_drafts(DeviceStep(dev)).reshape(1, -1).to(torch.int64)
+            self.fixed = fixed if self.fixed is None else torch.cat([self.fixed, fixed])
+
+    def drop(self, owner) -> None:
+        """Forget ``owner``'s row (its program is closed: it frees its node)."""
+        i = next(i for i, o in enumerate(self.owners) if o is owner)
+        keep = np.ones(self.size, dtype=bool)
+        keep[i] = False
+        self._blocked.pop(owner, None)
+        self._keep(keep)
+
+    def blocked(self) -> dict:
+        return self._blocked
+
+    # ------------------------------------------------------------ the step
+
+    def place(self, free_pages: int) -> StepRequest | None:
+        """The next step's trees of the rows whose pages fit in ``free_pages`` (in row order): the launched trees
+        pruned, the unused reserved slots dropped, ``1 + depth`` slots reserved and the accepted K/V moved there,
+        the next trees added; what the step computes and reads for them (None: no row fits)."""
+        rows, tree, d = self.rows, self.tree, self.depth
+        shape = self._shape()
+        m = shape.size
+        flight = rows.flight_root >= 0
+        ps = self.pool.page_size
+        need = np.where(flight, self.pool.pages_for(1 + d) + 1, 0) + -(-m // ps)
+        fits = np.cumsum(need) <= free_pages
+        self._blocked = {self.owners[i]: int(need[i]) for i in np.flatnonzero(~fits).tolist()}
+        at = np.flatnonzero(fits)
+        if not len(at):
+            return None
+        f = at[flight[at]]
+        unused = rows.garbage[f].copy()
+        dst = np.zeros((0, 1 + d), dtype=np.int64)
+        if len(f):
+            tree.prune_many(rows.flight_root[f])   # (stream order keeps their K/V until the copy below read them)
+            g = f[unused > 0]
+            if len(g):
+                tree.truncate_many(rows.node[g], rows.length[g] - rows.garbage[g])
+                rows.length[g] -= rows.garbage[g]
+            dst = tree.extend_computed_many(rows.node[f], 1 + d)
+            rows.length[f] += 1 + d
+        rows.garbage[at] = 0
+        rows.reserved[at] = flight[at]
+        at_d = to_device(at, self.device)
+        root = self.read.index_select(0, at_d)[:, 1]           # the bonus of the tree read next: the new root
+        keep = span_keep = None
+        if len(f):
+            f_d = to_device(f, self.device)
+            o = self.outcome.index_select(0, f_d)
+            keep = o[:, 0]
+            pick = torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)], dim=1)   # [F, 1 + D]: root, path
+            self.pool.copy_slots(self.slots.index_select(0, f_d).gather(1, pick).reshape(-1),
+                                 to_device(dst.reshape(-1), self.device))
+            last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
+            if self.head is not None:
+                picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
+                self.head.index_copy_(0, f_d, picked)
+            span_keep = keep.reshape(-1, 1).unbind(0)
+        spans = self._spans(at, flight[at], dst, span_keep)
+        drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o if len(f) else None, unused)[:, :m - 1]
+        tokens = torch.cat([root[:, None], drafted], dim=1).to(torch.int64)
+        ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]))
+        slots = tree.first_slots(ids.reshape(-1)).reshape(len(at), m)
+        rows.flight_root[at] = ids[:, 0]
+        self._placed = (at, at_d, shape, tokens, slots)
+        return StepRequest(ids.reshape(-1), tokens=tokens.reshape(-1), read=self.read.index_select(0, at_d).reshape(-1),
+                           dynamic=spans, **self.want)
+
+    def after_step(self, out: StepRows) -> list[tuple]:
+        """The placed rows' outcomes on the device (kept for the next step), then the outcomes read back with the
+        step recorded; ``(owner, request)`` of the rows that ended (their launched step rolled back)."""
+        at, at_d, shape, tokens, slots = self._placed
+        self._placed = None
+        p, m, d = len(at), shape.size, self.depth
+        outcome = self.rule.outcomes(shape, tokens, out.logits.reshape(p, m, -1), self.seeds.index_select(0, at_d),
+                                     self.steps.index_select(0, at_d))
+        pad = d - max(shape.depth)
+        if pad:
+            outcome = torch.cat([outcome, outcome.new_full((p, pad), -1)], dim=1)
+        self.steps.index_add_(0, at_d, torch.ones_like(at_d))
+        path_tokens = tokens.gather(1, outcome[:, 2:].clamp(min=0))
+        self.read.index_copy_(0, at_d, torch.cat([outcome, path_tokens], dim=1))
+        self.outcome.index_copy_(0, at_d, outcome)
+        full = self.m - m
+        self.slots.index_copy_(0, at_d, to_device(np.pad(slots, ((0, 0), (0, full)), mode="edge"), self.device))
+        self.tokens.index_copy_(0, at_d, torch.cat([tokens, tokens.new_zeros(p, full)], dim=1))
+        if self.head is not None:
+            self.flight_heads.index_copy_(0, at_d, _padded(out.heads[self.head_name].reshape(p, m, *self.head.shape[1:]),
+                                                           full))
+        if self.states is not None:
+            states = target_states_at(self.engine, self.states_kind, out)
+            self.states.index_copy_(0, at_d, _padded(states.reshape(p, m, *states.shape[1:]), full))
+        return self._record(at, np.asarray(out.read, dtype=np.int64).reshape(p, 2 + 2 * d), m)
+
+    # ------------------------------------------------------------ private
+
+    def _shape(self) -> TokenTree:
+        """This step's tree: the full tree, or its first draft tokens when a budget gives the group fewer (one share
+        for the group: its requests' mean share of the step's budget)."""
+        if self.budget is None:
+            return self.full
+        share = self.budget.group_tokens([r.program for r in self.requests], self.device, self.m - 1)
+        return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
+
+    def _spans(self, at, flight, dst, keeps) -> list[DynamicSpan]:
+        """One span per placed row, in order: a row with a reservation, its ``depth`` path slots (``keep`` real);
+        a new one, none (empty)."""
+        spans, j, empty = [], 0, np.zeros(0, dtype=np.int64)
+        for has in flight.tolist():   # (one small object a row: the engine's spans are per request)
+            if has:
+                spans.append(DynamicSpan(dst[j, 1:], keeps[j], empty))
+                j += 1
+            else:
+                spans.append(DynamicSpan(empty, self._zero, empty))
+        return spans
+
+    def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
+        """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""
+        if self.kind == "heads":
+            return self.draft.row_head_drafts(self.head.index_select(0, at_d))
+        if self.kind == "fixed":
+            return self.fixed.index_select(0, at_d)
+        # EAGLE's chains: each request's drafter syncs its own sequence (a host call a request), the device work is
+        # one sync and one chain run for all (EagleChains)
+        steps = {}
+        if f_d is not None:
+            keep = o[:, 0]
+            pick = torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)], dim=1)
+            states = self.states.index_select(0, f_d)
+            states = states[torch.arange(len(f), device=self.device)[:, None], pick]
+            bonus = o[:, 1]
+            after = torch.cat([self.tokens.index_select(0, f_d).gather(1, o[:, 2:].clamp(min=0)), bonus[:, None]],
+                              dim=1)
+            column = torch.arange(1 + self.depth, device=self.device)
+            following = torch.where(column[None, :] == keep[:, None], bonus[:, None], after)
+            count = (keep + 1).reshape(-1, 1)
+            for j, i in enumerate(f.tolist()):
+                steps[i] = DeviceStep(self.device, None, states[j], following[j], count[j], int(unused[j]))
+        for i in at.tolist():
+            if i not in steps:
+                states, tokens = self.prompt_states[i]
+                self.prompt_states[i] = None
+                steps[i] = DeviceStep(self.device, None, states, tokens)
+            self.requests[i].program.draft.submit_step(steps[i])
+        return torch.stack([self.requests[i].program.draft.collect_step() for i in at.tolist()])
+
+    def _record(self, at: np.ndarray, values: np.ndarray, m: int) -> list[tuple]:
+        rows, tree, d = self.rows, self.tree, self.depth
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
+        res = rows.reserved[at]
+        s = at[res]
+        if len(s):   # the tokens of the reservation: the read tree's root and accepted path
+            length = values[res, 0]
+            both = np.concatenate([rows.root_token[s][:, None], values[res, 2 + d:2 + 2 * d]], axis=1)
+            real = np.arange(1 + d)[None, :] < 1 + length[:, None]
+            tree.set_tokens_many(rows.node[s], rows.length[s] - d - 1, both[real], 1 + length)
+        found = rows.record(at, values, self.checkers, seconds)
+        if self.budget is not None and found.stepped.any():
+            self.budget.observe_many([self.requests[i].program for i in at[found.stepped].tolist()],
+                                     found.kept[found.stepped])
+        for j in np.flatnonzero(rows.text[at] & found.stepped).tolist():   # on_step, on_text: per step
+            i = int(at[j])
+            self._fill_stats(i)
+            self.requests[i].program.stepped(self.requests[i].stats, self.checkers[i])
+        ended = at[found.stop]
+        finished = []
+        if len(ended):
+            tree.prune_many(rows.flight_root[ended])   # the step launched past the stop: rolled back
+            cut = found.cut[found.stop]
+            c = cut > 0
+            if c.any():
+                tree.truncate_many(rows.node[ended][c], rows.length[ended][c] - cut[c])
+            for i in ended.tolist():   # (an event a request)
+                request = self.requests[i]
+                self._fill_stats(i)
+                if self.checkers[i] is None:   # its stop rule applied to its tokens at once, as token by token
+                    request.checker.accept(rows.tokens[i, :rows.emitted[i]].tolist())
+                    assert request.checker.stopped, f"{request.checker.token_ids=} did not end"
+                finished.append((self.owners[i], request))
+            keep = np.ones(self.size, dtype=bool)
+            keep[ended] = False
+        going = at[~found.stop]
+        rows.launched(going, m - 1)
+        if len(ended):
+            self._keep(keep)
+        return finished
+
+    def _fill_stats(self, i: int) -> None:
+        """Row ``i``'s stats from its columns (at its end, and every step for the rows checked one by one)."""
+        stats = self.requests[i].stats
+        _, accepted, sizes, seconds = self.rows.result(i)
+        stats.steps, stats.accepted, stats.draft_sizes = len(accepted), accepted, sizes
+        stats.draft_seconds, stats.verify_seconds = [0.0] * len(accepted), seconds
+
+    def _keep(self, keep: np.ndarray) -> None:
+        """Keep the rows of ``keep`` ([R] bool) in every column (an event)."""
+        self.rows.keep(keep)
+        index = np.flatnonzero(keep)
+        self.requests = [self.requests[i] for i in index]
+        self.owners = [self.owners[i] for i in index]
+        self.checkers = [self.checkers[i] for i in index]
+        self.prompt_states = [self.prompt_states[i] for i in index]
+        on = to_device(index, self.device)
+        for name in ("read", "outcome", "slots", "tokens", "seeds", "steps", "head", "flight_heads", "states",
+                     "fixed"):
+            column = getattr(self, name)
+            if column is not None:
+                setattr(self, name, column.index_select(0, on))
+
+
+def draft_kind(draft) -> str:
+    """How a draft with a fixed tree makes its tokens on the device: ``"chains"`` (a drafter synced per request,
+    drafting together: EAGLE), ``"heads"`` (from its row head's output: Medusa) or ``"fixed"`` (fixed tokens)."""
+    return "chains" if draft.drafts_together else "heads" if draft.row_head is not None else "fixed"
+
+
+def _padded(values: torch.Tensor, extra: int) -> torch.Tensor:
+    """``values [P, m, ...]`` with ``extra`` zero rows after each one's ``m`` (to the full tree's)."""
+    if not extra:
+        return values
+    return torch.cat([values, values.new_zeros((values.shape[0], extra, *values.shape[2:]))], dim=1)

@@ -1,0 +1,142 @@
+"""One engine step of the scheduler's loop (:class:`StepRun`, a part of
+:class:`~treedec.runtime.scheduler_loop.SchedulerLoop`): the gathered programs' requests, the bulk tables' and the
+lanes' tokens computed in ONE step (one plan, one forward), the reads they asked for copied back in one copy, and
+each one's rows handed back."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from treedec.attention.dynamic_span import DynamicSpan
+from treedec.runtime.decode import PlacedLanes
+from treedec.runtime.program import StepRequest, StepRows, set_aside_bad_tokens
+from treedec.sampling.params import GREEDY, sample_tokens
+from treedec.transfer import HostCopy, to_device
+
+__all__ = ["StepRun"]
+
+
+class StepRun:
+    """:meth:`_step` and :meth:`_device_tokens` of the loop."""
+
+    def _step(self, gathered: list, placed: PlacedLanes = PlacedLanes.NONE, bulk: list | None = None) -> None:
+        """Step the ``gathered`` programs' requests, the ``bulk`` tables' (``(table, StepRequest)`` pairs) and the
+        ``placed`` lanes; resume-values for the programs, :meth:`BulkTable.after_step` for the tables."""
+        engine = self.engine
+        bulk = bulk or []
+        requests = [lv.request for lv in gathered] + [r for _, rs in bulk for r in rs]
+        reads = [r.read for r in requests if r.read is not None]
+        copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
+        nodes = np.concatenate([np.asarray(r.nodes, dtype=np.int64).reshape(-1) for r in requests] + [placed.nodes])
+        programs_rows = len(nodes) - len(placed.nodes)
+        out = None
+        faulty: dict = {}
+        hidden_parts: list[slice] = []
+        if engine.tree.num_pending:   # (tokens without output rows are computed too)
+            rows = engine.pending_rows(nodes)
+            hidden = any(r.hidden for r in requests)
+            aux = any(r.aux for r in requests)
+            heads = any(r.heads for r in requests)
+            hidden_rows, at = None, 0
+            if (hidden or aux) and any(r.all_rows for r in requests):
+                hidden_rows = []   # each request's: its output rows, or every pending token of its nodes
+                for r in requests:
+                    part = (engine.pending_token_rows(r.nodes) if r.all_rows else engine.pending_rows(r.nodes)) \
+                        if len(r.nodes) else np.zeros(0, dtype=np.int64)
+                    hidden_rows.append(part)
+                    hidden_parts.append(slice(at, at + len(part)))
+                    at += len(part)
+                hidden_rows = np.concatenate(hidden_rows)
+            else:
+                for r in requests:
+                    hidden_parts.append(slice(at, at + len(r.nodes)))
+                    at += len(r.nodes)
+            queries = engine.tree.num_pending
+            spans = self._spans(requests, rows)
+            step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
+                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans or None)
+            self.lanes.start_read()   # (the lanes' draws come back while the step runs)
+            try:
+                out = engine.step(**step)
+            except ValueError:   # the engine refused the step before any work: a program's bad token ids?
+                faulty = {} if self.on_error is None else \
+                    set_aside_bad_tokens(engine, [(lv, lv.request, lv.ctx.name) for lv in gathered])
+                if not faulty:
+                    raise
+                step["tokens"] = self._device_tokens(requests, placed)
+                out = engine.step(**step)   # without them (their programs fail below, their K/V never read)
+            prompt_step = any(r.prompt for r in requests)
+            for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
+                if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
+                    lv.ctx.offer(lv.ctx.offer_after_step)
+                    lv.ctx.offer_after_step = None
+            argmax = sample_tokens(out.logits[:programs_rows], GREEDY) if any(r.argmax for r in requests) else None
+            self.stats.steps += 1
+            self.stats.prompt_steps += prompt_step
+            self.stats.queries_per_step.append(queries)
+            self.stats.programs_per_step.append(sum(1 for lv in gathered if len(lv.request.nodes)) + placed.groups
+                                                + sum(len(r.dynamic) for _, rs in bulk for r in rs))
+            if self.on_step is not None:
+                self.on_step(self.stats)
+        flat = copy.result() if copy is not None else None
+        offset, read_at = 0, 0
+        values = []
+        for i, r in enumerate(requests):
+            k = len(r.nodes)
+            part = slice(offset, offset + k)
+            value = StepRows()
+            if k:
+                value.logits = out.logits[part]
+                value.hidden = out.hidden[hidden_parts[i]] if r.hidden else None
+                value.aux = out.aux[hidden_parts[i]] if r.aux else None
+                value.heads = {name: t[part] for name, t in out.heads.items()} if r.heads else None
+                value.argmax = argmax[part] if r.argmax else None
+            if r.read is not None:
+                size = r.read.numel()
+                part_read = flat[read_at:read_at + size]
+                value.read = part_read if r.read.dim() == 1 else torch.tensor(part_read).reshape(r.read.shape).tolist()
+                read_at += size
+            values.append(value)
+            offset += k
+        for lv, value in zip(gathered, values):
+            lv.send, lv.request = value, None
+        for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
+            self._fail(lv, error)
+        at = len(gathered)
+        for table, rs in bulk:
+            self._wake(table.after_step(values[at:at + len(rs)]))
+            at += len(rs)
+        if self.lanes.num_lanes:
+            self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
+
+    def _spans(self, requests: list[StepRequest], rows: np.ndarray) -> list[DynamicSpan]:
+        """Every request's dynamic spans, each given the rows of its queries after it: a request's one span, its
+        nodes' rows; several spans, its nodes split evenly among them in order (span ``i`` before the ``i``-th
+        part)."""
+        spans, at = [], 0
+        for r in requests:
+            k = len(r.nodes)
+            if r.dynamic is not None:
+                mine = rows[at:at + k]
+                if isinstance(r.dynamic, DynamicSpan):
+                    spans.append(dataclasses.replace(r.dynamic, shift_rows=mine))
+                else:
+                    parts = mine.reshape(len(r.dynamic), -1)
+                    spans += [dataclasses.replace(s, shift_rows=p) for s, p in zip(r.dynamic, parts)]
+            at += k
+        return spans
+
+    def _device_tokens(self, requests: list[StepRequest], placed: PlacedLanes) -> torch.Tensor | None:
+        """All pending token ids on the device, placeholders replaced by the programs' and the lanes' device ids."""
+        given = [r for r in requests if r.tokens is not None]
+        if not given and placed.tokens is None:
+            return None
+        engine = self.engine
+        ids = to_device(engine.tree.pending_tokens(), engine.device)
+        holders = np.concatenate([np.asarray(r.nodes if r.placed is None else r.placed, dtype=np.int64).reshape(-1)
+                                  for r in given] + [placed.holders])
+        values = [r.tokens.reshape(-1) for r in given] + ([] if placed.tokens is None else [placed.tokens])
+        ids[to_device(engine.pending_rows(holders), engine.device)] = torch.cat(values).to(torch.int64)
+        return ids
