@@ -131,7 +131,9 @@ def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
 @CUDA
 def test_fp8_model_graphed_compiled_steps_on_gpu():
     """A quantized-on-load tiny model on the GPU: every projection but the head on _scaled_mm; compiled, captured
-    steps equal eager ones; logits near the bf16 model's (rel 0.1) and greedy tokens mostly its."""
+    steps equal eager ones over the same tokens (the eager run's greedy ones: each engine choosing its own would
+    compare different sequences once a near-tie flips, as on 2026-12-02 at the fifth step); logits near the bf16
+    model's (rel 0.1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     from treedec.engine import Engine
@@ -140,14 +142,16 @@ def test_fp8_model_graphed_compiled_steps_on_gpu():
     c = model.config
     assert model.linear_paths() == {SCALED_MM: 4 * c.num_layers, "F.linear": 1}
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, 300).tolist()
-    outs = []
+    outs, tokens = [], []
     for m, kw in ((model, {}), (model, dict(cuda_graphs=True, compile_model=True)), (bf16, {})):
         engine = Engine(m, kv_tokens=4096, page_size=16, **kw)
         pre = engine.prefill(prompt)
-        logits = [pre.logits.float()]
-        for _ in range(8):
-            engine.tree.extend(pre.node, [int(logits[-1].reshape(-1, c.vocab_size)[-1].argmax())])
-            logits.append(engine.step().logits[0].float())
-        outs.append(torch.stack([t.reshape(-1, c.vocab_size)[-1] for t in logits]))
+        logits = [pre.logits.float().reshape(-1, c.vocab_size)[-1]]
+        for i in range(8):
+            if len(tokens) == i:   # (the first run's greedy choices, fed to every run)
+                tokens.append(int(logits[-1].argmax()))
+            engine.tree.extend(pre.node, [tokens[i]])
+            logits.append(engine.step().logits[0].float().reshape(-1))
+        outs.append(torch.stack(logits))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
     assert _rel(outs[0], outs[2]) < 0.1
