@@ -4,7 +4,8 @@ each a :class:`Decoder` of shared layers with one weight map; their config and R
 they resolve to (a known name such as ``smollm2`` or ``gemma3-270m``, a GGUF file, a folder, a hub repo id in the
 local cache), checkpoint loading (safetensors, GGUF, transformers models), tokenizers and chat templates,
 tensor-parallel loading, every projection a :class:`Linear` with its quantization method (fp8 weights:
-:mod:`~treedec.models.fp8`, :class:`Quantization`), EAGLE drafters, Medusa heads. An :class:`~treedec.engine.Engine` runs them."""
+:mod:`~treedec.models.fp8`, :class:`Quantization`), EAGLE drafters, Medusa heads. An :class:`~treedec.engine.Engine`
+runs them."""
 from treedec.models.base import DecoderModel, ForwardOutput
 from treedec.models.catalog import KNOWN_MODELS, ResolvedModel, model_form, resolve_model
 from treedec.models.config import MODEL_SIZES, ModelConfig, RopeScaling
@@ -19,7 +20,8 @@ from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel
 from treedec.models.text import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
 __all__ = ["FAMILIES", "KNOWN_MODELS", "MODEL_SIZES", "CheckpointError", "Decoder", "DecoderModel", "ForwardOutput",
-           "IncrementalDetokenizer", "Linear", "MedusaHeads", "ModelConfig", "Quantization", "ResolvedModel", "RopeScaling", "TensorParallel",
+           "IncrementalDetokenizer", "Linear", "MedusaHeads", "ModelConfig", "Quantization", "ResolvedModel",
+           "RopeScaling", "TensorParallel",
            "checkpoint_shards", "config_from_hf", "encode_prompt", "from_config", "from_hf_model", "from_pretrained",
            "init_tensor_parallel", "load_medusa_heads", "load_tokenizer", "model_form", "resolve_model",
            "to_hf_config", "to_hf_state_dict"]

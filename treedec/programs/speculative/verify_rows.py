@@ -83,7 +83,8 @@ class VerifyRows:
         """Step outcomes read back for rows ``at`` ([P] positions): ``values [P, 2 + 2 * depth]`` (accepted length,
         bonus, the path's tree indices, the path's tokens; -1 padded). Records each row's emitted tokens (its
         path cut at an EOS, then its bonus, within ``max_new``; ``checkers[i]``: the :class:`StopChecker` of the
-        rows checked token by token, by row position; None for the others), its step's stats, and the next root; returns what ended."""
+        rows checked token by token, by row position; None for the others), its step's stats, and the next root;
+        returns what ended."""
         d = self.depth
         length, bonus, path = values[:, 0], values[:, 1].copy(), values[:, 2 + d:2 + 2 * d]
         stepped = self.reserved[at]
