@@ -38,7 +38,6 @@ from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.programs import BeamSearchResult, generate_batch
 from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
 from treedec.sampling import SamplingParams
-from treedec.sampling.params import seed_word
 from treedec.programs.generate import prepare_requests, step_progress
 from treedec.programs.beam import BeamSearchParams, beam_program
 from treedec.runtime.request import MODEL_EOS, eos_token_ids, position_limit
@@ -406,7 +405,7 @@ class LLM:
 
     def _seed(self, spec: RequestSpec) -> int:
         if spec.params.seed is not None:
-            return seed_word(spec.params.seed)   # (a negative seed's unsigned word: the acceptance's generator's)
+            return spec.params.seed
         return int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
 
 

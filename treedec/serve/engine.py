@@ -30,7 +30,7 @@ from treedec.runtime.program import Program, ProgramContext
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler_stats import SchedulerStats
 from treedec.runtime.streams import OutputStream, StreamOutput
-from treedec.sampling.params import SEED_MAX, seed_word
+from treedec.sampling.params import SEED_MAX
 from treedec.sampling.stops import StopChecker
 
 __all__ = ["OnlineEngine"]
@@ -162,7 +162,7 @@ class OnlineEngine:
             to_results = lambda result, cached: speculative_results(spec, prompt_ids, result)
             program = speculative_program(
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
-                sampled_acceptance(spec, lambda s: seed_word(s.params.seed)), self.max_draft_tokens, self._budget,
+                sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
                 pipeline=False, pipeline_note="online: the number of live requests varies",
                 greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
         with self._lock:

@@ -153,6 +153,24 @@ def test_seeded_rejection_sampling_does_not_depend_on_the_batch(permutation):
     assert len({tuple(r.output_ids) for r in batched}) == len(batched)
 
 
+def test_a_negative_seed_draws_as_its_unsigned_word(permutation):
+    """SamplingParams' seeds are int64 (vLLM's): a negative one runs batched, pipelined and not, and draws the numbers
+    of its unsigned 64-bit word (it overflowed the rule's int64 seed column, crashing the request)."""
+    model, heads, _ = permutation
+    spec = RequestSpec(0, prompt_ids=tuple(range(3, 12)), params=SamplingParams(max_tokens=9, temperature=0.8,
+                                                                               seed=-5))
+
+    def draft(spec):
+        return MedusaDraft(heads, CHOICES)
+    results = {}
+    for seed in (-5, 2**64 - 5):
+        rule = lambda s, seed=seed: RejectionSampling(temperature=0.8, seed=seed)   # noqa: E731
+        results[seed], _ = batched_alone_unpipelined(model, [spec], draft, rule)
+    assert [outcome(r) for r in results[-5]] == [outcome(r) for r in results[2**64 - 5]]
+    with pytest.raises(ValueError, match="seed"):
+        RejectionSampling(seed=2**64)
+
+
 def test_pool_pressure_waits_and_preempts_with_the_same_tokens(permutation):
     """Eight long outputs in a pool that holds a few: requests wait, one is preempted (its rows leave the table, its
     pages freed, it runs again from its start), and every request still gets its greedy tokens."""

@@ -33,10 +33,11 @@ import torch
 from treedec.checks import FLOAT32_MAX, float32_number, nonnegative_int
 from treedec.sampling.logits import SAMPLING_EPS, warp_scores
 from treedec.programs.speculative.device_acceptance import greedy_outcomes, rejection_outcomes
-from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens, sampling_probs
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens, sampling_probs, seed_word
 from treedec.sampling.rng import counter_uniform
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
+from treedec.tree.validate import int_value
 
 
 @runtime_checkable
@@ -112,16 +113,30 @@ def greedy_path(tree: TokenTree, tokens: Sequence[int], choice: Sequence[int]) -
 # ================================================================ random streams
 
 
+def seed_bits(seed: int) -> int:
+    """A rule's ``seed`` (an int64, as :attr:`~treedec.sampling.params.SamplingParams.seed`, or the unsigned 64-bit
+    word of one, :func:`~treedec.sampling.params.seed_word`'s) as the int64 holding its 64 bits: what the
+    counter-based generator's int64 seed tensors take (-1 and 2**64 - 1 draw the same numbers)."""
+    word = seed_word(seed)
+    return word - 2**64 if word >= 2**63 else word
+
+
+def check_seed(seed) -> int:
+    """``seed`` checked: an int in ``[-2**63, 2**64)`` (an int64 or its unsigned word), else TypeError / ValueError
+    naming it."""
+    return int_value(seed, "seed", low=-2**63, high=2**64 - 1)
+
+
 class _SeededStream:
     """A rule's random stream (see the module docstring): its ``seed`` and a ``_generator`` field, made on
-    first use on the logits' device."""
+    first use on the logits' device (seeded with the seed's unsigned word)."""
 
     seed: int
     _generator: torch.Generator | None
 
     def _stream(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generator = torch.Generator(device=device).manual_seed(seed_word(self.seed))
         return self._generator
 
 
@@ -159,7 +174,7 @@ class TypicalAcceptance(_SeededStream):
         _check_temperature(self.temperature, "TypicalAcceptance")
         for name in ("posterior_threshold", "posterior_alpha"):
             float32_number(name, getattr(self, name), 0.0, note=" (finite in float32)")
-        nonnegative_int("seed", self.seed)
+        check_seed(self.seed)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return self._typical_sample(logits)
@@ -232,7 +247,7 @@ class RejectionSampling(_SeededStream):
 
     def __post_init__(self):
         _check_temperature(self.temperature, "RejectionSampling")
-        nonnegative_int("seed", self.seed)
+        check_seed(self.seed)
         # (checks top_k, top_p)
         self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
@@ -249,7 +264,7 @@ class RejectionSampling(_SeededStream):
         """:meth:`first_token` left on the device (``[1]`` int64, no wait): drawn with the counter-based number of
         the rule's seed, stream 0 (:func:`~treedec.sampling.rng.counter_uniform`; a verification step's are its
         streams 1, 2, ...)."""
-        seed, zero = to_device(np.array([self.seed, 0], dtype=np.int64), logits.device).split(1)
+        seed, zero = to_device(np.array([seed_bits(self.seed), 0], dtype=np.int64), logits.device).split(1)
         uniform = counter_uniform(seed, zero, zero)
         return sample_tokens(logits.reshape(1, -1), self._params, uniform=uniform).reshape(1)
 
@@ -293,7 +308,7 @@ class RejectionSampling(_SeededStream):
             nonnegative_int("step", step)
         device = logits.device
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).reshape(1, -1)
-        seed, at = to_device(np.array([self.seed, step], dtype=np.int64), device).split(1)   # (pinned: no wait)
+        seed, at = to_device(np.array([seed_bits(self.seed), step], dtype=np.int64), device).split(1)   # (no wait)
         return rejection_outcomes(tree, tokens, logits[None], self._params, seed, at,
                                   None if draft_probs is None else draft_probs[None])[0]
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from treedec.attention.dynamic_span import DynamicSpan
+from treedec.programs.speculative.acceptance import seed_bits
 from treedec.programs.speculative.drafts import DeviceStep, target_states_at
 from treedec.programs.speculative.verify_rows import VerifyRows
 from treedec.runtime.program import StepRequest, StepRows
@@ -85,7 +86,7 @@ class VerifyGroup:
         self.outcome = torch.cat([self.outcome, self.outcome.new_zeros(1, 2 + d)])
         self.slots = torch.cat([self.slots, self.slots.new_zeros(1, self.m)])
         self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(1, self.m)])
-        self.seeds = torch.cat([self.seeds, self._zero + program.acceptance.seed])
+        self.seeds = torch.cat([self.seeds, self._zero + seed_bits(program.acceptance.seed)])
         self.steps = torch.cat([self.steps, self._zero])
         if self.want["heads"]:
             head = request.head[None]
