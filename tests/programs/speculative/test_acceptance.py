@@ -103,8 +103,8 @@ def test_typical_acceptance_errors():
         TypicalAcceptance(posterior_threshold=-0.1)
     with pytest.raises(ValueError, match="posterior_alpha must be a number in .*got nan"):
         TypicalAcceptance(posterior_alpha=float("nan"))
-    with pytest.raises(ValueError, match="seed must be an int >= 0"):
-        RejectionSampling(seed=-1)
+    with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
+        RejectionSampling(seed=-2**63 - 1)   # (an int64 or its unsigned word: -1 is taken, as vLLM's seeds)
     with pytest.raises(ValueError, match="temperature must be a number in .*, got inf"):
         RejectionSampling(temperature=math.inf)
 
