@@ -226,6 +226,28 @@ def test_run_programs_reads_a_cache_kept_across_runs(tiny):
         run_programs(make_engine(tiny), [GenerateProgram(follow, list(follow.prompt_ids))], prefix_cache=cache)
 
 
+def test_a_batch_sharing_a_prefix_the_cache_holds_reads_it_from_the_cache(tiny):
+    """run_programs' within-run sharing (one prefill of a prefix its programs share) gives way to the cache: a
+    batch whose prompts share a prefix the cache holds reads it from there (#51: the same batch twice read nothing
+    from the cache, cached tokens [0, 0, 0] both times, the in-run group computing the prefix again); outputs equal
+    a run without the cache."""
+    engine = make_engine(tiny)
+    cache = PrefixCache(engine.tree)
+    system = tokens(60, 24)
+    batch = [spec(i, system + tokens(61 + i, 5)) for i in range(3)]
+
+    def run(cache):
+        return run_programs(engine if cache is not None else make_engine(tiny),
+                            [GenerateProgram(s, list(s.prompt_ids)) for s in batch], prefix_cache=cache)
+    first, _ = run(cache)
+    again, stats = run(cache)
+    plain, _ = run(None)
+    assert [outputs(r) for r in again] == [outputs(r) for r in first] == [outputs(r) for r in plain]
+    whole = (len(batch[0].prompt_ids) - 1) // 4 * 4   # (each prompt's own pages too, offered by the first run)
+    assert [r[0].stats["cached_tokens"] for r in again] == [whole] * 3
+    assert stats.cached_tokens == 3 * whole and stats.shared_prefix_tokens == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_graphed_gpu_engine_pipelined_a_conversation_equals_the_cache_off():

@@ -63,8 +63,10 @@ class SchedulerLoop(StepRun, PoolRelief):
         # (online) programs added since the last admission, grouped by shared prompt prefixes when admitted
         self.share_queued, self.ungrouped = share_queued, set()
         self.preempt, self.on_done, self.on_step, self.on_error = preempt, on_done, on_step, on_error
-        shared = share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs], min_shared,
-                                engine.pool.page_size) if min_shared else [None] * len(programs)
+        shared = [None] * len(programs)
+        if min_shared:   # (a prefix the cache holds is read from it: no group)
+            shared = self._uncached(share_prefixes([p.prompt_ids if p.shares_prompt else None for p in programs],
+                                                   min_shared, engine.pool.page_size))
         self.programs = dict(enumerate(programs))   # index -> program, until it retires or fails
         self.prefixes = dict(enumerate(shared))     # index -> its shared prefix or None
         self.groups = list({id(p): p for p in shared if p is not None}.values())   # each prefix once
@@ -177,16 +179,22 @@ class SchedulerLoop(StepRun, PoolRelief):
         if len(fresh) < 2:
             return
         ps = self.engine.pool.page_size
-        shared = share_prefixes([self.programs[i].prompt_ids if self.programs[i].shares_prompt else None
-                                 for i in fresh], ps, ps)
+        shared = self._uncached(share_prefixes([self.programs[i].prompt_ids if self.programs[i].shares_prompt
+                                                else None for i in fresh], ps, ps))
         for group in {id(p): p for p in shared if p is not None}.values():
-            if self.cache is not None and self.cache.covers(group.tokens):
-                continue   # (each member reads it from the cache)
             self.groups.append(group)
             self.stats.shared_prefix_tokens += len(group.tokens) * (group.members - 1)
             for i, prefix in zip(fresh, shared):
                 if prefix is group:
                     self.prefixes[i] = group
+
+    def _uncached(self, shared: list[SharedPrefix | None]) -> list[SharedPrefix | None]:
+        """``shared`` (each program's group, :func:`share_prefixes`) without the groups whose whole prefix the cache
+        holds: each of their members reads it from the cache at admission instead of a prefill of its own."""
+        if self.cache is None:
+            return shared
+        covered = {id(g) for g in {id(p): p for p in shared if p is not None}.values() if self.cache.covers(g.tokens)}
+        return [None if p is not None and id(p) in covered else p for p in shared]
 
     def _forget_if_done(self, prefix: SharedPrefix) -> None:
         """A shared prefix without members left is pruned and no longer tracked."""
