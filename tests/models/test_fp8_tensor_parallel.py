@@ -9,7 +9,6 @@ rounding of two scalings; seen ~0.02) and its column-parallel layers' scales bit
 """
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 

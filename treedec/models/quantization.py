@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from treedec.errors import CheckpointError, UnsupportedModelError
-from treedec.models.config import ModelConfig
 from treedec.models.fp8 import Fp8Linear
 from treedec.models.hf_config import quantized_message
 from treedec.models.linear import UNQUANTIZED, LinearMethod

@@ -7,13 +7,11 @@ rules); :func:`~treedec.runtime.scheduler.run_programs` runs it over a fixed lis
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generator
 
-import numpy as np
 import torch
 
 from treedec.runtime.bulk import Bulk, BulkTable
