@@ -98,6 +98,17 @@ def rope_from_hf(hf_config, params: dict | None = None, head_dim: int | None = N
                               attention_factor=None if attention is None else float(attention))
 
 
+def swiglu_fields(hf_config) -> tuple[dict, float, RopeScaling | None]:
+    """What the SwiGLU families (Llama / Mistral / Qwen2, Qwen3, Phi-3) read alike: ``(common_fields, rope theta,
+    rope scaling)``. Raises UnsupportedModelError for a ``hidden_act`` other than ``"silu"``."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
+    fields = common_fields(hf_config)
+    theta, scaling = rope_from_hf(hf_config, head_dim=fields["head_dim"])
+    return fields, theta, scaling
+
+
 def quantized_message(what: str, quantization) -> str:
     """Why a quantized checkpoint is refused; ``what`` names where it says so (a field, its tensors)."""
     method = quantization.get("quant_method") if isinstance(quantization, dict) else \

@@ -4,10 +4,9 @@ has q/k/v biases, Llama's ``attention_bias`` covers q/k/v/o) and sliding-window 
 every layer; Qwen2 on the layers from ``max_window_layers`` when ``use_sliding_window``)."""
 from __future__ import annotations
 
-from treedec.errors import UnsupportedModelError
 from treedec.models.config import ModelConfig, RopeScaling
 from treedec.models.family import Family
-from treedec.models.hf_config import common_fields, rope_from_hf
+from treedec.models.hf_config import swiglu_fields
 from treedec.models.weights import decoder_weights
 
 __all__ = ["FAMILY"]
@@ -15,11 +14,7 @@ __all__ = ["FAMILY"]
 
 def config_from_hf(hf_config) -> ModelConfig:
     """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (4.x or 5.x attributes)."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
-    fields = common_fields(hf_config)
-    theta, scaling = rope_from_hf(hf_config, head_dim=fields["head_dim"])
+    fields, theta, scaling = swiglu_fields(hf_config)
     model_type = fields["model_type"]
     if model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False

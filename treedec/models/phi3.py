@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from treedec.errors import UnsupportedModelError
 from treedec.models.config import ModelConfig
 from treedec.models.family import Family
-from treedec.models.hf_config import common_fields, rope_from_hf
+from treedec.models.hf_config import swiglu_fields
 from treedec.models.llama import hf_common, hf_rope_scaling
 from treedec.models.weights import decoder_weights
 
@@ -17,11 +16,7 @@ __all__ = ["FAMILY"]
 
 def config_from_hf(hf_config) -> ModelConfig:
     """Read a transformers ``Phi3Config``."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
-    fields = common_fields(hf_config)
-    theta, scaling = rope_from_hf(hf_config, head_dim=fields["head_dim"])
+    fields, theta, scaling = swiglu_fields(hf_config)
     return ModelConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
 
 

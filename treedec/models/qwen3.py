@@ -2,10 +2,9 @@
 (often not ``hidden / heads``), q/k/v/o biases when ``attention_bias``, Qwen2's sliding-window layers."""
 from __future__ import annotations
 
-from treedec.errors import UnsupportedModelError
 from treedec.models.config import ModelConfig
 from treedec.models.family import Family
-from treedec.models.hf_config import common_fields, rope_from_hf
+from treedec.models.hf_config import swiglu_fields
 from treedec.models.llama import hf_common, hf_rope_scaling, hf_sliding
 from treedec.models.weights import decoder_weights
 
@@ -14,11 +13,7 @@ __all__ = ["FAMILY"]
 
 def config_from_hf(hf_config) -> ModelConfig:
     """Read a transformers ``Qwen3Config``."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (SwiGLU with 'silu' only)")
-    fields = common_fields(hf_config)
-    theta, scaling = rope_from_hf(hf_config, head_dim=fields["head_dim"])
+    fields, theta, scaling = swiglu_fields(hf_config)
     bias = bool(getattr(hf_config, "attention_bias", False))
     return ModelConfig(**fields, rope_theta=float(theta), rope_scaling=scaling, qkv_bias=bias, o_bias=bias,
                        qk_norm=True)
