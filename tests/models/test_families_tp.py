@@ -7,12 +7,12 @@ own heads only: attention is head-local, the sums of o_proj / down_proj and the 
 """
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.models.tp_spawn import spawn_ranks
 from treedec.models import ModelConfig
 
 WORLD = 2
@@ -73,14 +73,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("tp_families")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("tp_families"), WORLD)
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ rounding of two scalings; seen ~0.02) and its column-parallel layers' scales bit
 """
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.models.tp_spawn import spawn_ranks
 from treedec.models import ModelConfig
 
 WORLD = 2
@@ -81,14 +81,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("tp_fp8")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("tp_fp8"), WORLD)
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ tests below check it. Bad configurations are checked in this process (no group n
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.models.tp_spawn import spawn_ranks
 from treedec.models import ModelConfig
 from treedec.models.hf_tensors import rank_slice
 from treedec.models.tensor_parallel import TensorParallel, init_tensor_parallel, shard_config, vocab_range
@@ -193,14 +193,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' results of every scenario (one spawn for the module)."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("tp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("tp"), WORLD)
 
 
 # ===================================================================== tests
