@@ -4,7 +4,7 @@ import pytest
 import torch
 
 fp8_gemv_module = pytest.importorskip("treedec.kernels.fp8_gemv")
-from treedec.kernels.fp8_gemv import MAX_ROWS, fp8_gemv, launch_config
+from treedec.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, launch, launch_config
 from treedec.models.fp8 import FP8, dequantize, quantize_rows
 
 pytestmark = pytest.mark.triton
@@ -31,6 +31,20 @@ def test_the_gemv_equals_the_dequantized_weights_product(triton_device, m, n, k,
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_every_tile_schedule_gives_the_same_product(triton_device, dot, split_k):
+    """Tensor-core tiles or per-row sums, the K range split over programs or not: the same product (the splits'
+    partials summed in a fixed order), with and without a bias."""
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float32
+    x, q, s, bias = _case(3, 48, 700, triton_device, dtype, seed=1)
+    ref = x.float() @ dequantize(q, s, torch.float32).T + bias.float()
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=split_k, dot=dot, num_warps=4, num_stages=2)
+    out = launch(x, q, s, bias, cfg)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def test_leading_dimensions_are_kept_and_zero_rows_give_an_empty_result(triton_device):
     x, q, s, _ = _case(6, 32, 64, triton_device, torch.float32 if triton_device.type == "cpu" else torch.bfloat16)
     out = fp8_gemv(x.view(2, 3, 64), q, s)
@@ -53,8 +67,11 @@ def test_bad_inputs_are_refused_by_name():
         fp8_gemv(x[:2], q, s.double())
 
 
-def test_the_tile_covers_the_sms():
-    """Wide layers take 64-wide tiles, narrow ones 16-wide (every SM gets programs: 8B's o_proj on 132 SMs)."""
-    assert launch_config(28672, 4096, 132).block_n == 64
-    assert launch_config(4096, 4096, 132).block_n == 16
-    assert launch_config(64, 40, 132).block_k == 64
+def test_the_schedule_follows_the_sweep():
+    """8B's projections on an H200 (132 SMs): 32-wide tiles over the whole K, o_proj (4096 x 4096) 128-wide with K
+    split in four; a short K is never split."""
+    for m in (1, 8):
+        assert launch_config(m, 6144, 4096, 132) == GemvConfig(32, 256, 1, True, 4, 3)
+        assert launch_config(m, 4096, 14336, 132) == GemvConfig(32, 256, 1, True, 4, 3)
+        assert launch_config(m, 4096, 4096, 132) == GemvConfig(128, 256, 4, True, 4, 3)
+    assert launch_config(1, 64, 40, 132).split_k == 1 and launch_config(1, 64, 40, 132).block_k == 64
