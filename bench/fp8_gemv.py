@@ -48,6 +48,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="")
     parser.add_argument("--sweep", action="store_true", help="time every GEMV schedule of a grid (see above)")
+    parser.add_argument("--sweep-schedules", choices=["all", "swap_ab"], default="all",
+                        help="the sweep's grid: every schedule, or the swapped-operand ones only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/fp8_gemv.py needs a CUDA device (tests/kernels/test_fp8_gemv.py checks the kernel "
@@ -99,8 +101,9 @@ def sweep(results: dict, config: ModelConfig, rows_list: list[int], args, do_ben
     from treedec.kernels.fp8_gemv import MAX_ROWS, GemvConfig, _sm_count, launch, launch_config
     device = torch.device("cuda")
     sms = _sm_count(device)
-    grid = [GemvConfig(bn, bk, sk, dot, w, st) for dot, bn, bk, sk, w, st in itertools.product(
-        (False, True), (16, 32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4, 8), (3,))]
+    grid = [GemvConfig(bn, bk, sk, dot, w, st, swap) for (dot, swap), bn, bk, sk, w, st in itertools.product(
+        ((False, False), (True, False), (True, True)), (16, 32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4, 8),
+        (3,)) if args.sweep_schedules == "all" or swap]
     gen = torch.Generator(device).manual_seed(0)
     print(f"{results['device']}: GEMV schedules, us (weight TB/s of {bandwidth / 1e12:.2f})")
     for name, (n, k) in projections(config).items():

@@ -31,15 +31,15 @@ def test_the_gemv_equals_the_dequantized_weights_product(triton_device, m, n, k,
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("dot,swap_ab", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_every_tile_schedule_gives_the_same_product(triton_device, dot, split_k):
+def test_every_tile_schedule_gives_the_same_product(triton_device, dot, swap_ab, split_k):
     """Tensor-core tiles or per-row sums, the K range split over programs or not: the same product (the splits'
     partials summed in a fixed order), with and without a bias."""
     dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float32
     x, q, s, bias = _case(3, 48, 700, triton_device, dtype, seed=1)
     ref = x.float() @ dequantize(q, s, torch.float32).T + bias.float()
-    cfg = GemvConfig(block_n=16, block_k=64, split_k=split_k, dot=dot, num_warps=4, num_stages=2)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=split_k, dot=dot, num_warps=4, num_stages=2, swap_ab=swap_ab)
     out = launch(x, q, s, bias, cfg)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)

@@ -42,6 +42,9 @@ class GemvConfig:
     dot: bool
     num_warps: int
     num_stages: int
+    #: with ``dot``: the weight tile as the MMA's A operand and the rows as B (``W x^T``: no transposed weight
+    #: tile, the small-M GEMMs' "swap AB")
+    swap_ab: bool = False
 
 
 def launch_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
@@ -58,8 +61,8 @@ def launch_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,17 +72,24 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_PER, 
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     k_lo = split * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         inside = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=rows[:, None] & inside[None, :],
                     other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=cols[:, None] & inside[None, :], other=0.0)
-        if DOT:
+        if SWAP:
+            acc_t += tl.dot(w.to(x.dtype), tl.trans(x))
+        elif DOT:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         else:   # [M, 1, K] x [1, N, K] summed over K: a GEMV per row, no padding to 16 rows
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if SWAP:
+        acc = tl.trans(acc_t)
     if DIRECT:
         acc *= tl.load(s_ptr + offs_n, mask=cols, other=0.0)[None, :]
         if HAS_BIAS:
@@ -138,8 +148,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     b = bias if bias is not None else scale
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         rows, weight, scale, b, out, ws, m, n, k, k_per, rows.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, DIRECT=splits == 1, DOT=cfg.dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, DIRECT=splits == 1, DOT=cfg.dot, SWAP=cfg.dot and cfg.swap_ab,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _reduce_kernel[(triton.cdiv(n, 1024), m)](ws, scale, b, out, m, n, out.stride(0), SPLIT=splits,
                                                   HAS_BIAS=bias is not None, BLOCK=1024)
