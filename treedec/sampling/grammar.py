@@ -141,9 +141,9 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return c.compile_json_schema(p.json, any_whitespace=not p.disable_any_whitespace)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar() if not p.disable_any_whitespace else \
-                    c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "json_object":   # (OpenAI's: an object; vLLM's xgrammar backend takes any JSON value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=not p.disable_any_whitespace,
+                                             strict_mode=False)
             if kind == "regex":
                 return c.compile_regex(p.regex)
             if kind == "choice":

@@ -38,13 +38,14 @@ class StructuredOutputsParams:
     ----------
     json : a JSON schema (a dict, or its JSON text): the output is one JSON value valid against it; at most
         :data:`MAX_SCHEMA_CHARS` characters as compact JSON and :data:`MAX_SCHEMA_DEPTH` levels deep. Stored as
-        the schema's canonical JSON text (sorted keys), which is its cache key.
+        the schema's compact JSON text (its keys in their order: the properties' order in the output), its cache key.
     regex : a regular expression the whole output matches (at most :data:`MAX_REGEX_CHARS` characters).
     choice : the output is exactly one of these strings (1 to :data:`MAX_CHOICES`, each 1 to
         :data:`MAX_CHOICE_CHARS` characters).
     grammar : a context-free grammar in EBNF (xgrammar's / GBNF's notation, rule ``root`` first: e.g.
         ``root ::= "yes" | "no"``), at most :data:`MAX_GRAMMAR_CHARS` characters.
-    json_object : True: the output is any JSON object (OpenAI's ``response_format`` ``json_object``).
+    json_object : True: the output is a JSON object, any (OpenAI's ``response_format`` ``json_object``; vLLM's
+        xgrammar backend takes any JSON value, an array too).
     disable_any_whitespace : JSON without whitespace between its tokens (vLLM's option; by default a JSON
         output may put any whitespace where JSON allows it).
     """
@@ -135,7 +136,7 @@ def _schema_text(value) -> str:
     if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"structured_outputs.json is nested more than {MAX_SCHEMA_DEPTH} levels deep")
     try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False)   # (key order kept: the output's)
     except (TypeError, ValueError) as error:
         raise ValueError(f"structured_outputs.json is not a JSON value: {error}") from None
     if len(text) > MAX_SCHEMA_CHARS:
