@@ -399,7 +399,8 @@ class LLM:
             else:
                 results, _ = speculative_batch(self.engine, runs, self.drafts.source, self.tokenizer, False,
                                                acceptance=lambda spec: sampled_acceptance(spec, self._seed),
-                                               on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
+                                               on_request_done=done, on_step=step, prefix_cache=self.prefix_cache,
+                                               grammars=self._structured(runs))
         by_request: dict[str, list[RequestResult]] = {}
         for r in results:
             by_request.setdefault(r.id, []).append(r)

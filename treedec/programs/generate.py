@@ -296,6 +296,8 @@ class GenerateProgram(Program):
         engine, spec, params = ctx.engine, self.spec, self.spec.params
         started = time.perf_counter()
         rule = self.rule if self.rule is not None else params.stop_rule(engine.model.eos_token_ids)
+        if self.grammar is not None:
+            rule = self.grammar.stop_rule(rule)
         root, done = None, False
         try:
             wants_prompt = params.prompt_logprobs is not None

@@ -442,16 +442,13 @@ class Lanes(LaneTable):
             keep = ~np.isin(self.group[slots], bad)
             self.state[slots[~keep]] = -1
             slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]
-        grammar_ended = None
         if self._grammar:
-            slots, tokens, stopped, placed, grammar_ended = self._advance_grammar(slots, tokens, stopped, placed)
+            slots, tokens, stopped, placed = self._advance_grammar(slots, tokens, stopped, placed)
         at = self.length[slots]
         if at.max(initial=0) >= self._width:
             self._widen(int(at.max()) + 1)
         self.tokens[slots, at] = tokens
         self.length[slots] = at + 1
-        if grammar_ended is not None:   # (a grammar that ended stops its output as an EOS does)
-            stopped = stopped | grammar_ended
         ended = stopped | (at + 1 >= self.max_new[slots])
         reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
         text = np.flatnonzero(self.text[slots])   # (checked at their events and ends only, fed what came since)
@@ -462,11 +459,6 @@ class Lanes(LaneTable):
                                                                     self.tokens[slot, fed:at[i] + 1].tolist())
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
-        if grammar_ended is not None:   # a text lane its grammar ended (its rule has no EOS id that did)
-            for i in np.flatnonzero(grammar_ended & ~ended & self.text[slots]).tolist():
-                slot = int(slots[i])
-                self.groups[int(self.group[slot])].checkers[int(self.index[slot])].end("eos")
-                ended[i], reasons[i] = True, 1
         # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
         going = slots[~ended]
         self._set_ids(going[placed[~ended]], tokens[~ended][placed[~ended]])
@@ -489,15 +481,14 @@ class Lanes(LaneTable):
     def _advance_grammar(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray):
         """Advance the matchers of the lanes of ``slots`` that have a grammar with their drawn ``tokens`` (one
         batched call). A token its grammar refuses (which its mask forbade: a bug, never a model's choice) fails its
-        request. Returns the lanes kept and, per lane, whether its grammar ended."""
+        request. Returns the lanes kept. (A grammar ends at one of its output's EOS ids:
+        :meth:`~treedec.sampling.grammar.Grammar.stop_rule`, so the EOS check ends it.)"""
         mine, matchers = self._grammar_rows(slots)
-        ended = np.zeros(len(slots), dtype=bool)
         if len(mine) == 0:
-            return slots, tokens, stopped, placed, ended
+            return slots, tokens, stopped, placed
         accepted = self._bitmasks.accept(matchers, tokens[mine])
-        ended[mine] = [m.is_terminated() for m in matchers]
         if accepted.all():
-            return slots, tokens, stopped, placed, ended
+            return slots, tokens, stopped, placed
         bad = np.unique(self.group[slots[mine[~accepted]]]).tolist()
         for uid in bad:
             g = self.groups[uid]
@@ -505,7 +496,7 @@ class Lanes(LaneTable):
                                        f"mask ({int(tokens[mine[~accepted]][0])}); the request is stopped"))
         keep = ~np.isin(self.group[slots], bad)
         self.state[slots[~keep]] = -1
-        return slots[keep], tokens[keep], stopped[keep], placed[keep], ended[keep]
+        return slots[keep], tokens[keep], stopped[keep], placed[keep]
 
     def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
         """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the

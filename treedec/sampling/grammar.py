@@ -17,6 +17,7 @@ A bitmask bit ``j`` of row ``i`` (word ``j // 32``, bit ``j % 32``) is 1 where t
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from treedec.sampling.stops import StopRule
 from treedec.sampling.structured import StructuredOutputsParams
 from treedec.transfer import to_device
 
@@ -74,11 +76,19 @@ def _reason(error: Exception) -> str:
 @dataclass(frozen=True, eq=False)
 class Grammar:
     """A compiled constraint (:meth:`GrammarCompiler.compile`): ``key`` its
-    :attr:`~treedec.sampling.structured.StructuredOutputsParams.key`, ``vocab`` the model's vocabulary."""
+    :attr:`~treedec.sampling.structured.StructuredOutputsParams.key`, ``vocab`` the model's vocabulary,
+    ``stop_token_ids`` the compiler's (the checkpoint's EOS ids, or the tokenizer's)."""
 
     compiled: object   # xgrammar.CompiledGrammar
     key: tuple
     vocab: int
+    stop_token_ids: tuple[int, ...] = ()
+
+    def stop_rule(self, rule: StopRule) -> StopRule:
+        """An output's ``rule`` for this grammar: itself when it has EOS ids (the grammar's stop tokens are then
+        those: :meth:`matcher`), else (``ignore_eos``, a checkpoint without EOS ids) with the compiler's stop ids
+        as its EOS ids, so that an output whose grammar ends stops there (finish reason ``"stop"``)."""
+        return rule if rule.eos_token_ids else dataclasses.replace(rule, eos_token_ids=self.stop_token_ids)
 
     def matcher(self, stop_token_ids: Sequence[int] = ()):
         """A fresh matcher (an ``xgrammar.GrammarMatcher`` at the grammar's start): one output's parsing state. Its
@@ -128,7 +138,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return found
-        grammar = Grammar(self._compile(params), key, self.vocab)   # (outside the lock: other keys compile alike)
+        # (compiled outside the lock: other keys compile meanwhile)
+        grammar = Grammar(self._compile(params), key, self.vocab, tuple(self.info.stop_token_ids))
         with self._lock:
             self.misses += 1
             self._cache[key] = grammar

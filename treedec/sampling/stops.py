@@ -281,15 +281,6 @@ class StopChecker:
             return StopDecision(i + 1, reason)
         return StopDecision(len(ids), None)
 
-    def end(self, reason: str) -> None:
-        """End the output now, after the tokens it took, for ``reason`` (one of :data:`STOP_REASONS`; e.g. its
-        structured output's grammar ended it: ``"eos"``), as if a token had ended it."""
-        if reason not in STOP_REASONS or reason == "stop_string":
-            raise ValueError(f"reason must be 'eos' or 'length', got {reason!r}")
-        if self._reason is not None:
-            raise RuntimeError(f"the output already ended ({self._reason!r})")
-        self._end(reason, None)
-
     # ------------------------------------------------------------ private
 
     def _end(self, reason: str, match: tuple[int, str] | None) -> None:

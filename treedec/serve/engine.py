@@ -183,7 +183,8 @@ class OnlineEngine:
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
                 sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
                 pipeline=False, pipeline_note="online: the number of live requests varies",
-                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
+                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)),
+                grammar=grammar)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the online engine is shut down" if self.error is None else
