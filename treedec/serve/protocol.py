@@ -232,7 +232,8 @@ class _Sampling(BaseModel):
 _NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "logit_bias",
                    "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "logprobs", "top_logprobs",
-                   "echo", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                   "echo", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar")
 #: The fields that give a structured-output constraint (at most one a request).
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
