@@ -316,11 +316,12 @@ class LLM:
         if not ids:
             raise ValueError("prompts is empty: give at least one")
         eos = None if params.ignore_eos else MODEL_EOS
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         programs = []
         for i, prompt in enumerate(ids):
             self._check_length(f"prompts[{i}]", len(prompt), params.max_tokens)
             programs.append(beam_program(self.engine, prompt, params.beam_width, params.max_tokens,
-                                         params.length_penalty, eos, params.early_stopping))
+                                         params.length_penalty, eos, params.early_stopping, grammar))
         with tqdm(total=len(programs), unit="prompt", desc="beam search", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
             results, _ = run_programs(self.engine, programs, prefix_cache=self.prefix_cache,

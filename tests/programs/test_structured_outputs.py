@@ -11,7 +11,7 @@ import pytest
 from tests.engines import tiny_model
 from tests.sampling.schemas import SCHEMAS, check_schema
 from tests.tokenizers_local import build_tokenizer
-from treedec import LLM, SamplingParams, StructuredOutputsParams
+from treedec import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from treedec.models.text import load_tokenizer
 from treedec.programs.generate import generate_batch
 from treedec.programs.speculative import PromptLookupDraft, speculative_batch
@@ -143,6 +143,20 @@ def test_speculative_sampled_with_grammar_is_refused(llm):
     with pytest.raises(ValueError, match="greedy"):
         speculative_batch(llm.engine, [spec], lambda s: PromptLookupDraft(), llm.tokenizer,
                           acceptance=lambda s: RejectionSampling(0.7, seed=1), grammars=llm.grammars)
+    assert pages_in_use(llm.engine.pool) == 0
+
+
+def test_beam_search_branches_carry_their_own_grammar_state(llm):
+    """Each beam its own matcher (forked where a beam branches): with a choice of four, the three hypotheses are three
+    distinct choices, each ended by EOS; with a regex every hypothesis matches it."""
+    choices = ["yes", "no", "maybe", "café"]
+    [out] = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=20, structured_outputs={
+        "choice": choices}))
+    got = [s.text[len(PROMPTS[0]):] for s in out.sequences]
+    assert len(set(got)) == 3 and set(got) <= set(choices), got
+    [out] = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=4, max_tokens=20, structured_outputs={
+        "regex": r"[0-9]{2}-[a-z]{1,3}"}))
+    assert all(re.fullmatch(r"[0-9]{2}-[a-z]{1,3}", s.text[len(PROMPTS[1]):]) for s in out.sequences)
     assert pages_in_use(llm.engine.pool) == 0
 
 
