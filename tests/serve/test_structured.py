@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.sampling.schemas import SCHEMAS, check_schema
-from tests.serve.server import free_again
+from tests.serve.server import RunningServer, free_again, make_llm
 from treedec import SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
@@ -97,3 +97,24 @@ def test_bad_constraints_are_refused_and_change_nothing(client, server, extra, p
     assert free_again(server) == 0
     ok = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0.0)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_speculative_server_gives_the_plain_server_s_structured_outputs(client, tokenizer):
+    """Greedy, through a server decoding speculatively (n-gram drafts pruned by the grammar): the same choices as
+    the plain server's; sampled requests with a grammar are refused there (greedy acceptance only)."""
+    fast = RunningServer(make_llm(tokenizer, speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+                         "tiny")
+    try:
+        with openai.OpenAI(base_url=fast.base_url, api_key="none", max_retries=0, timeout=60) as spec_client:
+            for extra in ({"guided_regex": r"(ab12 ){2,5}x"},
+                          {"structured_outputs": {"json": SCHEMAS[0], "disable_any_whitespace": True}}):
+                kwargs = dict(model="tiny", prompt="ab12 ab12 ab12 ab12 ab12", max_tokens=60, temperature=0.0,
+                              extra_body=extra)
+                want = client.completions.create(**kwargs).choices[0]
+                got = spec_client.completions.create(**kwargs).choices[0]
+                assert (got.text, got.finish_reason) == (want.text, want.finish_reason) and want.finish_reason == "stop"
+            with pytest.raises(openai.BadRequestError, match="greedy"):
+                spec_client.completions.create(model="tiny", prompt="ab", max_tokens=5, temperature=0.8,
+                                               extra_body={"guided_choice": ["a", "b"]})
+    finally:
+        fast.stop()
