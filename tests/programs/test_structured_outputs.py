@@ -7,6 +7,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from tests.engines import tiny_model
 from tests.sampling.schemas import SCHEMAS, check_schema
@@ -158,6 +159,26 @@ def test_beam_search_branches_carry_their_own_grammar_state(llm):
         "regex": r"[0-9]{2}-[a-z]{1,3}"}))
     assert all(re.fullmatch(r"[0-9]{2}-[a-z]{1,3}", s.text[len(PROMPTS[1]):]) for s in out.sequences)
     assert pages_in_use(llm.engine.pool) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_pipelined_graphed_outputs_are_valid_and_speculative_equals_plain(tokenizer):
+    """On a GPU (bf16, CUDA graphs, the draws read back a step late): JSON outputs valid, the same tokens as the
+    unpipelined run, and greedy speculative + grammar == greedy + grammar."""
+    from treedec.models import from_config
+    gpu = LLM(from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda"), tokenizer, kv_tokens=8192)
+    specs = [RequestSpec(k, prompt=p, params=SamplingParams(temperature=0 if k % 2 else 1.0, seed=k, max_tokens=120,
+                                                            structured_outputs=json_so(SCHEMAS[k % len(SCHEMAS)])))
+             for k, p in enumerate(PROMPTS * 4)]
+    runs = [generate_batch(gpu.engine, specs, tokenizer, grammars=gpu.grammars, pipeline=p)[0] for p in (True, False)]
+    assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]
+    for r, spec in zip(runs[0], specs):
+        assert r.stop_reason == "eos", r.text
+        check_schema(json.loads(r.text), json.loads(spec.params.structured_outputs.json))
+    greedy = [s for s in specs if s.params.temperature == 0]
+    fast, _ = speculative_batch(gpu.engine, greedy, lambda s: PromptLookupDraft(), tokenizer, grammars=gpu.grammars)
+    assert [r.output_ids for r in fast] == [r.output_ids for r in runs[0] if r.id in {s.id for s in greedy}]
 
 
 @pytest.mark.slow
