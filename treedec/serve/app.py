@@ -59,6 +59,7 @@ from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ServeError, TokenizeCompletionRequest, TokenizeRequest)
+from treedec.serve.structured import compile_grammar
 from treedec.serve.tokenize import detokenize, tokenize
 from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, prompt_logprobs, usage
 
@@ -358,6 +359,8 @@ class _Server:
         beam = body.beam_params(params.max_tokens)
         if beam is not None:   # (greedy: no seed is drawn for it)
             params = params.replace(temperature=0.0)
+        if params.structured_outputs is not None:   # (compiled off the event loop; submit finds it cached)
+            await compile_grammar(self.online, params, body.structured_field)
         streams, submitted = [], []
         try:
             for k, prompt_ids in enumerate(ids):
