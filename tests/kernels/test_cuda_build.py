@@ -51,6 +51,7 @@ def test_soft_capped_kernels_compile_for_sm90(tmp_path):
 def test_variant_keys_map_to_the_kernels_defines():
     assert variant_flags(()) == []
     assert variant_flags(("softcap",)) == ["-DTREEDEC_LOGITS_SOFTCAP=1"]
+    assert variant_flags(("kv_fp8",)) == ["-DTREEDEC_KV_FP8=1"]
     for key in (("alibi",), ("softcap", "softcap")):
-        with pytest.raises(ValueError, match="a variant key names distinct logit hooks of \\['softcap'\\]"):
+        with pytest.raises(ValueError, match="a variant key names distinct hooks of \\['kv_fp8', 'softcap'\\]"):
             variant_flags(key)
