@@ -44,7 +44,8 @@ def test_variant_kv_dtype_names_and_kernel_key():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("variant", [FP8, AttentionVariant(logit_softcap=5.0, kv_dtype="fp8")], ids=["plain", "softcap"])
+@pytest.mark.parametrize("variant", [FP8, AttentionVariant(logit_softcap=5.0, kv_dtype="fp8")],
+                         ids=["plain", "softcap"])
 def test_torch_and_reference_read_fp8_as_the_dequantized_values(seed, variant):
     tree, scale = case(seed)
     (k8, v8), (kd, vd) = fp8_caches(tree, scale)
@@ -108,7 +109,8 @@ def test_triton_reads_fp8_within_tolerance_of_the_fp32_reference(triton_device, 
                     generator=torch.Generator().manual_seed(seed)).to(dtype)
     dev = triton_device
     out, lse = run_plan_triton(q.to(dev), k8.to(dev), v8.to(dev), plan.to(dev), variant, kv_scale=scale.to(dev))
-    want, want_lse = reference_tree_attention(q.float(), kd, vd, plan.layout, dataclasses.replace(variant, kv_dtype=None))
+    plain = dataclasses.replace(variant, kv_dtype=None)
+    want, want_lse = reference_tree_attention(q.float(), kd, vd, plan.layout, plain)
     assert out.dtype == dtype and rel_error(out.cpu(), want) < TRITON_TOLERANCE[dtype], f"{rel_error(out.cpu(), want)=}"
     assert torch.allclose(lse.cpu(), want_lse, atol=2e-2), f"{(lse.cpu() - want_lse).abs().max()=}"
 

@@ -22,7 +22,8 @@ from treedec.errors import CheckpointError
 
 __all__ = ["KV_SCALE_DTYPES", "KVScaleReader", "check_kv_scale_header", "is_kv_scale"]
 
-_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.self_attn\.(k_proj\.k_scale|v_proj\.v_scale|k_scale|v_scale|kv_scale)")
+_NAME = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.self_attn\."
+                   r"(k_proj\.k_scale|v_proj\.v_scale|k_scale|v_scale|kv_scale)")
 _WHICH = {"k_proj.k_scale": (0,), "k_scale": (0,), "v_proj.v_scale": (1,), "v_scale": (1,), "kv_scale": (0, 1)}
 #: The dtypes a scale may be stored in (safetensors' names, as the header check reads them).
 KV_SCALE_DTYPES = ("float32", "bfloat16", "float16")
