@@ -61,6 +61,7 @@ and the others still run.
     python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
     python bench/programs.py --model gemma3-12b --programs greedy --prompts 1000   # GPU: a Gemma 3 shape
     python bench/programs.py --smoke --model gemma3-270m --programs greedy --methods eager   # ... on the CPU
+    python bench/programs.py --programs greedy --prompts 32000 --quantization fp8 --kv-cache-dtype fp8 --tag fp8   # #52
 
 ``--tensor-parallel N`` splits the model over the N ranks of ``torchrun --nproc-per-node N
 bench/programs.py ...`` (:mod:`treedec.models.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
@@ -109,6 +110,9 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
+from treedec.engine.pool_sizing import kv_bytes_per_token  # noqa: E402
+from treedec.models.quantization import QUANTIZATIONS  # noqa: E402
+from treedec.tree.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, max_position=longest)
     rng = np.random.default_rng(args.seed)
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
-    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp)
+    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp,
+                        quantization=args.quantization)
     config = model.config   # with tensor parallelism: this rank's heads and columns (its floors are per rank)
     work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
     work.eagle_depth, work.eagle_top_k = args.eagle_depth, args.eagle_top_k
@@ -167,7 +172,8 @@ def main(argv=None) -> int:
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
         "dtype": args.dtype, "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
-        "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": kv_bytes_per_token(model, args.kv_cache_dtype),
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
         "medusa_heads": work.heads.num_heads, "samples": args.samples, "pipeline": not args.no_pipeline,
@@ -176,7 +182,8 @@ def main(argv=None) -> int:
     }
     tp_note = f", tensor parallel over {tp.size} ranks (this rank's weights)" if tp is not None else ""
     if lead:
-        print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
+        print(f"{results['device']}: {args.model} {args.dtype} (weights {args.quantization or args.dtype}, KV cache "
+              f"{args.kv_cache_dtype}), {model.weight_bytes() / 1e9:.2f} GB of weights "
               f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
               file=sys.stderr)
     out_dir = Path(args.out)
@@ -327,6 +334,11 @@ def _parse_args(argv):
     parser.add_argument("--model", default=None, help="a named size of treedec.models.MODEL_SIZES, any family's "
                         "(default llama3-8b; tiny with --smoke; e.g. gemma3-4b, gemma3-12b, qwen3-8b, phi3-mini-4k)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="quantize the projections on load (fp8: e4m3 weights, a scale per output row)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="what the target's KV pool stores: auto (--dtype) or fp8 (e4m3: the floor counts its "
+                             "bytes)")
     parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
     parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")
     parser.add_argument("--methods", type=names, default=None,

@@ -119,3 +119,49 @@ def test_pool_layer_scale_is_what_the_backends_take():
     pool = PagedKVPool(8, 4, 1, 2, 64, dtype=torch.float32, kv_dtype="fp8")
     scale = pool.layer_scale(0)
     assert scale.shape == (2, 2) and scale.dtype == torch.float32 and scale.is_contiguous()
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _long_tree(prompt: int, hkv: int, d: int, seed: int = 0):
+    """A long prompt with a 64-token Medusa tree under it and a few branches (fp32 K/V of scale ~1)."""
+    from treedec.tree import SequenceTree
+    from treedec.workloads.deft import medusa_tree
+    gen = np.random.default_rng(seed)
+    pool = PagedKVPool(-(-(prompt + 1024) // 16), 16, 1, hkv, d, dtype=torch.float32)
+    tree = SequenceTree(pool)
+    root = tree.add_prompt(gen.integers(0, 512, prompt).tolist())
+    kids = tree.branch(root, [gen.integers(0, 512, int(gen.integers(50, 300))).tolist() for _ in range(3)])
+    tree.commit_step()
+    tree.add_token_tree(kids[0], gen.integers(0, 512, 64).tolist(), medusa_tree(64).parents)
+    for kid in kids[1:]:
+        tree.extend(kid, [int(gen.integers(0, 512))])
+    pool.k.normal_(generator=torch.Generator().manual_seed(seed))
+    pool.v.normal_(generator=torch.Generator().manual_seed(seed + 1))
+    return tree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype,head_dim,hkv", [(torch.bfloat16, 128, 8), (torch.float16, 64, 2),
+                                                (torch.bfloat16, 64, 4)])
+def test_gpu_kernels_read_fp8_within_tolerance_of_the_fp32_reference(backend, dtype, head_dim, hkv):
+    """The triton and cuda kernels over e4m3 caches on long trees (4k-token prompt, a 64-token token tree, branches)
+    against the fp32 reference over the de-quantized caches; per-head scales."""
+    from treedec.attention.backends import get_backend
+    why = get_backend(backend).why_not_variant(FP8, head_dim)
+    if why is not None:
+        pytest.skip(why)
+    tree = _long_tree(4000, hkv, head_dim)
+    scale = torch.stack([torch.linspace(0.005, 0.05, hkv), torch.linspace(0.01, 0.03, hkv)]).float()
+    (k8, v8), (kd, vd) = fp8_caches(tree, scale)
+    attn = TreeAttention(4 * hkv, hkv, head_dim, backend=backend, variant=FP8, device="cuda", dtype=dtype)
+    plan = attn.plan(tree)
+    q = torch.randn(plan.plan.num_queries, 4 * hkv, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out, lse = attn.run(q.cuda(), k8.cuda(), v8.cuda(), plan, return_lse=True, kv_scale=scale.cuda())
+    want, want_lse = reference_tree_attention(q.float(), kd, vd, plan.plan.layout, AttentionVariant())
+    assert rel_error(out.cpu(), want) < TRITON_TOLERANCE[dtype], f"{rel_error(out.cpu(), want)=}"
+    assert torch.allclose(lse.cpu(), want_lse, atol=2e-2), f"{(lse.cpu() - want_lse).abs().max()=}"
+    again = attn.run(q.cuda(), k8.cuda(), v8.cuda(), plan, kv_scale=scale.cuda())
+    assert torch.equal(again, out)   # deterministic

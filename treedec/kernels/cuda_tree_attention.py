@@ -71,11 +71,25 @@ def check_dtype(q: torch.Tensor) -> None:
         raise TypeError(f"the cuda backend takes {SUPPORTED_DTYPES}, got {q.dtype} (use 'triton' or 'torch' for fp32)")
 
 
-def variant_problem(kernel_key: tuple[str, ...]) -> str | None:
-    """None if the cuda kernels are built for the variant key ``kernel_key``, else why not (a sentence): fp8 K/V
-    (``"kv_fp8"``) are read by the sm_90a warp-specialized kernel only, without the soft-cap."""
-    if "kv_fp8" in kernel_key:
-        return "the cuda kernels do not read an fp8 KV cache yet (the triton kernels do)"
+#: Head dims whose kernels read fp8 K/V (the ("kv_fp8",) build: 64-token tiles, kernels/cuda/kv_fp8.cuh).
+FP8_KV_HEAD_DIMS = (64, 128)
+
+
+def variant_problem(kernel_key: tuple[str, ...], head_dim: int | None = None,
+                    capability: tuple[int, int] | None = None) -> str | None:
+    """None if cuda kernels are built for the variant key ``kernel_key`` at ``head_dim`` on a GPU of ``capability``
+    (None: any), else why not (a sentence): fp8 K/V (``"kv_fp8"``) are read by the sm_90a warp-specialized kernel
+    of head dims :data:`FP8_KV_HEAD_DIMS`, without the soft-cap."""
+    if "kv_fp8" not in kernel_key:
+        return None
+    if "softcap" in kernel_key:
+        return "the cuda kernels do not read an fp8 KV cache under a logit soft-cap (the triton kernels do)"
+    if head_dim is not None and head_dim not in FP8_KV_HEAD_DIMS:
+        return (f"the cuda kernels read an fp8 KV cache at head dims {list(FP8_KV_HEAD_DIMS)}, not {head_dim} "
+                f"(the triton kernels do)")
+    if capability is not None and tuple(capability) != (9, 0):
+        return (f"the cuda kernels read an fp8 KV cache on sm_90a (H100/H200), not compute capability "
+                f"{capability[0]}.{capability[1]} (the triton kernels do)")
     return None
 
 

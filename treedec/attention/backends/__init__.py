@@ -28,9 +28,11 @@ AUTO = "auto"  # the request that lets resolve_backend choose
 AUTO_ORDER = ("triton", "cuda")  # elsewhere: triton first (the cuda kernels off sm_90a are untimed on such GPUs)
 
 
-def resolve_backend(name: str, device: torch.device, variant: AttentionVariant | None = None) -> tuple[str, str]:
-    """Map a requested backend (or ``auto``) to a registered one that runs on ``device`` (and ``variant``, where
-    given: a backend whose kernels lack one of its hooks, :meth:`Backend.why_not_variant`, is not chosen).
+def resolve_backend(name: str, device: torch.device, variant: AttentionVariant | None = None,
+                    head_dim: int | None = None) -> tuple[str, str]:
+    """Map a requested backend (or ``auto``) to a registered one that runs on ``device`` (and ``variant`` at
+    ``head_dim``, where given: a backend whose kernels lack one of its hooks or its KV dtype,
+    :meth:`Backend.why_not_variant`, is not chosen).
 
     Returns ``(backend, reason)``. On an H100/H200 (sm_90) where the wgmma (sm_90a) cuda kernels
     build, ``auto`` is ``cuda``: it was faster than triton on every step measured, eagerly and in
@@ -45,7 +47,8 @@ def resolve_backend(name: str, device: torch.device, variant: AttentionVariant |
     if name != AUTO and name not in backend_names():
         raise BackendUnavailableError(f"backend must be {AUTO!r} or one of {backend_names()}, got {name!r}")
     statuses = {b: get_backend(b).why_unavailable(device) or
-                (None if variant is None else get_backend(b).why_not_variant(variant)) for b in backend_names()}
+                (None if variant is None else get_backend(b).why_not_variant(variant, head_dim))
+                for b in backend_names()}
     if name == AUTO:
         if device.type == "cuda":
             if statuses["cuda"] is None and torch.cuda.get_device_capability(device) == (9, 0):

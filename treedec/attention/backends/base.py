@@ -121,9 +121,9 @@ class Backend(ABC):
         """None if this backend can run on ``device``, else the reason it cannot (a sentence). Builds nothing."""
 
     @classmethod
-    def why_not_variant(cls, variant: AttentionVariant) -> str | None:
-        """None if this backend's kernels compute ``variant`` (its hooks and KV dtype), else why not (a sentence).
-        Default: every variant."""
+    def why_not_variant(cls, variant: AttentionVariant, head_dim: int | None = None) -> str | None:
+        """None if this backend's kernels compute ``variant`` (its hooks and KV dtype) at ``head_dim`` (None: some
+        head dim), else why not (a sentence). Default: every variant."""
         return None
 
     @classmethod

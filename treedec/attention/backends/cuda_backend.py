@@ -147,6 +147,9 @@ class CudaBackend(Backend):
                             f"(use 'triton' or 'torch' for fp32)")
         if head_dim not in kernels.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {kernels.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        problem = kernels.variant_problem(variant.kernel_key(), head_dim, torch.cuda.get_device_capability(device))
+        if problem is not None:
+            raise BackendUnavailableError(f"backend 'cuda' cannot run this variant: {problem}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype, self.variant, self.device = dtype, variant, device
         self.logit_args = variant.logit_args(head_dim)
@@ -205,9 +208,10 @@ class CudaBackend(Backend):
         kernels.check_inputs(q, k_cache, v_cache, self.variant.fp8_kv)
 
     @classmethod
-    def why_not_variant(cls, variant: AttentionVariant) -> str | None:
-        """fp8 K/V (:attr:`AttentionVariant.fp8_kv`) are read by the sm_90a kernels, without a soft-cap."""
-        return kernels.variant_problem(variant.kernel_key())
+    def why_not_variant(cls, variant: AttentionVariant, head_dim: int | None = None) -> str | None:
+        """fp8 K/V (:attr:`AttentionVariant.fp8_kv`) are read by the sm_90a kernels of head dims 64 and 128, without
+        a soft-cap (:func:`~treedec.kernels.cuda_tree_attention.variant_problem`)."""
+        return kernels.variant_problem(variant.kernel_key(), head_dim)
 
     def prepare(self, plan: DeviceTreePlan) -> CudaPrepared:
         """Schedule ``plan``'s units over the persistent grid and copy the schedule to the device."""
