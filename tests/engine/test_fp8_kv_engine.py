@@ -104,6 +104,7 @@ def test_the_same_memory_holds_twice_the_tokens():
         pools["auto"].k.numel() * pools["auto"].k.element_size()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 4},
                                     {"method": "eagle", "model": "random", "num_speculative_tokens": 3},
                                     {"method": "medusa", "model": "random", "medusa_choices": [[0], [0, 0], [1]]}],
@@ -117,6 +118,7 @@ def test_speculative_decoding_on_an_fp8_pool_equals_its_plain_greedy(config):
     assert spec.engine.pool.num_free_pages == spec.engine.pool.num_pages
 
 
+@pytest.mark.slow
 def test_a_draft_model_and_a_fixed_tree_on_an_fp8_pool():
     from treedec.programs.speculative import DraftModelDraft, GreedyAcceptance, TreeDraft, speculative_generate
     from treedec.tree.token_tree import TokenTree
@@ -133,6 +135,7 @@ def test_a_draft_model_and_a_fixed_tree_on_an_fp8_pool():
         assert tokens == greedy
 
 
+@pytest.mark.slow
 def test_beams_and_tot_on_an_fp8_pool_equal_their_runs_alone():
     model = llm()
     first, second = model.beam_search(PROMPTS[1:], BeamSearchParams(beam_width=3, max_tokens=5))
