@@ -41,7 +41,8 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,", "The three laws of motion state that",
     "A good way to learn a new language is", "def fibonacci(n):", "The capital of France is Paris, and the capital of",
     "In 1969, astronauts landed on the Moon.", "To sort a list of numbers in Python, you can",
-    "The weather today is", "Dear hiring manager, I am writing to apply for", "The main causes of the French Revolution",
+    "The weather today is", "Dear hiring manager, I am writing to apply for",
+    "The main causes of the French Revolution",
     "Water boils at 100 degrees Celsius at sea level because", "Q: What is the largest planet? A:",
     "Machine learning models are trained by",
 ]

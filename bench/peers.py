@@ -6,7 +6,8 @@ soft-cap and sliding window, which a peer computes its own way: FlashInfer's ``l
 ``window_left``, a window in a dense mask, flex_attention's ``score_mod``). With the variant's fp8 ``kv_dtype`` the
 caches are e4m3 and ``kv_scale`` ``[2, Hkv]`` their K and V scales, one value a cache (FlashInfer's ``k_scale`` /
 ``v_scale`` of ``run``, its fp8-KV kernels, ``kv_data_type`` e4m3); the torch peers have no fp8 KV path and say so.
-``make`` does all setup outside the timed call: gathering, mask building, planning, compiling. A peer that cannot run here says why:
+``make`` does all setup outside the timed call: gathering, mask building, planning, compiling. A peer that cannot
+run here says why:
 :attr:`Peer.unavailable` returns the reason, or ``make`` raises :class:`PeerUnavailable`
 (e.g. "fails to compile: ...", "n/a: no soft-cap"); the runner records that reason, it never skips silently.
 

@@ -185,9 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
     hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
     key = "API key required" if args.api_key is not None else "no API key"
     pool = llm.engine.pool
-    print(f"treedec serve: {name} on {llm.model.device} ({pool.num_pages * pool.page_size} KV "
-          f"tokens of {llm.engine.kv_cache_dtype}, max_model_len {llm.max_model_len}{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; "
-          f"/metrics, /health; {hosts}; {key})", file=sys.stderr)
+    print(f"treedec serve: {name} on {llm.model.device} ({pool.num_pages * pool.page_size} KV tokens of "
+          f"{llm.engine.kv_cache_dtype}, max_model_len {llm.max_model_len}{drafting}) at "
+          f"http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts}; {key})", file=sys.stderr)
     if args.api_key is None and not is_loopback(args.host):
         print(f"treedec serve: warning: listening on {args.host} without an API key: whoever reaches the port uses "
               f"the model (give --api-key or set {API_KEY_ENV})", file=sys.stderr)
