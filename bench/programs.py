@@ -110,8 +110,7 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
-from treedec.engine.pool_sizing import kv_bytes_per_token  # noqa: E402
-from treedec.models.quantization import QUANTIZATIONS  # noqa: E402
+from treedec.engine.pool_sizing import kv_bytes_per_token as pool_bytes_per_token  # noqa: E402
 from treedec.tree.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -171,9 +170,9 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
-        "dtype": args.dtype, "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
-        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_bytes_per_token": kv_bytes_per_token(model, args.kv_cache_dtype),
+        "dtype": args.dtype, "quantization": args.quantization, "linear_paths": model.linear_paths(),
+        "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": pool_bytes_per_token(model, args.kv_cache_dtype),
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
         "medusa_heads": work.heads.num_heads, "samples": args.samples, "pipeline": not args.no_pipeline,
@@ -182,9 +181,10 @@ def main(argv=None) -> int:
     }
     tp_note = f", tensor parallel over {tp.size} ranks (this rank's weights)" if tp is not None else ""
     if lead:
-        print(f"{results['device']}: {args.model} {args.dtype} (weights {args.quantization or args.dtype}, KV cache "
-              f"{args.kv_cache_dtype}), {model.weight_bytes() / 1e9:.2f} GB of weights "
-              f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
+        quantized = f" ({args.quantization} weights: {model.linear_paths()})" if args.quantization else ""
+        print(f"{results['device']}: {args.model} {args.dtype}{quantized}, KV cache {args.kv_cache_dtype}, "
+              f"{model.weight_bytes() / 1e9:.2f} GB of weights (+{heads_bytes / 1e9:.2f} GB Medusa heads), copy "
+              f"bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
               file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,8 +334,9 @@ def _parse_args(argv):
     parser.add_argument("--model", default=None, help="a named size of treedec.models.MODEL_SIZES, any family's "
                         "(default llama3-8b; tiny with --smoke; e.g. gemma3-4b, gemma3-12b, qwen3-8b, phi3-mini-4k)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="quantize the projections on load (fp8: e4m3 weights, a scale per output row)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the projections when the model is built (fp8 e4m3, per output row; the "
+                             "paths each layer runs are printed and recorded)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="what the target's KV pool stores: auto (--dtype) or fp8 (e4m3: the floor counts its "
                              "bytes)")
