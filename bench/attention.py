@@ -21,13 +21,21 @@ windowed kernel's target being at most 1.05x of it (``yardstick_ratio``, best tr
     python bench/attention.py --head-dim 256 --kv-heads 16 --window 512 --tag gemma3-w512   # Gemma 3's shape
     python bench/attention.py --workloads spec_medusa64_p32k --families long --window 4096 --tag mistral-w4096
     python bench/attention.py --softcap 50 --tag softcap50     # the suite soft-capped (against a plain run)
+    python bench/attention.py --kv-dtype fp8 --workloads spec_medusa64_p32k,fewshot_b50_p16k --tag fp8kv
     python bench/attention.py --render bench/results/X.json [Y.json]  # rewrite the README table only
+
+An fp8 KV cache (issue #52, ``--kv-dtype fp8``): K/V drawn as usual, stored as e4m3 with one scale a cache
+(``amax / 448``: FlashInfer's fp8 KV takes one K and one V scale a layer), the reference over the de-quantized
+values; treedec's methods read the e4m3 caches (``AttentionVariant(kv_dtype="fp8")``), each beside its twin over the
+same de-quantized K/V in ``--dtype`` (``..._kv16``), and the FlashInfer peers run their fp8-KV kernels; each
+workload's ``fp8_kv`` entry gives the best 16-bit-KV treedec time over the best fp8 one (target >= 1.6x).
 
 See bench/README.md for the columns.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -52,6 +60,7 @@ from treedec.attention import PLANNERS, AttentionVariant, reference_tree_attenti
 from treedec.attention import get_backend  # noqa: E402
 from treedec.errors import BackendUnavailableError  # noqa: E402
 from treedec.attention.backends.cuda_backend import plan_schedule  # noqa: E402
+from treedec.tree.kv_cache_dtype import FP8_E4M3_MAX, dequantize_kv, quantize_kv  # noqa: E402
 
 MAX_REL_ERR = 2e-3
 TENSOR_CORE_FLOPS = 790e12       # measured bf16 GEMM on an H200 (BENCH.md)
@@ -88,12 +97,14 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(device)
     scale = SMOKE_SCALE if args.smoke else 1.0
     window = None if args.window is None else max(1, round(args.window * scale))   # smoke: with the token counts
-    variant = AttentionVariant(logit_softcap=args.softcap, window=window)
+    variant = AttentionVariant(logit_softcap=args.softcap, window=window,
+                               kv_dtype="fp8" if args.kv_dtype == "fp8" else None)
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("triton", "flashinfer"), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": args.dtype,
         "page_size": args.page_size, "head_dim": args.head_dim, "kv_heads": args.kv_heads, "smoke": args.smoke,
-        "scale": scale, "variant": {"window": variant.window, "logit_softcap": variant.logit_softcap},
+        "scale": scale, "variant": {"window": variant.window, "logit_softcap": variant.logit_softcap,
+                                    "kv_dtype": variant.kv_dtype},
         "max_rel_err": MAX_REL_ERR, "tensor_core_flops": TENSOR_CORE_FLOPS,
         "cuda_flags": os.environ.get("TREEDEC_CUDA_FLAGS", ""),  # compile-time knobs of the cuda kernels
         "workloads": {},
@@ -134,11 +145,18 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
                     variant: AttentionVariant = AttentionVariant()) -> dict:
     layout = workload.layout
     q, k, v = workload.random_inputs(device, dtype, head_dim=head_dim, kv_heads=kv_heads)
-    ref = _reference(q, k, v, layout, variant)
+    kv16 = kv_scale = None
+    if variant.fp8_kv:   # e4m3 caches, their de-quantized twin in q's dtype, the reference over it in fp32
+        (k, v), kv16, kv_scale = fp8_caches(k, v, dtype)
+        plain = dataclasses.replace(variant, kv_dtype=None)
+        ref = _reference(q, *(dequantize_kv(c.view(-1, *c.shape[2:]), kv_scale[i]).view(c.shape)
+                              for i, c in enumerate((k, v))), layout, plain)
+    else:
+        ref = _reference(q, k, v, layout, variant)
 
     read = tokens_read(layout)
     elt = q.element_size()
-    hbm_bytes = 2 * layout.num_tokens * kv_heads * head_dim * elt + 2 * q.numel() * elt
+    hbm_bytes = 2 * layout.num_tokens * kv_heads * head_dim * k.element_size() + 2 * q.numel() * elt
     hbm_floor = hbm_bytes / bandwidth * 1e6
     tc_floor = 4 * NUM_QO_HEADS * head_dim * read / TENSOR_CORE_FLOPS * 1e6
     entry = {
@@ -153,18 +171,23 @@ def _bench_workload(workload: Workload, configs, peers, device, dtype, bandwidth
         progress.set_postfix_str(f"{workload.name} treedec {backend}/{planner}")
         method = f"treedec_{backend}_{planner}" + (f"_c{chunk_size}" if chunk_size else "")
         entry["methods"][method], makers[method] = _bench_treedec(layout, backend, planner, chunk_size,
-                                                                  q, k, v, ref, device, variant)
+                                                                  q, k, v, ref, device, variant, kv_scale)
+        if kv16 is not None:   # the same kernel over the de-quantized K/V in q's dtype
+            entry["methods"][method + "_kv16"], makers[method + "_kv16"] = _bench_treedec(
+                layout, backend, planner, chunk_size, q, *kv16, ref, device, plain)
         progress.update()
     for name in peers:
         progress.set_postfix_str(f"{workload.name} {name}")
-        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, variant, ref, device)
+        entry["methods"][name], makers[name] = _bench_peer(name, layout, q, k, v, variant, ref, device, kv_scale)
         progress.update()
     for result in entry["methods"].values():
         if result.get("us"):
             result["TBps"] = hbm_bytes / result["us"] / 1e6
             result["x_floor"] = result["us"] / entry["floor_us"]
     if graph:
-        _add_graphed(entry, makers, layout, k, v, graph_all)
+        _add_graphed(entry, makers, layout, k, v, graph_all, None if kv16 is None else dtype)
+    if kv16 is not None:
+        entry["fp8_kv"] = _fp8_speedup(entry["methods"])
     if variant.window is not None:
         entry["yardstick"] = _yardstick(entry, layout, variant, q, k, v, device, graph)
     return entry
@@ -193,6 +216,30 @@ def _yardstick(entry, layout, variant, q, k, v, device, graph) -> dict:
     return result
 
 
+def fp8_caches(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+    """``k``, ``v`` as e4m3 caches with one scale each (``amax / 448``, FlashInfer's one scale a layer, as ``[2, Hkv]``
+    for treedec), and their de-quantized values in ``dtype``: ``((k8, v8), (k16, v16), kv_scale)``."""
+    hkv = k.shape[2]
+    kv_scale = torch.stack([t.float().abs().amax().div(FP8_E4M3_MAX).expand(hkv) for t in (k, v)]).contiguous()
+    stored = tuple(quantize_kv(t.view(-1, *t.shape[2:]), kv_scale[i]).view(t.shape) for i, t in enumerate((k, v)))
+    twin = tuple(dequantize_kv(t.view(-1, *t.shape[2:]), kv_scale[i], dtype).view(t.shape)
+                 for i, t in enumerate(stored))
+    return stored, twin, kv_scale
+
+
+def _fp8_speedup(methods: dict) -> dict:
+    """The best 16-bit-KV treedec method's time over the best fp8 one, eager and graphed (target >= 1.6)."""
+    out = {}
+    for column in ("us", "graphed_us"):
+        fp8 = [m for m in methods if m.startswith("treedec_") and not m.endswith("_kv16") and column in methods[m]]
+        kv16 = [m for m in methods if m.endswith("_kv16") and column in methods[m]]
+        if fp8 and kv16:
+            best8 = min(fp8, key=lambda m: methods[m][column])
+            best16 = min(kv16, key=lambda m: methods[m][column])
+            out[column] = {"fp8": best8, "kv16": best16, "speedup": methods[best16][column] / methods[best8][column]}
+    return out
+
+
 def _reference(q, k, v, layout, variant) -> torch.Tensor:
     """fp32 reference output [Q, Hq, D], one tree at a time (a forest's dense [Q, Hq, T] scores would not fit)."""
     parts = split_by_root(layout)
@@ -214,7 +261,7 @@ def _peers_of(workload: str, chosen: list[str] | None) -> list[str]:
 
 
 def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device,
-                   variant: AttentionVariant = AttentionVariant()):
+                   variant: AttentionVariant = AttentionVariant(), kv_scale: torch.Tensor | None = None):
     """Returns (result dict, maker(k, v) -> run or None); the head dim is q's, the KV heads k's."""
     config = PlanConfig(planner=planner) if chunk_size is None else PlanConfig(planner, chunk_size)
     try:
@@ -228,7 +275,7 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device,
               "planner": planner, "chunk_size": chunk_size}
 
     def maker(k_i, v_i):
-        return lambda: attn.run(q, k_i, v_i, plan)
+        return lambda: attn.run(q, k_i, v_i, plan, kv_scale=kv_scale)
     result.update(_check_and_time(maker(k, v), ref, device))
     if backend == "cuda" and result["status"] == "ok":
         schedule = plan_schedule(plan)  # what the backend chose for this plan
@@ -236,7 +283,7 @@ def _bench_treedec(layout, backend, planner, chunk_size, q, k, v, ref, device,
     return result, maker if result["status"] == "ok" else None
 
 
-def _bench_peer(name, layout, q, k, v, variant, ref, device):
+def _bench_peer(name, layout, q, k, v, variant, ref, device, kv_scale=None):
     """Returns (result dict, maker(k, v) -> run or None)."""
     peer = PEERS[name]
     reason = peer.unavailable(device)
@@ -244,7 +291,7 @@ def _bench_peer(name, layout, q, k, v, variant, ref, device):
         return {"status": "unavailable", "reason": reason}, None
 
     def maker(k_i, v_i):
-        return peer.make(layout, q, k_i, v_i, variant)
+        return peer.make(layout, q, k_i, v_i, variant, kv_scale)
     try:
         run = maker(k, v)
     except PeerUnavailable as e:
@@ -267,22 +314,31 @@ def _check_and_time(run, ref, device) -> dict:
     return {"status": "ok", "rel_err": rel, "us": time_us(run, device)}
 
 
-def _add_graphed(entry, makers, layout, k, v, graph_all=False) -> None:
-    """Per-call time in a CUDA graph for the best treedec config (or all) and the FlashInfer peers that ran
-    (custom mask, batch decode). K/V copies: 8, fewer where 8 would not fit GRAPH_KV_BUDGET_BYTES."""
+def _add_graphed(entry, makers, layout, k, v, graph_all=False, kv16_dtype=None) -> None:
+    """Per-call time in a CUDA graph for the best treedec config (or all; with fp8 caches and ``kv16_dtype`` the best
+    fp8-KV one and the best ``kv16_dtype``-KV one) and the FlashInfer peers that ran (custom mask, batch decode).
+    K/V copies: 8, fewer where 8 would not fit GRAPH_KV_BUDGET_BYTES (e4m3 copies for the fp8 methods, 16-bit
+    ones for the ``_kv16`` methods)."""
     methods = entry["methods"]
     treedec_ok = [m for m in methods if m.startswith("treedec_") and methods[m]["status"] == "ok"]
     if graph_all:
         chosen = list(treedec_ok)
     else:
-        chosen = [min(treedec_ok, key=lambda m: methods[m]["us"])] if treedec_ok else []
+        kinds = [[m for m in treedec_ok if m.endswith("_kv16") == kv16]
+                 for kv16 in ((False, True) if kv16_dtype is not None else (False,))]
+        chosen = [min(ms, key=lambda m: methods[m]["us"]) for ms in kinds if ms]
     chosen += [m for m in GRAPHED_PEERS if methods.get(m, {}).get("status") == "ok"]
-    kv_bytes = 2 * k.numel() * k.element_size()
-    entry["graph_kv_copies"] = max(2, min(GRAPH_KV_COPIES, GRAPH_KV_BUDGET_BYTES // kv_bytes))
-    copies = [(torch.randn_like(k), torch.randn_like(v)) for _ in range(entry["graph_kv_copies"])]
+    kv_bytes = 2 * k.numel() * (k.element_size() + (2 if kv16_dtype is not None else 0))
+    n = entry["graph_kv_copies"] = max(2, min(GRAPH_KV_COPIES, GRAPH_KV_BUDGET_BYTES // kv_bytes))
+
+    def draw(dtype):   # (randn has no fp8 kernel: drawn in fp16, rounded)
+        return torch.randn(k.shape, dtype=torch.float16 if dtype.itemsize == 1 else dtype, device=k.device).to(dtype)
+    copies = {False: [(draw(k.dtype), draw(v.dtype)) for _ in range(n)]}
+    if kv16_dtype is not None:
+        copies[True] = [(draw(kv16_dtype), draw(kv16_dtype)) for _ in range(n)]
     for method in chosen:
         try:
-            runs = [makers[method](k_i, v_i) for k_i, v_i in copies]
+            runs = [makers[method](k_i, v_i) for k_i, v_i in copies[method.endswith("_kv16")]]
             methods[method]["graphed_us"] = graphed_us(runs, GRAPH_CALLS)
         except Exception as e:
             methods[method]["graphed_reason"] = f"{type(e).__name__}: {_first_line(e)}"
@@ -323,6 +379,9 @@ def _parse_args(argv):
                         help="a sliding window of this many keys (AttentionVariant.window; scaled with --smoke); "
                              "adds each workload's yardstick: the plain kernel over the same windowed KV")
     parser.add_argument("--softcap", type=float, default=None, help="a logit soft-cap (AttentionVariant.logit_softcap)")
+    parser.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the K/V caches' dtype: auto (--dtype) or fp8 (e4m3, one scale a cache; every treedec "
+                             "method also runs over the de-quantized K/V in --dtype, as <method>_kv16)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")
     parser.add_argument("--readme", default=None,
                         help="markdown file whose table to rewrite (default: bench/README.md; none with --smoke)")

@@ -1,10 +1,13 @@
 """Peer implementations of one tree-attention step, for bench/attention.py.
 
-Each peer is ``make(layout, q, k_cache, v_cache, variant) -> run`` where ``run()`` returns
+Each peer is ``make(layout, q, k_cache, v_cache, variant, kv_scale=None) -> run`` where ``run()`` returns
 ``out [Q, Hq, D]`` (any layout of strides) of the layer ``variant`` (an ``AttentionVariant``: its scale,
 soft-cap and sliding window, which a peer computes its own way: FlashInfer's ``logits_soft_cap`` and
-``window_left``, a window in a dense mask, flex_attention's ``score_mod``). ``make`` does all setup outside
-the timed call: gathering, mask building, planning, compiling. A peer that cannot run here says why:
+``window_left``, a window in a dense mask, flex_attention's ``score_mod``). With the variant's fp8 ``kv_dtype`` the
+caches are e4m3 and ``kv_scale`` ``[2, Hkv]`` their K and V scales, one value a cache (FlashInfer's ``k_scale`` /
+``v_scale`` of ``run``, its fp8-KV kernels, ``kv_data_type`` e4m3); the torch peers have no fp8 KV path and say so.
+``make`` does all setup outside the timed call: gathering, mask building, planning, compiling. A peer that cannot
+run here says why:
 :attr:`Peer.unavailable` returns the reason, or ``make`` raises :class:`PeerUnavailable`
 (e.g. "fails to compile: ...", "n/a: no soft-cap"); the runner records that reason, it never skips silently.
 
@@ -60,13 +63,28 @@ class Peer:
 # ===================================================================== PyTorch peers
 
 
-def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def _no_fp8(variant: AttentionVariant, what: str) -> None:
+    if variant.fp8_kv:
+        raise PeerUnavailable(f"n/a: {what} has no fp8 KV path (a de-quantizing gather at setup would not be timed)")
+
+
+def _fp8_scales(variant: AttentionVariant, kv_scale) -> dict:
+    """FlashInfer ``run``'s ``k_scale`` / ``v_scale`` of fp8 caches (one value each), or nothing."""
+    if not variant.fp8_kv:
+        return {}
+    if kv_scale is None or not bool((kv_scale == kv_scale[:, :1]).all()):
+        raise PeerUnavailable("n/a: FlashInfer's fp8 KV takes one K and one V scale a layer, not one per head")
+    return {"k_scale": float(kv_scale[0, 0]), "v_scale": float(kv_scale[1, 0])}
+
+
+def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant, kv_scale=None) -> RunFn:
     """``scaled_dot_product_attention`` over the tree's KV gathered to ``[T]`` with the dense [Q, T] mask (a window
     in it; no soft-cap: SDPA has no logit hook).
 
     K/V heads are repeated to the query heads at setup (SDPA's masked kernels take no GQA;
     HF transformers does the same ``repeat_kv`` when it passes a mask).
     """
+    _no_fp8(variant, "SDPA")
     if variant.logit_softcap is not None:
         raise PeerUnavailable("n/a: SDPA has no logit soft-cap")
     sm_scale = variant.scale(q.shape[-1])
@@ -82,11 +100,12 @@ def make_sdpa_dense_mask(layout: TreeLayout, q, k_cache, v_cache, variant: Atten
     return run
 
 
-def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant, kv_scale=None) -> RunFn:
     """``torch.compile(flex_attention)`` with a block mask made from the dense tree mask (GQA native; a window in
     the mask, a soft-cap as its ``score_mod``)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    _no_fp8(variant, "flex_attention")
     sm_scale = variant.scale(q.shape[-1])
     dense = _dense_mask(layout, q.device, variant)                                # [Q, T]
     cap = variant.logit_softcap
@@ -115,7 +134,8 @@ def make_flex_attention(layout: TreeLayout, q, k_cache, v_cache, variant: Attent
 # ===================================================================== FlashInfer peers
 
 
-def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant,
+                                kv_scale=None) -> RunFn:
     """One prefill request per tree of the layout (one for a single tree): its queries over its
     flattened tokens, boolean ``custom_mask`` (each request's [Q_r * T_r], concatenated; a sliding window is in
     the mask: FlashInfer's ``window_left`` counts positions from a request's KV end, not along the tree's paths),
@@ -137,11 +157,12 @@ def make_flashinfer_custom_mask(layout: TreeLayout, q, k_cache, v_cache, variant
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
-    kv = _one_token_pages(k_cache, v_cache)
-    return lambda: wrapper.run(q, kv)
+    kv, scales = _one_token_pages(k_cache, v_cache), _fp8_scales(variant, kv_scale)
+    return lambda: wrapper.run(q, kv, **scales)
 
 
-def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant,
+                                    kv_scale=None) -> RunFn:
     """One decode request per query whose KV is its own root-to-query path (Radix / Q-guided style), FlashInfer's
     windowed decode (``window_left``: a path's last tokens are its query's window) and ``logits_soft_cap``."""
     flashinfer = _import_flashinfer()
@@ -157,11 +178,12 @@ def make_flashinfer_per_path_decode(layout: TreeLayout, q, k_cache, v_cache, var
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
-    kv = _one_token_pages(k_cache, v_cache)
-    return lambda: wrapper.run(q, kv)
+    kv, scales = _one_token_pages(k_cache, v_cache), _fp8_scales(variant, kv_scale)
+    return lambda: wrapper.run(q, kv, **scales)
 
 
-def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant,
+                                 kv_scale=None) -> RunFn:
     """``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores) as a serving engine runs unshared decoding:
     one request per query over its sequence's own pages, at the pool's page size (FlashInfer's windowed batch
     decode with the variant's window, ``window_left``; its ``logits_soft_cap``).
@@ -182,10 +204,12 @@ def make_flashinfer_batch_decode(layout: TreeLayout, q, k_cache, v_cache, varian
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
-    return lambda: wrapper.run(q, (k_cache, v_cache))
+    scales = _fp8_scales(variant, kv_scale)
+    return lambda: wrapper.run(q, (k_cache, v_cache), **scales)
 
 
-def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant) -> RunFn:
+def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, variant: AttentionVariant,
+                            kv_scale=None) -> RunFn:
     """Two-level ``MultiLevelCascadeAttentionWrapper``: the shared prefix, then each query's own rest.
 
     Level 0 is one request with all queries over the nodes every query reads that hold no
@@ -212,8 +236,8 @@ def make_flashinfer_cascade(layout: TreeLayout, q, k_cache, v_cache, variant: At
         q_data_type=q.dtype,
         kv_data_type=k_cache.dtype,
     )
-    kv = _one_token_pages(k_cache, v_cache)
-    return lambda: wrapper.run(q, kv)
+    kv, scales = _one_token_pages(k_cache, v_cache), _fp8_scales(variant, kv_scale)
+    return lambda: wrapper.run(q, kv, **scales)
 
 
 # ===================================================================== registry

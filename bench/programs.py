@@ -61,6 +61,7 @@ and the others still run.
     python bench/programs.py --smoke              # CPU: tiny fp32, prompt 200, a few steps (CI)
     python bench/programs.py --model gemma3-12b --programs greedy --prompts 1000   # GPU: a Gemma 3 shape
     python bench/programs.py --smoke --model gemma3-270m --programs greedy --methods eager   # ... on the CPU
+    python bench/programs.py --programs greedy --prompts 32000 --quantization fp8 --kv-cache-dtype fp8 --tag fp8   # #52
 
 ``--tensor-parallel N`` splits the model over the N ranks of ``torchrun --nproc-per-node N
 bench/programs.py ...`` (:mod:`treedec.models.tensor_parallel`; NCCL on GPUs, gloo on CPUs): every
@@ -109,6 +110,8 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
+from treedec.engine.pool_sizing import kv_bytes_per_token as pool_bytes_per_token  # noqa: E402
+from treedec.tree.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # In this order: the *_compiled methods fuse the model's pointwise ops for good.
@@ -168,8 +171,8 @@ def main(argv=None) -> int:
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
         "dtype": args.dtype, "quantization": args.quantization, "linear_paths": model.linear_paths(),
-        "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
-        "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
+        "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_bytes_per_token": pool_bytes_per_token(model, args.kv_cache_dtype),
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
         "medusa_heads": work.heads.num_heads, "samples": args.samples, "pipeline": not args.no_pipeline,
@@ -179,8 +182,9 @@ def main(argv=None) -> int:
     tp_note = f", tensor parallel over {tp.size} ranks (this rank's weights)" if tp is not None else ""
     if lead:
         quantized = f" ({args.quantization} weights: {model.linear_paths()})" if args.quantization else ""
-        print(f"{results['device']}: {args.model} {args.dtype}{quantized}, {model.weight_bytes() / 1e9:.2f} GB of "
-              f"weights (+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
+        print(f"{results['device']}: {args.model} {args.dtype}{quantized}, KV cache {args.kv_cache_dtype}, "
+              f"{model.weight_bytes() / 1e9:.2f} GB of weights (+{heads_bytes / 1e9:.2f} GB Medusa heads), copy "
+              f"bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
               file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -333,6 +337,9 @@ def _parse_args(argv):
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="quantize the projections when the model is built (fp8 e4m3, per output row; the "
                              "paths each layer runs are printed and recorded)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="what the target's KV pool stores: auto (--dtype) or fp8 (e4m3: the floor counts its "
+                             "bytes)")
     parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
     parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")
     parser.add_argument("--methods", type=names, default=None,

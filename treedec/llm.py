@@ -34,6 +34,7 @@ from treedec.engine import Engine
 from treedec.engine.pool_sizing import cpu_pool_tokens
 from treedec.models import Decoder, DecoderModel, from_pretrained
 from treedec.models.quantization import quantize_on_load
+from treedec.tree.kv_cache_dtype import kv_storage_dtype
 from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.programs import BeamSearchResult, generate_batch
 from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
@@ -174,6 +175,10 @@ class LLM:
     quantization : None, or ``"fp8"`` (vLLM's name): quantize a float checkpoint's projections to fp8 e4m3 when
         loading (a model given by name only; an FP8 checkpoint loads as fp8 without it). See
         :func:`~treedec.models.from_pretrained`; ``llm.model.linear_paths()`` says which compute path runs.
+    kv_cache_dtype : ``"auto"`` (the model's dtype) or ``"fp8"`` / ``"fp8_e4m3"`` (vLLM's values): K/V stored as
+        e4m3, twice the tokens in the same memory, scales from the checkpoint or 1.0 (see
+        :class:`~treedec.engine.Engine`; ``llm.engine.kv_cache_dtype``, ``llm.engine.kv_scale_source``). On the CPU
+        the attention de-quantizes them (said once, as a warning). A drafter's own KV pool stays in its dtype.
 
     Raises
     ------
@@ -187,11 +192,12 @@ class LLM:
                  max_model_len: int | None = None, speculative_config: SpeculativeConfig | Mapping | None = None,
                  enable_prefix_caching: bool = False, device: str | None = None, kv_tokens: int | None = None,
                  page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None,
-                 quantization: str | None = None, **unknown):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto", **unknown):
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
         if quantization is not None:
             quantize_on_load(quantization)   # (a bad name is refused before the weights load)
+        kv_storage_dtype(kv_cache_dtype, torch.float32)   # (likewise)
         speculative_config = _speculative_config(speculative_config)
         positive_int("tensor_parallel_size", tensor_parallel_size)
         dtype = _dtype(dtype)
@@ -231,12 +237,13 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         on_gpu = self.model.device.type == "cuda"
         if kv_tokens is None and not on_gpu:
-            size = cpu_pool_tokens(self.model, page_size, self.max_model_len, memory_fraction=gpu_memory_utilization)
+            size = cpu_pool_tokens(self.model, page_size, self.max_model_len, memory_fraction=gpu_memory_utilization,
+                                   kv_cache_dtype=kv_cache_dtype)
             kv_tokens = size.tokens
             logger.info("KV pool: %d tokens (%s)", kv_tokens, size.reason)
         self.engine = Engine(self.model, kv_tokens=kv_tokens, page_size=page_size, backend=backend,
                              memory_fraction=gpu_memory_utilization,
-                             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs)
+                             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         self.speculative_config = speculative_config
         self.drafts = None if speculative_config is None else speculative_config.build(self.engine)
         if self.drafts is not None:

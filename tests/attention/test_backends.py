@@ -83,13 +83,13 @@ def test_a_registered_backend_runs_through_tree_attention(monkeypatch):
     class Counting(TorchBackend):
         name = "counting"
 
-        def run(self, q, k_cache, v_cache, plan):
+        def run(self, q, k_cache, v_cache, plan, kv_scale=None):
             runs.append(plan.plan.num_queries)
-            return super().run(q, k_cache, v_cache, plan)
+            return super().run(q, k_cache, v_cache, plan, kv_scale)
 
-        def run_out(self, q, k_cache, v_cache, plan):   # (what TreeAttention.run calls without return_lse)
+        def run_out(self, q, k_cache, v_cache, plan, kv_scale=None):   # (TreeAttention.run without return_lse)
             runs.append(plan.plan.num_queries)
-            return super().run_out(q, k_cache, v_cache, plan)
+            return super().run_out(q, k_cache, v_cache, plan, kv_scale)
 
     register_backend(Counting)
     assert resolve_backend("counting", torch.device("cpu")) == ("counting", "requested 'counting'")
@@ -165,7 +165,8 @@ def test_the_cuda_op_launches_what_run_launches(monkeypatch, variant):
     assert q1 is q2 and k1 is k2 and v1 is v2 and starts1 is starts2 and units1 is units2
     assert arrays1.keys() == arrays2.keys() and all(arrays1[n] is arrays2[n] for n in arrays1)
     assert (o1.shape, o1.dtype, lse1.shape, lse1.dtype) == (o2.shape, o2.dtype, lse2.shape, lse2.dtype)
-    assert rest1 == rest2 and rest1[-2] == variant.logit_args(64)   # merge, tile, max entries, logit args, ext
+    # merge, tile, max entries, logit args, ext, kv_scale
+    assert rest1 == rest2 and rest1[-3] == variant.logit_args(64)
 
 
 def test_host_backends_refuse_static_plans():

@@ -78,10 +78,10 @@ def test_kernel_and_mask_keys_split_the_fields():
 
 
 @pytest.mark.parametrize("variant", [AttentionVariant(), AttentionVariant(sm_scale=0.2, logit_softcap=30.0, window=512),
-                                     AttentionVariant(window=4096)])
+                                     AttentionVariant(window=4096), AttentionVariant(window=64, kv_dtype="fp8")])
 def test_op_values_round_trip(variant):
     values = variant.op_values()
     assert all(type(v) is float for v in values)
     assert AttentionVariant.from_op_values(values) == variant
-    with pytest.raises(ValueError, match="AttentionVariant takes 3 values"):
+    with pytest.raises(ValueError, match="AttentionVariant takes 4 values"):
         AttentionVariant.from_op_values(values[:2])

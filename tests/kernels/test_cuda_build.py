@@ -48,9 +48,24 @@ def test_soft_capped_kernels_compile_for_sm90(tmp_path):
     assert all(o.stat().st_size > 0 for o in objects)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to compile the kernels")
+@pytest.mark.skipif(not _has_cutlass_headers(), reason="needs the CUTLASS headers: pip install 'treedec[cuda]'")
+def test_fp8_kv_kernels_compile_for_sm90(tmp_path):
+    """The build of the variant key ('kv_fp8',) (an fp8 KV cache: e4m3 tiles staged and widened before the wgmmas,
+    kernels/cuda/kv_fp8.cuh): its own objects; sm_80 has no fp8 KV kernels and says so."""
+    objects = compile_sources("sm_90a", tmp_path, kernel_key=("kv_fp8",))
+    assert [o.name for o in objects] == ["partial_fp16.kv_fp8.sm_90a.o", "partial_bf16.kv_fp8.sm_90a.o",
+                                         "dispatch.kv_fp8.sm_90a.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+    with pytest.raises(RuntimeError, match="the fp8 KV kernels .* are the warp-specialized sm_90a ones"):
+        compile_sources("sm_80", tmp_path, sources=("dispatch.cu",), kernel_key=("kv_fp8",))
+
+
 def test_variant_keys_map_to_the_kernels_defines():
     assert variant_flags(()) == []
     assert variant_flags(("softcap",)) == ["-DTREEDEC_LOGITS_SOFTCAP=1"]
+    assert variant_flags(("kv_fp8",)) == ["-DTREEDEC_KV_FP8=1"]
     for key in (("alibi",), ("softcap", "softcap")):
-        with pytest.raises(ValueError, match="a variant key names distinct logit hooks of \\['softcap'\\]"):
+        with pytest.raises(ValueError, match="a variant key names distinct hooks of \\['kv_fp8', 'softcap'\\]"):
             variant_flags(key)

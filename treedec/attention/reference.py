@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from treedec.attention.variant import AttentionVariant
+from treedec.tree.kv_cache_dtype import dequantize_kv
 from treedec.tree.layout import TreeLayout
 
 
@@ -38,6 +39,7 @@ def reference_tree_attention(
     v_cache: torch.Tensor,
     layout: TreeLayout,
     variant: AttentionVariant,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax attention over the whole tree in fp32.
 
@@ -45,6 +47,8 @@ def reference_tree_attention(
     ----------
     q : [Q, Hq, D]; k_cache, v_cache : [num_pages, page_size, Hkv, D]
     variant : what the layer computes (scale, logit hooks, mask fields)
+    kv_scale : [2, Hkv] float32: the caches hold fp8 values, de-quantized here (K times ``kv_scale[0]``, V times
+        ``kv_scale[1]``, per KV head); None: they hold the values
 
     Returns
     -------
@@ -55,8 +59,10 @@ def reference_tree_attention(
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     slots = torch.tensor(layout.kv_slots, device=q.device)   # a copy: layout arrays are read-only
-    k = k_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
-    v = v_cache.reshape(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+    k, v = (cache.reshape(-1, hkv, d)[slots].float() for cache in (k_cache, v_cache))   # [T, Hkv, D]
+    if kv_scale is not None:
+        k, v = (dequantize_kv(t, kv_scale[i]) for i, t in enumerate((k, v)))
+    k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))   # [T, Hq, D]
     scores = variant.logits(torch.einsum("qhd,thd->qht", q.float(), k) * variant.scale(d))
     mask = dense_tree_mask(layout) & variant.visible(layout.query_position, token_positions(layout))
     mask = torch.from_numpy(mask).to(q.device)

@@ -26,6 +26,7 @@ import torch
 from treedec.attention.merge import merge_states
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.attention.variant import AttentionVariant
+from treedec.tree.kv_cache_dtype import dequantize_kv
 
 TORCH_FORMS = ("auto", "dense", "chunks")
 
@@ -119,7 +120,8 @@ def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto"
 
 
 def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, launch: TorchLaunch,
-              variant: AttentionVariant, return_lse: bool = True) -> TorchAttention:
+              variant: AttentionVariant, return_lse: bool = True, kv_scale: torch.Tensor | None = None
+              ) -> TorchAttention:
     """Tree attention of a prepared step.
 
     Parameters
@@ -129,6 +131,7 @@ def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lau
     launch : from :func:`prepare_torch`, on q's device
     variant : the layer's (its scale and logit hooks; the plan holds its mask)
     return_lse : False: the dense form skips the LSE (``lse`` None); the chunks form merges by it anyway
+    kv_scale : [2, Hkv] float32 for fp8 caches (de-quantized as they are read), else None
 
     Returns
     -------
@@ -138,27 +141,36 @@ def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lau
     hkv = k_cache.shape[2]
     k_flat = k_cache.reshape(-1, hkv, d)
     v_flat = v_cache.reshape(-1, hkv, d)
-    if launch.form == "dense":
-        if launch.slot_range is not None:
+
+    def read(slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:   # K/V of slots (None: the range)
+        if slots is None:
             k, v = (flat[launch.slot_range[0]:launch.slot_range[1]] for flat in (k_flat, v_flat))
-        else:
-            k, v = (flat.index_select(0, launch.slots) for flat in (k_flat, v_flat))
-        return _attend(q.float(), k.float(), v.float(), launch.reads, variant, return_lse)
+        elif kv_scale is None:
+            k, v = (flat.index_select(0, slots) for flat in (k_flat, v_flat))
+        else:   # (the bytes: index_select has no fp8 kernel on every device)
+            k, v = (flat.view(torch.uint8).index_select(0, slots).view(flat.dtype) for flat in (k_flat, v_flat))
+        if kv_scale is None:
+            return k.float(), v.float()
+        return dequantize_kv(k, kv_scale[0]), dequantize_kv(v, kv_scale[1])
+
+    if launch.form == "dense":
+        return _attend(q.float(), *read(launch.slots if launch.slot_range is None else None), launch.reads, variant,
+                       return_lse)
     o_parts = torch.empty(launch.num_entries, hq, d, dtype=torch.float32, device=q.device)
     lse_parts = torch.empty(launch.num_entries, hq, dtype=torch.float32, device=q.device)
     for chunk in launch.chunks:
-        part = _attend(q.index_select(0, chunk.rows).float(), k_flat.index_select(0, chunk.slots).float(),
-                       v_flat.index_select(0, chunk.slots).float(), chunk.reads, variant, True)
+        part = _attend(q.index_select(0, chunk.rows).float(), *read(chunk.slots), chunk.reads, variant, True)
         o_parts[chunk.entry_start:chunk.entry_stop] = part.out
         lse_parts[chunk.entry_start:chunk.entry_stop] = part.lse
     return TorchAttention(*merge_states(o_parts, lse_parts, launch.query_entry_start, launch.query_entries))
 
 
 def run_plan_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan,
-                   variant: AttentionVariant, form: str = "chunks") -> tuple[torch.Tensor, torch.Tensor]:
+                   variant: AttentionVariant, form: str = "chunks", kv_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`run_torch` over ``prepare_torch(plan, q.device, form)``: by default the plan
     executed chunk by chunk as the kernels run it (what their tests compare with)."""
-    result = run_torch(q, k_cache, v_cache, prepare_torch(plan, q.device, form), variant)
+    result = run_torch(q, k_cache, v_cache, prepare_torch(plan, q.device, form), variant, kv_scale=kv_scale)
     return result.out, result.lse
 
 

@@ -64,8 +64,9 @@ class TreeAttention:
     device:
         Where ``run`` will get its tensors; default CUDA if available, else CPU.
     dtype:
-        Of q, K and V (fp16 by default, as FlashInfer's ``plan``): the kernel backends prepare
-        their launches for it at plan time, and ``run`` checks q against it.
+        Of q (fp16 by default, as FlashInfer's ``plan``), and of K and V unless the variant's ``kv_dtype`` is
+        fp8 (then the caches hold e4m3 with the scales ``run`` takes): the kernel backends prepare their
+        launches for it at plan time, and ``run`` checks q against it.
 
     Examples
     --------
@@ -99,7 +100,7 @@ class TreeAttention:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             num_sms = plan_config.num_sms
-        self.backend, self.backend_reason = resolve_backend(backend, self.device)
+        self.backend, self.backend_reason = resolve_backend(backend, self.device, variant, head_dim)
         self.backend_impl: Backend = get_backend(self.backend).create(num_qo_heads, num_kv_heads, head_dim, dtype,
                                                                       variant, self.device)
         # what the backend runs best with (cuda: chunks that fill its 128-row units and its persistent grid)
@@ -161,24 +162,27 @@ class TreeAttention:
         return dataclasses.replace(plan, backend=self.backend, prepared=self.backend_impl.prepare(plan))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
-            return_lse: bool = False):
+            return_lse: bool = False, kv_scale: torch.Tensor | None = None):
         """Attention of every query over its root-to-itself path; launches only.
 
         Parameters
         ----------
         q : [Q, num_qo_heads, head_dim], :attr:`dtype` (any float dtype on the torch and reference backends)
-        k_cache, v_cache : [num_pages, page_size, num_kv_heads, head_dim], same dtype as q
+        k_cache, v_cache : [num_pages, page_size, num_kv_heads, head_dim], same dtype as q; with the variant's
+            fp8 ``kv_dtype``, ``torch.float8_e4m3fn`` (:class:`~treedec.tree.PagedKVPool` of ``kv_dtype="fp8"``)
         plan : from :meth:`plan` (or :meth:`prepare`)
+        kv_scale : [2, num_kv_heads] float32, fp8 caches' K and V scales (a stored value times its KV head's
+            scale is the value: :meth:`PagedKVPool.layer_scale`); None for caches of q's dtype
 
         Returns
         -------
         out : [Q, num_qo_heads, head_dim] in q's dtype; with ``return_lse`` also
         lse : [Q, num_qo_heads] float32, natural log.
         """
-        self._check_inputs(q, k_cache, v_cache, plan)
+        self._check_inputs(q, k_cache, v_cache, plan, kv_scale)
         if not return_lse:
-            return self.backend_impl.run_out(q, k_cache, v_cache, plan).to(q.dtype)
-        out, lse = self.backend_impl.run(q, k_cache, v_cache, plan)
+            return self.backend_impl.run_out(q, k_cache, v_cache, plan, kv_scale).to(q.dtype)
+        out, lse = self.backend_impl.run(q, k_cache, v_cache, plan, kv_scale)
         return out.to(q.dtype), lse
 
     def op_args(self, plan: DeviceTreePlan) -> OpArgs:
@@ -190,17 +194,18 @@ class TreeAttention:
                              f"{plan.backend!r}: make it with plan() on a TreeAttention of a kernel backend")
         return plan.prepared.op_args()
 
-    def run_op(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-               ) -> torch.Tensor:
+    def run_op(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`run` through ``torch.ops.treedec.tree_attention`` (what ``torch.compile`` traces):
         ``out [Q, num_qo_heads, head_dim]``. Outside a compiled region the inputs are checked as by
         :meth:`run`; inside one they are not (the checks read per-step values, which would become
         guards and recompile every step): the caller owns them, as the engine's static forward does."""
         if not torch.compiler.is_compiling():
-            self._check_inputs(q, k_cache, v_cache, plan)
-        return torch.ops.treedec.tree_attention(*self.op_args(plan).inputs(q, k_cache, v_cache, self.variant))
+            self._check_inputs(q, k_cache, v_cache, plan, kv_scale)
+        return torch.ops.treedec.tree_attention(*self.op_args(plan).inputs(q, k_cache, v_cache, self.variant,
+                                                                           kv_scale))
 
-    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+    def _check_inputs(self, q, k_cache, v_cache, plan: DeviceTreePlan, kv_scale=None) -> None:
         """Raise a clear error for inputs ``run`` cannot take: this object's checks, then the backend's own
         (:meth:`Backend.check_inputs`)."""
         for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -234,7 +239,8 @@ class TreeAttention:
             raise ValueError(f"the plan is on {plan.kv_slots.device} but q is on {q.device}; "
                              f"plan with a TreeAttention made for device={q.device}")
         check_kv_caches(q, k_cache, v_cache, f"[num_pages, page_size, {self.num_kv_heads}, {self.head_dim}]",
-                        lambda cache: cache.shape[2:] == (self.num_kv_heads, self.head_dim), _check_contiguous)
+                        lambda cache: cache.shape[2:] == (self.num_kv_heads, self.head_dim), _check_contiguous,
+                        self.variant, kv_scale)
         capacity = k_cache.shape[0] * k_cache.shape[1]
         max_slot = (plan.plan if plan.static is None else plan.static.current).max_slot
         if max_slot >= capacity:

@@ -6,7 +6,10 @@ kernel template, not a new kernel. treedec splits a variant's fields by where th
 - **mask fields** (``window``) go to the planner: a query's root-path intervals are clipped to the keys it may
   read, so chunks outside every query's window are never planned nor read;
 - **logit fields** (``sm_scale``, ``logit_softcap``) go to the kernels as compile-time flags (a kernel is built
-  for each variant key that is used, :meth:`AttentionVariant.kernel_key`).
+  for each variant key that is used, :meth:`AttentionVariant.kernel_key`);
+- the **KV dtype field** (``kv_dtype``) is what the K/V caches hold: q's dtype, or fp8 e4m3 with a scale per KV
+  head (FlashInfer's ``dtype_kv``): a kernel of its own too (its key names it), the scales run-time values that
+  travel with the pool's layer (:meth:`TreeAttention.run`'s ``kv_scale``).
 
 The methods here are the one Python definition of the semantics: the reference and torch backends call them,
 and the kernels are tested against them.
@@ -19,9 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AttentionVariant", "LogitArgs"]
+__all__ = ["FP8_KV", "AttentionVariant", "LogitArgs"]
 
 _LOG2E = 1.4426950408889634
+FP8_KV = "fp8_e4m3"
+_KV_DTYPES = (None, FP8_KV)   # (their index is the op's value)
 
 
 class LogitArgs(NamedTuple):
@@ -45,11 +50,15 @@ class AttentionVariant:
     window : a sliding window of ``window`` keys: a query at position ``p`` (its index on its root path) reads
         the keys at positions ``k`` with ``p - window < k <= p`` (transformers' ``sliding_window``, Mistral,
         Gemma 2/3 local layers); None for the whole root path.
+    kv_dtype : what the K/V caches hold: None for q's dtype, ``"fp8_e4m3"`` (``"fp8"`` is read as it, vLLM's
+        names) for e4m3 values whose stored ``k`` stands for ``k * k_scale`` (per KV head; see
+        :mod:`treedec.tree.kv_cache_dtype`).
     """
 
     sm_scale: float | None = None
     logit_softcap: float | None = None
     window: int | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("sm_scale", "logit_softcap"):
@@ -61,6 +70,19 @@ class AttentionVariant:
                 object.__setattr__(self, name, float(value))
         if self.window is not None and (type(self.window) is not int or self.window < 1):
             raise ValueError(f"window must be an int >= 1 or None, got {self.window!r}")
+        if self.kv_dtype == "fp8":
+            object.__setattr__(self, "kv_dtype", FP8_KV)
+        if self.kv_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_dtype must be None (q's dtype) or {FP8_KV!r}, got {self.kv_dtype!r:.40}")
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether the caches hold fp8 e4m3 K/V (with scales)."""
+        return self.kv_dtype == FP8_KV
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the K/V caches beside q of ``dtype``."""
+        return torch.float8_e4m3fn if self.fp8_kv else dtype
 
     def scale(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim``."""
@@ -93,9 +115,10 @@ class AttentionVariant:
         return (self.window,)
 
     def kernel_key(self) -> tuple[str, ...]:
-        """The logit hooks a kernel is built with, by name (``()``: the plain kernel, today's; ``("softcap",)``):
-        compile-time flags, one kernel build per key used; the values are :meth:`logit_args`."""
-        return () if self.logit_softcap is None else ("softcap",)
+        """The hooks a kernel is built with, by name (``()``: the plain kernel, today's; ``("softcap",)``; an fp8
+        KV cache adds ``"kv_fp8"``): compile-time flags, one kernel build per key used; the logit values are
+        :meth:`logit_args`."""
+        return (() if self.logit_softcap is None else ("softcap",)) + (("kv_fp8",) if self.fp8_kv else ())
 
     def logit_args(self, head_dim: int) -> LogitArgs:
         """The kernels' run-time values of the logit fields for ``head_dim`` (see :class:`LogitArgs`):
@@ -107,8 +130,10 @@ class AttentionVariant:
 
     def op_values(self) -> list[float]:
         """The fields as ``torch.ops.treedec.tree_attention`` carries them (a ``list[float]`` of its schema, in
-        field order, None as 0.0: every field is > 0 when set); :meth:`from_op_values` reads them back."""
-        return [0.0 if getattr(self, f.name) is None else float(getattr(self, f.name))
+        field order, None as 0.0: every field is > 0 when set; ``kv_dtype`` as its index in (None, ``"fp8_e4m3"``));
+        :meth:`from_op_values` reads them back."""
+        return [float(_KV_DTYPES.index(self.kv_dtype)) if f.name == "kv_dtype" else
+                0.0 if getattr(self, f.name) is None else float(getattr(self, f.name))
                 for f in dataclasses.fields(self)]
 
     @classmethod
@@ -120,4 +145,5 @@ class AttentionVariant:
         fields = {name: None if value == 0 else value for name, value in zip(names, values)}
         if fields["window"] is not None:
             fields["window"] = int(fields["window"])
+        fields["kv_dtype"] = _KV_DTYPES[int(values[names.index("kv_dtype")])]
         return cls(**fields)

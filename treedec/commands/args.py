@@ -25,6 +25,7 @@ from treedec.attention.backends import AUTO, backend_names
 from treedec.models.catalog import KNOWN_MODELS, model_form
 from treedec.models.config import MODEL_SIZES
 from treedec.models.quantization import QUANTIZATIONS
+from treedec.tree.kv_cache_dtype import KV_CACHE_DTYPES
 from treedec.workloads import WORKLOADS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -302,10 +303,15 @@ def add_model_arguments(p, model_help: str = MODEL_HELP,
 
 
 def add_quantization_argument(p) -> None:
-    """``--quantization``: quantize the model's projections when loading (vLLM's flag)."""
+    """``--quantization`` (quantize the model's projections when loading) and ``--kv-cache-dtype`` (what the KV
+    pool stores): vLLM's flags."""
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="quantize a float checkpoint's projections when loading: fp8 (e4m3, a scale per output row; "
                         "the LM head stays in --dtype); an FP8 checkpoint loads as fp8 without it")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what the KV pool stores: auto (the model's dtype) or fp8 / fp8_e4m3 (e4m3 with the "
+                        "checkpoint's k_scale / v_scale or 1.0: twice the tokens in the same memory, half the K/V a "
+                        "step reads; de-quantized by the attention on the CPU)")
 
 
 def model_device(args: argparse.Namespace) -> torch.device:

@@ -151,7 +151,8 @@ def run_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     engine = command_engine(model, args.kv_tokens, args.page_size, request_kv_tokens(specs, tokenizer, chat,
                                                                                       args.page_size),
-                            backend=args.backend, cuda_graphs=model.device.type == "cuda")
+                            backend=args.backend, cuda_graphs=model.device.type == "cuda",
+                            kv_cache_dtype=args.kv_cache_dtype)
     generator = torch.Generator(model.device).manual_seed(args.seed)
     if args.prompt is not None:
         return _stream(args, engine, specs[0], tokenizer, chat, generator, name)

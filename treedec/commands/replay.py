@@ -72,10 +72,11 @@ def run_replay(args: argparse.Namespace) -> int:
         schedule.save(args.save_schedule)
     model, model_name = load_model(args)
     pool = ("the KV pool of the schedule's peak" if args.kv_tokens is None else
-            check_kv_pool(model, args.kv_tokens, args.page_size))
+            check_kv_pool(model, args.kv_tokens, args.page_size, kv_cache_dtype=args.kv_cache_dtype))
     configs = [ReplayConfig(planner=p, backend=args.backend, page_size=args.page_size, kv_tokens=args.kv_tokens,
                             profile_split=args.profile_split, warmup_steps=args.warmup, seed=args.seed,
-                            progress=not args.no_progress, cuda_graphs=args.cuda_graphs) for p in planners]
+                            progress=not args.no_progress, cuda_graphs=args.cuda_graphs,
+                            kv_cache_dtype=args.kv_cache_dtype) for p in planners]
     with out_of_memory_as_error(f"replaying {args.workload} ({pool})", "lower --kv-tokens, or use a smaller --dtype"):
         results = replay_results(model, schedule, configs, model_name, args.workload)
     print_results(results)

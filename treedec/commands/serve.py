@@ -160,7 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
         template = path.read_text() if path.is_file() else args.chat_template
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     sizes = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                 tensor_parallel_size=args.tensor_parallel_size)
+                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.config is not None:   # random weights, placed here (LLM places only models it loads by name)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = from_config(args.config, seed=args.seed, device=device,
@@ -184,9 +184,10 @@ def run_serve(args: argparse.Namespace) -> int:
     drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
     hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
     key = "API key required" if args.api_key is not None else "no API key"
-    print(f"treedec serve: {name} on {llm.model.device} ({llm.engine.pool.num_pages * llm.engine.pool.page_size} KV "
-          f"tokens, max_model_len {llm.max_model_len}{drafting}) at http://{args.host}:{args.port}/v1 (OpenAI API; "
-          f"/metrics, /health; {hosts}; {key})", file=sys.stderr)
+    pool = llm.engine.pool
+    print(f"treedec serve: {name} on {llm.model.device} ({pool.num_pages * pool.page_size} KV tokens of "
+          f"{llm.engine.kv_cache_dtype}, max_model_len {llm.max_model_len}{drafting}) at "
+          f"http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts}; {key})", file=sys.stderr)
     if args.api_key is None and not is_loopback(args.host):
         print(f"treedec serve: warning: listening on {args.host} without an API key: whoever reaches the port uses "
               f"the model (give --api-key or set {API_KEY_ENV})", file=sys.stderr)

@@ -195,10 +195,11 @@ def run_spec(args: argparse.Namespace) -> int:
     eos = _eos(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
     kv_tokens = args.kv_tokens or len(prompt) + args.max_tokens + 2048
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
     draft, draft_note = _draft(args, model, choices, tree_json, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
-          f"{engine.attn.backend} backend, page size {args.page_size}, KV pool {engine.kv_capacity_tokens} tokens"
+          f"{engine.attn.backend} backend, page size {args.page_size}, KV pool {engine.kv_capacity_tokens} tokens "
+          f"of {engine.kv_cache_dtype}"
           + ("" if args.kv_tokens else " (the prompt, --max-tokens and 2048 for the drafts)")
           + f"; prompt {len(prompt)} tokens")
     print(f"draft: {draft_note}")
@@ -219,6 +220,7 @@ def run_spec(args: argparse.Namespace) -> int:
         results = {
             "command": "spec", "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
+            "kv_cache_dtype": engine.kv_cache_dtype,
             "draft": {"kind": args.speculative, "description": draft_note}, "acceptance": {"rule": args.accept,
                                                                                      "repr": repr(rule)},
             "eos_token_ids": list(eos), "prompt_ids": prompt, "tokens": tokens,
@@ -452,7 +454,7 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
            eos: tuple[int, ...]) -> dict:
     """Plain greedy decoding of the same prompt and EOS ids, timed as the speculative run is (prefill included):
     equal tokens? and its tokens, decode steps and speed, for the comparison table."""
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend)
+    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
     if not args.no_progress:   # greedy_generate reports nothing until it ends
         print(f"check: plain greedy decoding of up to {args.max_tokens} tokens ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

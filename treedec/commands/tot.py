@@ -114,7 +114,7 @@ def run_tot(args: argparse.Namespace) -> int:
     # 800 tokens of SmolLM2's 8192 on the Game of 24; past the pool programs wait for pages)
     engine = command_engine(model, args.kv_tokens, args.page_size,
                             None if len(tasks) == 1 else [position_limit(model)] * len(tasks),
-                            backend=args.backend, plan_config=plan_config)
+                            backend=args.backend, plan_config=plan_config, kv_cache_dtype=args.kv_cache_dtype)
     device = model.device
     settings = {
         "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,
@@ -122,7 +122,7 @@ def run_tot(args: argparse.Namespace) -> int:
         "model": model_name, "tokenizer": tokenizer_name, "dtype": str(model.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": engine.attn.backend, "planner": args.planner, "page_size": args.page_size,
-        "kv_pool_tokens": engine.kv_capacity_tokens,
+        "kv_pool_tokens": engine.kv_capacity_tokens, "kv_cache_dtype": engine.kv_cache_dtype,
     }
     if args.tasks is not None:
         return _run_tasks(args, engine, tasks, tokenizer, config, settings)

@@ -13,6 +13,7 @@ TreeAttention over its group's plan, eagerly or as the custom ops (inside CUDA g
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +48,16 @@ class LayerAttention:
 
     @classmethod
     def build(cls, variants: tuple[AttentionVariant, ...], num_layers: int, num_qo_heads: int, num_kv_heads: int,
-              head_dim: int, backend: str, plan_config: PlanConfig, device: torch.device, dtype: torch.dtype
-              ) -> "LayerAttention":
+              head_dim: int, backend: str, plan_config: PlanConfig, device: torch.device, dtype: torch.dtype,
+              kv_dtype: str | None = None) -> "LayerAttention":
         """One TreeAttention per distinct variant of ``variants`` (one for each of ``num_layers`` layers; the rest as
-        :class:`TreeAttention` takes them), grouped by their mask fields."""
+        :class:`TreeAttention` takes them), grouped by their mask fields; ``kv_dtype`` (None, ``"fp8_e4m3"``: the
+        pool's) is every variant's :attr:`~AttentionVariant.kv_dtype`."""
         variants = tuple(variants)
         if len(variants) != num_layers or not all(isinstance(v, AttentionVariant) for v in variants):
             raise TypeError(f"the model's attention_variants() must be one AttentionVariant for each of its "
                             f"{num_layers} layers, got {len(variants)}: {[type(v).__name__ for v in variants][:4]}")
+        variants = tuple(dataclasses.replace(v, kv_dtype=kv_dtype) for v in variants)
         attns: dict[AttentionVariant, TreeAttention] = {}
         groups: dict[tuple, int] = {}
         planners, layer_group = [], []
@@ -118,9 +121,9 @@ class StepAttend:
         pool = self.pool
         k_cache, v_cache = pool.layer(layer)
         plan = self.plans[self.group[layer]]
+        scale = pool.layer_scale(layer)   # an fp8 pool's (None: K/V stored as they come)
         if self.ops:
-            torch.ops.treedec.store_kv(pool.k_slots[layer], pool.v_slots[layer], self.slots, k, v)
-            return self.attn[layer].run_op(q, k_cache, v_cache, plan)
-        pool.k_slots[layer].index_copy_(0, self.slots, k)
-        pool.v_slots[layer].index_copy_(0, self.slots, v)
-        return self.attn[layer].run(q, k_cache, v_cache, plan)
+            torch.ops.treedec.store_kv(pool.k_slots[layer], pool.v_slots[layer], self.slots, k, v, scale)
+            return self.attn[layer].run_op(q, k_cache, v_cache, plan, scale)
+        pool.store(layer, self.slots, k, v)
+        return self.attn[layer].run(q, k_cache, v_cache, plan, kv_scale=scale)

@@ -29,6 +29,7 @@ from treedec.attention.dynamic_span import DynamicSpan, mask_on_device, shift_po
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.attention_groups import LayerAttention, StepAttend
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
+from treedec.engine.kv_cache import calibrate_kv_scales, initial_kv_scales, kv_cache_name, variant_kv_dtype
 from treedec.models.base import DecoderModel
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
@@ -75,6 +76,12 @@ class Engine:
         store running as the custom ops of :mod:`treedec.attention.custom_ops`, so Inductor fuses
         everything between the GEMMs; the compiled forward is then captured. One compile per
         graph bucket, at its first step. Eager steps (past the graphs' bounds) stay uncompiled.
+    kv_cache_dtype : str
+        vLLM's: ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` / ``"fp8_e4m3"`` as e4m3, half the bytes of
+        bf16 (twice the tokens in the same memory, half the K/V a step reads), with the checkpoint's scales or 1.0
+        (:mod:`treedec.engine.kv_cache`; :meth:`calibrate_kv_scales`). The kernels read fp8 K/V (the triton
+        backend; the torch backend de-quantizes them, the CPU's). :attr:`kv_cache_dtype` says what the pool
+        stores, :attr:`kv_scale_source` where its scales came from.
 
     One thread drives an engine: a second thread entering :meth:`step`, :meth:`prefill` or a
     scheduler run (``with engine.guard``) while the first is inside raises
@@ -98,7 +105,8 @@ class Engine:
 
     def __init__(self, model: DecoderModel, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
                  plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
-                 cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False):
+                 cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False,
+                 kv_cache_dtype: str = "auto"):
         c = model.config
         positive_int("prefill_chunk", prefill_chunk)
         if not 0 < memory_fraction <= 1:
@@ -107,15 +115,19 @@ class Engine:
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         variants = model.attention_variants()
+        kv_dtype = variant_kv_dtype(kv_cache_dtype, model.dtype)
         self.attention = LayerAttention.build(variants, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, backend,
-                                              plan_config, self.device, model.dtype)
+                                              plan_config, self.device, model.dtype, kv_dtype)
         self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
         # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
-        num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk)
+        num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk,
+                                                       kv_cache_dtype)
         # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
         self.pool = PagedKVPool(num_pages, page_size, c.num_layers, c.num_kv_heads, c.head_dim,
-                                dtype=model.dtype, device=self.device, scratch_pages=1)
+                                dtype=model.dtype, device=self.device, scratch_pages=1, kv_dtype=kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_name(self.pool)
+        self.kv_scale_source = initial_kv_scales(self.pool, model)
         self.tree = SequenceTree(self.pool)
         self.stats: Counter = Counter()
         self.guard = ThreadGuard("this Engine")
@@ -123,7 +135,8 @@ class Engine:
         self._row_heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._hidden_layers: tuple[int, ...] = ()
         self._feature_size: int | None = model.feature_size   # read every step
-        logger.info("KV pool: %d tokens (%s)", self.kv_capacity_tokens, self.kv_pool_reason)
+        logger.info("KV pool: %d tokens of %s (%s)%s", self.kv_capacity_tokens, self.kv_cache_dtype,
+                    self.kv_pool_reason, "" if self.kv_scale_source is None else f"; scales: {self.kv_scale_source}")
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
         self._query_rows = QueryRows()   # pending_rows' lookup (one sort of a layout's node ids)
 
@@ -313,6 +326,18 @@ class Engine:
         self.stats["queries"] += num_q
         return StepOutput(logits, take_rows(hidden_all, hrows, self.device) if return_hidden else None,
                           take_rows(aux_all, hrows, self.device) if return_aux else None, heads)
+
+    def calibrate_kv_scales(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Set an fp8 pool's scales from ``prompts``' K/V (lists of token ids; see
+        :func:`~treedec.engine.kv_cache.calibrate_kv_scales`) before the pool holds any: ValueError once it does
+        (their K/V were stored with the old scales) or for a pool of the model's dtype. Returns the scales
+        ``[num_layers, 2, num_kv_heads]``."""
+        if self.pool.num_free_pages != self.pool.num_pages:
+            raise ValueError("calibrate_kv_scales: the KV pool holds tokens already, stored with the old scales; "
+                             "calibrate before the first prefill")
+        scales = calibrate_kv_scales(self.model, self.pool, prompts)
+        self.kv_scale_source = f"calibrated on {len(prompts)} prompt(s) (amax / 448)"
+        return scales
 
     def capture_hidden_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """Make every step able to return the residual stream entering each of ``layers`` (:meth:`step`'s

@@ -18,6 +18,7 @@ import torch
 from treedec.checks import positive_int
 from treedec.models.base import DecoderModel
 from treedec.errors import PoolExhaustedError
+from treedec.tree.kv_cache_dtype import kv_storage_dtype
 
 __all__ = ["CPU_POOL_TOKENS", "PoolSize", "activation_reserve", "available_memory", "check_kv_pool",
            "cpu_pool_tokens", "kv_bytes_per_token", "kv_pool_pages"]
@@ -37,23 +38,24 @@ class PoolSize:
     reason: str
 
 
-def kv_bytes_per_token(model: DecoderModel) -> int:
-    """Bytes of KV pool one token takes in ``model``'s engine (K and V of every layer)."""
+def kv_bytes_per_token(model: DecoderModel, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of KV pool one token takes in ``model``'s engine (K and V of every layer) for ``kv_cache_dtype``
+    (``"auto"``: the model's dtype; ``"fp8"``: one byte a value, half of bf16's)."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_storage_dtype(kv_cache_dtype, model.dtype).itemsize
 
 
 def kv_pool_pages(model: DecoderModel, kv_tokens: int | None, page_size: int, memory_fraction: float,
-                  prefill_chunk: int) -> tuple[int, str]:
+                  prefill_chunk: int, kv_cache_dtype: str = "auto") -> tuple[int, str]:
     """``(pages, reason)``: ``kv_tokens // page_size`` when given (:func:`check_kv_pool` first); else, on CUDA,
     ``memory_fraction`` of the free memory after the weights, less :func:`activation_reserve`. A tensor-parallel
     model's ranks all take the smallest rank's count (the programs' page decisions must agree on every rank)."""
     positive_int("page_size", page_size)
-    bytes_per_token = kv_bytes_per_token(model)
+    bytes_per_token = kv_bytes_per_token(model, kv_cache_dtype)
     if kv_tokens is not None:
         if not isinstance(kv_tokens, int) or kv_tokens < page_size:
             raise ValueError(f"kv_tokens must be an int >= page_size ({page_size}), got {kv_tokens!r}")
-        check_kv_pool(model, kv_tokens, page_size)
+        check_kv_pool(model, kv_tokens, page_size, kv_cache_dtype=kv_cache_dtype)
         pages, reason = kv_tokens // page_size, f"kv_tokens={kv_tokens} requested"
     else:
         if model.device.type != "cuda":
@@ -74,12 +76,12 @@ def kv_pool_pages(model: DecoderModel, kv_tokens: int | None, page_size: int, me
 
 
 def check_kv_pool(model: DecoderModel, kv_tokens: int, page_size: int, name: str = "kv_tokens",
-                  dtype_name: str = "dtype") -> str:
+                  dtype_name: str = "dtype", kv_cache_dtype: str = "auto") -> str:
     """Raise MemoryError if a pool of ``kv_tokens`` tokens (the argument ``name``; ``dtype_name`` the argument that
-    sets the model's dtype) is larger than the memory available on ``model``'s device (:func:`available_memory`),
-    before anything is allocated; else return the words that describe the pool (for an out-of-memory message if
-    its allocation fails anyway)."""
-    per_token = kv_bytes_per_token(model)
+    sets the model's dtype) stored as ``kv_cache_dtype`` is larger than the memory available on ``model``'s device
+    (:func:`available_memory`), before anything is allocated; else return the words that describe the pool (for an
+    out-of-memory message if its allocation fails anyway)."""
+    per_token = kv_bytes_per_token(model, kv_cache_dtype)
     asked = (kv_tokens // page_size) * page_size * per_token
     what = f"{name} {kv_tokens} asks for a KV pool of {_size(asked)} ({asked} bytes at {per_token} B/token)"
     free = available_memory(model.device)
@@ -90,7 +92,7 @@ def check_kv_pool(model: DecoderModel, kv_tokens: int, page_size: int, name: str
 
 
 def cpu_pool_tokens(model: DecoderModel, page_size: int, max_model_len: int, requests: Sequence[int] | None = None,
-                    memory_fraction: float = 0.9) -> PoolSize:
+                    memory_fraction: float = 0.9, kv_cache_dtype: str = "auto") -> PoolSize:
     """The default size of a CPU engine's KV pool (on a GPU the engine sizes it from free memory).
 
     Parameters
@@ -103,6 +105,7 @@ def cpu_pool_tokens(model: DecoderModel, page_size: int, max_model_len: int, req
         pages), and always the largest alone. Default: one request of ``max_model_len`` tokens, at most
         :data:`CPU_POOL_TOKENS`.
     memory_fraction : the share of the available memory (:func:`available_memory`) the pool may take.
+    kv_cache_dtype : what the pool stores (its bytes per token).
 
     Raises
     ------
@@ -122,7 +125,7 @@ def cpu_pool_tokens(model: DecoderModel, page_size: int, max_model_len: int, req
         largest = tokens = (-(-min(max_model_len, CPU_POOL_TOKENS) // page_size) + 1) * page_size
         reason = (f"one request of max_model_len {max_model_len}" if max_model_len <= CPU_POOL_TOKENS else
                   f"at most {CPU_POOL_TOKENS} of max_model_len {max_model_len}")
-    per_token = kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model, kv_cache_dtype)
     free = available_memory(model.device)
     if free is not None and tokens * per_token > free * memory_fraction:
         fit = int(free * memory_fraction) // (per_token * page_size) * page_size

@@ -37,15 +37,16 @@ KERNEL_SOURCES = ("partial_fp16.cu", "partial_bf16.cu", "dispatch.cu")  # torch-
 BINDING_SOURCE = "binding.cpp"
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr")
 MIN_CAPABILITY = (8, 0)
-# The defines of each logit hook a variant key may name (cuda/variants.cuh).
-LOGIT_HOOKS = {"softcap": "-DTREEDEC_LOGITS_SOFTCAP=1"}
+# The defines of each hook a variant key may name: the logit hooks (cuda/variants.cuh) and the KV dtype
+# (FlashInfer's dtype_kv: e4m3 K/V, the sm_90a kernels').
+LOGIT_HOOKS = {"softcap": "-DTREEDEC_LOGITS_SOFTCAP=1", "kv_fp8": "-DTREEDEC_KV_FP8=1"}
 
 
 def variant_flags(kernel_key: tuple[str, ...]) -> list[str]:
     """The nvcc (and C++) defines of a variant key's hooks; ValueError for a hook no kernel has."""
     unknown = [hook for hook in kernel_key if hook not in LOGIT_HOOKS]
     if unknown or len(set(kernel_key)) != len(kernel_key):
-        raise ValueError(f"a variant key names distinct logit hooks of {sorted(LOGIT_HOOKS)}, got {kernel_key!r}")
+        raise ValueError(f"a variant key names distinct hooks of {sorted(LOGIT_HOOKS)}, got {kernel_key!r}")
     return [LOGIT_HOOKS[hook] for hook in sorted(kernel_key)]
 
 

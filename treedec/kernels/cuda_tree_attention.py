@@ -71,25 +71,50 @@ def check_dtype(q: torch.Tensor) -> None:
         raise TypeError(f"the cuda backend takes {SUPPORTED_DTYPES}, got {q.dtype} (use 'triton' or 'torch' for fp32)")
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Raise a clear error for inputs the cuda kernels cannot take (beyond TreeAttention's checks)."""
+#: Head dims whose kernels read fp8 K/V (the ("kv_fp8",) build: 64-token tiles, kernels/cuda/kv_fp8.cuh).
+FP8_KV_HEAD_DIMS = (64, 128)
+
+
+def variant_problem(kernel_key: tuple[str, ...], head_dim: int | None = None,
+                    capability: tuple[int, int] | None = None) -> str | None:
+    """None if cuda kernels are built for the variant key ``kernel_key`` at ``head_dim`` on a GPU of ``capability``
+    (None: any), else why not (a sentence): fp8 K/V (``"kv_fp8"``) are read by the sm_90a warp-specialized kernel
+    of head dims :data:`FP8_KV_HEAD_DIMS`, without the soft-cap."""
+    if "kv_fp8" not in kernel_key:
+        return None
+    if "softcap" in kernel_key:
+        return "the cuda kernels do not read an fp8 KV cache under a logit soft-cap (the triton kernels do)"
+    if head_dim is not None and head_dim not in FP8_KV_HEAD_DIMS:
+        return (f"the cuda kernels read an fp8 KV cache at head dims {list(FP8_KV_HEAD_DIMS)}, not {head_dim} "
+                f"(the triton kernels do)")
+    if capability is not None and tuple(capability) != (9, 0):
+        return (f"the cuda kernels read an fp8 KV cache on sm_90a (H100/H200), not compute capability "
+                f"{capability[0]}.{capability[1]} (the triton kernels do)")
+    return None
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8_kv: bool = False) -> None:
+    """Raise a clear error for inputs the cuda kernels cannot take (beyond TreeAttention's checks); ``fp8_kv``: the
+    caches hold e4m3 (16-byte aligned rows of 16 values)."""
     if q.device.type != "cuda":
         raise ValueError(f"the cuda backend needs CUDA tensors, got q on {q.device}")
     check_dtype(q)
     if q.dim() != 3 or q.shape[2] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the cuda backend needs q [Q, Hq, D] with D in {SUPPORTED_HEAD_DIMS}, got {tuple(q.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        per_row = 16 // t.element_size()   # (elements in 16 bytes)
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % per_row for s in t.stride()[:-1]):
             raise ValueError(f"the cuda backend needs 16-byte aligned rows: {name} must have a contiguous last dim, "
-                             f"a 16-byte aligned data pointer and strides that are multiples of 8, "
+                             f"a 16-byte aligned data pointer and strides that are multiples of {per_row}, "
                              f"got strides {t.stride()}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+        dtype = torch.float8_e4m3fn if fp8_kv and name != "q" else q.dtype
+        if t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {dtype} on {q.device}, got {t.dtype} on {t.device}")
 
 
 def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_start, unit_info, mask_stride: int,
            scale_log2: float, softcap_scale: float, merge: bool, tile_tokens: int, max_query_entries: int,
-           ext) -> None:
+           ext, kv_scale=None) -> None:
     """Launch stage 1 (and stage 2 when ``merge``) on the current stream.
 
     ``arrays`` holds the plan's int32 tensors by name (``kv_slots``, ``chunk_kv_start``, ``entry_query``,
@@ -100,10 +125,12 @@ def launch(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays: dict, cta_unit_sta
     kernel: partial rows loaded 4, 8 or 16 at a time; the result is the same);
     ``scale_log2``, ``softcap_scale`` the logit arguments (``AttentionVariant.logit_args``: a score ``s`` becomes
     ``t * scale_log2``, ``t = tanh(s * softcap_scale)`` in the soft-capped build, else ``s``); ``ext`` the
-    compiled extension of the variant's key (:func:`extension`; its kernels check that ``softcap_scale`` is theirs).
+    compiled extension of the variant's key (:func:`extension`; its kernels check that ``softcap_scale`` is theirs);
+    ``kv_scale`` [2, Hkv] float32, the K and V scales of e4m3 ``k_flat`` / ``v_flat`` (the ``("kv_fp8",)`` build's
+    kernels; None for the others: the binding checks that the build and the caches agree).
     """
     group = q.shape[1] // k_flat.shape[1]
     ext.attend(q, k_flat, v_flat, out, lse, o_ws, lse_ws, arrays["kv_slots"], arrays["chunk_kv_start"],
                arrays["entry_query"], arrays["entry_mask"], arrays["entry_direct"], arrays["query_entry_start"],
                arrays["query_entries"], cta_unit_start, unit_info, group, mask_stride, scale_log2, softcap_scale,
-               merge, tile_tokens, max_query_entries)
+               merge, tile_tokens, max_query_entries, kv_scale)

@@ -29,6 +29,11 @@ its entries, the same chunk).
 Logit variants are ``tl.constexpr`` flags of stage 1 (``SOFTCAP``: a score ``s`` becomes
 ``tanh(s * softcap_scale)`` before the base-2 scale): each flag set compiles its own kernel, and
 the plain kernel (no flag) is the code without them.
+
+An fp8 KV cache (``KV_FP8``, FlashInfer's ``dtype_kv``): K/V are e4m3 in memory (half the bytes a tile loads),
+converted to q's dtype in registers after each tile's load; the KV head's K scale is folded into ``qk_scale``
+(into ``softcap_scale`` under the soft-cap, which comes first) and its V scale into the output
+(``o = acc * (v_scale / l)``), so the tile loop does no extra multiply.
 """
 from __future__ import annotations
 
@@ -112,11 +117,12 @@ class TritonLaunch:
     runners: dict = field(default_factory=dict, compare=False)
     flagged: dict = field(default_factory=dict, compare=False)
 
-    def stage1_constants(self, softcap: bool) -> dict:
-        """:attr:`constants` with the logit flags (``SOFTCAP``), made once per flag set (every layer asks)."""
-        constants = self.flagged.get(softcap)
+    def stage1_constants(self, softcap: bool, kv_fp8: bool = False) -> dict:
+        """:attr:`constants` with the variant flags (``SOFTCAP``, ``KV_FP8``), made once per flag set (every layer
+        asks)."""
+        constants = self.flagged.get((softcap, kv_fp8))
         if constants is None:
-            constants = self.flagged[softcap] = {**self.constants, "SOFTCAP": softcap}
+            constants = self.flagged[softcap, kv_fp8] = {**self.constants, "SOFTCAP": softcap, "KV_FP8": kv_fp8}
         return constants
 
 
@@ -155,13 +161,14 @@ def plan_launch(num_items: int, num_queries: int, num_entries: int, query_tile: 
 
 def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            o_ws: torch.Tensor, lse_ws: torch.Tensor, arrays: dict, scale_log2: float, softcap_scale: float,
-           launch: TritonLaunch) -> None:
+           launch: TritonLaunch, kv_scale: torch.Tensor | None = None) -> None:
     """Launch stage 1 (and the merge where ``launch`` has one) on the current stream.
 
     Parameters
     ----------
     q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
-    k_flat, v_flat : [num_slots, Hkv, D], q's dtype (the paged cache viewed slot by slot)
+    k_flat, v_flat : [num_slots, Hkv, D], q's dtype (the paged cache viewed slot by slot), or float8_e4m3fn with
+        ``kv_scale`` [2, Hkv] float32 contiguous (K's scales, then V's: the stored value times its scale)
     out : [Q, Hq, D] q's dtype; lse : [Q, Hq] float32 (natural log)
     o_ws, lse_ws : [E, Hq, D] (fp16 or float32) and [E, Hq] float32 partial states (E >= the plan's entries)
     arrays : the plan's int32 tensors by name (``kv_slots``, ``chunk_kv_start``, ``entry_query``,
@@ -176,9 +183,10 @@ def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, out: tor
     hq, d = q.shape[1], q.shape[2]
     mask = arrays["entry_mask"]
     softcap = softcap_scale > 0
-    constants = launch.stage1_constants(softcap)
-    _launch(_tree_attn_partial_kernel, launch.grid, launch.runners, (guard, softcap), (
-        q, k_flat, v_flat, out, lse, o_ws, lse_ws,
+    kv_fp8 = kv_scale is not None
+    constants = launch.stage1_constants(softcap, kv_fp8)
+    _launch(_tree_attn_partial_kernel, launch.grid, launch.runners, (guard, softcap, kv_fp8), (
+        q, k_flat, v_flat, out, lse, o_ws, lse_ws, kv_scale if kv_fp8 else lse,   # (lse: never read without fp8)
         arrays["kv_slots"], arrays["chunk_kv_start"], arrays["entry_query"], mask, arrays["entry_direct"],
         arrays["item_chunk"], arrays["item_entry_start"], arrays["item_num_entries"],
         q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
@@ -223,7 +231,7 @@ def _tanh(x):
 def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs,
                     mask_rows, row_len, qk_scale, softcap_scale, offs_n, offs_d,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+                    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
     """One BLOCK_N tile of the chunk: bit mask, QK^T, online softmax, PV. Returns the state.
 
     ``row_len`` [BLOCK_M] is the chunk's length for valid rows and 0 for padding rows.
@@ -244,6 +252,8 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
     kv_mask = tok < tl.where(tile_live, chunk_len, 0)
     slot = tl.load(slots_base + tok, mask=kv_mask, other=0).to(tl.int64)
     k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)   # e4m3 -> q's dtype in registers (the K scale is in qk_scale)
     if WIDEN_DOT:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -257,6 +267,8 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)   # (the V scale is applied to the output)
     if WIDEN_DOT:
         v = v.to(tl.float32)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -266,7 +278,8 @@ def _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
 @triton.jit
 def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows, row_len, qk_scale,
                   softcap_scale, offs_n, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  KV_FP8: tl.constexpr):
     """Online softmax over the whole chunk; returns (acc, l, m) in base 2."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -274,7 +287,7 @@ def _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs
     for n0 in range(0, chunk_len, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, n0, chunk_len, slots_base, k_base, v_base,
                                         stride_ks, stride_vs, mask_rows, row_len, qk_scale, softcap_scale, offs_n,
-                                        offs_d, BLOCK_M, BLOCK_N, DOT_PRECISION, WIDEN_DOT, SOFTCAP)
+                                        offs_d, BLOCK_M, BLOCK_N, DOT_PRECISION, WIDEN_DOT, SOFTCAP, KV_FP8)
     return acc, l_i, m_i
 
 
@@ -286,7 +299,7 @@ _PLAN_POINTERS = ("kv_slots_ptr", "chunk_kv_start_ptr", "entry_query_ptr", "entr
 
 @triton.jit(do_not_specialize=["stride_me"], do_not_specialize_on_alignment=_PLAN_POINTERS)
 def _tree_attn_partial_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, kv_scale_ptr,
     kv_slots_ptr, chunk_kv_start_ptr, entry_query_ptr, entry_mask_ptr, entry_direct_ptr,
     item_chunk_ptr, item_entry_start_ptr, item_num_entries_ptr,
     stride_qq, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -294,7 +307,7 @@ def _tree_attn_partial_kernel(
     qk_scale, softcap_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ENTRIES_PER_PROG: tl.constexpr, SUBTILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -325,13 +338,21 @@ def _tree_attn_partial_kernel(
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     row_len = tl.where(row_valid, chunk_len, 0)
+    if KV_FP8:   # the KV head's K scale multiplies the raw score: folded into the first scale applied to it
+        if SOFTCAP:
+            softcap_scale = softcap_scale * tl.load(kv_scale_ptr + kv_head)
+        else:
+            qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
     acc, l_i, m_i = _attend_chunk(q, chunk_len, slots_base, k_base, v_base, stride_ks, stride_vs, mask_rows,
                                   row_len, qk_scale, softcap_scale, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                  DOT_PRECISION, WIDEN_DOT, SOFTCAP)
+                                  DOT_PRECISION, WIDEN_DOT, SOFTCAP, KV_FP8)
 
     # Every real entry reads >= 1 token of its chunk, so l_i > 0 on valid rows.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    if KV_FP8:   # ... and its V scale the output
+        o = acc * (tl.load(kv_scale_ptr + tl.num_programs(1) + kv_head) / l_safe)[:, None]
+    else:
+        o = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * _LN2
     direct = tl.load(entry_direct_ptr + entry, mask=row_valid, other=0) != 0
     to_out = row_valid & direct

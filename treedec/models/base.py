@@ -54,6 +54,9 @@ class DecoderModel(Protocol):
     lm_head : the LM head, ``hidden [.., hidden_size] -> logits [.., vocab]`` (a final logit soft-cap
         included: Gemma 2), what Medusa heads copy and prompt logprobs read; ``lm_head.weight``
         ``[vocab, hidden_size]`` is the whole head.
+    kv_scales : ``[num_layers, 2]`` float32, the K and V scales of an fp8 KV cache an FP8 checkpoint holds
+        (``k_scale`` / ``v_scale``; :mod:`~treedec.models.kv_scales`), or None: an engine with
+        ``kv_cache_dtype="fp8"`` stores K/V with them.
     """
 
     config: ModelConfig
@@ -61,6 +64,7 @@ class DecoderModel(Protocol):
     tensor_parallel: TensorParallel | None
     feature_size: int | None
     lm_head: nn.Module
+    kv_scales: torch.Tensor | None
 
     @property
     def dtype(self) -> torch.dtype:

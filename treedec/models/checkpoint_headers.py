@@ -18,6 +18,7 @@ from treedec.errors import CheckpointError, UnsupportedModelError
 from treedec.models.config import ModelConfig
 from treedec.models.checkpoint_layout import CheckpointLayout, CheckpointTensor, weight_shapes
 from treedec.models.hf_config import quantized_message
+from treedec.models.kv_scales import check_kv_scale_header, is_kv_scale
 
 if TYPE_CHECKING:   # (annotations only)
     from treedec.models.quantization import Quantization
@@ -72,7 +73,8 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
     """Check ``headers`` (Hugging Face name -> header) against ``config``: every tensor it needs once,
     of its shape and one of ``dtypes`` (a quantized projection's tensors: of the dtypes its method reads,
     fp8 weights and their scales with ``quantization``); none it does not use (but :data:`IGNORED_TENSORS`
-    and a tied ``lm_head.weight``).
+    and a tied ``lm_head.weight``); KV-cache scales (``k_scale`` / ``v_scale``, :mod:`~treedec.models.kv_scales`)
+    where they are, each one float.
 
     ``source`` (the checkpoint) leads the messages about the whole set; ``shown(name)`` is how the
     file names a tensor (GGUF's names differ).
@@ -90,6 +92,9 @@ def check_tensor_headers(headers: dict[str, TensorHeader], config: ModelConfig, 
     for name, header in headers.items():
         m = _LAYER.fullmatch(name)
         tensor = layout.get(name, None, "") if m is None else layout.get(name, int(m[1]), m[2])
+        if tensor is None and is_kv_scale(name):   # an fp8 KV cache's scales: optional, one float each
+            check_kv_scale_header(name, header.shape, header.dtype, config.num_layers, header.file)
+            continue
         if tensor is None:
             if not (IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                 unexpected.append(shown(name))

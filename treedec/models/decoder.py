@@ -67,9 +67,12 @@ class Decoder(nn.Module):
         :func:`~treedec.models.from_pretrained` reads them from the checkpoint, other builders leave them empty.
     quantization : as given.
     feature_size : None (a decoder reads tokens only; EAGLE drafters read features).
+    kv_scales : ``[num_layers, 2]`` float32 K and V scales of an fp8 KV cache, where the checkpoint has them
+        (:func:`~treedec.models.from_pretrained` reads them: :mod:`~treedec.models.kv_scales`), else None.
     """
 
     feature_size = None
+    kv_scales: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None,
                  tensor_parallel: TensorParallel | None = None, quantization: Quantization | None = None,

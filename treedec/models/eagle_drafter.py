@@ -119,7 +119,10 @@ class EagleDrafter(nn.Module):
     kind : "eagle" or "eagle3".
     aux_layers : EAGLE-3: the target layers whose inputs :meth:`fuse` reads, ascending (the engine
         captures them: :meth:`Engine.capture_hidden_layers`); () for EAGLE-1.
+    kv_scales : None (EAGLE releases hold no fp8 KV-cache scales: an fp8 pool of a drafter's has scales 1.0).
     """
+
+    kv_scales = None
 
     def __init__(self, config: ModelConfig, kind: str, target: DecoderModel, draft_vocab_size: int | None = None,
                  aux_layers: tuple[int, ...] = (), fc_bias: bool = True, own_embedding: bool = False,

@@ -13,6 +13,7 @@ import torch
 
 from treedec.errors import CheckpointError
 from treedec.models.checkpoint_headers import IGNORED_TENSORS, all_checkpoint_tensors, unused_tensors_error
+from treedec.models.kv_scales import KVScaleReader, is_kv_scale
 from treedec.models.config import ModelConfig
 from treedec.models.decoder import Decoder
 from treedec.models.fp8 import DEQUANTIZE
@@ -69,7 +70,8 @@ def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, s
                     dtypes: tuple[torch.dtype, ...] | None = None,
                     targets: dict[str, CheckpointTensor] | None = None) -> None:
     """Copy HF-named (name, tensor, file) into ``model``; every needed tensor exactly once, no unknown names;
-    then finish every projection (:func:`finish_linears`).
+    then finish every projection (:func:`finish_linears`). An FP8 checkpoint's KV-cache scales become
+    ``model.kv_scales`` (:mod:`~treedec.models.kv_scales`).
 
     A projection's tensors go through its method (:meth:`~treedec.models.linear.LinearMethod.load`: an fp8
     weight, its scale, a float weight quantized on load). ``dtypes``: the float dtypes accepted (None: any;
@@ -82,8 +84,11 @@ def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, s
     modules = dict(model.named_modules())
     seen: dict[str, str] = {}
     unexpected = []
+    kv_scales = KVScaleReader(model.full_config.num_layers, source)
     with torch.no_grad():
         for name, tensor, file in tensors:
+            if name not in targets and kv_scales.take(name, tensor, file):
+                continue
             if name not in targets:
                 tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
                 if not IGNORED_TENSORS.fullmatch(name) and not tied_head:
@@ -113,6 +118,7 @@ def load_hf_tensors(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor, s
     if missing:
         raise CheckpointError(f"{source}: the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
                               f"{missing[:5]}")
+    model.kv_scales = kv_scales.result()
     finish_linears(model)
 
 
@@ -177,6 +183,9 @@ def _read_rank_slices(shards: list[Path], model: Decoder) -> Iterator[tuple[str,
         try:
             with safetensors.safe_open(str(shard), framework="pt", device=safetensors_device(model.device)) as f:
                 for name in list(f.keys()):
+                    if is_kv_scale(name) and name not in whole:   # one float a layer: every rank's whole
+                        yield name, f.get_tensor(name), str(shard)
+                        continue
                     if name not in whole:   # unknown or unused: reported (or ignored) by the loader, not read
                         yield name, torch.empty(0), str(shard)
                         continue

@@ -12,7 +12,8 @@ Checkpoint formats read (the tensor names and shapes vLLM reads; ``{p}`` a proje
   ``"naive-quantized"``) with one config group targeting ``Linear``: 8-bit float weights, ``strategy``
   ``"tensor"`` (``weight_scale`` ``()`` / ``(1,)``) or ``"channel"`` (``weight_scale`` ``[rows, 1]``), scales
   float32 or the model dtype; ``input_activations`` dynamic per token, static per tensor (``input_scale``),
-  or none (weight-only); ``ignore`` lists module names or ``re:`` patterns (``lm_head``).
+  or none (weight-only); ``ignore`` lists module names or ``re:`` patterns (``lm_head``); a ``kv_cache_scheme``
+  of 8-bit floats per tensor (its ``k_scale`` / ``v_scale`` tensors: :mod:`~treedec.models.kv_scales`).
 
 Module names are the checkpoint's (``model.layers.0.self_attn.q_proj``, ``lm_head``); a treedec projection
 fusing several (``qkv_proj``) takes their method, which must be one. The LM head stays unquantized.
@@ -103,7 +104,8 @@ def read_quantization(raw_config: dict, where: str) -> Quantization | None:
     Raises
     ------
     UnsupportedModelError : a quantization treedec does not load (AWQ, GPTQ, bitsandbytes, block-wise fp8,
-        compressed-tensors int or mixed schemes, a KV-cache scheme), naming it and what is read.
+        compressed-tensors int or mixed schemes, a KV-cache scheme other than 8-bit float per tensor), naming it and
+        what is read.
     CheckpointError : a malformed fp8 ``quantization_config`` (naming the field).
     """
     q = raw_config.get("quantization_config")
@@ -146,9 +148,11 @@ def _compressed_tensors(q: dict, where: str) -> Quantization:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise UnsupportedModelError(f"{where}: {field}.format' is {fmt!r:.40}: treedec reads compressed-tensors "
                                     f"fp8 checkpoints ('float-quantized'), not other compressed formats")
-    if q.get("kv_cache_scheme") is not None:
-        raise UnsupportedModelError(f"{where}: {field}.kv_cache_scheme' is set: an fp8 KV cache from the checkpoint "
-                                    f"is not implemented (issue #52's item 3)")
+    kv = q.get("kv_cache_scheme")
+    if kv is not None and not (isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float" and
+                               kv.get("strategy", "tensor") == "tensor" and kv.get("dynamic") in (False, None)):
+        raise UnsupportedModelError(f"{where}: {field}.kv_cache_scheme' is {kv!r:.80}: treedec reads static per-tensor "
+                                    f"8-bit float KV-cache scales (k_scale / v_scale, used with kv_cache_dtype='fp8')")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise UnsupportedModelError(f"{where}: {field}.config_groups' must hold one group (treedec reads one fp8 "

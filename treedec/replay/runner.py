@@ -68,6 +68,7 @@ class ReplayConfig:
     seed: int = 0
     progress: bool = False
     cuda_graphs: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.cuda_graphs and self.profile_split:
@@ -183,7 +184,8 @@ def replay(model: DecoderModel, schedule: Schedule, config: ReplayConfig = Repla
                          f"{sizing['peak_pages']} pages of {config.page_size} tokens and branches into up to "
                          f"{schedule.stats.widest_branch} children (a page each)")
     engine = Engine(model, kv_tokens=kv_tokens, page_size=config.page_size, backend=config.backend,
-                    plan_config=PlanConfig(planner=config.planner), cuda_graphs=config.cuda_graphs)
+                    plan_config=PlanConfig(planner=config.planner), cuda_graphs=config.cuda_graphs,
+                    kv_cache_dtype=config.kv_cache_dtype)
     with timed_attention(engine, time_run=config.profile_split or engine.device.type != "cuda") as timer:
         if config.warmup_steps:
             warm = ScheduleDriver(engine, seed=config.seed)
@@ -192,7 +194,7 @@ def replay(model: DecoderModel, schedule: Schedule, config: ReplayConfig = Repla
                     warm.apply(op)
                 warm.forward()
             warm.release()
-        io_bytes_per_token = 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize * c.num_layers
+        io_bytes_per_token = engine.pool.bytes_per_token   # (its K/V dtype's: fp8 reads half the bytes)
         driver = ScheduleDriver(engine, seed=config.seed)
         pool = engine.pool
         steps = []
@@ -252,7 +254,7 @@ def replay_results(model: DecoderModel, schedule: Schedule, configs: list[Replay
         "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "page_size": configs[0].page_size, "profile_split": configs[0].profile_split,
-        "cuda_graphs": configs[0].cuda_graphs,
+        "cuda_graphs": configs[0].cuda_graphs, "kv_cache_dtype": configs[0].kv_cache_dtype,
         "runs": [r.to_json() for r in runs],
         "same_tokens": len({json.dumps(r.emitted) for r in runs}) == 1,
     }

@@ -10,6 +10,12 @@ reallocated: CUDA graphs keep their addresses) and the one primitive that moves 
 slots, :meth:`PagedKVPool.copy_slots`: accepting a speculative path, rearranging a draft's
 chains and keeping a pipelined step's accepted tokens all go through it.
 
+K/V are stored in the pool's ``kv_dtype``, independent of the model's: the model's dtype (vLLM's
+``kv_cache_dtype="auto"``), or ``float8_e4m3fn`` (``"fp8"``), half the bytes of bf16, with a scale per layer and
+KV head (:attr:`PagedKVPool.kv_scale`; :mod:`treedec.tree.kv_cache_dtype` says how K/V are quantized). The pool
+quantizes what it stores (:meth:`PagedKVPool.write`, :meth:`PagedKVPool.store`) and moves the stored bytes as
+they are.
+
 Every method that takes page ids or host slots checks them all (integers, in range, pages in
 use) before it changes anything: a bad id raises ``TypeError`` / ``ValueError`` naming the
 argument, never wraps around as a negative numpy index.
@@ -21,6 +27,7 @@ import torch
 
 from treedec.checks import describe, is_int, nonnegative_int, positive_int, show_int
 from treedec.errors import PoolExhaustedError
+from treedec.tree.kv_cache_dtype import dequantize_kv, is_fp8, kv_storage_dtype, quantize_kv
 from treedec.transfer import resolve_device, to_device
 from treedec.tree.validate import int_array, int_value
 
@@ -35,7 +42,10 @@ class PagedKVPool:
     num_layers, num_kv_heads, head_dim:
         Shape of the storage.
     dtype, device:
-        Of the K/V tensors.
+        The dtype K/V come in and are read back as (the model's), and the device of the K/V tensors.
+    kv_dtype:
+        What K/V are stored as: None (or ``"auto"``) for ``dtype``, ``"fp8"`` / ``"fp8_e4m3"`` (or
+        ``torch.float8_e4m3fn``) for e4m3 with the scales of :attr:`kv_scale` (see :mod:`treedec.tree.kv_cache_dtype`).
     allocate_storage:
         False: no tensors are made, a bookkeeping-only pool (pages, refcounts, free list). Trees
         planned without a model use it: the replay driver's page accounting of a recorded
@@ -48,8 +58,14 @@ class PagedKVPool:
     Attributes
     ----------
     k, v : torch.Tensor
-        ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` (each layer contiguous;
+        ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` in :attr:`kv_dtype` (each layer contiguous;
         the kernels read :meth:`layer`'s views of them), or None without storage.
+    kv_dtype : torch.dtype
+        What K/V are stored as (``dtype``, or ``torch.float8_e4m3fn``).
+    kv_scale : torch.Tensor or None
+        ``[num_layers, 2, num_kv_heads]`` float32 on the device, an fp8 pool's scales (row 0 K's, row 1 V's; 1.0
+        until :meth:`set_kv_scales`): a stored value times its scale is the value; None for a pool that stores
+        ``dtype``. Set in place (CUDA graphs keep its address); :meth:`layer_scale` is one layer's.
     k_slots, v_slots : tuple of torch.Tensor
         Per layer, the same storage as one row per slot, ``[num_slots + scratch_pages * page_size,
         num_kv_heads, head_dim]`` (scratch slots included): where a step stores its new tokens' K/V
@@ -69,6 +85,7 @@ class PagedKVPool:
         device: str | torch.device = "cpu",
         allocate_storage: bool = True,
         scratch_pages: int = 0,
+        kv_dtype: str | torch.dtype | None = None,
     ):
         for name, value in [("num_pages", num_pages), ("page_size", page_size),
                             ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
@@ -82,6 +99,11 @@ class PagedKVPool:
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         self.scratch_pages = int(scratch_pages)
+        self.dtype = dtype
+        self.kv_dtype = kv_storage_dtype(kv_dtype, dtype)
+        self.kv_scale: torch.Tensor | None = None
+        if is_fp8(self.kv_dtype):
+            self.kv_scale = torch.ones(self.num_layers, 2, self.num_kv_heads, dtype=torch.float32, device=device)
         self.refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._offsets = np.arange(self.page_size)   # of the slots in a page
         # A stack, ``_free[:_num_free]`` with its top last: the most recently freed page is reused first (warm in
@@ -96,8 +118,8 @@ class PagedKVPool:
         if allocate_storage:
             shape = (self.num_layers, self.num_pages + self.scratch_pages, self.page_size, self.num_kv_heads,
                      self.head_dim)
-            self._storage = (torch.zeros(shape, dtype=dtype, device=device),
-                             torch.zeros(shape, dtype=dtype, device=device))
+            self._storage = (torch.zeros(shape, dtype=self.kv_dtype, device=device),
+                             torch.zeros(shape, dtype=self.kv_dtype, device=device))
             self.k, self.v = (t[:, :self.num_pages] for t in self._storage)
             self.k_slots, self.v_slots = (tuple(t[i].view(-1, self.num_kv_heads, self.head_dim)
                                                 for i in range(self.num_layers)) for t in self._storage)
@@ -239,8 +261,9 @@ class PagedKVPool:
         return self.k[layer], self.v[layer]
 
     def write(self, layer: int, slots: torch.Tensor | np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V: ``k``, ``v`` are ``[n, num_kv_heads, head_dim]``, ``slots`` ``[n]`` ints."""
-        k_layer, v_layer = self.layer(layer)
+        """Store new tokens' K/V: ``k``, ``v`` are ``[n, num_kv_heads, head_dim]``, ``slots`` ``[n]`` ints (checked;
+        :meth:`store` is the step's unchecked path). An fp8 pool quantizes them with the layer's scales."""
+        self.layer(layer)
         slots = self._slots(slots, "slots")
         expected = (len(slots), self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -248,21 +271,67 @@ class PagedKVPool:
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-        index = to_device(slots, k_layer.device)
-        k_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = k.to(k_layer.dtype)
-        v_layer.view(-1, self.num_kv_heads, self.head_dim)[index] = v.to(v_layer.dtype)
+        self.store(layer, to_device(slots, self.k.device), k, v)
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A step's store of ``k``, ``v`` ``[n, num_kv_heads, head_dim]`` at ``slots`` ``[n]`` int64 on the pool's
+        device (scratch slots included), unchecked: the engine's path, as :func:`store_kv_slots` (what the
+        ``treedec::store_kv`` custom op runs too)."""
+        store_kv_slots(self.k_slots[layer], self.v_slots[layer], slots, k, v, self.layer_scale(layer))
+
+    def layer_scale(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s K/V scales, ``[2, num_kv_heads]`` float32 (a view of :attr:`kv_scale`), or None for a
+        pool that stores the model's dtype."""
+        return None if self.kv_scale is None else self.kv_scale[layer]
+
+    def set_kv_scales(self, k_scale, v_scale) -> None:
+        """Set an fp8 pool's scales in place: each a number, ``[num_layers]`` (a scale per layer, as fp8
+        checkpoints hold) or ``[num_layers, num_kv_heads]``, finite and > 0. K/V stored before keep the scales
+        they were stored with, so set them before the first store. ValueError (changing nothing) otherwise."""
+        if self.kv_scale is None:
+            raise ValueError(f"set_kv_scales: this pool stores K/V as {self.kv_dtype}, which takes no scales "
+                             f"(kv_dtype='fp8' does)")
+        scales = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            t = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+            shape = tuple(t.shape)
+            if t.dim() == 1 and shape[0] == self.num_layers:
+                t = t[:, None]
+            if t.dim() == 1 or t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1 and
+                                                tuple(t.shape) != (self.num_layers, self.num_kv_heads)):
+                raise ValueError(f"set_kv_scales: {name} must be a number, [{self.num_layers}] or "
+                                 f"[{self.num_layers}, {self.num_kv_heads}], got shape {list(shape)}")
+            if not (torch.isfinite(t).all() and (t > 0).all()):
+                raise ValueError(f"set_kv_scales: {name} must be finite and > 0, got {t.flatten()[:8].tolist()}")
+            scales.append(t.expand(self.num_layers, self.num_kv_heads))
+        self.kv_scale.copy_(torch.stack(scales, dim=1))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of storage one token takes (K and V of every layer, in :attr:`kv_dtype`)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def gather(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` (``[n]`` ints) in every layer, each ``[num_layers, n, num_kv_heads, head_dim]``
-        (a copy, to read: moves between slots are :meth:`copy_slots`)."""
+        in ``dtype`` (an fp8 pool's de-quantized; a copy, to read: moves between slots are :meth:`copy_slots`)."""
         self._require_storage()
         index = to_device(self._slots(slots, "slots"), self.k.device)
-        return tuple(self._slot_view(t).index_select(1, index) for t in (self.k, self.v))
+        out = []
+        for i, t in enumerate((self.k, self.v)):
+            flat = self._slot_view(t)
+            if self.kv_scale is None:
+                out.append(flat.index_select(1, index))
+            else:   # (index_select has no fp8 kernel on every device: the bytes are gathered)
+                stored = flat.view(torch.uint8).index_select(1, index).view(self.kv_dtype)
+                out.append(torch.stack([dequantize_kv(stored[layer], self.kv_scale[layer, i], self.dtype)
+                                        for layer in range(self.num_layers)]))
+        return tuple(out)
 
     def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray) -> None:
         """Copy the K/V held at slots ``src_slots`` to ``dst_slots``, in every layer: the pool's one slot-copy
-        primitive (a gather and a scatter of all layers on the device). ``src_slots`` is read whole before
-        anything is written, so the two may overlap. The pages' refcounts do not change.
+        primitive (a gather and a scatter of all layers on the device, of the stored bytes: an fp8 pool's
+        are moved as they are, never re-quantized). ``src_slots`` is read whole before anything is written, so
+        the two may overlap. The pages' refcounts do not change.
 
         Each is ``[n]`` slots, of one length: an int64 tensor on the pool's CUDA device is used as it is
         (not read back, so the copy never waits for the device and a CUDA graph may capture it; its values
@@ -277,6 +346,8 @@ class PagedKVPool:
                              f"slots")
         for t in self._storage:   # every layer in one gather and one scatter
             flat = t.view(self.num_layers, -1, self.num_kv_heads, self.head_dim)
+            if self.kv_scale is not None:
+                flat = flat.view(torch.uint8)   # (index_copy_ has no fp8 kernel on the CPU)
             flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def check_invariants(self) -> None:
@@ -345,3 +416,17 @@ class PagedKVPool:
     def _require_storage(self) -> None:
         if self._storage is None:
             raise RuntimeError("this PagedKVPool was made with allocate_storage=False: it has no K/V tensors")
+
+
+def store_kv_slots(k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """Write ``k``, ``v`` ``[n, Hkv, D]`` at ``slots`` ``[n]`` int64 of a layer's caches viewed as ``[num_slots, Hkv,
+    D]`` (:attr:`PagedKVPool.k_slots`), in place: the one K/V store (:meth:`PagedKVPool.store`, the
+    ``treedec::store_kv`` op). With ``kv_scale`` (``[2, Hkv]`` float32: an fp8 pool's layer scales) K/V are
+    quantized to e4m3 first, saturating."""
+    if kv_scale is None:
+        k_slots.index_copy_(0, slots, k.to(k_slots.dtype))
+        v_slots.index_copy_(0, slots, v.to(v_slots.dtype))
+        return
+    k_slots.view(torch.uint8).index_copy_(0, slots, quantize_kv(k, kv_scale[0]).view(torch.uint8))
+    v_slots.view(torch.uint8).index_copy_(0, slots, quantize_kv(v, kv_scale[1]).view(torch.uint8))

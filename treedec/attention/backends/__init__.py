@@ -13,6 +13,7 @@ from treedec.attention.backends.base import (CAPABILITIES, Backend, OpArgs, OpSi
 from treedec.attention.backends.cuda_backend import CudaBackend
 from treedec.attention.backends.torch_backend import ReferenceBackend, TorchBackend
 from treedec.attention.backends.triton_backend import TritonBackend
+from treedec.attention.variant import AttentionVariant
 from treedec.errors import BackendUnavailableError
 
 __all__ = ["AUTO", "CAPABILITIES", "Backend", "CudaBackend", "OpArgs", "OpSizes", "PreparedLaunch", "ReferenceBackend",
@@ -27,8 +28,11 @@ AUTO = "auto"  # the request that lets resolve_backend choose
 AUTO_ORDER = ("triton", "cuda")  # elsewhere: triton first (the cuda kernels off sm_90a are untimed on such GPUs)
 
 
-def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
-    """Map a requested backend (or ``auto``) to a registered one that runs on ``device``.
+def resolve_backend(name: str, device: torch.device, variant: AttentionVariant | None = None,
+                    head_dim: int | None = None) -> tuple[str, str]:
+    """Map a requested backend (or ``auto``) to a registered one that runs on ``device`` (and ``variant`` at
+    ``head_dim``, where given: a backend whose kernels lack one of its hooks or its KV dtype,
+    :meth:`Backend.why_not_variant`, is not chosen).
 
     Returns ``(backend, reason)``. On an H100/H200 (sm_90) where the wgmma (sm_90a) cuda kernels
     build, ``auto`` is ``cuda``: it was faster than triton on every step measured, eagerly and in
@@ -42,7 +46,9 @@ def resolve_backend(name: str, device: torch.device) -> tuple[str, str]:
     """
     if name != AUTO and name not in backend_names():
         raise BackendUnavailableError(f"backend must be {AUTO!r} or one of {backend_names()}, got {name!r}")
-    statuses = {b: get_backend(b).why_unavailable(device) for b in backend_names()}
+    statuses = {b: get_backend(b).why_unavailable(device) or
+                (None if variant is None else get_backend(b).why_not_variant(variant, head_dim))
+                for b in backend_names()}
     if name == AUTO:
         if device.type == "cuda":
             if statuses["cuda"] is None and torch.cuda.get_device_capability(device) == (9, 0):

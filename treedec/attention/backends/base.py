@@ -78,10 +78,11 @@ class OpArgs:
     tensors: list[torch.Tensor]
     sizes: OpSizes
 
-    def inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, variant: AttentionVariant
-               ) -> tuple:
-        """The op's arguments for these q, caches and the layer's variant, in its schema's order."""
-        return q, k_cache, v_cache, self.tensors, self.sizes.to_list(), self.backend, variant.op_values()
+    def inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, variant: AttentionVariant,
+               kv_scale: torch.Tensor | None = None) -> tuple:
+        """The op's arguments for these q, caches (with an fp8 cache's ``kv_scale``) and the layer's variant, in its
+        schema's order."""
+        return q, k_cache, v_cache, self.tensors, self.sizes.to_list(), self.backend, variant.op_values(), kv_scale
 
 
 class PreparedLaunch(Protocol):
@@ -120,6 +121,12 @@ class Backend(ABC):
         """None if this backend can run on ``device``, else the reason it cannot (a sentence). Builds nothing."""
 
     @classmethod
+    def why_not_variant(cls, variant: AttentionVariant, head_dim: int | None = None) -> str | None:
+        """None if this backend's kernels compute ``variant`` (its hooks and KV dtype) at ``head_dim`` (None: some
+        head dim), else why not (a sentence). Default: every variant."""
+        return None
+
+    @classmethod
     @abstractmethod
     def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                variant: AttentionVariant, device: torch.device) -> Backend:
@@ -137,17 +144,18 @@ class Backend(ABC):
         """At plan time: what :meth:`run` launches ``plan`` with (None where it needs nothing)."""
 
     @abstractmethod
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch only: ``out [Q, Hq, D]`` and ``lse [Q, Hq]`` float32 (natural log), for inputs that
-        ``TreeAttention`` and :meth:`check_inputs` have checked."""
+        ``TreeAttention`` and :meth:`check_inputs` have checked. ``kv_scale``: ``[2, Hkv]`` float32, the K and V
+        scales of fp8 caches (the variant's ``kv_dtype``), else None."""
 
-    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-                ) -> torch.Tensor:
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`run` for a caller that reads ``out [Q, Hq, D]`` only (a model's layer; ``TreeAttention.run``
         without ``return_lse``). Default: :meth:`run`'s ``out``; a backend that saves work without the LSE
         overrides it."""
-        return self.run(q, k_cache, v_cache, plan)[0]
+        return self.run(q, k_cache, v_cache, plan, kv_scale)[0]
 
     def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Raise a clear error for inputs this backend cannot take beyond what ``TreeAttention`` checks
@@ -163,10 +171,10 @@ class Backend(ABC):
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The body of ``torch.ops.treedec.tree_attention`` for this backend (:attr:`custom_op`): launch the
-        plan of :class:`OpArgs` ``tensors`` and ``sizes`` with ``variant``'s kernel, ``out [Q, Hq, D]`` in q's
-        dtype."""
+        plan of :class:`OpArgs` ``tensors`` and ``sizes`` with ``variant``'s kernel (and an fp8 cache's
+        ``kv_scale``), ``out [Q, Hq, D]`` in q's dtype."""
         raise ValueError(f"treedec::tree_attention runs the {' or '.join(backend_names(_op))} kernels, "
                          f"not the {cls.name} backend")
 
@@ -215,21 +223,41 @@ def backend_names(where: Callable[[type[Backend]], bool] | None = None) -> tuple
 
 
 def check_kv_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: str,
-                    shape_ok, layout_ok=None) -> None:
-    """Raise a clear error unless ``k_cache`` and ``v_cache`` are 4-D caches of one shape, q's dtype and device.
+                    shape_ok, layout_ok=None, variant: AttentionVariant | None = None,
+                    kv_scale: torch.Tensor | None = None) -> None:
+    """Raise a clear error unless ``k_cache`` and ``v_cache`` are 4-D caches of one shape, of the dtype
+    ``variant`` says (q's, or e4m3 for its fp8 ``kv_dtype``, then with ``kv_scale`` ``[2, Hkv]`` float32) and q's
+    device.
 
     ``shape_ok(cache)`` says whether a cache's shape is what the caller takes, ``shape`` words it
     (e.g. ``"[num_pages, page_size, 8, 128]"``); ``layout_ok(name, cache)``, if given, raises for
     a memory layout the caller cannot take.
     """
+    fp8 = variant is not None and variant.fp8_kv
+    expected = torch.float8_e4m3fn if fp8 else q.dtype
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 4 or not shape_ok(cache):
             raise ValueError(f"{name} must have shape {shape}, got {tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}")
+        if cache.dtype != expected:
+            what = "the variant's kv_dtype 'fp8_e4m3'" if fp8 else f"q dtype {q.dtype}"
+            hint = "" if fp8 or cache.dtype != torch.float8_e4m3fn else \
+                " (an fp8 cache needs a TreeAttention whose variant has kv_dtype='fp8_e4m3')"
+            raise TypeError(f"{name} dtype {cache.dtype} differs from {what}{hint}")
         if cache.device != q.device:
             raise ValueError(f"{name} is on {cache.device} but q is on {q.device}")
         if layout_ok is not None:
             layout_ok(name, cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    if not fp8:
+        if kv_scale is not None:
+            raise ValueError(f"kv_scale is for fp8 K/V caches; these are {k_cache.dtype}: pass None")
+        return
+    expected_scale = (2, k_cache.shape[2])
+    if not isinstance(kv_scale, torch.Tensor):
+        raise TypeError(f"an fp8 KV cache needs kv_scale, the layer's K and V scales [2, num_kv_heads] = "
+                        f"{list(expected_scale)} float32 (PagedKVPool.layer_scale), got {type(kv_scale).__name__}")
+    if tuple(kv_scale.shape) != expected_scale or kv_scale.dtype != torch.float32 or kv_scale.device != q.device \
+            or not kv_scale.is_contiguous():
+        raise ValueError(f"kv_scale must be a contiguous float32 tensor of shape {list(expected_scale)} on {q.device}, "
+                         f"got {kv_scale.dtype} {list(kv_scale.shape)} on {kv_scale.device}")

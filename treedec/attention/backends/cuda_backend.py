@@ -147,6 +147,9 @@ class CudaBackend(Backend):
                             f"(use 'triton' or 'torch' for fp32)")
         if head_dim not in kernels.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {kernels.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        problem = kernels.variant_problem(variant.kernel_key(), head_dim, torch.cuda.get_device_capability(device))
+        if problem is not None:
+            raise BackendUnavailableError(f"backend 'cuda' cannot run this variant: {problem}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.dtype, self.variant, self.device = dtype, variant, device
         self.logit_args = variant.logit_args(head_dim)
@@ -202,7 +205,13 @@ class CudaBackend(Backend):
 
     def check_inputs(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The kernels' own requirements (``kernels.check_inputs``: CUDA tensors, 16-byte aligned rows)."""
-        kernels.check_inputs(q, k_cache, v_cache)
+        kernels.check_inputs(q, k_cache, v_cache, self.variant.fp8_kv)
+
+    @classmethod
+    def why_not_variant(cls, variant: AttentionVariant, head_dim: int | None = None) -> str | None:
+        """fp8 K/V (:attr:`AttentionVariant.fp8_kv`) are read by the sm_90a kernels of head dims 64 and 128, without
+        a soft-cap (:func:`~treedec.kernels.cuda_tree_attention.variant_problem`)."""
+        return kernels.variant_problem(variant.kernel_key(), head_dim)
 
     def prepare(self, plan: DeviceTreePlan) -> CudaPrepared:
         """Schedule ``plan``'s units over the persistent grid and copy the schedule to the device."""
@@ -260,18 +269,18 @@ class CudaBackend(Backend):
         prepared.schedule = schedule
         return {"cta_unit_start": schedule.cta_unit_start, "unit_info": units}
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
         float32 (natural log)."""
         self._check_kernels()
         p: CudaPrepared = plan.prepared
         return launch_prepared(q, k_cache, v_cache, p.arrays, p.cta_unit_start, p.unit_info, p.o_ws, p.lse_ws, p.merge,
-                               p.tile_tokens, p.max_query_entries, self.logit_args, self.ext)
+                               p.tile_tokens, p.max_query_entries, self.logit_args, self.ext, kv_scale)
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The launch of :meth:`CudaPrepared.op_args`' plan (its workspace allocated here, from a CUDA graph's
         private pool when captured)."""
         s = CudaOpSizes.from_list(sizes)
@@ -281,7 +290,7 @@ class CudaBackend(Backend):
         *arrays, cta_unit_start, unit_info = tensors
         return launch_prepared(q, k_cache, v_cache, dict(zip(KERNEL_ARRAYS, arrays)), cta_unit_start, unit_info, o_ws,
                                lse_ws, s.merge, s.tile_tokens, s.max_query_entries, variant.logit_args(d),
-                               kernels.extension(q.device, variant.kernel_key()))[0]
+                               kernels.extension(q.device, variant.kernel_key()), kv_scale)[0]
 
     def _check_kernels(self) -> None:
         if self.ext is None:
@@ -291,34 +300,36 @@ class CudaBackend(Backend):
 
 def launch_prepared(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict,
                     cta_unit_start: torch.Tensor, unit_info: torch.Tensor, o_ws: torch.Tensor, lse_ws: torch.Tensor,
-                    merge: bool, tile_tokens: int, max_query_entries: int, logit_args, ext
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    merge: bool, tile_tokens: int, max_query_entries: int, logit_args, ext,
+                    kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels of a prepared plan (its arrays, schedule, workspace and launch choices, as
-    :class:`CudaPrepared` holds them) over the paged caches with a variant's
-    :class:`~treedec.attention.variant.LogitArgs` and the extension of its key: ``out [Q, Hq, D]`` in q's dtype
-    and ``lse [Q, Hq]`` float32 (natural log)."""
+    :class:`CudaPrepared` holds them) over the paged caches (fp8 ones with their ``kv_scale`` [2, Hkv]) with a
+    variant's :class:`~treedec.attention.variant.LogitArgs` and the extension of its key: ``out [Q, Hq, D]`` in q's
+    dtype and ``lse [Q, Hq]`` float32 (natural log)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     kernels.launch(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays,
                    cta_unit_start, unit_info, arrays["entry_mask"].stride(0), logit_args.scale_log2,
-                   logit_args.softcap_scale, merge, tile_tokens, max_query_entries, ext)
+                   logit_args.softcap_scale, merge, tile_tokens, max_query_entries, ext, kv_scale)
     return out, lse
 
 
 def run_plan_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
-                  variant: AttentionVariant, validate: bool = True, prepared: CudaPrepared | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  variant: AttentionVariant, validate: bool = True, prepared: CudaPrepared | None = None,
+                  kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
 
     q : [Q, Hq, D] fp16/bf16, D in (64, 128, 256); k_cache, v_cache : [num_pages, page_size, Hkv, D],
-    q's dtype, contiguous; plan : DeviceTreePlan on q's device. Returns ``(out, lse)``.
+    q's dtype (e4m3 for the variant's fp8 ``kv_dtype``, with ``kv_scale`` [2, Hkv] float32), contiguous; plan :
+    DeviceTreePlan on q's device. Returns ``(out, lse)``.
     """
     if validate:
-        kernels.check_inputs(q, k_cache, v_cache)
+        kernels.check_inputs(q, k_cache, v_cache, variant.fp8_kv)
     backend = CudaBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, variant, q.device)
     prepared = prepared or backend.prepare(plan)
-    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
+    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared),
+                       kv_scale)
 
 
 def _device_index(device: torch.device) -> int:

@@ -13,7 +13,8 @@ from treedec.attention.variant import AttentionVariant
 
 
 class TorchBackend(Backend):
-    """Executes any plan with PyTorch ops (fp32 math): the CPU default.
+    """Executes any plan with PyTorch ops (fp32 math): the CPU default. fp8 K/V caches are de-quantized (to fp32)
+    as they are read.
 
     :meth:`prepare` makes the step's :class:`~treedec.attention.torch_executor.TorchLaunch` from the host plan
     (``plan.plan``; a dynamic span is masked there) once, in the form ``form`` says: ``auto`` (the default) runs
@@ -49,13 +50,14 @@ class TorchBackend(Backend):
         self.forms[launch.form] += 1
         return launch
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(run_torch(q, k_cache, v_cache, self._launch(plan), self.variant))
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(run_torch(q, k_cache, v_cache, self._launch(plan), self.variant, kv_scale=kv_scale))
 
-    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-                ) -> torch.Tensor:
-        return run_torch(q, k_cache, v_cache, self._launch(plan), self.variant, return_lse=False).out
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return run_torch(q, k_cache, v_cache, self._launch(plan), self.variant, return_lse=False,
+                         kv_scale=kv_scale).out
 
     def _launch(self, plan: DeviceTreePlan) -> TorchLaunch:
         return plan.prepared if isinstance(plan.prepared, TorchLaunch) else self.prepare(plan)
@@ -73,10 +75,10 @@ class ReferenceBackend(TorchBackend):
     def prepare(self, plan: DeviceTreePlan) -> None:
         return None
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, self.variant)
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference_tree_attention(q, k_cache, v_cache, plan.plan.layout, self.variant, kv_scale)
 
-    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-                ) -> torch.Tensor:
-        return self.run(q, k_cache, v_cache, plan)[0]
+    def run_out(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(q, k_cache, v_cache, plan, kv_scale)[0]

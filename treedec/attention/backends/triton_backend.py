@@ -147,17 +147,17 @@ class TritonBackend(Backend):
     def static_values(self, plan: TreePlan, prepared: TritonPrepared) -> dict[str, np.ndarray]:
         return {}
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
+            kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch only, with ``plan.prepared``: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]``
         float32 (natural log)."""
         prepared: TritonPrepared = plan.prepared
         return _launch(self.kernels, q, k_cache, v_cache, prepared.arrays, prepared.o_ws, prepared.lse_ws,
-                       prepared.launch, self.logit_args)
+                       prepared.launch, self.logit_args, kv_scale)
 
     @classmethod
     def run_op(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tensors: list[torch.Tensor],
-               sizes: list[int], variant: AttentionVariant) -> torch.Tensor:
+               sizes: list[int], variant: AttentionVariant, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The launch of :meth:`TritonPrepared.op_args`' plan, remade from its sizes (the op gets plain values;
         its workspace is allocated here, from a CUDA graph's private pool when captured)."""
         from treedec.kernels import triton_tree_attention as kernels
@@ -168,47 +168,52 @@ class TritonBackend(Backend):
         o_ws = torch.empty(s.num_entries, hq, d, dtype=torch.float32 if s.fp32_workspace else q.dtype, device=q.device)
         lse_ws = torch.empty(s.num_entries, hq, dtype=torch.float32, device=q.device)
         return _launch(kernels, q, k_cache, v_cache, dict(zip(KERNEL_ARRAYS, tensors)), o_ws, lse_ws, launch,
-                       variant.logit_args(d))[0]
+                       variant.logit_args(d), kv_scale if variant.fp8_kv else None)[0]
 
 
 def _launch(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arrays: dict, o_ws: torch.Tensor,
-            lse_ws: torch.Tensor, launch: TritonLaunch, logit_args) -> tuple[torch.Tensor, torch.Tensor]:
+            lse_ws: torch.Tensor, launch: TritonLaunch, logit_args, kv_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels (``kernels``: the triton kernels module) of a prepared plan (``arrays``, workspace,
-    ``launch``) over the paged caches with a variant's :class:`~treedec.attention.variant.LogitArgs`:
-    ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32 (natural log)."""
+    ``launch``) over the paged caches (fp8 ones with their ``kv_scale`` [2, Hkv]) with a variant's
+    :class:`~treedec.attention.variant.LogitArgs`: ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32
+    (natural log)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     kernels.attend(q, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), out, lse, o_ws, lse_ws, arrays,
-                   logit_args.scale_log2, logit_args.softcap_scale, launch)
+                   logit_args.scale_log2, logit_args.softcap_scale, launch, kv_scale)
     return out, lse
 
 
 def run_plan_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
                     variant: AttentionVariant, workspace_dtype: torch.dtype | None = None, validate: bool = True,
-                    launch: LaunchConfig | None = None, prepared: TritonPrepared | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    launch: LaunchConfig | None = None, prepared: TritonPrepared | None = None,
+                    kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare (unless ``prepared`` is given) and run one plan: for tests and benchmarks.
 
     Parameters
     ----------
     q : [Q, Hq, D] fp16, bf16 or fp32, last dim contiguous
-    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device
+    k_cache, v_cache : [num_pages, page_size, Hkv, D], q's dtype and device (e4m3 for the variant's fp8
+        ``kv_dtype``, with ``kv_scale`` [2, Hkv] float32)
     plan : DeviceTreePlan with int32 tensors on q's device
-    variant : the layer's (scale and logit hooks; the plan holds its mask)
+    variant : the layer's (scale and logit hooks, KV dtype; the plan holds its mask)
     workspace_dtype, launch : as :class:`TritonBackend`
     validate : check the inputs (TreeAttention.run has checked them and passes False)
 
     Returns ``out [Q, Hq, D]`` in q's dtype and ``lse [Q, Hq]`` float32, natural log.
     """
     if validate:
-        check_inputs(q, k_cache, v_cache, plan)
+        check_inputs(q, k_cache, v_cache, plan, variant, kv_scale)
     backend = TritonBackend(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, variant, workspace_dtype, launch)
     prepared = prepared or backend.prepare(plan)
-    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared))
+    return backend.run(q, k_cache, v_cache, dataclasses.replace(plan, backend=backend.name, prepared=prepared),
+                       kv_scale)
 
 
-def check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
+def check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan, variant: AttentionVariant | None = None,
+                 kv_scale: torch.Tensor | None = None) -> None:
     """Raise a clear error for inputs the kernels cannot take."""
     if not isinstance(plan, DeviceTreePlan):
         raise TypeError(f"plan must be a DeviceTreePlan (TreePlan.to(device)), got {type(plan).__name__}")
@@ -225,7 +230,7 @@ def check_inputs(q, k_cache, v_cache, plan: DeviceTreePlan) -> None:
     if q.stride(2) != 1:
         raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
     check_kv_caches(q, k_cache, v_cache, f"[num_pages, page_size, num_kv_heads, {d}]",
-                    lambda cache: cache.shape[3] == d, _check_slot_view)
+                    lambda cache: cache.shape[3] == d, _check_slot_view, variant, kv_scale)
     hkv = k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"q's {hq} heads must be a multiple of the caches' {hkv} KV heads")

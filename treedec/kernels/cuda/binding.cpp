@@ -57,14 +57,24 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
             torch::Tensor entry_query, torch::Tensor entry_mask, torch::Tensor entry_direct,
             torch::Tensor query_entry_start, torch::Tensor query_entries, torch::Tensor cta_unit_start,
             torch::Tensor unit_info, int64_t group, int64_t mask_stride, double qk_scale_log2, double softcap_scale,
-            bool merge, int64_t tile_tokens, int64_t max_query_entries) {
+            bool merge, int64_t tile_tokens, int64_t max_query_entries, c10::optional<torch::Tensor> kv_scale) {
   const int64_t d = q.size(2);
   check_rows(q, "q", d);
   check_rows(k, "k", d);
   check_rows(v, "v", d);
   check_rows(out, "out", d);
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-              out.scalar_type() == q.scalar_type(), "q, k, v and out must share a dtype");
+  // The ("kv_fp8",) build's kernels read e4m3 K/V with the layer's scales [2, Hkv]; the others K/V of q's dtype.
+  const auto kv_type = treedec::kv_fp8() ? torch::kFloat8_e4m3fn : q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type && out.scalar_type() == q.scalar_type(),
+              treedec::kv_fp8() ? "this build's kernels read float8_e4m3fn k and v, and write out of q's dtype"
+                                : "q, k, v and out must share a dtype");
+  TORCH_CHECK(kv_scale.has_value() == treedec::kv_fp8(), treedec::kv_fp8()
+              ? "this build's kernels read fp8 K/V: kv_scale [2, Hkv] float32 is required"
+              : "kv_scale is for the fp8 KV build (the variant key ('kv_fp8',)); this build's K/V are q's dtype");
+  if (kv_scale.has_value())
+    TORCH_CHECK(kv_scale->is_cuda() && kv_scale->scalar_type() == torch::kFloat && kv_scale->is_contiguous() &&
+                kv_scale->dim() == 2 && kv_scale->size(0) == 2 && kv_scale->size(1) == k.size(1),
+                "kv_scale must be a contiguous float32 CUDA tensor [2, Hkv]");
   TORCH_CHECK(lse.scalar_type() == torch::kFloat && lse.stride(1) == 1, "lse must be float32 [Q, Hq]");
   TORCH_CHECK(o_ws.scalar_type() == torch::kFloat && o_ws.is_contiguous() && lse_ws.scalar_type() == torch::kFloat &&
               lse_ws.is_contiguous(), "o_ws and lse_ws must be contiguous float32");
@@ -99,6 +109,9 @@ void attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out
   p.unit_info = iptr(unit_info);
   TORCH_CHECK(unit_info.numel() < (int64_t{1} << 31), "unit_info must have fewer than 2^31 elements");
   p.unit_info_len = static_cast<int>(unit_info.numel());
+#if TREEDEC_KV_FP8
+  p.kv_scale = kv_scale->data_ptr<float>();
+#endif
 #if TREEDEC_WS_TRACE
   if (g_trace.defined()) {
     TORCH_CHECK(g_trace.device() == q.device() && g_trace.size(0) >= cta_unit_start.numel() - 1,
@@ -171,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stamp %globaltimer into trace [CTAs, trace_slots()] int64 on every later call (None: stop)");
   m.def("trace_slots", []() { return int64_t{treedec::kTraceSlots}; }, "stamps per CTA of a trace");
 #endif
+  m.def("kv_fp8", &treedec::kv_fp8, "whether this build's kernels read fp8 (e4m3) K/V (the variant key ('kv_fp8',))");
   m.def("logits_softcap", &treedec::logits_softcap,
         "whether this build's kernels soft-cap their logits (the variant key ('softcap',), variants.cuh)");
   m.def("trace_compiled", &treedec::trace_compiled,

@@ -28,6 +28,8 @@ int partial_ctas_per_sm(DType dtype, int head_dim) {
 
 bool logits_softcap() { return BuildLogits::kSoftcap; }
 
+bool kv_fp8() { return TREEDEC_KV_FP8 != 0; }
+
 bool trace_compiled() {
 #if defined(TREEDEC_SM90A)
   return TREEDEC_WS_TRACE != 0;

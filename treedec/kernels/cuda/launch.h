@@ -11,6 +11,11 @@
 #ifndef TREEDEC_WS_TRACE
 #define TREEDEC_WS_TRACE 0
 #endif
+// TREEDEC_KV_FP8=1 is the build of the variant key ("kv_fp8",) (cuda_build.py): its stage-1 kernels read K/V as
+// e4m3 with a scale per KV head (PartialParams::kv_scale); the default build has no such field.
+#ifndef TREEDEC_KV_FP8
+#define TREEDEC_KV_FP8 0
+#endif
 
 namespace treedec {
 
@@ -52,6 +57,9 @@ struct PartialParams {
   int unit_info_len;          // int32 elements readable at unit_info (records, lists, any capacity)
 #if TREEDEC_WS_TRACE
   unsigned long long* trace;  // [grid][kTraceSlots] %globaltimer stamps (null: none)
+#endif
+#if TREEDEC_KV_FP8
+  const float* kv_scale;      // [2, Hkv]: K's scales, then V's (k and v hold e4m3: value = stored * scale)
 #endif
   int64_t q_stride_q, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h;
   int64_t out_stride_q, out_stride_h, lse_stride_q;
@@ -96,6 +104,8 @@ int partial_ctas_per_sm(DType dtype, int head_dim);
 int partial_rows_per_unit(DType dtype, int head_dim);
 // Whether this build's kernels soft-cap their logits (the TREEDEC_LOGITS_SOFTCAP=1 build, variants.cuh).
 bool logits_softcap();
+// Whether this build's kernels read e4m3 K/V (the TREEDEC_KV_FP8=1 build).
+bool kv_fp8();
 // Whether stage 1 of this configuration runs live-list tiles of tile_tokens tokens (64 always; 96
 // with the warp-specialized sm_90a kernel, head dims 64 and 128).
 bool partial_takes_tile(DType dtype, int head_dim, int tile_tokens);

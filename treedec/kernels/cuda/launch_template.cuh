@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstddef>
 
+#include "kv_fp8.cuh"
 #include "launch.h"
 #include "merge_kernel.cuh"
 #include "partial_kernel.cuh"
@@ -23,6 +24,9 @@ namespace treedec {
 constexpr bool kWarpSpecialized = true;   // built for sm_90a (cuda_build passes -DTREEDEC_SM90A)
 #else
 constexpr bool kWarpSpecialized = false;
+#if TREEDEC_KV_FP8
+#error "the fp8 KV kernels (TREEDEC_KV_FP8=1) are the warp-specialized sm_90a ones"
+#endif
 #endif
 template <typename T, int D, int TILE, bool WS = kWarpSpecialized>
 struct Stage1 {
@@ -36,15 +40,20 @@ struct Stage1 {
   }
 };
 #if defined(TREEDEC_SM90A)
+// An fp8 KV build (kv_fp8.cuh) takes 64-token tiles of head dims 64 and 128; what it does not take keeps a kernel of
+// q's K/V dtype to name (never launched: kTakes is false).
 template <typename T, int D, int TILE>
 struct Stage1<T, D, TILE, true> {
-  static constexpr bool kTakes = TILE == 64 || (TILE == 96 && D <= 128);
+  static constexpr bool kFp8 = kIsFp8<BuildKV<T>>;
+  static constexpr bool kTakes = kFp8 ? TILE == 64 && D <= 128 : TILE == 64 || (TILE == 96 && D <= 128);
   static constexpr int kBN = kTakes ? TILE : 64;
   static constexpr int kThreads = ws::kThreads;
   static constexpr int kRows = ws::kRows;
-  using Shape = ws::Shape<D, kBN>;
-  static constexpr int kSmem = ws::Smem<D, kBN, Shape::kStages, Shape::kQBuffers>::kBytes;
-  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, D, kBN, BuildLogits>; }
+  using KV = std::conditional_t<kTakes, BuildKV<T>, T>;
+  using Shape = ws::Shape<D, kBN, kIsFp8<KV>>;
+  static constexpr int kKernelSmem = ws::Smem<D, kBN, Shape::kStages, Shape::kQBuffers>::kBytes;
+  static constexpr int kSmem = kIsFp8<KV> ? ws::Fp8Staging<D, kBN>::bytes(kKernelSmem) : kKernelSmem;
+  static constexpr auto kernel() { return ws::tree_attn_partial_ws_kernel<T, KV, D, kBN, BuildLogits>; }
 };
 #endif
 

@@ -14,6 +14,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "epilogue.cuh"
+#include "kv_fp8.cuh"
 #include "launch.h"
 #include "pdl.cuh"
 #include "scheduler.cuh"
@@ -55,16 +56,21 @@ namespace ws {
 // 64 rows of a unit are all padding only takes its turns and frees the stages (decided once per
 // unit: a branch between a wgmma's issue and its wait would make ptxas serialize them all).
 //
-// The kernel of BN-token tiles (the host launches the one the schedule's tile size names) and logit
-// variant Logits (variants.cuh: its hook runs on S between the QK wait and the softmax).
-template <typename T, int D, int BN, class Logits>
+// The kernel of BN-token tiles (the host launches the one the schedule's tile size names), logit
+// variant Logits (variants.cuh: its hook runs on S between the QK wait and the softmax) and K/V element
+// type TKV: T, or e4m3 (the fp8 KV build, kv_fp8.cuh: staged, widened to T before the wgmmas read them).
+template <typename T, typename TKV, int D, int BN, class Logits>
 __global__ void __launch_bounds__(kThreads, 1)
 tree_attn_partial_ws_kernel(const PartialParams p) {
   launch_dependents();
   if (threadIdx.x == 0) trace_stamp(p, kTraceStart);
-  constexpr int STAGES = Shape<D, BN>::kStages;
-  constexpr int kQBuf = Shape<D, BN>::kQBuffers;
+  constexpr bool kFp8 = kIsFp8<TKV>;
+  constexpr int STAGES = Shape<D, BN, kFp8>::kStages;
+  constexpr int kQBuf = Shape<D, BN, kFp8>::kQBuffers;
   static_assert((BN == 64 || BN == 96) && (D == 64 || D == 128 || (D == 256 && BN == 64)), "wgmma tile shape");
+  static_assert(!kFp8 || (BN == 64 && D <= 128 && STAGES >= 3), "fp8 K/V: 64-token tiles, head dims 64 and 128, "
+                "three stages at least (a tile's stage is announced after the next tile's is acquired)");
+  static_assert(std::is_same_v<TKV, T> || kFp8, "K/V of q's dtype, or e4m3");
   using L = Smem<D, BN, STAGES, kQBuf>;
   constexpr int kMW = L::kMW;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -127,11 +133,11 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     const int kv_dst = swz128(cp_row0, cp_vec * 8, BN);
     const uint32_t kv_dst_k = cute::cast_smem_ptr_to_uint(sK + kv_dst);  // + stage and pass offsets
     const uint32_t kv_dst_v = cute::cast_smem_ptr_to_uint(sV + kv_dst);
-    const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_s * sizeof(T));  // < 2^31 (binding)
-    const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_s * sizeof(T));
+    const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_stride_s * sizeof(TKV));  // < 2^31 (binding)
+    const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_stride_s * sizeof(TKV));
     const T* __restrict__ q = static_cast<const T*>(p.q);
-    const T* __restrict__ k = static_cast<const T*>(p.k);
-    const T* __restrict__ v = static_cast<const T*>(p.v);
+    const TKV* __restrict__ k = static_cast<const TKV*>(p.k);
+    const TKV* __restrict__ v = static_cast<const TKV*>(p.v);
 
     int item = 0;  // items issued so far: stage item % STAGES, ring pass item / STAGES
     auto acquire = [&]() {  // the next stage, once the consumers released its previous item
@@ -146,6 +152,37 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
       if (tid == 0) Barrier::arrive(&full[stage]);
       ++item;
+    };
+    // fp8 K/V (kv_fp8.cuh): a tile's e4m3 rows are staged (buffer staged & 1) and announced once widened, after
+    // the next tile's copies were issued (pending: its stage and buffer; -1: none). The thread's pieces of a tile
+    // are those it copies: pass, half, its row cp_row0 + pass * kRowsPerPass and columns cp_vec * 8 + 0..7.
+    using Staging = Fp8Staging<D, BN>;
+    uint8_t* const sStage = smem + Staging::offset(L::kBytes);
+    int staged = 0, pending_stage = -1, pending_buf = 0;
+    auto widen_pending = [&](bool last) {  // widen the pending tile into its stage, announce it
+      if constexpr (kFp8) {
+        if (pending_stage < 0) return;
+        if (last) cute::cp_async_wait<0>();
+        else cute::cp_async_wait<1>();   // (the newest group: the next tile's copies, in flight)
+        const uint8_t* src = sStage + pending_buf * 2 * Staging::kTileBytes;
+        T* const kv[2] = {sK + pending_stage * BN * D, sV + pending_stage * BN * D};
+        #pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+          #pragma unroll
+          for (int pass = 0; pass < kKVPasses; ++pass) {
+            const int row = cp_row0 + pass * kRowsPerPass, col = h * kCopyCols + cp_vec * 8;
+            #pragma unroll
+            for (int t = 0; t < 2; ++t) {
+              const uint2 raw = *reinterpret_cast<const uint2*>(src + t * Staging::kTileBytes + row * D + col);
+              *reinterpret_cast<uint4*>(kv[t] + swz128(row, col, BN)) = widen_fp8x8<T>(raw);
+            }
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // st.shared -> the consumers' wgmma reads
+        Barrier::arrive(&full[pending_stage]);
+        if (tid == 0) Barrier::arrive(&full[pending_stage]);
+        pending_stage = -1;
+      }
     };
 
     for (int u = unit_begin, local = 0; u < unit_end; ++u, ++local) {
@@ -215,18 +252,35 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         const bool full = first & kFullTileFlag;
         first &= ~kFullTileFlag;
         const int stage = acquire();
-        const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
-        const uint32_t dV = kv_dst_v + stage * (BN * D * 2);
-        #pragma unroll
-        for (int h = 0; h < kHalves; ++h) {  // (a half: 2 column blocks of BN x 64, BN * 256 bytes)
+        if constexpr (kFp8) {  // the e4m3 rows into a staging buffer, 8 bytes a piece
+          const uint32_t dS = cute::cast_smem_ptr_to_uint(sStage + (staged & 1) * 2 * Staging::kTileBytes) +
+                              cp_row0 * D + cp_vec * 8;
           #pragma unroll
-          for (int pass = 0; pass < kKVPasses; ++pass) {
-            // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
-            const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
-            const int bytes = (~slots[pass] >> 31) & 16;
-            const int half = h * kCopyCols * static_cast<int>(sizeof(T));
-            cp_async_16(dK + h * BN * 256 + pass * kRowsPerPass * 128, k_head + half + slot * k_row_bytes, bytes);
-            cp_async_16(dV + h * BN * 256 + pass * kRowsPerPass * 128, v_head + half + slot * v_row_bytes, bytes);
+          for (int h = 0; h < kHalves; ++h) {
+            #pragma unroll
+            for (int pass = 0; pass < kKVPasses; ++pass) {
+              const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
+              const int bytes = (~slots[pass] >> 31) & 8;
+              const int half = h * kCopyCols;   // (bytes: one a value)
+              const uint32_t at = dS + pass * kRowsPerPass * D + half;
+              cp_async_8(at, k_head + half + slot * k_row_bytes, bytes);
+              cp_async_8(at + Staging::kTileBytes, v_head + half + slot * v_row_bytes, bytes);
+            }
+          }
+        } else {
+          const uint32_t dK = kv_dst_k + stage * (BN * D * 2);
+          const uint32_t dV = kv_dst_v + stage * (BN * D * 2);
+          #pragma unroll
+          for (int h = 0; h < kHalves; ++h) {  // (a half: 2 column blocks of BN x 64, BN * 256 bytes)
+            #pragma unroll
+            for (int pass = 0; pass < kKVPasses; ++pass) {
+              // 32 x 32 -> 64-bit products (one IMAD.WIDE.U32 each); -1 (no row) zero-fills
+              const uint64_t slot = static_cast<uint32_t>(max(slots[pass], 0));
+              const int bytes = (~slots[pass] >> 31) & 16;
+              const int half = h * kCopyCols * static_cast<int>(sizeof(T));
+              cp_async_16(dK + h * BN * 256 + pass * kRowsPerPass * 128, k_head + half + slot * k_row_bytes, bytes);
+              cp_async_16(dV + h * BN * 256 + pass * kRowsPerPass * 128, v_head + half + slot * v_row_bytes, bytes);
+            }
           }
         }
         #pragma unroll
@@ -237,7 +291,16 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
           cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(
               *reinterpret_cast<const uint32_t*>(src), sMask[(stage * kRows + tid) * kMW + w], valid);
         }
-        announce(stage, full ? kItemFullTile : kItemTile);
+        if constexpr (kFp8) {
+          if (tid == 0) sItem[stage] = full ? kItemFullTile : kItemTile;
+          cute::cp_async_fence();
+          ++item;
+          widen_pending(false);   // the tile before: landed under this one's copies
+          pending_stage = stage;
+          pending_buf = staged++ & 1;
+        } else {
+          announce(stage, full ? kItemFullTile : kItemTile);
+        }
       };
       for (int i = 0; i < num_tiles; i += 2) {
         issue_tile(first_a, slots_a);
@@ -251,7 +314,16 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         load_slots(first_b, slots_b);
         next_b = tile_first(i + 5);
       }
-      announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
+      if constexpr (kFp8) {
+        widen_pending(true);   // the unit's last tile
+        const int stage = acquire();
+        if (tid == 0) sItem[stage] = kItemEnd;
+        Barrier::arrive(&full[stage]);
+        if (tid == 0) Barrier::arrive(&full[stage]);
+        ++item;
+      } else {
+        announce(acquire(), kItemEnd);  // END of the unit: the consumers write its rows
+      }
     }
     if (tid == 0) trace_stamp(p, kTraceLastEnd);
     cute::cp_async_wait<0>();  // leave no copy in flight behind an exited thread
@@ -275,6 +347,14 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     int info[kUnitFields];
     record(u, info);
     const int kv_head = info[1], item_entry = info[2], row_begin = info[3], row_end = info[4];
+#if TREEDEC_KV_FP8
+    // The KV head's scales (kv_fp8.cuh): K's in the softmax scale (a raw score is q . k_stored), V's on the output.
+    const float unit_qk_scale = kFp8 ? p.qk_scale_log2 * p.kv_scale[kv_head] : p.qk_scale_log2;
+    const float unit_v_scale = kFp8 ? p.kv_scale[p.num_qo_heads / p.group + kv_head] : 1.f;
+#define TREEDEC_QK_SCALE unit_qk_scale
+#else
+#define TREEDEC_QK_SCALE p.qk_scale_log2
+#endif
     int entry[2], query[2], head[2];
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -356,7 +436,7 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
       cute::warpgroup_wait<0>();
       fence_s();
       Logits::apply(s, p);
-      online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
+      online_softmax<BN, true>(s, mw0, mw1, false, TREEDEC_QK_SCALE, lane, m0, m1, l0, l1);
       pack_p<T, BN>(s, pa);
       int prev = stage;
       ++item;
@@ -372,8 +452,8 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
         cute::warpgroup_wait<1>();
         fence_s();
         Logits::apply(s, p);
-        float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, p.qk_scale_log2, lane, m0, m1, l0, l1)
-                             : online_softmax<BN, true>(s, mw0, mw1, false, p.qk_scale_log2, lane, m0, m1, l0, l1);
+        float2 alpha = kFull ? online_softmax<BN, false>(s, mw0, mw1, true, TREEDEC_QK_SCALE, lane, m0, m1, l0, l1)
+                             : online_softmax<BN, true>(s, mw0, mw1, false, TREEDEC_QK_SCALE, lane, m0, m1, l0, l1);
         // Keeps the softmax before the PV wait in the PTX.
         fence_s();
         cute::warpgroup_fence_operand(alpha.x);
@@ -406,6 +486,10 @@ tree_attn_partial_ws_kernel(const PartialParams p) {
     Barrier::arrive(&empty[stage]);
     Barrier::arrive(&q_free[local % kQBuf]);
     ++item;
+#if TREEDEC_KV_FP8
+    if constexpr (kFp8) scale_o<D>(acc, make_float2(unit_v_scale, unit_v_scale));
+#endif
+#undef TREEDEC_QK_SCALE
     store_row<T, D>(p, acc, 0, entry[0], query[0], head[0], m0, quad_sum(l0), lane);
     store_row<T, D>(p, acc, 1, entry[1], query[1], head[1], m1, quad_sum(l1), lane);
   }

@@ -52,8 +52,9 @@ template <> struct Tile<96> { static constexpr int kStages = TREEDEC_WS96_STAGES
 #ifndef TREEDEC_WS256_PRODUCER_REGS  // head dim 256's register split (its O takes 128 a consumer thread)
 #define TREEDEC_WS256_PRODUCER_REGS 56
 #endif
-template <int D, int BN> struct Shape {
-  static constexpr int kStages = D > 128 ? 2 : Tile<BN>::kStages;
+// An fp8 KV build's kernels (FP8, kv_fp8.cuh) stage each tile's e4m3 rows too: head dim 128 keeps three stages.
+template <int D, int BN, bool FP8 = false> struct Shape {
+  static constexpr int kStages = D > 128 ? 2 : FP8 && D == 128 ? 3 : Tile<BN>::kStages;
   static constexpr int kQBuffers = D > 128 ? 1 : ws::kQBuffers;
   static constexpr int kProducerRegs = D > 128 ? TREEDEC_WS256_PRODUCER_REGS : ws::kProducerRegs;
   static constexpr int kConsumerRegs = D > 128 ? (kThreads * (65536 / kThreads / 8 * 8) - kProducerThreads * kProducerRegs)
