@@ -33,6 +33,7 @@ from treedec.runtime.request import check_positions
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler import SchedulerStats, run_programs
 from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.sampling.stops import StopChecker
 
 #: The :class:`~treedec.sampling.params.SamplingParams` fields speculative decoding implements (the others, e.g.
 #: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
@@ -122,12 +123,13 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
                         budget: DraftBudget | None = None, pipeline: bool | None = None,
                         pipeline_note: str | None = None, greedy_only: bool = True,
-                        on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
+                        on_text: Callable[[str, StopChecker], None] | None = None) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
     worst case (sequence and one draft tree) within the pool's free pages (else
-    :class:`~treedec.errors.PoolExhaustedError`). ``on_text`` streams its text (:class:`SpeculativeProgram`)."""
+    :class:`~treedec.errors.PoolExhaustedError`), and with ``pipeline=True`` a draft and rule that run pipelined (else
+    ValueError saying why). ``on_text`` streams its text (:class:`SpeculativeProgram`)."""
     if spec.params.n != 1 or (greedy_only and spec.params.temperature != 0):
         raise ValueError(f"request {spec.id!r}: speculative decoding gives one output a request, accepted greedily "
                          f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
@@ -138,6 +140,9 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
     program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
                                  budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text)
     program.name = spec.name
+    refusal = program.pipeline_refusal(engine) if pipeline else None
+    if refusal is not None:
+        raise ValueError(f"request {spec.id!r} cannot run pipelined (pipeline=True): {refusal}")
     check_positions(engine.model, program.positions(), spec.name, before_run=True)
     pool = engine.pool   # the sequence (prompt, new tokens) and one draft tree
     worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + program.step_pages(pool)

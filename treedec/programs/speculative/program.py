@@ -135,7 +135,8 @@ class SpeculativeProgram(Program):
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
         choice of :func:`~treedec.programs.speculative.batch.speculative_batch` for a large batch.
-    on_text : streaming: called as ``on_text(delta)`` with the output's new text after each verification step
+    on_text : streaming: called as ``on_text(delta, checker)`` with the output's new text after each verification step
+        (``checker``: its :class:`~treedec.sampling.stops.StopChecker`, e.g. its ``num_tokens`` so far)
         (needs ``tokenizer``; a tail that may start a stop string is held back until it does not, as
         :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
@@ -146,7 +147,7 @@ class SpeculativeProgram(Program):
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
                  budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
-                 on_text: Callable[[str], None] | None = None):
+                 on_text: Callable[[str, StopChecker], None] | None = None):
         check_draft_source(draft, "draft")
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
@@ -185,11 +186,16 @@ class SpeculativeProgram(Program):
         return Positions(p + m + depth - 1, f"a {p}-token prompt + max_new_tokens {m} + the draft's max_depth "
                                             f"{depth} - 1")
 
+    def pipeline_refusal(self, engine: Engine) -> str | None:
+        """Why its steps cannot run pipelined on ``engine`` (:func:`~treedec.programs.speculative.verify_table.
+        pipeline_refusal` of its draft and rule); None when they can."""
+        return pipeline_refusal(engine, self.draft, self.acceptance)
+
     def run(self, ctx: ProgramContext):
         engine, draft = ctx.engine, self.draft
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
-        refusal = pipeline_refusal(engine, draft, self.acceptance)
+        refusal = self.pipeline_refusal(engine)
         if self.pipeline and refusal is not None:
             raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
         note = self.pipeline_note if self.pipeline is False else (
@@ -316,7 +322,7 @@ class SpeculativeProgram(Program):
         if self.on_text is not None:
             end = checker.streamable_length
             if end > self._shown:   # (only the new characters are joined)
-                self.on_text(checker.text_from(self._shown))
+                self.on_text(checker.text_from(self._shown), checker)
                 self._shown = end
 
 
