@@ -55,8 +55,8 @@ class OnlineEngine:
         :class:`~treedec.LLM`'s ``llm.drafts.source``), as :class:`~treedec.LLM` decodes: greedy acceptance at
         temperature 0, lossless rejection sampling above. A request speculative decoding cannot take
         (``n > 1``, ...) is refused at :meth:`submit` (ValueError).
-    pipeline : the speculative requests' steps pipelined, as :func:`~treedec.programs.speculative.batch.speculative_batch`
-        runs them offline (:mod:`treedec.programs.speculative.verify_table`: the live requests whose trees share a
+    pipeline : the speculative requests' steps pipelined, as
+        :func:`~treedec.programs.speculative.batch.speculative_batch` runs them offline (:mod:`treedec.programs.speculative.verify_table`: the live requests whose trees share a
         shape verified, accepted and drafted as one batched operation each a step, whatever their number): None (the
         default) where the draft and the request allow it on a GPU; True: a request that cannot run pipelined is
         refused at :meth:`submit` (ValueError saying why); False: never. Each result's ``stats["pipelined"]`` and
@@ -172,7 +172,7 @@ class OnlineEngine:
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
                 sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
                 pipeline=self.pipeline, greedy_only=False,
-                on_text=None if tokenizer is None else (lambda delta, checker: stream.text(0, delta, checker.num_tokens)))
+                on_text=None if tokenizer is None else lambda delta, checker: stream.text(0, delta, checker.num_tokens))
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the online engine is shut down" if self.error is None else

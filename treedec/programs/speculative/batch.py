@@ -36,10 +36,12 @@ from treedec.programs.speculative.program import SpeculativeProgram
 from treedec.sampling.stops import StopChecker
 
 #: The :class:`~treedec.sampling.params.SamplingParams` fields speculative decoding implements (the others, e.g.
-#: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
-#: are the acceptance rule's.
-SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                                "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of"})
+#: logits processors, min_tokens, logit_bias, are refused before anything runs rather than ignored); temperature,
+#: top_k, top_p and min_p are the acceptance rule's; the penalties and logprobs the program's
+#: (:mod:`treedec.programs.speculative.target_processing`).
+SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
+                                "ignore_eos", "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+                                "best_of", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"})
 
 __all__ = ["sampled_acceptance", "speculative_batch", "speculative_program", "speculative_results"]
 
@@ -138,7 +140,8 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
     check_draft_source(source, f"request {spec.id!r}: draft(spec)")
     rule = spec.params.stop_rule(engine.model.eos_token_ids)
     program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
-                                 budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text)
+                                 budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text,
+                                 params=spec.params)
     program.name = spec.name
     refusal = program.pipeline_refusal(engine) if pipeline else None
     if refusal is not None:
@@ -159,7 +162,7 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
     ``pipeline_note``."""
     checker, stats = result
     seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
-    output = LaneOutput(checker.token_ids, checker.stop_reason, checker.text, checker.stop_string)
+    output = LaneOutput(checker.token_ids, checker.stop_reason, checker.text, checker.stop_string, stats.logprobs)
     [out] = request_results(spec, prompt_ids, [output], stats.steps, seconds, cached_tokens=stats.cached_tokens)
     out.stats.update(accepted=list(stats.accepted), draft_sizes=list(stats.draft_sizes), pipelined=stats.pipelined,
                      pipeline_note=stats.pipeline_note)
@@ -168,9 +171,9 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
 
 def sampled_acceptance(spec: RequestSpec, seed: Callable[[RequestSpec], int]) -> RejectionSampling | None:
     """The acceptance rule of a request decoded speculatively by :class:`~treedec.LLM` and the online engine: greedy
-    (None, the default rule) at temperature 0, else lossless rejection sampling at its temperature, top-k and top-p,
-    drawing from ``seed(spec)`` (called only then)."""
+    (None, the default rule) at temperature 0, else lossless rejection sampling at its temperature, top-k, top-p and
+    min-p, drawing from ``seed(spec)`` (called only then)."""
     if spec.params.temperature == 0:
         return None
     return RejectionSampling(temperature=spec.params.temperature, top_k=spec.params.top_k, top_p=spec.params.top_p,
-                             seed=seed(spec))
+                             min_p=spec.params.min_p, seed=seed(spec))

@@ -38,7 +38,9 @@ from treedec.programs.speculative.drafts import DraftSource, TargetOutput, check
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
 from treedec.runtime.scheduler import run_program
+from treedec.programs.speculative.target_processing import TargetProcessing, penalizes
 from treedec.programs.speculative.verify_table import Verify, pipeline_refusal
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
 from treedec.sampling.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy, to_device
 from treedec.tree.token_tree import TokenTree
@@ -67,6 +69,8 @@ class SpeculativeStats:
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
     cached_tokens : prompt tokens read from the prefix cache across requests (none computed).
+    logprobs : with the request's ``params.logprobs``, each new token's ``{token_id: Logprob}`` (the raw target's,
+        :mod:`treedec.programs.speculative.target_processing`), else None.
     """
 
     steps: int = 0
@@ -80,6 +84,7 @@ class SpeculativeStats:
     pipelined: bool = False
     pipeline_note: str = ""
     cached_tokens: int = 0
+    logprobs: list[dict] | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -141,14 +146,21 @@ class SpeculativeProgram(Program):
         :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
         start (a preemption) streams again from the start.
+    params : the request's :class:`~treedec.sampling.params.SamplingParams`, for its penalties (applied to the
+        target's logits at every tree token, by its path: :mod:`treedec.programs.speculative.target_processing`)
+        and ``logprobs`` (``stats.logprobs``); its other fields are the rule's and the stop rule's. Penalties and
+        logprobs run the steps unpipelined (``stats.pipeline_note`` says so).
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
                  budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
-                 on_text: Callable[[str, StopChecker], None] | None = None):
+                 on_text: Callable[[str, StopChecker], None] | None = None, params: SamplingParams | None = None):
         check_draft_source(draft, "draft")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
+        self.params = params
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
         if pipeline is not None and not isinstance(pipeline, bool):
@@ -188,7 +200,11 @@ class SpeculativeProgram(Program):
 
     def pipeline_refusal(self, engine: Engine) -> str | None:
         """Why its steps cannot run pipelined on ``engine`` (:func:`~treedec.programs.speculative.verify_table.
-        pipeline_refusal` of its draft and rule); None when they can."""
+        pipeline_refusal` of its draft and rule, and its penalties and logprobs); None when they can."""
+        p = self.params
+        if p is not None and (penalizes(p) or p.logprobs is not None):
+            return ("penalties and logprobs are applied on the unpipelined path (the verify table does not keep "
+                    "their counts and entries)")
         return pipeline_refusal(engine, self.draft, self.acceptance)
 
     def run(self, ctx: ProgramContext):
@@ -243,7 +259,12 @@ class SpeculativeProgram(Program):
         start = time.perf_counter()
         node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
         stats.node = node
-        checker.accept(acceptance.first_token(out.logits[0]))
+        p = self.params
+        proc = None if p is None or not (penalizes(p) or p.logprobs is not None) else \
+            TargetProcessing(p, self.prompt_ids, out.logits.shape[-1], out.logits.device)
+        checker.accept(acceptance.first_token(out.logits[0] if proc is None else proc.first(out.logits[:1])[0]))
+        if proc is not None:
+            proc.emitted(out.logits, [0], checker.token_ids)
         stats.prefill_seconds = time.perf_counter() - start
         # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
         sequence = self.prompt_ids + checker.token_ids
@@ -271,18 +292,25 @@ class SpeculativeProgram(Program):
             drafted = time.perf_counter()
             yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
             ids = _add_tree(engine, node, tree, tokens)
-            out = yield StepRequest([node] + ids, argmax=greedy, **want)
+            out = yield StepRequest([node] + ids, argmax=greedy and proc is None, **want)
+            logits = out.logits if proc is None else \
+                proc.tree(tree, to_device(np.asarray(tokens, dtype=np.int64), engine.device), out.logits)
             # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
             # token; rejection sampling, its decision made on the device (no wait per child tried).
             if greedy:
-                decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
+                decided = greedy_path(tree, tokens, (yield Read(out.argmax if proc is None
+                                                                else sample_tokens(logits, GREEDY))))
             elif isinstance(acceptance, RejectionSampling):   # (its numbers: this request's step's, as pipelined)
-                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs,
+                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, logits, probs,
                                                                         step=stats.steps))))
             else:
                 decided = None
-            result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
+            before = checker.num_tokens
+            result = _settle(engine, node, tree, tokens, ids, acceptance, logits, out.hidden, out.heads,
                              head_name, stop_ids, checker, probs, decided)
+            if proc is not None:   # (each emitted token drawn at its parent's row: the root's, then the path's)
+                new = checker.token_ids[before:]
+                proc.emitted(out.logits, ([0] + result.path)[:len(new)], new)
             stats.steps += 1
             stats.accepted.append(len(result.accepted))
             if self.budget is not None:
@@ -295,6 +323,7 @@ class SpeculativeProgram(Program):
                 draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
                                            target_states_at(engine, states, out, [0] + result.path)))
             self.stepped(stats, checker)
+        stats.logprobs = None if proc is None else proc.logprobs()
 
     def _pipelined(self, ctx: ProgramContext, checker: StopChecker, head_name: str | None, stats: SpeculativeStats):
         """The pipelined loop: the prompt and the first token here, then the steps in the scheduler's verify table
