@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.programs.speculative.acceptance import seed_bits
 from treedec.programs.speculative.drafts import DeviceStep, target_states_at
 from treedec.programs.speculative.verify_rows import VerifyRows
@@ -143,7 +143,7 @@ class VerifyGroup:
         rows.reserved[at] = flight[at]
         at_d = to_device(at, self.device)
         root = self.read.index_select(0, at_d)[:, 1]           # the bonus of the tree read next: the new root
-        keep = span_keep = None
+        keep = None
         if len(f):
             f_d = to_device(f, self.device)
             o = self.outcome.index_select(0, f_d)
@@ -155,8 +155,7 @@ class VerifyGroup:
             if self.head is not None:
                 picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
                 self.head.index_copy_(0, f_d, picked)
-            span_keep = keep.reshape(-1, 1).unbind(0)
-        spans = self._spans(at, flight[at], dst, span_keep)
+        spans = self._spans(at, flight[at], dst, keep)
         drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o if len(f) else None, unused)[:, :m - 1]
         tokens = torch.cat([root[:, None], drafted], dim=1).to(torch.int64)
         ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]))
@@ -202,17 +201,20 @@ class VerifyGroup:
         share = self.budget.group_tokens([r.program for r in self.requests], self.device, self.m - 1)
         return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
 
-    def _spans(self, at, flight, dst, keeps) -> list[DynamicSpan]:
-        """One span per placed row, in order: a row with a reservation, its ``depth`` path slots (``keep`` real);
-        a new one, none (empty)."""
-        spans, j, empty = [], 0, np.zeros(0, dtype=np.int64)
-        for has in flight.tolist():   # (one small object a row: the engine's spans are per request)
-            if has:
-                spans.append(DynamicSpan(dst[j, 1:], keeps[j], empty))
-                j += 1
-            else:
-                spans.append(DynamicSpan(empty, self._zero, empty))
-        return spans
+    def _spans(self, at, flight, dst, keep) -> DynamicSpans:
+        """The placed rows' spans, as arrays, in row order: a row with a reservation, its ``depth`` path slots
+        (``keep`` real, ``keep [F]`` on the device); a new one, an empty span."""
+        lengths = np.where(flight, self.depth, 0).astype(np.int64)
+        slots = dst[:, 1:].reshape(-1)   # (the rows with a reservation, in order: theirs alone)
+        if keep is None:   # (new rows only)
+            every = self._zero.expand(len(at))
+        elif flight.all():
+            every = keep
+        else:
+            every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
+                0, to_device(np.flatnonzero(flight), self.device), keep)
+        none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
+        return DynamicSpans(slots, lengths, every, none, none)
 
     def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
         """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""
