@@ -199,3 +199,24 @@ def test_pipeline_true_refuses_a_draft_that_cannot_run_pipelined_at_submit(permu
     asyncio.run(main())
     with pytest.raises(ValueError, match="pipeline must be None, True or False"):
         OnlineEngine(engine, pipeline="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_online_speculative_requests_pipeline_by_default_on_a_gpu(cuda_graphs):
+    """On a GPU the online engine pipelines Medusa requests by default (pipeline=None), 32 at once, with aborts mid-run:
+    the others' tokens are plain greedy's, every page is freed."""
+    model, heads, _ = permutation_target("cuda", torch.float32)
+    drafts, _ = drafts_of("medusa", heads)
+    specs = requests(32, max_tokens=40)
+    plain, _ = generate_batch(Engine(model, kv_tokens=16384, page_size=16), specs)
+    engine = Engine(model, kv_tokens=16384, page_size=16, cuda_graphs=cuda_graphs)
+    aborted = {3, 17, 30}
+    got, server = serve(engine, specs, drafts, None, abort=aborted)
+    for p in plain:
+        if p.id in aborted:
+            assert isinstance(got[p.id], ProgramAborted)
+        else:
+            assert got[p.id][1][0].output_ids == p.output_ids and got[p.id][1][0].stats["pipelined"]
+    assert all_free(engine, server.scheduler.cache)

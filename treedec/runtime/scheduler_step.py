@@ -4,7 +4,6 @@ lanes' tokens computed in ONE step (one plan, one forward), the reads they asked
 each one's rows handed back."""
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
