@@ -2,7 +2,8 @@
 acceptance with penalties gives plain greedy decoding's tokens with the same penalties, each tree row penalized by
 its own path; rejection sampling's min-p is the target's warper (min_p=1 keeps only the argmax: plain greedy's
 tokens again) and a seeded request's tokens do not depend on its batch; logprobs are the raw target's, as plain
-decoding reports them; the pipelined path declines them and says why."""
+decoding reports them; pipelined (the verify table's device counts) the penalties give the same tokens, logprobs
+run unpipelined and say why."""
 import numpy as np
 import pytest
 import torch
@@ -178,11 +179,38 @@ def test_logprobs_of_accepted_tokens_are_the_raw_target_s_as_plain_decoding_repo
         assert s.cumulative_logprob == pytest.approx(p.cumulative_logprob, abs=1e-3)
 
 
-def test_the_pipelined_path_declines_penalties_and_logprobs_and_says_why(permutation):
+@pytest.mark.parametrize("kind", ["medusa", "tree"])
+def test_pipelined_penalties_equal_the_unpipelined_loop_and_plain_greedy(permutation, kind):
+    """The verify table keeps its rows' counts on the device: pipelined, greedy acceptance with penalties gives plain
+    greedy decoding's tokens, in a batch mixing penalized and plain requests (two groups)."""
     model, heads, _ = permutation
-    for extra in (dict(presence_penalty=0.5), dict(logprobs=1)):
-        with pytest.raises(ValueError, match="penalties and logprobs are applied on the unpipelined path"):
-            speculative_batch(engine_of(model), specs(1, **extra), drafts("medusa", heads), pipeline=True)
+    batch = specs(6, **PENALTIES[0])
+    batch = [s if s.id % 3 else RequestSpec(s.id, prompt_ids=s.prompt_ids, params=SamplingParams(
+        max_tokens=s.params.max_tokens, temperature=0.0, ignore_eos=True)) for s in batch]
+    plain, _ = generate_batch(engine_of(model), batch)
+    piped, _ = speculative_batch(engine_of(model), batch, drafts(kind, heads), pipeline=True, max_draft_tokens=16)
+    assert [s.output_ids for s in piped] == [p.output_ids for p in plain] and all(s.stats["pipelined"] for s in piped)
+    unpenalized, _ = generate_batch(engine_of(model), specs(6))
+    assert [u.output_ids for u in unpenalized] != [p.output_ids for p in plain]   # (the penalties mattered)
+
+
+def test_pipelined_seeded_rejection_sampling_with_penalties_equals_the_unpipelined_loop(permutation):
+    """Seeded rejection sampling draws the same counter-based numbers pipelined or not: with penalties (counted on
+    the device, pipelined) and min-p the tokens are the same."""
+    model, heads, _ = permutation
+    batch = specs(5, repetition_penalty=3.0, frequency_penalty=0.5, temperature=0.8, min_p=0.02, seed=0)
+    batch = [RequestSpec(s.id, prompt_ids=s.prompt_ids, params=s.params.replace(seed=7 + s.id)) for s in batch]
+    rule = lambda spec: sampled_acceptance(spec, lambda s: s.params.seed)   # noqa: E731
+    runs = [speculative_batch(engine_of(model), batch, drafts("medusa", heads), pipeline=pipeline, acceptance=rule,
+                              max_draft_tokens=16)[0] for pipeline in (False, True)]
+    assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]
+    assert [r.stats["pipelined"] for r in runs[1]] == [True] * 5
+
+
+def test_the_pipelined_path_declines_logprobs_and_says_why(permutation):
+    model, heads, _ = permutation
+    with pytest.raises(ValueError, match="logprobs are recorded on the unpipelined path"):
+        speculative_batch(engine_of(model), specs(1, logprobs=1), drafts("medusa", heads), pipeline=True)
     [auto], _ = speculative_batch(engine_of(model), specs(1, logprobs=0), drafts("medusa", heads))
     assert not auto.stats["pipelined"]
     [piped], _ = speculative_batch(engine_of(model), specs(1, min_p=0.2), drafts("medusa", heads), pipeline=True)

@@ -148,8 +148,9 @@ class SpeculativeProgram(Program):
         start (a preemption) streams again from the start.
     params : the request's :class:`~treedec.sampling.params.SamplingParams`, for its penalties (applied to the
         target's logits at every tree token, by its path: :mod:`treedec.programs.speculative.target_processing`)
-        and ``logprobs`` (``stats.logprobs``); its other fields are the rule's and the stop rule's. Penalties and
-        logprobs run the steps unpipelined (``stats.pipeline_note`` says so).
+        and ``logprobs`` (``stats.logprobs``); its other fields are the rule's and the stop rule's. Logprobs run
+        the steps unpipelined (``stats.pipeline_note`` says so); penalties run either way (pipelined, the verify
+        group keeps its rows' counts on the device).
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
@@ -161,6 +162,7 @@ class SpeculativeProgram(Program):
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
         self.params = params
+        self.penalized = params is not None and penalizes(params)   # (a verify group's key: its rows' counts)
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
         if pipeline is not None and not isinstance(pipeline, bool):
@@ -201,10 +203,8 @@ class SpeculativeProgram(Program):
     def pipeline_refusal(self, engine: Engine) -> str | None:
         """Why its steps cannot run pipelined on ``engine`` (:func:`~treedec.programs.speculative.verify_table.
         pipeline_refusal` of its draft and rule, and its penalties and logprobs); None when they can."""
-        p = self.params
-        if p is not None and (penalizes(p) or p.logprobs is not None):
-            return ("penalties and logprobs are applied on the unpipelined path (the verify table does not keep "
-                    "their counts and entries)")
+        if self.params is not None and self.params.logprobs is not None:
+            return "logprobs are recorded on the unpipelined path (the verify table does not keep their entries)"
         return pipeline_refusal(engine, self.draft, self.acceptance)
 
     def run(self, ctx: ProgramContext):
@@ -337,7 +337,10 @@ class SpeculativeProgram(Program):
         start = time.perf_counter()
         node, out = yield from ctx.prompt(self.prompt_ids, all_rows=kind is not None, **want)
         stats.node = node
-        first = self.acceptance.first_sample(out.logits[0])
+        logits = out.logits[0] if not self.penalized else \
+            TargetProcessing(self.params, self.prompt_ids, out.logits.shape[-1], out.logits.device).first(
+                out.logits[:1])[0]
+        first = self.acceptance.first_sample(logits)
         following = None if kind is None else torch.cat(
             [to_device(np.asarray(self.prompt_ids[1:], dtype=np.int64), engine.device), first])
         stats.prefill_seconds = time.perf_counter() - start

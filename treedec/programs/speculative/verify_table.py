@@ -98,7 +98,7 @@ class VerifyTable(BulkTable):
         kind = draft_kind(draft)
         drafting = (draft.batch_key or id(draft)) if kind == "heads" else None
         key = (draft.fixed_tree.parents, kind, drafting, program.acceptance.batch_key, program.target_states,
-               request.head_name, id(program.budget))
+               request.head_name, id(program.budget), program.penalized)
         group = self.groups.get(key)
         if group is None:
             group = self.groups[key] = VerifyGroup(self.engine, request)
