@@ -97,12 +97,19 @@ def test_a_fixed_tree_on_a_repeating_prompt_accepts_several_tokens_a_step():
 
 def test_speculative_sampling_runs_seeded_and_refuses_what_it_cannot_do():
     llm = make_llm(speculative_config={"method": "ngram"})
-    params = SamplingParams(temperature=0.9, seed=3, max_tokens=10)
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=10, min_p=0.05, presence_penalty=0.3)
     first = llm.generate([ids(p) for p in PROMPTS], params, use_tqdm=False)
     again = llm.generate([ids(p) for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
-    for bad, field in [(SamplingParams(n=2), "n"), (SamplingParams(logprobs=1), "logprobs"),
-                       (SamplingParams(temperature=0, presence_penalty=0.5), "presence_penalty")]:
+    penalized = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5,
+                               logprobs=2)
+    plain = make_llm().generate([ids(p) for p in PROMPTS], penalized, use_tqdm=False)
+    spec = llm.generate([ids(p) for p in PROMPTS], penalized, use_tqdm=False)
+    for s, p in zip(spec, plain):   # greedy acceptance with penalties: plain greedy's tokens, the target's logprobs
+        assert s.outputs[0].token_ids == p.outputs[0].token_ids
+        assert s.outputs[0].cumulative_logprob == pytest.approx(p.outputs[0].cumulative_logprob, abs=1e-3)
+        assert [sorted(e) for e in s.outputs[0].logprobs] == [sorted(e) for e in p.outputs[0].logprobs]
+    for bad, field in [(SamplingParams(n=2), "n"), (SamplingParams(temperature=0, min_tokens=2), "min_tokens")]:
         with pytest.raises(ValueError, match=field):
             llm.generate(ids(PROMPTS[0]), bad, use_tqdm=False)
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages and llm.engine.tree.num_nodes == 0

@@ -207,7 +207,7 @@ def bad_range(k, value, why):
 
 
 OUTSIDE = "is outside the plan's KV: 0 <= start < stop <= num_tokens (360)"
-NOT_A_TUPLE = "dynamic_kv must be a tuple of (start, stop) ranges, got {!r}"
+NOT_A_TUPLE = "dynamic_kv must be a tuple of (start, stop) ranges or an [R, 2] int array, got {!r}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -233,7 +233,12 @@ NOT_A_TUPLE = "dynamic_kv must be a tuple of (start, stop) ranges, got {!r}"
     (None, NOT_A_TUPLE.format(None)),
     ("ab", NOT_A_TUPLE.format("ab")),
     ([(1, 2)], NOT_A_TUPLE.format([(1, 2)])),
-    (np.array([[1, 2]]), NOT_A_TUPLE.format(np.array([[1, 2]]))),
+    (np.array([[1, 2.5]]), "dynamic_kv as an array must be [R, 2] ints, got float64 (1, 2)"),
+    (np.array([1, 2]), "dynamic_kv as an array must be [R, 2] ints, got int64 (2,)"),
+    (np.array([[10, 20], [15, 30]]), "dynamic_kv[1] = (15, 30) overlaps the range before it"),
+    (np.array([[10, 20], [0, 5]]), "dynamic_kv[1] = (0, 5) starts before the range before it"),
+    (np.array([[5, 5]]), "dynamic_kv[0] = (5, 5) is empty or reversed"),
+    (np.array([[300, 400]]), "dynamic_kv[0] = (300, 400) is outside the plan's KV"),
 ])
 def test_a_bad_dynamic_range_is_named(impl, dynamic_kv, message, monkeypatch):
     monkeypatch.setenv(PLANNER_ENV, impl)

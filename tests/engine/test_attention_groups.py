@@ -7,7 +7,7 @@ from transformers import MistralConfig
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from treedec.attention import AttentionVariant, TreeAttention
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.engine import CudaGraphConfig, Engine
 from treedec.models import ModelConfig, from_config, from_hf_model
 
@@ -149,7 +149,7 @@ def test_windowed_steps_refuse_dynamic_spans_and_change_nothing():
     root = engine.prefill(list(range(9))).node
     engine.tree.extend(root, [4])
     before = engine.tree.layout()
-    span = DynamicSpan(engine.tree.slots(root)[-2:], torch.tensor([1]), np.array([0]))
+    span = DynamicSpans.one(engine.tree.slots(root)[-2:], torch.tensor([1]), np.array([0]))
     with pytest.raises(NotImplementedError, match="sliding-window layers: the window's first key would move"):
         engine.step(dynamic=span)
     assert engine.tree.layout() is before and engine.stats["steps"] == 1

@@ -285,7 +285,7 @@ def test_a_bad_request_raises_at_submit(tiny):
 
 def test_a_speculative_online_engine_equals_plain_decoding_and_refuses_what_it_cannot_do(tiny):
     """With a draft source every request is decoded speculatively: greedy == plain greedy, the streamed deltas join
-    to the final text, a seeded sampled request is the same twice; n > 1 and penalties are refused at submit."""
+    to the final text, a seeded sampled request is the same twice; n > 1 and min_tokens are refused at submit."""
     engine = make_engine(tiny)
     drafts = lambda spec: PromptLookupDraft(max_ngram=2, num_draft_tokens=3)   # noqa: E731
 
@@ -295,7 +295,7 @@ def test_a_speculative_online_engine_equals_plain_decoding_and_refuses_what_it_c
             with pytest.raises(ValueError, match="n=1"):
                 server.submit(letter_spec("n2", n=2))
             with pytest.raises(ValueError, match="speculative decoding does not implement"):
-                server.submit(letter_spec("penalty", presence_penalty=0.5))
+                server.submit(letter_spec("min-tokens", min_tokens=2))
             greedy = server.submit(letter_spec("g", "ABABABABAB", max_tokens=12))
             sampled = [server.submit(letter_spec(f"s{k}", "ABCABCABC", max_tokens=8, temperature=0.9, seed=3))
                        for k in range(2)]

@@ -298,9 +298,23 @@ def test_speculative_server_equals_plain_greedy_and_refuses_what_it_cannot_do(to
             sampled = client.completions.create(model="s", prompt=prompt, max_tokens=8, temperature=0.8, seed=4)
             again = client.completions.create(model="s", prompt=prompt, max_tokens=8, temperature=0.8, seed=4)
             assert sampled.choices[0].text == again.choices[0].text
+            penalized = dict(max_tokens=12, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.4)
+            want, _ = expected(reference, prompt, {**penalized, "repetition_penalty": 1.2, "logprobs": 2})
+            got = client.completions.create(model="s", prompt=prompt, **penalized, logprobs=2,
+                                            extra_body={"repetition_penalty": 1.2})
+            assert [(c.text, c.finish_reason) for c in got.choices] == want   # (plain greedy's, same penalties)
+            [wanted] = reference.generate(prompt, SamplingParams(**penalized, repetition_penalty=1.2, logprobs=2),
+                                          use_tqdm=False)
+            assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+                [e[t].logprob for e, t in zip(wanted.outputs[0].logprobs, wanted.outputs[0].token_ids)], abs=1e-4)
+            sampled_min_p = client.completions.create(model="s", prompt=prompt, max_tokens=8, temperature=0.8, seed=4,
+                                                      extra_body={"min_p": 0.05})
+            assert sampled_min_p.choices[0].text == client.completions.create(
+                model="s", prompt=prompt, max_tokens=8, temperature=0.8, seed=4, extra_body={"min_p": 0.05}
+            ).choices[0].text
             with pytest.raises(openai.BadRequestError, match="speculative decoding"):
                 client.completions.create(model="s", prompt=prompt, max_tokens=4, temperature=0,
-                                          presence_penalty=0.5)
+                                          extra_body={"min_tokens": 2})
             with pytest.raises(openai.BadRequestError, match="n=1"):
                 client.completions.create(model="s", prompt=prompt, max_tokens=4, temperature=0, n=2)
             values = metric_values(running.url)

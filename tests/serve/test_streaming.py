@@ -132,15 +132,21 @@ def test_an_out_of_vocabulary_prompt_id_is_named(client):
         "vocabulary has 512 tokens" in error["message"]
 
 
-def test_a_speculative_server_refuses_continuous_usage_stats(tokenizer):
+def test_a_speculative_server_gives_continuous_usage_stats(tokenizer, reference):
+    """A speculative request's chunks carry their usage too (its tokens so far, growing by each step's accepted)."""
     running = RunningServer(make_llm(tokenizer, kv_tokens=1024, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2}), "s")
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
-            with pytest.raises(openai.BadRequestError, match="continuous_usage_stats is not supported with "
-                                                             "speculative decoding"):
-                client.completions.create(model="s", prompt=PROMPT, max_tokens=2, stream=True,
-                                          stream_options={"include_usage": True, "continuous_usage_stats": True})
+            [want] = reference_outputs(reference, max_tokens=10, temperature=0.0, ignore_eos=True)
+            chunks = list(client.completions.create(model="s", prompt=PROMPT, max_tokens=10, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True},
+                                                    stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True}))
+            assert "".join(c.text for chunk in chunks for c in chunk.choices) == want.text
+            running_tokens = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
+            assert running_tokens == sorted(running_tokens) and running_tokens[0] >= 1
+            assert running_tokens[-1] == chunks[-1].usage.completion_tokens == len(want.token_ids)
             chunks = [c for chunk in client.completions.create(model="s", prompt=PROMPT, max_tokens=6, temperature=0,
                                                                stream=True, extra_body={"ignore_eos": True})
                       for c in chunk.choices]

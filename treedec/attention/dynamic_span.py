@@ -3,15 +3,18 @@
 A pipelined speculative loop plans and launches step n+1 before step n's accepted length reaches the host.
 Step n's accepted K/V are moved on the device into ``d`` slots reserved at the end of the sequence; only the
 first ``keep`` of them (the accepted length, a device value) may be read. The host plans the step as if all
-``d`` were read, then :class:`DynamicSpan` patches the plan on the device: the mask bits of the span's slots
+``d`` were read, then :class:`DynamicSpans` (every request's span of the step, as arrays) patches the plan on
+the device: the mask bits of the span's slots
 ``keep ..`` are cleared in every entry of the chunks that hold them (the span's range among the plan's
 ``dynamic_kv`` keeps the cuda schedule from skipping the mask words of those tiles), and the queries after the
-span move back by ``d - keep`` positions. Nothing waits for the device.
+span move back by ``d - keep`` positions. Nothing waits for the device, and the host work is a fixed number of
+array operations whatever the number of spans.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -20,64 +23,144 @@ from treedec.attention.backends.base import Backend, SpanMasking, backend_names
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.transfer import to_device
 
-__all__ = ["DynamicSpan", "MaskPatch", "located", "mask_on_device", "shift_positions"]
+__all__ = ["DynamicSpans", "MaskPatch", "located", "mask_on_device", "shift_positions"]
 
 
 @dataclass(frozen=True)
-class DynamicSpan:
-    """What a step's caller knows of a span before its length is known on the host.
+class DynamicSpans:
+    """The spans of one step whose lengths only the device knows, as arrays (one span a request of a verify group:
+    built, moved and patched with a fixed number of array operations whatever their number).
 
     Attributes
     ----------
-    slots : [d] int64 (host): pool slots of ``d`` computed tokens at the end of one node, in order.
-    keep : int64 tensor of one element on the engine's device: how many of them (a prefix) hold real tokens.
-    shift_rows : [r] int64 (host): the step's query rows after the span (their positions move by ``keep - d``).
+    slots : [n] int64 (host): every span's pool slots, span by span; span ``i``'s ``lengths[i]`` slots are computed
+        tokens at the end of one node, in order.
+    lengths : [S] int64 (host): each span's slot count ``d`` (0: an empty span, nothing masked).
+    keep : [S] int64 tensor on the engine's device: how many of each span's slots (a prefix) hold real tokens.
+    shift_rows : [r] int64 (host): the step's query rows after a span (their positions move by ``keep - d``).
+    shift_span : [r] int64 (host): the span of each of ``shift_rows``.
     """
 
     slots: np.ndarray
+    lengths: np.ndarray
     keep: torch.Tensor
     shift_rows: np.ndarray
+    shift_span: np.ndarray
 
     def __post_init__(self):
-        slots = np.asarray(self.slots, dtype=np.int64).reshape(-1)
-        rows = np.asarray(self.shift_rows, dtype=np.int64).reshape(-1)
-        if not isinstance(self.keep, torch.Tensor) or self.keep.numel() != 1:
-            raise TypeError(f"DynamicSpan.keep must be a one-element tensor, got {self.keep!r}")
-        if self.keep.dim() != 1:
-            object.__setattr__(self, "keep", self.keep.reshape(1))
-        object.__setattr__(self, "slots", slots)
-        object.__setattr__(self, "shift_rows", rows)
+        if not isinstance(self.keep, torch.Tensor) or self.keep.dim() != 1 or len(self.keep) != len(self.lengths):
+            raise TypeError(f"DynamicSpans.keep must be a [{len(self.lengths)}] tensor (one a span), got {self.keep!r}")
+        if int(self.lengths.sum()) != len(self.slots) or len(self.shift_rows) != len(self.shift_span):
+            raise ValueError(f"DynamicSpans: {len(self.slots)} slots for lengths summing to {int(self.lengths.sum())}, "
+                             f"{len(self.shift_rows)} shift rows for {len(self.shift_span)} owners")
 
-    def rows_on(self, device: torch.device) -> torch.Tensor:
-        """:attr:`shift_rows` on ``device``, copied once (a span read by several steps: a chain's)."""
+    @classmethod
+    def one(cls, slots, keep: torch.Tensor, shift_rows) -> DynamicSpans:
+        """One span: ``slots [d]``, ``keep`` a one-element tensor, ``shift_rows [r]``."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        rows = np.asarray(shift_rows, dtype=np.int64).reshape(-1)
+        if not isinstance(keep, torch.Tensor) or keep.numel() != 1:
+            raise TypeError(f"a span's keep must be a one-element tensor, got {keep!r}")
+        return cls(slots, np.array([len(slots)], dtype=np.int64), keep.reshape(1), rows, np.zeros(len(rows), np.int64))
+
+    @classmethod
+    def of_rows(cls, slots: np.ndarray, keep: torch.Tensor) -> DynamicSpans:
+        """``S`` spans of ``d`` slots each: ``slots [S, d]`` (host), ``keep [S]``; no shift rows yet
+        (:meth:`with_rows`)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(slots.reshape(-1), np.full(slots.shape[0], slots.shape[1], dtype=np.int64), keep.reshape(-1),
+                   empty, empty)
+
+    @classmethod
+    def concat(cls, parts: Sequence[DynamicSpans]) -> DynamicSpans:
+        """The spans of ``parts``, in order (one concatenation per column: a few parts a step, one a group)."""
+        if len(parts) == 1:
+            return parts[0]
+        counts = np.array([p.num_spans for p in parts], dtype=np.int64)
+        base = np.cumsum(counts) - counts
+        return cls(np.concatenate([p.slots for p in parts]), np.concatenate([p.lengths for p in parts]),
+                   torch.cat([p.keep for p in parts]), np.concatenate([p.shift_rows for p in parts]),
+                   np.concatenate([p.shift_span + b for p, b in zip(parts, base.tolist())]))
+
+    @classmethod
+    def of(cls, dynamic) -> DynamicSpans | None:
+        """``dynamic`` (None, DynamicSpans or a sequence of them) as one :class:`DynamicSpans` (None: none)."""
+        if dynamic is None:
+            return None
+        parts = [dynamic] if isinstance(dynamic, DynamicSpans) else list(dynamic)
+        for part in parts:
+            if not isinstance(part, DynamicSpans):
+                raise TypeError(f"dynamic must be DynamicSpans (or a sequence of them), got {type(part).__name__}")
+        parts = [p for p in parts if p.num_spans]
+        return cls.concat(parts) if parts else None
+
+    @property
+    def num_spans(self) -> int:
+        return len(self.lengths)
+
+    def with_rows(self, rows: np.ndarray) -> DynamicSpans:
+        """These spans with the query rows ``rows [r]`` after them, split evenly among them in order (span ``i``
+        before the ``i``-th ``r / S``)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        per = len(rows) // max(self.num_spans, 1)
+        if per * self.num_spans != len(rows):
+            raise ValueError(f"{len(rows)} query rows do not split evenly among {self.num_spans} spans")
+        return dataclasses.replace(self, shift_rows=rows, shift_span=np.repeat(np.arange(self.num_spans), per))
+
+    def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
+        chain's)."""
         have = self.__dict__.get("_rows_on")
-        if have is None or have.device != torch.device(device):
-            have = to_device(self.shift_rows, device)
+        if have is None or have[0].device != torch.device(device):
+            n, r = self.num_spans, len(self.shift_rows)
+            on = to_device(np.concatenate([self.shift_rows, self.shift_span, self.lengths]), device)   # one copy
+            have = (on[:r], on[r:2 * r], on[2 * r:2 * r + n])
             object.__setattr__(self, "_rows_on", have)
         return have
 
-    def kv_range(self, plan: TreePlan) -> tuple[int, int] | None:
-        """``(start, stop)``: where the span lies in ``plan``'s flattened KV (None when it is empty or no query
-        reads it). Raises ValueError when the slots are not one run of the flattened order."""
-        d = len(self.slots)
-        if d == 0:
-            return None
-        hits = np.flatnonzero(plan.kv_slots == self.slots[0])
-        if len(hits) == 0:
-            return None
-        start = int(hits[0])
-        if not np.array_equal(plan.kv_slots[start:start + d], self.slots):
-            raise ValueError(f"a dynamic span's {d} slots must be one run of the plan's flattened KV (the end of "
-                             f"one node), got slots {self.slots[:8].tolist()}")
-        return start, start + d
+    def kv_starts(self, plan: TreePlan) -> np.ndarray:
+        """``[S]`` int64: where each span starts in ``plan``'s flattened KV, -1 for an empty span or one no query
+        reads (its slots are not in the plan). Raises ValueError when a span's slots are not one run of the
+        flattened order. Array operations over the plan's KV and the spans, whatever their number."""
+        starts = np.full(self.num_spans, -1, dtype=np.int64)
+        kv = plan.kv_slots
+        has = np.flatnonzero(self.lengths > 0)
+        if not len(has) or not len(kv):
+            return starts
+        offsets = np.cumsum(self.lengths) - self.lengths
+        first = self.slots[offsets[has]]
+        where = np.full(int(max(kv.max(), first.max())) + 1, -1, dtype=np.int64)   # slot -> its KV position
+        where[kv[::-1]] = np.arange(len(kv) - 1, -1, -1)                           # (its first, as flatnonzero's)
+        at = where[first]
+        found = at >= 0
+        has, at = has[found], at[found]
+        d = self.lengths[has]
+        local = np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
+        position = np.repeat(at, d) + local
+        inside = position < len(kv)
+        same = np.zeros(len(position), dtype=bool)
+        same[inside] = kv[position[inside]] == self.slots[np.repeat(offsets[has], d) + local][inside]
+        if not same.all():
+            bad = int(has[np.repeat(np.arange(len(has)), d)[~same][0]])
+            got = self.slots[offsets[bad]:offsets[bad] + self.lengths[bad]]
+            raise ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the plan's flattened "
+                             f"KV (the end of one node), got slots {got[:8].tolist()}")
+        starts[has] = at
+        return starts
 
-    def locate(self, plan: TreePlan) -> TreePlan:
-        """``plan`` with the span's :meth:`kv_range` added to its ``dynamic_kv`` ranges, kept sorted (unchanged
-        when no query reads it). Raises ValueError when the slots are not one run of the flattened order."""
-        where = self.kv_range(plan)
-        if where is None:
+    def locate(self, plan: TreePlan, starts: np.ndarray | None = None) -> TreePlan:
+        """``plan`` with the spans' ranges (:meth:`kv_starts`, or ``starts`` found already) added to its
+        ``dynamic_kv`` ranges, kept sorted (unchanged when no query reads any)."""
+        starts = self.kv_starts(plan) if starts is None else starts
+        placed = starts >= 0
+        if not placed.any():
             return plan
-        return dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + (where,))))
+        ranges = np.stack([starts[placed], starts[placed] + self.lengths[placed]], axis=1)
+        if len(plan.dynamic_kv):
+            ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
+        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+        return dataclasses.replace(plan, dynamic_kv=ranges)
 
 
 @dataclass(frozen=True)
@@ -95,16 +178,19 @@ class MaskPatch:
     merged: tuple[torch.Tensor, torch.Tensor] | None   # words in two spans: (distinct words, each word's index)
 
     @classmethod
-    def of(cls, plan: TreePlan, ranges: list[tuple[int, int]], stride: int, device: torch.device
+    def of(cls, plan: TreePlan, spans: DynamicSpans, starts: np.ndarray, stride: int, device: torch.device
            ) -> MaskPatch | None:
-        """The patch of spans at ``ranges`` (each ``[start, stop)`` in ``plan``'s flattened KV,
-        :meth:`DynamicSpan.kv_range`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static plan's
-        rows are its bounds' width); None when every span is empty."""
-        lengths = np.array([b - a for a, b in ranges], dtype=np.int64)
+        """The patch of ``spans`` at ``starts`` (each span's start in ``plan``'s flattened KV, -1: not in it,
+        :meth:`DynamicSpans.kv_starts`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static
+        plan's rows are its bounds' width); None when no span is placed. Array operations whatever the number of
+        spans."""
+        ids = np.flatnonzero(starts >= 0)                                           # the placed spans
+        lengths = spans.lengths[ids]
         if not lengths.sum():
             return None
-        starts = np.array([a for a, _ in ranges], dtype=np.int64)
-        owner = np.repeat(np.arange(len(ranges)), lengths)                         # each span slot's span
+        starts = starts[ids]
+        count_spans = len(ids)
+        owner = np.repeat(np.arange(count_spans), lengths)                          # each span slot's span
         slot = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         position = starts[owner] + slot
         chunk = np.searchsorted(plan.chunk_kv_start, position, side="right") - 1
@@ -116,22 +202,31 @@ class MaskPatch:
         word = entry * stride + offset[pair] // MASK_BITS
         keys, inverse = np.unique(owner[pair] * (int(word.max()) + 1) + word, return_inverse=True)
         words, span = keys % (int(word.max()) + 1), keys // (int(word.max()) + 1)   # grouped by span, sorted
-        u = np.bincount(span, minlength=len(ranges))                                # each span's words
+        u = np.bincount(span, minlength=count_spans)                                # each span's words
         begin = np.cumsum(u) - u
         d1 = lengths + 1
         row0 = np.cumsum(u * d1) - u * d1                                           # each span's table start
         at = row0[span] + (np.arange(len(words)) - begin[span])
         # cleared[k] of a word: the bits of its span's slots >= k (distinct bits: their sum is their or), a suffix
         # sum over the slots of each slot's bits, at table[at + k * width]
-        bits = np.left_shift(1, offset[pair] % MASK_BITS).astype(np.float64)
+        bits = np.left_shift(1, offset[pair] % MASK_BITS).astype(np.int64)
         s_pair = slot[pair]
-        own = np.bincount(at[inverse] + s_pair * u[span[inverse]], weights=bits, minlength=int((u * d1).sum()))
-        table = np.zeros(int((u * d1).sum()), dtype=np.int64)
-        for k in range(len(ranges)):   # per span: the suffix sum over its rows
-            if u[k]:
-                rows = own[row0[k]:row0[k] + u[k] * d1[k]].reshape(d1[k], u[k])
-                table[row0[k]:row0[k] + u[k] * d1[k]] = np.cumsum(rows[::-1], axis=0)[::-1].reshape(-1)
+        size = int((u * d1).sum())
+        own = np.bincount(at[inverse] + s_pair * u[span[inverse]], weights=bits, minlength=size)
+        own = np.rint(own).astype(np.int64)   # (sums of distinct bits below 2**32: exact in float64)
+        # The suffix sums of every word's column (its span's d1 rows) at once: the columns one after another, each
+        # row by row, summed from the end of its column.
+        column_rows = d1[span]                                                      # [words]: rows of each column
+        col = np.repeat(np.arange(len(words)), column_rows)
+        r = np.arange(int(column_rows.sum())) - np.repeat(np.cumsum(column_rows) - column_rows, column_rows)
+        flat = at[col] + r * u[span[col]]
+        values = own[flat]
+        total = np.cumsum(values)
+        column_end = np.cumsum(column_rows) - 1
+        table = np.zeros(size, dtype=np.int64)
+        table[flat] = total[column_end][col] - (total - values)
         table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+        span = ids[span]   # (each word's span among all of them: apply takes every span's keep)
         distinct, where = np.unique(words, return_inverse=True)
         n, m = len(words), len(distinct) if len(distinct) < len(words) else 0
         on = to_device(np.concatenate([words, at, u[span], span, table, distinct[:m], where[:n if m else 0]]),
@@ -140,12 +235,12 @@ class MaskPatch:
         merged = (on[end:end + m], on[end + m:]) if m else None
         return cls(on[:n], on[n:2 * n], on[2 * n:3 * n], on[3 * n:4 * n], on[4 * n:end].to(torch.int32), merged)
 
-    def apply(self, entry_mask: torch.Tensor, keeps: list[torch.Tensor]) -> None:
-        """Clear the bits of each span's slots ``keep ..`` (``keeps``: one one-element int64 tensor a span, in the
-        ranges' order) in ``entry_mask`` (int32, rows ``stride`` apart), on its device, without waiting."""
+    def apply(self, entry_mask: torch.Tensor, keep: torch.Tensor) -> None:
+        """Clear the bits of each span's slots ``keep ..`` (``keep``: every span's, ``[S]`` int64, as
+        :attr:`DynamicSpans.keep`) in ``entry_mask`` (int32, rows ``stride`` apart), on its device, without
+        waiting."""
         flat = entry_mask.view(-1)
-        keep = keeps[0].reshape(1) if len(keeps) == 1 else torch.cat(keeps)   # (each [1]: DynamicSpan.keep)
-        row = keep if len(keeps) == 1 else keep.index_select(0, self.span)
+        row = keep.index_select(0, self.span)
         kept = self.table.take(self.at + row * self.width)
         if self.merged is None:
             flat[self.words] = flat[self.words] & kept
@@ -156,70 +251,56 @@ class MaskPatch:
         cleared = torch.where(cleared >= 2 ** 31, cleared - 2 ** 32, cleared).to(torch.int32)
         flat[words] = flat[words] & ~cleared
 
-    def apply_host(self, plan: TreePlan, keeps: list[int]) -> TreePlan:
+    def apply_host(self, plan: TreePlan, keep: torch.Tensor) -> TreePlan:
         """``plan`` with the bits cleared in a copy of its (numpy) ``entry_mask``: for backends that read the host
-        plan (:attr:`SpanMasking.HOST`); ``keeps`` must be on the host already."""
+        plan (:attr:`SpanMasking.HOST`); ``keep`` is read on the host (a wait on a GPU)."""
         mask = np.array(plan.entry_mask, copy=True)
-        self.apply(torch.from_numpy(mask), [torch.tensor([k]) for k in keeps])
+        self.apply(torch.from_numpy(mask), keep.cpu())
         return dataclasses.replace(plan, entry_mask=mask)
 
 
-def located(plan: TreePlan, spans: tuple[DynamicSpan, ...], backend: Backend
-            ) -> tuple[TreePlan, list[tuple[int, int] | None]]:
-    """``plan`` with the ``spans``' ranges added to its ``dynamic_kv`` (as :meth:`DynamicSpan.locate` does), and
-    each span's range (:meth:`DynamicSpan.kv_range`, found once: a scan of the flattened KV).
+def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tuple[TreePlan, np.ndarray | None]:
+    """``plan`` with the ``spans``' ranges added to its ``dynamic_kv`` (as :meth:`DynamicSpans.locate` does), and
+    each span's start (:meth:`DynamicSpans.kv_starts`, found once); ``(plan, None)`` without spans.
 
     ``backend``: the step's, by its :attr:`~Backend.span_masking`. One that reads the host plan
     (:attr:`SpanMasking.HOST`, ``torch``) gets it masked there too (reading ``keep``: a wait on a GPU); one that
     reads the device plan (:attr:`SpanMasking.DEVICE`) is masked by :func:`mask_on_device` after the copy. One
     that attends by the layout (:attr:`SpanMasking.UNSUPPORTED`, ``reference``): ValueError."""
-    for span in spans:
-        if not isinstance(span, DynamicSpan):
-            raise TypeError(f"dynamic must be a DynamicSpan, got {type(span).__name__}")
-    if spans and backend.span_masking is SpanMasking.UNSUPPORTED:
+    if spans is None:
+        return plan, None
+    if not isinstance(spans, DynamicSpans):
+        raise TypeError(f"dynamic must be DynamicSpans, got {type(spans).__name__}")
+    if backend.span_masking is SpanMasking.UNSUPPORTED:
         able = backend_names(lambda b: b.span_masking is not SpanMasking.UNSUPPORTED)
         raise ValueError(f"the {backend.name} backend plans from the layout: a step with a dynamic span needs the "
                          f"{', '.join(able[:-1])} or {able[-1]} backend")
-    ranges = [span.kv_range(plan) for span in spans]
-    found = tuple(r for r in ranges if r is not None)
-    if found:
-        plan = dataclasses.replace(plan, dynamic_kv=tuple(sorted(plan.dynamic_kv + found)))
-    if backend.span_masking is SpanMasking.HOST and found:
-        placed = [(span, where) for span, where in zip(spans, ranges) if where is not None]
-        patch = MaskPatch.of(plan, [w for _, w in placed], plan.mask_words, torch.device("cpu"))
+    starts = spans.kv_starts(plan)
+    plan = spans.locate(plan, starts)
+    if backend.span_masking is SpanMasking.HOST:
+        patch = MaskPatch.of(plan, spans, starts, plan.mask_words, torch.device("cpu"))
         if patch is not None:
-            plan = patch.apply_host(plan, [int(span.keep) for span, _ in placed])
-    return plan, ranges
+            plan = patch.apply_host(plan, spans.keep)
+    return plan, starts
 
 
-def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: tuple[DynamicSpan, ...],
-                   ranges: list[tuple[int, int] | None]) -> None:
-    """Clear the unused slots' bits of the spans (at their ranges, as :func:`located` found them) in
+def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: DynamicSpans | None,
+                   starts: np.ndarray | None) -> None:
+    """Clear the unused slots' bits of the spans (at their ``starts``, as :func:`located` found them) in
     ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are wider: its stride is used), with one
     :class:`MaskPatch` for all of them, stream-ordered after the plan's copy."""
-    placed = [(span, where) for span, where in zip(spans, ranges) if where is not None]
-    patch = MaskPatch.of(plan, [w for _, w in placed], entry_mask.stride(0), entry_mask.device) if placed else None
+    if spans is None:
+        return
+    patch = MaskPatch.of(plan, spans, starts, entry_mask.stride(0), entry_mask.device)
     if patch is not None:
-        patch.apply(entry_mask, [span.keep for span, _ in placed])
+        patch.apply(entry_mask, spans.keep)
 
 
-def shift_positions(positions: torch.Tensor, spans: tuple[DynamicSpan, ...]) -> None:
+def shift_positions(positions: torch.Tensor, spans: DynamicSpans | None) -> None:
     """Move the positions of the queries after each of ``spans`` back by its unused slots (``positions``: the step's,
-    on the device): one copy of the rows and one add for all the spans, whatever their number."""
-    moving = [span for span in spans if len(span.shift_rows)]
-    if not moving:
+    on the device): one copy of the rows (once per spans) and one add for all the spans, whatever their number."""
+    if spans is None or not len(spans.shift_rows):
         return
-    if len(moving) == 1:
-        span = moving[0]
-        rows = span.rows_on(positions.device)
-        by = (span.keep - len(span.slots)).to(positions.dtype)
-        positions.index_add_(0, rows, by.expand(len(rows)))
-        return
-    counts = np.array([len(span.shift_rows) for span in moving], dtype=np.int64)
-    host = np.concatenate([span.shift_rows for span in moving] + [np.repeat(np.arange(len(moving)), counts),
-                                                                    [len(span.slots) for span in moving]])
-    on = to_device(host.astype(np.int64), positions.device)   # one copy: the rows, each row's span, the lengths
-    n = int(counts.sum())
-    rows, owner, lengths = on[:n], on[n:2 * n], on[2 * n:]
-    by = (torch.cat([span.keep for span in moving]) - lengths).to(positions.dtype)
-    positions.index_add_(0, rows, by.take(owner))
+    rows, owner, lengths = spans.rows_on(positions.device)
+    by = (spans.keep - lengths).to(positions.dtype)
+    positions.index_add_(0, rows, by.index_select(0, owner))

@@ -146,8 +146,10 @@ def _dynamic_ranges(plan: TreePlan) -> np.ndarray:
     of (start, stop) pairs of ints with ``0 <= start < stop <= plan.num_tokens``, sorted by start and not
     overlapping (ValueError naming the bad range and why otherwise)."""
     value = plan.dynamic_kv
+    if isinstance(value, np.ndarray):   # (a batch's spans located as arrays: checked as arrays)
+        return _dynamic_array(value, plan.num_tokens)
     if not isinstance(value, tuple):
-        raise ValueError(f"dynamic_kv must be a tuple of (start, stop) ranges, got {value!r}")
+        raise ValueError(f"dynamic_kv must be a tuple of (start, stop) ranges or an [R, 2] int array, got {value!r}")
     previous, num_tokens = None, plan.num_tokens
     for k, pair in enumerate(value):  # one range per request of a batch: a short loop, kept lean (every step)
         if not (type(pair) is tuple and len(pair) == 2 and isinstance(pair[0], (int, np.integer))
@@ -167,6 +169,23 @@ def _dynamic_ranges(plan: TreePlan) -> np.ndarray:
                              f"the ranges must not overlap (adjacent ones may touch)")
         previous = pair
     return np.array(value, dtype=np.int64).reshape(len(value), 2)
+
+
+def _dynamic_array(value: np.ndarray, num_tokens: int) -> np.ndarray:
+    """:func:`_dynamic_ranges` of an ``[R, 2]`` int array of ranges (the same rules, checked as arrays)."""
+    if value.ndim != 2 or value.shape[1] != 2 or value.dtype.kind not in "iu":
+        raise ValueError(f"dynamic_kv as an array must be [R, 2] ints, got {value.dtype} {value.shape}")
+    start, stop = value[:, 0], value[:, 1]
+    checks = ((start >= stop, "is empty or reversed: start must be < stop"),
+              ((start < 0) | (stop > num_tokens), f"is outside the plan's KV: 0 <= start < stop <= num_tokens "
+                                                   f"({num_tokens})"),
+              (np.r_[False, start[1:] < start[:-1]], "starts before the range before it: the ranges must be sorted"),
+              (np.r_[False, start[1:] < stop[:-1]], "overlaps the range before it: the ranges must not overlap"))
+    for bad, why in checks:
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"dynamic_kv[{k}] = {tuple(value[k].tolist())} {why}")
+    return np.ascontiguousarray(value, dtype=np.int64)
 
 
 def _check_tile_tokens(tile_tokens) -> None:

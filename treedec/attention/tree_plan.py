@@ -58,14 +58,15 @@ class TreePlan:
         Largest pool slot the plan reads (checked against the cache size by ``run``).
     layout : TreeLayout
         The snapshot this plan was made from.
-    dynamic_kv : tuple[tuple[int, int], ...]
+    dynamic_kv : tuple[tuple[int, int], ...] or [R, 2] int64 ndarray
         [start, stop) ranges of positions in the flattened KV order (indices into ``kv_slots``) whose
         mask bits the device may clear after the plan is written (pipelined speculative decoding: one
         range per request of a batch with a span); the cuda backend's schedule never flags a tile
         holding one of them full, so its kernel reads the mask words there. Sorted by start, not
         overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
         raises ValueError otherwise. (): none. The planners make (); callers set it with
-        ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``.
+        ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``, or an ``[R, 2]`` int64 array of the
+        same ranges (:meth:`~treedec.attention.dynamic_span.DynamicSpans.locate`: a batch's spans as arrays).
     window : int or None
         The sliding window the planner clipped the queries' reads to (``AttentionVariant.window``; None: whole
         root paths): the mask fields the plan serves.
@@ -88,7 +89,7 @@ class TreePlan:
     query_tile: int
     max_slot: int
     layout: TreeLayout
-    dynamic_kv: tuple[tuple[int, int], ...] = ()
+    dynamic_kv: tuple[tuple[int, int], ...] | np.ndarray = ()
     window: int | None = None
 
     @property

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from treedec.attention import AttentionVariant, DeviceTreePlan, PlanConfig, TreeAttention, TreePlan
-from treedec.attention.dynamic_span import DynamicSpan, located
+from treedec.attention.dynamic_span import DynamicSpans, located
 
 __all__ = ["LayerAttention", "StepAttend"]
 
@@ -78,13 +78,14 @@ class LayerAttention:
         """Whether some group's plan clips the reads to a window."""
         return any(attn.variant.window is not None for attn in self.planners)
 
-    def plan_host(self, layout, spans: tuple[DynamicSpan, ...] = ()) -> tuple[tuple[TreePlan, ...], list]:
+    def plan_host(self, layout, spans: DynamicSpans | None = None) -> tuple[tuple[TreePlan, ...], list]:
         """The step's host plans, one a group (:meth:`TreeAttention.plan_host`), with the dynamic ``spans``
-        located in each (:func:`~treedec.attention.dynamic_span.located`); and each plan's span ranges.
+        located in each (:func:`~treedec.attention.dynamic_span.located`); and each plan's span starts (None
+        without spans).
 
         Raises NotImplementedError, before anything changes, for spans in a step of a windowed group: a span's
         unused slots move the later queries' positions, and so their windows' first keys, on the device."""
-        if spans and self.windowed:
+        if spans is not None and self.windowed:
             raise NotImplementedError("a dynamic span (pipelined speculative decoding) in a model with sliding-window "
                                       "layers: the window's first key would move with the span's accepted length, "
                                       "which only the device knows; run the speculative loop unpipelined")

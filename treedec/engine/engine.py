@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, backend_names
-from treedec.attention.dynamic_span import DynamicSpan, mask_on_device, shift_positions
+from treedec.attention.dynamic_span import DynamicSpans, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.attention_groups import LayerAttention, StepAttend
 from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
@@ -194,7 +194,7 @@ class Engine:
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
              hidden_rows: Sequence[int] | np.ndarray | None = None, return_aux: bool = False,
-             features: torch.Tensor | None = None, dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
+             features: torch.Tensor | None = None, dynamic: DynamicSpans | Sequence[DynamicSpans] | None = None
              ) -> StepOutput:
         """One forward over the tree's pending tokens; commits them.
 
@@ -228,8 +228,9 @@ class Engine:
         features : [Q, feature_size] tensor on the engine's device, optional
             Per-query input features, for models that read them (EAGLE drafters: the target's
             hidden state paired with each token), in query order.
-        dynamic : DynamicSpan or several, optional
-            Pipelined speculative decoding's spans, one a request (:mod:`treedec.attention.dynamic_span`; not on
+        dynamic : DynamicSpans or several, optional
+            Pipelined speculative decoding's spans, one a request, as arrays (:mod:`treedec.attention.dynamic_span`;
+            several are concatenated once; not on
             the ``reference`` backend, a wait on ``torch``)
 
         Returns
@@ -281,14 +282,14 @@ class Engine:
         check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
         started = time.perf_counter()
         graph = None
-        spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
+        spans = DynamicSpans.of(dynamic)   # (the step's spans as one set of arrays; None: none)
         host_plans, ranges = self.attention.plan_host(layout, spans)   # one a group (no spans: as planned)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
             graph = self._graphs.load(host_plans, tokens, positions, slots, gathers)
         plans = self.attention.prepare(host_plans, self.device) if graph is None else None
-        if spans and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
+        if spans is not None and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
             for g, host_plan in enumerate(host_plans):
                 mask_on_device(host_plan, plans[g].entry_mask if graph is None
                                else graph.statics[g].device_plan.entry_mask, spans, ranges[g])
@@ -441,7 +442,7 @@ class Engine:
 
     def eager_forward(self, plans: tuple[DeviceTreePlan, ...], tokens, positions, slots, rows,
                       device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                      spans: tuple[DynamicSpan, ...] = ()):
+                      spans: DynamicSpans | None = None):
         """The model's ``ForwardOutput`` of a step over its prepared ``plans`` (one per attention group,
         :class:`~treedec.engine.attention_groups.LayerAttention`; host ``tokens``, ``positions``,
         ``slots`` ``[queries]``; logits at ``rows``, None: all; ``device_tokens`` int64 in place of ``tokens``;

@@ -19,7 +19,7 @@ Without CUDA graphs (the engine's ``cuda_graphs`` off, e.g. on the CPU) the same
 steps one by one as eager forwards over the same layouts: the reference the graphed chain is tested
 against.
 
-A run may carry a :class:`~treedec.attention.dynamic_span.DynamicSpan` (pipelined EAGLE: the drafter's
+A run may carry :class:`~treedec.attention.dynamic_span.DynamicSpans` (pipelined EAGLE: each drafter's
 newest tokens, of which only a device-known prefix is real): every step's plan masks the span's unused
 slots and moves the span's ``shift_rows`` back, on the device, before the replay.
 """
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from treedec.attention import SpanMasking
-from treedec.attention.dynamic_span import DynamicSpan, mask_on_device, shift_positions
+from treedec.attention.dynamic_span import DynamicSpans, mask_on_device, shift_positions
 from treedec.checks import positive_int
 from treedec.engine.cuda_graphs import GraphEntry, GraphRunner
 from treedec.engine.step_checks import check_window
@@ -93,14 +93,11 @@ class StepChain:
         """Whether runs replay one graph (the engine has CUDA graphs) rather than step one by one."""
         return self.engine.graph_runner is not None
 
-    def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
+    def run(self, inputs: dict[str, torch.Tensor], dynamic: DynamicSpans | Sequence[DynamicSpans] | None = None
             ) -> tuple[torch.Tensor, ...]:
         """Run the chain's ``length`` steps on ``inputs`` (device tensors of the declared shapes): ``body``'s
         outputs. ``dynamic``: spans every step reads (each one's ``shift_rows``: each step's queries after it)."""
-        spans = () if dynamic is None else (dynamic,) if isinstance(dynamic, DynamicSpan) else tuple(dynamic)
-        for span in spans:
-            if not isinstance(span, DynamicSpan):
-                raise TypeError(f"dynamic must be DynamicSpans or None, got {type(span).__name__}")
+        spans = DynamicSpans.of(dynamic)
         if set(inputs) != set(self._input_specs):
             raise ValueError(f"a chain run needs inputs {sorted(self._input_specs)}, got {sorted(inputs)}")
         for name, value in inputs.items():
@@ -140,7 +137,7 @@ class StepChain:
         return ChainStep(step.layout, rows)
 
     def _run_graphed(self, steps: list[ChainStep], inputs: dict[str, torch.Tensor],
-                     spans: tuple[DynamicSpan, ...]) -> tuple[torch.Tensor, ...]:
+                     spans: DynamicSpans | None) -> tuple[torch.Tensor, ...]:
         e, runner = self.engine, self.engine.graph_runner
         started = time.perf_counter()
         planned = [e.attention.plan_host(step.layout, spans) for step in steps]   # (plans, ranges): one a group
@@ -148,7 +145,7 @@ class StepChain:
         for entry, (plans, ranges), step in zip(self._entries, planned, steps):
             runner.write(entry, plans, np.zeros(plans[0].num_queries, dtype=np.int64), step.layout.query_position,
                          step.layout.query_slot, (step.rows,))
-            if spans:   # (stream-ordered after the write, before the replay)
+            if spans is not None:   # (stream-ordered after the write, before the replay)
                 if e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
                     for static, plan, where in zip(entry.statics, plans, ranges):
                         mask_on_device(plan, static.device_plan.entry_mask, spans, where)
@@ -229,7 +226,7 @@ class _GraphedSteps(ChainContext):
 class _EagerSteps(ChainContext):
     """Steps one by one: eager forwards over each step's layout."""
 
-    def __init__(self, chain: StepChain, steps: list[ChainStep], spans: tuple[DynamicSpan, ...]):
+    def __init__(self, chain: StepChain, steps: list[ChainStep], spans: DynamicSpans | None):
         super().__init__(chain)
         self.steps, self.spans = steps, spans
 
@@ -245,7 +242,7 @@ class _EagerSteps(ChainContext):
             q_features[at] = features.to(e.model.dtype)
         hosts, ranges = e.attention.plan_host(layout, self.spans)
         plans = e.attention.prepare(hosts, e.device)
-        if self.spans and e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
+        if self.spans is not None and e.attn.backend_impl.span_masking is SpanMasking.DEVICE:
             for host, plan, where in zip(hosts, plans, ranges):
                 mask_on_device(host, plan.entry_mask, self.spans, where)
         e.stats["kv_tokens_read"] += e.attention.kv_tokens_read(hosts)

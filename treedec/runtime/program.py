@@ -16,7 +16,7 @@ from typing import Any, Generator, Hashable, Sequence
 import numpy as np
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.prefix_cache import CachedPrefix, PrefixCache
@@ -49,10 +49,9 @@ class StepRequest:
         ``read``, after the step is launched.
     prompt : the nodes are prompt chunks (:meth:`ProgramContext.prompt`; counted in
         :attr:`SchedulerStats.prompt_steps`).
-    dynamic : a :class:`~treedec.attention.dynamic_span.DynamicSpan` of the program's node (pipelined
-        speculative decoding); the scheduler gives it the rows of ``nodes`` as the queries after it. Or a sequence
-        of spans (a batched verify group's, one a request): ``nodes`` split evenly among them, in order, each
-        span's queries the rows of its part.
+    dynamic : :class:`~treedec.attention.dynamic_span.DynamicSpans` of the program's nodes (pipelined
+        speculative decoding: one span, or a batched verify group's, one a request, as arrays); the scheduler
+        gives them the rows of ``nodes`` as the queries after them, split evenly among them in order.
     """
 
     nodes: Sequence[int]
@@ -65,7 +64,7 @@ class StepRequest:
     placed: Sequence[int] | None = None
     read: torch.Tensor | None = None
     prompt: bool = False
-    dynamic: DynamicSpan | Sequence[DynamicSpan] | None = None
+    dynamic: DynamicSpans | None = None
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,10 @@ lanes' tokens computed in ONE step (one plan, one forward), the reads they asked
 each one's rows handed back."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.runtime.decode import PlacedLanes
 from treedec.runtime.program import StepRequest, StepRows, set_aside_bad_tokens
 from treedec.sampling.params import GREEDY, sample_tokens
@@ -56,7 +54,7 @@ class StepRun:
             queries = engine.tree.num_pending
             spans = self._spans(requests, rows)
             step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans or None)
+                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans)
             self.lanes.start_read()   # (the lanes' draws come back while the step runs)
             try:
                 out = engine.step(**step)
@@ -77,7 +75,8 @@ class StepRun:
             self.stats.prompt_steps += prompt_step
             self.stats.queries_per_step.append(queries)
             self.stats.programs_per_step.append(sum(1 for lv in gathered if len(lv.request.nodes)) + placed.groups
-                                                + sum(len(r.dynamic) for _, rs in bulk for r in rs))
+                                                + sum(r.dynamic.num_spans for _, rs in bulk for r in rs
+                                                      if r.dynamic is not None))
             if self.on_step is not None:
                 self.on_step(self.stats)
         flat = copy.result() if copy is not None else None
@@ -111,22 +110,17 @@ class StepRun:
         if self.lanes.num_lanes:
             self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
 
-    def _spans(self, requests: list[StepRequest], rows: np.ndarray) -> list[DynamicSpan]:
-        """Every request's dynamic spans, each given the rows of its queries after it: a request's one span, its
-        nodes' rows; several spans, its nodes split evenly among them in order (span ``i`` before the ``i``-th
-        part)."""
+    def _spans(self, requests: list[StepRequest], rows: np.ndarray) -> DynamicSpans | None:
+        """The requests' dynamic spans as one :class:`DynamicSpans` (a request's spans given its nodes' rows as the
+        queries after them, split evenly among them in order); None: none. Per request with spans (a verify
+        group's: one a group), not per span."""
         spans, at = [], 0
         for r in requests:
             k = len(r.nodes)
             if r.dynamic is not None:
-                mine = rows[at:at + k]
-                if isinstance(r.dynamic, DynamicSpan):
-                    spans.append(dataclasses.replace(r.dynamic, shift_rows=mine))
-                else:
-                    parts = mine.reshape(len(r.dynamic), -1)
-                    spans += [dataclasses.replace(s, shift_rows=p) for s, p in zip(r.dynamic, parts)]
+                spans.append(r.dynamic.with_rows(rows[at:at + k]))
             at += k
-        return spans
+        return DynamicSpans.of(spans) if spans else None
 
     def _device_tokens(self, requests: list[StepRequest], placed: PlacedLanes) -> torch.Tensor | None:
         """All pending token ids on the device, placeholders replaced by the programs' and the lanes' device ids."""

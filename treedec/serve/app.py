@@ -258,7 +258,6 @@ class _Server:
         try:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)   # (every value checked before a prompt is encoded)
-            self._check_stream(body)
             body.beam_params(budget or 1)
             texts = [p for p in prompts if isinstance(p, str)]
             for text in texts:   # (all of them before any is tokenized)
@@ -284,7 +283,6 @@ class _Server:
         try:
             budget = body.token_budget()
             params = body.sampling_params(budget or 1)
-            self._check_stream(body)
             body.beam_params(budget or 1)
             ids = [params.truncated(await self.encoder_for("messages").encode(messages, True, "messages"), self.limit)]
             params = params.replace(max_tokens=self._budget(ids, budget, "messages", body.budget_field))
@@ -307,12 +305,6 @@ class _Server:
             if self.online.error is None:
                 raise ServeError("the server is shutting down", 503, "server_error", code="server_shutdown")
             raise ServeError("the engine is not running", 503, "server_error", code="engine_failed")
-
-    def _check_stream(self, body) -> None:
-        options = body.stream_options
-        if options is not None and options.continuous_usage_stats and self.llm.drafts is not None:
-            raise ServeError("stream_options.continuous_usage_stats is not supported with speculative decoding (its "
-                             "tokens are counted when the request ends)", param="stream_options")
 
     def _reserve(self, prompts: int, n: int) -> "_Slots":
         """Check a request's counts on arrival (before any work) and hold its outputs' places in the queue until it

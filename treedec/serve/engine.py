@@ -55,8 +55,13 @@ class OnlineEngine:
     drafts : every request decoded speculatively with ``drafts(spec)`` as its draft source (e.g. an
         :class:`~treedec.LLM`'s ``llm.drafts.source``), as :class:`~treedec.LLM` decodes: greedy acceptance at
         temperature 0, lossless rejection sampling above. A request speculative decoding cannot take
-        (``n > 1``, penalties, ``min_p``, logprobs, ...) is refused at :meth:`submit` (ValueError). Its steps are
-        not pipelined (the number of live requests varies; pipelining pays for small batches only).
+        (``n > 1``, ...) is refused at :meth:`submit` (ValueError).
+    pipeline : the speculative requests' steps pipelined, as
+        :func:`~treedec.programs.speculative.batch.speculative_batch` runs them offline (:mod:`treedec.programs.speculative.verify_table`: the live requests whose trees share a
+        shape verified, accepted and drafted as one batched operation each a step, whatever their number): None (the
+        default) where the draft and the request allow it on a GPU; True: a request that cannot run pipelined is
+        refused at :meth:`submit` (ValueError saying why); False: never. Each result's ``stats["pipelined"]`` and
+        ``stats["pipeline_note"]`` say which ran and why.
     max_draft_tokens : the largest draft tree (root included) a speculative request verifies a step.
     seed : the seeds given to sampled requests without one (so that a preempted request, run again from its
         start, draws the same tokens and its streamed text stays right).
@@ -81,13 +86,16 @@ class OnlineEngine:
 
     def __init__(self, engine: Engine, tokenizer=None, *, chat_template: bool = False,
                  max_step_tokens: int | None = None, drafts: Callable[[RequestSpec], DraftSource] | None = None,
-                 max_draft_tokens: int = 64, seed: int = 0,
+                 max_draft_tokens: int = 64, pipeline: bool | None = None, seed: int = 0,
                  on_iteration: Callable[[SchedulerStats, float], None] | None = None, history: int = 1024,
                  prefix_cache: bool | PrefixCache = True, grammars: GrammarCompiler | None = None):
         for name, f in (("drafts", drafts), ("on_iteration", on_iteration)):
             if f is not None and not callable(f):
                 raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
         positive_int("max_draft_tokens", max_draft_tokens)
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
+        self.pipeline = pipeline
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.scheduler = OnlineScheduler(engine, max_step_tokens=max_step_tokens, on_done=self._done,
                                          on_error=self._failed, history=history, prefix_cache=prefix_cache)
@@ -182,9 +190,8 @@ class OnlineEngine:
             program = speculative_program(
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
                 sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
-                pipeline=False, pipeline_note="online: the number of live requests varies",
-                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)),
-                grammar=grammar)
+                pipeline=self.pipeline, greedy_only=False, grammar=grammar,
+                on_text=None if tokenizer is None else lambda delta, checker: stream.text(0, delta, checker.num_tokens))
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the online engine is shut down" if self.error is None else

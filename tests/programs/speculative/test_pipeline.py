@@ -1,6 +1,6 @@
 """Pipelined speculative decoding (treedec.programs.speculative.verify_table): the same tokens, stats and tree as the
 unpipelined loop whatever the acceptance pattern, a stop read one step late rolled back with every page freed,
-the masked span itself (DynamicSpan, MaskPatch), and the refusals."""
+the masked span itself (DynamicSpans, MaskPatch), and the refusals."""
 import collections
 import dataclasses
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan, MaskPatch
+from treedec.attention.dynamic_span import DynamicSpans, MaskPatch
 from treedec.engine import Engine, greedy
 from treedec.models import ModelConfig, from_config
 from treedec.programs.speculative.acceptance import RejectionSampling, TypicalAcceptance
@@ -198,7 +198,7 @@ def test_a_dynamic_span_step_equals_the_step_without_the_unused_slots(tiny):
     span_slots = engine.tree.extend_computed(node, [7, 0, 0])
     engine.pool.copy_slots(computed, span_slots)                # 8 and 9 are the unused slots' K/V
     engine.tree.branch(node, [[11, 12]])
-    got = engine.step(dynamic=DynamicSpan(span_slots, torch.tensor([1]), np.arange(2))).logits
+    got = engine.step(dynamic=DynamicSpans.one(span_slots, torch.tensor([1]), np.arange(2))).logits
     want_engine = make_engine(tiny)
     want_node = want_engine.prefill(prompt + [7]).node
     want_engine.tree.branch(want_node, [[11, 12]])
@@ -215,15 +215,18 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     node = engine.prefill(list(range(40))).node
     slots = engine.tree.extend_computed(node, [0] * 5)
     engine.tree.add_token_tree(node, [1, 2, 3], [-1, 0, 0])
-    span = DynamicSpan(slots, torch.tensor([2]), np.arange(3))
+    span = DynamicSpans.one(slots, torch.tensor([2]), np.arange(3))
     host = engine.attn.plan_host(engine.tree.layout())
     plan = span.locate(host)
-    start, stop = span.kv_range(plan)
-    assert plan.dynamic_kv == ((start, stop),)
-    assert stop - start == 5 and plan.kv_slots[start:stop].tolist() == slots.tolist()
+    [start] = span.kv_starts(plan).tolist()
+    stop = start + 5
+    assert plan.dynamic_kv.tolist() == [[start, stop]]
+    assert plan.kv_slots[start:stop].tolist() == slots.tolist()
     others = ((0, 1), (stop, stop + 1))   # a batch's other spans: the span's range joins them, in order
-    assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv == ((0, 1), (start, stop), others[1])
-    patched = MaskPatch.of(plan, [(start, stop)], plan.mask_words, torch.device("cpu")).apply_host(plan, [2])
+    assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv.tolist() == [
+        [0, 1], [start, stop], list(others[1])]
+    patched = MaskPatch.of(plan, span, span.kv_starts(plan), plan.mask_words, torch.device("cpu")).apply_host(
+        plan, span.keep)
     cleared_exactly(plan, patched, set(range(start + 2, stop)))
     engine.tree.commit_step()
 
@@ -244,17 +247,19 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
     """Three requests' spans in one plan, patched by one MaskPatch (gap 1: each node holds only its span, so
     spans may share mask words): exactly the bits of each span's slots past its keep are cleared."""
     engine = make_engine(tiny, page_size=page_size)
-    spans, keeps = [], [0, 2, 5]
+    parts, keeps = [], [0, 2, 5]
     nodes = [engine.prefill(list(range(r, r + 3 + 9 * (1 - gap)))).node for r in range(len(keeps))]
     for node, keep in zip(nodes, keeps):
         slots = engine.tree.extend_computed(node, [0] * 5)
         engine.tree.add_token_tree(node, [1, 2], [-1, 0])
-        spans.append(DynamicSpan(slots, torch.tensor([keep]), np.arange(2)))
+        parts.append(DynamicSpans.one(slots, torch.tensor([keep]), np.arange(2)))
+    spans = DynamicSpans.concat(parts)
     host = engine.attn.plan_host(engine.tree.layout())
-    ranges = [span.kv_range(host) for span in spans]
-    patch = MaskPatch.of(host, ranges, host.mask_words, torch.device("cpu"))
-    patched = patch.apply_host(host, keeps)
-    cleared_exactly(host, patched, {f for (a, b), k in zip(ranges, keeps) for f in range(a + k, b)})
+    starts = spans.kv_starts(host)
+    assert starts.tolist() == [int(part.kv_starts(host)[0]) for part in parts]   # (arrays == one by one)
+    patch = MaskPatch.of(host, spans, starts, host.mask_words, torch.device("cpu"))
+    patched = patch.apply_host(host, spans.keep)
+    cleared_exactly(host, patched, {f for a, k in zip(starts.tolist(), keeps) for f in range(a + k, a + 5)})
     engine.tree.commit_step()
 
 

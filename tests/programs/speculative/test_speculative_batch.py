@@ -270,8 +270,7 @@ def test_pipelining_holds_at_any_batch_size_and_says_why_not(tiny):
         SpeculativeProgram([1, 2], common_tokens_draft(many[0]), StopRule(max_new_tokens=2), pipeline_note="why")
 
 
-@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_p", 0.1), ("logprobs", 2),
-                                          ("logits_processors", [lambda ids, scores: scores]), ("min_tokens", 2),
+@pytest.mark.parametrize("field, value", [("logits_processors", [lambda ids, scores: scores]), ("min_tokens", 2),
                                           ("logit_bias", {1: 2.0}), ("allowed_token_ids", [1, 2]),
                                           ("bad_words", ["x"]), ("detokenize", False),
                                           ("skip_special_tokens", False), ("spaces_between_special_tokens", False)])

@@ -267,7 +267,8 @@ def test_streamed_text_of_pipelined_requests_joins_to_their_text(permutation):
     from treedec.runtime.scheduler import run_programs
     streams = {k: [] for k in range(3)}
     programs = [SpeculativeProgram(list(range(3 + k, 15 + k)), MedusaDraft(heads, CHOICES), StopRule(9 + 4 * k, ()),
-                                   tokenizer=LetterTokenizer(), pipeline=True, on_text=streams[k].append)
+                                   tokenizer=LetterTokenizer(), pipeline=True,
+                                   on_text=lambda delta, checker, k=k: streams[k].append(delta))
                 for k in range(3)]
     results, _ = run_programs(Engine(model, kv_tokens=8192, page_size=4, backend="torch"), programs)
     for k, (checker, stats) in enumerate(results):

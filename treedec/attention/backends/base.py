@@ -35,7 +35,7 @@ __all__ = ["CAPABILITIES", "Backend", "OpArgs", "OpSizes", "PreparedLaunch", "Sp
 
 
 class SpanMasking(enum.Enum):
-    """Where a backend's runs see the unused slots of a :class:`~treedec.attention.dynamic_span.DynamicSpan`
+    """Where a backend's runs see the unused slots of a :class:`~treedec.attention.dynamic_span.DynamicSpans`
     masked (pipelined speculative decoding, whose accepted length the device decides)."""
 
     UNSUPPORTED = "unsupported"  # it attends by the tree's layout, not the plan's masks: no dynamic span

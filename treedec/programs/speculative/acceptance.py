@@ -222,7 +222,7 @@ class RejectionSampling(_SeededStream):
     """Lossless speculative sampling over a token tree: EAGLE's / SpecInfer's recursive rule.
 
     From the root down: at a node, with ``p`` the target's distribution there (its logits
-    at ``temperature``, cut to ``top_k`` / ``top_p`` as :func:`~treedec.sampling.params.sampling_probs`
+    at ``temperature``, cut to ``top_k`` / ``top_p`` / ``min_p`` as :func:`~treedec.sampling.params.sampling_probs`
     does), :func:`recursive_rejection` tries the node's children in order; an accepted child
     becomes the next node, and if none is accepted the bonus token is drawn from the
     residual of ``p`` (a leaf: from ``p``). Every emitted token is an exact sample of the
@@ -242,6 +242,7 @@ class RejectionSampling(_SeededStream):
     seed: int = 0
     top_k: int | None = None
     top_p: float = 1.0
+    min_p: float = 0.0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
     _calls: int = field(default=0, init=False, repr=False, compare=False)   # outcome() calls without a step
 
@@ -249,13 +250,14 @@ class RejectionSampling(_SeededStream):
         _check_temperature(self.temperature, "RejectionSampling")
         check_seed(self.seed)
         # (checks top_k, top_p)
-        self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        self._params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                      min_p=self.min_p)   # (checks min_p too)
 
     @property
     def batch_key(self) -> tuple:
-        """Rules of equal keys (the same temperature, top-k and top-p) decide many requests' trees in one
+        """Rules of equal keys (the same temperature, top-k, top-p and min-p) decide many requests' trees in one
         :meth:`outcomes` call, each with its own seed."""
-        return ("rejection", self.temperature, self.top_k, self.top_p)
+        return ("rejection", self.temperature, self.top_k, self.top_p, self.min_p)
 
     def first_token(self, logits: torch.Tensor) -> int:
         return int(self.first_sample(logits)[0])

@@ -34,12 +34,15 @@ from treedec.runtime.request import check_positions
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler import SchedulerStats, run_programs
 from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.sampling.stops import StopChecker
 
 #: The :class:`~treedec.sampling.params.SamplingParams` fields speculative decoding implements (the others, e.g.
-#: penalties, min_p, logprobs, are refused before anything runs rather than ignored); temperature, top_k and top_p
-#: are the acceptance rule's.
-SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                                "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of"})
+#: logits processors, min_tokens, logit_bias, are refused before anything runs rather than ignored); temperature,
+#: top_k, top_p and min_p are the acceptance rule's; the penalties and logprobs the program's
+#: (:mod:`treedec.programs.speculative.target_processing`).
+SPECULATIVE_PARAMS = frozenset({"n", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
+                                "ignore_eos", "max_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+                                "best_of", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"})
 
 __all__ = ["sampled_acceptance", "speculative_batch", "speculative_program", "speculative_results"]
 
@@ -127,15 +130,15 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
                         budget: DraftBudget | None = None, pipeline: bool | None = None,
                         pipeline_note: str | None = None, greedy_only: bool = True,
-                        on_text: Callable[[str], None] | None = None, grammar: Grammar | None = None
+                        on_text: Callable[[str, StopChecker], None] | None = None, grammar: Grammar | None = None
                         ) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
     worst case (sequence and one draft tree) within the pool's free pages (else
-    :class:`~treedec.errors.PoolExhaustedError`). ``on_text`` streams its text (:class:`SpeculativeProgram`).
-    ``grammar``: its ``structured_outputs`` compiled (:func:`~treedec.programs.generate.request_grammar`; greedy
-    only)."""
+    :class:`~treedec.errors.PoolExhaustedError`), and with ``pipeline=True`` a draft and rule that run pipelined (else
+    ValueError saying why). ``on_text`` streams its text (:class:`SpeculativeProgram`). ``grammar``: its
+    ``structured_outputs`` compiled (:func:`~treedec.programs.generate.request_grammar`; greedy only)."""
     if spec.params.n != 1 or (greedy_only and spec.params.temperature != 0):
         raise ValueError(f"request {spec.id!r}: speculative decoding gives one output a request, accepted greedily "
                          f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
@@ -151,8 +154,11 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
         rule = grammar.stop_rule(rule)
     program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
                                  budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text,
-                                 grammar=grammar)
+                                 grammar=grammar, params=spec.params)
     program.name = spec.name
+    refusal = program.pipeline_refusal(engine) if pipeline else None
+    if refusal is not None:
+        raise ValueError(f"request {spec.id!r} cannot run pipelined (pipeline=True): {refusal}")
     check_positions(engine.model, program.positions(), spec.name, before_run=True)
     pool = engine.pool   # the sequence (prompt, new tokens) and one draft tree
     worst = pool.pages_for(len(prompt_ids) + spec.params.max_tokens) + program.step_pages(pool)
@@ -169,7 +175,7 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
     ``pipeline_note``."""
     checker, stats = result
     seconds = stats.prefill_seconds + sum(stats.draft_seconds) + sum(stats.verify_seconds)
-    output = LaneOutput(checker.token_ids, checker.stop_reason, checker.text, checker.stop_string)
+    output = LaneOutput(checker.token_ids, checker.stop_reason, checker.text, checker.stop_string, stats.logprobs)
     [out] = request_results(spec, prompt_ids, [output], stats.steps, seconds, cached_tokens=stats.cached_tokens)
     out.stats.update(accepted=list(stats.accepted), draft_sizes=list(stats.draft_sizes), pipelined=stats.pipelined,
                      pipeline_note=stats.pipeline_note)
@@ -178,9 +184,9 @@ def speculative_results(spec: RequestSpec, prompt_ids: list[int], result) -> lis
 
 def sampled_acceptance(spec: RequestSpec, seed: Callable[[RequestSpec], int]) -> RejectionSampling | None:
     """The acceptance rule of a request decoded speculatively by :class:`~treedec.LLM` and the online engine: greedy
-    (None, the default rule) at temperature 0, else lossless rejection sampling at its temperature, top-k and top-p,
-    drawing from ``seed(spec)`` (called only then)."""
+    (None, the default rule) at temperature 0, else lossless rejection sampling at its temperature, top-k, top-p and
+    min-p, drawing from ``seed(spec)`` (called only then)."""
     if spec.params.temperature == 0:
         return None
     return RejectionSampling(temperature=spec.params.temperature, top_k=spec.params.top_k, top_p=spec.params.top_p,
-                             seed=seed(spec))
+                             min_p=spec.params.min_p, seed=seed(spec))

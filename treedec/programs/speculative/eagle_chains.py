@@ -6,7 +6,7 @@ never changes (:func:`chains_tree`; ``top_k=1`` is one chain, SGLang's ``--specu
 the tokens depend on values, and they stay on the device, so a speculative loop over it runs pipelined
 (:mod:`~treedec.programs.speculative.verify_table`): the drafter is synced with the target's states at the step's
 root and accepted path while their count is still a device value, and its chains read that sync's slots
-through a :class:`~treedec.attention.dynamic_span.DynamicSpan` (the unaccepted ones masked, the chains'
+through :class:`~treedec.attention.dynamic_span.DynamicSpans` (the unaccepted ones masked, the chains'
 positions moved back on the device). The ``depth - 1`` chain steps are one
 :class:`~treedec.engine.step_chain.StepChain`: one CUDA graph on a graphed drafter engine.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.engine import Engine
 from treedec.engine.step_chain import ChainContext, StepChain
 from treedec.programs.speculative.drafter_batch import PerEngine, chain_layout, sequence_slots, sync_drafter
@@ -105,14 +105,22 @@ class EagleChains(PerEngine):
         inputs = {"root_logits": root_logits, "root_hidden": root_hidden}
         if depth == 1:
             return _chains_body(None, inputs, 1, k, to_target)[0]
-        spans = []
+        slots, lengths, keeps, owners = [], [], [], []
         self._drafting = []
-        for r, (draft, tokens, _, count) in enumerate(jobs):
+        for r, (draft, tokens, _, count) in enumerate(jobs):   # (each drafter's own sequence: a host call a request)
             sequence = sequence_slots(e, draft.node)
             self._drafting.append((sequence, draft.scratch_slots()))
             if count is not None:   # its newest rows past count: masked in every chain step, its queries moved back
-                spans.append(DynamicSpan(sequence[len(sequence) - len(tokens):], count,
-                                         np.arange(r * k, (r + 1) * k, dtype=np.int64)))
+                slots.append(sequence[len(sequence) - len(tokens):])
+                lengths.append(len(tokens))
+                keeps.append(count.reshape(1))
+                owners.append(r)
+        spans = None
+        if owners:   # (one set of arrays for all of them; query rows r * k .. (r + 1) * k - 1 after span r's)
+            owner = np.asarray(owners, dtype=np.int64)
+            rows = (owner[:, None] * k + np.arange(k)[None, :]).reshape(-1)
+            spans = DynamicSpans(np.concatenate(slots).astype(np.int64), np.asarray(lengths, dtype=np.int64),
+                                 torch.cat(keeps), rows, np.repeat(np.arange(len(owners)), k))
         chain = self._chains.get((b, depth, k))
         if chain is None:
             specs = {name: (tuple(value.shape), value.dtype) for name, value in inputs.items()}

@@ -39,7 +39,9 @@ from treedec.programs.speculative.grammar_filter import DraftFilter
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
 from treedec.runtime.scheduler import run_program
+from treedec.programs.speculative.target_processing import TargetProcessing, penalizes
 from treedec.programs.speculative.verify_table import Verify, pipeline_refusal
+from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
 from treedec.sampling.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy, to_device
 from treedec.tree.token_tree import TokenTree
@@ -68,6 +70,8 @@ class SpeculativeStats:
         is made inside the step, ``draft_seconds`` are 0 and ``verify_seconds`` is each step's wall time).
     pipeline_note : why they did not, when ``pipeline`` was left to choose.
     cached_tokens : prompt tokens read from the prefix cache across requests (none computed).
+    logprobs : with the request's ``params.logprobs``, each new token's ``{token_id: Logprob}`` (the raw target's,
+        :mod:`treedec.programs.speculative.target_processing`), else None.
     """
 
     steps: int = 0
@@ -81,6 +85,7 @@ class SpeculativeStats:
     pipelined: bool = False
     pipeline_note: str = ""
     cached_tokens: int = 0
+    logprobs: list[dict] | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -136,21 +141,32 @@ class SpeculativeProgram(Program):
         chosen); True: ValueError, before anything runs, when they do not.
     pipeline_note : with ``pipeline=False``, why (``stats.pipeline_note``; default "pipeline=False"), e.g. the
         choice of :func:`~treedec.programs.speculative.batch.speculative_batch` for a large batch.
-    on_text : streaming: called as ``on_text(delta)`` with the output's new text after each verification step
+    on_text : streaming: called as ``on_text(delta, checker)`` with the output's new text after each verification step
+        (``checker``: its :class:`~treedec.sampling.stops.StopChecker`, e.g. its ``num_tokens`` so far)
         (needs ``tokenizer``; a tail that may start a stop string is held back until it does not, as
         :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
         start (a preemption) streams again from the start.
     grammar : structured outputs (greedy acceptance only): each proposal filtered by the grammar before it is
         submitted and the target's rows masked (:mod:`~treedec.programs.speculative.grammar_filter`); not pipelined.
+    params : the request's :class:`~treedec.sampling.params.SamplingParams`, for its penalties (applied to the
+        target's logits at every tree token, by its path: :mod:`treedec.programs.speculative.target_processing`)
+        and ``logprobs`` (``stats.logprobs``); its other fields are the rule's and the stop rule's. Logprobs run
+        the steps unpipelined (``stats.pipeline_note`` says so); penalties run either way (pipelined, the verify
+        group keeps its rows' counts on the device).
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
                  budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
-                 on_text: Callable[[str], None] | None = None, grammar=None):
+                 on_text: Callable[[str, StopChecker], None] | None = None, grammar=None,
+                 params: SamplingParams | None = None):
         check_draft_source(draft, "draft")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
+        self.params = params
+        self.penalized = params is not None and penalizes(params)   # (a verify group's key: its rows' counts)
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
         if pipeline is not None and not isinstance(pipeline, bool):
@@ -191,12 +207,20 @@ class SpeculativeProgram(Program):
         return Positions(p + m + depth - 1, f"a {p}-token prompt + max_new_tokens {m} + the draft's max_depth "
                                             f"{depth} - 1")
 
+    def pipeline_refusal(self, engine: Engine) -> str | None:
+        """Why its steps cannot run pipelined on ``engine`` (:func:`~treedec.programs.speculative.verify_table.
+        pipeline_refusal` of its draft and rule, its structured outputs, penalties and logprobs); None when they can."""
+        if self.grammar is not None:
+            return "structured outputs (the grammar's masks are host work between steps)"
+        if self.params is not None and self.params.logprobs is not None:
+            return "logprobs are recorded on the unpipelined path (the verify table does not keep their entries)"
+        return pipeline_refusal(engine, self.draft, self.acceptance)
+
     def run(self, ctx: ProgramContext):
         engine, draft = ctx.engine, self.draft
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
-        refusal = pipeline_refusal(engine, draft, self.acceptance) if self.grammar is None else \
-            "structured outputs (the grammar's masks are host work between steps)"
+        refusal = self.pipeline_refusal(engine)
         if self.pipeline and refusal is not None:
             raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
         note = self.pipeline_note if self.pipeline is False else (
@@ -245,7 +269,13 @@ class SpeculativeProgram(Program):
         start = time.perf_counter()
         node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
         stats.node = node
-        checker.accept(acceptance.first_token(out.logits[0] if grammar is None else grammar.first(out.logits[0])))
+        p = self.params
+        proc = None if p is None or not (penalizes(p) or p.logprobs is not None) else \
+            TargetProcessing(p, self.prompt_ids, out.logits.shape[-1], out.logits.device)
+        first = out.logits[0] if proc is None else proc.first(out.logits[:1])[0]
+        checker.accept(acceptance.first_token(first if grammar is None else grammar.first(first)))
+        if proc is not None:
+            proc.emitted(out.logits, [0], checker.token_ids)
         if grammar is not None:
             grammar.advance(checker.token_ids)
         stats.prefill_seconds = time.perf_counter() - start
@@ -279,21 +309,29 @@ class SpeculativeProgram(Program):
             drafted = time.perf_counter()
             yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
             ids = _add_tree(engine, node, tree, tokens)
-            out = yield StepRequest([node] + ids, argmax=greedy and grammar is None, **want)
+            out = yield StepRequest([node] + ids, argmax=greedy and proc is None and grammar is None, **want)
+            logits = out.logits if proc is None else \
+                proc.tree(tree, to_device(np.asarray(tokens, dtype=np.int64), engine.device), out.logits)
             # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
-            # token; rejection sampling, its decision made on the device (no wait per child tried).
+            # token (the grammar's masks applied to the processed logits); rejection sampling, its decision made
+            # on the device (no wait per child tried).
             if greedy:
-                decided = greedy_path(tree, tokens, (yield Read(out.argmax if grammar is None
-                                                                else grammar.choice(out.logits))))
+                chosen = grammar.choice(logits) if grammar is not None else \
+                    out.argmax if proc is None else sample_tokens(logits, GREEDY)
+                decided = greedy_path(tree, tokens, (yield Read(chosen)))
             elif isinstance(acceptance, RejectionSampling):   # (its numbers: this request's step's, as pipelined)
-                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs,
+                decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, logits, probs,
                                                                         step=stats.steps))))
             else:
                 decided = None
-            result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
+            before = checker.num_tokens
+            result = _settle(engine, node, tree, tokens, ids, acceptance, logits, out.hidden, out.heads,
                              head_name, stop_ids, checker, probs, decided)
             if grammar is not None and not checker.stopped:
                 grammar.advance(result.accepted + [result.bonus])
+            if proc is not None:   # (each emitted token drawn at its parent's row: the root's, then the path's)
+                new = checker.token_ids[before:]
+                proc.emitted(out.logits, ([0] + result.path)[:len(new)], new)
             stats.steps += 1
             stats.accepted.append(len(result.accepted))
             if self.budget is not None:
@@ -306,6 +344,7 @@ class SpeculativeProgram(Program):
                 draft.observe(TargetOutput(sequence, result.hidden if needs_hidden else None, result.head,
                                            target_states_at(engine, states, out, [0] + result.path)))
             self.stepped(stats, checker)
+        stats.logprobs = None if proc is None else proc.logprobs()
 
     def _pipelined(self, ctx: ProgramContext, checker: StopChecker, head_name: str | None, stats: SpeculativeStats):
         """The pipelined loop: the prompt and the first token here, then the steps in the scheduler's verify table
@@ -319,7 +358,10 @@ class SpeculativeProgram(Program):
         start = time.perf_counter()
         node, out = yield from ctx.prompt(self.prompt_ids, all_rows=kind is not None, **want)
         stats.node = node
-        first = self.acceptance.first_sample(out.logits[0])
+        logits = out.logits[0] if not self.penalized else \
+            TargetProcessing(self.params, self.prompt_ids, out.logits.shape[-1], out.logits.device).first(
+                out.logits[:1])[0]
+        first = self.acceptance.first_sample(logits)
         following = None if kind is None else torch.cat(
             [to_device(np.asarray(self.prompt_ids[1:], dtype=np.int64), engine.device), first])
         stats.prefill_seconds = time.perf_counter() - start
@@ -333,7 +375,7 @@ class SpeculativeProgram(Program):
         if self.on_text is not None:
             end = checker.streamable_length
             if end > self._shown:   # (only the new characters are joined)
-                self.on_text(checker.text_from(self._shown))
+                self.on_text(checker.text_from(self._shown), checker)
                 self._shown = end
 
 

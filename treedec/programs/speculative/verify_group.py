@@ -18,11 +18,14 @@ import time
 import numpy as np
 import torch
 
-from treedec.attention.dynamic_span import DynamicSpan
+from treedec.attention.dynamic_span import DynamicSpans
 from treedec.programs.speculative.acceptance import seed_bits
 from treedec.programs.speculative.drafts import DeviceStep, target_states_at
+from treedec.programs.speculative.target_processing import path_pairs
 from treedec.programs.speculative.verify_rows import VerifyRows
 from treedec.runtime.program import StepRequest, StepRows
+from treedec.sampling.logits import count_tokens_, token_mask
+from treedec.sampling.sampler import penalize
 from treedec.transfer import to_device
 from treedec.tree.token_tree import TokenTree
 
@@ -59,6 +62,11 @@ class VerifyGroup:
         self.seeds = torch.zeros(0, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(0, dtype=torch.int64, device=dev)
         self.head = self.flight_heads = self.states = self.fixed = None
+        # penalties (a group's rows all have some, or none): each row's output counts, prompt mask and
+        # (repetition, presence, frequency), on the device (target_processing's rules, per row)
+        self.penalized = program.penalized
+        self.counts = self.prompt_masks = self.penalties = None
+        self._pairs: dict = {}
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self._placed = None
         self._blocked: dict = {}
@@ -99,6 +107,15 @@ class VerifyGroup:
         if self.kind == "fixed":
             fixed = program.draft.device_drafts(DeviceStep(dev)).reshape(1, -1).to(torch.int64)
             self.fixed = fixed if self.fixed is None else torch.cat([self.fixed, fixed])
+        if self.penalized:   # (its first token counted: the output so far)
+            vocab, p = self.engine.model.config.vocab_size, program.params
+            counts = count_tokens_(torch.zeros(1, vocab, dtype=torch.int32, device=dev), first.reshape(1, 1))
+            mask = token_mask(program.prompt_ids, vocab, dev, "prompt_ids")
+            values = to_device(np.array([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty]],
+                                        dtype=np.float32), dev)
+            for name, row in (("counts", counts), ("prompt_masks", mask), ("penalties", values)):
+                column = getattr(self, name)
+                setattr(self, name, row if column is None else torch.cat([column, row]))
 
     def drop(self, owner) -> None:
         """Forget ``owner``'s row (its program is closed: it frees its node)."""
@@ -143,7 +160,7 @@ class VerifyGroup:
         rows.reserved[at] = flight[at]
         at_d = to_device(at, self.device)
         root = self.read.index_select(0, at_d)[:, 1]           # the bonus of the tree read next: the new root
-        keep = span_keep = None
+        keep = None
         if len(f):
             f_d = to_device(f, self.device)
             o = self.outcome.index_select(0, f_d)
@@ -155,8 +172,7 @@ class VerifyGroup:
             if self.head is not None:
                 picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
                 self.head.index_copy_(0, f_d, picked)
-            span_keep = keep.reshape(-1, 1).unbind(0)
-        spans = self._spans(at, flight[at], dst, span_keep)
+        spans = self._spans(at, flight[at], dst, keep)
         drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o if len(f) else None, unused)[:, :m - 1]
         tokens = torch.cat([root[:, None], drafted], dim=1).to(torch.int64)
         ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]))
@@ -172,13 +188,21 @@ class VerifyGroup:
         at, at_d, shape, tokens, slots = self._placed
         self._placed = None
         p, m, d = len(at), shape.size, self.depth
-        outcome = self.rule.outcomes(shape, tokens, out.logits.reshape(p, m, -1), self.seeds.index_select(0, at_d),
+        logits = out.logits.reshape(p, m, -1)
+        if self.penalized:
+            logits = self._penalize(at_d, shape, tokens, logits)
+        outcome = self.rule.outcomes(shape, tokens, logits, self.seeds.index_select(0, at_d),
                                      self.steps.index_select(0, at_d))
         pad = d - max(shape.depth)
         if pad:
             outcome = torch.cat([outcome, outcome.new_full((p, pad), -1)], dim=1)
         self.steps.index_add_(0, at_d, torch.ones_like(at_d))
         path_tokens = tokens.gather(1, outcome[:, 2:].clamp(min=0))
+        if self.penalized:   # the accepted path and the bonus join each row's output (a row that stops there ends)
+            emitted = torch.cat([path_tokens, outcome[:, 1:2]], dim=1)
+            real = torch.arange(d + 1, device=self.device)[None, :] < outcome[:, :1]
+            real[:, d] = True
+            self.counts.index_copy_(0, at_d, count_tokens_(self.counts.index_select(0, at_d), emitted, real))
         self.read.index_copy_(0, at_d, torch.cat([outcome, path_tokens], dim=1))
         self.outcome.index_copy_(0, at_d, outcome)
         full = self.m - m
@@ -194,6 +218,27 @@ class VerifyGroup:
 
     # ------------------------------------------------------------ private
 
+    def _penalize(self, at_d: torch.Tensor, shape: TokenTree, tokens: torch.Tensor, logits: torch.Tensor
+                  ) -> torch.Tensor:
+        """``logits [P, m, V]`` of the placed rows' trees penalized, each tree row by its request's output so far and
+        the draft tokens on its path (:mod:`~treedec.programs.speculative.target_processing`): a fixed number of
+        device operations for the group."""
+        p, m, vocab = logits.shape
+        pairs = self._pairs.get(shape.parents)
+        if pairs is None:
+            pairs = self._pairs[shape.parents] = path_pairs(shape, self.device)
+        rows, along = pairs
+        counts = self.counts.index_select(0, at_d)[:, None, :].expand(p, m, vocab).clone()
+        if len(rows):
+            n = len(rows)
+            counts.index_put_((torch.arange(p, device=self.device).repeat_interleave(n), rows.repeat(p),
+                               tokens[:, along].reshape(-1)), torch.ones(p * n, dtype=counts.dtype, device=self.device),
+                              accumulate=True)
+        values = self.penalties.index_select(0, at_d).repeat_interleave(m, dim=0)   # [P * m, 3]
+        mask = self.prompt_masks.index_select(0, at_d).repeat_interleave(m, dim=0)
+        return penalize(logits.reshape(p * m, vocab), mask, counts.reshape(p * m, vocab), values[:, 0], values[:, 1],
+                        values[:, 2]).reshape(p, m, vocab)
+
     def _shape(self) -> TokenTree:
         """This step's tree: the full tree, or its first draft tokens when a budget gives the group fewer (one share
         for the group: its requests' mean share of the step's budget)."""
@@ -202,17 +247,20 @@ class VerifyGroup:
         share = self.budget.group_tokens([r.program for r in self.requests], self.device, self.m - 1)
         return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
 
-    def _spans(self, at, flight, dst, keeps) -> list[DynamicSpan]:
-        """One span per placed row, in order: a row with a reservation, its ``depth`` path slots (``keep`` real);
-        a new one, none (empty)."""
-        spans, j, empty = [], 0, np.zeros(0, dtype=np.int64)
-        for has in flight.tolist():   # (one small object a row: the engine's spans are per request)
-            if has:
-                spans.append(DynamicSpan(dst[j, 1:], keeps[j], empty))
-                j += 1
-            else:
-                spans.append(DynamicSpan(empty, self._zero, empty))
-        return spans
+    def _spans(self, at, flight, dst, keep) -> DynamicSpans:
+        """The placed rows' spans, as arrays, in row order: a row with a reservation, its ``depth`` path slots
+        (``keep`` real, ``keep [F]`` on the device); a new one, an empty span."""
+        lengths = np.where(flight, self.depth, 0).astype(np.int64)
+        slots = dst[:, 1:].reshape(-1)   # (the rows with a reservation, in order: theirs alone)
+        if keep is None:   # (new rows only)
+            every = self._zero.expand(len(at))
+        elif flight.all():
+            every = keep
+        else:
+            every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
+                0, to_device(np.flatnonzero(flight), self.device), keep)
+        none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
+        return DynamicSpans(slots, lengths, every, none, none)
 
     def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
         """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""
@@ -303,7 +351,7 @@ class VerifyGroup:
         self.prompt_states = [self.prompt_states[i] for i in index]
         on = to_device(index, self.device)
         for name in ("read", "outcome", "slots", "tokens", "seeds", "steps", "head", "flight_heads", "states",
-                     "fixed"):
+                     "fixed", "counts", "prompt_masks", "penalties"):
             column = getattr(self, name)
             if column is not None:
                 setattr(self, name, column.index_select(0, on))

@@ -11,7 +11,8 @@ acceptance or rejection sampling, nothing the next step needs is a host value:
 - step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
   (:meth:`~treedec.tree.SequenceTree.extend_computed_many`), into which step n's root and accepted path K/V are
   copied on the device; the slots past the accepted length are masked and the new tree's positions moved
-  back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpan`);
+  back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpans`: the group's spans
+  as arrays);
 - its draft tokens come from the device: gathered from step n's row-head output at the last accepted token
   (:meth:`~treedec.programs.speculative.drafts.DraftSource.row_head_drafts`), fixed, or drafted from the target's
   states at step n's root and path, of which only the accepted are real (EAGLE's chains, ``submit_step``).
@@ -30,9 +31,9 @@ tokens, one outcome over the group's ``[R, m]`` logits (rejection sampling: coun
 request's seed and step, so a seeded request's tokens do not depend on the batch), the outcomes read back in the
 step's one copy. So a step's host work for a group is a fixed number of array operations whatever its size;
 Python runs per request on events (a start, an end), for the requests whose text is checked every step (stop
-strings, streaming, ``on_step``), for EAGLE's drafter syncs (each request's drafter sequence is its own: one host
-call a request, one sync and one chain run on the device for all) and to build each request's
-:class:`~treedec.attention.dynamic_span.DynamicSpan` (a small object a request a step).
+strings, streaming, ``on_step``) and for EAGLE's drafter syncs (each request's drafter sequence is its own: one host
+call a request, one sync and one chain run on the device for all); the group's spans are one
+:class:`~treedec.attention.dynamic_span.DynamicSpans` (arrays, located and patched as arrays).
 
 A draft budget (:mod:`~treedec.programs.speculative.draft_budget`) gives a group ONE share per step (the mean of
 its requests' shares, :meth:`~treedec.programs.speculative.draft_budget.DraftBudget.group_tokens`): the group's
@@ -97,7 +98,7 @@ class VerifyTable(BulkTable):
         kind = draft_kind(draft)
         drafting = (draft.batch_key or id(draft)) if kind == "heads" else None
         key = (draft.fixed_tree.parents, kind, drafting, program.acceptance.batch_key, program.target_states,
-               request.head_name, id(program.budget))
+               request.head_name, id(program.budget), program.penalized)
         group = self.groups.get(key)
         if group is None:
             group = self.groups[key] = VerifyGroup(self.engine, request)
