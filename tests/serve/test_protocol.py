@@ -12,7 +12,6 @@ from tests.engines import tiny_model
 from tests.tokenizers_local import build_tokenizer
 from treedec import LLM, SamplingParams
 from treedec.models.text import load_tokenizer
-from treedec.runtime.request import pages_in_use
 from treedec.serve.protocol import MAX_STOP_STRINGS, CompletionRequest, ServeError
 
 PROMPT = "The quick brown fox"
@@ -102,7 +101,7 @@ def test_bad_sampling_fields_are_400_naming_the_field(server, client, fields, pa
     error = e.value.body
     assert message in error["message"] and error["param"] == param
     assert time.perf_counter() - start < 5
-    assert pages_in_use(server.llm.engine.pool) - server.online.scheduler.cache.num_pages == 0
+    assert server.pages().held_pages == 0
 
 
 @pytest.mark.parametrize("fields", [dict(temperature=1e-45), dict(temperature=5e-324),
