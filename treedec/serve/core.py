@@ -185,8 +185,11 @@ def run_core_process(recipe: Callable[[], Any], input_address: str, output_addre
     serves the ZMQ sockets at ``input_address`` (PULL) and ``output_address`` (PUSH) until told to end, until its
     parent process is gone, or until its engine fails (exit code 1)."""
     import multiprocessing
+    import signal
 
     import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # (Ctrl-C reaches the frontend, which ends the core in order)
 
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
@@ -207,7 +210,7 @@ def run_core_process(recipe: Callable[[], Any], input_address: str, output_addre
         llm = recipe()
         core = EngineCore(llm, send, max_step_tokens=max_step_tokens, seed=seed)
     except BaseException as e:   # (a bad model path, a pool too large: the user reads this line)
-        send(CoreStartupFailed(f"{type(e).__name__}: {e}"))
+        send(CoreStartupFailed(type(e).__name__, str(e)))
         outputs.close()
         context.term()
         os._exit(1)

@@ -35,7 +35,7 @@ from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOu
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, Shutdown, dumps, loads)
 
-__all__ = ["CoreClient", "EngineDeadError", "EngineStartupError", "InProcessClient", "ProcessClient",
+__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient",
            "RequestStream"]
 
 #: Seconds between two checks of the core's health (its process, or its engine's thread).
@@ -47,8 +47,18 @@ class EngineDeadError(RuntimeError):
     with it."""
 
 
+class EngineError(RuntimeError):
+    """A request failed in the engine core (its engine step failed: every live request gets it); the message starts
+    with the core's error class."""
+
+
 class EngineStartupError(RuntimeError):
-    """The engine core could not start (its reason in the message)."""
+    """The engine core could not start (its reason in the message; ``kind``: the class name of the core's error,
+    e.g. ``"FileNotFoundError"``, or None when the process ended or did not answer)."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 class RequestStream:
@@ -201,7 +211,7 @@ class CoreClient:
             if stream is not None:
                 error_type = ERROR_KINDS.get(failure.kind)
                 error = error_type(failure.message) if error_type is not None else \
-                    EngineDeadError(f"{failure.kind.split(':', 1)[-1]}: {failure.message}")
+                    EngineError(f"{failure.kind.split(':', 1)[-1]}: {failure.message}")
                 if not stream.accepted.done():   # (refused on arrival)
                     self._unacknowledged -= stream.outputs
                     stream.accepted.set_exception(error)
@@ -359,7 +369,7 @@ class ProcessClient(CoreClient):
                     raise EngineStartupError(f"the engine core did not start within {self.startup_timeout:g} s")
             first = self._out_codec.decode(self._outputs.recv())
             if isinstance(first, CoreStartupFailed):
-                raise EngineStartupError(f"the engine core failed to start: {first.message}")
+                raise EngineStartupError(first.message, first.kind)
             if not isinstance(first, CoreReady):
                 raise EngineStartupError(f"the engine core's first message is a {type(first).__name__}")
         except BaseException:
@@ -417,6 +427,14 @@ class ProcessClient(CoreClient):
         returns whether it ended by itself."""
         self.shutdown()
         return await asyncio.get_running_loop().run_in_executor(None, self._stop_process, timeout)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """:meth:`close` without a loop (a command whose server never started): tell the core to end, wait for its
+        process; returns whether it ended by itself."""
+        if self.ready is not None and self.dead is None and not self._closing:
+            self._closing = True
+            self._send(Shutdown())
+        return self._stop_process(timeout)
 
     def _stop_process(self, timeout: float) -> bool:
         handle, clean = self.process_handle, True

@@ -85,8 +85,9 @@ class CoreReady(msgspec.Struct, tag=True, frozen=True):
 
 
 class CoreStartupFailed(msgspec.Struct, tag=True, frozen=True):
-    """The core could not be built (a bad model path, too little memory): what went wrong, in one line."""
+    """The core could not be built (a bad model path, too little memory): the error's class name and message."""
 
+    kind: str
     message: str
 
 
