@@ -59,6 +59,7 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(serve
 def test_the_tokenizer_runs_off_the_event_loop(server, tokenizer, reference, monkeypatch):
     """A prompt whose tokenizing takes 2 s (held back by the test) does not hold the server: /health, /v1/models and
     another client's stream are answered meanwhile."""
+    tokenizer = server.online.tokenizer   # (the frontend's: in process mode a copy of the core's)
     encode, release = tokenizer.encode, threading.Event()
 
     def slow(text, **kw):

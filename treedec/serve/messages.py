@@ -16,7 +16,10 @@ token (text deltas, token counts, token ids, stats) is a typed struct field.
 """
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
+from types import MappingProxyType
 from typing import Union
 
 import msgspec
@@ -27,8 +30,22 @@ __all__ = ["AbortRequests", "AddRequest", "CoreInput", "CoreOutput", "CoreReady"
 
 
 def dumps(value) -> bytes:
-    """A pickled field (see the module docstring)."""
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    """A pickled field (see the module docstring); a read-only mapping (``SamplingParams.logit_bias``) travels as
+    one."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(value)
+    return out.getvalue()
+
+
+def read_only(mapping: dict) -> MappingProxyType:
+    """A read-only view of ``mapping`` (how :func:`loads` rebuilds a ``MappingProxyType``)."""
+    return MappingProxyType(mapping)
+
+
+#: :func:`dumps`' reducers: copyreg's, and a ``MappingProxyType`` as one over a copy of its dict (pickle has none).
+_DISPATCH = {**copyreg.dispatch_table, MappingProxyType: lambda m: (read_only, (dict(m),))}
 
 
 def loads(data: bytes):
