@@ -190,7 +190,8 @@ def test_a_core_that_cannot_start_is_one_line_and_exit_2(tmp_path, capsys, monke
     started = time.monotonic()
     assert main(["serve", "--config", "tiny", "--tokenizer", str(empty), "--kv-tokens", "256"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("treedec: error: ") and str(empty) in err and err.count("\n") == 1, err
+    assert err.startswith("treedec serve: error: ") and str(empty) in err and err.count("\n") == 1, err
+    assert "has no tokenizer" in err and "unexpected" not in err, err
     assert "Traceback" not in err and time.monotonic() - started < 120
 
 

@@ -156,5 +156,7 @@ def check(server, abuse, answered) -> None:
     answered(answer)
     after, seconds_after, _ = run_with(server)
     assert ids == before == after
+    print(f"abuse margin: {seconds:.2f} s with it, {seconds_before:.2f} / {seconds_after:.2f} s alone: "
+          f"{seconds / max(seconds_before, seconds_after):.2f}x of the 2x bound")
     assert seconds <= 2 * max(seconds_before, seconds_after), (seconds, seconds_before, seconds_after)
     assert free_again(server, timeout=60) == 0

@@ -102,7 +102,8 @@ class CoreReady(msgspec.Struct, tag=True, frozen=True):
 
 
 class CoreStartupFailed(msgspec.Struct, tag=True, frozen=True):
-    """The core could not be built (a bad model path, too little memory): the error's class name and message."""
+    """The core could not be built (a bad model path, too little memory): the name of the error's nearest built-in
+    class (``FileNotFoundError``, ``ValueError``, ...) and its message."""
 
     kind: str
     message: str
