@@ -170,7 +170,7 @@ def test_a_load_with_random_aborts_loses_nothing_duplicates_nothing_and_frees_ev
             key = (fields["prompt"], fields["max_tokens"], fields["n"], tuple(fields["stop"] or ()))
             if key not in seen:
                 [want] = reference.generate(fields["prompt"], SamplingParams(
-                    max_tokens=fields["max_tokens"], temperature=0.0, n=fields["n"], stop=fields["stop"]),
+                    max_tokens=fields["max_tokens"], temperature=0.0, n=fields["n"], stop=fields["stop"] or []),
                     use_tqdm=False)
                 seen[key] = [o.text for o in want.outputs]
             assert texts == seen[key], (fields, texts, seen[key])

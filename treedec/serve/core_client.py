@@ -23,11 +23,14 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
+import treedec
 from treedec.runtime.online import ProgramAborted
 from treedec.runtime.streams import STREAM_END, StreamFailure, StreamOutput
 from treedec.serve.core import ERROR_KINDS, EngineCore, run_core_process
@@ -355,6 +358,9 @@ class ProcessClient(CoreClient):
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.LINGER, 0)
         self._outputs.bind(output_address)
+        root = str(Path(treedec.__file__).resolve().parents[1])
+        if root not in sys.path:   # (the child imports this treedec: a checkout's, which python -m takes off the path)
+            sys.path.append(root)   # (last: nothing in it shadows an installed module)
         spawn = multiprocessing.get_context("spawn")   # (CUDA cannot be forked; the core imports torch alone)
         self.process_handle = spawn.Process(target=run_core_process, name="treedec-engine-core", daemon=True,
                                             args=(self.recipe, input_address, output_address, *self._options))
