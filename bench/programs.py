@@ -156,7 +156,8 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, max_position=longest)
     rng = np.random.default_rng(args.seed)
     prompt_ids = {p: rng.integers(0, config.vocab_size, p).tolist() for p in args.prompts}
-    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp)
+    model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp,
+                        quantization=args.quantization)
     config = model.config   # with tensor parallelism: this rank's heads and columns (its floors are per rank)
     work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
     work.eagle_depth, work.eagle_top_k = args.eagle_depth, args.eagle_top_k
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
-        "dtype": args.dtype, "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
+        "dtype": args.dtype, "quantization": args.quantization, "linear_paths": model.linear_paths(),
+        "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes,
         "kv_bytes_per_token": 2 * config.num_layers * config.num_kv_heads * config.head_dim * model.dtype.itemsize,
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
         "tree_tokens": medusa.size,
@@ -176,8 +178,9 @@ def main(argv=None) -> int:
     }
     tp_note = f", tensor parallel over {tp.size} ranks (this rank's weights)" if tp is not None else ""
     if lead:
-        print(f"{results['device']}: {args.model} {args.dtype}, {model.weight_bytes() / 1e9:.2f} GB of weights "
-              f"(+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
+        quantized = f" ({args.quantization} weights: {model.linear_paths()})" if args.quantization else ""
+        print(f"{results['device']}: {args.model} {args.dtype}{quantized}, {model.weight_bytes() / 1e9:.2f} GB of "
+              f"weights (+{heads_bytes / 1e9:.2f} GB Medusa heads), copy bandwidth {bandwidth / 1e12:.2f} TB/s{tp_note}",
               file=sys.stderr)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -327,6 +330,9 @@ def _parse_args(argv):
     parser.add_argument("--model", default=None, help="a named size of treedec.models.MODEL_SIZES, any family's "
                         "(default llama3-8b; tiny with --smoke; e.g. gemma3-4b, gemma3-12b, qwen3-8b, phi3-mini-4k)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the projections when the model is built (fp8 e4m3, per output row; the "
+                             "paths each layer runs are printed and recorded)")
     parser.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 4000,32000; smoke 200)")
     parser.add_argument("--programs", type=names, default=list(PROGRAMS), help=f"subset of {','.join(PROGRAMS)}")
     parser.add_argument("--methods", type=names, default=None,

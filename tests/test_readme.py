@@ -236,5 +236,7 @@ def test_client_block_runs_against_a_server(tmp_path, capsys):
         reply = namespace["reply"]
         assert reply.model == "smollm2" and reply.choices[0].message.role == "assistant"
         assert str(reply.usage.completion_tokens) in capsys.readouterr().out
+        assert namespace["place"].choices[0].message.content.startswith("{")   # (a random model: JSON begun, at least)
+        assert namespace["yes_no"].choices[0].text in (" yes", " no")
     finally:
         server.stop()

@@ -17,6 +17,7 @@ _NAMES = {
     "LLM": "treedec.llm", "BeamSearchOutput": "treedec.llm", "BeamSearchSequence": "treedec.llm",
     "CompletionOutput": "treedec.llm", "RequestOutput": "treedec.llm",
     "BeamSearchParams": "treedec.programs", "SamplingParams": "treedec.sampling",
+    "StructuredOutputsParams": "treedec.sampling",
     "SpeculativeConfig": "treedec.programs.speculative",
     "PlanConfig": "treedec.attention", "TreeAttention": "treedec.attention", "TreePlan": "treedec.attention",
     "BackendUnavailableError": "treedec.errors", "PlanError": "treedec.errors", "PoolExhaustedError": "treedec.errors",

@@ -38,7 +38,8 @@ from treedec.models.text import encode_prompt, load_tokenizer
 from treedec.programs import BeamSearchResult, generate_batch
 from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
 from treedec.sampling import SamplingParams
-from treedec.programs.generate import prepare_requests, step_progress
+from treedec.programs.generate import grammar_compiler, prepare_requests, step_progress
+from treedec.sampling.grammar import GrammarCompiler
 from treedec.programs.beam import BeamSearchParams, beam_program
 from treedec.runtime.request import MODEL_EOS, eos_token_ids, position_limit
 from treedec.programs.speculative import SpeculativeConfig, speculative_batch
@@ -242,6 +243,15 @@ class LLM:
             logger.info("speculative decoding: %s", self.drafts.note)
         self.generator = torch.Generator(self.model.device).manual_seed(seed)
         self.prefix_cache = PrefixCache(self.engine.tree) if enable_prefix_caching else None
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The :class:`~treedec.sampling.grammar.GrammarCompiler` of requests' ``structured_outputs`` (made at the
+        first use: its compiled grammars are cached across calls)."""
+        if self._grammars is None:
+            self._grammars = grammar_compiler(self.engine, self.get_tokenizer())
+        return self._grammars
 
     def get_tokenizer(self):
         """The tokenizer (vLLM's ``LLM.get_tokenizer``). Raises ValueError when this LLM has none (a loaded model
@@ -306,11 +316,12 @@ class LLM:
         if not ids:
             raise ValueError("prompts is empty: give at least one")
         eos = None if params.ignore_eos else MODEL_EOS
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         programs = []
         for i, prompt in enumerate(ids):
             self._check_length(f"prompts[{i}]", len(prompt), params.max_tokens)
             programs.append(beam_program(self.engine, prompt, params.beam_width, params.max_tokens,
-                                         params.length_penalty, eos, params.early_stopping))
+                                         params.length_penalty, eos, params.early_stopping, grammar))
         with tqdm(total=len(programs), unit="prompt", desc="beam search", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
             results, _ = run_programs(self.engine, programs, prefix_cache=self.prefix_cache,
@@ -384,15 +395,21 @@ class LLM:
             step = step_progress(bar)   # the bar moves every engine step, not only when a request finishes
             if self.drafts is None:
                 results, _ = generate_batch(self.engine, runs, self.tokenizer, False, self.generator,
-                                            on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
+                                            on_request_done=done, on_step=step, prefix_cache=self.prefix_cache,
+                                            grammars=self._structured(runs))
             else:
                 results, _ = speculative_batch(self.engine, runs, self.drafts.source, self.tokenizer, False,
                                                acceptance=lambda spec: sampled_acceptance(spec, self._seed),
-                                               on_request_done=done, on_step=step, prefix_cache=self.prefix_cache)
+                                               on_request_done=done, on_step=step, prefix_cache=self.prefix_cache,
+                                               grammars=self._structured(runs))
         by_request: dict[str, list[RequestResult]] = {}
         for r in results:
             by_request.setdefault(r.id, []).append(r)
         return [_request_output(spec, by_request[spec.id]) for spec in specs]
+
+    def _structured(self, specs: Sequence[RequestSpec]) -> GrammarCompiler | None:
+        """:attr:`grammars` when a request has ``structured_outputs``, else None (nothing made)."""
+        return self.grammars if any(s.params.structured_outputs is not None for s in specs) else None
 
     def _beam_output(self, prompt: list[int], result: BeamSearchResult, params: BeamSearchParams) -> BeamSearchOutput:
         eos = set() if params.ignore_eos else set(eos_token_ids(MODEL_EOS, self.model))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from treedec.models import from_config
-from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, SCALED_MM, Fp8Linear, dequantize, quantize_rows
+from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_SCALED_MM, Fp8Linear, dequantize, quantize_rows
 from treedec.models.linear import Linear
 from tests.models.families import DenseAttend
 
@@ -108,16 +108,16 @@ def test_bad_method_fields_are_named():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [17, 64, 300])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
-    """torch._scaled_mm with per-token activation scales == the fp32 GEMM of the same quantized activations and
-    weights within 2%, and the float one within 6%; the path is reported."""
+    """Above 16 rows: torch._scaled_mm with per-token activation scales == the fp32 GEMM of the same quantized
+    activations and weights within 2%, and the float one within 6%; the path is reported."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy=strategy, dtype=torch.bfloat16, device="cuda",
                           bias=True)
-    assert layer.path == SCALED_MM
+    assert layer.path == GEMV_SCALED_MM
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     xq, xs = quantize_rows(x)
@@ -129,8 +129,23 @@ def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
 
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_few_rows_take_the_weight_only_gemv_on_gpu(rows):
+    """At most 16 rows: the weight-only GEMV (activations unquantized) == the float GEMM with the de-quantized
+    weights within bf16's rounding (1%)."""
+    layer, w = _fp8_layer((128, 64, 64), cols=256, strategy="channel", dtype=torch.bfloat16, device="cuda",
+                          bias=True)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 256)
+    assert _rel(out, x.float() @ w.T + layer.bias.float()) < 0.01
+
+
+@pytest.mark.gpu
+@CUDA
 def test_fp8_model_graphed_compiled_steps_on_gpu():
-    """A quantized-on-load tiny model on the GPU: every projection but the head on _scaled_mm; compiled, captured
+    """A quantized-on-load tiny model on the GPU: every projection but the head fp8 (the GEMV at these few rows,
+    _scaled_mm for the prompt's); compiled, captured
     steps equal eager ones over the same tokens (the eager run's greedy ones: each engine choosing its own would
     compare different sequences once a near-tie flips, as on 2026-12-02 at the fifth step); logits near the bf16
     model's (rel 0.1)."""
@@ -140,7 +155,7 @@ def test_fp8_model_graphed_compiled_steps_on_gpu():
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda", quantization="fp8")
     bf16 = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     c = model.config
-    assert model.linear_paths() == {SCALED_MM: 4 * c.num_layers, "F.linear": 1}
+    assert model.linear_paths() == {GEMV_SCALED_MM: 4 * c.num_layers, "F.linear": 1}
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, 300).tolist()
     outs, tokens = [], []
     for m, kw in ((model, {}), (model, dict(cuda_graphs=True, compile_model=True)), (bf16, {})):

@@ -21,6 +21,12 @@ Apply (chosen per layer when loading ends, by device, and recorded in :attr:`Lin
   (``amax / 448``), ``torch._scaled_mm`` with row-wise scales on both sides, bf16 out.
 - :data:`DEQUANTIZE`: ``F.linear(x, W.to(x.dtype), bias)`` — the reference, what the CPU runs (and a
   weight-only scheme, or a GPU without fp8 tensor cores).
+
+On a CUDA device with Triton, steps of at most :data:`~treedec.kernels.fp8_gemv.MAX_ROWS` rows (a decode
+step of few requests) go to the weight-only fp8 GEMV instead (:mod:`treedec.kernels.fp8_gemv`: the e4m3
+weight tiles converted in registers, the activations unquantized), chosen per call by the number of rows;
+the layer's path then names both (:data:`GEMV_SCALED_MM`, :data:`GEMV_DEQUANTIZE`). Without Triton the
+layer's path is the one above alone, and says so.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from torch import nn
 
 from treedec.models.linear import Linear, TensorSpec, check_loaded_value
 
-__all__ = ["DEQUANTIZE", "FP8", "FP8_MAX", "Fp8Linear", "SCALED_MM", "dequantize", "quantize_rows", "scaled_mm"]
+__all__ = ["DEQUANTIZE", "FP8", "FP8_MAX", "GEMV_DEQUANTIZE", "GEMV_SCALED_MM", "SCALED_MM", "Fp8Linear",
+           "dequantize", "quantize_rows", "scaled_mm"]
 
 FP8 = torch.float8_e4m3fn
 #: The largest e4m3 value.
@@ -41,6 +48,9 @@ FP8_MAX = float(torch.finfo(FP8).max)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALED_MM = "torch._scaled_mm (fp8 x fp8, dynamic per-token activation scales)"
 DEQUANTIZE = "de-quantize + F.linear"
+_GEMV = "the weight-only fp8 GEMV (Triton) for steps of at most 16 rows, "
+GEMV_SCALED_MM = _GEMV + SCALED_MM + " above"
+GEMV_DEQUANTIZE = _GEMV + DEQUANTIZE + " above"
 _SOURCES = ("checkpoint", "quantize")
 _STRATEGIES = ("tensor", "channel")
 _ACTIVATIONS = ("dynamic", "none")
@@ -144,8 +154,26 @@ class Fp8Linear:
                 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
                 and torch.cuda.get_device_capability(weight.device) >= (8, 9))
         layer.path = SCALED_MM if fast else DEQUANTIZE
+        if weight.device.type == "cuda" and layer.dtype in (torch.bfloat16, torch.float16) and _gemv_available():
+            layer.path = GEMV_SCALED_MM if fast else GEMV_DEQUANTIZE
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.path == SCALED_MM:
+        path = layer.path
+        if path in (GEMV_SCALED_MM, GEMV_DEQUANTIZE):
+            from treedec.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
+            if x.numel() <= MAX_ROWS * x.shape[-1]:
+                return fp8_gemv(x, layer.weight, layer.weight_scale, bias)
+            path = SCALED_MM if path == GEMV_SCALED_MM else DEQUANTIZE
+        if path == SCALED_MM:
             return scaled_mm(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
+
+
+def _gemv_available() -> bool:
+    """Whether the Triton GEMV can be imported (Triton ships with CUDA builds of torch; a layer without it
+    keeps the many-row path alone, which its :attr:`Linear.path` says)."""
+    try:
+        import treedec.kernels.fp8_gemv  # noqa: F401
+    except ImportError:
+        return False
+    return True

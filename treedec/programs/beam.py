@@ -18,6 +18,12 @@ prefix is read in place). Candidate selection is that of transformers'
    score over ``length ** length_penalty``, with ``length`` the tokens generated so far,
    or ``max_new_tokens`` when ``early_stopping == "never"`` and ``length_penalty > 0``.
 
+With a grammar (structured outputs: ``beam_program(..., grammar=...)``, :class:`BeamSearchParams`'
+``structured_outputs``) every live beam carries its own matcher: each step its logits are masked by its matcher's
+bitmask before the log-softmax (the scores are the masked distribution's), a candidate the grammar forbids is never
+kept, and a beam continued by several candidates forks its matcher, one per child (xgrammar's ``fork``); a grammar
+ends only at an EOS id (the grammar's stop ids when the search has none).
+
 On the tree: a beam continued by one candidate grows in place (its leaf is extended); a
 beam continued by m > 1 candidates gets m children (they share its KV, nothing is
 copied); a beam not continued is pruned with every ancestor that leads only to it, so
@@ -36,6 +42,8 @@ from treedec.engine import Engine
 from treedec.runtime.request import MODEL_EOS, Positions, RequestStats, eos_token_ids, pages_in_use
 from treedec.runtime.program import Program, ProgramContext, StepRequest
 from treedec.runtime.scheduler import run_program
+from treedec.sampling.grammar import BitmaskRows, Grammar, apply_bitmask
+from treedec.sampling.structured import StructuredOutputsParams, structured_outputs
 from treedec.tree.validate import int_list
 
 EARLY_STOPPING = (False, True, "never")
@@ -64,6 +72,9 @@ class BeamSearchParams:
         NotImplementedError).
     early_stopping : treedec's (transformers'): False (stop when the best live beam cannot win), True (stop as soon
         as ``beam_width`` hypotheses are finished) or ``"never"``.
+    structured_outputs : None, or a :class:`~treedec.sampling.structured.StructuredOutputsParams` (a mapping of its
+        fields): every hypothesis matches it, each beam with its own grammar state (treedec's; vLLM's beam search
+        takes none).
     """
 
     beam_width: int
@@ -73,8 +84,10 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     early_stopping: bool | str = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "structured_outputs", structured_outputs(self.structured_outputs))
         positive_int("beam_width", self.beam_width)
         positive_int("max_tokens", self.max_tokens)
         if not isinstance(self.ignore_eos, bool):
@@ -120,7 +133,7 @@ def beam_search(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_n
 
 def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
                  length_penalty: float = 1.0, eos_token_id: int | Sequence[int] | str | None = MODEL_EOS,
-                 early_stopping: bool | str = False) -> BeamProgram:
+                 early_stopping: bool | str = False, grammar: Grammar | None = None) -> BeamProgram:
     """The :class:`BeamProgram` of a beam search of width ``num_beams`` after ``prompt_ids``, its arguments checked
     (:func:`beam_search` runs it alone; many run batched with :func:`~treedec.runtime.scheduler.run_programs`).
 
@@ -144,6 +157,8 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
         ``max_new_tokens``).
     early_stopping : False (stop when the heuristic says the best live beam cannot win),
         True (also stop as soon as ``num_beams`` hypotheses are finished) or "never".
+    grammar : a compiled structured-output constraint (:class:`~treedec.sampling.grammar.Grammar`): every
+        hypothesis matches it (see the module docstring); without EOS ids its stop ids end a hypothesis.
 
     Raises
     ------
@@ -155,6 +170,8 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
     length_penalty = finite_float("length_penalty", length_penalty)
     vocab = engine.model.config.vocab_size
     eos = eos_token_ids(eos_token_id, engine.model)
+    if grammar is not None and not eos:
+        eos = tuple(grammar.stop_token_ids)
     if not any(early_stopping is v if isinstance(v, bool) else early_stopping == v for v in EARLY_STOPPING):
         raise ValueError(f"early_stopping must be False, True or 'never', got {early_stopping!r}")
     keep = max(2, 1 + len(eos)) * num_beams
@@ -162,7 +179,7 @@ def beam_program(engine: Engine, prompt_ids: Sequence[int], num_beams: int, max_
         raise ValueError(f"num_beams={num_beams} with {len(eos)} EOS id(s) keeps {keep} candidates per step, more "
                          f"than the vocabulary ({vocab}); use num_beams <= {vocab // max(2, 1 + len(eos))}")
     prompt_ids = int_list(prompt_ids, "prompt_ids", low=0)
-    return BeamProgram(prompt_ids, num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep)
+    return BeamProgram(prompt_ids, num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep, grammar)
 
 
 class BeamProgram(Program):
@@ -171,9 +188,9 @@ class BeamProgram(Program):
     with ``eos`` the EOS ids and ``keep`` the candidates kept per step."""
 
     def __init__(self, prompt_ids: list[int], num_beams: int, max_new_tokens: int, length_penalty: float,
-                 eos: tuple[int, ...], early_stopping: bool | str, keep: int):
+                 eos: tuple[int, ...], early_stopping: bool | str, keep: int, grammar: Grammar | None = None):
         self.prompt_ids = list(prompt_ids)
-        self.args = (num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep)
+        self.args = (num_beams, max_new_tokens, length_penalty, eos, early_stopping, keep, grammar)
 
     def step_pages(self, pool) -> int:
         return self.args[0]   # each live beam may start a page
@@ -201,19 +218,21 @@ class BeamProgram(Program):
 class _Beam:
     node: int            # the leaf whose last token is this beam's last token
     tokens: list[int]    # new tokens so far
+    matcher: object = None   # its grammar state (structured outputs), else None
 
 
 class _BeamSearch:
     """The state of one search: live beams (best first) with float32 scores, finished hypotheses."""
 
     def __init__(self, ctx: ProgramContext, root: int, num_beams: int, max_new_tokens: int, length_penalty: float,
-                 eos: tuple[int, ...], early_stopping: bool | str, keep: int):
+                 eos: tuple[int, ...], early_stopping: bool | str, keep: int, grammar: Grammar | None = None):
         engine = ctx.engine
         self.ctx, self.engine, self.tree, self.root = ctx, engine, engine.tree, root
         self.num_beams, self.max_new_tokens, self.length_penalty = num_beams, max_new_tokens, length_penalty
         self.eos = torch.tensor(eos, dtype=torch.int64, device=engine.device)
         self.early_stopping, self.keep = early_stopping, keep
-        self.beams = [_Beam(root, [])]
+        self.masks = None if grammar is None else BitmaskRows(grammar.vocab, engine.device)
+        self.beams = [_Beam(root, [], None if grammar is None else grammar.matcher(eos))]
         self.scores = torch.zeros(1, dtype=torch.float32, device=engine.device)   # [live beams] cumulative log-probs
         self.finished: list[tuple[float, list[int]]] = []         # (score, tokens), best first, <= num_beams
         # The pages the search does not hold (the prompt's are its own).
@@ -225,8 +244,13 @@ class _BeamSearch:
         """Steps until a stop condition (a generator); ``logits`` [1, vocab]: the prompt's next-token logits."""
         for generated in range(1, self.max_new_tokens + 1):    # tokens each candidate of this step has
             vocab = logits.shape[-1]
+            if self.masks is not None:   # (each beam's grammar state: the masked distribution's log-probs)
+                logits = apply_bitmask(logits.float().clone(), self.masks.fill([b.matcher for b in self.beams]))
             cumulative = torch.log_softmax(logits.float(), dim=-1) + self.scores[:, None]
             top_scores, top_index = cumulative.reshape(-1).topk(self.keep)   # [keep], best first
+            if self.masks is not None:   # (fewer allowed candidates than kept: the forbidden ones are no candidates)
+                allowed = int(torch.isfinite(top_scores).sum())
+                top_scores, top_index = top_scores[:allowed], top_index[:allowed]
             top_token = top_index % vocab
             parent, token = (top_index // vocab).tolist(), top_token.tolist()
             stops = torch.isin(top_token, self.eos) | (generated >= self.max_new_tokens)
@@ -246,7 +270,7 @@ class _BeamSearch:
         """
         scores = (top_scores / (generated ** self.length_penalty)).tolist()   # float32, as transformers
         new = [(scores[i], self.beams[parent[i]].tokens + [token[i]])
-               for i in range(self.num_beams) if stops[i]]
+               for i in range(min(self.num_beams, len(stops))) if stops[i]]
         # A stable sort: on equal scores the older hypothesis stays first.
         self.finished = sorted(self.finished + new, key=lambda h: -h[0])[: self.num_beams]
 
@@ -284,7 +308,12 @@ class _BeamSearch:
         beams = []
         for p, t in chosen:
             node = next(children[p]) if p in children else self.beams[p].node
-            beams.append(_Beam(node, self.beams[p].tokens + [t]))
+            matcher = self.beams[p].matcher
+            if matcher is not None:   # a branch's own grammar state: each child of a beam forks it
+                matcher = matcher.fork() if p in children else matcher
+                if not matcher.accept_token(t):
+                    raise RuntimeError(f"beam search: the grammar does not accept token {t}, which its mask allowed")
+            beams.append(_Beam(node, self.beams[p].tokens + [t], matcher))
         self.beams = beams
         logits = (yield StepRequest([b.node for b in beams])).logits
         self.stats.steps += 1

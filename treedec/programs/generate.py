@@ -38,14 +38,15 @@ from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.decode import Decode, LaneOutput
 from treedec.sampling.logits import prompt_logprobs
 from treedec.runtime.prefix_cache import PrefixCache
+from treedec.sampling.grammar import Grammar, GrammarCompiler
 from treedec.sampling.params import SEED_MAX, SamplingParams
 from treedec.runtime.program import Program, ProgramContext
 from treedec.runtime.request import Positions, check_positions, position_limit
 from treedec.runtime.scheduler import SchedulerStats, run_programs
 from treedec.sampling.stops import StopChecker, StopRule
 
-__all__ = ["GenerateProgram", "generate_batch", "prepare_requests", "request_results", "step_progress",
-           "worst_case_pages"]
+__all__ = ["GenerateProgram", "generate_batch", "grammar_compiler", "prepare_requests", "request_grammar",
+           "request_results", "step_progress", "worst_case_pages"]
 
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
@@ -55,7 +56,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                    max_step_tokens: int | None = None,
                    on_text: Callable[[RequestSpec, int, str], None] | None = None,
                    on_step: Callable[[SchedulerStats], None] | None = None,
-                   prefix_cache: PrefixCache | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                   prefix_cache: PrefixCache | None = None, grammars: GrammarCompiler | None = None
+                   ) -> tuple[list[RequestResult], SchedulerStats]:
     """Run ``requests`` batched over ``engine``'s forest (see the module docstring).
 
     Parameters
@@ -84,6 +86,8 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         (progress per step).
     prefix_cache : a prefix cache of ``engine``'s tree kept across calls
         (:func:`~treedec.runtime.scheduler.run_programs`).
+    grammars : compiles the requests' ``structured_outputs`` (cached across calls: an :class:`~treedec.LLM`'s);
+        default one made for this call from ``tokenizer`` when a request has them (:func:`grammar_compiler`).
 
     Returns
     -------
@@ -108,7 +112,10 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
         raise ValueError("on_text streams detokenized text: it must be callable and needs the checkpoint's tokenizer")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
     on_output = None if on_text is None else (lambda spec, i, delta, checker: delta and on_text(spec, i, delta))
-    programs = [GenerateProgram(spec, ids, tokenizer, on_output=on_output) for spec, ids in prepared]
+    if grammars is None and any(spec.params.structured_outputs is not None for spec, _ in prepared):
+        grammars = grammar_compiler(engine, tokenizer)
+    programs = [GenerateProgram(spec, ids, tokenizer, on_output=on_output, grammar=request_grammar(grammars, spec))
+                for spec, ids in prepared]
     for program in programs:   # (run_programs checks this too, after the pages below)
         check_positions(engine.model, program.positions(), program.name, before_run=True)
     free = engine.pool.num_free_pages   # and what the cache gives back when the scheduler needs its pages
@@ -126,6 +133,25 @@ def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=No
                                   max_step_tokens=max_step_tokens, on_step=on_step, prefix_cache=prefix_cache,
                                   pipeline=pipeline, seed=unseeded_seed(generator))
     return [r for request in results for r in request], stats
+
+
+def grammar_compiler(engine: Engine, tokenizer) -> GrammarCompiler:
+    """The :class:`~treedec.sampling.grammar.GrammarCompiler` of ``engine``'s model and ``tokenizer`` (its vocabulary
+    the model's logits' width; a grammar's output ends at the checkpoint's EOS ids)."""
+    if tokenizer is None:
+        raise ValueError("structured_outputs are matched on tokens' text: they need the checkpoint's tokenizer")
+    return GrammarCompiler(tokenizer, engine.model.config.vocab_size, tuple(engine.model.eos_token_ids))
+
+
+def request_grammar(grammars: GrammarCompiler | None, spec: RequestSpec) -> Grammar | None:
+    """``spec``'s ``structured_outputs`` compiled by ``grammars`` (cached), or None without them. Raises
+    :class:`~treedec.sampling.grammar.GrammarError` (a ValueError) for a constraint that cannot be compiled."""
+    so = spec.params.structured_outputs
+    if so is None:
+        return None
+    if grammars is None:
+        raise ValueError(f"{spec.name} has structured_outputs: it needs a GrammarCompiler (the tokenizer's)")
+    return grammars.compile(so)
 
 
 def unseeded_seed(generator: torch.Generator | None) -> int:
@@ -183,6 +209,9 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
                                  f"model's vocabulary has {vocab} tokens: ids must be in [0, {vocab})), got "
                                  f"{bad[:5]}")
         spec.params.check_vocab(vocab, f"request {spec.id!r}")
+        if spec.params.structured_outputs is not None and tokenizer is None:
+            raise ValueError(f"request {spec.id!r} has structured_outputs: they are matched on the tokens' text and "
+                             f"need the checkpoint's tokenizer")
         if spec.params.stop and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")
@@ -235,11 +264,15 @@ class GenerateProgram(Program):
         tokens are accepted and once when it ends, with its last text (possibly ""), ``checker`` its
         :class:`~treedec.sampling.stops.StopChecker` (:attr:`Decode.on_text <treedec.runtime.decode.Decode>`);
         :func:`generate_batch`'s ``on_text`` is its text alone.
+    grammar : ``spec.params.structured_outputs`` compiled (:func:`request_grammar`); None without them.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None, rule: StopRule | None = None,
                  keep: bool = False, on_output: Callable[[RequestSpec, int, str, StopChecker], None] | None = None,
-                 on_prompt: bool = False):
+                 on_prompt: bool = False, grammar: Grammar | None = None):
+        if (grammar is None) != (spec.params.structured_outputs is None):
+            raise ValueError(f"{spec.name}: a GenerateProgram takes the compiled grammar of its structured_outputs "
+                             f"(request_grammar), and one only with them")
         if on_prompt and spec.params.n != 1:
             raise ValueError(f"on_prompt grows the one output on the prompt's node: the request must have n=1, "
                              f"got n={spec.params.n}")
@@ -250,6 +283,7 @@ class GenerateProgram(Program):
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
         self.bad_words = spec.params.bad_words_token_ids(tokenizer)   # (tokenized once, here: not in the steps)
+        self.grammar = grammar
 
     def positions(self) -> Positions:
         m = self.spec.params.max_tokens
@@ -262,6 +296,8 @@ class GenerateProgram(Program):
         engine, spec, params = ctx.engine, self.spec, self.spec.params
         started = time.perf_counter()
         rule = self.rule if self.rule is not None else params.stop_rule(engine.model.eos_token_ids)
+        if self.grammar is not None:
+            rule = self.grammar.stop_rule(rule)
         root, done = None, False
         try:
             wants_prompt = params.prompt_logprobs is not None
@@ -275,7 +311,8 @@ class GenerateProgram(Program):
             decoded = yield Decode(root, params, rule, logits=out.logits[0], count=params.n, on_parent=self.on_prompt,
                                    keep=self.keep, offer=None if self.keep or self.on_prompt else ctx.offer,
                                    prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream,
-                                   name=ctx.name, bad_words=self.bad_words, min_tokens_stop_ids=tuple(sorted(
+                                   name=ctx.name, bad_words=self.bad_words, grammar=self.grammar,
+                                   min_tokens_stop_ids=tuple(sorted(
                                        {*engine.model.eos_token_ids, *params.stop_token_ids, *rule.eos_token_ids})))
             # each output computed its tokens but the last (kept: all), one a decode step
             computed = [len(o.token_ids) - (0 if self.keep else 1) for o in decoded.outputs]

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from treedec.sampling.grammar import Grammar
 from treedec.sampling.params import SamplingParams
 from treedec.sampling.stops import StopChecker, StopRule
 
@@ -52,6 +53,8 @@ class Decode:
     min_tokens_stop_ids : the ids ``params.min_tokens`` keeps from being drawn (the checkpoint's EOS ids even with
         ``ignore_eos``, and the stop ids: vLLM's).
     name : how errors name the request (e.g. ``"request 'a'"``).
+    grammar : ``params.structured_outputs`` compiled (:class:`~treedec.sampling.grammar.Grammar`), or None: each
+        output gets its own matcher, whose token bitmask masks its every draw, advanced with each token drawn.
     """
 
     parent: int | Sequence[int]
@@ -71,6 +74,7 @@ class Decode:
     bad_words: Sequence[Sequence[int]] = ()
     min_tokens_stop_ids: tuple[int, ...] = ()
     name: str = "the request"
+    grammar: Grammar | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ class LaneGroup:
     allowed: torch.Tensor | None = None        # [1, V] bool: allowed_token_ids
     bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias: ([k] ids, [k] values)
     stop_ids: torch.Tensor | None = None       # [k] int64: the ids min_tokens keeps from being drawn
+    matchers: list | None = None               # structured outputs: each output's grammar matcher
 
     @property
     def special(self) -> bool:
@@ -46,6 +47,14 @@ class LaneGroup:
     def prepare(self, vocab: int, device: torch.device) -> None:
         """Its token masks and biases on the device, checked against the vocabulary on the host."""
         d, p = self.decode, self.decode.params
+        if (d.grammar is None) != (p.structured_outputs is None):
+            raise ValueError(f"{d.name}: structured_outputs needs its compiled grammar in the Decode (and a grammar "
+                             f"needs structured_outputs)")
+        if d.grammar is not None:
+            if d.grammar.vocab != vocab:
+                raise ValueError(f"{d.name}: its grammar was compiled for a {d.grammar.vocab}-token vocabulary, the "
+                                 f"model has {vocab}")
+            self.matchers = [d.grammar.matcher(d.rule.eos_token_ids) for _ in range(d.count)]
         if p.allowed_token_ids is not None:
             self.allowed = token_mask(p.allowed_token_ids, vocab, device, "allowed_token_ids")
         if p.logit_bias is not None:

@@ -33,6 +33,7 @@ from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
 from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
 from treedec.runtime.lane_text import TextEvents
+from treedec.sampling.grammar import BitmaskRows, GrammarError, apply_bitmask
 from treedec.sampling.sampler import sample_rows
 from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
 from treedec.sampling.params import SEED_MAX
@@ -69,6 +70,8 @@ class Lanes(LaneTable):
         self._failures: list[tuple[Any, Exception]] = []
         self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
         self._logprobs: set[int] = set()  # groups whose outputs report logprobs
+        self._grammar: set[int] = set()   # groups with structured outputs (a grammar matcher per lane)
+        self._bitmasks: BitmaskRows | None = None   # their batched bitmask fill, made for the first such group
         self._text_events = TextEvents(self.vocab)   # the tokens text lanes are checked at
 
     # ------------------------------------------------------------ events
@@ -103,6 +106,10 @@ class Lanes(LaneTable):
             self._special.add(uid)
         if d.params.logprobs is not None:
             self._logprobs.add(uid)
+        if group.matchers is not None:
+            self._grammar.add(uid)
+            if self._bitmasks is None:
+                self._bitmasks = BitmaskRows(self.vocab, self.device)
         k, start = d.count, self.size
         self._grow(start + k)
         slots = np.arange(start, start + k)
@@ -159,6 +166,7 @@ class Lanes(LaneTable):
         self.size, self._rows, self._read, self._blocked, self._failures = 0, None, None, set(), []
         self._special.clear()
         self._logprobs.clear()
+        self._grammar.clear()
 
     def blocked_owners(self) -> set:
         """The programs some of whose ready lanes the last :meth:`place` left out for want of pages."""
@@ -296,6 +304,7 @@ class Lanes(LaneTable):
     def _forget_group(self, uid: int) -> None:
         self._special.discard(uid)
         self._logprobs.discard(uid)
+        self._grammar.discard(uid)
 
     def _fail(self, group: LaneGroup, error: Exception) -> None:
         if all(owner is not group.owner for owner, _ in self._failures):
@@ -337,8 +346,10 @@ class Lanes(LaneTable):
         whole = len(slots) == self.size and (slots == np.arange(self.size)).all()
         index = None if whole else to_device(slots, self.device)
         rows = self.sampling_rows() if whole else self.sampling_rows().take(index)
-        scores = self._process(slots, raw) if self._special else raw
-        if self._special or rows.penalized:   # (read back with the tokens: a row with nothing to draw fails alone)
+        scores = self._masked(slots, raw) if self._grammar else raw
+        scores = self._process(slots, scores) if self._special else scores
+        if self._special or self._grammar or rows.penalized:   # (read back with the tokens: a row with nothing to
+            # draw fails alone)
             self.ok[slice(0, self.size) if whole else index] = drawable_rows(scores.float()).long()
         draws = self.drawn_count[:self.size] if whole else self.drawn_count[index]
         masks = counts = None
@@ -346,6 +357,27 @@ class Lanes(LaneTable):
             masks = self.prompt_mask[:self.size] if whole else self.prompt_mask[index]
             counts = self.counts[:self.size] if whole else self.counts[index]
         return sample_rows(scores, rows, draws, masks, counts)
+
+    def _grammar_rows(self, slots: np.ndarray) -> tuple[np.ndarray, list]:
+        """The positions in ``slots`` of the lanes with a grammar, and their matchers."""
+        groups = self.group[slots]
+        mine = np.flatnonzero(np.isin(groups, np.fromiter(self._grammar, dtype=np.int64)))
+        index = self.index[slots[mine]]
+        return mine, [self.groups[g].matchers[i] for g, i in zip(groups[mine].tolist(), index.tolist())]
+
+    def _masked(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
+        """``raw`` with the rows of the lanes that have a grammar masked by their matchers' bitmasks (one batched
+        fill, one copy to the device, one masking op); ``raw`` itself when none of ``slots`` has one."""
+        mine, matchers = self._grammar_rows(slots)
+        if len(mine) == 0:
+            return raw
+        masks = self._bitmasks.fill(matchers)
+        if len(mine) == len(slots):
+            return apply_bitmask(raw.float().clone(), masks)
+        scores = raw.float().clone()
+        at = to_device(mine, self.device)
+        scores[at] = apply_bitmask(scores[at], masks)
+        return scores
 
     def _process(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
         """The rows of the groups that need it processed before the batched draw (:meth:`LaneGroup.process`); a
@@ -410,6 +442,8 @@ class Lanes(LaneTable):
             keep = ~np.isin(self.group[slots], bad)
             self.state[slots[~keep]] = -1
             slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]
+        if self._grammar:
+            slots, tokens, stopped, placed = self._advance_grammar(slots, tokens, stopped, placed)
         at = self.length[slots]
         if at.max(initial=0) >= self._width:
             self._widen(int(at.max()) + 1)
@@ -443,6 +477,26 @@ class Lanes(LaneTable):
                 self.state[slot], self.next_token[slot] = _FINISH, tokens[i]
             else:
                 self._end(slot, None, finished, computed=False)
+
+    def _advance_grammar(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray):
+        """Advance the matchers of the lanes of ``slots`` that have a grammar with their drawn ``tokens`` (one
+        batched call). A token its grammar refuses (which its mask forbade: a bug, never a model's choice) fails its
+        request. Returns the lanes kept. (A grammar ends at one of its output's EOS ids:
+        :meth:`~treedec.sampling.grammar.Grammar.stop_rule`, so the EOS check ends it.)"""
+        mine, matchers = self._grammar_rows(slots)
+        if len(mine) == 0:
+            return slots, tokens, stopped, placed
+        accepted = self._bitmasks.accept(matchers, tokens[mine])
+        if accepted.all():
+            return slots, tokens, stopped, placed
+        bad = np.unique(self.group[slots[mine[~accepted]]]).tolist()
+        for uid in bad:
+            g = self.groups[uid]
+            self._fail(g, GrammarError(f"{g.decode.name}: its grammar does not accept the token drawn under its "
+                                       f"mask ({int(tokens[mine[~accepted]][0])}); the request is stopped"))
+        keep = ~np.isin(self.group[slots], bad)
+        self.state[slots[~keep]] = -1
+        return slots[keep], tokens[keep], stopped[keep], placed[keep]
 
     def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
         """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the

@@ -18,6 +18,7 @@ from treedec.checks import FLOAT32_MAX, FLOAT32_TINY, describe, float32_number, 
 from treedec.models.text import IncrementalDetokenizer
 from treedec.sampling.logits import SAMPLING_EPS, warp_scores
 from treedec.sampling.stops import StopRule, stop_string_tuple, token_id_tuple
+from treedec.sampling.structured import StructuredOutputsParams, structured_outputs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +108,11 @@ class SamplingParams:
         :class:`~treedec.models.text.IncrementalDetokenizer`).
     truncate_prompt_tokens : None, -1 or an int >= 1: keep only the last k prompt tokens (left truncation; -1:
         the model's positions), vLLM's; the results' ``prompt_ids`` are the truncated prompt.
+    structured_outputs : None, or a :class:`~treedec.sampling.structured.StructuredOutputsParams` (or a mapping of
+        its fields): every output matches its JSON schema, JSON object, regex, choice or grammar (vLLM's field). Its
+        token bitmask is applied to the raw logits before anything above (vLLM's order), at every draw; an output
+        whose grammar ends stops (``"eos"``, finish reason ``"stop"``). Compiled once per constraint
+        (:class:`~treedec.sampling.grammar.GrammarCompiler`, xgrammar: the ``structured`` extra).
     best_of : None or 1 only: vLLM v1 refuses ``best_of > 1`` ("does not yet support best_of"), so does treedec
         (draw ``n`` outputs with ``logprobs=0`` and rank them by ``cumulative_logprob``).
     """
@@ -137,6 +143,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         for f in fields(self):
@@ -155,11 +162,12 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """A penalty, a logits processor, ``logit_bias``, ``allowed_token_ids``, ``bad_words`` or ``min_tokens``
-        changes the logits before the draw (a greedy token is then not the raw logits' argmax)."""
+        """A penalty, a logits processor, ``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` or
+        ``structured_outputs`` changes the logits before the draw (a greedy token is then not the raw logits'
+        argmax)."""
         return bool(self.logits_processors) or self.repetition_penalty != 1 or self.presence_penalty != 0 \
             or self.frequency_penalty != 0 or self.logit_bias is not None or self.allowed_token_ids is not None \
-            or bool(self.bad_words) or self.min_tokens > 0
+            or bool(self.bad_words) or self.min_tokens > 0 or self.structured_outputs is not None
 
     @property
     def reads_logits(self) -> bool:
@@ -248,7 +256,7 @@ JSON_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty
                "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "logprobs", "prompt_logprobs",
                "include_stop_str_in_output", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
                "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-               "best_of")
+               "best_of", "structured_outputs")
 #: A seed's range: an int64, as vLLM's (numpy's and torch's generators take the unsigned word, :func:`seed_word`).
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 #: The most ``bad_words`` a request gives (each makes at least one token sequence: vLLM's bound on those).
@@ -461,6 +469,7 @@ _CHECKS = MappingProxyType({
     "spaces_between_special_tokens": _flag,
     "truncate_prompt_tokens": _truncate,
     "best_of": _best_of,
+    "structured_outputs": lambda name, v: structured_outputs(v),
 })
 
 #: Greedy decoding: the argmax (the first of tied logits). (Made here, after the fields' checks.)

@@ -64,6 +64,7 @@ from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ServeError, TokenizeCompletionRequest, TokenizeRequest)
+from treedec.serve.structured import grammar_error
 from treedec.serve.tokenize import detokenize, tokenize
 from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, prompt_logprobs, usage
 
@@ -388,7 +389,9 @@ class _Server:
             for spec_id, stream in zip(submitted, streams):
                 if not isinstance(stream, BaseException):
                     self.online.abort(spec_id)
-            raise request_error(errors[0], "messages" if chat else "prompt") from None
+            error = grammar_error(errors[0], body.structured_field) if params.structured_outputs is not None \
+                else None   # (compiled by the core as it takes the request, off its engine's thread: refused there)
+            raise (error or request_error(errors[0], "messages" if chat else "prompt")) from None
         choices = Choices(rid, self.name, params.n, chat, body.return_token_ids, ids, echo)
         run = _Run(self, streams, submitted, arrival)
         if body.stream:

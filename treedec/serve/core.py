@@ -30,6 +30,7 @@ from treedec.runtime.online import ProgramAborted
 from treedec.runtime.request import pages_in_use
 from treedec.runtime.requests import RequestSpec
 from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput
+from treedec.sampling.grammar import GrammarError
 from treedec.serve.engine import OnlineEngine
 from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
@@ -38,10 +39,12 @@ from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOu
 __all__ = ["ERROR_KINDS", "EngineCore", "run_core_process"]
 
 #: The errors of one request that keep their class across the process boundary (the frontend answers each as
-#: today: 400, ``kv_cache_exceeded``, ``server_shutdown``); any other is the engine's failure (503 ``engine_failed``).
+#: today: 400, ``kv_cache_exceeded``, ``server_shutdown``; a constraint that cannot be compiled, or no grammar engine:
+#: 400 naming the field); any other is the engine's failure (503 ``engine_failed``).
 ERROR_KINDS: dict[str, type[BaseException]] = {"ValueError": ValueError, "TypeError": TypeError,
                                                "PoolExhaustedError": PoolExhaustedError,
-                                               "ProgramAborted": ProgramAborted}
+                                               "ProgramAborted": ProgramAborted, "GrammarError": GrammarError,
+                                               "ModuleNotFoundError": ModuleNotFoundError}
 
 #: Seconds the core's input loop waits for a message before it checks its frontend and its engine again.
 _POLL_SECONDS = 0.1

@@ -20,6 +20,7 @@ advanced. Two transports under it:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import multiprocessing
 import os
@@ -267,7 +268,7 @@ def _stream_output(delta: OutputDelta) -> StreamOutput:
 
 class InProcessClient(CoreClient):
     """The core in this process over ``llm`` (built here): its engine's thread sends each message to the loop with
-    ``call_soon_threadsafe``; inputs are handled at once on the loop (a request's checks run there, as before)."""
+    ``call_soon_threadsafe``; inputs are handled in order by one input thread, as the core's own process does."""
 
     mode = "in-process"
 
@@ -285,6 +286,8 @@ class InProcessClient(CoreClient):
             except RuntimeError:   # (the loop is closed: nobody reads it)
                 pass
 
+        self._sink = sink
+        self._inputs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treedec-core-inputs")
         self.core = EngineCore(self.llm, sink, **self._options)
         self.ready = self.core.ready(os.getpid())
         self.tokenizer = self.llm.tokenizer
@@ -300,17 +303,24 @@ class InProcessClient(CoreClient):
             self._died(f"the engine failed: {type(online.error).__name__}: {online.error}")
 
     def _send(self, message: CoreInput) -> None:
+        self._inputs.submit(self._handle, message)
+
+    def _handle(self, message: CoreInput) -> None:
+        """The core's input thread (as the core's own process has): a request's checks and its grammar's compile run
+        off the event loop and off the engine's thread, the inputs in order."""
         answer = self.core.handle([message])
         if answer is not None:
-            self.process(answer)
+            self._sink(answer)
 
     async def close(self, timeout: float = 10.0) -> bool:
         """Shut the core down (every request aborted) and join its engine's thread; returns whether it ended."""
         self.shutdown()
         if self._watch is not None:
             self._watch.cancel()
-        return True if self.core is None else await asyncio.get_running_loop().run_in_executor(
-            None, self.core.shutdown, timeout)
+        if self.core is None:
+            return True
+        self._inputs.shutdown(wait=False)
+        return await asyncio.get_running_loop().run_in_executor(None, self.core.shutdown, timeout)
 
 
 class ProcessClient(CoreClient):

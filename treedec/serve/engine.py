@@ -20,7 +20,7 @@ from treedec.checks import positive_int
 from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.programs.beam import BeamSearchParams, BeamSearchResult, beam_program
-from treedec.programs.generate import GenerateProgram, prepare_requests, worst_case_pages
+from treedec.programs.generate import GenerateProgram, grammar_compiler, prepare_requests, worst_case_pages
 from treedec.programs.speculative.batch import sampled_acceptance, speculative_program, speculative_results
 from treedec.programs.speculative.draft_budget import DraftBudget
 from treedec.programs.speculative.drafts import DraftSource
@@ -30,7 +30,8 @@ from treedec.runtime.program import Program, ProgramContext
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler_stats import SchedulerStats
 from treedec.runtime.streams import OutputStream, StreamOutput
-from treedec.sampling.params import SEED_MAX
+from treedec.sampling.grammar import Grammar, GrammarCompiler
+from treedec.sampling.params import SEED_MAX, SamplingParams
 from treedec.sampling.stops import StopChecker
 
 __all__ = ["OnlineEngine"]
@@ -62,6 +63,9 @@ class OnlineEngine:
     on_iteration : called on the driving thread as ``on_iteration(stats, seconds)`` after each iteration (an
         engine step for every live program): the scheduler's stats and the iteration's wall time (metrics).
     history, prefix_cache : as :class:`OnlineScheduler`'s.
+    grammars : compiles requests' ``structured_outputs`` (default: made from ``tokenizer`` at the first such request;
+        e.g. an :class:`~treedec.LLM`'s ``llm.grammars``). A server compiles a request's constraint off its event
+        loop (:meth:`grammar`, from a worker thread) before :meth:`submit` finds it cached.
 
     Attributes
     ----------
@@ -79,7 +83,7 @@ class OnlineEngine:
                  max_step_tokens: int | None = None, drafts: Callable[[RequestSpec], DraftSource] | None = None,
                  max_draft_tokens: int = 64, seed: int = 0,
                  on_iteration: Callable[[SchedulerStats, float], None] | None = None, history: int = 1024,
-                 prefix_cache: bool | PrefixCache = True):
+                 prefix_cache: bool | PrefixCache = True, grammars: GrammarCompiler | None = None):
         for name, f in (("drafts", drafts), ("on_iteration", on_iteration)):
             if f is not None and not callable(f):
                 raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
@@ -98,6 +102,7 @@ class OnlineEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._grammars, self._grammar_lock = grammars, threading.Lock()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="treedec-online", daemon=True)
         self._thread.start()
@@ -117,6 +122,16 @@ class OnlineEngine:
         """How long the iteration running now has run, in seconds; 0.0 between iterations (any thread)."""
         start = self._iteration_start
         return 0.0 if start is None else max(0.0, time.perf_counter() - start)
+
+    def grammar(self, params: SamplingParams) -> Grammar | None:
+        """``params.structured_outputs`` compiled (cached; any thread), or None without them. Raises
+        :class:`~treedec.sampling.grammar.GrammarError` (a ValueError) for a constraint that cannot be compiled."""
+        if params.structured_outputs is None:
+            return None
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = grammar_compiler(self.engine, self.tokenizer)
+        return self._grammars.compile(params.structured_outputs)
 
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None,
                beam: BeamSearchParams | None = None, stream: OutputStream | None = None
@@ -143,6 +158,10 @@ class OnlineEngine:
             raise ValueError("use_beam_search runs on a server without speculative decoding" if self.drafts is not None
                              else f"n must be the beam's width {beam.beam_width}, got {spec.params.n}")
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
+        if spec.params.structured_outputs is not None and (beam is not None or tokenizer is not self.tokenizer):
+            raise ValueError("structured_outputs: not with use_beam_search" if beam is not None else
+                             "structured_outputs are compiled for the engine's default tokenizer, not a request's own")
+        grammar = self.grammar(spec.params)   # (a server compiled it off its loop: found in the cache)
         worst, capacity = worst_case_pages(self.engine.pool, spec.params, len(prompt_ids)), self.scheduler.capacity
         if self.drafts is None and worst > capacity:
             raise PoolExhaustedError(
@@ -161,7 +180,7 @@ class OnlineEngine:
                                    eos or None, beam.early_stopping)
             to_results = lambda result, cached: beam_results(spec, prompt_ids, result, tokenizer, eos, cached)
         elif self.drafts is None:
-            program = GenerateProgram(spec, prompt_ids, tokenizer,
+            program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar,
                                       on_output=None if tokenizer is None else _streamed(stream))
         else:
             to_results = lambda result, cached: speculative_results(spec, prompt_ids, result)
@@ -169,7 +188,8 @@ class OnlineEngine:
                 self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
                 sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
                 pipeline=False, pipeline_note="online: the number of live requests varies",
-                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)))
+                greedy_only=False, on_text=None if tokenizer is None else (lambda delta: stream.text(0, delta)),
+                grammar=grammar)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the online engine is shut down" if self.error is None else

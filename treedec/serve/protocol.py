@@ -12,10 +12,12 @@ turns one into a :class:`~treedec.sampling.params.SamplingParams` (which checks 
 :class:`ServeError` of status 400). At most :data:`MAX_STOP_STRINGS` stop strings (OpenAI's and vLLM's server's
 bound). ``prompt_logprobs`` (vLLM's: the prompt tokens' log-probabilities, ``k`` most likely each; not with
 ``stream``) and, for completions, ``echo`` (the prompt's text before the completion's; with ``logprobs``, the
-prompt's tokens' logprobs first, vLLM's); vLLM's ``use_beam_search`` (with ``length_penalty``, ``early_stopping``:
-:meth:`_Sampling.beam_params`). A field OpenAI has that treedec does not implement (``suffix``, tools,
-...) is refused with 400,
-never ignored; ``user`` is accepted and ignored, as OpenAI does. Unknown fields are refused (400).
+prompt's tokens' logprobs first, vLLM's); structured outputs (:meth:`_Sampling.structured_outputs_params`):
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs`` and its older
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (one of them a request); vLLM's
+``use_beam_search`` (with ``length_penalty``, ``early_stopping``: :meth:`_Sampling.beam_params`). A field OpenAI
+has that treedec does not implement (``suffix``, tools, ...) is refused with 400, never ignored; ``user`` is
+accepted and ignored, as OpenAI does. Unknown fields are refused (400).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from treedec.programs.beam import BeamSearchParams
 from treedec.sampling.params import SamplingParams
+from treedec.sampling.structured import MAX_CHOICES, StructuredOutputsParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "ServeError", "StreamOptions",
            "TokenizeChatRequest", "TokenizeCompletionRequest", "TokenizeRequest"]
@@ -94,6 +97,15 @@ class _Sampling(BaseModel):
     use_beam_search: bool = False   # (vLLM's: the request's n outputs are a beam search's best hypotheses)
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def budget_field(self) -> str:
@@ -124,6 +136,50 @@ class _Sampling(BaseModel):
                              param="prompt_logprobs")
         if self.prompt_logprobs is not None and self.stream:
             raise ServeError("prompt_logprobs are not supported with stream=true", param="prompt_logprobs")
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that gives the request's structured-output constraint (errors name it), or None."""
+        return next((name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None and not (
+            name == "response_format" and self.response_format.get("type") == "text")), None)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, from whichever one field gives it (``response_format``,
+        ``structured_outputs``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``), or
+        None; its sizes bounded (:mod:`treedec.sampling.structured`). Two of them, an unknown ``response_format``
+        type or a bad constraint: a ServeError (400) naming the field."""
+        given = {name: getattr(self, name) for name in _STRUCTURED_FIELDS if getattr(self, name) is not None}
+        rf = given.get("response_format")
+        if rf is not None and rf.get("type") == "text":
+            del given["response_format"]
+        if len(given) > 1:
+            raise ServeError(f"give one structured-output constraint, got {' and '.join(given)}",
+                             param=list(given)[1])
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise ServeError(f"guided_decoding_backend: this server's grammar engine is xgrammar, got "
+                             f"{self.guided_decoding_backend!r:.40}", param="guided_decoding_backend")
+        if self.guided_whitespace_pattern is not None:
+            raise ServeError("guided_whitespace_pattern is not supported (xgrammar's JSON takes any whitespace, or "
+                             "none with structured_outputs.disable_any_whitespace)", param="guided_whitespace_pattern")
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name == "guided_choice" and len(value) > MAX_CHOICES:
+            raise ServeError(f"guided_choice must hold at most {MAX_CHOICES} choices, got {len(value)}", param=name)
+        try:
+            if name == "response_format":
+                return _response_format(value)
+            if name == "structured_outputs":
+                choice = value.get("choice")
+                if isinstance(choice, list) and len(choice) > MAX_CHOICES:
+                    raise ValueError(f"structured_outputs.choice must hold at most {MAX_CHOICES} choices, got "
+                                     f"{len(choice)}")
+                return StructuredOutputsParams(**value)
+            return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+        except TypeError as e:   # (an unknown field of structured_outputs)
+            raise ServeError(f"{name}: {str(e).split('(', 1)[-1].rstrip(')')}", param=name) from None
+        except ValueError as e:
+            raise ServeError(str(e) if name == "structured_outputs" else f"{name}: {e}", param=name) from None
 
     def beam_params(self, max_tokens: int) -> BeamSearchParams | None:
         """vLLM's ``use_beam_search``: the request's :class:`~treedec.programs.beam.BeamSearchParams` (width ``n``,
@@ -164,7 +220,8 @@ class _Sampling(BaseModel):
                  "min_tokens": self.min_tokens, "bad_words": tuple(self.bad_words or ()),
                  "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
                  "spaces_between_special_tokens": self.spaces_between_special_tokens,
-                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "prompt_logprobs": prompt_logprobs}
+                 "truncate_prompt_tokens": self.truncate_prompt_tokens, "prompt_logprobs": prompt_logprobs,
+                 "structured_outputs": self.structured_outputs_params()}
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except (ValueError, TypeError) as e:
@@ -175,7 +232,25 @@ class _Sampling(BaseModel):
 _NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "logit_bias",
                    "min_tokens", "bad_words", "allowed_token_ids", "prompt_logprobs", "logprobs", "top_logprobs",
-                   "echo")
+                   "echo", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar")
+#: The fields that give a structured-output constraint (at most one a request).
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def _response_format(value: dict) -> StructuredOutputsParams:
+    """OpenAI's ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}`` (``text`` is no constraint: left out before)."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("json_schema needs a json_schema object with its schema (json_schema.schema)")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r:.40}")
 
 
 class CompletionRequest(_Sampling):
@@ -228,7 +303,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages with text contents (a list of ``{"type": "text"}`` parts joined)."""
@@ -248,8 +322,6 @@ class ChatCompletionRequest(_Sampling):
         self._check_common()
         if self.tools or self.tool_choice not in (None, "none"):
             raise ServeError("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ServeError("response_format other than text is not supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ServeError("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

@@ -25,7 +25,8 @@ from treedec.engine import Engine
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.decode import LaneOutput
 from treedec.programs.speculative.acceptance import AcceptanceRule, RejectionSampling
-from treedec.programs.generate import prepare_requests, request_results
+from treedec.programs.generate import grammar_compiler, prepare_requests, request_grammar, request_results
+from treedec.sampling.grammar import Grammar, GrammarCompiler
 from treedec.programs.speculative.draft_budget import DraftBudget
 from treedec.programs.speculative.drafts import DraftSource, check_draft_source
 from treedec.runtime.prefix_cache import PrefixCache
@@ -49,15 +50,16 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
                       on_request_done: Callable[[list[RequestResult]], None] | None = None,
                       max_step_tokens: int | None = None, draft_budget: DraftBudget | None = None,
                       pipeline: bool | None = None, on_step: Callable[[SchedulerStats], None] | None = None,
-                      prefix_cache: PrefixCache | None = None) -> tuple[list[RequestResult], SchedulerStats]:
+                      prefix_cache: PrefixCache | None = None, grammars: GrammarCompiler | None = None
+                      ) -> tuple[list[RequestResult], SchedulerStats]:
     """Speculative decoding of ``requests`` batched over ``engine``'s forest.
 
     Parameters
     ----------
     requests : :class:`RequestSpec` with ``n=1``; ``temperature=0`` unless ``acceptance`` is given.
     draft : makes each request's draft source, e.g. ``lambda spec: PromptLookupDraft()``.
-    tokenizer, chat_template, on_request_done, on_step, prefix_cache : as
-        :func:`~treedec.programs.generate.generate_batch`.
+    tokenizer, chat_template, on_request_done, on_step, prefix_cache, grammars : as
+        :func:`~treedec.programs.generate.generate_batch` (structured outputs: greedy requests only).
     max_draft_tokens : the largest tree a draft may propose (its root included): the scheduler
         keeps its pages free for each live request's next step.
     acceptance : makes each request's acceptance rule (default greedy), e.g.
@@ -92,11 +94,14 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
     elif not isinstance(draft_budget, DraftBudget):
         raise TypeError(f"draft_budget must be a DraftBudget or None, got {type(draft_budget).__name__}")
     prepared = prepare_requests(engine, requests, tokenizer, chat_template)
+    if grammars is None and any(spec.params.structured_outputs is not None for spec, _ in prepared):
+        grammars = grammar_compiler(engine, tokenizer)
     programs, heads = [], {}
     for spec, prompt_ids in prepared:
         program = speculative_program(engine, spec, prompt_ids, draft(spec), tokenizer,
                                       None if acceptance is None else acceptance(spec), max_draft_tokens,
-                                      draft_budget, pipeline, greedy_only=acceptance is None)
+                                      draft_budget, pipeline, greedy_only=acceptance is None,
+                                      grammar=request_grammar(grammars, spec))
         head = program.draft.row_head
         if head is not None:
             heads.setdefault(head, spec.id)
@@ -122,21 +127,31 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
                         budget: DraftBudget | None = None, pipeline: bool | None = None,
                         pipeline_note: str | None = None, greedy_only: bool = True,
-                        on_text: Callable[[str], None] | None = None) -> SpeculativeProgram:
+                        on_text: Callable[[str], None] | None = None, grammar: Grammar | None = None
+                        ) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
     worst case (sequence and one draft tree) within the pool's free pages (else
-    :class:`~treedec.errors.PoolExhaustedError`). ``on_text`` streams its text (:class:`SpeculativeProgram`)."""
+    :class:`~treedec.errors.PoolExhaustedError`). ``on_text`` streams its text (:class:`SpeculativeProgram`).
+    ``grammar``: its ``structured_outputs`` compiled (:func:`~treedec.programs.generate.request_grammar`; greedy
+    only)."""
     if spec.params.n != 1 or (greedy_only and spec.params.temperature != 0):
         raise ValueError(f"request {spec.id!r}: speculative decoding gives one output a request, accepted greedily "
                          f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
                          f"temperature={spec.params.temperature}, n={spec.params.n}")
-    spec.params.check_supported(SPECULATIVE_PARAMS, "speculative decoding", f"request {spec.id!r}")
+    spec.params.check_supported(SPECULATIVE_PARAMS | {"structured_outputs"}, "speculative decoding",
+                                f"request {spec.id!r}")
+    if (grammar is None) != (spec.params.structured_outputs is None) or (grammar and spec.params.temperature != 0):
+        raise ValueError(f"request {spec.id!r}: structured_outputs with speculative decoding take temperature=0 "
+                         f"(greedy acceptance) and their compiled grammar")
     check_draft_source(source, f"request {spec.id!r}: draft(spec)")
     rule = spec.params.stop_rule(engine.model.eos_token_ids)
+    if grammar is not None:
+        rule = grammar.stop_rule(rule)
     program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
-                                 budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text)
+                                 budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text,
+                                 grammar=grammar)
     program.name = spec.name
     check_positions(engine.model, program.positions(), spec.name, before_run=True)
     pool = engine.pool   # the sequence (prompt, new tokens) and one draft tree

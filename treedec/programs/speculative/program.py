@@ -35,6 +35,7 @@ from treedec.programs.speculative.device_acceptance import decode_outcome
 from treedec.models.text import IncrementalDetokenizer
 from treedec.programs.speculative.draft_budget import DraftBudget, cut_tree
 from treedec.programs.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
+from treedec.programs.speculative.grammar_filter import DraftFilter
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
 from treedec.runtime.scheduler import run_program
@@ -140,13 +141,15 @@ class SpeculativeProgram(Program):
         :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
         start (a preemption) streams again from the start.
+    grammar : structured outputs (greedy acceptance only): each proposal filtered by the grammar before it is
+        submitted and the target's rows masked (:mod:`~treedec.programs.speculative.grammar_filter`); not pipelined.
     """
 
     def __init__(self, prompt_ids: Sequence[int], draft: DraftSource, rule: StopRule, tokenizer=None,
                  acceptance: AcceptanceRule | None = None, keep_node: bool = False,
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
                  budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
-                 on_text: Callable[[str], None] | None = None):
+                 on_text: Callable[[str], None] | None = None, grammar=None):
         check_draft_source(draft, "draft")
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
@@ -167,6 +170,9 @@ class SpeculativeProgram(Program):
         if budget is not None and not isinstance(budget, DraftBudget):
             raise TypeError(f"budget must be a DraftBudget or None, got {type(budget).__name__}")
         self.budget = budget
+        if grammar is not None and type(acceptance) is not GreedyAcceptance:
+            raise ValueError("structured outputs with speculative decoding take greedy acceptance (temperature 0)")
+        self.grammar = grammar
         self.target_states = _target_states(draft)
         # A draft that reads the target's states at every token needs them for the whole prompt.
         self.shares_prompt = self.target_states is None
@@ -189,7 +195,8 @@ class SpeculativeProgram(Program):
         engine, draft = ctx.engine, self.draft
         checker = StopChecker(self.rule, None if self.tokenizer is None
                               else IncrementalDetokenizer(self.tokenizer, self.prompt_ids))
-        refusal = pipeline_refusal(engine, draft, self.acceptance)
+        refusal = pipeline_refusal(engine, draft, self.acceptance) if self.grammar is None else \
+            "structured outputs (the grammar's masks are host work between steps)"
         if self.pipeline and refusal is not None:
             raise ValueError(f"pipeline=True, but this speculative loop cannot run pipelined: {refusal}")
         note = self.pipeline_note if self.pipeline is False else (
@@ -234,10 +241,13 @@ class SpeculativeProgram(Program):
         want = {"hidden": needs_hidden or states == "hidden", "aux": isinstance(states, tuple),
                 "heads": head_name is not None}
         greedy = type(acceptance) is GreedyAcceptance
+        grammar = None if self.grammar is None else DraftFilter(self.grammar, engine.device, stop_ids)
         start = time.perf_counter()
         node, out = yield from ctx.prompt(self.prompt_ids, all_rows=states is not None, **want)
         stats.node = node
-        checker.accept(acceptance.first_token(out.logits[0]))
+        checker.accept(acceptance.first_token(out.logits[0] if grammar is None else grammar.first(out.logits[0])))
+        if grammar is not None:
+            grammar.advance(checker.token_ids)
         stats.prefill_seconds = time.perf_counter() - start
         # The sequence (prompt + tokens so far) is built once a step, O(sequence): observed, then proposed after.
         sequence = self.prompt_ids + checker.token_ids
@@ -254,9 +264,13 @@ class SpeculativeProgram(Program):
                 tree, tokens = draft.propose(sequence)
             tokens = check_draft_tree(engine, node, tree, tokens, sequence[-1], self.max_draft_tokens)
             probs = draft.draft_probs
+            if grammar is not None:   # (drafts the grammar rejects at their parent's state: never verified)
+                tree, tokens, probs = grammar.prune(tree, tokens, probs)
             if self.budget is not None:
                 tree, tokens, probs = cut_tree(tree, tokens, self.budget.tokens(self, engine.device, tree.size - 1),
                                                probs)
+                if grammar is not None:
+                    grammar.cut(tree.size)
             deepest = max(tree.depth)
             if max_depth is not None and deepest > max_depth:
                 raise ValueError(f"the draft proposed a tree {deepest} tokens deep, past its max_depth {max_depth}")
@@ -265,11 +279,12 @@ class SpeculativeProgram(Program):
             drafted = time.perf_counter()
             yield from ctx.reserve(1 + engine.pool.pages_for(tree.size - 1))
             ids = _add_tree(engine, node, tree, tokens)
-            out = yield StepRequest([node] + ids, argmax=greedy, **want)
+            out = yield StepRequest([node] + ids, argmax=greedy and grammar is None, **want)
             # Read with the other requests' reads in one copy: greedy, the step's argmax at every tree
             # token; rejection sampling, its decision made on the device (no wait per child tried).
             if greedy:
-                decided = greedy_path(tree, tokens, (yield Read(out.argmax)))
+                decided = greedy_path(tree, tokens, (yield Read(out.argmax if grammar is None
+                                                                else grammar.choice(out.logits))))
             elif isinstance(acceptance, RejectionSampling):   # (its numbers: this request's step's, as pipelined)
                 decided = decode_outcome((yield Read(acceptance.outcome(tree, tokens, out.logits, probs,
                                                                         step=stats.steps))))
@@ -277,6 +292,8 @@ class SpeculativeProgram(Program):
                 decided = None
             result = _settle(engine, node, tree, tokens, ids, acceptance, out.logits, out.hidden, out.heads,
                              head_name, stop_ids, checker, probs, decided)
+            if grammar is not None and not checker.stopped:
+                grammar.advance(result.accepted + [result.bonus])
             stats.steps += 1
             stats.accepted.append(len(result.accepted))
             if self.budget is not None:
