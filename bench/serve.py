@@ -27,6 +27,12 @@ reuse (sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of prompt toke
 turns after the first: the issue's target is >= 90%), and what the workload moved in the server's ``/metrics``
 (counters' deltas, histograms' means: step time, acceptance length, cache hits).
 
+``--offline``: after the server stopped, the ``sharegpt`` workload's requests again through ``LLM.generate`` in this
+process, in batches of ``--max-concurrency`` (:func:`bench.serve_single.time_offline_batches`): its step interval
+(median, mean) beside the server's engine-core iteration (``treedec_engine_step_seconds``' mean over the run, from
+``/metrics``: the core sends its iteration time in its per-iteration message), and their ratio (the issue's target:
+<= 1.1).
+
 ``--single-stream``: one streamed request alone (``--input-len`` words, ``--output-len`` tokens; one warm-up and
 ``--rounds``), then, with the server stopped, ``LLM.generate`` of the same prompt in this process
 (:mod:`bench.serve_single`); the ratio of the server's median ITL to ``LLM.generate``'s median step is the
@@ -34,6 +40,7 @@ issue's target (<= 1.1). ``--compare-speculative SPEC``: everything twice, witho
 SPEC`` (``--drafter``), two server starts, tabulated together.
 
     python bench/serve.py --config llama3-8b --tokenizer smollm2 --rate 8              # GPU: the three workloads
+    python bench/serve.py --config llama3-8b --tokenizer smollm2 --workloads sharegpt --num-prompts 256 --offline
     python bench/serve.py --config llama3-8b --tokenizer smollm2 --single-stream
     python bench/serve.py --model smollm2 --compare-speculative ngram --workloads multiturn
     python bench/serve.py --url http://127.0.0.1:8000 --workloads sharegpt --rate 4     # a running server
@@ -62,7 +69,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from bench.results_file import add_run_arguments, device_name, results_path, versions, write_results  # noqa: E402
 from bench.serve_client import ServerProcess, read_metrics, replay, server_model  # noqa: E402
-from bench.serve_single import single_session, single_stream_summary, time_llm_generate  # noqa: E402
+from bench.serve_single import (single_session, single_stream_summary, time_llm_generate,  # noqa: E402
+                                time_offline_batches)
 from bench.serve_stats import Record, itls, metric_changes, parse_metrics, summarize  # noqa: E402
 from bench.serve_workloads import WORKLOADS, multiturn, multiturn_ids, sharegpt, tot  # noqa: E402
 
@@ -80,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = results_path(Path(args.out), device, "serve", args.smoke, args.tag).with_suffix("")
     results = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "versions": versions("openai", "fastapi", "uvicorn", "transformers"), "argv": sys.argv[1:] if argv is None
-               else list(argv), "settings": settings(args), "servers": [], "runs": [], "single_stream": []}
+               else list(argv), "settings": settings(args), "servers": [], "runs": [], "single_stream": [],
+               "offline": []}
     all_records: dict[str, list[Record]] = {}
     for spec in modes:
         label = f"speculative {spec}" if spec else "no speculation"
@@ -114,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
                 entry["itl_ratio"] = ratio(served["itl_p50_ms"], llm["step_ms"])
                 entry["tpot_ratio"] = ratio(served["tpot_ms"], llm["ms_per_token"])
             results["single_stream"].append(entry)
+        if args.offline and not args.single_stream and spec is None and "sharegpt" in args.workloads:
+            print("LLM.generate of the sharegpt requests in process (the offline scheduler)", file=sys.stderr)
+            sessions = sessions_of(args, "sharegpt")
+            offline = time_offline_batches(model_spec(args), [s.turns[0].text for s in sessions],
+                                           [s.turns[0].max_tokens for s in sessions], args.max_concurrency,
+                                           args.ignore_eos)
+            [run] = [r for r in results["runs"] if r["workload"] == "sharegpt" and r["speculative"] is None]
+            core = (run["metrics"] or {}).get("headline", {}).get("step_ms")
+            results["offline"].append({"workload": "sharegpt", "offline": offline, "core_iteration_ms": core,
+                                       "core_over_offline_mean": ratio(core, offline["step_mean_ms"]),
+                                       "core_over_offline_median": ratio(core, offline["step_ms"])})
     path = write_results(results, args.out, "serve", args.smoke, args.tag)
     if all_records:
         plot_cdfs(all_records, path.with_suffix(".png"))
@@ -168,6 +188,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     single.add_argument("--rounds", type=int, default=3, help="single stream: timed rounds after one warm-up")
     single.add_argument("--no-llm", action="store_true", help="single stream: do not time LLM.generate")
     single.add_argument("--model-seed", type=int, default=0, help="--config's random weights (as the server's --seed)")
+    p.add_argument("--offline", action="store_true",
+                   help="after the server stopped, the sharegpt requests through LLM.generate in process: its step "
+                   "beside the engine core's iteration (needs --model or --config)")
     p.add_argument("--smoke", action="store_true", help="a few small requests of each workload (a -smoke file)")
     add_run_arguments(p)
     args = p.parse_args(argv)
@@ -184,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--compare-speculative starts the server twice: give --model or --config, not --url")
     if args.url and (args.speculative or args.drafter):
         p.error("--speculative / --drafter configure a server started here; a running server (--url) has its own")
+    if args.offline and (args.url or args.single_stream or "sharegpt" not in args.workloads):
+        p.error("--offline runs the sharegpt workload's requests in process after the server it started: give "
+                "--model or --config and the sharegpt workload, without --single-stream")
     if args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     return args
@@ -363,6 +389,13 @@ def print_table(results: dict) -> None:
                   f"{fmt(pct_of(after))}%{'' if history is None else f' ({fmt(pct_of(history))}%)'} | "
                   f"{fmt(pct_of(h.get('cache_hit_rate')))}% / "
                   f"{fmt(h.get('acceptance_length'), 2)} / {fmt(h.get('step_ms'), 2)} |")
+    for entry in results["offline"]:
+        off = entry["offline"]
+        print(f"\n{entry['workload']}: engine-core iteration {fmt(entry['core_iteration_ms'], 2)} ms (mean, /metrics); "
+              f"offline LLM.generate step {fmt(off['step_mean_ms'], 2)} ms mean / {fmt(off['step_ms'], 2)} ms median "
+              f"({off['requests']} requests, {off['concurrency']} at a time); core / offline "
+              f"{fmt(entry['core_over_offline_mean'], 3)}x mean, {fmt(entry['core_over_offline_median'], 3)}x median "
+              f"(target <= 1.1)")
     for entry in results["single_stream"]:
         served, llm = entry["server"], entry["llm_generate"]
         print(f"\nsingle stream ({entry['speculative'] or 'no speculation'}): server ITL p50 "

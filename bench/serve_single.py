@@ -16,7 +16,7 @@ import numpy as np
 from bench.serve_stats import Record, itls, percentiles
 from bench.serve_workloads import Session, Turn, random_words
 
-__all__ = ["single_session", "single_stream_summary", "time_llm_generate"]
+__all__ = ["load_llm", "single_session", "single_stream_summary", "time_llm_generate", "time_offline_batches"]
 
 
 def single_session(seed: int, input_words: int, output_tokens: int) -> Session:
@@ -41,17 +41,12 @@ def single_stream_summary(records: list[Record]) -> dict:
             "ttft_ms": median("ttft_ms"), "failed": len(rounds) - len(good)}
 
 
-def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: int, ignore_eos: bool,
-                      speculative: str | None, drafter: str | None) -> dict:
-    """``LLM.generate`` of ``prompt`` (greedy, ``max_tokens``) one warm-up and ``rounds`` timed times: per round the
-    median interval between engine steps (ms), the tokens, steps and seconds ``RequestOutput.stats`` reports, and
-    ms per output token (the median step over the tokens a step gives); medians over the rounds.
-
-    ``model_spec``: ``model`` (a name ``LLM`` loads) or ``config`` (a named size, random weights of ``seed``), with
-    ``tokenizer``, ``device`` and ``dtype`` (None for the defaults), as the server was started."""
+def load_llm(model_spec: dict, speculative: str | None = None, drafter: str | None = None):
+    """The LLM the server ran (``model_spec``: ``model`` (a name ``LLM`` loads) or ``config`` (a named size, random
+    weights of ``seed``), with ``tokenizer``, ``device`` and ``dtype``, None for the defaults)."""
     import torch
 
-    from treedec import LLM, SamplingParams
+    from treedec import LLM
     from treedec.models import from_config
     from treedec.programs.speculative import SpeculativeConfig
 
@@ -61,10 +56,62 @@ def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: in
         device = model_spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtypes[model_spec.get("dtype")] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model = from_config(model_spec["config"], seed=model_spec.get("seed", 0), dtype=dtype, device=device)
-        llm = LLM(model, model_spec.get("tokenizer"), speculative_config=spec)
-    else:
-        llm = LLM(model_spec["model"], model_spec.get("tokenizer"), device=model_spec.get("device"),
-                  dtype=dtypes[model_spec.get("dtype")], speculative_config=spec)
+        return LLM(model, model_spec.get("tokenizer"), speculative_config=spec)
+    return LLM(model_spec["model"], model_spec.get("tokenizer"), device=model_spec.get("device"),
+               dtype=dtypes[model_spec.get("dtype")], speculative_config=spec)
+
+
+def time_offline_batches(model_spec: dict, prompts: list[str], max_tokens: list[int], concurrency: int,
+                         ignore_eos: bool) -> dict:
+    """The offline scheduler over the same requests as a server run: ``LLM.generate`` of ``prompts`` (greedy, each
+    its ``max_tokens``) in batches of ``concurrency`` (the server's requests in flight at most), after one small
+    warm-up batch; every ``Engine.step`` stamped (the prefills' included). Returns the step intervals' median and
+    mean (ms: the offline iteration ``bench/serve.py`` sets beside the engine core's), their percentiles, the steps,
+    tokens and seconds."""
+    from treedec import SamplingParams
+
+    llm = load_llm(model_spec)
+    ends: list[float] = []
+    step = llm.engine.step
+
+    def stamped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return out
+
+    llm.engine.step = stamped
+    gaps: list[float] = []
+    tokens, began = 0, None
+    try:
+        llm.generate(prompts[:min(4, len(prompts))], SamplingParams(max_tokens=8, temperature=0,
+                                                                     ignore_eos=ignore_eos), use_tqdm=False)
+        began = time.perf_counter()
+        for start in range(0, len(prompts), concurrency):
+            ends.clear()
+            batch = slice(start, start + concurrency)
+            params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos) for m in max_tokens[batch]]
+            outs = llm.generate(prompts[batch], params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            gaps += itls(ends)
+    finally:
+        llm.engine.step = step
+    return {"step_ms": statistics.median(gaps) * 1e3 if gaps else None,
+            "step_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else None, "step_intervals_ms": percentiles(gaps, 1e3),
+            "steps": len(gaps), "tokens": tokens, "seconds": time.perf_counter() - began, "concurrency": concurrency,
+            "requests": len(prompts), "device": str(llm.model.device)}
+
+
+def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: int, ignore_eos: bool,
+                      speculative: str | None, drafter: str | None) -> dict:
+    """``LLM.generate`` of ``prompt`` (greedy, ``max_tokens``) one warm-up and ``rounds`` timed times: per round the
+    median interval between engine steps (ms), the tokens, steps and seconds ``RequestOutput.stats`` reports, and
+    ms per output token (the median step over the tokens a step gives); medians over the rounds.
+
+    ``model_spec``: ``model`` (a name ``LLM`` loads) or ``config`` (a named size, random weights of ``seed``), with
+    ``tokenizer``, ``device`` and ``dtype`` (None for the defaults), as the server was started."""
+    from treedec import SamplingParams
+
+    llm = load_llm(model_spec, speculative, drafter)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     ends: list[float] = []
     step = llm.engine.step

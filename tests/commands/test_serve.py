@@ -163,9 +163,84 @@ class _Recorded:
 
 
 def tiny_serve(tmp_path, *argv):
+    """``treedec serve`` of the tiny model, its engine core in this process (the recorded app gets its LLM)."""
     from tests.tokenizers_local import build_tokenizer
     return main(["serve", "--config", "tiny", "--tokenizer", str(build_tokenizer(tmp_path / "tok")), "--kv-tokens",
-                 "256", "--page-size", "4", *argv])
+                 "256", "--page-size", "4", "--no-engine-process", *argv])
+
+
+def test_the_engine_core_runs_in_a_process_of_its_own_by_default_and_says_so(tmp_path, capsys, monkeypatch):
+    from tests.tokenizers_local import build_tokenizer
+    from treedec.serve.core_client import ProcessClient
+    monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
+    recorded = _Recorded(monkeypatch)
+    assert main(["serve", "--config", "tiny", "--tokenizer", str(build_tokenizer(tmp_path / "tok")), "--kv-tokens",
+                 "256", "--page-size", "4", "--max-model-len", "512"]) == 0
+    err = capsys.readouterr().err
+    assert isinstance(recorded.llm, ProcessClient) and recorded.llm.ready.max_model_len == 512
+    assert f"engine core: process {recorded.llm.pid}" in err and "max_model_len 512" in err and "256 KV tokens" in err
+    assert not recorded.llm.process_handle.is_alive()   # (stopped with the command)
+    assert tiny_serve(tmp_path) == 0 and "engine core: in-process" in capsys.readouterr().err
+
+
+def test_a_core_that_cannot_start_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    started = time.monotonic()
+    assert main(["serve", "--config", "tiny", "--tokenizer", str(empty), "--kv-tokens", "256"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treedec serve: error: ") and str(empty) in err and err.count("\n") == 1, err
+    assert "has no tokenizer" in err and "unexpected" not in err, err
+    assert "Traceback" not in err and time.monotonic() - started < 120
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_ends_the_server_with_exit_code_1(tmp_path):
+    """A supervisor's case: `treedec serve` whose engine-core process is killed answers its streams 503
+    engine_failed and exits 1 by itself."""
+    import os
+
+    from tests.tokenizers_local import build_tokenizer
+    folder = build_tokenizer(tmp_path / "tok")
+    log = open(tmp_path / "log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "treedec", "serve", "--config", "tiny", "--tokenizer",
+                                str(folder), "--port", "0", "--kv-tokens", "8192", "--page-size", "4"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline, port = time.monotonic() + 120, None
+        while port is None:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+            text = (tmp_path / "log").read_text()
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", text)
+            port = found and int(found.group(1))
+            time.sleep(0.1)
+        core = int(re.search(r"engine core: process (\d+)", text).group(1))
+        lines, first = [], threading.Event()
+
+        def stream():
+            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        first.set()
+
+        thread = threading.Thread(target=stream, daemon=True)
+        thread.start()
+        assert first.wait(60)
+        os.kill(core, signal.SIGKILL)
+        process.wait(60)
+        thread.join(10)
+        output = (tmp_path / "log").read_text()
+        assert process.returncode == 1 and "the engine core is gone" in output, output[-2000:]
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "engine_failed", lines[-2:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 def test_the_api_key_and_the_sizes_reach_the_app_and_the_llm_and_the_key_is_never_printed(tmp_path, capsys,

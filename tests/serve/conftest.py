@@ -1,6 +1,7 @@
 """Fixtures of the server tests: the small local tokenizer, an LLM of its own for the expected outputs, and a module's
-default server (the tiny model, default limits) with an openai client of it; a module that needs other limits defines
-its own ``server``."""
+default server (the tiny model, default limits) with an openai client of it, in both engine modes (the core in a
+process of its own, ``treedec serve``'s default, and in the server's process); a module that needs other limits
+defines its own ``server`` (the core in its own process)."""
 import pytest
 
 from tests.tokenizers_local import build_tokenizer
@@ -15,7 +16,7 @@ except ImportError:   # (not collected where they are missing, e.g. a GPU machin
 else:
     import openai as _openai
 
-    from tests.serve.server import RunningServer, make_llm
+    from tests.serve.server import ENGINES, RunningServer, make_llm
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +35,10 @@ def reference(tokenizer):
     return make_llm(tokenizer)
 
 
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    """A server of the tiny model with the default limits, for the module's tests."""
-    running = RunningServer(make_llm(tokenizer), "tiny")
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def server(tokenizer, request):
+    """A server of the tiny model with the default limits, for the module's tests: in each engine mode."""
+    running = RunningServer(ENGINES[request.param](tokenizer), "tiny")
     yield running
     running.stop()
 

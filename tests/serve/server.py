@@ -1,8 +1,10 @@
 """A treedec server on the loopback in a background thread, for tests (uvicorn on a free port), and what the server
-tests share: the tiny model's LLM, waiting, the page accounting, a bystander request."""
+tests share: the tiny model's LLM (built here, or by its recipe in the engine core's own process), waiting, the page
+accounting (asked of the core), a bystander request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
 import time
@@ -11,22 +13,28 @@ import openai
 
 from tests.engines import tiny_model
 from treedec import LLM, SamplingParams
-from treedec.runtime.request import pages_in_use
 from treedec.serve import build_app
+from treedec.serve.core_client import ProcessClient
 from treedec.serve.http import make_server
 
 
 class RunningServer:
-    """``build_app(llm, name, **kwargs)`` served by ``treedec serve``'s uvicorn server (:func:`make_server`) on
-    127.0.0.1 (a free port) until :meth:`stop`."""
+    """``build_app(engine, name, **kwargs)`` served by ``treedec serve``'s uvicorn server (:func:`make_server`) on
+    127.0.0.1 (a free port) until :meth:`stop`: ``engine`` an LLM (its core in this process) or a recipe of one
+    (:func:`llm_recipe`: its core in a process of its own, ``treedec serve``'s default)."""
 
-    def __init__(self, llm: LLM, name: str = "tiny", **kwargs):
-        self.llm, self.name = llm, name
-        self.app = build_app(llm, name, **kwargs)
+    def __init__(self, engine, name: str = "tiny", **kwargs):
+        self.name = name
+        self.llm = engine if isinstance(engine, LLM) else None
+        if self.llm is None:
+            core = {key: kwargs.pop(key) for key in ("max_step_tokens", "seed") if key in kwargs}
+            engine = ProcessClient(engine, **core)
+        self.mode = "in-process" if self.llm is not None else "process"
+        self.app = build_app(engine, name, **kwargs)
         self.server = make_server(self.app, "127.0.0.1", 0, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120   # (a core of its own imports torch and builds the model first)
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")
@@ -37,7 +45,21 @@ class RunningServer:
 
     @property
     def online(self):
+        """The app's CoreClient."""
         return self.app.state.online
+
+    def stats(self):
+        """The core's last IterationStats (all zero before its first message)."""
+        stats = self.online.stats
+        return stats if stats is not None else _NO_STATS
+
+    def call(self, coroutine, timeout: float = 60.0):
+        """Run ``coroutine`` on the server's loop (the client's methods) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.online.loop).result(timeout)
+
+    def pages(self):
+        """The core's PagesReport, asked now."""
+        return self.call(self.online.pages())
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -50,6 +72,16 @@ def make_llm(tokenizer, **kwargs) -> LLM:
                **kwargs)
 
 
+def llm_recipe(tokenizer, **kwargs):
+    """:func:`make_llm`'s LLM as a recipe (picklable): built in the engine core's own process."""
+    return functools.partial(make_llm, tokenizer, **kwargs)
+
+
+#: A server's engine, in each mode: its core in a process of its own (``treedec serve``'s default), or in the
+#: server's process.
+ENGINES = {"process": llm_recipe, "in-process": make_llm}
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     async def poll():
         while not condition():
@@ -59,12 +91,25 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 
 def free_again(server: RunningServer, timeout: float = 10.0) -> int:
     """The pages of the server's pool held by anything but the prefix cache, once its engine is idle and its tree
-    empty (0: every request's pages are free; the invariants hold with the cache's holds)."""
-    engine, cache = server.llm.engine, server.online.scheduler.cache
-    wait_until(lambda: server.online.scheduler.idle and engine.tree.num_nodes == 0, timeout)
-    engine.tree.check_invariants(held=cache.held())
-    return pages_in_use(engine.pool) - cache.num_pages
+    empty (0: every request's pages are free; the invariants hold with the cache's holds), as its core reports them
+    (:class:`~treedec.serve.messages.PagesReport`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = server.pages()
+        if report.idle and report.num_nodes == 0:
+            break
+        assert time.monotonic() < deadline, f"the engine is not idle after {timeout} s: {report}"
+        time.sleep(0.02)
+    assert report.invariants is None, report.invariants
+    return report.held_pages
 
+
+class _NoStats:
+    seconds = steps = num_running = num_waiting = waiting_outputs = prompt_tokens = cached_tokens = 0
+    preemptions = free_pages = num_pages = queries = 0
+
+
+_NO_STATS = _NoStats()
 
 BYSTANDER_PROMPT = "The quick brown fox"
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server import RunningServer, make_llm
+from tests.serve.server import RunningServer, llm_recipe, make_llm
 from treedec.serve import build_app
 from treedec.serve.auth import check_api_key
 
@@ -16,7 +16,7 @@ KEY = "sk-test-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny", api_key=KEY)
+    running = RunningServer(llm_recipe(tokenizer), "tiny", api_key=KEY)
     yield running
     running.stop()
 
@@ -63,7 +63,7 @@ def test_the_probes_stay_open_and_the_scheme_is_case_insensitive(server):
 
 
 def test_secure_metrics_closes_the_probes(tokenizer):
-    running = RunningServer(make_llm(tokenizer, kv_tokens=256), "tiny", api_key=KEY, secure_metrics=True)
+    running = RunningServer(llm_recipe(tokenizer, kv_tokens=256), "tiny", api_key=KEY, secure_metrics=True)
     try:
         for path in ("/health", "/metrics"):
             unauthorized(httpx.get(running.url + path))

@@ -10,13 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server import Bystander, RunningServer, alone, free_again, make_llm, send_chunked, wait_until
+from tests.serve.server import (Bystander, RunningServer, alone, free_again, llm_recipe, make_llm, send_chunked,
+                                wait_until)
 from treedec.serve.limits import LOOPBACK_HOSTS, host_name
 
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny", max_n=8, max_prompts=16, max_body_bytes=2**20,
+    running = RunningServer(llm_recipe(tokenizer), "tiny", max_n=8, max_prompts=16, max_body_bytes=2**20,
                             read_timeout=0.5, allowed_hosts=LOOPBACK_HOSTS)
     yield running
     running.stop()
@@ -101,7 +102,7 @@ def test_health_reports_an_engine_whose_iteration_runs_too_long(tokenizer, monke
 
 
 def test_the_queue_counts_prompts_times_n_and_prompts_per_request_are_capped(tokenizer):
-    running = RunningServer(make_llm(tokenizer, kv_tokens=320), "tiny", max_queued_requests=4, max_prompts=16)
+    running = RunningServer(llm_recipe(tokenizer, kv_tokens=320), "tiny", max_queued_requests=4, max_prompts=16)
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             message = refused(lambda: client.completions.create(model="tiny", prompt=["a"] * 5000, max_tokens=2),
@@ -155,7 +156,7 @@ def test_a_loopback_server_answers_only_its_loopback_host_names(server):
 def test_docs_are_off_unless_asked(server, tokenizer):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(f"{server.url}{path}").status_code == 404, path
-    running = RunningServer(make_llm(tokenizer), "tiny", enable_docs=True)
+    running = RunningServer(llm_recipe(tokenizer), "tiny", enable_docs=True)
     try:
         assert httpx.get(f"{running.url}/docs").status_code == 200
         assert "/v1/completions" in httpx.get(f"{running.url}/openapi.json").json()["paths"]

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.server import Bystander, RunningServer, alone, free_again, make_llm
+from tests.serve.server import Bystander, RunningServer, alone, free_again, llm_recipe
 from treedec import SamplingParams
 from treedec.models.text import load_tokenizer
 from treedec.serve.prompts import longest_token_chars
@@ -25,7 +25,7 @@ HOSTILE = ("{% set c = messages[0]['content'] %}"
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
+    running = RunningServer(llm_recipe(tokenizer), "tiny")
     yield running
     running.stop()
 
@@ -59,6 +59,7 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(serve
 def test_the_tokenizer_runs_off_the_event_loop(server, tokenizer, reference, monkeypatch):
     """A prompt whose tokenizing takes 2 s (held back by the test) does not hold the server: /health, /v1/models and
     another client's stream are answered meanwhile."""
+    tokenizer = server.online.tokenizer   # (the frontend's: in process mode a copy of the core's)
     encode, release = tokenizer.encode, threading.Event()
 
     def slow(text, **kw):
@@ -87,7 +88,7 @@ def test_the_tokenizer_runs_off_the_event_loop(server, tokenizer, reference, mon
 def test_a_hostile_chat_template_is_stopped_and_named(tokenizer_folder, reference):
     hostile = load_tokenizer(tokenizer_folder)
     hostile.chat_template = HOSTILE
-    running = RunningServer(make_llm(hostile), "tiny", chat_template_timeout=1.0)
+    running = RunningServer(llm_recipe(hostile), "tiny", chat_template_timeout=1.0)
     try:
         bystander = Bystander(running)
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:

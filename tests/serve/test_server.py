@@ -9,9 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.server import RunningServer, free_again, make_llm, wait_until
+from tests.serve.server import RunningServer, free_again, llm_recipe, make_llm, wait_until
 from treedec import LLM, SamplingParams
-from treedec.runtime.request import pages_in_use
 
 
 PROMPTS = ["The quick brown fox", "Hello world! hello there"]
@@ -47,7 +46,7 @@ def test_completions_equal_llm_generate_whole_and_streamed(server, client, refer
     assert got.usage.prompt_tokens == prompt_tokens
     assert got.usage.completion_tokens >= sum(1 for text, _ in want)
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
-    page = server.llm.engine.pool.page_size   # (a prompt sent before is read from the prefix cache: whole pages)
+    page = server.online.ready.page_size   # (a prompt sent before is read from the prefix cache: whole pages)
     assert got.usage.prompt_tokens_details.cached_tokens in (0, (prompt_tokens - 1) // page * page)
 
     texts, reasons, usage = {}, {}, None
@@ -175,10 +174,10 @@ def test_a_client_disconnect_mid_stream_frees_the_pages(server):
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-            wait_until(lambda: server.online.scheduler.num_running == 1)
-            assert pages_in_use(server.llm.engine.pool) > 0
+            wait_until(lambda: server.stats().num_running == 1)
+            assert server.pages().held_pages > 0
     assert free_again(server) == 0   # aborted, not run to its 3000 tokens
-    assert server.online.scheduler.num_running == 0
+    assert server.stats().num_running == 0
 
 
 def test_a_client_disconnect_while_waiting_for_a_whole_response_frees_the_pages(server):
@@ -210,7 +209,7 @@ def test_metrics_parse_and_count_the_requests(server, client):
     assert after[("treedec_engine_step_seconds_count", ())] > before[("treedec_engine_step_seconds_count", ())]
     assert after[("treedec_time_to_first_token_seconds_count", ())] == \
         before[("treedec_time_to_first_token_seconds_count", ())] + 1
-    stats = server.online.scheduler.stats   # the cache's reads: the scheduler's counts, and their ratio
+    stats = server.stats()   # the cache's reads: the scheduler's counts, and their ratio
     assert after[("treedec_scheduler_cached_tokens", ())] == stats.cached_tokens
     assert after[("treedec_scheduler_prompt_tokens", ())] == stats.prompt_tokens > 0
     assert after[("treedec_cache_hit_rate", ())] == pytest.approx(stats.cached_tokens / stats.prompt_tokens)
@@ -262,7 +261,7 @@ def test_200_concurrent_streams_lose_nothing_and_free_every_page(server, referen
 def test_overloaded_server_answers_503(tokenizer):
     """One request holds most of a small pool; the next one waits for admission (its prompt shares no prefix with
     the first's, which the prefix cache would let it read); one more is refused."""
-    running = RunningServer(make_llm(tokenizer, kv_tokens=320), "tiny", max_queued_requests=1)
+    running = RunningServer(llm_recipe(tokenizer, kv_tokens=320), "tiny", max_queued_requests=1)
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             holder = client.completions.create(**api(model="tiny", prompt=list(range(3, 103)), max_tokens=150,
@@ -270,7 +269,7 @@ def test_overloaded_server_answers_503(tokenizer):
             next(iter(holder))   # admitted and running
             waiting = client.completions.create(model="tiny", prompt=list(range(252, 2, -1)), max_tokens=1,
                                                 temperature=0, stream=True)
-            wait_until(lambda: running.online.scheduler.num_waiting == 1)
+            wait_until(lambda: running.stats().num_waiting == 1)
             with pytest.raises(openai.APIStatusError) as info:
                 client.completions.create(model="tiny", prompt="hello", max_tokens=2)
             assert info.value.status_code == 503 and info.value.response.json()["error"]["code"] == "overloaded"
@@ -285,7 +284,7 @@ def test_overloaded_server_answers_503(tokenizer):
 
 
 def test_speculative_server_equals_plain_greedy_and_refuses_what_it_cannot_do(tokenizer, reference):
-    running = RunningServer(make_llm(tokenizer, speculative_config={"method": "ngram", "num_speculative_tokens": 3}), "s")
+    running = RunningServer(llm_recipe(tokenizer, speculative_config={"method": "ngram", "num_speculative_tokens": 3}), "s")
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             prompt = "hello there, hello there, hello there, hello"
@@ -346,7 +345,7 @@ def test_a_conversation_resent_as_token_ids_reads_its_history_from_the_cache(ser
     """vLLM's ``return_token_ids`` gives each choice its prompt's and output's ids; a client re-sending the whole
     conversation as ids reads all of the last turn from the prefix cache but its last token (whole pages); a chat
     re-sending its messages reads at least the last turn's prompt."""
-    page = server.llm.engine.pool.page_size
+    page = server.online.ready.page_size
     history, last = list(range(3, 40)), None
     for turn in range(4):
         got = client.completions.create(model="tiny", prompt=history, max_tokens=9, temperature=0,
@@ -376,7 +375,7 @@ def test_a_server_over_an_llm_with_a_prefix_cache_keeps_that_one(tokenizer):
     llm.generate({"prompt_token_ids": list(range(3, 30))}, SamplingParams(max_tokens=2), use_tqdm=False)
     running = RunningServer(llm, "tiny")
     try:
-        assert running.online.scheduler.cache is llm.prefix_cache
+        assert running.online.core.online.scheduler.cache is llm.prefix_cache   # (the core in this process)
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             got = client.completions.create(model="tiny", prompt=list(range(3, 30)), max_tokens=2, temperature=0)
         assert got.usage.prompt_tokens_details.cached_tokens == 24   # the LLM's call cached it (pages of 4)

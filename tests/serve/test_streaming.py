@@ -5,7 +5,7 @@ seeds; out-of-vocabulary prompt ids named."""
 import openai
 import pytest
 
-from tests.serve.server import RunningServer, make_llm
+from tests.serve.server import RunningServer, llm_recipe
 from treedec import SamplingParams
 
 PROMPT = "The quick brown fox"
@@ -134,7 +134,7 @@ def test_an_out_of_vocabulary_prompt_id_is_named(client):
 
 def test_a_speculative_server_gives_continuous_usage_stats(tokenizer, reference):
     """A speculative request's chunks carry their usage too (its tokens so far, growing by each step's accepted)."""
-    running = RunningServer(make_llm(tokenizer, kv_tokens=1024, speculative_config={
+    running = RunningServer(llm_recipe(tokenizer, kv_tokens=1024, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2}), "s")
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:

@@ -5,13 +5,13 @@ import httpx
 import pytest
 
 import treedec
-from tests.serve.server import RunningServer, make_llm
+from tests.serve.server import RunningServer, llm_recipe
 from treedec.models.text import encode_prompt
 
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    running = RunningServer(make_llm(tokenizer), "tiny")
+    running = RunningServer(llm_recipe(tokenizer), "tiny")
     yield running
     running.stop()
 
@@ -88,7 +88,7 @@ def test_bad_bodies_are_answered_with_the_field_named(server, path, body, status
 
 
 def test_the_max_model_len_is_the_llm_s(tokenizer):
-    running = RunningServer(make_llm(tokenizer, kv_tokens=512, max_model_len=100), "tiny")
+    running = RunningServer(llm_recipe(tokenizer, kv_tokens=512, max_model_len=100), "tiny")
     try:
         assert post(running, "/tokenize", {"prompt": "hi"}).json()["max_model_len"] == 100
         assert httpx.get(f"{running.base_url}/models").json()["data"][0]["max_model_len"] == 100

@@ -9,14 +9,20 @@ It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, wit
 :class:`~treedec.programs.speculative.SpeculativeConfig`: every request is then decoded speculatively), builds the app
 (:func:`treedec.serve.build_app`) and runs it with uvicorn (:func:`treedec.serve.http.make_server`) until Ctrl-C or
 SIGTERM: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. Requests name the model ``--served-model-name`` (default the ``--model`` argument). The first
-signal aborts every request (live streams end with an error event) and the server exits within a few seconds, exit
-code 0. On a loopback address it answers only the loopback host names (``--allowed-hosts`` adds others). Needs the
-``serve`` extra: ``pip install 'treedec[serve]'``.
+``GET /metrics``. By default (``--engine-process``) the LLM is built and run in an engine-core process of its own
+(:mod:`treedec.serve.core`: the online scheduler), and this process is the frontend (HTTP, tokenization, chat
+templates, streams, metrics), as vLLM's; ``--no-engine-process`` runs both in one process. When the engine core's
+process ends unasked (killed, crashed) every request in flight is answered 503 ``engine_failed`` and the server
+exits with code 1, for a supervisor to restart it. Requests name the model ``--served-model-name`` (default the
+``--model`` argument). The first signal aborts every request (live streams end with an error event) and the server
+exits within a few seconds, exit code 0. On a loopback address it answers only the loopback host names
+(``--allowed-hosts`` adds others). Needs the ``serve`` extra: ``pip install 'treedec[serve]'``.
 """
 from __future__ import annotations
 
 import argparse
+import builtins
+import functools
 import importlib.util
 import ipaddress
 import os
@@ -107,6 +113,10 @@ def add_serve_parser(sub) -> None:
                    f"key out of the process list")
     p.add_argument("--secure-metrics", action="store_true", help="with --api-key, /health and /metrics need the key "
                    "too")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (the model and its scheduler) in a process of its own, the frontend "
+                   "(HTTP, tokenization, streams) in this one (the default; vLLM's shape); --no-engine-process: one "
+                   "process")
     p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one, and --config's "
                    "random weights' (default 0)")
 
@@ -142,22 +152,92 @@ def run_serve(args: argparse.Namespace) -> int:
         [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     if allowed_hosts is not None and not allowed_hosts:
         raise ValueError(f"--allowed-hosts must name at least one host ('*' for any), got {args.allowed_hosts!r}")
+    from treedec.programs.speculative import SpeculativeConfig
+    from treedec.serve import build_app
+    from treedec.serve.core_client import EngineStartupError, ProcessClient
+    from treedec.serve.http import make_server
+
+    if args.speculative is not None:   # (checked before the model loads)
+        SpeculativeConfig(method=args.speculative, model=args.drafter,
+                          num_speculative_tokens=args.num_speculative_tokens)
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        template = path.read_text() if path.is_file() else args.chat_template
+    name = args.served_model_name or args.model or args.config
+    recipe = functools.partial(build_llm, args, template)
+    if args.engine_process:
+        engine = ProcessClient(recipe, seed=args.seed)
+        try:
+            ready = engine.launch()
+        except EngineStartupError as e:   # (the core's own error class, when it is a user's error: one line)
+            error = getattr(builtins, e.kind or "", None)
+            if isinstance(error, type) and issubclass(error, (ValueError, TypeError, OSError, MemoryError)):
+                raise error(str(e)) from None
+            raise
+        core = f"engine core: process {ready.pid}"
+    else:
+        engine = llm = recipe()
+        ready = None
+        core = "engine core: in-process"
+    server = None
+    try:
+        app = build_app(engine, name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
+                        max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
+                        read_timeout=args.read_timeout, engine_iteration_timeout=args.engine_iteration_timeout,
+                        chat_template_timeout=args.chat_template_timeout, allowed_hosts=allowed_hosts,
+                        enable_docs=args.enable_docs, seed=args.seed, api_key=args.api_key,
+                        secure_metrics=args.secure_metrics)
+        server = make_server(app, args.host, args.port)
+        if ready is None:
+            pool = llm.engine.pool
+            device, kv_tokens, max_model_len = llm.model.device, pool.num_pages * pool.page_size, llm.max_model_len
+            kv_dtype = llm.engine.kv_cache_dtype
+            drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
+        else:
+            device, kv_tokens, max_model_len = ready.device, ready.kv_tokens, ready.max_model_len
+            kv_dtype = ready.kv_cache_dtype
+            drafting = f", speculative: {ready.note}" if ready.speculative else ""
+        hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
+        key = "API key required" if args.api_key is not None else "no API key"
+        print(f"treedec serve: {name} on {device} ({kv_tokens} KV tokens of {kv_dtype}, max_model_len {max_model_len}"
+              f"{drafting}; "
+              f"{core}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts}; {key})",
+              file=sys.stderr)
+        if args.api_key is None and not is_loopback(args.host):
+            print(f"treedec serve: warning: listening on {args.host} without an API key: whoever reaches the port "
+                  f"uses the model (give --api-key or set {API_KEY_ENV})", file=sys.stderr)
+    # uvicorn shuts down on the first SIGINT / SIGTERM, then raises that signal again for whoever handled it before;
+    # for treedec serve that is its normal end (exit code 0), so the handlers it finds are no-ops.
+        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run()
+        finally:
+            for sig, handler in quiet.items():
+                signal.signal(sig, handler)
+    finally:
+        if args.engine_process:   # (ended with the app's lifespan; here when the server never started)
+            engine.stop()
+    failed = getattr(server, "engine_failed", None)
+    if failed is not None:   # (a supervisor restarts it)
+        print(f"treedec serve: error: the engine core is gone ({failed}); every request in flight was answered 503 "
+              f"engine_failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_llm(args: argparse.Namespace, template: str | None):
+    """``treedec serve``'s LLM from its arguments (in the engine core's process, or in this one)."""
     import torch
 
     from treedec.llm import LLM
     from treedec.models import from_config
     from treedec.programs.speculative import SpeculativeConfig
-    from treedec.serve import build_app
-    from treedec.serve.http import make_server
 
     speculative = None
-    if args.speculative is not None:   # (checked before the model loads)
+    if args.speculative is not None:
         speculative = SpeculativeConfig(method=args.speculative, model=args.drafter,
                                         num_speculative_tokens=args.num_speculative_tokens)
-    template = None
-    if args.chat_template is not None:
-        path = Path(args.chat_template)
-        template = path.read_text() if path.is_file() else args.chat_template
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     sizes = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
@@ -173,33 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
                   page_size=args.page_size, speculative_config=speculative, quantization=args.quantization, **sizes)
     if template is not None:
         llm.tokenizer.chat_template = template
-    name = args.served_model_name or args.model or args.config
-    app = build_app(llm, name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
-                    max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                    engine_iteration_timeout=args.engine_iteration_timeout,
-                    chat_template_timeout=args.chat_template_timeout, allowed_hosts=allowed_hosts,
-                    enable_docs=args.enable_docs, seed=args.seed, api_key=args.api_key,
-                    secure_metrics=args.secure_metrics)
-    server = make_server(app, args.host, args.port)
-    drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
-    hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
-    key = "API key required" if args.api_key is not None else "no API key"
-    pool = llm.engine.pool
-    print(f"treedec serve: {name} on {llm.model.device} ({pool.num_pages * pool.page_size} KV tokens of "
-          f"{llm.engine.kv_cache_dtype}, max_model_len {llm.max_model_len}{drafting}) at "
-          f"http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts}; {key})", file=sys.stderr)
-    if args.api_key is None and not is_loopback(args.host):
-        print(f"treedec serve: warning: listening on {args.host} without an API key: whoever reaches the port uses "
-              f"the model (give --api-key or set {API_KEY_ENV})", file=sys.stderr)
-    # uvicorn shuts down on the first SIGINT / SIGTERM, then raises that signal again for whoever handled it before;
-    # for treedec serve that is its normal end (exit code 0), so the handlers it finds are no-ops.
-    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in quiet.items():
-            signal.signal(sig, handler)
-    return 0
+    return llm
 
 
 def default_allowed_hosts(host: str) -> list[str] | None:

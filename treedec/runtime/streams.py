@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from treedec.runtime.requests import RequestResult
 
-__all__ = ["OutputStream", "StreamOutput"]
+__all__ = ["STREAM_END", "OutputStream", "StreamFailure", "StreamOutput"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,18 @@ class StreamOutput:
 class OutputStream:
     """An async iterator of one request's :class:`StreamOutput`, fed from the driving thread through
     ``loop.call_soon_threadsafe`` (see the module docstring). It raises the error the request failed with
-    (:class:`~treedec.runtime.online.ProgramAborted` for an aborted one)."""
+    (:class:`~treedec.runtime.online.ProgramAborted` for an aborted one).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: int | str):
-        self.loop, self.request_id = loop, request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+    With ``deliver`` the items go to ``deliver(item)`` on the driving thread instead (each :class:`StreamOutput`,
+    then :data:`STREAM_END` after the final one, or a :class:`StreamFailure`), and the stream is not iterated: the
+    engine core (:mod:`treedec.serve.core`) batches them into one message per iteration."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, request_id: int | str,
+                 deliver: Callable[[Any], None] | None = None):
+        if (loop is None) == (deliver is None):
+            raise ValueError("an OutputStream needs a loop (iterated there) or deliver (its items handed on), not both")
+        self.loop, self.request_id, self._deliver = loop, request_id, deliver
+        self.queue: asyncio.Queue | None = None if loop is None else asyncio.Queue()
         self._sent: dict[int, int] = {}   # output index -> characters passed on
         self._run: dict[int, int] = {}    # output index -> characters streamed by the program's current run
         self._ended: set[int] = set()     # outputs whose end was passed on (a run again ends them again)
@@ -104,7 +111,7 @@ class OutputStream:
                 self._put(StreamOutput(self.request_id, r.index, tail, len(r.output_ids), r.stop_reason,
                                        list(r.output_ids)))
         self._put(StreamOutput(self.request_id, results=results))
-        self._put(_END)
+        self._put(STREAM_END)
 
     def _new(self, index: int, delta: str) -> str:
         """The part of the current run's ``delta`` past what was passed on (counted as passed on now)."""
@@ -118,9 +125,12 @@ class OutputStream:
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (raised to the caller)."""
-        self._put(_Failure(error))
+        self._put(StreamFailure(error))
 
     def _put(self, item: Any) -> None:
+        if self._deliver is not None:
+            self._deliver(item)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:   # the caller's loop is closed: nobody reads the stream any more
@@ -133,17 +143,20 @@ class OutputStream:
 
     async def __anext__(self) -> StreamOutput:
         item = await self.queue.get()
-        if item is _END:
-            self.queue.put_nowait(_END)   # (iterating again ends again)
+        if item is STREAM_END:
+            self.queue.put_nowait(STREAM_END)   # (iterating again ends again)
             raise StopAsyncIteration
-        if isinstance(item, _Failure):
+        if isinstance(item, StreamFailure):
             raise item.error
         return item
 
 
-_END = object()
+#: The item after a stream's final one.
+STREAM_END = object()
 
 
 @dataclass(frozen=True)
-class _Failure:
+class StreamFailure:
+    """The item that ends a failed stream: its error."""
+
     error: BaseException

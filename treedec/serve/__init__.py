@@ -1,7 +1,11 @@
 """``treedec serve``: an OpenAI-compatible HTTP server (FastAPI, uvicorn) over treedec's online engine.
 
-- :func:`build_app` (:mod:`treedec.serve.app`): the app over one :class:`~treedec.LLM` (its engine driven by one
-  :class:`~treedec.serve.engine.OnlineEngine` thread, which needs none of the server's packages):
+- the engine core (:mod:`treedec.serve.core`): one :class:`~treedec.serve.engine.OnlineEngine` thread driving the
+  engine (it needs none of the server's packages) behind the messages of :mod:`treedec.serve.messages` (one out per
+  engine iteration), in a process of its own or in the server's, and the frontend's one client interface to it
+  (:mod:`treedec.serve.core_client`: :class:`~treedec.serve.core_client.ProcessClient` over ZMQ,
+  :class:`~treedec.serve.core_client.InProcessClient`);
+- :func:`build_app` (:mod:`treedec.serve.app`): the app (the frontend) over an engine core:
   ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``; with an API key
   (:mod:`treedec.serve.auth`) all but the last two need it;

@@ -1,7 +1,11 @@
-"""The OpenAI-compatible HTTP app: :func:`build_app` over one :class:`~treedec.LLM`'s engine.
+"""The OpenAI-compatible HTTP app: :func:`build_app` over one engine core (:mod:`treedec.serve.core`).
 
-One :class:`~treedec.runtime.online.OnlineEngine` (one thread driving the engine) serves every request: started
-when the app starts, shut down (every request aborted, its pages freed) when it stops. Routes: ``POST
+The app is the server's frontend: HTTP, tokenization and chat templates, the responses and their streams, metrics.
+One engine core serves every request, through a :class:`~treedec.serve.core_client.CoreClient`: in a process of its
+own (:class:`~treedec.serve.core_client.ProcessClient`, ``treedec serve``'s default) or in this one, over an
+:class:`~treedec.LLM` built here (:class:`~treedec.serve.core_client.InProcessClient`); started when the app starts,
+shut down (every request aborted, its pages freed) when it stops. Each engine iteration's news reaches the app as
+one message, handled at once for every request it advanced. Routes: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``
 (:mod:`treedec.serve.tokenize`), ``GET /version``, ``GET /health``, ``GET /metrics`` (:mod:`treedec.serve.metrics`);
 ``/docs``, ``/redoc`` and ``/openapi.json`` only with ``enable_docs``. With ``api_key`` every route but ``/health``
@@ -16,7 +20,7 @@ No request can hurt the others: every size a client controls is bounded before t
 headers and the body by :class:`~treedec.serve.limits.RequestLimits` (host, bytes, arrival); the counts (``n``,
 prompts, outputs queued) on arrival; a text prompt's length before it is tokenized, and the tokenizer and the chat
 template off the event loop (:class:`~treedec.serve.prompts.PromptEncoder`); the KV pages a request may need at
-worst before it is queued (:meth:`OnlineEngine.submit`). A request's text streams back from the engine's thread.
+worst before it is queued (:meth:`OnlineEngine.submit`, in the core). A request's text streams back from the core.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a traceback: 401 without the
 API key (``"invalid_api_key"``); 400 for a bad
@@ -27,7 +31,8 @@ that fails or runs past its budget (``"chat_template_failed"``) and for a Host h
 answer (``"invalid_host"``); 404 for another model's name (``"model_not_found"``) or route; 408 for a body that stops
 arriving (``"request_timeout"``); 413 for a body over ``max_body_bytes`` (``"request_too_large"``: by its
 Content-Length, or as its bytes arrive); 503 when ``max_queued_requests`` outputs wait for admission
-(``"overloaded"``), the engine failed (``"engine_failed"``), the server shuts down (``"server_shutdown"``), and from
+(``"overloaded"``), the engine failed or its core's process is gone (``"engine_failed"``: every request in flight
+is answered so, and ``/health`` too from then on), the server shuts down (``"server_shutdown"``), and from
 ``/health`` when the engine's iteration has run longer than ``engine_iteration_timeout`` (``"engine_stalled"``);
 500 (logged here) for anything unexpected. A client that disconnects, streaming or not, aborts its requests (their
 pages are freed at the engine's next iteration). A streamed request that fails after its first chunk ends with an
@@ -51,15 +56,15 @@ from starlette.exceptions import HTTPException
 import treedec
 from treedec.llm import LLM
 from treedec.serve.auth import APIKeyAuth, check_api_key
-from treedec.serve.engine import OnlineEngine
+from treedec.serve.core_client import CoreClient, InProcessClient
 from treedec.serve.errors import body_parse_error, request_error
-from treedec.runtime.requests import RequestResult, RequestSpec
+from treedec.runtime.requests import RequestResult
 from treedec.serve.limits import BodyError, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    ServeError, TokenizeCompletionRequest, TokenizeRequest)
-from treedec.serve.structured import compile_grammar
+from treedec.serve.structured import grammar_error
 from treedec.serve.tokenize import detokenize, tokenize
 from treedec.serve.responses import Choices, chat_logprobs, completion_logprobs, prompt_logprobs, usage
 
@@ -71,18 +76,21 @@ logger = logging.getLogger("treedec.serve")
 _JOIN_SECONDS = 10.0
 
 
-def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requests: int = 1024, max_n: int = 128,
-              max_prompts: int = 256, max_body_bytes: int = 8 * 2**20, read_timeout: float | None = 30.0,
+def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *, max_queued_requests: int = 1024,
+              max_n: int = 128, max_prompts: int = 256, max_body_bytes: int = 8 * 2**20, read_timeout: float | None = 30.0,
               engine_iteration_timeout: float = 60.0, chat_template_timeout: float = 5.0,
               allowed_hosts: Sequence[str] | None = None, enable_docs: bool = False,
               max_step_tokens: int | None = None, seed: int = 0, api_key: str | None = None,
               secure_metrics: bool = False) -> FastAPI:
-    """The FastAPI app serving ``llm`` (its model, tokenizer, engine and speculative config: with one, every request
-    is decoded speculatively, and one it cannot take is answered 400).
+    """The FastAPI app serving ``engine``: an :class:`~treedec.LLM` (its model, tokenizer, engine and speculative
+    config: with one, every request is decoded speculatively, and one it cannot take is answered 400), served by an
+    engine core in this process; or a :class:`~treedec.serve.core_client.CoreClient` (a
+    :class:`~treedec.serve.core_client.ProcessClient`: the core in its own process), started with the app if it was
+    not.
 
     Parameters
     ----------
-    served_model_name : the ``model`` requests must name (default ``llm.name``).
+    served_model_name : the ``model`` requests must name (default the LLM's name).
     max_queued_requests : the outputs (prompts x ``n`` of each request) that may wait for admission: a request that
         would make more wait is answered 503, one asking for more on its own 400.
     max_n : the largest ``n`` (vLLM caps it too: ``VLLM_MAX_N_SEQUENCES``, 16384; treedec steps a request's ``n``
@@ -98,17 +106,22 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     allowed_hosts : the ``Host`` names answered (ports ignored; ``"*"`` any); None: any (``treedec serve`` on a
         loopback address answers only ``localhost``, ``127.0.0.1`` and ``[::1]`` unless told otherwise).
     enable_docs : serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default).
-    max_step_tokens : prompt tokens a step computes at most (:class:`~treedec.runtime.online.OnlineScheduler`).
-    seed : the seeds of sampled requests without one.
+    max_step_tokens : prompt tokens a step computes at most (:class:`~treedec.runtime.online.OnlineScheduler`);
+        an LLM's core only (a ProcessClient is given its own).
+    seed : the seeds of sampled requests without one (the same).
     api_key : every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api_key>`` (401
         otherwise: :class:`~treedec.serve.auth.APIKeyAuth`); None: no key.
     secure_metrics : with ``api_key``, ``/health`` and ``/metrics`` need it too.
 
-    ``app.state.online`` is the :class:`~treedec.runtime.online.OnlineEngine` while the app runs, ``app.state.metrics``
-    its :class:`~treedec.serve.metrics.ServeMetrics`.
+    ``app.state.online`` is the :class:`~treedec.serve.core_client.CoreClient` while the app runs,
+    ``app.state.metrics`` its :class:`~treedec.serve.metrics.ServeMetrics`.
     """
-    if not isinstance(llm, LLM):
-        raise TypeError(f"llm must be a treedec LLM, got {type(llm).__name__}")
+    if isinstance(engine, LLM):
+        client: CoreClient = InProcessClient(engine, max_step_tokens=max_step_tokens, seed=seed)
+    elif isinstance(engine, CoreClient):
+        client = engine
+    else:
+        raise TypeError(f"engine must be a treedec LLM or a CoreClient, got {type(engine).__name__}")
     for name, value in (("max_queued_requests", max_queued_requests), ("max_n", max_n), ("max_prompts", max_prompts),
                         ("max_body_bytes", max_body_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -124,32 +137,34 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
         check_api_key(api_key)
     if secure_metrics and api_key is None:
         raise ValueError("secure_metrics puts /health and /metrics behind the API key: give api_key too")
-    name = served_model_name or llm.name
     metrics = ServeMetrics()
     limits = _Limits(max_queued_requests, max_n, max_prompts)
-    if llm.tokenizer is not None:
-        longest_token_chars(llm.tokenizer)   # (a tokenizer the server cannot bound raises here, not at startup)
+    if isinstance(engine, LLM) and engine.tokenizer is not None:
+        longest_token_chars(engine.tokenizer)   # (a tokenizer the server cannot bound raises here, not at startup)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        encoder = None if llm.tokenizer is None else PromptEncoder(llm.tokenizer, llm.max_model_len,
-                                                                  template_timeout=chat_template_timeout)
-        online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
-                              drafts=None if llm.drafts is None else llm.drafts.source, seed=seed,
-                              on_iteration=metrics.iteration,   # (one cache per engine: the LLM's if it keeps one)
-                              prefix_cache=True if llm.prefix_cache is None else llm.prefix_cache)
-        metrics.watch(online.scheduler)
-        app.state.online = online
-        app.state.server = _Server(llm, online, metrics, name, limits, encoder)
-        if encoder is not None:
-            encoder.start()
+        client.on_iteration = metrics.iteration
+        metrics.watch(client)
+        app.state.online = client
+        await client.start()
         try:
-            yield
-        finally:
-            if not online.shutdown(timeout=_JOIN_SECONDS):
-                logger.warning("the engine's thread did not stop within %g s (an iteration hangs?)", _JOIN_SECONDS)
+            ready, tokenizer = client.ready, client.tokenizer
+            if tokenizer is not None:
+                longest_token_chars(tokenizer)
+            encoder = None if tokenizer is None else PromptEncoder(tokenizer, ready.max_model_len,
+                                                                   template_timeout=chat_template_timeout)
+            app.state.server = _Server(client, metrics, served_model_name or ready.name, limits, encoder)
             if encoder is not None:
-                encoder.close()
+                encoder.start()
+            try:
+                yield
+            finally:
+                if encoder is not None:
+                    encoder.close()
+        finally:
+            if not await client.close(timeout=_JOIN_SECONDS):
+                logger.warning("the engine core did not stop within %g s (an iteration hangs?)", _JOIN_SECONDS)
 
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="treedec", lifespan=lifespan, **docs)
@@ -193,9 +208,10 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
         return await request.app.state.server.chat(body, request)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "treedec", "max_model_len": llm.max_model_len}]}
+    async def models(request: Request):
+        server = request.app.state.server
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "treedec", "max_model_len": server.limit}]}
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request):
@@ -218,7 +234,8 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, max_queued_requ
     async def health(request: Request):
         online = request.app.state.online
         if not online.alive:
-            raise ServeError("the engine is not running", 503, "server_error", code="engine_failed")
+            raise ServeError("the engine is not running" if online.dead is None else
+                             f"the engine is not running: {online.dead}", 503, "server_error", code="engine_failed")
         busy = online.iteration_seconds
         if busy > engine_iteration_timeout:
             raise ServeError(f"the engine is stalled: its current iteration has run for {busy:.1f} s, more than "
@@ -241,14 +258,15 @@ class _Limits:
 
 
 class _Server:
-    """The two generation routes over one online engine."""
+    """The two generation routes over one engine core."""
 
-    def __init__(self, llm: LLM, online: OnlineEngine, metrics: ServeMetrics, name: str, limits: _Limits,
+    def __init__(self, online: CoreClient, metrics: ServeMetrics, name: str, limits: _Limits,
                  encoder: PromptEncoder | None):
-        self.llm, self.online, self.metrics, self.name, self.limits = llm, online, metrics, name, limits
-        self.encoder, self.limit = encoder, llm.max_model_len
-        vocab = llm.model.config.vocab_size   # (a padded embedding's ids past the tokenizer have no text)
-        self.vocab = min(vocab, len(llm.tokenizer)) if isinstance(llm.tokenizer, Sized) else vocab
+        self.online, self.metrics, self.name, self.limits = online, metrics, name, limits
+        self.tokenizer, self.speculative = online.tokenizer, online.ready.speculative
+        self.encoder, self.limit = encoder, online.ready.max_model_len
+        vocab = online.ready.vocab_size   # (a padded embedding's ids past the tokenizer have no text)
+        self.vocab = min(vocab, len(self.tokenizer)) if isinstance(self.tokenizer, Sized) else vocab
         self.reserved = 0   # outputs of the requests checked on arrival and not yet submitted (being encoded)
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -302,9 +320,10 @@ class _Server:
     def _check_model(self, model: str) -> None:
         self.check_name(model)
         if not self.online.alive:
-            if self.online.error is None:
+            if self.online.dead is None:
                 raise ServeError("the server is shutting down", 503, "server_error", code="server_shutdown")
-            raise ServeError("the engine is not running", 503, "server_error", code="engine_failed")
+            raise ServeError(f"the engine is not running: {self.online.dead}", 503, "server_error",
+                             code="engine_failed")
 
     def _reserve(self, prompts: int, n: int) -> "_Slots":
         """Check a request's counts on arrival (before any work) and hold its outputs' places in the queue until it
@@ -351,20 +370,20 @@ class _Server:
         beam = body.beam_params(params.max_tokens)
         if beam is not None:   # (greedy: no seed is drawn for it)
             params = params.replace(temperature=0.0)
-        if params.structured_outputs is not None:   # (compiled off the event loop; submit finds it cached)
-            await compile_grammar(self.online, params, body.structured_field)
-        streams, submitted = [], []
-        try:
-            for k, prompt_ids in enumerate(ids):
-                spec = RequestSpec(f"{rid}-{k}", prompt_ids=prompt_ids, params=params)
-                streams.append(self.online.submit(spec, beam=beam))
-                submitted.append(spec.id)
-        except BaseException as e:
-            for spec_id in submitted:
-                self.online.abort(spec_id)
-            raise request_error(e, "messages" if chat else "prompt") from None
+        submitted = [f"{rid}-{k}" for k in range(len(ids))]
+        try:   # (every prompt sent at once; each accepted or refused by the core's next message)
+            streams = await asyncio.gather(*(self.online.submit(spec_id, prompt_ids, params, beam)
+                                             for spec_id, prompt_ids in zip(submitted, ids)), return_exceptions=True)
         finally:
             slots.release()   # (the engine counts them now)
+        errors = [s for s in streams if isinstance(s, BaseException)]
+        if errors:
+            for spec_id, stream in zip(submitted, streams):
+                if not isinstance(stream, BaseException):
+                    self.online.abort(spec_id)
+            error = grammar_error(errors[0], body.structured_field) if params.structured_outputs is not None \
+                else None   # (compiled by the core as it takes the request, off its engine's thread: refused there)
+            raise (error or request_error(errors[0], "messages" if chat else "prompt")) from None
         choices = Choices(rid, self.name, params.n, chat, body.return_token_ids, ids, echo)
         run = _Run(self, streams, submitted, arrival)
         if body.stream:
@@ -385,7 +404,7 @@ class _Server:
             results = task.result()
         except Exception as e:
             raise request_error(e) from None
-        tokenizer = self.llm.tokenizer
+        tokenizer = self.tokenizer
         logprobs = (lambda r: chat_logprobs(r, tokenizer, params.logprobs)) if chat else \
             (lambda r: completion_logprobs(r, tokenizer, params.logprobs, echo is not None))
         return choices.response(results, None if params.logprobs is None else logprobs,

@@ -142,7 +142,8 @@ class OnlineEngine:
         return self._grammars.compile(params.structured_outputs)
 
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None,
-               beam: BeamSearchParams | None = None) -> AsyncIterator[StreamOutput]:
+               beam: BeamSearchParams | None = None, stream: OutputStream | None = None
+               ) -> AsyncIterator[StreamOutput]:
         """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
         TypeError, or :class:`~treedec.errors.PoolExhaustedError` for one whose worst case exceeds what the pool can
         give a request, :attr:`OnlineScheduler.capacity`, or for a speculative request larger than the free pool);
@@ -153,8 +154,12 @@ class OnlineEngine:
         With ``beam`` the request is a beam search (:func:`~treedec.programs.beam.beam_program`, as
         :meth:`~treedec.LLM.beam_search` runs it; ``spec.params`` gives its prompt's options, ``n`` its
         ``beam_width``): its ``beam_width`` hypotheses, best first, are its outputs, streamed when it ends (their
-        scores in ``stats["beam_score"]``); not on a speculative engine (ValueError)."""
-        loop = asyncio.get_running_loop()
+        scores in ``stats["beam_score"]``); not on a speculative engine (ValueError).
+
+        ``stream``: the request's outputs go there (an :class:`~treedec.runtime.streams.OutputStream` with
+        ``deliver``, for the engine core: :mod:`treedec.serve.core`), which is returned; then it may be called on any
+        thread."""
+        loop = asyncio.get_running_loop() if stream is None else None
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
         if beam is not None and (self.drafts is not None or spec.params.n != beam.beam_width):
@@ -175,7 +180,7 @@ class OnlineEngine:
             with self._lock:
                 seed = int(self._seeds.integers(0, SEED_MAX))
             spec = dataclasses.replace(spec, params=spec.params.replace(seed=seed))
-        stream = OutputStream(loop, spec.id)
+        stream = OutputStream(loop, spec.id) if stream is None else stream
         to_results: Callable = lambda result, cached: result
         if beam is not None:
             eos = () if beam.ignore_eos else tuple(self.engine.model.eos_token_ids)

@@ -8,6 +8,7 @@ from starlette.exceptions import HTTPException
 
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.online import ProgramAborted
+from treedec.serve.core_client import EngineDeadError, EngineError
 from treedec.serve.protocol import ServeError
 
 __all__ = ["body_parse_error", "request_error"]
@@ -24,6 +25,11 @@ def request_error(e: BaseException, param: str | None = None) -> ServeError:
     if isinstance(e, (ValueError, TypeError)):   # (the engine's checks start with the field they name)
         field = str(e).split(" ", 1)[0]
         return ServeError(str(e), param={"prompt_ids": param, "stop_token_ids": "stop_token_ids"}.get(field))
+    if isinstance(e, EngineDeadError):   # (the core's process is gone: its reason, no traceback, no path)
+        return ServeError(f"the engine failed: {e}", 503, "server_error", code="engine_failed")
+    if isinstance(e, EngineError):
+        logger.error("request failed in the engine core: %s", e)
+        return ServeError(f"the engine failed: {str(e).split(':', 1)[0]}", 503, "server_error", code="engine_failed")
     if isinstance(e, ProgramAborted):   # (a client's own abort is never answered: it went away)
         return ServeError("the server is shutting down: the request was aborted", 503, "server_error",
                           code="server_shutdown")

@@ -8,11 +8,14 @@ Two things differ from a plain ``uvicorn.Server(uvicorn.Config(app))``:
   setting of ``uvicorn.Config``);
 - shutting down (the first Ctrl-C or SIGTERM) aborts every request first, so live streams end at once (each with an
   ``error`` event, then ``[DONE]``) instead of uvicorn waiting for their connections to close; what is still open
-  after :data:`GRACEFUL_SECONDS` is cancelled (uvicorn's ``timeout_graceful_shutdown``).
+  after :data:`GRACEFUL_SECONDS` is cancelled (uvicorn's ``timeout_graceful_shutdown``);
+- when the app's engine core is gone (its process killed or crashed) the server stops, its ``engine_failed`` set
+  (``treedec serve`` then exits with code 1, for a supervisor to restart it).
 """
 from __future__ import annotations
 
 import json
+import logging
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,6 +24,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from treedec.serve.protocol import ServeError
 
 __all__ = ["GRACEFUL_SECONDS", "make_server"]
+
+logger = logging.getLogger("treedec.serve")
 
 #: Seconds the server waits, once every request is aborted, for their connections to close before cancelling them.
 GRACEFUL_SECONDS = 5.0
@@ -35,14 +40,32 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, ending when the app's engine core is gone (:attr:`engine_failed` then holds why: the
+    command exits non-zero, for a supervisor to restart it)."""
+
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         super().__init__(config)
         self.app = app
+        self.engine_failed: str | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        online = getattr(self.app.state, "online", None)   # (None: the app did not start)
+        if online is not None:
+            if online.dead is not None:
+                self._engine_died(online.dead)
+            online.on_dead = self._engine_died
+
+    def _engine_died(self, error: BaseException) -> None:
+        logger.error("the engine core is gone (%s): every request in flight was answered 503 engine_failed; the "
+                     "server stops", error)
+        self.engine_failed = str(error)
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         online = getattr(self.app.state, "online", None)   # (None: the app never started)
         if online is not None:
-            online.shutdown(timeout=0)   # every request aborted now; the lifespan's end joins the engine's thread
+            online.shutdown()   # every request aborted now; the lifespan's end stops the engine core
         await super().shutdown(sockets)
 
 

@@ -14,6 +14,9 @@ Names (all prefixed ``treedec_``):
 - ``inter_token_latency_seconds`` (histogram): per output, its mean time per token after the first;
 - ``request_seconds`` (histogram): arrival to the end;
 - ``requests_running``, ``requests_waiting`` (gauges): admitted requests and those waiting for admission;
+- the engine core's state after its last iteration (sent in its per-iteration message): ``kv_cache_free_pages`` and
+  ``kv_cache_pages`` (gauges), ``engine_step_queries`` (gauge: the tokens its last step computed),
+  ``scheduler_preemptions`` (gauge: requests preempted since it started);
 - speculative decoding: ``spec_verify_steps_total`` and ``spec_accepted_tokens_total`` (their ratio is the mean
   accepted length; +1 for the bonus token: tokens per step), ``spec_draft_tokens_total`` (draft tokens verified),
   ``spec_acceptance_length`` (histogram: each request's mean accepted tokens per step).
@@ -24,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from treedec.runtime.requests import RequestResult
-from treedec.runtime.scheduler import SchedulerStats
+from treedec.serve.messages import IterationStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
 
@@ -60,24 +63,36 @@ class ServeMetrics:
                                  registry=r)
         self.running = Gauge("treedec_requests_running", "Requests admitted by the scheduler", registry=r)
         self.waiting = Gauge("treedec_requests_waiting", "Requests waiting for admission", registry=r)
+        self.free_pages = Gauge("treedec_kv_cache_free_pages", "Free KV pages after the engine's last iteration",
+                                registry=r)
+        self.pages = Gauge("treedec_kv_cache_pages", "KV pages of the engine's pool", registry=r)
+        self.step_queries = Gauge("treedec_engine_step_queries", "Tokens computed by the engine's last step",
+                                  registry=r)
+        self.preemptions = Gauge("treedec_scheduler_preemptions", "Requests preempted (run again) since the engine "
+                                 "started", registry=r)
         self.spec_steps = Counter("treedec_spec_verify_steps", "Speculative verification steps", registry=r)
         self.spec_accepted = Counter("treedec_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.spec_drafted = Counter("treedec_spec_draft_tokens", "Draft tokens verified", registry=r)
         self.spec_length = Histogram("treedec_spec_acceptance_length", "Per request: mean draft tokens accepted a "
                                      "step", buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16), registry=r)
 
-    def watch(self, scheduler) -> None:
-        """Read the running and waiting counts from ``scheduler`` (an OnlineScheduler) when scraped."""
-        self.running.set_function(lambda: scheduler.num_running)
-        self.waiting.set_function(lambda: scheduler.num_waiting)
+    def watch(self, client) -> None:
+        """Read the running and waiting counts from ``client`` (a CoreClient: its core's last stats) when scraped."""
+        self.running.set_function(lambda: 0 if client.stats is None else client.stats.num_running)
+        self.waiting.set_function(lambda: 0 if client.stats is None else client.stats.num_waiting)
 
-    def iteration(self, stats: SchedulerStats, seconds: float) -> None:
-        """After a scheduler iteration (the engine's driving thread)."""
-        self.steps.inc()
-        self.step_seconds.observe(seconds)
-        self.cache_hit_rate.set(stats.cache_hit_rate)
+    def iteration(self, stats: IterationStats) -> None:
+        """A message of the engine core (the event loop): after an iteration (``stats.seconds`` > 0) or an arrival."""
+        if stats.seconds:
+            self.steps.inc()
+            self.step_seconds.observe(stats.seconds)
+            self.step_queries.set(stats.queries)
+        self.cache_hit_rate.set(stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0)
         self.scheduler_prompt.set(stats.prompt_tokens)
         self.scheduler_cached.set(stats.cached_tokens)
+        self.free_pages.set(stats.free_pages)
+        self.pages.set(stats.num_pages)
+        self.preemptions.set(stats.preemptions)
 
     def finished(self, results: list[RequestResult], arrival: float, first: float | None, end: float) -> None:
         """A request's results (``arrival``, ``first`` text and ``end`` times, ``time.perf_counter()``)."""

@@ -1,24 +1,21 @@
-"""Structured outputs on the server: a request's constraint compiled off the event loop (xgrammar's compile of a
-large schema takes milliseconds to seconds), before the request is submitted; the engine's thread then finds it in
-the compiler's cache (:meth:`~treedec.serve.engine.OnlineEngine.grammar`)."""
+"""Structured outputs on the server: a request's constraint is compiled by the engine core when it takes the request
+(:meth:`~treedec.serve.engine.OnlineEngine.submit`, on the core's input thread: off its engine's thread and off the
+frontend's event loop; xgrammar's compile of a large schema takes milliseconds to seconds), and one that cannot be
+compiled refuses the request; :func:`grammar_error` is what the client is told then."""
 from __future__ import annotations
 
-import asyncio
-
-from treedec.sampling.params import SamplingParams
-from treedec.serve.engine import OnlineEngine
+from treedec.sampling.grammar import GrammarError
 from treedec.serve.protocol import ServeError
 
-__all__ = ["compile_grammar"]
+__all__ = ["grammar_error"]
 
 
-async def compile_grammar(online: OnlineEngine, params: SamplingParams, field: str | None) -> None:
-    """Compile ``params.structured_outputs`` in a worker thread (cached by the engine's compiler). A constraint that
-    cannot be compiled is a ServeError (400) naming ``field`` (the request's field that gave it) with the grammar
-    engine's reason; it fails only this request."""
-    try:
-        await asyncio.to_thread(online.grammar, params)
-    except ModuleNotFoundError as e:
-        raise ServeError(f"structured outputs are not available on this server: {e}", param=field) from None
-    except ValueError as e:   # (GrammarError: the constraint's kind and xgrammar's reason)
-        raise ServeError(f"{field}: {e}" if field else str(e), param=field) from None
+def grammar_error(error: BaseException, field: str | None) -> ServeError | None:
+    """The 400 of a request whose constraint the core could not compile, naming ``field`` (the request's field that
+    gave it) with the grammar engine's reason, or that needs a grammar engine the server lacks; None for any other
+    error. It fails only this request."""
+    if isinstance(error, ModuleNotFoundError):
+        return ServeError(f"structured outputs are not available on this server: {error}", param=field)
+    if isinstance(error, GrammarError):   # (the constraint's kind and xgrammar's reason)
+        return ServeError(f"{field}: {error}" if field else str(error), param=field)
+    return None

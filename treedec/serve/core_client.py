@@ -1,0 +1,475 @@
+"""The frontend's side of the engine core (:mod:`treedec.serve.core`): one client interface, two transports.
+
+:class:`CoreClient` is what the server (:mod:`treedec.serve.app`) talks to: :meth:`~CoreClient.submit` sends a
+request and returns its :class:`RequestStream` (an async iterator of
+:class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.serve.engine.OnlineEngine`'s streams) once the core
+accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
+:class:`~treedec.serve.messages.IterationStats`; its health. Every output message the core sends is handled by one
+method on the event loop (:meth:`CoreClient.process`): one wake-up per engine iteration, however many requests it
+advanced. Two transports under it:
+
+- :class:`InProcessClient`: the core in this process (its engine's thread; the messages passed as objects), for an
+  :class:`~treedec.LLM` built here (tests, ``--no-engine-process``);
+- :class:`ProcessClient`: the core in a process of its own (``multiprocessing`` spawn), over ZMQ (IPC sockets) with
+  msgpack, as vLLM v1's ``AsyncMPClient`` (a reader thread hands each message to the loop, as the in-process core's
+  thread does). Its process is watched: when it ends unasked (killed, crashed) every
+  request in flight fails with :class:`EngineDeadError` (503 ``engine_failed``), :attr:`CoreClient.dead` is set,
+  and ``on_dead`` is called (``treedec serve`` then exits with code 1, for a supervisor to restart it). A core that
+  fails to start raises :class:`EngineStartupError` with its reason from :meth:`ProcessClient.start`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import treedec
+from treedec.runtime.online import ProgramAborted
+from treedec.runtime.streams import STREAM_END, StreamFailure, StreamOutput
+from treedec.serve.core import ERROR_KINDS, EngineCore, run_core_process
+from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
+                                    IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
+                                    PagesReport, Shutdown, dumps, loads)
+
+__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient",
+           "RequestStream"]
+
+#: Seconds between two checks of the core's health (its process, or its engine's thread).
+_WATCH_SECONDS = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone (its process ended, or its engine's thread failed): every request in flight fails
+    with it."""
+
+
+class EngineError(RuntimeError):
+    """A request failed in the engine core (its engine step failed: every live request gets it); the message starts
+    with the core's error class."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (its reason in the message; ``kind``: the class name of the core's error,
+    e.g. ``"FileNotFoundError"``, or None when the process ended or did not answer)."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+
+
+class RequestStream:
+    """One request's :class:`~treedec.runtime.streams.StreamOutput` items as the core sends them (an async iterator,
+    on the client's loop); raises the error the request failed with."""
+
+    def __init__(self, request_id: str, outputs: int):
+        self.request_id, self.outputs = request_id, outputs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def put(self, item: Any) -> None:
+        self.queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        item = await self.queue.get()
+        if item is STREAM_END:
+            self.queue.put_nowait(STREAM_END)
+            raise StopAsyncIteration
+        if isinstance(item, StreamFailure):
+            raise item.error
+        return item
+
+
+class CoreClient:
+    """The engine core seen from the frontend (see the module docstring); made and used on one event loop.
+
+    Attributes
+    ----------
+    ready : what the core told of its model (:class:`~treedec.serve.messages.CoreReady`), once started.
+    tokenizer : the core's tokenizer (the frontend encodes and decodes with the same one), or None.
+    stats : the core's last :class:`~treedec.serve.messages.IterationStats` (None before its first message).
+    dead : the :class:`EngineDeadError` once the core is gone, else None.
+    on_iteration : called with each message's stats (the server's metrics).
+    on_dead : called once, with the error, when the core is gone unasked.
+    loop : the event loop it runs on, once started.
+    """
+
+    mode = "?"
+
+    def __init__(self):
+        self.ready: CoreReady | None = None
+        self.tokenizer = None
+        self.stats: IterationStats | None = None
+        self.dead: EngineDeadError | None = None
+        self.on_iteration: Callable[[IterationStats], None] | None = None
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._unacknowledged = 0   # outputs of requests sent and not yet accepted or refused
+        self._last_message = time.monotonic()
+        self._closing = False
+        self._pages: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._watch: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------ the interface
+
+    @property
+    def alive(self) -> bool:
+        """Whether the core runs and takes requests."""
+        return self.dead is None and not self._closing and self.ready is not None
+
+    @property
+    def waiting_outputs(self) -> int:
+        """Outputs (``n`` a request) waiting for admission: the core's count, and the requests on their way to it."""
+        return (0 if self.stats is None else self.stats.waiting_outputs) + self._unacknowledged
+
+    @property
+    def iteration_seconds(self) -> float:
+        """A heartbeat: while requests are in flight, the seconds since the core's last message (an iteration that
+        hangs grows it); 0.0 when none is."""
+        return time.monotonic() - self._last_message if self._streams else 0.0
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params, beam=None) -> RequestStream:
+        """Send a request (``params``: its SamplingParams, ``beam``: its BeamSearchParams or None) and wait for the
+        core to accept it; raises the core's error for one it refused (ValueError, TypeError,
+        PoolExhaustedError, as :meth:`OnlineEngine.submit`), or :class:`EngineDeadError`."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        stream = self._streams[request_id] = RequestStream(request_id, params.n)
+        self._unacknowledged += params.n
+        try:
+            self._send(AddRequest(request_id, list(prompt_ids), dumps(params), None if beam is None else dumps(beam)))
+            return await stream.accepted   # (its error: the stream was forgotten with it)
+        finally:
+            if not stream.accepted.done():   # (cancelled while waiting: the client went away)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its pages are freed at the core's next iteration); nothing for one that has ended."""
+        if request_id in self._streams and self.dead is None and not self._closing:
+            self._send(AbortRequests([request_id]))
+
+    async def pages(self, timeout: float = 30.0) -> PagesReport:
+        """The core's page accounting (:class:`~treedec.serve.messages.PagesReport`), asked now."""
+        self._check_alive()
+        token = next(self._tokens)
+        answer = self._pages[token] = asyncio.get_running_loop().create_future()
+        self._send(PagesQuery(token))
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        finally:
+            self._pages.pop(token, None)
+
+    def shutdown(self) -> None:
+        """Abort every request in flight now (each fails with ``server_shutdown``); :meth:`close` ends the core."""
+        if self._closing:
+            return
+        self._closing = True
+        self._fail_all(ProgramAborted("the server is shutting down"))
+        if self.dead is None and self.ready is not None:
+            self._send(Shutdown())
+
+    # ------------------------------------------------------------ the core's messages (on the loop)
+
+    def process(self, message: CoreOutput) -> None:
+        """Handle one output message of the core."""
+        self._last_message = time.monotonic()
+        if isinstance(message, PagesReport):
+            future = self._pages.get(message.token)
+            if future is not None and not future.done():
+                future.set_result(message)
+            return
+        if not isinstance(message, IterationOutputs):
+            raise TypeError(f"unexpected message from the engine core: {type(message).__name__}")
+        streams = self._streams
+        for rid in message.accepted:
+            stream = streams.get(rid)
+            if stream is not None:
+                self._unacknowledged -= stream.outputs
+                if not stream.accepted.done():
+                    stream.accepted.set_result(stream)
+        self.stats = message.stats
+        for delta in message.outputs:
+            stream = streams.get(delta.request_id)
+            if stream is not None:
+                stream.put(_stream_output(delta))
+        for done in message.finished:
+            stream = streams.pop(done.request_id, None)
+            if stream is not None:
+                stream.put(StreamOutput(done.request_id, results=loads(done.results)))
+                stream.put(STREAM_END)
+        for failure in message.failed:
+            stream = streams.pop(failure.request_id, None)
+            if stream is not None:
+                error_type = ERROR_KINDS.get(failure.kind)
+                error = error_type(failure.message) if error_type is not None else \
+                    EngineError(f"{failure.kind.split(':', 1)[-1]}: {failure.message}")
+                if not stream.accepted.done():   # (refused on arrival)
+                    self._unacknowledged -= stream.outputs
+                    stream.accepted.set_exception(error)
+                    stream.accepted.exception()   # (retrieved: a cancelled submit leaves it unawaited)
+                stream.put(StreamFailure(error))
+        if self.on_iteration is not None:
+            self.on_iteration(message.stats)
+
+    def _died(self, reason: str) -> None:
+        if self.dead is not None or self._closing:
+            return
+        self.dead = EngineDeadError(reason)
+        self._fail_all(self.dead)
+        if self.on_dead is not None:
+            self.on_dead(self.dead)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        self._unacknowledged = 0
+        for stream in streams.values():
+            if not stream.accepted.done():
+                stream.accepted.set_exception(error)
+                stream.accepted.exception()
+            stream.put(StreamFailure(error))
+        for future in self._pages.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self._closing or self.ready is None:
+            raise ProgramAborted("the server is shutting down" if self._closing else "the engine core is not started")
+
+    # ------------------------------------------------------------ the transport's
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, message: CoreInput) -> None:
+        raise NotImplementedError
+
+
+def _stream_output(delta: OutputDelta) -> StreamOutput:
+    return StreamOutput(delta.request_id, delta.index, delta.text, delta.tokens, delta.stop_reason, delta.token_ids)
+
+
+class InProcessClient(CoreClient):
+    """The core in this process over ``llm`` (built here): its engine's thread sends each message to the loop with
+    ``call_soon_threadsafe``; inputs are handled in order by one input thread, as the core's own process does."""
+
+    mode = "in-process"
+
+    def __init__(self, llm, *, max_step_tokens: int | None = None, seed: int = 0):
+        super().__init__()
+        self.llm, self._options = llm, dict(max_step_tokens=max_step_tokens, seed=seed)
+        self.core: EngineCore | None = None
+
+    async def start(self) -> None:
+        self.loop = loop = asyncio.get_running_loop()
+
+        def sink(message) -> None:
+            try:
+                loop.call_soon_threadsafe(self.process, message)
+            except RuntimeError:   # (the loop is closed: nobody reads it)
+                pass
+
+        self._sink = sink
+        self._inputs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treedec-core-inputs")
+        self.core = EngineCore(self.llm, sink, **self._options)
+        self.ready = self.core.ready(os.getpid())
+        self.tokenizer = self.llm.tokenizer
+        self._watch = asyncio.ensure_future(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        online = self.core.online
+        while online.error is None and not self._closing:
+            await asyncio.sleep(_WATCH_SECONDS)
+        if online.error is not None:
+            self.core.flush(0.0)   # (its requests' failures)
+            await asyncio.sleep(0)
+            self._died(f"the engine failed: {type(online.error).__name__}: {online.error}")
+
+    def _send(self, message: CoreInput) -> None:
+        self._inputs.submit(self._handle, message)
+
+    def _handle(self, message: CoreInput) -> None:
+        """The core's input thread (as the core's own process has): a request's checks and its grammar's compile run
+        off the event loop and off the engine's thread, the inputs in order."""
+        answer = self.core.handle([message])
+        if answer is not None:
+            self._sink(answer)
+
+    async def close(self, timeout: float = 10.0) -> bool:
+        """Shut the core down (every request aborted) and join its engine's thread; returns whether it ended."""
+        self.shutdown()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.core is None:
+            return True
+        self._inputs.shutdown(wait=False)
+        return await asyncio.get_running_loop().run_in_executor(None, self.core.shutdown, timeout)
+
+
+class ProcessClient(CoreClient):
+    """The core in a process of its own, built there by ``recipe()`` (a picklable callable returning the
+    :class:`~treedec.LLM`: ``functools.partial`` of a module-level function), over ZMQ IPC sockets in a private
+    temporary folder (see the module docstring). :meth:`launch` starts it and waits until it is built (blocking: a
+    command runs it before its server starts, to report a bad model at once); :meth:`start` (on the loop) launches
+    it if that was not done and starts the thread that reads its messages, hands each one to the loop and watches
+    the process."""
+
+    mode = "process"
+
+    def __init__(self, recipe: Callable[[], Any], *, max_step_tokens: int | None = None, seed: int = 0,
+                 startup_timeout: float = 600.0):
+        super().__init__()
+        if not callable(recipe):
+            raise TypeError(f"recipe must be a callable returning the LLM, got {type(recipe).__name__}")
+        self.recipe, self.startup_timeout = recipe, startup_timeout
+        self._options = (max_step_tokens, seed)
+        self.process_handle: multiprocessing.process.BaseProcess | None = None
+        self._folder = None
+        self._context = self._inputs = self._outputs = None
+        self._in_codec, self._out_codec = MessageCodec(CoreInput), MessageCodec(CoreOutput)
+        self._reader: threading.Thread | None = None
+        self._stop_reading = threading.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process_handle is None else self.process_handle.pid
+
+    def launch(self) -> CoreReady:
+        """Start the core's process and wait until it is built (any thread); raises :class:`EngineStartupError`
+        with its reason when it cannot be (or ends before it says)."""
+        import zmq
+
+        if self.ready is not None:
+            return self.ready
+        self._folder = tempfile.TemporaryDirectory(prefix="treedec-core-")
+        input_address = f"ipc://{self._folder.name}/inputs"
+        output_address = f"ipc://{self._folder.name}/outputs"
+        self._context = zmq.Context()
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._inputs.bind(input_address)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.bind(output_address)
+        root = str(Path(treedec.__file__).resolve().parents[1])
+        if root not in sys.path:   # (the child imports this treedec: a checkout's, which python -m takes off the path)
+            sys.path.append(root)   # (last: nothing in it shadows an installed module)
+        spawn = multiprocessing.get_context("spawn")   # (CUDA cannot be forked; the core imports torch alone)
+        self.process_handle = spawn.Process(target=run_core_process, name="treedec-engine-core", daemon=True,
+                                            args=(self.recipe, input_address, output_address, *self._options))
+        self.process_handle.start()
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            while not self._outputs.poll(100):
+                if not self.process_handle.is_alive():
+                    raise EngineStartupError(f"the engine core's process ended while starting (exit code "
+                                             f"{self.process_handle.exitcode}); its output says why")
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(f"the engine core did not start within {self.startup_timeout:g} s")
+            first = self._out_codec.decode(self._outputs.recv())
+            if isinstance(first, CoreStartupFailed):
+                raise EngineStartupError(first.message, first.kind)
+            if not isinstance(first, CoreReady):
+                raise EngineStartupError(f"the engine core's first message is a {type(first).__name__}")
+        except BaseException:
+            self._stop_process(10.0)
+            raise
+        self.tokenizer = None if first.tokenizer is None else loads(first.tokenizer)
+        self.ready = first
+        return first
+
+    async def start(self) -> None:
+        self.loop = loop = asyncio.get_running_loop()
+        if self.ready is None:
+            await loop.run_in_executor(None, self.launch)
+        self._last_message = time.monotonic()
+        self._reader = threading.Thread(target=self._read, args=(loop,), name="treedec-core-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: each message to the loop, decoded; the process's end (unasked) to :meth:`_died`."""
+        import zmq
+
+        decode, sock, handle = self._out_codec.decode, self._outputs, self.process_handle
+
+        def hand(f, *args) -> bool:
+            try:
+                loop.call_soon_threadsafe(f, *args)
+                return True
+            except RuntimeError:   # (the loop is closed)
+                return False
+
+        while not self._stop_reading.is_set():
+            if sock.poll(int(_WATCH_SECONDS * 1000)):
+                try:
+                    while True:
+                        if not hand(self.process, decode(sock.recv(zmq.NOBLOCK, copy=False).buffer)):
+                            return
+                except zmq.Again:
+                    pass
+            elif not handle.is_alive():
+                if not self._stop_reading.is_set():
+                    hand(self._died, f"the engine core's process (pid {handle.pid}) ended with exit code "
+                                     f"{handle.exitcode}")
+                return
+
+    def _send(self, message: CoreInput) -> None:
+        import zmq
+
+        try:
+            self._inputs.send(self._in_codec.encode(message), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:   # (the core is not reading: it is gone or stuck)
+            raise EngineDeadError(f"the engine core does not take messages: {e}") from None
+
+    async def close(self, timeout: float = 10.0) -> bool:
+        """Shut the core down (every request aborted) and wait for its process (killed after ``timeout`` s);
+        returns whether it ended by itself."""
+        self.shutdown()
+        return await asyncio.get_running_loop().run_in_executor(None, self._stop_process, timeout)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """:meth:`close` without a loop (a command whose server never started): tell the core to end, wait for its
+        process; returns whether it ended by itself."""
+        if self.ready is not None and self.dead is None and not self._closing:
+            self._closing = True
+            self._send(Shutdown())
+        return self._stop_process(timeout)
+
+    def _stop_process(self, timeout: float) -> bool:
+        handle, clean = self.process_handle, True
+        if handle is not None:
+            handle.join(timeout)
+            if handle.is_alive():
+                clean = False
+                handle.kill()
+                handle.join(5)
+        self._stop_reading.set()
+        if self._reader is not None:
+            self._reader.join(5)
+        for sock in (self._inputs, self._outputs):
+            if sock is not None:
+                sock.close(0)
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+        return clean

@@ -1,0 +1,196 @@
+"""The messages between the server's frontend and its engine core (:mod:`treedec.serve.core`,
+:mod:`treedec.serve.core_client`), as msgspec structs, sent over ZMQ as msgpack (:class:`MessageCodec`).
+
+Into the core (:data:`CoreInput`, tagged): :class:`AddRequest` (a request: its prompt's token ids, its
+:class:`~treedec.sampling.params.SamplingParams`), :class:`AbortRequests`, :class:`PagesQuery` (the core's page
+accounting, for tests and soaks), :class:`Shutdown`. Out of it (:data:`CoreOutput`, tagged): :class:`CoreReady`
+once it is built (or :class:`CoreStartupFailed`), then ONE :class:`IterationOutputs` per engine iteration (every
+request's new text and ends, the finished requests' results, the failed ones' errors, the requests accepted since the
+last message, and :class:`IterationStats`), and :class:`PagesReport` answers.
+
+``SamplingParams`` and ``BeamSearchParams`` travel pickled (``AddRequest.params``, ``.beam``), and so do a finished
+request's :class:`~treedec.runtime.requests.RequestResult` list and the core's tokenizer: they are the project's own
+dataclasses (log-probability dicts, logits processors, the fields other features add), frontend and core are the
+same code on one machine, and a pickle carries every field without a protocol edit. Everything per iteration and per
+token (text deltas, token counts, token ids, stats) is a typed struct field.
+"""
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from types import MappingProxyType
+from typing import Union
+
+import msgspec
+
+__all__ = ["AbortRequests", "AddRequest", "CoreInput", "CoreOutput", "CoreReady", "CoreStartupFailed",
+           "IterationOutputs", "IterationStats", "MessageCodec", "OutputDelta", "PagesQuery", "PagesReport",
+           "RequestFailure", "RequestFinished", "Shutdown", "dumps", "loads"]
+
+
+def dumps(value) -> bytes:
+    """A pickled field (see the module docstring); a read-only mapping (``SamplingParams.logit_bias``) travels as
+    one."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(value)
+    return out.getvalue()
+
+
+def read_only(mapping: dict) -> MappingProxyType:
+    """A read-only view of ``mapping`` (how :func:`loads` rebuilds a ``MappingProxyType``)."""
+    return MappingProxyType(mapping)
+
+
+#: :func:`dumps`' reducers: copyreg's, and a ``MappingProxyType`` as one over a copy of its dict (pickle has none).
+_DISPATCH = {**copyreg.dispatch_table, MappingProxyType: lambda m: (read_only, (dict(m),))}
+
+
+def loads(data: bytes):
+    """A pickled field back (the frontend and its own core only: never bytes from a client)."""
+    return pickle.loads(data)
+
+
+# ------------------------------------------------------------------ into the core
+
+class AddRequest(msgspec.Struct, tag=True, frozen=True):
+    """A request: ``request_id`` (unique among the running ones), its prompt's ``prompt_ids``, its pickled
+    ``SamplingParams`` and, for a beam search, its pickled ``BeamSearchParams``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: bytes
+    beam: bytes | None = None
+
+
+class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    """Abort these requests (a client went away, or a frontend found a reason to stop them)."""
+
+    request_ids: list[str]
+
+
+class PagesQuery(msgspec.Struct, tag=True, frozen=True):
+    """Ask for a :class:`PagesReport` (``token`` comes back in it)."""
+
+    token: int
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    """Abort every request and end the core."""
+
+
+CoreInput = Union[AddRequest, AbortRequests, PagesQuery, Shutdown]
+
+
+# ------------------------------------------------------------------ out of the core
+
+class CoreReady(msgspec.Struct, tag=True, frozen=True):
+    """The core is built: what the frontend needs of its model (``tokenizer``: pickled, or None)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    speculative: bool
+    device: str
+    kv_tokens: int
+    kv_cache_dtype: str
+    page_size: int
+    note: str
+    tokenizer: bytes | None
+    pid: int
+
+
+class CoreStartupFailed(msgspec.Struct, tag=True, frozen=True):
+    """The core could not be built (a bad model path, too little memory): the name of the error's nearest built-in
+    class (``FileNotFoundError``, ``ValueError``, ...) and its message."""
+
+    kind: str
+    message: str
+
+
+class OutputDelta(msgspec.Struct, array_like=True, frozen=True):
+    """One output's news of an iteration (:class:`~treedec.runtime.streams.StreamOutput`'s fields): its new
+    ``text``, its ``tokens`` so far (None: not known), and on its end ``stop_reason`` and its ``token_ids``."""
+
+    request_id: str
+    index: int
+    text: str
+    tokens: int | None = None
+    stop_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class RequestFinished(msgspec.Struct, array_like=True, frozen=True):
+    """A request's final results (a pickled ``list[RequestResult]``, one per output)."""
+
+    request_id: str
+    results: bytes
+
+
+class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
+    """A request refused at its arrival or failed while it ran: ``kind`` is the error's class (one of
+    :data:`treedec.serve.core.ERROR_KINDS`; another is an engine failure), ``message`` its text."""
+
+    request_id: str
+    kind: str
+    message: str
+
+
+class IterationStats(msgspec.Struct, frozen=True):
+    """The core's state after an iteration (or an arrival): ``seconds`` the iteration's wall time (0.0 for a
+    message that follows no iteration), the scheduler's counters and queue, the pool's free pages."""
+
+    seconds: float
+    steps: int
+    num_running: int
+    num_waiting: int
+    waiting_outputs: int
+    prompt_tokens: int
+    cached_tokens: int
+    preemptions: int
+    free_pages: int
+    num_pages: int
+    queries: int
+
+
+class IterationOutputs(msgspec.Struct, tag=True, frozen=True):
+    """ONE message per engine iteration: the requests accepted since the last one, every output's news, the
+    finished and the failed requests, and the core's stats."""
+
+    accepted: list[str]
+    outputs: list[OutputDelta]
+    finished: list[RequestFinished]
+    failed: list[RequestFailure]
+    stats: IterationStats
+
+
+class PagesReport(msgspec.Struct, tag=True, frozen=True):
+    """The core's page accounting (a :class:`PagesQuery`'s ``token``): whether its scheduler is ``idle``, its tree's
+    nodes, the pool's pages held by anything but the prefix cache, and the tree's invariant check (None: they hold)."""
+
+    token: int
+    idle: bool
+    num_nodes: int
+    held_pages: int
+    cache_pages: int
+    invariants: str | None
+
+
+CoreOutput = Union[CoreReady, CoreStartupFailed, IterationOutputs, PagesReport]
+
+
+class MessageCodec:
+    """msgpack for the messages one way (``kind``: :data:`CoreInput` or :data:`CoreOutput`); one encoder and one
+    decoder, reused."""
+
+    def __init__(self, kind):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(kind)
+
+    def encode(self, message) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)
