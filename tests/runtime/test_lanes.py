@@ -143,27 +143,60 @@ def _outputs(results):
     return [(r.id, r.index, r.output_ids) for r in results]
 
 
+class _Recorded:
+    """A CUDA graph's stand-in on the CPU: made by running the recorded work (the capture's run, which a GPU does
+    not execute: its effects are undone as the warm-up's are), replayed by running the same closure again into the
+    outputs it made: a replay reads what the recorded closure holds, as a graph reads the addresses it recorded."""
+
+    def __init__(self, work):
+        self.work, self.outputs = work, tuple(work())
+
+    def replay(self):
+        with torch.inference_mode():   # (the forward's outputs are inference tensors; a graph writes them in place)
+            for out, value in zip(self.outputs, self.work()):
+                out.copy_(value)
+
+
+def _fake_capture(work):
+    work()   # the warm-up run (GraphRunner.capture's, on a side stream)
+    graph = _Recorded(work)
+    return graph, graph.outputs
+
+
 @pytest.mark.slow
 @pytest.mark.triton
-@pytest.mark.parametrize("sampled", [False, True])
-def test_the_draw_in_the_step_s_graph_equals_the_eager_draw(tiny, triton_device, sampled):
+@pytest.mark.parametrize("sampled, replayed", [(False, False), (True, False), (True, True)])
+def test_the_draw_in_the_step_s_graph_equals_the_eager_draw(tiny, triton_device, sampled, replayed):
     """Through a graphed engine's static buffers without capture (the arithmetic a replay does, on the CPU): the
     lanes' draw recorded with the forward (padded to its bucket) gives every request the tokens of the eager
-    engine's draw after the step, pipelined; the steps say how they drew."""
+    engine's draw after the step, pipelined; the steps say how they drew. ``replayed``: capture and replay stood in
+    for (a warm-up run, a recorded closure run again): the warm-up's draw is undone, a key's recorded buffers are
+    the ones every later step of that key uses."""
+    import dataclasses
     from treedec.engine import CudaGraphConfig
     if triton_device.type == "cuda":
         pytest.skip("covered by the GPU test with real capture")
     batch = _graphed_batch(3, sampled)
     eager, _ = generate_batch(Engine(tiny, kv_tokens=1024, page_size=4, backend="triton"), batch, pipeline=True)
     engine = Engine(tiny, kv_tokens=1024, page_size=4, backend="triton", cuda_graphs=CudaGraphConfig(capture=False))
+    if replayed:
+        runner = engine.graph_runner
+        runner.config = dataclasses.replace(runner.config, capture=True)
+        runner.capture = _fake_capture
     graphed, stats = generate_batch(engine, batch, pipeline=True)
     assert _outputs(graphed) == _outputs(eager)
-    assert stats.lane_draws["in the step's graph"] >= 5 and engine.graph_stats["static_eager_tail"] >= 5
+    assert stats.lane_draws["in the step's graph"] >= 5
+    assert engine.graph_stats["tail_replays" if replayed else "static_eager_tail"] >= 5
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+    if sampled:   # a request with a logits processor: its steps draw after the forward, and say why
+        processed = [RequestSpec("p", prompt_ids=prompt(9), params=SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, logits_processors=[lambda ids, scores: scores]))]
+        _, stats = generate_batch(engine, batch[:1] + processed, pipeline=True)
+        assert any(k.startswith("eager: logits processors") for k in stats.lane_draws), stats.lane_draws
 
 
 def test_a_step_says_why_its_lanes_draw_eagerly(tiny):
-    """No graphs, or a request with a logits processor: the lanes draw after the step, and the stats say why."""
+    """An engine without CUDA graphs: the lanes draw after the step, and the stats say why."""
     _, stats = generate_batch(make_engine(tiny), _graphed_batch(2, sampled=True))
     assert set(stats.lane_draws) == {"eager: the engine has no CUDA graphs"}
 

@@ -304,7 +304,8 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += self.attention.kv_tokens_read(host_plans)
         if plans is not None:
-            out = self.eager_forward(plans, tokens, positions, slots, rows, device_tokens, features, spans, trows)
+            out = self.eager_forward(plans, tokens, positions, slots, rows, device_tokens, features, spans,
+                                     token_rows=trows)
             logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
             if tail is not None:
                 self._run_tail(tail, logits, torch.arange(tail.rows, device=self.device).clamp_(max=len(rows) - 1))
@@ -337,7 +338,7 @@ class Engine:
                     return forward
 
                 given = () if device_tokens is None else (device_tokens,)
-                key = (tail.graph_key(), self.vocab_limit, tuple((t.data_ptr(), t.shape, t.stride()) for t in given))
+                key = (tail.graph_key, self.vocab_limit, tuple((t.data_ptr(), t.shape, t.stride()) for t in given))
                 outputs = self._graphs.run(graph, num_q, row_inputs, tail=(key, body, tail.buffers + given, tail.state))
             logits = self._gather(graph, outputs[0], rows, 0)
             hidden_all = outputs[1]

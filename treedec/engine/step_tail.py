@@ -9,6 +9,7 @@ results the tail must ignore), and does no host work: its :meth:`StepTail.run` i
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class StepTail:
     buffers: tuple[torch.Tensor, ...] = ()
     state: tuple[torch.Tensor, ...] = ()
 
+    @functools.cached_property
     def graph_key(self) -> tuple:
         """``key`` with the buffers' addresses (a graph replays those addresses)."""
         return (self.key, tuple(t.data_ptr() for t in self.buffers))

@@ -40,7 +40,9 @@ class LaneTable:
         self._width = 0            # the token buffer's columns
         self._eos_width = 0        # the EOS-id matrix's columns
         self.counts = self.prompt_mask = None   # the penalties' columns, made for the first penalized lane
-        self._rows: dict[int, SamplingRows] = {}   # the sampling rows of blocks [0, n), until the rows change
+        # what is derived from the rows until they change: the SamplingRows of blocks [0, n) by n (and the lanes'
+        # graphed draws, Lanes.step_tail)
+        self._rows: dict = {}
         self._grow(16)
 
     # ------------------------------------------------------------ the sampling rows
@@ -137,6 +139,7 @@ class LaneTable:
         if self.counts is None:
             self.counts = torch.zeros(self._capacity, self.vocab, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(self._capacity, self.vocab, dtype=torch.bool, device=self.device)
+            self._rows = {}   # (the graphed draws read them)
 
     def _widen(self, need: int) -> None:
         width = max(need, 2 * self._width)
@@ -148,6 +151,7 @@ class LaneTable:
         eos = torch.full((self._capacity, need), -1, dtype=torch.int64, device=self.device)
         eos[:, :self._eos_width] = self.eos
         self.eos, self._eos_width = eos, need
+        self._rows = {}
 
     def _compact(self, keep: np.ndarray) -> None:
         """Keep the rows where ``keep`` ([size] bool) is True, in order (one gather per group of columns)."""

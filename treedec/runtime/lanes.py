@@ -263,14 +263,18 @@ class Lanes(LaneTable):
         if reason is not None:
             self._count_draw(f"eager: {reason}")
             return None
-        block = lane_bucket(self.size, self._capacity)
-        rows = self.sampling_rows(block)
-        flags = (rows.greedy, rows.sampled, rows.top_k_cut, rows.top_p_cut, rows.min_p_cut, rows.penalized)
-        buffers = (self.out, self.fparams, self.iparams, self.eos) + (
-            () if self.counts is None else (self.counts, self.prompt_mask))
         self._count_draw("in the step's graph")
-        state = (self.out,) + (() if self.counts is None else (self.counts,))
-        return StepTail(("lanes", block, flags), block, lambda scores: draw_block(self, scores, rows), buffers, state)
+        block = lane_bucket(self.size, self._capacity)
+        tail = self._rows.get(("tail", block))   # (made once per change of the rows, as their SamplingRows)
+        if tail is None:
+            rows = self.sampling_rows(block)
+            flags = (rows.greedy, rows.sampled, rows.top_k_cut, rows.top_p_cut, rows.min_p_cut, rows.penalized)
+            buffers = (self.out, self.fparams, self.iparams, self.eos) + (
+                () if self.counts is None else (self.counts, self.prompt_mask))
+            state = (self.out,) + (() if self.counts is None else (self.counts,))
+            tail = self._rows["tail", block] = StepTail(("lanes", block, flags), block,
+                                                        lambda scores: draw_block(self, scores, rows), buffers, state)
+        return tail
 
     def _count_draw(self, how: str) -> None:
         if how not in self.draws and how.startswith("eager") and self.engine.graph_runner is not None:
