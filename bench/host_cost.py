@@ -61,7 +61,7 @@ def stub_forwards(engine: Engine) -> None:
         logits, hidden = outputs(rows)
         return (logits, hidden, *(engine.row_head(name)(hidden) for name in engine.row_heads))
 
-    def eager(plan, tokens, positions, slots, rows, device_tokens=None, features=None, spans=()):
+    def eager(plan, tokens, positions, slots, rows, device_tokens=None, features=None, spans=(), token_rows=None):
         logits, _ = outputs(len(tokens) if rows is None else len(rows))
         return ForwardOutput(logits, outputs(len(tokens))[1])
 

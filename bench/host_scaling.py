@@ -27,6 +27,7 @@ whole budget). Written to ``<out>/<date>-<device>-host-scaling.json`` (device, v
 
     python bench/host_scaling.py                       # GPU: tiny model, graphed, 1/8/32/64 requests
     python bench/host_scaling.py --device cpu          # CPU: forward stubbed
+    python bench/host_scaling.py --device cpu --pipeline   # ... generation pipelined, as on a GPU
     python bench/host_scaling.py --smoke               # CPU, small sizes (CI)
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ def run_kind(kind: str, engine: Engine, requests: int, args, rng: np.random.Gene
     specs = [RequestSpec(f"r{i}", prompt_ids=tuple(rng.integers(0, vocab, args.prompt).tolist()),
                          params=params_of(kind, args.new, seed=i)) for i in range(requests)]
     if kind in ("greedy", "sampled", "sampled_all"):
-        generate_batch(engine, specs, pipeline=engine.device.type == "cuda")
+        generate_batch(engine, specs, pipeline=engine.device.type == "cuda" or args.pipeline)
         return 2   # one prompt step (every prompt fits one chunk), then the first decode step's launch
     if kind == "speculative":
         tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
@@ -158,6 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per size (the median is reported)")
     parser.add_argument("--profile-steps", type=int, default=8, help="decode steps whose calls are counted")
     parser.add_argument("--device", default=None, help="cuda or cpu (default cuda when available)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="CPU: pipeline the generation kinds as a GPU run does (the draws read back one step "
+                             "behind: the host path the GPU's graphed steps take)")
     parser.add_argument("--smoke", action="store_true", help="CPU, sizes 1 and 4, 12 new tokens, one run (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None, help="added to the results file's name")
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
     model = from_config("tiny", seed=0, device=device, dtype=dtype)
     # every request's prompt and outputs at once (ToT: k thoughts and their values per kept state)
     kv_tokens = max(sizes) * (args.prompt + 8 * (args.new + 64) + 2048)
-    mode = "graphed, pipelined" if device.type == "cuda" else "forward stubbed"
+    mode = "graphed, pipelined" if device.type == "cuda" else \
+        "forward stubbed" + (", pipelined" if args.pipeline else "")
     print(f"host scaling: tiny model on {device_name(device)} ({mode}), {args.prompt}-token prompts, "
           f"{args.new} new tokens; median step ms", flush=True)
     results = {}

@@ -64,8 +64,8 @@ def test_load_refuses_more_gathers_than_its_section(tiny):
                     cuda_graphs=CudaGraphConfig(capture=False)).graph_runner if _triton_here() else None
     if runner is None:
         pytest.skip("needs a kernel backend (triton)")
-    with pytest.raises(ValueError, match="at most 2 gathers, got 3"):
-        runner.load(None, None, None, None, (None, None, None))
+    with pytest.raises(ValueError, match="at most 3 gathers, got 4"):
+        runner.load(None, None, None, None, (None, None, None, None))
 
 
 def _triton_here() -> bool:

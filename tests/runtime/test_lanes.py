@@ -123,3 +123,103 @@ def test_torch_calls_per_step_do_not_grow_with_the_lanes(tiny, monkeypatch):
 
     few, many = torch_calls_per_step(4), torch_calls_per_step(32)
     assert many <= few * 1.1 + 2, (few, many)
+
+
+# ================================================================ the draw in the step's graph (lane_draw.py)
+
+
+def _graphed_batch(k: int, sampled: bool):
+    """``k`` requests, greedy or sampled with a seed each (every sampling field on the odd ones)."""
+    def params(i):
+        if not sampled:
+            return SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        extra = dict(top_k=40, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1) \
+            if i % 2 else {}
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=30 + i, max_tokens=7, ignore_eos=True, **extra)
+    return [RequestSpec(f"r{i}", prompt_ids=prompt(i, 6 + i % 5), params=params(i)) for i in range(k)]
+
+
+def _outputs(results):
+    return [(r.id, r.index, r.output_ids) for r in results]
+
+
+class _Recorded:
+    """A CUDA graph's stand-in on the CPU: made by running the recorded work (the capture's run, which a GPU does
+    not execute: its effects are undone as the warm-up's are), replayed by running the same closure again into the
+    outputs it made: a replay reads what the recorded closure holds, as a graph reads the addresses it recorded."""
+
+    def __init__(self, work):
+        self.work, self.outputs = work, tuple(work())
+
+    def replay(self):
+        with torch.inference_mode():   # (the forward's outputs are inference tensors; a graph writes them in place)
+            for out, value in zip(self.outputs, self.work()):
+                out.copy_(value)
+
+
+def _fake_capture(work):
+    work()   # the warm-up run (GraphRunner.capture's, on a side stream)
+    graph = _Recorded(work)
+    return graph, graph.outputs
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.parametrize("sampled, replayed", [(False, False), (True, False), (True, True)])
+def test_the_draw_in_the_step_s_graph_equals_the_eager_draw(tiny, triton_device, sampled, replayed):
+    """Through a graphed engine's static buffers without capture (the arithmetic a replay does, on the CPU): the
+    lanes' draw recorded with the forward (padded to its bucket) gives every request the tokens of the eager
+    engine's draw after the step, pipelined; the steps say how they drew. ``replayed``: capture and replay stood in
+    for (a warm-up run, a recorded closure run again): the warm-up's draw is undone, a key's recorded buffers are
+    the ones every later step of that key uses."""
+    import dataclasses
+    from treedec.engine import CudaGraphConfig
+    if triton_device.type == "cuda":
+        pytest.skip("covered by the GPU test with real capture")
+    batch = _graphed_batch(3, sampled)
+    eager, _ = generate_batch(Engine(tiny, kv_tokens=1024, page_size=4, backend="triton"), batch, pipeline=True)
+    engine = Engine(tiny, kv_tokens=1024, page_size=4, backend="triton", cuda_graphs=CudaGraphConfig(capture=False))
+    if replayed:
+        runner = engine.graph_runner
+        runner.config = dataclasses.replace(runner.config, capture=True)
+        runner.capture = _fake_capture
+    graphed, stats = generate_batch(engine, batch, pipeline=True)
+    assert _outputs(graphed) == _outputs(eager)
+    assert stats.lane_draws["in the step's graph"] >= 5
+    assert engine.graph_stats["tail_replays" if replayed else "static_eager_tail"] >= 5
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages
+    if sampled:   # a request with a logits processor: its steps draw after the forward, and say why
+        processed = [RequestSpec("p", prompt_ids=prompt(9), params=SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, logits_processors=[lambda ids, scores: scores]))]
+        _, stats = generate_batch(engine, batch[:1] + processed, pipeline=True)
+        assert any(k.startswith("eager: logits processors") for k in stats.lane_draws), stats.lane_draws
+
+
+def test_a_step_says_why_its_lanes_draw_eagerly(tiny):
+    """An engine without CUDA graphs: the lanes draw after the step, and the stats say why."""
+    _, stats = generate_batch(make_engine(tiny), _graphed_batch(2, sampled=True))
+    assert set(stats.lane_draws) == {"eager: the engine has no CUDA graphs"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_graphed_lanes_steps_draw_the_eager_steps_tokens_on_a_gpu(k, sampled):
+    """On a GPU, graphed (each decode step ONE replay: the placeholders' ids, the forward, the lanes' batched draw,
+    stop flags and counts) and pipelined: every request's tokens equal the eager engine's (its draw after each
+    step), greedy and seeded sampled (fp32 logits, the same Triton kernels); the draws were in the graphs."""
+    from treedec.models import from_config
+
+    model = from_config("tiny", seed=0, dtype=torch.float32, device="cuda")
+    batch = _graphed_batch(k, sampled)
+    eager, _ = generate_batch(Engine(model, kv_tokens=65536, page_size=16, backend="triton"), batch, pipeline=True)
+    engine = Engine(model, kv_tokens=65536, page_size=16, backend="triton", cuda_graphs=True)
+    for _ in range(2):   # (the second run's lanes are new buffers: its own graphs, the first run's evicted in turn)
+        graphed, stats = generate_batch(engine, batch, pipeline=True)
+        assert _outputs(graphed) == _outputs(eager)
+        assert stats.lane_draws["in the step's graph"] >= 5, stats.lane_draws
+    assert engine.graph_stats["tail_replays"] >= 10, engine.graph_stats
+    assert not [key for key in engine.graph_stats if key.startswith("eager") and "max_queries" not in key], \
+        engine.graph_stats
+    assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
@@ -34,7 +34,8 @@ from treedec.checks import positive_int
 
 logger = logging.getLogger("treedec")
 
-GATHERS = 2  # row-index arrays a step sends with its inputs (the engine's logits rows and hidden rows)
+MAX_TAILS = 4  # graphs of a forward with a tail kept per bucket (the latest used)
+GATHERS = 3  # row-index arrays a step sends with its inputs (the engine's logits rows, hidden rows, token rows)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class GraphEntry:
     graph: torch.cuda.CUDAGraph | None = None
     outputs: tuple[torch.Tensor, ...] = ()   # the captured graph's outputs, [queries, ...] each
     gathered: list[int | None] = field(default_factory=lambda: [None] * GATHERS)  # the last load's gather lengths
+    # graphs of the forward with a tail (:mod:`treedec.engine.step_tail`), by tail key: (graph, outputs, buffers)
+    tails: dict = field(default_factory=dict)
+    replaced: "GraphEntry | None" = None     # the entry it replaced, alive until its first capture
 
     @property
     def static(self) -> StaticPlan:
@@ -122,11 +126,11 @@ class GraphRunner:
             replaced = self._graphs.pop(key, None)
             entry = self._graphs[key] = self.new_entry(plans, None if replaced is None else replaced.statics)
         self.write(entry, plans, tokens, positions, slots, gathers)
-        if self.config.capture and entry.graph is None:
-            entry.graph, entry.outputs = self.capture(lambda: self.forward(entry))
-        # Only now may a replaced graph go: its memory returns to the shared pool, and a
-        # private pool whose last graph died cannot be captured into again (allocator assert).
-        del replaced
+        # The replaced graphs go once this entry's first graph is captured (:meth:`run`): their memory returns to
+        # the shared pool, and a private pool whose last graph died cannot be captured into again (allocator
+        # assert).
+        if replaced is not None:
+            entry.replaced = replaced
         return entry
 
     @staticmethod
@@ -198,24 +202,49 @@ class GraphRunner:
         count = entry.gathered[which]
         return None if count is None else entry.static.extra["inputs"][3 + which, :count]
 
-    def run(self, entry: GraphEntry, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None
+    def run(self, entry: GraphEntry, num_queries: int, row_inputs: dict[str, torch.Tensor] | None = None,
+            tail: tuple[Hashable, Callable[[], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...],
+                        tuple[torch.Tensor, ...]] | None = None
             ) -> tuple[torch.Tensor, ...]:
         """The forward's outputs (``logits [num_queries, vocab], hidden [num_queries, hidden_size],
         ...``) for the step :meth:`load` wrote into ``entry``: its graph replayed (or, with
         ``capture`` off, the same forward over the static buffers). ``row_inputs``: this step's
         ``[num_queries, width]`` values of the runner's per-row inputs (all of them, when it has
-        any). Views of the graph's outputs: valid until the next run."""
+        any). Views of the graph's outputs: valid until the next run.
+
+        ``tail``: ``(key, body, buffers, state)``: ``body()`` runs the forward (:meth:`forward`) with device work
+        before and after it (:mod:`treedec.engine.step_tail`) and returns the forward's outputs; one graph is
+        recorded per ``key`` (the :data:`MAX_TAILS` latest kept per entry, with the ``buffers`` they read) and
+        replayed; ``state``: the tensors whose values the capture's warm-up run must leave as they were."""
         given = row_inputs or {}
         if set(given) != set(entry.row_inputs):
             raise ValueError(f"a step of this graph needs row inputs {sorted(entry.row_inputs)}, got {sorted(given)}")
         for name, value in given.items():
             entry.row_inputs[name][:num_queries].copy_(value)
         if not self.config.capture:
-            self.stats["static_eager"] += 1
-            return tuple(t[:num_queries] for t in self.forward(entry))
-        entry.graph.replay()
-        self.stats["replays"] += 1
-        return tuple(t[:num_queries] for t in entry.outputs)
+            self.stats["static_eager" if tail is None else "static_eager_tail"] += 1
+            return tuple(t[:num_queries] for t in (self.forward(entry) if tail is None else tail[1]()))
+        if tail is None:
+            if entry.graph is None:
+                entry.graph, entry.outputs = self.capture(lambda: self.forward(entry))
+            graph, outputs = entry.graph, entry.outputs
+            self.stats["replays"] += 1
+        else:
+            key, body, buffers, state = tail
+            got = entry.tails.pop(key, None)   # (re-inserted last: the dict's order is the use order)
+            if got is None:
+                saved = [t.clone() for t in state]   # (the warm-up run of the capture is undone on them)
+                got = (*self.capture(body), buffers)
+                for t, value in zip(state, saved):
+                    t.copy_(value)
+                if len(entry.tails) >= MAX_TAILS:   # (dropped after the capture: the pool keeps a live graph)
+                    entry.tails.pop(next(iter(entry.tails)))
+            entry.tails[key] = got
+            graph, outputs = got[0], got[1]
+            self.stats["tail_replays"] += 1
+        entry.replaced = None
+        graph.replay()
+        return tuple(t[:num_queries] for t in outputs)
 
     def reset(self) -> None:
         """Drop every captured graph (the forward's outputs changed); the next steps capture anew,

@@ -37,8 +37,9 @@ from treedec.engine.step_checks import (check_device_tokens, check_features, che
 from treedec.engine.query_rows import QueryRows
 from treedec.engine.prompt import PromptChunks
 from treedec.engine.step_output import PrefillOutput, StepOutput
+from treedec.engine.step_tail import StepTail
 from treedec.errors import PoolExhaustedError, TreeError
-from treedec.transfer import take_rows, to_device
+from treedec.transfer import PinnedStaging, take_rows
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.tree.thread_guard import ThreadGuard
 from treedec.tree.validate import int_list
@@ -139,6 +140,7 @@ class Engine:
                     self.kv_pool_reason, "" if self.kv_scale_source is None else f"; scales: {self.kv_scale_source}")
         self._graphs = self._graph_runner(cuda_graphs, compile_model)
         self._query_rows = QueryRows()   # pending_rows' lookup (one sort of a layout's node ids)
+        self._staging = PinnedStaging(self.device, turns=4)   # the eager steps' inputs (a chain's steps: several)
 
     # ================================================================ public API
 
@@ -194,8 +196,8 @@ class Engine:
     def step(self, logits_rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
              return_hidden: bool = False, tokens: torch.Tensor | None = None, return_heads: bool = False,
              hidden_rows: Sequence[int] | np.ndarray | None = None, return_aux: bool = False,
-             features: torch.Tensor | None = None, dynamic: DynamicSpans | Sequence[DynamicSpans] | None = None
-             ) -> StepOutput:
+             features: torch.Tensor | None = None, dynamic: DynamicSpans | Sequence[DynamicSpans] | None = None,
+             token_rows: Sequence[int] | np.ndarray | None = None, tail: StepTail | None = None) -> StepOutput:
         """One forward over the tree's pending tokens; commits them.
 
         The queries are in ``tree.layout()`` order: depth-first over the nodes, then token
@@ -216,6 +218,7 @@ class Engine:
             step is planned and launched while that one still runs (pipelined decoding; record
             the real ids with :meth:`SequenceTree.set_tokens`). They must be ids in
             ``[0, vocab)``: a device tensor is not checked (that would wait for it).
+            With ``token_rows``: ``[k]``, the ids of the queries at those rows only.
         return_heads : bool
             Also return the row heads' outputs (:meth:`add_row_head`) at ``logits_rows``, as a
             dict ``{name: [r, ...] tensor}``.
@@ -232,6 +235,15 @@ class Engine:
             Pipelined speculative decoding's spans, one a request, as arrays (:mod:`treedec.attention.dynamic_span`;
             several are concatenated once; not on
             the ``reference`` backend, a wait on ``torch``)
+        token_rows : [k] ints, optional
+            With ``tokens``: the query rows whose ids ``tokens`` gives (the others' ids are the tree's), e.g. the
+            lanes' placeholders (:mod:`treedec.runtime.lanes`). The rows travel with the step's inputs (no copy
+            of their own), the ids are written into them on the device. ``tokens`` may be longer (a fixed
+            buffer, e.g. with a ``tail``): its first ``k`` are the rows' ids.
+        tail : StepTail, optional
+            Device work on the step's logits (:mod:`treedec.engine.step_tail`, e.g. the lanes' batched draw),
+            recorded in the step's CUDA graph when it is graphed (one replay: placeholders, forward, tail), else run
+            after the eager forward. Needs ``logits_rows``; device ``tokens`` go by ``token_rows``.
 
         Returns
         -------
@@ -242,7 +254,7 @@ class Engine:
         """
         with self.guard:
             return self._step(logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features,
-                              dynamic)
+                              dynamic, token_rows, tail)
 
     def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
         prompt = self.chunk_prompt(prompt_ids, parent)
@@ -263,8 +275,8 @@ class Engine:
         return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
                              None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
 
-    def _step(self, logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features, dynamic
-              ) -> StepOutput:
+    def _step(self, logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features, dynamic,
+              token_rows, tail) -> StepOutput:
         layout = self.tree.layout()
         num_q = layout.num_queries
         if num_q == 0:
@@ -274,10 +286,19 @@ class Engine:
         hrows = rows if hidden_rows is None else check_rows(hidden_rows, num_q, "hidden_rows")
         if return_aux and not self._hidden_layers:
             raise ValueError("return_aux needs hidden-state layers: call engine.capture_hidden_layers(layers) first")
-        features = check_features(features, num_q, self.feature_size, self.device, self.model.dtype)
+        if features is not None or self._feature_size is not None:
+            features = check_features(features, num_q, self._feature_size, self.device, self.model.dtype)
         positions = layout.query_position
-        check_window(self._window_cap, int(positions.max()))
-        device_tokens = check_device_tokens(tokens, num_q, self.device)
+        if self._window_cap is not None:
+            check_window(self._window_cap, int(positions.max()))
+        trows = None if token_rows is None else check_rows(token_rows, num_q, "token_rows")
+        if trows is not None and tokens is None:
+            raise ValueError("token_rows gives the rows of the device ids in tokens: pass tokens too")
+        device_tokens = check_device_tokens(tokens, num_q if trows is None else len(trows), self.device,
+                                            "one per pending token" if trows is None else None)
+        if tail is not None and (rows is None or not len(rows) or (device_tokens is not None and trows is None)):
+            raise ValueError("a step with a tail needs logits_rows (at least one), and its device tokens given "
+                             "with token_rows")
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
         started = time.perf_counter()
@@ -286,7 +307,8 @@ class Engine:
         host_plans, ranges = self.attention.plan_host(layout, spans)   # one a group (no spans: as planned)
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
-            gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None)
+            gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None,
+                       None if trows is None else _token_sources(trows, num_q))
             graph = self._graphs.load(host_plans, tokens, positions, slots, gathers)
         plans = self.attention.prepare(host_plans, self.device) if graph is None else None
         if spans is not None and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
@@ -296,18 +318,42 @@ class Engine:
         self.stats["plan_seconds"] += time.perf_counter() - started
         self.stats["kv_tokens_read"] += self.attention.kv_tokens_read(host_plans)
         if plans is not None:
-            out = self.eager_forward(plans, tokens, positions, slots, rows, device_tokens, features, spans)
+            out = self.eager_forward(plans, tokens, positions, slots, rows, device_tokens, features, spans,
+                                     token_rows=trows)
             logits, hidden_all, aux_all = out.logits, out.hidden, out.aux
+            if tail is not None:
+                self._run_tail(tail, logits, torch.arange(tail.rows, device=self.device).clamp_(max=len(rows) - 1))
             heads = None
             if return_heads:
                 with torch.no_grad():
                     picked = take_rows(hidden_all, rows, self.device)
                     heads = {name: head(picked) for name, head in self._row_heads.items()}
         else:  # copies: the graph's output buffers are overwritten by its next replay
-            if device_tokens is not None:   # stream-ordered after the load's copy of the placeholders
-                graph.static.extra["inputs"][0, :num_q].copy_(device_tokens)
-            shift_positions(graph.static.extra["inputs"][1], spans)
-            outputs = self._graphs.run(graph, num_q, None if features is None else {"features": features})
+            inputs = graph.static.extra["inputs"]
+            shift_positions(inputs[1], spans)
+            row_inputs = None if features is None else {"features": features}
+            if tail is None:
+                # (stream-ordered after the load's copy of the placeholders and their sources)
+                if trows is not None:
+                    _fill_tokens(inputs, device_tokens)
+                elif device_tokens is not None:
+                    inputs[0, :num_q].copy_(device_tokens)
+                outputs = self._graphs.run(graph, num_q, row_inputs)
+            else:
+                if tail.rows > inputs.shape[1]:
+                    raise ValueError(f"the tail reads {tail.rows} logits rows, more than the step's graph has "
+                                     f"({inputs.shape[1]})")
+
+                def body():   # the placeholders' ids, the forward, the tail: one graph
+                    if device_tokens is not None:
+                        _fill_tokens(inputs, device_tokens)
+                    forward = self._graphs.forward(graph)
+                    self._run_tail(tail, forward[0], inputs[3, :tail.rows])
+                    return forward
+
+                given = () if device_tokens is None else (device_tokens,)
+                key = (tail.graph_key, self.vocab_limit, tuple((t.data_ptr(), t.shape, t.stride()) for t in given))
+                outputs = self._graphs.run(graph, num_q, row_inputs, tail=(key, body, tail.buffers + given, tail.state))
             logits = self._gather(graph, outputs[0], rows, 0)
             hidden_all = outputs[1]
             aux_all = outputs[2] if self._hidden_layers else None
@@ -442,20 +488,34 @@ class Engine:
 
     def eager_forward(self, plans: tuple[DeviceTreePlan, ...], tokens, positions, slots, rows,
                       device_tokens: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                      spans: DynamicSpans | None = None):
+                      spans: DynamicSpans | None = None, token_rows: np.ndarray | None = None):
         """The model's ``ForwardOutput`` of a step over its prepared ``plans`` (one per attention group,
         :class:`~treedec.engine.attention_groups.LayerAttention`; host ``tokens``, ``positions``,
-        ``slots`` ``[queries]``; logits at ``rows``, None: all; ``device_tokens`` int64 in place of ``tokens``;
-        ``spans``' positions moved back on the device), and nothing else (no commit, stats or vocabulary mask).
-        For the engine package (:meth:`step`, a :class:`StepChain`'s eager steps); programs call :meth:`step`."""
-        inputs = to_device(np.stack([tokens, positions, slots]), self.device)  # one transfer
+        ``slots`` ``[queries]``; logits at ``rows``, None: all; ``device_tokens`` int64 in place of ``tokens``, or
+        of those at ``token_rows``; ``spans``' positions moved back on the device), and nothing else (no commit,
+        stats or vocabulary mask). For the engine package (:meth:`step`, a :class:`StepChain`'s eager steps);
+        programs call :meth:`step`."""
+        q = len(tokens)
+        given = [a for a in (rows, token_rows) if a is not None]
+        flat = self._staging.to_device(np.concatenate([tokens, positions, slots, *given]))   # one transfer
+        inputs = flat[:3 * q].view(3, q)
         shift_positions(inputs[1], spans)
-        rows_t = None if rows is None else to_device(rows, self.device)
+        rows_t = None if rows is None else flat[3 * q:3 * q + len(rows)]
         token_ids = inputs[0] if device_tokens is None else device_tokens
+        if token_rows is not None:
+            token_ids = inputs[0].index_copy(0, flat[len(flat) - len(token_rows):], device_tokens[:len(token_rows)])
         return self.model(token_ids, inputs[1], StepAttend(self.attention, self.pool, inputs[2], plans), rows_t,
                           self._hidden_layers, features)
 
     # ================================================================ private
+
+    def _run_tail(self, tail: StepTail, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """``tail`` on the vocabulary-masked ``logits`` at ``rows`` ([tail.rows] device indices)."""
+        with torch.inference_mode():   # (an eager forward's logits are inference tensors)
+            scores = logits.index_select(0, rows)
+            if self.vocab_limit is not None:
+                scores[:, self.vocab_limit:] = float("-inf")
+            tail.run(scores)
 
     def _gather(self, graph, output: torch.Tensor, rows: np.ndarray | None, which: int) -> torch.Tensor:
         """A copy of ``output``'s ``rows`` (all for None) of a graphed step, indexed by the step's gather
@@ -512,6 +572,23 @@ class Engine:
             with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
                 return compiled(statics, inputs)
         return GraphRunner(config, compiled_forward, self.attention.planners, scratch_slot, row_inputs)
+
+
+def _token_sources(token_rows: np.ndarray, num_q: int) -> np.ndarray:
+    """[num_q] int64: for each query, the index of its id among the step's device tokens (``token_rows``' order),
+    -1 for the tree's own: what a graphed step's fill reads (fixed shapes, whatever the rows)."""
+    sources = np.empty(num_q, dtype=np.int64)
+    sources.fill(-1)
+    sources[token_rows] = np.arange(len(token_rows))
+    return sources
+
+
+def _fill_tokens(inputs: torch.Tensor, tokens: torch.Tensor) -> None:
+    """A graphed step's token ids (``inputs[0]``) where its sources section (``inputs[5]``, :func:`_token_sources`)
+    names a device token (padded queries past the step's read token 0: their outputs are dropped)."""
+    sources = inputs[3 + 2]
+    picked = tokens.index_select(0, sources.clamp(min=0)).to(inputs.dtype)
+    inputs[0].copy_(torch.where(sources >= 0, picked, inputs[0]))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -39,14 +39,17 @@ def check_features(features: torch.Tensor | None, num_q: int, width: int | None,
     return features.to(dtype)
 
 
-def check_device_tokens(tokens: torch.Tensor | None, num_q: int, device: torch.device) -> torch.Tensor | None:
-    """A step's token ids given on the device (``[num_q]`` int32/int64 on ``device``), as int64."""
+def check_device_tokens(tokens: torch.Tensor | None, num_q: int, device: torch.device,
+                        what: str | None = "one per pending token") -> torch.Tensor | None:
+    """A step's token ids given on the device (``[num_q]`` int32/int64 on ``device``, ``what``; None: at least
+    ``num_q``, one per token row first), as int64."""
     if tokens is None:
         return None
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"tokens must be an int64 or int32 tensor, got {describe_tensor(tokens)}")
-    if tuple(tokens.shape) != (num_q,) or tokens.device != device:
-        raise ValueError(f"tokens must have shape [{num_q}] (one per pending token) on {device}, got "
+    if (tokens.shape != (num_q,) if what is not None else tokens.dim() != 1 or tokens.shape[0] < num_q) \
+            or tokens.device != device:
+        raise ValueError(f"tokens must have shape [{num_q}] ({what or 'at least one per token row'}) on {device}, got "
                          f"{describe_tensor(tokens)}")
     return tokens.long()
 
@@ -71,7 +74,10 @@ def check_rows(rows, num_q: int, name: str = "logits_rows") -> np.ndarray | None
     """Query rows (ints in ``[0, num_q)``, any 1-D collection or tensor) as an int64 array; None stays None."""
     if rows is None:
         return None
-    arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, name)
-    if len(arr) and (arr.min() < 0 or arr.max() >= num_q):
+    if type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1:
+        arr = rows   # (a step's own rows, e.g. the scheduler's: checked without a copy; never written)
+    else:
+        arr = int_array(rows.cpu() if isinstance(rows, torch.Tensor) else rows, name)
+    if len(arr) and (np.minimum.reduce(arr) < 0 or np.maximum.reduce(arr) >= num_q):
         raise ValueError(f"{name} must be query indices in [0, {num_q}), got {arr[:10].tolist()}")
     return arr

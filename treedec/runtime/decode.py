@@ -118,15 +118,14 @@ class PlacedLanes:
     ----------
     nodes : [k] int64, the node of each lane placed (one pending token each), in lane order: their rows of the
         step's logits come in this order.
-    tokens : [h] int64 device tensor or None: the ids of the placeholders (tokens drawn, not read back yet).
-    holders : [h] int64, the nodes whose pending token is such a placeholder.
+    tokens : [k] int64 device tensor or None: each placed lane's token id on the device, when some are
+        placeholders (drawn, not read back yet: pipelined); None when the tree holds every one's id.
     groups : the Decodes with a lane placed.
     """
 
     nodes: np.ndarray
     tokens: torch.Tensor | None
-    holders: np.ndarray
     groups: int
 
 
-PlacedLanes.NONE = PlacedLanes(np.zeros(0, dtype=np.int64), None, np.zeros(0, dtype=np.int64), 0)
+PlacedLanes.NONE = PlacedLanes(np.zeros(0, dtype=np.int64), None, 0)

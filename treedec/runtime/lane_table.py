@@ -1,6 +1,9 @@
 """The lane table's columns (:mod:`treedec.runtime.lanes`): one row per lane, host arrays and device tensors, kept
 compact and in order (added at the end, removed by one stable compaction per event), grown by doubling.
 
+Rows stay in the order their lanes were added, so a group's lanes (one Decode's, added together with a uid larger
+than every earlier one) are consecutive rows and the ``group`` column is non-decreasing.
+
 Columns of one kind are views of one array (the host's int columns of one ``[capacity, k]`` int64 array, its small
 ones of one int8 array; the device's per-step values, sampling parameters and stop ids of one tensor each), so that
 a compaction is a gather per group and a step reads its lanes' parameters as slices: nothing is rebuilt per lane
@@ -37,24 +40,28 @@ class LaneTable:
         self._width = 0            # the token buffer's columns
         self._eos_width = 0        # the EOS-id matrix's columns
         self.counts = self.prompt_mask = None   # the penalties' columns, made for the first penalized lane
-        self._rows: SamplingRows | None = None   # the sampling rows of [0, size), until the rows change
+        # what is derived from the rows until they change: the SamplingRows of blocks [0, n) by n (and the lanes'
+        # graphed draws, Lanes.step_tail)
+        self._rows: dict = {}
         self._grow(16)
 
     # ------------------------------------------------------------ the sampling rows
 
-    def sampling_rows(self) -> SamplingRows:
-        """The lanes' :class:`~treedec.sampling.sampler.SamplingRows`: slices of the device columns (made once per
-        change of the rows)."""
-        if self._rows is None:
-            n = self.size
-            f, i = self.fparams[:n], self.iparams[:n]
-            flag = lambda name: bool(getattr(self, name)[:n].any())   # noqa: E731
-            self._rows = SamplingRows(temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3],
-                                      presence=f[:, 4], frequency=f[:, 5], top_k=i[:, 0], seed=i[:, 1],
-                                      stream=i[:, 2], greedy=flag("greedy"), sampled=not bool(self.greedy[:n].all()),
-                                      top_k_cut=flag("top_k_cut"), top_p_cut=flag("top_p_cut"),
-                                      min_p_cut=flag("min_p_cut"), penalized=flag("penalized"))
-        return self._rows
+    def sampling_rows(self, block: int | None = None) -> SamplingRows:
+        """The :class:`~treedec.sampling.sampler.SamplingRows` of rows ``[0, block)`` (default: the lanes), slices
+        of the device columns, with the flags of the lanes (rows past them are padding: a graphed draw's block,
+        :mod:`treedec.runtime.lane_draw`); made once per change of the rows."""
+        n = self.size if block is None else block
+        rows = self._rows.get(n)
+        if rows is None:
+            f, i, lanes = self.fparams[:n], self.iparams[:n], self.size
+            flag = lambda name: bool(getattr(self, name)[:lanes].any())   # noqa: E731
+            rows = self._rows[n] = SamplingRows(
+                temperature=f[:, 0], top_p=f[:, 1], min_p=f[:, 2], repetition=f[:, 3], presence=f[:, 4],
+                frequency=f[:, 5], top_k=i[:, 0], seed=i[:, 1], stream=i[:, 2], greedy=flag("greedy"),
+                sampled=not bool(self.greedy[:lanes].all()), top_k_cut=flag("top_k_cut"), top_p_cut=flag("top_p_cut"),
+                min_p_cut=flag("min_p_cut"), penalized=flag("penalized"))
+        return rows
 
     def write_params(self, start: int, params, seeds: np.ndarray) -> None:
         """Rows ``start .. start + k`` get ``params`` (one :class:`~treedec.sampling.params.SamplingParams` for all)
@@ -73,7 +80,7 @@ class LaneTable:
         self.min_p_cut[rows] = p.min_p > 0 and not p.greedy
         self.penalized[rows] = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
         self.params[rows] = p
-        self._rows = None
+        self._rows = {}
 
     # ------------------------------------------------------------ storage
 
@@ -92,6 +99,10 @@ class LaneTable:
         self._ints = host((capacity, len(_INTS)), np.int64, 0, getattr(self, "_ints", None))
         self._small = host((capacity, len(_SMALL)), np.int8, 0, getattr(self, "_small", None))
         self.params = host(capacity, object, None, getattr(self, "params", None))
+        self._row_of = np.zeros(capacity, dtype=np.int64)   # a step's scratch: each lane's row of its logits
+        self._arange = np.arange(capacity, dtype=np.int64)
+        self._false = np.zeros(capacity, dtype=bool)
+        self._false.setflags(write=False)
         tokens = np.zeros((capacity, max(self._width, 64)), dtype=np.int64)
         if old:
             tokens[:old, :self._width] = self.tokens
@@ -122,12 +133,13 @@ class LaneTable:
             setattr(self, name, column.view(bool) if name not in ("state", "reason") else column)
         for k, name in enumerate(_OUT):
             setattr(self, name, self.out[:, k])
-        self._rows = None
+        self._rows = {}
 
     def _penalty_columns(self) -> None:
         if self.counts is None:
             self.counts = torch.zeros(self._capacity, self.vocab, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(self._capacity, self.vocab, dtype=torch.bool, device=self.device)
+            self._rows = {}   # (the graphed draws read them)
 
     def _widen(self, need: int) -> None:
         width = max(need, 2 * self._width)
@@ -139,6 +151,7 @@ class LaneTable:
         eos = torch.full((self._capacity, need), -1, dtype=torch.int64, device=self.device)
         eos[:, :self._eos_width] = self.eos
         self.eos, self._eos_width = eos, need
+        self._rows = {}
 
     def _compact(self, keep: np.ndarray) -> None:
         """Keep the rows where ``keep`` ([size] bool) is True, in order (one gather per group of columns)."""
@@ -157,4 +170,4 @@ class LaneTable:
 
     def _changed(self) -> None:
         """The rows changed (a compaction): what is derived from them is out of date."""
-        self._rows = None
+        self._rows = {}

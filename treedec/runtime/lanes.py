@@ -24,6 +24,8 @@ alike), so a step's parameters are slices of the columns, never rebuilt.
 from __future__ import annotations
 
 import itertools
+import logging
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -34,13 +36,17 @@ from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
 from treedec.runtime.lane_text import TextEvents
 from treedec.sampling.grammar import BitmaskRows, GrammarError, apply_bitmask
+from treedec.engine.step_tail import StepTail
+from treedec.runtime.lane_draw import draw_block, lane_bucket, store_draws
 from treedec.sampling.sampler import sample_rows
 from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
 from treedec.sampling.params import SEED_MAX
 from treedec.sampling.stops import StopChecker
-from treedec.transfer import HostCopy, to_device
+from treedec.transfer import HostCopy, PinnedStaging, to_device
 
 __all__ = ["Lanes"]
+
+logger = logging.getLogger("treedec")
 
 # a lane's state between steps
 _DRAWN = 1    # its next token is drawn on the device, not read back yet
@@ -73,6 +79,10 @@ class Lanes(LaneTable):
         self._grammar: set[int] = set()   # groups with structured outputs (a grammar matcher per lane)
         self._bitmasks: BitmaskRows | None = None   # their batched bitmask fill, made for the first such group
         self._text_events = TextEvents(self.vocab)   # the tokens text lanes are checked at
+        self._fresh = False   # lanes were added since the last draw_fresh
+        self.draws: Counter = Counter()   # how the steps drew: "in the step's graph", "eager: <reason>"
+        self._staging = PinnedStaging(self.device, turns=4)    # the steps' host-to-device index copies
+        self._readback = PinnedStaging(self.device, turns=2)   # each step's draws read back
 
     # ------------------------------------------------------------ events
 
@@ -142,6 +152,7 @@ class Lanes(LaneTable):
         self.seed[start:start + k], self.stream[start:start + k] = seed, np.arange(k)
         self.write_params(start, d.params, self.seed[start:start + k])
         self.size += k
+        self._fresh = True
         return uid
 
     def pending_pages(self, result: DecodeResult) -> int:
@@ -163,7 +174,8 @@ class Lanes(LaneTable):
     def reset(self) -> None:
         """Forget every lane (the run failed: its programs are closed and free their nodes)."""
         self.groups.clear()
-        self.size, self._rows, self._read, self._blocked, self._failures = 0, None, None, set(), []
+        self.size, self._rows, self._read, self._blocked, self._failures = 0, {}, None, set(), []
+        self._fresh = False
         self._special.clear()
         self._logprobs.clear()
         self._grammar.clear()
@@ -199,44 +211,90 @@ class Lanes(LaneTable):
         return np.fromiter((1 if node < 0 else tree.pages_to_extend(int(node), 1) for node in self.node[slots]),
                            dtype=np.int64, count=len(slots))
 
-    def _pages(self, slots: np.ndarray) -> int:
-        """Pages appending one token to each of ``slots``' nodes takes, in one call (a first token: a page of its
+    def _pages(self, nodes: np.ndarray) -> int:
+        """Pages appending one token to each of ``nodes`` takes, in one call (-1, a first token: a page of its
         own, its node a new child)."""
-        nodes = self.node[slots]
         grow = nodes >= 0
-        return int((~grow).sum()) + (self.tree.pages_to_append(nodes[grow]) if grow.any() else 0)
+        if np.logical_and.reduce(grow):
+            return self.tree.pages_to_append(nodes, checked=False)
+        return len(nodes) - int(np.add.reduce(grow)) + self.tree.pages_to_append(nodes[grow], checked=False)
 
     def place(self, free_pages: int) -> PlacedLanes:
         """Append every ready lane's next token to the tree, within ``free_pages`` pages (the oldest lanes first;
         the others wait: :meth:`blocked_owners`)."""
         size = self.size
         state = self.state[:size]
+        drawn = state == _DRAWN
         # (a drawn token that is its output's last by length is never computed, unless the output's node is kept)
-        last = (state == _DRAWN) & (self.length[:size] + 1 >= self.max_new[:size]) & ~self.keep[:size]
-        ready = np.flatnonzero(np.isin(state, (_DRAWN, _KNOWN, _FINISH)) & ~last)
-        self._blocked = set()
-        if len(ready) == 0:
+        last = drawn & (self.length[:size] + 1 >= self.max_new[:size]) & ~self.keep[:size]
+        ready = ((state > 0) & ~last).nonzero()[0]
+        if self._blocked:
+            self._blocked = set()
+        if not len(ready):
             return PlacedLanes.NONE
-        if self._pages(ready) > free_pages:
+        nodes = self.node[ready]
+        if self._pages(nodes) > free_pages:
             fits = np.cumsum(self._pages_each(ready)) <= free_pages
             self._blocked = {self.groups[int(u)].owner for u in np.unique(self.group[ready[~fits]]).tolist()}
-            ready = ready[fits]
-            if len(ready) == 0:
+            ready, nodes = ready[fits], nodes[fits]
+            if not len(ready):
                 return PlacedLanes.NONE
-        drawn = self.state[ready] == _DRAWN
-        tokens = np.where(drawn, 0, self.next_token[ready])
-        self._append(ready, tokens)
+        drawn = drawn[ready]
+        self._append(ready, nodes, np.where(drawn, 0, self.next_token[ready]))
         self.placed[ready] = True
-        holders = ready[drawn]
-        ids = None if len(holders) == 0 else \
-            self.drawn[:size] if len(holders) == size else self.drawn[to_device(holders, self.device)]
-        return PlacedLanes(self.node[ready].copy(), ids, self.node[holders].copy(),
-                           len(np.unique(self.group[ready])))
+        n = len(ready)
+        # Pipelined: the lanes' ids on the device (a drawn lane's placeholder, and for the others the id the tree
+        # holds: the drawn column keeps every lane's next token until its next draw), one per lane placed.
+        # (every lane: the whole column, a buffer of fixed shape that a graphed step's fill reads)
+        ids = None if not self.pipeline or not np.logical_or.reduce(drawn) else \
+            self.drawn if n == size else self.drawn[self._staging.to_device(ready)]
+        groups = self.group[ready]   # (non-decreasing: lanes are added in uid order and kept in order)
+        return PlacedLanes(self.node[ready], ids, 1 + int(np.add.reduce(groups[1:] != groups[:-1])))
+
+    def step_tail(self, placed: PlacedLanes, alone: bool) -> StepTail | None:
+        """The draw of the step that computes ``placed`` as device work the engine records in the step's CUDA graph
+        (:class:`~treedec.engine.step_tail.StepTail`: every lane's next token drawn on the device right after the
+        forward, in one replay with it), or None where it cannot be (the lanes draw after the step, eagerly; the
+        reason is counted in :attr:`draws`). ``alone``: the lanes' rows are the step's only logits rows."""
+        reason = None
+        if self.engine.graph_runner is None:
+            reason = "the engine has no CUDA graphs"
+        elif not alone:
+            reason = "programs' rows in the step"
+        elif len(placed.nodes) != self.size:
+            reason = "lanes waiting (not placed)"
+        elif self._special:
+            reason = "logits processors or token masks (processors, allowed_token_ids, bad_words, min_tokens, " \
+                     "logit_bias)"
+        elif self._logprobs:
+            reason = "logprobs"
+        elif self._grammar:
+            reason = "structured outputs (the grammars' token bitmasks)"
+        if reason is not None:
+            self._count_draw(f"eager: {reason}")
+            return None
+        self._count_draw("in the step's graph")
+        block = lane_bucket(self.size, self._capacity)
+        tail = self._rows.get(("tail", block))   # (made once per change of the rows, as their SamplingRows)
+        if tail is None:
+            rows = self.sampling_rows(block)
+            flags = (rows.greedy, rows.sampled, rows.top_k_cut, rows.top_p_cut, rows.min_p_cut, rows.penalized)
+            buffers = (self.out, self.fparams, self.iparams, self.eos) + (
+                () if self.counts is None else (self.counts, self.prompt_mask))
+            state = (self.out,) + (() if self.counts is None else (self.counts,))
+            tail = self._rows["tail", block] = StepTail(("lanes", block, flags), block,
+                                                        lambda scores: draw_block(self, scores, rows), buffers, state)
+        return tail
+
+    def _count_draw(self, how: str) -> None:
+        if how not in self.draws and how.startswith("eager") and self.engine.graph_runner is not None:
+            logger.info("lanes draw after the step, eagerly: %s", how[len("eager: "):])
+        self.draws[how] += 1
 
     @property
     def unread(self) -> bool:
         """Some lane's draw is still on the device (pipelined)."""
-        return bool((self.state[:self.size] == _DRAWN).any())
+        return bool(np.logical_or.reduce(self.state[:self.size] == _DRAWN))
 
     def read_back(self) -> list[tuple[Any, DecodeResult]]:
         """Read the draws back when no step is run (e.g. every draw ends its output): as :meth:`after_step`."""
@@ -247,59 +305,64 @@ class Lanes(LaneTable):
         """Pipelined: start copying the draws not read back yet to the host (before the step is launched)."""
         if not self.pipeline:
             return
-        slots = np.flatnonzero(self.state[:self.size] == _DRAWN)
+        slots = (self.state[:self.size] == _DRAWN).nonzero()[0]
         if len(slots):
-            self._read = (slots, HostCopy(self._report(slots)))
+            self._read = (slots, self._readback.to_host(self._report(slots)))
 
     def draw_fresh(self) -> list[tuple[Any, DecodeResult]]:
         """Draw the first tokens of the lanes added since the last step (from their Decode's logits, in one batched
         call), so that the next step computes them. Returns the :class:`Decode` results that ended (an output whose
         first token ends it, read back at once when not pipelined)."""
-        fresh = np.flatnonzero(self.fresh[:self.size])
-        if len(fresh) == 0:
+        if not self._fresh:
             return []
-        return self._drawn_then(fresh, None, None)
+        self._fresh = False
+        return self._drawn_then(self.fresh[:self.size].nonzero()[0], None, None)
 
-    def after_step(self, logits: torch.Tensor | None, placed: PlacedLanes) -> list[tuple[Any, DecodeResult]]:
+    def after_step(self, logits: torch.Tensor | None, placed: PlacedLanes, drawn: bool = False
+                   ) -> list[tuple[Any, DecodeResult]]:
         """After the step that computed the placed lanes' tokens (``logits``: their rows, in placement order):
-        read back what was drawn, end the lanes that stopped, draw every going lane's next token. Returns
-        ``(owner, result)`` for each :class:`Decode` whose last output ended."""
+        read back what was drawn, end the lanes that stopped, draw every going lane's next token (``drawn``: the
+        step drew every lane's already, its :meth:`step_tail`). Returns ``(owner, result)`` for each
+        :class:`Decode` whose last output ended."""
         finished: list[LaneGroup] = []
         size = self.size
-        placed = np.flatnonzero(self.placed[:size])
-        row_of = np.full(size, -1, dtype=np.int64)
-        row_of[placed] = np.arange(len(placed))
+        placed = self.placed[:size].nonzero()[0]
+        row_of = self._row_of[:size]   # each lane's row of ``logits`` (-1: not placed)
+        row_of[:] = -1
+        row_of[placed] = self._arange[:len(placed)]
         self.placed[:size] = False
         if self._read is not None:
             slots, copy = self._read
             self._read = None
-            values = copy.tensor().numpy().T
-            self._accept(slots, values, row_of[slots] >= 0, row_of, logits, finished)
+            self._accept(slots, copy.tensor().numpy().T, row_of[slots] >= 0, row_of, logits, finished)
         # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
-        for slot in placed[self.state[placed] == _FINISH].tolist():
-            self._end(slot, logits[row_of[slot]], finished, computed=True)
-        goes = placed[self.state[placed] == _KNOWN]
-        self.state[goes] = 0
-        sample = placed[self.state[placed] == 0]
-        return self._drawn_then(sample, logits, row_of, finished)
+        state = self.state[placed]
+        if np.logical_or.reduce(state == _FINISH):
+            for slot in placed[state == _FINISH].tolist():
+                self._end(slot, logits[row_of[slot]], finished, computed=True)
+        self.state[placed[state == _KNOWN]] = 0
+        return self._drawn_then(placed[self.state[placed] == 0], logits, row_of, finished, drawn)
 
-    def _drawn_then(self, sample: np.ndarray, logits, row_of, finished: list | None = None
+    def _drawn_then(self, sample: np.ndarray, logits, row_of, finished: list | None = None, drawn: bool = False
                     ) -> list[tuple[Any, DecodeResult]]:
-        """Draw ``sample``'s next tokens (read back at once when not pipelined), drop failed and ended lanes;
-        the finished Decodes' results."""
+        """Draw ``sample``'s next tokens (``drawn``: the step drew them, in its graph; read back at once when not
+        pipelined), drop failed and ended lanes; the finished Decodes' results."""
         finished = [] if finished is None else finished
         if len(sample):
-            self._draw(sample, logits, row_of)
+            if drawn:
+                self.state[sample] = _DRAWN
+            else:
+                self._draw(sample, logits, row_of)
             if not self.pipeline:   # read back at once: the next step places the tokens known
                 values = self._report(sample).cpu().numpy().T
-                self._accept(sample, values, np.zeros(len(sample), dtype=bool), row_of, None, finished)
+                self._accept(sample, values, self._false[:len(sample)], row_of, None, finished)
         for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
                 self.state[:self.size][self.group[:self.size] == uid] = -1
                 del self.groups[uid]
                 self._forget_group(uid)
         self._compact(self.state[:self.size] != -1)
-        return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished]
+        return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished] if finished else finished
 
     def _forget_group(self, uid: int) -> None:
         self._special.discard(uid)
@@ -316,12 +379,21 @@ class Lanes(LaneTable):
         """Draw the next token of each lane of ``slots``: going lanes from their row of the step's ``logits``,
         fresh ones from their Decode's first-draw logits (or its first tokens)."""
         fresh = self.fresh[slots]
+        if not np.logical_or.reduce(fresh):   # (a step's draws: every lane a row of the step's logits)
+            # (slots ascending, each row of ``logits`` a placed lane's in slot order: as many are all of them)
+            raw = logits if len(slots) == logits.shape[0] else logits[self._staging.to_device(row_of[slots])]
+            if len(slots) == self.size and not self._special:   # every lane: the draw a graphed step records
+                tokens = draw_block(self, raw, self.sampling_rows())
+                self.state[slots] = _DRAWN
+                self._record_logprobs(slots, tokens, raw)
+                return
+            self._keep_drawn(slots, self._sample(slots, raw), raw)
+            return
         parts, order = [], []
-        if (~fresh).any():
+        if not np.logical_and.reduce(fresh):
             going = slots[~fresh]
             rows = row_of[going]
-            parts.append(logits if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all()
-                         else logits[to_device(rows, logits.device)])
+            parts.append(logits if len(rows) == logits.shape[0] else logits[self._staging.to_device(rows)])
             order.append(going)
         given: list[tuple[np.ndarray, torch.Tensor]] = []
         for uid in np.unique(self.group[slots[fresh]]).tolist():
@@ -343,8 +415,8 @@ class Lanes(LaneTable):
             self._keep_drawn(members, tokens, None)
 
     def _sample(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-        whole = len(slots) == self.size and (slots == np.arange(self.size)).all()
-        index = None if whole else to_device(slots, self.device)
+        whole = len(slots) == self.size   # (``slots`` ascending: then every lane, in order)
+        index = None if whole else self._staging.to_device(slots)
         rows = self.sampling_rows() if whole else self.sampling_rows().take(index)
         scores = self._masked(slots, raw) if self._grammar else raw
         scores = self._process(slots, scores) if self._special else scores
@@ -397,22 +469,14 @@ class Lanes(LaneTable):
     def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
         """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
         penalties' counts, log-probabilities."""
-        if len(slots) == self.size and (slots == np.arange(self.size)).all():
-            index, eos = slice(0, self.size), self.eos[:self.size]
-        else:
-            index = to_device(slots, self.device)
-            eos = self.eos[index]
-        self.drawn[index] = tokens
-        self.stopped[index] = (tokens[:, None] == eos).any(dim=1).long()
-        self.drawn_count[index] += 1
-        if self.counts is not None:   # (each row its own drawn token: a slice would pair every row with every token)
-            ones = torch.ones_like(tokens, dtype=self.counts.dtype)
-            if isinstance(index, slice):
-                self.counts[index].scatter_add_(1, tokens[:, None], ones[:, None])
-            else:
-                self.counts.index_put_((index, tokens), ones, accumulate=True)
+        store_draws(self, slice(0, self.size) if len(slots) == self.size else self._staging.to_device(slots), tokens)
         self.state[slots] = _DRAWN
-        for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None else ():
+        self._record_logprobs(slots, tokens, raw)
+
+    def _record_logprobs(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
+        """The log-probabilities of ``slots``' drawn ``tokens`` from ``raw``, for the groups that report them."""
+        for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None and \
+                self._logprobs else ():
             g = self.groups[uid]
             mine = np.flatnonzero(self.group[slots] == uid)
             at = to_device(mine, raw.device)
@@ -424,15 +488,15 @@ class Lanes(LaneTable):
     def _report(self, slots: np.ndarray) -> torch.Tensor:
         """[k, 4] int64 on the device: each lane's drawn token, stop flag, whether its row could be drawn from, and
         its draw count (one block of :attr:`out`: a slice when ``slots`` are all the lanes)."""
-        return self.out[:self.size] if len(slots) == self.size else self.out[to_device(slots, self.device)]
+        return self.out[:self.size] if len(slots) == self.size else self.out[self._staging.to_device(slots)]
 
     def _accept(self, slots: np.ndarray, values: np.ndarray, placed: np.ndarray, row_of: np.ndarray,
                 logits: torch.Tensor | None, finished: list) -> None:
         """Give each lane of ``slots`` its drawn token (``values``: :meth:`_report`'s, read back; ``placed``: its
         placeholder is in the tree, computed by the step just launched, whose ``logits`` rows are at ``row_of``):
         record it, end the lanes it ends. A lane whose row had nothing to draw from fails its request."""
-        tokens, stopped, ok = values[0], values[1].astype(bool), values[2].astype(bool)
-        if not ok.all():
+        tokens, stopped, ok = values[0], values[1] != 0, values[2] != 0
+        if not np.logical_and.reduce(ok):
             bad = np.unique(self.group[slots[~ok]]).tolist()
             for uid in bad:
                 self._fail(self.groups[uid], NonFiniteLogitsError(
@@ -444,15 +508,19 @@ class Lanes(LaneTable):
             slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]
         if self._grammar:
             slots, tokens, stopped, placed = self._advance_grammar(slots, tokens, stopped, placed)
+        if not len(slots):
+            return
         at = self.length[slots]
-        if at.max(initial=0) >= self._width:
-            self._widen(int(at.max()) + 1)
+        if np.maximum.reduce(at) >= self._width:
+            self._widen(int(np.maximum.reduce(at)) + 1)
         self.tokens[slots, at] = tokens
         self.length[slots] = at + 1
         ended = stopped | (at + 1 >= self.max_new[slots])
-        reasons = np.where(stopped, 1, np.where(ended, 2, 0))   # 1 eos, 2 length, 3 stop string
-        text = np.flatnonzero(self.text[slots])   # (checked at their events and ends only, fed what came since)
-        for i in text[ended[text] | self._text_events.due(self.text_key[slots[text]], tokens[text])].tolist():
+        reasons = stopped + (ended & ~stopped) * 2   # 1 eos, 2 length, 3 stop string
+        text = self.text[slots]   # (checked at their events and ends only, fed what came since)
+        text = text.nonzero()[0] if np.logical_or.reduce(text) else ()
+        for i in text[ended[text] | self._text_events.due(self.text_key[slots[text]], tokens[text])].tolist() \
+                if len(text) else ():
             slot, fed = int(slots[i]), int(self.fed[slots[i]])
             self.fed[slot] = at[i] + 1
             reason = self.groups[int(self.group[slot])].accept_text(int(self.index[slot]),
@@ -460,12 +528,13 @@ class Lanes(LaneTable):
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
         # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
-        going = slots[~ended]
-        self._set_ids(going[placed[~ended]], tokens[~ended][placed[~ended]])
-        waiting = going[~placed[~ended]]
-        self.state[waiting], self.next_token[waiting] = _KNOWN, tokens[~ended][~placed[~ended]]
-        self.state[going[placed[~ended]]] = 0
-        for i in np.flatnonzero(ended).tolist():
+        goes = ~ended
+        on = goes & placed
+        self._set_ids(slots[on], tokens[on])
+        self.state[slots[on]] = 0
+        waits = goes & ~placed
+        self.state[slots[waits]], self.next_token[slots[waits]] = _KNOWN, tokens[waits]
+        for i in ended.nonzero()[0].tolist() if np.logical_or.reduce(ended) else ():
             slot = int(slots[i])
             self.reason[slot] = reasons[i]
             g = self.groups[int(self.group[slot])]
@@ -533,12 +602,16 @@ class Lanes(LaneTable):
 
     # ------------------------------------------------------------ private: the tree
 
-    def _append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Append one token to each lane's node (a new child of its parent for a first token)."""
-        tree, nodes = self.tree, self.node[slots]
+    def _append(self, slots: np.ndarray, nodes: np.ndarray, tokens: np.ndarray) -> None:
+        """Append one token to each lane's node (``nodes``: ``slots``' nodes; a new child of its parent for a first
+        token)."""
+        tree = self.tree
         grow = nodes >= 0
-        if grow.any():
-            tree.append_tokens(nodes[grow], tokens[grow])
+        if np.logical_and.reduce(grow):
+            tree.append_tokens(nodes, tokens, checked=False)
+            return
+        if np.logical_or.reduce(grow):
+            tree.append_tokens(nodes[grow], tokens[grow], checked=False)
         fresh = slots[~grow]
         if len(fresh):
             parents = self.parent[fresh]
@@ -550,4 +623,4 @@ class Lanes(LaneTable):
     def _set_ids(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """The real ids of placeholders (each lane's last token in its node), in one call."""
         if len(slots):
-            self.tree.set_last_tokens(self.node[slots], tokens)
+            self.tree.set_last_tokens(self.node[slots], tokens, checked=False)

@@ -69,6 +69,7 @@ class SchedulerLoop(StepRun, PoolRelief):
         self.prefixes = dict(enumerate(shared))     # index -> its shared prefix or None
         self.groups = list({id(p): p for p in shared if p is not None}.values())   # each prefix once
         self.stats = SchedulerStats()
+        self.stats.lane_draws = self.lanes.draws   # (the lanes count them)
         self.stats.shared_prefix_tokens = sum(len(p.tokens) * (p.members - 1) for p in self.groups)
         self.queue = deque(range(len(programs)))
         self.live: list[_Live] = []     # admitted, in admission order (events only change it)

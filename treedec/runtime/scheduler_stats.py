@@ -1,6 +1,7 @@
 """The scheduler's counters (:mod:`treedec.runtime.scheduler`): :class:`SchedulerStats`."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 __all__ = ["SchedulerStats"]
@@ -26,6 +27,8 @@ class SchedulerStats:
         (:mod:`treedec.runtime.prefix_cache`) instead of computed; :attr:`cache_hit_rate` is their share.
     peak_pages : the most KV pages the run held at once.
     seconds : wall time.
+    lane_draws : how the steps drew the lanes' tokens: ``"in the step's graph"`` (recorded with the forward,
+        :meth:`~treedec.runtime.lanes.Lanes.step_tail`) or ``"eager: <reason>"`` (after the step), steps each.
     """
 
     steps: int = 0
@@ -39,6 +42,7 @@ class SchedulerStats:
     cached_tokens: int = 0
     peak_pages: int = 0
     seconds: float = 0.0
+    lane_draws: Counter = field(default_factory=Counter)
 
     @property
     def cache_hit_rate(self) -> float:

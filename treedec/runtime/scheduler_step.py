@@ -11,7 +11,7 @@ from treedec.attention.dynamic_span import DynamicSpans
 from treedec.runtime.decode import PlacedLanes
 from treedec.runtime.program import StepRequest, StepRows, set_aside_bad_tokens
 from treedec.sampling.params import GREEDY, sample_tokens
-from treedec.transfer import HostCopy, to_device
+from treedec.transfer import HostCopy
 
 __all__ = ["StepRun"]
 
@@ -23,20 +23,26 @@ class StepRun:
         """Step the ``gathered`` programs' requests, the ``bulk`` tables' (``(table, StepRequest)`` pairs) and the
         ``placed`` lanes; resume-values for the programs, :meth:`BulkTable.after_step` for the tables."""
         engine = self.engine
-        bulk = bulk or []
-        requests = [lv.request for lv in gathered] + [r for _, rs in bulk for r in rs]
-        reads = [r.read for r in requests if r.read is not None]
-        copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
-        nodes = np.concatenate([np.asarray(r.nodes, dtype=np.int64).reshape(-1) for r in requests] + [placed.nodes])
+        requests = [lv.request for lv in gathered] + [r for _, rs in bulk for r in rs] if gathered or bulk else ()
+        copy = None
+        if requests:
+            reads = [r.read for r in requests if r.read is not None]
+            copy = HostCopy(torch.cat([r.reshape(-1) for r in reads])) if reads else None
+            nodes = np.concatenate([np.asarray(r.nodes, dtype=np.int64).reshape(-1) for r in requests]
+                                   + [placed.nodes])
+        else:   # (the lanes alone: every decode step of generation)
+            nodes = placed.nodes
         programs_rows = len(nodes) - len(placed.nodes)
         out = None
         faulty: dict = {}
         hidden_parts: list[slice] = []
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
-            hidden = any(r.hidden for r in requests)
-            aux = any(r.aux for r in requests)
-            heads = any(r.heads for r in requests)
+            hidden = aux = heads = False
+            if requests:
+                hidden = any(r.hidden for r in requests)
+                aux = any(r.aux for r in requests)
+                heads = any(r.heads for r in requests)
             hidden_rows, at = None, 0
             if (hidden or aux) and any(r.all_rows for r in requests):
                 hidden_rows = []   # each request's: its output rows, or every pending token of its nodes
@@ -52,9 +58,12 @@ class StepRun:
                     hidden_parts.append(slice(at, at + len(r.nodes)))
                     at += len(r.nodes)
             queries = engine.tree.num_pending
-            spans = self._spans(requests, rows)
+            spans = self._spans(requests, rows) if requests else None
+            tokens, token_rows = self._device_tokens(requests, placed, rows[programs_rows:])
+            # (the lanes' draw recorded in the step's graph when the lanes are the step's only rows)
+            tail = self.lanes.step_tail(placed, alone=not requests) if len(placed.nodes) else None
             step = dict(logits_rows=rows, return_hidden=hidden, return_heads=heads, return_aux=aux,
-                        hidden_rows=hidden_rows, tokens=self._device_tokens(requests, placed), dynamic=spans)
+                        hidden_rows=hidden_rows, tokens=tokens, token_rows=token_rows, dynamic=spans, tail=tail)
             self.lanes.start_read()   # (the lanes' draws come back while the step runs)
             try:
                 out = engine.step(**step)
@@ -63,18 +72,20 @@ class StepRun:
                     set_aside_bad_tokens(engine, [(lv, lv.request, lv.ctx.name) for lv in gathered])
                 if not faulty:
                     raise
-                step["tokens"] = self._device_tokens(requests, placed)
+                step["tokens"], step["token_rows"] = self._device_tokens(requests, placed, rows[programs_rows:])
                 out = engine.step(**step)   # without them (their programs fail below, their K/V never read)
-            prompt_step = any(r.prompt for r in requests)
+            prompt_step = any(r.prompt for r in requests) if requests else False
             for lv in gathered if prompt_step else ():   # prompts whose last chunk this step computes: cached for
                 if lv.ctx.offer_after_step is not None:  # the next admissions (decode-only steps skip the loop)
                     lv.ctx.offer(lv.ctx.offer_after_step)
                     lv.ctx.offer_after_step = None
-            argmax = sample_tokens(out.logits[:programs_rows], GREEDY) if any(r.argmax for r in requests) else None
+            argmax = sample_tokens(out.logits[:programs_rows], GREEDY) \
+                if requests and any(r.argmax for r in requests) else None
             self.stats.steps += 1
             self.stats.prompt_steps += prompt_step
             self.stats.queries_per_step.append(queries)
-            self.stats.programs_per_step.append(sum(1 for lv in gathered if len(lv.request.nodes)) + placed.groups
+            self.stats.programs_per_step.append(placed.groups if not requests else
+                                                sum(1 for lv in gathered if len(lv.request.nodes)) + placed.groups
                                                 + sum(r.dynamic.num_spans for _, rs in bulk for r in rs
                                                       if r.dynamic is not None))
             if self.on_step is not None:
@@ -82,7 +93,7 @@ class StepRun:
         flat = copy.result() if copy is not None else None
         offset, read_at = 0, 0
         values = []
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests):   # (none in a lanes-only step)
             k = len(r.nodes)
             part = slice(offset, offset + k)
             value = StepRows()
@@ -104,11 +115,12 @@ class StepRun:
         for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
             self._fail(lv, error)
         at = len(gathered)
-        for table, rs in bulk:
+        for table, rs in bulk or ():
             self._wake(table.after_step(values[at:at + len(rs)]))
             at += len(rs)
         if self.lanes.num_lanes:
-            self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed))
+            self._wake(self.lanes.after_step(None if out is None else out.logits[programs_rows:], placed,
+                                             drawn=out is not None and step["tail"] is not None))
 
     def _spans(self, requests: list[StepRequest], rows: np.ndarray) -> DynamicSpans | None:
         """The requests' dynamic spans as one :class:`DynamicSpans` (a request's spans given its nodes' rows as the
@@ -122,15 +134,19 @@ class StepRun:
             at += k
         return DynamicSpans.of(spans) if spans else None
 
-    def _device_tokens(self, requests: list[StepRequest], placed: PlacedLanes) -> torch.Tensor | None:
-        """All pending token ids on the device, placeholders replaced by the programs' and the lanes' device ids."""
-        given = [r for r in requests if r.tokens is not None]
-        if not given and placed.tokens is None:
-            return None
-        engine = self.engine
-        ids = to_device(engine.tree.pending_tokens(), engine.device)
+    def _device_tokens(self, requests, placed: PlacedLanes, lane_rows: np.ndarray
+                       ) -> tuple[torch.Tensor | None, np.ndarray | None]:
+        """The step's token ids read on the device, and their query rows (:meth:`Engine.step`'s ``tokens`` and
+        ``token_rows``; (None, None): the tree holds every id): the programs' placeholders' and the lanes'
+        (``lane_rows``: the placed lanes' rows)."""
+        given = [r for r in requests if r.tokens is not None] if requests else ()
+        if not given:
+            return (None, None) if placed.tokens is None else (placed.tokens, lane_rows)
         holders = np.concatenate([np.asarray(r.nodes if r.placed is None else r.placed, dtype=np.int64).reshape(-1)
-                                  for r in given] + [placed.holders])
-        values = [r.tokens.reshape(-1) for r in given] + ([] if placed.tokens is None else [placed.tokens])
-        ids[to_device(engine.pending_rows(holders), engine.device)] = torch.cat(values).to(torch.int64)
-        return ids
+                                  for r in given])
+        rows = [self.engine.pending_rows(holders)]
+        values = [r.tokens.reshape(-1).to(torch.int64) for r in given]
+        if placed.tokens is not None:
+            rows.append(lane_rows)
+            values.append(placed.tokens)
+        return torch.cat(values), np.concatenate(rows)

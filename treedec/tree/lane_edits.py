@@ -59,8 +59,8 @@ class LaneEdits:
     """:meth:`append_tokens`, :meth:`pages_to_append`, :meth:`set_last_tokens` and :meth:`pending_queries` of
     a :class:`~treedec.tree.SequenceTree`."""
 
-    def append_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray | None = None
-                      ) -> np.ndarray:
+    def append_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray | None = None,
+                      checked: bool = True) -> np.ndarray:
         """Append one token to each of many leaves at once (all or nothing), pending: what
         ``extend_many({n: [t] for n, t in zip(node_ids, tokens)})`` does, in a few numpy calls.
 
@@ -75,6 +75,8 @@ class LaneEdits:
         tokens : [L] ints >= 0, optional
             Their new tokens; None appends placeholders (0) whose ids :meth:`set_last_tokens` records later
             (the step reads the real ones on the device: ``Engine.step(tokens=...)``).
+        checked : False for a caller that holds the leaves and made the tokens itself (the lane table: ``[L]``
+            int64 arrays of distinct live leaves by construction, every step): the checks are skipped.
 
         Returns
         -------
@@ -87,17 +89,21 @@ class LaneEdits:
         TreeError : an unknown node, one named twice, or one with children.
         PoolExhaustedError : fewer free pages than the append needs. Nothing is changed when it raises.
         """
+        if not checked:
+            return self._append_rows(node_ids & ROW_MASK, np.zeros(len(node_ids), dtype=np.int64)
+                                     if tokens is None else tokens)
         ids, rows = self._leaf_rows(node_ids)
         return self._append_rows(rows, self._one_per_node(tokens, len(rows), placeholder=True))
 
-    def pages_to_append(self, node_ids: Sequence[int] | np.ndarray) -> int:
+    def pages_to_append(self, node_ids: Sequence[int] | np.ndarray, checked: bool = True) -> int:
         """The fresh pages :meth:`append_tokens` of ``node_ids`` (``[L]`` ints: distinct leaves) would take: one
         per leaf whose last page is full. Changes nothing; raises as :meth:`append_tokens` would for bad
-        ``node_ids``."""
-        _, rows = self._leaf_rows(node_ids)
-        return int((self._table.tail_room[rows] == 0).sum())
+        ``node_ids`` (``checked``: as :meth:`append_tokens`)."""
+        rows = node_ids & ROW_MASK if not checked else self._leaf_rows(node_ids)[1]
+        return int(np.count_nonzero(self._table.tail_room[rows] == 0))
 
-    def set_last_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
+    def set_last_tokens(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                        checked: bool = True) -> None:
         """Record the id of the last token of each of many nodes: what ``set_tokens(n, node_length(n) - 1, [t])``
         does for each, in one call (e.g. the tokens a pipelined step sampled on the device, once read back,
         for the placeholders :meth:`append_tokens` appended). Slots and K/V stay as they are.
@@ -111,12 +117,17 @@ class LaneEdits:
         Raises
         ------
         TypeError / ValueError : as :meth:`append_tokens`; TreeError : an unknown node, one named twice, or
-            one without tokens. Nothing is changed when it raises.
+            one without tokens. Nothing is changed when it raises. ``checked``: as :meth:`append_tokens` (nodes
+            holding tokens).
         """
+        t = self._table
+        if not checked:
+            rows = node_ids & ROW_MASK
+            t.tokens[t.start[rows] + t.length[rows] - 1] = tokens
+            return
         ids, rows = self._lane_rows(node_ids, "node_ids")
         self._distinct(ids, rows)
         tokens = self._one_per_node(tokens, len(rows))
-        t = self._table
         lens = t.length[rows]
         empty = lens == 0
         if empty.any():
