@@ -210,8 +210,8 @@ def test_online_speculative_requests_pipeline_by_default_on_a_gpu(cuda_graphs):
     model, heads, _ = permutation_target("cuda", torch.float32)
     drafts, _ = drafts_of("medusa", heads)
     specs = requests(32, max_tokens=40)
-    plain, _ = generate_batch(Engine(model, kv_tokens=16384, page_size=16), specs)
-    engine = Engine(model, kv_tokens=16384, page_size=16, cuda_graphs=cuda_graphs)
+    plain, _ = generate_batch(Engine(model, kv_tokens=16384, page_size=16, backend="triton"), specs)   # (fp32)
+    engine = Engine(model, kv_tokens=16384, page_size=16, cuda_graphs=cuda_graphs, backend="triton")
     aborted = {3, 17, 30}
     got, server = serve(engine, specs, drafts, None, abort=aborted)
     for p in plain:
