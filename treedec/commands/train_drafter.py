@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
-                                   nonnegative_float, positive_float, positive_int, seed_int, unit_fraction)
+                                   nonnegative_float, nonnegative_int, positive_float, positive_int, seed_int, unit_fraction)
 from treedec.commands.requests_file import read_requests
 from treedec.models.medusa import load_medusa_heads
 from treedec.models.text import has_tokenizer, load_tokenizer
@@ -86,7 +86,7 @@ def add_train_drafter_parser(sub) -> None:
                    help="keep every head's vocabulary projection the lm_head copy (a third less compute)")
     g.add_argument("--save-every", type=positive_int, default=50, help="steps between trainer states (default 50)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-prompts", type=int, default=8,
+    g.add_argument("--eval-prompts", type=nonnegative_int, default=8,
                    help="held-out prompts to measure acceptance on (default 8; 0: no evaluation)")
     g.add_argument("--eval-max-tokens", type=positive_int, default=64, help="tokens per held-out answer (default 64)")
     g.add_argument("--medusa-choices", type=_choices_name, default="mc_sim_7b_63",
@@ -100,10 +100,8 @@ def add_train_drafter_parser(sub) -> None:
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``treedec train-drafter``; returns the exit code."""
     if args.method == "eagle3":
-        raise NotImplementedError("train-drafter --method eagle3 is not implemented yet (EAGLE-3's training-time "
-                                  "test); --method medusa trains Medusa heads")
-    if args.eval_prompts < 0:
-        raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
+        raise ValueError("train-drafter --method eagle3 is not implemented yet (EAGLE-3's training-time test); "
+                         "--method medusa trains Medusa heads")
     out = Path(args.out)
     data_dir = out / "data"
     state = out / STATE_FILE

@@ -66,11 +66,16 @@ def choices_for(num_heads: int, choices: Sequence[Sequence[int]] = MEDUSA_64_CHO
 
 def evaluate_medusa(model: DecoderModel, heads: MedusaHeads, requests: Sequence[RequestSpec], tokenizer,
                     max_tokens: int = 64, choices: Sequence[Sequence[int]] | None = None,
-                    chat_template: bool = True, backend: str = "auto", progress: bool = True) -> Acceptance:
+                    chat_template: bool = True, backend: str = "auto", progress: bool = True,
+                    in_step: bool | None = None) -> Acceptance:
     """Greedy speculative decoding of each request with ``heads`` against plain greedy decoding (see the module
-    docstring). ``choices`` default: :data:`MEDUSA_64_CHOICES` cut to the heads' depth."""
+    docstring). ``choices`` default: :data:`MEDUSA_64_CHOICES` cut to the heads' depth. ``in_step``: the heads run
+    inside the verification step at every verified token (:class:`MedusaDraft`'s default; the default here on a
+    GPU), or after it at the last accepted token only (the default on the CPU, where the heads' four vocabulary
+    projections at 64 rows cost more than the model's step): the same drafts, so the same acceptance."""
     from tqdm import tqdm
     paths = choices_for(heads.num_heads) if choices is None else [list(p) for p in choices]
+    in_step = model.device.type == "cuda" if in_step is None else in_step
     prompts = [list(r.prompt_ids) if r.prompt_ids is not None else
                encode_prompt(tokenizer, r.prompt if r.prompt is not None else list(r.messages), chat_template)
                for r in requests]
@@ -83,7 +88,7 @@ def evaluate_medusa(model: DecoderModel, heads: MedusaHeads, requests: Sequence[
     for spec, prompt in tqdm(list(zip(requests, prompts)), unit="prompt", desc="evaluate medusa",
                              disable=not progress or None):
         start = time.perf_counter()
-        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, paths), max_tokens,
+        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, paths, in_step=in_step), max_tokens,
                                              GreedyAcceptance())
         spec_s += time.perf_counter() - start
         engine.tree.prune_many(list(engine.tree.roots))
