@@ -292,7 +292,7 @@ def _medusa_choices(text: str) -> list[list[int]]:
     64-token tree)."""
     if text == "mc_sim_7b_63":
         return [list(p) for p in MEDUSA_64_CHOICES]
-    expected = "must be mc_sim_7b_63 or a non-empty JSON list of index paths, e.g. '[[0],[1],[0,0]]'"
+    expected = "must be a non-empty JSON list of index paths, e.g. '[[0],[1],[0,0]]'"
     try:
         choices = json.loads(text)
         TokenTree.from_medusa_choices(choices)   # the tree's own checks
