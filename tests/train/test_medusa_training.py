@@ -110,7 +110,8 @@ def test_training_lowers_the_loss_and_every_loader_reads_the_heads(model, data, 
     assert last < 0.8 * first, result.losses
     save_medusa_heads(result.heads, tmp_path, "tiny")
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["medusa_num_heads"], config["medusa_num_layers"], config["base_model_name_or_path"]) == (3, 1, "tiny")
+    assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 1)
+    assert config["base_model_name_or_path"] == "tiny"
 
     loaded = load_medusa_heads(tmp_path, model)   # treedec spec --medusa, SpeculativeConfig's path
     hidden = torch.randn(5, model.config.hidden_size)

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, load_model,
-                                   nonnegative_float, nonnegative_int, positive_float, positive_int, seed_int, unit_fraction)
+                                   nonnegative_float, nonnegative_int, positive_float, positive_int, seed_int,
+                                   unit_fraction)
 from treedec.commands.requests_file import read_requests
 from treedec.models.medusa import load_medusa_heads
 from treedec.models.text import has_tokenizer, load_tokenizer
@@ -159,7 +160,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
           f"{result.seconds:.1f} s; heads: {weights}", file=sys.stderr)
     if heldout:
         heads = load_medusa_heads(out, model)   # what the other tools will load
-        choices = None if args.medusa_choices == "mc_sim_7b_63" else choices_for(heads.num_heads, DEFAULT_MEDUSA_CHOICES)
+        choices = None if args.medusa_choices == "mc_sim_7b_63" else choices_for(heads.num_heads,
+                                                                                  DEFAULT_MEDUSA_CHOICES)
         acceptance = evaluate_medusa(model, heads, heldout, tokenizer, args.eval_max_tokens, choices,
                                      chat_template=not args.no_chat_template, backend=args.backend,
                                      progress=not args.no_progress)

@@ -222,7 +222,8 @@ def read_manifest(data_dir: str | Path) -> DistillManifest:
                                 f"treedec train-drafter, or treedec.train.distill)")
     raw = json.loads(file.read_text())
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ValueError(f"{file}: not a {FORMAT} manifest (format {raw.get('format') if isinstance(raw, dict) else raw!r:.40})")
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise ValueError(f"{file}: not a {FORMAT} manifest (format {found!r:.40})")
     raw.pop("format")
     manifest = DistillManifest(**{**raw, "aux_layers": tuple(raw["aux_layers"]),
                                   "shards": tuple((str(n), int(r), int(q)) for n, r, q in raw["shards"])})

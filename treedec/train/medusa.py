@@ -177,7 +177,8 @@ def train_medusa(model: DecoderModel, data_dir: str | Path, out_dir: str | Path,
         head[-1].weight.requires_grad_(config.train_output_layers)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    planned = _batches_per_epoch(manifest, config.batch_size) * config.epochs   # the schedule's length, whatever max_steps stops at
+    # the schedule's length, wherever max_steps stops the run
+    planned = _batches_per_epoch(manifest, config.batch_size) * config.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(planned, config.warmup))
     losses: list[float] = []
     accuracy: list[list[float]] = []
