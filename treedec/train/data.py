@@ -182,7 +182,9 @@ def distill(model: DecoderModel, requests: Sequence[RequestSpec], out_dir: str |
     aux_layers = model.check_aux_layers(config.aux_layers) if config.aux_layers else ()
     c = model.config
     default_kv = max(2 * config.batch_tokens, 64 * (config.params.max_tokens + 256))
-    engine = Engine(model, kv_tokens=kv_tokens or min(default_kv, 65536), page_size=16, backend=backend)
+    # CUDA graphs for the decode steps on a GPU (the teacher-forcing steps are past their bounds: eager)
+    engine = Engine(model, kv_tokens=kv_tokens or min(default_kv, 65536), page_size=16, backend=backend,
+                    cuda_graphs=model.device.type == "cuda")
     if tokenizer is not None:
         engine.restrict_vocab(min(len(tokenizer), c.vocab_size))
     if aux_layers:

@@ -79,7 +79,8 @@ def evaluate_medusa(model: DecoderModel, heads: MedusaHeads, requests: Sequence[
     prompts = [list(r.prompt_ids) if r.prompt_ids is not None else
                encode_prompt(tokenizer, r.prompt if r.prompt is not None else list(r.messages), chat_template)
                for r in requests]
-    engine = Engine(model, kv_tokens=max(len(p) for p in prompts) + max_tokens + 2 * len(paths) + 256, backend=backend)
+    engine = Engine(model, kv_tokens=max(len(p) for p in prompts) + max_tokens + 2 * len(paths) + 256, backend=backend,
+                    cuda_graphs=model.device.type == "cuda")
     if tokenizer is not None:
         engine.restrict_vocab(min(len(tokenizer), model.config.vocab_size))
     rows, accepted = [], []
