@@ -194,7 +194,8 @@ def test_command_trains_saves_evaluates_and_resumes(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--method", "eagle3"], "eagle3 is not implemented"),
+    (["--method", "eagle3"], "EAGLE-3 reads three distinct target layers"),
+    (["--method", "eagle3", "--resume"], "not resumable"),
     (["--resume"], "holds no training run"),
     (["--eval-prompts", "-1"], "--eval-prompts"),
     (["--num-heads", "0"], "--num-heads"),

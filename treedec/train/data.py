@@ -22,11 +22,13 @@ holds ``shard_tokens`` rows, so memory holds at most one shard and one teacher-f
 - ``labels [n] int64``: the token at ``t + 1`` (the model's own next token);
 - ``sequence [n] int64``: which answer the row belongs to (rows of an answer are consecutive, in position
   order, and never cross a shard);
-- ``aux [n, 3, hidden_size]`` with ``aux_layers``: the inputs of those target layers at ``t``.
+- ``aux [n, 3, hidden_size]`` with ``aux_layers``: the inputs of those target layers at ``t``;
+- ``answer [n] bool`` with ``aux_layers``: the row's next token is an answer token (EAGLE-3 is trained there).
 
 Row ``t`` runs from the prompt's last token to the answer's last but one: an answer of ``m`` tokens gives ``m``
-rows (the first predicts the answer's first token with ``lm_head``, its second with Medusa head 0). ``data.json``
-describes the whole set (:class:`DistillManifest`).
+rows (the first predicts the answer's first token with ``lm_head``, its second with Medusa head 0). With
+``aux_layers`` (EAGLE-3) the prompt's rows are kept too (from position 0: an EAGLE drafter attends over the whole
+sequence's features). ``data.json`` describes the whole set (:class:`DistillManifest`).
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ class DistillManifest:
     shards : ``(file name, rows, answers)`` per shard, in order.
     model : what the data was made from (a name, for the record).
     dtype : the hidden states' dtype.
+    prompt_rows : the shards hold the prompts' rows too (and an ``answer`` mask): data for EAGLE-3.
     """
 
     hidden_size: int
@@ -107,6 +110,7 @@ class DistillManifest:
     shards: tuple[tuple[str, int, int], ...]
     model: str
     dtype: str
+    prompt_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,12 +138,15 @@ class ShardWriter:
         self.peak_rows = 0
         self.sequences = 0
 
-    def add(self, hidden: torch.Tensor, labels: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """One answer's rows: ``hidden [m, H]``, ``labels [m]``, ``aux [m, 3, H]`` or None."""
+    def add(self, hidden: torch.Tensor, labels: torch.Tensor, aux: torch.Tensor | None,
+            answer: torch.Tensor | None = None) -> None:
+        """One answer's rows: ``hidden [m, H]``, ``labels [m]``, ``aux [m, 3, H]`` and ``answer [m]`` or None."""
         rows = {"hidden": hidden, "labels": labels.to(torch.int64),
                 "sequence": torch.full((len(labels),), self.sequences, dtype=torch.int64)}
         if aux is not None:
             rows["aux"] = aux
+        if answer is not None:
+            rows["answer"] = answer
         for name, value in rows.items():
             self._parts.setdefault(name, []).append(value.detach().to("cpu", copy=True))
         self.sequences += 1
@@ -209,7 +216,7 @@ def distill(model: DecoderModel, requests: Sequence[RequestSpec], out_dir: str |
     forward_seconds = time.perf_counter() - started
     manifest = DistillManifest(c.hidden_size, c.vocab_size, aux_layers, writer.sequences,
                                sum(n for _, n, _ in writer.shards), tuple(writer.shards), model_name,
-                               str(model.dtype).removeprefix("torch."))
+                               str(model.dtype).removeprefix("torch."), bool(aux_layers))
     (out / MANIFEST).write_text(json.dumps({"format": FORMAT, **dataclasses.asdict(manifest)}, indent=1) + "\n")
     return DistillSummary(manifest, generate_seconds, forward_seconds, answer_tokens, writer.peak_rows,
                           stop_reasons)
@@ -296,7 +303,12 @@ def _teacher_force(engine: Engine, sequences: list[tuple[list[int], list[int]]],
             for i in group:
                 prompt, answer = sequences[i]
                 n = len(prompt) + len(answer) - 1
-                keep = slice(offset + len(prompt) - 1, offset + n)   # the prompt's last token onwards
-                writer.add(out.hidden[keep], torch.tensor(answer), None if out.aux is None else out.aux[keep])
+                if aux_layers:   # EAGLE-3: every position, the answer's marked
+                    rows = slice(offset, offset + n)
+                    writer.add(out.hidden[rows], torch.tensor(prompt[1:] + answer), out.aux[rows],
+                               torch.arange(n) >= len(prompt) - 1)
+                else:            # Medusa: the prompt's last token onwards
+                    rows = slice(offset + len(prompt) - 1, offset + n)
+                    writer.add(out.hidden[rows], torch.tensor(answer), None)
                 offset += n
             bar.update(len(group))

@@ -1,10 +1,11 @@
-"""Acceptance of trained heads on held-out prompts, measured with treedec's own speculative decoding.
+"""Acceptance of trained drafters on held-out prompts, measured with treedec's own speculative decoding.
 
 :func:`evaluate_medusa` decodes every prompt twice on one engine, one request at a time (the way ``treedec
 spec --check`` does): greedy speculative decoding with the heads' token tree
 (:class:`~treedec.programs.speculative.medusa.MedusaDraft`, default Medusa's 64-token tree ``mc_sim_7b_63``), and
 plain greedy decoding; it reports the tokens a verification step gives (1 + the draft tokens accepted), the
 accepted length of every step, whether the tokens equal plain greedy decoding's, and both runs' times.
+:func:`evaluate_eagle3` does the same with an EAGLE-3 drafter's dynamic trees.
 """
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ import numpy as np
 
 from treedec.engine import Engine
 from treedec.models.base import DecoderModel
+from treedec.models.eagle_drafter import EagleDrafter
 from treedec.models.medusa import MedusaHeads
 from treedec.models.text import encode_prompt
 from treedec.programs.greedy import greedy_generate
 from treedec.programs.speculative.acceptance import GreedyAcceptance
+from treedec.programs.speculative.eagle import EagleDraft
 from treedec.programs.speculative.medusa import MEDUSA_64_CHOICES, MedusaDraft
 from treedec.programs.speculative.program import speculative_generate
 from treedec.runtime.requests import RequestSpec
 
-__all__ = ["Acceptance", "choices_for", "evaluate_medusa"]
+__all__ = ["Acceptance", "choices_for", "evaluate_eagle3", "evaluate_medusa"]
 
 
 @dataclass(frozen=True)
@@ -73,26 +76,49 @@ def evaluate_medusa(model: DecoderModel, heads: MedusaHeads, requests: Sequence[
     inside the verification step at every verified token (:class:`MedusaDraft`'s default; the default here on a
     GPU), or after it at the last accepted token only (the default on the CPU, where the heads' four vocabulary
     projections at 64 rows cost more than the model's step): the same drafts, so the same acceptance."""
-    from tqdm import tqdm
     paths = choices_for(heads.num_heads) if choices is None else [list(p) for p in choices]
     in_step = model.device.type == "cuda" if in_step is None else in_step
+    return _evaluate(model, lambda: MedusaDraft(heads, paths, in_step=in_step), len(paths), requests, tokenizer,
+                     max_tokens, chat_template, backend, progress, "medusa")
+
+
+def evaluate_eagle3(model: DecoderModel, drafter: EagleDrafter, requests: Sequence[RequestSpec], tokenizer,
+                    max_tokens: int = 64, depth: int = 5, top_k: int = 8, total_tokens: int = 63,
+                    chat_template: bool = True, backend: str = "auto", progress: bool = True) -> Acceptance:
+    """The same measurement with an EAGLE-3 drafter's dynamic trees (EAGLE-2's: ``depth``, ``top_k``,
+    ``total_tokens`` draft tokens a step), on the drafter's own engine."""
+    kv = max_tokens + total_tokens * 2 + 4096
+    engine = Engine(drafter, kv_tokens=kv, backend=backend, cuda_graphs=model.device.type == "cuda")
+    return _evaluate(model, lambda: EagleDraft(engine, depth=depth, top_k=top_k, total_tokens=total_tokens),
+                     total_tokens, requests, tokenizer, max_tokens, chat_template, backend, progress, "eagle3",
+                     drafter_engine=engine)
+
+
+# ================================================================ private
+
+
+def _evaluate(model: DecoderModel, make_draft, draft_tokens: int, requests: Sequence[RequestSpec], tokenizer,
+              max_tokens: int, chat_template: bool, backend: str, progress: bool, name: str,
+              drafter_engine: Engine | None = None) -> Acceptance:
+    from tqdm import tqdm
     prompts = [list(r.prompt_ids) if r.prompt_ids is not None else
                encode_prompt(tokenizer, r.prompt if r.prompt is not None else list(r.messages), chat_template)
                for r in requests]
-    engine = Engine(model, kv_tokens=max(len(p) for p in prompts) + max_tokens + 2 * len(paths) + 256, backend=backend,
-                    cuda_graphs=model.device.type == "cuda")
+    engine = Engine(model, kv_tokens=max(len(p) for p in prompts) + max_tokens + 2 * draft_tokens + 256,
+                    backend=backend, cuda_graphs=model.device.type == "cuda")
     if tokenizer is not None:
         engine.restrict_vocab(min(len(tokenizer), model.config.vocab_size))
     rows, accepted = [], []
     spec_s = plain_s = 0.0
     equal = True
-    for spec, prompt in tqdm(list(zip(requests, prompts)), unit="prompt", desc="evaluate medusa",
+    for spec, prompt in tqdm(list(zip(requests, prompts)), unit="prompt", desc=f"evaluate {name}",
                              disable=not progress or None):
         start = time.perf_counter()
-        tokens, stats = speculative_generate(engine, prompt, MedusaDraft(heads, paths, in_step=in_step), max_tokens,
-                                             GreedyAcceptance())
+        tokens, stats = speculative_generate(engine, prompt, make_draft(), max_tokens, GreedyAcceptance())
         spec_s += time.perf_counter() - start
-        engine.tree.prune_many(list(engine.tree.roots))
+        for e in (engine, drafter_engine):
+            if e is not None:
+                e.tree.prune_many(list(e.tree.roots))
         start = time.perf_counter()
         plain = greedy_generate(engine, prompt, max_tokens)
         plain_s += time.perf_counter() - start
@@ -105,4 +131,4 @@ def evaluate_medusa(model: DecoderModel, heads: MedusaHeads, requests: Sequence[
                      "accepted": list(stats.accepted), "equal_to_greedy": same})
     histogram = {str(k): v for k, v in sorted(Counter(accepted).items())}
     return Acceptance(1 + float(np.mean(accepted)) if accepted else 1.0, histogram, equal, spec_s, plain_s,
-                      plain_s / spec_s if spec_s else 0.0, len(paths), rows)
+                      plain_s / spec_s if spec_s else 0.0, draft_tokens, rows)

@@ -163,6 +163,9 @@ def train_medusa(model: DecoderModel, data_dir: str | Path, out_dir: str | Path,
     on_step : called as ``on_step(step, loss)`` after every step.
     """
     manifest = read_manifest(data_dir)
+    if manifest.prompt_rows:
+        raise ValueError(f"{data_dir} was distilled for EAGLE-3 (it holds the prompts' rows); distill for Medusa "
+                         f"(no aux_layers)")
     c = model.config
     if (manifest.hidden_size, manifest.vocab_size) != (c.hidden_size, c.vocab_size):
         raise ValueError(f"{data_dir} holds hidden states of size {manifest.hidden_size} over a vocabulary of "
