@@ -46,7 +46,7 @@ def client_blocks() -> list[str]:
 
 def test_readme_has_the_blocks_this_test_knows():
     assert len(readme_blocks("python")) == 7 and len(real_model_blocks()) == 1 and len(client_blocks()) == 1
-    assert len(readme_blocks("bash")) == 4
+    assert len(readme_blocks("bash")) == 5
     assert len(readme_blocks("text")) >= 1
     for block in own_process_blocks():   # each checked by its test below
         assert sum(marker in block for marker in BLOCK_CHECKS) == 1, block[:300]
@@ -160,6 +160,32 @@ def test_main_job_runs_on_the_real_model_and_prints_what_the_readme_says(tmp_pat
     assert "check: equal to plain greedy decoding" in result.stdout
     [expected] = [b for b in readme_blocks("text") if b.startswith("spec: smollm2")]
     assert _deterministic(result.stdout) == _deterministic(expected), result.stdout
+
+
+@pytest.mark.slow
+def test_medusa_training_block_trains_heads_and_decodes_with_them(tmp_path):
+    """The train-drafter block (minutes on a 2-core CPU): Medusa heads trained for SmolLM2 on 64 shipped prompts,
+    saved in Medusa's layout, then treedec spec with them prints tokens a step and the speedup against plain
+    greedy decoding in the same run, its tokens equal to plain greedy decoding's."""
+    smollm2_or_skip()
+    [block] = [b for b in readme_blocks("bash") if "treedec train-drafter" in b]
+    outputs = []
+    for command in _commands(block):
+        words = shlex.split(command)
+        env = {}
+        while "=" in words[0]:
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        assert words[0] == "treedec", command
+        result = subprocess.run([sys.executable, "-m", "treedec", *words[1:]], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=3600, env={**os.environ, **env})
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert (tmp_path / "medusa-smollm2" / "medusa_lm_head.safetensors").is_file()
+    assert (tmp_path / "medusa-smollm2" / "loss.png").is_file()
+    spec = outputs[-1]
+    assert "check: equal to plain greedy decoding" in spec and "draft: Medusa heads from medusa-smollm2" in spec
+    assert re.search(r"tokens/step \(accepted", spec) and re.search(r"^speedup: [0-9.]+x", spec, flags=re.M), spec
 
 
 @pytest.mark.slow

@@ -21,6 +21,9 @@ acceptance stats (see :mod:`treedec.commands.spec`).
 ``treedec serve --model NAME``: an OpenAI-compatible HTTP server (completions, chat, streaming, metrics) over
 one model, every request batched on one engine (see :mod:`treedec.commands.serve`).
 
+``treedec train-drafter --model NAME --out DIR``: train Medusa heads for a model on its own answers
+(self-distillation; see :mod:`treedec.commands.train_drafter`).
+
 ``treedec env``: the installed versions of treedec's dependencies (:mod:`treedec.versions`).
 
 ``treedec --version``: the version.
@@ -68,6 +71,7 @@ from treedec.commands.replay import add_plot_parser, add_replay_parser, run_plot
 from treedec.commands.serve import add_serve_parser, run_serve
 from treedec.commands.spec import add_spec_parser, run_spec
 from treedec.commands.tot import add_tot_parser, run_tot
+from treedec.commands.train_drafter import add_train_drafter_parser, run_train_drafter
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.versions import format_versions
 
@@ -200,7 +204,7 @@ def build_parser() -> Parser:
     parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"treedec {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,serve,env}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,serve,train-drafter,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
     demo.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     demo.add_argument("--planner", default="flatten", choices=PLANNERS)
@@ -222,6 +226,7 @@ def build_parser() -> Parser:
     add_spec_parser(sub)
     add_tot_parser(sub)
     add_serve_parser(sub)
+    add_train_drafter_parser(sub)
     sub.add_parser("env", help="print the installed versions of what treedec uses (for bug reports)")
     for command in sub.choices.values():  # --debug after the command too; SUPPRESS keeps the global value
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -286,7 +291,7 @@ def run_env_command(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
-            "serve": run_serve, "env": run_env_command}
+            "serve": run_serve, "train-drafter": run_train_drafter, "env": run_env_command}
 
 
 def _notes(error: BaseException) -> str:

@@ -45,7 +45,7 @@ from treedec.programs.speculative.acceptance import GreedyAcceptance, RejectionS
 from treedec.sampling.params import SamplingParams
 from treedec.programs.speculative.draft_model import DraftModelDraft
 from treedec.programs.speculative.eagle import EagleDraft
-from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
+from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MEDUSA_64_CHOICES, MedusaDraft
 from treedec.runtime.request import MODEL_EOS, eos_token_ids
 from treedec.programs.speculative.drafts import PromptLookupDraft, TreeDraft
 from treedec.programs.greedy import greedy_generate
@@ -111,8 +111,8 @@ def add_spec_parser(sub) -> None:
                    help="Medusa head checkpoint (file or directory); default: untrained heads")
     g.add_argument("--medusa-heads", type=positive_int, default=4, help="untrained heads (default 4)")
     g.add_argument("--medusa-choices", type=_medusa_choices,
-                   help=f"JSON list of index paths, e.g. '[[0],[1],[0,0]]' (medusa, tree); default "
-                        f"{len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
+                   help=f"JSON list of index paths, e.g. '[[0],[1],[0,0]]', or mc_sim_7b_63 (Medusa's 64-token tree) "
+                        f"(medusa, tree); default {len(DEFAULT_MEDUSA_CHOICES)} paths, depth 4")
     g.add_argument("--draft-model", type=model_arg,
                    help=f"the draft model (same vocabulary as the target): {MODEL_HELP}")
     g.add_argument("--draft-config", type=model_size,
@@ -211,7 +211,7 @@ def run_spec(args: argparse.Namespace) -> int:
                                          eos_token_id=list(eos) or None)
     progress(stats, len(tokens), close=True)
     summary = summarize(stats, len(tokens))
-    check = _check(args, model, prompt, tokens, kv_tokens, eos) if args.check else None
+    check = _check(args, model, prompt, tokens, kv_tokens, eos, summary["tokens_per_second"]) if args.check else None
     _print_summary(summary, check, draft_name=args.speculative)
     if tokenizer is not None:
         print("text:")
@@ -290,7 +290,10 @@ def _eos(args: argparse.Namespace, model) -> tuple[int, ...]:
 
 
 def _medusa_choices(text: str) -> list[list[int]]:
-    """An argparse ``type``: a JSON list of index paths that make a token tree."""
+    """An argparse ``type``: a JSON list of index paths that make a token tree, or ``mc_sim_7b_63`` (Medusa's
+    64-token tree)."""
+    if text == "mc_sim_7b_63":
+        return [list(p) for p in MEDUSA_64_CHOICES]
     expected = "must be a non-empty JSON list of index paths, e.g. '[[0],[1],[0,0]]'"
     try:
         choices = json.loads(text)
@@ -451,9 +454,10 @@ def _progress(args: argparse.Namespace):
 
 
 def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int], kv_tokens: int,
-           eos: tuple[int, ...]) -> dict:
+           eos: tuple[int, ...], summary_rate: float) -> dict:
     """Plain greedy decoding of the same prompt and EOS ids, timed as the speculative run is (prefill included):
-    equal tokens? and its tokens, decode steps and speed, for the comparison table."""
+    equal tokens? and its tokens, decode steps and speed, for the comparison table; ``speedup``: ``summary_rate``
+    (the speculative run's tokens/s) over plain greedy decoding's."""
     engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
     if not args.no_progress:   # greedy_generate reports nothing until it ends
         print(f"check: plain greedy decoding of up to {args.max_tokens} tokens ...", file=sys.stderr, flush=True)
@@ -466,7 +470,8 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
     # the prefill gives the first token; each decode step after it one more
     return {"equal": plain == tokens, "first_difference": first, "plain_new_tokens": len(plain),
             "plain_steps": max(len(plain) - 1, 0), "plain_seconds": round(seconds, 3),
-            "plain_tokens_per_second": round(len(plain) / seconds, 2)}
+            "plain_tokens_per_second": round(len(plain) / seconds, 2),
+            "speedup": round(summary_rate / (len(plain) / seconds), 3) if plain else None}
 
 
 def _print_summary(s: dict, check: dict | None, draft_name: str) -> None:
@@ -492,3 +497,4 @@ def _print_summary(s: dict, check: dict | None, draft_name: str) -> None:
     for r in [header, *rows]:
         print("  ".join([r[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(r[1:], widths[1:]))]).rstrip())
     print("(steps: decode steps after the prefill, which gives the first token; tokens/s: prefill included)")
+    print(f"speedup: {check['speedup']:.2f}x plain greedy decoding's tokens/s (the same run)")

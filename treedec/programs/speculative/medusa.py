@@ -17,6 +17,15 @@ from treedec.tree.token_tree import TokenTree
 #: Medusa's tuned trees (e.g. ``mc_sim_7b_63``) can be passed as ``choices`` as they are.
 DEFAULT_MEDUSA_CHOICES: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0))
+#: Medusa's 64-token tree (63 draft tokens and the root, depth 4: its ``mc_sim_7b_63``, tuned for Vicuna-7B), the
+#: tree trained heads are measured with (``treedec spec --medusa-choices mc_sim_7b_63``).
+MEDUSA_64_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
+    (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,), (9,),
+    (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6),
+    (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2),
+    (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0), (0, 0, 0, 1),
+    (1, 6), (0, 7, 0))
 
 
 class MedusaDraft(DraftSource):
