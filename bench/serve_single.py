@@ -8,6 +8,7 @@ interval is the decode step), as ``bench/program_runs.StepClock`` does for the p
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -17,6 +18,25 @@ from bench.serve_stats import Record, itls, percentiles
 from bench.serve_workloads import Session, Turn, random_words
 
 __all__ = ["load_llm", "single_session", "single_stream_summary", "time_llm_generate", "time_offline_batches"]
+
+
+@contextlib.contextmanager
+def stamped_steps(llm):
+    """While it is open, the wall time at the end of each of ``llm``'s engine steps, appended to the list it yields
+    (the engine's ``step`` wrapped, and put back after)."""
+    ends: list[float] = []
+    step = llm.engine.step
+
+    def stamped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return out
+
+    llm.engine.step = stamped
+    try:
+        yield ends
+    finally:
+        llm.engine.step = step
 
 
 def single_session(seed: int, input_words: int, output_tokens: int) -> Session:
@@ -71,18 +91,9 @@ def time_offline_batches(model_spec: dict, prompts: list[str], max_tokens: list[
     from treedec import SamplingParams
 
     llm = load_llm(model_spec)
-    ends: list[float] = []
-    step = llm.engine.step
-
-    def stamped(*args, **kwargs):
-        out = step(*args, **kwargs)
-        ends.append(time.perf_counter())
-        return out
-
-    llm.engine.step = stamped
     gaps: list[float] = []
     tokens, began = 0, None
-    try:
+    with stamped_steps(llm) as ends:
         llm.generate(prompts[:min(4, len(prompts))], SamplingParams(max_tokens=8, temperature=0,
                                                                      ignore_eos=ignore_eos), use_tqdm=False)
         began = time.perf_counter()
@@ -93,8 +104,6 @@ def time_offline_batches(model_spec: dict, prompts: list[str], max_tokens: list[
             outs = llm.generate(prompts[batch], params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             gaps += itls(ends)
-    finally:
-        llm.engine.step = step
     return {"step_ms": statistics.median(gaps) * 1e3 if gaps else None,
             "step_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else None, "step_intervals_ms": percentiles(gaps, 1e3),
             "steps": len(gaps), "tokens": tokens, "seconds": time.perf_counter() - began, "concurrency": concurrency,
@@ -113,17 +122,8 @@ def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: in
 
     llm = load_llm(model_spec, speculative, drafter)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
-    ends: list[float] = []
-    step = llm.engine.step
-
-    def stamped(*args, **kwargs):
-        out = step(*args, **kwargs)
-        ends.append(time.perf_counter())
-        return out
-
-    llm.engine.step = stamped
     timed = []
-    try:
+    with stamped_steps(llm) as ends:
         for r in range(rounds + 1):
             ends.clear()
             began = time.perf_counter()
@@ -138,8 +138,6 @@ def time_llm_generate(model_spec: dict, prompt: str, max_tokens: int, rounds: in
                           "steps": steps, "engine_steps": len(ends), "seconds": time.perf_counter() - began,
                           "stats_seconds": out.stats.get("seconds"),
                           "ms_per_token": None if step_ms is None or not tokens else step_ms * steps / tokens})
-    finally:
-        llm.engine.step = step
     pick = lambda key: statistics.median(t[key] for t in timed) if all(t[key] is not None for t in timed) \
         else None   # noqa: E731
     return {"rounds": timed, "step_ms": pick("step_ms"), "ms_per_token": pick("ms_per_token"),

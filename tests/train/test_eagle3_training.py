@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 import pytest
 import torch
@@ -18,16 +17,10 @@ from treedec.models.config import ModelConfig
 from treedec.models.eagle_config import default_aux_layers
 from treedec.models.eagle_drafter import load_eagle, save_eagle
 from treedec.programs.speculative import SpeculativeConfig
-from treedec.runtime.requests import RequestSpec
+from tests.train.train_requests import id_requests
 from treedec.train import (DistillConfig, Eagle3TrainConfig, MedusaTrainConfig, distill, evaluate_eagle3,
                            read_manifest, read_shard, train_eagle3, train_medusa)
 from treedec.train.eagle3 import _positions, _TTTAttend
-
-
-def id_requests(count: int, seed: int = 0) -> list[RequestSpec]:
-    rng = random.Random(seed)
-    return [RequestSpec(i, prompt_ids=tuple(rng.randrange(1, 500) for _ in range(rng.randrange(4, 12))))
-            for i in range(count)]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ bad arguments refused."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -16,18 +15,12 @@ from treedec.engine import Engine
 from treedec.models import from_config
 from treedec.models.medusa import load_medusa_heads
 from treedec.programs.speculative import SpeculativeConfig
-from treedec.runtime.requests import RequestSpec
+from tests.train.train_requests import id_requests
 from treedec.train import (DEFAULT_PROMPTS, HELDOUT_PROMPTS, DistillConfig, MedusaTrainConfig, distill,
                            evaluate_medusa, read_manifest, read_shard, save_medusa_heads, train_medusa)
 from treedec.train.medusa import IGNORE, head_targets, medusa_logits
 
 MAX_TOKENS = 24
-
-
-def id_requests(count: int, seed: int = 0) -> list[RequestSpec]:
-    rng = random.Random(seed)
-    return [RequestSpec(i, prompt_ids=tuple(rng.randrange(1, 500) for _ in range(rng.randrange(4, 12))))
-            for i in range(count)]
 
 
 @pytest.fixture(scope="module")
