@@ -382,7 +382,8 @@ class Lanes(LaneTable):
         if not np.logical_or.reduce(fresh):   # (a step's draws: every lane a row of the step's logits)
             # (slots ascending, each row of ``logits`` a placed lane's in slot order: as many are all of them)
             raw = logits if len(slots) == logits.shape[0] else logits[self._staging.to_device(row_of[slots])]
-            if len(slots) == self.size and not self._special:   # every lane: the draw a graphed step records
+            if len(slots) == self.size and not self._special and not self._grammar:   # every lane: the draw a
+                # graphed step records
                 tokens = draw_block(self, raw, self.sampling_rows())
                 self.state[slots] = _DRAWN
                 self._record_logprobs(slots, tokens, raw)
