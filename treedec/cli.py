@@ -200,11 +200,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec, tot, serve and env subcommands."""
+    """The ``treedec`` parser: ``--debug`` and the demo, generate, replay, plot, spec, tot, serve, train-drafter and
+    env subcommands."""
     parser = Parser(prog="treedec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"treedec {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,replay,plot,spec,tot,serve,train-drafter,env}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,generate,replay,plot,spec,tot,serve,train-drafter,env}")
     demo = sub.add_parser("demo", help="plan and run one tree-attention step on a small random forest")
     demo.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     demo.add_argument("--planner", default="flatten", choices=PLANNERS)
@@ -290,8 +292,8 @@ def run_env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec, "tot": run_tot,
-            "serve": run_serve, "train-drafter": run_train_drafter, "env": run_env_command}
+COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot, "spec": run_spec,
+            "tot": run_tot, "serve": run_serve, "train-drafter": run_train_drafter, "env": run_env_command}
 
 
 def _notes(error: BaseException) -> str:

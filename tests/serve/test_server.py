@@ -284,7 +284,8 @@ def test_overloaded_server_answers_503(tokenizer):
 
 
 def test_speculative_server_equals_plain_greedy_and_refuses_what_it_cannot_do(tokenizer, reference):
-    running = RunningServer(llm_recipe(tokenizer, speculative_config={"method": "ngram", "num_speculative_tokens": 3}), "s")
+    running = RunningServer(llm_recipe(tokenizer, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+                            "s")
     try:
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             prompt = "hello there, hello there, hello there, hello"

@@ -88,7 +88,8 @@ def test_trained_drafter_loads_and_decodes_greedy_tokens(model, data, tmp_path):
     assert sum(result.losses[-3:]) < 0.8 * sum(result.losses[:3]), result.losses
     save_eagle(result.drafter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["draft_vocab_size"] == 256 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 2, 4]
+    assert config["draft_vocab_size"] == 256
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 2, 4]
     loaded = load_eagle(tmp_path, model, "eagle3")
     for name in ("fc.weight", "lm_head.weight", "d2t", "norm.weight", "layer.qkv_proj.weight"):
         torch.testing.assert_close(loaded.state_dict()[name], result.drafter.state_dict()[name], rtol=0, atol=0)

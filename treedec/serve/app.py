@@ -77,8 +77,8 @@ _JOIN_SECONDS = 10.0
 
 
 def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *, max_queued_requests: int = 1024,
-              max_n: int = 128, max_prompts: int = 256, max_body_bytes: int = 8 * 2**20, read_timeout: float | None = 30.0,
-              engine_iteration_timeout: float = 60.0, chat_template_timeout: float = 5.0,
+              max_n: int = 128, max_prompts: int = 256, max_body_bytes: int = 8 * 2**20,
+              read_timeout: float | None = 30.0, engine_iteration_timeout: float = 60.0, chat_template_timeout: float = 5.0,
               allowed_hosts: Sequence[str] | None = None, enable_docs: bool = False,
               max_step_tokens: int | None = None, seed: int = 0, api_key: str | None = None,
               secure_metrics: bool = False) -> FastAPI:
