@@ -59,8 +59,9 @@ class OnlineEngine:
     pipeline : the speculative requests' steps pipelined, as
         :func:`~treedec.programs.speculative.batch.speculative_batch` runs them offline
         (:mod:`treedec.programs.speculative.verify_table`: the live requests whose trees share a shape verified,
-        accepted and drafted as one batched operation each a step, whatever their number): None (the default) where the draft and the request allow it on a GPU; True: a request that cannot run pipelined is
-        refused at :meth:`submit` (ValueError saying why); False: never. Each result's ``stats["pipelined"]`` and
+        accepted and drafted as one batched operation each a step, whatever their number): None (the default) where
+        the draft and the request allow it on a GPU; True: a request that cannot run pipelined is refused at
+        :meth:`submit` (ValueError saying why); False: never. Each result's ``stats["pipelined"]`` and
         ``stats["pipeline_note"]`` say which ran and why.
     max_draft_tokens : the largest draft tree (root included) a speculative request verifies a step.
     seed : the seeds given to sampled requests without one (so that a preempted request, run again from its
