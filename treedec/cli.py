@@ -293,7 +293,8 @@ def run_env_command(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": run_demo_command, "generate": run_generate, "replay": run_replay, "plot": run_plot,
-            "spec": run_spec, "tot": run_tot, "serve": run_serve, "train-drafter": run_train_drafter, "env": run_env_command}
+            "spec": run_spec, "tot": run_tot, "serve": run_serve, "train-drafter": run_train_drafter,
+            "env": run_env_command}
 
 
 def _notes(error: BaseException) -> str:

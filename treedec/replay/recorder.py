@@ -248,8 +248,13 @@ class ScheduleRecorder:
         if not isinstance(tokens, torch.Tensor) or not self._ids_of:   # (a bad one: the step raises)
             return None
         layout = self.tree.layout()
-        at = zip(layout.node_ids[layout.query_node].tolist(), layout.query_offset.tolist())
-        return dict(zip(at, tokens.reshape(-1).tolist()))   # a device read: the step's tokens are ready first
+        at = list(zip(layout.node_ids[layout.query_node].tolist(), layout.query_offset.tolist()))
+        ids = tokens.reshape(-1).tolist()   # a device read: the step's tokens are ready first
+        rows = arguments.get("token_rows")
+        if rows is None:   # an id for every pending token
+            return dict(zip(at, ids))
+        # ``tokens``' first ids are those of the query rows ``token_rows`` (the others' ids: the tree's)
+        return {at[r]: ids[i] for i, r in enumerate(np.asarray(rows, dtype=np.int64).reshape(-1).tolist())}
 
     def _stepped(self, result, arguments, computed) -> None:
         self._end_step(computed)
