@@ -31,15 +31,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from treedec.runtime.decode import Decode, DecodeResult, LaneOutput, PlacedLanes
+from treedec.runtime.decode import Decode, DecodeResult, PlacedLanes
 from treedec.runtime.lane_group import LaneGroup
 from treedec.runtime.lane_table import LaneTable
 from treedec.runtime.lane_text import TextEvents
-from treedec.sampling.grammar import BitmaskRows, GrammarError, apply_bitmask
+from treedec.sampling.grammar import BitmaskRows
 from treedec.engine.step_tail import StepTail
-from treedec.runtime.lane_draw import draw_block, lane_bucket, store_draws
+from treedec.runtime.lane_draw import draw_block, lane_bucket, masked_scores, processed_scores, record_logprobs, \
+    store_draws
+from treedec.runtime.lane_ends import DRAWN, FINISH, KNOWN, accept_draws, end_lane
 from treedec.sampling.sampler import sample_rows
-from treedec.sampling.logits import (NonFiniteLogitsError, drawable_rows, token_logprobs)
+from treedec.sampling.logits import drawable_rows
 from treedec.sampling.params import SEED_MAX
 from treedec.sampling.stops import StopChecker
 from treedec.transfer import HostCopy, PinnedStaging, to_device
@@ -48,10 +50,6 @@ __all__ = ["Lanes"]
 
 logger = logging.getLogger("treedec")
 
-# a lane's state between steps
-_DRAWN = 1    # its next token is drawn on the device, not read back yet
-_KNOWN = 2    # its next token is read back (the output goes on) and not in the tree yet
-_FINISH = 3   # it ended, its node is kept, and its last token is still to be computed (placed once more)
 
 
 class Lanes(LaneTable):
@@ -224,7 +222,7 @@ class Lanes(LaneTable):
         the others wait: :meth:`blocked_owners`)."""
         size = self.size
         state = self.state[:size]
-        drawn = state == _DRAWN
+        drawn = state == DRAWN
         # (a drawn token that is its output's last by length is never computed, unless the output's node is kept)
         last = drawn & (self.length[:size] + 1 >= self.max_new[:size]) & ~self.keep[:size]
         ready = ((state > 0) & ~last).nonzero()[0]
@@ -294,7 +292,7 @@ class Lanes(LaneTable):
     @property
     def unread(self) -> bool:
         """Some lane's draw is still on the device (pipelined)."""
-        return bool(np.logical_or.reduce(self.state[:self.size] == _DRAWN))
+        return bool(np.logical_or.reduce(self.state[:self.size] == DRAWN))
 
     def read_back(self) -> list[tuple[Any, DecodeResult]]:
         """Read the draws back when no step is run (e.g. every draw ends its output): as :meth:`after_step`."""
@@ -305,7 +303,7 @@ class Lanes(LaneTable):
         """Pipelined: start copying the draws not read back yet to the host (before the step is launched)."""
         if not self.pipeline:
             return
-        slots = (self.state[:self.size] == _DRAWN).nonzero()[0]
+        slots = (self.state[:self.size] == DRAWN).nonzero()[0]
         if len(slots):
             self._read = (slots, self._readback.to_host(self._report(slots)))
 
@@ -334,13 +332,13 @@ class Lanes(LaneTable):
         if self._read is not None:
             slots, copy = self._read
             self._read = None
-            self._accept(slots, copy.tensor().numpy().T, row_of[slots] >= 0, row_of, logits, finished)
+            accept_draws(self, slots, copy.tensor().numpy().T, row_of[slots] >= 0, row_of, logits, finished)
         # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
         state = self.state[placed]
-        if np.logical_or.reduce(state == _FINISH):
-            for slot in placed[state == _FINISH].tolist():
-                self._end(slot, logits[row_of[slot]], finished, computed=True)
-        self.state[placed[state == _KNOWN]] = 0
+        if np.logical_or.reduce(state == FINISH):
+            for slot in placed[state == FINISH].tolist():
+                end_lane(self, slot, logits[row_of[slot]], finished, computed=True)
+        self.state[placed[state == KNOWN]] = 0
         return self._drawn_then(placed[self.state[placed] == 0], logits, row_of, finished, drawn)
 
     def _drawn_then(self, sample: np.ndarray, logits, row_of, finished: list | None = None, drawn: bool = False
@@ -350,12 +348,12 @@ class Lanes(LaneTable):
         finished = [] if finished is None else finished
         if len(sample):
             if drawn:
-                self.state[sample] = _DRAWN
+                self.state[sample] = DRAWN
             else:
                 self._draw(sample, logits, row_of)
             if not self.pipeline:   # read back at once: the next step places the tokens known
                 values = self._report(sample).cpu().numpy().T
-                self._accept(sample, values, self._false[:len(sample)], row_of, None, finished)
+                accept_draws(self, sample, values, self._false[:len(sample)], row_of, None, finished)
         for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
                 self.state[:self.size][self.group[:self.size] == uid] = -1
@@ -385,8 +383,8 @@ class Lanes(LaneTable):
             if len(slots) == self.size and not self._special and not self._grammar:   # every lane: the draw a
                 # graphed step records
                 tokens = draw_block(self, raw, self.sampling_rows())
-                self.state[slots] = _DRAWN
-                self._record_logprobs(slots, tokens, raw)
+                self.state[slots] = DRAWN
+                record_logprobs(self, slots, tokens, raw)
                 return
             self._keep_drawn(slots, self._sample(slots, raw), raw)
             return
@@ -419,8 +417,8 @@ class Lanes(LaneTable):
         whole = len(slots) == self.size   # (``slots`` ascending: then every lane, in order)
         index = None if whole else self._staging.to_device(slots)
         rows = self.sampling_rows() if whole else self.sampling_rows().take(index)
-        scores = self._masked(slots, raw) if self._grammar else raw
-        scores = self._process(slots, scores) if self._special else scores
+        scores = masked_scores(self, slots, raw) if self._grammar else raw
+        scores = processed_scores(self, slots, scores) if self._special else scores
         if self._special or self._grammar or rows.penalized:   # (read back with the tokens: a row with nothing to
             # draw fails alone)
             self.ok[slice(0, self.size) if whole else index] = drawable_rows(scores.float()).long()
@@ -431,58 +429,12 @@ class Lanes(LaneTable):
             counts = self.counts[:self.size] if whole else self.counts[index]
         return sample_rows(scores, rows, draws, masks, counts)
 
-    def _grammar_rows(self, slots: np.ndarray) -> tuple[np.ndarray, list]:
-        """The positions in ``slots`` of the lanes with a grammar, and their matchers."""
-        groups = self.group[slots]
-        mine = np.flatnonzero(np.isin(groups, np.fromiter(self._grammar, dtype=np.int64)))
-        index = self.index[slots[mine]]
-        return mine, [self.groups[g].matchers[i] for g, i in zip(groups[mine].tolist(), index.tolist())]
-
-    def _masked(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-        """``raw`` with the rows of the lanes that have a grammar masked by their matchers' bitmasks (one batched
-        fill, one copy to the device, one masking op); ``raw`` itself when none of ``slots`` has one."""
-        mine, matchers = self._grammar_rows(slots)
-        if len(mine) == 0:
-            return raw
-        masks = self._bitmasks.fill(matchers)
-        if len(mine) == len(slots):
-            return apply_bitmask(raw.float().clone(), masks)
-        scores = raw.float().clone()
-        at = to_device(mine, self.device)
-        scores[at] = apply_bitmask(scores[at], masks)
-        return scores
-
-    def _process(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-        """The rows of the groups that need it processed before the batched draw (:meth:`LaneGroup.process`); a
-        Python pass per such group a step, none for the others. A group whose user processor raises fails alone."""
-        scores = raw.float().clone()
-        groups = self.group[slots]
-        for uid in self._special & set(np.unique(groups).tolist()):
-            g = self.groups[uid]
-            mine = np.flatnonzero(groups == uid)
-            at = to_device(mine, self.device)
-            try:
-                scores[at] = g.process(scores[at], self.tokens[slots[mine]], self.length[slots[mine]])
-            except Exception as error:   # (a user processor: its lanes go at the end of the step)
-                self._fail(g, error)
-        return scores
-
     def _keep_drawn(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
         """Store the drawn ``tokens`` of ``slots``: their stop flags (EOS / stop ids) on the device, counters,
         penalties' counts, log-probabilities."""
         store_draws(self, slice(0, self.size) if len(slots) == self.size else self._staging.to_device(slots), tokens)
-        self.state[slots] = _DRAWN
-        self._record_logprobs(slots, tokens, raw)
-
-    def _record_logprobs(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
-        """The log-probabilities of ``slots``' drawn ``tokens`` from ``raw``, for the groups that report them."""
-        for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None and \
-                self._logprobs else ():
-            g = self.groups[uid]
-            mine = np.flatnonzero(self.group[slots] == uid)
-            at = to_device(mine, raw.device)
-            g.records.append((self.index[slots[mine]].copy(),
-                              token_logprobs(raw[at], tokens[at], g.decode.params.logprobs)))
+        self.state[slots] = DRAWN
+        record_logprobs(self, slots, tokens, raw)
 
     # ------------------------------------------------------------ private: reading back
 
@@ -490,116 +442,6 @@ class Lanes(LaneTable):
         """[k, 4] int64 on the device: each lane's drawn token, stop flag, whether its row could be drawn from, and
         its draw count (one block of :attr:`out`: a slice when ``slots`` are all the lanes)."""
         return self.out[:self.size] if len(slots) == self.size else self.out[self._staging.to_device(slots)]
-
-    def _accept(self, slots: np.ndarray, values: np.ndarray, placed: np.ndarray, row_of: np.ndarray,
-                logits: torch.Tensor | None, finished: list) -> None:
-        """Give each lane of ``slots`` its drawn token (``values``: :meth:`_report`'s, read back; ``placed``: its
-        placeholder is in the tree, computed by the step just launched, whose ``logits`` rows are at ``row_of``):
-        record it, end the lanes it ends. A lane whose row had nothing to draw from fails its request."""
-        tokens, stopped, ok = values[0], values[1] != 0, values[2] != 0
-        if not np.logical_and.reduce(ok):
-            bad = np.unique(self.group[slots[~ok]]).tolist()
-            for uid in bad:
-                self._fail(self.groups[uid], NonFiniteLogitsError(
-                    f"{self.groups[uid].decode.name}: after its logits processing (processors, penalties, "
-                    "logit_bias, allowed_token_ids, bad_words, min_tokens) an output's logits have no finite value "
-                    "(or a NaN or +inf): there is nothing to draw from; the request is stopped"))
-            keep = ~np.isin(self.group[slots], bad)
-            self.state[slots[~keep]] = -1
-            slots, tokens, stopped, placed = slots[keep], tokens[keep], stopped[keep], placed[keep]
-        if self._grammar:
-            slots, tokens, stopped, placed = self._advance_grammar(slots, tokens, stopped, placed)
-        if not len(slots):
-            return
-        at = self.length[slots]
-        if np.maximum.reduce(at) >= self._width:
-            self._widen(int(np.maximum.reduce(at)) + 1)
-        self.tokens[slots, at] = tokens
-        self.length[slots] = at + 1
-        ended = stopped | (at + 1 >= self.max_new[slots])
-        reasons = stopped + (ended & ~stopped) * 2   # 1 eos, 2 length, 3 stop string
-        text = self.text[slots]   # (checked at their events and ends only, fed what came since)
-        text = text.nonzero()[0] if np.logical_or.reduce(text) else ()
-        for i in text[ended[text] | self._text_events.due(self.text_key[slots[text]], tokens[text])].tolist() \
-                if len(text) else ():
-            slot, fed = int(slots[i]), int(self.fed[slots[i]])
-            self.fed[slot] = at[i] + 1
-            reason = self.groups[int(self.group[slot])].accept_text(int(self.index[slot]),
-                                                                    self.tokens[slot, fed:at[i] + 1].tolist())
-            reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
-            ended[i] = reason is not None
-        # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
-        goes = ~ended
-        on = goes & placed
-        self._set_ids(slots[on], tokens[on])
-        self.state[slots[on]] = 0
-        waits = goes & ~placed
-        self.state[slots[waits]], self.next_token[slots[waits]] = _KNOWN, tokens[waits]
-        for i in ended.nonzero()[0].tolist() if np.logical_or.reduce(ended) else ():
-            slot = int(slots[i])
-            self.reason[slot] = reasons[i]
-            g = self.groups[int(self.group[slot])]
-            if placed[i]:   # its token is computed by the step just launched
-                if g.decode.keep:
-                    self._set_ids(np.array([slot]), tokens[i:i + 1])
-                self._end(slot, None if logits is None else logits[row_of[slot]], finished, computed=True)
-            elif g.decode.keep and not g.decode.last_pending:
-                self.state[slot], self.next_token[slot] = _FINISH, tokens[i]
-            else:
-                self._end(slot, None, finished, computed=False)
-
-    def _advance_grammar(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray):
-        """Advance the matchers of the lanes of ``slots`` that have a grammar with their drawn ``tokens`` (one
-        batched call). A token its grammar refuses (which its mask forbade: a bug, never a model's choice) fails its
-        request. Returns the lanes kept. (A grammar ends at one of its output's EOS ids:
-        :meth:`~treedec.sampling.grammar.Grammar.stop_rule`, so the EOS check ends it.)"""
-        mine, matchers = self._grammar_rows(slots)
-        if len(mine) == 0:
-            return slots, tokens, stopped, placed
-        accepted = self._bitmasks.accept(matchers, tokens[mine])
-        if accepted.all():
-            return slots, tokens, stopped, placed
-        bad = np.unique(self.group[slots[mine[~accepted]]]).tolist()
-        for uid in bad:
-            g = self.groups[uid]
-            self._fail(g, GrammarError(f"{g.decode.name}: its grammar does not accept the token drawn under its "
-                                       f"mask ({int(tokens[mine[~accepted]][0])}); the request is stopped"))
-        keep = ~np.isin(self.group[slots], bad)
-        self.state[slots[~keep]] = -1
-        return slots[keep], tokens[keep], stopped[keep], placed[keep]
-
-    def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
-        """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the
-        last one."""
-        g, i = self.groups[int(self.group[slot])], int(self.index[slot])
-        d, node, count = g.decode, int(self.node[slot]), int(self.length[slot])
-        checker = g.checkers[i]
-        tokens = self.tokens[slot, :count].tolist()
-        if checker is not None:
-            output = LaneOutput(tokens, checker.stop_reason, checker.text, checker.stop_string)
-        else:
-            output = LaneOutput(tokens, ("eos", "length")[int(self.reason[slot]) - 1])
-        end = int(self.start[slot]) + count   # the node's length with every output token in it
-        if d.keep:
-            output.node, output.logits = node, logits
-            if not computed:   # last_pending: the program's next step computes it (placed when it is resumed)
-                g.pending.append((i, int(self.parent[slot]), tokens[-1]))
-        elif d.on_parent:
-            output.node = node
-            if self.tree.node_length(node) >= end:   # (its last token was placed and computed: dropped)
-                self.tree.truncate(node, end - 1)
-        elif node >= 0:
-            if d.offer is not None:   # the conversation but its last token (whose K/V is not kept)
-                d.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + end - 1)
-            self.tree.prune(node)
-        g.outputs[i] = output
-        g.left -= 1
-        self.state[slot] = -1
-        if g.left == 0:
-            g.assemble_logprobs()
-            del self.groups[g.uid]
-            self._forget_group(g.uid)
-            finished.append(g)
 
     # ------------------------------------------------------------ private: the tree
 
