@@ -17,8 +17,7 @@ from treedec.sampling.logits import drawable_rows, token_logprobs
 from treedec.sampling.sampler import SamplingRows, sample_rows
 from treedec.transfer import to_device
 
-__all__ = ["draw_block", "grammar_rows", "lane_bucket", "masked_scores", "processed_scores", "record_logprobs",
-           "store_draws"]
+__all__ = ["LaneDrawWork", "draw_block", "lane_bucket", "store_draws"]
 
 
 def lane_bucket(lanes: int, capacity: int) -> int:
@@ -59,54 +58,52 @@ def store_draws(table, at: slice | torch.Tensor, tokens: torch.Tensor) -> None:
             table.counts.index_put_((at, tokens), ones, accumulate=True)
 
 
-# ------------------------------------------------------------ the eager draw's per-group work
+class LaneDrawWork:
+    """The eager draw's per-group work (grammar masks, processors, logprobs): methods of
+    :class:`~treedec.runtime.lanes.Lanes`."""
 
+    def _grammar_rows(self, slots: np.ndarray) -> tuple[np.ndarray, list]:
+        """The positions in ``slots`` of the lanes with a grammar, and their matchers."""
+        groups = self.group[slots]
+        mine = np.flatnonzero(np.isin(groups, np.fromiter(self._grammar, dtype=np.int64)))
+        index = self.index[slots[mine]]
+        return mine, [self.groups[g].matchers[i] for g, i in zip(groups[mine].tolist(), index.tolist())]
 
-def grammar_rows(lanes, slots: np.ndarray) -> tuple[np.ndarray, list]:
-    """The positions in ``slots`` of the lanes with a grammar, and their matchers."""
-    groups = lanes.group[slots]
-    mine = np.flatnonzero(np.isin(groups, np.fromiter(lanes._grammar, dtype=np.int64)))
-    index = lanes.index[slots[mine]]
-    return mine, [lanes.groups[g].matchers[i] for g, i in zip(groups[mine].tolist(), index.tolist())]
+    def _masked(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
+        """``raw`` with the rows of the lanes that have a grammar masked by their matchers' bitmasks (one batched
+        fill, one copy to the device, one masking op); ``raw`` itself when none of ``slots`` has one."""
+        mine, matchers = self._grammar_rows(slots)
+        if len(mine) == 0:
+            return raw
+        masks = self._bitmasks.fill(matchers)
+        if len(mine) == len(slots):
+            return apply_bitmask(raw.float().clone(), masks)
+        scores = raw.float().clone()
+        at = to_device(mine, self.device)
+        scores[at] = apply_bitmask(scores[at], masks)
+        return scores
 
+    def _process(self, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
+        """The rows of the groups that need it processed before the batched draw (:meth:`LaneGroup.process`); a
+        Python pass per such group a step, none for the others. A group whose user processor raises fails alone."""
+        scores = raw.float().clone()
+        groups = self.group[slots]
+        for uid in self._special & set(np.unique(groups).tolist()):
+            g = self.groups[uid]
+            mine = np.flatnonzero(groups == uid)
+            at = to_device(mine, self.device)
+            try:
+                scores[at] = g.process(scores[at], self.tokens[slots[mine]], self.length[slots[mine]])
+            except Exception as error:   # (a user processor: its lanes go at the end of the step)
+                self._fail(g, error)
+        return scores
 
-def masked_scores(lanes, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-    """``raw`` with the rows of the lanes that have a grammar masked by their matchers' bitmasks (one batched
-    fill, one copy to the device, one masking op); ``raw`` itself when none of ``slots`` has one."""
-    mine, matchers = grammar_rows(lanes, slots)
-    if len(mine) == 0:
-        return raw
-    masks = lanes._bitmasks.fill(matchers)
-    if len(mine) == len(slots):
-        return apply_bitmask(raw.float().clone(), masks)
-    scores = raw.float().clone()
-    at = to_device(mine, lanes.device)
-    scores[at] = apply_bitmask(scores[at], masks)
-    return scores
-
-
-def processed_scores(lanes, slots: np.ndarray, raw: torch.Tensor) -> torch.Tensor:
-    """The rows of the groups that need it processed before the batched draw (:meth:`LaneGroup.process`); a
-    Python pass per such group a step, none for the others. A group whose user processor raises fails alone."""
-    scores = raw.float().clone()
-    groups = lanes.group[slots]
-    for uid in lanes._special & set(np.unique(groups).tolist()):
-        g = lanes.groups[uid]
-        mine = np.flatnonzero(groups == uid)
-        at = to_device(mine, lanes.device)
-        try:
-            scores[at] = g.process(scores[at], lanes.tokens[slots[mine]], lanes.length[slots[mine]])
-        except Exception as error:   # (a user processor: its lanes go at the end of the step)
-            lanes._fail(g, error)
-    return scores
-
-
-def record_logprobs(lanes, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
-    """The log-probabilities of ``slots``' drawn ``tokens`` from ``raw``, for the groups that report them."""
-    for uid in (lanes._logprobs & set(np.unique(lanes.group[slots]).tolist())) if raw is not None and \
-            lanes._logprobs else ():
-        g = lanes.groups[uid]
-        mine = np.flatnonzero(lanes.group[slots] == uid)
-        at = to_device(mine, raw.device)
-        g.records.append((lanes.index[slots[mine]].copy(),
-                          token_logprobs(raw[at], tokens[at], g.decode.params.logprobs)))
+    def _record_logprobs(self, slots: np.ndarray, tokens: torch.Tensor, raw: torch.Tensor | None) -> None:
+        """The log-probabilities of ``slots``' drawn ``tokens`` from ``raw``, for the groups that report them."""
+        for uid in (self._logprobs & set(np.unique(self.group[slots]).tolist())) if raw is not None and \
+                self._logprobs else ():
+            g = self.groups[uid]
+            mine = np.flatnonzero(self.group[slots] == uid)
+            at = to_device(mine, raw.device)
+            g.records.append((self.index[slots[mine]].copy(),
+                              token_logprobs(raw[at], tokens[at], g.decode.params.logprobs)))

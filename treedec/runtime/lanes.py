@@ -37,9 +37,8 @@ from treedec.runtime.lane_table import LaneTable
 from treedec.runtime.lane_text import TextEvents
 from treedec.sampling.grammar import BitmaskRows
 from treedec.engine.step_tail import StepTail
-from treedec.runtime.lane_draw import draw_block, lane_bucket, masked_scores, processed_scores, record_logprobs, \
-    store_draws
-from treedec.runtime.lane_ends import DRAWN, FINISH, KNOWN, accept_draws, end_lane
+from treedec.runtime.lane_draw import LaneDrawWork, draw_block, lane_bucket, store_draws
+from treedec.runtime.lane_ends import DRAWN, FINISH, KNOWN, LaneEnds
 from treedec.sampling.sampler import sample_rows
 from treedec.sampling.logits import drawable_rows
 from treedec.sampling.params import SEED_MAX
@@ -52,7 +51,7 @@ logger = logging.getLogger("treedec")
 
 
 
-class Lanes(LaneTable):
+class Lanes(LaneDrawWork, LaneEnds, LaneTable):
     """The lane table of one scheduler loop over ``engine`` (see the module docstring).
 
     Parameters
@@ -332,12 +331,12 @@ class Lanes(LaneTable):
         if self._read is not None:
             slots, copy = self._read
             self._read = None
-            accept_draws(self, slots, copy.tensor().numpy().T, row_of[slots] >= 0, row_of, logits, finished)
+            self._accept(slots, copy.tensor().numpy().T, row_of[slots] >= 0, row_of, logits, finished)
         # lanes placed with their token known: they go on (ended ones were ended when read); FINISH: ended
         state = self.state[placed]
         if np.logical_or.reduce(state == FINISH):
             for slot in placed[state == FINISH].tolist():
-                end_lane(self, slot, logits[row_of[slot]], finished, computed=True)
+                self._end(slot, logits[row_of[slot]], finished, computed=True)
         self.state[placed[state == KNOWN]] = 0
         return self._drawn_then(placed[self.state[placed] == 0], logits, row_of, finished, drawn)
 
@@ -353,7 +352,7 @@ class Lanes(LaneTable):
                 self._draw(sample, logits, row_of)
             if not self.pipeline:   # read back at once: the next step places the tokens known
                 values = self._report(sample).cpu().numpy().T
-                accept_draws(self, sample, values, self._false[:len(sample)], row_of, None, finished)
+                self._accept(sample, values, self._false[:len(sample)], row_of, None, finished)
         for owner, _ in self._failures:   # (their programs are closed by the scheduler: no results)
             for uid in [u for u, g in self.groups.items() if g.owner is owner]:
                 self.state[:self.size][self.group[:self.size] == uid] = -1
@@ -384,7 +383,7 @@ class Lanes(LaneTable):
                 # graphed step records
                 tokens = draw_block(self, raw, self.sampling_rows())
                 self.state[slots] = DRAWN
-                record_logprobs(self, slots, tokens, raw)
+                self._record_logprobs(slots, tokens, raw)
                 return
             self._keep_drawn(slots, self._sample(slots, raw), raw)
             return
@@ -417,8 +416,8 @@ class Lanes(LaneTable):
         whole = len(slots) == self.size   # (``slots`` ascending: then every lane, in order)
         index = None if whole else self._staging.to_device(slots)
         rows = self.sampling_rows() if whole else self.sampling_rows().take(index)
-        scores = masked_scores(self, slots, raw) if self._grammar else raw
-        scores = processed_scores(self, slots, scores) if self._special else scores
+        scores = self._masked(slots, raw) if self._grammar else raw
+        scores = self._process(slots, scores) if self._special else scores
         if self._special or self._grammar or rows.penalized:   # (read back with the tokens: a row with nothing to
             # draw fails alone)
             self.ok[slice(0, self.size) if whole else index] = drawable_rows(scores.float()).long()
@@ -434,7 +433,7 @@ class Lanes(LaneTable):
         penalties' counts, log-probabilities."""
         store_draws(self, slice(0, self.size) if len(slots) == self.size else self._staging.to_device(slots), tokens)
         self.state[slots] = DRAWN
-        record_logprobs(self, slots, tokens, raw)
+        self._record_logprobs(slots, tokens, raw)
 
     # ------------------------------------------------------------ private: reading back
 
