@@ -19,6 +19,7 @@ carries the step's inputs), each bounded on its own, all inside the one graph.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
-from treedec.attention import PlanBounds, StaticPlan, TreeAttention, TreePlan
+from treedec.attention import PlanBounds, StaticPlan, TreeAttention, TreePlan, backend_names
 
 Plans = tuple[TreePlan, ...]   # a step's plans, one per attention group
 from treedec.checks import positive_int
@@ -259,3 +260,53 @@ class GraphRunner:
             logger.info("tree step runs eagerly: %s", reason)
         self.stats[key] += 1
         return None
+
+
+def build_graph_runner(engine, forward: Callable, cuda_graphs: bool | CudaGraphConfig, compile_model: bool | dict
+                       ) -> GraphRunner | None:
+    """The :class:`GraphRunner` of ``engine``'s graphed steps of ``forward`` (its static forward; ``cuda_graphs``
+    and ``compile_model`` checked), or None without graphs."""
+    if compile_model is not False and cuda_graphs is False:
+        raise ValueError("compile_model compiles the forward of graphed steps: it needs cuda_graphs")
+    if not isinstance(compile_model, (bool, dict)):
+        raise TypeError(f"compile_model must be a bool or a dict of torch.compile arguments, got {compile_model!r}")
+    if cuda_graphs is False:
+        return None
+    config = CudaGraphConfig() if cuda_graphs is True else cuda_graphs
+    if not isinstance(config, CudaGraphConfig):
+        raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
+    if config.capture and engine.device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {engine.device}")
+    if not engine.attn.backend_impl.static_plans:
+        raise ValueError(f"cuda_graphs needs a kernel attention backend "
+                         f"({' or '.join(backend_names(lambda b: b.static_plans))}: their kernels read the "
+                         f"plan from device memory only); this engine's is {engine.attn.backend!r}")
+    scratch_slot = engine.pool.scratch_slot
+    row_inputs = {} if engine.feature_size is None else {"features": (engine.feature_size, engine.model.dtype)}
+    if compile_model is False:
+        return GraphRunner(config, forward, engine.attention.planners, scratch_slot, row_inputs)
+    options = {"fullgraph": True, "dynamic": False, **(compile_model if isinstance(compile_model, dict) else {})}
+    compiled = torch.compile(functools.partial(forward, ops=True), **options)
+
+    def compiled_forward(statics: tuple[StaticPlan, ...], inputs: dict[str, torch.Tensor]):
+        # One compile per graph bucket (its static plans): allow as many as there are graphs.
+        with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
+            return compiled(statics, inputs)
+    return GraphRunner(config, compiled_forward, engine.attention.planners, scratch_slot, row_inputs)
+
+
+def token_sources(token_rows: np.ndarray, num_q: int) -> np.ndarray:
+    """[num_q] int64: for each query, the index of its id among the step's device tokens (``token_rows``' order),
+    -1 for the tree's own: what a graphed step's fill reads (fixed shapes, whatever the rows)."""
+    sources = np.empty(num_q, dtype=np.int64)
+    sources.fill(-1)
+    sources[token_rows] = np.arange(len(token_rows))
+    return sources
+
+
+def fill_tokens(inputs: torch.Tensor, tokens: torch.Tensor) -> None:
+    """A graphed step's token ids (``inputs[0]``) where its sources section (``inputs[5]``, :func:`token_sources`)
+    names a device token (padded queries past the step's read token 0: their outputs are dropped)."""
+    sources = inputs[3 + 2]
+    picked = tokens.index_select(0, sources.clamp(min=0)).to(inputs.dtype)
+    inputs[0].copy_(torch.where(sources >= 0, picked, inputs[0]))

@@ -15,7 +15,6 @@ every layer; the step commits the tokens (their K/V are in the pool) when it ret
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import Counter
@@ -24,21 +23,23 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan, backend_names
+from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPlan
 from treedec.attention.dynamic_span import DynamicSpans, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.attention_groups import LayerAttention, StepAttend
-from treedec.engine.cuda_graphs import CudaGraphConfig, GraphRunner
+from treedec.engine.cuda_graphs import (CudaGraphConfig, GraphRunner, build_graph_runner, fill_tokens,
+                                        token_sources)
+from treedec.engine.row_heads import RowHeads
 from treedec.engine.kv_cache import calibrate_kv_scales, initial_kv_scales, kv_cache_name, variant_kv_dtype
 from treedec.models.base import DecoderModel
 from treedec.engine.pool_sizing import kv_pool_pages
 from treedec.engine.step_checks import (check_device_tokens, check_features, check_rows, check_token_ids,
                                         check_window)
 from treedec.engine.query_rows import QueryRows
-from treedec.engine.prompt import PromptChunks
+from treedec.engine.prompt import PromptChunks, prefill_steps
 from treedec.engine.step_output import PrefillOutput, StepOutput
 from treedec.engine.step_tail import StepTail
-from treedec.errors import PoolExhaustedError, TreeError
+from treedec.errors import TreeError
 from treedec.transfer import PinnedStaging, take_rows
 from treedec.tree import PagedKVPool, SequenceTree
 from treedec.tree.thread_guard import ThreadGuard
@@ -46,7 +47,7 @@ from treedec.tree.validate import int_list
 
 logger = logging.getLogger("treedec")
 
-class Engine:
+class Engine(RowHeads):
     """Runs tree steps of ``model`` over its own :class:`PagedKVPool`, :class:`SequenceTree` and :class:`TreeAttention`.
 
     Parameters
@@ -138,7 +139,7 @@ class Engine:
         self._feature_size: int | None = model.feature_size   # read every step
         logger.info("KV pool: %d tokens of %s (%s)%s", self.kv_capacity_tokens, self.kv_cache_dtype,
                     self.kv_pool_reason, "" if self.kv_scale_source is None else f"; scales: {self.kv_scale_source}")
-        self._graphs = self._graph_runner(cuda_graphs, compile_model)
+        self._graphs = build_graph_runner(self, self._static_forward, cuda_graphs, compile_model)
         self._query_rows = QueryRows()   # pending_rows' lookup (one sort of a layout's node ids)
         self._staging = PinnedStaging(self.device, turns=4)   # the eager steps' inputs (a chain's steps: several)
 
@@ -176,7 +177,7 @@ class Engine:
         before anything changes.
         """
         with self.guard:
-            return self._prefill(prompt_ids, parent, return_hidden, return_heads)
+            return prefill_steps(self, prompt_ids, parent, return_hidden, return_heads)
 
     def chunk_prompt(self, prompt_ids: Sequence[int], parent: int | None = None) -> PromptChunks:
         """Check a prompt (token ids in the model's vocabulary, at least one; ``parent`` a node of the tree or
@@ -256,25 +257,6 @@ class Engine:
             return self._step(logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features,
                               dynamic, token_rows, tail)
 
-    def _prefill(self, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
-        prompt = self.chunk_prompt(prompt_ids, parent)
-        pending = self.tree.layout().num_queries
-        if pending:
-            raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
-                            f"run step() first")
-        check_window(self._window_cap, prompt.last_position)
-        if prompt.pages > self.pool.num_free_pages:
-            raise PoolExhaustedError(
-                f"KV pool exhausted: the {prompt.num_tokens}-token prompt needs {prompt.pages} page(s) of "
-                f"{self.pool.page_size} tokens, {self.pool.num_free_pages} of {self.pool.num_pages} free; "
-                f"nothing was changed")
-        node = out = None
-        for i, piece in enumerate(prompt.pieces):
-            node = prompt.add(self.tree, i, node)
-            out = self.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
-        return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
-                             None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
-
     def _step(self, logits_rows, return_hidden, tokens, return_heads, hidden_rows, return_aux, features, dynamic,
               token_rows, tail) -> StepOutput:
         layout = self.tree.layout()
@@ -308,7 +290,7 @@ class Engine:
         if self._graphs is not None:
             # The rows to gather travel with the step's inputs (no copy of their own after the replay).
             gathers = (rows, hrows if hidden_rows is not None and (return_hidden or return_aux) else None,
-                       None if trows is None else _token_sources(trows, num_q))
+                       None if trows is None else token_sources(trows, num_q))
             graph = self._graphs.load(host_plans, tokens, positions, slots, gathers)
         plans = self.attention.prepare(host_plans, self.device) if graph is None else None
         if spans is not None and self.attn.backend_impl.span_masking is SpanMasking.DEVICE:
@@ -335,7 +317,7 @@ class Engine:
             if tail is None:
                 # (stream-ordered after the load's copy of the placeholders and their sources)
                 if trows is not None:
-                    _fill_tokens(inputs, device_tokens)
+                    fill_tokens(inputs, device_tokens)
                 elif device_tokens is not None:
                     inputs[0, :num_q].copy_(device_tokens)
                 outputs = self._graphs.run(graph, num_q, row_inputs)
@@ -346,7 +328,7 @@ class Engine:
 
                 def body():   # the placeholders' ids, the forward, the tail: one graph
                     if device_tokens is not None:
-                        _fill_tokens(inputs, device_tokens)
+                        fill_tokens(inputs, device_tokens)
                     forward = self._graphs.forward(graph)
                     self._run_tail(tail, forward[0], inputs[3, :tail.rows])
                     return forward
@@ -403,45 +385,6 @@ class Engine:
     def hidden_layers(self) -> tuple[int, ...]:
         """The layers whose input :meth:`step` returns as ``aux`` (:meth:`capture_hidden_layers`), ascending."""
         return self._hidden_layers
-
-    def add_row_head(self, name: str, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Compute ``head(hidden)`` at every query row of every step from now on, inside the step's
-        CUDA graph (and its ``torch.compile``): ``hidden`` is ``[rows, hidden_size]`` (after the
-        final norm, as :meth:`step`'s ``return_hidden``), the result ``[rows, ...]``.
-
-        :meth:`step` with ``return_heads`` returns the outputs (its ``heads``). E.g. Medusa heads' top-k
-        candidates at every verified token, computed in the verification step's graph rather than
-        in a step of their own after it. Every graphed step pays for the head, whether its output
-        is asked for or not; captured graphs are dropped (and recaptured at their next step).
-        """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
-        if not callable(head):
-            raise TypeError(f"head must be callable (hidden [rows, hidden_size] -> [rows, ...]), got {head!r:.60}")
-        if name in self._row_heads:
-            raise ValueError(f"a row head named {name!r} is already added; remove_row_head({name!r}) first")
-        self._row_heads[name] = head
-        if self._graphs is not None:
-            self._graphs.reset()
-
-    def remove_row_head(self, name: str) -> None:
-        """Stop computing the row head ``name`` (see :meth:`add_row_head`)."""
-        if name not in self._row_heads:
-            raise ValueError(f"no row head named {name!r}; the engine has {sorted(self._row_heads)}")
-        del self._row_heads[name]
-        if self._graphs is not None:
-            self._graphs.reset()
-
-    def row_head(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The function of the row head ``name`` (see :meth:`add_row_head`)."""
-        if name not in self._row_heads:
-            raise ValueError(f"no row head named {name!r}; the engine has {sorted(self._row_heads)}")
-        return self._row_heads[name]
-
-    @property
-    def row_heads(self) -> tuple[str, ...]:
-        """The names of the row heads added (:meth:`add_row_head`), in their order."""
-        return tuple(self._row_heads)
 
     def pending_nodes(self) -> np.ndarray:
         """[Q] int64 node id of each pending token, in step (query) order."""
@@ -543,53 +486,6 @@ class Engine:
         with torch.no_grad():
             return (out.logits, out.hidden, *((out.aux,) if self._hidden_layers else ()),
                     *(head(out.hidden) for head in self._row_heads.values()))
-
-    def _graph_runner(self, cuda_graphs: bool | CudaGraphConfig, compile_model: bool | dict) -> GraphRunner | None:
-        if compile_model is not False and cuda_graphs is False:
-            raise ValueError("compile_model compiles the forward of graphed steps: it needs cuda_graphs")
-        if not isinstance(compile_model, (bool, dict)):
-            raise TypeError(f"compile_model must be a bool or a dict of torch.compile arguments, got {compile_model!r}")
-        if cuda_graphs is False:
-            return None
-        config = CudaGraphConfig() if cuda_graphs is True else cuda_graphs
-        if not isinstance(config, CudaGraphConfig):
-            raise TypeError(f"cuda_graphs must be a bool or a CudaGraphConfig, got {cuda_graphs!r}")
-        if config.capture and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")
-        if not self.attn.backend_impl.static_plans:
-            raise ValueError(f"cuda_graphs needs a kernel attention backend "
-                             f"({' or '.join(backend_names(lambda b: b.static_plans))}: their kernels read the "
-                             f"plan from device memory only); this engine's is {self.attn.backend!r}")
-        scratch_slot = self.pool.scratch_slot
-        row_inputs = {} if self.feature_size is None else {"features": (self.feature_size, self.model.dtype)}
-        if compile_model is False:
-            return GraphRunner(config, self._static_forward, self.attention.planners, scratch_slot, row_inputs)
-        options = {"fullgraph": True, "dynamic": False, **(compile_model if isinstance(compile_model, dict) else {})}
-        compiled = torch.compile(functools.partial(self._static_forward, ops=True), **options)
-
-        def compiled_forward(statics: tuple[StaticPlan, ...], inputs: dict[str, torch.Tensor]):
-            # One compile per graph bucket (its static plans): allow as many as there are graphs.
-            with torch._dynamo.config.patch(recompile_limit=max(8, 2 * config.max_graphs)), torch.no_grad():
-                return compiled(statics, inputs)
-        return GraphRunner(config, compiled_forward, self.attention.planners, scratch_slot, row_inputs)
-
-
-def _token_sources(token_rows: np.ndarray, num_q: int) -> np.ndarray:
-    """[num_q] int64: for each query, the index of its id among the step's device tokens (``token_rows``' order),
-    -1 for the tree's own: what a graphed step's fill reads (fixed shapes, whatever the rows)."""
-    sources = np.empty(num_q, dtype=np.int64)
-    sources.fill(-1)
-    sources[token_rows] = np.arange(len(token_rows))
-    return sources
-
-
-def _fill_tokens(inputs: torch.Tensor, tokens: torch.Tensor) -> None:
-    """A graphed step's token ids (``inputs[0]``) where its sources section (``inputs[5]``, :func:`_token_sources`)
-    names a device token (padded queries past the step's read token 0: their outputs are dropped)."""
-    sources = inputs[3 + 2]
-    picked = tokens.index_select(0, sources.clamp(min=0)).to(inputs.dtype)
-    inputs[0].copy_(torch.where(sources >= 0, picked, inputs[0]))
-
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Greedy sampling: ``[..., vocab]`` logits -> ``[...]`` int64 token ids (argmax)."""

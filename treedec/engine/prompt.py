@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treedec.engine.step_checks import check_window
+from treedec.engine.step_output import PrefillOutput
+from treedec.errors import PoolExhaustedError, TreeError
 from treedec.tree import SequenceTree
 
 
@@ -50,3 +53,25 @@ class PromptChunks:
             raise ValueError(f"chunk {chunk} extends the prompt's node: pass the node chunk 0 returned")
         tree.extend(node, piece)
         return node
+
+
+def prefill_steps(engine, prompt_ids, parent, return_hidden, return_heads) -> PrefillOutput:
+    """:meth:`Engine.prefill <treedec.engine.Engine.prefill>`'s steps: the prompt checked, chunked, each chunk added
+    and computed by a step of its own; the last chunk's last logits (hidden state, heads)."""
+    prompt = engine.chunk_prompt(prompt_ids, parent)
+    pending = engine.tree.layout().num_queries
+    if pending:
+        raise TreeError(f"prefill runs its own steps but the tree has {pending} pending token(s); "
+                        f"run step() first")
+    check_window(engine.window_cap, prompt.last_position)
+    if prompt.pages > engine.pool.num_free_pages:
+        raise PoolExhaustedError(
+            f"KV pool exhausted: the {prompt.num_tokens}-token prompt needs {prompt.pages} page(s) of "
+            f"{engine.pool.page_size} tokens, {engine.pool.num_free_pages} of {engine.pool.num_pages} free; "
+            f"nothing was changed")
+    node = out = None
+    for i, piece in enumerate(prompt.pieces):
+        node = prompt.add(engine.tree, i, node)
+        out = engine.step(logits_rows=[len(piece) - 1], return_hidden=return_hidden, return_heads=return_heads)
+    return PrefillOutput(node, out.logits[0], None if out.hidden is None else out.hidden[0],
+                         None if out.heads is None else {k: v[0] for k, v in out.heads.items()})
