@@ -16,7 +16,6 @@ the branch controller, beams, speculative or plain generation) share the same en
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import logging
@@ -33,6 +32,7 @@ from treedec.checks import describe, is_int, nonnegative_int, positive_int
 from treedec.engine import Engine
 from treedec.engine.pool_sizing import cpu_pool_tokens
 from treedec.models import Decoder, DecoderModel, from_pretrained
+from treedec.models.tensor_parallel import check_tensor_parallel_size
 from treedec.models.quantization import quantize_on_load
 from treedec.tree.kv_cache_dtype import kv_storage_dtype
 from treedec.models.text import encode_prompt, load_tokenizer
@@ -45,6 +45,7 @@ from treedec.programs.beam import BeamSearchParams, beam_program
 from treedec.runtime.request import MODEL_EOS, eos_token_ids, position_limit
 from treedec.programs.speculative import SpeculativeConfig, speculative_batch
 from treedec.programs.speculative.batch import sampled_acceptance
+from treedec.programs.speculative.config import as_speculative_config
 from treedec.tree.validate import int_list
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "DTYPES", "RequestOutput"]
@@ -198,7 +199,7 @@ class LLM:
         if quantization is not None:
             quantize_on_load(quantization)   # (a bad name is refused before the weights load)
         kv_storage_dtype(kv_cache_dtype, torch.float32)   # (likewise)
-        speculative_config = _speculative_config(speculative_config)
+        speculative_config = as_speculative_config(speculative_config)
         positive_int("tensor_parallel_size", tensor_parallel_size)
         dtype = _dtype(dtype)
         nonnegative_int("seed", seed)
@@ -219,7 +220,7 @@ class LLM:
                                  f"keeps its own ({model.device}, {model.dtype}): move it first, or give its name")
             self.model, self.name = model, type(model).__name__
         elif isinstance(model, (str, Path)):
-            _check_tensor_parallel(None, tensor_parallel_size)   # before the weights load
+            check_tensor_parallel_size(None, tensor_parallel_size)   # before the weights load
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
             self.model = from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
@@ -229,7 +230,7 @@ class LLM:
         else:
             raise TypeError(f"model must be a model name or path, or a loaded treedec model (a Decoder), got "
                             f"{describe(model)}")
-        _check_tensor_parallel(self.model, tensor_parallel_size)
+        check_tensor_parallel_size(self.model, tensor_parallel_size)
         limit = position_limit(self.model)
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len must be at most the model's {limit} positions, got {max_model_len}")
@@ -444,21 +445,6 @@ def _unknown_arguments(unknown: dict) -> str:
     return f"LLM() got unexpected keyword argument(s) {', '.join(parts)}; it takes {', '.join(known)}"
 
 
-def _speculative_config(config) -> SpeculativeConfig | None:
-    """``speculative_config`` as a :class:`SpeculativeConfig`: vLLM's dict (its keys checked) or one already."""
-    if config is None or isinstance(config, SpeculativeConfig):
-        return config
-    if not isinstance(config, Mapping):
-        raise TypeError(f"speculative_config must be a dict of SpeculativeConfig's fields, a SpeculativeConfig or "
-                        f"None, got {describe(config)}")
-    fields = [f.name for f in dataclasses.fields(SpeculativeConfig)]
-    unknown = [key for key in config if key not in fields]
-    if unknown:
-        raise ValueError(f"speculative_config has key(s) {unknown} that treedec's SpeculativeConfig does not take "
-                         f"(its fields: {', '.join(fields)})")
-    return SpeculativeConfig(**config)
-
-
 def _dtype(dtype) -> torch.dtype | None:
     """``dtype`` as a torch dtype; None for ``"auto"`` (the device's default)."""
     if dtype is None or dtype == "auto":
@@ -469,22 +455,6 @@ def _dtype(dtype) -> torch.dtype | None:
         return DTYPES[dtype]
     raise ValueError(f"dtype must be 'auto', one of {', '.join(DTYPES)} or torch.float32 / float16 / bfloat16, got "
                      f"{describe(dtype)}")
-
-
-def _check_tensor_parallel(model: DecoderModel | None, size: int) -> None:
-    """``tensor_parallel_size`` against the model: 1 for a model of one process, the group's size for a
-    tensor-parallel one (None: not loaded yet, only a size > 1 can be refused)."""
-    tp = None if model is None else model.tensor_parallel   # (the group a tensor-parallel model is split over)
-    if tp is not None:
-        if size not in (1, tp.size):
-            raise ValueError(f"tensor_parallel_size must be the model's group size {tp.size}, got {size}")
-    elif size > 1:
-        raise NotImplementedError(
-            f"LLM(tensor_parallel_size={size}) would start {size} worker processes, which treedec does not do: "
-            f"tensor parallelism runs one process per GPU under torchrun (`torchrun --nproc-per-node {size} "
-            f"script.py`), each rank loading its slice, "
-            f"`from_pretrained(path, tensor_parallel=init_tensor_parallel())` (treedec.models.tensor_parallel), and "
-            f"making an LLM of it")
 
 
 def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestOutput:

@@ -225,3 +225,19 @@ class VocabParallelHead(nn.Module):
         shard = self.weight_shard.detach()
         shard = F.pad(shard, (0, 0, 0, self.shard_rows - shard.shape[0]))
         return self.tp.all_gather_first(shard)[:self.vocab_size]
+
+
+def check_tensor_parallel_size(model, size: int) -> None:
+    """``tensor_parallel_size`` (``LLM``'s) against the model (a DecoderModel, or None): 1 for a model of one process, the group's size for a
+    tensor-parallel one (None: not loaded yet, only a size > 1 can be refused)."""
+    tp = None if model is None else model.tensor_parallel   # (the group a tensor-parallel model is split over)
+    if tp is not None:
+        if size not in (1, tp.size):
+            raise ValueError(f"tensor_parallel_size must be the model's group size {tp.size}, got {size}")
+    elif size > 1:
+        raise NotImplementedError(
+            f"LLM(tensor_parallel_size={size}) would start {size} worker processes, which treedec does not do: "
+            f"tensor parallelism runs one process per GPU under torchrun (`torchrun --nproc-per-node {size} "
+            f"script.py`), each rank loading its slice, "
+            f"`from_pretrained(path, tensor_parallel=init_tensor_parallel())` (treedec.models.tensor_parallel), and "
+            f"making an LLM of it")

@@ -59,7 +59,7 @@ from treedec.serve.auth import APIKeyAuth, check_api_key
 from treedec.serve.core_client import CoreClient, InProcessClient
 from treedec.serve.errors import body_parse_error, request_error
 from treedec.runtime.requests import RequestResult
-from treedec.serve.limits import BodyError, RequestLimits, body_error_response
+from treedec.serve.limits import BodyError, QueueLimits, QueueSlots, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from treedec.serve.prompts import PromptEncoder, longest_token_chars
 from treedec.serve.protocol import (BODY_TAGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -78,7 +78,8 @@ _JOIN_SECONDS = 10.0
 
 def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *, max_queued_requests: int = 1024,
               max_n: int = 128, max_prompts: int = 256, max_body_bytes: int = 8 * 2**20,
-              read_timeout: float | None = 30.0, engine_iteration_timeout: float = 60.0, chat_template_timeout: float = 5.0,
+              read_timeout: float | None = 30.0, engine_iteration_timeout: float = 60.0,
+              chat_template_timeout: float = 5.0,
               allowed_hosts: Sequence[str] | None = None, enable_docs: bool = False,
               max_step_tokens: int | None = None, seed: int = 0, api_key: str | None = None,
               secure_metrics: bool = False) -> FastAPI:
@@ -138,7 +139,7 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
     if secure_metrics and api_key is None:
         raise ValueError("secure_metrics puts /health and /metrics behind the API key: give api_key too")
     metrics = ServeMetrics()
-    limits = _Limits(max_queued_requests, max_n, max_prompts)
+    limits = QueueLimits(max_queued_requests, max_n, max_prompts)
     if isinstance(engine, LLM) and engine.tokenizer is not None:
         longest_token_chars(engine.tokenizer)   # (a tokenizer the server cannot bound raises here, not at startup)
 
@@ -250,17 +251,10 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
     return app
 
 
-class _Limits:
-    """The request counts a server takes (:func:`build_app`'s)."""
-
-    def __init__(self, max_queued: int, max_n: int, max_prompts: int):
-        self.max_queued, self.max_n, self.max_prompts = max_queued, max_n, max_prompts
-
-
 class _Server:
     """The two generation routes over one engine core."""
 
-    def __init__(self, online: CoreClient, metrics: ServeMetrics, name: str, limits: _Limits,
+    def __init__(self, online: CoreClient, metrics: ServeMetrics, name: str, limits: QueueLimits,
                  encoder: PromptEncoder | None):
         self.online, self.metrics, self.name, self.limits = online, metrics, name, limits
         self.tokenizer, self.speculative = online.tokenizer, online.ready.speculative
@@ -325,7 +319,7 @@ class _Server:
             raise ServeError(f"the engine is not running: {self.online.dead}", 503, "server_error",
                              code="engine_failed")
 
-    def _reserve(self, prompts: int, n: int) -> "_Slots":
+    def _reserve(self, prompts: int, n: int) -> QueueSlots:
         """Check a request's counts on arrival (before any work) and hold its outputs' places in the queue until it
         is submitted."""
         limits = self.limits
@@ -343,7 +337,7 @@ class _Server:
             raise ServeError(f"the server is overloaded: {waiting} outputs wait for admission, at most "
                              f"{limits.max_queued} may (max_queued_requests); retry later", 503, "server_error",
                              code="overloaded")
-        return _Slots(self, outputs)
+        return QueueSlots(self, outputs)
 
     def encoder_for(self, what: str) -> PromptEncoder:
         """The prompt encoder (ServeError naming ``what`` on a server without a tokenizer)."""
@@ -365,7 +359,7 @@ class _Server:
     # ------------------------------------------------ running
 
     async def _respond(self, request: Request, body, ids: list[list[int]], params, prefix: str, chat: bool,
-                       slots: "_Slots", echo: list[str] | None = None):
+                       slots: QueueSlots, echo: list[str] | None = None):
         rid, arrival = f"{prefix}-{uuid.uuid4().hex}", time.perf_counter()
         beam = body.beam_params(params.max_tokens)
         if beam is not None:   # (greedy: no seed is drawn for it)
@@ -496,15 +490,3 @@ class _Run:
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-class _Slots:
-    """A request's outputs held in the queue's count (:meth:`_Server._reserve`) until released (once)."""
-
-    def __init__(self, server: _Server, outputs: int):
-        self.server, self.outputs = server, outputs
-        server.reserved += outputs
-
-    def release(self) -> None:
-        self.server.reserved -= self.outputs
-        self.outputs = 0

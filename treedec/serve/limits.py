@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException
 from treedec.serve.metrics import ServeMetrics
 from treedec.serve.protocol import ServeError
 
-__all__ = ["LOOPBACK_HOSTS", "BodyError", "RequestLimits", "body_error_response", "host_name"]
+__all__ = ["LOOPBACK_HOSTS", "BodyError", "QueueLimits", "QueueSlots", "RequestLimits", "body_error_response",
+           "host_name"]
 
 #: The names a server bound to a loopback address answers by default (``treedec serve --allowed-hosts``).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -136,3 +137,23 @@ class RequestLimits:
 def _too_large(size: str, limit: int) -> ServeError:
     return ServeError(f"the request body has {size}, more than the server's limit of {limit} (max_body_bytes)", 413,
                       code="request_too_large")
+
+
+class QueueLimits:
+    """The request counts a server takes (:func:`~treedec.serve.build_app`'s)."""
+
+    def __init__(self, max_queued: int, max_n: int, max_prompts: int):
+        self.max_queued, self.max_n, self.max_prompts = max_queued, max_n, max_prompts
+
+
+class QueueSlots:
+    """A request's outputs held in its server's queue count (its ``reserved``: the app's server reserves them on
+    arrival) until released (once)."""
+
+    def __init__(self, server, outputs: int):
+        self.server, self.outputs = server, outputs
+        server.reserved += outputs
+
+    def release(self) -> None:
+        self.server.reserved -= self.outputs
+        self.outputs = 0

@@ -10,7 +10,8 @@ from treedec.models.medusa import MedusaHeads
 from treedec.programs.speculative.medusa import MedusaDraft
 from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, TreeDraft
 from treedec.programs.greedy import greedy_generate
-from treedec.programs.speculative.program import check_draft_tree, speculative_generate
+from treedec.programs.speculative.drafts import check_draft_tree
+from treedec.programs.speculative.program import speculative_generate
 from treedec.tree.token_tree import TokenTree
 from tests.engines import assert_kv_equals_fresh_prefill, make_engine, plain_greedy, tiny_model
 

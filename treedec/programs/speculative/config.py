@@ -5,6 +5,7 @@ source (:class:`Drafts`), the form :func:`~treedec.programs.speculative.batch.sp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -19,7 +20,7 @@ from treedec.programs.speculative.drafts import DraftSource, PromptLookupDraft, 
 from treedec.programs.speculative.eagle import EagleDraft
 from treedec.programs.speculative.medusa import DEFAULT_MEDUSA_CHOICES, MedusaDraft
 
-__all__ = ["METHODS", "Drafts", "SpeculativeConfig"]
+__all__ = ["METHODS", "Drafts", "SpeculativeConfig", "as_speculative_config"]
 
 #: The draft sources by name (vLLM's method names where it has them).
 METHODS = ("ngram", "medusa", "eagle", "eagle3", "draft_model", "tree")
@@ -127,3 +128,18 @@ class Drafts:
 
 def _seed(spec: RequestSpec, default: int) -> int:
     return default if spec.params.seed is None else spec.params.seed
+
+
+def as_speculative_config(config) -> SpeculativeConfig | None:
+    """``speculative_config`` as a :class:`SpeculativeConfig`: vLLM's dict (its keys checked) or one already."""
+    if config is None or isinstance(config, SpeculativeConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"speculative_config must be a dict of SpeculativeConfig's fields, a SpeculativeConfig or "
+                        f"None, got {describe(config)}")
+    fields = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    unknown = [key for key in config if key not in fields]
+    if unknown:
+        raise ValueError(f"speculative_config has key(s) {unknown} that treedec's SpeculativeConfig does not take "
+                         f"(its fields: {', '.join(fields)})")
+    return SpeculativeConfig(**config)

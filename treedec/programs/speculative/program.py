@@ -34,7 +34,8 @@ from treedec.programs.speculative.acceptance import AcceptanceRule, GreedyAccept
 from treedec.programs.speculative.device_acceptance import decode_outcome
 from treedec.models.text import IncrementalDetokenizer
 from treedec.programs.speculative.draft_budget import DraftBudget, cut_tree
-from treedec.programs.speculative.drafts import DraftSource, TargetOutput, check_draft_source, target_states_at
+from treedec.programs.speculative.drafts import (DraftSource, TargetOutput, check_draft_source, check_draft_tree,
+                                                 target_states_at)
 from treedec.programs.speculative.grammar_filter import DraftFilter
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
 from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
@@ -45,7 +46,6 @@ from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
 from treedec.sampling.stops import StopChecker, StopRule
 from treedec.transfer import HostCopy, to_device
 from treedec.tree.token_tree import TokenTree
-from treedec.tree.validate import int_list
 
 
 # ================================================================ verification
@@ -417,36 +417,6 @@ def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: Draft
                                  max_draft_tokens=engine.pool.num_pages * engine.pool.page_size, pipeline=pipeline)
     checker, stats = run_program(engine, program)
     return checker.token_ids, stats
-
-
-def check_draft_tree(engine: Engine, node: int, tree: TokenTree, tokens, last: int | None = None,
-                     max_tokens: int | None = None) -> list[int]:
-    """The checks of a verification step before it changes anything: a draft's ``tokens`` (``[tree.size]``
-    ids, ``tokens[0]`` the root) as ints, checked against ``tree``, the vocabulary and the leaf ``node`` that
-    the tree will hang under; ``last``: the sequence's last token, which must be the root; ``max_tokens``: the
-    largest tree allowed.
-
-    Raises ``TypeError`` (tokens that are not integers), ``ValueError`` (a wrong count, an id out of the
-    vocabulary, a wrong root, a tree too large, a ``node`` with children) or
-    :class:`~treedec.errors.TreeError` (an unknown ``node``).
-    """
-    tokens = int_list(tokens, "tokens", low=0)   # all checks before the root token is appended
-    if len(tokens) != tree.size:
-        raise ValueError(f"tokens must have one token per tree token ({tree.size}), got {len(tokens)}")
-    if last is not None and tokens[0] != last:
-        raise ValueError(f"the draft's propose must return tokens[0] == the last sequence token {last}, "
-                         f"got {tokens[:1]}")
-    if max_tokens is not None and tree.size > max_tokens:
-        raise ValueError(f"the draft proposed a {tree.size}-token tree; at most max_draft_tokens={max_tokens}")
-    vocab = engine.model.config.vocab_size
-    bad = [x for x in tokens if not 0 <= x < vocab]
-    if bad:
-        raise ValueError(f"draft tokens must be token ids in [0, {vocab}), got {bad[:5]}")
-    t = engine.tree
-    if t.children(node):
-        raise ValueError(f"node {node} must be a leaf to verify a token tree under it, it has children "
-                         f"{t.children(node)[:5]}")
-    return tokens
 
 
 # ================================================================ private
