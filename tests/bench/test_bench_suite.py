@@ -199,7 +199,7 @@ def test_attention_variant_options(tmp_path):
     same windowed KV) runs, SDPA says it has no soft-cap; the README table is left alone."""
     windowed = smoke_tot_d5w10(tmp_path, "--window", (200,))[200]
     w = windowed["workloads"]["tot_d5w10"]
-    assert windowed["variant"] == {"window": 10, "logit_softcap": None}
+    assert windowed["variant"] == {"window": 10, "logit_softcap": None, "kv_dtype": None}
     assert all(r["status"] == "ok" and r["rel_err"] < 2e-3 for r in w["methods"].values()), w["methods"]
     assert w["methods"]["treedec_torch_flatten"]["plan"]["tree_tokens"] < w["tree_tokens"]
     assert w["yardstick"]["status"] == "ok" and w["yardstick"]["kv_tokens"] == \
