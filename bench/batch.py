@@ -126,7 +126,8 @@ def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | No
 
 
 def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None,
-              draft_budget: int | str | None = "auto", pipeline: bool | None = None) -> dict:
+              draft_budget: int | str | None = "auto", pipeline: bool | None = None,
+              compile_model: bool = False) -> dict:
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
     from the returns of the target engine's steps (a pipelined step returns when it is launched: in the
     steady state the gaps are the step times all the same)."""
@@ -138,7 +139,8 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     kv = sum(len(s.prompt_ids) + s.params.max_tokens + 2 * page_size + tree_room for s in specs)
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
-    engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs)
+    engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs,
+                    compile_model=compile_model and cuda)
     drafter = None
     if draft is not None and draft.drafter is not None:
         # Every request's sequence on the drafter (its whole prompt, new tokens, a tree's overshoot)
@@ -240,6 +242,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pipeline", action="store_true",
                         help="--speculative: never pipeline the steps (speculative_batch's default: where the draft "
                              "allows it on a GPU)")
+    parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU: the target's graphed forward through torch.compile "
+                             "(Engine(compile_model=True), as bench/programs.py's graphs_compiled; default on; "
+                             "the drafters stay uncompiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -288,7 +294,8 @@ def main(argv=None) -> int:
         draft = make_draft(args, model, rng, drafter) if args.speculative else None
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
-                            args.draft_budget, False if args.no_pipeline else None)
+                            args.draft_budget, False if args.no_pipeline else None,
+                            compile_model=args.compile_model and cuda)
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
@@ -329,7 +336,8 @@ def main(argv=None) -> int:
                   f" ({equal} of {len(pairs)} equal; {np.mean(agree):.1f} of {args.new} tokens agree before the "
                   f"first difference)")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
-               "model": args.model, "smoke": args.smoke, "speculative": args.speculative,
+               "model": args.model, "smoke": args.smoke, "compile_model": args.compile_model and cuda,
+               "speculative": args.speculative,
                "medusa_heads": args.medusa_heads, "draft": None if draft is None else draft.record(),
                "draft_model": ("tiny" if args.smoke else "llama3.2-1b") if args.draft_model else None,
                "model_layers": config.num_layers, "target_weight_bytes": model.weight_bytes(),
