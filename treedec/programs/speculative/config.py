@@ -47,7 +47,8 @@ class SpeculativeConfig:
     prompt_lookup_matches : ngram: the continuations merged into one tree.
     top_k : eagle / draft_model: each drafted token's expansion width.
     total_tokens : eagle / draft_model: draft tokens a step verifies (the dynamic tree's size).
-    medusa_choices : medusa: the tree's paths (default Medusa's 63-token tree).
+    medusa_choices : medusa: the tree's paths (default DEFAULT_MEDUSA_CHOICES: 10 draft tokens, depth 4; Medusa's tuned
+        63-token tree is ``treedec.programs.speculative.medusa.MEDUSA_64_CHOICES``).
     tree : tree: the :class:`~treedec.programs.speculative.drafts.TreeDraft` every request uses.
     seed : random drafter weights and sampled drafts.
     """
