@@ -221,3 +221,19 @@ def test_no_module_dispatches_on_backend_names(path):
     test of its name; the user's ``backend="cuda"`` is resolved once, through the registry."""
     found = name_dispatch(path.read_text())
     assert not found, f"{path.relative_to(PACKAGE)} compares backend names: {found}"
+
+
+def test_auto_takes_the_dtype_into_account_on_an_h200(monkeypatch):
+    """auto on an sm_90 GPU picks cuda for fp16/bf16 and triton for fp32 (the cuda kernels refuse fp32), saying
+    why; an explicit cuda for fp32 is refused at the choice, naming the dtype (no device needed: the GPU faked)."""
+    from treedec.attention.backends import get_backend
+    for name in ("cuda", "triton"):
+        monkeypatch.setattr(get_backend(name), "why_unavailable", classmethod(lambda cls, device: None))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    assert resolve_backend("auto", gpu, dtype=torch.bfloat16)[0] == "cuda"
+    assert resolve_backend("auto", gpu, dtype=torch.float16)[0] == "cuda"
+    backend, reason = resolve_backend("auto", gpu, dtype=torch.float32)
+    assert backend == "triton" and "cuda: the cuda kernels take" in reason and "torch.float32" in reason
+    with pytest.raises(BackendUnavailableError, match="backend 'cuda' cannot run: the cuda kernels take"):
+        resolve_backend("cuda", gpu, dtype=torch.float32)

@@ -100,7 +100,7 @@ class TreeAttention:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             num_sms = plan_config.num_sms
-        self.backend, self.backend_reason = resolve_backend(backend, self.device, variant, head_dim)
+        self.backend, self.backend_reason = resolve_backend(backend, self.device, variant, head_dim, dtype)
         self.backend_impl: Backend = get_backend(self.backend).create(num_qo_heads, num_kv_heads, head_dim, dtype,
                                                                       variant, self.device)
         # what the backend runs best with (cuda: chunks that fill its 128-row units and its persistent grid)

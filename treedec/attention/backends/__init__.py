@@ -29,10 +29,11 @@ AUTO_ORDER = ("triton", "cuda")  # elsewhere: triton first (the cuda kernels off
 
 
 def resolve_backend(name: str, device: torch.device, variant: AttentionVariant | None = None,
-                    head_dim: int | None = None) -> tuple[str, str]:
+                    head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Map a requested backend (or ``auto``) to a registered one that runs on ``device`` (and ``variant`` at
-    ``head_dim``, where given: a backend whose kernels lack one of its hooks or its KV dtype,
-    :meth:`Backend.why_not_variant`, is not chosen).
+    ``head_dim`` and q/K/V of ``dtype``, where given: a backend whose kernels lack one of the variant's hooks or
+    its KV dtype, :meth:`Backend.why_not_variant`, or that does not take ``dtype``,
+    :meth:`Backend.why_not_dtype` — the cuda kernels and fp32 — is not chosen, and the reason says why).
 
     Returns ``(backend, reason)``. On an H100/H200 (sm_90) where the wgmma (sm_90a) cuda kernels
     build, ``auto`` is ``cuda``: it was faster than triton on every step measured, eagerly and in
@@ -47,7 +48,8 @@ def resolve_backend(name: str, device: torch.device, variant: AttentionVariant |
     if name != AUTO and name not in backend_names():
         raise BackendUnavailableError(f"backend must be {AUTO!r} or one of {backend_names()}, got {name!r}")
     statuses = {b: get_backend(b).why_unavailable(device) or
-                (None if variant is None else get_backend(b).why_not_variant(variant, head_dim))
+                (None if variant is None else get_backend(b).why_not_variant(variant, head_dim)) or
+                (None if dtype is None else get_backend(b).why_not_dtype(dtype))
                 for b in backend_names()}
     if name == AUTO:
         if device.type == "cuda":
@@ -56,7 +58,10 @@ def resolve_backend(name: str, device: torch.device, variant: AttentionVariant |
                                 f"batch and long sequence measured on an H100/H200")
             for candidate in AUTO_ORDER:
                 if statuses[candidate] is None:
-                    return candidate, f"auto: {candidate} is the fastest backend available on {device}"
+                    passed = "; ".join(f"{b}: {statuses[b]}" for b in AUTO_ORDER[:AUTO_ORDER.index(candidate)]
+                                       + ("cuda",) if statuses[b])
+                    return candidate, (f"auto: {candidate} is the fastest backend available on {device}"
+                                       + (f" (passed over: {passed})" if passed else ""))
         skipped = "; ".join(f"{b}: {statuses[b]}" for b in AUTO_ORDER if statuses[b])
         return "torch", f"auto: torch plan executor on {device} ({skipped})"
     if statuses[name] is not None:

@@ -127,6 +127,12 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def why_not_dtype(cls, dtype: torch.dtype) -> str | None:
+        """None if this backend's kernels take q, K and V of ``dtype``, else why not (a sentence). Default: every
+        dtype tree attention supports."""
+        return None
+
+    @classmethod
     @abstractmethod
     def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                variant: AttentionVariant, device: torch.device) -> Backend:

@@ -166,6 +166,12 @@ class CudaBackend(Backend):
         return build_problem(device)
 
     @classmethod
+    def why_not_dtype(cls, dtype: torch.dtype) -> str | None:
+        if dtype not in kernels.SUPPORTED_DTYPES:
+            return f"the cuda kernels take {kernels.SUPPORTED_DTYPES}, not {dtype} (triton and torch take fp32)"
+        return None
+
+    @classmethod
     def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                variant: AttentionVariant, device: torch.device) -> CudaBackend:
         return cls(num_qo_heads, num_kv_heads, head_dim, dtype, variant, device)
