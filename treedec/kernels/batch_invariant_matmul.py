@@ -37,7 +37,7 @@ def batch_invariant_tiles(n: int, k: int) -> MatmulTiles:
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                    stride_ym, stride_yn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -50,7 +50,7 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xk, st
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
@@ -79,5 +79,8 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
     _matmul_kernel[grid](x2, weight, bias if bias is not None else y, y, m, n, k, x2.stride(0), x2.stride(1),
                          weight.stride(0), weight.stride(1), y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
-                         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps)
+                         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                         # fp32 operands multiplied in full precision (Triton's default is tf32, which missed
+                         # F.linear by more than 1e-4 on the H200); 16-bit operands take the tensor cores as they are
+                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps)
     return y.reshape(*lead, n)
