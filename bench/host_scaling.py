@@ -20,6 +20,7 @@ Kinds (``--programs``):
   frequency penalties, a seed;
 - ``speculative``: ``speculative_batch`` with a fixed Medusa-64 ``TreeDraft`` (random draft tokens), greedy,
   pipelined on the CPU too (the verify table's batched steps: their host cost is the one that counts);
+  ``--draft-budget T`` shares T draft tokens a step among the batch (the budget's per-group host work measured);
 - ``tot``: ``tot_batch`` over Game-of-24 tasks (BFS, k=3, n=2, depth 2, byte tokens), one task a request.
 
 Every request has a ``--prompt``-token random prompt and ``--new`` new tokens (``ignore_eos``: each runs its
@@ -57,6 +58,7 @@ from treedec.programs.generate import generate_batch  # noqa: E402
 from treedec.runtime.requests import RequestSpec  # noqa: E402
 from treedec.sampling.params import SamplingParams  # noqa: E402
 from treedec.programs.speculative.batch import speculative_batch  # noqa: E402
+from treedec.programs.speculative.draft_budget import DraftBudget  # noqa: E402
 from treedec.programs.speculative.drafts import TreeDraft  # noqa: E402
 from treedec.programs.tot import BFSConfig, ByteTokenizer, tot_batch  # noqa: E402
 from treedec.programs.tot.game24 import Game24Task  # noqa: E402
@@ -124,7 +126,8 @@ def run_kind(kind: str, engine: Engine, requests: int, args, rng: np.random.Gene
     if kind == "speculative":
         tree = TokenTree(tuple(medusa_tree(64).parents.tolist()))
         tokens = rng.integers(0, vocab, tree.size - 1).tolist()
-        speculative_batch(engine, specs, lambda spec: TreeDraft(tree, tokens), pipeline=True)
+        budget = None if args.draft_budget is None else DraftBudget(step_tokens=args.draft_budget)
+        speculative_batch(engine, specs, lambda spec: TreeDraft(tree, tokens), pipeline=True, draft_budget=budget)
         return 2
     tasks = [Game24Task(PUZZLES[i % len(PUZZLES)], check_steps=False, thought_max_tokens=args.new,
                         value_max_tokens=8) for i in range(requests)]
@@ -162,10 +165,15 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline", action="store_true",
                         help="CPU: pipeline the generation kinds as a GPU run does (the draws read back one step "
                              "behind: the host path the GPU's graphed steps take)")
+    parser.add_argument("--draft-budget", type=int, default=None,
+                        help="speculative: draft tokens a step for the batch (DraftBudget's step_tokens; default the "
+                             "batch's automatic budget: no limit on the CPU)")
     parser.add_argument("--smoke", action="store_true", help="CPU, sizes 1 and 4, 12 new tokens, one run (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None, help="added to the results file's name")
     args = parser.parse_args(argv)
+    if args.draft_budget is not None and args.draft_budget < 1:
+        parser.error(f"--draft-budget is draft tokens a step for the batch, >= 1: got {args.draft_budget}")
     if args.smoke:
         args.device, args.requests, args.new, args.repeats = "cpu", "1,4", 12, 1
     kinds = args.programs.split(",")
@@ -219,7 +227,7 @@ def main(argv=None) -> int:
     write_results({"benchmark": "host_scaling", "date": datetime.date.today().isoformat(),
                    "device": "cpu" if device.type == "cpu" else device_name(device), "versions": versions("triton"),
                    "mode": mode, "model": "tiny", "prompt_tokens": args.prompt, "new_tokens": args.new,
-                   "requests": sizes, "repeats": args.repeats, "results": results},
+                   "requests": sizes, "repeats": args.repeats, "draft_budget": args.draft_budget, "results": results},
                   args.out, "host-scaling", smoke=args.smoke, tag=args.tag)
     return 0
 
