@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                              "allows it on a GPU)")
     parser.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU: the target's graphed forward through torch.compile "
-                             "(Engine(compile_model=True), as bench/programs.py's graphs_compiled; default on; "
+                             "(Engine(compile_model=True), as bench/programs.py's graphs_model; default on; "
                              "the drafters stay uncompiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))

@@ -5,14 +5,18 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from treedec.kernels.batch_invariant_matmul import batch_invariant_matmul, batch_invariant_tiles  # noqa: E402
+from treedec.kernels.batch_invariant_matmul import (  # noqa: E402
+    MatmulTiles, batch_invariant_matmul, batch_invariant_tiles)
 
 pytestmark = pytest.mark.triton
 
 
 def test_tiles_depend_on_n_and_k_only():
-    assert batch_invariant_tiles(96, 40) == batch_invariant_tiles(96, 40)
-    assert batch_invariant_tiles(96, 40).block_m == 64
+    import inspect
+    assert list(inspect.signature(batch_invariant_tiles).parameters) == ["n", "k"]
+    assert batch_invariant_tiles(96, 40) == MatmulTiles(block_m=64, block_n=128, block_k=64, num_warps=4)
+    assert batch_invariant_tiles(4096, 14336) == MatmulTiles(block_m=64, block_n=128, block_k=64, num_warps=4)
+    assert batch_invariant_tiles(24, 40) == MatmulTiles(block_m=64, block_n=32, block_k=64, num_warps=4)
 
 
 @pytest.mark.parametrize("bias", [False, True])
