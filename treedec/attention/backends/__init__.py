@@ -58,8 +58,7 @@ def resolve_backend(name: str, device: torch.device, variant: AttentionVariant |
                                 f"batch and long sequence measured on an H100/H200")
             for candidate in AUTO_ORDER:
                 if statuses[candidate] is None:
-                    passed = "; ".join(f"{b}: {statuses[b]}" for b in AUTO_ORDER[:AUTO_ORDER.index(candidate)]
-                                       + ("cuda",) if statuses[b])
+                    passed = "; ".join(f"{b}: {statuses[b]}" for b in AUTO_ORDER if b != candidate and statuses[b])
                     return candidate, (f"auto: {candidate} is the fastest backend available on {device}"
                                        + (f" (passed over: {passed})" if passed else ""))
         skipped = "; ".join(f"{b}: {statuses[b]}" for b in AUTO_ORDER if statuses[b])
