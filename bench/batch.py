@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import json
 import statistics
 import sys
 import time
@@ -127,10 +128,12 @@ def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | No
 
 def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None,
               draft_budget: int | str | None = "auto", pipeline: bool | None = None,
-              compile_model: bool = False) -> dict:
+              compile_model: bool = False, profile: int = 0) -> dict:
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
     from the returns of the target engine's steps (a pipelined step returns when it is launched: in the
-    steady state the gaps are the step times all the same)."""
+    steady state the gaps are the step times all the same). ``profile`` K > 0: ``torch.profiler`` over K
+    steps with every request decoding (after 5 such steps of warm-up), its kernel summary under
+    ``"profile"`` (the timed steps then include the profiled ones: time them in a separate run)."""
     cuda = model.device.type == "cuda"
     # a tree of up to its tree_tokens, and its pages
     tree_room = 0 if draft is None else 2 * draft.tree_tokens + 4 * page_size
@@ -150,9 +153,13 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
                          for s in specs)
         drafter = Engine(draft.drafter, kv_tokens=drafter_kv, page_size=page_size, cuda_graphs=graphs)
     ends, queries, step, tree = [], [], engine.step, engine.tree
+    full, most = len(specs), len(specs) * (1 if draft is None else draft.tree_tokens)
+    profiler = _StepProfiler(profile, model.device) if profile else None
 
     def timed(*args, **kwargs):
         queries.append(tree.num_pending)
+        if profiler is not None:
+            profiler.before(full <= queries[-1] <= most)
         out = step(*args, **kwargs)
         ends.append(time.perf_counter())
         return out
@@ -170,8 +177,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
                                            max_draft_tokens=draft.tree_tokens)
     decode = stats.steps - stats.prompt_steps
     # Steps that decode every request (one token each, or a tree each, cut to the draft budget): every
-    # request in the step, no prompt chunk in it.
-    full, most = len(specs), len(specs) * (1 if draft is None else draft.tree_tokens)
+    # request in the step, no prompt chunk in it (`full`, `most` above).
     # (the scheduler's steps are the engine's last ones: a shared prefix's prefill comes before them)
     live = [0] * (len(ends) - len(stats.programs_per_step)) + stats.programs_per_step
     steady = [i for i in range(1, len(ends)) if live[i] == live[i - 1] == full and full <= queries[i] <= most
@@ -191,6 +197,8 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
                 "pipeline_note": results[0].stats["pipeline_note"],
                 # emitted tokens a second in the timed steps: each request's accepted tokens and its bonus token
                 "tokens_per_s": len(specs) * (1 + float(np.mean(accepted))) / (out["step_ms"] / 1e3)}
+    if profiler is not None:
+        out["profile"] = profiler.summary()
     if drafter is not None:
         out["drafter_eager"] = {k: v for k, v in drafter.graph_stats.items() if k.startswith("eager")}
     del engine, drafter
@@ -198,6 +206,48 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+class _StepProfiler:
+    """``torch.profiler`` over ``steps`` consecutive decoding steps, started after 5 of them (warm-up)."""
+
+    WARMUP = 5
+
+    def __init__(self, steps: int, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof, self.steps, self.seen, self.started, self.wall = profile(activities=activities), steps, 0, None, None
+
+    def before(self, decoding: bool) -> None:
+        """Called before each engine step; ``decoding``: every request decodes in it."""
+        if self.wall is not None:
+            return
+        if self.started is not None and (self.seen - self.WARMUP == self.steps or not decoding):
+            self._stop()
+            return
+        if decoding:
+            if self.seen == self.WARMUP:
+                self.prof.start()
+                self.started = time.perf_counter()
+            self.seen += 1
+
+    def _stop(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.stop()
+        self.wall = (time.perf_counter() - self.started, self.seen - self.WARMUP)
+
+    def summary(self) -> dict:
+        from bench.program_profile import kernel_summary
+        if self.wall is None and self.started is not None:
+            self._stop()   # the batch ended while profiling
+        if self.wall is None:
+            raise RuntimeError(f"--profile {self.steps}: fewer than {self.WARMUP} + {self.steps} steps decoded every "
+                               f"request together ({self.seen}); raise --new")
+        seconds, steps = self.wall
+        summary = kernel_summary(self.prof, steps, top=15)
+        return {"steps": steps, "wall_ms": 1e3 * seconds / steps,
+                "gpu_idle_ms": 1e3 * seconds / steps - summary["gpu_busy_ms"]} | summary
 
 
 def _budget(text: str) -> int | str | None:
@@ -246,6 +296,9 @@ def main(argv=None) -> int:
                         help="on a GPU: the target's graphed forward through torch.compile "
                              "(Engine(compile_model=True), as bench/programs.py's graphs_model; default on; "
                              "the drafters stay uncompiled)")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also run each batch once more under torch.profiler over K steps with every request "
+                             "decoding (GPU kernels by time, idle time per step: under 'profile' in the results)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sizes (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default=None)
@@ -296,6 +349,11 @@ def main(argv=None) -> int:
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
                             args.draft_budget, False if args.no_pipeline else None,
                             compile_model=args.compile_model and cuda)
+            if args.profile:
+                run["profile"] = run_batch(model, specs, share and not args.speculative, args.page_size,
+                                           args.timed_steps, draft, args.draft_budget,
+                                           False if args.no_pipeline else None,
+                                           compile_model=args.compile_model and cuda, profile=args.profile)["profile"]
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
@@ -322,6 +380,8 @@ def main(argv=None) -> int:
             print(f"{count} requests, {kind}: {run['step_ms']:.2f} ms per "
                   f"step ({run['x_floor']:.2f}x floor {run['floor_ms']:.2f}), peak {run['peak_pages']} pages{extra}",
                   flush=True)
+            if "profile" in run:
+                print(f"  profile: {json.dumps(run['profile'])}", flush=True)
     if args.compare_unshared:
         # In bf16 the shared prefix's K/V (prefilled alone) differs in its last bits from the same
         # tokens prefilled with each question, and a random model's near-ties then flip argmaxes:

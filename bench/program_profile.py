@@ -33,6 +33,20 @@ def profile_program(program: str, method: str, work: Workload, prompt: list[int]
                  schedule=schedule(wait=wait, warmup=1, active=active, repeat=1)) as prof:
         with StepClock(engine, on_step=prof.step) as clock:
             PROGRAM_FUNCTIONS[program](engine, prompt, total, work)
+    summary = kernel_summary(prof, active)
+    steps = len(clock.ends)
+    wall_ms = 1e3 * (clock.ends[-1] - clock.ends[-1 - active]) if steps > active else float("nan")
+    return {"steps": active, "wall_ms": wall_ms / active, "gpu_busy_ms": summary["gpu_busy_ms"],
+            "gpu_idle_ms": wall_ms / active - summary["gpu_busy_ms"], "kernel_ms": summary["kernel_ms"],
+            "kernels_per_step": summary["kernels_per_step"],
+            "engine_step_host_ms": 1e3 * statistics.median(clock.host_seconds[-active:]),
+            "top_kernels_ms": summary["top_kernels_ms"]}
+
+
+def kernel_summary(prof, steps: int, top: int = 12) -> dict:
+    """The GPU kernels a finished ``torch.profiler`` run recorded, per step over its ``steps`` steps (ms): busy
+    time (the union of kernel intervals), time by kernel kind (:data:`KERNEL_KINDS`), kernels a step, and the
+    ``top`` kernels by time (names cut to 80 characters)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and e.time_range.end > e.time_range.start and not e.name.startswith("ProfilerStep")]
     by_kind: Counter = Counter()
@@ -48,11 +62,6 @@ def profile_program(program: str, method: str, work: Workload, prompt: list[int]
         if b > end:
             busy += b - max(a, end)
             end = b
-    steps = len(clock.ends)
-    wall_ms = 1e3 * (clock.ends[-1] - clock.ends[-1 - active]) if steps > active else float("nan")
-    return {"steps": active, "wall_ms": wall_ms / active, "gpu_busy_ms": busy / 1e3 / active,
-            "gpu_idle_ms": (wall_ms - busy / 1e3) / active,
-            "kernel_ms": {k: v / 1e3 / active for k, v in sorted(by_kind.items())},
-            "kernels_per_step": len(kernels) / active,
-            "engine_step_host_ms": 1e3 * statistics.median(clock.host_seconds[-active:]),
-            "top_kernels_ms": {k: round(v / 1e3 / active, 4) for k, v in names.most_common(12)}}
+    return {"gpu_busy_ms": busy / 1e3 / steps, "kernel_ms": {k: v / 1e3 / steps for k, v in sorted(by_kind.items())},
+            "kernels_per_step": len(kernels) / steps,
+            "top_kernels_ms": {k: round(v / 1e3 / steps, 4) for k, v in names.most_common(top)}}
