@@ -132,7 +132,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
     from the returns of the target engine's steps (a pipelined step returns when it is launched: in the
     steady state the gaps are the step times all the same). ``profile`` K > 0: ``torch.profiler`` over K
-    steps with every request decoding (after 5 such steps of warm-up), its kernel summary under
+    steps with every request decoding (after 3 such steps of warm-up), its kernel summary under
     ``"profile"`` (the timed steps then include the profiled ones: time them in a separate run)."""
     cuda = model.device.type == "cuda"
     # a tree of up to its tree_tokens, and its pages
@@ -209,9 +209,9 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
 
 
 class _StepProfiler:
-    """``torch.profiler`` over ``steps`` consecutive decoding steps, started after 5 of them (warm-up)."""
+    """``torch.profiler`` over ``steps`` consecutive decoding steps, started after 3 of them (warm-up)."""
 
-    WARMUP = 5
+    WARMUP = 3
 
     def __init__(self, steps: int, device: torch.device):
         from torch.profiler import ProfilerActivity, profile

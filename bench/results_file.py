@@ -42,6 +42,7 @@ def results_path(out_dir: Path, device: str, kind: str = "", smoke: bool = False
 def write_results(results: dict, out_dir: str | Path, kind: str, smoke: bool = False, tag: str | None = None) -> Path:
     """Write ``results`` (with its ``"device"``) as JSON to :func:`results_path`; say where."""
     path = results_path(Path(out_dir), results["device"], kind, smoke, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return path
