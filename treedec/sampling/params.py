@@ -16,6 +16,7 @@ import torch
 
 from treedec.checks import FLOAT32_MAX, FLOAT32_TINY, describe, float32_number, fraction, is_int, is_real, positive_int
 from treedec.models.text import IncrementalDetokenizer
+from treedec.sampling.draw import inverse_cdf
 from treedec.sampling.logits import SAMPLING_EPS, warp_scores
 from treedec.sampling.stops import StopRule, stop_string_tuple, token_id_tuple
 from treedec.sampling.structured import StructuredOutputsParams, structured_outputs
@@ -319,12 +320,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     probs = sampling_probs(logits, params)
     if uniform is None:
         return torch.multinomial(probs, 1, generator=generator).reshape(-1)
-    # The first token whose cumulative mass passes u * total: a token of zero probability never
-    # is (its cumulative sum equals its predecessor's). In float64, u < 1 (a float32) times the
-    # total stays below the total, so some token always passes it.
-    cdf = probs.double().cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, (uniform.double() * cdf[:, -1]).unsqueeze(-1), right=True)
-    return picked.reshape(-1).clamp_(max=probs.shape[-1] - 1)   # (NaN compares false: it would give vocab)
+    return inverse_cdf(probs, uniform)
 
 
 # ================================================================ private: the fields' checks

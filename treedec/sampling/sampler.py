@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from treedec.checks import FLOAT32_MAX
+from treedec.sampling.draw import inverse_cdf, row_cumsum
 from treedec.sampling.rng import counter_uniform
 
 __all__ = ["SamplingRows", "penalize", "sample_rows", "warp", "warp_rows"]
@@ -154,7 +155,7 @@ def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) 
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if top_p is not None:
             probs = ordered.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs   # of the tokens ranked above each token
+            mass_before = row_cumsum(probs) - probs      # of the tokens ranked above each token
             cut = mass_before >= _per_row(top_p)         # (compared in float32: a top_p of 1e-300 is 0 there)
             cut[:, 0] = False                            # the most likely token is always kept
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
@@ -200,13 +201,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     sampled = rows.temperature > 0
     safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
     probs = warp_rows(scores, safe).softmax(dim=-1)
-    uniform = counter_uniform(rows.seed, rows.stream, draws)
-    # The first token whose cumulative mass passes u * total (float64: u < 1 keeps it below the total, and a
-    # token of zero probability never is, its sum being its predecessor's); clamped so that no id past the
-    # vocabulary can come out of a degenerate row.
-    cdf = probs.double().cumsum(dim=-1)
-    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).reshape(-1)
-    drawn = drawn.clamp_(max=scores.shape[-1] - 1)
+    drawn = inverse_cdf(probs, counter_uniform(rows.seed, rows.stream, draws))
     return torch.where(sampled, drawn, scores.argmax(dim=-1)) if rows.greedy else drawn
 
 

@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from treedec.sampling.draw import inverse_cdf
 from treedec.sampling.params import SamplingParams, sampling_probs
 from treedec.sampling.rng import counter_uniform
 from treedec.transfer import to_device
@@ -179,9 +180,7 @@ def rejection_outcomes(tree: TokenTree, tokens: torch.Tensor, logits: torch.Tens
     rows = torch.arange(r_count, device=device)
     left = residual[rows, last]
     weights = torch.where((mass[rows, last] > 0)[:, None], left, target[rows, last])
-    cdf = weights.double().cumsum(dim=-1)
-    bonus = torch.searchsorted(cdf, (uniform[:, -1:].double() * cdf[:, -1:]), right=True)[:, 0]
-    bonus = bonus.clamp_(max=weights.shape[-1] - 1)   # (NaN compares false: it would give vocab)
+    bonus = inverse_cdf(weights, uniform[:, -1])
     return torch.cat([length[:, None], bonus[:, None], path[:, :shape.depth]], dim=1)
 
 

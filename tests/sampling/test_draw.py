@@ -1,0 +1,58 @@
+"""The inverse-CDF draw and its blocked prefix sums (treedec.sampling.draw): the blocked sums equal torch's
+cumsum up to rounding, never decrease over non-negative values, keep a zero's sum equal to its predecessor's
+exactly (so a zero-weight token is never drawn, at block borders too), and the draw is the first token past
+``u * total``."""
+import torch
+from hypothesis import given, settings, strategies as st
+
+from treedec.sampling.draw import BLOCK, inverse_cdf, row_cumsum
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3 * BLOCK + 5), rows=st.integers(1, 3), zeros=st.integers(1, 9), seed=st.integers(0, 2**31))
+def test_row_cumsum_is_cumsum_monotone_and_exact_over_zeros(n, rows, zeros, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(rows, n, generator=gen, dtype=torch.float64)
+    x[:, ::zeros] = 0.0
+    got = row_cumsum(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, x.cumsum(-1), rtol=1e-12, atol=1e-12)
+    assert (got[:, 1:] >= got[:, :-1]).all()
+    zero = x[:, 1:] == 0
+    assert torch.equal(got[:, 1:][zero], got[:, :-1][zero])
+
+
+def test_row_cumsum_keeps_float32_and_leading_dims():
+    x = torch.rand(2, 3, 2 * BLOCK + 1)
+    got = row_cumsum(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, x.cumsum(-1), rtol=1e-5, atol=1e-4)
+
+
+def test_inverse_cdf_draws_the_first_token_past_u_times_total():
+    vocab = 3 * BLOCK
+    weights = torch.zeros(4, vocab)
+    # row 0: all weight on one token past the first block; row 1: two tokens at a block border
+    weights[0, BLOCK + 7] = 2.0
+    weights[1, BLOCK - 1], weights[1, BLOCK] = 1.0, 1.0
+    weights[2:] = 1.0
+    uniform = torch.tensor([0.999, 0.4999, 0.0, 0.5])
+    drawn = inverse_cdf(weights, uniform)
+    assert drawn.dtype == torch.int64
+    assert drawn.tolist() == [BLOCK + 7, BLOCK - 1, 0, vocab // 2]
+    assert inverse_cdf(weights[1:2], torch.tensor([0.5])).tolist() == [BLOCK]
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_token():
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(64, 2 * BLOCK + 3, generator=gen)
+    weights[:, BLOCK - 2:BLOCK + 2] = 0.0     # zeros around a block border
+    weights[:, ::3] = 0.0
+    uniform = torch.rand(64, generator=gen, dtype=torch.float64)
+    drawn = inverse_cdf(weights, uniform)
+    assert (weights.gather(1, drawn[:, None]) > 0).all()
+
+
+def test_inverse_cdf_of_nan_rows_stays_in_the_vocabulary():
+    weights = torch.full((2, BLOCK + 10), float("nan"))
+    assert inverse_cdf(weights, torch.tensor([0.3, 0.9])).tolist() == [BLOCK + 9] * 2
