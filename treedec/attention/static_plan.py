@@ -83,7 +83,8 @@ class PlanBounds:
 
     @classmethod
     def for_plan(cls, plan: TreePlan) -> "PlanBounds":
-        """Power-of-two bounds that hold ``plan``: a bucket that plans of similar steps share."""
+        """Bounds that hold ``plan`` (powers of two; the queries' :meth:`query_bucket`): a bucket that plans of
+        similar steps share."""
         q = cls.query_bucket(plan.num_queries)
         return cls(max_queries=q, max_tokens=_pow2(max(plan.num_tokens, 1024)),
                    max_chunks=_pow2(max(plan.num_chunks, 16)),
@@ -93,8 +94,21 @@ class PlanBounds:
 
     @staticmethod
     def query_bucket(num_queries: int) -> int:
-        """The ``max_queries`` of :meth:`for_plan` for a plan of ``num_queries`` queries (the power of two)."""
-        return _pow2(num_queries)
+        """The ``max_queries`` of :meth:`for_plan` for a plan of ``num_queries`` queries: the power of two up to
+        :data:`POW2_QUERY_BUCKETS`, past it the next multiple of an eighth of the power of two (four buckets an
+        octave: 320, 384, 448, 512, 640, ...).
+
+        Every row of a bucket runs the model's GEMMs; up to a few hundred rows they cost about one read of the
+        weights whatever the rows (an 8B model's knee is ~256 rows on an H200), past it each row costs its
+        arithmetic: a power of two there ran 8 Medusa-64 requests' 264 verify tokens as 512 rows
+        (bench/results/2026-12-02-nvidia-h200-batch-s19-tree-prof.json: 10.9 of a 16 ms step in GEMMs).
+        vLLM captures multiples of 8 up to 256 and of 16 past it; each bucket here is captured (and, with
+        ``compile_model``, compiled) when first needed, so fewer, coarser ones."""
+        bucket = _pow2(num_queries)
+        if bucket <= POW2_QUERY_BUCKETS:
+            return bucket
+        step = bucket // 8
+        return -(-num_queries // step) * step
 
     @property
     def chunks(self) -> int:
@@ -317,6 +331,10 @@ def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([start, end])
     return [(a, b) for a, b in out]
+
+
+#: query buckets are powers of two up to this many queries (:meth:`PlanBounds.query_bucket`)
+POW2_QUERY_BUCKETS = 256
 
 
 def _pow2(n: int) -> int:
