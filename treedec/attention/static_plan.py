@@ -95,20 +95,20 @@ class PlanBounds:
     @staticmethod
     def query_bucket(num_queries: int) -> int:
         """The ``max_queries`` of :meth:`for_plan` for a plan of ``num_queries`` queries: the power of two up to
-        :data:`POW2_QUERY_BUCKETS`, past it the next multiple of an eighth of the power of two (four buckets an
-        octave: 320, 384, 448, 512, 640, ...).
+        :data:`POW2_QUERY_BUCKETS`, past it 5/8, 3/4 or all of the next power of two (320, 384, 512, 640, 768,
+        1024, ...).
 
         Every row of a bucket runs the model's GEMMs; up to a few hundred rows they cost about one read of the
         weights whatever the rows (an 8B model's knee is ~256 rows on an H200), past it each row costs its
         arithmetic: a power of two there ran 8 Medusa-64 requests' 264 verify tokens as 512 rows
-        (bench/results/2026-12-02-nvidia-h200-batch-s19-tree-prof.json: 10.9 of a 16 ms step in GEMMs).
-        vLLM captures multiples of 8 up to 256 and of 16 past it; each bucket here is captured (and, with
-        ``compile_model``, compiled) when first needed, so fewer, coarser ones."""
+        (bench/results/2026-12-02-nvidia-h200-batch-s19-tree-prof.json: 10.9 of a 16 ms step in GEMMs; 11.8 ms
+        a step at 320 rows). No 7/8 bucket: cuBLAS ran an 8B step's GEMMs at 448 rows in 14.3 ms, at 512 in 11.2
+        (...-gemm-rows-s19.json). vLLM captures multiples of 8 up to 256 and of 16 past it; each bucket here is
+        captured (and, with ``compile_model``, compiled) when first needed, so fewer, coarser ones."""
         bucket = _pow2(num_queries)
         if bucket <= POW2_QUERY_BUCKETS:
             return bucket
-        step = bucket // 8
-        return -(-num_queries // step) * step
+        return next(b for b in (bucket * 5 // 8, bucket * 3 // 4, bucket) if b >= num_queries)
 
     @property
     def chunks(self) -> int:

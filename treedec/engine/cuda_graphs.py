@@ -4,7 +4,7 @@ A step's plan is written into a :class:`~treedec.attention.StaticPlan` of its bu
 attention layer's one static-plan mechanism, for every kernel backend; see
 :mod:`treedec.attention.static_plan`), together with the step's token ids, positions and KV
 slots (one pinned buffer, one or a few asynchronous copies), and the bucket's graph is
-replayed. Buckets are powers of two of the plan's sizes, its queries' past 256 a quarter of an octave apart
+replayed. Buckets are powers of two of the plan's sizes, its queries' past 256 also 5/8 and 3/4 of the next power
 (:meth:`PlanBounds.for_plan`, :meth:`~treedec.attention.static_plan.PlanBounds.query_bucket`); graphed
 steps run the same kernels as eager ones. Padded query rows (past the step's
 queries) embed token 0 at position 0 and write their K/V to a scratch slot past the pool's
