@@ -314,6 +314,15 @@ def add_quantization_argument(p) -> None:
                         "step reads; de-quantized by the attention on the CPU)")
 
 
+def add_batch_invariant_argument(p) -> None:
+    """``--batch-invariant``: the engine's batch-invariant mode (``Engine(..., batch_invariant=True)``; vLLM's
+    ``VLLM_BATCH_INVARIANT``), for the commands whose engines decode requests."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logits are the same bits alone or in any batch: batch-invariant "
+                        "GEMMs and norms, attention planned per query path (slower; refuses --quantization and "
+                        "tensor parallelism)")
+
+
 def model_device(args: argparse.Namespace) -> torch.device:
     """The device :func:`load_model` puts the model on."""
     if args.model is None and args.config is None:
