@@ -41,8 +41,9 @@ def build_engine(model, kv_tokens: int | None, page_size: int, flag: str = "--kv
         engine = Engine(model, kv_tokens=kv_tokens, page_size=page_size, kv_cache_dtype=kv_cache_dtype, **options)
     if engine.batch_invariance is not None:
         config = engine.attn.plan_config
-        print(f"batch-invariant mode: GEMMs and norms {engine.batch_invariance.summary}; attention: the {config.planner} "
-              f"planner, {config.chunk_size}-token chunks, {engine.attn.backend} backend", file=sys.stderr)
+        print(f"batch-invariant mode: GEMMs and norms {engine.batch_invariance.summary}; attention: the "
+              f"{config.planner} planner, {config.chunk_size}-token chunks, {engine.attn.backend} backend",
+              file=sys.stderr)
     return engine
 
 

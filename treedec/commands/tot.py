@@ -31,9 +31,9 @@ import torch
 
 from treedec.sampling.params import SamplingParams
 from treedec.attention import PLANNERS
-from treedec.commands.args import (MODEL_HELP, add_batch_invariant_argument, add_model_arguments, backend_arg,
-                                   check_backend, existing_file, finite_float, load_model, nonnegative_float,
-                                   output_file, positive_int, seed_int)
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, engine_options,
+                                   existing_file, finite_float, load_model, nonnegative_float, output_file,
+                                   positive_int, seed_int)
 from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.engine.pool_sizing import CPU_POOL_TOKENS
@@ -79,8 +79,7 @@ def add_tot_parser(sub) -> None:
                    help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
     add_model_arguments(p, model_help=f"{MODEL_HELP} (its tokenizer, if it has one)",
                         config_help="a named model size with random weights (default: tiny, on the CPU); "
-                                    "bytes as tokens")
-    add_batch_invariant_argument(p)
+                                    "bytes as tokens", batch_invariant=True)
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
     p.add_argument("--planner", choices=PLANNERS, help="default flatten (with --batch-invariant: path, its own)")
     p.add_argument("--page-size", type=positive_int, default=16)
@@ -118,8 +117,7 @@ def run_tot(args: argparse.Namespace) -> int:
     # 800 tokens of SmolLM2's 8192 on the Game of 24; past the pool programs wait for pages)
     engine = command_engine(model, args.kv_tokens, args.page_size,
                             None if len(tasks) == 1 else [position_limit(model)] * len(tasks),
-                            backend=args.backend, plan_config=plan_config, kv_cache_dtype=args.kv_cache_dtype,
-                            batch_invariant=args.batch_invariant)
+                            plan_config=plan_config, **engine_options(args))
     device = model.device
     settings = {
         "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,
