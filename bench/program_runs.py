@@ -162,7 +162,8 @@ def program_engine(method: str, work: Workload, prompt: list[int], args, program
     ``compile_model`` for ``graphs_model``; the KV pool sized from free memory on a GPU, on the CPU
     big enough for the prompt and the steps. An EAGLE program's pools (the target's and its drafter's,
     whose options go to ``work.drafter_engine``) are sized for the prompt and the steps everywhere. The target's
-    pool stores ``args.kv_cache_dtype`` (a drafter's stays in its dtype)."""
+    pool stores ``args.kv_cache_dtype`` (a drafter's stays in its dtype), in the batch-invariant mode with
+    ``args.batch_invariant``."""
     device = work.model.device
     graphs, backend = False, args.backend
     if method.startswith("graphs"):
@@ -172,7 +173,8 @@ def program_engine(method: str, work: Workload, prompt: list[int], args, program
     work.drafter_engine = {"kv_tokens": sized, "page_size": args.page_size, "backend": backend, "cuda_graphs": graphs}
     return Engine(work.model, kv_tokens=sized if device.type != "cuda" or program in EAGLE_PROGRAMS else None,
                   page_size=args.page_size, backend=backend, cuda_graphs=graphs,
-                  compile_model=method == "graphs_model", kv_cache_dtype=args.kv_cache_dtype)
+                  compile_model=method == "graphs_model", kv_cache_dtype=args.kv_cache_dtype,
+                  batch_invariant=args.batch_invariant)
 
 
 # ===================================================================== timing

@@ -110,6 +110,7 @@ from bench.results_file import device_name, results_path, versions  # noqa: E402
 from bench.step import free_memory  # noqa: E402
 from bench.timing import copy_bandwidth, methods_in_order  # noqa: E402
 from treedec.models import ModelConfig, from_config  # noqa: E402
+from treedec.models.batch_invariant import make_batch_invariant  # noqa: E402
 from treedec.engine.pool_sizing import kv_bytes_per_token as pool_bytes_per_token  # noqa: E402
 from treedec.tree.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown {name}(s) {unknown}; choose from {','.join(known)}")
     if device.type != "cuda" and not args.smoke and any(m.startswith("graphs") for m in methods):
         raise SystemExit("the graphs methods need a CUDA device (or --smoke, which runs them uncaptured on the CPU)")
+    if args.batch_invariant and "graphs_model" in methods:
+        raise SystemExit("--batch-invariant refuses compile_model: leave graphs_model out of --methods")
     tp = _tensor_parallel(args, methods)
     if tp is not None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -162,6 +165,8 @@ def main(argv=None) -> int:
     model = from_config(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device, tensor_parallel=tp,
                         quantization=args.quantization)
     config = model.config   # with tensor parallelism: this rank's heads and columns (its floors are per rank)
+    if args.batch_invariant:   # (before linear_paths is recorded; every engine then keeps the model's kernel)
+        make_batch_invariant(model)
     work = random_workload(model, rng, args.tree, args.samples, args.seed, False if args.no_pipeline else None)
     work.eagle_depth, work.eagle_top_k = args.eagle_depth, args.eagle_top_k
     medusa = work.medusa
@@ -170,7 +175,8 @@ def main(argv=None) -> int:
     results = {
         "device": device_name(device), "date": datetime.date.today().isoformat(),
         "versions": versions("transformers", "triton"), "smoke": args.smoke, "model": args.model,
-        "dtype": args.dtype, "quantization": args.quantization, "linear_paths": model.linear_paths(),
+        "dtype": args.dtype, "quantization": args.quantization, "batch_invariant": args.batch_invariant,
+        "linear_paths": model.linear_paths(),
         "weight_bytes": model.weight_bytes(), "medusa_heads_bytes": heads_bytes, "kv_cache_dtype": args.kv_cache_dtype,
         "kv_bytes_per_token": pool_bytes_per_token(model, args.kv_cache_dtype),
         "copy_bandwidth_TBps": bandwidth / 1e12, "tree": os.path.relpath(medusa.source, REPO),
@@ -356,6 +362,8 @@ def _parse_args(argv):
     parser.add_argument("--eagle-depth", type=int, default=5, help="eagle*: tree layers (EAGLE-2's 5)")
     parser.add_argument("--eagle-top-k", type=int, default=8, help="eagle*: nodes expanded per layer (EAGLE-2's 8)")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="every engine in the batch-invariant mode (Engine(batch_invariant=True)): its cost")
     parser.add_argument("--backend", default="auto", help="the engine's attention backend on a GPU (auto, triton, cuda)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for the results JSON")

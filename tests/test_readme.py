@@ -45,7 +45,7 @@ def client_blocks() -> list[str]:
 
 
 def test_readme_has_the_blocks_this_test_knows():
-    assert len(readme_blocks("python")) == 7 and len(real_model_blocks()) == 1 and len(client_blocks()) == 1
+    assert len(readme_blocks("python")) == 8 and len(real_model_blocks()) == 1 and len(client_blocks()) == 1
     assert len(readme_blocks("bash")) == 5
     assert len(readme_blocks("text")) >= 1
     for block in own_process_blocks():   # each checked by its test below
@@ -78,6 +78,7 @@ assert 1 <= len(tokens) <= 32 and stats.steps >= 1
 assert 1 <= len(eagle_tokens) <= 8 and eagle_stats.steps >= 1 and 1 <= len(chain_tokens) <= 8
 assert run is not None and len(best.sequences) == 4 and len(vote.answers) == 8""",
     "generate_batch(engine, requests)": "assert len(results) == 16 and batch_stats.steps >= 15",
+    "batch_invariant=True, kv_tokens": "assert llm.engine.batch_invariance.kernel == 'rows'",
     "run_programs(engine, beams)": """
 assert len(first.sequences) == 3 and len(others) == 3
 assert max(run_stats.programs_per_step) == 4   # the four searches share their steps""",

@@ -180,6 +180,9 @@ class LLM:
         e4m3, twice the tokens in the same memory, scales from the checkpoint or 1.0 (see
         :class:`~treedec.engine.Engine`; ``llm.engine.kv_cache_dtype``, ``llm.engine.kv_scale_source``). On the CPU
         the attention de-quantizes them (said once, as a warning). A drafter's own KV pool stays in its dtype.
+    batch_invariant : a request's tokens and logprobs are the same bits alone or batched with any others (vLLM's
+        ``VLLM_BATCH_INVARIANT``, as an argument): see :mod:`treedec.engine.batch_invariance`;
+        ``llm.engine.batch_invariance`` says what runs. Refuses ``quantization`` and tensor parallelism.
 
     Raises
     ------
@@ -193,11 +196,15 @@ class LLM:
                  max_model_len: int | None = None, speculative_config: SpeculativeConfig | Mapping | None = None,
                  enable_prefix_caching: bool = False, device: str | None = None, kv_tokens: int | None = None,
                  page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto", **unknown):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto", batch_invariant: bool = False,
+                 **unknown):
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
         if quantization is not None:
             quantize_on_load(quantization)   # (a bad name is refused before the weights load)
+            if batch_invariant is True:
+                raise ValueError(f"batch_invariant=True needs unquantized projections, got quantization="
+                                 f"{quantization!r}: leave it None")
         kv_storage_dtype(kv_cache_dtype, torch.float32)   # (likewise)
         speculative_config = as_speculative_config(speculative_config)
         positive_int("tensor_parallel_size", tensor_parallel_size)
@@ -244,7 +251,8 @@ class LLM:
             logger.info("KV pool: %d tokens (%s)", kv_tokens, size.reason)
         self.engine = Engine(self.model, kv_tokens=kv_tokens, page_size=page_size, backend=backend,
                              memory_fraction=gpu_memory_utilization,
-                             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs, kv_cache_dtype=kv_cache_dtype)
+                             cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs, kv_cache_dtype=kv_cache_dtype,
+                             batch_invariant=batch_invariant)
         self.speculative_config = speculative_config
         self.drafts = None if speculative_config is None else speculative_config.build(self.engine)
         if self.drafts is not None:

@@ -51,7 +51,7 @@ def test_output_messages_round_trip():
                          [RequestFinished("r", dumps([result]))], [RequestFailure("s", "ValueError", "prompt_ids: x")],
                          STATS),
         CoreReady(name="tiny", max_model_len=4096, vocab_size=512, speculative=False, device="cpu", kv_tokens=4096,
-                  kv_cache_dtype="bfloat16", page_size=4, note="", tokenizer=None, pid=7),
+                  kv_cache_dtype="bfloat16", page_size=4, batch_invariant=False, note="", tokenizer=None, pid=7),
         CoreStartupFailed("FileNotFoundError", "no model at /x"),
         PagesReport(token=1, idle=True, num_nodes=0, held_pages=0, cache_pages=3, invariants=None)]
     for message in messages:

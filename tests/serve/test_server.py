@@ -196,6 +196,7 @@ def metric_values(url):
 
 def test_metrics_parse_and_count_the_requests(server, client):
     before = metric_values(server.url)
+    assert before[("treedec_batch_invariant", ())] == 0   # (the mode is off)
     ok = ("treedec_requests_total", (("route", "/v1/completions"), ("status", "200")))
     client.completions.create(**api(model="tiny", prompt="hello", max_tokens=5, temperature=0, ignore_eos=True))
     with pytest.raises(openai.BadRequestError):

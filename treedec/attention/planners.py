@@ -69,6 +69,12 @@ class PlanConfig:
     fuller unit's. Below 1, ``flatten`` on a persistent grid with long units cuts chunks that
     balance unit time instead of tokens (:mod:`~treedec.attention.balanced_chunks`): chunks that
     few queries read grow longer.
+
+    ``batch_invariant``: plans whose every query's reduction order is a function of its own root path and
+    ``chunk_size`` alone, whatever the rest of the forest (the batch-invariant mode): it needs the ``path``
+    planner with a fixed ``chunk_size`` (each query's path cut into even pieces of at most that many tokens,
+    its partials merged in path order), and backends whose launch does not follow the whole plan
+    (:meth:`~treedec.attention.backends.Backend.why_not_batch_invariant`).
     """
 
     planner: str = "flatten"
@@ -78,10 +84,15 @@ class PlanConfig:
     num_sms: int = 132
     persistent_ctas: int | None = None
     light_tile_cost: float | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.planner not in PLANNERS:
             raise PlanError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.batch_invariant and (self.planner != "path" or self.chunk_size is None):
+            raise PlanError(f"batch_invariant plans need planner='path' and a fixed chunk_size (a query's chunks "
+                            f"then follow its own path only), got planner={self.planner!r}, "
+                            f"chunk_size={self.chunk_size!r}")
         for name in ("chunk_size", "query_tile", "num_kv_heads", "num_sms", "persistent_ctas"):
             value = getattr(self, name)
             if value is None and name in ("chunk_size", "query_tile", "persistent_ctas"):

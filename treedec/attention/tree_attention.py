@@ -54,7 +54,8 @@ class TreeAttention:
         prepares and runs, made once here); each plan names it in ``plan.backend``.
     plan_config:
         Planner and chunking (:class:`PlanConfig`); its ``num_kv_heads`` and ``num_sms``
-        are set from this object and the device.
+        are set from this object and the device. A ``batch_invariant`` one takes only a backend that runs
+        such plans (``auto`` chooses among those).
     variant:
         What the layers it runs compute (:class:`AttentionVariant`: softmax scale, default
         ``1 / sqrt(head_dim)``; logit soft-cap; sliding window): its mask fields go to the planner
@@ -100,9 +101,12 @@ class TreeAttention:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             num_sms = plan_config.num_sms
-        self.backend, self.backend_reason = resolve_backend(backend, self.device, variant, head_dim, dtype)
+        self.backend, self.backend_reason = resolve_backend(backend, self.device, variant, head_dim, dtype,
+                                                            plan_config.batch_invariant)
         self.backend_impl: Backend = get_backend(self.backend).create(num_qo_heads, num_kv_heads, head_dim, dtype,
                                                                       variant, self.device)
+        if plan_config.batch_invariant:
+            self.backend_impl = self.backend_impl.batch_invariant()
         # what the backend runs best with (cuda: chunks that fill its 128-row units and its persistent grid)
         self.plan_config = self.backend_impl.plan_config(
             dataclasses.replace(plan_config, num_kv_heads=num_kv_heads, num_sms=num_sms))

@@ -290,9 +290,10 @@ MODEL_HELP = (f"a known name ({', '.join(KNOWN_MODELS)}: fetched and converted o
 
 
 def add_model_arguments(p, model_help: str = MODEL_HELP,
-                        config_help: str = "a named model size with random weights (default: tiny, on the CPU)") -> None:
+                        config_help: str = "a named model size with random weights (default: tiny, on the CPU)",
+                        batch_invariant: bool = False) -> None:
     """``--model`` or ``--config``, ``--device``, ``--dtype`` and ``--quantization``: what :func:`load_model`
-    reads."""
+    reads; with ``batch_invariant`` (a command whose engine decodes requests) ``--batch-invariant`` too."""
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", type=model_arg, help=model_help)
     model.add_argument("--config", type=model_size, help=f"{config_help}; one of {', '.join(MODEL_SIZES)}")
@@ -300,6 +301,8 @@ def add_model_arguments(p, model_help: str = MODEL_HELP,
                                                      "cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
     add_quantization_argument(p)
+    if batch_invariant:
+        add_batch_invariant_argument(p)
 
 
 def add_quantization_argument(p) -> None:
@@ -312,6 +315,21 @@ def add_quantization_argument(p) -> None:
                    help="what the KV pool stores: auto (the model's dtype) or fp8 / fp8_e4m3 (e4m3 with the "
                         "checkpoint's k_scale / v_scale or 1.0: twice the tokens in the same memory, half the K/V a "
                         "step reads; de-quantized by the attention on the CPU)")
+
+
+def add_batch_invariant_argument(p) -> None:
+    """``--batch-invariant``: the engine's batch-invariant mode (``Engine(..., batch_invariant=True)``; vLLM's
+    ``VLLM_BATCH_INVARIANT``), for the commands whose engines decode requests."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logits are the same bits alone or in any batch: batch-invariant "
+                        "GEMMs and norms, attention planned per query path (slower; refuses --quantization and "
+                        "tensor parallelism)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The :class:`~treedec.engine.Engine` options of a decoding command's flags (``--backend``, ``--kv-cache-dtype``,
+    ``--batch-invariant``), as keyword arguments."""
+    return {"backend": args.backend, "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant}
 
 
 def model_device(args: argparse.Namespace) -> torch.device:

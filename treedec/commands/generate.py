@@ -39,9 +39,9 @@ import sys
 import torch
 from tqdm import tqdm
 
-from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, existing_file, int_arg,
-                                   load_model, logit_bias_pair, nonnegative_float, nonnegative_int, output_file,
-                                   positive_float, positive_int, seed_int)
+from treedec.commands.args import (add_model_arguments, backend_arg, check_backend, engine_options, existing_file,
+                                   int_arg, load_model, logit_bias_pair, nonnegative_float, nonnegative_int,
+                                   output_file, positive_float, positive_int, seed_int)
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_tokens, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.engine.pool_sizing import CPU_POOL_TOKENS
@@ -64,7 +64,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--out", type=output_file,
                    help="results JSONL: one line per output, each request's written as it finishes (needed with "
                         "--prompts)")
-    add_model_arguments(p)
+    add_model_arguments(p, batch_invariant=True)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction,
                    help="render text prompts through the tokenizer's chat template as a user message (messages "
                         "always are); default: --prompt is when the tokenizer has one, a prompts file's 'prompt' "
@@ -151,8 +151,7 @@ def run_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     engine = command_engine(model, args.kv_tokens, args.page_size, request_kv_tokens(specs, tokenizer, chat,
                                                                                       args.page_size),
-                            backend=args.backend, cuda_graphs=model.device.type == "cuda",
-                            kv_cache_dtype=args.kv_cache_dtype)
+                            cuda_graphs=model.device.type == "cuda", **engine_options(args))
     generator = torch.Generator(model.device).manual_seed(args.seed)
     if args.prompt is not None:
         return _stream(args, engine, specs[0], tokenizer, chat, generator, name)

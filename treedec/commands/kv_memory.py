@@ -27,7 +27,8 @@ __all__ = ["build_engine", "check_kv_pool", "command_engine", "out_of_memory_as_
 def build_engine(model, kv_tokens: int | None, page_size: int, flag: str = "--kv-tokens", kv_cache_dtype: str = "auto",
                  **options) -> Engine:
     """``Engine(model, kv_tokens=kv_tokens, page_size=page_size, kv_cache_dtype=kv_cache_dtype, **options)``, its pool
-    checked first (:func:`check_kv_pool`).
+    checked first (:func:`check_kv_pool`). An engine in the batch-invariant mode says so, and what it runs, in one
+    line on stderr.
 
     Raises
     ------
@@ -37,7 +38,13 @@ def build_engine(model, kv_tokens: int | None, page_size: int, flag: str = "--kv
     """
     what = check_kv_pool(model, kv_tokens, page_size, flag, kv_cache_dtype)
     with out_of_memory_as_error(what, f"lower {flag}, or use a smaller --dtype or --kv-cache-dtype fp8"):
-        return Engine(model, kv_tokens=kv_tokens, page_size=page_size, kv_cache_dtype=kv_cache_dtype, **options)
+        engine = Engine(model, kv_tokens=kv_tokens, page_size=page_size, kv_cache_dtype=kv_cache_dtype, **options)
+    if engine.batch_invariance is not None:
+        config = engine.attn.plan_config
+        print(f"batch-invariant mode: GEMMs and norms {engine.batch_invariance.summary}; attention: the "
+              f"{config.planner} planner, {config.chunk_size}-token chunks, {engine.attn.backend} backend",
+              file=sys.stderr)
+    return engine
 
 
 def command_engine(model, kv_tokens: int | None, page_size: int, requests: Sequence[int] | None = None,

@@ -30,8 +30,8 @@ import signal
 import sys
 from pathlib import Path
 
-from treedec.commands.args import (DTYPES, add_quantization_argument, choice_arg, device_arg, model_arg, model_size,
-                                   positive_float, positive_int, unit_fraction)
+from treedec.commands.args import (DTYPES, add_batch_invariant_argument, add_quantization_argument, choice_arg,
+                                   device_arg, model_arg, model_size, positive_float, positive_int, unit_fraction)
 from treedec.models.config import MODEL_SIZES
 
 #: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
@@ -66,6 +66,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", type=device_arg, help="cpu or cuda[:N]; default cuda when available")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on a GPU, fp32 on the CPU")
     add_quantization_argument(p)
+    add_batch_invariant_argument(p)
     p.add_argument("--kv-tokens", type=positive_int, help="the KV pool's size in tokens (default: what "
                    "--gpu-memory-utilization of the free GPU memory holds; on the CPU one request of --max-model-len, "
                    "at most 32768)")
@@ -193,15 +194,17 @@ def run_serve(args: argparse.Namespace) -> int:
             pool = llm.engine.pool
             device, kv_tokens, max_model_len = llm.model.device, pool.num_pages * pool.page_size, llm.max_model_len
             kv_dtype = llm.engine.kv_cache_dtype
+            invariant = llm.engine.batch_invariance is not None
             drafting = "" if llm.drafts is None else f", speculative: {llm.drafts.note}"
         else:
             device, kv_tokens, max_model_len = ready.device, ready.kv_tokens, ready.max_model_len
             kv_dtype = ready.kv_cache_dtype
+            invariant = ready.batch_invariant
             drafting = f", speculative: {ready.note}" if ready.speculative else ""
         hosts = "any Host" if allowed_hosts is None else f"Host {','.join(allowed_hosts)}"
         key = "API key required" if args.api_key is not None else "no API key"
         print(f"treedec serve: {name} on {device} ({kv_tokens} KV tokens of {kv_dtype}, max_model_len {max_model_len}"
-              f"{drafting}; "
+              f"{', batch-invariant' if invariant else ''}{drafting}; "
               f"{core}) at http://{args.host}:{args.port}/v1 (OpenAI API; /metrics, /health; {hosts}; {key})",
               file=sys.stderr)
         if args.api_key is None and not is_loopback(args.host):
@@ -240,7 +243,8 @@ def build_llm(args: argparse.Namespace, template: str | None):
                                         num_speculative_tokens=args.num_speculative_tokens)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     sizes = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+                 tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+                 batch_invariant=args.batch_invariant)
     if args.config is not None:   # random weights, placed here (LLM places only models it loads by name)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = from_config(args.config, seed=args.seed, device=device,

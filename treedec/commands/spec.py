@@ -32,10 +32,10 @@ import numpy as np
 
 from treedec.checks import is_int
 from treedec.models import from_config, from_pretrained
-from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, choice_arg, existing_dir,
-                                    existing_file, existing_path, load_model, model_arg, model_size,
-                                    nonnegative_float, output_file, positive_float, positive_int, read_json,
-                                    seed_int)
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, choice_arg,
+                                   engine_options, existing_dir, existing_file, existing_path, load_model, model_arg,
+                                   model_size, nonnegative_float, output_file, positive_float, positive_int, read_json,
+                                   seed_int)
 from treedec.commands.kv_memory import build_engine
 from treedec.commands.spec_batch import run_spec_batch
 from treedec.models.text import check_text, encode_prompt, has_tokenizer, load_tokenizer
@@ -73,7 +73,7 @@ def add_spec_parser(sub) -> None:
     p.add_argument("--eos", type=_eos_ids,
                    help="comma-separated EOS token ids that end the generation, or 'none'; default: the model's "
                         "(its checkpoint's generation_config.json or config.json; none for random weights)")
-    add_model_arguments(p)
+    add_model_arguments(p, batch_invariant=True)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs --model with a tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids,
@@ -195,7 +195,7 @@ def run_spec(args: argparse.Namespace) -> int:
     eos = _eos(args, model)
     # a fixed size, not the GPU's free memory: the draft model and --check need engines too
     kv_tokens = args.kv_tokens or len(prompt) + args.max_tokens + 2048
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
+    engine = build_engine(model, kv_tokens, args.page_size, **engine_options(args))
     draft, draft_note = _draft(args, model, choices, tree_json, kv_tokens)
     print(f"spec: {model_name} {str(model.dtype).removeprefix('torch.')} on {model.device}, "
           f"{engine.attn.backend} backend, page size {args.page_size}, KV pool {engine.kv_capacity_tokens} tokens "
@@ -220,7 +220,7 @@ def run_spec(args: argparse.Namespace) -> int:
         results = {
             "command": "spec", "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "backend": engine.attn.backend, "page_size": args.page_size,
-            "kv_cache_dtype": engine.kv_cache_dtype,
+            "kv_cache_dtype": engine.kv_cache_dtype, "batch_invariant": engine.batch_invariance is not None,
             "draft": {"kind": args.speculative, "description": draft_note}, "acceptance": {"rule": args.accept,
                                                                                      "repr": repr(rule)},
             "eos_token_ids": list(eos), "prompt_ids": prompt, "tokens": tokens,
@@ -458,7 +458,7 @@ def _check(args: argparse.Namespace, model, prompt: list[int], tokens: list[int]
     """Plain greedy decoding of the same prompt and EOS ids, timed as the speculative run is (prefill included):
     equal tokens? and its tokens, decode steps and speed, for the comparison table; ``speedup``: ``summary_rate``
     (the speculative run's tokens/s) over plain greedy decoding's."""
-    engine = build_engine(model, kv_tokens, args.page_size, backend=args.backend, kv_cache_dtype=args.kv_cache_dtype)
+    engine = build_engine(model, kv_tokens, args.page_size, **engine_options(args))
     if not args.no_progress:   # greedy_generate reports nothing until it ends
         print(f"check: plain greedy decoding of up to {args.max_tokens} tokens ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -27,6 +27,7 @@ import sys
 
 from tqdm import tqdm
 
+from treedec.commands.args import engine_options
 from treedec.commands.batch_io import ResultsWriter, read_prompts, request_kv_tokens, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.models.text import has_tokenizer, load_tokenizer
@@ -74,7 +75,7 @@ def run_spec_batch(args: argparse.Namespace, choices: list[list[int]], tree_json
     on_gpu = model.device.type == "cuda"
     engine = command_engine(model, args.kv_tokens, args.page_size,
                             request_kv_tokens(specs, tokenizer, args.chat_template, args.page_size, DRAFT_TREE_TOKENS),
-                            backend=args.backend, cuda_graphs=on_gpu, kv_cache_dtype=args.kv_cache_dtype)
+                            cuda_graphs=on_gpu, **engine_options(args))
     draft_kv_tokens = args.kv_tokens or (GPU_DRAFT_KV_TOKENS if on_gpu else engine.kv_capacity_tokens)
     draft, note = make_draft(args, model, choices, tree_json, draft_kv_tokens)
     factory = _draft_factory(draft, choices)

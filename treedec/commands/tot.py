@@ -31,9 +31,9 @@ import torch
 
 from treedec.sampling.params import SamplingParams
 from treedec.attention import PLANNERS
-from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, existing_file,
-                                    finite_float, load_model, nonnegative_float, output_file, positive_int,
-                                    seed_int)
+from treedec.commands.args import (MODEL_HELP, add_model_arguments, backend_arg, check_backend, engine_options,
+                                   existing_file, finite_float, load_model, nonnegative_float, output_file,
+                                   positive_int, seed_int)
 from treedec.commands.batch_io import ResultsWriter, request_name
 from treedec.commands.kv_memory import command_engine
 from treedec.engine.pool_sizing import CPU_POOL_TOKENS
@@ -79,9 +79,9 @@ def add_tot_parser(sub) -> None:
                    help="have the model judge malformed or wrong steps too (random weights write nothing valid)")
     add_model_arguments(p, model_help=f"{MODEL_HELP} (its tokenizer, if it has one)",
                         config_help="a named model size with random weights (default: tiny, on the CPU); "
-                                    "bytes as tokens")
+                                    "bytes as tokens", batch_invariant=True)
     p.add_argument("--backend", type=backend_arg, default="auto", help="auto, reference, torch, triton or cuda")
-    p.add_argument("--planner", default="flatten", choices=PLANNERS, help="default flatten")
+    p.add_argument("--planner", choices=PLANNERS, help="default flatten (with --batch-invariant: path, its own)")
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--kv-tokens", type=positive_int,
                    help="KV pool size in tokens (default: on the CPU one context of the model a search, at most "
@@ -105,7 +105,10 @@ def run_tot(args: argparse.Namespace) -> int:
         config = BFSConfig(n=args.n, selection=args.selection, **common)
     else:
         config = DFSConfig(threshold=args.threshold, max_expansions=args.max_expansions, **common)
-    plan_config = PlanConfig(planner=args.planner)
+    if args.batch_invariant and args.planner is not None:
+        raise ValueError(f"--batch-invariant plans attention with the path planner and a fixed chunk: leave "
+                         f"--planner {args.planner} out")
+    plan_config = None if args.batch_invariant else PlanConfig(planner=args.planner or "flatten")
     check_backend(args)
 
     model, model_name = load_model(args)
@@ -114,15 +117,16 @@ def run_tot(args: argparse.Namespace) -> int:
     # 800 tokens of SmolLM2's 8192 on the Game of 24; past the pool programs wait for pages)
     engine = command_engine(model, args.kv_tokens, args.page_size,
                             None if len(tasks) == 1 else [position_limit(model)] * len(tasks),
-                            backend=args.backend, plan_config=plan_config, kv_cache_dtype=args.kv_cache_dtype)
+                            plan_config=plan_config, **engine_options(args))
     device = model.device
     settings = {
         "command": "tot", "date": datetime.date.today().isoformat(), "task_class": args.task,
         "config": {"kind": type(config).__name__, **dataclasses.asdict(config)},
         "model": model_name, "tokenizer": tokenizer_name, "dtype": str(model.dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "backend": engine.attn.backend, "planner": args.planner, "page_size": args.page_size,
+        "backend": engine.attn.backend, "planner": engine.attn.plan_config.planner, "page_size": args.page_size,
         "kv_pool_tokens": engine.kv_capacity_tokens, "kv_cache_dtype": engine.kv_cache_dtype,
+        "batch_invariant": engine.batch_invariance is not None,
     }
     if args.tasks is not None:
         return _run_tasks(args, engine, tasks, tokenizer, config, settings)

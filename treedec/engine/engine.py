@@ -27,6 +27,7 @@ from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPla
 from treedec.attention.dynamic_span import DynamicSpans, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.attention_groups import LayerAttention, StepAttend
+from treedec.engine.batch_invariance import engine_plan_config, switch_model
 from treedec.engine.cuda_graphs import (CudaGraphConfig, GraphRunner, build_graph_runner, fill_tokens,
                                         token_sources)
 from treedec.engine.row_heads import RowHeads
@@ -62,11 +63,12 @@ class Engine(RowHeads):
     page_size : int
         Tokens per KV page.
     backend, plan_config :
-        Of the :class:`TreeAttention` (``auto``: cuda on an H100/H200, else triton on a GPU; torch
-        on the CPU); one per variant of the model's layers (``model.attention_variants()``), and a plan a
-        step per group of layers that share a window (:mod:`treedec.engine.attention_groups`). A model's
-        sliding window is attended as such (its keys past the window are never read); a config's window
-        that the model's variants do not implement (Qwen2's per-layer one) caps the positions instead.
+        Of the :class:`TreeAttention` (``auto``: cuda on an H100/H200, else triton on a GPU; torch on the CPU;
+        ``plan_config`` None: ``PlanConfig()``, or the batch-invariant mode's); one per variant of the model's
+        layers (``model.attention_variants()``), and a plan a step per group of layers that share a window
+        (:mod:`treedec.engine.attention_groups`). A model's sliding window is attended as such (its keys past the
+        window are never read); a config's window that the model's variants do not implement (Qwen2's per-layer one)
+        caps the positions instead.
     prefill_chunk : int
         :meth:`prefill` runs a long prompt as steps of at most this many tokens.
     cuda_graphs : bool or CudaGraphConfig
@@ -84,6 +86,9 @@ class Engine(RowHeads):
         (:mod:`treedec.engine.kv_cache`; :meth:`calibrate_kv_scales`). The kernels read fp8 K/V (the triton
         backend; the torch backend de-quantizes them, the CPU's). :attr:`kv_cache_dtype` says what the pool
         stores, :attr:`kv_scale_source` where its scales came from.
+    batch_invariant : bool
+        A request's logits are the same bits alone or in any batch (:mod:`treedec.engine.batch_invariance`; it
+        switches the model, refuses what cannot be invariant); :attr:`batch_invariance` reports it (None: off).
 
     One thread drives an engine: a second thread entering :meth:`step`, :meth:`prefill` or a
     scheduler run (``with engine.guard``) while the first is inside raises
@@ -106,13 +111,14 @@ class Engine(RowHeads):
     """
 
     def __init__(self, model: DecoderModel, kv_tokens: int | None = None, page_size: int = 16, backend: str = "auto",
-                 plan_config: PlanConfig = PlanConfig(), prefill_chunk: int = 2048, memory_fraction: float = 0.9,
+                 plan_config: PlanConfig | None = None, prefill_chunk: int = 2048, memory_fraction: float = 0.9,
                  cuda_graphs: bool | CudaGraphConfig = False, compile_model: bool | dict = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", batch_invariant: bool = False):
         c = model.config
         positive_int("prefill_chunk", prefill_chunk)
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        plan_config = engine_plan_config(plan_config, batch_invariant, compile_model)
         self.model = model
         self.device = model.device
         self.prefill_chunk = prefill_chunk
@@ -121,6 +127,7 @@ class Engine(RowHeads):
         self.attention = LayerAttention.build(variants, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, backend,
                                               plan_config, self.device, model.dtype, kv_dtype)
         self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
+        self.batch_invariance = switch_model(model, self.attn) if batch_invariant else None
         # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk,

@@ -195,7 +195,9 @@ def rank_pieces(split: Split, full_rows: int, size: int, rank: int) -> tuple[int
 class VocabParallelHead(nn.Module):
     """The LM head split by vocabulary rows: ``hidden [..., hidden_size]`` -> logits ``[..., vocab_size]``,
     every rank's ``weight_shard`` ([stop - start, hidden_size], rows of :func:`vocab_range`) applied, the
-    shards' logits all-gathered (then soft-capped, ``c * tanh(logits / c)``, with ``softcap``: Gemma 2)."""
+    shards' logits all-gathered (then soft-capped, ``c * tanh(logits / c)``, with ``softcap``: Gemma 2).
+    ``matmul`` computes a shard's logits (``F.linear``, or the batch-invariant mode's:
+    :mod:`~treedec.models.batch_invariant`)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel, dtype: torch.dtype | None = None,
                  softcap: float | None = None):
@@ -204,6 +206,7 @@ class VocabParallelHead(nn.Module):
         self.start, self.stop = vocab_range(vocab_size, tp.size, tp.rank)
         self.shard_rows = -(-vocab_size // tp.size)
         self.weight_shard = nn.Parameter(torch.empty(self.stop - self.start, hidden_size, dtype=dtype))
+        self.matmul = F.linear
 
     def tie(self, embedding: torch.Tensor) -> None:
         """Make the shard a view of the embedding's rows (not a parameter of its own: counted once)."""
@@ -212,7 +215,7 @@ class VocabParallelHead(nn.Module):
         self.weight_shard = embedding[self.start:self.stop]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight_shard)
+        logits = self.matmul(hidden, self.weight_shard)
         if logits.shape[-1] < self.shard_rows:   # the last ranks' shorter shards, padded for the gather
             logits = F.pad(logits, (0, self.shard_rows - logits.shape[-1]))
         logits = self.tp.all_gather_last(logits)[..., :self.vocab_size]

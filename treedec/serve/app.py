@@ -151,6 +151,7 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
         await client.start()
         try:
             ready, tokenizer = client.ready, client.tokenizer
+            metrics.batch_invariant.set(int(ready.batch_invariant))
             if tokenizer is not None:
                 longest_token_chars(tokenizer)
             encoder = None if tokenizer is None else PromptEncoder(tokenizer, ready.max_model_len,

@@ -81,7 +81,7 @@ class EngineCore:
         return CoreReady(name=llm.name, max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size,
                          speculative=llm.drafts is not None, device=str(llm.model.device),
                          kv_tokens=pool.num_pages * pool.page_size, kv_cache_dtype=llm.engine.kv_cache_dtype,
-                         page_size=pool.page_size,
+                         page_size=pool.page_size, batch_invariant=llm.engine.batch_invariance is not None,
                          note="" if llm.drafts is None else llm.drafts.note,
                          tokenizer=None if llm.tokenizer is None else dumps(llm.tokenizer), pid=pid)
 

@@ -97,6 +97,7 @@ class CoreReady(msgspec.Struct, tag=True, frozen=True):
     kv_tokens: int
     kv_cache_dtype: str
     page_size: int
+    batch_invariant: bool
     note: str
     tokenizer: bytes | None
     pid: int

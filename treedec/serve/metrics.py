@@ -17,6 +17,7 @@ Names (all prefixed ``treedec_``):
 - the engine core's state after its last iteration (sent in its per-iteration message): ``kv_cache_free_pages`` and
   ``kv_cache_pages`` (gauges), ``engine_step_queries`` (gauge: the tokens its last step computed),
   ``scheduler_preemptions`` (gauge: requests preempted since it started);
+- ``batch_invariant`` (gauge): 1 where the engine runs the batch-invariant mode (``--batch-invariant``), else 0;
 - speculative decoding: ``spec_verify_steps_total`` and ``spec_accepted_tokens_total`` (their ratio is the mean
   accepted length; +1 for the bonus token: tokens per step), ``spec_draft_tokens_total`` (draft tokens verified),
   ``spec_acceptance_length`` (histogram: each request's mean accepted tokens per step).
@@ -70,6 +71,8 @@ class ServeMetrics:
                                   registry=r)
         self.preemptions = Gauge("treedec_scheduler_preemptions", "Requests preempted (run again) since the engine "
                                  "started", registry=r)
+        self.batch_invariant = Gauge("treedec_batch_invariant", "1 where the engine runs the batch-invariant mode "
+                                     "(a request's tokens do not depend on the batch), else 0", registry=r)
         self.spec_steps = Counter("treedec_spec_verify_steps", "Speculative verification steps", registry=r)
         self.spec_accepted = Counter("treedec_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.spec_drafted = Counter("treedec_spec_draft_tokens", "Draft tokens verified", registry=r)

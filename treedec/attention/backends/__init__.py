@@ -29,7 +29,8 @@ AUTO_ORDER = ("triton", "cuda")  # elsewhere: triton first (the cuda kernels off
 
 
 def resolve_backend(name: str, device: torch.device, variant: AttentionVariant | None = None,
-                    head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[str, str]:
+                    head_dim: int | None = None, dtype: torch.dtype | None = None,
+                    batch_invariant: bool = False) -> tuple[str, str]:
     """Map a requested backend (or ``auto``) to a registered one that runs on ``device`` (and ``variant`` at
     ``head_dim`` and q/K/V of ``dtype``, where given: a backend whose kernels lack one of the variant's hooks or
     its KV dtype, :meth:`Backend.why_not_variant`, or that does not take ``dtype``,
@@ -43,13 +44,15 @@ def resolve_backend(name: str, device: torch.device, variant: AttentionVariant |
     query of a model of 16 or 32 KV heads for 32 query heads, 1-2 rows per KV head
     (...-kv-heads-{16,32}.json: 16.6 vs 20.3 us graphed at 2k tokens, 183.0 vs 200.0 at 32k, no
     GQA). Elsewhere ``auto`` prefers triton > cuda > torch. An explicit choice that cannot run
-    raises BackendUnavailableError naming why.
+    raises BackendUnavailableError naming why. ``batch_invariant``: only backends that run batch-invariant plans
+    (:meth:`Backend.why_not_batch_invariant`; on an H100/H200 ``auto`` is then triton, the reason says why).
     """
     if name != AUTO and name not in backend_names():
         raise BackendUnavailableError(f"backend must be {AUTO!r} or one of {backend_names()}, got {name!r}")
     statuses = {b: get_backend(b).why_unavailable(device) or
                 (None if variant is None else get_backend(b).why_not_variant(variant, head_dim)) or
-                (None if dtype is None else get_backend(b).why_not_dtype(dtype))
+                (None if dtype is None else get_backend(b).why_not_dtype(dtype)) or
+                (get_backend(b).why_not_batch_invariant() if batch_invariant else None)
                 for b in backend_names()}
     if name == AUTO:
         if device.type == "cuda":

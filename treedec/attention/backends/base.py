@@ -133,6 +133,18 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def why_not_batch_invariant(cls) -> str | None:
+        """None if :meth:`batch_invariant`'s backend computes each query of a ``batch_invariant`` plan
+        (:class:`~treedec.attention.planners.PlanConfig`) in an order its own chunks alone set, whatever the other
+        queries, else why not (a sentence). Default: not (a backend says so once it is checked)."""
+        return f"the {cls.name} backend is not checked to compute a query alike whatever the other queries"
+
+    def batch_invariant(self) -> Backend:
+        """This backend as it runs ``batch_invariant`` plans (called only where :meth:`why_not_batch_invariant` is
+        None). Default: itself."""
+        return self
+
+    @classmethod
     @abstractmethod
     def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                variant: AttentionVariant, device: torch.device) -> Backend:

@@ -166,6 +166,11 @@ class CudaBackend(Backend):
         return build_problem(device)
 
     @classmethod
+    def why_not_batch_invariant(cls) -> str | None:
+        return ("the cuda backend's KV tile follows the longest chunk of the whole step (choose_tile_tokens), so a "
+                "query's tiles change with the other queries; the triton backend runs the mode")
+
+    @classmethod
     def why_not_dtype(cls, dtype: torch.dtype) -> str | None:
         if dtype not in kernels.SUPPORTED_DTYPES:
             return f"the cuda kernels take {kernels.SUPPORTED_DTYPES}, not {dtype} (triton and torch take fp32)"

@@ -45,6 +45,15 @@ class TorchBackend(Backend):
                variant: AttentionVariant, device: torch.device) -> TorchBackend:
         return cls(variant)
 
+    @classmethod
+    def why_not_batch_invariant(cls) -> str | None:
+        return None   # (its chunks form: one small attention per chunk, of that chunk's queries only)
+
+    def batch_invariant(self) -> TorchBackend:
+        """The chunks form always: the dense form attends every query in one product, whose shape follows the
+        step's queries (and ``auto`` picks it for one request alone, chunks for a batch)."""
+        return TorchBackend(self.variant, "chunks")
+
     def prepare(self, plan: DeviceTreePlan) -> TorchLaunch:
         launch = prepare_torch(plan.plan, plan.kv_slots.device, self.form)
         self.forms[launch.form] += 1
@@ -71,6 +80,10 @@ class ReferenceBackend(TorchBackend):
 
     name = "reference"
     span_masking = SpanMasking.UNSUPPORTED
+
+    @classmethod
+    def why_not_batch_invariant(cls) -> str | None:
+        return "the reference backend attends every query in one dense product over all of the step's tokens"
 
     def prepare(self, plan: DeviceTreePlan) -> None:
         return None

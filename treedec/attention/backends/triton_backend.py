@@ -109,6 +109,12 @@ class TritonBackend(Backend):
         return None
 
     @classmethod
+    def why_not_batch_invariant(cls) -> str | None:
+        # The launch's tiles follow the head configuration and the query tile, never the plan's size; with one
+        # query a chunk (the path planner) a query's chunks are its own, and the merge reads its partials in order.
+        return None
+
+    @classmethod
     def create(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                variant: AttentionVariant, device: torch.device) -> TritonBackend:
         return cls(num_qo_heads, num_kv_heads, head_dim, dtype, variant)

@@ -1,0 +1,63 @@
+"""The engine's batch-invariant mode (``Engine(..., batch_invariant=True)``): a request's logits are the same bits
+alone or beside any other requests, whatever the batch's size, lengths or trees.
+
+Every kernel of a step computes a row in an order that does not depend on the other rows:
+
+- GEMMs and norms: the model switched by :func:`~treedec.models.batch_invariant.make_batch_invariant` (CUDA: the
+  Triton matmul and RMSNorm; CPU: ``F.linear`` row by row);
+- attention: the ``path`` planner with a fixed chunk (:data:`BATCH_INVARIANT_CHUNK` tokens unless the caller's
+  :class:`~treedec.attention.PlanConfig` gives one): each query's own root path cut into even pieces of at most
+  that many tokens, merged in path order, on a backend that runs such plans alike in any forest (triton on CUDA,
+  torch's chunks form on the CPU; ``auto`` chooses among them, an explicit ``cuda`` or ``reference`` is refused).
+  A shared prefix is then read once per query, not once per step: the mode's cost on trees.
+
+Refused (ValueError naming the option): ``compile_model`` (Inductor re-tiles the GEMMs and norms it compiles, per
+shape), a planner config that is not ``path`` with a fixed chunk, and what the model's switch refuses (quantized
+weights, tensor parallelism over several ranks, fused pointwise ops).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from treedec.attention import PlanConfig, TreeAttention
+from treedec.models.batch_invariant import BatchInvariance, make_batch_invariant
+
+__all__ = ["BATCH_INVARIANT_CHUNK", "engine_plan_config", "switch_model"]
+
+logger = logging.getLogger("treedec")
+
+#: The mode's attention chunk (tokens of a query's path per partial) where the caller gives none.
+BATCH_INVARIANT_CHUNK = 256
+
+
+def engine_plan_config(plan_config: PlanConfig | None, batch_invariant: bool, compile_model: bool | dict
+                       ) -> PlanConfig:
+    """The plan config of an engine's attention: ``plan_config`` (None: ``PlanConfig()``), or in the mode (after
+    checking its options) the ``path`` planner with the given chunk (None: :data:`BATCH_INVARIANT_CHUNK`)."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    if plan_config is not None and not isinstance(plan_config, PlanConfig):
+        raise TypeError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
+    if not batch_invariant:
+        return PlanConfig() if plan_config is None else plan_config
+    if compile_model is not False:
+        raise ValueError("batch_invariant=True cannot take compile_model: Inductor compiles the norms (and may fuse "
+                         "the GEMMs) with kernels it tunes per shape; use cuda_graphs without compile_model")
+    if plan_config is None:
+        return PlanConfig("path", BATCH_INVARIANT_CHUNK, batch_invariant=True)
+    if plan_config.planner != "path" or plan_config.chunk_size is None:
+        raise ValueError(f"batch_invariant=True plans attention with planner='path' and a fixed chunk_size (a "
+                         f"query's chunks then follow its own path only): give plan_config=PlanConfig('path', "
+                         f"chunk_size=N) or None, got planner={plan_config.planner!r}, "
+                         f"chunk_size={plan_config.chunk_size!r}")
+    return dataclasses.replace(plan_config, batch_invariant=True)
+
+
+def switch_model(model, attention: TreeAttention) -> BatchInvariance:
+    """Switch ``model``'s GEMMs and norms over (:func:`~treedec.models.batch_invariant.make_batch_invariant`) once
+    the engine's ``attention`` is built, and log what the mode runs."""
+    switched = make_batch_invariant(model)
+    logger.info("batch-invariant mode: GEMMs and norms %s; attention %s on the %s backend (%s)", switched.summary,
+                attention.plan_config, attention.backend, attention.backend_reason)
+    return switched
