@@ -20,7 +20,8 @@ from treedec.programs.beam import BeamSearchParams
 from treedec.serve.core_client import EngineStartupError, ProcessClient
 from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
-                                    PagesReport, RequestFailure, RequestFinished, Shutdown, dumps, loads)
+                                    PagesReport, PositionLogprobs, RequestFailure, RequestFinished, Shutdown,
+                                    TokenDelta, dumps, loads)
 from treedec.runtime.requests import RequestResult
 from treedec.sampling.logits import Logprob
 
@@ -29,7 +30,8 @@ STATS = IterationStats(seconds=0.0125, steps=7, num_running=3, num_waiting=1, wa
 
 
 @pytest.mark.parametrize("message", [
-    AddRequest("cmpl-1-0", [1, 2, 3], dumps(SamplingParams(n=2, temperature=0.7, seed=-5, stop=["x"], logprobs=2))),
+    AddRequest("cmpl-1-0", [1, 2, 3], dumps(SamplingParams(n=2, temperature=0.7, seed=-5, stop=["x"], logprobs=2)),
+               stream_tokens=True),
     AddRequest("b", [4], dumps(SamplingParams(n=2, temperature=0.0)), dumps(BeamSearchParams(beam_width=2,
                                                                                              max_tokens=5))),
     AbortRequests(["a", "b"]), PagesQuery(3), Shutdown()])
@@ -46,12 +48,16 @@ def test_output_messages_round_trip():
     result = RequestResult("r", 0, "hi", [1, 2], [5, 6], "ab", "length", {"cached_tokens": 0},
                            logprobs=[{5: Logprob(-0.5, 1)}, {6: Logprob(-1.0, 2), 7: Logprob(-0.7, 1)}],
                            cumulative_logprob=-1.5)
+    entry = PositionLogprobs.of(result.logprobs[1])
     messages = [
-        IterationOutputs(["r"], [OutputDelta("r", 0, "a", 1), OutputDelta("r", 1, "", 2, "eos", [5, 2])],
-                         [RequestFinished("r", dumps([result]))], [RequestFailure("s", "ValueError", "prompt_ids: x")],
-                         STATS),
+        IterationOutputs(["r"], [TokenDelta("t", 0, [5], [entry], None, 3, [None, entry]),
+                                 TokenDelta("t", 1, [2], None, "eos", 3)],
+                         [OutputDelta("r", 0, "a", 1), OutputDelta("r", 1, "", 2, "eos", [5, 2])],
+                         [RequestFinished("r", dumps([result])), RequestFinished("t", None)],
+                         [RequestFailure("s", "ValueError", "prompt_ids: x")], STATS),
         CoreReady(name="tiny", max_model_len=4096, vocab_size=512, speculative=False, device="cpu", kv_tokens=4096,
-                  kv_cache_dtype="bfloat16", page_size=4, batch_invariant=False, note="", tokenizer=None, pid=7),
+                  kv_cache_dtype="bfloat16", page_size=4, batch_invariant=False, note="", tokenizer=None, pid=7,
+                  eos_token_ids=[2]),
         CoreStartupFailed("FileNotFoundError", "no model at /x"),
         PagesReport(token=1, idle=True, num_nodes=0, held_pages=0, cache_pages=3, invariants=None)]
     for message in messages:
@@ -59,6 +65,8 @@ def test_output_messages_round_trip():
         assert back == message and type(back) is type(message)
     [got] = loads(codec.decode(codec.encode(messages[0])).finished[0].results)
     assert got == result
+    back = codec.decode(codec.encode(messages[0])).tokens[0]   # (a position's logprobs as its dict, in its order)
+    assert back.logprobs[0].to_dict() == result.logprobs[1] and list(back.logprobs[0].to_dict()) == [6, 7]
 
 
 def _failing_llm(path):

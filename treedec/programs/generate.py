@@ -35,7 +35,7 @@ from treedec.engine import Engine
 from treedec.models.text import encode_prompt
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.requests import RequestResult, RequestSpec
-from treedec.runtime.decode import Decode, LaneOutput
+from treedec.runtime.decode import Decode, LaneOutput, OutputTokens
 from treedec.sampling.logits import prompt_logprobs
 from treedec.runtime.prefix_cache import PrefixCache
 from treedec.sampling.grammar import Grammar, GrammarCompiler
@@ -265,11 +265,20 @@ class GenerateProgram(Program):
         :class:`~treedec.sampling.stops.StopChecker` (:attr:`Decode.on_text <treedec.runtime.decode.Decode>`);
         :func:`generate_batch`'s ``on_text`` is its text alone.
     grammar : ``spec.params.structured_outputs`` compiled (:func:`request_grammar`); None without them.
+    on_tokens : streaming token ids instead of text: called as ``on_tokens(news, cached_tokens, prompt_logprobs)``
+        once a step with the :class:`~treedec.runtime.decode.OutputTokens` of the outputs that took a token
+        (:attr:`Decode.on_tokens <treedec.runtime.decode.Decode>`), the prompt's tokens this run read from the prefix
+        cache and its ``prompt_logprobs`` (None unless asked for). Not with ``on_output``; give ``spec.params`` no
+        stop strings and ``detokenize=False`` for no text to be made.
     """
 
     def __init__(self, spec: RequestSpec, prompt_ids: list[int], tokenizer=None, rule: StopRule | None = None,
                  keep: bool = False, on_output: Callable[[RequestSpec, int, str, StopChecker], None] | None = None,
-                 on_prompt: bool = False, grammar: Grammar | None = None):
+                 on_prompt: bool = False, grammar: Grammar | None = None,
+                 on_tokens: Callable[[OutputTokens, int, list | None], None] | None = None):
+        if on_output is not None and on_tokens is not None:
+            raise ValueError(f"{spec.name}: a GenerateProgram streams text (on_output) or token ids (on_tokens), "
+                             f"not both")
         if (grammar is None) != (spec.params.structured_outputs is None):
             raise ValueError(f"{spec.name}: a GenerateProgram takes the compiled grammar of its structured_outputs "
                              f"(request_grammar), and one only with them")
@@ -279,6 +288,7 @@ class GenerateProgram(Program):
         self.spec, self.prompt_ids, self.tokenizer = spec, list(prompt_ids), tokenizer
         self.params = spec.params
         self.rule, self.keep, self.on_output, self.on_prompt = rule, keep, on_output, on_prompt
+        self.on_tokens = on_tokens
         self.name = spec.name
         # prompt_logprobs read every prompt token's hidden state: a prefix shared with other requests has none here
         self.shares_prompt = spec.params.prompt_logprobs is None
@@ -308,9 +318,12 @@ class GenerateProgram(Program):
                                                  params.prompt_logprobs)
             stream = None if self.on_output is None else \
                 (lambda i, delta, checker: self.on_output(spec, i, delta, checker))
+            tokens = None if self.on_tokens is None else \
+                (lambda news: self.on_tokens(news, ctx.cached_tokens, prompt_lp))
             decoded = yield Decode(root, params, rule, logits=out.logits[0], count=params.n, on_parent=self.on_prompt,
                                    keep=self.keep, offer=None if self.keep or self.on_prompt else ctx.offer,
                                    prompt_ids=self.prompt_ids, tokenizer=self.tokenizer, on_text=stream,
+                                   on_tokens=tokens,
                                    name=ctx.name, bad_words=self.bad_words, grammar=self.grammar,
                                    min_tokens_stop_ids=tuple(sorted(
                                        {*engine.model.eos_token_ids, *params.stop_token_ids, *rule.eos_token_ids})))

@@ -13,7 +13,27 @@ from treedec.sampling.grammar import Grammar
 from treedec.sampling.params import SamplingParams
 from treedec.sampling.stops import StopChecker, StopRule
 
-__all__ = ["Decode", "DecodeResult", "LaneOutput", "PlacedLanes"]
+__all__ = ["Decode", "DecodeResult", "LaneOutput", "OutputTokens", "PlacedLanes"]
+
+
+@dataclass(frozen=True)
+class OutputTokens:
+    """One step's new tokens of some of a :class:`Decode`'s outputs (:attr:`Decode.on_tokens`), in lane order: one
+    token per output named.
+
+    Attributes
+    ----------
+    indices : the outputs' indices (of the Decode's ``count``).
+    tokens : each one's new token.
+    ends : each one's stop reason (``"eos"``, ``"length"``, ``"stop_string"``) when the token ended it, else None.
+    logprobs : with ``params.logprobs``: each token's ``{token_id: Logprob}`` (as :attr:`LaneOutput.logprobs`'),
+        else None.
+    """
+
+    indices: list[int]
+    tokens: list[int]
+    ends: list[str | None]
+    logprobs: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +67,9 @@ class Decode:
         and once when the output ends, with its last text (possibly ""; so its last text and its end arrive
         together); ``checker`` is the output's :class:`~treedec.sampling.stops.StopChecker` (its token count so
         far; once it ended, its stop reason and tokens).
+    on_tokens : streaming token ids: ``on_tokens(news)`` once a step with an :class:`OutputTokens` of the outputs
+        that took a token in it (their ends included), before the outputs' ends are processed; no text is made for
+        it (a server's frontend detokenizes them).
     seed : the seed of the outputs' draws when ``params.seed`` is None (the scheduler gives one).
     bad_words : ``params.bad_words`` as token sequences
         (:meth:`~treedec.sampling.params.SamplingParams.bad_words_token_ids`).
@@ -70,6 +93,7 @@ class Decode:
     prompt_ids: Sequence[int] = ()
     tokenizer: Any = None
     on_text: Callable[[int, str, StopChecker], None] | None = None
+    on_tokens: Callable[[OutputTokens], None] | None = None
     seed: int | None = None
     bad_words: Sequence[Sequence[int]] = ()
     min_tokens_stop_ids: tuple[int, ...] = ()

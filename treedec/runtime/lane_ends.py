@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treedec.runtime.decode import LaneOutput
+from treedec.runtime.decode import LaneOutput, OutputTokens
 from treedec.sampling.grammar import GrammarError
 from treedec.sampling.logits import NonFiniteLogitsError
 
@@ -17,6 +17,9 @@ __all__ = ["DRAWN", "FINISH", "KNOWN", "LaneEnds"]
 DRAWN = 1    # its next token is drawn on the device, not read back yet
 KNOWN = 2    # its next token is read back (the output goes on) and not in the tree yet
 FINISH = 3   # it ended, its node is kept, and its last token is still to be computed (placed once more)
+
+#: The stop reasons by the codes ``_accept`` gives them (0: the output goes on).
+_REASONS = (None, "eos", "length", "stop_string")
 
 
 class LaneEnds:
@@ -59,6 +62,8 @@ class LaneEnds:
                                                                     self.tokens[slot, fed:at[i] + 1].tolist())
             reasons[i] = {"eos": 1, "length": 2, "stop_string": 3, None: 0}[reason]
             ended[i] = reason is not None
+        if self._token_streams:
+            self._stream_tokens(slots, tokens, at, np.where(ended, reasons, 0))
         # going lanes: a placeholder's real id goes into the tree; unplaced ones wait with their token known
         goes = ~ended
         on = goes & placed
@@ -78,6 +83,18 @@ class LaneEnds:
                 self.state[slot], self.next_token[slot] = FINISH, tokens[i]
             else:
                 self._end(slot, None, finished, computed=False)
+
+    def _stream_tokens(self, slots: np.ndarray, tokens: np.ndarray, at: np.ndarray, reasons: np.ndarray) -> None:
+        """Hand the new ``tokens`` of ``slots`` (at positions ``at``; ``reasons``: 0 going, 1 eos, 2 length, 3 stop
+        string) to their groups' ``on_tokens``, one call a group (its logprobs with them)."""
+        groups = self.group[slots]
+        for uid in self._token_streams.intersection(np.unique(groups).tolist()):
+            mine = np.flatnonzero(groups == uid)
+            g = self.groups[uid]
+            indices, positions = self.index[slots[mine]].tolist(), at[mine].tolist()
+            g.decode.on_tokens(OutputTokens(
+                indices, tokens[mine].tolist(), [_REASONS[r] for r in reasons[mine].tolist()],
+                g.logprobs_at(indices, positions) if g.decode.params.logprobs is not None else None))
 
     def _advance_grammar(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray):
         """Advance the matchers of the lanes of ``slots`` that have a grammar with their drawn ``tokens`` (one

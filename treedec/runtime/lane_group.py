@@ -31,6 +31,7 @@ class LaneGroup:
     checkers: list[StopChecker | None] = field(default_factory=list)
     shown: list[int] = field(default_factory=list)       # characters of each output's text streamed so far
     records: list[tuple[np.ndarray, TokenLogprobs]] = field(default_factory=list)   # (output indices, logprobs)
+    entries: list[list[dict]] = field(default_factory=list)   # per output, its tokens' logprobs (records read)
     pending: list[tuple[int, int, int]] = field(default_factory=list)   # (output, parent, last token) to place
     allowed: torch.Tensor | None = None        # [1, V] bool: allowed_token_ids
     bias: tuple[torch.Tensor, torch.Tensor] | None = None   # logit_bias: ([k] ids, [k] values)
@@ -113,13 +114,26 @@ class LaneGroup:
                 self.decode.on_text(i, delta, checker)
         return decision.reason
 
+    def logprobs_at(self, indices: list[int], positions: list[int]) -> list[dict]:
+        """The logprobs of output ``indices[j]``'s token ``positions[j]`` (drawn: its record is made), one dict
+        each."""
+        self._read_records()
+        return [self.entries[i][at] for i, at in zip(indices, positions)]
+
     def assemble_logprobs(self) -> None:
         """Its ended outputs' logprobs, one dict per token, from the draws' records."""
         if self.decode.params.logprobs is None:
             return
-        per: list[list[dict]] = [[] for _ in self.outputs]
-        for indices, record in self.records:
-            for i, entry in zip(indices.tolist(), record.to_dicts()):
-                per[i].append(entry)
-        for out, entries in zip(self.outputs, per):
+        self._read_records()
+        for out, entries in zip(self.outputs, self.entries):
             out.logprobs = entries[:len(out.token_ids)]
+
+    def _read_records(self) -> None:
+        """The draws' records into each output's entries (one host read of their tensors each; read records are
+        dropped): a draw records each of its outputs' next token, in order."""
+        if not self.entries:
+            self.entries = [[] for _ in self.outputs]
+        records, self.records = self.records, []
+        for indices, record in records:
+            for i, entry in zip(indices.tolist(), record.to_dicts()):
+                self.entries[i].append(entry)

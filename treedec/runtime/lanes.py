@@ -15,7 +15,9 @@ lane of the batch:
   while the next step runs (pipelined on a GPU; at once on the CPU, where nothing would overlap);
 - host work per step is a fixed number of array operations, whatever the number of lanes; Python runs per lane
   only on events (a lane starts, ends, waits for pages, draws a token that may end a stop string:
-  :mod:`~treedec.runtime.lane_text`), for lanes that stream their text and for lanes with user logits processors.
+  :mod:`~treedec.runtime.lane_text`), for lanes that stream their text and for lanes with user logits processors;
+  a Decode that streams token ids (``on_tokens``: a server's engine core, whose frontend detokenizes) costs one call
+  a step for all its lanes, with no text made.
 
 Rows are kept compact and in a stable order (vLLM's persistent batch, ``InputBatch``, keeps its requests' state so):
 lanes added at the end, ended ones removed by one stable compaction of every column per event (host and device
@@ -74,6 +76,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
         self._logprobs: set[int] = set()  # groups whose outputs report logprobs
         self._grammar: set[int] = set()   # groups with structured outputs (a grammar matcher per lane)
+        self._token_streams: set[int] = set()   # groups whose outputs stream token ids (Decode.on_tokens)
         self._bitmasks: BitmaskRows | None = None   # their batched bitmask fill, made for the first such group
         self._text_events = TextEvents(self.vocab)   # the tokens text lanes are checked at
         self._fresh = False   # lanes were added since the last draw_fresh
@@ -113,6 +116,8 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
             self._special.add(uid)
         if d.params.logprobs is not None:
             self._logprobs.add(uid)
+        if d.on_tokens is not None:
+            self._token_streams.add(uid)
         if group.matchers is not None:
             self._grammar.add(uid)
             if self._bitmasks is None:
@@ -176,6 +181,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         self._special.clear()
         self._logprobs.clear()
         self._grammar.clear()
+        self._token_streams.clear()
 
     def blocked_owners(self) -> set:
         """The programs some of whose ready lanes the last :meth:`place` left out for want of pages."""
@@ -365,6 +371,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         self._special.discard(uid)
         self._logprobs.discard(uid)
         self._grammar.discard(uid)
+        self._token_streams.discard(uid)
 
     def _fail(self, group: LaneGroup, error: Exception) -> None:
         if all(owner is not group.owner for owner, _ in self._failures):

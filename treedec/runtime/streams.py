@@ -10,6 +10,11 @@ the text the caller already has (the online engine gives every sampled request a
 tokens), and only what goes past it is passed on. Every output gets one item that ends it (``stop_reason`` set),
 carrying its last text, when it ends: from :meth:`OutputStream.end`, or from :meth:`OutputStream.finish` for an
 output whose program streams no ends (a speculative one); the final item (``results``) comes after all of them.
+
+A request whose program streams token ids instead of text (a server's engine core, whose frontend detokenizes:
+:mod:`treedec.serve.core`) is given each step's tokens (:meth:`OutputStream.tokens`) and passes on a
+:class:`StreamTokens` per output, counted in tokens: a run again passes on only the tokens past those passed on, and
+an output's end once.
 """
 from __future__ import annotations
 
@@ -17,9 +22,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from treedec.runtime.decode import OutputTokens
 from treedec.runtime.requests import RequestResult
 
-__all__ = ["STREAM_END", "OutputStream", "StreamFailure", "StreamOutput"]
+__all__ = ["STREAM_END", "OutputStream", "StreamFailure", "StreamOutput", "StreamTokens"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,29 @@ class StreamOutput:
         return self.stop_reason is not None
 
 
+@dataclass(frozen=True)
+class StreamTokens:
+    """An item of a stream of token ids (:meth:`OutputStream.tokens`): output ``index``'s new ``token_ids``.
+
+    Attributes
+    ----------
+    request_id, index : the request's id and the output's index.
+    token_ids : its new tokens (past those passed on before).
+    logprobs : with ``logprobs`` asked for, each new token's ``{token_id: Logprob}``; else None.
+    end : its stop reason when its last new token ended it (``"eos"``, ``"length"``), else None.
+    cached_tokens : the prompt's tokens the program's current run read from the prefix cache.
+    prompt_logprobs : the prompt's logprobs (asked for), on the request's first item only; else None.
+    """
+
+    request_id: int | str
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    end: str | None
+    cached_tokens: int
+    prompt_logprobs: list[dict | None] | None = None
+
+
 class OutputStream:
     """An async iterator of one request's :class:`StreamOutput`, fed from the driving thread through
     ``loop.call_soon_threadsafe`` (see the module docstring). It raises the error the request failed with
@@ -77,12 +106,16 @@ class OutputStream:
         self._sent: dict[int, int] = {}   # output index -> characters passed on
         self._run: dict[int, int] = {}    # output index -> characters streamed by the program's current run
         self._ended: set[int] = set()     # outputs whose end was passed on (a run again ends them again)
+        self._sent_tokens: dict[int, int] = {}   # output index -> tokens passed on (a token stream)
+        self._run_tokens: dict[int, int] = {}    # output index -> tokens given by the program's current run
+        self._prompt_sent = False                # a token stream's prompt logprobs were passed on
 
     # ------------------------------------------------ the driving thread
 
     def restart(self) -> None:
         """The program starts a run (its first, or again after a preemption): its text starts again."""
         self._run.clear()
+        self._run_tokens.clear()
 
     def text(self, index: int, delta: str, tokens: int | None = None) -> None:
         """Output ``index`` of the current run streamed ``delta`` (``tokens``: its tokens so far, if known): the
@@ -98,6 +131,21 @@ class OutputStream:
         if index not in self._ended:
             self._ended.add(index)
             self._put(StreamOutput(self.request_id, index, new, len(token_ids), stop_reason, list(token_ids)))
+
+    def tokens(self, news: OutputTokens, cached_tokens: int, prompt_logprobs: list | None) -> None:
+        """A step's new tokens of the current run (``cached_tokens``, ``prompt_logprobs``: its prompt's): one
+        :class:`StreamTokens` per output whose token is past those passed on."""
+        for j, (i, token, end) in enumerate(zip(news.indices, news.tokens, news.ends)):
+            run = self._run_tokens[i] = self._run_tokens.get(i, 0) + 1
+            if run <= self._sent_tokens.get(i, 0) or i in self._ended:
+                continue
+            self._sent_tokens[i] = run
+            if end is not None:
+                self._ended.add(i)
+            first = prompt_logprobs is not None and not self._prompt_sent
+            self._prompt_sent = self._prompt_sent or first
+            self._put(StreamTokens(self.request_id, i, [token], None if news.logprobs is None else [news.logprobs[j]],
+                                   end, cached_tokens, prompt_logprobs if first else None))
 
     def finish(self, results: list[RequestResult]) -> None:
         """The request's results: the end of each output not ended yet (with its text not yet passed on), then the

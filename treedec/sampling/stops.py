@@ -281,6 +281,16 @@ class StopChecker:
             return StopDecision(i + 1, reason)
         return StopDecision(len(ids), None)
 
+    def end(self, reason: str) -> None:
+        """End the output for ``reason`` found elsewhere, after its last accepted token (a server's engine core ended
+        it by a token-level stop the checker's rule does not hold, e.g. a grammar's own stop ids): its text is
+        finished as at any end (a stop string the held-back bytes complete still cuts it)."""
+        if self._reason is not None:
+            raise RuntimeError(f"the output already ended ({self._reason!r})")
+        if reason not in ("eos", "length"):   # (a stop string is found by the checker alone)
+            raise ValueError(f"reason must be 'eos' or 'length', got {reason!r}")
+        self._end(reason, None)
+
     # ------------------------------------------------------------ private
 
     def _end(self, reason: str, match: tuple[int, str] | None) -> None:

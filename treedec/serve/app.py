@@ -20,7 +20,9 @@ No request can hurt the others: every size a client controls is bounded before t
 headers and the body by :class:`~treedec.serve.limits.RequestLimits` (host, bytes, arrival); the counts (``n``,
 prompts, outputs queued) on arrival; a text prompt's length before it is tokenized, and the tokenizer and the chat
 template off the event loop (:class:`~treedec.serve.prompts.PromptEncoder`); the KV pages a request may need at
-worst before it is queued (:meth:`OnlineEngine.submit`, in the core). A request's text streams back from the core.
+worst before it is queued (:meth:`OnlineEngine.submit`, in the core). A generated request's token ids stream back
+from the core and its text is made here (:mod:`treedec.serve.outputs`: stop strings matched here, the request aborted
+in the core when they end it); a speculative request's and a beam search's text streams back from the core.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a traceback: 401 without the
 API key (``"invalid_api_key"``); 400 for a bad

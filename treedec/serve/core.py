@@ -6,7 +6,8 @@
 :class:`EngineCore` wraps an :class:`~treedec.serve.engine.OnlineEngine` (its thread drives the scheduler; its
 logic is unchanged). :meth:`EngineCore.handle` takes one :data:`~treedec.serve.messages.CoreInput`: a request is
 checked and queued there (refused: a :class:`~treedec.serve.messages.RequestFailure`), an abort passed on. Each
-request's stream items (text deltas, each output's end, its results or its error) are gathered as they come, and
+request's stream items (new token ids and each output's end for a request that streams them, which the core does
+not detokenize; text deltas for the others; its results or its error) are gathered as they come, and
 after every engine iteration ONE :class:`~treedec.serve.messages.IterationOutputs` carries all of them with the
 core's stats (its iteration time, queue, free pages) to ``sink``; the arrivals of one input batch are acknowledged by
 one more (their acceptance and what was refused), so a refusal reaches the client whether or not the engine runs.
@@ -29,12 +30,13 @@ from treedec.errors import PoolExhaustedError
 from treedec.runtime.online import ProgramAborted
 from treedec.runtime.request import pages_in_use
 from treedec.runtime.requests import RequestSpec
-from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput
+from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput, StreamTokens
 from treedec.sampling.grammar import GrammarError
 from treedec.serve.engine import OnlineEngine
 from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
-                                    PagesReport, RequestFailure, RequestFinished, Shutdown, dumps, loads)
+                                    PagesReport, PositionLogprobs, RequestFailure, RequestFinished, Shutdown,
+                                    TokenDelta, dumps, loads)
 
 __all__ = ["ERROR_KINDS", "EngineCore", "run_core_process"]
 
@@ -66,7 +68,9 @@ class EngineCore:
         self.llm, self.sink = llm, sink
         self._lock = threading.Lock()   # the batch below; taken before the online engine's own lock, never inside it
         self._accepted: list[str] = []
+        self._tokens: list[TokenDelta] = []
         self._outputs: list[OutputDelta] = []
+        self._token_requests: set[str] = set()   # the running requests that stream token ids
         self._finished: list[RequestFinished] = []
         self._failed: list[RequestFailure] = []
         self.online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
@@ -83,7 +87,8 @@ class EngineCore:
                          kv_tokens=pool.num_pages * pool.page_size, kv_cache_dtype=llm.engine.kv_cache_dtype,
                          page_size=pool.page_size, batch_invariant=llm.engine.batch_invariance is not None,
                          note="" if llm.drafts is None else llm.drafts.note,
-                         tokenizer=None if llm.tokenizer is None else dumps(llm.tokenizer), pid=pid)
+                         tokenizer=None if llm.tokenizer is None else dumps(llm.tokenizer), pid=pid,
+                         eos_token_ids=list(llm.model.eos_token_ids))
 
     # ------------------------------------------------------------ inputs
 
@@ -115,24 +120,38 @@ class EngineCore:
         with self._lock:   # (acknowledged in the message that counts it as waiting)
             try:
                 spec = RequestSpec(rid, prompt_ids=message.prompt_ids, params=loads(message.params))
-                self.online.submit(spec, beam=None if message.beam is None else loads(message.beam), stream=stream)
+                self.online.submit(spec, beam=None if message.beam is None else loads(message.beam), stream=stream,
+                                   stream_tokens=message.stream_tokens)
             except Exception as e:
                 self._failed.append(_failure(rid, e))
             else:
                 self._accepted.append(rid)
+                if message.stream_tokens:
+                    self._token_requests.add(rid)
 
     # ------------------------------------------------------------ outputs
 
     def _deliver(self, rid: str, item: Any) -> None:
         """A stream item of request ``rid`` (the engine's thread, or a submit's)."""
         with self._lock:
-            if isinstance(item, StreamOutput):
+            if isinstance(item, StreamTokens):
+                self._tokens.append(TokenDelta(
+                    rid, item.index, item.token_ids,
+                    None if item.logprobs is None else [PositionLogprobs.of(e) for e in item.logprobs], item.end,
+                    item.cached_tokens, None if item.prompt_logprobs is None else
+                    [None if e is None else PositionLogprobs.of(e) for e in item.prompt_logprobs]))
+            elif isinstance(item, StreamOutput):
                 if item.results is not None:
-                    self._finished.append(RequestFinished(rid, dumps(item.results)))
+                    tokens = rid in self._token_requests
+                    self._token_requests.discard(rid)
+                    self._finished.append(RequestFinished(rid, None if tokens else dumps(item.results)))
+                elif rid in self._token_requests:   # (every output of a GenerateProgram ends in its lanes' news)
+                    raise AssertionError(f"request {rid!r} streams token ids, and got a text item: {item}")
                 else:
                     self._outputs.append(OutputDelta(rid, item.index or 0, item.text, item.tokens, item.stop_reason,
                                                      item.token_ids))
             elif isinstance(item, StreamFailure):
+                self._token_requests.discard(rid)
                 self._failed.append(_failure(rid, item.error))
 
     def _iterated(self, stats, seconds: float) -> None:
@@ -145,13 +164,13 @@ class EngineCore:
         s = scheduler.stats
         with self._lock:
             message = IterationOutputs(
-                self._accepted, self._outputs, self._finished, self._failed,
+                self._accepted, self._tokens, self._outputs, self._finished, self._failed,
                 IterationStats(seconds=seconds, steps=s.steps, num_running=scheduler.num_running,
                                num_waiting=scheduler.num_waiting, waiting_outputs=online.waiting_outputs,
                                prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                                preemptions=s.preemptions, free_pages=pool.num_free_pages, num_pages=pool.num_pages,
                                queries=s.queries_per_step[-1] if s.queries_per_step and seconds else 0))
-            self._accepted, self._outputs, self._finished, self._failed = [], [], [], []
+            self._accepted, self._tokens, self._outputs, self._finished, self._failed = [], [], [], [], []
             self.sink(message)
 
     def pages(self, token: int) -> PagesReport:

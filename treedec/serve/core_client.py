@@ -1,12 +1,15 @@
 """The frontend's side of the engine core (:mod:`treedec.serve.core`): one client interface, two transports.
 
 :class:`CoreClient` is what the server (:mod:`treedec.serve.app`) talks to: :meth:`~CoreClient.submit` sends a
-request and returns its :class:`RequestStream` (an async iterator of
+request and returns its :class:`~treedec.serve.outputs.RequestStream` (an async iterator of
 :class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.serve.engine.OnlineEngine`'s streams) once the core
 accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
 :class:`~treedec.serve.messages.IterationStats`; its health. Every output message the core sends is handled by one
 method on the event loop (:meth:`CoreClient.process`): one wake-up per engine iteration, however many requests it
-advanced. Two transports under it:
+advanced. A generated request streams token ids from the core: its text, stop strings and results are made here
+(:class:`~treedec.serve.outputs.RequestOutputs`), and a request whose outputs all ended here while the core still
+runs it (a stop string) is aborted there; a speculative request and a beam search stream text made in the core.
+Two transports under it:
 
 - :class:`InProcessClient`: the core in this process (its engine's thread; the messages passed as objects), for an
   :class:`~treedec.LLM` built here (tests, ``--no-engine-process``);
@@ -38,9 +41,9 @@ from treedec.serve.core import ERROR_KINDS, EngineCore, run_core_process
 from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, Shutdown, dumps, loads)
+from treedec.serve.outputs import RequestOutputs, RequestStream
 
-__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient",
-           "RequestStream"]
+__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient"]
 
 #: Seconds between two checks of the core's health (its process, or its engine's thread).
 _WATCH_SECONDS = 0.05
@@ -63,31 +66,6 @@ class EngineStartupError(RuntimeError):
     def __init__(self, message: str, kind: str | None = None):
         super().__init__(message)
         self.kind = kind
-
-
-class RequestStream:
-    """One request's :class:`~treedec.runtime.streams.StreamOutput` items as the core sends them (an async iterator,
-    on the client's loop); raises the error the request failed with."""
-
-    def __init__(self, request_id: str, outputs: int):
-        self.request_id, self.outputs = request_id, outputs
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    def put(self, item: Any) -> None:
-        self.queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamOutput:
-        item = await self.queue.get()
-        if item is STREAM_END:
-            self.queue.put_nowait(STREAM_END)
-            raise StopAsyncIteration
-        if isinstance(item, StreamFailure):
-            raise item.error
-        return item
 
 
 class CoreClient:
@@ -147,10 +125,14 @@ class CoreClient:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        stream = self._streams[request_id] = RequestStream(request_id, params.n)
+        tokens = beam is None and not self.ready.speculative   # (the others' text is made in the core)
+        processor = RequestOutputs(request_id, prompt_ids, params, self.tokenizer, self.ready.eos_token_ids) \
+            if tokens else None
+        stream = self._streams[request_id] = RequestStream(request_id, params.n, processor)
         self._unacknowledged += params.n
         try:
-            self._send(AddRequest(request_id, list(prompt_ids), dumps(params), None if beam is None else dumps(beam)))
+            self._send(AddRequest(request_id, list(prompt_ids), dumps(params), None if beam is None else dumps(beam),
+                                  stream_tokens=tokens))
             return await stream.accepted   # (its error: the stream was forgotten with it)
         finally:
             if not stream.accepted.done():   # (cancelled while waiting: the client went away)
@@ -201,15 +183,24 @@ class CoreClient:
                 if not stream.accepted.done():
                     stream.accepted.set_result(stream)
         self.stats = message.stats
+        for delta in message.tokens:
+            stream = streams.get(delta.request_id)
+            if stream is not None and stream.take(delta):   # (none: ended here, the core's tokens past it dropped)
+                self._end_here(stream)
         for delta in message.outputs:
             stream = streams.get(delta.request_id)
             if stream is not None:
                 stream.put(_stream_output(delta))
         for done in message.finished:
             stream = streams.pop(done.request_id, None)
-            if stream is not None:
-                stream.put(StreamOutput(done.request_id, results=loads(done.results)))
-                stream.put(STREAM_END)
+            if stream is None:
+                continue
+            if done.results is None:   # (a token stream's outputs all end in its deltas, before this)
+                stream.put(StreamFailure(EngineError(f"the engine core finished request {done.request_id!r} before "
+                                                     f"every output of it ended")))
+                continue
+            stream.put(StreamOutput(done.request_id, results=loads(done.results)))
+            stream.put(STREAM_END)
         for failure in message.failed:
             stream = streams.pop(failure.request_id, None)
             if stream is not None:
@@ -223,6 +214,16 @@ class CoreClient:
                 stream.put(StreamFailure(error))
         if self.on_iteration is not None:
             self.on_iteration(message.stats)
+
+    def _end_here(self, stream: RequestStream) -> None:
+        """A token stream ended in the frontend: forgotten (the core's later news of it dropped) and, when the core
+        still runs it, aborted there (its pages freed at its next iteration)."""
+        del self._streams[stream.request_id]
+        if stream.processor.needs_abort and self.dead is None and not self._closing:
+            try:
+                self._send(AbortRequests([stream.request_id]))
+            except EngineDeadError:   # (the core is gone: the reader reports it, failing what runs)
+                pass
 
     def _died(self, reason: str) -> None:
         if self.dead is not None or self._closing:

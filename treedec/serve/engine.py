@@ -143,7 +143,7 @@ class OnlineEngine:
         return self._grammars.compile(params.structured_outputs)
 
     def submit(self, spec: RequestSpec, tokenizer=None, chat_template: bool | None = None,
-               beam: BeamSearchParams | None = None, stream: OutputStream | None = None
+               beam: BeamSearchParams | None = None, stream: OutputStream | None = None, stream_tokens: bool = False
                ) -> AsyncIterator[StreamOutput]:
         """Start request ``spec`` (its prompt encoded and checked here: a bad request raises here, ValueError or
         TypeError, or :class:`~treedec.errors.PoolExhaustedError` for one whose worst case exceeds what the pool can
@@ -159,13 +159,24 @@ class OnlineEngine:
 
         ``stream``: the request's outputs go there (an :class:`~treedec.runtime.streams.OutputStream` with
         ``deliver``, for the engine core: :mod:`treedec.serve.core`), which is returned; then it may be called on any
-        thread."""
+        thread.
+
+        ``stream_tokens``: the request's outputs stream as token ids (:meth:`OutputStream.tokens
+        <treedec.runtime.streams.OutputStream.tokens>`: each step's new tokens, their logprobs, the outputs' ends by
+        EOS / stop ids / length) and no text is made: its stop strings are left to the caller (a server's frontend,
+        which detokenizes them) and its program runs with ``detokenize=False`` and no stop strings; its results' texts
+        are None. Not with ``beam`` nor a speculative engine (ValueError)."""
         loop = asyncio.get_running_loop() if stream is None else None
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
         if beam is not None and (self.drafts is not None or spec.params.n != beam.beam_width):
             raise ValueError("use_beam_search runs on a server without speculative decoding" if self.drafts is not None
                              else f"n must be the beam's width {beam.beam_width}, got {spec.params.n}")
+        if stream_tokens:
+            if beam is not None or self.drafts is not None:
+                raise ValueError("a request streams token ids only when it is generated, not "
+                                 + ("a beam search" if beam is not None else "speculatively"))
+            spec = dataclasses.replace(spec, params=spec.params.replace(stop=(), detokenize=False))
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
         if spec.params.structured_outputs is not None and (beam is not None or tokenizer is not self.tokenizer):
             raise ValueError("structured_outputs: not with use_beam_search" if beam is not None else
@@ -188,6 +199,8 @@ class OnlineEngine:
             program = beam_program(self.engine, prompt_ids, beam.beam_width, beam.max_tokens, beam.length_penalty,
                                    eos or None, beam.early_stopping)
             to_results = lambda result, cached: beam_results(spec, prompt_ids, result, tokenizer, eos, cached)
+        elif stream_tokens:
+            program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar, on_tokens=stream.tokens)
         elif self.drafts is None:
             program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar,
                                       on_output=None if tokenizer is None else _streamed(stream))

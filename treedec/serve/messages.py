@@ -5,8 +5,15 @@ Into the core (:data:`CoreInput`, tagged): :class:`AddRequest` (a request: its p
 :class:`~treedec.sampling.params.SamplingParams`), :class:`AbortRequests`, :class:`PagesQuery` (the core's page
 accounting, for tests and soaks), :class:`Shutdown`. Out of it (:data:`CoreOutput`, tagged): :class:`CoreReady`
 once it is built (or :class:`CoreStartupFailed`), then ONE :class:`IterationOutputs` per engine iteration (every
-request's new text and ends, the finished requests' results, the failed ones' errors, the requests accepted since the
-last message, and :class:`IterationStats`), and :class:`PagesReport` answers.
+request's new token ids and ends, or new text for the requests the core detokenizes, the finished requests' results,
+the failed ones' errors, the requests accepted since the last message, and :class:`IterationStats`), and
+:class:`PagesReport` answers.
+
+A generated request (``AddRequest.stream_tokens``) streams token ids (:class:`TokenDelta`: per output its new ids,
+their logprobs, its end by EOS / stop ids / length, the prompt's cached tokens): the frontend detokenizes them, checks
+the stop strings and builds the request's results (:mod:`treedec.serve.outputs`), as vLLM v1's ``OutputProcessor``
+does; the core makes no text for it. A speculative request and a beam search still stream text made in the core
+(:class:`OutputDelta`) and send their results (:class:`RequestFinished`).
 
 ``SamplingParams`` and ``BeamSearchParams`` travel pickled (``AddRequest.params``, ``.beam``), and so do a finished
 request's :class:`~treedec.runtime.requests.RequestResult` list and the core's tokenizer: they are the project's own
@@ -24,9 +31,11 @@ from typing import Union
 
 import msgspec
 
+from treedec.sampling.logits import Logprob
+
 __all__ = ["AbortRequests", "AddRequest", "CoreInput", "CoreOutput", "CoreReady", "CoreStartupFailed",
            "IterationOutputs", "IterationStats", "MessageCodec", "OutputDelta", "PagesQuery", "PagesReport",
-           "RequestFailure", "RequestFinished", "Shutdown", "dumps", "loads"]
+           "PositionLogprobs", "RequestFailure", "RequestFinished", "Shutdown", "TokenDelta", "dumps", "loads"]
 
 
 def dumps(value) -> bytes:
@@ -57,12 +66,15 @@ def loads(data: bytes):
 
 class AddRequest(msgspec.Struct, tag=True, frozen=True):
     """A request: ``request_id`` (unique among the running ones), its prompt's ``prompt_ids``, its pickled
-    ``SamplingParams`` and, for a beam search, its pickled ``BeamSearchParams``."""
+    ``SamplingParams`` and, for a beam search, its pickled ``BeamSearchParams``; ``stream_tokens``: its outputs
+    stream as token ids (:class:`TokenDelta`; the frontend makes their text and matches their stop strings), else as
+    text made in the core (:class:`OutputDelta`: a speculative request, a beam search)."""
 
     request_id: str
     prompt_ids: list[int]
     params: bytes
     beam: bytes | None = None
+    stream_tokens: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):
@@ -87,7 +99,8 @@ CoreInput = Union[AddRequest, AbortRequests, PagesQuery, Shutdown]
 # ------------------------------------------------------------------ out of the core
 
 class CoreReady(msgspec.Struct, tag=True, frozen=True):
-    """The core is built: what the frontend needs of its model (``tokenizer``: pickled, or None)."""
+    """The core is built: what the frontend needs of its model (``tokenizer``: pickled, or None; ``eos_token_ids``:
+    the checkpoint's, the frontend's stop rules start from them as the core's do)."""
 
     name: str
     max_model_len: int
@@ -101,6 +114,7 @@ class CoreReady(msgspec.Struct, tag=True, frozen=True):
     note: str
     tokenizer: bytes | None
     pid: int
+    eos_token_ids: list[int]
 
 
 class CoreStartupFailed(msgspec.Struct, tag=True, frozen=True):
@@ -123,11 +137,44 @@ class OutputDelta(msgspec.Struct, array_like=True, frozen=True):
     token_ids: list[int] | None = None
 
 
-class RequestFinished(msgspec.Struct, array_like=True, frozen=True):
-    """A request's final results (a pickled ``list[RequestResult]``, one per output)."""
+class PositionLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """One position's ``{token_id: Logprob}`` (:class:`~treedec.sampling.logits.Logprob`), in its order: ``ids``,
+    their ``logprobs`` and ``ranks``."""
+
+    ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+    @classmethod
+    def of(cls, entry: dict) -> "PositionLogprobs":
+        return cls(list(entry), [lp.logprob for lp in entry.values()], [lp.rank for lp in entry.values()])
+
+    def to_dict(self) -> dict:
+        return {t: Logprob(lp, r) for t, lp, r in zip(self.ids, self.logprobs, self.ranks)}
+
+
+class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
+    """One output's new tokens of an iteration, for a request that streams token ids
+    (:class:`~treedec.runtime.streams.StreamTokens`' fields): its new ``token_ids`` (each once, a preempted run's
+    again left out), their ``logprobs`` (asked for, else None), its ``end`` when its last one ended it in the core
+    (``"eos"``: an EOS or stop id; ``"length"``), the prompt's ``cached_tokens`` (the current run's), and on the
+    request's first delta its ``prompt_logprobs`` (asked for; None for the prompt's first token)."""
 
     request_id: str
-    results: bytes
+    index: int
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    end: str | None
+    cached_tokens: int
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+class RequestFinished(msgspec.Struct, array_like=True, frozen=True):
+    """A request's final results (a pickled ``list[RequestResult]``, one per output); None for a request that
+    streams token ids (its :class:`TokenDelta` ended every output: the frontend has its results)."""
+
+    request_id: str
+    results: bytes | None
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
@@ -157,10 +204,12 @@ class IterationStats(msgspec.Struct, frozen=True):
 
 
 class IterationOutputs(msgspec.Struct, tag=True, frozen=True):
-    """ONE message per engine iteration: the requests accepted since the last one, every output's news, the
-    finished and the failed requests, and the core's stats."""
+    """ONE message per engine iteration: the requests accepted since the last one, every output's news (``tokens``
+    of the requests that stream token ids, ``outputs`` of those that stream text), the finished and the failed
+    requests, and the core's stats."""
 
     accepted: list[str]
+    tokens: list[TokenDelta]
     outputs: list[OutputDelta]
     finished: list[RequestFinished]
     failed: list[RequestFailure]

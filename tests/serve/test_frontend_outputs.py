@@ -1,0 +1,142 @@
+"""Detokenization and stop strings in the frontend (treedec/serve/outputs.py; issue #51): the engine core streams a
+generated request's token ids and makes no text for it; the frontend's text, stop strings, logprobs and usage are
+the ones LLM.generate gives, on both transports; a stop string found in the frontend aborts the request in the core
+and keeps its result."""
+import threading
+
+import pytest
+
+from tests.serve.server import RunningServer, free_again, make_llm
+from treedec import SamplingParams
+from treedec.models.text import IncrementalDetokenizer
+from treedec.serve.core import EngineCore
+from treedec.serve.messages import AddRequest, IterationOutputs, PositionLogprobs, TokenDelta, dumps
+from treedec.serve.outputs import RequestOutputs
+
+PROMPT = "The quick brown fox"
+
+
+def _reference(reference, **kwargs):
+    [out] = reference.generate(PROMPT, SamplingParams(**kwargs), use_tqdm=False)
+    return out
+
+
+def test_the_core_makes_no_text_for_a_generated_request(tokenizer, monkeypatch):
+    """In-process: no detokenizer is made or fed on the engine's thread, streamed or not, stop strings and all; the
+    frontend's are."""
+    threads = []
+    for name in ("__init__", "feed", "feed_checked", "finish"):
+        original = getattr(IncrementalDetokenizer, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(IncrementalDetokenizer, name, spy)
+    import openai
+    running = RunningServer(make_llm(tokenizer), "tiny")
+    try:
+        with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
+            body = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=["zzz"], n=2,
+                        extra_body={"ignore_eos": True})
+            whole = client.completions.create(**body)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body)
+                               if c.choices and c.choices[0].index == 0)
+        assert whole.choices[0].text == streamed and whole.choices[0].text
+        assert threads and "treedec-online" not in threads, sorted(set(threads))
+        assert free_again(running) == 0
+    finally:
+        running.stop()
+
+
+def test_the_engine_core_sends_token_ids_and_no_results_for_a_generated_request(tokenizer, reference):
+    """The core itself (as its process runs it): TokenDelta items only, one token each, joining to LLM.generate's
+    ids, its end and no pickled results."""
+    messages, done = [], threading.Event()
+
+    def sink(message):
+        messages.append(message)
+        if isinstance(message, IterationOutputs) and message.finished:
+            done.set()
+
+    core = EngineCore(make_llm(tokenizer), sink)
+    try:
+        ids = tokenizer.encode(PROMPT)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=("e",), logprobs=1)
+        core.handle([AddRequest("a", ids, dumps(params), stream_tokens=True)])
+        assert done.wait(60)
+    finally:
+        core.shutdown(10)
+    deltas = [d for m in messages for d in m.tokens]
+    assert not any(m.outputs for m in messages) and all(len(d.token_ids) == 1 for d in deltas)
+    [finished] = [f for m in messages for f in m.finished]
+    assert finished.results is None
+    want = _reference(reference, max_tokens=8, temperature=0.0, ignore_eos=True).outputs[0].token_ids
+    assert [d.token_ids[0] for d in deltas] == list(want)   # (the stop string is the frontend's: not matched here)
+    assert [d.end for d in deltas] == [None] * 7 + ["length"] and all(len(d.logprobs) == 1 for d in deltas)
+
+
+def test_stop_strings_logprobs_and_usage_as_llm_generate_gives_them(server, client, reference):
+    """A stop string found in the frontend ends its output with finish reason "stop" and keeps its text, token ids
+    and logprobs (the core's request aborted: every page free after); usage counts the kept tokens, streamed too."""
+    full = _reference(reference, max_tokens=16, temperature=0.0, ignore_eos=True).outputs[0].text
+    stop = full[5:7]
+    want = _reference(reference, max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,), logprobs=2).outputs[0]
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], logprobs=2,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    got = client.completions.create(**body)
+    [choice] = got.choices
+    assert (choice.text, choice.finish_reason) == (want.text, "stop")
+    assert choice.model_extra["token_ids"] == list(want.token_ids)
+    assert choice.logprobs.tokens and len(choice.logprobs.token_logprobs) == len(want.token_ids)
+    assert choice.logprobs.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(want.logprobs,
+                                                                                         want.token_ids)], abs=1e-4)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    body.pop("logprobs")   # (not with stream=true)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert free_again(server) == 0
+
+
+# ------------------------------------------------------------------ RequestOutputs alone
+
+class Letters:
+    """Token id i is the letter chr(97 + i % 26)."""
+
+    def __len__(self):
+        return 26
+
+    def decode(self, ids):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+def _delta(index, token, end=None, logprob=None):
+    return TokenDelta("r", index, [token], None if logprob is None else [PositionLogprobs([token], [logprob], [1])],
+                      end, 4)
+
+
+def test_a_stop_string_found_in_the_frontend_ends_its_output_and_asks_for_the_abort():
+    outputs = RequestOutputs("r", [0], SamplingParams(n=2, max_tokens=5, stop=("cd",), logprobs=0), Letters(), [25])
+    items = [outputs.take(_delta(0, t, logprob=-1.0)) for t in (1, 2, 3)]   # b, c (held back), d: "bcd" -> "b"
+    assert [[(i.text, i.stop_reason) for i in step] for step in items] == [[("b", None)], [], [("", "stop_string")]]
+    assert outputs.take(_delta(0, 4, logprob=-1.0)) == []   # (a step late: dropped)
+    for t, end in ((1, None), (25, "eos")):
+        last = outputs.take(_delta(1, t, end, -0.5))
+    assert outputs.done and outputs.needs_abort and (last[0].stop_reason, last[0].token_ids) == ("eos", [1, 25])
+    first, second = outputs.results()
+    assert (first.text, first.output_ids, first.stop_reason, first.stats["stop_string"]) == ("b", [1, 2, 3],
+                                                                                             "stop_string", "cd")
+    assert len(first.logprobs) == 3 and first.cumulative_logprob == -3.0 and first.stats["cached_tokens"] == 4
+    assert (second.text, second.stop_reason) == ("bz", "eos")
+
+
+def test_an_end_the_core_found_alone_ends_the_output_there_and_needs_no_abort():
+    outputs = RequestOutputs("r", [0], SamplingParams(max_tokens=9), Letters(), [])   # (a grammar's stop id, say)
+    [end] = outputs.take(_delta(0, 7, "eos"))
+    assert (end.text, end.stop_reason) == ("h", "eos") and outputs.done and not outputs.needs_abort
+
+
+def test_a_token_the_tokenizer_cannot_decode_is_refused():
+    outputs = RequestOutputs("r", [0], SamplingParams(max_tokens=9), Letters(), [])
+    with pytest.raises(ValueError, match="token_ids"):
+        outputs.take(_delta(0, 40))
