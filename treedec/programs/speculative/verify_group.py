@@ -142,9 +142,9 @@ class VerifyGroup:
         flight = rows.flight_root >= 0
         ps = self.pool.page_size
         need = np.where(flight, self.pool.pages_for(1 + d) + 1, 0) + -(-m // ps)
-        fits = np.cumsum(need) <= free_pages
-        self._blocked = {self.owners[i]: int(need[i]) for i in np.flatnonzero(~fits).tolist()}
-        at = np.flatnonzero(fits)
+        fits = need.cumsum() <= free_pages
+        self._blocked = {self.owners[i]: int(need[i]) for i in (~fits).nonzero()[0].tolist()}
+        at = fits.nonzero()[0]
         if not len(at):
             return None
         f = at[flight[at]]
@@ -208,7 +208,9 @@ class VerifyGroup:
         self.read.index_copy_(0, at_d, torch.cat([outcome, path_tokens], dim=1))
         self.outcome.index_copy_(0, at_d, outcome)
         full = self.m - m
-        self.slots.index_copy_(0, at_d, to_device(np.pad(slots, ((0, 0), (0, full)), mode="edge"), self.device))
+        if full:   # (a cut tree's slots padded with its last one's, to the full tree's m)
+            slots = slots[:, np.minimum(np.arange(self.m), m - 1)]
+        self.slots.index_copy_(0, at_d, to_device(slots, self.device))
         self.tokens.index_copy_(0, at_d, torch.cat([tokens, tokens.new_zeros(p, full)], dim=1))
         if self.head is not None:
             heads = out.heads[self.head_name].reshape(p, m, *self.head.shape[1:])
@@ -260,7 +262,7 @@ class VerifyGroup:
             every = keep
         else:
             every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
-                0, to_device(np.flatnonzero(flight), self.device), keep)
+                0, to_device(flight.nonzero()[0], self.device), keep)
         none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
         return DynamicSpans(slots, lengths, every, none, none)
 
@@ -308,7 +310,7 @@ class VerifyGroup:
         found = rows.record(at, values, self.checkers, seconds)
         if self.budget is not None:
             self.budget.observe_many(self.budget_slots[at[found.stepped]], found.kept[found.stepped])
-        for j in np.flatnonzero(rows.text[at] & found.stepped).tolist():   # on_step, on_text: per step
+        for j in (rows.text[at] & found.stepped).nonzero()[0].tolist():   # on_step, on_text: per step
             i = int(at[j])
             self._fill_stats(i)
             self.requests[i].program.stepped(self.requests[i].stats, self.checkers[i])
@@ -345,7 +347,7 @@ class VerifyGroup:
     def _keep(self, keep: np.ndarray) -> None:
         """Keep the rows of ``keep`` ([R] bool) in every column (an event)."""
         self.rows.keep(keep)
-        index = np.flatnonzero(keep)
+        index = keep.nonzero()[0]
         self.requests = [self.requests[i] for i in index]
         self.owners = [self.owners[i] for i in index]
         self.checkers = [self.checkers[i] for i in index]

@@ -101,7 +101,7 @@ class VerifyRows:
         ended = (keep == room) | ((bonus[:, None] == stops).any(axis=1) & (keep == count))
         ended &= ~self.text[at]
         kept = np.minimum(keep, first)
-        for i in np.flatnonzero(self.text[at]).tolist():       # rows whose text is checked token by token
+        for i in self.text[at].nonzero()[0].tolist():       # rows whose text is checked token by token
             checker = checkers[at[i]]
             decision = checker.accept(path[i, :first[i]].tolist() + [int(bonus[i])])
             keep[i], kept[i] = decision.keep, min(decision.keep, first[i])
