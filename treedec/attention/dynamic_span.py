@@ -106,7 +106,7 @@ class DynamicSpans:
         per = len(rows) // max(self.num_spans, 1)
         if per * self.num_spans != len(rows):
             raise ValueError(f"{len(rows)} query rows do not split evenly among {self.num_spans} spans")
-        return dataclasses.replace(self, shift_rows=rows, shift_span=np.arange(self.num_spans).repeat(per))
+        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(self.num_spans).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
@@ -156,10 +156,13 @@ class DynamicSpans:
         placed = starts >= 0
         if not placed.any():
             return plan
-        ranges = np.stack([starts[placed], starts[placed] + self.lengths[placed]], axis=1)
+        at = starts[placed]
+        ranges = np.empty((len(at), 2), dtype=np.int64)   # (start, stop) rows
+        ranges[:, 0] = at
+        ranges[:, 1] = at + self.lengths[placed]
         if len(plan.dynamic_kv):
             ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
-        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+        ranges = ranges[ranges[:, 0].argsort(kind="stable")]
         return dataclasses.replace(plan, dynamic_kv=ranges)
 
 
