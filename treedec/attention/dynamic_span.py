@@ -78,7 +78,7 @@ class DynamicSpans:
         if len(parts) == 1:
             return parts[0]
         counts = np.array([p.num_spans for p in parts], dtype=np.int64)
-        base = np.cumsum(counts) - counts
+        base = counts.cumsum() - counts
         return cls(np.concatenate([p.slots for p in parts]), np.concatenate([p.lengths for p in parts]),
                    torch.cat([p.keep for p in parts]), np.concatenate([p.shift_rows for p in parts]),
                    np.concatenate([p.shift_span + b for p, b in zip(parts, base.tolist())]))
@@ -106,7 +106,7 @@ class DynamicSpans:
         per = len(rows) // max(self.num_spans, 1)
         if per * self.num_spans != len(rows):
             raise ValueError(f"{len(rows)} query rows do not split evenly among {self.num_spans} spans")
-        return dataclasses.replace(self, shift_rows=rows, shift_span=np.repeat(np.arange(self.num_spans), per))
+        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(self.num_spans).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
@@ -125,10 +125,10 @@ class DynamicSpans:
         flattened order. Array operations over the plan's KV and the spans, whatever their number."""
         starts = np.full(self.num_spans, -1, dtype=np.int64)
         kv = plan.kv_slots
-        has = np.flatnonzero(self.lengths > 0)
+        has = (self.lengths > 0).nonzero()[0]
         if not len(has) or not len(kv):
             return starts
-        offsets = np.cumsum(self.lengths) - self.lengths
+        offsets = self.lengths.cumsum() - self.lengths
         first = self.slots[offsets[has]]
         where = np.full(int(max(kv.max(), first.max())) + 1, -1, dtype=np.int64)   # slot -> its KV position
         where[kv[::-1]] = np.arange(len(kv) - 1, -1, -1)                           # (its first, as flatnonzero's)
@@ -136,13 +136,13 @@ class DynamicSpans:
         found = at >= 0
         has, at = has[found], at[found]
         d = self.lengths[has]
-        local = np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
-        position = np.repeat(at, d) + local
+        local = np.arange(int(d.sum())) - (d.cumsum() - d).repeat(d)
+        position = at.repeat(d) + local
         inside = position < len(kv)
         same = np.zeros(len(position), dtype=bool)
-        same[inside] = kv[position[inside]] == self.slots[np.repeat(offsets[has], d) + local][inside]
+        same[inside] = kv[position[inside]] == self.slots[offsets[has].repeat(d) + local][inside]
         if not same.all():
-            bad = int(has[np.repeat(np.arange(len(has)), d)[~same][0]])
+            bad = int(has[np.arange(len(has)).repeat(d)[~same][0]])
             got = self.slots[offsets[bad]:offsets[bad] + self.lengths[bad]]
             raise ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the plan's flattened "
                              f"KV (the end of one node), got slots {got[:8].tolist()}")
@@ -156,10 +156,13 @@ class DynamicSpans:
         placed = starts >= 0
         if not placed.any():
             return plan
-        ranges = np.stack([starts[placed], starts[placed] + self.lengths[placed]], axis=1)
+        at = starts[placed]
+        ranges = np.empty((len(at), 2), dtype=np.int64)   # (start, stop) rows
+        ranges[:, 0] = at
+        ranges[:, 1] = at + self.lengths[placed]
         if len(plan.dynamic_kv):
             ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
-        ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+        ranges = ranges[ranges[:, 0].argsort(kind="stable")]
         return dataclasses.replace(plan, dynamic_kv=ranges)
 
 
@@ -184,28 +187,29 @@ class MaskPatch:
         :meth:`DynamicSpans.kv_starts`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static
         plan's rows are its bounds' width); None when no span is placed. Array operations whatever the number of
         spans."""
-        ids = np.flatnonzero(starts >= 0)                                           # the placed spans
+        ids = (starts >= 0).nonzero()[0]                                           # the placed spans
         lengths = spans.lengths[ids]
         if not lengths.sum():
             return None
         starts = starts[ids]
         count_spans = len(ids)
-        owner = np.repeat(np.arange(count_spans), lengths)                          # each span slot's span
-        slot = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        owner = np.arange(count_spans).repeat(lengths)                          # each span slot's span
+        slot = np.arange(lengths.sum()) - (lengths.cumsum() - lengths).repeat(lengths)
         position = starts[owner] + slot
-        chunk = np.searchsorted(plan.chunk_kv_start, position, side="right") - 1
+        chunk = plan.chunk_kv_start.searchsorted(position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
         count = last - first
-        pair = np.repeat(np.arange(len(position)), count)                          # (entry, slot) pairs
-        entry = np.repeat(first - np.cumsum(count) + count, count) + np.arange(count.sum())
+        pair = np.arange(len(position)).repeat(count)                          # (entry, slot) pairs
+        entry = (first - count.cumsum() + count).repeat(count) + np.arange(count.sum())
         word = entry * stride + offset[pair] // MASK_BITS
-        keys, inverse = np.unique(owner[pair] * (int(word.max()) + 1) + word, return_inverse=True)
-        words, span = keys % (int(word.max()) + 1), keys // (int(word.max()) + 1)   # grouped by span, sorted
+        base = int(word.max()) + 1
+        keys, inverse = _unique_inverse(owner[pair] * base + word)
+        words, span = keys % base, keys // base                                     # grouped by span, sorted
         u = np.bincount(span, minlength=count_spans)                                # each span's words
-        begin = np.cumsum(u) - u
+        begin = u.cumsum() - u
         d1 = lengths + 1
-        row0 = np.cumsum(u * d1) - u * d1                                           # each span's table start
+        row0 = (u * d1).cumsum() - u * d1                                           # each span's table start
         at = row0[span] + (np.arange(len(words)) - begin[span])
         # cleared[k] of a word: the bits of its span's slots >= k (distinct bits: their sum is their or), a suffix
         # sum over the slots of each slot's bits, at table[at + k * width]
@@ -217,17 +221,17 @@ class MaskPatch:
         # The suffix sums of every word's column (its span's d1 rows) at once: the columns one after another, each
         # row by row, summed from the end of its column.
         column_rows = d1[span]                                                      # [words]: rows of each column
-        col = np.repeat(np.arange(len(words)), column_rows)
-        r = np.arange(int(column_rows.sum())) - np.repeat(np.cumsum(column_rows) - column_rows, column_rows)
+        col = np.arange(len(words)).repeat(column_rows)
+        r = np.arange(int(column_rows.sum())) - (column_rows.cumsum() - column_rows).repeat(column_rows)
         flat = at[col] + r * u[span[col]]
         values = own[flat]
-        total = np.cumsum(values)
-        column_end = np.cumsum(column_rows) - 1
+        total = values.cumsum()
+        column_end = column_rows.cumsum() - 1
         table = np.zeros(size, dtype=np.int64)
         table[flat] = total[column_end][col] - (total - values)
         table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
         span = ids[span]   # (each word's span among all of them: apply takes every span's keep)
-        distinct, where = np.unique(words, return_inverse=True)
+        distinct, where = _unique_inverse(words)
         n, m = len(words), len(distinct) if len(distinct) < len(words) else 0
         on = to_device(np.concatenate([words, at, u[span], span, table, distinct[:m], where[:n if m else 0]]),
                        device)   # one copy
@@ -257,6 +261,19 @@ class MaskPatch:
         mask = np.array(plan.entry_mask, copy=True)
         self.apply(torch.from_numpy(mask), keep.cpu())
         return dataclasses.replace(plan, entry_mask=mask)
+
+
+def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of a 1-D int64 array, in a few array operations (np.unique's
+    own Python costs about as much as the rest of a patch)."""
+    order = values.argsort(kind="stable")
+    ordered = values[order]
+    new = np.empty(len(ordered), dtype=bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(len(values), dtype=np.int64)
+    inverse[order] = new.cumsum() - 1
+    return ordered[new], inverse
 
 
 def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tuple[TreePlan, np.ndarray | None]:

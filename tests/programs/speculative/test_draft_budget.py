@@ -1,6 +1,7 @@
 """The draft-token budget of speculative batches (treedec.programs.speculative.draft_budget; tiny random Llama, CPU)."""
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,8 @@ def tiny():
     return tiny_model()
 
 
-@pytest.mark.parametrize("kwargs,match", [({"step_tokens": 0}, "step_tokens must be an int >= 1, 'auto' or None, got 0"),
+@pytest.mark.parametrize("kwargs,match", [({"step_tokens": 0},
+                                           "step_tokens must be an int >= 1, 'auto' or None, got 0"),
                                           ({"step_tokens": "many"}, "step_tokens must be an int >= 1, 'auto' or None"),
                                           ({"step_tokens": True}, "step_tokens must be"),
                                           ({"min_tokens": -1}, "min_tokens must be an int >= 0, got -1"),
@@ -107,3 +109,63 @@ def test_budgeted_sampled_drafts_run_with_cut_distributions(tiny):
     assert [len(r.output_ids) for r in results] == [6, 6, 6]
     assert all(max(r.stats["draft_sizes"]) <= 6 for r in results)
     assert engine.pool.num_free_pages == engine.pool.num_pages and draft_engine.tree.num_nodes == 0
+
+
+class DictBudget:
+    """The budget's arithmetic as it was written before its slot array: a dict of running acceptances in join
+    order, summed as Python floats (the reference its shares must equal bit for bit)."""
+
+    def __init__(self, total, min_tokens, smoothing):
+        self.total, self.min_tokens, self.smoothing, self.live = total, min_tokens, smoothing, {}
+
+    def observe(self, p, accepted):
+        if p in self.live:
+            self.live[p] = (1 - self.smoothing) * self.live[p] + self.smoothing * accepted
+
+    def group_tokens(self, programs, proposed):
+        live = [p for p in programs if p in self.live]
+        if not live:
+            return proposed
+        weights = len(self.live) + sum(self.live.values())
+        share = int(self.total * sum(1.0 + self.live[p] for p in live) / (weights * len(live)))
+        return min(proposed, max(self.min_tokens, share))
+
+    def tokens(self, p, proposed):
+        if p not in self.live:
+            return proposed
+        share = int(self.total * (1.0 + self.live[p]) / (len(self.live) + sum(self.live.values())))
+        return min(proposed, max(self.min_tokens, share))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_shares_equal_the_dict_reference(seed):
+    """Random joins, leaves (slots reused), batched and single observations: every share and acceptance equals the
+    dict reference's exactly (sums in join order, whatever the slots)."""
+    rng = np.random.default_rng(seed)
+    budget = DraftBudget(step_tokens=int(rng.integers(8, 300)), min_tokens=1, smoothing=float(rng.uniform(0.05, 1)))
+    ref = DictBudget(budget.step_tokens, 1, budget.smoothing)
+    programs = [object() for _ in range(40)]
+    for _ in range(300):
+        p = programs[int(rng.integers(len(programs)))]
+        event = rng.integers(4)
+        if event == 0:
+            budget.join(p)
+            ref.live[p] = 0.0
+        elif event == 1:
+            budget.leave(p)
+            ref.live.pop(p, None)
+        elif event == 2:
+            group = [programs[i] for i in rng.choice(len(programs), int(rng.integers(1, 12)), replace=False)]
+            accepted = rng.integers(0, 9, len(group))
+            budget.observe_many(np.array([budget.slot(q) for q in group], dtype=np.int64), accepted)
+            for q, a in zip(group, accepted.tolist()):
+                ref.observe(q, a)
+        else:
+            accepted = int(rng.integers(0, 9))
+            budget.observe(p, accepted)
+            ref.observe(p, accepted)
+        group = [programs[i] for i in rng.choice(len(programs), int(rng.integers(1, 12)), replace=False)]
+        slots = np.array([budget.slot(q) for q in group], dtype=np.int64)
+        assert budget.group_tokens(slots, CPU, 63) == ref.group_tokens(group, 63)
+        assert budget.tokens(p, CPU, 63) == ref.tokens(p, 63)
+        assert [float(budget._acceptance[budget.slot(q)]) for q in ref.live] == list(ref.live.values())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treedec.checks import fraction, nonnegative_int, positive_int
@@ -65,7 +66,13 @@ class DraftBudget:
             positive_int("step_tokens", self.step_tokens, note=", 'auto' or None")
         nonnegative_int("min_tokens", self.min_tokens)
         fraction("smoothing", self.smoothing)
-        self._live: dict[int, float] = {}   # id(program) -> its running acceptance
+        # Each live program's running acceptance in a slot of one array (slots assigned at join, freed at leave),
+        # so that a verify group's step reads and updates its rows' with a few array operations; ``_order`` lists
+        # the live slots in join order: the shares sum the acceptances in that order, as Python floats.
+        self._slot: dict[int, int] = {}   # id(program) -> its slot
+        self._acceptance = np.zeros(0, dtype=np.float64)
+        self._order = np.zeros(0, dtype=np.int64)
+        self._free: list[int] = []
         self._total: int | None = None
 
     def resolve(self, device: torch.device) -> int | None:
@@ -79,48 +86,68 @@ class DraftBudget:
         return self._total or None
 
     def join(self, program) -> None:
-        """``program`` runs from now on (its share counts)."""
-        self._live[id(program)] = 0.0
+        """``program`` runs from now on (its share counts; joined again, its acceptance starts again from 0)."""
+        slot = self._slot.get(id(program))
+        if slot is None:
+            if not self._free:
+                had = len(self._acceptance)
+                self._acceptance = np.concatenate([self._acceptance, np.zeros(max(16, had))])
+                self._free = list(range(len(self._acceptance) - 1, had - 1, -1))   # (the lowest popped first)
+            slot = self._slot[id(program)] = self._free.pop()
+            self._order = np.append(self._order, slot)
+        self._acceptance[slot] = 0.0
 
     def leave(self, program) -> None:
-        self._live.pop(id(program), None)
+        slot = self._slot.pop(id(program), None)
+        if slot is not None:
+            self._order = self._order[self._order != slot]
+            self._free.append(slot)
+
+    def slot(self, program) -> int:
+        """``program``'s slot while it runs (the index :meth:`observe_many` and :meth:`group_tokens` take), -1 when
+        it has not joined."""
+        return self._slot.get(id(program), -1)
 
     def observe(self, program, accepted: int) -> None:
         """``program``'s step accepted ``accepted`` draft tokens."""
-        a = self._live.get(id(program))
-        if a is not None:
-            self._live[id(program)] = (1 - self.smoothing) * a + self.smoothing * accepted
+        self.observe_many(np.array([self.slot(program)]), np.array([accepted]))
 
-    def observe_many(self, programs: list, accepted) -> None:
-        """:meth:`observe` of each of ``programs`` (``accepted``: ``[k]`` ints, one each): a batched verify group's
-        step."""
-        for program, a in zip(programs, accepted.tolist()):
-            self.observe(program, a)
+    def observe_many(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """The programs of ``slots`` (``[k]`` int64, :meth:`slot`; -1: not joined, skipped) accepted ``accepted``
+        (``[k]`` ints) draft tokens at their step: a batched verify group's step."""
+        live = slots >= 0
+        at = slots[live]
+        self._acceptance[at] = (1 - self.smoothing) * self._acceptance[at] + self.smoothing * accepted[live]
 
-    def group_tokens(self, programs: list, device: torch.device, proposed: int) -> int:
-        """Draft tokens each of ``programs`` verifies this step when they verify trees cut alike (a batched verify
-        group, :mod:`~treedec.programs.speculative.verify_table`): the mean of their shares, at least
-        ``min_tokens``, at most ``proposed``; recorded once per program in :attr:`history`."""
+    def group_tokens(self, slots: np.ndarray, device: torch.device, proposed: int) -> int:
+        """Draft tokens each of the programs of ``slots`` (``[k]`` int64, :meth:`slot`) verifies this step when they
+        verify trees cut alike (a batched verify group, :mod:`~treedec.programs.speculative.verify_table`): the mean
+        of their shares, at least ``min_tokens``, at most ``proposed``; recorded once per program in
+        :attr:`history`."""
         total = self.resolve(device)
-        live = [id(p) for p in programs if id(p) in self._live]
-        if total is None or not live:
+        live = slots[slots >= 0]
+        if total is None or not len(live):
             return proposed
-        weights = len(self._live) + sum(self._live.values())
-        share = int(total * sum(1.0 + self._live[i] for i in live) / (weights * len(live)))
+        share = int(total * sum((1.0 + self._acceptance[live]).tolist()) / (self._weights() * len(live)))
         n = min(proposed, max(self.min_tokens, share))
-        self.history.extend([{"requests": len(self._live), "step_tokens": total, "tokens": n}] * len(live))
+        self.history.extend([{"requests": len(self._order), "step_tokens": total, "tokens": n}] * len(live))
         return n
 
     def tokens(self, program, device: torch.device, proposed: int) -> int:
         """Draft tokens ``program`` verifies this step, of the ``proposed`` its draft made."""
         total = self.resolve(device)
-        if total is None or id(program) not in self._live:
+        slot = self.slot(program)
+        if total is None or slot < 0:
             return proposed
-        # weight 1 + a: the sum of the weights is the live count plus the sum of the acceptances (C-speed, per call)
-        share = int(total * (1.0 + self._live[id(program)]) / (len(self._live) + sum(self._live.values())))
+        share = int(total * (1.0 + float(self._acceptance[slot])) / self._weights())
         n = min(proposed, max(self.min_tokens, share))
-        self.history.append({"requests": len(self._live), "step_tokens": total, "tokens": n})
+        self.history.append({"requests": len(self._order), "step_tokens": total, "tokens": n})
         return n
+
+    def _weights(self) -> float:
+        """The sum of the live programs' weights ``1 + a``: their count plus their acceptances summed in join order
+        (Python's float sum: the shares do not depend on the slots)."""
+        return len(self._order) + sum(self._acceptance[self._order].tolist())
 
 
 def cut_tree(tree: TokenTree, tokens: list[int], draft_tokens: int, probs: torch.Tensor | None = None

@@ -54,6 +54,7 @@ class VerifyGroup:
         self.owners: list = []
         self.checkers: list = []      # each row's StopChecker when it is checked every step, else None
         self.prompt_states: list = []   # a chains row's prompt states until its first draft
+        self.budget_slots = np.zeros(0, dtype=np.int64)   # each row's program's slot in the budget (-1: none)
         d, m, dev = self.depth, self.m, self.device
         self.read = torch.zeros((0, 2 + 2 * d), dtype=torch.int64, device=dev)
         self.outcome = torch.zeros((0, 2 + d), dtype=torch.int64, device=dev)
@@ -89,6 +90,7 @@ class VerifyGroup:
         self.owners.append(owner)
         self.checkers.append(checker if text else None)
         self.prompt_states.append((request.states, request.state_tokens) if self.kind == "chains" else None)
+        self.budget_slots = np.append(self.budget_slots, -1 if self.budget is None else self.budget.slot(program))
         first = request.first.reshape(1).to(torch.int64)
         self.read = torch.cat([self.read, torch.cat([self._zero, first, self._zero.expand(2 * d) - 1])[None]])
         self.outcome = torch.cat([self.outcome, self.outcome.new_zeros(1, 2 + d)])
@@ -140,9 +142,9 @@ class VerifyGroup:
         flight = rows.flight_root >= 0
         ps = self.pool.page_size
         need = np.where(flight, self.pool.pages_for(1 + d) + 1, 0) + -(-m // ps)
-        fits = np.cumsum(need) <= free_pages
-        self._blocked = {self.owners[i]: int(need[i]) for i in np.flatnonzero(~fits).tolist()}
-        at = np.flatnonzero(fits)
+        fits = need.cumsum() <= free_pages
+        self._blocked = {self.owners[i]: int(need[i]) for i in (~fits).nonzero()[0].tolist()}
+        at = fits.nonzero()[0]
         if not len(at):
             return None
         f = at[flight[at]]
@@ -206,11 +208,13 @@ class VerifyGroup:
         self.read.index_copy_(0, at_d, torch.cat([outcome, path_tokens], dim=1))
         self.outcome.index_copy_(0, at_d, outcome)
         full = self.m - m
-        self.slots.index_copy_(0, at_d, to_device(np.pad(slots, ((0, 0), (0, full)), mode="edge"), self.device))
+        if full:   # (a cut tree's slots padded with its last one's, to the full tree's m)
+            slots = slots[:, np.minimum(np.arange(self.m), m - 1)]
+        self.slots.index_copy_(0, at_d, to_device(slots, self.device))
         self.tokens.index_copy_(0, at_d, torch.cat([tokens, tokens.new_zeros(p, full)], dim=1))
         if self.head is not None:
-            self.flight_heads.index_copy_(0, at_d, _padded(out.heads[self.head_name].reshape(p, m, *self.head.shape[1:]),
-                                                           full))
+            heads = out.heads[self.head_name].reshape(p, m, *self.head.shape[1:])
+            self.flight_heads.index_copy_(0, at_d, _padded(heads, full))
         if self.states is not None:
             states = target_states_at(self.engine, self.states_kind, out)
             self.states.index_copy_(0, at_d, _padded(states.reshape(p, m, *states.shape[1:]), full))
@@ -244,7 +248,7 @@ class VerifyGroup:
         for the group: its requests' mean share of the step's budget)."""
         if self.budget is None:
             return self.full
-        share = self.budget.group_tokens([r.program for r in self.requests], self.device, self.m - 1)
+        share = self.budget.group_tokens(self.budget_slots, self.device, self.m - 1)
         return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
 
     def _spans(self, at, flight, dst, keep) -> DynamicSpans:
@@ -258,7 +262,7 @@ class VerifyGroup:
             every = keep
         else:
             every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
-                0, to_device(np.flatnonzero(flight), self.device), keep)
+                0, to_device(flight.nonzero()[0], self.device), keep)
         none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
         return DynamicSpans(slots, lengths, every, none, none)
 
@@ -304,10 +308,9 @@ class VerifyGroup:
             real = np.arange(1 + d)[None, :] < 1 + length[:, None]
             tree.set_tokens_many(rows.node[s], rows.length[s] - d - 1, both[real], 1 + length)
         found = rows.record(at, values, self.checkers, seconds)
-        if self.budget is not None and found.stepped.any():
-            self.budget.observe_many([self.requests[i].program for i in at[found.stepped].tolist()],
-                                     found.kept[found.stepped])
-        for j in np.flatnonzero(rows.text[at] & found.stepped).tolist():   # on_step, on_text: per step
+        if self.budget is not None:
+            self.budget.observe_many(self.budget_slots[at[found.stepped]], found.kept[found.stepped])
+        for j in (rows.text[at] & found.stepped).nonzero()[0].tolist():   # on_step, on_text: per step
             i = int(at[j])
             self._fill_stats(i)
             self.requests[i].program.stepped(self.requests[i].stats, self.checkers[i])
@@ -344,11 +347,12 @@ class VerifyGroup:
     def _keep(self, keep: np.ndarray) -> None:
         """Keep the rows of ``keep`` ([R] bool) in every column (an event)."""
         self.rows.keep(keep)
-        index = np.flatnonzero(keep)
+        index = keep.nonzero()[0]
         self.requests = [self.requests[i] for i in index]
         self.owners = [self.owners[i] for i in index]
         self.checkers = [self.checkers[i] for i in index]
         self.prompt_states = [self.prompt_states[i] for i in index]
+        self.budget_slots = self.budget_slots[index]
         on = to_device(index, self.device)
         for name in ("read", "outcome", "slots", "tokens", "seeds", "steps", "head", "flight_heads", "states",
                      "fixed", "counts", "prompt_masks", "penalties"):

@@ -101,7 +101,7 @@ class VerifyRows:
         ended = (keep == room) | ((bonus[:, None] == stops).any(axis=1) & (keep == count))
         ended &= ~self.text[at]
         kept = np.minimum(keep, first)
-        for i in np.flatnonzero(self.text[at]).tolist():       # rows whose text is checked token by token
+        for i in self.text[at].nonzero()[0].tolist():       # rows whose text is checked token by token
             checker = checkers[at[i]]
             decision = checker.accept(path[i, :first[i]].tolist() + [int(bonus[i])])
             keep[i], kept[i] = decision.keep, min(decision.keep, first[i])
@@ -109,7 +109,7 @@ class VerifyRows:
         emitted = np.concatenate([path, bonus[:, None]], axis=1)
         emitted[np.arange(len(at)), first] = bonus              # [P, d + 1]: the path cut, then the bonus
         self._widen(int((self.emitted[at] + keep).max(initial=0)), "tokens")
-        rows_, cols_ = np.nonzero(np.arange(d + 1)[None, :] < keep[:, None])
+        rows_, cols_ = (np.arange(d + 1)[None, :] < keep[:, None]).nonzero()
         self.tokens[at[rows_], self.emitted[at][rows_] + cols_] = emitted[rows_, cols_]
         self.emitted[at] += keep
         s = at[stepped]
