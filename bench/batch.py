@@ -17,7 +17,7 @@ speculative decoding with a fixed Medusa-64 ``TreeDraft`` (random draft tokens:
 ``speculative_batch``), every request's tree verified in one step; the floor counts each
 request's prompt and tree. ``--medusa-heads``: the same tree drafted by random Medusa heads,
 which run inside the shared step at every request's rows (one row head for the batch).
-Speculative batches verify each step at most ``--draft-budget`` draft tokens in all (default ``auto``:
+Speculative batches verify each step at most ``--draft-budget`` tokens in all, roots included (default ``auto``:
 256 on a GPU), shared among the requests by their measured acceptance (``treedec.programs.speculative.draft_budget``);
 the results record the budget, the mean queries of the timed steps and the emitted tokens a second.
 ``--eagle eagle|eagle3``: every request drafts with an ``EagleDraft`` (EAGLE-2 trees of
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-model", action="store_true",
                         help="with --speculative: EAGLE-2 trees from one random Llama-3.2-1B-shape draft model")
     parser.add_argument("--draft-budget", default="auto", type=_budget,
-                        help="--speculative: draft tokens a step for the whole batch "
+                        help="--speculative: verify tokens a step for the whole batch, roots included "
                              "(treedec.programs.speculative.draft_budget): 'auto' (256 on a GPU, no limit on the CPU), "
                              "'none' or an int")
     parser.add_argument("--no-pipeline", action="store_true",

@@ -20,7 +20,7 @@ Kinds (``--programs``):
   frequency penalties, a seed;
 - ``speculative``: ``speculative_batch`` with a fixed Medusa-64 ``TreeDraft`` (random draft tokens), greedy,
   pipelined on the CPU too (the verify table's batched steps: their host cost is the one that counts);
-  ``--draft-budget T`` shares T draft tokens a step among the batch (the budget's per-group host work measured);
+  ``--draft-budget T`` shares T verify tokens a step (roots included) among the batch (the budget's per-group host work measured);
 - ``tot``: ``tot_batch`` over Game-of-24 tasks (BFS, k=3, n=2, depth 2, byte tokens), one task a request.
 
 Every request has a ``--prompt``-token random prompt and ``--new`` new tokens (``ignore_eos``: each runs its
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                         help="CPU: pipeline the generation kinds as a GPU run does (the draws read back one step "
                              "behind: the host path the GPU's graphed steps take)")
     parser.add_argument("--draft-budget", type=int, default=None,
-                        help="speculative: draft tokens a step for the batch (DraftBudget's step_tokens; default the "
+                        help="speculative: verify tokens a step for the batch (DraftBudget's step_tokens; default the "
                              "batch's automatic budget: no limit on the CPU)")
     parser.add_argument("--smoke", action="store_true", help="CPU, sizes 1 and 4, 12 new tokens, one run (CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))

@@ -38,9 +38,10 @@ def test_bad_budgets_are_refused(kwargs, match):
 
 
 def test_shares_follow_measured_acceptance():
-    """Three requests share 30 draft tokens: equally before any step, then by 1 + their running acceptance;
-    never past the draft's tree, never under min_tokens; every decision recorded."""
-    budget = DraftBudget(step_tokens=30, min_tokens=2, smoothing=1.0)
+    """Three requests share a budget of 33 verify tokens, their 3 roots and 30 draft tokens: equally before any
+    step, then by 1 + their running acceptance; never past the draft's tree, never under min_tokens; every decision
+    recorded."""
+    budget = DraftBudget(step_tokens=33, min_tokens=2, smoothing=1.0)
     a, b, c = object(), object(), object()
     for p in (a, b, c):
         budget.join(p)
@@ -50,12 +51,12 @@ def test_shares_follow_measured_acceptance():
     assert budget.tokens(a, CPU, 7) == 7                              # the tree is smaller than the share
     budget.leave(b)
     budget.observe(c, 0)
-    assert budget.tokens(c, CPU, 63) == 5                              # 30 * 1 / 6
+    assert budget.tokens(c, CPU, 63) == 5                              # (33 - 2) * 1 / 6
     budget = DraftBudget(step_tokens=4, min_tokens=3)
     ps = [object() for _ in range(8)]
     for p in ps:
         budget.join(p)
-    assert budget.tokens(ps[0], CPU, 63) == 3                          # 4 / 8 rounds to 0: min_tokens
+    assert budget.tokens(ps[0], CPU, 63) == 3                          # 8 roots use all 4: min_tokens
     assert budget.history[-1] == {"requests": 8, "step_tokens": 4, "tokens": 3}
     assert DraftBudget(step_tokens=5).tokens(object(), CPU, 9) == 9    # a program not joined: its tree
     unlimited = DraftBudget(step_tokens=None)
@@ -127,13 +128,15 @@ class DictBudget:
         if not live:
             return proposed
         weights = len(self.live) + sum(self.live.values())
-        share = int(self.total * sum(1.0 + self.live[p] for p in live) / (weights * len(live)))
+        drafts = max(self.total - len(self.live), 0)   # the roots' tokens first
+        share = int(drafts * sum(1.0 + self.live[p] for p in live) / (weights * len(live)))
         return min(proposed, max(self.min_tokens, share))
 
     def tokens(self, p, proposed):
         if p not in self.live:
             return proposed
-        share = int(self.total * (1.0 + self.live[p]) / (len(self.live) + sum(self.live.values())))
+        drafts = max(self.total - len(self.live), 0)
+        share = int(drafts * (1.0 + self.live[p]) / (len(self.live) + sum(self.live.values())))
         return min(proposed, max(self.min_tokens, share))
 
 

@@ -20,7 +20,7 @@ The package's face holds what a user of speculative decoding calls; the modules 
   :mod:`~treedec.programs.speculative.eagle_chains`);
 - drafting for many requests at once: :mod:`~treedec.programs.speculative.drafter_batch` (one drafter step per
   tree layer for every request), :mod:`~treedec.programs.speculative.tree_drafting` (the drafts on an engine of
-  their own), :mod:`~treedec.programs.speculative.draft_budget` (draft tokens a step for a batch).
+  their own), :mod:`~treedec.programs.speculative.draft_budget` (verify tokens a step for a batch).
 """
 from treedec.programs.speculative.acceptance import (AcceptanceRule, GreedyAcceptance, RejectionSampling,
                                                    TypicalAcceptance)

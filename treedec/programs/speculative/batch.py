@@ -69,7 +69,7 @@ def speculative_batch(engine: Engine, requests: Sequence[RequestSpec], draft: Ca
         ``lambda spec: RejectionSampling(spec.params.temperature, seed=spec.params.seed)``.
     max_step_tokens : as :func:`~treedec.programs.generate.generate_batch`.
     draft_budget : how many draft tokens each request verifies a step (:mod:`treedec.programs.speculative.draft_budget`):
-        default ``DraftBudget()`` (automatic: 256 draft tokens a step for the batch on a GPU, shared by
+        default ``DraftBudget()`` (automatic: 256 verify tokens a step for the batch on a GPU, roots included,
         measured acceptance; no limit on the CPU). Each step's decision is in ``draft_budget.history`` and
         each request's verified tree sizes in its result's ``stats["draft_sizes"]``.
     pipeline : the requests' steps pipelined (:mod:`treedec.programs.speculative.verify_table`: drafts with a fixed

@@ -7,13 +7,15 @@ the weights and start being bound by arithmetic: every extra token then costs it
 most draft tokens are rejected. So a batch shares a *step budget* of verify tokens among its requests
 (EAGLE-2's and SGLang's ``num_draft_tokens``, made per batch):
 
-- ``step_tokens`` (T): draft tokens a step for the whole batch (roots not counted). ``"auto"``: 256 on a
-  CUDA device (an H100 runs a Llama-3-8B step of 64 tree tokens at 1.9x its floor and of 512 at 3.6x,
-  ``bench/batch.py``: the knee lies well below 512), no limit on the CPU (reported when chosen);
-- each live request ``i`` gets a share of T by its measured acceptance: weight
+- ``step_tokens`` (T): verify tokens a step for the whole batch, each request's root (the token it verifies
+  whatever its draft) included, so that the step's rows are T: with R live requests the drafts share
+  ``T - R``. ``"auto"``: 256 on a CUDA device (an H200 runs a Llama-3-8B step's GEMMs in 5.3 ms at 64 rows,
+  5.5 at 128, 6.9 at 256, 8.1 at 320 and 11.2 at 512, ``bench/results/2026-12-02-nvidia-h200-gemm-rows-s19.json``:
+  the knee is near 256), no limit on the CPU (reported when chosen);
+- each live request ``i`` gets a share of ``T - R`` by its measured acceptance: weight
   ``w_i = 1 + a_i``, ``a_i`` the running mean (exponential, ``smoothing``) of the draft tokens it
   accepted per step, so that a request whose drafts are accepted verifies larger trees than one whose
-  drafts are not; before its first step ``a_i = 0``; ``n_i = floor(T * w_i / sum(w))``, at least
+  drafts are not; before its first step ``a_i = 0``; ``n_i = floor((T - R) * w_i / sum(w))``, at least
   ``min_tokens``, at most its draft's tree;
 - its proposed tree is cut to its first ``n_i`` draft tokens (trees list parents first, so the cut is a
   tree; drafts order their tokens best first: EAGLE by depth then score, Medusa trees by their choices'
@@ -46,7 +48,8 @@ class DraftBudget:
 
     Parameters
     ----------
-    step_tokens : draft tokens a step for all requests together, an int >= 1, ``"auto"``, or None (no limit).
+    step_tokens : verify tokens a step for all requests together (their roots included), an int >= 1, ``"auto"``,
+        or None (no limit).
     min_tokens : draft tokens a request verifies at least, when its draft proposes them (>= 0).
     smoothing : weight of the newest step in each request's running acceptance, in (0, 1].
 
@@ -81,7 +84,7 @@ class DraftBudget:
             return self.step_tokens
         if self._total is None:
             self._total = AUTO_CUDA_STEP_TOKENS if device.type == "cuda" else 0
-            logger.info("speculative batch draft budget: %s (auto, %s)", f"{self._total} draft tokens a step"
+            logger.info("speculative batch draft budget: %s (auto, %s)", f"{self._total} verify tokens a step"
                         if self._total else "no limit", device.type)
         return self._total or None
 
@@ -128,7 +131,7 @@ class DraftBudget:
         live = slots[slots >= 0]
         if total is None or not len(live):
             return proposed
-        share = int(total * sum((1.0 + self._acceptance[live]).tolist()) / (self._weights() * len(live)))
+        share = int(self._drafts(total) * sum((1.0 + self._acceptance[live]).tolist()) / (self._weights() * len(live)))
         n = min(proposed, max(self.min_tokens, share))
         self.history.extend([{"requests": len(self._order), "step_tokens": total, "tokens": n}] * len(live))
         return n
@@ -139,10 +142,14 @@ class DraftBudget:
         slot = self.slot(program)
         if total is None or slot < 0:
             return proposed
-        share = int(total * (1.0 + float(self._acceptance[slot])) / self._weights())
+        share = int(self._drafts(total) * (1.0 + float(self._acceptance[slot])) / self._weights())
         n = min(proposed, max(self.min_tokens, share))
         self.history.append({"requests": len(self._order), "step_tokens": total, "tokens": n})
         return n
+
+    def _drafts(self, total: int) -> int:
+        """The draft tokens the live programs share of a budget of ``total`` verify tokens: less their roots."""
+        return max(total - len(self._order), 0)
 
     def _weights(self) -> float:
         """The sum of the live programs' weights ``1 + a``: their count plus their acceptances summed in join order
