@@ -33,12 +33,15 @@ def test_batch_bench_speculative_smoke_run(tmp_path, capsys):
 
 
 def test_batch_bench_draft_budget_cuts_the_steps(tmp_path, capsys):
-    """--draft-budget 8: four requests' steps verify their roots and 8 draft tokens in all."""
+    """--draft-budget 8: a step verifies 8 tokens in all, the requests' roots included (1 request: its root and 7
+    draft tokens; 4 requests: 4 roots and 4 draft tokens)."""
     assert main(["--smoke", "--speculative", "--draft-budget", "8", "--out", str(tmp_path)]) == 0
-    assert "budget 8, 12 queries a step" in capsys.readouterr().out
+    assert "budget 8, 8 queries a step" in capsys.readouterr().out
     [path] = tmp_path.glob("*-batch-smoke.json")
     runs = json.loads(path.read_text())["runs"]
-    assert [(r["draft_budget"], r["mean_step_queries"]) for r in runs] == [(8, 9.0), (8, 12.0)]
+    assert [r["draft_budget"] for r in runs] == [8, 8]
+    # (one request's last timed step may verify less: a tree is cut to the tokens the request has left)
+    assert 7 <= runs[0]["mean_step_queries"] <= 8 and runs[1]["mean_step_queries"] == 8.0
     assert all(r["tokens_per_s"] > 0 for r in runs)
 
 
