@@ -130,6 +130,10 @@ class Engine(RowHeads):
         self.batch_invariance = switch_model(model, self.attn) if batch_invariant else None
         # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
+        # Every layer windowed: pages before each node's window (and a page's margin, for rollbacks) go back to
+        # the pool. One global layer (Gemma 3's) reads every key of the pool the layers share: all are kept.
+        windows = [v.window for v in variants]
+        self._release_window = None if None in windows else max(windows)
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk,
                                                        kv_cache_dtype)
         # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
@@ -290,6 +294,8 @@ class Engine(RowHeads):
                              "with token_rows")
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
+        if self._release_window is not None:   # (once the step is checked; pages and holds only: the layout stays)
+            self.tree.release_outside_window(self._release_window, self.pool.page_size)
         started = time.perf_counter()
         graph = None
         spans = DynamicSpans.of(dynamic)   # (the step's spans as one set of arrays; None: none)
