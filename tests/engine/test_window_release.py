@@ -1,7 +1,8 @@
 """Pages outside every layer's window go back to the pool during decoding (a model whose every layer slides):
 greedy tokens equal transformers' and the same engine's with the freeing off, the pool's pages in use stay
 bounded by the window, none leaks; with the prefix cache, preemption and several requests outputs stay equal.
-A model with a global layer (Gemma 3's mix) keeps every page."""
+Beam forks and speculative trees (accepted paths, rollbacks) read what they must. A model with a global layer
+(Gemma 3's mix) keeps every page."""
 import pytest
 import torch
 from transformers import Gemma3TextConfig, MistralConfig
@@ -9,12 +10,16 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 
 from tests.models.families import tiny
+from tests.programs.test_beam import hf_beam_search
 from tests.programs.test_generate_batch import outputs
 from tests.runtime.test_prefix_cache import drive, spec, tokens
 from treedec.engine import Engine
 from treedec.engine.engine import greedy
 from treedec.models import from_hf_model
+from treedec.programs.beam import beam_search
 from treedec.programs.generate import GenerateProgram
+from treedec.programs.speculative.draft_model import DraftModelDraft
+from treedec.programs.speculative.program import speculative_generate
 
 WINDOW, PS = 8, 4
 
@@ -80,6 +85,23 @@ def test_prefix_cache_preemption_and_sharing_with_freeing_equal_freeing_off(mist
     on, stats_on = run(True, True)
     assert on == run(False, True)[0] == run(True, False)[0] == run(False, False)[0]
     assert stats_on.cached_tokens > 0 and stats_on.preemptions > 0
+
+
+def test_beam_and_speculative_decoding_with_freeing(mistral):
+    hf, model = mistral
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 5, 9, 11] * 2
+    engine = Engine(model, kv_tokens=1024, page_size=PS, backend="torch")
+    beams = beam_search(engine, prompt, 3, 30, eos_token_id=[255])   # (an id it never emits: 30 tokens each)
+    assert beams.sequences == hf_beam_search(hf, prompt, 3, 30, eos_token_id=[255])[0]
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    greedy_ids, _ = decode(Engine(model, kv_tokens=512, page_size=PS, backend="torch"), prompt, 40)
+    target = Engine(model, kv_tokens=512, page_size=PS, backend="torch")
+    draft = DraftModelDraft(Engine(model, kv_tokens=512, page_size=PS, backend="torch"), depth=3, top_k=2,
+                            total_tokens=10)
+    ids, _ = speculative_generate(target, prompt, draft, 40)
+    assert ids == greedy_ids
+    target.tree.check_invariants()
+    assert target.pool.num_pages - target.pool.num_free_pages <= (WINDOW + 2 * PS + 4 + 10) // PS + 2
 
 
 def test_a_model_with_a_global_layer_keeps_every_page():
