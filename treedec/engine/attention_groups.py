@@ -78,6 +78,14 @@ class LayerAttention:
         """Whether some group's plan clips the reads to a window."""
         return any(attn.variant.window is not None for attn in self.planners)
 
+    @property
+    def release_window(self) -> int | None:
+        """The widest window when every group's plan clips the reads to one: a key past it is read by no layer,
+        and its page may go back to the pool (with a page's margin: the engine's step). None when a group has no
+        window (Gemma 3's global layers read every key of the pool the layers share: every page stays)."""
+        windows = [attn.variant.window for attn in self.planners]
+        return None if None in windows else max(windows)
+
     def plan_host(self, layout, spans: DynamicSpans | None = None) -> tuple[tuple[TreePlan, ...], list]:
         """The step's host plans, one a group (:meth:`TreeAttention.plan_host`), with the dynamic ``spans``
         located in each (:func:`~treedec.attention.dynamic_span.located`); and each plan's span starts (None

@@ -65,10 +65,9 @@ class Engine(RowHeads):
     backend, plan_config :
         Of the :class:`TreeAttention` (``auto``: cuda on an H100/H200, else triton on a GPU; torch on the CPU;
         ``plan_config`` None: ``PlanConfig()``, or the batch-invariant mode's); one per variant of the model's
-        layers (``model.attention_variants()``), and a plan a step per group of layers that share a window
-        (:mod:`treedec.engine.attention_groups`). A model's sliding window is attended as such (its keys past the
-        window are never read); a config's window that the model's variants do not implement (Qwen2's per-layer one)
-        caps the positions instead.
+        layers (``model.attention_variants()``), a plan a step per group of layers sharing a window
+        (:mod:`treedec.engine.attention_groups`). Keys past a window are never read, and their pages go back to the
+        pool when every layer has one; a config's window the variants do not implement caps the positions.
     prefill_chunk : int
         :meth:`prefill` runs a long prompt as steps of at most this many tokens.
     cuda_graphs : bool or CudaGraphConfig
@@ -128,8 +127,8 @@ class Engine(RowHeads):
                                               plan_config, self.device, model.dtype, kv_dtype)
         self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
         self.batch_invariance = switch_model(model, self.attn) if batch_invariant else None
-        # a config's window the variants do not attend as one (Qwen2's, of some layers) caps the positions
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
+        self._release_window = self.attention.release_window   # None: some layer reads every key
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk,
                                                        kv_cache_dtype)
         # One scratch page: where the padded rows of a CUDA-graph step write their K/V.
@@ -290,6 +289,8 @@ class Engine(RowHeads):
                              "with token_rows")
         tokens, slots = self.tree.pending_tokens(), layout.query_slot
         check_token_ids(tokens, self.model.config.vocab_size, "the pending tokens")
+        if self._release_window is not None:   # once the step is checked (holds only: the layout stays)
+            self.tree.release_outside_window(self._release_window, margin=self.pool.page_size)
         started = time.perf_counter()
         graph = None
         spans = DynamicSpans.of(dynamic)   # (the step's spans as one set of arrays; None: none)

@@ -193,7 +193,7 @@ class PrefixCache:
         cached already are kept, the rest shared with the node's pages where they are whole and in order, else
         copied into fresh pages while the pool has them free. Returns the tokens stored (not cached before)."""
         tree, ps = self.tree, self.page_size
-        computed = tree.computed_length(node)
+        computed = min(tree.computed_length(node), tree.held_prefix(node))   # (none past a released page)
         length = computed if length is None else min(length, computed)
         pages = length // ps
         if pages == 0:

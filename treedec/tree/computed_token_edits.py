@@ -64,6 +64,7 @@ class ComputedTokenEdits:
         have = t.length.item(row)
         if length > have:
             raise TreeError(f"cannot truncate node {node_id} of {have} tokens to {length}")
+        self._check_truncation(np.array([row]), np.array([length]))
         start = t.start.item(row)
         ps = self.pool.page_size
         page_of = t.slots[start:start + have] // ps

@@ -22,7 +22,7 @@ MIN_REGION = 16                               # a growing node's first region, i
 NO_ROWS = np.zeros(0, dtype=np.int64)
 NO_ROWS.setflags(write=False)
 
-# The columns, int64, of one [capacity, 12] array (a row's fields side by side: freeing rows is one write):
+# The columns, int64, of one [capacity, 13] array (a row's fields side by side: freeing rows is one write):
 # name, value of a fresh row.
 COLUMNS = {
     "node_id": -1,       # the id callers hold while the row is a live node, else -1
@@ -37,6 +37,7 @@ COLUMNS = {
     "cap": 0,
     "paused": 0,         # 1: left out of live_leaves
     "shared": 0,         # 1: a shared root, computed tokens in pages others hold too
+    "released": 0,       # leading tokens whose pages it gave back: out of every future query's window
 }
 FRESH_ROW = np.array(list(COLUMNS.values()), dtype=np.int64)
 FIELD = {name: j for j, name in enumerate(COLUMNS)}   # a column's index in a block of fields(rows)
@@ -46,8 +47,8 @@ NODE_ID, PARENT, BORN, PREFIX, START, CAP, LENGTH, TAIL, PENDING = (
 
 class NodeTable:
     """Columns ``node_id, parent, born, num_children, length, pending, tail_room, prefix, start, cap, paused,
-    shared`` (``[capacity]`` int64 views of one table) and ``gen`` (``[capacity]`` int64: how often each row
-    was freed), one row per node; rows ``hi`` and up were never used. Buffers ``slots`` and ``tokens``
+    shared, released`` (``[capacity]`` int64 views of one table) and ``gen`` (``[capacity]`` int64: how often each
+    row was freed), one row per node; rows ``hi`` and up were never used. Buffers ``slots`` and ``tokens``
     (``[buffer size]`` int64), in use up to ``end``, of which ``garbage`` entries belong to no live node's
     region."""
 
@@ -120,12 +121,12 @@ class NodeTable:
         self._num_free = top + len(rows)
 
     def fields(self, rows: np.ndarray) -> np.ndarray:
-        """[k, 12] int64, a copy: every column of ``rows`` (``FIELD[name]`` is a column's index), for an edit of
+        """[k, 13] int64, a copy: every column of ``rows`` (``FIELD[name]`` is a column's index), for an edit of
         many rows that reads and writes several columns (one gather and one :meth:`set_fields`)."""
         return self._table[rows]
 
     def set_fields(self, rows: np.ndarray, block: np.ndarray) -> None:
-        """Write back a block of :meth:`fields` (``[k, 12]`` int64) for ``rows``."""
+        """Write back a block of :meth:`fields` (``[k, 13]`` int64) for ``rows``."""
         self._table[rows] = block
 
     def live_rows(self) -> np.ndarray:
@@ -176,6 +177,12 @@ class NodeTable:
     def token_index(self, rows: np.ndarray) -> np.ndarray:
         """[their tokens] int64: the buffer positions of the tokens of ``rows`` (``[k]`` int64), row after row."""
         return ranges(self.start[rows], self.length[rows])
+
+    def held_index(self, rows: np.ndarray) -> np.ndarray:
+        """[their held tokens] int64: :meth:`token_index` less each row's ``released`` leading tokens (those whose
+        pages the node gave back: their slots are no longer its own)."""
+        released = self.released[rows]
+        return ranges(self.start[rows] + released, self.length[rows] - released)
 
     def _reserve(self, extra: int) -> None:
         """Room for ``extra`` more buffer entries at ``end``: compact when half the buffers is garbage, grow

@@ -43,13 +43,15 @@ from treedec.tree.token_tree_edits import TokenTreeEdits
 from treedec.tree.tree_debugging import TreeDebugging
 from treedec.tree.validate import int_array, int_list, int_value, rows
 from treedec.tree.verify_edits import VerifyEdits
+from treedec.tree.window_release import WindowRelease
 
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)
 FEW_NODES = 16   # extend_many of one token to this many leaves or more: one array append, not a fill each
 
 
-class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, VerifyEdits, TreeDebugging):
+class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, VerifyEdits, WindowRelease,
+                   TreeDebugging):
     """A forest of token trees whose KV lives in ``pool``.
 
     Public operations: :meth:`add_prompt`, :meth:`add_shared_root`, :meth:`extend`, :meth:`extend_many`,
@@ -59,7 +61,8 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
     operations over many leaves at once (the lanes'): :meth:`append_tokens`, :meth:`pages_to_append`,
     :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`; and those of batched speculative
     verification (:mod:`treedec.tree.verify_edits`): :meth:`add_token_trees`, :meth:`extend_computed_many`,
-    :meth:`truncate_many`, :meth:`set_tokens_many`.
+    :meth:`truncate_many`, :meth:`set_tokens_many`; for models whose every layer has a sliding window
+    (:mod:`treedec.tree.window_release`): :meth:`release_outside_window`, :meth:`held_prefix`.
 
     Node ids are ints that stay valid until their node is pruned; a pruned node's id is never valid again.
     """
@@ -73,6 +76,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
         self._num_pending = 0                    # a count kept, as programs ask for it after every edit
         self._token_trees: dict = {}             # checked token-tree shapes -> their order (TokenTreeEdits)
         self._page_offsets = np.arange(pool.page_size, dtype=np.int64)
+        self._release_window: tuple[int, int] | None = None   # (window, margin) once pages are released
 
     # ================================================================ queries
 

@@ -136,21 +136,21 @@ class SubtreeEdits:
 
     def _holds(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The pages the nodes ``rows`` (``[k]`` int64, distinct) hold (``[p]`` int64, distinct) and how many of
-        them hold each (``[p]`` int64). A node holds one reference on each page its slots are in, and its slots
-        visit each of its pages in one run (it never writes into a page that another node started), so each
-        run of equal pages along a node's slots is one hold."""
+        them hold each (``[p]`` int64). A node holds one reference on each page its slots are in (but those of its
+        ``released`` leading tokens), and its slots visit each of its pages in one run (it never writes into a
+        page that another node started), so each run of equal pages along a node's slots is one hold."""
         t = self._table
         if len(rows) == 1:   # one node (a pruned leaf): its runs' pages, each held once
-            start = t.start.item(rows[0])
-            page_of = t.slots[start:start + t.length.item(rows[0])] // self.pool.page_size
+            start, released = t.start.item(rows[0]), t.released.item(rows[0])
+            page_of = t.slots[start + released:start + t.length.item(rows[0])] // self.pool.page_size
             if len(page_of) and page_of.item(0) == page_of.item(-1):   # (runs: one page)
                 return page_of[:1], np.ones(1, dtype=np.int64)
             run = np.ones(len(page_of), dtype=bool)
             np.not_equal(page_of[1:], page_of[:-1], out=run[1:])
             pages = page_of[run]
             return pages, np.ones(len(pages), dtype=np.int64)
-        lens = t.length[rows]
-        page_of = t.slots[ranges(t.start[rows], lens)] // self.pool.page_size
+        lens = t.length[rows] - t.released[rows]
+        page_of = t.slots[t.held_index(rows)] // self.pool.page_size
         run = np.ones(len(page_of), dtype=bool)
         np.not_equal(page_of[1:], page_of[:-1], out=run[1:])
         run[(lens.cumsum() - lens)[lens > 0]] = True   # each node's first page

@@ -51,8 +51,13 @@ class TreeDebugging:
         pending = int(t.pending[rows].sum())
         if pending != self._num_pending or t.pending[:t.hi][t.node_id[:t.hi] < 0].any():
             raise _broken(f"{self._num_pending=} but the nodes have {pending} pending tokens")
+        released = t.released[rows]
+        if ((released < 0) | ((released > 0) & (released >= t.length[rows]))).any():
+            bad = rows[(released < 0) | ((released > 0) & (released >= t.length[rows]))][:5]
+            raise _broken(f"nodes {t.node_id[bad].tolist()} released {t.released[bad].tolist()} of their "
+                          f"{t.length[bad].tolist()} tokens (their last page stays held)")
         own = rows[t.shared[rows] == 0]
-        flat = t.slots[t.token_index(own)]
+        flat = t.slots[t.held_index(own)]   # (released slots may serve other tokens now)
         if np.any((flat < 0) | (flat >= self.pool.num_slots)):
             raise _broken(f"slots {flat[(flat < 0) | (flat >= self.pool.num_slots)][:10].tolist()} are outside "
                           f"the pool's [0, {self.pool.num_slots})")
@@ -86,10 +91,11 @@ class TreeDebugging:
     # ================================================================ private
 
     def _node_pages(self, row: int) -> list[int]:
-        """The pages node ``row`` holds, in the order its slots reach them (one run of slots per page)."""
+        """The pages node ``row`` holds, in the order its slots reach them (one run of slots per page; none of
+        its ``released`` leading tokens')."""
         t = self._table
-        start = t.start.item(row)
-        page_of = t.slots[start:start + t.length.item(row)] // self.pool.page_size
+        start = t.start.item(row) + t.released.item(row)
+        page_of = t.slots[start:t.start.item(row) + t.length.item(row)] // self.pool.page_size
         return page_of[np.flatnonzero(np.diff(page_of, prepend=-1))].tolist()
 
     def _check_rows(self, rows: np.ndarray) -> None:

@@ -123,6 +123,7 @@ class VerifyEdits:
         if long.any():
             i = int(np.flatnonzero(long)[0])
             raise TreeError(f"cannot truncate node {ids[i]} of {have[i]} tokens to {lengths[i]}")
+        self._check_truncation(rows, lengths)
         ps = self.pool.page_size
         start = t.start[rows]
         dropped = ranges(start + lengths, have - lengths)
