@@ -169,7 +169,10 @@ def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) 
         if top_p is not None:
             probs = ordered.softmax(dim=-1)
             mass_before = row_cumsum(probs) - probs      # of the tokens ranked above each token
-            cut = mass_before >= _per_row(top_p)         # (compared in float32: a top_p of 1e-300 is 0 there)
+            # (compared in float32: a top_p of 1e-300 is 0 there; a row of top_p 1 cuts nothing, though its
+            # float32 sums can reach 1 before its last tokens)
+            cut = mass_before >= _per_row(top_p.masked_fill(top_p >= 1, float("inf"))
+                                          if isinstance(top_p, torch.Tensor) else top_p)
             cut[:, 0] = False                            # the most likely token is always kept
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
