@@ -34,7 +34,7 @@ __all__ = ["CAP", "FusedDraw", "fused_warp_draw"]
 
 #: elements a search's bracket may hold to be copied into the workspace (a row's [CAP] float32 there)
 CAP = 4096
-#: elements a program reads per loop iteration
+#: elements a program reads per loop iteration (fewer for a shorter row)
 BLOCK = 1024
 _FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -299,5 +299,6 @@ def fused_warp_draw(scores: torch.Tensor, temperature: torch.Tensor, top_k: torc
     _fused_warp_draw_kernel[(rows,)](
         scores, scores.stride(0), vocab, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(),
         min_p.contiguous(), uniform.contiguous(), workspace, tokens, threshold, row_max, HAS_TOP_K=top_k_cut,
-        HAS_TOP_P=top_p_cut, HAS_MIN_P=min_p_cut, CAP=CAP, BLOCK=BLOCK, num_warps=8)
+        HAS_TOP_P=top_p_cut, HAS_MIN_P=min_p_cut, CAP=CAP, BLOCK=min(BLOCK, triton.next_power_of_2(max(vocab, 16))),
+        num_warps=8)
     return FusedDraw(tokens, threshold, row_max)
