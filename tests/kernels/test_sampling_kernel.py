@@ -75,16 +75,17 @@ class FusedRows:
         self.threshold, self.row_max = got.threshold[index], got.row_max[index]
 
 
-def test_a_wide_bracket_takes_several_passes_over_the_row(triton_device):
-    """A flat row (every logit within a few ulps of its neighbours) keeps a top-p set far larger than the
-    workspace: the search stays on the row to the last bit."""
-    vocab = 3 * CAP
-    logits = torch.linspace(1.0, 1.001, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))]
-    logits = logits[None].repeat(2, 1).to(triton_device)
-    rows, got = draw(logits, [P(top_p=0.9), P(top_k=CAP + 3)])
-    want = kept_by_reference(logits, rows)
-    assert torch.equal(kept_by_kernel(logits, rows, got), want)
-    assert int(want[1].sum()) == CAP + 3
+def test_a_tied_group_larger_than_the_workspace_is_searched_on_the_row(triton_device):
+    """CAP + 100 tokens tie at the k-th largest value: the search's bracket never fits the workspace, so it
+    runs on the row to the last bit; top-k keeps the whole group (as the reference), and so does top-p."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, tied = CAP + 3000, CAP + 100
+    logits = torch.cat([torch.full((tied,), 1.0), torch.rand(vocab - tied, generator=gen) * 4 - 2])
+    logits = logits[torch.randperm(vocab, generator=gen)][None].repeat(2, 1).to(triton_device)
+    rows, got = draw(logits, [P(top_k=int((logits[0] > 1).sum()) + 7), P(top_p=0.95)])
+    mine, want = kept_by_kernel(logits, rows, got), kept_by_reference(logits, rows)
+    assert torch.equal(mine[0], want[0]) and int(mine[0].sum()) == int((logits[0] >= 1).sum())
+    assert (mine[1] >= want[1]).all() and (logits[1][mine[1] & ~want[1]] == 1.0).all()
 
 
 def test_the_draw_is_the_first_kept_token_past_u_times_the_kept_mass(triton_device):
