@@ -5,7 +5,9 @@ Every cut of the reference (:func:`treedec.sampling.sampler.warp`, transformers'
 scaled logit ``s = x / T`` is at least some threshold, so a row's kept set is ``s >= t`` (top-k then top-p) and
 ``exp(s - max) >= min_p`` (min-p: ``p >= min_p * p_max``):
 
-1. one pass: the row's max, min and whether it holds a NaN; when top-p cuts, one more: ``Z = sum exp(s - max)``;
+1. one pass: the row's max, min and whether it holds a NaN; when a row cuts by top-k or top-p, one more: the
+   count and mass ``sum exp(s' - max)`` of the elements at or above 16 fixed distances below the max (the
+   lowest: the row's min, so the row's mass ``Z``), the first search's starting bracket;
 2. top-k: ``t_k`` = the k-th largest ``s`` (ties kept, as the reference), by an exact search over the
    order-preserving int32 pattern of ``s``: each pass counts the elements at or above 16 candidate patterns at
    once (a 16-ary search: at most 8 passes for 32 bits);
@@ -13,8 +15,9 @@ scaled logit ``s = x / T`` is at least some threshold, so a row's kept set is ``
    mass of the top-k survivors (the reference renormalizes over them), by the same search on masses;
 4. once a search's bracket holds at most ``CAP`` elements, one pass copies them into a per-row workspace and
    the search's later passes read those instead of the row;
-5. two passes: the kept mass, then the first kept token in vocabulary order whose running kept mass passes
-   ``u * kept`` (``u`` the row's uniform number), as :func:`~treedec.sampling.draw.inverse_cdf`.
+5. the draw: the first kept token in vocabulary order whose running kept mass passes ``u * kept`` (``u`` the
+   row's uniform number), as :func:`~treedec.sampling.draw.inverse_cdf`; ``kept`` is the search's mass at its
+   threshold, or one more pass's when min-p cuts or no search ran.
 
 Semantics are the reference's except (a) the order of float additions (float32 running sums here, float64
 in the reference's draw) and (b) ties at the top-p boundary: every token whose ``s`` equals ``t_p`` is kept
@@ -36,7 +39,7 @@ __all__ = ["CAP", "FusedDraw", "fused_warp_draw"]
 CAP = 4096
 #: elements a program reads per loop iteration (fewer for a shorter row)
 BLOCK = 1024
-_FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -97,17 +100,6 @@ def _row_stats(ptr, n, temperature, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mass(ptr, n, temperature, row_max, BLOCK: tl.constexpr):
-    """``sum exp(s - row_max)`` over the row."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        s = _scores(ptr, offs, offs < n, temperature)
-        acc += tl.exp(s - row_max)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
 def _count(ptr, n, temperature, row_max, cand, BLOCK: tl.constexpr):
     """Count and mass of the elements whose key is at least each of the 16 candidate keys ``cand``."""
     cnt = tl.zeros([16], tl.int32)
@@ -126,7 +118,7 @@ def _count(ptr, n, temperature, row_max, cand, BLOCK: tl.constexpr):
 @triton.jit
 def _compact(ptr, n, temperature, lo, hi, buf_ptr, BLOCK: tl.constexpr):
     """Copy the row's ``s`` whose key lies in ``[lo, hi]`` into ``buf_ptr`` (vocabulary order); their number."""
-    total = 0
+    total = tl.zeros([], tl.int32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -145,44 +137,51 @@ def _pick(values, index):
 
 
 @triton.jit
-def _search(ptr, n, temperature, row_max, buf_ptr, lo, hi, cnt_lo, mass_lo, need_cnt, need_mass,
+def _narrow(lo, hi, cnt_lo, mass_lo, cnt_hi, mass_hi, cand, valid, cnt, mass, ok):
+    """The bracket ``[lo, hi]`` narrowed by increasing candidate keys ``cand`` (``valid`` ones within it), their
+    counts and masses, and which pass the test (``ok``: a prefix, the test being monotone)."""
+    taken = tl.sum(ok.to(tl.int32), axis=0)
+    if taken > 0:
+        lo = _pick(cand, taken - 1)
+        cnt_lo = _pick(cnt, taken - 1)
+        mass_lo = _pick(mass, taken - 1)
+    if (taken < 16) & (_pick(valid.to(tl.int32), taken) != 0):
+        hi = _pick(cand, taken) - 1
+        cnt_hi = _pick(cnt, taken)
+        mass_hi = _pick(mass, taken)
+    return lo, hi, cnt_lo, mass_lo, cnt_hi, mass_hi
+
+
+@triton.jit
+def _search(ptr, n, temperature, row_max, buf_ptr, lo, hi, cnt_lo, mass_lo, cnt_hi, mass_hi, need_cnt, need_mass,
             BY_MASS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """The largest key ``t`` in ``[lo, hi]`` whose count (``BY_MASS`` False) or mass (True) of elements with
-    key ``>= t`` reaches ``need_cnt`` / ``need_mass`` (true at ``lo``: ``cnt_lo``, ``mass_lo``; no element lies
-    above ``hi``). Returns ``t`` and its count and mass."""
-    cnt_hi = 0       # count and mass of the elements above hi
-    mass_hi = 0.0
-    in_buf = -1      # elements in the workspace (-1: not copied yet)
-    cnt_base = 0     # count and mass above the copied bracket
-    mass_base = 0.0
+    key ``>= t`` reaches ``need_cnt`` / ``need_mass`` (true at ``lo``: ``cnt_lo``, ``mass_lo``; ``cnt_hi``,
+    ``mass_hi``: the count and mass above ``hi``). Returns ``t`` and its count and mass."""
+    in_buf = tl.full([], -1, tl.int32)   # elements in the workspace (-1: not copied yet)
+    cnt_base = tl.zeros([], tl.int32)   # count and mass above the copied bracket
+    mass_base = tl.zeros([], tl.float32)
     while lo < hi:
         if (in_buf < 0) & (cnt_lo - cnt_hi <= CAP):
             in_buf = _compact(ptr, n, temperature, lo, hi, buf_ptr, BLOCK)
             cnt_base = cnt_hi
             mass_base = mass_hi
         step = (hi - lo) // 16 + 1
-        cand64 = lo + (tl.arange(0, 16) + 1).to(tl.int64) * step
-        valid = cand64 <= hi
-        cand = tl.where(valid, cand64, hi).to(tl.int32)
+        cand = lo + (tl.arange(0, 16) + 1).to(tl.int64) * step
+        valid = cand <= hi
+        keys = tl.where(valid, cand, hi).to(tl.int32)
         if in_buf >= 0:
-            cnt, mass = _count(buf_ptr, in_buf, 1.0, row_max, cand, BLOCK)
+            cnt, mass = _count(buf_ptr, in_buf, 1.0, row_max, keys, BLOCK)
             cnt += cnt_base
             mass += mass_base
         else:
-            cnt, mass = _count(ptr, n, temperature, row_max, cand, BLOCK)
+            cnt, mass = _count(ptr, n, temperature, row_max, keys, BLOCK)
         if BY_MASS:
             ok = valid & (mass >= need_mass)
         else:
             ok = valid & (cnt >= need_cnt)
-        taken = tl.sum(ok.to(tl.int32), axis=0)   # candidates 1..taken pass (the test is monotone)
-        if taken > 0:
-            cnt_lo = _pick(cnt, taken - 1)
-            mass_lo = _pick(mass, taken - 1)
-        if (taken < 16) & (lo + (taken + 1) * step <= hi):
-            cnt_hi = _pick(cnt, taken)
-            mass_hi = _pick(mass, taken)
-        hi = tl.minimum(hi, lo + (taken + 1) * step - 1)
-        lo = lo + taken * step
+        lo, hi, cnt_lo, mass_lo, cnt_hi, mass_hi = _narrow(lo, hi, cnt_lo, mass_lo, cnt_hi, mass_hi, cand, valid,
+                                                           cnt, mass, ok)
     return lo, cnt_lo, mass_lo
 
 
@@ -195,71 +194,99 @@ def _fused_warp_draw_kernel(x_ptr, stride_x, n, temperature_ptr, top_k_ptr, top_
     ptr = x_ptr + row.to(tl.int64) * stride_x
     buf = buf_ptr + row.to(tl.int64) * CAP
     temperature = tl.load(temperature_ptr + row)
-    token = n - 1
-    threshold = float("-inf")
-    row_max = float("nan")
+    # (every value an if-block may redefine starts as a typed scalar: compiled Triton merges blocks by type)
+    token = tl.full([], 0, tl.int32)
+    threshold = tl.full([], float("-inf"), tl.float32)
+    row_max = tl.full([], float("nan"), tl.float32)
+    zero_i = tl.zeros([], tl.int32)
+    zero_f = tl.zeros([], tl.float32)
     if temperature > 0:
+        token = token + n - 1
         row_max, row_min, nan = _row_stats(ptr, n, temperature, BLOCK)
         if nan != 0:
-            row_max = float("nan")
+            row_max = tl.full([], float("nan"), tl.float32)
         elif row_max > float("-inf"):
             lo = _key(row_min).to(tl.int64)
             hi = _key(row_max).to(tl.int64)
-            cnt_lo = n
-            mass_lo = 1.0
+            k = zero_i + n
+            if HAS_TOP_K:
+                k = tl.load(top_k_ptr + row).to(tl.int32)
             top_p = 1.0
             if HAS_TOP_P:
                 top_p = tl.load(top_p_ptr + row)
+            cut_k = (k > 0) & (k < n)
+            cnt_lo = zero_i + n
+            mass_lo = zero_f
+            if cut_k | (top_p < 1):
+                # a first pass at fixed distances below the max (finer near it) for the first search's bracket;
+                # its lowest candidate is the row's min, whose mass is the row's
+                j = tl.arange(0, 16)
+                grid = _key(row_max - 0.15 * ((16 - j) * (16 - j)).to(tl.float32)).to(tl.int64)
+                cand = tl.where(j == 0, lo, tl.maximum(grid, lo))
+                cnt, mass = _count(ptr, n, temperature, row_max, cand.to(tl.int32), BLOCK)
+                mass_lo = _pick(mass, 0)
+                valid = j >= 0
+                if cut_k:
+                    t_lo, t_hi, t_cnt_lo, t_mass_lo, cnt_hi, mass_hi = _narrow(
+                        lo, hi, cnt_lo, mass_lo, zero_i, zero_f, cand, valid, cnt, mass, valid & (cnt >= k))
+                    lo, cnt_lo, mass_lo = _search(ptr, n, temperature, row_max, buf, t_lo, t_hi, t_cnt_lo, t_mass_lo,
+                                                  cnt_hi, mass_hi, k, zero_f, False, CAP, BLOCK)
                 if top_p < 1:
-                    mass_lo = _mass(ptr, n, temperature, row_max, BLOCK)
-            if HAS_TOP_K:
-                k = tl.load(top_k_ptr + row)
-                if (k > 0) & (k < n):
-                    lo, cnt_lo, mass_lo = _search(ptr, n, temperature, row_max, buf, lo, hi, cnt_lo, mass_lo,
-                                                  k.to(tl.int32), 0.0, False, CAP, BLOCK)
-            if HAS_TOP_P:
-                if top_p < 1:
-                    lo, cnt_lo, mass_lo = _search(ptr, n, temperature, row_max, buf, lo, hi, cnt_lo, mass_lo,
-                                                  0, top_p * mass_lo, True, CAP, BLOCK)
+                    need = top_p * mass_lo
+                    t_lo = lo
+                    t_hi = hi
+                    t_cnt_lo = cnt_lo
+                    t_mass_lo = mass_lo
+                    cnt_hi = zero_i
+                    mass_hi = zero_f
+                    if cut_k == 0:
+                        t_lo, t_hi, t_cnt_lo, t_mass_lo, cnt_hi, mass_hi = _narrow(
+                            lo, hi, cnt_lo, mass_lo, zero_i, zero_f, cand, valid, cnt, mass, valid & (mass >= need))
+                    lo, cnt_lo, mass_lo = _search(ptr, n, temperature, row_max, buf, t_lo, t_hi, t_cnt_lo, t_mass_lo,
+                                                  cnt_hi, mass_hi, zero_i, need, True, CAP, BLOCK)
             threshold = _value(lo.to(tl.int32))
             cut = lo.to(tl.int32)
             min_p = 0.0
             if HAS_MIN_P:
                 min_p = tl.load(min_p_ptr + row)
-            token = _draw(ptr, n, temperature, row_max, cut, min_p, tl.load(uniform_ptr + row), BLOCK)
-    else:
-        token = 0
+            kept = zero_f - 1.0   # the kept mass: a search's when no min-p cut follows it, else a pass of its own
+            if (cut_k | (top_p < 1)) & (min_p == 0):
+                kept = mass_lo
+            token = _draw(ptr, n, temperature, row_max, cut, min_p, kept, tl.load(uniform_ptr + row), BLOCK)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(threshold_ptr + row, threshold)
     tl.store(max_ptr + row, row_max)
 
 
 @triton.jit
-def _draw(ptr, n, temperature, row_max, cut, min_p, uniform, BLOCK: tl.constexpr):
+def _draw(ptr, n, temperature, row_max, cut, min_p, kept, uniform, BLOCK: tl.constexpr):
     """The first kept token (key ``>= cut``, weight ``>= min_p``, weight > 0) whose running kept weight
-    passes ``uniform`` times the kept total; the last kept token if rounding leaves none past it."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        s = _scores(ptr, offs, mask, temperature)
-        w = tl.exp(s - row_max)
-        acc += tl.where(mask & (_key(s) >= cut) & (w >= min_p), w, 0.0)
-    target = (uniform * tl.sum(acc, axis=0).to(tl.float64)).to(tl.float32)
-    running = 0.0
-    found = n
-    last = -1
-    start = 0
+    passes ``uniform`` times the kept total (``kept``; a pass sums it when negative); the last kept token if
+    rounding leaves none past it."""
+    if kept < 0:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            s = _scores(ptr, offs, mask, temperature)
+            w = tl.exp(s - row_max)
+            acc += tl.where(mask & (_key(s) >= cut) & (w >= min_p), w, 0.0)
+        kept = tl.sum(acc, axis=0)
+    target = (uniform * kept.to(tl.float64)).to(tl.float32)
+    running = tl.zeros([], tl.float32)
+    found = tl.zeros([], tl.int32) + n
+    last = tl.full([], -1, tl.int32)
+    start = tl.zeros([], tl.int32)
     while (start < n) & (found == n):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         s = _scores(ptr, offs, mask, temperature)
         w = tl.exp(s - row_max)
-        kept = mask & (_key(s) >= cut) & (w >= min_p) & (w > 0)
-        weight = tl.where(kept, w, 0.0)
-        passed = kept & (running + tl.cumsum(weight, axis=0) > target)
+        keep = mask & (_key(s) >= cut) & (w >= min_p) & (w > 0)
+        weight = tl.where(keep, w, 0.0)
+        passed = keep & (running + tl.cumsum(weight, axis=0) > target)
         found = tl.minimum(found, tl.min(tl.where(passed, offs, n), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(kept, offs, -1), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(keep, offs, -1), axis=0))
         running += tl.sum(weight, axis=0)
         start += BLOCK
     return tl.where(found < n, found, tl.where(last >= 0, last, n - 1))
