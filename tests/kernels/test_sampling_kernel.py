@@ -130,6 +130,15 @@ def test_ties_at_the_top_p_boundary_are_kept_whole_and_top_k_ties_as_the_referen
     assert int(mine[2].sum()) == int((s[2] == s[2].max()).sum())   # every tied max (the reference keeps one)
 
 
+def test_minus_zero_ties_with_zero(triton_device):
+    logits = torch.linspace(-1, 1, 1001)
+    logits[500:510] = torch.tensor([0.0, -0.0] * 5)
+    logits = logits[None].to(triton_device)
+    rows, got = draw(logits, [P(top_k=int((logits > 0).sum()) + 3)])   # the k-th largest is a zero: all ten kept
+    assert torch.equal(kept_by_kernel(logits, rows, got), kept_by_reference(logits, rows))
+    assert int(kept_by_kernel(logits, rows, got).sum()) == int((logits >= 0).sum())
+
+
 def test_nan_and_all_minus_inf_rows_draw_the_last_id(triton_device):
     logits = torch.randn(4, 1200, generator=torch.Generator().manual_seed(7))
     logits[0, 17] = float("nan")

@@ -72,7 +72,7 @@ def _scores(ptr, offs, mask, temperature):
 @triton.jit
 def _key(s):
     """The order-preserving int32 pattern of float32 ``s`` (-0 taken as +0, so keys compare as the floats do)."""
-    bits = (s + 0.0).to(tl.int32, bitcast=True)
+    bits = tl.where(s == 0, 0.0, s).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
