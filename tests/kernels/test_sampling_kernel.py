@@ -45,7 +45,7 @@ def kept_by_reference(logits, rows):
 
 CASES = {
     "temperature": [P(temperature=0.7), P(temperature=1.3)],
-    "top_k": [P(top_k=5), P(temperature=0.8, top_k=40), P(top_k=1), P(top_k=100000)],
+    "top_k": [P(top_k=5), P(temperature=0.8, top_k=40), P(top_k=1), P(top_k=100000), P(top_k=2 ** 32 + 3)],
     "top_p": [P(top_p=0.9), P(temperature=0.8, top_p=0.5), P(top_p=1.0), P(top_p=1e-6)],
     "min_p": [P(min_p=0.05), P(temperature=1.5, min_p=0.3), P(min_p=0.0)],
     "combined": [P(temperature=0.9, top_k=300, top_p=0.8, min_p=0.02), P(temperature=1.1, top_k=7, top_p=0.95),

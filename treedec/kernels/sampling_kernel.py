@@ -210,7 +210,7 @@ def _fused_warp_draw_kernel(x_ptr, stride_x, n, temperature_ptr, top_k_ptr, top_
             hi = _key(row_max).to(tl.int64)
             k = zero_i + n
             if HAS_TOP_K:
-                k = tl.load(top_k_ptr + row).to(tl.int32)
+                k = tl.minimum(tl.load(top_k_ptr + row), n).to(tl.int32)   # (a top_k past int32: no cut)
             top_p = 1.0
             if HAS_TOP_P:
                 top_p = tl.load(top_p_ptr + row)
