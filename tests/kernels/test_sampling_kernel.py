@@ -169,7 +169,8 @@ _COMPILE = textwrap.dedent("""
     fn = K._fused_warp_draw_kernel
     pointers = dict(x_ptr="*bf16", temperature_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32",
                     min_p_ptr="*fp32", uniform_ptr="*fp64", buf_ptr="*fp32", token_ptr="*i64",
-                    threshold_ptr="*fp32", max_ptr="*fp32", stride_x="i32", n="i32")
+                    threshold_ptr="*fp32", max_ptr="*fp32", stride_x="i32", n="i32", stride_temperature="i32",
+                    stride_top_k="i32", stride_top_p="i32", stride_min_p="i32", stride_uniform="i32")
     for top_k, top_p, min_p in [(True, True, True), (False, True, False), (False, False, False)]:
         flags = dict(HAS_TOP_K=top_k, HAS_TOP_P=top_p, HAS_MIN_P=min_p, CAP=K.CAP, BLOCK=K.BLOCK)
         signature = {name: pointers.get(name, "constexpr") for name in fn.arg_names}

@@ -187,13 +187,14 @@ def _search(ptr, n, temperature, row_max, buf_ptr, lo, hi, cnt_lo, mass_lo, cnt_
 
 @triton.jit
 def _fused_warp_draw_kernel(x_ptr, stride_x, n, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniform_ptr,
+                            stride_temperature, stride_top_k, stride_top_p, stride_min_p, stride_uniform,
                             buf_ptr, token_ptr, threshold_ptr, max_ptr, HAS_TOP_K: tl.constexpr,
                             HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, CAP: tl.constexpr,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0)
     ptr = x_ptr + row.to(tl.int64) * stride_x
     buf = buf_ptr + row.to(tl.int64) * CAP
-    temperature = tl.load(temperature_ptr + row)
+    temperature = tl.load(temperature_ptr + row * stride_temperature)
     # (every value an if-block may redefine starts as a typed scalar: compiled Triton merges blocks by type)
     token = tl.full([], 0, tl.int32)
     threshold = tl.full([], float("-inf"), tl.float32)
@@ -210,10 +211,10 @@ def _fused_warp_draw_kernel(x_ptr, stride_x, n, temperature_ptr, top_k_ptr, top_
             hi = _key(row_max).to(tl.int64)
             k = zero_i + n
             if HAS_TOP_K:
-                k = tl.minimum(tl.load(top_k_ptr + row), n).to(tl.int32)   # (a top_k past int32: no cut)
+                k = tl.minimum(tl.load(top_k_ptr + row * stride_top_k), n).to(tl.int32)   # (a top_k past int32: no cut)
             top_p = 1.0
             if HAS_TOP_P:
-                top_p = tl.load(top_p_ptr + row)
+                top_p = tl.load(top_p_ptr + row * stride_top_p)
             cut_k = (k > 0) & (k < n)
             cnt_lo = zero_i + n
             mass_lo = zero_f
@@ -248,11 +249,12 @@ def _fused_warp_draw_kernel(x_ptr, stride_x, n, temperature_ptr, top_k_ptr, top_
             cut = lo.to(tl.int32)
             min_p = 0.0
             if HAS_MIN_P:
-                min_p = tl.load(min_p_ptr + row)
+                min_p = tl.load(min_p_ptr + row * stride_min_p)
             kept = zero_f - 1.0   # the kept mass: a search's when no min-p cut follows it, else a pass of its own
             if (cut_k | (top_p < 1)) & (min_p == 0):
                 kept = mass_lo
-            token = _draw(ptr, n, temperature, row_max, cut, min_p, kept, tl.load(uniform_ptr + row), BLOCK)
+            uniform = tl.load(uniform_ptr + row * stride_uniform)
+            token = _draw(ptr, n, temperature, row_max, cut, min_p, kept, uniform, BLOCK)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(threshold_ptr + row, threshold)
     tl.store(max_ptr + row, row_max)
@@ -324,8 +326,9 @@ def fused_warp_draw(scores: torch.Tensor, temperature: torch.Tensor, top_k: torc
         return FusedDraw(tokens, threshold, row_max)
     workspace = torch.empty(rows if top_k_cut or top_p_cut else 1, CAP, dtype=torch.float32, device=scores.device)
     _fused_warp_draw_kernel[(rows,)](
-        scores, scores.stride(0), vocab, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(),
-        min_p.contiguous(), uniform.contiguous(), workspace, tokens, threshold, row_max, HAS_TOP_K=top_k_cut,
-        HAS_TOP_P=top_p_cut, HAS_MIN_P=min_p_cut, CAP=CAP, BLOCK=min(BLOCK, triton.next_power_of_2(max(vocab, 16))),
-        num_warps=8)
+        # (the parameters by their strides: SamplingRows' columns are views of one [L, 6] tensor, not copied)
+        scores, scores.stride(0), vocab, temperature, top_k, top_p, min_p, uniform, temperature.stride(0),
+        top_k.stride(0), top_p.stride(0), min_p.stride(0), uniform.stride(0), workspace, tokens, threshold, row_max,
+        HAS_TOP_K=top_k_cut, HAS_TOP_P=top_p_cut, HAS_MIN_P=min_p_cut, CAP=CAP,
+        BLOCK=min(BLOCK, triton.next_power_of_2(max(vocab, 16))), num_warps=8)
     return FusedDraw(tokens, threshold, row_max)
