@@ -150,3 +150,52 @@ def test_rows_and_logits_must_agree():
         sample_rows(torch.zeros(3, VOCAB), rows_of([SamplingParams()] * 2), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingRows.build([SamplingParams()], [1, 2], [0], "cpu")
+
+
+# ================================================================ the fused kernel (kernels/sampling_kernel.py)
+
+def test_fused_draws_equal_the_reference_draws_row_by_row(triton_device):
+    """The same uniform numbers, tie-free rows: the same tokens (greedy and penalized rows included)."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(8)
+    params = PARAMS + [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95),
+                       SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.2, presence_penalty=0.3)]
+    n, vocab = 4 * len(params), 2000
+    logits = (torch.randn(n, vocab, generator=gen) * 2).to(triton_device)
+    mask = (torch.rand(n, vocab, generator=gen) < 0.05).to(triton_device)
+    counts = torch.randint(0, 2, (n, vocab), generator=gen).to(triton_device)
+    rows = SamplingRows.build(params * 4, list(range(n)), [0] * n, triton_device)
+    draws = torch.arange(n, dtype=torch.int64, device=triton_device)
+    fused = sample_rows(logits, rows, draws, mask, counts, kernel="triton")
+    assert torch.equal(fused, sample_rows(logits, rows, draws, mask, counts, kernel="torch"))
+
+
+@pytest.mark.slow   # (~0.1 s a row in the Triton interpreter)
+def test_fused_draws_follow_the_per_request_distribution(triton_device):
+    """Chi-square per field: 600 draws of one row under each of PARAMS in one batch, against sampling_probs."""
+    pytest.importorskip("triton")
+    torch.manual_seed(1)
+    logits = torch.randn(VOCAB) * 1.5
+    n = 600
+    params = [p for p in PARAMS for _ in range(n)]
+    rows = SamplingRows.build(params, list(range(len(params))), [0] * len(params), triton_device)
+    batch = torch.stack([logits] * len(params)).to(triton_device)
+    drawn = sample_rows(batch, rows, torch.zeros(len(params), dtype=torch.int64, device=triton_device),
+                        kernel="triton").cpu()
+    for i, p in enumerate(PARAMS):
+        counts = torch.bincount(drawn[i * n:(i + 1) * n], minlength=VOCAB)
+        want = sampling_probs(logits, p)
+        assert (counts[want == 0] == 0).all(), p
+        assert chi_square_p(counts, want) > 1e-4, p
+
+
+def test_the_sampler_kernel_is_resolved_or_refused(monkeypatch):
+    from treedec.sampling.sampler import resolve_sampler_kernel
+    assert resolve_sampler_kernel("auto", "cpu") == "torch"
+    assert resolve_sampler_kernel("torch", "cpu") == "torch"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        resolve_sampler_kernel("cuda", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        sample_rows(torch.zeros(1, VOCAB), rows_of([SamplingParams(temperature=1.0)]),
+                    torch.zeros(1, dtype=torch.int64), kernel="triton")

@@ -13,10 +13,11 @@
 from treedec.sampling.logits import Logprob, LogitsProcessorError, NonFiniteLogitsError, TokenLogprobs
 from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
 from treedec.sampling.rng import counter_uniform, mix64
-from treedec.sampling.sampler import SamplingRows, penalize, sample_rows, warp, warp_rows
+from treedec.sampling.sampler import (SAMPLER_KERNELS, SamplingRows, penalize, resolve_sampler_kernel, sample_rows,
+                                      warp, warp_rows)
 from treedec.sampling.stops import StopChecker, StopRule
 from treedec.sampling.structured import StructuredOutputsParams
 
-__all__ = ["GREEDY", "Logprob", "LogitsProcessorError", "NonFiniteLogitsError", "SamplingParams", "SamplingRows",
-           "StopChecker", "StopRule", "StructuredOutputsParams", "TokenLogprobs", "counter_uniform", "mix64",
-           "penalize", "sample_rows", "sample_tokens", "warp", "warp_rows"]
+__all__ = ["GREEDY", "Logprob", "LogitsProcessorError", "NonFiniteLogitsError", "SAMPLER_KERNELS", "SamplingParams",
+           "SamplingRows", "StopChecker", "StopRule", "StructuredOutputsParams", "TokenLogprobs", "counter_uniform",
+           "mix64", "penalize", "resolve_sampler_kernel", "sample_rows", "sample_tokens", "warp", "warp_rows"]

@@ -12,10 +12,18 @@ operations, with no host sync and no Python per row:
    (:func:`~treedec.sampling.rng.counter_uniform` of the row's seed, stream and draw index): a seeded row's draws
    depend on nothing else in the batch.
 
+Step 3 has two kernels (:func:`resolve_sampler_kernel`): ``torch`` (:func:`warp_rows`, a softmax and
+:func:`~treedec.sampling.draw.inverse_cdf`: a sort of every row and some twenty passes over it; the reference,
+and the CPU's) and ``triton`` (:func:`~treedec.kernels.sampling_kernel.fused_warp_draw`: one launch, no sort;
+the same kept sets and draws up to the order of float additions and ties at the top-p boundary, which it keeps
+whole). ``auto`` takes ``triton`` on a CUDA device and ``torch`` elsewhere.
+
 The semantics of every field are those of :class:`~treedec.sampling.params.SamplingParams` (its docstring).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,7 +33,12 @@ from treedec.checks import FLOAT32_MAX
 from treedec.sampling.draw import inverse_cdf, row_cumsum
 from treedec.sampling.rng import counter_uniform
 
-__all__ = ["SamplingRows", "penalize", "sample_rows", "warp", "warp_rows"]
+__all__ = ["SAMPLER_KERNELS", "SamplingRows", "penalize", "resolve_sampler_kernel", "sample_rows", "warp",
+           "warp_rows"]
+
+#: the kernels of the warp and draw (:func:`resolve_sampler_kernel`)
+SAMPLER_KERNELS = ("auto", "torch", "triton")
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -156,7 +169,10 @@ def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) 
         if top_p is not None:
             probs = ordered.softmax(dim=-1)
             mass_before = row_cumsum(probs) - probs      # of the tokens ranked above each token
-            cut = mass_before >= _per_row(top_p)         # (compared in float32: a top_p of 1e-300 is 0 there)
+            # (compared in float32: a top_p of 1e-300 is 0 there; a row of top_p 1 cuts nothing, though its
+            # float32 sums can reach 1 before its last tokens)
+            cut = mass_before >= _per_row(top_p.masked_fill(top_p >= 1, float("inf"))
+                                          if isinstance(top_p, torch.Tensor) else top_p)
             cut[:, 0] = False                            # the most likely token is always kept
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
@@ -173,8 +189,33 @@ def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
                 rows.top_p if rows.top_p_cut else None, rows.min_p if rows.min_p_cut else None)
 
 
+def resolve_sampler_kernel(kernel: str, device) -> str:
+    """The warp-and-draw kernel ``kernel`` (one of :data:`SAMPLER_KERNELS`) names on ``device``: ``auto`` is
+    ``triton`` on a CUDA device and ``torch`` elsewhere. Raises RuntimeError when ``triton`` cannot run there (the
+    package missing; on a CPU, ``TRITON_INTERPRET=1`` unset or a broken interpreter): no silent fallback."""
+    if kernel not in SAMPLER_KERNELS:
+        raise ValueError(f"kernel must be one of {SAMPLER_KERNELS}, got {kernel!r}")
+    device = torch.device(device)
+    if kernel == "auto":
+        kernel = "triton" if device.type == "cuda" else "torch"
+    if kernel == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("the triton sampler kernel needs the 'triton' package (pip install 'treedec[triton]'); "
+                               "pass kernel='torch' for the reference sampler")
+        if device.type != "cuda":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(f"the triton sampler kernel needs a CUDA device (or TRITON_INTERPRET=1 on the "
+                                   f"CPU), got device {device}")
+            from treedec.attention.backends.triton_backend import triton_interpreter_problem
+            problem = triton_interpreter_problem()
+            if problem is not None:
+                raise RuntimeError(problem)
+    return kernel
+
+
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
-                prompt_mask: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+                prompt_mask: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                kernel: str = "auto") -> torch.Tensor:
     """One token per row of ``logits``, each drawn under its row's parameters (see the module docstring).
 
     Parameters
@@ -184,6 +225,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     draws : [L] int64, each row's draw index (tokens its output holds so far): the counter of its random number.
     prompt_mask, counts : [L, V] bool and int, each row's prompt tokens and output token counts; needed when
         ``rows.penalized``.
+    kernel : the warp and draw's kernel (:func:`resolve_sampler_kernel`; ``auto``: ``triton`` on CUDA).
 
     Returns
     -------
@@ -191,7 +233,9 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     """
     if logits.dim() != 2 or logits.shape[0] != rows.num_rows:
         raise ValueError(f"logits must be [L, V] with L = {rows.num_rows} rows, got {tuple(logits.shape)}")
-    scores = logits.float()
+    kernel = resolve_sampler_kernel(kernel, logits.device)
+    # (the fused kernel reads 16-bit logits as they are: their float32 values are exact, so is their argmax)
+    scores = logits if kernel == "triton" and logits.dtype in _FUSED_DTYPES else logits.float()
     if rows.penalized:
         if prompt_mask is None or counts is None:
             raise ValueError("rows with penalties need prompt_mask and counts")
@@ -199,9 +243,15 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     if not rows.sampled:
         return scores.argmax(dim=-1)
     sampled = rows.temperature > 0
-    safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
-    probs = warp_rows(scores, safe).softmax(dim=-1)
-    drawn = inverse_cdf(probs, counter_uniform(rows.seed, rows.stream, draws))
+    uniform = counter_uniform(rows.seed, rows.stream, draws)
+    if kernel == "triton":
+        from treedec.kernels.sampling_kernel import fused_warp_draw
+        drawn = fused_warp_draw(scores, rows.temperature, rows.top_k, rows.top_p, rows.min_p, uniform,
+                                top_k_cut=rows.top_k_cut, top_p_cut=rows.top_p_cut,
+                                min_p_cut=rows.min_p_cut).tokens
+    else:
+        safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
+        drawn = inverse_cdf(warp_rows(scores, safe).softmax(dim=-1), uniform)
     return torch.where(sampled, drawn, scores.argmax(dim=-1)) if rows.greedy else drawn
 
 
