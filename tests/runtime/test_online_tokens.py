@@ -11,7 +11,6 @@ from treedec.engine import Engine
 from treedec.models.text import IncrementalDetokenizer
 from treedec.programs.beam import BeamSearchParams
 from treedec.programs.generate import GenerateProgram
-from treedec.programs.speculative.drafts import PromptLookupDraft
 from treedec.runtime.requests import RequestSpec
 from treedec.runtime.scheduler import run_program
 from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput, StreamTokens
@@ -105,12 +104,9 @@ def test_a_preempted_request_passes_each_token_on_once(tiny):
         assert ids[0] == result.output_ids and len(ids[0]) == 30 and ends == {0: "length"}
 
 
-def test_only_generated_requests_stream_token_ids(tiny):
+def test_a_beam_search_does_not_stream_token_ids(tiny):
     spec = RequestSpec("b", prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, temperature=0.0, n=2))
     with OnlineEngine(make_engine(tiny)) as server:
         with pytest.raises(ValueError, match="not a beam search"):
             server.submit(spec, beam=BeamSearchParams(beam_width=2, max_tokens=4), stream=Collected("b").stream,
                           stream_tokens=True)
-    with OnlineEngine(make_engine(tiny), drafts=lambda s: PromptLookupDraft()) as server:
-        with pytest.raises(ValueError, match="speculatively"):
-            server.submit(spec, stream=Collected("b").stream, stream_tokens=True)

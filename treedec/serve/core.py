@@ -139,13 +139,14 @@ class EngineCore:
                     rid, item.index, item.token_ids,
                     None if item.logprobs is None else [PositionLogprobs.of(e) for e in item.logprobs], item.end,
                     item.cached_tokens, None if item.prompt_logprobs is None else
-                    [None if e is None else PositionLogprobs.of(e) for e in item.prompt_logprobs]))
+                    [None if e is None else PositionLogprobs.of(e) for e in item.prompt_logprobs],
+                    item.accepted, item.draft_sizes))
             elif isinstance(item, StreamOutput):
                 if item.results is not None:
                     tokens = rid in self._token_requests
                     self._token_requests.discard(rid)
                     self._finished.append(RequestFinished(rid, None if tokens else dumps(item.results)))
-                elif rid in self._token_requests:   # (every output of a GenerateProgram ends in its lanes' news)
+                elif rid in self._token_requests:   # (every output of a token stream ends in its news)
                     raise AssertionError(f"request {rid!r} streams token ids, and got a text item: {item}")
                 else:
                     self._outputs.append(OutputDelta(rid, item.index or 0, item.text, item.tokens, item.stop_reason,
