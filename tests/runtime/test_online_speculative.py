@@ -261,3 +261,34 @@ def test_speculative_token_streams_carry_each_steps_accepted_run_and_make_no_tex
             if kv_tokens == 96:
                 assert server.scheduler.stats.preemptions > 0
         assert all_free(engine, None)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ngram"])
+def test_an_abort_keeping_a_speculative_output_offers_its_conversation_to_there(permutation, kind):
+    """``abort(request_id, kept={0: tokens})`` (a frontend's stop string ended it there), pipelined or not: the
+    conversation to the kept tokens is in the prefix cache after (whole pages), every page accounted for."""
+    from tests.runtime.test_online_tokens import Collected
+    from treedec.runtime.streams import StreamFailure, StreamTokens
+    model, heads, _ = permutation
+    drafts, pipelined = drafts_of(kind, heads)
+    prompt = list(range(40, 56))
+    engine = engine_of(model)
+    with OnlineEngine(engine, drafts=drafts, pipeline=pipelined or None, max_draft_tokens=16) as server:
+        seen, c = [], Collected("k")
+        put = c.put
+
+        def deliver(item):   # (on the engine's thread: the abort is drained at the next iteration)
+            put(item)
+            if isinstance(item, StreamTokens):
+                seen.extend(item.token_ids)
+                if len(seen) >= 12 and len(seen) - len(item.token_ids) < 12:
+                    server.abort("k", {0: 10})
+        c.stream._deliver = deliver
+        server.submit(RequestSpec("k", prompt_ids=prompt, params=SamplingParams(max_tokens=60, temperature=0.0,
+                                                                                ignore_eos=True)),
+                      stream=c.stream, stream_tokens=True)
+        assert c.done.wait(60) and isinstance(c.items[-1], StreamFailure)
+        cache = server.scheduler.cache
+        hit = cache.match(prompt + seen[:10] + [1, 2, 3])
+        assert hit is not None and len(hit.tokens) == 4 * ((len(prompt) + 9) // 4)
+    assert all_free(engine, cache)

@@ -98,13 +98,41 @@ def test_stop_strings_logprobs_and_usage_as_llm_generate_gives_them(server, clie
     assert free_again(server) == 0
 
 
+def next_turn_cached(client, reference, model):
+    """A first turn (16 prompt ids: 4 whole pages) that a stop string ends in the frontend (past its 8th token, as
+    greedy decoding gives it), then the next (its prompt, its output's ids, a new message): the next turn's cached
+    tokens, and those the first turn's conversation to its stop has in whole pages."""
+    prompt = list(range(40, 56))
+    [full] = reference.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                            ignore_eos=True), use_tqdm=False)
+    out, decode = full.outputs[0].token_ids, reference.tokenizer.decode
+    stop = next(piece for k in range(8, len(out)) for piece in [decode(out[k:k + 1])]
+                if piece.strip() and "\ufffd" not in piece and piece not in decode(out[:k]))
+    body = dict(model=model, max_tokens=24, temperature=0, stop=[stop],
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    [first] = client.completions.create(prompt=prompt, **body).choices
+    ids = first.model_extra["token_ids"]
+    assert first.finish_reason == "stop" and 9 <= len(ids) < 24
+    again = client.completions.create(prompt=prompt + ids + [7, 8, 9], **body)
+    return again.usage.prompt_tokens_details.cached_tokens, len(prompt) + 4 * ((len(ids) - 1) // 4)
+
+
+def test_a_conversation_a_frontend_stop_string_ended_stays_in_the_prefix_cache(server, client, reference):
+    """The request a stop string ended in the frontend is aborted in the core, its output's conversation to the stop
+    offered to the prefix cache first: the next turn (the prompt, the output's ids, a new message) reads it."""
+    cached, conversation = next_turn_cached(client, reference, "tiny")
+    assert cached >= conversation > 16, (cached, conversation)
+    assert free_again(server) == 0
+
+
 @pytest.mark.parametrize("mode", sorted(ENGINES))
 def test_a_speculative_server_s_stop_strings_are_the_frontend_s_as_plain_decoding_gives_them(tokenizer, reference,
                                                                                              mode, monkeypatch):
     """A speculative request streams each step's accepted token ids too (n-gram drafts): its text, finish reason,
     token ids, usage and logprobs with stop strings are LLM.generate's plain greedy ones, streamed or not, on both
     transports; the core makes no text for it (in-process: no detokenizer on the engine's thread); every page is free
-    after the aborts, and the speculative metrics still count its steps."""
+    after the aborts, the speculative metrics still count its steps, and a conversation a stop string ended is read
+    from the prefix cache by its next turn."""
     import openai
     from tests.serve.test_server import metric_values
     threads = []
@@ -131,6 +159,8 @@ def test_a_speculative_server_s_stop_strings_are_the_frontend_s_as_plain_decodin
                 assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
                 assert chunks[-1].usage.completion_tokens == len(want.token_ids)
             assert metric_values(running.url)[("treedec_spec_verify_steps_total", ())] > 0
+            cached, conversation = next_turn_cached(client, reference, "s")   # (multi-turn: the cache read)
+            assert cached >= conversation > 16, (cached, conversation)
         assert "treedec-online" not in threads, sorted(set(threads))
         assert free_again(running) == 0
     finally:

@@ -102,8 +102,9 @@ class EngineCore:
                 self._add(message)
                 arrivals = True
             elif isinstance(message, AbortRequests):
-                for request_id in message.request_ids:
-                    self.online.abort(request_id)
+                for j, request_id in enumerate(message.request_ids):
+                    kept = None if message.kept is None else {i: k for i, k in enumerate(message.kept[j]) if k}
+                    self.online.abort(request_id, kept)
             elif isinstance(message, PagesQuery):
                 answer = self.pages(message.token)
             elif isinstance(message, Shutdown):

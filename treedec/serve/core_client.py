@@ -220,8 +220,8 @@ class CoreClient:
         still runs it, aborted there (its pages freed at its next iteration)."""
         del self._streams[stream.request_id]
         if stream.processor.needs_abort and self.dead is None and not self._closing:
-            try:
-                self._send(AbortRequests([stream.request_id]))
+            try:   # (the outputs its stop strings ended offered to the prefix cache there)
+                self._send(AbortRequests([stream.request_id], [stream.processor.kept_tokens]))
             except EngineDeadError:   # (the core is gone: the reader reports it, failing what runs)
                 pass
 

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import numpy as np
 
@@ -232,14 +232,16 @@ class OnlineEngine:
         self._wake.set()
         return stream
 
-    def abort(self, request_id: int | str) -> bool:
+    def abort(self, request_id: int | str, kept: Mapping[int, int] | None = None) -> bool:
         """Abort a running request (its stream raises :class:`~treedec.runtime.online.ProgramAborted`; its pages are
-        freed at the next iteration); returns whether it was running."""
+        freed at the next iteration); returns whether it was running. ``kept``: output index -> its tokens the
+        caller kept (a frontend's stop string ended it there): its conversation to there is offered to the prefix cache
+        first (:meth:`OnlineScheduler.abort`), so a chat's next turn reads it."""
         with self._lock:
             handle = self._handles.get(request_id)
         if handle is None:
             return False
-        self.scheduler.abort(handle)
+        self.scheduler.abort(handle, kept)
         self._wake.set()
         return True
 

@@ -79,9 +79,13 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):
-    """Abort these requests (a client went away, or a frontend found a reason to stop them)."""
+    """Abort these requests (a client went away, or a frontend found a reason to stop them). ``kept`` (or None):
+    for each of them, each output's tokens the frontend kept (its stop string ended it there; 0: none), the
+    conversations to there offered to the prefix cache before their pages are freed (a chat's next turn reads
+    them)."""
 
     request_ids: list[str]
+    kept: list[list[int]] | None = None
 
 
 class PagesQuery(msgspec.Struct, tag=True, frozen=True):

@@ -68,6 +68,11 @@ class RequestOutputs:
         """The core still runs the request (some output ended here before it ended there)."""
         return not all(self._core_ended)
 
+    @property
+    def kept_tokens(self) -> list[int]:
+        """Each output's tokens when it ended here while the core still runs it (a stop string), else 0."""
+        return [0 if ended or not c.stopped else c.num_tokens for c, ended in zip(self.checkers, self._core_ended)]
+
     def take(self, delta: TokenDelta) -> list[StreamOutput]:
         """Output ``delta.index``'s new tokens: the stream items they make (a text delta, or the output's end with
         its last text). Raises ValueError for a token (or a prompt id) its detokenizer cannot take (outside the

@@ -38,7 +38,7 @@ from treedec.programs.speculative.drafts import (DraftSource, TargetOutput, chec
                                                  target_states_at)
 from treedec.programs.speculative.grammar_filter import DraftFilter
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
-from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
+from treedec.runtime.program import Program, ProgramContext, Read, StepRequest, kept_length
 from treedec.runtime.scheduler import run_program
 from treedec.programs.speculative.step_tokens import StepTokens, TokenHandOff
 from treedec.programs.speculative.target_processing import TargetProcessing, penalizes
@@ -253,13 +253,14 @@ class SpeculativeProgram(Program):
             stats.stop_reason = checker.stop_reason
             if self.on_tokens is not None:   # (the first token alone, or a pipelined row's tokens read at its end)
                 self.on_tokens.hand_off(checker, stats)
-            if ctx.cache is not None and stats.node is not None:   # the conversation, to its last token
-                sequence = self.prompt_ids + checker.token_ids
-                if ctx.engine.tree.sequence(stats.node)[:len(sequence) - 1] == sequence[:-1]:
-                    ctx.offer(stats.node, len(sequence) - 1)
             done = True
             return checker, stats
-        finally:
+        finally:   # the conversation offered to its last token, or to the tokens an abort kept (ProgramContext.kept)
+            kept = checker.num_tokens if done else (ctx.kept or {}).get(0, 0)
+            length = 0 if ctx.cache is None or stats.node is None or not kept else \
+                kept_length(engine.tree, stats.node, len(self.prompt_ids), checker.token_ids, kept)
+            if length:
+                ctx.offer(stats.node, length)
             if self.budget is not None:
                 self.budget.leave(self)
             if not (done and self.keep_node):
@@ -382,8 +383,7 @@ class SpeculativeProgram(Program):
                      target_states_at(engine, kind, out), following)
 
     def stepped(self, stats: SpeculativeStats, checker: StopChecker) -> None:
-        """After a verification step (either loop): ``on_step``, and ``on_text`` with the new text or
-        ``on_tokens`` with the new tokens."""
+        """After a verification step (either loop): ``on_step``, then ``on_text`` or ``on_tokens`` with the news."""
         if self.on_step is not None:
             self.on_step(stats, len(checker.token_ids))
         if self.on_text is not None:
