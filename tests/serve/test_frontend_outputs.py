@@ -125,6 +125,30 @@ def test_a_conversation_a_frontend_stop_string_ended_stays_in_the_prefix_cache(s
     assert free_again(server) == 0
 
 
+def test_a_chat_s_next_turn_reads_the_reply_a_stop_string_ended_from_the_prefix_cache(server, client, reference):
+    """Multi-turn chat re-sent as text: the reply a stop string ended (words that re-encode to themselves: allowed
+    tokens only) is read back from the prefix cache by the next turn, past the first turn's prompt."""
+    import re
+    tok = reference.tokenizer
+    words = [i for i in range(len(tok)) if re.fullmatch(r" [a-z]{2,}", tok.decode([i]))
+             and tok.encode(tok.decode([i]), add_special_tokens=False) == [i]]
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog"}]
+    options = dict(max_tokens=24, temperature=1.0, seed=1)
+    [full] = reference.generate({"messages": messages}, SamplingParams(**options, ignore_eos=True,
+                                                                       allowed_token_ids=words), use_tqdm=False)
+    out = full.outputs[0].token_ids
+    stop = next(piece for k in range(8, len(out)) for piece in [tok.decode(out[k:k + 1])]
+                if piece not in tok.decode(out[:k]))
+    first = client.chat.completions.create(model="tiny", messages=messages, stop=[stop], **options,
+                                           extra_body={"ignore_eos": True, "allowed_token_ids": words})
+    reply = first.choices[0].message.content
+    assert first.choices[0].finish_reason == "stop" and len(reply.split()) >= 8
+    again = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=messages + [
+        {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}])
+    assert again.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens, again.usage
+    assert free_again(server) == 0
+
+
 @pytest.mark.parametrize("mode", sorted(ENGINES))
 def test_a_speculative_server_s_stop_strings_are_the_frontend_s_as_plain_decoding_gives_them(tokenizer, reference,
                                                                                              mode, monkeypatch):
