@@ -220,3 +220,75 @@ def test_online_speculative_requests_pipeline_by_default_on_a_gpu(cuda_graphs):
         else:
             assert got[p.id][1][0].output_ids == p.output_ids and got[p.id][1][0].stats["pipelined"]
     assert all_free(engine, server.scheduler.cache)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ngram"])
+def test_speculative_token_streams_carry_each_steps_accepted_run_and_make_no_text(permutation, kind):
+    """``stream_tokens=True`` (a server's engine core): each verification step's accepted tokens go on at once (several
+    a step), joining to plain greedy's ids, with the output's end once, its steps' draft accounting (the offline
+    batch's) and its logprobs (unpipelined: the target's, as offline); no text is made and no stop string checked
+    (the frontend's), so a request with one runs to its length in the core; a preempted run passes each token once."""
+    from tests.runtime.test_online_tokens import Collected
+    model, heads, _ = permutation
+    drafts, pipelined = drafts_of(kind, heads)
+    extra = {} if pipelined else {"logprobs": 2}
+    specs = [RequestSpec(s.id, prompt_ids=s.prompt_ids, params=s.params.replace(stop=("zz",), **extra))
+             for s in requests(8, max_tokens=24, ignore_eos=True)]
+    unstopped = [RequestSpec(s.id, prompt_ids=s.prompt_ids, params=s.params.replace(stop=())) for s in specs]
+    plain, _ = generate_batch(engine_of(model), unstopped)
+    offline, _ = speculative_batch(engine_of(model), unstopped, drafts, pipeline=pipelined, max_draft_tokens=16)
+    for kv_tokens in (16384, 96):   # (96: requests wait and are preempted, run again from their start)
+        engine = engine_of(model, kv_tokens)
+        with OnlineEngine(engine, LetterTokenizer(), drafts=drafts, pipeline=pipelined or None, max_draft_tokens=16,
+                          prefix_cache=False) as server:
+            got = []
+            for spec in specs:
+                c = Collected(spec.id)
+                server.submit(spec, stream=c.stream, stream_tokens=True)
+                got.append(c)
+            assert all(c.done.wait(120) for c in got)
+            for c, p, o in zip(got, plain, offline):
+                ids, logprobs, ends = c.tokens()
+                items = [i for i in c.items if type(i).__name__ == "StreamTokens"]
+                assert ids[0] == p.output_ids == o.output_ids and ends == {0: "length"}
+                assert c.results[0].text is None
+                if kv_tokens > 96:
+                    assert [a for i in items for a in i.accepted] == o.stats["accepted"]
+                    assert [a for i in items for a in i.draft_sizes] == o.stats["draft_sizes"]
+                if extra:
+                    assert [list(e) for e in logprobs[0]] == [list(e) for e in o.logprobs]
+            assert any(len(i.token_ids) > 1 for c in got for i in c.items if type(i).__name__ == "StreamTokens")
+            if kv_tokens == 96:
+                assert server.scheduler.stats.preemptions > 0
+        assert all_free(engine, None)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ngram"])
+def test_an_abort_keeping_a_speculative_output_offers_its_conversation_to_there(permutation, kind):
+    """``abort(request_id, kept={0: tokens})`` (a frontend's stop string ended it there), pipelined or not: the
+    conversation to the kept tokens is in the prefix cache after (whole pages), every page accounted for."""
+    from tests.runtime.test_online_tokens import Collected
+    from treedec.runtime.streams import StreamFailure, StreamTokens
+    model, heads, _ = permutation
+    drafts, pipelined = drafts_of(kind, heads)
+    prompt = list(range(40, 56))
+    engine = engine_of(model)
+    with OnlineEngine(engine, drafts=drafts, pipeline=pipelined or None, max_draft_tokens=16) as server:
+        seen, c = [], Collected("k")
+        put = c.put
+
+        def deliver(item):   # (on the engine's thread: the abort is drained at the next iteration)
+            put(item)
+            if isinstance(item, StreamTokens):
+                seen.extend(item.token_ids)
+                if len(seen) >= 12 and len(seen) - len(item.token_ids) < 12:
+                    server.abort("k", {0: 10})
+        c.stream._deliver = deliver
+        server.submit(RequestSpec("k", prompt_ids=prompt, params=SamplingParams(max_tokens=60, temperature=0.0,
+                                                                                ignore_eos=True)),
+                      stream=c.stream, stream_tokens=True)
+        assert c.done.wait(60) and isinstance(c.items[-1], StreamFailure)
+        cache = server.scheduler.cache
+        hit = cache.match(prompt + seen[:10] + [1, 2, 3])
+        assert hit is not None and len(hit.tokens) == 4 * ((len(prompt) + 9) // 4)
+    assert all_free(engine, cache)

@@ -11,7 +11,6 @@ from treedec.engine import Engine
 from treedec.models.text import IncrementalDetokenizer
 from treedec.programs.beam import BeamSearchParams
 from treedec.programs.generate import GenerateProgram
-from treedec.programs.speculative.drafts import PromptLookupDraft
 from treedec.runtime.requests import RequestSpec
 from treedec.runtime.scheduler import run_program
 from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput, StreamTokens
@@ -105,12 +104,42 @@ def test_a_preempted_request_passes_each_token_on_once(tiny):
         assert ids[0] == result.output_ids and len(ids[0]) == 30 and ends == {0: "length"}
 
 
-def test_only_generated_requests_stream_token_ids(tiny):
+def test_a_beam_search_does_not_stream_token_ids(tiny):
     spec = RequestSpec("b", prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=4, temperature=0.0, n=2))
     with OnlineEngine(make_engine(tiny)) as server:
         with pytest.raises(ValueError, match="not a beam search"):
             server.submit(spec, beam=BeamSearchParams(beam_width=2, max_tokens=4), stream=Collected("b").stream,
                           stream_tokens=True)
-    with OnlineEngine(make_engine(tiny), drafts=lambda s: PromptLookupDraft()) as server:
-        with pytest.raises(ValueError, match="speculatively"):
-            server.submit(spec, stream=Collected("b").stream, stream_tokens=True)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_abort_keeping_outputs_offers_their_conversations_to_there(tiny, n):
+    """``abort(request_id, kept={output: tokens})`` (a frontend's stop string ended them): each kept output's
+    conversation to its kept tokens (the last one's K/V not kept) is in the prefix cache after, whole pages of
+    it, and every page is accounted for."""
+    from tests.runtime.test_online import all_free
+    prompt = list(range(40, 56))
+    spec = RequestSpec("k", prompt_ids=prompt, params=SamplingParams(max_tokens=60, temperature=1.0, seed=3, n=n,
+                                                                     ignore_eos=True))
+    engine = make_engine(tiny)
+    with OnlineEngine(engine) as server:
+        seen, c = [], Collected("k")
+        put = c.put
+
+        def deliver(item):   # (on the engine's thread: the abort is drained at the next iteration)
+            put(item)
+            if isinstance(item, StreamTokens) and item.index == 0:
+                seen.extend(item.token_ids)
+                if len(seen) == 12:
+                    server.abort("k", {0: 10})
+        c.stream._deliver = deliver
+        server.submit(spec, stream=c.stream, stream_tokens=True)
+        assert c.done.wait(60) and isinstance(c.items[-1], StreamFailure)
+        cache = server.scheduler.cache
+        ids, _, _ = c.tokens()
+        hit = cache.match(prompt + ids[0][:10] + [1, 2, 3])
+        assert hit is not None and len(hit.tokens) == 4 * ((len(prompt) + 9) // 4)
+        if n == 2:   # (an output not kept: its conversation not offered, only the prompt's pages shared)
+            other = cache.match(prompt + ids[1][:10] + [1, 2, 3])
+            assert other is None or len(other.tokens) <= len(prompt)
+    assert all_free(engine, cache)

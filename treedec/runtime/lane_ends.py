@@ -4,10 +4,13 @@ nodes kept, truncated or pruned), and the lane states between steps.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import torch
 
 from treedec.runtime.decode import LaneOutput, OutputTokens
+from treedec.runtime.program import kept_length
 from treedec.sampling.grammar import GrammarError
 from treedec.sampling.logits import NonFiniteLogitsError
 
@@ -115,6 +118,23 @@ class LaneEnds:
         keep = ~np.isin(self.group[slots], bad)
         self.state[slots[~keep]] = -1
         return slots[keep], tokens[keep], stopped[keep], placed[keep]
+
+    def offer_kept(self, g, kept: Mapping[int, int]) -> None:
+        """Before group ``g``'s lanes are dropped (its program aborted): each live output ``i`` of ``kept`` offers
+        its conversation to the prefix cache to its ``kept[i]`` tokens (a frontend's stop string ended it there:
+        :func:`~treedec.runtime.program.kept_length`)."""
+        offer = g.decode.offer
+        if offer is None:
+            return
+        tree = self.tree
+        for slot in np.flatnonzero((self.group[:self.size] == g.uid) & (self.state[:self.size] >= 0)).tolist():
+            i, node = int(self.index[slot]), int(self.node[slot])
+            if i not in kept or node < 0:
+                continue
+            before = tree.sequence_length(node) - tree.node_length(node) + int(self.start[slot])
+            length = kept_length(tree, node, before, self.tokens[slot, :int(self.length[slot])].tolist(), kept[i])
+            if length:
+                offer(node, length)
 
     def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
         """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -193,14 +193,17 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         failures, self._failures = self._failures, []
         return failures
 
-    def drop(self, owner) -> None:
+    def drop(self, owner, kept: Mapping[int, int] | None = None) -> None:
         """Remove every lane of program ``owner`` (closed or preempted: no results; its ``finally`` frees its
-        nodes)."""
+        nodes). ``kept``: output index -> its tokens a caller kept (a frontend's stop string ended it there): each
+        such output's conversation to there is offered to the prefix cache first (:meth:`offer_kept`)."""
         assert self._read is None, "lanes are dropped between iterations, never with draws being read back"
         uids = [uid for uid, g in self.groups.items() if g.owner is owner]
         if not uids:
             return
         for uid in uids:
+            if kept:
+                self.offer_kept(self.groups[uid], kept)
             del self.groups[uid]
             self._forget_group(uid)
         self._compact(~np.isin(self.group[:self.size], uids))

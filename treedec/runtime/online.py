@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 from treedec.checks import positive_int
@@ -152,11 +152,15 @@ class OnlineScheduler:
             self._inbox.append(("submit", handle, program))
         return handle
 
-    def abort(self, handle: int) -> None:
+    def abort(self, handle: int, kept: Mapping[int, int] | None = None) -> None:
         """Abort program ``handle`` (any thread): at the next iteration it is dropped from the queue or closed,
-        and ends with :class:`ProgramAborted`. A program that ended before then is left as it ended."""
+        and ends with :class:`ProgramAborted`. A program that ended before then is left as it ended. ``kept``:
+        output index -> its tokens the caller kept (its stop string ended it there): the output's conversation to
+        there is offered to the prefix cache before its pages are freed (a multi-turn chat's next turn reads it:
+        :attr:`ProgramContext.kept <treedec.runtime.program.ProgramContext>`, read by the lanes and by a speculative
+        program)."""
         with self._lock:
-            self._inbox.append(("abort", handle, None))
+            self._inbox.append(("abort", handle, kept))
 
     def iterate(self) -> bool:
         """Drain the inbox, then one iteration (admit, resume, one engine step for every live program).
@@ -186,8 +190,8 @@ class OnlineScheduler:
     def _drain(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
-        for kind, handle, program in inbox:
+        for kind, handle, payload in inbox:   # (a submit's program, an abort's kept outputs)
             if kind == "submit":
-                self._core.add(handle, program)
-            elif self._core.drop(handle):
+                self._core.add(handle, payload)
+            elif self._core.drop(handle, payload):
                 self._on_error(handle, ProgramAborted(f"program {handle} was aborted"))

@@ -11,7 +11,7 @@ is what it sees of the run: the engine, its prompt (a shared prefix included) an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Hashable, Sequence
+from typing import Any, Generator, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -155,6 +155,8 @@ class ProgramContext:
         self.step_queries = 0  # the tokens the program added for its last step (its share of the step)
         self.cached_tokens = 0  # its prompt's tokens read from the prefix cache across requests (none computed)
         self.offer_after_step: int | None = None   # a prompt node the scheduler offers once the step is launched
+        # an abort's kept outputs (output index -> tokens a frontend's stop string kept), set before it is closed
+        self.kept: Mapping[int, int] | None = None
         self.name = name
 
     def reserve(self, pages: int, reason: str | None = None) -> Generator[Wait, Any, None]:
@@ -236,6 +238,16 @@ class ProgramContext:
         tokens' ids must be the real ones (not a pipelined step's placeholders)."""
         if self.cache is not None:
             self.cache.offer(node, length)
+
+
+def kept_length(tree, node: int, before: int, known: Sequence[int], kept: int) -> int:
+    """How much of ``node``'s sequence an output ending at its ``kept``-th token offers the prefix cache: the
+    ``before`` tokens ahead of the output's first, then its first ``kept - 1`` tokens (the last one's K/V is not
+    kept, as at any end) as far as the node holds them with the output's ids ``known`` (a run again may be behind;
+    a pipelined step's placeholder differs); 0 when none of the output's tokens would be offered."""
+    placed = tree.sequence(node)[before:before + max(0, kept - 1)]
+    same = next((k for k, (a, b) in enumerate(zip(placed, known)) if a != b), min(len(placed), len(known)))
+    return before + same if same else 0
 
 
 def set_aside_bad_tokens(engine: Engine, requests: Sequence[tuple[Hashable, StepRequest, str]]

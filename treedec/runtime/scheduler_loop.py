@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Generator, Mapping
 
 import torch
 
@@ -153,16 +153,17 @@ class SchedulerLoop(StepRun, PoolRelief):
         if self.share_queued:
             self.ungrouped.add(index)
 
-    def drop(self, index: int) -> bool:
+    def drop(self, index: int, kept: Mapping[int, int] | None = None) -> bool:
         """Between iterations: take program ``index`` out, queued or live (closed: its ``finally`` frees its
-        pages). Returns whether it was there."""
+        pages; ``kept``: as :meth:`Lanes.drop <treedec.runtime.lanes.Lanes.drop>`'s). Returns whether it was
+        there."""
         if index not in self.programs:
             return False
         live = next((lv for lv in self.live if lv.index == index), None)
         if live is None:
             self.queue.remove(index)
         else:
-            self._close(live)
+            self._close(live, kept)
         self.programs.pop(index)
         self.ungrouped.discard(index)
         prefix = self.prefixes.pop(index)
@@ -414,11 +415,13 @@ class SchedulerLoop(StepRun, PoolRelief):
         if self.on_done is not None:
             self.on_done(lv.index, result)
 
-    def _close(self, lv: _Live) -> None:
-        """Close a live program (its lanes dropped, its ``finally`` frees its pages) and leave its shared prefix."""
+    def _close(self, lv: _Live, kept: Mapping[int, int] | None = None) -> None:
+        """Close a live program (its lanes dropped, ``kept`` outputs offered: :meth:`Lanes.drop
+        <treedec.runtime.lanes.Lanes.drop>`; its ``finally`` frees its pages) and leave its shared prefix."""
         self._forget(lv)
+        lv.ctx.kept = kept
         if lv.decoding:
-            self.lanes.drop(lv)
+            self.lanes.drop(lv, kept)
             lv.decoding = False
         if lv.bulk is not None:
             lv.bulk.drop(lv)

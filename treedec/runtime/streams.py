@@ -77,6 +77,8 @@ class StreamTokens:
     end : its stop reason when its last new token ended it (``"eos"``, ``"length"``), else None.
     cached_tokens : the prompt's tokens the program's current run read from the prefix cache.
     prompt_logprobs : the prompt's logprobs (asked for), on the request's first item only; else None.
+    accepted, draft_sizes : a speculative output's verification steps since its last item: the draft tokens each
+        accepted and verified; else None.
     """
 
     request_id: int | str
@@ -86,6 +88,8 @@ class StreamTokens:
     end: str | None
     cached_tokens: int
     prompt_logprobs: list[dict | None] | None = None
+    accepted: list[int] | None = None
+    draft_sizes: list[int] | None = None
 
 
 class OutputStream:
@@ -133,19 +137,32 @@ class OutputStream:
             self._put(StreamOutput(self.request_id, index, new, len(token_ids), stop_reason, list(token_ids)))
 
     def tokens(self, news: OutputTokens, cached_tokens: int, prompt_logprobs: list | None) -> None:
-        """A step's new tokens of the current run (``cached_tokens``, ``prompt_logprobs``: its prompt's): one
-        :class:`StreamTokens` per output whose token is past those passed on."""
+        """A step's new tokens of the current run (``cached_tokens``, ``prompt_logprobs``: its prompt's), one per
+        output named: as :meth:`output_tokens`."""
         for j, (i, token, end) in enumerate(zip(news.indices, news.tokens, news.ends)):
-            run = self._run_tokens[i] = self._run_tokens.get(i, 0) + 1
-            if run <= self._sent_tokens.get(i, 0) or i in self._ended:
-                continue
-            self._sent_tokens[i] = run
-            if end is not None:
-                self._ended.add(i)
-            first = prompt_logprobs is not None and not self._prompt_sent
-            self._prompt_sent = self._prompt_sent or first
-            self._put(StreamTokens(self.request_id, i, [token], None if news.logprobs is None else [news.logprobs[j]],
-                                   end, cached_tokens, prompt_logprobs if first else None))
+            self.output_tokens(i, [token], None if news.logprobs is None else [news.logprobs[j]], end, cached_tokens,
+                               prompt_logprobs)
+
+    def output_tokens(self, index: int, token_ids: list[int], logprobs: list[dict] | None, end: str | None,
+                      cached_tokens: int, prompt_logprobs: list | None = None, accepted: list[int] | None = None,
+                      draft_sizes: list[int] | None = None) -> None:
+        """Output ``index``'s next ``token_ids`` of the current run (``end``: its stop reason when the last one
+        ended it; ``accepted``, ``draft_sizes``: a speculative output's steps that made them): one
+        :class:`StreamTokens` with those past the tokens passed on (the prompt's logprobs on the request's first),
+        none once the output's end was passed on."""
+        run = self._run_tokens.get(index, 0)
+        self._run_tokens[index] = run + len(token_ids)
+        skip = max(0, self._sent_tokens.get(index, 0) - run)   # (passed on by an earlier run)
+        if index in self._ended or skip >= len(token_ids) and end is None:
+            return
+        self._sent_tokens[index] = max(run + len(token_ids), self._sent_tokens.get(index, 0))
+        if end is not None:
+            self._ended.add(index)
+        first = prompt_logprobs is not None and not self._prompt_sent
+        self._prompt_sent = self._prompt_sent or first
+        self._put(StreamTokens(self.request_id, index, list(token_ids[skip:]),
+                               None if logprobs is None else list(logprobs[skip:]), end, cached_tokens,
+                               prompt_logprobs if first else None, accepted, draft_sizes))
 
     def finish(self, results: list[RequestResult]) -> None:
         """The request's results: the end of each output not ended yet (with its text not yet passed on), then the

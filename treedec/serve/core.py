@@ -102,8 +102,9 @@ class EngineCore:
                 self._add(message)
                 arrivals = True
             elif isinstance(message, AbortRequests):
-                for request_id in message.request_ids:
-                    self.online.abort(request_id)
+                for j, request_id in enumerate(message.request_ids):
+                    kept = None if message.kept is None else {i: k for i, k in enumerate(message.kept[j]) if k}
+                    self.online.abort(request_id, kept)
             elif isinstance(message, PagesQuery):
                 answer = self.pages(message.token)
             elif isinstance(message, Shutdown):
@@ -139,13 +140,14 @@ class EngineCore:
                     rid, item.index, item.token_ids,
                     None if item.logprobs is None else [PositionLogprobs.of(e) for e in item.logprobs], item.end,
                     item.cached_tokens, None if item.prompt_logprobs is None else
-                    [None if e is None else PositionLogprobs.of(e) for e in item.prompt_logprobs]))
+                    [None if e is None else PositionLogprobs.of(e) for e in item.prompt_logprobs],
+                    item.accepted, item.draft_sizes))
             elif isinstance(item, StreamOutput):
                 if item.results is not None:
                     tokens = rid in self._token_requests
                     self._token_requests.discard(rid)
                     self._finished.append(RequestFinished(rid, None if tokens else dumps(item.results)))
-                elif rid in self._token_requests:   # (every output of a GenerateProgram ends in its lanes' news)
+                elif rid in self._token_requests:   # (every output of a token stream ends in its news)
                     raise AssertionError(f"request {rid!r} streams token ids, and got a text item: {item}")
                 else:
                     self._outputs.append(OutputDelta(rid, item.index or 0, item.text, item.tokens, item.stop_reason,

@@ -8,7 +8,7 @@ accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's 
 method on the event loop (:meth:`CoreClient.process`): one wake-up per engine iteration, however many requests it
 advanced. A generated request streams token ids from the core: its text, stop strings and results are made here
 (:class:`~treedec.serve.outputs.RequestOutputs`), and a request whose outputs all ended here while the core still
-runs it (a stop string) is aborted there; a speculative request and a beam search stream text made in the core.
+runs it (a stop string) is aborted there; so does a speculative request. A beam search streams text made in the core.
 Two transports under it:
 
 - :class:`InProcessClient`: the core in this process (its engine's thread; the messages passed as objects), for an
@@ -125,7 +125,7 @@ class CoreClient:
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        tokens = beam is None and not self.ready.speculative   # (the others' text is made in the core)
+        tokens = beam is None   # (a beam search's text is made in the core)
         processor = RequestOutputs(request_id, prompt_ids, params, self.tokenizer, self.ready.eos_token_ids) \
             if tokens else None
         stream = self._streams[request_id] = RequestStream(request_id, params.n, processor)
@@ -220,8 +220,8 @@ class CoreClient:
         still runs it, aborted there (its pages freed at its next iteration)."""
         del self._streams[stream.request_id]
         if stream.processor.needs_abort and self.dead is None and not self._closing:
-            try:
-                self._send(AbortRequests([stream.request_id]))
+            try:   # (the outputs its stop strings ended offered to the prefix cache there)
+                self._send(AbortRequests([stream.request_id], [stream.processor.kept_tokens]))
             except EngineDeadError:   # (the core is gone: the reader reports it, failing what runs)
                 pass
 

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from treedec.programs.generate import GenerateProgram, grammar_compiler, prepare
 from treedec.programs.speculative.batch import sampled_acceptance, speculative_program, speculative_results
 from treedec.programs.speculative.draft_budget import DraftBudget
 from treedec.programs.speculative.drafts import DraftSource
+from treedec.programs.speculative.step_tokens import StepTokens
 from treedec.runtime.online import OnlineScheduler
 from treedec.runtime.prefix_cache import PrefixCache
 from treedec.runtime.program import Program, ProgramContext
@@ -164,8 +165,10 @@ class OnlineEngine:
         ``stream_tokens``: the request's outputs stream as token ids (:meth:`OutputStream.tokens
         <treedec.runtime.streams.OutputStream.tokens>`: each step's new tokens, their logprobs, the outputs' ends by
         EOS / stop ids / length) and no text is made: its stop strings are left to the caller (a server's frontend,
-        which detokenizes them) and its program runs with ``detokenize=False`` and no stop strings; its results' texts
-        are None. Not with ``beam`` nor a speculative engine (ValueError)."""
+        which detokenizes them) and its program runs with no stop strings and no detokenizer; its results' texts are
+        None. A speculative request's items carry each verification step's accepted tokens (several a step) and its
+        draft accounting (:class:`~treedec.runtime.streams.StreamTokens`' ``accepted``, ``draft_sizes``). Not with
+        ``beam`` (ValueError)."""
         loop = asyncio.get_running_loop() if stream is None else None
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         chat_template = self.chat_template if chat_template is None else chat_template
@@ -173,10 +176,12 @@ class OnlineEngine:
             raise ValueError("use_beam_search runs on a server without speculative decoding" if self.drafts is not None
                              else f"n must be the beam's width {beam.beam_width}, got {spec.params.n}")
         if stream_tokens:
-            if beam is not None or self.drafts is not None:
-                raise ValueError("a request streams token ids only when it is generated, not "
-                                 + ("a beam search" if beam is not None else "speculatively"))
-            spec = dataclasses.replace(spec, params=spec.params.replace(stop=(), detokenize=False))
+            if beam is not None:
+                raise ValueError("a request streams token ids only when it is generated, not a beam search")
+            # (detokenize is not a speculative field: its program is given no tokenizer instead)
+            plain = spec.params.replace(stop=()) if self.drafts is not None else \
+                spec.params.replace(stop=(), detokenize=False)
+            spec = dataclasses.replace(spec, params=plain)
         [(spec, prompt_ids)] = prepare_requests(self.engine, [spec], tokenizer, chat_template)
         if spec.params.structured_outputs is not None and (beam is not None or tokenizer is not self.tokenizer):
             raise ValueError("structured_outputs: not with use_beam_search" if beam is not None else
@@ -199,18 +204,19 @@ class OnlineEngine:
             program = beam_program(self.engine, prompt_ids, beam.beam_width, beam.max_tokens, beam.length_penalty,
                                    eos or None, beam.early_stopping)
             to_results = lambda result, cached: beam_results(spec, prompt_ids, result, tokenizer, eos, cached)
-        elif stream_tokens:
-            program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar, on_tokens=stream.tokens)
         elif self.drafts is None:
-            program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar,
-                                      on_output=None if tokenizer is None else _streamed(stream))
+            program = GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar, on_tokens=stream.tokens) \
+                if stream_tokens else GenerateProgram(spec, prompt_ids, tokenizer, grammar=grammar,
+                                                      on_output=None if tokenizer is None else _streamed(stream))
         else:
             to_results = lambda result, cached: speculative_results(spec, prompt_ids, result)
             program = speculative_program(
-                self.engine, spec, prompt_ids, self.drafts(spec), tokenizer,
+                self.engine, spec, prompt_ids, self.drafts(spec), None if stream_tokens else tokenizer,
                 sampled_acceptance(spec, lambda s: s.params.seed), self.max_draft_tokens, self._budget,
                 pipeline=self.pipeline, greedy_only=False, grammar=grammar,
-                on_text=None if tokenizer is None else lambda delta, checker: stream.text(0, delta, checker.num_tokens))
+                on_text=None if tokenizer is None or stream_tokens else
+                lambda delta, checker: stream.text(0, delta, checker.num_tokens),
+                on_tokens=_step_tokens(stream) if stream_tokens else None)
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the online engine is shut down" if self.error is None else
@@ -226,14 +232,16 @@ class OnlineEngine:
         self._wake.set()
         return stream
 
-    def abort(self, request_id: int | str) -> bool:
+    def abort(self, request_id: int | str, kept: Mapping[int, int] | None = None) -> bool:
         """Abort a running request (its stream raises :class:`~treedec.runtime.online.ProgramAborted`; its pages are
-        freed at the next iteration); returns whether it was running."""
+        freed at the next iteration); returns whether it was running. ``kept``: output index -> its tokens the
+        caller kept (a frontend's stop string ended it there): its conversation to there is offered to the prefix cache
+        first (:meth:`OnlineScheduler.abort`), so a chat's next turn reads it."""
         with self._lock:
             handle = self._handles.get(request_id)
         if handle is None:
             return False
-        self.scheduler.abort(handle)
+        self.scheduler.abort(handle, kept)
         self._wake.set()
         return True
 
@@ -317,6 +325,14 @@ def _streamed(stream: OutputStream) -> Callable[[RequestSpec, int, str, StopChec
         else:
             stream.text(index, delta, checker.num_tokens)
     return on_output
+
+
+def _step_tokens(stream: OutputStream) -> Callable[[StepTokens], None]:
+    """A speculative program's ``on_tokens`` into ``stream`` (its one output's tokens, a run of them a step)."""
+    def on_tokens(news: StepTokens) -> None:
+        stream.output_tokens(0, news.tokens, news.logprobs, news.end, news.cached_tokens, accepted=news.accepted,
+                             draft_sizes=news.draft_sizes)
+    return on_tokens
 
 
 def beam_results(spec: RequestSpec, prompt_ids: list[int], result: BeamSearchResult, tokenizer, eos: tuple[int, ...],

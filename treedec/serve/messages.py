@@ -12,8 +12,9 @@ the failed ones' errors, the requests accepted since the last message, and :clas
 A generated request (``AddRequest.stream_tokens``) streams token ids (:class:`TokenDelta`: per output its new ids,
 their logprobs, its end by EOS / stop ids / length, the prompt's cached tokens): the frontend detokenizes them, checks
 the stop strings and builds the request's results (:mod:`treedec.serve.outputs`), as vLLM v1's ``OutputProcessor``
-does; the core makes no text for it. A speculative request and a beam search still stream text made in the core
-(:class:`OutputDelta`) and send their results (:class:`RequestFinished`).
+does; the core makes no text for it; a speculative request streams so too, each verification step's accepted tokens at
+once. A beam search still streams text made in the core (:class:`OutputDelta`) and sends its results
+(:class:`RequestFinished`).
 
 ``SamplingParams`` and ``BeamSearchParams`` travel pickled (``AddRequest.params``, ``.beam``), and so do a finished
 request's :class:`~treedec.runtime.requests.RequestResult` list and the core's tokenizer: they are the project's own
@@ -68,7 +69,7 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
     """A request: ``request_id`` (unique among the running ones), its prompt's ``prompt_ids``, its pickled
     ``SamplingParams`` and, for a beam search, its pickled ``BeamSearchParams``; ``stream_tokens``: its outputs
     stream as token ids (:class:`TokenDelta`; the frontend makes their text and matches their stop strings), else as
-    text made in the core (:class:`OutputDelta`: a speculative request, a beam search)."""
+    text made in the core (:class:`OutputDelta`: a beam search)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -78,9 +79,13 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):
-    """Abort these requests (a client went away, or a frontend found a reason to stop them)."""
+    """Abort these requests (a client went away, or a frontend found a reason to stop them). ``kept`` (or None):
+    for each of them, each output's tokens the frontend kept (its stop string ended it there; 0: none), the
+    conversations to there offered to the prefix cache before their pages are freed (a chat's next turn reads
+    them)."""
 
     request_ids: list[str]
+    kept: list[list[int]] | None = None
 
 
 class PagesQuery(msgspec.Struct, tag=True, frozen=True):
@@ -157,8 +162,10 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     """One output's new tokens of an iteration, for a request that streams token ids
     (:class:`~treedec.runtime.streams.StreamTokens`' fields): its new ``token_ids`` (each once, a preempted run's
     again left out), their ``logprobs`` (asked for, else None), its ``end`` when its last one ended it in the core
-    (``"eos"``: an EOS or stop id; ``"length"``), the prompt's ``cached_tokens`` (the current run's), and on the
-    request's first delta its ``prompt_logprobs`` (asked for; None for the prompt's first token)."""
+    (``"eos"``: an EOS or stop id; ``"length"``), the prompt's ``cached_tokens`` (the current run's), on the
+    request's first delta its ``prompt_logprobs`` (asked for; None for the prompt's first token), and for a
+    speculative request the verification steps that made the ids (several a step): the draft tokens each ``accepted``
+    and verified (``draft_sizes``), for the server's speculative metrics."""
 
     request_id: str
     index: int
@@ -167,6 +174,8 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     end: str | None
     cached_tokens: int
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    accepted: list[int] | None = None
+    draft_sizes: list[int] | None = None
 
 
 class RequestFinished(msgspec.Struct, array_like=True, frozen=True):

@@ -9,8 +9,10 @@ holds. Each :class:`~treedec.serve.messages.TokenDelta` is fed to its output's c
 the core made when it detokenized (a text delta when the text that can be shown grew, each output's end once with its
 last text and token ids), so a client sees the same chunks. An output the core ended (an EOS or stop id, its length,
 a grammar's end) ends here at the same token; one whose stop string is found here ends here, and the tokens the core
-sent past it (a step late) are dropped. Once every output has ended the request is done: :attr:`needs_abort` says
-whether the core still runs it (some output ended here first), for the client to abort it there.
+sent past it (a step late) are dropped. A speculative output's delta is a verification step's accepted run: a stop
+string found inside it cuts it at the token the non-speculative path would stop at. Once every output has ended the
+request is done: :attr:`needs_abort` says whether the core still runs it (some output ended here first), for the
+client to abort it there.
 
 :class:`RequestStream` is a request's stream of items in the frontend (:mod:`treedec.serve.core_client`'s), with its
 :class:`RequestOutputs` when the core streams its token ids.
@@ -52,6 +54,7 @@ class RequestOutputs:
         self._logprobs: list[list[dict]] | None = None if params.logprobs is None else [[] for _ in range(params.n)]
         self._prompt_logprobs: list[dict | None] | None = None
         self._cached_tokens = 0
+        self._drafts: list[tuple[list[int], list[int]] | None] = [None] * params.n   # speculative: (accepted, sizes)
         self._left = params.n
         self._start = time.perf_counter()
 
@@ -64,6 +67,11 @@ class RequestOutputs:
     def needs_abort(self) -> bool:
         """The core still runs the request (some output ended here before it ended there)."""
         return not all(self._core_ended)
+
+    @property
+    def kept_tokens(self) -> list[int]:
+        """Each output's tokens when it ended here while the core still runs it (a stop string), else 0."""
+        return [0 if ended or not c.stopped else c.num_tokens for c, ended in zip(self.checkers, self._core_ended)]
 
     def take(self, delta: TokenDelta) -> list[StreamOutput]:
         """Output ``delta.index``'s new tokens: the stream items they make (a text delta, or the output's end with
@@ -78,6 +86,10 @@ class RequestOutputs:
         if checker.stopped:   # (ended here by a stop string: the core's tokens past it dropped)
             return []
         self._cached_tokens = delta.cached_tokens
+        if delta.accepted is not None:   # (a speculative output: its steps' draft accounting)
+            accepted, sizes = self._drafts[i] = self._drafts[i] or ([], [])
+            accepted.extend(delta.accepted)
+            sizes.extend(delta.draft_sizes)
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = [None if e is None else e.to_dict() for e in delta.prompt_logprobs]
         decision = checker.accept(delta.token_ids)
@@ -97,7 +109,9 @@ class RequestOutputs:
     def results(self) -> list[RequestResult]:
         """The request's results, one per output (every output ended): as the core's programs build them
         (:func:`~treedec.programs.generate.request_results`), their ``stats`` the prompt's ``prompt_tokens`` and
-        ``cached_tokens``, the frontend's ``seconds`` and an output's ``stop_string``."""
+        ``cached_tokens``, the frontend's ``seconds``, an output's ``stop_string`` and a speculative output's
+        ``accepted`` and ``draft_sizes`` (per verification step, as
+        :func:`~treedec.programs.speculative.batch.speculative_results` gives them)."""
         assert self.done, f"{self._left=} outputs of {self.request_id!r} have not ended"
         stats = {"prompt_tokens": len(self.prompt_ids), "cached_tokens": self._cached_tokens,
                  "seconds": time.perf_counter() - self._start}
@@ -105,9 +119,11 @@ class RequestOutputs:
         for i, checker in enumerate(self.checkers):
             ids = checker.token_ids
             logprobs = None if self._logprobs is None else self._logprobs[i]
+            mine = dict(stats) if checker.stop_string is None else {**stats, "stop_string": checker.stop_string}
+            if self._drafts[i] is not None:
+                mine.update(accepted=self._drafts[i][0], draft_sizes=self._drafts[i][1])
             results.append(RequestResult(
-                self.request_id, i, None, list(self.prompt_ids), ids, checker.text, checker.stop_reason,
-                dict(stats) if checker.stop_string is None else {**stats, "stop_string": checker.stop_string},
+                self.request_id, i, None, list(self.prompt_ids), ids, checker.text, checker.stop_reason, mine,
                 logprobs=logprobs, prompt_logprobs=self._prompt_logprobs,
                 cumulative_logprob=None if logprobs is None else sum(e[t].logprob for e, t in zip(logprobs, ids))))
         return results

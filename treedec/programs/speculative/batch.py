@@ -34,6 +34,7 @@ from treedec.runtime.request import check_positions
 from treedec.runtime.requests import RequestResult, RequestSpec
 from treedec.runtime.scheduler import SchedulerStats, run_programs
 from treedec.programs.speculative.program import SpeculativeProgram
+from treedec.programs.speculative.step_tokens import StepTokens
 from treedec.sampling.stops import StopChecker
 
 #: The :class:`~treedec.sampling.params.SamplingParams` fields speculative decoding implements (the others, e.g.
@@ -130,15 +131,16 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
                         acceptance: AcceptanceRule | None = None, max_draft_tokens: int = 64,
                         budget: DraftBudget | None = None, pipeline: bool | None = None,
                         pipeline_note: str | None = None, greedy_only: bool = True,
-                        on_text: Callable[[str, StopChecker], None] | None = None, grammar: Grammar | None = None
-                        ) -> SpeculativeProgram:
+                        on_text: Callable[[str, StopChecker], None] | None = None, grammar: Grammar | None = None,
+                        on_tokens: Callable[[StepTokens], None] | None = None) -> SpeculativeProgram:
     """Request ``spec`` (its prompt encoded: ``prompt_ids``) as a :class:`SpeculativeProgram` drafted by ``source``,
     checked before anything runs: ``n=1`` and only the :data:`SPECULATIVE_PARAMS` (ValueError naming the others),
     ``temperature=0`` when ``greedy_only`` (no sampled ``acceptance`` rule), its positions within the model's, its
     worst case (sequence and one draft tree) within the pool's free pages (else
     :class:`~treedec.errors.PoolExhaustedError`), and with ``pipeline=True`` a draft and rule that run pipelined (else
-    ValueError saying why). ``on_text`` streams its text (:class:`SpeculativeProgram`). ``grammar``: its
-    ``structured_outputs`` compiled (:func:`~treedec.programs.generate.request_grammar`; greedy only)."""
+    ValueError saying why). ``on_text`` streams its text, ``on_tokens`` its token ids (:class:`SpeculativeProgram`).
+    ``grammar``: its ``structured_outputs`` compiled (:func:`~treedec.programs.generate.request_grammar`; greedy
+    only)."""
     if spec.params.n != 1 or (greedy_only and spec.params.temperature != 0):
         raise ValueError(f"request {spec.id!r}: speculative decoding gives one output a request, accepted greedily "
                          f"unless an acceptance rule is given: it needs temperature=0 and n=1, got "
@@ -154,7 +156,7 @@ def speculative_program(engine: Engine, spec: RequestSpec, prompt_ids: list[int]
         rule = grammar.stop_rule(rule)
     program = SpeculativeProgram(prompt_ids, source, rule, tokenizer, acceptance, max_draft_tokens=max_draft_tokens,
                                  budget=budget, pipeline=pipeline, pipeline_note=pipeline_note, on_text=on_text,
-                                 grammar=grammar, params=spec.params)
+                                 grammar=grammar, params=spec.params, on_tokens=on_tokens)
     program.name = spec.name
     refusal = program.pipeline_refusal(engine) if pipeline else None
     if refusal is not None:

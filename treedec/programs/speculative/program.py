@@ -38,8 +38,9 @@ from treedec.programs.speculative.drafts import (DraftSource, TargetOutput, chec
                                                  target_states_at)
 from treedec.programs.speculative.grammar_filter import DraftFilter
 from treedec.runtime.request import MODEL_EOS, Positions, check_positions, eos_token_ids
-from treedec.runtime.program import Program, ProgramContext, Read, StepRequest
+from treedec.runtime.program import Program, ProgramContext, Read, StepRequest, kept_length
 from treedec.runtime.scheduler import run_program
+from treedec.programs.speculative.step_tokens import StepTokens, TokenHandOff
 from treedec.programs.speculative.target_processing import TargetProcessing, penalizes
 from treedec.programs.speculative.verify_table import Verify, pipeline_refusal
 from treedec.sampling.params import GREEDY, SamplingParams, sample_tokens
@@ -147,6 +148,9 @@ class SpeculativeProgram(Program):
         :attr:`~treedec.sampling.stops.StopChecker.streamable_text`). The deltas of one run join to a prefix of the
         final text (a run ended before its first verification step streams nothing); a run again from its
         start (a preemption) streams again from the start.
+    on_tokens : streaming token ids instead (not with ``on_text``; no tokenizer, no stop strings: no text made):
+        ``on_tokens(news)``, a :class:`~treedec.programs.speculative.step_tokens.StepTokens` after each verification
+        step that emitted tokens and when the run ends (its last tokens, its end).
     grammar : structured outputs (greedy acceptance only): each proposal filtered by the grammar before it is
         submitted and the target's rows masked (:mod:`~treedec.programs.speculative.grammar_filter`); not pipelined.
     params : the request's :class:`~treedec.sampling.params.SamplingParams`, for its penalties (applied to the
@@ -161,7 +165,7 @@ class SpeculativeProgram(Program):
                  on_step: Callable[[SpeculativeStats, int], None] | None = None, max_draft_tokens: int = 64,
                  budget: DraftBudget | None = None, pipeline: bool | None = None, pipeline_note: str | None = None,
                  on_text: Callable[[str, StopChecker], None] | None = None, grammar=None,
-                 params: SamplingParams | None = None):
+                 params: SamplingParams | None = None, on_tokens: Callable[[StepTokens], None] | None = None):
         check_draft_source(draft, "draft")
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or None, got {type(params).__name__}")
@@ -169,6 +173,9 @@ class SpeculativeProgram(Program):
         self.penalized = params is not None and penalizes(params)   # (a verify group's key: its rows' counts)
         if on_text is not None and (tokenizer is None or not callable(on_text)):
             raise ValueError("on_text streams detokenized text: it must be callable and needs the tokenizer")
+        if on_text is not None and on_tokens is not None:
+            raise ValueError("a SpeculativeProgram streams text (on_text) or token ids (on_tokens), not both")
+        self.on_tokens = None if on_tokens is None else TokenHandOff(on_tokens)
         if pipeline is not None and not isinstance(pipeline, bool):
             raise ValueError(f"pipeline must be None, True or False, got {pipeline!r}")
         if pipeline_note is not None and pipeline is not False:
@@ -233,6 +240,8 @@ class SpeculativeProgram(Program):
         stats = SpeculativeStats(pipelined=pipelined, pipeline_note="" if pipelined else note,
                                  cached_tokens=ctx.cached_tokens)
         self._shown = 0
+        if self.on_tokens is not None:
+            self.on_tokens.restart()
         done = False
         if self.budget is not None:
             self.budget.join(self)
@@ -242,13 +251,16 @@ class SpeculativeProgram(Program):
             else:
                 yield from self._steps(ctx, checker, head_name, stats)
             stats.stop_reason = checker.stop_reason
-            if ctx.cache is not None and stats.node is not None:   # the conversation, to its last token
-                sequence = self.prompt_ids + checker.token_ids
-                if ctx.engine.tree.sequence(stats.node)[:len(sequence) - 1] == sequence[:-1]:
-                    ctx.offer(stats.node, len(sequence) - 1)
+            if self.on_tokens is not None:   # (the first token alone, or a pipelined row's tokens read at its end)
+                self.on_tokens.hand_off(checker, stats)
             done = True
             return checker, stats
-        finally:
+        finally:   # the conversation offered to its last token, or to the tokens an abort kept (ProgramContext.kept)
+            kept = checker.num_tokens if done else (ctx.kept or {}).get(0, 0)
+            length = 0 if ctx.cache is None or stats.node is None or not kept else \
+                kept_length(engine.tree, stats.node, len(self.prompt_ids), checker.token_ids, kept)
+            if length:
+                ctx.offer(stats.node, length)
             if self.budget is not None:
                 self.budget.leave(self)
             if not (done and self.keep_node):
@@ -332,6 +344,8 @@ class SpeculativeProgram(Program):
             if proc is not None:   # (each emitted token drawn at its parent's row: the root's, then the path's)
                 new = checker.token_ids[before:]
                 proc.emitted(out.logits, ([0] + result.path)[:len(new)], new)
+                if self.on_tokens is not None and p.logprobs is not None:   # (streamed a step: read a step)
+                    stats.logprobs = proc.logprobs()
             stats.steps += 1
             stats.accepted.append(len(result.accepted))
             if self.budget is not None:
@@ -369,7 +383,7 @@ class SpeculativeProgram(Program):
                      target_states_at(engine, kind, out), following)
 
     def stepped(self, stats: SpeculativeStats, checker: StopChecker) -> None:
-        """After a verification step (either loop): ``on_step``, and ``on_text`` with the new text."""
+        """After a verification step (either loop): ``on_step``, then ``on_text`` or ``on_tokens`` with the news."""
         if self.on_step is not None:
             self.on_step(stats, len(checker.token_ids))
         if self.on_text is not None:
@@ -377,6 +391,8 @@ class SpeculativeProgram(Program):
             if end > self._shown:   # (only the new characters are joined)
                 self.on_text(checker.text_from(self._shown), checker)
                 self._shown = end
+        if self.on_tokens is not None:
+            self.on_tokens.hand_off(checker, stats)
 
 
 def speculative_generate(engine: Engine, prompt_ids: Sequence[int], draft: DraftSource, max_new_tokens: int,

@@ -43,7 +43,8 @@ class TargetProcessing:
         self.penalized = penalizes(params)
         self.prompt_mask = token_mask(prompt_ids, vocab_size, device, "prompt_ids") if self.penalized else None
         self.counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device) if self.penalized else None
-        self.records: list[TokenLogprobs] = []
+        self.records: list[TokenLogprobs] = []   # (not read yet)
+        self.entries: list[dict] = []            # the read records' entries, one per emitted token
         self._pairs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def first(self, logits: torch.Tensor) -> torch.Tensor:
@@ -76,10 +77,14 @@ class TargetProcessing:
             self.records.append(token_logprobs(picked, ids, self.params.logprobs))
 
     def logprobs(self) -> list[dict] | None:
-        """Every emitted token's ``{token_id: Logprob}`` (one read of the records), or None when not asked for."""
+        """Every emitted token's ``{token_id: Logprob}`` (the records not read yet read once each), or None when not
+        asked for."""
         if self.params.logprobs is None:
             return None
-        return [entry for record in self.records for entry in record.to_dicts()]
+        records, self.records = self.records, []
+        for record in records:
+            self.entries.extend(record.to_dicts())
+        return self.entries
 
     def _penalize(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         p = self.params

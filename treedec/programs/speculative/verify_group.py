@@ -84,7 +84,8 @@ class VerifyGroup:
         program, dev, d = request.program, self.device, self.depth
         checker = request.checker
         rule = checker.rule
-        text = bool(rule.stop_strings or rule.min_tokens or program.on_text is not None or program.on_step is not None)
+        text = bool(rule.stop_strings or rule.min_tokens or program.on_text is not None or program.on_step is not None
+                    or program.on_tokens is not None)
         self.rows.add(request.node, self.tree.node_length(request.node), rule.max_new_tokens, rule.eos_token_ids, text)
         self.requests.append(request)
         self.owners.append(owner)
