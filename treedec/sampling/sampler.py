@@ -16,7 +16,11 @@ Step 3 has two kernels (:func:`resolve_sampler_kernel`): ``torch`` (:func:`warp_
 :func:`~treedec.sampling.draw.inverse_cdf`: a sort of every row and some twenty passes over it; the reference,
 and the CPU's) and ``triton`` (:func:`~treedec.kernels.sampling_kernel.fused_warp_draw`: one launch, no sort;
 the same kept sets and draws up to the order of float additions and ties at the top-p boundary, which it keeps
-whole). ``auto`` takes ``triton`` on a CUDA device and ``torch`` elsewhere.
+whole). ``auto`` takes ``torch`` everywhere: on an H200 the fused kernel, one program per row, is latency-bound
+(a 128k-token row read by one SM: 240 us a row for temperature alone, 1.6 ms for top-p at 1 to 64 rows, graphed)
+and lost to the torch path at every size but ``top_k + top_p`` and every field at 64 rows
+(``bench/results/2026-12-02-nvidia-h200-sampler-s19-fused.json``; a 64-request 8B step 7.94 ms against 7.06):
+``triton`` is there to be asked for, and for the split-row kernel that is to replace it.
 
 The semantics of every field are those of :class:`~treedec.sampling.params.SamplingParams` (its docstring).
 """
@@ -191,13 +195,13 @@ def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 def resolve_sampler_kernel(kernel: str, device) -> str:
     """The warp-and-draw kernel ``kernel`` (one of :data:`SAMPLER_KERNELS`) names on ``device``: ``auto`` is
-    ``triton`` on a CUDA device and ``torch`` elsewhere. Raises RuntimeError when ``triton`` cannot run there (the
+    ``torch`` (the faster one on an H200 today: see the module docstring). Raises RuntimeError when ``triton`` cannot run there (the
     package missing; on a CPU, ``TRITON_INTERPRET=1`` unset or a broken interpreter): no silent fallback."""
     if kernel not in SAMPLER_KERNELS:
         raise ValueError(f"kernel must be one of {SAMPLER_KERNELS}, got {kernel!r}")
     device = torch.device(device)
     if kernel == "auto":
-        kernel = "triton" if device.type == "cuda" else "torch"
+        kernel = "torch"
     if kernel == "triton":
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError("the triton sampler kernel needs the 'triton' package (pip install 'treedec[triton]'); "
@@ -225,7 +229,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     draws : [L] int64, each row's draw index (tokens its output holds so far): the counter of its random number.
     prompt_mask, counts : [L, V] bool and int, each row's prompt tokens and output token counts; needed when
         ``rows.penalized``.
-    kernel : the warp and draw's kernel (:func:`resolve_sampler_kernel`; ``auto``: ``triton`` on CUDA).
+    kernel : the warp and draw's kernel (:func:`resolve_sampler_kernel`; ``auto``: ``torch``).
 
     Returns
     -------
