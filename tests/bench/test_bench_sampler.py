@@ -14,7 +14,10 @@ def test_sampler_bench_smoke_run(tmp_path, capsys):
     results = json.loads(path.read_text())
     assert results["rows"] == [1, 4] and results["vocab"] == 1000
     assert sorted(results["us"]) == ["all", "greedy", "top_p"]
-    assert all(len(v) == 2 and min(v) > 0 for v in results["us"].values())
+    # case -> kernel -> timing -> one time a row count (the CPU: the torch path, eager only; auto is torch)
+    assert results["kernels"] == {"auto": "torch"}
+    assert all(list(v) == ["torch"] and list(v["torch"]) == ["eager"] and len(v["torch"]["eager"]) == 2
+               and min(v["torch"]["eager"]) > 0 for v in results["us"].values())
     assert set(CASES) >= {"greedy", "temperature", "top_p", "top_k", "min_p", "penalties", "all"}
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -195,26 +195,54 @@ def warp_rows(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 def resolve_sampler_kernel(kernel: str, device) -> str:
     """The warp-and-draw kernel ``kernel`` (one of :data:`SAMPLER_KERNELS`) names on ``device``: ``auto`` is
-    ``torch`` (the faster one on an H200 today: see the module docstring). Raises RuntimeError when ``triton`` cannot run there (the
-    package missing; on a CPU, ``TRITON_INTERPRET=1`` unset or a broken interpreter): no silent fallback."""
+    ``torch`` (the faster one on an H200 today: see the module docstring). Raises RuntimeError when the kernel
+    cannot run there (``triton``: the package missing; on a CPU, ``TRITON_INTERPRET=1`` unset or a broken
+    interpreter): no silent fallback."""
     if kernel not in SAMPLER_KERNELS:
         raise ValueError(f"kernel must be one of {SAMPLER_KERNELS}, got {kernel!r}")
-    device = torch.device(device)
-    if kernel == "auto":
-        kernel = "torch"
-    if kernel == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise RuntimeError("the triton sampler kernel needs the 'triton' package (pip install 'treedec[triton]'); "
-                               "pass kernel='torch' for the reference sampler")
-        if device.type != "cuda":
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError(f"the triton sampler kernel needs a CUDA device (or TRITON_INTERPRET=1 on the "
-                                   f"CPU), got device {device}")
-            from treedec.attention.backends.triton_backend import triton_interpreter_problem
-            problem = triton_interpreter_problem()
-            if problem is not None:
-                raise RuntimeError(problem)
+    kernel = "torch" if kernel == "auto" else kernel
+    problem = _KERNELS[kernel].problem(torch.device(device))
+    if problem is not None:
+        raise RuntimeError(problem)
     return kernel
+
+
+@dataclass(frozen=True)
+class _WarpDraw:
+    """One warp-and-draw kernel of :func:`sample_rows`: whether it reads 16-bit logits as they are, why it cannot
+    run on a device (None: it can), and the draw of the sampled rows."""
+
+    reads_16bit: bool
+    problem: Callable[[torch.device], str | None]
+    draw: Callable[[torch.Tensor, SamplingRows, torch.Tensor], torch.Tensor]
+
+
+def _torch_draw(scores: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor) -> torch.Tensor:
+    sampled = rows.temperature > 0
+    safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
+    return inverse_cdf(warp_rows(scores, safe).softmax(dim=-1), uniform)
+
+
+def _fused_draw(scores: torch.Tensor, rows: SamplingRows, uniform: torch.Tensor) -> torch.Tensor:
+    from treedec.kernels.sampling_kernel import fused_warp_draw
+    return fused_warp_draw(scores, rows.temperature, rows.top_k, rows.top_p, rows.min_p, uniform,
+                           top_k_cut=rows.top_k_cut, top_p_cut=rows.top_p_cut, min_p_cut=rows.min_p_cut).tokens
+
+
+def _fused_problem(device: torch.device) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return ("the triton sampler kernel needs the 'triton' package (pip install 'treedec[triton]'); "
+                "pass kernel='torch' for the reference sampler")
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the triton sampler kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got device {device}"
+    from treedec.attention.backends.triton_backend import triton_interpreter_problem
+    return triton_interpreter_problem()
+
+
+_KERNELS = {"torch": _WarpDraw(reads_16bit=False, problem=lambda device: None, draw=_torch_draw),
+            "triton": _WarpDraw(reads_16bit=True, problem=_fused_problem, draw=_fused_draw)}
 
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
@@ -237,9 +265,9 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     """
     if logits.dim() != 2 or logits.shape[0] != rows.num_rows:
         raise ValueError(f"logits must be [L, V] with L = {rows.num_rows} rows, got {tuple(logits.shape)}")
-    kernel = resolve_sampler_kernel(kernel, logits.device)
+    kernel = _KERNELS[resolve_sampler_kernel(kernel, logits.device)]
     # (the fused kernel reads 16-bit logits as they are: their float32 values are exact, so is their argmax)
-    scores = logits if kernel == "triton" and logits.dtype in _FUSED_DTYPES else logits.float()
+    scores = logits if kernel.reads_16bit and logits.dtype in _FUSED_DTYPES else logits.float()
     if rows.penalized:
         if prompt_mask is None or counts is None:
             raise ValueError("rows with penalties need prompt_mask and counts")
@@ -247,15 +275,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, draws: torch.Tensor,
     if not rows.sampled:
         return scores.argmax(dim=-1)
     sampled = rows.temperature > 0
-    uniform = counter_uniform(rows.seed, rows.stream, draws)
-    if kernel == "triton":
-        from treedec.kernels.sampling_kernel import fused_warp_draw
-        drawn = fused_warp_draw(scores, rows.temperature, rows.top_k, rows.top_p, rows.min_p, uniform,
-                                top_k_cut=rows.top_k_cut, top_p_cut=rows.top_p_cut,
-                                min_p_cut=rows.min_p_cut).tokens
-    else:
-        safe = rows if not rows.greedy else _with_temperature(rows, torch.where(sampled, rows.temperature, 1.0))
-        drawn = inverse_cdf(warp_rows(scores, safe).softmax(dim=-1), uniform)
+    drawn = kernel.draw(scores, rows, counter_uniform(rows.seed, rows.stream, draws))
     return torch.where(sampled, drawn, scores.argmax(dim=-1)) if rows.greedy else drawn
 
 
