@@ -20,10 +20,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from treedec.errors import TreeError
-from treedec.tree.node_table import ranges
+from treedec.tree.node_table import FIELD, ranges
 from treedec.tree.validate import int_array, int_list, int_value
 
 __all__ = ["VerifyEdits"]
+
+TAIL, LENGTH, START = (FIELD[c] for c in ("tail_room", "length", "start"))
 
 
 class VerifyEdits:
@@ -97,14 +99,31 @@ class VerifyEdits:
             raise TreeError(f"cannot append computed tokens to node(s) {ids[busy][:5].tolist()}: they have pending "
                             f"tokens; call commit_step() first")
         ps = self.pool.page_size
-        self._check_free(int((-(-np.maximum(count - t.tail_room[rows], 0) // ps)).sum()))
-        out = np.empty((len(rows), count), dtype=np.int64)
-        zeros = np.zeros(len(rows), dtype=np.int64)
-        for k in range(count):   # (rounds: a fixed number a step, whatever the number of leaves)
-            out[:, k] = self._append_rows(rows, zeros)
-        t.pending[rows] -= count
-        self._num_pending -= len(rows) * count
-        return out
+        f = t.fields(rows)
+        room, lens = f[:, TAIL], f[:, LENGTH]
+        # Token k of row i fills the row's tail room while k < room[i], then fresh pages; the rounds hand a
+        # page to each row whose room ran out, round (k) after round, rows in order within one: the pages'
+        # order is the (k, i) order of the tokens that open one, so one allocation gives the rounds' pages.
+        j = np.arange(count, dtype=np.int64) - room[:, None]   # [R, count]: the token's place in its fresh pages
+        fresh = j >= 0
+        opens = fresh & (j % ps == 0)
+        num_pages = int(opens.sum())
+        self._check_free(num_pages)
+        pages = self.pool.allocate(num_pages)
+        slots = t.slots[f[:, START] + lens - 1][:, None] + 1 + np.arange(count)   # in the tail room
+        if len(pages):
+            rank = opens.T.cumsum().reshape(count, -1).T - 1   # [R, count]: the page a token opening one takes
+            i, k = fresh.nonzero()
+            within = j[i, k] % ps
+            slots[i, k] = pages[rank[i, k - within]] * ps + within
+        t.make_room(rows, lens + count)
+        at = ranges(t.start[rows] + lens, np.full(len(rows), count, dtype=np.int64))
+        t.slots[at] = slots.reshape(-1)
+        t.tokens[at] = 0
+        t.length[rows] = lens + count
+        t.tail_room[rows] = np.where(room >= count, room - count, ps - 1 - (count - room - 1) % ps)
+        self._layout = None
+        return slots
 
     def truncate_many(self, node_ids: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Keep the first ``lengths[i]`` (>= 1) tokens of each leaf ``node_ids[i]``: :meth:`truncate` of each, in
