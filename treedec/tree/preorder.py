@@ -167,6 +167,6 @@ class Preorder:
         (several, anywhere: :meth:`cut` for one range)."""
         keep = np.ones(len(self.ids), dtype=bool)
         keep[positions] = False
-        new_position = np.cumsum(keep) - 1
+        new_position = keep.cumsum() - 1
         parent = self.parent[keep]
         return Preorder(self.ids[keep], np.where(parent >= 0, new_position[parent], -1))

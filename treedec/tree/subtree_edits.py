@@ -89,9 +89,9 @@ class SubtreeEdits:
         order = self._order
         at = order.positions(ids)
         ends = order.subtree_ends(at)
-        by_position = np.argsort(at, kind="stable")
+        by_position = at.argsort(kind="stable")
         at, ends = at[by_position], ends[by_position]
-        inside = np.flatnonzero(at[1:] < np.maximum.accumulate(ends)[:-1])   # starts before an earlier one ends
+        inside = (at[1:] < np.maximum.accumulate(ends)[:-1]).nonzero()[0]   # starts before an earlier one ends
         if len(inside):
             which = ids[by_position][inside[0] + 1]
             raise TreeError(f"prune_many: node {which} is named twice or lies in the subtree of another node of "

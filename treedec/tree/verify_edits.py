@@ -56,7 +56,7 @@ class VerifyEdits:
             return np.zeros((0, m), dtype=np.int64)
         slots = self.pool.allocate_slot_groups(r, m)   # raises before any change
         t = self._table
-        made = t.new_rows(r * m, np.repeat(rows, m), 0, np.ones(r * m, dtype=np.int64), 1, 0, 1)
+        made = t.new_rows(r * m, rows.repeat(m), 0, np.ones(r * m, dtype=np.int64), 1, 0, 1)
         at = t.start[made]
         t.slots[at] = slots.reshape(-1)
         t.tokens[at] = 0
@@ -65,14 +65,14 @@ class VerifyEdits:
         grid = made.reshape(r, m)
         t.parent[made] = np.where(up[None, :] < 0, rows[:, None], grid[:, up]).reshape(-1)
         t.prefix[made] = ((t.prefix[rows] + t.length[rows])[:, None] + depth[None, :]).reshape(-1)
-        t.num_children[made] = np.tile(kids, r)
+        t.num_children[made] = kids[None, :].repeat(r, axis=0).reshape(-1)
         t.num_children[rows] += m - int(kids.sum())
         order = self._order   # each tree right after its leaf, in its own preorder
         where = order.positions(ids)
-        rank = np.argsort(where, kind="stable")
+        rank = where.argsort(kind="stable")
         new_ids = t.node_id[grid[rank][:, perm]].reshape(-1)
         base = (np.arange(r, dtype=np.int64) * m)[:, None]
-        self._order = order.insert(np.repeat(where[rank] + 1, m), new_ids,
+        self._order = order.insert((where[rank] + 1).repeat(m), new_ids,
                                    np.where(inner[None, :] < 0, where[rank][:, None], -1).reshape(-1),
                                    np.where(inner[None, :] < 0, -1, inner[None, :] + base).reshape(-1))
         return t.node_id[grid]
