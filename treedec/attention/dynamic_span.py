@@ -163,7 +163,7 @@ class DynamicSpans:
         if len(plan.dynamic_kv):
             ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
         ranges = ranges[ranges[:, 0].argsort(kind="stable")]
-        return dataclasses.replace(plan, dynamic_kv=ranges)
+        return plan.with_dynamic_kv(ranges)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class TreePlan:
         holding one of them full, so its kernel reads the mask words there. Sorted by start, not
         overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
         raises ValueError otherwise. (): none. The planners make (); callers set it with
-        ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``, or an ``[R, 2]`` int64 array of the
+        ``plan.with_dynamic_kv(((start, stop), ...))``, or an ``[R, 2]`` int64 array of the
         same ranges (:meth:`~treedec.attention.dynamic_span.DynamicSpans.locate`: a batch's spans as arrays).
     window : int or None
         The sliding window the planner clipped the queries' reads to (``AttentionVariant.window``; None: whole
@@ -116,6 +116,13 @@ class TreePlan:
     @property
     def mask_words(self) -> int:
         return self.entry_mask.shape[1]
+
+    def with_dynamic_kv(self, ranges: tuple[tuple[int, int], ...] | np.ndarray) -> TreePlan:
+        """This plan with ``dynamic_kv`` set to ``ranges``: ``dataclasses.replace(plan, dynamic_kv=ranges)`` in two
+        calls where replace takes two dozen (the speculative batch's spans are located in every step's plan)."""
+        plan = object.__new__(TreePlan)
+        plan.__dict__.update(self.__dict__, dynamic_kv=ranges)   # (every field is an init field; none is derived)
+        return plan
 
     def kv_tokens_read(self) -> int:
         """KV tokens loaded from memory per KV head: each chunk once per work item."""
