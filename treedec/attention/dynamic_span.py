@@ -189,19 +189,21 @@ class MaskPatch:
         spans."""
         ids = (starts >= 0).nonzero()[0]                                           # the placed spans
         lengths = spans.lengths[ids]
-        if not lengths.sum():
+        ends = lengths.cumsum()   # (the sums from the cumulative sums: an ndarray's sum() is three Python calls)
+        if not len(ids) or not ends[-1]:
             return None
         starts = starts[ids]
         count_spans = len(ids)
         owner = np.arange(count_spans).repeat(lengths)                          # each span slot's span
-        slot = np.arange(lengths.sum()) - (lengths.cumsum() - lengths).repeat(lengths)
+        slot = np.arange(ends[-1]) - (ends - lengths).repeat(lengths)
         position = starts[owner] + slot
         chunk = plan.chunk_kv_start.searchsorted(position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
         count = last - first
         pair = np.arange(len(position)).repeat(count)                          # (entry, slot) pairs
-        entry = (first - count.cumsum() + count).repeat(count) + np.arange(count.sum())
+        count_ends = count.cumsum()
+        entry = (first - count_ends + count).repeat(count) + np.arange(count_ends[-1])
         word = entry * stride + offset[pair] // MASK_BITS
         base = int(word.max()) + 1
         keys, inverse = _unique_inverse(owner[pair] * base + word)
@@ -209,24 +211,27 @@ class MaskPatch:
         u = np.bincount(span, minlength=count_spans)                                # each span's words
         begin = u.cumsum() - u
         d1 = lengths + 1
-        row0 = (u * d1).cumsum() - u * d1                                           # each span's table start
+        rows_of = u * d1                                                            # each span's table rows
+        table_ends = rows_of.cumsum()
+        row0 = table_ends - rows_of                                                 # each span's table start
         at = row0[span] + (np.arange(len(words)) - begin[span])
         # cleared[k] of a word: the bits of its span's slots >= k (distinct bits: their sum is their or), a suffix
         # sum over the slots of each slot's bits, at table[at + k * width]
         bits = np.left_shift(1, offset[pair] % MASK_BITS).astype(np.int64)
         s_pair = slot[pair]
-        size = int((u * d1).sum())
+        size = int(table_ends[-1])
         own = np.bincount(at[inverse] + s_pair * u[span[inverse]], weights=bits, minlength=size)
         own = np.rint(own).astype(np.int64)   # (sums of distinct bits below 2**32: exact in float64)
         # The suffix sums of every word's column (its span's d1 rows) at once: the columns one after another, each
         # row by row, summed from the end of its column.
         column_rows = d1[span]                                                      # [words]: rows of each column
         col = np.arange(len(words)).repeat(column_rows)
-        r = np.arange(int(column_rows.sum())) - (column_rows.cumsum() - column_rows).repeat(column_rows)
+        column_ends = column_rows.cumsum()
+        r = np.arange(column_ends[-1]) - (column_ends - column_rows).repeat(column_rows)
         flat = at[col] + r * u[span[col]]
         values = own[flat]
         total = values.cumsum()
-        column_end = column_rows.cumsum() - 1
+        column_end = column_ends - 1
         table = np.zeros(size, dtype=np.int64)
         table[flat] = total[column_end][col] - (total - values)
         table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
