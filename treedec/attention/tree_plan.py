@@ -140,16 +140,14 @@ class TreePlan:
 
     def to(self, device: torch.device | str) -> "DeviceTreePlan":
         """Copy the index arrays to ``device`` as int32 tensors (one transfer)."""
-        names = DEVICE_ARRAYS
-        arrays = [getattr(self, n) for n in names]
-        sizes = [a.size for a in arrays]
-        ends = np.cumsum(sizes)
-        host = np.empty(int(ends[-1]), dtype=np.int32)
-        for a, end, size in zip(arrays, ends.tolist(), sizes):
-            host[end - size:end] = a.reshape(-1)
-        flat = to_device(host, device)
-        parts = torch.split(flat, sizes)  # 1-D views; only the mask is 2-D
-        return DeviceTreePlan(self, *(p if a.ndim == 1 else p.view(a.shape) for p, a in zip(parts, arrays)))
+        held = vars(self)
+        arrays = [held[n] for n in DEVICE_ARRAYS]
+        mask = arrays[MASK_AT]   # (the one 2-D array)
+        arrays[MASK_AT] = mask.reshape(-1)
+        flat = to_device(np.concatenate(arrays, dtype=np.int32, casting="unsafe"), device)   # (bool, int64 -> int32)
+        parts = list(flat.split_with_sizes([a.size for a in arrays]))
+        parts[MASK_AT] = parts[MASK_AT].view(mask.shape)
+        return DeviceTreePlan(self, *parts)
 
 
 @dataclass(frozen=True)
@@ -182,3 +180,4 @@ class DeviceTreePlan:
 
 
 DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")
+MASK_AT = DEVICE_ARRAYS.index("entry_mask")
