@@ -88,7 +88,9 @@ class DynamicSpans:
         """``dynamic`` (None, DynamicSpans or a sequence of them) as one :class:`DynamicSpans` (None: none)."""
         if dynamic is None:
             return None
-        parts = [dynamic] if isinstance(dynamic, DynamicSpans) else list(dynamic)
+        if isinstance(dynamic, DynamicSpans):   # (every step's: the scheduler joined the requests' spans already)
+            return dynamic if len(dynamic.lengths) else None
+        parts = list(dynamic)
         for part in parts:
             if not isinstance(part, DynamicSpans):
                 raise TypeError(f"dynamic must be DynamicSpans (or a sequence of them), got {type(part).__name__}")
@@ -103,10 +105,11 @@ class DynamicSpans:
         """These spans with the query rows ``rows [r]`` after them, split evenly among them in order (span ``i``
         before the ``i``-th ``r / S``)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        per = len(rows) // max(self.num_spans, 1)
-        if per * self.num_spans != len(rows):
-            raise ValueError(f"{len(rows)} query rows do not split evenly among {self.num_spans} spans")
-        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(self.num_spans).repeat(per))
+        n, r = len(self.lengths), len(rows)
+        per = r // max(n, 1)
+        if per * n != r:
+            raise ValueError(f"{r} query rows do not split evenly among {n} spans")
+        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
