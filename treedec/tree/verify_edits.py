@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from treedec.errors import TreeError
-from treedec.tree.node_table import FIELD, ranges
+from treedec.tree.node_table import FIELD, ROW_MASK, ranges
 from treedec.tree.validate import int_array, int_list, int_value
 
 __all__ = ["VerifyEdits"]
@@ -32,7 +32,8 @@ class VerifyEdits:
     """:meth:`add_token_trees`, :meth:`extend_computed_many`, :meth:`truncate_many` and :meth:`set_tokens_many` of
     a :class:`~treedec.tree.SequenceTree`."""
 
-    def add_token_trees(self, node_ids: Sequence[int] | np.ndarray, parents: Sequence[int]) -> np.ndarray:
+    def add_token_trees(self, node_ids: Sequence[int] | np.ndarray, parents: Sequence[int], checked: bool = True
+                        ) -> np.ndarray:
         """Hang one token tree of shape ``parents`` under each of many leaves, placeholders (token 0) pending:
         ``add_token_tree(n, [0] * m, parents)`` for each ``n`` of ``node_ids`` in order, in one go.
 
@@ -44,9 +45,10 @@ class VerifyEdits:
         Returns
         -------
         [R, m] int64: the new node ids, one row per leaf, in token order. Each tree's tokens are packed into
-        ``ceil(m / page_size)`` fresh pages of its own. Checks first, changes nothing when it raises.
+        ``ceil(m / page_size)`` fresh pages of its own. Checks first, changes nothing when it raises; ``checked``:
+        False for a caller that made ``node_ids`` itself (see :meth:`extend_computed_many`).
         """
-        ids, rows = self._leaf_rows(node_ids)
+        ids, rows = self._leaf_rows(node_ids) if checked else (node_ids, node_ids & ROW_MASK)
         parents = int_list(parents, "parents", low=-1)
         m, r = len(parents), len(rows)
         if m == 0:
@@ -77,7 +79,8 @@ class VerifyEdits:
                                    np.where(inner[None, :] < 0, -1, inner[None, :] + base).reshape(-1))
         return t.node_id[grid]
 
-    def extend_computed_many(self, node_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
+    def extend_computed_many(self, node_ids: Sequence[int] | np.ndarray, count: int, checked: bool = True
+                             ) -> np.ndarray:
         """Append ``count`` computed placeholder tokens (0) to each of many leaves: ``count`` rounds of
         ``extend_computed(n, [0])`` over ``node_ids`` in order (the slots a pipelined step moves accepted K/V
         into; :meth:`set_tokens_many` records the ids later, :meth:`truncate_many` drops the unused).
@@ -86,13 +89,20 @@ class VerifyEdits:
         ----------
         node_ids : [R] ints, distinct leaves without pending tokens.
         count : int >= 0.
+        checked : False for a caller that holds the leaves and made the arguments itself (the verify group: ``[R]``
+            int64 arrays of distinct live leaves, by construction, every step; :meth:`truncate_many`,
+            :meth:`set_tokens_many`, :meth:`add_token_trees` and :meth:`prune_many` take it too): the arguments'
+            checks are skipped, the tree's state (pending tokens, lengths, pages) is still checked.
 
         Returns
         -------
         [R, count] int64: each leaf's new slots. Checks first, changes nothing when it raises.
         """
-        ids, rows = self._leaf_rows(node_ids)
-        count = int_value(count, "count", low=0)
+        if checked:
+            ids, rows = self._leaf_rows(node_ids)
+            count = int_value(count, "count", low=0)
+        else:
+            ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         busy = t.pending[rows] > 0
         if busy.any():
@@ -125,13 +135,18 @@ class VerifyEdits:
         self._layout = None
         return slots
 
-    def truncate_many(self, node_ids: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    def truncate_many(self, node_ids: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray,
+                      checked: bool = True) -> np.ndarray:
         """Keep the first ``lengths[i]`` (>= 1) tokens of each leaf ``node_ids[i]``: :meth:`truncate` of each, in
-        one go. The leaves must be distinct and without pending tokens. Returns the pages freed (ascending)."""
-        ids, rows = self._leaf_rows(node_ids)
-        lengths = int_array(lengths, "lengths", low=1)
-        if len(lengths) != len(rows):
-            raise ValueError(f"lengths must hold one length per node ({len(rows)}), got {len(lengths)}")
+        one go. The leaves must be distinct and without pending tokens. Returns the pages freed (ascending).
+        ``checked``: as :meth:`extend_computed_many`'s."""
+        if checked:
+            ids, rows = self._leaf_rows(node_ids)
+            lengths = int_array(lengths, "lengths", low=1)
+            if len(lengths) != len(rows):
+                raise ValueError(f"lengths must hold one length per node ({len(rows)}), got {len(lengths)}")
+        else:
+            ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         busy = t.pending[rows] > 0
         if busy.any():
@@ -158,19 +173,24 @@ class VerifyEdits:
         return freed
 
     def set_tokens_many(self, node_ids: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray,
-                        tokens: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray) -> None:
+                        tokens: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, checked: bool = True
+                        ) -> None:
         """Overwrite ``counts[i]`` token ids of each node ``node_ids[i]`` from its token ``starts[i]``:
         :meth:`set_tokens` of each, in one call. ``tokens`` holds them all, node after node (``[sum(counts)]``
-        ints >= 0). Checks first, changes nothing when it raises."""
-        ids, rows = self._lane_rows(node_ids, "node_ids")
-        starts = int_array(starts, "starts", low=0)
-        counts = int_array(counts, "counts", low=0)
-        tokens = int_array(tokens, "tokens", low=0)
-        if not len(starts) == len(counts) == len(rows):
-            raise ValueError(f"starts and counts must hold one value per node ({len(rows)}), got {len(starts)} and "
-                             f"{len(counts)}")
-        if len(tokens) != int(counts.sum()):
-            raise ValueError(f"tokens must hold sum(counts) = {int(counts.sum())} ids, got {len(tokens)}")
+        ints >= 0). Checks first, changes nothing when it raises. ``checked``: as :meth:`extend_computed_many`'s
+        (live nodes, ``[R]`` int64 ``starts`` and ``counts`` and the ``[sum(counts)]`` tokens)."""
+        if checked:
+            ids, rows = self._lane_rows(node_ids, "node_ids")
+            starts = int_array(starts, "starts", low=0)
+            counts = int_array(counts, "counts", low=0)
+            tokens = int_array(tokens, "tokens", low=0)
+            if not len(starts) == len(counts) == len(rows):
+                raise ValueError(f"starts and counts must hold one value per node ({len(rows)}), got {len(starts)} "
+                                 f"and {len(counts)}")
+            if len(tokens) != int(counts.sum()):
+                raise ValueError(f"tokens must hold sum(counts) = {int(counts.sum())} ids, got {len(tokens)}")
+        else:
+            ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         past = starts + counts > t.length[rows]
         if past.any():
