@@ -103,6 +103,15 @@ def ranges_of(num_tokens: int, picks) -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
+def test_with_dynamic_kv_is_dataclasses_replace():
+    """TreePlan.with_dynamic_kv (the speculative spans' path) gives what dataclasses.replace gives: the same
+    fields, the others shared; the plan it was made from keeps its ranges."""
+    plan = plan_for(0, chunk_size=200, query_tile=3)
+    got, want = plan.with_dynamic_kv(((0, 3),)), dataclasses.replace(plan, dynamic_kv=((0, 3),))
+    assert type(got) is type(want) and vars(got).keys() == vars(want).keys()
+    assert all(vars(got)[k] is vars(want)[k] for k in vars(want)) and plan.dynamic_kv == ()
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), ctas=st.integers(1, 16), tile=st.sampled_from(TILE_SIZES),
        dynamic=st.lists(st.tuples(st.floats(0, 1), st.sampled_from([1, 5, 64, 200, 10_000])), max_size=4))

@@ -88,7 +88,9 @@ class DynamicSpans:
         """``dynamic`` (None, DynamicSpans or a sequence of them) as one :class:`DynamicSpans` (None: none)."""
         if dynamic is None:
             return None
-        parts = [dynamic] if isinstance(dynamic, DynamicSpans) else list(dynamic)
+        if isinstance(dynamic, DynamicSpans):   # (every step's: the scheduler joined the requests' spans already)
+            return dynamic if len(dynamic.lengths) else None
+        parts = list(dynamic)
         for part in parts:
             if not isinstance(part, DynamicSpans):
                 raise TypeError(f"dynamic must be DynamicSpans (or a sequence of them), got {type(part).__name__}")
@@ -103,10 +105,11 @@ class DynamicSpans:
         """These spans with the query rows ``rows [r]`` after them, split evenly among them in order (span ``i``
         before the ``i``-th ``r / S``)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        per = len(rows) // max(self.num_spans, 1)
-        if per * self.num_spans != len(rows):
-            raise ValueError(f"{len(rows)} query rows do not split evenly among {self.num_spans} spans")
-        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(self.num_spans).repeat(per))
+        n, r = len(self.lengths), len(rows)
+        per = r // max(n, 1)
+        if per * n != r:
+            raise ValueError(f"{r} query rows do not split evenly among {n} spans")
+        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
@@ -163,7 +166,7 @@ class DynamicSpans:
         if len(plan.dynamic_kv):
             ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
         ranges = ranges[ranges[:, 0].argsort(kind="stable")]
-        return dataclasses.replace(plan, dynamic_kv=ranges)
+        return plan.with_dynamic_kv(ranges)
 
 
 @dataclass(frozen=True)
@@ -189,19 +192,21 @@ class MaskPatch:
         spans."""
         ids = (starts >= 0).nonzero()[0]                                           # the placed spans
         lengths = spans.lengths[ids]
-        if not lengths.sum():
+        ends = lengths.cumsum()   # (the sums from the cumulative sums: an ndarray's sum() is three Python calls)
+        if not len(ids) or not ends[-1]:
             return None
         starts = starts[ids]
         count_spans = len(ids)
         owner = np.arange(count_spans).repeat(lengths)                          # each span slot's span
-        slot = np.arange(lengths.sum()) - (lengths.cumsum() - lengths).repeat(lengths)
+        slot = np.arange(ends[-1]) - (ends - lengths).repeat(lengths)
         position = starts[owner] + slot
         chunk = plan.chunk_kv_start.searchsorted(position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
         count = last - first
         pair = np.arange(len(position)).repeat(count)                          # (entry, slot) pairs
-        entry = (first - count.cumsum() + count).repeat(count) + np.arange(count.sum())
+        count_ends = count.cumsum()
+        entry = (first - count_ends + count).repeat(count) + np.arange(count_ends[-1])
         word = entry * stride + offset[pair] // MASK_BITS
         base = int(word.max()) + 1
         keys, inverse = _unique_inverse(owner[pair] * base + word)
@@ -209,24 +214,27 @@ class MaskPatch:
         u = np.bincount(span, minlength=count_spans)                                # each span's words
         begin = u.cumsum() - u
         d1 = lengths + 1
-        row0 = (u * d1).cumsum() - u * d1                                           # each span's table start
+        rows_of = u * d1                                                            # each span's table rows
+        table_ends = rows_of.cumsum()
+        row0 = table_ends - rows_of                                                 # each span's table start
         at = row0[span] + (np.arange(len(words)) - begin[span])
         # cleared[k] of a word: the bits of its span's slots >= k (distinct bits: their sum is their or), a suffix
         # sum over the slots of each slot's bits, at table[at + k * width]
         bits = np.left_shift(1, offset[pair] % MASK_BITS).astype(np.int64)
         s_pair = slot[pair]
-        size = int((u * d1).sum())
+        size = int(table_ends[-1])
         own = np.bincount(at[inverse] + s_pair * u[span[inverse]], weights=bits, minlength=size)
         own = np.rint(own).astype(np.int64)   # (sums of distinct bits below 2**32: exact in float64)
         # The suffix sums of every word's column (its span's d1 rows) at once: the columns one after another, each
         # row by row, summed from the end of its column.
         column_rows = d1[span]                                                      # [words]: rows of each column
         col = np.arange(len(words)).repeat(column_rows)
-        r = np.arange(int(column_rows.sum())) - (column_rows.cumsum() - column_rows).repeat(column_rows)
+        column_ends = column_rows.cumsum()
+        r = np.arange(column_ends[-1]) - (column_ends - column_rows).repeat(column_rows)
         flat = at[col] + r * u[span[col]]
         values = own[flat]
         total = values.cumsum()
-        column_end = column_rows.cumsum() - 1
+        column_end = column_ends - 1
         table = np.zeros(size, dtype=np.int64)
         table[flat] = total[column_end][col] - (total - values)
         table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)

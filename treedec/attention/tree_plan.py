@@ -65,7 +65,7 @@ class TreePlan:
         holding one of them full, so its kernel reads the mask words there. Sorted by start, not
         overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
         raises ValueError otherwise. (): none. The planners make (); callers set it with
-        ``dataclasses.replace(plan, dynamic_kv=((start, stop), ...))``, or an ``[R, 2]`` int64 array of the
+        ``plan.with_dynamic_kv(((start, stop), ...))``, or an ``[R, 2]`` int64 array of the
         same ranges (:meth:`~treedec.attention.dynamic_span.DynamicSpans.locate`: a batch's spans as arrays).
     window : int or None
         The sliding window the planner clipped the queries' reads to (``AttentionVariant.window``; None: whole
@@ -117,6 +117,13 @@ class TreePlan:
     def mask_words(self) -> int:
         return self.entry_mask.shape[1]
 
+    def with_dynamic_kv(self, ranges: tuple[tuple[int, int], ...] | np.ndarray) -> TreePlan:
+        """This plan with ``dynamic_kv`` set to ``ranges``: ``dataclasses.replace(plan, dynamic_kv=ranges)`` in two
+        calls where replace takes two dozen (the speculative batch's spans are located in every step's plan)."""
+        plan = object.__new__(TreePlan)
+        plan.__dict__.update(self.__dict__, dynamic_kv=ranges)   # (every field is an init field; none is derived)
+        return plan
+
     def kv_tokens_read(self) -> int:
         """KV tokens loaded from memory per KV head: each chunk once per work item."""
         starts = self.chunk_kv_start   # (np.diff's wrapper costs more than this subtraction: it runs every step)
@@ -133,16 +140,14 @@ class TreePlan:
 
     def to(self, device: torch.device | str) -> "DeviceTreePlan":
         """Copy the index arrays to ``device`` as int32 tensors (one transfer)."""
-        names = DEVICE_ARRAYS
-        arrays = [getattr(self, n) for n in names]
-        sizes = [a.size for a in arrays]
-        ends = np.cumsum(sizes)
-        host = np.empty(int(ends[-1]), dtype=np.int32)
-        for a, end, size in zip(arrays, ends.tolist(), sizes):
-            host[end - size:end] = a.reshape(-1)
-        flat = to_device(host, device)
-        parts = torch.split(flat, sizes)  # 1-D views; only the mask is 2-D
-        return DeviceTreePlan(self, *(p if a.ndim == 1 else p.view(a.shape) for p, a in zip(parts, arrays)))
+        held = vars(self)
+        arrays = [held[n] for n in DEVICE_ARRAYS]
+        mask = arrays[MASK_AT]   # (the one 2-D array)
+        arrays[MASK_AT] = mask.reshape(-1)
+        flat = to_device(np.concatenate(arrays, dtype=np.int32, casting="unsafe"), device)   # (bool, int64 -> int32)
+        parts = list(flat.split_with_sizes([a.size for a in arrays]))
+        parts[MASK_AT] = parts[MASK_AT].view(mask.shape)
+        return DeviceTreePlan(self, *parts)
 
 
 @dataclass(frozen=True)
@@ -175,3 +180,4 @@ class DeviceTreePlan:
 
 
 DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")
+MASK_AT = DEVICE_ARRAYS.index("entry_mask")

@@ -197,7 +197,8 @@ class LaneEdits:
 
     @staticmethod
     def _distinct(ids: np.ndarray, rows: np.ndarray) -> None:
-        ordered = np.sort(rows)
+        ordered = rows.copy()
+        ordered.sort()
         if (ordered[1:] == ordered[:-1]).any():
             twice = ordered[1:][ordered[1:] == ordered[:-1]]
             raise TreeError(f"node_ids must be distinct, got node(s) {ids[np.isin(rows, twice)][:5].tolist()} "

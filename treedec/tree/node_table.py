@@ -243,8 +243,9 @@ def ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 def count_distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(values, return_counts=True)`` (``[k]`` int64 each) in fewer numpy calls (the speculative
     edits count a few pages every step)."""
-    ordered = np.sort(values)
+    ordered = values.copy()
+    ordered.sort()
     edge = np.ones(len(ordered) + 1, dtype=bool)
     np.not_equal(ordered[1:], ordered[:-1], out=edge[1:-1])
-    at = np.flatnonzero(edge)
+    at = edge.nonzero()[0]
     return ordered[at[:-1]], at[1:] - at[:-1]

@@ -86,14 +86,30 @@ class Preorder:
         return at + 1 + j if outside[j] else len(self.ids)
 
     def subtree_ends(self, at: np.ndarray) -> np.ndarray:
-        """[k] int64: :meth:`subtree_end` of each position in ``at`` (``[k]`` int64)."""
-        n = len(self.ids)
-        end = at + 1
-        inner = np.flatnonzero(end < n)
-        inner = inner[self.parent[end[inner]] == at[inner]]   # a node has children iff the next one is its child
-        for j in inner.tolist():
-            end[j] = self.subtree_end(int(at[j]))
-        return end
+        """[k] int64: :meth:`subtree_end` of each position in ``at`` (``[k]`` int64), in a few numpy calls for tops
+        none of which lies in another's subtree (the speculative step prunes one tree a request)."""
+        n, k = len(self.ids), len(at)
+        if not k:
+            return at + 1
+        by_position = at.argsort(kind="stable")
+        tops = at[by_position]
+        first = int(tops[0]) + 1
+        # With the tops in order, top i's subtree ends at the first position p in (tops[i], tops[i + 1]] whose
+        # parent lies before tops[i], unless tops[i + 1] is in it (that one is then walked alone).
+        owner = tops.searchsorted(np.arange(first, n, dtype=np.int64)) - 1   # the last top before each position
+        out = self.parent[first:] < tops[owner]
+        hit = out.nonzero()[0]
+        hit_owner = owner[hit]
+        opens = np.ones(len(hit), dtype=bool)
+        np.not_equal(hit_owner[1:], hit_owner[:-1], out=opens[1:])
+        end = np.full(k, -1, dtype=np.int64)
+        end[-1] = n
+        end[hit_owner[opens]] = hit[opens] + first
+        for j in (end < 0).nonzero()[0].tolist():   # (a top with another top in its subtree)
+            end[j] = self.subtree_end(int(tops[j]))
+        out_end = np.empty(k, dtype=np.int64)
+        out_end[by_position] = end
+        return out_end
 
     def splice(self, at: int, ids: np.ndarray, parent: np.ndarray) -> Preorder:
         """The order with new nodes ``ids`` (``[m]`` int64, in their order) inserted right before position
@@ -151,6 +167,6 @@ class Preorder:
         (several, anywhere: :meth:`cut` for one range)."""
         keep = np.ones(len(self.ids), dtype=bool)
         keep[positions] = False
-        new_position = np.cumsum(keep) - 1
+        new_position = keep.cumsum() - 1
         parent = self.parent[keep]
         return Preorder(self.ids[keep], np.where(parent >= 0, new_position[parent], -1))

@@ -62,7 +62,7 @@ class SubtreeEdits:
             t.num_children[up] -= 1
         return freed
 
-    def prune_many(self, node_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def prune_many(self, node_ids: Sequence[int] | np.ndarray, checked: bool = True) -> np.ndarray:
         """Remove the subtrees of all ``node_ids`` at once (all or nothing); returns the pages freed.
 
         The same as pruning them one by one (:meth:`prune`), in a few numpy calls whatever their number:
@@ -72,6 +72,8 @@ class SubtreeEdits:
         ----------
         node_ids : [k] ints
             Distinct live nodes, none in another's subtree; their subtrees must have no pending tokens.
+        checked : False for a caller that made ``node_ids`` itself (``[k]`` int64 live nodes: the verify group's
+            trees, every step): their type and liveness are not checked (the rest is).
 
         Returns
         -------
@@ -83,15 +85,15 @@ class SubtreeEdits:
         TreeError : an unknown id, an id named twice or inside another's subtree, or pending tokens below one;
             nothing is changed.
         """
-        ids, rows = self._lane_rows(node_ids, "node_ids")
+        ids, rows = self._lane_rows(node_ids, "node_ids") if checked else (node_ids, node_ids & ROW_MASK)
         if not len(ids):
             return np.zeros(0, dtype=np.int64)
         order = self._order
         at = order.positions(ids)
         ends = order.subtree_ends(at)
-        by_position = np.argsort(at, kind="stable")
+        by_position = at.argsort(kind="stable")
         at, ends = at[by_position], ends[by_position]
-        inside = np.flatnonzero(at[1:] < np.maximum.accumulate(ends)[:-1])   # starts before an earlier one ends
+        inside = (at[1:] < np.maximum.accumulate(ends)[:-1]).nonzero()[0]   # starts before an earlier one ends
         if len(inside):
             which = ids[by_position][inside[0] + 1]
             raise TreeError(f"prune_many: node {which} is named twice or lies in the subtree of another node of "

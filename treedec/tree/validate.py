@@ -11,8 +11,9 @@ error.
 
 These checks run on every decode step, so the common inputs take a fast path: a list of
 Python ints costs one C-level pass over the element types and the builtins ``min`` /
-``max``, an integer array its dtype and a ``min`` / ``max``; the element-by-element path
-only runs to accept mixed integer types or to word an error.
+``max``, an integer array its dtype and a ``min`` / ``max`` (an int64 array only the bounds
+tighter than int64's: node ids none); the element-by-element path only runs to accept mixed
+integer types or to word an error.
 
 Scalar arguments (counts, sizes, real numbers) are checked by :mod:`treedec.checks`, which also
 words how a value shows in an error (:func:`~treedec.checks.describe`).
@@ -84,6 +85,18 @@ def rows(values, name: str) -> list:
 
 def _checked(values, name: str, low: int, high: int) -> list[int] | np.ndarray:
     """The checked values: a new list of Python ints, or the caller's (or a host copy of a tensor's) integer array."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:   # the step path's arrays
+        tight_low, tight_high = low > INT64_MIN, high < INT64_MAX   # (int64 values are within int64's limits)
+        n = len(values)
+        if n and (tight_low or tight_high):
+            if n <= _SMALL:
+                small = values.tolist()
+                lowest, highest = min(small) if tight_low else low, max(small) if tight_high else high
+            else:
+                lowest, highest = values.min() if tight_low else low, values.max() if tight_high else high
+            if lowest < low or highest > high:
+                raise _range_error(values.tolist(), name, low, high)
+        return values
     if type(values) is list or type(values) is tuple:
         if _JUST_INT.issuperset(map(type, values)):  # the fast path: Python ints (not bools)
             if values and (min(values) < low or max(values) > high):

@@ -152,12 +152,12 @@ class VerifyGroup:
         unused = rows.garbage[f].copy()
         dst = np.zeros((0, 1 + d), dtype=np.int64)
         if len(f):
-            tree.prune_many(rows.flight_root[f])   # (stream order keeps their K/V until the copy below read them)
+            tree.prune_many(rows.flight_root[f], checked=False)   # (stream order keeps their K/V until the copy reads)
             g = f[unused > 0]
             if len(g):
-                tree.truncate_many(rows.node[g], rows.length[g] - rows.garbage[g])
+                tree.truncate_many(rows.node[g], rows.length[g] - rows.garbage[g], checked=False)
                 rows.length[g] -= rows.garbage[g]
-            dst = tree.extend_computed_many(rows.node[f], 1 + d)
+            dst = tree.extend_computed_many(rows.node[f], 1 + d, checked=False)
             rows.length[f] += 1 + d
         rows.garbage[at] = 0
         rows.reserved[at] = flight[at]
@@ -178,7 +178,7 @@ class VerifyGroup:
         spans = self._spans(at, flight[at], dst, keep)
         drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o if len(f) else None, unused)[:, :m - 1]
         tokens = torch.cat([root[:, None], drafted], dim=1).to(torch.int64)
-        ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]))
+        ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]), checked=False)
         slots = tree.first_slots(ids.reshape(-1)).reshape(len(at), m)
         rows.flight_root[at] = ids[:, 0]
         self._placed = (at, at_d, shape, tokens, slots)
@@ -307,7 +307,7 @@ class VerifyGroup:
             length = values[res, 0]
             both = np.concatenate([rows.root_token[s][:, None], values[res, 2 + d:2 + 2 * d]], axis=1)
             real = np.arange(1 + d)[None, :] < 1 + length[:, None]
-            tree.set_tokens_many(rows.node[s], rows.length[s] - d - 1, both[real], 1 + length)
+            tree.set_tokens_many(rows.node[s], rows.length[s] - d - 1, both[real], 1 + length, checked=False)
         found = rows.record(at, values, self.checkers, seconds)
         if self.budget is not None:
             self.budget.observe_many(self.budget_slots[at[found.stepped]], found.kept[found.stepped])
