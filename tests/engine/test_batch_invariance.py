@@ -111,6 +111,17 @@ def test_what_cannot_be_invariant_is_refused_by_name():
         make_batch_invariant(torch.nn.Linear(2, 2))
 
 
+def test_a_switched_model_is_refused_outside_the_mode():
+    """Engine(batch_invariant=True) switches the model in place: a default-mode engine on it would run the
+    invariant kernels while reporting the default mode, so it is refused, naming why."""
+    model = from_config("tiny", dtype=torch.float32, device="cpu")
+    Engine(model, kv_tokens=256, batch_invariant=True)
+    with pytest.raises(ValueError, match="switched to batch-invariant GEMMs"):
+        Engine(model, kv_tokens=256)
+    assert Engine(model, kv_tokens=256, batch_invariant=True).batch_invariance is not None
+    assert Engine(from_config("tiny", dtype=torch.float32, device="cpu"), kv_tokens=256).batch_invariance is None
+
+
 def test_auto_on_an_h200_is_triton_in_the_mode(monkeypatch):
     """auto's fast cuda choice is passed over, saying why (the GPU faked: no device needed)."""
     from treedec.attention.backends import get_backend, resolve_backend

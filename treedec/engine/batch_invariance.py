@@ -21,7 +21,8 @@ import dataclasses
 import logging
 
 from treedec.attention import PlanConfig, TreeAttention
-from treedec.models.batch_invariant import BatchInvariance, make_batch_invariant
+from treedec.models.batch_invariant import BatchInvariance, BatchInvariantUnquantized, make_batch_invariant
+from treedec.models.linear import Linear
 
 __all__ = ["BATCH_INVARIANT_CHUNK", "engine_plan_config", "switch_model"]
 
@@ -61,3 +62,12 @@ def switch_model(model, attention: TreeAttention) -> BatchInvariance:
     logger.info("batch-invariant mode: GEMMs and norms %s; attention %s on the %s backend (%s)", switched.summary,
                 attention.plan_config, attention.backend, attention.backend_reason)
     return switched
+
+
+def refuse_switched_model(model) -> None:
+    """An engine outside the mode refuses a model an engine in the mode switched (its projections run the
+    batch-invariant kernels in place): it would run them while reporting the default mode."""
+    if any(isinstance(m, Linear) and isinstance(m.method, BatchInvariantUnquantized) for m in model.modules()):
+        raise ValueError("this model was switched to batch-invariant GEMMs by an Engine(batch_invariant=True) (in "
+                         "place); an engine on it runs them: pass batch_invariant=True, or load the model again for "
+                         "the default mode")

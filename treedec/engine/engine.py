@@ -27,7 +27,7 @@ from treedec.attention import DeviceTreePlan, PlanConfig, SpanMasking, StaticPla
 from treedec.attention.dynamic_span import DynamicSpans, mask_on_device, shift_positions
 from treedec.checks import int_in_range, positive_int
 from treedec.engine.attention_groups import LayerAttention, StepAttend
-from treedec.engine.batch_invariance import engine_plan_config, switch_model
+from treedec.engine.batch_invariance import engine_plan_config, refuse_switched_model, switch_model
 from treedec.engine.cuda_graphs import (CudaGraphConfig, GraphRunner, build_graph_runner, fill_tokens,
                                         token_sources)
 from treedec.engine.row_heads import RowHeads
@@ -126,7 +126,7 @@ class Engine(RowHeads):
         self.attention = LayerAttention.build(variants, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, backend,
                                               plan_config, self.device, model.dtype, kv_dtype)
         self.attn = self.attention.planners[0]   # layer 0's; the one of every layer in a one-variant model
-        self.batch_invariance = switch_model(model, self.attn) if batch_invariant else None
+        self.batch_invariance = switch_model(model, self.attn) if batch_invariant else refuse_switched_model(model)
         self._window_cap = None if any(v.window is not None for v in variants) else c.sliding_window
         self._release_window = self.attention.release_window   # None: some layer reads every key
         num_pages, self.kv_pool_reason = kv_pool_pages(model, kv_tokens, page_size, memory_fraction, prefill_chunk,
