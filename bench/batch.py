@@ -128,7 +128,7 @@ def make_draft(args, model, rng: np.random.Generator, drafter: EagleDrafter | No
 
 def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft: BatchDraft | None = None,
               draft_budget: int | str | None = "auto", pipeline: bool | None = None,
-              compile_model: bool = False, profile: int = 0) -> dict:
+              compile_model: bool = False, profile: int = 0, batch_invariant: bool = False) -> dict:
     """One batch on a fresh graphed (GPU) engine (and, for EAGLE, a fresh drafter engine): step times
     from the returns of the target engine's steps (a pipelined step returns when it is launched: in the
     steady state the gaps are the step times all the same). ``profile`` K > 0: ``torch.profiler`` over K
@@ -143,7 +143,7 @@ def run_batch(model, specs, share: bool, page_size: int, timed_steps: int, draft
     # Graphs up to every request's tree at once (32 Medusa-64 trees: 2048 queries).
     graphs = CudaGraphConfig(max_queries=max(256, 64 * len(specs))) if cuda else False
     engine = Engine(model, kv_tokens=kv, page_size=page_size, cuda_graphs=graphs,
-                    compile_model=compile_model and cuda)
+                    compile_model=compile_model and cuda, batch_invariant=batch_invariant)
     drafter = None
     if draft is not None and draft.drafter is not None:
         # Every request's sequence on the drafter (its whole prompt, new tokens, a tree's overshoot)
@@ -296,6 +296,9 @@ def main(argv=None) -> int:
                         help="on a GPU: the target's graphed forward through torch.compile "
                              "(Engine(compile_model=True), as bench/programs.py's graphs_model; default on; "
                              "the drafters stay uncompiled)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the target's engines in the batch-invariant mode (Engine(batch_invariant=True), issue "
+                             "#53: its cost); takes --no-compile-model (the mode refuses torch.compile)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also run each batch once more under torch.profiler over K steps with every request "
                              "decoding (GPU kernels by time, idle time per step: under 'profile' in the results)")
@@ -312,6 +315,9 @@ def main(argv=None) -> int:
     if not args.eagle and (args.eagle_depth, args.eagle_top_k) != (None, None):
         parser.error(f"--eagle-depth and --eagle-top-k shape EAGLE drafts: give --eagle eagle|eagle3 with them "
                      f"(got --eagle-depth {args.eagle_depth}, --eagle-top-k {args.eagle_top_k})")
+    if args.batch_invariant and args.compile_model:
+        parser.error("--batch-invariant runs uncompiled (the mode refuses torch.compile, which tunes its kernels per "
+                     "shape): add --no-compile-model, and compare with a --no-compile-model run of the default mode")
     if args.speculative and args.temperature > 0:
         parser.error("--temperature samples plain decoding's requests; --speculative verifies greedily here")
     args.eagle_depth = 5 if args.eagle_depth is None else args.eagle_depth
@@ -348,12 +354,13 @@ def main(argv=None) -> int:
         for share in ([True, False] if args.compare_unshared and not args.speculative else [True]):
             run = run_batch(model, specs, share and not args.speculative, args.page_size, args.timed_steps, draft,
                             args.draft_budget, False if args.no_pipeline else None,
-                            compile_model=args.compile_model and cuda)
+                            compile_model=args.compile_model and cuda, batch_invariant=args.batch_invariant)
             if args.profile:
                 run["profile"] = run_batch(model, specs, share and not args.speculative, args.page_size,
                                            args.timed_steps, draft, args.draft_budget,
                                            False if args.no_pipeline else None,
-                                           compile_model=args.compile_model and cuda, profile=args.profile)["profile"]
+                                           compile_model=args.compile_model and cuda, profile=args.profile,
+                                           batch_invariant=args.batch_invariant)["profile"]
             # The KV a late step reads: the system prompt once (shared) or per request, and every
             # request's own tokens (and its draft tree).
             own = args.question + args.new + (draft.tree_tokens if args.speculative else 0)
@@ -397,6 +404,7 @@ def main(argv=None) -> int:
                   f"first difference)")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
                "model": args.model, "smoke": args.smoke, "compile_model": args.compile_model and cuda,
+               "batch_invariant": args.batch_invariant,
                "speculative": args.speculative,
                "medusa_heads": args.medusa_heads, "draft": None if draft is None else draft.record(),
                "draft_model": ("tiny" if args.smoke else "llama3.2-1b") if args.draft_model else None,
