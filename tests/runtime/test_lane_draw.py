@@ -12,8 +12,13 @@ VOCAB = 48
 
 
 @pytest.mark.parametrize("lanes, capacity, bucket", [(1, 16, 1), (2, 16, 2), (3, 16, 4), (9, 16, 16), (16, 16, 16),
-                                                      (17, 32, 32), (33, 33, 33), (33, 64, 64), (64, 128, 64)])
-def test_a_bucket_is_the_next_power_of_two_within_the_capacity(lanes, capacity, bucket):
+                                                      (17, 32, 32), (33, 33, 33), (33, 64, 64), (64, 128, 64),
+                                                      (257, 1024, 320), (300, 1024, 320), (321, 1024, 384),
+                                                      (384, 1024, 384), (385, 1024, 512), (300, 310, 310)])
+def test_a_bucket_is_the_graphs_query_bucket_within_the_capacity(lanes, capacity, bucket):
+    """The step graphs' buckets (powers of two, past 256 also 5/8 and 3/4): a lanes' draw of 300 rows rides in a
+    step graph of 320 queries (64 ToT tasks of six thoughts: 384 lanes, a 512-row draw failed in a 384-row
+    graph on an H200)."""
     assert lane_bucket(lanes, capacity) == bucket
 
 

@@ -1,8 +1,8 @@
 """The lanes' batched draw over a block of rows (:mod:`treedec.runtime.lanes`): one definition for the eager draw
 of every lane and for the draw recorded in a step's CUDA graph (:class:`~treedec.engine.step_tail.StepTail`).
 
-A graphed step's draw covers a fixed block: the first :func:`lane_bucket` rows of the lane table (a power of two, at
-most the table's capacity), its rows past the lanes padding. Every operation of the draw is row-wise (each row its own
+A graphed step's draw covers a fixed block: the first :func:`lane_bucket` rows of the lane table (the step graphs'
+query bucket of the lanes, at most the table's capacity), its rows past the lanes padding. Every operation of the draw is row-wise (each row its own
 logits, parameters, counters, EOS ids and token counts), so the padding rows, which read some real row's logits and
 whatever the table holds past its lanes, cannot change a real row's token; what they write lands in rows past the
 lanes, which :meth:`~treedec.runtime.lanes.Lanes.add` writes anew before a lane lives there.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treedec.attention.static_plan import PlanBounds
 from treedec.sampling.grammar import apply_bitmask
 from treedec.sampling.logits import drawable_rows, token_logprobs
 from treedec.sampling.sampler import SamplingRows, sample_rows
@@ -21,11 +22,13 @@ __all__ = ["LaneDrawWork", "draw_block", "lane_bucket", "store_draws"]
 
 
 def lane_bucket(lanes: int, capacity: int) -> int:
-    """The rows a graphed draw of ``lanes`` lanes covers: the next power of two, at most the table's ``capacity``
-    (>= ``lanes``): a graph per bucket, not per batch size."""
+    """The rows a graphed draw of ``lanes`` lanes covers: the step graphs' query bucket of as many queries
+    (:meth:`~treedec.attention.static_plan.PlanBounds.query_bucket`: the next power of two, past 256 also 5/8 and
+    3/4 of it), at most the table's ``capacity`` (>= ``lanes``): a graph per bucket, not per batch size. Never more
+    rows than the graph of the step they ride in has (its bucket is of at least as many queries as lanes)."""
     if not 0 < lanes <= capacity:
         raise ValueError(f"a draw covers 1 .. capacity ({capacity}) lanes, got {lanes}")
-    return min(1 << (lanes - 1).bit_length(), capacity)
+    return min(PlanBounds.query_bucket(lanes), capacity)
 
 
 def draw_block(table, raw: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
