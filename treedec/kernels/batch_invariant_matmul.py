@@ -1,66 +1,116 @@
 """A Triton matmul whose every output row has one reduction order whatever the number of rows.
 
-``y = x @ w.T`` with ``x [M, K]``, ``w [N, K]``: one program per (BLOCK_M rows, BLOCK_N columns) tile on a
-plain grid, the K loop in BLOCK_K steps from 0 upwards, no split-K. The tile sizes are chosen from (N, K)
-only (:func:`batch_invariant_tiles`), so a row's sums over K run in the same order and the same MMA shape
-for any M: a request's projections give the same bits alone or in a batch (rows past M are masked to 0 and
-never mix into a real row's sums). Accumulation is fp32; the output is in ``x``'s dtype.
+``y = x @ w.T`` with ``x [M, K]``, ``w [N, K]``: one program per (BLOCK_M rows, BLOCK_N columns, K split) tile
+on a plain grid, each split's K loop in BLOCK_K steps from its start upwards. The tiling — block sizes, warps,
+pipeline stages and the number of K splits — is chosen from (N, K) and the device's SM count only
+(:func:`batch_invariant_tiles`), never from M, so a row's sums over K run in the same order and the same MMA
+shape for any M: a request's projections give the same bits alone or in a batch (rows past M are masked to 0 and
+never mix into a real row's sums). With several splits each writes its fp32 partial sums into a workspace and a
+second launch adds them in split order (no atomics), adds the bias and casts.
+
+Why split K at all: at decode sizes (M up to a few hundred rows) a GEMM reads its weights once, and a grid of
+``cdiv(N, BLOCK_N)`` programs is too few to stream them at the device's bandwidth when N is small (an 8B model's
+``o_proj`` and ``down_proj``: N = 4096, 32 programs on a 132-SM H200). The splits are as many as bring the grid to
+about one program per SM per M tile (at most :data:`MAX_SPLITS`), the same for every M; the partials' traffic
+(``splits * M * N`` fp32 written and read) is small against the weights' at decode sizes. Accumulation is fp32; the
+output is in ``x``'s dtype.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MatmulTiles", "batch_invariant_matmul", "batch_invariant_tiles"]
+__all__ = ["MAX_SPLITS", "MatmulTiles", "batch_invariant_matmul", "batch_invariant_tiles"]
+
+#: most K splits of one GEMM
+MAX_SPLITS = 8
 
 
 @dataclass(frozen=True)
 class MatmulTiles:
-    """The fixed tiling of one (N, K): ``block_m``, ``block_n``, ``block_k``, ``num_warps``."""
+    """The fixed tiling of one (N, K) on one device: ``block_m``, ``block_n``, ``block_k``, ``num_warps``,
+    ``num_stages`` (software pipeline depth) and ``splits`` (K ranges of ``split_k`` elements, a multiple of
+    ``block_k``, reduced in order)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int = 3
+    splits: int = 1
+    split_k: int = 0
 
 
-def batch_invariant_tiles(n: int, k: int) -> MatmulTiles:
-    """The tiling of ``[*, K] @ [N, K].T``: a function of N and K only (never of M)."""
+def batch_invariant_tiles(n: int, k: int, sms: int = 0) -> MatmulTiles:
+    """The tiling of ``[*, K] @ [N, K].T``: a function of N, K and the device's ``sms`` (streaming multiprocessors;
+    0: no split) only, never of M."""
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    return MatmulTiles(block_m=64, block_n=block_n, block_k=block_k, num_warps=4)
+    k_blocks = triton.cdiv(k, block_k)
+    # as many splits as bring one M tile's grid to about one program per SM, each of at least 4 K blocks
+    splits = max(1, min(MAX_SPLITS, sms // triton.cdiv(n, block_n), k_blocks // 4))
+    split_k = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(k, split_k)   # (the last split may be short; none is empty)
+    return MatmulTiles(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, splits=splits,
+                       split_k=split_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (0 off CUDA: the interpreter gains nothing from splits)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                   stride_ym, stride_yn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_wn, stride_wk,
+                   stride_ys, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_s * SPLIT_K
+    k_end = tl.minimum(k_start + SPLIT_K, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+                    mask=(rm[:, None] < M) & (kk[None, :] < k_end), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                    mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+             acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@triton.jit
+def _reduce_splits(p_ptr, b_ptr, y_ptr, total, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """``y = sum over s of p[s] (+ bias)``, the splits added in order 0, 1, ..., in fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           tiles: MatmulTiles | None = None) -> torch.Tensor:
     """``x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]`` in ``x``'s dtype, each row's bits independent
     of the other rows (see the module docstring). ``x`` and ``weight`` share a dtype and a device (CUDA, or the
-    CPU under ``TRITON_INTERPRET=1``)."""
+    CPU under ``TRITON_INTERPRET=1``). ``tiles``: a tiling in place of :func:`batch_invariant_tiles`' (for
+    benchmarks and tests; any fixed tiling keeps the rows invariant)."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x [..., K] and weight [N, K] must share K: x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)}")
@@ -75,12 +125,22 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    t = batch_invariant_tiles(n, k)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    _matmul_kernel[grid](x2, weight, bias if bias is not None else y, y, m, n, k, x2.stride(0), x2.stride(1),
-                         weight.stride(0), weight.stride(1), y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
+    t = tiles or batch_invariant_tiles(n, k, _sm_count(x.device))
+    split_k = t.split_k or triton.cdiv(k, t.block_k) * t.block_k
+    splits = triton.cdiv(k, split_k)
+    # one split writes y; several write fp32 partials [splits, m, n] for the ordered reduction
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), splits)
+    _matmul_kernel[grid](x2, weight, bias if bias is not None and splits == 1 else y, out, m, n, k, split_k,
+                         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                         m * n if splits > 1 else 0, n, 1, HAS_BIAS=bias is not None and splits == 1,
                          BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                          # fp32 operands multiplied in full precision (Triton's default is tf32, which missed
                          # F.linear by more than 1e-4 on the H200); 16-bit operands take the tensor cores as they are
-                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps)
+                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
+                         num_stages=t.num_stages)
+    if splits > 1:
+        block = 1024
+        _reduce_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n,
+                                                      SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block)
     return y.reshape(*lead, n)
