@@ -70,7 +70,8 @@ def test_the_pass_count_is_fixed_by_the_cuts_asked_for():
 
 
 class Launches:
-    """Stands in for the three kernels: records each launch's kernel, grid, host scalars and flags."""
+    """Stands in for the three kernels: records each launch's kernel, grid, host scalars, flags and which of its
+    tensors start 16 bytes aligned (Triton compiles a kernel for its pointers' alignment)."""
 
     def __init__(self):
         self.calls = []
@@ -82,7 +83,8 @@ class Launches:
             def __getitem__(self, grid):
                 def launch(*args, **flags):
                     scalars = tuple(a for a in args if not isinstance(a, torch.Tensor))
-                    calls.append((name, grid, scalars, tuple(sorted(flags.items()))))
+                    aligned = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+                    calls.append((name, grid, scalars, tuple(sorted(flags.items())), aligned))
                 return launch
         return Kernel()
 
@@ -96,12 +98,13 @@ def _forbidden(name):
 def test_the_launch_sequence_is_fixed_by_the_flags_and_reads_nothing_back(monkeypatch):
     """The host side of a call, with the kernels recorded instead of run and every Tensor method that would
     wait for the device made to fail: a fixed sequence (stats, the passes, the draw) whatever the data and the
-    number of rows, S programs a row for any L."""
+    number of rows, S programs a row and the same compiled kernels (flags, scalars, alignments) for any L."""
     launches = Launches()
     for name in ("_stats_kernel", "_pass_kernel", "_draw_kernel"):
         monkeypatch.setattr(K, name, launches.kernel(name))
     vocab, split = 1000, 256
     data = [torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)), torch.full((5, vocab), float("nan"))]
+    by_rows = {}
     for num_rows in (5, 2):
         rows = SamplingRows.build([P(top_k=3, top_p=0.5, min_p=0.1)] * num_rows, [0] * num_rows,
                                   list(range(num_rows)), "cpu")
@@ -124,6 +127,8 @@ def test_the_launch_sequence_is_fixed_by_the_flags_and_reads_nothing_back(monkey
             assert all(c[1] == (num_rows, 4) for c in calls[:-1]) and calls[-1][1] == (num_rows,)
             steps = [dict(c[3]) for c in calls[1:-1]]
             assert [(s["FIRST"], s["FINAL"]) for s in steps] == [(i == 0, i == passes - 1) for i in range(passes)]
+        by_rows[num_rows] = {flags: [(c[0], c[1][1:]) + c[2:] for c in calls[0]] for flags, calls in sequences.items()}
+    assert by_rows[5] == by_rows[2]
 
 
 ROWS = [P(temperature=0.7), P(top_k=5), P(top_p=0.9), P(temperature=0.9, top_k=300, top_p=0.8, min_p=0.02),
