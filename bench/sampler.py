@@ -4,8 +4,7 @@
 Each case draws one token per row from fresh random logits (bf16, as a model's LM head gives them) with the
 batch's rows all under one set of parameters: greedy; temperature; temperature + top-p; + top-k; + min-p;
 the penalties; every field; under each ``--kernel`` of the warp and draw (``torch``: the reference; ``triton``: the
-split-row Triton kernel, its workspace taken from torch's caching allocator inside the call, as graphs allow;
-``auto``: what ``sample_rows`` takes on the device, printed). Times are ``triton.testing.do_bench``
+fused kernel; ``auto``: what ``sample_rows`` takes on the device, printed). Times are ``triton.testing.do_bench``
 medians (CUDA; L2 flushed between calls) or perf_counter medians (CPU) of the whole call, as the lanes' step runs
 it (no host sync inside it); on CUDA also the per-call time of 32 calls replayed from one CUDA graph (``graphed``:
 no launch cost, as the lanes' graphed step runs it; at small L eager times are mostly host launches).
@@ -14,7 +13,6 @@ no launch cost, as the lanes' graphed step runs it; at small L eager times are m
     python bench/sampler.py --kernel torch,triton --cases greedy,top_p,all
     python bench/sampler.py --rows 64 --vocab 32000
     python bench/sampler.py --smoke                 # CPU, small (CI)
-    TRITON_INTERPRET=1 python bench/sampler.py --smoke --kernel torch,triton --cases top_p   # the interpreter
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""CPU smoke run of bench/sampler.py: every case timed at every row count, written to the results file, the Triton
-kernel too (in the interpreter); an unknown case is a usage error."""
+"""CPU smoke run of bench/sampler.py: every case timed at every row count, written to the results file;
+an unknown case is a usage error."""
 import json
 
 import pytest
@@ -24,14 +24,3 @@ def test_sampler_bench_smoke_run(tmp_path, capsys):
 def test_sampler_bench_unknown_case_is_a_usage_error(tmp_path):
     with pytest.raises(SystemExit):
         main(["--smoke", "--cases", "top_q", "--out", str(tmp_path)])
-
-
-def test_sampler_bench_times_the_triton_kernel_beside_the_torch_path(tmp_path, triton_device):
-    if triton_device.type != "cpu":
-        pytest.skip("the smoke run is the CPU's (the interpreter)")
-    assert main(["--smoke", "--kernel", "torch,triton", "--cases", "top_p", "--out", str(tmp_path)]) == 0
-    [path] = tmp_path.glob("*-sampler-smoke.json")
-    results = json.loads(path.read_text())
-    assert results["kernels"] == {"torch": "torch", "triton": "triton"}
-    assert sorted(results["us"]["top_p"]) == ["torch", "triton"]
-    assert all(len(v["eager"]) == 2 and min(v["eager"]) > 0 for v in results["us"]["top_p"].values())

@@ -1,10 +1,8 @@
-"""kernels/sampling_kernel.py: the split-row warp and draw keeps the reference's token sets (treedec.sampling.sampler's
+"""kernels/sampling_kernel.py: the fused warp and draw keeps the reference's token sets (treedec.sampling.sampler's
 ``warp_rows``) on tie-free rows, field by field and mixed per row, and every tied token at a top-p boundary; it
 draws the first kept token past ``u`` times the kept mass, never a removed one; NaN and -inf rows give V - 1.
 Without CUDA it runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so rows are few and
-short (a row of ``V <= SPLIT`` is one program; ``split=`` cuts short rows into several); the GPU test runs Llama
-3's vocabulary under CUDA graph capture. Splits, batch invariance and the launch sequence:
-test_sampling_kernel_splits.py."""
+short; the GPU test runs Llama 3's vocabulary under CUDA graph capture."""
 import os
 import subprocess
 import sys
@@ -16,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 from treedec.checks import FLOAT32_MAX  # noqa: E402
-from treedec.kernels.sampling_kernel import SPLIT, fused_warp_draw  # noqa: E402
+from treedec.kernels.sampling_kernel import CAP, fused_warp_draw  # noqa: E402
 from treedec.sampling.params import SamplingParams  # noqa: E402
 from treedec.sampling.sampler import SamplingRows, sample_rows, warp_rows  # noqa: E402
 
@@ -26,12 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 P = SamplingParams
 
 
-def draw(logits, params, uniform=None, seed=0, split=SPLIT):
+def draw(logits, params, uniform=None, seed=0):
     rows = SamplingRows.build(params, [seed] * len(params), list(range(len(params))), logits.device)
     if uniform is None:
         uniform = torch.rand(len(params), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     got = fused_warp_draw(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, uniform.to(logits.device),
-                          top_k_cut=rows.top_k_cut, top_p_cut=rows.top_p_cut, min_p_cut=rows.min_p_cut, split=split)
+                          top_k_cut=rows.top_k_cut, top_p_cut=rows.top_p_cut, min_p_cut=rows.min_p_cut)
     return rows, got
 
 
@@ -55,7 +53,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("vocab", [1000, SPLIT + 904], ids=["one-split", "two-splits"])
+@pytest.mark.parametrize("vocab", [1000, CAP + 904], ids=["in-workspace", "past-workspace"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kept_sets_equal_the_reference_on_tie_free_rows(case, vocab, triton_device):
     params = CASES[case]
@@ -84,11 +82,11 @@ class FusedRows:
         self.threshold, self.row_max = got.threshold[index], got.row_max[index]
 
 
-def test_a_tied_group_over_several_splits_is_kept_whole(triton_device):
-    """SPLIT + 100 tokens tie at the k-th largest value, spread over both splits of the row: the search narrows
-    to the last bit; top-k keeps the whole group (as the reference), and so does top-p."""
+def test_a_tied_group_larger_than_the_workspace_is_searched_on_the_row(triton_device):
+    """CAP + 100 tokens tie at the k-th largest value: the search's bracket never fits the workspace, so it
+    runs on the row to the last bit; top-k keeps the whole group (as the reference), and so does top-p."""
     gen = torch.Generator().manual_seed(0)
-    vocab, tied = SPLIT + 3000, SPLIT + 100
+    vocab, tied = CAP + 3000, CAP + 100
     logits = torch.cat([torch.full((tied,), 1.0), torch.rand(vocab - tied, generator=gen) * 4 - 2])
     logits = logits[torch.randperm(vocab, generator=gen)][None].repeat(2, 1).to(triton_device)
     rows, got = draw(logits, [P(top_k=int((logits[0] > 1).sum()) + 7), P(top_p=0.9)])
@@ -97,17 +95,14 @@ def test_a_tied_group_over_several_splits_is_kept_whole(triton_device):
     assert (mine[1] >= want[1]).all() and (logits[1][mine[1] & ~want[1]] == 1.0).all()
 
 
-@pytest.mark.parametrize("split", [SPLIT, 256, 500], ids=["one-split", "8-splits", "4-splits"])
-def test_the_draw_is_the_first_kept_token_past_u_times_the_kept_mass(split, triton_device):
-    """Kept tokens in different splits (10, 500, 1500 of 2000; 500 the first of a split of 500): the draw walks
-    the splits' kept masses in order, then the tokens of the split it lands in."""
+def test_the_draw_is_the_first_kept_token_past_u_times_the_kept_mass(triton_device):
     vocab = 2000
     logits = torch.full((5, vocab), float("-inf"))
     logits[:, [10, 500, 1500]] = torch.tensor([0.0, 0.0, 1000.0 ** -1])   # ~ equal weights
     logits[:, 1999] = -30.0   # kept by no cut below, weight ~1e-13
     logits = logits.to(triton_device)
     uniform = torch.tensor([0.0, 0.2, 0.5, 0.9, 1 - 2 ** -53], dtype=torch.float64)
-    _, got = draw(logits, [P(min_p=1e-6)] * 5, uniform, split=split)
+    _, got = draw(logits, [P(min_p=1e-6)] * 5, uniform)
     assert got.tokens.tolist() == [10, 10, 500, 1500, 1500]
 
 
@@ -171,31 +166,23 @@ _COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from treedec.kernels import sampling_kernel as K
+    fn = K._fused_warp_draw_kernel
     pointers = dict(x_ptr="*bf16", temperature_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32",
-                    min_p_ptr="*fp32", uniform_ptr="*fp64", stats_ptr="*fp32", ints_ptr="*i32",
-                    floats_ptr="*fp32", count_ptr="*i32", mass_ptr="*fp32", kept_ptr="*fp32",
-                    threshold_ptr="*fp32", max_ptr="*fp32", token_ptr="*i64")
-
-    def build(fn, **flags):   # (every other argument an i32: lengths, strides, the step)
-        signature = {name: "constexpr" if name in flags else pointers.get(name, "i32") for name in fn.arg_names}
+                    min_p_ptr="*fp32", uniform_ptr="*fp64", buf_ptr="*fp32", token_ptr="*i64",
+                    threshold_ptr="*fp32", max_ptr="*fp32", stride_x="i32", n="i32", stride_temperature="i32",
+                    stride_top_k="i32", stride_top_p="i32", stride_min_p="i32", stride_uniform="i32")
+    for top_k, top_p, min_p in [(True, True, True), (False, True, False), (False, False, False)]:
+        flags = dict(HAS_TOP_K=top_k, HAS_TOP_P=top_p, HAS_MIN_P=min_p, CAP=K.CAP, BLOCK=K.BLOCK)
+        signature = {name: pointers.get(name, "constexpr") for name in fn.arg_names}
         constexprs = {(fn.arg_names.index(name),): value for name, value in flags.items()}
         triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-
-    build(K._stats_kernel, BLOCK=K.BLOCK)
-    for splits in (1, 32):
-        for top_k, top_p, min_p, first, final in [(True, True, True, True, False), (True, True, True, False, False),
-                                                  (False, True, False, False, True), (False, False, True, True, True)]:
-            build(K._pass_kernel, HAS_TOP_K=top_k, HAS_TOP_P=top_p, HAS_MIN_P=min_p, FIRST=first, FINAL=final,
-                  SPLITS=splits, BLOCK=K.BLOCK)
-        build(K._draw_kernel, HAS_MIN_P=True, SPLITS=splits, BLOCK=K.BLOCK)
 """)
 
 
 def test_the_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter runs Python: the compiler's rules (a value an if-block redefines keeps its type, no
-    non-constexpr globals) are checked only by compiling, which needs no GPU (Triton's frontend and ptxas): the
-    three kernels, the pass kernel's first, middle and last variants, one split and 32."""
+    non-constexpr globals) are checked only by compiling, which needs no GPU (Triton's frontend and ptxas)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)

@@ -14,15 +14,13 @@ operations, with no host sync and no Python per row:
 
 Step 3 has two kernels (:func:`resolve_sampler_kernel`): ``torch`` (:func:`warp_rows`, a softmax and
 :func:`~treedec.sampling.draw.inverse_cdf`: a sort of every row and some twenty passes over it; the reference,
-and the CPU's) and ``triton`` (:func:`~treedec.kernels.sampling_kernel.fused_warp_draw`: no sort, each row split
-over programs of 4096 elements, a fixed 3, 12 or 20 launches by the cuts asked for, no host sync; the same kept
-sets and draws up to the order of float additions and ties at the top-p boundary, which it keeps whole).
-``auto`` takes ``torch`` everywhere: it was chosen against the kernel's earlier form, one program per row,
-latency-bound on an H200 (a 128k-token row read by one SM: 240 us a row for temperature alone, 1.6 ms for top-p
-at 1 to 64 rows, graphed), which lost to the torch path at every size but ``top_k + top_p`` and every field at
-64 rows (``bench/results/2026-12-02-nvidia-h200-sampler-s19-fused.json``; a 64-request 8B step 7.94 ms against
-7.06). The split-row form that replaced it is not measured on a GPU yet (``bench/sampler.py --kernel
-torch,triton``): until it is, ``triton`` is there to be asked for.
+and the CPU's) and ``triton`` (:func:`~treedec.kernels.sampling_kernel.fused_warp_draw`: one launch, no sort;
+the same kept sets and draws up to the order of float additions and ties at the top-p boundary, which it keeps
+whole). ``auto`` takes ``torch`` everywhere: on an H200 the fused kernel, one program per row, is latency-bound
+(a 128k-token row read by one SM: 240 us a row for temperature alone, 1.6 ms for top-p at 1 to 64 rows, graphed)
+and lost to the torch path at every size but ``top_k + top_p`` and every field at 64 rows
+(``bench/results/2026-12-02-nvidia-h200-sampler-s19-fused.json``; a 64-request 8B step 7.94 ms against 7.06):
+``triton`` is there to be asked for, and for the split-row kernel that is to replace it.
 
 The semantics of every field are those of :class:`~treedec.sampling.params.SamplingParams` (its docstring).
 """
