@@ -1,4 +1,4 @@
-"""The engine core in its own process (treedec/serve/core.py, core_client.py, messages.py): the messages round-trip,
+"""The engine core in its own process (treedec/core/engine_core.py, client.py, messages.py): the messages round-trip,
 a killed core fails every request in flight with 503 ``engine_failed`` and stops the server, a core that cannot start
 says why, and a load of requests with random aborts and disconnects loses and duplicates nothing and frees every
 page."""
@@ -17,8 +17,8 @@ import pytest
 from tests.serve.server import RunningServer, free_again, llm_recipe, wait_until
 from treedec import SamplingParams
 from treedec.programs.beam import BeamSearchParams
-from treedec.serve.core_client import EngineStartupError, ProcessClient
-from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
+from treedec.core.client import EngineStartupError, ProcessClient
+from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, PositionLogprobs, RequestFailure, RequestFinished, Shutdown,
                                     TokenDelta, dumps, loads)

@@ -1,15 +1,15 @@
-"""The frontend's side of the engine core (:mod:`treedec.serve.core`): one client interface, two transports.
+"""The frontend's side of the engine core (:mod:`treedec.core.engine_core`): one client interface, two transports.
 
 :class:`CoreClient` is what the server (:mod:`treedec.serve.app`) talks to: :meth:`~CoreClient.submit` sends a
-request and returns its :class:`~treedec.serve.outputs.RequestStream` (an async iterator of
-:class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.serve.engine.OnlineEngine`'s streams) once the core
-accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
-:class:`~treedec.serve.messages.IterationStats`; its health. Every output message the core sends is handled by one
+request and returns its :class:`~treedec.core.output_processor.RequestStream` (an async iterator of
+:class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.core.online_engine.OnlineEngine`'s streams) once
+the core accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
+:class:`~treedec.core.messages.IterationStats`; its health. Every output message the core sends is handled by one
 method on the event loop (:meth:`CoreClient.process`): one wake-up per engine iteration, however many requests it
 advanced. A generated request streams token ids from the core: its text, stop strings and results are made here
-(:class:`~treedec.serve.outputs.RequestOutputs`), and a request whose outputs all ended here while the core still
-runs it (a stop string) is aborted there; so does a speculative request. A beam search streams text made in the core.
-Two transports under it:
+(:class:`~treedec.core.output_processor.RequestOutputs`), and a request whose outputs all ended here while the core
+still runs it (a stop string) is aborted there; so does a speculative request. A beam search streams text made in the
+core. Two transports under it:
 
 - :class:`InProcessClient`: the core in this process (its engine's thread; the messages passed as objects), for an
   :class:`~treedec.LLM` built here (tests, ``--no-engine-process``);
@@ -37,11 +37,11 @@ from typing import Any, Callable
 import treedec
 from treedec.runtime.online import ProgramAborted
 from treedec.runtime.streams import STREAM_END, StreamFailure, StreamOutput
-from treedec.serve.core import ERROR_KINDS, EngineCore, run_core_process
-from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
+from treedec.core.engine_core import ERROR_KINDS, EngineCore, run_core_process
+from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, Shutdown, dumps, loads)
-from treedec.serve.outputs import RequestOutputs, RequestStream
+from treedec.core.output_processor import RequestOutputs, RequestStream
 
 __all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient"]
 
@@ -73,9 +73,9 @@ class CoreClient:
 
     Attributes
     ----------
-    ready : what the core told of its model (:class:`~treedec.serve.messages.CoreReady`), once started.
+    ready : what the core told of its model (:class:`~treedec.core.messages.CoreReady`), once started.
     tokenizer : the core's tokenizer (the frontend encodes and decodes with the same one), or None.
-    stats : the core's last :class:`~treedec.serve.messages.IterationStats` (None before its first message).
+    stats : the core's last :class:`~treedec.core.messages.IterationStats` (None before its first message).
     dead : the :class:`EngineDeadError` once the core is gone, else None.
     on_iteration : called with each message's stats (the server's metrics).
     on_dead : called once, with the error, when the core is gone unasked.
@@ -144,7 +144,7 @@ class CoreClient:
             self._send(AbortRequests([request_id]))
 
     async def pages(self, timeout: float = 30.0) -> PagesReport:
-        """The core's page accounting (:class:`~treedec.serve.messages.PagesReport`), asked now."""
+        """The core's page accounting (:class:`~treedec.core.messages.PagesReport`), asked now."""
         self._check_alive()
         token = next(self._tokens)
         answer = self._pages[token] = asyncio.get_running_loop().create_future()
