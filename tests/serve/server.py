@@ -14,7 +14,7 @@ import openai
 from tests.engines import tiny_model
 from treedec import LLM, SamplingParams
 from treedec.serve import build_app
-from treedec.core.client import ProcessClient
+from treedec.core.process_client import ProcessClient
 from treedec.serve.http import make_server
 
 

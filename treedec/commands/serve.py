@@ -21,7 +21,6 @@ exits within a few seconds, exit code 0. On a loopback address it answers only t
 from __future__ import annotations
 
 import argparse
-import builtins
 import functools
 import importlib.util
 import ipaddress
@@ -155,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--allowed-hosts must name at least one host ('*' for any), got {args.allowed_hosts!r}")
     from treedec.programs.speculative import SpeculativeConfig
     from treedec.serve import build_app
-    from treedec.core.client import EngineStartupError, ProcessClient
+    from treedec.core.process_client import launch_core
     from treedec.serve.http import make_server
 
     if args.speculative is not None:   # (checked before the model loads)
@@ -168,14 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or args.config
     recipe = functools.partial(build_llm, args, template)
     if args.engine_process:
-        engine = ProcessClient(recipe, seed=args.seed)
-        try:
-            ready = engine.launch()
-        except EngineStartupError as e:   # (the core's own error class, when it is a user's error: one line)
-            error = getattr(builtins, e.kind or "", None)
-            if isinstance(error, type) and issubclass(error, (ValueError, TypeError, OSError, MemoryError)):
-                raise error(str(e)) from None
-            raise
+        engine = launch_core(recipe, seed=args.seed)   # (a user's error in the core: its class, one line)
+        ready = engine.ready
         core = f"engine core: process {ready.pid}"
     else:
         engine = llm = recipe()

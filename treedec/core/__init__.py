@@ -7,8 +7,9 @@ and the offline :class:`~treedec.LLM` with ``engine_process=True``.
 - :class:`EngineCore` (:mod:`treedec.core.engine_core`): it behind the messages of :mod:`treedec.core.messages` (one
   out per engine iteration), in the caller's process or in one of its own (:func:`run_core_process`);
 - :class:`CoreClient` (:mod:`treedec.core.client`): the frontend's side, on an event loop: :class:`InProcessClient`,
-  :class:`ProcessClient` (ZMQ to the core's own process); a generated request's tokens detokenized and its stop
-  strings matched there (:mod:`treedec.core.output_processor`).
+  :class:`ProcessClient` (:mod:`treedec.core.process_client`: ZMQ to the core's own process, started by
+  :func:`launch_core`); a generated request's tokens detokenized and its stop strings matched there
+  (:mod:`treedec.core.output_processor`).
 
 The messages and the process client need ``pyzmq`` and ``msgspec`` (the ``serve`` extra); the names below are
 imported when first used (PEP 562).
@@ -20,7 +21,7 @@ _NAMES = {"OnlineEngine": "treedec.core.online_engine", "EngineCore": "treedec.c
           "run_core_process": "treedec.core.engine_core", "CoreClient": "treedec.core.client",
           "EngineDeadError": "treedec.core.client", "EngineError": "treedec.core.client",
           "EngineStartupError": "treedec.core.client", "InProcessClient": "treedec.core.client",
-          "ProcessClient": "treedec.core.client"}
+          "ProcessClient": "treedec.core.process_client", "launch_core": "treedec.core.process_client"}
 
 __all__ = sorted(_NAMES)
 

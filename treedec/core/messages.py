@@ -104,11 +104,13 @@ CoreInput = Union[AddRequest, AbortRequests, PagesQuery, Shutdown]
 # ------------------------------------------------------------------ out of the core
 
 class CoreReady(msgspec.Struct, tag=True, frozen=True):
-    """The core is built: what the frontend needs of its model (``tokenizer``: pickled, or None; ``eos_token_ids``:
-    the checkpoint's, the frontend's stop rules start from them as the core's do)."""
+    """The core is built: what the frontend needs of its model (``positions``: the model's, which
+    ``truncate_prompt_tokens=-1`` keeps; ``tokenizer``: pickled, or None; ``eos_token_ids``: the checkpoint's, the
+    frontend's stop rules start from them as the core's do)."""
 
     name: str
     max_model_len: int
+    positions: int
     vocab_size: int
     speculative: bool
     device: str
