@@ -47,7 +47,10 @@ class RequestOutput:
     outputs : its ``n`` :class:`CompletionOutput`.
     finished : always True (an offline call returns finished requests).
     stats : the request's counters: ``steps`` (engine steps), ``seconds`` (admission to retirement),
-        ``tokens_per_step``; speculative decoding adds ``accepted`` (draft tokens accepted each step).
+        ``tokens_per_step``, ``prompt_tokens``, ``cached_tokens`` (its prompt's tokens read from the prefix cache);
+        speculative decoding adds ``accepted`` (draft tokens accepted each step). An ``LLM(engine_process=True)``'s
+        engine steps in another process, which sends no ``steps`` (nor ``tokens_per_step``, ``queries_per_step``):
+        ``seconds`` is then from the request's sending to its end.
     """
 
     request_id: str

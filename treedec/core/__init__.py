@@ -9,7 +9,9 @@ and the offline :class:`~treedec.LLM` with ``engine_process=True``.
 - :class:`CoreClient` (:mod:`treedec.core.client`): the frontend's side, on an event loop: :class:`InProcessClient`,
   :class:`ProcessClient` (:mod:`treedec.core.process_client`: ZMQ to the core's own process, started by
   :func:`launch_core`); a generated request's tokens detokenized and its stop strings matched there
-  (:mod:`treedec.core.output_processor`).
+  (:mod:`treedec.core.output_processor`);
+- :class:`SyncClient` (:mod:`treedec.core.sync_client`): a process client driven from blocking code (the offline
+  ``LLM(..., engine_process=True)``'s, started by :func:`start_core`), as vLLM's ``SyncMPClient``.
 
 The messages and the process client need ``pyzmq`` and ``msgspec`` (the ``serve`` extra); the names below are
 imported when first used (PEP 562).
@@ -21,7 +23,8 @@ _NAMES = {"OnlineEngine": "treedec.core.online_engine", "EngineCore": "treedec.c
           "run_core_process": "treedec.core.engine_core", "CoreClient": "treedec.core.client",
           "EngineDeadError": "treedec.core.client", "EngineError": "treedec.core.client",
           "EngineStartupError": "treedec.core.client", "InProcessClient": "treedec.core.client",
-          "ProcessClient": "treedec.core.process_client", "launch_core": "treedec.core.process_client"}
+          "ProcessClient": "treedec.core.process_client", "launch_core": "treedec.core.process_client",
+          "SyncClient": "treedec.core.sync_client", "start_core": "treedec.core.sync_client"}
 
 __all__ = sorted(_NAMES)
 

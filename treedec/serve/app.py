@@ -2,7 +2,7 @@
 
 The app is the server's frontend: HTTP, tokenization and chat templates, the responses and their streams, metrics.
 One engine core serves every request, through a :class:`~treedec.core.client.CoreClient`: in a process of its
-own (:class:`~treedec.core.client.ProcessClient`, ``treedec serve``'s default) or in this one, over an
+own (:class:`~treedec.core.process_client.ProcessClient`, ``treedec serve``'s default) or in this one, over an
 :class:`~treedec.LLM` built here (:class:`~treedec.core.client.InProcessClient`); started when the app starts,
 shut down (every request aborted, its pages freed) when it stops. Each engine iteration's news reaches the app as
 one message, handled at once for every request it advanced. Routes: ``POST
@@ -88,7 +88,7 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
     """The FastAPI app serving ``engine``: an :class:`~treedec.LLM` (its model, tokenizer, engine and speculative
     config: with one, every request is decoded speculatively, and one it cannot take is answered 400), served by an
     engine core in this process; or a :class:`~treedec.core.client.CoreClient` (a
-    :class:`~treedec.core.client.ProcessClient`: the core in its own process), started with the app if it was
+    :class:`~treedec.core.process_client.ProcessClient`: the core in its own process), started with the app if it was
     not.
 
     Parameters
@@ -119,6 +119,9 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
     ``app.state.online`` is the :class:`~treedec.core.client.CoreClient` while the app runs,
     ``app.state.metrics`` its :class:`~treedec.serve.metrics.ServeMetrics`.
     """
+    if isinstance(engine, LLM) and engine.engine_process:   # (its engine is in its own core's process)
+        raise ValueError("build_app serves an LLM built in this process (engine_process=False), or a CoreClient "
+                         "(a ProcessClient of its own core); an LLM(engine_process=True)'s core is its own client's")
     if isinstance(engine, LLM):
         client: CoreClient = InProcessClient(engine, max_step_tokens=max_step_tokens, seed=seed)
     elif isinstance(engine, CoreClient):
