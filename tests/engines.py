@@ -20,6 +20,27 @@ TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidde
                num_key_value_heads=2, head_dim=64, max_position_embeddings=256, attn_implementation="eager")
 
 
+def tiny_checkpoint(folder):
+    """:func:`tiny_model`'s weights written as a checkpoint folder (config.json, model.safetensors) with the small
+    local tokenizer (:func:`tests.tokenizers_local.build_tokenizer`), for an LLM that loads its model by name (one
+    whose engine core builds it in a process of its own); returns the folder."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from tests.tokenizers_local import build_tokenizer
+    from treedec.models import to_hf_config, to_hf_state_dict
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = tiny_model()
+    save_file({k: v.contiguous().clone() for k, v in to_hf_state_dict(model).items()},
+              str(folder / "model.safetensors"))
+    to_hf_config(model.config).save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
 def tiny_hf_llama():
     """A tiny random transformers Llama with peaked next-token distributions (weights ~ N(0, 0.2)), so that
     choices do not hinge on float noise; transformers' default EOS (2) is switched off."""

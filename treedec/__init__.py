@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 #: Each public name -> the module it is defined in.
 _NAMES = {
-    "LLM": "treedec.llm", "BeamSearchOutput": "treedec.llm", "BeamSearchSequence": "treedec.llm",
-    "CompletionOutput": "treedec.llm", "RequestOutput": "treedec.llm",
+    "LLM": "treedec.llm", "BeamSearchOutput": "treedec.outputs", "BeamSearchSequence": "treedec.outputs",
+    "CompletionOutput": "treedec.outputs", "RequestOutput": "treedec.outputs",
     "BeamSearchParams": "treedec.programs", "SamplingParams": "treedec.sampling",
     "StructuredOutputsParams": "treedec.sampling",
     "SpeculativeConfig": "treedec.programs.speculative",

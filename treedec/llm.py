@@ -17,11 +17,12 @@ the branch controller, beams, speculative or plain generation) share the same en
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.util
 import inspect
 import logging
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -36,10 +37,11 @@ from treedec.models.tensor_parallel import check_tensor_parallel_size
 from treedec.models.quantization import quantize_on_load
 from treedec.tree.kv_cache_dtype import kv_storage_dtype
 from treedec.models.text import encode_prompt, load_tokenizer
-from treedec.programs import BeamSearchResult, generate_batch
+from treedec.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from treedec.programs import generate_batch
 from treedec.runtime import PrefixCache, RequestResult, RequestSpec, SchedulerStats, run_programs
 from treedec.sampling import SamplingParams
-from treedec.programs.generate import grammar_compiler, prepare_requests, step_progress
+from treedec.programs.generate import check_requests, grammar_compiler, prepare_requests, step_progress
 from treedec.sampling.grammar import GrammarCompiler
 from treedec.programs.beam import BeamSearchParams, beam_program
 from treedec.runtime.request import MODEL_EOS, eos_token_ids, position_limit
@@ -48,91 +50,17 @@ from treedec.programs.speculative.batch import sampled_acceptance
 from treedec.programs.speculative.config import as_speculative_config
 from treedec.tree.validate import int_list
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "DTYPES", "RequestOutput"]
+__all__ = ["LLM", "DTYPES"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CompletionOutput:
-    """One output of a request (vLLM's ``CompletionOutput``).
-
-    Attributes
-    ----------
-    index : which of the request's ``n`` outputs.
-    text : the output's text (cut at a stop string unless ``include_stop_str_in_output``).
-    token_ids : its tokens (an EOS or stop token that ended it included).
-    cumulative_logprob : the sum of its tokens' log-probabilities, with ``SamplingParams.logprobs``; else None.
-    logprobs : with ``SamplingParams.logprobs``: per token, token id -> :class:`~treedec.sampling.logits.Logprob`.
-    finish_reason : ``"stop"`` (an EOS, a stop token or a stop string) or ``"length"`` (``max_tokens``).
-    stop_reason : the stop string or stop token id that ended it; None for the model's EOS or ``"length"``.
-    """
-
-    index: int
-    text: str | None
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict] | None
-    finish_reason: str
-    stop_reason: str | int | None
-
-
-@dataclass
-class RequestOutput:
-    """What :meth:`LLM.generate` returns for one prompt (vLLM's ``RequestOutput``).
-
-    Attributes
-    ----------
-    request_id : the prompt's index in the call (a string, as vLLM's).
-    prompt : the prompt's text or chat messages (None for token ids).
-    prompt_token_ids : the prompt's tokens (after the chat template).
-    prompt_logprobs : with ``SamplingParams.prompt_logprobs``: per prompt token (None for the first).
-    outputs : its ``n`` :class:`CompletionOutput`.
-    finished : always True (an offline call returns finished requests).
-    stats : the request's counters: ``steps`` (engine steps), ``seconds`` (admission to retirement),
-        ``tokens_per_step``; speculative decoding adds ``accepted`` (draft tokens accepted each step).
-    """
-
-    request_id: str
-    prompt: str | list[dict] | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    stats: dict = field(default_factory=dict)
-
+#: What an ``LLM(engine_process=True)`` keeps in its engine core's process, not in this one.
+_IN_CORE = ("model", "engine", "drafts", "prefix_cache", "generator", "grammars")
 
 #: ``dtype`` by name (vLLM's names and treedec's short ones); ``"auto"`` (or None) is bf16 on a GPU, fp32 on the CPU.
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "half": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class BeamSearchSequence:
-    """One finished hypothesis of :meth:`LLM.beam_search` (vLLM's ``BeamSearchSequence``).
-
-    Attributes
-    ----------
-    tokens : the prompt's token ids, then the hypothesis' (an EOS that ended it included), as vLLM's.
-    text : the text of ``tokens`` (special tokens skipped); None without a tokenizer.
-    cum_logprob : the sum of the new tokens' log-probabilities (from ``score``, float32).
-    score : what the beams are ranked by: ``cum_logprob / new tokens ** length_penalty`` (transformers').
-    finish_reason : ``"stop"`` (an EOS id) or ``"length"`` (``max_tokens``).
-    """
-
-    tokens: list[int]
-    text: str | None
-    cum_logprob: float
-    score: float
-    finish_reason: str
-
-
-@dataclass
-class BeamSearchOutput:
-    """What :meth:`LLM.beam_search` returns for one prompt (vLLM's ``BeamSearchOutput``): ``sequences``, its
-    ``beam_width`` :class:`BeamSearchSequence`, best first."""
-
-    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -183,6 +111,18 @@ class LLM:
     batch_invariant : a request's tokens and logprobs are the same bits alone or batched with any others (vLLM's
         ``VLLM_BATCH_INVARIANT``, as an argument): see :mod:`treedec.engine.batch_invariance`;
         ``llm.engine.batch_invariance`` says what runs. Refuses ``quantization`` and tensor parallelism.
+    engine_process : run the model and its engine in an engine core process of its own, as ``treedec serve`` does
+        (default False: in this one). The core is built there from ``model``'s name (a loaded model stays here:
+        refused) with these same arguments; :meth:`generate`, :meth:`chat` and :meth:`beam_search` send their requests
+        to it through the server's messages and core client (prompts encoded and checked, outputs detokenized and
+        their stop strings matched here), their results equal to an in-process LLM's for greedy and seeded requests
+        (``stats``: ``prompt_tokens``, ``cached_tokens``, ``seconds``, no ``steps``). Refused, naming what, since
+        they need the engine here: :meth:`run`, ``llm.model`` / ``engine`` / ``drafts`` / ``prefix_cache`` /
+        ``generator`` / ``grammars``, a beam search with ``structured_outputs`` or on a speculative LLM, a logits
+        processor that cannot be pickled. :meth:`shutdown` (or ``with LLM(...)``, or the interpreter's exit) ends the
+        process; a core that dies fails the call waiting on it with :class:`~treedec.core.client.EngineDeadError`
+        naming its exit code. The process is spawned: a script makes the LLM under ``if __name__ == "__main__":``.
+        Needs ``pyzmq`` and ``msgspec`` (the ``serve`` extra).
 
     Raises
     ------
@@ -197,9 +137,21 @@ class LLM:
                  enable_prefix_caching: bool = False, device: str | None = None, kv_tokens: int | None = None,
                  page_size: int = 16, backend: str = "auto", cuda_graphs: bool | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto", batch_invariant: bool = False,
-                 **unknown):
+                 engine_process: bool = False, **unknown):
         if unknown:
             raise TypeError(_unknown_arguments(unknown))
+        self._core, self.engine_process = None, engine_process
+        if engine_process is not False:
+            if engine_process is not True:
+                raise TypeError(f"engine_process must be True or False, got {describe(engine_process)}")
+            options = dict(tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                           speculative_config=speculative_config, enable_prefix_caching=enable_prefix_caching,
+                           device=device, kv_tokens=kv_tokens, page_size=page_size, backend=backend,
+                           cuda_graphs=cuda_graphs, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                           batch_invariant=batch_invariant)
+            self._start_core(model, tokenizer, options)
+            return
         if quantization is not None:
             quantize_on_load(quantization)   # (a bad name is refused before the weights load)
             if batch_invariant is True:
@@ -265,6 +217,8 @@ class LLM:
     def grammars(self) -> GrammarCompiler:
         """The :class:`~treedec.sampling.grammar.GrammarCompiler` of requests' ``structured_outputs`` (made at the
         first use: its compiled grammars are cached across calls)."""
+        if self._core is not None:   # (__getattr__ says why: the engine core compiles them)
+            raise AttributeError("grammars")
         if self._grammars is None:
             self._grammars = grammar_compiler(self.engine, self.get_tokenizer())
         return self._grammars
@@ -332,23 +286,55 @@ class LLM:
         if not ids:
             raise ValueError("prompts is empty: give at least one")
         eos = None if params.ignore_eos else MODEL_EOS
-        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
-        programs = []
+        grammar = None if params.structured_outputs is None or self._core is not None else \
+            self.grammars.compile(params.structured_outputs)
         for i, prompt in enumerate(ids):
             self._check_length(f"prompts[{i}]", len(prompt), params.max_tokens)
-            programs.append(beam_program(self.engine, prompt, params.beam_width, params.max_tokens,
-                                         params.length_penalty, eos, params.early_stopping, grammar))
-        with tqdm(total=len(programs), unit="prompt", desc="beam search", disable=not use_tqdm or None,
+        with tqdm(total=len(ids), unit="prompt", desc="beam search", disable=not use_tqdm or None,
                   file=sys.stderr) as bar:
-            results, _ = run_programs(self.engine, programs, prefix_cache=self.prefix_cache,
-                                      on_done=lambda index, result: bar.update(1))
-        return [self._beam_output(prompt, result, params) for prompt, result in zip(ids, results)]
+            if self._core is not None:   # (each hypothesis an output of the request, best first)
+                runs = self._core.beam_search(ids, params, on_done=lambda results: bar.update(1))
+                beams = [([r.output_ids for r in rs], [r.stats["beam_score"] for r in rs]) for rs in runs]
+            else:
+                programs = [beam_program(self.engine, prompt, params.beam_width, params.max_tokens,
+                                         params.length_penalty, eos, params.early_stopping, grammar) for prompt in ids]
+                results, _ = run_programs(self.engine, programs, prefix_cache=self.prefix_cache,
+                                          on_done=lambda index, result: bar.update(1))
+                beams = [(r.sequences, r.scores) for r in results]
+        return [self._beam_output(prompt, *beam, params) for prompt, beam in zip(ids, beams)]
 
     def run(self, programs: Sequence) -> tuple[list, SchedulerStats]:
         """Run any scheduler programs (:class:`~treedec.runtime.program.Program`: generation, speculative decoding,
         beams, ToT, the branch controller) together on this LLM's engine: ``(results, stats)`` as
-        :func:`~treedec.runtime.scheduler.run_programs` returns them."""
+        :func:`~treedec.runtime.scheduler.run_programs` returns them. Not with ``engine_process=True``
+        (NotImplementedError): program objects hold this process's engine, and the core takes requests."""
+        if self._core is not None:
+            raise NotImplementedError("LLM.run(programs) runs program objects on the LLM's engine, which "
+                                      "engine_process=True keeps in the engine core's process (it takes requests, not "
+                                      "programs): use LLM(..., engine_process=False) to run them")
         return run_programs(self.engine, programs, prefix_cache=self.prefix_cache)
+
+    def shutdown(self) -> None:
+        """End the engine core's process (``engine_process=True``; every request in flight aborted; a later call
+        raises :class:`~treedec.core.client.EngineDeadError`); nothing for an in-process LLM (its engine is freed
+        with it). Also on leaving ``with LLM(...) as llm:`` and at the interpreter's exit."""
+        if self._core is not None:
+            self._core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __getattr__(self, name: str):
+        # (only for attributes this LLM lacks: with engine_process=True, those of the engine in the core's process)
+        core = self.__dict__.get("_core")
+        if core is not None and name in _IN_CORE:
+            raise AttributeError(f"LLM(engine_process=True) has no {name} in this process: the model and its engine "
+                                 f"live in the engine core's process (pid {core.pid}); give engine_process=False to "
+                                 f"use llm.{name}")
+        raise AttributeError(f"'LLM' object has no attribute {name!r}")
 
     # ---------------------------------------------------------------- private
 
@@ -401,7 +387,11 @@ class LLM:
 
     def _run(self, specs: list[RequestSpec], use_tqdm: bool, chat_template: bool) -> list[RequestOutput]:
         # encoded here once (the batch takes the ids), so every request is checked against max_model_len first
-        encoded = prepare_requests(self.engine, specs, self.tokenizer, chat_template)
+        if self._core is None:
+            encoded = prepare_requests(self.engine, specs, self.tokenizer, chat_template)
+        else:   # (the same checks for the core's model: nothing is sent before every request passes them)
+            ready = self._core.ready
+            encoded = check_requests(specs, self.tokenizer, chat_template, ready.vocab_size, ready.positions)
         for spec, ids in encoded:
             self._check_length(f"request {spec.id}", len(ids), spec.params.max_tokens)
         runs = [RequestSpec(spec.id, prompt_ids=tuple(ids), params=spec.params) for spec, ids in encoded]
@@ -409,7 +399,9 @@ class LLM:
                   file=sys.stderr) as bar:
             done = lambda outputs: bar.update(1)   # noqa: E731
             step = step_progress(bar)   # the bar moves every engine step, not only when a request finishes
-            if self.drafts is None:
+            if self._core is not None:
+                results = [r for rs in self._core.generate(runs, on_done=done, on_step=step) for r in rs]
+            elif self.drafts is None:
                 results, _ = generate_batch(self.engine, runs, self.tokenizer, False, self.generator,
                                             on_request_done=done, on_step=step, prefix_cache=self.prefix_cache,
                                             grammars=self._structured(runs))
@@ -427,14 +419,36 @@ class LLM:
         """:attr:`grammars` when a request has ``structured_outputs``, else None (nothing made)."""
         return self.grammars if any(s.params.structured_outputs is not None for s in specs) else None
 
-    def _beam_output(self, prompt: list[int], result: BeamSearchResult, params: BeamSearchParams) -> BeamSearchOutput:
-        eos = set() if params.ignore_eos else set(eos_token_ids(MODEL_EOS, self.model))
+    def _beam_output(self, prompt: list[int], hypotheses: list[list[int]], scores: list[float],
+                     params: BeamSearchParams) -> BeamSearchOutput:
+        model_eos = self._core.ready.eos_token_ids if self._core is not None else eos_token_ids(MODEL_EOS, self.model)
+        eos = set() if params.ignore_eos else set(model_eos)
         sequences = []
-        for tokens, score in zip(result.sequences, result.scores):
+        for tokens, score in zip(hypotheses, scores):
             text = None if self.tokenizer is None else self.tokenizer.decode(prompt + tokens, skip_special_tokens=True)
             sequences.append(BeamSearchSequence(prompt + tokens, text, score * len(tokens) ** params.length_penalty,
                                                 score, "stop" if tokens and tokens[-1] in eos else "length"))
         return BeamSearchOutput(sequences)
+
+    def _start_core(self, model, tokenizer, options: dict) -> None:
+        """``engine_process=True``: the engine core's process, its LLM built there with this one's arguments (the
+        server's launcher), and this LLM its client's (prompts encoded here with the core's tokenizer)."""
+        if not isinstance(model, (str, Path)):
+            raise ValueError(f"engine_process=True builds the model in the engine core's process, from its name or "
+                             f"path; got {describe(model)}: give its name (a loaded model stays in this process: "
+                             f"engine_process=False)")
+        missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ModuleNotFoundError(f"LLM(engine_process=True) needs pyzmq and msgspec ({', '.join(missing)} not "
+                                      f"installed): pip install 'treedec[serve]'")
+        from treedec.core.sync_client import start_core
+
+        options["speculative_config"] = self.speculative_config = as_speculative_config(options["speculative_config"])
+        # (an in-process LLM there; no prefix cache but its own, enable_prefix_caching, as in this process)
+        self._core = start_core(functools.partial(LLM, model, tokenizer, **options), seed=options["seed"])
+        ready = self._core.ready
+        self.name, self.max_model_len, self.tokenizer = ready.name, ready.max_model_len, self._core.tokenizer
+        logger.info("engine core: process %d (%s on %s)", ready.pid, ready.name, ready.device)
 
     def _seed(self, spec: RequestSpec) -> int:
         if spec.params.seed is not None:
@@ -477,8 +491,8 @@ def _request_output(spec: RequestSpec, results: list[RequestResult]) -> RequestO
         outputs.append(CompletionOutput(r.index, r.text, list(r.output_ids), r.cumulative_logprob, r.logprobs,
                                         "length" if r.stop_reason == "length" else "stop", stop))
     stats = dict(first.stats)
-    steps = stats.get("steps") or 0
-    stats["tokens_per_step"] = len(first.output_ids) / steps if steps else 0.0
+    if "steps" in stats:   # (the engine's count: an engine core's process sends none)
+        stats["tokens_per_step"] = len(first.output_ids) / stats["steps"] if stats["steps"] else 0.0
     prompt = spec.prompt if spec.prompt is not None else (None if spec.messages is None else list(spec.messages))
     return RequestOutput(spec.id, prompt, list(first.prompt_ids), first.prompt_logprobs, outputs, True,
                          {k: v for k, v in stats.items() if k not in ("root", "nodes")})

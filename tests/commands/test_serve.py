@@ -20,8 +20,9 @@ def test_help_names_the_options(capsys):
         main(["serve", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--model", "--config", "--tokenizer", "--page-size", "--host", "--port", "--served-model-name", "--kv-tokens", "--speculative", "--drafter",
-                   "--num-speculative-tokens", "--max-queued-requests", "--chat-template"):
+    for option in ("--model", "--config", "--tokenizer", "--page-size", "--host", "--port", "--served-model-name",
+                   "--kv-tokens", "--speculative", "--drafter", "--num-speculative-tokens", "--max-queued-requests",
+                   "--chat-template"):
         assert option in out
 
 
@@ -171,7 +172,7 @@ def tiny_serve(tmp_path, *argv):
 
 def test_the_engine_core_runs_in_a_process_of_its_own_by_default_and_says_so(tmp_path, capsys, monkeypatch):
     from tests.tokenizers_local import build_tokenizer
-    from treedec.serve.core_client import ProcessClient
+    from treedec.core.process_client import ProcessClient
     monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
     recorded = _Recorded(monkeypatch)
     assert main(["serve", "--config", "tiny", "--tokenizer", str(build_tokenizer(tmp_path / "tok")), "--kv-tokens",

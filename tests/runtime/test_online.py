@@ -5,7 +5,7 @@ import pytest
 
 from treedec.programs.generate import GenerateProgram
 from treedec.runtime.online import OnlineScheduler, ProgramAborted
-from treedec.serve.engine import OnlineEngine
+from treedec.core.online_engine import OnlineEngine
 from treedec.runtime.requests import RequestSpec
 from treedec.sampling.params import SamplingParams
 from treedec.runtime.scheduler import run_program, run_programs

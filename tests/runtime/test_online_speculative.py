@@ -17,7 +17,7 @@ from treedec.programs.speculative.verify_table import VerifyTable
 from treedec.runtime.online import ProgramAborted
 from treedec.runtime.requests import RequestSpec
 from treedec.sampling.params import SamplingParams
-from treedec.serve.engine import OnlineEngine
+from treedec.core.online_engine import OnlineEngine
 from treedec.tree.token_tree import TokenTree
 from tests.programs.speculative.test_pipeline import permutation_target
 from tests.programs.test_generate_batch import LetterTokenizer

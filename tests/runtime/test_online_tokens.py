@@ -15,7 +15,7 @@ from treedec.runtime.requests import RequestSpec
 from treedec.runtime.scheduler import run_program
 from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput, StreamTokens
 from treedec.sampling.params import SamplingParams
-from treedec.serve.engine import OnlineEngine
+from treedec.core.online_engine import OnlineEngine
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 from tests.engines import tiny_model
 from treedec import LLM, SamplingParams
 from treedec.serve import build_app
-from treedec.serve.core_client import ProcessClient
+from treedec.core.process_client import ProcessClient
 from treedec.serve.http import make_server
 
 
@@ -92,7 +92,7 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 def free_again(server: RunningServer, timeout: float = 10.0) -> int:
     """The pages of the server's pool held by anything but the prefix cache, once its engine is idle and its tree
     empty (0: every request's pages are free; the invariants hold with the cache's holds), as its core reports them
-    (:class:`~treedec.serve.messages.PagesReport`)."""
+    (:class:`~treedec.core.messages.PagesReport`)."""
     deadline = time.monotonic() + timeout
     while True:
         report = server.pages()

@@ -1,4 +1,4 @@
-"""The engine core in its own process (treedec/serve/core.py, core_client.py, messages.py): the messages round-trip,
+"""The engine core in its own process (treedec/core/engine_core.py, client.py, messages.py): the messages round-trip,
 a killed core fails every request in flight with 503 ``engine_failed`` and stops the server, a core that cannot start
 says why, and a load of requests with random aborts and disconnects loses and duplicates nothing and frees every
 page."""
@@ -17,8 +17,9 @@ import pytest
 from tests.serve.server import RunningServer, free_again, llm_recipe, wait_until
 from treedec import SamplingParams
 from treedec.programs.beam import BeamSearchParams
-from treedec.serve.core_client import EngineStartupError, ProcessClient
-from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
+from treedec.core.client import EngineStartupError
+from treedec.core.process_client import ProcessClient
+from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, PositionLogprobs, RequestFailure, RequestFinished, Shutdown,
                                     TokenDelta, dumps, loads)
@@ -55,9 +56,9 @@ def test_output_messages_round_trip():
                          [OutputDelta("r", 0, "a", 1), OutputDelta("r", 1, "", 2, "eos", [5, 2])],
                          [RequestFinished("r", dumps([result])), RequestFinished("t", None)],
                          [RequestFailure("s", "ValueError", "prompt_ids: x")], STATS),
-        CoreReady(name="tiny", max_model_len=4096, vocab_size=512, speculative=False, device="cpu", kv_tokens=4096,
-                  kv_cache_dtype="bfloat16", page_size=4, batch_invariant=False, note="", tokenizer=None, pid=7,
-                  eos_token_ids=[2]),
+        CoreReady(name="tiny", max_model_len=4096, positions=4096, vocab_size=512, speculative=False, device="cpu",
+                  kv_tokens=4096, kv_cache_dtype="bfloat16", page_size=4, batch_invariant=False, note="",
+                  tokenizer=None, pid=7, eos_token_ids=[2]),
         CoreStartupFailed("FileNotFoundError", "no model at /x"),
         PagesReport(token=1, idle=True, num_nodes=0, held_pages=0, cache_pages=3, invariants=None)]
     for message in messages:

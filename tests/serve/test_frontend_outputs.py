@@ -1,6 +1,6 @@
-"""Detokenization and stop strings in the frontend (treedec/serve/outputs.py; issue #51): the engine core streams a
-generated request's token ids and makes no text for it; the frontend's text, stop strings, logprobs and usage are
-the ones LLM.generate gives, on both transports; a stop string found in the frontend aborts the request in the core
+"""Detokenization and stop strings in the frontend (treedec/core/output_processor.py; issue #51): the engine core
+streams a generated request's token ids and makes no text for it; the frontend's text, stop strings, logprobs and usage
+are the ones LLM.generate gives, on both transports; a stop string found in the frontend aborts the request in the core
 and keeps its result."""
 import threading
 
@@ -9,9 +9,9 @@ import pytest
 from tests.serve.server import ENGINES, RunningServer, free_again, make_llm
 from treedec import SamplingParams
 from treedec.models.text import IncrementalDetokenizer
-from treedec.serve.core import EngineCore
-from treedec.serve.messages import AddRequest, IterationOutputs, PositionLogprobs, TokenDelta, dumps
-from treedec.serve.outputs import RequestOutputs
+from treedec.core.engine_core import EngineCore
+from treedec.core.messages import AddRequest, IterationOutputs, PositionLogprobs, TokenDelta, dumps
+from treedec.core.output_processor import RequestOutputs
 
 PROMPT = "The quick brown fox"
 

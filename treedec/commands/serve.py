@@ -10,7 +10,7 @@ It loads an :class:`~treedec.LLM` (the model, its tokenizer, one engine and, wit
 (:func:`treedec.serve.build_app`) and runs it with uvicorn (:func:`treedec.serve.http.make_server`) until Ctrl-C or
 SIGTERM: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. By default (``--engine-process``) the LLM is built and run in an engine-core process of its own
-(:mod:`treedec.serve.core`: the online scheduler), and this process is the frontend (HTTP, tokenization, chat
+(:mod:`treedec.core.engine_core`: the online scheduler), and this process is the frontend (HTTP, tokenization, chat
 templates, streams, metrics), as vLLM's; ``--no-engine-process`` runs both in one process. When the engine core's
 process ends unasked (killed, crashed) every request in flight is answered 503 ``engine_failed`` and the server
 exits with code 1, for a supervisor to restart it. Requests name the model ``--served-model-name`` (default the
@@ -21,7 +21,6 @@ exits within a few seconds, exit code 0. On a loopback address it answers only t
 from __future__ import annotations
 
 import argparse
-import builtins
 import functools
 import importlib.util
 import ipaddress
@@ -155,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--allowed-hosts must name at least one host ('*' for any), got {args.allowed_hosts!r}")
     from treedec.programs.speculative import SpeculativeConfig
     from treedec.serve import build_app
-    from treedec.serve.core_client import EngineStartupError, ProcessClient
+    from treedec.core.process_client import launch_core
     from treedec.serve.http import make_server
 
     if args.speculative is not None:   # (checked before the model loads)
@@ -168,14 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or args.config
     recipe = functools.partial(build_llm, args, template)
     if args.engine_process:
-        engine = ProcessClient(recipe, seed=args.seed)
-        try:
-            ready = engine.launch()
-        except EngineStartupError as e:   # (the core's own error class, when it is a user's error: one line)
-            error = getattr(builtins, e.kind or "", None)
-            if isinstance(error, type) and issubclass(error, (ValueError, TypeError, OSError, MemoryError)):
-                raise error(str(e)) from None
-            raise
+        engine = launch_core(recipe, seed=args.seed)   # (a user's error in the core: its class, one line)
+        ready = engine.ready
         core = f"engine core: process {ready.pid}"
     else:
         engine = llm = recipe()

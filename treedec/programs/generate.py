@@ -45,8 +45,8 @@ from treedec.runtime.request import Positions, check_positions, position_limit
 from treedec.runtime.scheduler import SchedulerStats, run_programs
 from treedec.sampling.stops import StopChecker, StopRule
 
-__all__ = ["GenerateProgram", "generate_batch", "grammar_compiler", "prepare_requests", "request_grammar",
-           "request_results", "step_progress", "worst_case_pages"]
+__all__ = ["GenerateProgram", "check_requests", "generate_batch", "grammar_compiler", "prepare_requests",
+           "request_grammar", "request_results", "step_progress", "worst_case_pages"]
 
 
 def generate_batch(engine: Engine, requests: Sequence[RequestSpec], tokenizer=None, chat_template: bool = False,
@@ -178,14 +178,27 @@ def worst_case_pages(pool, params: SamplingParams, prompt_tokens: int) -> int:
 
 
 def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -> list[tuple[RequestSpec, list[int]]]:
-    """Check every request and encode its prompt before anything runs: ``(spec, prompt_ids)`` each. Once all
-    are valid, a tokenizer smaller than the model's vocabulary (a padded embedding) restricts the engine to
-    it from then on (:meth:`Engine.restrict_vocab`: ids past it could not be decoded); nothing else changes."""
+    """Check every request and encode its prompt before anything runs (:func:`check_requests` for ``engine``'s
+    model): ``(spec, prompt_ids)`` each. Once all are valid, a tokenizer smaller than the model's vocabulary (a padded
+    embedding) restricts the engine to it from then on (:meth:`Engine.restrict_vocab`: ids past it could not be
+    decoded); nothing else changes."""
+    vocab = engine.model.config.vocab_size
+    out = check_requests(requests, tokenizer, chat_template, vocab, position_limit(engine.model))
+    if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
+        engine.restrict_vocab(len(tokenizer))   # a padded embedding: ids past the tokenizer are never sampled
+    return out
+
+
+def check_requests(requests, tokenizer, chat_template: bool, vocab_size: int, positions: int
+                   ) -> list[tuple[RequestSpec, list[int]]]:
+    """Check every request and encode its prompt, for a model of ``vocab_size`` token ids and ``positions`` positions
+    (:func:`~treedec.runtime.request.position_limit`: ``truncate_prompt_tokens=-1`` keeps that many): ``(spec,
+    prompt_ids)`` each, the ids truncated. Raises ValueError or TypeError naming the request and the field; touches
+    no engine (an :class:`~treedec.LLM` whose engine is in an engine core's process checks its requests with it)."""
     if isinstance(requests, RequestSpec) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of RequestSpec, got {type(requests).__name__}")
     if not isinstance(chat_template, bool):
         raise TypeError(f"chat_template must be a bool, got {chat_template!r}")
-    vocab = engine.model.config.vocab_size
     out, ids = [], set()
     for k, spec in enumerate(requests):
         if not isinstance(spec, RequestSpec):
@@ -201,14 +214,14 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
         else:
             prompt_ids = encode_prompt(tokenizer, spec.prompt if spec.prompt is not None else list(spec.messages),
                                        chat_template or spec.messages is not None)
-        prompt_ids = spec.params.truncated(prompt_ids, position_limit(engine.model))
+        prompt_ids = spec.params.truncated(prompt_ids, positions)
         for field, given in (("prompt_ids", prompt_ids), ("stop_token_ids", spec.params.stop_token_ids)):
-            bad = [t for t in given if t >= vocab]
+            bad = [t for t in given if t >= vocab_size]
             if bad:   # (the message starts with the field: a server names it as the error's param)
                 raise ValueError(f"{field} of request {spec.id!r}: token id {bad[0]} is out of vocabulary (the "
-                                 f"model's vocabulary has {vocab} tokens: ids must be in [0, {vocab})), got "
+                                 f"model's vocabulary has {vocab_size} tokens: ids must be in [0, {vocab_size})), got "
                                  f"{bad[:5]}")
-        spec.params.check_vocab(vocab, f"request {spec.id!r}")
+        spec.params.check_vocab(vocab_size, f"request {spec.id!r}")
         if spec.params.structured_outputs is not None and tokenizer is None:
             raise ValueError(f"request {spec.id!r} has structured_outputs: they are matched on the tokens' text and "
                              f"need the checkpoint's tokenizer")
@@ -216,8 +229,6 @@ def prepare_requests(engine: Engine, requests, tokenizer, chat_template: bool) -
             raise ValueError(f"request {spec.id!r} has stop strings {list(spec.params.stop)!r:.60}: they are matched "
                              f"on the output text and need the checkpoint's tokenizer")
         out.append((spec, prompt_ids))
-    if isinstance(tokenizer, Sized) and len(tokenizer) < vocab:   # (HF tokenizers have a length; a bare codec may not)
-        engine.restrict_vocab(len(tokenizer))   # a padded embedding: ids past the tokenizer are never sampled
     return out
 
 

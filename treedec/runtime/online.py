@@ -21,7 +21,8 @@ time (never two threads in one engine, nor an engine that something else steps m
 ``abort`` from other threads go through an inbox (a lock and a list) that the driving thread drains at the
 start of each iteration; the callbacks run on the driving thread.
 
-:class:`~treedec.serve.engine.OnlineEngine` is that driving thread, for a server (it turns requests into programs).
+:class:`~treedec.core.online_engine.OnlineEngine` is that driving thread, for the engine core (it turns requests into
+programs).
 
 Memory stays bounded in a long-running server: :attr:`OnlineScheduler.stats` keeps its counters for the engine's
 life but only the last ``history`` entries of its per-step lists.

@@ -12,7 +12,7 @@ carrying its last text, when it ends: from :meth:`OutputStream.end`, or from :me
 output whose program streams no ends (a speculative one); the final item (``results``) comes after all of them.
 
 A request whose program streams token ids instead of text (a server's engine core, whose frontend detokenizes:
-:mod:`treedec.serve.core`) is given each step's tokens (:meth:`OutputStream.tokens`) and passes on a
+:mod:`treedec.core.engine_core`) is given each step's tokens (:meth:`OutputStream.tokens`) and passes on a
 :class:`StreamTokens` per output, counted in tokens: a run again passes on only the tokens past those passed on, and
 an output's end once.
 """
@@ -99,7 +99,7 @@ class OutputStream:
 
     With ``deliver`` the items go to ``deliver(item)`` on the driving thread instead (each :class:`StreamOutput`,
     then :data:`STREAM_END` after the final one, or a :class:`StreamFailure`), and the stream is not iterated: the
-    engine core (:mod:`treedec.serve.core`) batches them into one message per iteration."""
+    engine core (:mod:`treedec.core.engine_core`) batches them into one message per iteration."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, request_id: int | str,
                  deliver: Callable[[Any], None] | None = None):

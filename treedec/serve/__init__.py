@@ -1,10 +1,8 @@
 """``treedec serve``: an OpenAI-compatible HTTP server (FastAPI, uvicorn) over treedec's online engine.
 
-- the engine core (:mod:`treedec.serve.core`): one :class:`~treedec.serve.engine.OnlineEngine` thread driving the
-  engine (it needs none of the server's packages) behind the messages of :mod:`treedec.serve.messages` (one out per
-  engine iteration), in a process of its own or in the server's, and the frontend's one client interface to it
-  (:mod:`treedec.serve.core_client`: :class:`~treedec.serve.core_client.ProcessClient` over ZMQ,
-  :class:`~treedec.serve.core_client.InProcessClient`);
+- the engine core it serves is :mod:`treedec.core` (the online scheduler behind messages, in a process of its own or
+  in the server's, and the one client interface to it), which :class:`~treedec.LLM` uses too
+  (``LLM(..., engine_process=True)``);
 - :func:`build_app` (:mod:`treedec.serve.app`): the app (the frontend) over an engine core:
   ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``; with an API key
@@ -19,7 +17,7 @@
   cannot parse; a shutdown that aborts every request first).
 
 Needs the ``serve`` extra: ``pip install 'treedec[serve]'``. The names below are imported when first used (PEP
-562), so that :mod:`treedec.serve.engine` imports without FastAPI.
+562), so that ``import treedec.serve`` needs no FastAPI.
 """
 import importlib
 

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP app: :func:`build_app` over one engine core (:mod:`treedec.serve.core`).
+"""The OpenAI-compatible HTTP app: :func:`build_app` over one engine core (:mod:`treedec.core.engine_core`).
 
 The app is the server's frontend: HTTP, tokenization and chat templates, the responses and their streams, metrics.
-One engine core serves every request, through a :class:`~treedec.serve.core_client.CoreClient`: in a process of its
-own (:class:`~treedec.serve.core_client.ProcessClient`, ``treedec serve``'s default) or in this one, over an
-:class:`~treedec.LLM` built here (:class:`~treedec.serve.core_client.InProcessClient`); started when the app starts,
+One engine core serves every request, through a :class:`~treedec.core.client.CoreClient`: in a process of its
+own (:class:`~treedec.core.process_client.ProcessClient`, ``treedec serve``'s default) or in this one, over an
+:class:`~treedec.LLM` built here (:class:`~treedec.core.client.InProcessClient`); started when the app starts,
 shut down (every request aborted, its pages freed) when it stops. Each engine iteration's news reaches the app as
 one message, handled at once for every request it advanced. Routes: ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``
@@ -21,8 +21,8 @@ headers and the body by :class:`~treedec.serve.limits.RequestLimits` (host, byte
 prompts, outputs queued) on arrival; a text prompt's length before it is tokenized, and the tokenizer and the chat
 template off the event loop (:class:`~treedec.serve.prompts.PromptEncoder`); the KV pages a request may need at
 worst before it is queued (:meth:`OnlineEngine.submit`, in the core). A generated request's token ids stream back
-from the core and its text is made here (:mod:`treedec.serve.outputs`: stop strings matched here, the request aborted
-in the core when they end it); a speculative request's and a beam search's text streams back from the core.
+from the core and its text is made here (:mod:`treedec.core.output_processor`: stop strings matched here, the request
+aborted in the core when they end it); a speculative request's and a beam search's text streams back from the core.
 
 Errors are OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a traceback: 401 without the
 API key (``"invalid_api_key"``); 400 for a bad
@@ -58,7 +58,7 @@ from starlette.exceptions import HTTPException
 import treedec
 from treedec.llm import LLM
 from treedec.serve.auth import APIKeyAuth, check_api_key
-from treedec.serve.core_client import CoreClient, InProcessClient
+from treedec.core.client import CoreClient, InProcessClient
 from treedec.serve.errors import body_parse_error, request_error
 from treedec.runtime.requests import RequestResult
 from treedec.serve.limits import BodyError, QueueLimits, QueueSlots, RequestLimits, body_error_response
@@ -87,8 +87,8 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
               secure_metrics: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`~treedec.LLM` (its model, tokenizer, engine and speculative
     config: with one, every request is decoded speculatively, and one it cannot take is answered 400), served by an
-    engine core in this process; or a :class:`~treedec.serve.core_client.CoreClient` (a
-    :class:`~treedec.serve.core_client.ProcessClient`: the core in its own process), started with the app if it was
+    engine core in this process; or a :class:`~treedec.core.client.CoreClient` (a
+    :class:`~treedec.core.process_client.ProcessClient`: the core in its own process), started with the app if it was
     not.
 
     Parameters
@@ -116,9 +116,12 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
         otherwise: :class:`~treedec.serve.auth.APIKeyAuth`); None: no key.
     secure_metrics : with ``api_key``, ``/health`` and ``/metrics`` need it too.
 
-    ``app.state.online`` is the :class:`~treedec.serve.core_client.CoreClient` while the app runs,
+    ``app.state.online`` is the :class:`~treedec.core.client.CoreClient` while the app runs,
     ``app.state.metrics`` its :class:`~treedec.serve.metrics.ServeMetrics`.
     """
+    if isinstance(engine, LLM) and engine.engine_process:   # (its engine is in its own core's process)
+        raise ValueError("build_app serves an LLM built in this process (engine_process=False), or a CoreClient "
+                         "(a ProcessClient of its own core); an LLM(engine_process=True)'s core is its own client's")
     if isinstance(engine, LLM):
         client: CoreClient = InProcessClient(engine, max_step_tokens=max_step_tokens, seed=seed)
     elif isinstance(engine, CoreClient):

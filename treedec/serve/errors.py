@@ -8,7 +8,7 @@ from starlette.exceptions import HTTPException
 
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.online import ProgramAborted
-from treedec.serve.core_client import EngineDeadError, EngineError
+from treedec.core.client import EngineDeadError, EngineError
 from treedec.serve.protocol import ServeError
 
 __all__ = ["body_parse_error", "request_error"]

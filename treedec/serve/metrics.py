@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from treedec.runtime.requests import RequestResult
-from treedec.serve.messages import IterationStats
+from treedec.core.messages import IterationStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServeMetrics"]
 

@@ -1,6 +1,6 @@
 """Structured outputs on the server: a request's constraint is compiled by the engine core when it takes the request
-(:meth:`~treedec.serve.engine.OnlineEngine.submit`, on the core's input thread: off its engine's thread and off the
-frontend's event loop; xgrammar's compile of a large schema takes milliseconds to seconds), and one that cannot be
+(:meth:`~treedec.core.online_engine.OnlineEngine.submit`, on the core's input thread: off its engine's thread and off
+the frontend's event loop; xgrammar's compile of a large schema takes milliseconds to seconds), and one that cannot be
 compiled refuses the request; :func:`grammar_error` is what the client is told then."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A speculative request's output streamed as token ids (:attr:`SpeculativeProgram.on_tokens
 <treedec.programs.speculative.program.SpeculativeProgram>`): a server's engine core, whose frontend detokenizes
-them and matches the stop strings (:mod:`treedec.serve.outputs`), as it does for generated requests.
+them and matches the stop strings (:mod:`treedec.core.output_processor`), as it does for generated requests.
 
 After each verification step the program hands on the tokens it accepted since the last hand-off (several a step:
 the accepted path and the bonus token), their logprobs, the output's end once its stop rule (EOS and stop ids,

@@ -1,52 +1,41 @@
-"""The frontend's side of the engine core (:mod:`treedec.serve.core`): one client interface, two transports.
+"""The frontend's side of the engine core (:mod:`treedec.core.engine_core`): one client interface, two transports.
 
 :class:`CoreClient` is what the server (:mod:`treedec.serve.app`) talks to: :meth:`~CoreClient.submit` sends a
-request and returns its :class:`~treedec.serve.outputs.RequestStream` (an async iterator of
-:class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.serve.engine.OnlineEngine`'s streams) once the core
-accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
-:class:`~treedec.serve.messages.IterationStats`; its health. Every output message the core sends is handled by one
+request and returns its :class:`~treedec.core.output_processor.RequestStream` (an async iterator of
+:class:`~treedec.runtime.streams.StreamOutput`, as :class:`~treedec.core.online_engine.OnlineEngine`'s streams) once
+the core accepted it (a refusal raises its error); :meth:`~CoreClient.abort`; the core's last
+:class:`~treedec.core.messages.IterationStats`; its health. Every output message the core sends is handled by one
 method on the event loop (:meth:`CoreClient.process`): one wake-up per engine iteration, however many requests it
 advanced. A generated request streams token ids from the core: its text, stop strings and results are made here
-(:class:`~treedec.serve.outputs.RequestOutputs`), and a request whose outputs all ended here while the core still
-runs it (a stop string) is aborted there; so does a speculative request. A beam search streams text made in the core.
-Two transports under it:
+(:class:`~treedec.core.output_processor.RequestOutputs`), and a request whose outputs all ended here while the core
+still runs it (a stop string) is aborted there; so does a speculative request. A beam search streams text made in the
+core. Two transports under it:
 
 - :class:`InProcessClient`: the core in this process (its engine's thread; the messages passed as objects), for an
   :class:`~treedec.LLM` built here (tests, ``--no-engine-process``);
-- :class:`ProcessClient`: the core in a process of its own (``multiprocessing`` spawn), over ZMQ (IPC sockets) with
-  msgpack, as vLLM v1's ``AsyncMPClient`` (a reader thread hands each message to the loop, as the in-process core's
-  thread does). Its process is watched: when it ends unasked (killed, crashed) every
-  request in flight fails with :class:`EngineDeadError` (503 ``engine_failed``), :attr:`CoreClient.dead` is set,
-  and ``on_dead`` is called (``treedec serve`` then exits with code 1, for a supervisor to restart it). A core that
-  fails to start raises :class:`EngineStartupError` with its reason from :meth:`ProcessClient.start`.
+- :class:`~treedec.core.process_client.ProcessClient`: the core in a process of its own, over ZMQ
+  (:mod:`treedec.core.process_client`).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import itertools
-import multiprocessing
 import os
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import treedec
 from treedec.runtime.online import ProgramAborted
 from treedec.runtime.streams import STREAM_END, StreamFailure, StreamOutput
-from treedec.serve.core import ERROR_KINDS, EngineCore, run_core_process
-from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
-                                    IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
-                                    PagesReport, Shutdown, dumps, loads)
-from treedec.serve.outputs import RequestOutputs, RequestStream
+from treedec.core.engine_core import ERROR_KINDS, EngineCore
+from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, IterationOutputs,
+                                   IterationStats, OutputDelta, PagesQuery, PagesReport, Shutdown, dumps, loads)
+from treedec.core.output_processor import RequestOutputs, RequestStream
 
-__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "ProcessClient"]
+__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "WATCH_SECONDS"]
 
 #: Seconds between two checks of the core's health (its process, or its engine's thread).
-_WATCH_SECONDS = 0.05
+WATCH_SECONDS = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -73,9 +62,9 @@ class CoreClient:
 
     Attributes
     ----------
-    ready : what the core told of its model (:class:`~treedec.serve.messages.CoreReady`), once started.
+    ready : what the core told of its model (:class:`~treedec.core.messages.CoreReady`), once started.
     tokenizer : the core's tokenizer (the frontend encodes and decodes with the same one), or None.
-    stats : the core's last :class:`~treedec.serve.messages.IterationStats` (None before its first message).
+    stats : the core's last :class:`~treedec.core.messages.IterationStats` (None before its first message).
     dead : the :class:`EngineDeadError` once the core is gone, else None.
     on_iteration : called with each message's stats (the server's metrics).
     on_dead : called once, with the error, when the core is gone unasked.
@@ -92,6 +81,8 @@ class CoreClient:
         self.on_iteration: Callable[[IterationStats], None] | None = None
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._ending: set[str] = set()   # requests ended here whose end the core has not told yet
+        self._settled: asyncio.Future | None = None
         self._unacknowledged = 0   # outputs of requests sent and not yet accepted or refused
         self._last_message = time.monotonic()
         self._closing = False
@@ -144,7 +135,7 @@ class CoreClient:
             self._send(AbortRequests([request_id]))
 
     async def pages(self, timeout: float = 30.0) -> PagesReport:
-        """The core's page accounting (:class:`~treedec.serve.messages.PagesReport`), asked now."""
+        """The core's page accounting (:class:`~treedec.core.messages.PagesReport`), asked now."""
         self._check_alive()
         token = next(self._tokens)
         answer = self._pages[token] = asyncio.get_running_loop().create_future()
@@ -153,6 +144,14 @@ class CoreClient:
             return await asyncio.wait_for(answer, timeout)
         finally:
             self._pages.pop(token, None)
+
+    async def settled(self) -> None:
+        """Wait until the core has ended every request whose outputs all ended here (its news of the end follows the
+        last tokens; one a stop string ended here is aborted there), so that their pages and their ids are free there
+        (an offline LLM's next call reuses its ids); at once when none is left, or when the core is gone."""
+        if self._ending and self.dead is None and not self._closing:
+            self._settled = asyncio.get_running_loop().create_future()
+            await self._settled
 
     def shutdown(self) -> None:
         """Abort every request in flight now (each fails with ``server_shutdown``); :meth:`close` ends the core."""
@@ -193,7 +192,8 @@ class CoreClient:
                 stream.put(_stream_output(delta))
         for done in message.finished:
             stream = streams.pop(done.request_id, None)
-            if stream is None:
+            if stream is None:   # (ended here first: now in the core too)
+                self._ended(done.request_id)
                 continue
             if done.results is None:   # (a token stream's outputs all end in its deltas, before this)
                 stream.put(StreamFailure(EngineError(f"the engine core finished request {done.request_id!r} before "
@@ -203,7 +203,9 @@ class CoreClient:
             stream.put(STREAM_END)
         for failure in message.failed:
             stream = streams.pop(failure.request_id, None)
-            if stream is not None:
+            if stream is None:   # (ended here first, then aborted there)
+                self._ended(failure.request_id)
+            else:
                 error_type = ERROR_KINDS.get(failure.kind)
                 error = error_type(failure.message) if error_type is not None else \
                     EngineError(f"{failure.kind.split(':', 1)[-1]}: {failure.message}")
@@ -219,11 +221,17 @@ class CoreClient:
         """A token stream ended in the frontend: forgotten (the core's later news of it dropped) and, when the core
         still runs it, aborted there (its pages freed at its next iteration)."""
         del self._streams[stream.request_id]
+        self._ending.add(stream.request_id)   # (until the core's news of its end, which follows: settled())
         if stream.processor.needs_abort and self.dead is None and not self._closing:
             try:   # (the outputs its stop strings ended offered to the prefix cache there)
                 self._send(AbortRequests([stream.request_id], [stream.processor.kept_tokens]))
             except EngineDeadError:   # (the core is gone: the reader reports it, failing what runs)
                 pass
+
+    def _ended(self, request_id: str) -> None:
+        self._ending.discard(request_id)
+        if not self._ending and self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
 
     def _died(self, reason: str) -> None:
         if self.dead is not None or self._closing:
@@ -236,6 +244,9 @@ class CoreClient:
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         self._unacknowledged = 0
+        self._ending.clear()   # (nothing more comes from the core)
+        if self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
         for stream in streams.values():
             if not stream.accepted.done():
                 stream.accepted.set_exception(error)
@@ -297,7 +308,7 @@ class InProcessClient(CoreClient):
     async def _watch_engine(self) -> None:
         online = self.core.online
         while online.error is None and not self._closing:
-            await asyncio.sleep(_WATCH_SECONDS)
+            await asyncio.sleep(WATCH_SECONDS)
         if online.error is not None:
             self.core.flush(0.0)   # (its requests' failures)
             await asyncio.sleep(0)
@@ -322,155 +333,3 @@ class InProcessClient(CoreClient):
             return True
         self._inputs.shutdown(wait=False)
         return await asyncio.get_running_loop().run_in_executor(None, self.core.shutdown, timeout)
-
-
-class ProcessClient(CoreClient):
-    """The core in a process of its own, built there by ``recipe()`` (a picklable callable returning the
-    :class:`~treedec.LLM`: ``functools.partial`` of a module-level function), over ZMQ IPC sockets in a private
-    temporary folder (see the module docstring). :meth:`launch` starts it and waits until it is built (blocking: a
-    command runs it before its server starts, to report a bad model at once); :meth:`start` (on the loop) launches
-    it if that was not done and starts the thread that reads its messages, hands each one to the loop and watches
-    the process."""
-
-    mode = "process"
-
-    def __init__(self, recipe: Callable[[], Any], *, max_step_tokens: int | None = None, seed: int = 0,
-                 startup_timeout: float = 600.0):
-        super().__init__()
-        if not callable(recipe):
-            raise TypeError(f"recipe must be a callable returning the LLM, got {type(recipe).__name__}")
-        self.recipe, self.startup_timeout = recipe, startup_timeout
-        self._options = (max_step_tokens, seed)
-        self.process_handle: multiprocessing.process.BaseProcess | None = None
-        self._folder = None
-        self._context = self._inputs = self._outputs = None
-        self._in_codec, self._out_codec = MessageCodec(CoreInput), MessageCodec(CoreOutput)
-        self._reader: threading.Thread | None = None
-        self._stop_reading = threading.Event()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process_handle is None else self.process_handle.pid
-
-    def launch(self) -> CoreReady:
-        """Start the core's process and wait until it is built (any thread); raises :class:`EngineStartupError`
-        with its reason when it cannot be (or ends before it says)."""
-        import zmq
-
-        if self.ready is not None:
-            return self.ready
-        self._folder = tempfile.TemporaryDirectory(prefix="treedec-core-")
-        input_address = f"ipc://{self._folder.name}/inputs"
-        output_address = f"ipc://{self._folder.name}/outputs"
-        self._context = zmq.Context()
-        self._inputs = self._context.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(input_address)
-        self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.bind(output_address)
-        root = str(Path(treedec.__file__).resolve().parents[1])
-        if root not in sys.path:   # (the child imports this treedec: a checkout's, which python -m takes off the path)
-            sys.path.append(root)   # (last: nothing in it shadows an installed module)
-        spawn = multiprocessing.get_context("spawn")   # (CUDA cannot be forked; the core imports torch alone)
-        self.process_handle = spawn.Process(target=run_core_process, name="treedec-engine-core", daemon=True,
-                                            args=(self.recipe, input_address, output_address, *self._options))
-        self.process_handle.start()
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            while not self._outputs.poll(100):
-                if not self.process_handle.is_alive():
-                    raise EngineStartupError(f"the engine core's process ended while starting (exit code "
-                                             f"{self.process_handle.exitcode}); its output says why")
-                if time.monotonic() > deadline:
-                    raise EngineStartupError(f"the engine core did not start within {self.startup_timeout:g} s")
-            first = self._out_codec.decode(self._outputs.recv())
-            if isinstance(first, CoreStartupFailed):
-                raise EngineStartupError(first.message, first.kind)
-            if not isinstance(first, CoreReady):
-                raise EngineStartupError(f"the engine core's first message is a {type(first).__name__}")
-        except BaseException:
-            self._stop_process(10.0)
-            raise
-        self.tokenizer = None if first.tokenizer is None else loads(first.tokenizer)
-        self.ready = first
-        return first
-
-    async def start(self) -> None:
-        self.loop = loop = asyncio.get_running_loop()
-        if self.ready is None:
-            await loop.run_in_executor(None, self.launch)
-        self._last_message = time.monotonic()
-        self._reader = threading.Thread(target=self._read, args=(loop,), name="treedec-core-reader", daemon=True)
-        self._reader.start()
-
-    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The reader thread: each message to the loop, decoded; the process's end (unasked) to :meth:`_died`."""
-        import zmq
-
-        decode, sock, handle = self._out_codec.decode, self._outputs, self.process_handle
-
-        def hand(f, *args) -> bool:
-            try:
-                loop.call_soon_threadsafe(f, *args)
-                return True
-            except RuntimeError:   # (the loop is closed)
-                return False
-
-        while not self._stop_reading.is_set():
-            if sock.poll(int(_WATCH_SECONDS * 1000)):
-                try:
-                    while True:
-                        if not hand(self.process, decode(sock.recv(zmq.NOBLOCK, copy=False).buffer)):
-                            return
-                except zmq.Again:
-                    pass
-            elif not handle.is_alive():
-                if not self._stop_reading.is_set():
-                    hand(self._died, f"the engine core's process (pid {handle.pid}) ended with exit code "
-                                     f"{handle.exitcode}")
-                return
-
-    def _send(self, message: CoreInput) -> None:
-        import zmq
-
-        try:
-            self._inputs.send(self._in_codec.encode(message), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:   # (the core is not reading: it is gone or stuck)
-            raise EngineDeadError(f"the engine core does not take messages: {e}") from None
-
-    async def close(self, timeout: float = 10.0) -> bool:
-        """Shut the core down (every request aborted) and wait for its process (killed after ``timeout`` s);
-        returns whether it ended by itself."""
-        self.shutdown()
-        return await asyncio.get_running_loop().run_in_executor(None, self._stop_process, timeout)
-
-    def stop(self, timeout: float = 10.0) -> bool:
-        """:meth:`close` without a loop (a command whose server never started): tell the core to end, wait for its
-        process; returns whether it ended by itself."""
-        if self.ready is not None and self.dead is None and not self._closing:
-            self._closing = True
-            self._send(Shutdown())
-        return self._stop_process(timeout)
-
-    def _stop_process(self, timeout: float) -> bool:
-        handle, clean = self.process_handle, True
-        if handle is not None:
-            handle.join(timeout)
-            if handle.is_alive():
-                clean = False
-                handle.kill()
-                handle.join(5)
-        self._stop_reading.set()
-        if self._reader is not None:
-            self._reader.join(5)
-        for sock in (self._inputs, self._outputs):
-            if sock is not None:
-                sock.close(0)
-        if self._context is not None:
-            self._context.term()
-            self._context = None
-        if self._folder is not None:
-            self._folder.cleanup()
-            self._folder = None
-        return clean

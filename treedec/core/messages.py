@@ -1,5 +1,5 @@
-"""The messages between the server's frontend and its engine core (:mod:`treedec.serve.core`,
-:mod:`treedec.serve.core_client`), as msgspec structs, sent over ZMQ as msgpack (:class:`MessageCodec`).
+"""The messages between the server's frontend and its engine core (:mod:`treedec.core.engine_core`,
+:mod:`treedec.core.client`), as msgspec structs, sent over ZMQ as msgpack (:class:`MessageCodec`).
 
 Into the core (:data:`CoreInput`, tagged): :class:`AddRequest` (a request: its prompt's token ids, its
 :class:`~treedec.sampling.params.SamplingParams`), :class:`AbortRequests`, :class:`PagesQuery` (the core's page
@@ -9,9 +9,9 @@ request's new token ids and ends, or new text for the requests the core detokeni
 the failed ones' errors, the requests accepted since the last message, and :class:`IterationStats`), and
 :class:`PagesReport` answers.
 
-A generated request (``AddRequest.stream_tokens``) streams token ids (:class:`TokenDelta`: per output its new ids,
-their logprobs, its end by EOS / stop ids / length, the prompt's cached tokens): the frontend detokenizes them, checks
-the stop strings and builds the request's results (:mod:`treedec.serve.outputs`), as vLLM v1's ``OutputProcessor``
+A generated request (``AddRequest.stream_tokens``) streams token ids (:class:`TokenDelta`: per output its new ids, their
+logprobs, its end by EOS / stop ids / length, the prompt's cached tokens): the frontend detokenizes them, checks the
+stop strings and builds the request's results (:mod:`treedec.core.output_processor`), as vLLM v1's ``OutputProcessor``
 does; the core makes no text for it; a speculative request streams so too, each verification step's accepted tokens at
 once. A beam search still streams text made in the core (:class:`OutputDelta`) and sends its results
 (:class:`RequestFinished`).
@@ -104,11 +104,13 @@ CoreInput = Union[AddRequest, AbortRequests, PagesQuery, Shutdown]
 # ------------------------------------------------------------------ out of the core
 
 class CoreReady(msgspec.Struct, tag=True, frozen=True):
-    """The core is built: what the frontend needs of its model (``tokenizer``: pickled, or None; ``eos_token_ids``:
-    the checkpoint's, the frontend's stop rules start from them as the core's do)."""
+    """The core is built: what the frontend needs of its model (``positions``: the model's, which
+    ``truncate_prompt_tokens=-1`` keeps; ``tokenizer``: pickled, or None; ``eos_token_ids``: the checkpoint's, the
+    frontend's stop rules start from them as the core's do)."""
 
     name: str
     max_model_len: int
+    positions: int
     vocab_size: int
     speculative: bool
     device: str
@@ -188,7 +190,7 @@ class RequestFinished(msgspec.Struct, array_like=True, frozen=True):
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
     """A request refused at its arrival or failed while it ran: ``kind`` is the error's class (one of
-    :data:`treedec.serve.core.ERROR_KINDS`; another is an engine failure), ``message`` its text."""
+    :data:`treedec.core.engine_core.ERROR_KINDS`; another is an engine failure), ``message`` its text."""
 
     request_id: str
     kind: str

@@ -1,21 +1,21 @@
 """The engine core: the online scheduler of one :class:`~treedec.LLM` behind the messages of
-:mod:`treedec.serve.messages`, in the server's process (:class:`EngineCore`, driven by
-:class:`~treedec.serve.core_client.InProcessClient`) or in a process of its own (:func:`run_core_process`, started by
-:class:`~treedec.serve.core_client.ProcessClient`), as vLLM v1's ``EngineCore`` / ``EngineCoreProc``.
+:mod:`treedec.core.messages`, in the server's process (:class:`EngineCore`, driven by
+:class:`~treedec.core.client.InProcessClient`) or in a process of its own (:func:`run_core_process`, started by
+:class:`~treedec.core.process_client.ProcessClient`), as vLLM v1's ``EngineCore`` / ``EngineCoreProc``.
 
-:class:`EngineCore` wraps an :class:`~treedec.serve.engine.OnlineEngine` (its thread drives the scheduler; its
-logic is unchanged). :meth:`EngineCore.handle` takes one :data:`~treedec.serve.messages.CoreInput`: a request is
-checked and queued there (refused: a :class:`~treedec.serve.messages.RequestFailure`), an abort passed on. Each
+:class:`EngineCore` wraps an :class:`~treedec.core.online_engine.OnlineEngine` (its thread drives the scheduler; its
+logic is unchanged). :meth:`EngineCore.handle` takes one :data:`~treedec.core.messages.CoreInput`: a request is
+checked and queued there (refused: a :class:`~treedec.core.messages.RequestFailure`), an abort passed on. Each
 request's stream items (new token ids and each output's end for a request that streams them, which the core does
 not detokenize; text deltas for the others; its results or its error) are gathered as they come, and
-after every engine iteration ONE :class:`~treedec.serve.messages.IterationOutputs` carries all of them with the
+after every engine iteration ONE :class:`~treedec.core.messages.IterationOutputs` carries all of them with the
 core's stats (its iteration time, queue, free pages) to ``sink``; the arrivals of one input batch are acknowledged by
 one more (their acceptance and what was refused), so a refusal reaches the client whether or not the engine runs.
 
 The process (:func:`run_core_process`) builds the LLM from a picklable recipe, answers
-:class:`~treedec.serve.messages.CoreReady` (or :class:`~treedec.serve.messages.CoreStartupFailed` with the error's
+:class:`~treedec.core.messages.CoreReady` (or :class:`~treedec.core.messages.CoreStartupFailed` with the error's
 line), then reads inputs from a ZMQ PULL socket and sends outputs on a PUSH socket. It ends when told
-(:class:`~treedec.serve.messages.Shutdown`), when its frontend process is gone, or when the engine's thread fails (exit
+(:class:`~treedec.core.messages.Shutdown`), when its frontend process is gone, or when the engine's thread fails (exit
 code 1: the frontend sees the process end and fails every request with ``engine_failed``).
 """
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any, Callable
 
 from treedec.errors import PoolExhaustedError
 from treedec.runtime.online import ProgramAborted
-from treedec.runtime.request import pages_in_use
+from treedec.runtime.request import pages_in_use, position_limit
 from treedec.runtime.requests import RequestSpec
 from treedec.runtime.streams import OutputStream, StreamFailure, StreamOutput, StreamTokens
 from treedec.sampling.grammar import GrammarError
-from treedec.serve.engine import OnlineEngine
-from treedec.serve.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
+from treedec.core.online_engine import OnlineEngine
+from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOutput, CoreReady, CoreStartupFailed,
                                     IterationOutputs, IterationStats, MessageCodec, OutputDelta, PagesQuery,
                                     PagesReport, PositionLogprobs, RequestFailure, RequestFinished, Shutdown,
                                     TokenDelta, dumps, loads)
@@ -54,17 +54,19 @@ _POLL_SECONDS = 0.1
 
 class EngineCore:
     """The online scheduler of ``llm`` behind the core's messages (see the module docstring); ``sink(message)`` gets
-    every :class:`~treedec.serve.messages.IterationOutputs`, on the engine's thread or the caller's.
+    every :class:`~treedec.core.messages.IterationOutputs`, on the engine's thread or the caller's.
 
     Parameters
     ----------
     llm : the LLM (its engine is the core's alone from now on; its prefix cache, when it keeps one, is the core's).
     sink : where the output messages go.
-    max_step_tokens, seed : as :class:`~treedec.serve.engine.OnlineEngine`'s.
+    max_step_tokens, seed : as :class:`~treedec.core.online_engine.OnlineEngine`'s.
+    prefix_cache : keep a prefix cache over the engine when the LLM keeps none (a server's core always keeps one);
+        False: the LLM's own alone (its ``enable_prefix_caching``), as the offline LLM runs.
     """
 
     def __init__(self, llm, sink: Callable[[IterationOutputs], None], *, max_step_tokens: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, prefix_cache: bool = True):
         self.llm, self.sink = llm, sink
         self._lock = threading.Lock()   # the batch below; taken before the online engine's own lock, never inside it
         self._accepted: list[str] = []
@@ -76,13 +78,14 @@ class EngineCore:
         self.online = OnlineEngine(llm.engine, llm.tokenizer, max_step_tokens=max_step_tokens,
                                    drafts=None if llm.drafts is None else llm.drafts.source, seed=seed,
                                    on_iteration=self._iterated,   # (one cache per engine: the LLM's if it keeps one)
-                                   prefix_cache=True if llm.prefix_cache is None else llm.prefix_cache)
+                                   prefix_cache=prefix_cache if llm.prefix_cache is None else llm.prefix_cache)
 
     def ready(self, pid: int) -> CoreReady:
         """What the frontend needs of the core's model."""
         llm = self.llm
         pool = llm.engine.pool
-        return CoreReady(name=llm.name, max_model_len=llm.max_model_len, vocab_size=llm.model.config.vocab_size,
+        return CoreReady(name=llm.name, max_model_len=llm.max_model_len, positions=position_limit(llm.model),
+                         vocab_size=llm.model.config.vocab_size,
                          speculative=llm.drafts is not None, device=str(llm.model.device),
                          kv_tokens=pool.num_pages * pool.page_size, kv_cache_dtype=llm.engine.kv_cache_dtype,
                          page_size=pool.page_size, batch_invariant=llm.engine.batch_invariance is not None,
@@ -94,8 +97,8 @@ class EngineCore:
 
     def handle(self, messages: list[CoreInput]) -> PagesReport | None:
         """Take a batch of inputs (in order); the arrivals among them are acknowledged by one message. Returns the
-        answer of a :class:`~treedec.serve.messages.PagesQuery` (the last one), else None. A
-        :class:`~treedec.serve.messages.Shutdown` aborts every request (the caller ends the core)."""
+        answer of a :class:`~treedec.core.messages.PagesQuery` (the last one), else None. A
+        :class:`~treedec.core.messages.Shutdown` aborts every request (the caller ends the core)."""
         answer, arrivals = None, False
         for message in messages:
             if isinstance(message, AddRequest):
@@ -176,7 +179,7 @@ class EngineCore:
             self.sink(message)
 
     def pages(self, token: int) -> PagesReport:
-        """The core's page accounting now (see :class:`~treedec.serve.messages.PagesReport`); the tree's invariants
+        """The core's page accounting now (see :class:`~treedec.core.messages.PagesReport`); the tree's invariants
         are checked only when the scheduler is idle (the engine's thread changes the tree while it runs)."""
         scheduler, engine = self.online.scheduler, self.llm.engine
         cache = scheduler.cache
@@ -205,10 +208,11 @@ def _failure(rid: str, error: BaseException) -> RequestFailure:
 # ------------------------------------------------------------------ the core's own process
 
 def run_core_process(recipe: Callable[[], Any], input_address: str, output_address: str,
-                     max_step_tokens: int | None, seed: int) -> None:
+                     max_step_tokens: int | None, seed: int, prefix_cache: bool) -> None:
     """The engine core's process (a ``multiprocessing`` spawn target): ``recipe()`` builds the LLM, then the core
-    serves the ZMQ sockets at ``input_address`` (PULL) and ``output_address`` (PUSH) until told to end, until its
-    parent process is gone, or until its engine fails (exit code 1)."""
+    (:class:`EngineCore` with ``max_step_tokens``, ``seed``, ``prefix_cache``) serves the ZMQ sockets at
+    ``input_address`` (PULL) and ``output_address`` (PUSH) until told to end, until its parent process is gone, or
+    until its engine fails (exit code 1)."""
     import multiprocessing
     import signal
 
@@ -233,7 +237,7 @@ def run_core_process(recipe: Callable[[], Any], input_address: str, output_addre
 
     try:
         llm = recipe()
-        core = EngineCore(llm, send, max_step_tokens=max_step_tokens, seed=seed)
+        core = EngineCore(llm, send, max_step_tokens=max_step_tokens, seed=seed, prefix_cache=prefix_cache)
     except BaseException as e:   # (a bad model path, a pool too large: the user reads this line)
         # (the nearest built-in class: the frontend raises that one, a user's error staying one line)
         send(CoreStartupFailed(next(c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"), str(e)))

@@ -159,8 +159,8 @@ class OnlineEngine:
         scores in ``stats["beam_score"]``); not on a speculative engine (ValueError).
 
         ``stream``: the request's outputs go there (an :class:`~treedec.runtime.streams.OutputStream` with
-        ``deliver``, for the engine core: :mod:`treedec.serve.core`), which is returned; then it may be called on any
-        thread.
+        ``deliver``, for the engine core: :mod:`treedec.core.engine_core`), which is returned; then it may be called on
+        any thread.
 
         ``stream_tokens``: the request's outputs stream as token ids (:meth:`OutputStream.tokens
         <treedec.runtime.streams.OutputStream.tokens>`: each step's new tokens, their logprobs, the outputs' ends by

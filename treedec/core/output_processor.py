@@ -1,11 +1,11 @@
 """The frontend's side of a request whose engine core streams token ids (vLLM v1's ``OutputProcessor``): its outputs'
 text made incrementally, their stop strings matched, their stream items and its results built here, so that the
-core makes no text for it (:attr:`~treedec.serve.messages.AddRequest.stream_tokens`).
+core makes no text for it (:attr:`~treedec.core.messages.AddRequest.stream_tokens`).
 
 :class:`RequestOutputs` keeps one :class:`~treedec.sampling.stops.StopChecker` per output, over the request's
 detokenizer (its ``skip_special_tokens`` / ``spaces_between_special_tokens``), with the rule the core applies
 (the checkpoint's EOS ids, ``stop_token_ids``, ``max_tokens``, ``min_tokens``) plus the stop strings, which only it
-holds. Each :class:`~treedec.serve.messages.TokenDelta` is fed to its output's checker; the stream items are the ones
+holds. Each :class:`~treedec.core.messages.TokenDelta` is fed to its output's checker; the stream items are the ones
 the core made when it detokenized (a text delta when the text that can be shown grew, each output's end once with its
 last text and token ids), so a client sees the same chunks. An output the core ended (an EOS or stop id, its length,
 a grammar's end) ends here at the same token; one whose stop string is found here ends here, and the tokens the core
@@ -14,7 +14,7 @@ string found inside it cuts it at the token the non-speculative path would stop 
 request is done: :attr:`needs_abort` says whether the core still runs it (some output ended here first), for the
 client to abort it there.
 
-:class:`RequestStream` is a request's stream of items in the frontend (:mod:`treedec.serve.core_client`'s), with its
+:class:`RequestStream` is a request's stream of items in the frontend (:mod:`treedec.core.client`'s), with its
 :class:`RequestOutputs` when the core streams its token ids.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from treedec.runtime.requests import RequestResult
 from treedec.runtime.streams import STREAM_END, StreamFailure, StreamOutput
 from treedec.sampling.params import SamplingParams
 from treedec.sampling.stops import StopChecker
-from treedec.serve.messages import TokenDelta
+from treedec.core.messages import TokenDelta
 
 __all__ = ["RequestOutputs", "RequestStream"]
 
@@ -41,7 +41,7 @@ class RequestOutputs:
     prompt_ids : its prompt's token ids.
     params : its SamplingParams, stop strings included.
     tokenizer : the core's tokenizer (None: no text, as a core without one makes none).
-    eos_token_ids : the checkpoint's EOS ids (:attr:`~treedec.serve.messages.CoreReady.eos_token_ids`).
+    eos_token_ids : the checkpoint's EOS ids (:attr:`~treedec.core.messages.CoreReady.eos_token_ids`).
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
