@@ -6,12 +6,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "treedec"
 # Top to bottom; a module may import its own layer and those below it. errors, checks (the argument checks), versions,
-# transfer (host <-> device copies), workloads (recorded data and its builders), cache (the cache folder) and outputs
-# (what LLM returns: plain data) sit beside tree at the bottom. core (the engine core and its clients) sits below llm
-# and serve, its two users.
+# transfer (host <-> device copies), workloads (recorded data and its builders), cache (the cache folder), outputs
+# (what LLM returns: plain data) and lazy (the packages' lazy public names) sit beside tree at the bottom. core (the
+# engine core and its clients) sits below llm and serve, its two users.
 LAYERS = ["cli", "serve", "llm", "core", "programs", "runtime", "sampling", "replay", "engine", "models", "attention",
           "kernels", "tree"]
-BOTTOM = {"errors", "checks", "versions", "transfer", "workloads", "cache", "outputs", "tree"}
+BOTTOM = {"errors", "checks", "versions", "transfer", "workloads", "cache", "outputs", "lazy", "tree"}
 RANK = {**{name: len(LAYERS) - i for i, name in enumerate(LAYERS)}, **{name: 0 for name in BOTTOM}}
 
 

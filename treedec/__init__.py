@@ -8,7 +8,7 @@ The names below are imported when first used (PEP 562), so that ``import treedec
 which imports the package before its ``__main__``) imports nothing else: ``treedec.__main__`` cleans the import
 path before torch and the rest are imported.
 """
-import importlib
+from treedec.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -27,14 +27,4 @@ _NAMES = {
 
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value   # imported once
-        return value
-    raise AttributeError(f"module 'treedec' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES])
+__getattr__, __dir__ = lazy_names(globals(), _NAMES)

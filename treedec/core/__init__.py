@@ -16,7 +16,7 @@ and the offline :class:`~treedec.LLM` with ``engine_process=True``.
 The messages and the process client need ``pyzmq`` and ``msgspec`` (the ``serve`` extra); the names below are
 imported when first used (PEP 562).
 """
-import importlib
+from treedec.lazy import lazy_names
 
 #: Each public name -> the module it is defined in.
 _NAMES = {"OnlineEngine": "treedec.core.online_engine", "EngineCore": "treedec.core.engine_core",
@@ -28,14 +28,4 @@ _NAMES = {"OnlineEngine": "treedec.core.online_engine", "EngineCore": "treedec.c
 
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value   # imported once
-        return value
-    raise AttributeError(f"module 'treedec.core' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES])
+__getattr__, __dir__ = lazy_names(globals(), _NAMES)

@@ -19,7 +19,7 @@
 Needs the ``serve`` extra: ``pip install 'treedec[serve]'``. The names below are imported when first used (PEP
 562), so that ``import treedec.serve`` needs no FastAPI.
 """
-import importlib
+from treedec.lazy import lazy_names
 
 #: Each public name -> the module it is defined in.
 _NAMES = {"build_app": "treedec.serve.app", "ServeMetrics": "treedec.serve.metrics",
@@ -28,14 +28,4 @@ _NAMES = {"build_app": "treedec.serve.app", "ServeMetrics": "treedec.serve.metri
 
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value   # imported once
-        return value
-    raise AttributeError(f"module 'treedec.serve' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_NAMES])
+__getattr__, __dir__ = lazy_names(globals(), _NAMES)
