@@ -36,6 +36,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+_BYTES = tuple(bytes((i,)) for i in range(256))
+_REPLACEMENT = "\ufffd".encode()   # (an id past the bytes: U+FFFD)
+
+
 @dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, for random tiny models; ids >= 256 decode to U+FFFD."""
@@ -46,10 +50,11 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
         try:
-            raw = bytes(list(ids))   # (the common case in one call: every id a byte; a list, never a buffer)
+            raw = bytes(ids)   # (the common case in one call: every id a byte; a list, never a buffer)
         except (ValueError, TypeError):
-            raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
+            raw = b"".join([_BYTES[i] if 0 <= i < 256 else _REPLACEMENT for i in map(int, ids)])
         return raw.decode("utf-8", errors="replace")
 
 
