@@ -6,7 +6,7 @@ tokens, slots, tail room, pending, pages, layouts, pending tokens), the same ref
 contents, and pass check_invariants; an edit that raises in one raises the same type in the other and
 changes neither. Node ids are compared through the pairing of the ids both returned (the array tree reuses
 rows, so its ids after a prune differ from the reference's). The batch operations of the array tree
-(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many; batched verification's
+(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many, branch_many; batched verification's
 add_token_trees, extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the
 reference.
 """
@@ -370,6 +370,30 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         order = self.arr.pool.free_pages[::-1]   # the free stack, bottom first: the reference's takes its order
         self.ref.pool._free[:len(order)] = order
         self._forget(listed)
+
+    @rule(data=st.data())
+    def branch_many(self, data):
+        """branch_many == branch of each node with its tokens, in order (a node named several times, children of
+        nested nodes, one token each by default); a refusal changes nothing."""
+        nodes = data.draw(st.lists(st.sampled_from(self._nodes()), max_size=6)) if self._nodes() else []
+        if data.draw(st.integers(0, 9)) == 0:
+            nodes.append(self._node(data, junk_odds=1))
+        counts = None if data.draw(st.booleans()) else [data.draw(st.integers(0, 5)) for _ in nodes]
+        tokens = list(range(20, 20 + (len(nodes) if counts is None else sum(counts))))
+        if data.draw(st.integers(0, 9)) == 0:
+            tokens = tokens[:-1]
+        before = snapshot(self.arr)
+        try:
+            made = self.arr.branch_many([self._as(self.arr, n) for n in nodes], tokens, counts)
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            return
+        assert not any(isinstance(n, tuple) for n in nodes)
+        at, ref = 0, []
+        for n, c in zip(nodes, [1] * len(nodes) if counts is None else counts):
+            ref += self.ref.branch(n, [tokens[at:at + c]])
+            at += c
+        self._pair(ref, made.tolist())
 
     # The batch edits of batched verification (treedec.tree.verify_edits) == the per-node edit of each, in order:
     # tried on the array tree first (a refusal changes nothing), then done node by node on the reference.

@@ -159,19 +159,35 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
 
     def pending_pages(self, result: DecodeResult) -> int:
         """Pages :meth:`place_pending` takes for ``result``."""
-        return sum(1 if result.outputs[i].node is None or result.outputs[i].node < 0
-                   else self.tree.pages_to_extend(result.outputs[i].node, 1) for i, _, _ in result.pending)
+        nodes = self._pending_nodes(result)
+        grow = nodes >= 0
+        return len(nodes) - int(np.add.reduce(grow)) + self.tree.pages_to_append(nodes[grow], checked=False)
 
     def place_pending(self, result: DecodeResult) -> None:
-        """Append the last tokens of ``result``'s ``last_pending`` outputs to the tree, pending (a first token: a new
-        child of its parent, its output's ``node``)."""
-        for i, parent, token in result.pending:
-            out = result.outputs[i]
-            if out.node is None or out.node < 0:
-                out.node = self.tree.branch(parent, [[token]])[0]
-            else:
-                self.tree.extend(out.node, [token])
+        """Append the last tokens of ``result``'s ``last_pending`` outputs to the tree, pending, in one edit of the
+        grown outputs' nodes (:meth:`~treedec.tree.SequenceTree.append_tokens`) and one of the others' (a first
+        token: a new child of its parent, its output's ``node``; :meth:`~treedec.tree.SequenceTree.branch_many`)."""
+        pending, outputs = result.pending, result.outputs
+        if not pending:
+            return
+        nodes = self._pending_nodes(result)
+        tokens = np.array([token for _, _, token in pending], dtype=np.int64)
+        grow = nodes >= 0
+        if np.logical_or.reduce(grow):
+            self.tree.append_tokens(nodes[grow], tokens[grow], checked=False)
+        if not np.logical_and.reduce(grow):
+            fresh = np.flatnonzero(~grow).tolist()
+            parents = np.array([pending[j][1] for j in fresh], dtype=np.int64)
+            for j, node in zip(fresh, self.tree.branch_many(parents, tokens[~grow], checked=False).tolist()):
+                outputs[pending[j][0]].node = node
         result.pending = []
+
+    @staticmethod
+    def _pending_nodes(result: DecodeResult) -> np.ndarray:
+        """[k] int64: the node of each of ``result``'s pending outputs (-1: none yet, its token is its first)."""
+        outputs = result.outputs
+        return np.array([-1 if outputs[i].node is None else outputs[i].node for i, _, _ in result.pending],
+                        dtype=np.int64)
 
     def reset(self) -> None:
         """Forget every lane (the run failed: its programs are closed and free their nodes)."""
@@ -465,12 +481,10 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         if np.logical_or.reduce(grow):
             tree.append_tokens(nodes[grow], tokens[grow], checked=False)
         fresh = slots[~grow]
-        if len(fresh):
+        if len(fresh):   # new children, one edit: each parent's in slot order, the parents ascending
             parents = self.parent[fresh]
-            for parent in np.unique(parents).tolist():
-                mine = fresh[parents == parent]
-                made = tree.branch(parent, [[int(t)] for t in tokens[~grow][parents == parent]])
-                self.node[mine] = made
+            order = parents.argsort(kind="stable")
+            self.node[fresh[order]] = tree.branch_many(parents[order], tokens[~grow][order], checked=False)
 
     def _set_ids(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """The real ids of placeholders (each lane's last token in its node), in one call."""
