@@ -73,6 +73,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
         self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
         self._failures: list[tuple[Any, Exception]] = []
+        self._ended: list[int] = []   # nodes of ended outputs that keep none, pruned together (LaneEnds._prune_ended)
         self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
         self._logprobs: set[int] = set()  # groups whose outputs report logprobs
         self._grammar: set[int] = set()   # groups with structured outputs (a grammar matcher per lane)
@@ -192,7 +193,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
     def reset(self) -> None:
         """Forget every lane (the run failed: its programs are closed and free their nodes)."""
         self.groups.clear()
-        self.size, self._rows, self._read, self._blocked, self._failures = 0, {}, None, set(), []
+        self.size, self._rows, self._read, self._blocked, self._failures, self._ended = 0, {}, None, set(), [], []
         self._fresh = False
         self._special.clear()
         self._logprobs.clear()
@@ -383,6 +384,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
                 self.state[:self.size][self.group[:self.size] == uid] = -1
                 del self.groups[uid]
                 self._forget_group(uid)
+        self._prune_ended()
         self._compact(self.state[:self.size] != -1)
         return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished] if finished else finished
 
