@@ -335,13 +335,13 @@ class StopChecker:
             return None
         best = None
         for j, (stop, border) in enumerate(zip(self.rule.stop_strings, self._borders)):
-            k, found = self._matched[j], None
+            k, found, size = self._matched[j], None, len(stop)
             for offset, c in enumerate(delta):
                 while k and stop[k] != c:
                     k = border[k - 1]
                 if stop[k] == c:
                     k += 1
-                if k == len(stop):
+                if k == size:
                     if found is None:
                         found = at + offset + 1 - k
                     k = border[k - 1]
