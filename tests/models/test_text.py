@@ -399,3 +399,13 @@ def test_byte_tokenizer_decodes_any_id_sequence():
     tok = ByteTokenizer()
     assert tok.decode([72, 105]) == tok.decode(np.array([72, 105])) == tok.decode(torch.tensor([72, 105])) == "Hi"
     assert tok.decode([0xC3, 0xA9, 300]) == "é" + REPLACEMENT and tok.decode([0xC3]) == REPLACEMENT
+
+
+@given(ids=st.lists(st.one_of(st.integers(0, 255), st.sampled_from([0x80, 0xBF, 0xC3, 0xE2, 0xED, 0xF0, 0xFF]),
+                              st.integers(256, 10**6), st.integers(-3, -1)), max_size=12))
+@settings(max_examples=400, deadline=None)
+def test_byte_tokenizer_decodes_an_id_past_the_bytes_as_its_own_u_fffd(ids):
+    """Each id past the bytes (or below 0) reads as the 3 bytes of U+FFFD, whatever the bytes around it (which it
+    ends if they are half a character)."""
+    raw = b"".join(bytes((i,)) if 0 <= i < 256 else REPLACEMENT.encode() for i in ids)
+    assert ByteTokenizer().decode(ids) == raw.decode("utf-8", errors="replace")
