@@ -409,3 +409,21 @@ def test_byte_tokenizer_decodes_an_id_past_the_bytes_as_its_own_u_fffd(ids):
     ends if they are half a character)."""
     raw = b"".join(bytes((i,)) if 0 <= i < 256 else REPLACEMENT.encode() for i in ids)
     assert ByteTokenizer().decode(ids) == raw.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copies_of_a_fresh_detokenizer_stream_as_new_ones(tokenizers, kind):
+    """A request's outputs each get a copy of one fresh detokenizer (its prompt's context decoded once): each streams
+    what a new one streams, none sees another's tokens; a fed one is not copied."""
+    tok = tokenizers[kind]
+    prompt = tok.encode("Hello wörld", add_special_tokens=False)
+    texts = ["ab 日本", "é🎉 x", "", "yes\nno"]
+    first = IncrementalDetokenizer(tok, prompt)
+    copies = [first] + first.copies(len(texts) - 1)
+    for detok, text in zip(copies, texts):
+        ids = tok.encode(text, add_special_tokens=False)
+        deltas, fresh = stream(tok, ids, prompt)
+        assert [detok.feed(i) for i in ids] + [detok.finish()] == deltas and detok.text == fresh.text
+        assert detok.output_ids == ids
+    with pytest.raises(ValueError, match="copies are made of a fresh IncrementalDetokenizer"):
+        first.copies(1)

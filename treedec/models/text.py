@@ -294,6 +294,19 @@ class IncrementalDetokenizer:
         self._length = 0   # characters in _parts
         self._finished = False
 
+    def copies(self, count: int) -> list[IncrementalDetokenizer]:
+        """``count`` fresh detokenizers of this one's tokenizer, options and prompt (this one must be fresh: nothing
+        fed), made without checking them again: the other outputs of one request."""
+        if len(self._ids) != self._num_prompt or self._finished:
+            raise ValueError("copies are made of a fresh IncrementalDetokenizer (no output ids fed, not finished)")
+        made = []
+        for _ in range(count):
+            copy = object.__new__(IncrementalDetokenizer)
+            copy.__dict__.update(self.__dict__)
+            copy._ids, copy._parts = list(self._ids), []
+            made.append(copy)
+        return made
+
     @property
     def text(self) -> str:
         """All the text emitted so far (the concatenation of the deltas)."""
@@ -373,11 +386,11 @@ class IncrementalDetokenizer:
         ids, decode, raw = self._ids, self._decode_ids, self._raw_added
         prefix, read, prefix_length, held = self._prefix, self._read, self._prefix_length, self._held
         parts, length, first, count = self._parts, self._length, len(self._parts), len(self._ids)
+        ids += token_ids
         try:   # (one token at a time, the state in locals: the loop runs per token at a lane's events)
             for i, token in enumerate(token_ids):
-                ids.append(token)
                 count += 1
-                window = decode(ids[prefix:])
+                window = decode(ids[prefix:count])
                 start = prefix_length + held
                 if window[-1:] == _REPLACEMENT:
                     # The last token ends inside a character: emit the whole characters before it now,
@@ -392,7 +405,7 @@ class IncrementalDetokenizer:
                         prefix, read, held = read, count, 0
                         prefix_length = len(decode(ids[prefix:read]))
                     size = size - start if size > start else 0
-                    if raw and token in raw and count > self._num_prompt + 1 and ids[-2] in raw:
+                    if raw and token in raw and count > self._num_prompt + 1 and ids[count - 2] in raw:
                         delta = raw[token]   # an added token after another: its content, nothing before it
                         size = len(delta)
                 if size:
@@ -401,6 +414,7 @@ class IncrementalDetokenizer:
                 if ends is not None:
                     ends[i] = length
         finally:   # (a decode that raised leaves the tokens before it fed, and its own id appended, as one by one)
+            del ids[count:]
             self._prefix, self._read, self._prefix_length, self._held = prefix, read, prefix_length, held
             self._length = length
         new = len(parts) - first

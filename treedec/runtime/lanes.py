@@ -107,7 +107,8 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
             raise ValueError("on_text streams detokenized text: the Decode needs the tokenizer")
         uid = next(self._uids)
         group = LaneGroup(d, owner, uid, [None] * d.count, d.count)
-        detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
+        first = d.params.detokenizer(d.tokenizer, list(d.prompt_ids))
+        detokenizers = [None] * d.count if first is None else [first] + first.copies(d.count - 1)
         group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
         text_key = self._text_events.key(d, detokenizers[0], self.text_key[:self.size][self.text[:self.size]])
         group.shown = [0] * d.count
