@@ -142,10 +142,10 @@ class ToTSearch:
                 raise ValueError(f"{type(task).__name__}.value_prompt returned '' for {c.thoughts!r}; return None "
                                  f"to value a state without the model")
             prompts.append(None if text is None else self._encode(text, "value_prompt()"))
-        pending = set(self.engine.pending_nodes().tolist())
+        # (a thought's last token that no step computed yet is pending, and its logits unknown: Decode.last_pending)
         evals = yield from self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts)
                                                  if ids is not None],
-                                                also=[c.node for c in candidates if c.node in pending])
+                                                also=[c.node for c in candidates if c.node not in self.logits])
         streams = yield from self._generate([(e, self.config.value_samples) for e in evals], self.value_rule,
                                             self.config.value_sampling, append_last=False)
         self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
@@ -182,7 +182,7 @@ class ToTSearch:
             size += len(item[1])
         nodes, extra = [], list(also)
         for group in groups:
-            need = sum(self.pool.pages_for(len(ids)) for _, ids in group)
+            need = sum([-(-len(ids) // self.pool.page_size) for _, ids in group])
             if extra and need > self.pool.num_free_pages:   # a program that waits has no pending tokens
                 self.logits.update(zip(extra, (yield from self._step(extra))))
                 extra = []
