@@ -12,6 +12,7 @@ reference.
 """
 from __future__ import annotations
 
+import copy
 import re
 
 import numpy as np
@@ -232,6 +233,31 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         if out:
             assert out[1] == self.to_arr[out[0]]
         self._forget(before)
+
+    @precondition(lambda self: self._nodes())
+    @rule(data=st.data())
+    def prune_dead_ends(self, data):
+        """prune_dead_ends == prune_dead_end of each leaf in order (the pool's free list compared as a set: it is
+        pushed in another order); a refusal changes nothing."""
+        self.commit()
+        root = data.draw(st.sampled_from(self._nodes()))
+        below = [n for n in self._nodes() if n != root and root in self.ref.path(n)]
+        leaves = data.draw(st.lists(st.sampled_from(below or self._nodes()), max_size=5))
+        before, listed = snapshot(self.arr), self._nodes()
+        try:
+            tops = self.arr.prune_dead_ends([self._as(self.arr, n) for n in leaves], self._as(self.arr, root))
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            alone = copy.deepcopy(self.ref)   # one by one (on a copy: those before the refused one go)
+            with pytest.raises(EDIT_ERRORS):
+                for n in leaves:
+                    alone.prune_dead_end(n, root)
+            return
+        assert tops == [self.to_arr[self.ref.prune_dead_end(n, root)] for n in leaves]
+        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
+        order = self.arr.pool.free_pages[::-1]
+        self.ref.pool._free[:len(order)] = order
+        self._forget(listed)
 
     @rule(data=st.data(), tokens=st.one_of(TOKENS, st.just([-1])))
     def extend_computed(self, data, tokens):

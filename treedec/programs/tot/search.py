@@ -93,12 +93,11 @@ class ToTSearch:
             self._forget_pruned()
 
     def prune_dead_ends(self, nodes: list[int], root: int) -> None:
-        """Prune each of ``nodes`` with each ancestor below ``root`` that leads only to it
-        (:meth:`~treedec.tree.SequenceTree.prune_dead_end`, one by one: a state whose thoughts all go goes after the
-        last), and forget their logits."""
-        for node in nodes:
-            self.tree.prune_dead_end(node, root)
+        """Prune each of ``nodes`` with each ancestor below ``root`` that leads only to it, in order (a state whose
+        thoughts all go goes with the last; :meth:`~treedec.tree.SequenceTree.prune_dead_ends`: one edit), and
+        forget their logits."""
         if nodes:
+            self.tree.prune_dead_ends(nodes, root)
             self._forget_pruned()
 
     def release(self, root: int | None) -> None:
