@@ -1,14 +1,13 @@
 """The array SequenceTree equals the object ReferenceSequenceTree it replaced, operation by operation.
 
-Random edit sequences (every operation, with bad arguments mixed in) are applied to both, each over its own
-pool with K/V storage: after every step both give the same answer to every query (nodes, parents, children,
-tokens, slots, tail room, pending, pages, layouts, pending tokens), the same refcounts, free pages and K/V
-contents, and pass check_invariants; an edit that raises in one raises the same type in the other and
-changes neither. Node ids are compared through the pairing of the ids both returned (the array tree reuses
-rows, so its ids after a prune differ from the reference's). The batch operations of the array tree
-(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many, branch_many; batched verification's
-add_token_trees, extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the
-reference.
+Random edit sequences (every operation, with bad arguments mixed in) are applied to both, each over its own pool
+with K/V storage: after every step both give the same answer to every query (nodes, parents, children, tokens,
+slots, tail room, pending, pages, layouts, pending tokens), the same refcounts, free pages and K/V contents, and
+pass check_invariants; an edit that raises in one raises the same type in the other and changes neither. Node ids
+are compared through the pairing of the ids both returned (the array tree reuses rows, so its ids after a prune
+differ from the reference's). The batch operations of the array tree (append_tokens, pages_to_append,
+set_last_tokens, pending_queries, prune_many, prune_dead_ends, branch_many; batched verification's add_token_trees,
+extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the reference.
 """
 from __future__ import annotations
 
@@ -237,27 +236,29 @@ class ArrayEqualsReference(RuleBasedStateMachine):
     @precondition(lambda self: self._nodes())
     @rule(data=st.data())
     def prune_dead_ends(self, data):
-        """prune_dead_ends == prune_dead_end of each leaf in order (the pool's free list compared as a set: it is
-        pushed in another order); a refusal changes nothing."""
+        """prune_dead_ends == prune_dead_end of each leaf in order; it refuses, changing nothing, what those refuse."""
         self.commit()
         root = data.draw(st.sampled_from(self._nodes()))
-        below = [n for n in self._nodes() if n != root and root in self.ref.path(n)]
-        leaves = data.draw(st.lists(st.sampled_from(below or self._nodes()), max_size=5))
+        below = st.sampled_from([n for n in self._nodes() if root in self.ref.path(n)])   # (root itself: refused)
+        leaves = data.draw(st.lists(below, max_size=5))
         before, listed = snapshot(self.arr), self._nodes()
         try:
             tops = self.arr.prune_dead_ends([self._as(self.arr, n) for n in leaves], self._as(self.arr, root))
         except EDIT_ERRORS:
             assert snapshot(self.arr) == before
-            alone = copy.deepcopy(self.ref)   # one by one (on a copy: those before the refused one go)
             with pytest.raises(EDIT_ERRORS):
+                alone = copy.deepcopy(self.ref)
                 for n in leaves:
                     alone.prune_dead_end(n, root)
             return
         assert tops == [self.to_arr[self.ref.prune_dead_end(n, root)] for n in leaves]
-        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
-        order = self.arr.pool.free_pages[::-1]
-        self.ref.pool._free[:len(order)] = order
+        self._same_free_pages()
         self._forget(listed)
+
+    def _same_free_pages(self) -> None:
+        """The same free pages after a batch prune (pushed in another order: the reference's stack takes this one)."""
+        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
+        self.ref.pool._free[:self.arr.pool.num_free_pages] = self.arr.pool.free_pages[::-1]
 
     @rule(data=st.data(), tokens=st.one_of(TOKENS, st.just([-1])))
     def extend_computed(self, data, tokens):
@@ -392,40 +393,28 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         assert valid
         ref_freed = [p for n in nodes for p in self.ref.prune(n).tolist()]
         assert sorted(ref_freed) == freed.tolist()
-        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
-        order = self.arr.pool.free_pages[::-1]   # the free stack, bottom first: the reference's takes its order
-        self.ref.pool._free[:len(order)] = order
+        self._same_free_pages()
         self._forget(listed)
 
     @rule(data=st.data())
     def branch_many(self, data):
-        """branch_many == branch of each node with its tokens, in order (a node named several times, children of
-        nested nodes, one token each by default); a refusal changes nothing."""
+        """branch_many == branch of each node with its tokens, in order (a node named twice, nested ones)."""
         nodes = data.draw(st.lists(st.sampled_from(self._nodes()), max_size=6)) if self._nodes() else []
-        if data.draw(st.integers(0, 9)) == 0:
-            nodes.append(self._node(data, junk_odds=1))
+        nodes += [self._node(data, junk_odds=1)] * (data.draw(st.integers(0, 9)) == 0)
         counts = None if data.draw(st.booleans()) else [data.draw(st.integers(0, 5)) for _ in nodes]
-        tokens = list(range(20, 20 + (len(nodes) if counts is None else sum(counts))))
-        if data.draw(st.integers(0, 9)) == 0:
-            tokens = tokens[:-1]
-        before = snapshot(self.arr)
-        try:
-            made = self.arr.branch_many([self._as(self.arr, n) for n in nodes], tokens, counts)
-        except EDIT_ERRORS:
-            assert snapshot(self.arr) == before
-            return
-        assert not any(isinstance(n, tuple) for n in nodes)
-        at, ref = 0, []
-        for n, c in zip(nodes, [1] * len(nodes) if counts is None else counts):
-            ref += self.ref.branch(n, [tokens[at:at + c]])
-            at += c
-        self._pair(ref, made.tolist())
+        tokens = list(range(20, 20 + sum(counts or [1] * len(nodes)) - (data.draw(st.integers(0, 9)) == 0)))
+
+        def each(nodes, made):
+            at = np.cumsum([0] + (counts or [1] * len(nodes))).tolist()
+            ref = [i for n, a, b in zip(nodes, at, at[1:]) for i in self.ref.branch(n, [tokens[a:b]])]
+            self._pair(ref, made.tolist())
+        self._batch(data, lambda arr_nodes: self.arr.branch_many(arr_nodes, tokens, counts), each, nodes)
 
     # The batch edits of batched verification (treedec.tree.verify_edits) == the per-node edit of each, in order:
     # tried on the array tree first (a refusal changes nothing), then done node by node on the reference.
 
-    def _batch(self, data, edit, each) -> None:
-        nodes = self._lane_nodes(data)
+    def _batch(self, data, edit, each, nodes: list | None = None) -> None:
+        nodes = self._lane_nodes(data) if nodes is None else nodes
         before = snapshot(self.arr)
         try:
             out = edit([self._as(self.arr, n) for n in nodes])
@@ -464,8 +453,7 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         def each(nodes, freed):
             ref = [p for n, k in zip(nodes, lengths(nodes)) for p in self.ref.truncate(n, k).tolist()]
             assert sorted(ref) == freed.tolist()
-            order = self.arr.pool.free_pages[::-1]   # (pushed in another order: as prune_many)
-            self.ref.pool._free[:len(order)] = order
+            self._same_free_pages()
         self._batch(data, lambda nodes: self.arr.truncate_many(
             nodes, lengths([self._to_ref().get(n, -1) if type(n) is int else -1 for n in nodes])), each)
 
