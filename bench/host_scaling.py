@@ -9,8 +9,9 @@ and size: the median wall time of the decode steps once every request is admitte
 per kind the least-squares slope of those medians against the number of requests — the host cost of one
 request per step (``us_per_request_step``: issue #49's targets, greedy <= 3 us, sampled <= 5 us). Wall times on a
 shared machine vary; the Python function calls and torch calls of a decode step (cProfile over ``--profile-steps``
-steps of one more run) do not: their slopes are reported too (``python_calls_per_request_step``,
-``torch_calls_per_request_step``).
+steps of one more run; ToT: over every step of the search after the first two, since its host work sits at its
+events, a thought's or an evaluation's end, a selection, which a window of thought steps misses) do not: their
+slopes are reported too (``python_calls_per_request_step``, ``torch_calls_per_request_step``).
 
 Kinds (``--programs``):
 
@@ -20,7 +21,8 @@ Kinds (``--programs``):
   frequency penalties, a seed;
 - ``speculative``: ``speculative_batch`` with a fixed Medusa-64 ``TreeDraft`` (random draft tokens), greedy,
   pipelined on the CPU too (the verify table's batched steps: their host cost is the one that counts);
-  ``--draft-budget T`` shares T verify tokens a step (roots included) among the batch (the budget's per-group host work measured);
+  ``--draft-budget T`` shares T verify tokens a step (roots included) among the batch (the budget's per-group host
+  work measured);
 - ``tot``: ``tot_batch`` over Game-of-24 tasks (BFS, k=3, n=2, depth 2, byte tokens), one task a request.
 
 Every request has a ``--prompt``-token random prompt and ``--new`` new tokens (``ignore_eos``: each runs its
@@ -82,10 +84,11 @@ def params_of(kind: str, new: int, seed: int) -> SamplingParams:
 
 class Steps:
     """Stamps each engine step's return (no device synchronisation: pipelined steps keep running ahead); with
-    ``profile``, profiles the host work between the returns of steps ``profile[0]`` and ``profile[1]``."""
+    ``profile``, profiles the host work between the returns of steps ``profile[0]`` and ``profile[1]`` (None: to the
+    end of the run, :meth:`stop`)."""
 
     def __init__(self, engine: Engine, profile: tuple[int, int] | None = None):
-        self.engine, self.ends = engine, []
+        self.engine, self.ends, self.window = engine, [], profile
         self.profiler = None if profile is None else cProfile.Profile()
         step = engine.step
 
@@ -94,11 +97,22 @@ class Steps:
             self.ends.append(time.perf_counter())
             if profile is not None and len(self.ends) == profile[0]:
                 self.profiler.enable()
-            elif profile is not None and len(self.ends) == profile[1]:
+            elif profile is not None and len(self.ends) == profile[1]:   # (None: to the end of the run)
                 self.profiler.disable()
             return out
 
         engine.step = timed
+
+    def stop(self) -> None:
+        """The run ended: a profile to its end stops here."""
+        if self.profiler is not None and self.window[1] is None:
+            self.profiler.disable()
+            self.window = (self.window[0], len(self.ends))
+
+    @property
+    def profiled(self) -> int:
+        """How many steps were profiled (:meth:`calls` counts their calls)."""
+        return self.window[1] - self.window[0]
 
     def calls(self) -> tuple[int, int]:
         """(Python function calls, torch calls) in the profiled steps."""
@@ -160,7 +174,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=48, help="new tokens per output")
     parser.add_argument("--repeats", type=int, default=3, help="runs per size (the median is reported)")
-    parser.add_argument("--profile-steps", type=int, default=8, help="decode steps whose calls are counted")
+    parser.add_argument("--profile-steps", type=int, default=8,
+                        help="decode steps whose calls are counted (tot: every step of the search after the first two)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default cuda when available)")
     parser.add_argument("--pipeline", action="store_true",
                         help="CPU: pipeline the generation kinds as a GPU run does (the draws read back one step "
@@ -206,14 +221,15 @@ def main(argv=None) -> int:
                 runs.append(clock.median_ms(skip))
             ms.append(statistics.median(runs))
             engine = make_engine(model, device, kv_tokens)
-            window = (3, 3 + args.profile_steps)
+            window = (2, None) if kind == "tot" else (3, 3 + args.profile_steps)
             clock = Steps(engine, profile=window)
             run_kind(kind, engine, requests, args, np.random.default_rng(0))
-            if len(clock.ends) < window[1]:
+            clock.stop()
+            if len(clock.ends) < clock.window[1] or clock.profiled < 1:
                 raise RuntimeError(f"{kind}: {len(clock.ends)} steps, too few to profile {args.profile_steps}")
             total, in_torch = clock.calls()
-            calls.append(total / args.profile_steps)
-            torch_calls.append(in_torch / args.profile_steps)
+            calls.append(total / clock.profiled)
+            torch_calls.append(in_torch / clock.profiled)
             print(f"  {kind:12s} {requests:3d} requests: {ms[-1]:8.3f} ms/step, {calls[-1]:8.0f} Python calls "
                   f"({torch_calls[-1]:.0f} torch) a step", flush=True)
         results[kind] = {"ms_per_step": dict(zip(map(str, sizes), ms)), "us_per_request_step": slope_us(sizes, ms),

@@ -399,3 +399,31 @@ def test_byte_tokenizer_decodes_any_id_sequence():
     tok = ByteTokenizer()
     assert tok.decode([72, 105]) == tok.decode(np.array([72, 105])) == tok.decode(torch.tensor([72, 105])) == "Hi"
     assert tok.decode([0xC3, 0xA9, 300]) == "é" + REPLACEMENT and tok.decode([0xC3]) == REPLACEMENT
+
+
+@given(ids=st.lists(st.one_of(st.integers(0, 255), st.sampled_from([0x80, 0xBF, 0xC3, 0xE2, 0xED, 0xF0, 0xFF]),
+                              st.integers(256, 10**6), st.integers(-3, -1)), max_size=12))
+@settings(max_examples=400, deadline=None)
+def test_byte_tokenizer_decodes_an_id_past_the_bytes_as_its_own_u_fffd(ids):
+    """Each id past the bytes (or below 0) reads as the 3 bytes of U+FFFD, whatever the bytes around it (which it
+    ends if they are half a character)."""
+    raw = b"".join(bytes((i,)) if 0 <= i < 256 else REPLACEMENT.encode() for i in ids)
+    assert ByteTokenizer().decode(ids) == raw.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copies_of_a_fresh_detokenizer_stream_as_new_ones(tokenizers, kind):
+    """A request's outputs each get a copy of one fresh detokenizer (its prompt's context decoded once): each streams
+    what a new one streams, none sees another's tokens; a fed one is not copied."""
+    tok = tokenizers[kind]
+    prompt = tok.encode("Hello wörld", add_special_tokens=False)
+    texts = ["ab 日本", "é🎉 x", "", "yes\nno"]
+    first = IncrementalDetokenizer(tok, prompt)
+    copies = [first] + first.copies(len(texts) - 1)
+    for detok, text in zip(copies, texts):
+        ids = tok.encode(text, add_special_tokens=False)
+        deltas, fresh = stream(tok, ids, prompt)
+        assert [detok.feed(i) for i in ids] + [detok.finish()] == deltas and detok.text == fresh.text
+        assert detok.output_ids == ids
+    with pytest.raises(ValueError, match="copies are made of a fresh IncrementalDetokenizer"):
+        first.copies(1)

@@ -356,6 +356,43 @@ def test_any_chunking_matches_the_brute_force_reference(tokenizers, kind, text, 
         assert not any(s in check.text for s in rule.stop_strings)
 
 
+@given(text=st.text(alphabet=ALPHABET, max_size=30), data=st.data())
+@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("kind", KINDS + ("bytes",))
+def test_tokens_taken_together_end_as_one_at_a_time(tokenizers, kind, text, data):
+    """A chunk of tokens is taken in one pass (its text made at once, a stop string then found at the token that
+    completed it): with min_tokens, stop token ids, EOS ids, ids past the text's and a prompt, any chunking keeps
+    the tokens, the reason, the stop string and the text that feeding them one at a time does."""
+    tok = ByteTokenizer() if kind == "bytes" else tokenizers[kind]
+    vocab = 512 if kind == "bytes" else len(tok)
+    ids = tok.encode(text) if kind == "bytes" else output_ids(tok, text)
+    ids += data.draw(st.lists(st.integers(0, vocab - 1), max_size=4))
+    ids = data.draw(st.permutations(ids))
+    stops = data.draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), max_size=3))
+    eos = data.draw(st.lists(st.sampled_from(sorted(set(ids)) or [0]), max_size=2, unique=True))
+    max_new_tokens = data.draw(st.integers(1, 40))
+    rule = StopRule(max_new_tokens, eos, stops, data.draw(st.booleans()), data.draw(st.integers(0, max_new_tokens)),
+                    stop_token_ids=[e for e in eos if data.draw(st.booleans())])
+    prompt = ids[:data.draw(st.integers(0, 3))]
+
+    def fed(sizes):
+        check, at = StopChecker(rule, IncrementalDetokenizer(tok, prompt)), 0
+        decisions = []
+        for size in sizes:
+            if check.stopped or at >= len(ids):
+                break
+            decisions.append(check.accept(ids[at:at + size]))
+            at += size
+        return check, sum(d.keep for d in decisions)
+
+    sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids))) if ids else []
+    one, kept_one = fed([1] * len(ids))
+    many, kept_many = fed(sizes)
+    assert kept_many == kept_one and many.token_ids == one.token_ids == ids[:kept_one]
+    assert (many.stop_reason, many.stop_string, many.text) == (one.stop_reason, one.stop_string, one.text)
+    assert many.streamable_text == one.streamable_text
+
+
 # ================================================================ bounds and cost (issue #48 item 3)
 
 

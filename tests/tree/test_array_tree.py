@@ -1,17 +1,17 @@
 """The array SequenceTree equals the object ReferenceSequenceTree it replaced, operation by operation.
 
-Random edit sequences (every operation, with bad arguments mixed in) are applied to both, each over its own
-pool with K/V storage: after every step both give the same answer to every query (nodes, parents, children,
-tokens, slots, tail room, pending, pages, layouts, pending tokens), the same refcounts, free pages and K/V
-contents, and pass check_invariants; an edit that raises in one raises the same type in the other and
-changes neither. Node ids are compared through the pairing of the ids both returned (the array tree reuses
-rows, so its ids after a prune differ from the reference's). The batch operations of the array tree
-(append_tokens, pages_to_append, set_last_tokens, pending_queries, prune_many; batched verification's
-add_token_trees, extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the
-reference.
+Random edit sequences (every operation, with bad arguments mixed in) are applied to both, each over its own pool
+with K/V storage: after every step both give the same answer to every query (nodes, parents, children, tokens,
+slots, tail room, pending, pages, layouts, pending tokens), the same refcounts, free pages and K/V contents, and
+pass check_invariants; an edit that raises in one raises the same type in the other and changes neither. Node ids
+are compared through the pairing of the ids both returned (the array tree reuses rows, so its ids after a prune
+differ from the reference's). The batch operations of the array tree (append_tokens, pages_to_append,
+set_last_tokens, pending_queries, prune_many, prune_dead_ends, branch_many; batched verification's add_token_trees,
+extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the reference.
 """
 from __future__ import annotations
 
+import copy
 import re
 
 import numpy as np
@@ -233,6 +233,33 @@ class ArrayEqualsReference(RuleBasedStateMachine):
             assert out[1] == self.to_arr[out[0]]
         self._forget(before)
 
+    @precondition(lambda self: self._nodes())
+    @rule(data=st.data())
+    def prune_dead_ends(self, data):
+        """prune_dead_ends == prune_dead_end of each leaf in order; it refuses, changing nothing, what those refuse."""
+        self.commit()
+        root = data.draw(st.sampled_from(self._nodes()))
+        below = st.sampled_from([n for n in self._nodes() if root in self.ref.path(n)])   # (root itself: refused)
+        leaves = data.draw(st.lists(below, max_size=5))
+        before, listed = snapshot(self.arr), self._nodes()
+        try:
+            tops = self.arr.prune_dead_ends([self._as(self.arr, n) for n in leaves], self._as(self.arr, root))
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            with pytest.raises(EDIT_ERRORS):
+                alone = copy.deepcopy(self.ref)
+                for n in leaves:
+                    alone.prune_dead_end(n, root)
+            return
+        assert tops == [self.to_arr[self.ref.prune_dead_end(n, root)] for n in leaves]
+        self._same_free_pages()
+        self._forget(listed)
+
+    def _same_free_pages(self) -> None:
+        """The same free pages after a batch prune (pushed in another order: the reference's stack takes this one)."""
+        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
+        self.ref.pool._free[:self.arr.pool.num_free_pages] = self.arr.pool.free_pages[::-1]
+
     @rule(data=st.data(), tokens=st.one_of(TOKENS, st.just([-1])))
     def extend_computed(self, data, tokens):
         node = self._node(data)
@@ -366,16 +393,28 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         assert valid
         ref_freed = [p for n in nodes for p in self.ref.prune(n).tolist()]
         assert sorted(ref_freed) == freed.tolist()
-        assert set(self.ref.pool.free_pages.tolist()) == set(self.arr.pool.free_pages.tolist())
-        order = self.arr.pool.free_pages[::-1]   # the free stack, bottom first: the reference's takes its order
-        self.ref.pool._free[:len(order)] = order
+        self._same_free_pages()
         self._forget(listed)
+
+    @rule(data=st.data())
+    def branch_many(self, data):
+        """branch_many == branch of each node with its tokens, in order (a node named twice, nested ones)."""
+        nodes = data.draw(st.lists(st.sampled_from(self._nodes()), max_size=6)) if self._nodes() else []
+        nodes += [self._node(data, junk_odds=1)] * (data.draw(st.integers(0, 9)) == 0)
+        counts = None if data.draw(st.booleans()) else [data.draw(st.integers(0, 5)) for _ in nodes]
+        tokens = list(range(20, 20 + sum(counts or [1] * len(nodes)) - (data.draw(st.integers(0, 9)) == 0)))
+
+        def each(nodes, made):
+            at = np.cumsum([0] + (counts or [1] * len(nodes))).tolist()
+            ref = [i for n, a, b in zip(nodes, at, at[1:]) for i in self.ref.branch(n, [tokens[a:b]])]
+            self._pair(ref, made.tolist())
+        self._batch(data, lambda arr_nodes: self.arr.branch_many(arr_nodes, tokens, counts), each, nodes)
 
     # The batch edits of batched verification (treedec.tree.verify_edits) == the per-node edit of each, in order:
     # tried on the array tree first (a refusal changes nothing), then done node by node on the reference.
 
-    def _batch(self, data, edit, each) -> None:
-        nodes = self._lane_nodes(data)
+    def _batch(self, data, edit, each, nodes: list | None = None) -> None:
+        nodes = self._lane_nodes(data) if nodes is None else nodes
         before = snapshot(self.arr)
         try:
             out = edit([self._as(self.arr, n) for n in nodes])
@@ -414,8 +453,7 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         def each(nodes, freed):
             ref = [p for n, k in zip(nodes, lengths(nodes)) for p in self.ref.truncate(n, k).tolist()]
             assert sorted(ref) == freed.tolist()
-            order = self.arr.pool.free_pages[::-1]   # (pushed in another order: as prune_many)
-            self.ref.pool._free[:len(order)] = order
+            self._same_free_pages()
         self._batch(data, lambda nodes: self.arr.truncate_many(
             nodes, lengths([self._to_ref().get(n, -1) if type(n) is int else -1 for n in nodes])), each)
 

@@ -13,6 +13,7 @@ has arrived: the stream never shows a U+FFFD that the one-shot decode would not.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode shows for bytes that are no
 # Tokens before the first output token that the first window holds: enough context for a
 # tokenizer to decode the first output token as it decodes it inside the whole text (vLLM's value).
 _CONTEXT_TOKENS = 5
+_FINISHED = "this IncrementalDetokenizer is finished; start a new one for another output"
 
 
 class ChatTemplateError(ValueError):
@@ -281,12 +283,29 @@ class IncrementalDetokenizer:
         self._num_prompt = len(self._ids)
         # The window: text is emitted as decode(ids[prefix:]) less decode(ids[prefix:read]) less
         # the `held` characters already emitted from a token whose last character was incomplete.
+        # (decode(ids) as this detokenizer asks it: called per fed token)
+        self._decode_ids = functools.partial(tokenizer.decode, skip_special_tokens=True) if self._skip_special \
+            else tokenizer.decode
         self._read = self._num_prompt
-        self._prefix, self._prefix_text = self._context_window()
+        self._prefix, prefix_text = self._context_window()
+        self._prefix_length = len(prefix_text)
         self._held = 0
         self._parts: list[str] = []
         self._length = 0   # characters in _parts
         self._finished = False
+
+    def copies(self, count: int) -> list[IncrementalDetokenizer]:
+        """``count`` fresh detokenizers of this one's tokenizer, options and prompt (this one must be fresh: nothing
+        fed), made without checking them again: the other outputs of one request."""
+        if len(self._ids) != self._num_prompt or self._finished:
+            raise ValueError("copies are made of a fresh IncrementalDetokenizer (no output ids fed, not finished)")
+        made = []
+        for _ in range(count):
+            copy = object.__new__(IncrementalDetokenizer)
+            copy.__dict__.update(self.__dict__)
+            copy._ids, copy._parts = list(self._ids), []
+            made.append(copy)
+        return made
 
     @property
     def text(self) -> str:
@@ -353,18 +372,53 @@ class IncrementalDetokenizer:
         is fed then), RuntimeError after :meth:`finish`.
         """
         if self._finished:
-            raise RuntimeError("this IncrementalDetokenizer is finished; start a new one for another output")
+            raise RuntimeError(_FINISHED)
         ids = [int(token_ids)] if is_int(token_ids) else token_ids
-        ids = self._checked(ids, "token_ids")
-        return "".join([self._feed_one(token) for token in ids])
+        return self.feed_checked(self._checked(ids, "token_ids"))
 
-    def feed_checked(self, token: int) -> str:
-        """:meth:`feed` of one id its caller has checked (an int in ``[0, vocab_size)``, as
-        :meth:`~treedec.sampling.stops.StopChecker.accept` checks them): the text it adds. RuntimeError after
+    def feed_checked(self, token_ids: list[int], ends: list[int] | None = None) -> str:
+        """:meth:`feed` of ids its caller has checked (ints in ``[0, vocab_size)``, as
+        :meth:`~treedec.sampling.stops.StopChecker.accept` checks them): the text they add. ``ends``, a list of
+        ``len(token_ids)`` items, gets the length of :attr:`text` after each token. RuntimeError after
         :meth:`finish`."""
         if self._finished:
-            raise RuntimeError("this IncrementalDetokenizer is finished; start a new one for another output")
-        return self._feed_one(token)
+            raise RuntimeError(_FINISHED)
+        ids, decode, raw = self._ids, self._decode_ids, self._raw_added
+        prefix, read, prefix_length, held = self._prefix, self._read, self._prefix_length, self._held
+        parts, length, first, count = self._parts, self._length, len(self._parts), len(self._ids)
+        ids += token_ids
+        try:   # (one token at a time, the state in locals: the loop runs per token at a lane's events)
+            for i, token in enumerate(token_ids):
+                count += 1
+                window = decode(ids[prefix:count])
+                start = prefix_length + held
+                if window[-1:] == _REPLACEMENT:
+                    # The last token ends inside a character: emit the whole characters before it now,
+                    # keep the window (its bytes are completed by a later token).
+                    delta = window.rstrip(_REPLACEMENT)[start:]
+                    size = len(delta)
+                    held += size
+                else:
+                    delta = window[start:]
+                    size = len(window)
+                    if size > prefix_length:   # a token that decodes to nothing does not move the window
+                        prefix, read, held = read, count, 0
+                        prefix_length = len(decode(ids[prefix:read]))
+                    size = size - start if size > start else 0
+                    if raw and token in raw and count > self._num_prompt + 1 and ids[count - 2] in raw:
+                        delta = raw[token]   # an added token after another: its content, nothing before it
+                        size = len(delta)
+                if size:
+                    parts.append(delta)
+                    length += size
+                if ends is not None:
+                    ends[i] = length
+        finally:   # (a decode that raised leaves the tokens before it fed, and its own id appended, as one by one)
+            del ids[count:]
+            self._prefix, self._read, self._prefix_length, self._held = prefix, read, prefix_length, held
+            self._length = length
+        new = len(parts) - first
+        return "" if not new else parts[first] if new == 1 else "".join(parts[first:])
 
     def finish(self) -> str:
         """End the output: return the text still held back (trailing bytes that are not a whole
@@ -373,37 +427,13 @@ class IncrementalDetokenizer:
             return ""
         self._finished = True
         window = self._decode(self._ids[self._prefix:])
-        delta = window[len(self._prefix_text) + self._held:]
-        self._emit(delta)
-        return delta
-
-    # ------------------------------------------------------------ private
-
-    def _feed_one(self, token: int) -> str:
-        self._ids.append(token)
-        window = self._decode(self._ids[self._prefix:])
-        start = len(self._prefix_text) + self._held
-        if window.endswith(_REPLACEMENT):
-            # The last token ends inside a character: emit the whole characters before it now,
-            # keep the window (its bytes are completed by a later token).
-            delta = window.rstrip(_REPLACEMENT)[start:]
-            self._held += len(delta)
-        else:
-            delta = window[start:]
-            if len(window) > len(self._prefix_text):  # a token that decodes to nothing does not move the window
-                self._prefix, self._read = self._read, len(self._ids)
-                self._prefix_text = self._decode(self._ids[self._prefix:self._read])
-                self._held = 0
-            if self._raw_added and token in self._raw_added and len(self._ids) > self._num_prompt + 1 \
-                    and self._ids[-2] in self._raw_added:
-                delta = self._raw_added[token]   # an added token after another: its content, nothing before it
-        self._emit(delta)
-        return delta
-
-    def _emit(self, delta: str) -> None:
+        delta = window[self._prefix_length + self._held:]
         if delta:
             self._parts.append(delta)
             self._length += len(delta)
+        return delta
+
+    # ------------------------------------------------------------ private
 
     def _context_window(self) -> tuple[int, str]:
         """(start, text) of the prompt tokens the first window holds: the last few, started
@@ -420,11 +450,7 @@ class IncrementalDetokenizer:
         return start, text
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        if self._skip_special:
-            return self._tokenizer.decode(ids, skip_special_tokens=True)
-        return self._tokenizer.decode(ids)
+        return self._decode_ids(ids) if ids else ""
 
     def _checked(self, ids, name: str) -> list[int]:
         high = self._vocab_size - 1 if self._vocab_size is not None else 2**63 - 1

@@ -12,7 +12,7 @@ each edit, in the order it ran, as the op that makes it again:
 - ``engine.prefill`` -> ``prompt`` (prefilled: its own forwards);
 - ``tree.add_prompt`` (a scheduler's prompt, computed by the next step with the other
   requests' tokens) -> ``prompt`` with ``pending``; its later chunks -> ``extend``;
-- ``branch`` -> ``branch`` and an ``extend`` per child given tokens; ``extend``,
+- ``branch`` -> ``branch`` and an ``extend`` per child given tokens (``branch_many``: one each); ``extend``,
   ``extend_many``, ``append_tokens`` -> ``extend``; ``add_token_tree`` -> ``token_tree`` (``add_token_trees``: one
   each); ``add_children`` -> ``children``; ``truncate`` -> ``truncate`` (``truncate_many``: one each); ``prune`` ->
   ``prune``; ``prune_many`` -> a ``prune`` each;
@@ -61,13 +61,13 @@ from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Op, Pr
                                         Truncate)
 
 #: The tree's edits that a recorder wraps (the others change nothing a replay needs).
-TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "add_token_tree", "add_token_trees",
-              "add_children", "accept", "truncate", "truncate_many", "prune", "prune_many", "extend_computed",
-              "extend_computed_many")
+TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "branch_many", "add_token_tree",
+              "add_token_trees", "add_children", "accept", "truncate", "truncate_many", "prune", "prune_many",
+              "extend_computed", "extend_computed_many")
 
 #: Each edit's arguments naming the nodes it grows (an edit may not grow a node holding reserved slots).
 _GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "append_tokens": "node_ids", "branch": "node_id",
-          "add_children": "node_ids",
+          "branch_many": "node_ids", "add_children": "node_ids",
           "accept": "anchor", "extend_computed": "node_id", "extend_computed_many": "node_ids"}
 
 
@@ -327,6 +327,10 @@ class ScheduleRecorder:
             self._grow(child, n, self.prompt_ids)
             if n:
                 self._note_prompt(child, n)   # a prompt continued under the node (or a branch's first token)
+
+    def _branch_many(self, ids, arguments, _) -> None:   # (a branch of each node, in order)
+        for parent, child in zip(np.asarray(arguments["node_ids"]).reshape(-1).tolist(), ids.tolist()):
+            self._branch([child], {"node_id": parent}, None)
 
     def _add_token_tree(self, ids, arguments, _) -> None:
         anchor, index = int(arguments["node_id"]), {node: i for i, node in enumerate(ids)}

@@ -136,6 +136,12 @@ class LaneEnds:
             if length:
                 offer(node, length)
 
+    def _prune_ended(self) -> None:
+        """Prune the nodes of the outputs ended since the last call that keep none (one edit)."""
+        if self._ended:
+            self.tree.prune_many(np.array(self._ended, dtype=np.int64), checked=False)
+            self._ended = []
+
     def _end(self, slot: int, logits: torch.Tensor | None, finished: list, computed: bool) -> None:
         """Lane ``slot`` ended: its output, its node kept, truncated or pruned; its group finished when it was the
         last one."""
@@ -156,10 +162,14 @@ class LaneEnds:
             output.node = node
             if self.tree.node_length(node) >= end:   # (its last token was placed and computed: dropped)
                 self.tree.truncate(node, end - 1)
-        elif node >= 0:
-            if d.offer is not None:   # the conversation but its last token (whose K/V is not kept)
-                d.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + end - 1)
+        elif node >= 0 and d.offer is not None:
+            # the conversation but its last token (whose K/V is not kept), offered with the pages of the outputs
+            # ended before it freed (the cache may copy into free pages)
+            self._prune_ended()
+            d.offer(node, self.tree.sequence_length(node) - self.tree.node_length(node) + end - 1)
             self.tree.prune(node)
+        elif node >= 0:
+            self._ended.append(node)   # (pruned with the step's other ended outputs: _prune_ended)
         g.outputs[i] = output
         g.left -= 1
         self.state[slot] = -1

@@ -73,6 +73,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         self._read: tuple[np.ndarray, HostCopy] | None = None   # (slots, copy) of draws being read back
         self._blocked: set = set()   # owners of lanes the last place() left out for want of pages
         self._failures: list[tuple[Any, Exception]] = []
+        self._ended: list[int] = []   # nodes of ended outputs that keep none, pruned together (LaneEnds._prune_ended)
         self._special: set[int] = set()   # groups whose rows are processed before the batched draw (LaneGroup.special)
         self._logprobs: set[int] = set()  # groups whose outputs report logprobs
         self._grammar: set[int] = set()   # groups with structured outputs (a grammar matcher per lane)
@@ -106,7 +107,8 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
             raise ValueError("on_text streams detokenized text: the Decode needs the tokenizer")
         uid = next(self._uids)
         group = LaneGroup(d, owner, uid, [None] * d.count, d.count)
-        detokenizers = [d.params.detokenizer(d.tokenizer, list(d.prompt_ids)) for _ in range(d.count)]
+        first = d.params.detokenizer(d.tokenizer, list(d.prompt_ids))
+        detokenizers = [None] * d.count if first is None else [first] + first.copies(d.count - 1)
         group.checkers = [None if detok is None else StopChecker(d.rule, detok) for detok in detokenizers]
         text_key = self._text_events.key(d, detokenizers[0], self.text_key[:self.size][self.text[:self.size]])
         group.shown = [0] * d.count
@@ -159,24 +161,40 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
 
     def pending_pages(self, result: DecodeResult) -> int:
         """Pages :meth:`place_pending` takes for ``result``."""
-        return sum(1 if result.outputs[i].node is None or result.outputs[i].node < 0
-                   else self.tree.pages_to_extend(result.outputs[i].node, 1) for i, _, _ in result.pending)
+        nodes = self._pending_nodes(result)
+        grow = nodes >= 0
+        return len(nodes) - int(np.add.reduce(grow)) + self.tree.pages_to_append(nodes[grow], checked=False)
 
     def place_pending(self, result: DecodeResult) -> None:
-        """Append the last tokens of ``result``'s ``last_pending`` outputs to the tree, pending (a first token: a new
-        child of its parent, its output's ``node``)."""
-        for i, parent, token in result.pending:
-            out = result.outputs[i]
-            if out.node is None or out.node < 0:
-                out.node = self.tree.branch(parent, [[token]])[0]
-            else:
-                self.tree.extend(out.node, [token])
+        """Append the last tokens of ``result``'s ``last_pending`` outputs to the tree, pending, in one edit of the
+        grown outputs' nodes (:meth:`~treedec.tree.SequenceTree.append_tokens`) and one of the others' (a first
+        token: a new child of its parent, its output's ``node``; :meth:`~treedec.tree.SequenceTree.branch_many`)."""
+        pending, outputs = result.pending, result.outputs
+        if not pending:
+            return
+        nodes = self._pending_nodes(result)
+        tokens = np.array([token for _, _, token in pending], dtype=np.int64)
+        grow = nodes >= 0
+        if np.logical_or.reduce(grow):
+            self.tree.append_tokens(nodes[grow], tokens[grow], checked=False)
+        if not np.logical_and.reduce(grow):
+            fresh = np.flatnonzero(~grow).tolist()
+            parents = np.array([pending[j][1] for j in fresh], dtype=np.int64)
+            for j, node in zip(fresh, self.tree.branch_many(parents, tokens[~grow], checked=False).tolist()):
+                outputs[pending[j][0]].node = node
         result.pending = []
+
+    @staticmethod
+    def _pending_nodes(result: DecodeResult) -> np.ndarray:
+        """[k] int64: the node of each of ``result``'s pending outputs (-1: none yet, its token is its first)."""
+        outputs = result.outputs
+        return np.array([-1 if outputs[i].node is None else outputs[i].node for i, _, _ in result.pending],
+                        dtype=np.int64)
 
     def reset(self) -> None:
         """Forget every lane (the run failed: its programs are closed and free their nodes)."""
         self.groups.clear()
-        self.size, self._rows, self._read, self._blocked, self._failures = 0, {}, None, set(), []
+        self.size, self._rows, self._read, self._blocked, self._failures, self._ended = 0, {}, None, set(), [], []
         self._fresh = False
         self._special.clear()
         self._logprobs.clear()
@@ -367,6 +385,7 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
                 self.state[:self.size][self.group[:self.size] == uid] = -1
                 del self.groups[uid]
                 self._forget_group(uid)
+        self._prune_ended()
         self._compact(self.state[:self.size] != -1)
         return [(g.owner, DecodeResult(g.outputs, g.pending)) for g in finished] if finished else finished
 
@@ -465,12 +484,10 @@ class Lanes(LaneDrawWork, LaneEnds, LaneTable):
         if np.logical_or.reduce(grow):
             tree.append_tokens(nodes[grow], tokens[grow], checked=False)
         fresh = slots[~grow]
-        if len(fresh):
+        if len(fresh):   # new children, one edit: each parent's in slot order, the parents ascending
             parents = self.parent[fresh]
-            for parent in np.unique(parents).tolist():
-                mine = fresh[parents == parent]
-                made = tree.branch(parent, [[int(t)] for t in tokens[~grow][parents == parent]])
-                self.node[mine] = made
+            order = parents.argsort(kind="stable")
+            self.node[fresh[order]] = tree.branch_many(parents[order], tokens[~grow][order], checked=False)
 
     def _set_ids(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """The real ids of placeholders (each lane's last token in its node), in one call."""

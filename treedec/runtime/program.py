@@ -183,7 +183,8 @@ class ProgramContext:
         tree = self.engine.tree
         if node is None or node not in tree:
             return
-        if any(node in tree.path(p) for p in set(self.engine.pending_nodes().tolist())):
+        # (its own nodes' pending tokens: not a walk from every pending token of the forest, when many end together)
+        if tree.num_pending and any(tree.computed_length(n) < tree.sequence_length(n) for n in tree.subtree(node)):
             tree.commit_step()
         tree.prune(node)
 

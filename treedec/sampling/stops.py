@@ -39,6 +39,7 @@ characters each (checked before anything runs).
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -262,24 +263,39 @@ class StopChecker:
         if self._detok is not None and self._detok.vocab_size is not None:
             high = self._detok.vocab_size - 1
         ids = int_list([int(token_ids)] if is_int(token_ids) else token_ids, "token_ids", low=0, high=high)
-        min_tokens = self.rule.min_tokens
-        for i, token in enumerate(ids):
-            self._ids.append(token)
-            counts = len(self._ids) > min_tokens   # (min_tokens: an EOS or a stop string does not end it yet)
-            match = None
-            if self._detok is not None and not (counts and token in self._textless):
-                match = self._scan(self._detok.feed_checked(token))   # (ids checked above, as feed checks them)
-            if token in self._eos and counts:
-                reason = "eos"
-            elif match is not None and counts:
-                reason = "stop_string"
-            elif len(self._ids) >= self.rule.max_new_tokens:
-                reason = "length"
-            else:
-                continue
-            self._end(reason, match if counts else None)
-            return StopDecision(i + 1, reason)
-        return StopDecision(len(ids), None)
+        rule, start = self.rule, len(self._ids)
+        # The tokens this call may take: those within the budget, to the first EOS id that counts (a token counts
+        # past min_tokens); the first ``quiet`` of them do not count. Their text is made in one pass (a stop string
+        # is found after it, at the token whose text completed it).
+        end = min(len(ids), rule.max_new_tokens - start)
+        quiet = min(max(rule.min_tokens - start, 0), end)
+        eos = None
+        if self._eos and not self._eos.isdisjoint(ids[quiet:end]):
+            eos = next(i for i in range(quiet, end) if ids[i] in self._eos)
+            end = eos + 1
+        taken = ids[:end] if end < len(ids) else ids
+        self._ids += taken
+        match, stop = None, None
+        if self._detok is not None:
+            if quiet:   # (a stop string completed in them does not count: they are matched on, their end ignored)
+                self._scan(self._detok.feed_checked(taken[:quiet]))
+            counted = taken[quiet:end - 1] if eos is not None and ids[eos] in self._textless else taken[quiet:]
+            if counted:
+                ends, at = [0] * len(counted), self._length - self._detok.text_length
+                match = self._scan(self._detok.feed_checked(counted, ends))
+                if match is not None:   # (the tokens after the one completing it were fed: the text is cut there)
+                    stop = quiet + bisect.bisect_left(ends, match[0] + len(match[1]) - at)
+        if stop is not None:
+            keep, reason = stop + 1, "eos" if stop == eos else "stop_string"
+            del self._ids[start + keep:]
+        elif eos is not None:
+            keep, reason = end, "eos"
+        elif start + end >= rule.max_new_tokens:
+            keep, reason = end, "length"
+        else:
+            return StopDecision(len(ids), None)
+        self._end(reason, match)
+        return StopDecision(keep, reason)
 
     def end(self, reason: str) -> None:
         """End the output for ``reason`` found elsewhere, after its last accepted token (a server's engine core ended
@@ -319,13 +335,13 @@ class StopChecker:
             return None
         best = None
         for j, (stop, border) in enumerate(zip(self.rule.stop_strings, self._borders)):
-            k, found = self._matched[j], None
+            k, found, size = self._matched[j], None, len(stop)
             for offset, c in enumerate(delta):
                 while k and stop[k] != c:
                     k = border[k - 1]
                 if stop[k] == c:
                     k += 1
-                if k == len(stop):
+                if k == size:
                     if found is None:
                         found = at + offset + 1 - k
                     k = border[k - 1]

@@ -59,10 +59,10 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
     :meth:`prune_dead_end`, :meth:`extend_computed`, :meth:`set_tokens`, :meth:`truncate`, :meth:`pause`,
     :meth:`resume`, :meth:`commit_step`, :meth:`layout`; walks: :meth:`path`, :meth:`subtree`; batch
     operations over many leaves at once (the lanes'): :meth:`append_tokens`, :meth:`pages_to_append`,
-    :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`; and those of batched speculative
-    verification (:mod:`treedec.tree.verify_edits`): :meth:`add_token_trees`, :meth:`extend_computed_many`,
-    :meth:`truncate_many`, :meth:`set_tokens_many`; for models whose every layer has a sliding window
-    (:mod:`treedec.tree.window_release`): :meth:`release_outside_window`, :meth:`held_prefix`.
+    :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`, :meth:`branch_many`; and those of
+    batched speculative verification (:mod:`treedec.tree.verify_edits`): :meth:`add_token_trees`,
+    :meth:`extend_computed_many`, :meth:`truncate_many`, :meth:`set_tokens_many`; for models whose every layer has a
+    sliding window (:mod:`treedec.tree.window_release`): :meth:`release_outside_window`, :meth:`held_prefix`.
 
     Node ids are ints that stay valid until their node is pruned; a pruned node's id is never valid again.
     """
@@ -208,7 +208,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
         if len(tokens) == 0:
             raise TreeError("a prompt needs at least one token, got 0")
         pages = self.pool.allocate(self.pool.pages_for(len(tokens)))   # raises before any change
-        row = self._new_nodes([tokens], pages, -1, 0)[0]
+        row = self._new_nodes(np.array([len(tokens)], dtype=np.int64), tokens, pages, -1, 0)[0]
         return self._add_root(row)
 
     def add_shared_root(self, tokens: Sequence[int], slots: np.ndarray) -> int:
@@ -296,13 +296,13 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
             token_lists = [int_array(t, f"children[{i}]", low=0) for i, t in enumerate(rows(children, "children"))]
             if not token_lists:
                 raise TreeError("branch needs at least one child, got an empty list")
-        need = int((-(-np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
-                      // self.pool.page_size)).sum())
+        lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+        need = int((-(-lens // self.pool.page_size)).sum())
         self._check_free(need)
         fresh = self.pool.allocate(need)   # as extend_many: one call, in the order the children ask
         t = self._table
         had_children = t.num_children.item(row)
-        made = self._new_nodes(token_lists, fresh, row, t.prefix.item(row) + t.length.item(row))
+        made = self._new_nodes(lens, np.concatenate(token_lists), fresh, row, t.prefix.item(row) + t.length.item(row))
         t.num_children[row] += len(made)
         order = self._order   # the children go after the parent's subtree, in order
         at = order.position(int(node_id))
@@ -377,13 +377,14 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
         self._layout = None
         return node_id
 
-    def _new_nodes(self, token_lists: list[np.ndarray], pages: np.ndarray, parent: int, prefix: int) -> np.ndarray:
-        """New rows under ``parent`` (a row, -1: roots), one per token list, each filled from the start of a
+    def _new_nodes(self, lens: np.ndarray, tokens: np.ndarray, pages: np.ndarray, parent: np.ndarray | int,
+                   prefix: np.ndarray | int) -> np.ndarray:
+        """New rows under ``parent`` (a row each, or one for all; -1: roots) after ``prefix`` tokens, node ``i``
+        holding ``lens[i]`` of ``tokens`` (``[sum(lens)]`` int64, node after node), each filled from the start of a
         fresh page: ``pages`` (taken already) in order, as many per node as its tokens need. Their tokens are
         pending. Returns the rows."""
         t = self._table
         ps = self.pool.page_size
-        lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
         blocks = -(-lens // ps) * ps   # each node's slots: the first lens of its pages' slots
         made = t.new_rows(len(lens), parent, prefix, np.where(lens > 0, np.maximum(lens, MIN_REGION), 0), lens,
                           blocks - lens, lens)
@@ -391,7 +392,7 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
             fresh = (pages[:, None] * ps + self._page_offsets).reshape(-1)
             at = t.token_index(made)
             t.slots[at] = fresh[ranges(blocks.cumsum() - blocks, lens)]
-            t.tokens[at] = np.concatenate(token_lists)
+            t.tokens[at] = tokens
             self._num_pending += len(at)
         self._layout = None
         return made

@@ -18,8 +18,8 @@ from treedec.tree.node_table import ROW_MASK, count_distinct, ranges
 
 
 class SubtreeEdits:
-    """:meth:`subtree`, :meth:`pages_freed_by_prune`, :meth:`prune`, :meth:`prune_many` and
-    :meth:`prune_dead_end` of a :class:`~treedec.tree.SequenceTree`."""
+    """:meth:`subtree`, :meth:`pages_freed_by_prune`, :meth:`prune`, :meth:`prune_many`, :meth:`prune_dead_end`
+    and :meth:`prune_dead_ends` of a :class:`~treedec.tree.SequenceTree`."""
 
     def subtree(self, node_id: int) -> list[int]:
         """``node_id`` and all its descendants, in depth-first preorder (``node_id`` first).
@@ -90,7 +90,8 @@ class SubtreeEdits:
             return np.zeros(0, dtype=np.int64)
         order = self._order
         at = order.positions(ids)
-        ends = order.subtree_ends(at)
+        # (leaves, e.g. the outputs a step ended: each subtree is the node alone)
+        ends = order.subtree_ends(at) if np.logical_or.reduce(self._table.num_children[rows]) else at + 1
         by_position = at.argsort(kind="stable")
         at, ends = at[by_position], ends[by_position]
         inside = (at[1:] < np.maximum.accumulate(ends)[:-1]).nonzero()[0]   # starts before an earlier one ends
@@ -133,6 +134,40 @@ class SubtreeEdits:
             at -= 1
         self.prune(path[at])
         return path[at]
+
+    def prune_dead_ends(self, leaves: Sequence[int], root: int) -> list[int]:
+        """:meth:`prune_dead_end` of each of ``leaves`` in order, below the same ``root``, in one prune (e.g. a ToT
+        level's thoughts not kept): each leaf's branch is cut where the cuts before it leave it (a node whose other
+        children those took leads only to it), and the cuts are pruned together. Returns the node each leaf's cut
+        starts at, in order.
+
+        Raises :class:`~treedec.errors.TreeError`, having changed nothing, as :meth:`prune_dead_end` would for a leaf,
+        or for a leaf an earlier one's cut removes (``TypeError`` for a node id that is not an int).
+        """
+        self._row(root)
+        kids = self._table.num_children
+        left: dict[int, int] = {}   # node -> its children the cuts so far leave (the nodes they touched)
+        tops, cut = [], set()
+        for leaf in leaves:
+            path = self.path(leaf)
+            if root == leaf or root not in path:
+                raise TreeError(f"cannot prune the dead end of node {leaf} below node {root}: {root} is not a proper "
+                                f"ancestor of it (its path: {path[-8:]})")
+            if not cut.isdisjoint(path):
+                raise TreeError(f"cannot prune the dead end of node {leaf}: an earlier leaf's cut removes it")
+            at = len(path) - 1
+            while path[at - 1] != root:
+                up = path[at - 1]
+                if (left[up] if up in left else kids.item(up & ROW_MASK)) != 1:
+                    break
+                at -= 1
+            up = path[at - 1]
+            left[up] = (left[up] if up in left else kids.item(up & ROW_MASK)) - 1
+            tops.append((path[at], path[:at]))
+            cut.add(path[at])
+        # (a cut that reached above earlier ones holds them)
+        self.prune_many([top for top, above in tops if cut.isdisjoint(above)])
+        return [top for top, _ in tops]
 
     # ================================================================ private
 

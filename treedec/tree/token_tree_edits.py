@@ -1,5 +1,6 @@
 """SequenceTree's speculative edits: hang a draft token tree (or one layer of draft nodes) under the
-sequence, then keep the verified path and free the rest.
+sequence, then keep the verified path and free the rest; and new children of many nodes in one edit
+(:meth:`~TokenTreeEdits.branch_many`: a step's new lanes, a ToT level's value prompts).
 
 They run on every speculative step over tens to hundreds of one-token nodes, so a token tree is rows of the
 node table made in one go: its rows, their regions of the token buffer, their slots (the pages taken in one
@@ -21,7 +22,8 @@ KNOWN_SHAPES = 8   # token-tree shapes whose checked order a tree keeps (a progr
 
 
 class TokenTreeEdits:
-    """:meth:`add_token_tree`, :meth:`add_children` and :meth:`accept` of a :class:`~treedec.tree.SequenceTree`."""
+    """:meth:`add_token_tree`, :meth:`add_children`, :meth:`branch_many` and :meth:`accept` of a
+    :class:`~treedec.tree.SequenceTree`."""
 
     def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
         """Hang a token tree (e.g. Medusa/EAGLE candidates) under ``node_id``, one node per token.
@@ -36,7 +38,8 @@ class TokenTreeEdits:
         parents = int_list(parents, "parents", low=-1)
         m = len(tokens)
         if m == 0 or len(parents) != m:
-            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
+            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and "
+                            f"{len(parents)} parents")
         perm, inner, up, depth, kids = self._token_tree_order(parents)
         t = self._table
         had_children = t.num_children.item(anchor)
@@ -65,18 +68,36 @@ class TokenTreeEdits:
             raise TreeError(f"need one node per token and at least one token, got {m} tokens and "
                             f"{len(anchors)} nodes")
         t = self._table
-        order = self._order   # each child goes after its anchor's subtree (as it was), children in order
-        at = order.positions(t.node_id[anchors])
-        if t.num_children[anchors].any():
-            end = order.subtree_ends(at)
-            rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
-        else:   # leaves: each child right after its anchor
-            end = at + 1
-            rank = end.argsort(kind="stable")
+        places = self._child_places(anchors)
         made = self._hang(anchors, tokens, t.prefix[anchors] + t.length[anchors])
-        np.add.at(t.num_children, anchors, 1)
-        self._order = order.insert(end[rank], t.node_id[made[rank]], at[rank], np.full(m, -1))
+        self._place_children(anchors, made, places)
         return t.node_id[made].tolist()
+
+    def branch_many(self, node_ids: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    counts: Sequence[int] | np.ndarray | None = None, checked: bool = True) -> np.ndarray:
+        """Give each node ``node_ids[i]`` a new child holding ``counts[i]`` of ``tokens`` (node after node; default
+        one each), pending, on fresh pages of its own: :meth:`branch` of each ``(node_ids[i], [its tokens])`` in
+        order, in one call (a node may be named several times: its children in order); e.g. the lanes' first
+        tokens, or a ToT level's value prompts. Returns the ``[m]`` int64 new node ids, in order. Checks first and
+        changes nothing when it raises; ``checked`` False: ``node_ids`` (``[m]`` int64 live nodes), ``tokens`` and
+        ``counts`` (int64 arrays) are the caller's own, not checked (the lanes', every step with new lanes)."""
+        if checked:
+            anchors = self._rows_of(int_list(node_ids, "node_ids", low=0))
+            tokens = int_array(tokens, "tokens", low=0)
+            counts = np.ones(len(anchors), dtype=np.int64) if counts is None else int_array(counts, "counts", low=0)
+            if not len(anchors) or len(counts) != len(anchors) or len(tokens) != int(counts.sum()):
+                raise TreeError(f"branch_many needs at least one node, one count per node and sum(counts) tokens, "
+                                f"got {len(anchors)} nodes, {len(counts)} counts, {len(tokens)} tokens")
+        else:
+            anchors = node_ids & ROW_MASK
+            counts = np.ones(len(anchors), dtype=np.int64) if counts is None else counts
+        need = int((-(-counts // self.pool.page_size)).sum())
+        self._check_free(need)
+        t = self._table
+        places = self._child_places(anchors)
+        made = self._new_nodes(counts, tokens, self.pool.allocate(need), anchors, t.prefix[anchors] + t.length[anchors])
+        self._place_children(anchors, made, places)
+        return t.node_id[made]
 
     def accept(self, anchor: int, path: Sequence[int]) -> np.ndarray:
         """Keep a verified path of a speculative tree under leaf ``anchor``; free the rest.
@@ -125,6 +146,29 @@ class TokenTreeEdits:
         return slots
 
     # ================================================================ private
+
+    def _child_places(self, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where one new child of each of ``anchors`` (``[m]`` rows, in order) goes in the preorder, read before the
+        children are made: after its anchor's subtree as it is, an anchor's children in order. ``(at, end, rank)``:
+        the anchors' positions, the positions the children go before, and the children's order among themselves."""
+        order, m = self._order, len(anchors)
+        at = order.positions(self._table.node_id[anchors])
+        if self._table.num_children[anchors].any():
+            end = order.subtree_ends(at)
+            rank = np.lexsort((np.arange(m), -at, end))   # where subtrees end together, the deeper anchor's first
+        else:   # leaves: each child right after its anchor
+            end = at + 1
+            rank = end.argsort(kind="stable")
+        return at, end, rank
+
+    def _place_children(self, anchors: np.ndarray, made: np.ndarray,
+                        places: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Count the new children ``made`` (rows, one per anchor) and put them in the preorder at ``places``
+        (:meth:`_child_places`)."""
+        t, (at, end, rank) = self._table, places
+        np.add.at(t.num_children, anchors, 1)
+        self._order = self._order.insert(end[rank], t.node_id[made[rank]], at[rank], np.full(len(made), -1))
+
 
     def _token_tree_order(self, parents: list[int]):
         """Check ``parents`` (ints >= -1, one per token) as :meth:`add_token_tree` documents. Returns, for the

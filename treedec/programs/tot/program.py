@@ -187,9 +187,7 @@ class ToTProgram(Program):
             solved = [c for c in candidates if task.is_solved(c.thoughts)]
             kept = _select(candidates, config.n, config.selection, rng)
             keep = {c.node for c in kept}
-            for c in candidates:
-                if c.node not in keep:
-                    search.prune_dead_end(c.node, root.node)
+            search.prune_dead_ends([c.node for c in candidates if c.node not in keep], root.node)
             result.expanded += [s.index for s in states]
             result.levels.append(search.level_stats(mark, depth, len(states), candidates, len(kept)))
             if self.on_level is not None:
@@ -213,9 +211,7 @@ class ToTProgram(Program):
             ranked = sorted(candidates, key=lambda c: -c.value)   # stable: ties keep the sampling order
             result.solved = next((c for c in ranked if task.is_solved(c.thoughts)), None)
             survivors = [] if result.solved is not None else [c for c in ranked if c.value >= config.threshold]
-            for c in candidates:
-                if all(c.node != s.node for s in survivors):
-                    search.prune(c.node)
+            search.prune([c.node for c in candidates if all(c.node != s.node for s in survivors)])
             result.levels.append(search.level_stats(mark, depth, 1, candidates, len(survivors)))
             if self.on_level is not None:
                 self.on_level(result.levels[-1])
@@ -224,9 +220,8 @@ class ToTProgram(Program):
                     result.best.append(c)
                 else:
                     yield from visit(c)
-                search.prune(c.node)   # backtrack
-            for child in tree.children(state.node):   # the step prompt, if there was one
-                search.prune(child)
+                search.prune([c.node])   # backtrack
+            search.prune(tree.children(state.node))   # the step prompt, if there was one
 
         yield from visit(root)
         result.best.sort(key=lambda c: -c.value)

@@ -14,7 +14,7 @@ import torch
 
 from treedec.runtime.decode import Decode
 from treedec.runtime.program import ProgramContext, StepRequest
-from treedec.runtime.request import Positions, check_positions
+from treedec.runtime.request import Positions, check_positions, position_limit
 from treedec.sampling.params import SEED_MAX, SamplingParams, sample_tokens
 from treedec.sampling.stops import StopRule
 from treedec.programs.tot.task import BFSConfig, DFSConfig, LevelStats, ToTState, ToTTask, Tokenizer
@@ -42,6 +42,10 @@ class ToTSearch:
         self.engine, self.tree, self.pool = engine, engine.tree, engine.pool
         self.task, self.tokenizer, self.config = task, tokenizer, config
         self.generator = torch.Generator(device=engine.device).manual_seed(config.seed)
+        # a thought's and an evaluation output's stop rules (the same for every expansion)
+        eos = tuple(eos)
+        self.thought_rule = StopRule(task.thought_max_tokens, eos, task.thought_stop, include_stop_str=True)
+        self.value_rule = StopRule(task.value_max_tokens, eos, task.value_stop, include_stop_str=True)
         self.logits: dict[int, torch.Tensor] = {}   # node -> [vocab] next-token logits at its last token
         self.counts: Counter = Counter()
         self.pages_peak = 0
@@ -68,10 +72,10 @@ class ToTSearch:
         heads = {s.node: s.node for s in states}
         for (state_node, _), node in zip(prompts, (yield from self._append_prompts(prompts))):
             heads[state_node] = node
-        streams = yield from self._generate([(heads[s.node], config.k) for s in states], task.thought_max_tokens,
-                                            task.thought_stop, config.sampling, append_last=True)
-        for node in heads.values():
-            if node not in (s.node for s in states):
+        streams = yield from self._generate([(heads[s.node], config.k) for s in states], self.thought_rule,
+                                            config.sampling, append_last=True)
+        for state_node, node in heads.items():
+            if node != state_node:   # (a step prompt's logits: read once)
                 self.logits.pop(node, None)
         self.counts["thought_tokens"] += sum(len(s.tokens) for s in streams)
         candidates = [ToTState(state.index + (i,), state.thoughts + (self._text(s.tokens, task.thought_stop),),
@@ -81,15 +85,20 @@ class ToTSearch:
         yield from self._evaluate(candidates)
         return candidates
 
-    def prune(self, node: int) -> None:
-        self.tree.prune(node)
-        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
+    def prune(self, nodes: list[int]) -> None:
+        """Prune the subtrees of ``nodes`` (one edit: :meth:`~treedec.tree.SequenceTree.prune_many`) and forget
+        their logits."""
+        if nodes:
+            self.tree.prune_many(nodes)
+            self._forget_pruned()
 
-    def prune_dead_end(self, node: int, root: int) -> None:
-        """Prune ``node`` with each ancestor below ``root`` that leads only to it
-        (:meth:`~treedec.tree.SequenceTree.prune_dead_end`), and forget their logits."""
-        self.tree.prune_dead_end(node, root)
-        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
+    def prune_dead_ends(self, nodes: list[int], root: int) -> None:
+        """Prune each of ``nodes`` with each ancestor below ``root`` that leads only to it, in order (a state whose
+        thoughts all go goes with the last; :meth:`~treedec.tree.SequenceTree.prune_dead_ends`: one edit), and
+        forget their logits."""
+        if nodes:
+            self.tree.prune_dead_ends(nodes, root)
+            self._forget_pruned()
 
     def release(self, root: int | None) -> None:
         """Free the search's pages."""
@@ -132,12 +141,12 @@ class ToTSearch:
                 raise ValueError(f"{type(task).__name__}.value_prompt returned '' for {c.thoughts!r}; return None "
                                  f"to value a state without the model")
             prompts.append(None if text is None else self._encode(text, "value_prompt()"))
-        pending = set(self.engine.pending_nodes().tolist())
+        # (a thought's last token that no step computed yet is pending, and its logits unknown: Decode.last_pending)
         evals = yield from self._append_prompts([(c.node, ids) for c, ids in zip(candidates, prompts)
                                                  if ids is not None],
-                                                also=[c.node for c in candidates if c.node in pending])
-        streams = yield from self._generate([(e, self.config.value_samples) for e in evals], task.value_max_tokens,
-                                            task.value_stop, self.config.value_sampling, append_last=False)
+                                                also=[c.node for c in candidates if c.node not in self.logits])
+        streams = yield from self._generate([(e, self.config.value_samples) for e in evals], self.value_rule,
+                                            self.config.value_sampling, append_last=False)
         self.counts["value_tokens"] += sum(len(s.tokens) for s in streams)
         outputs: dict[int, list[str]] = {e: [] for e in evals}
         for s in streams:
@@ -148,8 +157,7 @@ class ToTSearch:
             if not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
                 raise ValueError(f"{type(task).__name__}.parse_value must return a finite number, got {value!r}")
             c.value = float(value)
-        for e in evals:
-            self.prune(e)
+        self.prune(evals)
 
     def _append_prompts(self, prompts: list[tuple[int, list[int]]], also: Sequence[int] = ()):
         """Add each ``(parent, ids)`` as a new child of ``parent`` and compute them; returns the new nodes.
@@ -158,10 +166,12 @@ class ToTSearch:
         pending tokens) go to ``self.logits``. Prompts run together, in steps of at most
         ``engine.prefill_chunk`` tokens (a longer prompt alone in its step). A generator.
         """
-        for parent, ids in prompts:
-            length = len(self.tree.sequence(parent))
-            check_positions(self.engine.model, Positions(length + len(ids), f"{length} tokens + a {len(ids)}-token "
-                                                         f"prompt of {type(self.task).__name__}"), self.ctx.name)
+        lengths = [self.tree.sequence_length(parent) for parent, _ in prompts]
+        if prompts and max([length + len(ids) for length, (_, ids) in zip(lengths, prompts)]) > position_limit(
+                self.engine.model):   # (the first that passes the limit is named)
+            for length, (_, ids) in zip(lengths, prompts):
+                check_positions(self.engine.model, Positions(length + len(ids), f"{length} tokens + a {len(ids)}-token "
+                                                             f"prompt of {type(self.task).__name__}"), self.ctx.name)
         groups, size = [[]], 0
         for item in prompts:
             if groups[-1] and size + len(item[1]) > self.engine.prefill_chunk:
@@ -171,13 +181,15 @@ class ToTSearch:
             size += len(item[1])
         nodes, extra = [], list(also)
         for group in groups:
-            need = sum(self.pool.pages_for(len(ids)) for _, ids in group)
+            need = sum([-(-len(ids) // self.pool.page_size) for _, ids in group])
             if extra and need > self.pool.num_free_pages:   # a program that waits has no pending tokens
                 self.logits.update(zip(extra, (yield from self._step(extra))))
                 extra = []
             # Each group's pages just before it takes them: others may take free pages while it steps.
             yield from self.ctx.reserve(need)
-            new = [self.tree.branch(parent, [ids])[0] for parent, ids in group]
+            new = [] if not group else self.tree.branch_many(
+                [parent for parent, _ in group], [t for _, ids in group for t in ids], [len(ids) for _, ids in group]
+            ).tolist()
             self.counts["prompt_tokens"] += sum(len(ids) for _, ids in group)
             if new or extra:
                 self._note_pages()
@@ -187,10 +199,9 @@ class ToTSearch:
             extra = []
         return nodes
 
-    def _generate(self, heads: list[tuple[int, int]], max_tokens: int, stops: tuple[str, ...], params: SamplingParams,
-                  append_last: bool):
+    def _generate(self, heads: list[tuple[int, int]], rule: StopRule, params: SamplingParams, append_last: bool):
         """Branch each ``(parent, count)`` into ``count`` sequences with distinct first tokens, then
-        decode all of them together until each has a stop string, an EOS id or ``max_tokens`` tokens: one
+        decode all of them together until ``rule`` ends each (a stop string, an EOS id, its token budget): one
         :class:`~treedec.runtime.lanes.Decode` (its outputs are lanes of the scheduler's batch, every search's).
 
         ``append_last``: a finished sequence's last token still goes into the tree (thoughts:
@@ -199,7 +210,7 @@ class ToTSearch:
         """
         if not heads:
             return []
-        length = max(len(self.tree.sequence(parent)) for parent, _ in heads)
+        length, max_tokens = max([self.tree.sequence_length(parent) for parent, _ in heads]), rule.max_new_tokens
         check_positions(self.engine.model, Positions(length + max_tokens, f"{length} tokens + {max_tokens} generated"),
                         self.ctx.name)
         parents = [parent for parent, count in heads for _ in range(count)]
@@ -207,9 +218,9 @@ class ToTSearch:
         firsts = torch.cat([sample_tokens(self.logits[parent], params, self.generator, k=count).reshape(-1)
                             for parent, count in heads])
         seed = int(torch.randint(0, SEED_MAX, (1,), generator=self.generator, device=self.generator.device))
-        rule = StopRule(max_tokens, tuple(self.eos), stops, include_stop_str=True)
         decoded = yield Decode(parents, params, rule, first=firsts, count=len(parents), keep=append_last,
-                               last_pending=append_last, tokenizer=self.tokenizer if stops else None, seed=seed)
+                               last_pending=append_last, tokenizer=self.tokenizer if rule.stop_strings else None,
+                               seed=seed)
         streams = [_Stream(parent, o.token_ids, o.node) for parent, o in zip(parents, decoded.outputs)]
         computed = [len(o.token_ids) - (0 if append_last and o.logits is not None else 1) for o in decoded.outputs]
         self.counts["steps"] += max(computed)
@@ -241,6 +252,9 @@ class ToTSearch:
         text = self.tokenizer.decode(tokens)
         ends = [text.find(s) + len(s) for s in stops if s in text]
         return text[:min(ends)] if ends else text
+
+    def _forget_pruned(self) -> None:
+        self.logits = {n: v for n, v in self.logits.items() if n in self.tree}
 
     def _pages_in_use(self) -> int:
         return self.pool.num_pages - self.pool.num_free_pages

@@ -10,6 +10,7 @@ searches' configurations (:class:`BFSConfig`, :class:`DFSConfig`) and their resu
 from __future__ import annotations
 
 import abc
+import itertools
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Protocol, Sequence
@@ -36,6 +37,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+_BYTES = tuple(bytes((i,)) for i in range(256))
+_REPLACEMENT = "\ufffd".encode()   # (an id past the bytes: U+FFFD)
+
+
 @dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, for random tiny models; ids >= 256 decode to U+FFFD."""
@@ -46,10 +51,14 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
         try:
-            raw = bytes(list(ids))   # (the common case in one call: every id a byte; a list, never a buffer)
+            raw = bytes(ids)   # (the common case in one call: every id a byte; a list, never a buffer)
         except (ValueError, TypeError):
-            raw = b"".join(bytes((i,)) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in map(int, ids))
+            try:   # ids past the bytes as 0xFF, never UTF-8: one U+FFFD wherever it stands, as its own 3 bytes are
+                raw = bytes(map(min, ids, itertools.repeat(255)))
+            except (ValueError, TypeError):   # (ids < 0, numpy or float ids)
+                raw = b"".join([_BYTES[i] if 0 <= i < 256 else _REPLACEMENT for i in map(int, ids)])
         return raw.decode("utf-8", errors="replace")
 
 
