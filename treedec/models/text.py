@@ -302,8 +302,7 @@ class IncrementalDetokenizer:
         made = []
         for _ in range(count):
             copy = object.__new__(IncrementalDetokenizer)
-            copy.__dict__.update(self.__dict__)
-            copy._ids, copy._parts = list(self._ids), []
+            copy.__dict__.update(self.__dict__, _ids=list(self._ids), _parts=[])   # (its own lists)
             made.append(copy)
         return made
 
