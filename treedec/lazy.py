@@ -5,13 +5,12 @@ package imports none of them), then kept in the package's namespace.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Callable
+import importlib   # (nothing else: ``import treedec`` imports no module a working directory could shadow)
 
 
-def lazy_names(namespace: dict, names: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+def lazy_names(namespace: dict, names: dict[str, str]) -> tuple:
     """The module ``__getattr__`` and ``__dir__`` (PEP 562) of the package whose globals are ``namespace``: ``names``
-    maps each public name to the module it is defined in."""
+    maps each public name to the module it is defined in. Returns ``(__getattr__, __dir__)``."""
     package = namespace["__name__"]
 
     def __getattr__(name: str):
