@@ -415,3 +415,49 @@ def test_the_heartbeat_shows_an_iteration_running_long(tiny):
     assert len(final[0].output_ids) == 2
     assert seen[0] == 0.0 and seen[1] >= 0.3 and seen[2] < 0.3
     assert all_free(engine, servers[0].scheduler.cache)
+
+
+def test_between_iterations_waits_for_the_running_iteration_and_holds_the_next(tiny):
+    """A reader on another thread (a pages report's invariant check) gets the tree between two iterations: it waits
+    for the one running now to end, and no iteration starts while it holds (an idle scheduler's last iteration may
+    still be freeing the tree: reading it then saw a half-freed preorder)."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(input_ids, scores):   # the first step hangs until released
+        release.wait(30)
+        return scores
+
+    engine = make_engine(tiny)
+    seen, servers = {}, []
+
+    def reader(server):
+        with server.between_iterations():
+            seen["running"] = server.iteration_seconds
+            steps = server.scheduler.stats.steps
+            time.sleep(0.3)   # held: the program's next steps wait
+            seen["steps"] = (steps, server.scheduler.stats.steps)
+
+    async def main():
+        with OnlineEngine(engine) as server:
+            servers.append(server)
+            stream = server.submit(RequestSpec("stuck", prompt_ids=prompt(0, 8), params=SamplingParams(
+                max_tokens=3, temperature=0.0, logits_processors=(stuck,))))
+            deadline = time.monotonic() + 10
+            while server.iteration_seconds == 0.0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            thread = threading.Thread(target=reader, args=(server,))
+            thread.start()
+            await asyncio.sleep(0.2)
+            assert "running" not in seen   # (still waiting for the stuck iteration)
+            release.set()
+            _, final = await collect(stream)
+            thread.join(10)
+            return final
+
+    final = asyncio.run(main())
+    assert len(final[0].output_ids) == 3
+    assert seen["running"] == 0.0 and seen["steps"][0] == seen["steps"][1]
+    assert all_free(engine, servers[0].scheduler.cache)

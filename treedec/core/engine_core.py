@@ -179,21 +179,22 @@ class EngineCore:
             self.sink(message)
 
     def pages(self, token: int) -> PagesReport:
-        """The core's page accounting now (see :class:`~treedec.core.messages.PagesReport`); the tree's invariants
-        are checked only when the scheduler is idle (the engine's thread changes the tree while it runs)."""
+        """The core's page accounting now (see :class:`~treedec.core.messages.PagesReport`), read between two of the
+        engine thread's iterations; the tree's invariants are checked only when the scheduler is idle."""
         scheduler, engine = self.online.scheduler, self.llm.engine
         cache = scheduler.cache
-        cache_pages = 0 if cache is None else cache.num_pages
-        idle = scheduler.idle and not self.online.waiting_outputs
-        broken = None
-        if idle:
-            try:
-                engine.tree.check_invariants(held=None if cache is None else cache.held())
-            except Exception as e:   # (reported: the test or the soak asking fails on it)
-                broken = f"{type(e).__name__}: {e}"
-        return PagesReport(token=token, idle=idle, num_nodes=engine.tree.num_nodes,
-                           held_pages=pages_in_use(engine.pool) - cache_pages, cache_pages=cache_pages,
-                           invariants=broken)
+        with self.online.between_iterations():   # (an idle scheduler's last iteration may still be freeing the tree)
+            cache_pages = 0 if cache is None else cache.num_pages
+            idle = scheduler.idle and not self.online.waiting_outputs
+            broken = None
+            if idle:
+                try:
+                    engine.tree.check_invariants(held=None if cache is None else cache.held())
+                except Exception as e:   # (reported: the test or the soak asking fails on it)
+                    broken = f"{type(e).__name__}: {e}"
+            return PagesReport(token=token, idle=idle, num_nodes=engine.tree.num_nodes,
+                               held_pages=pages_in_use(engine.pool) - cache_pages, cache_pages=cache_pages,
+                               invariants=broken)
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Abort every request and join the engine's thread (see :meth:`OnlineEngine.shutdown`)."""

@@ -9,10 +9,11 @@ handed to the caller's event loop with ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
-from typing import AsyncIterator, Callable, Mapping
+from typing import AsyncIterator, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -110,6 +111,7 @@ class OnlineEngine:
         self._num_waiting = 0                       # their sum
         self._iteration_start: float | None = None  # (perf_counter) the iteration running now began
         self._lock = threading.Lock()
+        self._between = threading.Lock()   # held by the driving thread through each iteration
         self._wake = threading.Event()
         self._stopping = False
         self._grammars, self._grammar_lock = grammars, threading.Lock()
@@ -245,6 +247,14 @@ class OnlineEngine:
         self._wake.set()
         return True
 
+    @contextlib.contextmanager
+    def between_iterations(self) -> Iterator[None]:
+        """Hold the driving thread between two iterations (waiting for the one running now to end): the tree, the
+        pool and the scheduler's queues do not change meanwhile, so a caller on another thread may read them whole
+        (a pages report's invariant check). Hold it briefly: no iteration runs while it is held."""
+        with self._between:
+            yield
+
     def shutdown(self, timeout: float | None = None) -> bool:
         """Abort every running request, let the thread close them (their pages freed) and join it (for at most
         ``timeout`` seconds); returns whether the thread has ended."""
@@ -268,12 +278,15 @@ class OnlineEngine:
         try:
             while True:
                 self._wake.clear()
-                if not scheduler.idle:
-                    start = self._iteration_start = time.perf_counter()
-                    try:
-                        scheduler.iterate()
-                    finally:
-                        self._iteration_start = None
+                with self._between:
+                    busy = not scheduler.idle
+                    if busy:
+                        start = self._iteration_start = time.perf_counter()
+                        try:
+                            scheduler.iterate()
+                        finally:
+                            self._iteration_start = None
+                if busy:
                     if self.on_iteration is not None:
                         self.on_iteration(scheduler.stats, time.perf_counter() - start)
                     continue
