@@ -32,9 +32,13 @@ if str(REPO) not in sys.path:
 from bench.results_file import device_name, versions, write_results  # noqa: E402
 from treedec.models.config import MODEL_SIZES  # noqa: E402
 
-#: block_n, block_k, num_stages, num_warps of the swept tilings (each with every split count)
-SHAPES = ((128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 3, 8), (64, 64, 5, 4))
-SPLITS = (1, 2, 4, 8)
+#: block_m, block_n, block_k, num_stages, num_warps of the swept tilings (each with every split count). A tiling
+#: of block_m < 64 is timed only at M <= 64: it is a candidate for a decode-size GEMM chosen by M (the default
+#: mode may choose by M; the batch-invariant mode may not).
+SHAPES = ((64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 3, 8), (64, 64, 64, 5, 4), (64, 256, 64, 3, 8),
+          (64, 64, 256, 3, 4), (64, 128, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 3, 4),
+          (32, 64, 128, 4, 4))
+SPLITS = (1, 2, 3, 4, 6, 8)
 
 
 def projections(config) -> dict[str, tuple[int, int, int]]:
@@ -82,11 +86,12 @@ def main(argv=None) -> int:
         default = batch_invariant_tiles(n, k, sms)
         tilings = {"default": default}
         if args.sweep:
-            for bn, bk, stages, warps in SHAPES:
+            for bm, bn, bk, stages, warps in SHAPES:
                 for splits in SPLITS:
                     split_k = -(-(-(-k // bk)) // splits) * bk
-                    tilings[f"n{bn}k{bk}s{stages}w{warps}x{splits}"] = MatmulTiles(64, bn, bk, warps, stages,
-                                                                                     splits, split_k)
+                    if -(-k // split_k) == splits:   # (a split count that leaves none empty)
+                        tilings[f"m{bm}n{bn}k{bk}s{stages}w{warps}x{splits}"] = MatmulTiles(bm, bn, bk, warps, stages,
+                                                                                            splits, split_k)
         found = results["projections"][name] = {"n": n, "k": k, "count": count,
                                                 "default_tiles": dataclasses.asdict(default), "ms": {}}
         for m in rows:
@@ -94,6 +99,8 @@ def main(argv=None) -> int:
             reference = torch.nn.functional.linear(x.float(), w.float())
             times = found["ms"][str(m)] = {"cublas": _time(lambda: torch.nn.functional.linear(x, w), device)}
             for label, tiles in tilings.items():
+                if tiles.block_m < 64 and m > 64:
+                    continue
                 y = batch_invariant_matmul(x, w, tiles=tiles)
                 error = (y.float() - reference).abs().max().item() / reference.abs().max().item()
                 alone = batch_invariant_matmul(x[m - 1:], w, tiles=tiles)
@@ -107,7 +114,8 @@ def main(argv=None) -> int:
                   + (f", best {best[1]} {best[0] * 1e3:8.1f} us ({best[0] / times['cublas']:.2f}x)" if args.sweep
                      else ""))
     for m in rows:
-        labels = results["projections"]["qkv"]["ms"][str(m)].keys()
+        labels = [label for label in results["projections"]["qkv"]["ms"][str(m)]
+                  if all(label in p["ms"][str(m)] for p in results["projections"].values())]
         results["step_ms"][str(m)] = {label: sum(p["ms"][str(m)][label] * p["count"]
                                                  for p in results["projections"].values()) for label in labels}
         step = results["step_ms"][str(m)]

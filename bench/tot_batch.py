@@ -105,8 +105,9 @@ def main(argv=None) -> int:
     speedup = (args.tasks / batched_s) / (alone_tasks / alone_s)   # tasks a second, batched over alone
     print(f"{args.tasks} ToT-BFS tasks (k={args.k} n={args.n} depth={args.depth}, thoughts {args.thought_tokens} "
           f"tokens, values {args.value_tokens}): one forest {batched_s:.2f} s ({args.tasks / batched_s:.2f} tasks/s, "
-          f"{stats.steps} steps), one at a time {alone_s:.2f} s for {alone_tasks} ({alone_tasks / alone_s:.2f} tasks/s, "
-          f"{alone_steps} steps): {speedup:.2f}x; {agree} of {alone_tasks} searches agree")
+          f"{stats.steps} steps), one at a time {alone_s:.2f} s for {alone_tasks} "
+          f"({alone_tasks / alone_s:.2f} tasks/s, {alone_steps} steps): {speedup:.2f}x; {agree} of {alone_tasks} "
+          f"searches agree")
     results = {"device": device_name(device), "date": datetime.date.today().isoformat(), "versions": versions("triton"),
                "model": args.model, "smoke": args.smoke, "tasks": args.tasks,
                "config": {"k": args.k, "n": args.n, "depth": args.depth, "thought_tokens": args.thought_tokens,
