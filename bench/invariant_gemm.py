@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     sms = _sm_count(device)
     for name, (n, k, count) in projections(MODEL_SIZES[args.model]).items():
         w = torch.randn(n, k, generator=g, device=device, dtype=dtype) / k ** 0.5
-        default = batch_invariant_tiles(n, k, sms)
+        default = batch_invariant_tiles(n, k, sms, w.element_size())
         tilings = {"default": default}
         if args.sweep:
             for bm, bn, bk, stages, warps in SHAPES:

@@ -6,25 +6,34 @@ import torch
 
 pytest.importorskip("triton")
 from treedec.kernels.batch_invariant_matmul import (  # noqa: E402
-    MatmulTiles, batch_invariant_matmul, batch_invariant_tiles)
+    MAX_SPLITS, MatmulTiles, batch_invariant_matmul, batch_invariant_tiles)
 
 pytestmark = pytest.mark.triton
 
 
-def test_tiles_depend_on_n_k_and_the_sm_count_only():
+def test_tiles_depend_on_n_k_the_itemsize_and_the_sm_count_only():
     import inspect
-    assert list(inspect.signature(batch_invariant_tiles).parameters) == ["n", "k", "sms"]
+    assert list(inspect.signature(batch_invariant_tiles).parameters) == ["n", "k", "sms", "itemsize"]
     assert batch_invariant_tiles(96, 40) == MatmulTiles(64, 128, 64, 4, 4, splits=1, split_k=64)
     assert batch_invariant_tiles(24, 40) == MatmulTiles(64, 32, 64, 4, 4, splits=1, split_k=64)
-    # an 8B model's projections on a 132-SM H200: few column tiles split K (each split >= 4 K blocks, <= 8 splits)
-    assert batch_invariant_tiles(4096, 14336, 132).splits == 4   # down_proj: 32 column tiles
-    assert batch_invariant_tiles(4096, 4096, 132).splits == 4    # o_proj
-    assert batch_invariant_tiles(6144, 4096, 132).splits == 2    # qkv: 48
-    assert batch_invariant_tiles(28672, 4096, 132).splits == 1   # gate_up: 224 column tiles already
-    assert batch_invariant_tiles(128256, 4096, 132).splits == 1  # the LM head
-    for n, k in ((4096, 14336), (4096, 4096), (6144, 4096), (100, 1000)):
-        t = batch_invariant_tiles(n, k, 132)
-        assert t.split_k % t.block_k == 0 and (t.splits - 1) * t.split_k < k <= t.splits * t.split_k
+    # an 8B model's projections on a 132-SM H200 (the sweep of 2026-12-04): only a long K over few column tiles
+    # splits (one split a 4096 of K); narrow short ones take 64 x 256 blocks, wide or split ones 128 x 128
+    down = batch_invariant_tiles(4096, 14336, 132)
+    assert (down.splits, down.block_n, down.block_k, down.num_stages) == (4, 128, 128, 4)
+    for n in (4096, 6144):                                       # o_proj, qkv: 32 and 48 column tiles
+        t = batch_invariant_tiles(n, 4096, 132)
+        assert (t.splits, t.block_n, t.block_k, t.num_stages) == (1, 64, 256, 3)
+    for n in (28672, 128256):                                    # gate_up, the LM head: >= 1 column tile an SM
+        t = batch_invariant_tiles(n, 4096, 132)
+        assert (t.splits, t.block_n, t.block_k, t.num_stages) == (1, 128, 128, 4)
+    # 4-byte operands: half the K block (the same pipeline in shared memory)
+    assert batch_invariant_tiles(4096, 4096, 132, 4).block_k == 128
+    assert batch_invariant_tiles(4096, 14336, 132, 4).block_k == 64
+    for n, k in ((4096, 14336), (4096, 4096), (6144, 4096), (100, 1000), (64, 20000)):
+        for itemsize in (2, 4):
+            t = batch_invariant_tiles(n, k, 132, itemsize)
+            assert t.split_k % t.block_k == 0 and (t.splits - 1) * t.split_k < k <= t.splits * t.split_k
+            assert 1 <= t.splits <= MAX_SPLITS
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -2,18 +2,18 @@
 
 ``y = x @ w.T`` with ``x [M, K]``, ``w [N, K]``: one program per (BLOCK_M rows, BLOCK_N columns, K split) tile
 on a plain grid, each split's K loop in BLOCK_K steps from its start upwards. The tiling — block sizes, warps,
-pipeline stages and the number of K splits — is chosen from (N, K) and the device's SM count only
+pipeline stages and the number of K splits — is chosen from (N, K), the dtype's size and the device's SM count only
 (:func:`batch_invariant_tiles`), never from M, so a row's sums over K run in the same order and the same MMA
 shape for any M: a request's projections give the same bits alone or in a batch (rows past M are masked to 0 and
 never mix into a real row's sums). With several splits each writes its fp32 partial sums into a workspace and a
 second launch adds them in split order (no atomics), adds the bias and casts.
 
 Why split K at all: at decode sizes (M up to a few hundred rows) a GEMM reads its weights once, and a grid of
-``cdiv(N, BLOCK_N)`` programs is too few to stream them at the device's bandwidth when N is small (an 8B model's
-``o_proj`` and ``down_proj``: N = 4096, 32 programs on a 132-SM H200). The splits are as many as bring the grid to
-about one program per SM per M tile (at most :data:`MAX_SPLITS`), the same for every M; the partials' traffic
-(``splits * M * N`` fp32 written and read) is small against the weights' at decode sizes. Accumulation is fp32; the
-output is in ``x``'s dtype.
+``cdiv(N, BLOCK_N)`` programs is too few to stream them at the device's bandwidth when N is small and K long (an
+8B model's ``down_proj``: N = 4096, K = 14336, 32 column tiles on a 132-SM H200). A long K is split (one split per
+4096, at most as many as bring the grid to about one program per SM per M tile, at most :data:`MAX_SPLITS`), the
+same for every M; the partials' traffic (``splits * M * N`` fp32 written and read) is small against the weights' at
+decode sizes. Accumulation is fp32; the output is in ``x``'s dtype.
 """
 from __future__ import annotations
 
@@ -45,17 +45,32 @@ class MatmulTiles:
     split_k: int = 0
 
 
-def batch_invariant_tiles(n: int, k: int, sms: int = 0) -> MatmulTiles:
-    """The tiling of ``[*, K] @ [N, K].T``: a function of N, K and the device's ``sms`` (streaming multiprocessors;
-    0: no split) only, never of M."""
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
+def batch_invariant_tiles(n: int, k: int, sms: int = 0, itemsize: int = 2) -> MatmulTiles:
+    """The tiling of ``[*, K] @ [N, K].T``: a function of N, K, the device's ``sms`` (streaming multiprocessors;
+    0: no split) and the operands' ``itemsize`` (bytes; 4-byte operands take half the K block, to fit the same
+    pipeline in shared memory) only, never of M.
+
+    The rule, chosen from a sweep of 61 tilings on an H200 at M = 1, 64 and 256 over Llama-3-8B's projections
+    (``bench/invariant_gemm.py --sweep``, bench/results/2026-12-04-nvidia-h200-invariant-gemm-s21-sweep.json):
+    K is split only when it is long (one split per 4096 of K, at most as many as bring the grid to one program
+    per SM per M tile): down_proj's K = 14336 over 32 column tiles, 4 splits. A wide N (a column tile per SM or
+    more: gate_up, the LM head) or a split K takes 128 x 128 blocks in 4 stages; a narrow, short one (qkv, o) takes
+    64-column blocks over 256-long K steps in 3 stages (twice the programs, the same bytes in flight). At decode
+    sizes (M <= 64) that put a forward's GEMMs within 1.03x of cuBLAS (the first rule: 1.31-1.33x)."""
+    column_tiles = triton.cdiv(n, 128)
+    splits = max(1, min(MAX_SPLITS, sms // column_tiles, triton.cdiv(k, 4096))) if sms else 1
+    if splits > 1 or column_tiles >= sms:
+        block_n, block_k, stages = 128, 128, 4
+    else:
+        block_n, block_k, stages = 64, 256, 3
+    block_k //= 2 if itemsize > 2 else 1
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     k_blocks = triton.cdiv(k, block_k)
-    # as many splits as bring one M tile's grid to about one program per SM, each of at least 4 K blocks
-    splits = max(1, min(MAX_SPLITS, sms // triton.cdiv(n, block_n), k_blocks // 4))
+    splits = max(1, min(splits, k_blocks))
     split_k = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(k, split_k)   # (the last split may be short; none is empty)
-    return MatmulTiles(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, splits=splits,
+    return MatmulTiles(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, splits=splits,
                        split_k=split_k)
 
 
@@ -125,7 +140,7 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    t = tiles or batch_invariant_tiles(n, k, _sm_count(x.device))
+    t = tiles or batch_invariant_tiles(n, k, _sm_count(x.device), x.element_size())
     split_k = t.split_k or triton.cdiv(k, t.block_k) * t.block_k
     splits = triton.cdiv(k, split_k)
     # one split writes y; several write fp32 partials [splits, m, n] for the ordered reduction
