@@ -3,13 +3,17 @@
 For each projection of a model shape (Llama-3-8B's by default: qkv, o, gate_up, down, the LM head) and each row
 count (``--rows``, default 1, 2, 4, 8, 16, 32, 64), the median us per call (``triton.testing.do_bench``, L2
 flushed) of: the bf16 ``F.linear``; :func:`treedec.models.fp8.scaled_mm` (the activations quantized per row,
-``torch._scaled_mm``); the weight-only GEMV (:mod:`treedec.kernels.fp8_gemv`, at most 16 rows); and each one's
+``torch._scaled_mm``); the weight-only GEMV (:mod:`treedec.kernels.fp8_gemv`, at most 16 rows); the fp8 x fp8
+Triton GEMM (:mod:`treedec.kernels.fp8_matmul`) with the rows quantized by torch (``fp8_matmul``: eager, each
+quantization's kernels timed; under ``torch.compile`` they fuse with the step's norm) and on rows quantized
+beforehand (``fp8_matmul_gemm``: the GEMM alone); and each one's
 weight bandwidth (weight bytes / time) against the copy bandwidth measured first. Correctness first: each
 method's output against the fp32 product of the same de-quantized weights (relative error, recorded).
 
     python bench/fp8_gemv.py                              # GPU: llama3-8b's projections
     python bench/fp8_gemv.py --model qwen3-8b --rows 1,4,16
     python bench/fp8_gemv.py --sweep --rows 1,8            # GPU: every GEMV tile schedule, the best per shape
+    python bench/fp8_gemv.py --sweep-matmul --rows 1,16,64,256   # GPU: fp8 GEMM tilings, the best per shape
 
 ``--sweep`` times the GEMV under every schedule of a grid (tile width, K tile, K splits, tensor cores or not,
 warps, stages) for each projection and row count and prints the best beside :func:`launch_config`'s choice
@@ -48,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="")
     parser.add_argument("--sweep", action="store_true", help="time every GEMV schedule of a grid (see above)")
+    parser.add_argument("--sweep-matmul", action="store_true", help="time fp8 x fp8 GEMM tilings (block shapes, "
+                        "stages, K splits) per projection and row count, beside fp8_matmul_tiles' choice")
     parser.add_argument("--sweep-schedules", choices=["all", "swap_ab"], default="all",
                         help="the sweep's grid: every schedule, or the swapped-operand ones only")
     args = parser.parse_args(argv)
@@ -57,6 +63,7 @@ def main(argv=None) -> None:
     from triton.testing import do_bench
 
     from treedec.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
+    from treedec.kernels.fp8_matmul import fp8_matmul
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -66,9 +73,12 @@ def main(argv=None) -> None:
                "runs": []}
     if args.sweep:
         return sweep(results, config, rows_list, args, do_bench, bandwidth)
+    if args.sweep_matmul:
+        return sweep_matmul(results, config, rows_list, args, do_bench, bandwidth)
     print(f"{results['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, {args.model}; us per call "
           "(weight TB/s)")
-    print(f"{'projection':>10} {'rows':>5} {'bf16':>16} {'scaled_mm':>16} {'gemv':>16}  rel err (scaled_mm, gemv)")
+    shown = ("bf16", "scaled_mm", "gemv", "fp8_matmul", "fp8_matmul_gemm")
+    print(f"{'projection':>10} {'rows':>5} " + " ".join(f"{m_:>16}" for m_ in shown) + "  rel err (fp8 ones)")
     gen = torch.Generator(device).manual_seed(0)
     for name, (n, k) in projections(config).items():
         w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
@@ -82,6 +92,10 @@ def main(argv=None) -> None:
                        "scaled_mm": lambda x=x, q=q, s=s: scaled_mm(x, q, s, None)}
             if m <= MAX_ROWS:
                 methods["gemv"] = lambda x=x, q=q, s=s: fp8_gemv(x, q, s)
+            xq, x_scale = quantize_rows(x)
+            methods["fp8_matmul"] = lambda x=x, q=q, s=s: fp8_matmul(*quantize_rows(x), q, s, None, torch.bfloat16)
+            methods["fp8_matmul_gemm"] = lambda xq=xq, xs=x_scale, q=q, s=s: fp8_matmul(xq, xs, q, s, None,
+                                                                                    torch.bfloat16)
             run = {"projection": name, "N": n, "K": k, "rows": m}
             for method, fn in methods.items():
                 out = fn().float()
@@ -91,8 +105,8 @@ def main(argv=None) -> None:
                 run[f"{method}_us"], run[f"{method}_TBps"] = us, weight_bytes / (us * 1e-6) / 1e12
             results["runs"].append(run)
             cells = [f"{run[f'{m_}_us']:8.1f} ({run[f'{m_}_TBps']:4.2f})" if f"{m_}_us" in run else f"{'-':>16}"
-                     for m_ in ("bf16", "scaled_mm", "gemv")]
-            errs = ", ".join(f"{run[f'{m_}_rel_err']:.1e}" for m_ in ("scaled_mm", "gemv") if f"{m_}_rel_err" in run)
+                     for m_ in shown]
+            errs = ", ".join(f"{run[f'{m_}_rel_err']:.1e}" for m_ in shown[1:] if f"{m_}_rel_err" in run)
             print(f"{name:>10} {m:>5} {' '.join(cells)}  {errs}", flush=True)
     write_results(results, args.out, "fp8-gemv", tag=args.tag or None)
 
@@ -137,6 +151,46 @@ def sweep(results: dict, config: ModelConfig, rows_list: list[int], args, do_ben
             print(f"{name:>8} m={m:<2} best {best_us:6.1f} us ({n * k / best_us / 1e6:4.2f} TB/s) {best}; "
                   f"heuristic {chosen_us:6.1f} us {chosen}", flush=True)
     write_results(results, args.out, "fp8-gemv-sweep", tag=args.tag or None)
+
+
+def sweep_matmul(results: dict, config: ModelConfig, rows_list: list[int], args, do_bench, bandwidth: float) -> None:
+    from treedec.kernels.batch_invariant_matmul import MatmulTiles, sm_count
+    from treedec.kernels.fp8_matmul import fp8_matmul_tiles, launch
+    device = torch.device("cuda")
+    sms = sm_count(device)
+    gen = torch.Generator(device).manual_seed(0)
+    print(f"{results['device']}: fp8 GEMM tilings, us (weight TB/s of {bandwidth / 1e12:.2f})")
+    for name, (n, k) in projections(config).items():
+        if name == "lm_head":
+            continue
+        q, s = quantize_rows(torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
+        s = s.view(-1)
+        grid = {"chosen": fp8_matmul_tiles(n, k, sms)}
+        for bn, bk, stages, splits in itertools.product((64, 128), (128, 256, 512), (3, 4), (1, 2, 4)):
+            split_k = -(-(-(-k // bk)) // splits) * bk
+            if -(-k // split_k) == splits:
+                grid[f"n{bn}k{bk}s{stages}x{splits}"] = MatmulTiles(64, bn, bk, 4, stages, splits, split_k)
+        for m in rows_list:
+            x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+            xq, xs = quantize_rows(x)
+            ref = dequantize(xq, xs.view(-1), torch.float32) @ dequantize(q, s, torch.float32).T
+            timed = {}
+            for label, tiles in grid.items():
+                try:
+                    out = launch(xq, xs, q, s, None, torch.bfloat16, tiles).float()
+                except Exception as e:  # a tiling Triton cannot compile (shared memory): skipped, said
+                    print(f"  {name} m={m} {label}: {type(e).__name__}", flush=True)
+                    continue
+                if float((out - ref).norm() / ref.norm()) > 1e-2:
+                    raise SystemExit(f"{name} m={m} {label}: wrong result")
+                timed[label] = do_bench(lambda t=tiles: launch(xq, xs, q, s, None, torch.bfloat16, t), warmup=5,
+                                        rep=20, return_mode="median") * 1e3
+            best = min(timed, key=timed.get)
+            results["runs"].append({"projection": name, "N": n, "K": k, "rows": m, "us": timed, "best": best,
+                                    "chosen": vars(grid["chosen"])})
+            print(f"{name:>8} m={m:<3} chosen {timed['chosen']:6.1f} us ({n * k / timed['chosen'] / 1e6:4.2f} TB/s); "
+                  f"best {best} {timed[best]:6.1f} us ({n * k / timed[best] / 1e6:4.2f} TB/s)", flush=True)
+    write_results(results, args.out, "fp8-matmul-sweep", tag=args.tag or None)
 
 
 if __name__ == "__main__":

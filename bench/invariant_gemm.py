@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.model, args.rows = "tiny", "1,3"
-    from treedec.kernels.batch_invariant_matmul import MatmulTiles, _sm_count, batch_invariant_matmul, \
+    from treedec.kernels.batch_invariant_matmul import MatmulTiles, sm_count, batch_invariant_matmul, \
         batch_invariant_tiles
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device).manual_seed(0)
     results = {"device": device_name(device), "versions": versions("triton"), "date": time.strftime("%Y-%m-%d"),
                "model": args.model, "dtype": str(dtype), "rows": rows, "projections": {}, "step_ms": {}}
-    sms = _sm_count(device)
+    sms = sm_count(device)
     for name, (n, k, count) in projections(MODEL_SIZES[args.model]).items():
         w = torch.randn(n, k, generator=g, device=device, dtype=dtype) / k ** 0.5
         default = batch_invariant_tiles(n, k, sms, w.element_size())

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_SPLITS", "MatmulTiles", "batch_invariant_matmul", "batch_invariant_tiles"]
+__all__ = ["MAX_SPLITS", "MatmulTiles", "batch_invariant_matmul", "batch_invariant_tiles", "launch_matmul", "sm_count"]
 
 #: most K splits of one GEMM
 MAX_SPLITS = 8
@@ -75,15 +75,15 @@ def batch_invariant_tiles(n: int, k: int, sms: int = 0, itemsize: int = 2) -> Ma
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """The device's SM count (0 off CUDA: the interpreter gains nothing from splits)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_wn, stride_wk,
-                   stride_ys, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, xs_ptr, ws_ptr, y_ptr, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_wn,
+                   stride_wk, stride_ys, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -100,6 +100,9 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPLIT_K, stride_xm, stri
         w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=(rn[None, :] < N) & (kk[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_SCALES:   # (one split: the product's scales here; several: in the reduction)
+        acc *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=rn < N,
+                                                                               other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
@@ -107,17 +110,56 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, SPLIT_K, stride_xm, stri
 
 
 @triton.jit
-def _reduce_splits(p_ptr, b_ptr, y_ptr, total, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """``y = sum over s of p[s] (+ bias)``, the splits added in order 0, 1, ..., in fp32."""
+def _reduce_splits(p_ptr, b_ptr, xs_ptr, ws_ptr, y_ptr, total, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_SCALES: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = (sum over s of p[s]) (* x_scale[row] * w_scale[col]) (+ bias)``, the splits added in order 0, 1, ...,
+    in fp32."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_SCALES:
+        acc *= tl.load(xs_ptr + offs // N, mask=mask, other=0.0) * tl.load(ws_ptr + offs % N, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_matmul(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: MatmulTiles,
+                  out_dtype: torch.dtype, x_scale: torch.Tensor | None = None,
+                  w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels on checked operands: ``x2 [M, K] @ weight [N, K].T`` with ``tiles``, times ``x_scale [M]`` and
+    ``w_scale [N]`` (float32, both or neither: an fp8 product's dequantization), ``+ bias``, as ``out_dtype``
+    ``[M, N]``. :func:`batch_invariant_matmul` and :func:`~treedec.kernels.fp8_matmul.fp8_matmul` check and call
+    it."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    if m == 0:
+        return y
+    t = tiles
+    split_k = t.split_k or triton.cdiv(k, t.block_k) * t.block_k
+    splits = triton.cdiv(k, split_k)
+    scales = x_scale is not None
+    xs, ws = (x_scale, w_scale) if scales else (y, y)
+    # one split writes y; several write fp32 partials [splits, m, n] for the ordered reduction
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), splits)
+    _matmul_kernel[grid](x2, weight, bias if bias is not None and splits == 1 else y, xs, ws, out, m, n, k, split_k,
+                         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                         m * n if splits > 1 else 0, n, 1, HAS_BIAS=bias is not None and splits == 1,
+                         HAS_SCALES=scales and splits == 1, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                         # fp32 operands multiplied in full precision (Triton's default is tf32, which missed
+                         # F.linear by more than 1e-4 on the H200); 16-bit operands take the tensor cores as they are
+                         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
+                         num_stages=t.num_stages)
+    if splits > 1:
+        block = 1024
+        _reduce_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, xs, ws, y, m * n, n,
+                                                      SPLITS=splits, HAS_BIAS=bias is not None, HAS_SCALES=scales,
+                                                      BLOCK=block)
+    return y
 
 
 def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -135,27 +177,6 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y.reshape(*lead, n)
-    t = tiles or batch_invariant_tiles(n, k, _sm_count(x.device), x.element_size())
-    split_k = t.split_k or triton.cdiv(k, t.block_k) * t.block_k
-    splits = triton.cdiv(k, split_k)
-    # one split writes y; several write fp32 partials [splits, m, n] for the ordered reduction
-    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), splits)
-    _matmul_kernel[grid](x2, weight, bias if bias is not None and splits == 1 else y, out, m, n, k, split_k,
-                         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-                         m * n if splits > 1 else 0, n, 1, HAS_BIAS=bias is not None and splits == 1,
-                         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                         # fp32 operands multiplied in full precision (Triton's default is tf32, which missed
-                         # F.linear by more than 1e-4 on the H200); 16-bit operands take the tensor cores as they are
-                         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
-                         num_stages=t.num_stages)
-    if splits > 1:
-        block = 1024
-        _reduce_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n,
-                                                      SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block)
-    return y.reshape(*lead, n)
+    n, k = weight.shape
+    t = tiles or batch_invariant_tiles(n, k, sm_count(x.device), x.element_size())
+    return launch_matmul(x2, weight, bias, t, x.dtype).reshape(*lead, n)
