@@ -56,7 +56,7 @@ def test_k_splits_give_the_same_product_and_rows_alone_equal_rows_in_a_batch(tri
 
 def test_the_tiling_is_the_matmul_rule_for_one_byte_operands():
     down = fp8_matmul_tiles(4096, 14336, 132)
-    assert down.splits == 4 and down.block_m == 64
+    assert (down.splits, down.block_m, down.block_k, down.num_stages) == (4, 64, 256, 3)
     assert fp8_matmul_tiles(28672, 4096, 132).splits == 1
 
 

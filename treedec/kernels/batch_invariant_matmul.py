@@ -63,6 +63,8 @@ def batch_invariant_tiles(n: int, k: int, sms: int = 0, itemsize: int = 2) -> Ma
         block_n, block_k, stages = 128, 128, 4
     else:
         block_n, block_k, stages = 64, 256, 3
+    if itemsize == 1 and splits > 1:   # (e4m3: the fp8 sweep's split tilings took 256-long K steps in 3 stages)
+        block_k, stages = 256, 3
     block_k //= 2 if itemsize > 2 else 1
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))

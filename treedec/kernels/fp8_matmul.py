@@ -23,7 +23,8 @@ __all__ = ["fp8_matmul", "fp8_matmul_tiles", "launch"]
 
 
 def fp8_matmul_tiles(n: int, k: int, sms: int = 0) -> MatmulTiles:
-    """The tiling of the e4m3 product (the batch-invariant matmul's rule for 1-byte operands)."""
+    """The tiling of the e4m3 product: the batch-invariant matmul's rule for 1-byte operands (its split K in
+    256-long steps: bench/results/2026-12-04-nvidia-h200-fp8-matmul-sweep-s21.json)."""
     return batch_invariant_tiles(n, k, sms, 1)
 
 
