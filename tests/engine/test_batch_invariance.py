@@ -57,7 +57,7 @@ def test_logits_alone_equal_logits_in_a_batch_on_the_cpu():
     assert engine.batch_invariance.kernel == "rows"
     assert engine.model.linear_paths() == {"F.linear row by row": 9}
     assert engine.attn.plan_config.planner == "path" and engine.attn.plan_config.batch_invariant
-    assert engine.attn.backend == "torch" and engine.attn.backend_impl.form == "chunks"
+    assert engine.attn.backend == "torch" and engine.attn.backend_impl.form == "rows"
 
 
 def test_a_prompt_in_chunks_gives_the_same_logits():
