@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from treedec import PlanConfig, TreeAttention
-from treedec.attention import AttentionVariant, make_plan
+from treedec.attention import AttentionVariant, PlanBounds, make_plan
 from treedec.attention.read_intervals import read_intervals
 from treedec.tree import TreeLayout
 from treedec.workloads.deft import medusa_tree
@@ -211,3 +211,26 @@ def test_triton_bits_property(triton_device, seed, dtype, group, query_tile, chu
     rng = np.random.default_rng(seed)
     forest = random_forest_of_requests(rng, 4, chunk, groups=2, max_requests=2)
     check_invariance(forest, rng, "triton", dtype, triton_device, 1, group, 64, query_tile, chunk)
+
+
+@pytest.mark.triton
+def test_triton_static_plans_give_the_eager_bits(triton_device):
+    """What a captured graph does, without capture: the whole forest and each request alone planned into one
+    static plan (padded to its bounds) and launched there give the eager launch's bits, alone and batched alike."""
+    rng = np.random.default_rng(4)
+    forest = random_forest_of_requests(rng, 16, CHUNK, groups=2, max_requests=2)
+    attn = TreeAttention(4, 1, 64, backend="triton", device=triton_device, dtype=torch.bfloat16,
+                         plan_config=invariant())
+    k_cache, v_cache = (c.to(triton_device) for c in forest.kv(1, 64, torch.bfloat16))
+    everyone = [(g, r) for g in range(len(forest.prompts)) for r in range(len(forest.requests[g]))]
+    bounds = PlanBounds.for_plan(attn.plan_host(forest.layout(everyone)[0]))
+    static = attn.static_plan(bounds)
+    q_static = torch.zeros(bounds.max_queries, 4, 64, dtype=torch.bfloat16, device=triton_device)
+    seen = {}
+    for members in [everyone] + [[m] for m in everyone]:
+        eager, layout, rows = outputs(forest, members, None, attn, torch.bfloat16, k_cache, v_cache)
+        q_static[:len(rows)] = q_rows(rows, 4, 64, torch.bfloat16).to(triton_device)
+        out, lse = attn.run(q_static, k_cache, v_cache, attn.plan(layout, into=static), return_lse=True)
+        for i, row in enumerate(rows):
+            assert torch.equal(out[i], eager[row][0]) and torch.equal(lse[i], eager[row][1]), row
+            assert torch.equal(seen.setdefault(row, out[i].clone()), out[i]), row
