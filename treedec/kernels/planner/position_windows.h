@@ -41,14 +41,23 @@ inline WindowChunks position_windows(const Intervals& iv, const i64* slots, i64 
     i = j;
   }
 
+  // np.argsort(key, kind="stable"): (key, window) pairs are distinct, so a plain sort of them is that order
   const i64 num_windows = static_cast<i64>(windows.size());
-  const Vec by_key = stable_order(num_windows, [&](i64 x, i64 y) { return windows[x].key < windows[y].key; });
+  std::vector<std::pair<i64, i64>> by_key(num_windows);
+  for (i64 w = 0; w < num_windows; ++w) by_key[w] = {windows[w].key, w};
+  std::sort(by_key.begin(), by_key.end());
   WindowChunks out;
   Vec chunk_of(num_windows);
+  out.bounds.reserve(num_windows + 1);
   out.bounds.push_back(0);
+  i64 copied = 0;  // the copies' tokens, for one allocation
   for (i64 r = 0; r < num_windows; ++r) {
-    const Window& w = windows[by_key[r]];
-    if (r == 0 || w.key != windows[by_key[r - 1]].key) {  // a new chunk: this window's keys are its copy
+    if (r == 0 || by_key[r].first != by_key[r - 1].first) copied += windows[by_key[r].second].length;
+  }
+  out.kv_slots.reserve(copied);
+  for (i64 r = 0; r < num_windows; ++r) {
+    const Window& w = windows[by_key[r].second];
+    if (r == 0 || by_key[r].first != by_key[r - 1].first) {  // a new chunk: this window's keys are its copy
       out.bounds.push_back(out.bounds.back() + w.length);
       i64 at = static_cast<i64>(std::upper_bound(ends.begin(), ends.end(), w.key0) - ends.begin());
       for (i64 g = w.key0, stop = w.key0 + w.length; g < stop; ++at) {
@@ -58,7 +67,7 @@ inline WindowChunks position_windows(const Intervals& iv, const i64* slots, i64 
         g = piece_end;
       }
     }
-    chunk_of[by_key[r]] = static_cast<i64>(out.bounds.size()) - 2;
+    chunk_of[by_key[r].second] = static_cast<i64>(out.bounds.size()) - 2;
   }
   for (Vec* v : {&out.reads.q, &out.reads.lo, &out.reads.hi}) v->reserve(num_windows);
   for (i64 w = 0; w < num_windows; ++w) {
