@@ -3,7 +3,8 @@
 Cases from issue 35's budgets for plan + static write + schedule on the GPU host: the 64-token
 Medusa tree over a 4000-token prompt (<= 0.1 ms), a forest of 8 requests each with its own
 4000-token prompt and 64-token Medusa tree (<= 0.3 ms), and a 1,000-node forest (<= 0.6 ms); and issue
-49's decode step of 64 lanes over 64 requests' 4000-token prompts (256k KV tokens).
+49's decode step of 64 lanes over 64 requests' 4000-token prompts (256k KV tokens); and issue 53's decode step of 64
+requests sharing a 2000-token system prompt (each its own 50-token question).
 Times the parts of ``TreeAttention.plan``: the tree snapshot (``SequenceTree.layout``), the
 planner (``make_plan``) and the index copy (``TreePlan.to``), each the median of many runs after
 warm-up; and, on any machine, the cuda backend's host work of a graphed step per planner
@@ -15,6 +16,7 @@ prepare: the cuda backend's schedule included) and the write of a plan into a st
 graphed step pays), and writes ``bench/results/<date>-plan-cost-<device>.json``.
 
     python bench/plan_cost.py [--repeats 300] [--planner flatten] [--device cuda] [--window 512]
+    python bench/plan_cost.py --planner path --chunk-size 256 --batch-invariant   # the batch-invariant mode's plans
 
 ``--window W``: every plan clips the reads to a sliding window of W keys (``AttentionVariant(window=W)``): what the
 plan of a windowed layer group costs (a Gemma 3 step makes one such plan and one plain one).
@@ -86,6 +88,17 @@ def lanes_64x4k(page_size: int = 16) -> SequenceTree:
     tree = SequenceTree(PagedKVPool(64 * 260, page_size, allocate_storage=False))
     roots = [tree.add_prompt(np.zeros(4000, dtype=np.int64)) for _ in range(64)]
     leaves = [tree.branch(r, [[0]])[0] for r in roots]
+    tree.commit_step()
+    tree.extend_many({leaf: [1] for leaf in leaves})
+    return tree
+
+
+def shared_prefix_64x2000(page_size: int = 16) -> SequenceTree:
+    """Issue 53's decode step of 64 requests sharing a 2000-token system prompt: the prompt, 64 branches of a
+    50-token question each, one pending token on each (64 queries over 5200 KV tokens)."""
+    tree = SequenceTree(PagedKVPool(64 * 8 + 160, page_size, allocate_storage=False))
+    root = tree.add_prompt(np.zeros(2000, dtype=np.int64))
+    leaves = tree.branch(root, [np.zeros(50, dtype=np.int64)] * 64)
     tree.commit_step()
     tree.extend_many({leaf: [1] for leaf in leaves})
     return tree
@@ -168,7 +181,7 @@ def measure(name: str, tree: SequenceTree, config: PlanConfig, repeats: int, dev
             variant: AttentionVariant = AttentionVariant()) -> dict:
     layout = tree.layout()
     plan = make_plan(layout, config, variant=variant)
-    row = {"case": name, "nodes": tree.num_nodes, **plan.summary()}
+    row = {"case": name, "nodes": tree.num_nodes, **plan.summary(), "kv_tokens_read": plan.kv_tokens_read()}
     # The snapshot built from scratch (tree.layout() is cached until the next operation).
     row["layout"] = time_us(lambda: layout_from_scratch(tree), repeats)
     row["make_plan"] = time_us(lambda: make_plan(layout, config, variant=variant), repeats)
@@ -210,8 +223,14 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: also time TreeAttention.plan per kernel backend, eager and into a static plan")
     parser.add_argument("--window", type=int, default=None, help="plan for a sliding window of this many keys")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="PlanConfig(batch_invariant=True): the batch-invariant mode's plans (needs --planner path "
+                             "and a --chunk-size, as Engine(batch_invariant=True) plans with 256)")
     args = parser.parse_args()
-    config = PlanConfig(args.planner, args.chunk_size, 16)
+    if args.batch_invariant and (args.planner != "path" or args.chunk_size is None):
+        parser.error(f"--batch-invariant plans with --planner path and a fixed --chunk-size, got --planner "
+                     f"{args.planner} --chunk-size {args.chunk_size}")
+    config = PlanConfig(args.planner, args.chunk_size, 16, batch_invariant=args.batch_invariant)
     variant = AttentionVariant(window=args.window)
     rows = [
         measure("medusa64_over_4k_prompt", medusa64_over_4k(), config, args.repeats, args.device, variant),
@@ -219,12 +238,15 @@ def main() -> None:
         measure("forest_1000_nodes", forest_1000_nodes(np.random.default_rng(0)), config, args.repeats, args.device,
                 variant),
         measure("lanes_64x4k", lanes_64x4k(), config, args.repeats, args.device, variant),
+        measure("shared_prefix_64x2000", shared_prefix_64x2000(), config, args.repeats, args.device, variant),
     ]
     impl = planner_impl()
     print(f"planner: {impl.name} ({impl.reason})")
-    print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'layout':>9}{'plan':>9}{'copy':>8}{'total':>9}  (median us)")
+    print(f"{'case':<26}{'nodes':>6}{'queries':>8}{'tokens':>8}{'read':>8}{'layout':>9}{'plan':>9}{'copy':>8}"
+          f"{'total':>9}  (median us; tokens: the plan's KV, read: per KV head, each chunk once a work item)")
     for r in rows:
-        print(f"{r['case']:<26}{r['nodes']:>6}{r['queries']:>8}{r['tree_tokens']:>8}{r['layout']['median_us']:>9}"
+        print(f"{r['case']:<26}{r['nodes']:>6}{r['queries']:>8}{r['tree_tokens']:>8}{r['kv_tokens_read']:>8}"
+              f"{r['layout']['median_us']:>9}"
               f"{r['make_plan']['median_us']:>9}{r['to_device_cpu']['median_us']:>8}{r['total']['median_us']:>9}")
         for key in ("plan_triton", "plan_into_static_triton", "plan_cuda", "plan_into_static_cuda"):
             if key in r:
@@ -241,12 +263,14 @@ def main() -> None:
                                                           ("total", 9))) + f"{BUDGETS_US.get(r['case'], float('nan')):>8.0f}")
     result = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "numpy": np.__version__, "planner": args.planner, "chunk_size": args.chunk_size,
+              "batch_invariant": args.batch_invariant,
               "planner_impl": {"name": impl.name, "reason": impl.reason}, "window": args.window, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     result["device"] = args.device
     if args.device == "cuda":
         result["gpu"], result["torch"] = torch.cuda.get_device_name(), torch.__version__
-    path = args.out / f"{result['date']}-plan-cost-{args.device}{'' if args.window is None else f'-w{args.window}'}.json"
+    tag = ("" if args.window is None else f"-w{args.window}") + ("-bi" if args.batch_invariant else "")
+    path = args.out / f"{result['date']}-plan-cost-{args.device}{tag}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
 

@@ -1,4 +1,4 @@
-"""The torch backend's two forms (dense, chunks) against the dense reference, and what ``auto`` picks."""
+"""The torch backend's three forms (dense, chunks, rows) against the dense reference, and what ``auto`` picks."""
 import numpy as np
 import pytest
 import torch
@@ -15,24 +15,27 @@ from tests.trees import random_forest, rel_error
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 3, 16]), group=st.sampled_from([1, 3, 4]),
-       planner=st.sampled_from(["flatten", "node", "node_chunk", "path"]), chunk_size=st.sampled_from([7, 32, 128]),
-       form=st.sampled_from(["dense", "chunks", "auto"]), return_lse=st.booleans())
+       planner=st.sampled_from(["flatten", "node", "node_chunk", "path", "batch-invariant path"]),
+       chunk_size=st.sampled_from([7, 32, 128]), form=st.sampled_from(["dense", "chunks", "rows", "auto"]),
+       return_lse=st.booleans())
 def test_every_form_equals_the_reference(seed, page_size, group, planner, chunk_size, form, return_lse):
     rng = np.random.default_rng(seed)
     hkv = int(rng.integers(1, 3))
     tree = random_forest(rng, page_size, num_kv_heads=hkv, head_dim=64)
+    invariant = planner == "batch-invariant path"
     attn = TreeAttention(hkv * group, hkv, 64, backend="torch", device="cpu", dtype=torch.float32,
-                         plan_config=PlanConfig(planner, chunk_size, int(rng.integers(1, 9))))
+                         plan_config=PlanConfig(planner.split()[-1], chunk_size, int(rng.integers(1, 9)),
+                                                batch_invariant=invariant))
     plan = attn.plan(tree).plan
     q = torch.randn(plan.num_queries, hkv * group, 64, generator=torch.Generator().manual_seed(seed))
     k_cache, v_cache = tree.pool.layer(0)
     launch = prepare_torch(plan, "cpu", form)
-    assert launch.form in ("dense", "chunks") and (form == "auto" or launch.form == form)
+    assert launch.form in ("dense", "chunks", "rows") and (form == "auto" or launch.form == form)
     out, lse = run_torch(q, k_cache, v_cache, launch, attn.variant, return_lse=return_lse)
     ref, ref_lse = reference_tree_attention(q, k_cache, v_cache, plan.layout, attn.variant)
     assert out.dtype == torch.float32 and out.shape == q.shape
     assert rel_error(out, ref) < 1e-5
-    if return_lse or launch.form == "chunks":   # the chunks form merges by the LSE: it has it either way
+    if return_lse or launch.form != "dense":   # the chunks and rows forms merge by the LSE: they have it anyway
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
     else:
         assert lse is None
@@ -92,8 +95,8 @@ def test_forms_are_named_or_refused():
         TorchBackend(AttentionVariant(sm_scale=0.125), form="sparse")
 
 
-@pytest.mark.parametrize("form", ["dense", "chunks"])
-def test_greedy_decoding_is_the_same_in_either_form(form):
+@pytest.mark.parametrize("form", ["dense", "chunks", "rows"])
+def test_greedy_decoding_is_the_same_in_every_form(form):
     model = tiny_model()
     prompt = list(range(3, 40))
     reference = plain_greedy(model, prompt, 12)   # auto: dense (one request)

@@ -64,9 +64,9 @@ def test_host_backends_compute_every_variant(seed, page_size, group, variant, ba
     assert error < TOLERANCE[torch.float32], f"{error=}"
 
 
-@pytest.mark.parametrize("form", ["dense", "chunks"])
+@pytest.mark.parametrize("form", ["dense", "chunks", "rows"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-def test_both_torch_forms_apply_the_variant(form, variant):
+def test_every_torch_form_applies_the_variant(form, variant):
     tree = random_forest(np.random.default_rng(5), 4, num_kv_heads=2, head_dim=64)
     attn = TreeAttention(4, 2, 64, backend="torch", device="cpu", variant=variant, plan_config=PlanConfig("flatten", 16))
     attn.backend_impl.form = form

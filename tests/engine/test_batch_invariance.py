@@ -6,6 +6,7 @@ GPU tests (bf16, the Triton kernels compiled, through ``LLM.generate`` too) are 
 import os
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ def test_logits_alone_equal_logits_in_a_batch_on_the_cpu():
     assert engine.batch_invariance.kernel == "rows"
     assert engine.model.linear_paths() == {"F.linear row by row": 9}
     assert engine.attn.plan_config.planner == "path" and engine.attn.plan_config.batch_invariant
-    assert engine.attn.backend == "torch" and engine.attn.backend_impl.form == "chunks"
+    assert engine.attn.backend == "torch" and engine.attn.backend_impl.form == "rows"
 
 
 def test_a_prompt_in_chunks_gives_the_same_logits():
@@ -81,6 +82,45 @@ def test_the_triton_kernels_path_is_batch_invariant(triton_device):
         assert engine.batch_invariance.kernel == "triton-kernels"   # kept: the model was switched already
         assert engine.model.linear_paths() == {"batch-invariant matmul": 9}
         runs.append(seen)
+    assert_bitwise(*runs)
+
+
+def siblings_logits(model, prompt, firsts, steps=3, **options):
+    """Logits of the first of ``len(firsts)`` leaves branched under one prompt (siblings sharing its K/V, as requests
+    on a prefix-cache hit do), over ``steps`` greedy steps with the others decoding beside it; and the engine."""
+    engine = Engine(model, kv_tokens=2048, page_size=4, batch_invariant=True, **options)
+    leaves = engine.tree.branch(engine.prefill(prompt).node, [[t] for t in firsts])
+    seen = []
+    for _ in range(steps):
+        logits = engine.step().logits
+        seen.append(logits[0].clone())
+        for leaf, token in zip(leaves, logits.argmax(-1).tolist()):
+            engine.tree.extend(leaf, [token])
+    return engine, seen
+
+
+def test_siblings_read_their_prompts_windows_once_and_change_no_bit():
+    """16-token chunks under a 40-token prompt: its two whole windows are one chunk each for all four leaves (read
+    once a step, not once a leaf), and the first leaf's logits are the same bits alone or beside the other three."""
+    prompt, config = list(range(100, 140)), PlanConfig("path", 16)
+    _, alone = siblings_logits(tiny(), prompt, [5], plan_config=config)
+    engine, beside = siblings_logits(tiny(), prompt, [5, 6, 7, 8], plan_config=config)
+    assert_bitwise(alone, beside)
+    (plan,), _ = engine.attention.plan_host(engine.tree.layout())   # the next step's
+    assert np.diff(plan.chunk_entry_start).tolist() == [4, 4, 1, 1, 1, 1]
+    assert plan.kv_tokens_read() == 2 * 16 + 4 * (40 + 4 - 32)
+
+
+@pytest.mark.triton
+def test_siblings_on_the_triton_kernels_change_no_bit(triton_device):
+    if triton_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    runs = []
+    for firsts in ([5], [5, 6, 7]):
+        model = tiny(device=triton_device)
+        make_batch_invariant(model, "triton-kernels")
+        runs.append(siblings_logits(model, list(range(100, 120)), firsts, steps=2, backend="triton",
+                                    plan_config=PlanConfig("path", 8))[1])
     assert_bitwise(*runs)
 
 

@@ -115,7 +115,10 @@ configs = st.one_of(
               light_tile_cost=st.sampled_from([None, 0.5, 0.7, 1.0])),
     # the cuda backend's: automatic flatten chunks on a persistent grid (split-KV, one round, balanced chunks)
     st.builds(PlanConfig, query_tile=st.sampled_from([8, 16, 32]), num_kv_heads=st.sampled_from([1, 2, 8]),
-              persistent_ctas=st.sampled_from([8, 32, 132]), light_tile_cost=st.sampled_from([None, 0.5, 0.7])))
+              persistent_ctas=st.sampled_from([8, 32, 132]), light_tile_cost=st.sampled_from([None, 0.5, 0.7])),
+    # the batch-invariant mode's: absolute windows of a fixed chunk, shared by the queries reading all their keys
+    st.builds(PlanConfig, planner=st.just("path"), chunk_size=st.sampled_from([1, 7, 16, 64, 300]),
+              query_tile=st.sampled_from([None, 1, 4, 16]), batch_invariant=st.just(True)))
 
 
 # sliding windows (AttentionVariant.window) from one token to past every position of random_layout's trees
@@ -225,6 +228,9 @@ CUDA_LIKE = PlanConfig(query_tile=32, num_kv_heads=8, persistent_ctas=132, light
     ("paused branch", TreeLayout.from_parents([-1, 0, 0], [50, 30, 20], [(2, 19)]), PlanConfig(chunk_size=16),
      lambda p, found: p.num_tokens == 70),
     ("path", medusa_forest(2, 300), PlanConfig("path", query_tile=4), lambda p, found: p.num_tokens > 600),
+    ("batch-invariant windows", medusa_forest(2, 300), PlanConfig("path", 64, 4, batch_invariant=True),
+     lambda p, found: p.num_chunks == 2 * (4 + 64) and p.num_tokens == 2 * (256 + sum(44 + d for d in
+                                                                                        medusa_tree(64).depth + 1))),
     ("windowed balanced chunks", fewshot(4000, 30, 200), CUDA_LIKE, lambda p, found: p.num_tokens < 30 * 200 + 1300),
     ("windowed split-KV", TreeLayout.from_parents([-1] * 40, [2000] * 40, [(i, 1999) for i in range(40)]), CUDA_LIKE,
      lambda p, found: found["split"] == [p.chunk_kv_start.tolist()] and p.num_tokens == 40 * 1024),
@@ -305,7 +311,7 @@ def test_bad_arrays_raise_value_errors_not_crashes(window):
     module = planner_build.load_planner()
     layout = fewshot(50, 2, 3)
     args = [layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset]
-    sizes = [0, 0, 4, 8, 132, 0, 1.0, 1, window]
+    sizes = [0, 0, 4, 8, 132, 0, 1.0, 1, window, False]
     bad = {
         "kv_start must have one more": [args[0], args[1][:-1], *args[2:]],
         "query_offset and query_node differ": [*args[:4], args[4][:1]],
@@ -320,6 +326,9 @@ def test_bad_arrays_raise_value_errors_not_crashes(window):
             module.make_plan(*arrays, *sizes)
     with pytest.raises(ValueError, match="no queries"):
         module.make_plan(*args[:3], np.zeros(0, np.int64), np.zeros(0, np.int64), *sizes)
+    for planner, chunk in ((0, 16), (3, 0)):   # batch-invariant plans: the path planner, a fixed chunk
+        with pytest.raises(ValueError, match="batch_invariant plans need the path planner and a fixed chunk_size"):
+            module.make_plan(*args, planner, chunk, *sizes[2:-1], True)
     plan = make_plan(layout, PlanConfig(chunk_size=16, query_tile=2), 1)
     items = [plan.item_chunk, plan.item_entry_start, plan.item_num_entries, plan.chunk_kv_start, plan.entry_mask]
     none = np.zeros((0, 2), np.int64)

@@ -5,10 +5,11 @@ Step n's accepted K/V are moved on the device into ``d`` slots reserved at the e
 first ``keep`` of them (the accepted length, a device value) may be read. The host plans the step as if all
 ``d`` were read, then :class:`DynamicSpans` (every request's span of the step, as arrays) patches the plan on
 the device: the mask bits of the span's slots
-``keep ..`` are cleared in every entry of the chunks that hold them (the span's range among the plan's
-``dynamic_kv`` keeps the cuda schedule from skipping the mask words of those tiles), and the queries after the
-span move back by ``d - keep`` positions. Nothing waits for the device, and the host work is a fixed number of
-array operations whatever the number of spans.
+``keep ..`` are cleared in every entry of the chunks that hold them, wherever the plan holds them (a
+batch-invariant plan holds a slot once per copy of a window that reads it, and a window border may cut a span:
+:class:`SpanPlaces`); the span's positions among the plan's ``dynamic_kv`` keep the cuda schedule from skipping the
+mask words of those tiles, and the queries after the span move back by ``d - keep`` positions. Nothing waits for
+the device, and the host work is a fixed number of array operations whatever the number of spans.
 """
 from __future__ import annotations
 
@@ -23,7 +24,19 @@ from treedec.attention.backends.base import Backend, SpanMasking, backend_names
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.transfer import to_device
 
-__all__ = ["DynamicSpans", "MaskPatch", "located", "mask_on_device", "shift_positions"]
+__all__ = ["DynamicSpans", "MaskPatch", "SpanPlaces", "located", "mask_on_device", "shift_positions"]
+
+
+@dataclass(frozen=True)
+class SpanPlaces:
+    """Where a step's spans sit in a plan's flattened KV (:meth:`DynamicSpans.places`): every position holding a
+    span's slot, ascending, ``position [n]``, with that slot's span ``span [n]`` and its index in the span ``slot
+    [n]`` (all int64 numpy). A plan may hold a slot several times (a batch-invariant plan's copies of a window: one
+    per query that reads only a prefix of it) or not at all (a span no query reads)."""
+
+    position: np.ndarray
+    span: np.ndarray
+    slot: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -122,47 +135,59 @@ class DynamicSpans:
             object.__setattr__(self, "_rows_on", have)
         return have
 
-    def kv_starts(self, plan: TreePlan) -> np.ndarray:
-        """``[S]`` int64: where each span starts in ``plan``'s flattened KV, -1 for an empty span or one no query
-        reads (its slots are not in the plan). Raises ValueError when a span's slots are not one run of the
-        flattened order. Array operations over the plan's KV and the spans, whatever their number."""
-        starts = np.full(self.num_spans, -1, dtype=np.int64)
-        kv = plan.kv_slots
+    def places(self, plan: TreePlan) -> SpanPlaces:
+        """The :class:`SpanPlaces` of these spans in ``plan``: every position of its flattened KV holding one of their
+        slots. Raises ValueError when a span's slots are not one run of the tree's flattened order (the end of one
+        node, in order: its ``keep`` then names a prefix of its tokens). Array operations over the layout's and the
+        plan's KV and the spans, whatever their number."""
         has = (self.lengths > 0).nonzero()[0]
-        if not len(has) or not len(kv):
-            return starts
+        none = np.zeros(0, dtype=np.int64)
+        if not len(has) or not plan.num_tokens:
+            return SpanPlaces(none, none, none)
+        self._check_runs(plan.layout.kv_slots, has)
+        offsets = self.lengths.cumsum() - self.lengths
+        owner = np.arange(self.num_spans).repeat(self.lengths)                     # each span slot's span
+        which = np.full(int(max(plan.max_slot, self.slots.max())) + 1, -1, dtype=np.int64)
+        which[self.slots] = np.arange(len(self.slots))                              # slot -> its index in slots
+        found = which[plan.kv_slots]
+        position = (found >= 0).nonzero()[0]
+        index = found[position]
+        span = owner[index]
+        return SpanPlaces(position, span, index - offsets[span])
+
+    def _check_runs(self, tokens: np.ndarray, has: np.ndarray) -> None:
+        """ValueError unless each span of ``has`` (the non-empty ones) is one run of ``tokens`` (the layout's slots,
+        each token once) where its first slot is, or absent from it (no such node: the plan holds none of it)."""
         offsets = self.lengths.cumsum() - self.lengths
         first = self.slots[offsets[has]]
-        where = np.full(int(max(kv.max(), first.max())) + 1, -1, dtype=np.int64)   # slot -> its KV position
-        where[kv[::-1]] = np.arange(len(kv) - 1, -1, -1)                           # (its first, as flatnonzero's)
+        where = np.full(int(max(tokens.max(initial=0), first.max())) + 1, -1, dtype=np.int64)   # slot -> position
+        where[tokens] = np.arange(len(tokens))
         at = where[first]
         found = at >= 0
         has, at = has[found], at[found]
         d = self.lengths[has]
         local = np.arange(int(d.sum())) - (d.cumsum() - d).repeat(d)
         position = at.repeat(d) + local
-        inside = position < len(kv)
+        inside = position < len(tokens)
         same = np.zeros(len(position), dtype=bool)
-        same[inside] = kv[position[inside]] == self.slots[offsets[has].repeat(d) + local][inside]
+        same[inside] = tokens[position[inside]] == self.slots[offsets[has].repeat(d) + local][inside]
         if not same.all():
             bad = int(has[np.arange(len(has)).repeat(d)[~same][0]])
             got = self.slots[offsets[bad]:offsets[bad] + self.lengths[bad]]
-            raise ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the plan's flattened "
-                             f"KV (the end of one node), got slots {got[:8].tolist()}")
-        starts[has] = at
-        return starts
+            raise ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the tree's "
+                             f"flattened KV (the end of one node), got slots {got[:8].tolist()}")
 
-    def locate(self, plan: TreePlan, starts: np.ndarray | None = None) -> TreePlan:
-        """``plan`` with the spans' ranges (:meth:`kv_starts`, or ``starts`` found already) added to its
-        ``dynamic_kv`` ranges, kept sorted (unchanged when no query reads any)."""
-        starts = self.kv_starts(plan) if starts is None else starts
-        placed = starts >= 0
-        if not placed.any():
+    def locate(self, plan: TreePlan, places: SpanPlaces | None = None) -> TreePlan:
+        """``plan`` with the spans' positions (:meth:`places`, or ``places`` found already) added to its ``dynamic_kv``
+        ranges, as runs of consecutive positions, kept sorted (unchanged when no query reads any)."""
+        places = self.places(plan) if places is None else places
+        position = places.position
+        if not len(position):
             return plan
-        at = starts[placed]
-        ranges = np.empty((len(at), 2), dtype=np.int64)   # (start, stop) rows
-        ranges[:, 0] = at
-        ranges[:, 1] = at + self.lengths[placed]
+        breaks = (position[1:] != position[:-1] + 1).nonzero()[0]
+        ranges = np.empty((len(breaks) + 1, 2), dtype=np.int64)   # (start, stop) rows
+        ranges[0, 0], ranges[1:, 0] = position[0], position[breaks + 1]
+        ranges[:-1, 1], ranges[-1, 1] = position[breaks] + 1, position[-1] + 1
         if len(plan.dynamic_kv):
             ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
         ranges = ranges[ranges[:, 0].argsort(kind="stable")]
@@ -184,22 +209,18 @@ class MaskPatch:
     merged: tuple[torch.Tensor, torch.Tensor] | None   # words in two spans: (distinct words, each word's index)
 
     @classmethod
-    def of(cls, plan: TreePlan, spans: DynamicSpans, starts: np.ndarray, stride: int, device: torch.device
+    def of(cls, plan: TreePlan, spans: DynamicSpans, places: SpanPlaces, stride: int, device: torch.device
            ) -> MaskPatch | None:
-        """The patch of ``spans`` at ``starts`` (each span's start in ``plan``'s flattened KV, -1: not in it,
-        :meth:`DynamicSpans.kv_starts`) for an ``entry_mask`` whose rows are ``stride`` words apart (a static
-        plan's rows are its bounds' width); None when no span is placed. Array operations whatever the number of
-        spans."""
-        ids = (starts >= 0).nonzero()[0]                                           # the placed spans
-        lengths = spans.lengths[ids]
-        ends = lengths.cumsum()   # (the sums from the cumulative sums: an ndarray's sum() is three Python calls)
-        if not len(ids) or not ends[-1]:
+        """The patch of ``spans`` at their ``places`` in ``plan``'s flattened KV (:meth:`DynamicSpans.places`) for an
+        ``entry_mask`` whose rows are ``stride`` words apart (a static plan's rows are its bounds' width); None when
+        the plan holds none of their slots. Array operations whatever the number of spans. A chunk holds a slot
+        once, so each (mask word, slot) pair below is one bit of one place."""
+        if not len(places.position):
             return None
-        starts = starts[ids]
+        ids, owner = _unique_inverse(places.span)                       # the placed spans, each place's among them
+        lengths = spans.lengths[ids]
         count_spans = len(ids)
-        owner = np.arange(count_spans).repeat(lengths)                          # each span slot's span
-        slot = np.arange(ends[-1]) - (ends - lengths).repeat(lengths)
-        position = starts[owner] + slot
+        slot, position = places.slot, places.position
         chunk = plan.chunk_kv_start.searchsorted(position, side="right") - 1
         offset = position - plan.chunk_kv_start[chunk]
         first, last = plan.chunk_entry_start[chunk], plan.chunk_entry_start[chunk + 1]
@@ -284,9 +305,9 @@ def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[new], inverse
 
 
-def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tuple[TreePlan, np.ndarray | None]:
-    """``plan`` with the ``spans``' ranges added to its ``dynamic_kv`` (as :meth:`DynamicSpans.locate` does), and
-    each span's start (:meth:`DynamicSpans.kv_starts`, found once); ``(plan, None)`` without spans.
+def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tuple[TreePlan, SpanPlaces | None]:
+    """``plan`` with the ``spans``' positions added to its ``dynamic_kv`` (as :meth:`DynamicSpans.locate` does), and
+    their places (:meth:`DynamicSpans.places`, found once); ``(plan, None)`` without spans.
 
     ``backend``: the step's, by its :attr:`~Backend.span_masking`. One that reads the host plan
     (:attr:`SpanMasking.HOST`, ``torch``) gets it masked there too (reading ``keep``: a wait on a GPU); one that
@@ -300,23 +321,23 @@ def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tup
         able = backend_names(lambda b: b.span_masking is not SpanMasking.UNSUPPORTED)
         raise ValueError(f"the {backend.name} backend plans from the layout: a step with a dynamic span needs the "
                          f"{', '.join(able[:-1])} or {able[-1]} backend")
-    starts = spans.kv_starts(plan)
-    plan = spans.locate(plan, starts)
+    places = spans.places(plan)
+    plan = spans.locate(plan, places)
     if backend.span_masking is SpanMasking.HOST:
-        patch = MaskPatch.of(plan, spans, starts, plan.mask_words, torch.device("cpu"))
+        patch = MaskPatch.of(plan, spans, places, plan.mask_words, torch.device("cpu"))
         if patch is not None:
             plan = patch.apply_host(plan, spans.keep)
-    return plan, starts
+    return plan, places
 
 
 def mask_on_device(plan: TreePlan, entry_mask: torch.Tensor, spans: DynamicSpans | None,
-                   starts: np.ndarray | None) -> None:
-    """Clear the unused slots' bits of the spans (at their ``starts``, as :func:`located` found them) in
+                   places: SpanPlaces | None) -> None:
+    """Clear the unused slots' bits of the spans (at their ``places``, as :func:`located` found them) in
     ``entry_mask``, the device copy of ``plan``'s (a static plan's rows are wider: its stride is used), with one
     :class:`MaskPatch` for all of them, stream-ordered after the plan's copy."""
     if spans is None:
         return
-    patch = MaskPatch.of(plan, spans, starts, entry_mask.stride(0), entry_mask.device)
+    patch = MaskPatch.of(plan, spans, places, entry_mask.stride(0), entry_mask.device)
     if patch is not None:
         patch.apply(entry_mask, spans.keep)
 

@@ -9,7 +9,10 @@ All four share one core and differ only in where chunks are cut in the flattened
   ``chunk_size`` tokens.
 - ``path`` (the Radix-style baseline, Q-guided): every query reads its own root-to-query
   path as chunks of its own, so a shared prefix is read once per query; the same kernels
-  run it, which makes it the side-by-side baseline of the DeFT paper's comparisons.
+  run it, which makes it the side-by-side baseline of the DeFT paper's comparisons. In a
+  ``batch_invariant`` config it cuts each path at absolute positions instead and shares a
+  window's chunk among the queries that read exactly its keys
+  (:mod:`~treedec.attention.position_windows`).
 
 A sliding window (the variant's mask field, ``AttentionVariant.window``) clips each query's root-path intervals
 to the positions it may read (:meth:`AttentionVariant.first_visible`; a token's position is its index on its
@@ -36,6 +39,7 @@ import numpy as np
 from treedec.attention.balanced_chunks import (balanced_flatten_bounds, longest_unit_cost, readers_per_chunk,
                                                units_per_kv_head)
 from treedec.attention.planner_choice import planner_impl
+from treedec.attention.position_windows import position_windows
 from treedec.attention.read_intervals import read_intervals
 from treedec.attention.split_kv import split_kv_bounds, unshared_segments
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
@@ -72,8 +76,9 @@ class PlanConfig:
 
     ``batch_invariant``: plans whose every query's reduction order is a function of its own root path and
     ``chunk_size`` alone, whatever the rest of the forest (the batch-invariant mode): it needs the ``path``
-    planner with a fixed ``chunk_size`` (each query's path cut into even pieces of at most that many tokens,
-    its partials merged in path order), and backends whose launch does not follow the whole plan
+    planner with a fixed ``chunk_size`` C (each query's path cut at absolute positions, windows ``[k*C, (k+1)*C)``,
+    its partials merged in window order; a window's chunk shared by the queries that read exactly its keys:
+    :mod:`~treedec.attention.position_windows`), and backends that compute each row of a chunk on its own
     (:meth:`~treedec.attention.backends.Backend.why_not_batch_invariant`).
     """
 
@@ -140,6 +145,12 @@ def make_plan(layout: TreeLayout, config: PlanConfig = PlanConfig(), group_size:
 def _numpy_plan(layout: TreeLayout, config: PlanConfig, group_size: int, variant: AttentionVariant) -> TreePlan:
     """The reference planner (``config.query_tile`` resolved)."""
     q_idx, lo, hi, kv_slots, node_start, node_len = read_intervals(layout, variant)
+    if config.batch_invariant:
+        first = np.zeros(layout.num_queries, np.int64) if variant.window is None else \
+            variant.first_visible(layout.query_position)
+        windows = position_windows(q_idx, lo, hi, kv_slots, first, config.chunk_size)
+        return _plan_from_bounds(layout, config, windows.q_idx, windows.lo, windows.hi, windows.kv_slots,
+                                 windows.bounds)
     if config.planner == "path":
         return _plan_paths(layout, config, q_idx, lo, hi, kv_slots)
     total = len(kv_slots)
@@ -221,7 +232,8 @@ def _compiled_plan(module, layout: TreeLayout, config: PlanConfig, query_tile: i
      entry_direct, item_chunk, item_entry_start, item_num_entries, chunk_size, max_slot) = module.make_plan(
         layout.parent, layout.kv_start, layout.kv_slots, layout.query_node, layout.query_offset,
         PLANNERS.index(config.planner), config.chunk_size or 0, query_tile, config.num_kv_heads, config.num_sms,
-        config.persistent_ctas or 0, float(config.light_tile_cost or 1.0), group_size, variant.window or 0)
+        config.persistent_ctas or 0, float(config.light_tile_cost or 1.0), group_size, variant.window or 0,
+        config.batch_invariant)
     return TreePlan(planner=config.planner, num_queries=layout.num_queries,
                     kv_slots=layout.kv_slots if kv_slots is None else kv_slots, chunk_kv_start=chunk_kv_start,
                     chunk_entry_start=chunk_entry_start, entry_query=entry_query, entry_mask=entry_mask,

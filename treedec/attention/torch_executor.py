@@ -1,10 +1,14 @@
-"""The ``torch`` backend's execution of a TreePlan with PyTorch ops (fp32 math), in one of two forms.
+"""The ``torch`` backend's execution of a TreePlan with PyTorch ops (fp32 math), in one of three forms.
 
 :func:`prepare_torch` turns a step's plan into a :class:`TorchLaunch` once (index tensors, masks), which
 :func:`run_torch` runs for every layer:
 
 - ``chunks``: the plan as the kernels run it: a partial (O, LSE) per entry, chunk by chunk, then the per-query
   merge. It checks planners on any machine.
+- ``rows``: ``chunks`` with each entry's partial its own attention over its chunk's K/V (gathered once a chunk):
+  a CPU GEMM takes other code paths (and sums in other orders) for other row counts, so only one row at a time
+  gives a query the same bits whatever else reads its chunk (the batch-invariant mode's form, as its projections
+  run ``F.linear`` row by row). It costs a few ops an entry.
 - ``dense``: one masked attention of every query over all of the plan's KV tokens at once (a handful of ops
   a layer). It computes what the queries do not read too, so ``auto`` takes it only where that is at most
   :data:`DENSE_MAX_WASTE` times the scores they need (one request decoding, a token tree or a prompt chunk of one
@@ -28,7 +32,7 @@ from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.attention.variant import AttentionVariant
 from treedec.tree.kv_cache_dtype import dequantize_kv
 
-TORCH_FORMS = ("auto", "dense", "chunks")
+TORCH_FORMS = ("auto", "dense", "chunks", "rows")
 
 #: ``auto`` runs the dense form while its score count (queries x KV tokens) is at most this many times the
 #: scores the queries need (the tokens each reads): one request's decode, token tree or causal prompt chunk.
@@ -59,11 +63,11 @@ class TorchChunk:
 class TorchLaunch:
     """A step's plan as the ``torch`` backend runs it (:func:`prepare_torch`); what ``plan.prepared`` holds.
 
-    ``form``: ``"dense"`` or ``"chunks"`` (what ``auto`` chose, or what was asked). Dense: ``slots [T]`` int64,
-    or ``slot_range`` ``(start, stop)`` where they are consecutive (K/V read as a view of the pool, not gathered:
+    ``form``: ``"dense"``, ``"chunks"`` or ``"rows"`` (what ``auto`` chose, or what was asked). Dense: ``slots [T]``
+    int64, or ``slot_range`` ``(start, stop)`` where they are consecutive (K/V read as a view of the pool, not gathered:
     one request's pages in order, as a fresh pool hands them out), and ``reads [Q, T]`` bool or None (every query
-    reads every token). Chunks: ``chunks``, and the merge's CSR ``query_entry_start [Q + 1]``, ``query_entries
-    [E]`` int64 and ``num_entries``.
+    reads every token). Chunks and rows: ``chunks``, and the merge's CSR ``query_entry_start [Q + 1]``,
+    ``query_entries [E]`` int64 and ``num_entries``.
     """
 
     form: str
@@ -84,8 +88,8 @@ class TorchLaunch:
 def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto") -> TorchLaunch:
     """The :class:`TorchLaunch` of ``plan`` (its host arrays; a dynamic span already masked there) on ``device``.
 
-    ``form``: ``"auto"`` (dense where its waste is at most :data:`DENSE_MAX_WASTE`, see the module), ``"dense"``
-    or ``"chunks"``.
+    ``form``: ``"auto"`` (dense where its waste is at most :data:`DENSE_MAX_WASTE`, see the module), ``"dense"``,
+    ``"chunks"`` or ``"rows"``.
     """
     if form not in TORCH_FORMS:
         raise ValueError(f"form must be one of {TORCH_FORMS}, got {form!r}")
@@ -114,7 +118,7 @@ def prepare_torch(plan: TreePlan, device: torch.device | str, form: str = "auto"
         chunks.append(TorchChunk(_tensor(plan.kv_slots[starts[c]:starts[c + 1]], device),
                                  _tensor(plan.entry_query[e0:e1], device),
                                  None if chunk_reads.all() else torch.from_numpy(chunk_reads).to(device), e0, e1))
-    return TorchLaunch("chunks", plan.num_queries, chunks=tuple(chunks),
+    return TorchLaunch(form, plan.num_queries, chunks=tuple(chunks),
                        query_entry_start=_tensor(plan.query_entry_start, device),
                        query_entries=_tensor(plan.query_entries, device), num_entries=plan.num_entries)
 
@@ -159,9 +163,17 @@ def run_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lau
     o_parts = torch.empty(launch.num_entries, hq, d, dtype=torch.float32, device=q.device)
     lse_parts = torch.empty(launch.num_entries, hq, dtype=torch.float32, device=q.device)
     for chunk in launch.chunks:
-        part = _attend(q.index_select(0, chunk.rows).float(), *read(chunk.slots), chunk.reads, variant, True)
-        o_parts[chunk.entry_start:chunk.entry_stop] = part.out
-        lse_parts[chunk.entry_start:chunk.entry_stop] = part.lse
+        k, v = read(chunk.slots)
+        if launch.form == "chunks":
+            part = _attend(q.index_select(0, chunk.rows).float(), k, v, chunk.reads, variant, True)
+            o_parts[chunk.entry_start:chunk.entry_stop] = part.out
+            lse_parts[chunk.entry_start:chunk.entry_stop] = part.lse
+            continue
+        for row in range(chunk.entry_stop - chunk.entry_start):   # (rows: one query's GEMMs at a time)
+            part = _attend(q.index_select(0, chunk.rows[row:row + 1]).float(), k, v,
+                           None if chunk.reads is None else chunk.reads[row:row + 1], variant, True)
+            o_parts[chunk.entry_start + row] = part.out[0]
+            lse_parts[chunk.entry_start + row] = part.lse[0]
     return TorchAttention(*merge_states(o_parts, lse_parts, launch.query_entry_start, launch.query_entries))
 
 

@@ -60,8 +60,9 @@ class TreePlan:
         The snapshot this plan was made from.
     dynamic_kv : tuple[tuple[int, int], ...] or [R, 2] int64 ndarray
         [start, stop) ranges of positions in the flattened KV order (indices into ``kv_slots``) whose
-        mask bits the device may clear after the plan is written (pipelined speculative decoding: one
-        range per request of a batch with a span); the cuda backend's schedule never flags a tile
+        mask bits the device may clear after the plan is written (pipelined speculative decoding: the runs
+        of positions holding a batch's span slots, one a span, or more where a batch-invariant plan copies
+        or cuts it); the cuda backend's schedule never flags a tile
         holding one of them full, so its kernel reads the mask words there. Sorted by start, not
         overlapping (adjacent ones may touch), each ``0 <= start < stop <= num_tokens``; the schedule
         raises ValueError otherwise. (): none. The planners make (); callers set it with

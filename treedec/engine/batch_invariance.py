@@ -6,10 +6,12 @@ Every kernel of a step computes a row in an order that does not depend on the ot
 - GEMMs and norms: the model switched by :func:`~treedec.models.batch_invariant.make_batch_invariant` (CUDA: the
   Triton matmul and RMSNorm; CPU: ``F.linear`` row by row);
 - attention: the ``path`` planner with a fixed chunk (:data:`BATCH_INVARIANT_CHUNK` tokens unless the caller's
-  :class:`~treedec.attention.PlanConfig` gives one): each query's own root path cut into even pieces of at most
-  that many tokens, merged in path order, on a backend that runs such plans alike in any forest (triton on CUDA,
-  torch's chunks form on the CPU; ``auto`` chooses among them, an explicit ``cuda`` or ``reference`` is refused).
-  A shared prefix is then read once per query, not once per step: the mode's cost on trees.
+  :class:`~treedec.attention.PlanConfig` gives one): each query's keys cut at absolute positions (windows of that
+  many tokens of its root path), merged in window order, each window's chunk shared by the queries that read all
+  its keys (:mod:`~treedec.attention.position_windows`), on a backend that computes each row of a chunk alike in
+  any forest (triton on CUDA, torch's rows form on the CPU; ``auto`` chooses among them, an explicit ``cuda`` or
+  ``reference`` is refused). A shared prefix's whole windows are read once a step; the window holding a query's own
+  tokens is its own copy: the mode's cost on trees.
 
 Refused (ValueError naming the option): ``compile_model`` (Inductor re-tiles the GEMMs and norms it compiles, per
 shape), a planner config that is not ``path`` with a fixed chunk, and what the model's switch refuses (quantized

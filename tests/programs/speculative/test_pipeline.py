@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from treedec.attention import PlanConfig
 from treedec.attention.dynamic_span import DynamicSpans, MaskPatch
 from treedec.engine import Engine, greedy
 from treedec.models import ModelConfig, from_config
@@ -210,6 +211,34 @@ def test_a_dynamic_span_step_equals_the_step_without_the_unused_slots(tiny):
     assert not torch.allclose(unmasked.step().logits, want, atol=1e-3)
 
 
+def test_a_dynamic_span_is_masked_in_every_copy_of_a_batch_invariant_plan():
+    """A batch-invariant plan holds a window once per query that reads only a prefix of it (the token tree's three
+    queries each copy the window of their own tokens) and a window border may cut the span (positions 45..49 across
+    48): the span's unused slots are cleared in every copy, and the step equals the one without them."""
+    model = from_config("tiny", seed=0, dtype=torch.float32, device="cpu")   # (the mode switches it in place)
+    engines = [Engine(model, kv_tokens=1024, page_size=4, batch_invariant=True, plan_config=PlanConfig("path", 16))
+               for _ in range(2)]
+    prompt = list(range(5, 50))
+    node = engines[0].prefill(prompt).node
+    drafted = engines[0].tree.branch(node, [[7, 8, 9, 10, 11]])[0]
+    engines[0].step()
+    computed = torch.as_tensor(engines[0].tree.slots(drafted)[:5])
+    engines[0].tree.prune(drafted)
+    span_slots = engines[0].tree.extend_computed(node, [7, 8, 0, 0, 0])
+    engines[0].pool.copy_slots(computed, span_slots)              # 9, 10 and 11 are the unused slots' K/V
+    engines[0].tree.add_token_tree(node, [11, 12, 13], [-1, 0, 0])
+    span = DynamicSpans.one(span_slots, torch.tensor([2]), np.arange(3))
+    (plan,), _ = engines[0].attention.plan_host(engines[0].tree.layout(), span)
+    unused = np.isin(plan.kv_slots, span_slots[2:])
+    # the span's 3 slots before the border once (a window all three read), its 2 after it in each query's copy
+    assert np.isin(plan.kv_slots, span_slots[:3]).sum() == 3 and unused.sum() == 1 + 2 * 3
+    cleared_exactly(engines[0].attention.plan_host(engines[0].tree.layout())[0][0], plan, set(np.flatnonzero(unused)))
+    got = engines[0].step(dynamic=span).logits
+    want_node = engines[1].prefill(prompt + [7, 8]).node
+    engines[1].tree.add_token_tree(want_node, [11, 12, 13], [-1, 0, 0])
+    assert torch.allclose(got, engines[1].step().logits, atol=1e-5)
+
+
 def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     engine = make_engine(tiny, page_size=4)
     node = engine.prefill(list(range(40))).node
@@ -218,15 +247,16 @@ def test_mask_patch_clears_exactly_the_unused_slots_bits(tiny):
     span = DynamicSpans.one(slots, torch.tensor([2]), np.arange(3))
     host = engine.attn.plan_host(engine.tree.layout())
     plan = span.locate(host)
-    [start] = span.kv_starts(plan).tolist()
+    places = span.places(plan)
+    start = int(places.position[0])
     stop = start + 5
+    assert places.position.tolist() == list(range(start, stop)) and places.slot.tolist() == list(range(5))
     assert plan.dynamic_kv.tolist() == [[start, stop]]
     assert plan.kv_slots[start:stop].tolist() == slots.tolist()
     others = ((0, 1), (stop, stop + 1))   # a batch's other spans: the span's range joins them, in order
     assert span.locate(dataclasses.replace(host, dynamic_kv=others)).dynamic_kv.tolist() == [
         [0, 1], [start, stop], list(others[1])]
-    patched = MaskPatch.of(plan, span, span.kv_starts(plan), plan.mask_words, torch.device("cpu")).apply_host(
-        plan, span.keep)
+    patched = MaskPatch.of(plan, span, places, plan.mask_words, torch.device("cpu")).apply_host(plan, span.keep)
     cleared_exactly(plan, patched, set(range(start + 2, stop)))
     engine.tree.commit_step()
 
@@ -255,11 +285,12 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
         parts.append(DynamicSpans.one(slots, torch.tensor([keep]), np.arange(2)))
     spans = DynamicSpans.concat(parts)
     host = engine.attn.plan_host(engine.tree.layout())
-    starts = spans.kv_starts(host)
-    assert starts.tolist() == [int(part.kv_starts(host)[0]) for part in parts]   # (arrays == one by one)
-    patch = MaskPatch.of(host, spans, starts, host.mask_words, torch.device("cpu"))
+    places = spans.places(host)
+    starts = [int(part.places(host).position[0]) for part in parts]
+    assert places.position.tolist() == sorted(a + i for a in starts for i in range(5))   # (arrays == one by one)
+    patch = MaskPatch.of(host, spans, places, host.mask_words, torch.device("cpu"))
     patched = patch.apply_host(host, spans.keep)
-    cleared_exactly(host, patched, {f for a, k in zip(starts.tolist(), keeps) for f in range(a + k, a + 5)})
+    cleared_exactly(host, patched, {f for a, k in zip(starts, keeps) for f in range(a + k, a + 5)})
     engine.tree.commit_step()
 
 

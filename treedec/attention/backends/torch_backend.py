@@ -19,7 +19,8 @@ class TorchBackend(Backend):
     :meth:`prepare` makes the step's :class:`~treedec.attention.torch_executor.TorchLaunch` from the host plan
     (``plan.plan``; a dynamic span is masked there) once, in the form ``form`` says: ``auto`` (the default) runs
     one dense masked attention over all the plan's KV tokens where that wastes little (one request decoding), else
-    chunk by chunk as the kernels do (see :mod:`treedec.attention.torch_executor`). :attr:`forms` counts the
+    chunk by chunk as the kernels do, ``rows`` one entry at a time within each chunk (see
+    :mod:`treedec.attention.torch_executor`). :attr:`forms` counts the
     forms prepared. :meth:`run` also takes a plan prepared by nothing (or another backend): it prepares it itself.
     """
 
@@ -47,12 +48,14 @@ class TorchBackend(Backend):
 
     @classmethod
     def why_not_batch_invariant(cls) -> str | None:
-        return None   # (its chunks form: one small attention per chunk, of that chunk's queries only)
+        return None   # (its rows form: one small attention per entry over its chunk, of that query only)
 
     def batch_invariant(self) -> TorchBackend:
-        """The chunks form always: the dense form attends every query in one product, whose shape follows the
-        step's queries (and ``auto`` picks it for one request alone, chunks for a batch)."""
-        return TorchBackend(self.variant, "chunks")
+        """The rows form always: the dense form attends every query in one product, whose shape follows the
+        step's queries (and ``auto`` picks it for one request alone, chunks for a batch), and the chunks form
+        attends a chunk's queries in one GEMM, whose sums a CPU GEMM orders by its row count (a chunk of a
+        batch-invariant plan is read by every query of its window, however many the forest has)."""
+        return TorchBackend(self.variant, "rows")
 
     def prepare(self, plan: DeviceTreePlan) -> TorchLaunch:
         launch = prepare_torch(plan.plan, plan.kv_slots.device, self.form)

@@ -110,8 +110,9 @@ class TritonBackend(Backend):
 
     @classmethod
     def why_not_batch_invariant(cls) -> str | None:
-        # The launch's tiles follow the head configuration and the query tile, never the plan's size; with one
-        # query a chunk (the path planner) a query's chunks are its own, and the merge reads its partials in order.
+        # The launch's tiles follow the head configuration and the query tile, never the plan's size; a row's
+        # products, row max and sums are its own whatever the other rows of its program (the queries sharing its
+        # chunk read every key of it, as its own copy would), and the merge reads its partials in order.
         return None
 
     @classmethod

@@ -100,17 +100,18 @@ PyObject* guarded(Body body) {
 const i64* data64(PyArrayObject* a) { return static_cast<const i64*>(PyArray_DATA(a)); }
 
 // make_plan(parent, kv_start, kv_slots, query_node, query_offset, planner, chunk_size, query_tile,
-// num_kv_heads, num_sms, persistent_ctas, light_tile_cost, group_size, window) -> (kv_slots or None where the
-// layout's own serve, chunk_kv_start, chunk_entry_start, entry_query, entry_mask, query_entry_start,
+// num_kv_heads, num_sms, persistent_ctas, light_tile_cost, group_size, window, batch_invariant) -> (kv_slots or
+// None where the layout's own serve, chunk_kv_start, chunk_entry_start, entry_query, entry_mask, query_entry_start,
 // query_entries, entry_direct, item_chunk, item_entry_start, item_num_entries, chunk_size or None, max_slot)
 PyObject* make_plan_py(PyObject*, PyObject* args) {
   PyObject *parent_obj, *kv_start_obj, *kv_slots_obj, *query_node_obj, *query_offset_obj;
   int planner;
   long long chunk_size, query_tile, num_kv_heads, num_sms, persistent_ctas, group_size, window;
   double light_tile_cost;
-  if (!PyArg_ParseTuple(args, "OOOOOiLLLLLdLL", &parent_obj, &kv_start_obj, &kv_slots_obj, &query_node_obj,
+  int batch_invariant;
+  if (!PyArg_ParseTuple(args, "OOOOOiLLLLLdLLp", &parent_obj, &kv_start_obj, &kv_slots_obj, &query_node_obj,
                         &query_offset_obj, &planner, &chunk_size, &query_tile, &num_kv_heads, &num_sms,
-                        &persistent_ctas, &light_tile_cost, &group_size, &window)) {
+                        &persistent_ctas, &light_tile_cost, &group_size, &window, &batch_invariant)) {
     return nullptr;
   }
   return guarded([&]() -> PyObject* {
@@ -127,10 +128,13 @@ PyObject* make_plan_py(PyObject*, PyObject* args) {
     if (planner < kFlatten || planner > kPath || query_tile < 1 || num_kv_heads < 1 || num_sms < 1 || group_size < 1) {
       fail("the planner code or a size is out of range");
     }
+    if (batch_invariant && (planner != kPath || chunk_size < 1)) {
+      fail("batch_invariant plans need the path planner and a fixed chunk_size");
+    }
     const LayoutView layout{data64(parent), data64(kv_start), data64(kv_slots), data64(query_node),
                             data64(query_offset), num_nodes, PyArray_DIM(kv_slots, 0), num_queries};
     const PlanOptions options{planner, chunk_size, query_tile, num_kv_heads, num_sms, persistent_ctas,
-                              light_tile_cost, group_size, window};
+                              light_tile_cost, group_size, window, batch_invariant != 0};
     Plan plan;
     {
       GilReleased unlocked;

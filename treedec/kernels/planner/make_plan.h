@@ -1,4 +1,4 @@
-// One step's plan from a TreeLayout's arrays: planners.make_plan (and read_intervals, _plan_paths).
+// One step's plan from a TreeLayout's arrays: planners.make_plan (and read_intervals, _plan_paths, position_windows).
 #pragma once
 
 #include <limits>
@@ -8,6 +8,7 @@
 #include "chunk_sizes.h"
 #include "common.h"
 #include "plan_arrays.h"
+#include "position_windows.h"
 #include "split_kv.h"
 
 namespace treedec::planner {
@@ -23,13 +24,15 @@ struct LayoutView {
 };
 
 // planners.PlanConfig, resolved: chunk_size <= 0 is automatic, persistent_ctas <= 0 is None,
-// light_tile_cost is 1.0 where the config has None; window: AttentionVariant.window, <= 0 for None.
+// light_tile_cost is 1.0 where the config has None; window: AttentionVariant.window, <= 0 for None;
+// batch_invariant: the config's (the path planner with a fixed chunk_size, checked by PlanConfig).
 struct PlanOptions {
   int planner;
   i64 chunk_size, query_tile, num_kv_heads, num_sms, persistent_ctas;
   double light_tile_cost;
   i64 group_size;
   i64 window;
+  bool batch_invariant;
 };
 
 struct Plan {
@@ -45,6 +48,7 @@ struct QueryIntervals {
   Vec node_start, node_len;
   bool all_needed;
   Vec kv_slots;          // the compacted slots when some node is not needed
+  Vec first;             // each query's first key position (windowed reads; empty: 0, the root)
 };
 
 inline void check_layout(const LayoutView& L) {
@@ -124,6 +128,7 @@ inline QueryIntervals windowed_query_intervals(const LayoutView& L, i64 window) 
   struct Row { i64 q, node, skip, read; };
   std::vector<Row> rows;
   rows.reserve(4 * L.num_queries);
+  out.first.resize(L.num_queries);
   Vec path;  // one query's nodes, its own first
   for (i64 q = 0; q < L.num_queries; ++q) {
     path.clear();
@@ -138,6 +143,7 @@ inline QueryIntervals windowed_query_intervals(const LayoutView& L, i64 window) 
       total += L.kv_start[n + 1] - L.kv_start[n];
     }
     const i64 first = std::max<i64>(total - 1 - (window - 1), 0);
+    out.first[q] = first;
     i64 start = total;  // the first position of the row below (none yet: one past the query)
     for (size_t i = 0; i < path.size(); ++i) {
       const i64 n = path[i];
@@ -212,6 +218,19 @@ inline Plan plan_paths(const LayoutView& L, const PlanOptions& o, const QueryInt
   return plan;
 }
 
+// planners._numpy_plan's batch_invariant branch: position_windows' chunks, planned by plan_from_bounds.
+inline Plan plan_position_windows(const LayoutView& L, const PlanOptions& o, const QueryIntervals& qi) {
+  const i64* slots = qi.all_needed ? L.kv_slots : qi.kv_slots.data();
+  const i64 total = qi.all_needed ? L.num_tokens : static_cast<i64>(qi.kv_slots.size());
+  WindowChunks windows = position_windows(qi.iv, slots, total, qi.first, L.num_queries, o.chunk_size);
+  Plan plan;
+  plan.layout_slots = false;
+  plan.chunk_size = o.chunk_size;
+  plan.arrays = plan_from_bounds(L.num_queries, windows.reads, std::move(windows.bounds), o.query_tile);
+  plan.kv_slots = std::move(windows.kv_slots);
+  return plan;
+}
+
 inline i64 longest_chunk(const Vec& bounds) {
   i64 longest = 0;
   for (size_t c = 0; c + 1 < bounds.size(); ++c) longest = std::max(longest, bounds[c + 1] - bounds[c]);
@@ -247,7 +266,9 @@ inline Plan make_plan(const LayoutView& L, const PlanOptions& o) {
   check_layout(L);
   QueryIntervals qi = o.window > 0 ? windowed_query_intervals(L, o.window) : query_intervals(L);
   Plan plan;
-  if (o.planner == kPath) {
+  if (o.batch_invariant) {
+    plan = plan_position_windows(L, o, qi);
+  } else if (o.planner == kPath) {
     plan = plan_paths(L, o, qi);
   } else {
     const i64 total = qi.all_needed ? L.num_tokens : static_cast<i64>(qi.kv_slots.size());
