@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from treedec.models import from_config
-from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MATMUL, FP8_MAX, GEMV_DEQUANTIZE, Fp8Linear, dequantize, \
+from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_DEQUANTIZE, GEMV_FP8_MATMUL, Fp8Linear, dequantize, \
     quantize_rows
 from treedec.models.linear import Linear
 from tests.models.families import DenseAttend
@@ -111,16 +111,16 @@ def test_bad_method_fields_are_named():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("rows", [1, 16, 17, 64, 300])
+@pytest.mark.parametrize("rows", [17, 64, 300])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_the_fp8_gemm_equals_the_dequantized_reference_on_gpu(rows, strategy):
-    """At every row count: the fp8 x fp8 Triton GEMM with per-token activation scales == the fp32 GEMM of the same
+    """Above 16 rows: the fp8 x fp8 Triton GEMM with per-token activation scales == the fp32 GEMM of the same
     quantized activations and weights within 2%, and the float one within 6%; the path is reported."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy=strategy, dtype=torch.bfloat16, device="cuda",
                           bias=True)
-    assert layer.path == FP8_MATMUL
+    assert layer.path == GEMV_FP8_MATMUL
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     xq, xs = quantize_rows(x)
@@ -133,12 +133,13 @@ def test_the_fp8_gemm_equals_the_dequantized_reference_on_gpu(rows, strategy):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("rows", [1, 7, 16])
-def test_few_rows_of_a_weight_only_layer_take_the_gemv_on_gpu(rows):
-    """A weight-only layer, at most 16 rows: the GEMV (activations unquantized) == the float GEMM with the
-    de-quantized weights within bf16's rounding (1%)."""
+@pytest.mark.parametrize("activations", ["dynamic", "none"])
+def test_few_rows_take_the_weight_only_gemv_on_gpu(rows, activations):
+    """At most 16 rows: the GEMV (activations unquantized) == the float GEMM with the de-quantized weights within
+    bf16's rounding (1%), for the dynamic scheme and a weight-only one."""
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy="channel", dtype=torch.bfloat16, device="cuda",
-                          bias=True, activations="none")
-    assert layer.path == GEMV_DEQUANTIZE
+                          bias=True, activations=activations)
+    assert layer.path == (GEMV_FP8_MATMUL if activations == "dynamic" else GEMV_DEQUANTIZE)
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 256)
@@ -148,17 +149,17 @@ def test_few_rows_of_a_weight_only_layer_take_the_gemv_on_gpu(rows):
 @pytest.mark.gpu
 @CUDA
 def test_fp8_model_graphed_compiled_steps_on_gpu():
-    """A quantized-on-load tiny model on the GPU: every projection but the head fp8 (the fp8 x fp8 Triton GEMM);
-    compiled, captured steps equal eager ones over the same tokens (the eager run's greedy ones: each engine choosing its own would
-    compare different sequences once a near-tie flips, as on 2026-12-02 at the fifth step); logits near the bf16
-    model's (rel 0.1)."""
+    """A quantized-on-load tiny model on the GPU: every projection but the head fp8 (the GEMV at these few rows,
+    the fp8 x fp8 Triton GEMM for the prompt's); compiled, captured steps equal eager ones over the same tokens
+    (the eager run's greedy ones: each engine choosing its own would compare different sequences once a near-tie
+    flips, as on 2026-12-02 at the fifth step); logits near the bf16 model's (rel 0.1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     from treedec.engine import Engine
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda", quantization="fp8")
     bf16 = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     c = model.config
-    assert model.linear_paths() == {FP8_MATMUL: 4 * c.num_layers, "F.linear": 1}
+    assert model.linear_paths() == {GEMV_FP8_MATMUL: 4 * c.num_layers, "F.linear": 1}
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, 300).tolist()
     outs, tokens = [], []
     for m, kw in ((model, {}), (model, dict(cuda_graphs=True, compile_model=True)), (bf16, {})):
