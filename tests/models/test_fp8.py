@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from treedec.models import from_config
-from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_DEQUANTIZE, GEMV_FP8_MATMUL, Fp8Linear, dequantize, \
-    quantize_rows
+from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_SCALED_MM, Fp8Linear, dequantize, quantize_rows
 from treedec.models.linear import Linear
 from tests.models.families import DenseAttend
 
@@ -27,13 +26,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _fp8_layer(shards=(24,), cols=32, strategy="channel", dtype=torch.float32, device="cpu", seed=0, bias=False,
-               activations="dynamic"):
+def _fp8_layer(shards=(24,), cols=32, strategy="channel", dtype=torch.float32, device="cpu", seed=0, bias=False):
     """A Linear of the checkpoint fp8 method loaded shard by shard from random fp8 weights and scales; returns
     (layer, the de-quantized weight [out, cols] in float32)."""
     gen = torch.Generator().manual_seed(seed)
-    layer = Linear(cols, sum(shards), bias, dtype, device, shards=shards, method=Fp8Linear("checkpoint", strategy,
-                                                                                    activations=activations))
+    layer = Linear(cols, sum(shards), bias, dtype, device, shards=shards, method=Fp8Linear("checkpoint", strategy))
     start, parts = 0, []
     for rows in shards:
         q = (torch.randn(rows, cols, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -113,14 +110,14 @@ def test_bad_method_fields_are_named():
 @CUDA
 @pytest.mark.parametrize("rows", [17, 64, 300])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_the_fp8_gemm_equals_the_dequantized_reference_on_gpu(rows, strategy):
-    """Above 16 rows: the fp8 x fp8 Triton GEMM with per-token activation scales == the fp32 GEMM of the same
-    quantized activations and weights within 2%, and the float one within 6%; the path is reported."""
+def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
+    """Above 16 rows: torch._scaled_mm with per-token activation scales == the fp32 GEMM of the same quantized
+    activations and weights within 2%, and the float one within 6%; the path is reported."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy=strategy, dtype=torch.bfloat16, device="cuda",
                           bias=True)
-    assert layer.path == GEMV_FP8_MATMUL
+    assert layer.path == GEMV_SCALED_MM
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     xq, xs = quantize_rows(x)
@@ -133,13 +130,11 @@ def test_the_fp8_gemm_equals_the_dequantized_reference_on_gpu(rows, strategy):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("activations", ["dynamic", "none"])
-def test_few_rows_take_the_weight_only_gemv_on_gpu(rows, activations):
-    """At most 16 rows: the GEMV (activations unquantized) == the float GEMM with the de-quantized weights within
-    bf16's rounding (1%), for the dynamic scheme and a weight-only one."""
+def test_few_rows_take_the_weight_only_gemv_on_gpu(rows):
+    """At most 16 rows: the weight-only GEMV (activations unquantized) == the float GEMM with the de-quantized
+    weights within bf16's rounding (1%)."""
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy="channel", dtype=torch.bfloat16, device="cuda",
-                          bias=True, activations=activations)
-    assert layer.path == (GEMV_FP8_MATMUL if activations == "dynamic" else GEMV_DEQUANTIZE)
+                          bias=True)
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 256)
@@ -150,16 +145,17 @@ def test_few_rows_take_the_weight_only_gemv_on_gpu(rows, activations):
 @CUDA
 def test_fp8_model_graphed_compiled_steps_on_gpu():
     """A quantized-on-load tiny model on the GPU: every projection but the head fp8 (the GEMV at these few rows,
-    the fp8 x fp8 Triton GEMM for the prompt's); compiled, captured steps equal eager ones over the same tokens
-    (the eager run's greedy ones: each engine choosing its own would compare different sequences once a near-tie
-    flips, as on 2026-12-02 at the fifth step); logits near the bf16 model's (rel 0.1)."""
+    _scaled_mm for the prompt's); compiled, captured
+    steps equal eager ones over the same tokens (the eager run's greedy ones: each engine choosing its own would
+    compare different sequences once a near-tie flips, as on 2026-12-02 at the fifth step); logits near the bf16
+    model's (rel 0.1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     from treedec.engine import Engine
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda", quantization="fp8")
     bf16 = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     c = model.config
-    assert model.linear_paths() == {GEMV_FP8_MATMUL: 4 * c.num_layers, "F.linear": 1}
+    assert model.linear_paths() == {GEMV_SCALED_MM: 4 * c.num_layers, "F.linear": 1}
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, 300).tolist()
     outs, tokens = [], []
     for m, kw in ((model, {}), (model, dict(cuda_graphs=True, compile_model=True)), (bf16, {})):
