@@ -170,7 +170,7 @@ class VerifyGroup:
             keep = o[:, 0]
             pick = torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)], dim=1)   # [F, 1 + D]: root, path
             self.pool.copy_slots(self.slots.index_select(0, f_d).gather(1, pick).reshape(-1),
-                                 to_device(dst.reshape(-1), self.device))
+                                 to_device(dst.reshape(-1), self.device), checked=False)
             last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
             if self.head is not None:
                 picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
