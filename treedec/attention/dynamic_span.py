@@ -68,6 +68,15 @@ class DynamicSpans:
                              f"{len(self.shift_rows)} shift rows for {len(self.shift_span)} owners")
 
     @classmethod
+    def unchecked(cls, slots: np.ndarray, lengths: np.ndarray, keep: torch.Tensor, shift_rows: np.ndarray,
+                  shift_span: np.ndarray) -> DynamicSpans:
+        """The spans of arrays their caller made consistent (the verify group's, and :meth:`with_rows`' of checked
+        spans: every step), without the constructor's checks (a dozen Python calls a step)."""
+        spans = object.__new__(cls)
+        spans.__dict__.update(slots=slots, lengths=lengths, keep=keep, shift_rows=shift_rows, shift_span=shift_span)
+        return spans
+
+    @classmethod
     def one(cls, slots, keep: torch.Tensor, shift_rows) -> DynamicSpans:
         """One span: ``slots [d]``, ``keep`` a one-element tensor, ``shift_rows [r]``."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -122,7 +131,7 @@ class DynamicSpans:
         per = r // max(n, 1)
         if per * n != r:
             raise ValueError(f"{r} query rows do not split evenly among {n} spans")
-        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
+        return DynamicSpans.unchecked(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a

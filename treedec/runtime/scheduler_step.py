@@ -132,7 +132,7 @@ class StepRun:
             if r.dynamic is not None:
                 spans.append(r.dynamic.with_rows(rows[at:at + k]))
             at += k
-        return DynamicSpans.of(spans) if spans else None
+        return DynamicSpans.concat(spans) if spans else None   # (the parts' own: the engine drops empty spans)
 
     def _device_tokens(self, requests, placed: PlacedLanes, lane_rows: np.ndarray
                        ) -> tuple[torch.Tensor | None, np.ndarray | None]:

@@ -265,7 +265,7 @@ class VerifyGroup:
             every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
                 0, to_device(flight.nonzero()[0], self.device), keep)
         none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
-        return DynamicSpans(slots, lengths, every, none, none)
+        return DynamicSpans.unchecked(slots, lengths, every, none, none)
 
     def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
         """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""
