@@ -118,6 +118,12 @@ class TreePlan:
     def mask_words(self) -> int:
         return self.entry_mask.shape[1]
 
+    def sizes(self) -> tuple[int, int, int, int, int, int]:
+        """``(num_queries, num_tokens, num_chunks, num_entries, num_items, mask_words)`` in one call (a static
+        plan's bounds check, every graphed step)."""
+        return (self.num_queries, len(self.kv_slots), len(self.chunk_kv_start) - 1, len(self.entry_query),
+                len(self.item_chunk), self.entry_mask.shape[1])
+
     def with_dynamic_kv(self, ranges: tuple[tuple[int, int], ...] | np.ndarray) -> TreePlan:
         """This plan with ``dynamic_kv`` set to ``ranges``: ``dataclasses.replace(plan, dynamic_kv=ranges)`` in two
         calls where replace takes two dozen (the speculative batch's spans are located in every step's plan)."""
