@@ -68,7 +68,7 @@ class VerifyEdits:
         t.parent[made] = np.where(up[None, :] < 0, rows[:, None], grid[:, up]).reshape(-1)
         t.prefix[made] = ((t.prefix[rows] + t.length[rows])[:, None] + depth[None, :]).reshape(-1)
         t.num_children[made] = kids[None, :].repeat(r, axis=0).reshape(-1)
-        t.num_children[rows] += m - int(kids.sum())
+        t.num_children[rows] += m - int(np.add.reduce(kids))
         order = self._order   # each tree right after its leaf, in its own preorder
         where = order.positions(ids)
         rank = where.argsort(kind="stable")
@@ -105,7 +105,7 @@ class VerifyEdits:
             ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         busy = t.pending[rows] > 0
-        if busy.any():
+        if np.logical_or.reduce(busy):
             raise TreeError(f"cannot append computed tokens to node(s) {ids[busy][:5].tolist()}: they have pending "
                             f"tokens; call commit_step() first")
         ps = self.pool.page_size
@@ -117,7 +117,7 @@ class VerifyEdits:
         j = np.arange(count, dtype=np.int64) - room[:, None]   # [R, count]: the token's place in its fresh pages
         fresh = j >= 0
         opens = fresh & (j % ps == 0)
-        num_pages = int(opens.sum())
+        num_pages = int(np.add.reduce(opens, axis=None))
         self._check_free(num_pages)
         pages = self.pool.allocate(num_pages)
         slots = t.slots[f[:, START] + lens - 1][:, None] + 1 + np.arange(count)   # in the tail room
@@ -149,12 +149,12 @@ class VerifyEdits:
             ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         busy = t.pending[rows] > 0
-        if busy.any():
+        if np.logical_or.reduce(busy):
             raise TreeError(f"cannot truncate node(s) {ids[busy][:5].tolist()}: they have pending tokens; call "
                             f"commit_step() first")
         have = t.length[rows]
         long = lengths > have
-        if long.any():
+        if np.logical_or.reduce(long):
             i = int(np.flatnonzero(long)[0])
             raise TreeError(f"cannot truncate node {ids[i]} of {have[i]} tokens to {lengths[i]}")
         self._check_truncation(rows, lengths)
@@ -163,7 +163,7 @@ class VerifyEdits:
         dropped = ranges(start + lengths, have - lengths)
         page_of = t.slots[dropped] // ps
         begins = page_of != t.slots[dropped - 1] // ps   # a page stays when a kept token is in it
-        freed = self.pool.decref(page_of[begins]) if begins.any() else np.zeros(0, dtype=np.int64)
+        freed = self.pool.decref(page_of[begins]) if np.logical_or.reduce(begins) else np.zeros(0, dtype=np.int64)
         t.length[rows] = lengths
         last = t.slots[start + lengths - 1]
         alone = self.pool.refcount[last // ps] == 1
@@ -193,7 +193,7 @@ class VerifyEdits:
             ids, rows = node_ids, node_ids & ROW_MASK
         t = self._table
         past = starts + counts > t.length[rows]
-        if past.any():
+        if np.logical_or.reduce(past):
             i = int(np.flatnonzero(past)[0])
             raise TreeError(f"node {ids[i]} has {t.length[rows[i]]} tokens; cannot set tokens {starts[i]}.."
                             f"{starts[i] + counts[i] - 1}")

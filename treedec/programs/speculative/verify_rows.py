@@ -91,14 +91,15 @@ class VerifyRows:
         cols = np.arange(d)
         real = cols[None, :] < length[:, None]
         stops = self.eos[at]                                    # [P, W], -1 padded (no token is -1)
-        eos = (path[:, :, None] == stops[:, None, :]).any(axis=2) & real
-        has = eos.any(axis=1)
+        # (the ufuncs' reduce, not the ndarray methods: their Python wrappers cost a call each, every step)
+        eos = np.logical_or.reduce(path[:, :, None] == stops[:, None, :], axis=2) & real
+        has = np.logical_or.reduce(eos, axis=1)
         first = np.where(has, eos.argmax(axis=1), length)      # an EOS on the path ends it there, as the bonus
         bonus = np.where(has, path[np.arange(len(at)), np.minimum(first, d - 1)] if d else bonus, bonus)
         count = first + 1                                       # tokens emitted: the path kept, then the bonus
         room = self.max_new[at] - self.emitted[at]
         keep = np.minimum(count, room)
-        ended = (keep == room) | ((bonus[:, None] == stops).any(axis=1) & (keep == count))
+        ended = (keep == room) | (np.logical_or.reduce(bonus[:, None] == stops, axis=1) & (keep == count))
         ended &= ~self.text[at]
         kept = np.minimum(keep, first)
         for i in self.text[at].nonzero()[0].tolist():       # rows whose text is checked token by token
@@ -108,12 +109,12 @@ class VerifyRows:
             ended[i] = checker.stopped
         emitted = np.concatenate([path, bonus[:, None]], axis=1)
         emitted[np.arange(len(at)), first] = bonus              # [P, d + 1]: the path cut, then the bonus
-        self._widen(int((self.emitted[at] + keep).max(initial=0)), "tokens")
+        self._widen(int(np.maximum.reduce(self.emitted[at] + keep, initial=0)), "tokens")
         rows_, cols_ = (np.arange(d + 1)[None, :] < keep[:, None]).nonzero()
         self.tokens[at[rows_], self.emitted[at][rows_] + cols_] = emitted[rows_, cols_]
         self.emitted[at] += keep
         s = at[stepped]
-        self._widen(int(self.steps[s].max(initial=0)) + 1, "accepted", "seconds")
+        self._widen(int(np.maximum.reduce(self.steps[s], initial=0)) + 1, "accepted", "seconds")
         self.accepted[s, self.steps[s]] = kept[stepped]
         self.seconds[s, self.steps[s]] = seconds
         self.steps[s] += 1
@@ -124,7 +125,7 @@ class VerifyRows:
 
     def launched(self, at: np.ndarray, size: int) -> None:
         """Rows ``at`` go on with a launched step of ``size`` draft tokens (its size recorded)."""
-        self._widen(int(self.sizes[at].max(initial=0)) + 1, "draft_sizes")
+        self._widen(int(np.maximum.reduce(self.sizes[at], initial=0)) + 1, "draft_sizes")
         self.draft_sizes[at, self.sizes[at]] = size
         self.sizes[at] += 1
 
@@ -135,6 +136,8 @@ class VerifyRows:
                 self.draft_sizes[i, :self.sizes[i]].tolist(), self.seconds[i, :steps].tolist())
 
     def _widen(self, width: int, *names: str) -> None:
+        if width <= self.tokens.shape[1] and width <= self.accepted.shape[1] and width <= self.draft_sizes.shape[1]:
+            return   # (the tables grow by doubling: most steps widen none)
         for name in names:
             table = getattr(self, name)
             if width > table.shape[1]:
