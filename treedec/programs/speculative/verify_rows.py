@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["Recorded", "VerifyRows"]
 
-_INT = ("node", "length", "flight_root", "garbage", "root_token", "emitted", "max_new", "steps", "sizes")
+_INT = ("node", "length", "flight_root", "tree_size", "garbage", "root_token", "emitted", "max_new", "steps",
+        "sizes")
 
 
 @dataclass
@@ -37,16 +38,19 @@ class VerifyRows:
     """The host columns of ``depth``-deep trees' requests (see the module docstring).
 
     Columns ([R] int64 unless said): ``node`` (the sequence node), ``length`` (its tokens), ``flight_root`` (the
-    root node of its launched tree, -1: none), ``reserved`` (bool: its node ends with the ``1 + depth`` slots
+    root node of its launched tree, -1: none), ``trees`` [R, m] (its tree's nodes in token order, -1 padded: kept
+    from step to step, :meth:`~treedec.tree.SequenceTree.advance_token_trees`), ``tree_size`` (their number, 0:
+    none), ``reserved`` (bool: its node ends with the ``1 + depth`` slots
     reserved for the tree whose outcome is read next), ``garbage`` (reserved slots the last outcome left unused),
     ``root_token`` (the root of the tree whose outcome is read next), ``emitted``, ``max_new``, ``text`` (bool:
     checked one by one), ``steps``, ``sizes`` (draft sizes recorded); ``eos`` [R, W] (-1 padded), ``tokens``,
     ``accepted``, ``draft_sizes`` [R, width] int64 and ``seconds`` [R, width] float64 (grown by doubling).
     """
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, m: int):
         self.depth = depth
         self.size = 0
+        self.trees = np.full((0, m), -1, dtype=np.int64)
         for name in _INT:
             setattr(self, name, np.zeros(0, dtype=np.int64))
         self.reserved = np.zeros(0, dtype=bool)
@@ -59,8 +63,9 @@ class VerifyRows:
 
     def add(self, node: int, length: int, max_new: int, eos: tuple[int, ...], text: bool) -> None:
         """A new row at the end (an event)."""
-        for name, value in zip(_INT, (node, length, -1, 0, 0, 0, max_new, 0, 0)):
+        for name, value in zip(_INT, (node, length, -1, 0, 0, 0, 0, max_new, 0, 0)):
             setattr(self, name, np.append(getattr(self, name), value))
+        self.trees = np.concatenate([self.trees, np.full((1, self.trees.shape[1]), -1, dtype=np.int64)])
         self.reserved = np.append(self.reserved, False)
         self.text = np.append(self.text, text)
         width = max(self.eos.shape[1], len(eos))
@@ -75,7 +80,7 @@ class VerifyRows:
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep the rows of ``mask`` ([R] bool), in order (one compaction of every column, an event)."""
-        for name in (*_INT, "reserved", "text", "eos", "tokens", "accepted", "draft_sizes", "seconds"):
+        for name in (*_INT, "trees", "reserved", "text", "eos", "tokens", "accepted", "draft_sizes", "seconds"):
             setattr(self, name, getattr(self, name)[mask])
         self.size = int(mask.sum())
 

@@ -8,11 +8,11 @@ acceptance or rejection sampling, nothing the next step needs is a host value:
 
 - step n's acceptance runs on the device (:mod:`~treedec.programs.speculative.device_acceptance`): the accepted
   length, the path and the bonus token (the next root) stay there;
-- step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
-  (:meth:`~treedec.tree.SequenceTree.extend_computed_many`), into which step n's root and accepted path K/V are
-  copied on the device; the slots past the accepted length are masked and the new tree's positions moved
-  back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpans`: the group's spans
-  as arrays);
+- step n+1's tree hangs under ``1 + depth`` slots reserved at the end of the sequence, into which step n's root
+  and accepted path K/V are copied on the device (a request's tree keeps its nodes and slots from step to step:
+  :meth:`~treedec.tree.SequenceTree.advance_token_trees` reserves the slots and makes the tree pending again behind
+  them); the slots past the accepted length are masked and the tree's positions moved back by their number, on the
+  device (:class:`~treedec.attention.dynamic_span.DynamicSpans`: the group's spans as arrays);
 - its draft tokens come from the device: gathered from step n's row-head output at the last accepted token
   (:meth:`~treedec.programs.speculative.drafts.DraftSource.row_head_drafts`), fixed, or drafted from the target's
   states at step n's root and path, of which only the accepted are real (EAGLE's chains, ``submit_step``).
