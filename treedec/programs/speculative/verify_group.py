@@ -152,22 +152,24 @@ class VerifyGroup:
             return None
         f = at[flight[at]]
         unused = rows.garbage[f]
-        keep = o = f_d = None
+        keep = o = None
         dst = NO_SLOTS
         if len(f):
-            f_d = to_device(f, self.device)
-            o = self.outcome.index_select(0, f_d)
-            keep = o[:, 0]
-            # the launched trees' root and path slots, gathered before any tree changes (stream order)
-            src = self.slots.index_select(0, f_d).gather(1, torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)],
-                                                                        dim=1)).reshape(-1)
             same = rows.tree_size[f] == m
             if np.logical_and.reduce(same):
                 dst = tree.advance_token_trees(rows.trees[f, :m], unused, 1 + d, checked=False)
             else:
                 dst = self._regrow(f, same, unused, m)
             rows.length[f] += 1 + d - unused
-            self.pool.copy_slots(src, to_device(dst.reshape(-1), self.device), checked=False)
+        on = to_device(np.concatenate([at, f, dst.reshape(-1)]), self.device)   # (one copy)
+        at_d, f_d, dst_d = on[:len(at)], on[len(at):len(at) + len(f)], on[len(at) + len(f):]
+        if len(f):
+            o = self.outcome.index_select(0, f_d)
+            keep = o[:, 0]
+            # the launched trees' root and path slots (a tree hung anew below sends its slots after this read)
+            src = self.slots.index_select(0, f_d).gather(1, torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)],
+                                                                        dim=1)).reshape(-1)
+            self.pool.copy_slots(src, dst_d, checked=False)
             if self.head is not None:
                 last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
                 picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
@@ -177,10 +179,9 @@ class VerifyGroup:
             self._hang(hang, shape)
         rows.garbage[at] = 0
         rows.reserved[at] = flight[at]
-        at_d = to_device(at, self.device)
         read = self.read.index_select(0, at_d)
         spans = self._spans(at, flight[at], dst, keep)
-        drafted = self._drafts(at, at_d, f, f_d, o, unused)[:, :m - 1]
+        drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o, unused)[:, :m - 1]
         tokens = torch.cat([read[:, 1:2], drafted], dim=1).to(torch.int64)   # (the bonus read next: the new root)
         self._placed = (at, at_d, shape, tokens)
         return StepRequest(rows.trees[at, :m].reshape(-1), tokens=tokens.reshape(-1), read=read.reshape(-1),

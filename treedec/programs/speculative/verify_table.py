@@ -87,6 +87,7 @@ class VerifyTable(BulkTable):
         self.groups: dict[tuple, VerifyGroup] = {}
         self._of: dict[Any, VerifyGroup] = {}     # owner -> its group
         self._placed: list[VerifyGroup] = []      # the groups of the last place(), in order
+        self._blocked: dict = {}                  # the groups' blocked owners (place() makes a new dict)
 
     @property
     def size(self) -> int:
@@ -106,13 +107,16 @@ class VerifyTable(BulkTable):
         self._of[owner] = group
 
     def place(self, free_pages: int) -> list[StepRequest]:
-        self._placed, requests = [], []
+        self._placed, requests, blocked = [], [], {}
         for group in self.groups.values():
             if group.size:
                 request = group.place(self.engine.pool.num_free_pages)
                 if request is not None:
                     self._placed.append(group)
                     requests.append(request)
+                if group.blocked():
+                    blocked.update(group.blocked())
+        self._blocked = blocked
         return requests
 
     def after_step(self, rows: list[StepRows]) -> list[tuple[Any, Any]]:
@@ -125,17 +129,20 @@ class VerifyTable(BulkTable):
         return finished
 
     def blocked(self) -> dict:
-        return {owner: pages for group in self.groups.values() for owner, pages in group.blocked().items()}
+        """The last place()'s blocked owners (a dict of its own: the next place() makes another)."""
+        return self._blocked
 
     def drop(self, owner) -> None:
         group = self._of.pop(owner, None)
         if group is not None:
             group.drop(owner)
+            self._blocked.pop(owner, None)
 
     def reset(self) -> None:
         self.groups.clear()
         self._of.clear()
         self._placed = []
+        self._blocked = {}
 
 
 @dataclass(eq=False)
