@@ -134,7 +134,7 @@ class TreePlan:
     def kv_tokens_read(self) -> int:
         """KV tokens loaded from memory per KV head: each chunk once per work item."""
         starts = self.chunk_kv_start   # (np.diff's wrapper costs more than this subtraction: it runs every step)
-        return int((starts[1:] - starts[:-1])[self.item_chunk].sum())
+        return int(np.add.reduce((starts[1:] - starts[:-1])[self.item_chunk]))
 
     def summary(self) -> dict:
         """Sizes of the plan, for logs and benchmark reports."""

@@ -27,19 +27,20 @@ class StepRun:
         copy = None
         # What the step asks of its requests, in one pass over them (a few: the programs' and one a bulk group's)
         hidden = aux = heads = all_rows = argmax = prompt_step = False
-        apart, programs, reads, parts, given = False, placed.groups, [], [], 0
+        apart, programs, reads, parts, sizes, given, programs_of = False, placed.groups, [], [], [], 0, len(gathered)
         for i, r in enumerate(requests):
             hidden, aux, heads, all_rows = hidden or r.hidden, aux or r.aux, heads or r.heads, all_rows or r.all_rows
             argmax, prompt_step = argmax or r.argmax, prompt_step or r.prompt
             part = np.asarray(r.nodes, dtype=np.int64).reshape(-1)
             parts.append(part)
+            sizes.append(len(part))
             if r.read is not None:
                 reads.append(r.read.reshape(-1))
             if r.tokens is not None:
                 given += 1
                 apart = apart or r.placed is not None
-            if i < len(gathered):
-                programs += len(part) > 0
+            if i < programs_of:
+                programs += sizes[i] > 0
             elif r.dynamic is not None:
                 programs += len(r.dynamic.lengths)
         if requests:
@@ -50,7 +51,7 @@ class StepRun:
         programs_rows = len(nodes) - len(placed.nodes)
         out = None
         faulty: dict = {}
-        hidden_parts: list[slice] = []
+        hidden_parts: list[slice] = []   # (each request's hidden rows, when not its logits rows)
         if engine.tree.num_pending:   # (tokens without output rows are computed too)
             rows = engine.pending_rows(nodes)
             hidden_rows, at = None, 0
@@ -63,10 +64,6 @@ class StepRun:
                     hidden_parts.append(slice(at, at + len(part)))
                     at += len(part)
                 hidden_rows = np.concatenate(hidden_rows)
-            else:
-                for part in parts:
-                    hidden_parts.append(slice(at, at + len(part)))
-                    at += len(part)
             queries = engine.tree.num_pending
             spans = self._spans(requests, rows) if requests else None
             # (every request's tokens its own nodes' placeholders: their rows are the step's)
@@ -101,13 +98,13 @@ class StepRun:
         offset, read_at = 0, 0
         values = []
         for i, r in enumerate(requests):   # (none in a lanes-only step)
-            k = len(r.nodes)
+            k = sizes[i]
             part = slice(offset, offset + k)
             value = StepRows()
             if k:
                 value.logits = out.logits[part]
-                value.hidden = out.hidden[hidden_parts[i]] if r.hidden else None
-                value.aux = out.aux[hidden_parts[i]] if r.aux else None
+                value.hidden = out.hidden[hidden_parts[i] if hidden_parts else part] if r.hidden else None
+                value.aux = out.aux[hidden_parts[i] if hidden_parts else part] if r.aux else None
                 value.heads = {name: t[part] for name, t in out.heads.items()} if r.heads else None
                 value.argmax = argmax[part] if r.argmax else None
             if r.read is not None:
@@ -121,7 +118,7 @@ class StepRun:
             lv.send, lv.request = value, None
         for lv, error in faulty.items():   # (online) one program's bad token ids fail that program alone
             self._fail(lv, error)
-        at = len(gathered)
+        at = programs_of
         for table, rs in bulk or ():
             self._wake(table.after_step(values[at:at + len(rs)]))
             at += len(rs)

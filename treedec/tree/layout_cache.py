@@ -123,7 +123,9 @@ class LayoutCache:
     def _keep(self, lens: np.ndarray, kv_slots: np.ndarray) -> None:
         kv_start = np.zeros(len(lens) + 1, dtype=np.int64)
         lens.cumsum(out=kv_start[1:])
-        self._lens, self._kv_start, self._kv_slots = _frozen(lens), _frozen(kv_start), _frozen(kv_slots)
+        for a in (lens, kv_start, kv_slots):   # (shared by every reader of the layout until the forest changes)
+            a.setflags(write=False)
+        self._lens, self._kv_start, self._kv_slots = lens, kv_start, kv_slots
 
 
 def _insert(values: np.ndarray, at: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -145,7 +147,7 @@ def _queries(lens: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndar
         return NONE, NONE
     pend = pending[with_queries]
     last = lens[with_queries]
-    if pend.max() == 1:   # a decode step or a token tree: one query a node, its last token
+    if np.maximum.reduce(pend) == 1:   # a decode step or a token tree: one query a node, its last token
         return _frozen(with_queries), _frozen(last - 1)
     query_node = with_queries.repeat(pend)
     # query q of node i is its token lens[i] - pend[i] + (q - the node's first query)

@@ -198,7 +198,7 @@ class VerifyGroup:
             logits = self._penalize(at_d, shape, tokens, logits)
         outcome = self.rule.outcomes(shape, tokens, logits, self.seeds.index_select(0, at_d),
                                      self.steps.index_select(0, at_d))
-        pad = d - max(shape.depth)
+        pad = 0 if shape is self.full else d - max(shape.depth)   # (a cut tree may be shallower)
         if pad:
             outcome = torch.cat([outcome, outcome.new_full((p, pad), -1)], dim=1)
         self.steps.index_add_(0, at_d, torch.ones_like(at_d))
