@@ -239,7 +239,7 @@ class PagedKVPool:
         without checking the arguments' types and ranges; it still refuses (changing nothing) to drop a page
         below zero holders. Returns the int64 pages that became free, ascending."""
         left = self.refcount[pages] - times
-        if (left < 0).any():
+        if np.logical_or.reduce(left < 0):
             over = left < 0
             raise ValueError(f"release: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
                              f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")

@@ -222,7 +222,8 @@ class VerifyEdits:
         last = t.slots[f[:, START] + lens - 1]
         ps = self.pool.page_size
         cut = cuts.nonzero()[0]
-        if len(cut):   # (the cut tails' pages and the rooms they leave, found before any change)
+        some = len(cut)
+        if some:   # (the cut tails' pages and the rooms they leave, found before any change)
             cut_rows = leaves[cut]
             self._check_truncation(cut_rows, lens[cut])
             dropped = ranges(f[cut, START] + lens[cut], cuts[cut])
@@ -231,9 +232,9 @@ class VerifyEdits:
             room[cut] = np.where(self.pool.refcount[last[cut] // ps] == 1, ps - 1 - last[cut] % ps, 0)
             freed = int(np.add.reduce(self.pool.refcount[pages] == times))
         growth = self._growth(room, count)
-        if growth[2] > self.pool.num_free_pages + (freed if len(cut) else 0):
+        if growth[2] > self.pool.num_free_pages + (freed if some else 0):
             self._check_free(growth[2])   # (raises, naming the pages)
-        if len(cut):
+        if some:
             self.pool.release(pages, times)
             t.length[cut_rows] = lens[cut]
             t.tail_room[cut_rows] = room[cut]
@@ -244,7 +245,7 @@ class VerifyEdits:
         t.prefix[nodes] += shift.repeat(rows.shape[1])
         t.pending[nodes] = 1
         t.tokens[t.start[nodes]] = 0
-        self._num_pending += len(nodes)
+        self._num_pending += nodes.size
         self._cache.moved()
         return slots
 
@@ -276,7 +277,7 @@ class VerifyEdits:
             within = j[i, k] % ps
             slots[i, k] = pages[rank[i, k - within]] * ps + within
         t.make_room(rows, lens + count)
-        at = ranges(t.start[rows] + lens, np.full(len(rows), count, dtype=np.int64))
+        at = ((t.start[rows] + lens)[:, None] + np.arange(count)).reshape(-1)   # (each row's new tokens, in order)
         t.slots[at] = slots.reshape(-1)
         t.tokens[at] = 0
         t.length[rows] = lens + count

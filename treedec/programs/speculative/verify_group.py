@@ -31,7 +31,8 @@ from treedec.tree.token_tree import TokenTree
 
 __all__ = ["VerifyGroup"]
 
-NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS = np.zeros(0, dtype=np.int64)   # (the new spans' shift rows: shared, read-only)
+NO_ROWS.setflags(write=False)
 NO_SLOTS = np.zeros((0, 0), dtype=np.int64)   # (the spans' slots of a step of new rows only)
 
 
@@ -148,13 +149,15 @@ class VerifyGroup:
         fits = need.cumsum() <= free_pages
         self._blocked = {self.owners[i]: int(need[i]) for i in (~fits).nonzero()[0].tolist()} if not fits[-1] else {}
         at = fits.nonzero()[0]
-        if not len(at):
+        a = len(at)
+        if not a:
             return None
         f = at[flight[at]]
+        nf = len(f)
         unused = rows.garbage[f]
         keep = o = None
         dst = NO_SLOTS
-        if len(f):
+        if nf:
             same = rows.tree_size[f] == m
             if np.logical_and.reduce(same):
                 dst = tree.advance_token_trees(rows.trees[f, :m], unused, 1 + d, checked=False)
@@ -162,17 +165,17 @@ class VerifyGroup:
                 dst = self._regrow(f, same, unused, m)
             rows.length[f] += 1 + d - unused
         on = to_device(np.concatenate([at, f, dst.reshape(-1)]), self.device)   # (one copy)
-        at_d, f_d, dst_d = on[:len(at)], on[len(at):len(at) + len(f)], on[len(at) + len(f):]
-        if len(f):
+        at_d, f_d, dst_d = on[:a], on[a:a + nf], on[a + nf:]
+        if nf:
             o = self.outcome.index_select(0, f_d)
             keep = o[:, 0]
             # the launched trees' root and path slots (a tree hung anew below sends its slots after this read)
-            src = self.slots.index_select(0, f_d).gather(1, torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)],
+            src = self.slots.index_select(0, f_d).gather(1, torch.cat([o.new_zeros(nf, 1), o[:, 2:].clamp(min=0)],
                                                                         dim=1)).reshape(-1)
             self.pool.copy_slots(src, dst_d, checked=False)
             if self.head is not None:
                 last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
-                picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
+                picked = self.flight_heads.index_select(0, f_d)[torch.arange(nf, device=self.device), last]
                 self.head.index_copy_(0, f_d, picked)
         hang = at[rows.tree_size[at] != m]
         if len(hang):
@@ -181,7 +184,7 @@ class VerifyGroup:
         rows.reserved[at] = flight[at]
         read = self.read.index_select(0, at_d)
         spans = self._spans(at, flight[at], dst, keep)
-        drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o, unused)[:, :m - 1]
+        drafted = self._drafts(at, at_d, f, f_d if nf else None, o, unused)[:, :m - 1]
         tokens = torch.cat([read[:, 1:2], drafted], dim=1).to(torch.int64)   # (the bonus read next: the new root)
         self._placed = (at, at_d, shape, tokens)
         return StepRequest(rows.trees[at, :m].reshape(-1), tokens=tokens.reshape(-1), read=read.reshape(-1),
@@ -283,17 +286,16 @@ class VerifyGroup:
     def _spans(self, at, flight, dst, keep) -> DynamicSpans:
         """The placed rows' spans, as arrays, in row order: a row with a reservation, its ``depth`` path slots
         (``keep`` real, ``keep [F]`` on the device); a new one, an empty span."""
-        lengths = np.where(flight, self.depth, 0).astype(np.int64)
+        lengths = np.where(flight, self.depth, 0)   # (int64: the depth is an int)
         slots = dst[:, 1:].reshape(-1)   # (the rows with a reservation, in order: theirs alone)
         if keep is None:   # (new rows only)
             every = self._zero.expand(len(at))
-        elif flight.all():
+        elif np.logical_and.reduce(flight):
             every = keep
         else:
             every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
                 0, to_device(flight.nonzero()[0], self.device), keep)
-        none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
-        return DynamicSpans.unchecked(slots, lengths, every, none, none)
+        return DynamicSpans.unchecked(slots, lengths, every, NO_ROWS, NO_ROWS)   # (the scheduler gives the rows)
 
     def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
         """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""
