@@ -185,6 +185,13 @@ class DeviceTreePlan:
     prepared: object = field(default=None, repr=False, compare=False)
     static: object = field(default=None, repr=False, compare=False)  # the StaticPlan holding these arrays
 
+    def with_launch(self, backend: str, prepared: object) -> DeviceTreePlan:
+        """This plan with ``backend`` and ``prepared`` set: ``dataclasses.replace`` in two calls where replace takes
+        two dozen (an eager step prepares its plans every step)."""
+        plan = object.__new__(DeviceTreePlan)
+        plan.__dict__.update(self.__dict__, backend=backend, prepared=prepared)   # (every field is an init field)
+        return plan
+
 
 DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")
 MASK_AT = DEVICE_ARRAYS.index("entry_mask")
