@@ -1,7 +1,8 @@
 """Which planner implementation plans the steps: the compiled one or the numpy reference.
 
-``make_plan`` and the cuda backend's ``schedule_units`` run compiled C++ (``treedec/kernels/planner``,
-built on first use by :mod:`treedec.kernels.planner_build`) that gives the numpy planner's plans bit for
+``make_plan``, the cuda backend's ``schedule_units``, a static plan's write and a step's dynamic spans (their
+places and mask patch, :mod:`treedec.attention.dynamic_span`) run compiled C++ (``treedec/kernels/planner``,
+built on first use by :mod:`treedec.kernels.planner_build`) that gives the numpy code's results bit for
 bit, several times faster. ``TREEDEC_PLANNER`` chooses:
 
 - ``auto`` (default): compiled where it can be built (a C++ compiler, ninja and the Python headers),
