@@ -70,6 +70,8 @@ class VerifyGroup:
         self.penalized = program.penalized
         self.counts = self.prompt_masks = self.penalties = None
         self._pairs: dict = {}
+        self._cuts: dict[int, TokenTree] = {}      # the budget's cuts of the full tree, by draft tokens kept
+        self._cut_depth: dict[int, int] = {}       # each cut's depth, by its size
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self._placed = None
         self._blocked: dict = {}
@@ -201,7 +203,7 @@ class VerifyGroup:
             logits = self._penalize(at_d, shape, tokens, logits)
         outcome = self.rule.outcomes(shape, tokens, logits, self.seeds.index_select(0, at_d),
                                      self.steps.index_select(0, at_d))
-        pad = 0 if shape is self.full else d - max(shape.depth)   # (a cut tree may be shallower)
+        pad = 0 if shape is self.full else d - self._cut_depth[m]   # (a cut tree may be shallower)
         if pad:
             outcome = torch.cat([outcome, outcome.new_full((p, pad), -1)], dim=1)
         self.steps.index_add_(0, at_d, torch.ones_like(at_d))
@@ -281,7 +283,13 @@ class VerifyGroup:
         if self.budget is None:
             return self.full
         share = self.budget.group_tokens(self.budget_slots, self.device, self.m - 1)
-        return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
+        if share >= self.m - 1:
+            return self.full
+        cut = self._cuts.get(share)
+        if cut is None:   # (a share is the same step after step while the group's size stays: made once)
+            cut = self._cuts[share] = TokenTree(self.full.parents[:share + 1])
+            self._cut_depth[cut.size] = max(cut.depth)
+        return cut
 
     def _spans(self, at, flight, dst, keep) -> DynamicSpans:
         """The placed rows' spans, as arrays, in row order: a row with a reservation, its ``depth`` path slots
