@@ -50,13 +50,15 @@ def batch_invariant_tiles(n: int, k: int, sms: int = 0, itemsize: int = 2) -> Ma
     0: no split) and the operands' ``itemsize`` (bytes; 4-byte operands take half the K block, to fit the same
     pipeline in shared memory) only, never of M.
 
-    The rule, chosen from a sweep of 61 tilings on an H200 at M = 1, 64 and 256 over Llama-3-8B's projections
+    The rule, chosen from a sweep of 66 tilings on an H200 at M = 1, 64 and 256 over Llama-3-8B's projections
     (``bench/invariant_gemm.py --sweep``, bench/results/2026-12-04-nvidia-h200-invariant-gemm-s21-sweep.json):
     K is split only when it is long (one split per 4096 of K, at most as many as bring the grid to one program
     per SM per M tile): down_proj's K = 14336 over 32 column tiles, 4 splits. A wide N (a column tile per SM or
     more: gate_up, the LM head) or a split K takes 128 x 128 blocks in 4 stages; a narrow, short one (qkv, o) takes
     64-column blocks over 256-long K steps in 3 stages (twice the programs, the same bytes in flight). At decode
-    sizes (M <= 64) that put a forward's GEMMs within 1.03x of cuBLAS (the first rule: 1.31-1.33x)."""
+    sizes (M <= 64) the sweep's own timings of these tilings sum to 1.01-1.03x cuBLAS for a forward's GEMMs (the
+    first rule: 1.31-1.33x); a rerun in another call measured 1.13x / 1.27x at 1 / 64 rows (...-s21-rule.json: these
+    kernels' medians vary that much between calls)."""
     column_tiles = triton.cdiv(n, 128)
     splits = max(1, min(MAX_SPLITS, sms // column_tiles, triton.cdiv(k, 4096))) if sms else 1
     if splits > 1 or column_tiles >= sms:
