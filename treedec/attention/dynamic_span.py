@@ -259,10 +259,11 @@ class MaskPatch:
         table = np.zeros(size, dtype=np.int64)
         table[flat] = total[column_end][col] - (total - values)
         table = (~table & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+        width = u[span]   # (its span's word count: u is by placed span)
         span = ids[span]   # (each word's span among all of them: apply takes every span's keep)
         distinct, where = _unique_inverse(words)
         n, m = len(words), len(distinct) if len(distinct) < len(words) else 0
-        on = to_device(np.concatenate([words, at, u[span], span, table, distinct[:m], where[:n if m else 0]]),
+        on = to_device(np.concatenate([words, at, width, span, table, distinct[:m], where[:n if m else 0]]),
                        device)   # one copy
         end = 4 * n + len(table)
         merged = (on[end:end + m], on[end + m:]) if m else None

@@ -272,12 +272,16 @@ def cleared_exactly(plan, patched, cleared):
             assert after == (0 if f in cleared else before), (e, f)
 
 
-@pytest.mark.parametrize("page_size, gap", [(4, 0), (16, 1)])
-def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
+@pytest.mark.parametrize("page_size, gap, empty", [(4, 0, False), (16, 1, False), (4, 0, True), (16, 1, True)])
+def test_one_mask_patch_clears_several_spans(tiny, page_size, gap, empty):
     """Three requests' spans in one plan, patched by one MaskPatch (gap 1: each node holds only its span, so
-    spans may share mask words): exactly the bits of each span's slots past its keep are cleared."""
+    spans may share mask words; ``empty``: an empty span first, a new request's, so that the placed spans are not
+    the first ones: each word's width is its own span's): exactly the bits of each span's slots past its keep are
+    cleared."""
     engine = make_engine(tiny, page_size=page_size)
     parts, keeps = [], [0, 2, 5]
+    if empty:
+        parts.append(DynamicSpans.of_rows(np.zeros((1, 0), dtype=np.int64), torch.zeros(1, dtype=torch.int64)))
     nodes = [engine.prefill(list(range(r, r + 3 + 9 * (1 - gap)))).node for r in range(len(keeps))]
     for node, keep in zip(nodes, keeps):
         slots = engine.tree.extend_computed(node, [0] * 5)
@@ -286,7 +290,7 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap):
     spans = DynamicSpans.concat(parts)
     host = engine.attn.plan_host(engine.tree.layout())
     places = spans.places(host)
-    starts = [int(part.places(host).position[0]) for part in parts]
+    starts = [int(part.places(host).position[0]) for part in parts[empty:]]
     assert places.position.tolist() == sorted(a + i for a in starts for i in range(5))   # (arrays == one by one)
     patch = MaskPatch.of(host, spans, places, host.mask_words, torch.device("cpu"))
     patched = patch.apply_host(host, spans.keep)
