@@ -11,7 +11,7 @@ the layers) is reported per M and tiling.
 
     python bench/invariant_gemm.py                      # GPU: llama3-8b shapes, M = 1, 64, 256
     python bench/invariant_gemm.py --sweep --out bench/results
-    python bench/invariant_gemm.py --smoke              # CPU: the interpreter, tiny shapes (CI)
+    python bench/invariant_gemm.py --smoke              # tiny shapes (CI; without CUDA: the interpreter)
 
 Results: ``<out>/<date>-<device>-invariant-gemm[-tag].json``.
 """
@@ -64,17 +64,18 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama3-8b", choices=sorted(MODEL_SIZES))
     parser.add_argument("--rows", default="1,64,256")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tilings")
-    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, the tiny model's shapes, M = 1, 3")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model's shapes, M = 1, 3 (without CUDA: the interpreter, CI)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     if args.smoke:
-        import os
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         args.model, args.rows = "tiny", "1,3"
+        if not torch.cuda.is_available():   # (read when the kernels are decorated: before their import below)
+            import os
+            os.environ.setdefault("TRITON_INTERPRET", "1")
     from treedec.kernels.batch_invariant_matmul import MatmulTiles, sm_count, batch_invariant_matmul, \
         batch_invariant_tiles
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator(device).manual_seed(0)
