@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from treedec.models import from_config
-from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_SCALED_MM, Fp8Linear, dequantize, quantize_rows
+from treedec.models.fp8 import DEQUANTIZE, FP8, FP8_MAX, GEMV_DEQUANTIZE, GEMV_FP8_MATMUL, Fp8Linear, dequantize, \
+    quantize_rows
 from treedec.models.linear import Linear
 from tests.models.families import DenseAttend
 
@@ -26,11 +27,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _fp8_layer(shards=(24,), cols=32, strategy="channel", dtype=torch.float32, device="cpu", seed=0, bias=False):
+def _fp8_layer(shards=(24,), cols=32, strategy="channel", dtype=torch.float32, device="cpu", seed=0, bias=False,
+               activations="dynamic"):
     """A Linear of the checkpoint fp8 method loaded shard by shard from random fp8 weights and scales; returns
     (layer, the de-quantized weight [out, cols] in float32)."""
     gen = torch.Generator().manual_seed(seed)
-    layer = Linear(cols, sum(shards), bias, dtype, device, shards=shards, method=Fp8Linear("checkpoint", strategy))
+    layer = Linear(cols, sum(shards), bias, dtype, device, shards=shards, method=Fp8Linear("checkpoint", strategy,
+                                                                                    activations=activations))
     start, parts = 0, []
     for rows in shards:
         q = (torch.randn(rows, cols, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -108,16 +111,17 @@ def test_bad_method_fields_are_named():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("rows", [17, 64, 300])
+@pytest.mark.parametrize("rows", [17, 64, 256, 300])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
-    """Above 16 rows: torch._scaled_mm with per-token activation scales == the fp32 GEMM of the same quantized
-    activations and weights within 2%, and the float one within 6%; the path is reported."""
+def test_the_fp8_gemm_equals_the_dequantized_reference_on_gpu(rows, strategy):
+    """Above 16 rows (the fp8 x fp8 Triton GEMM up to 256, torch._scaled_mm at 300), with per-token activation
+    scales: == the fp32 GEMM of the same quantized activations and weights within 2%, and the float one within 6%;
+    the path is reported."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy=strategy, dtype=torch.bfloat16, device="cuda",
                           bias=True)
-    assert layer.path == GEMV_SCALED_MM
+    assert layer.path == GEMV_FP8_MATMUL
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     xq, xs = quantize_rows(x)
@@ -130,11 +134,13 @@ def test_scaled_mm_equals_the_dequantized_reference_on_gpu(rows, strategy):
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("rows", [1, 7, 16])
-def test_few_rows_take_the_weight_only_gemv_on_gpu(rows):
-    """At most 16 rows: the weight-only GEMV (activations unquantized) == the float GEMM with the de-quantized
-    weights within bf16's rounding (1%)."""
+@pytest.mark.parametrize("activations", ["dynamic", "none"])
+def test_few_rows_take_the_weight_only_gemv_on_gpu(rows, activations):
+    """At most 16 rows: the GEMV (activations unquantized) == the float GEMM with the de-quantized weights within
+    bf16's rounding (1%), for the dynamic scheme and a weight-only one."""
     layer, w = _fp8_layer((128, 64, 64), cols=256, strategy="channel", dtype=torch.bfloat16, device="cuda",
-                          bias=True)
+                          bias=True, activations=activations)
+    assert layer.path == (GEMV_FP8_MATMUL if activations == "dynamic" else GEMV_DEQUANTIZE)
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 256)
@@ -145,18 +151,19 @@ def test_few_rows_take_the_weight_only_gemv_on_gpu(rows):
 @CUDA
 def test_fp8_model_graphed_compiled_steps_on_gpu():
     """A quantized-on-load tiny model on the GPU: every projection but the head fp8 (the GEMV at these few rows,
-    _scaled_mm for the prompt's); compiled, captured
-    steps equal eager ones over the same tokens (the eager run's greedy ones: each engine choosing its own would
-    compare different sequences once a near-tie flips, as on 2026-12-02 at the fifth step); logits near the bf16
-    model's (rel 0.1)."""
+    the fp8 x fp8 Triton GEMM for the 200-token prompt's); compiled, captured steps equal eager ones over the same
+    tokens (the eager run's greedy ones: each engine choosing its own would compare different sequences once a
+    near-tie flips, as on 2026-12-02 at the fifth step) within 4e-2 (the prompt's activations are quantized per row:
+    Inductor's fused quantization, on inputs its fused norms rounded otherwise, can move a value to the next e4m3
+    code, a 6% step: one logit of 4608 differed by 0.0215 on 2026-12-04); logits near the bf16 model's (rel 0.1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability >= 8.9")
     from treedec.engine import Engine
     model = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda", quantization="fp8")
     bf16 = from_config("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
     c = model.config
-    assert model.linear_paths() == {GEMV_SCALED_MM: 4 * c.num_layers, "F.linear": 1}
-    prompt = np.random.default_rng(0).integers(0, c.vocab_size, 300).tolist()
+    assert model.linear_paths() == {GEMV_FP8_MATMUL: 4 * c.num_layers, "F.linear": 1}
+    prompt = np.random.default_rng(0).integers(0, c.vocab_size, 200).tolist()
     outs, tokens = [], []
     for m, kw in ((model, {}), (model, dict(cuda_graphs=True, compile_model=True)), (bf16, {})):
         engine = Engine(m, kv_tokens=4096, page_size=16, **kw)
@@ -168,5 +175,5 @@ def test_fp8_model_graphed_compiled_steps_on_gpu():
             engine.tree.extend(pre.node, [tokens[i]])
             logits.append(engine.step().logits[0].float().reshape(-1))
         outs.append(torch.stack(logits))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[1], outs[0], atol=4e-2, rtol=2e-2)
     assert _rel(outs[0], outs[2]) < 0.1

@@ -19,7 +19,11 @@ import torch
 
 from treedec.kernels.batch_invariant_matmul import MatmulTiles, sm_count, batch_invariant_tiles, launch_matmul
 
-__all__ = ["fp8_matmul", "fp8_matmul_tiles", "launch"]
+__all__ = ["MAX_ROWS", "fp8_matmul", "fp8_matmul_tiles", "launch"]
+
+#: The most rows :class:`~treedec.models.fp8.Fp8Linear` sends here (the sizes its tiling was swept at: decode
+#: batches and verify trees); longer steps take ``torch._scaled_mm``.
+MAX_ROWS = 256
 
 
 def fp8_matmul_tiles(n: int, k: int, sms: int = 0) -> MatmulTiles:

@@ -23,10 +23,17 @@ Apply (chosen per layer when loading ends, by device, and recorded in :attr:`Lin
   weight-only scheme, or a GPU without fp8 tensor cores).
 
 On a CUDA device with Triton, steps of at most :data:`~treedec.kernels.fp8_gemv.MAX_ROWS` rows (a decode
-step of few requests) go to the weight-only fp8 GEMV instead (:mod:`treedec.kernels.fp8_gemv`: the e4m3
-weight tiles converted in registers, the activations unquantized), chosen per call by the number of rows;
-the layer's path then names both (:data:`GEMV_SCALED_MM`, :data:`GEMV_DEQUANTIZE`). Without Triton the
-layer's path is the one above alone, and says so.
+step of few requests) go to the weight-only fp8 GEMV (:mod:`treedec.kernels.fp8_gemv`: the e4m3 weight tiles
+converted in registers, the activations unquantized), chosen per call by the number of rows. Steps of up to
+:data:`~treedec.kernels.fp8_matmul.MAX_ROWS` rows (decode batches, verify trees) run the dynamic scheme on the fp8 x
+fp8 Triton GEMM sized for decode steps (:mod:`treedec.kernels.fp8_matmul`, the rows quantized as above by torch ops
+that ``torch.compile`` fuses) in place of ``torch._scaled_mm``: on an H200 at 16-256 rows of Llama-3-8B's
+projections it took 0.3-0.9x ``_scaled_mm``'s time (bench/results/2026-12-04-nvidia-h200-fp8-gemv-s21.json).
+Longer steps (prompt chunks) keep ``_scaled_mm``, whose tiles are made for many rows. At one row the GEMV stays: a
+compiled greedy step through the fp8 GEMM took 5.93 ms against bf16's 5.05 in the same run
+(...-programs-s21-fp8c.json), and the GEMV's 4.61 (...-programs-s21-fp8c-gemv.json). The layer's path names all
+three (:data:`GEMV_FP8_MATMUL`) or the GEMV and the de-quantized product (:data:`GEMV_DEQUANTIZE`). Without Triton
+the layer's path is the one above alone, and says so.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from torch import nn
 
 from treedec.models.linear import Linear, TensorSpec, check_loaded_value
 
-__all__ = ["DEQUANTIZE", "FP8", "FP8_MAX", "GEMV_DEQUANTIZE", "GEMV_SCALED_MM", "SCALED_MM", "Fp8Linear",
+__all__ = ["DEQUANTIZE", "FP8", "FP8_MAX", "GEMV_DEQUANTIZE", "GEMV_FP8_MATMUL", "SCALED_MM", "Fp8Linear",
            "dequantize", "quantize_rows", "scaled_mm"]
 
 FP8 = torch.float8_e4m3fn
@@ -47,9 +54,10 @@ FP8_MAX = float(torch.finfo(FP8).max)
 #: Dtypes a checkpoint's scales may have (compressed-tensors writes them in the model dtype).
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALED_MM = "torch._scaled_mm (fp8 x fp8, dynamic per-token activation scales)"
+_FP8_MATMUL = "the fp8 x fp8 Triton GEMM (dynamic per-token activation scales)"
 DEQUANTIZE = "de-quantize + F.linear"
 _GEMV = "the weight-only fp8 GEMV (Triton) for steps of at most 16 rows, "
-GEMV_SCALED_MM = _GEMV + SCALED_MM + " above"
+GEMV_FP8_MATMUL = _GEMV + _FP8_MATMUL + " up to 256 rows, " + SCALED_MM + " above"
 GEMV_DEQUANTIZE = _GEMV + DEQUANTIZE + " above"
 _SOURCES = ("checkpoint", "quantize")
 _STRATEGIES = ("tensor", "channel")
@@ -154,26 +162,36 @@ class Fp8Linear:
                 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
                 and torch.cuda.get_device_capability(weight.device) >= (8, 9))
         layer.path = SCALED_MM if fast else DEQUANTIZE
-        if weight.device.type == "cuda" and layer.dtype in (torch.bfloat16, torch.float16) and _gemv_available():
-            layer.path = GEMV_SCALED_MM if fast else GEMV_DEQUANTIZE
+        if weight.device.type == "cuda" and layer.dtype in (torch.bfloat16, torch.float16) and \
+                _triton_kernels_available():
+            layer.path = GEMV_FP8_MATMUL if fast and layer.in_features >= 32 else GEMV_DEQUANTIZE
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         path = layer.path
-        if path in (GEMV_SCALED_MM, GEMV_DEQUANTIZE):
-            from treedec.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
-            if x.numel() <= MAX_ROWS * x.shape[-1]:
-                return fp8_gemv(x, layer.weight, layer.weight_scale, bias)
-            path = SCALED_MM if path == GEMV_SCALED_MM else DEQUANTIZE
+        if path in (GEMV_FP8_MATMUL, GEMV_DEQUANTIZE):
+            from treedec.kernels import fp8_gemv, fp8_matmul
+            rows = x.numel() // x.shape[-1]
+            if rows <= fp8_gemv.MAX_ROWS:
+                return fp8_gemv.fp8_gemv(x, layer.weight, layer.weight_scale, bias)
+            if path == GEMV_DEQUANTIZE:
+                path = DEQUANTIZE
+            elif rows <= fp8_matmul.MAX_ROWS:
+                xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+                return fp8_matmul.fp8_matmul(xq, x_scale, layer.weight, layer.weight_scale, bias, x.dtype).view(
+                    *x.shape[:-1], layer.out_features)
+            else:
+                path = SCALED_MM
         if path == SCALED_MM:
             return scaled_mm(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
 
 
-def _gemv_available() -> bool:
-    """Whether the Triton GEMV can be imported (Triton ships with CUDA builds of torch; a layer without it
-    keeps the many-row path alone, which its :attr:`Linear.path` says)."""
+def _triton_kernels_available() -> bool:
+    """Whether the Triton fp8 kernels can be imported (Triton ships with CUDA builds of torch; a layer without it
+    keeps the torch paths alone, which its :attr:`Linear.path` says)."""
     try:
         import treedec.kernels.fp8_gemv  # noqa: F401
+        import treedec.kernels.fp8_matmul  # noqa: F401
     except ImportError:
         return False
     return True
