@@ -333,6 +333,10 @@ class ReferenceSequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
         length = int_value(length, "length", low=1)
         if length > node.length:
             raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
+        return self._truncate(node, length)
+
+    def _truncate(self, node: TreeNode, length: int) -> np.ndarray:
+        """:meth:`truncate` of ``node`` to ``length`` tokens (checked)."""
         pages = np.asarray(node.pages, dtype=np.int64)
         ps = self.pool.page_size
         # A page stays when a kept token is in it (kept pages marked in a pool-sized mask: no sort over a long
