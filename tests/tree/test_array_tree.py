@@ -7,8 +7,7 @@ pass check_invariants; an edit that raises in one raises the same type in the ot
 are compared through the pairing of the ids both returned (the array tree reuses rows, so its ids after a prune
 differ from the reference's). The batch operations of the array tree (append_tokens, pages_to_append,
 set_last_tokens, pending_queries, prune_many, prune_dead_ends, branch_many; batched verification's add_token_trees,
-extend_computed_many, truncate_many, set_tokens_many, advance_token_trees) equal their per-node equivalents on the
-reference.
+extend_computed_many, truncate_many, set_tokens_many; advance_token_trees in test_verify_edits.py) equal theirs.
 """
 from __future__ import annotations
 
@@ -475,49 +474,6 @@ class ArrayEqualsReference(RuleBasedStateMachine):
         for n, s, c in zip(nodes, starts, counts):
             self.ref.set_tokens(n, s, tokens[at:at + c])
             at += c
-
-    @rule(data=st.data(), count=st.integers(0, 5))
-    def advance_token_trees(self, data, count):
-        """advance_token_trees == the reference's own (each leaf truncated, extended by rounds, its tree pending
-        again) for leaves whose one child's subtree is a tree of one-token nodes; refusals (a cut that leaves no
-        token, pending tokens, a short pool) change nothing."""
-        ref = self.ref
-        leaves = self._leaves()
-        if leaves and data.draw(st.booleans()):   # trees of one root hung and computed first, as a verify group's
-            m = data.draw(st.integers(1, 5))
-            parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, m)]
-            hung = data.draw(st.lists(st.sampled_from(leaves), unique=True, min_size=1, max_size=4))
-            try:
-                ids = self.arr.add_token_trees([self.to_arr[n] for n in hung], parents)
-            except EDIT_ERRORS:
-                return
-            self._pair([i for n in hung for i in ref.add_token_tree(n, [0] * m, parents)], ids.reshape(-1).tolist())
-            self.commit()
-        elif data.draw(st.booleans()):
-            self.commit()
-        by_size: dict[int, list] = {}
-        for n in self._nodes():
-            kids = ref.children(n)
-            below = ref.subtree(kids[0]) if len(kids) == 1 else ()
-            if below and all(ref.node_length(i) == 1 for i in below):
-                by_size.setdefault(len(below), []).append((n, below))
-        if not by_size:
-            return
-        picked = data.draw(st.lists(st.sampled_from(by_size[data.draw(st.sampled_from(sorted(by_size)))]),
-                                    min_size=1, max_size=4, unique_by=lambda pair: pair[0]))
-        cuts = [data.draw(st.integers(0, ref.node_length(leaf) - (data.draw(st.integers(0, 9)) > 0)))
-                for leaf, _ in picked]   # (now and then its length: refused)
-        before = snapshot(self.arr)
-        try:
-            slots = self.arr.advance_token_trees([[self.to_arr[i] for i in below] for _, below in picked], cuts, count)
-        except EDIT_ERRORS:
-            assert snapshot(self.arr) == before
-            pending = any(ref.sequence_length(i) > ref.computed_length(i) for leaf, below in picked
-                          for i in (leaf, *below))
-            short = not pending and all(c < ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
-            assert pending or short or any(c >= ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
-            return
-        assert np.array_equal(ref.advance_token_trees([below for _, below in picked], cuts, count), slots)
 
     def teardown(self):
         if not hasattr(self, "ref"):

@@ -5,7 +5,10 @@ bad arguments, pending tokens and a short pool are refused with nothing changed.
 checks it against the reference tree's own, edit after edit.)"""
 import numpy as np
 import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import rule
 
+from tests.tree.test_array_tree import EDIT_ERRORS, ArrayEqualsReference
 from tests.tree.tree_state import snapshot
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
@@ -100,3 +103,55 @@ def test_a_short_pool_is_refused_unless_the_cuts_free_what_it_needs():
     assert slots.shape == (1, 5) and tree.pool.num_free_pages == 0 and tree.node_length(leaves[0]) == 11
     assert np.array_equal(tree.slots(leaves[0])[-5:], slots[0])
     tree.check_invariants()
+
+
+class AdvanceEqualsReference(ArrayEqualsReference):
+    """The array tree == the reference tree machine (tests/tree/test_array_tree.py) with advance_token_trees among
+    its edits."""
+
+    @rule(data=st.data(), count=st.integers(0, 5))
+    def advance_token_trees(self, data, count):
+        """advance_token_trees == the reference's own (each leaf truncated, extended by rounds, its tree pending
+        again) for leaves whose one child's subtree is a tree of one-token nodes; refusals (a cut that leaves no
+        token, pending tokens, a short pool) change nothing."""
+        ref = self.ref
+        leaves = self._leaves()
+        if leaves and data.draw(st.booleans()):   # trees of one root hung and computed first, as a verify group's
+            m = data.draw(st.integers(1, 5))
+            parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, m)]
+            hung = data.draw(st.lists(st.sampled_from(leaves), unique=True, min_size=1, max_size=4))
+            try:
+                ids = self.arr.add_token_trees([self.to_arr[n] for n in hung], parents)
+            except EDIT_ERRORS:
+                return
+            self._pair([i for n in hung for i in ref.add_token_tree(n, [0] * m, parents)], ids.reshape(-1).tolist())
+            self.commit()
+        elif data.draw(st.booleans()):
+            self.commit()
+        by_size: dict[int, list] = {}
+        for n in self._nodes():
+            kids = ref.children(n)
+            below = ref.subtree(kids[0]) if len(kids) == 1 else ()
+            if below and all(ref.node_length(i) == 1 for i in below):
+                by_size.setdefault(len(below), []).append((n, below))
+        if not by_size:
+            return
+        picked = data.draw(st.lists(st.sampled_from(by_size[data.draw(st.sampled_from(sorted(by_size)))]),
+                                    min_size=1, max_size=4, unique_by=lambda pair: pair[0]))
+        cuts = [data.draw(st.integers(0, ref.node_length(leaf) - (data.draw(st.integers(0, 9)) > 0)))
+                for leaf, _ in picked]   # (now and then its length: refused)
+        before = snapshot(self.arr)
+        try:
+            slots = self.arr.advance_token_trees([[self.to_arr[i] for i in below] for _, below in picked], cuts, count)
+        except EDIT_ERRORS:
+            assert snapshot(self.arr) == before
+            pending = any(ref.sequence_length(i) > ref.computed_length(i) for leaf, below in picked
+                          for i in (leaf, *below))
+            short = not pending and all(c < ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
+            assert pending or short or any(c >= ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
+            return
+        assert np.array_equal(ref.advance_token_trees([below for _, below in picked], cuts, count), slots)
+
+
+TestAdvanceEqualsReference = AdvanceEqualsReference.TestCase
+TestAdvanceEqualsReference.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

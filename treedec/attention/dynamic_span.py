@@ -153,7 +153,7 @@ class DynamicSpans:
         call)."""
         module = planner_impl().module
         if module is not None:
-            return self._compiled_places(module, plan)[0]
+            return self.compiled_places(module, plan)[0]
         has = (self.lengths > 0).nonzero()[0]
         none = np.zeros(0, dtype=np.int64)
         if not len(has) or not plan.num_tokens:
@@ -195,8 +195,9 @@ class DynamicSpans:
         return ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the tree's "
                           f"flattened KV (the end of one node), got slots {got[:8].tolist()}")
 
-    def _compiled_places(self, module, plan: TreePlan) -> tuple[SpanPlaces, np.ndarray]:
-        """:meth:`places` and the ``[P, 2]`` runs :meth:`locate` makes of them, from the compiled planner."""
+    def compiled_places(self, module, plan: TreePlan) -> tuple[SpanPlaces, np.ndarray]:
+        """:meth:`places` and the ``[P, 2]`` runs :meth:`locate` makes of them, from the compiled planner's
+        ``module`` (:func:`~treedec.attention.planner_choice.planner_impl`): one call, where it runs."""
         position, span, slot, ranges, bad = module.span_places(plan.layout.kv_slots, plan.kv_slots, self.slots,
                                                                self.lengths)
         if bad >= 0:
@@ -364,7 +365,7 @@ def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tup
                          f"{', '.join(able[:-1])} or {able[-1]} backend")
     module = planner_impl().module
     if module is not None:   # (the places and their runs in one call)
-        places, ranges = spans._compiled_places(module, plan)
+        places, ranges = spans.compiled_places(module, plan)
         if len(ranges):
             plan = plan.with_dynamic_kv(ranges) if not len(plan.dynamic_kv) else _with_ranges(plan, ranges)
     else:
