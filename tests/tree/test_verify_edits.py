@@ -12,6 +12,7 @@ from tests.tree.test_array_tree import EDIT_ERRORS, ArrayEqualsReference
 from tests.tree.tree_state import snapshot
 from treedec import PoolExhaustedError, TreeError
 from treedec.tree import PagedKVPool, SequenceTree
+from treedec.tree.reference import ReferenceSequenceTree
 
 PARENTS = [-1, 0, 0, 1, 2, 1]   # a 6-token tree of one root, depth 3
 
@@ -57,6 +58,42 @@ def test_advance_is_prune_truncate_extend_and_add_keeping_the_trees(checked, pag
     tree.commit_step()
     tree.advance_token_trees(trees, np.zeros(3, dtype=np.int64), 0)   # (nothing cut or grown: pending again)
     assert tree.num_pending == 18
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("cuts", [[1, 1, 1], [0, 2, 3], [4, 0, 1]])
+def test_advance_equals_the_reference_trees_own(page_size, cuts):
+    """The array tree's advance and the reference's (its leaves cut, their pages back in one decref, then grown by
+    rounds): the same slots and pages, so the cut pages come back to the growth in the batch's order."""
+    trees = []
+    for make in (SequenceTree, ReferenceSequenceTree):
+        tree = make(PagedKVPool(128, page_size, allocate_storage=False))
+        leaves = [tree.add_prompt(list(range(5 + 3 * r))) for r in range(3)]
+        tree.commit_step()
+        for leaf in leaves:
+            tree.extend_computed(leaf, [0] * 4)
+        hung = [tree.add_token_tree(leaf, [0] * len(PARENTS), PARENTS) for leaf in leaves]
+        tree.commit_step()
+        trees.append((tree, leaves, tree.advance_token_trees(hung, cuts, 5)))
+    (arr, arr_leaves, arr_slots), (ref, ref_leaves, ref_slots) = trees
+    assert np.array_equal(arr_slots, ref_slots)
+    assert [arr.slots(n).tolist() for n in arr_leaves] == [ref.slots(n).tolist() for n in ref_leaves]
+    assert arr.pool.refcount.tolist() == ref.pool.refcount.tolist()
+    assert arr.pool.free_pages.tolist() == ref.pool.free_pages.tolist()
+    assert arr.layout().query_position.tolist() == ref.layout().query_position.tolist()
+
+
+def test_an_empty_leaf_advances_without_a_cut():
+    tree = SequenceTree(PagedKVPool(64, 4, allocate_storage=False))
+    root = tree.add_prompt([1, 2, 3])
+    tree.commit_step()
+    leaf = tree.branch(root, [[]])[0]   # (a node of no tokens)
+    trees = tree.add_token_trees([leaf], PARENTS)
+    tree.commit_step()
+    with pytest.raises(TreeError, match="leave each leaf a token"):
+        tree.advance_token_trees(trees, np.array([1]), 2)
+    assert tree.advance_token_trees(trees, np.array([0]), 2).shape == (1, 2) and tree.node_length(leaf) == 2
     tree.check_invariants()
 
 
@@ -138,7 +175,7 @@ class AdvanceEqualsReference(ArrayEqualsReference):
             return
         picked = data.draw(st.lists(st.sampled_from(by_size[data.draw(st.sampled_from(sorted(by_size)))]),
                                     min_size=1, max_size=4, unique_by=lambda pair: pair[0]))
-        cuts = [data.draw(st.integers(0, ref.node_length(leaf) - (data.draw(st.integers(0, 9)) > 0)))
+        cuts = [data.draw(st.integers(0, max(0, ref.node_length(leaf) - (data.draw(st.integers(0, 9)) > 0))))
                 for leaf, _ in picked]   # (now and then its length: refused)
         before = snapshot(self.arr)
         try:
@@ -147,8 +184,8 @@ class AdvanceEqualsReference(ArrayEqualsReference):
             assert snapshot(self.arr) == before
             pending = any(ref.sequence_length(i) > ref.computed_length(i) for leaf, below in picked
                           for i in (leaf, *below))
-            short = not pending and all(c < ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
-            assert pending or short or any(c >= ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
+            short = not pending and all(c < ref.node_length(leaf) or not c for (leaf, _), c in zip(picked, cuts))
+            assert pending or short or any(c and c >= ref.node_length(leaf) for (leaf, _), c in zip(picked, cuts))
             return
         assert np.array_equal(ref.advance_token_trees([below for _, below in picked], cuts, count), slots)
 

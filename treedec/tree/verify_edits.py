@@ -311,7 +311,7 @@ class VerifyEdits:
         if not np.logical_and.reduce(whole) or np.logical_or.reduce(t.length[rows] != 1, axis=None):
             raise TreeError(f"trees: each row must be the whole token tree under its leaf, one token a node (tree "
                             f"{ids[np.argmin(whole), :8].tolist()} is not)")
-        if np.logical_or.reduce(cuts >= t.length[leaves]):
+        if np.logical_or.reduce((cuts > 0) & (cuts >= t.length[leaves])):
             raise TreeError(f"cuts must leave each leaf a token: cuts {cuts.tolist()[:8]} of lengths "
                             f"{t.length[leaves].tolist()[:8]}")
         return ids, cuts, count

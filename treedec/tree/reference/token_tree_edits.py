@@ -123,14 +123,14 @@ class TokenTreeEdits:
     def advance_token_trees(self, trees: Sequence[Sequence[int]], cuts: Sequence[int], count: int) -> np.ndarray:
         """The array tree's :meth:`~treedec.tree.SequenceTree.advance_token_trees` node by node, for the trees, cuts
         and count it took (this reference checks nothing): each tree's leaf truncated by its cut (as
-        :meth:`truncate`), then ``count`` rounds of one computed token for each leaf in order (as
-        :meth:`extend_computed`), then every node of the trees pending again as a placeholder (token 0). Returns
-        ``[R, count]``: the leaves' new slots."""
+        :meth:`truncate`; the pages they drop back in one decref, as a batch's), then ``count`` rounds of one computed
+        token for each leaf in order (as :meth:`extend_computed`), then every node of the trees pending again as a
+        placeholder (token 0). Returns ``[R, count]``: the leaves' new slots."""
         nodes = [[self._nodes[int(n)] for n in row] for row in trees]
         leaves = [self._nodes[row[0].parent] for row in nodes]
-        for leaf, cut in zip(leaves, cuts):
-            if cut:
-                self._truncate(leaf, leaf.length - int(cut))
+        dropped = [self._cut_tail(leaf, leaf.length - int(cut)) for leaf, cut in zip(leaves, cuts) if cut]
+        if dropped:
+            self.pool.decref(np.concatenate(dropped))
         slots = np.zeros((len(leaves), count), dtype=np.int64)
         for k in range(count):
             for i, leaf in enumerate(leaves):
