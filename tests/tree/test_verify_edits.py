@@ -192,3 +192,11 @@ class AdvanceEqualsReference(ArrayEqualsReference):
 
 TestAdvanceEqualsReference = AdvanceEqualsReference.TestCase
 TestAdvanceEqualsReference.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.slow
+def test_advance_equals_reference_long_runs():
+    """The same machine, more and longer runs (they found a zero-token leaf refused and a cut page's order)."""
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(AdvanceEqualsReference, settings=settings(max_examples=400, stateful_step_count=80,
+                                                                        deadline=None))
