@@ -262,18 +262,20 @@ class VerifyGroup:
     def _regrow(self, f: np.ndarray, same: np.ndarray, unused: np.ndarray, m: int) -> np.ndarray:
         """:meth:`place`'s leaf edits of rows ``f`` (``[F, 1 + depth]``: their new slots) when the trees of some
         (``~same``) are of another size than this step's ``m`` (a budget's new share, an event): those trees are
-        pruned and their leaves cut and grown alone (:meth:`_hang` hangs their new trees), the others advance."""
+        pruned and their leaves cut and grown alone (:meth:`_hang` hangs their new trees), the others advance. The
+        prunes and cuts come first, the reservations last, right before the copy that fills them all (what a
+        schedule recorder writes as accepts: :mod:`treedec.replay.pipelined_accepts`)."""
         rows, tree, d = self.rows, self.tree, self.depth
         dst = np.empty((len(f), 1 + d), dtype=np.int64)
-        if same.any():
-            s = f[same]
-            dst[same] = tree.advance_token_trees(rows.trees[s, :m], unused[same], 1 + d, checked=False)
         other, cut = f[~same], unused[~same]
         tree.prune_many(rows.flight_root[other], checked=False)
         rows.tree_size[other] = 0
         g = cut > 0
         if g.any():
             tree.truncate_many(rows.node[other[g]], rows.length[other[g]] - cut[g], checked=False)
+        if same.any():
+            s = f[same]
+            dst[same] = tree.advance_token_trees(rows.trees[s, :m], unused[same], 1 + d, checked=False)
         dst[~same] = tree.extend_computed_many(rows.node[other], 1 + d, checked=False)
         return dst
 
