@@ -30,6 +30,22 @@ def test_bounds_for_a_plan_fit_it_and_name_what_does_not():
         PlanBounds(max_queries=4, max_tokens=0)
 
 
+@pytest.mark.parametrize("bound, what", [("max_queries", "queries"), ("max_tokens", "needed KV tokens"),
+                                         ("max_chunks", "chunks"), ("max_entries", "entries"),
+                                         ("max_items", "work items"),
+                                         ("max_chunk_tokens", "tokens in its longest chunk")])
+def test_problem_names_each_bound_a_plan_exceeds(bound, what):
+    plan = _tree_plan()
+    value = {"max_queries": plan.num_queries, "max_tokens": plan.num_tokens, "max_chunks": plan.num_chunks,
+             "max_entries": plan.num_entries, "max_items": plan.num_items,
+             "max_chunk_tokens": plan.max_chunk_len}[bound]
+    roomy = dict(max_queries=64, max_tokens=1024, max_chunks=64, max_entries=256, max_items=64, max_chunk_tokens=4096)
+    assert PlanBounds(**roomy).problem(plan) is None
+    bounds = PlanBounds(**{**roomy, bound: value - 1})
+    assert bounds.problem(plan) == f"the tree's plan has {value} {what}, over PlanBounds.{bound}={value - 1}"
+    assert not bounds.fits(plan) and PlanBounds(**{**roomy, bound: value}).fits(plan)
+
+
 def test_write_pads_the_plan_and_copies_extra_sections():
     pytest.importorskip("triton")
     plan = _tree_plan()
@@ -61,14 +77,16 @@ def test_write_pads_the_plan_and_copies_extra_sections():
 def test_a_plan_over_the_bounds_changes_nothing():
     pytest.importorskip("triton")
     plan = _tree_plan()
-    static = StaticPlan(PlanBounds.for_plan(plan), TritonBackend(4, 2, 64, torch.float16, AttentionVariant(sm_scale=0.125)), torch.device("cpu"))
+    static = StaticPlan(PlanBounds.for_plan(plan), TritonBackend(4, 2, 64, torch.float16,
+                                                                 AttentionVariant(sm_scale=0.125)), torch.device("cpu"))
     static.write(plan)
     before = static._dev.clone()
     big = make_plan(TreeLayout.from_parents([-1, 0, 0, 0, 0, 0], [30, 1, 1, 1, 1, 1],
                                             [(i, 0) for i in range(1, 6)]), PlanConfig(chunk_size=8, query_tile=2), 2)
     with pytest.raises(PlanError, match="over PlanBounds.max_queries=4"):
         static.write(big)
-    other_tile = make_plan(TreeLayout.from_parents([-1, 0], [30, 1], [(1, 0)]), PlanConfig(chunk_size=8, query_tile=1), 2)
+    other_tile = make_plan(TreeLayout.from_parents([-1, 0], [30, 1], [(1, 0)]), PlanConfig(chunk_size=8, query_tile=1),
+                           2)
     with pytest.raises(PlanError, match="query tile 1 differs"):
         static.write(other_tile)
     assert static.current is plan and torch.equal(static._dev, before)

@@ -1,3 +1,4 @@
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -41,7 +42,8 @@ def test_torch_executor_matches_references(seed, page_size, group, head_dim, pla
     assert out.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
     assert rel_error(out, ref) < 1e-5
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
-    assert rel_error(ref, path_reference(tree, plan.plan.layout, q, k_cache, v_cache, attn.variant.scale(head_dim))) < 1e-5
+    assert rel_error(ref, path_reference(tree, plan.plan.layout, q, k_cache, v_cache,
+                                         attn.variant.scale(head_dim))) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
@@ -62,8 +64,8 @@ def test_reference_backend_and_layout_input():
     k = torch.randn(27, 1, 2, 64)
     v = torch.randn(27, 1, 2, 64)
     q = torch.randn(2, 4, 64)
-    outs = [TreeAttention(4, 2, 64, backend=b, device="cpu").run(q, k, v, TreeAttention(4, 2, 64, device="cpu").plan(layout))
-            for b in ("reference", "torch")]
+    plan = TreeAttention(4, 2, 64, device="cpu").plan(layout)
+    outs = [TreeAttention(4, 2, 64, backend=b, device="cpu").run(q, k, v, plan) for b in ("reference", "torch")]
     assert rel_error(outs[1], outs[0]) < 1e-5
 
 
@@ -77,14 +79,16 @@ def small_step():
 
 
 @pytest.mark.parametrize("mutate,error,match", [
-    (lambda q, k, v: (q[:5], k, v), ValueError, r"q must have shape \[num_queries, num_qo_heads, head_dim\] = \(10, 4, 64\)"),
+    (lambda q, k, v: (q[:5], k, v), ValueError,
+     r"q must have shape \[num_queries, num_qo_heads, head_dim\] = \(10, 4, 64\)"),
     (lambda q, k, v: (q.int(), k, v), TypeError, "q must be one of"),
     (lambda q, k, v: (q, k.float(), v), TypeError, "k_cache dtype torch.float32 differs"),
     (lambda q, k, v: (q, k[:, :, :1], v), ValueError, r"k_cache must have shape \[num_pages, page_size, 2, 64\]"),
     (lambda q, k, v: (q, k, v[:2]), ValueError, "differ in shape"),
     (lambda q, k, v: (q, k[:2], v[:2]), ValueError, "the plan reads slot 9 but the cache holds 8 slots"),
     (lambda q, k, v: (q, k.transpose(0, 1), v), ValueError, "k_cache must be contiguous"),
-    (lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError, "q must be contiguous in its last dim"),
+    (lambda q, k, v: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v), ValueError,
+     "q must be contiguous in its last dim"),
 ])
 def test_run_rejects_bad_inputs(small_step, mutate, error, match):
     attn, plan, pool = small_step
@@ -125,6 +129,15 @@ def test_cuda_device_without_cuda_is_a_clear_error():
 def test_plan_takes_a_tree_or_layout(tree):
     with pytest.raises(TypeError, match="plan\\(\\) takes a SequenceTree or its TreeLayout, got"):
         TreeAttention(4, 2, 64, device="cpu").plan(tree)
+
+
+def test_a_prepared_plan_is_the_plan_with_its_launch(small_step):
+    """prepare() sets the backend and launch as dataclasses.replace would, every other field the plan's own."""
+    attn, plan, _ = small_step
+    again = attn.prepare(plan)
+    expected = dataclasses.replace(plan, backend=attn.backend, prepared=again.prepared)
+    assert type(again) is type(expected) and again.backend == attn.backend and again.prepared is not plan.prepared
+    assert all(getattr(again, f.name) is getattr(expected, f.name) for f in dataclasses.fields(expected))
 
 
 def test_plan_into_must_be_a_static_plan(small_step):

@@ -300,7 +300,8 @@ def test_the_compiled_constants_are_the_numpy_planners():
                 "COST_PER_KV_TOKEN": persistent_schedule.COST_PER_KV_TOKEN,
                 "COST_PER_UNIT": persistent_schedule.COST_PER_UNIT,
                 "FULL_TILE_FLAG": persistent_schedule.FULL_TILE_FLAG,
-                "UNIT_FIELDS": len(persistent_schedule.UNIT_FIELDS), "SCHEDULE_HEADER": persistent_schedule.SCHEDULE_HEADER,
+                "UNIT_FIELDS": len(persistent_schedule.UNIT_FIELDS),
+                "SCHEDULE_HEADER": persistent_schedule.SCHEDULE_HEADER,
                 "COALESCE_GAP": static_plan._COALESCE_GAP}
     assert planner_build.load_planner().constants() == expected
 
@@ -450,6 +451,18 @@ def test_a_failed_build_raises_at_every_plan_never_a_silent_switch(fresh_choice,
         with pytest.raises(BackendUnavailableError, match="failed: c\\+\\+ exited with 1; set TREEDEC_PLANNER=numpy"):
             make_plan(fewshot(50, 2, 3), PlanConfig(chunk_size=16), 1)
     assert len(attempts) == 1  # built once: the failure is kept, not retried at every step
+
+
+@needs_compiled
+def test_the_variable_is_read_at_every_call(monkeypatch):
+    """planner_impl reads os.environ's own mapping: a value set, changed or deleted there counts at the next call."""
+    monkeypatch.setenv(PLANNER_ENV, "numpy")
+    assert planner_impl().name == "numpy"
+    monkeypatch.setenv(PLANNER_ENV, "Compiled ")
+    assert planner_impl().name == "compiled"
+    monkeypatch.setenv(PLANNER_ENV, "numpy")
+    monkeypatch.delenv(PLANNER_ENV)
+    assert planner_impl().name == "compiled"
 
 
 @pytest.mark.parametrize("value", ["cpp", "NUMPY2", "1"])

@@ -31,9 +31,10 @@ def prompt(seed, n):
     return tuple(np.random.default_rng(seed).integers(0, 256, n).tolist())
 
 
-def snapshot(engine, handle_of=None):
-    """The tree as {node: (parent, tokens)} (nodes named by ``handle_of``) and the KV pages in use."""
-    tree, name = engine.tree, (lambda n: n) if handle_of is None else handle_of.__getitem__
+def snapshot(engine, name=None):
+    """The tree as {node: (parent, tokens)} (nodes named by ``name(node)``: a replay's handles, or a recording's,
+    :meth:`ScheduleRecorder.handle`) and the KV pages in use."""
+    tree, name = engine.tree, (lambda n: n) if name is None else name
     nodes = {name(n): (None if tree.parent(n) is None else name(tree.parent(n)), tuple(tree.tokens(n)))
              for r in tree.roots for n in tree.subtree(r)}
     return nodes, engine.pool.num_pages - engine.pool.num_free_pages
@@ -41,10 +42,11 @@ def snapshot(engine, handle_of=None):
 
 class Snapshots:
     """The tree after each engine step and prefill (a prefill's own steps not counted), as the recorder
-    ends its steps. Installed before the recorder, which wraps these wrappers and restores them."""
+    ends its steps, its nodes named by ``name`` (the recorder's handles). Installed before the recorder, which wraps
+    these wrappers and restores them."""
 
     def __init__(self, engine):
-        self.engine, self.taken, self._inside = engine, [], False
+        self.engine, self.taken, self._inside, self.name = engine, [], False, None
         prefill, step = engine.prefill, engine.step
 
         def snapped_prefill(*args, **kwargs):
@@ -53,13 +55,13 @@ class Snapshots:
                 out = prefill(*args, **kwargs)
             finally:
                 self._inside = False
-            self.taken.append(snapshot(engine))
+            self.taken.append(snapshot(engine, self.name))
             return out
 
         def snapped_step(*args, **kwargs):
             out = step(*args, **kwargs)
             if not self._inside:
-                self.taken.append(snapshot(engine))
+                self.taken.append(snapshot(engine, self.name))
             return out
 
         engine.prefill, engine.step = snapped_prefill, snapped_step
@@ -74,6 +76,7 @@ def record(run, page_size=PAGE, kv_tokens=1024, model=None, **flags):
     engine = make_engine(page_size, kv_tokens, model)
     shots = Snapshots(engine)
     recorder = ScheduleRecorder(engine, name="test", **flags)
+    shots.name = recorder.handle
     result = run(engine)
     schedule = recorder.close()
     shots.remove()
@@ -84,7 +87,7 @@ def record(run, page_size=PAGE, kv_tokens=1024, model=None, **flags):
         schedule.save(path)
         loaded = load_schedule(path)
     assert loaded.steps == schedule.steps and loaded.to_json()["steps"] == schedule.to_json()["steps"]
-    return loaded, shots.taken, snapshot(engine), result
+    return loaded, shots.taken, snapshot(engine, recorder.handle), result
 
 
 def replay(schedule, page_size=PAGE, kv_tokens=1024, model=None):
@@ -96,7 +99,7 @@ def replay(schedule, page_size=PAGE, kv_tokens=1024, model=None):
         for op in ops:
             driver.apply(op)
         driver.forward()
-        yield snapshot(engine, {nid: h for h, nid in driver.nodes.items()})
+        yield snapshot(engine, {nid: h for h, nid in driver.nodes.items()}.__getitem__)
     driver.release()
     engine.tree.check_invariants()
     assert engine.tree.num_nodes == 0 and engine.pool.num_free_pages == engine.pool.num_pages

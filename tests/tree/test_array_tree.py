@@ -7,7 +7,7 @@ pass check_invariants; an edit that raises in one raises the same type in the ot
 are compared through the pairing of the ids both returned (the array tree reuses rows, so its ids after a prune
 differ from the reference's). The batch operations of the array tree (append_tokens, pages_to_append,
 set_last_tokens, pending_queries, prune_many, prune_dead_ends, branch_many; batched verification's add_token_trees,
-extend_computed_many, truncate_many, set_tokens_many) equal their per-node equivalents on the reference.
+extend_computed_many, truncate_many, set_tokens_many; advance_token_trees in test_verify_edits.py) equal theirs.
 """
 from __future__ import annotations
 

@@ -89,15 +89,16 @@ def test_bookkeeping_only_pool_has_no_storage():
             call()
 
 
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_copy_slots_moves_kv_of_every_layer(as_tensor):
+@pytest.mark.parametrize("as_tensor,checked", [(False, True), (True, True), (True, False)])
+def test_copy_slots_moves_kv_of_every_layer(as_tensor, checked):
+    """Host slots, tensors, and tensors used as they are (``checked=False``: the verify group's) move the same."""
     pool = PagedKVPool(4, 2, num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)
     pool.k.normal_()
     pool.v.normal_()
     k, v = pool.gather(np.array([1, 6]))
     assert k.shape == (3, 2, 2, 64)
     src, dst = np.array([1, 6]), np.array([2, 3])
-    pool.copy_slots(*((torch.as_tensor(src), torch.as_tensor(dst)) if as_tensor else (src, dst)))
+    pool.copy_slots(*((torch.as_tensor(src), torch.as_tensor(dst)) if as_tensor else (src, dst)), checked=checked)
     for layer in range(3):
         lk, lv = pool.layer(layer)
         assert torch.equal(lk.reshape(-1, 2, 64)[2], lk.reshape(-1, 2, 64)[1])

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from treedec.attention.backends.base import Backend, SpanMasking, backend_names
+from treedec.attention.planner_choice import planner_impl
 from treedec.attention.tree_plan import MASK_BITS, TreePlan
 from treedec.transfer import to_device
 
@@ -66,6 +67,15 @@ class DynamicSpans:
         if int(self.lengths.sum()) != len(self.slots) or len(self.shift_rows) != len(self.shift_span):
             raise ValueError(f"DynamicSpans: {len(self.slots)} slots for lengths summing to {int(self.lengths.sum())}, "
                              f"{len(self.shift_rows)} shift rows for {len(self.shift_span)} owners")
+
+    @classmethod
+    def unchecked(cls, slots: np.ndarray, lengths: np.ndarray, keep: torch.Tensor, shift_rows: np.ndarray,
+                  shift_span: np.ndarray) -> DynamicSpans:
+        """The spans of arrays their caller made consistent (the verify group's, and :meth:`with_rows`' of checked
+        spans: every step), without the constructor's checks (a dozen Python calls a step)."""
+        spans = object.__new__(cls)
+        spans.__dict__.update(slots=slots, lengths=lengths, keep=keep, shift_rows=shift_rows, shift_span=shift_span)
+        return spans
 
     @classmethod
     def one(cls, slots, keep: torch.Tensor, shift_rows) -> DynamicSpans:
@@ -122,7 +132,7 @@ class DynamicSpans:
         per = r // max(n, 1)
         if per * n != r:
             raise ValueError(f"{r} query rows do not split evenly among {n} spans")
-        return DynamicSpans(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
+        return DynamicSpans.unchecked(self.slots, self.lengths, self.keep, rows, np.arange(n).repeat(per))
 
     def rows_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(shift_rows, shift_span, lengths)`` on ``device``, copied once (spans read by several steps: a
@@ -139,7 +149,11 @@ class DynamicSpans:
         """The :class:`SpanPlaces` of these spans in ``plan``: every position of its flattened KV holding one of their
         slots. Raises ValueError when a span's slots are not one run of the tree's flattened order (the end of one
         node, in order: its ``keep`` then names a prefix of its tokens). Array operations over the layout's and the
-        plan's KV and the spans, whatever their number."""
+        plan's KV and the spans, whatever their number (the compiled planner's ``span_places`` where it runs: one
+        call)."""
+        module = planner_impl().module
+        if module is not None:
+            return self.compiled_places(module, plan)[0]
         has = (self.lengths > 0).nonzero()[0]
         none = np.zeros(0, dtype=np.int64)
         if not len(has) or not plan.num_tokens:
@@ -172,10 +186,23 @@ class DynamicSpans:
         same = np.zeros(len(position), dtype=bool)
         same[inside] = tokens[position[inside]] == self.slots[offsets[has].repeat(d) + local][inside]
         if not same.all():
-            bad = int(has[np.arange(len(has)).repeat(d)[~same][0]])
-            got = self.slots[offsets[bad]:offsets[bad] + self.lengths[bad]]
-            raise ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the tree's "
-                             f"flattened KV (the end of one node), got slots {got[:8].tolist()}")
+            raise self._not_a_run(int(has[np.arange(len(has)).repeat(d)[~same][0]]))
+
+    def _not_a_run(self, bad: int) -> ValueError:
+        """The error of span ``bad``, whose slots are not one run of the tree's flattened KV."""
+        at = int(self.lengths[:bad].sum())
+        got = self.slots[at:at + self.lengths[bad]]
+        return ValueError(f"a dynamic span's {int(self.lengths[bad])} slots must be one run of the tree's "
+                          f"flattened KV (the end of one node), got slots {got[:8].tolist()}")
+
+    def compiled_places(self, module, plan: TreePlan) -> tuple[SpanPlaces, np.ndarray]:
+        """:meth:`places` and the ``[P, 2]`` runs :meth:`locate` makes of them, from the compiled planner's
+        ``module`` (:func:`~treedec.attention.planner_choice.planner_impl`): one call, where it runs."""
+        position, span, slot, ranges, bad = module.span_places(plan.layout.kv_slots, plan.kv_slots, self.slots,
+                                                               self.lengths)
+        if bad >= 0:
+            raise self._not_a_run(bad)
+        return SpanPlaces(position, span, slot), ranges
 
     def locate(self, plan: TreePlan, places: SpanPlaces | None = None) -> TreePlan:
         """``plan`` with the spans' positions (:meth:`places`, or ``places`` found already) added to its ``dynamic_kv``
@@ -188,10 +215,7 @@ class DynamicSpans:
         ranges = np.empty((len(breaks) + 1, 2), dtype=np.int64)   # (start, stop) rows
         ranges[0, 0], ranges[1:, 0] = position[0], position[breaks + 1]
         ranges[:-1, 1], ranges[-1, 1] = position[breaks] + 1, position[-1] + 1
-        if len(plan.dynamic_kv):
-            ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
-        ranges = ranges[ranges[:, 0].argsort(kind="stable")]
-        return plan.with_dynamic_kv(ranges)
+        return _with_ranges(plan, ranges)
 
 
 @dataclass(frozen=True)
@@ -213,10 +237,19 @@ class MaskPatch:
            ) -> MaskPatch | None:
         """The patch of ``spans`` at their ``places`` in ``plan``'s flattened KV (:meth:`DynamicSpans.places`) for an
         ``entry_mask`` whose rows are ``stride`` words apart (a static plan's rows are its bounds' width); None when
-        the plan holds none of their slots. Array operations whatever the number of spans. A chunk holds a slot
-        once, so each (mask word, slot) pair below is one bit of one place."""
+        the plan holds none of their slots. Array operations whatever the number of spans (the compiled planner's
+        ``mask_patch`` where it runs: one call). A chunk holds a slot once, so each (mask word, slot) pair below is
+        one bit of one place."""
         if not len(places.position):
             return None
+        module = planner_impl().module
+        if module is not None:
+            flat, n, size, m = module.mask_patch(plan.chunk_kv_start, plan.chunk_entry_start, places.position,
+                                                 places.span, places.slot, spans.lengths, stride)
+            on = to_device(flat, device)   # one copy
+            end = 4 * n + size
+            merged = (on[end:end + m], on[end + m:]) if m else None
+            return cls(on[:n], on[n:2 * n], on[2 * n:3 * n], on[3 * n:4 * n], on[4 * n:end].to(torch.int32), merged)
         ids, owner = _unique_inverse(places.span)                       # the placed spans, each place's among them
         lengths = spans.lengths[ids]
         count_spans = len(ids)
@@ -306,6 +339,14 @@ def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[new], inverse
 
 
+def _with_ranges(plan: TreePlan, ranges: np.ndarray) -> TreePlan:
+    """``plan`` with the ``[P, 2]`` (start, stop) ``ranges`` added to its ``dynamic_kv`` ranges, sorted by start
+    (stable: ties keep the plan's first)."""
+    if len(plan.dynamic_kv):
+        ranges = np.concatenate([np.asarray(plan.dynamic_kv, dtype=np.int64).reshape(-1, 2), ranges])
+    return plan.with_dynamic_kv(ranges[ranges[:, 0].argsort(kind="stable")])
+
+
 def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tuple[TreePlan, SpanPlaces | None]:
     """``plan`` with the ``spans``' positions added to its ``dynamic_kv`` (as :meth:`DynamicSpans.locate` does), and
     their places (:meth:`DynamicSpans.places`, found once); ``(plan, None)`` without spans.
@@ -322,8 +363,14 @@ def located(plan: TreePlan, spans: DynamicSpans | None, backend: Backend) -> tup
         able = backend_names(lambda b: b.span_masking is not SpanMasking.UNSUPPORTED)
         raise ValueError(f"the {backend.name} backend plans from the layout: a step with a dynamic span needs the "
                          f"{', '.join(able[:-1])} or {able[-1]} backend")
-    places = spans.places(plan)
-    plan = spans.locate(plan, places)
+    module = planner_impl().module
+    if module is not None:   # (the places and their runs in one call)
+        places, ranges = spans.compiled_places(module, plan)
+        if len(ranges):
+            plan = plan.with_dynamic_kv(ranges) if not len(plan.dynamic_kv) else _with_ranges(plan, ranges)
+    else:
+        places = spans.places(plan)
+        plan = spans.locate(plan, places)
     if backend.span_masking is SpanMasking.HOST:
         patch = MaskPatch.of(plan, spans, places, plan.mask_words, torch.device("cpu"))
         if patch is not None:

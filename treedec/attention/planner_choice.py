@@ -1,7 +1,8 @@
 """Which planner implementation plans the steps: the compiled one or the numpy reference.
 
-``make_plan`` and the cuda backend's ``schedule_units`` run compiled C++ (``treedec/kernels/planner``,
-built on first use by :mod:`treedec.kernels.planner_build`) that gives the numpy planner's plans bit for
+``make_plan``, the cuda backend's ``schedule_units``, a static plan's write and a step's dynamic spans (their
+places and mask patch, :mod:`treedec.attention.dynamic_span`) run compiled C++ (``treedec/kernels/planner``,
+built on first use by :mod:`treedec.kernels.planner_build`) that gives the numpy code's results bit for
 bit, several times faster. ``TREEDEC_PLANNER`` chooses:
 
 - ``auto`` (default): compiled where it can be built (a C++ compiler, ninja and the Python headers),
@@ -27,6 +28,9 @@ logger = logging.getLogger("treedec")
 
 PLANNER_ENV = "TREEDEC_PLANNER"
 PLANNER_IMPLS = ("auto", "compiled", "numpy")
+# os.environ's own mapping (what its setting and deleting write) and the variable's key in it: one dict lookup where
+# os.environ.get is five Python calls, and planner_impl runs four or five times a step
+_ENVIRON, _ENV_KEY = os.environ._data, os.environ.encodekey(PLANNER_ENV)
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ def planner_impl() -> PlannerImpl:
     Raises ValueError for an unknown ``TREEDEC_PLANNER`` and BackendUnavailableError when the compiled
     planner is asked for (or could be built) but its build failed.
     """
-    choice = _resolve(os.environ.get(PLANNER_ENV))   # called a few times a step: the raw value is the cache key
+    raw = _ENVIRON.get(_ENV_KEY)   # called a few times a step: the raw value is the cache key
+    choice = _resolve(None if raw is None else os.environ.decodevalue(raw))
     if isinstance(choice, Exception):
         raise type(choice)(*choice.args)
     return choice

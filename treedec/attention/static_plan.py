@@ -31,6 +31,7 @@ slots), so a step's whole input travels in one or a few transfers.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +81,9 @@ class PlanBounds:
             value = getattr(self, name)
             if value is not None:
                 positive_int(label, value)
+        # (queries, tokens, chunks, entries, items): what problem() compares a plan's sizes with, every graphed step
+        object.__setattr__(self, "_limits", (self.max_queries, self.max_tokens, self.chunks, self.entries,
+                                             self.items))
 
     @classmethod
     def for_plan(cls, plan: TreePlan) -> "PlanBounds":
@@ -128,17 +132,14 @@ class PlanBounds:
 
     def problem(self, plan: TreePlan) -> str | None:
         """None if ``plan`` fits, else which bound it exceeds (a sentence)."""
-        # The mask's width bounds the longest chunk: only a plan near max_chunk_tokens has its chunks scanned.
-        longest = 0 if MASK_BITS * plan.mask_words <= self.max_chunk_tokens else plan.max_chunk_len
-        checks = (("queries", plan.num_queries, self.max_queries, "max_queries"),
-                  ("needed KV tokens", plan.num_tokens, self.max_tokens, "max_tokens"),
-                  ("chunks", plan.num_chunks, self.chunks, "max_chunks"),
-                  ("entries", plan.num_entries, self.entries, "max_entries"),
-                  ("work items", plan.num_items, self.items, "max_items"),
-                  ("tokens in its longest chunk", longest, self.max_chunk_tokens, "max_chunk_tokens"))
-        for what, value, bound, name in checks:
+        sizes = plan.sizes()
+        for value, bound, (what, name) in zip(sizes, self._limits, _SIZE_NAMES):
             if value > bound:
                 return f"the tree's plan has {value} {what}, over PlanBounds.{name}={bound}"
+        # The mask's width bounds the longest chunk: only a plan near max_chunk_tokens has its chunks scanned.
+        if MASK_BITS * sizes[-1] > self.max_chunk_tokens and plan.max_chunk_len > self.max_chunk_tokens:
+            return (f"the tree's plan has {plan.max_chunk_len} tokens in its longest chunk, over "
+                    f"PlanBounds.max_chunk_tokens={self.max_chunk_tokens}")
         return None
 
     def fits(self, plan: TreePlan) -> bool:
@@ -161,6 +162,11 @@ class PlanBounds:
 
 #: (field, how its error names it) of every PlanBounds size: built once, as the check runs every graphed step.
 _BOUND_FIELDS = tuple((f.name, f"PlanBounds.{f.name}") for f in dataclasses.fields(PlanBounds))
+#: how problem() names each of TreePlan.sizes() but the mask's width, and its bound
+_SIZE_NAMES = (("queries", "max_queries"), ("needed KV tokens", "max_tokens"), ("chunks", "max_chunks"),
+               ("entries", "max_entries"), ("work items", "max_items"))
+#: a plan's DEVICE_ARRAYS in one call (a graphed step writes them all)
+_device_arrays = operator.attrgetter(*DEVICE_ARRAYS)
 
 
 class StaticBackend(Protocol):
@@ -209,6 +215,7 @@ class StaticPlan:
         self._host_flat = host_np
         self._placement = {n: (start, shapes[n][0], shapes[n][1] if len(shapes[n]) == 2 else 0, _padding(n))
                            for n, (start, _) in self._span.items()}
+        self._plan_placement = [self._placement[n] for n in DEVICE_ARRAYS]
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.device_plan: DeviceTreePlan | None = None  # prepared at the first write
         self.current: TreePlan | None = None            # the plan last written
@@ -240,7 +247,8 @@ class StaticPlan:
         prepared plan and the word ranges to copy."""
         problem = self.bounds.problem(plan)
         if problem is None and self.current is not None and plan.query_tile != self.current.query_tile:
-            problem = f"the plan's query tile {plan.query_tile} differs from this static plan's {self.current.query_tile}"
+            problem = (f"the plan's query tile {plan.query_tile} differs from this static plan's "
+                       f"{self.current.query_tile}")
         if problem is None and self.current is not None and plan.window != self.current.window:
             problem = f"the plan's window {plan.window} differs from this static plan's {self.current.window}"
         if problem is not None:
@@ -255,7 +263,7 @@ class StaticPlan:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         values = {**backend_values, **(extra or {})}
         if module is not None:  # the compiled port of the code below (treedec/kernels/planner/static_write.h)
-            sections = [(getattr(plan, name), *self._placement[name]) for name in DEVICE_ARRAYS]
+            sections = [(array, *placed) for array, placed in zip(_device_arrays(plan), self._plan_placement)]
             sections += [(value, *self._placement[name]) for name, value in values.items()]
             return device_plan, module.stage_sections(self._host_flat, sections)
         used = [self._write_array(name, getattr(plan, name)) for name in DEVICE_ARRAYS]

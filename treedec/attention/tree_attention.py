@@ -163,7 +163,7 @@ class TreeAttention:
     def prepare(self, plan: DeviceTreePlan) -> DeviceTreePlan:
         """``plan`` (from :meth:`TreePlan.to`, e.g. a plan made with its own planner settings) with
         this object's backend's launch prepared."""
-        return dataclasses.replace(plan, backend=self.backend, prepared=self.backend_impl.prepare(plan))
+        return plan.with_launch(self.backend, self.backend_impl.prepare(plan))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DeviceTreePlan,
             return_lse: bool = False, kv_scale: torch.Tensor | None = None):

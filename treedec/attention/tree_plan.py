@@ -118,6 +118,12 @@ class TreePlan:
     def mask_words(self) -> int:
         return self.entry_mask.shape[1]
 
+    def sizes(self) -> tuple[int, int, int, int, int, int]:
+        """``(num_queries, num_tokens, num_chunks, num_entries, num_items, mask_words)`` in one call (a static
+        plan's bounds check, every graphed step)."""
+        return (self.num_queries, len(self.kv_slots), len(self.chunk_kv_start) - 1, len(self.entry_query),
+                len(self.item_chunk), self.entry_mask.shape[1])
+
     def with_dynamic_kv(self, ranges: tuple[tuple[int, int], ...] | np.ndarray) -> TreePlan:
         """This plan with ``dynamic_kv`` set to ``ranges``: ``dataclasses.replace(plan, dynamic_kv=ranges)`` in two
         calls where replace takes two dozen (the speculative batch's spans are located in every step's plan)."""
@@ -128,7 +134,7 @@ class TreePlan:
     def kv_tokens_read(self) -> int:
         """KV tokens loaded from memory per KV head: each chunk once per work item."""
         starts = self.chunk_kv_start   # (np.diff's wrapper costs more than this subtraction: it runs every step)
-        return int((starts[1:] - starts[:-1])[self.item_chunk].sum())
+        return int(np.add.reduce((starts[1:] - starts[:-1])[self.item_chunk]))
 
     def summary(self) -> dict:
         """Sizes of the plan, for logs and benchmark reports."""
@@ -178,6 +184,13 @@ class DeviceTreePlan:
     backend: str | None = None
     prepared: object = field(default=None, repr=False, compare=False)
     static: object = field(default=None, repr=False, compare=False)  # the StaticPlan holding these arrays
+
+    def with_launch(self, backend: str, prepared: object) -> DeviceTreePlan:
+        """This plan with ``backend`` and ``prepared`` set: ``dataclasses.replace`` in two calls where replace takes
+        two dozen (an eager step prepares its plans every step)."""
+        plan = object.__new__(DeviceTreePlan)
+        plan.__dict__.update(self.__dict__, backend=backend, prepared=prepared)   # (every field is an init field)
+        return plan
 
 
 DEVICE_ARRAYS = tuple(f.name for f in fields(DeviceTreePlan) if f.type == "torch.Tensor")

@@ -46,6 +46,10 @@ class LayerAttention:
     layer_group: tuple[int, ...]
     group_layers: tuple[int, ...]
 
+    def __post_init__(self):
+        # (what plan_host asks every step: the groups' windows are fixed)
+        object.__setattr__(self, "_windowed", any(attn.variant.window is not None for attn in self.planners))
+
     @classmethod
     def build(cls, variants: tuple[AttentionVariant, ...], num_layers: int, num_qo_heads: int, num_kv_heads: int,
               head_dim: int, backend: str, plan_config: PlanConfig, device: torch.device, dtype: torch.dtype,
@@ -76,7 +80,7 @@ class LayerAttention:
     @property
     def windowed(self) -> bool:
         """Whether some group's plan clips the reads to a window."""
-        return any(attn.variant.window is not None for attn in self.planners)
+        return self._windowed
 
     @property
     def release_window(self) -> int | None:
@@ -93,7 +97,7 @@ class LayerAttention:
 
         Raises NotImplementedError, before anything changes, for spans in a step of a windowed group: a span's
         unused slots move the later queries' positions, and so their windows' first keys, on the device."""
-        if spans is not None and self.windowed:
+        if spans is not None and self._windowed:
             raise NotImplementedError("a dynamic span (pipelined speculative decoding) in a model with sliding-window "
                                       "layers: the window's first key would move with the span's accepted length, "
                                       "which only the device knows; run the speculative loop unpipelined")

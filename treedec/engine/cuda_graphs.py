@@ -140,8 +140,10 @@ class GraphRunner:
     def holds(entry: GraphEntry, plans: Plans) -> bool:
         """Whether each of ``plans`` can be written into ``entry``'s static plan of its group (within its bounds,
         same query tile)."""
-        return all(static.bounds.fits(plan) and static.current.query_tile == plan.query_tile
-                   for static, plan in zip(entry.statics, plans))
+        for static, plan in zip(entry.statics, plans):   # (a loop: a generator costs calls every step)
+            if static.current.query_tile != plan.query_tile or static.bounds.problem(plan) is not None:
+                return False
+        return True
 
     def new_entry(self, plans: Plans, grow: tuple[StaticPlan, ...] | None = None,
                   extra: dict[str, tuple[int, ...]] | None = None) -> GraphEntry:
@@ -169,9 +171,10 @@ class GraphRunner:
         inputs[:3, :plans[0].num_queries] = (tokens, positions, slots)
         entry.gathered = [None] * GATHERS
         for i, rows in enumerate(gathers):
-            if rows is not None and len(rows) <= width:   # more rows (repeats) go by a copy of their own
-                inputs[3 + i, :len(rows)] = rows
-                entry.gathered[i] = len(rows)
+            n = -1 if rows is None else len(rows)
+            if 0 <= n <= width:   # more rows (repeats) go by a copy of their own
+                inputs[3 + i, :n] = rows
+                entry.gathered[i] = n
         entry.static.write(plans[0], extra={"inputs": inputs, **(extra or {})})
         for static, plan in zip(entry.statics[1:], plans[1:]):
             static.write(plan)
@@ -220,13 +223,13 @@ class GraphRunner:
         recorded per ``key`` (the :data:`MAX_TAILS` latest kept per entry, with the ``buffers`` they read) and
         replayed; ``state``: the tensors whose values the capture's warm-up run must leave as they were."""
         given = row_inputs or {}
-        if set(given) != set(entry.row_inputs):
+        if (given or entry.row_inputs) and set(given) != set(entry.row_inputs):
             raise ValueError(f"a step of this graph needs row inputs {sorted(entry.row_inputs)}, got {sorted(given)}")
         for name, value in given.items():
             entry.row_inputs[name][:num_queries].copy_(value)
         if not self.config.capture:
             self.stats["static_eager" if tail is None else "static_eager_tail"] += 1
-            return tuple(t[:num_queries] for t in (self.forward(entry) if tail is None else tail[1]()))
+            return tuple([t[:num_queries] for t in (self.forward(entry) if tail is None else tail[1]())])
         if tail is None:
             if entry.graph is None:
                 entry.graph, entry.outputs = self.capture(lambda: self.forward(entry))
@@ -247,7 +250,7 @@ class GraphRunner:
             self.stats["tail_replays"] += 1
         entry.replaced = None
         graph.replay()
-        return tuple(t[:num_queries] for t in outputs)
+        return tuple([t[:num_queries] for t in outputs])   # (a list first: a generator costs a call an output)
 
     def reset(self) -> None:
         """Drop every captured graph (the forward's outputs changed); the next steps capture anew,

@@ -30,11 +30,11 @@ class QueryRows:
         if layout.node_ids is not self._ids:
             self._order = layout.node_ids.argsort(kind="stable")
             self._sorted, self._ids = layout.node_ids[self._order], layout.node_ids
-        query_node = layout.query_node
-        if not len(self._sorted) or not len(query_node):
+        query_node, n = layout.query_node, len(self._sorted)
+        if not n or not len(query_node):
             raise TreeError(f"node(s) {ids[:5].tolist()} have no pending tokens")
         at = self._sorted.searchsorted(ids)
-        at[at == len(self._sorted)] = len(self._sorted) - 1
+        at[at == n] = n - 1
         index = self._order[at]
         # a node's queries are consecutive (layout order: the nodes depth-first, then their tokens)
         rows = query_node.searchsorted(index, side="right") - 1

@@ -23,13 +23,15 @@ each edit, in the order it ran, as the op that makes it again:
 - ``extend_computed`` (or ``extend_computed_many``: several nodes' reservations) and the ``engine.pool.copy_slots``
   that fills the slots it reserved with the K/V of a token tree's root and accepted path (a pipelined speculative
   step, :mod:`treedec.programs.speculative.verify_table`) -> ``accept`` of that chain, in place of the token
-  tree's ``prune``. The reserved slots past the path (masked by the step, cut by a later
-  ``truncate``) are not in the schedule: its tree is the one the unpipelined loop grows.
+  tree's ``prune``; ``advance_token_trees`` (the verify group's trees kept from step to step) -> that accept, then a
+  ``token_tree`` of fresh handles (:mod:`treedec.replay.pipelined_accepts`). The reserved slots past the path (masked
+  by the step, cut by a later ``truncate``) are not in the schedule: its tree is the one the unpipelined loop grows.
 
 Each ``engine.step`` ends a step (its pending tokens are the ops' since the last one); a
 prefill ends a step of its own; :meth:`close` writes the edits after the last step as a
 last step. Edits made inside a recorded call (a prefill's steps, ``extend`` through
-``extend_many``) are part of it. Node ids are the handles (the tree never reuses one).
+``extend_many``) are part of it. Node ids are the handles (the tree never reuses one), but for a token tree that
+``advance_token_trees`` hung again with the same ids: ``"<id>.<k>"`` after its ``k``-th (:meth:`handle`).
 ``pause``, ``resume``, ``set_tokens``, ``set_tokens_many`` and ``set_last_tokens`` are not recorded: a schedule
 names every node it grows, and a placeholder's real id is read from the step that computed it (below).
 
@@ -43,7 +45,7 @@ choices: a greedy program's replay then chooses the same tokens again.
 
 What no op can say raises :class:`~treedec.errors.RecordingError` before the call runs (it
 changes nothing): a ``copy_slots`` that is not a reservation's accept, a call other than that
-copy right after ``extend_computed``, and an edit that grows a node past reserved slots not
+copy (or another reservation) right after ``extend_computed``, and an edit that grows a node past reserved slots not
 cut yet (``add_token_tree`` under it excepted: the pipelined step masks them).
 """
 from __future__ import annotations
@@ -57,13 +59,14 @@ import torch
 
 from treedec.engine import Engine
 from treedec.errors import RecordingError, TreeError
-from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Op, Prompt, Prune, Schedule, TokenTree,
-                                        Truncate)
+from treedec.replay.pipelined_accepts import RESERVING, PipelinedAccepts
+from treedec.workloads.schedule import (Accept, Branch, Children, Extend, Handle, Op, Prompt, Prune, Schedule,
+                                        TokenTree, Truncate)
 
 #: The tree's edits that a recorder wraps (the others change nothing a replay needs).
 TREE_EDITS = ("add_prompt", "extend", "extend_many", "append_tokens", "branch", "branch_many", "add_token_tree",
               "add_token_trees", "add_children", "accept", "truncate", "truncate_many", "prune", "prune_many",
-              "extend_computed", "extend_computed_many")
+              "extend_computed", "extend_computed_many", "advance_token_trees")
 
 #: Each edit's arguments naming the nodes it grows (an edit may not grow a node holding reserved slots).
 _GROWN = {"extend": "node_id", "extend_many": "tokens_by_node", "append_tokens": "node_ids", "branch": "node_id",
@@ -83,7 +86,7 @@ class _Recorded:
         return self.call(*args, **kwargs)
 
 
-class ScheduleRecorder:
+class ScheduleRecorder(PipelinedAccepts):
     """Records ``engine``'s run until :meth:`close`, which returns the :class:`Schedule`.
 
     Parameters
@@ -133,12 +136,16 @@ class ScheduleRecorder:
         self._token_tree: set[int] = set()                     # nodes made by add_token_tree / add_children
         self._drafts: dict[int, tuple[int, int]] = {}          # first slot -> (token-tree node, parent)
         self._reservation: list[tuple[int, list[int]]] | None = None   # extend_computed's (node, slots) to fill
+        self._hangs: dict[int, int] = {}                       # node -> its token tree's re-hangs (its handle)
+        self._retired: dict[int, Handle] = {}                  # a kept tree's node -> its handle until the copy
+        self._rehung: dict[int, tuple[Op, list | None]] = {}   # leaf -> its kept tree's op, after its accept
         self._reserved: dict[int, int] = {}                    # node -> its last tokens not in the schedule
         self._prompts: set[int] = set()                        # prompt nodes whose next extend may be a chunk
         self._depth = 0                                        # inside a recorded call
         self._installed: list[tuple[object, str, str, object, _Recorded]] = []
         befores = {"accept": self._before_accept, "truncate": self._before_truncate,
-                   "truncate_many": self._before_truncate_many}
+                   "truncate_many": self._before_truncate_many,
+                   "advance_token_trees": self._before_advance_token_trees}
         for label, obj, method in targets:
             if obj is engine:
                 record, before = (self._prefilled, None) if method == "prefill" else (self._stepped, self._before_step)
@@ -198,7 +205,7 @@ class ScheduleRecorder:
             except TypeError:
                 return original(*args, **kwargs)   # raises the method's own error
             bound.apply_defaults()
-            if self._reservation is not None and name != "copy_slots":
+            if self._reservation is not None and name not in RESERVING:
                 node, slots = self._reservation[0]
                 raise RecordingError(f"{label}.{name} called between tree.extend_computed (node {node}, {len(slots)} "
                                      f"slot(s)) and the engine.pool.copy_slots that fills them: the recorder writes "
@@ -238,7 +245,7 @@ class ScheduleRecorder:
         tokens = self.tree.tokens(node)
         parent = arguments["parent"]
         self._ops.append(Prompt(node, tuple(tokens) if self.prompt_ids else len(tokens),
-                                None if parent is None else int(parent)))
+                                None if parent is None else self.handle(int(parent))))
         self._end_step()
 
     def _before_step(self, arguments) -> dict | None:
@@ -276,6 +283,7 @@ class ScheduleRecorder:
         # Pruned nodes are named no more (a pipelined step's accept names those pruned since the last step).
         self._drafts = {slot: draft for slot, draft in self._drafts.items() if draft[0] in tree}
         self._reserved = {n: k for n, k in self._reserved.items() if n in tree}
+        self._hangs = {n: k for n, k in self._hangs.items() if n in tree}
 
     # ================================================================ tree edits
 
@@ -289,7 +297,8 @@ class ScheduleRecorder:
         """An ``extend`` of ``node`` by its last ``count`` tokens."""
         if count:
             length = len(self.tree.tokens(node))
-            self._add(Extend(node, count), [(node, k) for k in range(length - count, length)] if by_id else None)
+            self._add(Extend(self.handle(node), count),
+                      [(node, k) for k in range(length - count, length)] if by_id else None)
 
     def _note_prompt(self, node: int, count: int) -> None:
         """A prompt's node: its next extend is a chunk of the prompt when this one was a whole chunk."""
@@ -321,7 +330,7 @@ class ScheduleRecorder:
             self._note_prompt(node, count)
 
     def _branch(self, ids, arguments, _) -> None:
-        self._add(Branch(int(arguments["node_id"]), tuple(ids)))
+        self._add(Branch(self.handle(int(arguments["node_id"])), tuple(ids)))
         for child in ids:
             n = len(self.tree.tokens(child))
             self._grow(child, n, self.prompt_ids)
@@ -335,7 +344,8 @@ class ScheduleRecorder:
     def _add_token_tree(self, ids, arguments, _) -> None:
         anchor, index = int(arguments["node_id"]), {node: i for i, node in enumerate(ids)}
         parents = tuple(-1 if p == anchor else index[p] for p in map(self.tree.parent, ids))
-        self._add(TokenTree(anchor, parents, tuple(ids)), [(n, 0) for n in ids] if self.prompt_ids else None)
+        self._add(TokenTree(self.handle(anchor), parents, tuple(ids)),
+                  [(n, 0) for n in ids] if self.prompt_ids else None)
         self._note_drafts(ids)
 
     def _add_token_trees(self, ids, arguments, _) -> None:
@@ -343,7 +353,7 @@ class ScheduleRecorder:
             self._add_token_tree(row, {"node_id": anchor}, None)   # (one token tree each, in order)
 
     def _add_children(self, ids, arguments, _) -> None:
-        self._add(Children(tuple(map(self.tree.parent, ids)), tuple(ids)),
+        self._add(Children(tuple(self.handle(self.tree.parent(n)) for n in ids), tuple(ids)),
                   [(n, 0) for n in ids] if self.prompt_ids else None)
         self._note_drafts(ids)
 
@@ -366,14 +376,14 @@ class ScheduleRecorder:
         anchor, chain = int(arguments["anchor"]), [int(n) for n in arguments["path"]]
         drafts = self._token_tree
         if chain and anchor not in drafts and all(n in drafts for n in chain + children):
-            self._add(Accept(tuple(chain)))
+            self._add(Accept(tuple(map(self.handle, chain))))
             return
         # Not a token tree's path: the anchor's children go, its new tokens are computed again.
         for child in children:
-            self._add(Prune(child))
+            self._add(Prune(self.handle(child)))
         tokens = self.tree.tokens(anchor)[-len(slots):] if len(slots) else []
         if tokens:
-            self._add(Extend(anchor, tuple(tokens) if self.prompt_ids else len(tokens)))
+            self._add(Extend(self.handle(anchor), tuple(tokens) if self.prompt_ids else len(tokens)))
             self._end_step()
 
     def _before_truncate(self, arguments) -> int | None:
@@ -387,7 +397,7 @@ class ScheduleRecorder:
         node, length = int(arguments["node_id"]), int(arguments["length"])
         scheduled = length_before - self._reserved.pop(node, 0)   # the node's length in the schedule
         if length < scheduled:
-            self._add(Truncate(node, length))
+            self._add(Truncate(self.handle(node), length))
         elif length > scheduled:   # only reserved slots were cut, of which these are left
             self._reserved[node] = length - scheduled
         self._prompts.discard(node)
@@ -406,91 +416,14 @@ class ScheduleRecorder:
             self._truncate(None, {"node_id": node, "length": length}, before)
 
     def _prune(self, freed, arguments, _) -> None:
-        self._add(Prune(int(arguments["node_id"])))
+        self._add(Prune(self.handle(int(arguments["node_id"]))))
 
     def _prune_many(self, freed, arguments, _) -> None:
         for node in np.asarray(arguments["node_ids"]).reshape(-1).tolist():
-            self._add(Prune(int(node)))
-
-    # ================================================================ pipelined accepts
-
-    def _extend_computed(self, slots, arguments, _) -> None:
-        self._reservation = [(int(arguments["node_id"]), np.asarray(slots).tolist())]
-
-    def _extend_computed_many(self, slots, arguments, _) -> None:
-        nodes = np.asarray(arguments["node_ids"]).reshape(-1).tolist()
-        if nodes and slots.shape[1]:   # (their slots filled by one copy, reservation after reservation)
-            self._reservation = list(zip(nodes, slots.tolist()))
-
-    def _before_copy(self, arguments) -> list[tuple[int, ...]] | None:
-        """The accepted chain whose K/V the copy moves into each reservation's slots (checked before it runs)."""
-        if self._reservation is None:
-            raise RecordingError("engine.pool.copy_slots outside a tree edit moves K/V that no schedule op names; "
-                                 "the recorder takes it only into the slots tree.extend_computed just reserved (the "
-                                 "accept of a pipelined speculative step)")
-        src, dst = _host_ints(arguments["src_slots"]), _host_ints(arguments["dst_slots"])
-        if src is None or dst is None or len(src) != len(dst):
-            return None   # not slots: the copy raises its own error
-        reserved = [slot for _, slots in self._reservation for slot in slots]
-        if dst != reserved:
-            node = self._reservation[0][0]
-            raise RecordingError(f"engine.pool.copy_slots into slots {dst[:8]}: the recorder takes a copy only into "
-                                 f"the {len(reserved)} slot(s) tree.extend_computed just reserved on node {node} "
-                                 f"({reserved[:8]})")
-        chains, at = [], 0
-        for node, slots in self._reservation:
-            chains.append(self._chain(node, src[at:at + len(slots)]))
-            at += len(slots)
-        return chains
-
-    def _chain(self, node: int, src: list[int]) -> tuple[int, ...]:
-        """The token-tree chain (root, then the accepted path) whose slots ``src`` a copy into ``node``'s reservation
-        reads."""
-        drafts = self._drafts
-        chain, parent = [], node
-        for slot in src:
-            if chain and slot == src[0]:
-                break   # past the accepted path: the root's K/V again
-            draft = drafts.get(slot)
-            if draft is None or draft[1] != parent:
-                found = "no token-tree node's" if draft is None else f"node {draft[0]}, a child of {draft[1]}"
-                raise RecordingError(
-                    f"engine.pool.copy_slots into the slots reserved on node {node}: the recorder writes it as an "
-                    f"accept, so its sources must be a token tree's root under that node and a path below it, then the "
-                    f"root's slot again; slot {slot} is {found} (sources {src[:8]})")
-            chain.append(draft[0])
-            parent = draft[0]
-        if any(slot != src[0] for slot in src[len(chain):]):
-            raise RecordingError(f"engine.pool.copy_slots into the slots reserved on node {node}: past the accepted "
-                                 f"path the sources must repeat the root's slot {src[0]}, got {src[len(chain):][:8]}")
-        if chain[0] in self.tree or Prune(chain[0]) not in self._ops:
-            raise RecordingError(f"engine.pool.copy_slots into the slots reserved on node {node} accepts the token "
-                                 f"tree of node {chain[0]}: prune that tree first, after the step that verified it "
-                                 f"(the schedule's accept frees it)")
-        return tuple(chain)
-
-    def _copied(self, result, arguments, chains: list[tuple[int, ...]]) -> None:
-        reservations, self._reservation = self._reservation, None
-        for (node, reserved), chain in zip(reservations, chains):
-            # The token tree's prune becomes its accept, where the copy ran (after the reserved slots were cut).
-            at = len(self._ops) - 1 - self._ops[::-1].index(Prune(chain[0]))
-            del self._ops[at]
-            self._ids_of = {i - (i > at): where for i, where in self._ids_of.items()}
-            self._add(Accept(chain))
-            if len(reserved) > len(chain):
-                self._reserved[node] = len(reserved) - len(chain)
+            self._add(Prune(self.handle(int(node))))
 
 
 def _targets(engine: Engine) -> list[tuple[str, object, str]]:
     """The methods a recorder wraps: (how errors name the object, the object, the method)."""
     return ([("engine", engine, "prefill"), ("engine", engine, "step")]
             + [("tree", engine.tree, edit) for edit in TREE_EDITS] + [("engine.pool", engine.pool, "copy_slots")])
-
-
-def _host_ints(slots) -> list[int] | None:
-    """Slots as host ints (a device tensor is read back: the recorder waits for it); None if they are not ints."""
-    try:
-        values = slots.reshape(-1).tolist() if isinstance(slots, torch.Tensor) else np.asarray(slots).reshape(-1)
-        return [int(v) for v in values]
-    except (TypeError, ValueError):
-        return None

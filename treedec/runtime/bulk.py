@@ -50,7 +50,8 @@ class BulkTable:
 
     def blocked(self) -> dict:
         """``{owner: free pages its request needs}`` for the requests the last :meth:`place` left out for want of
-        pages."""
+        pages: a dict :meth:`place` does not change once returned (the loop compares the one before a place() with
+        the one after)."""
         raise NotImplementedError(f"{type(self).__name__} must define blocked()")
 
     def drop(self, owner) -> None:

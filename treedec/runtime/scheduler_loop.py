@@ -372,15 +372,16 @@ class SchedulerLoop(StepRun, PoolRelief):
         for table in self.tables.values():
             if not table.size:
                 continue
-            was = dict(table.blocked())
+            was = table.blocked()
             requests = table.place(self.engine.pool.num_free_pages)
             blocked = table.blocked()
-            for lv in was.keys() - blocked.keys():
-                if lv.bulk is table:
-                    self._wait(lv, None)
-            for lv, pages in blocked.items():
-                if lv.waiting is None or lv.waiting.pages != pages:
-                    self._wait(lv, Wait(pages, "a speculative request's next step needs KV pages"))
+            if was or blocked:   # (a table's place() makes a new dict: ``was`` is the last one's)
+                for lv in was.keys() - blocked.keys():
+                    if lv.bulk is table:
+                        self._wait(lv, None)
+                for lv, pages in blocked.items():
+                    if lv.waiting is None or lv.waiting.pages != pages:
+                        self._wait(lv, Wait(pages, "a speculative request's next step needs KV pages"))
             if requests:
                 placed.append((table, requests))
         return placed

@@ -7,10 +7,11 @@ a plan copies to the device. No edit moves a kept token's slot (a truncation dro
 may be refilled: the cache is told) nor reorders the nodes that stay (edits insert and remove nodes in the
 depth-first order), so the next ``kv_slots`` is the last one with the removed nodes' and cut tails' slots
 dropped and the new slots (appended tokens, new nodes) put in their places: two masked copies of
-``kv_slots`` and a gather of the new slots only, whatever the edits. Between two layouts of a decode step only appends happen (one token
-per lane, or a prompt chunk), and the node order is the same object: one masked copy. A forest under
-``FEW_TOKENS`` tokens (or one without a last layout) gathers every slot from the token buffer, in fewer
-numpy calls. A layout is a snapshot its readers keep, so its arrays are never written once made.
+``kv_slots`` and a gather of the new slots only, whatever the edits. Between two layouts of a decode step only
+appends happen (one token per lane, or a prompt chunk), and the node order is the same object: one masked copy (a
+speculative step's token trees advanced behind their grown leaves move too: their first positions are read again).
+A forest under ``FEW_TOKENS`` tokens (or one without a last layout) gathers every slot from the token buffer, in
+fewer numpy calls. A layout is a snapshot its readers keep, so its arrays are never written once made.
 """
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ class LayoutCache:
         self._order: Preorder | None = None
         self._rows = self._lens = self._prefix = self._kv_start = self._kv_slots = NONE
         self._cut: dict[int, int] = {}   # node id -> tokens of it whose slots are still the last layout's
+        self._moved = False               # some node's first position changed since the last layout
 
     def forget_slots(self) -> None:
         """Forget the last layout: the next one gathers every slot from the token buffer."""
         self._order = None
+
+    def moved(self) -> None:
+        """Some nodes' first positions changed (token trees advanced behind their grown leaves,
+        :meth:`~treedec.tree.SequenceTree.advance_token_trees`): the next layout reads every node's afresh."""
+        self._moved = True
 
     def truncated(self, node_id: int, length: int) -> None:
         """Node ``node_id`` was cut to ``length`` tokens: its slots past them (maybe refilled since) are no longer
@@ -61,6 +68,8 @@ class LayoutCache:
                 added = lens[grown] - old
                 new_slots = table.slots[ranges(table.start[rows[grown]] + old, added)]
                 self._keep(lens, _insert(self._kv_slots, self._kv_start[grown + 1].repeat(added), new_slots))
+            if self._moved:
+                self._prefix = _frozen(table.prefix[rows])
         else:
             rows = order.ids & ROW_MASK
             lens = table.length[rows]
@@ -71,6 +80,7 @@ class LayoutCache:
             self._order, self._rows, self._prefix = order, rows, _frozen(table.prefix[rows])
             self._cut = {}
             self._keep(lens, kv_slots)
+        self._moved = False
         query_node, query_offset = _queries(self._lens, table.pending[rows])
         return TreeLayout(order.ids, order.parent, self._kv_start, self._kv_slots, query_node, query_offset,
                           _prefix=self._prefix)
@@ -113,7 +123,9 @@ class LayoutCache:
     def _keep(self, lens: np.ndarray, kv_slots: np.ndarray) -> None:
         kv_start = np.zeros(len(lens) + 1, dtype=np.int64)
         lens.cumsum(out=kv_start[1:])
-        self._lens, self._kv_start, self._kv_slots = _frozen(lens), _frozen(kv_start), _frozen(kv_slots)
+        for a in (lens, kv_start, kv_slots):   # (shared by every reader of the layout until the forest changes)
+            a.setflags(write=False)
+        self._lens, self._kv_start, self._kv_slots = lens, kv_start, kv_slots
 
 
 def _insert(values: np.ndarray, at: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -135,7 +147,7 @@ def _queries(lens: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndar
         return NONE, NONE
     pend = pending[with_queries]
     last = lens[with_queries]
-    if pend.max() == 1:   # a decode step or a token tree: one query a node, its last token
+    if np.maximum.reduce(pend) == 1:   # a decode step or a token tree: one query a node, its last token
         return _frozen(with_queries), _frozen(last - 1)
     query_node = with_queries.repeat(pend)
     # query q of node i is its token lens[i] - pend[i] + (q - the node's first query)

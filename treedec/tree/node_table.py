@@ -143,7 +143,7 @@ class NodeTable:
         """Move each of ``rows`` (``[k]`` int64, distinct) whose region holds fewer than ``needed`` (``[k]``)
         tokens to a new one, at least twice as large, its tokens copied along."""
         short = self.cap[rows] < needed
-        if not short.any():
+        if not np.logical_or.reduce(short):
             return
         rows, needed = rows[short], needed[short]
         old_cap = self.cap[rows]
@@ -245,7 +245,8 @@ def count_distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     edits count a few pages every step)."""
     ordered = values.copy()
     ordered.sort()
-    edge = np.ones(len(ordered) + 1, dtype=bool)
+    edge = np.empty(len(ordered) + 1, dtype=bool)
+    edge[0] = edge[-1] = True
     np.not_equal(ordered[1:], ordered[:-1], out=edge[1:-1])
     at = edge.nonzero()[0]
     return ordered[at[:-1]], at[1:] - at[:-1]

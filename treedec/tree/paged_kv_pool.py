@@ -239,7 +239,7 @@ class PagedKVPool:
         without checking the arguments' types and ranges; it still refuses (changing nothing) to drop a page
         below zero holders. Returns the int64 pages that became free, ascending."""
         left = self.refcount[pages] - times
-        if (left < 0).any():
+        if np.logical_or.reduce(left < 0):
             over = left < 0
             raise ValueError(f"release: pages {pages[over][:10].tolist()} are listed {times[over][:10].tolist()} "
                              f"times but have only {self.refcount[pages[over]][:10].tolist()} holder(s)")
@@ -327,7 +327,8 @@ class PagedKVPool:
                                         for layer in range(self.num_layers)]))
         return tuple(out)
 
-    def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray) -> None:
+    def copy_slots(self, src_slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray,
+                   checked: bool = True) -> None:
         """Copy the K/V held at slots ``src_slots`` to ``dst_slots``, in every layer: the pool's one slot-copy
         primitive (a gather and a scatter of all layers on the device, of the stored bytes: an fp8 pool's
         are moved as they are, never re-quantized). ``src_slots`` is read whole before anything is written, so
@@ -336,11 +337,16 @@ class PagedKVPool:
         Each is ``[n]`` slots, of one length: an int64 tensor on the pool's CUDA device is used as it is
         (not read back, so the copy never waits for the device and a CUDA graph may capture it; its values
         must be slots of the pool, scratch slots included); anything else (host ints, a CPU tensor) is
-        checked to be slots in ``[0, num_slots)`` and sent to the device.
+        checked to be slots in ``[0, num_slots)`` and sent to the device. ``checked``: False for a caller that
+        made both itself as ``[n]`` int64 tensors on the pool's device (the verify group, every step): they are
+        used as they are on the CPU too, where checking a tensor reads it back.
         """
         self._require_storage()
-        src = self._index(src_slots, "src_slots")
-        dst = self._index(dst_slots, "dst_slots")
+        if checked:
+            src = self._index(src_slots, "src_slots")
+            dst = self._index(dst_slots, "dst_slots")
+        else:
+            src, dst = src_slots, dst_slots
         if src.shape != dst.shape:
             raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {len(src)} and {len(dst)} "
                              f"slots")

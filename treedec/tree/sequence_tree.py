@@ -61,8 +61,9 @@ class SequenceTree(SubtreeEdits, TokenTreeEdits, ComputedTokenEdits, LaneEdits, 
     operations over many leaves at once (the lanes'): :meth:`append_tokens`, :meth:`pages_to_append`,
     :meth:`set_last_tokens`, :meth:`pending_queries`, :meth:`prune_many`, :meth:`branch_many`; and those of
     batched speculative verification (:mod:`treedec.tree.verify_edits`): :meth:`add_token_trees`,
-    :meth:`extend_computed_many`, :meth:`truncate_many`, :meth:`set_tokens_many`; for models whose every layer has a
-    sliding window (:mod:`treedec.tree.window_release`): :meth:`release_outside_window`, :meth:`held_prefix`.
+    :meth:`advance_token_trees`, :meth:`extend_computed_many`, :meth:`truncate_many`, :meth:`set_tokens_many`; for
+    models whose every layer has a sliding window (:mod:`treedec.tree.window_release`):
+    :meth:`release_outside_window`, :meth:`held_prefix`.
 
     Node ids are ints that stay valid until their node is pruned; a pruned node's id is never valid again.
     """

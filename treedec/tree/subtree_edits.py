@@ -103,7 +103,7 @@ class SubtreeEdits:
         doomed = order.ids[positions] & ROW_MASK
         t = self._table
         busy = t.pending[doomed] > 0
-        if busy.any():
+        if np.logical_or.reduce(busy):
             raise TreeError(f"prune_many: node(s) {t.node_id[doomed[busy]][:5].tolist()} in the subtrees have "
                             f"pending tokens of the current step; call commit_step() first")
         ups = t.parent[rows]

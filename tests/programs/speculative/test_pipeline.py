@@ -298,6 +298,22 @@ def test_one_mask_patch_clears_several_spans(tiny, page_size, gap, empty):
     engine.tree.commit_step()
 
 
+def test_unchecked_spans_and_their_rows_are_the_checked_spans():
+    """DynamicSpans.unchecked (the verify group's every step, and with_rows') holds what the checked constructor
+    does, and with_rows' split of the rows is the checked spans' split."""
+    slots, lengths, keep = np.arange(6, dtype=np.int64), np.array([2, 0, 4], dtype=np.int64), torch.tensor([1, 0, 3])
+    rows = np.arange(10, 16, dtype=np.int64)
+    checked = DynamicSpans(slots, lengths, keep, rows, np.array([0, 0, 1, 1, 2, 2]))
+    fields = ("slots", "lengths", "keep", "shift_rows", "shift_span")
+    for spans in (DynamicSpans.unchecked(slots, lengths, keep, rows, np.array([0, 0, 1, 1, 2, 2])),
+                  DynamicSpans(slots, lengths, keep, rows[:0], rows[:0]).with_rows(rows)):
+        assert type(spans) is DynamicSpans
+        for name in fields:
+            assert np.array_equal(np.asarray(getattr(spans, name)), np.asarray(getattr(checked, name))), name
+    with pytest.raises(ValueError, match="split evenly"):
+        checked.with_rows(rows[:5])
+
+
 @pytest.mark.slow
 @pytest.mark.triton
 def test_pipelined_on_the_triton_backend_masks_on_the_device(triton_device):

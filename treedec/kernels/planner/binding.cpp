@@ -12,6 +12,7 @@
 #include <new>
 #include <string>
 
+#include "dynamic_span.h"
 #include "make_plan.h"
 #include "schedule.h"
 #include "static_write.h"
@@ -309,6 +310,75 @@ PyObject* stage_sections_py(PyObject*, PyObject* args) {
   });
 }
 
+// span_places(layout_kv, plan_kv, slots, lengths) -> (position, span, slot, ranges [P, 2], bad): DynamicSpans.places
+// of a plan and the runs DynamicSpans.locate makes of them (dynamic_span.h); bad: the first span whose slots are not
+// one run of the tree's KV (-1: none; the caller words the error)
+PyObject* span_places_py(PyObject*, PyObject* args) {
+  PyObject *layout_obj, *plan_obj, *slots_obj, *lengths_obj;
+  if (!PyArg_ParseTuple(args, "OOOO", &layout_obj, &plan_obj, &slots_obj, &lengths_obj)) return nullptr;
+  return guarded([&]() -> PyObject* {
+    Ref h_layout, h_plan, h_slots, h_lengths;
+    PyArrayObject* layout_kv = array_of(layout_obj, NPY_INT64, 1, "layout_kv", h_layout);
+    PyArrayObject* plan_kv = array_of(plan_obj, NPY_INT64, 1, "plan_kv", h_plan);
+    PyArrayObject* slots = array_of(slots_obj, NPY_INT64, 1, "slots", h_slots);
+    PyArrayObject* lengths = array_of(lengths_obj, NPY_INT64, 1, "lengths", h_lengths);
+    const i64 num_spans = PyArray_DIM(lengths, 0), num_slots = PyArray_DIM(slots, 0);
+    i64 total = 0;
+    for (i64 i = 0; i < num_spans; ++i) {
+      if (data64(lengths)[i] < 0) fail("a span's length is negative");
+      total += data64(lengths)[i];
+    }
+    if (total != num_slots || num_slots >= (i64(1) << 31)) fail("the spans' lengths do not sum to their slots");
+    SpanPlaces s;
+    {
+      GilReleased unlocked;
+      s = span_places(data64(layout_kv), PyArray_DIM(layout_kv, 0), data64(plan_kv), PyArray_DIM(plan_kv, 0),
+                      data64(slots), num_slots, data64(lengths), num_spans);
+    }
+    const auto runs = static_cast<npy_intp>(s.ranges.size() / 2);
+    Ref parts[] = {vec(std::move(s.position)), vec(std::move(s.span)), vec(std::move(s.slot)),
+                   to_numpy(std::move(s.ranges), {runs, 2}, NPY_INT64)};
+    return Py_BuildValue("(NNNNL)", parts[0].release(), parts[1].release(), parts[2].release(), parts[3].release(),
+                         static_cast<long long>(s.bad));
+  });
+}
+
+// mask_patch(chunk_kv_start, chunk_entry_start, position, span, slot, lengths, stride) -> (flat, words, table,
+// merged): MaskPatch.of's arrays for the spans at their places, in one int64 array (dynamic_span.h says their
+// order); words -1: no place
+PyObject* mask_patch_py(PyObject*, PyObject* args) {
+  PyObject *kv_obj, *entry_obj, *position_obj, *span_obj, *slot_obj, *lengths_obj;
+  long long stride;
+  if (!PyArg_ParseTuple(args, "OOOOOOL", &kv_obj, &entry_obj, &position_obj, &span_obj, &slot_obj, &lengths_obj,
+                        &stride)) {
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    Ref h_kv, h_entry, h_position, h_span, h_slot, h_lengths;
+    PyArrayObject* chunk_kv_start = array_of(kv_obj, NPY_INT64, 1, "chunk_kv_start", h_kv);
+    PyArrayObject* chunk_entry_start = array_of(entry_obj, NPY_INT64, 1, "chunk_entry_start", h_entry);
+    PyArrayObject* position = array_of(position_obj, NPY_INT64, 1, "position", h_position);
+    PyArrayObject* span = array_of(span_obj, NPY_INT64, 1, "span", h_span);
+    PyArrayObject* slot = array_of(slot_obj, NPY_INT64, 1, "slot", h_slot);
+    PyArrayObject* lengths = array_of(lengths_obj, NPY_INT64, 1, "lengths", h_lengths);
+    const i64 num_chunks = PyArray_DIM(chunk_kv_start, 0) - 1, num_places = PyArray_DIM(position, 0);
+    if (num_chunks < 0 || PyArray_DIM(chunk_entry_start, 0) != num_chunks + 1) {
+      fail("chunk_kv_start and chunk_entry_start must hold one more entry than the plan's chunks");
+    }
+    if (PyArray_DIM(span, 0) != num_places || PyArray_DIM(slot, 0) != num_places || stride < 1) {
+      fail("position, span and slot must hold one value a place, stride >= 1");
+    }
+    Patch p;
+    {
+      GilReleased unlocked;
+      p = mask_patch(data64(chunk_kv_start), num_chunks, data64(chunk_entry_start), data64(position), data64(span),
+                     data64(slot), num_places, data64(lengths), PyArray_DIM(lengths, 0), stride);
+    }
+    return Py_BuildValue("(NLLL)", vec(std::move(p.flat)), static_cast<long long>(p.words),
+                         static_cast<long long>(p.table), static_cast<long long>(p.merged));
+  });
+}
+
 // The numpy planner's constants as compiled in (tests/kernels/test_compiled_planner.py checks that they agree).
 PyObject* constants_py(PyObject*, PyObject*) {
   return Py_BuildValue("{sLsLsLsLsdsLsLsdsdsdsdsisisisL}", "MASK_BITS", (long long)kMaskBits, "PERSISTENT_MIN_CHUNK",
@@ -325,6 +395,8 @@ PyMethodDef methods[] = {
     {"make_plan", make_plan_py, METH_VARARGS, "planners.make_plan's arrays for a TreeLayout's arrays"},
     {"schedule_units", schedule_units_py, METH_VARARGS, "persistent_schedule.schedule_units's arrays for a TreePlan's"},
     {"stage_sections", stage_sections_py, METH_VARARGS, "a static plan's sections written into its host buffer"},
+    {"span_places", span_places_py, METH_VARARGS, "dynamic_span.DynamicSpans.places and the runs locate makes"},
+    {"mask_patch", mask_patch_py, METH_VARARGS, "dynamic_span.MaskPatch.of's arrays in one int64 array"},
     {"constants", constants_py, METH_NOARGS, "the numpy planner's constants as compiled in"},
     {nullptr, nullptr, 0, nullptr}};
 

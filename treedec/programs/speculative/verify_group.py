@@ -31,7 +31,9 @@ from treedec.tree.token_tree import TokenTree
 
 __all__ = ["VerifyGroup"]
 
-NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS = np.zeros(0, dtype=np.int64)   # (the new spans' shift rows: shared, read-only)
+NO_ROWS.setflags(write=False)
+NO_SLOTS = np.zeros((0, 0), dtype=np.int64)   # (the spans' slots of a step of new rows only)
 
 
 class VerifyGroup:
@@ -49,7 +51,7 @@ class VerifyGroup:
         self.head_name, self.states_kind = first.head_name, program.target_states
         self.want = {"heads": self.head_name is not None, "hidden": self.states_kind == "hidden",
                      "aux": isinstance(self.states_kind, tuple)}
-        self.rows = VerifyRows(self.depth)
+        self.rows = VerifyRows(self.depth, self.m)
         self.requests: list = []      # each row's Verify
         self.owners: list = []
         self.checkers: list = []      # each row's StopChecker when it is checked every step, else None
@@ -68,6 +70,8 @@ class VerifyGroup:
         self.penalized = program.penalized
         self.counts = self.prompt_masks = self.penalties = None
         self._pairs: dict = {}
+        self._cuts: dict[int, TokenTree] = {}      # the budget's cuts of the full tree, by draft tokens kept
+        self._cut_depth: dict[int, int] = {}       # each cut's depth, by its size
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)
         self._placed = None
         self._blocked: dict = {}
@@ -134,61 +138,64 @@ class VerifyGroup:
     # ------------------------------------------------------------ the step
 
     def place(self, free_pages: int) -> StepRequest | None:
-        """The next step's trees of the rows whose pages fit in ``free_pages`` (in row order): the launched trees
-        pruned, the unused reserved slots dropped, ``1 + depth`` slots reserved and the accepted K/V moved there,
-        the next trees added; what the step computes and reads for them (None: no row fits)."""
+        """The next step's trees of the rows whose pages fit in ``free_pages`` (in row order): each row's unused
+        reserved slots dropped, ``1 + depth`` slots reserved and the accepted K/V moved there, and its tree pending
+        again behind them (:meth:`~treedec.tree.SequenceTree.advance_token_trees`; a new row's first tree, or one
+        of another size, hung: an event); what the step computes and reads for them (None: no row fits)."""
         rows, tree, d = self.rows, self.tree, self.depth
         shape = self._shape()
         m = shape.size
         flight = rows.flight_root >= 0
         ps = self.pool.page_size
-        need = np.where(flight, self.pool.pages_for(1 + d) + 1, 0) + -(-m // ps)
+        need = np.where(flight, self.pool.pages_for(1 + d) + 1, 0) + np.where(rows.tree_size == m, 0, -(-m // ps))
         fits = need.cumsum() <= free_pages
-        self._blocked = {self.owners[i]: int(need[i]) for i in (~fits).nonzero()[0].tolist()}
+        self._blocked = {self.owners[i]: int(need[i]) for i in (~fits).nonzero()[0].tolist()} if not fits[-1] else {}
         at = fits.nonzero()[0]
-        if not len(at):
+        a = len(at)
+        if not a:
             return None
         f = at[flight[at]]
-        unused = rows.garbage[f].copy()
-        dst = np.zeros((0, 1 + d), dtype=np.int64)
-        if len(f):
-            tree.prune_many(rows.flight_root[f], checked=False)   # (stream order keeps their K/V until the copy reads)
-            g = f[unused > 0]
-            if len(g):
-                tree.truncate_many(rows.node[g], rows.length[g] - rows.garbage[g], checked=False)
-                rows.length[g] -= rows.garbage[g]
-            dst = tree.extend_computed_many(rows.node[f], 1 + d, checked=False)
-            rows.length[f] += 1 + d
-        rows.garbage[at] = 0
-        rows.reserved[at] = flight[at]
-        at_d = to_device(at, self.device)
-        root = self.read.index_select(0, at_d)[:, 1]           # the bonus of the tree read next: the new root
-        keep = None
-        if len(f):
-            f_d = to_device(f, self.device)
+        nf = len(f)
+        unused = rows.garbage[f]
+        keep = o = None
+        dst = NO_SLOTS
+        if nf:
+            same = rows.tree_size[f] == m
+            if np.logical_and.reduce(same):
+                dst = tree.advance_token_trees(rows.trees[f, :m], unused, 1 + d, checked=False)
+            else:
+                dst = self._regrow(f, same, unused, m)
+            rows.length[f] += 1 + d - unused
+        on = to_device(np.concatenate([at, f, dst.reshape(-1)]), self.device)   # (one copy)
+        at_d, f_d, dst_d = on[:a], on[a:a + nf], on[a + nf:]
+        if nf:
             o = self.outcome.index_select(0, f_d)
             keep = o[:, 0]
-            pick = torch.cat([o.new_zeros(len(f), 1), o[:, 2:].clamp(min=0)], dim=1)   # [F, 1 + D]: root, path
-            self.pool.copy_slots(self.slots.index_select(0, f_d).gather(1, pick).reshape(-1),
-                                 to_device(dst.reshape(-1), self.device))
-            last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
+            # the launched trees' root and path slots (a tree hung anew below sends its slots after this read)
+            src = self.slots.index_select(0, f_d).gather(1, torch.cat([o.new_zeros(nf, 1), o[:, 2:].clamp(min=0)],
+                                                                        dim=1)).reshape(-1)
+            self.pool.copy_slots(src, dst_d, checked=False)
             if self.head is not None:
-                picked = self.flight_heads.index_select(0, f_d)[torch.arange(len(f), device=self.device), last]
+                last = torch.where(keep > 0, o[:, 2:].gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0], 0)
+                picked = self.flight_heads.index_select(0, f_d)[torch.arange(nf, device=self.device), last]
                 self.head.index_copy_(0, f_d, picked)
+        hang = at[rows.tree_size[at] != m]
+        if len(hang):
+            self._hang(hang, shape)
+        rows.garbage[at] = 0
+        rows.reserved[at] = flight[at]
+        read = self.read.index_select(0, at_d)
         spans = self._spans(at, flight[at], dst, keep)
-        drafted = self._drafts(at, at_d, f, f_d if len(f) else None, o if len(f) else None, unused)[:, :m - 1]
-        tokens = torch.cat([root[:, None], drafted], dim=1).to(torch.int64)
-        ids = tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]), checked=False)
-        slots = tree.first_slots(ids.reshape(-1)).reshape(len(at), m)
-        rows.flight_root[at] = ids[:, 0]
-        self._placed = (at, at_d, shape, tokens, slots)
-        return StepRequest(ids.reshape(-1), tokens=tokens.reshape(-1), read=self.read.index_select(0, at_d).reshape(-1),
+        drafted = self._drafts(at, at_d, f, f_d if nf else None, o, unused)[:, :m - 1]
+        tokens = torch.cat([read[:, 1:2], drafted], dim=1).to(torch.int64)   # (the bonus read next: the new root)
+        self._placed = (at, at_d, shape, tokens)
+        return StepRequest(rows.trees[at, :m].reshape(-1), tokens=tokens.reshape(-1), read=read.reshape(-1),
                            dynamic=spans, **self.want)
 
     def after_step(self, out: StepRows) -> list[tuple]:
         """The placed rows' outcomes on the device (kept for the next step), then the outcomes read back with the
         step recorded; ``(owner, request)`` of the rows that ended (their launched step rolled back)."""
-        at, at_d, shape, tokens, slots = self._placed
+        at, at_d, shape, tokens = self._placed
         self._placed = None
         p, m, d = len(at), shape.size, self.depth
         logits = out.logits.reshape(p, m, -1)
@@ -196,7 +203,7 @@ class VerifyGroup:
             logits = self._penalize(at_d, shape, tokens, logits)
         outcome = self.rule.outcomes(shape, tokens, logits, self.seeds.index_select(0, at_d),
                                      self.steps.index_select(0, at_d))
-        pad = d - max(shape.depth)
+        pad = 0 if shape is self.full else d - self._cut_depth[m]   # (a cut tree may be shallower)
         if pad:
             outcome = torch.cat([outcome, outcome.new_full((p, pad), -1)], dim=1)
         self.steps.index_add_(0, at_d, torch.ones_like(at_d))
@@ -209,10 +216,7 @@ class VerifyGroup:
         self.read.index_copy_(0, at_d, torch.cat([outcome, path_tokens], dim=1))
         self.outcome.index_copy_(0, at_d, outcome)
         full = self.m - m
-        if full:   # (a cut tree's slots padded with its last one's, to the full tree's m)
-            slots = slots[:, np.minimum(np.arange(self.m), m - 1)]
-        self.slots.index_copy_(0, at_d, to_device(slots, self.device))
-        self.tokens.index_copy_(0, at_d, torch.cat([tokens, tokens.new_zeros(p, full)], dim=1))
+        self.tokens.index_copy_(0, at_d, torch.cat([tokens, tokens.new_zeros(p, full)], dim=1) if full else tokens)
         if self.head is not None:
             heads = out.heads[self.head_name].reshape(p, m, *self.head.shape[1:])
             self.flight_heads.index_copy_(0, at_d, _padded(heads, full))
@@ -244,28 +248,64 @@ class VerifyGroup:
         return penalize(logits.reshape(p * m, vocab), mask, counts.reshape(p * m, vocab), values[:, 0], values[:, 1],
                         values[:, 2]).reshape(p, m, vocab)
 
+    def _hang(self, at: np.ndarray, shape: TokenTree) -> None:
+        """Trees of ``shape`` hung under the nodes of rows ``at`` (an event: a row's first step, or its tree's size
+        changed), kept in the rows' columns from step to step: their ids, and their slots on the device (a cut
+        tree's padded with its last one's, to the full tree's m)."""
+        rows, m = self.rows, shape.size
+        ids = self.tree.add_token_trees(rows.node[at], [-1] + list(shape.parents[1:]), checked=False)
+        rows.trees[at, :m], rows.trees[at, m:] = ids, -1
+        rows.tree_size[at], rows.flight_root[at] = m, ids[:, 0]
+        slots = self.tree.first_slots(ids.reshape(-1)).reshape(len(at), m)[:, np.minimum(np.arange(self.m), m - 1)]
+        self.slots.index_copy_(0, to_device(at, self.device), to_device(slots, self.device))
+
+    def _regrow(self, f: np.ndarray, same: np.ndarray, unused: np.ndarray, m: int) -> np.ndarray:
+        """:meth:`place`'s leaf edits of rows ``f`` (``[F, 1 + depth]``: their new slots) when the trees of some
+        (``~same``) are of another size than this step's ``m`` (a budget's new share, an event): those trees are
+        pruned and their leaves cut and grown alone (:meth:`_hang` hangs their new trees), the others advance. The
+        prunes and cuts come first, the reservations last, right before the copy that fills them all (what a
+        schedule recorder writes as accepts: :mod:`treedec.replay.pipelined_accepts`)."""
+        rows, tree, d = self.rows, self.tree, self.depth
+        dst = np.empty((len(f), 1 + d), dtype=np.int64)
+        other, cut = f[~same], unused[~same]
+        tree.prune_many(rows.flight_root[other], checked=False)
+        rows.tree_size[other] = 0
+        g = cut > 0
+        if g.any():
+            tree.truncate_many(rows.node[other[g]], rows.length[other[g]] - cut[g], checked=False)
+        if same.any():
+            s = f[same]
+            dst[same] = tree.advance_token_trees(rows.trees[s, :m], unused[same], 1 + d, checked=False)
+        dst[~same] = tree.extend_computed_many(rows.node[other], 1 + d, checked=False)
+        return dst
+
     def _shape(self) -> TokenTree:
         """This step's tree: the full tree, or its first draft tokens when a budget gives the group fewer (one share
         for the group: its requests' mean share of the step's budget)."""
         if self.budget is None:
             return self.full
         share = self.budget.group_tokens(self.budget_slots, self.device, self.m - 1)
-        return self.full if share >= self.m - 1 else TokenTree(self.full.parents[:share + 1])
+        if share >= self.m - 1:
+            return self.full
+        cut = self._cuts.get(share)
+        if cut is None:   # (a share is the same step after step while the group's size stays: made once)
+            cut = self._cuts[share] = TokenTree(self.full.parents[:share + 1])
+            self._cut_depth[cut.size] = max(cut.depth)
+        return cut
 
     def _spans(self, at, flight, dst, keep) -> DynamicSpans:
         """The placed rows' spans, as arrays, in row order: a row with a reservation, its ``depth`` path slots
         (``keep`` real, ``keep [F]`` on the device); a new one, an empty span."""
-        lengths = np.where(flight, self.depth, 0).astype(np.int64)
+        lengths = np.where(flight, self.depth, 0)   # (int64: the depth is an int)
         slots = dst[:, 1:].reshape(-1)   # (the rows with a reservation, in order: theirs alone)
         if keep is None:   # (new rows only)
             every = self._zero.expand(len(at))
-        elif flight.all():
+        elif np.logical_and.reduce(flight):
             every = keep
         else:
             every = torch.zeros(len(at), dtype=torch.int64, device=self.device).index_copy_(
                 0, to_device(flight.nonzero()[0], self.device), keep)
-        none = np.zeros(0, dtype=np.int64)   # (the scheduler gives them their query rows)
-        return DynamicSpans(slots, lengths, every, none, none)
+        return DynamicSpans.unchecked(slots, lengths, every, NO_ROWS, NO_ROWS)   # (the scheduler gives the rows)
 
     def _drafts(self, at, at_d, f, f_d, o, unused) -> torch.Tensor:
         """``[P, m - 1]``: the next trees' draft tokens of the placed rows, on the device."""

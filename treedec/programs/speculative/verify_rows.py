@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["Recorded", "VerifyRows"]
 
-_INT = ("node", "length", "flight_root", "garbage", "root_token", "emitted", "max_new", "steps", "sizes")
+_INT = ("node", "length", "flight_root", "tree_size", "garbage", "root_token", "emitted", "max_new", "steps",
+        "sizes")
 
 
 @dataclass
@@ -37,16 +38,19 @@ class VerifyRows:
     """The host columns of ``depth``-deep trees' requests (see the module docstring).
 
     Columns ([R] int64 unless said): ``node`` (the sequence node), ``length`` (its tokens), ``flight_root`` (the
-    root node of its launched tree, -1: none), ``reserved`` (bool: its node ends with the ``1 + depth`` slots
+    root node of its launched tree, -1: none), ``trees`` [R, m] (its tree's nodes in token order, -1 padded: kept
+    from step to step, :meth:`~treedec.tree.SequenceTree.advance_token_trees`), ``tree_size`` (their number, 0:
+    none), ``reserved`` (bool: its node ends with the ``1 + depth`` slots
     reserved for the tree whose outcome is read next), ``garbage`` (reserved slots the last outcome left unused),
     ``root_token`` (the root of the tree whose outcome is read next), ``emitted``, ``max_new``, ``text`` (bool:
     checked one by one), ``steps``, ``sizes`` (draft sizes recorded); ``eos`` [R, W] (-1 padded), ``tokens``,
     ``accepted``, ``draft_sizes`` [R, width] int64 and ``seconds`` [R, width] float64 (grown by doubling).
     """
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, m: int):
         self.depth = depth
         self.size = 0
+        self.trees = np.full((0, m), -1, dtype=np.int64)
         for name in _INT:
             setattr(self, name, np.zeros(0, dtype=np.int64))
         self.reserved = np.zeros(0, dtype=bool)
@@ -59,8 +63,9 @@ class VerifyRows:
 
     def add(self, node: int, length: int, max_new: int, eos: tuple[int, ...], text: bool) -> None:
         """A new row at the end (an event)."""
-        for name, value in zip(_INT, (node, length, -1, 0, 0, 0, max_new, 0, 0)):
+        for name, value in zip(_INT, (node, length, -1, 0, 0, 0, 0, max_new, 0, 0)):
             setattr(self, name, np.append(getattr(self, name), value))
+        self.trees = np.concatenate([self.trees, np.full((1, self.trees.shape[1]), -1, dtype=np.int64)])
         self.reserved = np.append(self.reserved, False)
         self.text = np.append(self.text, text)
         width = max(self.eos.shape[1], len(eos))
@@ -75,7 +80,7 @@ class VerifyRows:
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep the rows of ``mask`` ([R] bool), in order (one compaction of every column, an event)."""
-        for name in (*_INT, "reserved", "text", "eos", "tokens", "accepted", "draft_sizes", "seconds"):
+        for name in (*_INT, "trees", "reserved", "text", "eos", "tokens", "accepted", "draft_sizes", "seconds"):
             setattr(self, name, getattr(self, name)[mask])
         self.size = int(mask.sum())
 
@@ -91,14 +96,15 @@ class VerifyRows:
         cols = np.arange(d)
         real = cols[None, :] < length[:, None]
         stops = self.eos[at]                                    # [P, W], -1 padded (no token is -1)
-        eos = (path[:, :, None] == stops[:, None, :]).any(axis=2) & real
-        has = eos.any(axis=1)
+        # (the ufuncs' reduce, not the ndarray methods: their Python wrappers cost a call each, every step)
+        eos = np.logical_or.reduce(path[:, :, None] == stops[:, None, :], axis=2) & real
+        has = np.logical_or.reduce(eos, axis=1)
         first = np.where(has, eos.argmax(axis=1), length)      # an EOS on the path ends it there, as the bonus
         bonus = np.where(has, path[np.arange(len(at)), np.minimum(first, d - 1)] if d else bonus, bonus)
         count = first + 1                                       # tokens emitted: the path kept, then the bonus
         room = self.max_new[at] - self.emitted[at]
         keep = np.minimum(count, room)
-        ended = (keep == room) | ((bonus[:, None] == stops).any(axis=1) & (keep == count))
+        ended = (keep == room) | (np.logical_or.reduce(bonus[:, None] == stops, axis=1) & (keep == count))
         ended &= ~self.text[at]
         kept = np.minimum(keep, first)
         for i in self.text[at].nonzero()[0].tolist():       # rows whose text is checked token by token
@@ -108,12 +114,12 @@ class VerifyRows:
             ended[i] = checker.stopped
         emitted = np.concatenate([path, bonus[:, None]], axis=1)
         emitted[np.arange(len(at)), first] = bonus              # [P, d + 1]: the path cut, then the bonus
-        self._widen(int((self.emitted[at] + keep).max(initial=0)), "tokens")
+        self._widen(int(np.maximum.reduce(self.emitted[at] + keep, initial=0)), "tokens")
         rows_, cols_ = (np.arange(d + 1)[None, :] < keep[:, None]).nonzero()
         self.tokens[at[rows_], self.emitted[at][rows_] + cols_] = emitted[rows_, cols_]
         self.emitted[at] += keep
         s = at[stepped]
-        self._widen(int(self.steps[s].max(initial=0)) + 1, "accepted", "seconds")
+        self._widen(int(np.maximum.reduce(self.steps[s], initial=0)) + 1, "accepted", "seconds")
         self.accepted[s, self.steps[s]] = kept[stepped]
         self.seconds[s, self.steps[s]] = seconds
         self.steps[s] += 1
@@ -124,7 +130,7 @@ class VerifyRows:
 
     def launched(self, at: np.ndarray, size: int) -> None:
         """Rows ``at`` go on with a launched step of ``size`` draft tokens (its size recorded)."""
-        self._widen(int(self.sizes[at].max(initial=0)) + 1, "draft_sizes")
+        self._widen(int(np.maximum.reduce(self.sizes[at], initial=0)) + 1, "draft_sizes")
         self.draft_sizes[at, self.sizes[at]] = size
         self.sizes[at] += 1
 
@@ -135,6 +141,8 @@ class VerifyRows:
                 self.draft_sizes[i, :self.sizes[i]].tolist(), self.seconds[i, :steps].tolist())
 
     def _widen(self, width: int, *names: str) -> None:
+        if width <= self.tokens.shape[1] and width <= self.accepted.shape[1] and width <= self.draft_sizes.shape[1]:
+            return   # (the tables grow by doubling: most steps widen none)
         for name in names:
             table = getattr(self, name)
             if width > table.shape[1]:

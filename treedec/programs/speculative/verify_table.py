@@ -8,11 +8,11 @@ acceptance or rejection sampling, nothing the next step needs is a host value:
 
 - step n's acceptance runs on the device (:mod:`~treedec.programs.speculative.device_acceptance`): the accepted
   length, the path and the bonus token (the next root) stay there;
-- step n+1 hangs its tree under ``1 + depth`` slots reserved at the end of the sequence
-  (:meth:`~treedec.tree.SequenceTree.extend_computed_many`), into which step n's root and accepted path K/V are
-  copied on the device; the slots past the accepted length are masked and the new tree's positions moved
-  back by their number, on the device (:class:`~treedec.attention.dynamic_span.DynamicSpans`: the group's spans
-  as arrays);
+- step n+1's tree hangs under ``1 + depth`` slots reserved at the end of the sequence, into which step n's root
+  and accepted path K/V are copied on the device (a request's tree keeps its nodes and slots from step to step:
+  :meth:`~treedec.tree.SequenceTree.advance_token_trees` reserves the slots and makes the tree pending again behind
+  them); the slots past the accepted length are masked and the tree's positions moved back by their number, on the
+  device (:class:`~treedec.attention.dynamic_span.DynamicSpans`: the group's spans as arrays);
 - its draft tokens come from the device: gathered from step n's row-head output at the last accepted token
   (:meth:`~treedec.programs.speculative.drafts.DraftSource.row_head_drafts`), fixed, or drafted from the target's
   states at step n's root and path, of which only the accepted are real (EAGLE's chains, ``submit_step``).
@@ -87,6 +87,7 @@ class VerifyTable(BulkTable):
         self.groups: dict[tuple, VerifyGroup] = {}
         self._of: dict[Any, VerifyGroup] = {}     # owner -> its group
         self._placed: list[VerifyGroup] = []      # the groups of the last place(), in order
+        self._blocked: dict = {}                  # the groups' blocked owners (place() makes a new dict)
 
     @property
     def size(self) -> int:
@@ -106,13 +107,16 @@ class VerifyTable(BulkTable):
         self._of[owner] = group
 
     def place(self, free_pages: int) -> list[StepRequest]:
-        self._placed, requests = [], []
+        self._placed, requests, blocked = [], [], {}
         for group in self.groups.values():
             if group.size:
                 request = group.place(self.engine.pool.num_free_pages)
                 if request is not None:
                     self._placed.append(group)
                     requests.append(request)
+                if group.blocked():
+                    blocked.update(group.blocked())
+        self._blocked = blocked
         return requests
 
     def after_step(self, rows: list[StepRows]) -> list[tuple[Any, Any]]:
@@ -125,17 +129,20 @@ class VerifyTable(BulkTable):
         return finished
 
     def blocked(self) -> dict:
-        return {owner: pages for group in self.groups.values() for owner, pages in group.blocked().items()}
+        """The last place()'s blocked owners (a dict of its own: the next place() makes another)."""
+        return self._blocked
 
     def drop(self, owner) -> None:
         group = self._of.pop(owner, None)
         if group is not None:
             group.drop(owner)
+            self._blocked.pop(owner, None)
 
     def reset(self) -> None:
         self.groups.clear()
         self._of.clear()
         self._placed = []
+        self._blocked = {}
 
 
 @dataclass(eq=False)

@@ -333,6 +333,11 @@ class ReferenceSequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
         length = int_value(length, "length", low=1)
         if length > node.length:
             raise TreeError(f"cannot truncate node {node_id} of {node.length} tokens to {length}")
+        return self.pool.decref(self._cut_tail(node, length))
+
+    def _cut_tail(self, node: TreeNode, length: int) -> np.ndarray:
+        """:meth:`truncate` of ``node`` to ``length`` tokens (checked) but the pool's part: the pages it no longer
+        holds, for the caller to decref (one node's, or a batch's at once)."""
         pages = np.asarray(node.pages, dtype=np.int64)
         ps = self.pool.page_size
         # A page stays when a kept token is in it (kept pages marked in a pool-sized mask: no sort over a long
@@ -340,7 +345,6 @@ class ReferenceSequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
         mark = np.zeros(self.pool.num_pages, dtype=bool)
         mark[node.slots[:length] // ps] = True
         kept = mark[pages]
-        freed = self.pool.decref(pages[~kept])
         del node.tokens[length:]
         node.pages = pages[kept].tolist()
         # The kept last page's free slots are refilled only when no other node holds that page (a page held by
@@ -350,7 +354,7 @@ class ReferenceSequenceTree(SubtreeEdits, TokenTreeEdits, TreeDebugging):
         alone = node.pages and node.pages[-1] == page and self.pool.refcount[page] == 1
         node.tail_room = self.pool.page_size - 1 - last % self.pool.page_size if alone else 0
         self._layout = None
-        return freed
+        return pages[~kept]   # (the last kept page is not among them: its count above is the one after the decref)
 
     def pause(self, node_id: int) -> None:
         """Exclude a leaf from :meth:`live_leaves` (it keeps its KV)."""

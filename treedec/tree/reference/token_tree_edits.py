@@ -21,7 +21,8 @@ KNOWN_SHAPES = 8   # token-tree shapes whose checked order a tree keeps (a progr
 
 
 class TokenTreeEdits:
-    """:meth:`add_token_tree`, :meth:`add_children` and :meth:`accept` of a :class:`~treedec.tree.SequenceTree`."""
+    """:meth:`add_token_tree`, :meth:`add_children`, :meth:`accept` and :meth:`advance_token_trees` of a
+    :class:`~treedec.tree.SequenceTree`."""
 
     def add_token_tree(self, node_id: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
         """Hang a token tree (e.g. Medusa/EAGLE candidates) under ``node_id``, one node per token.
@@ -36,7 +37,8 @@ class TokenTreeEdits:
         parents = int_list(parents, "parents", low=-1)
         m = len(tokens)
         if m == 0 or len(parents) != m:
-            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} parents")
+            raise TreeError(f"need one parent per token and at least one token, got {m} tokens and {len(parents)} "
+                            f"parents")
         perm, inner = self._token_tree_order(parents)
         first = self._next_id
         order = self._preorder
@@ -116,6 +118,32 @@ class TokenTreeEdits:
             # Freed pages keep their K/V until a step writes them, and none runs in between; the copy reads
             # every source slot before it writes, so the new slots may reuse the freed ones.
             self.pool.copy_slots(moved, slots)
+        return slots
+
+    def advance_token_trees(self, trees: Sequence[Sequence[int]], cuts: Sequence[int], count: int) -> np.ndarray:
+        """The array tree's :meth:`~treedec.tree.SequenceTree.advance_token_trees` node by node, for the trees, cuts
+        and count it took (this reference checks nothing): each tree's leaf truncated by its cut (as
+        :meth:`truncate`; the pages they drop back in one decref, as a batch's), then ``count`` rounds of one computed
+        token for each leaf in order (as :meth:`extend_computed`), then every node of the trees pending again as a
+        placeholder (token 0). Returns ``[R, count]``: the leaves' new slots."""
+        nodes = [[self._nodes[int(n)] for n in row] for row in trees]
+        leaves = [self._nodes[row[0].parent] for row in nodes]
+        dropped = [self._cut_tail(leaf, leaf.length - int(cut)) for leaf, cut in zip(leaves, cuts) if cut]
+        if dropped:
+            self.pool.decref(np.concatenate(dropped))
+        slots = np.zeros((len(leaves), count), dtype=np.int64)
+        for k in range(count):
+            for i, leaf in enumerate(leaves):
+                slots[i, k] = self._fill(leaf, [0])[0]
+                leaf.pending -= 1
+                self._num_pending -= 1
+        for node in (n for row in nodes for n in row):
+            node.tokens[0] = 0
+            if not node.pending:
+                self._pending_nodes.append(node)
+            node.pending = 1
+            self._num_pending += 1
+        self._layout = None
         return slots
 
     # ================================================================ private
