@@ -12,7 +12,7 @@ normalise in fp32, then ``weight * cast(h)`` (``offset`` 0, Llama's) or ``cast(h
 Both are torch custom ops (``treedec::batch_invariant_rms_norm``, ``treedec::batch_invariant_add_rms_norm``)
 with fake impls, so ``torch.compile`` keeps each whole (Inductor fuses the pointwise code around it, never
 re-plans its reduction by the row count). Outside a compile the functions launch the kernel directly: a call
-through the op dispatcher costs more host time than the launch (~32 against ~13 us).
+through the op dispatcher costs more host time than the launch itself.
 """
 from __future__ import annotations
 
