@@ -33,7 +33,7 @@ def aten_graph(model, n=5):
         return make_boxed_func(gm.forward)
     compiled = torch.compile(model.forward_graph, backend=aot_autograd(fw_compiler=record), fullgraph=True)
     with torch.no_grad():
-        compiled(torch.arange(n) + 3, torch.arange(n), row_local_attend)
+        compiled(torch.arange(n, device=model.device) + 3, torch.arange(n, device=model.device), row_local_attend)
     [gm] = graphs
     return [f"{n.target.namespace}.{n.target._opname}" for n in gm.graph.nodes
             if n.op == "call_function" and hasattr(n.target, "namespace")]
