@@ -145,8 +145,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown {name}(s) {unknown}; choose from {','.join(known)}")
     if device.type != "cuda" and not args.smoke and any(m.startswith("graphs") for m in methods):
         raise SystemExit("the graphs methods need a CUDA device (or --smoke, which runs them uncaptured on the CPU)")
-    if args.batch_invariant and "graphs_model" in methods:
-        raise SystemExit("--batch-invariant refuses compile_model: leave graphs_model out of --methods")
     tp = _tensor_parallel(args, methods)
     if tp is not None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

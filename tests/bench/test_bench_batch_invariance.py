@@ -43,3 +43,25 @@ def test_batch_invariance_bench_smoke_run(tmp_path, capsys):
     assert cache["hit_vs_alone"]["equal"] == 2 and cache["cached_tokens_hit"] > 0
     assert invariant["speculative"]["equal"] == 2
     assert "the batched greedy call in the mode" in capsys.readouterr().out
+
+
+def test_random_weights_smoke_run(tmp_path, capsys):
+    """--random-weights (the 8B shape's equalities on a GPU): the tiny shape on the CPU, token-id prompts; in the mode
+    every pair is equal bit for bit, and the results name the shape."""
+    assert main(["--random-weights", "--smoke", "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-batch-invariance-smoke-random-tiny.json")
+    results = json.loads(path.read_text())
+    assert results["settings"]["config"] == "tiny" and results["settings"]["random_weights"] is True
+    invariant = results["modes"]["invariant"]
+    assert invariant["greedy"]["equal"] == 3 and invariant["sampled"]["equal"] == 2
+    assert invariant["prefix_cache"]["hit_batched_vs_alone"]["equal"] == 2
+    assert invariant["prefix_cache"]["cached_tokens_hit"] > 0 and invariant["speculative"]["equal"] == 2
+
+
+def test_config_needs_random_weights(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny"])
+    assert "add --random-weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--random-weights", "--config", "no-such-shape"])
+    assert "--config must be one of" in capsys.readouterr().err

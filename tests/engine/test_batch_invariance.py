@@ -126,8 +126,6 @@ def test_siblings_on_the_triton_kernels_change_no_bit(triton_device):
 
 def test_what_cannot_be_invariant_is_refused_by_name():
     model = tiny()
-    with pytest.raises(ValueError, match="cannot take compile_model"):
-        Engine(model, kv_tokens=64, batch_invariant=True, cuda_graphs=True, compile_model=True)
     with pytest.raises(ValueError, match="planner='path' and a fixed chunk_size"):
         Engine(model, kv_tokens=64, batch_invariant=True, plan_config=PlanConfig("flatten", 64))
     with pytest.raises(BackendUnavailableError, match="reference backend attends every query in one dense"):

@@ -72,3 +72,15 @@ def test_split_k_rows_alone_equal_rows_in_a_batch(bias, split_k):
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="share K"):
         batch_invariant_matmul(torch.zeros(2, 3), torch.zeros(4, 5))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_custom_ops_fake_impl_agrees_with_the_kernels(triton_device, bias):
+    """``treedec::batch_invariant_matmul`` (what torch.compile traces): its fake impl's shape, dtype and strides are
+    the kernel's, and the op gives the function's bits."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 40, generator=g).to(triton_device, torch.bfloat16)
+    w = torch.randn(24, 40, generator=g).to(triton_device, torch.bfloat16)
+    b = torch.randn(24, generator=g).to(triton_device, torch.bfloat16) if bias else None
+    torch.library.opcheck(torch.ops.treedec.batch_invariant_matmul, (x, w, b))
+    assert torch.equal(torch.ops.treedec.batch_invariant_matmul(x, w, b), batch_invariant_matmul(x, w, b))

@@ -13,9 +13,13 @@ Every kernel of a step computes a row in an order that does not depend on the ot
   ``reference`` is refused). A shared prefix's whole windows are read once a step; the window holding a query's own
   tokens is its own copy: the mode's cost on trees.
 
-Refused (ValueError naming the option): ``compile_model`` (Inductor re-tiles the GEMMs and norms it compiles, per
-shape), a planner config that is not ``path`` with a fixed chunk, and what the model's switch refuses (quantized
-weights, tensor parallelism over several ranks, fused pointwise ops).
+``compile_model`` compiles the graphed forward as in the default mode: the GEMMs, norms, attention and K/V store
+are custom ops Inductor keeps whole, so it fuses only the elementwise code between them (RoPE, the activation, the
+embedding's gather, the soft-cap), whose per-element math does not follow the row count.
+
+Refused (ValueError naming the option): a planner config that is not ``path`` with a fixed chunk, and what the
+model's switch refuses (quantized weights, tensor parallelism over several ranks, pointwise ops fused before the
+switch).
 """
 from __future__ import annotations
 
@@ -34,8 +38,7 @@ logger = logging.getLogger("treedec")
 BATCH_INVARIANT_CHUNK = 256
 
 
-def engine_plan_config(plan_config: PlanConfig | None, batch_invariant: bool, compile_model: bool | dict
-                       ) -> PlanConfig:
+def engine_plan_config(plan_config: PlanConfig | None, batch_invariant: bool) -> PlanConfig:
     """The plan config of an engine's attention: ``plan_config`` (None: ``PlanConfig()``), or in the mode (after
     checking its options) the ``path`` planner with the given chunk (None: :data:`BATCH_INVARIANT_CHUNK`)."""
     if not isinstance(batch_invariant, bool):
@@ -44,9 +47,6 @@ def engine_plan_config(plan_config: PlanConfig | None, batch_invariant: bool, co
         raise TypeError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
     if not batch_invariant:
         return PlanConfig() if plan_config is None else plan_config
-    if compile_model is not False:
-        raise ValueError("batch_invariant=True cannot take compile_model: Inductor compiles the norms (and may fuse "
-                         "the GEMMs) with kernels it tunes per shape; use cuda_graphs without compile_model")
     if plan_config is None:
         return PlanConfig("path", BATCH_INVARIANT_CHUNK, batch_invariant=True)
     if plan_config.planner != "path" or plan_config.chunk_size is None:

@@ -117,7 +117,7 @@ class Engine(RowHeads):
         positive_int("prefill_chunk", prefill_chunk)
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        plan_config = engine_plan_config(plan_config, batch_invariant, compile_model)
+        plan_config = engine_plan_config(plan_config, batch_invariant)
         self.model = model
         self.device = model.device
         self.prefill_chunk = prefill_chunk

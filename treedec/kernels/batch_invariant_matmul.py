@@ -14,6 +14,11 @@ Why split K at all: at decode sizes (M up to a few hundred rows) a GEMM reads it
 4096, at most as many as bring the grid to about one program per SM per M tile, at most :data:`MAX_SPLITS`), the
 same for every M; the partials' traffic (``splits * M * N`` fp32 written and read) is small against the weights' at
 decode sizes. Accumulation is fp32; the output is in ``x``'s dtype.
+
+The product is the torch custom op ``treedec::batch_invariant_matmul`` (with a fake impl), so ``torch.compile``
+keeps it whole: Inductor fuses the pointwise code around it and never re-tiles it by M. Outside a compile
+:func:`batch_invariant_matmul` launches the kernels directly (a call through the op dispatcher costs more host
+time than the launch).
 """
 from __future__ import annotations
 
@@ -166,6 +171,23 @@ def launch_matmul(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: MatmulTiles | None
+             ) -> torch.Tensor:
+    n, k = weight.shape
+    t = tiles or batch_invariant_tiles(n, k, sm_count(x.device), x.element_size())
+    return launch_matmul(x.reshape(-1, k), weight, bias, t, x.dtype).view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("treedec::batch_invariant_matmul", mutates_args=())
+def _matmul_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _product(x, weight, bias, None)
+
+
+@_matmul_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                            tiles: MatmulTiles | None = None) -> torch.Tensor:
     """``x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]`` in ``x``'s dtype, each row's bits independent
@@ -179,8 +201,6 @@ def batch_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    n, k = weight.shape
-    t = tiles or batch_invariant_tiles(n, k, sm_count(x.device), x.element_size())
-    return launch_matmul(x2, weight, bias, t, x.dtype).reshape(*lead, n)
+    if tiles is None and torch.compiler.is_compiling():
+        return _matmul_op(x, weight, bias)
+    return _product(x, weight, bias, tiles)

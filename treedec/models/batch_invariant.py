@@ -11,20 +11,27 @@ rows are, so a request's logits are the same bits alone or in any batch (``Engin
 What runs, by the weights' device (:class:`BatchInvariance` reports it):
 
 - CUDA (``kernel="triton-kernels"``): the Triton matmul of :mod:`treedec.kernels.batch_invariant_matmul` (tiles
-  chosen from N and K only, no split-K) and the Triton RMSNorm of :mod:`treedec.kernels.batch_invariant_rms_norm`
-  (one program per row). torch's own GEMMs (cuBLAS picks kernels and split-K by M) and CUDA reductions (their
-  block shape follows the number of rows) are not batch-invariant.
-- CPU (``kernel="rows"``): each row is its own ``F.linear`` (a matrix-vector product, the same call whatever the
-  batch: a CPU GEMM takes another code path for one row than for many), one call per row, so a CPU step costs
-  about rows x projections calls; the norms are torch's, whose CPU reduction sums each row on its own in one
-  order (for rows of fewer than 32768 values, every model's hidden size). The Triton kernels do not run on the
-  CPU in this mode (the interpreter is a test tool); a test may ask for them,
-  ``make_batch_invariant(model, "triton-kernels")`` under ``TRITON_INTERPRET=1``.
+  chosen from N and K only, no split-K that follows M) and the Triton RMSNorm, alone or fused with the residual add
+  before it, of :mod:`treedec.kernels.batch_invariant_rms_norm` (one program per row). torch's own GEMMs (cuBLAS
+  picks kernels and split-K by M) and CUDA reductions (their block shape follows the number of rows) are not
+  batch-invariant.
+- CPU (``kernel="rows"``): the ops of :mod:`treedec.models.batch_invariant_rows` (``F.linear`` row by row, torch's
+  row-wise RMSNorm), so a CPU step costs about rows x projections calls. The Triton kernels do not run on the CPU in
+  this mode (the interpreter is a test tool); a test may ask for them, ``make_batch_invariant(model,
+  "triton-kernels")`` under ``TRITON_INTERPRET=1``.
+
+Every one of these GEMMs and norms is a torch custom op with a fake impl (``treedec::batch_invariant_matmul``,
+``treedec::batch_invariant_rms_norm``, ``treedec::batch_invariant_add_rms_norm``; on the CPU
+``treedec::linear_rows``, ``treedec::rms_norm_rows``, ``treedec::add_rms_norm_rows``): ``torch.compile``
+(the engine's ``compile_model``, the model's ``compile_pointwise`` after the switch) keeps each whole and fuses
+only the pointwise code between them (RoPE, the activation, the soft-cap), whose per-element math does not depend
+on the row count. Outside a compile the functions launch their kernels directly.
 
 Refused (ValueError naming the option): quantized projections (an fp8 GEMM picks its own kernel), a model split
 over several ranks (the all-reduce after ``o_proj`` / ``down_proj`` sums in an order NCCL picks by message size),
-fused pointwise ops (``compile_pointwise``: Inductor's reduction kernels are tuned per shape). The switch is not
-undone: an engine made later over the same model computes batch-invariantly too.
+pointwise ops fused before the switch (``compile_pointwise`` then compiled torch's norms, whose reduction kernels
+Inductor tunes per shape). The switch is not undone: an engine made later over the same model computes
+batch-invariantly too.
 """
 from __future__ import annotations
 
@@ -32,11 +39,11 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from treedec.errors import BackendUnavailableError
 from treedec.models.decoder import Decoder
 from treedec.models.layers import PointwiseOps
+from treedec.models.batch_invariant_rows import add_rms_norm_rows, linear_rows, rms_norm_rows
 from treedec.models.linear import Linear, Unquantized
 from treedec.models.tensor_parallel import VocabParallelHead
 
@@ -44,7 +51,7 @@ __all__ = ["BATCH_INVARIANT_KERNELS", "BatchInvariance", "BatchInvariantUnquanti
            "make_batch_invariant"]
 
 #: The batch-invariant compute paths: ``"triton-kernels"`` (CUDA, or the CPU under ``TRITON_INTERPRET=1`` in
-#: tests) and ``"rows"`` (the CPU's: one ``F.linear`` per row).
+#: tests) and ``"rows"`` (the CPU's: :mod:`~treedec.models.batch_invariant_rows`).
 BATCH_INVARIANT_KERNELS = ("triton-kernels", "rows")
 
 
@@ -79,7 +86,7 @@ class BatchInvariantUnquantized(Unquantized):
             from treedec.kernels.batch_invariant_matmul import batch_invariant_matmul   # (triton is optional)
             self.matmul = batch_invariant_matmul
         else:
-            self.matmul = _row_by_row_linear
+            self.matmul = linear_rows
 
     def finish(self, layer: Linear) -> None:
         layer.path = "batch-invariant matmul" if self.kernel == "triton-kernels" else "F.linear row by row"
@@ -89,20 +96,17 @@ class BatchInvariantUnquantized(Unquantized):
 
 
 def batch_invariant_ops(kernel: str) -> PointwiseOps:
-    """The :class:`~treedec.models.layers.PointwiseOps` of the mode: the Triton RMSNorm for ``"triton-kernels"``,
-    torch's (row by row on the CPU already) for ``"rows"``; RoPE and the activation are elementwise (invariant as they
-    are)."""
+    """The :class:`~treedec.models.layers.PointwiseOps` of the mode: the Triton RMSNorm (and its fused residual add)
+    for ``"triton-kernels"``, the row-wise torch ones for ``"rows"``; RoPE and the activation are elementwise
+    (invariant as they are)."""
     if kernel not in BATCH_INVARIANT_KERNELS:
         raise ValueError(f"kernel must be one of {BATCH_INVARIANT_KERNELS}, got {kernel!r}")
     if kernel == "rows":
-        return PointwiseOps()
-    from treedec.kernels.batch_invariant_rms_norm import batch_invariant_rms_norm   # (triton is optional)
-
-    def add_norm(x, y, weight, eps, offset=0.0):
-        s = x + y
-        return s, batch_invariant_rms_norm(s, weight, eps, offset)
-
-    return PointwiseOps(rms_norm=batch_invariant_rms_norm, add_rms_norm=add_norm)
+        return PointwiseOps(rms_norm=rms_norm_rows, add_rms_norm=add_rms_norm_rows, batch_invariant=kernel)
+    from treedec.kernels.batch_invariant_rms_norm import (   # (triton is optional)
+        batch_invariant_add_rms_norm, batch_invariant_rms_norm)
+    return PointwiseOps(rms_norm=batch_invariant_rms_norm, add_rms_norm=batch_invariant_add_rms_norm,
+                        batch_invariant=kernel)
 
 
 def make_batch_invariant(model, kernel: str | None = None) -> BatchInvariance:
@@ -122,9 +126,10 @@ def make_batch_invariant(model, kernel: str | None = None) -> BatchInvariance:
     if quantized:
         raise ValueError(f"batch_invariant=True needs unquantized projections, this model has {quantized} "
                          f"(quantization={model.quantization!r:.60}): load it without quantization")
-    if model.ops != PointwiseOps() and not _is_batch_invariant_ops(model.ops):
+    if model.ops.fused and model.ops.batch_invariant is None:
         raise ValueError("batch_invariant=True cannot keep compile_pointwise's fused ops: Inductor tunes their "
-                         "reduction kernels per shape; use a model whose compile_pointwise was not called")
+                         "reduction kernels per shape; call compile_pointwise after the switch (once an "
+                         "Engine(batch_invariant=True) was made over the model), or use compile_model")
     device = model.device
     switched = {m.method.kernel for m in model.modules() if isinstance(m, Linear)
                 and isinstance(m.method, BatchInvariantUnquantized)}
@@ -143,6 +148,9 @@ def make_batch_invariant(model, kernel: str | None = None) -> BatchInvariance:
                                           "is not installed (pip install 'treedec[triton]')")
     else:
         reason = f"kernel={kernel!r} asked for"
+    if model.ops.fused and model.ops.batch_invariant != kernel:
+        raise ValueError(f"compile_pointwise fused this model's {model.ops.batch_invariant!r} ops; "
+                         f"kernel={kernel!r} cannot replace them: load the model again")
     method = BatchInvariantUnquantized(kernel)
     linears = 0
     for module in model.modules():
@@ -153,20 +161,6 @@ def make_batch_invariant(model, kernel: str | None = None) -> BatchInvariance:
         elif isinstance(module, VocabParallelHead):
             module.matmul = method.matmul
             linears += 1
-    model.ops = batch_invariant_ops(kernel)
+    if model.ops.batch_invariant != kernel:   # (a second engine keeps the ops, compile_pointwise's too)
+        model.ops = batch_invariant_ops(kernel)
     return BatchInvariance(kernel, linears, reason)
-
-
-def _is_batch_invariant_ops(ops: PointwiseOps) -> bool:
-    """Whether ``ops`` are a batch-invariant set already (a second engine over a switched model)."""
-    return ops.rms_norm.__name__ == "batch_invariant_rms_norm"
-
-
-def _row_by_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed one row at a time (``x [..., K]`` -> ``[..., N]``)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        return F.linear(x, weight, bias)
-    return torch.stack([F.linear(row, weight, bias) for row in rows.unbind(0)]).reshape(*x.shape[:-1],
-                                                                                           weight.shape[0])
-

@@ -163,9 +163,13 @@ class Decoder(nn.Module):
         ``torch.compile``.
 
         Cuts a layer from ~25 kernel launches to ~12 on a GPU. Each op is compiled once with
-        a dynamic row count (``dynamic=True`` unless overridden) on its first call.
+        a dynamic row count (``dynamic=True`` unless overridden) on its first call. In the batch-invariant mode
+        (a model :func:`~treedec.models.batch_invariant.make_batch_invariant` switched) the mode's norms (with their
+        residual adds) stay its custom ops inside: only RoPE and the activation are fused. A second call changes
+        nothing.
         """
-        self.ops = PointwiseOps.compiled(**compile_kwargs)
+        if not self.ops.fused:
+            self.ops = self.ops.compiled(**compile_kwargs)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend,

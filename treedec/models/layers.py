@@ -13,6 +13,7 @@ all the weights. The elementwise pieces are :class:`PointwiseOps`, which ``compi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -66,19 +67,25 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PointwiseOps:
-    """The elementwise pieces of a layer; a decoder's ``compile_pointwise`` swaps in fused (compiled) ones."""
+    """The elementwise pieces of a layer; a decoder's ``compile_pointwise`` swaps in fused (compiled) ones.
+
+    ``batch_invariant``: the batch-invariant kernel whose norms these are (one of
+    :data:`~treedec.models.batch_invariant.BATCH_INVARIANT_KERNELS`: custom ops that ``torch.compile`` keeps
+    whole), None for the default ones; ``fused``: compiled by :meth:`compiled`."""
 
     rms_norm: Callable = rms_norm
     add_rms_norm: Callable = add_rms_norm
     rope: Callable = apply_rope
     gated: Callable = gated_activation
+    batch_invariant: str | None = None
+    fused: bool = False
 
-    @classmethod
-    def compiled(cls, **compile_kwargs) -> "PointwiseOps":
-        """Each op compiled with ``torch.compile`` (on its first call; ``dynamic=True`` unless overridden)."""
+    def compiled(self, **compile_kwargs) -> "PointwiseOps":
+        """These ops, each compiled with ``torch.compile`` (on its first call; ``dynamic=True`` unless overridden);
+        the batch-invariant norms stay their custom ops inside (Inductor fuses only the code around them)."""
         compile_kwargs.setdefault("dynamic", True)
-        return cls(*(torch.compile(f, **compile_kwargs) for f in (rms_norm, add_rms_norm, apply_rope,
-                                                                  gated_activation)))
+        return dataclasses.replace(self, fused=True, **{name: torch.compile(getattr(self, name), **compile_kwargs)
+                                                        for name in ("rms_norm", "add_rms_norm", "rope", "gated")})
 
 
 class RMSNorm(nn.Module):
