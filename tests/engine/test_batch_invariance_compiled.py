@@ -147,6 +147,22 @@ def test_gpu_bf16_compiled_logits_alone_equal_logits_in_a_batch():
 
 
 @pytest.mark.gpu
+def test_gpu_bf16_compile_pointwise_in_the_mode_keeps_a_row_alone_equal_in_a_batch():
+    """compile_pointwise after the switch (Inductor's RoPE and activation, dynamic rows; the norms' custom ops),
+    captured: the first request's logits alone == beside 7 others."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    prompts = _gpu_prompts(8)
+    runs = []
+    for ps in (prompts[:1], prompts):
+        model = switched(device="cuda", dtype=torch.bfloat16)
+        model.compile_pointwise()
+        runs.append(decode_logits(model, ps, steps=6, branch=True, cuda_graphs=True))
+    assert runs[1][0].model.ops.fused and runs[1][0].model.ops.batch_invariant == "triton-kernels"
+    assert_bitwise(runs[0][1], runs[1][1])
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_compiled_tree_verify_equals_the_path_decoded_token_by_token():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
