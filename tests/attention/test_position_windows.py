@@ -191,6 +191,7 @@ TRITON_CASES = [  # seed, dtype, hkv, group, head_dim, query_tile
 
 
 @pytest.mark.triton
+@pytest.mark.usefixtures("row_exact_dot")
 @pytest.mark.parametrize("seed, dtype, hkv, group, head_dim, query_tile", TRITON_CASES)
 def test_triton_bits_alone_equal_bits_in_forests_and_as_copies(triton_device, seed, dtype, hkv, group, head_dim,
                                                                 query_tile):
@@ -203,6 +204,7 @@ def test_triton_bits_alone_equal_bits_in_forests_and_as_copies(triton_device, se
 
 @pytest.mark.slow
 @pytest.mark.triton
+@pytest.mark.usefixtures("row_exact_dot")
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
@@ -214,6 +216,7 @@ def test_triton_bits_property(triton_device, seed, dtype, group, query_tile, chu
 
 
 @pytest.mark.triton
+@pytest.mark.usefixtures("row_exact_dot")
 def test_triton_static_plans_give_the_eager_bits(triton_device):
     """What a captured graph does, without capture: the whole forest and each request alone planned into one
     static plan (padded to its bounds) and launched there give the eager launch's bits, alone and batched alike."""
