@@ -174,7 +174,8 @@ class EngineCore:
                                num_waiting=scheduler.num_waiting, waiting_outputs=online.waiting_outputs,
                                prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                                preemptions=s.preemptions, free_pages=pool.num_free_pages, num_pages=pool.num_pages,
-                               queries=s.queries_per_step[-1] if s.queries_per_step and seconds else 0))
+                               queries=s.queries_per_step[-1] if s.queries_per_step and seconds else 0,
+                               cache_pages=0 if scheduler.cache is None else scheduler.cache.num_pages))
             self._accepted, self._tokens, self._outputs, self._finished, self._failed = [], [], [], [], []
             self.sink(message)
 

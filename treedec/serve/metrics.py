@@ -15,8 +15,9 @@ Names (all prefixed ``treedec_``):
 - ``request_seconds`` (histogram): arrival to the end;
 - ``requests_running``, ``requests_waiting`` (gauges): admitted requests and those waiting for admission;
 - the engine core's state after its last iteration (sent in its per-iteration message): ``kv_cache_free_pages`` and
-  ``kv_cache_pages`` (gauges), ``engine_step_queries`` (gauge: the tokens its last step computed),
-  ``scheduler_preemptions`` (gauge: requests preempted since it started);
+  ``kv_cache_pages`` (gauges), ``kv_cache_prefix_pages`` (gauge: the pages the prefix cache holds; once every request
+  has ended the free pages and these are all the pool's, which a soak checks), ``engine_step_queries`` (gauge: the
+  tokens its last step computed), ``scheduler_preemptions`` (gauge: requests preempted since it started);
 - ``batch_invariant`` (gauge): 1 where the engine runs the batch-invariant mode (``--batch-invariant``), else 0;
 - speculative decoding: ``spec_verify_steps_total`` and ``spec_accepted_tokens_total`` (their ratio is the mean
   accepted length; +1 for the bonus token: tokens per step), ``spec_draft_tokens_total`` (draft tokens verified),
@@ -67,6 +68,8 @@ class ServeMetrics:
         self.free_pages = Gauge("treedec_kv_cache_free_pages", "Free KV pages after the engine's last iteration",
                                 registry=r)
         self.pages = Gauge("treedec_kv_cache_pages", "KV pages of the engine's pool", registry=r)
+        self.prefix_pages = Gauge("treedec_kv_cache_prefix_pages", "KV pages the prefix cache holds after the "
+                                  "engine's last iteration", registry=r)
         self.step_queries = Gauge("treedec_engine_step_queries", "Tokens computed by the engine's last step",
                                   registry=r)
         self.preemptions = Gauge("treedec_scheduler_preemptions", "Requests preempted (run again) since the engine "
@@ -95,6 +98,7 @@ class ServeMetrics:
         self.scheduler_cached.set(stats.cached_tokens)
         self.free_pages.set(stats.free_pages)
         self.pages.set(stats.num_pages)
+        self.prefix_pages.set(stats.cache_pages)
         self.preemptions.set(stats.preemptions)
 
     def finished(self, results: list[RequestResult], arrival: float, first: float | None, end: float) -> None:
