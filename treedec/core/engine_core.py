@@ -247,6 +247,7 @@ def run_core_process(recipe: Callable[[], Any], input_address: str, output_addre
         context.term()
         os._exit(1)
     send(core.ready(os.getpid()))
+    core.flush(0.0)   # (its pool's state at once: a core started again replaces its dead one's stats, /metrics too)
     parent = multiprocessing.parent_process()
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
