@@ -31,6 +31,9 @@ STOPS = (None, [" the"], ["o", "xyz"])
 #: Seconds a client waits before sending again after ``engine_restarting`` (the core is being rebuilt).
 RETRY_SECONDS = 0.2
 
+#: Seconds after which a request that got no answer is recorded as lost (``client_timeout``), not waited for.
+LOST_SECONDS = 180.0
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -217,12 +220,25 @@ async def drive(url: str, model: str, *, seed: int, concurrency: int, deadline, 
     rng, counter, outcomes = random.Random(seed), iter(range(10**9)), []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
 
+    async def send(client: httpx.AsyncClient, spec: Spec) -> Outcome:
+        if spec.action != "abort":
+            return await run_one(client, model, spec)
+        # (a request cancelled mid-flight gets a connection pool of its own: cancellations inside httpx's shared
+        # pool left its clients waiting for connections forever, 9 of them in CLOSE-WAIT, in the first 20-minute run)
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as own:
+            return await run_one(own, model, spec)
+
     async def client_loop(client: httpx.AsyncClient) -> None:
         while time.monotonic() < deadline():
             k = next(counter)
             if max_requests is not None and k >= max_requests:
                 return
-            out = await run_one(client, model, draw(rng, k))
+            spec = draw(rng, k)
+            started = time.monotonic()
+            try:
+                out = await asyncio.wait_for(send(client, spec), LOST_SECONDS)
+            except asyncio.TimeoutError:
+                out = Outcome(spec, started, time.monotonic(), code="client_timeout")
             outcomes.append(out)
             if on_done is not None:
                 on_done(out)
