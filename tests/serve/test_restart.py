@@ -81,3 +81,15 @@ def test_a_crashed_core_is_started_again_and_answers_as_before(tokenizer, refere
             assert not running.thread.is_alive() and "after 1 restart(s)" in running.server.engine_failed
     finally:
         running.stop()
+
+
+def test_a_server_stopped_while_its_core_is_rebuilt_ends_the_new_core_too(tokenizer):
+    running = RunningServer(llm_recipe(tokenizer), "tiny", max_restarts=1)
+    try:
+        os.kill(running.online.pid, signal.SIGKILL)
+        wait_until(lambda: running.online.restarting, 30)
+    finally:
+        running.stop()   # (while the new core is being built: it is told to end once it is)
+    assert not running.thread.is_alive() and running.server.engine_failed is None
+    handle = running.online.process_handle
+    assert handle is not None and not handle.is_alive() and handle.exitcode == 0, handle
