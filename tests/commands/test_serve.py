@@ -134,6 +134,9 @@ def test_the_first_signal_ends_live_streams_and_the_server_in_seconds(tmp_path, 
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--secure-metrics"], "--secure-metrics puts /health and /metrics behind the API key: give --api-key"),
     (["--api-key", "two words"], "--api-key (or TREEDEC_API_KEY): api_key must not hold whitespace"),
+    (["--max-core-restarts", "-1"], "--max-core-restarts: must be an int >= 0, got -1"),
+    (["--max-core-restarts", "1", "--no-engine-process"], "--max-core-restarts starts the engine core's own process "
+                                                           "again: it needs --engine-process"),
 ])
 def test_bad_serving_sizes_and_keys_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
@@ -176,9 +179,10 @@ def test_the_engine_core_runs_in_a_process_of_its_own_by_default_and_says_so(tmp
     monkeypatch.delenv("TREEDEC_API_KEY", raising=False)
     recorded = _Recorded(monkeypatch)
     assert main(["serve", "--config", "tiny", "--tokenizer", str(build_tokenizer(tmp_path / "tok")), "--kv-tokens",
-                 "256", "--page-size", "4", "--max-model-len", "512"]) == 0
+                 "256", "--page-size", "4", "--max-model-len", "512", "--max-core-restarts", "2"]) == 0
     err = capsys.readouterr().err
     assert isinstance(recorded.llm, ProcessClient) and recorded.llm.ready.max_model_len == 512
+    assert recorded.llm.max_restarts == 2
     assert f"engine core: process {recorded.llm.pid}" in err and "max_model_len 512" in err and "256 KV tokens" in err
     assert not recorded.llm.process_handle.is_alive()   # (stopped with the command)
     assert tiny_serve(tmp_path) == 0 and "engine core: in-process" in capsys.readouterr().err

@@ -27,7 +27,7 @@ class RunningServer:
         self.name = name
         self.llm = engine if isinstance(engine, LLM) else None
         if self.llm is None:
-            core = {key: kwargs.pop(key) for key in ("max_step_tokens", "seed") if key in kwargs}
+            core = {key: kwargs.pop(key) for key in ("max_step_tokens", "seed", "max_restarts") if key in kwargs}
             engine = ProcessClient(engine, **core)
         self.mode = "in-process" if self.llm is not None else "process"
         self.app = build_app(engine, name, **kwargs)

@@ -217,6 +217,11 @@ def test_metrics_parse_and_count_the_requests(server, client):
     cached = ("treedec_cached_prompt_tokens_total", ())
     assert after[cached] >= before.get(cached, 0)
     assert ("treedec_requests_running", ()) in after and ("treedec_requests_waiting", ()) in after
+    assert free_again(server) == 0   # (every request ended: the pages not free are the prefix cache's)
+    pages = metric_values(server.url)
+    assert pages[("treedec_kv_cache_prefix_pages", ())] == server.pages().cache_pages
+    assert pages[("treedec_kv_cache_free_pages", ())] + pages[("treedec_kv_cache_prefix_pages", ())] == \
+        pages[("treedec_kv_cache_pages", ())], pages
 
 
 def run_concurrently(server, count, max_tokens, timeout):

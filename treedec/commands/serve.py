@@ -13,7 +13,9 @@ SIGTERM: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mode
 (:mod:`treedec.core.engine_core`: the online scheduler), and this process is the frontend (HTTP, tokenization, chat
 templates, streams, metrics), as vLLM's; ``--no-engine-process`` runs both in one process. When the engine core's
 process ends unasked (killed, crashed) every request in flight is answered 503 ``engine_failed`` and the server
-exits with code 1, for a supervisor to restart it. Requests name the model ``--served-model-name`` (default the
+exits with code 1, for a supervisor to restart it; with ``--max-core-restarts N`` the server starts the core again
+itself, up to N times (requests meanwhile are answered 503 ``engine_restarting``), and exits 1 after the next crash.
+Requests name the model ``--served-model-name`` (default the
 ``--model`` argument). The first signal aborts every request (live streams end with an error event) and the server
 exits within a few seconds, exit code 0. On a loopback address it answers only the loopback host names
 (``--allowed-hosts`` adds others). Needs the ``serve`` extra: ``pip install 'treedec[serve]'``.
@@ -30,7 +32,8 @@ import sys
 from pathlib import Path
 
 from treedec.commands.args import (DTYPES, add_batch_invariant_argument, add_quantization_argument, choice_arg,
-                                   device_arg, model_arg, model_size, positive_float, positive_int, unit_fraction)
+                                   device_arg, model_arg, model_size, nonnegative_int, positive_float, positive_int,
+                                   unit_fraction)
 from treedec.models.config import MODEL_SIZES
 
 #: The names a loopback server answers by default (as :data:`treedec.serve.limits.LOOPBACK_HOSTS`, which cannot be
@@ -117,6 +120,10 @@ def add_serve_parser(sub) -> None:
                    help="run the engine core (the model and its scheduler) in a process of its own, the frontend "
                    "(HTTP, tokenization, streams) in this one (the default; vLLM's shape); --no-engine-process: one "
                    "process")
+    p.add_argument("--max-core-restarts", type=nonnegative_int, default=0,
+                   help="start a crashed engine core again, up to this many times (its requests in flight are "
+                   "answered 503 engine_failed, those sent meanwhile 503 engine_restarting); default 0: the server "
+                   "exits 1 when its core crashes, for a supervisor to restart it")
     p.add_argument("--seed", type=int, default=0, help="the seeds of sampled requests without one, and --config's "
                    "random weights' (default 0)")
 
@@ -139,6 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--tensor-parallel-size {args.tensor_parallel_size}: treedec serve runs one process on one device; "
             f"tensor parallelism runs one process per GPU under torchrun (treedec.models.tensor_parallel), which the "
             f"server does not start (vLLM starts a worker per GPU); serve with --tensor-parallel-size 1")
+    if args.max_core_restarts and not args.engine_process:
+        raise ValueError("--max-core-restarts starts the engine core's own process again: it needs --engine-process")
     if args.secure_metrics and args.api_key is None:
         raise ValueError(f"--secure-metrics puts /health and /metrics behind the API key: give --api-key (or set "
                          f"{API_KEY_ENV})")
@@ -167,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or args.config
     recipe = functools.partial(build_llm, args, template)
     if args.engine_process:
-        engine = launch_core(recipe, seed=args.seed)   # (a user's error in the core: its class, one line)
+        # (a user's error in the core: its class, one line)
+        engine = launch_core(recipe, seed=args.seed, max_restarts=args.max_core_restarts)
         ready = engine.ready
         core = f"engine core: process {ready.pid}"
     else:

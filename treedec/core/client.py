@@ -32,7 +32,8 @@ from treedec.core.messages import (AbortRequests, AddRequest, CoreInput, CoreOut
                                    IterationStats, OutputDelta, PagesQuery, PagesReport, Shutdown, dumps, loads)
 from treedec.core.output_processor import RequestOutputs, RequestStream
 
-__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineStartupError", "InProcessClient", "WATCH_SECONDS"]
+__all__ = ["CoreClient", "EngineDeadError", "EngineError", "EngineRestartingError", "EngineStartupError",
+           "InProcessClient", "WATCH_SECONDS"]
 
 #: Seconds between two checks of the core's health (its process, or its engine's thread).
 WATCH_SECONDS = 0.05
@@ -41,6 +42,11 @@ WATCH_SECONDS = 0.05
 class EngineDeadError(RuntimeError):
     """The engine core is gone (its process ended, or its engine's thread failed): every request in flight fails
     with it."""
+
+
+class EngineRestartingError(RuntimeError):
+    """The engine core crashed and is being started again (``ProcessClient(max_restarts=...)``): a request sent
+    meanwhile is refused with it (503 ``engine_restarting`` on a server; retry shortly)."""
 
 
 class EngineError(RuntimeError):
@@ -65,7 +71,10 @@ class CoreClient:
     ready : what the core told of its model (:class:`~treedec.core.messages.CoreReady`), once started.
     tokenizer : the core's tokenizer (the frontend encodes and decodes with the same one), or None.
     stats : the core's last :class:`~treedec.core.messages.IterationStats` (None before its first message).
-    dead : the :class:`EngineDeadError` once the core is gone, else None.
+    dead : the :class:`EngineDeadError` once the core is gone (for good: no restart left), else None.
+    restarting : whether a crashed core is being started again (a transport that restarts one; requests are refused
+        meanwhile with :class:`EngineRestartingError`).
+    restarts : the times the core was started again after a crash.
     on_iteration : called with each message's stats (the server's metrics).
     on_dead : called once, with the error, when the core is gone unasked.
     loop : the event loop it runs on, once started.
@@ -78,6 +87,8 @@ class CoreClient:
         self.tokenizer = None
         self.stats: IterationStats | None = None
         self.dead: EngineDeadError | None = None
+        self.restarting = False
+        self.restarts = 0
         self.on_iteration: Callable[[IterationStats], None] | None = None
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -96,7 +107,7 @@ class CoreClient:
     @property
     def alive(self) -> bool:
         """Whether the core runs and takes requests."""
-        return self.dead is None and not self._closing and self.ready is not None
+        return self.dead is None and not self._closing and self.ready is not None and not self.restarting
 
     @property
     def waiting_outputs(self) -> int:
@@ -131,7 +142,7 @@ class CoreClient:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its pages are freed at the core's next iteration); nothing for one that has ended."""
-        if request_id in self._streams and self.dead is None and not self._closing:
+        if request_id in self._streams and self.dead is None and not self._closing and not self.restarting:
             self._send(AbortRequests([request_id]))
 
     async def pages(self, timeout: float = 30.0) -> PagesReport:
@@ -159,7 +170,7 @@ class CoreClient:
             return
         self._closing = True
         self._fail_all(ProgramAborted("the server is shutting down"))
-        if self.dead is None and self.ready is not None:
+        if self.dead is None and self.ready is not None and not self.restarting:   # (a restarted core: told then)
             self._send(Shutdown())
 
     # ------------------------------------------------------------ the core's messages (on the loop)
@@ -259,6 +270,9 @@ class CoreClient:
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
+        if self.restarting and not self._closing:
+            raise EngineRestartingError(f"the engine core crashed and is being started again (restart {self.restarts}"
+                                        f"); retry shortly")
         if self._closing or self.ready is None:
             raise ProgramAborted("the server is shutting down" if self._closing else "the engine core is not started")
 

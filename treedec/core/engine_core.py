@@ -174,7 +174,8 @@ class EngineCore:
                                num_waiting=scheduler.num_waiting, waiting_outputs=online.waiting_outputs,
                                prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                                preemptions=s.preemptions, free_pages=pool.num_free_pages, num_pages=pool.num_pages,
-                               queries=s.queries_per_step[-1] if s.queries_per_step and seconds else 0))
+                               queries=s.queries_per_step[-1] if s.queries_per_step and seconds else 0,
+                               cache_pages=0 if scheduler.cache is None else scheduler.cache.num_pages))
             self._accepted, self._tokens, self._outputs, self._finished, self._failed = [], [], [], [], []
             self.sink(message)
 
@@ -246,6 +247,7 @@ def run_core_process(recipe: Callable[[], Any], input_address: str, output_addre
         context.term()
         os._exit(1)
     send(core.ready(os.getpid()))
+    core.flush(0.0)   # (its pool's state at once: a core started again replaces its dead one's stats, /metrics too)
     parent = multiprocessing.parent_process()
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)

@@ -199,7 +199,8 @@ class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
 
 class IterationStats(msgspec.Struct, frozen=True):
     """The core's state after an iteration (or an arrival): ``seconds`` the iteration's wall time (0.0 for a
-    message that follows no iteration), the scheduler's counters and queue, the pool's free pages."""
+    message that follows no iteration), the scheduler's counters and queue, the pool's free pages and the pages the
+    prefix cache holds (``cache_pages``: once every request has ended, ``free_pages + cache_pages == num_pages``)."""
 
     seconds: float
     steps: int
@@ -212,6 +213,7 @@ class IterationStats(msgspec.Struct, frozen=True):
     free_pages: int
     num_pages: int
     queries: int
+    cache_pages: int = 0
 
 
 class IterationOutputs(msgspec.Struct, tag=True, frozen=True):

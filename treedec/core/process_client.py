@@ -7,13 +7,19 @@ sockets) with msgpack, as vLLM v1's ``AsyncMPClient`` (a reader thread hands eac
 in-process core's thread does). Its process is watched: when it ends unasked (killed, crashed) every request in flight
 fails with :class:`~treedec.core.client.EngineDeadError` naming its exit code (503 ``engine_failed`` on a server),
 :attr:`~treedec.core.client.CoreClient.dead` is set, and ``on_dead`` is called (``treedec serve`` then exits with code
-1, for a supervisor to restart it). A core that fails to start raises
+1, for a supervisor to restart it). With ``max_restarts`` (``treedec serve --max-core-restarts``) the client starts a
+crashed core again itself, that many times: the requests in flight still fail (``engine_failed``: their state died
+with the core), a request sent while the new core is built is refused with
+:class:`~treedec.core.client.EngineRestartingError` (503 ``engine_restarting``), and the new core (the same recipe and
+options, a fresh KV pool and prefix cache) serves the next ones; a crash past the last restart ends it as above. A
+core that fails to start raises
 :class:`~treedec.core.client.EngineStartupError` with its reason from :meth:`ProcessClient.launch`.
 """
 from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import multiprocessing
 import sys
 import tempfile
@@ -29,19 +35,21 @@ from treedec.core.messages import CoreInput, CoreOutput, CoreReady, CoreStartupF
 
 __all__ = ["USER_ERRORS", "ProcessClient", "launch_core"]
 
+logger = logging.getLogger(__name__)
+
 #: The core's startup errors that are a user's (a bad argument or model path, a pool too large, a path not built):
 #: :func:`launch_core` raises them as their own class, as building the LLM in the caller's process would.
 USER_ERRORS = (ValueError, TypeError, OSError, MemoryError, NotImplementedError)
 
 
 def launch_core(recipe: Callable[[], Any], *, max_step_tokens: int | None = None, seed: int = 0,
-                prefix_cache: bool = True, startup_timeout: float = 600.0) -> "ProcessClient":
+                prefix_cache: bool = True, startup_timeout: float = 600.0, max_restarts: int = 0) -> "ProcessClient":
     """Start an engine core whose process builds its LLM with ``recipe()`` and wait until it is built: its
     :class:`ProcessClient`, launched (the options are its). A core whose build failed with one of
     :data:`USER_ERRORS` raises that built-in class (the nearest one of the core's error) with the core's message;
     any other failure raises :class:`~treedec.core.client.EngineStartupError`."""
     client = ProcessClient(recipe, max_step_tokens=max_step_tokens, seed=seed, prefix_cache=prefix_cache,
-                           startup_timeout=startup_timeout)
+                           startup_timeout=startup_timeout, max_restarts=max_restarts)
     try:
         client.launch()
     except EngineStartupError as e:   # (the core's own error class, when it is a user's error)
@@ -58,16 +66,19 @@ class ProcessClient(CoreClient):
     temporary folder (see the module docstring). :meth:`launch` starts it and waits until it is built (blocking: a
     command runs it before its server starts, to report a bad model at once); :meth:`start` (on the loop) launches
     it if that was not done and starts the thread that reads its messages, hands each one to the loop and watches
-    the process."""
+    the process. ``max_restarts``: the times a crashed core is started again (see the module docstring; 0: never)."""
 
     mode = "process"
 
     def __init__(self, recipe: Callable[[], Any], *, max_step_tokens: int | None = None, seed: int = 0,
-                 prefix_cache: bool = True, startup_timeout: float = 600.0):
+                 prefix_cache: bool = True, startup_timeout: float = 600.0, max_restarts: int = 0):
         super().__init__()
         if not callable(recipe):
             raise TypeError(f"recipe must be a callable returning the LLM, got {type(recipe).__name__}")
-        self.recipe, self.startup_timeout = recipe, startup_timeout
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        self.recipe, self.startup_timeout, self.max_restarts = recipe, startup_timeout, max_restarts
+        self._restart: asyncio.Future | None = None
         self._options = (max_step_tokens, seed, prefix_cache)   # (run_core_process' and EngineCore's)
         self.process_handle: multiprocessing.process.BaseProcess | None = None
         self._folder = None
@@ -83,10 +94,17 @@ class ProcessClient(CoreClient):
     def launch(self) -> CoreReady:
         """Start the core's process and wait until it is built (any thread); raises :class:`EngineStartupError`
         with its reason when it cannot be (or ends before it says)."""
-        import zmq
-
         if self.ready is not None:
             return self.ready
+        first = self._launch()
+        self.tokenizer = None if first.tokenizer is None else loads(first.tokenizer)
+        self.ready = first
+        return first
+
+    def _launch(self) -> CoreReady:
+        """Start a core's process and its sockets, and wait for its first message (see :meth:`launch`)."""
+        import zmq
+
         self._folder = tempfile.TemporaryDirectory(prefix="treedec-core-")
         input_address = f"ipc://{self._folder.name}/inputs"
         output_address = f"ipc://{self._folder.name}/outputs"
@@ -120,17 +138,54 @@ class ProcessClient(CoreClient):
         except BaseException:
             self._stop_process(10.0)
             raise
-        self.tokenizer = None if first.tokenizer is None else loads(first.tokenizer)
-        self.ready = first
         return first
 
     async def start(self) -> None:
         self.loop = loop = asyncio.get_running_loop()
         if self.ready is None:
             await loop.run_in_executor(None, self.launch)
+        self._start_reading()
+
+    def _start_reading(self) -> None:
         self._last_message = time.monotonic()
-        self._reader = threading.Thread(target=self._read, args=(loop,), name="treedec-core-reader", daemon=True)
+        self._stop_reading.clear()
+        self._reader = threading.Thread(target=self._read, args=(self.loop,), name="treedec-core-reader",
+                                        daemon=True)
         self._reader.start()
+
+    # ------------------------------------------------------------ a crashed core started again
+
+    def _died(self, reason: str) -> None:
+        if self.dead is not None or self._closing or self.restarting:
+            return
+        if self.restarts >= self.max_restarts:
+            super()._died(reason if not self.max_restarts else f"{reason} (after {self.restarts} restart(s))")
+            return
+        self.restarting, self.restarts = True, self.restarts + 1
+        self._fail_all(EngineDeadError(reason))   # (their state died with the core: 503 engine_failed)
+        self.stats = None
+        logger.warning("%s: starting it again (restart %d of %d)", reason, self.restarts, self.max_restarts)
+        self._restart = asyncio.ensure_future(self._start_again(reason))
+
+    async def _start_again(self, reason: str) -> None:
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(None, self._relaunch)
+        except Exception as e:   # (it cannot be built again: gone for good)
+            self.restarting = False
+            super()._died(f"{reason}; starting it again failed: {e}")
+            return
+        self.ready, self.restarting = ready, False
+        if self._closing:   # (the server stopped meanwhile: close() waits for this, then for the process)
+            self._send(Shutdown())
+            return
+        self._start_reading()
+        logger.warning("the engine core runs again (process %d, restart %d of %d)", ready.pid, self.restarts,
+                       self.max_restarts)
+
+    def _relaunch(self) -> CoreReady:
+        """The old core's sockets and folder closed, a new core started (an executor's thread)."""
+        self._stop_process(5.0)
+        return self._launch()
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         """The reader thread: each message to the loop, decoded; the process's end (unasked) to :meth:`_died`."""
@@ -171,6 +226,8 @@ class ProcessClient(CoreClient):
         """Shut the core down (every request aborted) and wait for its process (killed after ``timeout`` s);
         returns whether it ended by itself."""
         self.shutdown()
+        if self._restart is not None and not self._restart.done():   # (a new core being built: it is told to end)
+            await asyncio.shield(self._restart)
         return await asyncio.get_running_loop().run_in_executor(None, self._stop_process, timeout)
 
     def stop(self, timeout: float = 10.0) -> bool:

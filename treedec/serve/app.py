@@ -34,11 +34,11 @@ answer (``"invalid_host"``); 404 for another model's name (``"model_not_found"``
 arriving (``"request_timeout"``); 413 for a body over ``max_body_bytes`` (``"request_too_large"``: by its
 Content-Length, or as its bytes arrive); 503 when ``max_queued_requests`` outputs wait for admission
 (``"overloaded"``), the engine failed or its core's process is gone (``"engine_failed"``: every request in flight
-is answered so, and ``/health`` too from then on), the server shuts down (``"server_shutdown"``), and from
-``/health`` when the engine's iteration has run longer than ``engine_iteration_timeout`` (``"engine_stalled"``);
-500 (logged here) for anything unexpected. A client that disconnects, streaming or not, aborts its requests (their
-pages are freed at the engine's next iteration). A streamed request that fails after its first chunk ends with an
-``error`` event, then ``[DONE]``.
+is answered so, and ``/health`` too from then on; a core started again, ``--max-core-restarts``: ``"engine_restarting"``
+until it runs), the server shuts down (``"server_shutdown"``), and from ``/health`` when the engine's iteration has
+run longer than ``engine_iteration_timeout`` (``"engine_stalled"``); 500 (logged here) for anything unexpected. A
+client that disconnects, streaming or not, aborts its requests (their pages are freed at the engine's next
+iteration). A streamed request that fails after its first chunk ends with an ``error`` event, then ``[DONE]``.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ import treedec
 from treedec.llm import LLM
 from treedec.serve.auth import APIKeyAuth, check_api_key
 from treedec.core.client import CoreClient, InProcessClient
-from treedec.serve.errors import body_parse_error, request_error
+from treedec.serve.errors import body_parse_error, not_running_error, request_error
 from treedec.runtime.requests import RequestResult
 from treedec.serve.limits import BodyError, QueueLimits, QueueSlots, RequestLimits, body_error_response
 from treedec.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
@@ -241,14 +241,13 @@ def build_app(engine: LLM | CoreClient, served_model_name: str | None = None, *,
     async def health(request: Request):
         online = request.app.state.online
         if not online.alive:
-            raise ServeError("the engine is not running" if online.dead is None else
-                             f"the engine is not running: {online.dead}", 503, "server_error", code="engine_failed")
+            raise not_running_error(online, health=True)
         busy = online.iteration_seconds
         if busy > engine_iteration_timeout:
             raise ServeError(f"the engine is stalled: its current iteration has run for {busy:.1f} s, more than "
                              f"{engine_iteration_timeout:g} s (engine_iteration_timeout)", 503, "server_error",
                              code="engine_stalled")
-        return {"status": "ok"}
+        return {"status": "ok", "engine_restarts": online.restarts}
 
     @app.get("/metrics")
     async def metrics_route():
@@ -320,10 +319,7 @@ class _Server:
     def _check_model(self, model: str) -> None:
         self.check_name(model)
         if not self.online.alive:
-            if self.online.dead is None:
-                raise ServeError("the server is shutting down", 503, "server_error", code="server_shutdown")
-            raise ServeError(f"the engine is not running: {self.online.dead}", 503, "server_error",
-                             code="engine_failed")
+            raise not_running_error(self.online)
 
     def _reserve(self, prompts: int, n: int) -> QueueSlots:
         """Check a request's counts on arrival (before any work) and hold its outputs' places in the queue until it

@@ -9,8 +9,9 @@ Two things differ from a plain ``uvicorn.Server(uvicorn.Config(app))``:
 - shutting down (the first Ctrl-C or SIGTERM) aborts every request first, so live streams end at once (each with an
   ``error`` event, then ``[DONE]``) instead of uvicorn waiting for their connections to close; what is still open
   after :data:`GRACEFUL_SECONDS` is cancelled (uvicorn's ``timeout_graceful_shutdown``);
-- when the app's engine core is gone (its process killed or crashed) the server stops, its ``engine_failed`` set
-  (``treedec serve`` then exits with code 1, for a supervisor to restart it).
+- when the app's engine core is gone (its process killed or crashed, and no restart is left: ``--max-core-restarts``)
+  the server stops, its ``engine_failed`` set (``treedec serve`` then exits with code 1, for a supervisor to restart
+  it); a core its client starts again does not stop it.
 """
 from __future__ import annotations
 

@@ -15,8 +15,10 @@ Names (all prefixed ``treedec_``):
 - ``request_seconds`` (histogram): arrival to the end;
 - ``requests_running``, ``requests_waiting`` (gauges): admitted requests and those waiting for admission;
 - the engine core's state after its last iteration (sent in its per-iteration message): ``kv_cache_free_pages`` and
-  ``kv_cache_pages`` (gauges), ``engine_step_queries`` (gauge: the tokens its last step computed),
-  ``scheduler_preemptions`` (gauge: requests preempted since it started);
+  ``kv_cache_pages`` (gauges), ``kv_cache_prefix_pages`` (gauge: the pages the prefix cache holds; once every request
+  has ended the free pages and these are all the pool's, which a soak checks), ``engine_step_queries`` (gauge: the
+  tokens its last step computed), ``scheduler_preemptions`` (gauge: requests preempted since it started);
+- ``engine_core_restarts`` (gauge): the times a crashed engine core was started again (``--max-core-restarts``);
 - ``batch_invariant`` (gauge): 1 where the engine runs the batch-invariant mode (``--batch-invariant``), else 0;
 - speculative decoding: ``spec_verify_steps_total`` and ``spec_accepted_tokens_total`` (their ratio is the mean
   accepted length; +1 for the bonus token: tokens per step), ``spec_draft_tokens_total`` (draft tokens verified),
@@ -67,10 +69,14 @@ class ServeMetrics:
         self.free_pages = Gauge("treedec_kv_cache_free_pages", "Free KV pages after the engine's last iteration",
                                 registry=r)
         self.pages = Gauge("treedec_kv_cache_pages", "KV pages of the engine's pool", registry=r)
+        self.prefix_pages = Gauge("treedec_kv_cache_prefix_pages", "KV pages the prefix cache holds after the "
+                                  "engine's last iteration", registry=r)
         self.step_queries = Gauge("treedec_engine_step_queries", "Tokens computed by the engine's last step",
                                   registry=r)
         self.preemptions = Gauge("treedec_scheduler_preemptions", "Requests preempted (run again) since the engine "
                                  "started", registry=r)
+        self.core_restarts = Gauge("treedec_engine_core_restarts", "Times a crashed engine core was started again",
+                                   registry=r)
         self.batch_invariant = Gauge("treedec_batch_invariant", "1 where the engine runs the batch-invariant mode "
                                      "(a request's tokens do not depend on the batch), else 0", registry=r)
         self.spec_steps = Counter("treedec_spec_verify_steps", "Speculative verification steps", registry=r)
@@ -83,6 +89,7 @@ class ServeMetrics:
         """Read the running and waiting counts from ``client`` (a CoreClient: its core's last stats) when scraped."""
         self.running.set_function(lambda: 0 if client.stats is None else client.stats.num_running)
         self.waiting.set_function(lambda: 0 if client.stats is None else client.stats.num_waiting)
+        self.core_restarts.set_function(lambda: client.restarts)
 
     def iteration(self, stats: IterationStats) -> None:
         """A message of the engine core (the event loop): after an iteration (``stats.seconds`` > 0) or an arrival."""
@@ -95,6 +102,7 @@ class ServeMetrics:
         self.scheduler_cached.set(stats.cached_tokens)
         self.free_pages.set(stats.free_pages)
         self.pages.set(stats.num_pages)
+        self.prefix_pages.set(stats.cache_pages)
         self.preemptions.set(stats.preemptions)
 
     def finished(self, results: list[RequestResult], arrival: float, first: float | None, end: float) -> None:

@@ -12,6 +12,7 @@ text is longer than ``max_chars``). End of input ends it.
 import json
 import os
 import pickle
+import signal
 import sys
 
 
@@ -54,6 +55,9 @@ def render(tokenizer, messages, max_chars: int, add_generation_prompt: bool = Tr
 
 
 def main() -> None:
+    # (a Ctrl-C, or a supervisor's SIGINT to the server's process group, is the frontend's: it closes this input;
+    # the workers printed a KeyboardInterrupt traceback each at every stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     stdout = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())   # (a stray print goes to stderr, not into the frames)
