@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import signal
 import socket
 import threading
 import time
 
+import httpx
 import openai
 
 from tests.engines import tiny_model
@@ -87,6 +90,36 @@ def wait_until(condition, timeout: float = 10.0) -> None:
         while not condition():
             await asyncio.sleep(0.01)
     asyncio.run(asyncio.wait_for(poll(), timeout))
+
+
+def kill_core_under_two_requests(running: RunningServer) -> tuple[httpx.Response, list[str]]:
+    """Kill ``running``'s engine-core process (SIGKILL) while a plain and a streamed completion of 4000 tokens are in
+    flight; both must end (no hang) as 503 ``engine_failed``. Returns the plain response and the streamed data lines."""
+    answers, lines = {}, []
+
+    def plain():
+        answers["plain"] = httpx.post(f"{running.base_url}/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hello", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+
+    def streamed():
+        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{running.base_url}/completions", json=body, timeout=60) as response:
+            lines.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+    threads = [threading.Thread(target=f) for f in (plain, streamed)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: running.stats().num_running == 2 and len(lines) > 2, 60)
+    os.kill(running.online.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a request in flight hangs after the core was killed"
+    plain_answer = answers["plain"]
+    assert plain_answer.status_code == 503 and plain_answer.json()["error"]["code"] == "engine_failed", \
+        plain_answer.text
+    assert lines[-1] == "[DONE]" and '"engine_failed"' in lines[-2], lines[-3:]
+    return plain_answer, lines
 
 
 def free_again(server: RunningServer, timeout: float = 10.0) -> int:

@@ -7,14 +7,13 @@ import functools
 import os
 import random
 import signal
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serve.server import RunningServer, free_again, llm_recipe, wait_until
+from tests.serve.server import RunningServer, free_again, kill_core_under_two_requests, llm_recipe, wait_until
 from treedec import SamplingParams
 from treedec.programs.beam import BeamSearchParams
 from treedec.core.client import EngineStartupError
@@ -89,29 +88,7 @@ def test_a_killed_core_fails_every_request_in_flight_with_503_and_stops_the_serv
         pid = running.online.pid
         assert running.mode == "process" and pid != os.getpid()
         assert httpx.get(f"{running.url}/health").status_code == 200
-        answers, lines = {}, []
-
-        def plain():
-            answers["plain"] = httpx.post(f"{running.base_url}/completions", timeout=60, json={
-                "model": "tiny", "prompt": "hello", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
-
-        def streamed():
-            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4000, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{running.base_url}/completions", json=body, timeout=60) as response:
-                lines.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
-
-        threads = [threading.Thread(target=f) for f in (plain, streamed)]
-        for t in threads:
-            t.start()
-        wait_until(lambda: running.stats().num_running == 2 and len(lines) > 2, 60)
-        os.kill(pid, signal.SIGKILL)
-        for t in threads:
-            t.join(30)
-            assert not t.is_alive(), "a request in flight hangs after the core was killed"
-        plain = answers["plain"]
-        assert plain.status_code == 503 and plain.json()["error"]["code"] == "engine_failed", plain.text
-        assert lines[-1] == "[DONE]" and '"engine_failed"' in lines[-2], lines[-3:]
+        plain, _ = kill_core_under_two_requests(running)
         assert "Traceback" not in plain.text and "exit code -9" in plain.json()["error"]["message"]
         running.thread.join(30)   # the server stops by itself (treedec serve then exits 1)
         assert not running.thread.is_alive() and running.server.engine_failed is not None

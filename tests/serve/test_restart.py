@@ -4,14 +4,13 @@ its requests in flight are answered 503 ``engine_failed``, those sent while the 
 a crash past the last restart ends the server as without restarts."""
 import os
 import signal
-import threading
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.server import RunningServer, free_again, llm_recipe, wait_until
+from tests.serve.server import RunningServer, free_again, kill_core_under_two_requests, llm_recipe, wait_until
 from treedec import SamplingParams
 from treedec.core.process_client import ProcessClient
 
@@ -39,30 +38,8 @@ def test_a_crashed_core_is_started_again_and_answers_as_before(tokenizer, refere
         with openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=60) as client:
             assert _greedy(client) == want.outputs[0].text
             assert httpx.get(f"{running.url}/health").json() == {"status": "ok", "engine_restarts": 0}
-            answers, lines = {}, []
-
-            def plain():
-                answers["plain"] = httpx.post(f"{running.base_url}/completions", timeout=60, json={
-                    "model": "tiny", "prompt": "hello", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
-
-            def streamed():
-                body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4000, "temperature": 0,
-                        "ignore_eos": True, "stream": True}
-                with httpx.stream("POST", f"{running.base_url}/completions", json=body, timeout=60) as response:
-                    lines.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
-
-            threads = [threading.Thread(target=f) for f in (plain, streamed)]
-            for t in threads:
-                t.start()
-            wait_until(lambda: running.stats().num_running == 2 and len(lines) > 2, 60)
             first = running.online.pid
-            os.kill(first, signal.SIGKILL)
-            for t in threads:
-                t.join(30)
-                assert not t.is_alive(), "a request in flight hangs after the core was killed"
-            plain = answers["plain"]
-            assert plain.status_code == 503 and plain.json()["error"]["code"] == "engine_failed", plain.text
-            assert lines[-1] == "[DONE]" and '"engine_failed"' in lines[-2], lines[-3:]
+            kill_core_under_two_requests(running)
             # the new core is being built (a spawned process importing torch: seconds): refused meanwhile
             assert running.online.restarting and not running.online.alive
             health = httpx.get(f"{running.url}/health")
