@@ -72,9 +72,9 @@ class ExactPrefixSums:
 
 def exact_prefix_sums(weights: torch.Tensor) -> ExactPrefixSums:
     """``weights`` ([m, V] non-negative, any float dtype) in fixed point, and their prefix sums, exact: each weight
-    truncated to a multiple of ``row_max / 2**(52 - ceil_log2(V))`` (finer than float64's rounding of a sum near the
-    row's total), so the sums are the same bits whatever order a device adds them in (the module docstring). A row
-    with no distribution (a NaN or an infinite weight, or every weight 0) is all zeros."""
+    truncated to a multiple of ``row_max / 2**(52 - ceil_log2(V))`` (a weight below it counts as 0; the row's sums
+    stay below 2**53), so the sums are the same bits whatever order a device adds them in (the module docstring). A
+    row with no distribution (a NaN or an infinite weight, or every weight 0) is all zeros."""
     vocab = weights.shape[-1]
     weights = weights.double()
     scale = 2.0 ** (52 - max(vocab - 1, 1).bit_length()) / weights.amax(dim=-1, keepdim=True)
