@@ -84,11 +84,16 @@ def test_a_row_draws_the_same_token_alone_and_in_a_batch_of_16(monkeypatch, voca
 
 
 def test_exact_prefix_sums_are_fixed_point_below_2_to_the_53():
-    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25], [float("nan"), 1.0, 0.0, 0.0], [0.0] * 4, [3.0, 0.0, 0.0, 6.0]])
+    """Each row times the power of two that puts its largest weight below 2**(52 - ceil_log2(V)) (2**50 for 4
+    tokens): 1.0 -> 2**49, 6.0 (0.75 * 2**3) -> 0.75 * 2**50."""
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25], [float("nan"), 1.0, 0.0, 0.0], [0.0] * 4, [3.0, 0.0, 0.0, 6.0],
+                            [float("inf"), 1.0, 0.0, 0.0]])
     exact = exact_prefix_sums(weights)
-    unit = 2 ** 50    # 2**(52 - ceil_log2(4)) for the row's largest weight
     assert exact.units.dtype == torch.int64
-    assert exact.units[0].tolist() == [0, unit, unit // 2, unit // 4]
-    assert exact.units[1:3].eq(0).all()   # no distribution: a NaN, every weight 0
-    assert exact.units[3].tolist() == [unit // 2, 0, 0, unit]
+    assert exact.units[0].tolist() == [0, 2 ** 49, 2 ** 48, 2 ** 47]
+    assert exact.units[1:3].eq(0).all() and exact.units[4].eq(0).all()   # no distribution: NaN, all 0, inf
+    assert exact.units[3].tolist() == [3 * 2 ** 47, 0, 0, 6 * 2 ** 47]
     assert torch.equal(exact.total, exact.units.sum(-1)) and torch.equal(exact.sums[:, :4], exact.units.cumsum(-1))
+    # a tiny row: the shift stays within float32's exponents (2**127), so fewer units, none below 2**-127
+    assert exact_prefix_sums(torch.tensor([[2.0 ** -100, 0.0], [2.0 ** -140, 0.0]])).units.tolist() == \
+        [[2 ** 27, 0], [0, 0]]

@@ -20,6 +20,7 @@ that falls between the two roundings flips (issue #53: a seeded request batched 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,20 @@ class ExactPrefixSums:
 
 def exact_prefix_sums(weights: torch.Tensor) -> ExactPrefixSums:
     """``weights`` ([m, V] non-negative, any float dtype) in fixed point, and their prefix sums, exact: each weight
-    truncated to a multiple of ``row_max / 2**(52 - ceil_log2(V))`` (a weight below it counts as 0; the row's sums
-    stay below 2**53), so the sums are the same bits whatever order a device adds them in (the module docstring). A
-    row with no distribution (a NaN or an infinite weight, or every weight 0) is all zeros."""
+    times a power of two that puts the row's largest below ``2**(52 - ceil_log2(V))``, truncated (a weight below
+    its row's unit counts as 0; the row's sums stay below 2**53), so the sums are the same bits whatever order a
+    device adds them in (the module docstring). A row with no distribution (a NaN or an infinite weight, or every
+    weight 0) is all zeros. Elementwise work in the weights' dtype (float32 for a 16-bit one)."""
     vocab = weights.shape[-1]
-    weights = weights.double()
-    scale = 2.0 ** (52 - max(vocab - 1, 1).bit_length()) / weights.amax(dim=-1, keepdim=True)
-    units = (weights * scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).long()
+    if weights.dtype != torch.float64:
+        weights = weights.float()
+    top = weights.amax(dim=-1, keepdim=True)
+    # (the shift kept within the dtype's exponents: a row whose largest weight is tiny gets fewer units, none
+    # below 2**-127 in float32)
+    low, high = math.frexp(torch.finfo(weights.dtype).tiny)[1], math.frexp(torch.finfo(weights.dtype).max)[1] - 1
+    shift = (52 - max(vocab - 1, 1).bit_length() - torch.frexp(top).exponent).clamp_(low, high)
+    scale = torch.where(torch.isfinite(top) & (top > 0), torch.exp2(shift.to(weights.dtype)), 0.0)
+    units = (weights * scale).nan_to_num_(nan=0.0).long()
     sums = _padded_cumsum(units)
     return ExactPrefixSums(units, sums, sums[:, vocab - 1])
 

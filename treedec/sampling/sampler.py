@@ -173,13 +173,15 @@ def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) 
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if top_p is not None:
             exact = exact_prefix_sums(ordered.softmax(dim=-1))
-            mass_before = (exact.sums[:, :vocab] - exact.units).double()   # of the tokens ranked above each token
-            # (exact sums: the same cut alone or in any batch, on any device; a row of top_p 1 cuts nothing, though
-            # the mass above its last tokens can be all of it)
             share = top_p.double().masked_fill(top_p >= 1, float("inf")) if isinstance(top_p, torch.Tensor) \
                 else (float("inf") if top_p >= 1 else top_p)
-            cut = mass_before >= _per_row(share) * exact.total.double()[:, None]
-            cut[:, 0] = False                            # the most likely token is always kept
+            # a token is cut when the mass ranked above it (the sum through the one before) reaches top-p of the
+            # row's: integers, exact, so the same cut alone or in any batch, on any device; a row of top-p 1 cuts
+            # nothing (2**53 is past every sum), though the mass above its last tokens can be all of it
+            need = (_per_row(share) * exact.total.double()[:, None]).nan_to_num_(nan=2.0 ** 53, posinf=2.0 ** 53)
+            need = need.clamp_(max=2.0 ** 53).ceil_().long()
+            cut = torch.zeros_like(ordered, dtype=torch.bool)
+            cut[:, 1:] = exact.sums[:, :vocab - 1] >= need   # (the most likely token is always kept)
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
     if min_p is not None:
