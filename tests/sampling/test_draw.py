@@ -2,10 +2,12 @@
 cumsum up to rounding, never decrease over non-negative values, keep a zero's sum equal to its predecessor's
 exactly (so a zero-weight token is never drawn, at block borders too), and the draw is the first token past
 ``u * total``."""
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from treedec.sampling.draw import BLOCK, inverse_cdf, row_cumsum
+from tests.sampling.cuda_scan import gpu_order_device
+from treedec.sampling.draw import BLOCK, exact_prefix_sums, inverse_cdf, row_cumsum
 
 
 @settings(max_examples=40, deadline=None)
@@ -56,3 +58,42 @@ def test_inverse_cdf_never_draws_a_zero_weight_token():
 def test_inverse_cdf_of_nan_rows_stays_in_the_vocabulary():
     weights = torch.full((2, BLOCK + 10), float("nan"))
     assert inverse_cdf(weights, torch.tensor([0.3, 0.9])).tolist() == [BLOCK + 9] * 2
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152])
+def test_a_row_draws_the_same_token_alone_and_in_a_batch_of_16(monkeypatch, vocab):
+    """The draw's cumulative weights are exact (exact_prefix_sums), so a row draws the same token alone and among 16
+    whatever order the device adds in (tests/sampling/cuda_scan.py: torch's CUDA ``cumsum`` follows the number of
+    rows). Weights over many decades (float64 sums of them round) and each row's number put between the float64
+    cumulative weights of the two orders at a token where they differ: a draw from float sums fails there."""
+    device = gpu_order_device(monkeypatch)
+    gen = torch.Generator().manual_seed(53)
+    n = 16
+    weights = (torch.randn(n, vocab, generator=gen) * 6).softmax(-1).double().to(device)
+    batched, alone = row_cumsum(weights), torch.cat([row_cumsum(weights[i:i + 1]) for i in range(n)])
+    uniform = []
+    for i in range(n):
+        apart = torch.nonzero(batched[i] != alone[i]).flatten()
+        j = apart[len(apart) // 2] if len(apart) else None
+        uniform.append(0.5 if j is None else float((batched[i, j] + alone[i, j]) / 2 / alone[i, -1]))
+    assert sum(u != 0.5 for u in uniform) >= n // 2, "the two orders' float64 sums should differ in most rows"
+    uniform = torch.tensor(uniform, dtype=torch.float64, device=device)
+    drawn = inverse_cdf(weights, uniform)
+    for i in range(n):
+        assert int(inverse_cdf(weights[i:i + 1], uniform[i:i + 1])) == int(drawn[i]), f"row {i}"
+
+
+def test_exact_prefix_sums_are_fixed_point_below_2_to_the_53():
+    """Each row times the power of two that puts its largest weight below 2**(52 - ceil_log2(V)) (2**50 for 4
+    tokens): 1.0 -> 2**49, 6.0 (0.75 * 2**3) -> 0.75 * 2**50."""
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25], [float("nan"), 1.0, 0.0, 0.0], [0.0] * 4, [3.0, 0.0, 0.0, 6.0],
+                            [float("inf"), 1.0, 0.0, 0.0]])
+    exact = exact_prefix_sums(weights)
+    assert exact.units.dtype == torch.int64
+    assert exact.units[0].tolist() == [0, 2 ** 49, 2 ** 48, 2 ** 47]
+    assert exact.units[1:3].eq(0).all() and exact.units[4].eq(0).all()   # no distribution: NaN, all 0, inf
+    assert exact.units[3].tolist() == [3 * 2 ** 47, 0, 0, 6 * 2 ** 47]
+    assert torch.equal(exact.total, exact.units.sum(-1)) and torch.equal(exact.sums[:, :4], exact.units.cumsum(-1))
+    # a tiny row: the shift stays within float32's exponents (2**127), so fewer units, none below 2**-127
+    assert exact_prefix_sums(torch.tensor([[2.0 ** -100, 0.0], [2.0 ** -140, 0.0]])).units.tolist() == \
+        [[2 ** 27, 0], [0, 0]]

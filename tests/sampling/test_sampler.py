@@ -5,6 +5,8 @@ row, distribution-wise (chi-square), and its counter-based numbers (treedec/samp
 import pytest
 import torch
 
+from tests.sampling.cuda_scan import gpu_order_device
+from treedec.sampling.draw import row_cumsum
 from treedec.sampling.rng import counter_uniform, mix64
 from treedec.sampling.sampler import SamplingRows, sample_rows, warp_rows
 from treedec.sampling.logits import apply_penalties
@@ -136,6 +138,39 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch():
     shuffled = sample_rows(logits[order], rows_of([params[i] for i in order.tolist()], seeds=order.tolist(),
                                                   streams=order.tolist()), draws[order])
     assert torch.equal(shuffled, whole[order])
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152])
+def test_a_row_cuts_top_p_and_draws_the_same_bits_alone_and_in_a_batch_of_16(monkeypatch, vocab):
+    """Issue #53's 15/16 on the 8B shape: torch's CUDA ``cumsum`` adds a row in an order that follows the number of
+    rows (tests/sampling/cuda_scan.py: the CPU here adds in that order), so float32 sums of a row's probabilities
+    round otherwise alone than among 16, and a top-p boundary between the two roundings flips the kept set (on a
+    flat 128k-token row, once in some hundreds of draws). Here each row's top-p is put where the float32 mass above
+    a token differs between the two orders, so a cut read from float sums fails every row; the scores warped, and
+    the tokens drawn, alone == in the batch, bit for bit."""
+    device = gpu_order_device(monkeypatch)
+    gen = torch.Generator().manual_seed(53)
+    n = 16
+    logits = (torch.randn(n, vocab, generator=gen) * 1.5).bfloat16().to(device)   # bf16: ties, as a model's
+    temperature = torch.tensor([0.8], device=device)
+    probs = (logits.float() / temperature).sort(-1, descending=True).values.softmax(-1)   # as warp() has them
+    batched = row_cumsum(probs) - probs
+    alone = torch.cat([row_cumsum(probs[i:i + 1]) - probs[i:i + 1] for i in range(n)])
+    top_p = []
+    for i in range(n):   # a top-p that one order's mass above a token reaches and the other's does not
+        apart = torch.nonzero((batched[i] != alone[i]) & (batched[i] > 0.5) & (batched[i] < 0.99)).flatten()
+        top_p.append(float(torch.maximum(batched[i], alone[i])[apart[0]]) if len(apart) else 0.95)
+    assert sum(p != 0.95 for p in top_p) >= n // 2, "the two orders' float32 sums should differ in most rows"
+    params = [SamplingParams(temperature=0.8, top_p=p, seed=1000 + i) for i, p in enumerate(top_p)]
+    rows = SamplingRows.build(params, [1000 + i for i in range(n)], [0] * n, device)
+    one = [rows.take(torch.tensor([i], device=device)) for i in range(n)]
+    warped = warp_rows(logits, rows)
+    for i in range(n):
+        assert torch.equal(warp_rows(logits[i:i + 1], one[i])[0], warped[i]), f"row {i}: the top-p cut"
+    draws = torch.full((n,), 27, dtype=torch.int64, device=device)
+    tokens = sample_rows(logits, rows, draws)
+    for i in range(n):
+        assert int(sample_rows(logits[i:i + 1], one[i], draws[i:i + 1])) == int(tokens[i]), f"row {i}: the token"
 
 
 def test_a_degenerate_row_never_draws_past_the_vocabulary():

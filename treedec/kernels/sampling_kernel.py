@@ -19,11 +19,12 @@ scaled logit ``s = x / T`` is at least some threshold, so a row's kept set is ``
    row's uniform number), as :func:`~treedec.sampling.draw.inverse_cdf`; ``kept`` is the search's mass at its
    threshold, or one more pass's when min-p cuts or no search ran.
 
-Semantics are the reference's except (a) the order of float additions (float32 running sums here, float64
-in the reference's draw) and (b) ties at the top-p boundary: every token whose ``s`` equals ``t_p`` is kept
-(the reference keeps a tied group only as far as its sort order reaches the mass), and with a tiny top-p every
-token tied with the max is kept (the reference keeps one). A token of zero weight or outside the kept set is
-never drawn; a row with a NaN, or with every logit ``-inf``, draws ``V - 1`` (the reference's NaN draw).
+Semantics are the reference's except (a) the order of float additions (float32 running sums here, in an order
+fixed by the row's length alone; exact fixed-point sums in the reference's top-p and draw) and (b) ties at the
+top-p boundary: every token whose ``s`` equals ``t_p`` is kept (the reference keeps a tied group only as far as its
+sort order reaches the mass), and with a tiny top-p every token tied with the max is kept (the reference keeps
+one). A token of zero weight or outside the kept set is never drawn; a row with a NaN, or with every logit
+``-inf``, draws ``V - 1`` (the reference's NaN draw).
 """
 from __future__ import annotations
 

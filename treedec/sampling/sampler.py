@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.checks import FLOAT32_MAX
-from treedec.sampling.draw import inverse_cdf, row_cumsum
+from treedec.sampling.draw import exact_prefix_sums, inverse_cdf
 from treedec.sampling.rng import counter_uniform
 
 __all__ = ["SAMPLER_KERNELS", "SamplingRows", "penalize", "resolve_sampler_kernel", "sample_rows", "warp",
@@ -151,8 +151,9 @@ def penalize(scores: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tens
 def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
     """The scores each row is drawn from (the one definition: :func:`~treedec.sampling.logits.warp_scores` is this
     with one value for every row): ``scores / temperature``, then top-k (ties with the k-th kept; 0: no cut), top-p
-    (the smallest set of most likely tokens whose probability reaches top-p, compared in float32; the most likely
-    always kept), min-p (tokens below min-p times the most likely's probability), each with that row's value;
+    (the smallest set of most likely tokens whose probability reaches top-p, their float32 probabilities summed
+    exactly in fixed point: :func:`~treedec.sampling.draw.exact_prefix_sums`; the most likely always kept), min-p
+    (tokens below min-p times the most likely's probability), each with that row's value;
     removed tokens get ``-inf`` (transformers' warpers, in their order).
 
     ``scores`` [L, V] float; each parameter an [L] tensor (``temperature`` and ``top_p``, ``min_p`` float32 >
@@ -171,13 +172,16 @@ def warp(scores: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) 
             ordered = ordered.masked_fill(ordered < kth, float("-inf"))
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if top_p is not None:
-            probs = ordered.softmax(dim=-1)
-            mass_before = row_cumsum(probs) - probs      # of the tokens ranked above each token
-            # (compared in float32: a top_p of 1e-300 is 0 there; a row of top_p 1 cuts nothing, though its
-            # float32 sums can reach 1 before its last tokens)
-            cut = mass_before >= _per_row(top_p.masked_fill(top_p >= 1, float("inf"))
-                                          if isinstance(top_p, torch.Tensor) else top_p)
-            cut[:, 0] = False                            # the most likely token is always kept
+            exact = exact_prefix_sums(ordered.softmax(dim=-1))
+            share = top_p.double().masked_fill(top_p >= 1, float("inf")) if isinstance(top_p, torch.Tensor) \
+                else (float("inf") if top_p >= 1 else top_p)
+            # a token is cut when the mass ranked above it (the sum through the one before) reaches top-p of the
+            # row's: integers, exact, so the same cut alone or in any batch, on any device; a row of top-p 1 cuts
+            # nothing (2**53 is past every sum), though the mass above its last tokens can be all of it
+            need = (_per_row(share) * exact.total.double()[:, None]).nan_to_num_(nan=2.0 ** 53, posinf=2.0 ** 53)
+            need = need.clamp_(max=2.0 ** 53).ceil_().long()
+            cut = torch.zeros_like(ordered, dtype=torch.bool)
+            cut[:, 1:] = exact.sums[:, :vocab - 1] >= need   # (the most likely token is always kept)
             drop = torch.zeros_like(cut).scatter(-1, order, cut)
             scores = scores.masked_fill(drop, float("-inf"))
     if min_p is not None:
