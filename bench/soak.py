@@ -194,7 +194,8 @@ def print_table(results: dict) -> None:
         ("well-formed, unique", f"{v['malformed_count']} malformed, {len(v['duplicated_ids'])} duplicated ids, "
                                 f"{len(v['over_budget'])} over budget: {'ok' if v['ok'] else 'FAILED'}"),
         ("same as alone", f"{v['compared_with_reference']} compared over {v['reference_keys']} keys, "
-                          f"{v['differ_count']} differ; {v['unexpected_count']} unexpected errors"),
+                          f"{v['differ_count']} differ; {v['unexpected_count']} unexpected errors "
+                          f"{v['unexpected_errors'][:3] or ''}"),
     ]
     for name in ("pages_after_load", "pages_at_end"):
         p = checks[name]

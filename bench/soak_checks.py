@@ -22,7 +22,9 @@ def check_outcomes(outcomes: list[Outcome], references: dict[tuple, list[str]], 
     response id unique, its completion tokens within ``n x max_tokens``, its texts those of its key's request sent
     alone (``references``); a failed one failed only because of the crash (``crash``: its ``"at"`` and
     ``"healthy_at"`` times, ``time.monotonic()``): ``engine_failed`` for a request in flight when the core was
-    killed, ``engine_restarting`` for one that reached the core while the new one was built. ``"ok"`` when all hold."""
+    killed or sent before the server saw it gone (the reader thread's next poll: at the latest before ``/health``
+    answers again), ``engine_restarting`` for one that reached the core while the new one was built; an unexpected
+    error is listed as (k, code, HTTP status, its start in seconds after the kill). ``"ok"`` when all hold."""
     status = Counter(o.status for o in outcomes)
     codes = Counter(o.code for o in outcomes if o.status == "error")
     completed = [o for o in outcomes if o.status == "completed"]
@@ -37,12 +39,13 @@ def check_outcomes(outcomes: list[Outcome], references: dict[tuple, list[str]], 
     for o in outcomes:
         if o.status != "error":
             continue
-        if crash is not None and o.code == "engine_failed" and o.started <= crash["at"] <= o.ended:
-            continue   # (in flight when the core was killed)
+        if crash is not None and o.code == "engine_failed" and o.ended >= crash["at"] and \
+                o.started <= crash["healthy_at"]:
+            continue   # (in flight when the core was killed, or sent to it before the server saw it gone)
         if crash is not None and o.code == "engine_restarting" and o.ended >= crash["at"] and \
                 o.started <= crash["healthy_at"]:
             continue   # (submitted to the core while the new one was built: sent then, or being tokenized)
-        unexpected.append((o.spec.k, o.code, o.http))
+        unexpected.append((o.spec.k, o.code, o.http, round(o.started - crash["at"], 3) if crash else None))
     latency = [o.seconds for o in completed]
     verdict = {
         "requests": len(outcomes), "status": dict(status), "error_codes": {str(k): v for k, v in codes.items()},

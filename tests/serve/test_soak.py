@@ -21,3 +21,30 @@ def test_a_short_soak_with_a_crash_passes_every_check(tmp_path, capsys):
     assert checks["answering_after_crash"]["health"] == {"status": "ok", "engine_restarts": 1}
     assert checks["pages_at_end"]["held"] == 0 and results["server"]["exit_code"] == 0
     assert "soak                 PASSED" in capsys.readouterr().out
+
+
+def test_the_soak_counts_a_failure_unexpected_only_outside_the_crash_window():
+    """A request sent between the kill and the server seeing its core gone fails ``engine_failed`` (it reached the
+    dead core's socket) and counts as the crash's; the same code before the kill or after the core answers again,
+    or another code, is unexpected."""
+    import random
+
+    from bench.soak_checks import check_outcomes
+    from bench.soak_load import Outcome, draw
+
+    crash = {"at": 10.0, "healthy_at": 15.0}
+    spec = draw(random.Random(0), 0)
+
+    def failed(code, started, ended):
+        return Outcome(spec, started, ended, status="error", http=503, code=code)
+
+    expected = [failed("engine_failed", 9.0, 10.2), failed("engine_failed", 10.05, 10.3),
+                failed("engine_restarting", 12.0, 12.1)]
+    assert check_outcomes(expected, {}, crash)["unexpected_count"] == 0
+    unexpected = [failed("engine_failed", 1.0, 2.0), failed("engine_failed", 15.5, 16.0),
+                  failed("engine_restarting", 16.0, 16.1), failed("overloaded", 11.0, 11.1)]
+    verdict = check_outcomes(expected + unexpected, {}, crash)
+    assert verdict["unexpected_count"] == 4 and not verdict["ok"]
+    assert [e[1] for e in verdict["unexpected_errors"]] == ["engine_failed", "engine_failed", "engine_restarting",
+                                                            "overloaded"]
+    assert verdict["unexpected_errors"][0][3] == -9.0
