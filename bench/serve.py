@@ -436,7 +436,8 @@ def print_table(results: dict) -> None:
               f"{fmt(off.get('ms_per_token'), 3)} offline = {fmt(entry.get('core_over_offline_per_token'), 3)}x "
               f"(tokens a step {fmt(entry.get('core_tokens_per_step'))} / {fmt(off.get('tokens_per_step'))}); "
               f"decode-only steps {fmt(entry.get('core_decode_step_ms'), 2)} / "
-              f"{fmt(off.get('decode_step_mean_ms'), 2)} ms mean = {fmt(entry.get('core_over_offline_decode_mean'), 3)}x")
+              f"{fmt(off.get('decode_step_mean_ms'), 2)} ms mean = "
+              f"{fmt(entry.get('core_over_offline_decode_mean'), 3)}x")
     for entry in results["single_stream"]:
         served, llm = entry["server"], entry["llm_generate"]
         print(f"\nsingle stream ({entry['speculative'] or 'no speculation'}): server ITL p50 "
