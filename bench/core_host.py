@@ -18,6 +18,7 @@ per step (the top ``--top`` differences), say where the extra work is.
 
     python bench/core_host.py                       # 64 requests, 32-token prompts, 64 new tokens, CPU
     python bench/core_host.py --requests 8 --new 16 --rounds 1 --tag smoke
+    python bench/core_host.py --device cuda --real-forward   # GPU: graphed and pipelined, as LLM runs there
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ from treedec.models.base import ForwardOutput  # noqa: E402
 
 def make_llm(device: str, kv_tokens: int, stub: bool) -> LLM:
     """The tiny model's LLM, its forward stubbed (zero logits: only host work is left) unless ``stub`` is False."""
-    llm = LLM(from_config("tiny", seed=0, dtype=torch.float32, device=device), None, cuda_graphs=False,
-              kv_tokens=kv_tokens)
+    llm = LLM(from_config("tiny", seed=0, dtype=torch.float32, device=device), None,
+              cuda_graphs=False if device == "cpu" else None, kv_tokens=kv_tokens)   # (a GPU: the LLM's default)
     if stub:
         c = llm.model.config
 
