@@ -21,13 +21,16 @@ __all__ = ["load_llm", "single_session", "single_stream_summary", "time_llm_gene
 
 
 @contextlib.contextmanager
-def stamped_steps(llm):
+def stamped_steps(llm, queries: list[int] | None = None):
     """While it is open, the wall time at the end of each of ``llm``'s engine steps, appended to the list it yields
-    (the engine's ``step`` wrapped, and put back after)."""
+    (the engine's ``step`` wrapped, and put back after); with ``queries``, each step's tokens (its tree's pending
+    tokens when it is called) appended there."""
     ends: list[float] = []
-    step = llm.engine.step
+    step, tree = llm.engine.step, llm.engine.tree
 
     def stamped(*args, **kwargs):
+        if queries is not None:
+            queries.append(tree.num_pending)
         out = step(*args, **kwargs)
         ends.append(time.perf_counter())
         return out
@@ -87,25 +90,36 @@ def time_offline_batches(model_spec: dict, prompts: list[str], max_tokens: list[
     its ``max_tokens``) in batches of ``concurrency`` (the server's requests in flight at most), after one small
     warm-up batch; every ``Engine.step`` stamped (the prefills' included). Returns the step intervals' median and
     mean (ms: the offline iteration ``bench/serve.py`` sets beside the engine core's), their percentiles, the steps,
-    tokens and seconds."""
+    tokens and seconds; ``ms_per_token`` (the intervals' sum over the output tokens) and ``tokens_per_step``, which do
+    not depend on how full the steps are; and ``decode_step_ms`` / ``decode_step_mean_ms``, the intervals whose step
+    computed at most one token a request of its batch (no prompt chunk: the server's
+    ``treedec_engine_decode_step_seconds`` span)."""
     from treedec import SamplingParams
 
     llm = load_llm(model_spec)
     gaps: list[float] = []
+    decode: list[float] = []
     tokens, began = 0, None
-    with stamped_steps(llm) as ends:
+    queries: list[int] = []
+    with stamped_steps(llm, queries) as ends:
         llm.generate(prompts[:min(4, len(prompts))], SamplingParams(max_tokens=8, temperature=0,
                                                                      ignore_eos=ignore_eos), use_tqdm=False)
         began = time.perf_counter()
         for start in range(0, len(prompts), concurrency):
             ends.clear()
+            queries.clear()
             batch = slice(start, start + concurrency)
             params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos) for m in max_tokens[batch]]
             outs = llm.generate(prompts[batch], params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             gaps += itls(ends)
+            decode += [g for g, q in zip(itls(ends), queries[1:]) if q <= len(outs)]
     return {"step_ms": statistics.median(gaps) * 1e3 if gaps else None,
             "step_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else None, "step_intervals_ms": percentiles(gaps, 1e3),
+            "decode_step_ms": statistics.median(decode) * 1e3 if decode else None,
+            "decode_step_mean_ms": statistics.fmean(decode) * 1e3 if decode else None, "decode_steps": len(decode),
+            "ms_per_token": sum(gaps) * 1e3 / tokens if tokens else None,
+            "tokens_per_step": tokens / len(gaps) if gaps else None,
             "steps": len(gaps), "tokens": tokens, "seconds": time.perf_counter() - began, "concurrency": concurrency,
             "requests": len(prompts), "device": str(llm.model.device)}
 

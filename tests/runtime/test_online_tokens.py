@@ -143,3 +143,19 @@ def test_an_abort_keeping_outputs_offers_their_conversations_to_there(tiny, n):
             other = cache.match(prompt + ids[1][:10] + [1, 2, 3])
             assert other is None or len(other.tokens) <= len(prompt)
     assert all_free(engine, cache)
+
+
+def test_many_token_streams_of_one_step_each_get_their_own_tokens(tiny):
+    """A step's tokens go to each request's stream grouped by one sort over the whole step: with requests of mixed n
+    and lengths submitted together (their lanes interleaved in the table), every output streams exactly its own
+    tokens, in order, and its end once."""
+    specs = [RequestSpec(f"m{k}", prompt_ids=list(range(3 + k, 9 + 2 * k)),
+                         params=SamplingParams(max_tokens=4 + k % 5, temperature=1.0, seed=k, n=1 + k % 3,
+                                               ignore_eos=True)) for k in range(12)]
+    got, _ = run(make_engine(tiny), specs)
+    for spec, c in zip(specs, got):
+        ids, _, ends = c.tokens()
+        assert sorted(ids) == list(range(spec.params.n)), spec.id
+        assert [ids[r.index] for r in c.results] == [r.output_ids for r in c.results], spec.id
+        assert all(len(ids[r.index]) == spec.params.max_tokens for r in c.results), spec.id
+        assert ends == {i: "length" for i in range(spec.params.n)}, spec.id

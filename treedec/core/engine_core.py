@@ -20,6 +20,7 @@ code 1: the frontend sees the process end and fails every request with ``engine_
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -120,7 +121,7 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         rid = message.request_id
-        stream = OutputStream(None, rid, deliver=lambda item: self._deliver(rid, item))
+        stream = OutputStream(None, rid, deliver=functools.partial(self._deliver, rid))   # (C: no frame a token)
         with self._lock:   # (acknowledged in the message that counts it as waiting)
             try:
                 spec = RequestSpec(rid, prompt_ids=message.prompt_ids, params=loads(message.params))

@@ -89,15 +89,23 @@ class LaneEnds:
 
     def _stream_tokens(self, slots: np.ndarray, tokens: np.ndarray, at: np.ndarray, reasons: np.ndarray) -> None:
         """Hand the new ``tokens`` of ``slots`` (at positions ``at``; ``reasons``: 0 going, 1 eos, 2 length, 3 stop
-        string) to their groups' ``on_tokens``, one call a group (its logprobs with them)."""
+        string) to their groups' ``on_tokens``, one call a group (its logprobs with them), groups in uid order."""
+        # (grouped by one stable sort and read back by one tolist each: a group costs list slices, not array passes)
         groups = self.group[slots]
-        for uid in self._token_streams.intersection(np.unique(groups).tolist()):
-            mine = np.flatnonzero(groups == uid)
+        order = np.argsort(groups, kind="stable")
+        uids, starts = np.unique(groups[order], return_index=True)
+        bounds = starts.tolist() + [len(order)]
+        indices, tokens, at = self.index[slots[order]].tolist(), tokens[order].tolist(), at[order].tolist()
+        ends = [_REASONS[r] for r in reasons[order].tolist()]
+        streams = self._token_streams
+        for k, uid in enumerate(uids.tolist()):
+            if uid not in streams:
+                continue
+            a, b = bounds[k], bounds[k + 1]
             g = self.groups[uid]
-            indices, positions = self.index[slots[mine]].tolist(), at[mine].tolist()
-            g.decode.on_tokens(OutputTokens(
-                indices, tokens[mine].tolist(), [_REASONS[r] for r in reasons[mine].tolist()],
-                g.logprobs_at(indices, positions) if g.decode.params.logprobs is not None else None))
+            mine = indices[a:b]
+            g.decode.on_tokens(OutputTokens(mine, tokens[a:b], ends[a:b], g.logprobs_at(mine, at[a:b])
+                                            if g.decode.params.logprobs is not None else None))
 
     def _advance_grammar(self, slots: np.ndarray, tokens: np.ndarray, stopped: np.ndarray, placed: np.ndarray):
         """Advance the matchers of the lanes of ``slots`` that have a grammar with their drawn ``tokens`` (one

@@ -65,7 +65,7 @@ class StreamOutput:
         return self.stop_reason is not None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # (one a request a step: a frozen dataclass's __init__ costs 6x a slotted one's)
 class StreamTokens:
     """An item of a stream of token ids (:meth:`OutputStream.tokens`): output ``index``'s new ``token_ids``.
 
@@ -139,9 +139,9 @@ class OutputStream:
     def tokens(self, news: OutputTokens, cached_tokens: int, prompt_logprobs: list | None) -> None:
         """A step's new tokens of the current run (``cached_tokens``, ``prompt_logprobs``: its prompt's), one per
         output named: as :meth:`output_tokens`."""
+        logprobs, output_tokens = news.logprobs, self.output_tokens
         for j, (i, token, end) in enumerate(zip(news.indices, news.tokens, news.ends)):
-            self.output_tokens(i, [token], None if news.logprobs is None else [news.logprobs[j]], end, cached_tokens,
-                               prompt_logprobs)
+            output_tokens(i, [token], None if logprobs is None else [logprobs[j]], end, cached_tokens, prompt_logprobs)
 
     def output_tokens(self, index: int, token_ids: list[int], logprobs: list[dict] | None, end: str | None,
                       cached_tokens: int, prompt_logprobs: list | None = None, accepted: list[int] | None = None,
@@ -150,16 +150,19 @@ class OutputStream:
         ended it; ``accepted``, ``draft_sizes``: a speculative output's steps that made them): one
         :class:`StreamTokens` with those past the tokens passed on (the prompt's logprobs on the request's first),
         none once the output's end was passed on."""
-        run = self._run_tokens.get(index, 0)
-        self._run_tokens[index] = run + len(token_ids)
-        skip = max(0, self._sent_tokens.get(index, 0) - run)   # (passed on by an earlier run)
-        if index in self._ended or skip >= len(token_ids) and end is None:
+        run_tokens, sent_tokens, count = self._run_tokens, self._sent_tokens, len(token_ids)
+        run, sent = run_tokens.get(index, 0), sent_tokens.get(index, 0)
+        run_tokens[index] = run + count
+        skip = sent - run if sent > run else 0   # (passed on by an earlier run)
+        if index in self._ended or skip >= count and end is None:
             return
-        self._sent_tokens[index] = max(run + len(token_ids), self._sent_tokens.get(index, 0))
+        if run + count > sent:
+            sent_tokens[index] = run + count
         if end is not None:
             self._ended.add(index)
         first = prompt_logprobs is not None and not self._prompt_sent
-        self._prompt_sent = self._prompt_sent or first
+        if first:
+            self._prompt_sent = True
         self._put(StreamTokens(self.request_id, index, list(token_ids[skip:]),
                                None if logprobs is None else list(logprobs[skip:]), end, cached_tokens,
                                prompt_logprobs if first else None, accepted, draft_sizes))

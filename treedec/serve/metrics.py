@@ -9,7 +9,10 @@ Names (all prefixed ``treedec_``):
   (:attr:`~treedec.runtime.scheduler.SchedulerStats.cache_hit_rate`), and ``scheduler_prompt_tokens`` /
   ``scheduler_cached_tokens``, the counts it is the ratio of;
 - ``engine_steps_total`` and ``engine_step_seconds`` (histogram): each scheduler iteration (one engine step for
-  every live request) and its wall time;
+  every live request) and its wall time (the scheduler's iterate: the core's flush and send after it are not in it);
+  ``engine_step_tokens_total``: the tokens those steps computed (per step: prompt chunks and decode tokens);
+  ``engine_decode_step_seconds`` (histogram): the iterations that computed no prompt chunk (at most one token a
+  running request), the span to set beside an offline decode step whatever the arrivals' mix;
 - ``time_to_first_token_seconds`` (histogram): arrival to the first text of a request;
 - ``inter_token_latency_seconds`` (histogram): per output, its mean time per token after the first;
 - ``request_seconds`` (histogram): arrival to the end;
@@ -58,6 +61,10 @@ class ServeMetrics:
         self.steps = Counter("treedec_engine_steps", "Scheduler iterations (one engine step each)", registry=r)
         self.step_seconds = Histogram("treedec_engine_step_seconds", "Wall time of a scheduler iteration",
                                       buckets=_LATENCY, registry=r)
+        self.step_queries_total = Counter("treedec_engine_step_tokens", "Tokens computed by the engine's steps",
+                                          registry=r)
+        self.decode_step_seconds = Histogram("treedec_engine_decode_step_seconds", "Wall time of a scheduler "
+                                             "iteration that computed no prompt chunk", buckets=_LATENCY, registry=r)
         self.ttft = Histogram("treedec_time_to_first_token_seconds", "Arrival to a request's first text",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("treedec_inter_token_latency_seconds", "Per output: mean time per token after the "
@@ -97,6 +104,9 @@ class ServeMetrics:
             self.steps.inc()
             self.step_seconds.observe(stats.seconds)
             self.step_queries.set(stats.queries)
+            self.step_queries_total.inc(stats.queries)
+            if stats.queries <= stats.num_running:   # (after the step: a request that ended in it is not counted)
+                self.decode_step_seconds.observe(stats.seconds)
         self.cache_hit_rate.set(stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0)
         self.scheduler_prompt.set(stats.prompt_tokens)
         self.scheduler_cached.set(stats.cached_tokens)
